@@ -1,0 +1,178 @@
+"""The byte stream of a NumPy array, and its description (dtype, shape, order) without pickle.
+
+An array's stream is its elements in C order, or in Fortran order for a Fortran-contiguous
+array (so both are stored without a copy). Non-contiguous arrays are read and written in
+bounded pieces through their flat iterator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .errors import FormatError, ProtectError
+
+PIECE = 32 << 20  # bytes per piece when copying is needed; bounds extra memory
+
+
+def check_protectable(array: Any) -> np.ndarray:
+    """``array`` as an ndarray that can be protected, or a clear :class:`ProtectError`."""
+    if not isinstance(array, np.ndarray):
+        if np.isscalar(array) or isinstance(array, (list, tuple)):
+            raise ProtectError(
+                f"protect needs an array that ftidask can fill in place, got {type(array).__name__}; "
+                "wrap it with numpy.array(...) and protect that array"
+            )
+        raise ProtectError(f"protect needs a numpy.ndarray or a dask array, got {type(array).__name__}")
+    if array.dtype.hasobject:
+        raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes; "
+                           "use a fixed-size dtype (numeric, bytes 'S', unicode 'U', or structured)")
+    return array
+
+
+def stream_order(array: np.ndarray) -> str:
+    """'F' when the array is Fortran- but not C-contiguous, else 'C'."""
+    if array.ndim > 1 and array.flags.f_contiguous and not array.flags.c_contiguous:
+        return "F"
+    return "C"
+
+
+class ArrayBytes:
+    """Byte-range access to one array's stream, for writing it out and filling it back."""
+
+    def __init__(self, array: np.ndarray, order: str | None = None) -> None:
+        self.array = array
+        self.order = order or stream_order(array)
+        self.nbytes = array.nbytes
+        self.itemsize = array.dtype.itemsize
+        flat = array.T if self.order == "F" else array
+        self._view: memoryview | None = None
+        if flat.flags.c_contiguous:
+            self._view = memoryview(flat.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
+        self._flat = flat
+
+    @property
+    def contiguous(self) -> bool:
+        return self._view is not None
+
+    def view(self, start: int, stop: int) -> memoryview | None:
+        """A zero-copy view of bytes ``[start, stop)``, or None for a non-contiguous array."""
+        return None if self._view is None else self._view[start:stop]
+
+    def pieces(self, start: int, stop: int, piece: int = PIECE) -> Iterator[memoryview]:
+        """Bytes ``[start, stop)`` in pieces of at most ``piece`` bytes."""
+        for lo in range(start, stop, piece):
+            hi = min(stop, lo + piece)
+            if self._view is not None:
+                yield self._view[lo:hi]
+            else:
+                first, last = lo // self.itemsize, -(-hi // self.itemsize)
+                elems = np.ascontiguousarray(self._flat.flat[first:last])
+                raw = memoryview(elems.reshape(-1).view(np.uint8))
+                yield raw[lo - first * self.itemsize: hi - first * self.itemsize]
+
+    def store(self, start: int, data: bytes | memoryview) -> None:
+        """Copy ``data`` into the stream at byte ``start``."""
+        stop = start + len(data)
+        if self._view is not None:
+            self._view[start:stop] = data
+            return
+        first, last = start // self.itemsize, -(-stop // self.itemsize)
+        elems = np.ascontiguousarray(self._flat.flat[first:last])
+        raw = elems.reshape(-1).view(np.uint8)
+        raw[start - first * self.itemsize: stop - first * self.itemsize] = np.frombuffer(data, np.uint8)
+        self._flat.flat[first:last] = elems
+
+
+# --- dtype description in JSON, never pickle -------------------------------------------------
+
+def dtype_to_json(dtype: np.dtype) -> Any:
+    """A JSON value that describes ``dtype`` exactly, padding and alignment included."""
+    if dtype.hasobject:
+        raise ProtectError(f"dtype {dtype} holds Python objects")
+    if dtype.subdtype is not None:
+        base, shape = dtype.subdtype
+        return {"base": dtype_to_json(base), "shape": list(shape)}
+    if dtype.names is None:
+        return dtype.str
+    fields = dtype.fields
+    assert fields is not None  # names is not None
+    return {
+        "names": list(dtype.names),
+        "formats": [dtype_to_json(fields[n][0]) for n in dtype.names],
+        "offsets": [int(fields[n][1]) for n in dtype.names],
+        "itemsize": dtype.itemsize,
+    }
+
+
+def dtype_from_json(value: Any) -> np.dtype:
+    """The dtype described by :func:`dtype_to_json`; a :class:`FormatError` for anything else."""
+    try:
+        if isinstance(value, str):
+            if "O" in value:
+                raise ValueError("object dtype")
+            dtype = np.dtype(value)
+        elif isinstance(value, dict) and "base" in value:
+            shape = tuple(int(n) for n in value["shape"])
+            dtype = np.dtype((dtype_from_json(value["base"]), shape))
+        elif isinstance(value, dict):
+            names = [str(n) for n in value["names"]]
+            dtype = np.dtype({
+                "names": names,
+                "formats": [dtype_from_json(f) for f in value["formats"]],
+                "offsets": [int(o) for o in value["offsets"]],
+                "itemsize": int(value["itemsize"]),
+            })
+        else:
+            raise ValueError(f"unexpected {type(value).__name__}")
+    except (ValueError, TypeError, KeyError) as exc:
+        raise FormatError(f"invalid dtype description {value!r}: {exc}") from None
+    if dtype.hasobject:
+        raise FormatError(f"object dtype in file: {value!r}")
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class VarInfo:
+    """What a file records about one protected variable."""
+
+    id: int
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    order: str
+    nbytes: int
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, var_id: int, name: str, array: np.ndarray, **extra: Any) -> VarInfo:
+        return cls(var_id, name, array.dtype, tuple(array.shape), stream_order(array), array.nbytes, extra)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"id": self.id, "name": self.name, "dtype": dtype_to_json(self.dtype), "shape": list(self.shape),
+               "order": self.order, "nbytes": self.nbytes}
+        if self.extra:
+            out["extra"] = self.extra
+        return out
+
+    @classmethod
+    def from_json(cls, raw: Any) -> VarInfo:
+        try:
+            dtype = dtype_from_json(raw["dtype"])
+            shape = tuple(int(n) for n in raw["shape"])
+            info = cls(int(raw["id"]), str(raw["name"]), dtype, shape, str(raw["order"]), int(raw["nbytes"]),
+                       dict(raw.get("extra", {})))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"invalid variable description {raw!r}: {exc}") from None
+        if info.order not in ("C", "F") or any(n < 0 for n in shape):
+            raise FormatError(f"invalid variable description {raw!r}")
+        if int(np.prod(shape, dtype=object)) * dtype.itemsize != info.nbytes:
+            raise FormatError(f"variable {info.id}: shape {shape} x {dtype} does not make {info.nbytes} bytes")
+        return info
+
+    def empty(self) -> np.ndarray:
+        """A new uninitialised array of this variable's dtype, shape and order."""
+        return np.empty(self.shape, self.dtype, order=self.order)

@@ -1,0 +1,42 @@
+"""The write side: one rank's file of a checkpoint, and the info object returned to the user."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .arrays import ArrayBytes, VarInfo
+from .ftiff.writer import WrittenFile, write_ftiff
+from .layout import Layout
+from .storage import atomic_file
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint did: id, level, bytes of data and of files written, and time."""
+
+    id: int
+    level: int
+    seq: int
+    bytes_written: int
+    file_bytes: int
+    seconds: float
+    blocks_changed: int | None = None
+    blocks_total: int | None = None
+
+    def __repr__(self) -> str:
+        rate = self.bytes_written / self.seconds / 2**20 if self.seconds > 0 else 0.0
+        return (f"CheckpointInfo(id={self.id}, level={self.level}, bytes_written={self.bytes_written}, "
+                f"seconds={self.seconds:.3f} ({rate:.0f} MiB/s))")
+
+
+def write_rank_file(path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes], infos: list[VarInfo], *,
+                    hash_id: int, meta: Mapping[str, Any], pt_fs: int | None = None,
+                    max_fs: int | None = None) -> WrittenFile:
+    """Write one rank's FTI-FF file atomically at ``path``."""
+    trailer = dict(meta)
+    trailer["vars"] = [info.to_json() for info in infos]
+    with atomic_file(path) as fh:
+        return write_ftiff(fh, layout, arrays, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs)

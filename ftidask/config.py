@@ -1,0 +1,223 @@
+"""FTI-style configuration: an INI file with [basic], [restart], [advanced], plus overrides.
+
+One frozen dataclass; every key has a default, a parser and a validation, so that a
+bad value is reported with its section, key and value before anything is written.
+"""
+
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import ConfigError
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse_int(lo: int | None = None, hi: int | None = None) -> Callable[[str, Any], int]:
+    def parse(key: str, value: Any) -> int:
+        if isinstance(value, bool):
+            value = int(value)
+        try:
+            number = int(str(value).strip(), 10) if not isinstance(value, int) else value
+        except ValueError:
+            raise ConfigError(f"config key {key!r}: expected an integer, got {value!r}") from None
+        if lo is not None and number < lo or hi is not None and number > hi:
+            raise ConfigError(f"config key {key!r}: {number} is outside [{lo}, {hi if hi is not None else 'inf'}]")
+        return number
+
+    return parse
+
+
+def _parse_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"config key {key!r}: expected 0 or 1, got {value!r}")
+
+
+def _parse_str(key: str, value: Any) -> str:
+    text = str(value).strip()
+    if not text:
+        raise ConfigError(f"config key {key!r}: empty value")
+    return text
+
+
+def _parse_opt_str(key: str, value: Any) -> str | None:
+    text = str(value).strip() if value is not None else ""
+    return text or None
+
+
+def _parse_choice(*choices: str) -> Callable[[str, Any], str]:
+    def parse(key: str, value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise ConfigError(f"config key {key!r}: {value!r} is not one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _parse_ckpt_io(key: str, value: Any) -> int:
+    number = _parse_int()(key, value)
+    if number != 3:
+        raise ConfigError(
+            f"config key {key!r}: {number} is not supported; ftidask always writes FTI-FF (ckpt_io = 3)"
+        )
+    return number
+
+
+# key -> (section, default, parser). FTI's key names; ftidask's additions are marked.
+_KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
+    "head": ("basic", 0, _parse_int(0, 1)),
+    "node_size": ("basic", 1, _parse_int(1)),
+    "ckpt_dir": ("basic", "./Local", _parse_str),
+    "glbl_dir": ("basic", "./Global", _parse_str),
+    "meta_dir": ("basic", "./Meta", _parse_str),
+    "ckpt_l1": ("basic", 0, _parse_int(0)),
+    "ckpt_l2": ("basic", 0, _parse_int(0)),
+    "ckpt_l3": ("basic", 0, _parse_int(0)),
+    "ckpt_l4": ("basic", 0, _parse_int(0)),
+    "inline_l2": ("basic", 1, _parse_bool),
+    "inline_l3": ("basic", 1, _parse_bool),
+    "inline_l4": ("basic", 1, _parse_bool),
+    "keep_last_ckpt": ("basic", 0, _parse_bool),
+    "keep_l4_ckpt": ("basic", 0, _parse_bool),
+    "group_size": ("basic", 4, _parse_int(1, 255)),
+    "verbosity": ("basic", 2, _parse_int(1, 4)),
+    "ckpt_io": ("basic", 3, _parse_ckpt_io),
+    "enable_staging": ("basic", 0, _parse_bool),
+    "enable_dcp": ("basic", 0, _parse_bool),
+    "dcp_mode": ("basic", 0, _parse_int(0, 1)),
+    "dcp_block_size": ("basic", 16384, _parse_int(512, 65535)),
+    "max_sync_intv": ("basic", 0, _parse_int(0)),
+    "failure": ("restart", 0, _parse_int(0, 3)),
+    "exec_id": ("restart", None, _parse_opt_str),
+    "block_size": ("advanced", 1024, _parse_int(1)),  # KiB, FTI's unit
+    "transfer_size": ("advanced", 16, _parse_int(1)),  # MiB, FTI's unit
+    "mpi_tag": ("advanced", 2612, _parse_int(0)),
+    "local_test": ("advanced", 0, _parse_bool),
+    # ftidask's additions.
+    "hash": ("advanced", "xxh3_128", _parse_choice("xxh3_128", "md5")),
+    "snapshot_unit": ("advanced", "minutes", _parse_choice("minutes", "iterations")),
+    "l4_format": ("advanced", "ftiff", _parse_choice("ftiff", "zarr")),
+    "compressor": ("advanced", None, _parse_opt_str),
+    "stage_timeout": ("advanced", 600, _parse_int(0)),
+    "stage_allow_outside": ("advanced", 0, _parse_bool),
+    "progress": ("advanced", "auto", _parse_choice("auto", "on", "off")),
+}
+
+#: FTI keys that are accepted and have no effect in ftidask (they tune FTI's C I/O paths).
+_IGNORED_KEYS = {"lustre_stiping_unit", "lustre_stiping_factor", "lustre_stiping_offset", "ckpt_net",
+                 "gpu_host_bufsize", "enable_hdf5", "h5_single_file_enable", "h5_single_file_dir"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A validated ftidask configuration. Build it with :func:`load_config`."""
+
+    head: int = 0
+    node_size: int = 1
+    ckpt_dir: str = "./Local"
+    glbl_dir: str = "./Global"
+    meta_dir: str = "./Meta"
+    ckpt_l1: int = 0
+    ckpt_l2: int = 0
+    ckpt_l3: int = 0
+    ckpt_l4: int = 0
+    inline_l2: bool = True
+    inline_l3: bool = True
+    inline_l4: bool = True
+    keep_last_ckpt: bool = False
+    keep_l4_ckpt: bool = False
+    group_size: int = 4
+    verbosity: int = 2
+    ckpt_io: int = 3
+    enable_staging: bool = False
+    enable_dcp: bool = False
+    dcp_mode: int = 0
+    dcp_block_size: int = 16384
+    max_sync_intv: int = 0
+    failure: int = 0
+    exec_id: str | None = None
+    block_size: int = 1024
+    transfer_size: int = 16
+    mpi_tag: int = 2612
+    local_test: bool = False
+    hash: str = "xxh3_128"
+    snapshot_unit: str = "minutes"
+    l4_format: str = "ftiff"
+    compressor: str | None = None
+    stage_timeout: int = 600
+    stage_allow_outside: bool = False
+    progress: str = "auto"
+
+    def interval(self, level: int) -> int:
+        """The snapshot interval of ``level`` (minutes or iterations; 0 = never)."""
+        return (self.ckpt_l1, self.ckpt_l2, self.ckpt_l3, self.ckpt_l4)[level - 1]
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` parsed and validated like file values."""
+        return load_config(None, base=self, **changes)
+
+
+def _read_ini(path: str | os.PathLike[str]) -> dict[str, Any]:
+    parser = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=(";", "#"))
+    try:
+        with open(path, encoding="utf-8") as handle:
+            parser.read_file(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {os.fspath(path)!r} does not exist") from None
+    except configparser.Error as exc:
+        raise ConfigError(f"config file {os.fspath(path)!r} is not a valid INI file: {exc}") from None
+    values: dict[str, Any] = {}
+    for section in parser.sections():
+        for key, value in parser.items(section):
+            key = key.lower()
+            if key in _IGNORED_KEYS:
+                continue
+            if key not in _KEYS:
+                raise ConfigError(f"config file {os.fspath(path)!r}: unknown key [{section}] {key} = {value!r}")
+            values[key] = value
+    return values
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *, base: Config | None = None,
+                **overrides: Any) -> Config:
+    """Read an FTI-style INI file (or none) and apply keyword ``overrides``; validate everything."""
+    raw: dict[str, Any] = dataclasses.asdict(base) if base is not None else {}
+    if path is not None:
+        raw.update(_read_ini(path))
+    for key, value in overrides.items():
+        if key not in _KEYS:
+            raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(_KEYS))}")
+        raw[key] = value
+    parsed: dict[str, Any] = {}
+    for key, value in raw.items():
+        section, _default, parse = _KEYS[key]
+        if value is None and key in ("exec_id", "compressor"):
+            parsed[key] = None
+            continue
+        parsed[key] = parse(f"[{section}] {key}", value)
+    if parsed.get("exec_id") is not None:
+        _check_exec_id(parsed["exec_id"])
+    return Config(**parsed)
+
+
+def _check_exec_id(exec_id: str) -> None:
+    # It becomes a directory name: keep it to a safe alphabet.
+    if not all(c.isalnum() or c in "-_." for c in exec_id) or exec_id in (".", ".."):
+        raise ConfigError(f"config key [restart] exec_id: {exec_id!r} may only hold letters, digits, '-', '_', '.'")
+
+
+def config_keys() -> Mapping[str, tuple[str, Any]]:
+    """Every known key with its section and default (for docs and the CLI)."""
+    return {key: (section, default) for key, (section, default, _parse) in _KEYS.items()}

@@ -1,0 +1,436 @@
+"""The FTI API in Python's idiom: a :class:`Context` made by :func:`ftidask.init`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import constants, storage
+from .arrays import ArrayBytes, VarInfo, check_protectable
+from .checkpointing import CheckpointInfo, write_rank_file
+from .config import Config
+from .errors import CheckpointError, FTIError, LevelError, NoCheckpointError, ProtectError, RecoveryError
+from .ftiff import hashing
+from .ftiff.reader import FtiffFile
+from .layout import Layout, plan_layout
+from .recovery import Verdict, check_file, check_sizes, load_file
+from .runstate import STATUS_FRESH, CommitRecord, FileRecord, RunState, resolve_run
+from .transport.base import Transport
+
+log = logging.getLogger("ftidask")
+_VERBOSITY = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+@dataclasses.dataclass
+class Protected:
+    """One protected variable."""
+
+    id: int
+    name: str
+    array: np.ndarray
+
+
+def _check_id(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ProtectError(f"{what} must be an int, got {value!r}")
+    value = int(value)
+    if not _INT32[0] <= value <= _INT32[1]:
+        raise ProtectError(f"{what} {value} does not fit FTI's 32-bit ids")
+    return value
+
+
+class Context:
+    """One process's handle on a run: protected variables, checkpoints, recovery."""
+
+    def __init__(self, config: Config, transport: Transport) -> None:
+        self.config = config
+        self.transport = transport
+        logging.getLogger("ftidask").setLevel(_VERBOSITY[config.verbosity])
+        exec_status = transport.bcast(
+            resolve_run(Path(config.meta_dir), config.exec_id) if transport.rank == 0 else None)
+        self.exec_id: str = exec_status[0]
+        self._status: int = exec_status[1]
+        self.paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir),
+                                      self.exec_id)
+        self.state = RunState(Path(config.meta_dir), self.exec_id)
+        self._vars: dict[int, Protected] = {}
+        self._layout: Layout | None = None
+        self._hash_id = hashing.hash_id(config.hash)
+        self._closed = False
+        self._recovered = False
+        self._restart_file: FtiffFile | None = None
+        self._restart_record: CommitRecord | None = None
+        self.last_checkpoint: CheckpointInfo | None = None
+        self.recovered_from: tuple[int, int] | None = None
+        self._iteration = 0
+        self._last_time = [time.monotonic()] * 4
+        self._next_ckpt_id = 1
+        if transport.rank == 0:
+            storage.makedirs(self.state.root)
+            if self._status == STATUS_FRESH:
+                self.state.write_run(state="running", seq=0, keep_last=False)
+        transport.barrier()
+        log.info("ftidask run %s on %s backend, rank %d of %d, status %d", self.exec_id, transport.name,
+                 transport.rank, transport.size, self._status)
+
+    # --- protection ----------------------------------------------------------------------------
+
+    def protect(self, id: int, array: Any, name: str | None = None) -> None:
+        """FTI_Protect: register ``array`` under ``id`` (again: update its array and size)."""
+        self._check_open()
+        vid = _check_id(id, "variable id")
+        array = check_protectable(array)
+        old = self._vars.get(vid)
+        if name is None:
+            name = old.name if old is not None else f"var{vid}"
+        self._vars[vid] = Protected(vid, str(name), array)
+
+    @property
+    def protected(self) -> Mapping[int, np.ndarray]:
+        """The protected arrays by id, in protection order."""
+        return {vid: p.array for vid, p in self._vars.items()}
+
+    def status(self) -> int:
+        """FTI_Status, fixed at init: 0 fresh start, 1 restart, 2 restart from a kept L4 checkpoint."""
+        return self._status
+
+    # --- checkpoint ------------------------------------------------------------------------------
+
+    def checkpoint(self, id: int, level: int) -> CheckpointInfo:
+        """FTI_Checkpoint: write every protected variable as checkpoint ``id`` at ``level``."""
+        self._check_open()
+        ckpt_id = _check_id(id, "checkpoint id")
+        if ckpt_id == 0:
+            raise CheckpointError("checkpoint id 0 is reserved by FTI; use a non-zero id")
+        level = self._check_level(level)
+        start = time.perf_counter()
+        t = self.transport
+        layout = plan_layout(self._layout, [(vid, p.array.nbytes) for vid, p in self._vars.items()])
+        seq = t.bcast(self.state.next_seq() if t.rank == 0 else None)
+        sizes = t.allgather(layout.fs)
+        directory = self.paths.level_dir(level, t.node) / storage.ckpt_dirname(ckpt_id, seq)
+        path = directory / storage.rank_file(ckpt_id, t.rank)
+        error, written = "", None
+        try:
+            infos = [VarInfo.of(vid, p.name, p.array) for vid, p in self._vars.items()]
+            written = write_rank_file(
+                path, layout, {vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, infos,
+                hash_id=self._hash_id, pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
+                meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
+                      "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
+                      "backend": t.name, "time": time.time()})
+            t.protect_files(level, ckpt_id, path, directory)
+        except (OSError, FTIError) as exc:
+            error = f"rank {t.rank}: {exc}"
+        results = t.allgather((error, None if written is None else
+                               FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()))
+        errors = [e for e, _ in results if e]
+        if errors:
+            storage.remove_tree(directory)
+            raise CheckpointError(f"checkpoint {ckpt_id} at level {level} failed; the previous checkpoint is "
+                                  "kept: " + "; ".join(errors))
+        assert written is not None  # every rank succeeded
+        record = CommitRecord(seq, ckpt_id, level, time.time(), t.size,
+                              tuple(FileRecord(**f) for _e, f in results))
+        if t.rank == 0:
+            self.state.write_record(record)  # the commit point
+        t.barrier()
+        self._layout = layout
+        self._restart_file = None
+        self._retire_older(record)
+        info = CheckpointInfo(ckpt_id, level, seq, written.data_bytes, written.file_size,
+                              time.perf_counter() - start)
+        self.last_checkpoint = info
+        self._next_ckpt_id = max(self._next_ckpt_id, ckpt_id + 1)
+        log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, level, info.bytes_written,
+                 info.seconds)
+        return info
+
+    def _check_level(self, level: Any) -> int:
+        if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or int(level) not in constants.LEVELS:
+            if isinstance(level, (int, np.integer)) and int(level) in constants.DCP_LEVELS:
+                raise LevelError(f"level {level} (differential checkpointing) needs enable_dcp = 1")
+            raise LevelError(f"unknown checkpoint level {level!r}; FTI's levels are 1, 2, 3 and 4")
+        level = int(level)
+        self.transport.check_level(level)
+        return level
+
+    def _partner_fs(self, sizes: list[int]) -> int:
+        return sizes[self.transport.rank]
+
+    def _retire_older(self, record: CommitRecord) -> None:
+        """After a level-L commit, drop earlier checkpoints of levels 1..L (L4 archived if asked)."""
+        t = self.transport
+        older = t.bcast([r.to_json() for r in self.state.records()] if t.rank == 0 else None)
+        for raw in older:
+            old = CommitRecord.from_json(raw)
+            if old is None or old.seq >= record.seq or old.level > record.level:
+                continue
+            if old.level == 4 and self.config.keep_l4_ckpt:
+                continue
+            self._remove_checkpoint(old)
+
+    def _remove_checkpoint(self, record: CommitRecord) -> None:
+        t = self.transport
+        t.barrier()
+        if t.rank == 0:
+            self.state.delete_record(record.seq)
+        t.barrier()
+        for level in {record.level, 1, 2, 3}:
+            storage.remove_tree(self.paths.level_dir(level, t.node) / record.dirname)
+        if t.rank == 0:
+            storage.remove_tree(self.paths.level_dir(4, 0) / record.dirname)
+
+    # --- recovery --------------------------------------------------------------------------------
+
+    def _candidates(self, ckpt_id: int | None, level: int | None) -> list[CommitRecord]:
+        t = self.transport
+        raw = t.bcast([r.to_json() for r in self.state.records()] if t.rank == 0 else None)
+        records = [r for r in (CommitRecord.from_json(x) for x in raw) if r is not None]
+        if ckpt_id is not None:
+            records = [r for r in records if r.ckpt_id == ckpt_id]
+        if level is not None:
+            records = [r for r in records if r.level == level]
+        return sorted(records, key=lambda r: r.seq, reverse=True)
+
+    def _rank_file(self, record: CommitRecord) -> Path:
+        return (self.paths.level_dir(record.level, self.transport.node) / record.dirname
+                / storage.rank_file(record.ckpt_id, self.transport.rank))
+
+    def _find(self, ckpt_id: int | None = None, level: int | None = None) -> tuple[CommitRecord, Verdict]:
+        """The newest committed checkpoint that every rank can verify (or rebuild)."""
+        t = self.transport
+        reasons = []
+        for record in self._candidates(ckpt_id, level):
+            verdict = check_file(self._rank_file(record), record, t.rank)
+            if verdict.kind != "ok":
+                have = t.rebuild_file(record.level, record.ckpt_id, self._rank_file(record),
+                                      self._rank_file(record).parent, False)
+                if have:
+                    verdict = check_file(self._rank_file(record), record, t.rank)
+            else:
+                t.rebuild_file(record.level, record.ckpt_id, self._rank_file(record),
+                               self._rank_file(record).parent, True)
+            kinds = t.allgather(verdict.kind)
+            if all(k == "ok" for k in kinds):
+                return record, verdict
+            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): "
+                           + (verdict.message or "damaged on another rank"))
+            log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level,
+                        verdict.message or "damaged on another rank")
+        what = "no committed checkpoint" if not reasons else "no checkpoint verifies"
+        raise NoCheckpointError(f"{what} for run {self.exec_id} in {self.paths.meta_dir}"
+                                + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
+                                + (f" (level={level})" if level is not None else "")
+                                + ("".join(f"\n  - {r}" for r in reasons)))
+
+    def recover(self, ckpt_id: int | None = None, level: int | None = None) -> dict[int, np.ndarray]:
+        """FTI_Recover: fill the protected arrays from the newest checkpoint that verifies.
+
+        Every hash is checked before any array is written; on failure nothing is touched.
+        Raises :class:`NoCheckpointError` when nothing can be recovered.
+        """
+        self._check_open()
+        record, verdict = self._find(ckpt_id, level)
+        assert verdict.parsed is not None
+        arrays = {vid: p.array for vid, p in self._vars.items()}
+        problem = check_sizes(verdict.parsed, arrays)
+        problems = [p for p in self.transport.allgather(problem) if p]
+        if problems:
+            raise RecoveryError("; ".join(problems))
+        load_file(verdict.parsed, arrays)
+        self._layout = verdict.parsed.layout()
+        self._recovered = True
+        self.recovered_from = (record.ckpt_id, record.level)
+        self._next_ckpt_id = max(self._next_ckpt_id, record.ckpt_id + 1)
+        log.info("recovered checkpoint %d from level %d", record.ckpt_id, record.level)
+        return dict(arrays)
+
+    def _restart_metadata(self) -> FtiffFile:
+        if self._restart_file is None:
+            self._restart_file = self._find()[1].parsed
+        assert self._restart_file is not None
+        return self._restart_file
+
+    def stored_size(self, id: int) -> int:
+        """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover)."""
+        self._check_open()
+        vid = _check_id(id, "variable id")
+        if self._layout is not None and self._restart_file is None and (self.last_checkpoint or self._recovered):
+            sizes = {s.var_id: 0 for s in self._layout.slots()}
+            for s in self._layout.slots():
+                sizes[s.var_id] += s.chunksize
+        else:
+            sizes = self._restart_metadata().var_nbytes()
+        if vid not in sizes:
+            raise RecoveryError(f"variable {vid} is not in the checkpoint (it holds ids {sorted(sizes)})")
+        return sizes[vid]
+
+    def realloc(self, id: int, array: Any = None) -> np.ndarray:
+        """FTI_Realloc: a new array of the stored size, which becomes the protected one."""
+        self._check_open()
+        vid = _check_id(id, "variable id")
+        parsed = self._restart_metadata()
+        info = parsed.vars.get(vid)
+        if info is not None:
+            new = info.empty()
+        else:
+            nbytes = parsed.var_nbytes().get(vid)
+            if nbytes is None:
+                raise RecoveryError(f"variable {vid} is not in the checkpoint")
+            dtype = (array.dtype if isinstance(array, np.ndarray) else
+                     self._vars[vid].array.dtype if vid in self._vars else np.dtype(np.uint8))
+            if nbytes % dtype.itemsize:
+                raise RecoveryError(f"variable {vid}: {nbytes} stored bytes are not a whole number of {dtype}")
+            new = np.empty(nbytes // dtype.itemsize, dtype)
+        if isinstance(array, np.ndarray) and array.dtype == new.dtype and array.shape == new.shape:
+            new = array
+        name = info.name if info is not None else None
+        self.protect(vid, new, name=name if vid not in self._vars else self._vars[vid].name)
+        return new
+
+    # --- snapshot and finalize ---------------------------------------------------------------------
+
+    def snapshot(self) -> int:
+        """FTI_Snapshot: recover on a restart, otherwise checkpoint the levels that are due.
+
+        Returns FTI_SCES (nothing to do, or recovered) or FTI_DONE (a checkpoint was written).
+        """
+        self._check_open()
+        if self._status != STATUS_FRESH and not self._recovered:
+            self.recover()
+            return constants.FTI_SCES
+        self._iteration += 1
+        now = time.monotonic()
+        due = []
+        for level in constants.LEVELS:
+            interval = self.config.interval(level)
+            if interval <= 0 or level not in self.transport.levels():
+                continue
+            if self.config.snapshot_unit == "iterations":
+                is_due = self._iteration % interval == 0
+            else:
+                is_due = now - self._last_time[level - 1] >= interval * 60
+            if is_due:
+                due.append(level)
+        # Ranks must agree (minutes are measured per process).
+        due = self.transport.bcast(due)
+        if not due:
+            return constants.FTI_SCES
+        level = max(due)
+        self.checkpoint(self._next_ckpt_id, level)
+        for lv in due:
+            self._last_time[lv - 1] = now
+        return constants.FTI_DONE
+
+    def finalize(self) -> None:
+        """FTI_Finalize: flush the last checkpoint to L4 if ``keep_last_ckpt``, else clean up."""
+        if self._closed:
+            return
+        t = self.transport
+        try:
+            records = self._candidates(None, None)
+            if self.config.keep_last_ckpt and records:
+                last = records[0]
+                if last.level != 4:
+                    self._flush_to_l4(last)
+                if t.rank == 0:
+                    self.state.write_run(state="finalized", keep_last=True)
+            else:
+                for record in records:
+                    self._remove_checkpoint(record)
+                if t.rank == 0:
+                    self.state.write_run(state="finalized", keep_last=False)
+            t.barrier()
+        finally:
+            self._closed = True
+            t.close()
+
+    def _flush_to_l4(self, record: CommitRecord) -> None:
+        t = self.transport
+        seq = t.bcast(self.state.next_seq() if t.rank == 0 else None)
+        verdict = check_file(self._rank_file(record), record, t.rank)
+        error = ""
+        if verdict.kind == "ok":
+            dst = self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)
+            try:
+                storage.copy_file_atomic(self._rank_file(record), dst / storage.rank_file(record.ckpt_id, t.rank))
+            except OSError as exc:
+                error = str(exc)
+        else:
+            error = verdict.message
+        errors = [e for e in t.allgather(error) if e]
+        if errors:
+            raise CheckpointError("keep_last_ckpt: flushing the last checkpoint to L4 failed: " + "; ".join(errors))
+        if t.rank == 0:
+            self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time()))
+        t.barrier()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FTIError("this context is finalized; call ftidask.init() again")
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            # Died with an error: keep the checkpoints so that the next run can restart.
+            self._closed = True
+            self.transport.close()
+
+    def __repr__(self) -> str:
+        vars_ = ", ".join(f"{p.id}:{p.name} {p.array.dtype}{list(p.array.shape)}" for p in self._vars.values())
+        last = self.last_checkpoint
+        return (f"<ftidask.Context exec_id={self.exec_id!r} backend={self.transport.name} rank={self.transport.rank}"
+                f"/{self.transport.size} status={self._status} vars=[{vars_}]"
+                f" last_checkpoint={None if last is None else (last.id, last.level)}"
+                f"{' finalized' if self._closed else ''}>")
+
+    def _repr_html_(self) -> str:
+        import html
+
+        rows = "".join(
+            f"<tr><td>{p.id}</td><td>{html.escape(p.name)}</td><td>{p.array.dtype}</td>"
+            f"<td>{tuple(p.array.shape)}</td><td>{p.array.nbytes:,}</td></tr>" for p in self._vars.values())
+        last = self.last_checkpoint
+        return (f"<div><b>ftidask.Context</b> run <code>{html.escape(self.exec_id)}</code>, "
+                f"{self.transport.name} backend, status {self._status}, "
+                f"last checkpoint: {'none' if last is None else f'id {last.id}, level {last.level}'}"
+                f"<table><tr><th>id</th><th>name</th><th>dtype</th><th>shape</th><th>bytes</th></tr>{rows}"
+                "</table></div>")
+
+
+def init(config: str | os.PathLike[str] | None = None, *, comm: Any = None, client: Any = None,
+         **overrides: Any) -> Context:
+    """FTI_Init: read the config (an FTI-style INI file, or defaults) and start or restart a run.
+
+    ``comm`` (an mpi4py communicator) selects the MPI backend, ``client`` (a distributed.Client)
+    the Dask backend; with neither, one process.
+    """
+    from .config import load_config
+
+    cfg = load_config(config, **overrides)
+    if comm is not None and client is not None:
+        raise FTIError("pass comm= (MPI) or client= (Dask), not both")
+    if comm is not None:
+        from .transport.mpi import make_mpi_context
+
+        return make_mpi_context(cfg, comm)
+    if client is not None:
+        from .dask_backend import make_dask_context
+
+        return make_dask_context(cfg, client)
+    from .transport.base import SerialTransport
+
+    return Context(cfg, SerialTransport())

@@ -1,0 +1,250 @@
+"""Read and verify one FTI-FF file: structure first (cheap, before any large allocation),
+then every container's hash, then the data into the caller's arrays.
+
+Both ftidask's files and FTI 1.1's (MD5 everywhere, no variable table) are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any, BinaryIO, Protocol
+
+from ..arrays import VarInfo
+from ..errors import FormatError
+from ..layout import Layout, Slot, layout_from_slots
+from . import hashing
+from .structs import BMD_SIZE, FB_SIZE, VMD_SIZE, BlockMeta, ContainerMeta, FileBlock
+from .trailer import TAIL_SIZE, parse_trailer, trailer_span
+
+_PIECE = 16 << 20
+SUPPORTED_VERSIONS = (1,)
+
+
+class ByteTarget(Protocol):
+    def view(self, start: int, stop: int) -> memoryview | None: ...
+    def store(self, start: int, data: bytes | memoryview) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FtiffFile:
+    """The parsed, structurally checked metadata of one file."""
+
+    path: str
+    file_size: int
+    fb: FileBlock
+    blocks: tuple[tuple[BlockMeta, tuple[ContainerMeta, ...]], ...]
+    trailer: dict[str, Any] | None
+    vars: dict[int, VarInfo]
+
+    @property
+    def legacy(self) -> bool:
+        return self.fb.legacy
+
+    def containers(self) -> Iterator[tuple[int, int, ContainerMeta]]:
+        for bi, (_bmd, metas) in enumerate(self.blocks):
+            for ci, meta in enumerate(metas):
+                yield bi, ci, meta
+
+    def var_nbytes(self) -> dict[int, int]:
+        """Bytes held per variable id."""
+        if self.vars:
+            return {vid: info.nbytes for vid, info in self.vars.items()}
+        sizes: dict[int, int] = {}
+        for _bi, _ci, meta in self.containers():
+            sizes[meta.id] = sizes.get(meta.id, 0) + (meta.chunksize if meta.hascontent else 0)
+        return sizes
+
+    def layout(self) -> Layout:
+        """The container layout, for planning the next checkpoint on top of it."""
+        return layout_from_slots([
+            [Slot(m.id, m.idx, m.containerid, m.dptr, m.fptr, m.containersize, m.chunksize if m.hascontent else 0)
+             for m in metas] for _bmd, metas in self.blocks])
+
+
+def _pread(fh: BinaryIO, offset: int, length: int, path: str, what: str) -> bytes:
+    data = os.pread(fh.fileno(), length, offset)
+    if len(data) != length:
+        raise FormatError(f"{what}: file ends at byte {offset + len(data)}, expected {offset + length}", path=path)
+    return data
+
+
+def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:
+    """Parse and check everything but the data bytes: FB hash, offsets, metadata checksum, table."""
+    file_size = os.fstat(fh.fileno()).st_size
+    if file_size < FB_SIZE:
+        raise FormatError(f"too small for an FTI-FF file ({file_size} bytes)", path=path)
+    fb = FileBlock.unpack(_pread(fh, 0, FB_SIZE, path, "file block"), path=path)
+    if fb.compute_hash() != fb.hash:
+        raise FormatError("file block hash does not match (damaged file block, or not an FTI-FF file)", path=path)
+    if not fb.legacy:
+        if fb.version not in SUPPORTED_VERSIONS:
+            raise FormatError(f"format version {fb.version} is newer than this ftidask reads", path=path)
+        hashing.hash_name(fb.hash_id)
+    if not FB_SIZE <= fb.fs <= file_size:
+        raise FormatError(f"fs={fb.fs} is outside the file ({file_size} bytes)", path=path)
+    blocks = []
+    checksum = hashing.new_hasher(fb.hash_id)
+    offset = FB_SIZE
+    while offset < fb.fs:
+        blocks.append(_parse_block(fh, offset, fb.fs, path, len(blocks), checksum))
+        offset += blocks[-1][0].dbsize
+    trailer: dict[str, Any] | None = None
+    if not fb.legacy:
+        start, length = trailer_span(_pread(fh, file_size - TAIL_SIZE, TAIL_SIZE, path, "table"), fb.fs,
+                                     file_size, path=path)
+        tail = _pread(fh, start, length + TAIL_SIZE, path, "variable table")
+        checksum.update(tail)
+        if checksum.hexdigest()[:32] != fb.checksum:
+            raise FormatError("metadata checksum does not match the file block (damaged metadata)", path=path)
+        trailer = parse_trailer(tail[:length], path=path)
+    parsed = FtiffFile(path, file_size, fb, tuple(blocks), trailer, _parse_vars(trailer, path))
+    _check_coverage(parsed)
+    return parsed
+
+
+def _parse_block(fh: BinaryIO, offset: int, fs: int, path: str, index: int,
+                 checksum: hashing.Hasher) -> tuple[BlockMeta, tuple[ContainerMeta, ...]]:
+    where = f"block {index} at byte {offset}"
+    if offset + BMD_SIZE > fs:
+        raise FormatError(f"{where}: block metadata runs past fs={fs}", path=path)
+    raw = _pread(fh, offset, BMD_SIZE, path, where)
+    bmd = BlockMeta.unpack(raw)
+    if bmd.numvars < 0 or offset + BMD_SIZE + VMD_SIZE * bmd.numvars > fs:
+        raise FormatError(f"{where}: numvars={bmd.numvars} does not fit in the file", path=path)
+    meta_size = BMD_SIZE + VMD_SIZE * bmd.numvars
+    if bmd.dbsize < meta_size or offset + bmd.dbsize > fs:
+        raise FormatError(f"{where}: dbsize={bmd.dbsize} is inconsistent (fs={fs})", path=path)
+    vmd_raw = _pread(fh, offset + BMD_SIZE, VMD_SIZE * bmd.numvars, path, where)
+    checksum.update(raw)
+    checksum.update(vmd_raw)
+    metas = []
+    expected = offset + meta_size
+    for i in range(bmd.numvars):
+        meta = ContainerMeta.unpack(vmd_raw[i * VMD_SIZE:(i + 1) * VMD_SIZE])
+        cwhere = f"{where}, container {i} (var id {meta.id}, containerid {meta.containerid})"
+        if meta.fptr != expected or meta.containersize < 0 or meta.dptr < 0:
+            raise FormatError(f"{cwhere}: fptr={meta.fptr} containersize={meta.containersize} "
+                              f"dptr={meta.dptr} break the block's layout", path=path)
+        if not 0 <= meta.chunksize <= meta.containersize or (meta.chunksize and not meta.hascontent):
+            raise FormatError(f"{cwhere}: chunksize={meta.chunksize} invalid for containersize="
+                              f"{meta.containersize}, hascontent={meta.hascontent}", path=path)
+        expected += meta.containersize
+        metas.append(meta)
+    if expected != offset + bmd.dbsize:
+        raise FormatError(f"{where}: containers add up to {expected - offset} bytes, dbsize={bmd.dbsize}", path=path)
+    return bmd, tuple(metas)
+
+
+def _parse_vars(trailer: dict[str, Any] | None, path: str) -> dict[int, VarInfo]:
+    if trailer is None:
+        return {}
+    out = {}
+    for raw in trailer["vars"]:
+        try:
+            info = VarInfo.from_json(raw)
+        except FormatError as exc:
+            raise FormatError(str(exc), path=path) from None
+        out[info.id] = info
+    return out
+
+
+def _check_coverage(parsed: FtiffFile) -> None:
+    """Each variable's chunks must tile ``[0, nbytes)`` exactly once."""
+    chunks: dict[int, list[tuple[int, int]]] = {}
+    for _bi, _ci, meta in parsed.containers():
+        if meta.hascontent and meta.chunksize:
+            chunks.setdefault(meta.id, []).append((meta.dptr, meta.chunksize))
+    sizes = parsed.var_nbytes()
+    for vid, spans in chunks.items():
+        if parsed.vars and vid not in parsed.vars:
+            raise FormatError(f"container holds data of variable {vid}, which the table does not list",
+                              path=parsed.path)
+        pos = 0
+        for dptr, size in sorted(spans):
+            if dptr != pos:
+                raise FormatError(f"variable {vid}: chunks do not tile its bytes (gap or overlap at {pos})",
+                                  path=parsed.path)
+            pos += size
+        if pos != sizes.get(vid, 0):
+            raise FormatError(f"variable {vid}: chunks hold {pos} bytes, the table says {sizes.get(vid)}",
+                              path=parsed.path)
+    for vid, size in sizes.items():
+        if size and vid not in chunks:
+            raise FormatError(f"variable {vid}: {size} bytes listed but no container holds them", path=parsed.path)
+    if sum(s for s in (sum(sz for _d, sz in v) for v in chunks.values())) != parsed.fb.ckpt_size:
+        raise FormatError(f"ckptSize={parsed.fb.ckpt_size} does not match the containers", path=parsed.path)
+
+
+def _hash_span(fh: BinaryIO, offset: int, length: int, hasher: hashing.Hasher, buf: bytearray,
+               path: str, what: str) -> None:
+    view = memoryview(buf)
+    while length > 0:
+        n = os.preadv(fh.fileno(), [view[:min(length, len(buf))]], offset)
+        if n <= 0:
+            raise FormatError(f"{what}: file ends at byte {offset}", path=path)
+        hasher.update(view[:n])
+        offset += n
+        length -= n
+
+
+def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -> None:
+    """Check every container's hash (and, for FTI 1.1 files, the MD5 of the whole VB)."""
+    buf = bytearray(_PIECE)
+    hid = parsed.fb.hash_id
+    for bi, ci, meta in parsed.containers():
+        if not meta.hascontent or (only is not None and meta.id not in only):
+            continue
+        hasher = hashing.new_hasher(hid)
+        what = f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid})"
+        _hash_span(fh, meta.fptr, meta.chunksize, hasher, buf, parsed.path, what)
+        if hasher.digest() != meta.hash:
+            raise FormatError(f"{what}: data hash does not match (damaged data)", path=parsed.path)
+    if parsed.legacy:
+        hasher = hashing.new_hasher(1)
+        _hash_span(fh, FB_SIZE, parsed.fb.fs - FB_SIZE, hasher, buf, parsed.path, "VB")
+        if hasher.hexdigest() != parsed.fb.checksum:
+            raise FormatError("MD5 checksum of the VB does not match the file block", path=parsed.path)
+
+
+def read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget]) -> None:
+    """Copy every chunk of the variables in ``targets`` into them, checking each hash again.
+
+    Call :func:`verify_data` first: this re-check only catches a file changed in between.
+    """
+    hid = parsed.fb.hash_id
+    buf: bytearray | None = None
+    for bi, ci, meta in parsed.containers():
+        target = targets.get(meta.id)
+        if target is None or not meta.hascontent:
+            continue
+        view = target.view(meta.dptr, meta.dptr + meta.chunksize)
+        hasher = hashing.new_hasher(hid)
+        if view is not None:
+            got = fh_readinto(fh, meta.fptr, view)
+            hasher.update(view[:got])
+        else:
+            buf = buf or bytearray(_PIECE)
+            got = 0
+            while got < meta.chunksize:
+                n = os.preadv(fh.fileno(), [memoryview(buf)[:min(len(buf), meta.chunksize - got)]], meta.fptr + got)
+                if n <= 0:
+                    break
+                hasher.update(memoryview(buf)[:n])
+                target.store(meta.dptr + got, memoryview(buf)[:n])
+                got += n
+        if got != meta.chunksize or hasher.digest() != meta.hash:
+            raise FormatError(f"block {bi}, container {ci} (var id {meta.id}) changed while it was read",
+                              path=parsed.path)
+
+
+def fh_readinto(fh: BinaryIO, offset: int, view: memoryview) -> int:
+    """Read ``len(view)`` bytes at ``offset`` into ``view``; the count actually read."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fh.fileno(), [view[got:got + (256 << 20)]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got

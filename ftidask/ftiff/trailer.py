@@ -1,0 +1,45 @@
+"""The variable table that makes an FTI-FF file self-describing for NumPy.
+
+It sits after the VB (at offset ``fs``), so no offset of FTI-FF v1.1 moves:
+UTF-8 JSON, then its length as uint64 and the 8-byte magic ``FTDKVARS``. JSON, never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+from ..errors import FormatError
+
+TRAILER_MAGIC = b"FTDKVARS"
+_TAIL = struct.Struct("<Q8s")
+MAX_TRAILER = 64 << 20  # refuse absurd tables before allocating them
+
+
+def pack_trailer(payload: bytes) -> bytes:
+    return payload + _TAIL.pack(len(payload), TRAILER_MAGIC)
+
+
+def trailer_span(tail16: bytes, fs: int, file_size: int, *, path: str | None = None) -> tuple[int, int]:
+    """``(offset, length)`` of the JSON payload, checked against the file's size."""
+    length, magic = _TAIL.unpack(tail16)
+    if magic != TRAILER_MAGIC:
+        raise FormatError("variable table missing (file truncated or damaged at its end)", path=path)
+    if length > MAX_TRAILER or fs + length + _TAIL.size != file_size:
+        raise FormatError(f"variable table of {length} bytes does not fit between fs={fs} and the end "
+                          f"of the file ({file_size} bytes)", path=path)
+    return fs, length
+
+
+def parse_trailer(payload: bytes, *, path: str | None = None) -> dict[str, Any]:
+    try:
+        value = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"variable table is not valid JSON: {exc}", path=path) from None
+    if not isinstance(value, dict) or not isinstance(value.get("vars"), list):
+        raise FormatError("variable table has no 'vars' list", path=path)
+    return value
+
+
+TAIL_SIZE = _TAIL.size

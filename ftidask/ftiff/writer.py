@@ -1,0 +1,118 @@
+"""Write one FTI-FF file from a layout and the byte streams of the variables.
+
+Data first, container by container, then the metadata (whose hashes are known only then),
+the variable table, and the file block last. The caller owns the file handle (and so the
+atomic commit): the writer knows nothing of paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, BinaryIO, Protocol
+
+from ..layout import Layout
+from . import hashing
+from .structs import FLAG_METADATA_CHECKSUM, BlockMeta, ContainerMeta, FileBlock
+from .trailer import pack_trailer
+
+
+class ByteSource(Protocol):
+    """What the writer needs from a variable: its bytes by range."""
+
+    nbytes: int
+
+    def view(self, start: int, stop: int) -> memoryview | None: ...
+    def pieces(self, start: int, stop: int) -> Iterable[memoryview]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class WrittenFile:
+    """What was written: the file block, every container's metadata, and the byte counts."""
+
+    fb: FileBlock
+    containers: tuple[tuple[ContainerMeta, ...], ...]
+    file_size: int
+    data_bytes: int
+
+
+_WRITE_PIECE = 64 << 20
+
+
+def _write_all(fh: BinaryIO, data: memoryview) -> None:
+    for lo in range(0, len(data), _WRITE_PIECE):
+        fh.write(data[lo:lo + _WRITE_PIECE])
+
+
+def _write_slot(fh: BinaryIO, source: ByteSource, start: int, stop: int, hid: int,
+                pool: ThreadPoolExecutor) -> Future[bytes] | bytes:
+    view = source.view(start, stop)
+    if view is not None:
+        # Hash on a second thread while this one writes: both release the GIL.
+        future = pool.submit(hashing.digest, hid, view)
+        _write_all(fh, view)
+        return future
+    hasher = hashing.new_hasher(hid)
+    for piece in source.pieces(start, stop):
+        hasher.update(piece)
+        fh.write(piece)
+    return hasher.digest()
+
+
+def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource], *, hash_id: int,
+                trailer: Mapping[str, Any], pt_fs: int | None = None, max_fs: int | None = None,
+                timestamp: int | None = None, pool: ThreadPoolExecutor | None = None) -> WrittenFile:
+    """Write the whole file to ``fh`` (positioned anywhere; seekable) and return its metadata."""
+    own_pool = pool is None
+    pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
+    try:
+        digests: dict[tuple[int, int], Future[bytes] | bytes] = {}
+        data_bytes = 0
+        for bi, block in enumerate(layout.blocks):
+            for si, slot in enumerate(block.slots):
+                if not slot.hascontent:
+                    continue
+                source = sources[slot.var_id]
+                fh.seek(slot.fptr)
+                digests[bi, si] = _write_slot(fh, source, slot.dptr, slot.dptr + slot.chunksize, hash_id, pool)
+                data_bytes += slot.chunksize
+        checksum = hashing.new_hasher(hash_id)
+        containers = []
+        for bi, block in enumerate(layout.blocks):
+            metas = []
+            for si, s in enumerate(block.slots):
+                pending = digests.get((bi, si), bytes(16))
+                digest = pending.result() if isinstance(pending, Future) else pending
+                metas.append(ContainerMeta(s.var_id, s.idx, s.containerid, s.hascontent, s.dptr, s.fptr,
+                                           s.chunksize, s.containersize, digest))
+            raw = BlockMeta(block.numvars, block.dbsize).pack() + b"".join(m.pack() for m in metas)
+            fh.seek(block.offset)
+            fh.write(raw)
+            checksum.update(raw)
+            containers.append(tuple(metas))
+        tail = pack_trailer(json.dumps(dict(trailer), separators=(",", ":"), sort_keys=True).encode())
+        fh.seek(layout.fs)
+        fh.write(tail)
+        checksum.update(tail)
+        fb = FileBlock(checksum.hexdigest()[:32], bytes(16), layout.ckpt_size, layout.fs,
+                       max_fs if max_fs is not None else layout.fs, pt_fs if pt_fs is not None else layout.fs,
+                       timestamp if timestamp is not None else time.time_ns(), hash_id=hash_id,
+                       flags=FLAG_METADATA_CHECKSUM).sealed()
+        fh.seek(0)
+        fh.write(fb.pack())
+        size = layout.fs + len(tail)
+        fh.truncate(size)  # unused container space stays a hole, read back as zeros
+        return WrittenFile(fb, tuple(containers), size, data_bytes)
+    finally:
+        if own_pool:
+            pool.shutdown(wait=True)
+
+
+def sync(fh: BinaryIO) -> None:
+    """Flush Python's buffer and the kernel's to the device."""
+    fh.flush()
+    os.fsync(fh.fileno())

@@ -1,0 +1,70 @@
+"""The read side: check a rank's file of a committed checkpoint, then fill the arrays.
+
+Everything is verified before the first byte reaches a user array: structure, every hash,
+the match with the commit record, and the sizes of the protected arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from .arrays import ArrayBytes
+from .errors import FormatError
+from .ftiff.reader import FtiffFile, parse_ftiff, read_into, verify_data
+from .runstate import CommitRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Outcome of checking one rank's file: ``ok``, ``damaged`` (try another) or ``mismatch`` (user error)."""
+
+    kind: str
+    message: str = ""
+    parsed: FtiffFile | None = None
+
+
+def check_file(path: Path, record: CommitRecord | None, rank: int) -> Verdict:
+    """Parse and hash-check ``path``; compare it with the commit record."""
+    try:
+        with open(path, "rb") as fh:
+            parsed = parse_ftiff(fh, str(path))
+            verify_data(fh, parsed)
+    except FileNotFoundError:
+        return Verdict("damaged", f"{path}: missing")
+    except (FormatError, OSError) as exc:
+        return Verdict("damaged", str(exc))
+    if record is not None:
+        expected = next((f for f in record.files if f.rank == rank), None)
+        if expected is None or expected.fb_hash != parsed.fb.hash.hex():
+            return Verdict("damaged", f"{path}: does not belong to checkpoint {record.ckpt_id} (seq {record.seq})")
+    return Verdict("ok", parsed=parsed)
+
+
+def check_sizes(parsed: FtiffFile, arrays: Mapping[int, np.ndarray]) -> str:
+    """An error message when a protected array cannot receive its stored data, else ''."""
+    sizes = parsed.var_nbytes()
+    for vid, array in arrays.items():
+        if vid not in sizes:
+            return (f"variable {vid} is protected but not in checkpoint file {parsed.path} "
+                    f"(it holds ids {sorted(sizes)})")
+        info = parsed.vars.get(vid)
+        if info is not None and (info.dtype != array.dtype or info.shape != tuple(array.shape)):
+            return (f"variable {vid}: checkpoint holds {info.dtype} {info.shape}, the protected array is "
+                    f"{array.dtype} {tuple(array.shape)}; use ctx.stored_size({vid}) and ctx.realloc({vid}, ...)")
+        if array.nbytes != sizes[vid]:
+            return (f"variable {vid}: checkpoint holds {sizes[vid]} bytes, the protected array has "
+                    f"{array.nbytes}; use ctx.stored_size({vid}) and ctx.realloc({vid}, ...)")
+    return ""
+
+
+def load_file(parsed: FtiffFile, arrays: Mapping[int, np.ndarray]) -> None:
+    """Fill ``arrays`` (already size-checked) from a verified file."""
+    # The stream order is the stored one, whatever the layout of the array receiving it.
+    targets = {vid: ArrayBytes(arr, parsed.vars[vid].order if vid in parsed.vars else "C")
+               for vid, arr in arrays.items()}
+    with open(parsed.path, "rb") as fh:
+        read_into(fh, parsed, targets)

@@ -1,0 +1,135 @@
+"""Where files live and how they are committed: temporary name, fsync, rename, fsync the directory.
+
+Paths follow FTI: node-local files under ``{ckpt_dir}/node{N}/{exec_id}/l1|l2|l3``, global ones
+under ``{glbl_dir}/{exec_id}/l4``, run state under ``{meta_dir}/{exec_id}``. Each checkpoint has
+its own directory ``ckpt{id}.s{seq}`` (``seq`` grows with every checkpoint), so that reusing a
+checkpoint id never overwrites the checkpoint that is still the newest committed one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+_COPY_PIECE = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    """The directories of one run (``exec_id``) as seen from one node."""
+
+    ckpt_dir: Path
+    glbl_dir: Path
+    meta_dir: Path
+    exec_id: str
+
+    def node_dir(self, node: int) -> Path:
+        return self.ckpt_dir / f"node{node}" / self.exec_id
+
+    def level_dir(self, level: int, node: int) -> Path:
+        """Where a level-``level`` checkpoint's files live (global for L4)."""
+        if level == 4:
+            return self.glbl_dir / self.exec_id / "l4"
+        return self.node_dir(node) / f"l{level}"
+
+    def local_dir(self, level: int, node: int) -> Path:
+        """Node-local directory of a level (L4 keeps its local copy under ``l4``)."""
+        return self.node_dir(node) / f"l{level}"
+
+    @property
+    def run_meta(self) -> Path:
+        return self.meta_dir / self.exec_id
+
+    @property
+    def stage_root(self) -> Path:
+        return self.ckpt_dir / "stage" / self.exec_id
+
+
+def ckpt_dirname(ckpt_id: int, seq: int) -> str:
+    return f"ckpt{ckpt_id}.s{seq}"
+
+
+def rank_file(ckpt_id: int, rank: int) -> str:
+    """Rank ``rank``'s own file (FTI's name)."""
+    return f"Ckpt{ckpt_id}-Rank{rank}.fti"
+
+
+def partner_file(ckpt_id: int, rank: int) -> str:
+    """Kept on rank ``rank``'s node: the copy of its partner's file (FTI's ``Pcof``)."""
+    return f"Ckpt{ckpt_id}-Pcof{rank}.fti"
+
+
+def parity_file(ckpt_id: int, rank: int) -> str:
+    """Rank ``rank``'s Reed-Solomon parity (FTI's ``RSed``)."""
+    return f"Ckpt{ckpt_id}-RSed{rank}.fti"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def makedirs(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "w+b") -> Iterator[BinaryIO]:
+    """Yield a file at a temporary name; on success fsync it and rename it to ``path``."""
+    makedirs(path.parent)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fh = open(tmp, mode)  # noqa: SIM115 - closed below on every path
+    try:
+        yield fh  # type: ignore[misc]
+        fh.flush()
+        os.fsync(fh.fileno())
+        fh.close()
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        fh.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    with atomic_file(path) as fh:
+        fh.write(json.dumps(value, indent=1, sort_keys=True).encode())
+
+
+def read_json(path: Path) -> Any | None:
+    """The JSON at ``path``, or None when it is missing or unreadable (a torn or damaged record)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def copy_file_atomic(src: Path, dst: Path) -> int:
+    """Copy ``src`` to ``dst`` atomically; the bytes copied."""
+    with open(src, "rb") as fin, atomic_file(dst) as fout:
+        copied = 0
+        while True:
+            n = os.sendfile(fout.fileno(), fin.fileno(), copied, _COPY_PIECE) if hasattr(os, "sendfile") else 0
+            if n == 0:
+                break
+            copied += n
+        if copied == 0 and os.fstat(fin.fileno()).st_size:
+            shutil.copyfileobj(fin, fout, _COPY_PIECE)
+            copied = os.fstat(fin.fileno()).st_size
+        return copied
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,71 @@
+"""How processes of one run talk: the collectives the checkpoint engine needs.
+
+A transport moves small JSON-able values between ranks and, for the levels that need it,
+whole files between nodes. The engine and the levels never import mpi4py or distributed.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+from typing import Any
+
+from ..errors import LevelError
+
+
+class Transport(abc.ABC):
+    """One rank's view of the run."""
+
+    name = "abstract"
+    rank: int = 0
+    size: int = 1
+    node: int = 0
+    nnodes: int = 1
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
+
+    @abc.abstractmethod
+    def allgather(self, value: Any) -> list[Any]: ...
+
+    def bcast(self, value: Any, root: int = 0) -> Any:
+        return self.allgather(value if self.rank == root else None)[root]
+
+    def all_ok(self, ok: bool) -> bool:
+        return all(self.allgather(bool(ok)))
+
+    def levels(self) -> tuple[int, ...]:
+        """The levels this transport can run."""
+        return (1, 4)
+
+    def check_level(self, level: int) -> None:
+        if level not in self.levels():
+            raise LevelError(
+                f"level {level} needs several nodes: the {self.name} backend provides levels "
+                f"{', '.join(map(str, self.levels()))}; use the MPI backend (ftidask.init(config, comm=...)) "
+                "or the Dask backend (ftidask.init(config, client=...)) for L2 and L3")
+
+    # Hooks for the multi-node levels (L2 partner copy, L3 erasure coding).
+    def protect_files(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path) -> None:
+        """Add level ``level``'s redundancy for ``own_file`` (a committed L1 file)."""
+        if level in (2, 3):
+            self.check_level(level)
+
+    def rebuild_file(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, ok: bool) -> bool:
+        """Collectively rebuild lost files of a level-``level`` checkpoint; True when this rank has its file."""
+        return ok
+
+    def close(self) -> None:
+        """Release what the transport holds (a duplicated communicator, ...)."""
+
+
+class SerialTransport(Transport):
+    """A single process: one rank on one node."""
+
+    name = "single-process"
+
+    def barrier(self) -> None:
+        return None
+
+    def allgather(self, value: Any) -> list[Any]:
+        return [value]
