@@ -13,13 +13,15 @@ from typing import Any
 import numpy as np
 
 from . import constants, storage
-from .arrays import ArrayBytes, VarInfo, check_protectable
-from .checkpointing import CheckpointInfo, write_rank_file
+from .arrays import check_protectable
+from .checkpointing import CheckpointInfo
+from .dcpstore import DcpStore
 from .config import Config
 from .errors import CheckpointError, FTIError, LevelError, NoCheckpointError, ProtectError, RecoveryError
-from .ftiff import hashing
+from .ftiff import blockhash, hashing
 from .ftiff.reader import FtiffFile
 from .layout import Layout, plan_layout
+from .pending import PendingCheckpoint, RankFileWriter
 from .recovery import Verdict, check_file, check_sizes, load_file
 from .runstate import STATUS_FRESH, CommitRecord, FileRecord, RunState, resolve_run
 from .transport.base import Transport
@@ -73,6 +75,8 @@ class Context:
         self._iteration = 0
         self._last_time = [time.monotonic()] * 4
         self._next_ckpt_id = 1
+        self._dcp: DcpStore | None = None
+        self._icp: Any = None  # the open incremental checkpoint (ftidask.icp)
         if transport.rank == 0:
             storage.makedirs(self.state.root)
             if self._status == STATUS_FRESH:
@@ -104,57 +108,135 @@ class Context:
 
     # --- checkpoint ------------------------------------------------------------------------------
 
-    def checkpoint(self, id: int, level: int) -> CheckpointInfo:
-        """FTI_Checkpoint: write every protected variable as checkpoint ``id`` at ``level``."""
+    def checkpoint(self, id: int, level: int, *, dcp: bool = False) -> CheckpointInfo:
+        """FTI_Checkpoint: write every protected variable as checkpoint ``id`` at ``level``.
+
+        Levels 5-8 (FTI's L1_DCP..L4_DCP), or ``dcp=True`` with levels 1-4, write a differential
+        checkpoint (``enable_dcp = 1``): only the blocks that changed since the file being updated.
+        """
+        pending = self._begin_checkpoint(id, level + 4 if dcp and level in constants.LEVELS else level)
+        for vid, p in self._vars.items():
+            if pending.error:
+                break
+            try:
+                pending.write_var(vid, p.name, p.array)
+            except (OSError, FTIError) as exc:
+                pending.error = f"rank {self.transport.rank}: {exc}"
+        return self._commit_checkpoint(pending)
+
+    def _begin_checkpoint(self, id: int, level: int) -> PendingCheckpoint:
+        """Plan checkpoint ``id`` and open its file (shared by checkpoint and iCP)."""
         self._check_open()
+        if self._icp is not None:
+            raise CheckpointError(f"incremental checkpoint {self._icp.ckpt_id} is open; finalize_icp() first")
         ckpt_id = _check_id(id, "checkpoint id")
         if ckpt_id == 0:
             raise CheckpointError("checkpoint id 0 is reserved by FTI; use a non-zero id")
         level = self._check_level(level)
-        start = time.perf_counter()
         t = self.transport
         layout = plan_layout(self._layout, [(vid, p.array.nbytes) for vid, p in self._vars.items()])
         seq = t.bcast(self.state.next_seq() if t.rank == 0 else None)
-        sizes = t.allgather(layout.fs)
-        directory = self.paths.level_dir(level, t.node) / storage.ckpt_dirname(ckpt_id, seq)
+        base_level = level - 4 if level > 4 else level
+        directory = self.paths.level_dir(base_level, t.node) / storage.ckpt_dirname(ckpt_id, seq)
         path = directory / storage.rank_file(ckpt_id, t.rank)
-        error, written = "", None
+        writer: Any = None
+        error = ""
         try:
-            infos = [VarInfo.of(vid, p.name, p.array) for vid, p in self._vars.items()]
-            written = write_rank_file(
-                path, layout, {vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, infos,
-                hash_id=self._hash_id, pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
-                meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
-                      "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
-                      "backend": t.name, "time": time.time()})
-            t.protect_files(level, ckpt_id, path, directory)
+            writer = (self._dcp_store().begin(base_level, layout) if level > 4
+                      else RankFileWriter(path, layout, self._hash_id))
         except (OSError, FTIError) as exc:
             error = f"rank {t.rank}: {exc}"
-        results = t.allgather((error, None if written is None else
+        return PendingCheckpoint(ckpt_id, level, seq, layout, directory, path,
+                                 {vid: p.array.nbytes for vid, p in self._vars.items()}, writer, error=error)
+
+    def _commit_checkpoint(self, pending: PendingCheckpoint) -> CheckpointInfo:
+        """Finish every rank's file, add the level's redundancy, write the commit record."""
+        t = self.transport
+        ckpt_id, level, seq = pending.ckpt_id, pending.base_level, pending.seq
+        sizes = t.allgather(pending.layout.fs)
+        written = None
+        if not pending.error:
+            try:
+                written = pending.finish(
+                    {"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
+                     "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
+                     "backend": t.name, "time": time.time()},
+                    pt_fs=self._partner_fs(sizes), max_fs=max(sizes))
+                t.protect_files(level, ckpt_id, pending.path, pending.directory)
+            except (OSError, FTIError) as exc:
+                pending.error = f"rank {t.rank}: {exc}"
+        if pending.error:
+            pending.abort()
+        results = t.allgather((pending.error, None if written is None else
                                FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()))
         errors = [e for e, _ in results if e]
         if errors:
-            storage.remove_tree(directory)
-            raise CheckpointError(f"checkpoint {ckpt_id} at level {level} failed; the previous checkpoint is "
-                                  "kept: " + "; ".join(errors))
+            storage.remove_tree(pending.directory)
+            if self._dcp is not None:
+                self._dcp.discard(level, seq)
+            raise CheckpointError(f"checkpoint {ckpt_id} at level {pending.level} failed; the previous checkpoint "
+                                  "is kept: " + "; ".join(errors))
         assert written is not None  # every rank succeeded
         record = CommitRecord(seq, ckpt_id, level, time.time(), t.size,
-                              tuple(FileRecord(**f) for _e, f in results))
+                              tuple(FileRecord(**f) for _e, f in results),
+                              {"dcp": True} if pending.differential else {})
         if t.rank == 0:
             self.state.write_record(record)  # the commit point
         t.barrier()
-        self._layout = layout
+        self._layout = pending.layout
         self._restart_file = None
         self._retire_older(record)
-        info = CheckpointInfo(ckpt_id, level, seq, written.data_bytes, written.file_size,
-                              time.perf_counter() - start)
+        stats = pending.stats
+        info = CheckpointInfo(ckpt_id, pending.level, seq, written.data_bytes,
+                              written.file_size if stats is None else stats.file_bytes,
+                              time.perf_counter() - pending.started,
+                              None if stats is None else stats.blocks_changed,
+                              None if stats is None else stats.blocks_total)
         self.last_checkpoint = info
         self._next_ckpt_id = max(self._next_ckpt_id, ckpt_id + 1)
-        log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, level, info.bytes_written,
-                 info.seconds)
+        log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, pending.level,
+                 info.bytes_written, info.seconds)
         return info
 
+    def _dcp_store(self) -> DcpStore:
+        """This rank's differential-checkpoint files (created on first use)."""
+        if self._dcp is None:
+            t = self.transport
+            self._dcp = DcpStore(self.paths, t.rank, t.node, block_size=self.config.dcp_block_size,
+                                 bid=blockhash.block_hash_id(self.config.dcp_mode), hash_id=self._hash_id)
+        return self._dcp
+
+    # --- incremental checkpointing (FTI_InitICP / AddVarICP / FinalizeICP) -------------------------
+
+    def init_icp(self, id: int, level: int) -> None:
+        """FTI_InitICP: open checkpoint ``id``; add each protected variable with :meth:`add_var_icp`."""
+        from .icp import init_icp
+
+        init_icp(self, id, level)
+
+    def add_var_icp(self, var_id: int) -> None:
+        """FTI_AddVarICP: write protected variable ``var_id`` into the open checkpoint now."""
+        from .icp import add_var_icp
+
+        add_var_icp(self, var_id)
+
+    def finalize_icp(self) -> CheckpointInfo:
+        """FTI_FinalizeICP: commit the open checkpoint (refused if a protected variable is missing)."""
+        from .icp import finalize_icp
+
+        return finalize_icp(self)
+
+    def incremental(self, id: int, level: int) -> Any:
+        """``with ctx.incremental(id, level) as icp: icp.add(var_id)``: iCP as a context manager."""
+        from .icp import Incremental
+
+        return Incremental(self, id, level)
+
     def _check_level(self, level: Any) -> int:
+        if (self.config.enable_dcp and isinstance(level, (int, np.integer)) and not isinstance(level, bool)
+                and int(level) in constants.DCP_LEVELS):
+            self.transport.check_level(int(level) - 4)
+            return int(level)
         if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or int(level) not in constants.LEVELS:
             if isinstance(level, (int, np.integer)) and int(level) in constants.DCP_LEVELS:
                 raise LevelError(f"level {level} (differential checkpointing) needs enable_dcp = 1")
@@ -184,6 +266,8 @@ class Context:
         if t.rank == 0:
             self.state.delete_record(record.seq)
         t.barrier()
+        if self._dcp is not None:  # its file becomes the spare that the next dCP checkpoint patches
+            self._dcp.retire(record.level, record.seq, self._rank_file(record))
         for level in {record.level, 1, 2, 3}:
             storage.remove_tree(self.paths.level_dir(level, t.node) / record.dirname)
         if t.rank == 0:
@@ -247,6 +331,8 @@ class Context:
         if problems:
             raise RecoveryError("; ".join(problems))
         load_file(verdict.parsed, arrays)
+        if self.config.enable_dcp:
+            self._dcp_store().recovered(record.level, record.seq, self._rank_file(record), verdict.parsed)
         self._layout = verdict.parsed.layout()
         self._recovered = True
         self.recovered_from = (record.ckpt_id, record.level)
@@ -352,6 +438,9 @@ class Context:
             t.barrier()
         finally:
             self._closed = True
+            self._icp = None
+            if self._dcp is not None:
+                self._dcp.clear()
             t.close()
 
     def _flush_to_l4(self, record: CommitRecord) -> None:
@@ -387,6 +476,8 @@ class Context:
         else:
             # Died with an error: keep the checkpoints so that the next run can restart.
             self._closed = True
+            if self._dcp is not None:
+                self._dcp.close()
             self.transport.close()
 
     def __repr__(self) -> str:

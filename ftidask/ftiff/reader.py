@@ -15,6 +15,7 @@ from ..arrays import VarInfo
 from ..errors import FormatError
 from ..layout import Layout, Slot, layout_from_slots
 from . import hashing
+from .blockhash import FLAG_DCP, DcpInfo, read_into_dcp, verify_dcp
 from .structs import BMD_SIZE, FB_SIZE, VMD_SIZE, BlockMeta, ContainerMeta, FileBlock
 from .trailer import TAIL_SIZE, parse_trailer, trailer_span
 
@@ -92,8 +93,9 @@ def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:
         offset += blocks[-1][0].dbsize
     trailer: dict[str, Any] | None = None
     if not fb.legacy:
+        # A dCP file keeps its block-hash section between fs and the table (see blockhash.py).
         start, length = trailer_span(_pread(fh, file_size - TAIL_SIZE, TAIL_SIZE, path, "table"), fb.fs,
-                                     file_size, path=path)
+                                     file_size, path=path, gap=bool(fb.flags & FLAG_DCP))
         tail = _pread(fh, start, length + TAIL_SIZE, path, "variable table")
         checksum.update(tail)
         if checksum.hexdigest()[:32] != fb.checksum:
@@ -101,6 +103,11 @@ def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:
         trailer = parse_trailer(tail[:length], path=path)
     parsed = FtiffFile(path, file_size, fb, tuple(blocks), trailer, _parse_vars(trailer, path))
     _check_coverage(parsed)
+    if fb.flags & FLAG_DCP:
+        info = DcpInfo(parsed)
+        if start != fb.fs + info.section_len:
+            raise FormatError(f"block-hash section ends at {fb.fs + info.section_len}, the table starts at {start}",
+                              path=path)
     return parsed
 
 
@@ -191,6 +198,8 @@ def _hash_span(fh: BinaryIO, offset: int, length: int, hasher: hashing.Hasher, b
 
 def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -> None:
     """Check every container's hash (and, for FTI 1.1 files, the MD5 of the whole VB)."""
+    if parsed.fb.flags & FLAG_DCP:
+        return verify_dcp(fh, parsed, only)
     buf = bytearray(_PIECE)
     hid = parsed.fb.hash_id
     for bi, ci, meta in parsed.containers():
@@ -213,6 +222,8 @@ def read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget]
 
     Call :func:`verify_data` first: this re-check only catches a file changed in between.
     """
+    if parsed.fb.flags & FLAG_DCP:
+        return read_into_dcp(fh, parsed, targets)
     hid = parsed.fb.hash_id
     buf: bytearray | None = None
     for bi, ci, meta in parsed.containers():

@@ -63,6 +63,12 @@ def _write_slot(fh: BinaryIO, source: ByteSource, start: int, stop: int, hid: in
     return hasher.digest()
 
 
+def write_container(fh: BinaryIO, source: ByteSource, start: int, stop: int, hash_id: int,
+                    pool: ThreadPoolExecutor) -> Future[bytes] | bytes:
+    """Write bytes ``[start, stop)`` of ``source`` at ``fh``'s position: their digest, or a future of it."""
+    return _write_slot(fh, source, start, stop, hash_id, pool)
+
+
 def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource], *, hash_id: int,
                 trailer: Mapping[str, Any], pt_fs: int | None = None, max_fs: int | None = None,
                 timestamp: int | None = None, pool: ThreadPoolExecutor | None = None) -> WrittenFile:
@@ -80,36 +86,52 @@ def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource],
                 fh.seek(slot.fptr)
                 digests[bi, si] = _write_slot(fh, source, slot.dptr, slot.dptr + slot.chunksize, hash_id, pool)
                 data_bytes += slot.chunksize
-        checksum = hashing.new_hasher(hash_id)
-        containers = []
-        for bi, block in enumerate(layout.blocks):
-            metas = []
-            for si, s in enumerate(block.slots):
-                pending = digests.get((bi, si), bytes(16))
-                digest = pending.result() if isinstance(pending, Future) else pending
-                metas.append(ContainerMeta(s.var_id, s.idx, s.containerid, s.hascontent, s.dptr, s.fptr,
-                                           s.chunksize, s.containersize, digest))
-            raw = BlockMeta(block.numvars, block.dbsize).pack() + b"".join(m.pack() for m in metas)
-            fh.seek(block.offset)
-            fh.write(raw)
-            checksum.update(raw)
-            containers.append(tuple(metas))
-        tail = pack_trailer(json.dumps(dict(trailer), separators=(",", ":"), sort_keys=True).encode())
-        fh.seek(layout.fs)
-        fh.write(tail)
-        checksum.update(tail)
-        fb = FileBlock(checksum.hexdigest()[:32], bytes(16), layout.ckpt_size, layout.fs,
-                       max_fs if max_fs is not None else layout.fs, pt_fs if pt_fs is not None else layout.fs,
-                       timestamp if timestamp is not None else time.time_ns(), hash_id=hash_id,
-                       flags=FLAG_METADATA_CHECKSUM).sealed()
-        fh.seek(0)
-        fh.write(fb.pack())
-        size = layout.fs + len(tail)
-        fh.truncate(size)  # unused container space stays a hole, read back as zeros
-        return WrittenFile(fb, tuple(containers), size, data_bytes)
+        done = {key: (p.result() if isinstance(p, Future) else p) for key, p in digests.items()}
+        written = write_metadata(fh, layout, done, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs,
+                                 timestamp=timestamp)
+        return dataclasses.replace(written, data_bytes=data_bytes)
     finally:
         if own_pool:
             pool.shutdown(wait=True)
+
+
+def write_metadata(fh: BinaryIO, layout: Layout, digests: Mapping[tuple[int, int], bytes], *, hash_id: int,
+                   trailer: Mapping[str, Any], pt_fs: int | None = None, max_fs: int | None = None,
+                   timestamp: int | None = None, flags: int = FLAG_METADATA_CHECKSUM,
+                   section: bytes | memoryview = b"") -> WrittenFile:
+    """Write every block's metadata, ``section`` at ``fs`` (a dCP file's block hashes), the table,
+    then the FB; truncate the file. ``digests`` maps (block, slot) to the container hash.
+
+    ``data_bytes`` of the result is 0: the data were written by the caller.
+    """
+    checksum = hashing.new_hasher(hash_id)
+    containers = []
+    for bi, block in enumerate(layout.blocks):
+        metas = []
+        for si, s in enumerate(block.slots):
+            digest = digests.get((bi, si), bytes(16)) if s.hascontent else bytes(16)
+            metas.append(ContainerMeta(s.var_id, s.idx, s.containerid, s.hascontent, s.dptr, s.fptr,
+                                       s.chunksize, s.containersize, digest))
+        raw = BlockMeta(block.numvars, block.dbsize).pack() + b"".join(m.pack() for m in metas)
+        fh.seek(block.offset)
+        fh.write(raw)
+        checksum.update(raw)
+        containers.append(tuple(metas))
+    tail = pack_trailer(json.dumps(dict(trailer), separators=(",", ":"), sort_keys=True).encode())
+    fh.seek(layout.fs)
+    if len(section):
+        fh.write(section)
+    fh.write(tail)
+    checksum.update(tail)
+    fb = FileBlock(checksum.hexdigest()[:32], bytes(16), layout.ckpt_size, layout.fs,
+                   max_fs if max_fs is not None else layout.fs, pt_fs if pt_fs is not None else layout.fs,
+                   timestamp if timestamp is not None else time.time_ns(), hash_id=hash_id,
+                   flags=flags).sealed()
+    fh.seek(0)
+    fh.write(fb.pack())
+    size = layout.fs + len(section) + len(tail)
+    fh.truncate(size)  # unused container space stays a hole, read back as zeros
+    return WrittenFile(fb, tuple(containers), size, 0)
 
 
 def sync(fh: BinaryIO) -> None:

@@ -1,0 +1,165 @@
+"""Where differential checkpoints are written, so that the previous checkpoint stays valid.
+
+Design: two alternating files per rank and level, brought up to date in place.
+
+* The file of the last committed checkpoint is never written to.
+* When a checkpoint file of level L is retired (a newer checkpoint was committed), it is not
+  deleted but renamed to the *spare* slot ``{level dir}/dcp/Spare-Rank{r}.fti``, with its block
+  digests (:class:`~ftidask.dcp.BlockState`) kept in memory: it lags one or more checkpoints
+  behind the data.
+* A differential checkpoint patches the spare in place (only the blocks whose digest differs from
+  the spare's), fsyncs it, renames it into the new checkpoint's directory, and only then is the
+  commit record written (by the engine, as for every checkpoint). Its commit record is the
+  commit point: a crash at any moment before it leaves the previous checkpoint, untouched and
+  still the newest committed one; the spare may be torn, so its in-memory state is dropped when
+  patching starts and a torn spare is simply rewritten in full next time.
+* Without a known spare (first dCP checkpoint, after a restart, after a failed checkpoint, or
+  when the retired file was not a dCP file of this block size and hash), every block is written:
+  that is a full checkpoint in dCP format, and the next one is differential again.
+
+Rename and retirement cost no data I/O, so a differential checkpoint writes changed blocks plus
+metadata only. Nothing here depends on the backend: each rank calls it for its own file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from . import storage
+from .dcp import BlockState, DcpFileWriter, DcpStats, state_of_file
+from .errors import FormatError
+from .ftiff.structs import FB_SIZE, FileBlock
+from .ftiff.writer import WrittenFile
+from .layout import Layout
+
+
+class DcpHandle:
+    """One differential file being written: the writer, and where it goes on commit."""
+
+    def __init__(self, store: DcpStore, level: int, fd: int, writer: DcpFileWriter) -> None:
+        self.store, self.level, self.fd, self.writer = store, level, fd, writer
+        self.closed = False
+
+    def write_var(self, var_id: int, source: Any) -> int:
+        self.store._hook("write_var", self.level)
+        return self.writer.write_var(var_id, source)
+
+    def finish(self, final_path: Path, seq: int, trailer: Mapping[str, Any], *, pt_fs: int | None = None,
+               max_fs: int | None = None) -> tuple[WrittenFile, DcpStats]:
+        """Finish the file, fsync it and rename it to ``final_path`` (not yet committed)."""
+        written, stats, state = self.writer.finish(trailer, pt_fs=pt_fs, max_fs=max_fs)
+        self.store._hook("finished", self.level)
+        self.close()
+        storage.makedirs(final_path.parent)
+        os.replace(self.store.spare_path(self.level), final_path)
+        storage.fsync_dir(final_path.parent)
+        storage.fsync_dir(self.store.spare_path(self.level).parent)
+        self.store._files[self.level, seq] = state
+        return written, stats
+
+    def abort(self) -> None:
+        """Give up: the spare's content is now unknown (it is rewritten in full next time)."""
+        self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            os.close(self.fd)
+
+
+class DcpStore:
+    """One rank's spare files and the block states of its files, per level (1-4)."""
+
+    def __init__(self, paths: storage.RunPaths, rank: int, node: int, *, block_size: int, bid: int,
+                 hash_id: int, threads: int | None = None) -> None:
+        self.paths, self.rank, self.node = paths, rank, node
+        self.block_size, self.bid, self.hash_id = block_size, bid, hash_id
+        self._spares: dict[int, BlockState] = {}  # level -> state of the spare file
+        self._files: dict[tuple[int, int], BlockState] = {}  # (level, seq) -> state of a checkpoint file
+        self._pool = ThreadPoolExecutor(max_workers=threads or min(4, os.cpu_count() or 1),
+                                        thread_name_prefix="ftidask-dcp")
+        self._crash_at = os.environ.get("FTIDASK_DCP_CRASH_AT", "")  # test hook: "<point>:<n>"
+
+    def spare_path(self, level: int) -> Path:
+        return self.paths.level_dir(level, self.node) / "dcp" / f"Spare-Rank{self.rank}.fti"
+
+    def begin(self, level: int, layout: Layout) -> DcpHandle:
+        """Open the spare of ``level`` for patching up to ``layout``."""
+        path = self.spare_path(level)
+        storage.makedirs(path.parent)
+        base = self._spares.pop(level, None)  # from now on the spare's content is unknown
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        if base is not None and not _holds(fd, base):
+            base = None
+        writer = DcpFileWriter(fd, layout, base, block_size=self.block_size, bid=self.bid, hash_id=self.hash_id,
+                               pool=self._pool)
+        if self._crash_at:
+            writer.hook = lambda: self._hook("block", level)
+        return DcpHandle(self, level, fd, writer)
+
+    def retire(self, level: int, seq: int, path: Path) -> None:
+        """Checkpoint ``seq`` of ``level`` is no longer committed: keep its file as the spare."""
+        state = self._files.pop((level, seq), None)
+        if state is None or not path.exists():
+            return
+        spare = self.spare_path(level)
+        storage.makedirs(spare.parent)
+        os.replace(path, spare)
+        self._spares[level] = state
+
+    def recovered(self, level: int, seq: int, path: Path, parsed: Any) -> None:
+        """The file of a verified, recovered checkpoint: remember its state (it will be a spare)."""
+        with contextlib.suppress(OSError, ValueError):
+            state = state_of_file(path, parsed)
+            if state is not None and state.compatible(self.block_size, self.bid):
+                self._files[level, seq] = state
+
+    def discard(self, level: int, seq: int) -> None:
+        """Checkpoint ``seq`` failed: its file is gone."""
+        self._files.pop((level, seq), None)
+
+    def forget(self) -> None:
+        """Drop every known state (another process may have changed the files)."""
+        self._spares.clear()
+        self._files.clear()
+
+    def clear(self) -> None:
+        """Remove the spares (the run is over) and stop the hashing threads."""
+        for level in (1, 2, 3, 4):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.spare_path(level))
+            with contextlib.suppress(OSError):
+                os.rmdir(self.spare_path(level).parent)
+        self.forget()
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _hook(self, point: str, level: int) -> None:
+        """Crash-test hook: ``FTIDASK_DCP_CRASH_AT=<point>:<n>`` kills this process at the n-th hit."""
+        if not self._crash_at:
+            return
+        name, _sep, count = self._crash_at.partition(":")
+        if name != point:
+            return
+        left = int(count or "1") - 1
+        self._crash_at = f"{name}:{left}"
+        if left <= 0:
+            os.kill(os.getpid(), 9)
+
+
+def _holds(fd: int, state: BlockState) -> bool:
+    """True when the file at ``fd`` is still the one ``state`` describes (its FB hash)."""
+    raw = os.pread(fd, FB_SIZE, 0)
+    if len(raw) != FB_SIZE:
+        return False
+    try:
+        return FileBlock.unpack(raw).hash == state.fb_hash
+    except FormatError:
+        return False
