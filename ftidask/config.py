@@ -96,7 +96,7 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "ckpt_io": ("basic", 3, _parse_ckpt_io),
     "enable_staging": ("basic", 0, _parse_bool),
     "enable_dcp": ("basic", 0, _parse_bool),
-    "dcp_mode": ("basic", 0, _parse_int(0, 1)),
+    "dcp_mode": ("basic", 3, _parse_int(0, 4)),  # 0 MD5, 1 CRC32 (FTI); 2 xxh3_64, 3 xxh3_128, 4 BLAKE2b
     "dcp_block_size": ("basic", 16384, _parse_int(512, 65535)),
     "max_sync_intv": ("basic", 0, _parse_int(0)),
     "failure": ("restart", 0, _parse_int(0, 3)),
@@ -143,7 +143,7 @@ class Config:
     ckpt_io: int = 3
     enable_staging: bool = False
     enable_dcp: bool = False
-    dcp_mode: int = 0
+    dcp_mode: int = 3
     dcp_block_size: int = 16384
     max_sync_intv: int = 0
     failure: int = 0

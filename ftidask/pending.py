@@ -91,7 +91,7 @@ class PendingCheckpoint:
     directory: Path
     path: Path
     sizes: dict[int, int]  # var id -> bytes planned
-    writer: RankFileWriter | DcpHandle
+    writer: RankFileWriter | DcpHandle | None  # None when opening it failed (see error)
     started: float = dataclasses.field(default_factory=time.perf_counter)
     written: set[int] = dataclasses.field(default_factory=set)
     infos: dict[int, VarInfo] = dataclasses.field(default_factory=dict)
@@ -115,6 +115,8 @@ class PendingCheckpoint:
         if self.sizes.get(var_id) != array.nbytes:
             raise CheckpointError(f"variable {var_id} has {array.nbytes} bytes, {self.sizes.get(var_id)} when "
                                   f"checkpoint {self.ckpt_id} started; its size must not change in between")
+        if self.writer is None:
+            raise CheckpointError(self.error or "checkpoint file not open")
         self.infos[var_id] = VarInfo.of(var_id, name, array)
         self.writer.write_var(var_id, ArrayBytes(array))
         self.written.add(var_id)
@@ -126,6 +128,8 @@ class PendingCheckpoint:
             raise CheckpointError(f"checkpoint {self.ckpt_id}: protected variables {missing} were not added")
         trailer = dict(meta)
         trailer["vars"] = [self.infos[vid].to_json() for vid in self.sizes]
+        if self.writer is None:
+            raise CheckpointError(self.error or "checkpoint file not open")
         if isinstance(self.writer, DcpHandle):
             self.result, self.stats = self.writer.finish(self.path, self.seq, trailer, pt_fs=pt_fs, max_fs=max_fs)
         else:
@@ -133,5 +137,6 @@ class PendingCheckpoint:
         return self.result
 
     def abort(self) -> None:
-        with contextlib.suppress(OSError):
-            self.writer.abort()
+        if self.writer is not None:
+            with contextlib.suppress(OSError):
+                self.writer.abort()

@@ -1,0 +1,261 @@
+"""Differential checkpointing on one process: files, change detection, and a model-based property test."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ftidask
+from ftidask.errors import CheckpointError, FormatError, LevelError
+from ftidask.ftiff.blockhash import FLAG_DCP
+from ftidask.ftiff.reader import parse_ftiff, verify_data
+
+
+def _kw(root: Path, **extra):
+    kw = dict(ckpt_dir=str(root / "l"), glbl_dir=str(root / "g"), meta_dir=str(root / "m"), enable_dcp=1,
+              dcp_block_size=512, verbosity=3)
+    kw.update(extra)
+    return kw
+
+
+def _recover_fresh(root: Path, model: dict[int, np.ndarray], **extra) -> dict[int, np.ndarray]:
+    """A second process's view: init, protect arrays shaped like the model, recover."""
+    ctx = ftidask.init(**_kw(root, **extra))
+    assert ctx.status() == 1
+    out = {vid: np.zeros_like(arr) for vid, arr in model.items()}
+    for vid, arr in out.items():
+        ctx.protect(vid, arr)
+    ctx.recover()
+    ctx._closed = True  # leave the run as it is (no finalize: the writer still owns it)
+    return out
+
+
+def _rank_file(ctx) -> Path:
+    records = ctx.state.records()
+    return ctx._rank_file(records[-1])
+
+
+def _assert_same(got: dict[int, np.ndarray], want: dict[int, np.ndarray]) -> None:
+    assert set(got) == set(want)
+    for vid in want:
+        assert got[vid].dtype == want[vid].dtype and got[vid].shape == want[vid].shape
+        assert got[vid].tobytes() == want[vid].tobytes(), f"variable {vid} differs"
+
+
+def test_dcp_file_is_valid_ftiff_and_verified(tmp_path):
+    ctx = ftidask.init(**_kw(tmp_path))
+    a = np.arange(10_000, dtype=np.float64)
+    ctx.protect(1, a)
+    info = ctx.checkpoint(1, 5)
+    assert info.level == 5 and info.blocks_total == -(-a.nbytes // 512)
+    path = _rank_file(ctx)
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, str(path))
+        verify_data(fh, parsed)
+    assert parsed.fb.flags & FLAG_DCP
+    assert parsed.trailer["dcp"]["block_size"] == 512 and parsed.trailer["dcp"]["block_hash"] == "xxh3_128"
+    # Damage one data byte: verification names the block; recovery refuses the file.
+    meta = next(m for _b, _c, m in parsed.containers())
+    with open(path, "r+b") as fh:
+        fh.seek(meta.fptr + 3 * 512 + 7)
+        byte = fh.read(1)
+        fh.seek(meta.fptr + 3 * 512 + 7)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    with open(path, "rb") as fh, pytest.raises(FormatError, match="data block 3"):
+        verify_data(fh, parse_ftiff(fh, str(path)))
+    ctx2 = ftidask.init(**_kw(tmp_path))
+    ctx2.protect(1, np.zeros_like(a))
+    with pytest.raises(ftidask.NoCheckpointError):
+        ctx2.recover()
+
+
+def test_damaged_block_hash_section_is_detected(tmp_path):
+    ctx = ftidask.init(**_kw(tmp_path))
+    ctx.protect(1, np.arange(5000, dtype=np.int32))
+    ctx.checkpoint(1, 5)
+    path = _rank_file(ctx)
+    with open(path, "rb") as fh:
+        fs = parse_ftiff(fh, str(path)).fb.fs
+    with open(path, "r+b") as fh:
+        fh.seek(fs + 5)
+        fh.write(b"\x00\x01")
+    with open(path, "rb") as fh, pytest.raises(FormatError, match="block hashes do not match"):
+        verify_data(fh, parse_ftiff(fh, str(path)))
+
+
+def test_only_changed_blocks_are_written(tmp_path):
+    ctx = ftidask.init(**_kw(tmp_path))
+    a = np.zeros(1 << 16, dtype=np.uint8)  # 128 blocks of 512 bytes
+    ctx.protect(1, a)
+    first = ctx.checkpoint(1, 5)
+    assert first.blocks_changed == first.blocks_total == 128  # nothing to patch yet: full
+    ctx.checkpoint(2, 5)  # no spare yet: full again; checkpoint 1's file becomes the spare
+    same = ctx.checkpoint(3, 5)
+    assert same.blocks_changed == 0 and same.bytes_written == 0
+    a[700] = 1  # block 1
+    one = ctx.checkpoint(4, 5)
+    assert one.blocks_changed == 1 and one.bytes_written == 512 and one.blocks_total == 128
+    a[-1] = 9  # last block; the spare (checkpoint 3's file) also lacks block 1
+    two = ctx.checkpoint(5, 5)
+    assert two.blocks_changed == 2 and two.bytes_written == 1024
+    assert two.file_bytes < a.nbytes // 4
+    _assert_same(_recover_fresh(tmp_path, {1: a}), {1: a})
+
+
+def test_levels_and_flag(tmp_path):
+    ctx = ftidask.init(**_kw(tmp_path, enable_dcp=0))
+    ctx.protect(1, np.ones(10))
+    with pytest.raises(LevelError, match="enable_dcp"):
+        ctx.checkpoint(1, 5)
+    ctx = ftidask.init(**_kw(tmp_path / "b"))
+    a = np.arange(3000.0)
+    ctx.protect(1, a)
+    with pytest.raises(LevelError, match="several nodes"):
+        ctx.checkpoint(1, 6)
+    assert ctx.checkpoint(1, 4, dcp=True).level == 8
+    a[5] = -1
+    info = ctx.checkpoint(2, 8)
+    assert ctx.state.records()[-1].level == 4 and ctx.state.records()[-1].extra == {"dcp": True}
+    assert info.blocks_total == -(-a.nbytes // 512)
+    a[7] = -2
+    ctx.checkpoint(3, 1)  # a plain full checkpoint between differential ones
+    a[9] = -3
+    ctx.checkpoint(4, 5)
+    _assert_same(_recover_fresh(tmp_path / "b", {1: a}), {1: a})
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2, 3, 4])
+def test_every_block_hash_round_trips(tmp_path, mode):
+    ctx = ftidask.init(**_kw(tmp_path, dcp_mode=mode))
+    a = np.random.default_rng(mode).random(4000)
+    ctx.protect(1, a)
+    for i in range(1, 4):
+        a[i * 100] = i
+        ctx.checkpoint(i, 5)
+    _assert_same(_recover_fresh(tmp_path, {1: a}, dcp_mode=mode), {1: a})
+
+
+def test_restart_then_differential_again(tmp_path):
+    ctx = ftidask.init(**_kw(tmp_path))
+    a = np.arange(20_000, dtype=np.int64)
+    ctx.protect(1, a)
+    for i in range(1, 4):
+        a[i] = -i
+        ctx.checkpoint(i, 5)
+    ctx._closed = True  # the process "dies"
+    ctx2 = ftidask.init(**_kw(tmp_path))
+    b = np.zeros_like(a)
+    ctx2.protect(1, b)
+    ctx2.recover()
+    assert b.tobytes() == a.tobytes()
+    b[100] = 1
+    full = ctx2.checkpoint(4, 5)  # the spare's content is unknown after a restart: full
+    assert full.blocks_changed == full.blocks_total
+    b[200] = 2
+    diff = ctx2.checkpoint(5, 5)  # the recovered file is now the spare: differential
+    assert diff.blocks_changed == 2
+    _assert_same(_recover_fresh(tmp_path, {1: b}), {1: b})
+    ctx2.finalize()
+    assert not any(p.name.startswith("Spare") for p in (tmp_path / "l").rglob("*"))
+
+
+# --- property test against a model -------------------------------------------------------------
+
+_DTYPES = [np.dtype(np.uint8), np.dtype(np.int16), np.dtype(np.float64)]
+
+_op = st.one_of(
+    st.tuples(st.just("poke"), st.integers(0, 2), st.lists(st.integers(0, 10**6), min_size=1, max_size=4)),
+    st.tuples(st.just("region"), st.integers(0, 2), st.integers(0, 10**6), st.integers(1, 3000)),
+    st.tuples(st.just("resize"), st.integers(0, 2), st.integers(0, 6000)),
+    st.tuples(st.just("checkpoint"), st.sampled_from([5, 5, 5, 1, 8])),
+)
+
+
+def _apply(op, arrays: dict[int, np.ndarray], rng: np.random.Generator) -> None:
+    kind, vid = op[0], op[1]
+    arr = arrays[vid]
+    if kind == "poke" and arr.size:
+        for pos in op[2]:
+            arr.reshape(-1)[pos % arr.size] = rng.integers(0, 100)
+    elif kind == "region" and arr.size:
+        start = op[2] % arr.size
+        arr.reshape(-1)[start:start + op[3]] = rng.integers(0, 100, size=len(arr.reshape(-1)[start:start + op[3]]))
+    elif kind == "resize":
+        new = np.zeros(op[2], arr.dtype)
+        keep = min(op[2], arr.size)
+        new[:keep] = arr.reshape(-1)[:keep]  # growth adds a container, shrinking empties some
+        arrays[vid] = new
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(_op, min_size=1, max_size=14), seed=st.integers(0, 2**16))
+def test_recovery_equals_state_at_each_checkpoint(ops, seed):
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        ctx = ftidask.init(**_kw(root))
+        arrays = {vid: rng.integers(0, 100, size=int(rng.integers(0, 4000))).astype(_DTYPES[vid])
+                  for vid in range(3)}
+        for vid, arr in arrays.items():
+            ctx.protect(vid, arr)
+        ckpt = 0
+        for op in [*ops, ("checkpoint", 5)]:
+            if op[0] != "checkpoint":
+                _apply(op, arrays, rng)
+                for vid, arr in arrays.items():
+                    if ctx.protected[vid] is not arr:
+                        ctx.protect(vid, arr)
+                continue
+            ckpt += 1
+            info = ctx.checkpoint(ckpt, op[1])
+            assert info.bytes_written <= sum(a.nbytes for a in arrays.values())
+            _assert_same(_recover_fresh(root, arrays), arrays)
+            path = _rank_file(ctx)
+            with open(path, "rb") as fh:
+                verify_data(fh, parse_ftiff(fh, str(path)))
+        ctx.finalize()
+        leftovers = [p for p in root.rglob("*.fti")]
+        assert leftovers == [], leftovers
+
+
+def test_non_contiguous_and_fortran_arrays(tmp_path):
+    ctx = ftidask.init(**_kw(tmp_path))
+    base = np.arange(40_000, dtype=np.float32).reshape(200, 200)
+    view = base[::2, 1::3]  # not contiguous: copied in pieces
+    fort = np.asfortranarray(np.arange(6000, dtype=np.int32).reshape(60, 100))
+    ctx.protect(1, view)
+    ctx.protect(2, fort)
+    for i in range(1, 5):
+        view[i, i] = -i
+        fort[i, :] = i
+        ctx.checkpoint(i, 5)
+    got = _recover_fresh(tmp_path, {1: np.ascontiguousarray(view), 2: fort})
+    assert got[1].tobytes() == np.ascontiguousarray(view).tobytes()
+    assert np.array_equal(got[2], fort)
+
+
+def test_failed_differential_checkpoint_keeps_previous(tmp_path):
+    ctx = ftidask.init(**_kw(tmp_path))
+    a = np.arange(5000.0)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 5)
+    ctx.checkpoint(2, 5)
+    saved = a.copy()
+    a[3] = 42
+    spare = ctx._dcp.spare_path(1)
+    os.unlink(spare)
+    spare.mkdir()  # patching the spare fails (it is a directory now)
+    with pytest.raises(CheckpointError, match="previous checkpoint is kept"):
+        ctx.checkpoint(3, 5)
+    _assert_same(_recover_fresh(tmp_path, {1: a}), {1: saved})
+    spare.rmdir()
+    a[4] = 43
+    info = ctx.checkpoint(4, 5)  # works again, in full (the spare is unknown)
+    assert info.blocks_changed == info.blocks_total
+    _assert_same(_recover_fresh(tmp_path, {1: a}), {1: a})
