@@ -59,6 +59,7 @@ class DcpHandle:
         os.replace(self.store.spare_path(self.level), final_path)
         storage.fsync_dir(final_path.parent)
         storage.fsync_dir(self.store.spare_path(self.level).parent)
+        self.store._hook("renamed", self.level)
         self.store._files[self.level, seq] = state
         return written, stats
 
