@@ -162,7 +162,10 @@ class Context:
                      "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
                      "backend": t.name, "time": time.time()},
                     pt_fs=self._partner_fs(sizes), max_fs=max(sizes))
-                t.protect_files(level, ckpt_id, pending.path, pending.directory)
+                if pending.stats is not None and pending.stats.delta is not None:
+                    t.protect_files_delta(level, ckpt_id, pending.path, pending.directory, pending.stats.delta)
+                else:
+                    t.protect_files(level, ckpt_id, pending.path, pending.directory)
             except (OSError, FTIError) as exc:
                 pending.error = f"rank {t.rank}: {exc}"
         if pending.error:

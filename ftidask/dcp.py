@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .arrays import VarInfo
+from .dcpdelta import FileDelta, merge_ranges
 from .errors import CheckpointError
 from .ftiff import blockhash
 from .ftiff.blockhash import FLAG_DCP, block_digests, container_hash
@@ -60,6 +61,7 @@ class DcpStats:
     blocks_total: int
     file_bytes: int
     hash_seconds: float
+    delta: FileDelta | None = None  # the ranges that differ from the base (None: no base)
 
 
 def _base_slot(base: BlockState | None, bi: int, si: int, slot: Slot) -> np.ndarray | None:
@@ -126,6 +128,7 @@ class DcpFileWriter:
         self.hash_seconds = 0.0
         self.done: set[int] = set()
         self.hook: Callable[[], None] | None = None  # called before each write (crash tests)
+        self.runs: list[tuple[int, int]] = []  # file ranges of the data written
 
     def write_var(self, var_id: int, source: ByteSource) -> int:
         """Hash every block of ``var_id``'s containers, write those that differ from the base."""
@@ -166,6 +169,7 @@ class DcpFileWriter:
                 if self.hook is not None:
                     self.hook()
                 _pwrite_all(self.fd, data, slot.fptr + lo + off)
+                self.runs.append((slot.fptr + lo + off, end - off))
                 written += end - off
         for key, chunks in parts.items():
             self.digests[key] = (np.concatenate(chunks) if chunks else np.zeros((0, self.dsize), np.uint8))
@@ -193,7 +197,12 @@ class DcpFileWriter:
         changed = sum(int(m.sum()) for m in self.changed.values())
         total = sum(len(m) for m in self.changed.values())
         meta_bytes = written.file_size - self.layout.fs + sum(b.metasize for b in self.layout.blocks) + 96
-        stats = DcpStats(self.data_bytes, changed, total, self.data_bytes + meta_bytes, self.hash_seconds)
+        delta = None
+        if self.base is not None:
+            meta = [(0, 96), (self.layout.fs, written.file_size - self.layout.fs)]
+            meta += [(b.offset, b.metasize) for b in self.layout.blocks]
+            delta = FileDelta(self.base.fb_hash, written.file_size, merge_ranges(self.runs + meta))
+        stats = DcpStats(self.data_bytes, changed, total, self.data_bytes + meta_bytes, self.hash_seconds, delta)
         state = BlockState(self.layout, self.block_size, self.bid, dict(self.digests), written.fb.hash)
         return dataclasses.replace(written, data_bytes=self.data_bytes), stats, state
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -12,9 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ftidask
+from ftidask.dcpdelta import DeltaMismatch, apply_delta, read_payload
 from ftidask.errors import CheckpointError, FormatError, LevelError
 from ftidask.ftiff.blockhash import FLAG_DCP
 from ftidask.ftiff.reader import parse_ftiff, verify_data
+from ftidask.recovery import load_file
+from ftidask.transport.base import SerialTransport
 
 
 def _kw(root: Path, **extra):
@@ -259,3 +263,45 @@ def test_failed_differential_checkpoint_keeps_previous(tmp_path):
     info = ctx.checkpoint(4, 5)  # works again, in full (the spare is unknown)
     assert info.blocks_changed == info.blocks_total
     _assert_same(_recover_fresh(tmp_path, {1: a}), {1: a})
+
+
+class _RecordingTransport(SerialTransport):
+    """One process; keeps the deltas the engine hands to the level hook."""
+
+    def __init__(self) -> None:
+        self.deltas = []
+
+    def protect_files_delta(self, level, ckpt_id, own_file, ckpt_dir, delta):
+        self.deltas.append((own_file, delta))
+        super().protect_files_delta(level, ckpt_id, own_file, ckpt_dir, delta)
+
+
+def test_delta_rebuilds_the_new_file_from_a_copy_of_its_base(tmp_path):
+    t = _RecordingTransport()
+    ctx = ftidask.Context(ftidask.load_config(**_kw(tmp_path)), t)
+    a = np.arange(100_000, dtype=np.float64)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 5)
+    ctx.checkpoint(2, 5)
+    assert t.deltas == []  # full writes: no base, no delta
+    partner_copy = tmp_path / "partner" / "spare.fti"
+    partner_copy.parent.mkdir()
+    shutil.copyfile(ctx._dcp.spare_path(1), partner_copy)  # what a partner would keep
+    a[10] = -1
+    a[50_000:50_100] = -2
+    info = ctx.checkpoint(3, 5)
+    (own, delta), = t.deltas
+    assert delta.nbytes < 4 * info.file_bytes and delta.nbytes < a.nbytes // 20
+    rebuilt = tmp_path / "partner" / "Ckpt3-Pcof0.fti"
+    apply_delta(partner_copy, rebuilt, delta, read_payload(own, delta))
+    with open(rebuilt, "rb") as fh:
+        parsed = parse_ftiff(fh, str(rebuilt))
+        verify_data(fh, parsed)
+    with open(own, "rb") as fh:
+        assert parse_ftiff(fh, str(own)).fb.hash == parsed.fb.hash
+    b = np.zeros_like(a)
+    load_file(parsed, {1: b})
+    assert b.tobytes() == a.tobytes()
+    # A partner whose base differs is told so (it must get the whole file).
+    with pytest.raises(DeltaMismatch):
+        apply_delta(rebuilt, tmp_path / "x.fti", delta, read_payload(own, delta))

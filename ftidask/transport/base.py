@@ -51,6 +51,16 @@ class Transport(abc.ABC):
         if level in (2, 3):
             self.check_level(level)
 
+    def protect_files_delta(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, delta: Any) -> None:
+        """Like :meth:`protect_files` for a differential file (levels 5-8).
+
+        ``delta`` (:class:`ftidask.dcpdelta.FileDelta`) lists the byte ranges of ``own_file`` that
+        differ from the file it was patched from (identified by ``delta.base_fb_hash``). A transport
+        whose partner still holds that base can send only ``read_payload(own_file, delta)`` and have
+        the partner run ``apply_delta``; by default the whole file is protected.
+        """
+        self.protect_files(level, ckpt_id, own_file, ckpt_dir)
+
     def rebuild_file(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, ok: bool) -> bool:
         """Collectively rebuild lost files of a level-``level`` checkpoint; True when this rank has its file."""
         return ok
