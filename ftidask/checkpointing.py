@@ -28,7 +28,9 @@ class CheckpointInfo:
 
     def __repr__(self) -> str:
         rate = self.bytes_written / self.seconds / 2**20 if self.seconds > 0 else 0.0
-        return (f"CheckpointInfo(id={self.id}, level={self.level}, bytes_written={self.bytes_written}, "
+        blocks = ("" if self.blocks_changed is None else
+                  f", blocks_changed={self.blocks_changed}/{self.blocks_total}")
+        return (f"CheckpointInfo(id={self.id}, level={self.level}, bytes_written={self.bytes_written}{blocks}, "
                 f"seconds={self.seconds:.3f} ({rate:.0f} MiB/s))")
 
 
