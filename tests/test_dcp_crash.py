@@ -89,4 +89,5 @@ def test_killed_at_a_random_time(tmp_path, seed):
     time.sleep(rnd.uniform(0.0, 0.6))
     proc.send_signal(signal.SIGKILL)
     out, _err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL  # killed inside the loop, not after it
     _check_recovers(tmp_path, _committed(first + out))
