@@ -271,6 +271,8 @@ class Context:
         t.barrier()
         if self._dcp is not None:  # its file becomes the spare that the next dCP checkpoint patches
             self._dcp.retire(record.level, record.seq, self._rank_file(record))
+        if self.config.enable_dcp and record.level == 4:
+            t.barrier()  # every rank has moved its file out of the shared L4 directory before rank 0 removes it
         for level in {record.level, 1, 2, 3}:
             storage.remove_tree(self.paths.level_dir(level, t.node) / record.dirname)
         if t.rank == 0:

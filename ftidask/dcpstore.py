@@ -106,11 +106,14 @@ class DcpStore:
     def retire(self, level: int, seq: int, path: Path) -> None:
         """Checkpoint ``seq`` of ``level`` is no longer committed: keep its file as the spare."""
         state = self._files.pop((level, seq), None)
-        if state is None or not path.exists():
+        if state is None:
             return
         spare = self.spare_path(level)
-        storage.makedirs(spare.parent)
-        os.replace(path, spare)
+        try:
+            storage.makedirs(spare.parent)
+            os.replace(path, spare)
+        except OSError:
+            return  # no spare: the next differential checkpoint writes everything
         self._spares[level] = state
 
     def recovered(self, level: int, seq: int, path: Path, parsed: Any) -> None:
