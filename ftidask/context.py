@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ class Context:
         self._layout: Layout | None = None
         self._hash_id = hashing.hash_id(config.hash)
         self._closed = False
+        self._pool: ThreadPoolExecutor | None = None
         self._recovered = False
         self._restart_file: FtiffFile | None = None
         self._restart_record: CommitRecord | None = None
@@ -124,7 +126,7 @@ class Context:
             infos = [VarInfo.of(vid, p.name, p.array) for vid, p in self._vars.items()]
             written = write_rank_file(
                 path, layout, {vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, infos,
-                hash_id=self._hash_id, pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
+                hash_id=self._hash_id, pool=self._hash_pool(), pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
                 meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
                       "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
                       "backend": t.name, "time": time.time()})
@@ -155,6 +157,12 @@ class Context:
         log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, level, info.bytes_written,
                  info.seconds)
         return info
+
+    def _hash_pool(self) -> ThreadPoolExecutor:
+        # One long-lived thread hashes a container while the caller writes it.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
+        return self._pool
 
     def _check_level(self, level: Any) -> int:
         if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or int(level) not in constants.LEVELS:
@@ -391,8 +399,14 @@ class Context:
                     self.state.write_run(state="finalized", keep_last=False)
             t.barrier()
         finally:
-            self._closed = True
-            t.close()
+            self._close()
+
+    def _close(self) -> None:
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.transport.close()
 
     def _flush_to_l4(self, record: CommitRecord) -> None:
         t = self.transport
@@ -426,8 +440,7 @@ class Context:
             self.finalize()
         else:
             # Died with an error: keep the checkpoints so that the next run can restart.
-            self._closed = True
-            self.transport.close()
+            self._close()
 
     def __repr__(self) -> str:
         vars_ = ", ".join(f"{p.id}:{p.name} {p.array.dtype}{list(p.array.shape)}" for p in self._vars.values())
