@@ -32,14 +32,15 @@ from .storage import fsync_dir, makedirs
 class RankFileWriter:
     """A full FTI-FF file written variable by variable at a temporary name, renamed on finish."""
 
-    def __init__(self, path: Path, layout: Layout, hash_id: int) -> None:
+    def __init__(self, path: Path, layout: Layout, hash_id: int, pool: ThreadPoolExecutor | None = None) -> None:
         makedirs(path.parent)
         self.path, self.layout, self.hash_id = path, layout, hash_id
         self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         self.fh = open(self.tmp, "w+b")  # noqa: SIM115 - closed by finish or abort
         self.digests: dict[tuple[int, int], bytes] = {}
         self.data_bytes = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
+        self._own_pool = pool is None
+        self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
 
     def write_var(self, var_id: int, source: Any) -> int:
         """Write and hash every container of ``var_id`` now (the array may change afterwards)."""
@@ -77,7 +78,8 @@ class RankFileWriter:
     def close(self) -> None:
         if not self.fh.closed:
             self.fh.close()
-            self._pool.shutdown(wait=True)
+            if self._own_pool:
+                self._pool.shutdown(wait=True)
 
 
 @dataclasses.dataclass

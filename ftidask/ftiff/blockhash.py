@@ -172,6 +172,16 @@ def _spans(parsed: FtiffFile, only: set[int] | None) -> Iterator[tuple[int, int,
 _PIECE_BLOCKS = 1024  # blocks read per piece while verifying (<= 64 MiB)
 
 
+def _readinto(fh: BinaryIO, offset: int, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fh.fileno(), [view[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
 def verify_dcp(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -> None:
     """Check every container hash against its block digests, and every block against its digest."""
     info, digests = read_digests(fh, parsed)
@@ -194,8 +204,6 @@ def verify_dcp(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) ->
 
 def read_into_dcp(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget]) -> None:
     """Copy the chunks of the variables in ``targets`` into them, checking every block digest."""
-    from .reader import fh_readinto
-
     info, digests = read_digests(fh, parsed)
     piece = info.block_size * _PIECE_BLOCKS
     buf: bytearray | None = None
@@ -208,7 +216,7 @@ def read_into_dcp(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTar
             if direct is None:
                 buf = buf or bytearray(piece)
             view = direct if direct is not None else memoryview(buf)[:n]  # type: ignore[arg-type]
-            got_n = fh_readinto(fh, meta.fptr + lo, view)
+            got_n = _readinto(fh, meta.fptr + lo, view)
             first = lo // info.block_size
             got = block_digests(view, info.block_size, info.fn, info.digest_size)
             if got_n != n or (got != want[first:first + len(got)]).any():
