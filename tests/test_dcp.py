@@ -305,3 +305,24 @@ def test_delta_rebuilds_the_new_file_from_a_copy_of_its_base(tmp_path):
     # A partner whose base differs is told so (it must get the whole file).
     with pytest.raises(DeltaMismatch):
         apply_delta(rebuilt, tmp_path / "x.fti", delta, read_payload(own, delta))
+
+
+def test_cli_inspects_and_verifies_a_dcp_file(tmp_path, capsys):
+    from ftidask.cli import main
+
+    ctx = ftidask.init(**_kw(tmp_path))
+    a = np.arange(20_000, dtype=np.float64)
+    ctx.protect(1, a)
+    for i in range(1, 4):
+        a[i * 3000] = -i
+        ctx.checkpoint(i, 5)
+    path = _rank_file(ctx)
+    assert main(["inspect", str(path)]) == 0
+    assert "Differential (dCP): blocks of 512 bytes, block hash xxh3_128" in capsys.readouterr().out
+    assert main(["verify", str(path)]) == 0
+    capsys.readouterr()
+    with open(path, "r+b") as fh:
+        fh.seek(parse_ftiff(fh, str(path)).blocks[0][1][0].fptr + 512 * 10)
+        fh.write(b"\xff\xfe")
+    assert main(["verify", str(path)]) != 0
+    assert "data block 10 does not match" in capsys.readouterr().out
