@@ -165,8 +165,9 @@ class Context:
                      "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
                      "backend": t.name, "time": time.time()},
                     pt_fs=self._partner_fs(sizes), max_fs=max(sizes))
-                if pending.stats is not None and pending.stats.delta is not None:
-                    t.protect_files_delta(level, ckpt_id, pending.path, pending.directory, pending.stats.delta)
+                if pending.differential:  # on every rank alike: the level's exchanges are collective
+                    t.protect_files_delta(level, ckpt_id, pending.path, pending.directory,
+                                          None if pending.stats is None else pending.stats.delta)
                 else:
                     t.protect_files(level, ckpt_id, pending.path, pending.directory)
             except (OSError, FTIError) as exc:
@@ -300,7 +301,7 @@ class Context:
             self.state.delete_record(record.seq)
         t.barrier()
         if self._dcp is not None:  # its file becomes the spare that the next dCP checkpoint patches
-            self._dcp.retire(record.level, record.seq, self._rank_file(record))
+            self._dcp.retire(record.level, record.seq, self._rank_file(record), record.ckpt_id)
         if self.config.enable_dcp and record.level == 4:
             t.barrier()  # every rank has moved its file out of the shared L4 directory before rank 0 removes it
         for level in {record.level, 1, 2, 3}:

@@ -89,6 +89,10 @@ class DcpStore:
     def spare_path(self, level: int) -> Path:
         return self.paths.level_dir(level, self.node) / "dcp" / f"Spare-Rank{self.rank}.fti"
 
+    def spare_partner_path(self, level: int) -> Path:
+        """The partner copy kept for L2 deltas (see :mod:`ftidask.levels.partner_delta`)."""
+        return self.spare_path(level).with_name(f"SparePcof-Rank{self.rank}.fti")
+
     def begin(self, level: int, layout: Layout) -> DcpHandle:
         """Open the spare of ``level`` for patching up to ``layout``."""
         path = self.spare_path(level)
@@ -103,8 +107,13 @@ class DcpStore:
             writer.hook = lambda: self._hook("block", level)
         return DcpHandle(self, level, fd, writer)
 
-    def retire(self, level: int, seq: int, path: Path) -> None:
-        """Checkpoint ``seq`` of ``level`` is no longer committed: keep its file as the spare."""
+    def retire(self, level: int, seq: int, path: Path, ckpt_id: int | None = None) -> None:
+        """Checkpoint ``seq`` of ``level`` is no longer committed: keep its file as the spare
+        (and, at L2, the partner copy it holds as the spare partner copy)."""
+        if level == 2 and ckpt_id is not None:
+            pcof = path.parent / storage.partner_file(ckpt_id, self.rank)
+            with contextlib.suppress(OSError):
+                os.replace(pcof, self.spare_partner_path(level))
         state = self._files.pop((level, seq), None)
         if state is None:
             return
@@ -135,8 +144,9 @@ class DcpStore:
     def clear(self) -> None:
         """Remove the spares (the run is over) and stop the hashing threads."""
         for level in (1, 2, 3, 4):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.spare_path(level))
+            for path in (self.spare_path(level), self.spare_partner_path(level)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             with contextlib.suppress(OSError):
                 os.rmdir(self.spare_path(level).parent)
         self.forget()

@@ -54,10 +54,12 @@ class Transport(abc.ABC):
     def protect_files_delta(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, delta: Any) -> None:
         """Like :meth:`protect_files` for a differential file (levels 5-8).
 
-        ``delta`` (:class:`ftidask.dcpdelta.FileDelta`) lists the byte ranges of ``own_file`` that
-        differ from the file it was patched from (identified by ``delta.base_fb_hash``). A transport
-        whose partner still holds that base can send only ``read_payload(own_file, delta)`` and have
-        the partner run ``apply_delta``; by default the whole file is protected.
+        Called on every rank of a differential checkpoint (collectively, like protect_files).
+        ``delta`` (:class:`ftidask.dcpdelta.FileDelta`, or None when the file was written in full)
+        lists the byte ranges of ``own_file`` that differ from the file it was patched from
+        (identified by ``delta.base_fb_hash``). A transport whose partner still holds that base can
+        send only those ranges: :func:`ftidask.levels.partner_delta.protect` does it for L2 over
+        a group channel. By default the whole file is protected.
         """
         self.protect_files(level, ckpt_id, own_file, ckpt_dir)
 
