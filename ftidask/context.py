@@ -165,13 +165,16 @@ class Context:
                      "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
                      "backend": t.name, "time": time.time()},
                     pt_fs=self._partner_fs(sizes), max_fs=max(sizes))
-                if pending.differential:  # on every rank alike: the level's exchanges are collective
-                    t.protect_files_delta(level, ckpt_id, pending.path, pending.directory,
-                                          None if pending.stats is None else pending.stats.delta)
-                else:
-                    t.protect_files(level, ckpt_id, pending.path, pending.directory)
             except (OSError, FTIError) as exc:
                 pending.error = f"rank {t.rank}: {exc}"
+        try:  # collective for L2/L3: every rank takes part, even one whose file failed
+            if pending.differential:
+                t.protect_files_delta(level, ckpt_id, pending.path, pending.directory,
+                                      None if pending.stats is None or pending.error else pending.stats.delta)
+            else:
+                t.protect_files(level, ckpt_id, pending.path, pending.directory)
+        except (OSError, FTIError) as exc:
+            pending.error = pending.error or f"rank {t.rank}: {exc}"
         if pending.error:
             pending.abort()
         results = t.allgather((pending.error, None if written is None else
