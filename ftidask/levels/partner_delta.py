@@ -16,6 +16,7 @@ The group is any object with the ``GroupChannel`` interface of the MPI backend (
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from .. import storage
 from ..dcpdelta import FileDelta
 from ..errors import FormatError
 from ..ftiff.structs import FB_SIZE, FileBlock
+
+log = logging.getLogger("ftidask")
 
 
 def spare_partner_path(ckpt_dir: Path, rank: int) -> Path:
@@ -64,6 +67,8 @@ def protect(ch: Any, own: Path, pcof: Path, spare: Path, size: int, delta: FileD
     patches = ch.allgather(bool(can_patch))
     send = _payload_pieces(delta if patches[right] else None, size, piece)
     recv = _payload_pieces(left_delta if can_patch else None, int(theirs["size"]), piece)
+    log.debug("L2: sending %d of %d bytes to the partner (%s)", sum(n for _o, n in send), size,
+              "changed ranges" if patches[right] else "whole file")
     errors: list[str] = []
     fin = None
     try:
