@@ -13,7 +13,11 @@ Design: two alternating files per rank and level, brought up to date in place.
   commit point: a crash at any moment before it leaves the previous checkpoint, untouched and
   still the newest committed one; the spare may be torn, so its in-memory state is dropped when
   patching starts and a torn spare is simply rewritten in full next time.
-* Without a known spare (first dCP checkpoint, after a restart, after a failed checkpoint, or
+* The writer zeroes the spare's FB (and syncs) before its first data write, so a spare torn
+  by a crash never shows a valid FB. When a file becomes the spare, its FB hash is also noted
+  in ``Spare-Rank{r}.json``: a restarted process trusts the spare's own block-hash section if
+  its FB hash is that one (read from the metadata only, see :func:`ftidask.dcp.load_state`).
+* Without a known spare (first dCP checkpoint, after a failed checkpoint, a torn spare, or
   when the retired file was not a dCP file of this block size and hash), every block is written:
   that is a full checkpoint in dCP format, and the next one is differential again.
 
@@ -31,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from . import storage
-from .dcp import BlockState, DcpFileWriter, DcpStats, state_of_file
+from .dcp import BlockState, DcpFileWriter, DcpStats, load_state, state_of_file
 from .errors import FormatError
 from .ftiff.structs import FB_SIZE, FileBlock
 from .ftiff.writer import WrittenFile
@@ -98,6 +102,11 @@ class DcpStore:
         path = self.spare_path(level)
         storage.makedirs(path.parent)
         base = self._spares.pop(level, None)  # from now on the spare's content is unknown
+        if base is None:  # after a restart: the spare's own block hashes, if it is the file retired
+            known = storage.read_json(self._spare_record(level))
+            if isinstance(known, dict) and isinstance(known.get("fb_hash"), str):
+                with contextlib.suppress(ValueError):
+                    base = load_state(path, bytes.fromhex(known["fb_hash"]))
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         if base is not None and not _holds(fd, base):
             base = None
@@ -124,6 +133,11 @@ class DcpStore:
         except OSError:
             return  # no spare: the next differential checkpoint writes everything
         self._spares[level] = state
+        with contextlib.suppress(OSError):  # lets a restarted process trust this (committed, fsynced) file
+            storage.write_json_atomic(self._spare_record(level), {"fb_hash": state.fb_hash.hex()})
+
+    def _spare_record(self, level: int) -> Path:
+        return self.spare_path(level).with_suffix(".json")
 
     def recovered(self, level: int, seq: int, path: Path, parsed: Any) -> None:
         """The file of a verified, recovered checkpoint: remember its state (it will be a spare)."""
@@ -144,7 +158,7 @@ class DcpStore:
     def clear(self) -> None:
         """Remove the spares (the run is over) and stop the hashing threads."""
         for level in (1, 2, 3, 4):
-            for path in (self.spare_path(level), self.spare_partner_path(level)):
+            for path in (self.spare_path(level), self.spare_partner_path(level), self._spare_record(level)):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             with contextlib.suppress(OSError):
@@ -177,3 +191,30 @@ def _holds(fd: int, state: BlockState) -> bool:
         return FileBlock.unpack(raw).hash == state.fb_hash
     except FormatError:
         return False
+
+
+def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None, layout: Layout,
+                       sources: Mapping[int, Any], infos: list[Any], meta: Mapping[str, Any], *, block_size: int,
+                       bid: int, hash_id: int, pool: ThreadPoolExecutor, pt_fs: int | None = None,
+                       max_fs: int | None = None) -> tuple[WrittenFile, DcpStats]:
+    """One rank's differential file without any state kept between checkpoints (e.g. a Dask task).
+
+    ``spare`` is the file of a retired checkpoint (renamed there by the backend) whose FB hash
+    its commit record gave as ``expected_fb_hash``; its block digests are read from the file
+    (:func:`~ftidask.dcp.load_state`). Any other spare, or none, is rewritten in full. The
+    result is fsynced and renamed to ``final``; the caller then writes the commit record.
+    """
+    from .dcp import write_dcp_file
+
+    base = load_state(spare, expected_fb_hash) if expected_fb_hash is not None else None
+    storage.makedirs(spare.parent)
+    fd = os.open(spare, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        written, stats, _state = write_dcp_file(fd, layout, sources, infos, meta, base, block_size=block_size,
+                                                bid=bid, hash_id=hash_id, pool=pool, pt_fs=pt_fs, max_fs=max_fs)
+    finally:
+        os.close(fd)
+    storage.makedirs(final.parent)
+    os.replace(spare, final)
+    storage.fsync_dir(final.parent)
+    return written, stats

@@ -159,8 +159,8 @@ def test_restart_then_differential_again(tmp_path):
     ctx2.recover()
     assert b.tobytes() == a.tobytes()
     b[100] = 1
-    full = ctx2.checkpoint(4, 5)  # the spare's content is unknown after a restart: full
-    assert full.blocks_changed == full.blocks_total
+    first = ctx2.checkpoint(4, 5)  # the spare (checkpoint 2's file) is trusted from its own hashes
+    assert first.blocks_changed == 2  # block 0 (a[3], changed at checkpoint 3) and block 1 (b[100])
     b[200] = 2
     diff = ctx2.checkpoint(5, 5)  # the recovered file is now the spare: differential
     assert diff.blocks_changed == 2
@@ -327,3 +327,57 @@ def test_cli_inspects_and_verifies_a_dcp_file(tmp_path, capsys):
         fh.write(b"\xff\xfe")
     assert main(["verify", str(path)]) != 0
     assert "data block 10 does not match" in capsys.readouterr().out
+
+
+def test_stateless_differential_writes_for_task_based_backends(tmp_path):
+    """What a Dask task does: no state between checkpoints, the spare's digests read from the file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ftidask.arrays import ArrayBytes, VarInfo
+    from ftidask.dcpstore import write_differential
+    from ftidask.layout import plan_layout
+
+    pool = ThreadPoolExecutor(2)
+    a = np.arange(50_000, dtype=np.float64)
+    layout = plan_layout(None, [(1, a.nbytes)])
+    spare = tmp_path / "dcp" / "Spare-Rank0.fti"
+
+    def write(n, expected):
+        final = tmp_path / f"ckpt{n}" / "Ckpt-Rank0.fti"
+        written, stats = write_differential(spare, final, expected, layout, {1: ArrayBytes(a)},
+                                            [VarInfo.of(1, "a", a)], {"format": "ftidask"}, block_size=512,
+                                            bid=4, hash_id=2, pool=pool)
+        return final, written, stats
+
+    f1, w1, s1 = write(1, None)
+    f2, w2, s2 = write(2, None)
+    assert s1.blocks_changed == s2.blocks_changed == s1.blocks_total
+    os.replace(f1, spare)  # checkpoint 1 retired: the backend keeps its file as the spare
+    a[100] = -1
+    f3, w3, s3 = write(3, w1.fb.hash)  # the client passes the hash from checkpoint 1's commit record
+    assert s3.blocks_changed == 1
+    got = _read(f3, a)
+    assert got.tobytes() == a.tobytes()
+    # A spare torn by a crash while it was patched is never trusted: its FB was invalidated first.
+    os.replace(f2, spare)
+    with open(spare, "r+b") as fh:
+        fh.write(bytes(96))  # what a kill after the writer's first step leaves
+    a[200] = -2
+    f4, w4, s4 = write(4, w2.fb.hash)
+    assert s4.blocks_changed == s4.blocks_total
+    assert _read(f4, a).tobytes() == a.tobytes()
+    # A wrong expected hash (another file) is not trusted either.
+    os.replace(f3, spare)
+    a[300] = -3
+    _f5, _w5, s5 = write(5, w1.fb.hash)
+    assert s5.blocks_changed == s5.blocks_total
+    pool.shutdown()
+
+
+def _read(path, like):
+    out = np.zeros_like(like)
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, str(path))
+        verify_data(fh, parsed)
+    load_file(parsed, {1: out})
+    return out
