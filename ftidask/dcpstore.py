@@ -28,6 +28,7 @@ metadata only. Nothing here depends on the backend: each rank calls it for its o
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -133,8 +134,13 @@ class DcpStore:
         except OSError:
             return  # no spare: the next differential checkpoint writes everything
         self._spares[level] = state
-        with contextlib.suppress(OSError):  # lets a restarted process trust this (committed, fsynced) file
-            storage.write_json_atomic(self._spare_record(level), {"fb_hash": state.fb_hash.hex()})
+        # A hint that lets a restarted process trust this (committed, fsynced) file. Not synced: a
+        # lost or stale hint only names another FB hash, and then the spare is rewritten in full.
+        hint = self._spare_record(level)
+        with contextlib.suppress(OSError):
+            tmp = hint.with_name(f".{hint.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps({"fb_hash": state.fb_hash.hex()}))
+            os.replace(tmp, hint)
 
     def _spare_record(self, level: int) -> Path:
         return self.spare_path(level).with_suffix(".json")
