@@ -118,13 +118,17 @@ class Context:
         checkpoint (``enable_dcp = 1``): only the blocks that changed since the file being updated.
         """
         pending = self._begin_checkpoint(id, level + 4 if dcp and level in constants.LEVELS else level)
-        for vid, p in self._vars.items():
-            if pending.error:
-                break
-            try:
-                pending.write_var(vid, p.name, p.array)
-            except (OSError, FTIError) as exc:
-                pending.error = f"rank {self.transport.rank}: {exc}"
+        try:
+            for vid, p in self._vars.items():
+                if pending.error:
+                    break
+                try:
+                    pending.write_var(vid, p.name, p.array)
+                except (OSError, FTIError) as exc:
+                    pending.error = f"rank {self.transport.rank}: {exc}"
+        except BaseException:  # interrupted: no file left open, nothing committed
+            pending.abort()
+            raise
         return self._commit_checkpoint(pending)
 
     def _begin_checkpoint(self, id: int, level: int) -> PendingCheckpoint:
