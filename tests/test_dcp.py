@@ -381,3 +381,48 @@ def _read(path, like):
         verify_data(fh, parsed)
     load_file(parsed, {1: out})
     return out
+
+
+def test_inconsistent_dcp_tables_are_refused(tmp_path):
+    """A table that lies about the block-hash section is a FormatError, never a wrong read."""
+    import dataclasses
+    import json
+
+    from ftidask.ftiff import hashing
+    from ftidask.ftiff.structs import FB_SIZE
+    from ftidask.ftiff.trailer import pack_trailer
+
+    ctx = ftidask.init(**_kw(tmp_path))
+    ctx.protect(1, np.arange(3000.0))
+    ctx.checkpoint(1, 5)
+    path = _rank_file(ctx)
+    raw = path.read_bytes()
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, str(path))
+    section = raw[parsed.fb.fs:parsed.fb.fs + parsed.trailer["dcp"]["section_len"]]
+
+    def rewrite(table, name):
+        # A well-formed file (valid FB and metadata checksum) around a tampered table.
+        tail = pack_trailer(json.dumps(table).encode())
+        checksum = hashing.new_hasher(parsed.fb.hash_id)
+        for bmd, metas in parsed.blocks:
+            checksum.update(bmd.pack() + b"".join(m.pack() for m in metas))
+        checksum.update(tail)
+        fb = dataclasses.replace(parsed.fb, checksum=checksum.hexdigest()[:32]).sealed()
+        out = tmp_path / name
+        out.write_bytes(fb.pack() + raw[FB_SIZE:parsed.fb.fs] + section + tail)
+        return out
+
+    good = rewrite(dict(parsed.trailer), "same.fti")
+    with open(good, "rb") as fh:
+        verify_data(fh, parse_ftiff(fh, str(good)))  # the rewriting itself is sound
+    for change, match in ((lambda d: d.pop("dcp"), "no 'dcp' entry"),
+                          (lambda d: d["dcp"].update(section_len=16), "block-hash section"),
+                          (lambda d: d["dcp"].update(block_size=1024), "block-hash section"),
+                          (lambda d: d["dcp"].update(block_size=100), "outside"),
+                          (lambda d: d["dcp"].update(block_hash_id=99), "unknown block hash")):
+        table = json.loads(json.dumps(parsed.trailer))
+        change(table)
+        bad = rewrite(table, "bad.fti")
+        with open(bad, "rb") as fh, pytest.raises(FormatError, match=match):
+            verify_data(fh, parse_ftiff(fh, str(bad)))
