@@ -49,6 +49,7 @@ FTI_DATATYPES: dict[str, np.dtype] = {
 LEVELS = (1, 2, 3, 4)
 #: FTI's differential levels L1_DCP..L4_DCP.
 DCP_LEVELS = (5, 6, 7, 8)
+FTI_L1_DCP, FTI_L2_DCP, FTI_L3_DCP, FTI_L4_DCP = DCP_LEVELS
 
 
 def init_type(itemsize: int) -> np.dtype:
