@@ -49,22 +49,26 @@ def test_each_variable_is_saved_as_it_was_when_added(tmp_path, level):
     assert got[3].tobytes() == want_c.tobytes()
 
 
-def test_missing_variable_is_refused_and_previous_kept(tmp_path):
+@pytest.mark.parametrize("level", [1, 5])
+def test_missing_variable_is_refused_and_previous_kept(tmp_path, level):
     ctx = ftidask.init(**_kw(tmp_path))
     a, b = np.arange(100.0), np.arange(50.0)
     ctx.protect(1, a)
     ctx.protect(2, b)
-    ctx.checkpoint(1, 1)
+    ctx.checkpoint(1, level)
+    ctx.checkpoint(1, level)  # at level 5, the first file is now the spare that iCP patches
     saved = {1: a.copy(), 2: b.copy()}
     a[:] = 7
-    ctx.init_icp(2, 1)
+    ctx.init_icp(2, level)
     ctx.add_var_icp(1)
     with pytest.raises(CheckpointError, match=r"misses protected variables \[2\]"):
         ctx.finalize_icp()
     got = _recover(tmp_path, saved)
     assert all(got[v].tobytes() == saved[v].tobytes() for v in saved)
     assert not list((tmp_path / "l").rglob("Ckpt2-*"))
-    ctx.checkpoint(3, 1)  # the context goes on normally
+    info = ctx.checkpoint(3, level)  # the context goes on normally
+    assert _recover(tmp_path, saved)[1].tobytes() == a.tobytes()
+    assert info.blocks_changed in (None, info.blocks_total)  # the torn spare is rewritten in full
 
 
 def test_context_manager_and_misuse(tmp_path):
