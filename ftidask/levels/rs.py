@@ -1,0 +1,113 @@
+"""L3, FTI's Reed-Solomon level: one parity file per member of a group, any half of the group's files rebuild the rest.
+
+A group holds ``k = group_size`` data files (one per node, padded with zeros to the largest,
+FTI's maxFs) and ``k`` parity files (``RSed``); the code is systematic, so any ``k`` of the
+``2k`` files give back the others. Files are processed in blocks of ``block`` bytes: no file is
+ever held whole in memory. Each parity file's hash is kept beside it (``.hash``) so that a
+damaged parity file counts as lost instead of corrupting a rebuild.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from ..errors import FTIError
+from ..ftiff import hashing
+from ..storage import atomic_file, read_json, write_json_atomic
+from .channel import GroupChannel
+from .erasure import ReedSolomon
+
+
+def hash_path(parity: Path) -> Path:
+    return parity.with_name(parity.name + ".hash")
+
+
+def _read_block(fh: BinaryIO | None, offset: int, length: int, valid: int) -> np.ndarray:
+    """``length`` bytes at ``offset``, zero beyond the ``valid`` bytes of the file (the padding)."""
+    out = np.zeros(length, dtype=np.uint8)
+    n = max(0, min(length, valid - offset))
+    if fh is not None and n:
+        with contextlib.suppress(OSError):
+            fh.seek(offset)
+            fh.readinto(memoryview(out)[:n])
+    return out
+
+
+def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: int, hash_id: int) -> str:
+    """Write this member's parity file; sizes are the group's file sizes by index. Error or ''."""
+    k, max_fs = ch.size, max(sizes)
+    codec = ReedSolomon(k, k)
+    error = ""
+    with contextlib.ExitStack() as stack:
+        try:
+            fin: BinaryIO | None = stack.enter_context(open(own, "rb"))
+        except OSError as exc:
+            fin, error = None, f"cannot read {own}: {exc}"
+        fout = stack.enter_context(atomic_file(parity))
+        hasher = hashing.new_hasher(hash_id)
+        for offset in range(0, max_fs, block):
+            n = min(block, max_fs - offset)
+            blocks = ch.allgather_blocks(_read_block(fin, offset, n, sizes[ch.index]))
+            par = codec.encode(blocks, parity_indices=[ch.index])[0]
+            fout.write(memoryview(par))
+            hasher.update(memoryview(par))
+    write_json_atomic(hash_path(parity), {"hash_id": hash_id, "hash": hasher.hexdigest(), "size": max_fs})
+    return error
+
+
+def parity_ok(parity: Path, size: int, block: int) -> bool:
+    """Whether ``parity`` is present, of the expected size, and matches its recorded hash."""
+    info = read_json(hash_path(parity))
+    try:
+        if not isinstance(info, dict) or int(info["size"]) != size or parity.stat().st_size != size:
+            return False
+        hasher = hashing.new_hasher(int(info["hash_id"]))
+        buf = bytearray(block)
+        with open(parity, "rb") as fh:
+            while n := fh.readinto(buf):
+                hasher.update(memoryview(buf)[:n])
+        return hasher.hexdigest() == info["hash"]
+    except (OSError, KeyError, TypeError, ValueError, FTIError):
+        return False
+
+
+def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: int, hash_id: int,
+            own_ok: bool, verify_own: Callable[[Path], bool]) -> bool:
+    """Rebuild the group's lost data and parity files when at most ``k`` of the ``2k`` are lost; True if own verifies."""
+    i, k, max_fs = ch.index, ch.size, max(sizes)
+    par_ok = parity_ok(parity, max_fs, block)
+    flags = ch.allgather([bool(own_ok), bool(par_ok)])
+    lost = sum((not d) + (not p) for d, p in flags)
+    if lost == 0 or lost > k:
+        return own_ok
+    available = [j for j in range(k) if flags[j][0]] + [k + j for j in range(k) if flags[j][1]]
+    chosen = available[:k]
+    codec = ReedSolomon(k, k)
+    with contextlib.ExitStack() as stack:
+        fd = stack.enter_context(open(own, "rb")) if own_ok else None
+        fp = stack.enter_context(open(parity, "rb")) if par_ok else None
+        out_d = stack.enter_context(atomic_file(own)) if not own_ok else None
+        out_p = stack.enter_context(atomic_file(parity)) if not par_ok else None
+        hasher = hashing.new_hasher(hash_id)
+        for offset in range(0, max_fs, block):
+            n = min(block, max_fs - offset)
+            data = ch.allgather_blocks(_read_block(fd, offset, n, sizes[i]) if own_ok else np.zeros(n, np.uint8))
+            pars = ch.allgather_blocks(_read_block(fp, offset, n, max_fs) if par_ok else np.zeros(n, np.uint8))
+            if out_d is None and out_p is None:
+                continue
+            blocks = {j: (data[j] if j < k else pars[j - k]) for j in chosen}
+            decoded = codec.decode(blocks, n)
+            if out_d is not None and offset < sizes[i]:
+                out_d.write(memoryview(decoded[i])[: min(n, sizes[i] - offset)])
+            if out_p is not None:
+                par = codec.encode(decoded, parity_indices=[i])[0]
+                out_p.write(memoryview(par))
+                hasher.update(memoryview(par))
+    if out_p is not None:
+        write_json_atomic(hash_path(parity), {"hash_id": hash_id, "hash": hasher.hexdigest(), "size": max_fs})
+    return verify_own(own) if not own_ok else own_ok
