@@ -3,7 +3,7 @@
 usage: levels_job.py write CONFIG_JSON DIR LEVEL
        levels_job.py recover CONFIG_JSON DIR [DIR ...]
 Each rank holds (rank % 7 + 1) * 100000 doubles plus a small int array, from a seed of its rank.
-Prints one line per rank and case: ``RESULT <dir> <rank> ok|fail <error class> <message>``.
+Each rank writes ``<dir>/result-<rank>.json`` per case: {"status": ok|fail|wrong, "error", "message", "untouched"}.
 """
 
 import json
@@ -24,6 +24,11 @@ def dirs(base: str) -> dict:
     return {"ckpt_dir": f"{base}/Local", "glbl_dir": f"{base}/Global", "meta_dir": f"{base}/Meta"}
 
 
+def report(base: str, rank: int, **fields: object) -> None:
+    with open(f"{base}/result-{rank}.json", "w") as fh:
+        json.dump(fields, fh)
+
+
 def main() -> None:
     mode, overrides = sys.argv[1], json.loads(sys.argv[2])
     if mode == "write":
@@ -40,7 +45,7 @@ def main() -> None:
         try:
             ctx = ftidask.init(comm=MPI.COMM_WORLD, **overrides, **dirs(base))
         except ftidask.FTIError as exc:
-            print(f"RESULT {base} {MPI.COMM_WORLD.rank} fail {type(exc).__name__} {str(exc)!r}", flush=True)
+            report(base, MPI.COMM_WORLD.rank, status="fail", error=type(exc).__name__, message=str(exc))
             continue
         rank = ctx.comm.rank
         want_a, want_b = arrays(rank)
@@ -50,13 +55,12 @@ def main() -> None:
         try:
             ctx.recover()
         except ftidask.FTIError as exc:
-            untouched = not a.any() and not b.any()
-            print(f"RESULT {base} {rank} fail {type(exc).__name__} untouched={untouched} "
-                  f"{str(exc).splitlines()[0]!r}", flush=True)
+            report(base, rank, status="fail", error=type(exc).__name__, message=str(exc),
+                   untouched=not a.any() and not b.any())
         else:
             same = a.tobytes() == want_a.tobytes() and b.tobytes() == want_b.tobytes()
-            print(f"RESULT {base} {rank} {'ok' if same else 'WRONG-DATA'} from={ctx.recovered_from}", flush=True)
-        ctx.finalize()
+            report(base, rank, status="ok" if same else "wrong", source=list(ctx.recovered_from))
+        ctx.transport.close()  # no finalize: the rebuilt files stay for the test to inspect
 
 
 if __name__ == "__main__":
