@@ -1,6 +1,8 @@
 """Rank script for the MPI level tests: write one checkpoint, or recover a list of damaged copies.
 
 usage: levels_job.py write CONFIG_JSON DIR LEVEL
+       levels_job.py keep CONFIG_JSON DIR LEVEL      (checkpoint, then finalize: keep_last_ckpt)
+       levels_job.py probe CONFIG_JSON DIR LEVEL     (report the error class of init/checkpoint per rank)
        levels_job.py recover CONFIG_JSON DIR [DIR ...]
 Each rank holds (rank % 7 + 1) * 100000 doubles plus a small int array, from a seed of its rank.
 Each rank writes ``<dir>/result-<rank>.json`` per case: {"status": ok|fail|wrong, "error", "message", "untouched"}.
@@ -31,6 +33,24 @@ def report(base: str, rank: int, **fields: object) -> None:
 
 def main() -> None:
     mode, overrides = sys.argv[1], json.loads(sys.argv[2])
+    if mode == "probe":
+        world = MPI.COMM_WORLD.rank
+        try:
+            ctx = ftidask.init(comm=MPI.COMM_WORLD, **overrides, **dirs(sys.argv[3]))
+            ctx.protect(1, arrays(ctx.comm.rank)[0])
+            ctx.checkpoint(1, int(sys.argv[4]))
+            ctx.finalize()
+        except ftidask.FTIError as exc:
+            report(sys.argv[3], world, status="fail", error=type(exc).__name__, message=str(exc))
+        else:
+            report(sys.argv[3], world, status="ok")
+        return
+    if mode == "keep":
+        with ftidask.init(comm=MPI.COMM_WORLD, **overrides, **dirs(sys.argv[3])) as ctx:
+            ctx.protect(1, arrays(ctx.comm.rank)[0])
+            ctx.protect(2, arrays(ctx.comm.rank)[1])
+            ctx.checkpoint(1, int(sys.argv[4]))
+        return
     if mode == "write":
         ctx = ftidask.init(comm=MPI.COMM_WORLD, **overrides, **dirs(sys.argv[3]))
         a, b = arrays(ctx.comm.rank)
