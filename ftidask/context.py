@@ -133,9 +133,12 @@ class Context:
                 meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
                       "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
                       "backend": t.name, "time": time.time()})
-            t.protect_files(level, ckpt_id, path, directory)
         except (OSError, FTIError) as exc:
             error = f"rank {t.rank}: {exc}"
+        try:  # collective for L2/L3: every rank takes part, even one whose file failed
+            t.protect_files(level, ckpt_id, path, directory)
+        except (OSError, FTIError) as exc:
+            error = error or f"rank {t.rank}: {exc}"
         results = t.allgather((error, None if written is None else
                                FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()))
         errors = [e for e, _ in results if e]

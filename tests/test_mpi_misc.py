@@ -47,3 +47,17 @@ def test_same_outcome_on_every_rank(tmp_path: Path, overrides: dict, level: int,
     else:
         assert len(results) == 4 and {r["error"] for r in results} == {error}, results
         assert all(match in r["message"] for r in results)
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_write_failure_on_one_node_fails_everywhere(tmp_path: Path, level: int) -> None:
+    """A rank that cannot write its file still takes part in the level's collectives: no hang, one error."""
+    base = tmp_path / "run"
+    blocker = base / "Local" / "node1" / "fixed" / f"l{level}"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("not a directory")  # node 1 cannot create its checkpoint directory
+    cfg = {"local_test": 1, "node_size": 1, "group_size": 4, "exec_id": "fixed"}
+    run(4, "levels_job.py", "probe", json.dumps(cfg), str(base), str(level), timeout=120)
+    results = _results(base, 4)
+    assert {r["error"] for r in results} == {"CheckpointError"}, results
+    assert len({r["message"] for r in results}) == 1 and "rank 1" in results[0]["message"]

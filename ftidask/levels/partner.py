@@ -7,24 +7,11 @@ two adjacent nodes lost together lose a file for good.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
 
-import numpy as np
-
-from ..storage import atomic_file
+from .blockio import SafeOutput, open_input, read_block
 from .channel import GroupChannel
-
-
-def _read_piece(fh: BinaryIO | None, length: int) -> np.ndarray:
-    """``length`` bytes from ``fh``; zeros where the file is short or unreadable (the peer still gets its count)."""
-    out = np.zeros(length, dtype=np.uint8)
-    if fh is not None:
-        with contextlib.suppress(OSError):
-            fh.readinto(memoryview(out))
-    return out
 
 
 def exchange_file(ch: GroupChannel, send_path: Path | None, dest: int, send_size: int,
@@ -36,22 +23,22 @@ def exchange_file(ch: GroupChannel, send_path: Path | None, dest: int, send_size
     """
     n_send = -(-send_size // piece) if send_path is not None else 0
     n_recv = -(-recv_size // piece) if recv_path is not None else 0
-    error = ""
-    with contextlib.ExitStack() as stack:
-        fin = None
-        if send_path is not None:
-            try:
-                fin = stack.enter_context(open(send_path, "rb"))
-            except OSError as exc:
-                error = f"cannot read {send_path}: {exc}"
-        fout = stack.enter_context(atomic_file(recv_path)) if recv_path is not None else None
+    errors: list[str] = []
+    fin = open_input(send_path, errors) if send_path is not None else None
+    out = SafeOutput(recv_path, errors) if recv_path is not None else None
+    try:
         for k in range(max(n_send, n_recv)):
-            out = _read_piece(fin, min(piece, send_size - k * piece)) if k < n_send else None
+            block = read_block(fin, k * piece, min(piece, send_size - k * piece), send_size) if k < n_send else None
             want = min(piece, recv_size - k * piece) if k < n_recv else 0
-            got = ch.exchange(out, dest if out is not None else None, want, source if want else None)
-            if fout is not None and got is not None:
-                fout.write(memoryview(got))
-    return error
+            got = ch.exchange(block, dest if block is not None else None, want, source if want else None)
+            if out is not None and got is not None:
+                out.write(got)
+    finally:
+        if fin is not None:
+            fin.close()
+    if out is not None:
+        out.close()
+    return "; ".join(errors)
 
 
 def protect(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: int) -> str:

@@ -9,16 +9,13 @@ damaged parity file counts as lost instead of corrupting a rebuild.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
-
-import numpy as np
 
 from ..errors import FTIError
 from ..ftiff import hashing
-from ..storage import atomic_file, read_json, write_json_atomic
+from ..storage import read_json, write_json_atomic
+from .blockio import SafeOutput, open_input, read_block
 from .channel import GroupChannel
 from .erasure import ReedSolomon
 
@@ -27,37 +24,34 @@ def hash_path(parity: Path) -> Path:
     return parity.with_name(parity.name + ".hash")
 
 
-def _read_block(fh: BinaryIO | None, offset: int, length: int, valid: int) -> np.ndarray:
-    """``length`` bytes at ``offset``, zero beyond the ``valid`` bytes of the file (the padding)."""
-    out = np.zeros(length, dtype=np.uint8)
-    n = max(0, min(length, valid - offset))
-    if fh is not None and n:
-        with contextlib.suppress(OSError):
-            fh.seek(offset)
-            fh.readinto(memoryview(out)[:n])
-    return out
+def _write_hash(parity: Path, hash_id: int, digest: str, size: int, errors: list[str]) -> None:
+    try:
+        write_json_atomic(hash_path(parity), {"hash_id": hash_id, "hash": digest, "size": size})
+    except OSError as exc:
+        errors.append(f"cannot write {hash_path(parity)}: {exc}")
 
 
 def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: int, hash_id: int) -> str:
     """Write this member's parity file; sizes are the group's file sizes by index. Error or ''."""
     k, max_fs = ch.size, max(sizes)
     codec = ReedSolomon(k, k)
-    error = ""
-    with contextlib.ExitStack() as stack:
-        try:
-            fin: BinaryIO | None = stack.enter_context(open(own, "rb"))
-        except OSError as exc:
-            fin, error = None, f"cannot read {own}: {exc}"
-        fout = stack.enter_context(atomic_file(parity))
-        hasher = hashing.new_hasher(hash_id)
+    errors: list[str] = []
+    fin = open_input(own, errors)
+    out = SafeOutput(parity, errors)
+    hasher = hashing.new_hasher(hash_id)
+    try:
         for offset in range(0, max_fs, block):
             n = min(block, max_fs - offset)
-            blocks = ch.allgather_blocks(_read_block(fin, offset, n, sizes[ch.index]))
+            blocks = ch.allgather_blocks(read_block(fin, offset, n, sizes[ch.index]))
             par = codec.encode(blocks, parity_indices=[ch.index])[0]
-            fout.write(memoryview(par))
+            out.write(par)
             hasher.update(memoryview(par))
-    write_json_atomic(hash_path(parity), {"hash_id": hash_id, "hash": hasher.hexdigest(), "size": max_fs})
-    return error
+    finally:
+        if fin is not None:
+            fin.close()
+    if out.close():
+        _write_hash(parity, hash_id, hasher.hexdigest(), max_fs, errors)
+    return "; ".join(errors)
 
 
 def parity_ok(parity: Path, size: int, block: int) -> bool:
@@ -88,26 +82,32 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
     available = [j for j in range(k) if flags[j][0]] + [k + j for j in range(k) if flags[j][1]]
     chosen = available[:k]
     codec = ReedSolomon(k, k)
-    with contextlib.ExitStack() as stack:
-        fd = stack.enter_context(open(own, "rb")) if own_ok else None
-        fp = stack.enter_context(open(parity, "rb")) if par_ok else None
-        out_d = stack.enter_context(atomic_file(own)) if not own_ok else None
-        out_p = stack.enter_context(atomic_file(parity)) if not par_ok else None
-        hasher = hashing.new_hasher(hash_id)
+    errors: list[str] = []
+    fd = open_input(own, errors) if own_ok else None
+    fp = open_input(parity, errors) if par_ok else None
+    out_d = SafeOutput(own, errors) if not own_ok else None
+    out_p = SafeOutput(parity, errors) if not par_ok else None
+    hasher = hashing.new_hasher(hash_id)
+    try:
         for offset in range(0, max_fs, block):
             n = min(block, max_fs - offset)
-            data = ch.allgather_blocks(_read_block(fd, offset, n, sizes[i]) if own_ok else np.zeros(n, np.uint8))
-            pars = ch.allgather_blocks(_read_block(fp, offset, n, max_fs) if par_ok else np.zeros(n, np.uint8))
+            data = ch.allgather_blocks(read_block(fd, offset, n, sizes[i]))
+            pars = ch.allgather_blocks(read_block(fp, offset, n, max_fs))
             if out_d is None and out_p is None:
                 continue
-            blocks = {j: (data[j] if j < k else pars[j - k]) for j in chosen}
-            decoded = codec.decode(blocks, n)
+            decoded = codec.decode({j: (data[j] if j < k else pars[j - k]) for j in chosen}, n)
             if out_d is not None and offset < sizes[i]:
-                out_d.write(memoryview(decoded[i])[: min(n, sizes[i] - offset)])
+                out_d.write(decoded[i][: min(n, sizes[i] - offset)])
             if out_p is not None:
                 par = codec.encode(decoded, parity_indices=[i])[0]
-                out_p.write(memoryview(par))
+                out_p.write(par)
                 hasher.update(memoryview(par))
-    if out_p is not None:
-        write_json_atomic(hash_path(parity), {"hash_id": hash_id, "hash": hasher.hexdigest(), "size": max_fs})
+    finally:
+        for fh in (fd, fp):
+            if fh is not None:
+                fh.close()
+    if out_d is not None:
+        out_d.close()
+    if out_p is not None and out_p.close():
+        _write_hash(parity, hash_id, hasher.hexdigest(), max_fs, errors)
     return verify_own(own) if not own_ok else own_ok
