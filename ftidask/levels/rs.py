@@ -72,7 +72,10 @@ def parity_ok(parity: Path, size: int, block: int) -> bool:
 
 def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: int, hash_id: int,
             own_ok: bool, verify_own: Callable[[Path], bool]) -> bool:
-    """Rebuild the group's lost data and parity files when at most ``k`` of the ``2k`` are lost; True if own verifies."""
+    """Rebuild the group's lost data and parity files if at most ``k`` of the ``2k`` are lost.
+
+    True when this member's own file verifies afterwards.
+    """
     i, k, max_fs = ch.index, ch.size, max(sizes)
     par_ok = parity_ok(parity, max_fs, block)
     flags = ch.allgather([bool(own_ok), bool(par_ok)])

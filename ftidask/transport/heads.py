@@ -21,7 +21,8 @@ from mpi4py import MPI
 from .. import storage
 from ..config import Config
 from ..runstate import CommitRecord, RunState
-from .mpi import _TAG_REPLY, _TAG_REQ, MpiTransport, allgather_json, recv_json, run_level, send_json
+from ..levels import multilevel
+from .mpi import _TAG_REPLY, _TAG_REQ, MpiTransport, allgather_json, recv_json, send_json
 
 log = logging.getLogger("ftidask")
 
@@ -79,8 +80,8 @@ def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, leve
         except OSError as exc:
             error = error or f"node {node}: {exc}"
         assert t.group is not None  # L2/L3 were validated when the run started
-        problem = run_level(t.group, cfg, level, record.ckpt_id, app, dst_dir / name, dst_dir,
-                            topo.left_partner(app), [sizes[r] for r in topo.group_ranks(app)])
+        problem = multilevel.protect(t.group, cfg, level, record.ckpt_id, app, dst_dir / name, dst_dir,
+                                     [sizes[r] for r in topo.group_ranks(app)])
         error = error or problem
     errors = [e for e in allgather_json(t.comm, error) if e]
     if errors:
@@ -93,6 +94,7 @@ def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, leve
     t.comm.Barrier()
     storage.remove_tree(src_dir)
     _retire_older(cfg, t, state, paths, raised)
+    log.info("head of node %d: checkpoint %d raised to level %d", node, record.ckpt_id, level)
     return {"ok": True, "error": "", "level": level, "ckpt_id": record.ckpt_id}
 
 

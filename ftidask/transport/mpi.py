@@ -17,11 +17,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import storage
 from ..config import Config
 from ..errors import CheckpointError, ConfigError, FTIError, LevelError
-from ..ftiff import hashing
-from ..levels import partner, rs
+from ..levels import multilevel
 from ..levels.topology import Topology, host_topology, local_topology, validate_levels
 from ..recovery import check_file
 from ..runstate import CommitRecord
@@ -172,8 +170,8 @@ class MpiTransport(Transport):
             size = own_file.stat().st_size
         except OSError:
             size = 0
-        error = run_level(self.group, self.cfg, level, ckpt_id, self.rank, own_file, ckpt_dir,
-                          self.topo.left_partner(self.rank), self.group.allgather(size))
+        error = multilevel.protect(self.group, self.cfg, level, ckpt_id, self.rank, own_file, ckpt_dir,
+                                   self.group.allgather(size))
         if error:
             raise CheckpointError(error)
 
@@ -185,8 +183,11 @@ class MpiTransport(Transport):
         ranks = self.topo.group_ranks(self.rank)
         if record.nranks != self.size or any(r not in sizes for r in ranks):
             return ok  # written by another topology: nothing to rebuild with
-        return rebuild_level(self.group, self.cfg, level, record, self.rank, own_file, ckpt_dir,
-                             self.topo.left_partner(self.rank), [sizes[r] for r in ranks], ok)
+        left = self.topo.left_partner(self.rank)
+        return multilevel.rebuild(
+            self.group, self.cfg, level, record.ckpt_id, self.rank, own_file, ckpt_dir, [sizes[r] for r in ranks],
+            ok, verify_own=lambda p: check_file(p, record, self.rank).kind == "ok",
+            verify_partner=lambda p: check_file(p, record, left).kind == "ok")
 
     # --- heads (post-processing) --------------------------------------------------------------------
 
@@ -203,7 +204,8 @@ class MpiTransport(Transport):
         """Ask this node's head to raise ``record`` (an L1 checkpoint) to ``level``."""
         if self.node_comm is None or level == record.level:
             return
-        send_json(self.node_comm, {"op": "post", "record": record.to_json(), "level": level, "exec_id": exec_id}, 0, _TAG_REQ)
+        request = {"op": "post", "record": record.to_json(), "level": level, "exec_id": exec_id}
+        send_json(self.node_comm, request, 0, _TAG_REQ)
         self._pending = True
 
     def post_done(self) -> bool:
@@ -233,30 +235,6 @@ class MpiTransport(Transport):
             send_json(self.node_comm, {"op": "end"}, 0, _TAG_REQ)
         for comm in reversed(self._comms):
             comm.Free()
-
-
-def run_level(group: MpiGroup, cfg: Config, level: int, ckpt_id: int, rank: int, own_file: Path,
-              ckpt_dir: Path, left: int, sizes: list[int]) -> str:
-    """Add L2 or L3 redundancy for ``own_file`` over ``group`` (every member calls it)."""
-    if level == 2:
-        return partner.protect(group, own_file, ckpt_dir / storage.partner_file(ckpt_id, rank), sizes,
-                               cfg.transfer_size << 20)
-    return rs.encode(group, own_file, ckpt_dir / storage.parity_file(ckpt_id, rank), sizes,
-                     cfg.block_size << 10, hashing.hash_id(cfg.hash))
-
-
-def rebuild_level(group: MpiGroup, cfg: Config, level: int, record: CommitRecord, rank: int, own_file: Path,
-                  ckpt_dir: Path, left: int, sizes: list[int], ok: bool) -> bool:
-    """Rebuild what the group lost of an L2/L3 checkpoint; True when ``own_file`` verifies."""
-    def verify_own(path: Path) -> bool:
-        return check_file(path, record, rank).kind == "ok"
-
-    if level == 2:
-        return partner.rebuild(group, own_file, ckpt_dir / storage.partner_file(record.ckpt_id, rank), sizes,
-                               cfg.transfer_size << 20, ok, verify_own,
-                               lambda p: check_file(p, record, left).kind == "ok")
-    return rs.rebuild(group, own_file, ckpt_dir / storage.parity_file(record.ckpt_id, rank), sizes,
-                      cfg.block_size << 10, hashing.hash_id(cfg.hash), ok, verify_own)
 
 
 def make_mpi_context(cfg: Config, comm: Any) -> Any:
