@@ -92,11 +92,12 @@ def _config(nranks: int) -> dict:
     return {"local_test": 1, "node_size": nranks // 4, "group_size": 4, "block_size": 256, "transfer_size": 1}
 
 
-def _check_level(tmp: Path, nranks: int, level: int, timeout: float) -> None:
-    cfg = json.dumps(_config(nranks))
+def _check_level(tmp: Path, nranks: int, level: int, timeout: float, config: dict | None = None,
+                 table: dict | None = None) -> None:
+    cfg = json.dumps(config or _config(nranks))
     base = tmp / f"l{level}"
     run(nranks, "levels_job.py", "write", cfg, str(base), str(level), timeout=timeout)
-    cases = {name: spec for name, spec in CASES.items() if spec[1][level - 1] is not None}
+    cases = {name: spec for name, spec in (table or CASES).items() if spec[1][level - 1] is not None}
     for name, (damage, _expected) in cases.items():
         shutil.copytree(base, tmp / name)
         damage(tmp / name)
@@ -139,3 +140,19 @@ def test_levels_4_ranks(tmp_path: Path, level: int) -> None:
 @pytest.mark.parametrize("level", [1, 2, 3, 4])
 def test_levels_16_ranks(tmp_path: Path, level: int) -> None:
     _check_level(tmp_path, 16, level, timeout=600)
+
+
+# Two groups of two nodes (0-1 and 2-3): each group repairs itself, whatever happens to the other.
+TWO_GROUPS = {
+    "node0_erased": (erase_nodes([0]), (None, OK, OK, None)),
+    "nodes0_2_erased": (erase_nodes([0, 2]), (None, OK, OK, None)),
+    "nodes1_3_erased": (erase_nodes([1, 3]), (None, OK, OK, None)),
+    "nodes0_1_erased": (erase_nodes([0, 1]), (None, FAIL, FAIL, None)),  # a whole group
+    "rank_and_parity_node0": (both(erase([0], RANK), erase([0], RSED)), (None, None, OK, None)),
+}
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_two_groups_of_two(tmp_path: Path, level: int) -> None:
+    config = {"local_test": 1, "node_size": 1, "group_size": 2, "block_size": 64, "transfer_size": 1}
+    _check_level(tmp_path, 4, level, timeout=180, config=config, table=TWO_GROUPS)

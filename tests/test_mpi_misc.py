@@ -33,6 +33,9 @@ def test_keep_last_ckpt_survives_every_local_loss(tmp_path: Path) -> None:
     ({"node_size": 1, "group_size": 3, "ckpt_l3": 5}, 1, "ConfigError", "group_size"),
     ({"node_size": 1, "group_size": 3}, 2, "LevelError", "not a multiple of group_size"),
     ({"node_size": 4, "head": 1}, 1, None, ""),  # one node, one head: L1 works
+    ({"local_test": 0, "node_size": 4}, 4, None, ""),  # nodes by host name: this machine is one node
+    ({"local_test": 0, "node_size": 2}, 1, "ConfigError", "runs 4 process(es), node_size is 2"),
+    ({"local_test": 0, "node_size": 4}, 2, "LevelError", "not a multiple of group_size"),
 ])
 def test_same_outcome_on_every_rank(tmp_path: Path, overrides: dict, level: int, error: str | None,
                                     match: str) -> None:
