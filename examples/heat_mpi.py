@@ -56,8 +56,9 @@ def main() -> None:
     crash_at = int(os.environ.get("HEAT_CRASH_AT", "-1"))  # failure injection for the tests
     overrides = {"ckpt_dir": f"{args.dir}/Local", "glbl_dir": f"{args.dir}/Global", "meta_dir": f"{args.dir}/Meta",
                  "local_test": 1, "node_size": args.node_size, "verbosity": 3}
-    if args.config is None:
-        overrides["group_size"] = min(4, MPI.COMM_WORLD.size // args.node_size) or 1
+    if args.config is None:  # the largest FTI group (up to 4 nodes) that divides the nodes
+        nnodes = max(1, MPI.COMM_WORLD.size // args.node_size)
+        overrides["group_size"] = next(g for g in (4, 3, 2, 1) if nnodes % g == 0)
     with ftidask.init(args.config, comm=MPI.COMM_WORLD, **overrides) as ctx:
         comm = ctx.comm
         u = np.zeros((args.rows + 2, args.cols))
