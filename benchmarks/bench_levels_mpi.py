@@ -74,9 +74,9 @@ def codec(mib: int) -> None:
     cpy = time.perf_counter() - start
     mb = rounds * k * block / 1e6  # data bytes processed
     print(f"codec k=m={k}, {mb:.0f} MB of data in 1 MiB blocks (one core):")
-    print(f"  encode (all {k} parity) {mb / enc:8.0f} MB/s   ({enc / cpy:6.1f} x memcpy time)")
-    print(f"  decode (2 data lost)    {mb / dec:8.0f} MB/s   ({dec / cpy:6.1f} x memcpy time)")
-    print(f"  memcpy                  {mb / cpy:8.0f} MB/s")
+    print(f"  encode (all {k} parity){mb / enc:8.0f} MB/s   ({enc / cpy:6.1f} x memcpy time)")
+    print(f"  decode (2 data lost)  {mb / dec:8.0f} MB/s   ({dec / cpy:6.1f} x memcpy time)")
+    print(f"  memcpy                {mb / cpy:8.0f} MB/s")
 
 
 def main() -> None:
