@@ -202,7 +202,7 @@ class Context:
         committed = t.bcast({r.dirname for r in self.state.records()} if t.rank == 0 else None)
         roots = [self.paths.local_dir(level, t.node) for level in (1, 2, 3, 4)]
         if t.rank == 0:
-            roots.append(self.paths.level_dir(4, 0))
+            roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
         for root in roots:
             if not root.is_dir():
                 continue
