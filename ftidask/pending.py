@@ -100,6 +100,7 @@ class PendingCheckpoint:
     error: str = ""
     result: WrittenFile | None = None
     stats: DcpStats | None = None
+    post_level: int = 0  # the level a head raises the checkpoint to afterwards (0: none)
 
     @property
     def base_level(self) -> int:
