@@ -1,4 +1,4 @@
-"""Differential L2 checkpoints over MPI (tests/test_dcp_mpi.py): write 5, or recover the last one."""
+"""Differential checkpoints over MPI (tests/test_dcp_mpi.py): write 5 at a level, or recover the last one."""
 
 import logging
 import sys
@@ -8,11 +8,14 @@ from mpi4py import MPI
 
 import ftidask
 
-logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
-logging.getLogger("ftidask").addFilter(lambda rec: rec.getMessage().startswith("L2:") or rec.levelno >= 30)
-root, phase = sys.argv[1], sys.argv[2]
+root, phase, level = sys.argv[1], sys.argv[2], int(sys.argv[3])
 comm = MPI.COMM_WORLD
 r = comm.rank
+# One output file per rank: the ranks' stdout would interleave.
+out = open(f"{root}/{phase}-rank{r}.txt", "w", buffering=1)  # noqa: SIM115 - for the whole job
+handler = logging.StreamHandler(out)
+handler.addFilter(lambda rec: rec.getMessage().startswith("L2:") or rec.levelno >= 30)
+logging.getLogger("ftidask").addHandler(handler)
 cfg = dict(ckpt_dir=f"{root}/l", glbl_dir=f"{root}/g", meta_dir=f"{root}/m", local_test=1, node_size=1, group_size=4,
            enable_dcp=1, dcp_block_size=4096, verbosity=1, exec_id="trial")
 
@@ -30,8 +33,8 @@ if phase == "write":
     ctx.protect(1, a)
     for k in range(1, 6):
         a[:] = state(k)
-        info = ctx.checkpoint(k, 6)
-        print("rank", r, "ckpt", k, "blocks", info.blocks_changed, info.blocks_total, flush=True)
+        info = ctx.checkpoint(k, level)
+        print("rank", r, "ckpt", k, "blocks", info.blocks_changed, info.blocks_total, file=out)
     ctx._closed = True
 else:
     ctx = ftidask.init(comm=comm, **cfg)
@@ -39,4 +42,4 @@ else:
     ctx.protect(1, a)
     ctx.recover()
     ok = a.tobytes() == state(5).tobytes()
-    print("rank", r, "recovered", ctx.recovered_from, "exact", ok, flush=True)
+    print("rank", r, "recovered", ctx.recovered_from, "exact", ok, file=out)
