@@ -262,6 +262,10 @@ class Context:
     def _check_level(self, level: Any) -> int:
         if (self.config.enable_dcp and isinstance(level, (int, np.integer)) and not isinstance(level, bool)
                 and int(level) in constants.DCP_LEVELS):
+            # A backend with its own checkpoint() must say that it writes differential files.
+            if type(self).checkpoint is not Context.checkpoint and not getattr(self, "writes_dcp", False):
+                raise LevelError(f"level {level}: the {self.transport.name} backend does not write differential "
+                                 "checkpoints; use levels 1-4")
             self.transport.check_level(int(level) - 4)
             return int(level)
         if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or int(level) not in constants.LEVELS:
