@@ -17,7 +17,7 @@ from .arrays import ArrayBytes, VarInfo, check_protectable
 from .checkpointing import CheckpointInfo, write_rank_file
 from .config import Config
 from .errors import CheckpointError, FTIError, LevelError, NoCheckpointError, ProtectError, RecoveryError
-from .ftiff import hashing
+from .ftiff import compression, hashing
 from .ftiff.reader import FtiffFile
 from .layout import Layout, plan_layout
 from .recovery import Verdict, check_file, check_sizes, load_file
@@ -36,6 +36,7 @@ class Protected:
     id: int
     name: str
     array: np.ndarray
+    compressor: dict[str, Any] | None = None  # numcodecs config; None: the config's [advanced] compressor
 
 
 def _check_id(value: Any, what: str) -> int:
@@ -83,15 +84,22 @@ class Context:
 
     # --- protection ----------------------------------------------------------------------------
 
-    def protect(self, id: int, array: Any, name: str | None = None) -> None:
-        """FTI_Protect: register ``array`` under ``id`` (again: update its array and size)."""
+    def protect(self, id: int, array: Any, name: str | None = None, compressor: Any = None) -> None:
+        """FTI_Protect: register ``array`` under ``id`` (again: update its array and size).
+
+        ``compressor`` (``"zstd"``, ``"lz4"``, ``"blosc"``, ``"none"``, a numcodecs codec...) overrides
+        ``[advanced] compressor`` for this variable; see :mod:`ftidask.ftiff.compression`.
+        """
         self._check_open()
         vid = _check_id(id, "variable id")
         array = check_protectable(array)
         old = self._vars.get(vid)
         if name is None:
             name = old.name if old is not None else f"var{vid}"
-        self._vars[vid] = Protected(vid, str(name), array)
+        codec = old.compressor if old is not None and compressor is None else None
+        if compressor is not None:
+            codec = compression.parse_compressor(compressor) or {"id": "none"}
+        self._vars[vid] = Protected(vid, str(name), array, codec)
 
     @property
     def protected(self) -> Mapping[int, np.ndarray]:
@@ -120,9 +128,12 @@ class Context:
         path = directory / storage.rank_file(ckpt_id, t.rank)
         error, written = "", None
         try:
-            infos = [VarInfo.of(vid, p.name, p.array) for vid, p in self._vars.items()]
+            codecs = self._codecs()
+            infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}))
+                     for vid, p in self._vars.items()]
             written = write_rank_file(
                 path, layout, {vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, infos,
+                codecs={vid: (codec, self._vars[vid].array.dtype.itemsize) for vid, (codec, _c) in codecs.items()},
                 hash_id=self._hash_id, pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
                 meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
                       "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
@@ -153,6 +164,16 @@ class Context:
         log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, level, info.bytes_written,
                  info.seconds)
         return info
+
+    def _codecs(self) -> dict[int, tuple[Any, dict[str, Any]]]:
+        """Per variable to compress: ``(numcodecs codec, its JSON config)``."""
+        default = compression.parse_compressor(self.config.compressor)
+        out = {}
+        for vid, p in self._vars.items():
+            config = p.compressor if p.compressor is not None else default
+            if config is not None and config.get("id") != "none" and p.array.nbytes:
+                out[vid] = (compression.get_codec(config), config)
+        return out
 
     def _check_level(self, level: Any) -> int:
         if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or int(level) not in constants.LEVELS:
