@@ -127,11 +127,13 @@ class Context:
         directory = self.paths.level_dir(level, t.node) / storage.ckpt_dirname(ckpt_id, seq)
         path = directory / storage.rank_file(ckpt_id, t.rank)
         error, written = "", None
+        zarr_l4 = level == 4 and self.config.l4_format == "zarr"
         try:
             codecs = self._codecs()
             infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}))
                      for vid, p in self._vars.items()]
-            written = write_rank_file(
+            write = self._write_zarr_l4 if zarr_l4 else write_rank_file
+            written = write(
                 path, layout, {vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, infos,
                 codecs={vid: (codec, self._vars[vid].array.dtype.itemsize) for vid, (codec, _c) in codecs.items()},
                 hash_id=self._hash_id, pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
@@ -150,7 +152,8 @@ class Context:
                                   "kept: " + "; ".join(errors))
         assert written is not None  # every rank succeeded
         record = CommitRecord(seq, ckpt_id, level, time.time(), t.size,
-                              tuple(FileRecord(**f) for _e, f in results))
+                              tuple(FileRecord(**f) for _e, f in results),
+                              {"l4_format": "zarr"} if zarr_l4 else {})
         if t.rank == 0:
             self.state.write_record(record)  # the commit point
         t.barrier()
@@ -164,6 +167,16 @@ class Context:
         log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, level, info.bytes_written,
                  info.seconds)
         return info
+
+    def _write_zarr_l4(self, path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes], infos: list[VarInfo],
+                       *, meta: Mapping[str, Any], **_ignored: Any) -> Any:
+        """Level 4 as a Zarr store (``l4_format = zarr``), in place of the FTI-FF file."""
+        from .levels import zarr_l4
+        from .progress import for_config
+
+        with for_config(self.config, sum(a.nbytes for a in arrays.values()), "checkpoint (zarr)") as bar:
+            return zarr_l4.write_rank_store(path.with_suffix(zarr_l4.SUFFIX), {vid: a.array for vid, a in arrays.items()},
+                                            infos, meta, progress=bar)
 
     def _codecs(self) -> dict[int, tuple[Any, dict[str, Any]]]:
         """Per variable to compress: ``(numcodecs codec, its JSON config)``."""
@@ -223,8 +236,9 @@ class Context:
         return sorted(records, key=lambda r: r.seq, reverse=True)
 
     def _rank_file(self, record: CommitRecord) -> Path:
-        return (self.paths.level_dir(record.level, self.transport.node) / record.dirname
+        path = (self.paths.level_dir(record.level, self.transport.node) / record.dirname
                 / storage.rank_file(record.ckpt_id, self.transport.rank))
+        return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
 
     def _find(self, ckpt_id: int | None = None, level: int | None = None) -> tuple[CommitRecord, Verdict]:
         """The newest committed checkpoint that every rank can verify (or rebuild)."""

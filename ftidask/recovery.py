@@ -29,6 +29,10 @@ class Verdict:
 
 def check_file(path: Path, record: CommitRecord | None, rank: int) -> Verdict:
     """Parse and hash-check ``path``; compare it with the commit record."""
+    if path.suffix == ".zarr":  # a level-4 checkpoint written as Zarr
+        from .levels.zarr_l4 import check_store
+
+        return check_store(path, record, rank)
     try:
         with open(path, "rb") as fh:
             parsed = parse_ftiff(fh, str(path))
@@ -63,6 +67,11 @@ def check_sizes(parsed: FtiffFile, arrays: Mapping[int, np.ndarray]) -> str:
 
 def load_file(parsed: FtiffFile, arrays: Mapping[int, np.ndarray]) -> None:
     """Fill ``arrays`` (already size-checked) from a verified file."""
+    if str(parsed.path).endswith(".zarr"):
+        from .levels.zarr_l4 import load_store
+
+        load_store(parsed, arrays)  # type: ignore[arg-type]
+        return
     # The stream order is the stored one, whatever the layout of the array receiving it.
     targets = {vid: ArrayBytes(arr, parsed.vars[vid].order if vid in parsed.vars else "C")
                for vid, arr in arrays.items()}
