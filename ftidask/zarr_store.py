@@ -78,26 +78,41 @@ def _chunks(info: VarInfo, array: np.ndarray) -> Any:
 
 def write_store(path: Path, arrays: Mapping[int, np.ndarray], infos: list[VarInfo], attrs: Mapping[str, Any],
                 *, progress: Any = None) -> tuple[str, int]:
-    """Write a new store at ``path`` (atomically: temporary directory, fsync, rename).
+    """Write a new store at ``path`` with one array per variable (atomically).
 
     Returns ``(manifest digest hex, bytes on disk)``.
     """
+    taken: set[str] = set()
+    items = [(array_name(info, taken), info, arrays[info.id]) for info in infos]
+    return write_items(path, items, attrs, progress=progress)
+
+
+def write_items(path: Path, items: list[tuple[str, VarInfo, np.ndarray]], attrs: Mapping[str, Any],
+                *, progress: Any = None, overwrite: bool = True) -> tuple[str, int]:
+    """Write ``(array path, VarInfo, array)`` items as a new store (temporary directory, fsync, rename).
+
+    An array path may hold one ``/`` (``rank3/temp``): the group is created. Returns
+    ``(manifest digest hex, bytes on disk)``.
+    """
     zarr = _zarr()
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     storage.remove_tree(tmp)
     try:
-        group = zarr.open_group(str(tmp), mode="w", attributes=dict(attrs))
-        taken: set[str] = set()
+        root = zarr.open_group(str(tmp), mode="w", attributes=dict(attrs))
+        groups = {"": root}
         table = []
-        for info in infos:
-            array = arrays[info.id]
-            name = array_name(info, taken)
+        for name, info, array in items:
+            parent, _, leaf = name.rpartition("/")
+            if parent not in groups:
+                groups[parent] = root.create_group(parent)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Zarr calls structured/string dtypes "unstable"
-                z = group.create_array(
-                    name, shape=array.shape, dtype=array.dtype, chunks=_chunks(info, array),
+                z = groups[parent].create_array(
+                    leaf, shape=array.shape, dtype=array.dtype, chunks=_chunks(info, array),
                     compressors=zarr_compressors(info.extra.get("codec")),
-                    dimension_names=[f"{name}_dim{i}" for i in range(array.ndim)],
+                    dimension_names=[f"{leaf}_dim{i}" for i in range(array.ndim)],
                     attributes={"ftidask_id": info.id, "ftidask_name": info.name, "ftidask_order": info.order},
                     config={"write_empty_chunks": True})  # every chunk a file: a missing one is damage
                 z[...] = array
@@ -180,17 +195,29 @@ def read_manifest(path: Path, expected: str | None = None) -> dict[str, Any]:
     return manifest
 
 
-def store_vars(manifest: Mapping[str, Any], path: Path) -> dict[int, tuple[VarInfo, str]]:
-    """Variable id -> (VarInfo, array name) from a manifest."""
-    out = {}
+def store_entries(manifest: Mapping[str, Any], path: Path) -> list[tuple[str, VarInfo]]:
+    """``(array path, VarInfo)`` of every variable a manifest lists."""
+    out = []
     for entry in manifest["vars"]:
         try:
             info = VarInfo.from_json(entry)
             name = str(entry["array"])
         except (FormatError, KeyError, TypeError) as exc:
             raise FormatError(f"{path}: bad variable entry in {MANIFEST}: {exc}") from None
-        if "/" in name or name.startswith("."):
+        if not name or name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
             raise FormatError(f"{path}: bad array name {name!r} in {MANIFEST}")
+        out.append((name, info))
+    return out
+
+
+def store_vars(manifest: Mapping[str, Any], path: Path, group: str = "") -> dict[int, tuple[VarInfo, str]]:
+    """Variable id -> (VarInfo, array path) for the arrays directly in ``group`` (the root by default)."""
+    out = {}
+    for name, info in store_entries(manifest, path):
+        if name.rpartition("/")[0] != group:
+            continue
+        if info.id in out:
+            raise FormatError(f"{path}: variable id {info.id} appears twice in {group or 'the root group'}")
         out[info.id] = (info, name)
     return out
 
@@ -210,16 +237,17 @@ def verify_store(path: Path, expected: str | None = None) -> dict[str, Any]:
             raise FormatError(f"{path}: {rel}: {exc}") from None
         if size != entry[0] or digest != entry[1]:
             raise FormatError(f"{path}: {rel} does not match its hash (damaged Zarr chunk or metadata)")
-    store_vars(manifest, path)
+    store_entries(manifest, path)
     return manifest
 
 
-def read_arrays(path: Path, manifest: Mapping[str, Any], ids: set[int] | None = None) -> dict[int, np.ndarray]:
+def read_arrays(path: Path, manifest: Mapping[str, Any], ids: set[int] | None = None,
+                group: str = "") -> dict[int, np.ndarray]:
     """The variables of a verified store as new arrays; every chunk is re-checked as it is read."""
     zarr = _zarr()
     store = verified_store(path, manifest)
     out = {}
-    for vid, (info, name) in store_vars(manifest, path).items():
+    for vid, (info, name) in store_vars(manifest, path, group).items():
         if ids is not None and vid not in ids:
             continue
         with warnings.catch_warnings():

@@ -1,0 +1,358 @@
+"""Export a checkpoint to a Zarr v3 store, and import a Zarr store back as a checkpoint.
+
+``ftidask export CKPT --to-zarr PATH`` (and :func:`export_checkpoint`) reads a committed
+checkpoint from disk (any level, any backend: one FTI-FF file per rank or per Dask worker, or
+level 4 written as Zarr), verifies every hash, and writes one Zarr array per protected variable
+(name, dtype, shape kept; attributes: checkpoint id, level, time). How the rank files map to arrays:
+
+* one rank file: one array per variable, at the root, named after the variable;
+* several rank files whose variable records a block of a global array (``VarInfo.extra`` with
+  ``global_shape`` and ``offset``, and optionally Dask's ``chunks``): one global array;
+* otherwise: one group per rank, ``rank{r}/{name}``.
+
+:func:`import_zarr` does the reverse: it starts a new run whose first checkpoint holds the
+arrays of a Zarr store (an exported one, verified through its manifest, or any Zarr group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import storage, zarr_store
+from .arrays import VarInfo
+from .config import Config, load_config
+from .errors import FormatError, FTIError, NoCheckpointError
+from .progress import for_config
+from .recovery import check_file, load_file
+from .runstate import CommitRecord, RunState
+
+log = logging.getLogger("ftidask.zarr")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    """What an export wrote."""
+
+    path: Path
+    ckpt_id: int
+    level: int
+    nranks: int
+    arrays: tuple[str, ...]
+    nbytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """One rank's verified file (or store) of the checkpoint being exported."""
+
+    rank: int
+    path: Path
+    record: CommitRecord | None
+
+
+# --- finding the checkpoint ----------------------------------------------------------------------
+
+def _rank_of(path: Path) -> int:
+    stem = path.name.split("-Rank", 1)[-1].split(".", 1)[0]
+    try:
+        return int(stem)
+    except ValueError:
+        raise FTIError(f"{path}: not a rank file (expected Ckpt{{id}}-Rank{{r}}.fti or .zarr)") from None
+
+
+def _from_record(config: Config, exec_id: str | None, ckpt_id: int | None, level: int | None) -> list[_Source]:
+    meta_dir = Path(config.meta_dir)
+    if exec_id is None:
+        exec_id = config.exec_id
+    if exec_id is None:
+        current = storage.read_json(meta_dir / "current_exec_id")
+        exec_id = current.get("exec_id") if isinstance(current, dict) else None
+    if not exec_id:
+        raise NoCheckpointError(f"no run found in {meta_dir}: pass exec_id")
+    records = RunState(meta_dir, exec_id).records()
+    records = [r for r in records if (ckpt_id is None or r.ckpt_id == ckpt_id) and (level is None or r.level == level)]
+    if not records:
+        raise NoCheckpointError(f"no committed checkpoint for run {exec_id} in {meta_dir}"
+                                + (f" with id {ckpt_id}" if ckpt_id is not None else "")
+                                + (f" at level {level}" if level is not None else ""))
+    record = records[-1]
+    paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), meta_dir, exec_id)
+    out = []
+    for f in sorted(record.files, key=lambda f: f.rank):
+        path = paths.level_dir(record.level, f.node) / record.dirname / storage.rank_file(record.ckpt_id, f.rank)
+        if record.extra.get("l4_format") == "zarr":
+            path = path.with_suffix(".zarr")
+        out.append(_Source(f.rank, path, record))
+    return out
+
+
+def _from_path(path: Path) -> list[_Source]:
+    if path.is_dir() and not path.name.endswith(".zarr"):
+        if (path / "commits").is_dir():
+            raise NoCheckpointError(f"{path} is a run's metadata directory: pass the run's config file "
+                                    "(or ckpt_dir/glbl_dir/meta_dir) instead")
+        found = sorted([*path.glob("Ckpt*-Rank*.fti"), *path.glob("Ckpt*-Rank*.zarr")])
+        if not found:
+            raise NoCheckpointError(f"{path}: no Ckpt*-Rank*.fti file or .zarr store in this directory")
+        return sorted((_Source(_rank_of(p), p, None) for p in found), key=lambda s: s.rank)
+    if not path.exists():
+        raise NoCheckpointError(f"{path} does not exist")
+    return [_Source(_rank_of(path) if "-Rank" in path.name else 0, path, None)]
+
+
+def locate(checkpoint: str | os.PathLike[str] | Config | None, *, exec_id: str | None = None,
+           ckpt_id: int | None = None, level: int | None = None, **overrides: Any) -> list[_Source]:
+    """The rank files of a checkpoint: from a config (file, :class:`Config` or ``overrides``; the
+    newest committed checkpoint, or ``ckpt_id``/``level``), or from a checkpoint directory or file."""
+    if isinstance(checkpoint, Config):
+        return _from_record(checkpoint.replace(**overrides) if overrides else checkpoint, exec_id, ckpt_id, level)
+    if checkpoint is None:
+        return _from_record(load_config(None, **overrides), exec_id, ckpt_id, level)
+    path = Path(checkpoint)
+    if path.is_file() and path.suffix not in (".fti", ".zarr"):
+        return _from_record(load_config(path, **overrides), exec_id, ckpt_id, level)
+    return _from_path(path)
+
+
+# --- reading and assembling ------------------------------------------------------------------------
+
+def _read_source(source: _Source) -> tuple[dict[str, Any], list[tuple[VarInfo, np.ndarray]]]:
+    """Verify one rank's file (against its commit record when known) and read its variables."""
+    verdict = check_file(source.path, source.record, source.rank)
+    if verdict.kind != "ok" or verdict.parsed is None:
+        raise FormatError(f"cannot export: {verdict.message} (recover the run with ftidask to rebuild lost "
+                          "files of levels 2 and 3, then checkpoint again)")
+    parsed: Any = verdict.parsed
+    infos = dict(parsed.vars)
+    for vid, nbytes in parsed.var_nbytes().items():  # FTI 1.1 files have no table: raw bytes
+        if vid not in infos:
+            infos[vid] = VarInfo(vid, f"var{vid}", np.dtype(np.uint8), (nbytes,), "C", nbytes)
+    arrays = {vid: info.empty() for vid, info in infos.items()}
+    load_file(parsed, arrays)
+    meta = dict(getattr(parsed, "trailer", None) or getattr(parsed, "manifest", {}).get("attrs", {}).get("ftidask", {}))
+    meta.pop("vars", None)
+    return meta, [(infos[vid], arrays[vid]) for vid in infos]
+
+
+def _global_block(info: VarInfo) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    shape, offset = info.extra.get("global_shape"), info.extra.get("offset")
+    if not isinstance(shape, list) or not isinstance(offset, list) or len(shape) != len(offset):
+        return None
+    if len(shape) != len(info.shape):
+        return None
+    return tuple(int(n) for n in shape), tuple(int(n) for n in offset)
+
+
+def _assemble(per_rank: list[tuple[int, list[tuple[VarInfo, np.ndarray]]]]) -> list[tuple[str, VarInfo, np.ndarray]]:
+    """Arrays to write: one per variable, global arrays assembled, or one group per rank."""
+    if len(per_rank) == 1:
+        taken: set[str] = set()
+        return [(zarr_store.array_name(info, taken), info, arr) for info, arr in per_rank[0][1]]
+    by_id: dict[int, list[tuple[int, VarInfo, np.ndarray]]] = {}
+    for rank, items in per_rank:
+        for info, arr in items:
+            by_id.setdefault(info.id, []).append((rank, info, arr))
+    out: list[tuple[str, VarInfo, np.ndarray]] = []
+    taken = set()
+    for vid, parts in by_id.items():
+        blocks = [_global_block(info) for _r, info, _a in parts]
+        if all(b is not None for b in blocks) and len({b[0] for b in blocks if b}) == 1:
+            shape = blocks[0][0]  # type: ignore[index]
+            first = parts[0][1]
+            full = np.zeros(shape, first.dtype)
+            covered = 0
+            for (_r, info, arr), block in zip(parts, blocks):
+                assert block is not None
+                index = tuple(slice(o, o + n) for o, n in zip(block[1], arr.shape))
+                full[index] = arr
+                covered += arr.size
+            if covered != full.size:
+                log.warning("variable %d: the rank blocks cover %d of %d elements", vid, covered, full.size)
+            extra = {k: v for k, v in first.extra.items() if k in ("chunks", "codec")}
+            info = VarInfo(vid, first.name, first.dtype, shape, "C", full.nbytes, extra)
+            out.append((zarr_store.array_name(info, taken), info, full))
+        else:
+            for rank, info, arr in parts:
+                group_taken = {n.rpartition("/")[2] for n, _i, _a in out if n.startswith(f"rank{rank}/")}
+                out.append((f"rank{rank}/{zarr_store.array_name(info, group_taken)}", info, arr))
+    return out
+
+
+def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: str | os.PathLike[str], *,
+                      exec_id: str | None = None, ckpt_id: int | None = None, level: int | None = None,
+                      overwrite: bool = False, **overrides: Any) -> ExportResult:
+    """Write a checkpoint as a Zarr v3 store at ``dest``; every hash is checked first.
+
+    ``checkpoint`` is an ftidask/FTI config file (or :class:`Config`, or None with ``overrides``
+    such as ``meta_dir=...``), a checkpoint directory (``.../ckpt{id}.s{seq}``) or one rank file.
+    The store also holds ``ftidask-manifest.json`` (a digest per file), so that :func:`import_zarr`
+    and :func:`read_zarr` detect damage.
+    """
+    start = time.perf_counter()
+    dest = Path(dest)
+    if dest.exists() and not overwrite:
+        raise FileExistsError(f"{dest} exists; pass overwrite=True (--overwrite) to replace it")
+    config_for_bar = checkpoint if isinstance(checkpoint, Config) else None
+    sources = locate(checkpoint, exec_id=exec_id, ckpt_id=ckpt_id, level=level, **overrides)
+    per_rank, metas = [], []
+    for source in sources:
+        meta, items = _read_source(source)
+        per_rank.append((source.rank, items))
+        metas.append(meta)
+    items = _assemble(per_rank)
+    first = metas[0]
+    record = sources[0].record
+    ckpt = int(record.ckpt_id if record else first.get("ckpt_id", 0))
+    lvl = int(record.level if record else first.get("level", 0))
+    attrs = {"checkpoint_id": ckpt, "level": lvl,
+             "time": record.timestamp if record else first.get("time"),
+             "exec_id": first.get("exec_id"), "nranks": len(sources), "backend": first.get("backend"),
+             "source": str(sources[0].path.parent), "ftidask_export": 1}
+    total = sum(a.nbytes for _n, _i, a in items)
+    with for_config(config_for_bar or Config(), total, "export to zarr") as bar:
+        zarr_store.write_items(dest, items, attrs, progress=bar, overwrite=overwrite)
+    result = ExportResult(dest, ckpt, lvl, len(sources), tuple(n for n, _i, _a in items), total,
+                          time.perf_counter() - start)
+    log.info("exported checkpoint %d (level %d, %d rank files) to %s: %d arrays, %d bytes", ckpt, lvl,
+             len(sources), dest, len(items), total)
+    return result
+
+
+# --- import ------------------------------------------------------------------------------------------
+
+def read_zarr(path: str | os.PathLike[str], *, group: str = "") -> dict[int, tuple[str, np.ndarray]]:
+    """The arrays of a Zarr group by ftidask variable id: ``{id: (name, array)}``.
+
+    A store with an ftidask manifest is verified first (any damaged file raises
+    :class:`FormatError`). Any other Zarr group is read as it is: ids come from the arrays'
+    ``ftidask_id`` attribute, else 1, 2, ... in name order.
+    """
+    path = Path(path)
+    if (path / zarr_store.MANIFEST).exists():
+        manifest = zarr_store.verify_store(path)
+        table = zarr_store.store_vars(manifest, path, group)
+        data = zarr_store.read_arrays(path, manifest, group=group)
+        return {vid: (info.name, data[vid]) for vid, (info, _n) in table.items()}
+    import zarr
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        root = zarr.open_group(str(path), mode="r")
+        node = root[group] if group else root
+        names = sorted(name for name, _a in node.arrays())
+        out: dict[int, tuple[str, np.ndarray]] = {}
+        next_id = 1
+        for name in names:
+            z = node[name]
+            vid = z.attrs.get("ftidask_id")
+            if not isinstance(vid, int) or vid in out:
+                while next_id in out:
+                    next_id += 1
+                vid = next_id
+            out[vid] = (str(z.attrs.get("ftidask_name", name)), np.asarray(z[...]))
+    return out
+
+
+def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | None = None, *,
+                ckpt_id: int | None = None, level: int = 4, group: str = "", **overrides: Any) -> Any:
+    """Start a new run whose first checkpoint holds the arrays of the Zarr group at ``path``.
+
+    The run is finalized with ``keep_last_ckpt`` so that the next ``ftidask.init`` with the same
+    config restarts from it (status 2) and ``recover()`` fills the protected arrays. Returns the
+    :class:`~ftidask.CheckpointInfo` of that checkpoint. ``group`` selects a rank group
+    (``"rank3"``) of a per-rank export.
+    """
+    from .context import init
+
+    arrays = read_zarr(path, group=group)
+    if not arrays:
+        raise FormatError(f"{path}: no array to import")
+    if ckpt_id is None:
+        manifest_attrs = {}
+        if (Path(path) / zarr_store.MANIFEST).exists():
+            manifest_attrs = zarr_store.read_manifest(Path(path)).get("attrs", {})
+        ckpt_id = int(manifest_attrs.get("checkpoint_id") or 1)
+    overrides["keep_last_ckpt"] = True
+    ctx = init(config, **overrides)
+    try:
+        for vid, (name, arr) in arrays.items():
+            ctx.protect(vid, arr, name=name)
+        info = ctx.checkpoint(ckpt_id, level)
+    except BaseException:
+        ctx.__exit__(RuntimeError, None, None)
+        raise
+    ctx.finalize()
+    log.info("imported %d arrays from %s as checkpoint %d (level %d) of run %s", len(arrays), path, ckpt_id,
+             level, ctx.exec_id)
+    return info
+
+
+# --- command line ------------------------------------------------------------------------------------
+
+def add_export_command(subparsers: Any) -> None:
+    """Add ``export`` and ``import`` to an argparse subparsers object (the ``ftidask`` CLI)."""
+    exp = subparsers.add_parser("export", help="write a checkpoint as a Zarr v3 store",
+                                description="Verify a checkpoint and write it as a Zarr v3 store.")
+    exp.add_argument("checkpoint", help="config file (newest checkpoint, or --id/--level), checkpoint "
+                                        "directory (ckpt{id}.s{seq}) or rank file")
+    exp.add_argument("--to-zarr", dest="to_zarr", required=True, metavar="PATH", help="the store to write")
+    exp.add_argument("--id", dest="ckpt_id", type=int, default=None, help="checkpoint id (with a config)")
+    exp.add_argument("--level", type=int, default=None, help="checkpoint level (with a config)")
+    exp.add_argument("--exec-id", dest="exec_id", default=None, help="run to export (with a config)")
+    exp.add_argument("--overwrite", action="store_true", help="replace PATH if it exists")
+    exp.set_defaults(func=run_export)
+    imp = subparsers.add_parser("import", help="start a run from a Zarr store",
+                                description="Write a Zarr group's arrays as the first checkpoint of a new run.")
+    imp.add_argument("store", help="the Zarr store to read")
+    imp.add_argument("config", nargs="?", default=None, help="config file of the new run")
+    imp.add_argument("--id", dest="ckpt_id", type=int, default=None, help="checkpoint id (default: the store's)")
+    imp.add_argument("--level", type=int, default=4, help="checkpoint level (default 4)")
+    imp.add_argument("--group", default="", help="group of the store to import (rank{r} of a per-rank export)")
+    imp.set_defaults(func=run_import)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Run ``ftidask export``; the exit code."""
+    result = export_checkpoint(args.checkpoint, args.to_zarr, exec_id=args.exec_id, ckpt_id=args.ckpt_id,
+                               level=args.level, overwrite=args.overwrite)
+    print(f"exported checkpoint {result.ckpt_id} (level {result.level}, {result.nranks} rank file(s)) to "
+          f"{result.path}: {len(result.arrays)} array(s), {result.nbytes:,} bytes in {result.seconds:.2f} s")
+    for name in result.arrays:
+        print(f"  {name}")
+    return 0
+
+
+def run_import(args: argparse.Namespace) -> int:
+    """Run ``ftidask import``; the exit code."""
+    info = import_zarr(args.store, args.config, ckpt_id=args.ckpt_id, level=args.level, group=args.group)
+    print(f"imported {args.store} as checkpoint {info.id} (level {info.level}); restart the run with the same "
+          "config to recover it")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ftidask.zarr_export export|import ...`` (the same commands as ``ftidask``)."""
+    parser = argparse.ArgumentParser(prog="python -m ftidask.zarr_export")
+    add_export_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (FTIError, FileExistsError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
