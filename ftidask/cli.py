@@ -153,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
 _EXTRA_COMMANDS: list = []
 
 
+def _add_zarr_commands(sub: argparse._SubParsersAction) -> None:
+    from .zarr_export import add_export_command  # export/import: Zarr is imported only when they run
+
+    add_export_command(sub)
+
+
+_EXTRA_COMMANDS.append(_add_zarr_commands)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

@@ -240,6 +240,8 @@ def read_zarr(path: str | os.PathLike[str], *, group: str = "") -> dict[int, tup
     ``ftidask_id`` attribute, else 1, 2, ... in name order.
     """
     path = Path(path)
+    if not path.is_dir():
+        raise FormatError(f"{path}: no Zarr store there")
     if (path / zarr_store.MANIFEST).exists():
         manifest = zarr_store.verify_store(path)
         table = zarr_store.store_vars(manifest, path, group)
@@ -324,9 +326,13 @@ def add_export_command(subparsers: Any) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    """Run ``ftidask export``; the exit code."""
-    result = export_checkpoint(args.checkpoint, args.to_zarr, exec_id=args.exec_id, ckpt_id=args.ckpt_id,
-                               level=args.level, overwrite=args.overwrite)
+    """Run ``ftidask export``; the exit code (2 on an error, as the other commands)."""
+    try:
+        result = export_checkpoint(args.checkpoint, args.to_zarr, exec_id=args.exec_id, ckpt_id=args.ckpt_id,
+                                   level=args.level, overwrite=args.overwrite)
+    except (FileExistsError, FTIError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"exported checkpoint {result.ckpt_id} (level {result.level}, {result.nranks} rank file(s)) to "
           f"{result.path}: {len(result.arrays)} array(s), {result.nbytes:,} bytes in {result.seconds:.2f} s")
     for name in result.arrays:
@@ -335,8 +341,12 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    """Run ``ftidask import``; the exit code."""
-    info = import_zarr(args.store, args.config, ckpt_id=args.ckpt_id, level=args.level, group=args.group)
+    """Run ``ftidask import``; the exit code (2 on an error)."""
+    try:
+        info = import_zarr(args.store, args.config, ckpt_id=args.ckpt_id, level=args.level, group=args.group)
+    except (FileNotFoundError, FTIError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"imported {args.store} as checkpoint {info.id} (level {info.level}); restart the run with the same "
           "config to recover it")
     return 0
@@ -351,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except (FTIError, FileExistsError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
 
 
 if __name__ == "__main__":

@@ -89,8 +89,13 @@ def test_export_from_l4_zarr_and_cli(tmp_path, capsys):
     ckdir = next(tmp_path.glob("g/*/l4/ckpt1.s*"))
     assert main(["export", str(ckdir), "--to-zarr", str(tmp_path / "dir.zarr")]) == 0
     _check_store(tmp_path / "dir.zarr", state)
-    assert main(["export", str(cfg), "--id", "9", "--to-zarr", str(tmp_path / "none.zarr")]) == 1
+    assert main(["export", str(cfg), "--id", "9", "--to-zarr", str(tmp_path / "none.zarr")]) == 2
     assert "no committed checkpoint" in capsys.readouterr().err
+    from ftidask.cli import main as cli_main
+
+    assert cli_main(["export", str(cfg), "--to-zarr", str(tmp_path / "cli.zarr")]) == 2  # exists
+    assert cli_main(["export", str(cfg), "--to-zarr", str(tmp_path / "cli.zarr"), "--overwrite"]) == 0
+    _check_store(tmp_path / "cli.zarr", state)
 
 
 def test_l4_zarr_is_a_plain_zarr_store_and_recovers(tmp_path):
