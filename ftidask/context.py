@@ -20,6 +20,7 @@ from .errors import CheckpointError, FTIError, LevelError, NoCheckpointError, Pr
 from .ftiff import compression, hashing
 from .ftiff.reader import FtiffFile
 from .layout import Layout, plan_layout
+from .progress import Tracked, tracked
 from .recovery import Verdict, check_file, check_sizes, load_file
 from .runstate import STATUS_FRESH, CommitRecord, FileRecord, RunState, resolve_run
 from .transport.base import Transport
@@ -134,13 +135,16 @@ class Context:
             infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}))
                      for vid, p in self._vars.items()]
             write = self._write_zarr_l4 if zarr_l4 else write_rank_file
-            written = write(
-                path, layout, {vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, infos,
-                codecs={vid: (codec, self._vars[vid].array.dtype.itemsize) for vid, (codec, _c) in codecs.items()},
-                hash_id=self._hash_id, pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
-                meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
-                      "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
-                      "backend": t.name, "time": time.time()})
+            streams, bar = tracked({vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, self.config,
+                                   f"checkpoint {ckpt_id} (L{level})")
+            with bar:
+                written = write(
+                    path, layout, streams, infos,
+                    codecs={vid: (codec, self._vars[vid].array.dtype.itemsize) for vid, (codec, _c) in codecs.items()},
+                    hash_id=self._hash_id, pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
+                    meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
+                          "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
+                          "backend": t.name, "time": time.time()})
             t.protect_files(level, ckpt_id, path, directory)
         except (OSError, FTIError) as exc:
             error = f"rank {t.rank}: {exc}"
@@ -174,11 +178,10 @@ class Context:
                        *, meta: Mapping[str, Any], **_ignored: Any) -> Any:
         """Level 4 as a Zarr store (``l4_format = zarr``), in place of the FTI-FF file."""
         from .levels import zarr_l4
-        from .progress import for_config
 
-        with for_config(self.config, sum(a.nbytes for a in arrays.values()), "checkpoint (zarr)") as bar:
-            return zarr_l4.write_rank_store(path.with_suffix(zarr_l4.SUFFIX), {vid: a.array for vid, a in arrays.items()},
-                                            infos, meta, progress=bar)
+        bar = next((a.bar for a in arrays.values() if isinstance(a, Tracked)), None)
+        return zarr_l4.write_rank_store(path.with_suffix(zarr_l4.SUFFIX), {vid: a.array for vid, a in arrays.items()},
+                                        infos, meta, progress=bar)
 
     def _codecs(self) -> dict[int, tuple[Any, dict[str, Any]]]:
         """Per variable to compress: ``(numcodecs codec, its JSON config)``."""
@@ -303,7 +306,7 @@ class Context:
         problems = [p for p in self.transport.allgather(problem) if p]
         if problems:
             raise RecoveryError("; ".join(problems))
-        load_file(verdict.parsed, arrays)
+        load_file(verdict.parsed, arrays, config=self.config)
         self._layout = verdict.parsed.layout()
         self._recovered = True
         self.recovered_from = (record.ckpt_id, record.level)

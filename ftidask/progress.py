@@ -73,3 +73,44 @@ def bar(total: int, desc: str, *, mode: str = "auto", verbosity: int = 2, unit: 
 def for_config(config: Any, total: int, desc: str) -> Any:
     """:func:`bar` with the ``progress`` and ``verbosity`` of an ftidask :class:`~ftidask.config.Config`."""
     return bar(total, desc, mode=getattr(config, "progress", "auto"), verbosity=getattr(config, "verbosity", 2))
+
+
+#: Below this many bytes no bar is set up at all (the byte streams keep their zero-copy fast path).
+MIN_BYTES = 64 << 20
+
+
+class Tracked:
+    """A byte source/target (:class:`~ftidask.arrays.ArrayBytes`) that advances a bar as bytes move.
+
+    It hides the zero-copy ``view`` so that the writer and the reader move bytes piece by piece
+    through ``pieces``/``store``, and the bar advances after each piece is written or filled.
+    """
+
+    def __init__(self, inner: Any, bar: Any) -> None:
+        self._inner = inner
+        self.bar = bar
+        self.nbytes = inner.nbytes
+        self.array = getattr(inner, "array", None)
+
+    def view(self, start: int, stop: int) -> None:
+        return None
+
+    def pieces(self, start: int, stop: int) -> Any:
+        for piece in self._inner.pieces(start, stop):
+            yield piece
+            self.bar.update(len(piece))
+
+    def store(self, start: int, data: Any) -> None:
+        self._inner.store(start, data)
+        self.bar.update(len(data))
+
+
+def tracked(streams: dict[int, Any], config: Any, desc: str) -> tuple[dict[int, Any], Any]:
+    """``(streams, bar)``: ``streams`` wrapped in :class:`Tracked` when a bar is shown, else as they are."""
+    total = sum(s.nbytes for s in streams.values())
+    if total < MIN_BYTES or not enabled(getattr(config, "progress", "auto"), getattr(config, "verbosity", 2)):
+        return streams, _NoBar()
+    progress_bar = for_config(config, total, desc)
+    if isinstance(progress_bar, _NoBar):
+        return streams, progress_bar
+    return {vid: Tracked(s, progress_bar) for vid, s in streams.items()}, progress_bar
