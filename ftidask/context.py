@@ -234,7 +234,10 @@ class Context:
                     storage.remove_tree(entry)
                 elif entry.is_dir():
                     for tmp in entry.glob(".*.tmp-*"):
-                        tmp.unlink(missing_ok=True)
+                        if tmp.is_dir():  # a Zarr store being written (l4_format = zarr)
+                            storage.remove_tree(tmp)
+                        else:
+                            tmp.unlink(missing_ok=True)
         t.barrier()
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:

@@ -311,3 +311,40 @@ def test_export_assembles_global_blocks(tmp_path):
 def test_export_missing_run(tmp_path):
     with pytest.raises(NoCheckpointError):
         export_checkpoint(None, tmp_path / "x.zarr", **_dirs(tmp_path))
+
+
+def test_l4_zarr_several_ranks_and_leftover_temporary_store(tmp_path):
+    size = 2
+    board, barrier = [None] * size, threading.Barrier(size)
+    fields = [np.random.default_rng(r).random((20, 30)) for r in range(size)]
+    errors = []
+
+    def run(r, restart):
+        try:
+            cfg = ftidask.load_config(**_dirs(tmp_path, exec_id="zr", l4_format="zarr", compressor="zstd"))
+            ctx = ftidask.Context(cfg, _ThreadTransport(r, size, board, barrier))
+            if not restart:
+                ctx.protect(1, fields[r], name="field")
+                ctx.checkpoint(1, 4)
+            else:
+                out = np.zeros((20, 30))
+                ctx.protect(1, out)
+                ctx.recover()
+                assert out.tobytes() == fields[r].tobytes()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+            barrier.abort()
+
+    for restart in (False, True):
+        threads = [threading.Thread(target=run, args=(r, restart)) for r in range(size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        if not restart:
+            stores = sorted(tmp_path.glob("g/zr/l4/ckpt1.s*/Ckpt1-Rank*.zarr"))
+            assert len(stores) == 2
+            assert zarr.open_array(str(stores[1]), path="field", mode="r")[...].tobytes() == fields[1].tobytes()
+            (stores[0].parent / ".Ckpt1-Rank0.zarr.tmp-999").mkdir()  # as a killed writer leaves it
+    assert not list(tmp_path.glob("g/zr/l4/*/.*.tmp-*"))
