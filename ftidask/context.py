@@ -439,20 +439,30 @@ class Context:
         t = self.transport
         seq = t.bcast(self.state.next_seq() if t.rank == 0 else None)
         verdict = check_file(self._rank_file(record), record, t.rank)
-        error = ""
+        error, entry = "", None
+        as_zarr = self.config.l4_format == "zarr"
         if verdict.kind == "ok":
             dst = self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)
             try:
-                storage.copy_file_atomic(self._rank_file(record), dst / storage.rank_file(record.ckpt_id, t.rank))
-            except OSError as exc:
+                if as_zarr:
+                    from .levels import zarr_l4
+
+                    written = zarr_l4.flush_file(verdict.parsed, dst / zarr_l4.store_name(record.ckpt_id, t.rank), seq)
+                    entry = FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()
+                else:
+                    storage.copy_file_atomic(self._rank_file(record), dst / storage.rank_file(record.ckpt_id, t.rank))
+            except (OSError, FTIError) as exc:
                 error = str(exc)
         else:
             error = verdict.message
-        errors = [e for e in t.allgather(error) if e]
+        results = t.allgather((error, entry))
+        errors = [e for e, _f in results if e]
         if errors:
             raise CheckpointError("keep_last_ckpt: flushing the last checkpoint to L4 failed: " + "; ".join(errors))
         if t.rank == 0:
-            self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time()))
+            zarr_files = ({"files": tuple(FileRecord(**f) for _e, f in results), "extra": {"l4_format": "zarr"}}
+                          if as_zarr else {})
+            self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(), **zarr_files))
         t.barrier()
 
     def _check_open(self) -> None:

@@ -348,3 +348,21 @@ def test_l4_zarr_several_ranks_and_leftover_temporary_store(tmp_path):
             assert zarr.open_array(str(stores[1]), path="field", mode="r")[...].tobytes() == fields[1].tobytes()
             (stores[0].parent / ".Ckpt1-Rank0.zarr.tmp-999").mkdir()  # as a killed writer leaves it
     assert not list(tmp_path.glob("g/zr/l4/*/.*.tmp-*"))
+
+
+def test_keep_last_ckpt_flushes_to_zarr(tmp_path):
+    state = _state()
+    with ftidask.init(**_dirs(tmp_path, l4_format="zarr", keep_last_ckpt=1)) as ctx:
+        _protect(ctx, state)
+        ctx.checkpoint(7, 1)
+    (store,) = tmp_path.glob("g/*/l4/ckpt7.s*/Ckpt7-Rank0.zarr")
+    _check_store(store, state)
+    ctx2 = ftidask.init(**_dirs(tmp_path, l4_format="zarr"))
+    assert ctx2.status() == 2
+    outs = {vid: np.zeros_like(arr) for vid, (_n, arr) in state.items()}
+    for vid, o in outs.items():
+        ctx2.protect(vid, o)
+    ctx2.recover(level=4)
+    assert ctx2.recovered_from == (7, 4)
+    for vid, (_n, arr) in state.items():
+        assert outs[vid].tobytes() == arr.tobytes()

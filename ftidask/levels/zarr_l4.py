@@ -57,6 +57,19 @@ def write_rank_store(path: Path, arrays: Mapping[int, np.ndarray], infos: list[V
     return WrittenStore(_Digest(bytes.fromhex(digest)), size, sum(a.nbytes for a in arrays.values()))
 
 
+def flush_file(parsed: Any, path: Path, seq: int) -> WrittenStore:
+    """Copy a verified FTI-FF rank file (``keep_last_ckpt`` at finalize) into a level-4 Zarr store."""
+    from ..recovery import load_file
+
+    if not parsed.vars:
+        raise FormatError(f"{parsed.path}: no variable table (FTI 1.1 file): cannot write it as Zarr")
+    arrays = {vid: info.empty() for vid, info in parsed.vars.items()}
+    load_file(parsed, arrays)
+    meta = {k: v for k, v in (parsed.trailer or {}).items() if k != "vars"}
+    meta.update(level=4, seq=seq)
+    return write_rank_store(path, arrays, list(parsed.vars.values()), meta)
+
+
 @dataclasses.dataclass(frozen=True)
 class ZarrRankStore:
     """A verified rank store: what recovery needs from it (as from a parsed FTI-FF file)."""
