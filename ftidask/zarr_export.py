@@ -5,9 +5,12 @@ checkpoint from disk (any level, any backend: one FTI-FF file per rank or per Da
 level 4 written as Zarr), verifies every hash, and writes one Zarr array per protected variable
 (name, dtype, shape kept; attributes: checkpoint id, level, time). How the rank files map to arrays:
 
+* a Dask array (worker files whose variable records its chunks in ``VarInfo.extra["dask"]``:
+  global ``shape``, ``chunks`` grid, and ``[grid index, chunk shape, dptr]`` per held chunk):
+  one global array, chunked as the Dask array was;
 * one rank file: one array per variable, at the root, named after the variable;
 * several rank files whose variable records a block of a global array (``VarInfo.extra`` with
-  ``global_shape`` and ``offset``, and optionally Dask's ``chunks``): one global array;
+  ``global_shape`` and ``offset``, and optionally ``chunks``): one global array;
 * otherwise: one group per rank, ``rank{r}/{name}``.
 
 :func:`import_zarr` does the reverse: it starts a new run whose first checkpoint holds the
@@ -155,18 +158,58 @@ def _global_block(info: VarInfo) -> tuple[tuple[int, ...], tuple[int, ...]] | No
     return tuple(int(n) for n in shape), tuple(int(n) for n in offset)
 
 
+def _dask_global(vid: int, parts: list[tuple[int, VarInfo, np.ndarray]]) -> tuple[VarInfo, np.ndarray]:
+    """Stitch the chunks of a Dask array from the worker files that hold them.
+
+    The Dask backend stores, per worker, the chunks it holds concatenated (each in C order) and
+    records in ``extra["dask"]`` the global ``shape``, the ``chunks`` grid and, per held chunk,
+    ``[grid index, chunk shape, dptr]``.
+    """
+    first = parts[0][1]
+    spec = first.extra["dask"]
+    try:
+        shape = tuple(int(n) for n in spec["shape"])
+        grid = [[int(c) for c in dim] for dim in spec["chunks"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"variable {vid}: bad Dask chunk record: {exc}") from None
+    starts = [np.concatenate([[0], np.cumsum(dim)[:-1]]).astype(int).tolist() if dim else [] for dim in grid]
+    full = np.zeros(shape, first.dtype)
+    seen = set()
+    for _rank, info, arr in parts:
+        raw = arr.reshape(-1).view(np.uint8)
+        for index, cshape, dptr in info.extra["dask"].get("blocks", []):
+            index, cshape = tuple(int(i) for i in index), tuple(int(n) for n in cshape)
+            nbytes = int(np.prod(cshape, dtype=np.int64)) * first.dtype.itemsize
+            if len(index) != len(shape) or int(dptr) + nbytes > raw.size or index in seen:
+                raise FormatError(f"variable {vid}: chunk {index} does not fit its worker's file")
+            seen.add(index)
+            chunk = raw[int(dptr):int(dptr) + nbytes].view(first.dtype).reshape(cshape)
+            full[tuple(slice(starts[d][i], starts[d][i] + cshape[d]) for d, i in enumerate(index))] = chunk
+    expected = int(np.prod([len(dim) for dim in grid], dtype=np.int64)) if grid else 1
+    if len(seen) != expected:
+        raise FormatError(f"variable {vid}: the worker files hold {len(seen)} of its {expected} chunks")
+    info = VarInfo(vid, first.name, first.dtype, shape, "C", full.nbytes,
+                   {"chunks": grid, **({"codec": first.extra["codec"]} if "codec" in first.extra else {})})
+    return info, full
+
+
 def _assemble(per_rank: list[tuple[int, list[tuple[VarInfo, np.ndarray]]]]) -> list[tuple[str, VarInfo, np.ndarray]]:
     """Arrays to write: one per variable, global arrays assembled, or one group per rank."""
-    if len(per_rank) == 1:
-        taken: set[str] = set()
-        return [(zarr_store.array_name(info, taken), info, arr) for info, arr in per_rank[0][1]]
     by_id: dict[int, list[tuple[int, VarInfo, np.ndarray]]] = {}
     for rank, items in per_rank:
         for info, arr in items:
             by_id.setdefault(info.id, []).append((rank, info, arr))
     out: list[tuple[str, VarInfo, np.ndarray]] = []
-    taken = set()
+    taken: set[str] = set()
     for vid, parts in by_id.items():
+        if all(isinstance(info.extra.get("dask"), dict) for _r, info, _a in parts):
+            info, full = _dask_global(vid, parts)
+            out.append((zarr_store.array_name(info, taken), info, full))
+            continue
+        if len(per_rank) == 1:
+            info, arr = parts[0][1], parts[0][2]
+            out.append((zarr_store.array_name(info, taken), info, arr))
+            continue
         blocks = [_global_block(info) for _r, info, _a in parts]
         if all(b is not None for b in blocks) and len({b[0] for b in blocks if b}) == 1:
             shape = blocks[0][0]  # type: ignore[index]
