@@ -131,8 +131,24 @@ def locate(checkpoint: str | os.PathLike[str] | Config | None, *, exec_id: str |
 
 # --- reading and assembling ------------------------------------------------------------------------
 
-def _read_source(source: _Source) -> tuple[dict[str, Any], list[tuple[VarInfo, np.ndarray]]]:
-    """Verify one rank's file (against its commit record when known) and read its variables."""
+@dataclasses.dataclass(frozen=True)
+class _Rank:
+    """One rank's verified file (or store): its variables are read one at a time, when written out."""
+
+    rank: int
+    parsed: Any
+    infos: dict[int, VarInfo]
+    meta: dict[str, Any]
+
+    def read(self, vid: int) -> np.ndarray:
+        """Variable ``vid`` as a new array (each container's hash is checked again as it is read)."""
+        arr = self.infos[vid].empty()
+        load_file(self.parsed, {vid: arr})
+        return arr
+
+
+def _verify_source(source: _Source) -> _Rank:
+    """Verify one rank's file (every hash; against its commit record when known)."""
     verdict = check_file(source.path, source.record, source.rank)
     if verdict.kind != "ok" or verdict.parsed is None:
         raise FormatError(f"cannot export: {verdict.message} (recover the run with ftidask to rebuild lost "
@@ -142,11 +158,9 @@ def _read_source(source: _Source) -> tuple[dict[str, Any], list[tuple[VarInfo, n
     for vid, nbytes in parsed.var_nbytes().items():  # FTI 1.1 files have no table: raw bytes
         if vid not in infos:
             infos[vid] = VarInfo(vid, f"var{vid}", np.dtype(np.uint8), (nbytes,), "C", nbytes)
-    arrays = {vid: info.empty() for vid, info in infos.items()}
-    load_file(parsed, arrays)
     meta = dict(getattr(parsed, "trailer", None) or getattr(parsed, "manifest", {}).get("attrs", {}).get("ftidask", {}))
     meta.pop("vars", None)
-    return meta, [(infos[vid], arrays[vid]) for vid in infos]
+    return _Rank(source.rank, parsed, infos, meta)
 
 
 def _global_block(info: VarInfo) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -158,78 +172,96 @@ def _global_block(info: VarInfo) -> tuple[tuple[int, ...], tuple[int, ...]] | No
     return tuple(int(n) for n in shape), tuple(int(n) for n in offset)
 
 
-def _dask_global(vid: int, parts: list[tuple[int, VarInfo, np.ndarray]]) -> tuple[VarInfo, np.ndarray]:
-    """Stitch the chunks of a Dask array from the worker files that hold them.
+def _keep_extra(info: VarInfo, **extra: Any) -> dict[str, Any]:
+    return {**({"codec": info.extra["codec"]} if "codec" in info.extra else {}), **extra}
+
+
+def _dask_global(vid: int, parts: list[tuple[_Rank, VarInfo]]) -> tuple[VarInfo, Any]:
+    """A Dask array stitched from the worker files that hold its chunks: ``(info, fill)``.
 
     The Dask backend stores, per worker, the chunks it holds concatenated (each in C order) and
     records in ``extra["dask"]`` the global ``shape``, the ``chunks`` grid and, per held chunk,
-    ``[grid index, chunk shape, dptr]``.
+    ``[grid index, chunk shape, dptr]``. Checked before any data is read.
     """
     first = parts[0][1]
-    spec = first.extra["dask"]
     try:
-        shape = tuple(int(n) for n in spec["shape"])
-        grid = [[int(c) for c in dim] for dim in spec["chunks"]]
+        shape = tuple(int(n) for n in first.extra["dask"]["shape"])
+        grid = [[int(c) for c in dim] for dim in first.extra["dask"]["chunks"]]
+        placed = [(rank, [(tuple(int(i) for i in index), tuple(int(n) for n in cshape), int(dptr))
+                          for index, cshape, dptr in info.extra["dask"].get("blocks", [])]) for rank, info in parts]
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"variable {vid}: bad Dask chunk record: {exc}") from None
-    starts = [np.concatenate([[0], np.cumsum(dim)[:-1]]).astype(int).tolist() if dim else [] for dim in grid]
-    full = np.zeros(shape, first.dtype)
+    starts = [[sum(dim[:i]) for i in range(len(dim))] for dim in grid]
     seen = set()
-    for _rank, info, arr in parts:
-        raw = arr.reshape(-1).view(np.uint8)
-        for index, cshape, dptr in info.extra["dask"].get("blocks", []):
-            index, cshape = tuple(int(i) for i in index), tuple(int(n) for n in cshape)
+    for rank, blocks in placed:
+        for index, cshape, dptr in blocks:
             nbytes = int(np.prod(cshape, dtype=np.int64)) * first.dtype.itemsize
-            if len(index) != len(shape) or int(dptr) + nbytes > raw.size or index in seen:
-                raise FormatError(f"variable {vid}: chunk {index} does not fit its worker's file")
+            if (len(index) != len(shape) or index in seen or dptr + nbytes > rank.infos[vid].nbytes
+                    or any(not 0 <= i < len(dim) or dim[i] != n for i, n, dim in zip(index, cshape, grid))):
+                raise FormatError(f"variable {vid}: chunk {index} does not fit its grid or its worker's file")
             seen.add(index)
-            chunk = raw[int(dptr):int(dptr) + nbytes].view(first.dtype).reshape(cshape)
-            full[tuple(slice(starts[d][i], starts[d][i] + cshape[d]) for d, i in enumerate(index))] = chunk
-    expected = int(np.prod([len(dim) for dim in grid], dtype=np.int64)) if grid else 1
+    expected = int(np.prod([len(dim) for dim in grid], dtype=np.int64))
     if len(seen) != expected:
         raise FormatError(f"variable {vid}: the worker files hold {len(seen)} of its {expected} chunks")
-    info = VarInfo(vid, first.name, first.dtype, shape, "C", full.nbytes,
-                   {"chunks": grid, **({"codec": first.extra["codec"]} if "codec" in first.extra else {})})
-    return info, full
+
+    def fill(z: Any) -> None:
+        for rank, blocks in placed:
+            raw = rank.read(vid).reshape(-1).view(np.uint8)
+            for index, cshape, dptr in blocks:
+                nbytes = int(np.prod(cshape, dtype=np.int64)) * first.dtype.itemsize
+                chunk = raw[dptr:dptr + nbytes].view(first.dtype).reshape(cshape)
+                z[tuple(slice(starts[d][i], starts[d][i] + cshape[d]) for d, i in enumerate(index))] = chunk
+
+    nbytes = int(np.prod(shape, dtype=np.int64)) * first.dtype.itemsize
+    return VarInfo(vid, first.name, first.dtype, shape, "C", nbytes, _keep_extra(first, chunks=grid)), fill
 
 
-def _assemble(per_rank: list[tuple[int, list[tuple[VarInfo, np.ndarray]]]]) -> list[tuple[str, VarInfo, np.ndarray]]:
-    """Arrays to write: one per variable, global arrays assembled, or one group per rank."""
-    by_id: dict[int, list[tuple[int, VarInfo, np.ndarray]]] = {}
-    for rank, items in per_rank:
-        for info, arr in items:
-            by_id.setdefault(info.id, []).append((rank, info, arr))
-    out: list[tuple[str, VarInfo, np.ndarray]] = []
+def _blocks_global(vid: int, parts: list[tuple[_Rank, VarInfo]]) -> tuple[VarInfo, Any] | None:
+    """A global array from rank blocks that record ``global_shape`` and ``offset``, or None."""
+    blocks = [_global_block(info) for _r, info in parts]
+    if any(b is None for b in blocks) or len({b[0] for b in blocks if b}) != 1:
+        return None
+    shape = blocks[0][0]  # type: ignore[index]
+    first = parts[0][1]
+
+    def fill(z: Any) -> None:
+        for (rank, info), block in zip(parts, blocks):
+            assert block is not None  # checked above
+            z[tuple(slice(o, o + n) for o, n in zip(block[1], info.shape))] = rank.read(vid)
+
+    nbytes = int(np.prod(shape, dtype=np.int64)) * first.dtype.itemsize
+    extra = _keep_extra(first, **({"chunks": first.extra["chunks"]} if "chunks" in first.extra else {}))
+    return VarInfo(vid, first.name, first.dtype, shape, "C", nbytes, extra), fill
+
+
+def _whole(rank: _Rank, vid: int) -> Any:
+    def fill(z: Any) -> None:
+        z[...] = rank.read(vid)
+
+    return fill
+
+
+def _assemble(ranks: list[_Rank]) -> list[tuple[str, VarInfo, Any]]:
+    """``(array path, VarInfo, fill)`` to write: one per variable, global arrays, or a group per rank."""
+    by_id: dict[int, list[tuple[_Rank, VarInfo]]] = {}
+    for rank in ranks:
+        for vid, info in rank.infos.items():
+            by_id.setdefault(vid, []).append((rank, info))
+    out: list[tuple[str, VarInfo, Any]] = []
     taken: set[str] = set()
     for vid, parts in by_id.items():
-        if all(isinstance(info.extra.get("dask"), dict) for _r, info, _a in parts):
-            info, full = _dask_global(vid, parts)
-            out.append((zarr_store.array_name(info, taken), info, full))
-            continue
-        if len(per_rank) == 1:
-            info, arr = parts[0][1], parts[0][2]
-            out.append((zarr_store.array_name(info, taken), info, arr))
-            continue
-        blocks = [_global_block(info) for _r, info, _a in parts]
-        if all(b is not None for b in blocks) and len({b[0] for b in blocks if b}) == 1:
-            shape = blocks[0][0]  # type: ignore[index]
-            first = parts[0][1]
-            full = np.zeros(shape, first.dtype)
-            covered = 0
-            for (_r, info, arr), block in zip(parts, blocks):
-                assert block is not None
-                index = tuple(slice(o, o + n) for o, n in zip(block[1], arr.shape))
-                full[index] = arr
-                covered += arr.size
-            if covered != full.size:
-                log.warning("variable %d: the rank blocks cover %d of %d elements", vid, covered, full.size)
-            extra = {k: v for k, v in first.extra.items() if k in ("chunks", "codec")}
-            info = VarInfo(vid, first.name, first.dtype, shape, "C", full.nbytes, extra)
-            out.append((zarr_store.array_name(info, taken), info, full))
+        if all(isinstance(info.extra.get("dask"), dict) for _r, info in parts):
+            info, fill = _dask_global(vid, parts)
+            out.append((zarr_store.array_name(info, taken), info, fill))
+        elif len(ranks) == 1:
+            rank, info = parts[0]
+            out.append((zarr_store.array_name(info, taken), info, _whole(rank, vid)))
+        elif (stitched := _blocks_global(vid, parts)) is not None:
+            out.append((zarr_store.array_name(stitched[0], taken), stitched[0], stitched[1]))
         else:
-            for rank, info, arr in parts:
-                group_taken = {n.rpartition("/")[2] for n, _i, _a in out if n.startswith(f"rank{rank}/")}
-                out.append((f"rank{rank}/{zarr_store.array_name(info, group_taken)}", info, arr))
+            for rank, info in parts:
+                group_taken = {n.rpartition("/")[2] for n, _i, _a in out if n.startswith(f"rank{rank.rank}/")}
+                out.append((f"rank{rank.rank}/{zarr_store.array_name(info, group_taken)}", info, _whole(rank, vid)))
     return out
 
 
@@ -240,8 +272,9 @@ def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: 
 
     ``checkpoint`` is an ftidask/FTI config file (or :class:`Config`, or None with ``overrides``
     such as ``meta_dir=...``), a checkpoint directory (``.../ckpt{id}.s{seq}``) or one rank file.
-    The store also holds ``ftidask-manifest.json`` (a digest per file), so that :func:`import_zarr`
-    and :func:`read_zarr` detect damage.
+    Every file is verified before the store is created; variables are then copied one at a time
+    (memory: one rank's copy of one variable). The store also holds ``ftidask-manifest.json`` (a
+    digest per file), so that :func:`import_zarr` and :func:`read_zarr` detect damage.
     """
     start = time.perf_counter()
     dest = Path(dest)
@@ -249,13 +282,9 @@ def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: 
         raise FileExistsError(f"{dest} exists; pass overwrite=True (--overwrite) to replace it")
     config_for_bar = checkpoint if isinstance(checkpoint, Config) else None
     sources = locate(checkpoint, exec_id=exec_id, ckpt_id=ckpt_id, level=level, **overrides)
-    per_rank, metas = [], []
-    for source in sources:
-        meta, items = _read_source(source)
-        per_rank.append((source.rank, items))
-        metas.append(meta)
-    items = _assemble(per_rank)
-    first = metas[0]
+    ranks = [_verify_source(source) for source in sources]
+    items = _assemble(ranks)
+    first = ranks[0].meta
     record = sources[0].record
     ckpt = int(record.ckpt_id if record else first.get("ckpt_id", 0))
     lvl = int(record.level if record else first.get("level", 0))
@@ -263,10 +292,10 @@ def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: 
              "time": record.timestamp if record else first.get("time"),
              "exec_id": first.get("exec_id"), "nranks": len(sources), "backend": first.get("backend"),
              "source": str(sources[0].path.parent), "ftidask_export": 1}
-    total = sum(a.nbytes for _n, _i, a in items)
+    total = sum(info.nbytes for _n, info, _f in items)
     with for_config(config_for_bar or Config(), total, "export to zarr") as bar:
         zarr_store.write_items(dest, items, attrs, progress=bar, overwrite=overwrite)
-    result = ExportResult(dest, ckpt, lvl, len(sources), tuple(n for n, _i, _a in items), total,
+    result = ExportResult(dest, ckpt, lvl, len(sources), tuple(n for n, _i, _f in items), total,
                           time.perf_counter() - start)
     log.info("exported checkpoint %d (level %d, %d rank files) to %s: %d arrays, %d bytes", ckpt, lvl,
              len(sources), dest, len(items), total)

@@ -67,12 +67,12 @@ def zarr_compressors(codec: Mapping[str, Any] | None) -> Any:
     return "auto"
 
 
-def _chunks(info: VarInfo, array: np.ndarray) -> Any:
-    grid = info.extra.get("chunks")  # Dask's chunking, as recorded by the Dask backend
-    if isinstance(grid, list) and len(grid) == array.ndim and all(isinstance(c, list) and c for c in grid):
+def _chunks(info: VarInfo) -> Any:
+    grid = info.extra.get("chunks")  # a Dask array's chunk grid
+    if isinstance(grid, list) and len(grid) == len(info.shape) and all(isinstance(c, list) and c for c in grid):
         return tuple(max(int(c[0]), 1) for c in grid)
-    if array.ndim == 0 or array.nbytes <= (64 << 20):
-        return tuple(max(n, 1) for n in array.shape)
+    if not info.shape or info.nbytes <= (64 << 20):
+        return tuple(max(n, 1) for n in info.shape)
     return "auto"
 
 
@@ -87,12 +87,13 @@ def write_store(path: Path, arrays: Mapping[int, np.ndarray], infos: list[VarInf
     return write_items(path, items, attrs, progress=progress)
 
 
-def write_items(path: Path, items: list[tuple[str, VarInfo, np.ndarray]], attrs: Mapping[str, Any],
+def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mapping[str, Any],
                 *, progress: Any = None, overwrite: bool = True) -> tuple[str, int]:
-    """Write ``(array path, VarInfo, array)`` items as a new store (temporary directory, fsync, rename).
+    """Write ``(array path, VarInfo, data)`` items as a new store (temporary directory, fsync, rename).
 
-    An array path may hold one ``/`` (``rank3/temp``): the group is created. Returns
-    ``(manifest digest hex, bytes on disk)``.
+    ``data`` is an array of the variable's shape, or a function that fills the Zarr array it is
+    given (to write a large variable piece by piece). An array path may hold one ``/``
+    (``rank3/temp``): the group is created. Returns ``(manifest digest hex, bytes on disk)``.
     """
     zarr = _zarr()
     if path.exists() and not overwrite:
@@ -103,24 +104,27 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, np.ndarray]], attrs:
         root = zarr.open_group(str(tmp), mode="w", attributes=dict(attrs))
         groups = {"": root}
         table = []
-        for name, info, array in items:
+        for name, info, data in items:
             parent, _, leaf = name.rpartition("/")
             if parent not in groups:
                 groups[parent] = root.create_group(parent)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Zarr calls structured/string dtypes "unstable"
                 z = groups[parent].create_array(
-                    leaf, shape=array.shape, dtype=array.dtype, chunks=_chunks(info, array),
+                    leaf, shape=info.shape, dtype=info.dtype, chunks=_chunks(info),
                     compressors=zarr_compressors(info.extra.get("codec")),
-                    dimension_names=[f"{leaf}_dim{i}" for i in range(array.ndim)],
+                    dimension_names=[f"{leaf}_dim{i}" for i in range(len(info.shape))],
                     attributes={"ftidask_id": info.id, "ftidask_name": info.name, "ftidask_order": info.order},
                     config={"write_empty_chunks": True})  # every chunk a file: a missing one is damage
-                z[...] = array
+                if callable(data):
+                    data(z)
+                else:
+                    z[...] = data
             entry = info.to_json()
             entry["array"] = name
             table.append(entry)
             if progress is not None:
-                progress.update(array.nbytes)
+                progress.update(info.nbytes)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             zarr.consolidate_metadata(str(tmp))
@@ -260,6 +264,27 @@ def read_arrays(path: Path, manifest: Mapping[str, Any], ids: set[int] | None = 
         np.copyto(result, np.asarray(data).reshape(info.shape), casting="equiv")
         out[vid] = result
     return out
+
+
+def read_into(path: Path, manifest: Mapping[str, Any], targets: Mapping[int, np.ndarray]) -> None:
+    """Fill ``targets`` (id -> array of the stored shape) from a verified store, without a copy.
+
+    Call :func:`verify_store` first: the chunk re-check as Zarr reads only catches a store
+    changed in between.
+    """
+    zarr = _zarr()
+    from zarr.core.buffer import default_buffer_prototype
+
+    store = verified_store(path, manifest)
+    table = store_vars(manifest, path)
+    for vid, target in targets.items():
+        info, name = table[vid]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            z = zarr.open_array(store=store, path=name, mode="r")
+            if tuple(z.shape) != tuple(target.shape):
+                raise FormatError(f"{path}: array {name!r} has shape {z.shape}, expected {target.shape}")
+            z.get_basic_selection(Ellipsis, out=default_buffer_prototype().nd_buffer.from_numpy_array(target))
 
 
 def verified_store(path: Path, manifest: Mapping[str, Any]) -> Any:

@@ -110,10 +110,8 @@ def check_store(path: Path, record: Any, rank: int) -> Any:
 
 
 def load_store(parsed: ZarrRankStore, arrays: Mapping[int, np.ndarray]) -> None:
-    """Fill ``arrays`` (size-checked) from a verified store; nothing is written until all is read."""
-    data = zarr_store.read_arrays(Path(parsed.path), parsed.manifest, set(arrays))
-    for vid, target in arrays.items():
-        if vid not in data:
+    """Fill ``arrays`` (size-checked) from a verified store; each chunk is checked again as it is read."""
+    for vid in arrays:
+        if vid not in parsed.vars:
             raise FormatError(f"{parsed.path}: variable {vid} is not in the store")
-    for vid, target in arrays.items():
-        np.copyto(target, data[vid].reshape(target.shape), casting="equiv")
+    zarr_store.read_into(Path(parsed.path), parsed.manifest, arrays)
