@@ -175,3 +175,16 @@ def test_config_and_numcodecs_objects(tmp_path):
     a = np.zeros(50_000)
     ctx.protect(1, a)
     assert ctx.checkpoint(1, 1).bytes_written < a.nbytes // 10
+
+
+def test_inspect_shows_the_codec(tmp_path, capsys):
+    from ftidask.cli import main
+
+    ctx = ftidask.init(**_dirs(tmp_path))
+    ctx.protect(1, np.zeros(10_000), name="zeros", compressor="blosc-zstd:2")
+    ctx.checkpoint(1, 1)
+    (path,) = _files(tmp_path)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "'zeros'" in out and "'cname': 'zstd'" in out and "'clevel': 2" in out
+    assert main(["verify", str(path)]) == 0
