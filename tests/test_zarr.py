@@ -396,3 +396,24 @@ def test_export_stitches_dask_worker_files(tmp_path):
     assert z.chunks == (4, 5)
     assert z[...].tobytes() == full.tobytes()
     assert xr.open_zarr(tmp_path / "dask.zarr")["density"].values.tobytes() == full.tobytes()
+
+
+def test_cli_import(tmp_path, capsys):
+    from ftidask.cli import main as cli_main
+
+    state = _state()
+    ctx = ftidask.init(**_dirs(tmp_path))
+    _protect(ctx, state)
+    ctx.checkpoint(2, 1)
+    assert cli_main(["export", str(next(tmp_path.glob("l/node0/*/l1/ckpt2.s*"))), "--to-zarr",
+                     str(tmp_path / "s.zarr")]) == 0
+    cfg = tmp_path / "new.cfg"
+    cfg.write_text(f"[basic]\nckpt_dir = {tmp_path}/nl\nglbl_dir = {tmp_path}/ng\nmeta_dir = {tmp_path}/nm\n")
+    assert cli_main(["import", str(tmp_path / "s.zarr"), str(cfg)]) == 0
+    assert "as checkpoint 2 (level 4)" in capsys.readouterr().out
+    ctx2 = ftidask.init(cfg)
+    out = np.zeros_like(state[1][1])
+    ctx2.protect(1, out)
+    ctx2.recover(ckpt_id=2)
+    assert out.tobytes() == state[1][1].tobytes()
+    assert cli_main(["import", str(tmp_path / "missing.zarr"), str(cfg)]) == 2
