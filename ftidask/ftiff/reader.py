@@ -186,7 +186,11 @@ def _raw_chunk(parsed: FtiffFile, meta: ContainerMeta) -> int:
     info = parsed.vars.get(meta.id)
     if info is None or "codec" not in info.extra:
         return meta.chunksize
-    return compression.raw_span(info.nbytes, meta.dptr, meta.containersize)
+    span = compression.raw_span(info.nbytes, meta.dptr, meta.containersize)
+    if meta.containerid in compression.plain_ids(info.extra) and meta.chunksize != span:
+        raise FormatError(f"var id {meta.id}, containerid {meta.containerid}: stored uncompressed with "
+                          f"{meta.chunksize} bytes, expected {span}", path=parsed.path)
+    return span
 
 
 def _read_compressed(fh: BinaryIO, parsed: FtiffFile, meta: ContainerMeta, target: ByteTarget, what: str) -> None:
@@ -197,15 +201,10 @@ def _read_compressed(fh: BinaryIO, parsed: FtiffFile, meta: ContainerMeta, targe
     if got != meta.chunksize or hashing.digest(parsed.fb.hash_id, stored) != meta.hash:
         raise FormatError(f"{what} changed while it was read", path=parsed.path)
     span = compression.raw_span(info.nbytes, meta.dptr, meta.containersize)
-    if meta.containerid in compression.plain_ids(info.extra):
-        raw: bytes | bytearray = stored
-        if len(raw) != span:
-            raise FormatError(f"{what}: holds {len(raw)} bytes, expected {span}", path=parsed.path)
-    else:
-        try:
-            raw = compression.decode_span(compression.var_codec(info.extra), stored, span, what=what)
-        except FormatError as exc:
-            raise FormatError(str(exc), path=parsed.path) from None
+    try:
+        raw = compression.decode_span(compression.var_codec(info.extra), stored, span, what=what)
+    except FormatError as exc:
+        raise FormatError(str(exc), path=parsed.path) from None
     target.store(meta.dptr, raw)
 
 
@@ -252,7 +251,7 @@ def read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget]
         if target is None or not meta.hascontent:
             continue
         info = parsed.vars.get(meta.id)
-        if info is not None and "codec" in info.extra:
+        if info is not None and "codec" in info.extra and meta.containerid not in compression.plain_ids(info.extra):
             _read_compressed(fh, parsed, meta, target, f"block {bi}, container {ci} (var id {meta.id})")
             continue
         view = target.view(meta.dptr, meta.dptr + meta.chunksize)
