@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,7 @@ class Context:
         self._layout: Layout | None = None
         self._hash_id = hashing.hash_id(config.hash)
         self._closed = False
+        self._pool: ThreadPoolExecutor | None = None
         self._recovered = False
         self._restart_file: FtiffFile | None = None
         self._restart_record: CommitRecord | None = None
@@ -141,7 +143,7 @@ class Context:
                 written = write(
                     path, layout, streams, infos,
                     codecs={vid: (codec, self._vars[vid].array.dtype.itemsize) for vid, (codec, _c) in codecs.items()},
-                    hash_id=self._hash_id, pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
+                    hash_id=self._hash_id, pool=self._hash_pool(), pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
                     meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
                           "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
                           "backend": t.name, "time": time.time()})
@@ -192,6 +194,12 @@ class Context:
             if config is not None and config.get("id") != "none" and p.array.nbytes:
                 out[vid] = (compression.get_codec(config), config)
         return out
+
+    def _hash_pool(self) -> ThreadPoolExecutor:
+        # One long-lived thread hashes a container while the caller writes it.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
+        return self._pool
 
     def _check_level(self, level: Any) -> int:
         if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or int(level) not in constants.LEVELS:
@@ -432,8 +440,14 @@ class Context:
                     self.state.write_run(state="finalized", keep_last=False)
             t.barrier()
         finally:
-            self._closed = True
-            t.close()
+            self._close()
+
+    def _close(self) -> None:
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.transport.close()
 
     def _flush_to_l4(self, record: CommitRecord) -> None:
         t = self.transport
@@ -477,8 +491,7 @@ class Context:
             self.finalize()
         else:
             # Died with an error: keep the checkpoints so that the next run can restart.
-            self._closed = True
-            self.transport.close()
+            self._close()
 
     def __repr__(self) -> str:
         vars_ = ", ".join(f"{p.id}:{p.name} {p.array.dtype}{list(p.array.shape)}" for p in self._vars.values())
