@@ -417,3 +417,21 @@ def test_cli_import(tmp_path, capsys):
     ctx2.recover(ckpt_id=2)
     assert out.tobytes() == state[1][1].tobytes()
     assert cli_main(["import", str(tmp_path / "missing.zarr"), str(cfg)]) == 2
+
+
+def test_cli_verify_checks_zarr_stores(tmp_path, capsys):
+    from ftidask.cli import main as cli_main
+
+    state = _state()
+    ctx = ftidask.init(**_dirs(tmp_path, l4_format="zarr"))
+    _protect(ctx, state)
+    ctx.checkpoint(1, 4)
+    (store,) = tmp_path.glob("g/*/l4/*/Ckpt1-Rank0.zarr")
+    assert cli_main(["verify", str(tmp_path / "g")]) == 0
+    assert "1 sound, 0 damaged" in capsys.readouterr().out
+    chunk = next(p for p in (store / "counts").rglob("*") if p.is_file() and p.name != "zarr.json")
+    raw = bytearray(chunk.read_bytes())
+    raw[-1] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    assert cli_main(["verify", str(store)]) == 1
+    assert "does not match its hash" in capsys.readouterr().out
