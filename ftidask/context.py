@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -14,15 +15,16 @@ from typing import Any
 import numpy as np
 
 from . import constants, storage
-from .arrays import check_protectable
-from .checkpointing import CheckpointInfo
+from .arrays import ArrayBytes, VarInfo, check_protectable
+from .checkpointing import CheckpointInfo, write_rank_file
 from .dcpstore import DcpStore
 from .config import Config
 from .errors import CheckpointError, FTIError, LevelError, NoCheckpointError, ProtectError, RecoveryError
-from .ftiff import blockhash, hashing
+from .ftiff import blockhash, compression, hashing
 from .ftiff.reader import FtiffFile
 from .layout import Layout, plan_layout
-from .pending import PendingCheckpoint, RankFileWriter
+from .pending import OneShotWriter, PendingCheckpoint, RankFileWriter
+from .progress import Tracked, tracked
 from .recovery import Verdict, check_file, check_sizes, load_file
 from .runstate import STATUS_FRESH, CommitRecord, FileRecord, RunState, resolve_run
 from .transport.base import Transport
@@ -39,6 +41,7 @@ class Protected:
     id: int
     name: str
     array: np.ndarray
+    compressor: dict[str, Any] | None = None  # numcodecs config; None: the config's [advanced] compressor
 
 
 def _check_id(value: Any, what: str) -> int:
@@ -90,15 +93,22 @@ class Context:
 
     # --- protection ----------------------------------------------------------------------------
 
-    def protect(self, id: int, array: Any, name: str | None = None) -> None:
-        """FTI_Protect: register ``array`` under ``id`` (again: update its array and size)."""
+    def protect(self, id: int, array: Any, name: str | None = None, compressor: Any = None) -> None:
+        """FTI_Protect: register ``array`` under ``id`` (again: update its array and size).
+
+        ``compressor`` (``"zstd"``, ``"lz4"``, ``"blosc"``, ``"none"``, a numcodecs codec...) overrides
+        ``[advanced] compressor`` for this variable; see :mod:`ftidask.ftiff.compression`.
+        """
         self._check_open()
         vid = _check_id(id, "variable id")
         array = check_protectable(array)
         old = self._vars.get(vid)
         if name is None:
             name = old.name if old is not None else f"var{vid}"
-        self._vars[vid] = Protected(vid, str(name), array)
+        codec = old.compressor if old is not None and compressor is None else None
+        if compressor is not None:
+            codec = compression.parse_compressor(compressor) or {"id": "none"}
+        self._vars[vid] = Protected(vid, str(name), array, codec)
 
     @property
     def protected(self) -> Mapping[int, np.ndarray]:
@@ -131,7 +141,7 @@ class Context:
             raise
         return self._commit_checkpoint(pending)
 
-    def _begin_checkpoint(self, id: int, level: int) -> PendingCheckpoint:
+    def _begin_checkpoint(self, id: int, level: int, incremental: bool = False) -> PendingCheckpoint:
         """Plan checkpoint ``id`` and open its file (shared by checkpoint and iCP)."""
         self._check_open()
         if self._icp is not None:
@@ -153,8 +163,15 @@ class Context:
         writer: Any = None
         error = ""
         try:
-            writer = (self._dcp_store().begin(base_level, layout) if level > 4
-                      else RankFileWriter(path, layout, self._hash_id, self._hash_pool()))
+            if level > 4:
+                writer = self._dcp_store().begin(base_level, layout)
+            elif incremental:
+                if self._codecs() or (level == 4 and self.config.l4_format == "zarr"):
+                    raise CheckpointError("incremental checkpoints are written uncompressed as FTI-FF files: "
+                                          "set compressor = none (and l4_format = ftiff for level 4)")
+                writer = RankFileWriter(path, layout, self._hash_id, self._hash_pool())
+            else:  # every variable at once, at commit: compression, Zarr L4 and progress bars apply
+                writer = OneShotWriter(functools.partial(self._write_full, ckpt_id, level, path, layout))
         except (OSError, FTIError) as exc:
             error = f"rank {t.rank}: {exc}"
         return PendingCheckpoint(ckpt_id, level, seq, layout, directory, path,
@@ -198,7 +215,9 @@ class Context:
         assert written is not None  # every rank succeeded
         record = CommitRecord(seq, ckpt_id, level, time.time(), t.size,
                               tuple(FileRecord(**f) for _e, f in results),
-                              {"dcp": True} if pending.differential else {})
+                              {"dcp": True} if pending.differential else
+                              {"l4_format": "zarr"} if isinstance(pending.writer, OneShotWriter) and level == 4
+                              and self.config.l4_format == "zarr" else {})
         if t.rank == 0:
             self.state.write_record(record)  # the commit point
         t.barrier()
@@ -252,6 +271,41 @@ class Context:
         from .icp import Incremental
 
         return Incremental(self, id, level)
+
+    def _write_zarr_l4(self, path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes], infos: list[VarInfo],
+                       *, meta: Mapping[str, Any], **_ignored: Any) -> Any:
+        """Level 4 as a Zarr store (``l4_format = zarr``), in place of the FTI-FF file."""
+        from .levels import zarr_l4
+
+        bar = next((a.bar for a in arrays.values() if isinstance(a, Tracked)), None)
+        return zarr_l4.write_rank_store(path.with_suffix(zarr_l4.SUFFIX), {vid: a.array for vid, a in arrays.items()},
+                                        infos, meta, progress=bar)
+
+    def _codecs(self) -> dict[int, tuple[Any, dict[str, Any]]]:
+        """Per variable to compress: ``(numcodecs codec, its JSON config)``."""
+        default = compression.parse_compressor(self.config.compressor)
+        out = {}
+        for vid, p in self._vars.items():
+            config = p.compressor if p.compressor is not None else default
+            if config is not None and config.get("id") != "none" and p.array.nbytes:
+                out[vid] = (compression.get_codec(config), config)
+        return out
+
+    def _write_full(self, ckpt_id: int, level: int, path: Path, layout: Layout, *, meta: Mapping[str, Any],
+                    pt_fs: int | None, max_fs: int | None) -> Any:
+        """Write this rank's whole file of a level 1-4 checkpoint (compressed, or as Zarr at L4, if so configured)."""
+        zarr_l4 = level == 4 and self.config.l4_format == "zarr"
+        codecs = self._codecs()
+        infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}))
+                 for vid, p in self._vars.items()]
+        write = self._write_zarr_l4 if zarr_l4 else write_rank_file
+        streams, bar = tracked({vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, self.config,
+                               f"checkpoint {ckpt_id} (L{level})")
+        with bar:
+            return write(
+                path, layout, streams, infos,
+                codecs={vid: (codec, self._vars[vid].array.dtype.itemsize) for vid, (codec, _c) in codecs.items()},
+                hash_id=self._hash_id, pool=self._hash_pool(), pt_fs=pt_fs, max_fs=max_fs, meta=meta)
 
     def _hash_pool(self) -> ThreadPoolExecutor:
         # One long-lived thread hashes a container while the caller writes it.
@@ -309,7 +363,10 @@ class Context:
                     storage.remove_tree(entry)
                 elif entry.is_dir():
                     for tmp in entry.glob(".*.tmp-*"):
-                        tmp.unlink(missing_ok=True)
+                        if tmp.is_dir():  # a Zarr store being written (l4_format = zarr)
+                            storage.remove_tree(tmp)
+                        else:
+                            tmp.unlink(missing_ok=True)
         t.barrier()
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:
@@ -340,8 +397,9 @@ class Context:
         return sorted(records, key=lambda r: r.seq, reverse=True)
 
     def _rank_file(self, record: CommitRecord) -> Path:
-        return (self.paths.level_dir(record.level, self.transport.node) / record.dirname
+        path = (self.paths.level_dir(record.level, self.transport.node) / record.dirname
                 / storage.rank_file(record.ckpt_id, self.transport.rank))
+        return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
 
     def _find(self, ckpt_id: int | None = None, level: int | None = None) -> tuple[CommitRecord, Verdict]:
         """The newest committed checkpoint that every rank can verify (or rebuild)."""
@@ -385,7 +443,7 @@ class Context:
         problems = [p for p in self.transport.allgather(problem) if p]
         if problems:
             raise RecoveryError("; ".join(problems))
-        load_file(verdict.parsed, arrays)
+        load_file(verdict.parsed, arrays, config=self.config)
         if self.config.enable_dcp:
             self._dcp_store().recovered(record.level, record.seq, self._rank_file(record), verdict.parsed)
         self._layout = verdict.parsed.layout()
@@ -529,20 +587,30 @@ class Context:
         t = self.transport
         seq = t.bcast(self.state.next_seq() if t.rank == 0 else None)
         verdict = check_file(self._rank_file(record), record, t.rank)
-        error = ""
+        error, entry = "", None
+        as_zarr = self.config.l4_format == "zarr"
         if verdict.kind == "ok":
             dst = self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)
             try:
-                storage.copy_file_atomic(self._rank_file(record), dst / storage.rank_file(record.ckpt_id, t.rank))
-            except OSError as exc:
+                if as_zarr:
+                    from .levels import zarr_l4
+
+                    written = zarr_l4.flush_file(verdict.parsed, dst / zarr_l4.store_name(record.ckpt_id, t.rank), seq)
+                    entry = FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()
+                else:
+                    storage.copy_file_atomic(self._rank_file(record), dst / storage.rank_file(record.ckpt_id, t.rank))
+            except (OSError, FTIError) as exc:
                 error = str(exc)
         else:
             error = verdict.message
-        errors = [e for e in t.allgather(error) if e]
+        results = t.allgather((error, entry))
+        errors = [e for e, _f in results if e]
         if errors:
             raise CheckpointError("keep_last_ckpt: flushing the last checkpoint to L4 failed: " + "; ".join(errors))
         if t.rank == 0:
-            self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time()))
+            zarr_files = ({"files": tuple(FileRecord(**f) for _e, f in results), "extra": {"l4_format": "zarr"}}
+                          if as_zarr else {})
+            self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(), **zarr_files))
         t.barrier()
 
     @property

@@ -23,7 +23,7 @@ def init_icp(ctx: Context, ckpt_id: int, level: int) -> None:
     """Open incremental checkpoint ``ckpt_id`` at ``level`` (levels 1-8, as for checkpoint)."""
     if ctx._icp is not None:
         raise CheckpointError(f"incremental checkpoint {ctx._icp.ckpt_id} is still open; finalize it first")
-    ctx._icp = ctx._begin_checkpoint(ckpt_id, level)
+    ctx._icp = ctx._begin_checkpoint(ckpt_id, level, incremental=True)
 
 
 def _open(ctx: Context) -> PendingCheckpoint:

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -82,6 +82,20 @@ class RankFileWriter:
                 self._pool.shutdown(wait=True)
 
 
+class OneShotWriter:
+    """Writes the whole file at once when the checkpoint is finished (a plain ``checkpoint()``):
+    ``write(meta=..., pt_fs=..., max_fs=...)`` does it, with compression or Zarr L4 if configured."""
+
+    def __init__(self, write: Callable[..., WrittenFile]) -> None:
+        self.write = write
+
+    def write_var(self, var_id: int, source: Any) -> int:
+        return 0  # written by finish, from the protected arrays as they are then
+
+    def abort(self) -> None:
+        """Nothing is open before finish; a failed write cleans up after itself."""
+
+
 @dataclasses.dataclass
 class PendingCheckpoint:
     """Checkpoint ``ckpt_id`` between its start and its commit, on one rank."""
@@ -93,7 +107,7 @@ class PendingCheckpoint:
     directory: Path
     path: Path
     sizes: dict[int, int]  # var id -> bytes planned
-    writer: RankFileWriter | DcpHandle | None  # None when opening it failed (see error)
+    writer: RankFileWriter | DcpHandle | OneShotWriter | None  # None when opening it failed (see error)
     started: float = dataclasses.field(default_factory=time.perf_counter)
     written: set[int] = dataclasses.field(default_factory=set)
     infos: dict[int, VarInfo] = dataclasses.field(default_factory=dict)
@@ -133,6 +147,9 @@ class PendingCheckpoint:
         trailer["vars"] = [self.infos[vid].to_json() for vid in self.sizes]
         if self.writer is None:
             raise CheckpointError(self.error or "checkpoint file not open")
+        if isinstance(self.writer, OneShotWriter):
+            self.result = self.writer.write(meta=meta, pt_fs=pt_fs, max_fs=max_fs)
+            return self.result
         if isinstance(self.writer, DcpHandle):
             self.result, self.stats = self.writer.finish(self.path, self.seq, trailer, pt_fs=pt_fs, max_fs=max_fs)
         else:
