@@ -160,15 +160,15 @@ class Context:
         base_level = level - 4 if level > 4 else level
         directory = self.paths.level_dir(base_level, t.node) / storage.ckpt_dirname(ckpt_id, seq)
         path = directory / storage.rank_file(ckpt_id, t.rank)
+        if incremental and level <= 4 and (self._codecs() or (level == 4 and self.config.l4_format == "zarr")):
+            raise CheckpointError("incremental checkpoints are written uncompressed as FTI-FF files: set "
+                                  "compressor = none (and l4_format = ftiff for level 4), or use levels 5-8")
         writer: Any = None
         error = ""
         try:
             if level > 4:
                 writer = self._dcp_store().begin(base_level, layout)
             elif incremental:
-                if self._codecs() or (level == 4 and self.config.l4_format == "zarr"):
-                    raise CheckpointError("incremental checkpoints are written uncompressed as FTI-FF files: "
-                                          "set compressor = none (and l4_format = ftiff for level 4)")
                 writer = RankFileWriter(path, layout, self._hash_id, self._hash_pool())
             else:  # every variable at once, at commit: compression, Zarr L4 and progress bars apply
                 writer = OneShotWriter(functools.partial(self._write_full, ckpt_id, level, path, layout))

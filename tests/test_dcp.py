@@ -439,3 +439,23 @@ def test_a_backend_with_its_own_checkpoint_must_opt_in(tmp_path):
     ctx.checkpoint(1, 1)
     OwnCheckpoint.writes_dcp = True
     ctx.checkpoint(1, 5)
+
+
+def test_dcp_and_icp_with_a_compressor_configured(tmp_path):
+    """Compressed containers cannot be patched in place: dCP and iCP files are stored uncompressed."""
+    pytest.importorskip("numcodecs")
+    ctx = ftidask.init(**_kw(tmp_path, compressor="zstd"))
+    a = np.zeros(50_000)
+    ctx.protect(1, a)
+    plain = ctx.checkpoint(1, 1)  # compressed: zeros shrink
+    assert plain.bytes_written < a.nbytes // 10
+    for i in range(2, 5):
+        a[i * 1000] = i
+        info = ctx.checkpoint(i, 5)
+    assert info.blocks_changed == 2 and info.bytes_written == 1024
+    _assert_same(_recover_fresh(tmp_path, {1: a}, compressor="zstd"), {1: a})
+    with pytest.raises(CheckpointError, match="uncompressed"):
+        ctx.init_icp(9, 1)
+    ctx.init_icp(9, 5)  # differential iCP is uncompressed anyway
+    ctx.add_var_icp(1)
+    ctx.finalize_icp()
