@@ -6,11 +6,11 @@ from .constants import *  # noqa: F403 - FTI's names are the public API
 from .constants import init_type
 from .context import Context, init
 from .errors import (CheckpointError, ConfigError, FormatError, FTIError, LevelError, NoCheckpointError,
-                     ProtectError, RecoveryError)
+                     ProtectError, RecoveryError, StagingError)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "CheckpointInfo", "Config", "ConfigError", "Context", "FTIError", "FormatError",
-    "LevelError", "NoCheckpointError", "ProtectError", "RecoveryError", "init", "init_type", "load_config",
+    "LevelError", "NoCheckpointError", "ProtectError", "RecoveryError", "StagingError", "init", "init_type", "load_config",
 ]

@@ -22,6 +22,7 @@ from .ftiff.reader import FtiffFile
 from .layout import Layout, plan_layout
 from .recovery import Verdict, check_file, check_sizes, load_file
 from .runstate import STATUS_FRESH, CommitRecord, FileRecord, RunState, resolve_run
+from .staging import StagingMixin
 from .transport.base import Transport
 
 log = logging.getLogger("ftidask")
@@ -47,7 +48,7 @@ def _check_id(value: Any, what: str) -> int:
     return value
 
 
-class Context:
+class Context(StagingMixin):
     """One process's handle on a run: protected variables, checkpoints, recovery."""
 
     def __init__(self, config: Config, transport: Transport) -> None:
@@ -336,6 +337,7 @@ class Context:
         if self._closed:
             return
         t = self.transport
+        staging_failed = self._finish_staging()  # wait for pending SendFile requests (stage_timeout)
         try:
             records = self._candidates(None, None)
             if self.config.keep_last_ckpt and records:
@@ -353,6 +355,7 @@ class Context:
         finally:
             self._closed = True
             t.close()
+        self._staging_report(staging_failed)
 
     def _flush_to_l4(self, record: CommitRecord) -> None:
         t = self.transport
@@ -386,6 +389,7 @@ class Context:
             self.finalize()
         else:
             # Died with an error: keep the checkpoints so that the next run can restart.
+            self._finish_staging()  # failures are logged; the application's error is the one to see
             self._closed = True
             self.transport.close()
 
