@@ -226,6 +226,11 @@ class Stager:
             raise StagingError(f"send_file: the destination {remote_path} is glbl_dir itself")
         if os.path.lexists(dst):
             raise StagingError(f"send_file: destination {dst} already exists")
+        parent = dst.parent
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise StagingError(f"send_file: cannot create {dst.parent}: {parent} is a file, not a directory")
         if os.fspath(dst) in self.table.targets():
             raise StagingError(f"send_file: another pending request already sends a file to {dst}")
         return src, dst, st.st_size

@@ -136,7 +136,11 @@ def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False, *
                 raise TransferFailed(f"source {src} changed since send_file ({req.size} bytes then, "
                                      f"{before.st_size} now)")
             action = f"creating {dst.parent}"
-            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+            except FileExistsError:
+                raise TransferFailed(f"cannot create {dst.parent}: a component of it is a file, "
+                                     "not a directory (ENOTDIR)") from None
             action = f"writing {dst}"
             fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             created = True

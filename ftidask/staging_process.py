@@ -93,7 +93,7 @@ class ProcessMover:
         line = (json.dumps(req.to_json()) + "\n").encode()
         with self._lock:
             child = self._child
-            if child is None or child.dead:
+            if child is None or child.dead or child.proc.poll() is not None:
                 child = self._child = self._spawn()
                 self.restarts += 1
             child.inflight[req.id] = req
