@@ -433,11 +433,11 @@ def test_finalize_reports_failures_after_finishing(tmp_path):
 
 def test_finalize_timeout_cancels_cleanly(tmp_path):
     stager = make_stager(tmp_path, ThreadMover(throttle=0.2))
-    srcs = []
-    for i in range(3):
-        srcs.append(stager.stage_dir / f"f{i}")
-        write_random(srcs[-1], 16 * MiB, seed=i)
-        stager.send(srcs[-1], f"f{i}")
+    srcs = [stager.stage_dir / f"f{i}" for i in range(3)]
+    for src in srcs:
+        write_random(src, 16 * MiB)
+    for i, src in enumerate(srcs):
+        stager.send(src, f"f{i}")
     failed = stager.close(0.1)
     assert len(failed) == 3 and all("stage_timeout" in f.reason for f in failed)
     assert list((tmp_path / "global").iterdir()) == []
