@@ -47,12 +47,13 @@ class StageRequest:
                    str(raw.get("hash", "xxh3_128")))
 
 
-def temp_name(dst: Path, token: str) -> Path:
+def temp_name(dst: str, token: str) -> str:
     """The temporary name of a transfer: hidden, in the destination directory, known to the caller.
 
     The caller (not only the mover) knows it, so that it can remove the leftover of a mover that died.
     """
-    return dst.with_name(f".{dst.name}.ftidask-stage-{token}.tmp")
+    head, name = os.path.split(dst)
+    return os.path.join(head, f".{name}.ftidask-stage-{token}.tmp")
 
 
 def describe_os_error(exc: OSError, action: str) -> str:
