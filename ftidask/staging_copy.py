@@ -143,6 +143,8 @@ def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False, *
                 raise TransferFailed(f"cannot create {dst.parent}: a component of it is a file, "
                                      "not a directory (ENOTDIR)") from None
             action = f"writing {dst}"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # this request's own name: the leftover of an earlier, killed attempt
             fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             created = True
             try:
