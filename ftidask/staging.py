@@ -17,6 +17,8 @@ A mover reports through ``table.update(req.id, SI_ACTV)`` then ``table.update(re
 reason)``; the first final state wins. A mover in another process runs :func:`staging_copy.transfer`
 on ``StageRequest.from_json(msg)`` and sends back ``{"id", "state", "reason"}`` (JSON, never pickle);
 if it dies, the owner fails its in-flight requests with a reason and unlinks their ``req.tmp`` files.
+:func:`ftidask.staging_process.serve` is that loop with the transport left open (pipes for the
+ProcessMover; MPI messages for an MPI head: ``serve(recv_request, send_state)``).
 Movers: :class:`ThreadMover` (default), :class:`ftidask.staging_process.ProcessMover` (``head = 1`` in
 one process, or ``stage_mover = process``), ``ftidask.staging_dask.DaskMover``. A transport may offer
 its own through a ``stage_mover(config)`` method returning a mover or None.
@@ -278,7 +280,10 @@ class StagingMixin:
             raise FTIError("staging is disabled: set enable_staging = 1 in the config ([basic] section) "
                            "or pass enable_staging=1 to ftidask.init()")
         if self._stager is None:
-            stage_dir = self.stage_dir()
+            t = self.transport  # type: ignore[attr-defined]
+            stage_dir = self.paths.stage_root / f"node{t.node}" / f"rank{t.rank}"  # type: ignore[attr-defined]
+            stage_dir.mkdir(parents=True, exist_ok=True)
+            # The mover starts here (with the stage dir), so that no send_file pays for starting it.
             self._stager = Stager(stage_dir, Path(cfg.glbl_dir), self._make_mover(),
                                   allow_outside=cfg.stage_allow_outside, hash_name=cfg.hash)
         return self._stager
@@ -298,12 +303,7 @@ class StagingMixin:
 
     def stage_dir(self) -> Path:
         """FTI_GetStageDir: this process's node-local stage directory (created on demand)."""
-        if not self.config.enable_staging:  # type: ignore[attr-defined]
-            self._staging()  # raises the explanation
-        t = self.transport  # type: ignore[attr-defined]
-        path = self.paths.stage_root / f"node{t.node}" / f"rank{t.rank}"  # type: ignore[attr-defined]
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+        return self._staging().stage_dir
 
     def send_file(self, local_path: str | os.PathLike[str], remote_path: str | os.PathLike[str]) -> int:
         """FTI_SendFile: move ``local_path`` (in :meth:`stage_dir`) to ``remote_path`` in the background.

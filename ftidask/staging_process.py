@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -158,8 +159,31 @@ def _stdin_reader(requests: queue.SimpleQueue[dict[str, Any] | None]) -> None:
     requests.put(None)
 
 
+def serve(next_request: Callable[[], dict[str, Any] | None], reply: Callable[[dict[str, Any]], None], *,
+          throttle: float = 0.0) -> None:
+    """A mover's loop, whatever carries the messages (pipes here, MPI messages on a head).
+
+    ``next_request()`` returns a :meth:`StageRequest.to_json` dict, or None to stop; ``reply(msg)``
+    sends ``{"id", "state", "reason"}`` back to the request's owner. One transfer at a time.
+    """
+    while (raw := next_request()) is not None:
+        try:
+            req = StageRequest.from_json(raw)
+        except (KeyError, TypeError, ValueError):
+            continue
+        reply({"id": req.id, "state": FTI_SI_ACTV, "reason": ""})
+        try:
+            transfer(req, throttle=throttle)
+        except TransferFailed as exc:
+            reply({"id": req.id, "state": FTI_SI_FAIL, "reason": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - report, keep serving
+            reply({"id": req.id, "state": FTI_SI_FAIL, "reason": f"internal error: {exc!r}"})
+        else:
+            reply({"id": req.id, "state": FTI_SI_SCES, "reason": ""})
+
+
 def child_main(argv: list[str] | None = None) -> None:
-    """The mover's loop: requests on stdin, states on stdout, one transfer at a time."""
+    """The mover process: requests on stdin, states on stdout (JSON lines)."""
     import argparse
     import resource
 
@@ -173,23 +197,11 @@ def child_main(argv: list[str] | None = None) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (opts.fsize, opts.fsize))
     out = sys.stdout.buffer
 
-    def reply(req_id: int, state: int, reason: str = "") -> None:
-        out.write((json.dumps({"id": req_id, "state": state, "reason": reason}) + "\n").encode())
+    def reply(msg: dict[str, Any]) -> None:
+        out.write((json.dumps(msg) + "\n").encode())
         out.flush()
 
+    # A reader thread drains stdin, so the owner's writes never block on a full pipe during a long copy.
     requests: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
     threading.Thread(target=_stdin_reader, args=(requests,), daemon=True).start()
-    while (raw := requests.get()) is not None:
-        try:
-            req = StageRequest.from_json(raw)
-        except (KeyError, TypeError, ValueError):
-            continue
-        reply(req.id, FTI_SI_ACTV)
-        try:
-            transfer(req, throttle=opts.throttle)
-        except TransferFailed as exc:
-            reply(req.id, FTI_SI_FAIL, str(exc))
-        except Exception as exc:  # noqa: BLE001 - report, keep serving
-            reply(req.id, FTI_SI_FAIL, f"internal error: {exc!r}")
-        else:
-            reply(req.id, FTI_SI_SCES)
+    serve(requests.get, reply, throttle=opts.throttle)

@@ -463,3 +463,26 @@ def test_send_file_does_not_wait_for_the_copy(tmp_path):
     assert stager.table.info(req).state in (SI_PEND, SI_ACTV)
     assert stager.wait(req, 60) == SI_SCES
     stager.close(5)
+
+
+def test_context_manager_error_exit_still_finishes_transfers(tmp_path):
+    with pytest.raises(RuntimeError, match="application error"):
+        with make_ctx(tmp_path) as ctx:
+            stage = ctx.stage_dir()
+            (stage / "result").write_bytes(b"keep this")
+            ctx.send_file(stage / "result", "result")
+            raise RuntimeError("application error")
+    assert (tmp_path / "global" / "result").read_bytes() == b"keep this"
+
+
+def test_first_send_file_does_not_start_the_mover(tmp_path):
+    ctx = make_ctx(tmp_path, head=1)
+    stage = ctx.stage_dir()  # the mover process starts here
+    mover = ctx._stager.mover
+    pid = mover.pid
+    assert pid is not None
+    (stage / "f").write_bytes(b"f")
+    req = ctx.send_file(stage / "f", "f")
+    assert mover.pid == pid and mover.restarts == 0
+    assert ctx.wait_staged(req, 60) == SI_SCES
+    ctx.finalize()
