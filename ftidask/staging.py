@@ -35,6 +35,7 @@ import stat
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -163,7 +164,7 @@ class ThreadMover:
         assert self._table is not None
         while (req := self._queue.get()) is not None:
             if self._cancel.is_set():
-                self._table.update(req.id, SI_FAIL, "cancelled: finalize timed out (stage_timeout)")
+                self._table.update(req.id, SI_FAIL, "cancelled: not finished when staging stopped (finalize after stage_timeout, or exit without finalize)")
                 continue
             self._table.update(req.id, SI_ACTV)
             try:
@@ -208,6 +209,9 @@ class Stager:
         self.mover = mover
         self._token = uuid.uuid4().hex[:12]
         mover.start(self.table)
+        # Without a finalize (interpreter exit, a dropped context): stop at once. Cancelled copies remove
+        # their temporary file and the local files stay, so nothing is lost or left half-written.
+        self._exit_hook = weakref.finalize(self, mover.close, 0.0)
 
     def _check(self, local_path: Any, remote_path: Any) -> tuple[str, str, int]:
         # Plain os.path strings: pathlib costs a few hundred microseconds here, and send_file must not block.
@@ -263,6 +267,7 @@ class Stager:
 
     def close(self, timeout: float) -> list[StageInfo]:
         """Wait for every request (at most ``timeout`` s) and stop the mover; the failed ones not yet read."""
+        self._exit_hook.detach()
         self.mover.close(timeout)
         infos = self.table.wait(None, 0)
         return [info for info in infos.values() if info.state == SI_FAIL]

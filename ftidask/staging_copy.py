@@ -152,7 +152,7 @@ def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False, *
                 copied = 0
                 while True:
                     if cancelled():
-                        raise TransferFailed("cancelled: finalize timed out (stage_timeout)")
+                        raise TransferFailed("cancelled: not finished when staging stopped (finalize after stage_timeout, or exit without finalize)")
                     n = os.readv(fin, [view])
                     if n == 0:
                         break
@@ -181,7 +181,7 @@ def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False, *
             raise TransferFailed(f"verification of {dst} failed: {size} bytes with hash {digest.hex()}, "
                                  f"expected {copied} bytes with hash {expected.hex()}")
         if cancelled():
-            raise TransferFailed("cancelled: finalize timed out (stage_timeout)")
+            raise TransferFailed("cancelled: not finished when staging stopped (finalize after stage_timeout, or exit without finalize)")
         action = f"publishing {dst}"
         _publish(tmp, dst)
         created = False

@@ -23,7 +23,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from .constants import SI_ACTV, SI_FAIL, SI_SCES
 from .staging_copy import StageRequest, TransferFailed, transfer
 
-_CANCEL_REASON = "cancelled: finalize timed out (stage_timeout)"
+_CANCEL_REASON = "cancelled: not finished when staging stopped (finalize after stage_timeout, or exit without finalize)"
 
 
 def run_transfer(raw: dict[str, Any], topic: str, cancel_name: str, throttle: float = 0.0) -> dict[str, Any]:

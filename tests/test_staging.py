@@ -486,3 +486,35 @@ def test_first_send_file_does_not_start_the_mover(tmp_path):
     assert mover.pid == pid and mover.restarts == 0
     assert ctx.wait_staged(req, 60) == SI_SCES
     ctx.finalize()
+
+
+EXIT_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+import ftidask
+root = Path(sys.argv[1])
+ctx = ftidask.init(ckpt_dir=root / "local", glbl_dir=root / "global", meta_dir=root / "meta",
+                   enable_staging=1, stage_mover=sys.argv[2], verbosity=4)
+stage = ctx.stage_dir()
+with open(stage / "big", "wb") as fh:
+    for _ in range(4):
+        fh.write(os.urandom(8 << 20))
+mover = ctx._stager.mover
+mover.throttle = mover._throttle = 0.05   # a slow transfer, still running at exit
+req = ctx.send_file(stage / "big", "big")
+while not any("ftidask-stage" in p.name for p in (root / "global").iterdir()):
+    time.sleep(0.001)
+print("exiting while active", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mover", ["thread", "process"])
+def test_exit_without_finalize_leaves_nothing_half_written(tmp_path, mover):
+    (tmp_path / "global").mkdir()
+    script = tmp_path / "app.py"
+    script.write_text(EXIT_SCRIPT)
+    proc = subprocess.run([__import__("sys").executable, os.fspath(script), os.fspath(tmp_path), mover],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "exiting while active" in proc.stdout, proc.stderr
+    assert list((tmp_path / "global").iterdir()) == []
+    assert [p.name for p in (tmp_path / "local" / "stage").rglob("big")] == ["big"]  # the local file is kept
