@@ -162,6 +162,8 @@ def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False, *
                     if throttle:
                         time.sleep(throttle)
                 os.fsync(fout)
+                # Size and mtime catch an application that rewrites a file it handed over (to the
+                # granularity of the file system's clock); the copy itself is checked by hash below.
                 after = os.fstat(fin)
                 if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns) or copied != req.size:
                     raise TransferFailed(f"source {src} was modified during the transfer")

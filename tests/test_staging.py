@@ -340,6 +340,7 @@ def test_source_modified_during_transfer_fails(tmp_path):
     req = stager.send(src, "f")
     while stager.table.info(req).state == SI_PEND:
         time.sleep(0.001)
+    time.sleep(0.05)  # past the file system's timestamp granularity: the change shows in mtime
     with open(src, "r+b") as fh:  # the application rewrites a file it already handed over
         fh.seek(MiB)
         fh.write(b"changed")
