@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ class Context(StagingMixin):
         self._layout: Layout | None = None
         self._hash_id = hashing.hash_id(config.hash)
         self._closed = False
+        self._pool: ThreadPoolExecutor | None = None
         self._recovered = False
         self._restart_file: FtiffFile | None = None
         self._restart_record: CommitRecord | None = None
@@ -79,6 +81,7 @@ class Context(StagingMixin):
             if self._status == STATUS_FRESH:
                 self.state.write_run(state="running", seq=0, keep_last=False)
         transport.barrier()
+        self._collect_garbage()
         log.info("ftidask run %s on %s backend, rank %d of %d, status %d", self.exec_id, transport.name,
                  transport.rank, transport.size, self._status)
 
@@ -124,7 +127,7 @@ class Context(StagingMixin):
             infos = [VarInfo.of(vid, p.name, p.array) for vid, p in self._vars.items()]
             written = write_rank_file(
                 path, layout, {vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, infos,
-                hash_id=self._hash_id, pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
+                hash_id=self._hash_id, pool=self._hash_pool(), pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
                 meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
                       "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
                       "backend": t.name, "time": time.time()})
@@ -147,6 +150,7 @@ class Context(StagingMixin):
         self._layout = layout
         self._restart_file = None
         self._retire_older(record)
+        self._collect_garbage()
         info = CheckpointInfo(ckpt_id, level, seq, written.data_bytes, written.file_size,
                               time.perf_counter() - start)
         self.last_checkpoint = info
@@ -154,6 +158,12 @@ class Context(StagingMixin):
         log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, level, info.bytes_written,
                  info.seconds)
         return info
+
+    def _hash_pool(self) -> ThreadPoolExecutor:
+        # One long-lived thread hashes a container while the caller writes it.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
+        return self._pool
 
     def _check_level(self, level: Any) -> int:
         if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or int(level) not in constants.LEVELS:
@@ -178,6 +188,26 @@ class Context(StagingMixin):
             if old.level == 4 and self.config.keep_l4_ckpt:
                 continue
             self._remove_checkpoint(old)
+
+    def _collect_garbage(self) -> None:
+        """Remove what interrupted checkpoints left: directories no commit record names, temporary files."""
+        t = self.transport
+        committed = t.bcast({r.dirname for r in self.state.records()} if t.rank == 0 else None)
+        roots = [self.paths.local_dir(level, t.node) for level in (1, 2, 3, 4)]
+        if t.rank == 0:
+            roots.append(self.paths.level_dir(4, 0))
+        for root in roots:
+            if not root.is_dir():
+                continue
+            for entry in root.iterdir():
+                if entry.name.startswith(".") and ".tmp-" in entry.name:
+                    entry.unlink(missing_ok=True)
+                elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
+                    storage.remove_tree(entry)
+                elif entry.is_dir():
+                    for tmp in entry.glob(".*.tmp-*"):
+                        tmp.unlink(missing_ok=True)
+        t.barrier()
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:
         t = self.transport
@@ -253,6 +283,24 @@ class Context(StagingMixin):
         self.recovered_from = (record.ckpt_id, record.level)
         self._next_ckpt_id = max(self._next_ckpt_id, record.ckpt_id + 1)
         log.info("recovered checkpoint %d from level %d", record.ckpt_id, record.level)
+        return dict(arrays)
+
+    def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
+        """Fill the protected arrays from one FTI-FF file (ftidask's, or one written by FTI 1.1).
+
+        For files outside a run's directories, e.g. checkpoints copied by hand. Verified first.
+        """
+        self._check_open()
+        verdict = check_file(Path(path), None, self.transport.rank)
+        if verdict.kind != "ok" or verdict.parsed is None:
+            raise RecoveryError(f"cannot recover from {os.fspath(path)}: {verdict.message}")
+        arrays = {vid: p.array for vid, p in self._vars.items()}
+        problem = check_sizes(verdict.parsed, arrays)
+        if problem:
+            raise RecoveryError(problem)
+        load_file(verdict.parsed, arrays)
+        self._layout = verdict.parsed.layout()
+        self._recovered = True
         return dict(arrays)
 
     def _restart_metadata(self) -> FtiffFile:
@@ -353,9 +401,15 @@ class Context(StagingMixin):
                     self.state.write_run(state="finalized", keep_last=False)
             t.barrier()
         finally:
-            self._closed = True
-            t.close()
+            self._close()
         self._staging_report(staging_failed)
+
+    def _close(self) -> None:
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.transport.close()
 
     def _flush_to_l4(self, record: CommitRecord) -> None:
         t = self.transport
@@ -390,8 +444,7 @@ class Context(StagingMixin):
         else:
             # Died with an error: keep the checkpoints so that the next run can restart.
             self._finish_staging()  # failures are logged; the application's error is the one to see
-            self._closed = True
-            self.transport.close()
+            self._close()
 
     def __repr__(self) -> str:
         vars_ = ", ".join(f"{p.id}:{p.name} {p.array.dtype}{list(p.array.shape)}" for p in self._vars.values())
