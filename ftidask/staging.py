@@ -13,8 +13,10 @@ Mover interface (for the MPI heads and Dask workers to plug in)::
         def submit(self, req: StageRequest) -> None  # must not wait for the copy
         def close(self, timeout: float) -> None      # finish or cancel; every request final on return
 
-A mover reports through ``table.update(req.id, SI_ACTV)`` then ``table.update(req.id, SI_SCES | SI_FAIL,
-reason)``; the first final state wins. A mover in another process runs :func:`staging_copy.transfer`
+A mover reports through ``table.update(req.id, SI_ACTV)`` then ``table.update(req.id, SI_SCES |
+SI_FAIL, reason)``; the first final state wins. A mover without a thread of its own (an MPI rank
+probing for its head's answers) calls ``table.set_poller(fn)``: ``fn()`` then runs at every
+``stage_status``, ``stage_info`` and wait, and reports what has arrived. A mover in another process runs :func:`staging_copy.transfer`
 on ``StageRequest.from_json(msg)`` and sends back ``{"id", "state", "reason"}`` (JSON, never pickle);
 if it dies, the owner fails its in-flight requests with a reason and unlinks their ``req.tmp`` files.
 :func:`ftidask.staging_process.serve` is that loop with the transport left open (pipes for the
@@ -36,7 +38,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -72,6 +74,16 @@ class StageTable:
         self._cond = threading.Condition()
         self._infos: dict[int, StageInfo] = {}
         self._targets: set[str] = set()  # destinations of open requests
+        self._poller: Callable[[], None] | None = None
+
+    def set_poller(self, poller: Callable[[], None]) -> None:
+        """For movers without a thread of their own (an MPI rank probing for its head's answers):
+        ``poller()`` is called by every query and wait, and should ``update`` what has arrived."""
+        self._poller = poller
+
+    def _poll(self) -> None:
+        if self._poller is not None:
+            self._poller()
 
     def add(self, req: StageRequest) -> None:
         with self._cond:
@@ -99,6 +111,7 @@ class StageTable:
 
     def query(self, req_id: int) -> int:
         """FTI_GetStageStatus: the state; a final state is returned once, then the id is forgotten."""
+        self._poll()
         with self._cond:
             info = self._infos.get(req_id)
             if info is None:
@@ -108,6 +121,7 @@ class StageTable:
             return info.state
 
     def info(self, req_id: int) -> StageInfo | None:
+        self._poll()
         with self._cond:
             info = self._infos.get(req_id)
             return None if info is None else dataclasses.replace(info)
@@ -124,8 +138,9 @@ class StageTable:
     def wait(self, ids: list[int] | None, timeout: float | None) -> dict[int, StageInfo]:
         """Wait until the requests ``ids`` (None: all known) are final; their infos (not consumed)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
+        while True:
+            self._poll()
+            with self._cond:
                 chosen = list(self._infos) if ids is None else ids
                 infos = {i: self._infos[i] for i in chosen if i in self._infos}
                 if all(info.state in FINAL for info in infos.values()):
@@ -133,6 +148,8 @@ class StageTable:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return {i: dataclasses.replace(info) for i, info in infos.items()}
+                if self._poller is not None:  # nobody will notify: look again soon
+                    left = 0.005 if left is None else min(left, 0.005)
                 self._cond.wait(left)
 
 

@@ -2,7 +2,9 @@
 
 ``nohead``: every rank stages its own files with a ThreadMover (FTI without heads).
 ``head``: rank 0 plays the node's head: it runs ``staging_process.serve`` on requests that the other
-ranks send as JSON over MPI, and answers with JSON states (the protocol an MPI head uses).
+ranks send as JSON over MPI, and answers with JSON states (the protocol an MPI head uses); the
+application ranks receive the states in a thread. ``headpoll``: the same, but the application
+ranks probe for the states when they query (``StageTable.set_poller``), without a thread.
 """
 
 from __future__ import annotations
@@ -49,6 +51,29 @@ class MPIHeadMover:
         self.thread.join(30)
 
 
+class MPIHeadPollMover(MPIHeadMover):
+    """The same without a thread: answers are probed for whenever the application asks (no THREAD_MULTIPLE)."""
+
+    def start(self, table) -> None:
+        self.table = table
+        self.ended = False
+        table.set_poller(self._poll)
+
+    def _poll(self) -> None:
+        while not self.ended and self.comm.Iprobe(source=self.head, tag=TAG_STATE):
+            msg = json.loads(self.comm.recv(source=self.head, tag=TAG_STATE))
+            if msg is None:
+                self.ended = True
+                return
+            self.table.update(int(msg["id"]), int(msg["state"]), msg.get("reason", ""))
+
+    def close(self, timeout: float) -> None:
+        self.table.wait(None, timeout)
+        self.comm.send(json.dumps(None), dest=self.head, tag=TAG_REQ)
+        while not self.ended:
+            self._poll()
+
+
 def run_head(comm: MPI.Comm) -> None:
     open_ranks = set(range(1, comm.size))
     source = {"rank": -1}
@@ -71,8 +96,8 @@ def run_head(comm: MPI.Comm) -> None:
 def main() -> None:
     mode, root = sys.argv[1], Path(sys.argv[2])
     comm = MPI.COMM_WORLD
-    if mode == "head" and comm.rank == 0:
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+    if mode in ("head", "headpoll") and comm.rank == 0:
+        if mode == "head" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             comm.Abort(3)  # the application ranks' receiver threads need MPI_THREAD_MULTIPLE
         run_head(comm)
         comm.gather(True, root=1)
@@ -80,7 +105,8 @@ def main() -> None:
         return
     stage = root / "local" / "stage" / "node0" / f"rank{comm.rank}"
     stage.mkdir(parents=True, exist_ok=True)
-    mover = ThreadMover() if mode == "nohead" else MPIHeadMover(comm, 0)
+    mover = (ThreadMover() if mode == "nohead" else MPIHeadMover(comm, 0) if mode == "head"
+             else MPIHeadPollMover(comm, 0))
     stager = Stager(stage, root / "global", mover)
     sizes = [0, 1, 4096, 100_000, 3 << 20]
     ids = {}
