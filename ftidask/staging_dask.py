@@ -15,6 +15,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from distributed import Client, Event, get_worker
@@ -29,14 +30,31 @@ _CANCEL_REASON = "cancelled: not finished when staging stopped (finalize after s
 def run_transfer(raw: dict[str, Any], topic: str, cancel_name: str, throttle: float = 0.0) -> dict[str, Any]:
     """The task body, on the worker: announce, copy, report (JSON-able result)."""
     req = StageRequest.from_json(raw)
-    with contextlib.suppress(ValueError):
-        get_worker().log_event(topic, {"id": req.id, "state": SI_ACTV})
+    worker = get_worker()
+    worker.log_event(topic, {"id": req.id, "state": SI_ACTV, "worker": worker.address})
     cancel = Event(cancel_name)
     try:
         transfer(req, lambda: cancel.is_set(), throttle=throttle)
     except TransferFailed as exc:
-        return {"id": req.id, "state": SI_FAIL, "reason": str(exc)}
-    return {"id": req.id, "state": SI_SCES, "reason": ""}
+        return {"id": req.id, "state": SI_FAIL, "reason": str(exc), "worker": worker.address}
+    return {"id": req.id, "state": SI_SCES, "reason": "", "worker": worker.address}
+
+
+def worker_by_node_dir(workers: Callable[[], list[str]]) -> Callable[[StageRequest], str | None]:
+    """A ``worker_for`` for the Dask backend's layout: a file under ``.../node{k}/...`` is on worker ``k``.
+
+    ``workers()`` lists the live worker addresses in rank order (the backend's sorted addresses).
+    A path without a ``node{k}`` component, or a ``k`` beyond the cluster, may run anywhere (None).
+    """
+    def worker_for(req: StageRequest) -> str | None:
+        for part in reversed(Path(req.src).parts[:-1]):
+            if part.startswith("node") and part[4:].isdigit():
+                live = workers()
+                k = int(part[4:])
+                return live[k] if k < len(live) else None
+        return None
+
+    return worker_for
 
 
 class _WorkerWatch(SchedulerPlugin):
@@ -67,6 +85,7 @@ class DaskMover:
         self._cancel = Event(f"ftidask-stage-cancel-{self._token}", client=client)
         self._futures: dict[int, Any] = {}
         self._where: dict[int, str | None] = {}
+        self.ran_on: dict[int, str] = {}  # request id -> the worker that ran it
         self._watch = _WorkerWatch(self.topic)
         self._lock = threading.Lock()
         self._table: Any = None
@@ -82,6 +101,8 @@ class DaskMover:
             self._worker_removed(str(msg["removed"]))
             return
         with contextlib.suppress(KeyError, TypeError, ValueError):
+            if "worker" in msg:
+                self.ran_on[int(msg["id"])] = str(msg["worker"])
             self._table.update(int(msg["id"]), int(msg["state"]))
 
     def _worker_removed(self, address: str) -> None:
@@ -115,6 +136,7 @@ class DaskMover:
             self._where.pop(req.id, None)
         if future.status == "finished":
             result = future.result()
+            self.ran_on[req.id] = str(result.get("worker", ""))
             self._table.update(req.id, int(result["state"]), str(result.get("reason", "")))
             return
         if future.status == "cancelled":
