@@ -16,11 +16,13 @@ Mover interface (for the MPI heads and Dask workers to plug in)::
 A mover reports through ``table.update(req.id, SI_ACTV)`` then ``table.update(req.id, SI_SCES |
 SI_FAIL, reason)``; the first final state wins. A mover without a thread of its own (an MPI rank
 probing for its head's answers) calls ``table.set_poller(fn)``: ``fn()`` then runs at every
-``stage_status``, ``stage_info`` and wait, and reports what has arrived. A mover in another process runs :func:`staging_copy.transfer`
-on ``StageRequest.from_json(msg)`` and sends back ``{"id", "state", "reason"}`` (JSON, never pickle);
-if it dies, the owner fails its in-flight requests with a reason and unlinks their ``req.tmp`` files.
-:func:`ftidask.staging_process.serve` is that loop with the transport left open (pipes for the
-ProcessMover; MPI messages for an MPI head: ``serve(recv_request, send_state)``).
+``stage_status``, ``stage_info`` and wait, and reports what has arrived.
+
+A mover in another process runs :func:`staging_copy.transfer` on ``StageRequest.from_json(msg)``
+and sends back ``{"id", "state", "reason"}`` (JSON, never pickle); if it dies, the owner fails its
+in-flight requests with a reason and unlinks their ``req.tmp`` files. :func:`ftidask.staging_process.serve`
+is that loop with the transport left open (pipes for the ProcessMover, MPI messages for a head).
+
 Movers: :class:`ThreadMover` (default), :class:`ftidask.staging_process.ProcessMover` (``head = 1`` in
 one process, or ``stage_mover = process``), ``ftidask.staging_dask.DaskMover``. A transport may offer
 its own through a ``stage_mover(config)`` method returning a mover or None.
@@ -44,7 +46,7 @@ from typing import Any, Protocol
 
 from .constants import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES
 from .errors import FTIError, StagingError
-from .staging_copy import StageRequest, TransferFailed, temp_name, transfer
+from .staging_copy import CANCELLED, StageRequest, TransferFailed, temp_name, transfer
 
 log = logging.getLogger("ftidask")
 
@@ -75,6 +77,7 @@ class StageTable:
         self._infos: dict[int, StageInfo] = {}
         self._targets: set[str] = set()  # destinations of open requests
         self._poller: Callable[[], None] | None = None
+        self._poll_lock = threading.Lock()  # one poller at a time (a probe and its receive go together)
 
     def set_poller(self, poller: Callable[[], None]) -> None:
         """For movers without a thread of their own (an MPI rank probing for its head's answers):
@@ -83,7 +86,8 @@ class StageTable:
 
     def _poll(self) -> None:
         if self._poller is not None:
-            self._poller()
+            with self._poll_lock:
+                self._poller()
 
     def add(self, req: StageRequest) -> None:
         with self._cond:
@@ -181,7 +185,7 @@ class ThreadMover:
         assert self._table is not None
         while (req := self._queue.get()) is not None:
             if self._cancel.is_set():
-                self._table.update(req.id, SI_FAIL, "cancelled: not finished when staging stopped (finalize after stage_timeout, or exit without finalize)")
+                self._table.update(req.id, SI_FAIL, CANCELLED)
                 continue
             self._table.update(req.id, SI_ACTV)
             try:

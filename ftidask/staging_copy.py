@@ -21,6 +21,8 @@ from typing import Any
 from .ftiff import hashing
 
 PIECE = 8 << 20
+#: The reason of a transfer stopped by its owner (a finalize past ``stage_timeout``, or an exit without one).
+CANCELLED = "cancelled: not finished when staging stopped (finalize after stage_timeout, or exit without finalize)"
 
 
 class TransferFailed(Exception):
@@ -152,7 +154,7 @@ def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False, *
                 copied = 0
                 while True:
                     if cancelled():
-                        raise TransferFailed("cancelled: not finished when staging stopped (finalize after stage_timeout, or exit without finalize)")
+                        raise TransferFailed(CANCELLED)
                     n = os.readv(fin, [view])
                     if n == 0:
                         break
@@ -183,7 +185,7 @@ def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False, *
             raise TransferFailed(f"verification of {dst} failed: {size} bytes with hash {digest.hex()}, "
                                  f"expected {copied} bytes with hash {expected.hex()}")
         if cancelled():
-            raise TransferFailed("cancelled: not finished when staging stopped (finalize after stage_timeout, or exit without finalize)")
+            raise TransferFailed(CANCELLED)
         action = f"publishing {dst}"
         _publish(tmp, dst)
         created = False

@@ -22,9 +22,9 @@ from distributed import Client, Event, get_worker
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from .constants import SI_ACTV, SI_FAIL, SI_SCES
-from .staging_copy import StageRequest, TransferFailed, transfer
+from .staging_copy import CANCELLED, StageRequest, TransferFailed, transfer
 
-_CANCEL_REASON = "cancelled: not finished when staging stopped (finalize after stage_timeout, or exit without finalize)"
+_CANCEL_REASON = CANCELLED
 
 
 def run_transfer(raw: dict[str, Any], topic: str, cancel_name: str, throttle: float = 0.0) -> dict[str, Any]:
