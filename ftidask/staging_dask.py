@@ -46,14 +46,18 @@ def worker_by_node_dir(workers: Callable[[], list[str]]) -> Callable[[StageReque
     ``workers()`` lists the live worker addresses in rank order (the backend's sorted addresses).
     A path without a ``node{k}`` component, or a ``k`` beyond the cluster, may run anywhere (None).
     """
+    cache: list[str] = []  # asking the scheduler on every send_file would cost a round trip
+
     def worker_for(req: StageRequest) -> str | None:
         for part in reversed(Path(req.src).parts[:-1]):
             if part.startswith("node") and part[4:].isdigit():
-                live = workers()
                 k = int(part[4:])
-                return live[k] if k < len(live) else None
+                if k >= len(cache):
+                    cache[:] = workers()
+                return cache[k] if k < len(cache) else None
         return None
 
+    worker_for.refresh = cache.clear  # type: ignore[attr-defined] - called when a worker leaves
     return worker_for
 
 
@@ -98,6 +102,9 @@ class DaskMover:
     def _on_event(self, event: Any) -> None:
         _when, msg = event
         if isinstance(msg, dict) and "removed" in msg:
+            refresh = getattr(self.worker_for, "refresh", None)
+            if refresh is not None:
+                refresh()
             self._worker_removed(str(msg["removed"]))
             return
         with contextlib.suppress(KeyError, TypeError, ValueError):
