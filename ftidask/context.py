@@ -117,6 +117,8 @@ class Context(StagingMixin):
         level = self._check_level(level)
         start = time.perf_counter()
         t = self.transport
+        t.wait_post()  # a head still post-processing the previous checkpoint must finish first (as FTI)
+        post_level, level = level, t.write_level(level)
         layout = plan_layout(self._layout, [(vid, p.array.nbytes) for vid, p in self._vars.items()])
         seq = t.bcast(self.state.next_seq() if t.rank == 0 else None)
         sizes = t.allgather(layout.fs)
@@ -127,13 +129,17 @@ class Context(StagingMixin):
             infos = [VarInfo.of(vid, p.name, p.array) for vid, p in self._vars.items()]
             written = write_rank_file(
                 path, layout, {vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, infos,
-                hash_id=self._hash_id, pool=self._hash_pool(), pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
+                hash_id=self._hash_id, pool=self._hash_pool(), pt_fs=self._partner_fs(sizes),
+                max_fs=max(sizes[r] for r in t.group_of()),
                 meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
                       "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
                       "backend": t.name, "time": time.time()})
-            t.protect_files(level, ckpt_id, path, directory)
         except (OSError, FTIError) as exc:
             error = f"rank {t.rank}: {exc}"
+        try:  # collective for L2/L3: every rank takes part, even one whose file failed
+            t.protect_files(level, ckpt_id, path, directory)
+        except (OSError, FTIError) as exc:
+            error = error or f"rank {t.rank}: {exc}"
         results = t.allgather((error, None if written is None else
                                FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()))
         errors = [e for e, _ in results if e]
@@ -151,6 +157,7 @@ class Context(StagingMixin):
         self._restart_file = None
         self._retire_older(record)
         self._collect_garbage()
+        t.post_process(record, post_level, self.exec_id)
         info = CheckpointInfo(ckpt_id, level, seq, written.data_bytes, written.file_size,
                               time.perf_counter() - start)
         self.last_checkpoint = info
@@ -175,7 +182,8 @@ class Context(StagingMixin):
         return level
 
     def _partner_fs(self, sizes: list[int]) -> int:
-        return sizes[self.transport.rank]
+        # FTI's ptFs: the size of the partner file this rank keeps (its left partner's).
+        return sizes[self.transport.partner_of()]
 
     def _retire_older(self, record: CommitRecord) -> None:
         """After a level-L commit, drop earlier checkpoints of levels 1..L (L4 archived if asked)."""
@@ -195,7 +203,7 @@ class Context(StagingMixin):
         committed = t.bcast({r.dirname for r in self.state.records()} if t.rank == 0 else None)
         roots = [self.paths.local_dir(level, t.node) for level in (1, 2, 3, 4)]
         if t.rank == 0:
-            roots.append(self.paths.level_dir(4, 0))
+            roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
         for root in roots:
             if not root.is_dir():
                 continue
@@ -244,19 +252,20 @@ class Context(StagingMixin):
             verdict = check_file(self._rank_file(record), record, t.rank)
             if verdict.kind != "ok":
                 have = t.rebuild_file(record.level, record.ckpt_id, self._rank_file(record),
-                                      self._rank_file(record).parent, False)
+                                      self._rank_file(record).parent, False, record=record)
                 if have:
                     verdict = check_file(self._rank_file(record), record, t.rank)
             else:
                 t.rebuild_file(record.level, record.ckpt_id, self._rank_file(record),
-                               self._rank_file(record).parent, True)
-            kinds = t.allgather(verdict.kind)
-            if all(k == "ok" for k in kinds):
+                               self._rank_file(record).parent, True, record=record)
+            # Consensus: every rank sees every verdict, so that all agree and raise the same error.
+            verdicts = t.allgather([verdict.kind, verdict.message])
+            if all(k == "ok" for k, _m in verdicts):
                 return record, verdict
-            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): "
-                           + (verdict.message or "damaged on another rank"))
-            log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level,
-                        verdict.message or "damaged on another rank")
+            bad = [(r, m) for r, (k, m) in enumerate(verdicts) if k != "ok"]
+            why = f"{len(bad)} rank(s) cannot verify or rebuild their file, first rank {bad[0][0]}: {bad[0][1]}"
+            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {why}")
+            log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, why)
         what = "no committed checkpoint" if not reasons else "no checkpoint verifies"
         raise NoCheckpointError(f"{what} for run {self.exec_id} in {self.paths.meta_dir}"
                                 + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
@@ -387,6 +396,7 @@ class Context(StagingMixin):
         t = self.transport
         staging_failed = self._finish_staging()  # wait for pending SendFile requests (stage_timeout)
         try:
+            t.wait_post()
             records = self._candidates(None, None)
             if self.config.keep_last_ckpt and records:
                 last = records[0]
@@ -430,6 +440,19 @@ class Context(StagingMixin):
         if t.rank == 0:
             self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time()))
         t.barrier()
+
+    @property
+    def comm(self) -> Any:
+        """The communicator the application must use (FTI_COMM_WORLD: heads excluded); None without MPI."""
+        return getattr(self.transport, "comm", None)
+
+    def wait_post_processing(self) -> Any:
+        """Wait until the head has finished post-processing the last checkpoint (L2-L4 with heads)."""
+        return self.transport.wait_post()
+
+    def post_processing_done(self) -> bool:
+        """Whether the head has finished post-processing the last checkpoint (never blocks)."""
+        return self.transport.post_done()
 
     def _check_open(self) -> None:
         if self._closed:
