@@ -37,13 +37,24 @@ def test_mpi_ranks_stage_files(tmp_path, mode):
     (4, {"local_test": 1, "node_size": 2, "head": 1, "inline_l4": 0}, "HeadStageMover"),  # the heads copy
 ])
 def test_context_staging_over_mpi(tmp_path, nprocs, cfg, mover):
+    _run_stage_job(tmp_path, nprocs, cfg, mover)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
+def test_heads_stage_256_mib_files(tmp_path):
+    _run_stage_job(tmp_path, 4, {"local_test": 1, "node_size": 2, "head": 1, "inline_l4": 0}, "HeadStageMover",
+                   "256")
+
+
+def _run_stage_job(tmp_path, nprocs, cfg, mover, *extra):
     import json
 
     script = Path(__file__).with_name("mpi_scripts") / "stage_job.py"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.fspath(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([MPIEXEC, "-n", str(nprocs), sys.executable, os.fspath(script), json.dumps(cfg),
-                           os.fspath(tmp_path)], capture_output=True, text=True, timeout=240, env=env)
+                           os.fspath(tmp_path), *extra], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = [line.split(" ", 4) for line in proc.stdout.splitlines() if line.startswith("STAGED ")]
     assert len(lines) == 2, proc.stdout + proc.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Rank script for the MPI staging tests: every application rank stages files, checkpoints in between.
 
-usage: stage_job.py CONFIG_JSON DIR
+usage: stage_job.py CONFIG_JSON DIR [BIG_MIB]   (BIG_MIB: one more file of that size per rank)
 Prints ``STAGED <rank> <mover> <ok> <sequences>`` per application rank (heads never return from init).
 """
 
@@ -27,7 +27,11 @@ def main() -> None:
     ctx.protect(1, data)
     expected, ids = {}, {}
     sizes = [0, 1, 5000, 1 << 20, 8 << 20]
-    for i in range(10):
+    count = 10
+    if len(sys.argv) > 3:
+        sizes.append(int(sys.argv[3]) << 20)
+        count = len(sizes) * 2
+    for i in range(count):
         payload = os.urandom(sizes[i % len(sizes)])
         (stage / f"f{i}").write_bytes(payload)
         name = f"r{rank}/f{i}"
