@@ -75,6 +75,18 @@ def _parse_ckpt_io(key: str, value: Any) -> int:
     return number
 
 
+def _parse_compressor(key: str, value: Any) -> str | None:
+    text = _parse_opt_str(key, value)
+    if text is not None:
+        from .ftiff.compression import parse_compressor  # imports numcodecs only when asked for
+
+        try:
+            parse_compressor(text)
+        except ConfigError as exc:
+            raise ConfigError(f"config key {key!r}: {exc}") from None
+    return text
+
+
 # key -> (section, default, parser). FTI's key names; ftidask's additions are marked.
 _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "head": ("basic", 0, _parse_int(0, 1)),
@@ -109,7 +121,7 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "hash": ("advanced", "xxh3_128", _parse_choice("xxh3_128", "md5")),
     "snapshot_unit": ("advanced", "minutes", _parse_choice("minutes", "iterations")),
     "l4_format": ("advanced", "ftiff", _parse_choice("ftiff", "zarr")),
-    "compressor": ("advanced", None, _parse_opt_str),
+    "compressor": ("advanced", None, _parse_compressor),
     "stage_timeout": ("advanced", 600, _parse_int(0)),
     "stage_allow_outside": ("advanced", 0, _parse_bool),
     "stage_mover": ("advanced", "auto", _parse_choice("auto", "thread", "process")),

@@ -18,9 +18,10 @@ from .arrays import ArrayBytes, VarInfo, check_protectable
 from .checkpointing import CheckpointInfo, write_rank_file
 from .config import Config
 from .errors import CheckpointError, FTIError, LevelError, NoCheckpointError, ProtectError, RecoveryError
-from .ftiff import hashing
+from .ftiff import compression, hashing
 from .ftiff.reader import FtiffFile
 from .layout import Layout, plan_layout
+from .progress import Tracked, tracked
 from .recovery import Verdict, check_file, check_sizes, load_file
 from .runstate import STATUS_FRESH, CommitRecord, FileRecord, RunState, resolve_run
 from .staging import StagingMixin
@@ -38,6 +39,7 @@ class Protected:
     id: int
     name: str
     array: np.ndarray
+    compressor: dict[str, Any] | None = None  # numcodecs config; None: the config's [advanced] compressor
 
 
 def _check_id(value: Any, what: str) -> int:
@@ -87,15 +89,22 @@ class Context(StagingMixin):
 
     # --- protection ----------------------------------------------------------------------------
 
-    def protect(self, id: int, array: Any, name: str | None = None) -> None:
-        """FTI_Protect: register ``array`` under ``id`` (again: update its array and size)."""
+    def protect(self, id: int, array: Any, name: str | None = None, compressor: Any = None) -> None:
+        """FTI_Protect: register ``array`` under ``id`` (again: update its array and size).
+
+        ``compressor`` (``"zstd"``, ``"lz4"``, ``"blosc"``, ``"none"``, a numcodecs codec...) overrides
+        ``[advanced] compressor`` for this variable; see :mod:`ftidask.ftiff.compression`.
+        """
         self._check_open()
         vid = _check_id(id, "variable id")
         array = check_protectable(array)
         old = self._vars.get(vid)
         if name is None:
             name = old.name if old is not None else f"var{vid}"
-        self._vars[vid] = Protected(vid, str(name), array)
+        codec = old.compressor if old is not None and compressor is None else None
+        if compressor is not None:
+            codec = compression.parse_compressor(compressor) or {"id": "none"}
+        self._vars[vid] = Protected(vid, str(name), array, codec)
 
     @property
     def protected(self) -> Mapping[int, np.ndarray]:
@@ -125,15 +134,23 @@ class Context(StagingMixin):
         directory = self.paths.level_dir(level, t.node) / storage.ckpt_dirname(ckpt_id, seq)
         path = directory / storage.rank_file(ckpt_id, t.rank)
         error, written = "", None
+        zarr_l4 = level == 4 and self.config.l4_format == "zarr"
         try:
-            infos = [VarInfo.of(vid, p.name, p.array) for vid, p in self._vars.items()]
-            written = write_rank_file(
-                path, layout, {vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, infos,
-                hash_id=self._hash_id, pool=self._hash_pool(), pt_fs=self._partner_fs(sizes),
-                max_fs=max(sizes[r] for r in t.group_of()),
-                meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
-                      "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
-                      "backend": t.name, "time": time.time()})
+            codecs = self._codecs()
+            infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}))
+                     for vid, p in self._vars.items()]
+            write = self._write_zarr_l4 if zarr_l4 else write_rank_file
+            streams, bar = tracked({vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, self.config,
+                                   f"checkpoint {ckpt_id} (L{level})")
+            with bar:
+                written = write(
+                    path, layout, streams, infos,
+                    codecs={vid: (codec, self._vars[vid].array.dtype.itemsize) for vid, (codec, _c) in codecs.items()},
+                    hash_id=self._hash_id, pool=self._hash_pool(), pt_fs=self._partner_fs(sizes),
+                    max_fs=max(sizes[r] for r in t.group_of()),
+                    meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
+                          "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
+                          "backend": t.name, "time": time.time()})
         except (OSError, FTIError) as exc:
             error = f"rank {t.rank}: {exc}"
         try:  # collective for L2/L3: every rank takes part, even one whose file failed
@@ -149,7 +166,8 @@ class Context(StagingMixin):
                                   "kept: " + "; ".join(errors))
         assert written is not None  # every rank succeeded
         record = CommitRecord(seq, ckpt_id, level, time.time(), t.size,
-                              tuple(FileRecord(**f) for _e, f in results))
+                              tuple(FileRecord(**f) for _e, f in results),
+                              {"l4_format": "zarr"} if zarr_l4 else {})
         if t.rank == 0:
             self.state.write_record(record)  # the commit point
         t.barrier()
@@ -165,6 +183,25 @@ class Context(StagingMixin):
         log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, level, info.bytes_written,
                  info.seconds)
         return info
+
+    def _write_zarr_l4(self, path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes], infos: list[VarInfo],
+                       *, meta: Mapping[str, Any], **_ignored: Any) -> Any:
+        """Level 4 as a Zarr store (``l4_format = zarr``), in place of the FTI-FF file."""
+        from .levels import zarr_l4
+
+        bar = next((a.bar for a in arrays.values() if isinstance(a, Tracked)), None)
+        return zarr_l4.write_rank_store(path.with_suffix(zarr_l4.SUFFIX), {vid: a.array for vid, a in arrays.items()},
+                                        infos, meta, progress=bar)
+
+    def _codecs(self) -> dict[int, tuple[Any, dict[str, Any]]]:
+        """Per variable to compress: ``(numcodecs codec, its JSON config)``."""
+        default = compression.parse_compressor(self.config.compressor)
+        out = {}
+        for vid, p in self._vars.items():
+            config = p.compressor if p.compressor is not None else default
+            if config is not None and config.get("id") != "none" and p.array.nbytes:
+                out[vid] = (compression.get_codec(config), config)
+        return out
 
     def _hash_pool(self) -> ThreadPoolExecutor:
         # One long-lived thread hashes a container while the caller writes it.
@@ -214,7 +251,10 @@ class Context(StagingMixin):
                     storage.remove_tree(entry)
                 elif entry.is_dir():
                     for tmp in entry.glob(".*.tmp-*"):
-                        tmp.unlink(missing_ok=True)
+                        if tmp.is_dir():  # a Zarr store being written (l4_format = zarr)
+                            storage.remove_tree(tmp)
+                        else:
+                            tmp.unlink(missing_ok=True)
         t.barrier()
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:
@@ -241,8 +281,9 @@ class Context(StagingMixin):
         return sorted(records, key=lambda r: r.seq, reverse=True)
 
     def _rank_file(self, record: CommitRecord) -> Path:
-        return (self.paths.level_dir(record.level, self.transport.node) / record.dirname
+        path = (self.paths.level_dir(record.level, self.transport.node) / record.dirname
                 / storage.rank_file(record.ckpt_id, self.transport.rank))
+        return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
 
     def _find(self, ckpt_id: int | None = None, level: int | None = None) -> tuple[CommitRecord, Verdict]:
         """The newest committed checkpoint that every rank can verify (or rebuild)."""
@@ -286,7 +327,7 @@ class Context(StagingMixin):
         problems = [p for p in self.transport.allgather(problem) if p]
         if problems:
             raise RecoveryError("; ".join(problems))
-        load_file(verdict.parsed, arrays)
+        load_file(verdict.parsed, arrays, config=self.config)
         self._layout = verdict.parsed.layout()
         self._recovered = True
         self.recovered_from = (record.ckpt_id, record.level)
@@ -425,20 +466,30 @@ class Context(StagingMixin):
         t = self.transport
         seq = t.bcast(self.state.next_seq() if t.rank == 0 else None)
         verdict = check_file(self._rank_file(record), record, t.rank)
-        error = ""
+        error, entry = "", None
+        as_zarr = self.config.l4_format == "zarr"
         if verdict.kind == "ok":
             dst = self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)
             try:
-                storage.copy_file_atomic(self._rank_file(record), dst / storage.rank_file(record.ckpt_id, t.rank))
-            except OSError as exc:
+                if as_zarr:
+                    from .levels import zarr_l4
+
+                    written = zarr_l4.flush_file(verdict.parsed, dst / zarr_l4.store_name(record.ckpt_id, t.rank), seq)
+                    entry = FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()
+                else:
+                    storage.copy_file_atomic(self._rank_file(record), dst / storage.rank_file(record.ckpt_id, t.rank))
+            except (OSError, FTIError) as exc:
                 error = str(exc)
         else:
             error = verdict.message
-        errors = [e for e in t.allgather(error) if e]
+        results = t.allgather((error, entry))
+        errors = [e for e, _f in results if e]
         if errors:
             raise CheckpointError("keep_last_ckpt: flushing the last checkpoint to L4 failed: " + "; ".join(errors))
         if t.rank == 0:
-            self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time()))
+            zarr_files = ({"files": tuple(FileRecord(**f) for _e, f in results), "extra": {"l4_format": "zarr"}}
+                          if as_zarr else {})
+            self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(), **zarr_files))
         t.barrier()
 
     @property
