@@ -124,6 +124,7 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "compressor": ("advanced", None, _parse_compressor),
     "stage_timeout": ("advanced", 600, _parse_int(0)),
     "stage_allow_outside": ("advanced", 0, _parse_bool),
+    "stage_mover": ("advanced", "auto", _parse_choice("auto", "thread", "process")),
     "progress": ("advanced", "auto", _parse_choice("auto", "on", "off")),
 }
 
@@ -170,6 +171,7 @@ class Config:
     compressor: str | None = None
     stage_timeout: int = 600
     stage_allow_outside: bool = False
+    stage_mover: str = "auto"
     progress: str = "auto"
 
     def interval(self, level: int) -> int:

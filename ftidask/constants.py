@@ -17,6 +17,8 @@ FTI_SI_SCES = 0
 FTI_SI_ACTV = 1
 FTI_SI_PEND = 2
 FTI_SI_NINI = 3
+#: The same states under the short names used by ftidask.staging.
+SI_FAIL, SI_SCES, SI_ACTV, SI_PEND, SI_NINI = FTI_SI_FAIL, FTI_SI_SCES, FTI_SI_ACTV, FTI_SI_PEND, FTI_SI_NINI
 
 #: FTI's datatypes as NumPy dtypes (C types of an LP64 platform).
 FTI_CHAR = np.dtype(np.byte)

@@ -27,6 +27,7 @@ from .pending import OneShotWriter, PendingCheckpoint, RankFileWriter
 from .progress import Tracked, tracked
 from .recovery import Verdict, check_file, check_sizes, load_file
 from .runstate import STATUS_FRESH, CommitRecord, FileRecord, RunState, resolve_run
+from .staging import StagingMixin
 from .transport.base import Transport
 
 log = logging.getLogger("ftidask")
@@ -53,7 +54,7 @@ def _check_id(value: Any, what: str) -> int:
     return value
 
 
-class Context:
+class Context(StagingMixin):
     """One process's handle on a run: protected variables, checkpoints, recovery."""
 
     def __init__(self, config: Config, transport: Transport) -> None:
@@ -553,6 +554,7 @@ class Context:
         if self._closed:
             return
         t = self.transport
+        staging_failed = self._finish_staging()  # wait for pending SendFile requests (stage_timeout)
         try:
             t.wait_post()
             records = self._candidates(None, None)
@@ -572,6 +574,7 @@ class Context:
             t.barrier()
         finally:
             self._close()
+        self._staging_report(staging_failed)
 
     def _close(self) -> None:
         self._closed = True
@@ -638,6 +641,7 @@ class Context:
             self.finalize()
         else:
             # Died with an error: keep the checkpoints so that the next run can restart.
+            self._finish_staging()  # failures are logged; the application's error is the one to see
             self._close()
 
     def __repr__(self) -> str:

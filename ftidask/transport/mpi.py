@@ -147,6 +147,14 @@ class MpiTransport(Transport):
     def allgather(self, value: Any) -> list[Any]:
         return allgather_json(self.comm, value)
 
+    def stage_mover(self, cfg: Config) -> Any:
+        """Staging's mover: the node's head with ``head = 1``; None (a thread of the rank) otherwise."""
+        if self.node_comm is None or self.is_head:
+            return None
+        from .stage_heads import HeadStageMover
+
+        return HeadStageMover(self.node_comm)
+
     def levels(self) -> tuple[int, ...]:
         return (1, 4) if self._problem else (1, 2, 3, 4)
 
