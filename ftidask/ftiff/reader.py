@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO, Protocol
 
@@ -41,6 +41,7 @@ class FtiffFile:
     blocks: tuple[tuple[BlockMeta, tuple[ContainerMeta, ...]], ...]
     trailer: dict[str, Any] | None
     vars: dict[int, VarInfo]
+    identity: tuple[int, int, int, int] = (0, 0, 0, 0)  # device, inode, size, mtime_ns when parsed
 
     @property
     def legacy(self) -> bool:
@@ -74,9 +75,20 @@ def _pread(fh: BinaryIO, offset: int, length: int, path: str, what: str) -> byte
     return data
 
 
+def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def check_unchanged(fh: BinaryIO, parsed: FtiffFile) -> None:
+    """Raise unless ``fh`` is the very file that was parsed and verified, unmodified since."""
+    if _identity(os.fstat(fh.fileno())) != parsed.identity:
+        raise FormatError("file was replaced or modified after it was verified", path=parsed.path)
+
+
 def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:
     """Parse and check everything but the data bytes: FB hash, offsets, metadata checksum, table."""
-    file_size = os.fstat(fh.fileno()).st_size
+    stat = os.fstat(fh.fileno())
+    file_size = stat.st_size
     if file_size < FB_SIZE:
         raise FormatError(f"too small for an FTI-FF file ({file_size} bytes)", path=path)
     fb = FileBlock.unpack(_pread(fh, 0, FB_SIZE, path, "file block"), path=path)
@@ -104,7 +116,7 @@ def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:
         if checksum.hexdigest()[:32] != fb.checksum:
             raise FormatError("metadata checksum does not match the file block (damaged metadata)", path=path)
         trailer = parse_trailer(tail[:length], path=path)
-    parsed = FtiffFile(path, file_size, fb, tuple(blocks), trailer, _parse_vars(trailer, path))
+    parsed = FtiffFile(path, file_size, fb, tuple(blocks), trailer, _parse_vars(trailer, path), _identity(stat))
     _check_coverage(parsed)
     if fb.flags & FLAG_DCP:
         info = DcpInfo(parsed)
@@ -223,32 +235,15 @@ def _read_compressed(fh: BinaryIO, parsed: FtiffFile, meta: ContainerMeta, targe
     target.store(meta.dptr, raw)
 
 
-class _Pipeline:
-    """Reads into the target on the calling thread while a second thread hashes the previous piece.
-
-    Both ``preadv`` and xxh3/MD5 release the GIL, so reading and hashing overlap.
-    """
-
-    def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-verify")
-
-    def read_span(self, fh: BinaryIO, offset: int, target: memoryview, hasher: hashing.Hasher) -> int:
-        """Read into ``target`` piece by piece, hashing each piece while the next one is read."""
-        got, pending = 0, None
-        while got < len(target):
-            n = os.preadv(fh.fileno(), [target[got:got + _PIECE]], offset + got)
-            if n <= 0:
-                break
-            if pending is not None:
-                pending.result()
-            pending = self.pool.submit(hasher.update, target[got:got + n])
-            got += n
-        if pending is not None:
-            pending.result()
-        return got
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
+def _read_span(fh: BinaryIO, offset: int, target: memoryview) -> int:
+    """Read ``len(target)`` bytes at ``offset`` straight into ``target``; the count read."""
+    got = 0
+    while got < len(target):
+        n = os.preadv(fh.fileno(), [target[got:got + _PIECE * 4]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
 
 
 def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -> None:
@@ -290,22 +285,21 @@ def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -
 
 
 def read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget]) -> None:
-    """Copy every chunk of the variables in ``targets`` into them, checking each hash again.
+    """Copy every chunk of the variables in ``targets`` into them.
 
-    Call :func:`verify_data` first: this re-check only catches a file changed in between.
+    Call :func:`verify_data` first. The data is not hashed a second time: instead the file
+    must be the one that was verified (same inode, size and modification time) before the
+    first byte is copied, and still unmodified after the last.
     """
+    check_unchanged(fh, parsed)
     if parsed.fb.flags & FLAG_DCP:
-        return read_into_dcp(fh, parsed, targets)
-    hid = parsed.fb.hash_id
-    pipe = _Pipeline()
-    try:
-        _read_into(fh, parsed, targets, hid, pipe)
-    finally:
-        pipe.close()
+        read_into_dcp(fh, parsed, targets)
+    else:
+        _read_into(fh, parsed, targets, parsed.fb.hash_id)
+    check_unchanged(fh, parsed)
 
 
-def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget], hid: int,
-               pipe: _Pipeline) -> None:
+def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget], hid: int) -> None:
     buf: bytearray | None = None
     for bi, ci, meta in parsed.containers():
         target = targets.get(meta.id)
@@ -318,7 +312,9 @@ def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget
         view = target.view(meta.dptr, meta.dptr + meta.chunksize)
         hasher = hashing.new_hasher(hid)
         if view is not None:
-            got = pipe.read_span(fh, meta.fptr, view, hasher)
+            got = _read_span(fh, meta.fptr, view)
+            if got == meta.chunksize:
+                continue
         else:
             buf = buf or bytearray(_PIECE)
             got = 0
