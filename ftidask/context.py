@@ -78,6 +78,7 @@ class Context:
             if self._status == STATUS_FRESH:
                 self.state.write_run(state="running", seq=0, keep_last=False)
         transport.barrier()
+        self._collect_garbage()
         log.info("ftidask run %s on %s backend, rank %d of %d, status %d", self.exec_id, transport.name,
                  transport.rank, transport.size, self._status)
 
@@ -146,6 +147,7 @@ class Context:
         self._layout = layout
         self._restart_file = None
         self._retire_older(record)
+        self._collect_garbage()
         info = CheckpointInfo(ckpt_id, level, seq, written.data_bytes, written.file_size,
                               time.perf_counter() - start)
         self.last_checkpoint = info
@@ -177,6 +179,26 @@ class Context:
             if old.level == 4 and self.config.keep_l4_ckpt:
                 continue
             self._remove_checkpoint(old)
+
+    def _collect_garbage(self) -> None:
+        """Remove what interrupted checkpoints left: directories no commit record names, temporary files."""
+        t = self.transport
+        committed = t.bcast({r.dirname for r in self.state.records()} if t.rank == 0 else None)
+        roots = [self.paths.local_dir(level, t.node) for level in (1, 2, 3, 4)]
+        if t.rank == 0:
+            roots.append(self.paths.level_dir(4, 0))
+        for root in roots:
+            if not root.is_dir():
+                continue
+            for entry in root.iterdir():
+                if entry.name.startswith(".") and ".tmp-" in entry.name:
+                    entry.unlink(missing_ok=True)
+                elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
+                    storage.remove_tree(entry)
+                elif entry.is_dir():
+                    for tmp in entry.glob(".*.tmp-*"):
+                        tmp.unlink(missing_ok=True)
+        t.barrier()
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:
         t = self.transport
@@ -252,6 +274,24 @@ class Context:
         self.recovered_from = (record.ckpt_id, record.level)
         self._next_ckpt_id = max(self._next_ckpt_id, record.ckpt_id + 1)
         log.info("recovered checkpoint %d from level %d", record.ckpt_id, record.level)
+        return dict(arrays)
+
+    def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
+        """Fill the protected arrays from one FTI-FF file (ftidask's, or one written by FTI 1.1).
+
+        For files outside a run's directories, e.g. checkpoints copied by hand. Verified first.
+        """
+        self._check_open()
+        verdict = check_file(Path(path), None, self.transport.rank)
+        if verdict.kind != "ok" or verdict.parsed is None:
+            raise RecoveryError(f"cannot recover from {os.fspath(path)}: {verdict.message}")
+        arrays = {vid: p.array for vid, p in self._vars.items()}
+        problem = check_sizes(verdict.parsed, arrays)
+        if problem:
+            raise RecoveryError(problem)
+        load_file(verdict.parsed, arrays)
+        self._layout = verdict.parsed.layout()
+        self._recovered = True
         return dict(arrays)
 
     def _restart_metadata(self) -> FtiffFile:

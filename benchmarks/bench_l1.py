@@ -1,0 +1,121 @@
+"""L1 checkpoint and recovery of a ~1 GiB state against raw tofile+fsync / fromfile, same run.
+
+    python benchmarks/bench_l1.py [--size-mib 1024] [--arrays 4] [--repeat 3] [--hash xxh3_128]
+
+Prints throughputs, ratios (target: checkpoint >= 0.8x raw write, recovery >= 0.8x raw read,
+both with files in the page cache) and the extra anonymous resident memory at peak (target < 128 MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+import ftidask
+
+
+def rss_anon() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakAnon:
+    """Samples RssAnon every millisecond while active; ``extra`` is the peak above the start."""
+
+    def __enter__(self) -> PeakAnon:
+        self.base = self.peak = rss_anon()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, rss_anon())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_anon())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def raw_write(arrays, root) -> None:
+    for i, a in enumerate(arrays):
+        path = os.path.join(root, f"raw{i}.bin")
+        with open(path, "wb") as fh:
+            a.tofile(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def raw_read(arrays, root) -> list[np.ndarray]:
+    return [np.fromfile(os.path.join(root, f"raw{i}.bin"), dtype=a.dtype) for i, a in enumerate(arrays)]
+
+
+def best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mib", type=int, default=1024)
+    ap.add_argument("--arrays", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--hash", default="xxh3_128", choices=["xxh3_128", "md5"])
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(dir=args.dir)
+    try:
+        per = args.size_mib * 2**20 // args.arrays // 8
+        rng = np.random.default_rng(0)
+        arrays = [rng.random(per) for _ in range(args.arrays)]
+        nbytes = sum(a.nbytes for a in arrays)
+        dirs = dict(ckpt_dir=f"{root}/L", glbl_dir=f"{root}/G", meta_dir=f"{root}/M", verbosity=3, hash=args.hash)
+        ctx = ftidask.init(**dirs)
+        for i, a in enumerate(arrays):
+            ctx.protect(i + 1, a)
+        raw_write(arrays, root)  # warm up both paths once
+        ctx.checkpoint(1, 1)
+        t_raw_w = best(lambda: raw_write(arrays, root), args.repeat)
+        ids = iter(range(2, 1000))
+        with PeakAnon() as mem_w:
+            t_ck = best(lambda: ctx.checkpoint(next(ids), 1), args.repeat)
+        t_raw_r = best(lambda: raw_read(arrays, root), args.repeat)
+        ctx2 = ftidask.init(**dirs)
+        for i, a in enumerate(arrays):
+            ctx2.protect(i + 1, a)
+        with PeakAnon() as mem_r:
+            t_rec = best(ctx2.recover, args.repeat)
+        gib = nbytes / 2**30
+        print(f"state: {args.arrays} arrays, {nbytes / 2**20:.0f} MiB, hash {args.hash}, best of {args.repeat}")
+        print(f"{'operation':34} {'seconds':>8} {'GiB/s':>7} {'ratio':>6}")
+        print(f"{'raw tofile + fsync':34} {t_raw_w:8.3f} {gib / t_raw_w:7.2f} {'1.00':>6}")
+        print(f"{'ftidask checkpoint L1 (hashed)':34} {t_ck:8.3f} {gib / t_ck:7.2f} {t_raw_w / t_ck:6.2f}")
+        print(f"{'raw np.fromfile':34} {t_raw_r:8.3f} {gib / t_raw_r:7.2f} {'1.00':>6}")
+        print(f"{'ftidask recover (verified)':34} {t_rec:8.3f} {gib / t_rec:7.2f} {t_raw_r / t_rec:6.2f}")
+        print(f"extra anonymous RSS at peak: checkpoint {mem_w.extra / 2**20:.1f} MiB, "
+              f"recovery {mem_r.extra / 2**20:.1f} MiB")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""``python -m ftidask`` / ``ftidask``: inspect, verify, list and clean checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .config import load_config
+from .errors import FTIError, FormatError
+from .ftiff.dump import to_json, to_text
+from .ftiff.reader import parse_ftiff, verify_data
+from .storage import remove_tree
+
+
+def _check(path: Path) -> tuple[str, object]:
+    """``("ok", parsed)`` or ``("damaged", message)`` for one FTI-FF file."""
+    try:
+        with open(path, "rb") as fh:
+            parsed = parse_ftiff(fh, str(path))
+            verify_data(fh, parsed)
+        return "ok", parsed
+    except (FormatError, OSError) as exc:
+        return "damaged", str(exc)
+
+
+def _ftiff_files(root: Path) -> list[Path]:
+    # Parity files (RSed) are not FTI-FF files: they are checked when they are decoded.
+    return sorted(p for p in root.rglob("*.fti") if "-RSed" not in p.name and not p.name.startswith("."))
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    try:
+        with open(args.file, "rb") as fh:
+            parsed = parse_ftiff(fh, args.file)
+    except (FormatError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(to_json(parsed), indent=1) if args.json else to_text(parsed))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    root = Path(args.path)
+    files = [root] if root.is_file() else _ftiff_files(root)
+    if not files:
+        print(f"error: no FTI-FF files under {root}", file=sys.stderr)
+        return 2
+    bad = 0
+    for path in files:
+        kind, detail = _check(path)
+        if kind == "ok":
+            print(f"OK       {path}")
+        else:
+            bad += 1
+            print(f"DAMAGED  {detail}")
+    print(f"{len(files) - bad} sound, {bad} damaged")
+    return 1 if bad else 0
+
+
+def _dirs(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    if args.config:
+        cfg = load_config(args.config)
+        return Path(cfg.ckpt_dir), Path(cfg.glbl_dir), Path(cfg.meta_dir)
+    base = Path(args.dir)
+    return base / "Local", base / "Global", base / "Meta"
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    roots = [p for p in _dirs(args)[:2] if p.is_dir()] or [Path(args.dir)]
+    meta = _dirs(args)[2]
+    groups: dict[tuple[str, int], list[tuple[Path, str, object]]] = {}
+    for root in roots:
+        for path in _ftiff_files(root):
+            kind, detail = _check(path)
+            table = detail.trailer if kind == "ok" and detail.trailer else {}  # type: ignore[union-attr]
+            key = (str(table.get("exec_id", path.parent.parent.parent.name)), int(table.get("seq", 0)))
+            groups.setdefault(key, []).append((path, kind, detail))
+    if not groups:
+        print(f"no checkpoints under {', '.join(map(str, roots))}")
+        return 0
+    print(f"{'exec_id':32} {'id':>5} {'level':>5} {'seq':>5} {'time':19} {'files':>5} {'bytes':>14}  state")
+    for (exec_id, seq), files in sorted(groups.items()):
+        sound = [d for _p, k, d in files if k == "ok"]
+        table = sound[0].trailer if sound else {}  # type: ignore[union-attr]
+        committed = (meta / exec_id / "commits" / f"s{seq:08d}.json").is_file()
+        size = sum(p.stat().st_size for p, _k, _d in files)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.get("time", 0))) if table else "?"
+        state = ("sound" if len(sound) == len(files) else f"DAMAGED ({len(files) - len(sound)} files)")
+        state += "" if committed else ", not committed"
+        print(f"{exec_id:32} {table.get('ckpt_id', '?'):>5} {table.get('level', '?'):>5} {seq:>5} {when:19} "
+              f"{len(files):>5} {size:>14}  {state}")
+    return 0
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    local, glbl, meta = _dirs(args)
+    runs = {args.exec_id} if args.exec_id else {p.name for p in meta.iterdir() if p.is_dir()} if meta.is_dir() else set()
+    if not runs:
+        print("nothing to clean")
+        return 0
+    targets = [p for run in sorted(runs) for p in
+               [*(local.glob(f"node*/{run}")), glbl / run, meta / run] if p.exists()]
+    print("will remove:\n  " + "\n  ".join(map(str, targets)))
+    if not args.yes:
+        if not sys.stdin.isatty():
+            print("refusing to delete without confirmation; pass --yes", file=sys.stderr)
+            return 2
+        if input("proceed? [y/N] ").strip().lower() not in ("y", "yes"):
+            return 1
+    for target in targets:
+        remove_tree(target)
+    current = meta / "current_exec_id"
+    if current.exists():
+        try:
+            if json.loads(current.read_text()).get("exec_id") in runs:
+                os.unlink(current)
+        except ValueError:
+            os.unlink(current)
+    print(f"removed {len(targets)} directories")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ftidask", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="print a file's FTI-FF structure")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("verify", help="check every hash of a file, or of every file under a directory")
+    p.add_argument("path")
+    p.set_defaults(func=cmd_verify)
+    for name, func, text in (("list", cmd_list, "list the checkpoints found"),
+                             ("clean", cmd_clean, "remove a run's checkpoints")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("dir", nargs="?", default=".", help="base directory holding Local/, Global/, Meta/")
+        p.add_argument("--config", help="an FTI-style config file naming the directories")
+        if name == "clean":
+            p.add_argument("--exec-id", help="only this run (default: every run under Meta/)")
+            p.add_argument("--yes", "-y", action="store_true", help="do not ask")
+        p.set_defaults(func=func)
+    for hook in _EXTRA_COMMANDS:
+        hook(sub)
+    return parser
+
+
+#: Functions ``(subparsers) -> None`` that add commands from optional modules (export, ...).
+_EXTRA_COMMANDS: list = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except FTIError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

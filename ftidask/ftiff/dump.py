@@ -1,0 +1,62 @@
+"""Human and JSON views of a parsed FTI-FF file (the seed's DATASTRUCTURE format)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .hashing import hash_name
+from .reader import FtiffFile
+from .structs import BMD_SIZE, VMD_SIZE
+
+
+def to_text(parsed: FtiffFile) -> str:
+    """The structure in the seed's ``DATASTRUCTURE BEGIN/END`` layout."""
+    fb = parsed.fb
+    lines = [f"# {parsed.path}",
+             f"# {'FTI 1.1 file (MD5)' if fb.legacy else f'ftidask FTI-FF v{fb.version}, hash {hash_name(fb.hash_id)}'}"
+             f", ckptSize {fb.ckpt_size}, fs {fb.fs}, maxFs {fb.max_fs}, ptFs {fb.pt_fs}, timestamp {fb.timestamp}",
+             "------------------- DATASTRUCTURE BEGIN -------------------", ""]
+    for bi, (bmd, metas) in enumerate(parsed.blocks):
+        lines += [f"    DataBase-id: {bi}",
+                  f"                 numvars: {bmd.numvars}",
+                  f"                 dbsize: {bmd.dbsize}",
+                  f"                 [size metadata: {BMD_SIZE + VMD_SIZE * bmd.numvars}]", ""]
+        for ci, m in enumerate(metas):
+            lines += [f"         Var-id: {ci}",
+                      f"                 id: {m.id}",
+                      f"                 idx: {m.idx}",
+                      f"                 containerid: {m.containerid}",
+                      f"                 hascontent: {'true' if m.hascontent else 'false'}",
+                      f"                 dptr: {m.dptr}",
+                      f"                 fptr: {m.fptr}",
+                      f"                 chunksize: {m.chunksize}",
+                      f"                 containersize: {m.containersize}",
+                      f"                 hash: {m.hash.hex()}", ""]
+    lines += ["", "------------------- DATASTRUCTURE END ---------------------"]
+    if parsed.vars:
+        lines.append("")
+        lines.append("Variables:")
+        for info in parsed.vars.values():
+            extra = f" {info.extra}" if info.extra else ""
+            lines.append(f"    id {info.id} '{info.name}': {info.dtype} shape {info.shape} order {info.order} "
+                         f"({info.nbytes} bytes){extra}")
+    return "\n".join(lines)
+
+
+def to_json(parsed: FtiffFile) -> dict[str, Any]:
+    """The same structure as a JSON-able dict."""
+    fb = parsed.fb
+    return {
+        "path": parsed.path,
+        "legacy": fb.legacy,
+        "hash": hash_name(fb.hash_id),
+        "fb": {"checksum": fb.checksum, "hash": fb.hash.hex(), "ckptSize": fb.ckpt_size, "fs": fb.fs,
+               "maxFs": fb.max_fs, "ptFs": fb.pt_fs, "timestamp": fb.timestamp},
+        "blocks": [
+            {"numvars": bmd.numvars, "dbsize": bmd.dbsize,
+             "vars": [{"id": m.id, "idx": m.idx, "containerid": m.containerid, "hascontent": m.hascontent,
+                       "dptr": m.dptr, "fptr": m.fptr, "chunksize": m.chunksize, "containersize": m.containersize,
+                       "hash": m.hash.hex()} for m in metas]}
+            for bmd, metas in parsed.blocks],
+        "table": parsed.trailer,
+    }

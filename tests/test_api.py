@@ -1,0 +1,200 @@
+"""The FTI API's contract in one process: errors, status, retention, resizing, snapshot."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ftidask
+from ftidask import constants
+
+
+def _ckpt_dirs(dirs):
+    return sorted(p.name for p in Path(dirs["ckpt_dir"]).glob("node0/*/l*/ckpt*")) + sorted(
+        "g:" + p.name for p in Path(dirs["glbl_dir"]).glob("*/l4/ckpt*"))
+
+
+def test_bad_input_is_refused_clearly(dirs):
+    ctx = ftidask.init(**dirs)
+    with pytest.raises(ftidask.ProtectError, match="Python objects"):
+        ctx.protect(1, np.array([object()]))
+    with pytest.raises(ftidask.ProtectError, match="in place"):
+        ctx.protect(1, [1, 2, 3])
+    with pytest.raises(ftidask.ProtectError, match="must be an int"):
+        ctx.protect("a", np.zeros(3))
+    ctx.protect(1, np.zeros(3))
+    with pytest.raises(ftidask.CheckpointError, match="id 0"):
+        ctx.checkpoint(0, 1)
+    with pytest.raises(ftidask.LevelError, match="unknown checkpoint level"):
+        ctx.checkpoint(1, 9)
+    with pytest.raises(ftidask.LevelError, match="MPI backend"):
+        ctx.checkpoint(1, 2)
+    with pytest.raises(ftidask.LevelError, match="enable_dcp"):
+        ctx.checkpoint(1, 5)
+    with pytest.raises(ftidask.NoCheckpointError):
+        ctx.recover()
+    with pytest.raises(ftidask.ConfigError, match="ckpt_io"):
+        ftidask.init(ckpt_io=1, **dirs)
+    with pytest.raises(ftidask.ConfigError, match="unknown config key"):
+        ftidask.init(ckpt_l9=1, **dirs)
+    with pytest.raises(ftidask.ConfigError, match="group_size"):
+        ftidask.init(group_size="four", **dirs)
+
+
+def test_config_file(tmp_path, dirs):
+    cfg = tmp_path / "config.fti"
+    body = "[basic]\n" + "".join(f"{k} = {v}\n" for k, v in dirs.items()) + "ckpt_l1 = 3\nckpt_io = 3\n"
+    cfg.write_text(body + "[restart]\nfailure = 0\n[advanced]\nlocal_test = 1\nsnapshot_unit = iterations\n")
+    ctx = ftidask.init(str(cfg))
+    assert ctx.config.ckpt_l1 == 3 and ctx.config.local_test and ctx.config.snapshot_unit == "iterations"
+    assert cfg.read_text().startswith(body)  # never rewritten
+    bad = tmp_path / "bad.fti"
+    bad.write_text("[basic]\nckpt_l1 = often\n")
+    with pytest.raises(ftidask.ConfigError, match=r"\[basic\] ckpt_l1.*'often'"):
+        ftidask.init(str(bad))
+    bad.write_text("[basic]\nckpt_dri = x\n")
+    with pytest.raises(ftidask.ConfigError, match="unknown key"):
+        ftidask.init(str(bad))
+    with pytest.raises(ftidask.ConfigError, match="does not exist"):
+        ftidask.init(str(tmp_path / "missing.fti"))
+
+
+def test_status_lifecycle(dirs):
+    a = np.arange(10.0)
+    ctx = ftidask.init(**dirs)
+    assert ctx.status() == 0
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 1)
+    # died without finalize -> restart
+    ctx = ftidask.init(**dirs)
+    assert ctx.status() == 1
+    ctx.protect(1, a)
+    ctx.recover()
+    ctx.finalize()
+    # finalized without keep_last_ckpt -> fresh, checkpoints cleaned
+    ctx = ftidask.init(**dirs)
+    assert ctx.status() == 0
+    assert _ckpt_dirs(dirs) == []
+    ctx.protect(1, a)
+    ctx.checkpoint(3, 1)
+    ctx = ftidask.init(keep_last_ckpt=1, **dirs)
+    assert ctx.status() == 1
+    ctx.protect(1, a)
+    ctx.recover()
+    ctx.finalize()
+    ctx = ftidask.init(**dirs)
+    assert ctx.status() == 2
+    b = np.zeros(10)
+    ctx.protect(1, b)
+    ctx.recover()
+    assert ctx.recovered_from == (3, 4)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_exec_id_isolates_runs_sharing_directories(dirs):
+    one = ftidask.init(exec_id="job-one", **dirs)
+    a = np.full(5, 1.0)
+    one.protect(1, a)
+    one.checkpoint(1, 1)
+    two = ftidask.init(exec_id="job-two", **dirs)
+    assert two.status() == 0
+    two.protect(1, np.zeros(5))
+    with pytest.raises(ftidask.NoCheckpointError):
+        two.recover()
+    again = ftidask.init(exec_id="job-one", **dirs)
+    assert again.status() == 1
+    with pytest.raises(ftidask.ConfigError):
+        ftidask.init(exec_id="../escape", **dirs)
+
+
+def test_retention_and_id_reuse(dirs):
+    ctx = ftidask.init(**dirs)
+    a = np.zeros(4)
+    ctx.protect(1, a)
+    for ckpt_id, level in [(1, 1), (2, 4), (3, 1), (1, 1)]:
+        a[:] = ckpt_id * 10 + level
+        ctx.checkpoint(ckpt_id, level)
+    # L1 #3 was replaced by the reused id 1; the L4 checkpoint stays.
+    assert _ckpt_dirs(dirs) == ["ckpt1.s4", "g:ckpt2.s2"]
+    ctx2 = ftidask.init(**dirs)
+    b = np.zeros(4)
+    ctx2.protect(1, b)
+    ctx2.recover()
+    assert ctx2.recovered_from == (1, 1) and b[0] == 11
+    ctx2.recover(level=4)
+    assert b[0] == 24
+    ctx3 = ftidask.init(keep_l4_ckpt=1, **dirs)
+    ctx3.protect(1, a)
+    ctx3.checkpoint(5, 4)
+    ctx3.checkpoint(6, 4)
+    assert [n for n in _ckpt_dirs(dirs) if n.startswith("g:")] == ["g:ckpt2.s2", "g:ckpt5.s5", "g:ckpt6.s6"]
+
+
+def test_size_mismatch_points_to_realloc_and_touches_nothing(dirs):
+    ctx = ftidask.init(**dirs)
+    a, b = np.arange(10.0), np.arange(7, dtype=np.int16).reshape(7, 1)
+    ctx.protect(1, a)
+    ctx.protect(2, b)
+    ctx.checkpoint(1, 1)
+    ctx = ftidask.init(**dirs)
+    x, y = np.full(10, -1.0), np.full(3, -1, np.int16)
+    ctx.protect(1, x)
+    ctx.protect(2, y)
+    with pytest.raises(ftidask.RecoveryError, match="realloc"):
+        ctx.recover()
+    assert (x == -1).all() and (y == -1).all()
+    assert ctx.stored_size(2) == b.nbytes
+    y = ctx.realloc(2, y)
+    assert y.shape == (7, 1) and y.dtype == np.int16
+    ctx.recover()
+    np.testing.assert_array_equal(x, a)
+    np.testing.assert_array_equal(y, b)
+    with pytest.raises(ftidask.RecoveryError):
+        ctx.stored_size(99)
+
+
+def test_grow_shrink_stored_size(dirs):
+    ctx = ftidask.init(**dirs)
+    a = np.arange(100, dtype=np.int64)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 1)
+    assert ctx.stored_size(1) == 800
+    a = np.arange(250, dtype=np.int64)
+    ctx.protect(1, a)
+    ctx.checkpoint(2, 1)
+    assert ctx.stored_size(1) == 2000
+    a = np.arange(30, dtype=np.int64)
+    ctx.protect(1, a)
+    ctx.checkpoint(3, 1)
+    ctx = ftidask.init(**dirs)
+    assert ctx.stored_size(1) == 240
+    out = ctx.realloc(1, np.zeros(1, np.int64))
+    ctx.recover()
+    np.testing.assert_array_equal(out, np.arange(30))
+
+
+def test_snapshot_iterations(dirs):
+    a = np.zeros(3)
+    ctx = ftidask.init(ckpt_l1=2, ckpt_l4=3, snapshot_unit="iterations", **dirs)
+    ctx.protect(1, a)
+    results = []
+    for i in range(1, 7):
+        a[:] = i
+        results.append(ctx.snapshot())
+    assert results == [constants.FTI_SCES, constants.FTI_DONE, constants.FTI_DONE, constants.FTI_DONE,
+                       constants.FTI_SCES, constants.FTI_DONE]
+    ctx2 = ftidask.init(ckpt_l1=2, snapshot_unit="iterations", **dirs)
+    b = np.zeros(3)
+    ctx2.protect(1, b)
+    assert ctx2.snapshot() == constants.FTI_SCES  # recovers on restart
+    assert b[0] == 6
+
+
+def test_context_manager_and_repr(dirs):
+    with ftidask.init(**dirs) as ctx:
+        ctx.protect(3, np.zeros(2), name="temperature")
+        info = ctx.checkpoint(1, 1)
+        assert info.id == 1 and info.level == 1 and info.bytes_written == 16 and info.seconds >= 0
+        assert "temperature" in repr(ctx) and "temperature" in ctx._repr_html_()
+    with pytest.raises(ftidask.FTIError, match="finalized"):
+        ctx.checkpoint(2, 1)
