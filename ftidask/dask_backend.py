@@ -131,7 +131,7 @@ class DaskContext(Context):
         specs, futures = self._chunk_futures()
         workers = self.cluster.workers()
         try:
-            self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays")
+            self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays", gather=False)
         except FTIError as exc:
             raise CheckpointError(f"checkpoint {ckpt_id}: the protected arrays could not be computed: {exc}") from exc
         rank_of = {w: r for r, w in enumerate(workers)}
@@ -158,6 +158,7 @@ class DaskContext(Context):
         self.state.write_record(record)  # the commit point
         self._layout = None
         self._retire_older(record)
+        self._collect_garbage()
         variables = tuple({"id": s.id, "name": s.name, "dtype": str(s.dtype), "shape": s.shape,
                            "nchunks": len(s.grid()), "nbytes": sum(s.chunk_nbytes(i) for i in s.grid())}
                           for s in specs)
@@ -232,6 +233,16 @@ class DaskContext(Context):
         dirs = self._dirs(ckpt_id, seq, {1, 2, 3, level}, max(nranks, len(self.cluster.workers())))
         self.cluster.run(tasks.remove_paths, dirs)
         storage.remove_tree(self.paths.level_dir(4, 0) / storage.ckpt_dirname(ckpt_id, seq))
+
+    def _collect_garbage(self) -> None:
+        """Remove interrupted checkpoints' leftovers on every worker (and in the global directory)."""
+        committed = {r.dirname for r in self.state.records()}
+        self.cluster.run(tasks.collect_garbage, str(self.paths.ckpt_dir), self.exec_id, sorted(committed))
+        glob_root = self.paths.level_dir(4, 0)
+        if glob_root.is_dir():
+            for entry in glob_root.iterdir():
+                if entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
+                    storage.remove_tree(entry)
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:
         self.state.delete_record(record.seq)

@@ -55,7 +55,9 @@ class Cluster:
 
     def workers(self) -> list[str]:
         """Addresses of the live workers, sorted: a worker's position is its rank."""
-        return sorted(self.client.scheduler_info(n_workers=-1)["workers"])
+        # Not Client.scheduler_info(): a periodic refresh may replace its cache with one that lists no worker.
+        info = self.client.sync(self.client.scheduler.identity, n_workers=-1)
+        return sorted(a for a, w in info["workers"].items() if w.get("status", "running") == "running")
 
     def submit(self, fn: Callable[..., Any], *args: Any, key: Any, worker: str, **kwargs: Any) -> Future:
         """Run ``fn`` on ``worker`` only (its files or chunks are there), under a readable key."""

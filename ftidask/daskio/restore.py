@@ -21,6 +21,7 @@ from ..errors import FTIError, NoCheckpointError, RecoveryError
 from ..levels.ring_groups import copy_holder
 from ..runstate import CommitRecord
 from . import tasks
+from .cluster import WorkerLost
 from .plan import VarSpec
 
 if TYPE_CHECKING:
@@ -212,13 +213,25 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
     return out
 
 
+def _restore_retrying(ctx: DaskContext, record: CommitRecord, attempts: int = 3) -> dict[int, tuple[str, str]]:
+    """:func:`restore_files`, tried again when a worker leaves meanwhile (a loss the scheduler had not
+    noticed yet when the tasks were placed)."""
+    for _attempt in range(attempts - 1):
+        try:
+            with ctx.cluster.batch():
+                return restore_files(ctx, record)
+        except WorkerLost:
+            log.info("a worker left while checkpoint %d was being checked; trying again", record.ckpt_id)
+    with ctx.cluster.batch():
+        return restore_files(ctx, record)
+
+
 def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: Any) -> dict[int, Any]:
     """The newest recoverable checkpoint's arrays (see :meth:`DaskContext.recover`)."""
     reasons = []
     for record in dask_records(ctx, ckpt_id, level):
         try:
-            with ctx.cluster.batch():
-                hosts = restore_files(ctx, record)
+            hosts = _restore_retrying(ctx, record)
         except (Unrecoverable, RecoveryError) as exc:
             if not isinstance(exc, Unrecoverable) and "no workers" in str(exc):
                 raise

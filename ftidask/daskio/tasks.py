@@ -20,7 +20,7 @@ from ..arrays import VarInfo, dtype_from_json
 from ..checkpointing import write_rank_file
 from ..errors import FormatError
 from ..ftiff import hashing
-from ..ftiff.reader import fh_readinto, parse_ftiff, verify_data
+from ..ftiff.reader import parse_ftiff, verify_data
 from .plan import layout_from_json
 
 
@@ -159,10 +159,42 @@ def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[i
         if meta is None or meta.chunksize != nbytes:
             raise FormatError(f"no container of {nbytes} bytes for variable {var_id} at dptr {dptr}", path=path)
         view = memoryview(out.reshape(-1).view(np.uint8))
-        got = fh_readinto(fh, meta.fptr, view)
+        got = _pread_into(fh.fileno(), meta.fptr, view)
     if got != nbytes or hashing.digest(parsed.fb.hash_id, view) != meta.hash:
         raise FormatError(f"variable {var_id}, chunk at dptr {dptr}: data hash does not match", path=path)
     return out
+
+
+def _pread_into(fd: int, offset: int, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:got + (64 << 20)]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
+def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str]) -> int:
+    """Remove what interrupted checkpoints left in the node directories this worker sees.
+
+    Checkpoint directories that no commit record names, and temporary files; the count removed.
+    """
+    keep = set(committed)
+    removed = 0
+    for root in Path(ckpt_dir).glob(f"node*/{exec_id}/l[1-4]"):
+        for entry in root.iterdir():
+            if entry.name.startswith(".") and ".tmp-" in entry.name:
+                entry.unlink(missing_ok=True)
+                removed += 1
+            elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in keep:
+                storage.remove_tree(entry)
+                removed += 1
+            elif entry.is_dir():
+                for tmp in entry.glob(".*.tmp-*"):
+                    tmp.unlink(missing_ok=True)
+                    removed += 1
+    return removed
 
 
 def existing(paths: Sequence[str]) -> list[bool]:
