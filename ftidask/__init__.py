@@ -5,6 +5,7 @@ from .config import Config, load_config
 from .constants import *  # noqa: F403 - FTI's names are the public API
 from .constants import init_type
 from .context import Context, init
+from .resilient import ResilientLoop, resilient
 from .errors import (CheckpointError, ConfigError, FormatError, FTIError, LevelError, NoCheckpointError,
                      ProtectError, RecoveryError)
 
@@ -12,5 +13,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "CheckpointInfo", "Config", "ConfigError", "Context", "FTIError", "FormatError",
-    "LevelError", "NoCheckpointError", "ProtectError", "RecoveryError", "init", "init_type", "load_config",
+    "LevelError", "NoCheckpointError", "ProtectError", "RecoveryError", "ResilientLoop", "init", "init_type",
+    "load_config", "resilient",
 ]

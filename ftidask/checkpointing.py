@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,9 @@ class CheckpointInfo:
 
 def write_rank_file(path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes], infos: list[VarInfo], *,
                     hash_id: int, meta: Mapping[str, Any], pt_fs: int | None = None,
-                    max_fs: int | None = None) -> WrittenFile:
+                    max_fs: int | None = None, pool: ThreadPoolExecutor | None = None) -> WrittenFile:
     """Write one rank's FTI-FF file atomically at ``path``."""
     trailer = dict(meta)
     trailer["vars"] = [info.to_json() for info in infos]
     with atomic_file(path) as fh:
-        return write_ftiff(fh, layout, arrays, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs)
+        return write_ftiff(fh, layout, arrays, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs, pool=pool)

@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ class Context:
         self._layout: Layout | None = None
         self._hash_id = hashing.hash_id(config.hash)
         self._closed = False
+        self._pool: ThreadPoolExecutor | None = None
         self._recovered = False
         self._restart_file: FtiffFile | None = None
         self._restart_record: CommitRecord | None = None
@@ -114,6 +116,8 @@ class Context:
         level = self._check_level(level)
         start = time.perf_counter()
         t = self.transport
+        t.wait_post()  # a head still post-processing the previous checkpoint must finish first (as FTI)
+        post_level, level = level, t.write_level(level)
         layout = plan_layout(self._layout, [(vid, p.array.nbytes) for vid, p in self._vars.items()])
         seq = t.bcast(self.state.next_seq() if t.rank == 0 else None)
         sizes = t.allgather(layout.fs)
@@ -124,13 +128,17 @@ class Context:
             infos = [VarInfo.of(vid, p.name, p.array) for vid, p in self._vars.items()]
             written = write_rank_file(
                 path, layout, {vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, infos,
-                hash_id=self._hash_id, pt_fs=self._partner_fs(sizes), max_fs=max(sizes),
+                hash_id=self._hash_id, pool=self._hash_pool(), pt_fs=self._partner_fs(sizes),
+                max_fs=max(sizes[r] for r in t.group_of()),
                 meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
                       "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
                       "backend": t.name, "time": time.time()})
-            t.protect_files(level, ckpt_id, path, directory)
         except (OSError, FTIError) as exc:
             error = f"rank {t.rank}: {exc}"
+        try:  # collective for L2/L3: every rank takes part, even one whose file failed
+            t.protect_files(level, ckpt_id, path, directory)
+        except (OSError, FTIError) as exc:
+            error = error or f"rank {t.rank}: {exc}"
         results = t.allgather((error, None if written is None else
                                FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()))
         errors = [e for e, _ in results if e]
@@ -148,6 +156,7 @@ class Context:
         self._restart_file = None
         self._retire_older(record)
         self._collect_garbage()
+        t.post_process(record, post_level, self.exec_id)
         info = CheckpointInfo(ckpt_id, level, seq, written.data_bytes, written.file_size,
                               time.perf_counter() - start)
         self.last_checkpoint = info
@@ -155,6 +164,12 @@ class Context:
         log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, level, info.bytes_written,
                  info.seconds)
         return info
+
+    def _hash_pool(self) -> ThreadPoolExecutor:
+        # One long-lived thread hashes a container while the caller writes it.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
+        return self._pool
 
     def _check_level(self, level: Any) -> int:
         if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or int(level) not in constants.LEVELS:
@@ -166,7 +181,8 @@ class Context:
         return level
 
     def _partner_fs(self, sizes: list[int]) -> int:
-        return sizes[self.transport.rank]
+        # FTI's ptFs: the size of the partner file this rank keeps (its left partner's).
+        return sizes[self.transport.partner_of()]
 
     def _retire_older(self, record: CommitRecord) -> None:
         """After a level-L commit, drop earlier checkpoints of levels 1..L (L4 archived if asked)."""
@@ -186,7 +202,7 @@ class Context:
         committed = t.bcast({r.dirname for r in self.state.records()} if t.rank == 0 else None)
         roots = [self.paths.local_dir(level, t.node) for level in (1, 2, 3, 4)]
         if t.rank == 0:
-            roots.append(self.paths.level_dir(4, 0))
+            roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
         for root in roots:
             if not root.is_dir():
                 continue
@@ -235,19 +251,20 @@ class Context:
             verdict = check_file(self._rank_file(record), record, t.rank)
             if verdict.kind != "ok":
                 have = t.rebuild_file(record.level, record.ckpt_id, self._rank_file(record),
-                                      self._rank_file(record).parent, False)
+                                      self._rank_file(record).parent, False, record=record)
                 if have:
                     verdict = check_file(self._rank_file(record), record, t.rank)
             else:
                 t.rebuild_file(record.level, record.ckpt_id, self._rank_file(record),
-                               self._rank_file(record).parent, True)
-            kinds = t.allgather(verdict.kind)
-            if all(k == "ok" for k in kinds):
+                               self._rank_file(record).parent, True, record=record)
+            # Consensus: every rank sees every verdict, so that all agree and raise the same error.
+            verdicts = t.allgather([verdict.kind, verdict.message])
+            if all(k == "ok" for k, _m in verdicts):
                 return record, verdict
-            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): "
-                           + (verdict.message or "damaged on another rank"))
-            log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level,
-                        verdict.message or "damaged on another rank")
+            bad = [(r, m) for r, (k, m) in enumerate(verdicts) if k != "ok"]
+            why = f"{len(bad)} rank(s) cannot verify or rebuild their file, first rank {bad[0][0]}: {bad[0][1]}"
+            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {why}")
+            log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, why)
         what = "no committed checkpoint" if not reasons else "no checkpoint verifies"
         raise NoCheckpointError(f"{what} for run {self.exec_id} in {self.paths.meta_dir}"
                                 + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
@@ -377,6 +394,7 @@ class Context:
             return
         t = self.transport
         try:
+            t.wait_post()
             records = self._candidates(None, None)
             if self.config.keep_last_ckpt and records:
                 last = records[0]
@@ -391,8 +409,14 @@ class Context:
                     self.state.write_run(state="finalized", keep_last=False)
             t.barrier()
         finally:
-            self._closed = True
-            t.close()
+            self._close()
+
+    def _close(self) -> None:
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.transport.close()
 
     def _flush_to_l4(self, record: CommitRecord) -> None:
         t = self.transport
@@ -414,6 +438,19 @@ class Context:
             self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time()))
         t.barrier()
 
+    @property
+    def comm(self) -> Any:
+        """The communicator the application must use (FTI_COMM_WORLD: heads excluded); None without MPI."""
+        return getattr(self.transport, "comm", None)
+
+    def wait_post_processing(self) -> Any:
+        """Wait until the head has finished post-processing the last checkpoint (L2-L4 with heads)."""
+        return self.transport.wait_post()
+
+    def post_processing_done(self) -> bool:
+        """Whether the head has finished post-processing the last checkpoint (never blocks)."""
+        return self.transport.post_done()
+
     def _check_open(self) -> None:
         if self._closed:
             raise FTIError("this context is finalized; call ftidask.init() again")
@@ -426,8 +463,7 @@ class Context:
             self.finalize()
         else:
             # Died with an error: keep the checkpoints so that the next run can restart.
-            self._closed = True
-            self.transport.close()
+            self._close()
 
     def __repr__(self) -> str:
         vars_ = ", ".join(f"{p.id}:{p.name} {p.array.dtype}{list(p.array.shape)}" for p in self._vars.values())

@@ -95,13 +95,11 @@ class RunState:
         return sorted(out, key=lambda r: r.seq)
 
     def next_seq(self) -> int:
-        info = storage.read_json(self.root / "run.json") or {}
-        last = max([int(info.get("seq", 0))] + [r.seq for r in self.records()])
-        return last + 1
+        """One more than any sequence number this run used (records and directories left behind)."""
+        return max([0] + [r.seq for r in self.records()]) + 1
 
     def write_record(self, record: CommitRecord) -> None:
         storage.write_json_atomic(self.records_dir / f"s{record.seq:08d}.json", record.to_json())
-        self.write_run(state="running", seq=record.seq)
 
     def delete_record(self, seq: int) -> None:
         try:

@@ -51,9 +51,33 @@ class Transport(abc.ABC):
         if level in (2, 3):
             self.check_level(level)
 
-    def rebuild_file(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, ok: bool) -> bool:
+    def rebuild_file(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, ok: bool,
+                     record: Any = None) -> bool:
         """Collectively rebuild lost files of a level-``level`` checkpoint; True when this rank has its file."""
         return ok
+
+    def partner_of(self) -> int:
+        """The rank whose file this rank keeps as its L2 partner copy (FTI's left partner)."""
+        return self.rank
+
+    def group_of(self) -> list[int]:
+        """The ranks of this rank's L3 group (for FTI's maxFs)."""
+        return [self.rank]
+
+    # Heads (asynchronous post-processing); without heads, everything is inline.
+    def write_level(self, level: int) -> int:
+        """The level the application writes at (1 when a head raises it to ``level`` later)."""
+        return level
+
+    def post_process(self, record: Any, level: int, exec_id: str = "") -> None:
+        """Hand a committed checkpoint to the head, to be raised to ``level``."""
+
+    def wait_post(self) -> Any:
+        """Wait for the head's post-processing; its outcome, or None."""
+        return None
+
+    def post_done(self) -> bool:
+        return True
 
     def close(self) -> None:
         """Release what the transport holds (a duplicated communicator, ...)."""

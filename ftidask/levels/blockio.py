@@ -1,0 +1,78 @@
+"""File I/O for the collective levels: errors are recorded, never raised mid-collective.
+
+An L2/L3 step is a sequence of collectives over a group; a rank that raised halfway would leave
+its peers waiting forever. So the levels read and write through these helpers, which turn an
+I/O failure into zeros (reads) or a dropped output (writes) plus a message, and report after the
+last collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ..storage import atomic_file
+
+
+def open_input(path: Path, errors: list[str]) -> BinaryIO | None:
+    """``path`` opened for reading, or None (the error recorded)."""
+    try:
+        return open(path, "rb")  # noqa: SIM115 - closed by the caller
+    except OSError as exc:
+        errors.append(f"cannot read {path}: {exc}")
+        return None
+
+
+def read_block(fh: BinaryIO | None, offset: int, length: int, valid: int) -> np.ndarray:
+    """``length`` bytes at ``offset``; zeros past the ``valid`` bytes (padding), or where the file cannot be read."""
+    out = np.zeros(length, dtype=np.uint8)
+    n = max(0, min(length, valid - offset))
+    if fh is not None and n:
+        with contextlib.suppress(OSError):
+            fh.seek(offset)
+            fh.readinto(memoryview(out)[:n])
+    return out
+
+
+class SafeOutput:
+    """An atomic output file (temporary name, fsync, rename) whose failures are recorded, not raised."""
+
+    def __init__(self, path: Path, errors: list[str]) -> None:
+        self.path, self.errors = path, errors
+        self._cm: Any = atomic_file(path)
+        self.fh: BinaryIO | None
+        try:
+            self.fh = self._cm.__enter__()
+        except OSError as exc:
+            self.fh = None
+            errors.append(f"cannot write {path}: {exc}")
+
+    def write(self, data: Any) -> None:
+        if self.fh is None:
+            return
+        try:
+            self.fh.write(memoryview(data))
+        except OSError as exc:
+            self.errors.append(f"cannot write {self.path}: {exc}")
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop the output (the temporary file is removed, the target is untouched)."""
+        if self.fh is not None:
+            self.fh = None
+            self._cm.__exit__(OSError, OSError("aborted"), None)
+
+    def close(self) -> bool:
+        """Commit the file; True when it was written completely."""
+        if self.fh is None:
+            return False
+        self.fh = None
+        try:
+            self._cm.__exit__(None, None, None)
+        except OSError as exc:
+            self.errors.append(f"cannot write {self.path}: {exc}")
+            return False
+        return True

@@ -1,0 +1,356 @@
+"""Reed-Solomon erasure code over GF(2^8) for FTI's level 3 (L3).
+
+A group of k nodes each holds one data file and one parity file; any k of
+the k + m files rebuild all data files.
+
+On-disk format (parity files written by one version must decode in every
+later one; ``tests/test_erasure.py`` pins golden bytes):
+
+* Field GF(2^8) with the primitive polynomial x^8 + x^4 + x^3 + x^2 + 1
+  (0x11D); addition is XOR.
+* Generator ``[I_k; C]`` (systematic).  ``C`` is the m x k Cauchy matrix
+  ``C0[i][j] = 1 / ((k + i) XOR j)``, normalised: every column j is divided
+  by ``C0[0][j]``, then every row i by its (new) column-0 entry.  Row 0 and
+  column 0 of ``C`` are all ones, so parity 0 is the XOR of the data.
+  Scaling rows and columns keeps every square minor of a Cauchy matrix
+  non-zero, hence any k rows of ``[I_k; C]`` are invertible (MDS).  Row i
+  depends on (k, i) only: a larger m adds parity rows without changing
+  existing ones.
+* Bytes are independent: byte t of parity i is XOR_j C[i][j] * data_j[t];
+  blocks shorter than the longest one of the group count as zero-padded.
+
+Speed: GF multiplications are table lookups (``np.take``, ~2 ns each
+whatever the entry size).  One lookup serves several output rows: table
+entries pack the products for up to 8 rows, and for large blocks tables are
+indexed by byte pairs (65536 entries), so a 4+4 encode does one lookup per
+two input bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import operator
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from numbers import Integral
+
+import numpy as np
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "ReedSolomon", "decode_files", "encode_files"]
+
+DEFAULT_BLOCK_SIZE = 16 << 20
+_POLY = 0x11D
+_WIDE_MIN_BYTES = 1 << 20  # below this, building 64K-entry tables costs more than it saves
+_WIDE_TABLE_BUDGET = 2 << 20  # tables used per chunk must stay in L2, else lookups thrash
+_CHUNK_BYTES = 128 << 10  # input bytes per step: inputs, tables and accumulator stay in L2
+_ACC_BYTES = 512 << 10  # cap on the packed accumulator (slots x chunk)
+
+
+def _gf_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    exp = np.zeros(510, np.uint8)
+    log = np.zeros(256, np.int64)
+    x = 1
+    for i in range(255):
+        exp[i], log[x] = x, i
+        x = (x << 1) ^ (_POLY if x & 0x80 else 0)
+    exp[255:] = exp[:255]
+    mul = np.zeros((256, 256), np.uint8)
+    mul[1:, 1:] = exp[log[1:, None] + log[None, 1:]]
+    return exp, log, mul
+
+
+_EXP, _LOG, _MUL = _gf_tables()
+
+
+def _inv(a: int) -> int:
+    return int(_EXP[255 - _LOG[a]])
+
+
+def _gf_invert(a: np.ndarray) -> np.ndarray:
+    """Inverse of a square GF(2^8) matrix by Gauss-Jordan elimination."""
+    n = len(a)
+    aug = np.concatenate([a.astype(np.uint8), np.eye(n, dtype=np.uint8)], axis=1)
+    for col in range(n):
+        rows = np.nonzero(aug[col:, col])[0]
+        if not len(rows):
+            raise ValueError("singular matrix")  # cannot happen for an MDS generator
+        piv = col + int(rows[0])
+        aug[[col, piv]] = aug[[piv, col]]
+        aug[col] = _MUL[_inv(int(aug[col, col]))][aug[col]]
+        factors = aug[:, col].copy()
+        factors[col] = 0
+        aug ^= _MUL[factors[:, None], aug[col][None, :]]
+    return aug[:, n:]
+
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@functools.lru_cache(maxsize=32)  # at most 32 x 512 KiB
+def _table(wide: int, coefs: tuple[int, ...]) -> np.ndarray:
+    """Lookup table: `wide` input bytes -> their products with each coef, packed.
+
+    Entry layout is (slot, byte) so that output row q is the q-th run of `wide`
+    bytes of each entry; unused slots (padding to a power of two) stay zero.
+    """
+    slots = 1 << (len(coefs) - 1).bit_length()
+    keys = np.arange(256**wide, dtype=_UINT[wide]).view(np.uint8).reshape(-1, wide)
+    tab = np.zeros((len(keys), slots, wide), np.uint8)
+    for q, c in enumerate(coefs):
+        tab[:, q, :] = _MUL[c][keys]
+    return tab.reshape(len(keys), -1).view(_UINT[wide * slots]).reshape(-1)
+
+
+def _plan(rows: int, k: int, nbytes: int) -> tuple[int, int]:
+    """Pick (index width, rows per lookup) minimising lookups per input byte."""
+    group8 = min(rows, 8)
+    cost8 = -(-rows // group8)  # byte tables: one lookup per byte per group of <= 8 rows
+    if nbytes >= max(_WIDE_MIN_BYTES, 2):
+        for g in (min(4, rows), min(2, rows), 1):
+            if k * 65536 * 2 * (1 << (g - 1).bit_length()) <= _WIDE_TABLE_BUDGET:
+                if -(-rows // g) * 0.5 < cost8:  # pair tables: a lookup covers 2 bytes
+                    return 2, g
+                break
+    return 1, group8
+
+
+def _apply(mat: np.ndarray, ins: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> None:
+    """outs[i] = XOR_j mat[i][j] * ins[j], all 1-D uint8 of one length."""
+    rows, k = mat.shape
+    if not rows:
+        return
+    n = len(outs[0])
+    wide, group = _plan(rows, k, n)
+    if wide == 2 and n % 2:  # the odd last byte goes through byte tables
+        _apply(mat, [a[n - 1 :] for a in ins], [o[n - 1 :] for o in outs])
+        n -= 1
+    for g0 in range(0, rows, group):
+        rs = range(g0, min(g0 + group, rows))
+        slots = 1 << (len(rs) - 1).bit_length()
+        chunk = max(min(_CHUNK_BYTES, _ACC_BYTES // slots) // wide * wide, wide)
+        cols = [(j, tuple(int(mat[i, j]) for i in rs)) for j in range(k)]
+        cols = [(j, c) for j, c in cols if any(c)]
+        dt = _UINT[wide * slots]
+        tmp = np.empty(chunk // wide, dt)
+        acc = np.empty(chunk // wide, dt) if slots > 1 else None
+        for off in range(0, n, chunk):
+            end = min(off + chunk, n)
+            h = (end - off) // wide
+            a = acc[:h] if acc is not None else outs[rs[0]][off:end].view(dt)
+            first = True
+            for j, coefs in cols:
+                src = ins[j][off:end].view(_UINT[wide])
+                if coefs == (1,):  # single row, coefficient 1: plain XOR, no lookup
+                    val = src
+                else:
+                    val = np.take(_table(wide, coefs), src, out=a if first else tmp[:h], mode="clip")
+                if first:
+                    if val is not a:
+                        np.copyto(a, val)
+                    first = False
+                else:
+                    np.bitwise_xor(a, val, out=a)
+            if first:
+                a[:] = 0
+            if acc is not None:  # unpack slot q of every entry into output row q
+                packed = a.view(_UINT[wide]).reshape(h, slots)
+                for q, i in enumerate(rs):
+                    outs[i][off:end].view(_UINT[wide])[:] = packed[:, q]
+
+
+def _as_block(x: object, what: str) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.uint8 or x.ndim != 1:
+            raise TypeError(f"{what} must be a 1-D uint8 array, got {x.dtype} of shape {x.shape}")
+        return np.ascontiguousarray(x)
+    try:
+        return np.frombuffer(x, dtype=np.uint8)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"{what} must be a uint8 array or bytes-like, got {type(x).__name__}") from None
+
+
+class ReedSolomon:
+    """Systematic RS code over GF(2^8): k data blocks, m parity blocks."""
+
+    def __init__(self, k: int, m: int) -> None:
+        if not (isinstance(k, Integral) and isinstance(m, Integral)) or k < 1 or m < 1 or k + m > 256:
+            raise ValueError(f"need integers k >= 1, m >= 1 and k + m <= 256, got k={k!r}, m={m!r}")
+        k, m = int(k), int(m)
+        self.k: int = k
+        self.m: int = m
+        c = np.array([[_inv((k + i) ^ j) for j in range(k)] for i in range(m)], np.uint8)
+        c = _MUL[c, np.array([_inv(int(v)) for v in c[0]], np.uint8)[None, :]]
+        c = _MUL[c, np.array([_inv(int(v)) for v in c[:, 0]], np.uint8)[:, None]]
+        self._parity: np.ndarray = c
+        self._generator: np.ndarray = np.concatenate([np.eye(k, dtype=np.uint8), c])
+
+    @property
+    def matrix(self) -> np.ndarray:
+        """The m x k parity matrix C (a copy)."""
+        return self._parity.copy()
+
+    def encode(self, data: Sequence[np.ndarray], parity_indices: Sequence[int] | None = None) -> list[np.ndarray]:
+        """Parity blocks (all m, or those in `parity_indices`) of k equal-length data blocks."""
+        if len(data) != self.k:
+            raise ValueError(f"expected {self.k} data blocks, got {len(data)}")
+        blocks = [_as_block(d, f"data block {j}") for j, d in enumerate(data)]
+        if len({len(b) for b in blocks}) > 1:
+            raise ValueError(f"data blocks must have equal lengths, got {[len(b) for b in blocks]}")
+        wanted = range(self.m) if parity_indices is None else [operator.index(i) for i in parity_indices]
+        for i in wanted:
+            if not 0 <= i < self.m:
+                raise ValueError(f"parity index {i} out of range 0..{self.m - 1}")
+        outs = [np.empty(len(blocks[0]), np.uint8) for _ in wanted]
+        _apply(self._parity[list(wanted)], blocks, outs)
+        return outs
+
+    def _solve(self, have: Sequence[int], lost: Sequence[int]) -> tuple[list[int], np.ndarray]:
+        """(k block indices to read, matrix giving the `lost` data blocks from them)."""
+        bad = [i for i in have if not 0 <= i < self.k + self.m]
+        if bad:
+            raise ValueError(f"block indices {bad} out of range 0..{self.k + self.m - 1}")
+        have = sorted(set(have))
+        if len(have) < self.k:
+            raise ValueError(
+                f"cannot decode: {self.k - len(have)} block(s) missing; need {self.k} of the "
+                f"{self.k + self.m} blocks, got {len(have)} (indices {have})"
+            )
+        chosen = have[: self.k]  # data blocks first: identity rows keep the system small
+        return chosen, _gf_invert(self._generator[chosen])[list(lost)]
+
+    def decode(self, available: Mapping[int, np.ndarray], length: int | None = None) -> list[np.ndarray]:
+        """All k data blocks from any k blocks (index < k: data, else parity k..k+m-1).
+
+        Blocks shorter than `length` (default: the longest given) are zero-padded.
+        """
+        lost = [j for j in range(self.k) if j not in available]  # survivors are all in chosen
+        chosen, mat = self._solve(list(available), lost)
+        blocks = {i: _as_block(available[i], f"block {i}") for i in chosen}
+        n = max(len(b) for b in blocks.values()) if length is None else length
+        for i, b in blocks.items():
+            if len(b) > n:
+                raise ValueError(f"block {i} has {len(b)} bytes, more than length={n}")
+            if len(b) < n:
+                blocks[i] = np.concatenate([b, np.zeros(n - len(b), np.uint8)])
+        outs = {j: np.empty(n, np.uint8) for j in lost}
+        _apply(mat, [blocks[i] for i in chosen], list(outs.values()))
+        return [outs[j] if j in outs else blocks[j].copy() for j in range(self.k)]
+
+
+def _read_into(f: io.FileIO, buf: np.ndarray) -> None:
+    """Fill buf from f; past end of file, zeros (the conceptual padding)."""
+    view, got = buf.data, 0
+    while got < len(buf):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    buf[got:] = 0
+
+
+@contextlib.contextmanager
+def _atomic_writers(paths: Sequence[str]) -> Iterator[list[io.BufferedWriter]]:
+    """Files written to path + '.tmp', fsynced and renamed over path on success only."""
+    files: list[io.BufferedWriter] = []
+    try:
+        for p in paths:
+            files.append(open(p + ".tmp", "wb"))  # noqa: SIM115 - closed below, on every path
+        yield files
+        for f, p in zip(files, paths):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            os.replace(p + ".tmp", p)
+        for d in {os.path.dirname(os.path.abspath(p)) for p in paths}:
+            with contextlib.suppress(OSError):  # make the renames durable where supported
+                fd = os.open(d, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+    except BaseException:
+        for f, p in zip(files, paths):
+            f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(p + ".tmp")
+        raise
+
+
+def encode_files(
+    data_paths: Sequence[str], parity_paths: Sequence[str | None], *, block_size: int = DEFAULT_BLOCK_SIZE
+) -> None:
+    """Write the parity files of k data files, streaming `block_size` bytes at a time.
+
+    m = len(parity_paths); a None entry skips that parity row (a rank writes its own only).
+    Each parity file is as long as the longest data file.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    rs = ReedSolomon(len(data_paths), len(parity_paths))
+    wanted = [i for i, p in enumerate(parity_paths) if p is not None]
+    targets = [p for p in parity_paths if p is not None]
+    size = max(os.path.getsize(p) for p in data_paths)
+    block_size = min(block_size, max(size, 1))
+    bufs = [np.empty(block_size, np.uint8) for _ in data_paths]
+    outs = [np.empty(block_size, np.uint8) for _ in wanted]
+    with contextlib.ExitStack() as stack:
+        srcs = [stack.enter_context(open(p, "rb", buffering=0)) for p in data_paths]
+        dsts = stack.enter_context(_atomic_writers(targets))
+        for off in range(0, size, block_size):
+            n = min(block_size, size - off)
+            for src, b in zip(srcs, bufs):
+                _read_into(src, b[:n])
+            _apply(rs._parity[wanted], [b[:n] for b in bufs], [o[:n] for o in outs])
+            for dst, o in zip(dsts, outs):
+                dst.write(o[:n].data)
+
+
+def decode_files(
+    data_paths: Sequence[str | None],
+    parity_paths: Sequence[str | None],
+    sizes: Sequence[int],
+    out_paths: Mapping[int, str],
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> None:
+    """Rebuild data files: out_paths[i] receives data file i, truncated to sizes[i].
+
+    data_paths[i] / parity_paths[j] is None for a lost file; any k files suffice.
+    """
+    k, m = len(data_paths), len(parity_paths)
+    if len(sizes) != k:
+        raise ValueError(f"expected {k} sizes, got {len(sizes)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    bad = [i for i in out_paths if not 0 <= i < k]
+    if bad:
+        raise ValueError(f"out_paths keys {bad} out of range 0..{k - 1}")
+    rs = ReedSolomon(k, m)
+    paths = list(data_paths) + list(parity_paths)
+    size = max(sizes)
+    for i, p in enumerate(paths):  # a size mismatch means a damaged or foreign file
+        want = sizes[i] if i < k else size
+        if p is not None and os.path.getsize(p) != want:
+            raise ValueError(f"{p}: expected {want} bytes, found {os.path.getsize(p)}")
+    have = {i: p for i, p in enumerate(paths) if p is not None}
+    lost = [i for i in sorted(out_paths) if data_paths[i] is None]
+    chosen, mat = rs._solve(list(have), lost)
+    block_size = min(block_size, max(size, 1))
+    bufs = [np.empty(block_size, np.uint8) for _ in chosen]
+    outs = dict(zip(lost, (np.empty(block_size, np.uint8) for _ in lost)))
+    for i in out_paths:  # surviving data files asked for are copied (chosen holds them all)
+        if i not in outs:
+            outs[i] = bufs[chosen.index(i)]
+    targets = sorted(out_paths)
+    with contextlib.ExitStack() as stack:
+        srcs = [stack.enter_context(open(have[i], "rb", buffering=0)) for i in chosen]
+        dsts = stack.enter_context(_atomic_writers([out_paths[i] for i in targets]))
+        for off in range(0, size, block_size):
+            n = min(block_size, size - off)
+            for src, b in zip(srcs, bufs):
+                _read_into(src, b[:n])
+            _apply(mat, [b[:n] for b in bufs], [outs[i][:n] for i in lost])
+            for dst, i in zip(dsts, targets):
+                dst.write(outs[i][: max(0, min(n, sizes[i] - off))].data)

@@ -1,0 +1,150 @@
+"""Who is where: nodes, heads, groups and partners of a run (pure functions, no MPI).
+
+FTI's topology: processes are grouped into nodes (by host name, or with ``local_test`` as
+simulated nodes of ``node_size`` consecutive ranks); with ``head = 1`` the first process of
+each node is a head, kept out of the application's communicator. Nodes form groups of
+``group_size`` consecutive nodes (FTI's sectors); inside a group, the process at the same
+position on the next node is the L2 partner (a ring), and the processes at the same position
+on every node of the group form the L3 erasure-coding group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+from ..errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """The placement of every process of ``COMM_WORLD`` (world ranks) and of the application ranks."""
+
+    node_size: int
+    head: int
+    group_size: int
+    node_of: tuple[int, ...]  # world rank -> node id
+    local_of: tuple[int, ...]  # world rank -> position on its node (0..node_size-1)
+
+    @property
+    def nprocs(self) -> int:
+        return len(self.node_of)
+
+    @property
+    def nnodes(self) -> int:
+        return self.nprocs // self.node_size
+
+    @property
+    def app_per_node(self) -> int:
+        """Application processes per node (FTI's nbApprocs)."""
+        return self.node_size - self.head
+
+    @property
+    def ngroups(self) -> int:
+        return self.nnodes // self.group_size if self.group_size else 0
+
+    def is_head(self, world: int) -> bool:
+        return bool(self.head) and self.local_of[world] == 0
+
+    @functools.cached_property
+    def app_world(self) -> tuple[int, ...]:
+        """World rank of each application rank (heads removed, world order kept)."""
+        return tuple(w for w in range(self.nprocs) if not self.is_head(w))
+
+    @property
+    def app_size(self) -> int:
+        return self.nnodes * self.app_per_node
+
+    def app_rank_at(self, node: int, position: int) -> int:
+        """The application rank at ``position`` (0..app_per_node-1) on ``node``."""
+        return self._app_index[(node, position)]
+
+    @functools.cached_property
+    def _app_index(self) -> dict[tuple[int, int], int]:
+        return {(self.node_of[w], self.local_of[w] - self.head): a for a, w in enumerate(self.app_world)}
+
+    def node_of_app(self, app: int) -> int:
+        return self.node_of[self.app_world[app]]
+
+    def position_of_app(self, app: int) -> int:
+        return self.local_of[self.app_world[app]] - self.head
+
+    def head_of_node(self, node: int) -> int:
+        """World rank of ``node``'s head."""
+        return next(w for w in range(self.nprocs) if self.node_of[w] == node and self.local_of[w] == 0)
+
+    # --- groups (FTI's sectors) ------------------------------------------------------------------
+
+    def group_of_node(self, node: int) -> int:
+        return node // self.group_size
+
+    def index_in_group(self, node: int) -> int:
+        return node % self.group_size
+
+    def group_nodes(self, node: int) -> list[int]:
+        first = self.group_of_node(node) * self.group_size
+        return list(range(first, first + self.group_size))
+
+    def group_ranks(self, app: int) -> list[int]:
+        """The L3 group of ``app``: the ranks at its position on each node of its group, by node."""
+        pos = self.position_of_app(app)
+        return [self.app_rank_at(n, pos) for n in self.group_nodes(self.node_of_app(app))]
+
+    def right_partner(self, app: int) -> int:
+        """Where ``app``'s file is copied for L2: same position, next node of the group (ring)."""
+        ranks = self.group_ranks(app)
+        return ranks[(ranks.index(app) + 1) % len(ranks)]
+
+    def left_partner(self, app: int) -> int:
+        """Whose file ``app``'s node keeps as ``Pcof{app}``: same position, previous node of the group."""
+        ranks = self.group_ranks(app)
+        return ranks[(ranks.index(app) - 1) % len(ranks)]
+
+    def multilevel_ok(self) -> str:
+        """'' when L2 and L3 can run, else why not."""
+        if self.group_size < 2:
+            return f"group_size = {self.group_size}: L2 and L3 need group_size >= 2"
+        if self.nnodes % self.group_size:
+            return (f"{self.nnodes} node(s) are not a multiple of group_size = {self.group_size} "
+                    "(L2 and L3 need whole groups of nodes)")
+        return ""
+
+
+def _check_basic(nprocs: int, node_size: int, head: int) -> None:
+    if nprocs % node_size:
+        raise ConfigError(f"the number of processes ({nprocs}) is not a multiple of node_size ({node_size})")
+    if head and node_size < 2:
+        raise ConfigError("head = 1 needs node_size >= 2 (one head and at least one application process per node)")
+
+
+def local_topology(nprocs: int, node_size: int, head: int, group_size: int) -> Topology:
+    """``local_test`` topology: node = rank // node_size (simulated nodes on one machine)."""
+    _check_basic(nprocs, node_size, head)
+    return Topology(node_size, head, group_size, tuple(w // node_size for w in range(nprocs)),
+                    tuple(w % node_size for w in range(nprocs)))
+
+
+def host_topology(hostnames: Sequence[str], node_size: int, head: int, group_size: int) -> Topology:
+    """Nodes by host name, numbered in order of first appearance; each must hold ``node_size`` processes."""
+    _check_basic(len(hostnames), node_size, head)
+    node_ids: dict[str, int] = {}
+    count: dict[str, int] = {}
+    node_of, local_of = [], []
+    for host in hostnames:
+        node_of.append(node_ids.setdefault(host, len(node_ids)))
+        local_of.append(count.get(host, 0))
+        count[host] = count.get(host, 0) + 1
+    wrong = {h: c for h, c in count.items() if c != node_size}
+    if wrong:
+        host, c = next(iter(wrong.items()))
+        raise ConfigError(f"host {host!r} runs {c} process(es), node_size is {node_size}; set node_size to the "
+                          "processes per node, or local_test = 1 to simulate nodes of node_size ranks")
+    return Topology(node_size, head, group_size, tuple(node_of), tuple(local_of))
+
+
+def validate_levels(topo: Topology, wanted: Sequence[int]) -> None:
+    """FTI's check at init: levels 2 and 3 configured need valid groups."""
+    problem = topo.multilevel_ok()
+    if problem and any(level in (2, 3) for level in wanted):
+        raise ConfigError(f"L2/L3 checkpoints are configured but {problem}")

@@ -1,0 +1,59 @@
+"""The command line: inspect, verify, list, clean (in-process and as a real subprocess)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import ftidask
+from ftidask.cli import main
+
+from conftest import ROOT
+
+
+def _run(dirs, base):
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, np.arange(1000.0), name="density")
+    ctx.checkpoint(1, 4)
+    ctx.checkpoint(2, 1)
+    return ctx
+
+
+def test_inspect_text_and_json(dirs, tmp_path, capsys):
+    _run(dirs, tmp_path)
+    (path,) = Path(dirs["ckpt_dir"]).glob("node0/*/l1/*/Ckpt2-Rank0.fti")
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    for label in ("DATASTRUCTURE BEGIN", "DataBase-id: 0", "numvars: 1", "dbsize: 8076", "Var-id: 0", "id: 1",
+                  "idx: 0", "containerid: 0", "hascontent: true", "dptr: 0", "fptr: 172", "chunksize: 8000",
+                  "containersize: 8000", "DATASTRUCTURE END", "'density'"):
+        assert label in text, label
+    assert main(["inspect", "--json", str(path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["blocks"][0]["vars"][0]["fptr"] == 172 and data["table"]["vars"][0]["name"] == "density"
+    assert main(["inspect", str(tmp_path / "nope.fti")]) == 2
+
+
+def test_verify_list_clean(dirs, tmp_path, capsys):
+    ctx = _run(dirs, tmp_path)
+    assert main(["verify", str(tmp_path)]) == 0
+    assert "2 sound, 0 damaged" in capsys.readouterr().out
+    assert main(["list", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out
+    assert ctx.exec_id in listing and listing.count("sound") == 2
+    (path,) = Path(dirs["glbl_dir"]).glob("*/l4/*/Ckpt1-Rank0.fti")
+    raw = bytearray(path.read_bytes())
+    raw[500] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert main(["verify", str(tmp_path)]) == 1
+    assert main(["list", str(tmp_path)]) == 0
+    assert "DAMAGED" in capsys.readouterr().out
+    # clean refuses without confirmation when nobody can answer, then removes with --yes
+    proc = subprocess.run([sys.executable, "-m", "ftidask", "clean", str(tmp_path)], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, cwd=ROOT)
+    assert proc.returncode == 2 and "--yes" in proc.stderr
+    assert main(["clean", str(tmp_path), "--yes"]) == 0
+    assert not list(tmp_path.rglob("*.fti"))
+    assert ftidask.init(**dirs).status() == 0

@@ -1,0 +1,158 @@
+"""L1-L4 over real mpiexec jobs: checkpoint, die, damage files, restart, recover, compare bit for bit.
+
+One checkpoint per level; each damage case works on a copy of it; one recovery job runs every
+case of a level in turn. 4 ranks = 4 simulated nodes of 1 rank (one group of 4); the 16-rank
+variant (4 nodes of 4 ranks) is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from mpi_util import need_mpi, run
+
+pytestmark = need_mpi()
+
+OK, FAIL = "ok", "fail"
+
+
+def _files(base: Path, nodes: list[int], pattern: str) -> list[Path]:
+    out = []
+    for n in nodes:
+        out += sorted((base / "Local" / f"node{n}").glob(f"*/l*/*/{pattern}"))
+    return out
+
+
+def erase(nodes: list[int], pattern: str) -> Callable[[Path], None]:
+    def damage(base: Path) -> None:
+        found = _files(base, nodes, pattern)
+        assert found, f"nothing matches {pattern} on nodes {nodes}"
+        for path in found:
+            path.unlink()
+    return damage
+
+
+def corrupt(nodes: list[int], pattern: str) -> Callable[[Path], None]:
+    def damage(base: Path) -> None:
+        found = _files(base, nodes, pattern)
+        assert found, f"nothing matches {pattern} on nodes {nodes}"
+        for path in found:
+            size = path.stat().st_size
+            with open(path, "r+b") as fh:  # first bytes overwritten in place, size kept
+                fh.write(b"\xa5" * 200)
+            assert path.stat().st_size == size
+    return damage
+
+
+def erase_nodes(nodes: list[int]) -> Callable[[Path], None]:
+    def damage(base: Path) -> None:
+        for n in nodes:
+            shutil.rmtree(base / "Local" / f"node{n}", ignore_errors=True)  # L4 keeps no local files
+    return damage
+
+
+def erase_global(base: Path) -> None:
+    shutil.rmtree(base / "Global", ignore_errors=True)  # L1-L3 write nothing there
+
+
+def both(*fns: Callable[[Path], None]) -> Callable[[Path], None]:
+    def damage(base: Path) -> None:
+        for fn in fns:
+            fn(base)
+    return damage
+
+
+RANK, PCOF, RSED = "Ckpt*-Rank*.fti", "Ckpt*-Pcof*.fti", "Ckpt*-RSed*.fti"
+# name -> (damage, expected outcome at levels 1, 2, 3, 4; None = not applicable)
+CASES: dict[str, tuple[Callable[[Path], None], tuple[str | None, ...]]] = {
+    "rank_file_erased_node0": (erase([0], RANK), (FAIL, OK, OK, None)),
+    "rank_file_corrupted_node0": (corrupt([0], RANK), (FAIL, OK, OK, None)),
+    "rank_files_corrupted_nodes0_2": (corrupt([0, 2], RANK), (FAIL, OK, OK, None)),
+    "partner_erased_node1": (erase([1], PCOF), (None, OK, None, None)),
+    "partner_corrupted_node1": (corrupt([1], PCOF), (None, OK, None, None)),
+    "rank_node0_and_its_copy_node1": (both(erase([0], RANK), corrupt([1], PCOF)), (None, FAIL, None, None)),
+    "parity_erased_node0": (erase([0], RSED), (None, None, OK, None)),
+    "parity_corrupted_node0": (corrupt([0], RSED), (None, None, OK, None)),
+    "parity_and_rank_nodes0_1": (both(corrupt([0], RSED), erase([1], RANK)), (None, None, OK, None)),
+    "node0_erased": (erase_nodes([0]), (FAIL, OK, OK, OK)),
+    "nodes0_1_erased": (erase_nodes([0, 1]), (FAIL, FAIL, OK, OK)),
+    "nodes0_2_erased": (erase_nodes([0, 2]), (FAIL, OK, OK, OK)),
+    "nodes0_1_2_erased": (erase_nodes([0, 1, 2]), (FAIL, FAIL, FAIL, OK)),
+    "global_erased": (erase_global, (OK, OK, OK, FAIL)),
+    "global_and_node2_erased": (both(erase_global, erase_nodes([2])), (FAIL, OK, OK, FAIL)),
+}
+
+
+def _config(nranks: int) -> dict:
+    return {"local_test": 1, "node_size": nranks // 4, "group_size": 4, "block_size": 256, "transfer_size": 1}
+
+
+def _check_level(tmp: Path, nranks: int, level: int, timeout: float, config: dict | None = None,
+                 table: dict | None = None) -> None:
+    cfg = json.dumps(config or _config(nranks))
+    base = tmp / f"l{level}"
+    run(nranks, "levels_job.py", "write", cfg, str(base), str(level), timeout=timeout)
+    cases = {name: spec for name, spec in (table or CASES).items() if spec[1][level - 1] is not None}
+    for name, (damage, _expected) in cases.items():
+        shutil.copytree(base, tmp / name)
+        damage(tmp / name)
+    run(nranks, "levels_job.py", "recover", cfg, *(str(tmp / name) for name in cases), timeout=timeout)
+    problems = []
+    for name, (_damage, expected) in cases.items():
+        want = expected[level - 1]
+        results = [json.loads((tmp / name / f"result-{r}.json").read_text()) for r in range(nranks)]
+        statuses = {r["status"] for r in results}
+        if statuses != {want}:
+            problems.append(f"{name}: expected {want} on every rank, got {[r['status'] for r in results]} "
+                            f"{results[0].get('message', '')[:300]}")
+        elif want == FAIL:
+            # The same clear error everywhere, and the arrays untouched.
+            if {r["error"] for r in results} != {"NoCheckpointError"} or len({r["message"] for r in results}) != 1:
+                problems.append(f"{name}: ranks disagree on the error: {results}")
+            if not all(r["untouched"] for r in results):
+                problems.append(f"{name}: a failed recovery wrote into the arrays")
+        elif want == OK and level in (2, 3):
+            problems += _check_rebuilt(base, tmp / name, name)
+    assert not problems, "\n".join(problems)
+
+
+def _check_rebuilt(original: Path, damaged: Path, name: str) -> list[str]:
+    """After an L2/L3 recovery, every lost or damaged file is back, byte for byte."""
+    out = []
+    for path in sorted((original / "Local").rglob("Ckpt*.fti")):
+        twin = damaged / path.relative_to(original)
+        if not twin.exists() or twin.read_bytes() != path.read_bytes():
+            out.append(f"{name}: {path.relative_to(original)} was not rebuilt identically")
+    return out
+
+
+@pytest.mark.parametrize("level", [1, 2, 3, 4])
+def test_levels_4_ranks(tmp_path: Path, level: int) -> None:
+    _check_level(tmp_path, 4, level, timeout=180)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", [1, 2, 3, 4])
+def test_levels_16_ranks(tmp_path: Path, level: int) -> None:
+    _check_level(tmp_path, 16, level, timeout=600)
+
+
+# Two groups of two nodes (0-1 and 2-3): each group repairs itself, whatever happens to the other.
+TWO_GROUPS = {
+    "node0_erased": (erase_nodes([0]), (None, OK, OK, None)),
+    "nodes0_2_erased": (erase_nodes([0, 2]), (None, OK, OK, None)),
+    "nodes1_3_erased": (erase_nodes([1, 3]), (None, OK, OK, None)),
+    "nodes0_1_erased": (erase_nodes([0, 1]), (None, FAIL, FAIL, None)),  # a whole group
+    "rank_and_parity_node0": (both(erase([0], RANK), erase([0], RSED)), (None, None, OK, None)),
+}
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_two_groups_of_two(tmp_path: Path, level: int) -> None:
+    config = {"local_test": 1, "node_size": 1, "group_size": 2, "block_size": 64, "transfer_size": 1}
+    _check_level(tmp_path, 4, level, timeout=180, config=config, table=TWO_GROUPS)

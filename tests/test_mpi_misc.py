@@ -1,0 +1,66 @@
+"""MPI backend: keep_last_ckpt, FTI's validation at init, unavailable levels: same outcome on every rank, no hang."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mpi_util import need_mpi, run
+
+pytestmark = need_mpi()
+
+
+def _results(base: Path, n: int) -> list[dict]:
+    return [json.loads((base / f"result-{r}.json").read_text()) for r in range(n)]
+
+
+def test_keep_last_ckpt_survives_every_local_loss(tmp_path: Path) -> None:
+    cfg = json.dumps({"local_test": 1, "node_size": 1, "group_size": 4, "keep_last_ckpt": 1})
+    base = tmp_path / "run"
+    run(4, "levels_job.py", "keep", cfg, str(base), "2", timeout=120)
+    assert list(base.glob("Global/*/l4/*/Ckpt1-Rank*.fti"))  # flushed at finalize
+    shutil.rmtree(base / "Local", ignore_errors=True)
+    run(4, "levels_job.py", "recover", cfg, str(base), timeout=120)
+    results = _results(base, 4)
+    assert all(r["status"] == "ok" and r["source"] == [1, 4] for r in results), results
+
+
+@pytest.mark.parametrize(("overrides", "level", "error", "match"), [
+    ({"node_size": 3}, 1, "ConfigError", "not a multiple of node_size"),
+    ({"node_size": 1, "group_size": 3, "ckpt_l3": 5}, 1, "ConfigError", "group_size"),
+    ({"node_size": 1, "group_size": 3}, 2, "LevelError", "not a multiple of group_size"),
+    ({"node_size": 4, "head": 1}, 1, None, ""),  # one node, one head: L1 works
+    ({"local_test": 0, "node_size": 4}, 4, None, ""),  # nodes by host name: this machine is one node
+    ({"local_test": 0, "node_size": 2}, 1, "ConfigError", "runs 4 process(es), node_size is 2"),
+    ({"local_test": 0, "node_size": 4}, 2, "LevelError", "not a multiple of group_size"),
+])
+def test_same_outcome_on_every_rank(tmp_path: Path, overrides: dict, level: int, error: str | None,
+                                    match: str) -> None:
+    base = tmp_path / "run"
+    base.mkdir()
+    run(4, "levels_job.py", "probe", json.dumps({"local_test": 1, **overrides}), str(base), str(level),
+        timeout=120)
+    results = [json.loads(p.read_text()) for p in sorted(base.glob("result-*.json"))]
+    assert results
+    if error is None:
+        assert {r["status"] for r in results} == {"ok"}
+    else:
+        assert len(results) == 4 and {r["error"] for r in results} == {error}, results
+        assert all(match in r["message"] for r in results)
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_write_failure_on_one_node_fails_everywhere(tmp_path: Path, level: int) -> None:
+    """A rank that cannot write its file still takes part in the level's collectives: no hang, one error."""
+    base = tmp_path / "run"
+    blocker = base / "Local" / "node1" / "fixed" / f"l{level}"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("not a directory")  # node 1 cannot create its checkpoint directory
+    cfg = {"local_test": 1, "node_size": 1, "group_size": 4, "exec_id": "fixed"}
+    run(4, "levels_job.py", "probe", json.dumps(cfg), str(base), str(level), timeout=120)
+    results = _results(base, 4)
+    assert {r["error"] for r in results} == {"CheckpointError"}, results
+    assert len({r["message"] for r in results}) == 1 and "rank 1" in results[0]["message"]

@@ -1,0 +1,59 @@
+"""The resilient loop in one process: cadence, resume after a crash, checkpoint and stop on a signal."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ftidask
+from ftidask.errors import FTIError
+from ftidask.resilient import ITERATION_ID
+
+
+def _ctx(tmp: Path) -> ftidask.Context:
+    return ftidask.init(ckpt_dir=tmp / "L", glbl_dir=tmp / "G", meta_dir=tmp / "M", verbosity=4)
+
+
+def _run(tmp: Path, iterations: int, crash_at: int | None = None, signal_at: int | None = None) -> np.ndarray:
+    ctx = _ctx(tmp)
+    x = np.zeros(1000)
+
+    @ftidask.resilient(ctx, arrays={1: x}, every=10, level=1, iterations=iterations, exit_on_signal=False)
+    def step(i: int) -> None:
+        if i == crash_at:
+            raise RuntimeError("crash")
+        x[:] = x * 1.01 + i
+        if i == signal_at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    done = step()
+    assert done == (iterations if signal_at is None else signal_at + 1)
+    return x
+
+
+def test_resume_after_crash_gives_the_same_result(tmp_path: Path) -> None:
+    reference = _run(tmp_path / "ref", 45)
+    with pytest.raises(RuntimeError):
+        _run(tmp_path / "run", 45, crash_at=33)
+    assert np.array_equal(_run(tmp_path / "run", 45), reference)
+
+
+def test_signal_checkpoints_and_stops(tmp_path: Path) -> None:
+    reference = _run(tmp_path / "ref", 45)
+    _run(tmp_path / "run", 45, signal_at=14)  # stops after iteration 14, checkpoint "next = 15"
+    ctx = _ctx(tmp_path / "run")
+    assert ctx.status() == 1
+    assert np.array_equal(_run(tmp_path / "run", 45), reference)
+
+
+def test_reserved_id_and_bad_arguments(tmp_path: Path) -> None:
+    ctx = _ctx(tmp_path)
+    with pytest.raises(FTIError, match="reserved"):
+        ftidask.ResilientLoop(ctx, arrays={ITERATION_ID: np.zeros(3)}, every=1,
+                              iterations=3)
+    with pytest.raises(FTIError, match="every"):
+        ftidask.ResilientLoop(ctx, arrays={}, every=0, iterations=3)

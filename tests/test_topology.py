@@ -1,0 +1,78 @@
+"""FTI's topology as pure functions: nodes, heads, groups, partners, validation (no MPI needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftidask.errors import ConfigError
+from ftidask.levels.topology import host_topology, local_topology, validate_levels
+
+
+def test_local_test_nodes_of_consecutive_ranks() -> None:
+    topo = local_topology(16, 4, 0, 4)
+    assert topo.nnodes == 4 and topo.app_size == 16
+    assert [topo.node_of_app(r) for r in range(16)] == [r // 4 for r in range(16)]
+    assert topo.group_ranks(5) == [1, 5, 9, 13]  # position 1 on each node of the group
+    assert topo.right_partner(5) == 9 and topo.left_partner(5) == 1
+    assert topo.right_partner(13) == 1 and topo.left_partner(1) == 13  # a ring
+
+
+def test_one_rank_per_node_ring() -> None:
+    topo = local_topology(4, 1, 0, 4)
+    assert [topo.right_partner(r) for r in range(4)] == [1, 2, 3, 0]
+    assert [topo.left_partner(r) for r in range(4)] == [3, 0, 1, 2]
+    assert topo.group_ranks(2) == [0, 1, 2, 3]
+
+
+def test_several_groups_stay_apart() -> None:
+    topo = local_topology(8, 1, 0, 2)
+    assert topo.ngroups == 4
+    assert topo.group_ranks(5) == [4, 5]
+    assert topo.right_partner(5) == 4 and topo.right_partner(4) == 5
+    assert topo.group_nodes(6) == [6, 7]
+
+
+def test_heads_leave_the_application() -> None:
+    topo = local_topology(16, 4, 1, 4)
+    assert [w for w in range(16) if topo.is_head(w)] == [0, 4, 8, 12]
+    assert topo.app_per_node == 3 and topo.app_size == 12
+    assert topo.app_world == (1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15)
+    assert topo.app_rank_at(2, 1) == 7  # world rank 10
+    assert topo.group_ranks(7) == [1, 4, 7, 10]
+    assert topo.head_of_node(3) == 12
+
+
+def test_nodes_by_host_name() -> None:
+    hosts = ["b", "a", "b", "a", "c", "c", "d", "d"]
+    topo = host_topology(hosts, 2, 0, 2)
+    assert topo.node_of == (0, 1, 0, 1, 2, 2, 3, 3)
+    assert topo.local_of == (0, 0, 1, 1, 0, 1, 0, 1)
+    assert topo.app_world == tuple(range(8))
+    assert topo.group_ranks(2) == [2, 3]  # position 1 on nodes 0 (host b) and 1 (host a)
+    with pytest.raises(ConfigError, match="node_size"):
+        host_topology(["a", "a", "a", "b"], 2, 0, 2)
+
+
+def test_group_ranks_by_position_on_host_nodes() -> None:
+    topo = host_topology(["x", "y", "x", "y"], 2, 0, 2)
+    # app ranks in world order: 0 (x,0) 1 (y,0) 2 (x,1) 3 (y,1)
+    assert topo.group_ranks(2) == [2, 3] and topo.group_ranks(1) == [0, 1]
+
+
+@pytest.mark.parametrize(("nprocs", "node_size", "head", "match"), [
+    (6, 4, 0, "not a multiple of node_size"),
+    (4, 1, 1, "head = 1 needs node_size >= 2"),
+])
+def test_fti_validation(nprocs: int, node_size: int, head: int, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        local_topology(nprocs, node_size, head, 4)
+
+
+def test_groups_must_be_whole_for_l2_l3() -> None:
+    topo = local_topology(6, 1, 0, 4)
+    assert "not a multiple of group_size" in topo.multilevel_ok()
+    validate_levels(topo, [])  # L1/L4 only: fine
+    with pytest.raises(ConfigError, match="L2/L3"):
+        validate_levels(topo, [3])
+    assert "group_size >= 2" in local_topology(4, 1, 0, 1).multilevel_ok()
+    assert local_topology(4, 1, 0, 2).multilevel_ok() == ""
