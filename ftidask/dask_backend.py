@@ -28,7 +28,7 @@ from .daskio import restore, tasks
 from .daskio.cluster import Cluster
 from .daskio.plan import VarSpec, chunk_table, layout_to_json, plan_ranks
 from .daskio.report import DaskCheckpointInfo, human
-from .levels.ring_groups import copy_holder, copy_source, make_groups
+from .levels.ring_groups import copy_holder, copy_source, group_of, make_groups
 from .runstate import CommitRecord, FileRecord
 from .transport.base import Transport
 
@@ -193,7 +193,7 @@ class DaskContext(Context):
             writes.append(self.cluster.submit(
                 tasks.write_rank, self._file(write_level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r)),
                 layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, self.config.hash, partner,
-                max(fs), [[c.var_id, c.dptr] for c in plan.chunks], *(futures[c.var_id, c.index] for c in plan.chunks),
+                max(fs[g] for g in group_of(groups, r)), [[c.var_id, c.dptr] for c in plan.chunks], *(futures[c.var_id, c.index] for c in plan.chunks),
                 fault=self._fault.get(r), key=f"ftidask-write-{tag}-{r}", worker=workers[r]))
         finals: list[Future] = []
         if level == 2:
@@ -243,6 +243,10 @@ class DaskContext(Context):
             for entry in glob_root.iterdir():
                 if entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
                     storage.remove_tree(entry)
+        for root in (self.state.records_dir, self.state.root):  # torn commit records (killed client)
+            if root.is_dir():
+                for tmp in root.glob(".*.tmp-*"):
+                    tmp.unlink(missing_ok=True)
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:
         self.state.delete_record(record.seq)
