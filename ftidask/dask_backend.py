@@ -13,17 +13,15 @@ import dataclasses
 import html
 import logging
 import time
-import uuid
 from typing import Any
 
 import numpy as np
 from distributed import Client, Future, futures_of
 
 from . import storage
-from .arrays import VarInfo, check_protectable, dtype_to_json
 from .config import Config
 from .context import Context, Protected, _check_id
-from .errors import CheckpointError, FTIError, ProtectError
+from .errors import CheckpointError, FTIError, LevelError, ProtectError
 from .daskio import restore, tasks
 from .daskio.cluster import Cluster
 from .daskio.plan import VarSpec, chunk_table, layout_to_json, plan_ranks
@@ -58,8 +56,6 @@ class DaskTransport(Transport):
 
     def check_level(self, level: int) -> None:
         if level in (2, 3) and level not in self.levels():
-            from .errors import LevelError
-
             raise LevelError(f"level {level} needs at least 2 Dask workers; the cluster has "
                              f"{len(self.cluster.workers())}")
         super().check_level(level)
@@ -326,10 +322,6 @@ def _flatten(keys: Any) -> list[Any]:
     return [keys]
 
 
-def new_token() -> str:
-    return uuid.uuid4().hex
-
-
 def make_dask_context(cfg: Config, client: Client) -> DaskContext:
     """The Context of ``ftidask.init(config, client=...)``."""
     if not isinstance(client, Client):
@@ -337,4 +329,4 @@ def make_dask_context(cfg: Config, client: Client) -> DaskContext:
     return DaskContext(cfg, client)
 
 
-__all__ = ["DaskContext", "DaskTransport", "make_dask_context", "VarInfo", "check_protectable", "dtype_to_json"]
+__all__ = ["DaskContext", "DaskTransport", "make_dask_context"]

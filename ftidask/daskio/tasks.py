@@ -137,11 +137,6 @@ def check_file(path: str, fb_hash: str, after: Any = None) -> dict[str, Any]:
     return {"ok": True, "message": ""}
 
 
-def check_copy(path: str, fb_hash: str) -> bool:
-    """True when ``path`` is a verified copy of the file whose FB hash is ``fb_hash``."""
-    return bool(check_file(path, fb_hash)["ok"])
-
-
 def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[int], fb_hash: str,
                after: Any = None) -> np.ndarray:
     """One chunk from a rank's file, its container hash checked before it is returned."""
