@@ -179,6 +179,10 @@ class DaskContext(Context):
         fs = [p.layout.fs for p in plans]
         write_level = 1 if level == 4 else level  # L4 writes locally, then flushes
         tag = f"{ckpt_id}-{seq}"
+
+        def own(lv: int, r: int) -> str:
+            return self._file(lv, ckpt_id, seq, r, storage.rank_file(ckpt_id, r))
+
         writes = []
         for plan in plans:
             r = plan.rank
@@ -189,21 +193,22 @@ class DaskContext(Context):
             writes.append(self.cluster.submit(
                 tasks.write_rank, self._file(write_level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r)),
                 layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, self.config.hash, partner,
-                max(fs[g] for g in group_of(groups, r)), [[c.var_id, c.dptr] for c in plan.chunks], *(futures[c.var_id, c.index] for c in plan.chunks),
+                max(fs[g] for g in group_of(groups, r)), [[c.var_id, c.dptr] for c in plan.chunks],
+                *(futures[c.var_id, c.index] for c in plan.chunks),
                 fault=self._fault.get(r), key=f"ftidask-write-{tag}-{r}", worker=workers[r]))
         finals: list[Future] = []
         if level == 2:
             for r in range(n):
                 holder = copy_holder(groups, r)
-                sent = self.cluster.submit(tasks.read_bytes, self._file(2, ckpt_id, seq, r, storage.rank_file(ckpt_id, r)),
-                                           writes[r], key=f"ftidask-partner-send-{tag}-{r}", worker=workers[r])
+                sent = self.cluster.submit(tasks.read_bytes, own(2, r), writes[r], fault=self._fault.get(r),
+                                           key=f"ftidask-partner-send-{tag}-{r}", worker=workers[r])
                 finals.append(self.cluster.submit(
                     tasks.store_bytes, self._file(2, ckpt_id, seq, holder, storage.partner_file(ckpt_id, holder)),
                     sent, key=f"ftidask-partner-store-{tag}-{holder}", worker=workers[holder]))
         elif level == 3:
             for group in groups:
-                sent = [self.cluster.submit(tasks.read_bytes, self._file(3, ckpt_id, seq, r, storage.rank_file(ckpt_id, r)),
-                                            writes[r], key=f"ftidask-parity-send-{tag}-{r}", worker=workers[r])
+                sent = [self.cluster.submit(tasks.read_bytes, own(3, r), writes[r],
+                                            key=f"ftidask-parity-send-{tag}-{r}", worker=workers[r])
                         for r in group]
                 for pos, r in enumerate(group):
                     finals.append(self.cluster.submit(

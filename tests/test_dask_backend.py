@@ -85,8 +85,18 @@ def test_lost_worker_recovered_bit_for_bit(client, dirs, level):
     assert info.level == level and len(info.workers) == NWORKERS
     ctx = ftidask.init(client=client, **dirs)
     assert ctx.status() == 1
-    assert_same(ctx.recover(), saved)
+    arrays = ctx.recover()
+    # locality: a chunk whose file survived was read by the worker that wrote that file
+    # (asked before computing: Dask may later move or drop replicas)
+    who_has = client.who_has(distributed.futures_of(arrays[1]))
+    assert_same(arrays, saved)
     assert ctx.recovered_from == (1, level)
+    record = ctx.state.records()[-1]
+    where = {tuple(index): rank for index, rank, _dptr, _n in record.extra["chunks"]["1"]}
+    for key, holders in who_has.items():
+        rank = where[tuple(key[1:])]
+        if rank != 1:
+            assert record.extra["workers"][rank] in holders
 
 
 def test_level1_is_lost_with_its_worker(client, dirs):
@@ -134,13 +144,15 @@ def test_older_checkpoint_used_when_newest_is_lost(client, dirs):
     assert out[1].compute().tobytes() == saved.tobytes()
 
 
-def test_worker_dying_during_checkpoint_keeps_previous(client, dirs):
+@pytest.mark.parametrize("stage", ["write", "send"])
+def test_worker_dying_during_checkpoint_keeps_previous(client, dirs, stage):
     ctx = ftidask.init(client=client, **dirs)
     ctx.protect(1, make_array(5))
     ctx.checkpoint(1, 2)
     saved = ctx.protected[1].compute()
     ctx.protect(1, ctx.protected[1] * 2)
-    ctx._fault = {1: "write"}  # rank 1's worker process kills itself when its write task starts
+    # rank 1's worker process kills itself (SIGKILL) when its L1 write, or its L2 send, starts
+    ctx._fault = {1: stage}
     with pytest.raises(ftidask.CheckpointError, match="previous checkpoint is kept"):
         ctx.checkpoint(2, 2)
     assert [r.ckpt_id for r in ctx.state.records()] == [1]
@@ -221,6 +233,9 @@ def test_reprs(client, dirs):
     assert "<table>" in page and "field" in page
     assert "L4 global committed" in repr(info) and "field" in repr(info) and "60.0 KiB" in repr(info)
     assert info._repr_html_().count("<tr>") == 1 + 1 + 1 + NWORKERS
+    # each level's work ran as Dask tasks under readable names (what the dashboard groups by)
+    prefixes = client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.task_prefixes))
+    assert {"ftidask-write", "ftidask-flush"} <= set(prefixes)
     ctx.finalize()
 
 
