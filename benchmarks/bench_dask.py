@@ -72,7 +72,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="ftidask-bench-", dir=args.dir)
     chunk_rows = args.chunk_mib * 2**20 // 8 // 1024
     rows = args.size_mib * 2**20 // 8 // 1024
-    with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None,
+    with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0",
                       memory_limit=0, silence_logs=40) as cluster, Client(cluster) as client:
         x = da.random.default_rng(0).random((rows, 1024), chunks=(chunk_rows, 1024)).persist()
         wait(x)

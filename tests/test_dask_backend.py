@@ -25,7 +25,7 @@ NWORKERS = 4
 def cluster():
     # One cluster per test: killed workers are restarted by their nannies, but not reliably fast.
     with distributed.LocalCluster(n_workers=NWORKERS, threads_per_worker=1, processes=True,
-                                  dashboard_address=None, silence_logs=50) as c:
+                                  dashboard_address=":0", silence_logs=50) as c:
         yield c
 
 
@@ -260,7 +260,7 @@ def test_restore_on_a_cluster_of_another_size(client, dirs, nworkers):
     ctx.checkpoint(1, 3)
     saved = ctx.protected[1].compute()
     with distributed.LocalCluster(n_workers=nworkers, threads_per_worker=1, processes=True,
-                                  dashboard_address=None, silence_logs=50) as other, distributed.Client(other) as cl2:
+                                  dashboard_address=":0", silence_logs=50) as other, distributed.Client(other) as cl2:
         ctx2 = ftidask.init(client=cl2, **dirs)
         assert ctx2.status() == 1
         out = ctx2.recover()
