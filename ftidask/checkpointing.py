@@ -29,15 +29,19 @@ class CheckpointInfo:
 
     def __repr__(self) -> str:
         rate = self.bytes_written / self.seconds / 2**20 if self.seconds > 0 else 0.0
-        return (f"CheckpointInfo(id={self.id}, level={self.level}, bytes_written={self.bytes_written}, "
+        blocks = ("" if self.blocks_changed is None else
+                  f", blocks_changed={self.blocks_changed}/{self.blocks_total}")
+        return (f"CheckpointInfo(id={self.id}, level={self.level}, bytes_written={self.bytes_written}{blocks}, "
                 f"seconds={self.seconds:.3f} ({rate:.0f} MiB/s))")
 
 
 def write_rank_file(path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes], infos: list[VarInfo], *,
                     hash_id: int, meta: Mapping[str, Any], pt_fs: int | None = None,
-                    max_fs: int | None = None, pool: ThreadPoolExecutor | None = None) -> WrittenFile:
-    """Write one rank's FTI-FF file atomically at ``path``."""
+                    max_fs: int | None = None, pool: ThreadPoolExecutor | None = None,
+                    codecs: Mapping[int, tuple[Any, int]] | None = None) -> WrittenFile:
+    """Write one rank's FTI-FF file atomically at ``path`` (``codecs``: variables to compress)."""
     trailer = dict(meta)
     trailer["vars"] = [info.to_json() for info in infos]
     with atomic_file(path) as fh:
-        return write_ftiff(fh, layout, arrays, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs, pool=pool)
+        return write_ftiff(fh, layout, arrays, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs, pool=pool,
+                           codecs=codecs)

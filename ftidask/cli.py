@@ -18,7 +18,14 @@ from .storage import remove_tree
 
 
 def _check(path: Path) -> tuple[str, object]:
-    """``("ok", parsed)`` or ``("damaged", message)`` for one FTI-FF file."""
+    """``("ok", parsed)`` or ``("damaged", message)`` for one FTI-FF file (or ftidask Zarr store)."""
+    if path.suffix == ".zarr":
+        from .zarr_store import verify_store
+
+        try:
+            return "ok", verify_store(path)
+        except (FormatError, OSError) as exc:
+            return "damaged", str(exc)
     try:
         with open(path, "rb") as fh:
             parsed = parse_ftiff(fh, str(path))
@@ -46,7 +53,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     root = Path(args.path)
-    files = [root] if root.is_file() else _ftiff_files(root)
+    files = [root] if root.is_file() or root.suffix == ".zarr" else _ftiff_files(root)
+    if root.is_dir() and root.suffix != ".zarr":  # level 4 written as Zarr, and exports
+        files += sorted(p for p in root.rglob("*.zarr") if (p / "ftidask-manifest.json").is_file())
     if not files:
         print(f"error: no FTI-FF files under {root}", file=sys.stderr)
         return 2
@@ -151,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: Functions ``(subparsers) -> None`` that add commands from optional modules (export, ...).
 _EXTRA_COMMANDS: list = []
+
+
+def _add_zarr_commands(sub: argparse._SubParsersAction) -> None:
+    from .zarr_export import add_export_command  # export/import: Zarr is imported only when they run
+
+    add_export_command(sub)
+
+
+_EXTRA_COMMANDS.append(_add_zarr_commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

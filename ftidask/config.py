@@ -75,6 +75,18 @@ def _parse_ckpt_io(key: str, value: Any) -> int:
     return number
 
 
+def _parse_compressor(key: str, value: Any) -> str | None:
+    text = _parse_opt_str(key, value)
+    if text is not None:
+        from .ftiff.compression import parse_compressor  # imports numcodecs only when asked for
+
+        try:
+            parse_compressor(text)
+        except ConfigError as exc:
+            raise ConfigError(f"config key {key!r}: {exc}") from None
+    return text
+
+
 # key -> (section, default, parser). FTI's key names; ftidask's additions are marked.
 _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "head": ("basic", 0, _parse_int(0, 1)),
@@ -96,7 +108,7 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "ckpt_io": ("basic", 3, _parse_ckpt_io),
     "enable_staging": ("basic", 0, _parse_bool),
     "enable_dcp": ("basic", 0, _parse_bool),
-    "dcp_mode": ("basic", 0, _parse_int(0, 1)),
+    "dcp_mode": ("basic", 3, _parse_int(0, 4)),  # 0 MD5, 1 CRC32 (FTI); 2 xxh3_64, 3 xxh3_128, 4 BLAKE2b
     "dcp_block_size": ("basic", 16384, _parse_int(512, 65535)),
     "max_sync_intv": ("basic", 0, _parse_int(0)),
     "failure": ("restart", 0, _parse_int(0, 3)),
@@ -109,9 +121,10 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "hash": ("advanced", "xxh3_128", _parse_choice("xxh3_128", "md5")),
     "snapshot_unit": ("advanced", "minutes", _parse_choice("minutes", "iterations")),
     "l4_format": ("advanced", "ftiff", _parse_choice("ftiff", "zarr")),
-    "compressor": ("advanced", None, _parse_opt_str),
+    "compressor": ("advanced", None, _parse_compressor),
     "stage_timeout": ("advanced", 600, _parse_int(0)),
     "stage_allow_outside": ("advanced", 0, _parse_bool),
+    "stage_mover": ("advanced", "auto", _parse_choice("auto", "thread", "process")),
     "progress": ("advanced", "auto", _parse_choice("auto", "on", "off")),
 }
 
@@ -143,7 +156,7 @@ class Config:
     ckpt_io: int = 3
     enable_staging: bool = False
     enable_dcp: bool = False
-    dcp_mode: int = 0
+    dcp_mode: int = 3
     dcp_block_size: int = 16384
     max_sync_intv: int = 0
     failure: int = 0
@@ -158,6 +171,7 @@ class Config:
     compressor: str | None = None
     stage_timeout: int = 600
     stage_allow_outside: bool = False
+    stage_mover: str = "auto"
     progress: str = "auto"
 
     def interval(self, level: int) -> int:

@@ -17,16 +17,18 @@ FTI_SI_SCES = 0
 FTI_SI_ACTV = 1
 FTI_SI_PEND = 2
 FTI_SI_NINI = 3
+#: The same states under the short names used by ftidask.staging.
+SI_FAIL, SI_SCES, SI_ACTV, SI_PEND, SI_NINI = FTI_SI_FAIL, FTI_SI_SCES, FTI_SI_ACTV, FTI_SI_PEND, FTI_SI_NINI
 
 #: FTI's datatypes as NumPy dtypes (C types of an LP64 platform).
 FTI_CHAR = np.dtype(np.byte)
 FTI_SHRT = np.dtype(np.short)
 FTI_INTG = np.dtype(np.intc)
-FTI_LONG = np.dtype(np.long)
+FTI_LONG = np.dtype("l")  # C long
 FTI_UCHR = np.dtype(np.ubyte)
 FTI_USHT = np.dtype(np.ushort)
 FTI_UINT = np.dtype(np.uintc)
-FTI_ULNG = np.dtype(np.ulong)
+FTI_ULNG = np.dtype("L")  # C unsigned long
 FTI_SFLT = np.dtype(np.single)
 FTI_DBLE = np.dtype(np.double)
 FTI_LDBE = np.dtype(np.longdouble)
@@ -49,6 +51,7 @@ FTI_DATATYPES: dict[str, np.dtype] = {
 LEVELS = (1, 2, 3, 4)
 #: FTI's differential levels L1_DCP..L4_DCP.
 DCP_LEVELS = (5, 6, 7, 8)
+FTI_L1_DCP, FTI_L2_DCP, FTI_L3_DCP, FTI_L4_DCP = DCP_LEVELS
 
 
 def init_type(itemsize: int) -> np.dtype:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -16,13 +17,17 @@ import numpy as np
 from . import constants, storage
 from .arrays import ArrayBytes, VarInfo, check_protectable
 from .checkpointing import CheckpointInfo, write_rank_file
+from .dcpstore import DcpStore
 from .config import Config
 from .errors import CheckpointError, FTIError, LevelError, NoCheckpointError, ProtectError, RecoveryError
-from .ftiff import hashing
+from .ftiff import blockhash, compression, hashing
 from .ftiff.reader import FtiffFile
 from .layout import Layout, plan_layout
+from .pending import OneShotWriter, PendingCheckpoint, RankFileWriter
+from .progress import Tracked, tracked
 from .recovery import Verdict, check_file, check_sizes, load_file
 from .runstate import STATUS_FRESH, CommitRecord, FileRecord, RunState, resolve_run
+from .staging import StagingMixin
 from .transport.base import Transport
 
 log = logging.getLogger("ftidask")
@@ -37,6 +42,7 @@ class Protected:
     id: int
     name: str
     array: np.ndarray
+    compressor: dict[str, Any] | None = None  # numcodecs config; None: the config's [advanced] compressor
 
 
 def _check_id(value: Any, what: str) -> int:
@@ -48,7 +54,7 @@ def _check_id(value: Any, what: str) -> int:
     return value
 
 
-class Context:
+class Context(StagingMixin):
     """One process's handle on a run: protected variables, checkpoints, recovery."""
 
     def __init__(self, config: Config, transport: Transport) -> None:
@@ -75,6 +81,8 @@ class Context:
         self._iteration = 0
         self._last_time = [time.monotonic()] * 4
         self._next_ckpt_id = 1
+        self._dcp: DcpStore | None = None
+        self._icp: Any = None  # the open incremental checkpoint (ftidask.icp)
         if transport.rank == 0:
             storage.makedirs(self.state.root)
             if self._status == STATUS_FRESH:
@@ -86,15 +94,22 @@ class Context:
 
     # --- protection ----------------------------------------------------------------------------
 
-    def protect(self, id: int, array: Any, name: str | None = None) -> None:
-        """FTI_Protect: register ``array`` under ``id`` (again: update its array and size)."""
+    def protect(self, id: int, array: Any, name: str | None = None, compressor: Any = None) -> None:
+        """FTI_Protect: register ``array`` under ``id`` (again: update its array and size).
+
+        ``compressor`` (``"zstd"``, ``"lz4"``, ``"blosc"``, ``"none"``, a numcodecs codec...) overrides
+        ``[advanced] compressor`` for this variable; see :mod:`ftidask.ftiff.compression`.
+        """
         self._check_open()
         vid = _check_id(id, "variable id")
         array = check_protectable(array)
         old = self._vars.get(vid)
         if name is None:
             name = old.name if old is not None else f"var{vid}"
-        self._vars[vid] = Protected(vid, str(name), array)
+        codec = old.compressor if old is not None and compressor is None else None
+        if compressor is not None:
+            codec = compression.parse_compressor(compressor) or {"id": "none"}
+        self._vars[vid] = Protected(vid, str(name), array, codec)
 
     @property
     def protected(self) -> Mapping[int, np.ndarray]:
@@ -107,63 +122,191 @@ class Context:
 
     # --- checkpoint ------------------------------------------------------------------------------
 
-    def checkpoint(self, id: int, level: int) -> CheckpointInfo:
-        """FTI_Checkpoint: write every protected variable as checkpoint ``id`` at ``level``."""
+    def checkpoint(self, id: int, level: int, *, dcp: bool = False) -> CheckpointInfo:
+        """FTI_Checkpoint: write every protected variable as checkpoint ``id`` at ``level``.
+
+        Levels 5-8 (FTI's L1_DCP..L4_DCP), or ``dcp=True`` with levels 1-4, write a differential
+        checkpoint (``enable_dcp = 1``): only the blocks that changed since the file being updated.
+        """
+        pending = self._begin_checkpoint(id, level + 4 if dcp and level in constants.LEVELS else level)
+        try:
+            for vid, p in self._vars.items():
+                if pending.error:
+                    break
+                try:
+                    pending.write_var(vid, p.name, p.array)
+                except (OSError, FTIError) as exc:
+                    pending.error = f"rank {self.transport.rank}: {exc}"
+        except BaseException:  # interrupted: no file left open, nothing committed
+            pending.abort()
+            raise
+        return self._commit_checkpoint(pending)
+
+    def _begin_checkpoint(self, id: int, level: int, incremental: bool = False) -> PendingCheckpoint:
+        """Plan checkpoint ``id`` and open its file (shared by checkpoint and iCP)."""
         self._check_open()
+        if self._icp is not None:
+            raise CheckpointError(f"incremental checkpoint {self._icp.ckpt_id} is open; finalize_icp() first")
         ckpt_id = _check_id(id, "checkpoint id")
         if ckpt_id == 0:
             raise CheckpointError("checkpoint id 0 is reserved by FTI; use a non-zero id")
         level = self._check_level(level)
-        start = time.perf_counter()
         t = self.transport
         t.wait_post()  # a head still post-processing the previous checkpoint must finish first (as FTI)
-        post_level, level = level, t.write_level(level)
+        differential = level > 4  # L5-L8: differential L1-L4
+        post_level = level - 4 if differential else level
+        level = t.write_level(post_level) + (4 if differential else 0)
         layout = plan_layout(self._layout, [(vid, p.array.nbytes) for vid, p in self._vars.items()])
         seq = t.bcast(self.state.next_seq() if t.rank == 0 else None)
-        sizes = t.allgather(layout.fs)
-        directory = self.paths.level_dir(level, t.node) / storage.ckpt_dirname(ckpt_id, seq)
+        base_level = level - 4 if level > 4 else level
+        directory = self.paths.level_dir(base_level, t.node) / storage.ckpt_dirname(ckpt_id, seq)
         path = directory / storage.rank_file(ckpt_id, t.rank)
-        error, written = "", None
+        if incremental and level <= 4 and (self._codecs() or (level == 4 and self.config.l4_format == "zarr")):
+            raise CheckpointError("incremental checkpoints are written uncompressed as FTI-FF files: set "
+                                  "compressor = none (and l4_format = ftiff for level 4), or use levels 5-8")
+        writer: Any = None
+        error = ""
         try:
-            infos = [VarInfo.of(vid, p.name, p.array) for vid, p in self._vars.items()]
-            written = write_rank_file(
-                path, layout, {vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, infos,
-                hash_id=self._hash_id, pool=self._hash_pool(), pt_fs=self._partner_fs(sizes),
-                max_fs=max(sizes[r] for r in t.group_of()),
-                meta={"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
-                      "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
-                      "backend": t.name, "time": time.time()})
+            if level > 4:
+                writer = self._dcp_store().begin(base_level, layout)
+            elif incremental:
+                writer = RankFileWriter(path, layout, self._hash_id, self._hash_pool())
+            else:  # every variable at once, at commit: compression, Zarr L4 and progress bars apply
+                writer = OneShotWriter(functools.partial(self._write_full, ckpt_id, level, path, layout))
         except (OSError, FTIError) as exc:
             error = f"rank {t.rank}: {exc}"
+        return PendingCheckpoint(ckpt_id, level, seq, layout, directory, path,
+                                 {vid: p.array.nbytes for vid, p in self._vars.items()}, writer, error=error,
+                                 post_level=post_level)
+
+    def _commit_checkpoint(self, pending: PendingCheckpoint) -> CheckpointInfo:
+        """Finish every rank's file, add the level's redundancy, write the commit record."""
+        t = self.transport
+        ckpt_id, level, seq = pending.ckpt_id, pending.base_level, pending.seq
+        sizes = t.allgather(pending.layout.fs)
+        written = None
+        if not pending.error:
+            try:
+                written = pending.finish(
+                    {"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
+                     "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
+                     "backend": t.name, "time": time.time()},
+                    pt_fs=self._partner_fs(sizes), max_fs=max(sizes[r] for r in t.group_of()))
+            except (OSError, FTIError) as exc:
+                pending.error = f"rank {t.rank}: {exc}"
         try:  # collective for L2/L3: every rank takes part, even one whose file failed
-            t.protect_files(level, ckpt_id, path, directory)
+            if pending.differential:
+                t.protect_files_delta(level, ckpt_id, pending.path, pending.directory,
+                                      None if pending.stats is None or pending.error else pending.stats.delta)
+            else:
+                t.protect_files(level, ckpt_id, pending.path, pending.directory)
         except (OSError, FTIError) as exc:
-            error = error or f"rank {t.rank}: {exc}"
-        results = t.allgather((error, None if written is None else
+            pending.error = pending.error or f"rank {t.rank}: {exc}"
+        if pending.error:
+            pending.abort()
+        results = t.allgather((pending.error, None if written is None else
                                FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()))
         errors = [e for e, _ in results if e]
         if errors:
-            storage.remove_tree(directory)
-            raise CheckpointError(f"checkpoint {ckpt_id} at level {level} failed; the previous checkpoint is "
-                                  "kept: " + "; ".join(errors))
+            storage.remove_tree(pending.directory)
+            if self._dcp is not None:
+                self._dcp.discard(level, seq)
+            raise CheckpointError(f"checkpoint {ckpt_id} at level {pending.level} failed; the previous checkpoint "
+                                  "is kept: " + "; ".join(errors))
         assert written is not None  # every rank succeeded
         record = CommitRecord(seq, ckpt_id, level, time.time(), t.size,
-                              tuple(FileRecord(**f) for _e, f in results))
+                              tuple(FileRecord(**f) for _e, f in results),
+                              {"dcp": True} if pending.differential else
+                              {"l4_format": "zarr"} if isinstance(pending.writer, OneShotWriter) and level == 4
+                              and self.config.l4_format == "zarr" else {})
         if t.rank == 0:
             self.state.write_record(record)  # the commit point
         t.barrier()
-        self._layout = layout
+        self._layout = pending.layout
         self._restart_file = None
         self._retire_older(record)
         self._collect_garbage()
-        t.post_process(record, post_level, self.exec_id)
-        info = CheckpointInfo(ckpt_id, level, seq, written.data_bytes, written.file_size,
-                              time.perf_counter() - start)
+        t.post_process(record, pending.post_level or level, self.exec_id)
+        stats = pending.stats
+        info = CheckpointInfo(ckpt_id, pending.level, seq, written.data_bytes,
+                              written.file_size if stats is None else stats.file_bytes,
+                              time.perf_counter() - pending.started,
+                              None if stats is None else stats.blocks_changed,
+                              None if stats is None else stats.blocks_total)
         self.last_checkpoint = info
         self._next_ckpt_id = max(self._next_ckpt_id, ckpt_id + 1)
-        log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, level, info.bytes_written,
-                 info.seconds)
+        log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, pending.level,
+                 info.bytes_written, info.seconds)
         return info
+
+    def _dcp_store(self) -> DcpStore:
+        """This rank's differential-checkpoint files (created on first use)."""
+        if self._dcp is None:
+            t = self.transport
+            self._dcp = DcpStore(self.paths, t.rank, t.node, block_size=self.config.dcp_block_size,
+                                 bid=blockhash.block_hash_id(self.config.dcp_mode), hash_id=self._hash_id)
+        return self._dcp
+
+    # --- incremental checkpointing (FTI_InitICP / AddVarICP / FinalizeICP) -------------------------
+
+    def init_icp(self, id: int, level: int) -> None:
+        """FTI_InitICP: open checkpoint ``id``; add each protected variable with :meth:`add_var_icp`."""
+        from .icp import init_icp
+
+        init_icp(self, id, level)
+
+    def add_var_icp(self, var_id: int) -> None:
+        """FTI_AddVarICP: write protected variable ``var_id`` into the open checkpoint now."""
+        from .icp import add_var_icp
+
+        add_var_icp(self, var_id)
+
+    def finalize_icp(self) -> CheckpointInfo:
+        """FTI_FinalizeICP: commit the open checkpoint (refused if a protected variable is missing)."""
+        from .icp import finalize_icp
+
+        return finalize_icp(self)
+
+    def incremental(self, id: int, level: int) -> Any:
+        """``with ctx.incremental(id, level) as icp: icp.add(var_id)``: iCP as a context manager."""
+        from .icp import Incremental
+
+        return Incremental(self, id, level)
+
+    def _write_zarr_l4(self, path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes], infos: list[VarInfo],
+                       *, meta: Mapping[str, Any], **_ignored: Any) -> Any:
+        """Level 4 as a Zarr store (``l4_format = zarr``), in place of the FTI-FF file."""
+        from .levels import zarr_l4
+
+        bar = next((a.bar for a in arrays.values() if isinstance(a, Tracked)), None)
+        return zarr_l4.write_rank_store(path.with_suffix(zarr_l4.SUFFIX), {vid: a.array for vid, a in arrays.items()},
+                                        infos, meta, progress=bar)
+
+    def _codecs(self) -> dict[int, tuple[Any, dict[str, Any]]]:
+        """Per variable to compress: ``(numcodecs codec, its JSON config)``."""
+        default = compression.parse_compressor(self.config.compressor)
+        out = {}
+        for vid, p in self._vars.items():
+            config = p.compressor if p.compressor is not None else default
+            if config is not None and config.get("id") != "none" and p.array.nbytes:
+                out[vid] = (compression.get_codec(config), config)
+        return out
+
+    def _write_full(self, ckpt_id: int, level: int, path: Path, layout: Layout, *, meta: Mapping[str, Any],
+                    pt_fs: int | None, max_fs: int | None) -> Any:
+        """Write this rank's whole file of a level 1-4 checkpoint (compressed, or as Zarr at L4, if so configured)."""
+        zarr_l4 = level == 4 and self.config.l4_format == "zarr"
+        codecs = self._codecs()
+        infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}))
+                 for vid, p in self._vars.items()]
+        write = self._write_zarr_l4 if zarr_l4 else write_rank_file
+        streams, bar = tracked({vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, self.config,
+                               f"checkpoint {ckpt_id} (L{level})")
+        with bar:
+            return write(
+                path, layout, streams, infos,
+                codecs={vid: (codec, self._vars[vid].array.dtype.itemsize) for vid, (codec, _c) in codecs.items()},
+                hash_id=self._hash_id, pool=self._hash_pool(), pt_fs=pt_fs, max_fs=max_fs, meta=meta)
 
     def _hash_pool(self) -> ThreadPoolExecutor:
         # One long-lived thread hashes a container while the caller writes it.
@@ -172,6 +315,14 @@ class Context:
         return self._pool
 
     def _check_level(self, level: Any) -> int:
+        if (self.config.enable_dcp and isinstance(level, (int, np.integer)) and not isinstance(level, bool)
+                and int(level) in constants.DCP_LEVELS):
+            # A backend with its own checkpoint() must say that it writes differential files.
+            if type(self).checkpoint is not Context.checkpoint and not getattr(self, "writes_dcp", False):
+                raise LevelError(f"level {level}: the {self.transport.name} backend does not write differential "
+                                 "checkpoints; use levels 1-4")
+            self.transport.check_level(int(level) - 4)
+            return int(level)
         if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or int(level) not in constants.LEVELS:
             if isinstance(level, (int, np.integer)) and int(level) in constants.DCP_LEVELS:
                 raise LevelError(f"level {level} (differential checkpointing) needs enable_dcp = 1")
@@ -213,7 +364,10 @@ class Context:
                     storage.remove_tree(entry)
                 elif entry.is_dir():
                     for tmp in entry.glob(".*.tmp-*"):
-                        tmp.unlink(missing_ok=True)
+                        if tmp.is_dir():  # a Zarr store being written (l4_format = zarr)
+                            storage.remove_tree(tmp)
+                        else:
+                            tmp.unlink(missing_ok=True)
         t.barrier()
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:
@@ -222,6 +376,10 @@ class Context:
         if t.rank == 0:
             self.state.delete_record(record.seq)
         t.barrier()
+        if self._dcp is not None:  # its file becomes the spare that the next dCP checkpoint patches
+            self._dcp.retire(record.level, record.seq, self._rank_file(record), record.ckpt_id)
+        if self.config.enable_dcp and record.level == 4:
+            t.barrier()  # every rank has moved its file out of the shared L4 directory before rank 0 removes it
         for level in {record.level, 1, 2, 3}:
             storage.remove_tree(self.paths.level_dir(level, t.node) / record.dirname)
         if t.rank == 0:
@@ -240,8 +398,9 @@ class Context:
         return sorted(records, key=lambda r: r.seq, reverse=True)
 
     def _rank_file(self, record: CommitRecord) -> Path:
-        return (self.paths.level_dir(record.level, self.transport.node) / record.dirname
+        path = (self.paths.level_dir(record.level, self.transport.node) / record.dirname
                 / storage.rank_file(record.ckpt_id, self.transport.rank))
+        return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
 
     def _find(self, ckpt_id: int | None = None, level: int | None = None) -> tuple[CommitRecord, Verdict]:
         """The newest committed checkpoint that every rank can verify (or rebuild)."""
@@ -285,7 +444,9 @@ class Context:
         problems = [p for p in self.transport.allgather(problem) if p]
         if problems:
             raise RecoveryError("; ".join(problems))
-        load_file(verdict.parsed, arrays)
+        load_file(verdict.parsed, arrays, config=self.config)
+        if self.config.enable_dcp:
+            self._dcp_store().recovered(record.level, record.seq, self._rank_file(record), verdict.parsed)
         self._layout = verdict.parsed.layout()
         self._recovered = True
         self.recovered_from = (record.ckpt_id, record.level)
@@ -393,6 +554,7 @@ class Context:
         if self._closed:
             return
         t = self.transport
+        staging_failed = self._finish_staging()  # wait for pending SendFile requests (stage_timeout)
         try:
             t.wait_post()
             records = self._candidates(None, None)
@@ -407,12 +569,18 @@ class Context:
                     self._remove_checkpoint(record)
                 if t.rank == 0:
                     self.state.write_run(state="finalized", keep_last=False)
+            if self._dcp is not None:
+                self._dcp.clear()  # the spares of differential checkpoints
             t.barrier()
         finally:
             self._close()
+        self._staging_report(staging_failed)
 
     def _close(self) -> None:
         self._closed = True
+        self._icp = None
+        if self._dcp is not None:
+            self._dcp.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -422,20 +590,30 @@ class Context:
         t = self.transport
         seq = t.bcast(self.state.next_seq() if t.rank == 0 else None)
         verdict = check_file(self._rank_file(record), record, t.rank)
-        error = ""
+        error, entry = "", None
+        as_zarr = self.config.l4_format == "zarr"
         if verdict.kind == "ok":
             dst = self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)
             try:
-                storage.copy_file_atomic(self._rank_file(record), dst / storage.rank_file(record.ckpt_id, t.rank))
-            except OSError as exc:
+                if as_zarr:
+                    from .levels import zarr_l4
+
+                    written = zarr_l4.flush_file(verdict.parsed, dst / zarr_l4.store_name(record.ckpt_id, t.rank), seq)
+                    entry = FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()
+                else:
+                    storage.copy_file_atomic(self._rank_file(record), dst / storage.rank_file(record.ckpt_id, t.rank))
+            except (OSError, FTIError) as exc:
                 error = str(exc)
         else:
             error = verdict.message
-        errors = [e for e in t.allgather(error) if e]
+        results = t.allgather((error, entry))
+        errors = [e for e, _f in results if e]
         if errors:
             raise CheckpointError("keep_last_ckpt: flushing the last checkpoint to L4 failed: " + "; ".join(errors))
         if t.rank == 0:
-            self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time()))
+            zarr_files = ({"files": tuple(FileRecord(**f) for _e, f in results), "extra": {"l4_format": "zarr"}}
+                          if as_zarr else {})
+            self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(), **zarr_files))
         t.barrier()
 
     @property
@@ -463,6 +641,7 @@ class Context:
             self.finalize()
         else:
             # Died with an error: keep the checkpoints so that the next run can restart.
+            self._finish_staging()  # failures are logged; the application's error is the one to see
             self._close()
 
     def __repr__(self) -> str:

@@ -37,3 +37,7 @@ class NoCheckpointError(RecoveryError):
 
 class LevelError(FTIError, ValueError):
     """A checkpoint level is unknown or not provided by the running backend."""
+
+
+class StagingError(FTIError):
+    """A staging request is invalid (raised by send_file), or requests failed (raised by finalize)."""

@@ -6,15 +6,18 @@ the match with the commit record, and the sizes of the protected arrays.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .arrays import ArrayBytes
 from .errors import FormatError
 from .ftiff.reader import FtiffFile, parse_ftiff, read_into, verify_data
+from .progress import tracked
 from .runstate import CommitRecord
 
 
@@ -29,6 +32,10 @@ class Verdict:
 
 def check_file(path: Path, record: CommitRecord | None, rank: int) -> Verdict:
     """Parse and hash-check ``path``; compare it with the commit record."""
+    if path.suffix == ".zarr":  # a level-4 checkpoint written as Zarr
+        from .levels.zarr_l4 import check_store
+
+        return check_store(path, record, rank)
     try:
         with open(path, "rb") as fh:
             parsed = parse_ftiff(fh, str(path))
@@ -61,10 +68,16 @@ def check_sizes(parsed: FtiffFile, arrays: Mapping[int, np.ndarray]) -> str:
     return ""
 
 
-def load_file(parsed: FtiffFile, arrays: Mapping[int, np.ndarray]) -> None:
-    """Fill ``arrays`` (already size-checked) from a verified file."""
+def load_file(parsed: FtiffFile, arrays: Mapping[int, np.ndarray], *, config: Any = None) -> None:
+    """Fill ``arrays`` (already size-checked) from a verified file (with a progress bar per ``config``)."""
+    if str(parsed.path).endswith(".zarr"):
+        from .levels.zarr_l4 import load_store
+
+        load_store(parsed, arrays)  # type: ignore[arg-type]
+        return
     # The stream order is the stored one, whatever the layout of the array receiving it.
     targets = {vid: ArrayBytes(arr, parsed.vars[vid].order if vid in parsed.vars else "C")
                for vid, arr in arrays.items()}
-    with open(parsed.path, "rb") as fh:
-        read_into(fh, parsed, targets)
+    streams, bar = tracked(targets, config, "recovery") if config is not None else (targets, None)
+    with open(parsed.path, "rb") as fh, bar or contextlib.nullcontext():
+        read_into(fh, parsed, streams)

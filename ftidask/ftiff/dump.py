@@ -40,6 +40,11 @@ def to_text(parsed: FtiffFile) -> str:
             extra = f" {info.extra}" if info.extra else ""
             lines.append(f"    id {info.id} '{info.name}': {info.dtype} shape {info.shape} order {info.order} "
                          f"({info.nbytes} bytes){extra}")
+    dcp = (parsed.trailer or {}).get("dcp")
+    if isinstance(dcp, dict):  # a differential checkpoint's file (ftidask.ftiff.blockhash)
+        lines += ["", f"Differential (dCP): blocks of {dcp.get('block_size')} bytes, block hash "
+                      f"{dcp.get('block_hash')}, {dcp.get('section_len')} bytes of block hashes at fs; "
+                      "container hashes are over the block hashes"]
     return "\n".join(lines)
 
 

@@ -16,7 +16,8 @@ from typing import Any, BinaryIO, Protocol
 from ..arrays import VarInfo
 from ..errors import FormatError
 from ..layout import Layout, Slot, layout_from_slots
-from . import hashing
+from . import compression, hashing
+from .blockhash import FLAG_DCP, DcpInfo, read_into_dcp, verify_dcp
 from .structs import BMD_SIZE, FB_SIZE, VMD_SIZE, BlockMeta, ContainerMeta, FileBlock
 from .trailer import TAIL_SIZE, parse_trailer, trailer_span
 
@@ -95,8 +96,9 @@ def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:
         offset += blocks[-1][0].dbsize
     trailer: dict[str, Any] | None = None
     if not fb.legacy:
+        # A dCP file keeps its block-hash section between fs and the table (see blockhash.py).
         start, length = trailer_span(_pread(fh, file_size - TAIL_SIZE, TAIL_SIZE, path, "table"), fb.fs,
-                                     file_size, path=path)
+                                     file_size, path=path, gap=bool(fb.flags & FLAG_DCP))
         tail = _pread(fh, start, length + TAIL_SIZE, path, "variable table")
         checksum.update(tail)
         if checksum.hexdigest()[:32] != fb.checksum:
@@ -104,6 +106,11 @@ def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:
         trailer = parse_trailer(tail[:length], path=path)
     parsed = FtiffFile(path, file_size, fb, tuple(blocks), trailer, _parse_vars(trailer, path))
     _check_coverage(parsed)
+    if fb.flags & FLAG_DCP:
+        info = DcpInfo(parsed)
+        if start != fb.fs + info.section_len:
+            raise FormatError(f"block-hash section ends at {fb.fs + info.section_len}, the table starts at {start}",
+                              path=path)
     return parsed
 
 
@@ -147,6 +154,8 @@ def _parse_vars(trailer: dict[str, Any] | None, path: str) -> dict[int, VarInfo]
     for raw in trailer["vars"]:
         try:
             info = VarInfo.from_json(raw)
+            compression.var_codec(info.extra)  # refuse an unknown codec before any data is read
+            compression.plain_ids(info.extra)
         except FormatError as exc:
             raise FormatError(str(exc), path=path) from None
         out[info.id] = info
@@ -156,9 +165,11 @@ def _parse_vars(trailer: dict[str, Any] | None, path: str) -> dict[int, VarInfo]
 def _check_coverage(parsed: FtiffFile) -> None:
     """Each variable's chunks must tile ``[0, nbytes)`` exactly once."""
     chunks: dict[int, list[tuple[int, int]]] = {}
+    stored = 0
     for _bi, _ci, meta in parsed.containers():
         if meta.hascontent and meta.chunksize:
-            chunks.setdefault(meta.id, []).append((meta.dptr, meta.chunksize))
+            chunks.setdefault(meta.id, []).append((meta.dptr, _raw_chunk(parsed, meta)))
+            stored += meta.chunksize
     sizes = parsed.var_nbytes()
     for vid, spans in chunks.items():
         if parsed.vars and vid not in parsed.vars:
@@ -176,8 +187,40 @@ def _check_coverage(parsed: FtiffFile) -> None:
     for vid, size in sizes.items():
         if size and vid not in chunks:
             raise FormatError(f"variable {vid}: {size} bytes listed but no container holds them", path=parsed.path)
-    if sum(s for s in (sum(sz for _d, sz in v) for v in chunks.values())) != parsed.fb.ckpt_size:
+    if stored != parsed.fb.ckpt_size:
         raise FormatError(f"ckptSize={parsed.fb.ckpt_size} does not match the containers", path=parsed.path)
+
+
+def _raw_chunk(parsed: FtiffFile, meta: ContainerMeta) -> int:
+    """Raw bytes of the variable a container holds (its stored size unless compressed)."""
+    info = parsed.vars.get(meta.id)
+    if info is None or "codec" not in info.extra:
+        return meta.chunksize
+    span = compression.raw_span(info.nbytes, meta.dptr, meta.containersize)
+    if meta.containerid in compression.plain_ids(info.extra) and meta.chunksize != span:
+        raise FormatError(f"var id {meta.id}, containerid {meta.containerid}: stored uncompressed with "
+                          f"{meta.chunksize} bytes, expected {span}", path=parsed.path)
+    return span
+
+
+def _read_compressed(fh: BinaryIO, parsed: FtiffFile, meta: ContainerMeta, target: ByteTarget, what: str) -> None:
+    """Read one compressed container, check its hash, then decode it into ``target``."""
+    info = parsed.vars[meta.id]
+    stored = bytearray(meta.chunksize)
+    view, got = memoryview(stored), 0
+    while got < meta.chunksize:
+        n = os.preadv(fh.fileno(), [view[got:]], meta.fptr + got)
+        if n <= 0:
+            break
+        got += n
+    if got != meta.chunksize or hashing.digest(parsed.fb.hash_id, stored) != meta.hash:
+        raise FormatError(f"{what} changed while it was read", path=parsed.path)
+    span = compression.raw_span(info.nbytes, meta.dptr, meta.containersize)
+    try:
+        raw = compression.decode_span(compression.var_codec(info.extra), stored, span, what=what)
+    except FormatError as exc:
+        raise FormatError(str(exc), path=parsed.path) from None
+    target.store(meta.dptr, raw)
 
 
 class _Pipeline:
@@ -214,6 +257,8 @@ def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -
     Hashes straight from the page cache through a read-only map (no copy), containers in
     parallel threads (the hashes release the GIL).
     """
+    if parsed.fb.flags & FLAG_DCP:
+        return verify_dcp(fh, parsed, only)
     if os.fstat(fh.fileno()).st_size != parsed.file_size:
         raise FormatError("file changed size since it was parsed", path=parsed.path)
     jobs = [(bi, ci, meta) for bi, ci, meta in parsed.containers()
@@ -249,6 +294,8 @@ def read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget]
 
     Call :func:`verify_data` first: this re-check only catches a file changed in between.
     """
+    if parsed.fb.flags & FLAG_DCP:
+        return read_into_dcp(fh, parsed, targets)
     hid = parsed.fb.hash_id
     pipe = _Pipeline()
     try:
@@ -263,6 +310,10 @@ def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget
     for bi, ci, meta in parsed.containers():
         target = targets.get(meta.id)
         if target is None or not meta.hascontent:
+            continue
+        info = parsed.vars.get(meta.id)
+        if info is not None and "codec" in info.extra and meta.containerid not in compression.plain_ids(info.extra):
+            _read_compressed(fh, parsed, meta, target, f"block {bi}, container {ci} (var id {meta.id})")
             continue
         view = target.view(meta.dptr, meta.dptr + meta.chunksize)
         hasher = hashing.new_hasher(hid)

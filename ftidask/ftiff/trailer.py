@@ -21,11 +21,17 @@ def pack_trailer(payload: bytes) -> bytes:
     return payload + _TAIL.pack(len(payload), TRAILER_MAGIC)
 
 
-def trailer_span(tail16: bytes, fs: int, file_size: int, *, path: str | None = None) -> tuple[int, int]:
-    """``(offset, length)`` of the JSON payload, checked against the file's size."""
+def trailer_span(tail16: bytes, fs: int, file_size: int, *, path: str | None = None,
+                 gap: bool = False) -> tuple[int, int]:
+    """``(offset, length)`` of the JSON payload, checked against the file's size.
+
+    ``gap``: bytes may sit between ``fs`` and the payload (a dCP file's block-hash section).
+    """
     length, magic = _TAIL.unpack(tail16)
     if magic != TRAILER_MAGIC:
         raise FormatError("variable table missing (file truncated or damaged at its end)", path=path)
+    if gap and length <= MAX_TRAILER and fs + length + _TAIL.size <= file_size:
+        return file_size - _TAIL.size - length, length
     if length > MAX_TRAILER or fs + length + _TAIL.size != file_size:
         raise FormatError(f"variable table of {length} bytes does not fit between fs={fs} and the end "
                           f"of the file ({file_size} bytes)", path=path)

@@ -51,6 +51,18 @@ class Transport(abc.ABC):
         if level in (2, 3):
             self.check_level(level)
 
+    def protect_files_delta(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, delta: Any) -> None:
+        """Like :meth:`protect_files` for a differential file (levels 5-8).
+
+        Called on every rank of a differential checkpoint (collectively, like protect_files).
+        ``delta`` (:class:`ftidask.dcpdelta.FileDelta`, or None when the file was written in full)
+        lists the byte ranges of ``own_file`` that differ from the file it was patched from
+        (identified by ``delta.base_fb_hash``). A transport whose partner still holds that base can
+        send only those ranges: :func:`ftidask.levels.partner_delta.protect` does it for L2 over
+        a group channel. By default the whole file is protected.
+        """
+        self.protect_files(level, ckpt_id, own_file, ckpt_dir)
+
     def rebuild_file(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, ok: bool,
                      record: Any = None) -> bool:
         """Collectively rebuild lost files of a level-``level`` checkpoint; True when this rank has its file."""

@@ -23,6 +23,7 @@ from ..config import Config
 from ..runstate import CommitRecord, RunState
 from ..levels import multilevel
 from .mpi import _TAG_REPLY, _TAG_REQ, MpiTransport, allgather_json, recv_json, send_json
+from .stage_heads import serve_stage_request
 
 log = logging.getLogger("ftidask")
 
@@ -44,7 +45,13 @@ def serve(cfg: Config, t: MpiTransport) -> None:
     assert t.node_comm is not None
     napp = t.node_comm.size - 1
     while True:
-        requests = [recv_json(t.node_comm, MPI.ANY_SOURCE, _TAG_REQ)[0] for _ in range(napp)]
+        requests: list[Any] = []
+        while len(requests) < napp:
+            msg, source = recv_json(t.node_comm, MPI.ANY_SOURCE, _TAG_REQ)
+            if msg.get("op") == "stage":  # FTI_SendFile: the head moves the file, between post-processing
+                serve_stage_request(t.node_comm, msg, source)
+                continue
+            requests.append(msg)
         if any(r.get("op") != "post" for r in requests):
             break
         req = requests[0]

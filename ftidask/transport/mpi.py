@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .. import storage
 from ..config import Config
 from ..errors import CheckpointError, ConfigError, FTIError, LevelError
-from ..levels import multilevel
+from ..levels import multilevel, partner_delta
 from ..levels.topology import Topology, host_topology, local_topology, validate_levels
 from ..recovery import check_file
 from ..runstate import CommitRecord
@@ -146,6 +147,14 @@ class MpiTransport(Transport):
     def allgather(self, value: Any) -> list[Any]:
         return allgather_json(self.comm, value)
 
+    def stage_mover(self, cfg: Config) -> Any:
+        """Staging's mover: the node's head with ``head = 1``; None (a thread of the rank) otherwise."""
+        if self.node_comm is None or self.is_head:
+            return None
+        from .stage_heads import HeadStageMover
+
+        return HeadStageMover(self.node_comm)
+
     def levels(self) -> tuple[int, ...]:
         return (1, 4) if self._problem else (1, 2, 3, 4)
 
@@ -172,6 +181,23 @@ class MpiTransport(Transport):
             size = 0
         error = multilevel.protect(self.group, self.cfg, level, ckpt_id, self.rank, own_file, ckpt_dir,
                                    self.group.allgather(size))
+        if error:
+            raise CheckpointError(error)
+
+    def protect_files_delta(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, delta: Any) -> None:
+        """L2 of a differential file: the partner gets only the changed ranges when it holds the base."""
+        if level != 2:
+            self.protect_files(level, ckpt_id, own_file, ckpt_dir)
+            return
+        self.check_level(level)
+        assert self.group is not None
+        try:
+            size = own_file.stat().st_size
+        except OSError:
+            size = 0
+        error = partner_delta.protect(self.group, own_file, ckpt_dir / storage.partner_file(ckpt_id, self.rank),
+                                      partner_delta.spare_partner_path(ckpt_dir, self.rank), size, delta,
+                                      self.cfg.transfer_size << 20)
         if error:
             raise CheckpointError(error)
 

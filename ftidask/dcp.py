@@ -1,0 +1,253 @@
+"""Differential checkpointing: hash the data in blocks, write only the blocks that changed.
+
+:class:`DcpFileWriter` brings an existing file (the *base*, whose block digests are known:
+:class:`BlockState`) up to date in place: every block of the current data is hashed (this is
+unavoidable without a copy of the data, and runs at several GiB/s on a thread pool, xxhash and
+hashlib releasing the GIL), blocks whose digest differs from the base's are written at their
+``fptr`` offset, then the metadata, block-hash section, table and FB are rewritten (they are
+small). Nothing unchanged is read back or rehashed from disk: a container's hash is the hash of
+its block digests (see :mod:`ftidask.ftiff.blockhash`).
+
+Which file is patched, and how the previous checkpoint stays valid meanwhile, is decided by
+:mod:`ftidask.dcpstore`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .arrays import VarInfo
+from .dcpdelta import FileDelta, merge_ranges
+from .errors import CheckpointError, FormatError
+from .ftiff import blockhash
+from .ftiff.blockhash import FLAG_DCP, block_digests, container_hash
+from .ftiff.structs import FLAG_METADATA_CHECKSUM
+from .ftiff.writer import ByteSource, WrittenFile, write_metadata
+from .layout import Layout, Slot
+
+_SEGMENT = 8 << 20  # bytes hashed per task: small enough to pipeline, large enough to amortise
+_WINDOW = 6  # segments hashed ahead of the writer
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockState:
+    """What one file holds, as block digests: enough to know which blocks a new state changes."""
+
+    layout: Layout
+    block_size: int
+    bid: int
+    digests: Mapping[tuple[int, int], np.ndarray]  # (block, slot) -> (n, D) uint8
+    fb_hash: bytes  # identifies the file this state describes
+
+    def compatible(self, block_size: int, bid: int) -> bool:
+        return self.block_size == block_size and self.bid == bid
+
+
+@dataclasses.dataclass(frozen=True)
+class DcpStats:
+    """What a differential write did."""
+
+    data_bytes: int
+    blocks_changed: int
+    blocks_total: int
+    file_bytes: int
+    hash_seconds: float
+    delta: FileDelta | None = None  # the ranges that differ from the base (None: no base)
+
+
+def _base_slot(base: BlockState | None, bi: int, si: int, slot: Slot) -> np.ndarray | None:
+    """The base's digests of the same container, or None when the base has no such container."""
+    if base is None or bi >= len(base.layout.blocks) or si >= len(base.layout.blocks[bi].slots):
+        return None
+    old = base.layout.blocks[bi].slots[si]
+    if (old.var_id, old.dptr, old.fptr, old.containersize) != (slot.var_id, slot.dptr, slot.fptr, slot.containersize):
+        return None
+    digests = base.digests.get((bi, si))
+    if digests is None:
+        return None
+    if old.chunksize != slot.chunksize:
+        # Only the blocks that are whole in both files have comparable digests.
+        digests = digests[:min(old.chunksize, slot.chunksize) // base.block_size]
+    return digests
+
+
+def _segments(slot: Slot, block_size: int) -> Iterator[tuple[int, int]]:
+    step = max(1, _SEGMENT // block_size) * block_size
+    for lo in range(0, slot.chunksize, step):
+        yield lo, min(slot.chunksize, lo + step)
+
+
+def _hash_segment(source: ByteSource, start: int, stop: int, block_size: int, fn: Callable[[memoryview], bytes],
+                  size: int) -> tuple[np.ndarray, memoryview | None]:
+    view = source.view(start, stop)
+    copy = None
+    if view is None:  # non-contiguous array: one bounded copy, kept for writing
+        copy = memoryview(b"".join(bytes(p) for p in source.pieces(start, stop)))
+        view = copy
+    return block_digests(view, block_size, fn, size), copy
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """``[(first, stop), ...]`` of the runs of True in ``mask``."""
+    if not mask.any():
+        return []
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.view(np.int8), [0]))))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data[: 256 << 20], offset)
+        data, offset = data[n:], offset + n
+
+
+class DcpFileWriter:
+    """Bring the file open at ``fd`` from ``base`` (None: unknown content, write everything) to
+    the current data, variable by variable (so that iCP can use it), then :meth:`finish`."""
+
+    def __init__(self, fd: int, layout: Layout, base: BlockState | None, *, block_size: int, bid: int,
+                 hash_id: int, pool: ThreadPoolExecutor) -> None:
+        if not blockhash.MIN_BLOCK <= block_size <= blockhash.MAX_BLOCK:
+            raise CheckpointError(f"dcp_block_size {block_size} outside [512, 65535]")
+        self.fd, self.layout, self.pool = fd, layout, pool
+        self.base = base if base is not None and base.compatible(block_size, bid) else None
+        self.block_size, self.bid, self.hash_id = block_size, bid, hash_id
+        _name, self.dsize, self.fn = blockhash.block_hash(bid)
+        self.digests: dict[tuple[int, int], np.ndarray] = {}
+        self.changed: dict[tuple[int, int], np.ndarray] = {}  # per container: mask of written blocks
+        self.data_bytes = 0
+        self.hash_seconds = 0.0
+        self.done: set[int] = set()
+        self.hook: Callable[[], None] | None = None  # called before each write (crash tests)
+        self.runs: list[tuple[int, int]] = []  # file ranges of the data written
+        # Invalidate the FB before the first data write: a file torn by a crash while it is patched
+        # never shows a valid FB, so it is never mistaken for the file its old FB described.
+        os.pwrite(fd, bytes(96), 0)
+        os.fdatasync(fd)
+
+    def write_var(self, var_id: int, source: ByteSource) -> int:
+        """Hash every block of ``var_id``'s containers, write those that differ from the base."""
+        written = 0
+        pending: deque[tuple[tuple[int, int], Slot, int, int, Future[Any]]] = deque()
+        slots = [((bi, si), s) for bi, b in enumerate(self.layout.blocks) for si, s in enumerate(b.slots)
+                 if s.var_id == var_id and s.hascontent]
+        parts: dict[tuple[int, int], list[np.ndarray]] = {key: [] for key, _s in slots}
+        tasks = ((key, s, lo, hi) for key, s in slots for lo, hi in _segments(s, self.block_size))
+        start = time.perf_counter()
+
+        def submit() -> None:
+            for key, s, lo, hi in tasks:
+                fut = self.pool.submit(_hash_segment, source, s.dptr + lo, s.dptr + hi, self.block_size, self.fn,
+                                       self.dsize)
+                pending.append((key, s, lo, hi, fut))
+                if len(pending) >= _WINDOW:
+                    return
+
+        submit()
+        while pending:
+            key, slot, lo, hi, fut = pending.popleft()
+            digests, copy = fut.result()
+            submit()
+            parts[key].append(digests)
+            first = lo // self.block_size
+            base = _base_slot(self.base, key[0], key[1], slot)
+            mask = np.ones(len(digests), bool)
+            if base is not None and first < len(base):
+                same = min(len(digests), len(base) - first)
+                mask[:same] = (digests[:same] != base[first:first + same]).any(axis=1)
+            self.changed.setdefault(key, np.zeros(0, bool))
+            self.changed[key] = np.concatenate((self.changed[key], mask))
+            for b0, b1 in _runs(mask):
+                off, end = b0 * self.block_size, min(hi - lo, b1 * self.block_size)
+                data = copy[off:end] if copy is not None else source.view(slot.dptr + lo + off, slot.dptr + lo + end)
+                assert data is not None  # a contiguous source has views
+                if self.hook is not None:
+                    self.hook()
+                _pwrite_all(self.fd, data, slot.fptr + lo + off)
+                self.runs.append((slot.fptr + lo + off, end - off))
+                written += end - off
+        for key, chunks in parts.items():
+            self.digests[key] = (np.concatenate(chunks) if chunks else np.zeros((0, self.dsize), np.uint8))
+        self.hash_seconds += time.perf_counter() - start
+        self.data_bytes += written
+        self.done.add(var_id)
+        return written
+
+    def finish(self, trailer: Mapping[str, Any], *, pt_fs: int | None = None,
+               max_fs: int | None = None) -> tuple[WrittenFile, DcpStats, BlockState]:
+        """Write the metadata, block-hash section, table and FB; fsync. The new state is returned."""
+        missing = {s.var_id for s in self.layout.slots() if s.hascontent} - self.done
+        if missing:
+            raise CheckpointError(f"variables {sorted(missing)} were not written")
+        keys = [(bi, si) for bi, b in enumerate(self.layout.blocks) for si, s in enumerate(b.slots) if s.hascontent]
+        section = b"".join(memoryview(np.ascontiguousarray(self.digests[k])).cast("B") for k in keys)
+        table = dict(trailer)
+        table["dcp"] = blockhash.table_entry(self.block_size, self.bid, len(section))
+        hashes = {k: container_hash(self.hash_id, self.digests[k]) for k in keys}
+        with os.fdopen(os.dup(self.fd), "r+b") as fh:
+            written = write_metadata(fh, self.layout, hashes, hash_id=self.hash_id, trailer=table, pt_fs=pt_fs,
+                                     max_fs=max_fs, flags=FLAG_METADATA_CHECKSUM | FLAG_DCP, section=section)
+            fh.flush()
+            os.fsync(fh.fileno())
+        changed = sum(int(m.sum()) for m in self.changed.values())
+        total = sum(len(m) for m in self.changed.values())
+        meta_bytes = written.file_size - self.layout.fs + sum(b.metasize for b in self.layout.blocks) + 96
+        delta = None
+        if self.base is not None:
+            meta = [(0, 96), (self.layout.fs, written.file_size - self.layout.fs)]
+            meta += [(b.offset, b.metasize) for b in self.layout.blocks]
+            delta = FileDelta(self.base.fb_hash, written.file_size, merge_ranges(self.runs + meta))
+        stats = DcpStats(self.data_bytes, changed, total, self.data_bytes + meta_bytes, self.hash_seconds, delta)
+        state = BlockState(self.layout, self.block_size, self.bid, dict(self.digests), written.fb.hash)
+        return dataclasses.replace(written, data_bytes=self.data_bytes), stats, state
+
+
+def load_state(path: Path, expected_fb_hash: bytes) -> BlockState | None:
+    """The block state of the dCP file at ``path`` read from its own block-hash section, when its
+    FB hash is ``expected_fb_hash`` (the hash its commit record gave); None otherwise.
+
+    For backends whose writers keep no state between checkpoints (Dask tasks): a committed file
+    was complete and fsynced, and a writer invalidates the FB before patching a file, so a valid
+    FB with the expected hash means the section describes the data. Nothing but metadata is read.
+    """
+    from .ftiff.reader import parse_ftiff
+
+    try:
+        with open(path, "rb") as fh:
+            parsed = parse_ftiff(fh, str(path))
+            if parsed.fb.hash != expected_fb_hash:
+                return None
+            return state_of_file(path, parsed)
+    except (OSError, FormatError):
+        return None
+
+
+def state_of_file(path: Path, parsed: Any) -> BlockState | None:
+    """The block state of a verified dCP file (None for a file without block hashes)."""
+    if not parsed.fb.flags & FLAG_DCP:
+        return None
+    with open(path, "rb") as fh:
+        info, digests = blockhash.read_digests(fh, parsed)
+    return BlockState(parsed.layout(), info.block_size, info.bid, digests, parsed.fb.hash)
+
+
+def write_dcp_file(fd: int, layout: Layout, sources: Mapping[int, ByteSource], infos: list[VarInfo],
+                   meta: Mapping[str, Any], base: BlockState | None, *, block_size: int, bid: int, hash_id: int,
+                   pool: ThreadPoolExecutor, pt_fs: int | None = None,
+                   max_fs: int | None = None) -> tuple[WrittenFile, DcpStats, BlockState]:
+    """Bring the file at ``fd`` from ``base`` to ``sources`` (every variable at once)."""
+    writer = DcpFileWriter(fd, layout, base, block_size=block_size, bid=bid, hash_id=hash_id, pool=pool)
+    for vid, source in sources.items():
+        writer.write_var(vid, source)
+    trailer = dict(meta)
+    trailer["vars"] = [info.to_json() for info in infos]
+    return writer.finish(trailer, pt_fs=pt_fs, max_fs=max_fs)

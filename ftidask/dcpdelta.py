@@ -1,0 +1,99 @@
+"""What a differential file changed, as byte ranges: so that L2 can send only those to the partner.
+
+A differential checkpoint patches a file whose content was known (its *base*, identified by the
+base's FB hash). :class:`FileDelta` lists every byte range of the new file that may differ from
+the base: the data blocks written, every block's metadata, the block-hash section and table
+(from ``fs`` to the end) and the FB. A partner that holds an identical copy of the base (same FB
+hash: e.g. it keeps retired partner copies as spares, as :mod:`ftidask.dcpstore` does for own
+files) rebuilds the new file with :func:`apply_delta` from :func:`read_payload`'s bytes; any
+other partner needs the whole file. The result is verified like any file at recovery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from . import storage
+from .errors import FormatError
+from .ftiff.structs import FB_SIZE, FileBlock
+
+
+class DeltaMismatch(FormatError):
+    """The partner's base is not the file the delta was computed against: send the whole file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FileDelta:
+    """Byte ranges ``(offset, length)`` of a new file that differ from the base file."""
+
+    base_fb_hash: bytes
+    file_size: int
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _o, n in self.ranges)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"base_fb_hash": self.base_fb_hash.hex(), "file_size": self.file_size,
+                "ranges": [list(r) for r in self.ranges]}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> FileDelta:
+        try:
+            return cls(bytes.fromhex(raw["base_fb_hash"]), int(raw["file_size"]),
+                       tuple((int(o), int(n)) for o, n in raw["ranges"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"invalid file delta: {exc}") from None
+
+
+def merge_ranges(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sorted, non-overlapping, adjacent ranges joined."""
+    out: list[list[int]] = []
+    for off, n in sorted(r for r in ranges if r[1] > 0):
+        if out and off <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], off + n - out[-1][0])
+        else:
+            out.append([off, n])
+    return tuple((o, n) for o, n in out)
+
+
+def read_payload(path: Path, delta: FileDelta) -> bytes:
+    """The bytes of ``delta``'s ranges of the new file, concatenated."""
+    with open(path, "rb") as fh:
+        parts = [os.pread(fh.fileno(), n, off) for off, n in delta.ranges]
+    payload = b"".join(parts)
+    if len(payload) != delta.nbytes:
+        raise FormatError(f"{path}: shorter than its delta", path=str(path))
+    return payload
+
+
+def apply_delta(base_path: Path, out_path: Path, delta: FileDelta, payload: bytes | memoryview) -> None:
+    """Patch the copy of the base at ``base_path`` in place and rename it to ``out_path``."""
+    if len(payload) != delta.nbytes:
+        raise FormatError(f"delta payload of {len(payload)} bytes, the ranges need {delta.nbytes}")
+    fd = os.open(base_path, os.O_RDWR)
+    try:
+        raw = os.pread(fd, FB_SIZE, 0)
+        try:
+            same = len(raw) == FB_SIZE and FileBlock.unpack(raw).hash == delta.base_fb_hash
+        except FormatError:
+            same = False
+        if not same:
+            raise DeltaMismatch(f"{base_path} is not the base of this delta", path=str(base_path))
+        view, pos = memoryview(payload), 0
+        for off, n in delta.ranges:
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, view[pos + done:pos + n], off + done)
+            pos += n
+        os.ftruncate(fd, delta.file_size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    storage.makedirs(out_path.parent)
+    os.replace(base_path, out_path)
+    storage.fsync_dir(out_path.parent)

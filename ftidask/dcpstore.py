@@ -1,0 +1,226 @@
+"""Where differential checkpoints are written, so that the previous checkpoint stays valid.
+
+Design: two alternating files per rank and level, brought up to date in place.
+
+* The file of the last committed checkpoint is never written to.
+* When a checkpoint file of level L is retired (a newer checkpoint was committed), it is not
+  deleted but renamed to the *spare* slot ``{level dir}/dcp/Spare-Rank{r}.fti``, with its block
+  digests (:class:`~ftidask.dcp.BlockState`) kept in memory: it lags one or more checkpoints
+  behind the data.
+* A differential checkpoint patches the spare in place (only the blocks whose digest differs from
+  the spare's), fsyncs it, renames it into the new checkpoint's directory, and only then is the
+  commit record written (by the engine, as for every checkpoint). Its commit record is the
+  commit point: a crash at any moment before it leaves the previous checkpoint, untouched and
+  still the newest committed one; the spare may be torn, so its in-memory state is dropped when
+  patching starts and a torn spare is simply rewritten in full next time.
+* The writer zeroes the spare's FB (and syncs) before its first data write, so a spare torn
+  by a crash never shows a valid FB. When a file becomes the spare, its FB hash is also noted
+  in ``Spare-Rank{r}.json``: a restarted process trusts the spare's own block-hash section if
+  its FB hash is that one (read from the metadata only, see :func:`ftidask.dcp.load_state`).
+* Without a known spare (first dCP checkpoint, after a failed checkpoint, a torn spare, or
+  when the retired file was not a dCP file of this block size and hash), every block is written:
+  that is a full checkpoint in dCP format, and the next one is differential again.
+
+Rename and retirement cost no data I/O, so a differential checkpoint writes changed blocks plus
+metadata only. Nothing here depends on the backend: each rank calls it for its own file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from . import storage
+from .dcp import BlockState, DcpFileWriter, DcpStats, load_state, state_of_file
+from .errors import FormatError
+from .ftiff.structs import FB_SIZE, FileBlock
+from .ftiff.writer import WrittenFile
+from .layout import Layout
+
+
+class DcpHandle:
+    """One differential file being written: the writer, and where it goes on commit."""
+
+    def __init__(self, store: DcpStore, level: int, fd: int, writer: DcpFileWriter) -> None:
+        self.store, self.level, self.fd, self.writer = store, level, fd, writer
+        self.closed = False
+
+    def write_var(self, var_id: int, source: Any) -> int:
+        self.store._hook("write_var", self.level)
+        return self.writer.write_var(var_id, source)
+
+    def finish(self, final_path: Path, seq: int, trailer: Mapping[str, Any], *, pt_fs: int | None = None,
+               max_fs: int | None = None) -> tuple[WrittenFile, DcpStats]:
+        """Finish the file, fsync it and rename it to ``final_path`` (not yet committed)."""
+        written, stats, state = self.writer.finish(trailer, pt_fs=pt_fs, max_fs=max_fs)
+        self.store._hook("finished", self.level)
+        self.close()
+        storage.makedirs(final_path.parent)
+        os.replace(self.store.spare_path(self.level), final_path)
+        storage.fsync_dir(final_path.parent)
+        storage.fsync_dir(self.store.spare_path(self.level).parent)
+        self.store._hook("renamed", self.level)
+        self.store._files[self.level, seq] = state
+        return written, stats
+
+    def abort(self) -> None:
+        """Give up: the spare's content is now unknown (it is rewritten in full next time)."""
+        self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            os.close(self.fd)
+
+
+class DcpStore:
+    """One rank's spare files and the block states of its files, per level (1-4)."""
+
+    def __init__(self, paths: storage.RunPaths, rank: int, node: int, *, block_size: int, bid: int,
+                 hash_id: int, threads: int | None = None) -> None:
+        self.paths, self.rank, self.node = paths, rank, node
+        self.block_size, self.bid, self.hash_id = block_size, bid, hash_id
+        self._spares: dict[int, BlockState] = {}  # level -> state of the spare file
+        self._files: dict[tuple[int, int], BlockState] = {}  # (level, seq) -> state of a checkpoint file
+        self._pool = ThreadPoolExecutor(max_workers=threads or min(4, os.cpu_count() or 1),
+                                        thread_name_prefix="ftidask-dcp")
+        self._crash_at = os.environ.get("FTIDASK_DCP_CRASH_AT", "")  # test hook: "<point>:<n>"
+
+    def spare_path(self, level: int) -> Path:
+        return self.paths.level_dir(level, self.node) / "dcp" / f"Spare-Rank{self.rank}.fti"
+
+    def spare_partner_path(self, level: int) -> Path:
+        """The partner copy kept for L2 deltas (see :mod:`ftidask.levels.partner_delta`)."""
+        return self.spare_path(level).with_name(f"SparePcof-Rank{self.rank}.fti")
+
+    def begin(self, level: int, layout: Layout) -> DcpHandle:
+        """Open the spare of ``level`` for patching up to ``layout``."""
+        path = self.spare_path(level)
+        storage.makedirs(path.parent)
+        base = self._spares.pop(level, None)  # from now on the spare's content is unknown
+        if base is None:  # after a restart: the spare's own block hashes, if it is the file retired
+            known = storage.read_json(self._spare_record(level))
+            if isinstance(known, dict) and isinstance(known.get("fb_hash"), str):
+                with contextlib.suppress(ValueError):
+                    base = load_state(path, bytes.fromhex(known["fb_hash"]))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        if base is not None and not _holds(fd, base):
+            base = None
+        writer = DcpFileWriter(fd, layout, base, block_size=self.block_size, bid=self.bid, hash_id=self.hash_id,
+                               pool=self._pool)
+        if self._crash_at:
+            writer.hook = lambda: self._hook("block", level)
+        return DcpHandle(self, level, fd, writer)
+
+    def retire(self, level: int, seq: int, path: Path, ckpt_id: int | None = None) -> None:
+        """Checkpoint ``seq`` of ``level`` is no longer committed: keep its file as the spare
+        (and, at L2, the partner copy it holds as the spare partner copy)."""
+        if level == 2 and ckpt_id is not None:
+            pcof = path.parent / storage.partner_file(ckpt_id, self.rank)
+            with contextlib.suppress(OSError):
+                os.replace(pcof, self.spare_partner_path(level))
+        state = self._files.pop((level, seq), None)
+        if state is None:
+            return
+        spare = self.spare_path(level)
+        try:
+            storage.makedirs(spare.parent)
+            os.replace(path, spare)
+        except OSError:
+            return  # no spare: the next differential checkpoint writes everything
+        self._spares[level] = state
+        # A hint that lets a restarted process trust this (committed, fsynced) file. Not synced: a
+        # lost or stale hint only names another FB hash, and then the spare is rewritten in full.
+        hint = self._spare_record(level)
+        with contextlib.suppress(OSError):
+            tmp = hint.with_name(f".{hint.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps({"fb_hash": state.fb_hash.hex()}))
+            os.replace(tmp, hint)
+
+    def _spare_record(self, level: int) -> Path:
+        return self.spare_path(level).with_suffix(".json")
+
+    def recovered(self, level: int, seq: int, path: Path, parsed: Any) -> None:
+        """The file of a verified, recovered checkpoint: remember its state (it will be a spare)."""
+        with contextlib.suppress(OSError, ValueError):
+            state = state_of_file(path, parsed)
+            if state is not None and state.compatible(self.block_size, self.bid):
+                self._files[level, seq] = state
+
+    def discard(self, level: int, seq: int) -> None:
+        """Checkpoint ``seq`` failed: its file is gone."""
+        self._files.pop((level, seq), None)
+
+    def forget(self) -> None:
+        """Drop every known state (another process may have changed the files)."""
+        self._spares.clear()
+        self._files.clear()
+
+    def clear(self) -> None:
+        """Remove the spares (the run is over) and stop the hashing threads."""
+        for level in (1, 2, 3, 4):
+            for path in (self.spare_path(level), self.spare_partner_path(level), self._spare_record(level)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.spare_path(level).parent)
+        self.forget()
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _hook(self, point: str, level: int) -> None:
+        """Crash-test hook: ``FTIDASK_DCP_CRASH_AT=<point>:<n>`` kills this process at the n-th hit."""
+        if not self._crash_at:
+            return
+        name, _sep, count = self._crash_at.partition(":")
+        if name != point:
+            return
+        left = int(count or "1") - 1
+        self._crash_at = f"{name}:{left}"
+        if left <= 0:
+            os.kill(os.getpid(), 9)
+
+
+def _holds(fd: int, state: BlockState) -> bool:
+    """True when the file at ``fd`` is still the one ``state`` describes (its FB hash)."""
+    raw = os.pread(fd, FB_SIZE, 0)
+    if len(raw) != FB_SIZE:
+        return False
+    try:
+        return FileBlock.unpack(raw).hash == state.fb_hash
+    except FormatError:
+        return False
+
+
+def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None, layout: Layout,
+                       sources: Mapping[int, Any], infos: list[Any], meta: Mapping[str, Any], *, block_size: int,
+                       bid: int, hash_id: int, pool: ThreadPoolExecutor, pt_fs: int | None = None,
+                       max_fs: int | None = None) -> tuple[WrittenFile, DcpStats]:
+    """One rank's differential file without any state kept between checkpoints (e.g. a Dask task).
+
+    ``spare`` is the file of a retired checkpoint (renamed there by the backend) whose FB hash
+    its commit record gave as ``expected_fb_hash``; its block digests are read from the file
+    (:func:`~ftidask.dcp.load_state`). Any other spare, or none, is rewritten in full. The
+    result is fsynced and renamed to ``final``; the caller then writes the commit record.
+    """
+    from .dcp import write_dcp_file
+
+    base = load_state(spare, expected_fb_hash) if expected_fb_hash is not None else None
+    storage.makedirs(spare.parent)
+    fd = os.open(spare, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        written, stats, _state = write_dcp_file(fd, layout, sources, infos, meta, base, block_size=block_size,
+                                                bid=bid, hash_id=hash_id, pool=pool, pt_fs=pt_fs, max_fs=max_fs)
+    finally:
+        os.close(fd)
+    storage.makedirs(final.parent)
+    os.replace(spare, final)
+    storage.fsync_dir(final.parent)
+    return written, stats

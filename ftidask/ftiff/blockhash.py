@@ -1,0 +1,226 @@
+"""Block-hashed FTI-FF files, as written by differential checkpointing (dCP).
+
+A dCP file is an ordinary ftidask FTI-FF file (same FB, VB, offsets and variable table) with
+flag :data:`FLAG_DCP` set in the FB, and two differences that let a checkpoint rewrite only the
+blocks that changed without ever re-reading the unchanged ones:
+
+* each container's chunk is cut into blocks of ``block_size`` bytes (the last one shorter), and
+  the digest of every block is kept in a *block-hash section* placed between the VB (offset
+  ``fs``) and the variable table: the digests of every container with content, in container
+  order, ``digest_size`` bytes each;
+* a container's hash (the 16 bytes of its VMD) is the file's hash (FB ``hash_id``) over the
+  concatenation of its block digests, not over its data.
+
+The FB checksum still covers every metadata byte, the container hashes and the table, so the
+block digests are bound to the FB through the container hashes; the table's ``dcp`` entry records
+the block size, the block hash and the section's length. :func:`verify_dcp` checks every
+container hash against its digests, then every data block against its digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
+import xxhash
+
+from ..errors import FormatError
+from . import hashing
+
+if TYPE_CHECKING:
+    from .reader import ByteTarget, FtiffFile
+
+FLAG_DCP = 2
+MIN_BLOCK, MAX_BLOCK = 512, 65535  # FTI's bounds for dcp_block_size
+
+
+def _md5(data: memoryview) -> bytes:
+    return hashlib.md5(data).digest()
+
+
+def _crc32(data: memoryview) -> bytes:
+    return zlib.crc32(data).to_bytes(4, "little")
+
+
+def _blake2b(data: memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+#: block hash id (recorded in the table) -> (name, digest size, one-shot digest function).
+#: Ids are part of the format: never reuse one. FTI's dcp_mode 0 is MD5 and 1 is CRC32.
+BLOCK_HASHES: dict[int, tuple[str, int, Callable[[memoryview], bytes]]] = {
+    1: ("md5", 16, _md5),
+    2: ("crc32", 4, _crc32),
+    3: ("xxh3_64", 8, xxhash.xxh3_64_digest),
+    4: ("xxh3_128", 16, xxhash.xxh3_128_digest),
+    5: ("blake2b_128", 16, _blake2b),
+}
+#: config ``dcp_mode`` -> block hash id (0 and 1 as in FTI; 2-4 are ftidask's faster choices).
+DCP_MODES = {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}
+
+
+def block_hash_id(dcp_mode: int) -> int:
+    """The block hash id selected by the config key ``dcp_mode``."""
+    try:
+        return DCP_MODES[dcp_mode]
+    except KeyError:
+        raise ValueError(f"unknown dcp_mode {dcp_mode}; known: {sorted(DCP_MODES)}") from None
+
+
+def block_hash(bid: int) -> tuple[str, int, Callable[[memoryview], bytes]]:
+    """``(name, digest_size, function)`` of block hash id ``bid``."""
+    try:
+        return BLOCK_HASHES[bid]
+    except KeyError:
+        raise FormatError(f"unknown block hash id {bid}") from None
+
+
+def nblocks(chunksize: int, block_size: int) -> int:
+    return -(-chunksize // block_size)
+
+
+def container_hash(hash_id: int, digests: np.ndarray) -> bytes:
+    """A dCP container's hash: the file's hash over its block digests (an ``(n, D)`` uint8 array)."""
+    return hashing.digest(hash_id, memoryview(np.ascontiguousarray(digests)).cast("B"))
+
+
+def table_entry(block_size: int, bid: int, section_len: int) -> dict[str, Any]:
+    """The ``dcp`` entry of the variable table."""
+    name, size, _fn = block_hash(bid)
+    return {"block_size": block_size, "block_hash": name, "block_hash_id": bid, "digest_size": size,
+            "section_len": section_len}
+
+
+class DcpInfo:
+    """The checked ``dcp`` entry of a file's table, with where each container's digests are."""
+
+    def __init__(self, parsed: FtiffFile) -> None:
+        entry = (parsed.trailer or {}).get("dcp")
+        if not isinstance(entry, dict):
+            raise FormatError("dCP flag set but the table has no 'dcp' entry", path=parsed.path)
+        try:
+            self.block_size = int(entry["block_size"])
+            self.bid = int(entry["block_hash_id"])
+            self.section_len = int(entry["section_len"])
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(f"invalid 'dcp' entry {entry!r}", path=parsed.path) from None
+        if not MIN_BLOCK <= self.block_size <= MAX_BLOCK:
+            raise FormatError(f"dCP block size {self.block_size} outside [{MIN_BLOCK}, {MAX_BLOCK}]",
+                              path=parsed.path)
+        try:
+            self.name, self.digest_size, self.fn = block_hash(self.bid)
+        except FormatError as exc:
+            raise FormatError(str(exc), path=parsed.path) from None
+        self.spans: dict[tuple[int, int], tuple[int, int]] = {}  # (bi, ci) -> (offset, count) in section
+        pos = 0
+        for bi, ci, meta in parsed.containers():
+            if meta.hascontent:
+                count = nblocks(meta.chunksize, self.block_size)
+                self.spans[bi, ci] = (pos, count)
+                pos += count * self.digest_size
+        if pos != self.section_len or parsed.fb.fs + pos > parsed.file_size:
+            raise FormatError(f"block-hash section of {self.section_len} bytes, the containers need {pos}",
+                              path=parsed.path)
+        self.offset = parsed.fb.fs
+
+    def read_section(self, fh: BinaryIO, path: str) -> np.ndarray:
+        raw = os.pread(fh.fileno(), self.section_len, self.offset)
+        if len(raw) != self.section_len:
+            raise FormatError("block-hash section truncated", path=path)
+        return np.frombuffer(raw, np.uint8)
+
+    def digests(self, section: np.ndarray, key: tuple[int, int]) -> np.ndarray:
+        """The ``(n, D)`` digests of container ``key`` = (block index, container index)."""
+        start, count = self.spans[key]
+        return section[start:start + count * self.digest_size].reshape(count, self.digest_size)
+
+
+def read_digests(fh: BinaryIO, parsed: FtiffFile) -> tuple[DcpInfo, dict[tuple[int, int], np.ndarray]]:
+    """Every container's block digests, each checked against its container hash."""
+    info = DcpInfo(parsed)
+    section = info.read_section(fh, parsed.path)
+    out = {}
+    for bi, ci, meta in parsed.containers():
+        if not meta.hascontent:
+            continue
+        digests = info.digests(section, (bi, ci))
+        if container_hash(parsed.fb.hash_id, digests) != meta.hash:
+            raise FormatError(f"block {bi}, container {ci} (var id {meta.id}): block hashes do not match the "
+                              "container hash (damaged block-hash section)", path=parsed.path)
+        out[bi, ci] = digests
+    return info, out
+
+
+def block_digests(data: memoryview, block_size: int, fn: Callable[[memoryview], bytes],
+                  digest_size: int) -> np.ndarray:
+    """The ``(n, D)`` digests of ``data`` cut into blocks of ``block_size`` bytes."""
+    n = nblocks(len(data), block_size)
+    raw = b"".join([fn(data[lo:lo + block_size]) for lo in range(0, len(data), block_size)])
+    return np.frombuffer(raw, np.uint8).reshape(n, digest_size)
+
+
+def _spans(parsed: FtiffFile, only: set[int] | None) -> Iterator[tuple[int, int, Any]]:
+    for bi, ci, meta in parsed.containers():
+        if meta.hascontent and (only is None or meta.id in only):
+            yield bi, ci, meta
+
+
+_PIECE_BLOCKS = 1024  # blocks read per piece while verifying (<= 64 MiB)
+
+
+def _readinto(fh: BinaryIO, offset: int, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fh.fileno(), [view[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
+def verify_dcp(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -> None:
+    """Check every container hash against its block digests, and every block against its digest."""
+    info, digests = read_digests(fh, parsed)
+    piece = info.block_size * _PIECE_BLOCKS
+    buf = bytearray(piece)
+    for bi, ci, meta in _spans(parsed, only):
+        want = digests[bi, ci]
+        for lo in range(0, meta.chunksize, piece):
+            n = min(piece, meta.chunksize - lo)
+            view = memoryview(buf)[:n]
+            if os.preadv(fh.fileno(), [view], meta.fptr + lo) != n:
+                raise FormatError(f"block {bi}, container {ci}: file ends inside its data", path=parsed.path)
+            first = lo // info.block_size
+            got = block_digests(view, info.block_size, info.fn, info.digest_size)
+            bad = np.flatnonzero((got != want[first:first + len(got)]).any(axis=1))
+            if len(bad):
+                raise FormatError(f"block {bi}, container {ci} (var id {meta.id}): data block "
+                                  f"{first + int(bad[0])} does not match its hash (damaged data)", path=parsed.path)
+
+
+def read_into_dcp(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget]) -> None:
+    """Copy the chunks of the variables in ``targets`` into them, checking every block digest."""
+    info, digests = read_digests(fh, parsed)
+    piece = info.block_size * _PIECE_BLOCKS
+    buf: bytearray | None = None
+    for bi, ci, meta in _spans(parsed, set(targets)):
+        target = targets[meta.id]
+        want = digests[bi, ci]
+        for lo in range(0, meta.chunksize, piece):
+            n = min(piece, meta.chunksize - lo)
+            direct = target.view(meta.dptr + lo, meta.dptr + lo + n)
+            if direct is None:
+                buf = buf or bytearray(piece)
+            view = direct if direct is not None else memoryview(buf)[:n]  # type: ignore[arg-type]
+            got_n = _readinto(fh, meta.fptr + lo, view)
+            first = lo // info.block_size
+            got = block_digests(view, info.block_size, info.fn, info.digest_size)
+            if got_n != n or (got != want[first:first + len(got)]).any():
+                raise FormatError(f"block {bi}, container {ci} (var id {meta.id}) changed while it was read",
+                                  path=parsed.path)
+            if direct is None:
+                target.store(meta.dptr + lo, view)

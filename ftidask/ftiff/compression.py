@@ -1,0 +1,150 @@
+"""Compression of FTI-FF containers with numcodecs (Blosc, Zstd, LZ4).
+
+The rule (containers are fixed once created, so a size that varies between checkpoints must
+still fit): containers are planned by the *raw* size of the bytes they hold, exactly as for an
+uncompressed variable, and a compressed container stores its raw span ``[dptr, dptr + span)``
+encoded, with ``chunksize`` = the stored (compressed) size <= ``containersize``. ``fptr`` and
+``containersize`` keep their FTI-FF meaning; the unused tail of a container stays a hole in
+the file. A container whose encoding would not be smaller than its raw span is stored as is and
+listed in the variable's ``extra["codec_plain"]`` (its container ids). The codec's JSON config is
+recorded per variable in the variable table (``extra["codec"]``), so recovery needs no
+configuration. The container hash covers the stored bytes: damage is found before decoding.
+
+Only the codec ids below are ever instantiated from a file (never numcodecs' Pickle codec).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, FormatError
+
+#: Codec ids that may be named in a file; anything else is refused.
+ALLOWED_IDS = ("blosc", "zstd", "lz4")
+_BLOSC_CNAMES = ("lz4", "lz4hc", "zstd", "zlib", "blosclz")
+
+
+def parse_compressor(spec: Any) -> dict[str, Any] | None:
+    """The numcodecs config for a user's compressor spec, or None for no compression.
+
+    Accepted: ``None``/``"none"``; ``"zstd"`` or ``"zstd:LEVEL"``; ``"lz4"`` or ``"lz4:ACCEL"``;
+    ``"blosc"`` (LZ4 with byte shuffle), ``"blosc-CNAME"`` or ``"blosc-CNAME:CLEVEL"``; a numcodecs
+    codec object or its config dict with one of the ids above.
+    """
+    if spec is None:
+        return None
+    if hasattr(spec, "get_config"):
+        spec = spec.get_config()
+    if isinstance(spec, Mapping):
+        return _check_config(dict(spec), ConfigError)
+    text = str(spec).strip().lower()
+    if text in ("", "none", "off", "0"):
+        return None
+    name, _, arg = text.partition(":")
+    try:
+        level = int(arg) if arg else None
+    except ValueError:
+        raise ConfigError(f"compressor {spec!r}: {arg!r} is not an integer level") from None
+    if name == "zstd":
+        return _check_config({"id": "zstd", "level": 3 if level is None else level, "checksum": False},
+                             ConfigError)
+    if name == "lz4":
+        return _check_config({"id": "lz4", "acceleration": 1 if level is None else level}, ConfigError)
+    if name == "blosc" or name.startswith("blosc-"):
+        cname = name.partition("-")[2] or "lz4"
+        if cname not in _BLOSC_CNAMES:
+            raise ConfigError(f"compressor {spec!r}: Blosc compressor {cname!r} is not one of "
+                              f"{', '.join(_BLOSC_CNAMES)}")
+        return _check_config({"id": "blosc", "cname": cname, "clevel": 5 if level is None else level,
+                              "shuffle": 1, "blocksize": 0}, ConfigError)
+    raise ConfigError(f"compressor {spec!r} is unknown; use none, zstd[:LEVEL], lz4[:ACCEL], "
+                      "blosc or blosc-CNAME[:CLEVEL]")
+
+
+def _check_config(config: dict[str, Any], error: type[Exception]) -> dict[str, Any]:
+    if config.get("id") not in ALLOWED_IDS:
+        raise error(f"codec {config.get('id')!r} is not allowed; ftidask uses {', '.join(ALLOWED_IDS)}")
+    try:
+        get_codec(config)
+    except (TypeError, ValueError) as exc:
+        raise error(f"invalid codec config {config!r}: {exc}") from None
+    return config
+
+
+def get_codec(config: Mapping[str, Any]) -> Any:
+    """A numcodecs codec for an allowed config (from a file or a user)."""
+    import numcodecs
+
+    config = dict(config)
+    if config.get("id") not in ALLOWED_IDS:
+        raise FormatError(f"codec {config.get('id')!r} is not one ftidask decodes ({', '.join(ALLOWED_IDS)})")
+    return numcodecs.get_codec(config)
+
+
+def _typed(raw: memoryview | bytes, itemsize: int) -> np.ndarray:
+    # Blosc's shuffle works per element: hand it the element size when the span allows it.
+    data = np.frombuffer(raw, np.uint8)
+    if itemsize in (2, 4, 8) and len(data) % itemsize == 0:
+        return data.view(f"<u{itemsize}")
+    return data
+
+
+def encode_span(codec: Any, raw: memoryview | bytes, itemsize: int = 1) -> tuple[bytes | memoryview, bool]:
+    """``(stored bytes, plain)``: the encoded span, or the raw one when encoding does not shrink it."""
+    if len(raw) == 0:
+        return raw, True
+    encoded = codec.encode(_typed(raw, itemsize))
+    encoded = bytes(encoded) if not isinstance(encoded, bytes) else encoded
+    if len(encoded) >= len(raw):
+        return raw, True
+    return encoded, False
+
+
+def decode_span(codec: Any, stored: bytes | memoryview, span: int, *, what: str = "container") -> bytes:
+    """The raw bytes of a verified compressed container; a :class:`FormatError` on a size mismatch."""
+    try:
+        out = codec.decode(bytes(stored))
+    except Exception as exc:  # numcodecs raises RuntimeError/ValueError; the bytes were hash-checked
+        raise FormatError(f"{what}: cannot be decoded: {exc}") from None
+    raw = np.asarray(out).reshape(-1).view(np.uint8).tobytes() if not isinstance(out, bytes) else out
+    if len(raw) != span:
+        raise FormatError(f"{what}: decodes to {len(raw)} bytes, expected {span}")
+    return raw
+
+
+def raw_span(nbytes: int, dptr: int, containersize: int) -> int:
+    """Raw bytes of a variable held by a container (FTI-FF's chunksize rule on the raw stream)."""
+    return max(0, min(containersize, nbytes - dptr))
+
+
+def var_codec(extra: Mapping[str, Any]) -> Any | None:
+    """The codec recorded for a variable (its ``VarInfo.extra``), or None when it is stored raw."""
+    config = extra.get("codec")
+    if config is None:
+        return None
+    if not isinstance(config, Mapping):
+        raise FormatError(f"invalid codec record {config!r}")
+    return get_codec(config)
+
+
+def plain_ids(extra: Mapping[str, Any]) -> set[int]:
+    """Container ids of a compressed variable that are stored raw."""
+    try:
+        return {int(c) for c in extra.get("codec_plain", [])}
+    except (TypeError, ValueError):
+        raise FormatError(f"invalid codec_plain record {extra.get('codec_plain')!r}") from None
+
+
+def annotate_trailer(trailer: MutableMapping[str, Any], plain: Mapping[int, list[int]]) -> None:
+    """Record, in the variable table, which containers of compressed variables are stored raw."""
+    entries = [dict(e) for e in trailer.get("vars", [])]
+    for entry in entries:
+        vid = entry.get("id")
+        if vid in plain and plain[vid]:
+            extra = dict(entry.get("extra", {}))
+            extra["codec_plain"] = sorted(plain[vid])
+            entry["extra"] = extra
+    trailer["vars"] = entries

@@ -1,0 +1,111 @@
+"""L2 for differential checkpoints: send the partner only what changed.
+
+Every member of an L2 group sends its file to the next member (a ring), as in
+:mod:`ftidask.levels.partner`. For a differential file the receiver usually still holds the
+previous copy it received of the sender's *base* file, kept as its *spare partner copy*
+(``{level dir}/dcp/SparePcof-Rank{r}.fti``, see :func:`spare_partner_path`; the engine puts a
+retired ``Pcof`` there). When that spare's FB hash is the delta's ``base_fb_hash``, only the
+delta's byte ranges travel and the receiver patches the spare in place, then renames it to the
+new ``Pcof``; otherwise the whole file travels. Either way the new partner copy is verified
+like any file when it is needed.
+
+The group is any object with the ``GroupChannel`` interface of the MPI backend (``index``,
+``size``, ``allgather``, ``exchange``): this module never knows which backend runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import storage
+from ..dcpdelta import FileDelta
+from ..errors import FormatError
+from ..ftiff.structs import FB_SIZE, FileBlock
+
+log = logging.getLogger("ftidask")
+
+
+def spare_partner_path(ckpt_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` keeps its spare partner copy, next to the checkpoint directories of a level."""
+    return ckpt_dir.parent / "dcp" / f"SparePcof-Rank{rank}.fti"
+
+
+def _fb_hash(path: Path) -> str:
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(FB_SIZE)
+        return FileBlock.unpack(raw).hash.hex() if len(raw) == FB_SIZE else ""
+    except (OSError, FormatError):
+        return ""
+
+
+def _payload_pieces(delta: FileDelta | None, size: int, piece: int) -> list[tuple[int, int]]:
+    """The file ranges to send, cut into pieces of at most ``piece`` bytes."""
+    ranges = delta.ranges if delta is not None else ((0, size),)
+    out = []
+    for off, n in ranges:
+        for lo in range(0, n, piece):
+            out.append((off + lo, min(piece, n - lo)))
+    return out
+
+
+def protect(ch: Any, own: Path, pcof: Path, spare: Path, size: int, delta: FileDelta | None,
+            piece: int) -> str:
+    """Send ``own`` (or only its ``delta``) to the next member; build the previous member's copy at
+    ``pcof``, from ``spare`` when the delta applies to it. Every member calls it. Error or ''."""
+    right, left = (ch.index + 1) % ch.size, (ch.index - 1) % ch.size
+    infos = ch.allgather({"size": size, "delta": None if delta is None else delta.to_json()})
+    theirs = infos[left]
+    left_delta = FileDelta.from_json(theirs["delta"]) if theirs["delta"] is not None else None
+    can_patch = left_delta is not None and _fb_hash(spare) == left_delta.base_fb_hash.hex()
+    patches = ch.allgather(bool(can_patch))
+    send = _payload_pieces(delta if patches[right] else None, size, piece)
+    recv = _payload_pieces(left_delta if can_patch else None, int(theirs["size"]), piece)
+    log.debug("L2: sending %d of %d bytes to the partner (%s)", sum(n for _o, n in send), size,
+              "changed ranges" if patches[right] else "whole file")
+    errors: list[str] = []
+    fin = None
+    try:
+        fin = open(own, "rb")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        errors.append(f"{own}: {exc}")
+    target = spare if can_patch else pcof.with_name(f".{pcof.name}.tmp-{os.getpid()}")
+    fd = -1
+    try:
+        storage.makedirs(target.parent)
+        fd = os.open(target, os.O_RDWR | os.O_CREAT | (0 if can_patch else os.O_TRUNC), 0o644)
+    except OSError as exc:
+        errors.append(f"{target}: {exc}")
+    for k in range(max(len(send), len(recv))):
+        block = None
+        if k < len(send):
+            off, n = send[k]
+            data = os.pread(fin.fileno(), n, off) if fin is not None else b""
+            block = np.frombuffer(data.ljust(n, b"\0"), np.uint8)  # a missing file fails its hashes later
+        want = recv[k][1] if k < len(recv) else 0
+        got = ch.exchange(block, right if block is not None else None, want, left if want else None)
+        if got is not None and fd >= 0:
+            os.pwrite(fd, memoryview(np.ascontiguousarray(got)).cast("B"), recv[k][0])
+    if fin is not None:
+        fin.close()
+    if fd >= 0:
+        try:
+            os.ftruncate(fd, left_delta.file_size if can_patch and left_delta is not None else int(theirs["size"]))
+            os.fsync(fd)
+        except OSError as exc:
+            errors.append(f"{target}: {exc}")
+        finally:
+            os.close(fd)
+        if not errors:
+            os.replace(target, pcof)
+            storage.fsync_dir(pcof.parent)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(target)
+    return "; ".join(errors)

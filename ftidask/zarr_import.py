@@ -1,0 +1,88 @@
+"""Import a Zarr store as a checkpoint: the reverse of :mod:`ftidask.zarr_export`.
+
+:func:`read_zarr` reads a Zarr group's arrays (verified through the ftidask manifest when the
+store has one); :func:`import_zarr` starts a new run whose first checkpoint holds them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import zarr_store
+from .errors import FormatError
+
+log = logging.getLogger("ftidask.zarr")
+
+def read_zarr(path: str | os.PathLike[str], *, group: str = "") -> dict[int, tuple[str, np.ndarray]]:
+    """The arrays of a Zarr group by ftidask variable id: ``{id: (name, array)}``.
+
+    A store with an ftidask manifest is verified first (any damaged file raises
+    :class:`FormatError`). Any other Zarr group is read as it is: ids come from the arrays'
+    ``ftidask_id`` attribute, else 1, 2, ... in name order.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FormatError(f"{path}: no Zarr store there")
+    if (path / zarr_store.MANIFEST).exists():
+        manifest = zarr_store.verify_store(path)
+        table = zarr_store.store_vars(manifest, path, group)
+        data = zarr_store.read_arrays(path, manifest, group=group)
+        return {vid: (info.name, data[vid]) for vid, (info, _n) in table.items()}
+    import zarr
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        root = zarr.open_group(str(path), mode="r")
+        node = root[group] if group else root
+        names = sorted(name for name, _a in node.arrays())
+        out: dict[int, tuple[str, np.ndarray]] = {}
+        next_id = 1
+        for name in names:
+            z = node[name]
+            vid = z.attrs.get("ftidask_id")
+            if not isinstance(vid, int) or vid in out:
+                while next_id in out:
+                    next_id += 1
+                vid = next_id
+            out[vid] = (str(z.attrs.get("ftidask_name", name)), np.asarray(z[...]))
+    return out
+
+
+def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | None = None, *,
+                ckpt_id: int | None = None, level: int = 4, group: str = "", **overrides: Any) -> Any:
+    """Start a new run whose first checkpoint holds the arrays of the Zarr group at ``path``.
+
+    The run is finalized with ``keep_last_ckpt`` so that the next ``ftidask.init`` with the same
+    config restarts from it (status 2) and ``recover()`` fills the protected arrays. Returns the
+    :class:`~ftidask.CheckpointInfo` of that checkpoint. ``group`` selects a rank group
+    (``"rank3"``) of a per-rank export.
+    """
+    from .context import init
+
+    arrays = read_zarr(path, group=group)
+    if not arrays:
+        raise FormatError(f"{path}: no array to import")
+    if ckpt_id is None:
+        manifest_attrs = {}
+        if (Path(path) / zarr_store.MANIFEST).exists():
+            manifest_attrs = zarr_store.read_manifest(Path(path)).get("attrs", {})
+        ckpt_id = int(manifest_attrs.get("checkpoint_id") or 1)
+    overrides["keep_last_ckpt"] = True
+    ctx = init(config, **overrides)
+    try:
+        for vid, (name, arr) in arrays.items():
+            ctx.protect(vid, arr, name=name)
+        info = ctx.checkpoint(ckpt_id, level)
+    except BaseException:
+        ctx.__exit__(RuntimeError, None, None)
+        raise
+    ctx.finalize()
+    log.info("imported %d arrays from %s as checkpoint %d (level %d) of run %s", len(arrays), path, ckpt_id,
+             level, ctx.exec_id)
+    return info

@@ -1,0 +1,190 @@
+"""Compressed FTI-FF containers: round trips per codec, recorded codec, damage detection."""
+
+import numpy as np
+import pytest
+
+import ftidask
+from ftidask.errors import ConfigError, FormatError, NoCheckpointError
+from ftidask.ftiff import compression
+from ftidask.ftiff.reader import parse_ftiff, verify_data
+
+CODECS = ["zstd", "zstd:9", "lz4", "blosc", "blosc-zstd:3", "blosc-lz4hc"]
+
+
+def _dirs(tmp_path, **kw):
+    return dict(ckpt_dir=tmp_path / "l", glbl_dir=tmp_path / "g", meta_dir=tmp_path / "m", **kw)
+
+
+def _fields():
+    x = np.linspace(0, 4 * np.pi, 200_000)
+    smooth = np.round(np.sin(x) * np.cos(x / 3), 6).reshape(400, 500)
+    noise = np.random.default_rng(7).random(60_000)
+    fortran = np.asfortranarray(np.arange(3000, dtype=np.int32).reshape(50, 60))
+    record = np.zeros(100, dtype=[("a", "<i4"), ("b", "<f8")])
+    record["a"] = np.arange(100)
+    return smooth, noise, fortran, record
+
+
+def _files(tmp_path):
+    return sorted(tmp_path.glob("l/node0/*/l1/*/Ckpt*-Rank0.fti")) + sorted(tmp_path.glob("g/*/l4/*/*.fti"))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_roundtrip_every_codec(tmp_path, codec):
+    arrays = _fields()
+    ctx = ftidask.init(**_dirs(tmp_path))
+    for i, a in enumerate(arrays):
+        ctx.protect(i + 1, a, compressor=codec)
+    info = ctx.checkpoint(1, 1)
+    raw = sum(a.nbytes for a in arrays)
+    assert info.bytes_written < raw  # the smooth field and the ramp compress
+    ctx2 = ftidask.init(**_dirs(tmp_path))
+    outs = [np.zeros_like(a) for a in arrays]
+    for i, o in enumerate(outs):
+        ctx2.protect(i + 1, o)  # no compressor given: recovery reads the codec from the file
+    ctx2.recover()
+    for a, o in zip(arrays, outs):
+        assert o.tobytes() == a.tobytes() and o.flags.f_contiguous == a.flags.f_contiguous
+
+
+def test_codec_is_recorded_and_chunksize_is_stored_size(tmp_path):
+    smooth, noise, *_ = _fields()
+    ctx = ftidask.init(**_dirs(tmp_path, compressor="zstd"))
+    ctx.protect(1, smooth)
+    ctx.protect(2, noise)
+    ctx.protect(3, np.arange(10.0), compressor="none")
+    ctx.checkpoint(1, 1)
+    (path,) = _files(tmp_path)
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, str(path))
+        verify_data(fh, parsed)
+    assert parsed.vars[1].extra["codec"]["id"] == "zstd"
+    assert "codec" not in parsed.vars[3].extra
+    metas = {m.id: m for _b, _c, m in parsed.containers()}
+    assert metas[1].chunksize < metas[1].containersize == smooth.nbytes  # containers sized by raw bytes
+    assert metas[3].chunksize == metas[3].containersize == 80
+    # random doubles do not shrink: stored as is and listed as such
+    if metas[2].chunksize == noise.nbytes:
+        assert parsed.vars[2].extra["codec_plain"] == [0]
+    assert parsed.fb.ckpt_size == sum(m.chunksize for m in metas.values())
+
+
+def test_incompressible_container_stored_plain(tmp_path):
+    data = np.frombuffer(np.random.default_rng(1).bytes(1 << 16), np.uint8).copy()
+    ctx = ftidask.init(**_dirs(tmp_path))
+    ctx.protect(1, data, compressor="lz4")
+    info = ctx.checkpoint(1, 1)
+    assert info.bytes_written == data.nbytes
+    (path,) = _files(tmp_path)
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, str(path))
+    assert parsed.vars[1].extra["codec_plain"] == [0]
+    out = np.zeros_like(data)
+    ctx2 = ftidask.init(**_dirs(tmp_path))
+    ctx2.protect(1, out)
+    ctx2.recover()
+    assert out.tobytes() == data.tobytes()
+
+
+def test_growing_and_shrinking_compressed_variable(tmp_path):
+    """Compressed sizes vary between checkpoints: containers keep their raw size rule."""
+    ctx = ftidask.init(**_dirs(tmp_path, compressor="blosc"))
+    a = np.zeros(10_000)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 1)
+    b = np.random.default_rng(2).random(25_000)  # grows, and is less compressible
+    ctx.protect(1, b)
+    ctx.checkpoint(2, 1)
+    c = np.arange(5_000.0)  # shrinks
+    ctx.protect(1, c)
+    ctx.checkpoint(3, 1)
+    out = np.zeros_like(c)
+    ctx2 = ftidask.init(**_dirs(tmp_path))
+    ctx2.protect(1, out)
+    ctx2.recover()
+    assert out.tobytes() == c.tobytes()
+
+
+def test_damaged_compressed_container_never_decoded(tmp_path):
+    smooth = _fields()[0]
+    ctx = ftidask.init(**_dirs(tmp_path))
+    ctx.protect(1, smooth, compressor="zstd")
+    ctx.checkpoint(1, 1)
+    (path,) = _files(tmp_path)
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, str(path))
+    meta = next(m for _b, _c, m in parsed.containers())
+    with open(path, "r+b") as fh:  # flip one byte inside the stored (compressed) bytes
+        fh.seek(meta.fptr + meta.chunksize // 2)
+        byte = fh.read(1)
+        fh.seek(meta.fptr + meta.chunksize // 2)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    out = np.full_like(smooth, 7.0)
+    ctx2 = ftidask.init(**_dirs(tmp_path))
+    ctx2.protect(1, out)
+    with pytest.raises(NoCheckpointError, match="hash"):
+        ctx2.recover()
+    assert (out == 7.0).all()  # untouched
+
+
+def test_damaged_container_falls_back_to_older_checkpoint(tmp_path):
+    smooth = _fields()[0]
+    ctx = ftidask.init(**_dirs(tmp_path, keep_l4_ckpt=1))
+    ctx.protect(1, smooth, compressor="blosc-zstd")
+    ctx.checkpoint(1, 4)
+    first = smooth.copy()
+    smooth += 1
+    ctx.checkpoint(2, 1)
+    l1 = next(tmp_path.glob("l/node0/*/l1/*/Ckpt2-Rank0.fti"))
+    with open(l1, "r+b") as fh:
+        parsed = parse_ftiff(fh, str(l1))
+        meta = next(m for _b, _c, m in parsed.containers())
+        fh.seek(meta.fptr + 3)
+        fh.write(b"\0\0\0\0")
+    out = np.zeros_like(smooth)
+    ctx2 = ftidask.init(**_dirs(tmp_path))
+    ctx2.protect(1, out)
+    ctx2.recover()
+    assert ctx2.recovered_from == (1, 4)
+    assert out.tobytes() == first.tobytes()
+
+
+def test_unknown_codec_in_file_is_refused():
+    with pytest.raises(FormatError, match="not one ftidask decodes"):
+        compression.var_codec({"codec": {"id": "pickle"}})
+
+
+@pytest.mark.parametrize("spec", ["gzip", "zstd:x", "blosc-foo", {"id": "pickle"}])
+def test_bad_compressor_specs(tmp_path, spec):
+    with pytest.raises(ConfigError):
+        compression.parse_compressor(spec)
+    if isinstance(spec, str):
+        with pytest.raises(ConfigError):
+            ftidask.init(**_dirs(tmp_path, compressor=spec))
+
+
+def test_config_and_numcodecs_objects(tmp_path):
+    import numcodecs
+
+    assert compression.parse_compressor("none") is None
+    assert compression.parse_compressor(numcodecs.Zstd(level=1)) == {"id": "zstd", "level": 1, "checksum": False}
+    cfg = tmp_path / "fti.cfg"
+    cfg.write_text(f"[basic]\nckpt_dir = {tmp_path}/l\nglbl_dir = {tmp_path}/g\nmeta_dir = {tmp_path}/m\n"
+                   "[advanced]\ncompressor = lz4\n")
+    ctx = ftidask.init(cfg)
+    a = np.zeros(50_000)
+    ctx.protect(1, a)
+    assert ctx.checkpoint(1, 1).bytes_written < a.nbytes // 10
+
+
+def test_inspect_shows_the_codec(tmp_path, capsys):
+    from ftidask.cli import main
+
+    ctx = ftidask.init(**_dirs(tmp_path))
+    ctx.protect(1, np.zeros(10_000), name="zeros", compressor="blosc-zstd:2")
+    ctx.checkpoint(1, 1)
+    (path,) = _files(tmp_path)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "'zeros'" in out and "'cname': 'zstd'" in out and "'clevel': 2" in out
+    assert main(["verify", str(path)]) == 0

@@ -1,0 +1,521 @@
+"""Staging (FTI_GetStageDir / FTI_SendFile / FTI_GetStageStatus) in one process: thread and process movers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+
+import ftidask
+from ftidask import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES, FTIError, StagingError
+from ftidask.staging import Stager, ThreadMover
+from ftidask.staging_process import ProcessMover
+
+MiB = 1 << 20
+
+
+def make_ctx(tmp_path: Path, **kw):
+    kw.setdefault("enable_staging", 1)
+    return ftidask.init(ckpt_dir=tmp_path / "local", glbl_dir=tmp_path / "global", meta_dir=tmp_path / "meta",
+                        **kw)
+
+
+def make_stager(tmp_path: Path, mover, **kw) -> Stager:
+    stage = tmp_path / "local" / "stage"
+    stage.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "global").mkdir(exist_ok=True)
+    return Stager(stage, tmp_path / "global", mover, **kw)
+
+
+def write_random(path: Path, size: int, seed: int = 0) -> str:
+    """Write ``size`` random bytes (in pieces, so that 256 MiB is never in memory twice); their hash."""
+    hasher = xxhash.xxh3_128()
+    with open(path, "wb") as fh:
+        left = size
+        while left:
+            block = os.urandom(min(left, 16 * MiB))
+            fh.write(block)
+            hasher.update(block)
+            left -= len(block)
+    return hasher.hexdigest()
+
+
+def file_hash(path: Path) -> str:
+    hasher = xxhash.xxh3_128()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(16 * MiB):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Temporary files of transfers left in ``directory`` (there must be none)."""
+    return sorted(p.name for p in directory.rglob("*") if "ftidask-stage" in p.name)
+
+
+def poll_until_final(ctx_or_table, req_id: int, timeout: float = 60.0) -> list[int]:
+    """FTI's polling loop: the distinct states seen, up to and including the final one."""
+    query = ctx_or_table.stage_status if hasattr(ctx_or_table, "stage_status") else ctx_or_table.query
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = query(req_id)
+        if not seen or seen[-1] != state:
+            seen.append(state)
+        if state in (SI_SCES, SI_FAIL):
+            return seen
+        time.sleep(0.001)
+    raise AssertionError(f"request {req_id} not final after {timeout} s: {seen}")
+
+
+# --- API and states ------------------------------------------------------------------------------
+
+
+def test_disabled_staging_raises(tmp_path):
+    ctx = make_ctx(tmp_path, enable_staging=0)
+    for call in (ctx.stage_dir, lambda: ctx.send_file("a", "b"), lambda: ctx.stage_status(1)):
+        with pytest.raises(FTIError, match="enable_staging = 1"):
+            call()
+    ctx.finalize()
+
+
+def test_stage_dir_is_node_local_and_per_rank(tmp_path):
+    ctx = make_ctx(tmp_path)
+    d = ctx.stage_dir()
+    assert d.is_dir()
+    assert d == tmp_path / "local" / "stage" / ctx.exec_id / "node0" / "rank0"
+    ctx.finalize()
+
+
+def test_constants_match_fti():
+    assert (SI_FAIL, SI_SCES, SI_ACTV, SI_PEND, SI_NINI) == (-2, 0, 1, 2, 3)
+    assert ftidask.FTI_SI_PEND == SI_PEND and ftidask.FTI_SI_NINI == SI_NINI
+
+
+@pytest.mark.parametrize("mover", ["thread", "process"])
+def test_state_sequence_matches_fti(tmp_path, mover):
+    # A throttled mover keeps request 1 active long enough to see request 2 pending behind it.
+    m = ThreadMover(throttle=0.05) if mover == "thread" else ProcessMover(throttle=0.05)
+    stager = make_stager(tmp_path, m)
+    big, small = stager.stage_dir / "big", stager.stage_dir / "small"
+    h_big = write_random(big, 32 * MiB)
+    small.write_bytes(b"hello")
+    r1 = stager.send(big, "big")
+    r2 = stager.send(small, "small")
+    seqs: dict[int, list[int]] = {r1: [], r2: []}
+    while any(not s or s[-1] not in (SI_SCES, SI_FAIL) for s in seqs.values()):
+        for req, seq in seqs.items():
+            if not seq or seq[-1] not in (SI_SCES, SI_FAIL):
+                state = stager.table.query(req)
+                if not seq or seq[-1] != state:
+                    seq.append(state)
+        time.sleep(0.001)
+    seq1, seq2 = seqs[r1], seqs[r2]
+    assert seq1[-2:] == [SI_ACTV, SI_SCES] and set(seq1) <= {SI_PEND, SI_ACTV, SI_SCES}
+    assert seq2 == [SI_PEND, SI_ACTV, SI_SCES] or seq2 == [SI_PEND, SI_SCES]
+    # A final state is returned once; then the id is unknown.
+    assert stager.table.query(r1) == SI_NINI and stager.table.query(r2) == SI_NINI
+    assert stager.table.query(12345) == SI_NINI
+    assert file_hash(tmp_path / "global" / "big") == h_big
+    assert (tmp_path / "global" / "small").read_bytes() == b"hello"
+    assert not big.exists() and not small.exists()
+    assert stager.close(10) == []
+
+
+@pytest.mark.parametrize("mover", ["thread", "process"])
+def test_many_small_files(tmp_path, mover):
+    ctx = make_ctx(tmp_path, stage_mover=mover)
+    stage = ctx.stage_dir()
+    rng = __import__("random").Random(7)
+    expected, ids = {}, {}
+    for i in range(150):
+        data = os.urandom(rng.choice([0, 1, 100, 4096, 65536, 200_000]))
+        name = f"out{i % 5}/file{i}.bin"  # several destination directories, created on demand
+        (stage / f"file{i}.bin").write_bytes(data)
+        expected[name] = data
+        ids[name] = ctx.send_file(stage / f"file{i}.bin", name)
+    states = ctx.wait_staged()
+    assert set(states) == set(ids.values()) and set(states.values()) == {SI_SCES}
+    for name, req in ids.items():
+        assert ctx.stage_status(req) == SI_SCES and ctx.stage_status(req) == SI_NINI
+        assert (tmp_path / "global" / name).read_bytes() == expected[name]
+    assert list(stage.iterdir()) == []  # every local file removed after its verified copy
+    assert leftovers(tmp_path / "global") == []
+    ctx.finalize()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mover", ["thread", "process"])
+def test_256_mib_file(tmp_path, mover):
+    ctx = make_ctx(tmp_path, stage_mover=mover)
+    src = ctx.stage_dir() / "big.dat"
+    digest = write_random(src, 256 * MiB, seed=3)
+    req = ctx.send_file(src, "results/big.dat")
+    seq = poll_until_final(ctx, req, timeout=300)
+    assert seq[-1] == SI_SCES, ctx.stage_info(req)
+    assert ctx.stage_status(req) == SI_NINI
+    dst = tmp_path / "global" / "results" / "big.dat"
+    assert dst.stat().st_size == 256 * MiB and file_hash(dst) == digest
+    assert not src.exists()
+    ctx.finalize()
+
+
+def test_wait_staged_one_request_and_info(tmp_path):
+    ctx = make_ctx(tmp_path)
+    src = ctx.stage_dir() / "a"
+    src.write_bytes(b"abc")
+    req = ctx.send_file(src, "dir/")  # a trailing slash: into that directory, under the file's name
+    assert ctx.wait_staged(req, timeout=30) == SI_SCES
+    info = ctx.stage_info(req)
+    assert info.state == SI_SCES and info.request.dst == os.fspath((tmp_path / "global" / "dir" / "a").resolve())
+    assert ctx.stage_status(req) == SI_SCES  # waiting did not consume the final state
+    assert ctx.stage_info(req) is None and ctx.wait_staged(req) == SI_NINI
+    ctx.finalize()
+
+
+# --- bad input: errors at the call ---------------------------------------------------------------
+
+
+def test_bad_requests_raise_at_the_call(tmp_path):
+    ctx = make_ctx(tmp_path)
+    stage = ctx.stage_dir()
+    (stage / "ok").write_bytes(b"1")
+    outside = tmp_path / "elsewhere.txt"
+    outside.write_bytes(b"x")
+    with pytest.raises(StagingError, match="not in the stage directory"):
+        ctx.send_file(outside, "x")
+    (stage / "link").symlink_to(outside)  # a symlink in the stage dir that leads out of it
+    with pytest.raises(StagingError, match="not in the stage directory"):
+        ctx.send_file(stage / "link", "x")
+    with pytest.raises(StagingError, match="does not exist"):
+        ctx.send_file(stage / "missing", "x")
+    (stage / "sub").mkdir()
+    with pytest.raises(StagingError, match="not a regular file"):
+        ctx.send_file(stage / "sub", "x")
+    with pytest.raises(StagingError, match="outside glbl_dir"):
+        ctx.send_file(stage / "ok", tmp_path / "not_global" / "ok")
+    with pytest.raises(StagingError, match="outside glbl_dir"):
+        ctx.send_file(stage / "ok", "../escape")
+    (tmp_path / "global" / "taken").parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "global" / "taken").write_bytes(b"keep me")
+    with pytest.raises(StagingError, match="already exists"):
+        ctx.send_file(stage / "ok", "taken")
+    assert (tmp_path / "global" / "taken").read_bytes() == b"keep me"
+    assert (stage / "ok").exists()  # nothing was queued, nothing was removed
+    ctx.finalize()
+
+
+def test_two_pending_requests_to_one_destination(tmp_path):
+    stager = make_stager(tmp_path, ThreadMover(throttle=0.05))
+    a, b = stager.stage_dir / "a", stager.stage_dir / "b"
+    write_random(a, 24 * MiB)
+    b.write_bytes(b"b")
+    ra = stager.send(a, "same")
+    with pytest.raises(StagingError, match="another pending request"):
+        stager.send(b, "same")
+    assert stager.wait(ra, 60) == SI_SCES
+    stager.close(10)
+
+
+def test_outside_glbl_dir_allowed_by_config(tmp_path):
+    ctx = make_ctx(tmp_path, stage_allow_outside=1)
+    src = ctx.stage_dir() / "f"
+    src.write_bytes(b"out there")
+    req = ctx.send_file(src, tmp_path / "archive" / "f")
+    assert ctx.wait_staged(req, 30) == SI_SCES
+    assert (tmp_path / "archive" / "f").read_bytes() == b"out there"
+    ctx.finalize()
+
+
+# --- failures during the transfer ----------------------------------------------------------------
+
+
+def test_destination_parent_is_a_file_raises(tmp_path):
+    ctx = make_ctx(tmp_path)
+    stage = ctx.stage_dir()
+    (tmp_path / "global").mkdir(exist_ok=True)
+    (tmp_path / "global" / "blocker").write_bytes(b"a file, not a directory")
+    (stage / "f").write_bytes(b"data")
+    with pytest.raises(StagingError, match="blocker is a file, not a directory"):
+        ctx.send_file(stage / "f", "blocker/sub/f")
+    ctx.finalize()
+
+
+def test_destination_blocked_during_transfer_fails_with_reason(tmp_path):
+    ctx = make_ctx(tmp_path)
+    stager = ctx._staging()
+    stager.mover._throttle = 0.05  # keep the first request busy while the second one's path is blocked
+    stage = ctx.stage_dir()
+    write_random(stage / "first", 24 * MiB)
+    (stage / "f").write_bytes(b"data")
+    r1 = ctx.send_file(stage / "first", "first")
+    r2 = ctx.send_file(stage / "f", "later/sub/f")
+    (tmp_path / "global").mkdir(exist_ok=True)
+    (tmp_path / "global" / "later").write_bytes(b"")  # the application puts a file where a directory goes
+    assert poll_until_final(ctx, r2)[-1] == SI_FAIL
+    assert ctx.wait_staged(r1, 60) == SI_SCES
+    assert (stage / "f").read_bytes() == b"data"  # a failed request keeps the local file
+    assert leftovers(tmp_path / "global") == []
+    (stage / "g").write_bytes(b"later")
+    req = ctx.send_file(stage / "g", "fine/g")  # later requests still work
+    assert ctx.wait_staged(req, 30) == SI_SCES
+    ctx.finalize()
+
+
+def test_failure_reason_is_reported(tmp_path):
+    stager = make_stager(tmp_path, ThreadMover(throttle=0.05))
+    write_random(stager.stage_dir / "first", 24 * MiB)
+    (stager.stage_dir / "f").write_bytes(b"data")
+    stager.send(stager.stage_dir / "first", "first")
+    req = stager.send(stager.stage_dir / "f", "blocker/f")
+    (tmp_path / "global" / "blocker").write_bytes(b"")
+    assert stager.wait(req, 30) == SI_FAIL
+    assert "not a directory (ENOTDIR)" in stager.table.info(req).reason
+    stager.close(30)
+
+
+def test_file_larger_than_rlimit_fsize(tmp_path):
+    stager = make_stager(tmp_path, ProcessMover(fsize_limit=1 * MiB))
+    big, small = stager.stage_dir / "big", stager.stage_dir / "small"
+    write_random(big, 3 * MiB)
+    small.write_bytes(b"s" * 1000)
+    r_big = stager.send(big, "big")
+    r_small = stager.send(small, "small")
+    assert stager.wait(r_big, 60) == SI_FAIL
+    assert "File too large (EFBIG)" in stager.table.info(r_big).reason
+    assert not (tmp_path / "global" / "big").exists() and leftovers(tmp_path / "global") == []
+    assert big.stat().st_size == 3 * MiB
+    assert stager.wait(r_small, 60) == SI_SCES  # the same mover keeps serving
+    assert (tmp_path / "global" / "small").read_bytes() == b"s" * 1000
+    assert stager.mover.restarts == 0
+    stager.close(10)
+
+
+@pytest.fixture
+def full_fs(tmp_path):
+    """A 1 MiB tmpfs as the destination (needs root); unmounted afterwards."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", os.fspath(mnt)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", os.fspath(mnt)], check=False)
+
+
+@pytest.mark.parametrize("mover", ["thread", "process"])
+def test_disk_full(tmp_path, full_fs, mover):
+    ctx = make_ctx(tmp_path, stage_allow_outside=1, stage_mover=mover)
+    stage = ctx.stage_dir()
+    write_random(stage / "big", 3 * MiB)
+    req = ctx.send_file(stage / "big", full_fs / "big")
+    assert poll_until_final(ctx, req)[-1] == SI_FAIL
+    assert list(full_fs.iterdir()) == []  # neither the file nor its temporary
+    assert (stage / "big").stat().st_size == 3 * MiB
+    (stage / "small").write_bytes(b"fits")
+    req = ctx.send_file(stage / "small", full_fs / "small")
+    assert ctx.wait_staged(req, 30) == SI_SCES
+    assert (full_fs / "small").read_bytes() == b"fits"
+    ctx.finalize()
+
+
+def test_disk_full_reason(tmp_path, full_fs):
+    stager = make_stager(tmp_path, ThreadMover(), allow_outside=True)
+    write_random(stager.stage_dir / "big", 2 * MiB)
+    req = stager.send(stager.stage_dir / "big", full_fs / "big")
+    assert stager.wait(req, 30) == SI_FAIL
+    assert "No space left on device (ENOSPC)" in stager.table.info(req).reason
+    stager.close(5)
+
+
+def test_source_modified_during_transfer_fails(tmp_path):
+    stager = make_stager(tmp_path, ThreadMover(throttle=0.1))
+    src = stager.stage_dir / "f"
+    write_random(src, 32 * MiB)
+    req = stager.send(src, "f")
+    while stager.table.info(req).state == SI_PEND:
+        time.sleep(0.001)
+    time.sleep(0.05)  # past the file system's timestamp granularity: the change shows in mtime
+    with open(src, "r+b") as fh:  # the application rewrites a file it already handed over
+        fh.seek(MiB)
+        fh.write(b"changed")
+    assert stager.wait(req, 60) == SI_FAIL
+    assert "modified during the transfer" in stager.table.info(req).reason
+    assert not (tmp_path / "global" / "f").exists() and leftovers(tmp_path / "global") == []
+    stager.close(5)
+
+
+# --- the mover killed ---------------------------------------------------------------------------
+
+
+def test_mover_killed_mid_transfer(tmp_path):
+    mover = ProcessMover(throttle=0.05)
+    stager = make_stager(tmp_path, mover)
+    big, queued = stager.stage_dir / "big", stager.stage_dir / "queued"
+    digest = write_random(big, 64 * MiB)
+    queued.write_bytes(b"q")
+    r_big = stager.send(big, "big")
+    r_queued = stager.send(queued, "queued")
+    while stager.table.info(r_big).state == SI_PEND:
+        time.sleep(0.001)
+    # The temporary file exists at the destination while the copy runs: it is what must not survive.
+    deadline = time.monotonic() + 30
+    while not leftovers(tmp_path / "global") and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert leftovers(tmp_path / "global")
+    os.kill(mover.pid, signal.SIGKILL)
+    assert stager.wait(r_big, 30) == SI_FAIL and stager.wait(r_queued, 30) == SI_FAIL
+    for req in (r_big, r_queued):
+        assert stager.table.info(req).reason == "mover died (killed by SIGKILL)"
+    assert sorted(p.name for p in (tmp_path / "global").iterdir()) == []
+    assert big.exists() and queued.exists()  # the local files are still there to resend
+    # Later requests work: a new mover starts.
+    r_again = stager.send(big, "big")
+    assert stager.wait(r_again, 120) == SI_SCES
+    assert file_hash(tmp_path / "global" / "big") == digest and mover.restarts == 1
+    stager.close(10)
+
+
+def test_head_process_killed_through_context(tmp_path):
+    ctx = make_ctx(tmp_path, head=1)  # one process with head = 1: a mover process plays FTI's head
+    stage = ctx.stage_dir()
+    (stage / "a").write_bytes(b"a")
+    req = ctx.send_file(stage / "a", "a")
+    assert ctx.wait_staged(req, 60) == SI_SCES
+    mover = ctx._stager.mover
+    assert isinstance(mover, ProcessMover) and mover.pid != os.getpid()
+    os.kill(mover.pid, signal.SIGKILL)
+    (stage / "b").write_bytes(b"b")
+    req_b = ctx.send_file(stage / "b", "b")  # sent to a dead mover, or to its replacement
+    state = ctx.wait_staged(req_b, 60)
+    if state == SI_FAIL:
+        assert "mover died" in ctx.stage_info(req_b).reason
+        assert ctx.stage_status(req_b) == SI_FAIL  # read: finalize has nothing left to report
+        req_b = ctx.send_file(stage / "b", "b")
+        state = ctx.wait_staged(req_b, 60)
+    assert state == SI_SCES and (tmp_path / "global" / "b").read_bytes() == b"b"
+    ctx.finalize()
+
+
+# --- finalize ----------------------------------------------------------------------------------
+
+
+def test_finalize_waits_for_pending_requests(tmp_path):
+    ctx = make_ctx(tmp_path)
+    stage = ctx.stage_dir()
+    for i in range(20):
+        (stage / f"f{i}").write_bytes(os.urandom(300_000))
+        ctx.send_file(stage / f"f{i}", f"f{i}")
+    ctx.finalize()
+    assert sorted(p.name for p in (tmp_path / "global").iterdir()) == sorted(f"f{i}" for i in range(20))
+    assert list(stage.iterdir()) == []
+
+
+def test_finalize_reports_failures_after_finishing(tmp_path):
+    ctx = make_ctx(tmp_path)
+    stage = ctx.stage_dir()
+    write_random(stage / "good", 16 * MiB)
+    (stage / "bad").write_bytes(b"x")
+    ctx.send_file(stage / "good", "good")
+    ctx.send_file(stage / "bad", "blocker/bad")
+    (tmp_path / "global").mkdir(exist_ok=True)
+    (tmp_path / "global" / "blocker").write_bytes(b"")  # blocks the second request while the first runs
+    with pytest.raises(StagingError, match=r"1 staging request\(s\) failed: .*bad.*ENOTDIR"):
+        ctx.finalize()
+    assert ctx._closed  # the rest of finalize ran
+    assert (tmp_path / "global" / "good").stat().st_size == 16 * MiB
+    ctx.finalize()  # a second call is a no-op
+
+
+def test_finalize_timeout_cancels_cleanly(tmp_path):
+    stager = make_stager(tmp_path, ThreadMover(throttle=0.2))
+    srcs = [stager.stage_dir / f"f{i}" for i in range(3)]
+    for src in srcs:
+        write_random(src, 16 * MiB)
+    for i, src in enumerate(srcs):
+        stager.send(src, f"f{i}")
+    failed = stager.close(0.1)
+    assert len(failed) == 3 and all("stage_timeout" in f.reason for f in failed)
+    assert list((tmp_path / "global").iterdir()) == []
+    assert all(s.exists() for s in srcs)
+
+
+def test_process_mover_finalize_timeout(tmp_path):
+    stager = make_stager(tmp_path, ProcessMover(throttle=0.2))
+    src = stager.stage_dir / "f"
+    write_random(src, 32 * MiB)
+    req = stager.send(src, "f")
+    failed = stager.close(0.3)
+    assert [f.request.id for f in failed] == [req] and "stage_timeout" in failed[0].reason
+    assert list((tmp_path / "global").iterdir()) == [] and src.exists()
+
+
+def test_send_file_does_not_wait_for_the_copy(tmp_path):
+    # Not a timing assertion: the request is still open when send_file returns (throttled mover).
+    stager = make_stager(tmp_path, ThreadMover(throttle=0.05))
+    src = stager.stage_dir / "f"
+    write_random(src, 32 * MiB)
+    req = stager.send(src, "f")
+    assert stager.table.info(req).state in (SI_PEND, SI_ACTV)
+    assert stager.wait(req, 60) == SI_SCES
+    stager.close(5)
+
+
+def test_context_manager_error_exit_still_finishes_transfers(tmp_path):
+    with pytest.raises(RuntimeError, match="application error"):
+        with make_ctx(tmp_path) as ctx:
+            stage = ctx.stage_dir()
+            (stage / "result").write_bytes(b"keep this")
+            ctx.send_file(stage / "result", "result")
+            raise RuntimeError("application error")
+    assert (tmp_path / "global" / "result").read_bytes() == b"keep this"
+
+
+def test_first_send_file_does_not_start_the_mover(tmp_path):
+    ctx = make_ctx(tmp_path, head=1)
+    stage = ctx.stage_dir()  # the mover process starts here
+    mover = ctx._stager.mover
+    pid = mover.pid
+    assert pid is not None
+    (stage / "f").write_bytes(b"f")
+    req = ctx.send_file(stage / "f", "f")
+    assert mover.pid == pid and mover.restarts == 0
+    assert ctx.wait_staged(req, 60) == SI_SCES
+    ctx.finalize()
+
+
+EXIT_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+import ftidask
+root = Path(sys.argv[1])
+ctx = ftidask.init(ckpt_dir=root / "local", glbl_dir=root / "global", meta_dir=root / "meta",
+                   enable_staging=1, stage_mover=sys.argv[2], verbosity=4)
+stage = ctx.stage_dir()
+with open(stage / "big", "wb") as fh:
+    for _ in range(4):
+        fh.write(os.urandom(8 << 20))
+mover = ctx._stager.mover
+mover.throttle = mover._throttle = 0.05   # a slow transfer, still running at exit
+req = ctx.send_file(stage / "big", "big")
+while not any("ftidask-stage" in p.name for p in (root / "global").iterdir()):
+    time.sleep(0.001)
+print("exiting while active", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mover", ["thread", "process"])
+def test_exit_without_finalize_leaves_nothing_half_written(tmp_path, mover):
+    (tmp_path / "global").mkdir()
+    script = tmp_path / "app.py"
+    script.write_text(EXIT_SCRIPT)
+    proc = subprocess.run([__import__("sys").executable, os.fspath(script), os.fspath(tmp_path), mover],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "exiting while active" in proc.stdout, proc.stderr
+    assert list((tmp_path / "global").iterdir()) == []
+    assert [p.name for p in (tmp_path / "local" / "stage").rglob("big")] == ["big"]  # the local file is kept

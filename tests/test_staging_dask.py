@@ -1,0 +1,151 @@
+"""Staging on a real Dask LocalCluster: each transfer is a task on the worker that holds the file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+
+distributed = pytest.importorskip("distributed")
+
+from ftidask import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES  # noqa: E402
+from ftidask.staging import Stager  # noqa: E402
+from ftidask.staging_dask import DaskMover, worker_by_node_dir  # noqa: E402
+
+pytestmark = pytest.mark.dask
+MiB = 1 << 20
+
+
+def cluster():
+    return distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
+
+
+@pytest.fixture(scope="module")
+def client():
+    with cluster() as cl, distributed.Client(cl) as c:
+        yield c
+
+
+def worker_stager(tmp_path: Path, client, throttle: float = 0.0):
+    """A stager whose stage dir has one ``node{k}`` directory per worker k (its node-local disk)."""
+    workers = sorted(client.scheduler_info()["workers"])
+    stage = tmp_path / "local" / "stage"
+    for i in range(len(workers)):
+        (stage / f"node{i}").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "global").mkdir(exist_ok=True)
+    mover = DaskMover(client, worker_by_node_dir(lambda: workers), throttle=throttle)
+    return Stager(stage, tmp_path / "global", mover), workers, mover
+
+
+def test_many_files_each_on_its_worker(tmp_path, client):
+    stager, workers, _ = worker_stager(tmp_path, client)
+    expected, ids = {}, {}
+    for i in range(60):
+        data = os.urandom([0, 10, 5000, 300_000][i % 4])
+        src = stager.stage_dir / f"node{i % 2}" / f"f{i}"
+        src.write_bytes(data)
+        expected[f"f{i}"] = data
+        ids[f"f{i}"] = stager.send(src, f"out/f{i}")
+    states = stager.wait(timeout=120)
+    assert set(states.values()) == {SI_SCES}
+    for name, req in ids.items():
+        assert stager.table.query(req) == SI_SCES and stager.table.query(req) == SI_NINI
+        assert (tmp_path / "global" / "out" / name).read_bytes() == expected[name]
+    assert not any(p.is_file() for p in stager.stage_dir.rglob("*"))
+    assert stager.close(30) == []
+
+
+def test_state_sequence_on_dask(tmp_path, client):
+    stager, _, _ = worker_stager(tmp_path, client, throttle=0.05)
+    src = stager.stage_dir / "node0" / "big"
+    src.write_bytes(os.urandom(24 * MiB))
+    req = stager.send(src, "big")
+    seen = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        state = stager.table.query(req)
+        if not seen or seen[-1] != state:
+            seen.append(state)
+        if state in (SI_SCES, SI_FAIL):
+            break
+        time.sleep(0.002)
+    assert seen == [SI_PEND, SI_ACTV, SI_SCES]
+    assert stager.table.query(req) == SI_NINI
+    stager.close(30)
+
+
+@pytest.mark.slow
+def test_256_mib_on_a_worker(tmp_path, client):
+    stager, _, _ = worker_stager(tmp_path, client)
+    src = stager.stage_dir / "node1" / "big"
+    hasher = xxhash.xxh3_128()
+    with open(src, "wb") as fh:
+        for _ in range(16):
+            block = os.urandom(16 * MiB)
+            hasher.update(block)
+            fh.write(block)
+    req = stager.send(src, "big")
+    assert stager.wait(req, 300) == SI_SCES
+    with open(tmp_path / "global" / "big", "rb") as fh:
+        check = xxhash.xxh3_128()
+        while chunk := fh.read(16 * MiB):
+            check.update(chunk)
+    assert check.hexdigest() == hasher.hexdigest() and not src.exists()
+    stager.close(30)
+
+
+def test_finalize_timeout_cancels_running_task(tmp_path, client):
+    stager, _, _ = worker_stager(tmp_path, client, throttle=0.2)
+    src = stager.stage_dir / "node0" / "f"
+    src.write_bytes(os.urandom(32 * MiB))
+    req = stager.send(src, "f")
+    while stager.table.info(req).state == SI_PEND:
+        time.sleep(0.002)
+    failed = stager.close(0.2)
+    assert [f.request.id for f in failed] == [req] and "stage_timeout" in failed[0].reason
+    time.sleep(1.0)  # the running task notices the cancel event at its next piece
+    assert list((tmp_path / "global").iterdir()) == [] and src.exists()
+
+
+def test_worker_killed_mid_transfer(tmp_path):
+    with cluster() as cl, distributed.Client(cl) as c:
+        stager, workers, _ = worker_stager(tmp_path, c, throttle=0.05)
+        pids = c.run(os.getpid)
+        src = stager.stage_dir / "node1" / "big"
+        src.write_bytes(os.urandom(64 * MiB))
+        req = stager.send(src, "big")
+        while stager.table.info(req).state == SI_PEND:
+            time.sleep(0.002)
+        os.kill(pids[workers[1]], signal.SIGKILL)
+        assert stager.wait(req, 60) == SI_FAIL
+        assert "mover died (worker" in stager.table.info(req).reason
+        assert stager.table.query(req) == SI_FAIL
+        assert list((tmp_path / "global").iterdir()) == []  # no partial file, no temporary
+        assert src.exists()
+        # Later requests work (on the surviving worker).
+        other = stager.stage_dir / "node0" / "small"
+        other.write_bytes(b"still working")
+        req2 = stager.send(other, "small")
+        assert stager.wait(req2, 60) == SI_SCES
+        assert (tmp_path / "global" / "small").read_bytes() == b"still working"
+        assert stager.close(30) == []
+
+
+def test_worker_by_node_dir_runs_the_copy_on_that_worker(tmp_path, client):
+    stager, workers, _ = worker_stager(tmp_path, client)
+    srcs = {k: stager.stage_dir / f"node{k}" / "sub" / f"from{k}" for k in range(2)}
+    ids = {}
+    for k, src in srcs.items():
+        src.parent.mkdir(parents=True, exist_ok=True)
+        src.write_bytes(b"x" * k)
+        ids[k] = stager.send(src, f"from{k}")
+    assert set(stager.wait(timeout=60).values()) == {SI_SCES}
+    # The worker that announced SI_ACTV ran the copy: the one that holds node{k}.
+    for k, req in ids.items():
+        assert stager.mover.ran_on[req] == workers[k]
+        assert (tmp_path / "global" / f"from{k}").read_bytes() == b"x" * k
+    stager.close(30)
