@@ -72,12 +72,14 @@ class DaskContext(Context):
 
     # --- protection ------------------------------------------------------------------------------
 
-    def protect(self, id: int, array: Any, name: str | None = None) -> None:
+    def protect(self, id: int, array: Any, name: str | None = None, compressor: Any = None) -> None:
         """Register a Dask array (or a NumPy array) under ``id``.
 
         Dask arrays are immutable: protect the new array after each step (or use the one
         :attr:`protected` holds after a checkpoint, which is persisted on the cluster).
         """
+        if compressor not in (None, "none") or self.config.compressor not in (None, "none"):
+            raise ProtectError("compression is not available on the Dask backend yet; its files are uncompressed")
         if not is_dask_array(array):
             super().protect(id, array, name)
             return
@@ -115,10 +117,12 @@ class DaskContext(Context):
 
     # --- checkpoint ------------------------------------------------------------------------------
 
-    def checkpoint(self, id: int, level: int) -> DaskCheckpointInfo:
+    def checkpoint(self, id: int, level: int, *, dcp: bool = False) -> DaskCheckpointInfo:
         """Write checkpoint ``id`` at ``level``: each worker writes the chunks it holds, then the level's
         redundancy runs as tasks; committed only when every worker's part succeeded."""
         self._check_open()
+        if dcp:
+            raise LevelError("the Dask backend does not write differential checkpoints; use levels 1-4")
         ckpt_id = _check_id(id, "checkpoint id")
         if ckpt_id == 0:
             raise CheckpointError("checkpoint id 0 is reserved by FTI; use a non-zero id")
