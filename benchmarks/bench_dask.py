@@ -1,0 +1,104 @@
+"""L1 checkpoint of a Dask array on a LocalCluster against ``dask.array.to_zarr`` (no compression)
+plus an fsync of every file zarr wrote (ftidask's files are fsynced, so the baseline is too).
+
+    python benchmarks/bench_dask.py [--size-mib 2048] [--chunk-mib 64] [--workers 2] [--repeat 2]
+
+Both write the same persisted array from the same workers, into the same file system.
+Prints times, throughputs and the ratio zarr_time / ftidask_time (target: >= 1, i.e. ftidask
+as fast as or faster than to_zarr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+import dask.array as da
+import numpy as np
+from distributed import Client, LocalCluster, wait
+
+import ftidask
+
+
+def fsync_tree(root: str) -> int:
+    """fsync every file and directory under ``root``; the number of files."""
+    count = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            count += 1
+        fd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return count
+
+
+def run_zarr(x: da.Array, root: str) -> tuple[float, int]:
+    path = os.path.join(root, "array.zarr")
+    start = time.perf_counter()
+    da.to_zarr(x, path, compressors=None, overwrite=True)
+    files = fsync_tree(path)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(path)
+    return seconds, files
+
+
+def run_ftidask(client: Client, x: da.Array, root: str, ckpt_id: int) -> float:
+    ctx = ftidask.init(client=client, ckpt_dir=f"{root}/Local", glbl_dir=f"{root}/Global",
+                       meta_dir=f"{root}/Meta", verbosity=3, progress="off")
+    ctx.protect(1, x)
+    info = ctx.checkpoint(ckpt_id, 1)
+    ctx.finalize()  # removes the checkpoint (keep_last_ckpt = 0)
+    return info.seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mib", type=int, default=2048)
+    ap.add_argument("--chunk-mib", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="ftidask-bench-", dir=args.dir)
+    chunk_rows = args.chunk_mib * 2**20 // 8 // 1024
+    rows = args.size_mib * 2**20 // 8 // 1024
+    with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0",
+                      memory_limit=0, silence_logs=40) as cluster, Client(cluster) as client:
+        x = da.random.default_rng(0).random((rows, 1024), chunks=(chunk_rows, 1024)).persist()
+        wait(x)
+        nbytes = x.nbytes
+        print(f"array: {nbytes / 2**30:.2f} GiB float64, {x.npartitions} chunks of {args.chunk_mib} MiB, "
+              f"{args.workers} workers x 1 thread")
+        ft, zt = [], []
+        try:
+            for i in range(args.repeat):
+                # Alternate the order so that neither always writes into a warmer page cache.
+                if i % 2 == 0:
+                    ft.append(run_ftidask(client, x, root, i + 1))
+                    zt.append(run_zarr(x, root)[0])
+                else:
+                    zt.append(run_zarr(x, root)[0])
+                    ft.append(run_ftidask(client, x, root, i + 1))
+                print(f"  run {i + 1}: ftidask L1 {ft[-1]:.2f} s ({nbytes / ft[-1] / 2**20:.0f} MiB/s), "
+                      f"to_zarr+fsync {zt[-1]:.2f} s ({nbytes / zt[-1] / 2**20:.0f} MiB/s)")
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    best_f, best_z = min(ft), min(zt)
+    print(f"best: ftidask L1 {best_f:.2f} s ({nbytes / best_f / 2**20:.0f} MiB/s), "
+          f"to_zarr+fsync {best_z:.2f} s ({nbytes / best_z / 2**20:.0f} MiB/s)")
+    print(f"ratio to_zarr/ftidask = {best_z / best_f:.2f} (>= 1 means ftidask is as fast or faster); "
+          f"median ratio {np.median(zt) / np.median(ft):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""The Dask backend: protected Dask arrays checkpointed by the workers that hold their chunks.
+
+Each live worker is an FTI rank (its position in the sorted worker addresses at checkpoint
+time) and an FTI node: it writes ``{ckpt_dir}/node{rank}/{exec_id}/l{level}/ckpt{id}.s{seq}/
+Ckpt{id}-Rank{rank}.fti`` from the chunks it holds (see :mod:`ftidask.daskio.plan`). Every level
+runs as Dask tasks pinned to the workers that hold the chunks or the files; no chunk passes
+through the client or the scheduler. The client writes the commit record, last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from distributed import Client, Future, futures_of
+
+from . import storage
+from .config import Config
+from .context import Context, Protected, _check_id
+from .errors import CheckpointError, FTIError, LevelError, ProtectError
+from .daskio import restore, tasks
+from .daskio.cluster import Cluster
+from .daskio.plan import VarSpec, chunk_table, layout_to_json, plan_ranks
+from .daskio.report import DaskCheckpointInfo, human
+from .levels.ring_groups import copy_holder, copy_source, group_of, make_groups
+from .runstate import CommitRecord, FileRecord
+from .transport.base import Transport
+
+log = logging.getLogger("ftidask")
+
+
+def is_dask_array(value: Any) -> bool:
+    return hasattr(value, "__dask_graph__") and hasattr(value, "chunks") and hasattr(value, "dtype")
+
+
+class DaskTransport(Transport):
+    """The client's view: one process (rank 0 of 1) driving a cluster of worker nodes."""
+
+    name = "dask"
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def barrier(self) -> None:
+        return None
+
+    def allgather(self, value: Any) -> list[Any]:
+        return [value]
+
+    def levels(self) -> tuple[int, ...]:
+        return (1, 2, 3, 4) if len(self.cluster.workers()) >= 2 else (1, 4)
+
+    def check_level(self, level: int) -> None:
+        if level in (2, 3) and level not in self.levels():
+            raise LevelError(f"level {level} needs at least 2 Dask workers; the cluster has "
+                             f"{len(self.cluster.workers())}")
+        super().check_level(level)
+
+
+class DaskContext(Context):
+    """A :class:`Context` whose ranks are the workers of a ``distributed`` cluster."""
+
+    def __init__(self, config: Config, client: Client) -> None:
+        self.client = client
+        self.cluster = Cluster(client, config.progress)
+        self._fault: dict[int, str] = {}  # rank -> stage: real worker kills, for the test suite
+        super().__init__(config, DaskTransport(self.cluster))
+
+    # --- protection ------------------------------------------------------------------------------
+
+    def protect(self, id: int, array: Any, name: str | None = None, compressor: Any = None) -> None:
+        """Register a Dask array (or a NumPy array) under ``id``.
+
+        Dask arrays are immutable: protect the new array after each step (or use the one
+        :attr:`protected` holds after a checkpoint, which is persisted on the cluster).
+        """
+        if compressor not in (None, "none") or self.config.compressor not in (None, "none"):
+            raise ProtectError("compression is not available on the Dask backend yet; its files are uncompressed")
+        if not is_dask_array(array):
+            super().protect(id, array, name)
+            return
+        self._check_open()
+        vid = _check_id(id, "variable id")
+        if np.dtype(array.dtype).hasobject:
+            raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes")
+        if any(np.isnan(c) for dim in array.chunks for c in dim):
+            raise ProtectError("the array has unknown chunk sizes; call .compute_chunk_sizes() first")
+        old = self._vars.get(vid)
+        self._vars[vid] = Protected(vid, str(name if name is not None else old.name if old else f"var{vid}"), array)
+
+    def _chunk_futures(self) -> tuple[list[VarSpec], dict[tuple[int, tuple[int, ...]], Future]]:
+        """Persist every protected array (once) and return its chunks' futures by grid index."""
+        specs, futures = [], {}
+        for vid, p in self._vars.items():
+            arr = p.array
+            if is_dask_array(arr):
+                kind = "dask"
+                arr = self.client.persist(arr)
+                p.array = arr  # later checkpoints and the user reuse the persisted chunks
+            else:
+                kind = "numpy"
+                future = self.client.scatter(np.ascontiguousarray(arr), hash=False)
+                futures[vid, tuple(0 for _ in arr.shape)] = future
+            spec = VarSpec(vid, p.name, np.dtype(arr.dtype), tuple(int(n) for n in arr.shape),
+                           tuple(tuple(int(c) for c in dim) for dim in arr.chunks) if kind == "dask"
+                           else tuple((int(n),) for n in arr.shape), kind)
+            specs.append(spec)
+            if kind == "dask":
+                by_key = {f.key: f for f in futures_of(arr)}
+                for key in _flatten(arr.__dask_keys__()):
+                    futures[vid, tuple(key[1:])] = by_key[key]
+        return specs, futures
+
+    # --- checkpoint ------------------------------------------------------------------------------
+
+    def checkpoint(self, id: int, level: int, *, dcp: bool = False) -> DaskCheckpointInfo:
+        """Write checkpoint ``id`` at ``level``: each worker writes the chunks it holds, then the level's
+        redundancy runs as tasks; committed only when every worker's part succeeded."""
+        self._check_open()
+        if dcp:
+            raise LevelError("the Dask backend does not write differential checkpoints; use levels 1-4")
+        ckpt_id = _check_id(id, "checkpoint id")
+        if ckpt_id == 0:
+            raise CheckpointError("checkpoint id 0 is reserved by FTI; use a non-zero id")
+        level = self._check_level(level)
+        start = time.perf_counter()
+        specs, futures = self._chunk_futures()
+        workers = self.cluster.workers()
+        try:
+            self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays", gather=False)
+        except FTIError as exc:
+            raise CheckpointError(f"checkpoint {ckpt_id}: the protected arrays could not be computed: {exc}") from exc
+        rank_of = {w: r for r, w in enumerate(workers)}
+        who_has = self.client.who_has(list(futures.values()))
+        owner = {}
+        for place, future in futures.items():
+            holders = sorted((rank_of[w] for w in who_has.get(future.key, ()) if w in rank_of))
+            if not holders:
+                raise CheckpointError(f"checkpoint {ckpt_id}: chunk {place} is held by no live worker")
+            owner[place] = holders[0]
+        seq = self.state.next_seq()
+        try:
+            with self.cluster.batch():
+                results = self._run_levels(ckpt_id, level, seq, specs, futures, owner, workers)
+        except FTIError as exc:
+            self._remove_dirs(ckpt_id, seq, level, len(workers))
+            raise CheckpointError(f"checkpoint {ckpt_id} at level {level} failed; the previous checkpoint is "
+                                  f"kept: {exc}") from exc
+        plans, written, groups = results
+        record = CommitRecord(seq, ckpt_id, level, time.time(), len(workers),
+                              tuple(FileRecord(w["rank"], w["node"], w["size"], w["fb_hash"]) for w in written),
+                              {"backend": "dask", "workers": workers, "groups": groups,
+                               "vars": [s.to_json() for s in specs], "chunks": chunk_table(plans)})
+        self.state.write_record(record)  # the commit point
+        self._layout = None
+        self._retire_older(record)
+        self._collect_garbage()
+        variables = tuple({"id": s.id, "name": s.name, "dtype": str(s.dtype), "shape": s.shape,
+                           "nchunks": len(s.grid()), "nbytes": sum(s.chunk_nbytes(i) for i in s.grid())}
+                          for s in specs)
+        info = DaskCheckpointInfo(ckpt_id, level, seq, sum(w["data_bytes"] for w in written),
+                                  sum(w["size"] for w in written), time.perf_counter() - start,
+                                  workers=tuple(workers), file_sizes=tuple(w["size"] for w in written),
+                                  variables=variables)
+        self.last_checkpoint = info
+        self._next_ckpt_id = max(self._next_ckpt_id, ckpt_id + 1)
+        log.info("checkpoint %d (level %d) written by %d workers: %s", ckpt_id, level, len(workers),
+                 human(info.bytes_written))
+        return info
+
+    def _file(self, level: int, ckpt_id: int, seq: int, rank: int, name: str) -> str:
+        return str(self.paths.level_dir(level, rank) / storage.ckpt_dirname(ckpt_id, seq) / name)
+
+    def _run_levels(self, ckpt_id: int, level: int, seq: int, specs: list[VarSpec], futures: dict,
+                    owner: dict, workers: list[str]) -> tuple[list, list[dict[str, Any]], list[list[int]]]:
+        n = len(workers)
+        plans = plan_ranks(specs, owner, n)
+        groups = make_groups(n, self.config.group_size)
+        fs = [p.layout.fs for p in plans]
+        write_level = 1 if level == 4 else level  # L4 writes locally, then flushes
+        tag = f"{ckpt_id}-{seq}"
+
+        def own(lv: int, r: int) -> str:
+            return self._file(lv, ckpt_id, seq, r, storage.rank_file(ckpt_id, r))
+
+        writes = []
+        for plan in plans:
+            r = plan.rank
+            meta = {"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level, "seq": seq,
+                    "rank": r, "nranks": n, "node": r, "backend": "dask", "worker": workers[r],
+                    "time": time.time()}
+            partner = fs[copy_source(groups, r)] if level == 2 and len(workers) > 1 else fs[r]
+            writes.append(self.cluster.submit(
+                tasks.write_rank, self._file(write_level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r)),
+                layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, self.config.hash, partner,
+                max(fs[g] for g in group_of(groups, r)), [[c.var_id, c.dptr] for c in plan.chunks],
+                *(futures[c.var_id, c.index] for c in plan.chunks),
+                fault=self._fault.get(r), key=f"ftidask-write-{tag}-{r}", worker=workers[r]))
+        finals: list[Future] = []
+        if level == 2:
+            for r in range(n):
+                holder = copy_holder(groups, r)
+                sent = self.cluster.submit(tasks.read_bytes, own(2, r), writes[r], fault=self._fault.get(r),
+                                           key=f"ftidask-partner-send-{tag}-{r}", worker=workers[r])
+                finals.append(self.cluster.submit(
+                    tasks.store_bytes, self._file(2, ckpt_id, seq, holder, storage.partner_file(ckpt_id, holder)),
+                    sent, key=f"ftidask-partner-store-{tag}-{holder}", worker=workers[holder]))
+        elif level == 3:
+            for group in groups:
+                sent = [self.cluster.submit(tasks.read_bytes, own(3, r), writes[r],
+                                            key=f"ftidask-parity-send-{tag}-{r}", worker=workers[r])
+                        for r in group]
+                for pos, r in enumerate(group):
+                    finals.append(self.cluster.submit(
+                        tasks.encode_parity, self._file(3, ckpt_id, seq, r, storage.parity_file(ckpt_id, r)), pos,
+                        sent, key=f"ftidask-parity-encode-{tag}-{r}", worker=workers[r]))
+        elif level == 4:
+            for r in range(n):
+                name = storage.rank_file(ckpt_id, r)
+                finals.append(self.cluster.submit(
+                    tasks.flush, self._file(1, ckpt_id, seq, r, name), self._file(4, ckpt_id, seq, r, name), writes[r],
+                    key=f"ftidask-flush-{tag}-{r}", worker=workers[r]))
+        written = self.cluster.wait_all(writes + finals, workers, f"checkpoint {ckpt_id}")[:n]
+        return plans, written, groups
+
+    # --- cleanup -----------------------------------------------------------------------------------
+
+    def _dirs(self, ckpt_id: int, seq: int, levels: set[int], nranks: int) -> list[str]:
+        name = storage.ckpt_dirname(ckpt_id, seq)
+        return [str(self.paths.level_dir(lv, r) / name) for lv in levels - {4} for r in range(nranks)]
+
+    def _remove_dirs(self, ckpt_id: int, seq: int, level: int, nranks: int) -> None:
+        """Remove a checkpoint's directories on every worker (each sees its own node's)."""
+        dirs = self._dirs(ckpt_id, seq, {1, 2, 3, level}, max(nranks, len(self.cluster.workers())))
+        self.cluster.run(tasks.remove_paths, dirs)
+        storage.remove_tree(self.paths.level_dir(4, 0) / storage.ckpt_dirname(ckpt_id, seq))
+
+    def _collect_garbage(self) -> None:
+        """Remove interrupted checkpoints' leftovers on every worker (and in the global directory)."""
+        committed = {r.dirname for r in self.state.records()}
+        self.cluster.run(tasks.collect_garbage, str(self.paths.ckpt_dir), self.exec_id, sorted(committed))
+        glob_root = self.paths.level_dir(4, 0)
+        if glob_root.is_dir():
+            for entry in glob_root.iterdir():
+                if entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
+                    storage.remove_tree(entry)
+        for root in (self.state.records_dir, self.state.root):  # torn commit records (killed client)
+            if root.is_dir():
+                for tmp in root.glob(".*.tmp-*"):
+                    tmp.unlink(missing_ok=True)
+
+    def _remove_checkpoint(self, record: CommitRecord) -> None:
+        self.state.delete_record(record.seq)
+        self._remove_dirs(record.ckpt_id, record.seq, record.level, record.nranks)
+
+    def _flush_to_l4(self, record: CommitRecord) -> None:
+        """keep_last_ckpt: copy the last checkpoint's files (rebuilt if needed) to the global directory."""
+        seq = self.state.next_seq()
+        with self.cluster.batch():
+            self._flush_files(record, seq)
+        self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time()))
+
+    def _flush_files(self, record: CommitRecord, seq: int) -> None:
+        hosts = restore.restore_files(self, record)
+        futures = []
+        for r, (worker, path) in hosts.items():
+            dst = self._file(4, record.ckpt_id, seq, r, storage.rank_file(record.ckpt_id, r))
+            futures.append(self.cluster.submit(tasks.flush, path, dst, keep_src=True,
+                                               key=f"ftidask-flush-{record.ckpt_id}-{seq}-{r}", worker=worker))
+        self.cluster.wait_all(futures, [w for w, _p in hosts.values()], "keep_last_ckpt flush")
+
+    # --- recovery ----------------------------------------------------------------------------------
+
+    def recover(self, ckpt_id: int | None = None, level: int | None = None,
+                chunks: Any = None) -> dict[int, Any]:
+        """Rebuild the newest checkpoint that verifies; returns id -> array (a new Dask array for Dask
+        variables: rebind it; NumPy variables are filled in place).
+
+        ``chunks``: the chunks of the returned Dask arrays (a dask ``chunks`` value, or a dict
+        id -> chunks); by default a protected Dask array's own chunks, else the stored ones.
+        """
+        self._check_open()
+        return restore.recover(self, ckpt_id, level, chunks)
+
+    def stored_size(self, id: int) -> int:
+        """Bytes of variable ``id`` in the checkpoint to recover (or the last one written)."""
+        vid = _check_id(id, "variable id")
+        return restore.stored_size(self, vid)
+
+    def realloc(self, id: int, array: Any = None) -> Any:
+        raise FTIError("realloc is not needed with Dask: recover() returns new arrays of the stored shape")
+
+    # --- display -------------------------------------------------------------------------------------
+
+    def _var_rows(self) -> list[tuple[int, str, str, tuple[int, ...], str, int]]:
+        rows = []
+        for p in self._vars.values():
+            a = p.array
+            chunks = "x".join(str(max(c) if c else 0) for c in a.chunks) if is_dask_array(a) else "numpy"
+            rows.append((p.id, p.name, str(a.dtype), tuple(a.shape), chunks, int(a.nbytes)))
+        return rows
+
+    def __repr__(self) -> str:
+        vars_ = ", ".join(f"{i}:{n} {d}{list(s)} chunks {c} ({human(b)})" for i, n, d, s, c, b in self._var_rows())
+        last = self.last_checkpoint
+        return (f"<ftidask.Context exec_id={self.exec_id!r} backend=dask workers={len(self.cluster.workers())} "
+                f"levels={list(self.transport.levels())} status={self._status} vars=[{vars_}] "
+                f"last_checkpoint={None if last is None else (last.id, last.level)}"
+                f"{' finalized' if self._closed else ''}>")
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><td>{i}</td><td>{html.escape(n)}</td><td>{d}</td><td>{s}</td><td>{c}</td>"
+                       f"<td>{human(b)}</td></tr>" for i, n, d, s, c, b in self._var_rows())
+        last = self.last_checkpoint
+        state = "finalized" if self._closed else "open"
+        return (f"<div><b>ftidask.Context</b> run <code>{html.escape(self.exec_id)}</code>, Dask backend, "
+                f"{len(self.cluster.workers())} workers, levels {list(self.transport.levels())}, status "
+                f"{self._status}, {state}; last checkpoint: "
+                f"{'none' if last is None else f'id {last.id}, level {last.level}, {human(last.bytes_written)}'}"
+                "<table><tr><th>id</th><th>name</th><th>dtype</th><th>shape</th><th>chunk</th><th>size</th></tr>"
+                f"{rows}</table></div>")
+
+
+def _flatten(keys: Any) -> list[Any]:
+    if isinstance(keys, list):
+        return [k for sub in keys for k in _flatten(sub)]
+    return [keys]
+
+
+def make_dask_context(cfg: Config, client: Client) -> DaskContext:
+    """The Context of ``ftidask.init(config, client=...)``."""
+    if not isinstance(client, Client):
+        raise FTIError(f"client= must be a distributed.Client, got {type(client).__name__}")
+    return DaskContext(cfg, client)
+
+
+__all__ = ["DaskContext", "DaskTransport", "make_dask_context"]

@@ -1,0 +1,266 @@
+"""Recovery on a Dask cluster: find the newest checkpoint whose files verify (rebuilding what
+lost workers held from L2 copies or L3 parity), then read each chunk on the worker that sees
+its file. Works on a cluster of any size: ranks of the checkpoint are mapped onto live workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from dask.array.core import Array, normalize_chunks
+
+from .. import storage
+from ..arrays import dtype_from_json
+from ..context import Protected
+from ..errors import FTIError, NoCheckpointError, RecoveryError
+from ..levels.ring_groups import copy_holder
+from ..runstate import CommitRecord
+from . import tasks
+from .cluster import WorkerLost
+from .plan import VarSpec
+
+if TYPE_CHECKING:
+    from ..dask_backend import DaskContext
+
+log = logging.getLogger("ftidask")
+
+
+class Unrecoverable(FTIError):
+    """This checkpoint cannot be rebuilt; an older one may still be."""
+
+
+def dask_records(ctx: DaskContext, ckpt_id: int | None, level: int | None) -> list[CommitRecord]:
+    return [r for r in ctx._candidates(ckpt_id, level) if r.extra.get("backend") == "dask"]
+
+
+class _Placer:
+    """Chooses the worker that serves each file: the one that wrote it if alive, else the least loaded."""
+
+    def __init__(self, workers: list[str], seen: dict[str, list[bool]], paths: list[str]) -> None:
+        self.workers = workers
+        self.load: collections.Counter[str] = collections.Counter()
+        self.visible = {p: [w for w in workers if isinstance(seen.get(w), list) and seen[w][i]]
+                        for i, p in enumerate(paths)}
+
+    def pick(self, path: str, preferred: str | None = None) -> str | None:
+        cands = self.visible.get(path, [])
+        if not cands:
+            return None
+        worker = preferred if preferred in cands else min(cands, key=lambda w: (self.load[w], self.workers.index(w)))
+        self.load[worker] += 1
+        return worker
+
+    def any(self) -> str:
+        worker = min(self.workers, key=lambda w: (self.load[w], self.workers.index(w)))
+        self.load[worker] += 1
+        return worker
+
+
+def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str, str]]:
+    """rank -> (worker, path) of a verified file, for every rank of ``record``; rebuilds lost files."""
+    cl = ctx.cluster
+    workers = cl.workers()
+    if not workers:
+        raise RecoveryError("the cluster has no workers")
+    n, level, cid, seq = record.nranks, record.level, record.ckpt_id, record.seq
+    recorded = list(record.extra.get("workers", []))
+    groups = [list(g) for g in record.extra.get("groups", [list(range(n))])]
+    fb = {f.rank: f.fb_hash for f in record.files}
+    sizes = {f.rank: f.size for f in record.files}
+    own = {r: ctx._file(level, cid, seq, r, storage.rank_file(cid, r)) for r in range(n)}
+    pcof = {r: ctx._file(2, cid, seq, r, storage.partner_file(cid, r)) for r in range(n)} if level == 2 else {}
+    rsed = {r: ctx._file(3, cid, seq, r, storage.parity_file(cid, r)) for r in range(n)} if level == 3 else {}
+    paths = list(own.values()) + list(pcof.values()) + list(rsed.values())
+    placer = _Placer(workers, cl.run(tasks.existing, paths), paths)
+    tag = f"{cid}-{seq}-{uuid.uuid4().hex[:8]}"
+    hosts: dict[int, str] = {}
+    checks = {}
+    for r in range(n):
+        worker = placer.pick(own[r], recorded[r] if r < len(recorded) else None)
+        if worker is not None:
+            hosts[r] = worker
+            checks[r] = cl.submit(tasks.check_file, own[r], fb[r], key=f"ftidask-check-{tag}-{r}", worker=worker)
+    results = cl.wait_all(list(checks.values()), set(hosts.values()), f"checking checkpoint {cid}")
+    verdicts = dict(zip(checks, results, strict=True))
+    ok = {r for r, v in verdicts.items() if v["ok"]}
+    bad = [r for r in range(n) if r not in ok]
+    if not bad:
+        return {r: (hosts[r], own[r]) for r in range(n)}
+    why = "; ".join(verdicts[r]["message"] if r in verdicts else f"rank {r}'s file is on no live worker"
+                    for r in bad[:4])
+    if level in (1, 4):
+        raise Unrecoverable(f"files of rank(s) {bad} are lost or damaged ({why}); level {level} keeps no copy")
+    for r in bad:
+        hosts[r] = placer.any()
+    rebuilt = {}
+    if level == 2:
+        for r in bad:
+            holder = copy_holder(groups, r)
+            src = placer.pick(pcof[holder], recorded[holder] if holder < len(recorded) else None)
+            if src is None:
+                raise Unrecoverable(f"rank {r}'s file and its partner copy (on rank {holder}) are both lost")
+            sent = cl.submit(tasks.read_bytes, pcof[holder], key=f"ftidask-rebuild-send-{tag}-{r}", worker=src)
+            stored = cl.submit(tasks.store_bytes, own[r], sent, key=f"ftidask-rebuild-store-{tag}-{r}",
+                               worker=hosts[r])
+            rebuilt[r] = cl.submit(tasks.check_file, own[r], fb[r], stored, key=f"ftidask-rebuild-check-{tag}-{r}",
+                                   worker=hosts[r])
+    else:
+        for gi, group in enumerate(groups):
+            lost = [r for r in group if r in bad]
+            if not lost:
+                continue
+            k, length = len(group), max(sizes[r] for r in group)
+            available = [(pos, own[r], hosts[r]) for pos, r in enumerate(group) if r in ok]
+            for pos, r in enumerate(group):
+                src = placer.pick(rsed[r], recorded[r] if r < len(recorded) else None)
+                if src is not None:
+                    available.append((k + pos, rsed[r], src))
+            if len(available) < k:
+                raise Unrecoverable(f"group {group} lost {len(lost)} of {k} workers: only {len(available)} of its "
+                                    f"{2 * k} files remain, {k} are needed")
+            sends = [(idx, cl.submit(tasks.read_bytes, path, key=f"ftidask-rebuild-send-{tag}-{gi}-{idx}",
+                                     worker=w)) for idx, path, w in available[:k]]
+            for r in lost:
+                decoded = cl.submit(tasks.decode_file, own[r], group.index(r), k, sizes[r], length, sends,
+                                    key=f"ftidask-rebuild-decode-{tag}-{r}", worker=hosts[r])
+                rebuilt[r] = cl.submit(tasks.check_file, own[r], fb[r], decoded,
+                                       key=f"ftidask-rebuild-check-{tag}-{r}", worker=hosts[r])
+    results = cl.wait_all(list(rebuilt.values()), workers, f"rebuilding checkpoint {cid}")
+    failed = [(r, v["message"]) for r, v in zip(rebuilt, results, strict=True) if not v["ok"]]
+    if failed:
+        raise Unrecoverable(f"rebuilt file(s) do not verify: {failed[:4]}")
+    log.info("checkpoint %d: rebuilt the files of rank(s) %s from level %d", cid, bad, level)
+    return {r: (hosts[r], own[r]) for r in range(n)}
+
+
+def _specs(record: CommitRecord) -> list[VarSpec]:
+    return [VarSpec(int(v["id"]), str(v["name"]), dtype_from_json(v["dtype"]), tuple(v["shape"]),
+                    tuple(tuple(c) for c in v["chunks"]), str(v.get("kind", "dask"))) for v in record.extra["vars"]]
+
+
+def _target_chunks(ctx: DaskContext, spec: VarSpec, chunks: Any) -> Any:
+    """The chunks asked for ``spec``'s array (argument first, then a protected Dask array's)."""
+    if isinstance(chunks, dict):
+        chunks = chunks.get(spec.id)
+    if chunks is None:
+        held = ctx._vars.get(spec.id)
+        if held is not None and hasattr(held.array, "chunks") and tuple(held.array.shape) == spec.shape:
+            chunks = held.array.chunks
+    if chunks is None:
+        return spec.chunks
+    return normalize_chunks(chunks, spec.shape, dtype=spec.dtype)
+
+
+def _check_protected(ctx: DaskContext, specs: list[VarSpec]) -> None:
+    stored = {s.id: s for s in specs}
+    for vid, p in ctx._vars.items():
+        spec = stored.get(vid)
+        if spec is None:
+            raise RecoveryError(f"variable {vid} is protected but not in the checkpoint (it holds ids "
+                                f"{sorted(stored)})")
+        if np.dtype(p.array.dtype) != spec.dtype or tuple(p.array.shape) != spec.shape:
+            raise RecoveryError(f"variable {vid}: checkpoint holds {spec.dtype} {spec.shape}, the protected array "
+                                f"is {p.array.dtype} {tuple(p.array.shape)}")
+
+
+def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[str, str]],
+                 chunks: Any = None) -> dict[int, Any]:
+    """Dask arrays whose chunks are read (and hash-checked) on the workers that serve the files."""
+    specs = _specs(record)
+    _check_protected(ctx, specs)
+    fb = {f.rank: f.fb_hash for f in record.files}
+    raw_dtypes = {int(v["id"]): v["dtype"] for v in record.extra["vars"]}
+    token = uuid.uuid4().hex
+    arrays: dict[int, Array] = {}
+    futures = []
+    for spec in specs:
+        name = f"ftidask-read-{spec.id}-{token}"
+        graph = {}
+        for index, rank, dptr, _nbytes in record.extra["chunks"].get(str(spec.id), []):
+            worker, path = hosts[int(rank)]
+            key = (name, *index)
+            graph[key] = ctx.cluster.submit(tasks.read_chunk, path, spec.id, int(dptr), raw_dtypes[spec.id],
+                                            list(spec.chunk_shape(tuple(index))), fb[int(rank)], key=key,
+                                            worker=worker)
+            futures.append(graph[key])
+        if len(graph) != math.prod(len(c) for c in spec.chunks):
+            raise RecoveryError(f"checkpoint {record.ckpt_id}: variable {spec.id} has missing chunks")
+        arrays[spec.id] = Array(graph, name, spec.chunks, dtype=spec.dtype)
+    # Every chunk is read and verified before anything is handed back.
+    ctx.cluster.wait_all(futures, {w for w, _p in hosts.values()}, f"reading checkpoint {record.ckpt_id}",
+                         gather=False)
+    out: dict[int, Any] = {}
+    for spec in specs:
+        arr = arrays[spec.id]
+        held = ctx._vars.get(spec.id)
+        if spec.kind == "numpy" or (held is not None and isinstance(held.array, np.ndarray)):
+            value = arr.compute()
+            if held is not None and isinstance(held.array, np.ndarray):
+                np.copyto(held.array, value)
+                value = held.array
+            out[spec.id] = value
+            continue
+        target = _target_chunks(ctx, spec, chunks)
+        if target != spec.chunks:
+            arr = arr.rechunk(target)
+        out[spec.id] = arr
+        ctx._vars[spec.id] = Protected(spec.id, held.name if held is not None else spec.name, arr)
+    return out
+
+
+def _restore_retrying(ctx: DaskContext, record: CommitRecord, attempts: int = 3) -> dict[int, tuple[str, str]]:
+    """:func:`restore_files`, tried again when a worker leaves meanwhile (a loss the scheduler had not
+    noticed yet when the tasks were placed)."""
+    for _attempt in range(attempts - 1):
+        try:
+            with ctx.cluster.batch():
+                return restore_files(ctx, record)
+        except WorkerLost:
+            log.info("a worker left while checkpoint %d was being checked; trying again", record.ckpt_id)
+    with ctx.cluster.batch():
+        return restore_files(ctx, record)
+
+
+def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: Any) -> dict[int, Any]:
+    """The newest recoverable checkpoint's arrays (see :meth:`DaskContext.recover`)."""
+    reasons = []
+    for record in dask_records(ctx, ckpt_id, level):
+        try:
+            hosts = _restore_retrying(ctx, record)
+        except (Unrecoverable, RecoveryError) as exc:
+            if not isinstance(exc, Unrecoverable) and "no workers" in str(exc):
+                raise
+            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {exc}")
+            log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, exc)
+            continue
+        except FTIError as exc:  # a worker lost or a task failed while checking: try the next one
+            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {exc}")
+            continue
+        out = build_arrays(ctx, record, hosts, chunks)
+        ctx._recovered = True
+        ctx.recovered_from = (record.ckpt_id, record.level)
+        ctx._next_ckpt_id = max(ctx._next_ckpt_id, record.ckpt_id + 1)
+        log.info("recovered checkpoint %d from level %d on %d workers", record.ckpt_id, record.level,
+                 len(ctx.cluster.workers()))
+        return out
+    what = "no committed checkpoint" if not reasons else "no checkpoint can be recovered"
+    raise NoCheckpointError(f"{what} for run {ctx.exec_id} in {ctx.paths.meta_dir}"
+                            + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
+                            + (f" (level={level})" if level is not None else "")
+                            + "".join(f"\n  - {r}" for r in reasons))
+
+
+def stored_size(ctx: DaskContext, vid: int) -> int:
+    """Bytes of variable ``vid`` in the newest committed checkpoint."""
+    records = dask_records(ctx, None, None)
+    if not records:
+        raise RecoveryError("no committed checkpoint")
+    for spec in _specs(records[0]):
+        if spec.id == vid:
+            return math.prod(spec.shape) * spec.dtype.itemsize
+    raise RecoveryError(f"variable {vid} is not in the checkpoint")

@@ -1,0 +1,202 @@
+"""Functions that Dask runs as tasks on the workers: write, copy, encode, flush, check, read.
+
+Plain functions of paths, JSON-able values and NumPy arrays (no ``distributed`` import);
+the client places each one on the worker that holds the chunks or the files. Bytes that move
+between workers (L2 copies, L3 stripes) move as task results, through Dask's own transfers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import storage
+from ..arrays import VarInfo, dtype_from_json
+from ..checkpointing import write_rank_file
+from ..errors import FormatError
+from ..ftiff import hashing
+from ..ftiff.reader import parse_ftiff, verify_data
+from .plan import layout_from_json
+
+
+class ChunkBytes:
+    """The byte stream of one variable in a worker's file: its chunks back to back."""
+
+    def __init__(self, chunks: Sequence[np.ndarray], dptrs: Sequence[int]) -> None:
+        self._views = {}
+        for chunk, dptr in zip(chunks, dptrs, strict=True):
+            flat = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+            self._views[dptr] = memoryview(flat)
+        self.nbytes = sum(len(v) for v in self._views.values())
+
+    def view(self, start: int, stop: int) -> memoryview:
+        # One container per chunk: a container's range is always one whole chunk.
+        data = self._views[start]
+        if stop - start != len(data):
+            raise FormatError(f"container [{start}, {stop}) does not match a chunk of {len(data)} bytes")
+        return data
+
+    def pieces(self, start: int, stop: int) -> list[memoryview]:
+        return [self.view(start, stop)]
+
+
+def _maybe_die(fault: str | None, stage: str) -> None:
+    """Failure injection for the test suite: kill this worker process for real at ``stage``."""
+    if fault == stage:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], meta: dict[str, Any],
+               hash_name: str, pt_fs: int, max_fs: int, places: list[list[int]], *chunks: np.ndarray,
+               fault: str | None = None) -> dict[str, Any]:
+    """Write this worker's FTI-FF file from the chunks it holds (``places``: [var id, dptr] per chunk)."""
+    _maybe_die(fault, "write")
+    layout = layout_from_json(layout_json)
+    by_var: dict[int, tuple[list[np.ndarray], list[int]]] = {}
+    for (vid, dptr), chunk in zip(places, chunks, strict=True):
+        arrays, dptrs = by_var.setdefault(int(vid), ([], []))
+        arrays.append(chunk)
+        dptrs.append(int(dptr))
+    sources = {vid: ChunkBytes(a, d) for vid, (a, d) in by_var.items()}
+    infos = [VarInfo.from_json(raw) for raw in infos_json]
+    written = write_rank_file(Path(path), layout, sources, infos, hash_id=hashing.hash_id(hash_name), meta=meta,
+                              pt_fs=pt_fs, max_fs=max_fs)
+    return {"rank": meta["rank"], "node": meta["node"], "size": written.file_size,
+            "fb_hash": written.fb.hash.hex(), "data_bytes": written.data_bytes, "path": path}
+
+
+def read_bytes(path: str, after: Any = None, fault: str | None = None) -> np.ndarray:
+    """The whole file as uint8 (``after`` only orders this task after the one that wrote it)."""
+    _maybe_die(fault, "send")
+    return np.fromfile(path, dtype=np.uint8)
+
+
+def store_bytes(path: str, data: np.ndarray, after: Any = None) -> dict[str, Any]:
+    """Write ``data`` atomically at ``path`` (an L2 copy or a rebuilt file)."""
+    with storage.atomic_file(Path(path)) as fh:
+        fh.write(memoryview(np.ascontiguousarray(data)))
+    return {"path": path, "size": int(data.nbytes)}
+
+
+def _codec(k: int, m: int) -> Any:
+    from ..levels.erasure import ReedSolomon
+
+    return ReedSolomon(k, m)
+
+
+def _padded(datas: Sequence[np.ndarray], length: int) -> list[np.ndarray]:
+    out = []
+    for data in datas:
+        if data.nbytes < length:
+            data = np.concatenate([data, np.zeros(length - data.nbytes, np.uint8)])
+        out.append(data)
+    return out
+
+
+def encode_parity(path: str, position: int, datas: list[np.ndarray]) -> dict[str, Any]:
+    """Write the group's parity number ``position`` (of ``k``) at ``path``; files are zero-padded."""
+    k = len(datas)
+    length = max(d.nbytes for d in datas)
+    parity = _codec(k, k).encode(_padded(datas, length), parity_indices=[position])[0]
+    return store_bytes(path, np.asarray(parity, dtype=np.uint8))
+
+
+def decode_file(path: str, position: int, k: int, size: int, length: int,
+                available: list[tuple[int, np.ndarray]]) -> dict[str, Any]:
+    """Rebuild data file ``position`` of a group from any ``k`` of its data and parity files."""
+    blocks = {int(i): (d if d.nbytes == length else _padded([d], length)[0]) for i, d in available}
+    data = _codec(k, k).decode(blocks, length)[position]
+    return store_bytes(path, np.asarray(data, dtype=np.uint8)[:size])
+
+
+def flush(src: str, dst: str, after: Any = None, keep_src: bool = False) -> dict[str, Any]:
+    """L4: copy this worker's file to the global directory, then drop the local copy."""
+    size = storage.copy_file_atomic(Path(src), Path(dst))
+    if not keep_src:
+        os.unlink(src)
+    return {"path": dst, "size": size}
+
+
+def check_file(path: str, fb_hash: str, after: Any = None) -> dict[str, Any]:
+    """Parse and hash-check a rank's file; compare its file-block hash with the commit record."""
+    try:
+        with open(path, "rb") as fh:
+            parsed = parse_ftiff(fh, path)
+            verify_data(fh, parsed)
+    except FileNotFoundError:
+        return {"ok": False, "message": f"{path}: missing"}
+    except (FormatError, OSError) as exc:
+        return {"ok": False, "message": str(exc)}
+    if parsed.fb.hash.hex() != fb_hash:
+        return {"ok": False, "message": f"{path}: does not belong to this checkpoint"}
+    return {"ok": True, "message": ""}
+
+
+def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[int], fb_hash: str,
+               after: Any = None) -> np.ndarray:
+    """One chunk from a rank's file, its container hash checked before it is returned."""
+    dtype = dtype_from_json(dtype_json)
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, path)
+        if parsed.fb.hash.hex() != fb_hash:
+            raise FormatError("file does not belong to the checkpoint being recovered", path=path)
+        meta = next((m for _b, _c, m in parsed.containers() if m.id == var_id and m.dptr == dptr
+                     and m.hascontent), None)
+        out = np.empty(shape, dtype)
+        nbytes = out.nbytes
+        if nbytes == 0:
+            return out
+        if meta is None or meta.chunksize != nbytes:
+            raise FormatError(f"no container of {nbytes} bytes for variable {var_id} at dptr {dptr}", path=path)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        got = _pread_into(fh.fileno(), meta.fptr, view)
+    if got != nbytes or hashing.digest(parsed.fb.hash_id, view) != meta.hash:
+        raise FormatError(f"variable {var_id}, chunk at dptr {dptr}: data hash does not match", path=path)
+    return out
+
+
+def _pread_into(fd: int, offset: int, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:got + (64 << 20)]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
+def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str]) -> int:
+    """Remove what interrupted checkpoints left in the node directories this worker sees.
+
+    Checkpoint directories that no commit record names, and temporary files; the count removed.
+    """
+    keep = set(committed)
+    removed = 0
+    for root in Path(ckpt_dir).glob(f"node*/{exec_id}/l[1-4]"):
+        for entry in root.iterdir():
+            if entry.name.startswith(".") and ".tmp-" in entry.name:
+                entry.unlink(missing_ok=True)
+                removed += 1
+            elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in keep:
+                storage.remove_tree(entry)
+                removed += 1
+            elif entry.is_dir():
+                for tmp in entry.glob(".*.tmp-*"):
+                    tmp.unlink(missing_ok=True)
+                    removed += 1
+    return removed
+
+
+def existing(paths: Sequence[str]) -> list[bool]:
+    """Which of ``paths`` this worker sees (run on every worker with ``Client.run``)."""
+    return [os.path.exists(p) for p in paths]
+
+
+def remove_paths(paths: Sequence[str]) -> None:
+    for p in paths:
+        storage.remove_tree(Path(p))
