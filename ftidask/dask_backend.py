@@ -51,6 +51,12 @@ class DaskTransport(Transport):
     def allgather(self, value: Any) -> list[Any]:
         return [value]
 
+    def stage_mover(self, cfg: Config) -> Any:
+        """Staging: each copy is a task on the worker whose node directory (``node{k}``) holds the file."""
+        from .staging_dask import DaskMover, worker_by_node_dir
+
+        return DaskMover(self.cluster.client, worker_by_node_dir(self.cluster.workers))
+
     def levels(self) -> tuple[int, ...]:
         return (1, 2, 3, 4) if len(self.cluster.workers()) >= 2 else (1, 4)
 

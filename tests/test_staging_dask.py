@@ -12,6 +12,7 @@ import xxhash
 
 distributed = pytest.importorskip("distributed")
 
+import ftidask  # noqa: E402
 from ftidask import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES  # noqa: E402
 from ftidask.staging import Stager  # noqa: E402
 from ftidask.staging_dask import DaskMover, worker_by_node_dir  # noqa: E402
@@ -149,3 +150,26 @@ def test_worker_by_node_dir_runs_the_copy_on_that_worker(tmp_path, client):
         assert stager.mover.ran_on[req] == workers[k]
         assert (tmp_path / "global" / f"from{k}").read_bytes() == b"x" * k
     stager.close(30)
+
+
+# --- through ftidask.init(client=...): the Dask backend picks the mover ----------------------------
+
+def test_context_staging_on_dask_backend(tmp_path, client):
+    ctx = ftidask.init(client=client, ckpt_dir=tmp_path / "local", glbl_dir=tmp_path / "global",
+                       meta_dir=tmp_path / "meta", enable_staging=1)
+    stage = ctx.stage_dir()
+    assert stage.parent.name == "node0"  # the client's stage dir is worker 0's node directory
+    mover = ctx._stager.mover
+    assert isinstance(mover, DaskMover)
+    ids = {}
+    for i in range(10):
+        (stage / f"f{i}").write_bytes(bytes([i]) * (i * 1000))
+        ids[i] = ctx.send_file(stage / f"f{i}", f"out/f{i}")
+    states = ctx.wait_staged(timeout=120)
+    assert set(states.values()) == {SI_SCES}
+    workers = sorted(client.scheduler_info()["workers"])
+    for i, req in ids.items():
+        assert ctx.stage_status(req) == SI_SCES and ctx.stage_status(req) == SI_NINI
+        assert mover.ran_on[req] == workers[0]
+        assert (tmp_path / "global" / "out" / f"f{i}").read_bytes() == bytes([i]) * (i * 1000)
+    ctx.finalize()
