@@ -73,6 +73,7 @@ class Context(StagingMixin):
         self._hash_id = hashing.hash_id(config.hash)
         self._closed = False
         self._pool: ThreadPoolExecutor | None = None
+        self._trash_pool: ThreadPoolExecutor | None = None
         self._recovered = False
         self._restart_file: FtiffFile | None = None
         self._restart_record: CommitRecord | None = None
@@ -358,7 +359,10 @@ class Context(StagingMixin):
             if not root.is_dir():
                 continue
             for entry in root.iterdir():
-                if entry.name.startswith(".") and ".tmp-" in entry.name:
+                if entry.name.startswith(storage.TRASH_PREFIX):
+                    if self._trash_pool is None:  # else our own remover is on it
+                        storage.remove_tree(entry)
+                elif entry.name.startswith(".") and ".tmp-" in entry.name:
                     entry.unlink(missing_ok=True)
                 elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
                     storage.remove_tree(entry)
@@ -378,12 +382,21 @@ class Context(StagingMixin):
         t.barrier()
         if self._dcp is not None:  # its file becomes the spare that the next dCP checkpoint patches
             self._dcp.retire(record.level, record.seq, self._rank_file(record), record.ckpt_id)
-        if self.config.enable_dcp and record.level == 4:
-            t.barrier()  # every rank has moved its file out of the shared L4 directory before rank 0 removes it
-        for level in {record.level, 1, 2, 3}:
-            storage.remove_tree(self.paths.level_dir(level, t.node) / record.dirname)
+        if self.config.enable_dcp:
+            t.barrier()  # every rank has moved its file out of the shared directories before any is removed
+        doomed = [self.paths.level_dir(level, t.node) / record.dirname for level in {record.level, 1, 2, 3}]
         if t.rank == 0:
-            storage.remove_tree(self.paths.level_dir(4, 0) / record.dirname)
+            doomed.append(self.paths.level_dir(4, 0) / record.dirname)
+        for path in doomed:
+            trash = storage.move_to_trash(path)
+            if trash is not None:
+                self._remover().submit(storage.remove_tree, trash)
+
+    def _remover(self) -> ThreadPoolExecutor:
+        # Retired checkpoints are deleted off the critical path (they are no longer committed).
+        if self._trash_pool is None:
+            self._trash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-remove")
+        return self._trash_pool
 
     # --- recovery --------------------------------------------------------------------------------
 
@@ -581,9 +594,10 @@ class Context(StagingMixin):
         self._icp = None
         if self._dcp is not None:
             self._dcp.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in (self._pool, self._trash_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._trash_pool = None
         self.transport.close()
 
     def _flush_to_l4(self, record: CommitRecord) -> None:

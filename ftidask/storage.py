@@ -133,3 +133,20 @@ def copy_file_atomic(src: Path, dst: Path) -> int:
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+TRASH_PREFIX = ".trash-"
+
+
+def move_to_trash(path: Path) -> Path | None:
+    """Rename ``path`` to a hidden sibling (atomic, instant), to be removed later; None if absent.
+
+    Freeing the pages of a GiB-sized file takes a noticeable time: the caller removes the
+    trash in the background, and whatever a crash leaves is collected at the next start.
+    """
+    target = path.with_name(f"{TRASH_PREFIX}{path.name}-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        os.rename(path, target)
+    except FileNotFoundError:
+        return None
+    return target

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def _run_stage_job(tmp_path, nprocs, cfg, mover, *extra):
     proc = subprocess.run([MPIEXEC, "-n", str(nprocs), sys.executable, os.fspath(script), json.dumps(cfg),
                            os.fspath(tmp_path), *extra], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    lines = [line.split(" ", 4) for line in proc.stdout.splitlines() if line.startswith("STAGED ")]
+    # Ranks share one stdout pipe: their lines may run together, so match records, not lines.
+    lines = re.findall(r"(STAGED) (\d+) (\w+) (True|False) (\[(?:\[[\d, ]*\](?:, )?)*\])", proc.stdout)
     assert len(lines) == 2, proc.stdout + proc.stderr[-3000:]
     for _tag, _rank, used, ok, sequences in lines:
         assert used == mover and ok == "True", sequences
