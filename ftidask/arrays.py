@@ -8,6 +8,7 @@ bounded pieces through their flat iterator.
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -128,8 +129,8 @@ def dtype_from_json(value: Any) -> np.dtype:
             })
         else:
             raise ValueError(f"unexpected {type(value).__name__}")
-    except (ValueError, TypeError, KeyError) as exc:
-        raise FormatError(f"invalid dtype description {value!r}: {exc}") from None
+    except (ValueError, TypeError, KeyError, RecursionError, OverflowError) as exc:
+        raise FormatError(f"invalid dtype description {reprlib.repr(value)}: {exc}") from None
     if dtype.hasobject:
         raise FormatError(f"object dtype in file: {value!r}")
     return dtype
@@ -165,10 +166,10 @@ class VarInfo:
             shape = tuple(int(n) for n in raw["shape"])
             info = cls(int(raw["id"]), str(raw["name"]), dtype, shape, str(raw["order"]), int(raw["nbytes"]),
                        dict(raw.get("extra", {})))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(f"invalid variable description {raw!r}: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise FormatError(f"invalid variable description {reprlib.repr(raw)}: {exc}") from None
         if info.order not in ("C", "F") or any(n < 0 for n in shape):
-            raise FormatError(f"invalid variable description {raw!r}")
+            raise FormatError(f"invalid variable description {reprlib.repr(raw)}")
         if int(np.prod(shape, dtype=object)) * dtype.itemsize != info.nbytes:
             raise FormatError(f"variable {info.id}: shape {shape} x {dtype} does not make {info.nbytes} bytes")
         return info

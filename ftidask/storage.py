@@ -112,7 +112,7 @@ def read_json(path: Path) -> Any | None:
     """The JSON at ``path``, or None when it is missing or unreadable (a torn or damaged record)."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 

@@ -1,0 +1,94 @@
+"""Fuzzing the reader: any damage gives the exact data back or a FormatError, nothing else."""
+
+import json
+import struct
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ftidask
+from ftidask.arrays import ArrayBytes
+from ftidask.ftiff.reader import parse_ftiff, read_into, verify_data
+
+_FILES: dict[str, bytes] = {}
+
+
+def _sample(tmp_path_factory, kind):
+    if kind not in _FILES:
+        root = tmp_path_factory.mktemp(kind)
+        cfg = dict(ckpt_dir=str(root / "L"), glbl_dir=str(root / "G"), meta_dir=str(root / "M"), verbosity=4)
+        if kind == "dcp":
+            cfg.update(enable_dcp=1, dcp_block_size=512)
+        ctx = ftidask.init(**cfg)
+        ctx.protect(1, np.arange(700, dtype=np.float64))
+        ctx.protect(2, np.zeros(5, dtype=[("a", "<i2"), ("b", "<f4", (2,))]))
+        ctx.checkpoint(1, 5 if kind == "dcp" else 1)
+        ctx.protect(2, np.ones(40, dtype=[("a", "<i2"), ("b", "<f4", (2,))]))
+        info = ctx.checkpoint(2, 5 if kind == "dcp" else 1)
+        (path,) = (root / "L").rglob(f"ckpt2.s{info.seq}/*.fti")
+        _FILES[kind] = path.read_bytes()
+    return _FILES[kind]
+
+
+def _read(path):
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, str(path))
+        verify_data(fh, parsed)
+        out = {vid: info.empty() for vid, info in parsed.vars.items()}
+        read_into(fh, parsed, {vid: ArrayBytes(a) for vid, a in out.items()})
+    return out
+
+
+mutations = st.lists(st.tuples(st.sampled_from(["flip", "set", "cut", "grow", "json"]), st.integers(0, 2**31),
+                               st.integers(0, 255)), min_size=1, max_size=4)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["plain", "dcp"]), ops=mutations)
+def test_any_damage_is_detected_or_harmless(tmp_path_factory, kind, ops):
+    good = _sample(tmp_path_factory, kind)
+    raw = bytearray(good)
+    for op, pos, val in ops:
+        pos %= len(raw) if raw else 1
+        if op == "flip" and raw:
+            raw[pos] ^= (val or 1)
+        elif op == "set" and raw:
+            raw[pos:pos + 8] = struct.pack("<q", (val << 40) - 1)[: len(raw[pos:pos + 8])]
+        elif op == "cut":
+            del raw[pos:]
+        elif op == "grow":
+            raw += bytes([val]) * (pos % 5000)
+        elif op == "json":  # a lying table with valid-looking structure
+            raw = raw.replace(b'"shape":[', b'"shape":[' + str(val).encode() + b",", 1)
+    path = tmp_path_factory.mktemp("f") / "Ckpt2-Rank0.fti"
+    path.write_bytes(bytes(raw))
+    try:
+        out = _read(path)
+    except ftidask.FormatError:
+        return
+    # Accepted: it must be exactly the original content.
+    ref_path = path.with_name("ref.fti")
+    ref_path.write_bytes(good)
+    ref = _read(ref_path)
+    assert set(out) == set(ref)
+    for vid in ref:
+        assert out[vid].tobytes() == ref[vid].tobytes() and out[vid].dtype == ref[vid].dtype
+
+
+def test_deeply_nested_table_is_a_format_error(tmp_path, dirs):
+    from ftidask.ftiff.trailer import parse_trailer
+
+    payload = ("[" * 100000 + "]" * 100000).encode()
+    try:
+        parse_trailer(payload)
+    except ftidask.FormatError:
+        pass
+    deep = {"vars": [{"id": 1, "name": "x", "dtype": json.loads('{"base":' * 50 + '"<f8"' + ',"shape":[1]}' * 50),
+                      "shape": [1], "order": "C", "nbytes": 8}]}
+    from ftidask.arrays import VarInfo
+
+    try:
+        VarInfo.from_json(deep["vars"][0])
+    except ftidask.FormatError:
+        pass
