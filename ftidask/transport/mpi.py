@@ -175,10 +175,7 @@ class MpiTransport(Transport):
             return
         self.check_level(level)
         assert self.group is not None
-        try:
-            size = own_file.stat().st_size
-        except OSError:
-            size = 0
+        size = _size_or_zero(own_file)
         error = multilevel.protect(self.group, self.cfg, level, ckpt_id, self.rank, own_file, ckpt_dir,
                                    self.group.allgather(size))
         if error:
@@ -191,10 +188,7 @@ class MpiTransport(Transport):
             return
         self.check_level(level)
         assert self.group is not None
-        try:
-            size = own_file.stat().st_size
-        except OSError:
-            size = 0
+        size = _size_or_zero(own_file)
         error = partner_delta.protect(self.group, own_file, ckpt_dir / storage.partner_file(ckpt_id, self.rank),
                                       partner_delta.spare_partner_path(ckpt_dir, self.rank), size, delta,
                                       self.cfg.transfer_size << 20)
@@ -276,3 +270,11 @@ def make_mpi_context(cfg: Config, comm: Any) -> Any:
         serve(cfg, transport)
         raise SystemExit(0)
     return Context(cfg, transport)
+
+
+def _size_or_zero(path: Path) -> int:
+    """The file's size, 0 when it is missing (its rank still takes part in the collective)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
