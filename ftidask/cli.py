@@ -79,14 +79,26 @@ def _dirs(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     return base / "Local", base / "Global", base / "Meta"
 
 
+def _table_of(detail: object) -> dict:
+    """The checkpoint's description: an FTI-FF file's variable table, or a Zarr store's attributes."""
+    if isinstance(detail, dict):  # a verified Zarr store's manifest
+        return dict(detail.get("attrs", {}).get("ftidask", {}))
+    return dict(getattr(detail, "trailer", None) or {})
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     roots = [p for p in _dirs(args)[:2] if p.is_dir()] or [Path(args.dir)]
     meta = _dirs(args)[2]
     groups: dict[tuple[str, int], list[tuple[Path, str, object]]] = {}
     for root in roots:
-        for path in _ftiff_files(root):
+        stores = sorted(p for p in root.rglob("*.zarr") if (p / "ftidask-manifest.json").is_file())
+        for path in _ftiff_files(root) + stores:  # level 4 may be written as Zarr stores
             kind, detail = _check(path)
-            table = detail.trailer if kind == "ok" and detail.trailer else {}  # type: ignore[union-attr]
+            table = _table_of(detail) if kind == "ok" else {}
             key = (str(table.get("exec_id", path.parent.parent.parent.name)), int(table.get("seq", 0)))
             groups.setdefault(key, []).append((path, kind, detail))
     if not groups:
@@ -95,9 +107,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(f"{'exec_id':32} {'id':>5} {'level':>5} {'seq':>5} {'time':19} {'files':>5} {'bytes':>14}  state")
     for (exec_id, seq), files in sorted(groups.items()):
         sound = [d for _p, k, d in files if k == "ok"]
-        table = sound[0].trailer if sound else {}  # type: ignore[union-attr]
+        table = _table_of(sound[0]) if sound else {}
         committed = (meta / exec_id / "commits" / f"s{seq:08d}.json").is_file()
-        size = sum(p.stat().st_size for p, _k, _d in files)
+        size = sum(_size(p) for p, _k, _d in files)
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.get("time", 0))) if table else "?"
         state = ("sound" if len(sound) == len(files) else f"DAMAGED ({len(files) - len(sound)} files)")
         state += "" if committed else ", not committed"

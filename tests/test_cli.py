@@ -57,3 +57,13 @@ def test_verify_list_clean(dirs, tmp_path, capsys):
     assert main(["clean", str(tmp_path), "--yes"]) == 0
     assert not list(tmp_path.rglob("*.fti"))
     assert ftidask.init(**dirs).status() == 0
+
+
+def test_list_shows_level4_zarr_stores(dirs, tmp_path, capsys):
+    ctx = ftidask.init(l4_format="zarr", **dirs)
+    ctx.protect(1, np.arange(10.0))
+    ctx.checkpoint(1, 4)
+    ctx.checkpoint(2, 1)
+    assert main(["list", str(tmp_path)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(r[1], r[2], r[-1]) for r in rows] == [("1", "4", "sound"), ("2", "1", "sound")]
