@@ -223,6 +223,7 @@ class Stager:
         self._stage_real = os.path.realpath(stage_dir)
         self._glbl_abs = os.path.abspath(glbl_dir)
         self._glbl_real = os.path.realpath(glbl_dir)
+        self._real_dirs: dict[str, str] = {}
         self.glbl_dir = glbl_dir
         self.allow_outside = allow_outside
         self.hash_name = hash_name
@@ -234,14 +235,28 @@ class Stager:
         # their temporary file and the local files stay, so nothing is lost or left half-written.
         self._exit_hook = weakref.finalize(self, mover.close, 0.0)
 
+    def _real_dir(self, directory: str) -> str:
+        """``realpath`` of a directory, remembered: resolving a path costs one syscall per component,
+        each a chance to wait for the mover thread, and send_file must not block."""
+        real = self._real_dirs.get(directory)
+        if real is None:
+            real = os.path.realpath(directory)
+            if os.path.isdir(real):
+                self._real_dirs[directory] = real
+        return real
+
     def _check(self, local_path: Any, remote_path: Any) -> tuple[str, str, int]:
         # Plain os.path strings: pathlib costs a few hundred microseconds here, and send_file must not block.
         local = os.fspath(local_path)
-        src = os.path.realpath(local)
+        absolute = os.path.abspath(local)
         try:
-            st = os.stat(src)
+            st = os.lstat(absolute)
+            if stat.S_ISLNK(st.st_mode):  # follow it: where the bytes really are is what counts
+                absolute = os.path.realpath(absolute)
+                st = os.stat(absolute)
         except FileNotFoundError:
             raise StagingError(f"send_file: local file {local} does not exist") from None
+        src = os.path.join(self._real_dir(os.path.dirname(absolute)), os.path.basename(absolute))
         if not _inside(src, self._stage_real):
             raise StagingError(f"send_file: {local} is not in the stage directory {self.stage_dir} "
                                "(write it under ctx.stage_dir())")
@@ -251,18 +266,22 @@ class Stager:
         remote = os.path.join(self._glbl_abs, text)  # relative remote paths are taken under glbl_dir
         if text.endswith(os.sep) or os.path.isdir(remote):
             remote = os.path.join(remote, os.path.basename(src))
-        dst = os.path.realpath(remote)
+        remote = os.path.normpath(remote)
+        dst = os.path.join(self._real_dir(os.path.dirname(remote)), os.path.basename(remote))
+        if os.path.islink(dst):
+            dst = os.path.realpath(dst)
         if not self.allow_outside and not _inside(dst, self._glbl_real):
             raise StagingError(f"send_file: {remote_path} is outside glbl_dir {self.glbl_dir} "
                                "(set stage_allow_outside = 1 to allow it)")
         if os.path.lexists(dst):
             raise StagingError(f"send_file: destination {dst} already exists")
         parent = os.path.dirname(dst)
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise StagingError(f"send_file: cannot create {os.path.dirname(dst)}: {parent} is a file, "
-                               "not a directory")
+        if parent not in self._real_dirs.values():
+            while not os.path.exists(parent):
+                parent = os.path.dirname(parent)
+            if not os.path.isdir(parent):
+                raise StagingError(f"send_file: cannot create {os.path.dirname(dst)}: {parent} is a file, "
+                                   "not a directory")
         if self.table.is_target(dst):
             raise StagingError(f"send_file: another pending request already sends a file to {dst}")
         return src, dst, st.st_size
