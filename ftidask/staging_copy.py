@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .ftiff import hashing
+from .storage import fsync_dir
 
 PIECE = 8 << 20
 #: The reason of a transfer stopped by its owner (a finalize past ``stage_timeout``, or an exit without one).
@@ -102,14 +103,6 @@ def _publish(tmp: Path, dst: Path) -> None:
     os.unlink(tmp)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclasses.dataclass(frozen=True)
 class TransferResult:
     nbytes: int
@@ -189,7 +182,7 @@ def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False, *
         action = f"publishing {dst}"
         _publish(tmp, dst)
         created = False
-        _fsync_dir(dst.parent)
+        fsync_dir(dst.parent)
         action = f"removing the staged source {src}"
         os.unlink(src)
         return TransferResult(copied, expected.hex(), time.perf_counter() - start)
