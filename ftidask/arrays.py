@@ -34,6 +34,19 @@ def check_protectable(array: Any) -> np.ndarray:
     return array
 
 
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def check_id(value: Any, what: str) -> int:
+    """``value`` as an FTI id (a 32-bit int), or a clear :class:`ProtectError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ProtectError(f"{what} must be an int, got {value!r}")
+    value = int(value)
+    if not _INT32[0] <= value <= _INT32[1]:
+        raise ProtectError(f"{what} {value} does not fit FTI's 32-bit ids")
+    return value
+
+
 def stream_order(array: np.ndarray) -> str:
     """'F' when the array is Fortran- but not C-contiguous, else 'C'."""
     if array.ndim > 1 and array.flags.f_contiguous and not array.flags.c_contiguous:

@@ -15,24 +15,25 @@ from typing import Any
 import numpy as np
 
 from . import constants, storage
-from .arrays import ArrayBytes, VarInfo, check_protectable
+from .arrays import ArrayBytes, VarInfo, check_id, check_protectable
 from .checkpointing import CheckpointInfo, write_rank_file
 from .dcpstore import DcpStore
 from .config import Config
-from .errors import CheckpointError, FTIError, LevelError, NoCheckpointError, ProtectError, RecoveryError
+from .errors import CheckpointError, FTIError, LevelError
 from .ftiff import blockhash, compression, hashing
 from .ftiff.reader import FtiffFile
 from .layout import Layout, plan_layout
 from .pending import OneShotWriter, PendingCheckpoint, RankFileWriter
 from .progress import Tracked, tracked
-from .recovery import Verdict, check_file, check_sizes, load_file
+from .recovery import check_file
 from .runstate import STATUS_FRESH, CommitRecord, FileRecord, RunState, resolve_run
+from .context_recovery import RecoveryMixin
+from .retention import RetentionMixin
 from .staging import StagingMixin
 from .transport.base import Transport
 
 log = logging.getLogger("ftidask")
 _VERBOSITY = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
-_INT32 = (-(2**31), 2**31 - 1)
 
 
 @dataclasses.dataclass
@@ -45,16 +46,7 @@ class Protected:
     compressor: dict[str, Any] | None = None  # numcodecs config; None: the config's [advanced] compressor
 
 
-def _check_id(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ProtectError(f"{what} must be an int, got {value!r}")
-    value = int(value)
-    if not _INT32[0] <= value <= _INT32[1]:
-        raise ProtectError(f"{what} {value} does not fit FTI's 32-bit ids")
-    return value
-
-
-class Context(StagingMixin):
+class Context(RecoveryMixin, RetentionMixin, StagingMixin):
     """One process's handle on a run: protected variables, checkpoints, recovery."""
 
     def __init__(self, config: Config, transport: Transport) -> None:
@@ -102,7 +94,7 @@ class Context(StagingMixin):
         ``[advanced] compressor`` for this variable; see :mod:`ftidask.ftiff.compression`.
         """
         self._check_open()
-        vid = _check_id(id, "variable id")
+        vid = check_id(id, "variable id")
         array = check_protectable(array)
         old = self._vars.get(vid)
         if name is None:
@@ -148,7 +140,7 @@ class Context(StagingMixin):
         self._check_open()
         if self._icp is not None:
             raise CheckpointError(f"incremental checkpoint {self._icp.ckpt_id} is open; finalize_icp() first")
-        ckpt_id = _check_id(id, "checkpoint id")
+        ckpt_id = check_id(id, "checkpoint id")
         if ckpt_id == 0:
             raise CheckpointError("checkpoint id 0 is reserved by FTI; use a non-zero id")
         level = self._check_level(level)
@@ -335,198 +327,6 @@ class Context(StagingMixin):
     def _partner_fs(self, sizes: list[int]) -> int:
         # FTI's ptFs: the size of the partner file this rank keeps (its left partner's).
         return sizes[self.transport.partner_of()]
-
-    def _retire_older(self, record: CommitRecord) -> None:
-        """After a level-L commit, drop earlier checkpoints of levels 1..L (L4 archived if asked)."""
-        t = self.transport
-        older = t.bcast([r.to_json() for r in self.state.records()] if t.rank == 0 else None)
-        for raw in older:
-            old = CommitRecord.from_json(raw)
-            if old is None or old.seq >= record.seq or old.level > record.level:
-                continue
-            if old.level == 4 and self.config.keep_l4_ckpt:
-                continue
-            self._remove_checkpoint(old)
-
-    def _collect_garbage(self) -> None:
-        """Remove what interrupted checkpoints left: directories no commit record names, temporary files."""
-        t = self.transport
-        committed = t.bcast({r.dirname for r in self.state.records()} if t.rank == 0 else None)
-        roots = [self.paths.local_dir(level, t.node) for level in (1, 2, 3, 4)]
-        if t.rank == 0:
-            roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
-        for root in roots:
-            if not root.is_dir():
-                continue
-            for entry in root.iterdir():
-                if entry.name.startswith(storage.TRASH_PREFIX):
-                    if self._trash_pool is None:  # else our own remover is on it
-                        storage.remove_tree(entry)
-                elif entry.name.startswith(".") and ".tmp-" in entry.name:
-                    entry.unlink(missing_ok=True)
-                elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
-                    storage.remove_tree(entry)
-                elif entry.is_dir():
-                    for tmp in entry.glob(".*.tmp-*"):
-                        if tmp.is_dir():  # a Zarr store being written (l4_format = zarr)
-                            storage.remove_tree(tmp)
-                        else:
-                            tmp.unlink(missing_ok=True)
-        t.barrier()
-
-    def _remove_checkpoint(self, record: CommitRecord) -> None:
-        t = self.transport
-        t.barrier()
-        if t.rank == 0:
-            self.state.delete_record(record.seq)
-        t.barrier()
-        if self._dcp is not None:  # its file becomes the spare that the next dCP checkpoint patches
-            self._dcp.retire(record.level, record.seq, self._rank_file(record), record.ckpt_id)
-        if self.config.enable_dcp:
-            t.barrier()  # every rank has moved its file out of the shared directories before any is removed
-        doomed = [self.paths.level_dir(level, t.node) / record.dirname for level in {record.level, 1, 2, 3}]
-        if t.rank == 0:
-            doomed.append(self.paths.level_dir(4, 0) / record.dirname)
-        for path in doomed:
-            trash = storage.move_to_trash(path)
-            if trash is not None:
-                self._remover().submit(storage.remove_tree, trash)
-
-    def _remover(self) -> ThreadPoolExecutor:
-        # Retired checkpoints are deleted off the critical path (they are no longer committed).
-        if self._trash_pool is None:
-            self._trash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-remove")
-        return self._trash_pool
-
-    # --- recovery --------------------------------------------------------------------------------
-
-    def _candidates(self, ckpt_id: int | None, level: int | None) -> list[CommitRecord]:
-        t = self.transport
-        raw = t.bcast([r.to_json() for r in self.state.records()] if t.rank == 0 else None)
-        records = [r for r in (CommitRecord.from_json(x) for x in raw) if r is not None]
-        if ckpt_id is not None:
-            records = [r for r in records if r.ckpt_id == ckpt_id]
-        if level is not None:
-            records = [r for r in records if r.level == level]
-        return sorted(records, key=lambda r: r.seq, reverse=True)
-
-    def _rank_file(self, record: CommitRecord) -> Path:
-        path = (self.paths.level_dir(record.level, self.transport.node) / record.dirname
-                / storage.rank_file(record.ckpt_id, self.transport.rank))
-        return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
-
-    def _find(self, ckpt_id: int | None = None, level: int | None = None) -> tuple[CommitRecord, Verdict]:
-        """The newest committed checkpoint that every rank can verify (or rebuild)."""
-        t = self.transport
-        reasons = []
-        for record in self._candidates(ckpt_id, level):
-            verdict = check_file(self._rank_file(record), record, t.rank)
-            if verdict.kind != "ok":
-                have = t.rebuild_file(record.level, record.ckpt_id, self._rank_file(record),
-                                      self._rank_file(record).parent, False, record=record)
-                if have:
-                    verdict = check_file(self._rank_file(record), record, t.rank)
-            else:
-                t.rebuild_file(record.level, record.ckpt_id, self._rank_file(record),
-                               self._rank_file(record).parent, True, record=record)
-            # Consensus: every rank sees every verdict, so that all agree and raise the same error.
-            verdicts = t.allgather([verdict.kind, verdict.message])
-            if all(k == "ok" for k, _m in verdicts):
-                return record, verdict
-            bad = [(r, m) for r, (k, m) in enumerate(verdicts) if k != "ok"]
-            why = f"{len(bad)} rank(s) cannot verify or rebuild their file, first rank {bad[0][0]}: {bad[0][1]}"
-            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {why}")
-            log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, why)
-        what = "no committed checkpoint" if not reasons else "no checkpoint verifies"
-        raise NoCheckpointError(f"{what} for run {self.exec_id} in {self.paths.meta_dir}"
-                                + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
-                                + (f" (level={level})" if level is not None else "")
-                                + ("".join(f"\n  - {r}" for r in reasons)))
-
-    def recover(self, ckpt_id: int | None = None, level: int | None = None) -> dict[int, np.ndarray]:
-        """FTI_Recover: fill the protected arrays from the newest checkpoint that verifies.
-
-        Every hash is checked before any array is written; on failure nothing is touched.
-        Raises :class:`NoCheckpointError` when nothing can be recovered.
-        """
-        self._check_open()
-        record, verdict = self._find(ckpt_id, level)
-        assert verdict.parsed is not None
-        arrays = {vid: p.array for vid, p in self._vars.items()}
-        problem = check_sizes(verdict.parsed, arrays)
-        problems = [p for p in self.transport.allgather(problem) if p]
-        if problems:
-            raise RecoveryError("; ".join(problems))
-        load_file(verdict.parsed, arrays, config=self.config)
-        if self.config.enable_dcp:
-            self._dcp_store().recovered(record.level, record.seq, self._rank_file(record), verdict.parsed)
-        self._layout = verdict.parsed.layout()
-        self._recovered = True
-        self.recovered_from = (record.ckpt_id, record.level)
-        self._next_ckpt_id = max(self._next_ckpt_id, record.ckpt_id + 1)
-        log.info("recovered checkpoint %d from level %d", record.ckpt_id, record.level)
-        return dict(arrays)
-
-    def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
-        """Fill the protected arrays from one FTI-FF file (ftidask's, or one written by FTI 1.1).
-
-        For files outside a run's directories, e.g. checkpoints copied by hand. Verified first.
-        """
-        self._check_open()
-        verdict = check_file(Path(path), None, self.transport.rank)
-        if verdict.kind != "ok" or verdict.parsed is None:
-            raise RecoveryError(f"cannot recover from {os.fspath(path)}: {verdict.message}")
-        arrays = {vid: p.array for vid, p in self._vars.items()}
-        problem = check_sizes(verdict.parsed, arrays)
-        if problem:
-            raise RecoveryError(problem)
-        load_file(verdict.parsed, arrays)
-        self._layout = verdict.parsed.layout()
-        self._recovered = True
-        return dict(arrays)
-
-    def _restart_metadata(self) -> FtiffFile:
-        if self._restart_file is None:
-            self._restart_file = self._find()[1].parsed
-        assert self._restart_file is not None
-        return self._restart_file
-
-    def stored_size(self, id: int) -> int:
-        """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover)."""
-        self._check_open()
-        vid = _check_id(id, "variable id")
-        if self._layout is not None and self._restart_file is None and (self.last_checkpoint or self._recovered):
-            sizes = {s.var_id: 0 for s in self._layout.slots()}
-            for s in self._layout.slots():
-                sizes[s.var_id] += s.chunksize
-        else:
-            sizes = self._restart_metadata().var_nbytes()
-        if vid not in sizes:
-            raise RecoveryError(f"variable {vid} is not in the checkpoint (it holds ids {sorted(sizes)})")
-        return sizes[vid]
-
-    def realloc(self, id: int, array: Any = None) -> np.ndarray:
-        """FTI_Realloc: a new array of the stored size, which becomes the protected one."""
-        self._check_open()
-        vid = _check_id(id, "variable id")
-        parsed = self._restart_metadata()
-        info = parsed.vars.get(vid)
-        if info is not None:
-            new = info.empty()
-        else:
-            nbytes = parsed.var_nbytes().get(vid)
-            if nbytes is None:
-                raise RecoveryError(f"variable {vid} is not in the checkpoint")
-            dtype = (array.dtype if isinstance(array, np.ndarray) else
-                     self._vars[vid].array.dtype if vid in self._vars else np.dtype(np.uint8))
-            if nbytes % dtype.itemsize:
-                raise RecoveryError(f"variable {vid}: {nbytes} stored bytes are not a whole number of {dtype}")
-            new = np.empty(nbytes // dtype.itemsize, dtype)
-        if isinstance(array, np.ndarray) and array.dtype == new.dtype and array.shape == new.shape:
-            new = array
-        name = info.name if info is not None else None
-        self.protect(vid, new, name=name if vid not in self._vars else self._vars[vid].name)
-        return new
 
     # --- snapshot and finalize ---------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ from distributed import Client, Future, futures_of
 
 from . import storage
 from .config import Config
-from .context import Context, Protected, _check_id
+from .arrays import check_id
+from .context import Context, Protected
 from .errors import CheckpointError, FTIError, LevelError, ProtectError
 from .daskio import restore, tasks
 from .daskio.cluster import Cluster
@@ -90,7 +91,7 @@ class DaskContext(Context):
             super().protect(id, array, name)
             return
         self._check_open()
-        vid = _check_id(id, "variable id")
+        vid = check_id(id, "variable id")
         if np.dtype(array.dtype).hasobject:
             raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes")
         if any(np.isnan(c) for dim in array.chunks for c in dim):
@@ -129,7 +130,7 @@ class DaskContext(Context):
         self._check_open()
         if dcp:
             raise LevelError("the Dask backend does not write differential checkpoints; use levels 1-4")
-        ckpt_id = _check_id(id, "checkpoint id")
+        ckpt_id = check_id(id, "checkpoint id")
         if ckpt_id == 0:
             raise CheckpointError("checkpoint id 0 is reserved by FTI; use a non-zero id")
         level = self._check_level(level)
@@ -294,7 +295,7 @@ class DaskContext(Context):
 
     def stored_size(self, id: int) -> int:
         """Bytes of variable ``id`` in the checkpoint to recover (or the last one written)."""
-        vid = _check_id(id, "variable id")
+        vid = check_id(id, "variable id")
         return restore.stored_size(self, vid)
 
     def realloc(self, id: int, array: Any = None) -> Any:

@@ -7,7 +7,6 @@ with exactly the same checksum.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess

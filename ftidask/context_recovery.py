@@ -1,0 +1,161 @@
+"""Recovery: the newest committed checkpoint that every rank can verify (or rebuild), then the arrays.
+
+A mixin of :class:`ftidask.Context` (it provides ``transport``, ``paths``, ``state``, ``config``, ``_vars``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import storage
+from .arrays import check_id
+from .errors import NoCheckpointError, RecoveryError
+from .ftiff.reader import FtiffFile
+from .recovery import Verdict, check_file, check_sizes, load_file
+from .runstate import CommitRecord
+
+log = logging.getLogger("ftidask")
+
+
+class RecoveryMixin:
+    """FTI_Recover, FTI_GetStoredSize and FTI_Realloc."""
+
+    transport: Any
+    paths: Any
+    state: Any
+    config: Any
+    exec_id: str
+
+
+    def _candidates(self, ckpt_id: int | None, level: int | None) -> list[CommitRecord]:
+        t = self.transport
+        raw = t.bcast([r.to_json() for r in self.state.records()] if t.rank == 0 else None)
+        records = [r for r in (CommitRecord.from_json(x) for x in raw) if r is not None]
+        if ckpt_id is not None:
+            records = [r for r in records if r.ckpt_id == ckpt_id]
+        if level is not None:
+            records = [r for r in records if r.level == level]
+        return sorted(records, key=lambda r: r.seq, reverse=True)
+
+    def _rank_file(self, record: CommitRecord) -> Path:
+        path = (self.paths.level_dir(record.level, self.transport.node) / record.dirname
+                / storage.rank_file(record.ckpt_id, self.transport.rank))
+        return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
+
+    def _find(self, ckpt_id: int | None = None, level: int | None = None) -> tuple[CommitRecord, Verdict]:
+        """The newest committed checkpoint that every rank can verify (or rebuild)."""
+        t = self.transport
+        reasons = []
+        for record in self._candidates(ckpt_id, level):
+            verdict = check_file(self._rank_file(record), record, t.rank)
+            if verdict.kind != "ok":
+                have = t.rebuild_file(record.level, record.ckpt_id, self._rank_file(record),
+                                      self._rank_file(record).parent, False, record=record)
+                if have:
+                    verdict = check_file(self._rank_file(record), record, t.rank)
+            else:
+                t.rebuild_file(record.level, record.ckpt_id, self._rank_file(record),
+                               self._rank_file(record).parent, True, record=record)
+            # Consensus: every rank sees every verdict, so that all agree and raise the same error.
+            verdicts = t.allgather([verdict.kind, verdict.message])
+            if all(k == "ok" for k, _m in verdicts):
+                return record, verdict
+            bad = [(r, m) for r, (k, m) in enumerate(verdicts) if k != "ok"]
+            why = f"{len(bad)} rank(s) cannot verify or rebuild their file, first rank {bad[0][0]}: {bad[0][1]}"
+            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {why}")
+            log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, why)
+        what = "no committed checkpoint" if not reasons else "no checkpoint verifies"
+        raise NoCheckpointError(f"{what} for run {self.exec_id} in {self.paths.meta_dir}"
+                                + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
+                                + (f" (level={level})" if level is not None else "")
+                                + ("".join(f"\n  - {r}" for r in reasons)))
+
+    def recover(self, ckpt_id: int | None = None, level: int | None = None) -> dict[int, np.ndarray]:
+        """FTI_Recover: fill the protected arrays from the newest checkpoint that verifies.
+
+        Every hash is checked before any array is written; on failure nothing is touched.
+        Raises :class:`NoCheckpointError` when nothing can be recovered.
+        """
+        self._check_open()
+        record, verdict = self._find(ckpt_id, level)
+        assert verdict.parsed is not None
+        arrays = {vid: p.array for vid, p in self._vars.items()}
+        problem = check_sizes(verdict.parsed, arrays)
+        problems = [p for p in self.transport.allgather(problem) if p]
+        if problems:
+            raise RecoveryError("; ".join(problems))
+        load_file(verdict.parsed, arrays, config=self.config)
+        if self.config.enable_dcp:
+            self._dcp_store().recovered(record.level, record.seq, self._rank_file(record), verdict.parsed)
+        self._layout = verdict.parsed.layout()
+        self._recovered = True
+        self.recovered_from = (record.ckpt_id, record.level)
+        self._next_ckpt_id = max(self._next_ckpt_id, record.ckpt_id + 1)
+        log.info("recovered checkpoint %d from level %d", record.ckpt_id, record.level)
+        return dict(arrays)
+
+    def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
+        """Fill the protected arrays from one FTI-FF file (ftidask's, or one written by FTI 1.1).
+
+        For files outside a run's directories, e.g. checkpoints copied by hand. Verified first.
+        """
+        self._check_open()
+        verdict = check_file(Path(path), None, self.transport.rank)
+        if verdict.kind != "ok" or verdict.parsed is None:
+            raise RecoveryError(f"cannot recover from {os.fspath(path)}: {verdict.message}")
+        arrays = {vid: p.array for vid, p in self._vars.items()}
+        problem = check_sizes(verdict.parsed, arrays)
+        if problem:
+            raise RecoveryError(problem)
+        load_file(verdict.parsed, arrays)
+        self._layout = verdict.parsed.layout()
+        self._recovered = True
+        return dict(arrays)
+
+    def _restart_metadata(self) -> FtiffFile:
+        if self._restart_file is None:
+            self._restart_file = self._find()[1].parsed
+        assert self._restart_file is not None
+        return self._restart_file
+
+    def stored_size(self, id: int) -> int:
+        """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover)."""
+        self._check_open()
+        vid = check_id(id, "variable id")
+        if self._layout is not None and self._restart_file is None and (self.last_checkpoint or self._recovered):
+            sizes = {s.var_id: 0 for s in self._layout.slots()}
+            for s in self._layout.slots():
+                sizes[s.var_id] += s.chunksize
+        else:
+            sizes = self._restart_metadata().var_nbytes()
+        if vid not in sizes:
+            raise RecoveryError(f"variable {vid} is not in the checkpoint (it holds ids {sorted(sizes)})")
+        return sizes[vid]
+
+    def realloc(self, id: int, array: Any = None) -> np.ndarray:
+        """FTI_Realloc: a new array of the stored size, which becomes the protected one."""
+        self._check_open()
+        vid = check_id(id, "variable id")
+        parsed = self._restart_metadata()
+        info = parsed.vars.get(vid)
+        if info is not None:
+            new = info.empty()
+        else:
+            nbytes = parsed.var_nbytes().get(vid)
+            if nbytes is None:
+                raise RecoveryError(f"variable {vid} is not in the checkpoint")
+            dtype = (array.dtype if isinstance(array, np.ndarray) else
+                     self._vars[vid].array.dtype if vid in self._vars else np.dtype(np.uint8))
+            if nbytes % dtype.itemsize:
+                raise RecoveryError(f"variable {vid}: {nbytes} stored bytes are not a whole number of {dtype}")
+            new = np.empty(nbytes // dtype.itemsize, dtype)
+        if isinstance(array, np.ndarray) and array.dtype == new.dtype and array.shape == new.shape:
+            new = array
+        name = info.name if info is not None else None
+        self.protect(vid, new, name=name if vid not in self._vars else self._vars[vid].name)
+        return new

@@ -1,0 +1,85 @@
+"""Which checkpoints a run keeps: retirement after a commit, garbage of interrupted checkpoints.
+
+A mixin of :class:`ftidask.Context` (it provides ``transport``, ``paths``, ``state``, ``config``).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import storage
+from .runstate import CommitRecord
+
+
+class RetentionMixin:
+    """Deleting what is no longer needed, never what recovery may still use."""
+
+    transport: Any
+    paths: Any
+    state: Any
+    config: Any
+    _dcp: Any
+    _trash_pool: ThreadPoolExecutor | None
+
+    def _retire_older(self, record: CommitRecord) -> None:
+        """After a level-L commit, drop earlier checkpoints of levels 1..L (L4 archived if asked)."""
+        t = self.transport
+        older = t.bcast([r.to_json() for r in self.state.records()] if t.rank == 0 else None)
+        for raw in older:
+            old = CommitRecord.from_json(raw)
+            if old is None or old.seq >= record.seq or old.level > record.level:
+                continue
+            if old.level == 4 and self.config.keep_l4_ckpt:
+                continue
+            self._remove_checkpoint(old)
+
+    def _collect_garbage(self) -> None:
+        """Remove what interrupted checkpoints left: directories no commit record names, temporary files."""
+        t = self.transport
+        committed = t.bcast({r.dirname for r in self.state.records()} if t.rank == 0 else None)
+        roots = [self.paths.local_dir(level, t.node) for level in (1, 2, 3, 4)]
+        if t.rank == 0:
+            roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
+        for root in roots:
+            if not root.is_dir():
+                continue
+            for entry in root.iterdir():
+                if entry.name.startswith(storage.TRASH_PREFIX):
+                    if self._trash_pool is None:  # else our own remover is on it
+                        storage.remove_tree(entry)
+                elif entry.name.startswith(".") and ".tmp-" in entry.name:
+                    entry.unlink(missing_ok=True)
+                elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
+                    storage.remove_tree(entry)
+                elif entry.is_dir():
+                    for tmp in entry.glob(".*.tmp-*"):
+                        if tmp.is_dir():  # a Zarr store being written (l4_format = zarr)
+                            storage.remove_tree(tmp)
+                        else:
+                            tmp.unlink(missing_ok=True)
+        t.barrier()
+
+    def _remove_checkpoint(self, record: CommitRecord) -> None:
+        t = self.transport
+        t.barrier()
+        if t.rank == 0:
+            self.state.delete_record(record.seq)
+        t.barrier()
+        if self._dcp is not None:  # its file becomes the spare that the next dCP checkpoint patches
+            self._dcp.retire(record.level, record.seq, self._rank_file(record), record.ckpt_id)
+        if self.config.enable_dcp:
+            t.barrier()  # every rank has moved its file out of the shared directories before any is removed
+        doomed = [self.paths.level_dir(level, t.node) / record.dirname for level in {record.level, 1, 2, 3}]
+        if t.rank == 0:
+            doomed.append(self.paths.level_dir(4, 0) / record.dirname)
+        for path in doomed:
+            trash = storage.move_to_trash(path)
+            if trash is not None:
+                self._remover().submit(storage.remove_tree, trash)
+
+    def _remover(self) -> ThreadPoolExecutor:
+        # Retired checkpoints are deleted off the critical path (they are no longer committed).
+        if self._trash_pool is None:
+            self._trash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-remove")
+        return self._trash_pool
