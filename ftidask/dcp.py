@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from . import storage
 from .arrays import VarInfo
 from .dcpdelta import FileDelta, merge_ranges
 from .errors import CheckpointError, FormatError
@@ -166,15 +167,19 @@ class DcpFileWriter:
                 mask[:same] = (digests[:same] != base[first:first + same]).any(axis=1)
             self.changed.setdefault(key, np.zeros(0, bool))
             self.changed[key] = np.concatenate((self.changed[key], mask))
-            for b0, b1 in _runs(mask):
+            runs = _runs(mask)
+            for b0, b1 in runs:
                 off, end = b0 * self.block_size, min(hi - lo, b1 * self.block_size)
                 data = copy[off:end] if copy is not None else source.view(slot.dptr + lo + off, slot.dptr + lo + end)
-                assert data is not None  # a contiguous source has views
+                if data is None:
+                    raise CheckpointError(f"variable {var_id}: its buffer changed while it was checkpointed")
                 if self.hook is not None:
                     self.hook()
                 _pwrite_all(self.fd, data, slot.fptr + lo + off)
                 self.runs.append((slot.fptr + lo + off, end - off))
                 written += end - off
+            if runs:
+                storage.start_writeback(self.fd, slot.fptr + lo, hi - lo)
         for key, chunks in parts.items():
             self.digests[key] = (np.concatenate(chunks) if chunks else np.zeros((0, self.dsize), np.uint8))
         self.hash_seconds += time.perf_counter() - start

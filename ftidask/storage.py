@@ -78,6 +78,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+try:  # optional native helpers (built when a C compiler is there at install; see setup.py)
+    from . import _native
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None  # type: ignore[assignment]
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing bytes ``[offset, offset + nbytes)`` of ``fd`` to disk now.
+
+    Overlaps the write-back with the work still to do, so the final fsync waits for the tail
+    only. A hint: it neither waits nor makes anything durable, and failures are ignored.
+    """
+    if _native is not None and nbytes > 0:
+        with contextlib.suppress(OSError):
+            _native.start_writeback(fd, offset, nbytes)
+
+
 def makedirs(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -59,6 +59,19 @@ BLOCK_HASHES: dict[int, tuple[str, int, Callable[[memoryview], bytes]]] = {
     4: ("xxh3_128", 16, xxhash.xxh3_128_digest),
     5: ("blake2b_128", 16, _blake2b),
 }
+try:  # the native kernel is optional (built when a C compiler is there at install)
+    from .. import _native
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+#: one-shot functions the native kernel computes byte for byte, with their digest width.
+_NATIVE_WIDTH: dict[Callable[[memoryview], bytes], int] = {xxhash.xxh3_128_digest: 16, xxhash.xxh3_64_digest: 8}
+
+
+def native_kernel() -> bool:
+    """True when XXH3 block digests are computed by the native kernel (see ``setup.py``)."""
+    return _native is not None
+
+
 #: config ``dcp_mode`` -> block hash id (0 and 1 as in FTI; 2-4 are ftidask's faster choices).
 DCP_MODES = {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}
 
@@ -157,8 +170,17 @@ def read_digests(fh: BinaryIO, parsed: FtiffFile) -> tuple[DcpInfo, dict[tuple[i
 
 def block_digests(data: memoryview, block_size: int, fn: Callable[[memoryview], bytes],
                   digest_size: int) -> np.ndarray:
-    """The ``(n, D)`` digests of ``data`` cut into blocks of ``block_size`` bytes."""
+    """The ``(n, D)`` digests of ``data`` cut into blocks of ``block_size`` bytes.
+
+    XXH3 digests come from the native kernel when it is built (one call, GIL released, so the
+    segments hashed by a thread pool run on every core); the bytes are the same either way.
+    """
     n = nblocks(len(data), block_size)
+    width = _NATIVE_WIDTH.get(fn) if _native is not None else None
+    if width is not None:
+        out = np.empty((n, width), np.uint8)
+        _native.xxh3_blocks(data, block_size, out, width)
+        return out
     raw = b"".join([fn(data[lo:lo + block_size]) for lo in range(0, len(data), block_size)])
     return np.frombuffer(raw, np.uint8).reshape(n, digest_size)
 

@@ -1,0 +1,25 @@
+"""Build the optional native helpers (block hashing, early write-back); everything else is declared in pyproject.toml.
+
+``optional=True``: without a C compiler the build goes on and ftidask hashes blocks through the
+xxhash binding instead (same digests, slower; see ftidask/ftiff/blockhash.py).
+"""
+
+import platform
+
+from setuptools import Extension, setup
+
+_X86 = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686", "x86"}
+_XXH = "ftidask/csrc/xxhash"
+
+setup(
+    ext_modules=[
+        Extension(
+            "ftidask._native",
+            sources=["ftidask/csrc/native.c"] + ([f"{_XXH}/xxh_x86dispatch.c"] if _X86 else []),
+            include_dirs=[_XXH],
+            define_macros=[("FTIDASK_XXH_DISPATCH", "1")] if _X86 else [],
+            extra_compile_args=["-O3"] if platform.system() != "Windows" else [],
+            optional=True,
+        )
+    ]
+)
