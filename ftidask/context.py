@@ -260,6 +260,12 @@ class Context(RecoveryMixin, RetentionMixin, StagingMixin):
 
         return finalize_icp(self)
 
+    def _abort_icp(self) -> None:
+        """Drop the open incremental checkpoint without committing it (the previous one stays)."""
+        from .icp import abort_icp
+
+        abort_icp(self)
+
     def incremental(self, id: int, level: int) -> Any:
         """``with ctx.incremental(id, level) as icp: icp.add(var_id)``: iCP as a context manager."""
         from .icp import Incremental

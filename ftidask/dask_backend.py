@@ -18,15 +18,16 @@ from typing import Any
 import numpy as np
 from distributed import Client, Future, futures_of
 
-from . import storage
-from .config import Config
+from . import constants, storage
 from .arrays import check_id
+from .config import Config
 from .context import Context, Protected
-from .errors import CheckpointError, FTIError, LevelError, ProtectError
-from .daskio import restore, tasks
+from .daskio import icp, restore, tasks
 from .daskio.cluster import Cluster
+from .daskio.dcp_levels import DaskSpares, run_dcp_levels, sticky_owners
 from .daskio.plan import VarSpec, chunk_table, layout_to_json, plan_ranks
 from .daskio.report import DaskCheckpointInfo, human
+from .errors import CheckpointError, FTIError, LevelError, ProtectError
 from .levels.ring_groups import copy_holder, copy_source, group_of, make_groups
 from .runstate import CommitRecord, FileRecord
 from .transport.base import Transport
@@ -71,11 +72,15 @@ class DaskTransport(Transport):
 class DaskContext(Context):
     """A :class:`Context` whose ranks are the workers of a ``distributed`` cluster."""
 
+    writes_dcp = True  # levels 5-8: see ftidask.daskio.dcp_levels
+
     def __init__(self, config: Config, client: Client) -> None:
         self.client = client
         self.cluster = Cluster(client, config.progress)
         self._fault: dict[int, str] = {}  # rank -> stage: real worker kills, for the test suite
         super().__init__(config, DaskTransport(self.cluster))
+        if config.enable_dcp:
+            self._dcp = DaskSpares(self)
 
     # --- protection ------------------------------------------------------------------------------
 
@@ -128,12 +133,12 @@ class DaskContext(Context):
         """Write checkpoint ``id`` at ``level``: each worker writes the chunks it holds, then the level's
         redundancy runs as tasks; committed only when every worker's part succeeded."""
         self._check_open()
-        if dcp:
-            raise LevelError("the Dask backend does not write differential checkpoints; use levels 1-4")
         ckpt_id = check_id(id, "checkpoint id")
         if ckpt_id == 0:
             raise CheckpointError("checkpoint id 0 is reserved by FTI; use a non-zero id")
-        level = self._check_level(level)
+        level = self._check_level(level + 4 if dcp and level in constants.LEVELS else level)
+        differential = level > 4  # L5-L8: differential L1-L4 (enable_dcp = 1)
+        shown_level, level = level, level - 4 if differential else level
         start = time.perf_counter()
         specs, futures = self._chunk_futures()
         workers = self.cluster.workers()
@@ -145,23 +150,31 @@ class DaskContext(Context):
         who_has = self.client.who_has(list(futures.values()))
         owner = {}
         for place, future in futures.items():
-            holders = sorted((rank_of[w] for w in who_has.get(future.key, ()) if w in rank_of))
+            holders = sorted(rank_of[w] for w in who_has.get(future.key, ()) if w in rank_of)
             if not holders:
                 raise CheckpointError(f"checkpoint {ckpt_id}: chunk {place} is held by no live worker")
             owner[place] = holders[0]
+        if differential:
+            owner = sticky_owners(self, level, owner, workers)
         seq = self.state.next_seq()
         try:
             with self.cluster.batch():
-                results = self._run_levels(ckpt_id, level, seq, specs, futures, owner, workers)
+                if differential:
+                    plans, written, groups = run_dcp_levels(self, ckpt_id, level, seq, specs, futures, owner,
+                                                            workers)
+                else:
+                    plans, written, groups = self._run_levels(ckpt_id, level, seq, specs, futures, owner, workers)
         except FTIError as exc:
+            if differential:
+                self._dcp.discard()
             self._remove_dirs(ckpt_id, seq, level, len(workers))
-            raise CheckpointError(f"checkpoint {ckpt_id} at level {level} failed; the previous checkpoint is "
-                                  f"kept: {exc}") from exc
-        plans, written, groups = results
+            raise CheckpointError(f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint "
+                                  f"is kept: {exc}") from exc
         record = CommitRecord(seq, ckpt_id, level, time.time(), len(workers),
                               tuple(FileRecord(w["rank"], w["node"], w["size"], w["fb_hash"]) for w in written),
                               {"backend": "dask", "workers": workers, "groups": groups,
-                               "vars": [s.to_json() for s in specs], "chunks": chunk_table(plans)})
+                               "vars": [s.to_json() for s in specs], "chunks": chunk_table(plans)}
+                              | ({"dcp": True} if differential else {}))
         self.state.write_record(record)  # the commit point
         self._layout = None
         self._retire_older(record)
@@ -169,13 +182,17 @@ class DaskContext(Context):
         variables = tuple({"id": s.id, "name": s.name, "dtype": str(s.dtype), "shape": s.shape,
                            "nchunks": len(s.grid()), "nbytes": sum(s.chunk_nbytes(i) for i in s.grid())}
                           for s in specs)
-        info = DaskCheckpointInfo(ckpt_id, level, seq, sum(w["data_bytes"] for w in written),
-                                  sum(w["size"] for w in written), time.perf_counter() - start,
+        info = DaskCheckpointInfo(ckpt_id, shown_level, seq, sum(w["data_bytes"] for w in written),
+                                  sum(w.get("file_bytes", w["size"]) for w in written), time.perf_counter() - start,
+                                  sum(w["blocks_changed"] for w in written) if differential else None,
+                                  sum(w["blocks_total"] for w in written) if differential else None,
                                   workers=tuple(workers), file_sizes=tuple(w["size"] for w in written),
-                                  variables=variables)
+                                  variables=variables,
+                                  partner_bytes=sum(w["partner_bytes"] for w in written)
+                                  if differential and level == 2 else None)
         self.last_checkpoint = info
         self._next_ckpt_id = max(self._next_ckpt_id, ckpt_id + 1)
-        log.info("checkpoint %d (level %d) written by %d workers: %s", ckpt_id, level, len(workers),
+        log.info("checkpoint %d (level %d) written by %d workers: %s", ckpt_id, shown_level, len(workers),
                  human(info.bytes_written))
         return info
 
@@ -234,6 +251,23 @@ class DaskContext(Context):
         written = self.cluster.wait_all(writes + finals, workers, f"checkpoint {ckpt_id}")[:n]
         return plans, written, groups
 
+    # --- incremental checkpoints (see ftidask.daskio.icp) ---------------------------------------------
+
+    def init_icp(self, id: int, level: int) -> None:
+        """FTI_InitICP: open checkpoint ``id``; add each protected variable with :meth:`add_var_icp`."""
+        icp.init_icp(self, id, level)
+
+    def add_var_icp(self, var_id: int) -> None:
+        """FTI_AddVarICP: pin protected variable ``var_id`` as it is now (persisted on the workers)."""
+        icp.add_var_icp(self, var_id)
+
+    def finalize_icp(self) -> DaskCheckpointInfo:
+        """FTI_FinalizeICP: the workers write every pinned array; refused if a variable is missing."""
+        return icp.finalize_icp(self)  # type: ignore[no-any-return]
+
+    def _abort_icp(self) -> None:
+        self._icp = None
+
     # --- cleanup -----------------------------------------------------------------------------------
 
     def _dirs(self, ckpt_id: int, seq: int, levels: set[int], nranks: int) -> list[str]:
@@ -262,6 +296,8 @@ class DaskContext(Context):
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:
         self.state.delete_record(record.seq)
+        if self._dcp is not None and record.extra.get("dcp"):  # its files become the spares to patch next
+            self._dcp.keep(record)
         self._remove_dirs(record.ckpt_id, record.seq, record.level, record.nranks)
 
     def _flush_to_l4(self, record: CommitRecord) -> None:

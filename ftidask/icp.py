@@ -83,17 +83,17 @@ class Incremental:
         self.info: CheckpointInfo | None = None
 
     def __enter__(self) -> Incremental:
-        init_icp(self.ctx, self.ckpt_id, self.level)
+        self.ctx.init_icp(self.ckpt_id, self.level)  # the backend's own (Dask has one)
         return self
 
     def add(self, var_id: int) -> None:
-        add_var_icp(self.ctx, var_id)
+        self.ctx.add_var_icp(var_id)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
-            self.info = finalize_icp(self.ctx)
+            self.info = self.ctx.finalize_icp()
         elif self.ctx._icp is not None:
             try:
-                abort_icp(self.ctx)
+                self.ctx._abort_icp()
             except (OSError, FTIError):
                 pass  # the original exception matters more

@@ -29,6 +29,7 @@ class DaskCheckpointInfo(CheckpointInfo):
     file_sizes: tuple[int, ...] = ()
     variables: tuple[dict[str, Any], ...] = ()
     state: str = "committed"
+    partner_bytes: int | None = None  # differential L2: bytes sent to the partners (deltas or whole files)
 
     def __repr__(self) -> str:
         rate = self.bytes_written / self.seconds / 2**20 if self.seconds > 0 else 0.0

@@ -7,6 +7,7 @@ between workers (L2 copies, L3 stripes) move as task results, through Dask's own
 
 from __future__ import annotations
 
+import bisect
 import os
 import signal
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from .. import storage
 from ..arrays import VarInfo, dtype_from_json
 from ..checkpointing import write_rank_file
 from ..errors import FormatError
-from ..ftiff import hashing
+from ..ftiff import blockhash, hashing
 from ..ftiff.reader import parse_ftiff, verify_data
 from .plan import layout_from_json
 
@@ -32,20 +33,36 @@ class ChunkBytes:
         for chunk, dptr in zip(chunks, dptrs, strict=True):
             flat = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
             self._views[dptr] = memoryview(flat)
+        self._starts = sorted(self._views)
         self.nbytes = sum(len(v) for v in self._views.values())
 
     def view(self, start: int, stop: int) -> memoryview:
-        # One container per chunk: a container's range is always one whole chunk.
-        data = self._views[start]
-        if stop - start != len(data):
-            raise FormatError(f"container [{start}, {stop}) does not match a chunk of {len(data)} bytes")
-        return data
+        # One container per chunk: a range (a container, or blocks of one) lies within one chunk.
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i < 0:
+            raise FormatError(f"bytes [{start}, {stop}) are not in any chunk")
+        first = self._starts[i]
+        data = self._views[first]
+        if stop > first + len(data) or stop < start:
+            raise FormatError(f"bytes [{start}, {stop}) do not lie within the chunk at {first} "
+                              f"({len(data)} bytes)")
+        return data[start - first:stop - first]
 
     def pieces(self, start: int, stop: int) -> list[memoryview]:
         return [self.view(start, stop)]
 
 
-def _maybe_die(fault: str | None, stage: str) -> None:
+def chunk_sources(places: Sequence[Sequence[int]], chunks: Sequence[np.ndarray]) -> dict[int, ChunkBytes]:
+    """Each variable's byte stream from the chunks a worker holds (``places``: [var id, dptr] per chunk)."""
+    by_var: dict[int, tuple[list[np.ndarray], list[int]]] = {}
+    for (vid, dptr), chunk in zip(places, chunks, strict=True):
+        arrays, dptrs = by_var.setdefault(int(vid), ([], []))
+        arrays.append(chunk)
+        dptrs.append(int(dptr))
+    return {vid: ChunkBytes(a, d) for vid, (a, d) in by_var.items()}
+
+
+def maybe_die(fault: str | None, stage: str) -> None:
     """Failure injection for the test suite: kill this worker process for real at ``stage``."""
     if fault == stage:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -55,24 +72,18 @@ def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], me
                hash_name: str, pt_fs: int, max_fs: int, places: list[list[int]], *chunks: np.ndarray,
                fault: str | None = None) -> dict[str, Any]:
     """Write this worker's FTI-FF file from the chunks it holds (``places``: [var id, dptr] per chunk)."""
-    _maybe_die(fault, "write")
+    maybe_die(fault, "write")
     layout = layout_from_json(layout_json)
-    by_var: dict[int, tuple[list[np.ndarray], list[int]]] = {}
-    for (vid, dptr), chunk in zip(places, chunks, strict=True):
-        arrays, dptrs = by_var.setdefault(int(vid), ([], []))
-        arrays.append(chunk)
-        dptrs.append(int(dptr))
-    sources = {vid: ChunkBytes(a, d) for vid, (a, d) in by_var.items()}
     infos = [VarInfo.from_json(raw) for raw in infos_json]
-    written = write_rank_file(Path(path), layout, sources, infos, hash_id=hashing.hash_id(hash_name), meta=meta,
-                              pt_fs=pt_fs, max_fs=max_fs)
+    written = write_rank_file(Path(path), layout, chunk_sources(places, chunks), infos,
+                              hash_id=hashing.hash_id(hash_name), meta=meta, pt_fs=pt_fs, max_fs=max_fs)
     return {"rank": meta["rank"], "node": meta["node"], "size": written.file_size,
             "fb_hash": written.fb.hash.hex(), "data_bytes": written.data_bytes, "path": path}
 
 
 def read_bytes(path: str, after: Any = None, fault: str | None = None) -> np.ndarray:
     """The whole file as uint8 (``after`` only orders this task after the one that wrote it)."""
-    _maybe_die(fault, "send")
+    maybe_die(fault, "send")
     return np.fromfile(path, dtype=np.uint8)
 
 
@@ -155,6 +166,9 @@ def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[i
             raise FormatError(f"no container of {nbytes} bytes for variable {var_id} at dptr {dptr}", path=path)
         view = memoryview(out.reshape(-1).view(np.uint8))
         got = _pread_into(fh.fileno(), meta.fptr, view)
+        if got == nbytes and parsed.fb.flags & blockhash.FLAG_DCP:  # checked block by block
+            blockhash.check_container(fh, parsed, meta, view)
+            return out
     if got != nbytes or hashing.digest(parsed.fb.hash_id, view) != meta.hash:
         raise FormatError(f"variable {var_id}, chunk at dptr {dptr}: data hash does not match", path=path)
     return out

@@ -168,6 +168,20 @@ def read_digests(fh: BinaryIO, parsed: FtiffFile) -> tuple[DcpInfo, dict[tuple[i
     return info, out
 
 
+def check_container(fh: BinaryIO, parsed: FtiffFile, meta: Any, data: memoryview) -> None:
+    """Check ``data``, read from container ``meta`` of a dCP file, against its block digests
+    (themselves checked against the container hash); :class:`FormatError` if any differs."""
+    info, digests = read_digests(fh, parsed)
+    key = next(((bi, ci) for bi, ci, m in parsed.containers() if m is meta), None)
+    if key is None or len(data) != meta.chunksize:
+        raise FormatError(f"var id {meta.id}: not a container of this file", path=parsed.path)
+    got = block_digests(data, info.block_size, info.fn, info.digest_size)
+    bad = np.flatnonzero((got != digests[key]).any(axis=1))
+    if len(bad):
+        raise FormatError(f"block {key[0]}, container {key[1]} (var id {meta.id}): data block {int(bad[0])} "
+                          "does not match its hash (damaged data)", path=parsed.path)
+
+
 def block_digests(data: memoryview, block_size: int, fn: Callable[[memoryview], bytes],
                   digest_size: int) -> np.ndarray:
     """The ``(n, D)`` digests of ``data`` cut into blocks of ``block_size`` bytes.

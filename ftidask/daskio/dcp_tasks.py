@@ -1,0 +1,106 @@
+"""Tasks of differential checkpoints on Dask workers: patch a spare, send L2 deltas, keep spares.
+
+A worker keeps no state between tasks, so each differential write is told by the client which
+file its spare should be (the FB hash from the retired checkpoint's commit record) and reads the
+block digests from the spare itself (:func:`ftidask.dcpstore.write_differential`). A spare that
+is missing, torn or unexpected is rewritten in full. For L2, the holder first reports the FB hash
+of the partner copy it keeps as a spare (:func:`spare_fb_hash`); the sender ships only the
+changed ranges when that copy is the base of its delta, else the whole file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import storage
+from ..arrays import VarInfo
+from ..dcpdelta import FileDelta, apply_delta, read_payload
+from ..dcpstore import write_differential
+from ..errors import FormatError
+from ..ftiff import hashing
+from ..ftiff.structs import FB_SIZE, FileBlock
+from .plan import layout_from_json
+from .tasks import chunk_sources, maybe_die, store_bytes
+
+
+@functools.cache
+def _hash_pool() -> ThreadPoolExecutor:
+    # One pool per worker process, made on first use: block hashing runs on every core.
+    return ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="ftidask-dcp")
+
+
+def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_json: Any,
+                   infos_json: list[dict[str, Any]], meta: dict[str, Any], hash_name: str, block_size: int, bid: int,
+                   pt_fs: int, max_fs: int, places: list[list[int]], *chunks: np.ndarray,
+                   fault: str | None = None) -> dict[str, Any]:
+    """Bring this worker's spare up to date with the chunks it holds and rename it to ``final``."""
+    maybe_die(fault, "write")
+    written, stats = write_differential(
+        Path(spare), Path(final), bytes.fromhex(expected_fb_hash) if expected_fb_hash else None,
+        layout_from_json(layout_json), chunk_sources(places, chunks), [VarInfo.from_json(r) for r in infos_json],
+        meta, block_size=block_size, bid=bid, hash_id=hashing.hash_id(hash_name), pool=_hash_pool(),
+        pt_fs=pt_fs, max_fs=max_fs)
+    maybe_die(fault, "after-write")
+    return {"rank": meta["rank"], "node": meta["node"], "size": written.file_size, "fb_hash": written.fb.hash.hex(),
+            "data_bytes": stats.data_bytes, "file_bytes": stats.file_bytes, "blocks_changed": stats.blocks_changed,
+            "blocks_total": stats.blocks_total, "path": final,
+            "delta": None if stats.delta is None else stats.delta.to_json()}
+
+
+def spare_fb_hash(path: str) -> str:
+    """The FB hash (hex) of the file at ``path``, or "" when it is missing or has no valid FB."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(FB_SIZE)
+        return FileBlock.unpack(raw).hash.hex() if len(raw) == FB_SIZE else ""
+    except (OSError, FormatError):
+        return ""
+
+
+def partner_payload(own: str, written: dict[str, Any], holder_has: str, fault: str | None = None) -> dict[str, Any]:
+    """What rank ``written["rank"]`` sends its L2 partner: the delta's ranges when the partner's
+    spare copy (FB hash ``holder_has``) is the delta's base, else the whole file."""
+    maybe_die(fault, "send")
+    raw = written.get("delta")
+    if raw is not None:
+        delta = FileDelta.from_json(raw)
+        if delta.base_fb_hash.hex() == holder_has:
+            return {"delta": raw, "data": np.frombuffer(read_payload(Path(own), delta), np.uint8)}
+    return {"delta": None, "data": np.fromfile(own, dtype=np.uint8)}
+
+
+def partner_apply(pcof: str, spare_pcof: str, sent: dict[str, Any]) -> dict[str, Any]:
+    """Build the partner copy ``pcof``: patch the spare copy with a delta, or store the whole file."""
+    if sent["delta"] is None:
+        return store_bytes(pcof, sent["data"])
+    delta = FileDelta.from_json(sent["delta"])
+    apply_delta(Path(spare_pcof), Path(pcof), delta, memoryview(np.ascontiguousarray(sent["data"])))
+    return {"path": pcof, "size": delta.file_size, "sent": delta.nbytes}
+
+
+def keep_as_spares(moves: Sequence[Sequence[str]]) -> list[bool]:
+    """Rename each retired file ``src`` to its spare name ``dst``; which renames happened."""
+    done = []
+    for src, dst in moves:
+        try:
+            storage.makedirs(Path(dst).parent)
+            os.replace(src, dst)
+            done.append(True)
+        except OSError:
+            done.append(False)
+    return done
+
+
+def remove_spare_dirs(dirs: Sequence[str]) -> None:
+    """Remove the spare directories of a finished run (each worker sees its own node's)."""
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            storage.remove_tree(Path(d))

@@ -1,0 +1,165 @@
+"""Differential and incremental checkpoints on a real LocalCluster (worker processes, real kills)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+
+from test_dask_backend import lose_workers
+
+import ftidask
+from ftidask.ftiff.blockhash import FLAG_DCP
+from ftidask.ftiff.reader import parse_ftiff, verify_data
+
+pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
+NWORKERS = 4
+BLOCK = 1024
+
+
+@pytest.fixture
+def client():
+    with distributed.LocalCluster(n_workers=NWORKERS, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0", silence_logs=50) as c, distributed.Client(c) as cl:
+        cl.wait_for_workers(NWORKERS, timeout=60)
+        yield cl
+
+
+def _init(client, dirs, **kw):
+    return ftidask.init(client=client, enable_dcp=1, dcp_block_size=BLOCK, **dirs, **kw)
+
+
+def _start(ctx):
+    """Two variables, chunked so that every worker holds some chunks."""
+    ctx.protect(1, da.random.default_rng(0).random((160, 128), chunks=(40, 64)), name="field")
+    ctx.protect(2, da.arange(4000, chunks=500, dtype=np.int32), name="counts")
+
+
+def _step(ctx, k):
+    """Change one row of the field (a few blocks of two chunks), keep the counts."""
+    field = ctx.protected[1]
+    ctx.protect(1, da.where(da.arange(160)[:, None] == 7 * k, field + 1, field))
+
+
+def _state(ctx):
+    return {vid: a.compute() for vid, a in ctx.protected.items()}
+
+
+def _assert_same(arrays, saved):
+    assert sorted(arrays) == sorted(saved)
+    for vid, ref in saved.items():
+        got = arrays[vid].compute()
+        assert got.dtype == ref.dtype and got.tobytes() == ref.tobytes()
+
+
+@pytest.mark.parametrize("level", [5, 6, 7, 8])
+def test_differential_checkpoints_write_only_changed_blocks(client, dirs, level):
+    ctx = _init(client, dirs)
+    _start(ctx)
+    infos = []
+    for k in range(4):
+        _step(ctx, k)
+        infos.append(ctx.checkpoint(k + 1, level))
+    saved = _state(ctx)
+    # Checkpoints 1 and 2 fill the two alternating files; 3 and 4 patch them (two steps of change).
+    assert infos[0].blocks_changed == infos[0].blocks_total
+    last = infos[-1]
+    assert last.level == level and 0 < last.blocks_changed < last.blocks_total // 10
+    assert last.bytes_written == last.blocks_changed * BLOCK
+    if level == 6:  # L2 sent deltas, not files
+        assert last.partner_bytes < sum(last.file_sizes) // 5 < infos[0].partner_bytes
+    record = ctx.state.records()[-1]
+    assert record.extra.get("dcp") and record.level == level - 4
+    for path in Path(dirs["ckpt_dir" if level != 8 else "glbl_dir"]).rglob("Ckpt4-Rank*.fti"):
+        with open(path, "rb") as fh:  # complete FTI-FF files, every block checked
+            parsed = parse_ftiff(fh, str(path))
+            assert parsed.fb.flags & FLAG_DCP
+            verify_data(fh, parsed)
+    ctx2 = _init(client, dirs)
+    assert ctx2.status() == 1
+    _assert_same(ctx2.recover(), saved)
+    assert ctx2.recovered_from == (4, level - 4)
+
+
+@pytest.mark.parametrize(("level", "ranks"), [(6, [1]), (7, [0, 3]), (8, [0, 1, 2, 3])])
+def test_lost_workers_after_differential_checkpoints(client, dirs, level, ranks):
+    ctx = _init(client, dirs)
+    _start(ctx)
+    for k in range(4):
+        _step(ctx, k)
+        ctx.checkpoint(k + 1, level)
+    saved = _state(ctx)
+    lose_workers(client, dirs, ranks)
+    client.wait_for_workers(NWORKERS - len(ranks) if len(ranks) < NWORKERS else 1, timeout=60)
+    ctx2 = _init(client, dirs)
+    _assert_same(ctx2.recover(), saved)
+
+
+@pytest.mark.parametrize("stage", ["write", "after-write"])
+def test_worker_killed_during_a_differential_checkpoint(client, dirs, stage):
+    """Killed before patching, or after its file is complete but before the commit."""
+    ctx = _init(client, dirs)
+    _start(ctx)
+    for k in range(3):
+        _step(ctx, k)
+        ctx.checkpoint(k + 1, 5)
+    saved = _state(ctx)
+    _step(ctx, 3)
+    ctx._fault = {2: stage}
+    with pytest.raises(ftidask.CheckpointError, match="previous checkpoint is kept"):
+        ctx.checkpoint(4, 5)
+    ctx._fault = {}
+    assert [r.ckpt_id for r in ctx.state.records()] == [3]
+    client.wait_for_workers(NWORKERS, timeout=60)  # the nanny restarts the killed worker
+    ctx2 = _init(client, dirs)
+    _assert_same(ctx2.recover(), saved)
+    # the run goes on: the next differential checkpoints are correct (a torn spare is rewritten)
+    _step(ctx, 4)
+    ctx.checkpoint(5, 5)
+    _step(ctx, 5)
+    ctx.checkpoint(6, 5)
+    again = _state(ctx)
+    _assert_same(_init(client, dirs).recover(), again)
+
+
+def test_finalize_removes_the_spares(client, dirs):
+    ctx = _init(client, dirs)
+    _start(ctx)
+    for k in range(3):
+        _step(ctx, k)
+        ctx.checkpoint(k + 1, 6)
+    assert list(Path(dirs["ckpt_dir"]).rglob("dcp/Spare*-Rank*.fti"))
+    ctx.finalize()
+    assert not list(Path(dirs["ckpt_dir"]).rglob("dcp/*"))
+
+
+def test_incremental_checkpoint(client, dirs):
+    ctx = ftidask.init(client=client, **dirs)
+    _start(ctx)
+    ctx.checkpoint(1, 1)
+    before = _state(ctx)
+    ctx.init_icp(2, 2)
+    ctx.add_var_icp(2)
+    _step(ctx, 1)
+    with pytest.raises(ftidask.CheckpointError, match=r"misses protected variables \[1\]"):
+        ctx.finalize_icp()
+    assert [r.ckpt_id for r in ctx.state.records()] == [1]
+    with ctx.incremental(3, 2) as icp:
+        icp.add(1)  # the field as it is now
+        pinned = ctx.protected[1].compute()
+        _step(ctx, 2)  # changed after it was added: not in checkpoint 3
+        icp.add(2)
+    assert icp.info is not None and icp.info.level == 2
+    out = ftidask.init(client=client, **dirs).recover()
+    assert out[1].compute().tobytes() == pinned.tobytes() != before[1].tobytes()
+    assert out[2].compute().tobytes() == before[2].tobytes()
+
+
+def test_differential_levels_need_enable_dcp(client, dirs):
+    ctx = ftidask.init(client=client, **dirs)
+    _start(ctx)
+    with pytest.raises(ftidask.LevelError, match="enable_dcp"):
+        ctx.checkpoint(1, 5)
+    assert ctx.state.records() == []
