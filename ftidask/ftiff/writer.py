@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO, Protocol
 
+from .. import storage
 from ..layout import Layout
 from . import compression, hashing
 from .structs import FLAG_METADATA_CHECKSUM, BlockMeta, ContainerMeta, FileBlock
@@ -41,11 +42,16 @@ class WrittenFile:
 
 
 _WRITE_PIECE = 64 << 20
+_WRITEBACK_MIN = 8 << 20  # smaller writes are left to the final fsync
 
 
 def _write_all(fh: BinaryIO, data: memoryview) -> None:
     for lo in range(0, len(data), _WRITE_PIECE):
-        fh.write(data[lo:lo + _WRITE_PIECE])
+        piece = data[lo:lo + _WRITE_PIECE]
+        fh.write(piece)
+        if len(piece) >= _WRITEBACK_MIN:  # the disk starts on it while the next piece is written
+            fh.flush()
+            storage.start_writeback(fh.fileno(), fh.tell() - len(piece), len(piece))
 
 
 def _write_slot(fh: BinaryIO, source: ByteSource, start: int, stop: int, hid: int,
