@@ -247,10 +247,11 @@ def state_of_file(path: Path, parsed: Any) -> BlockState | None:
 
 def write_dcp_file(fd: int, layout: Layout, sources: Mapping[int, ByteSource], infos: list[VarInfo],
                    meta: Mapping[str, Any], base: BlockState | None, *, block_size: int, bid: int, hash_id: int,
-                   pool: ThreadPoolExecutor, pt_fs: int | None = None,
-                   max_fs: int | None = None) -> tuple[WrittenFile, DcpStats, BlockState]:
+                   pool: ThreadPoolExecutor, pt_fs: int | None = None, max_fs: int | None = None,
+                   hook: Callable[[], None] | None = None) -> tuple[WrittenFile, DcpStats, BlockState]:
     """Bring the file at ``fd`` from ``base`` to ``sources`` (every variable at once)."""
     writer = DcpFileWriter(fd, layout, base, block_size=block_size, bid=bid, hash_id=hash_id, pool=pool)
+    writer.hook = hook
     for vid, source in sources.items():
         writer.write_var(vid, source)
     trailer = dict(meta)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -202,13 +202,15 @@ def _holds(fd: int, state: BlockState) -> bool:
 def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None, layout: Layout,
                        sources: Mapping[int, Any], infos: list[Any], meta: Mapping[str, Any], *, block_size: int,
                        bid: int, hash_id: int, pool: ThreadPoolExecutor, pt_fs: int | None = None,
-                       max_fs: int | None = None) -> tuple[WrittenFile, DcpStats]:
+                       max_fs: int | None = None, hook: Callable[[], None] | None = None
+                       ) -> tuple[WrittenFile, DcpStats]:
     """One rank's differential file without any state kept between checkpoints (e.g. a Dask task).
 
     ``spare`` is the file of a retired checkpoint (renamed there by the backend) whose FB hash
     its commit record gave as ``expected_fb_hash``; its block digests are read from the file
     (:func:`~ftidask.dcp.load_state`). Any other spare, or none, is rewritten in full. The
     result is fsynced and renamed to ``final``; the caller then writes the commit record.
+    ``hook`` is called before each write of changed blocks (crash tests).
     """
     from .dcp import write_dcp_file
 
@@ -217,7 +219,8 @@ def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None,
     fd = os.open(spare, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         written, stats, _state = write_dcp_file(fd, layout, sources, infos, meta, base, block_size=block_size,
-                                                bid=bid, hash_id=hash_id, pool=pool, pt_fs=pt_fs, max_fs=max_fs)
+                                                bid=bid, hash_id=hash_id, pool=pool, pt_fs=pt_fs, max_fs=max_fs,
+                                                hook=hook)
     finally:
         os.close(fd)
     storage.makedirs(final.parent)

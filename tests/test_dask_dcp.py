@@ -1,5 +1,6 @@
 """Differential and incremental checkpoints on a real LocalCluster (worker processes, real kills)."""
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -97,9 +98,10 @@ def test_lost_workers_after_differential_checkpoints(client, dirs, level, ranks)
     _assert_same(ctx2.recover(), saved)
 
 
-@pytest.mark.parametrize("stage", ["write", "after-write"])
+@pytest.mark.parametrize("stage", ["write", "patch", "after-write"])
 def test_worker_killed_during_a_differential_checkpoint(client, dirs, stage):
-    """Killed before patching, or after its file is complete but before the commit."""
+    """Killed before patching, halfway through patching its spare (at its first changed block), or
+    after its file is complete but before the commit."""
     ctx = _init(client, dirs)
     _start(ctx)
     for k in range(3):
@@ -122,6 +124,25 @@ def test_worker_killed_during_a_differential_checkpoint(client, dirs, stage):
     ctx.checkpoint(6, 5)
     again = _state(ctx)
     _assert_same(_init(client, dirs).recover(), again)
+
+
+def test_damaged_block_is_never_returned(client, dirs):
+    ctx = _init(client, dirs)
+    _start(ctx)
+    for k in range(3):
+        _step(ctx, k)
+        ctx.checkpoint(k + 1, 5)
+    path = next(Path(dirs["ckpt_dir"]).rglob("Ckpt3-Rank1.fti"))
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, str(path))
+    meta = next(m for _b, _c, m in parsed.containers() if m.hascontent)
+    with open(path, "r+b") as fh:  # one flipped bit in the middle of a data block
+        fh.seek(meta.fptr + meta.chunksize // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(ftidask.NoCheckpointError, match="Rank1|rank 1|damaged|hash"):
+        _init(client, dirs).recover()
 
 
 def test_finalize_removes_the_spares(client, dirs):

@@ -47,7 +47,7 @@ def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_
         Path(spare), Path(final), bytes.fromhex(expected_fb_hash) if expected_fb_hash else None,
         layout_from_json(layout_json), chunk_sources(places, chunks), [VarInfo.from_json(r) for r in infos_json],
         meta, block_size=block_size, bid=bid, hash_id=hashing.hash_id(hash_name), pool=_hash_pool(),
-        pt_fs=pt_fs, max_fs=max_fs)
+        pt_fs=pt_fs, max_fs=max_fs, hook=(lambda: maybe_die(fault, "patch")) if fault == "patch" else None)
     maybe_die(fault, "after-write")
     return {"rank": meta["rank"], "node": meta["node"], "size": written.file_size, "fb_hash": written.fb.hash.hex(),
             "data_bytes": stats.data_bytes, "file_bytes": stats.file_bytes, "blocks_changed": stats.blocks_changed,
