@@ -1,11 +1,12 @@
 """L1 checkpoint of a Dask array on a LocalCluster against ``dask.array.to_zarr`` (no compression)
 plus an fsync of every file zarr wrote (ftidask's files are fsynced, so the baseline is too).
 
-    python benchmarks/bench_dask.py [--size-mib 2048] [--chunk-mib 64] [--workers 2] [--repeat 2]
+    python benchmarks/bench_dask.py [--size-mib 2048] [--chunk-mib 64] [--workers 2] [--repeat 2] [--dcp]
 
 Both write the same persisted array from the same workers, into the same file system.
 Prints times, throughputs and the ratio zarr_time / ftidask_time (target: >= 1, i.e. ftidask
-as fast as or faster than to_zarr).
+as fast as or faster than to_zarr). With ``--dcp``, also differential checkpoints at L1 and L2
+after 1% of the rows changed, against a full L1 checkpoint of the same state.
 """
 
 from __future__ import annotations
@@ -61,6 +62,36 @@ def run_ftidask(client: Client, x: da.Array, root: str, ckpt_id: int) -> float:
     return info.seconds
 
 
+def run_dcp(client: Client, x: da.Array, root: str, level: int, repeat: int) -> None:
+    """Differential checkpoints (level 5, or 6 for L2): 1% of the rows changed (scattered) between
+    checkpoints, each timed right after a full level-1 checkpoint of the same state."""
+    ctx = ftidask.init(client=client, ckpt_dir=f"{root}/Local", glbl_dir=f"{root}/Global", meta_dir=f"{root}/Meta",
+                       verbosity=3, progress="off", enable_dcp=1, dcp_block_size=16384)
+    ctx.protect(1, x)
+    rng = np.random.default_rng(5)
+    ids = iter(range(100, 10_000))
+    rows = x.shape[0]
+    print(f"\ndifferential level {level} ({level - 4} + dCP), 16 KiB blocks, 1% of the rows changed (scattered):")
+    try:
+        for _ in range(repeat):
+            for _fill in range(2):  # both alternating files up to date
+                ctx.checkpoint(next(ids), level)
+            full = ctx.checkpoint(next(ids), 1)
+            mask = np.zeros(rows, bool)
+            mask[rng.choice(rows, rows // 100, replace=False)] = True
+            current = ctx.protected[1]
+            changed = da.where(da.from_array(mask, chunks=x.chunks[0])[:, None], current + 1, current).persist()
+            wait(changed)
+            ctx.protect(1, changed)
+            info = ctx.checkpoint(next(ids), level)
+            extra = f", L2 sent {info.partner_bytes / 2**20:.1f} MiB" if info.partner_bytes is not None else ""
+            print(f"  full L1 {full.seconds:.2f} s; dCP {info.seconds:.2f} s ({info.seconds / full.seconds:.3f}x), "
+                  f"{info.blocks_changed}/{info.blocks_total} blocks, {info.bytes_written / 2**20:.1f} MiB of data "
+                  f"({info.bytes_written / full.bytes_written:.2%}){extra}")
+    finally:
+        ctx.finalize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mib", type=int, default=2048)
@@ -68,6 +99,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--dcp", action="store_true", help="also time differential checkpoints (levels 5 and 6)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="ftidask-bench-", dir=args.dir)
     chunk_rows = args.chunk_mib * 2**20 // 8 // 1024
@@ -91,6 +123,9 @@ def main() -> None:
                     ft.append(run_ftidask(client, x, root, i + 1))
                 print(f"  run {i + 1}: ftidask L1 {ft[-1]:.2f} s ({nbytes / ft[-1] / 2**20:.0f} MiB/s), "
                       f"to_zarr+fsync {zt[-1]:.2f} s ({nbytes / zt[-1] / 2**20:.0f} MiB/s)")
+            if args.dcp:
+                for level in (5, 6):
+                    run_dcp(client, x, root, level, args.repeat)
         finally:
             shutil.rmtree(root, ignore_errors=True)
     best_f, best_z = min(ft), min(zt)

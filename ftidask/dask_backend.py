@@ -78,6 +78,7 @@ class DaskContext(Context):
         self.client = client
         self.cluster = Cluster(client, config.progress)
         self._fault: dict[int, str] = {}  # rank -> stage: real worker kills, for the test suite
+        self._started = False  # set by the first garbage collection (at init)
         super().__init__(config, DaskTransport(self.cluster))
         if config.enable_dcp:
             self._dcp = DaskSpares(self)
@@ -277,17 +278,22 @@ class DaskContext(Context):
     def _remove_dirs(self, ckpt_id: int, seq: int, level: int, nranks: int) -> None:
         """Remove a checkpoint's directories on every worker (each sees its own node's)."""
         dirs = self._dirs(ckpt_id, seq, {1, 2, 3, level}, max(nranks, len(self.cluster.workers())))
-        self.cluster.run(tasks.remove_paths, dirs)
-        storage.remove_tree(self.paths.level_dir(4, 0) / storage.ckpt_dirname(ckpt_id, seq))
+        self.cluster.run(tasks.discard_paths, dirs)  # renamed now, deleted in the background
+        trash = storage.move_to_trash(self.paths.level_dir(4, 0) / storage.ckpt_dirname(ckpt_id, seq))
+        if trash is not None:
+            self._remover().submit(storage.remove_tree, trash)
 
     def _collect_garbage(self) -> None:
         """Remove interrupted checkpoints' leftovers on every worker (and in the global directory)."""
         committed = {r.dirname for r in self.state.records()}
-        self.cluster.run(tasks.collect_garbage, str(self.paths.ckpt_dir), self.exec_id, sorted(committed))
+        first = not self._started  # at the start nothing of ours is being deleted: old trash goes too
+        self._started = True
+        self.cluster.run(tasks.collect_garbage, str(self.paths.ckpt_dir), self.exec_id, sorted(committed), first)
         glob_root = self.paths.level_dir(4, 0)
         if glob_root.is_dir():
             for entry in glob_root.iterdir():
-                if entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
+                if (entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed) or (
+                        first and entry.name.startswith(storage.TRASH_PREFIX)):
                     storage.remove_tree(entry)
         for root in (self.state.records_dir, self.state.root):  # torn commit records (killed client)
             if root.is_dir():

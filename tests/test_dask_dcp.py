@@ -1,6 +1,7 @@
 """Differential and incremental checkpoints on a real LocalCluster (worker processes, real kills)."""
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -184,3 +185,21 @@ def test_differential_levels_need_enable_dcp(client, dirs):
     with pytest.raises(ftidask.LevelError, match="enable_dcp"):
         ctx.checkpoint(1, 5)
     assert ctx.state.records() == []
+
+
+def test_retired_checkpoints_are_deleted_in_the_background(client, dirs):
+    ctx = ftidask.init(client=client, **dirs)
+    _start(ctx)
+    for k in range(4):
+        _step(ctx, k)
+        ctx.checkpoint(k + 1, 2)
+    root = Path(dirs["ckpt_dir"])
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        left = sorted({p.name.split(".s")[0] for p in root.glob("node*/*/l*/ckpt*")})
+        trash = list(root.glob("node*/*/l*/.trash-*"))
+        if left == ["ckpt4"] and not trash:
+            break
+        time.sleep(0.1)
+    assert left == ["ckpt4"] and not trash
+    ctx.finalize()

@@ -18,6 +18,7 @@ The commit record, written last by the engine, is the commit point, as for every
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,8 @@ from ..levels.ring_groups import copy_holder, copy_source, group_of, make_groups
 from ..runstate import CommitRecord
 from . import dcp_tasks, tasks
 from .plan import VarSpec, layout_to_json, plan_ranks
+
+log = logging.getLogger("ftidask")
 
 
 def spare_path(ctx: Any, level: int, rank: int) -> str:
@@ -56,11 +59,16 @@ def sticky_owners(ctx: Any, level: int, owner: dict[tuple[int, tuple[int, ...]],
     if prev is None:
         return owner
     out = dict(owner)
+    moved = moved_bytes = 0
     for vid, rows in (prev.extra.get("chunks") or {}).items():
-        for index, rank, _dptr, _nbytes in rows:
+        for index, rank, _dptr, nbytes in rows:
             key = (int(vid), tuple(index))
-            if key in out and 0 <= rank < len(workers):
+            if key in out and 0 <= rank < len(workers) and out[key] != rank:
                 out[key] = rank
+                moved, moved_bytes = moved + 1, moved_bytes + int(nbytes)
+    if moved:
+        log.info("differential checkpoint: %d chunks (%d bytes) move to the worker that wrote them last time",
+                 moved, moved_bytes)
     return out
 
 

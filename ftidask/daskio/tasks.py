@@ -8,9 +8,11 @@ between workers (L2 copies, L3 stripes) move as task results, through Dask's own
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import signal
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -184,16 +186,22 @@ def _pread_into(fd: int, offset: int, view: memoryview) -> int:
     return got
 
 
-def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str]) -> int:
+def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str], trash: bool = False) -> int:
     """Remove what interrupted checkpoints left in the node directories this worker sees.
 
-    Checkpoint directories that no commit record names, and temporary files; the count removed.
+    Checkpoint directories that no commit record names, and temporary files; with ``trash``
+    (once, when a run starts) also the trash that killed workers left (:func:`discard_paths`
+    removes its own in the background); the count removed.
     """
     keep = set(committed)
     removed = 0
     for root in Path(ckpt_dir).glob(f"node*/{exec_id}/l[1-4]"):
         for entry in root.iterdir():
-            if entry.name.startswith(".") and ".tmp-" in entry.name:
+            if entry.name.startswith(storage.TRASH_PREFIX):
+                if trash:
+                    storage.remove_tree(entry)
+                    removed += 1
+            elif entry.name.startswith(".") and ".tmp-" in entry.name:
                 entry.unlink(missing_ok=True)
                 removed += 1
             elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in keep:
@@ -214,3 +222,21 @@ def existing(paths: Sequence[str]) -> list[bool]:
 def remove_paths(paths: Sequence[str]) -> None:
     for p in paths:
         storage.remove_tree(Path(p))
+
+
+@functools.cache
+def _remover() -> ThreadPoolExecutor:
+    # One thread per worker process, made on first use: deletions never hold up a task.
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-remove")
+
+
+def discard_paths(paths: Sequence[str]) -> None:
+    """Rename each path to a hidden trash name now (atomic), delete it in the background.
+
+    Freeing GiB-sized files takes a noticeable time, which a checkpoint must not wait for;
+    what a killed worker leaves in the trash is removed by :func:`collect_garbage`.
+    """
+    for p in paths:
+        trash = storage.move_to_trash(Path(p))
+        if trash is not None:
+            _remover().submit(storage.remove_tree, trash)
