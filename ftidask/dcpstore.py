@@ -90,6 +90,7 @@ class DcpStore:
         self._pool = ThreadPoolExecutor(max_workers=threads or min(4, os.cpu_count() or 1),
                                         thread_name_prefix="ftidask-dcp")
         self._crash_at = os.environ.get("FTIDASK_DCP_CRASH_AT", "")  # test hook: "<point>:<n>"
+        self._remover: ThreadPoolExecutor | None = None
 
     def spare_path(self, level: int) -> Path:
         return self.paths.level_dir(level, self.node) / "dcp" / f"Spare-Rank{self.rank}.fti"
@@ -123,6 +124,8 @@ class DcpStore:
         if level == 2 and ckpt_id is not None:
             pcof = path.parent / storage.partner_file(ckpt_id, self.rank)
             with contextlib.suppress(OSError):
+                if pcof.exists():
+                    self._discard(self.spare_partner_path(level))
                 os.replace(pcof, self.spare_partner_path(level))
         state = self._files.pop((level, seq), None)
         if state is None:
@@ -130,6 +133,7 @@ class DcpStore:
         spare = self.spare_path(level)
         try:
             storage.makedirs(spare.parent)
+            self._discard(spare)
             os.replace(path, spare)
         except OSError:
             return  # no spare: the next differential checkpoint writes everything
@@ -141,6 +145,15 @@ class DcpStore:
             tmp = hint.with_name(f".{hint.name}.tmp-{os.getpid()}")
             tmp.write_text(json.dumps({"fb_hash": state.fb_hash.hex()}))
             os.replace(tmp, hint)
+
+    def _discard(self, path: Path) -> None:
+        """Rename an old spare out of the way now and delete it in the background: freeing a
+        GiB-sized file takes a noticeable time that a commit must not wait for."""
+        trash = storage.move_to_trash(path)
+        if trash is not None:
+            if self._remover is None:
+                self._remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-dcp-remove")
+            self._remover.submit(storage.remove_tree, trash)
 
     def _spare_record(self, level: int) -> Path:
         return self.spare_path(level).with_suffix(".json")
@@ -163,7 +176,12 @@ class DcpStore:
 
     def clear(self) -> None:
         """Remove the spares (the run is over) and stop the hashing threads."""
+        if self._remover is not None:
+            self._remover.shutdown(wait=True)
+            self._remover = None
         for level in (1, 2, 3, 4):
+            for trash in self.spare_path(level).parent.glob(f"{storage.TRASH_PREFIX}*-{os.getpid()}-*"):
+                storage.remove_tree(trash)
             for path in (self.spare_path(level), self.spare_partner_path(level), self._spare_record(level)):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
@@ -174,6 +192,8 @@ class DcpStore:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._remover is not None:
+            self._remover.shutdown(wait=True)
 
     def _hook(self, point: str, level: int) -> None:
         """Crash-test hook: ``FTIDASK_DCP_CRASH_AT=<point>:<n>`` kills this process at the n-th hit."""

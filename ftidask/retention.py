@@ -58,6 +58,9 @@ class RetentionMixin:
                             storage.remove_tree(tmp)
                         else:
                             tmp.unlink(missing_ok=True)
+                    if entry.name == "dcp" and self._trash_pool is None:  # old spares a crash left
+                        for trash in entry.glob(f"{storage.TRASH_PREFIX}*"):
+                            storage.remove_tree(trash)
         t.barrier()
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:

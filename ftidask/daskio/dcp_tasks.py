@@ -28,7 +28,7 @@ from ..errors import FormatError
 from ..ftiff import hashing
 from ..ftiff.structs import FB_SIZE, FileBlock
 from .plan import layout_from_json
-from .tasks import chunk_sources, maybe_die, store_bytes
+from .tasks import chunk_sources, discard_paths, maybe_die, store_bytes
 
 
 @functools.cache
@@ -92,6 +92,7 @@ def keep_as_spares(moves: Sequence[Sequence[str]]) -> list[bool]:
     for src, dst in moves:
         try:
             storage.makedirs(Path(dst).parent)
+            discard_paths([dst])  # the old spare: freeing a GiB-sized file must not hold up the commit
             os.replace(src, dst)
             done.append(True)
         except OSError:

@@ -211,6 +211,10 @@ def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str], trash
                 for tmp in entry.glob(".*.tmp-*"):
                     tmp.unlink(missing_ok=True)
                     removed += 1
+                if entry.name == "dcp" and trash:  # old spares that a killed worker left
+                    for old in entry.glob(f"{storage.TRASH_PREFIX}*"):
+                        storage.remove_tree(old)
+                        removed += 1
     return removed
 
 
