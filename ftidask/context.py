@@ -15,20 +15,20 @@ from typing import Any
 import numpy as np
 
 from . import constants, storage
-from .arrays import ArrayBytes, VarInfo, check_id, check_protectable
-from .checkpointing import CheckpointInfo, write_rank_file
-from .dcpstore import DcpStore
+from .arrays import check_id, check_protectable
+from .checkpointing import CheckpointInfo
 from .config import Config
+from .context_recovery import RecoveryMixin
+from .context_writing import WritingMixin
+from .dcpstore import DcpStore
 from .errors import CheckpointError, FTIError, LevelError
-from .ftiff import blockhash, compression, hashing
+from .ftiff import compression, hashing
 from .ftiff.reader import FtiffFile
 from .layout import Layout, plan_layout
 from .pending import OneShotWriter, PendingCheckpoint, RankFileWriter
-from .progress import Tracked, tracked
 from .recovery import check_file
-from .runstate import STATUS_FRESH, CommitRecord, FileRecord, RunState, resolve_run
-from .context_recovery import RecoveryMixin
 from .retention import RetentionMixin
+from .runstate import STATUS_FRESH, CommitRecord, FileRecord, RunState, resolve_run
 from .staging import StagingMixin
 from .transport.base import Transport
 
@@ -46,7 +46,7 @@ class Protected:
     compressor: dict[str, Any] | None = None  # numcodecs config; None: the config's [advanced] compressor
 
 
-class Context(RecoveryMixin, RetentionMixin, StagingMixin):
+class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
     """One process's handle on a run: protected variables, checkpoints, recovery."""
 
     def __init__(self, config: Config, transport: Transport) -> None:
@@ -231,87 +231,6 @@ class Context(RecoveryMixin, RetentionMixin, StagingMixin):
         log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, pending.level,
                  info.bytes_written, info.seconds)
         return info
-
-    def _dcp_store(self) -> DcpStore:
-        """This rank's differential-checkpoint files (created on first use)."""
-        if self._dcp is None:
-            t = self.transport
-            self._dcp = DcpStore(self.paths, t.rank, t.node, block_size=self.config.dcp_block_size,
-                                 bid=blockhash.block_hash_id(self.config.dcp_mode), hash_id=self._hash_id)
-        return self._dcp
-
-    # --- incremental checkpointing (FTI_InitICP / AddVarICP / FinalizeICP) -------------------------
-
-    def init_icp(self, id: int, level: int) -> None:
-        """FTI_InitICP: open checkpoint ``id``; add each protected variable with :meth:`add_var_icp`."""
-        from .icp import init_icp
-
-        init_icp(self, id, level)
-
-    def add_var_icp(self, var_id: int) -> None:
-        """FTI_AddVarICP: write protected variable ``var_id`` into the open checkpoint now."""
-        from .icp import add_var_icp
-
-        add_var_icp(self, var_id)
-
-    def finalize_icp(self) -> CheckpointInfo:
-        """FTI_FinalizeICP: commit the open checkpoint (refused if a protected variable is missing)."""
-        from .icp import finalize_icp
-
-        return finalize_icp(self)
-
-    def _abort_icp(self) -> None:
-        """Drop the open incremental checkpoint without committing it (the previous one stays)."""
-        from .icp import abort_icp
-
-        abort_icp(self)
-
-    def incremental(self, id: int, level: int) -> Any:
-        """``with ctx.incremental(id, level) as icp: icp.add(var_id)``: iCP as a context manager."""
-        from .icp import Incremental
-
-        return Incremental(self, id, level)
-
-    def _write_zarr_l4(self, path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes], infos: list[VarInfo],
-                       *, meta: Mapping[str, Any], **_ignored: Any) -> Any:
-        """Level 4 as a Zarr store (``l4_format = zarr``), in place of the FTI-FF file."""
-        from .levels import zarr_l4
-
-        bar = next((a.bar for a in arrays.values() if isinstance(a, Tracked)), None)
-        return zarr_l4.write_rank_store(path.with_suffix(zarr_l4.SUFFIX), {vid: a.array for vid, a in arrays.items()},
-                                        infos, meta, progress=bar)
-
-    def _codecs(self) -> dict[int, tuple[Any, dict[str, Any]]]:
-        """Per variable to compress: ``(numcodecs codec, its JSON config)``."""
-        default = compression.parse_compressor(self.config.compressor)
-        out = {}
-        for vid, p in self._vars.items():
-            config = p.compressor if p.compressor is not None else default
-            if config is not None and config.get("id") != "none" and p.array.nbytes:
-                out[vid] = (compression.get_codec(config), config)
-        return out
-
-    def _write_full(self, ckpt_id: int, level: int, path: Path, layout: Layout, *, meta: Mapping[str, Any],
-                    pt_fs: int | None, max_fs: int | None) -> Any:
-        """Write this rank's whole file of a level 1-4 checkpoint (compressed, or as Zarr at L4, if so configured)."""
-        zarr_l4 = level == 4 and self.config.l4_format == "zarr"
-        codecs = self._codecs()
-        infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}))
-                 for vid, p in self._vars.items()]
-        write = self._write_zarr_l4 if zarr_l4 else write_rank_file
-        streams, bar = tracked({vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, self.config,
-                               f"checkpoint {ckpt_id} (L{level})")
-        with bar:
-            return write(
-                path, layout, streams, infos,
-                codecs={vid: (codec, self._vars[vid].array.dtype.itemsize) for vid, (codec, _c) in codecs.items()},
-                hash_id=self._hash_id, pool=self._hash_pool(), pt_fs=pt_fs, max_fs=max_fs, meta=meta)
-
-    def _hash_pool(self) -> ThreadPoolExecutor:
-        # One long-lived thread hashes a container while the caller writes it.
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
-        return self._pool
 
     def _check_level(self, level: Any) -> int:
         if (self.config.enable_dcp and isinstance(level, (int, np.integer)) and not isinstance(level, bool)
