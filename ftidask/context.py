@@ -189,8 +189,9 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
                 pending.error = f"rank {t.rank}: {exc}"
         try:  # collective for L2/L3: every rank takes part, even one whose file failed
             if pending.differential:
+                stats = None if pending.error else pending.stats
                 t.protect_files_delta(level, ckpt_id, pending.path, pending.directory,
-                                      None if pending.stats is None or pending.error else pending.stats.delta)
+                                      None if stats is None else stats.delta, xor=None if stats is None else stats.xor)
             else:
                 t.protect_files(level, ckpt_id, pending.path, pending.directory)
         except (OSError, FTIError) as exc:

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import storage
 from .arrays import VarInfo
-from .dcpdelta import FileDelta, merge_ranges
+from .dcpdelta import FileDelta, XorDelta, merge_ranges
 from .errors import CheckpointError, FormatError
 from .ftiff import blockhash
 from .ftiff.blockhash import FLAG_DCP, block_digests, container_hash
@@ -63,6 +63,7 @@ class DcpStats:
     file_bytes: int
     hash_seconds: float
     delta: FileDelta | None = None  # the ranges that differ from the base (None: no base)
+    xor: XorDelta | None = None  # old XOR new of those ranges, when asked for (L3) and the layout is the base's
 
 
 def _base_slot(base: BlockState | None, bi: int, si: int, slot: Slot) -> np.ndarray | None:
@@ -116,7 +117,7 @@ class DcpFileWriter:
     the current data, variable by variable (so that iCP can use it), then :meth:`finish`."""
 
     def __init__(self, fd: int, layout: Layout, base: BlockState | None, *, block_size: int, bid: int,
-                 hash_id: int, pool: ThreadPoolExecutor) -> None:
+                 hash_id: int, pool: ThreadPoolExecutor, capture_xor: bool = False) -> None:
         if not blockhash.MIN_BLOCK <= block_size <= blockhash.MAX_BLOCK:
             raise CheckpointError(f"dcp_block_size {block_size} outside [512, 65535]")
         self.fd, self.layout, self.pool = fd, layout, pool
@@ -130,6 +131,12 @@ class DcpFileWriter:
         self.done: set[int] = set()
         self.hook: Callable[[], None] | None = None  # called before each write (crash tests)
         self.runs: list[tuple[int, int]] = []  # file ranges of the data written
+        # For L3 parity updates: the base's metadata bytes, read before anything is overwritten.
+        self._old_meta: list[tuple[int, bytes]] | None = None
+        self._xor: list[tuple[int, np.ndarray]] = []
+        if capture_xor and self.base is not None and self.base.layout == layout:
+            old_size = os.fstat(fd).st_size
+            self._old_meta = [(off, _pread_padded(fd, n, off, old_size)) for off, n in self._meta_ranges(old_size)]
         # Invalidate the FB before the first data write: a file torn by a crash while it is patched
         # never shows a valid FB, so it is never mistaken for the file its old FB described.
         os.pwrite(fd, bytes(96), 0)
@@ -175,6 +182,10 @@ class DcpFileWriter:
                     raise CheckpointError(f"variable {var_id}: its buffer changed while it was checkpointed")
                 if self.hook is not None:
                     self.hook()
+                if self._old_meta is not None:  # old XOR new, read before it is overwritten
+                    new_bytes = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+                    old_bytes = np.frombuffer(_pread_padded(self.fd, end - off, slot.fptr + lo + off, None), np.uint8)
+                    self._xor.append((slot.fptr + lo + off, old_bytes ^ new_bytes))
                 _pwrite_all(self.fd, data, slot.fptr + lo + off)
                 self.runs.append((slot.fptr + lo + off, end - off))
                 written += end - off
@@ -186,6 +197,25 @@ class DcpFileWriter:
         self.data_bytes += written
         self.done.add(var_id)
         return written
+
+    def _meta_ranges(self, end: int) -> list[tuple[int, int]]:
+        """The FB, each block's metadata, and ``[fs, end)``: the bytes a patch rewrites besides data."""
+        out = [(0, 96)] + [(b.offset, b.metasize) for b in self.layout.blocks]
+        return out + [(self.layout.fs, max(0, end - self.layout.fs))]
+
+    def _xor_delta(self, new_size: int) -> XorDelta:
+        """Old XOR new for the data runs written and every metadata range (FB, blocks, fs to the end)."""
+        assert self._old_meta is not None and self.base is not None
+        old_tail_end = self._old_meta[-1][0] + len(self._old_meta[-1][1])
+        pieces = list(self._xor)
+        for (_off, old), (off2, n) in zip(self._old_meta, self._meta_ranges(max(new_size, old_tail_end)), strict=True):
+            new = _pread_padded(self.fd, n, off2, new_size)
+            old = old + bytes(n - len(old))
+            pieces.append((off2, np.frombuffer(old, np.uint8) ^ np.frombuffer(new, np.uint8)))
+        pieces.sort(key=lambda p: p[0])
+        ranges = tuple((off, int(x.nbytes)) for off, x in pieces)
+        payload = np.concatenate([x for _o, x in pieces]) if pieces else np.zeros(0, np.uint8)
+        return XorDelta(self.base.fb_hash, ranges, payload)
 
     def finish(self, trailer: Mapping[str, Any], *, pt_fs: int | None = None,
                max_fs: int | None = None) -> tuple[WrittenFile, DcpStats, BlockState]:
@@ -211,9 +241,16 @@ class DcpFileWriter:
             meta = [(0, 96), (self.layout.fs, written.file_size - self.layout.fs)]
             meta += [(b.offset, b.metasize) for b in self.layout.blocks]
             delta = FileDelta(self.base.fb_hash, written.file_size, merge_ranges(self.runs + meta))
-        stats = DcpStats(self.data_bytes, changed, total, self.data_bytes + meta_bytes, self.hash_seconds, delta)
+        xor = self._xor_delta(written.file_size) if self._old_meta is not None and self.base is not None else None
+        stats = DcpStats(self.data_bytes, changed, total, self.data_bytes + meta_bytes, self.hash_seconds, delta, xor)
         state = BlockState(self.layout, self.block_size, self.bid, dict(self.digests), written.fb.hash)
         return dataclasses.replace(written, data_bytes=self.data_bytes), stats, state
+
+
+def _pread_padded(fd: int, n: int, offset: int, size: int | None) -> bytes:
+    """``n`` bytes at ``offset``, zeros past the end of the file (``size``, or as it is now)."""
+    raw = os.pread(fd, n, offset) if size is None or offset < size else b""
+    return raw + bytes(n - len(raw))
 
 
 def load_state(path: Path, expected_fb_hash: bytes) -> BlockState | None:
@@ -248,9 +285,11 @@ def state_of_file(path: Path, parsed: Any) -> BlockState | None:
 def write_dcp_file(fd: int, layout: Layout, sources: Mapping[int, ByteSource], infos: list[VarInfo],
                    meta: Mapping[str, Any], base: BlockState | None, *, block_size: int, bid: int, hash_id: int,
                    pool: ThreadPoolExecutor, pt_fs: int | None = None, max_fs: int | None = None,
-                   hook: Callable[[], None] | None = None) -> tuple[WrittenFile, DcpStats, BlockState]:
+                   hook: Callable[[], None] | None = None,
+                   capture_xor: bool = False) -> tuple[WrittenFile, DcpStats, BlockState]:
     """Bring the file at ``fd`` from ``base`` to ``sources`` (every variable at once)."""
-    writer = DcpFileWriter(fd, layout, base, block_size=block_size, bid=bid, hash_id=hash_id, pool=pool)
+    writer = DcpFileWriter(fd, layout, base, block_size=block_size, bid=bid, hash_id=hash_id, pool=pool,
+                           capture_xor=capture_xor)
     writer.hook = hook
     for vid, source in sources.items():
         writer.write_var(vid, source)

@@ -16,9 +16,30 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import storage
 from .errors import FormatError
 from .ftiff.structs import FB_SIZE, FileBlock
+
+
+@dataclasses.dataclass(frozen=True)
+class XorDelta:
+    """What a differential file changed, as ``old XOR new`` bytes per range (files zero-padded).
+
+    For L3: Reed-Solomon parity is linear, so a parity built over the group's base files becomes
+    the parity of the new files by adding (XOR in GF(2^8)) each member's coefficient times its
+    ``XorDelta`` (:mod:`ftidask.levels.rs_delta`). Only produced when the new file has the base's
+    layout, so that data ranges and metadata ranges never overlap.
+    """
+
+    base_fb_hash: bytes
+    ranges: tuple[tuple[int, int], ...]  # (offset, length), sorted, disjoint
+    payload: np.ndarray  # uint8: the XOR bytes of every range, back to back
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.payload.nbytes)
 
 
 class DeltaMismatch(FormatError):
@@ -48,6 +69,16 @@ class FileDelta:
                        tuple((int(o), int(n)) for o, n in raw["ranges"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"invalid file delta: {exc}") from None
+
+
+def file_fb_hash(path: Path | str) -> str:
+    """The FB hash (hex) of the file at ``path``, or "" when it is missing or has no valid FB."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(FB_SIZE)
+        return FileBlock.unpack(raw).hash.hex() if len(raw) == FB_SIZE else ""
+    except (OSError, FormatError):
+        return ""
 
 
 def merge_ranges(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:

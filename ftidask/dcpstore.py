@@ -95,6 +95,10 @@ class DcpStore:
     def spare_path(self, level: int) -> Path:
         return self.paths.level_dir(level, self.node) / "dcp" / f"Spare-Rank{self.rank}.fti"
 
+    def spare_parity_path(self, level: int) -> Path:
+        """The parity file kept for L3 parity updates (see :mod:`ftidask.levels.rs_delta`)."""
+        return self.spare_path(level).with_name(f"SpareRSed-Rank{self.rank}.fti")
+
     def spare_partner_path(self, level: int) -> Path:
         """The partner copy kept for L2 deltas (see :mod:`ftidask.levels.partner_delta`)."""
         return self.spare_path(level).with_name(f"SparePcof-Rank{self.rank}.fti")
@@ -113,7 +117,7 @@ class DcpStore:
         if base is not None and not _holds(fd, base):
             base = None
         writer = DcpFileWriter(fd, layout, base, block_size=self.block_size, bid=self.bid, hash_id=self.hash_id,
-                               pool=self._pool)
+                               pool=self._pool, capture_xor=level == 3)  # L3 updates parity from old XOR new
         if self._crash_at:
             writer.hook = lambda: self._hook("block", level)
         return DcpHandle(self, level, fd, writer)
@@ -127,6 +131,16 @@ class DcpStore:
                 if pcof.exists():
                     self._discard(self.spare_partner_path(level))
                 os.replace(pcof, self.spare_partner_path(level))
+        if level == 3 and ckpt_id is not None:  # the parity and its record (which files it encodes)
+            rsed = path.parent / storage.parity_file(ckpt_id, self.rank)
+            spare = self.spare_parity_path(level)
+            with contextlib.suppress(OSError):
+                if rsed.exists():
+                    self._discard(spare)
+                    spare_hash = spare.with_name(spare.name + ".hash")
+                    spare_hash.unlink(missing_ok=True)
+                    os.replace(rsed, spare)
+                    os.replace(rsed.with_name(rsed.name + ".hash"), spare_hash)
         state = self._files.pop((level, seq), None)
         if state is None:
             return
@@ -182,7 +196,9 @@ class DcpStore:
         for level in (1, 2, 3, 4):
             for trash in self.spare_path(level).parent.glob(f"{storage.TRASH_PREFIX}*-{os.getpid()}-*"):
                 storage.remove_tree(trash)
-            for path in (self.spare_path(level), self.spare_partner_path(level), self._spare_record(level)):
+            parity = self.spare_parity_path(level)
+            for path in (self.spare_path(level), self.spare_partner_path(level), self._spare_record(level), parity,
+                         parity.with_name(parity.name + ".hash")):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             with contextlib.suppress(OSError):

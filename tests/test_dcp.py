@@ -271,9 +271,9 @@ class _RecordingTransport(SerialTransport):
     def __init__(self) -> None:
         self.deltas = []
 
-    def protect_files_delta(self, level, ckpt_id, own_file, ckpt_dir, delta):
+    def protect_files_delta(self, level, ckpt_id, own_file, ckpt_dir, delta, xor=None):
         self.deltas.append((own_file, delta))
-        super().protect_files_delta(level, ckpt_id, own_file, ckpt_dir, delta)
+        super().protect_files_delta(level, ckpt_id, own_file, ckpt_dir, delta, xor=xor)
 
 
 def test_delta_rebuilds_the_new_file_from_a_copy_of_its_base(tmp_path):

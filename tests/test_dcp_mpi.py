@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "dcp_l2_job.py"
@@ -30,7 +31,17 @@ def _job(root: Path, phase: str, level: int) -> str:
     return "".join((root / f"{phase}-rank{r}.txt").read_text() for r in range(4))
 
 
-@pytest.mark.parametrize("level", [6, pytest.param(7, marks=pytest.mark.slow), 8])
+def _parity_rows(files: list[Path]) -> list[bytes]:
+    """Every parity row of the group's files, encoded from scratch (the reference)."""
+    from ftidask.levels.erasure import ReedSolomon
+
+    datas = [np.frombuffer(f.read_bytes(), np.uint8) for f in files]
+    width = max(d.size for d in datas)
+    padded = [np.concatenate([d, np.zeros(width - d.size, np.uint8)]) for d in datas]
+    return [p.tobytes() for p in ReedSolomon(len(files), len(files)).encode(padded)]
+
+
+@pytest.mark.parametrize("level", [6, 7, 8])
 def test_dcp_then_lost_rank_file(tmp_path, level):
     out = _job(tmp_path, "write", level)
     # Checkpoints 3-5 patch the spare: 2 blocks of 391 changed per rank.
@@ -38,6 +49,13 @@ def test_dcp_then_lost_rank_file(tmp_path, level):
     if level == 6:
         # ... and L2 partners receive only the changed ranges (MpiTransport.protect_files_delta).
         assert out.count("(changed ranges)") == 12, out
+    if level == 7:
+        # ... and L3 parity is updated from the deltas (rs_delta), equal to a full re-encoding.
+        assert out.count("L3: parity updated") == 12 and out.count("L3: parity re-encoded") == 8, out
+        own = [next(tmp_path.glob(f"l/node{r}/trial/l3/ckpt5.*/Ckpt5-Rank{r}.fti")) for r in range(4)]
+        rows = _parity_rows(own)
+        for r in range(4):
+            assert (own[r].parent / f"Ckpt5-RSed{r}.fti").read_bytes() == rows[r]
     if level in (6, 7):
         (own,) = tmp_path.glob(f"l/node1/trial/l{level - 4}/ckpt5.*/Ckpt5-Rank1.fti")
         own.unlink()  # node 1 lost its file: it comes back from the partner copy (L2) or the parity (L3)

@@ -22,11 +22,9 @@ import numpy as np
 
 from .. import storage
 from ..arrays import VarInfo
-from ..dcpdelta import FileDelta, apply_delta, read_payload
+from ..dcpdelta import FileDelta, apply_delta, file_fb_hash, read_payload
 from ..dcpstore import write_differential
-from ..errors import FormatError
 from ..ftiff import hashing
-from ..ftiff.structs import FB_SIZE, FileBlock
 from .plan import layout_from_json
 from .tasks import chunk_sources, discard_paths, maybe_die, store_bytes
 
@@ -57,12 +55,7 @@ def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_
 
 def spare_fb_hash(path: str) -> str:
     """The FB hash (hex) of the file at ``path``, or "" when it is missing or has no valid FB."""
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(FB_SIZE)
-        return FileBlock.unpack(raw).hash.hex() if len(raw) == FB_SIZE else ""
-    except (OSError, FormatError):
-        return ""
+    return file_fb_hash(path)
 
 
 def partner_payload(own: str, written: dict[str, Any], holder_has: str, fault: str | None = None) -> dict[str, Any]:

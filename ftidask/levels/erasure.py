@@ -38,7 +38,7 @@ from numbers import Integral
 
 import numpy as np
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "ReedSolomon", "decode_files", "encode_files"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "ReedSolomon", "decode_files", "encode_files", "gf_scale"]
 
 DEFAULT_BLOCK_SIZE = 16 << 20
 _POLY = 0x11D
@@ -169,6 +169,13 @@ def _as_block(x: object, what: str) -> np.ndarray:
         return np.frombuffer(x, dtype=np.uint8)  # type: ignore[call-overload]
     except TypeError:
         raise TypeError(f"{what} must be a uint8 array or bytes-like, got {type(x).__name__}") from None
+
+
+def gf_scale(coef: int, data: np.ndarray) -> np.ndarray:
+    """``coef * data`` byte by byte in GF(2^8) (``data`` uint8; a new array)."""
+    if not 0 <= coef <= 255:
+        raise ValueError(f"a GF(2^8) coefficient is 0..255, got {coef}")
+    return _MUL[coef][np.asarray(data, np.uint8)]
 
 
 class ReedSolomon:

@@ -17,14 +17,17 @@ from .channel import GroupChannel
 
 
 def protect(group: GroupChannel, cfg: Config, level: int, ckpt_id: int, rank: int, own_file: Path,
-            ckpt_dir: Path, sizes: list[int]) -> str:
-    """Add L2 (partner copy) or L3 (parity) for rank ``rank``'s ``own_file``; sizes by group index. Error or ''."""
+            ckpt_dir: Path, sizes: list[int], fb_hashes: list[str] | None = None) -> str:
+    """Add L2 (partner copy) or L3 (parity) for rank ``rank``'s ``own_file``; sizes by group index. Error or ''.
+
+    ``fb_hashes``: the group's files' FB hashes, recorded with an L3 parity (for parity updates).
+    """
     if level == 2:
         return partner.protect(group, own_file, ckpt_dir / storage.partner_file(ckpt_id, rank), sizes,
                                cfg.transfer_size << 20)
     if level == 3:
         return rs.encode(group, own_file, ckpt_dir / storage.parity_file(ckpt_id, rank), sizes,
-                         cfg.block_size << 10, hashing.hash_id(cfg.hash))
+                         cfg.block_size << 10, hashing.hash_id(cfg.hash), fb_hashes)
     return ""
 
 

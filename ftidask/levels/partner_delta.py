@@ -24,9 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import storage
-from ..dcpdelta import FileDelta
-from ..errors import FormatError
-from ..ftiff.structs import FB_SIZE, FileBlock
+from ..dcpdelta import FileDelta, file_fb_hash
 
 log = logging.getLogger("ftidask")
 
@@ -34,15 +32,6 @@ log = logging.getLogger("ftidask")
 def spare_partner_path(ckpt_dir: Path, rank: int) -> Path:
     """Where rank ``rank`` keeps its spare partner copy, next to the checkpoint directories of a level."""
     return ckpt_dir.parent / "dcp" / f"SparePcof-Rank{rank}.fti"
-
-
-def _fb_hash(path: Path) -> str:
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(FB_SIZE)
-        return FileBlock.unpack(raw).hash.hex() if len(raw) == FB_SIZE else ""
-    except (OSError, FormatError):
-        return ""
 
 
 def _payload_pieces(delta: FileDelta | None, size: int, piece: int) -> list[tuple[int, int]]:
@@ -63,7 +52,7 @@ def protect(ch: Any, own: Path, pcof: Path, spare: Path, size: int, delta: FileD
     infos = ch.allgather({"size": size, "delta": None if delta is None else delta.to_json()})
     theirs = infos[left]
     left_delta = FileDelta.from_json(theirs["delta"]) if theirs["delta"] is not None else None
-    can_patch = left_delta is not None and _fb_hash(spare) == left_delta.base_fb_hash.hex()
+    can_patch = left_delta is not None and file_fb_hash(spare) == left_delta.base_fb_hash.hex()
     patches = ch.allgather(bool(can_patch))
     send = _payload_pieces(delta if patches[right] else None, size, piece)
     recv = _payload_pieces(left_delta if can_patch else None, int(theirs["size"]), piece)

@@ -24,14 +24,21 @@ def hash_path(parity: Path) -> Path:
     return parity.with_name(parity.name + ".hash")
 
 
-def _write_hash(parity: Path, hash_id: int, digest: str, size: int, errors: list[str]) -> None:
+def write_record(parity: Path, hash_id: int, digest: str, size: int, errors: list[str],
+                 fb_hashes: list[str] | None = None) -> None:
+    """The parity's ``.hash`` file: its hash and length, and (``fb_hashes``) the FB hashes of the
+    group's files it encodes, by index (what :mod:`ftidask.levels.rs_delta` checks)."""
+    record: dict[str, object] = {"hash_id": hash_id, "hash": digest, "size": size}
+    if fb_hashes is not None:
+        record["fb_hashes"] = fb_hashes
     try:
-        write_json_atomic(hash_path(parity), {"hash_id": hash_id, "hash": digest, "size": size})
+        write_json_atomic(hash_path(parity), record)
     except OSError as exc:
         errors.append(f"cannot write {hash_path(parity)}: {exc}")
 
 
-def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: int, hash_id: int) -> str:
+def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: int, hash_id: int,
+           fb_hashes: list[str] | None = None) -> str:
     """Write this member's parity file; sizes are the group's file sizes by index. Error or ''."""
     k, max_fs = ch.size, max(sizes)
     codec = ReedSolomon(k, k)
@@ -50,7 +57,7 @@ def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: i
         if fin is not None:
             fin.close()
     if out.close():
-        _write_hash(parity, hash_id, hasher.hexdigest(), max_fs, errors)
+        write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors, fb_hashes)
     return "; ".join(errors)
 
 
@@ -112,5 +119,5 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
     if out_d is not None:
         out_d.close()
     if out_p is not None and out_p.close():
-        _write_hash(parity, hash_id, hasher.hexdigest(), max_fs, errors)
+        write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors)
     return verify_own(own) if not own_ok else own_ok

@@ -51,7 +51,8 @@ class Transport(abc.ABC):
         if level in (2, 3):
             self.check_level(level)
 
-    def protect_files_delta(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, delta: Any) -> None:
+    def protect_files_delta(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, delta: Any,
+                            xor: Any = None) -> None:
         """Like :meth:`protect_files` for a differential file (levels 5-8).
 
         Called on every rank of a differential checkpoint (collectively, like protect_files).
@@ -59,7 +60,9 @@ class Transport(abc.ABC):
         lists the byte ranges of ``own_file`` that differ from the file it was patched from
         (identified by ``delta.base_fb_hash``). A transport whose partner still holds that base can
         send only those ranges: :func:`ftidask.levels.partner_delta.protect` does it for L2 over
-        a group channel. By default the whole file is protected.
+        a group channel. By default the whole file is protected. ``xor``
+        (:class:`ftidask.dcpdelta.XorDelta`, level 3 only, or None) lets L3 update the parity from
+        the changed bytes instead of re-encoding it (:mod:`ftidask.levels.rs_delta`).
         """
         self.protect_files(level, ckpt_id, own_file, ckpt_dir)
 

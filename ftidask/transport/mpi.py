@@ -19,8 +19,10 @@ from mpi4py import MPI
 
 from .. import storage
 from ..config import Config
+from ..dcpdelta import file_fb_hash
 from ..errors import CheckpointError, ConfigError, FTIError, LevelError
-from ..levels import multilevel, partner_delta
+from ..ftiff import hashing
+from ..levels import multilevel, partner_delta, rs_delta
 from ..levels.topology import Topology, host_topology, local_topology, validate_levels
 from ..recovery import check_file
 from ..runstate import CommitRecord
@@ -176,13 +178,25 @@ class MpiTransport(Transport):
         self.check_level(level)
         assert self.group is not None
         size = _size_or_zero(own_file)
+        fb_hashes = self.group.allgather(file_fb_hash(own_file)) if level == 3 else None
         error = multilevel.protect(self.group, self.cfg, level, ckpt_id, self.rank, own_file, ckpt_dir,
-                                   self.group.allgather(size))
+                                   self.group.allgather(size), fb_hashes)
         if error:
             raise CheckpointError(error)
 
-    def protect_files_delta(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, delta: Any) -> None:
-        """L2 of a differential file: the partner gets only the changed ranges when it holds the base."""
+    def protect_files_delta(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, delta: Any,
+                            xor: Any = None) -> None:
+        """L2 of a differential file: the partner gets only the changed ranges when it holds the base.
+        L3: the parity is updated from every member's ``xor`` delta when all can (else re-encoded)."""
+        if level == 3:
+            self.check_level(level)
+            assert self.group is not None
+            why = rs_delta.update(self.group, xor, file_fb_hash(own_file), rs_delta.spare_parity_path(ckpt_dir, self.rank),
+                                  ckpt_dir / storage.parity_file(ckpt_id, self.rank),
+                                  self.group.allgather(_size_or_zero(own_file)), hashing.hash_id(self.cfg.hash))
+            if why is None:
+                return
+            log.info("L3: parity re-encoded in full: %s", why)
         if level != 2:
             self.protect_files(level, ckpt_id, own_file, ckpt_dir)
             return

@@ -14,7 +14,7 @@ r = comm.rank
 # One output file per rank: the ranks' stdout would interleave.
 out = open(f"{root}/{phase}-rank{r}.txt", "w", buffering=1)  # noqa: SIM115 - for the whole job
 handler = logging.StreamHandler(out)
-handler.addFilter(lambda rec: rec.getMessage().startswith("L2:") or rec.levelno >= 30)
+handler.addFilter(lambda rec: rec.getMessage().startswith(("L2:", "L3:")) or rec.levelno >= 30)
 logging.getLogger("ftidask").addHandler(handler)
 cfg = dict(ckpt_dir=f"{root}/l", glbl_dir=f"{root}/g", meta_dir=f"{root}/m", local_test=1, node_size=1, group_size=4,
            enable_dcp=1, dcp_block_size=4096, verbosity=1, exec_id="trial")

@@ -1,0 +1,109 @@
+"""L3 for differential checkpoints: update the parity from what changed instead of re-encoding.
+
+Reed-Solomon parity is linear over GF(2^8): if parity ``P_j`` encodes the group's files ``D_i``,
+then ``P_j + sum_i C[j][i] * (D_i' - D_i)`` encodes the files ``D_i'`` (``+`` and ``-`` are XOR).
+Each member's differential writer records ``D_i' XOR D_i`` for every range it rewrote
+(:class:`~ftidask.dcpdelta.XorDelta`); the members exchange these deltas only, and each one
+patches the parity it kept from the retired checkpoint (its *spare parity*,
+``{level dir}/dcp/SpareRSed-Rank{r}.fti``), then renames it into the new checkpoint.
+
+This is only correct when the spare parity encodes exactly the files the deltas start from, so
+every member checks, and all agree before anything is written:
+
+* the spare parity's record (its ``.hash`` file) lists the FB hashes of the files it encodes,
+  and they are the FB hashes of every member's base (``XorDelta.base_fb_hash``);
+* the parity length (the group's largest file, FTI's maxFs) is unchanged;
+* every member has a delta (its file was patched, with the base's layout).
+
+Otherwise :func:`update` returns a reason and the caller re-encodes in full
+(:func:`ftidask.levels.rs.encode`). The spare's record is removed before it is patched, so a
+parity torn by a crash is never trusted again; the new parity's hash and record are written
+after it is complete. Like every L3 parity, it is checked against its hash before a rebuild.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import storage
+from ..dcpdelta import XorDelta
+from ..errors import FTIError
+from ..ftiff import hashing
+from .channel import GroupChannel
+from .erasure import ReedSolomon, gf_scale
+from .rs import hash_path, write_record
+
+log = logging.getLogger("ftidask")
+
+
+def spare_parity_path(ckpt_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` keeps its spare parity, next to the checkpoint directories of L3."""
+    return ckpt_dir.parent / "dcp" / f"SpareRSed-Rank{rank}.fti"
+
+
+def _can_use(spare: Path, xor: XorDelta | None, max_fs: int) -> dict[str, Any]:
+    record = storage.read_json(hash_path(spare))
+    ok = (xor is not None and isinstance(record, dict) and isinstance(record.get("fb_hashes"), list)
+          and record.get("size") == max_fs and spare.is_file() and spare.stat().st_size == max_fs)
+    return {"ok": ok, "base": xor.base_fb_hash.hex() if xor is not None else "",
+            "encodes": record.get("fb_hashes") if ok and isinstance(record, dict) else None,
+            "ranges": [list(r) for r in xor.ranges] if xor is not None else [],
+            "nbytes": xor.nbytes if xor is not None else 0}
+
+
+def update(ch: GroupChannel, xor: XorDelta | None, own_fb_hash: str, spare: Path, parity: Path, sizes: list[int],
+           hash_id: int) -> str | None:
+    """Collectively patch every member's spare parity into ``parity``; None when done, else why not.
+
+    Collective over the group (every member calls it). Nothing is written unless every member
+    can take part; an I/O error after that point is raised as :class:`FTIError` (the checkpoint
+    then fails and the previous one stays, as for any failed level).
+    """
+    max_fs = max(sizes)
+    infos = ch.allgather(_can_use(spare, xor, max_fs) | {"new": own_fb_hash})
+    bases = [info["base"] for info in infos]
+    if not all(info["ok"] and info["encodes"] == bases for info in infos):
+        return "the spare parity does not encode every member's base file"
+    hash_path(spare).unlink(missing_ok=True)  # from now on the spare's content is unknown
+    assert xor is not None  # every member said ok
+    width = max(info["nbytes"] for info in infos)
+    own = np.zeros(width, np.uint8)
+    own[:xor.nbytes] = xor.payload
+    payloads = ch.allgather_blocks(own)
+    coefs = ReedSolomon(ch.size, ch.size).matrix[ch.index]
+    fd = os.open(spare, os.O_RDWR)
+    try:
+        for i, info in enumerate(infos):
+            pos = 0
+            for off, n in info["ranges"]:
+                delta = payloads[i][pos:pos + n]
+                pos += n
+                n = min(n, max_fs - off)  # past maxFs every file is padding on both sides
+                if n <= 0:
+                    continue
+                cur = np.frombuffer(os.pread(fd, n, off), np.uint8)
+                if len(cur) != n:
+                    raise FTIError(f"{spare}: shorter than the parity length {max_fs}")
+                os.pwrite(fd, (cur ^ gf_scale(int(coefs[i]), delta[:n])).tobytes(), off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    storage.makedirs(parity.parent)
+    os.replace(spare, parity)
+    storage.fsync_dir(parity.parent)
+    hasher = hashing.new_hasher(hash_id)
+    with open(parity, "rb") as fh:
+        while chunk := fh.read(16 << 20):
+            hasher.update(chunk)
+    errors: list[str] = []
+    write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors, [info["new"] for info in infos])
+    if errors:
+        raise FTIError("; ".join(errors))
+    log.info("L3: parity updated from the group's deltas (%d bytes from each member, parity %d bytes)",
+             width, max_fs)
+    return None

@@ -1,0 +1,158 @@
+"""L3 for differential files: parity updated from old XOR new deltas equals a full re-encoding.
+
+Members are threads of one process joined by the queue-based group channel of
+tests/test_partner_delta.py (the MPI run is in tests/test_dcp_mpi.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_partner_delta import ThreadChannel, ThreadGroup
+
+from ftidask.arrays import ArrayBytes, VarInfo
+from ftidask.dcp import write_dcp_file
+from ftidask.dcpdelta import file_fb_hash
+from ftidask.layout import plan_layout
+from ftidask.levels import rs, rs_delta
+from ftidask.levels.erasure import ReedSolomon
+
+SIZE = 3
+
+
+class BlockChannel(ThreadChannel):
+    def allgather_blocks(self, block):
+        return [np.asarray(b, np.uint8) for b in self.allgather(np.array(block, np.uint8, copy=True))]
+
+
+def _write(path: Path, arrays, base, pool):
+    layout = plan_layout(None, [(vid, a.nbytes) for vid, a in arrays.items()])
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        infos = [VarInfo.of(vid, f"v{vid}", a) for vid, a in arrays.items()]
+        _w, stats, state = write_dcp_file(fd, layout, {vid: ArrayBytes(a) for vid, a in arrays.items()}, infos,
+                                          {"format": "ftidask"}, base, block_size=4096, bid=4, hash_id=2, pool=pool,
+                                          capture_xor=True)
+    finally:
+        os.close(fd)
+    return stats, state
+
+
+def _in_group(fn):
+    group = ThreadGroup(SIZE)
+    with ThreadPoolExecutor(SIZE) as ex:
+        return list(ex.map(lambda i: fn(BlockChannel(group, i), i), range(SIZE)))
+
+
+def _reference(files):
+    datas = [np.frombuffer(f.read_bytes(), np.uint8) for f in files]
+    width = max(d.size for d in datas)
+    padded = [np.concatenate([d, np.zeros(width - d.size, np.uint8)]) for d in datas]
+    return [p.tobytes() for p in ReedSolomon(SIZE, SIZE).encode(padded)]
+
+
+@pytest.fixture
+def group(tmp_path):
+    """Every member's base file, and each member's parity of the base files kept as its spare."""
+    pool = ThreadPoolExecutor(2)
+    rng = np.random.default_rng(0)
+    members = []
+    for i in range(SIZE):
+        d = tmp_path / f"node{i}"
+        d.mkdir()
+        arrays = {1: rng.random(60_000 + 5_000 * i), 2: rng.integers(0, 9, 20_000).astype(np.int32)}
+        _stats, state = _write(d / "own.fti", arrays, None, pool)
+        members.append({"dir": d, "arrays": arrays, "state": state, "own": d / "own.fti"})
+    sizes = [m["own"].stat().st_size for m in members]
+    hashes = [file_fb_hash(m["own"]) for m in members]
+    errors = _in_group(lambda ch, i: rs.encode(ch, members[i]["own"], members[i]["dir"] / "spare.rsed", sizes,
+                                               1 << 16, 2, hashes))
+    assert errors == [""] * SIZE
+    yield members, pool
+    pool.shutdown()
+
+
+def _patch_all(members, pool, change):
+    xors = []
+    for i, m in enumerate(members):
+        change(i, m["arrays"])
+        stats, _state = _write(m["own"], m["arrays"], m["state"], pool)
+        xors.append(stats.xor)
+    sizes = [m["own"].stat().st_size for m in members]
+    results = _in_group(lambda ch, i: rs_delta.update(
+        ch, xors[i], file_fb_hash(members[i]["own"]), members[i]["dir"] / "spare.rsed",
+        members[i]["dir"] / "new.rsed", sizes, 2))
+    return xors, results
+
+
+def test_updated_parity_equals_a_full_encoding(group):
+    members, pool = group
+    rng = np.random.default_rng(1)
+
+    def change(i, arrays):
+        arrays[1][rng.integers(0, arrays[1].size, 15)] = -1.0 - i
+
+    xors, results = _patch_all(members, pool, change)
+    assert results == [None] * SIZE
+    total = sum(m["own"].stat().st_size for m in members)
+    assert sum(x.nbytes for x in xors) < total // 5  # only the changed ranges travelled
+    want = _reference([m["own"] for m in members])
+    for i, m in enumerate(members):
+        assert (m["dir"] / "new.rsed").read_bytes() == want[i]
+        assert rs.parity_ok(m["dir"] / "new.rsed", len(want[i]), 1 << 16)
+        record = json.loads(rs.hash_path(m["dir"] / "new.rsed").read_text())
+        assert record["fb_hashes"] == [file_fb_hash(x["own"]) for x in members]  # ready for the next update
+    # the updated parity rebuilds a lost file: member 1's, from member 0's and 2's files and a parity
+    width = len(want[0])
+    pad = [np.frombuffer(m["own"].read_bytes().ljust(width, b"\0"), np.uint8) for m in members]
+    got = ReedSolomon(SIZE, SIZE).decode({0: pad[0], 2: pad[2], SIZE + 1: np.frombuffer((members[1]["dir"] / "new.rsed").read_bytes(), np.uint8)})
+    assert got[1].tobytes() == pad[1].tobytes()
+
+
+def test_a_stale_parity_record_means_full_encoding_and_nothing_touched(group):
+    members, pool = group
+    spare = members[1]["dir"] / "spare.rsed"
+    record = json.loads(rs.hash_path(spare).read_text())
+    record["fb_hashes"][0] = "00" * 16  # encodes another file than member 0's base
+    rs.hash_path(spare).write_text(json.dumps(record))
+    before = [(m["dir"] / "spare.rsed").read_bytes() for m in members]
+
+    def change(i, arrays):
+        arrays[1][:10] = 7.0
+
+    _xors, results = _patch_all(members, pool, change)
+    assert all(r is not None and "does not encode" in r for r in results)
+    assert [(m["dir"] / "spare.rsed").read_bytes() for m in members] == before
+    assert not any((m["dir"] / "new.rsed").exists() for m in members)
+
+
+def test_a_layout_change_means_full_encoding(group):
+    members, pool = group
+
+    def change(i, arrays):
+        if i == 2:
+            arrays[1] = np.concatenate([arrays[1], np.ones(3_000)])  # grows: a new block, no delta
+
+    xors, results = _patch_all(members, pool, change)
+    assert xors[2] is None and xors[0] is not None
+    assert all(r is not None for r in results)
+
+
+def test_a_torn_spare_is_not_used_again(group, tmp_path):
+    members, pool = group
+    # a crash right after the members agreed: the spare's record is gone, its bytes half patched
+    for m in members:
+        rs.hash_path(m["dir"] / "spare.rsed").unlink()
+        shutil.copyfile(m["own"], m["dir"] / "spare.rsed")
+
+    def change(i, arrays):
+        arrays[2][:5] = 1
+
+    _xors, results = _patch_all(members, pool, change)
+    assert all(r is not None for r in results)
