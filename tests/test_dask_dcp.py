@@ -1,5 +1,6 @@
 """Differential and incremental checkpoints on a real LocalCluster (worker processes, real kills)."""
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -205,3 +206,25 @@ def test_retired_checkpoints_are_deleted_in_the_background(client, dirs):
         time.sleep(0.1)
     assert left == ["ckpt4"] and not trash
     ctx.finalize()
+
+
+def test_l3_parity_is_updated_from_the_deltas(client, dirs, caplog):
+    from test_dcp_mpi import _parity_rows
+
+    ctx = _init(client, dirs, group_size=4)
+    _start(ctx)
+    with caplog.at_level(logging.INFO, logger="ftidask"):
+        for k in range(4):
+            _step(ctx, k)
+            ctx.checkpoint(k + 1, 7)
+    # checkpoints 1 and 2 have no spare parity yet; 3 and 4 update theirs
+    assert sum("re-encodes its parity in full" in r.getMessage() for r in caplog.records) == 2
+    root = Path(dirs["ckpt_dir"])
+    own = [next(root.glob(f"node{r}/*/l3/ckpt4.*/Ckpt4-Rank{r}.fti")) for r in range(NWORKERS)]
+    rows = _parity_rows(own)
+    for r in range(NWORKERS):
+        assert (own[r].parent / f"Ckpt4-RSed{r}.fti").read_bytes() == rows[r]
+    saved = _state(ctx)
+    lose_workers(client, dirs, [1, 2])
+    client.wait_for_workers(NWORKERS - 2, timeout=60)
+    _assert_same(_init(client, dirs, group_size=4).recover(), saved)

@@ -19,6 +19,7 @@ The commit record, written last by the engine, is the commit point, as for every
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +39,10 @@ log = logging.getLogger("ftidask")
 
 def spare_path(ctx: Any, level: int, rank: int) -> str:
     return str(ctx.paths.level_dir(level, rank) / "dcp" / f"Spare-Rank{rank}.fti")
+
+
+def spare_parity_path(ctx: Any, rank: int) -> str:
+    return str(ctx.paths.level_dir(3, rank) / "dcp" / f"SpareRSed-Rank{rank}.fti")
 
 
 def spare_pcof_path(ctx: Any, rank: int) -> str:
@@ -98,7 +103,13 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
             layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, ctx.config.hash,
             ctx.config.dcp_block_size, bid, partner, max(fs[g] for g in group_of(groups, r)),
             [[c.var_id, c.dptr] for c in plan.chunks], *(futures[c.var_id, c.index] for c in plan.chunks),
-            fault=ctx._fault.get(r), key=f"ftidask-dcp-write-{tag}-{r}", worker=workers[r]))
+            fault=ctx._fault.get(r), with_xor=level == 3, key=f"ftidask-dcp-write-{tag}-{r}", worker=workers[r]))
+    payloads: list[Future] = []
+    if level == 3:  # (result, XOR bytes): the client takes the result, the bytes stay on the workers
+        payloads = [ctx.cluster.submit(operator.getitem, w, 1, key=f"ftidask-dcp-xor-{tag}-{r}", worker=workers[r])
+                    for r, w in enumerate(writes)]
+        writes = [ctx.cluster.submit(operator.getitem, w, 0, key=f"ftidask-dcp-result-{tag}-{r}", worker=workers[r])
+                  for r, w in enumerate(writes)]
     finals: list[Future] = []
     if level == 2:
         for r in range(n):
@@ -112,19 +123,48 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
                 spare_pcof_path(ctx, holder), sent, key=f"ftidask-dcp-partner-store-{tag}-{holder}",
                 worker=workers[holder]))
     elif level == 3:
-        for group in groups:
-            sent = [ctx.cluster.submit(tasks.read_bytes, own(r), writes[r], key=f"ftidask-parity-send-{tag}-{r}",
-                                       worker=workers[r]) for r in group]
-            for pos, r in enumerate(group):
-                finals.append(ctx.cluster.submit(
-                    tasks.encode_parity, ctx._file(3, ckpt_id, seq, r, storage.parity_file(ckpt_id, r)), pos,
-                    sent, key=f"ftidask-parity-encode-{tag}-{r}", worker=workers[r]))
+        finals = _parity(ctx, ckpt_id, seq, tag, groups, workers, writes, payloads, own)
     results = ctx.cluster.wait_all(writes + finals, workers, f"differential checkpoint {ckpt_id}")
     written = results[:n]
     if level == 2:  # what crossed to the partners: deltas, or whole files when a partner had no base
         for w, stored in zip(written, results[n:], strict=True):
             w["partner_bytes"] = stored.get("sent", stored["size"])
     return plans, written, groups
+
+
+def _parity(ctx: Any, ckpt_id: int, seq: int, tag: str, groups: list[list[int]], workers: list[str],
+            writes: list[Future], payloads: list[Future], own: Any) -> list[Future]:
+    """L3 of a differential checkpoint: per group, update every member's spare parity from the
+    members' XOR deltas when every spare encodes the deltas' base files (see
+    :mod:`ftidask.levels.rs_delta`), else encode the parity from the new files."""
+    n = len(workers)
+    has = [ctx.cluster.submit(dcp_tasks.parity_record, spare_parity_path(ctx, r),
+                              key=f"ftidask-dcp-parity-has-{tag}-{r}", worker=workers[r]) for r in range(n)]
+    done = ctx.cluster.wait_all(writes + has, workers, f"differential checkpoint {ckpt_id}")
+    results, records = done[:n], done[n:]
+    finals = []
+    for group in groups:
+        bases = [results[r]["xor"]["base"] if results[r].get("xor") else None for r in group]
+        max_fs = max(results[r]["size"] for r in group)
+        new_hashes = [results[r]["fb_hash"] for r in group]
+        update = all(bases) and all(records[r] is not None and records[r]["fb_hashes"] == bases
+                                    and records[r]["size"] == max_fs for r in group)
+        if not update:
+            log.info("L3: group %s re-encodes its parity in full (a spare parity does not encode the bases)", group)
+            sent = [ctx.cluster.submit(tasks.read_bytes, own(r), writes[r], key=f"ftidask-parity-send-{tag}-{r}",
+                                       worker=workers[r]) for r in group]
+        for pos, r in enumerate(group):
+            parity = ctx._file(3, ckpt_id, seq, r, storage.parity_file(ckpt_id, r))
+            if update:
+                finals.append(ctx.cluster.submit(
+                    dcp_tasks.parity_apply, spare_parity_path(ctx, r), parity, pos,
+                    [results[i]["xor"]["ranges"] for i in group], max_fs, ctx.config.hash, new_hashes,
+                    *(payloads[i] for i in group), key=f"ftidask-dcp-parity-apply-{tag}-{r}", worker=workers[r]))
+            else:
+                finals.append(ctx.cluster.submit(
+                    dcp_tasks.encode_parity_recorded, parity, pos, sent, ctx.config.hash, new_hashes,
+                    key=f"ftidask-parity-encode-{tag}-{r}", worker=workers[r]))
+    return finals
 
 
 class DaskSpares:
@@ -155,6 +195,11 @@ class DaskSpares:
             move(workers[f.rank], ctx._file(record.level, record.ckpt_id, record.seq, f.rank,
                                             storage.rank_file(record.ckpt_id, f.rank)),
                  spare_path(ctx, record.level, f.rank), (record.level, f.rank, f.fb_hash))
+            if record.level == 3:  # its parity and record, for the next parity update
+                parity = ctx._file(3, record.ckpt_id, record.seq, f.rank, storage.parity_file(record.ckpt_id, f.rank))
+                spare = spare_parity_path(ctx, f.rank)
+                move(workers[f.rank], parity, spare, (0, f.rank, ""))
+                move(workers[f.rank], parity + ".hash", spare + ".hash", (0, f.rank, ""))
             if record.level == 2 and groups:
                 holder = copy_holder(groups, f.rank)
                 if holder < len(workers) and workers[holder] in live:

@@ -25,8 +25,9 @@ from ..arrays import VarInfo
 from ..dcpdelta import FileDelta, apply_delta, file_fb_hash, read_payload
 from ..dcpstore import write_differential
 from ..ftiff import hashing
+from ..levels import rs, rs_delta
 from .plan import layout_from_json
-from .tasks import chunk_sources, discard_paths, maybe_die, store_bytes
+from .tasks import chunk_sources, discard_paths, encode_parity, maybe_die, store_bytes
 
 
 @functools.cache
@@ -38,19 +39,62 @@ def _hash_pool() -> ThreadPoolExecutor:
 def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_json: Any,
                    infos_json: list[dict[str, Any]], meta: dict[str, Any], hash_name: str, block_size: int, bid: int,
                    pt_fs: int, max_fs: int, places: list[list[int]], *chunks: np.ndarray,
-                   fault: str | None = None) -> dict[str, Any]:
-    """Bring this worker's spare up to date with the chunks it holds and rename it to ``final``."""
+                   fault: str | None = None, with_xor: bool = False) -> Any:
+    """Bring this worker's spare up to date with the chunks it holds and rename it to ``final``.
+
+    ``with_xor`` (L3): return ``(result, old XOR new bytes)``, the result's ``xor`` giving the
+    ranges and the base, for a parity update (:func:`parity_apply`).
+    """
     maybe_die(fault, "write")
     written, stats = write_differential(
         Path(spare), Path(final), bytes.fromhex(expected_fb_hash) if expected_fb_hash else None,
         layout_from_json(layout_json), chunk_sources(places, chunks), [VarInfo.from_json(r) for r in infos_json],
         meta, block_size=block_size, bid=bid, hash_id=hashing.hash_id(hash_name), pool=_hash_pool(),
-        pt_fs=pt_fs, max_fs=max_fs, hook=(lambda: maybe_die(fault, "patch")) if fault == "patch" else None)
+        pt_fs=pt_fs, max_fs=max_fs, hook=(lambda: maybe_die(fault, "patch")) if fault == "patch" else None,
+        capture_xor=with_xor)
     maybe_die(fault, "after-write")
-    return {"rank": meta["rank"], "node": meta["node"], "size": written.file_size, "fb_hash": written.fb.hash.hex(),
-            "data_bytes": stats.data_bytes, "file_bytes": stats.file_bytes, "blocks_changed": stats.blocks_changed,
-            "blocks_total": stats.blocks_total, "path": final,
-            "delta": None if stats.delta is None else stats.delta.to_json()}
+    result = {"rank": meta["rank"], "node": meta["node"], "size": written.file_size,
+              "fb_hash": written.fb.hash.hex(), "data_bytes": stats.data_bytes, "file_bytes": stats.file_bytes,
+              "blocks_changed": stats.blocks_changed, "blocks_total": stats.blocks_total, "path": final,
+              "delta": None if stats.delta is None else stats.delta.to_json()}
+    if not with_xor:
+        return result
+    xor = stats.xor
+    result["xor"] = None if xor is None else {"base": xor.base_fb_hash.hex(), "ranges": [list(r) for r in xor.ranges]}
+    return result, (np.zeros(0, np.uint8) if xor is None else xor.payload)
+
+
+def parity_record(path: str) -> dict[str, Any] | None:
+    """The record of the spare parity at ``path`` (which files it encodes, its length), or None."""
+    record = storage.read_json(rs.hash_path(Path(path)))
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return None
+    if not isinstance(record, dict) or record.get("size") != size or not isinstance(record.get("fb_hashes"), list):
+        return None
+    return {"fb_hashes": record["fb_hashes"], "size": size}
+
+
+def parity_apply(spare: str, parity: str, position: int, ranges: list[list[list[int]]], max_fs: int, hash_name: str,
+                 fb_hashes: list[str], *payloads: np.ndarray) -> dict[str, Any]:
+    """Patch this member's spare parity with the group's deltas into ``parity`` (the client checked
+    that the spare encodes every member's base file)."""
+    rs_delta.patch_parity(Path(spare), Path(parity), position, ranges, list(payloads), max_fs,
+                          hashing.hash_id(hash_name), fb_hashes)
+    return {"path": parity, "size": max_fs, "sent": sum(int(p.nbytes) for p in payloads)}
+
+
+def encode_parity_recorded(path: str, position: int, datas: list[np.ndarray], hash_name: str,
+                           fb_hashes: list[str]) -> dict[str, Any]:
+    """A full parity encoding, with the record that lets the next checkpoint update it."""
+    out = encode_parity(path, position, datas)
+    digest = hashing.digest(hashing.hash_id(hash_name), memoryview(np.fromfile(path, np.uint8)))
+    errors: list[str] = []
+    rs.write_record(Path(path), hashing.hash_id(hash_name), digest.hex(), out["size"], errors, fb_hashes)
+    if errors:
+        raise OSError("; ".join(errors))
+    return out
 
 
 def spare_fb_hash(path: str) -> str:

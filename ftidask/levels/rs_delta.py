@@ -48,8 +48,11 @@ def spare_parity_path(ckpt_dir: Path, rank: int) -> Path:
 
 def _can_use(spare: Path, xor: XorDelta | None, max_fs: int) -> dict[str, Any]:
     record = storage.read_json(hash_path(spare))
-    ok = (xor is not None and isinstance(record, dict) and isinstance(record.get("fb_hashes"), list)
-          and record.get("size") == max_fs and spare.is_file() and spare.stat().st_size == max_fs)
+    try:
+        ok = (xor is not None and isinstance(record, dict) and isinstance(record.get("fb_hashes"), list)
+              and record.get("size") == max_fs and spare.stat().st_size == max_fs)
+    except OSError:  # no spare: never raise between the group's collectives
+        ok = False
     return {"ok": ok, "base": xor.base_fb_hash.hex() if xor is not None else "",
             "encodes": record.get("fb_hashes") if ok and isinstance(record, dict) else None,
             "ranges": [list(r) for r in xor.ranges] if xor is not None else [],
@@ -69,26 +72,43 @@ def update(ch: GroupChannel, xor: XorDelta | None, own_fb_hash: str, spare: Path
     bases = [info["base"] for info in infos]
     if not all(info["ok"] and info["encodes"] == bases for info in infos):
         return "the spare parity does not encode every member's base file"
-    hash_path(spare).unlink(missing_ok=True)  # from now on the spare's content is unknown
     assert xor is not None  # every member said ok
     width = max(info["nbytes"] for info in infos)
     own = np.zeros(width, np.uint8)
     own[:xor.nbytes] = xor.payload
-    payloads = ch.allgather_blocks(own)
-    coefs = ReedSolomon(ch.size, ch.size).matrix[ch.index]
-    fd = os.open(spare, os.O_RDWR)
+    payloads = ch.allgather_blocks(own)  # the last collective: what follows is local and may fail alone
+    patch_parity(spare, parity, ch.index, [info["ranges"] for info in infos], payloads, max_fs, hash_id,
+                 [info["new"] for info in infos])
+    log.info("L3: parity updated from the group's deltas (%d bytes from each member, parity %d bytes)",
+             width, max_fs)
+    return None
+
+
+def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[list[int]]], payloads: list[np.ndarray],
+                 max_fs: int, hash_id: int, fb_hashes: list[str]) -> None:
+    """Patch parity row ``position`` in ``spare`` with every member's deltas (``ranges[i]`` and the
+    XOR bytes ``payloads[i]`` of member ``i``), rename it to ``parity``, write its hash and record.
+
+    Local: the members already agreed that every spare encodes their deltas' base files.
+    """
+    coefs = ReedSolomon(len(ranges), len(ranges)).matrix[position]
     try:
-        for i, info in enumerate(infos):
+        hash_path(spare).unlink(missing_ok=True)  # from now on the spare's content is unknown
+        fd = os.open(spare, os.O_RDWR)
+    except OSError as exc:
+        raise FTIError(f"cannot patch the spare parity {spare}: {exc}") from exc
+    try:
+        for i, member_ranges in enumerate(ranges):
             pos = 0
-            for off, n in info["ranges"]:
+            for off, n in member_ranges:
                 delta = payloads[i][pos:pos + n]
                 pos += n
                 n = min(n, max_fs - off)  # past maxFs every file is padding on both sides
                 if n <= 0:
                     continue
                 cur = np.frombuffer(os.pread(fd, n, off), np.uint8)
-                if len(cur) != n:
-                    raise FTIError(f"{spare}: shorter than the parity length {max_fs}")
+                if len(cur) != n or len(delta) < n:
+                    raise FTIError(f"{spare}: shorter than the parity length {max_fs}, or a short delta")
                 os.pwrite(fd, (cur ^ gf_scale(int(coefs[i]), delta[:n])).tobytes(), off)
         os.fsync(fd)
     finally:
@@ -101,9 +121,6 @@ def update(ch: GroupChannel, xor: XorDelta | None, own_fb_hash: str, spare: Path
         while chunk := fh.read(16 << 20):
             hasher.update(chunk)
     errors: list[str] = []
-    write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors, [info["new"] for info in infos])
+    write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors, fb_hashes)
     if errors:
         raise FTIError("; ".join(errors))
-    log.info("L3: parity updated from the group's deltas (%d bytes from each member, parity %d bytes)",
-             width, max_fs)
-    return None

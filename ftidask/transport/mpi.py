@@ -191,7 +191,8 @@ class MpiTransport(Transport):
         if level == 3:
             self.check_level(level)
             assert self.group is not None
-            why = rs_delta.update(self.group, xor, file_fb_hash(own_file), rs_delta.spare_parity_path(ckpt_dir, self.rank),
+            why = rs_delta.update(self.group, xor, file_fb_hash(own_file),
+                                  rs_delta.spare_parity_path(ckpt_dir, self.rank),
                                   ckpt_dir / storage.parity_file(ckpt_id, self.rank),
                                   self.group.allgather(_size_or_zero(own_file)), hashing.hash_id(self.cfg.hash))
             if why is None:
