@@ -1,11 +1,12 @@
 """Per-level checkpoint time over MPI ranks, and the erasure codec's throughput against a memory copy.
 
-    python benchmarks/bench_levels_mpi.py [--ranks 4] [--mib 256] [--dir /tmp/bench]
+    python benchmarks/bench_levels_mpi.py [--ranks 4] [--mib 256] [--dir /tmp/bench] [--dcp]
 
 The driver launches ``mpiexec -n RANKS`` workers (4 simulated nodes, one group), each protecting
 MIB MiB; every level is written once and timed (slowest rank), L1 being the baseline. Then, in
 this process, the Reed-Solomon codec (k = m = 4) encodes and decodes blocks; its MB/s per core is
-printed next to a plain ``numpy.copyto`` of the same bytes.
+printed next to a plain ``numpy.copyto`` of the same bytes. With ``--dcp``, differential L2 and
+L3 checkpoints (1% of the blocks changed) are timed against a full checkpoint at the same level.
 """
 
 from __future__ import annotations
@@ -42,6 +43,41 @@ def worker(args: argparse.Namespace) -> None:
             ctx.checkpoint(1, level)
             elapsed = ctx.comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
             out[level] = elapsed
+        shutil.rmtree(base, ignore_errors=True)
+    if world.rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+def worker_dcp(args: argparse.Namespace) -> None:
+    """Differential L2 and L3 (levels 6, 7) after 1% of each rank's 16 KiB blocks changed, each timed
+    right after a full checkpoint of the same state at the same level."""
+    from mpi4py import MPI
+
+    import ftidask
+
+    world = MPI.COMM_WORLD
+    out = {}
+    for level in (2, 3):
+        base = Path(args.dir) / f"dcp{level}"
+        with ftidask.init(comm=world, local_test=1, node_size=max(1, world.size // 4), group_size=4,
+                          ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global", meta_dir=f"{base}/Meta",
+                          verbosity=3, enable_dcp=1, dcp_block_size=16384) as ctx:
+            rng = np.random.default_rng(ctx.comm.rank)
+            data = rng.integers(0, 255, args.mib << 20, dtype=np.uint8)
+            ctx.protect(1, data)
+            ctx.checkpoint(1, level + 4)
+            ctx.checkpoint(2, level + 4)  # both alternating files (and spare copies / parities) filled
+            ctx.comm.Barrier()
+            start = time.perf_counter()
+            ctx.checkpoint(3, level)
+            full = ctx.comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+            blocks = data.size // 16384  # the spares now hold checkpoint 2: the same state until here
+            data[rng.choice(blocks, blocks // 100, replace=False) * 16384] += 1
+            ctx.comm.Barrier()
+            start = time.perf_counter()
+            info = ctx.checkpoint(4, level + 4)
+            dcp = ctx.comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+            out[level] = [full, dcp, ctx.comm.allreduce(info.blocks_changed), ctx.comm.allreduce(info.blocks_total)]
         shutil.rmtree(base, ignore_errors=True)
     if world.rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
@@ -84,10 +120,15 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--mib", type=int, default=256, help="MiB protected per rank")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--dcp", action="store_true", help="also time differential L2 and L3 (1%% of blocks changed)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-dcp", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.worker_dcp:
+        worker_dcp(args)
         return
     tmp = args.dir or tempfile.mkdtemp(prefix="ftidask-bench-")
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
@@ -103,6 +144,16 @@ def main() -> None:
     print(f"checkpoint of {args.ranks} ranks x {args.mib} MiB = {total} MiB (slowest rank):")
     for level, t in sorted(times.items()):
         print(f"  L{level}: {t:7.2f} s  {total / t:8.0f} MiB/s  ({t / times[1]:5.2f} x L1)")
+    if args.dcp:
+        proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, "--worker-dcp", "--mib",
+                               str(args.mib), "--dir", tmp], capture_output=True, text=True, timeout=3600)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"benchmark failed:\n{proc.stdout}\n{proc.stderr}")
+        print("differential checkpoints, 1% of the 16 KiB blocks changed, vs a full checkpoint at the same level:")
+        for level, (full, dcp, changed, total) in sorted(json.loads(line[7:]).items()):
+            print(f"  L{level}: full {full:6.2f} s, differential {dcp:6.2f} s ({dcp / full:5.3f}x), "
+                  f"{changed}/{total} blocks")
     shutil.rmtree(tmp, ignore_errors=True) if args.dir is None else None
     codec(min(args.mib, 256))
 

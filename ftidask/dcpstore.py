@@ -131,16 +131,6 @@ class DcpStore:
                 if pcof.exists():
                     self._discard(self.spare_partner_path(level))
                 os.replace(pcof, self.spare_partner_path(level))
-        if level == 3 and ckpt_id is not None:  # the parity and its record (which files it encodes)
-            rsed = path.parent / storage.parity_file(ckpt_id, self.rank)
-            spare = self.spare_parity_path(level)
-            with contextlib.suppress(OSError):
-                if rsed.exists():
-                    self._discard(spare)
-                    spare_hash = spare.with_name(spare.name + ".hash")
-                    spare_hash.unlink(missing_ok=True)
-                    os.replace(rsed, spare)
-                    os.replace(rsed.with_name(rsed.name + ".hash"), spare_hash)
         state = self._files.pop((level, seq), None)
         if state is None:
             return
@@ -152,6 +142,16 @@ class DcpStore:
         except OSError:
             return  # no spare: the next differential checkpoint writes everything
         self._spares[level] = state
+        if level == 3 and ckpt_id is not None:  # the parity and its record (which files it encodes)
+            rsed = path.parent / storage.parity_file(ckpt_id, self.rank)
+            parity = self.spare_parity_path(level)
+            with contextlib.suppress(OSError):
+                if rsed.exists():
+                    self._discard(parity)
+                    parity_hash = parity.with_name(parity.name + ".hash")
+                    parity_hash.unlink(missing_ok=True)
+                    os.replace(rsed, parity)
+                    os.replace(rsed.with_name(rsed.name + ".hash"), parity_hash)
         # A hint that lets a restarted process trust this (committed, fsynced) file. Not synced: a
         # lost or stale hint only names another FB hash, and then the spare is rewritten in full.
         hint = self._spare_record(level)

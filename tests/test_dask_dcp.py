@@ -208,17 +208,33 @@ def test_retired_checkpoints_are_deleted_in_the_background(client, dirs):
     ctx.finalize()
 
 
-def test_l3_parity_is_updated_from_the_deltas(client, dirs, caplog):
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_l3_parity_is_updated_from_the_deltas(client, dirs):
     from test_dcp_mpi import _parity_rows
 
     ctx = _init(client, dirs, group_size=4)
     _start(ctx)
-    with caplog.at_level(logging.INFO, logger="ftidask"):
+    logger, seen = logging.getLogger("ftidask"), _Messages()
+    old_level = logger.level
+    logger.addHandler(seen)
+    logger.setLevel(logging.INFO)
+    try:
         for k in range(4):
             _step(ctx, k)
             ctx.checkpoint(k + 1, 7)
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(old_level)
     # checkpoints 1 and 2 have no spare parity yet; 3 and 4 update theirs
-    assert sum("re-encodes its parity in full" in r.getMessage() for r in caplog.records) == 2
+    assert sum("re-encodes its parity in full" in m for m in seen.messages) == 2, seen.messages
     root = Path(dirs["ckpt_dir"])
     own = [next(root.glob(f"node{r}/*/l3/ckpt4.*/Ckpt4-Rank{r}.fti")) for r in range(NWORKERS)]
     rows = _parity_rows(own)

@@ -31,13 +31,14 @@ class BlockChannel(ThreadChannel):
         return [np.asarray(b, np.uint8) for b in self.allgather(np.array(block, np.uint8, copy=True))]
 
 
-def _write(path: Path, arrays, base, pool):
+def _write(path: Path, arrays, base, pool, note=""):
     layout = plan_layout(None, [(vid, a.nbytes) for vid, a in arrays.items()])
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         infos = [VarInfo.of(vid, f"v{vid}", a) for vid, a in arrays.items()]
         _w, stats, state = write_dcp_file(fd, layout, {vid: ArrayBytes(a) for vid, a in arrays.items()}, infos,
-                                          {"format": "ftidask"}, base, block_size=4096, bid=4, hash_id=2, pool=pool,
+                                          {"format": "ftidask", "note": note}, base, block_size=4096, bid=4,
+                                          hash_id=2, pool=pool,
                                           capture_xor=True)
     finally:
         os.close(fd)
@@ -78,11 +79,11 @@ def group(tmp_path):
     pool.shutdown()
 
 
-def _patch_all(members, pool, change):
+def _patch_all(members, pool, change, notes=("", "", "")):
     xors = []
     for i, m in enumerate(members):
         change(i, m["arrays"])
-        stats, _state = _write(m["own"], m["arrays"], m["state"], pool)
+        stats, m["state"] = _write(m["own"], m["arrays"], m["state"], pool, notes[i])
         xors.append(stats.xor)
     sizes = [m["own"].stat().st_size for m in members]
     results = _in_group(lambda ch, i: rs_delta.update(
@@ -113,6 +114,41 @@ def test_updated_parity_equals_a_full_encoding(group):
     pad = [np.frombuffer(m["own"].read_bytes().ljust(width, b"\0"), np.uint8) for m in members]
     got = ReedSolomon(SIZE, SIZE).decode({0: pad[0], 2: pad[2], SIZE + 1: np.frombuffer((members[1]["dir"] / "new.rsed").read_bytes(), np.uint8)})
     assert got[1].tobytes() == pad[1].tobytes()
+
+
+@pytest.mark.parametrize("notes", [("x" * 100_000, "", ""), ("", "", "y" * 300)])
+def test_the_largest_file_may_change_size(group, notes):
+    """A longer table makes member 0 the largest file (the parity grows), or member 2 (the largest)
+    grows a little: the updated parity still equals a full encoding of the new files."""
+    members, pool = group
+    sizes_before = [m["own"].stat().st_size for m in members]
+
+    def change(i, arrays):
+        arrays[2][i] += 1
+
+    _xors, results = _patch_all(members, pool, change, notes)
+    assert results == [None] * SIZE
+    assert max(m["own"].stat().st_size for m in members) != max(sizes_before)
+    want = _reference([m["own"] for m in members])
+    for i, m in enumerate(members):
+        assert (m["dir"] / "new.rsed").read_bytes() == want[i]
+
+
+def test_a_chain_of_updates_as_the_largest_file_grows_then_shrinks(group):
+    members, pool = group
+
+    def change(i, arrays):
+        arrays[1][100 * i] = 3.0
+
+    for notes in [("", "", "y" * 300), ("", "", ""), ("z" * 100_000, "", ""), ("", "", "")]:
+        _xors, results = _patch_all(members, pool, change, notes)
+        assert results == [None] * SIZE
+        want = _reference([m["own"] for m in members])
+        for i, m in enumerate(members):
+            new = m["dir"] / "new.rsed"
+            assert new.read_bytes() == want[i]
+            os.replace(new, m["dir"] / "spare.rsed")  # what retiring the checkpoint does
+            os.replace(rs.hash_path(new), rs.hash_path(m["dir"] / "spare.rsed"))
 
 
 def test_a_stale_parity_record_means_full_encoding_and_nothing_touched(group):

@@ -147,8 +147,7 @@ def _parity(ctx: Any, ckpt_id: int, seq: int, tag: str, groups: list[list[int]],
         bases = [results[r]["xor"]["base"] if results[r].get("xor") else None for r in group]
         max_fs = max(results[r]["size"] for r in group)
         new_hashes = [results[r]["fb_hash"] for r in group]
-        update = all(bases) and all(records[r] is not None and records[r]["fb_hashes"] == bases
-                                    and records[r]["size"] == max_fs for r in group)
+        update = all(bases) and all(records[r] is not None and records[r]["fb_hashes"] == bases for r in group)
         if not update:
             log.info("L3: group %s re-encodes its parity in full (a spare parity does not encode the bases)", group)
             sent = [ctx.cluster.submit(tasks.read_bytes, own(r), writes[r], key=f"ftidask-parity-send-{tag}-{r}",

@@ -12,8 +12,12 @@ every member checks, and all agree before anything is written:
 
 * the spare parity's record (its ``.hash`` file) lists the FB hashes of the files it encodes,
   and they are the FB hashes of every member's base (``XorDelta.base_fb_hash``);
-* the parity length (the group's largest file, FTI's maxFs) is unchanged;
 * every member has a delta (its file was patched, with the base's layout).
+
+The parity length follows the group's largest file (FTI's maxFs), which may change by a few bytes
+(the variable table holds the time): past the old length every old file was zero padding, so the
+old parity is zero there, and past the new length the new files are, so the spare is extended with
+zeros or truncated to the new length before it is patched.
 
 Otherwise :func:`update` returns a reason and the caller re-encodes in full
 (:func:`ftidask.levels.rs.encode`). The spare's record is removed before it is patched, so a
@@ -46,11 +50,11 @@ def spare_parity_path(ckpt_dir: Path, rank: int) -> Path:
     return ckpt_dir.parent / "dcp" / f"SpareRSed-Rank{rank}.fti"
 
 
-def _can_use(spare: Path, xor: XorDelta | None, max_fs: int) -> dict[str, Any]:
+def _can_use(spare: Path, xor: XorDelta | None) -> dict[str, Any]:
     record = storage.read_json(hash_path(spare))
     try:
         ok = (xor is not None and isinstance(record, dict) and isinstance(record.get("fb_hashes"), list)
-              and record.get("size") == max_fs and spare.stat().st_size == max_fs)
+              and record.get("size") == spare.stat().st_size)
     except OSError:  # no spare: never raise between the group's collectives
         ok = False
     return {"ok": ok, "base": xor.base_fb_hash.hex() if xor is not None else "",
@@ -68,7 +72,7 @@ def update(ch: GroupChannel, xor: XorDelta | None, own_fb_hash: str, spare: Path
     then fails and the previous one stays, as for any failed level).
     """
     max_fs = max(sizes)
-    infos = ch.allgather(_can_use(spare, xor, max_fs) | {"new": own_fb_hash})
+    infos = ch.allgather(_can_use(spare, xor) | {"new": own_fb_hash})
     bases = [info["base"] for info in infos]
     if not all(info["ok"] and info["encodes"] == bases for info in infos):
         return "the spare parity does not encode every member's base file"
@@ -98,6 +102,7 @@ def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[lis
     except OSError as exc:
         raise FTIError(f"cannot patch the spare parity {spare}: {exc}") from exc
     try:
+        os.ftruncate(fd, max_fs)  # zeros past the old maxFs (old files were padding there), or cut
         for i, member_ranges in enumerate(ranges):
             pos = 0
             for off, n in member_ranges:
