@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FormatError, ProtectError
+from .errors import CheckpointError, FormatError, ProtectError
 
 PIECE = 32 << 20  # bytes per piece when copying is needed; bounds extra memory
 
@@ -45,6 +45,14 @@ def check_id(value: Any, what: str) -> int:
     if not _INT32[0] <= value <= _INT32[1]:
         raise ProtectError(f"{what} {value} does not fit FTI's 32-bit ids")
     return value
+
+
+def check_ckpt_id(value: Any) -> int:
+    """``value`` as a checkpoint id: an FTI id other than 0, which FTI reserves."""
+    ckpt_id = check_id(value, "checkpoint id")
+    if ckpt_id == 0:
+        raise CheckpointError("checkpoint id 0 is reserved by FTI; use a non-zero id")
+    return ckpt_id
 
 
 def stream_order(array: np.ndarray) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import constants, storage
-from .arrays import check_id, check_protectable
+from .arrays import check_ckpt_id, check_id, check_protectable
 from .checkpointing import CheckpointInfo
 from .config import Config
 from .context_recovery import RecoveryMixin
@@ -140,9 +140,7 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         self._check_open()
         if self._icp is not None:
             raise CheckpointError(f"incremental checkpoint {self._icp.ckpt_id} is open; finalize_icp() first")
-        ckpt_id = check_id(id, "checkpoint id")
-        if ckpt_id == 0:
-            raise CheckpointError("checkpoint id 0 is reserved by FTI; use a non-zero id")
+        ckpt_id = check_ckpt_id(id)
         level = self._check_level(level)
         t = self.transport
         t.wait_post()  # a head still post-processing the previous checkpoint must finish first (as FTI)

@@ -19,7 +19,7 @@ import numpy as np
 from distributed import Client, Future, futures_of
 
 from . import constants, storage
-from .arrays import check_id
+from .arrays import check_ckpt_id, check_id
 from .config import Config
 from .context import Context, Protected
 from .daskio import icp, restore, tasks
@@ -134,9 +134,7 @@ class DaskContext(Context):
         """Write checkpoint ``id`` at ``level``: each worker writes the chunks it holds, then the level's
         redundancy runs as tasks; committed only when every worker's part succeeded."""
         self._check_open()
-        ckpt_id = check_id(id, "checkpoint id")
-        if ckpt_id == 0:
-            raise CheckpointError("checkpoint id 0 is reserved by FTI; use a non-zero id")
+        ckpt_id = check_ckpt_id(id)
         level = self._check_level(level + 4 if dcp and level in constants.LEVELS else level)
         differential = level > 4  # L5-L8: differential L1-L4 (enable_dcp = 1)
         shown_level, level = level, level - 4 if differential else level

@@ -106,12 +106,6 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data[: 256 << 20], offset)
-        data, offset = data[n:], offset + n
-
-
 class DcpFileWriter:
     """Bring the file open at ``fd`` from ``base`` (None: unknown content, write everything) to
     the current data, variable by variable (so that iCP can use it), then :meth:`finish`."""
@@ -186,7 +180,7 @@ class DcpFileWriter:
                     new_bytes = np.frombuffer(memoryview(data).cast("B"), np.uint8)
                     old_bytes = np.frombuffer(_pread_padded(self.fd, end - off, slot.fptr + lo + off, None), np.uint8)
                     self._xor.append((slot.fptr + lo + off, old_bytes ^ new_bytes))
-                _pwrite_all(self.fd, data, slot.fptr + lo + off)
+                storage.pwrite_all(self.fd, data, slot.fptr + lo + off)
                 self.runs.append((slot.fptr + lo + off, end - off))
                 written += end - off
             if runs:

@@ -115,16 +115,12 @@ def apply_delta(base_path: Path, out_path: Path, delta: FileDelta, payload: byte
             same = False
         if not same:
             raise DeltaMismatch(f"{base_path} is not the base of this delta", path=str(base_path))
-        view, pos = memoryview(payload), 0
+        view, pos = memoryview(payload).cast("B"), 0
         for off, n in delta.ranges:
-            done = 0
-            while done < n:
-                done += os.pwrite(fd, view[pos + done:pos + n], off + done)
+            storage.pwrite_all(fd, view[pos:pos + n], off)
             pos += n
         os.ftruncate(fd, delta.file_size)
         os.fsync(fd)
     finally:
         os.close(fd)
-    storage.makedirs(out_path.parent)
-    os.replace(base_path, out_path)
-    storage.fsync_dir(out_path.parent)
+    storage.rename_into(base_path, out_path)

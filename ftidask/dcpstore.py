@@ -60,9 +60,7 @@ class DcpHandle:
         written, stats, state = self.writer.finish(trailer, pt_fs=pt_fs, max_fs=max_fs)
         self.store._hook("finished", self.level)
         self.close()
-        storage.makedirs(final_path.parent)
-        os.replace(self.store.spare_path(self.level), final_path)
-        storage.fsync_dir(final_path.parent)
+        storage.rename_into(self.store.spare_path(self.level), final_path)
         storage.fsync_dir(self.store.spare_path(self.level).parent)
         self.store._hook("renamed", self.level)
         self.store._files[self.level, seq] = state
@@ -260,7 +258,5 @@ def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None,
                                                 hook=hook, capture_xor=capture_xor)
     finally:
         os.close(fd)
-    storage.makedirs(final.parent)
-    os.replace(spare, final)
-    storage.fsync_dir(final.parent)
+    storage.rename_into(spare, final)
     return written, stats

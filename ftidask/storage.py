@@ -95,6 +95,21 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
             _native.start_writeback(fd, offset, nbytes)
 
 
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``pwrite`` may write less than asked)."""
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    while len(view):
+        n = os.pwrite(fd, view[: 256 << 20], offset)
+        view, offset = view[n:], offset + n
+
+
+def rename_into(src: Path, dst: Path) -> None:
+    """Publish a complete, fsynced file: rename ``src`` to ``dst`` and sync ``dst``'s directory."""
+    makedirs(dst.parent)
+    os.replace(src, dst)
+    fsync_dir(dst.parent)
+
+
 def makedirs(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -161,7 +161,7 @@ def _parity(ctx: Any, ckpt_id: int, seq: int, tag: str, groups: list[list[int]],
                     *(payloads[i] for i in group), key=f"ftidask-dcp-parity-apply-{tag}-{r}", worker=workers[r]))
             else:
                 finals.append(ctx.cluster.submit(
-                    dcp_tasks.encode_parity_recorded, parity, pos, sent, ctx.config.hash, new_hashes,
+                    tasks.encode_parity, parity, pos, sent, ctx.config.hash, new_hashes,
                     key=f"ftidask-parity-encode-{tag}-{r}", worker=workers[r]))
     return finals
 

@@ -27,7 +27,7 @@ from ..dcpstore import write_differential
 from ..ftiff import hashing
 from ..levels import rs, rs_delta
 from .plan import layout_from_json
-from .tasks import chunk_sources, discard_paths, encode_parity, maybe_die, store_bytes
+from .tasks import chunk_sources, discard_paths, maybe_die, store_bytes
 
 
 @functools.cache
@@ -83,18 +83,6 @@ def parity_apply(spare: str, parity: str, position: int, ranges: list[list[list[
     rs_delta.patch_parity(Path(spare), Path(parity), position, ranges, list(payloads), max_fs,
                           hashing.hash_id(hash_name), fb_hashes)
     return {"path": parity, "size": max_fs, "sent": sum(int(p.nbytes) for p in payloads)}
-
-
-def encode_parity_recorded(path: str, position: int, datas: list[np.ndarray], hash_name: str,
-                           fb_hashes: list[str]) -> dict[str, Any]:
-    """A full parity encoding, with the record that lets the next checkpoint update it."""
-    out = encode_parity(path, position, datas)
-    digest = hashing.digest(hashing.hash_id(hash_name), memoryview(np.fromfile(path, np.uint8)))
-    errors: list[str] = []
-    rs.write_record(Path(path), hashing.hash_id(hash_name), digest.hex(), out["size"], errors, fb_hashes)
-    if errors:
-        raise OSError("; ".join(errors))
-    return out
 
 
 def spare_fb_hash(path: str) -> str:

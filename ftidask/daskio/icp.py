@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import check_id
+from ..arrays import check_ckpt_id
 from ..errors import CheckpointError, ProtectError
 
 
@@ -31,9 +31,7 @@ def init_icp(ctx: Any, ckpt_id: int, level: int) -> None:
     ctx._check_open()
     if ctx._icp is not None:
         raise CheckpointError(f"incremental checkpoint {ctx._icp.ckpt_id} is still open; finalize it first")
-    cid = check_id(ckpt_id, "checkpoint id")
-    if cid == 0:
-        raise CheckpointError("checkpoint id 0 is reserved by FTI; use a non-zero id")
+    cid = check_ckpt_id(ckpt_id)
     ctx._check_level(level)  # refuse a bad level now, not at the commit
     ctx._icp = DaskIcp(cid, level)
 

@@ -24,6 +24,7 @@ from ..checkpointing import write_rank_file
 from ..errors import FormatError
 from ..ftiff import blockhash, hashing
 from ..ftiff.reader import parse_ftiff, verify_data
+from ..levels import rs
 from .plan import layout_from_json
 
 
@@ -111,12 +112,24 @@ def _padded(datas: Sequence[np.ndarray], length: int) -> list[np.ndarray]:
     return out
 
 
-def encode_parity(path: str, position: int, datas: list[np.ndarray]) -> dict[str, Any]:
-    """Write the group's parity number ``position`` (of ``k``) at ``path``; files are zero-padded."""
+def encode_parity(path: str, position: int, datas: list[np.ndarray], hash_name: str | None = None,
+                  fb_hashes: list[str] | None = None) -> dict[str, Any]:
+    """Write the group's parity number ``position`` (of ``k``) at ``path``; files are zero-padded.
+
+    With ``hash_name``, also its record (hash, length, and the FB hashes of the files it encodes),
+    which lets the next differential checkpoint update it (:mod:`ftidask.levels.rs_delta`).
+    """
     k = len(datas)
     length = max(d.nbytes for d in datas)
-    parity = _codec(k, k).encode(_padded(datas, length), parity_indices=[position])[0]
-    return store_bytes(path, np.asarray(parity, dtype=np.uint8))
+    parity = np.asarray(_codec(k, k).encode(_padded(datas, length), parity_indices=[position])[0], dtype=np.uint8)
+    out = store_bytes(path, parity)
+    if hash_name is not None:
+        hid = hashing.hash_id(hash_name)
+        errors: list[str] = []
+        rs.write_record(Path(path), hid, hashing.digest(hid, memoryview(parity)).hex(), length, errors, fb_hashes)
+        if errors:
+            raise OSError("; ".join(errors))
+    return out
 
 
 def decode_file(path: str, position: int, k: int, size: int, length: int,

@@ -75,12 +75,22 @@ def protect(ch: Any, own: Path, pcof: Path, spare: Path, size: int, delta: FileD
         block = None
         if k < len(send):
             off, n = send[k]
-            data = os.pread(fin.fileno(), n, off) if fin is not None else b""
+            data = b""
+            if fin is not None:
+                try:
+                    data = os.pread(fin.fileno(), n, off)
+                except OSError as exc:  # still take part in the exchange; the error fails the level
+                    errors.append(f"{own}: {exc}")
+                    fin.close()
+                    fin = None
             block = np.frombuffer(data.ljust(n, b"\0"), np.uint8)  # a missing file fails its hashes later
         want = recv[k][1] if k < len(recv) else 0
         got = ch.exchange(block, right if block is not None else None, want, left if want else None)
-        if got is not None and fd >= 0:
-            os.pwrite(fd, memoryview(np.ascontiguousarray(got)).cast("B"), recv[k][0])
+        if got is not None and fd >= 0 and not errors:
+            try:  # an error must not leave the exchange: the group's other members are in it
+                storage.pwrite_all(fd, np.ascontiguousarray(got), recv[k][0])
+            except OSError as exc:
+                errors.append(f"{target}: {exc}")
     if fin is not None:
         fin.close()
     if fd >= 0:

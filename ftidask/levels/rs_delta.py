@@ -114,13 +114,11 @@ def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[lis
                 cur = np.frombuffer(os.pread(fd, n, off), np.uint8)
                 if len(cur) != n or len(delta) < n:
                     raise FTIError(f"{spare}: shorter than the parity length {max_fs}, or a short delta")
-                os.pwrite(fd, (cur ^ gf_scale(int(coefs[i]), delta[:n])).tobytes(), off)
+                storage.pwrite_all(fd, (cur ^ gf_scale(int(coefs[i]), delta[:n])).tobytes(), off)
         os.fsync(fd)
     finally:
         os.close(fd)
-    storage.makedirs(parity.parent)
-    os.replace(spare, parity)
-    storage.fsync_dir(parity.parent)
+    storage.rename_into(spare, parity)
     hasher = hashing.new_hasher(hash_id)
     with open(parity, "rb") as fh:
         while chunk := fh.read(16 << 20):
