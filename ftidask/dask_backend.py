@@ -277,9 +277,7 @@ class DaskContext(Context):
         """Remove a checkpoint's directories on every worker (each sees its own node's)."""
         dirs = self._dirs(ckpt_id, seq, {1, 2, 3, level}, max(nranks, len(self.cluster.workers())))
         self.cluster.run(tasks.discard_paths, dirs)  # renamed now, deleted in the background
-        trash = storage.move_to_trash(self.paths.level_dir(4, 0) / storage.ckpt_dirname(ckpt_id, seq))
-        if trash is not None:
-            self._remover().submit(storage.remove_tree, trash)
+        storage.discard(self.paths.level_dir(4, 0) / storage.ckpt_dirname(ckpt_id, seq), self._remover)
 
     def _collect_garbage(self) -> None:
         """Remove interrupted checkpoints' leftovers on every worker (and in the global directory)."""

@@ -41,6 +41,7 @@ from .errors import FormatError
 from .ftiff.structs import FB_SIZE, FileBlock
 from .ftiff.writer import WrittenFile
 from .layout import Layout
+from .levels.rs import hash_path
 
 
 class DcpHandle:
@@ -91,15 +92,15 @@ class DcpStore:
         self._remover: ThreadPoolExecutor | None = None
 
     def spare_path(self, level: int) -> Path:
-        return self.paths.level_dir(level, self.node) / "dcp" / f"Spare-Rank{self.rank}.fti"
+        return self.paths.level_dir(level, self.node) / storage.SPARE_DIR / storage.spare_file(self.rank)
 
     def spare_parity_path(self, level: int) -> Path:
         """The parity file kept for L3 parity updates (see :mod:`ftidask.levels.rs_delta`)."""
-        return self.spare_path(level).with_name(f"SpareRSed-Rank{self.rank}.fti")
+        return self.spare_path(level).with_name(storage.spare_file(self.rank, "RSed"))
 
     def spare_partner_path(self, level: int) -> Path:
         """The partner copy kept for L2 deltas (see :mod:`ftidask.levels.partner_delta`)."""
-        return self.spare_path(level).with_name(f"SparePcof-Rank{self.rank}.fti")
+        return self.spare_path(level).with_name(storage.spare_file(self.rank, "Pcof"))
 
     def begin(self, level: int, layout: Layout) -> DcpHandle:
         """Open the spare of ``level`` for patching up to ``layout``."""
@@ -146,10 +147,9 @@ class DcpStore:
             with contextlib.suppress(OSError):
                 if rsed.exists():
                     self._discard(parity)
-                    parity_hash = parity.with_name(parity.name + ".hash")
-                    parity_hash.unlink(missing_ok=True)
+                    hash_path(parity).unlink(missing_ok=True)
                     os.replace(rsed, parity)
-                    os.replace(rsed.with_name(rsed.name + ".hash"), parity_hash)
+                    os.replace(hash_path(rsed), hash_path(parity))
         # A hint that lets a restarted process trust this (committed, fsynced) file. Not synced: a
         # lost or stale hint only names another FB hash, and then the spare is rewritten in full.
         hint = self._spare_record(level)
@@ -161,11 +161,12 @@ class DcpStore:
     def _discard(self, path: Path) -> None:
         """Rename an old spare out of the way now and delete it in the background: freeing a
         GiB-sized file takes a noticeable time that a commit must not wait for."""
-        trash = storage.move_to_trash(path)
-        if trash is not None:
-            if self._remover is None:
-                self._remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-dcp-remove")
-            self._remover.submit(storage.remove_tree, trash)
+        storage.discard(path, self._remover_pool)
+
+    def _remover_pool(self) -> ThreadPoolExecutor:
+        if self._remover is None:
+            self._remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-dcp-remove")
+        return self._remover
 
     def _spare_record(self, level: int) -> Path:
         return self.spare_path(level).with_suffix(".json")
@@ -196,7 +197,7 @@ class DcpStore:
                 storage.remove_tree(trash)
             parity = self.spare_parity_path(level)
             for path in (self.spare_path(level), self.spare_partner_path(level), self._spare_record(level), parity,
-                         parity.with_name(parity.name + ".hash")):
+                         hash_path(parity)):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             with contextlib.suppress(OSError):

@@ -19,26 +19,38 @@ if TYPE_CHECKING:
     from .pending import PendingCheckpoint
 
 
-def init_icp(ctx: Context, ckpt_id: int, level: int) -> None:
-    """Open incremental checkpoint ``ckpt_id`` at ``level`` (levels 1-8, as for checkpoint)."""
+def check_none_open(ctx: Any) -> None:
+    """Refuse to open an incremental checkpoint while another one is open (any backend)."""
     if ctx._icp is not None:
         raise CheckpointError(f"incremental checkpoint {ctx._icp.ckpt_id} is still open; finalize it first")
-    ctx._icp = ctx._begin_checkpoint(ckpt_id, level, incremental=True)
 
 
-def _open(ctx: Context) -> PendingCheckpoint:
+def open_icp(ctx: Any) -> Any:
+    """The open incremental checkpoint of ``ctx`` (any backend), or a :class:`CheckpointError`."""
     ctx._check_open()
     if ctx._icp is None:
         raise CheckpointError("no incremental checkpoint is open; call init_icp(id, level) first")
-    return ctx._icp  # type: ignore[no-any-return]
+    return ctx._icp
+
+
+def protected_var(ctx: Any, var_id: Any) -> Any:
+    """The protected variable ``var_id`` to add, or a :class:`ProtectError`."""
+    protected = ctx._vars.get(var_id) if isinstance(var_id, int) and not isinstance(var_id, bool) else None
+    if protected is None:
+        raise ProtectError(f"variable {var_id!r} is not protected; protect it before init_icp")
+    return protected
+
+
+def init_icp(ctx: Context, ckpt_id: int, level: int) -> None:
+    """Open incremental checkpoint ``ckpt_id`` at ``level`` (levels 1-8, as for checkpoint)."""
+    check_none_open(ctx)
+    ctx._icp = ctx._begin_checkpoint(ckpt_id, level, incremental=True)
 
 
 def add_var_icp(ctx: Context, var_id: int) -> None:
     """Write protected variable ``var_id`` into the open checkpoint now."""
-    pending = _open(ctx)
-    protected = ctx._vars.get(var_id) if isinstance(var_id, int) and not isinstance(var_id, bool) else None
-    if protected is None:
-        raise ProtectError(f"variable {var_id!r} is not protected; protect it before init_icp")
+    pending: PendingCheckpoint = open_icp(ctx)
+    protected = protected_var(ctx, var_id)
     if pending.error:
         return  # reported, on every rank together, by finalize_icp
     try:
@@ -49,7 +61,7 @@ def add_var_icp(ctx: Context, var_id: int) -> None:
 
 def finalize_icp(ctx: Context) -> CheckpointInfo:
     """Commit the open checkpoint; a :class:`CheckpointError` (previous one kept) if a variable is missing."""
-    pending = _open(ctx)
+    pending: PendingCheckpoint = open_icp(ctx)
     ctx._icp = None
     missing = sorted(set(pending.sizes) - pending.written)
     if missing and not pending.error:

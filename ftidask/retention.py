@@ -41,26 +41,8 @@ class RetentionMixin:
         roots = [self.paths.local_dir(level, t.node) for level in (1, 2, 3, 4)]
         if t.rank == 0:
             roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
-        for root in roots:
-            if not root.is_dir():
-                continue
-            for entry in root.iterdir():
-                if entry.name.startswith(storage.TRASH_PREFIX):
-                    if self._trash_pool is None:  # else our own remover is on it
-                        storage.remove_tree(entry)
-                elif entry.name.startswith(".") and ".tmp-" in entry.name:
-                    entry.unlink(missing_ok=True)
-                elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
-                    storage.remove_tree(entry)
-                elif entry.is_dir():
-                    for tmp in entry.glob(".*.tmp-*"):
-                        if tmp.is_dir():  # a Zarr store being written (l4_format = zarr)
-                            storage.remove_tree(tmp)
-                        else:
-                            tmp.unlink(missing_ok=True)
-                    if entry.name == "dcp" and self._trash_pool is None:  # old spares a crash left
-                        for trash in entry.glob(f"{storage.TRASH_PREFIX}*"):
-                            storage.remove_tree(trash)
+        for root in roots:  # trash too, unless our own remover is on it
+            storage.collect_level_garbage(root, committed, trash=self._trash_pool is None)
         t.barrier()
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:
@@ -77,9 +59,7 @@ class RetentionMixin:
         if t.rank == 0:
             doomed.append(self.paths.level_dir(4, 0) / record.dirname)
         for path in doomed:
-            trash = storage.move_to_trash(path)
-            if trash is not None:
-                self._remover().submit(storage.remove_tree, trash)
+            storage.discard(path, self._remover)
 
     def _remover(self) -> ThreadPoolExecutor:
         # Retired checkpoints are deleted off the critical path (they are no longer committed).

@@ -13,7 +13,8 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -60,6 +61,16 @@ def rank_file(ckpt_id: int, rank: int) -> str:
     return f"Ckpt{ckpt_id}-Rank{rank}.fti"
 
 
+#: Where a level keeps the spares of differential checkpoints, beside its checkpoint directories.
+SPARE_DIR = "dcp"
+
+
+def spare_file(rank: int, kind: str = "") -> str:
+    """A spare of differential checkpointing: rank ``rank``'s own file (``kind`` ""), the partner
+    copy it holds ("Pcof", L2) or its parity ("RSed", L3)."""
+    return f"Spare{kind}-Rank{rank}.fti"
+
+
 def partner_file(ckpt_id: int, rank: int) -> str:
     """Kept on rank ``rank``'s node: the copy of its partner's file (FTI's ``Pcof``)."""
     return f"Ckpt{ckpt_id}-Pcof{rank}.fti"
@@ -97,7 +108,7 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     """Write all of ``data`` at ``offset`` (``pwrite`` may write less than asked)."""
-    view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    view = memoryview(data).cast("B")
     while len(view):
         n = os.pwrite(fd, view[: 256 << 20], offset)
         view, offset = view[n:], offset + n
@@ -182,3 +193,42 @@ def move_to_trash(path: Path) -> Path | None:
     except FileNotFoundError:
         return None
     return target
+
+
+def discard(path: Path, remover: Callable[[], Executor]) -> None:
+    """Move ``path`` to the trash now and have ``remover()`` (made only when needed) delete it."""
+    trash = move_to_trash(path)
+    if trash is not None:
+        remover().submit(remove_tree, trash)
+
+
+def collect_level_garbage(root: Path, committed: Collection[str], trash: bool) -> int:
+    """Remove what interrupted checkpoints left in one level directory ``root``: checkpoint
+    directories that ``committed`` does not name, temporary files and stores, and (``trash``:
+    when nothing of this process is being deleted, at start-up) trash and old spares; the count."""
+    removed = 0
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        if entry.name.startswith(TRASH_PREFIX):
+            if trash:
+                remove_tree(entry)
+                removed += 1
+        elif entry.name.startswith(".") and ".tmp-" in entry.name:
+            entry.unlink(missing_ok=True)
+            removed += 1
+        elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
+            remove_tree(entry)
+            removed += 1
+        elif entry.is_dir():
+            for tmp in entry.glob(".*.tmp-*"):
+                if tmp.is_dir():  # a Zarr store being written (l4_format = zarr)
+                    remove_tree(tmp)
+                else:
+                    tmp.unlink(missing_ok=True)
+                removed += 1
+            if entry.name == SPARE_DIR and trash:  # old spares that a crash left
+                for old in entry.glob(f"{TRASH_PREFIX}*"):
+                    remove_tree(old)
+                    removed += 1
+    return removed

@@ -46,6 +46,15 @@ def _step(ctx, k):
     ctx.protect(1, da.where(da.arange(160)[:, None] == 7 * k, field + 1, field))
 
 
+def _checkpoints(ctx, level, count):
+    """Checkpoints 1..count at ``level``, one step of change before each; their infos."""
+    infos = []
+    for k in range(count):
+        _step(ctx, k)
+        infos.append(ctx.checkpoint(k + 1, level))
+    return infos
+
+
 def _state(ctx):
     return {vid: a.compute() for vid, a in ctx.protected.items()}
 
@@ -61,10 +70,7 @@ def _assert_same(arrays, saved):
 def test_differential_checkpoints_write_only_changed_blocks(client, dirs, level):
     ctx = _init(client, dirs)
     _start(ctx)
-    infos = []
-    for k in range(4):
-        _step(ctx, k)
-        infos.append(ctx.checkpoint(k + 1, level))
+    infos = _checkpoints(ctx, level, 4)
     saved = _state(ctx)
     # Checkpoints 1 and 2 fill the two alternating files; 3 and 4 patch them (two steps of change).
     assert infos[0].blocks_changed == infos[0].blocks_total
@@ -90,9 +96,7 @@ def test_differential_checkpoints_write_only_changed_blocks(client, dirs, level)
 def test_lost_workers_after_differential_checkpoints(client, dirs, level, ranks):
     ctx = _init(client, dirs)
     _start(ctx)
-    for k in range(4):
-        _step(ctx, k)
-        ctx.checkpoint(k + 1, level)
+    _checkpoints(ctx, level, 4)
     saved = _state(ctx)
     lose_workers(client, dirs, ranks)
     client.wait_for_workers(NWORKERS - len(ranks) if len(ranks) < NWORKERS else 1, timeout=60)
@@ -106,9 +110,7 @@ def test_worker_killed_during_a_differential_checkpoint(client, dirs, stage):
     after its file is complete but before the commit."""
     ctx = _init(client, dirs)
     _start(ctx)
-    for k in range(3):
-        _step(ctx, k)
-        ctx.checkpoint(k + 1, 5)
+    _checkpoints(ctx, 5, 3)
     saved = _state(ctx)
     _step(ctx, 3)
     # the rank holding the field's first chunk row, which the step changes (sticky: it writes it again)
@@ -133,9 +135,7 @@ def test_worker_killed_during_a_differential_checkpoint(client, dirs, stage):
 def test_damaged_block_is_never_returned(client, dirs):
     ctx = _init(client, dirs)
     _start(ctx)
-    for k in range(3):
-        _step(ctx, k)
-        ctx.checkpoint(k + 1, 5)
+    _checkpoints(ctx, 5, 3)
     path = next(Path(dirs["ckpt_dir"]).rglob("Ckpt3-Rank1.fti"))
     with open(path, "rb") as fh:
         parsed = parse_ftiff(fh, str(path))
@@ -152,9 +152,7 @@ def test_damaged_block_is_never_returned(client, dirs):
 def test_finalize_removes_the_spares(client, dirs):
     ctx = _init(client, dirs)
     _start(ctx)
-    for k in range(3):
-        _step(ctx, k)
-        ctx.checkpoint(k + 1, 6)
+    _checkpoints(ctx, 6, 3)
     assert list(Path(dirs["ckpt_dir"]).rglob("dcp/Spare*-Rank*.fti"))
     ctx.finalize()
     assert not list(Path(dirs["ckpt_dir"]).rglob("dcp/*"))
@@ -193,9 +191,7 @@ def test_differential_levels_need_enable_dcp(client, dirs):
 def test_retired_checkpoints_are_deleted_in_the_background(client, dirs):
     ctx = ftidask.init(client=client, **dirs)
     _start(ctx)
-    for k in range(4):
-        _step(ctx, k)
-        ctx.checkpoint(k + 1, 2)
+    _checkpoints(ctx, 2, 4)
     root = Path(dirs["ckpt_dir"])
     end = time.monotonic() + 20
     while time.monotonic() < end:
@@ -227,9 +223,7 @@ def test_l3_parity_is_updated_from_the_deltas(client, dirs):
     logger.addHandler(seen)
     logger.setLevel(logging.INFO)
     try:
-        for k in range(4):
-            _step(ctx, k)
-            ctx.checkpoint(k + 1, 7)
+        _checkpoints(ctx, 7, 4)
     finally:
         logger.removeHandler(seen)
         logger.setLevel(old_level)

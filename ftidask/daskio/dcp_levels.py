@@ -22,6 +22,7 @@ import logging
 import operator
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from distributed import Future
@@ -29,6 +30,7 @@ from distributed import Future
 from .. import storage
 from ..errors import FTIError
 from ..ftiff import blockhash
+from ..levels import rs
 from ..levels.ring_groups import copy_holder, copy_source, group_of, make_groups
 from ..runstate import CommitRecord
 from . import dcp_tasks, tasks
@@ -38,15 +40,15 @@ log = logging.getLogger("ftidask")
 
 
 def spare_path(ctx: Any, level: int, rank: int) -> str:
-    return str(ctx.paths.level_dir(level, rank) / "dcp" / f"Spare-Rank{rank}.fti")
+    return str(ctx.paths.level_dir(level, rank) / storage.SPARE_DIR / storage.spare_file(rank))
 
 
 def spare_parity_path(ctx: Any, rank: int) -> str:
-    return str(ctx.paths.level_dir(3, rank) / "dcp" / f"SpareRSed-Rank{rank}.fti")
+    return str(ctx.paths.level_dir(3, rank) / storage.SPARE_DIR / storage.spare_file(rank, "RSed"))
 
 
 def spare_pcof_path(ctx: Any, rank: int) -> str:
-    return str(ctx.paths.level_dir(2, rank) / "dcp" / f"SparePcof-Rank{rank}.fti")
+    return str(ctx.paths.level_dir(2, rank) / storage.SPARE_DIR / storage.spare_file(rank, "Pcof"))
 
 
 def sticky_owners(ctx: Any, level: int, owner: dict[tuple[int, tuple[int, ...]], int],
@@ -198,7 +200,7 @@ class DaskSpares:
                 parity = ctx._file(3, record.ckpt_id, record.seq, f.rank, storage.parity_file(record.ckpt_id, f.rank))
                 spare = spare_parity_path(ctx, f.rank)
                 move(workers[f.rank], parity, spare, (0, f.rank, ""))
-                move(workers[f.rank], parity + ".hash", spare + ".hash", (0, f.rank, ""))
+                move(workers[f.rank], str(rs.hash_path(Path(parity))), str(rs.hash_path(Path(spare))), (0, f.rank, ""))
             if record.level == 2 and groups:
                 holder = copy_holder(groups, f.rank)
                 if holder < len(workers) and workers[holder] in live:
@@ -222,7 +224,7 @@ class DaskSpares:
 
     def clear(self) -> None:
         """The run is over: remove every spare directory on every worker."""
-        dirs = [str(self.ctx.paths.level_dir(level, r) / "dcp") for level in (1, 2, 3, 4)
+        dirs = [str(self.ctx.paths.level_dir(level, r) / storage.SPARE_DIR) for level in (1, 2, 3, 4)
                 for r in range(self.nranks)]
         if dirs:
             self.ctx.cluster.run(dcp_tasks.remove_spare_dirs, dirs)

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from ..arrays import check_ckpt_id
-from ..errors import CheckpointError, ProtectError
+from ..errors import CheckpointError
+from ..icp import check_none_open, open_icp, protected_var
 
 
 @dataclasses.dataclass
@@ -29,31 +30,20 @@ class DaskIcp:
 
 def init_icp(ctx: Any, ckpt_id: int, level: int) -> None:
     ctx._check_open()
-    if ctx._icp is not None:
-        raise CheckpointError(f"incremental checkpoint {ctx._icp.ckpt_id} is still open; finalize it first")
+    check_none_open(ctx)
     cid = check_ckpt_id(ckpt_id)
     ctx._check_level(level)  # refuse a bad level now, not at the commit
     ctx._icp = DaskIcp(cid, level)
 
 
-def _open(ctx: Any) -> DaskIcp:
-    ctx._check_open()
-    if ctx._icp is None:
-        raise CheckpointError("no incremental checkpoint is open; call init_icp(id, level) first")
-    return ctx._icp  # type: ignore[no-any-return]
-
-
 def add_var_icp(ctx: Any, var_id: int) -> None:
-    icp = _open(ctx)
-    protected = ctx._vars.get(var_id) if isinstance(var_id, int) and not isinstance(var_id, bool) else None
-    if protected is None:
-        raise ProtectError(f"variable {var_id!r} is not protected; protect it before init_icp")
-    arr = protected.array
-    icp.arrays[protected.id] = ctx.client.persist(arr) if hasattr(arr, "__dask_graph__") else np.array(arr)
+    icp: DaskIcp = open_icp(ctx)
+    arr = protected_var(ctx, var_id).array
+    icp.arrays[int(var_id)] = ctx.client.persist(arr) if hasattr(arr, "__dask_graph__") else np.array(arr)
 
 
 def finalize_icp(ctx: Any) -> Any:
-    icp = _open(ctx)
+    icp: DaskIcp = open_icp(ctx)
     ctx._icp = None
     missing = sorted(set(ctx._vars) - set(icp.arrays))
     if missing:

@@ -207,28 +207,8 @@ def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str], trash
     removes its own in the background); the count removed.
     """
     keep = set(committed)
-    removed = 0
-    for root in Path(ckpt_dir).glob(f"node*/{exec_id}/l[1-4]"):
-        for entry in root.iterdir():
-            if entry.name.startswith(storage.TRASH_PREFIX):
-                if trash:
-                    storage.remove_tree(entry)
-                    removed += 1
-            elif entry.name.startswith(".") and ".tmp-" in entry.name:
-                entry.unlink(missing_ok=True)
-                removed += 1
-            elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in keep:
-                storage.remove_tree(entry)
-                removed += 1
-            elif entry.is_dir():
-                for tmp in entry.glob(".*.tmp-*"):
-                    tmp.unlink(missing_ok=True)
-                    removed += 1
-                if entry.name == "dcp" and trash:  # old spares that a killed worker left
-                    for old in entry.glob(f"{storage.TRASH_PREFIX}*"):
-                        storage.remove_tree(old)
-                        removed += 1
-    return removed
+    return sum(storage.collect_level_garbage(root, keep, trash)
+               for root in Path(ckpt_dir).glob(f"node*/{exec_id}/l[1-4]"))
 
 
 def existing(paths: Sequence[str]) -> list[bool]:
@@ -254,6 +234,4 @@ def discard_paths(paths: Sequence[str]) -> None:
     what a killed worker leaves in the trash is removed by :func:`collect_garbage`.
     """
     for p in paths:
-        trash = storage.move_to_trash(Path(p))
-        if trash is not None:
-            _remover().submit(storage.remove_tree, trash)
+        storage.discard(Path(p), _remover)

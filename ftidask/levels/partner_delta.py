@@ -31,7 +31,7 @@ log = logging.getLogger("ftidask")
 
 def spare_partner_path(ckpt_dir: Path, rank: int) -> Path:
     """Where rank ``rank`` keeps its spare partner copy, next to the checkpoint directories of a level."""
-    return ckpt_dir.parent / "dcp" / f"SparePcof-Rank{rank}.fti"
+    return ckpt_dir.parent / storage.SPARE_DIR / storage.spare_file(rank, "Pcof")
 
 
 def _payload_pieces(delta: FileDelta | None, size: int, piece: int) -> list[tuple[int, int]]:

@@ -48,7 +48,7 @@ log = logging.getLogger("ftidask")
 
 def spare_parity_path(ckpt_dir: Path, rank: int) -> Path:
     """Where rank ``rank`` keeps its spare parity, next to the checkpoint directories of L3."""
-    return ckpt_dir.parent / "dcp" / f"SpareRSed-Rank{rank}.fti"
+    return ckpt_dir.parent / storage.SPARE_DIR / storage.spare_file(rank, "RSed")
 
 
 def _can_use(spare: Path, xor: XorDelta | None) -> dict[str, Any]:
