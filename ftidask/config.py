@@ -110,6 +110,7 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "enable_dcp": ("basic", 0, _parse_bool),
     "dcp_mode": ("basic", 3, _parse_int(0, 4)),  # 0 MD5, 1 CRC32 (FTI); 2 xxh3_64, 3 xxh3_128, 4 BLAKE2b
     "dcp_block_size": ("basic", 16384, _parse_int(512, 65535)),
+    "dcp_page_tracking": ("basic", 1, _parse_bool),  # ftidask: hash only blocks whose pages were written
     "max_sync_intv": ("basic", 0, _parse_int(0)),
     "failure": ("restart", 0, _parse_int(0, 3)),
     "exec_id": ("restart", None, _parse_opt_str),
@@ -158,6 +159,7 @@ class Config:
     enable_dcp: bool = False
     dcp_mode: int = 3
     dcp_block_size: int = 16384
+    dcp_page_tracking: bool = True
     max_sync_intv: int = 0
     failure: int = 0
     exec_id: str | None = None

@@ -36,7 +36,8 @@ class WritingMixin:
         if self._dcp is None:
             t = self.transport
             self._dcp = DcpStore(self.paths, t.rank, t.node, block_size=self.config.dcp_block_size,
-                                 bid=blockhash.block_hash_id(self.config.dcp_mode), hash_id=self._hash_id)
+                                 bid=blockhash.block_hash_id(self.config.dcp_mode), hash_id=self._hash_id,
+                                 track_pages=self.config.dcp_page_tracking)
         return self._dcp
 
     # --- incremental checkpointing (FTI_InitICP / AddVarICP / FinalizeICP) -------------------------

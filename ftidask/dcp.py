@@ -28,6 +28,7 @@ import numpy as np
 from . import storage
 from .arrays import VarInfo
 from .dcpdelta import FileDelta, XorDelta, merge_ranges
+from .dcptrack import KnownDigests
 from .errors import CheckpointError, FormatError
 from .ftiff import blockhash
 from .ftiff.blockhash import FLAG_DCP, block_digests, container_hash
@@ -36,7 +37,9 @@ from .ftiff.writer import ByteSource, WrittenFile, write_metadata
 from .layout import Layout, Slot
 
 _SEGMENT = 8 << 20  # bytes hashed per task: small enough to pipeline, large enough to amortise
+_SEGMENT_KNOWN = 64 << 20  # the same with write tracking: few blocks are hashed, fewer steps cost less
 _WINDOW = 6  # segments hashed ahead of the writer
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,20 +85,48 @@ def _base_slot(base: BlockState | None, bi: int, si: int, slot: Slot) -> np.ndar
     return digests
 
 
-def _segments(slot: Slot, block_size: int) -> Iterator[tuple[int, int]]:
-    step = max(1, _SEGMENT // block_size) * block_size
+def _segments(slot: Slot, block_size: int, segment: int) -> Iterator[tuple[int, int]]:
+    step = max(1, segment // block_size) * block_size
     for lo in range(0, slot.chunksize, step):
         yield lo, min(slot.chunksize, lo + step)
 
 
 def _hash_segment(source: ByteSource, start: int, stop: int, block_size: int, fn: Callable[[memoryview], bytes],
-                  size: int) -> tuple[np.ndarray, memoryview | None]:
+                  size: int, reuse: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, memoryview | None]:
+    """The digests of the blocks of bytes ``[start, stop)``; with ``reuse`` = (digests, stale
+    mask) only the stale blocks are hashed and the others' digests are taken as given."""
     view = source.view(start, stop)
     copy = None
     if view is None:  # non-contiguous array: one bounded copy, kept for writing
         copy = memoryview(b"".join(bytes(p) for p in source.pieces(start, stop)))
         view = copy
-    return block_digests(view, block_size, fn, size), copy
+    if reuse is None:
+        return block_digests(view, block_size, fn, size), copy
+    digests, stale = reuse
+    for b0, b1 in _runs(stale):
+        digests[b0:b1] = block_digests(view[b0 * block_size:b1 * block_size], block_size, fn, size)
+    return digests, copy
+
+
+def aligns_writes(block_size: int) -> bool:
+    """Are changed blocks written as whole file pages? For blocks of 4 pages or more (at most
+    a quarter more bytes on average); smaller blocks would mean too many bytes more."""
+    return block_size >= 4 * _PAGE
+
+
+def _page_aligned(base: int, off: int, end: int, limit: int) -> tuple[int, int]:
+    """``[off, end)`` of a segment starting at file offset ``base``, widened to whole file pages
+    within ``[0, limit)``. The bytes added belong to blocks that are unchanged (file and memory
+    agree) or written anyway, so writing them changes nothing; but a write of whole pages into a
+    file whose pages are not cached (see :meth:`DcpStore.retire`) needs no read of the page first."""
+    return max(0, (base + off) // _PAGE * _PAGE - base), min(limit, -(-(base + end) // _PAGE) * _PAGE - base)
+
+
+def _differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row: do the digests differ?"""
+    if a.shape[1] % 8 == 0 and a.flags.c_contiguous and b.flags.c_contiguous:
+        a, b = a.view(np.uint64), b.view(np.uint64)  # 2 words per 16-byte digest, not 16 bytes
+    return (a != b).any(axis=1)
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -124,6 +155,7 @@ class DcpFileWriter:
         self.hash_seconds = 0.0
         self.done: set[int] = set()
         self.hook: Callable[[], None] | None = None  # called before each write (crash tests)
+        self._writeback: list[Future[None]] = []
         self.runs: list[tuple[int, int]] = []  # file ranges of the data written
         # For L3 parity updates: the base's metadata bytes, read before anything is overwritten.
         self._old_meta: list[tuple[int, bytes]] | None = None
@@ -136,21 +168,34 @@ class DcpFileWriter:
         os.pwrite(fd, bytes(96), 0)
         os.fdatasync(fd)
 
-    def write_var(self, var_id: int, source: ByteSource) -> int:
-        """Hash every block of ``var_id``'s containers, write those that differ from the base."""
+    def write_var(self, var_id: int, source: ByteSource, known: KnownDigests | None = None) -> int:
+        """Hash every block of ``var_id``'s containers, write those that differ from the base.
+        With ``known`` (see :mod:`ftidask.dcptrack`), blocks whose pages were not written since
+        they were last hashed keep their digest and are not read."""
         written = 0
         pending: deque[tuple[tuple[int, int], Slot, int, int, Future[Any]]] = deque()
         slots = [((bi, si), s) for bi, b in enumerate(self.layout.blocks) for si, s in enumerate(b.slots)
                  if s.var_id == var_id and s.hascontent]
         parts: dict[tuple[int, int], list[np.ndarray]] = {key: [] for key, _s in slots}
-        tasks = ((key, s, lo, hi) for key, s in slots for lo, hi in _segments(s, self.block_size))
+        reuse = {key: known.container(s.dptr, s.chunksize, self.block_size) for key, s in slots} if known else {}
+        tasks = ((key, s, lo, hi) for key, s in slots
+                 for lo, hi in _segments(s, self.block_size, _SEGMENT if reuse.get(key) is None else _SEGMENT_KNOWN))
         start = time.perf_counter()
 
         def submit() -> None:
             for key, s, lo, hi in tasks:
-                fut = self.pool.submit(_hash_segment, source, s.dptr + lo, s.dptr + hi, self.block_size, self.fn,
-                                       self.dsize)
-                pending.append((key, s, lo, hi, fut))
+                known_part = reuse.get(key)
+                if known_part is not None:
+                    b0, b1 = lo // self.block_size, -(-hi // self.block_size)
+                    known_part = (known_part[0][b0:b1], known_part[1][b0:b1])
+                if known_part is not None and not known_part[1].any():  # nothing to hash: no task
+                    done: Future[Any] = Future()
+                    done.set_result((known_part[0], None))
+                    pending.append((key, s, lo, hi, done))
+                else:
+                    pending.append((key, s, lo, hi, self.pool.submit(
+                        _hash_segment, source, s.dptr + lo, s.dptr + hi, self.block_size, self.fn, self.dsize,
+                        known_part)))
                 if len(pending) >= _WINDOW:
                     return
 
@@ -165,12 +210,14 @@ class DcpFileWriter:
             mask = np.ones(len(digests), bool)
             if base is not None and first < len(base):
                 same = min(len(digests), len(base) - first)
-                mask[:same] = (digests[:same] != base[first:first + same]).any(axis=1)
+                mask[:same] = _differ(digests[:same], base[first:first + same])
             self.changed.setdefault(key, np.zeros(0, bool))
             self.changed[key] = np.concatenate((self.changed[key], mask))
             runs = _runs(mask)
             for b0, b1 in runs:
                 off, end = b0 * self.block_size, min(hi - lo, b1 * self.block_size)
+                if aligns_writes(self.block_size):
+                    off, end = _page_aligned(slot.fptr + lo, off, end, hi - lo)
                 data = copy[off:end] if copy is not None else source.view(slot.dptr + lo + off, slot.dptr + lo + end)
                 if data is None:
                     raise CheckpointError(f"variable {var_id}: its buffer changed while it was checkpointed")
@@ -184,13 +231,25 @@ class DcpFileWriter:
                 self.runs.append((slot.fptr + lo + off, end - off))
                 written += end - off
             if runs:
-                storage.start_writeback(self.fd, slot.fptr + lo, hi - lo)
+                # Submitting write-back of scattered ranges costs CPU: on a pool thread, it overlaps.
+                self._writeback.append(self.pool.submit(storage.start_writeback, self.fd, slot.fptr + lo, hi - lo))
         for key, chunks in parts.items():
             self.digests[key] = (np.concatenate(chunks) if chunks else np.zeros((0, self.dsize), np.uint8))
         self.hash_seconds += time.perf_counter() - start
         self.data_bytes += written
         self.done.add(var_id)
         return written
+
+    def drain(self) -> None:
+        """Wait for the write-back requests sent to the pool (before fsync, and before fd is closed)."""
+        pending, self._writeback = self._writeback, []
+        for started in pending:
+            started.result()
+
+    def var_digests(self, var_id: int) -> dict[int, tuple[int, np.ndarray]]:
+        """``var_id``'s block digests by container: dptr -> (chunksize, digests)."""
+        return {s.dptr: (s.chunksize, self.digests[bi, si]) for bi, b in enumerate(self.layout.blocks)
+                for si, s in enumerate(b.slots) if s.var_id == var_id and (bi, si) in self.digests}
 
     def _meta_ranges(self, end: int) -> list[tuple[int, int]]:
         """The FB, each block's metadata, and ``[fs, end)``: the bytes a patch rewrites besides data."""
@@ -217,6 +276,7 @@ class DcpFileWriter:
         missing = {s.var_id for s in self.layout.slots() if s.hascontent} - self.done
         if missing:
             raise CheckpointError(f"variables {sorted(missing)} were not written")
+        self.drain()
         keys = [(bi, si) for bi, b in enumerate(self.layout.blocks) for si, s in enumerate(b.slots) if s.hascontent]
         section = b"".join(memoryview(np.ascontiguousarray(self.digests[k])).cast("B") for k in keys)
         table = dict(trailer)
@@ -285,8 +345,11 @@ def write_dcp_file(fd: int, layout: Layout, sources: Mapping[int, ByteSource], i
     writer = DcpFileWriter(fd, layout, base, block_size=block_size, bid=bid, hash_id=hash_id, pool=pool,
                            capture_xor=capture_xor)
     writer.hook = hook
-    for vid, source in sources.items():
-        writer.write_var(vid, source)
-    trailer = dict(meta)
-    trailer["vars"] = [info.to_json() for info in infos]
-    return writer.finish(trailer, pt_fs=pt_fs, max_fs=max_fs)
+    try:
+        for vid, source in sources.items():
+            writer.write_var(vid, source)
+        trailer = dict(meta)
+        trailer["vars"] = [info.to_json() for info in infos]
+        return writer.finish(trailer, pt_fs=pt_fs, max_fs=max_fs)
+    finally:
+        writer.drain()

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from . import storage
-from .dcp import BlockState, DcpFileWriter, DcpStats, load_state, state_of_file
+from .dcp import BlockState, DcpFileWriter, DcpStats, aligns_writes, load_state, state_of_file
+from .dcptrack import DcpTracking
 from .errors import FormatError
 from .ftiff.structs import FB_SIZE, FileBlock
 from .ftiff.writer import WrittenFile
@@ -53,7 +54,11 @@ class DcpHandle:
 
     def write_var(self, var_id: int, source: Any) -> int:
         self.store._hook("write_var", self.level)
-        return self.writer.write_var(var_id, source)
+        tracking = self.store.tracking
+        known = tracking.before_hash(var_id, source.view(0, source.nbytes))
+        written = self.writer.write_var(var_id, source, known)
+        tracking.after_hash(var_id, self.writer.var_digests(var_id))
+        return written
 
     def finish(self, final_path: Path, seq: int, trailer: Mapping[str, Any], *, pt_fs: int | None = None,
                max_fs: int | None = None) -> tuple[WrittenFile, DcpStats]:
@@ -74,6 +79,7 @@ class DcpHandle:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self.writer.drain()
             os.close(self.fd)
 
 
@@ -81,8 +87,9 @@ class DcpStore:
     """One rank's spare files and the block states of its files, per level (1-4)."""
 
     def __init__(self, paths: storage.RunPaths, rank: int, node: int, *, block_size: int, bid: int,
-                 hash_id: int, threads: int | None = None) -> None:
+                 hash_id: int, threads: int | None = None, track_pages: bool = True) -> None:
         self.paths, self.rank, self.node = paths, rank, node
+        self.tracking = DcpTracking(track_pages)  # which blocks need hashing at all
         self.block_size, self.bid, self.hash_id = block_size, bid, hash_id
         self._spares: dict[int, BlockState] = {}  # level -> state of the spare file
         self._files: dict[tuple[int, int], BlockState] = {}  # (level, seq) -> state of a checkpoint file
@@ -141,6 +148,11 @@ class DcpStore:
         except OSError:
             return  # no spare: the next differential checkpoint writes everything
         self._spares[level] = state
+        if level != 3 and aligns_writes(self.block_size):
+            # Its cached pages are of no more use (L3 reads the old bytes of what it patches, so
+            # keeps them), and patching a file cached in large folios costs ~4x more per write on
+            # ext4 than writing whole pages (see dcp._page_aligned) into uncached ones.
+            self._remover_pool().submit(storage.drop_cache, spare)
         if level == 3 and ckpt_id is not None:  # the parity and its record (which files it encodes)
             rsed = path.parent / storage.parity_file(ckpt_id, self.rank)
             parity = self.spare_parity_path(level)
@@ -206,6 +218,7 @@ class DcpStore:
         self.close()
 
     def close(self) -> None:
+        self.tracking.close()
         self._pool.shutdown(wait=True)
         if self._remover is not None:
             self._remover.shutdown(wait=True)

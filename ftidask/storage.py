@@ -106,6 +106,16 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
             _native.start_writeback(fd, offset, nbytes)
 
 
+def drop_cache(path: Path) -> None:
+    """Drop the clean cached pages of ``path`` (a hint; failures are ignored)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     """Write all of ``data`` at ``offset`` (``pwrite`` may write less than asked)."""
     view = memoryview(data).cast("B")
