@@ -26,6 +26,7 @@ class CheckpointInfo:
     seconds: float
     blocks_changed: int | None = None
     blocks_total: int | None = None
+    blocks_hashed: int | None = None  # of blocks_total, how many were read and hashed (the others: not written to)
 
     def __repr__(self) -> str:
         rate = self.bytes_written / self.seconds / 2**20 if self.seconds > 0 else 0.0

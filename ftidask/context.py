@@ -224,7 +224,8 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
                               written.file_size if stats is None else stats.file_bytes,
                               time.perf_counter() - pending.started,
                               None if stats is None else stats.blocks_changed,
-                              None if stats is None else stats.blocks_total)
+                              None if stats is None else stats.blocks_total,
+                              None if stats is None else stats.blocks_hashed)
         self.last_checkpoint = info
         self._next_ckpt_id = max(self._next_ckpt_id, ckpt_id + 1)
         log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, pending.level,

@@ -185,6 +185,7 @@ class DaskContext(Context):
                                   sum(w.get("file_bytes", w["size"]) for w in written), time.perf_counter() - start,
                                   sum(w["blocks_changed"] for w in written) if differential else None,
                                   sum(w["blocks_total"] for w in written) if differential else None,
+                                  blocks_hashed=sum(w["blocks_hashed"] for w in written) if differential else None,
                                   workers=tuple(workers), file_sizes=tuple(w["size"] for w in written),
                                   variables=variables,
                                   partner_bytes=sum(w["partner_bytes"] for w in written)

@@ -67,6 +67,7 @@ class DcpStats:
     hash_seconds: float
     delta: FileDelta | None = None  # the ranges that differ from the base (None: no base)
     xor: XorDelta | None = None  # old XOR new of those ranges, when asked for (L3) and the layout is the base's
+    blocks_hashed: int = 0  # blocks read and hashed (write tracking spares the others, see dcptrack)
 
 
 def _base_slot(base: BlockState | None, bi: int, si: int, slot: Slot) -> np.ndarray | None:
@@ -152,6 +153,7 @@ class DcpFileWriter:
         self.digests: dict[tuple[int, int], np.ndarray] = {}
         self.changed: dict[tuple[int, int], np.ndarray] = {}  # per container: mask of written blocks
         self.data_bytes = 0
+        self.blocks_hashed = 0
         self.hash_seconds = 0.0
         self.done: set[int] = set()
         self.hook: Callable[[], None] | None = None  # called before each write (crash tests)
@@ -188,6 +190,8 @@ class DcpFileWriter:
                 if known_part is not None:
                     b0, b1 = lo // self.block_size, -(-hi // self.block_size)
                     known_part = (known_part[0][b0:b1], known_part[1][b0:b1])
+                self.blocks_hashed += (int(known_part[1].sum()) if known_part is not None
+                                       else -(-(hi - lo) // self.block_size))
                 if known_part is not None and not known_part[1].any():  # nothing to hash: no task
                     done: Future[Any] = Future()
                     done.set_result((known_part[0], None))
@@ -296,7 +300,8 @@ class DcpFileWriter:
             meta += [(b.offset, b.metasize) for b in self.layout.blocks]
             delta = FileDelta(self.base.fb_hash, written.file_size, merge_ranges(self.runs + meta))
         xor = self._xor_delta(written.file_size) if self._old_meta is not None and self.base is not None else None
-        stats = DcpStats(self.data_bytes, changed, total, self.data_bytes + meta_bytes, self.hash_seconds, delta, xor)
+        stats = DcpStats(self.data_bytes, changed, total, self.data_bytes + meta_bytes, self.hash_seconds, delta, xor,
+                         self.blocks_hashed)
         state = BlockState(self.layout, self.block_size, self.bid, dict(self.digests), written.fb.hash)
         return dataclasses.replace(written, data_bytes=self.data_bytes), stats, state
 

@@ -17,9 +17,10 @@ When the answer is trusted, and when it is not:
 * The pages are protected again in the same atomic step that lists them, before their blocks are
   hashed, so a write racing with the checkpoint is seen by the next one.
 * Protection costs the program one minor fault per page first written in an interval (about
-  1 µs per 4 KiB here). After a checkpoint where more than half of a variable's blocks changed,
-  it is not protected again until one where fewer did: a program that rewrites all its state
-  every step pays the faults of one interval, then hashes as without tracking.
+  1 µs per 4 KiB here). When a checkpoint finds more than half of a variable's pages written,
+  the protection is lifted, and put back only after a checkpoint where at most half of its
+  blocks changed: a program that rewrites all its state every step pays the faults of one
+  interval, then hashes everything as without tracking.
 
 ``dcp_page_tracking = 0`` turns it off. Nothing here changes what is written, only how the
 digests are obtained: the files are byte for byte those of hashing everything.
@@ -39,7 +40,7 @@ from .pagetrack import PAGE, TrackingUnavailable, WriteTracker
 log = logging.getLogger(__name__)
 
 MIN_TRACKED = 1 << 20  # smaller variables are hashed whole: it costs less than a millisecond
-_PROTECT_BELOW = 0.5  # fraction of blocks changed under which the next interval is tracked
+_PROTECT_BELOW = 0.5  # fraction of pages written (or blocks changed) under which the next interval is tracked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,9 @@ class KnownDigests:
         return digests, stale
 
 
+_Digests = dict[int, tuple[int, np.ndarray]]  # container dptr -> (chunksize, (n, D) block digests)
+
+
 @dataclasses.dataclass
 class _Tracked:
     start: int  # the page-aligned range registered
@@ -81,7 +85,7 @@ class _Tracked:
     address: int
     nbytes: int
     protected: bool = True  # protected before the last hashing: a scan now is meaningful
-    digests: dict[int, tuple[int, np.ndarray]] | None = None  # None: unknown (hash everything)
+    digests: _Digests | None = None  # None: unknown (hash everything)
     changed: float = 0.0  # fraction of blocks changed at the last checkpoint
 
 
@@ -93,7 +97,7 @@ class DcpTracking:
         self.enabled = enabled
         self._tracker: WriteTracker | None = None
         self._vars: dict[int, _Tracked] = {}
-        self._pending: dict[int, bool] = {}  # var id -> protected before this hashing
+        self._pending: dict[int, tuple[bool, _Digests | None]] = {}  # var id -> (protected, digests before)
         self._refused: set[tuple[int, int, int]] = set()  # (var id, address, bytes) not tracked
 
     def before_hash(self, var_id: int, view: memoryview | None) -> KnownDigests | None:
@@ -109,7 +113,7 @@ class DcpTracking:
         try:
             if state is None or (state.address, state.nbytes) != (address, view.nbytes):
                 self._start(var_id, address, view.nbytes)
-                self._pending[var_id] = True
+                self._pending[var_id] = (True, None)
                 return None
             digests, state.digests = state.digests, None  # unknown until this hashing completes
             protect = state.changed <= _PROTECT_BELOW
@@ -119,10 +123,14 @@ class DcpTracking:
             if not state.protected or digests is None or pagetrack.pinned_bytes() != 0:
                 if protect:
                     tracker.protect(state.start, state.stop)
-                self._pending[var_id] = protect
+                self._pending[var_id] = (protect, digests)
                 return None
-            written = tracker.written(state.start, state.stop, protect=protect)
-            self._pending[var_id] = protect
+            written = tracker.written(state.start, state.stop, protect=True)  # atomic: lose no write
+            pages = int((written[:, 1] - written[:, 0]).sum()) // PAGE if len(written) else 0
+            protect = pages <= _PROTECT_BELOW * (state.stop - state.start) // PAGE
+            if not protect:  # most pages written: stop the faults for the next interval
+                tracker.protect(state.start, state.stop, on=False)
+            self._pending[var_id] = (protect, digests)
         except TrackingUnavailable as exc:
             self._stop(var_id)
             self._refused.add((var_id, address, view.nbytes))
@@ -132,12 +140,12 @@ class DcpTracking:
 
     def after_hash(self, var_id: int, digests: dict[int, tuple[int, np.ndarray]]) -> None:
         """Every block of ``var_id`` was hashed into ``digests`` (container dptr -> (chunksize, digests))."""
-        protected = self._pending.pop(var_id, None)
+        pending = self._pending.pop(var_id, None)
         state = self._vars.get(var_id)
-        if protected is None or state is None:
+        if pending is None or state is None:
             return
-        old = state.digests
-        state.protected, state.digests = protected, digests
+        state.protected, old = pending
+        state.digests = digests
         if old is not None:
             state.changed = _changed_fraction(old, digests)
 
@@ -158,7 +166,11 @@ class DcpTracking:
         if not pagetrack.anonymous_private(start, stop):
             raise TrackingUnavailable(0, "its memory is not private anonymous memory")
         if self._tracker is None:
-            self._tracker = WriteTracker()
+            try:
+                self._tracker = WriteTracker()
+            except TrackingUnavailable:
+                self.enabled = False  # the kernel cannot: do not ask again for every variable
+                raise
         self._tracker.register(start, stop)
         self._vars[var_id] = _Tracked(start, stop, address, nbytes)
 

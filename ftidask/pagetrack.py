@@ -99,6 +99,7 @@ class WriteTracker:
             os.close(self._uffd)
             raise
         self._regions = np.zeros((_REGIONS, 3), np.uint64)
+        self._pid = os.getpid()  # a forked child has neither the registrations nor this pagemap
         self.ranges: set[tuple[int, int]] = set()
 
     def register(self, start: int, stop: int) -> None:
@@ -115,17 +116,20 @@ class WriteTracker:
             self.unregister(start, stop)
             raise
 
-    def protect(self, start: int, stop: int) -> None:
-        """Write-protect every page of ``[start, stop)`` again (forgetting which were written)."""
+    def protect(self, start: int, stop: int, on: bool = True) -> None:
+        """Write-protect every page of ``[start, stop)`` again (forgetting which were written), or
+        with ``on=False`` lift the protection (writes no longer fault, and all count as written)."""
         try:
             fcntl.ioctl(self._uffd, _UFFDIO_WRITEPROTECT,
-                        bytearray(struct.pack("QQQ", start, stop - start, _WRITEPROTECT_MODE_WP)))
+                        bytearray(struct.pack("QQQ", start, stop - start, _WRITEPROTECT_MODE_WP if on else 0)))
         except OSError as exc:
             raise TrackingUnavailable(exc.errno, f"cannot write-protect {start:#x}: {exc}") from None
 
     def written(self, start: int, stop: int, *, protect: bool) -> np.ndarray:
         """``(n, 2)`` uint64 page ranges of ``[start, stop)`` written since the last protection;
         with ``protect`` they are write-protected again in the same, atomic, step."""
+        if os.getpid() != self._pid:
+            raise TrackingUnavailable(errno.ECHILD, "write tracking was set up by the parent process")
         flags = _SCAN_CHECK_WPASYNC | (_SCAN_WP_MATCHING if protect else 0)
         found = []
         cursor = start

@@ -55,7 +55,8 @@ def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_
     maybe_die(fault, "after-write")
     result = {"rank": meta["rank"], "node": meta["node"], "size": written.file_size,
               "fb_hash": written.fb.hash.hex(), "data_bytes": stats.data_bytes, "file_bytes": stats.file_bytes,
-              "blocks_changed": stats.blocks_changed, "blocks_total": stats.blocks_total, "path": final,
+              "blocks_changed": stats.blocks_changed, "blocks_total": stats.blocks_total,
+              "blocks_hashed": stats.blocks_hashed, "path": final,
               "delta": None if stats.delta is None else stats.delta.to_json()}
     if not with_xor:
         return result
