@@ -66,7 +66,7 @@ def bench_hashes(mib: int, block: int, threads: int) -> None:
     # Read-only bytes: some bindings (google-crc32c) accept nothing else.
     data = memoryview(np.random.default_rng(1).integers(0, 255, size=mib << 20, dtype=np.uint8).tobytes())
     print(f"\n## Block hashes: {mib} MiB in {block}-byte blocks (GiB/s)\n")
-    print("| hash | 1 thread | %d threads |" % threads)
+    print(f"| hash | 1 thread | {threads} threads |")
     print("|---|---|---|")
     pool = ThreadPoolExecutor(threads)
     step = max(block, (len(data) // (threads * 8)) // block * block)

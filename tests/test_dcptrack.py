@@ -35,8 +35,8 @@ needs_tracking = pytest.mark.skipif(not _supported(), reason="no userfaultfd WP_
 
 
 def _kw(root: Path, **extra):
-    kw = dict(ckpt_dir=str(root / "l"), glbl_dir=str(root / "g"), meta_dir=str(root / "m"), enable_dcp=1,
-              dcp_block_size=BLOCK, verbosity=3)
+    kw = {"ckpt_dir": str(root / "l"), "glbl_dir": str(root / "g"), "meta_dir": str(root / "m"), "enable_dcp": 1,
+          "dcp_block_size": BLOCK, "verbosity": 3}
     kw.update(extra)
     return kw
 
