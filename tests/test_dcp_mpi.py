@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,19 @@ import pytest
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "dcp_l2_job.py"
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+
+
+def _tracking() -> bool:
+    from ftidask.pagetrack import WriteTracker
+
+    try:
+        WriteTracker().close()
+    except OSError:
+        return False
+    return True
+
+
+TRACKING = _tracking()
 
 pytestmark = [
     pytest.mark.mpi,
@@ -46,6 +60,12 @@ def test_dcp_then_lost_rank_file(tmp_path, level):
     out = _job(tmp_path, "write", level)
     # Checkpoints 3-5 patch the spare: 2 blocks of 391 changed per rank.
     assert out.count("blocks 2 391") == 12, out
+    # From checkpoint 2 on, write tracking (where the kernel has it) lets each rank hash only the
+    # blocks of the page it wrote and of the array's two edge pages (pages straddle blocks: 5 here).
+    hashed = {(int(m[1]), int(m[2])): int(m[3]) for m in re.finditer(r"rank (\d) ckpt (\d) .* hashed (\d+)", out)}
+    assert len(hashed) == 20 and all(v == 391 for (_r, k), v in hashed.items() if k == 1), out
+    if TRACKING:
+        assert all(v <= 6 for (_r, k), v in hashed.items() if k > 1), out
     if level == 6:
         # ... and L2 partners receive only the changed ranges (MpiTransport.protect_files_delta).
         assert out.count("(changed ranges)") == 12, out

@@ -32,9 +32,10 @@ if phase == "write":
     a = state(0)
     ctx.protect(1, a)
     for k in range(1, 6):
-        a[:] = state(k)
+        a[(k * 7919 * (r + 1)) % a.size] = -k  # in place: now a == state(k)
         info = ctx.checkpoint(k, level)
-        print("rank", r, "ckpt", k, "blocks", info.blocks_changed, info.blocks_total, file=out)
+        print("rank", r, "ckpt", k, "blocks", info.blocks_changed, info.blocks_total, "hashed", info.blocks_hashed,
+              file=out)
     ctx._closed = True
 else:
     ctx = ftidask.init(comm=comm, **cfg)
