@@ -13,7 +13,12 @@ When the answer is trusted, and when it is not:
 * The digests kept are taken out before a variable is scanned and put back only once all its
   blocks are hashed: a checkpoint that fails in between leaves "unknown", i.e. hash everything.
 * While any memory of the process is pinned for a device (``VmPin`` > 0, e.g. an RDMA
-  registration), pages can change without a write through the page tables: everything is hashed.
+  registration), pages can change without a write through the page tables: nothing is
+  protected, every block is hashed, and so is every block at the next checkpoint (a device
+  writing through a pin taken before a protection never clears it). ``VmPin`` is read again
+  after each scan, for a pin taken in between.
+* In a forked child, the userfaultfd context and the pagemap descriptor are the parent's: the
+  child forgets them without an ioctl and hashes everything.
 * The pages are protected again in the same atomic step that lists them, before their blocks are
   hashed, so a write racing with the checkpoint is seen by the next one.
 * Protection costs the program one minor fault per page first written in an interval (about
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping
 
 import numpy as np
@@ -99,33 +105,43 @@ class DcpTracking:
         self._vars: dict[int, _Tracked] = {}
         self._pending: dict[int, tuple[bool, _Digests | None]] = {}  # var id -> (protected, digests before)
         self._refused: set[tuple[int, int, int]] = set()  # (var id, address, bytes) not tracked
+        self._pid = os.getpid()
 
     def before_hash(self, var_id: int, view: memoryview | None) -> KnownDigests | None:
         """Scan ``var_id``'s pages (its bytes as ``view``, None if not contiguous): the digests
         that can be reused, or None to hash every block."""
         self._pending.pop(var_id, None)
+        if os.getpid() != self._pid:
+            self._leave_to_parent()
         if not self.enabled or view is None or view.nbytes < MIN_TRACKED:
             return None
         address = int(np.frombuffer(view, np.uint8).ctypes.data)
         if (var_id, address, view.nbytes) in self._refused:
             return None
         state = self._vars.get(var_id)
+        # A device writing through memory pinned now would not clear any protection set now:
+        # while anything is pinned, nothing is protected, and the next checkpoint trusts no scan.
+        pinned = pagetrack.pinned_bytes() != 0
         try:
             if state is None or (state.address, state.nbytes) != (address, view.nbytes):
-                self._start(var_id, address, view.nbytes)
-                self._pending[var_id] = (True, None)
+                if not pinned:
+                    self._start(var_id, address, view.nbytes)
+                    self._pending[var_id] = (True, None)
                 return None
             digests, state.digests = state.digests, None  # unknown until this hashing completes
-            protect = state.changed <= _PROTECT_BELOW
             tracker = self._tracker
             if tracker is None:
                 raise TrackingUnavailable(0, "no tracker")
-            if not state.protected or digests is None or pagetrack.pinned_bytes() != 0:
+            if not state.protected or digests is None or pinned:
+                protect = state.changed <= _PROTECT_BELOW and not pinned
                 if protect:
                     tracker.protect(state.start, state.stop)
                 self._pending[var_id] = (protect, digests)
                 return None
             written = tracker.written(state.start, state.stop, protect=True)  # atomic: lose no write
+            if pagetrack.pinned_bytes() != 0:  # pinned meanwhile: the scan may miss what comes next
+                self._pending[var_id] = (False, digests)
+                return None
             pages = int((written[:, 1] - written[:, 0]).sum()) // PAGE if len(written) else 0
             protect = pages <= _PROTECT_BELOW * (state.stop - state.start) // PAGE
             if not protect:  # most pages written: stop the faults for the next interval
@@ -148,6 +164,14 @@ class DcpTracking:
         state.digests = digests
         if old is not None:
             state.changed = _changed_fraction(old, digests)
+
+    def _leave_to_parent(self) -> None:
+        """In a forked child: the registrations and scans are the parent's; forget them all
+        without a single ioctl (they would act on the parent's pages) and hash everything."""
+        self.enabled = False
+        self._tracker = None  # its descriptors are closed with the child's copy of the object
+        self._vars.clear()
+        self._pending.clear()
 
     def close(self) -> None:
         if self._tracker is not None:

@@ -1,5 +1,6 @@
 """Which memory pages were written since they were last looked at: Linux's userfaultfd
-write-protection in asynchronous mode, read back with the ``PAGEMAP_SCAN`` ioctl (Linux 6.7+).
+write-protection in asynchronous mode, read back with the ``PAGEMAP_SCAN`` ioctl (Linux 6.9+;
+the ioctl came in 6.7, see :func:`_check_kernel`).
 
 Why: a differential checkpoint must find the blocks that changed. Hashing every block reads the
 whole state once (about 0.08 s per GiB here, the memory bandwidth), which is most of the cost of a
@@ -82,28 +83,42 @@ class WriteTracker:
     """
 
     def __init__(self) -> None:
-        self._uffd = _open_userfaultfd()
+        _check_kernel()
+        self._pid = os.getpid()  # the ioctls act on the memory of the process that made the context
+        self._uffd = -1
         try:
             for features in (_FEATURE_WP_ASYNC | _FEATURE_WP_UNPOPULATED, _FEATURE_WP_ASYNC):
+                self._uffd = _open_userfaultfd()
                 try:
                     fcntl.ioctl(self._uffd, _UFFDIO_API, bytearray(struct.pack("QQQ", _UFFD_API, features, 0)))
                     break
                 except OSError as exc:
+                    # UFFDIO_API may be called only once per context: the next try needs a new one.
+                    os.close(self._uffd)
+                    self._uffd = -1
                     if exc.errno != errno.EINVAL or features == _FEATURE_WP_ASYNC:
                         raise TrackingUnavailable(exc.errno, f"userfaultfd without WP_ASYNC: {exc}") from None
-                    # UFFDIO_API may be called only once per context: start over with a new one.
-                    os.close(self._uffd)
-                    self._uffd = _open_userfaultfd()
-            self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise TrackingUnavailable(exc.errno, f"/proc/self/pagemap: {exc}") from None
         except BaseException:
-            os.close(self._uffd)
+            if self._uffd >= 0:
+                os.close(self._uffd)
+                self._uffd = -1
             raise
         self._regions = np.zeros((_REGIONS, 3), np.uint64)
-        self._pid = os.getpid()  # a forked child has neither the registrations nor this pagemap
         self.ranges: set[tuple[int, int]] = set()
+
+    def _own(self) -> None:
+        if self._uffd < 0:
+            raise TrackingUnavailable(errno.EBADF, "write tracker closed")
+        if os.getpid() != self._pid:  # a forked child: its ioctls would act on its parent's pages
+            raise TrackingUnavailable(errno.ECHILD, "write tracking was set up by the parent process")
 
     def register(self, start: int, stop: int) -> None:
         """Write-protect ``[start, stop)`` (page-aligned) and start tracking writes to it."""
+        self._own()
         try:
             fcntl.ioctl(self._uffd, _UFFDIO_REGISTER,
                         bytearray(struct.pack("QQQQ", start, stop - start, _REGISTER_MODE_WP, 0)))
@@ -119,6 +134,7 @@ class WriteTracker:
     def protect(self, start: int, stop: int, on: bool = True) -> None:
         """Write-protect every page of ``[start, stop)`` again (forgetting which were written), or
         with ``on=False`` lift the protection (writes no longer fault, and all count as written)."""
+        self._own()
         try:
             fcntl.ioctl(self._uffd, _UFFDIO_WRITEPROTECT,
                         bytearray(struct.pack("QQQ", start, stop - start, _WRITEPROTECT_MODE_WP if on else 0)))
@@ -128,8 +144,7 @@ class WriteTracker:
     def written(self, start: int, stop: int, *, protect: bool) -> np.ndarray:
         """``(n, 2)`` uint64 page ranges of ``[start, stop)`` written since the last protection;
         with ``protect`` they are write-protected again in the same, atomic, step."""
-        if os.getpid() != self._pid:
-            raise TrackingUnavailable(errno.ECHILD, "write tracking was set up by the parent process")
+        self._own()
         flags = _SCAN_CHECK_WPASYNC | (_SCAN_WP_MATCHING if protect else 0)
         found = []
         cursor = start
@@ -150,11 +165,14 @@ class WriteTracker:
     def unregister(self, start: int, stop: int) -> None:
         """Stop tracking ``[start, stop)`` (its pages lose their protection)."""
         self.ranges.discard((start, stop))
+        if self._uffd < 0 or os.getpid() != self._pid:
+            return  # in a forked child, the ranges are the parent's: leave them alone
         with contextlib.suppress(OSError):  # unmapped meanwhile: nothing is registered any more
             fcntl.ioctl(self._uffd, _UFFDIO_UNREGISTER, bytearray(struct.pack("QQ", start, stop - start)))
 
     def close(self) -> None:
-        """Unregister everything: closing the context drops its registrations and protections."""
+        """Unregister everything: closing the context drops its registrations and protections
+        (in a forked child, closing its copy of the descriptors leaves the parent's intact)."""
         if self._uffd >= 0:
             os.close(self._pagemap)
             os.close(self._uffd)
@@ -164,6 +182,21 @@ class WriteTracker:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _check_kernel() -> None:
+    """Linux 6.9 or later: before it, PAGEMAP_SCAN could read a swapped-out or migrating page's
+    entry as write-protected and report a written page as not written (fixed in 6.9 and 6.8.y
+    stable by "fs/proc/task_mmu: fix uffd-wp confusion in pagemap_scan_pmd_entry()"; 6.7 has
+    the ioctl without the fix). Vendor kernels that number themselves older are not trusted."""
+    release = platform.release()
+    parts = release.split(".")
+    try:
+        version = (int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0))
+    except (IndexError, ValueError):
+        raise TrackingUnavailable(errno.ENOSYS, f"unknown kernel release {release!r}") from None
+    if platform.system() != "Linux" or version < (6, 9):
+        raise TrackingUnavailable(errno.ENOSYS, f"write tracking needs Linux 6.9 or later, not {release}")
 
 
 def anonymous_private(start: int, stop: int) -> bool:
