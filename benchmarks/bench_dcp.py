@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16384, help="dcp_block_size (default 16384)")
     parser.add_argument("--hash-mib", type=int, default=256, help="bytes hashed per candidate (MiB)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the fastest is shown")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per figure; the fastest is shown")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--skip-hashes", action="store_true")
     parser.add_argument("--tracking", choices=("both", "on", "off"), default="both",
