@@ -45,7 +45,6 @@ from .ftiff.writer import WrittenFile
 from .layout import Layout
 from .levels.rs import hash_path
 
-
 _DROP_BELOW = 0.25  # the spare's cache is dropped when recent checkpoints changed less than this
 
 
