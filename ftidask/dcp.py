@@ -68,6 +68,7 @@ class DcpStats:
     delta: FileDelta | None = None  # the ranges that differ from the base (None: no base)
     xor: XorDelta | None = None  # old XOR new of those ranges, when asked for (L3) and the layout is the base's
     blocks_hashed: int = 0  # blocks read and hashed (write tracking spares the others, see dcptrack)
+    data_runs: int = 0  # separate writes of data (runs of changed blocks)
 
 
 def _base_slot(base: BlockState | None, bi: int, si: int, slot: Slot) -> np.ndarray | None:
@@ -301,7 +302,7 @@ class DcpFileWriter:
             delta = FileDelta(self.base.fb_hash, written.file_size, merge_ranges(self.runs + meta))
         xor = self._xor_delta(written.file_size) if self._old_meta is not None and self.base is not None else None
         stats = DcpStats(self.data_bytes, changed, total, self.data_bytes + meta_bytes, self.hash_seconds, delta, xor,
-                         self.blocks_hashed)
+                         self.blocks_hashed, len(self.runs))
         state = BlockState(self.layout, self.block_size, self.bid, dict(self.digests), written.fb.hash)
         return dataclasses.replace(written, data_bytes=self.data_bytes), stats, state
 

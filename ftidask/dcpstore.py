@@ -45,7 +45,7 @@ from .ftiff.writer import WrittenFile
 from .layout import Layout
 from .levels.rs import hash_path
 
-_DROP_BELOW = 0.25  # the spare's cache is dropped when recent checkpoints changed less than this
+_SHORT_RUN = 128 << 10  # mean bytes per write under which the spare's cache is dropped (see retire)
 
 
 class DcpHandle:
@@ -73,7 +73,8 @@ class DcpHandle:
         storage.fsync_dir(self.store.spare_path(self.level).parent)
         self.store._hook("renamed", self.level)
         self.store._files[self.level, seq] = state
-        self.store._changed[self.level].append(stats.blocks_changed / max(1, stats.blocks_total))
+        if stats.delta is not None and stats.data_runs:  # patched from a known base
+            self.store._recent_writes[self.level].append((stats.data_bytes, stats.data_runs))
         return written, stats
 
     def abort(self) -> None:
@@ -101,8 +102,8 @@ class DcpStore:
                                         thread_name_prefix="ftidask-dcp")
         self._crash_at = os.environ.get("FTIDASK_DCP_CRASH_AT", "")  # test hook: "<point>:<n>"
         self._remover: ThreadPoolExecutor | None = None
-        # level -> fraction of blocks changed by its last differential checkpoints
-        self._changed: dict[int, deque[float]] = {level: deque(maxlen=2) for level in (1, 2, 3, 4)}
+        # level -> (data bytes, runs) written by its last differential checkpoints that patched a base
+        self._recent_writes: dict[int, deque[tuple[int, int]]] = {level: deque(maxlen=2) for level in (1, 2, 3, 4)}
 
     def spare_path(self, level: int) -> Path:
         return self.paths.level_dir(level, self.node) / storage.SPARE_DIR / storage.spare_file(self.rank)
@@ -154,12 +155,11 @@ class DcpStore:
         except OSError:
             return  # no spare: the next differential checkpoint writes everything
         self._spares[level] = state
-        if level != 3 and aligns_writes(self.block_size) and max(self._changed[level], default=1.0) < _DROP_BELOW:
-            # When few blocks change, patching a file cached in large folios costs ~4x more per
-            # scattered write on ext4 (6.18) than writing whole pages (see dcp._page_aligned) into
-            # uncached ones; when most change, rewriting cached pages is cheaper than filling an
-            # empty cache (0.64x against 0.93x of a full checkpoint at 100% changed, measured).
-            # The spare will receive the changes of the last two intervals: judge by those. L3
+        if level != 3 and aligns_writes(self.block_size) and self._short_runs(level):
+            # Patching a file cached in large folios costs ~38 us per scattered write on ext4
+            # (6.18), writing whole pages (see dcp._page_aligned) into uncached ones ~10 us; but
+            # filling an empty cache costs ~0.2 ms per MiB written (100% changed: 0.93x of a full
+            # checkpoint instead of 0.64x). So drop the cache when the writes are short. L3
             # reads the old bytes of what it patches, so its spare keeps its cache.
             self._remover_pool().submit(storage.drop_cache, spare)
         if level == 3 and ckpt_id is not None:  # the parity and its record (which files it encodes)
@@ -178,6 +178,13 @@ class DcpStore:
             tmp = hint.with_name(f".{hint.name}.tmp-{os.getpid()}")
             tmp.write_text(json.dumps({"fb_hash": state.fb_hash.hex()}))
             os.replace(tmp, hint)
+
+    def _short_runs(self, level: int) -> bool:
+        """Were the level's recent patches mostly short scattered writes? (The spare receives
+        the changes of the last two intervals: judge by those.)"""
+        recent = self._recent_writes[level]
+        runs = sum(r for _b, r in recent)
+        return runs > 0 and sum(b for b, _r in recent) < _SHORT_RUN * runs
 
     def _discard(self, path: Path) -> None:
         """Rename an old spare out of the way now and delete it in the background: freeing a
