@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -11,10 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .config import load_config
-from .errors import FTIError, FormatError
+from .errors import FormatError, FTIError
 from .ftiff.dump import to_json, to_text
 from .ftiff.reader import parse_ftiff, verify_data
-from .storage import remove_tree
+from .storage import find_paths, remove_tree
 
 
 def _check(path: Path) -> tuple[str, object]:
@@ -37,7 +38,7 @@ def _check(path: Path) -> tuple[str, object]:
 
 def _ftiff_files(root: Path) -> list[Path]:
     # Parity files (RSed) are not FTI-FF files: they are checked when they are decoded.
-    return sorted(p for p in root.rglob("*.fti") if "-RSed" not in p.name and not p.name.startswith("."))
+    return [p for p in find_paths(root, "*.fti") if "-RSed" not in p.name and not p.name.startswith(".")]
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -55,7 +56,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     root = Path(args.path)
     files = [root] if root.is_file() or root.suffix == ".zarr" else _ftiff_files(root)
     if root.is_dir() and root.suffix != ".zarr":  # level 4 written as Zarr, and exports
-        files += sorted(p for p in root.rglob("*.zarr") if (p / "ftidask-manifest.json").is_file())
+        files += _zarr_stores(root)
     if not files:
         print(f"error: no FTI-FF files under {root}", file=sys.stderr)
         return 2
@@ -86,8 +87,18 @@ def _table_of(detail: object) -> dict:
     return dict(getattr(detail, "trailer", None) or {})
 
 
+def _zarr_stores(root: Path) -> list[Path]:
+    return [p for p in find_paths(root, "*.zarr") if (p / "ftidask-manifest.json").is_file()]
+
+
 def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+    if not path.is_dir():
+        return path.stat().st_size
+    total = 0
+    for p in find_paths(path, "*"):
+        with contextlib.suppress(OSError):  # deleted meanwhile
+            total += p.stat().st_size if p.is_file() else 0
+    return total
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -95,7 +106,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     meta = _dirs(args)[2]
     groups: dict[tuple[str, int], list[tuple[Path, str, object]]] = {}
     for root in roots:
-        stores = sorted(p for p in root.rglob("*.zarr") if (p / "ftidask-manifest.json").is_file())
+        stores = _zarr_stores(root)
         for path in _ftiff_files(root) + stores:  # level 4 may be written as Zarr stores
             kind, detail = _check(path)
             table = _table_of(detail) if kind == "ok" else {}

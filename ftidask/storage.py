@@ -184,6 +184,16 @@ def copy_file_atomic(src: Path, dst: Path) -> int:
         return copied
 
 
+def find_paths(root: str | os.PathLike[str], pattern: str) -> list[Path]:
+    """Files and directories under ``root`` whose path matches ``pattern`` (right-anchored, as
+    :meth:`pathlib.PurePath.match`), sorted. Unlike ``Path.rglob``, a directory that disappears
+    during the walk (a retired checkpoint deleted in the background) is skipped, not an error."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):  # os.walk ignores errors by default
+        found += [Path(dirpath, name) for name in dirnames + filenames if Path(dirpath, name).match(pattern)]
+    return sorted(found)
+
+
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 from conftest import ROOT
-from fswalk import find
 
 import ftidask
+from ftidask.storage import find_paths
 
 CHILD = r"""
 import sys, numpy as np, ftidask
@@ -52,8 +52,8 @@ def test_sigkill_mid_checkpoint(tmp_path, delay):
     assert (a == ckpt_id).all() and (b == ckpt_id).all()
     # The run continues: a new checkpoint commits and the stale temporary files do not get in the way.
     ctx.checkpoint(ckpt_id + 1000, 1)
-    leftovers = find(tmp_path, ".*.tmp-*")  # not rglob: the retired checkpoint is deleted meanwhile
-    leftovers += [p for p in find(tmp_path, "ckpt*.s*") if p.is_dir()
+    leftovers = find_paths(tmp_path, ".*.tmp-*")  # not rglob: the retired checkpoint is deleted meanwhile
+    leftovers += [p for p in find_paths(tmp_path, "ckpt*.s*") if p.is_dir()
                   and not (tmp_path / "Meta" / ctx.exec_id / "commits" / f"s{int(p.name.split('.s')[1]):08d}.json").exists()]
     ctx2 = ftidask.init(**dirs)
     ctx2.protect(1, a)

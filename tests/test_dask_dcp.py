@@ -11,12 +11,13 @@ import pytest
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
-from fswalk import find
+
 from test_dask_backend import lose_workers
 
 import ftidask
 from ftidask.ftiff.blockhash import FLAG_DCP
 from ftidask.ftiff.reader import parse_ftiff, verify_data
+from ftidask.storage import find_paths
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
 NWORKERS = 4
@@ -82,7 +83,7 @@ def test_differential_checkpoints_write_only_changed_blocks(client, dirs, level)
         assert last.partner_bytes < sum(last.file_sizes) // 5 < infos[0].partner_bytes
     record = ctx.state.records()[-1]
     assert record.extra.get("dcp") and record.level == level - 4
-    for path in find(dirs["ckpt_dir" if level != 8 else "glbl_dir"], "Ckpt4-Rank*.fti"):
+    for path in find_paths(dirs["ckpt_dir" if level != 8 else "glbl_dir"], "Ckpt4-Rank*.fti"):
         with open(path, "rb") as fh:  # complete FTI-FF files, every block checked
             parsed = parse_ftiff(fh, str(path))
             assert parsed.fb.flags & FLAG_DCP
@@ -137,7 +138,7 @@ def test_damaged_block_is_never_returned(client, dirs):
     ctx = _init(client, dirs)
     _start(ctx)
     _checkpoints(ctx, 5, 3)
-    path = find(dirs["ckpt_dir"], "Ckpt3-Rank1.fti")[0]
+    path = find_paths(dirs["ckpt_dir"], "Ckpt3-Rank1.fti")[0]
     with open(path, "rb") as fh:
         parsed = parse_ftiff(fh, str(path))
     meta = next(m for _b, _c, m in parsed.containers() if m.hascontent)
@@ -154,7 +155,7 @@ def test_finalize_removes_the_spares(client, dirs):
     ctx = _init(client, dirs)
     _start(ctx)
     _checkpoints(ctx, 6, 3)
-    assert find(dirs["ckpt_dir"], "dcp/Spare*-Rank*.fti")
+    assert find_paths(dirs["ckpt_dir"], "dcp/Spare*-Rank*.fti")
     ctx.finalize()
     assert not list(Path(dirs["ckpt_dir"]).rglob("dcp/*"))
 

@@ -4,13 +4,13 @@ import json
 import struct
 
 import numpy as np
-from fswalk import find
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ftidask
 from ftidask.arrays import ArrayBytes
 from ftidask.ftiff.reader import parse_ftiff, read_into, verify_data
+from ftidask.storage import find_paths
 
 _FILES: dict[str, bytes] = {}
 
@@ -27,7 +27,7 @@ def _sample(tmp_path_factory, kind):
         ctx.checkpoint(1, 5 if kind == "dcp" else 1)
         ctx.protect(2, np.ones(40, dtype=[("a", "<i2"), ("b", "<f4", (2,))]))
         info = ctx.checkpoint(2, 5 if kind == "dcp" else 1)
-        (path,) = find(root / "L", f"ckpt2.s{info.seq}/*.fti")  # ckpt 1 may be being deleted
+        (path,) = find_paths(root / "L", f"ckpt2.s{info.seq}/*.fti")  # ckpt 1 may be being deleted
         _FILES[kind] = path.read_bytes()
     return _FILES[kind]
 

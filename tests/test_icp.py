@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fswalk import find
 
 import ftidask
 from ftidask.errors import CheckpointError, ProtectError
+from ftidask.storage import find_paths
 
 
 def _kw(root, **extra):
@@ -66,7 +66,7 @@ def test_missing_variable_is_refused_and_previous_kept(tmp_path, level):
         ctx.finalize_icp()
     got = _recover(tmp_path, saved)
     assert all(got[v].tobytes() == saved[v].tobytes() for v in saved)
-    assert not find(tmp_path / "l", "Ckpt2-*")
+    assert not find_paths(tmp_path / "l", "Ckpt2-*")
     info = ctx.checkpoint(3, level)  # the context goes on normally
     assert _recover(tmp_path, saved)[1].tobytes() == a.tobytes()
     assert info.blocks_changed in (None, info.blocks_total)  # the torn spare is rewritten in full

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
-from fswalk import find
 
 import ftidask
 from ftidask import storage
 from ftidask.ftiff import blockhash
 from ftidask.ftiff.reader import parse_ftiff
+from ftidask.storage import find_paths
 
 native = pytest.importorskip("ftidask._native", reason="native helpers not built (no C compiler at install)")
 
@@ -75,7 +75,7 @@ def _dcp_run(root: Path, arrays: list[np.ndarray]) -> list[bytes]:
     for step in range(3):
         arrays[0][step * 1000] += 1
         ctx.checkpoint(step + 1, 5)
-        files.append(_hashed_part(find(root / "l", f"Ckpt{step + 1}-Rank0.fti")[0]))
+        files.append(_hashed_part(find_paths(root / "l", f"Ckpt{step + 1}-Rank0.fti")[0]))
     ctx.finalize()
     return files
 
