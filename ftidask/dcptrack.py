@@ -104,7 +104,7 @@ class DcpTracking:
         self._tracker: WriteTracker | None = None
         self._vars: dict[int, _Tracked] = {}
         self._pending: dict[int, tuple[bool, _Digests | None]] = {}  # var id -> (protected, digests before)
-        self._refused: set[tuple[int, int, int]] = set()  # (var id, address, bytes) not tracked
+        self._refused: dict[int, tuple[int, int]] = {}  # var id -> (address, bytes) of memory not tracked
         self._pid = os.getpid()
 
     def before_hash(self, var_id: int, view: memoryview | None) -> KnownDigests | None:
@@ -116,7 +116,7 @@ class DcpTracking:
         if not self.enabled or view is None or view.nbytes < MIN_TRACKED:
             return None
         address = int(np.frombuffer(view, np.uint8).ctypes.data)
-        if (var_id, address, view.nbytes) in self._refused:
+        if self._refused.get(var_id) == (address, view.nbytes):
             return None
         state = self._vars.get(var_id)
         # A device writing through memory pinned now would not clear any protection set now:
@@ -149,7 +149,7 @@ class DcpTracking:
             self._pending[var_id] = (protect, digests)
         except TrackingUnavailable as exc:
             self._stop(var_id)
-            self._refused.add((var_id, address, view.nbytes))
+            self._refused[var_id] = (address, view.nbytes)  # a new array under this id is tried again
             log.info("variable %d: write tracking off (%s); every block is hashed", var_id, exc.strerror or exc)
             return None
         return KnownDigests(address, digests, _dirty_prefix(address, view.nbytes, state.start, state.stop, written))
