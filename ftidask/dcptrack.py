@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
 
 import numpy as np
 
@@ -49,12 +48,15 @@ MIN_TRACKED = 1 << 20  # smaller variables are hashed whole: it costs less than 
 _PROTECT_BELOW = 0.5  # fraction of pages written (or blocks changed) under which the next interval is tracked
 
 
+_Digests = dict[int, tuple[int, np.ndarray]]  # container dptr -> (chunksize, (n, D) block digests)
+
+
 @dataclasses.dataclass(frozen=True)
 class KnownDigests:
     """A variable's block digests as last hashed, and which of its pages were written since."""
 
     address: int  # of the variable's first byte
-    digests: Mapping[int, tuple[int, np.ndarray]]  # container dptr -> (chunksize then, (n, D) digests)
+    digests: _Digests  # as hashed last time (chunksize then)
     dirty_prefix: np.ndarray  # dirty_prefix[i] = dirty pages among the first i pages of the variable
 
     def container(self, dptr: int, chunksize: int, block_size: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -79,9 +81,6 @@ class KnownDigests:
         kept = min(count, len(old))
         digests[:kept] = old[:kept]
         return digests, stale
-
-
-_Digests = dict[int, tuple[int, np.ndarray]]  # container dptr -> (chunksize, (n, D) block digests)
 
 
 @dataclasses.dataclass
@@ -154,7 +153,7 @@ class DcpTracking:
             return None
         return KnownDigests(address, digests, _dirty_prefix(address, view.nbytes, state.start, state.stop, written))
 
-    def after_hash(self, var_id: int, digests: dict[int, tuple[int, np.ndarray]]) -> None:
+    def after_hash(self, var_id: int, digests: _Digests) -> None:
         """Every block of ``var_id`` was hashed into ``digests`` (container dptr -> (chunksize, digests))."""
         pending = self._pending.pop(var_id, None)
         state = self._vars.get(var_id)
@@ -218,7 +217,7 @@ def _dirty_prefix(address: int, nbytes: int, start: int, stop: int, written: np.
     return np.concatenate(([0], np.cumsum(dirty, dtype=np.int64)))
 
 
-def _changed_fraction(old: Mapping[int, tuple[int, np.ndarray]], new: Mapping[int, tuple[int, np.ndarray]]) -> float:
+def _changed_fraction(old: _Digests, new: _Digests) -> float:
     changed = total = 0
     for dptr, (_size, digests) in new.items():
         total += len(digests)

@@ -75,7 +75,7 @@ def _open_userfaultfd() -> int:
 
 
 class WriteTracker:
-    """One userfaultfd context of this process, and the ranges registered with it.
+    """One userfaultfd context of this process, with which page ranges are registered.
 
     Ranges are page-aligned and must lie in private anonymous memory (the caller checks, see
     :func:`anonymous_private`): a page shared with another process can be written through that
@@ -108,7 +108,6 @@ class WriteTracker:
                 self._uffd = -1
             raise
         self._regions = np.zeros((_REGIONS, 3), np.uint64)
-        self.ranges: set[tuple[int, int]] = set()
 
     def _own(self) -> None:
         if self._uffd < 0:
@@ -124,7 +123,6 @@ class WriteTracker:
                         bytearray(struct.pack("QQQQ", start, stop - start, _REGISTER_MODE_WP, 0)))
         except OSError as exc:
             raise TrackingUnavailable(exc.errno, f"cannot track writes to {start:#x}: {exc}") from None
-        self.ranges.add((start, stop))
         try:
             self.protect(start, stop)
         except OSError:
@@ -164,7 +162,6 @@ class WriteTracker:
 
     def unregister(self, start: int, stop: int) -> None:
         """Stop tracking ``[start, stop)`` (its pages lose their protection)."""
-        self.ranges.discard((start, stop))
         if self._uffd < 0 or os.getpid() != self._pid:
             return  # in a forked child, the ranges are the parent's: leave them alone
         with contextlib.suppress(OSError):  # unmapped meanwhile: nothing is registered any more
@@ -177,7 +174,6 @@ class WriteTracker:
             os.close(self._pagemap)
             os.close(self._uffd)
             self._uffd = -1
-            self.ranges.clear()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
