@@ -195,6 +195,15 @@ def _check_kernel() -> None:
         raise TrackingUnavailable(errno.ENOSYS, f"write tracking needs Linux 6.9 or later, not {release}")
 
 
+def available() -> bool:
+    """Can this process track writes (kernel, features and permissions)?"""
+    try:
+        WriteTracker().close()
+    except TrackingUnavailable:
+        return False
+    return True
+
+
 def anonymous_private(start: int, stop: int) -> bool:
     """True when ``[start, stop)`` lies entirely in private anonymous mappings of this process."""
     covered = start

@@ -13,21 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ftidask import pagetrack
+
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "dcp_l2_job.py"
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
-
-def _tracking() -> bool:
-    from ftidask.pagetrack import WriteTracker
-
-    try:
-        WriteTracker().close()
-    except OSError:
-        return False
-    return True
-
-
-TRACKING = _tracking()
+TRACKING = pagetrack.available()
 
 pytestmark = [
     pytest.mark.mpi,

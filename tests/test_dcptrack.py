@@ -23,15 +23,7 @@ BLOCK = 16384
 N = 4 << 20  # bytes of the tracked array (tracking starts at dcptrack.MIN_TRACKED)
 
 
-def _supported() -> bool:
-    try:
-        pagetrack.WriteTracker().close()
-    except OSError:
-        return False
-    return True
-
-
-needs_tracking = pytest.mark.skipif(not _supported(), reason="no userfaultfd WP_ASYNC / PAGEMAP_SCAN here")
+needs_tracking = pytest.mark.skipif(not pagetrack.available(), reason="no userfaultfd WP_ASYNC / PAGEMAP_SCAN here")
 
 
 def _kw(root: Path, **extra):
