@@ -52,7 +52,6 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
 
     def __init__(self, config: Config, transport: Transport) -> None:
         self._closed = False
-        self._replaced = False
         self._run_lock: RunLock | None = None
         config = config.with_absolute_dirs()  # a later os.chdir of the application moves nothing
         self.config = config
@@ -62,7 +61,6 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         self.paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir),
                                       self.exec_id)
         self.state = RunState(Path(config.meta_dir), self.exec_id)
-        runlock.take_over(self.state.root, self)  # an older Context of this run in this process: replaced
         self._vars: dict[int, Protected] = {}
         self._layout: Layout | None = None
         self._hash_id = hashing.hash_id(config.hash)
@@ -110,13 +108,6 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
             kind = {"RunInUseError": RunInUseError, "ConfigError": ConfigError}.get(outcome["error"], FTIError)
             raise kind(outcome["message"])
         return str(outcome["exec_id"]), int(outcome["status"])
-
-    def _supersede(self) -> None:
-        """A later init of this run in this process took the run over: this handle refuses further use."""
-        self._replaced = True
-        self._closed = True
-        if self._run_lock is not None:
-            self._run_lock.release()
 
     # --- protection ----------------------------------------------------------------------------
 
@@ -323,9 +314,6 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
     def finalize(self) -> None:
         """FTI_Finalize: flush the last checkpoint to L4 if ``keep_last_ckpt``, else clean up."""
         if self._closed:
-            if self._replaced:
-                log.warning("finalize() of a context that a later ftidask.init() of run %s replaced: nothing done",
-                            self.exec_id)
             return
         t = self.transport
         staging_failed = self._finish_staging()  # wait for pending SendFile requests (stage_timeout)
@@ -407,9 +395,6 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         return self.transport.post_done()
 
     def _check_open(self) -> None:
-        if self._replaced:
-            raise FTIError(f"this context was replaced by a later ftidask.init() of the same run ({self.exec_id}) "
-                           "in this process; use the context that init() returned")
         if self._closed:
             raise FTIError("this context is finalized; call ftidask.init() again")
 

@@ -6,8 +6,9 @@ dies, however it dies, so "the lock is free" means "nobody writes this run": onl
 adopted by a restart. Every init chooses its run while holding ``{meta_dir}/current_exec_id.lock``,
 so that two inits starting together never both adopt the same dead run.
 
-Within one process, a later init of a run that a Context of this process holds replaces that
-Context (as a restart would: re-running a notebook's init cell); the older one refuses further use.
+Within one process, inits of the same run share its lock (a re-init, as when a notebook's init cell
+runs again, is a restart, as it always was): the lock guards against other processes, and is released
+when the last Context of this process that holds it is finalized, closed or garbage collected.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import logging
 import os
 import socket
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,24 +31,52 @@ CHOOSING_NAME = "current_exec_id.lock"
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
-class RunLock:
-    """An exclusive ``flock`` on a run's lock file, held until :meth:`release` (or garbage collection)."""
+class _Flock:
+    """One open, locked lock file of this process, shared by the :class:`RunLock` handles on it."""
 
-    def __init__(self, fd: int, path: Path) -> None:
-        self._fd: int | None = fd
-        self.path = path
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+        self.users = 0
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def release(self) -> None:
-        fd, self._fd = self._fd, None
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
         if fd is not None:
             os.close(fd)  # closing the only descriptor releases the flock
 
     def __del__(self) -> None:
+        self.close()
+
+
+class RunLock:
+    """One Context's hold on a run's lock, released by :meth:`release` (or garbage collection)."""
+
+    def __init__(self, flock: _Flock, path: Path) -> None:
+        self._flock: _Flock | None = flock
+        self.path = path
+        flock.users += 1
+
+    @property
+    def held(self) -> bool:
+        return self._flock is not None
+
+    def release(self) -> None:
+        flock, self._flock = self._flock, None
+        if flock is not None:
+            flock.users -= 1
+            if flock.users == 0:
+                _held.pop(_key(self.path.parent), None)
+                flock.close()
+
+    def __del__(self) -> None:
         self.release()
+
+
+#: The runs this process holds, by the real path of their directory.
+_held: dict[str, _Flock] = {}
+
+
+def _key(run_dir: Path) -> str:
+    return os.path.realpath(run_dir)
 
 
 def _open(path: Path, create: bool) -> int:
@@ -71,9 +99,12 @@ def _flock(fd: int, path: Path) -> bool:
 
 
 def acquire(run_dir: Path) -> RunLock | None:
-    """Lock the run in ``run_dir`` (created if needed) for this process; None when a live process holds it."""
+    """Lock the run in ``run_dir`` (created if needed) for this process; None when another live process holds it."""
     path = run_dir / LOCK_NAME
     run_dir.mkdir(parents=True, exist_ok=True)
+    shared = _held.get(_key(run_dir))
+    if shared is not None and shared.fd is not None:  # a Context of this process holds it: shared
+        return RunLock(shared, path)
     fd = _open(path, create=True)
     if not _flock(fd, path):
         os.close(fd)
@@ -82,11 +113,15 @@ def acquire(run_dir: Path) -> RunLock | None:
     with contextlib.suppress(OSError):
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
-    return RunLock(fd, path)
+    flock = _held[_key(run_dir)] = _Flock(fd)
+    return RunLock(flock, path)
 
 
 def is_live(run_dir: Path) -> bool:
-    """Whether a live process holds the run in ``run_dir`` (a run without a lock file is not live)."""
+    """Whether another live process holds the run in ``run_dir`` (a run without a lock file is not live)."""
+    shared = _held.get(_key(run_dir))
+    if shared is not None and shared.fd is not None:
+        return False  # this process's own run
     path = run_dir / LOCK_NAME
     try:
         fd = _open(path, create=False)
@@ -121,30 +156,3 @@ def choosing(meta_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-# --- Contexts of this process, by run directory: a later init of the same run replaces the older one ---
-
-_owners: dict[str, weakref.ref[Any]] = {}
-
-
-def _key(run_dir: Path) -> str:
-    return os.path.realpath(run_dir)
-
-
-def supersede_local(run_dir: Path) -> bool:
-    """Retire the open Context of this process that holds ``run_dir`` (it releases the lock); whether one did."""
-    ref = _owners.pop(_key(run_dir), None)
-    owner = ref() if ref is not None else None
-    if owner is None or getattr(owner, "_closed", True):
-        return False
-    owner._supersede()
-    return True
-
-
-def take_over(run_dir: Path, owner: Any) -> None:
-    """Register ``owner`` (a Context) as this process's handle on ``run_dir``; an older one is superseded."""
-    ref = _owners.get(_key(run_dir))
-    if ref is not None and ref() is not owner:
-        supersede_local(run_dir)
-    _owners[_key(run_dir)] = weakref.ref(owner)

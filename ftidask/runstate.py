@@ -184,13 +184,6 @@ class Claim:
     beside: str | None = None  # the live run current_exec_id names, when this is a side run
 
 
-def _lock_run(meta_dir: Path, exec_id: str) -> runlock.RunLock | None:
-    lock = runlock.acquire(meta_dir / exec_id)
-    if lock is None and runlock.supersede_local(meta_dir / exec_id):  # held by an older Context of ours
-        lock = runlock.acquire(meta_dir / exec_id)
-    return lock
-
-
 def claim_run(meta_dir: Path, configured: str | None) -> Claim:
     """Choose the run of an init (see the module's docstring) and lock it for this process.
 
@@ -209,14 +202,13 @@ def _claim(meta_dir: Path, configured: str | None) -> Claim:
     lock = None
     if configured is not None:
         exec_id = check_exec_id(configured, "config key [restart] exec_id")
-        lock = _lock_run(meta_dir, exec_id)
+        lock = runlock.acquire(meta_dir / exec_id)
         if lock is None:
             raise RunInUseError(f"run {exec_id!r} in {meta_dir} is in use by {runlock.holder(meta_dir / exec_id)}: "
                                 "two processes must not write the same run. Wait for it to end, or start another "
                                 "run (another exec_id, or none for a new one)")
     else:
         if current is not None:
-            runlock.supersede_local(meta_dir / current)  # a re-init in this process is a restart
             if RunState(meta_dir, current).start_status() != STATUS_FRESH:
                 lock = runlock.acquire(meta_dir / current)  # None: alive in another process, never adopted
         exec_id = current if lock is not None else new_exec_id()

@@ -165,22 +165,37 @@ def test_killed_run_is_adopted_and_a_side_run_never_takes_its_place(dirs, holder
     assert b[0] == 5.0
 
 
-def test_a_later_init_in_the_same_process_replaces_the_earlier_context(dirs):
+def _lock_is_free(dirs, exec_id) -> bool:
+    import fcntl
+
+    with open(Path(dirs["meta_dir"], exec_id, "run.lock"), "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+
+def test_inits_of_one_run_in_one_process_share_its_lock(dirs, holder_factory):
     ctx = ftidask.init(**dirs)
     a = np.full(4, 2.0)
     ctx.protect(1, a)
     ctx.checkpoint(1, 1)
-    again = ftidask.init(**dirs)  # as a restart: the notebook idiom of re-running the init cell
+    again = ftidask.init(**dirs)  # a re-init in the same process (a notebook's init cell run again): a restart
     assert (again.exec_id, again.status()) == (ctx.exec_id, 1)
-    with pytest.raises(ftidask.FTIError, match="replaced by a later ftidask.init"):
-        ctx.checkpoint(2, 1)
-    ctx.finalize()  # the old handle does nothing: the run is the new handle's
-    assert (Path(dirs["meta_dir"]) / ctx.exec_id / "commits" / "s00000001.json").is_file()
     b = np.zeros(4)
     again.protect(1, b)
     again.recover()
     assert b[0] == 2.0
-    again.finalize()
+    again._close()
+    assert not _lock_is_free(dirs, ctx.exec_id)  # still held: ctx is open
+    # another process is refused meanwhile
+    other = subprocess.run([sys.executable, "-c", HOLDER, json.dumps({**dirs, "exec_id": ctx.exec_id}), "1"],
+                           capture_output=True, text=True, env=_env(), timeout=120, input="")
+    assert other.returncode != 0 and "RunInUseError" in other.stderr
+    ctx.checkpoint(2, 1)
+    ctx._close()
+    assert _lock_is_free(dirs, ctx.exec_id)
 
 
 def test_lock_is_released_at_finalize_and_when_the_context_is_dropped(dirs, holder_factory):
