@@ -22,7 +22,6 @@ import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 log = logging.getLogger("ftidask")
 
@@ -44,7 +43,8 @@ class _Flock:
             os.close(fd)  # closing the only descriptor releases the flock
 
     def __del__(self) -> None:
-        self.close()
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 class RunLock:
@@ -53,6 +53,7 @@ class RunLock:
     def __init__(self, flock: _Flock, path: Path) -> None:
         self._flock: _Flock | None = flock
         self.path = path
+        self._key = _key(path.parent)
         flock.users += 1
 
     @property
@@ -64,11 +65,13 @@ class RunLock:
         if flock is not None:
             flock.users -= 1
             if flock.users == 0:
-                _held.pop(_key(self.path.parent), None)
+                if _held.get(self._key) is flock:
+                    del _held[self._key]
                 flock.close()
 
     def __del__(self) -> None:
-        self.release()
+        with contextlib.suppress(Exception):  # at interpreter exit, the kernel releases it anyway
+            self.release()
 
 
 #: The runs this process holds, by the real path of their directory.
