@@ -347,9 +347,11 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
             if pool is not None:
                 pool.shutdown(wait=True)
         self._pool = self._trash_pool = None
-        self.transport.close()
-        if self._run_lock is not None:  # last: the run is no longer written by this process
-            self._run_lock.release()
+        try:
+            self.transport.close()
+        finally:
+            if self._run_lock is not None:  # last: the run is no longer written by this process
+                self._run_lock.release()
 
     def _flush_to_l4(self, record: CommitRecord) -> None:
         t = self.transport
