@@ -7,12 +7,13 @@ from .constants import init_type
 from .context import Context, init
 from .resilient import ResilientLoop, resilient
 from .errors import (CheckpointError, ConfigError, FormatError, FTIError, LevelError, NoCheckpointError,
-                     ProtectError, RecoveryError, StagingError)
+                     ProtectError, RecoveryError, RunInUseError, StagingError)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "CheckpointInfo", "Config", "ConfigError", "Context", "FTIError", "FormatError",
-    "LevelError", "NoCheckpointError", "ProtectError", "RecoveryError", "ResilientLoop", "StagingError", "init",
+    "LevelError", "NoCheckpointError", "ProtectError", "RecoveryError", "ResilientLoop", "RunInUseError",
+    "StagingError", "init",
     "init_type", "load_config", "resilient",
 ]

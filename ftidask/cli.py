@@ -15,7 +15,9 @@ from .config import load_config
 from .errors import FormatError, FTIError
 from .ftiff.dump import to_json, to_text
 from .ftiff.reader import parse_ftiff, verify_data
-from .storage import find_paths, remove_tree
+from . import runlock
+from .runstate import check_exec_id
+from .storage import find_paths, read_json, remove_inside
 
 
 def _check(path: Path) -> tuple[str, object]:
@@ -129,32 +131,55 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runs_to_clean(args: argparse.Namespace, meta: Path) -> set[str]:
+    if args.exec_id is not None:
+        return {check_exec_id(args.exec_id, "--exec-id")}  # a single directory name, never a path
+    runs = set()
+    for p in (meta.iterdir() if meta.is_dir() else ()):
+        if p.is_dir():
+            try:
+                runs.add(check_exec_id(p.name, f"directory {p}"))
+            except FTIError as exc:
+                print(f"skipping {exc}", file=sys.stderr)
+    return runs
+
+
 def cmd_clean(args: argparse.Namespace) -> int:
     local, glbl, meta = _dirs(args)
-    runs = {args.exec_id} if args.exec_id else {p.name for p in meta.iterdir() if p.is_dir()} if meta.is_dir() else set()
+    runs = _runs_to_clean(args, meta)
+    for run in sorted(runs):
+        if runlock.is_live(meta / run):  # a live run's files are its own: never deleted under it
+            print(f"skipping run {run}: in use by {runlock.holder(meta / run)}")
+            runs.discard(run)
     if not runs:
         print("nothing to clean")
         return 0
-    targets = [p for run in sorted(runs) for p in
-               [*(local.glob(f"node*/{run}")), glbl / run, meta / run] if p.exists()]
-    print("will remove:\n  " + "\n  ".join(map(str, targets)))
+    targets = [(p, parent) for run in sorted(runs) for p, parent in
+               [*((p, p.parent) for p in local.glob(f"node*/{run}")), (glbl / run, glbl), (meta / run, meta)]
+               if p.exists()]
+    print("will remove:\n  " + "\n  ".join(str(p) for p, _parent in targets))
     if not args.yes:
         if not sys.stdin.isatty():
             print("refusing to delete without confirmation; pass --yes", file=sys.stderr)
             return 2
         if input("proceed? [y/N] ").strip().lower() not in ("y", "yes"):
             return 1
-    for target in targets:
-        remove_tree(target)
-    current = meta / "current_exec_id"
-    if current.exists():
-        try:
-            if json.loads(current.read_text()).get("exec_id") in runs:
-                os.unlink(current)
-        except ValueError:
+    refused = 0
+    with runlock.choosing(meta) if meta.is_dir() else contextlib.nullcontext():  # no init adopts a run meanwhile
+        live = {run for run in runs if runlock.is_live(meta / run)}  # started since the question
+        for target, parent in targets:
+            if target.name in live:
+                print(f"skipping {target}: its run is in use by {runlock.holder(meta / target.name)}", file=sys.stderr)
+                refused += 1
+            elif not remove_inside(target, parent):
+                print(f"refusing to remove {target}: it does not resolve inside {parent}", file=sys.stderr)
+                refused += 1
+        current = meta / "current_exec_id"
+        named = read_json(current)
+        if current.is_file() and (not isinstance(named, dict) or named.get("exec_id") in runs - live):
             os.unlink(current)
-    print(f"removed {len(targets)} directories")
-    return 0
+    print(f"removed {len(targets) - refused} directories")
+    return 1 if refused else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -180,6 +180,12 @@ class Config:
         """The snapshot interval of ``level`` (minutes or iterations; 0 = never)."""
         return (self.ckpt_l1, self.ckpt_l2, self.ckpt_l3, self.ckpt_l4)[level - 1]
 
+    def with_absolute_dirs(self) -> Config:
+        """A copy whose ``ckpt_dir``, ``glbl_dir`` and ``meta_dir`` are absolute, taken from the current
+        directory now: a later ``os.chdir`` of the application changes no directory of the run."""
+        return dataclasses.replace(self, **{key: os.path.abspath(getattr(self, key))
+                                            for key in ("ckpt_dir", "glbl_dir", "meta_dir")})
+
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` parsed and validated like file values."""
         return load_config(None, base=self, **changes)
@@ -229,9 +235,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, base: Config | No
 
 
 def _check_exec_id(exec_id: str) -> None:
-    # It becomes a directory name: keep it to a safe alphabet.
-    if not all(c.isalnum() or c in "-_." for c in exec_id) or exec_id in (".", ".."):
-        raise ConfigError(f"config key [restart] exec_id: {exec_id!r} may only hold letters, digits, '-', '_', '.'")
+    from .runstate import check_exec_id  # it becomes a directory name: one safe path component
+
+    check_exec_id(exec_id, "config key [restart] exec_id")
 
 
 def config_keys() -> Mapping[str, tuple[str, Any]]:

@@ -14,21 +14,22 @@ from typing import Any
 
 import numpy as np
 
-from . import constants, storage
+from . import constants, runlock, storage
 from .arrays import check_ckpt_id, check_id, check_protectable
 from .checkpointing import CheckpointInfo
 from .config import Config
 from .context_recovery import RecoveryMixin
 from .context_writing import WritingMixin
 from .dcpstore import DcpStore
-from .errors import CheckpointError, FTIError, LevelError
+from .errors import CheckpointError, ConfigError, FTIError, LevelError, RunInUseError
 from .ftiff import compression, hashing
 from .ftiff.reader import FtiffFile
 from .layout import Layout, plan_layout
 from .pending import OneShotWriter, PendingCheckpoint, RankFileWriter
 from .recovery import check_file
 from .retention import RetentionMixin
-from .runstate import STATUS_FRESH, CommitRecord, FileRecord, RunState, resolve_run
+from .runlock import RunLock
+from .runstate import STATUS_FRESH, CommitRecord, FileRecord, RunState, claim_run
 from .staging import StagingMixin
 from .transport.base import Transport
 
@@ -50,20 +51,19 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
     """One process's handle on a run: protected variables, checkpoints, recovery."""
 
     def __init__(self, config: Config, transport: Transport) -> None:
+        self._closed = False
+        self._run_lock: RunLock | None = None
+        config = config.with_absolute_dirs()  # a later os.chdir of the application moves nothing
         self.config = config
         self.transport = transport
         logging.getLogger("ftidask").setLevel(_VERBOSITY[config.verbosity])
-        exec_status = transport.bcast(
-            resolve_run(Path(config.meta_dir), config.exec_id) if transport.rank == 0 else None)
-        self.exec_id: str = exec_status[0]
-        self._status: int = exec_status[1]
+        self.exec_id, self._status = self._claim_run(Path(config.meta_dir))
         self.paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir),
                                       self.exec_id)
         self.state = RunState(Path(config.meta_dir), self.exec_id)
         self._vars: dict[int, Protected] = {}
         self._layout: Layout | None = None
         self._hash_id = hashing.hash_id(config.hash)
-        self._closed = False
         self._pool: ThreadPoolExecutor | None = None
         self._trash_pool: ThreadPoolExecutor | None = None
         self._recovered = False
@@ -76,14 +76,38 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         self._next_ckpt_id = 1
         self._dcp: DcpStore | None = None
         self._icp: Any = None  # the open incremental checkpoint (ftidask.icp)
-        if transport.rank == 0:
-            storage.makedirs(self.state.root)
-            if self._status == STATUS_FRESH:
-                self.state.write_run(state="running", seq=0, keep_last=False)
         transport.barrier()
         self._collect_garbage()
         log.info("ftidask run %s on %s backend, rank %d of %d, status %d", self.exec_id, transport.name,
                  transport.rank, transport.size, self._status)
+
+    def _claim_run(self, meta_dir: Path) -> tuple[str, int]:
+        """``(exec_id, status)``: rank 0 chooses and locks the run (:func:`ftidask.runstate.claim_run`);
+        every rank gets its choice, or the same error."""
+        t = self.transport
+        outcome: dict[str, Any] | None = None
+        error: FTIError | None = None
+        if t.rank == 0:
+            try:
+                claim = claim_run(meta_dir, self.config.exec_id)
+            except FTIError as exc:
+                error = exc
+                outcome = {"error": type(exc).__name__, "message": str(exc)}
+            else:
+                self._run_lock = claim.lock
+                outcome = {"exec_id": claim.exec_id, "status": claim.status}
+                if claim.beside is not None:
+                    log.warning("meta_dir %s is in use by the live run %s (%s): this run is a new one, %s. A restart "
+                                "without exec_id restarts %s; to restart this run, pass exec_id=%r", meta_dir,
+                                claim.beside, runlock.holder(meta_dir / claim.beside), claim.exec_id, claim.beside,
+                                claim.exec_id)
+        outcome = t.bcast(outcome)
+        if "error" in outcome:
+            if error is not None:
+                raise error
+            kind = {"RunInUseError": RunInUseError, "ConfigError": ConfigError}.get(outcome["error"], FTIError)
+            raise kind(outcome["message"])
+        return str(outcome["exec_id"]), int(outcome["status"])
 
     # --- protection ----------------------------------------------------------------------------
 
@@ -323,7 +347,11 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
             if pool is not None:
                 pool.shutdown(wait=True)
         self._pool = self._trash_pool = None
-        self.transport.close()
+        try:
+            self.transport.close()
+        finally:
+            if self._run_lock is not None:  # last: the run is no longer written by this process
+                self._run_lock.release()
 
     def _flush_to_l4(self, record: CommitRecord) -> None:
         t = self.transport
@@ -414,7 +442,7 @@ def init(config: str | os.PathLike[str] | None = None, *, comm: Any = None, clie
     """
     from .config import load_config
 
-    cfg = load_config(config, **overrides)
+    cfg = load_config(config, **overrides).with_absolute_dirs()  # every backend, MPI heads included
     if comm is not None and client is not None:
         raise FTIError("pass comm= (MPI) or client= (Dask), not both")
     if comm is not None:

@@ -287,7 +287,7 @@ class DaskContext(Context):
         self._started = True
         self.cluster.run(tasks.collect_garbage, str(self.paths.ckpt_dir), self.exec_id, sorted(committed), first)
         glob_root = self.paths.level_dir(4, 0)
-        if glob_root.is_dir():
+        if glob_root.is_dir() and self.paths.contains(glob_root):
             for entry in glob_root.iterdir():
                 if (entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed) or (
                         first and entry.name.startswith(storage.TRASH_PREFIX)):

@@ -35,6 +35,10 @@ class NoCheckpointError(RecoveryError):
     """No checkpoint can be recovered (FTI's FTI_NREC)."""
 
 
+class RunInUseError(FTIError):
+    """The run named by ``exec_id`` is being written by a live process (see :mod:`ftidask.runlock`)."""
+
+
 class LevelError(FTIError, ValueError):
     """A checkpoint level is unknown or not provided by the running backend."""
 

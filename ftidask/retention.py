@@ -42,7 +42,8 @@ class RetentionMixin:
         if t.rank == 0:
             roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
         for root in roots:  # trash too, unless our own remover is on it
-            storage.collect_level_garbage(root, committed, trash=self._trash_pool is None)
+            if self.paths.contains(root):  # never outside the run's directories, whatever its exec_id
+                storage.collect_level_garbage(root, committed, trash=self._trash_pool is None)
         t.barrier()
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:
@@ -59,7 +60,8 @@ class RetentionMixin:
         if t.rank == 0:
             doomed.append(self.paths.level_dir(4, 0) / record.dirname)
         for path in doomed:
-            storage.discard(path, self._remover)
+            if self.paths.contains(path):
+                storage.discard(path, self._remover)
 
     def _remover(self) -> ThreadPoolExecutor:
         # Retired checkpoints are deleted off the critical path (they are no longer committed).

@@ -51,6 +51,11 @@ class RunPaths:
     def stage_root(self) -> Path:
         return self.ckpt_dir / "stage" / self.exec_id
 
+    def contains(self, path: Path) -> bool:
+        """Whether ``path`` lies inside this run's directories (lexically: node directories may be links
+        to local disks); what a run deletes is checked with it."""
+        return any(is_inside(path, root, resolve=False) for root in (self.ckpt_dir, self.glbl_dir, self.meta_dir))
+
 
 def ckpt_dirname(ckpt_id: int, seq: int) -> str:
     return f"ckpt{ckpt_id}.s{seq}"
@@ -196,6 +201,25 @@ def find_paths(root: str | os.PathLike[str], pattern: str) -> list[Path]:
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def is_inside(path: str | os.PathLike[str], parent: str | os.PathLike[str], *, resolve: bool = True) -> bool:
+    """Whether ``path`` lies strictly inside ``parent``: after making both absolute and removing ``..``
+    and, with ``resolve``, also once every symbolic link is resolved (a link to elsewhere is outside)."""
+    def within(child: str, root: str) -> bool:
+        return child.startswith(root.rstrip(os.sep) + os.sep)
+
+    inside = within(os.path.normpath(os.path.abspath(path)), os.path.normpath(os.path.abspath(parent)))
+    return inside and (not resolve or within(os.path.realpath(path), os.path.realpath(parent)))
+
+
+def remove_inside(path: Path, parent: Path) -> bool:
+    """Remove the tree at ``path`` only if it lies inside ``parent`` (see :func:`is_inside`); whether it
+    did: every deletion of a path made from a name read somewhere (an exec_id) goes through here."""
+    if not is_inside(path, parent):
+        return False
+    remove_tree(path)
+    return True
 
 
 TRASH_PREFIX = ".trash-"

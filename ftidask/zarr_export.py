@@ -36,7 +36,7 @@ from .config import Config, load_config
 from .errors import FormatError, FTIError, NoCheckpointError
 from .progress import for_config
 from .recovery import check_file, load_file
-from .runstate import CommitRecord, RunState
+from .runstate import CommitRecord, RunState, check_exec_id, read_current_exec_id
 from .zarr_import import import_zarr, read_zarr
 
 __all__ = ["ExportResult", "add_export_command", "export_checkpoint", "import_zarr", "locate", "read_zarr",
@@ -82,8 +82,9 @@ def _from_record(config: Config, exec_id: str | None, ckpt_id: int | None, level
     if exec_id is None:
         exec_id = config.exec_id
     if exec_id is None:
-        current = storage.read_json(meta_dir / "current_exec_id")
-        exec_id = current.get("exec_id") if isinstance(current, dict) else None
+        exec_id = read_current_exec_id(meta_dir)
+    else:
+        check_exec_id(exec_id, "--exec-id")
     if not exec_id:
         raise NoCheckpointError(f"no run found in {meta_dir}: pass exec_id")
     records = RunState(meta_dir, exec_id).records()

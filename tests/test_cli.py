@@ -50,6 +50,7 @@ def test_verify_list_clean(dirs, tmp_path, capsys):
     assert main(["verify", str(tmp_path)]) == 1
     assert main(["list", str(tmp_path)]) == 0
     assert "DAMAGED" in capsys.readouterr().out
+    ctx._close()  # the run's process has ended: clean skips a live run (tests/test_run_isolation.py)
     # clean refuses without confirmation when nobody can answer, then removes with --yes
     proc = subprocess.run([sys.executable, "-m", "ftidask", "clean", str(tmp_path)], capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, cwd=ROOT)
