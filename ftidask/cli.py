@@ -256,8 +256,8 @@ _EXTRA_COMMANDS.append(_add_zarr_commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # inside: --help into a closed pipe ends quietly too
         if getattr(args, "config", None):  # list/clean --config, import's config: say what is wrong with it
             check_config_file(args.config)
         code = int(args.func(args))

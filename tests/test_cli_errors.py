@@ -132,11 +132,13 @@ def test_help_lists_every_command_in_plain_text(tmp_path):
         assert command in proc.stdout, command
 
 
-def test_closed_pipe_ends_quietly(run_dir):
+@pytest.mark.parametrize("command", ["inspect", "list", "--help"])
+def test_closed_pipe_ends_quietly(run_dir, command):
     (path,) = Path("Local").glob("node0/*/l1/*/Ckpt2-Rank0.fti")
+    args = {"inspect": ["inspect", str(path)], "list": ["list", "."], "--help": ["--help"]}[command]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # As `ftidask inspect F | head -0`: the reader is gone before the command writes (it is still importing).
-    proc = subprocess.Popen([sys.executable, "-m", "ftidask", "inspect", str(path)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "ftidask", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=run_dir)
     proc.stdout.close()
     stderr = proc.stderr.read()
