@@ -12,8 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import load_config
-from .config import Config
+from .config import Config, load_config
 from .errors import ConfigError, FormatError, FTIError
 from .filekind import is_config_file
 from .ftiff.dump import to_json, to_text

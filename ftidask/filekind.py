@@ -9,20 +9,26 @@ text file: no NUL byte, valid UTF-8.
 from __future__ import annotations
 
 import os
+import re
 
 from .ftiff.structs import MAGIC
 
+#: The names of FTI-FF files (own, partner copy, parity, spares): never a config, whatever is left
+#: in them (a file truncated to nothing is a damaged checkpoint, not an empty config).
+_CHECKPOINT_NAME = re.compile(r"(Ckpt\d+-(Rank|Pcof|RSed)\d+|Spare\w*-Rank\d+)\.fti")
 _SNIFF = 4096  # enough to see a NUL in any FTI-FF file block (96 bytes) and an INI's first lines
 
 
 def is_config_file(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a regular file that reads as a text (INI) file rather than an FTI-FF file."""
+    if _CHECKPOINT_NAME.fullmatch(os.path.basename(os.fspath(path))):
+        return False
     try:
         with open(path, "rb") as fh:
             head = fh.read(_SNIFF)
     except OSError:  # a directory, missing, unreadable: not a config file
         return False
-    if head[49:49 + len(MAGIC)] == MAGIC or b"\0" in head:
+    if not head or head[49:49 + len(MAGIC)] == MAGIC or b"\0" in head:
         return False
     try:
         head.decode("utf-8")

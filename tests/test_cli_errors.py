@@ -73,6 +73,15 @@ def test_config_named_config_fti_is_a_config(run_dir):
     assert proc.returncode == 0 and "config.fti" not in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_truncated_or_text_checkpoint_file_is_damaged_not_a_config(run_dir):
+    files = sorted(Path(".").rglob("Ckpt*-Rank0.fti"))
+    assert len(files) == 2
+    files[0].write_bytes(b"")  # truncated to nothing
+    files[1].write_text("[basic]\nverbosity = 2\n")  # overwritten with text
+    proc = cli("verify", ".", cwd=run_dir)
+    assert proc.returncode == 1 and "0 sound, 2 damaged" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_binary_file_or_directory_as_config(run_dir):
     (rank_file,) = Path("Local").glob("node0/*/l1/*/Ckpt2-Rank0.fti")
     (run_dir / "blob.bin").write_bytes(bytes(range(256)) * 4)
