@@ -71,6 +71,10 @@ def test_config_named_config_fti_is_a_config(run_dir):
     assert proc.returncode == 0 and proc.stdout.count("sound") == 2, proc.stdout + proc.stderr
     proc = cli("list", ".", cwd=run_dir)
     assert proc.returncode == 0 and "config.fti" not in proc.stdout, proc.stdout + proc.stderr
+    # the README's pair, literally: export, then start a new run from the store
+    assert cli("export", "config.fti", "--to-zarr", "state.zarr", cwd=run_dir).returncode == 0
+    proc = cli("import", "state.zarr", "config.fti", cwd=run_dir)
+    assert proc.returncode == 0 and "imported state.zarr" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_truncated_or_text_checkpoint_file_is_damaged_not_a_config(run_dir):

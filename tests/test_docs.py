@@ -77,6 +77,12 @@ def test_home_page_and_readme_agree_on_install():
     assert INSTALL in (ROOT / "docs" / "installation.md").read_text()
 
 
+def test_readme_ships_the_config_it_uses():
+    readme = (ROOT / "README.md").read_text()
+    assert "config.fti" in readme and "examples/config.fti" in readme
+    assert (ROOT / "examples" / "config.fti").is_file()  # loaded and used by tests/test_cli_errors.py
+
+
 def test_api_reference_lists_public_names_only():
     import importlib
 
