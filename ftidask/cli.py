@@ -42,8 +42,9 @@ def check_config_file(path: str | os.PathLike[str]) -> None:
                           "(a checkpoint file?); pass the run's config")
 
 
-def _missing(path: Path) -> int:
-    return _error(f"{path} does not exist (check the path; the base directory holds Local/, Global/, Meta/)")
+def _missing(path: Path, base: bool = True) -> int:
+    hint = " (check the path: the base directory is the one holding Local/, Global/ and Meta/)" if base else ""
+    return _error(f"{path} does not exist{hint}")
 
 
 def _check(path: Path) -> tuple[str, object]:
@@ -84,7 +85,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     root = Path(args.path)
     if not root.exists():
-        return _missing(root)
+        return _missing(root, base=False)
     if is_config_file(root):  # a run's config: its checkpoint directories
         cfg = _load_config(root)
         roots = [p for p in (Path(cfg.ckpt_dir), Path(cfg.glbl_dir)) if p.is_dir()]

@@ -3,10 +3,13 @@ verbosity is set explicitly (in the call or in the config file) or ``log_to_stde
 Each case runs a fresh interpreter (a run, then its restart in the same process) and reads its stderr."""
 
 import logging
+import subprocess
+import sys
 
 import pytest
 
 from conftest import run_python
+from mpi_util import env, mpiexec, need_mpi
 
 SCRIPT = """
 import logging, sys
@@ -81,3 +84,33 @@ def test_log_to_stderr_attaches_once():
     finally:
         logger.handlers[:] = before
         logger.setLevel(logging.NOTSET)
+
+
+MPI_SCRIPT = """
+import sys
+import numpy as np
+from mpi4py import MPI
+import ftidask
+
+base, verbosity = sys.argv[1], int(sys.argv[2])
+ctx = ftidask.init(ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global", meta_dir=f"{base}/Meta",
+                   local_test=1, group_size=2, verbosity=verbosity, comm=MPI.COMM_WORLD)
+ctx.protect(1, np.full(100, float(MPI.COMM_WORLD.rank)))
+ctx.checkpoint(1, 2)
+ctx.finalize()
+"""
+
+
+MPI_MARK, MPI_SKIP = need_mpi()
+
+
+@MPI_MARK
+@MPI_SKIP
+@pytest.mark.parametrize("verbosity", [2, 1])
+def test_mpi_information_from_rank_0_only(tmp_path, verbosity):
+    """As FTI: information lines come from rank 0 alone; debug (verbosity 1) from every rank, tagged."""
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c", MPI_SCRIPT, str(tmp_path), str(verbosity)],
+                          capture_output=True, text=True, env=env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("checkpoint 1 (level 2) written") == (2 if verbosity == 1 else 1), proc.stderr
+    assert ("[ftidask INFO rank 1]" in proc.stderr) == (verbosity == 1), proc.stderr
