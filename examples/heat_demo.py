@@ -4,13 +4,15 @@
 
 The driver runs the simulation in a child process, kills it with SIGKILL part-way through,
 starts it again (the new process recovers the last checkpoint and carries on), then checks
-the result bit for bit against a run that was never interrupted.
+the result bit for bit against a run that was never interrupted. Its files go to a temporary
+directory, removed at the end; with ``--workdir DIR`` they go to DIR and stay there.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,10 +62,24 @@ def main() -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    workdir = args.workdir or tempfile.mkdtemp(prefix="ftidask-demo-")
     if args.child:
-        np.save(args.out, simulate(workdir, slow=0.005))
+        np.save(args.out, simulate(args.workdir, slow=0.005))
         return 0
+    workdir = args.workdir or tempfile.mkdtemp(prefix="ftidask-demo-")
+    reference_dir = tempfile.mkdtemp(prefix="ftidask-demo-ref-")
+    try:
+        return demo(workdir, reference_dir)
+    finally:
+        shutil.rmtree(reference_dir, ignore_errors=True)
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+            print(f"5. removed the demo's files ({workdir})")
+        else:
+            print(f"5. the demo's files are in {workdir} (Local/, Global/, Meta/: what finalize left; result.npy)")
+
+
+def demo(workdir: str, reference_dir: str) -> int:
+    """Run, kill, restart and compare; the exit status."""
     out = os.path.join(workdir, "result.npy")
     cmd = [sys.executable, __file__, "--child", "--workdir", workdir, "--out", out]
     print(f"1. starting the simulation ({STEPS} steps, a checkpoint every {CKPT_EVERY}) in {workdir}")
@@ -80,7 +96,7 @@ def main() -> int:
     print("3. restarting it: the same command, nothing else changed")
     subprocess.run(cmd, check=True)
     print("4. comparing with a run that was never interrupted")
-    reference = simulate(tempfile.mkdtemp(prefix="ftidask-demo-ref-"), slow=0.0, say=lambda *a, **k: None)
+    reference = simulate(reference_dir, slow=0.0, say=lambda *a, **k: None)
     same = np.load(out).tobytes() == reference.tobytes()
     print(f"   final temperature field identical bit for bit: {same}")
     return 0 if same else 1

@@ -72,8 +72,11 @@ def main() -> None:
             if i == crash_at and comm.rank == comm.size - 1:
                 os._exit(3)  # a node dies, no cleanup
             if comm.rank == 0 and (i == 0 or i % 10 == 0 or first[0]):
+                restart = ""
+                if first[0] and ctx.recovered_from is not None:  # say where a restart resumed
+                    restart = f" (restart: recovered checkpoint {ctx.recovered_from[0]} at level {ctx.recovered_from[1]})"
                 first[0] = False
-                print(f"iteration {i}", flush=True)
+                print(f"iteration {i}{restart}", flush=True)
             halo_exchange(comm, u)
             jacobi(u, top, bottom)
             if args.sleep:

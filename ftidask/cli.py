@@ -1,4 +1,4 @@
-"""``python -m ftidask`` / ``ftidask``: inspect, verify, list and clean checkpoints."""
+"""``python -m ftidask`` / ``ftidask``: inspect, verify, list, clean, export and import checkpoints."""
 
 from __future__ import annotations
 
@@ -6,18 +6,46 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import load_config
-from .errors import FormatError, FTIError
+from .config import Config, load_config
+from .errors import ConfigError, FormatError, FTIError
+from .filekind import is_config_file
 from .ftiff.dump import to_json, to_text
-from .ftiff.reader import parse_ftiff, verify_data
 from . import runlock
-from .runstate import check_exec_id
+from .ftiff.reader import parse_ftiff, verify_data
+from .runstate import CommitRecord, check_exec_id
 from .storage import find_paths, read_json, remove_inside
+
+DESCRIPTION = ("Inspect, verify, list and clean the checkpoints of ftidask (FTI-FF files), export one to Zarr "
+               "or import a Zarr store. Run 'ftidask COMMAND --help' for a command's options.")
+
+
+def _error(message: str) -> int:
+    """Print ``ftidask: error: message`` (argparse's form) on stderr; the exit status 2."""
+    print(f"ftidask: error: {message}", file=sys.stderr)
+    return 2
+
+
+def check_config_file(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`ConfigError` unless ``path`` is an existing text (INI) file."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {os.fspath(path)!r} does not exist")
+    if p.is_dir():
+        raise ConfigError(f"config file {os.fspath(path)!r} is a directory; pass the INI file (e.g. config.fti)")
+    if not is_config_file(p):
+        raise ConfigError(f"config file {os.fspath(path)!r} is not a text (INI) file: it is binary "
+                          "(a checkpoint file?); pass the run's config")
+
+
+def _missing(path: Path, base: bool = True) -> int:
+    hint = " (check the path: the base directory is the one holding Local/, Global/ and Meta/)" if base else ""
+    return _error(f"{path} does not exist{hint}")
 
 
 def _check(path: Path) -> tuple[str, object]:
@@ -40,7 +68,9 @@ def _check(path: Path) -> tuple[str, object]:
 
 def _ftiff_files(root: Path) -> list[Path]:
     # Parity files (RSed) are not FTI-FF files: they are checked when they are decoded.
-    return [p for p in find_paths(root, "*.fti") if "-RSed" not in p.name and not p.name.startswith(".")]
+    # A config named config.fti (FTI's examples) is told apart by its content.
+    return [p for p in find_paths(root, "*.fti")
+            if "-RSed" not in p.name and not p.name.startswith(".") and not is_config_file(p)]
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -48,20 +78,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         with open(args.file, "rb") as fh:
             parsed = parse_ftiff(fh, args.file)
     except (FormatError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc))
     print(json.dumps(to_json(parsed), indent=1) if args.json else to_text(parsed))
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     root = Path(args.path)
-    files = [root] if root.is_file() or root.suffix == ".zarr" else _ftiff_files(root)
+    if not root.exists():
+        return _missing(root, base=False)
+    if is_config_file(root):  # a run's config: its checkpoint directories
+        cfg = _load_config(root)
+        roots = [p for p in (Path(cfg.ckpt_dir), Path(cfg.glbl_dir)) if p.is_dir()]
+        files = [f for r in roots for f in _ftiff_files(r) + _zarr_stores(r)]
+    else:
+        files = [root] if root.is_file() or root.suffix == ".zarr" else _ftiff_files(root)
     if root.is_dir() and root.suffix != ".zarr":  # level 4 written as Zarr, and exports
         files += _zarr_stores(root)
     if not files:
-        print(f"error: no FTI-FF files under {root}", file=sys.stderr)
-        return 2
+        return _error(f"no FTI-FF files under {root}")
     bad = 0
     for path in files:
         kind, detail = _check(path)
@@ -76,10 +111,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _dirs(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     if args.config:
-        cfg = load_config(args.config)
+        cfg = _load_config(args.config)
         return Path(cfg.ckpt_dir), Path(cfg.glbl_dir), Path(cfg.meta_dir)
     base = Path(args.dir)
     return base / "Local", base / "Global", base / "Meta"
+
+
+def _load_config(path: str | os.PathLike[str]) -> Config:
+    check_config_file(path)
+    return load_config(path)
 
 
 def _table_of(detail: object) -> dict:
@@ -103,7 +143,19 @@ def _size(path: Path) -> int:
     return total
 
 
+def _key(path: Path, kind: str, detail: object) -> tuple[str, int]:
+    """``(exec_id, seq)`` of a checkpoint file: from its variable table, or (damaged) from its path
+    ``{exec_id}/l{level}/ckpt{id}.s{seq}/{file}``."""
+    table = _table_of(detail) if kind == "ok" else {}
+    if table:
+        return str(table.get("exec_id", path.parent.parent.parent.name)), int(table.get("seq", 0))
+    found = re.fullmatch(r"ckpt\d+\.s(\d+)", path.parent.name)
+    return path.parent.parent.parent.name, int(found.group(1)) if found else 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
+    if not args.config and not Path(args.dir).exists():
+        return _missing(Path(args.dir))
     roots = [p for p in _dirs(args)[:2] if p.is_dir()] or [Path(args.dir)]
     meta = _dirs(args)[2]
     groups: dict[tuple[str, int], list[tuple[Path, str, object]]] = {}
@@ -111,9 +163,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         stores = _zarr_stores(root)
         for path in _ftiff_files(root) + stores:  # level 4 may be written as Zarr stores
             kind, detail = _check(path)
-            table = _table_of(detail) if kind == "ok" else {}
-            key = (str(table.get("exec_id", path.parent.parent.parent.name)), int(table.get("seq", 0)))
-            groups.setdefault(key, []).append((path, kind, detail))
+            groups.setdefault(_key(path, kind, detail), []).append((path, kind, detail))
     if not groups:
         print(f"no checkpoints under {', '.join(map(str, roots))}")
         return 0
@@ -121,10 +171,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     for (exec_id, seq), files in sorted(groups.items()):
         sound = [d for _p, k, d in files if k == "ok"]
         table = _table_of(sound[0]) if sound else {}
-        committed = (meta / exec_id / "commits" / f"s{seq:08d}.json").is_file()
+        commit = meta / exec_id / "commits" / f"s{seq:08d}.json"
+        committed = commit.is_file()
+        record = CommitRecord.from_json(read_json(commit)) if committed and not table else None
+        if record is not None:  # every file damaged: the commit record still says what it was
+            table = {"ckpt_id": record.ckpt_id, "level": record.level, "time": record.timestamp}
         size = sum(_size(p) for p, _k, _d in files)
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.get("time", 0))) if table else "?"
-        state = ("sound" if len(sound) == len(files) else f"DAMAGED ({len(files) - len(sound)} files)")
+        state = ("sound" if len(sound) == len(files) else f"DAMAGED ({len(files) - len(sound)} of {len(files)} files)")
         state += "" if committed else ", not committed"
         print(f"{exec_id:32} {table.get('ckpt_id', '?'):>5} {table.get('level', '?'):>5} {seq:>5} {when:19} "
               f"{len(files):>5} {size:>14}  {state}")
@@ -146,7 +200,14 @@ def _runs_to_clean(args: argparse.Namespace, meta: Path) -> set[str]:
 
 def cmd_clean(args: argparse.Namespace) -> int:
     local, glbl, meta = _dirs(args)
+    if not args.config and not Path(args.dir).exists():
+        return _missing(Path(args.dir))
     runs = _runs_to_clean(args, meta)
+    if args.exec_id and not any(p.exists() for p in [*local.glob(f"node*/{args.exec_id}"), glbl / args.exec_id,
+                                                      meta / args.exec_id]):
+        known = sorted(p.name for p in meta.iterdir() if p.is_dir()) if meta.is_dir() else []
+        return _error(f"no such run: {args.exec_id!r} has no directories under {local}, {glbl} or {meta}"
+                      f" (runs found: {', '.join(known) or 'none'})")
     for run in sorted(runs):
         if runlock.is_live(meta / run):  # a live run's files are its own: never deleted under it
             print(f"skipping run {run}: in use by {runlock.holder(meta / run)}")
@@ -183,7 +244,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ftidask", description=__doc__)
+    parser = argparse.ArgumentParser(prog="ftidask", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="print a file's FTI-FF structure")
     p.add_argument("file")
@@ -220,12 +281,25 @@ _EXTRA_COMMANDS.append(_add_zarr_commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        args = build_parser().parse_args(argv)  # inside: --help into a closed pipe ends quietly too
+        if getattr(args, "config", None):  # list/clean --config, import's config: say what is wrong with it
+            check_config_file(args.config)
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, so that a closed pipe is caught below and not at exit
+        return code
     except FTIError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc))
+    except BrokenPipeError:
+        # The reader went away (ftidask list | head): stop quietly, as Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except UnicodeDecodeError as exc:  # a binary file read as text
+        return _error(f"a file given is binary where a text (INI) file was expected: {exc.reason}")
+    except IsADirectoryError as exc:
+        return _error(f"{exc.filename} is a directory where a file was expected")
+    except OSError as exc:
+        return _error(f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
 
 
 if __name__ == "__main__":

@@ -243,3 +243,8 @@ def _check_exec_id(exec_id: str) -> None:
 def config_keys() -> Mapping[str, tuple[str, Any]]:
     """Every known key with its section and default (for docs and the CLI)."""
     return {key: (section, default) for key, (section, default, _parse) in _KEYS.items()}
+
+
+def keys_in_file(path: str | os.PathLike[str]) -> set[str]:
+    """The keys a config file sets itself (e.g. whether it sets ``verbosity``)."""
+    return set(_read_ini(path))

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import constants, runlock, storage
+from . import constants, logsetup, runlock, storage
 from .arrays import check_ckpt_id, check_id, check_protectable
 from .checkpointing import CheckpointInfo
 from .config import Config
@@ -34,7 +34,6 @@ from .staging import StagingMixin
 from .transport.base import Transport
 
 log = logging.getLogger("ftidask")
-_VERBOSITY = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 
 
 @dataclasses.dataclass
@@ -56,7 +55,7 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         config = config.with_absolute_dirs()  # a later os.chdir of the application moves nothing
         self.config = config
         self.transport = transport
-        logging.getLogger("ftidask").setLevel(_VERBOSITY[config.verbosity])
+        logsetup.apply_verbosity(config.verbosity, False, transport.rank)
         self.exec_id, self._status = self._claim_run(Path(config.meta_dir))
         self.paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir),
                                       self.exec_id)
@@ -78,8 +77,9 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         self._icp: Any = None  # the open incremental checkpoint (ftidask.icp)
         transport.barrier()
         self._collect_garbage()
-        log.info("ftidask run %s on %s backend, rank %d of %d, status %d", self.exec_id, transport.name,
-                 transport.rank, transport.size, self._status)
+        log.info("run %s: %s (%s backend, %d rank(s))", self.exec_id,
+                 "fresh start" if self._status == STATUS_FRESH else f"restart (status {self._status})",
+                 transport.name, transport.size)
 
     def _claim_run(self, meta_dir: Path) -> tuple[str, int]:
         """``(exec_id, status)``: rank 0 chooses and locks the run (:func:`ftidask.runstate.claim_run`);
@@ -336,7 +336,18 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
             t.barrier()
         finally:
             self._close()
+        self._prune_run_dirs()
         self._staging_report(staging_failed)
+
+    def _prune_run_dirs(self) -> None:
+        """After finalize: remove the empty directories this run leaves (level directories, node
+        directories of the run), never a file and never anything outside the run's own directories."""
+        p = self.paths
+        for root in (*p.ckpt_dir.glob(f"node*/{p.exec_id}"), p.glbl_dir / p.exec_id, p.stage_root):
+            storage.prune_empty_dirs(root)
+        for sub in (p.run_meta.iterdir() if p.run_meta.is_dir() else ()):  # the run's state stays
+            if sub.is_dir():
+                storage.prune_empty_dirs(sub)
 
     def _close(self) -> None:
         self._closed = True
@@ -433,16 +444,28 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
                 "</table></div>")
 
 
+def _rank_of(comm: Any) -> int:
+    try:
+        return int(comm.Get_rank())
+    except Exception:  # not a communicator: make_mpi_context says so
+        return 0
+
+
 def init(config: str | os.PathLike[str] | None = None, *, comm: Any = None, client: Any = None,
          **overrides: Any) -> Context:
     """FTI_Init: read the config (an FTI-style INI file, or defaults) and start or restart a run.
 
     ``comm`` (an mpi4py communicator) selects the MPI backend, ``client`` (a distributed.Client)
-    the Dask backend; with neither, one process.
+    the Dask backend; with neither, one process. ``verbosity`` set here or in the config file
+    (1 debug, 2 a line per checkpoint and recovery, 3 warnings, 4 errors) prints ftidask's log on
+    stderr, unless the application has configured :mod:`logging` itself (see
+    :func:`ftidask.log_to_stderr`).
     """
-    from .config import load_config
+    from .config import keys_in_file, load_config
 
     cfg = load_config(config, **overrides).with_absolute_dirs()  # every backend, MPI heads included
+    explicit = "verbosity" in overrides or (config is not None and "verbosity" in keys_in_file(config))
+    logsetup.apply_verbosity(cfg.verbosity, explicit, 0 if comm is None else _rank_of(comm))
     if comm is not None and client is not None:
         raise FTIError("pass comm= (MPI) or client= (Dask), not both")
     if comm is not None:

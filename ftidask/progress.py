@@ -58,12 +58,24 @@ def enabled(mode: str = "auto", verbosity: int = 2) -> bool:
     return verbosity <= 2 and interactive()
 
 
+def _tqdm_class() -> Any:
+    """tqdm.auto's class (a widget in notebooks), or the text bar where the widget cannot be drawn:
+    in a notebook without ipywidgets, tqdm.auto would warn (TqdmWarning) at every bar."""
+    import importlib.util
+
+    if importlib.util.find_spec("ipywidgets") is None:
+        from tqdm.std import tqdm
+    else:
+        from tqdm.auto import tqdm
+    return tqdm
+
+
 def bar(total: int, desc: str, *, mode: str = "auto", verbosity: int = 2, unit: str = "B") -> Any:
     """A progress bar over ``total`` units (bytes by default), or a silent stand-in."""
     if total <= 0 or not enabled(mode, verbosity):
         return _NoBar()
     try:
-        from tqdm.auto import tqdm
+        tqdm = _tqdm_class()
     except ImportError:  # tqdm is an extra: no bar without it
         return _NoBar()
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, unit_divisor=1024, delay=DELAY,

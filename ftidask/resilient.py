@@ -76,7 +76,9 @@ class ResilientLoop:
         if self.ctx.status() != 0:
             self.ctx.recover()
             self.start = int(self.counter[0])
-            log.info("resuming at iteration %d", self.start)
+            ckpt_id, level = self.ctx.recovered_from or (None, None)
+            log.info("restart: recovered checkpoint %s (level %s), resuming at iteration %d", ckpt_id, level,
+                     self.start)
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -222,6 +222,14 @@ def remove_inside(path: Path, parent: Path) -> bool:
     return True
 
 
+def prune_empty_dirs(root: Path) -> None:
+    """Remove the empty directories under ``root``, deepest first, and ``root`` itself if it ends up
+    empty. Only empty directories go (``os.rmdir``): a file, or one created meanwhile, keeps its own."""
+    for dirpath, _dirnames, _filenames in os.walk(root, topdown=False):
+        with contextlib.suppress(OSError):  # not empty, or gone
+            os.rmdir(dirpath)
+
+
 TRASH_PREFIX = ".trash-"
 
 

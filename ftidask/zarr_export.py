@@ -34,6 +34,7 @@ from . import storage, zarr_store
 from .arrays import VarInfo
 from .config import Config, load_config
 from .errors import FormatError, FTIError, NoCheckpointError
+from .filekind import is_config_file
 from .progress import for_config
 from .recovery import check_file, load_file
 from .runstate import CommitRecord, RunState, check_exec_id, read_current_exec_id
@@ -127,7 +128,7 @@ def locate(checkpoint: str | os.PathLike[str] | Config | None, *, exec_id: str |
     if checkpoint is None:
         return _from_record(load_config(None, **overrides), exec_id, ckpt_id, level)
     path = Path(checkpoint)
-    if path.is_file() and path.suffix not in (".fti", ".zarr"):
+    if is_config_file(path):  # by content: FTI's own examples name the config config.fti
         return _from_record(load_config(path, **overrides), exec_id, ckpt_id, level)
     return _from_path(path)
 
@@ -335,7 +336,7 @@ def run_export(args: argparse.Namespace) -> int:
         result = export_checkpoint(args.checkpoint, args.to_zarr, exec_id=args.exec_id, ckpt_id=args.ckpt_id,
                                    level=args.level, overwrite=args.overwrite)
     except (FileExistsError, FTIError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"ftidask: error: {exc}", file=sys.stderr)
         return 2
     print(f"exported checkpoint {result.ckpt_id} (level {result.level}, {result.nranks} rank file(s)) to "
           f"{result.path}: {len(result.arrays)} array(s), {result.nbytes:,} bytes in {result.seconds:.2f} s")
@@ -349,7 +350,7 @@ def run_import(args: argparse.Namespace) -> int:
     try:
         info = import_zarr(args.store, args.config, ckpt_id=args.ckpt_id, level=args.level, group=args.group)
     except (FileNotFoundError, FTIError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"ftidask: error: {exc}", file=sys.stderr)
         return 2
     print(f"imported {args.store} as checkpoint {info.id} (level {info.level}); restart the run with the same "
           "config to recover it")
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (FTIError, FileExistsError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"ftidask: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -11,6 +11,9 @@ import pytest
 from ftidask.config import config_keys
 
 ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+INSTALL = "python3 -m venv .venv && .venv/bin/pip install -e '.[all,test]'"
 
 
 def test_mkdocs_build_strict(tmp_path):
@@ -23,6 +26,15 @@ def test_mkdocs_build_strict(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "export_checkpoint" in api and "Context" in api and "protect" in api  # docstrings rendered
+    # The home page as rendered: a code fence closed with a comment after it once swallowed the rest
+    home = (tmp_path / "site" / "index.html").read_text()
+    assert '<h2 id="install">' in home and "<li><strong>Levels 1-4</strong>" in home, home
+    assert "pip install -e &#x27;.[all,test]&#x27;" in home or "pip install -e '.[all,test]'" in home
+    for notebook in NOTEBOOKS:  # rendered as tutorial pages
+        page = (tmp_path / "site" / "tutorial" / notebook.stem / "index.html").read_text()
+        assert "<h1" in page and "language-python" in page, notebook.name
+    for internal in ("StagingMixin", "ThreadMover", "write_ftiff", "zarr_store", "add_export_command"):
+        assert internal not in api, internal
 
 
 def test_config_reference_lists_every_key():
@@ -37,5 +49,55 @@ def test_config_reference_lists_every_key():
 def test_nav_pages_exist():
     nav = re.findall(r":\s*(\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
     assert nav
+    generated = {f"tutorial/{p.stem}.md" for p in NOTEBOOKS}  # made from the notebooks at build time
     for page in nav:
-        assert (ROOT / "docs" / page).is_file(), page
+        assert (ROOT / "docs" / page).is_file() or page in generated, page
+    assert generated <= set(nav), "every notebook has its page in the nav"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
+def test_code_fences_are_closed_by_a_bare_fence(path):
+    """Markdown closes a fence only with a bare ```: ``` followed by anything else opens nothing and
+    closes nothing, and the rest of the page becomes code."""
+    opened = None
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.lstrip().startswith("```"):
+            continue
+        if opened is None:
+            opened = number
+        else:
+            assert line.strip() == "```", f"{path.name}:{number}: a fence opened at line {opened} is closed by {line!r}"
+            opened = None
+    assert opened is None, f"{path.name}: the fence opened at line {opened} is never closed"
+
+
+def test_home_page_and_readme_agree_on_install():
+    assert INSTALL in (ROOT / "README.md").read_text()
+    assert INSTALL in (ROOT / "docs" / "index.md").read_text()
+    assert INSTALL in (ROOT / "docs" / "installation.md").read_text()
+
+
+def test_readme_ships_the_config_it_uses():
+    readme = (ROOT / "README.md").read_text()
+    assert "config.fti" in readme and "examples/config.fti" in readme
+    assert (ROOT / "examples" / "config.fti").is_file()  # loaded and used by tests/test_cli_errors.py
+
+
+def test_api_reference_lists_public_names_only():
+    import importlib
+
+    import ftidask
+    from ftidask import constants, errors, staging, zarr_export
+
+    public = [getattr(ftidask, name) for name in ftidask.__all__] + [constants, errors]
+    public += [zarr_export.export_checkpoint, zarr_export.ExportResult, zarr_export.import_zarr, zarr_export.read_zarr]
+    public.append(staging.StageInfo)  # what the public Context.stage_info returns
+    targets = re.findall(r"^::: (\S+)", (ROOT / "docs" / "api.md").read_text(), re.M)
+    assert targets
+    for target in targets:
+        module, _, name = target.rpartition(".")
+        try:
+            obj = importlib.import_module(target)
+        except ImportError:
+            obj = getattr(importlib.import_module(module), name)
+        assert any(obj is p for p in public), f"docs/api.md documents {target}, which is not public API"

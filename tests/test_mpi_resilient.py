@@ -52,6 +52,7 @@ def test_rank_dies_then_resumes(tmp_path: Path, reference: str, level: int) -> N
     assert resumed.returncode == 0, resumed.stderr
     assert "iteration 0\n" not in resumed.stdout  # resumed, not restarted from scratch
     assert "iteration 30" in resumed.stdout.splitlines()[0]
+    assert f"(restart: recovered checkpoint 30 at level {level})" in resumed.stdout.splitlines()[0]
     assert checksum(resumed) == reference
 
 

@@ -23,3 +23,11 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     client.execute()  # raises CellExecutionError, with the cell and the traceback, if a cell fails
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
+    # A new user reads every line: no warning on stderr (e.g. tqdm's TqdmWarning about ipywidgets)
+    stderr = [o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.output_type == "stream" and o.get("name") == "stderr"]
+    assert not any("Warning" in text for text in stderr), stderr
+    if path.stem == "xarray_view":  # the plot is shown inline, not only saved
+        images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                  if "image/png" in o.get("data", {})]
+        assert images

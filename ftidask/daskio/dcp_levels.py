@@ -74,7 +74,7 @@ def sticky_owners(ctx: Any, level: int, owner: dict[tuple[int, tuple[int, ...]],
                 out[key] = rank
                 moved, moved_bytes = moved + 1, moved_bytes + int(nbytes)
     if moved:
-        log.info("differential checkpoint: %d chunks (%d bytes) move to the worker that wrote them last time",
+        log.debug("differential checkpoint: %d chunks (%d bytes) move to the worker that wrote them last time",
                  moved, moved_bytes)
     return out
 

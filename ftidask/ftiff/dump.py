@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from .hashing import hash_name
@@ -9,12 +10,21 @@ from .reader import FtiffFile
 from .structs import BMD_SIZE, VMD_SIZE
 
 
+def _readable_ns(ns: int) -> str:
+    """`` (2026-11-23 18:20:01 UTC)`` for a file block's timestamp (ns since the epoch), or ``""``."""
+    try:
+        return " (" + time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ns / 1e9)) + ")" if ns > 0 else ""
+    except (OverflowError, OSError, ValueError):  # a foreign file's field need not be a time
+        return ""
+
+
 def to_text(parsed: FtiffFile) -> str:
     """The structure in the seed's ``DATASTRUCTURE BEGIN/END`` layout."""
     fb = parsed.fb
     lines = [f"# {parsed.path}",
              f"# {'FTI 1.1 file (MD5)' if fb.legacy else f'ftidask FTI-FF v{fb.version}, hash {hash_name(fb.hash_id)}'}"
-             f", ckptSize {fb.ckpt_size}, fs {fb.fs}, maxFs {fb.max_fs}, ptFs {fb.pt_fs}, timestamp {fb.timestamp}",
+             f", ckptSize {fb.ckpt_size}, fs {fb.fs}, maxFs {fb.max_fs}, ptFs {fb.pt_fs}, timestamp {fb.timestamp}"
+             f"{_readable_ns(fb.timestamp)}",
              "------------------- DATASTRUCTURE BEGIN -------------------", ""]
     for bi, (bmd, metas) in enumerate(parsed.blocks):
         lines += [f"    DataBase-id: {bi}",

@@ -84,7 +84,7 @@ def update(ch: GroupChannel, xor: XorDelta | None, own_fb_hash: str, spare: Path
     payloads = ch.allgather_blocks(own)  # the last collective: what follows is local and may fail alone
     patch_parity(spare, parity, ch.index, [info["ranges"] for info in infos], payloads, max_fs, hash_id,
                  [info["new"] for info in infos])
-    log.info("L3: parity updated from the group's deltas (%d bytes from each member, parity %d bytes)",
+    log.debug("L3: parity updated from the group's deltas (%d bytes from each member, parity %d bytes)",
              width, max_fs)
     return None
 
