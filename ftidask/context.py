@@ -211,9 +211,19 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
                               {"dcp": True} if pending.differential else
                               {"l4_format": "zarr"} if isinstance(pending.writer, OneShotWriter) and level == 4
                               and self.config.l4_format == "zarr" else {})
+        failed = ""
         if t.rank == 0:
-            self.state.write_record(record)  # the commit point
-        t.barrier()
+            try:
+                self.state.write_record(record)  # the commit point
+            except OSError as exc:  # a full or read-only meta_dir: the previous checkpoint stays the newest
+                failed = f"writing its commit record in {self.state.records_dir} failed: {exc}"
+        failed = next((e for e in t.allgather(failed) if e), "")  # as a barrier; every rank raises the same
+        if failed:
+            storage.remove_tree(pending.directory)
+            if self._dcp is not None:
+                self._dcp.discard(level, seq)
+            raise CheckpointError(f"checkpoint {ckpt_id} at level {pending.level} failed; the previous checkpoint "
+                                  f"is kept: {failed}")
         self._layout = pending.layout
         self._restart_file = None
         self._retire_older(record)

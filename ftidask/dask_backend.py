@@ -174,7 +174,15 @@ class DaskContext(Context):
                               {"backend": "dask", "workers": workers, "groups": groups,
                                "vars": [s.to_json() for s in specs], "chunks": chunk_table(plans)}
                               | ({"dcp": True} if differential else {}))
-        self.state.write_record(record)  # the commit point
+        try:
+            self.state.write_record(record)  # the commit point
+        except OSError as exc:  # a full or read-only meta_dir: the previous checkpoint stays the newest
+            if differential:
+                self._dcp.discard()
+            self._remove_dirs(ckpt_id, seq, level, len(workers))
+            raise CheckpointError(f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint "
+                                  f"is kept: writing its commit record in {self.state.records_dir} failed: {exc}"
+                                  ) from exc
         self._layout = None
         self._retire_older(record)
         self._collect_garbage()
