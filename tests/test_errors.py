@@ -146,3 +146,90 @@ def test_dask_commit_record_on_full_disk_is_a_checkpoint_error(dirs, monkeypatch
         assert ctx.recovered_from == (1, 1)
         np.testing.assert_array_equal(ctx.protected[1].compute(), np.arange(64.0))
         ctx.finalize()
+
+
+# --- configuration files and values -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["binary", "directory", "missing", "fifo", "nul in path", "not a path"])
+def test_unreadable_config_is_a_config_error(tmp_path, kind):
+    path: object = tmp_path / "config.fti"
+    if kind == "binary":
+        path.write_bytes(bytes(range(256)) * 8)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)  # opening it for reading would wait for a writer forever
+    elif kind == "nul in path":
+        path = str(path) + "\0x"
+    elif kind == "not a path":
+        path = 3  # open(3) would read file descriptor 3
+    with pytest.raises(ftidask.ConfigError, match="config"):
+        ftidask.load_config(path)
+
+
+def test_key_in_the_wrong_section_is_named(tmp_path):
+    cfg = tmp_path / "config.fti"
+    cfg.write_text("[basic]\nckpt_l1 = 1\n[advanced]\nckpt_l4 = 5\n")
+    with pytest.raises(ftidask.ConfigError, match=r"ckpt_l4.*\[advanced\].*belongs in \[basic\]"):
+        ftidask.load_config(cfg)
+    cfg.write_text("[DEFAULT]\nckpt_l4 = 5\n[basic]\n")  # no INI defaults: FTI has none
+    with pytest.raises(ftidask.ConfigError, match=r"ckpt_l4.*\[DEFAULT\].*belongs in \[basic\]"):
+        ftidask.load_config(cfg)
+    cfg.write_text("[Basic]\nCkpt_L4 = 5\n[Advanced]\nl4_format = zarr\n")  # FTI's capitalised names are fine
+    assert ftidask.load_config(cfg).ckpt_l4 == 5
+    cfg.write_text("[basic]\nckpt_l5 = 5\n")
+    with pytest.raises(ftidask.ConfigError, match=r"unknown key \[basic\] ckpt_l5.*did you mean"):
+        ftidask.load_config(cfg)
+
+
+def test_fti_config_files_load(tmp_path):
+    """A config as FTI's own examples write it: FTI keys that ftidask has no use for are ignored."""
+    cfg = tmp_path / "config.fti"
+    cfg.write_text(
+        "[Basic]\nHead = 0\nNode_size = 2\nCkpt_dir = ./Local\t#/path/to/local\nCkpt_L1 = 3\nDcp_L4 = 0\n"
+        "keep_heads_alive = 0\ndcp_stack_size = 5\nCachedDCP = 0\nh5_single_file_keep = 0\n"
+        "h5_single_file_prefix = VPR\nckpt_io = 3\nEnable_dCP = 0\ndCP_Mode = 0\n"
+        "[Restart]\nFailure = 0\nExec_ID = XXXX-XX-XX_XX-XX-XX\n"
+        "[Injection]\nrank = 0\nindex = 0\nnumber = 0\nposition = 0\nfrequency = 0\n"
+        "[Advanced]\nBlock_size = 1024\nTransfer_size = 16\ngeneral_tag = 2612\nckpt_tag = 711\nstage_tag = 406\n"
+        "final_tag = 3107\nLocal_test = 1\nlustre_striping_unit = 4194304\nlustre_stiping_factor = -1\n")
+    config = ftidask.load_config(cfg)
+    assert config.ckpt_l1 == 3 and config.node_size == 2 and config.local_test
+
+
+@pytest.mark.parametrize("key", sorted(k for k, (_s, d) in ftidask.config.config_keys().items()
+                                       if isinstance(d, int) and not isinstance(d, bool)
+                                       and k not in ("ckpt_io",)))
+def test_huge_integer_values_are_refused(tmp_path, key):
+    with pytest.raises(ftidask.ConfigError, match=key):
+        ftidask.load_config(**{key: 10**400})
+    section = ftidask.config.config_keys()[key][0]
+    cfg = tmp_path / "config.fti"
+    cfg.write_text(f"[{section}]\n{key} = {2**63}\n")
+    with pytest.raises(ftidask.ConfigError, match=key):
+        ftidask.load_config(cfg)
+
+
+def test_huge_stage_timeout_reaches_no_overflow(dirs):
+    with pytest.raises(ftidask.ConfigError, match="stage_timeout"):
+        ftidask.init(stage_timeout=10**400, enable_staging=1, **dirs)
+    with pytest.raises(ftidask.ConfigError, match="mpi_tag"):
+        ftidask.load_config(mpi_tag=10**6)  # above MPI's smallest tag bound (32767)
+
+
+@pytest.mark.parametrize("value", ["a\0b", "\ud800"])
+def test_directory_that_cannot_be_a_path_is_refused(dirs, value):
+    with pytest.raises(ftidask.ConfigError, match="ckpt_dir"):
+        ftidask.init(**dict(dirs, ckpt_dir=dirs["ckpt_dir"] + value))
+
+
+@pytest.mark.parametrize("spec", ["zstd:99999999999999999999999", "zstd:100", "lz4:99999999999", "blosc:10",
+                                  "blosc-zstd:-1"])
+def test_compressor_level_out_of_range_is_a_config_error(dirs, spec):
+    with pytest.raises(ftidask.ConfigError, match="compressor"):
+        ftidask.init(compressor=spec, **dirs)
+    ctx = ftidask.init(**dirs)
+    with pytest.raises(ftidask.ConfigError):
+        ctx.protect(1, np.zeros(3), compressor=spec)
+    ctx.finalize()
