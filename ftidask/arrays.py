@@ -28,6 +28,9 @@ def check_protectable(array: Any) -> np.ndarray:
                 "wrap it with numpy.array(...) and protect that array"
             )
         raise ProtectError(f"protect needs a numpy.ndarray or a dask array, got {type(array).__name__}")
+    if isinstance(array, np.ma.MaskedArray):  # its mask would be lost, and recovery could not restore it
+        raise ProtectError("protect does not take masked arrays (their mask is not checkpointed): protect "
+                           "array.data and numpy.ma.getmaskarray(array) as two variables")
     if array.dtype.hasobject:
         raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes; "
                            "use a fixed-size dtype (numeric, bytes 'S', unicode 'U', or structured)")

@@ -233,3 +233,124 @@ def test_compressor_level_out_of_range_is_a_config_error(dirs, spec):
     with pytest.raises(ftidask.ConfigError):
         ctx.protect(1, np.zeros(3), compressor=spec)
     ctx.finalize()
+
+
+# --- what protect accepts ------------------------------------------------------------------------------
+
+
+def test_masked_array_is_refused_at_protect(dirs):
+    ctx = ftidask.init(**dirs)
+    masked = np.ma.masked_array(np.arange(6.0), mask=[0, 1, 0, 0, 1, 0])
+    with pytest.raises(ftidask.ProtectError, match="masked"):
+        ctx.protect(1, masked)
+    assert 1 not in ctx.protected
+    ctx.protect(1, masked.data)  # what the message suggests works
+    ctx.protect(2, np.ma.getmaskarray(masked))
+    ctx.checkpoint(1, 1)
+    ctx.finalize()
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # numpy's word on np.matrix
+@pytest.mark.parametrize("l4_format", ["ftiff", "zarr"])
+@pytest.mark.parametrize("make", [
+    lambda: np.matrix(np.arange(6.0).reshape(2, 3)),
+    lambda: np.matrix(np.arange(12.0).reshape(3, 4))[:, ::2],
+    lambda: np.rec.array(np.zeros(3, dtype=[("a", "<i4"), ("b", ">f8")])),
+    lambda: np.arange(6, dtype=">i8"),
+], ids=["matrix", "strided-matrix", "recarray", "big-endian"])
+def test_ndarray_subclasses_round_trip(dirs, l4_format, make):
+    dirs = dict(dirs, l4_format=l4_format)
+    ctx = ftidask.init(**dirs)
+    data = make()
+    data[...] = np.arange(data.size).reshape(data.shape).astype(data.dtype) if data.dtype.names is None else data
+    ctx.protect(1, data)
+    ctx.checkpoint(1, 4)
+    ctx._close()
+    ctx = ftidask.init(**dirs)
+    out = make()
+    ctx.protect(1, out)
+    ctx.recover()
+    assert type(out) is type(data)
+    assert np.asarray(out).tobytes() == np.asarray(data).tobytes()
+    ctx.finalize()
+
+
+@pytest.mark.parametrize("dtype", [np.clongdouble, np.dtype([("a", "<i4", (2,))]), np.dtype([])],
+                         ids=["complex256", "subarray-field", "no-field"])
+def test_dtype_zarr_cannot_store_is_a_checkpoint_error(dirs, dtype):
+    ctx = ftidask.init(l4_format="zarr", **dirs)
+    ctx.protect(1, np.zeros(3, dtype))
+    ctx.checkpoint(1, 1)
+    with pytest.raises(ftidask.CheckpointError, match="Zarr cannot store"):
+        ctx.checkpoint(2, 4)
+    assert ctx.last_checkpoint.id == 1
+    assert not list(Path(dirs["glbl_dir"]).rglob("*.tmp-*"))
+    ctx.finalize()
+
+
+# --- differential checkpoints with level 4 as Zarr -----------------------------------------------------
+
+
+def test_dcp_recovers_from_a_zarr_level_4(dirs):
+    dirs = dict(dirs, enable_dcp=1, l4_format="zarr")
+    ctx = ftidask.init(**dirs)
+    a, b = np.arange(5000.0), np.ones(300)
+    ctx.protect(1, a)
+    ctx.protect(2, b)
+    ctx.checkpoint(1, 4)
+    ctx._close()
+    ctx = ftidask.init(**dirs)
+    a2, b2 = np.zeros_like(a), np.zeros_like(b)
+    ctx.protect(1, a2)
+    ctx.protect(2, b2)
+    ctx.recover()
+    assert ctx.recovered_from == (1, 4)
+    np.testing.assert_array_equal(a2, a)
+    np.testing.assert_array_equal(b2, b)
+    a2[:10] = -1  # differential checkpoints go on from the recovered state
+    ctx.checkpoint(2, 8)
+    ctx.checkpoint(3, 5)
+    ctx._close()
+    ctx = ftidask.init(**dirs)
+    a3, b3 = np.zeros_like(a), np.zeros_like(b)
+    ctx.protect(1, a3)
+    ctx.protect(2, b3)
+    ctx.recover()
+    assert ctx.recovered_from == (3, 1)  # level 5: differential level 1
+    np.testing.assert_array_equal(a3, a2)
+    ctx.finalize()
+
+
+# --- variable names in Zarr stores ---------------------------------------------------------------------
+
+_ODD_NAMES = ["zarr.json", "ZARR.JSON", "ftidask-manifest.json", "a\0b", "x" * 300, "é" * 200, "\ud800", "c/d",
+              "..", "__x", ".zattrs"]
+
+
+@pytest.mark.parametrize("name", _ODD_NAMES, ids=range(len(_ODD_NAMES)))
+def test_odd_variable_names_in_zarr(dirs, tmp_path, name):
+    from ftidask.zarr_export import export_checkpoint
+
+    zarr = pytest.importorskip("zarr")
+    ctx = ftidask.init(l4_format="zarr", **dirs)
+    a, b = np.arange(4.0), np.ones(3)
+    ctx.protect(1, a, name=name)
+    ctx.protect(2, b, name="other")
+    ctx.checkpoint(1, 1)
+    exported = [export_checkpoint(None, tmp_path / "l1.zarr", **dirs)]  # from an FTI-FF file
+    ctx.checkpoint(2, 4)  # level 4 as a Zarr store
+    exported.append(export_checkpoint(None, tmp_path / "l4.zarr", **dirs))  # from that store
+    for result in exported:
+        assert result.arrays[1] == "other" and result.arrays[0] in (name, "var1")
+        store = zarr.open_group(str(result.path), mode="r")
+        assert np.array_equal(store[result.arrays[0]][...], a)
+        assert store[result.arrays[0]].attrs["ftidask_id"] == 1
+    ctx._close()
+    ctx = ftidask.init(l4_format="zarr", **dirs)
+    a2, b2 = np.zeros_like(a), np.zeros_like(b)
+    ctx.protect(1, a2)
+    ctx.protect(2, b2)
+    ctx.recover()
+    assert ctx.recovered_from == (2, 4)
+    assert np.array_equal(a2, a) and np.array_equal(b2, b)
+    ctx.finalize()
