@@ -279,9 +279,12 @@ def _read_ini(path: str | os.PathLike[str]) -> dict[str, Any]:
     return values
 
 
-def load_config(path: str | os.PathLike[str] | None = None, *, base: Config | None = None,
+def load_config(path: str | os.PathLike[str] | Config | None = None, *, base: Config | None = None,
                 **overrides: Any) -> Config:
-    """Read an FTI-style INI file (or none) and apply keyword ``overrides``; validate everything."""
+    """Read an FTI-style INI file (or none, or take a :class:`Config`) and apply keyword ``overrides``;
+    validate everything."""
+    if isinstance(path, Config):  # init(load_config(...)): a config already built
+        base, path = path, None
     raw: dict[str, Any] = dataclasses.asdict(base) if base is not None else {}
     if path is not None:
         raw.update(_read_ini(path))

@@ -100,6 +100,10 @@ class DaskContext(Context):
         vid = check_id(id, "variable id")
         if np.dtype(array.dtype).hasobject:
             raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes")
+        meta = getattr(array, "_meta", None)
+        if isinstance(meta, np.ma.MaskedArray) or not isinstance(meta, np.ndarray):  # chunks the files cannot hold
+            raise ProtectError(f"the array's chunks are {type(meta).__name__}s, not plain NumPy arrays "
+                               "(a masked array's mask is not checkpointed): protect a NumPy-backed array")
         if any(np.isnan(c) for dim in array.chunks for c in dim):
             raise ProtectError("the array has unknown chunk sizes; call .compute_chunk_sizes() first")
         old = self._vars.get(vid)

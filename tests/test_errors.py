@@ -354,3 +354,31 @@ def test_odd_variable_names_in_zarr(dirs, tmp_path, name):
     assert ctx.recovered_from == (2, 4)
     assert np.array_equal(a2, a) and np.array_equal(b2, b)
     ctx.finalize()
+
+
+def test_protect_says_what_to_do_with_a_dask_array_without_dask(dirs):
+    da = pytest.importorskip("dask.array")
+    ctx = ftidask.init(**dirs)
+    with pytest.raises(ftidask.ProtectError, match="Dask backend"):
+        ctx.protect(1, da.zeros(4))
+    ctx.finalize()
+
+
+@pytest.mark.dask
+def test_dask_backend_refuses_masked_chunks(dirs):
+    da = pytest.importorskip("dask.array")
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0",
+                                  silence_logs=50) as cluster, distributed.Client(cluster) as client:
+        ctx = ftidask.init(client=client, **dirs)
+        with pytest.raises(ftidask.ProtectError, match="masked"):
+            ctx.protect(1, da.ma.masked_equal(da.arange(8, chunks=4), 3))
+        ctx.protect(1, da.arange(8, chunks=4))
+        ctx.finalize()
+
+
+def test_init_takes_a_built_config(dirs):
+    config = ftidask.load_config(**dirs)
+    ctx = ftidask.init(config, ckpt_l1=2)
+    assert ctx.config.ckpt_l1 == 2 and ctx.config.meta_dir == dirs["meta_dir"]
+    ctx.finalize()
