@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 
 import ftidask
 from ftidask import storage
+from mpi_util import need_mpi, run
 
 # --- a commit record on a full meta_dir ------------------------------------------------------------
 
@@ -382,3 +384,17 @@ def test_init_takes_a_built_config(dirs):
     ctx = ftidask.init(config, ckpt_l1=2)
     assert ctx.config.ckpt_l1 == 2 and ctx.config.meta_dir == dirs["meta_dir"]
     ctx.finalize()
+
+
+def test_mpi_commit_record_failure_fails_every_rank(tmp_path):
+    nranks = 3
+    run(nranks, "commit_fail_job.py", str(tmp_path), timeout=120)  # a rank left in a barrier would time out
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(nranks)]
+    assert {r.get("error") for r in results} == {"CheckpointError"}, results
+    assert len({r["message"] for r in results}) == 1 and "commit record" in results[0]["message"]
+    assert all(r["source"] == [1, 1] and r["intact"] for r in results), results
+    assert _temp_files(tmp_path / "Meta") == []
+
+
+for _mark in need_mpi():
+    test_mpi_commit_record_failure_fails_every_rank = _mark(test_mpi_commit_record_failure_fails_every_rank)
