@@ -359,11 +359,19 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         errors = [e for e, _f in results if e]
         if errors:
             raise CheckpointError("keep_last_ckpt: flushing the last checkpoint to L4 failed: " + "; ".join(errors))
+        failed = ""
         if t.rank == 0:
             zarr_files = ({"files": tuple(FileRecord(**f) for _e, f in results), "extra": {"l4_format": "zarr"}}
                           if as_zarr else {})
-            self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(), **zarr_files))
-        t.barrier()
+            try:
+                self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(),
+                                                            **zarr_files))
+            except OSError as exc:  # a full meta_dir: the last checkpoint stays where it is, committed
+                failed = f"writing the commit record in {self.state.records_dir} failed: {exc}"
+        failed = next((e for e in t.allgather(failed) if e), "")  # as a barrier; every rank raises the same
+        if failed:
+            storage.remove_tree(self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq))
+            raise CheckpointError(f"keep_last_ckpt: flushing the last checkpoint to L4 failed: {failed}")
 
     @property
     def comm(self) -> Any:

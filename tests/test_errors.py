@@ -398,3 +398,25 @@ def test_mpi_commit_record_failure_fails_every_rank(tmp_path):
 
 for _mark in need_mpi():
     test_mpi_commit_record_failure_fails_every_rank = _mark(test_mpi_commit_record_failure_fails_every_rank)
+
+
+def test_keep_last_flush_on_full_meta_dir_is_a_checkpoint_error(dirs, monkeypatch):
+    dirs = dict(dirs, keep_last_ckpt=1)
+    ctx = ftidask.init(**dirs)
+    data = np.arange(1000.0)
+    ctx.protect(1, data)
+    ctx.checkpoint(1, 1)
+    real_open = open
+
+    def full_meta_open(path, mode="r", *args, **kwargs):  # noqa: ANN001, ANN202
+        if "/commits/" in os.fspath(path) and "w" in mode:
+            return io.BufferedRandom(_FullDiskFile(path, "w+"))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "open", full_meta_open, raising=False)
+    with pytest.raises(ftidask.CheckpointError, match="keep_last_ckpt.*commit record"):
+        ctx.finalize()
+    monkeypatch.undo()
+    assert _temp_files(Path(dirs["meta_dir"])) == []
+    assert not list(Path(dirs["glbl_dir"]).rglob("ckpt1.*"))  # the uncommitted L4 copy is gone
+    _check_previous_recovers(dirs, np.arange(1000.0))  # the run was not finalized: it restarts
