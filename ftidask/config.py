@@ -60,7 +60,9 @@ def _parse_str(key: str, value: Any) -> str:
 
 
 def _parse_dir(key: str, value: Any) -> str:
-    text = _parse_str(key, os.fspath(value) if isinstance(value, os.PathLike) else value)
+    if isinstance(value, (bytes, os.PathLike)):  # str(b"/x") would be the name "b'/x'"
+        value = os.fsdecode(value)
+    text = _parse_str(key, value)
     try:  # what the OS is given: no NUL, and encodable (a lone surrogate is not)
         if "\0" in text:
             raise ValueError("it holds a NUL character")

@@ -226,6 +226,11 @@ def test_directory_that_cannot_be_a_path_is_refused(dirs, value):
         ftidask.init(**dict(dirs, ckpt_dir=dirs["ckpt_dir"] + value))
 
 
+def test_directory_given_as_bytes_or_path(dirs):
+    config = ftidask.load_config(ckpt_dir=os.fsencode(dirs["ckpt_dir"]), glbl_dir=Path(dirs["glbl_dir"]))
+    assert config.ckpt_dir == dirs["ckpt_dir"] and config.glbl_dir == dirs["glbl_dir"]
+
+
 @pytest.mark.parametrize("spec", ["zstd:99999999999999999999999", "zstd:100", "lz4:99999999999", "blosc:10",
                                   "blosc-zstd:-1"])
 def test_compressor_level_out_of_range_is_a_config_error(dirs, spec):
