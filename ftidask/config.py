@@ -249,7 +249,6 @@ def _read_text(path: str | bytes | os.PathLike[str]) -> str:
                           f"{raw[exc.start:exc.start + 1]!r}") from None
 
 
-
 def _read_ini(path: str | os.PathLike[str]) -> dict[str, Any]:
     text = _read_text(path)
     shown = repr(os.fsdecode(path))  # type: ignore[arg-type]  # checked by _read_text
