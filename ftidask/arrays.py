@@ -27,7 +27,13 @@ def check_protectable(array: Any) -> np.ndarray:
                 f"protect needs an array that ftidask can fill in place, got {type(array).__name__}; "
                 "wrap it with numpy.array(...) and protect that array"
             )
+        if hasattr(array, "__dask_graph__"):
+            raise ProtectError("a dask array is protected on the Dask backend only: "
+                               "ftidask.init(config, client=distributed.Client(...))")
         raise ProtectError(f"protect needs a numpy.ndarray or a dask array, got {type(array).__name__}")
+    if isinstance(array, np.ma.MaskedArray):  # its mask would be lost, and recovery could not restore it
+        raise ProtectError("protect does not take masked arrays (their mask is not checkpointed): protect "
+                           "array.data and numpy.ma.getmaskarray(array) as two variables")
     if array.dtype.hasobject:
         raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes; "
                            "use a fixed-size dtype (numeric, bytes 'S', unicode 'U', or structured)")

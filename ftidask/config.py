@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import configparser
 import dataclasses
+import difflib
 import os
+import stat
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,9 +18,14 @@ from .errors import ConfigError
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+#: Every integer key is bounded (FTI reads them as C ints): a huge value is a typo, and would
+#: overflow where it is used (a float timeout, a C call).
+_INT_MAX = 2**31 - 1
+#: MPI guarantees tags up to 32767 only (MPI_TAG_UB may be larger, never smaller).
+_MPI_TAG_MAX = 32767
 
 
-def _parse_int(lo: int | None = None, hi: int | None = None) -> Callable[[str, Any], int]:
+def _parse_int(lo: int | None = None, hi: int = _INT_MAX) -> Callable[[str, Any], int]:
     def parse(key: str, value: Any) -> int:
         if isinstance(value, bool):
             value = int(value)
@@ -26,8 +33,9 @@ def _parse_int(lo: int | None = None, hi: int | None = None) -> Callable[[str, A
             number = int(str(value).strip(), 10) if not isinstance(value, int) else value
         except ValueError:
             raise ConfigError(f"config key {key!r}: expected an integer, got {value!r}") from None
-        if lo is not None and number < lo or hi is not None and number > hi:
-            raise ConfigError(f"config key {key!r}: {number} is outside [{lo}, {hi if hi is not None else 'inf'}]")
+        if lo is not None and number < lo or number > hi:
+            shown = number if abs(number) < 10**30 else f"{str(number)[:12]}... ({len(str(number))} digits)"
+            raise ConfigError(f"config key {key!r}: {shown} is outside [{lo if lo is not None else -hi - 1}, {hi}]")
         return number
 
     return parse
@@ -48,6 +56,19 @@ def _parse_str(key: str, value: Any) -> str:
     text = str(value).strip()
     if not text:
         raise ConfigError(f"config key {key!r}: empty value")
+    return text
+
+
+def _parse_dir(key: str, value: Any) -> str:
+    if isinstance(value, (bytes, os.PathLike)):  # str(b"/x") would be the name "b'/x'"
+        value = os.fsdecode(value)
+    text = _parse_str(key, value)
+    try:  # what the OS is given: no NUL, and encodable (a lone surrogate is not)
+        if "\0" in text:
+            raise ValueError("it holds a NUL character")
+        os.fsencode(text)
+    except (ValueError, UnicodeError) as exc:
+        raise ConfigError(f"config key {key!r}: {text!r} cannot be a directory name: {exc}") from None
     return text
 
 
@@ -91,9 +112,9 @@ def _parse_compressor(key: str, value: Any) -> str | None:
 _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "head": ("basic", 0, _parse_int(0, 1)),
     "node_size": ("basic", 1, _parse_int(1)),
-    "ckpt_dir": ("basic", "./Local", _parse_str),
-    "glbl_dir": ("basic", "./Global", _parse_str),
-    "meta_dir": ("basic", "./Meta", _parse_str),
+    "ckpt_dir": ("basic", "./Local", _parse_dir),
+    "glbl_dir": ("basic", "./Global", _parse_dir),
+    "meta_dir": ("basic", "./Meta", _parse_dir),
     "ckpt_l1": ("basic", 0, _parse_int(0)),
     "ckpt_l2": ("basic", 0, _parse_int(0)),
     "ckpt_l3": ("basic", 0, _parse_int(0)),
@@ -116,7 +137,7 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "exec_id": ("restart", None, _parse_opt_str),
     "block_size": ("advanced", 1024, _parse_int(1)),  # KiB, FTI's unit
     "transfer_size": ("advanced", 16, _parse_int(1)),  # MiB, FTI's unit
-    "mpi_tag": ("advanced", 2612, _parse_int(0)),
+    "mpi_tag": ("advanced", 2612, _parse_int(0, _MPI_TAG_MAX)),
     "local_test": ("advanced", 0, _parse_bool),
     # ftidask's additions.
     "hash": ("advanced", "xxh3_128", _parse_choice("xxh3_128", "md5")),
@@ -129,9 +150,16 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "progress": ("advanced", "auto", _parse_choice("auto", "on", "off")),
 }
 
-#: FTI keys that are accepted and have no effect in ftidask (they tune FTI's C I/O paths).
+#: FTI keys that are accepted and have no effect in ftidask (they tune FTI's C I/O paths, its
+#: POSIX/HDF5 modes, its fault injection), in any section: FTI's own files load as they are.
 _IGNORED_KEYS = {"lustre_stiping_unit", "lustre_stiping_factor", "lustre_stiping_offset", "ckpt_net",
-                 "gpu_host_bufsize", "enable_hdf5", "h5_single_file_enable", "h5_single_file_dir"}
+                 "gpu_host_bufsize", "enable_hdf5", "h5_single_file_enable", "h5_single_file_dir",
+                 # FTI 1.x's examples and conf.c
+                 "lustre_striping_unit", "lustre_striping_factor", "lustre_striping_offset", "dcp_l4",
+                 "keep_heads_alive", "dcp_stack_size", "cacheddcp", "h5_single_file_prefix", "h5_single_file_keep",
+                 "general_tag", "ckpt_tag", "stage_tag", "final_tag"}
+#: FTI's sections whose keys ftidask never uses ([injection]: FTI's bit-flip injection).
+_IGNORED_SECTIONS = {"injection"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,36 +219,87 @@ class Config:
         return load_config(None, base=self, **changes)
 
 
-def _read_ini(path: str | os.PathLike[str]) -> dict[str, Any]:
-    parser = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=(";", "#"))
+_MAX_CONFIG_BYTES = 1 << 20  # an FTI config is a few KiB: more is not a config file
+
+
+def _read_text(path: str | bytes | os.PathLike[str]) -> str:
+    """The text of a config file, or a :class:`ConfigError` saying why it cannot be read."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise ConfigError(f"the config must be the path of an INI file, got {type(path).__name__} {path!r}")
+    shown = repr(os.fsdecode(path))
     try:
-        with open(path, encoding="utf-8") as handle:
-            parser.read_file(handle)
+        # O_NONBLOCK: a FIFO given as the config must not wait for a writer (refused below).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise ConfigError(f"config file {os.fspath(path)!r} does not exist") from None
+        raise ConfigError(f"config file {shown} does not exist") from None
+    except (OSError, ValueError) as exc:  # permissions, a NUL in the path...
+        raise ConfigError(f"cannot open config file {shown}: {exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError(f"config file {shown} is a directory; give the path of an INI file")
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"config file {shown} is not a regular file")
+        with open(fd, "rb", closefd=False) as handle:
+            raw = handle.read(_MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {shown}: {exc}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > _MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {shown} is larger than {_MAX_CONFIG_BYTES >> 20} MiB: not an INI file")
+    try:
+        return raw.decode("utf-8-sig")  # an editor's byte-order mark is no error
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {shown} is not a text (UTF-8) INI file: byte {exc.start} is "
+                          f"{raw[exc.start:exc.start + 1]!r}") from None
+
+
+def _read_ini(path: str | os.PathLike[str]) -> dict[str, Any]:
+    text = _read_text(path)
+    shown = repr(os.fsdecode(path))  # type: ignore[arg-type]  # checked by _read_text
+    # No [DEFAULT] section with INI's meaning: FTI (iniparser) has none, and its keys would
+    # appear in every section.
+    parser = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=(";", "#"),
+                                       default_section="\0no default section")
+    try:
+        parser.read_string(text, source=os.fsdecode(path))  # type: ignore[arg-type]
     except configparser.Error as exc:
-        raise ConfigError(f"config file {os.fspath(path)!r} is not a valid INI file: {exc}") from None
+        raise ConfigError(f"config file {shown} is not a valid INI file: {exc}") from None
     values: dict[str, Any] = {}
     for section in parser.sections():
+        if section.strip().lower() in _IGNORED_SECTIONS:
+            continue
         for key, value in parser.items(section):
             key = key.lower()
             if key in _IGNORED_KEYS:
                 continue
             if key not in _KEYS:
-                raise ConfigError(f"config file {os.fspath(path)!r}: unknown key [{section}] {key} = {value!r}")
+                close = difflib.get_close_matches(key, list(_KEYS) + sorted(_IGNORED_KEYS), n=1)
+                raise ConfigError(f"config file {shown}: unknown key [{section}] {key} = {value!r}"
+                                  + (f"; did you mean {close[0]!r}?" if close else ""))
+            # FTI reads each key from its own section only: one elsewhere would be silently unused there.
+            home = _KEYS[key][0]
+            if section.strip().lower() != home:
+                raise ConfigError(f"config file {shown}: key {key!r} is in [{section}]; it belongs in [{home}]")
             values[key] = value
     return values
 
 
-def load_config(path: str | os.PathLike[str] | None = None, *, base: Config | None = None,
+def load_config(path: str | os.PathLike[str] | Config | None = None, *, base: Config | None = None,
                 **overrides: Any) -> Config:
-    """Read an FTI-style INI file (or none) and apply keyword ``overrides``; validate everything."""
+    """Read an FTI-style INI file (or none, or take a :class:`Config`) and apply keyword ``overrides``;
+    validate everything."""
+    if isinstance(path, Config):  # init(load_config(...)): a config already built
+        base, path = path, None
     raw: dict[str, Any] = dataclasses.asdict(base) if base is not None else {}
     if path is not None:
         raw.update(_read_ini(path))
     for key, value in overrides.items():
         if key not in _KEYS:
-            raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(_KEYS))}")
+            close = difflib.get_close_matches(key, list(_KEYS), n=1)
+            raise ConfigError(f"unknown config key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                              + f"; known keys: {', '.join(sorted(_KEYS))}")
         raw[key] = value
     parsed: dict[str, Any] = {}
     for key, value in raw.items():

@@ -235,9 +235,19 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
                               {"dcp": True} if pending.differential else
                               {"l4_format": "zarr"} if isinstance(pending.writer, OneShotWriter) and level == 4
                               and self.config.l4_format == "zarr" else {})
+        failed = ""
         if t.rank == 0:
-            self.state.write_record(record)  # the commit point
-        t.barrier()
+            try:
+                self.state.write_record(record)  # the commit point
+            except OSError as exc:  # a full or read-only meta_dir: the previous checkpoint stays the newest
+                failed = f"writing its commit record in {self.state.records_dir} failed: {exc}"
+        failed = next((e for e in t.allgather(failed) if e), "")  # as a barrier; every rank raises the same
+        if failed:
+            storage.remove_tree(pending.directory)
+            if self._dcp is not None:
+                self._dcp.discard(level, seq)
+            raise CheckpointError(f"checkpoint {ckpt_id} at level {pending.level} failed; the previous checkpoint "
+                                  f"is kept: {failed}")
         self._layout = pending.layout
         self._restart_file = None
         self._retire_older(record)
@@ -388,11 +398,19 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         errors = [e for e, _f in results if e]
         if errors:
             raise CheckpointError("keep_last_ckpt: flushing the last checkpoint to L4 failed: " + "; ".join(errors))
+        failed = ""
         if t.rank == 0:
             zarr_files = ({"files": tuple(FileRecord(**f) for _e, f in results), "extra": {"l4_format": "zarr"}}
                           if as_zarr else {})
-            self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(), **zarr_files))
-        t.barrier()
+            try:
+                self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(),
+                                                            **zarr_files))
+            except OSError as exc:  # a full meta_dir: the last checkpoint stays where it is, committed
+                failed = f"writing the commit record in {self.state.records_dir} failed: {exc}"
+        failed = next((e for e in t.allgather(failed) if e), "")  # as a barrier; every rank raises the same
+        if failed:
+            storage.remove_tree(self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq))
+            raise CheckpointError(f"keep_last_ckpt: flushing the last checkpoint to L4 failed: {failed}")
 
     @property
     def comm(self) -> Any:

@@ -100,6 +100,10 @@ class DaskContext(Context):
         vid = check_id(id, "variable id")
         if np.dtype(array.dtype).hasobject:
             raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes")
+        meta = getattr(array, "_meta", None)
+        if isinstance(meta, np.ma.MaskedArray) or not isinstance(meta, np.ndarray):  # chunks the files cannot hold
+            raise ProtectError(f"the array's chunks are {type(meta).__name__}s, not plain NumPy arrays "
+                               "(a masked array's mask is not checkpointed): protect a NumPy-backed array")
         if any(np.isnan(c) for dim in array.chunks for c in dim):
             raise ProtectError("the array has unknown chunk sizes; call .compute_chunk_sizes() first")
         old = self._vars.get(vid)
@@ -174,7 +178,15 @@ class DaskContext(Context):
                               {"backend": "dask", "workers": workers, "groups": groups,
                                "vars": [s.to_json() for s in specs], "chunks": chunk_table(plans)}
                               | ({"dcp": True} if differential else {}))
-        self.state.write_record(record)  # the commit point
+        try:
+            self.state.write_record(record)  # the commit point
+        except OSError as exc:  # a full or read-only meta_dir: the previous checkpoint stays the newest
+            if differential:
+                self._dcp.discard()
+            self._remove_dirs(ckpt_id, seq, level, len(workers))
+            raise CheckpointError(f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint "
+                                  f"is kept: writing its commit record in {self.state.records_dir} failed: {exc}"
+                                  ) from exc
         self._layout = None
         self._retire_older(record)
         self._collect_garbage()

@@ -334,8 +334,8 @@ def load_state(path: Path, expected_fb_hash: bytes) -> BlockState | None:
 
 
 def state_of_file(path: Path, parsed: Any) -> BlockState | None:
-    """The block state of a verified dCP file (None for a file without block hashes)."""
-    if not parsed.fb.flags & FLAG_DCP:
+    """The block state of a verified dCP file (None for a file without block hashes, or a Zarr store)."""
+    if getattr(parsed, "fb", None) is None or not parsed.fb.flags & FLAG_DCP:
         return None
     with open(path, "rb") as fh:
         info, digests = blockhash.read_digests(fh, parsed)

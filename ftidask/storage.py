@@ -155,8 +155,11 @@ def atomic_file(path: Path, mode: str = "w+b") -> Iterator[BinaryIO]:
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:
-        fh.close()
-        with contextlib.suppress(FileNotFoundError):
+        # Closing flushes what is buffered: on a full disk it fails again. The temporary file
+        # must go all the same, and the error to see is the first one.
+        with contextlib.suppress(OSError):
+            fh.close()
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
 

@@ -40,11 +40,26 @@ def _zarr() -> Any:
     return zarr
 
 
+#: Names a variable's array must not take: the files of the group that holds it (compared
+#: case-insensitively, for the file systems that are).
+_RESERVED = {"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata", MANIFEST.lower()}
+_NAME_MAX = 255  # bytes of one path component on every common file system
+
+
+def _usable_name(name: str) -> bool:
+    """Whether ``name`` can be an array's directory in a store as it is (else ``var{id}`` is used)."""
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeError:  # a lone surrogate: no file name holds it
+        return False
+    return (0 < size <= _NAME_MAX and "/" not in name and "\0" not in name
+            and not name.startswith((".", "__")) and name.lower() not in _RESERVED)
+
+
 def array_name(info: VarInfo, taken: set[str]) -> str:
     """A Zarr array name for a variable: its name when usable and unique, else ``var{id}``."""
     name = info.name
-    ok = name and "/" not in name and not name.startswith((".", "__")) and name != MANIFEST
-    if not ok or name in taken:
+    if not _usable_name(name) or name in taken:
         name = f"var{info.id}"
     while name in taken:
         name = f"{name}_"
@@ -110,16 +125,20 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
                 groups[parent] = root.create_group(parent)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Zarr calls structured/string dtypes "unstable"
-                z = groups[parent].create_array(
-                    leaf, shape=info.shape, dtype=info.dtype, chunks=_chunks(info),
-                    compressors=zarr_compressors(info.extra.get("codec")),
-                    dimension_names=[f"{leaf}_dim{i}" for i in range(len(info.shape))],
-                    attributes={"ftidask_id": info.id, "ftidask_name": info.name, "ftidask_order": info.order},
-                    config={"write_empty_chunks": True})  # every chunk a file: a missing one is damage
+                try:
+                    z = groups[parent].create_array(
+                        leaf, shape=info.shape, dtype=info.dtype, chunks=_chunks(info),
+                        compressors=zarr_compressors(info.extra.get("codec")),
+                        dimension_names=[f"{leaf}_dim{i}" for i in range(len(info.shape))],
+                        attributes={"ftidask_id": info.id, "ftidask_name": info.name, "ftidask_order": info.order},
+                        config={"write_empty_chunks": True})  # every chunk a file: a missing one is damage
+                except (ValueError, TypeError) as exc:  # Zarr has no data type for it (complex256, ...)
+                    raise FormatError(f"variable {info.id} ({info.name!r}): Zarr cannot store dtype {info.dtype}: "
+                                      f"{exc}; keep it in FTI-FF files (l4_format = ftiff)") from None
                 if callable(data):
                     data(z)
                 else:
-                    z[...] = data
+                    z[...] = np.asarray(data)  # a subclass (np.matrix) as the plain array it views
             entry = info.to_json()
             entry["array"] = name
             table.append(entry)
@@ -284,7 +303,8 @@ def read_into(path: Path, manifest: Mapping[str, Any], targets: Mapping[int, np.
             z = zarr.open_array(store=store, path=name, mode="r")
             if tuple(z.shape) != tuple(target.shape):
                 raise FormatError(f"{path}: array {name!r} has shape {z.shape}, expected {target.shape}")
-            z.get_basic_selection(Ellipsis, out=default_buffer_prototype().nd_buffer.from_numpy_array(target))
+            out = np.asarray(target)  # a view: a subclass (np.matrix) is filled through it
+            z.get_basic_selection(Ellipsis, out=default_buffer_prototype().nd_buffer.from_numpy_array(out))
 
 
 def verified_store(path: Path, manifest: Mapping[str, Any]) -> Any:

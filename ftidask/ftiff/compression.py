@@ -64,9 +64,19 @@ def parse_compressor(spec: Any) -> dict[str, Any] | None:
                       "blosc or blosc-CNAME[:CLEVEL]")
 
 
+#: The integer parameters a user may set, with their valid range: numcodecs passes them to C as
+#: they are, where an out-of-range value fails only at the first checkpoint (or overflows).
+_INT_PARAMS = {"zstd": {"level": (-(1 << 17), 22)}, "lz4": {"acceleration": (-(2**31), 2**31 - 1)},
+               "blosc": {"clevel": (0, 9), "shuffle": (-1, 2), "blocksize": (0, 2**31 - 1)}}
+
+
 def _check_config(config: dict[str, Any], error: type[Exception]) -> dict[str, Any]:
     if config.get("id") not in ALLOWED_IDS:
         raise error(f"codec {config.get('id')!r} is not allowed; ftidask uses {', '.join(ALLOWED_IDS)}")
+    for name, (lo, hi) in _INT_PARAMS[config["id"]].items():
+        value = config.get(name, lo)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise error(f"compressor {config['id']}: {name} must be an integer in [{lo}, {hi}], got {value!r}")
     try:
         get_codec(config)
     except (TypeError, ValueError) as exc:
