@@ -469,7 +469,7 @@ def _rank_of(comm: Any) -> int:
         return 0
 
 
-def init(config: str | os.PathLike[str] | None = None, *, comm: Any = None, client: Any = None,
+def init(config: str | os.PathLike[str] | Config | None = None, *, comm: Any = None, client: Any = None,
          **overrides: Any) -> Context:
     """FTI_Init: read the config (an FTI-style INI file, or defaults) and start or restart a run.
 
@@ -482,7 +482,10 @@ def init(config: str | os.PathLike[str] | None = None, *, comm: Any = None, clie
     from .config import keys_in_file, load_config
 
     cfg = load_config(config, **overrides).with_absolute_dirs()  # every backend, MPI heads included
-    explicit = "verbosity" in overrides or (config is not None and "verbosity" in keys_in_file(config))
+    if isinstance(config, Config):  # built by the application: explicit where it differs from the default
+        explicit = "verbosity" in overrides or config.verbosity != Config().verbosity
+    else:
+        explicit = "verbosity" in overrides or (config is not None and "verbosity" in keys_in_file(config))
     logsetup.apply_verbosity(cfg.verbosity, explicit, 0 if comm is None else _rank_of(comm))
     if comm is not None and client is not None:
         raise FTIError("pass comm= (MPI) or client= (Dask), not both")
