@@ -42,7 +42,8 @@ class RetentionMixin:
         if t.rank == 0:
             roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
         for root in roots:  # trash too, unless our own remover is on it
-            storage.collect_level_garbage(root, committed, trash=self._trash_pool is None)
+            storage.collect_level_garbage(root, committed, trash=self._trash_pool is None,
+                                          spares=bool(self.config.enable_dcp))
         t.barrier()
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:
