@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import constants, storage
+from . import constants, dirchecks, storage
 from .arrays import check_ckpt_id, check_id, check_protectable
 from .checkpointing import CheckpointInfo
 from .config import Config
@@ -53,6 +53,8 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         self.config = config
         self.transport = transport
         logging.getLogger("ftidask").setLevel(_VERBOSITY[config.verbosity])
+        storage.set_permissions(config.permissions)
+        dirchecks.check(transport, [Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir)])
         exec_status = transport.bcast(
             resolve_run(Path(config.meta_dir), config.exec_id) if transport.rank == 0 else None)
         self.exec_id: str = exec_status[0]
@@ -60,6 +62,7 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         self.paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir),
                                       self.exec_id)
         self.state = RunState(Path(config.meta_dir), self.exec_id)
+        dirchecks.check(transport, dirchecks.run_dirs(self.paths, transport.node, self.state.records_dir))
         self._vars: dict[int, Protected] = {}
         self._layout: Layout | None = None
         self._hash_id = hashing.hash_id(config.hash)

@@ -137,17 +137,60 @@ def rename_into(src: Path, dst: Path) -> None:
     fsync_dir(dst.parent)
 
 
+#: Modes of the files and directories ftidask creates, by ``[advanced] permissions``: private
+#: (the default) or readable by the group; never writable by anyone but the owner.
+PERMISSIONS = {"private": (0o600, 0o700), "group": (0o640, 0o750)}
+FILE_MODE, DIR_MODE = PERMISSIONS["private"]
+
+
+def set_permissions(name: str) -> None:
+    """Create files and directories with the modes of ``[advanced] permissions = name`` from now on
+    (in this process: each MPI rank and Dask worker sets its own)."""
+    global FILE_MODE, DIR_MODE
+    FILE_MODE, DIR_MODE = PERMISSIONS[name]
+
+
 def makedirs(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
+    """Create ``path`` and its missing parents with :data:`DIR_MODE`; an existing directory is fine."""
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+    except FileNotFoundError:
+        if path.parent == path:
+            raise
+        makedirs(path.parent)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, DIR_MODE)
     return path
+
+
+#: Flags of a new temporary file: never an existing file, never through a symbolic link.
+_NEW_FILE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def create_temp(path: Path, flags: int = os.O_RDWR) -> tuple[int, Path]:
+    """Create a new, empty file beside ``path`` at a hidden temporary name; its descriptor and name.
+
+    ``O_EXCL``: a file or symbolic link already at the name (a leftover of a killed process with
+    the same pid, or one planted there) is never opened, let alone followed: a fresh name is used.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    for _attempt in range(16):
+        try:
+            return os.open(tmp, flags | _NEW_FILE, FILE_MODE), tmp
+        except FileExistsError:
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    raise FileExistsError(f"no free temporary name beside {path}")
 
 
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "w+b") -> Iterator[BinaryIO]:
     """Yield a file at a temporary name; on success fsync it and rename it to ``path``."""
     makedirs(path.parent)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fh = open(tmp, mode)  # noqa: SIM115 - closed below on every path
+    fd, tmp = create_temp(path)
+    fh = os.fdopen(fd, mode)
     try:
         yield fh  # type: ignore[misc]
         fh.flush()
