@@ -80,6 +80,7 @@ class DaskContext(Context):
         self.cluster = Cluster(client, config.progress)
         self._fault: dict[int, str] = {}  # rank -> stage: real worker kills, for the test suite
         self._started = False  # set by the first garbage collection (at init)
+        self.cluster.run(storage.set_permissions, config.permissions)  # the modes of the workers' files
         super().__init__(config, DaskTransport(self.cluster))
         if config.enable_dcp:
             self._dcp = DaskSpares(self)
