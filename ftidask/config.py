@@ -148,6 +148,7 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "stage_allow_outside": ("advanced", 0, _parse_bool),
     "stage_mover": ("advanced", "auto", _parse_choice("auto", "thread", "process")),
     "progress": ("advanced", "auto", _parse_choice("auto", "on", "off")),
+    "permissions": ("advanced", "private", _parse_choice("private", "group")),
 }
 
 #: FTI keys that are accepted and have no effect in ftidask (they tune FTI's C I/O paths, its
@@ -203,6 +204,7 @@ class Config:
     stage_allow_outside: bool = False
     stage_mover: str = "auto"
     progress: str = "auto"
+    permissions: str = "private"
 
     def interval(self, level: int) -> int:
         """The snapshot interval of ``level`` (minutes or iterations; 0 = never)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import constants, logsetup, runlock, storage
+from . import constants, dirchecks, logsetup, runlock, storage
 from .arrays import check_ckpt_id, check_id, check_protectable
 from .checkpointing import CheckpointInfo
 from .config import Config
@@ -56,10 +56,13 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         self.config = config
         self.transport = transport
         logsetup.apply_verbosity(config.verbosity, False, transport.rank)
+        storage.set_permissions(config.permissions)
+        dirchecks.check(transport, [Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir)])
         self.exec_id, self._status = self._claim_run(Path(config.meta_dir))
         self.paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir),
                                       self.exec_id)
         self.state = RunState(Path(config.meta_dir), self.exec_id)
+        dirchecks.check(transport, dirchecks.run_dirs(self.paths, transport.node, self.state.records_dir))
         self._vars: dict[int, Protected] = {}
         self._layout: Layout | None = None
         self._hash_id = hashing.hash_id(config.hash)

@@ -9,6 +9,7 @@ through the client or the scheduler. The client writes the commit record, last.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import html
 import logging
@@ -79,6 +80,7 @@ class DaskContext(Context):
         self.cluster = Cluster(client, config.progress)
         self._fault: dict[int, str] = {}  # rank -> stage: real worker kills, for the test suite
         self._started = False  # set by the first garbage collection (at init)
+        self.cluster.run(storage.set_permissions, config.permissions)  # the modes of the workers' files
         super().__init__(config, DaskTransport(self.cluster))
         if config.enable_dcp:
             self._dcp = DaskSpares(self)
@@ -297,17 +299,26 @@ class DaskContext(Context):
         committed = {r.dirname for r in self.state.records()}
         first = not self._started  # at the start nothing of ours is being deleted: old trash goes too
         self._started = True
-        self.cluster.run(tasks.collect_garbage, str(self.paths.ckpt_dir), self.exec_id, sorted(committed), first)
+        self.cluster.run(tasks.collect_garbage, str(self.paths.ckpt_dir), self.exec_id, sorted(committed), first,
+                         bool(self.config.enable_dcp))
         glob_root = self.paths.level_dir(4, 0)
         if glob_root.is_dir() and self.paths.contains(glob_root):
             for entry in glob_root.iterdir():
                 if (entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed) or (
-                        first and entry.name.startswith(storage.TRASH_PREFIX)):
+                        first and entry.name.startswith(storage.TRASH_PREFIX)) or (
+                        first and not self.config.enable_dcp and entry.name == storage.SPARE_DIR):
                     storage.remove_tree(entry)
         for root in (self.state.records_dir, self.state.root):  # torn commit records (killed client)
             if root.is_dir():
                 for tmp in root.glob(".*.tmp-*"):
                     tmp.unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        # Workers delete retired checkpoints in the background: wait for them, so that a finished
+        # run leaves no trash behind (what a killed worker left is collected at the next start).
+        with contextlib.suppress(Exception):  # a cluster already gone has nothing left to wait for
+            self.cluster.run(tasks.wait_removals)
+        super()._close()
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:
         self.state.delete_record(record.seq)

@@ -126,7 +126,7 @@ class DcpStore:
             if isinstance(known, dict) and isinstance(known.get("fb_hash"), str):
                 with contextlib.suppress(ValueError):
                     base = load_state(path, bytes.fromhex(known["fb_hash"]))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, storage.FILE_MODE)
         if base is not None and not _holds(fd, base):
             base = None
         writer = DcpFileWriter(fd, layout, base, block_size=self.block_size, bid=self.bid, hash_id=self.hash_id,
@@ -175,8 +175,9 @@ class DcpStore:
         # lost or stale hint only names another FB hash, and then the spare is rewritten in full.
         hint = self._spare_record(level)
         with contextlib.suppress(OSError):
-            tmp = hint.with_name(f".{hint.name}.tmp-{os.getpid()}")
-            tmp.write_text(json.dumps({"fb_hash": state.fb_hash.hex()}))
+            fd, tmp = storage.create_temp(hint, os.O_WRONLY)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(json.dumps({"fb_hash": state.fb_hash.hex()}).encode())
             os.replace(tmp, hint)
 
     def _short_runs(self, level: int) -> bool:
@@ -281,7 +282,7 @@ def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None,
 
     base = load_state(spare, expected_fb_hash) if expected_fb_hash is not None else None
     storage.makedirs(spare.parent)
-    fd = os.open(spare, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(spare, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, storage.FILE_MODE)
     try:
         written, stats, _state = write_dcp_file(fd, layout, sources, infos, meta, base, block_size=block_size,
                                                 bid=bid, hash_id=hash_id, pool=pool, pt_fs=pt_fs, max_fs=max_fs,

@@ -26,7 +26,7 @@ from .dcpstore import DcpHandle
 from .errors import CheckpointError
 from .ftiff.writer import WrittenFile, write_container, write_metadata
 from .layout import Layout
-from .storage import fsync_dir, makedirs
+from .storage import create_temp, fsync_dir, makedirs
 
 
 class RankFileWriter:
@@ -35,8 +35,8 @@ class RankFileWriter:
     def __init__(self, path: Path, layout: Layout, hash_id: int, pool: ThreadPoolExecutor | None = None) -> None:
         makedirs(path.parent)
         self.path, self.layout, self.hash_id = path, layout, hash_id
-        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        self.fh = open(self.tmp, "w+b")  # noqa: SIM115 - closed by finish or abort
+        fd, self.tmp = create_temp(path)
+        self.fh = os.fdopen(fd, "w+b")  # closed by finish or abort
         self.digests: dict[tuple[int, int], bytes] = {}
         self.data_bytes = 0
         self._own_pool = pool is None

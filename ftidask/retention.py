@@ -43,7 +43,8 @@ class RetentionMixin:
             roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
         for root in roots:  # trash too, unless our own remover is on it
             if self.paths.contains(root):  # never outside the run's directories, whatever its exec_id
-                storage.collect_level_garbage(root, committed, trash=self._trash_pool is None)
+                storage.collect_level_garbage(root, committed, trash=self._trash_pool is None,
+                                              spares=bool(self.config.enable_dcp))
         t.barrier()
 
     def _remove_checkpoint(self, record: CommitRecord) -> None:

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from . import storage
 from .constants import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES
 from .errors import FTIError, StagingError
 from .staging_copy import CANCELLED, StageRequest, TransferFailed, temp_name, transfer
@@ -290,7 +291,8 @@ class Stager:
         """FTI_SendFile: check the request, queue it; the request id. Never waits for the copy."""
         src, dst, size = self._check(local_path, remote_path)
         req_id = next(self._ids)
-        req = StageRequest(req_id, src, dst, temp_name(dst, f"{self._token}-{req_id}"), size, self.hash_name)
+        req = StageRequest(req_id, src, dst, temp_name(dst, f"{self._token}-{req_id}"), size, self.hash_name,
+                           storage.FILE_MODE, storage.DIR_MODE)
         self.table.add(req)
         try:
             self.mover.submit(req)
@@ -327,7 +329,7 @@ class StagingMixin:
         if self._stager is None:
             t = self.transport  # type: ignore[attr-defined]
             stage_dir = self.paths.stage_root / f"node{t.node}" / f"rank{t.rank}"  # type: ignore[attr-defined]
-            stage_dir.mkdir(parents=True, exist_ok=True)
+            storage.makedirs(stage_dir)
             # The mover starts here (with the stage dir), so that no send_file pays for starting it.
             self._stager = Stager(stage_dir, Path(cfg.glbl_dir), self._make_mover(),
                                   allow_outside=cfg.stage_allow_outside, hash_name=cfg.hash)

@@ -11,14 +11,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
+import stat
+import sys
+import weakref
+from collections import deque
 from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any, BinaryIO
 
 _COPY_PIECE = 16 << 20
+log = logging.getLogger("ftidask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,17 +142,60 @@ def rename_into(src: Path, dst: Path) -> None:
     fsync_dir(dst.parent)
 
 
+#: Modes of the files and directories ftidask creates, by ``[advanced] permissions``: private
+#: (the default) or readable by the group; never writable by anyone but the owner.
+PERMISSIONS = {"private": (0o600, 0o700), "group": (0o640, 0o750)}
+FILE_MODE, DIR_MODE = PERMISSIONS["private"]
+
+
+def set_permissions(name: str) -> None:
+    """Create files and directories with the modes of ``[advanced] permissions = name`` from now on
+    (in this process: each MPI rank and Dask worker sets its own)."""
+    global FILE_MODE, DIR_MODE
+    FILE_MODE, DIR_MODE = PERMISSIONS[name]
+
+
 def makedirs(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
+    """Create ``path`` and its missing parents with :data:`DIR_MODE`; an existing directory is fine."""
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+    except FileNotFoundError:
+        if path.parent == path:
+            raise
+        makedirs(path.parent)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, DIR_MODE)
     return path
+
+
+#: Flags of a new temporary file: never an existing file, never through a symbolic link.
+_NEW_FILE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def create_temp(path: Path, flags: int = os.O_RDWR) -> tuple[int, Path]:
+    """Create a new, empty file beside ``path`` at a hidden temporary name; its descriptor and name.
+
+    ``O_EXCL``: a file or symbolic link already at the name (a leftover of a killed process with
+    the same pid, or one planted there) is never opened, let alone followed: a fresh name is used.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    for _attempt in range(16):
+        try:
+            return os.open(tmp, flags | _NEW_FILE, FILE_MODE), tmp
+        except FileExistsError:
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    raise FileExistsError(f"no free temporary name beside {path}")
 
 
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "w+b") -> Iterator[BinaryIO]:
     """Yield a file at a temporary name; on success fsync it and rename it to ``path``."""
     makedirs(path.parent)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fh = open(tmp, mode)  # noqa: SIM115 - closed below on every path
+    fd, tmp = create_temp(path)
+    fh = os.fdopen(fd, mode)
     try:
         yield fh  # type: ignore[misc]
         fh.flush()
@@ -203,7 +252,32 @@ def find_paths(root: str | os.PathLike[str], pattern: str) -> list[Path]:
 
 
 def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove ``path``: a regular file, a symbolic link (removed, never followed) or a directory tree.
+
+    Something already gone is fine (trash is deleted by a background thread and by start-up
+    garbage collection, possibly both at once); any other error is logged, not raised: a leftover
+    must never fail a checkpoint, but it must not go unnoticed either.
+    """
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+        if not is_dir:
+            os.unlink(path)
+            return
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
+        return
+
+    def failed(_func: Any, name: str, exc: Any) -> None:
+        exc = exc[1] if isinstance(exc, tuple) else exc  # onerror's exc_info, onexc's exception
+        if not isinstance(exc, FileNotFoundError):
+            log.warning("could not remove %s: %s", name, exc)
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=failed)
+    else:
+        shutil.rmtree(path, onerror=failed)
 
 
 def is_inside(path: str | os.PathLike[str], parent: str | os.PathLike[str], *, resolve: bool = True) -> bool:
@@ -250,17 +324,32 @@ def move_to_trash(path: Path) -> Path | None:
     return target
 
 
+#: Deletions a remover may have queued before ``discard`` waits for the oldest: the trash never
+#: grows faster than it is deleted, so disk use stays bounded by retention even on a slow disk.
+_BACKLOG = 2
+_queued: weakref.WeakKeyDictionary[Executor, deque[Future[None]]] = weakref.WeakKeyDictionary()
+
+
 def discard(path: Path, remover: Callable[[], Executor]) -> None:
     """Move ``path`` to the trash now and have ``remover()`` (made only when needed) delete it."""
     trash = move_to_trash(path)
-    if trash is not None:
-        remover().submit(remove_tree, trash)
+    if trash is None:
+        return
+    pool = remover()
+    queued = _queued.setdefault(pool, deque())
+    while queued and queued[0].done():
+        queued.popleft()
+    if len(queued) >= _BACKLOG:
+        with contextlib.suppress(IndexError):  # another thread took it meanwhile
+            queued.popleft().result()
+    queued.append(pool.submit(remove_tree, trash))
 
 
-def collect_level_garbage(root: Path, committed: Collection[str], trash: bool) -> int:
+def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, spares: bool = True) -> int:
     """Remove what interrupted checkpoints left in one level directory ``root``: checkpoint
     directories that ``committed`` does not name, temporary files and stores, and (``trash``:
-    when nothing of this process is being deleted, at start-up) trash and old spares; the count."""
+    when nothing of this process is being deleted, at start-up) trash and old spares, and every
+    spare when the run does not write differential checkpoints (``spares`` False); the count."""
     removed = 0
     if not root.is_dir():
         return removed
@@ -282,7 +371,10 @@ def collect_level_garbage(root: Path, committed: Collection[str], trash: bool) -
                 else:
                     tmp.unlink(missing_ok=True)
                 removed += 1
-            if entry.name == SPARE_DIR and trash:  # old spares that a crash left
+            if entry.name == SPARE_DIR and trash and not spares:  # no dCP in this run: nothing will patch them
+                remove_tree(entry)
+                removed += 1
+            elif entry.name == SPARE_DIR and trash:  # old spares that a crash left
                 for old in entry.glob(f"{TRASH_PREFIX}*"):
                     remove_tree(old)
                     removed += 1

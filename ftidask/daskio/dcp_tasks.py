@@ -27,7 +27,7 @@ from ..dcpstore import write_differential
 from ..ftiff import hashing
 from ..levels import rs, rs_delta
 from .plan import layout_from_json
-from .tasks import chunk_sources, discard_paths, maybe_die, store_bytes
+from .tasks import chunk_sources, discard_paths, maybe_die, store_bytes, wait_removals
 
 
 @functools.cache
@@ -128,6 +128,7 @@ def keep_as_spares(moves: Sequence[Sequence[str]]) -> list[bool]:
 
 def remove_spare_dirs(dirs: Sequence[str]) -> None:
     """Remove the spare directories of a finished run (each worker sees its own node's)."""
+    wait_removals()  # the old spares this worker is deleting in the background first
     for d in dirs:
         with contextlib.suppress(OSError):
             storage.remove_tree(Path(d))

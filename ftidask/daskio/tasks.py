@@ -199,15 +199,17 @@ def _pread_into(fd: int, offset: int, view: memoryview) -> int:
     return got
 
 
-def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str], trash: bool = False) -> int:
+def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str], trash: bool = False,
+                    spares: bool = True) -> int:
     """Remove what interrupted checkpoints left in the node directories this worker sees.
 
     Checkpoint directories that no commit record names, and temporary files; with ``trash``
     (once, when a run starts) also the trash that killed workers left (:func:`discard_paths`
-    removes its own in the background); the count removed.
+    removes its own in the background), and the spares of differential checkpoints unless
+    ``spares`` (the run writes them); the count removed.
     """
     keep = set(committed)
-    return sum(storage.collect_level_garbage(root, keep, trash)
+    return sum(storage.collect_level_garbage(root, keep, trash, spares)
                for root in Path(ckpt_dir).glob(f"node*/{exec_id}/l[1-4]"))
 
 
@@ -225,6 +227,12 @@ def remove_paths(paths: Sequence[str]) -> None:
 def _remover() -> ThreadPoolExecutor:
     # One thread per worker process, made on first use: deletions never hold up a task.
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-remove")
+
+
+def wait_removals() -> None:
+    """Wait until this worker's background deletions are done (finalize leaves no trash behind)."""
+    if _remover.cache_info().currsize:
+        _remover().submit(int).result()  # one thread, in order: every earlier deletion is done
 
 
 def discard_paths(paths: Sequence[str]) -> None:

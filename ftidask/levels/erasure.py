@@ -35,8 +35,11 @@ import operator
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from numbers import Integral
+from pathlib import Path
 
 import numpy as np
+
+from .. import storage
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "ReedSolomon", "decode_files", "encode_files", "gf_scale"]
 
@@ -262,17 +265,20 @@ def _read_into(f: io.FileIO, buf: np.ndarray) -> None:
 
 @contextlib.contextmanager
 def _atomic_writers(paths: Sequence[str]) -> Iterator[list[io.BufferedWriter]]:
-    """Files written to path + '.tmp', fsynced and renamed over path on success only."""
+    """Files written at new temporary names beside each path, fsynced and renamed over path on success only."""
     files: list[io.BufferedWriter] = []
+    tmps: list[str] = []
     try:
         for p in paths:
-            files.append(open(p + ".tmp", "wb"))  # noqa: SIM115 - closed below, on every path
+            fd, tmp = storage.create_temp(Path(p), os.O_WRONLY)
+            tmps.append(str(tmp))
+            files.append(os.fdopen(fd, "wb"))  # closed below, on every path
         yield files
-        for f, p in zip(files, paths):
+        for f, p, tmp in zip(files, paths, tmps):
             f.flush()
             os.fsync(f.fileno())
             f.close()
-            os.replace(p + ".tmp", p)
+            os.replace(tmp, p)
         for d in {os.path.dirname(os.path.abspath(p)) for p in paths}:
             with contextlib.suppress(OSError):  # make the renames durable where supported
                 fd = os.open(d, os.O_RDONLY)
@@ -281,10 +287,10 @@ def _atomic_writers(paths: Sequence[str]) -> Iterator[list[io.BufferedWriter]]:
                 finally:
                     os.close(fd)
     except BaseException:
-        for f, p in zip(files, paths):
+        for f, tmp in zip(files, tmps):
             f.close()
             with contextlib.suppress(OSError):
-                os.unlink(p + ".tmp")
+                os.unlink(tmp)
         raise
 
 

@@ -64,11 +64,14 @@ def protect(ch: Any, own: Path, pcof: Path, spare: Path, size: int, delta: FileD
         fin = open(own, "rb")  # noqa: SIM115 - closed below
     except OSError as exc:
         errors.append(f"{own}: {exc}")
-    target = spare if can_patch else pcof.with_name(f".{pcof.name}.tmp-{os.getpid()}")
+    target = spare if can_patch else pcof
     fd = -1
     try:
         storage.makedirs(target.parent)
-        fd = os.open(target, os.O_RDWR | os.O_CREAT | (0 if can_patch else os.O_TRUNC), 0o644)
+        if can_patch:  # the spare partner copy, in a directory of ours: never through a link
+            fd = os.open(target, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        else:
+            fd, target = storage.create_temp(pcof)
     except OSError as exc:
         errors.append(f"{target}: {exc}")
     for k in range(max(len(send), len(recv))):
