@@ -23,6 +23,8 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from . import storage
+
 log = logging.getLogger("ftidask")
 
 LOCK_NAME = "run.lock"
@@ -84,7 +86,7 @@ def _key(run_dir: Path) -> str:
 
 def _open(path: Path, create: bool) -> int:
     flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
-    return os.open(path, flags, 0o644)
+    return os.open(path, flags, storage.FILE_MODE)
 
 
 def _flock(fd: int, path: Path) -> bool:
@@ -104,7 +106,7 @@ def _flock(fd: int, path: Path) -> bool:
 def acquire(run_dir: Path) -> RunLock | None:
     """Lock the run in ``run_dir`` (created if needed) for this process; None when another live process holds it."""
     path = run_dir / LOCK_NAME
-    run_dir.mkdir(parents=True, exist_ok=True)
+    storage.makedirs(run_dir)
     shared = _held.get(_key(run_dir))
     if shared is not None and shared.fd is not None:  # a Context of this process holds it: shared
         return RunLock(shared, path)

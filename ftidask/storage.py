@@ -190,12 +190,17 @@ def create_temp(path: Path, flags: int = os.O_RDWR) -> tuple[int, Path]:
     raise FileExistsError(f"no free temporary name beside {path}")
 
 
+def open_temp(path: Path, mode: str = "w+b") -> tuple[BinaryIO, Path]:
+    """A new file object at a temporary name beside ``path`` (:func:`create_temp`), and that name."""
+    fd, tmp = create_temp(path)
+    return os.fdopen(fd, mode), tmp  # type: ignore[return-value]
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "w+b") -> Iterator[BinaryIO]:
     """Yield a file at a temporary name; on success fsync it and rename it to ``path``."""
     makedirs(path.parent)
-    fd, tmp = create_temp(path)
-    fh = os.fdopen(fd, mode)
+    fh, tmp = open_temp(path, mode)
     try:
         yield fh  # type: ignore[misc]
         fh.flush()

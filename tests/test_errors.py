@@ -9,8 +9,6 @@ checkpoint intact).
 from __future__ import annotations
 
 import contextlib
-import errno
-import io
 import json
 import os
 import subprocess
@@ -20,17 +18,10 @@ import numpy as np
 import pytest
 
 import ftidask
-from ftidask import storage
+from diskfull import full_commit_records
 from mpi_util import need_mpi, run
 
 # --- a commit record on a full meta_dir ------------------------------------------------------------
-
-
-class _FullDiskFile(io.FileIO):
-    """A file on a full disk: every write fails with ENOSPC (as the kernel answers)."""
-
-    def write(self, data):  # noqa: ANN001 - io.FileIO's signature
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.name)
 
 
 def _temp_files(root: Path) -> list[Path]:
@@ -52,15 +43,7 @@ def test_commit_record_on_full_disk_is_a_checkpoint_error(dirs, monkeypatch):
     data = np.arange(1000.0)
     ctx.protect(1, data)
     ctx.checkpoint(1, 1)
-    real_open = open
-
-    def full_meta_open(path, mode="r", *args, **kwargs):  # noqa: ANN001, ANN202
-        # Only the commit records' directory is full: the checkpoint file itself is written.
-        if "/commits/" in os.fspath(path) and "w" in mode:
-            return io.BufferedRandom(_FullDiskFile(path, "w+"))
-        return real_open(path, mode, *args, **kwargs)
-
-    monkeypatch.setattr(storage, "open", full_meta_open, raising=False)
+    full_commit_records(monkeypatch.setattr)  # the commit records' disk is full
     data += 1
     with pytest.raises(ftidask.CheckpointError, match="commit record.*No space left"):
         ctx.checkpoint(2, 1)
@@ -129,14 +112,7 @@ def test_dask_commit_record_on_full_disk_is_a_checkpoint_error(dirs, monkeypatch
         first = da.arange(64.0, chunks=16).persist()
         ctx.protect(1, first)
         ctx.checkpoint(1, 1)
-        real_open = open
-
-        def full_meta_open(path, mode="r", *args, **kwargs):  # noqa: ANN001, ANN202
-            if "/commits/" in os.fspath(path) and "w" in mode:  # the client writes the commit records
-                return io.BufferedRandom(_FullDiskFile(path, "w+"))
-            return real_open(path, mode, *args, **kwargs)
-
-        monkeypatch.setattr(storage, "open", full_meta_open, raising=False)
+        full_commit_records(monkeypatch.setattr)  # the commit records' disk is full
         ctx.protect(1, (first + 1).persist())
         with pytest.raises(ftidask.CheckpointError, match="commit record.*No space left"):
             ctx.checkpoint(2, 1)
@@ -411,14 +387,7 @@ def test_keep_last_flush_on_full_meta_dir_is_a_checkpoint_error(dirs, monkeypatc
     data = np.arange(1000.0)
     ctx.protect(1, data)
     ctx.checkpoint(1, 1)
-    real_open = open
-
-    def full_meta_open(path, mode="r", *args, **kwargs):  # noqa: ANN001, ANN202
-        if "/commits/" in os.fspath(path) and "w" in mode:
-            return io.BufferedRandom(_FullDiskFile(path, "w+"))
-        return real_open(path, mode, *args, **kwargs)
-
-    monkeypatch.setattr(storage, "open", full_meta_open, raising=False)
+    full_commit_records(monkeypatch.setattr)  # the commit records' disk is full
     with pytest.raises(ftidask.CheckpointError, match="keep_last_ckpt.*commit record"):
         ctx.finalize()
     monkeypatch.undo()

@@ -5,11 +5,9 @@ Every rank must fail checkpoint 2 with the same CheckpointError (none waits in a
 restarted run must recover checkpoint 1. Each rank writes ``DIR/result-<rank>.json``.
 """
 
-import errno
-import io
 import json
-import os
 import sys
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -17,10 +15,8 @@ from mpi4py import MPI
 import ftidask
 from ftidask import storage
 
-
-class FullDiskFile(io.FileIO):
-    def write(self, data):  # noqa: ANN001, ANN201
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.name)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the seam
+from diskfull import full_commit_records  # noqa: E402
 
 
 def main() -> None:
@@ -32,18 +28,16 @@ def main() -> None:
     data = np.arange(1000.0) + comm.rank
     ctx.protect(1, data)
     ctx.checkpoint(1, 1)
-    real_open = open
+    real_open_temp = storage.open_temp
     if comm.rank == 0:  # the seam: only rank 0 writes commit records, and its disk is full
-        storage.open = lambda path, mode="r", *a, **k: (  # type: ignore[attr-defined]
-            io.BufferedRandom(FullDiskFile(path, "w+")) if "/commits/" in os.fspath(path) and "w" in mode
-            else real_open(path, mode, *a, **k))
+        full_commit_records()
     data += 10
     result = {}
     try:
         ctx.checkpoint(2, 1)
     except ftidask.FTIError as exc:
         result.update(error=type(exc).__name__, message=str(exc))
-    storage.__dict__.pop("open", None)
+    storage.open_temp = real_open_temp
     ctx._close()
     ctx = ftidask.init(comm=comm, **dirs)
     out = np.zeros(1000)
