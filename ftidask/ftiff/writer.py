@@ -3,17 +3,26 @@
 Data first, container by container, then the metadata (whose hashes are known only then),
 the variable table, and the file block last. The caller owns the file handle (and so the
 atomic commit): the writer knows nothing of paths.
+
+The application may write its arrays while they are checkpointed (another thread). The data
+of such a checkpoint may be torn between pieces, as in FTI, but its file always verifies:
+each piece is copied once from memory into a reusable buffer, and that copy is both hashed and
+written (:class:`PieceWriter`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO, Protocol
+
+import numpy as np
 
 from .. import storage
 from ..layout import Layout
@@ -43,6 +52,27 @@ class WrittenFile:
 
 _WRITE_PIECE = 64 << 20
 _WRITEBACK_MIN = 8 << 20  # smaller writes are left to the final fsync
+#: Bytes copied out of an array, hashed and written at a time. The array may be written by another
+#: thread meanwhile: only a private copy guarantees that the bytes hashed are the bytes written.
+COPY_PIECE = 8 << 20
+_INLINE = 1 << 20  # containers up to this size are copied, hashed and written by the caller alone
+_KEEP = 2  # copy buffers kept for the next checkpoint (COPY_PIECE each); more are freed after use
+_free: list[np.ndarray] = []
+_free_lock = threading.Lock()
+
+
+def _acquire() -> np.ndarray:
+    """A copy buffer of :data:`COPY_PIECE` bytes, reused between checkpoints (no page faults)."""
+    with _free_lock:
+        if _free:
+            return _free.pop()
+    return np.empty(COPY_PIECE, np.uint8)
+
+
+def _release(buf: np.ndarray) -> None:
+    with _free_lock:
+        if len(_free) < _KEEP:
+            _free.append(buf)
 
 
 def _write_all(fh: BinaryIO, data: memoryview) -> None:
@@ -54,19 +84,87 @@ def _write_all(fh: BinaryIO, data: memoryview) -> None:
             storage.start_writeback(fh.fileno(), fh.tell() - len(piece), len(piece))
 
 
-def _write_slot(fh: BinaryIO, source: ByteSource, start: int, stop: int, hid: int,
-                pool: ThreadPoolExecutor) -> Future[bytes] | bytes:
+def copy_span(source: ByteSource, start: int, stop: int, out: np.ndarray) -> np.ndarray:
+    """Copy bytes ``[start, stop)`` of ``source`` into ``out`` (one read of the memory): the
+    filled part of ``out``. NumPy copies without the GIL, so hashing threads keep running."""
+    n = stop - start
     view = source.view(start, stop)
     if view is not None:
-        # Hash on a second thread while this one writes: both release the GIL.
-        future = pool.submit(hashing.digest, hid, view)
-        _write_all(fh, view)
-        return future
-    hasher = hashing.new_hasher(hid)
+        np.copyto(out[:n], np.frombuffer(view, np.uint8))
+        return out[:n]
+    pos = 0
     for piece in source.pieces(start, stop):
-        hasher.update(piece)
-        fh.write(piece)
+        np.copyto(out[pos:pos + len(piece)], np.frombuffer(piece, np.uint8))
+        pos += len(piece)
+    if pos != n:
+        raise ValueError(f"byte source gave {pos} bytes for [{start}, {stop})")
+    return out[:n]
+
+
+def _update(hasher: hashing.Hasher, data: np.ndarray, before: Future[Any] | None) -> None:
+    if before is not None:  # the pieces of one container are hashed in order, whatever the pool
+        before.result()
+    hasher.update(memoryview(data))
+
+
+def _final(hasher: hashing.Hasher, before: Future[Any]) -> bytes:
+    before.result()
     return hasher.digest()
+
+
+class PieceWriter:
+    """Writes byte ranges of sources through two reusable copy buffers: each piece is copied once
+    from memory, then hashed (on ``pool``) and written (by the caller) from that copy, so the
+    digest is that of the bytes in the file even if the source changes meanwhile. The copy of
+    the next piece overlaps the hashing of the previous one. :meth:`close` waits for the pool."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self._bufs: list[np.ndarray] = []
+        self._busy: list[Future[Any] | None] = [None, None]  # the last hashing task reading each buffer
+        self._futures: list[Future[Any]] = []
+        self._turn = 0
+
+    def write(self, fh: BinaryIO, source: ByteSource, start: int, stop: int, hash_id: int) -> Future[bytes] | bytes:
+        """Write bytes ``[start, stop)`` of ``source`` at ``fh``'s position: their digest, or a future of it."""
+        if stop - start <= _INLINE:
+            data = copy_span(source, start, stop, np.empty(stop - start, np.uint8))
+            _write_all(fh, memoryview(data))
+            return hashing.digest(hash_id, memoryview(data))
+        hasher = hashing.new_hasher(hash_id)
+        last: Future[Any] | None = None
+        for lo in range(start, stop, COPY_PIECE):
+            slot, self._turn = self._turn, 1 - self._turn
+            if len(self._bufs) <= slot:
+                self._bufs.append(_acquire())
+            busy = self._busy[slot]
+            if busy is not None:
+                busy.result()  # the buffer is free once its last piece is hashed (written: already)
+            data = copy_span(source, lo, min(stop, lo + COPY_PIECE), self._bufs[slot])
+            last = self._busy[slot] = self.pool.submit(_update, hasher, data, last)
+            self._futures.append(last)
+            _write_all(fh, memoryview(data))
+        assert last is not None
+        digest = self.pool.submit(_final, hasher, last)
+        self._futures.append(digest)
+        return digest
+
+    def close(self) -> None:
+        """Wait for every hashing task (a failed write leaves none reading a buffer), free the buffers."""
+        for future in self._futures:
+            with contextlib.suppress(Exception):
+                future.result()
+        self._futures.clear()
+        self._busy = [None, None]
+        for buf in self._bufs:
+            _release(buf)
+        self._bufs.clear()
+
+    def __enter__(self) -> PieceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _write_compressed(fh: BinaryIO, source: ByteSource, start: int, stop: int, hid: int,
@@ -75,14 +173,21 @@ def _write_compressed(fh: BinaryIO, source: ByteSource, start: int, stop: int, h
     view = source.view(start, stop)
     raw = view if view is not None else b"".join(bytes(p) for p in source.pieces(start, stop))
     stored, plain = compression.encode_span(codec[0], raw, codec[1])
+    if plain and view is not None:
+        # Stored as is: from a private copy (the encoder's output already is one), so that the
+        # bytes hashed are the bytes written even if the array changes meanwhile.
+        del stored
+        stored = copy_span(source, start, stop, np.empty(stop - start, np.uint8))
     _write_all(fh, memoryview(stored))
     return hashing.digest(hid, stored), len(stored), plain
 
 
 def write_container(fh: BinaryIO, source: ByteSource, start: int, stop: int, hash_id: int,
-                    pool: ThreadPoolExecutor) -> Future[bytes] | bytes:
-    """Write bytes ``[start, stop)`` of ``source`` at ``fh``'s position: their digest, or a future of it."""
-    return _write_slot(fh, source, start, stop, hash_id, pool)
+                    pool: ThreadPoolExecutor) -> bytes:
+    """Write bytes ``[start, stop)`` of ``source`` at ``fh``'s position: the digest of the bytes written."""
+    with PieceWriter(pool) as writer:
+        digest = writer.write(fh, source, start, stop, hash_id)
+        return digest.result() if isinstance(digest, Future) else digest
 
 
 def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource], *, hash_id: int,
@@ -96,6 +201,7 @@ def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource],
     """
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
+    pieces = PieceWriter(pool)
     try:
         digests: dict[tuple[int, int], Future[bytes] | bytes] = {}
         stored_sizes: dict[tuple[int, int], int] = {}
@@ -115,7 +221,7 @@ def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource],
                         plain.setdefault(slot.var_id, []).append(slot.containerid)
                     data_bytes += size
                     continue
-                digests[bi, si] = _write_slot(fh, source, slot.dptr, slot.dptr + slot.chunksize, hash_id, pool)
+                digests[bi, si] = pieces.write(fh, source, slot.dptr, slot.dptr + slot.chunksize, hash_id)
                 data_bytes += slot.chunksize
         done = {key: (p.result() if isinstance(p, Future) else p) for key, p in digests.items()}
         if codecs:
@@ -125,6 +231,7 @@ def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource],
                                  timestamp=timestamp, stored_sizes=stored_sizes if codecs else None)
         return dataclasses.replace(written, data_bytes=data_bytes)
     finally:
+        pieces.close()
         if own_pool:
             pool.shutdown(wait=True)
 
