@@ -7,7 +7,7 @@ atomic commit): the writer knows nothing of paths.
 The application may write its arrays while they are checkpointed (another thread). The data
 of such a checkpoint may be torn between pieces, as in FTI, but its file always verifies:
 each piece is copied once from memory into a reusable buffer, and that copy is both hashed and
-written (:class:`PieceWriter`).
+written (:func:`write_spans`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO, Protocol
@@ -51,18 +52,18 @@ class WrittenFile:
 
 
 _WRITE_PIECE = 64 << 20
-_WRITEBACK_MIN = 8 << 20  # smaller writes are left to the final fsync
+_WRITEBACK_MIN = 4 << 20  # smaller writes are left to the final fsync
 #: Bytes copied out of an array, hashed and written at a time. The array may be written by another
-#: thread meanwhile: only a private copy guarantees that the bytes hashed are the bytes written.
-COPY_PIECE = 8 << 20
-_INLINE = 1 << 20  # containers up to this size are copied, hashed and written by the caller alone
-_KEEP = 2  # copy buffers kept for the next checkpoint (COPY_PIECE each); more are freed after use
-_free: list[np.ndarray] = []
+#: thread meanwhile: only a private copy makes the bytes hashed the bytes written. Small enough
+#: for the copy to be hashed, then written, from the CPU cache.
+COPY_PIECE = 4 << 20
+_RING = 4  # copy buffers per writer: the pool fills the next ones while the caller writes one
+_INLINE = 256 << 10  # containers up to this size are copied, hashed and written by the caller alone
+_free: list[np.ndarray] = []  # buffers kept for the next checkpoint (no page faults), at most _RING
 _free_lock = threading.Lock()
 
 
 def _acquire() -> np.ndarray:
-    """A copy buffer of :data:`COPY_PIECE` bytes, reused between checkpoints (no page faults)."""
     with _free_lock:
         if _free:
             return _free.pop()
@@ -71,7 +72,7 @@ def _acquire() -> np.ndarray:
 
 def _release(buf: np.ndarray) -> None:
     with _free_lock:
-        if len(_free) < _KEEP:
+        if len(_free) < _RING:
             _free.append(buf)
 
 
@@ -86,7 +87,7 @@ def _write_all(fh: BinaryIO, data: memoryview) -> None:
 
 def copy_span(source: ByteSource, start: int, stop: int, out: np.ndarray) -> np.ndarray:
     """Copy bytes ``[start, stop)`` of ``source`` into ``out`` (one read of the memory): the
-    filled part of ``out``. NumPy copies without the GIL, so hashing threads keep running."""
+    filled part of ``out``. NumPy copies without holding the GIL."""
     n = stop - start
     view = source.view(start, stop)
     if view is not None:
@@ -101,70 +102,73 @@ def copy_span(source: ByteSource, start: int, stop: int, out: np.ndarray) -> np.
     return out[:n]
 
 
-def _update(hasher: hashing.Hasher, data: np.ndarray, before: Future[Any] | None) -> None:
-    if before is not None:  # the pieces of one container are hashed in order, whatever the pool
+def _fill(source: ByteSource, start: int, stop: int, buf: np.ndarray, hasher: hashing.Hasher,
+          before: Future[Any] | None) -> np.ndarray:
+    """Copy a piece into ``buf`` and hash the copy (after the container's previous piece)."""
+    data = copy_span(source, start, stop, buf)
+    if before is not None:  # pieces of one container are hashed in order, whatever the pool
         before.result()
     hasher.update(memoryview(data))
+    return data
 
 
-def _final(hasher: hashing.Hasher, before: Future[Any]) -> bytes:
-    before.result()
-    return hasher.digest()
+#: A byte range to write: (key, file offset, source, start, stop) -> its digest under ``key``.
+Span = tuple[Any, int, ByteSource, int, int]
 
 
-class PieceWriter:
-    """Writes byte ranges of sources through two reusable copy buffers: each piece is copied once
-    from memory, then hashed (on ``pool``) and written (by the caller) from that copy, so the
-    digest is that of the bytes in the file even if the source changes meanwhile. The copy of
-    the next piece overlaps the hashing of the previous one. :meth:`close` waits for the pool."""
+def write_spans(fh: BinaryIO, spans: Iterable[Span], hash_id: int, pool: ThreadPoolExecutor) -> dict[Any, bytes]:
+    """Write each span's bytes at its file offset; the digest of the bytes written, by key.
 
-    def __init__(self, pool: ThreadPoolExecutor) -> None:
-        self.pool = pool
-        self._bufs: list[np.ndarray] = []
-        self._busy: list[Future[Any] | None] = [None, None]  # the last hashing task reading each buffer
-        self._futures: list[Future[Any]] = []
-        self._turn = 0
-
-    def write(self, fh: BinaryIO, source: ByteSource, start: int, stop: int, hash_id: int) -> Future[bytes] | bytes:
-        """Write bytes ``[start, stop)`` of ``source`` at ``fh``'s position: their digest, or a future of it."""
-        if stop - start <= _INLINE:
+    Each piece of :data:`COPY_PIECE` bytes is copied once from memory into a reusable buffer and
+    hashed there by a ``pool`` thread, while this thread writes the pieces already hashed: the
+    digest is that of the bytes in the file even if the source changes meanwhile, and copying
+    and hashing overlap the writing.
+    """
+    digests: dict[Any, bytes] = {}
+    hashers: dict[Any, hashing.Hasher] = {}
+    pieces: list[tuple[Any, int, ByteSource, int, int]] = []
+    for key, offset, source, start, stop in spans:
+        if stop - start <= _INLINE:  # not worth a round trip through the pool
             data = copy_span(source, start, stop, np.empty(stop - start, np.uint8))
+            fh.seek(offset)
             _write_all(fh, memoryview(data))
-            return hashing.digest(hash_id, memoryview(data))
-        hasher = hashing.new_hasher(hash_id)
-        last: Future[Any] | None = None
-        for lo in range(start, stop, COPY_PIECE):
-            slot, self._turn = self._turn, 1 - self._turn
-            if len(self._bufs) <= slot:
-                self._bufs.append(_acquire())
-            busy = self._busy[slot]
-            if busy is not None:
-                busy.result()  # the buffer is free once its last piece is hashed (written: already)
-            data = copy_span(source, lo, min(stop, lo + COPY_PIECE), self._bufs[slot])
-            last = self._busy[slot] = self.pool.submit(_update, hasher, data, last)
-            self._futures.append(last)
-            _write_all(fh, memoryview(data))
-        assert last is not None
-        digest = self.pool.submit(_final, hasher, last)
-        self._futures.append(digest)
-        return digest
+            digests[key] = hashing.digest(hash_id, memoryview(data))
+            continue
+        hashers[key] = hashing.new_hasher(hash_id)
+        pieces += [(key, offset + lo - start, source, lo, min(stop, lo + COPY_PIECE))
+                   for lo in range(start, stop, COPY_PIECE)]
+    if not pieces:
+        return digests
+    bufs = [_acquire() for _ in range(min(_RING, len(pieces)))]
+    queue: deque[Future[np.ndarray]] = deque()
+    last: dict[Any, Future[np.ndarray]] = {}
 
-    def close(self) -> None:
-        """Wait for every hashing task (a failed write leaves none reading a buffer), free the buffers."""
-        for future in self._futures:
+    def submit(i: int) -> None:
+        # Piece i reuses the buffer of piece i - len(bufs), written by then.
+        key, _offset, source, lo, hi = pieces[i]
+        last[key] = pool.submit(_fill, source, lo, hi, bufs[i % len(bufs)], hashers[key], last.get(key))
+        queue.append(last[key])
+
+    try:
+        for i in range(len(bufs)):
+            submit(i)
+        position = -1
+        for i, (_key, offset, _source, _lo, _hi) in enumerate(pieces):
+            data = queue.popleft().result()
+            if offset != position:
+                fh.seek(offset)
+            _write_all(fh, memoryview(data))
+            position = offset + len(data)
+            if i + len(bufs) < len(pieces):
+                submit(i + len(bufs))
+        digests.update((key, hasher.digest()) for key, hasher in hashers.items())
+        return digests
+    finally:
+        for future in queue:  # after a failure: no task may still fill a buffer given back
             with contextlib.suppress(Exception):
                 future.result()
-        self._futures.clear()
-        self._busy = [None, None]
-        for buf in self._bufs:
+        for buf in bufs:
             _release(buf)
-        self._bufs.clear()
-
-    def __enter__(self) -> PieceWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _write_compressed(fh: BinaryIO, source: ByteSource, start: int, stop: int, hid: int,
@@ -182,14 +186,6 @@ def _write_compressed(fh: BinaryIO, source: ByteSource, start: int, stop: int, h
     return hashing.digest(hid, stored), len(stored), plain
 
 
-def write_container(fh: BinaryIO, source: ByteSource, start: int, stop: int, hash_id: int,
-                    pool: ThreadPoolExecutor) -> bytes:
-    """Write bytes ``[start, stop)`` of ``source`` at ``fh``'s position: the digest of the bytes written."""
-    with PieceWriter(pool) as writer:
-        digest = writer.write(fh, source, start, stop, hash_id)
-        return digest.result() if isinstance(digest, Future) else digest
-
-
 def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource], *, hash_id: int,
                 trailer: Mapping[str, Any], pt_fs: int | None = None, max_fs: int | None = None,
                 timestamp: int | None = None, pool: ThreadPoolExecutor | None = None,
@@ -201,19 +197,19 @@ def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource],
     """
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
-    pieces = PieceWriter(pool)
     try:
-        digests: dict[tuple[int, int], Future[bytes] | bytes] = {}
+        digests: dict[tuple[int, int], bytes] = {}
         stored_sizes: dict[tuple[int, int], int] = {}
         plain: dict[int, list[int]] = {}
+        spans: list[Span] = []
         data_bytes = 0
         for bi, block in enumerate(layout.blocks):
             for si, slot in enumerate(block.slots):
                 if not slot.hascontent:
                     continue
                 source = sources[slot.var_id]
-                fh.seek(slot.fptr)
                 if codecs and slot.var_id in codecs:
+                    fh.seek(slot.fptr)
                     digests[bi, si], size, is_plain = _write_compressed(
                         fh, source, slot.dptr, slot.dptr + slot.chunksize, hash_id, codecs[slot.var_id])
                     stored_sizes[bi, si] = size
@@ -221,17 +217,16 @@ def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource],
                         plain.setdefault(slot.var_id, []).append(slot.containerid)
                     data_bytes += size
                     continue
-                digests[bi, si] = pieces.write(fh, source, slot.dptr, slot.dptr + slot.chunksize, hash_id)
+                spans.append(((bi, si), slot.fptr, source, slot.dptr, slot.dptr + slot.chunksize))
                 data_bytes += slot.chunksize
-        done = {key: (p.result() if isinstance(p, Future) else p) for key, p in digests.items()}
+        digests.update(write_spans(fh, spans, hash_id, pool))
         if codecs:
             trailer = dict(trailer)
             compression.annotate_trailer(trailer, plain)
-        written = write_metadata(fh, layout, done, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs,
+        written = write_metadata(fh, layout, digests, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs,
                                  timestamp=timestamp, stored_sizes=stored_sizes if codecs else None)
         return dataclasses.replace(written, data_bytes=data_bytes)
     finally:
-        pieces.close()
         if own_pool:
             pool.shutdown(wait=True)
 
