@@ -52,12 +52,11 @@ class WrittenFile:
 
 
 _WRITE_PIECE = 64 << 20
-_WRITEBACK_MIN = 4 << 20  # smaller writes are left to the final fsync
+_WRITEBACK_MIN = 8 << 20  # smaller writes are left to the final fsync
 #: Bytes copied out of an array, hashed and written at a time. The array may be written by another
-#: thread meanwhile: only a private copy makes the bytes hashed the bytes written. Small enough
-#: for the copy to be hashed, then written, from the CPU cache.
-COPY_PIECE = 4 << 20
-_RING = 4  # copy buffers per writer: the pool fills the next ones while the caller writes one
+#: thread meanwhile: only a private copy makes the bytes hashed the bytes written.
+COPY_PIECE = 8 << 20
+_RING = 3  # copy buffers per writer: the pool fills the next ones while the caller writes one
 _INLINE = 256 << 10  # containers up to this size are copied, hashed and written by the caller alone
 _free: list[np.ndarray] = []  # buffers kept for the next checkpoint (no page faults), at most _RING
 _free_lock = threading.Lock()
