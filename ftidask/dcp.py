@@ -15,6 +15,7 @@ Which file is patched, and how the previous checkpoint stays valid meanwhile, is
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
 from collections import deque
@@ -39,6 +40,7 @@ from .layout import Layout, Slot
 _SEGMENT = 8 << 20  # bytes hashed per task: small enough to pipeline, large enough to amortise
 _SEGMENT_KNOWN = 64 << 20  # the same with write tracking: few blocks are hashed, fewer steps cost less
 _WINDOW = 6  # segments hashed ahead of the writer
+_STAGE_BUDGET = 8 << 20  # changed bytes a hashing task copies for writing; the writer copies the rest
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -108,6 +110,89 @@ def _hash_segment(source: ByteSource, start: int, stop: int, block_size: int, fn
     for b0, b1 in _runs(stale):
         digests[b0:b1] = block_digests(view[b0 * block_size:b1 * block_size], block_size, fn, size)
     return digests, copy
+
+
+_Run = tuple[int, int, bool, bool]  # blocks [b0, b1) of a segment; may it widen to a page before, after?
+
+
+@dataclasses.dataclass
+class _Segment:
+    """One hashed segment of a container: its digests, the blocks that differ from the base, and
+    the bytes to write: ``staged`` (segment offset, private copy) by the hashing task, then
+    ``runs`` that the task left for the writer to stage (past its budget)."""
+
+    digests: np.ndarray
+    mask: np.ndarray
+    staged: list[tuple[int, memoryview]]
+    runs: list[_Run]
+    copy: memoryview | None
+
+
+def _split(runs: list[tuple[int, int]], most: int) -> list[_Run]:
+    """``runs`` cut into runs of at most ``most`` blocks (each staged copy stays bounded); only the
+    outer ends of a run are widened to whole pages, so that no two writes overlap."""
+    out = []
+    for b0, b1 in runs:
+        for lo in range(b0, b1, most):
+            out.append((lo, min(b1, lo + most), lo == b0, lo + most >= b1))
+    return out
+
+
+def _segment_task(source: ByteSource, start: int, stop: int, block_size: int, fn: Callable[[memoryview], bytes],
+                  size: int, reuse: tuple[np.ndarray, np.ndarray] | None, base: np.ndarray | None,
+                  file_offset: int) -> _Segment:
+    """Hash a segment, compare it with the base's digests, and stage (copy) its first changed
+    blocks for writing: on the pool, so that copying costs the writer's thread no time."""
+    if reuse is not None and not reuse[1].any():  # nothing to hash
+        digests, copy = reuse[0], None
+    else:
+        digests, copy = _hash_segment(source, start, stop, block_size, fn, size, reuse)
+        if not digests.flags.writeable:  # the pure-Python hashes: the staging below rewrites some rows
+            digests = digests.copy()
+    mask = np.ones(len(digests), bool)
+    if base is not None:
+        same = min(len(digests), len(base))
+        mask[:same] = _differ(digests[:same], base[:same])
+    runs = _split(_runs(mask), max(1, _STAGE_BUDGET // block_size))
+    staged: list[tuple[int, memoryview]] = []
+    budget = _STAGE_BUDGET
+    while runs and (copy is not None or budget > 0):
+        offset, data = stage_run(source, copy, start, stop - start, runs.pop(0), digests, block_size, fn, size,
+                                 file_offset)
+        staged.append((offset, data))
+        budget -= len(data)
+    return _Segment(digests, mask, staged, runs, copy)
+
+
+def stage_run(source: ByteSource, copy: memoryview | None, start: int, length: int, run: _Run,
+              digests: np.ndarray, block_size: int, fn: Callable[[memoryview], bytes], size: int,
+              file_offset: int) -> tuple[int, memoryview]:
+    """The bytes to write for a run of changed blocks of a segment: ``(segment offset, data)``.
+
+    The data is a private copy of the memory (another thread may be writing the array), and the
+    digests of its blocks are recomputed from that copy, so that the file's block hashes are those
+    of the bytes it holds. Widened to whole file pages (see :func:`_page_aligned`) only into a
+    neighbouring block whose copy still matches its digest (its bytes in the file).
+    """
+    b0, b1, widen_lo, widen_hi = run
+    off, end = b0 * block_size, min(length, b1 * block_size)
+    poff, pend = _page_aligned(file_offset, off, end, length) if aligns_writes(block_size) else (off, end)
+    poff, pend = poff if widen_lo else off, pend if widen_hi else end
+    if copy is not None:  # the digests were computed from this private copy
+        return poff, copy[poff:pend]
+    first, last = poff // block_size, -(-pend // block_size)
+    lo, hi = first * block_size, min(length, last * block_size)
+    view = source.view(start + lo, start + hi)
+    if view is None:
+        raise CheckpointError("a variable's buffer changed while it was checkpointed")
+    snap = np.frombuffer(view, np.uint8).copy()  # one read of the memory: hashed and written
+    fresh = block_digests(memoryview(snap), block_size, fn, size)
+    digests[b0:b1] = fresh[b0 - first:b1 - first]
+    if first < b0 and _differ(fresh[:1], digests[first:b0]).any():
+        poff = off  # the block before changed since it was hashed: its bytes in the file stay
+    if last > b1 and _differ(fresh[-1:], digests[b1:last]).any():
+        pend = end
+    return poff, memoryview(snap)[poff - lo:pend - lo]
 
 
 def aligns_writes(block_size: int) -> bool:
@@ -188,44 +273,31 @@ class DcpFileWriter:
         def submit() -> None:
             for key, s, lo, hi in tasks:
                 known_part = reuse.get(key)
+                b0, b1 = lo // self.block_size, -(-hi // self.block_size)
                 if known_part is not None:
-                    b0, b1 = lo // self.block_size, -(-hi // self.block_size)
                     known_part = (known_part[0][b0:b1], known_part[1][b0:b1])
                 self.blocks_hashed += (int(known_part[1].sum()) if known_part is not None
                                        else -(-(hi - lo) // self.block_size))
-                if known_part is not None and not known_part[1].any():  # nothing to hash: no task
-                    done: Future[Any] = Future()
-                    done.set_result((known_part[0], None))
-                    pending.append((key, s, lo, hi, done))
-                else:
-                    pending.append((key, s, lo, hi, self.pool.submit(
-                        _hash_segment, source, s.dptr + lo, s.dptr + hi, self.block_size, self.fn, self.dsize,
-                        known_part)))
+                base = _base_slot(self.base, key[0], key[1], s)
+                pending.append((key, s, lo, hi, self.pool.submit(
+                    _segment_task, source, s.dptr + lo, s.dptr + hi, self.block_size, self.fn, self.dsize,
+                    known_part, None if base is None else base[b0:b1], s.fptr + lo)))
                 if len(pending) >= _WINDOW:
                     return
 
         submit()
         while pending:
             key, slot, lo, hi, fut = pending.popleft()
-            digests, copy = fut.result()
+            seg = fut.result()
             submit()
-            parts[key].append(digests)
-            first = lo // self.block_size
-            base = _base_slot(self.base, key[0], key[1], slot)
-            mask = np.ones(len(digests), bool)
-            if base is not None and first < len(base):
-                same = min(len(digests), len(base) - first)
-                mask[:same] = _differ(digests[:same], base[first:first + same])
+            parts[key].append(seg.digests)
             self.changed.setdefault(key, np.zeros(0, bool))
-            self.changed[key] = np.concatenate((self.changed[key], mask))
-            runs = _runs(mask)
-            for b0, b1 in runs:
-                off, end = b0 * self.block_size, min(hi - lo, b1 * self.block_size)
-                if aligns_writes(self.block_size):
-                    off, end = _page_aligned(slot.fptr + lo, off, end, hi - lo)
-                data = copy[off:end] if copy is not None else source.view(slot.dptr + lo + off, slot.dptr + lo + end)
-                if data is None:
-                    raise CheckpointError(f"variable {var_id}: its buffer changed while it was checkpointed")
+            self.changed[key] = np.concatenate((self.changed[key], seg.mask))
+            # Changed blocks the task did not copy are copied now, one run at a time (bounded memory).
+            later = (stage_run(source, seg.copy, slot.dptr + lo, hi - lo, run, seg.digests, self.block_size,
+                               self.fn, self.dsize, slot.fptr + lo) for run in seg.runs)
+            for off, data in itertools.chain(seg.staged, later):
+                end = off + len(data)
                 if self.hook is not None:
                     self.hook()
                 if self._old_meta is not None:  # old XOR new, read before it is overwritten
@@ -235,7 +307,7 @@ class DcpFileWriter:
                 storage.pwrite_all(self.fd, data, slot.fptr + lo + off)
                 self.runs.append((slot.fptr + lo + off, end - off))
                 written += end - off
-            if runs:
+            if seg.staged or seg.runs:
                 # Submitting write-back of scattered ranges costs CPU: on a pool thread, it overlaps.
                 self._writeback.append(self.pool.submit(storage.start_writeback, self.fd, slot.fptr + lo, hi - lo))
         for key, chunks in parts.items():

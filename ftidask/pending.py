@@ -14,7 +14,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from .arrays import ArrayBytes, VarInfo
 from .dcp import DcpStats
 from .dcpstore import DcpHandle
 from .errors import CheckpointError
-from .ftiff.writer import WrittenFile, write_container, write_metadata
+from .ftiff.writer import WrittenFile, write_metadata, write_spans
 from .layout import Layout
 from .storage import create_temp, fsync_dir, makedirs
 
@@ -44,18 +44,11 @@ class RankFileWriter:
 
     def write_var(self, var_id: int, source: Any) -> int:
         """Write and hash every container of ``var_id`` now (the array may change afterwards)."""
-        written = 0
-        pending: dict[tuple[int, int], Future[bytes] | bytes] = {}
-        for bi, block in enumerate(self.layout.blocks):
-            for si, slot in enumerate(block.slots):
-                if slot.var_id != var_id or not slot.hascontent:
-                    continue
-                self.fh.seek(slot.fptr)
-                pending[bi, si] = write_container(self.fh, source, slot.dptr, slot.dptr + slot.chunksize,
-                                                  self.hash_id, self._pool)
-                written += slot.chunksize
-        for key, value in pending.items():
-            self.digests[key] = value.result() if isinstance(value, Future) else value
+        spans = [((bi, si), slot.fptr, source, slot.dptr, slot.dptr + slot.chunksize)
+                 for bi, block in enumerate(self.layout.blocks) for si, slot in enumerate(block.slots)
+                 if slot.var_id == var_id and slot.hascontent]
+        self.digests.update(write_spans(self.fh, spans, self.hash_id, self._pool))
+        written = sum(stop - start for _key, _offset, _source, start, stop in spans)
         self.data_bytes += written
         return written
 

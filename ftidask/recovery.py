@@ -52,9 +52,16 @@ def check_file(path: Path, record: CommitRecord | None, rank: int) -> Verdict:
 
 
 def check_sizes(parsed: FtiffFile, arrays: Mapping[int, np.ndarray]) -> str:
-    """An error message when a protected array cannot receive its stored data, else ''."""
+    """An error message when a protected array cannot receive its stored data, else ''.
+
+    Every target is checked (dtype, shape, size, writeable) before the first byte is copied, so
+    that a recovery refused for one variable leaves every array as it was.
+    """
     sizes = parsed.var_nbytes()
     for vid, array in arrays.items():
+        problem = check_writeable(vid, array)
+        if problem:
+            return problem
         if vid not in sizes:
             return (f"variable {vid} is protected but not in checkpoint file {parsed.path} "
                     f"(it holds ids {sorted(sizes)})")
@@ -65,6 +72,14 @@ def check_sizes(parsed: FtiffFile, arrays: Mapping[int, np.ndarray]) -> str:
         if array.nbytes != sizes[vid]:
             return (f"variable {vid}: checkpoint holds {sizes[vid]} bytes, the protected array has "
                     f"{array.nbytes}; use ctx.stored_size({vid}) and ctx.realloc({vid}, ...)")
+    return ""
+
+
+def check_writeable(vid: int, array: Any) -> str:
+    """An error message when recovery cannot write into the protected array ``array``, else ''."""
+    if isinstance(array, np.ndarray) and not array.flags.writeable:
+        return (f"variable {vid}: the protected array is read-only (a read-only view, buffer or memory map), so "
+                "recovery cannot fill it; protect a writeable array, e.g. numpy.array(a), and recover again")
     return ""
 
 

@@ -54,6 +54,63 @@ def test_fti11_damage_detected(tmp_path, dirs):
             verify_data(fh, parsed)
 
 
+def test_fti11_file_block_holds_ftis_values(tmp_path):
+    """FTI 1.1 writes ckptSize = fs = the whole file's size, and -1 for ptFs/maxFs at L1/L4."""
+    path, _a, _b = _fti11(tmp_path)
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, str(path))
+        verify_data(fh, parsed)
+    fb = parsed.fb
+    assert fb.legacy and fb.ckpt_size == fb.fs == path.stat().st_size
+    assert (fb.pt_fs, fb.max_fs) == (-1, -1)
+    assert sum(m.chunksize for _b, _c, m in parsed.containers()) < fb.ckpt_size
+
+
+@pytest.mark.parametrize("sizes", [{"pt_fs": 7000}, {"max_fs": 9000}])
+def test_fti11_l2_l3_files_recover(tmp_path, dirs, sizes):
+    a = np.arange(500, dtype=np.float64)
+    path = tmp_path / "Ckpt3-Rank1.fti"
+    path.write_bytes(fti11_file({7: a.tobytes()}, [[(7, 0, 0, 0, a.nbytes)]], **sizes))
+    ctx = ftidask.init(**dirs)
+    x = np.zeros_like(a)
+    ctx.protect(7, x)
+    ctx.recover_file(path)
+    assert x.tobytes() == a.tobytes()
+
+
+@pytest.mark.parametrize("ckpt_size, ok", [(None, True), (4000 + 2400, True), (12345, False)])
+def test_fti11_ckpt_size_checked(tmp_path, ckpt_size, ok):
+    """A legacy ckptSize is the file size (what FTI writes) or the data size (what its documentation
+    says); anything else is refused."""
+    a = np.arange(1000, dtype=np.int32)
+    b = np.linspace(0, 1, 300)
+    path = tmp_path / "Ckpt1-Rank0.fti"
+    path.write_bytes(fti11_file({1: a.tobytes(), 2: b.tobytes()}, [[(1, 0, 0, 0, 4000), (2, 1, 0, 0, 3200)]],
+                                ckpt_size=ckpt_size))
+    with open(path, "rb") as fh:
+        if ok:
+            verify_data(fh, parse_ftiff(fh, str(path)))
+        else:
+            with pytest.raises(ftidask.FormatError, match="ckptSize"):
+                parse_ftiff(fh, str(path))
+
+
+def test_ftidask_file_ckpt_size_must_be_the_data_size(dirs):
+    """ftidask's own files keep the strict rule: ckptSize = the bytes the containers hold."""
+    from ftidask.ftiff.structs import FileBlock
+
+    path = _good(dirs)
+    raw = bytearray(path.read_bytes())
+    fb = FileBlock.unpack(bytes(raw[:96]))
+    assert fb.ckpt_size == 800 and not fb.legacy
+    import dataclasses
+
+    bad = dataclasses.replace(fb, ckpt_size=fb.fs).sealed()
+    path.write_bytes(bad.pack() + bytes(raw[96:]))
+    with open(path, "rb") as fh, pytest.raises(ftidask.FormatError, match="ckptSize"):
+        parse_ftiff(fh, str(path))
+
+
 def _good(dirs):
     ctx = ftidask.init(**dirs)
     ctx.protect(1, np.arange(100.0))

@@ -19,6 +19,7 @@ from ..arrays import dtype_from_json
 from ..context import Protected
 from ..errors import FTIError, NoCheckpointError, RecoveryError
 from ..levels.ring_groups import copy_holder
+from ..recovery import check_writeable
 from ..runstate import CommitRecord
 from . import tasks
 from .cluster import WorkerLost
@@ -153,10 +154,16 @@ def _target_chunks(ctx: DaskContext, spec: VarSpec, chunks: Any) -> Any:
             chunks = held.array.chunks
     if chunks is None:
         return spec.chunks
-    return normalize_chunks(chunks, spec.shape, dtype=spec.dtype)
+    try:
+        return normalize_chunks(chunks, spec.shape, dtype=spec.dtype)
+    except (ValueError, TypeError) as exc:
+        raise RecoveryError(f"variable {spec.id}: chunks {chunks!r} do not fit its shape {spec.shape}: "
+                            f"{exc}") from None
 
 
 def _check_protected(ctx: DaskContext, specs: list[VarSpec]) -> None:
+    """Refuse before anything is read or rebound: every protected variable must be in the
+    checkpoint with its dtype and shape, and a NumPy one must be writeable (filled in place)."""
     stored = {s.id: s for s in specs}
     for vid, p in ctx._vars.items():
         spec = stored.get(vid)
@@ -166,6 +173,9 @@ def _check_protected(ctx: DaskContext, specs: list[VarSpec]) -> None:
         if np.dtype(p.array.dtype) != spec.dtype or tuple(p.array.shape) != spec.shape:
             raise RecoveryError(f"variable {vid}: checkpoint holds {spec.dtype} {spec.shape}, the protected array "
                                 f"is {p.array.dtype} {tuple(p.array.shape)}")
+        problem = check_writeable(vid, p.array)
+        if problem:
+            raise RecoveryError(problem)
 
 
 def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[str, str]],
@@ -173,6 +183,13 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
     """Dask arrays whose chunks are read (and hash-checked) on the workers that serve the files."""
     specs = _specs(record)
     _check_protected(ctx, specs)
+    # What each variable becomes, decided before anything is read, filled or rebound: a NumPy
+    # array filled in place (target None), or a new Dask array with these chunks.
+    plans = []
+    for spec in specs:
+        held = ctx._vars.get(spec.id)
+        in_place = spec.kind == "numpy" or (held is not None and isinstance(held.array, np.ndarray))
+        plans.append((spec, held, None if in_place else _target_chunks(ctx, spec, chunks)))
     fb = {f.rank: f.fb_hash for f in record.files}
     raw_dtypes = {int(v["id"]): v["dtype"] for v in record.extra["vars"]}
     token = uuid.uuid4().hex
@@ -194,18 +211,19 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
     # Every chunk is read and verified before anything is handed back.
     ctx.cluster.wait_all(futures, {w for w, _p in hosts.values()}, f"reading checkpoint {record.ckpt_id}",
                          gather=False)
+    # Every NumPy value is computed before the first array is filled (a worker lost meanwhile fails
+    # the recovery with every array as it was).
+    values = {spec.id: arrays[spec.id].compute() for spec, _held, target in plans if target is None}
     out: dict[int, Any] = {}
-    for spec in specs:
-        arr = arrays[spec.id]
-        held = ctx._vars.get(spec.id)
-        if spec.kind == "numpy" or (held is not None and isinstance(held.array, np.ndarray)):
-            value = arr.compute()
+    for spec, held, target in plans:
+        if target is None:
+            value = values.pop(spec.id)
             if held is not None and isinstance(held.array, np.ndarray):
                 np.copyto(held.array, value)
                 value = held.array
             out[spec.id] = value
             continue
-        target = _target_chunks(ctx, spec, chunks)
+        arr = arrays[spec.id]
         if target != spec.chunks:
             arr = arr.rechunk(target)
         out[spec.id] = arr

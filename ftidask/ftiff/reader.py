@@ -199,8 +199,13 @@ def _check_coverage(parsed: FtiffFile) -> None:
     for vid, size in sizes.items():
         if size and vid not in chunks:
             raise FormatError(f"variable {vid}: {size} bytes listed but no container holds them", path=parsed.path)
-    if stored != parsed.fb.ckpt_size:
-        raise FormatError(f"ckptSize={parsed.fb.ckpt_size} does not match the containers", path=parsed.path)
+    # FTI 1.1 writes ckptSize = fs (the whole file, metadata included), where its documentation
+    # says the data size: a legacy file may hold either. ftidask's own files hold the data size.
+    legacy_ok = parsed.legacy and parsed.fb.ckpt_size == parsed.fb.fs
+    if stored != parsed.fb.ckpt_size and not legacy_ok:
+        raise FormatError(f"ckptSize={parsed.fb.ckpt_size} does not match the containers ({stored} bytes"
+                          + (f") or, for an FTI 1.1 file, fs={parsed.fb.fs}" if parsed.legacy else ")"),
+                          path=parsed.path)
 
 
 def _raw_chunk(parsed: FtiffFile, meta: ContainerMeta) -> int:

@@ -3,17 +3,27 @@
 Data first, container by container, then the metadata (whose hashes are known only then),
 the variable table, and the file block last. The caller owns the file handle (and so the
 atomic commit): the writer knows nothing of paths.
+
+The application may write its arrays while they are checkpointed (another thread). The data
+of such a checkpoint may be torn between pieces, as in FTI, but its file always verifies:
+each piece is copied once from memory into a reusable buffer, and that copy is both hashed and
+written (:func:`write_spans`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO, Protocol
+
+import numpy as np
 
 from .. import storage
 from ..layout import Layout
@@ -43,6 +53,26 @@ class WrittenFile:
 
 _WRITE_PIECE = 64 << 20
 _WRITEBACK_MIN = 8 << 20  # smaller writes are left to the final fsync
+#: Bytes copied out of an array, hashed and written at a time. The array may be written by another
+#: thread meanwhile: only a private copy makes the bytes hashed the bytes written.
+COPY_PIECE = 8 << 20
+_RING = 3  # copy buffers per writer: the pool fills the next ones while the caller writes one
+_INLINE = 256 << 10  # containers up to this size are copied, hashed and written by the caller alone
+_free: list[np.ndarray] = []  # buffers kept for the next checkpoint (no page faults), at most _RING
+_free_lock = threading.Lock()
+
+
+def _acquire() -> np.ndarray:
+    with _free_lock:
+        if _free:
+            return _free.pop()
+    return np.empty(COPY_PIECE, np.uint8)
+
+
+def _release(buf: np.ndarray) -> None:
+    with _free_lock:
+        if len(_free) < _RING:
+            _free.append(buf)
 
 
 def _write_all(fh: BinaryIO, data: memoryview) -> None:
@@ -54,19 +84,90 @@ def _write_all(fh: BinaryIO, data: memoryview) -> None:
             storage.start_writeback(fh.fileno(), fh.tell() - len(piece), len(piece))
 
 
-def _write_slot(fh: BinaryIO, source: ByteSource, start: int, stop: int, hid: int,
-                pool: ThreadPoolExecutor) -> Future[bytes] | bytes:
+def copy_span(source: ByteSource, start: int, stop: int, out: np.ndarray) -> np.ndarray:
+    """Copy bytes ``[start, stop)`` of ``source`` into ``out`` (one read of the memory): the
+    filled part of ``out``. NumPy copies without holding the GIL."""
+    n = stop - start
     view = source.view(start, stop)
     if view is not None:
-        # Hash on a second thread while this one writes: both release the GIL.
-        future = pool.submit(hashing.digest, hid, view)
-        _write_all(fh, view)
-        return future
-    hasher = hashing.new_hasher(hid)
+        np.copyto(out[:n], np.frombuffer(view, np.uint8))
+        return out[:n]
+    pos = 0
     for piece in source.pieces(start, stop):
-        hasher.update(piece)
-        fh.write(piece)
-    return hasher.digest()
+        np.copyto(out[pos:pos + len(piece)], np.frombuffer(piece, np.uint8))
+        pos += len(piece)
+    if pos != n:
+        raise ValueError(f"byte source gave {pos} bytes for [{start}, {stop})")
+    return out[:n]
+
+
+def _fill(source: ByteSource, start: int, stop: int, buf: np.ndarray, hasher: hashing.Hasher,
+          before: Future[Any] | None) -> np.ndarray:
+    """Copy a piece into ``buf`` and hash the copy (after the container's previous piece)."""
+    data = copy_span(source, start, stop, buf)
+    if before is not None:  # pieces of one container are hashed in order, whatever the pool
+        before.result()
+    hasher.update(memoryview(data))
+    return data
+
+
+#: A byte range to write: (key, file offset, source, start, stop) -> its digest under ``key``.
+Span = tuple[Any, int, ByteSource, int, int]
+
+
+def write_spans(fh: BinaryIO, spans: Iterable[Span], hash_id: int, pool: ThreadPoolExecutor) -> dict[Any, bytes]:
+    """Write each span's bytes at its file offset; the digest of the bytes written, by key.
+
+    Each piece of :data:`COPY_PIECE` bytes is copied once from memory into a reusable buffer and
+    hashed there by a ``pool`` thread, while this thread writes the pieces already hashed: the
+    digest is that of the bytes in the file even if the source changes meanwhile, and copying
+    and hashing overlap the writing.
+    """
+    digests: dict[Any, bytes] = {}
+    hashers: dict[Any, hashing.Hasher] = {}
+    pieces: list[tuple[Any, int, ByteSource, int, int]] = []
+    for key, offset, source, start, stop in spans:
+        if stop - start <= _INLINE:  # not worth a round trip through the pool
+            data = copy_span(source, start, stop, np.empty(stop - start, np.uint8))
+            fh.seek(offset)
+            _write_all(fh, memoryview(data))
+            digests[key] = hashing.digest(hash_id, memoryview(data))
+            continue
+        hashers[key] = hashing.new_hasher(hash_id)
+        pieces += [(key, offset + lo - start, source, lo, min(stop, lo + COPY_PIECE))
+                   for lo in range(start, stop, COPY_PIECE)]
+    if not pieces:
+        return digests
+    bufs = [_acquire() for _ in range(min(_RING, len(pieces)))]
+    queue: deque[Future[np.ndarray]] = deque()
+    last: dict[Any, Future[np.ndarray]] = {}
+
+    def submit(i: int) -> None:
+        # Piece i reuses the buffer of piece i - len(bufs), written by then.
+        key, _offset, source, lo, hi = pieces[i]
+        last[key] = pool.submit(_fill, source, lo, hi, bufs[i % len(bufs)], hashers[key], last.get(key))
+        queue.append(last[key])
+
+    try:
+        for i in range(len(bufs)):
+            submit(i)
+        position = -1
+        for i, (_key, offset, _source, _lo, _hi) in enumerate(pieces):
+            data = queue.popleft().result()
+            if offset != position:
+                fh.seek(offset)
+            _write_all(fh, memoryview(data))
+            position = offset + len(data)
+            if i + len(bufs) < len(pieces):
+                submit(i + len(bufs))
+        digests.update((key, hasher.digest()) for key, hasher in hashers.items())
+        return digests
+    finally:
+        for future in queue:  # after a failure: no task may still fill a buffer given back
+            with contextlib.suppress(Exception):
+                future.result()
+        for buf in bufs:
+            _release(buf)
 
 
 def _write_compressed(fh: BinaryIO, source: ByteSource, start: int, stop: int, hid: int,
@@ -75,14 +176,13 @@ def _write_compressed(fh: BinaryIO, source: ByteSource, start: int, stop: int, h
     view = source.view(start, stop)
     raw = view if view is not None else b"".join(bytes(p) for p in source.pieces(start, stop))
     stored, plain = compression.encode_span(codec[0], raw, codec[1])
+    if plain and view is not None:
+        # Stored as is: from a private copy (the encoder's output already is one), so that the
+        # bytes hashed are the bytes written even if the array changes meanwhile.
+        del stored
+        stored = copy_span(source, start, stop, np.empty(stop - start, np.uint8))
     _write_all(fh, memoryview(stored))
     return hashing.digest(hid, stored), len(stored), plain
-
-
-def write_container(fh: BinaryIO, source: ByteSource, start: int, stop: int, hash_id: int,
-                    pool: ThreadPoolExecutor) -> Future[bytes] | bytes:
-    """Write bytes ``[start, stop)`` of ``source`` at ``fh``'s position: their digest, or a future of it."""
-    return _write_slot(fh, source, start, stop, hash_id, pool)
 
 
 def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource], *, hash_id: int,
@@ -97,17 +197,18 @@ def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource],
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
     try:
-        digests: dict[tuple[int, int], Future[bytes] | bytes] = {}
+        digests: dict[tuple[int, int], bytes] = {}
         stored_sizes: dict[tuple[int, int], int] = {}
         plain: dict[int, list[int]] = {}
+        spans: list[Span] = []
         data_bytes = 0
         for bi, block in enumerate(layout.blocks):
             for si, slot in enumerate(block.slots):
                 if not slot.hascontent:
                     continue
                 source = sources[slot.var_id]
-                fh.seek(slot.fptr)
                 if codecs and slot.var_id in codecs:
+                    fh.seek(slot.fptr)
                     digests[bi, si], size, is_plain = _write_compressed(
                         fh, source, slot.dptr, slot.dptr + slot.chunksize, hash_id, codecs[slot.var_id])
                     stored_sizes[bi, si] = size
@@ -115,13 +216,13 @@ def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource],
                         plain.setdefault(slot.var_id, []).append(slot.containerid)
                     data_bytes += size
                     continue
-                digests[bi, si] = _write_slot(fh, source, slot.dptr, slot.dptr + slot.chunksize, hash_id, pool)
+                spans.append(((bi, si), slot.fptr, source, slot.dptr, slot.dptr + slot.chunksize))
                 data_bytes += slot.chunksize
-        done = {key: (p.result() if isinstance(p, Future) else p) for key, p in digests.items()}
+        digests.update(write_spans(fh, spans, hash_id, pool))
         if codecs:
             trailer = dict(trailer)
             compression.annotate_trailer(trailer, plain)
-        written = write_metadata(fh, layout, done, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs,
+        written = write_metadata(fh, layout, digests, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs,
                                  timestamp=timestamp, stored_sizes=stored_sizes if codecs else None)
         return dataclasses.replace(written, data_bytes=data_bytes)
     finally:
