@@ -1,6 +1,7 @@
 """Rank script of the one-rank-failure tests: a fault on one rank must give every rank the same error.
 
 usage: one_rank_fault_job.py DIR SCENARIO [SCENARIO ...]
+       one_rank_fault_job.py DIR heads-SCENARIO      (4 processes: 2 nodes of a head and an application rank)
 
 For each scenario, in ``DIR/<scenario>``: a first run writes checkpoint 1 (and more for the
 differential levels); then a fault is planted on one rank only, by monkeypatching a function of
@@ -8,6 +9,8 @@ ftidask in that rank's process (the test seam), and the collective step under te
 restart (a new ``init`` on the same directories, in the same processes) recovers. Each rank writes
 ``DIR/<scenario>-<rank>.json``: {"error": class name or null, "message", "recovered": [ckpt_id, level]
 or null, "same": whether the recovered arrays are the expected ones, "expected": ckpt id}.
+With heads, the fault is planted in one head; each application rank reports the head's reply
+("reply") to its checkpoint 2 at level 2, and what the restart recovers (the L1 checkpoint 2).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from mpi4py import MPI
 import ftidask
 from ftidask import context, context_recovery, context_writing, pending, runstate, storage
 from ftidask.levels import erasure, partner, partner_delta, rs_delta
+from ftidask.transport import heads
 from ftidask.transport import mpi as mpi_transport
 
 RANK = MPI.COMM_WORLD.rank
@@ -189,10 +193,45 @@ def run_scenario(root: Path, name: str) -> None:
     (root / f"{name}-{RANK}.json").write_text(json.dumps(result))
 
 
+# Heads (world ranks 0 and 2 are the heads of nodes 0 and 1): the victim is a head's world rank.
+HEADS: dict[str, tuple[int, Any, str, BaseException]] = {
+    "heads-place": (2, heads, "_link_or_copy", MemoryError()),
+    "heads-commit": (0, storage, "write_json_atomic", no_space()),
+}
+
+
+def run_heads(root: Path, name: str) -> None:
+    victim, owner, attr, exc = HEADS[name]
+    base = root / name
+    cfg = {"head": 1, "inline_l2": 0, "node_size": 2, "group_size": 2, "verbosity": 4}
+    for restart_run in (False, True):  # a head serves inside init until the application ranks end
+        try:
+            with fault(victim if not restart_run else -1, owner, attr, exc):
+                ctx = ftidask.init(comm=MPI.COMM_WORLD, local_test=1, **cfg, **dirs(base))
+        except SystemExit:
+            continue  # a head: its application ranks have ended
+        array = np.zeros(20000) if restart_run else data(1)
+        ctx.protect(1, array)
+        if not restart_run:
+            ctx.checkpoint(1, 1)
+            array[:] = data(2)
+            ctx.checkpoint(2, 2)  # written at L1, raised to L2 by the heads
+            reply = ctx.wait_post_processing()
+        else:
+            ctx.recover()
+            result = {"reply": reply, "recovered": list(ctx.recovered_from or ()),
+                      "same": bool((array == data(2)).all())}
+            (root / f"{name}-{RANK}.json").write_text(json.dumps(result))
+        ctx._close()
+
+
 def main() -> None:
     root = Path(sys.argv[1])
     for name in sys.argv[2:]:
-        run_scenario(root, name)
+        if name.startswith("heads-"):
+            run_heads(root, name)
+        else:
+            run_scenario(root, name)
 
 
 if __name__ == "__main__":
