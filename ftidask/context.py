@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from . import constants, storage
-from .collective import agree, attempt, everywhere, on_root
 from .arrays import check_ckpt_id, check_id, check_protectable
 from .checkpointing import CheckpointInfo
+from .collective import agree, attempt, everywhere, on_root
 from .config import Config
 from .context_recovery import RecoveryMixin
 from .context_writing import WritingMixin
