@@ -17,6 +17,7 @@ import numpy as np
 from . import constants, dirchecks, logsetup, runlock, storage
 from .arrays import check_ckpt_id, check_id, check_protectable
 from .checkpointing import CheckpointInfo
+from .collective import agree, attempt, everywhere, on_root
 from .config import Config
 from .context_recovery import RecoveryMixin
 from .context_writing import WritingMixin
@@ -153,10 +154,8 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
             for vid, p in self._vars.items():
                 if pending.error:
                     break
-                try:
-                    pending.write_var(vid, p.name, p.array)
-                except (OSError, FTIError) as exc:
-                    pending.error = f"rank {self.transport.rank}: {exc}"
+                _r, pending.error = attempt(self.transport.rank,
+                                            functools.partial(pending.write_var, vid, p.name, p.array))
         except BaseException:  # interrupted: no file left open, nothing committed
             pending.abort()
             raise
@@ -174,88 +173,83 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         differential = level > 4  # L5-L8: differential L1-L4
         post_level = level - 4 if differential else level
         level = t.write_level(post_level) + (4 if differential else 0)
-        layout = plan_layout(self._layout, [(vid, p.array.nbytes) for vid, p in self._vars.items()])
-        seq = t.bcast(self.state.next_seq() if t.rank == 0 else None)
+
+        def plan() -> tuple[Layout, int | None]:
+            if incremental and level <= 4 and (self._codecs() or (level == 4 and self.config.l4_format == "zarr")):
+                raise CheckpointError("incremental checkpoints are written uncompressed as FTI-FF files: set "
+                                      "compressor = none (and l4_format = ftiff for level 4), or use levels 5-8")
+            return (plan_layout(self._layout, [(vid, p.array.nbytes) for vid, p in self._vars.items()]),
+                    self.state.next_seq() if t.rank == 0 else None)
+
+        (layout, seq), error = attempt(t.rank, plan, (None, None))
+        seq = agree(t, error, CheckpointError, f"checkpoint {ckpt_id} cannot start; the previous checkpoint is kept",
+                    seq)[0]  # rank 0's sequence number, or the same error on every rank
         base_level = level - 4 if level > 4 else level
         directory = self.paths.level_dir(base_level, t.node) / storage.ckpt_dirname(ckpt_id, seq)
         path = directory / storage.rank_file(ckpt_id, t.rank)
-        if incremental and level <= 4 and (self._codecs() or (level == 4 and self.config.l4_format == "zarr")):
-            raise CheckpointError("incremental checkpoints are written uncompressed as FTI-FF files: set "
-                                  "compressor = none (and l4_format = ftiff for level 4), or use levels 5-8")
-        writer: Any = None
-        error = ""
-        try:
+
+        def open_writer() -> Any:
             if level > 4:
-                writer = self._dcp_store().begin(base_level, layout)
-            elif incremental:
-                writer = RankFileWriter(path, layout, self._hash_id, self._hash_pool())
-            else:  # every variable at once, at commit: compression, Zarr L4 and progress bars apply
-                writer = OneShotWriter(functools.partial(self._write_full, ckpt_id, level, path, layout))
-        except (OSError, FTIError) as exc:
-            error = f"rank {t.rank}: {exc}"
+                return self._dcp_store().begin(base_level, layout)
+            if incremental:
+                return RankFileWriter(path, layout, self._hash_id, self._hash_pool())
+            # every variable at once, at commit: compression, Zarr L4 and progress bars apply
+            return OneShotWriter(functools.partial(self._write_full, ckpt_id, level, path, layout))
+
+        writer, error = attempt(t.rank, open_writer)  # an error is reported, on every rank, at the commit
         return PendingCheckpoint(ckpt_id, level, seq, layout, directory, path,
                                  {vid: p.array.nbytes for vid, p in self._vars.items()}, writer, error=error,
                                  post_level=post_level)
 
     def _commit_checkpoint(self, pending: PendingCheckpoint) -> CheckpointInfo:
-        """Finish every rank's file, add the level's redundancy, write the commit record."""
+        """Finish every rank's file, add the level's redundancy, write the commit record.
+
+        Each local step runs through :func:`~ftidask.collective.attempt` and the ranks agree after
+        it: an exception on any rank (an OS error, MemoryError, anything) fails the checkpoint on
+        every rank with the same :class:`CheckpointError`, and the previous checkpoint stays.
+        """
         t = self.transport
         ckpt_id, level, seq = pending.ckpt_id, pending.base_level, pending.seq
-        sizes = t.allgather(pending.layout.fs)
+        failed = f"checkpoint {ckpt_id} at level {pending.level} failed; the previous checkpoint is kept"
         written = None
-        if not pending.error:
-            try:
-                written = pending.finish(
+        try:
+            sizes = t.allgather(pending.layout.fs)
+
+            def finish() -> tuple[Any, dict[str, Any]]:
+                done = pending.finish(
                     {"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level,
                      "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
                      "backend": t.name, "time": time.time()},
                     pt_fs=self._partner_fs(sizes), max_fs=max(sizes[r] for r in t.group_of()))
-            except (OSError, FTIError) as exc:
-                pending.error = f"rank {t.rank}: {exc}"
-        try:  # collective for L2/L3: every rank takes part, even one whose file failed
-            if pending.differential:
-                stats = None if pending.error else pending.stats
-                t.protect_files_delta(level, ckpt_id, pending.path, pending.directory,
-                                      None if stats is None else stats.delta, xor=None if stats is None else stats.xor)
-            else:
-                t.protect_files(level, ckpt_id, pending.path, pending.directory)
-        except (OSError, FTIError) as exc:
-            pending.error = pending.error or f"rank {t.rank}: {exc}"
-        if pending.error:
-            pending.abort()
-        results = t.allgather((pending.error, None if written is None else
-                               FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()))
-        errors = [e for e, _ in results if e]
-        if errors:
-            storage.remove_tree(pending.directory)
-            if self._dcp is not None:
-                self._dcp.discard(level, seq)
-            raise CheckpointError(f"checkpoint {ckpt_id} at level {pending.level} failed; the previous checkpoint "
-                                  "is kept: " + "; ".join(errors))
+                return done, FileRecord(t.rank, t.node, done.file_size, done.fb.hash.hex()).to_json()
+
+            entry, error = None, pending.error
+            if not error:
+                (written, entry), error = attempt(t.rank, finish, (None, None))
+            # Every file is complete before the level's collectives: none of them runs for a failed checkpoint.
+            files = agree(t, error, CheckpointError, failed, entry)
+
+            def protect() -> None:  # collective for L2/L3: the level keeps the ranks in step, reports at its end
+                if pending.differential:
+                    stats = pending.stats
+                    t.protect_files_delta(level, ckpt_id, pending.path, pending.directory,
+                                          None if stats is None else stats.delta,
+                                          xor=None if stats is None else stats.xor)
+                else:
+                    t.protect_files(level, ckpt_id, pending.path, pending.directory)
+
+            agree(t, attempt(t.rank, protect)[1], CheckpointError, failed)
+            record = CommitRecord(seq, ckpt_id, level, time.time(), t.size, tuple(FileRecord(**f) for f in files),
+                                  {"dcp": True} if pending.differential else
+                                  {"l4_format": "zarr"} if isinstance(pending.writer, OneShotWriter) and level == 4
+                                  and self.config.l4_format == "zarr" else {})
+            on_root(t, functools.partial(self.state.write_record, record), CheckpointError, failed)  # the commit
+        except CheckpointError:  # agreed: the same on every rank
+            self._drop_checkpoint(pending, finished=written is not None)
+            raise
         assert written is not None  # every rank succeeded
-        record = CommitRecord(seq, ckpt_id, level, time.time(), t.size,
-                              tuple(FileRecord(**f) for _e, f in results),
-                              {"dcp": True} if pending.differential else
-                              {"l4_format": "zarr"} if isinstance(pending.writer, OneShotWriter) and level == 4
-                              and self.config.l4_format == "zarr" else {})
-        failed = ""
-        if t.rank == 0:
-            try:
-                self.state.write_record(record)  # the commit point
-            except OSError as exc:  # a full or read-only meta_dir: the previous checkpoint stays the newest
-                failed = f"writing its commit record in {self.state.records_dir} failed: {exc}"
-        failed = next((e for e in t.allgather(failed) if e), "")  # as a barrier; every rank raises the same
-        if failed:
-            storage.remove_tree(pending.directory)
-            if self._dcp is not None:
-                self._dcp.discard(level, seq)
-            raise CheckpointError(f"checkpoint {ckpt_id} at level {pending.level} failed; the previous checkpoint "
-                                  f"is kept: {failed}")
         self._layout = pending.layout
         self._restart_file = None
-        self._retire_older(record)
-        self._collect_garbage()
-        t.post_process(record, pending.post_level or level, self.exec_id)
         stats = pending.stats
         info = CheckpointInfo(ckpt_id, pending.level, seq, written.data_bytes,
                               written.file_size if stats is None else stats.file_bytes,
@@ -265,9 +259,32 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
                               None if stats is None else stats.blocks_hashed)
         self.last_checkpoint = info
         self._next_ckpt_id = max(self._next_ckpt_id, ckpt_id + 1)
+        try:  # collective: their errors are agreed too (the same FTIError on every rank)
+            self._retire_older(record)
+            self._collect_garbage()
+        except FTIError as exc:
+            raise CheckpointError(f"checkpoint {ckpt_id} (level {pending.level}) is committed and recoverable, "
+                                  f"but cleaning up after it failed: {exc}") from exc
+        t.post_process(record, pending.post_level or level, self.exec_id)
         log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, pending.level,
                  info.bytes_written, info.seconds)
         return info
+
+    def _drop_checkpoint(self, pending: PendingCheckpoint, finished: bool) -> None:
+        """After a failed checkpoint: remove its files (and its record, had rank 0 written it before
+        failing). Local and best effort: every rank raises the agreed error after it."""
+        def drop() -> None:
+            if not finished:
+                pending.abort()
+            storage.remove_tree(pending.directory)
+            if self._dcp is not None:
+                self._dcp.discard(pending.base_level, pending.seq)
+            if self.transport.rank == 0:
+                self.state.delete_record(pending.seq)
+
+        _r, error = attempt(self.transport.rank, drop)
+        if error:
+            log.warning("cleaning up after the failed checkpoint %d: %s", pending.ckpt_id, error)
 
     def _check_level(self, level: Any) -> int:
         if (self.config.enable_dcp and isinstance(level, (int, np.integer)) and not isinstance(level, bool)
@@ -330,23 +347,21 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
             return
         t = self.transport
         staging_failed = self._finish_staging()  # wait for pending SendFile requests (stage_timeout)
+        failed = "finalize failed"
         try:
             t.wait_post()
-            records = self._candidates(None, None)
+            records = self._candidates(None, None, FTIError)
             if self.config.keep_last_ckpt and records:
                 last = records[0]
                 if last.level != 4:
                     self._flush_to_l4(last)
-                if t.rank == 0:
-                    self.state.write_run(state="finalized", keep_last=True)
+                on_root(t, lambda: self.state.write_run(state="finalized", keep_last=True), FTIError, failed)
             else:
                 for record in records:
                     self._remove_checkpoint(record)
-                if t.rank == 0:
-                    self.state.write_run(state="finalized", keep_last=False)
-            if self._dcp is not None:
-                self._dcp.clear()  # the spares of differential checkpoints
-            t.barrier()
+                on_root(t, lambda: self.state.write_run(state="finalized", keep_last=False), FTIError, failed)
+            # the spares of differential checkpoints (every rank takes part, with a store or not)
+            everywhere(t, self._dcp.clear if self._dcp is not None else lambda: None, FTIError, failed)
         finally:
             self._close()
         self._prune_run_dirs()
@@ -379,41 +394,32 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
 
     def _flush_to_l4(self, record: CommitRecord) -> None:
         t = self.transport
-        seq = t.bcast(self.state.next_seq() if t.rank == 0 else None)
-        verdict = check_file(self._rank_file(record), record, t.rank)
-        error, entry = "", None
+        failed = "keep_last_ckpt: flushing the last checkpoint to L4 failed"
+        seq = on_root(t, self.state.next_seq, CheckpointError, failed)
         as_zarr = self.config.l4_format == "zarr"
-        if verdict.kind == "ok":
-            dst = self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)
-            try:
-                if as_zarr:
-                    from .levels import zarr_l4
 
-                    written = zarr_l4.flush_file(verdict.parsed, dst / zarr_l4.store_name(record.ckpt_id, t.rank), seq)
-                    entry = FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()
-                else:
-                    storage.copy_file_atomic(self._rank_file(record), dst / storage.rank_file(record.ckpt_id, t.rank))
-            except (OSError, FTIError) as exc:
-                error = str(exc)
-        else:
-            error = verdict.message
-        results = t.allgather((error, entry))
-        errors = [e for e, _f in results if e]
-        if errors:
-            raise CheckpointError("keep_last_ckpt: flushing the last checkpoint to L4 failed: " + "; ".join(errors))
-        failed = ""
-        if t.rank == 0:
-            zarr_files = ({"files": tuple(FileRecord(**f) for _e, f in results), "extra": {"l4_format": "zarr"}}
-                          if as_zarr else {})
-            try:
-                self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(),
-                                                            **zarr_files))
-            except OSError as exc:  # a full meta_dir: the last checkpoint stays where it is, committed
-                failed = f"writing the commit record in {self.state.records_dir} failed: {exc}"
-        failed = next((e for e in t.allgather(failed) if e), "")  # as a barrier; every rank raises the same
-        if failed:
+        def flush() -> dict[str, Any] | None:
+            verdict = check_file(self._rank_file(record), record, t.rank)
+            if verdict.kind != "ok":
+                raise CheckpointError(verdict.message)
+            dst = self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)
+            if as_zarr:
+                from .levels import zarr_l4
+
+                written = zarr_l4.flush_file(verdict.parsed, dst / zarr_l4.store_name(record.ckpt_id, t.rank), seq)
+                return FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()
+            storage.copy_file_atomic(self._rank_file(record), dst / storage.rank_file(record.ckpt_id, t.rank))
+            return None
+
+        entry, error = attempt(t.rank, flush)
+        files = agree(t, error, CheckpointError, failed, entry)
+        zarr_files = {"files": tuple(FileRecord(**f) for f in files), "extra": {"l4_format": "zarr"}} if as_zarr else {}
+        flushed = dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(), **zarr_files)
+        try:
+            on_root(t, functools.partial(self.state.write_record, flushed), CheckpointError, failed)
+        except CheckpointError:  # the last checkpoint stays where it is, committed; the copy goes
             storage.remove_tree(self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq))
-            raise CheckpointError(f"keep_last_ckpt: flushing the last checkpoint to L4 failed: {failed}")
+            raise
 
     @property
     def comm(self) -> Any:

@@ -14,7 +14,8 @@ import numpy as np
 
 from . import storage
 from .arrays import check_id
-from .errors import NoCheckpointError, RecoveryError
+from .collective import agree, attempt, guarded, on_root
+from .errors import FTIError, NoCheckpointError, RecoveryError
 from .ftiff.reader import FtiffFile
 from .recovery import Verdict, check_file, check_sizes, load_file
 from .runstate import CommitRecord
@@ -32,9 +33,11 @@ class RecoveryMixin:
     exec_id: str
 
 
-    def _candidates(self, ckpt_id: int | None, level: int | None) -> list[CommitRecord]:
+    def _candidates(self, ckpt_id: int | None, level: int | None,
+                    error: type[FTIError] = RecoveryError) -> list[CommitRecord]:
         t = self.transport
-        raw = t.bcast([r.to_json() for r in self.state.records()] if t.rank == 0 else None)
+        raw = on_root(t, lambda: [r.to_json() for r in self.state.records()], error,
+                      "cannot read the run's commit records")
         records = [r for r in (CommitRecord.from_json(x) for x in raw) if r is not None]
         if ckpt_id is not None:
             records = [r for r in records if r.ckpt_id == ckpt_id]
@@ -47,20 +50,27 @@ class RecoveryMixin:
                 / storage.rank_file(record.ckpt_id, self.transport.rank))
         return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
 
+    def _check(self, record: CommitRecord) -> Verdict:
+        """This rank's verdict on its file of ``record`` (an unexpected error is a damaged file, never raised)."""
+        path, errors = self._rank_file(record), []
+        verdict = guarded(errors, lambda: check_file(path, record, self.transport.rank), None, f"checking {path}")
+        return verdict if verdict is not None else Verdict("damaged", "; ".join(errors))
+
     def _find(self, ckpt_id: int | None = None, level: int | None = None) -> tuple[CommitRecord, Verdict]:
         """The newest committed checkpoint that every rank can verify (or rebuild)."""
         t = self.transport
         reasons = []
         for record in self._candidates(ckpt_id, level):
-            verdict = check_file(self._rank_file(record), record, t.rank)
-            if verdict.kind != "ok":
-                have = t.rebuild_file(record.level, record.ckpt_id, self._rank_file(record),
-                                      self._rank_file(record).parent, False, record=record)
-                if have:
-                    verdict = check_file(self._rank_file(record), record, t.rank)
-            else:
-                t.rebuild_file(record.level, record.ckpt_id, self._rank_file(record),
-                               self._rank_file(record).parent, True, record=record)
+            verdict = self._check(record)
+            path = self._rank_file(record)
+            ok = verdict.kind == "ok"
+            # Collective (L2/L3); the transport keeps the ranks in step, an error after its end is this rank's.
+            have, error = attempt(t.rank, lambda: t.rebuild_file(record.level, record.ckpt_id, path,  # noqa: B023
+                                                                  path.parent, ok, record=record), False)
+            if error:
+                log.warning("rebuilding checkpoint %d (level %d): %s", record.ckpt_id, record.level, error)
+            if not ok and have:
+                verdict = self._check(record)
             # Consensus: every rank sees every verdict, so that all agree and raise the same error.
             verdicts = t.allgather([verdict.kind, verdict.message])
             if all(k == "ok" for k, _m in verdicts):
@@ -84,14 +94,20 @@ class RecoveryMixin:
         self._check_open()
         record, verdict = self._find(ckpt_id, level)
         assert verdict.parsed is not None
+        t = self.transport
         arrays = {vid: p.array for vid, p in self._vars.items()}
-        problem = check_sizes(verdict.parsed, arrays)
-        problems = [p for p in self.transport.allgather(problem) if p]
-        if problems:
-            raise RecoveryError("; ".join(problems))
-        load_file(verdict.parsed, arrays, config=self.config)
-        if self.config.enable_dcp:
-            self._dcp_store().recovered(record.level, record.seq, self._rank_file(record), verdict.parsed)
+        problem, error = attempt(t.rank, lambda: check_sizes(verdict.parsed, arrays))
+        agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError,
+              f"cannot recover checkpoint {record.ckpt_id} (level {record.level}); the protected arrays are untouched")
+
+        def load() -> None:
+            load_file(verdict.parsed, arrays, config=self.config)
+            if self.config.enable_dcp:
+                self._dcp_store().recovered(record.level, record.seq, self._rank_file(record), verdict.parsed)
+
+        agree(t, attempt(t.rank, load)[1], RecoveryError,
+              f"recovering checkpoint {record.ckpt_id} (level {record.level}) failed while loading, and the protected "
+              "arrays may hold part of it: recover again")
         self._layout = verdict.parsed.layout()
         self._recovered = True
         self.recovered_from = (record.ckpt_id, record.level)

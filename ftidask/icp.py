@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .collective import reason
 from .errors import CheckpointError, FTIError, ProtectError
 
 if TYPE_CHECKING:
@@ -55,8 +56,10 @@ def add_var_icp(ctx: Context, var_id: int) -> None:
         return  # reported, on every rank together, by finalize_icp
     try:
         pending.write_var(protected.id, protected.name, protected.array)
-    except OSError as exc:
-        pending.error = f"rank {ctx.transport.rank}: {exc}"
+    except CheckpointError:
+        raise  # this call was wrong (variable added twice, resized): the checkpoint stays open
+    except Exception as exc:  # noqa: BLE001 - any failure of the write: reported on every rank by finalize_icp
+        pending.error = f"rank {ctx.transport.rank}: {reason(exc)}"
 
 
 def finalize_icp(ctx: Context) -> CheckpointInfo:

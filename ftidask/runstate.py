@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import runlock, storage
-from .errors import ConfigError, FTIError, RunInUseError
+from .errors import CheckpointError, ConfigError, FTIError, RunInUseError
 
 STATUS_FRESH, STATUS_RESTART, STATUS_KEPT = 0, 1, 2
 _CURRENT = "current_exec_id"
@@ -138,7 +138,12 @@ class RunState:
         return max([0] + [r.seq for r in self.records()]) + 1
 
     def write_record(self, record: CommitRecord) -> None:
-        storage.write_json_atomic(self.records_dir / f"s{record.seq:08d}.json", record.to_json())
+        """Commit ``record`` (atomically); a :class:`CheckpointError` when it cannot be written (a full
+        or read-only ``meta_dir``): then the previous checkpoint stays the newest."""
+        try:
+            storage.write_json_atomic(self.records_dir / f"s{record.seq:08d}.json", record.to_json())
+        except OSError as exc:
+            raise CheckpointError(f"writing its commit record in {self.records_dir} failed: {exc}") from exc
 
     def delete_record(self, seq: int) -> None:
         try:

@@ -3,7 +3,8 @@
 An L2/L3 step is a sequence of collectives over a group; a rank that raised halfway would leave
 its peers waiting forever. So the levels read and write through these helpers, which turn an
 I/O failure into zeros (reads) or a dropped output (writes) plus a message, and report after the
-last collective.
+last collective. Any exception counts (MemoryError included), not only I/O errors; other local
+work between collectives goes through :func:`ftidask.collective.guarded`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from ..collective import reason
 from ..storage import atomic_file
 
 
@@ -21,8 +23,8 @@ def open_input(path: Path, errors: list[str]) -> BinaryIO | None:
     """``path`` opened for reading, or None (the error recorded)."""
     try:
         return open(path, "rb")  # noqa: SIM115 - closed by the caller
-    except OSError as exc:
-        errors.append(f"cannot read {path}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on
+        errors.append(f"cannot read {path}: {reason(exc)}")
         return None
 
 
@@ -46,17 +48,17 @@ class SafeOutput:
         self.fh: BinaryIO | None
         try:
             self.fh = self._cm.__enter__()
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on
             self.fh = None
-            errors.append(f"cannot write {path}: {exc}")
+            errors.append(f"cannot write {path}: {reason(exc)}")
 
     def write(self, data: Any) -> None:
         if self.fh is None:
             return
         try:
             self.fh.write(memoryview(data))
-        except OSError as exc:
-            self.errors.append(f"cannot write {self.path}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on
+            self.errors.append(f"cannot write {self.path}: {reason(exc)}")
             self.abort()
 
     def abort(self) -> None:
@@ -72,7 +74,7 @@ class SafeOutput:
         self.fh = None
         try:
             self._cm.__exit__(None, None, None)
-        except OSError as exc:
-            self.errors.append(f"cannot write {self.path}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - recorded, reported with the level's error
+            self.errors.append(f"cannot write {self.path}: {reason(exc)}")
             return False
         return True

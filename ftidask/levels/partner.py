@@ -7,9 +7,13 @@ two adjacent nodes lost together lose a file for good.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
+from ..collective import guarded
 from .blockio import SafeOutput, open_input, read_block
 from .channel import GroupChannel
 
@@ -19,7 +23,8 @@ def exchange_file(ch: GroupChannel, send_path: Path | None, dest: int, send_size
     """Send a file to member ``dest`` while receiving one from ``source``, ``piece`` bytes at a time.
 
     Either side may be None. Returns an error message ('' on success); the peers' loops always
-    complete (a missing file is sent as zeros, which then fails its hash check).
+    complete (a missing file is sent as zeros, which then fails its hash check; a block that cannot
+    be read at all is sent as zeros too, the error recorded).
     """
     n_send = -(-send_size // piece) if send_path is not None else 0
     n_recv = -(-recv_size // piece) if recv_path is not None else 0
@@ -28,7 +33,12 @@ def exchange_file(ch: GroupChannel, send_path: Path | None, dest: int, send_size
     out = SafeOutput(recv_path, errors) if recv_path is not None else None
     try:
         for k in range(max(n_send, n_recv)):
-            block = read_block(fin, k * piece, min(piece, send_size - k * piece), send_size) if k < n_send else None
+            block = None
+            if k < n_send:
+                n = min(piece, send_size - k * piece)
+                block = guarded(errors, functools.partial(read_block, fin, k * piece, n, send_size), None,
+                               f"cannot read {send_path}")
+                block = np.zeros(n, dtype=np.uint8) if block is None else block
             want = min(piece, recv_size - k * piece) if k < n_recv else 0
             got = ch.exchange(block, dest if block is not None else None, want, source if want else None)
             if out is not None and got is not None:

@@ -16,6 +16,7 @@ The group is any object with the ``GroupChannel`` interface of the MPI backend (
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .. import storage
+from ..collective import guarded
 from ..dcpdelta import FileDelta, file_fb_hash
 
 log = logging.getLogger("ftidask")
@@ -49,16 +51,18 @@ def protect(ch: Any, own: Path, pcof: Path, spare: Path, size: int, delta: FileD
     """Send ``own`` (or only its ``delta``) to the next member; build the previous member's copy at
     ``pcof``, from ``spare`` when the delta applies to it. Every member calls it. Error or ''."""
     right, left = (ch.index + 1) % ch.size, (ch.index - 1) % ch.size
+    errors: list[str] = []  # local work between the collectives records its errors, never raises
     infos = ch.allgather({"size": size, "delta": None if delta is None else delta.to_json()})
     theirs = infos[left]
-    left_delta = FileDelta.from_json(theirs["delta"]) if theirs["delta"] is not None else None
-    can_patch = left_delta is not None and file_fb_hash(spare) == left_delta.base_fb_hash.hex()
+    left_delta = guarded(errors, lambda: FileDelta.from_json(theirs["delta"]) if theirs["delta"] is not None else None)
+    can_patch = left_delta is not None and guarded(
+        errors, lambda: file_fb_hash(spare) == left_delta.base_fb_hash.hex(), False, f"cannot check {spare}")
     patches = ch.allgather(bool(can_patch))
+    # The exchange's shape comes from values every member has, so its loop is the same on both sides.
     send = _payload_pieces(delta if patches[right] else None, size, piece)
     recv = _payload_pieces(left_delta if can_patch else None, int(theirs["size"]), piece)
     log.debug("L2: sending %d of %d bytes to the partner (%s)", sum(n for _o, n in send), size,
               "changed ranges" if patches[right] else "whole file")
-    errors: list[str] = []
     fin = None
     try:
         fin = open(own, "rb")  # noqa: SIM115 - closed below
@@ -90,10 +94,9 @@ def protect(ch: Any, own: Path, pcof: Path, spare: Path, size: int, delta: FileD
         want = recv[k][1] if k < len(recv) else 0
         got = ch.exchange(block, right if block is not None else None, want, left if want else None)
         if got is not None and fd >= 0 and not errors:
-            try:  # an error must not leave the exchange: the group's other members are in it
-                storage.pwrite_all(fd, np.ascontiguousarray(got), recv[k][0])
-            except OSError as exc:
-                errors.append(f"{target}: {exc}")
+            # an error must not leave the exchange: the group's other members are in it
+            guarded(errors, functools.partial(storage.pwrite_all, fd, np.ascontiguousarray(got), recv[k][0]),
+                   None, str(target))
     if fin is not None:
         fin.close()
     if fd >= 0:

@@ -9,9 +9,14 @@ damaged parity file counts as lost instead of corrupting a rebuild.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+
+from ..collective import guarded
 from ..errors import FTIError
 from ..ftiff import hashing
 from ..storage import read_json, write_json_atomic
@@ -37,6 +42,12 @@ def write_record(parity: Path, hash_id: int, digest: str, size: int, errors: lis
         errors.append(f"cannot write {hash_path(parity)}: {exc}")
 
 
+def _read(fh: Any, offset: int, n: int, valid: int, path: Path, errors: list[str]) -> np.ndarray:
+    """A block to send: zeros (the error recorded) when it cannot be read, so the group stays in step."""
+    got = guarded(errors, functools.partial(read_block, fh, offset, n, valid), None, f"cannot read {path}")
+    return np.zeros(n, dtype=np.uint8) if got is None else got
+
+
 def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: int, hash_id: int,
            fb_hashes: list[str] | None = None) -> str:
     """Write this member's parity file; sizes are the group's file sizes by index. Error or ''."""
@@ -49,8 +60,15 @@ def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: i
     try:
         for offset in range(0, max_fs, block):
             n = min(block, max_fs - offset)
-            blocks = ch.allgather_blocks(read_block(fin, offset, n, sizes[ch.index]))
-            par = codec.encode(blocks, parity_indices=[ch.index])[0]
+            blocks = ch.allgather_blocks(_read(fin, offset, n, sizes[ch.index], own, errors))
+            if out.fh is None:
+                continue  # failed already: this member only keeps the group's collectives in step
+            # Local work between collectives never raises (the group would wait): an error drops the output.
+            par = guarded(errors, lambda: codec.encode(blocks, parity_indices=[ch.index])[0],  # noqa: B023
+                         None, f"cannot encode {parity}")
+            if par is None:
+                out.abort()
+                continue
             out.write(par)
             hasher.update(memoryview(par))
     finally:
@@ -77,6 +95,26 @@ def parity_ok(parity: Path, size: int, block: int) -> bool:
         return False
 
 
+def _rebuild_block(codec: ReedSolomon, data: list[np.ndarray], pars: list[np.ndarray], chosen: list[int], n: int,
+                   offset: int, i: int, size: int, out_d: SafeOutput | None, out_p: SafeOutput | None,
+                   hasher: Any) -> None:
+    """Decode one block of the group and write this member's lost data and parity (local work)."""
+    k = len(data)
+    try:
+        decoded = codec.decode({j: (data[j] if j < k else pars[j - k]) for j in chosen}, n)
+        if out_d is not None and offset < size:
+            out_d.write(decoded[i][: min(n, size - offset)])
+        if out_p is not None:
+            par = codec.encode(decoded, parity_indices=[i])[0]
+            out_p.write(par)
+            hasher.update(memoryview(par))
+    except Exception:
+        for out in (out_d, out_p):  # what this member rebuilds is incomplete: never commit it
+            if out is not None:
+                out.abort()
+        raise
+
+
 def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: int, hash_id: int,
             own_ok: bool, verify_own: Callable[[Path], bool]) -> bool:
     """Rebuild the group's lost data and parity files if at most ``k`` of the ``2k`` are lost.
@@ -84,7 +122,8 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
     True when this member's own file verifies afterwards.
     """
     i, k, max_fs = ch.index, ch.size, max(sizes)
-    par_ok = parity_ok(parity, max_fs, block)
+    errors: list[str] = []
+    par_ok = guarded(errors, lambda: parity_ok(parity, max_fs, block), False)  # never raise before a collective
     flags = ch.allgather([bool(own_ok), bool(par_ok)])
     lost = sum((not d) + (not p) for d, p in flags)
     if lost == 0 or lost > k:
@@ -92,7 +131,6 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
     available = [j for j in range(k) if flags[j][0]] + [k + j for j in range(k) if flags[j][1]]
     chosen = available[:k]
     codec = ReedSolomon(k, k)
-    errors: list[str] = []
     fd = open_input(own, errors) if own_ok else None
     fp = open_input(parity, errors) if par_ok else None
     out_d = SafeOutput(own, errors) if not own_ok else None
@@ -101,17 +139,12 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
     try:
         for offset in range(0, max_fs, block):
             n = min(block, max_fs - offset)
-            data = ch.allgather_blocks(read_block(fd, offset, n, sizes[i]))
-            pars = ch.allgather_blocks(read_block(fp, offset, n, max_fs))
+            data = ch.allgather_blocks(_read(fd, offset, n, sizes[i], own, errors))
+            pars = ch.allgather_blocks(_read(fp, offset, n, max_fs, parity, errors))
             if out_d is None and out_p is None:
                 continue
-            decoded = codec.decode({j: (data[j] if j < k else pars[j - k]) for j in chosen}, n)
-            if out_d is not None and offset < sizes[i]:
-                out_d.write(decoded[i][: min(n, sizes[i] - offset)])
-            if out_p is not None:
-                par = codec.encode(decoded, parity_indices=[i])[0]
-                out_p.write(par)
-                hasher.update(memoryview(par))
+            guarded(errors, lambda: _rebuild_block(codec, data, pars, chosen, n, offset, i, sizes[i],  # noqa: B023
+                                                  out_d, out_p, hasher), None, "cannot rebuild")
     finally:
         for fh in (fd, fp):
             if fh is not None:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from .. import storage
+from ..collective import guarded
 from ..dcpdelta import XorDelta
 from ..errors import FTIError
 from ..ftiff import hashing
@@ -73,15 +74,26 @@ def update(ch: GroupChannel, xor: XorDelta | None, own_fb_hash: str, spare: Path
     then fails and the previous one stays, as for any failed level).
     """
     max_fs = max(sizes)
-    infos = ch.allgather(_can_use(spare, xor) | {"new": own_fb_hash})
+    problems: list[str] = []  # a local failure before a collective: this member cannot patch, all re-encode
+    mine = guarded(problems, lambda: _can_use(spare, xor), {"ok": False, "base": "", "encodes": None, "ranges": [],
+                                                             "nbytes": 0}, f"cannot check {spare}")
+    infos = ch.allgather(mine | {"new": own_fb_hash})
     bases = [info["base"] for info in infos]
     if not all(info["ok"] and info["encodes"] == bases for info in infos):
         return "the spare parity does not encode every member's base file"
     assert xor is not None  # every member said ok
     width = max(info["nbytes"] for info in infos)
-    own = np.zeros(width, np.uint8)
-    own[:xor.nbytes] = xor.payload
-    payloads = ch.allgather_blocks(own)  # the last collective: what follows is local and may fail alone
+
+    def payload() -> np.ndarray:
+        own = np.zeros(width, np.uint8)
+        own[:xor.nbytes] = xor.payload
+        return own
+
+    own = guarded(problems, payload, None, "cannot prepare the parity delta")
+    payloads = ch.allgather_blocks(np.zeros(width, np.uint8) if own is None else own)
+    # That was the last collective: what follows is local and may fail alone (the caller agrees on it).
+    if problems:
+        raise FTIError("; ".join(problems))
     patch_parity(spare, parity, ch.index, [info["ranges"] for info in infos], payloads, max_fs, hash_id,
                  [info["new"] for info in infos])
     log.debug("L3: parity updated from the group's deltas (%d bytes from each member, parity %d bytes)",

@@ -11,6 +11,7 @@ asks (``ctx.wait_post_processing()``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from pathlib import Path
@@ -19,10 +20,12 @@ from typing import Any
 from mpi4py import MPI
 
 from .. import storage
+from ..collective import agree, guarded, on_root
 from ..config import Config
+from ..errors import FTIError
 from ..runstate import CommitRecord, RunState
 from ..levels import multilevel
-from .mpi import _TAG_REPLY, _TAG_REQ, MpiTransport, allgather_json, recv_json, send_json
+from .mpi import _TAG_REPLY, _TAG_REQ, MpiTransport, recv_json, send_json
 from .stage_heads import serve_stage_request
 
 log = logging.getLogger("ftidask")
@@ -67,7 +70,10 @@ def serve(cfg: Config, t: MpiTransport) -> None:
 
 def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, level: int, exec_id: str
                  ) -> dict[str, Any]:
-    """Collectively (all heads) raise an L1 checkpoint to ``level``; every head returns the same outcome."""
+    """Collectively (all heads) raise an L1 checkpoint to ``level``; every head returns the same outcome.
+
+    A local exception on one head is agreed on (:mod:`ftidask.collective`): every head fails alike.
+    """
     if record is None:
         return {"ok": False, "error": "malformed request"}
     topo, node = t.topo, t.node
@@ -79,26 +85,25 @@ def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, leve
     for pos in range(topo.app_per_node):
         app = topo.app_rank_at(node, pos)
         name = storage.rank_file(record.ckpt_id, app)
-        try:
-            if level == 4:
-                storage.copy_file_atomic(src_dir / name, dst_dir / name)
-                continue
-            _link_or_copy(src_dir / name, dst_dir / name)
-        except OSError as exc:
-            error = error or f"node {node}: {exc}"
+        place = storage.copy_file_atomic if level == 4 else _link_or_copy
+        failed: list[str] = []
+        guarded(failed, functools.partial(place, src_dir / name, dst_dir / name), None, f"node {node}")
+        error = error or "; ".join(failed)
+        if level == 4:
+            continue
         assert t.group is not None  # L2/L3 were validated when the run started
         problem = multilevel.protect(t.group, cfg, level, record.ckpt_id, app, dst_dir / name, dst_dir,
                                      [sizes[r] for r in topo.group_ranks(app)])
-        error = error or problem
-    errors = [e for e in allgather_json(t.comm, error) if e]
-    if errors:
-        storage.remove_tree(dst_dir)
-        return {"ok": False, "error": "; ".join(errors)}
+        error = error or (f"node {node}: {problem}" if problem else "")
     state = RunState(Path(cfg.meta_dir), exec_id)
     raised = dataclasses.replace(record, level=level)
-    if t.rank == 0:
-        state.write_record(raised)  # the commit point of the raised checkpoint
-    t.comm.Barrier()
+    what = f"raising checkpoint {record.ckpt_id} to level {level} failed"
+    try:
+        agree(t, error, FTIError, what)
+        on_root(t, functools.partial(state.write_record, raised), FTIError, what)  # the commit point
+    except FTIError as exc:  # agreed: the same on every head
+        storage.remove_tree(dst_dir)
+        return {"ok": False, "error": str(exc)}
     storage.remove_tree(src_dir)
     _retire_older(cfg, t, state, paths, raised)
     log.info("head of node %d: checkpoint %d raised to level %d", node, record.ckpt_id, level)
@@ -107,14 +112,13 @@ def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, leve
 
 def _retire_older(cfg: Config, t: MpiTransport, state: RunState, paths: storage.RunPaths,
                   record: CommitRecord) -> None:
-    older = [r for r in (CommitRecord.from_json(x) for x in allgather_json(
-        t.comm, [r.to_json() for r in state.records()] if t.rank == 0 else None)[0]) if r is not None]
+    raw = on_root(t, lambda: [r.to_json() for r in state.records()], FTIError, "cannot read the commit records")
+    older = [r for r in (CommitRecord.from_json(x) for x in raw) if r is not None]
     for old in older:
         if old.seq >= record.seq or old.level > record.level or (old.level == 4 and cfg.keep_l4_ckpt):
             continue
-        if t.rank == 0:
-            state.delete_record(old.seq)
-        t.comm.Barrier()
+        on_root(t, functools.partial(state.delete_record, old.seq), FTIError,
+                f"removing checkpoint {old.ckpt_id} (level {old.level}) failed")
         for level in {old.level, 1, 2, 3}:
             storage.remove_tree(paths.level_dir(level, t.node) / old.dirname)
         if t.rank == 0:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import storage
+from .. import collective, storage
 from ..config import Config
 from ..dcpdelta import file_fb_hash
 from ..errors import CheckpointError, ConfigError, FTIError, LevelError
@@ -177,12 +177,15 @@ class MpiTransport(Transport):
             return
         self.check_level(level)
         assert self.group is not None
+        # Local work between the group's collectives records its errors (collective.guarded), never raises.
+        errors: list[str] = []
         size = _size_or_zero(own_file)
-        fb_hashes = self.group.allgather(file_fb_hash(own_file)) if level == 3 else None
+        fb_hash = collective.guarded(errors, lambda: file_fb_hash(own_file), "") if level == 3 else ""
+        fb_hashes = self.group.allgather(fb_hash) if level == 3 else None
         error = multilevel.protect(self.group, self.cfg, level, ckpt_id, self.rank, own_file, ckpt_dir,
                                    self.group.allgather(size), fb_hashes)
-        if error:
-            raise CheckpointError(error)
+        if error or errors:
+            raise CheckpointError("; ".join([*errors, error] if error else errors))
 
     def protect_files_delta(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, delta: Any,
                             xor: Any = None) -> None:
@@ -191,11 +194,14 @@ class MpiTransport(Transport):
         if level == 3:
             self.check_level(level)
             assert self.group is not None
-            why = rs_delta.update(self.group, xor, file_fb_hash(own_file),
+            errors: list[str] = []
+            why = rs_delta.update(self.group, xor, collective.guarded(errors, lambda: file_fb_hash(own_file), ""),
                                   rs_delta.spare_parity_path(ckpt_dir, self.rank),
                                   ckpt_dir / storage.parity_file(ckpt_id, self.rank),
                                   self.group.allgather(_size_or_zero(own_file)), hashing.hash_id(self.cfg.hash))
             if why is None:
+                if errors:  # after the level's last collective: local, agreed by the caller
+                    raise CheckpointError("; ".join(errors))
                 return
             log.info("L3: parity re-encoded in full: %s", why)
         if level != 2:
@@ -219,10 +225,14 @@ class MpiTransport(Transport):
         if record.nranks != self.size or any(r not in sizes for r in ranks):
             return ok  # written by another topology: nothing to rebuild with
         left = self.topo.left_partner(self.rank)
+
+        def verify(path: Path, rank: int) -> bool:  # called between the group's collectives: never raises
+            return bool(collective.guarded([], lambda: check_file(path, record, rank).kind == "ok", False,
+                                          f"checking {path}"))
+
         return multilevel.rebuild(
             self.group, self.cfg, level, record.ckpt_id, self.rank, own_file, ckpt_dir, [sizes[r] for r in ranks],
-            ok, verify_own=lambda p: check_file(p, record, self.rank).kind == "ok",
-            verify_partner=lambda p: check_file(p, record, left).kind == "ok")
+            ok, verify_own=lambda p: verify(p, self.rank), verify_partner=lambda p: verify(p, left))
 
     # --- heads (post-processing) --------------------------------------------------------------------
 

@@ -1,0 +1,57 @@
+"""One process: a failure in a collective step is the same clear error as with MPI (ftidask.collective).
+
+The MPI side (the same error on every rank, no hang) is in test_mpi_one_rank_fault.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ftidask
+from ftidask import context_writing, storage
+from ftidask.errors import CheckpointError
+
+
+def _kw(root: Path) -> dict:
+    return dict(ckpt_dir=str(root / "l"), glbl_dir=str(root / "g"), meta_dir=str(root / "m"), verbosity=4)
+
+
+def _recovered(root: Path) -> tuple[tuple[int, int] | None, np.ndarray]:
+    ctx = ftidask.init(**_kw(root))
+    out = np.zeros(1000)
+    ctx.protect(1, out)
+    ctx.recover()
+    ctx._close()
+    return ctx.recovered_from, out
+
+
+@pytest.mark.parametrize(("owner", "name", "exc", "words"), [
+    (storage, "write_json_atomic", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "No space left on device"),
+    (context_writing, "write_rank_file", MemoryError(), "MemoryError"),
+])
+def test_failed_step_is_a_checkpoint_error_and_the_previous_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  owner: object, name: str, exc: BaseException,
+                                                                  words: str) -> None:
+    ctx = ftidask.init(**_kw(tmp_path))
+    a = np.arange(1000.0)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 1)
+    a[:] = -1
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise exc
+
+    with monkeypatch.context() as patch:
+        patch.setattr(owner, name, broken)  # the commit record (a full meta_dir), or the writer
+        with pytest.raises(CheckpointError, match=f"checkpoint 2 at level 1 failed; the previous checkpoint is kept: "
+                                                  f"rank 0: .*{words}"):
+            ctx.checkpoint(2, 1)
+    ctx._close()
+    source, got = _recovered(tmp_path)
+    assert source == (1, 1) and (got == np.arange(1000.0)).all()
+    assert not list((tmp_path / "l").rglob("Ckpt2-*"))  # the failed checkpoint's file is gone
