@@ -182,13 +182,12 @@ class DaskContext(Context):
                               | ({"dcp": True} if differential else {}))
         try:
             self.state.write_record(record)  # the commit point
-        except OSError as exc:  # a full or read-only meta_dir: the previous checkpoint stays the newest
+        except CheckpointError as exc:  # a full or read-only meta_dir: the previous checkpoint stays the newest
             if differential:
                 self._dcp.discard()
             self._remove_dirs(ckpt_id, seq, level, len(workers))
             raise CheckpointError(f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint "
-                                  f"is kept: writing its commit record in {self.state.records_dir} failed: {exc}"
-                                  ) from exc
+                                  f"is kept: {exc}") from exc
         self._layout = None
         self._retire_older(record)
         self._collect_garbage()
