@@ -135,13 +135,13 @@ class Cluster:
             self.cancel(futures)
             gone = needed - set(self.workers())
             if gone:
-                raise WorkerLost(what, self._lost(sorted(gone), futures, list(ranks)))
+                raise WorkerLost(what, self._lost(sorted(gone), list(ranks)))
             raise TaskFailed(what, self._failed(futures))
         finally:
             for f in futures:
                 self._placed.pop(f.key, None)
 
-    def _lost(self, gone: list[str], futures: Sequence[Future], ranks: list[str]) -> str:
+    def _lost(self, gone: list[str], ranks: list[str]) -> str:
         """One sentence: which workers left, and which of our tasks were on them.
 
         Not the errors of the futures: a lost task's future holds no exception (Dask reschedules
@@ -150,8 +150,7 @@ class Cluster:
         names = [f"{w} (rank {ranks.index(w)})" if w in ranks else w for w in gone]
         keys = [str(k) for k, w in self._placed.items() if w in gone]
         who = f"worker {names[0]}" if len(names) == 1 else f"workers {_listed(names)}"
-        return (f"{who} left the cluster (killed or crashed)"
-                + (f" while running {_listed(keys)}" if keys else ""))
+        return f"{who} left the cluster (killed or crashed)" + (f", losing tasks {_listed(keys)}" if keys else "")
 
     def _failed(self, futures: Sequence[Future]) -> str:
         """The exceptions the failed tasks raised (tasks cancelled or lost meanwhile are only counted)."""
