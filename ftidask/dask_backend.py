@@ -24,7 +24,7 @@ from .arrays import check_ckpt_id, check_id
 from .config import Config
 from .context import Context, Protected
 from .daskio import icp, restore, tasks
-from .daskio.cluster import Cluster
+from .daskio.cluster import Cluster, ClusterError
 from .daskio.dcp_levels import DaskSpares, run_dcp_levels, sticky_owners
 from .daskio.plan import VarSpec, chunk_table, layout_to_json, plan_ranks
 from .daskio.report import DaskCheckpointInfo, human
@@ -146,11 +146,11 @@ class DaskContext(Context):
         shown_level, level = level, level - 4 if differential else level
         start = time.perf_counter()
         specs, futures = self._chunk_futures()
-        workers = self.cluster.workers()
         try:
             self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays", gather=False)
         except FTIError as exc:
             raise CheckpointError(f"checkpoint {ckpt_id}: the protected arrays could not be computed: {exc}") from exc
+        workers = self.cluster.workers()  # after the chunks: a worker lost meanwhile has its chunks recomputed
         rank_of = {w: r for r, w in enumerate(workers)}
         who_has = self.client.who_has(list(futures.values()))
         owner = {}
@@ -173,8 +173,11 @@ class DaskContext(Context):
             if differential:
                 self._dcp.discard()
             self._remove_dirs(ckpt_id, seq, level, len(workers))
+            # A lost worker or a failed task is said in one sentence, without Dask's chained traceback.
+            cluster_error = isinstance(exc, ClusterError)
             raise CheckpointError(f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint "
-                                  f"is kept: {exc}") from exc
+                                  f"is kept: {exc.detail if cluster_error else exc}") from (None if cluster_error
+                                                                                          else exc)
         record = CommitRecord(seq, ckpt_id, level, time.time(), len(workers),
                               tuple(FileRecord(w["rank"], w["node"], w["size"], w["fb_hash"]) for w in written),
                               {"backend": "dask", "workers": workers, "groups": groups,
@@ -261,7 +264,7 @@ class DaskContext(Context):
                 finals.append(self.cluster.submit(
                     tasks.flush, self._file(1, ckpt_id, seq, r, name), self._file(4, ckpt_id, seq, r, name), writes[r],
                     key=f"ftidask-flush-{tag}-{r}", worker=workers[r]))
-        written = self.cluster.wait_all(writes + finals, workers, f"checkpoint {ckpt_id}")[:n]
+        written = self.cluster.wait_all(writes + finals, workers, f"checkpoint {ckpt_id}", ranks=workers)[:n]
         return plans, written, groups
 
     # --- incremental checkpoints (see ftidask.daskio.icp) ---------------------------------------------

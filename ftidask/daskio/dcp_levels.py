@@ -126,7 +126,7 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
                 worker=workers[holder]))
     elif level == 3:
         finals = _parity(ctx, ckpt_id, seq, tag, groups, workers, writes, payloads, own)
-    results = ctx.cluster.wait_all(writes + finals, workers, f"differential checkpoint {ckpt_id}")
+    results = ctx.cluster.wait_all(writes + finals, workers, f"differential checkpoint {ckpt_id}", ranks=workers)
     written = results[:n]
     if level == 2:  # what crossed to the partners: deltas, or whole files when a partner had no base
         for w, stored in zip(written, results[n:], strict=True):
@@ -142,7 +142,7 @@ def _parity(ctx: Any, ckpt_id: int, seq: int, tag: str, groups: list[list[int]],
     n = len(workers)
     has = [ctx.cluster.submit(dcp_tasks.parity_record, spare_parity_path(ctx, r),
                               key=f"ftidask-dcp-parity-has-{tag}-{r}", worker=workers[r]) for r in range(n)]
-    done = ctx.cluster.wait_all(writes + has, workers, f"differential checkpoint {ckpt_id}")
+    done = ctx.cluster.wait_all(writes + has, workers, f"differential checkpoint {ckpt_id}", ranks=workers)
     results, records = done[:n], done[n:]
     finals = []
     for group in groups:

@@ -18,10 +18,10 @@ from .. import storage
 from ..arrays import dtype_from_json
 from ..context import Protected
 from ..errors import FTIError, NoCheckpointError, RecoveryError
-from ..levels.ring_groups import copy_holder
+from ..levels.ring_groups import copy_holder, group_of
 from ..recovery import check_writeable
 from ..runstate import CommitRecord
-from . import tasks
+from . import reads, tasks
 from .cluster import WorkerLost
 from .plan import VarSpec
 
@@ -178,9 +178,37 @@ def _check_protected(ctx: DaskContext, specs: list[VarSpec]) -> None:
             raise RecoveryError(problem)
 
 
+def file_sources(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[str, str]]) -> dict[int, dict]:
+    """rank -> what a read task needs to find that rank's file again on any worker
+    (see :func:`ftidask.daskio.reads.read_recovered_chunk`): the file, and its L2 copy or L3 group."""
+    n, level, cid, seq = record.nranks, record.level, record.ckpt_id, record.seq
+    groups = [list(g) for g in record.extra.get("groups", [list(range(n))])]
+    sizes = {f.rank: f.size for f in record.files}
+    out = {}
+    for f in record.files:
+        r = f.rank
+        worker, path = hosts[r]
+        src: dict[str, Any] = {"ckpt_id": cid, "level": level, "rank": r, "path": path, "fb_hash": f.fb_hash,
+                               "worker": worker}
+        if level == 2 and n > 1:
+            holder = copy_holder(groups, r)
+            src["copies"] = [ctx._file(2, cid, seq, holder, storage.partner_file(cid, holder))]
+        elif level == 3 and n > 1:
+            group = group_of(groups, r)
+            src["group"] = {"position": group.index(r), "size": sizes[r], "length": max(sizes[g] for g in group),
+                            "data": [ctx._file(3, cid, seq, g, storage.rank_file(cid, g)) for g in group],
+                            "parity": [ctx._file(3, cid, seq, g, storage.parity_file(cid, g)) for g in group]}
+        out[r] = src
+    return out
+
+
 def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[str, str]],
                  chunks: Any = None) -> dict[int, Any]:
-    """Dask arrays whose chunks are read (and hash-checked) on the workers that serve the files."""
+    """Dask arrays whose chunks are read (and hash-checked) on the workers that serve the files.
+
+    The reads are placed loosely: if a serving worker dies later, Dask reads its chunks again on
+    another worker, from the file, its copy or its rebuilt version (:mod:`ftidask.daskio.reads`).
+    """
     specs = _specs(record)
     _check_protected(ctx, specs)
     # What each variable becomes, decided before anything is read, filled or rebound: a NumPy
@@ -190,7 +218,7 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
         held = ctx._vars.get(spec.id)
         in_place = spec.kind == "numpy" or (held is not None and isinstance(held.array, np.ndarray))
         plans.append((spec, held, None if in_place else _target_chunks(ctx, spec, chunks)))
-    fb = {f.rank: f.fb_hash for f in record.files}
+    sources = file_sources(ctx, record, hosts)
     raw_dtypes = {int(v["id"]): v["dtype"] for v in record.extra["vars"]}
     token = uuid.uuid4().hex
     arrays: dict[int, Array] = {}
@@ -199,18 +227,18 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
         name = f"ftidask-read-{spec.id}-{token}"
         graph = {}
         for index, rank, dptr, _nbytes in record.extra["chunks"].get(str(spec.id), []):
-            worker, path = hosts[int(rank)]
+            src = sources[int(rank)]
             key = (name, *index)
-            graph[key] = ctx.cluster.submit(tasks.read_chunk, path, spec.id, int(dptr), raw_dtypes[spec.id],
-                                            list(spec.chunk_shape(tuple(index))), fb[int(rank)], key=key,
-                                            worker=worker)
+            graph[key] = ctx.cluster.submit(reads.read_recovered_chunk, src, spec.id, int(dptr), raw_dtypes[spec.id],
+                                            list(spec.chunk_shape(tuple(index))), key=key, worker=src["worker"],
+                                            loose=True)
             futures.append(graph[key])
         if len(graph) != math.prod(len(c) for c in spec.chunks):
             raise RecoveryError(f"checkpoint {record.ckpt_id}: variable {spec.id} has missing chunks")
         arrays[spec.id] = Array(graph, name, spec.chunks, dtype=spec.dtype)
-    # Every chunk is read and verified before anything is handed back.
-    ctx.cluster.wait_all(futures, {w for w, _p in hosts.values()}, f"reading checkpoint {record.ckpt_id}",
-                         gather=False)
+    # Every chunk is read and verified before anything is handed back (a read whose worker dies
+    # meanwhile is done again elsewhere: no worker to watch).
+    ctx.cluster.wait_all(futures, (), f"reading checkpoint {record.ckpt_id}", gather=False)
     # Every NumPy value is computed before the first array is filled (a worker lost meanwhile fails
     # the recovery with every array as it was).
     values = {spec.id: arrays[spec.id].compute() for spec, _held, target in plans if target is None}

@@ -1,0 +1,113 @@
+"""A Dask worker lost after a recovery, or in the middle of a checkpoint, on a real LocalCluster.
+
+Each test kills a real worker process (SIGKILL), so each gets its own small cluster. A lost node
+is its worker killed plus its node directory erased (every worker of a LocalCluster sees every
+node directory, so a file "only on the dead node" is one that was erased).
+"""
+
+import logging
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+
+import ftidask  # noqa: E402
+
+pytestmark = [pytest.mark.dask, pytest.mark.timeout(120)]
+NWORKERS = 2
+BOUND = 60  # seconds a compute() may take before the test calls it a hang
+
+
+@pytest.fixture
+def client():
+    with distributed.LocalCluster(n_workers=NWORKERS, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0", silence_logs=50) as cluster, \
+            distributed.Client(cluster) as cl:
+        cl.wait_for_workers(NWORKERS, timeout=60)
+        yield cl
+
+
+def live_workers(client):
+    return set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
+def kill_worker(client, address, node_dir=None):
+    """SIGKILL the worker process at ``address`` (and erase ``node_dir``: its node's disk is lost too)."""
+    os.kill(client.run(os.getpid)[address], signal.SIGKILL)
+    if node_dir is not None:
+        shutil.rmtree(node_dir)
+    end = time.monotonic() + 60
+    while address in live_workers(client):
+        assert time.monotonic() < end, "the killed worker is still listed"
+        time.sleep(0.05)
+
+
+def computed(client, array):
+    """``array`` computed, or TimeoutError after BOUND seconds (a hang made visible)."""
+    return client.compute(array).result(timeout=BOUND)
+
+
+def recover_then_lose(client, dirs, level, erase):
+    """Checkpoint at ``level``, recover in a new context, then lose the worker serving the file of
+    the rank that holds the most chunks (it read them: their results live in its memory)."""
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, da.random.default_rng(3).random((60, 48), chunks=(20, 16)), name="field")
+    ctx.checkpoint(1, level)
+    saved = ctx.protected[1].compute()
+    ctx2 = ftidask.init(client=client, **dirs)
+    out = ctx2.recover()[1]
+    record = ctx2.state.records()[-1]
+    ranks = [rank for _i, rank, _d, _n in record.extra["chunks"]["1"]]
+    rank = max(set(ranks), key=ranks.count)
+    server = record.extra["workers"][rank]
+    held = client.who_has(distributed.futures_of(out))
+    mine = {tuple(i) for i, r, _d, _n in record.extra["chunks"]["1"] if r == rank}
+    assert all(server in held[key] for key in held if tuple(key[1:]) in mine)
+    kill_worker(client, server, Path(dirs["ckpt_dir"]) / f"node{rank}" if erase else None)
+    return out, saved
+
+
+@pytest.mark.parametrize(("level", "erase"), [(4, True), (1, False), (2, True), (3, True)])
+def test_recovered_array_computes_after_its_reader_dies(client, dirs, level, erase):
+    """The chunks the dead worker had read are read again elsewhere: from the global directory (L4),
+    the file left on disk (L1, process killed only), the partner copy (L2), or rebuilt from the
+    group's parity (L3)."""
+    out, saved = recover_then_lose(client, dirs, level, erase)
+    assert computed(client, out).tobytes() == saved.tobytes()
+
+
+def test_recovered_level1_array_fails_clearly_when_its_node_is_lost(client, dirs):
+    """L1 keeps no copy: computing the array raises a RecoveryError saying what happened (no hang)."""
+    out, _saved = recover_then_lose(client, dirs, 1, erase=True)
+    with pytest.raises(ftidask.RecoveryError, match=r"level 1 keeps no copy.*recover\(\) again"):
+        computed(client, out)
+
+
+def test_worker_lost_mid_checkpoint_named_in_one_sentence(client, dirs, caplog):
+    """A worker killed while it sends its L2 copy: the error names the worker and its tasks, not a
+    list of Dask timeouts; ftidask logs no error of its own; the previous checkpoint recovers."""
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, da.random.default_rng(5).random((60, 48), chunks=(20, 16)))
+    ctx.checkpoint(1, 2)
+    saved = ctx.protected[1].compute()
+    ctx.protect(1, ctx.protected[1] * 2)
+    victim = sorted(live_workers(client))[1]
+    ctx._fault = {1: "send"}  # rank 1's worker process kills itself (SIGKILL) as its send starts
+    with caplog.at_level(logging.INFO, logger="ftidask"), pytest.raises(ftidask.CheckpointError) as err:
+        ctx.checkpoint(2, 2)
+    message = str(err.value)
+    assert f"worker {victim} (rank 1) left the cluster" in message, message
+    assert "ftidask-partner-send-2-" in message and "previous checkpoint is kept" in message
+    assert "TimeoutError" not in message and "NoneType" not in message
+    assert message.count("\n") == 0 and message.count("checkpoint 2") == 1
+    assert not [r for r in caplog.records if r.name.startswith("ftidask") and r.levelno >= logging.WARNING]
+    ctx2 = ftidask.init(client=client, **dirs)
+    out = ctx2.recover()
+    assert ctx2.recovered_from == (1, 2)
+    assert computed(client, out[1]).tobytes() == saved.tobytes()
