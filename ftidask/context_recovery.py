@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import storage
+from . import reshard, storage
 from .arrays import check_id
 from .errors import NoCheckpointError, RecoveryError
 from .ftiff.reader import FtiffFile
@@ -51,7 +51,12 @@ class RecoveryMixin:
         """The newest committed checkpoint that every rank can verify (or rebuild)."""
         t = self.transport
         reasons = []
+        nodes = t.allgather(t.node)
         for record in self._candidates(ckpt_id, level):
+            change = reshard.layout_change(record, t.size, nodes)
+            if change:  # never rank r's old file into rank r blindly: recover() redistributes it, or says why not
+                reasons.append(f"{change}; {reshard.advice(record)}")
+                continue
             verdict = check_file(self._rank_file(record), record, t.rank)
             if verdict.kind != "ok":
                 have = t.rebuild_file(record.level, record.ckpt_id, self._rank_file(record),
@@ -82,6 +87,9 @@ class RecoveryMixin:
         Raises :class:`NoCheckpointError` when nothing can be recovered.
         """
         self._check_open()
+        resharded = reshard.recover_other_layout(self, ckpt_id, level)
+        if resharded is not None:  # written on another number of ranks or node layout
+            return resharded
         record, verdict = self._find(ckpt_id, level)
         assert verdict.parsed is not None
         arrays = {vid: p.array for vid, p in self._vars.items()}

@@ -54,7 +54,7 @@ def add_var_icp(ctx: Context, var_id: int) -> None:
     if pending.error:
         return  # reported, on every rank together, by finalize_icp
     try:
-        pending.write_var(protected.id, protected.name, protected.array)
+        pending.write_var(protected.id, protected.name, protected.array, protected.decomp)
     except OSError as exc:
         pending.error = f"rank {ctx.transport.rank}: {exc}"
 
