@@ -17,7 +17,8 @@ from mpi_util import need_mpi, run
 
 pytestmark = need_mpi()
 
-DECLARED = ("l1", "l4")
+DECLARED = ("l1", "l2", "l3", "l4")
+LEVEL = {"l1": 1, "l2": 2, "l3": 3, "l4": 4}
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,19 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run(4, "reshard_job.py", "write", str(base), timeout=180)
     return base
 
+
+def _corrupt_container(run_dir: Path, rank: int, vid: int) -> None:
+    """Flip the first data bytes of variable ``vid`` in old rank ``rank``'s file (its structure stays valid)."""
+    from ftidask.ftiff.reader import parse_ftiff
+
+    path = next(run_dir.rglob(f"Ckpt1-Rank{rank}.fti"))
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, str(path))
+    meta = next(m for _b, _c, m in parsed.containers() if m.id == vid and m.chunksize)
+    with open(path, "r+b") as fh:
+        fh.seek(meta.fptr)
+        fh.write(bytes(b ^ 0xFF for b in fh.read(8)))
+        
 
 def _results(base: Path, size: int) -> list[dict]:
     return [json.loads((base / f"result-{size}-{r}.json").read_text()) for r in range(size)]
@@ -38,23 +52,27 @@ def _recover_on(written: Path, tmp_path: Path, size: int) -> tuple[Path, list[di
     shutil.copytree(base / "l1", base / "l1_lost")
     for path in (base / "l1_lost" / "Local" / "node1").rglob("Ckpt*-Rank*.fti"):
         path.unlink()
-    run(size, "reshard_job.py", "recover", str(base), *DECLARED, "undeclared", "l1_lost", timeout=300)
+    # Damaged data in an old file: detected by its container's hash before any array is written.
+    shutil.copytree(base / "l4", base / "l4_damaged")
+    _corrupt_container(base / "l4_damaged", 1, 2)
+    run(size, "reshard_job.py", "recover", str(base), *DECLARED, "undeclared", "l1_lost", "l4_damaged",
+        timeout=300)
     return base, _results(base, size)
 
 
-def _check(results: list[dict], size: int) -> None:
+def _check(results: list[dict], size: int, written: int = 4) -> None:
     for name in DECLARED:
         for rank, res in enumerate(results):
             got = res[name]
             assert got.get("ok"), f"{name}, rank {rank} of {size}: {got}"
             assert all(got["equal"].values()), f"{name}, rank {rank} of {size}: blocks differ {got['equal']}"
-            assert got["from"] == [1, 4 if name == "l4" else 1]
+            assert got["from"] == [1, LEVEL[name]]
     # Undeclared variables on another number of ranks: the same clear error everywhere, arrays untouched.
     errors = [res["undeclared"] for res in results]
     assert {e.get("error") for e in errors} == {"RecoveryError"}, errors
     assert len({e["message"] for e in errors}) == 1
     message = errors[0]["message"]
-    assert f"written by 4 ranks, this run recovers on {size}" in message
+    assert f"written by {written} ranks, this run recovers on {size}" in message
     assert "global_shape" in message and "replicated=True" in message and "export" in message
     assert all(e["untouched"] for e in errors)
     # An old file lost (L1): no checkpoint can be redistributed, every rank says so, nothing written.
@@ -62,9 +80,33 @@ def _check(results: list[dict], size: int) -> None:
     assert {e.get("error") for e in lost} == {"NoCheckpointError"}, lost
     assert len({e["message"] for e in lost}) == 1 and "missing" in lost[0]["message"]
     assert all(e["untouched"] for e in lost)
+    damaged = [res["l4_damaged"] for res in results]
+    assert {e.get("error") for e in damaged} == {"NoCheckpointError"}, damaged
+    assert len({e["message"] for e in damaged}) == 1 and "hash does not match" in damaged[0]["message"]
+    assert all(e["untouched"] for e in damaged)
 
 
 @pytest.mark.parametrize("size", [2, 3, 8])
 def test_4_ranks_recovered_on(written: Path, tmp_path: Path, size: int) -> None:
     _base, results = _recover_on(written, tmp_path, size)
     _check(results, size)
+
+
+def test_same_ranks_other_nodes(written: Path, tmp_path: Path) -> None:
+    """4 ranks again, 2 per node instead of 1: undeclared variables still come back (rank r gets old
+    rank r's file, read from its old node's directory), declared ones too."""
+    base = tmp_path / "runs"
+    shutil.copytree(written, base)
+    run(4, "reshard_job.py", "recover", str(base), "undeclared:2", "l1:2", timeout=300)
+    for rank, res in enumerate(_results(base, 4)):
+        for name in ("undeclared:2", "l1:2"):
+            assert res[name].get("ok") and all(res[name]["equal"].values()), (name, rank, res[name])
+
+
+@pytest.mark.slow
+def test_16_ranks_recovered_on_4(tmp_path: Path) -> None:
+    base = tmp_path / "written"
+    base.mkdir()
+    run(16, "reshard_job.py", "write", str(base), timeout=600)
+    _base, results = _recover_on(base, tmp_path, 4)
+    _check(results, 4, written=16)

@@ -52,8 +52,10 @@ def block_of(glob: np.ndarray, offset, shape) -> np.ndarray:
 
 
 def dirs(base: str, name: str) -> dict:
+    """NAME or NAME:K (K processes per simulated node: another node layout)."""
+    name, _, node_size = name.partition(":")
     return {"ckpt_dir": f"{base}/{name}/Local", "glbl_dir": f"{base}/{name}/Global",
-            "meta_dir": f"{base}/{name}/Meta", "local_test": 1, "verbosity": 4}
+            "meta_dir": f"{base}/{name}/Meta", "local_test": 1, "verbosity": 4, "node_size": int(node_size or 1)}
 
 
 def protect_all(ctx, comm, declared: bool, fill: bool) -> dict[int, np.ndarray]:
@@ -75,7 +77,8 @@ def protect_all(ctx, comm, declared: bool, fill: bool) -> dict[int, np.ndarray]:
 
 def write(base: str) -> None:
     comm = MPI.COMM_WORLD
-    for name, level, declared in (("l1", 1, True), ("l4", 4, True), ("undeclared", 1, False)):
+    for name, level, declared in (("l1", 1, True), ("l2", 2, True), ("l3", 3, True), ("l4", 4, True),
+                                  ("undeclared", 1, False)):
         ctx = ftidask.init(comm=comm, **dirs(base, name))
         protect_all(ctx, comm, declared, True)
         ctx.checkpoint(1, level)
