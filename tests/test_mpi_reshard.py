@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mpi_util import need_mpi, run
@@ -110,3 +111,40 @@ def test_16_ranks_recovered_on_4(tmp_path: Path) -> None:
     run(16, "reshard_job.py", "write", str(base), timeout=600)
     _base, results = _recover_on(base, tmp_path, 4)
     _check(results, 4, written=16)
+
+
+def test_export_stitches_declared_blocks(written: Path) -> None:
+    """`ftidask export --to-zarr` of the 4-rank checkpoint: one global array per declared variable."""
+    zarr = pytest.importorskip("zarr")
+    from ftidask.zarr_export import export_checkpoint
+    from mpi_scripts.reshard_job import globals_
+
+    for name in ("l1", "l4"):
+        dest = written / f"{name}-export.zarr"
+        run_dir = written / name
+        export_checkpoint(None, dest, ckpt_dir=run_dir / "Local", glbl_dir=run_dir / "Global",
+                          meta_dir=run_dir / "Meta", local_test=1)
+        group = zarr.open_group(str(dest), mode="r")
+        for vid, glob in globals_().items():
+            got = group[f"var{vid}"][...]
+            assert got.shape == glob.shape and got.tobytes() == np.ascontiguousarray(glob).tobytes(), (name, vid)
+
+
+@pytest.mark.dask
+def test_dask_backend_refuses_an_mpi_checkpoint(written: Path, tmp_path: Path) -> None:
+    """The Dask backend does not recover MPI checkpoints: a clear error, not 'no checkpoint'."""
+    pytest.importorskip("distributed")
+    from distributed import Client, LocalCluster
+
+    import ftidask
+
+    run_dir = tmp_path / "l4"
+    shutil.copytree(written / "l4", run_dir)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        ctx = ftidask.init(client=client, ckpt_dir=str(run_dir / "Local"), glbl_dir=str(run_dir / "Global"),
+                           meta_dir=str(run_dir / "Meta"), verbosity=4)
+        with pytest.raises(ftidask.RecoveryError, match="written by the MPI or single-process backend") as err:
+            ctx.recover()
+        assert "export --to-zarr" in str(err.value) and "global_shape" in str(err.value)
+        ctx._close()
