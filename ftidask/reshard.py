@@ -26,7 +26,7 @@ import numpy as np
 
 from . import storage
 from .arrays import dtype_to_json
-from .decomposition import Placement, overlap, piece_view, placement
+from .decomposition import Piece, Placement, overlap, piece_view, placement
 from .errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from .ftiff import compression, hashing
 from .ftiff.blockhash import FLAG_DCP
@@ -197,8 +197,8 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
         try:
             opened[old] = _open(old_path(ctx, record, old), record, old)
             mine[old] = _table(opened[old])
-        except (FormatError, RecoveryError, OSError) as exc:
-            problem = problem or str(exc)
+        except Exception as exc:  # noqa: BLE001 - any failure is shared: a rank that raised alone would leave the others waiting
+            problem = problem or _why(exc)
     _agree(t, problem, RecoveryError)
     tables: dict[int, dict[str, Any]] = {}
     for part in t.allgather(mine):
@@ -207,8 +207,8 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
     try:
         plan = _plan(tables, arrays, decls, t.rank, n, m)
         problem = ""
-    except _Refused as exc:
-        plan, problem = {}, str(exc)
+    except Exception as exc:  # noqa: BLE001 - a malformed table too: every rank must hear of it
+        plan, problem = {}, _why(exc)
     _agree(t, problem, _Refused)
     # 3. Read and check the pieces into buffers.
     staged = {vid: np.empty(a.shape, a.dtype) for vid, a in arrays.items()}
@@ -218,15 +218,19 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
             path = old_path(ctx, record, old)
             parsed = opened.get(old) or _open(path, record, old)
             _read(parsed, wanted, staged)
-    except (FormatError, RecoveryError, OSError) as exc:
-        problem = str(exc)
+    except Exception as exc:  # noqa: BLE001 - shared, as above
+        problem = _why(exc)
     _agree(t, problem, RecoveryError)
     return staged
 
 
+def _why(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, (FTIError, OSError)) else f"{type(exc).__name__}: {exc}"
+
+
 def _plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decls: dict[int, Any],
-          rank: int, n: int, m: int) -> dict[int, list[tuple[int, Placement, Any, Any]]]:
-    """old rank -> [(var id, its old placement, the piece, the coverage mask)] this rank needs."""
+          rank: int, n: int, m: int) -> dict[int, list[tuple[int, Piece]]]:
+    """old rank -> [(var id, piece)]: the pieces of this rank's arrays each old file holds."""
     plan: dict[int, list[Any]] = {}
     for vid, array in arrays.items():
         decl = decls.get(vid) or {}
@@ -267,14 +271,14 @@ def _plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decl
         else:
             shapes = {p.global_shape for p, _s, _o in olds.values()}
             if shapes != {new.global_shape}:
-                raise _Refused(f"variable {vid}: global shape {new.global_shape} here, {sorted(shapes)[0]} in the "
+                raise _Refused(f"variable {vid}: global shape {new.global_shape} here, {min(shapes)} in the "
                                "checkpoint")
             sources = olds
         mask = np.zeros(array.shape, bool)
         for old, (place, shape, order) in sources.items():
             piece = overlap(place.offset, shape, order, array.dtype.itemsize, new.offset, array.shape)
             if piece is not None:
-                plan.setdefault(old, []).append((vid, place, piece, None))
+                plan.setdefault(old, []).append((vid, piece))
                 mask[piece.dst] = True
         if not mask.all():
             hole = tuple(int(i[0]) + o for i, o in zip(np.nonzero(~mask), new.offset))
@@ -282,12 +286,12 @@ def _plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decl
     return plan
 
 
-def _read(parsed: Any, wanted: list[tuple[int, Placement, Any, Any]], staged: dict[int, np.ndarray]) -> None:
+def _read(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, np.ndarray]) -> None:
     """Copy the pieces ``wanted`` of one old file into the buffers (each byte checked by hash first)."""
     if isinstance(parsed, FtiffFile) and not parsed.fb.flags & FLAG_DCP:
         with open(parsed.path, "rb") as fh:
             check_unchanged(fh, parsed)
-            for vid, _place, piece, _m in wanted:
+            for vid, piece in wanted:
                 info = parsed.vars[vid]
                 buf, base = _read_span(fh, parsed, vid, *piece.span)
                 staged[vid][piece.dst] = piece_view(piece, buf, base, info.dtype)
@@ -295,7 +299,7 @@ def _read(parsed: Any, wanted: list[tuple[int, Placement, Any, Any]], staged: di
     # Differential files and Zarr stores were verified whole: read their variables, then the pieces.
     whole = {vid: parsed.vars[vid].empty() for vid in {w[0] for w in wanted}}
     load_file(parsed, whole)
-    for vid, _place, piece, _m in wanted:
+    for vid, piece in wanted:
         staged[vid][piece.dst] = whole[vid][piece.src]
 
 

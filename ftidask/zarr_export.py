@@ -260,11 +260,8 @@ def _assemble(ranks: list[_Rank]) -> list[tuple[str, VarInfo, Any]]:
         if all(isinstance(info.extra.get("dask"), dict) for _r, info in parts):
             info, fill = _dask_global(vid, parts)
             out.append((zarr_store.array_name(info, taken), info, fill))
-        elif len(ranks) == 1:
-            rank, info = parts[0]
-            out.append((zarr_store.array_name(info, taken), info, _whole(rank, vid)))
-        elif all(info.extra.get("replicated") is True for _r, info in parts):  # every rank holds all of it
-            rank, info = parts[0]
+        elif len(ranks) == 1 or all(info.extra.get("replicated") is True for _r, info in parts):
+            rank, info = parts[0]  # one rank, or a replicated variable: every rank holds all of it
             out.append((zarr_store.array_name(info, taken), info, _whole(rank, vid)))
         elif (stitched := _blocks_global(vid, parts)) is not None:
             out.append((zarr_store.array_name(stitched[0], taken), stitched[0], stitched[1]))

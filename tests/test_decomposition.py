@@ -7,6 +7,8 @@ new block exactly, and cover it exactly.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -26,7 +28,7 @@ def grids(draw: st.DrawFn, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...]
         cuts.append([0, *inner, n])
     blocks = [((), ())]
     for edges in cuts:
-        blocks = [(o + (a,), s + (b - a,)) for o, s in blocks for a, b in zip(edges, edges[1:])]
+        blocks = [(o + (a,), s + (b - a,)) for o, s in blocks for a, b in itertools.pairwise(edges)]
     return blocks
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from mpi_util import need_mpi, run
 
 pytestmark = need_mpi()
@@ -116,8 +115,9 @@ def test_16_ranks_recovered_on_4(tmp_path: Path) -> None:
 def test_export_stitches_declared_blocks(written: Path) -> None:
     """`ftidask export --to-zarr` of the 4-rank checkpoint: one global array per declared variable."""
     zarr = pytest.importorskip("zarr")
-    from ftidask.zarr_export import export_checkpoint
     from mpi_scripts.reshard_job import globals_
+
+    from ftidask.zarr_export import export_checkpoint
 
     for name in ("l1", "l4"):
         dest = written / f"{name}-export.zarr"

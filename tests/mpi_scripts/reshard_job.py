@@ -87,7 +87,9 @@ def write(base: str) -> None:
 
 
 def recover(base: str, names: list[str]) -> None:
-    from mpi4py import MPI  # here, so that the tests can import the reference arrays without MPI
+    from mpi4py import (
+        MPI,  # here, so that the tests can import the reference arrays without MPI
+    )
 
     comm = MPI.COMM_WORLD
     glob = globals_()
