@@ -32,6 +32,7 @@ from .ftiff import compression, hashing
 from .ftiff.blockhash import FLAG_DCP
 from .ftiff.reader import FtiffFile, check_unchanged, parse_ftiff
 from .recovery import check_file, check_writeable, load_file
+from .reshard_rebuild import old_groups, rebuild_group
 from .runstate import CommitRecord
 
 log = logging.getLogger("ftidask")
@@ -168,8 +169,8 @@ def recover_resharded(ctx: Any, records: list[CommitRecord], change: str) -> tup
     raise NoCheckpointError(f"{change}; no checkpoint can be redistributed onto this layout:"
                             + "".join(f"\n  - {r}" for r in reasons)
                             + "\nOld files must be reachable from the ranks that read them (L4, or every node "
-                              "directory with local_test); files lost from a node are rebuilt (L2/L3) only by a "
-                              f"restart on the checkpoint's own layout. {advice(records[0])}")
+                              "directory with local_test, where files lost from a node are first rebuilt from "
+                              f"L2/L3 partner copies or parity). {advice(records[0])}")
 
 
 class _Refused(FTIError):
@@ -190,6 +191,15 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
     """Every rank's new arrays in private buffers, from the old files (collective)."""
     t = ctx.transport
     n, m = record.nranks, t.size
+    if record.level in (2, 3):  # 0. Lost old files come back first, on the old layout's groups.
+        groups = old_groups(record, ctx.config.group_size)
+        problem = ""
+        for j in range(t.rank, len(groups), m):
+            try:
+                problem = problem or rebuild_group(ctx.config, record, groups[j], lambda r: old_path(ctx, record, r))
+            except Exception as exc:  # noqa: BLE001 - shared, as below
+                problem = problem or _why(exc)
+        _agree(t, problem, RecoveryError)
     # 1. The old files' variable tables, each old file parsed by one rank, shared.
     opened: dict[int, Any] = {}
     mine, problem = {}, ""

@@ -18,7 +18,7 @@ from mpi_util import need_mpi, run
 pytestmark = need_mpi()
 
 DECLARED = ("l1", "l2", "l3", "l4")
-LEVEL = {"l1": 1, "l2": 2, "l3": 3, "l4": 4}
+LEVEL = {"l1": 1, "l2": 2, "l3": 3, "l4": 4, "l2_lost": 2, "l3_lost": 3}
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +52,20 @@ def _recover_on(written: Path, tmp_path: Path, size: int) -> tuple[Path, list[di
     shutil.copytree(base / "l1", base / "l1_lost")
     for path in (base / "l1_lost" / "Local" / "node1").rglob("Ckpt*-Rank*.fti"):
         path.unlink()
+    # A whole node of the old layout lost at L2 and L3: its files are rebuilt first, then redistributed.
+    for name in ("l2", "l3"):
+        shutil.copytree(base / name, base / f"{name}_lost")
+        shutil.rmtree(base / f"{name}_lost" / "Local" / "node1")
     # Damaged data in an old file: detected by its container's hash before any array is written.
     shutil.copytree(base / "l4", base / "l4_damaged")
     _corrupt_container(base / "l4_damaged", 1, 2)
-    run(size, "reshard_job.py", "recover", str(base), *DECLARED, "undeclared", "l1_lost", "l4_damaged",
-        timeout=300)
+    run(size, "reshard_job.py", "recover", str(base), *DECLARED, "l2_lost", "l3_lost", "undeclared", "l1_lost",
+        "l4_damaged", timeout=300)
     return base, _results(base, size)
 
 
 def _check(results: list[dict], size: int, written: int = 4) -> None:
-    for name in DECLARED:
+    for name in (*DECLARED, "l2_lost", "l3_lost"):
         for rank, res in enumerate(results):
             got = res[name]
             assert got.get("ok"), f"{name}, rank {rank} of {size}: {got}"
@@ -86,10 +90,21 @@ def _check(results: list[dict], size: int, written: int = 4) -> None:
     assert all(e["untouched"] for e in damaged)
 
 
+def _check_rebuilt(base: Path) -> None:
+    """The lost node's files of L2/L3 are back, byte for byte."""
+    for name in ("l2", "l3"):
+        originals = sorted((base / name / "Local" / "node1").rglob("Ckpt*.fti"))  # as test_mpi_levels
+        assert originals
+        for path in originals:
+            twin = base / f"{name}_lost" / path.relative_to(base / name)
+            assert twin.read_bytes() == path.read_bytes(), twin
+
+
 @pytest.mark.parametrize("size", [2, 3, 8])
 def test_4_ranks_recovered_on(written: Path, tmp_path: Path, size: int) -> None:
-    _base, results = _recover_on(written, tmp_path, size)
+    base, results = _recover_on(written, tmp_path, size)
     _check(results, size)
+    _check_rebuilt(base)
 
 
 def test_same_ranks_other_nodes(written: Path, tmp_path: Path) -> None:
@@ -108,8 +123,9 @@ def test_16_ranks_recovered_on_4(tmp_path: Path) -> None:
     base = tmp_path / "written"
     base.mkdir()
     run(16, "reshard_job.py", "write", str(base), timeout=600)
-    _base, results = _recover_on(base, tmp_path, 4)
+    runs, results = _recover_on(base, tmp_path, 4)
     _check(results, 4, written=16)
+    _check_rebuilt(runs)
 
 
 def test_export_stitches_declared_blocks(written: Path) -> None:
