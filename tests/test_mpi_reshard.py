@@ -18,7 +18,8 @@ from mpi_util import need_mpi, run
 pytestmark = need_mpi()
 
 DECLARED = ("l1", "l2", "l3", "l4")
-LEVEL = {"l1": 1, "l2": 2, "l3": 3, "l4": 4, "l2_lost": 2, "l3_lost": 3}
+LEVEL = {"l1": 1, "l2": 2, "l3": 3, "l4": 4, "l2_lost": 2, "l3_lost": 3, "dcp": 1, "l4zarr": 4}
+CKPT = {"dcp": 2}
 
 
 @pytest.fixture(scope="module")
@@ -59,18 +60,18 @@ def _recover_on(written: Path, tmp_path: Path, size: int) -> tuple[Path, list[di
     # Damaged data in an old file: detected by its container's hash before any array is written.
     shutil.copytree(base / "l4", base / "l4_damaged")
     _corrupt_container(base / "l4_damaged", 1, 2)
-    run(size, "reshard_job.py", "recover", str(base), *DECLARED, "l2_lost", "l3_lost", "undeclared", "l1_lost",
-        "l4_damaged", timeout=300)
+    run(size, "reshard_job.py", "recover", str(base), *DECLARED, "l2_lost", "l3_lost", "dcp", "l4zarr",
+        "undeclared", "l1_lost", "l4_damaged", timeout=300)
     return base, _results(base, size)
 
 
 def _check(results: list[dict], size: int, written: int = 4) -> None:
-    for name in (*DECLARED, "l2_lost", "l3_lost"):
+    for name in (*DECLARED, "l2_lost", "l3_lost", "dcp", "l4zarr"):
         for rank, res in enumerate(results):
             got = res[name]
             assert got.get("ok"), f"{name}, rank {rank} of {size}: {got}"
             assert all(got["equal"].values()), f"{name}, rank {rank} of {size}: blocks differ {got['equal']}"
-            assert got["from"] == [1, LEVEL[name]]
+            assert got["from"] == [CKPT.get(name, 1), LEVEL[name]]
     # Undeclared variables on another number of ranks: the same clear error everywhere, arrays untouched.
     errors = [res["undeclared"] for res in results]
     assert {e.get("error") for e in errors} == {"RecoveryError"}, errors
@@ -79,6 +80,7 @@ def _check(results: list[dict], size: int, written: int = 4) -> None:
     assert f"written by {written} ranks, this run recovers on {size}" in message
     assert "global_shape" in message and "replicated=True" in message and "export" in message
     assert all(e["untouched"] for e in errors)
+    assert all(f"written by {written} ranks, this run recovers on {size}" in e["stored_size"] for e in errors)
     # An old file lost (L1): no checkpoint can be redistributed, every rank says so, nothing written.
     lost = [res["l1_lost"] for res in results]
     assert {e.get("error") for e in lost} == {"NoCheckpointError"}, lost
@@ -164,3 +166,25 @@ def test_dask_backend_refuses_an_mpi_checkpoint(written: Path, tmp_path: Path) -
             ctx.recover()
         assert "export --to-zarr" in str(err.value) and "global_shape" in str(err.value)
         ctx._close()
+
+
+def test_one_process_recovers_the_global_arrays(written: Path, tmp_path: Path) -> None:
+    """Without MPI, one process declares the whole global arrays and recovers them from the 4 rank files."""
+    import ftidask
+    from mpi_scripts.reshard_job import globals_
+
+    run_dir = tmp_path / "l4"
+    shutil.copytree(written / "l4", run_dir)
+    ctx = ftidask.init(ckpt_dir=str(run_dir / "Local"), glbl_dir=str(run_dir / "Global"),
+                       meta_dir=str(run_dir / "Meta"), verbosity=4)
+    glob = globals_()
+    arrays = {vid: np.zeros_like(g) for vid, g in glob.items()}
+    for vid, a in arrays.items():
+        if vid == 4:
+            ctx.protect(vid, a, replicated=True)
+        else:
+            ctx.protect(vid, a, global_shape=a.shape, offset=(0,) * a.ndim)
+    ctx.recover()
+    for vid, a in arrays.items():
+        assert a.tobytes() == glob[vid].tobytes(), vid
+    ctx._close()
