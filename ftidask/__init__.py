@@ -5,6 +5,7 @@ from .config import Config, load_config
 from .constants import *  # noqa: F403 - FTI's names are the public API
 from .constants import init_type
 from .context import Context, init
+from .decomposition import Block
 from .logsetup import log_to_stderr
 from .resilient import ResilientLoop, resilient
 from .errors import (CheckpointError, ConfigError, FormatError, FTIError, LevelError, NoCheckpointError,
@@ -13,7 +14,7 @@ from .errors import (CheckpointError, ConfigError, FormatError, FTIError, LevelE
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "CheckpointInfo", "Config", "ConfigError", "Context", "FTIError", "FormatError",
+    "Block", "CheckpointError", "CheckpointInfo", "Config", "ConfigError", "Context", "FTIError", "FormatError",
     "LevelError", "NoCheckpointError", "ProtectError", "RecoveryError", "ResilientLoop", "RunInUseError",
     "StagingError", "init", "init_type", "load_config", "log_to_stderr", "resilient",
 ]

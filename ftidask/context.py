@@ -22,6 +22,7 @@ from .config import Config
 from .context_recovery import RecoveryMixin
 from .context_writing import WritingMixin
 from .dcpstore import DcpStore
+from .decomposition import declaration, still_fits
 from .errors import CheckpointError, ConfigError, FTIError, LevelError, RunInUseError
 from .ftiff import compression, hashing
 from .ftiff.reader import FtiffFile
@@ -45,6 +46,7 @@ class Protected:
     name: str
     array: np.ndarray
     compressor: dict[str, Any] | None = None  # numcodecs config; None: the config's [advanced] compressor
+    decomp: dict[str, Any] | None = None  # where it sits in a global array (ftidask.decomposition), for resharding
 
 
 class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
@@ -115,11 +117,15 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
 
     # --- protection ----------------------------------------------------------------------------
 
-    def protect(self, id: int, array: Any, name: str | None = None, compressor: Any = None) -> None:
+    def protect(self, id: int, array: Any, name: str | None = None, compressor: Any = None, *,
+                global_shape: Any = None, offset: Any = None, replicated: bool = False) -> None:
         """FTI_Protect: register ``array`` under ``id`` (again: update its array and size).
 
         ``compressor`` (``"zstd"``, ``"lz4"``, ``"blosc"``, ``"none"``, a numcodecs codec...) overrides
         ``[advanced] compressor`` for this variable; see :mod:`ftidask.ftiff.compression`.
+        ``global_shape`` and ``offset`` (or ``global_shape=ftidask.Block(shape, offset)``) declare the
+        array as a block of a global array, ``replicated=True`` as held whole by every rank: a restart
+        on another number of ranks then redistributes it (see docs/mpi.md).
         """
         self._check_open()
         vid = check_id(id, "variable id")
@@ -130,7 +136,10 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         codec = old.compressor if old is not None and compressor is None else None
         if compressor is not None:
             codec = compression.parse_compressor(compressor) or {"id": "none"}
-        self._vars[vid] = Protected(vid, str(name), array, codec)
+        decomp = declaration(array, global_shape, offset, replicated)
+        if decomp is None and old is not None and global_shape is None and not replicated:
+            decomp = still_fits(array, old.decomp)  # protect again (or realloc): the declaration stays if it fits
+        self._vars[vid] = Protected(vid, str(name), array, codec, decomp)
 
     @property
     def protected(self) -> Mapping[int, np.ndarray]:
@@ -155,7 +164,7 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
                 if pending.error:
                     break
                 _r, pending.error = attempt(self.transport.rank,
-                                            functools.partial(pending.write_var, vid, p.name, p.array))
+                                            functools.partial(pending.write_var, vid, p.name, p.array, p.decomp))
         except BaseException:  # interrupted: no file left open, nothing committed
             pending.abort()
             raise

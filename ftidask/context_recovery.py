@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import storage
+from . import reshard, storage
 from .arrays import check_id
 from .collective import agree, attempt, guarded, on_root
 from .errors import FTIError, NoCheckpointError, RecoveryError
@@ -60,7 +60,12 @@ class RecoveryMixin:
         """The newest committed checkpoint that every rank can verify (or rebuild)."""
         t = self.transport
         reasons = []
+        nodes = t.allgather(t.node)
         for record in self._candidates(ckpt_id, level):
+            change = reshard.layout_change(record, t.size, nodes)
+            if change:  # never rank r's old file into rank r blindly: recover() redistributes it, or says why not
+                reasons.append(f"{change}; {reshard.advice(record)}")
+                continue
             verdict = self._check(record)
             path = self._rank_file(record)
             ok = verdict.kind == "ok"
@@ -92,6 +97,9 @@ class RecoveryMixin:
         Raises :class:`NoCheckpointError` when nothing can be recovered.
         """
         self._check_open()
+        resharded = reshard.recover_other_layout(self, ckpt_id, level)
+        if resharded is not None:  # written on another number of ranks or node layout
+            return resharded
         record, verdict = self._find(ckpt_id, level)
         assert verdict.parsed is not None
         t = self.transport

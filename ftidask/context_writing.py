@@ -96,7 +96,8 @@ class WritingMixin:
         """Write this rank's whole file of a level 1-4 checkpoint (compressed, or as Zarr at L4, if so configured)."""
         zarr_l4 = level == 4 and self.config.l4_format == "zarr"
         codecs = self._codecs()
-        infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}))
+        infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}),
+                            **(getattr(p, "decomp", None) or {}))
                  for vid, p in self._vars.items()]
         write = self._write_zarr_l4 if zarr_l4 else write_rank_file
         streams, bar = tracked({vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, self.config,

@@ -118,7 +118,7 @@ class PendingCheckpoint:
     def differential(self) -> bool:
         return self.level > 4
 
-    def write_var(self, var_id: int, name: str, array: np.ndarray) -> None:
+    def write_var(self, var_id: int, name: str, array: np.ndarray, extra: Mapping[str, Any] | None = None) -> None:
         """Write variable ``var_id`` now; its array may change once this returns."""
         if var_id in self.written:
             raise CheckpointError(f"variable {var_id} was already added to checkpoint {self.ckpt_id}")
@@ -127,7 +127,7 @@ class PendingCheckpoint:
                                   f"checkpoint {self.ckpt_id} started; its size must not change in between")
         if self.writer is None:
             raise CheckpointError(self.error or "checkpoint file not open")
-        self.infos[var_id] = VarInfo.of(var_id, name, array)
+        self.infos[var_id] = VarInfo.of(var_id, name, array, **(extra or {}))
         self.writer.write_var(var_id, ArrayBytes(array))
         self.written.add(var_id)
 

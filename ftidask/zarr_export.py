@@ -10,7 +10,10 @@ level 4 written as Zarr), verifies every hash, and writes one Zarr array per pro
   one global array, chunked as the Dask array was;
 * one rank file: one array per variable, at the root, named after the variable;
 * several rank files whose variable records a block of a global array (``VarInfo.extra`` with
-  ``global_shape`` and ``offset``, and optionally ``chunks``): one global array;
+  ``global_shape`` and ``offset``, and optionally ``chunks``; ``protect(..., global_shape=, offset=)``
+  on the MPI backend): one global array;
+* several rank files whose variable is ``replicated`` (``protect(..., replicated=True)``): one array,
+  from the first rank's file;
 * otherwise: one group per rank, ``rank{r}/{name}``.
 
 :func:`import_zarr` does the reverse: it starts a new run whose first checkpoint holds the
@@ -257,8 +260,8 @@ def _assemble(ranks: list[_Rank]) -> list[tuple[str, VarInfo, Any]]:
         if all(isinstance(info.extra.get("dask"), dict) for _r, info in parts):
             info, fill = _dask_global(vid, parts)
             out.append((zarr_store.array_name(info, taken), info, fill))
-        elif len(ranks) == 1:
-            rank, info = parts[0]
+        elif len(ranks) == 1 or all(info.extra.get("replicated") is True for _r, info in parts):
+            rank, info = parts[0]  # one rank, or a replicated variable: every rank holds all of it
             out.append((zarr_store.array_name(info, taken), info, _whole(rank, vid)))
         elif (stitched := _blocks_global(vid, parts)) is not None:
             out.append((zarr_store.array_name(stitched[0], taken), stitched[0], stitched[1]))

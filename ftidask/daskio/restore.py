@@ -275,7 +275,10 @@ def _restore_retrying(ctx: DaskContext, record: CommitRecord, attempts: int = 3)
 def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: Any) -> dict[int, Any]:
     """The newest recoverable checkpoint's arrays (see :meth:`DaskContext.recover`)."""
     reasons = []
-    for record in dask_records(ctx, ckpt_id, level):
+    records = dask_records(ctx, ckpt_id, level)
+    if not records:
+        _refuse_other_backend(ctx, ckpt_id, level)
+    for record in records:
         try:
             hosts = _restore_retrying(ctx, record)
         except (Unrecoverable, RecoveryError) as exc:
@@ -299,6 +302,19 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
                             + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
                             + (f" (level={level})" if level is not None else "")
                             + "".join(f"\n  - {r}" for r in reasons))
+
+
+def _refuse_other_backend(ctx: DaskContext, ckpt_id: int | None, level: int | None) -> None:
+    """A clear error when the run's checkpoints were written by the MPI (or single-process) backend."""
+    other = ctx._candidates(ckpt_id, level)
+    if other:
+        r = other[0]
+        raise RecoveryError(
+            f"checkpoint {r.ckpt_id} (level {r.level}) of run {ctx.exec_id} was written by the MPI or single-process "
+            f"backend ({r.nranks} rank(s)); the Dask backend recovers only checkpoints written by Dask workers. "
+            "Recover it with ftidask.init(comm=...) (on another number of ranks if every variable declares "
+            "global_shape/offset or replicated=True), or export it with `ftidask export --to-zarr` (declared blocks "
+            "become one global array) and read it with dask.array.from_zarr.")
 
 
 def stored_size(ctx: DaskContext, vid: int) -> int:

@@ -1,0 +1,190 @@
+"""Issue 18, items 1-2 over real mpiexec: checkpoints written by 4 ranks, recovered on 2, 3 and 8.
+
+One write job (4 ranks: an L1 and an L4 checkpoint whose variables declare their blocks, 1-D and 2-D,
+C and Fortran order, replicated, compressed; and an L1 checkpoint without declarations), then one
+recovery job per rank count running every case in turn (tests/mpi_scripts/reshard_job.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi_util import need_mpi, run
+
+pytestmark = need_mpi()
+
+DECLARED = ("l1", "l2", "l3", "l4")
+LEVEL = {"l1": 1, "l2": 2, "l3": 3, "l4": 4, "l2_lost": 2, "l3_lost": 3, "dcp": 1, "l4zarr": 4}
+CKPT = {"dcp": 2}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("reshard")
+    run(4, "reshard_job.py", "write", str(base), timeout=180)
+    return base
+
+
+def _corrupt_container(run_dir: Path, rank: int, vid: int) -> None:
+    """Flip the first data bytes of variable ``vid`` in old rank ``rank``'s file (its structure stays valid)."""
+    from ftidask.ftiff.reader import parse_ftiff
+
+    path = next(run_dir.rglob(f"Ckpt1-Rank{rank}.fti"))
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, str(path))
+    meta = next(m for _b, _c, m in parsed.containers() if m.id == vid and m.chunksize)
+    with open(path, "r+b") as fh:
+        fh.seek(meta.fptr)
+        fh.write(bytes(b ^ 0xFF for b in fh.read(8)))
+        
+
+def _results(base: Path, size: int) -> list[dict]:
+    return [json.loads((base / f"result-{size}-{r}.json").read_text()) for r in range(size)]
+
+
+def _recover_on(written: Path, tmp_path: Path, size: int) -> tuple[Path, list[dict]]:
+    base = tmp_path / "runs"
+    shutil.copytree(written, base)
+    # A node of the old layout lost: its L1 file cannot be read, so no rank may get partial data.
+    shutil.copytree(base / "l1", base / "l1_lost")
+    for path in (base / "l1_lost" / "Local" / "node1").rglob("Ckpt*-Rank*.fti"):
+        path.unlink()
+    # A whole node of the old layout lost at L2 and L3: its files are rebuilt first, then redistributed.
+    for name in ("l2", "l3"):
+        shutil.copytree(base / name, base / f"{name}_lost")
+        shutil.rmtree(base / f"{name}_lost" / "Local" / "node1")
+    # Damaged data in an old file: detected by its container's hash before any array is written.
+    shutil.copytree(base / "l4", base / "l4_damaged")
+    _corrupt_container(base / "l4_damaged", 1, 2)
+    run(size, "reshard_job.py", "recover", str(base), *DECLARED, "l2_lost", "l3_lost", "dcp", "l4zarr",
+        "undeclared", "l1_lost", "l4_damaged", timeout=300)
+    return base, _results(base, size)
+
+
+def _check(results: list[dict], size: int, written: int = 4) -> None:
+    for name in (*DECLARED, "l2_lost", "l3_lost", "dcp", "l4zarr"):
+        for rank, res in enumerate(results):
+            got = res[name]
+            assert got.get("ok"), f"{name}, rank {rank} of {size}: {got}"
+            assert all(got["equal"].values()), f"{name}, rank {rank} of {size}: blocks differ {got['equal']}"
+            assert got["from"] == [CKPT.get(name, 1), LEVEL[name]]
+    # Undeclared variables on another number of ranks: the same clear error everywhere, arrays untouched.
+    errors = [res["undeclared"] for res in results]
+    assert {e.get("error") for e in errors} == {"RecoveryError"}, errors
+    assert len({e["message"] for e in errors}) == 1
+    message = errors[0]["message"]
+    assert f"written by {written} ranks, this run recovers on {size}" in message
+    assert "global_shape" in message and "replicated=True" in message and "export" in message
+    assert all(e["untouched"] for e in errors)
+    assert all(f"written by {written} ranks, this run recovers on {size}" in e["stored_size"] for e in errors)
+    # An old file lost (L1): no checkpoint can be redistributed, every rank says so, nothing written.
+    lost = [res["l1_lost"] for res in results]
+    assert {e.get("error") for e in lost} == {"NoCheckpointError"}, lost
+    assert len({e["message"] for e in lost}) == 1 and "missing" in lost[0]["message"]
+    assert all(e["untouched"] for e in lost)
+    damaged = [res["l4_damaged"] for res in results]
+    assert {e.get("error") for e in damaged} == {"NoCheckpointError"}, damaged
+    assert len({e["message"] for e in damaged}) == 1 and "hash does not match" in damaged[0]["message"]
+    assert all(e["untouched"] for e in damaged)
+
+
+def _check_rebuilt(base: Path) -> None:
+    """The lost node's files of L2/L3 are back, byte for byte."""
+    for name in ("l2", "l3"):
+        originals = sorted((base / name / "Local" / "node1").rglob("Ckpt*.fti"))  # as test_mpi_levels
+        assert originals
+        for path in originals:
+            twin = base / f"{name}_lost" / path.relative_to(base / name)
+            assert twin.read_bytes() == path.read_bytes(), twin
+
+
+@pytest.mark.parametrize("size", [2, 3, 8])
+def test_4_ranks_recovered_on(written: Path, tmp_path: Path, size: int) -> None:
+    base, results = _recover_on(written, tmp_path, size)
+    _check(results, size)
+    _check_rebuilt(base)
+
+
+def test_same_ranks_other_nodes(written: Path, tmp_path: Path) -> None:
+    """4 ranks again, 2 per node instead of 1: undeclared variables still come back (rank r gets old
+    rank r's file, read from its old node's directory), declared ones too."""
+    base = tmp_path / "runs"
+    shutil.copytree(written, base)
+    run(4, "reshard_job.py", "recover", str(base), "undeclared:2", "l1:2", timeout=300)
+    for rank, res in enumerate(_results(base, 4)):
+        for name in ("undeclared:2", "l1:2"):
+            assert res[name].get("ok") and all(res[name]["equal"].values()), (name, rank, res[name])
+
+
+@pytest.mark.slow
+def test_16_ranks_recovered_on_4(tmp_path: Path) -> None:
+    base = tmp_path / "written"
+    base.mkdir()
+    run(16, "reshard_job.py", "write", str(base), timeout=600)
+    runs, results = _recover_on(base, tmp_path, 4)
+    _check(results, 4, written=16)
+    _check_rebuilt(runs)
+
+
+def test_export_stitches_declared_blocks(written: Path) -> None:
+    """`ftidask export --to-zarr` of the 4-rank checkpoint: one global array per declared variable."""
+    zarr = pytest.importorskip("zarr")
+    from mpi_scripts.reshard_job import globals_
+
+    from ftidask.zarr_export import export_checkpoint
+
+    for name in ("l1", "l4"):
+        dest = written / f"{name}-export.zarr"
+        run_dir = written / name
+        export_checkpoint(None, dest, ckpt_dir=run_dir / "Local", glbl_dir=run_dir / "Global",
+                          meta_dir=run_dir / "Meta", local_test=1)
+        group = zarr.open_group(str(dest), mode="r")
+        for vid, glob in globals_().items():
+            got = group[f"var{vid}"][...]
+            assert got.shape == glob.shape and got.tobytes() == np.ascontiguousarray(glob).tobytes(), (name, vid)
+
+
+@pytest.mark.dask
+def test_dask_backend_refuses_an_mpi_checkpoint(written: Path, tmp_path: Path) -> None:
+    """The Dask backend does not recover MPI checkpoints: a clear error, not 'no checkpoint'."""
+    pytest.importorskip("distributed")
+    from distributed import Client, LocalCluster
+
+    import ftidask
+
+    run_dir = tmp_path / "l4"
+    shutil.copytree(written / "l4", run_dir)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        ctx = ftidask.init(client=client, ckpt_dir=str(run_dir / "Local"), glbl_dir=str(run_dir / "Global"),
+                           meta_dir=str(run_dir / "Meta"), verbosity=4)
+        with pytest.raises(ftidask.RecoveryError, match="written by the MPI or single-process backend") as err:
+            ctx.recover()
+        assert "export --to-zarr" in str(err.value) and "global_shape" in str(err.value)
+        ctx._close()
+
+
+def test_one_process_recovers_the_global_arrays(written: Path, tmp_path: Path) -> None:
+    """Without MPI, one process declares the whole global arrays and recovers them from the 4 rank files."""
+    import ftidask
+    from mpi_scripts.reshard_job import globals_
+
+    run_dir = tmp_path / "l4"
+    shutil.copytree(written / "l4", run_dir)
+    ctx = ftidask.init(ckpt_dir=str(run_dir / "Local"), glbl_dir=str(run_dir / "Global"),
+                       meta_dir=str(run_dir / "Meta"), verbosity=4)
+    glob = globals_()
+    arrays = {vid: np.zeros_like(g) for vid, g in glob.items()}
+    for vid, a in arrays.items():
+        if vid == 4:
+            ctx.protect(vid, a, replicated=True)
+        else:
+            ctx.protect(vid, a, global_shape=a.shape, offset=(0,) * a.ndim)
+    ctx.recover()
+    for vid, a in arrays.items():
+        assert a.tobytes() == glob[vid].tobytes(), vid
+    ctx._close()
