@@ -6,6 +6,7 @@ from .constants import *  # noqa: F403 - FTI's names are the public API
 from .constants import init_type
 from .context import Context, init
 from .logsetup import log_to_stderr
+from .pystate import State, Value
 from .resilient import ResilientLoop, resilient
 from .errors import (CheckpointError, ConfigError, FormatError, FTIError, LevelError, NoCheckpointError,
                      ProtectError, RecoveryError, RunInUseError, StagingError)
@@ -15,5 +16,5 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError", "CheckpointInfo", "Config", "ConfigError", "Context", "FTIError", "FormatError",
     "LevelError", "NoCheckpointError", "ProtectError", "RecoveryError", "ResilientLoop", "RunInUseError",
-    "StagingError", "init", "init_type", "load_config", "log_to_stderr", "resilient",
+    "StagingError", "State", "Value", "init", "init_type", "load_config", "log_to_stderr", "resilient",
 ]

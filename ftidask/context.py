@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import constants, dirchecks, logsetup, runlock, storage
+from . import constants, dirchecks, logsetup, pystate, runlock, storage
 from .arrays import check_ckpt_id, check_id, check_protectable
 from .checkpointing import CheckpointInfo
 from .config import Config
@@ -44,6 +44,7 @@ class Protected:
     name: str
     array: np.ndarray
     compressor: dict[str, Any] | None = None  # numcodecs config; None: the config's [advanced] compressor
+    state: pystate.Holder | None = None  # a Python state (ftidask.pystate): ``array`` holds its bytes
 
 
 class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
@@ -122,19 +123,20 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         """
         self._check_open()
         vid = check_id(id, "variable id")
-        array = check_protectable(array)
+        state = pystate.holder_of(array)  # a Python state (stored as JSON bytes), or None for an array
+        array = state.encode() if state is not None else check_protectable(array)
         old = self._vars.get(vid)
         if name is None:
             name = old.name if old is not None else f"var{vid}"
         codec = old.compressor if old is not None and compressor is None else None
         if compressor is not None:
             codec = compression.parse_compressor(compressor) or {"id": "none"}
-        self._vars[vid] = Protected(vid, str(name), array, codec)
+        self._vars[vid] = Protected(vid, str(name), array, codec, state)
 
     @property
     def protected(self) -> Mapping[int, np.ndarray]:
-        """The protected arrays by id, in protection order."""
-        return {vid: p.array for vid, p in self._vars.items()}
+        """The protected arrays (and Python-state objects) by id, in protection order."""
+        return {vid: p.state.obj if p.state is not None else p.array for vid, p in self._vars.items()}
 
     def status(self) -> int:
         """FTI_Status, fixed at init: 0 fresh start, 1 restart, 2 restart from a kept L4 checkpoint."""
@@ -174,6 +176,7 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         differential = level > 4  # L5-L8: differential L1-L4
         post_level = level - 4 if differential else level
         level = t.write_level(post_level) + (4 if differential else 0)
+        state_error = self._encode_states()  # before the layout: a state's size changes with its value
         layout = plan_layout(self._layout, [(vid, p.array.nbytes) for vid, p in self._vars.items()])
         seq = t.bcast(self.state.next_seq() if t.rank == 0 else None)
         base_level = level - 4 if level > 4 else level
@@ -194,8 +197,8 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         except (OSError, FTIError) as exc:
             error = f"rank {t.rank}: {exc}"
         return PendingCheckpoint(ckpt_id, level, seq, layout, directory, path,
-                                 {vid: p.array.nbytes for vid, p in self._vars.items()}, writer, error=error,
-                                 post_level=post_level)
+                                 {vid: p.array.nbytes for vid, p in self._vars.items()}, writer,
+                                 error=state_error or error, post_level=post_level, extras=self._var_extras())
 
     def _commit_checkpoint(self, pending: PendingCheckpoint) -> CheckpointInfo:
         """Finish every rank's file, add the level's redundancy, write the commit record."""
@@ -268,6 +271,20 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", ckpt_id, pending.level,
                  info.bytes_written, info.seconds)
         return info
+
+    def _encode_states(self) -> str:
+        """Store each protected Python state's current value as its bytes; why one cannot be, or ''."""
+        for p in self._vars.values():
+            if p.state is not None:
+                try:
+                    p.array = p.state.encode()
+                except FTIError as exc:  # reported on every rank by the commit, nothing written
+                    return f"rank {self.transport.rank}: variable {p.id} ({p.name}): {exc}"
+        return ""
+
+    def _var_extras(self) -> dict[int, dict[str, Any]]:
+        """What the variable table records of each Python state: its kind."""
+        return {vid: {pystate.EXTRA_KEY: p.state.kind} for vid, p in self._vars.items() if p.state is not None}
 
     def _check_level(self, level: Any) -> int:
         if (self.config.enable_dcp and isinstance(level, (int, np.integer)) and not isinstance(level, bool)
