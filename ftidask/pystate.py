@@ -202,6 +202,11 @@ def holder_of(obj: Any) -> Holder | None:
     return holder
 
 
+def loads(data: bytes | np.ndarray, what: str) -> Any:
+    """The JSON value of a stored Python state (for one not protected now); :class:`RecoveryError`."""
+    return _loads(data.tobytes() if isinstance(data, np.ndarray) else data, what)
+
+
 def kind_of(info: Any) -> str:
     """The Python-state kind a file's variable table gives a variable ('' for an array)."""
     extra = getattr(info, "extra", None) or {}
