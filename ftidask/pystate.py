@@ -224,3 +224,22 @@ def show(kind: str, data: bytes) -> str:
         return f"{value.get('bit_generator')} state {reprlib.repr(value.get('state'))}"
     text = json.dumps(value, ensure_ascii=False, allow_nan=True)
     return text if len(text) <= 400 else text[:400] + "..."
+
+
+def read_states(fh: Any, parsed: Any) -> dict[int, tuple[str, str]]:
+    """For ``inspect``: var id -> (kind, readable value) of every Python state in a parsed FTI-FF file,
+    read only after its containers' hashes are checked (a damaged one says so instead)."""
+    from .arrays import ArrayBytes
+    from .errors import FormatError
+    from .ftiff.reader import read_into, verify_data
+
+    kinds = {vid: kind_of(info) for vid, info in parsed.vars.items() if kind_of(info)}
+    if not kinds:
+        return {}
+    buffers = {vid: np.empty(parsed.vars[vid].nbytes, np.uint8) for vid in kinds}
+    try:
+        verify_data(fh, parsed, set(kinds))
+        read_into(fh, parsed, {vid: ArrayBytes(buf) for vid, buf in buffers.items()})
+    except (FormatError, OSError) as exc:
+        return {vid: (kind, f"cannot be shown: {exc}") for vid, kind in kinds.items()}
+    return {vid: (kind, show(kind, buffers[vid].tobytes())) for vid, kind in kinds.items()}
