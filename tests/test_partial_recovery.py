@@ -94,7 +94,7 @@ def test_ids_not_in_the_checkpoint_touch_nothing(tmp_path: Path) -> None:
 
 def test_a_bad_size_among_the_listed_touches_nothing(tmp_path: Path) -> None:
     ctx = _ctx(tmp_path)
-    a, b, st = _setup(ctx)
+    a, _b, st = _setup(ctx)
     before = (a.tobytes(), dict(st))
     ctx.protect(2, np.zeros(49, np.int32))  # the wrong size: the whole recovery is refused
     with pytest.raises(RecoveryError, match="realloc"):

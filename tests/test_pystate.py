@@ -13,13 +13,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 import ftidask
 from ftidask.cli import main as cli_main
-from ftidask.errors import CheckpointError, NoCheckpointError, ProtectError, RecoveryError
+from ftidask.errors import (
+    CheckpointError,
+    NoCheckpointError,
+    ProtectError,
+    RecoveryError,
+)
 from ftidask.ftiff.reader import parse_ftiff
-
-from conftest import ROOT
 
 
 def _ctx(tmp: Path, **kw) -> ftidask.Context:
@@ -288,7 +292,7 @@ ctx.finalize()
 def _child(base: Path, kill_at: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-c", CHILD, str(base), str(kill_at)], capture_output=True, text=True,
-                          timeout=120, env=env)
+                          timeout=120, env=env, check=False)
 
 
 def test_generator_continues_the_same_stream_after_sigkill(tmp_path: Path) -> None:
