@@ -120,6 +120,9 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
 
         ``compressor`` (``"zstd"``, ``"lz4"``, ``"blosc"``, ``"none"``, a numcodecs codec...) overrides
         ``[advanced] compressor`` for this variable; see :mod:`ftidask.ftiff.compression`.
+        ``array`` may also be Python state, stored as JSON and recovered in place: an
+        ``ftidask.State`` (or dict) or ``ftidask.Value`` of JSON values, or a ``numpy.random``
+        Generator/BitGenerator (its state); anything else is refused (never pickled).
         """
         self._check_open()
         vid = check_id(id, "variable id")
