@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=20)
     ap.add_argument("--level", type=int, default=1)
     ap.add_argument("--node-size", type=int, default=1, help="simulated node size (local_test)")
+    ap.add_argument("--noise", type=float, default=0.0,
+                    help="random heat added per iteration (a numpy Generator, checkpointed by the loop)")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds per iteration (to watch signals work)")
     args = ap.parse_args()
 
@@ -66,8 +68,10 @@ def main() -> None:
             u[1, :] = 100.0  # the hot edge
         top, bottom = comm.rank == 0, comm.rank == comm.size - 1
         first = [True]  # print the first iteration run (shows where a restart resumed)
+        rng = np.random.default_rng(1000 + comm.rank)  # its state comes back on a restart (rng= below)
 
-        @ftidask.resilient(ctx, arrays={1: u}, every=args.every, level=args.level, iterations=args.iters)
+        @ftidask.resilient(ctx, arrays={1: u}, every=args.every, level=args.level, iterations=args.iters,
+                           rng=rng)
         def step(i: int) -> None:
             if i == crash_at and comm.rank == comm.size - 1:
                 os._exit(3)  # a node dies, no cleanup
@@ -79,6 +83,8 @@ def main() -> None:
                 print(f"iteration {i}{restart}", flush=True)
             halo_exchange(comm, u)
             jacobi(u, top, bottom)
+            if args.noise:
+                u[1:-1] += args.noise * rng.random(u[1:-1].shape)
             if args.sleep:
                 time.sleep(args.sleep)
 

@@ -7,6 +7,7 @@ from .constants import init_type
 from .context import Context, init
 from .decomposition import Block
 from .logsetup import log_to_stderr
+from .pystate import State, Value
 from .resilient import ResilientLoop, resilient
 from .errors import (CheckpointError, ConfigError, FormatError, FTIError, LevelError, NoCheckpointError,
                      ProtectError, RecoveryError, RunInUseError, StagingError)
@@ -16,5 +17,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Block", "CheckpointError", "CheckpointInfo", "Config", "ConfigError", "Context", "FTIError", "FormatError",
     "LevelError", "NoCheckpointError", "ProtectError", "RecoveryError", "ResilientLoop", "RunInUseError",
-    "StagingError", "init", "init_type", "load_config", "log_to_stderr", "resilient",
+    "StagingError", "State", "Value", "init", "init_type", "load_config", "log_to_stderr", "resilient",
 ]

@@ -25,12 +25,15 @@ def check_protectable(array: Any) -> np.ndarray:
         if np.isscalar(array) or isinstance(array, (list, tuple)):
             raise ProtectError(
                 f"protect needs an array that ftidask can fill in place, got {type(array).__name__}; "
-                "wrap it with numpy.array(...) and protect that array"
+                "wrap it with numpy.array(...) and protect that array, or protect Python values (JSON: numbers, "
+                "strings, lists, dicts) in an ftidask.Value(x) or ftidask.State({...})"
             )
         if hasattr(array, "__dask_graph__"):
             raise ProtectError("a dask array is protected on the Dask backend only: "
                                "ftidask.init(config, client=distributed.Client(...))")
-        raise ProtectError(f"protect needs a numpy.ndarray or a dask array, got {type(array).__name__}")
+        raise ProtectError(f"protect needs a numpy.ndarray or a dask array, got {type(array).__name__}; Python "
+                           "state is protected as JSON in an ftidask.Value or ftidask.State, a random generator as "
+                           "numpy.random.Generator (ftidask never pickles)")
     if isinstance(array, np.ma.MaskedArray):  # its mask would be lost, and recovery could not restore it
         raise ProtectError("protect does not take masked arrays (their mask is not checkpointed): protect "
                            "array.data and numpy.ma.getmaskarray(array) as two variables")

@@ -74,12 +74,21 @@ def _ftiff_files(root: Path) -> list[Path]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from .pystate import read_states
+
     try:
         with open(args.file, "rb") as fh:
             parsed = parse_ftiff(fh, args.file)
+            states = read_states(fh, parsed)  # Python state (ftidask.State, Value, generators): its value
     except (FormatError, OSError) as exc:
         return _error(str(exc))
-    print(json.dumps(to_json(parsed), indent=1) if args.json else to_text(parsed))
+    if args.json:
+        print(json.dumps(to_json(parsed) | ({"python_state": {str(vid): {"kind": kind, "value": text} for vid, (
+            kind, text) in states.items()}} if states else {}), indent=1))
+    else:
+        print(to_text(parsed) + "".join(
+            ["\n\nPython state:"] + [f"\n    id {vid} '{parsed.vars[vid].name}': Python state {kind} = {text}"
+                                    for vid, (kind, text) in states.items()] if states else []))
     return 0
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import constants, dirchecks, logsetup, runlock, storage
+from . import constants, dirchecks, logsetup, pystate, runlock, storage
 from .arrays import check_ckpt_id, check_id, check_protectable
 from .checkpointing import CheckpointInfo
 from .collective import agree, attempt, everywhere, on_root
@@ -23,7 +23,7 @@ from .context_recovery import RecoveryMixin
 from .context_writing import WritingMixin
 from .dcpstore import DcpStore
 from .decomposition import declaration, still_fits
-from .errors import CheckpointError, ConfigError, FTIError, LevelError, RunInUseError
+from .errors import CheckpointError, ConfigError, FTIError, LevelError, ProtectError, RunInUseError
 from .ftiff import compression, hashing
 from .ftiff.reader import FtiffFile
 from .layout import Layout, plan_layout
@@ -47,6 +47,7 @@ class Protected:
     array: np.ndarray
     compressor: dict[str, Any] | None = None  # numcodecs config; None: the config's [advanced] compressor
     decomp: dict[str, Any] | None = None  # where it sits in a global array (ftidask.decomposition), for resharding
+    state: pystate.Holder | None = None  # a Python state (ftidask.pystate): ``array`` holds its bytes
 
 
 class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
@@ -126,25 +127,32 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         ``global_shape`` and ``offset`` (or ``global_shape=ftidask.Block(shape, offset)``) declare the
         array as a block of a global array, ``replicated=True`` as held whole by every rank: a restart
         on another number of ranks then redistributes it (see docs/mpi.md).
+        ``array`` may also be Python state, stored as JSON and recovered in place: an
+        ``ftidask.State`` (or dict) or ``ftidask.Value`` of JSON values, or a ``numpy.random``
+        Generator/BitGenerator (its state); anything else is refused (never pickled).
         """
         self._check_open()
         vid = check_id(id, "variable id")
-        array = check_protectable(array)
+        state = pystate.holder_of(array)  # a Python state (stored as JSON bytes), or None for an array
+        array = state.encode() if state is not None else check_protectable(array)
         old = self._vars.get(vid)
         if name is None:
             name = old.name if old is not None else f"var{vid}"
         codec = old.compressor if old is not None and compressor is None else None
         if compressor is not None:
             codec = compression.parse_compressor(compressor) or {"id": "none"}
+        if state is not None and (global_shape is not None or offset is not None or replicated):
+            raise ProtectError(f"variable {vid}: a Python state takes no global_shape, offset or replicated (it is "
+                               "recovered whole, on the checkpoint's number of ranks)")
         decomp = declaration(array, global_shape, offset, replicated)
         if decomp is None and old is not None and global_shape is None and not replicated:
             decomp = still_fits(array, old.decomp)  # protect again (or realloc): the declaration stays if it fits
-        self._vars[vid] = Protected(vid, str(name), array, codec, decomp)
+        self._vars[vid] = Protected(vid, str(name), array, codec, decomp=decomp, state=state)
 
     @property
     def protected(self) -> Mapping[int, np.ndarray]:
-        """The protected arrays by id, in protection order."""
-        return {vid: p.array for vid, p in self._vars.items()}
+        """The protected arrays (and Python-state objects) by id, in protection order."""
+        return {vid: p.state.obj if p.state is not None else p.array for vid, p in self._vars.items()}
 
     def status(self) -> int:
         """FTI_Status, fixed at init: 0 fresh start, 1 restart, 2 restart from a kept L4 checkpoint."""
@@ -164,7 +172,7 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
                 if pending.error:
                     break
                 _r, pending.error = attempt(self.transport.rank,
-                                            functools.partial(pending.write_var, vid, p.name, p.array, p.decomp))
+                                            functools.partial(pending.write_var, vid, p.name, p.array))
         except BaseException:  # interrupted: no file left open, nothing committed
             pending.abort()
             raise
@@ -182,6 +190,7 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         differential = level > 4  # L5-L8: differential L1-L4
         post_level = level - 4 if differential else level
         level = t.write_level(post_level) + (4 if differential else 0)
+        state_error = self._encode_states()  # before the layout: a state's size changes with its value
 
         def plan() -> tuple[Layout, int | None]:
             if incremental and level <= 4 and (self._codecs() or (level == 4 and self.config.l4_format == "zarr")):
@@ -207,8 +216,8 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
 
         writer, error = attempt(t.rank, open_writer)  # an error is reported, on every rank, at the commit
         return PendingCheckpoint(ckpt_id, level, seq, layout, directory, path,
-                                 {vid: p.array.nbytes for vid, p in self._vars.items()}, writer, error=error,
-                                 post_level=post_level)
+                                 {vid: p.array.nbytes for vid, p in self._vars.items()}, writer,
+                                 error=state_error or error, post_level=post_level, extras=self._var_extras())
 
     def _commit_checkpoint(self, pending: PendingCheckpoint) -> CheckpointInfo:
         """Finish every rank's file, add the level's redundancy, write the commit record.
@@ -294,6 +303,28 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         _r, error = attempt(self.transport.rank, drop)
         if error:
             log.warning("cleaning up after the failed checkpoint %d: %s", pending.ckpt_id, error)
+
+    def _encode_states(self) -> str:
+        """Store each protected Python state's current value as its bytes; why one cannot be, or ''."""
+        for p in self._vars.values():
+            if p.state is not None:
+                try:
+                    p.array = p.state.encode()
+                except FTIError as exc:  # reported on every rank by the commit, nothing written
+                    return f"rank {self.transport.rank}: variable {p.id} ({p.name}): {exc}"
+        return ""
+
+    def _var_extras(self) -> dict[int, dict[str, Any]]:
+        """What the variable table records beyond the array: a Python state's kind, a block's place
+        in a global array (resharding)."""
+        out: dict[int, dict[str, Any]] = {}
+        for vid, p in self._vars.items():
+            extra = dict(p.decomp or {})
+            if p.state is not None:
+                extra[pystate.EXTRA_KEY] = p.state.kind
+            if extra:
+                out[vid] = extra
+        return out
 
     def _check_level(self, level: Any) -> int:
         if (self.config.enable_dcp and isinstance(level, (int, np.integer)) and not isinstance(level, bool)

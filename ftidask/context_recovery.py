@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from . import reshard, storage
+from . import recoverplan, reshard, storage
 from .arrays import check_id
 from .collective import agree, attempt, guarded, on_root
 from .errors import FTIError, NoCheckpointError, RecoveryError
 from .ftiff.reader import FtiffFile
-from .recovery import Verdict, check_file, check_sizes, load_file
+from .recovery import Verdict, check_file, load_file
 from .runstate import CommitRecord
 
 log = logging.getLogger("ftidask")
@@ -90,26 +90,33 @@ class RecoveryMixin:
                                 + (f" (level={level})" if level is not None else "")
                                 + ("".join(f"\n  - {r}" for r in reasons)))
 
-    def recover(self, ckpt_id: int | None = None, level: int | None = None) -> dict[int, np.ndarray]:
-        """FTI_Recover: fill the protected arrays from the newest checkpoint that verifies.
+    def recover(self, ckpt_id: int | None = None, level: int | None = None, *,
+                ids: Any = None) -> dict[int, Any]:
+        """FTI_Recover: fill the protected arrays (and Python states) from the newest checkpoint that verifies.
 
+        ``ids`` (FTI_RecoverVar): recover only these variables; the others are left untouched.
         Every hash is checked before any array is written; on failure nothing is touched.
         Raises :class:`NoCheckpointError` when nothing can be recovered.
         """
         self._check_open()
-        resharded = reshard.recover_other_layout(self, ckpt_id, level)
+        wanted = recoverplan.normalize_ids(ids)
+        resharded = reshard.recover_other_layout(self, ckpt_id, level, wanted)
         if resharded is not None:  # written on another number of ranks or node layout
             return resharded
         record, verdict = self._find(ckpt_id, level)
         assert verdict.parsed is not None
         t = self.transport
-        arrays = {vid: p.array for vid, p in self._vars.items()}
-        problem, error = attempt(t.rank, lambda: check_sizes(verdict.parsed, arrays))
-        agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError,
-              f"cannot recover checkpoint {record.ckpt_id} (level {record.level}); the protected arrays are untouched")
+        untouched = (f"cannot recover checkpoint {record.ckpt_id} (level {record.level}); the protected arrays "
+                     "are untouched")
+        # Every rank agrees on each step before the next: what to fill, then the Python states decoded.
+        targets, error = attempt(t.rank, lambda: recoverplan.plan(self._vars, verdict.parsed, wanted))
+        agree(t, error or (f"rank {t.rank}: {targets.problem}" if targets.problem else ""), RecoveryError, untouched)
+        problem, error = attempt(t.rank, targets.load_states)
+        agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError, untouched)
 
         def load() -> None:
-            load_file(verdict.parsed, arrays, config=self.config)
+            load_file(verdict.parsed, targets.arrays, config=self.config)
+            targets.apply_states()
             if self.config.enable_dcp:
                 self._dcp_store().recovered(record.level, record.seq, self._rank_file(record), verdict.parsed)
 
@@ -120,8 +127,13 @@ class RecoveryMixin:
         self._recovered = True
         self.recovered_from = (record.ckpt_id, record.level)
         self._next_ckpt_id = max(self._next_ckpt_id, record.ckpt_id + 1)
-        log.info("recovered checkpoint %d from level %d", record.ckpt_id, record.level)
-        return dict(arrays)
+        log.info("recovered checkpoint %d from level %d%s", record.ckpt_id, record.level,
+                 "" if wanted is None else f" (variables {wanted})")
+        return targets.recovered()
+
+    def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
+        """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
+        return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
 
     def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
         """Fill the protected arrays from one FTI-FF file (ftidask's, or one written by FTI 1.1).
@@ -132,14 +144,15 @@ class RecoveryMixin:
         verdict = check_file(Path(path), None, self.transport.rank)
         if verdict.kind != "ok" or verdict.parsed is None:
             raise RecoveryError(f"cannot recover from {os.fspath(path)}: {verdict.message}")
-        arrays = {vid: p.array for vid, p in self._vars.items()}
-        problem = check_sizes(verdict.parsed, arrays)
+        targets = recoverplan.plan(self._vars, verdict.parsed, None)
+        problem = targets.problem or targets.load_states()
         if problem:
             raise RecoveryError(problem)
-        load_file(verdict.parsed, arrays)
+        load_file(verdict.parsed, targets.arrays)
+        targets.apply_states()
         self._layout = verdict.parsed.layout()
         self._recovered = True
-        return dict(arrays)
+        return targets.recovered()
 
     def _restart_metadata(self) -> FtiffFile:
         if self._restart_file is None:
@@ -165,6 +178,8 @@ class RecoveryMixin:
         """FTI_Realloc: a new array of the stored size, which becomes the protected one."""
         self._check_open()
         vid = check_id(id, "variable id")
+        if vid in self._vars and self._vars[vid].state is not None:  # a Python state resizes itself
+            return self._vars[vid].state.obj
         parsed = self._restart_metadata()
         info = parsed.vars.get(vid)
         if info is not None:

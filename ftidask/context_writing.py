@@ -30,6 +30,7 @@ class WritingMixin:
     _dcp: Any
     _pool: ThreadPoolExecutor | None
     _hash_id: int
+    _var_extras: Any
 
     def _dcp_store(self) -> DcpStore:
         """This rank's differential-checkpoint files (created on first use)."""
@@ -96,9 +97,9 @@ class WritingMixin:
         """Write this rank's whole file of a level 1-4 checkpoint (compressed, or as Zarr at L4, if so configured)."""
         zarr_l4 = level == 4 and self.config.l4_format == "zarr"
         codecs = self._codecs()
+        extras = self._var_extras()
         infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}),
-                            **(getattr(p, "decomp", None) or {}))
-                 for vid, p in self._vars.items()]
+                            **extras.get(vid, {})) for vid, p in self._vars.items()]
         write = self._write_zarr_l4 if zarr_l4 else write_rank_file
         streams, bar = tracked({vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, self.config,
                                f"checkpoint {ckpt_id} (L{level})")

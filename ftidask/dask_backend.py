@@ -80,6 +80,7 @@ class DaskContext(Context):
         self.cluster = Cluster(client, config.progress)
         self._fault: dict[int, str] = {}  # rank -> stage: real worker kills, for the test suite
         self._started = False  # set by the first garbage collection (at init)
+        self._keep_state_bytes = False  # finalize_icp: the Python states' bytes as init_icp took them
         self.cluster.run(storage.set_permissions, config.permissions)  # the modes of the workers' files
         super().__init__(config, DaskTransport(self.cluster))
         if config.enable_dcp:
@@ -126,7 +127,8 @@ class DaskContext(Context):
                 futures[vid, tuple(0 for _ in arr.shape)] = future
             spec = VarSpec(vid, p.name, np.dtype(arr.dtype), tuple(int(n) for n in arr.shape),
                            tuple(tuple(int(c) for c in dim) for dim in arr.chunks) if kind == "dask"
-                           else tuple((int(n),) for n in arr.shape), kind)
+                           else tuple((int(n),) for n in arr.shape), kind,
+                           p.state.kind if p.state is not None else "")
             specs.append(spec)
             if kind == "dask":
                 by_key = {f.key: f for f in futures_of(arr)}
@@ -142,6 +144,9 @@ class DaskContext(Context):
         self._check_open()
         ckpt_id = check_ckpt_id(id)
         level = self._check_level(level + 4 if dcp and level in constants.LEVELS else level)
+        error = "" if self._keep_state_bytes else self._encode_states()  # Python states: their bytes now
+        if error:
+            raise CheckpointError(f"checkpoint {ckpt_id} failed; the previous checkpoint is kept: {error}")
         differential = level > 4  # L5-L8: differential L1-L4 (enable_dcp = 1)
         shown_level, level = level, level - 4 if differential else level
         start = time.perf_counter()
@@ -347,15 +352,21 @@ class DaskContext(Context):
     # --- recovery ----------------------------------------------------------------------------------
 
     def recover(self, ckpt_id: int | None = None, level: int | None = None,
-                chunks: Any = None) -> dict[int, Any]:
+                chunks: Any = None, *, ids: Any = None) -> dict[int, Any]:
         """Rebuild the newest checkpoint that verifies; returns id -> array (a new Dask array for Dask
         variables: rebind it; NumPy variables are filled in place).
 
         ``chunks``: the chunks of the returned Dask arrays (a dask ``chunks`` value, or a dict
         id -> chunks); by default a protected Dask array's own chunks, else the stored ones.
+        ``ids``: recover only these variables (FTI_RecoverVar); the other protected ones are untouched.
+        Python states (ftidask.State, Value, numpy.random generators) are recovered in place.
         """
         self._check_open()
-        return restore.recover(self, ckpt_id, level, chunks)
+        return restore.recover(self, ckpt_id, level, chunks, ids)
+
+    def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
+        """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
+        return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
 
     def stored_size(self, id: int) -> int:
         """Bytes of variable ``id`` in the checkpoint to recover (or the last one written)."""

@@ -55,7 +55,7 @@ def add_var_icp(ctx: Context, var_id: int) -> None:
     if pending.error:
         return  # reported, on every rank together, by finalize_icp
     try:
-        pending.write_var(protected.id, protected.name, protected.array, protected.decomp)
+        pending.write_var(protected.id, protected.name, protected.array)
     except CheckpointError:
         raise  # this call was wrong (variable added twice, resized): the checkpoint stays open
     except Exception as exc:  # noqa: BLE001 - any failure of the write: reported on every rank by finalize_icp

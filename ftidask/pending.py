@@ -108,6 +108,7 @@ class PendingCheckpoint:
     result: WrittenFile | None = None
     stats: DcpStats | None = None
     post_level: int = 0  # the level a head raises the checkpoint to afterwards (0: none)
+    extras: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # var id -> VarInfo.extra
 
     @property
     def base_level(self) -> int:
@@ -127,7 +128,7 @@ class PendingCheckpoint:
                                   f"checkpoint {self.ckpt_id} started; its size must not change in between")
         if self.writer is None:
             raise CheckpointError(self.error or "checkpoint file not open")
-        self.infos[var_id] = VarInfo.of(var_id, name, array, **(extra or {}))
+        self.infos[var_id] = VarInfo.of(var_id, name, array, **self.extras.get(var_id, {}))
         self.writer.write_var(var_id, ArrayBytes(array))
         self.written.add(var_id)
 

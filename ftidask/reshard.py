@@ -112,15 +112,20 @@ def _table(parsed: Any) -> dict[str, Any]:
 
 # --- recovery ------------------------------------------------------------------------------------
 
-def recover_other_layout(ctx: Any, ckpt_id: int | None, level: int | None) -> dict[int, np.ndarray] | None:
+def recover_other_layout(ctx: Any, ckpt_id: int | None, level: int | None,
+                         ids: list[int] | None = None) -> dict[int, np.ndarray] | None:
     """Recover when the newest candidate checkpoint has another layout than this run; None when it has
-    the same one (the ordinary recovery applies). Collective."""
+    the same one (the ordinary recovery applies). Collective. A partial recovery (``ids``) is not
+    redistributed: it is refused, on every rank, before anything is read."""
     t = ctx.transport
     records = ctx._candidates(ckpt_id, level)
     nodes = t.allgather(t.node)
     change = layout_change(records[0], t.size, nodes) if records else ""
     if not change:
         return None
+    if ids is not None:
+        raise RecoveryError(f"{change}: recover(ids=...) recovers on the checkpoint's own layout only; recover every "
+                            "variable (no ids) to redistribute it")
     other = [r for r in records if layout_change(r, t.size, nodes)]
     record, arrays = recover_resharded(ctx, other, change)
     ctx._layout = None  # the next checkpoint plans its containers afresh

@@ -15,7 +15,10 @@ or, as a context manager::
             ...
 
 On a restart (``ctx.status() != 0``) the arrays are recovered and the loop resumes after the
-last checkpointed iteration. When the job is told its time is up (SIGTERM or SIGUSR1, as batch
+last checkpointed iteration. The loop's counter is checkpointed with them, and so are, if given,
+a NumPy random generator (``rng=``: it continues the exact same stream) and a dict of JSON values
+(``state=``, e.g. an ``ftidask.State``), all recovered in place (see :mod:`ftidask.pystate`).
+``arrays`` may hold Python states too (``ftidask.Value``, ``ftidask.State``, generators). When the job is told its time is up (SIGTERM or SIGUSR1, as batch
 schedulers send before the walltime), every rank finishes its current iteration, the ranks
 agree, a checkpoint is written and the loop stops: the decorator then exits the process with
 status 0 (``exit_on_signal``), the context manager sets ``loop.stopped``.
@@ -30,35 +33,42 @@ import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
-
 from .errors import FTIError
+from .pystate import Value
 
 log = logging.getLogger("ftidask")
 
 #: Variable id of the loop's own counter (next iteration to run); user ids must differ.
 ITERATION_ID = 2_147_480_000
+RNG_ID = ITERATION_ID + 1  #: the loop's ``rng=`` (a numpy.random Generator or BitGenerator)
+STATE_ID = ITERATION_ID + 2  #: the loop's ``state=`` (a dict of JSON values)
+RESERVED_IDS = (ITERATION_ID, RNG_ID, STATE_ID)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class ResilientLoop:
     """Iterate ``range(iterations)`` with checkpoints every ``every`` iterations at ``level``."""
 
-    def __init__(self, ctx: Any, *, arrays: Mapping[int, np.ndarray], every: int, level: int = 1,
+    def __init__(self, ctx: Any, *, arrays: Mapping[int, Any], every: int, level: int = 1,
                  iterations: int, stop_level: int | None = None, signals: tuple[int, ...] = STOP_SIGNALS,
-                 check_every: int = 1) -> None:
+                 check_every: int = 1, rng: Any = None, state: dict[str, Any] | None = None) -> None:
         if every < 1 or iterations < 0 or check_every < 1:
             raise FTIError(f"ResilientLoop: every={every}, check_every={check_every} must be >= 1 and "
                            f"iterations={iterations} >= 0")
-        if ITERATION_ID in arrays:
-            raise FTIError(f"variable id {ITERATION_ID} is reserved for the loop counter")
+        taken = sorted(set(arrays) & set(RESERVED_IDS))
+        if taken:
+            raise FTIError(f"variable ids {taken} are reserved for the loop (counter, rng, state): use other ids")
         self.ctx, self.every, self.level, self.iterations = ctx, every, level, iterations
         self.stop_level = level if stop_level is None else stop_level
         self.signals, self.check_every = signals, check_every
-        self.counter = np.zeros(1, dtype=np.int64)
+        self.counter = Value(0)  # the next iteration to run, checkpointed with the arrays
         for vid, array in arrays.items():
             ctx.protect(vid, array)
         ctx.protect(ITERATION_ID, self.counter, name="ftidask.loop.next_iteration")
+        if rng is not None:
+            ctx.protect(RNG_ID, rng, name="ftidask.loop.rng")
+        if state is not None:
+            ctx.protect(STATE_ID, state, name="ftidask.loop.state")
         self.start = 0
         self.stopped = False  # True when a signal ended the loop early
         self.last_checkpoint: int | None = None
@@ -75,7 +85,7 @@ class ResilientLoop:
             self._old[sig] = signal.signal(sig, self._handler)
         if self.ctx.status() != 0:
             self.ctx.recover()
-            self.start = int(self.counter[0])
+            self.start = int(self.counter.value)
             ckpt_id, level = self.ctx.recovered_from or (None, None)
             log.info("restart: recovered checkpoint %s (level %s), resuming at iteration %d", ckpt_id, level,
                      self.start)
@@ -93,7 +103,7 @@ class ResilientLoop:
         return any(self.ctx.transport.allgather(self._signalled is not None))
 
     def _checkpoint(self, next_iteration: int, level: int) -> None:
-        self.counter[0] = next_iteration
+        self.counter.value = next_iteration
         self.ctx.checkpoint(next_iteration, level)
         self.last_checkpoint = next_iteration
 
@@ -111,10 +121,14 @@ class ResilientLoop:
                 return
 
 
-def resilient(ctx: Any, *, arrays: Mapping[int, np.ndarray], every: int, level: int = 1, iterations: int,
-              stop_level: int | None = None, exit_on_signal: bool = True,
-              check_every: int = 1) -> Callable[[Callable[[int], Any]], Callable[[], int]]:
+def resilient(ctx: Any, *, arrays: Mapping[int, Any], every: int, level: int = 1, iterations: int,
+              stop_level: int | None = None, exit_on_signal: bool = True, check_every: int = 1,
+              rng: Any = None, state: dict[str, Any] | None = None
+              ) -> Callable[[Callable[[int], Any]], Callable[[], int]]:
     """Decorate ``fn(i)`` (one iteration) into a resilient loop; calling it runs the loop.
+
+    ``rng`` (a ``numpy.random.Generator``) and ``state`` (a dict of JSON values) are checkpointed
+    with the arrays and the loop counter, and recovered in place on a restart.
 
     The call returns the number of iterations done in total (``iterations`` unless stopped by a
     signal); with ``exit_on_signal`` a stopped loop finalizes nothing and exits with status 0
@@ -125,14 +139,14 @@ def resilient(ctx: Any, *, arrays: Mapping[int, np.ndarray], every: int, level: 
         @functools.wraps(fn)
         def run() -> int:
             loop = ResilientLoop(ctx, arrays=arrays, every=every, level=level, iterations=iterations,
-                                 stop_level=stop_level, check_every=check_every)
+                                 stop_level=stop_level, check_every=check_every, rng=rng, state=state)
             with loop:
                 for i in loop:
                     fn(i)
             if loop.stopped:
                 if exit_on_signal:
                     raise SystemExit(0)
-                return int(loop.counter[0])
+                return int(loop.counter.value)
             return iterations
 
         return run

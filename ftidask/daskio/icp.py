@@ -33,6 +33,9 @@ def init_icp(ctx: Any, ckpt_id: int, level: int) -> None:
     check_none_open(ctx)
     cid = check_ckpt_id(ckpt_id)
     ctx._check_level(level)  # refuse a bad level now, not at the commit
+    error = ctx._encode_states()  # Python states are taken when the checkpoint begins (as on MPI)
+    if error:
+        raise CheckpointError(f"incremental checkpoint {cid}: {error}; the previous checkpoint is kept")
     ctx._icp = DaskIcp(cid, level)
 
 
@@ -53,7 +56,9 @@ def finalize_icp(ctx: Any) -> Any:
     try:
         for vid, arr in icp.arrays.items():
             ctx._vars[vid].array = arr
+        ctx._keep_state_bytes = True  # the states as init_icp took them
         return ctx.checkpoint(icp.ckpt_id, icp.level)
     finally:
+        ctx._keep_state_bytes = False
         for vid, arr in current.items():  # what the application protected stays protected
             ctx._vars[vid].array = arr

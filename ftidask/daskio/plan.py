@@ -34,6 +34,7 @@ class VarSpec:
     shape: tuple[int, ...]
     chunks: tuple[tuple[int, ...], ...]
     kind: str = "dask"  # "dask" or "numpy" (a NumPy array protected on a Dask cluster)
+    pystate: str = ""  # a Python state's kind (ftidask.pystate): its JSON bytes, a NumPy uint8 array
 
     def grid(self) -> list[GridIndex]:
         """Every chunk's grid index, in C order."""
@@ -47,7 +48,8 @@ class VarSpec:
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.name, "dtype": dtype_to_json(self.dtype), "shape": list(self.shape),
-                "chunks": [list(c) for c in self.chunks], "kind": self.kind}
+                "chunks": [list(c) for c in self.chunks], "kind": self.kind} | (
+                    {"pystate": self.pystate} if self.pystate else {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +104,8 @@ def plan_ranks(variables: Sequence[VarSpec], owner: Mapping[tuple[int, GridIndex
             nbytes = sum(p.nbytes for p in held)
             extra = {"dask": {"shape": list(var.shape), "chunks": [list(c) for c in var.chunks], "kind": var.kind,
                               "blocks": [[list(p.index), list(var.chunk_shape(p.index)), p.dptr] for p in held]}}
+            if var.pystate:
+                extra["pystate"] = var.pystate
             infos.append(VarInfo(var.id, var.name, var.dtype, (nbytes // var.dtype.itemsize,), "C", nbytes, extra))
         plans.append(RankPlan(rank, layout, tuple(infos), tuple(places)))
     return plans

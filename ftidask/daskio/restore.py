@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from dask.array.core import Array, normalize_chunks
 
-from .. import storage
+from .. import pystate, storage
 from ..arrays import dtype_from_json
 from ..context import Protected
 from ..errors import FTIError, NoCheckpointError, RecoveryError
 from ..levels.ring_groups import copy_holder, group_of
+from ..recoverplan import normalize_ids
 from ..recovery import check_writeable
 from ..runstate import CommitRecord
 from . import reads, tasks
@@ -141,7 +142,8 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
 
 def _specs(record: CommitRecord) -> list[VarSpec]:
     return [VarSpec(int(v["id"]), str(v["name"]), dtype_from_json(v["dtype"]), tuple(v["shape"]),
-                    tuple(tuple(c) for c in v["chunks"]), str(v.get("kind", "dask"))) for v in record.extra["vars"]]
+                    tuple(tuple(c) for c in v["chunks"]), str(v.get("kind", "dask")), str(v.get("pystate", "")))
+            for v in record.extra["vars"]]
 
 
 def _target_chunks(ctx: DaskContext, spec: VarSpec, chunks: Any) -> Any:
@@ -161,15 +163,23 @@ def _target_chunks(ctx: DaskContext, spec: VarSpec, chunks: Any) -> Any:
                             f"{exc}") from None
 
 
-def _check_protected(ctx: DaskContext, specs: list[VarSpec]) -> None:
-    """Refuse before anything is read or rebound: every protected variable must be in the
-    checkpoint with its dtype and shape, and a NumPy one must be writeable (filled in place)."""
+def _check_protected(ctx: DaskContext, specs: list[VarSpec], ids: list[int] | None = None) -> None:
+    """Refuse before anything is read or rebound: every protected variable (of ``ids``) must be in
+    the checkpoint with its dtype and shape (or Python-state kind), and a NumPy one must be writeable."""
     stored = {s.id: s for s in specs}
     for vid, p in ctx._vars.items():
+        if ids is not None and vid not in ids:
+            continue
         spec = stored.get(vid)
         if spec is None:
             raise RecoveryError(f"variable {vid} is protected but not in the checkpoint (it holds ids "
                                 f"{sorted(stored)})")
+        if p.state is not None or spec.pystate:
+            if p.state is None or spec.pystate != p.state.kind:
+                raise RecoveryError(f"variable {vid}: the checkpoint holds {spec.pystate or 'an array'}, the "
+                                    f"protected variable is {p.state.kind if p.state else 'an array'}; protect "
+                                    "what was protected when it was written")
+            continue
         if np.dtype(p.array.dtype) != spec.dtype or tuple(p.array.shape) != spec.shape:
             raise RecoveryError(f"variable {vid}: checkpoint holds {spec.dtype} {spec.shape}, the protected array "
                                 f"is {p.array.dtype} {tuple(p.array.shape)}")
@@ -203,14 +213,21 @@ def file_sources(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
 
 
 def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[str, str]],
-                 chunks: Any = None) -> dict[int, Any]:
+                 chunks: Any = None, ids: list[int] | None = None) -> dict[int, Any]:
     """Dask arrays whose chunks are read (and hash-checked) on the workers that serve the files.
 
     The reads are placed loosely: if a serving worker dies later, Dask reads its chunks again on
     another worker, from the file, its copy or its rebuilt version (:mod:`ftidask.daskio.reads`).
+    Only variables ``ids`` if given: the others are neither read nor touched.
     """
     specs = _specs(record)
-    _check_protected(ctx, specs)
+    if ids is not None:
+        missing = sorted(set(ids) - {s.id for s in specs})
+        if missing:
+            raise RecoveryError(f"variables {missing} are not in checkpoint {record.ckpt_id} (it holds ids "
+                                f"{sorted(s.id for s in specs)}); nothing was recovered")
+        specs = [s for s in specs if s.id in ids]
+    _check_protected(ctx, specs, ids)
     # What each variable becomes, decided before anything is read, filled or rebound: a NumPy
     # array filled in place (target None), or a new Dask array with these chunks.
     plans = []
@@ -242,8 +259,20 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
     # Every NumPy value is computed before the first array is filled (a worker lost meanwhile fails
     # the recovery with every array as it was).
     values = {spec.id: arrays[spec.id].compute() for spec, _held, target in plans if target is None}
+    # Python states decoded (and checked) before anything is filled, too.
+    states = {spec.id: (held.state.decode(values[spec.id], f"variable {spec.id}") if held is not None
+                        and held.state is not None else pystate.loads(values[spec.id], f"variable {spec.id}"))
+              for spec, held, _t in plans if spec.pystate}
     out: dict[int, Any] = {}
     for spec, held, target in plans:
+        if spec.pystate:
+            if held is not None and held.state is not None:
+                held.state.apply(states[spec.id])
+                held.array = values.pop(spec.id)
+                out[spec.id] = held.state.obj
+            else:  # stored but not protected now: its value
+                out[spec.id] = states[spec.id]
+            continue
         if target is None:
             value = values.pop(spec.id)
             if held is not None and isinstance(held.array, np.ndarray):
@@ -272,8 +301,10 @@ def _restore_retrying(ctx: DaskContext, record: CommitRecord, attempts: int = 3)
         return restore_files(ctx, record)
 
 
-def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: Any) -> dict[int, Any]:
+def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: Any,
+            ids: Any = None) -> dict[int, Any]:
     """The newest recoverable checkpoint's arrays (see :meth:`DaskContext.recover`)."""
+    wanted = normalize_ids(ids)
     reasons = []
     records = dask_records(ctx, ckpt_id, level)
     if not records:
@@ -290,7 +321,7 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
         except FTIError as exc:  # a worker lost or a task failed while checking: try the next one
             reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {exc}")
             continue
-        out = build_arrays(ctx, record, hosts, chunks)
+        out = build_arrays(ctx, record, hosts, chunks, wanted)
         ctx._recovered = True
         ctx.recovered_from = (record.ckpt_id, record.level)
         ctx._next_ckpt_id = max(ctx._next_ckpt_id, record.ckpt_id + 1)
