@@ -17,7 +17,7 @@ import numpy as np
 from . import constants, dirchecks, logsetup, pystate, runlock, storage
 from .arrays import check_ckpt_id, check_id, check_protectable
 from .checkpointing import CheckpointInfo
-from .collective import agree, attempt, everywhere, on_root
+from .collective import agree, attempt, everywhere, on_root, reason
 from .config import Config
 from .context_recovery import RecoveryMixin
 from .context_writing import WritingMixin
@@ -100,6 +100,10 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
             except FTIError as exc:
                 error = exc
                 outcome = {"error": type(exc).__name__, "message": str(exc)}
+            except Exception as exc:  # noqa: BLE001 - an OS error, anything: every rank must hear of it
+                error = FTIError(f"ftidask.init: cannot start or resume the run in {meta_dir}: rank 0: {reason(exc)}")
+                error.__cause__ = exc
+                outcome = {"error": "FTIError", "message": str(error)}
             else:
                 self._run_lock = claim.lock
                 outcome = {"exec_id": claim.exec_id, "status": claim.status}

@@ -157,7 +157,7 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[int], Callable[..., None], int |
     "retire-dcp": ({"enable_dcp": 1}, [5], ckpt_fault(5, 2, context.DcpStore, "retire", MemoryError()), 99),
     "icp": ({}, [1], icp_fault, 1),
     # init: rank 0 resolves the run; every rank collects garbage
-    "init-resolve": ({}, [1], init_fault(0, context, "resolve_run", no_space()), 1),
+    "init-resolve": ({}, [1], init_fault(0, context, "claim_run", no_space()), 1),
     "init-gc": ({}, [1], init_fault(1, storage, "collect_level_garbage", MemoryError()), 1),
     # recover: choosing the record, the rebuild, the load
     "recover-check": ({}, [1], recover_fault(1, context_recovery, "check_file", MemoryError()), 1),
