@@ -209,11 +209,6 @@ def existing(paths: Sequence[str]) -> list[bool]:
     return [os.path.exists(p) for p in paths]
 
 
-def remove_paths(paths: Sequence[str]) -> None:
-    for p in paths:
-        storage.remove_tree(Path(p))
-
-
 @functools.cache
 def _remover() -> ThreadPoolExecutor:
     # One thread per worker process, made on first use: deletions never hold up a task.
