@@ -50,12 +50,10 @@ class _Child:
 class ProcessMover:
     """Runs transfers in a child process; restarts it after a death.
 
-    ``fsize_limit`` sets RLIMIT_FSIZE in the mover (largest file it may write, in bytes);
     ``throttle`` sleeps that many seconds between 8 MiB pieces.
     """
 
-    def __init__(self, *, fsize_limit: int | None = None, throttle: float = 0.0) -> None:
-        self.fsize_limit = fsize_limit
+    def __init__(self, *, throttle: float = 0.0) -> None:
         self.throttle = throttle
         self._lock = threading.Lock()
         self._child: _Child | None = None
@@ -75,8 +73,6 @@ class ProcessMover:
 
     def _spawn(self) -> _Child:
         args = [sys.executable, "-c", "from ftidask.staging_process import child_main; child_main()"]
-        if self.fsize_limit is not None:
-            args += ["--fsize", str(int(self.fsize_limit))]
         if self.throttle:
             args += ["--throttle", repr(float(self.throttle))]
         env = dict(os.environ)
@@ -185,16 +181,13 @@ def serve(next_request: Callable[[], dict[str, Any] | None], reply: Callable[[di
 def child_main(argv: list[str] | None = None) -> None:
     """The mover process: requests on stdin, states on stdout (JSON lines)."""
     import argparse
-    import resource
 
     parser = argparse.ArgumentParser(prog="ftidask-stage-mover")
-    parser.add_argument("--fsize", type=int, default=None)
     parser.add_argument("--throttle", type=float, default=0.0)
     opts = parser.parse_args(argv)
-    # A write past RLIMIT_FSIZE must fail with EFBIG, not kill the mover with SIGXFSZ.
+    # A write past RLIMIT_FSIZE (a limit inherited from a batch system) must fail with EFBIG, not
+    # kill the mover with SIGXFSZ.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    if opts.fsize is not None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (opts.fsize, opts.fsize))
     out = sys.stdout.buffer
 
     def reply(msg: dict[str, Any]) -> None:

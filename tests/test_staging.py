@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -14,6 +15,7 @@ import xxhash
 import ftidask
 from ftidask import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES, FTIError, StagingError
 from ftidask.staging import Stager, ThreadMover
+from ftidask import staging_process
 from ftidask.staging_process import ProcessMover
 
 MiB = 1 << 20
@@ -279,8 +281,16 @@ def test_failure_reason_is_reported(tmp_path):
     stager.close(30)
 
 
-def test_file_larger_than_rlimit_fsize(tmp_path):
-    stager = make_stager(tmp_path, ProcessMover(fsize_limit=1 * MiB))
+def test_file_larger_than_rlimit_fsize(tmp_path, monkeypatch):
+    # The mover starts under RLIMIT_FSIZE = 1 MiB (as under a batch system's limit).
+    real_popen = subprocess.Popen
+
+    def popen_with_limit(*args, **kwargs):
+        kwargs["preexec_fn"] = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 * MiB, 1 * MiB))
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(staging_process.subprocess, "Popen", popen_with_limit)
+    stager = make_stager(tmp_path, ProcessMover())
     big, small = stager.stage_dir / "big", stager.stage_dir / "small"
     write_random(big, 3 * MiB)
     small.write_bytes(b"s" * 1000)
