@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import time
 
 import numpy as np
@@ -55,7 +54,6 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds per iteration (to watch signals work)")
     args = ap.parse_args()
 
-    crash_at = int(os.environ.get("HEAT_CRASH_AT", "-1"))  # failure injection for the tests
     overrides = {"ckpt_dir": f"{args.dir}/Local", "glbl_dir": f"{args.dir}/Global", "meta_dir": f"{args.dir}/Meta",
                  "local_test": 1, "node_size": args.node_size, "verbosity": 3}
     if args.config is None:  # the largest FTI group (up to 4 nodes) that divides the nodes
@@ -73,8 +71,6 @@ def main() -> None:
         @ftidask.resilient(ctx, arrays={1: u}, every=args.every, level=args.level, iterations=args.iters,
                            rng=rng)
         def step(i: int) -> None:
-            if i == crash_at and comm.rank == comm.size - 1:
-                os._exit(3)  # a node dies, no cleanup
             if comm.rank == 0 and (i == 0 or i % 10 == 0 or first[0]):
                 restart = ""
                 if first[0] and ctx.recovered_from is not None:  # say where a restart resumed

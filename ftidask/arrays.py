@@ -85,10 +85,6 @@ class ArrayBytes:
             self._view = memoryview(flat.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
         self._flat = flat
 
-    @property
-    def contiguous(self) -> bool:
-        return self._view is not None
-
     def view(self, start: int, stop: int) -> memoryview | None:
         """A zero-copy view of bytes ``[start, stop)``, or None for a non-contiguous array."""
         return None if self._view is None else self._view[start:stop]

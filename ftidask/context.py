@@ -74,7 +74,6 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         self._trash_pool: ThreadPoolExecutor | None = None
         self._recovered = False
         self._restart_file: FtiffFile | None = None
-        self._restart_record: CommitRecord | None = None
         self.last_checkpoint: CheckpointInfo | None = None
         self.recovered_from: tuple[int, int] | None = None
         self._iteration = 0

@@ -78,7 +78,6 @@ class DaskContext(Context):
     def __init__(self, config: Config, client: Client) -> None:
         self.client = client
         self.cluster = Cluster(client, config.progress)
-        self._fault: dict[int, str] = {}  # rank -> stage: real worker kills, for the test suite
         self._started = False  # set by the first garbage collection (at init)
         self._keep_state_bytes = False  # finalize_icp: the Python states' bytes as init_icp took them
         self.cluster.run(storage.set_permissions, config.permissions)  # the modes of the workers' files
@@ -244,12 +243,12 @@ class DaskContext(Context):
                 layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, self.config.hash, partner,
                 max(fs[g] for g in group_of(groups, r)), [[c.var_id, c.dptr] for c in plan.chunks],
                 *(futures[c.var_id, c.index] for c in plan.chunks),
-                fault=self._fault.get(r), key=f"ftidask-write-{tag}-{r}", worker=workers[r]))
+                key=f"ftidask-write-{tag}-{r}", worker=workers[r]))
         finals: list[Future] = []
         if level == 2:
             for r in range(n):
                 holder = copy_holder(groups, r)
-                sent = self.cluster.submit(tasks.read_bytes, own(2, r), writes[r], fault=self._fault.get(r),
+                sent = self.cluster.submit(tasks.read_bytes, own(2, r), writes[r],
                                            key=f"ftidask-partner-send-{tag}-{r}", worker=workers[r])
                 finals.append(self.cluster.submit(
                     tasks.store_bytes, self._file(2, ckpt_id, seq, holder, storage.partner_file(ckpt_id, holder)),

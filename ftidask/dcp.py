@@ -242,7 +242,6 @@ class DcpFileWriter:
         self.blocks_hashed = 0
         self.hash_seconds = 0.0
         self.done: set[int] = set()
-        self.hook: Callable[[], None] | None = None  # called before each write (crash tests)
         self._writeback: list[Future[None]] = []
         self.runs: list[tuple[int, int]] = []  # file ranges of the data written
         # For L3 parity updates: the base's metadata bytes, read before anything is overwritten.
@@ -298,8 +297,6 @@ class DcpFileWriter:
                                self.fn, self.dsize, slot.fptr + lo) for run in seg.runs)
             for off, data in itertools.chain(seg.staged, later):
                 end = off + len(data)
-                if self.hook is not None:
-                    self.hook()
                 if self._old_meta is not None:  # old XOR new, read before it is overwritten
                     new_bytes = np.frombuffer(memoryview(data).cast("B"), np.uint8)
                     old_bytes = np.frombuffer(_pread_padded(self.fd, end - off, slot.fptr + lo + off, None), np.uint8)
@@ -417,12 +414,10 @@ def state_of_file(path: Path, parsed: Any) -> BlockState | None:
 def write_dcp_file(fd: int, layout: Layout, sources: Mapping[int, ByteSource], infos: list[VarInfo],
                    meta: Mapping[str, Any], base: BlockState | None, *, block_size: int, bid: int, hash_id: int,
                    pool: ThreadPoolExecutor, pt_fs: int | None = None, max_fs: int | None = None,
-                   hook: Callable[[], None] | None = None,
                    capture_xor: bool = False) -> tuple[WrittenFile, DcpStats, BlockState]:
     """Bring the file at ``fd`` from ``base`` to ``sources`` (every variable at once)."""
     writer = DcpFileWriter(fd, layout, base, block_size=block_size, bid=bid, hash_id=hash_id, pool=pool,
                            capture_xor=capture_xor)
-    writer.hook = hook
     try:
         for vid, source in sources.items():
             writer.write_var(vid, source)

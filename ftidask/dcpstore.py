@@ -31,7 +31,7 @@ import contextlib
 import json
 import os
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,6 @@ class DcpHandle:
         self.closed = False
 
     def write_var(self, var_id: int, source: Any) -> int:
-        self.store._hook("write_var", self.level)
         tracking = self.store.tracking
         known = tracking.before_hash(var_id, source.view(0, source.nbytes))
         written = self.writer.write_var(var_id, source, known)
@@ -67,11 +66,9 @@ class DcpHandle:
                max_fs: int | None = None) -> tuple[WrittenFile, DcpStats]:
         """Finish the file, fsync it and rename it to ``final_path`` (not yet committed)."""
         written, stats, state = self.writer.finish(trailer, pt_fs=pt_fs, max_fs=max_fs)
-        self.store._hook("finished", self.level)
         self.close()
         storage.rename_into(self.store.spare_path(self.level), final_path)
         storage.fsync_dir(self.store.spare_path(self.level).parent)
-        self.store._hook("renamed", self.level)
         self.store._files[self.level, seq] = state
         if stats.delta is not None and stats.data_runs:  # patched from a known base
             self.store._recent_writes[self.level].append((stats.data_bytes, stats.data_runs))
@@ -100,7 +97,6 @@ class DcpStore:
         self._files: dict[tuple[int, int], BlockState] = {}  # (level, seq) -> state of a checkpoint file
         self._pool = ThreadPoolExecutor(max_workers=threads or min(4, os.cpu_count() or 1),
                                         thread_name_prefix="ftidask-dcp")
-        self._crash_at = os.environ.get("FTIDASK_DCP_CRASH_AT", "")  # test hook: "<point>:<n>"
         self._remover: ThreadPoolExecutor | None = None
         # level -> (data bytes, runs) written by its last differential checkpoints that patched a base
         self._recent_writes: dict[int, deque[tuple[int, int]]] = {level: deque(maxlen=2) for level in (1, 2, 3, 4)}
@@ -131,8 +127,6 @@ class DcpStore:
             base = None
         writer = DcpFileWriter(fd, layout, base, block_size=self.block_size, bid=self.bid, hash_id=self.hash_id,
                                pool=self._pool, capture_xor=level == 3)  # L3 updates parity from old XOR new
-        if self._crash_at:
-            writer.hook = lambda: self._hook("block", level)
         return DcpHandle(self, level, fd, writer)
 
     def retire(self, level: int, seq: int, path: Path, ckpt_id: int | None = None) -> None:
@@ -240,18 +234,6 @@ class DcpStore:
         if self._remover is not None:
             self._remover.shutdown(wait=True)
 
-    def _hook(self, point: str, level: int) -> None:
-        """Crash-test hook: ``FTIDASK_DCP_CRASH_AT=<point>:<n>`` kills this process at the n-th hit."""
-        if not self._crash_at:
-            return
-        name, _sep, count = self._crash_at.partition(":")
-        if name != point:
-            return
-        left = int(count or "1") - 1
-        self._crash_at = f"{name}:{left}"
-        if left <= 0:
-            os.kill(os.getpid(), 9)
-
 
 def _holds(fd: int, state: BlockState) -> bool:
     """True when the file at ``fd`` is still the one ``state`` describes (its FB hash)."""
@@ -267,16 +249,14 @@ def _holds(fd: int, state: BlockState) -> bool:
 def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None, layout: Layout,
                        sources: Mapping[int, Any], infos: list[Any], meta: Mapping[str, Any], *, block_size: int,
                        bid: int, hash_id: int, pool: ThreadPoolExecutor, pt_fs: int | None = None,
-                       max_fs: int | None = None, hook: Callable[[], None] | None = None,
-                       capture_xor: bool = False) -> tuple[WrittenFile, DcpStats]:
+                       max_fs: int | None = None, capture_xor: bool = False) -> tuple[WrittenFile, DcpStats]:
     """One rank's differential file without any state kept between checkpoints (e.g. a Dask task).
 
     ``spare`` is the file of a retired checkpoint (renamed there by the backend) whose FB hash
     its commit record gave as ``expected_fb_hash``; its block digests are read from the file
     (:func:`~ftidask.dcp.load_state`). Any other spare, or none, is rewritten in full. The
     result is fsynced and renamed to ``final``; the caller then writes the commit record.
-    ``hook`` is called before each write of changed blocks (crash tests); ``capture_xor`` keeps
-    old XOR new of what is rewritten (``DcpStats.xor``, for an L3 parity update).
+    ``capture_xor`` keeps old XOR new of what is rewritten (``DcpStats.xor``, for an L3 parity update).
     """
     from .dcp import write_dcp_file
 
@@ -286,7 +266,7 @@ def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None,
     try:
         written, stats, _state = write_dcp_file(fd, layout, sources, infos, meta, base, block_size=block_size,
                                                 bid=bid, hash_id=hash_id, pool=pool, pt_fs=pt_fs, max_fs=max_fs,
-                                                hook=hook, capture_xor=capture_xor)
+                                                capture_xor=capture_xor)
     finally:
         os.close(fd)
     storage.rename_into(spare, final)

@@ -118,9 +118,9 @@ def plan_layout(previous: Layout | None, variables: Sequence[tuple[int, int]]) -
     return Layout(tuple(blocks))
 
 
-def layout_from_slots(blocks: Sequence[Sequence[Slot]], first_offset: int = FB_SIZE) -> Layout:
+def layout_from_slots(blocks: Sequence[Sequence[Slot]]) -> Layout:
     """Rebuild a :class:`Layout` from the containers of a file (its offsets are recomputed)."""
-    offset = first_offset
+    offset = FB_SIZE
     out = []
     for slots in blocks:
         block = Block(offset, tuple(slots))

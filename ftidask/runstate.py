@@ -87,10 +87,6 @@ class CommitRecord:
     def dirname(self) -> str:
         return storage.ckpt_dirname(self.ckpt_id, self.seq)
 
-    @property
-    def total_size(self) -> int:
-        return sum(f.size for f in self.files)
-
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["files"] = [f.to_json() for f in self.files]

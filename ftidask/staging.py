@@ -167,10 +167,9 @@ class Mover(Protocol):
 class ThreadMover:
     """Copies in a background thread of the caller, one request at a time, in submission order."""
 
-    def __init__(self, throttle: float = 0.0) -> None:
+    def __init__(self) -> None:
         self._queue: queue.SimpleQueue[StageRequest | None] = queue.SimpleQueue()
         self._cancel = threading.Event()
-        self._throttle = throttle
         self._thread: threading.Thread | None = None
         self._table: StageTable | None = None
 
@@ -190,7 +189,7 @@ class ThreadMover:
                 continue
             self._table.update(req.id, SI_ACTV)
             try:
-                transfer(req, self._cancel.is_set, throttle=self._throttle)
+                transfer(req, self._cancel.is_set)
             except TransferFailed as exc:
                 self._table.update(req.id, SI_FAIL, str(exc))
             except Exception as exc:  # noqa: BLE001 - a mover must report, never die silently

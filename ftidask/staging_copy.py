@@ -157,12 +157,10 @@ class TransferResult:
     seconds: float
 
 
-def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False, *,
-             throttle: float = 0.0) -> TransferResult:
+def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False) -> TransferResult:
     """Run ``req``: copy, verify, publish, remove the source. Raises :class:`TransferFailed`.
 
-    ``cancelled`` is polled between pieces (a finalize that timed out); ``throttle`` sleeps that many
-    seconds between pieces (to leave disk bandwidth to the application).
+    ``cancelled`` is polled between pieces (a finalize that timed out).
     """
     start = time.perf_counter()
     src_dir, src_name = os.path.split(req.src)
@@ -213,8 +211,6 @@ def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False, *
                     hasher.update(view[:n])
                     _write_all(fout, view[:n])
                     copied += n
-                    if throttle:
-                        time.sleep(throttle)
                 os.fsync(fout)
                 # Size and mtime catch an application that rewrites a file it handed over (to the
                 # granularity of the file system's clock); the copy itself is checked by hash below.

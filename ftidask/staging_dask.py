@@ -27,14 +27,14 @@ from .staging_copy import CANCELLED, StageRequest, TransferFailed, transfer
 _CANCEL_REASON = CANCELLED
 
 
-def run_transfer(raw: dict[str, Any], topic: str, cancel_name: str, throttle: float = 0.0) -> dict[str, Any]:
+def run_transfer(raw: dict[str, Any], topic: str, cancel_name: str) -> dict[str, Any]:
     """The task body, on the worker: announce, copy, report (JSON-able result)."""
     req = StageRequest.from_json(raw)
     worker = get_worker()
     worker.log_event(topic, {"id": req.id, "state": SI_ACTV, "worker": worker.address})
     cancel = Event(cancel_name)
     try:
-        transfer(req, lambda: cancel.is_set(), throttle=throttle)
+        transfer(req, lambda: cancel.is_set())
     except TransferFailed as exc:
         return {"id": req.id, "state": SI_FAIL, "reason": str(exc), "worker": worker.address}
     return {"id": req.id, "state": SI_SCES, "reason": "", "worker": worker.address}
@@ -79,11 +79,9 @@ class DaskMover:
     every worker can read, as on a LocalCluster).
     """
 
-    def __init__(self, client: Client, worker_for: Callable[[StageRequest], str | None] | None = None, *,
-                 throttle: float = 0.0) -> None:
+    def __init__(self, client: Client, worker_for: Callable[[StageRequest], str | None] | None = None) -> None:
         self.client = client
         self.worker_for = worker_for
-        self.throttle = throttle
         self._token = uuid.uuid4().hex[:12]
         self.topic = f"ftidask-stage-{self._token}"
         self._cancel = Event(f"ftidask-stage-cancel-{self._token}", client=client)
@@ -129,7 +127,7 @@ class DaskMover:
     def submit(self, req: StageRequest) -> None:
         address = self.worker_for(req) if self.worker_for is not None else None
         future = self.client.submit(
-            run_transfer, req.to_json(), self.topic, self._cancel.name, self.throttle,
+            run_transfer, req.to_json(), self.topic, self._cancel.name,
             key=f"ftidask-stage-{self._token}-{req.id}", pure=False, retries=0,
             workers=[address] if address else None, allow_other_workers=False)
         with self._lock:

@@ -48,15 +48,9 @@ class _Child:
 
 
 class ProcessMover:
-    """Runs transfers in a child process; restarts it after a death.
+    """Runs transfers in a child process; restarts it after a death."""
 
-    ``fsize_limit`` sets RLIMIT_FSIZE in the mover (largest file it may write, in bytes);
-    ``throttle`` sleeps that many seconds between 8 MiB pieces.
-    """
-
-    def __init__(self, *, fsize_limit: int | None = None, throttle: float = 0.0) -> None:
-        self.fsize_limit = fsize_limit
-        self.throttle = throttle
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._child: _Child | None = None
         self._table: Any = None
@@ -75,10 +69,6 @@ class ProcessMover:
 
     def _spawn(self) -> _Child:
         args = [sys.executable, "-c", "from ftidask.staging_process import child_main; child_main()"]
-        if self.fsize_limit is not None:
-            args += ["--fsize", str(int(self.fsize_limit))]
-        if self.throttle:
-            args += ["--throttle", repr(float(self.throttle))]
         env = dict(os.environ)
         # The mover imports the same ftidask as its owner, wherever that one comes from.
         root = os.fspath(Path(__file__).resolve().parent.parent)
@@ -159,8 +149,7 @@ def _stdin_reader(requests: queue.SimpleQueue[dict[str, Any] | None]) -> None:
     requests.put(None)
 
 
-def serve(next_request: Callable[[], dict[str, Any] | None], reply: Callable[[dict[str, Any]], None], *,
-          throttle: float = 0.0) -> None:
+def serve(next_request: Callable[[], dict[str, Any] | None], reply: Callable[[dict[str, Any]], None]) -> None:
     """A mover's loop, whatever carries the messages (pipes here, MPI messages on a head).
 
     ``next_request()`` returns a :meth:`StageRequest.to_json` dict, or None to stop; ``reply(msg)``
@@ -173,7 +162,7 @@ def serve(next_request: Callable[[], dict[str, Any] | None], reply: Callable[[di
             continue
         reply({"id": req.id, "state": FTI_SI_ACTV, "reason": ""})
         try:
-            transfer(req, throttle=throttle)
+            transfer(req)
         except TransferFailed as exc:
             reply({"id": req.id, "state": FTI_SI_FAIL, "reason": str(exc)})
         except Exception as exc:  # noqa: BLE001 - report, keep serving
@@ -182,19 +171,11 @@ def serve(next_request: Callable[[], dict[str, Any] | None], reply: Callable[[di
             reply({"id": req.id, "state": FTI_SI_SCES, "reason": ""})
 
 
-def child_main(argv: list[str] | None = None) -> None:
+def child_main() -> None:
     """The mover process: requests on stdin, states on stdout (JSON lines)."""
-    import argparse
-    import resource
-
-    parser = argparse.ArgumentParser(prog="ftidask-stage-mover")
-    parser.add_argument("--fsize", type=int, default=None)
-    parser.add_argument("--throttle", type=float, default=0.0)
-    opts = parser.parse_args(argv)
-    # A write past RLIMIT_FSIZE must fail with EFBIG, not kill the mover with SIGXFSZ.
+    # A write past RLIMIT_FSIZE (a limit inherited from a batch system) must fail with EFBIG, not
+    # kill the mover with SIGXFSZ.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    if opts.fsize is not None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (opts.fsize, opts.fsize))
     out = sys.stdout.buffer
 
     def reply(msg: dict[str, Any]) -> None:
@@ -204,4 +185,4 @@ def child_main(argv: list[str] | None = None) -> None:
     # A reader thread drains stdin, so the owner's writes never block on a full pipe during a long copy.
     requests: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
     threading.Thread(target=_stdin_reader, args=(requests,), daemon=True).start()
-    serve(requests.get, reply, throttle=opts.throttle)
+    serve(requests.get, reply)

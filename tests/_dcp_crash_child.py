@@ -1,16 +1,30 @@
 """Child process of tests/test_dcp_crash.py: differential checkpoints of a deterministic state.
 
-Usage: python _dcp_crash_child.py ROOT STEPS LEVEL. On a restart it recovers and goes on from
-the recovered step. Prints each committed step. FTIDASK_DCP_CRASH_AT makes it kill itself.
+Usage: python _dcp_crash_child.py ROOT STEPS LEVEL [POINT:N]. On a restart it recovers and goes on
+from the recovered step. Prints each committed step. With POINT:N it kills itself (SIGKILL) at the
+N-th time it reaches POINT (see :data:`CRASH_POINTS`), counted over the whole run.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 
 import ftidask
+from ftidask import dcp, dcpstore
+
+sys.path.insert(0, str(Path(__file__).parent))
+import crashpoints  # noqa: E402
+
+# Where a differential checkpoint can be killed: a crash point wrapped around a product function.
+CRASH_POINTS = {
+    "write_var": lambda n: crashpoints.kill_at_call(dcpstore.DcpHandle, "write_var", n),  # a variable's patch starts
+    "block": crashpoints.kill_at_block_write,  # before a write of changed blocks into the spare
+    "finished": lambda n: crashpoints.kill_at_call(dcp.DcpFileWriter, "finish", n, after=True),  # file complete
+    "renamed": lambda n: crashpoints.kill_at_call(dcpstore.DcpHandle, "finish", n, after=True),  # renamed, no record
+}
 
 SIZES = {1: (200_000, np.float64), 2: (50_000, np.int32), 3: (300_000, np.uint8)}
 
@@ -45,6 +59,9 @@ def state(step: int) -> dict[int, np.ndarray]:
 
 def main() -> None:
     root, steps, level = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    if len(sys.argv) > 4:
+        point, _sep, count = sys.argv[4].partition(":")
+        CRASH_POINTS[point](int(count or "1"))
     ctx = ftidask.init(**config(root))
     arrays = initial()
     step = np.zeros(1, np.int64)

@@ -15,6 +15,7 @@ import pytest
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
+import crashpoints  # noqa: E402
 import ftidask  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
@@ -52,6 +53,12 @@ def lose_workers(client, dirs, ranks):
     while gone & set(live_workers(client)):
         assert time.monotonic() < end, "killed workers still listed"
         time.sleep(0.1)
+
+
+def crash_worker(client, rank, point):
+    """Install a crash point (:func:`crashpoints.install`) in the worker process of checkpoint rank ``rank``."""
+    address = sorted(client.run(os.getpid))[rank]  # ranks are the running workers, sorted by address
+    client.run(crashpoints.install, point, workers=[address])
 
 
 def live_workers(client):
@@ -152,7 +159,8 @@ def test_worker_dying_during_checkpoint_keeps_previous(client, dirs, stage):
     saved = ctx.protected[1].compute()
     ctx.protect(1, ctx.protected[1] * 2)
     # rank 1's worker process kills itself (SIGKILL) when its L1 write, or its L2 send, starts
-    ctx._fault = {1: stage}
+    crash_worker(client, 1, {"write": "ftidask.daskio.tasks:write_rank",
+                             "send": "ftidask.daskio.tasks:read_bytes"}[stage])
     with pytest.raises(ftidask.CheckpointError, match="previous checkpoint is kept"):
         ctx.checkpoint(2, 2)
     assert [r.ckpt_id for r in ctx.state.records()] == [1]

@@ -12,7 +12,7 @@ da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
 
-from test_dask_backend import lose_workers
+from test_dask_backend import crash_worker, lose_workers
 
 import ftidask
 from ftidask.ftiff.blockhash import FLAG_DCP
@@ -117,10 +117,10 @@ def test_worker_killed_during_a_differential_checkpoint(client, dirs, stage):
     _step(ctx, 3)
     # the rank holding the field's first chunk row, which the step changes (sticky: it writes it again)
     rank = next(r for index, r, _d, _n in ctx.state.records()[-1].extra["chunks"]["1"] if index == [0, 0])
-    ctx._fault = {rank: stage}
+    crash_worker(client, rank, {"write": "ftidask.daskio.dcp_tasks:write_rank_dcp", "patch": "dcp-block",
+                                "after-write": "ftidask.daskio.dcp_tasks:write_differential:after"}[stage])
     with pytest.raises(ftidask.CheckpointError, match="previous checkpoint is kept"):
         ctx.checkpoint(4, 5)
-    ctx._fault = {}
     assert [r.ckpt_id for r in ctx.state.records()] == [3]
     client.wait_for_workers(NWORKERS, timeout=60)  # the nanny restarts the killed worker
     ctx2 = _init(client, dirs)

@@ -5,8 +5,7 @@ import pytest
 
 from ftidask.daskio.plan import VarSpec, chunk_table, layout_from_json, layout_to_json, plan_ranks
 from ftidask.errors import LevelError
-from ftidask.levels.ring_groups import (copy_holder, copy_source, l2_recoverable, l3_recoverable,
-                                        make_groups)
+from ftidask.levels.ring_groups import copy_holder, copy_source, make_groups
 
 
 def test_groups_absorb_a_lone_leftover_worker():
@@ -18,12 +17,10 @@ def test_groups_absorb_a_lone_leftover_worker():
         copy_holder(make_groups(1, 4), 0)
 
 
-def test_partner_ring_and_loss_rules():
+def test_partner_ring():
     groups = make_groups(4, 4)
     assert [copy_holder(groups, r) for r in range(4)] == [1, 2, 3, 0]
     assert [copy_source(groups, r) for r in range(4)] == [3, 0, 1, 2]
-    assert l2_recoverable(groups, {0, 2}) and not l2_recoverable(groups, {1, 2})
-    assert l3_recoverable(groups, {1, 2}) and not l3_recoverable(groups, {0, 1, 2})
 
 
 def test_one_container_per_chunk_in_grid_order():

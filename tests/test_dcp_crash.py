@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -22,12 +21,8 @@ CHILD = str(Path(__file__).parent / "_dcp_crash_child.py")
 
 
 def _run(root: Path, steps: int, level: int = 5, crash: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("FTIDASK_DCP_CRASH_AT", None)
-    if crash:
-        env["FTIDASK_DCP_CRASH_AT"] = crash
-    return subprocess.run([sys.executable, CHILD, str(root), str(steps), str(level)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    args = [sys.executable, CHILD, str(root), str(steps), str(level), *([crash] if crash else [])]
+    return subprocess.run(args, capture_output=True, text=True, timeout=120)
 
 
 def _committed(out: str) -> int:
@@ -79,9 +74,7 @@ def test_crash_at_a_chosen_point(tmp_path, crash):
                                   pytest.param(3, marks=_slow)])
 def test_killed_at_a_random_time(tmp_path, seed):
     rnd = random.Random(seed)
-    env = dict(os.environ)
-    env.pop("FTIDASK_DCP_CRASH_AT", None)
-    proc = subprocess.Popen([sys.executable, CHILD, str(tmp_path), "200", "5"], env=env,
+    proc = subprocess.Popen([sys.executable, CHILD, str(tmp_path), "200", "5"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Wait for the first commits, then kill at a random moment of the checkpoint loop.
     first = proc.stdout.readline()

@@ -20,15 +20,14 @@ from mpi_util import ROOT, env, mpiexec, need_mpi
 
 pytestmark = need_mpi()
 EXAMPLE = ROOT / "examples" / "heat_mpi.py"
+CRASHING = ROOT / "tests" / "mpi_scripts" / "heat_crash.py"  # the example, its last rank killed at an iteration
 ARGS = ["--rows", "16", "--cols", "64", "--iters", "60", "--every", "10", "--node-size", "1"]
 
 
 def heat(base: Path, *extra: str, crash_at: int | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    e = env()
-    if crash_at is not None:
-        e["HEAT_CRASH_AT"] = str(crash_at)
-    cmd = [mpiexec(), "-n", "4", sys.executable, str(EXAMPLE), "--dir", str(base), *ARGS, *extra]
-    return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
+    script = [str(EXAMPLE)] if crash_at is None else [str(CRASHING), str(crash_at)]
+    cmd = [mpiexec(), "-n", "4", sys.executable, *script, "--dir", str(base), *ARGS, *extra]
+    return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
 def checksum(proc: subprocess.CompletedProcess) -> str:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +16,11 @@ import xxhash
 import ftidask
 from ftidask import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES, FTIError, StagingError
 from ftidask.staging import Stager, ThreadMover
+from ftidask import staging_process
 from ftidask.staging_process import ProcessMover
+
+sys.path.insert(0, str(Path(__file__).parent))
+import slowcopy  # noqa: E402
 
 MiB = 1 << 20
 
@@ -98,9 +104,10 @@ def test_constants_match_fti():
 
 
 @pytest.mark.parametrize("mover", ["thread", "process"])
-def test_state_sequence_matches_fti(tmp_path, mover):
-    # A throttled mover keeps request 1 active long enough to see request 2 pending behind it.
-    m = ThreadMover(throttle=0.05) if mover == "thread" else ProcessMover(throttle=0.05)
+def test_state_sequence_matches_fti(tmp_path, mover, monkeypatch):
+    # A slowed mover keeps request 1 active long enough to see request 2 pending behind it.
+    slowcopy.slow_movers(0.05, monkeypatch.setattr)
+    m = ThreadMover() if mover == "thread" else ProcessMover()
     stager = make_stager(tmp_path, m)
     big, small = stager.stage_dir / "big", stager.stage_dir / "small"
     h_big = write_random(big, 32 * MiB)
@@ -210,8 +217,9 @@ def test_bad_requests_raise_at_the_call(tmp_path):
     ctx.finalize()
 
 
-def test_two_pending_requests_to_one_destination(tmp_path):
-    stager = make_stager(tmp_path, ThreadMover(throttle=0.05))
+def test_two_pending_requests_to_one_destination(tmp_path, monkeypatch):
+    slowcopy.slow_movers(0.05, monkeypatch.setattr)
+    stager = make_stager(tmp_path, ThreadMover())
     a, b = stager.stage_dir / "a", stager.stage_dir / "b"
     write_random(a, 24 * MiB)
     b.write_bytes(b"b")
@@ -246,10 +254,10 @@ def test_destination_parent_is_a_file_raises(tmp_path):
     ctx.finalize()
 
 
-def test_destination_blocked_during_transfer_fails_with_reason(tmp_path):
+def test_destination_blocked_during_transfer_fails_with_reason(tmp_path, monkeypatch):
+    # the first request stays busy while the second one's path is blocked
+    slowcopy.slow_movers(0.05, monkeypatch.setattr)
     ctx = make_ctx(tmp_path)
-    stager = ctx._staging()
-    stager.mover._throttle = 0.05  # keep the first request busy while the second one's path is blocked
     stage = ctx.stage_dir()
     write_random(stage / "first", 24 * MiB)
     (stage / "f").write_bytes(b"data")
@@ -267,8 +275,9 @@ def test_destination_blocked_during_transfer_fails_with_reason(tmp_path):
     ctx.finalize()
 
 
-def test_failure_reason_is_reported(tmp_path):
-    stager = make_stager(tmp_path, ThreadMover(throttle=0.05))
+def test_failure_reason_is_reported(tmp_path, monkeypatch):
+    slowcopy.slow_movers(0.05, monkeypatch.setattr)
+    stager = make_stager(tmp_path, ThreadMover())
     write_random(stager.stage_dir / "first", 24 * MiB)
     (stager.stage_dir / "f").write_bytes(b"data")
     stager.send(stager.stage_dir / "first", "first")
@@ -279,8 +288,16 @@ def test_failure_reason_is_reported(tmp_path):
     stager.close(30)
 
 
-def test_file_larger_than_rlimit_fsize(tmp_path):
-    stager = make_stager(tmp_path, ProcessMover(fsize_limit=1 * MiB))
+def test_file_larger_than_rlimit_fsize(tmp_path, monkeypatch):
+    # The mover starts under RLIMIT_FSIZE = 1 MiB (as under a batch system's limit).
+    real_popen = subprocess.Popen
+
+    def popen_with_limit(*args, **kwargs):
+        kwargs["preexec_fn"] = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 * MiB, 1 * MiB))
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(staging_process.subprocess, "Popen", popen_with_limit)
+    stager = make_stager(tmp_path, ProcessMover())
     big, small = stager.stage_dir / "big", stager.stage_dir / "small"
     write_random(big, 3 * MiB)
     small.write_bytes(b"s" * 1000)
@@ -333,8 +350,9 @@ def test_disk_full_reason(tmp_path, full_fs):
     stager.close(5)
 
 
-def test_source_modified_during_transfer_fails(tmp_path):
-    stager = make_stager(tmp_path, ThreadMover(throttle=0.1))
+def test_source_modified_during_transfer_fails(tmp_path, monkeypatch):
+    slowcopy.slow_movers(0.1, monkeypatch.setattr)
+    stager = make_stager(tmp_path, ThreadMover())
     src = stager.stage_dir / "f"
     write_random(src, 32 * MiB)
     req = stager.send(src, "f")
@@ -353,8 +371,9 @@ def test_source_modified_during_transfer_fails(tmp_path):
 # --- the mover killed ---------------------------------------------------------------------------
 
 
-def test_mover_killed_mid_transfer(tmp_path):
-    mover = ProcessMover(throttle=0.05)
+def test_mover_killed_mid_transfer(tmp_path, monkeypatch):
+    slowcopy.slow_movers(0.05, monkeypatch.setattr)
+    mover = ProcessMover()
     stager = make_stager(tmp_path, mover)
     big, queued = stager.stage_dir / "big", stager.stage_dir / "queued"
     digest = write_random(big, 64 * MiB)
@@ -432,8 +451,9 @@ def test_finalize_reports_failures_after_finishing(tmp_path):
     ctx.finalize()  # a second call is a no-op
 
 
-def test_finalize_timeout_cancels_cleanly(tmp_path):
-    stager = make_stager(tmp_path, ThreadMover(throttle=0.2))
+def test_finalize_timeout_cancels_cleanly(tmp_path, monkeypatch):
+    slowcopy.slow_movers(0.2, monkeypatch.setattr)
+    stager = make_stager(tmp_path, ThreadMover())
     srcs = [stager.stage_dir / f"f{i}" for i in range(3)]
     for src in srcs:
         write_random(src, 16 * MiB)
@@ -445,8 +465,9 @@ def test_finalize_timeout_cancels_cleanly(tmp_path):
     assert all(s.exists() for s in srcs)
 
 
-def test_process_mover_finalize_timeout(tmp_path):
-    stager = make_stager(tmp_path, ProcessMover(throttle=0.2))
+def test_process_mover_finalize_timeout(tmp_path, monkeypatch):
+    slowcopy.slow_movers(0.2, monkeypatch.setattr)
+    stager = make_stager(tmp_path, ProcessMover())
     src = stager.stage_dir / "f"
     write_random(src, 32 * MiB)
     req = stager.send(src, "f")
@@ -455,9 +476,10 @@ def test_process_mover_finalize_timeout(tmp_path):
     assert list((tmp_path / "global").iterdir()) == [] and src.exists()
 
 
-def test_send_file_does_not_wait_for_the_copy(tmp_path):
-    # Not a timing assertion: the request is still open when send_file returns (throttled mover).
-    stager = make_stager(tmp_path, ThreadMover(throttle=0.05))
+def test_send_file_does_not_wait_for_the_copy(tmp_path, monkeypatch):
+    # Not a timing assertion: the request is still open when send_file returns (slowed mover).
+    slowcopy.slow_movers(0.05, monkeypatch.setattr)
+    stager = make_stager(tmp_path, ThreadMover())
     src = stager.stage_dir / "f"
     write_random(src, 32 * MiB)
     req = stager.send(src, "f")
@@ -492,6 +514,9 @@ def test_first_send_file_does_not_start_the_mover(tmp_path):
 EXIT_SCRIPT = """
 import os, sys, time
 from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+import slowcopy
+slowcopy.slow_movers(0.05)   # a slow transfer, still running at exit
 import ftidask
 root = Path(sys.argv[1])
 ctx = ftidask.init(ckpt_dir=root / "local", glbl_dir=root / "global", meta_dir=root / "meta",
@@ -500,8 +525,6 @@ stage = ctx.stage_dir()
 with open(stage / "big", "wb") as fh:
     for _ in range(4):
         fh.write(os.urandom(8 << 20))
-mover = ctx._stager.mover
-mover.throttle = mover._throttle = 0.05   # a slow transfer, still running at exit
 req = ctx.send_file(stage / "big", "big")
 while not any("ftidask-stage" in p.name for p in (root / "global").iterdir()):
     time.sleep(0.001)
@@ -514,7 +537,8 @@ def test_exit_without_finalize_leaves_nothing_half_written(tmp_path, mover):
     (tmp_path / "global").mkdir()
     script = tmp_path / "app.py"
     script.write_text(EXIT_SCRIPT)
-    proc = subprocess.run([__import__("sys").executable, os.fspath(script), os.fspath(tmp_path), mover],
+    proc = subprocess.run([__import__("sys").executable, os.fspath(script), os.fspath(tmp_path), mover,
+                           os.fspath(Path(__file__).parent)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "exiting while active" in proc.stdout, proc.stderr
     assert list((tmp_path / "global").iterdir()) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +17,9 @@ import ftidask  # noqa: E402
 from ftidask import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES  # noqa: E402
 from ftidask.staging import Stager  # noqa: E402
 from ftidask.staging_dask import DaskMover, worker_by_node_dir  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # also on the workers' path (the nanny passes it on)
+import slowcopy  # noqa: E402
 
 pytestmark = pytest.mark.dask
 MiB = 1 << 20
@@ -31,14 +35,21 @@ def client():
         yield c
 
 
-def worker_stager(tmp_path: Path, client, throttle: float = 0.0):
+@pytest.fixture
+def slow_workers(client):
+    """Slow each piece the module's workers copy by ``delay`` seconds (undone after the test)."""
+    yield lambda delay: client.run(slowcopy.install, delay)
+    client.run(slowcopy.uninstall)
+
+
+def worker_stager(tmp_path: Path, client):
     """A stager whose stage dir has one ``node{k}`` directory per worker k (its node-local disk)."""
     workers = sorted(client.scheduler_info()["workers"])
     stage = tmp_path / "local" / "stage"
     for i in range(len(workers)):
         (stage / f"node{i}").mkdir(parents=True, exist_ok=True)
     (tmp_path / "global").mkdir(exist_ok=True)
-    mover = DaskMover(client, worker_by_node_dir(lambda: workers), throttle=throttle)
+    mover = DaskMover(client, worker_by_node_dir(lambda: workers))
     return Stager(stage, tmp_path / "global", mover), workers, mover
 
 
@@ -60,8 +71,9 @@ def test_many_files_each_on_its_worker(tmp_path, client):
     assert stager.close(30) == []
 
 
-def test_state_sequence_on_dask(tmp_path, client):
-    stager, _, _ = worker_stager(tmp_path, client, throttle=0.05)
+def test_state_sequence_on_dask(tmp_path, client, slow_workers):
+    slow_workers(0.05)
+    stager, _, _ = worker_stager(tmp_path, client)
     src = stager.stage_dir / "node0" / "big"
     src.write_bytes(os.urandom(24 * MiB))
     req = stager.send(src, "big")
@@ -99,8 +111,9 @@ def test_256_mib_on_a_worker(tmp_path, client):
     stager.close(30)
 
 
-def test_finalize_timeout_cancels_running_task(tmp_path, client):
-    stager, _, _ = worker_stager(tmp_path, client, throttle=0.2)
+def test_finalize_timeout_cancels_running_task(tmp_path, client, slow_workers):
+    slow_workers(0.2)
+    stager, _, _ = worker_stager(tmp_path, client)
     src = stager.stage_dir / "node0" / "f"
     src.write_bytes(os.urandom(32 * MiB))
     req = stager.send(src, "f")
@@ -114,7 +127,8 @@ def test_finalize_timeout_cancels_running_task(tmp_path, client):
 
 def test_worker_killed_mid_transfer(tmp_path):
     with cluster() as cl, distributed.Client(cl) as c:
-        stager, workers, _ = worker_stager(tmp_path, c, throttle=0.05)
+        c.run(slowcopy.install, 0.05)
+        stager, workers, _ = worker_stager(tmp_path, c)
         pids = c.run(os.getpid)
         src = stager.stage_dir / "node1" / "big"
         src.write_bytes(os.urandom(64 * MiB))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -173,13 +172,3 @@ class Cluster:
             self.client.cancel(list(futures), force=True)
         except Exception as exc:  # noqa: BLE001 - best effort on a failing cluster
             log.debug("cancel failed: %s", exc)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, poll: float = 0.1) -> bool:
-    """Poll ``condition`` until it holds or ``timeout`` seconds pass."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(poll)
-    return condition()

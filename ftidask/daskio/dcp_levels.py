@@ -105,7 +105,7 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
             layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, ctx.config.hash,
             ctx.config.dcp_block_size, bid, partner, max(fs[g] for g in group_of(groups, r)),
             [[c.var_id, c.dptr] for c in plan.chunks], *(futures[c.var_id, c.index] for c in plan.chunks),
-            fault=ctx._fault.get(r), with_xor=level == 3, key=f"ftidask-dcp-write-{tag}-{r}", worker=workers[r]))
+            with_xor=level == 3, key=f"ftidask-dcp-write-{tag}-{r}", worker=workers[r]))
     payloads: list[Future] = []
     if level == 3:  # (result, XOR bytes): the client takes the result, the bytes stay on the workers
         payloads = [ctx.cluster.submit(operator.getitem, w, 1, key=f"ftidask-dcp-xor-{tag}-{r}", worker=workers[r])
@@ -118,7 +118,7 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
             holder = copy_holder(groups, r)
             has = ctx.cluster.submit(dcp_tasks.spare_fb_hash, spare_pcof_path(ctx, holder),
                                      key=f"ftidask-dcp-partner-has-{tag}-{holder}", worker=workers[holder])
-            sent = ctx.cluster.submit(dcp_tasks.partner_payload, own(r), writes[r], has, fault=ctx._fault.get(r),
+            sent = ctx.cluster.submit(dcp_tasks.partner_payload, own(r), writes[r], has,
                                       key=f"ftidask-dcp-partner-send-{tag}-{r}", worker=workers[r])
             finals.append(ctx.cluster.submit(
                 dcp_tasks.partner_apply, ctx._file(2, ckpt_id, seq, holder, storage.partner_file(ckpt_id, holder)),

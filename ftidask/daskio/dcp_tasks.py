@@ -27,7 +27,7 @@ from ..dcpstore import write_differential
 from ..ftiff import hashing
 from ..levels import rs, rs_delta
 from .plan import layout_from_json
-from .tasks import chunk_sources, discard_paths, maybe_die, store_bytes, wait_removals
+from .tasks import chunk_sources, discard_paths, store_bytes, wait_removals
 
 
 @functools.cache
@@ -39,20 +39,17 @@ def _hash_pool() -> ThreadPoolExecutor:
 def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_json: Any,
                    infos_json: list[dict[str, Any]], meta: dict[str, Any], hash_name: str, block_size: int, bid: int,
                    pt_fs: int, max_fs: int, places: list[list[int]], *chunks: np.ndarray,
-                   fault: str | None = None, with_xor: bool = False) -> Any:
+                   with_xor: bool = False) -> Any:
     """Bring this worker's spare up to date with the chunks it holds and rename it to ``final``.
 
     ``with_xor`` (L3): return ``(result, old XOR new bytes)``, the result's ``xor`` giving the
     ranges and the base, for a parity update (:func:`parity_apply`).
     """
-    maybe_die(fault, "write")
     written, stats = write_differential(
         Path(spare), Path(final), bytes.fromhex(expected_fb_hash) if expected_fb_hash else None,
         layout_from_json(layout_json), chunk_sources(places, chunks), [VarInfo.from_json(r) for r in infos_json],
         meta, block_size=block_size, bid=bid, hash_id=hashing.hash_id(hash_name), pool=_hash_pool(),
-        pt_fs=pt_fs, max_fs=max_fs, hook=(lambda: maybe_die(fault, "patch")) if fault == "patch" else None,
-        capture_xor=with_xor)
-    maybe_die(fault, "after-write")
+        pt_fs=pt_fs, max_fs=max_fs, capture_xor=with_xor)
     result = {"rank": meta["rank"], "node": meta["node"], "size": written.file_size,
               "fb_hash": written.fb.hash.hex(), "data_bytes": stats.data_bytes, "file_bytes": stats.file_bytes,
               "blocks_changed": stats.blocks_changed, "blocks_total": stats.blocks_total,
@@ -91,10 +88,9 @@ def spare_fb_hash(path: str) -> str:
     return file_fb_hash(path)
 
 
-def partner_payload(own: str, written: dict[str, Any], holder_has: str, fault: str | None = None) -> dict[str, Any]:
+def partner_payload(own: str, written: dict[str, Any], holder_has: str) -> dict[str, Any]:
     """What rank ``written["rank"]`` sends its L2 partner: the delta's ranges when the partner's
     spare copy (FB hash ``holder_has``) is the delta's base, else the whole file."""
-    maybe_die(fault, "send")
     raw = written.get("delta")
     if raw is not None:
         delta = FileDelta.from_json(raw)

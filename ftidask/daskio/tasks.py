@@ -10,7 +10,6 @@ from __future__ import annotations
 import bisect
 import functools
 import os
-import signal
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -65,17 +64,10 @@ def chunk_sources(places: Sequence[Sequence[int]], chunks: Sequence[np.ndarray])
     return {vid: ChunkBytes(a, d) for vid, (a, d) in by_var.items()}
 
 
-def maybe_die(fault: str | None, stage: str) -> None:
-    """Failure injection for the test suite: kill this worker process for real at ``stage``."""
-    if fault == stage:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], meta: dict[str, Any],
-               hash_name: str, pt_fs: int, max_fs: int, places: list[list[int]], *chunks: np.ndarray,
-               fault: str | None = None) -> dict[str, Any]:
+               hash_name: str, pt_fs: int, max_fs: int, places: list[list[int]],
+               *chunks: np.ndarray) -> dict[str, Any]:
     """Write this worker's FTI-FF file from the chunks it holds (``places``: [var id, dptr] per chunk)."""
-    maybe_die(fault, "write")
     layout = layout_from_json(layout_json)
     infos = [VarInfo.from_json(raw) for raw in infos_json]
     written = write_rank_file(Path(path), layout, chunk_sources(places, chunks), infos,
@@ -84,9 +76,8 @@ def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], me
             "fb_hash": written.fb.hash.hex(), "data_bytes": written.data_bytes, "path": path}
 
 
-def read_bytes(path: str, after: Any = None, fault: str | None = None) -> np.ndarray:
+def read_bytes(path: str, after: Any = None) -> np.ndarray:
     """The whole file as uint8 (``after`` only orders this task after the one that wrote it)."""
-    maybe_die(fault, "send")
     return np.fromfile(path, dtype=np.uint8)
 
 
@@ -216,11 +207,6 @@ def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str], trash
 def existing(paths: Sequence[str]) -> list[bool]:
     """Which of ``paths`` this worker sees (run on every worker with ``Client.run``)."""
     return [os.path.exists(p) for p in paths]
-
-
-def remove_paths(paths: Sequence[str]) -> None:
-    for p in paths:
-        storage.remove_tree(Path(p))
 
 
 @functools.cache

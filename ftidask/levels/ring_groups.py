@@ -51,13 +51,3 @@ def copy_source(groups: Sequence[Sequence[int]], node: int) -> int:
     if len(group) < 2:
         raise LevelError("level 2 needs groups of at least 2 nodes (workers)")
     return group[(group.index(node) - 1) % len(group)]
-
-
-def l2_recoverable(groups: Sequence[Sequence[int]], lost: set[int]) -> bool:
-    """True when every lost node's file survives as a copy on a live node."""
-    return all(copy_holder(groups, n) not in lost for n in lost)
-
-
-def l3_recoverable(groups: Sequence[Sequence[int]], lost: set[int]) -> bool:
-    """True when each group lost at most half of its ``2k`` files (``k`` data + ``k`` parity)."""
-    return all(2 * sum(n in lost for n in g) <= len(g) for g in groups)

@@ -40,10 +40,6 @@ class Topology:
         """Application processes per node (FTI's nbApprocs)."""
         return self.node_size - self.head
 
-    @property
-    def ngroups(self) -> int:
-        return self.nnodes // self.group_size if self.group_size else 0
-
     def is_head(self, world: int) -> bool:
         return bool(self.head) and self.local_of[world] == 0
 
@@ -51,10 +47,6 @@ class Topology:
     def app_world(self) -> tuple[int, ...]:
         """World rank of each application rank (heads removed, world order kept)."""
         return tuple(w for w in range(self.nprocs) if not self.is_head(w))
-
-    @property
-    def app_size(self) -> int:
-        return self.nnodes * self.app_per_node
 
     def app_rank_at(self, node: int, position: int) -> int:
         """The application rank at ``position`` (0..app_per_node-1) on ``node``."""
@@ -69,10 +61,6 @@ class Topology:
 
     def position_of_app(self, app: int) -> int:
         return self.local_of[self.app_world[app]] - self.head
-
-    def head_of_node(self, node: int) -> int:
-        """World rank of ``node``'s head."""
-        return next(w for w in range(self.nprocs) if self.node_of[w] == node and self.local_of[w] == 0)
 
     # --- groups (FTI's sectors) ------------------------------------------------------------------
 
@@ -90,11 +78,6 @@ class Topology:
         """The L3 group of ``app``: the ranks at its position on each node of its group, by node."""
         pos = self.position_of_app(app)
         return [self.app_rank_at(n, pos) for n in self.group_nodes(self.node_of_app(app))]
-
-    def right_partner(self, app: int) -> int:
-        """Where ``app``'s file is copied for L2: same position, next node of the group (ring)."""
-        ranks = self.group_ranks(app)
-        return ranks[(ranks.index(app) + 1) % len(ranks)]
 
     def left_partner(self, app: int) -> int:
         """Whose file ``app``'s node keeps as ``Pcof{app}``: same position, previous node of the group."""

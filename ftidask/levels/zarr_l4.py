@@ -30,10 +30,6 @@ def store_name(ckpt_id: int, rank: int) -> str:
     return f"Ckpt{ckpt_id}-Rank{rank}{SUFFIX}"
 
 
-def is_store(path: Path) -> bool:
-    return path.suffix == SUFFIX
-
-
 @dataclasses.dataclass(frozen=True)
 class _Digest:
     hash: bytes

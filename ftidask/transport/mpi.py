@@ -92,9 +92,6 @@ class MpiGroup:
                            [recvbuf, MPI.BYTE], MPI.PROC_NULL if source is None else source, self.tag)
         return recvbuf if source is not None else None
 
-    def free(self) -> None:
-        self.comm.Free()
-
 
 def make_topology(cfg: Config, comm: MPI.Comm) -> Topology:
     """FTI's topology of ``comm`` (the same on every rank, errors included)."""
@@ -119,7 +116,6 @@ class MpiTransport(Transport):
             self.world.Free()
             raise
         topo, w = self.topo, self.world.rank
-        self.world_rank = w
         self.is_head = topo.is_head(w)
         self.node, self.nnodes = topo.node_of[w], topo.nnodes
         self._problem = topo.multilevel_ok()

@@ -1,0 +1,56 @@
+"""Slow staging transfers for the tests: each piece (8 MiB) a mover writes takes ``delay`` seconds more.
+
+The product has no throttle: a test slows the copy where it runs, by wrapping
+``ftidask.staging_copy._write_all`` (the one write of each piece) in that process: this one (the
+thread mover), the process mover's child (:func:`slow_movers` starts it with the wrapper), or a
+Dask worker (``client.run(slowcopy.install, delay)``, undone with ``client.run(slowcopy.uninstall)``).
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ftidask import staging_copy, staging_process
+
+_ORIGINAL = staging_copy._write_all
+_TESTS = str(Path(__file__).resolve().parent)
+
+
+def slowed(delay: float) -> Callable[[int, memoryview], None]:
+    """``staging_copy._write_all``, then a pause of ``delay`` seconds."""
+
+    @functools.wraps(_ORIGINAL)
+    def write_all(fd: int, data: memoryview) -> None:
+        _ORIGINAL(fd, data)
+        time.sleep(delay)
+
+    return write_all
+
+
+def install(delay: float) -> None:
+    """Slow every transfer this process runs from now on."""
+    staging_copy._write_all = slowed(delay)
+
+
+def uninstall() -> None:
+    staging_copy._write_all = _ORIGINAL
+
+
+def slow_movers(delay: float, setattr: Callable[[Any, str, Any], None] = setattr) -> None:
+    """Slow the thread mover of this process and the process movers it starts from now on
+    (``setattr``: pytest's ``monkeypatch.setattr`` to undo it after the test)."""
+    setattr(staging_copy, "_write_all", slowed(delay))
+    popen = subprocess.Popen
+
+    def popen_slowed(args: list[str], *rest: Any, **kwargs: Any) -> Any:
+        # The mover runs ``python -c CODE``: install the same slowdown first.
+        i = args.index("-c") + 1
+        prefix = f"import sys; sys.path.insert(0, {_TESTS!r}); import slowcopy; slowcopy.install({delay!r}); "
+        return popen([*args[:i], prefix + args[i], *args[i + 1:]], *rest, **kwargs)
+
+    setattr(staging_process.subprocess, "Popen", popen_slowed)
