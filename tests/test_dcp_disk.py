@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import ftidask
 from ftidask import storage
@@ -34,13 +35,14 @@ def _trash(root: Path) -> list[Path]:
     return [p for p in storage.find_paths(root, f"{storage.TRASH_PREFIX}*")]
 
 
-def test_l5_l5_l1_l1_keeps_disk_use_bounded_and_finalize_leaves_no_trash(tmp_path):
+@pytest.mark.parametrize("count", [200, pytest.param(1000, marks=pytest.mark.slow)])
+def test_l5_l5_l1_l1_keeps_disk_use_bounded_and_finalize_leaves_no_trash(tmp_path, count):
     ctx = ftidask.init(**_kw(tmp_path))
     a = np.zeros(16_384, dtype=np.float64)  # 128 KiB of state
     ctx.protect(1, a)
     pattern = (5, 5, 1, 1)
     most = 0
-    for i in range(200):
+    for i in range(count):
         a[(i * 97) % a.size] += 1.0
         ctx.checkpoint(i + 1, pattern[i % 4])
         most = max(most, _disk_bytes(tmp_path))
@@ -53,15 +55,21 @@ def test_l5_l5_l1_l1_keeps_disk_use_bounded_and_finalize_leaves_no_trash(tmp_pat
     assert _disk_bytes(tmp_path) < state  # only run state and records are left
 
 
-def test_crash_left_trash_and_spares_are_collected_at_the_next_start(tmp_path):
+def _three_differential_checkpoints_then_killed(tmp_path: Path) -> tuple[ftidask.Context, np.ndarray]:
+    """A run that wrote three L5 checkpoints and died (closed without finalize: nothing removed)."""
     ctx = ftidask.init(**_kw(tmp_path))
     a = np.arange(8192, dtype=np.float64)
     ctx.protect(1, a)
     for i in range(3):
         a[i] = -1.0
         ctx.checkpoint(i + 1, 5)
+    ctx._close()
+    return ctx, a
+
+
+def test_crash_left_trash_and_spares_are_collected_at_the_next_start(tmp_path):
+    ctx, a = _three_differential_checkpoints_then_killed(tmp_path)
     level_dir = ctx.paths.level_dir(1, 0)
-    ctx._close()  # as a crash would: no finalize, nothing removed
     # What a process killed between renaming a spare to the trash and deleting it leaves behind
     # (and a trashed checkpoint directory, and a trashed file in the level directory).
     planted = [level_dir / storage.SPARE_DIR / ".trash-Spare-Rank0.fti-4242-0badf00d",
@@ -84,13 +92,7 @@ def test_crash_left_trash_and_spares_are_collected_at_the_next_start(tmp_path):
 
 
 def test_spares_are_removed_at_start_when_the_run_has_no_differential_checkpoints(tmp_path):
-    ctx = ftidask.init(**_kw(tmp_path))
-    a = np.arange(8192, dtype=np.float64)
-    ctx.protect(1, a)
-    for i in range(3):
-        a[i] = -1.0
-        ctx.checkpoint(i + 1, 5)
-    ctx._close()  # killed: the spares stay
+    _ctx, a = _three_differential_checkpoints_then_killed(tmp_path)  # the spares stay
     assert storage.find_paths(tmp_path, "dcp/Spare-Rank0.fti")
     ctx2 = ftidask.init(**_kw(tmp_path, enable_dcp=0))  # restarted without dCP: nothing will patch them
     assert storage.find_paths(tmp_path, storage.SPARE_DIR) == []

@@ -218,12 +218,12 @@ def _readinto(fh: BinaryIO, offset: int, view: memoryview) -> int:
     return got
 
 
-def verify_dcp(fh: BinaryIO, parsed: FtiffFile) -> None:
+def verify_dcp(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -> None:
     """Check every container hash against its block digests, and every block against its digest."""
     info, digests = read_digests(fh, parsed)
     piece = info.block_size * _PIECE_BLOCKS
     buf = bytearray(piece)
-    for bi, ci, meta in _spans(parsed, None):
+    for bi, ci, meta in _spans(parsed, only):
         want = digests[bi, ci]
         for lo in range(0, meta.chunksize, piece):
             n = min(piece, meta.chunksize - lo)

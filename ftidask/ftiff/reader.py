@@ -251,18 +251,18 @@ def _read_span(fh: BinaryIO, offset: int, target: memoryview) -> int:
     return got
 
 
-def verify_data(fh: BinaryIO, parsed: FtiffFile) -> None:
+def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -> None:
     """Check every container's hash (and, for FTI 1.1 files, the MD5 of the whole VB).
 
     Hashes straight from the page cache through a read-only map (no copy), containers in
     parallel threads (the hashes release the GIL).
     """
     if parsed.fb.flags & FLAG_DCP:
-        return verify_dcp(fh, parsed)
+        return verify_dcp(fh, parsed, only)
     if os.fstat(fh.fileno()).st_size != parsed.file_size:
         raise FormatError("file changed size since it was parsed", path=parsed.path)
     jobs = [(bi, ci, meta) for bi, ci, meta in parsed.containers()
-            if meta.hascontent]
+            if meta.hascontent and (only is None or meta.id in only)]
     if not jobs and not parsed.legacy:
         return
     hid = parsed.fb.hash_id
