@@ -32,7 +32,6 @@ from ..recovery import check_writeable
 from ..reshard_rebuild import old_groups, rebuild_group
 from ..runstate import CommitRecord
 from . import reads, tasks
-from .cluster import ClusterError
 from .plan import VarSpec
 
 if TYPE_CHECKING:
@@ -147,13 +146,36 @@ def _paths(ctx: DaskContext, record: CommitRecord) -> dict[int, str]:
     return {f.rank: str(reshard.old_path(ctx, record, f.rank)) for f in record.files}
 
 
+def _wait(ctx: DaskContext, futures: list[Any], what: str, gather: bool = True) -> list[Any]:
+    """The results of loose tasks (Dask reruns them elsewhere if their worker dies); the first task's
+    error as a :class:`RecoveryError` (its own message: which file, which container)."""
+    from distributed import wait
+
+    while True:
+        try:
+            wait(futures, timeout=ctx.cluster.poll)
+            break
+        except TimeoutError:
+            if any(f.status == "error" for f in futures):
+                break
+            if not ctx.cluster.workers():
+                ctx.cluster.cancel(futures)
+                raise RecoveryError(f"{what}: the cluster has no workers") from None
+    failed = [f for f in futures if f.status == "error"]
+    if failed:
+        try:
+            exc: Any = failed[0].exception(timeout=ctx.cluster.poll * 4)
+        except Exception as err:  # noqa: BLE001 - released meanwhile: say that much
+            exc = err
+        ctx.cluster.cancel(futures)
+        raise RecoveryError(f"{what}: {exc}")
+    return ctx.cluster.client.gather(futures) if gather else []
+
+
 def _run(ctx: DaskContext, calls: list[tuple[Any, tuple[Any, ...], str, str]], what: str) -> list[Any]:
     """Run ``(fn, args, key, worker)`` tasks; a failed one is a :class:`RecoveryError` saying why."""
-    futures = [ctx.cluster.submit(fn, *args, key=key, worker=w, loose=True) for fn, args, key, w in calls]
-    try:
-        return ctx.cluster.wait_all(futures, (), what)
-    except ClusterError as exc:
-        raise RecoveryError(exc.detail) from None
+    return _wait(ctx, [ctx.cluster.submit(fn, *args, key=key, worker=w, loose=True) for fn, args, key, w in calls],
+                 what)
 
 
 def _servers(ctx: DaskContext, paths: list[str]) -> dict[str, str]:
@@ -244,15 +266,15 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
                                                        loose=True)
         futures.extend(graph.values())
         arrays[vid] = Array(graph, name, grid, dtype=dtype)
-    try:
-        ctx.cluster.wait_all(futures, (), f"reading checkpoint {record.ckpt_id}", gather=False)
-        values = {}
-        for vid in plans:  # NumPy variables and Python states: computed before anything is filled
-            held = ctx._vars.get(vid)
-            if vid in states or (held is not None and isinstance(held.array, np.ndarray)):
+    _wait(ctx, futures, f"reading checkpoint {record.ckpt_id}", gather=False)
+    values = {}
+    for vid in plans:  # NumPy variables and Python states: computed before anything is filled
+        held = ctx._vars.get(vid)
+        if vid in states or (held is not None and isinstance(held.array, np.ndarray)):
+            try:
                 values[vid] = np.ascontiguousarray(arrays[vid].compute())
-    except ClusterError as exc:
-        raise RecoveryError(exc.detail) from None
+            except Exception as exc:  # noqa: BLE001 - a chunk lost meanwhile: nothing is filled yet
+                raise RecoveryError(f"reading checkpoint {record.ckpt_id}: {exc}") from None
     decoded = {vid: (ctx._vars[vid].state.decode(values[vid], f"variable {vid}")  # type: ignore[union-attr]
                      if vid in ctx._vars else pystate.loads(values[vid], f"variable {vid}")) for vid in states
                if vid in plans}
