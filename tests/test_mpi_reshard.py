@@ -234,6 +234,8 @@ def test_dask_backend_refuses_an_undeclared_mpi_checkpoint(written: Path, tmp_pa
     assert "declare no place in a global array" in str(err.value)
     assert "export --to-zarr" in str(err.value) and "global_shape" in str(err.value)
     assert np.all(into == -1)
+    with pytest.raises(ftidask.RecoveryError, match="its stored sizes are per old rank"):
+        ctx.stored_size(1)
     ctx._close()
 
 

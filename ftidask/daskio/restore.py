@@ -341,6 +341,11 @@ def stored_size(ctx: DaskContext, vid: int) -> int:
     """Bytes of variable ``vid`` in the newest committed checkpoint."""
     records = dask_records(ctx, None, None)
     if not records:
+        other = ctx._candidates(None, None)
+        if other:  # an MPI checkpoint's sizes are per old rank; recover() returns its global arrays
+            raise RecoveryError(f"checkpoint {other[0].ckpt_id} was written by the MPI or single-process backend "
+                                f"({other[0].nranks} rank(s)): its stored sizes are per old rank; recover() returns "
+                                "its variables as global arrays (their .nbytes)")
         raise RecoveryError("no committed checkpoint")
     for spec in _specs(records[0]):
         if spec.id == vid:

@@ -67,7 +67,8 @@ def read_task(path: str, record_json: dict[str, Any], rank: int, vid: int, piece
     """One chunk: the piece of old rank ``rank``'s block, read and hash-checked on this worker."""
     here = reads._here()
     if here is not None and here != worker and reads._alive(worker):
-        from distributed import Reschedule  # moved by work stealing: back to the worker chosen for it
+        # Moved by work stealing while the worker chosen for it lives: back there.
+        from distributed import Reschedule
 
         raise Reschedule()
     record = CommitRecord.from_json(record_json)
@@ -86,7 +87,7 @@ def _grid(blocks: dict[int, tuple[Placement, tuple[int, ...], str]], shape: tupl
     edges = [sorted({0, g, *(p.offset[d] for p, s, _o in blocks.values() if math.prod(s)),
                      *(p.offset[d] + s[d] for p, s, _o in blocks.values() if math.prod(s))})
              for d, g in enumerate(shape)]
-    chunks = tuple(tuple(b - a for a, b in zip(e, e[1:])) for e in edges)
+    chunks = tuple(tuple(b - a for a, b in itertools.pairwise(e)) for e in edges)
     owner: dict[tuple[int, ...], tuple[int, Piece]] = {}
     for old, (place, bshape, order) in sorted(blocks.items()):
         if not math.prod(bshape):
