@@ -251,14 +251,18 @@ def test_dask_backend_recovers_a_single_process_checkpoint(tmp_path: Path, dask_
     ctx = ftidask.init(**dirs)
     ctx.protect(1, a)
     ctx.protect(2, state)
+    ctx.protect(3, np.zeros((0, 4)))
     ctx.checkpoint(1, 1)
     ctx._close()
     ctx = ftidask.init(client=dask_client, **dirs)
     back = ftidask.State()
     ctx.protect(2, back)
+    out = ctx.recover(ids=[1])  # partial: the state stays as it is
+    assert sorted(out) == [1] and dict(back) == {}
     out = ctx.recover(chunks={1: (3, 5)})
     assert out[1].chunks == ((3, 3), (5, 5)) and np.asarray(out[1]).tobytes() == a.tobytes()
     assert dict(back) == {"step": 7, "name": "run"}
+    assert np.asarray(out[3]).shape == (0, 4)
     ctx._close()
 
 

@@ -83,7 +83,10 @@ def read_task(path: str, record_json: dict[str, Any], rank: int, vid: int, piece
 def _grid(blocks: dict[int, tuple[Placement, tuple[int, ...], str]], shape: tuple[int, ...],
           itemsize: int, vid: int) -> tuple[tuple[tuple[int, ...], ...], dict[tuple[int, ...], tuple[int, Piece]]]:
     """The chunks of the global array (every block edge is a chunk edge, so that each chunk lies in one
-    old block) and, per chunk index, the old rank and the piece of its block that holds it."""
+    old block) and, per chunk index, the old rank and the piece of its block that holds it (none for
+    an array without elements: one empty chunk)."""
+    if not math.prod(shape):
+        return tuple((g,) for g in shape), {}
     edges = [sorted({0, g, *(p.offset[d] for p, s, _o in blocks.values() if math.prod(s)),
                      *(p.offset[d] + s[d] for p, s, _o in blocks.values() if math.prod(s))})
              for d, g in enumerate(shape)]
@@ -266,6 +269,8 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
                                                        server[path], key=(name, *index), worker=server[path],
                                                        loose=True)
         futures.extend(graph.values())
+        if not owner:  # no elements, no bytes to read
+            graph[(name, *(0,) * len(shape))] = np.empty(shape, dtype)
         arrays[vid] = Array(graph, name, grid, dtype=dtype)
     _wait(ctx, futures, f"reading checkpoint {record.ckpt_id}", gather=False)
     values = {}
