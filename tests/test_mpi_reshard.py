@@ -168,16 +168,16 @@ def _dask_ctx(client, run_dir: Path):
 @pytest.mark.dask
 def test_dask_backend_stitches_an_mpi_checkpoint(written: Path, tmp_path: Path, dask_client) -> None:
     """Checkpoints of 4 MPI ranks (declared 1-D/2-D blocks, C and Fortran order, compressed, replicated) come
-    back on 2 Dask workers as global arrays, bit for bit: at L1 and L4, at L3 after a node was lost
+    back on 2 Dask workers as global arrays, bit for bit: at L1 and L4, at L2 and L3 after a node was lost
     (rebuilt first), from differential files and from an L4 Zarr store."""
     import dask.array as da
     from mpi_scripts.reshard_job import globals_
 
     glob = globals_()
-    for name in ("l1", "l4", "l3_lost", "dcp", "l4zarr"):
+    for name in ("l1", "l4", "l2_lost", "l3_lost", "dcp", "l4zarr"):
         run_dir = tmp_path / name
         shutil.copytree(written / name.replace("_lost", ""), run_dir)
-        if name == "l3_lost":
+        if name.endswith("_lost"):
             shutil.rmtree(run_dir / "Local" / "node1")
         ctx = _dask_ctx(dask_client, run_dir)
         into = np.zeros(glob[2].shape, glob[2].dtype)  # a NumPy variable of the global shape: filled in place
@@ -195,7 +195,8 @@ def test_dask_backend_stitches_an_mpi_checkpoint(written: Path, tmp_path: Path, 
         assert out[4].chunks == ((7,),)  # replicated: one chunk, from one file
         assert ctx.recovered_from == (CKPT.get(name, 1), LEVEL[name]), name
         ctx._close()
-    assert list((tmp_path / "l3_lost" / "Local" / "node1").rglob("Ckpt1-Rank1.fti"))  # rebuilt from parity
+    for name in ("l2_lost", "l3_lost"):  # rebuilt from the partner copy / the group's parity
+        assert list((tmp_path / name / "Local" / "node1").rglob("Ckpt1-Rank1.fti")), name
 
 
 @pytest.mark.dask
