@@ -39,6 +39,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ftidask")
 
+HOW = ("The Dask backend stitches such a checkpoint into one Dask array per variable when every variable declares "
+       "its place: ctx.protect(id, local, global_shape=..., offset=...) (or ftidask.Block(global_shape, offset)) "
+       "or replicated=True in the run that writes it. Otherwise recover it with ftidask.init(comm=...) on its own "
+       "number of ranks, or export it with `ftidask export --to-zarr` and read it with dask.array.from_zarr.")
+
 
 class _Refused(FTIError):
     """The checkpoint's declarations do not allow one global array (an older checkpoint would not either)."""
@@ -338,9 +343,3 @@ def recover(ctx: DaskContext, records: list[CommitRecord], chunks: Any, ids: lis
                             "be recovered on the Dask cluster:" + "".join(f"\n  - {r}" for r in reasons)
                             + "\nOld files must be visible to the workers (L4, or every node directory with "
                               "local_test = 1 or shared directories; lost L2/L3 files are rebuilt first).")
-
-
-HOW = ("The Dask backend stitches such a checkpoint into one Dask array per variable when every variable declares "
-       "its place: ctx.protect(id, local, global_shape=..., offset=...) (or ftidask.Block(global_shape, offset)) "
-       "or replicated=True in the run that writes it. Otherwise recover it with ftidask.init(comm=...) on its own "
-       "number of ranks, or export it with `ftidask export --to-zarr` and read it with dask.array.from_zarr.")
