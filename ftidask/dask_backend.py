@@ -359,6 +359,8 @@ class DaskContext(Context):
         id -> chunks); by default a protected Dask array's own chunks, else the stored ones.
         ``ids``: recover only these variables (FTI_RecoverVar); the other protected ones are untouched.
         Python states (ftidask.State, Value, numpy.random generators) are recovered in place.
+        A checkpoint written by the MPI backend comes back as global arrays when its variables declare
+        their place (global_shape/offset or replicated; see :mod:`ftidask.daskio.stitch`).
         """
         self._check_open()
         return restore.recover(self, ckpt_id, level, chunks, ids)

@@ -148,24 +148,123 @@ def test_export_stitches_declared_blocks(written: Path) -> None:
             assert got.shape == glob.shape and got.tobytes() == np.ascontiguousarray(glob).tobytes(), (name, vid)
 
 
+# --- the Dask backend stitches the same checkpoints into global arrays --------------------------------
+
+@pytest.fixture(scope="module")
+def dask_client():
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") \
+            as cluster, distributed.Client(cluster) as client:
+        yield client
+
+
+def _dask_ctx(client, run_dir: Path):
+    import ftidask
+
+    return ftidask.init(client=client, ckpt_dir=str(run_dir / "Local"), glbl_dir=str(run_dir / "Global"),
+                        meta_dir=str(run_dir / "Meta"), local_test=1, verbosity=4)
+
+
 @pytest.mark.dask
-def test_dask_backend_refuses_an_mpi_checkpoint(written: Path, tmp_path: Path) -> None:
-    """The Dask backend does not recover MPI checkpoints: a clear error, not 'no checkpoint'."""
-    pytest.importorskip("distributed")
-    from distributed import Client, LocalCluster
+def test_dask_backend_stitches_an_mpi_checkpoint(written: Path, tmp_path: Path, dask_client) -> None:
+    """Checkpoints of 4 MPI ranks (declared 1-D/2-D blocks, C and Fortran order, compressed, replicated) come
+    back on 2 Dask workers as global arrays, bit for bit: at L1 and L4, at L2 and L3 after a node was lost
+    (rebuilt first), from differential files and from an L4 Zarr store."""
+    import dask.array as da
+    from mpi_scripts.reshard_job import globals_
+
+    glob = globals_()
+    for name in ("l1", "l4", "l2_lost", "l3_lost", "dcp", "l4zarr"):
+        run_dir = tmp_path / name
+        shutil.copytree(written / name.replace("_lost", ""), run_dir)
+        if name.endswith("_lost"):
+            shutil.rmtree(run_dir / "Local" / "node1")
+        ctx = _dask_ctx(dask_client, run_dir)
+        into = np.zeros(glob[2].shape, glob[2].dtype)  # a NumPy variable of the global shape: filled in place
+        ctx.protect(2, into)
+        ctx.protect(1, da.zeros(glob[1].shape, chunks=50))  # a Dask variable: its chunks are kept
+        out = ctx.recover(chunks={3: (3, 4)})
+        assert sorted(out) == sorted(glob), name
+        for vid, g in glob.items():
+            got = np.asarray(out[vid])
+            assert got.shape == g.shape and got.tobytes() == np.ascontiguousarray(g).tobytes(), (name, vid)
+        assert out[2] is into
+        assert out[1].chunks == ((50, 50, 3),) and ctx.protected[1] is out[1]
+        assert out[3].chunks == ((3, 3, 3), (4, 4, 3))
+        assert out[5].chunks == ((50, 52, 52, 52),)  # the old ranks' blocks
+        assert out[4].chunks == ((7,),)  # replicated: one chunk, from one file
+        assert ctx.recovered_from == (CKPT.get(name, 1), LEVEL[name]), name
+        ctx._close()
+    for name in ("l2_lost", "l3_lost"):  # rebuilt from the partner copy / the group's parity
+        assert list((tmp_path / name / "Local" / "node1").rglob("Ckpt1-Rank1.fti")), name
+
+
+@pytest.mark.dask
+def test_dask_backend_refuses_damaged_mpi_data(written: Path, tmp_path: Path, dask_client) -> None:
+    """A damaged container of an old rank's file: a clear error, no array filled, nothing rebound."""
+    import dask.array as da
 
     import ftidask
 
     run_dir = tmp_path / "l4"
     shutil.copytree(written / "l4", run_dir)
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:
-        ctx = ftidask.init(client=client, ckpt_dir=str(run_dir / "Local"), glbl_dir=str(run_dir / "Global"),
-                           meta_dir=str(run_dir / "Meta"), verbosity=4)
-        with pytest.raises(ftidask.RecoveryError, match="written by the MPI or single-process backend") as err:
-            ctx.recover()
-        assert "export --to-zarr" in str(err.value) and "global_shape" in str(err.value)
-        ctx._close()
+    _corrupt_container(run_dir, 1, 2)
+    ctx = _dask_ctx(dask_client, run_dir)
+    into = np.full((10, 14), -1, np.int32)
+    ctx.protect(2, into)
+    held = da.zeros(103, chunks=50)
+    ctx.protect(1, held)
+    with pytest.raises(ftidask.NoCheckpointError, match="hash does not match"):
+        ctx.recover()
+    assert np.all(into == -1) and ctx.protected[1] is held
+    ctx._close()
+
+
+@pytest.mark.dask
+def test_dask_backend_refuses_an_undeclared_mpi_checkpoint(written: Path, tmp_path: Path, dask_client) -> None:
+    """Variables that declare no place in a global array: the clear error, nothing touched."""
+    import ftidask
+
+    run_dir = tmp_path / "undeclared"
+    shutil.copytree(written / "undeclared", run_dir)
+    ctx = _dask_ctx(dask_client, run_dir)
+    into = np.full(7, -1.0)
+    ctx.protect(4, into)
+    with pytest.raises(ftidask.RecoveryError, match="written by the MPI or single-process backend") as err:
+        ctx.recover()
+    assert "declare no place in a global array" in str(err.value)
+    assert "export --to-zarr" in str(err.value) and "global_shape" in str(err.value)
+    assert np.all(into == -1)
+    with pytest.raises(ftidask.RecoveryError, match="its stored sizes are per old rank"):
+        ctx.stored_size(1)
+    ctx._close()
+
+
+@pytest.mark.dask
+def test_dask_backend_recovers_a_single_process_checkpoint(tmp_path: Path, dask_client) -> None:
+    """One process, nothing declared: its arrays are whole; a Python state comes back too."""
+    import ftidask
+
+    dirs = {"ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
+            "meta_dir": str(tmp_path / "Meta"), "local_test": 1, "verbosity": 4}
+    a = np.arange(60, dtype=np.float32).reshape(6, 10)
+    state = ftidask.State(step=7, name="run")
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, a)
+    ctx.protect(2, state)
+    ctx.protect(3, np.zeros((0, 4)))
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    ctx = ftidask.init(client=dask_client, **dirs)
+    back = ftidask.State()
+    ctx.protect(2, back)
+    out = ctx.recover(ids=[1])  # partial: the state stays as it is
+    assert sorted(out) == [1] and dict(back) == {}
+    out = ctx.recover(chunks={1: (3, 5)})
+    assert out[1].chunks == ((3, 3), (5, 5)) and np.asarray(out[1]).tobytes() == a.tobytes()
+    assert dict(back) == {"step": 7, "name": "run"}
+    assert np.asarray(out[3]).shape == (0, 4)
+    ctx._close()
 
 
 def test_one_process_recovers_the_global_arrays(written: Path, tmp_path: Path) -> None:

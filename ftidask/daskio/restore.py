@@ -22,7 +22,7 @@ from ..levels.ring_groups import copy_holder, group_of
 from ..recoverplan import normalize_ids
 from ..recovery import check_writeable
 from ..runstate import CommitRecord
-from . import reads, tasks
+from . import reads, stitch, tasks
 from .cluster import WorkerLost
 from .plan import VarSpec
 
@@ -307,8 +307,10 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
     wanted = normalize_ids(ids)
     reasons = []
     records = dask_records(ctx, ckpt_id, level)
-    if not records:
-        _refuse_other_backend(ctx, ckpt_id, level)
+    if not records:  # written by the MPI or single-process backend: stitched into global arrays if declared
+        other = ctx._candidates(ckpt_id, level)
+        if other:
+            return stitch.recover(ctx, other, chunks, wanted)
     for record in records:
         try:
             hosts = _restore_retrying(ctx, record)
@@ -335,23 +337,15 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
                             + "".join(f"\n  - {r}" for r in reasons))
 
 
-def _refuse_other_backend(ctx: DaskContext, ckpt_id: int | None, level: int | None) -> None:
-    """A clear error when the run's checkpoints were written by the MPI (or single-process) backend."""
-    other = ctx._candidates(ckpt_id, level)
-    if other:
-        r = other[0]
-        raise RecoveryError(
-            f"checkpoint {r.ckpt_id} (level {r.level}) of run {ctx.exec_id} was written by the MPI or single-process "
-            f"backend ({r.nranks} rank(s)); the Dask backend recovers only checkpoints written by Dask workers. "
-            "Recover it with ftidask.init(comm=...) (on another number of ranks if every variable declares "
-            "global_shape/offset or replicated=True), or export it with `ftidask export --to-zarr` (declared blocks "
-            "become one global array) and read it with dask.array.from_zarr.")
-
-
 def stored_size(ctx: DaskContext, vid: int) -> int:
     """Bytes of variable ``vid`` in the newest committed checkpoint."""
     records = dask_records(ctx, None, None)
     if not records:
+        other = ctx._candidates(None, None)
+        if other:  # an MPI checkpoint's sizes are per old rank; recover() returns its global arrays
+            raise RecoveryError(f"checkpoint {other[0].ckpt_id} was written by the MPI or single-process backend "
+                                f"({other[0].nranks} rank(s)): its stored sizes are per old rank; recover() returns "
+                                "its variables as global arrays (their .nbytes)")
         raise RecoveryError("no committed checkpoint")
     for spec in _specs(records[0]):
         if spec.id == vid:
