@@ -202,6 +202,24 @@ def holder_of(obj: Any) -> Holder | None:
     return holder
 
 
+def from_stored(kind: str, data: bytes | np.ndarray, what: str) -> Any:
+    """A protectable object holding a stored Python state (a :class:`Value`, or a NumPy bit generator
+    of the stored kind), e.g. to import an exported checkpoint; :class:`RecoveryError` if unreadable."""
+    raw = loads(data, what)
+    if kind == KIND_RNG:
+        name = raw.get("bit_generator") if isinstance(raw, dict) else None
+        cls = getattr(np.random, name, None) if isinstance(name, str) else None
+        if not (isinstance(cls, type) and issubclass(cls, np.random.BitGenerator)):
+            raise RecoveryError(f"{what}: not the state of a NumPy bit generator ({name!r})")
+        holder = Holder(KIND_RNG, cls())
+    elif kind == KIND_JSON:
+        holder = Holder(KIND_JSON, Value())
+    else:
+        raise RecoveryError(f"{what}: unknown kind of Python state {kind!r}")
+    holder.apply(holder.decode(data, what))
+    return holder.obj
+
+
 def loads(data: bytes | np.ndarray, what: str) -> Any:
     """The JSON value of a stored Python state (for one not protected now); :class:`RecoveryError`."""
     return _loads(data.tobytes() if isinstance(data, np.ndarray) else data, what)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import zarr_store
+from . import pystate, zarr_store
 from .errors import FormatError
 
 log = logging.getLogger("ftidask.zarr")
@@ -30,10 +30,7 @@ def read_zarr(path: str | os.PathLike[str], *, group: str = "") -> dict[int, tup
     if not path.is_dir():
         raise FormatError(f"{path}: no Zarr store there")
     if (path / zarr_store.MANIFEST).exists():
-        manifest = zarr_store.verify_store(path)
-        table = zarr_store.store_vars(manifest, path, group)
-        data = zarr_store.read_arrays(path, manifest, group=group)
-        return {vid: (info.name, data[vid]) for vid, (info, _n) in table.items()}
+        return {vid: (name, data) for vid, (name, data, _kind) in _read_manifest_store(path, group).items()}
     import zarr
 
     with warnings.catch_warnings():
@@ -54,6 +51,14 @@ def read_zarr(path: str | os.PathLike[str], *, group: str = "") -> dict[int, tup
     return out
 
 
+def _read_manifest_store(path: Path, group: str) -> dict[int, tuple[str, np.ndarray, str]]:
+    """A store ftidask exported, verified: ``{id: (name, array, Python-state kind or '')}``."""
+    manifest = zarr_store.verify_store(path)
+    table = zarr_store.store_vars(manifest, path, group)
+    data = zarr_store.read_arrays(path, manifest, group=group)
+    return {vid: (info.name, data[vid], pystate.kind_of(info)) for vid, (info, _n) in table.items()}
+
+
 def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | None = None, *,
                 ckpt_id: int | None = None, level: int = 4, group: str = "", **overrides: Any) -> Any:
     """Start a new run whose first checkpoint holds the arrays of the Zarr group at ``path``.
@@ -65,7 +70,11 @@ def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | N
     """
     from .context import init
 
-    arrays = read_zarr(path, group=group)
+    if (Path(path) / zarr_store.MANIFEST).exists():  # Python states come back as states, not as their bytes
+        arrays = {vid: (name, pystate.from_stored(kind, data, f"variable {vid} of {path}") if kind else data)
+                  for vid, (name, data, kind) in _read_manifest_store(Path(path), group).items()}
+    else:
+        arrays = read_zarr(path, group=group)
     if not arrays:
         raise FormatError(f"{path}: no array to import")
     if ckpt_id is None:
