@@ -1,16 +1,26 @@
 """ftidask: FTI's multilevel checkpointing (FTI-FF files, levels L1-L4) for NumPy, MPI and Dask."""
 
-from .checkpointing import CheckpointInfo
-from .config import Config, load_config
-from .constants import *  # noqa: F403 - FTI's names are the public API
-from .constants import init_type
-from .context import Context, init
-from .decomposition import Block
-from .logsetup import log_to_stderr
-from .pystate import State, Value
-from .resilient import ResilientLoop, resilient
-from .errors import (CheckpointError, ConfigError, FormatError, FTIError, LevelError, NoCheckpointError,
-                     ProtectError, RecoveryError, RunInUseError, StagingError)
+from .api.context import Context, init
+from .api.logsetup import log_to_stderr
+from .api.resilient import ResilientLoop, resilient
+from .engine.checkpointing import CheckpointInfo
+from .engine.pystate import State, Value
+from .model.config import Config, load_config
+from .model.constants import *  # noqa: F403 - FTI's names are the public API
+from .model.constants import init_type
+from .model.decomposition import Block
+from .model.errors import (
+    CheckpointError,
+    ConfigError,
+    FormatError,
+    FTIError,
+    LevelError,
+    NoCheckpointError,
+    ProtectError,
+    RecoveryError,
+    RunInUseError,
+    StagingError,
+)
 
 __version__ = "0.1.0"
 

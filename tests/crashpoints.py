@@ -51,10 +51,11 @@ def kill_at_call(owner: Any, name: str, nth: int = 1, *, after: bool = False) ->
 def kill_at_block_write(nth: int = 1) -> None:
     """Kill this process before the ``nth`` write of changed blocks into a differential file.
 
-    :class:`ftidask.dcp.DcpFileWriter` writes data blocks (and nothing else) with
+    :class:`ftidask.dcp.files.DcpFileWriter` writes data blocks (and nothing else) with
     ``storage.pwrite_all``: its module sees a ``storage`` whose ``pwrite_all`` counts.
     """
-    from ftidask import dcp, storage
+    from ftidask.dcp.files import files as dcp
+    from ftidask.storage.files import files as storage
 
     proxy = types.ModuleType(storage.__name__)
     proxy.__dict__.update(vars(storage))

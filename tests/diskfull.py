@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ftidask import storage
+from ftidask.storage.files import files as storage
 
 
 class FullDiskFile(io.FileIO):
@@ -19,7 +19,7 @@ class FullDiskFile(io.FileIO):
 
 
 def full_commit_records(setattr_: Callable[[Any, str, Any], None] = setattr, where: str = "/commits/") -> None:
-    """Make :func:`ftidask.storage.open_temp` give a full-disk file for paths containing ``where``
+    """Make :func:`ftidask.storage.files.open_temp` give a full-disk file for paths containing ``where``
     (``setattr_``: pytest's ``monkeypatch.setattr``, or plain ``setattr`` in a child process)."""
     real = storage.open_temp
 

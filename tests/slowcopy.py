@@ -1,7 +1,7 @@
 """Slow staging transfers for the tests: each piece (8 MiB) a mover writes takes ``delay`` seconds more.
 
 The product has no throttle: a test slows the copy where it runs, by wrapping
-``ftidask.staging_copy._write_all`` (the one write of each piece) in that process: this one (the
+``ftidask.staging.copy._write_all`` (the one write of each piece) in that process: this one (the
 thread mover), the process mover's child (:func:`slow_movers` starts it with the wrapper), or a
 Dask worker (``client.run(slowcopy.install, delay)``, undone with ``client.run(slowcopy.uninstall)``).
 """
@@ -15,7 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ftidask import staging_copy, staging_process
+from ftidask.staging.stager import copy as staging_copy
+from ftidask.staging.stager import process as staging_process
 
 _ORIGINAL = staging_copy._write_all
 _TESTS = str(Path(__file__).resolve().parent)

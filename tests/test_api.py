@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ftidask
-from ftidask import constants
+from ftidask.model import constants
 
 
 def _ckpt_dirs(dirs):

@@ -6,11 +6,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from conftest import ROOT
 
 import ftidask
-from ftidask.cli import main
-
-from conftest import ROOT
+from ftidask.tools.cli import main
 
 
 def _run(dirs, base):

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 import ftidask
-
-from conftest import ROOT
 
 EXAMPLE_CONFIG = ROOT / "examples" / "config.fti"
 
@@ -56,7 +55,7 @@ def test_config_named_config_fti_is_a_config(run_dir):
     proc = cli("export", "config.fti", "--to-zarr", "s.zarr", cwd=run_dir)
     assert proc.returncode == 0, proc.stderr
     assert "exported checkpoint 2 (level 1" in proc.stdout
-    from ftidask.zarr_export import export_checkpoint
+    from ftidask.tools.zarr_export import export_checkpoint
 
     result = export_checkpoint(run_dir / "config.fti", run_dir / "t.zarr")
     assert (result.ckpt_id, result.level) == (2, 1)

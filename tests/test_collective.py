@@ -1,4 +1,4 @@
-"""One process: a failure in a collective step is the same clear error as with MPI (ftidask.collective).
+"""One process: a failure in a collective step is the same clear error as with MPI (ftidask.transport.collective).
 
 The MPI side (the same error on every rank, no hang) is in test_mpi_one_rank_fault.py.
 """
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import ftidask
-from ftidask import context_writing, storage
-from ftidask.errors import CheckpointError
+from ftidask.engine import writing as context_writing
+from ftidask.model.errors import CheckpointError
+from ftidask.storage.files import files as storage
 
 
 def _kw(root: Path) -> dict:

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 import ftidask
-from ftidask.errors import ConfigError, FormatError, NoCheckpointError
 from ftidask.ftiff import compression
 from ftidask.ftiff.reader import parse_ftiff, verify_data
+from ftidask.model.errors import ConfigError, FormatError, NoCheckpointError
 
 CODECS = ["zstd", "zstd:9", "lz4", "blosc", "blosc-zstd:3", "blosc-lz4hc"]
 
@@ -178,7 +178,7 @@ def test_config_and_numcodecs_objects(tmp_path):
 
 
 def test_inspect_shows_the_codec(tmp_path, capsys):
-    from ftidask.cli import main
+    from ftidask.tools.cli import main
 
     ctx = ftidask.init(**_dirs(tmp_path))
     ctx.protect(1, np.zeros(10_000), name="zeros", compressor="blosc-zstd:2")

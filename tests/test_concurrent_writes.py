@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import ftidask
-from ftidask.cli import main as cli_main
-from ftidask.errors import CheckpointError
-from ftidask.recovery import check_file
+from ftidask.engine.recovery import check_file
+from ftidask.model.errors import CheckpointError
+from ftidask.tools.cli import main as cli_main
 
 ITERATIONS = 6
 
@@ -122,7 +122,7 @@ def test_compressed_checkpoints_under_concurrent_writes_verify(dirs):
 def test_previous_checkpoint_kept_until_the_new_one_is_committed(dirs, monkeypatch):
     """Retirement runs only after the new checkpoint's commit record, with its files verifying;
     a checkpoint that fails midway leaves the previous one committed and recoverable."""
-    from ftidask import context as context_module
+    from ftidask.api import context as context_module
     from ftidask.ftiff import writer
 
     ctx = ftidask.init(**dirs)

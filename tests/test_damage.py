@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ftidask
-from ftidask.cli import main as cli_main
+from ftidask.tools.cli import main as cli_main
 
 
 def _two_checkpoints(dirs):

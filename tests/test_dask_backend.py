@@ -16,6 +16,7 @@ da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
 import crashpoints  # noqa: E402
+
 import ftidask  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
@@ -159,8 +160,8 @@ def test_worker_dying_during_checkpoint_keeps_previous(client, dirs, stage):
     saved = ctx.protected[1].compute()
     ctx.protect(1, ctx.protected[1] * 2)
     # rank 1's worker process kills itself (SIGKILL) when its L1 write, or its L2 send, starts
-    crash_worker(client, 1, {"write": "ftidask.daskio.tasks:write_rank",
-                             "send": "ftidask.daskio.tasks:read_bytes"}[stage])
+    crash_worker(client, 1, {"write": "ftidask.backends.dask.tasks:write_rank",
+                             "send": "ftidask.backends.dask.tasks:read_bytes"}[stage])
     with pytest.raises(ftidask.CheckpointError, match="previous checkpoint is kept"):
         ctx.checkpoint(2, 2)
     assert [r.ckpt_id for r in ctx.state.records()] == [1]

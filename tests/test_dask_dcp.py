@@ -12,12 +12,12 @@ da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
 
+from ftidask.storage.files.files import find_paths
 from test_dask_backend import crash_worker, lose_workers
 
 import ftidask
 from ftidask.ftiff.blockhash import FLAG_DCP
 from ftidask.ftiff.reader import parse_ftiff, verify_data
-from ftidask.storage import find_paths
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
 NWORKERS = 4
@@ -117,8 +117,8 @@ def test_worker_killed_during_a_differential_checkpoint(client, dirs, stage):
     _step(ctx, 3)
     # the rank holding the field's first chunk row, which the step changes (sticky: it writes it again)
     rank = next(r for index, r, _d, _n in ctx.state.records()[-1].extra["chunks"]["1"] if index == [0, 0])
-    crash_worker(client, rank, {"write": "ftidask.daskio.dcp_tasks:write_rank_dcp", "patch": "dcp-block",
-                                "after-write": "ftidask.daskio.dcp_tasks:write_differential:after"}[stage])
+    crash_worker(client, rank, {"write": "ftidask.backends.dask.dcp_tasks:write_rank_dcp", "patch": "dcp-block",
+                                "after-write": "ftidask.backends.dask.dcp_tasks:write_differential:after"}[stage])
     with pytest.raises(ftidask.CheckpointError, match="previous checkpoint is kept"):
         ctx.checkpoint(4, 5)
     assert [r.ckpt_id for r in ctx.state.records()] == [3]

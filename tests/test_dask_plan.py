@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from ftidask.daskio.plan import VarSpec, chunk_table, layout_from_json, layout_to_json, plan_ranks
-from ftidask.errors import LevelError
+from ftidask.backends.dask.plan import VarSpec, chunk_table, layout_from_json, layout_to_json, plan_ranks
 from ftidask.levels.ring_groups import copy_holder, copy_source, make_groups
+from ftidask.model.errors import LevelError
 
 
 def test_groups_absorb_a_lone_leftover_worker():
@@ -38,8 +38,8 @@ def test_one_container_per_chunk_in_grid_order():
 def test_stitch_grid_of_blocks_that_are_not_a_grid():
     """Old MPI blocks that do not form a grid: chunks are cut at every block edge, each chunk read from
     one old block (its bytes, in that block's order); a hole is refused before anything is read."""
-    from ftidask.daskio.stitch import _grid, _Refused
-    from ftidask.decomposition import Placement, piece_view
+    from ftidask.backends.dask.stitch import _grid, _Refused
+    from ftidask.model.decomposition import Placement, piece_view
 
     g = np.arange(12, dtype=np.int16).reshape(3, 4)
     blocks = {0: ((0, 0), (2, 3), "C"), 1: ((0, 3), (2, 1), "F"), 2: ((2, 0), (1, 4), "C")}

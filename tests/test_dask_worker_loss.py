@@ -17,8 +17,9 @@ import pytest
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
-import ftidask  # noqa: E402
 from test_dask_backend import crash_worker  # noqa: E402
+
+import ftidask  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(120)]
 NWORKERS = 2
@@ -99,7 +100,7 @@ def test_worker_lost_mid_checkpoint_named_in_one_sentence(client, dirs, caplog):
     saved = ctx.protected[1].compute()
     ctx.protect(1, ctx.protected[1] * 2)
     victim = sorted(live_workers(client))[1]
-    crash_worker(client, 1, "ftidask.daskio.tasks:read_bytes")  # rank 1's worker is killed as its send starts
+    crash_worker(client, 1, "ftidask.backends.dask.tasks:read_bytes")  # rank 1's worker is killed as its send starts
     with caplog.at_level(logging.INFO, logger="ftidask"), pytest.raises(ftidask.CheckpointError) as err:
         ctx.checkpoint(2, 2)
     message = str(err.value)

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ftidask.dcp.files.delta import DeltaMismatch, apply_delta, read_payload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ftidask
-from ftidask.dcpdelta import DeltaMismatch, apply_delta, read_payload
-from ftidask.errors import CheckpointError, FormatError, LevelError
+from ftidask.engine.recovery import load_file
 from ftidask.ftiff.blockhash import FLAG_DCP
 from ftidask.ftiff.reader import parse_ftiff, verify_data
-from ftidask.recovery import load_file
+from ftidask.model.errors import CheckpointError, FormatError, LevelError
 from ftidask.transport.base import SerialTransport
 
 
@@ -309,7 +309,7 @@ def test_delta_rebuilds_the_new_file_from_a_copy_of_its_base(tmp_path):
 
 
 def test_cli_inspects_and_verifies_a_dcp_file(tmp_path, capsys):
-    from ftidask.cli import main
+    from ftidask.tools.cli import main
 
     ctx = ftidask.init(**_kw(tmp_path))
     a = np.arange(20_000, dtype=np.float64)
@@ -333,9 +333,9 @@ def test_stateless_differential_writes_for_task_based_backends(tmp_path):
     """What a Dask task does: no state between checkpoints, the spare's digests read from the file."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ftidask.arrays import ArrayBytes, VarInfo
-    from ftidask.dcpstore import write_differential
-    from ftidask.layout import plan_layout
+    from ftidask.engine.dcpstore import write_differential
+    from ftidask.ftiff.layout import plan_layout
+    from ftidask.model.arrays import ArrayBytes, VarInfo
 
     pool = ThreadPoolExecutor(2)
     a = np.arange(50_000, dtype=np.float64)

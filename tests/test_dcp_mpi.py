@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ftidask import pagetrack
+from ftidask.dcp.files import pagetrack
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "dcp_l2_job.py"
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
@@ -23,7 +23,7 @@ TRACKING = pagetrack.available()
 pytestmark = [
     pytest.mark.mpi,
     pytest.mark.skipif(MPIEXEC is None or importlib.util.find_spec("mpi4py") is None, reason="needs mpiexec"),
-    pytest.mark.skipif(importlib.util.find_spec("ftidask.transport.mpi") is None, reason="needs the MPI backend"),
+    pytest.mark.skipif(importlib.util.find_spec("ftidask.backends.mpi.transport") is None, reason="needs the MPI backend"),
 ]
 
 

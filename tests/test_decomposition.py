@@ -1,4 +1,4 @@
-"""The resharding planner (ftidask.decomposition) against a NumPy model, and the declarations of protect.
+"""The resharding planner (ftidask.model.decomposition) against a NumPy model, and the declarations of protect.
 
 Property: for random global shapes, old and new block decompositions and storage orders, the pieces
 the planner finds, read from each old block's byte stream (only the span it names), rebuild every
@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ftidask
-from ftidask.decomposition import Block, declaration, overlap, piece_view, placement
-from ftidask.errors import FormatError, ProtectError
+from ftidask.model.decomposition import Block, declaration, overlap, piece_view, placement
+from ftidask.model.errors import FormatError, ProtectError
 
 
 @st.composite

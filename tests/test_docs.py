@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ftidask.config import config_keys
+from ftidask.model.config import config_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -87,7 +87,9 @@ def test_api_reference_lists_public_names_only():
     import importlib
 
     import ftidask
-    from ftidask import constants, errors, staging, zarr_export
+    from ftidask.model import constants, errors
+    from ftidask.staging.stager import stager as staging
+    from ftidask.tools import zarr_export
 
     public = [getattr(ftidask, name) for name in ftidask.__all__] + [constants, errors]
     public += [zarr_export.export_checkpoint, zarr_export.ExportResult, zarr_export.import_zarr, zarr_export.read_zarr]

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import ftidask
 from diskfull import full_commit_records
 from mpi_util import need_mpi, run
+
+import ftidask
 
 # --- a commit record on a full meta_dir ------------------------------------------------------------
 
@@ -176,13 +176,13 @@ def test_fti_config_files_load(tmp_path):
     assert config.ckpt_l1 == 3 and config.node_size == 2 and config.local_test
 
 
-@pytest.mark.parametrize("key", sorted(k for k, (_s, d) in ftidask.config.config_keys().items()
+@pytest.mark.parametrize("key", sorted(k for k, (_s, d) in ftidask.model.config.config_keys().items()
                                        if isinstance(d, int) and not isinstance(d, bool)
                                        and k not in ("ckpt_io",)))
 def test_huge_integer_values_are_refused(tmp_path, key):
     with pytest.raises(ftidask.ConfigError, match=key):
         ftidask.load_config(**{key: 10**400})
-    section = ftidask.config.config_keys()[key][0]
+    section = ftidask.model.config.config_keys()[key][0]
     cfg = tmp_path / "config.fti"
     cfg.write_text(f"[{section}]\n{key} = {2**63}\n")
     with pytest.raises(ftidask.ConfigError, match=key):
@@ -312,7 +312,7 @@ _ODD_NAMES = ["zarr.json", "ZARR.JSON", "ftidask-manifest.json", "a\0b", "x" * 3
 
 @pytest.mark.parametrize("name", _ODD_NAMES, ids=range(len(_ODD_NAMES)))
 def test_odd_variable_names_in_zarr(dirs, tmp_path, name):
-    from ftidask.zarr_export import export_checkpoint
+    from ftidask.tools.zarr_export import export_checkpoint
 
     zarr = pytest.importorskip("zarr")
     ctx = ftidask.init(l4_format="zarr", **dirs)

@@ -6,12 +6,11 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from ftiff_builders import fti11_file
 
 import ftidask
-from ftidask.cli import main as cli_main
 from ftidask.ftiff.reader import parse_ftiff, verify_data
-
-from ftiff_builders import fti11_file
+from ftidask.tools.cli import main as cli_main
 
 
 def _fti11(tmp_path):

@@ -4,13 +4,13 @@ import json
 import struct
 
 import numpy as np
+from ftidask.storage.files.files import find_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ftidask
-from ftidask.arrays import ArrayBytes
 from ftidask.ftiff.reader import parse_ftiff, read_into, verify_data
-from ftidask.storage import find_paths
+from ftidask.model.arrays import ArrayBytes
 
 _FILES: dict[str, bytes] = {}
 
@@ -87,7 +87,7 @@ def test_deeply_nested_table_is_a_format_error(tmp_path, dirs):
         pass
     deep = {"vars": [{"id": 1, "name": "x", "dtype": json.loads('{"base":' * 50 + '"<f8"' + ',"shape":[1]}' * 50),
                       "shape": [1], "order": "C", "nbytes": 8}]}
-    from ftidask.arrays import VarInfo
+    from ftidask.model.arrays import VarInfo
 
     try:
         VarInfo.from_json(deep["vars"][0])

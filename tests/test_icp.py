@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ftidask.storage.files.files import find_paths
 
 import ftidask
-from ftidask.errors import CheckpointError, ProtectError
-from ftidask.storage import find_paths
+from ftidask.model.errors import CheckpointError, ProtectError
 
 
 def _kw(root, **extra):

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import run_python
 from mpi_util import env, mpiexec, need_mpi
 

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from mpi_util import need_mpi, run
 
 pytestmark = need_mpi()

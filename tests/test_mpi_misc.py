@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from mpi_util import need_mpi, run
 
 pytestmark = need_mpi()

@@ -135,7 +135,7 @@ def test_export_stitches_declared_blocks(written: Path) -> None:
     zarr = pytest.importorskip("zarr")
     from mpi_scripts.reshard_job import globals_
 
-    from ftidask.zarr_export import export_checkpoint
+    from ftidask.tools.zarr_export import export_checkpoint
 
     for name in ("l1", "l4"):
         dest = written / f"{name}-export.zarr"
@@ -269,8 +269,9 @@ def test_dask_backend_recovers_a_single_process_checkpoint(tmp_path: Path, dask_
 
 def test_one_process_recovers_the_global_arrays(written: Path, tmp_path: Path) -> None:
     """Without MPI, one process declares the whole global arrays and recovers them from the 4 rank files."""
-    import ftidask
     from mpi_scripts.reshard_job import globals_
+
+    import ftidask
 
     run_dir = tmp_path / "l4"
     shutil.copytree(written / "l4", run_dir)

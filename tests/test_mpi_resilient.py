@@ -15,7 +15,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from mpi_util import ROOT, env, mpiexec, need_mpi
 
 pytestmark = need_mpi()

@@ -9,10 +9,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from conftest import ROOT
 
 import ftidask
-
-from conftest import ROOT
 
 
 def _empty_dirs(root: Path) -> list[Path]:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ftidask
-from ftidask.errors import RecoveryError
+from ftidask.model.errors import RecoveryError
 
 
 def _ctx(tmp: Path, **kw) -> ftidask.Context:

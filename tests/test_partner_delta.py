@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ftidask.dcp.files.files import write_dcp_file
 
-from ftidask.arrays import ArrayBytes, VarInfo
-from ftidask.dcp import write_dcp_file
+from ftidask.ftiff.layout import plan_layout
 from ftidask.ftiff.reader import parse_ftiff, verify_data
-from ftidask.layout import plan_layout
 from ftidask.levels.partner_delta import protect
+from ftidask.model.arrays import ArrayBytes, VarInfo
 
 
 class ThreadGroup:

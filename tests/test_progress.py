@@ -4,11 +4,10 @@ import logging
 
 import numpy as np
 import pytest
+from conftest import run_python
 
 import ftidask
-from ftidask import progress
-
-from conftest import run_python
+from ftidask.engine import progress
 
 
 def test_enabled_rules():
@@ -49,7 +48,7 @@ def test_tracked_checkpoint_and_recovery_are_exact(tmp_path, monkeypatch, compre
     ctx.protect(1, a, compressor=compressor)
     ctx.protect(2, b)
     ctx.protect(3, c)
-    streams, bar = progress.tracked({1: ftidask.arrays.ArrayBytes(a)}, ctx.config, "t")
+    streams, bar = progress.tracked({1: ftidask.model.arrays.ArrayBytes(a)}, ctx.config, "t")
     assert isinstance(streams[1], progress.Tracked)
     bar.close()
     ctx.checkpoint(1, 1)

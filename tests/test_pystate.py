@@ -1,4 +1,4 @@
-"""Python state beside the arrays (ftidask.pystate): JSON values in ftidask.State / ftidask.Value and
+"""Python state beside the arrays (ftidask.engine.pystate): JSON values in ftidask.State / ftidask.Value and
 NumPy random generators, stored as hash-covered bytes, recovered in place, never pickled."""
 
 from __future__ import annotations
@@ -16,14 +16,9 @@ import pytest
 from conftest import ROOT
 
 import ftidask
-from ftidask.cli import main as cli_main
-from ftidask.errors import (
-    CheckpointError,
-    NoCheckpointError,
-    ProtectError,
-    RecoveryError,
-)
 from ftidask.ftiff.reader import parse_ftiff
+from ftidask.model.errors import CheckpointError, NoCheckpointError, ProtectError, RecoveryError
+from ftidask.tools.cli import main as cli_main
 
 
 def _ctx(tmp: Path, **kw) -> ftidask.Context:
@@ -274,7 +269,7 @@ rng = np.random.default_rng(2024)
 params = ftidask.State({"drawn": []})
 x = np.zeros(4)
 
-@ftidask.resilient(ctx, arrays={1: x}, every=5, iterations=30, rng=rng, state=params)
+@ftidask.api.resilient(ctx, arrays={1: x}, every=5, iterations=30, rng=rng, state=params)
 def step(i):
     value = float(rng.random())
     params["drawn"].append(round(value, 6))
@@ -314,7 +309,7 @@ def test_generator_continues_the_same_stream_after_sigkill(tmp_path: Path) -> No
 def test_python_states_survive_export_and_import(tmp_path: Path) -> None:
     """ftidask export --to-zarr, then import: a State, a Value and a generator come back as such
     (before, the import stored their bytes as a plain array, and recovering a State from it failed)."""
-    from ftidask.zarr_export import export_checkpoint, import_zarr
+    from ftidask.tools.zarr_export import export_checkpoint, import_zarr
 
     old = {"ckpt_dir": tmp_path / "L", "glbl_dir": tmp_path / "G", "meta_dir": tmp_path / "M", "verbosity": 4}
     new = {"ckpt_dir": tmp_path / "L2", "glbl_dir": tmp_path / "G2", "meta_dir": tmp_path / "M2", "verbosity": 4}

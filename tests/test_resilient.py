@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import ftidask
-from ftidask.errors import FTIError
-from ftidask.resilient import ITERATION_ID
+from ftidask.api.resilient import ITERATION_ID
+from ftidask.model.errors import FTIError
 
 
 def _ctx(tmp: Path) -> ftidask.Context:
@@ -22,7 +22,7 @@ def _run(tmp: Path, iterations: int, crash_at: int | None = None, signal_at: int
     ctx = _ctx(tmp)
     x = np.zeros(1000)
 
-    @ftidask.resilient(ctx, arrays={1: x}, every=10, level=1, iterations=iterations, exit_on_signal=False)
+    @ftidask.api.resilient(ctx, arrays={1: x}, every=10, level=1, iterations=iterations, exit_on_signal=False)
     def step(i: int) -> None:
         if i == crash_at:
             raise RuntimeError("crash")

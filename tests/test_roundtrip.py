@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import ftidask
-from ftidask.constants import FTI_DATATYPES
+from ftidask.model.constants import FTI_DATATYPES
 
 STRUCTS = [
     np.dtype([("a", "<i4"), ("b", "<f8", (3,)), ("c", [("x", "u1"), ("y", "<c16")])], align=True),
@@ -88,7 +88,7 @@ def test_recover_into_other_memory_order(dirs):
 
 def test_large_noncontiguous_in_pieces(dirs, monkeypatch):
     """Pieces smaller than an array exercise the bounded-copy path, element boundaries included."""
-    monkeypatch.setattr("ftidask.arrays.PIECE", 1000)
+    monkeypatch.setattr("ftidask.model.arrays.PIECE", 1000)
     rng = np.random.default_rng(4)
     base = rng.integers(0, 2**60, size=(300, 41), dtype=np.int64)
     _roundtrip(dirs, {1: base[:, ::2], 2: _random((999,), np.dtype("S3"), rng)})

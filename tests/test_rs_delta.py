@@ -14,14 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ftidask.dcp.files.delta import file_fb_hash
+from ftidask.dcp.files.files import write_dcp_file
 from test_partner_delta import ThreadChannel, ThreadGroup
 
-from ftidask.arrays import ArrayBytes, VarInfo
-from ftidask.dcp import write_dcp_file
-from ftidask.dcpdelta import file_fb_hash
-from ftidask.layout import plan_layout
+from ftidask.ftiff.layout import plan_layout
 from ftidask.levels import rs, rs_delta
 from ftidask.levels.erasure import ReedSolomon
+from ftidask.model.arrays import ArrayBytes, VarInfo
 
 SIZE = 3
 

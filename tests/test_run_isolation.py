@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 import ftidask
-from conftest import ROOT
-from ftidask.cli import main as cli_main
+from ftidask.tools.cli import main as cli_main
 
 # A second process that starts a run (optionally named), commits one checkpoint of ``value``, reports
 # itself on stdout and then waits, alive, until its stdin is closed (or it is killed).
@@ -261,7 +261,7 @@ def test_clean_refuses_an_exec_id_outside_the_directories(tmp_path, capsys, whic
 
 
 def test_remove_inside_refuses_paths_that_resolve_elsewhere(tmp_path):
-    from ftidask import storage
+    from ftidask.storage.files import files as storage
 
     parent, outside = tmp_path / "parent", tmp_path / "outside"
     (parent / "run").mkdir(parents=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 import ftidask
-from ftidask.cli import main as cli_main
+from ftidask.tools.cli import main as cli_main
 
 SEED = json.loads((Path(__file__).parent / "data" / "seed_example.json").read_text())
 FIELDS = ("id", "idx", "containerid", "hascontent", "dptr", "fptr", "chunksize", "containersize")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftidask.errors import ConfigError
 from ftidask.levels.topology import host_topology, local_topology, validate_levels
+from ftidask.model.errors import ConfigError
 
 
 def test_local_test_nodes_of_consecutive_ranks() -> None:

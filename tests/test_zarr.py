@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import ftidask
-from ftidask.arrays import ArrayBytes, VarInfo
-from ftidask.checkpointing import write_rank_file
-from ftidask.errors import FormatError, NoCheckpointError
-from ftidask.layout import plan_layout
+from ftidask.engine.checkpointing import write_rank_file
+from ftidask.ftiff.layout import plan_layout
+from ftidask.model.arrays import ArrayBytes, VarInfo
+from ftidask.model.errors import FormatError, NoCheckpointError
+from ftidask.tools.zarr_export import export_checkpoint, import_zarr, main, read_zarr
 from ftidask.transport.base import Transport
-from ftidask.zarr_export import export_checkpoint, import_zarr, main, read_zarr
 
 zarr = pytest.importorskip("zarr")
 xr = pytest.importorskip("xarray")
@@ -91,7 +91,7 @@ def test_export_from_l4_zarr_and_cli(tmp_path, capsys):
     _check_store(tmp_path / "dir.zarr", state)
     assert main(["export", str(cfg), "--id", "9", "--to-zarr", str(tmp_path / "none.zarr")]) == 2
     assert "no committed checkpoint" in capsys.readouterr().err
-    from ftidask.cli import main as cli_main
+    from ftidask.tools.cli import main as cli_main
 
     assert cli_main(["export", str(cfg), "--to-zarr", str(tmp_path / "cli.zarr")]) == 2  # exists
     assert cli_main(["export", str(cfg), "--to-zarr", str(tmp_path / "cli.zarr"), "--overwrite"]) == 0
@@ -399,7 +399,7 @@ def test_export_stitches_dask_worker_files(tmp_path):
 
 
 def test_cli_import(tmp_path, capsys):
-    from ftidask.cli import main as cli_main
+    from ftidask.tools.cli import main as cli_main
 
     state = _state()
     ctx = ftidask.init(**_dirs(tmp_path))
@@ -420,7 +420,7 @@ def test_cli_import(tmp_path, capsys):
 
 
 def test_cli_verify_checks_zarr_stores(tmp_path, capsys):
-    from ftidask.cli import main as cli_main
+    from ftidask.tools.cli import main as cli_main
 
     state = _state()
     ctx = ftidask.init(**_dirs(tmp_path, l4_format="zarr"))

@@ -50,7 +50,7 @@ MPI_SCRIPT = textwrap.dedent("""
 @pytest.mark.mpi
 @pytest.mark.parametrize("fmt", ["ftiff", "zarr"])
 def test_mpi_l4_and_export(tmp_path, fmt):
-    if not (_has("mpi4py") and _has("ftidask.transport.mpi")):
+    if not (_has("mpi4py") and _has("ftidask.backends.mpi.transport")):
         pytest.skip("needs mpi4py and the MPI backend")
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
     if mpiexec is None:
@@ -64,7 +64,7 @@ def test_mpi_l4_and_export(tmp_path, fmt):
     if fmt == "zarr":
         stores = sorted(tmp_path.glob("g/mpi/l4/ckpt1.s*/Ckpt1-Rank*.zarr"))
         assert len(stores) == 2
-    from ftidask.zarr_export import export_checkpoint
+    from ftidask.tools.zarr_export import export_checkpoint
 
     dirs = dict(ckpt_dir=tmp_path / "l", glbl_dir=tmp_path / "g", meta_dir=tmp_path / "m", exec_id="mpi")
     result = export_checkpoint(None, tmp_path / "out.zarr", **dirs)
@@ -78,14 +78,14 @@ def test_mpi_l4_and_export(tmp_path, fmt):
 
 @pytest.mark.dask
 def test_dask_checkpoint_export(tmp_path):
-    if not (_has("distributed") and _has("ftidask.dask_backend")):
+    if not (_has("distributed") and _has("ftidask.backends.dask.context")):
         pytest.skip("needs distributed and the Dask backend")
     import dask.array as da
     import xarray as xr
     from distributed import Client, LocalCluster
 
     import ftidask
-    from ftidask.zarr_export import export_checkpoint
+    from ftidask.tools.zarr_export import export_checkpoint
 
     dirs = dict(ckpt_dir=str(tmp_path / "l"), glbl_dir=str(tmp_path / "g"), meta_dir=str(tmp_path / "m"),
                 verbosity=3)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 import xxhash
 
-from ..errors import FormatError
+from ..model.errors import FormatError
 from . import hashing
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import xxhash
 
-from ..errors import FormatError
+from ..model.errors import FormatError
 
 
 class Hasher(Protocol):

@@ -9,15 +9,15 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, Protocol
 
-from ..arrays import VarInfo
-from ..errors import FormatError
-from ..layout import Layout, Slot, layout_from_slots
+from ..model.arrays import VarInfo
+from ..model.errors import FormatError
 from . import compression, hashing
 from .blockhash import FLAG_DCP, DcpInfo, read_into_dcp, verify_dcp
+from .layout import Layout, Slot, layout_from_slots
 from .structs import BMD_SIZE, FB_SIZE, VMD_SIZE, BlockMeta, ContainerMeta, FileBlock
 from .trailer import TAIL_SIZE, parse_trailer, trailer_span
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 
-from ..errors import FormatError
+from ..model.errors import FormatError
 from . import hashing
 
 FB_SIZE = 96

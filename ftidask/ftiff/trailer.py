@@ -10,7 +10,7 @@ import json
 import struct
 from typing import Any
 
-from ..errors import FormatError
+from ..model.errors import FormatError
 
 TRAILER_MAGIC = b"FTDKVARS"
 _TAIL = struct.Struct("<Q8s")

@@ -25,9 +25,9 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from .. import storage
-from ..layout import Layout
+from ..storage import files as storage
 from . import compression, hashing
+from .layout import Layout
 from .structs import FLAG_METADATA_CHECKSUM, BlockMeta, ContainerMeta, FileBlock
 from .trailer import pack_trailer
 

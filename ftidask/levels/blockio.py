@@ -4,7 +4,7 @@ An L2/L3 step is a sequence of collectives over a group; a rank that raised half
 its peers waiting forever. So the levels read and write through these helpers, which turn an
 I/O failure into zeros (reads) or a dropped output (writes) plus a message, and report after the
 last collective. Any exception counts (MemoryError included), not only I/O errors; other local
-work between collectives goes through :func:`ftidask.collective.guarded`.
+work between collectives goes through :func:`ftidask.transport.collective.guarded`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..collective import reason
-from ..storage import atomic_file
+from ..storage.files import atomic_file
+from ..transport.collective import reason
 
 
 def open_input(path: Path, errors: list[str]) -> BinaryIO | None:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import storage
+from ..storage import files as storage
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "ReedSolomon", "decode_files", "encode_files", "gf_scale"]
 

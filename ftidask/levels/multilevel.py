@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import storage
-from ..config import Config
 from ..ftiff import hashing
+from ..model.config import Config
+from ..storage import files as storage
 from . import partner, rs
 from .channel import GroupChannel
 

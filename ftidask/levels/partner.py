@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..collective import guarded
+from ..transport.collective import guarded
 from .blockio import SafeOutput, open_input, read_block
 from .channel import GroupChannel
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import storage
-from ..collective import guarded
-from ..dcpdelta import FileDelta, file_fb_hash
+from ..dcp.delta import FileDelta, file_fb_hash
+from ..storage import files as storage
+from ..transport.collective import guarded
 
 log = logging.getLogger("ftidask")
 

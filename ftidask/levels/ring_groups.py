@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import LevelError
+from ..model.errors import LevelError
 
 
 def make_groups(nnodes: int, group_size: int) -> list[list[int]]:

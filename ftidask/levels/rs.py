@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from ..collective import guarded
-from ..errors import FTIError
 from ..ftiff import hashing
-from ..storage import read_json, write_json_atomic
+from ..model.errors import FTIError
+from ..storage.files import read_json, write_json_atomic
+from ..transport.collective import guarded
 from .blockio import SafeOutput, open_input, read_block
 from .channel import GroupChannel
 from .erasure import ReedSolomon

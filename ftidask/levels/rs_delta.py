@@ -3,7 +3,7 @@
 Reed-Solomon parity is linear over GF(2^8): if parity ``P_j`` encodes the group's files ``D_i``,
 then ``P_j + sum_i C[j][i] * (D_i' - D_i)`` encodes the files ``D_i'`` (``+`` and ``-`` are XOR).
 Each member's differential writer records ``D_i' XOR D_i`` for every range it rewrote
-(:class:`~ftidask.dcpdelta.XorDelta`); the members exchange these deltas only, and each one
+(:class:`~ftidask.dcp.delta.XorDelta`); the members exchange these deltas only, and each one
 patches the parity it kept from the retired checkpoint (its *spare parity*,
 ``{level dir}/dcp/SpareRSed-Rank{r}.fti``), then renames it into the new checkpoint.
 
@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import storage
-from ..collective import guarded
-from ..dcpdelta import XorDelta
-from ..errors import FTIError
+from ..dcp.delta import XorDelta
 from ..ftiff import hashing
+from ..model.errors import FTIError
+from ..storage import files as storage
+from ..transport.collective import guarded
 from .channel import GroupChannel
 from .erasure import ReedSolomon, gf_scale
 from .rs import hash_path, write_record

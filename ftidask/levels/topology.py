@@ -14,7 +14,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
-from ..errors import ConfigError
+from ..model.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import abc
 from pathlib import Path
 from typing import Any
 
-from ..errors import LevelError
+from ..model.errors import LevelError
 
 
 class Transport(abc.ABC):
@@ -56,12 +56,12 @@ class Transport(abc.ABC):
         """Like :meth:`protect_files` for a differential file (levels 5-8).
 
         Called on every rank of a differential checkpoint (collectively, like protect_files).
-        ``delta`` (:class:`ftidask.dcpdelta.FileDelta`, or None when the file was written in full)
+        ``delta`` (:class:`ftidask.dcp.delta.FileDelta`, or None when the file was written in full)
         lists the byte ranges of ``own_file`` that differ from the file it was patched from
         (identified by ``delta.base_fb_hash``). A transport whose partner still holds that base can
         send only those ranges: :func:`ftidask.levels.partner_delta.protect` does it for L2 over
         a group channel. By default the whole file is protected. ``xor``
-        (:class:`ftidask.dcpdelta.XorDelta`, level 3 only, or None) lets L3 update the parity from
+        (:class:`ftidask.dcp.delta.XorDelta`, level 3 only, or None) lets L3 update the parity from
         the changed bytes instead of re-encoding it (:mod:`ftidask.levels.rs_delta`).
         """
         self.protect_files(level, ckpt_id, own_file, ckpt_dir)

@@ -29,10 +29,14 @@ import numpy as np
 from mpi4py import MPI
 
 import ftidask
-from ftidask import context, context_recovery, context_writing, pending, runstate, storage
+from ftidask.api import context
+from ftidask.backends.mpi import heads
+from ftidask.backends.mpi import transport as mpi_transport
+from ftidask.engine import pending, runstate
+from ftidask.engine import recovering as context_recovery
+from ftidask.engine import writing as context_writing
 from ftidask.levels import erasure, partner, partner_delta, rs_delta
-from ftidask.transport import heads
-from ftidask.transport import mpi as mpi_transport
+from ftidask.storage.files import files as storage
 
 RANK = MPI.COMM_WORLD.rank
 BASE = {"local_test": 1, "node_size": 1, "group_size": MPI.COMM_WORLD.size, "verbosity": 4}

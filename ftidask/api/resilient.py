@@ -1,0 +1,154 @@
+"""Resilient loops: checkpoint an iteration loop every N steps, resume it after a restart, stop cleanly on signals.
+
+::
+
+    with ftidask.init(cfg, comm=MPI.COMM_WORLD) as ctx:
+        @ftidask.api.resilient(ctx, arrays={1: u}, every=50, level=2, iterations=1000)
+        def step(i):
+            ...  # one iteration, updating u in place
+        last = step()          # runs iterations [resume point, 1000)
+
+or, as a context manager::
+
+    with ftidask.ResilientLoop(ctx, arrays={1: u}, every=50, level=2, iterations=1000) as loop:
+        for i in loop:
+            ...
+
+On a restart (``ctx.status() != 0``) the arrays are recovered and the loop resumes after the
+last checkpointed iteration. The loop's counter is checkpointed with them, and so are, if given,
+a NumPy random generator (``rng=``: it continues the exact same stream) and a dict of JSON values
+(``state=``, e.g. an ``ftidask.State``), all recovered in place (see :mod:`ftidask.engine.pystate`).
+``arrays`` may hold Python states too (``ftidask.Value``, ``ftidask.State``, generators). When the job is told its time is up (SIGTERM or SIGUSR1, as batch
+schedulers send before the walltime), every rank finishes its current iteration, the ranks
+agree, a checkpoint is written and the loop stops: the decorator then exits the process with
+status 0 (``exit_on_signal``), the context manager sets ``loop.stopped``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from ..engine.pystate import Value
+from ..model.errors import FTIError
+
+log = logging.getLogger("ftidask")
+
+#: Variable id of the loop's own counter (next iteration to run); user ids must differ.
+ITERATION_ID = 2_147_480_000
+RNG_ID = ITERATION_ID + 1  #: the loop's ``rng=`` (a numpy.random Generator or BitGenerator)
+STATE_ID = ITERATION_ID + 2  #: the loop's ``state=`` (a dict of JSON values)
+RESERVED_IDS = (ITERATION_ID, RNG_ID, STATE_ID)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class ResilientLoop:
+    """Iterate ``range(iterations)`` with checkpoints every ``every`` iterations at ``level``."""
+
+    def __init__(self, ctx: Any, *, arrays: Mapping[int, Any], every: int, level: int = 1,
+                 iterations: int, stop_level: int | None = None, signals: tuple[int, ...] = STOP_SIGNALS,
+                 check_every: int = 1, rng: Any = None, state: dict[str, Any] | None = None) -> None:
+        if every < 1 or iterations < 0 or check_every < 1:
+            raise FTIError(f"ResilientLoop: every={every}, check_every={check_every} must be >= 1 and "
+                           f"iterations={iterations} >= 0")
+        taken = sorted(set(arrays) & set(RESERVED_IDS))
+        if taken:
+            raise FTIError(f"variable ids {taken} are reserved for the loop (counter, rng, state): use other ids")
+        self.ctx, self.every, self.level, self.iterations = ctx, every, level, iterations
+        self.stop_level = level if stop_level is None else stop_level
+        self.signals, self.check_every = signals, check_every
+        self.counter = Value(0)  # the next iteration to run, checkpointed with the arrays
+        for vid, array in arrays.items():
+            ctx.protect(vid, array)
+        ctx.protect(ITERATION_ID, self.counter, name="ftidask.loop.next_iteration")
+        if rng is not None:
+            ctx.protect(RNG_ID, rng, name="ftidask.loop.rng")
+        if state is not None:
+            ctx.protect(STATE_ID, state, name="ftidask.loop.state")
+        self.start = 0
+        self.stopped = False  # True when a signal ended the loop early
+        self.last_checkpoint: int | None = None
+        self._signalled: int | None = None
+        self._old: dict[int, Any] = {}
+
+    # --- signals ---------------------------------------------------------------------------------
+
+    def _handler(self, signum: int, frame: types.FrameType | None) -> None:
+        self._signalled = signum  # acted upon between iterations, never inside one
+
+    def __enter__(self) -> ResilientLoop:
+        for sig in self.signals:
+            self._old[sig] = signal.signal(sig, self._handler)
+        if self.ctx.status() != 0:
+            self.ctx.recover()
+            self.start = int(self.counter.value)
+            ckpt_id, level = self.ctx.recovered_from or (None, None)
+            log.info("restart: recovered checkpoint %s (level %s), resuming at iteration %d", ckpt_id, level,
+                     self.start)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    # --- the loop ----------------------------------------------------------------------------------
+
+    def _stop_requested(self) -> bool:
+        # Ranks receive the signal at different moments: agree, so that all checkpoint together.
+        return any(self.ctx.transport.allgather(self._signalled is not None))
+
+    def _checkpoint(self, next_iteration: int, level: int) -> None:
+        self.counter.value = next_iteration
+        self.ctx.checkpoint(next_iteration, level)
+        self.last_checkpoint = next_iteration
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self.start, self.iterations):
+            yield i
+            done = i + 1
+            if done % self.every == 0 and done < self.iterations:
+                self._checkpoint(done, self.level)
+            if done % self.check_every == 0 and done < self.iterations and self._stop_requested():
+                if self.last_checkpoint != done:
+                    self._checkpoint(done, self.stop_level)
+                log.warning("signal %s: checkpointed at iteration %d, stopping", self._signalled, done)
+                self.stopped = True
+                return
+
+
+def resilient(ctx: Any, *, arrays: Mapping[int, Any], every: int, level: int = 1, iterations: int,
+              stop_level: int | None = None, exit_on_signal: bool = True, check_every: int = 1,
+              rng: Any = None, state: dict[str, Any] | None = None
+              ) -> Callable[[Callable[[int], Any]], Callable[[], int]]:
+    """Decorate ``fn(i)`` (one iteration) into a resilient loop; calling it runs the loop.
+
+    ``rng`` (a ``numpy.random.Generator``) and ``state`` (a dict of JSON values) are checkpointed
+    with the arrays and the loop counter, and recovered in place on a restart.
+
+    The call returns the number of iterations done in total (``iterations`` unless stopped by a
+    signal); with ``exit_on_signal`` a stopped loop finalizes nothing and exits with status 0
+    (the checkpoint stays for the next job).
+    """
+
+    def wrap(fn: Callable[[int], Any]) -> Callable[[], int]:
+        @functools.wraps(fn)
+        def run() -> int:
+            loop = ResilientLoop(ctx, arrays=arrays, every=every, level=level, iterations=iterations,
+                                 stop_level=stop_level, check_every=check_every, rng=rng, state=state)
+            with loop:
+                for i in loop:
+                    fn(i)
+            if loop.stopped:
+                if exit_on_signal:
+                    raise SystemExit(0)
+                return int(loop.counter.value)
+            return iterations
+
+        return run
+
+    return wrap

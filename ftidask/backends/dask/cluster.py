@@ -1,0 +1,174 @@
+"""The client's side of the cluster: place tasks on workers, wait for them while watching for
+lost workers, show progress with Dask's own bar."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from distributed import Client, Future, wait
+from distributed.diagnostics.progressbar import TextProgressBar, is_kernel
+
+from ...model.errors import FTIError
+
+log = logging.getLogger("ftidask")
+
+
+class ClusterError(FTIError):
+    """Work on the cluster failed: ``what`` was being done, ``detail`` says why (one sentence)."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        self.what, self.detail = what, detail
+        super().__init__(f"{what}: {detail}")
+
+
+class WorkerLost(ClusterError):
+    """A worker that a task was placed on left the cluster before the task finished."""
+
+
+class TaskFailed(ClusterError):
+    """A task raised an exception on its worker."""
+
+
+def _listed(names: Sequence[str], most: int = 6) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+class Cluster:
+    """Task placement and waiting on one ``distributed.Client``."""
+
+    def __init__(self, client: Client, progress: str = "auto", poll: float = 0.25) -> None:
+        self.client = client
+        self.progress = progress
+        self.poll = poll
+        self._batch: list[Future] | None = None
+        self._placed: dict[Any, str] = {}  # key -> worker of each pinned task not yet waited for or released
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Release every future submitted inside the block when it ends.
+
+        A finished level task whose result the client still held would be recomputed if its
+        worker died later: the client must forget them once the checkpoint is decided.
+        """
+        outer, self._batch = self._batch, []
+        try:
+            yield
+        finally:
+            for f in self._batch:
+                self._placed.pop(f.key, None)
+                try:
+                    f.release()
+                except Exception:  # noqa: BLE001 - best effort on a failing cluster
+                    pass
+            self._batch = outer
+
+    def workers(self) -> list[str]:
+        """Addresses of the live workers, sorted: a worker's position is its rank."""
+        # Not Client.scheduler_info(): a periodic refresh may replace its cache with one that lists no worker.
+        info = self.client.sync(self.client.scheduler.identity, n_workers=-1)
+        return sorted(a for a, w in info["workers"].items() if w.get("status", "running") == "running")
+
+    def submit(self, fn: Callable[..., Any], *args: Any, key: Any, worker: str, loose: bool = False,
+               **kwargs: Any) -> Future:
+        """Run ``fn`` on ``worker`` only (its files or chunks are there), under a readable key.
+
+        ``loose``: on ``worker`` while it lives, else on any worker (Dask's ``allow_other_workers``);
+        for tasks that cope with running elsewhere, such as recovered chunks read again after their
+        worker died (a strictly pinned task would then wait for its dead worker forever).
+        """
+        future = self.client.submit(fn, *args, key=key, workers=[worker], allow_other_workers=loose, pure=False,
+                                    **kwargs)
+        if self._batch is not None:
+            self._batch.append(future)
+        if not loose:
+            self._placed[future.key] = worker
+        return future
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        """``fn(*args)`` on every live worker (small values only)."""
+        return self.client.run(fn, *args, on_error="return")
+
+    def _show_progress(self, futures: Sequence[Future]) -> None:
+        enabled = self.progress == "on" or (self.progress == "auto" and is_kernel())
+        if not enabled or not futures:
+            return
+        keys = [f.key for f in futures]
+        address = self.client.scheduler.address
+
+        def bar() -> None:
+            try:
+                TextProgressBar(keys, scheduler=address, complete=True)
+            except Exception as exc:  # noqa: BLE001 - a progress bar must never fail a checkpoint
+                log.debug("progress bar stopped: %s", exc)
+
+        threading.Thread(target=bar, name="ftidask-progress", daemon=True).start()
+
+    def wait_all(self, futures: Sequence[Future], addresses: Iterable[str], what: str,
+                 gather: bool = True, ranks: Sequence[str] = ()) -> list[Any]:
+        """The results of ``futures``; :class:`WorkerLost` or :class:`TaskFailed` on failure.
+
+        Tasks are pinned to their workers, so a lost worker would leave them waiting forever:
+        the loop checks that every worker they were placed on is still alive. ``ranks``: the
+        workers in rank order, to name a lost worker with its rank.
+        """
+        needed = set(addresses)
+        self._show_progress(futures)
+        try:
+            while True:
+                try:
+                    wait(list(futures), timeout=self.poll)
+                    break
+                except TimeoutError:
+                    pass
+                if any(f.status in ("error", "cancelled", "lost") for f in futures):
+                    break
+                if needed - set(self.workers()):
+                    break
+            if all(f.status == "finished" for f in futures):
+                return self.client.gather(list(futures)) if gather else []
+            self.cancel(futures)
+            gone = needed - set(self.workers())
+            if gone:
+                raise WorkerLost(what, self._lost(sorted(gone), list(ranks)))
+            raise TaskFailed(what, self._failed(futures))
+        finally:
+            for f in futures:
+                self._placed.pop(f.key, None)
+
+    def _lost(self, gone: list[str], ranks: list[str]) -> str:
+        """One sentence: which workers left, and which of our tasks were on them.
+
+        Not the errors of the futures: a lost task's future holds no exception (Dask reschedules
+        it, or would, were it not pinned), and what the user needs is the worker that died.
+        """
+        names = [f"{w} (rank {ranks.index(w)})" if w in ranks else w for w in gone]
+        keys = [str(k) for k, w in self._placed.items() if w in gone]
+        who = f"worker {names[0]}" if len(names) == 1 else f"workers {_listed(names)}"
+        return f"{who} left the cluster (killed or crashed)" + (f", losing tasks {_listed(keys)}" if keys else "")
+
+    def _failed(self, futures: Sequence[Future]) -> str:
+        """The exceptions the failed tasks raised (tasks cancelled or lost meanwhile are only counted)."""
+        errors, other = [], []
+        for f in futures:
+            if f.status == "error":
+                try:
+                    exc = f.exception(timeout=self.poll * 4)
+                except Exception as err:  # noqa: BLE001 - the future may be released meanwhile
+                    exc = err
+                errors.append(f"{f.key}: {type(exc).__name__}: {exc}")
+            elif f.status != "finished":
+                other.append(str(f.key))
+        if not errors:
+            return f"task(s) {_listed(other)} were cancelled or lost by the cluster"
+        return "; ".join(errors[:8]) + (f" (and {len(errors) - 8} more)" if len(errors) > 8 else "")
+
+    def cancel(self, futures: Sequence[Future]) -> None:
+        try:
+            self.client.cancel(list(futures), force=True)
+        except Exception as exc:  # noqa: BLE001 - best effort on a failing cluster
+            log.debug("cancel failed: %s", exc)

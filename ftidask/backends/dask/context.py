@@ -1,0 +1,425 @@
+"""The Dask backend: protected Dask arrays checkpointed by the workers that hold their chunks.
+
+Each live worker is an FTI rank (its position in the sorted worker addresses at checkpoint
+time) and an FTI node: it writes ``{ckpt_dir}/node{rank}/{exec_id}/l{level}/ckpt{id}.s{seq}/
+Ckpt{id}-Rank{rank}.fti`` from the chunks it holds (see :mod:`ftidask.backends.dask.plan`). Every level
+runs as Dask tasks pinned to the workers that hold the chunks or the files; no chunk passes
+through the client or the scheduler. The client writes the commit record, last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import html
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from distributed import Client, Future, futures_of
+
+from ...api.context import Context, Protected
+from ...engine.runstate import CommitRecord, FileRecord
+from ...levels.ring_groups import copy_holder, copy_source, group_of, make_groups
+from ...model import constants
+from ...model.arrays import check_ckpt_id, check_id
+from ...model.config import Config
+from ...model.errors import CheckpointError, FTIError, LevelError, ProtectError
+from ...storage import files as storage
+from ...transport.base import Transport
+from . import icp, restore, tasks
+from .cluster import Cluster, ClusterError
+from .dcp_levels import DaskSpares, run_dcp_levels, sticky_owners
+from .plan import VarSpec, chunk_table, layout_to_json, plan_ranks
+from .report import DaskCheckpointInfo, human
+
+log = logging.getLogger("ftidask")
+
+
+def is_dask_array(value: Any) -> bool:
+    return hasattr(value, "__dask_graph__") and hasattr(value, "chunks") and hasattr(value, "dtype")
+
+
+class DaskTransport(Transport):
+    """The client's view: one process (rank 0 of 1) driving a cluster of worker nodes."""
+
+    name = "dask"
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def barrier(self) -> None:
+        return None
+
+    def allgather(self, value: Any) -> list[Any]:
+        return [value]
+
+    def stage_mover(self, cfg: Config) -> Any:
+        """Staging: each copy is a task on the worker whose node directory (``node{k}``) holds the file."""
+        from .staging import DaskMover, worker_by_node_dir
+
+        return DaskMover(self.cluster.client, worker_by_node_dir(self.cluster.workers))
+
+    def levels(self) -> tuple[int, ...]:
+        return (1, 2, 3, 4) if len(self.cluster.workers()) >= 2 else (1, 4)
+
+    def check_level(self, level: int) -> None:
+        if level in (2, 3) and level not in self.levels():
+            raise LevelError(f"level {level} needs at least 2 Dask workers; the cluster has "
+                             f"{len(self.cluster.workers())}")
+        super().check_level(level)
+
+
+class DaskContext(Context):
+    """A :class:`Context` whose ranks are the workers of a ``distributed`` cluster."""
+
+    writes_dcp = True  # levels 5-8: see ftidask.backends.dask.dcp_levels
+
+    def __init__(self, config: Config, client: Client) -> None:
+        self.client = client
+        self.cluster = Cluster(client, config.progress)
+        self._started = False  # set by the first garbage collection (at init)
+        self._keep_state_bytes = False  # finalize_icp: the Python states' bytes as init_icp took them
+        self.cluster.run(storage.set_permissions, config.permissions)  # the modes of the workers' files
+        super().__init__(config, DaskTransport(self.cluster))
+        if config.enable_dcp:
+            self._dcp = DaskSpares(self)
+
+    # --- protection ------------------------------------------------------------------------------
+
+    def protect(self, id: int, array: Any, name: str | None = None, compressor: Any = None) -> None:
+        """Register a Dask array (or a NumPy array) under ``id``.
+
+        Dask arrays are immutable: protect the new array after each step (or use the one
+        :attr:`protected` holds after a checkpoint, which is persisted on the cluster).
+        """
+        if compressor not in (None, "none") or self.config.compressor not in (None, "none"):
+            raise ProtectError("compression is not available on the Dask backend yet; its files are uncompressed")
+        if not is_dask_array(array):
+            super().protect(id, array, name)
+            return
+        self._check_open()
+        vid = check_id(id, "variable id")
+        if np.dtype(array.dtype).hasobject:
+            raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes")
+        meta = getattr(array, "_meta", None)
+        if isinstance(meta, np.ma.MaskedArray) or not isinstance(meta, np.ndarray):  # chunks the files cannot hold
+            raise ProtectError(f"the array's chunks are {type(meta).__name__}s, not plain NumPy arrays "
+                               "(a masked array's mask is not checkpointed): protect a NumPy-backed array")
+        if any(np.isnan(c) for dim in array.chunks for c in dim):
+            raise ProtectError("the array has unknown chunk sizes; call .compute_chunk_sizes() first")
+        old = self._vars.get(vid)
+        self._vars[vid] = Protected(vid, str(name if name is not None else old.name if old else f"var{vid}"), array)
+
+    def _chunk_futures(self) -> tuple[list[VarSpec], dict[tuple[int, tuple[int, ...]], Future]]:
+        """Persist every protected array (once) and return its chunks' futures by grid index."""
+        specs, futures = [], {}
+        for vid, p in self._vars.items():
+            arr = p.array
+            if is_dask_array(arr):
+                kind = "dask"
+                arr = self.client.persist(arr)
+                p.array = arr  # later checkpoints and the user reuse the persisted chunks
+            else:
+                kind = "numpy"
+                future = self.client.scatter(np.ascontiguousarray(arr), hash=False)
+                futures[vid, tuple(0 for _ in arr.shape)] = future
+            spec = VarSpec(vid, p.name, np.dtype(arr.dtype), tuple(int(n) for n in arr.shape),
+                           tuple(tuple(int(c) for c in dim) for dim in arr.chunks) if kind == "dask"
+                           else tuple((int(n),) for n in arr.shape), kind,
+                           p.state.kind if p.state is not None else "")
+            specs.append(spec)
+            if kind == "dask":
+                by_key = {f.key: f for f in futures_of(arr)}
+                for key in _flatten(arr.__dask_keys__()):
+                    futures[vid, tuple(key[1:])] = by_key[key]
+        return specs, futures
+
+    # --- checkpoint ------------------------------------------------------------------------------
+
+    def checkpoint(self, id: int, level: int, *, dcp: bool = False) -> DaskCheckpointInfo:
+        """Write checkpoint ``id`` at ``level``: each worker writes the chunks it holds, then the level's
+        redundancy runs as tasks; committed only when every worker's part succeeded."""
+        self._check_open()
+        ckpt_id = check_ckpt_id(id)
+        level = self._check_level(level + 4 if dcp and level in constants.LEVELS else level)
+        error = "" if self._keep_state_bytes else self._encode_states()  # Python states: their bytes now
+        if error:
+            raise CheckpointError(f"checkpoint {ckpt_id} failed; the previous checkpoint is kept: {error}")
+        differential = level > 4  # L5-L8: differential L1-L4 (enable_dcp = 1)
+        shown_level, level = level, level - 4 if differential else level
+        start = time.perf_counter()
+        specs, futures = self._chunk_futures()
+        try:
+            self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays", gather=False)
+        except FTIError as exc:
+            raise CheckpointError(f"checkpoint {ckpt_id}: the protected arrays could not be computed: {exc}") from exc
+        workers = self.cluster.workers()  # after the chunks: a worker lost meanwhile has its chunks recomputed
+        rank_of = {w: r for r, w in enumerate(workers)}
+        who_has = self.client.who_has(list(futures.values()))
+        owner = {}
+        for place, future in futures.items():
+            holders = sorted(rank_of[w] for w in who_has.get(future.key, ()) if w in rank_of)
+            if not holders:
+                raise CheckpointError(f"checkpoint {ckpt_id}: chunk {place} is held by no live worker")
+            owner[place] = holders[0]
+        if differential:
+            owner = sticky_owners(self, level, owner, workers)
+        seq = self.state.next_seq()
+        try:
+            with self.cluster.batch():
+                if differential:
+                    plans, written, groups = run_dcp_levels(self, ckpt_id, level, seq, specs, futures, owner,
+                                                            workers)
+                else:
+                    plans, written, groups = self._run_levels(ckpt_id, level, seq, specs, futures, owner, workers)
+        except FTIError as exc:
+            if differential:
+                self._dcp.discard()
+            self._remove_dirs(ckpt_id, seq, level, len(workers))
+            # A lost worker or a failed task is said in one sentence, without Dask's chained traceback.
+            cluster_error = isinstance(exc, ClusterError)
+            raise CheckpointError(f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint "
+                                  f"is kept: {exc.detail if cluster_error else exc}") from (None if cluster_error
+                                                                                          else exc)
+        record = CommitRecord(seq, ckpt_id, level, time.time(), len(workers),
+                              tuple(FileRecord(w["rank"], w["node"], w["size"], w["fb_hash"]) for w in written),
+                              {"backend": "dask", "workers": workers, "groups": groups,
+                               "vars": [s.to_json() for s in specs], "chunks": chunk_table(plans)}
+                              | ({"dcp": True} if differential else {}))
+        try:
+            self.state.write_record(record)  # the commit point
+        except CheckpointError as exc:  # a full or read-only meta_dir: the previous checkpoint stays the newest
+            if differential:
+                self._dcp.discard()
+            self._remove_dirs(ckpt_id, seq, level, len(workers))
+            raise CheckpointError(f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint "
+                                  f"is kept: {exc}") from exc
+        self._layout = None
+        self._retire_older(record)
+        self._collect_garbage()
+        variables = tuple({"id": s.id, "name": s.name, "dtype": str(s.dtype), "shape": s.shape,
+                           "nchunks": len(s.grid()), "nbytes": sum(s.chunk_nbytes(i) for i in s.grid())}
+                          for s in specs)
+        info = DaskCheckpointInfo(ckpt_id, shown_level, seq, sum(w["data_bytes"] for w in written),
+                                  sum(w.get("file_bytes", w["size"]) for w in written), time.perf_counter() - start,
+                                  sum(w["blocks_changed"] for w in written) if differential else None,
+                                  sum(w["blocks_total"] for w in written) if differential else None,
+                                  blocks_hashed=sum(w["blocks_hashed"] for w in written) if differential else None,
+                                  workers=tuple(workers), file_sizes=tuple(w["size"] for w in written),
+                                  variables=variables,
+                                  partner_bytes=sum(w["partner_bytes"] for w in written)
+                                  if differential and level == 2 else None)
+        self.last_checkpoint = info
+        self._next_ckpt_id = max(self._next_ckpt_id, ckpt_id + 1)
+        log.info("checkpoint %d (level %d) written by %d workers: %s", ckpt_id, shown_level, len(workers),
+                 human(info.bytes_written))
+        return info
+
+    def _file(self, level: int, ckpt_id: int, seq: int, rank: int, name: str) -> str:
+        return str(self.paths.level_dir(level, rank) / storage.ckpt_dirname(ckpt_id, seq) / name)
+
+    def _run_levels(self, ckpt_id: int, level: int, seq: int, specs: list[VarSpec], futures: dict,
+                    owner: dict, workers: list[str]) -> tuple[list, list[dict[str, Any]], list[list[int]]]:
+        n = len(workers)
+        plans = plan_ranks(specs, owner, n)
+        groups = make_groups(n, self.config.group_size)
+        fs = [p.layout.fs for p in plans]
+        write_level = 1 if level == 4 else level  # L4 writes locally, then flushes
+        tag = f"{ckpt_id}-{seq}"
+
+        def own(lv: int, r: int) -> str:
+            return self._file(lv, ckpt_id, seq, r, storage.rank_file(ckpt_id, r))
+
+        writes = []
+        for plan in plans:
+            r = plan.rank
+            meta = {"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level, "seq": seq,
+                    "rank": r, "nranks": n, "node": r, "backend": "dask", "worker": workers[r],
+                    "time": time.time()}
+            partner = fs[copy_source(groups, r)] if level == 2 and len(workers) > 1 else fs[r]
+            writes.append(self.cluster.submit(
+                tasks.write_rank, self._file(write_level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r)),
+                layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, self.config.hash, partner,
+                max(fs[g] for g in group_of(groups, r)), [[c.var_id, c.dptr] for c in plan.chunks],
+                *(futures[c.var_id, c.index] for c in plan.chunks),
+                key=f"ftidask-write-{tag}-{r}", worker=workers[r]))
+        finals: list[Future] = []
+        if level == 2:
+            for r in range(n):
+                holder = copy_holder(groups, r)
+                sent = self.cluster.submit(tasks.read_bytes, own(2, r), writes[r],
+                                           key=f"ftidask-partner-send-{tag}-{r}", worker=workers[r])
+                finals.append(self.cluster.submit(
+                    tasks.store_bytes, self._file(2, ckpt_id, seq, holder, storage.partner_file(ckpt_id, holder)),
+                    sent, key=f"ftidask-partner-store-{tag}-{holder}", worker=workers[holder]))
+        elif level == 3:
+            for group in groups:
+                sent = [self.cluster.submit(tasks.read_bytes, own(3, r), writes[r],
+                                            key=f"ftidask-parity-send-{tag}-{r}", worker=workers[r])
+                        for r in group]
+                for pos, r in enumerate(group):
+                    finals.append(self.cluster.submit(
+                        tasks.encode_parity, self._file(3, ckpt_id, seq, r, storage.parity_file(ckpt_id, r)), pos,
+                        sent, key=f"ftidask-parity-encode-{tag}-{r}", worker=workers[r]))
+        elif level == 4:
+            for r in range(n):
+                name = storage.rank_file(ckpt_id, r)
+                finals.append(self.cluster.submit(
+                    tasks.flush, self._file(1, ckpt_id, seq, r, name), self._file(4, ckpt_id, seq, r, name), writes[r],
+                    key=f"ftidask-flush-{tag}-{r}", worker=workers[r]))
+        written = self.cluster.wait_all(writes + finals, workers, f"checkpoint {ckpt_id}", ranks=workers)[:n]
+        return plans, written, groups
+
+    # --- incremental checkpoints (see ftidask.backends.dask.icp) ---------------------------------------------
+
+    def init_icp(self, id: int, level: int) -> None:
+        """FTI_InitICP: open checkpoint ``id``; add each protected variable with :meth:`add_var_icp`."""
+        icp.init_icp(self, id, level)
+
+    def add_var_icp(self, var_id: int) -> None:
+        """FTI_AddVarICP: pin protected variable ``var_id`` as it is now (persisted on the workers)."""
+        icp.add_var_icp(self, var_id)
+
+    def finalize_icp(self) -> DaskCheckpointInfo:
+        """FTI_FinalizeICP: the workers write every pinned array; refused if a variable is missing."""
+        return icp.finalize_icp(self)  # type: ignore[no-any-return]
+
+    def _abort_icp(self) -> None:
+        self._icp = None
+
+    # --- cleanup -----------------------------------------------------------------------------------
+
+    def _dirs(self, ckpt_id: int, seq: int, levels: set[int], nranks: int) -> list[str]:
+        name = storage.ckpt_dirname(ckpt_id, seq)
+        return [str(self.paths.level_dir(lv, r) / name) for lv in levels - {4} for r in range(nranks)]
+
+    def _remove_dirs(self, ckpt_id: int, seq: int, level: int, nranks: int) -> None:
+        """Remove a checkpoint's directories on every worker (each sees its own node's)."""
+        dirs = self._dirs(ckpt_id, seq, {1, 2, 3, level}, max(nranks, len(self.cluster.workers())))
+        self.cluster.run(tasks.discard_paths, dirs)  # renamed now, deleted in the background
+        storage.discard(self.paths.level_dir(4, 0) / storage.ckpt_dirname(ckpt_id, seq), self._remover)
+
+    def _collect_garbage(self) -> None:
+        """Remove interrupted checkpoints' leftovers on every worker (and in the global directory)."""
+        committed = {r.dirname for r in self.state.records()}
+        first = not self._started  # at the start nothing of ours is being deleted: old trash goes too
+        self._started = True
+        self.cluster.run(tasks.collect_garbage, str(self.paths.ckpt_dir), self.exec_id, sorted(committed), first,
+                         bool(self.config.enable_dcp))
+        glob_root = self.paths.level_dir(4, 0)
+        if glob_root.is_dir() and self.paths.contains(glob_root):
+            for entry in glob_root.iterdir():
+                if (entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed) or (
+                        first and entry.name.startswith(storage.TRASH_PREFIX)) or (
+                        first and not self.config.enable_dcp and entry.name == storage.SPARE_DIR):
+                    storage.remove_tree(entry)
+        for root in (self.state.records_dir, self.state.root):  # torn commit records (killed client)
+            if root.is_dir():
+                for tmp in root.glob(".*.tmp-*"):
+                    tmp.unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        # Workers delete retired checkpoints in the background: wait for them, so that a finished
+        # run leaves no trash behind (what a killed worker left is collected at the next start).
+        with contextlib.suppress(Exception):  # a cluster already gone has nothing left to wait for
+            self.cluster.run(tasks.wait_removals)
+        super()._close()
+
+    def _remove_checkpoint(self, record: CommitRecord) -> None:
+        self.state.delete_record(record.seq)
+        if self._dcp is not None and record.extra.get("dcp"):  # its files become the spares to patch next
+            self._dcp.keep(record)
+        self._remove_dirs(record.ckpt_id, record.seq, record.level, record.nranks)
+
+    def _flush_to_l4(self, record: CommitRecord) -> None:
+        """keep_last_ckpt: copy the last checkpoint's files (rebuilt if needed) to the global directory."""
+        seq = self.state.next_seq()
+        with self.cluster.batch():
+            self._flush_files(record, seq)
+        self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time()))
+
+    def _flush_files(self, record: CommitRecord, seq: int) -> None:
+        hosts = restore.restore_files(self, record)
+        futures = []
+        for r, (worker, path) in hosts.items():
+            dst = self._file(4, record.ckpt_id, seq, r, storage.rank_file(record.ckpt_id, r))
+            futures.append(self.cluster.submit(tasks.flush, path, dst, keep_src=True,
+                                               key=f"ftidask-flush-{record.ckpt_id}-{seq}-{r}", worker=worker))
+        self.cluster.wait_all(futures, [w for w, _p in hosts.values()], "keep_last_ckpt flush")
+
+    # --- recovery ----------------------------------------------------------------------------------
+
+    def recover(self, ckpt_id: int | None = None, level: int | None = None,
+                chunks: Any = None, *, ids: Any = None) -> dict[int, Any]:
+        """Rebuild the newest checkpoint that verifies; returns id -> array (a new Dask array for Dask
+        variables: rebind it; NumPy variables are filled in place).
+
+        ``chunks``: the chunks of the returned Dask arrays (a dask ``chunks`` value, or a dict
+        id -> chunks); by default a protected Dask array's own chunks, else the stored ones.
+        ``ids``: recover only these variables (FTI_RecoverVar); the other protected ones are untouched.
+        Python states (ftidask.State, Value, numpy.random generators) are recovered in place.
+        A checkpoint written by the MPI backend comes back as global arrays when its variables declare
+        their place (global_shape/offset or replicated; see :mod:`ftidask.backends.dask.stitch`).
+        """
+        self._check_open()
+        return restore.recover(self, ckpt_id, level, chunks, ids)
+
+    def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
+        """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
+        return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
+
+    def stored_size(self, id: int) -> int:
+        """Bytes of variable ``id`` in the checkpoint to recover (or the last one written)."""
+        vid = check_id(id, "variable id")
+        return restore.stored_size(self, vid)
+
+    def realloc(self, id: int, array: Any = None) -> Any:
+        raise FTIError("realloc is not needed with Dask: recover() returns new arrays of the stored shape")
+
+    # --- display -------------------------------------------------------------------------------------
+
+    def _var_rows(self) -> list[tuple[int, str, str, tuple[int, ...], str, int]]:
+        rows = []
+        for p in self._vars.values():
+            a = p.array
+            chunks = "x".join(str(max(c) if c else 0) for c in a.chunks) if is_dask_array(a) else "numpy"
+            rows.append((p.id, p.name, str(a.dtype), tuple(a.shape), chunks, int(a.nbytes)))
+        return rows
+
+    def __repr__(self) -> str:
+        vars_ = ", ".join(f"{i}:{n} {d}{list(s)} chunks {c} ({human(b)})" for i, n, d, s, c, b in self._var_rows())
+        last = self.last_checkpoint
+        return (f"<ftidask.Context exec_id={self.exec_id!r} backend=dask workers={len(self.cluster.workers())} "
+                f"levels={list(self.transport.levels())} status={self._status} vars=[{vars_}] "
+                f"last_checkpoint={None if last is None else (last.id, last.level)}"
+                f"{' finalized' if self._closed else ''}>")
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><td>{i}</td><td>{html.escape(n)}</td><td>{d}</td><td>{s}</td><td>{c}</td>"
+                       f"<td>{human(b)}</td></tr>" for i, n, d, s, c, b in self._var_rows())
+        last = self.last_checkpoint
+        state = "finalized" if self._closed else "open"
+        return (f"<div><b>ftidask.Context</b> run <code>{html.escape(self.exec_id)}</code>, Dask backend, "
+                f"{len(self.cluster.workers())} workers, levels {list(self.transport.levels())}, status "
+                f"{self._status}, {state}; last checkpoint: "
+                f"{'none' if last is None else f'id {last.id}, level {last.level}, {human(last.bytes_written)}'}"
+                "<table><tr><th>id</th><th>name</th><th>dtype</th><th>shape</th><th>chunk</th><th>size</th></tr>"
+                f"{rows}</table></div>")
+
+
+def _flatten(keys: Any) -> list[Any]:
+    if isinstance(keys, list):
+        return [k for sub in keys for k in _flatten(sub)]
+    return [keys]
+
+
+def make_dask_context(cfg: Config, client: Client) -> DaskContext:
+    """The Context of ``ftidask.init(config, client=...)``."""
+    if not isinstance(client, Client):
+        raise FTIError(f"client= must be a distributed.Client, got {type(client).__name__}")
+    return DaskContext(cfg, client)
+
+
+__all__ = ["DaskContext", "DaskTransport", "make_dask_context"]

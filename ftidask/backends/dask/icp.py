@@ -1,0 +1,64 @@
+"""Incremental checkpoints (InitICP / AddVarICP / FinalizeICP) on a Dask cluster.
+
+Dask arrays are immutable values, so a variable is "done" when its array is: ``add_var_icp``
+pins the protected array as it is now (persisted on the workers, which starts computing its
+chunks; a NumPy variable is copied, since the application may change it right after), and
+``finalize_icp`` has the workers write every pinned array as one checkpoint, committed as any
+other. A checkpoint that misses a protected variable is refused and the previous one stays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from ...engine.icp import check_none_open, open_icp, protected_var
+from ...model.arrays import check_ckpt_id
+from ...model.errors import CheckpointError
+
+
+@dataclasses.dataclass
+class DaskIcp:
+    """An open incremental checkpoint: its id and level, and the arrays added so far."""
+
+    ckpt_id: int
+    level: int
+    arrays: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+
+def init_icp(ctx: Any, ckpt_id: int, level: int) -> None:
+    ctx._check_open()
+    check_none_open(ctx)
+    cid = check_ckpt_id(ckpt_id)
+    ctx._check_level(level)  # refuse a bad level now, not at the commit
+    error = ctx._encode_states()  # Python states are taken when the checkpoint begins (as on MPI)
+    if error:
+        raise CheckpointError(f"incremental checkpoint {cid}: {error}; the previous checkpoint is kept")
+    ctx._icp = DaskIcp(cid, level)
+
+
+def add_var_icp(ctx: Any, var_id: int) -> None:
+    icp: DaskIcp = open_icp(ctx)
+    arr = protected_var(ctx, var_id).array
+    icp.arrays[int(var_id)] = ctx.client.persist(arr) if hasattr(arr, "__dask_graph__") else np.array(arr)
+
+
+def finalize_icp(ctx: Any) -> Any:
+    icp: DaskIcp = open_icp(ctx)
+    ctx._icp = None
+    missing = sorted(set(ctx._vars) - set(icp.arrays))
+    if missing:
+        raise CheckpointError(f"incremental checkpoint {icp.ckpt_id} misses protected variables {missing}; "
+                              "the previous checkpoint is kept")
+    current = {vid: p.array for vid, p in ctx._vars.items()}
+    try:
+        for vid, arr in icp.arrays.items():
+            ctx._vars[vid].array = arr
+        ctx._keep_state_bytes = True  # the states as init_icp took them
+        return ctx.checkpoint(icp.ckpt_id, icp.level)
+    finally:
+        ctx._keep_state_bytes = False
+        for vid, arr in current.items():  # what the application protected stays protected
+            ctx._vars[vid].array = arr

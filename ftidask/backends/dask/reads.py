@@ -1,0 +1,115 @@
+"""Reading a recovered chunk wherever Dask runs the read: the task behind each chunk of the arrays
+that :func:`ftidask.backends.dask.restore.recover` returns.
+
+A read runs on the worker that serves its file (chosen by recovery) while that worker lives. If
+it dies, Dask computes the lost chunks again on other workers (the tasks' placement is loose),
+where the task finds the file as that worker sees it: the rank's file itself (L4's global directory,
+or a node directory it sees), else, where the level keeps redundancy, the partner copy (L2) or a
+file rebuilt from the group's data and parity files (L3), written where recovery rebuilds files.
+Failing that, a :class:`RecoveryError` says so; never a wait for the dead worker.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from ...model.errors import RecoveryError
+from . import tasks
+
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock(path: str) -> threading.Lock:
+    # One rebuild of a file per worker process at a time (several of its chunks may be read at once).
+    with _locks_guard:
+        return _locks.setdefault(path, threading.Lock())
+
+
+def _rebuild_from_parity(src: dict[str, Any]) -> bool:
+    """Rebuild ``src["path"]`` from any ``k`` of its group's ``2k`` files that this worker sees."""
+    group = src["group"]
+    k, pos = len(group["data"]), group["position"]
+    files = [(i, p) for i, p in enumerate(group["data"]) if i != pos and os.path.exists(p)]
+    files += [(k + i, p) for i, p in enumerate(group["parity"]) if os.path.exists(p)]
+    if len(files) < k:
+        return False
+    with _lock(src["path"]):
+        if os.path.exists(src["path"]):  # rebuilt meanwhile by another read of this process
+            return True
+        datas = [(i, np.fromfile(p, dtype=np.uint8)) for i, p in files[:k]]
+        tasks.decode_file(src["path"], pos, k, group["size"], group["length"], datas)
+        verdict = tasks.check_file(src["path"], src["fb_hash"])
+        if not verdict["ok"]:
+            os.unlink(src["path"])
+            raise RecoveryError(f"checkpoint {src['ckpt_id']} (level 3): the file of rank {src['rank']} rebuilt "
+                                f"from its group's parity does not verify: {verdict['message']}")
+    return True
+
+
+def locate(src: dict[str, Any]) -> str | None:
+    """A path on this worker holding the file described by ``src`` (rebuilt here if need be), or None."""
+    if os.path.exists(src["path"]):
+        return str(src["path"])
+    for copy in src.get("copies", ()):  # an L2 partner copy: the same bytes (its FB hash is checked on read)
+        if os.path.exists(copy):
+            return str(copy)
+    if src.get("group") and _rebuild_from_parity(src):
+        return str(src["path"])
+    return None
+
+
+def _here() -> str | None:
+    try:
+        from distributed import get_worker
+
+        return str(get_worker().address)
+    except ValueError:  # not in a worker (a synchronous compute)
+        return None
+
+
+def _alive(address: str) -> bool:
+    """Whether ``address`` is a running worker of the cluster (False when that cannot be asked)."""
+    try:
+        from distributed import get_client
+
+        client = get_client()
+        workers = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+    except Exception:  # noqa: BLE001 - no answer: better a clear error than a task sent back forever
+        return False
+    return address in workers and workers[address].get("status", "running") == "running"
+
+
+_NO_COPY = {1: "level 1 keeps no copy", 2: "its partner copy is not visible there either",
+            3: "fewer than half of its group's data and parity files are visible there",
+            4: "the global directory does not hold it (any more)"}
+
+
+def read_recovered_chunk(src: dict[str, Any], var_id: int, dptr: int, dtype_json: Any,
+                         shape: list[int]) -> np.ndarray:
+    """One chunk of a recovered array, read (and hash-checked) from its rank's file as this worker sees it.
+
+    ``src``: the file (``path``, ``fb_hash``), the worker that served it at recovery (``worker``),
+    and what can replace it: ``copies`` (L2 partner copies) or ``group`` (L3: the group's data and
+    parity paths, this rank's position, its size and the group's padded length).
+    """
+    here = _here()
+    if here is not None and here != src["worker"] and _alive(src["worker"]):
+        # Moved here by Dask's work stealing while the worker that serves the file lives (it may be
+        # the only one that sees it): back there. Only a dead server's reads run elsewhere.
+        from distributed import Reschedule
+
+        raise Reschedule()
+    path = locate(src)
+    if path is None:
+        gone = "" if here == src["worker"] else ", which left the cluster"
+        raise RecoveryError(
+            f"checkpoint {src['ckpt_id']} (level {src['level']}): a chunk of variable {var_id} cannot be read "
+            f"again: the file of rank {src['rank']} ({src['path']}), served by worker {src['worker']}{gone}, is "
+            f"not visible on worker {here or 'this process'}, and {_NO_COPY.get(src['level'], 'no copy is')}; "
+            "call ctx.recover() again (it rebuilds what the level allows, or falls back to an older checkpoint)")
+    return tasks.read_chunk(path, var_id, dptr, dtype_json, shape, src["fb_hash"])

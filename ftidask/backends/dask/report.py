@@ -1,0 +1,53 @@
+"""What a Dask checkpoint reports: a :class:`CheckpointInfo` with workers, files and variables,
+readable as text and as HTML in Jupyter."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from typing import Any
+
+from ...engine.checkpointing import CheckpointInfo
+
+_LEVEL_NAMES = {1: "L1 local", 2: "L2 partner copy", 3: "L3 Reed-Solomon", 4: "L4 global"}
+
+
+def human(nbytes: float) -> str:
+    """``nbytes`` as B/KiB/MiB/GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class DaskCheckpointInfo(CheckpointInfo):
+    """A committed checkpoint of a Dask cluster: per-worker files and the arrays they hold."""
+
+    workers: tuple[str, ...] = ()
+    file_sizes: tuple[int, ...] = ()
+    variables: tuple[dict[str, Any], ...] = ()
+    state: str = "committed"
+    partner_bytes: int | None = None  # differential L2: bytes sent to the partners (deltas or whole files)
+
+    def __repr__(self) -> str:
+        rate = self.bytes_written / self.seconds / 2**20 if self.seconds > 0 else 0.0
+        vars_ = ", ".join(f"{v['id']}:{v['name']} {v['dtype']}{tuple(v['shape'])} in {v['nchunks']} chunks"
+                          for v in self.variables)
+        return (f"<ftidask checkpoint id={self.id} {_LEVEL_NAMES.get(self.level, self.level)} {self.state}: "
+                f"{human(self.bytes_written)} of data in {len(self.workers)} worker files "
+                f"({human(self.file_bytes)}) in {self.seconds:.2f} s ({rate:.0f} MiB/s); vars=[{vars_}]>")
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{v['id']}</td><td>{html.escape(v['name'])}</td><td>{html.escape(v['dtype'])}</td>"
+            f"<td>{tuple(v['shape'])}</td><td>{v['nchunks']}</td><td>{human(v['nbytes'])}</td></tr>"
+            for v in self.variables)
+        files = "".join(f"<tr><td>{r}</td><td><code>{html.escape(w)}</code></td><td>{human(s)}</td></tr>"
+                        for r, (w, s) in enumerate(zip(self.workers, self.file_sizes, strict=False)))
+        return (f"<div><b>ftidask checkpoint {self.id}</b> &mdash; {_LEVEL_NAMES.get(self.level, self.level)}, "
+                f"<b>{html.escape(self.state)}</b>, {human(self.bytes_written)} in {self.seconds:.2f} s"
+                "<table><tr><th>id</th><th>name</th><th>dtype</th><th>shape</th><th>chunks</th><th>size</th></tr>"
+                f"{rows}</table><details><summary>{len(self.workers)} worker files</summary>"
+                f"<table><tr><th>rank</th><th>worker</th><th>file</th></tr>{files}</table></details></div>")

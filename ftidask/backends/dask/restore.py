@@ -1,0 +1,354 @@
+"""Recovery on a Dask cluster: find the newest checkpoint whose files verify (rebuilding what
+lost workers held from L2 copies or L3 parity), then read each chunk on the worker that sees
+its file. Works on a cluster of any size: ranks of the checkpoint are mapped onto live workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from dask.array.core import Array, normalize_chunks
+
+from ...api.context import Protected
+from ...engine import pystate
+from ...engine.recoverplan import normalize_ids
+from ...engine.recovery import check_writeable
+from ...engine.runstate import CommitRecord
+from ...levels.ring_groups import copy_holder, group_of
+from ...model.arrays import dtype_from_json
+from ...model.errors import FTIError, NoCheckpointError, RecoveryError
+from ...storage import files as storage
+from . import reads, stitch, tasks
+from .cluster import WorkerLost
+from .plan import VarSpec
+
+if TYPE_CHECKING:
+    from .context import DaskContext
+
+log = logging.getLogger("ftidask")
+
+
+class Unrecoverable(FTIError):
+    """This checkpoint cannot be rebuilt; an older one may still be."""
+
+
+def dask_records(ctx: DaskContext, ckpt_id: int | None, level: int | None) -> list[CommitRecord]:
+    return [r for r in ctx._candidates(ckpt_id, level) if r.extra.get("backend") == "dask"]
+
+
+class _Placer:
+    """Chooses the worker that serves each file: the one that wrote it if alive, else the least loaded."""
+
+    def __init__(self, workers: list[str], seen: dict[str, list[bool]], paths: list[str]) -> None:
+        self.workers = workers
+        self.load: collections.Counter[str] = collections.Counter()
+        self.visible = {p: [w for w in workers if isinstance(seen.get(w), list) and seen[w][i]]
+                        for i, p in enumerate(paths)}
+
+    def pick(self, path: str, preferred: str | None = None) -> str | None:
+        cands = self.visible.get(path, [])
+        if not cands:
+            return None
+        worker = preferred if preferred in cands else min(cands, key=lambda w: (self.load[w], self.workers.index(w)))
+        self.load[worker] += 1
+        return worker
+
+    def any(self) -> str:
+        worker = min(self.workers, key=lambda w: (self.load[w], self.workers.index(w)))
+        self.load[worker] += 1
+        return worker
+
+
+def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str, str]]:
+    """rank -> (worker, path) of a verified file, for every rank of ``record``; rebuilds lost files."""
+    cl = ctx.cluster
+    workers = cl.workers()
+    if not workers:
+        raise RecoveryError("the cluster has no workers")
+    n, level, cid, seq = record.nranks, record.level, record.ckpt_id, record.seq
+    recorded = list(record.extra.get("workers", []))
+    groups = [list(g) for g in record.extra.get("groups", [list(range(n))])]
+    fb = {f.rank: f.fb_hash for f in record.files}
+    sizes = {f.rank: f.size for f in record.files}
+    own = {r: ctx._file(level, cid, seq, r, storage.rank_file(cid, r)) for r in range(n)}
+    pcof = {r: ctx._file(2, cid, seq, r, storage.partner_file(cid, r)) for r in range(n)} if level == 2 else {}
+    rsed = {r: ctx._file(3, cid, seq, r, storage.parity_file(cid, r)) for r in range(n)} if level == 3 else {}
+    paths = list(own.values()) + list(pcof.values()) + list(rsed.values())
+    placer = _Placer(workers, cl.run(tasks.existing, paths), paths)
+    tag = f"{cid}-{seq}-{uuid.uuid4().hex[:8]}"
+    hosts: dict[int, str] = {}
+    checks = {}
+    for r in range(n):
+        worker = placer.pick(own[r], recorded[r] if r < len(recorded) else None)
+        if worker is not None:
+            hosts[r] = worker
+            checks[r] = cl.submit(tasks.check_file, own[r], fb[r], key=f"ftidask-check-{tag}-{r}", worker=worker)
+    results = cl.wait_all(list(checks.values()), set(hosts.values()), f"checking checkpoint {cid}")
+    verdicts = dict(zip(checks, results, strict=True))
+    ok = {r for r, v in verdicts.items() if v["ok"]}
+    bad = [r for r in range(n) if r not in ok]
+    if not bad:
+        return {r: (hosts[r], own[r]) for r in range(n)}
+    why = "; ".join(verdicts[r]["message"] if r in verdicts else f"rank {r}'s file is on no live worker"
+                    for r in bad[:4])
+    if level in (1, 4):
+        raise Unrecoverable(f"files of rank(s) {bad} are lost or damaged ({why}); level {level} keeps no copy")
+    for r in bad:
+        hosts[r] = placer.any()
+    rebuilt = {}
+    if level == 2:
+        for r in bad:
+            holder = copy_holder(groups, r)
+            src = placer.pick(pcof[holder], recorded[holder] if holder < len(recorded) else None)
+            if src is None:
+                raise Unrecoverable(f"rank {r}'s file and its partner copy (on rank {holder}) are both lost")
+            sent = cl.submit(tasks.read_bytes, pcof[holder], key=f"ftidask-rebuild-send-{tag}-{r}", worker=src)
+            stored = cl.submit(tasks.store_bytes, own[r], sent, key=f"ftidask-rebuild-store-{tag}-{r}",
+                               worker=hosts[r])
+            rebuilt[r] = cl.submit(tasks.check_file, own[r], fb[r], stored, key=f"ftidask-rebuild-check-{tag}-{r}",
+                                   worker=hosts[r])
+    else:
+        for gi, group in enumerate(groups):
+            lost = [r for r in group if r in bad]
+            if not lost:
+                continue
+            k, length = len(group), max(sizes[r] for r in group)
+            available = [(pos, own[r], hosts[r]) for pos, r in enumerate(group) if r in ok]
+            for pos, r in enumerate(group):
+                src = placer.pick(rsed[r], recorded[r] if r < len(recorded) else None)
+                if src is not None:
+                    available.append((k + pos, rsed[r], src))
+            if len(available) < k:
+                raise Unrecoverable(f"group {group} lost {len(lost)} of {k} workers: only {len(available)} of its "
+                                    f"{2 * k} files remain, {k} are needed")
+            sends = [(idx, cl.submit(tasks.read_bytes, path, key=f"ftidask-rebuild-send-{tag}-{gi}-{idx}",
+                                     worker=w)) for idx, path, w in available[:k]]
+            for r in lost:
+                decoded = cl.submit(tasks.decode_file, own[r], group.index(r), k, sizes[r], length, sends,
+                                    key=f"ftidask-rebuild-decode-{tag}-{r}", worker=hosts[r])
+                rebuilt[r] = cl.submit(tasks.check_file, own[r], fb[r], decoded,
+                                       key=f"ftidask-rebuild-check-{tag}-{r}", worker=hosts[r])
+    results = cl.wait_all(list(rebuilt.values()), workers, f"rebuilding checkpoint {cid}")
+    failed = [(r, v["message"]) for r, v in zip(rebuilt, results, strict=True) if not v["ok"]]
+    if failed:
+        raise Unrecoverable(f"rebuilt file(s) do not verify: {failed[:4]}")
+    log.info("checkpoint %d: rebuilt the files of rank(s) %s from level %d", cid, bad, level)
+    return {r: (hosts[r], own[r]) for r in range(n)}
+
+
+def _specs(record: CommitRecord) -> list[VarSpec]:
+    return [VarSpec(int(v["id"]), str(v["name"]), dtype_from_json(v["dtype"]), tuple(v["shape"]),
+                    tuple(tuple(c) for c in v["chunks"]), str(v.get("kind", "dask")), str(v.get("pystate", "")))
+            for v in record.extra["vars"]]
+
+
+def _target_chunks(ctx: DaskContext, spec: VarSpec, chunks: Any) -> Any:
+    """The chunks asked for ``spec``'s array (argument first, then a protected Dask array's)."""
+    if isinstance(chunks, dict):
+        chunks = chunks.get(spec.id)
+    if chunks is None:
+        held = ctx._vars.get(spec.id)
+        if held is not None and hasattr(held.array, "chunks") and tuple(held.array.shape) == spec.shape:
+            chunks = held.array.chunks
+    if chunks is None:
+        return spec.chunks
+    try:
+        return normalize_chunks(chunks, spec.shape, dtype=spec.dtype)
+    except (ValueError, TypeError) as exc:
+        raise RecoveryError(f"variable {spec.id}: chunks {chunks!r} do not fit its shape {spec.shape}: "
+                            f"{exc}") from None
+
+
+def _check_protected(ctx: DaskContext, specs: list[VarSpec], ids: list[int] | None = None) -> None:
+    """Refuse before anything is read or rebound: every protected variable (of ``ids``) must be in
+    the checkpoint with its dtype and shape (or Python-state kind), and a NumPy one must be writeable."""
+    stored = {s.id: s for s in specs}
+    for vid, p in ctx._vars.items():
+        if ids is not None and vid not in ids:
+            continue
+        spec = stored.get(vid)
+        if spec is None:
+            raise RecoveryError(f"variable {vid} is protected but not in the checkpoint (it holds ids "
+                                f"{sorted(stored)})")
+        if p.state is not None or spec.pystate:
+            if p.state is None or spec.pystate != p.state.kind:
+                raise RecoveryError(f"variable {vid}: the checkpoint holds {spec.pystate or 'an array'}, the "
+                                    f"protected variable is {p.state.kind if p.state else 'an array'}; protect "
+                                    "what was protected when it was written")
+            continue
+        if np.dtype(p.array.dtype) != spec.dtype or tuple(p.array.shape) != spec.shape:
+            raise RecoveryError(f"variable {vid}: checkpoint holds {spec.dtype} {spec.shape}, the protected array "
+                                f"is {p.array.dtype} {tuple(p.array.shape)}")
+        problem = check_writeable(vid, p.array)
+        if problem:
+            raise RecoveryError(problem)
+
+
+def file_sources(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[str, str]]) -> dict[int, dict]:
+    """rank -> what a read task needs to find that rank's file again on any worker
+    (see :func:`ftidask.backends.dask.reads.read_recovered_chunk`): the file, and its L2 copy or L3 group."""
+    n, level, cid, seq = record.nranks, record.level, record.ckpt_id, record.seq
+    groups = [list(g) for g in record.extra.get("groups", [list(range(n))])]
+    sizes = {f.rank: f.size for f in record.files}
+    out = {}
+    for f in record.files:
+        r = f.rank
+        worker, path = hosts[r]
+        src: dict[str, Any] = {"ckpt_id": cid, "level": level, "rank": r, "path": path, "fb_hash": f.fb_hash,
+                               "worker": worker}
+        if level == 2 and n > 1:
+            holder = copy_holder(groups, r)
+            src["copies"] = [ctx._file(2, cid, seq, holder, storage.partner_file(cid, holder))]
+        elif level == 3 and n > 1:
+            group = group_of(groups, r)
+            src["group"] = {"position": group.index(r), "size": sizes[r], "length": max(sizes[g] for g in group),
+                            "data": [ctx._file(3, cid, seq, g, storage.rank_file(cid, g)) for g in group],
+                            "parity": [ctx._file(3, cid, seq, g, storage.parity_file(cid, g)) for g in group]}
+        out[r] = src
+    return out
+
+
+def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[str, str]],
+                 chunks: Any = None, ids: list[int] | None = None) -> dict[int, Any]:
+    """Dask arrays whose chunks are read (and hash-checked) on the workers that serve the files.
+
+    The reads are placed loosely: if a serving worker dies later, Dask reads its chunks again on
+    another worker, from the file, its copy or its rebuilt version (:mod:`ftidask.backends.dask.reads`).
+    Only variables ``ids`` if given: the others are neither read nor touched.
+    """
+    specs = _specs(record)
+    if ids is not None:
+        missing = sorted(set(ids) - {s.id for s in specs})
+        if missing:
+            raise RecoveryError(f"variables {missing} are not in checkpoint {record.ckpt_id} (it holds ids "
+                                f"{sorted(s.id for s in specs)}); nothing was recovered")
+        specs = [s for s in specs if s.id in ids]
+    _check_protected(ctx, specs, ids)
+    # What each variable becomes, decided before anything is read, filled or rebound: a NumPy
+    # array filled in place (target None), or a new Dask array with these chunks.
+    plans = []
+    for spec in specs:
+        held = ctx._vars.get(spec.id)
+        in_place = spec.kind == "numpy" or (held is not None and isinstance(held.array, np.ndarray))
+        plans.append((spec, held, None if in_place else _target_chunks(ctx, spec, chunks)))
+    sources = file_sources(ctx, record, hosts)
+    raw_dtypes = {int(v["id"]): v["dtype"] for v in record.extra["vars"]}
+    token = uuid.uuid4().hex
+    arrays: dict[int, Array] = {}
+    futures = []
+    for spec in specs:
+        name = f"ftidask-read-{spec.id}-{token}"
+        graph = {}
+        for index, rank, dptr, _nbytes in record.extra["chunks"].get(str(spec.id), []):
+            src = sources[int(rank)]
+            key = (name, *index)
+            graph[key] = ctx.cluster.submit(reads.read_recovered_chunk, src, spec.id, int(dptr), raw_dtypes[spec.id],
+                                            list(spec.chunk_shape(tuple(index))), key=key, worker=src["worker"],
+                                            loose=True)
+            futures.append(graph[key])
+        if len(graph) != math.prod(len(c) for c in spec.chunks):
+            raise RecoveryError(f"checkpoint {record.ckpt_id}: variable {spec.id} has missing chunks")
+        arrays[spec.id] = Array(graph, name, spec.chunks, dtype=spec.dtype)
+    # Every chunk is read and verified before anything is handed back (a read whose worker dies
+    # meanwhile is done again elsewhere: no worker to watch).
+    ctx.cluster.wait_all(futures, (), f"reading checkpoint {record.ckpt_id}", gather=False)
+    # Every NumPy value is computed before the first array is filled (a worker lost meanwhile fails
+    # the recovery with every array as it was).
+    values = {spec.id: arrays[spec.id].compute() for spec, _held, target in plans if target is None}
+    # Python states decoded (and checked) before anything is filled, too.
+    states = {spec.id: (held.state.decode(values[spec.id], f"variable {spec.id}") if held is not None
+                        and held.state is not None else pystate.loads(values[spec.id], f"variable {spec.id}"))
+              for spec, held, _t in plans if spec.pystate}
+    out: dict[int, Any] = {}
+    for spec, held, target in plans:
+        if spec.pystate:
+            if held is not None and held.state is not None:
+                held.state.apply(states[spec.id])
+                held.array = values.pop(spec.id)
+                out[spec.id] = held.state.obj
+            else:  # stored but not protected now: its value
+                out[spec.id] = states[spec.id]
+            continue
+        if target is None:
+            value = values.pop(spec.id)
+            if held is not None and isinstance(held.array, np.ndarray):
+                np.copyto(held.array, value)
+                value = held.array
+            out[spec.id] = value
+            continue
+        arr = arrays[spec.id]
+        if target != spec.chunks:
+            arr = arr.rechunk(target)
+        out[spec.id] = arr
+        ctx._vars[spec.id] = Protected(spec.id, held.name if held is not None else spec.name, arr)
+    return out
+
+
+def _restore_retrying(ctx: DaskContext, record: CommitRecord, attempts: int = 3) -> dict[int, tuple[str, str]]:
+    """:func:`restore_files`, tried again when a worker leaves meanwhile (a loss the scheduler had not
+    noticed yet when the tasks were placed)."""
+    for _attempt in range(attempts - 1):
+        try:
+            with ctx.cluster.batch():
+                return restore_files(ctx, record)
+        except WorkerLost:
+            log.info("a worker left while checkpoint %d was being checked; trying again", record.ckpt_id)
+    with ctx.cluster.batch():
+        return restore_files(ctx, record)
+
+
+def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: Any,
+            ids: Any = None) -> dict[int, Any]:
+    """The newest recoverable checkpoint's arrays (see :meth:`DaskContext.recover`)."""
+    wanted = normalize_ids(ids)
+    reasons = []
+    records = dask_records(ctx, ckpt_id, level)
+    if not records:  # written by the MPI or single-process backend: stitched into global arrays if declared
+        other = ctx._candidates(ckpt_id, level)
+        if other:
+            return stitch.recover(ctx, other, chunks, wanted)
+    for record in records:
+        try:
+            hosts = _restore_retrying(ctx, record)
+        except (Unrecoverable, RecoveryError) as exc:
+            if not isinstance(exc, Unrecoverable) and "no workers" in str(exc):
+                raise
+            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {exc}")
+            log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, exc)
+            continue
+        except FTIError as exc:  # a worker lost or a task failed while checking: try the next one
+            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {exc}")
+            continue
+        out = build_arrays(ctx, record, hosts, chunks, wanted)
+        ctx._recovered = True
+        ctx.recovered_from = (record.ckpt_id, record.level)
+        ctx._next_ckpt_id = max(ctx._next_ckpt_id, record.ckpt_id + 1)
+        log.info("recovered checkpoint %d from level %d on %d workers", record.ckpt_id, record.level,
+                 len(ctx.cluster.workers()))
+        return out
+    what = "no committed checkpoint" if not reasons else "no checkpoint can be recovered"
+    raise NoCheckpointError(f"{what} for run {ctx.exec_id} in {ctx.paths.meta_dir}"
+                            + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
+                            + (f" (level={level})" if level is not None else "")
+                            + "".join(f"\n  - {r}" for r in reasons))
+
+
+def stored_size(ctx: DaskContext, vid: int) -> int:
+    """Bytes of variable ``vid`` in the newest committed checkpoint."""
+    records = dask_records(ctx, None, None)
+    if not records:
+        other = ctx._candidates(None, None)
+        if other:  # an MPI checkpoint's sizes are per old rank; recover() returns its global arrays
+            raise RecoveryError(f"checkpoint {other[0].ckpt_id} was written by the MPI or single-process backend "
+                                f"({other[0].nranks} rank(s)): its stored sizes are per old rank; recover() returns "
+                                "its variables as global arrays (their .nbytes)")
+        raise RecoveryError("no committed checkpoint")
+    for spec in _specs(records[0]):
+        if spec.id == vid:
+            return math.prod(spec.shape) * spec.dtype.itemsize
+    raise RecoveryError(f"variable {vid} is not in the checkpoint")

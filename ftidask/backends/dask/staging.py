@@ -1,0 +1,173 @@
+"""A staging mover for the Dask backend: each transfer is a task on the worker that holds the file.
+
+The file lives on a worker's node-local disk, so the copy runs there (``workers=[address]``); the
+client never sees the bytes. The task announces ``SI_ACTV`` through a worker event (topic
+``ftidask-stage-{token}``) and returns ``{"state", "reason"}``; the client's done-callback records the
+final state. A finalize that times out sets a distributed ``Event`` that running copies poll between
+pieces, so they stop and remove their temporary file. Only this module (in ftidask's staging) imports
+``distributed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from distributed import Client, Event, get_worker
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from ...model.constants import SI_ACTV, SI_FAIL, SI_SCES
+from ...staging.copy import CANCELLED, StageRequest, TransferFailed, transfer
+
+_CANCEL_REASON = CANCELLED
+
+
+def run_transfer(raw: dict[str, Any], topic: str, cancel_name: str) -> dict[str, Any]:
+    """The task body, on the worker: announce, copy, report (JSON-able result)."""
+    req = StageRequest.from_json(raw)
+    worker = get_worker()
+    worker.log_event(topic, {"id": req.id, "state": SI_ACTV, "worker": worker.address})
+    cancel = Event(cancel_name)
+    try:
+        transfer(req, lambda: cancel.is_set())
+    except TransferFailed as exc:
+        return {"id": req.id, "state": SI_FAIL, "reason": str(exc), "worker": worker.address}
+    return {"id": req.id, "state": SI_SCES, "reason": "", "worker": worker.address}
+
+
+def worker_by_node_dir(workers: Callable[[], list[str]]) -> Callable[[StageRequest], str | None]:
+    """A ``worker_for`` for the Dask backend's layout: a file under ``.../node{k}/...`` is on worker ``k``.
+
+    ``workers()`` lists the live worker addresses in rank order (the backend's sorted addresses).
+    A path without a ``node{k}`` component, or a ``k`` beyond the cluster, may run anywhere (None).
+    """
+    cache: list[str] = []  # asking the scheduler on every send_file would cost a round trip
+
+    def worker_for(req: StageRequest) -> str | None:
+        for part in reversed(Path(req.src).parts[:-1]):
+            if part.startswith("node") and part[4:].isdigit():
+                k = int(part[4:])
+                if k >= len(cache):
+                    cache[:] = workers()
+                return cache[k] if k < len(cache) else None
+        return None
+
+    worker_for.refresh = cache.clear  # type: ignore[attr-defined] - called when a worker leaves
+    return worker_for
+
+
+class _WorkerWatch(SchedulerPlugin):
+    """On the scheduler: tells the mover's client when a worker leaves (its requests cannot finish)."""
+
+    def __init__(self, topic: str) -> None:
+        self.topic = topic
+        self.name = f"{topic}-watch"
+
+    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
+        scheduler.log_event(self.topic, {"removed": worker})
+
+
+class DaskMover:
+    """Runs transfers as Dask tasks.
+
+    ``worker_for(req)`` names the worker address holding ``req.src`` (None: any worker, for disks
+    every worker can read, as on a LocalCluster).
+    """
+
+    def __init__(self, client: Client, worker_for: Callable[[StageRequest], str | None] | None = None) -> None:
+        self.client = client
+        self.worker_for = worker_for
+        self._token = uuid.uuid4().hex[:12]
+        self.topic = f"ftidask-stage-{self._token}"
+        self._cancel = Event(f"ftidask-stage-cancel-{self._token}", client=client)
+        self._futures: dict[int, Any] = {}
+        self._where: dict[int, str | None] = {}
+        self.ran_on: dict[int, str] = {}  # request id -> the worker that ran it
+        self._watch = _WorkerWatch(self.topic)
+        self._lock = threading.Lock()
+        self._table: Any = None
+
+    def start(self, table: Any) -> None:
+        self._table = table
+        self.client.subscribe_topic(self.topic, self._on_event)
+        self.client.register_plugin(self._watch, name=self._watch.name)
+
+    def _on_event(self, event: Any) -> None:
+        _when, msg = event
+        if isinstance(msg, dict) and "removed" in msg:
+            refresh = getattr(self.worker_for, "refresh", None)
+            if refresh is not None:
+                refresh()
+            self._worker_removed(str(msg["removed"]))
+            return
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            if "worker" in msg:
+                self.ran_on[int(msg["id"])] = str(msg["worker"])
+            self._table.update(int(msg["id"]), int(msg["state"]))
+
+    def _worker_removed(self, address: str) -> None:
+        """The worker holding some files died: their requests fail (a task bound to it would wait forever)."""
+        with self._lock:
+            lost = [(rid, self._futures.get(rid)) for rid, where in self._where.items() if where == address]
+        for rid, future in lost:
+            info = self._table.info(rid)
+            if info is None:
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(info.request.tmp)  # first the leftover, then the failure
+            self._table.update(rid, SI_FAIL, f"mover died (worker {address} left the cluster)")
+            if future is not None:  # this runs in the client's event loop: cancel from outside it
+                threading.Thread(target=future.cancel, daemon=True).start()
+
+    def submit(self, req: StageRequest) -> None:
+        address = self.worker_for(req) if self.worker_for is not None else None
+        future = self.client.submit(
+            run_transfer, req.to_json(), self.topic, self._cancel.name,
+            key=f"ftidask-stage-{self._token}-{req.id}", pure=False, retries=0,
+            workers=[address] if address else None, allow_other_workers=False)
+        with self._lock:
+            self._futures[req.id] = future
+            self._where[req.id] = address
+        future.add_done_callback(lambda fut, req=req: self._done(req, fut))
+
+    def _done(self, req: StageRequest, future: Any) -> None:
+        with self._lock:
+            self._futures.pop(req.id, None)
+            self._where.pop(req.id, None)
+        if future.status == "finished":
+            result = future.result()
+            self.ran_on[req.id] = str(result.get("worker", ""))
+            self._table.update(req.id, int(result["state"]), str(result.get("reason", "")))
+            return
+        if future.status == "cancelled":
+            reason = _CANCEL_REASON
+        else:
+            try:
+                exc = future.exception()
+            except Exception as err:  # noqa: BLE001 - whatever the scheduler says, it is the reason
+                exc = err
+            reason = f"the staging task failed on its worker: {exc!r}"
+        with contextlib.suppress(OSError):
+            os.unlink(req.tmp)  # best effort: only reachable if the worker's disk is visible here
+        self._table.update(req.id, SI_FAIL, reason)
+
+    def close(self, timeout: float) -> None:
+        self._table.wait(None, timeout)
+        open_ids = [r.id for r in self._table.open_requests()]
+        if open_ids:
+            self._cancel.set()  # running copies stop at their next piece and remove their temporary file
+            with self._lock:
+                futures = list(self._futures.values())
+            with contextlib.suppress(Exception):
+                self.client.cancel([f for f in futures if f.status == "pending"])
+            self._table.wait(open_ids, 30.0)
+            self._table.fail_open([r.id for r in self._table.open_requests()], _CANCEL_REASON)
+        with contextlib.suppress(Exception):
+            self.client.unsubscribe_topic(self.topic)
+        with contextlib.suppress(Exception):
+            self.client.unregister_scheduler_plugin(self._watch.name)

@@ -1,0 +1,231 @@
+"""Functions that Dask runs as tasks on the workers: write, copy, encode, flush, check, read.
+
+Plain functions of paths, JSON-able values and NumPy arrays (no ``distributed`` import);
+the client places each one on the worker that holds the chunks or the files. Bytes that move
+between workers (L2 copies, L3 stripes) move as task results, through Dask's own transfers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...engine.checkpointing import write_rank_file
+from ...ftiff import blockhash, hashing
+from ...ftiff.reader import parse_ftiff, verify_data
+from ...levels import rs
+from ...model.arrays import VarInfo, dtype_from_json
+from ...model.errors import FormatError
+from ...storage import files as storage
+from .plan import layout_from_json
+
+
+class ChunkBytes:
+    """The byte stream of one variable in a worker's file: its chunks back to back."""
+
+    def __init__(self, chunks: Sequence[np.ndarray], dptrs: Sequence[int]) -> None:
+        self._views = {}
+        for chunk, dptr in zip(chunks, dptrs, strict=True):
+            flat = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+            self._views[dptr] = memoryview(flat)
+        self._starts = sorted(self._views)
+        self.nbytes = sum(len(v) for v in self._views.values())
+
+    def view(self, start: int, stop: int) -> memoryview:
+        # One container per chunk: a range (a container, or blocks of one) lies within one chunk.
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i < 0:
+            raise FormatError(f"bytes [{start}, {stop}) are not in any chunk")
+        first = self._starts[i]
+        data = self._views[first]
+        if stop > first + len(data) or stop < start:
+            raise FormatError(f"bytes [{start}, {stop}) do not lie within the chunk at {first} "
+                              f"({len(data)} bytes)")
+        return data[start - first:stop - first]
+
+    def pieces(self, start: int, stop: int) -> list[memoryview]:
+        return [self.view(start, stop)]
+
+
+def chunk_sources(places: Sequence[Sequence[int]], chunks: Sequence[np.ndarray]) -> dict[int, ChunkBytes]:
+    """Each variable's byte stream from the chunks a worker holds (``places``: [var id, dptr] per chunk)."""
+    by_var: dict[int, tuple[list[np.ndarray], list[int]]] = {}
+    for (vid, dptr), chunk in zip(places, chunks, strict=True):
+        arrays, dptrs = by_var.setdefault(int(vid), ([], []))
+        arrays.append(chunk)
+        dptrs.append(int(dptr))
+    return {vid: ChunkBytes(a, d) for vid, (a, d) in by_var.items()}
+
+
+def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], meta: dict[str, Any],
+               hash_name: str, pt_fs: int, max_fs: int, places: list[list[int]],
+               *chunks: np.ndarray) -> dict[str, Any]:
+    """Write this worker's FTI-FF file from the chunks it holds (``places``: [var id, dptr] per chunk)."""
+    layout = layout_from_json(layout_json)
+    infos = [VarInfo.from_json(raw) for raw in infos_json]
+    written = write_rank_file(Path(path), layout, chunk_sources(places, chunks), infos,
+                              hash_id=hashing.hash_id(hash_name), meta=meta, pt_fs=pt_fs, max_fs=max_fs)
+    return {"rank": meta["rank"], "node": meta["node"], "size": written.file_size,
+            "fb_hash": written.fb.hash.hex(), "data_bytes": written.data_bytes, "path": path}
+
+
+def read_bytes(path: str, after: Any = None) -> np.ndarray:
+    """The whole file as uint8 (``after`` only orders this task after the one that wrote it)."""
+    return np.fromfile(path, dtype=np.uint8)
+
+
+def store_bytes(path: str, data: np.ndarray, after: Any = None) -> dict[str, Any]:
+    """Write ``data`` atomically at ``path`` (an L2 copy or a rebuilt file)."""
+    with storage.atomic_file(Path(path)) as fh:
+        fh.write(memoryview(np.ascontiguousarray(data)))
+    return {"path": path, "size": int(data.nbytes)}
+
+
+def _codec(k: int, m: int) -> Any:
+    from ...levels.erasure import ReedSolomon
+
+    return ReedSolomon(k, m)
+
+
+def _padded(datas: Sequence[np.ndarray], length: int) -> list[np.ndarray]:
+    out = []
+    for data in datas:
+        if data.nbytes < length:
+            data = np.concatenate([data, np.zeros(length - data.nbytes, np.uint8)])
+        out.append(data)
+    return out
+
+
+def encode_parity(path: str, position: int, datas: list[np.ndarray], hash_name: str | None = None,
+                  fb_hashes: list[str] | None = None) -> dict[str, Any]:
+    """Write the group's parity number ``position`` (of ``k``) at ``path``; files are zero-padded.
+
+    With ``hash_name``, also its record (hash, length, and the FB hashes of the files it encodes),
+    which lets the next differential checkpoint update it (:mod:`ftidask.levels.rs_delta`).
+    """
+    k = len(datas)
+    length = max(d.nbytes for d in datas)
+    parity = np.asarray(_codec(k, k).encode(_padded(datas, length), parity_indices=[position])[0], dtype=np.uint8)
+    out = store_bytes(path, parity)
+    if hash_name is not None:
+        hid = hashing.hash_id(hash_name)
+        errors: list[str] = []
+        rs.write_record(Path(path), hid, hashing.digest(hid, memoryview(parity)).hex(), length, errors, fb_hashes)
+        if errors:
+            raise OSError("; ".join(errors))
+    return out
+
+
+def decode_file(path: str, position: int, k: int, size: int, length: int,
+                available: list[tuple[int, np.ndarray]]) -> dict[str, Any]:
+    """Rebuild data file ``position`` of a group from any ``k`` of its data and parity files."""
+    blocks = {int(i): (d if d.nbytes == length else _padded([d], length)[0]) for i, d in available}
+    data = _codec(k, k).decode(blocks, length)[position]
+    return store_bytes(path, np.asarray(data, dtype=np.uint8)[:size])
+
+
+def flush(src: str, dst: str, after: Any = None, keep_src: bool = False) -> dict[str, Any]:
+    """L4: copy this worker's file to the global directory, then drop the local copy."""
+    size = storage.copy_file_atomic(Path(src), Path(dst))
+    if not keep_src:
+        os.unlink(src)
+    return {"path": dst, "size": size}
+
+
+def check_file(path: str, fb_hash: str, after: Any = None) -> dict[str, Any]:
+    """Parse and hash-check a rank's file; compare its file-block hash with the commit record."""
+    try:
+        with open(path, "rb") as fh:
+            parsed = parse_ftiff(fh, path)
+            verify_data(fh, parsed)
+    except FileNotFoundError:
+        return {"ok": False, "message": f"{path}: missing"}
+    except (FormatError, OSError) as exc:
+        return {"ok": False, "message": str(exc)}
+    if parsed.fb.hash.hex() != fb_hash:
+        return {"ok": False, "message": f"{path}: does not belong to this checkpoint"}
+    return {"ok": True, "message": ""}
+
+
+def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[int], fb_hash: str,
+               after: Any = None) -> np.ndarray:
+    """One chunk from a rank's file, its container hash checked before it is returned."""
+    dtype = dtype_from_json(dtype_json)
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, path)
+        if parsed.fb.hash.hex() != fb_hash:
+            raise FormatError("file does not belong to the checkpoint being recovered", path=path)
+        meta = next((m for _b, _c, m in parsed.containers() if m.id == var_id and m.dptr == dptr
+                     and m.hascontent), None)
+        out = np.empty(shape, dtype)
+        nbytes = out.nbytes
+        if nbytes == 0:
+            return out
+        if meta is None or meta.chunksize != nbytes:
+            raise FormatError(f"no container of {nbytes} bytes for variable {var_id} at dptr {dptr}", path=path)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        got = _pread_into(fh.fileno(), meta.fptr, view)
+        if got == nbytes and parsed.fb.flags & blockhash.FLAG_DCP:  # checked block by block
+            blockhash.check_container(fh, parsed, meta, view)
+            return out
+    if got != nbytes or hashing.digest(parsed.fb.hash_id, view) != meta.hash:
+        raise FormatError(f"variable {var_id}, chunk at dptr {dptr}: data hash does not match", path=path)
+    return out
+
+
+def _pread_into(fd: int, offset: int, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:got + (64 << 20)]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
+def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str], trash: bool = False,
+                    spares: bool = True) -> int:
+    """Remove what interrupted checkpoints left in the node directories this worker sees.
+
+    Checkpoint directories that no commit record names, and temporary files; with ``trash``
+    (once, when a run starts) also the trash that killed workers left (:func:`discard_paths`
+    removes its own in the background), and the spares of differential checkpoints unless
+    ``spares`` (the run writes them); the count removed.
+    """
+    keep = set(committed)
+    return sum(storage.collect_level_garbage(root, keep, trash, spares)
+               for root in Path(ckpt_dir).glob(f"node*/{exec_id}/l[1-4]"))
+
+
+def existing(paths: Sequence[str]) -> list[bool]:
+    """Which of ``paths`` this worker sees (run on every worker with ``Client.run``)."""
+    return [os.path.exists(p) for p in paths]
+
+
+@functools.cache
+def _remover() -> ThreadPoolExecutor:
+    # One thread per worker process, made on first use: deletions never hold up a task.
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-remove")
+
+
+def wait_removals() -> None:
+    """Wait until this worker's background deletions are done (finalize leaves no trash behind)."""
+    if _remover.cache_info().currsize:
+        _remover().submit(int).result()  # one thread, in order: every earlier deletion is done
+
+
+def discard_paths(paths: Sequence[str]) -> None:
+    """Rename each path to a hidden trash name now (atomic), delete it in the background.
+
+    Freeing GiB-sized files takes a noticeable time, which a checkpoint must not wait for;
+    what a killed worker leaves in the trash is removed by :func:`collect_garbage`.
+    """
+    for p in paths:
+        storage.discard(Path(p), _remover)

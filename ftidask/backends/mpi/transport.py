@@ -1,0 +1,302 @@
+"""The MPI backend: ranks of an mpi4py communicator, FTI's topology, L2/L3 over sub-communicators.
+
+The user's communicator is duplicated (so that our messages never mix with the application's)
+and split as FTI does: with ``head = 1`` one process per node leaves the application's
+communicator (``ctx.comm``, FTI_COMM_WORLD's role) and serves post-processing requests
+(:mod:`ftidask.backends.mpi.heads`). Small values travel as JSON (never pickle); file blocks as
+raw bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ...dcp.delta import file_fb_hash
+from ...engine.recovery import check_file
+from ...engine.runstate import CommitRecord
+from ...ftiff import hashing
+from ...levels import multilevel, partner_delta, rs_delta
+from ...levels.topology import Topology, host_topology, local_topology, validate_levels
+from ...model.config import Config
+from ...model.errors import CheckpointError, ConfigError, FTIError, LevelError
+from ...storage import files as storage
+from ...transport import collective
+from ...transport.base import Transport
+
+log = logging.getLogger("ftidask")
+_TAG_REQ, _TAG_REPLY = 1, 2
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, (tuple, set)):
+        return list(value)
+    raise TypeError(f"cannot send {type(value).__name__} between ranks")
+
+
+def encode_json(value: Any) -> np.ndarray:
+    return np.frombuffer(json.dumps(value, default=_json_default).encode(), dtype=np.uint8)
+
+
+def allgather_json(comm: MPI.Comm, value: Any) -> list[Any]:
+    """``comm.allgather`` with JSON instead of pickle."""
+    data = encode_json(value)
+    counts = np.empty(comm.size, dtype=np.int64)
+    comm.Allgather(np.array([data.size], dtype=np.int64), counts)
+    buf = np.empty(int(counts.sum()), dtype=np.uint8)
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    comm.Allgatherv(data, [buf, counts.tolist(), displs.tolist(), MPI.BYTE])
+    return [json.loads(buf[d:d + c].tobytes()) for d, c in zip(displs.tolist(), counts.tolist(), strict=True)]
+
+
+def send_json(comm: MPI.Comm, value: Any, dest: int, tag: int) -> None:
+    comm.Send([encode_json(value), MPI.BYTE], dest=dest, tag=tag)
+
+
+def recv_json(comm: MPI.Comm, source: int, tag: int) -> tuple[Any, int]:
+    status = MPI.Status()
+    comm.Probe(source=source, tag=tag, status=status)
+    buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+    comm.Recv([buf, MPI.BYTE], source=status.Get_source(), tag=tag)
+    return json.loads(buf.tobytes()), status.Get_source()
+
+
+class MpiGroup:
+    """A :class:`~ftidask.levels.channel.GroupChannel` over an MPI sub-communicator (rank = index in group)."""
+
+    def __init__(self, comm: MPI.Comm, tag: int) -> None:
+        self.comm, self.tag = comm, tag
+        self.index, self.size = comm.rank, comm.size
+
+    def allgather(self, value: Any) -> list[Any]:
+        return allgather_json(self.comm, value)
+
+    def allgather_blocks(self, block: np.ndarray) -> list[np.ndarray]:
+        out = np.empty((self.size, block.size), dtype=np.uint8)
+        self.comm.Allgather([np.ascontiguousarray(block, dtype=np.uint8), MPI.BYTE], [out, MPI.BYTE])
+        return list(out)
+
+    def exchange(self, send: np.ndarray | None, dest: int | None, recv_nbytes: int,
+                 source: int | None) -> np.ndarray | None:
+        sendbuf = send if send is not None else np.empty(0, np.uint8)
+        recvbuf = np.empty(recv_nbytes if source is not None else 0, dtype=np.uint8)
+        self.comm.Sendrecv([sendbuf, MPI.BYTE], MPI.PROC_NULL if dest is None else dest, self.tag,
+                           [recvbuf, MPI.BYTE], MPI.PROC_NULL if source is None else source, self.tag)
+        return recvbuf if source is not None else None
+
+
+def make_topology(cfg: Config, comm: MPI.Comm) -> Topology:
+    """FTI's topology of ``comm`` (the same on every rank, errors included)."""
+    if cfg.local_test:
+        return local_topology(comm.size, cfg.node_size, cfg.head, cfg.group_size)
+    return host_topology(allgather_json(comm, MPI.Get_processor_name()), cfg.node_size, cfg.head, cfg.group_size)
+
+
+class MpiTransport(Transport):
+    """One process of an MPI run: an application rank, or (``head = 1``) a node's head."""
+
+    name = "mpi"
+
+    def __init__(self, cfg: Config, comm: MPI.Comm) -> None:
+        self.cfg = cfg
+        self.world = comm.Dup()
+        self._comms: list[MPI.Comm] = [self.world]
+        try:
+            self.topo = make_topology(cfg, self.world)
+            validate_levels(self.topo, [lv for lv in (2, 3) if cfg.interval(lv) > 0])
+        except ConfigError:
+            self.world.Free()
+            raise
+        topo, w = self.topo, self.world.rank
+        self.is_head = topo.is_head(w)
+        self.node, self.nnodes = topo.node_of[w], topo.nnodes
+        self._problem = topo.multilevel_ok()
+        self.comm = self._keep(self.world.Split(1 if self.is_head else 0, w))
+        self.rank, self.size = self.comm.rank, self.comm.size
+        # Node communicator: the head (position 0) and its node's application ranks.
+        self.node_comm = self._keep(self.world.Split(topo.node_of[w], topo.local_of[w])) if cfg.head else None
+        self.group: MpiGroup | None = None
+        if not self._problem:
+            g = topo.group_of_node(self.node)
+            color = g if self.is_head else g * topo.app_per_node + topo.position_of_app(self.rank)
+            sub = self._keep(self.comm.Split(color, topo.index_in_group(self.node)))
+            self.group = MpiGroup(sub, cfg.mpi_tag)
+        self._pending = False
+        self._last_reply: Any = None
+        self._closed = False
+
+    def _keep(self, comm: MPI.Comm) -> MPI.Comm:
+        self._comms.append(comm)
+        return comm
+
+    # --- collectives over the application's ranks -------------------------------------------------
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def allgather(self, value: Any) -> list[Any]:
+        return allgather_json(self.comm, value)
+
+    def stage_mover(self, cfg: Config) -> Any:
+        """Staging's mover: the node's head with ``head = 1``; None (a thread of the rank) otherwise."""
+        if self.node_comm is None or self.is_head:
+            return None
+        from .stage_heads import HeadStageMover
+
+        return HeadStageMover(self.node_comm)
+
+    def levels(self) -> tuple[int, ...]:
+        return (1, 4) if self._problem else (1, 2, 3, 4)
+
+    def check_level(self, level: int) -> None:
+        if level not in self.levels():
+            raise LevelError(f"level {level} is not available: {self._problem}")
+
+    def partner_of(self) -> int:
+        return self.topo.left_partner(self.rank) if self.group is not None else self.rank
+
+    def group_of(self) -> list[int]:
+        return self.topo.group_ranks(self.rank) if self.group is not None else [self.rank]
+
+    # --- levels -----------------------------------------------------------------------------------
+
+    def protect_files(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path) -> None:
+        if level not in (2, 3):
+            return
+        self.check_level(level)
+        assert self.group is not None
+        # Local work between the group's collectives records its errors (collective.guarded), never raises.
+        errors: list[str] = []
+        size = _size_or_zero(own_file)
+        fb_hash = collective.guarded(errors, lambda: file_fb_hash(own_file), "") if level == 3 else ""
+        fb_hashes = self.group.allgather(fb_hash) if level == 3 else None
+        error = multilevel.protect(self.group, self.cfg, level, ckpt_id, self.rank, own_file, ckpt_dir,
+                                   self.group.allgather(size), fb_hashes)
+        if error or errors:
+            raise CheckpointError("; ".join([*errors, error] if error else errors))
+
+    def protect_files_delta(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, delta: Any,
+                            xor: Any = None) -> None:
+        """L2 of a differential file: the partner gets only the changed ranges when it holds the base.
+        L3: the parity is updated from every member's ``xor`` delta when all can (else re-encoded)."""
+        if level == 3:
+            self.check_level(level)
+            assert self.group is not None
+            errors: list[str] = []
+            why = rs_delta.update(self.group, xor, collective.guarded(errors, lambda: file_fb_hash(own_file), ""),
+                                  rs_delta.spare_parity_path(ckpt_dir, self.rank),
+                                  ckpt_dir / storage.parity_file(ckpt_id, self.rank),
+                                  self.group.allgather(_size_or_zero(own_file)), hashing.hash_id(self.cfg.hash))
+            if why is None:
+                if errors:  # after the level's last collective: local, agreed by the caller
+                    raise CheckpointError("; ".join(errors))
+                return
+            log.info("L3: parity re-encoded in full: %s", why)
+        if level != 2:
+            self.protect_files(level, ckpt_id, own_file, ckpt_dir)
+            return
+        self.check_level(level)
+        assert self.group is not None
+        size = _size_or_zero(own_file)
+        error = partner_delta.protect(self.group, own_file, ckpt_dir / storage.partner_file(ckpt_id, self.rank),
+                                      partner_delta.spare_partner_path(ckpt_dir, self.rank), size, delta,
+                                      self.cfg.transfer_size << 20)
+        if error:
+            raise CheckpointError(error)
+
+    def rebuild_file(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, ok: bool,
+                     record: CommitRecord | None = None) -> bool:
+        if level not in (2, 3) or self.group is None or record is None:
+            return ok
+        sizes = {f.rank: f.size for f in record.files}
+        ranks = self.topo.group_ranks(self.rank)
+        if record.nranks != self.size or any(r not in sizes for r in ranks):
+            return ok  # written by another topology: nothing to rebuild with
+        left = self.topo.left_partner(self.rank)
+
+        def verify(path: Path, rank: int) -> bool:  # called between the group's collectives: never raises
+            return bool(collective.guarded([], lambda: check_file(path, record, rank).kind == "ok", False,
+                                          f"checking {path}"))
+
+        return multilevel.rebuild(
+            self.group, self.cfg, level, record.ckpt_id, self.rank, own_file, ckpt_dir, [sizes[r] for r in ranks],
+            ok, verify_own=lambda p: verify(p, self.rank), verify_partner=lambda p: verify(p, left))
+
+    # --- heads (post-processing) --------------------------------------------------------------------
+
+    def write_level(self, level: int) -> int:
+        """The level the application writes at: 1 when a head will post-process to ``level``."""
+        if self.cfg.head and level > 1 and not self.cfg_inline(level):
+            return 1
+        return level
+
+    def cfg_inline(self, level: int) -> bool:
+        return bool({2: self.cfg.inline_l2, 3: self.cfg.inline_l3, 4: self.cfg.inline_l4}[level])
+
+    def post_process(self, record: CommitRecord, level: int, exec_id: str = "") -> None:
+        """Ask this node's head to raise ``record`` (an L1 checkpoint) to ``level``."""
+        if self.node_comm is None or level == record.level:
+            return
+        request = {"op": "post", "record": record.to_json(), "level": level, "exec_id": exec_id}
+        send_json(self.node_comm, request, 0, _TAG_REQ)
+        self._pending = True
+
+    def post_done(self) -> bool:
+        """Whether the last post-processing request is finished (never blocks)."""
+        if not self._pending:
+            return True
+        assert self.node_comm is not None
+        return bool(self.node_comm.Iprobe(source=0, tag=_TAG_REPLY))
+
+    def wait_post(self) -> Any:
+        """Wait for the last post-processing request; its outcome ({'ok': bool, 'error': str}) or None."""
+        if self._pending:
+            assert self.node_comm is not None
+            self._last_reply, _src = recv_json(self.node_comm, 0, _TAG_REPLY)
+            self._pending = False
+            if not self._last_reply.get("ok"):
+                log.warning("post-processing failed, the checkpoint stays at level 1: %s",
+                            self._last_reply.get("error"))
+        return self._last_reply
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.node_comm is not None and not self.is_head:
+            self.wait_post()
+            send_json(self.node_comm, {"op": "end"}, 0, _TAG_REQ)
+        for comm in reversed(self._comms):
+            comm.Free()
+
+
+def make_mpi_context(cfg: Config, comm: Any) -> Any:
+    """``ftidask.init(config, comm=...)``: a Context over MPI ranks; heads serve and never return (as in FTI)."""
+    from ...api.context import Context
+
+    if not isinstance(comm, MPI.Comm):
+        raise FTIError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+    transport = MpiTransport(cfg, comm)
+    if transport.is_head:
+        from .heads import serve
+
+        serve(cfg, transport)
+        raise SystemExit(0)
+    return Context(cfg, transport)
+
+
+def _size_or_zero(path: Path) -> int:
+    """The file's size, 0 when it is missing (its rank still takes part in the collective)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -1,0 +1,126 @@
+"""What a differential file changed, as byte ranges: so that L2 can send only those to the partner.
+
+A differential checkpoint patches a file whose content was known (its *base*, identified by the
+base's FB hash). :class:`FileDelta` lists every byte range of the new file that may differ from
+the base: the data blocks written, every block's metadata, the block-hash section and table
+(from ``fs`` to the end) and the FB. A partner that holds an identical copy of the base (same FB
+hash: e.g. it keeps retired partner copies as spares, as :mod:`ftidask.engine.dcpstore` does for own
+files) rebuilds the new file with :func:`apply_delta` from :func:`read_payload`'s bytes; any
+other partner needs the whole file. The result is verified like any file at recovery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..ftiff.structs import FB_SIZE, FileBlock
+from ..model.errors import FormatError
+from ..storage import files as storage
+
+
+@dataclasses.dataclass(frozen=True)
+class XorDelta:
+    """What a differential file changed, as ``old XOR new`` bytes per range (files zero-padded).
+
+    For L3: Reed-Solomon parity is linear, so a parity built over the group's base files becomes
+    the parity of the new files by adding (XOR in GF(2^8)) each member's coefficient times its
+    ``XorDelta`` (:mod:`ftidask.levels.rs_delta`). Only produced when the new file has the base's
+    layout, so that data ranges and metadata ranges never overlap.
+    """
+
+    base_fb_hash: bytes
+    ranges: tuple[tuple[int, int], ...]  # (offset, length), sorted, disjoint
+    payload: np.ndarray  # uint8: the XOR bytes of every range, back to back
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.payload.nbytes)
+
+
+class DeltaMismatch(FormatError):
+    """The partner's base is not the file the delta was computed against: send the whole file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FileDelta:
+    """Byte ranges ``(offset, length)`` of a new file that differ from the base file."""
+
+    base_fb_hash: bytes
+    file_size: int
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _o, n in self.ranges)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"base_fb_hash": self.base_fb_hash.hex(), "file_size": self.file_size,
+                "ranges": [list(r) for r in self.ranges]}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> FileDelta:
+        try:
+            return cls(bytes.fromhex(raw["base_fb_hash"]), int(raw["file_size"]),
+                       tuple((int(o), int(n)) for o, n in raw["ranges"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"invalid file delta: {exc}") from None
+
+
+def file_fb_hash(path: Path | str) -> str:
+    """The FB hash (hex) of the file at ``path``, or "" when it is missing or has no valid FB."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(FB_SIZE)
+        return FileBlock.unpack(raw).hash.hex() if len(raw) == FB_SIZE else ""
+    except (OSError, FormatError):
+        return ""
+
+
+def merge_ranges(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sorted, non-overlapping, adjacent ranges joined."""
+    out: list[list[int]] = []
+    for off, n in sorted(r for r in ranges if r[1] > 0):
+        if out and off <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], off + n - out[-1][0])
+        else:
+            out.append([off, n])
+    return tuple((o, n) for o, n in out)
+
+
+def read_payload(path: Path, delta: FileDelta) -> bytes:
+    """The bytes of ``delta``'s ranges of the new file, concatenated."""
+    with open(path, "rb") as fh:
+        parts = [os.pread(fh.fileno(), n, off) for off, n in delta.ranges]
+    payload = b"".join(parts)
+    if len(payload) != delta.nbytes:
+        raise FormatError(f"{path}: shorter than its delta", path=str(path))
+    return payload
+
+
+def apply_delta(base_path: Path, out_path: Path, delta: FileDelta, payload: bytes | memoryview) -> None:
+    """Patch the copy of the base at ``base_path`` in place and rename it to ``out_path``."""
+    if len(payload) != delta.nbytes:
+        raise FormatError(f"delta payload of {len(payload)} bytes, the ranges need {delta.nbytes}")
+    fd = os.open(base_path, os.O_RDWR)
+    try:
+        raw = os.pread(fd, FB_SIZE, 0)
+        try:
+            same = len(raw) == FB_SIZE and FileBlock.unpack(raw).hash == delta.base_fb_hash
+        except FormatError:
+            same = False
+        if not same:
+            raise DeltaMismatch(f"{base_path} is not the base of this delta", path=str(base_path))
+        view, pos = memoryview(payload).cast("B"), 0
+        for off, n in delta.ranges:
+            storage.pwrite_all(fd, view[pos:pos + n], off)
+            pos += n
+        os.ftruncate(fd, delta.file_size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    storage.rename_into(base_path, out_path)

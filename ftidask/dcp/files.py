@@ -1,0 +1,428 @@
+"""Differential checkpointing: hash the data in blocks, write only the blocks that changed.
+
+:class:`DcpFileWriter` brings an existing file (the *base*, whose block digests are known:
+:class:`BlockState`) up to date in place: every block of the current data is hashed (this is
+unavoidable without a copy of the data, and runs at several GiB/s on a thread pool, xxhash and
+hashlib releasing the GIL), blocks whose digest differs from the base's are written at their
+``fptr`` offset, then the metadata, block-hash section, table and FB are rewritten (they are
+small). Nothing unchanged is read back or rehashed from disk: a container's hash is the hash of
+its block digests (see :mod:`ftidask.ftiff.blockhash`).
+
+Which file is patched, and how the previous checkpoint stays valid meanwhile, is decided by
+:mod:`ftidask.engine.dcpstore`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..ftiff import blockhash
+from ..ftiff.blockhash import FLAG_DCP, block_digests, container_hash
+from ..ftiff.layout import Layout, Slot
+from ..ftiff.structs import FLAG_METADATA_CHECKSUM
+from ..ftiff.writer import ByteSource, WrittenFile, write_metadata
+from ..model.arrays import VarInfo
+from ..model.errors import CheckpointError, FormatError
+from ..storage import files as storage
+from .delta import FileDelta, XorDelta, merge_ranges
+from .track import KnownDigests
+
+_SEGMENT = 8 << 20  # bytes hashed per task: small enough to pipeline, large enough to amortise
+_SEGMENT_KNOWN = 64 << 20  # the same with write tracking: few blocks are hashed, fewer steps cost less
+_WINDOW = 6  # segments hashed ahead of the writer
+_STAGE_BUDGET = 8 << 20  # changed bytes a hashing task copies for writing; the writer copies the rest
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockState:
+    """What one file holds, as block digests: enough to know which blocks a new state changes."""
+
+    layout: Layout
+    block_size: int
+    bid: int
+    digests: Mapping[tuple[int, int], np.ndarray]  # (block, slot) -> (n, D) uint8
+    fb_hash: bytes  # identifies the file this state describes
+
+    def compatible(self, block_size: int, bid: int) -> bool:
+        return self.block_size == block_size and self.bid == bid
+
+
+@dataclasses.dataclass(frozen=True)
+class DcpStats:
+    """What a differential write did."""
+
+    data_bytes: int
+    blocks_changed: int
+    blocks_total: int
+    file_bytes: int
+    hash_seconds: float
+    delta: FileDelta | None = None  # the ranges that differ from the base (None: no base)
+    xor: XorDelta | None = None  # old XOR new of those ranges, when asked for (L3) and the layout is the base's
+    blocks_hashed: int = 0  # blocks read and hashed (write tracking spares the others, see dcptrack)
+    data_runs: int = 0  # separate writes of data (runs of changed blocks)
+
+
+def _base_slot(base: BlockState | None, bi: int, si: int, slot: Slot) -> np.ndarray | None:
+    """The base's digests of the same container, or None when the base has no such container."""
+    if base is None or bi >= len(base.layout.blocks) or si >= len(base.layout.blocks[bi].slots):
+        return None
+    old = base.layout.blocks[bi].slots[si]
+    if (old.var_id, old.dptr, old.fptr, old.containersize) != (slot.var_id, slot.dptr, slot.fptr, slot.containersize):
+        return None
+    digests = base.digests.get((bi, si))
+    if digests is None:
+        return None
+    if old.chunksize != slot.chunksize:
+        # Only the blocks that are whole in both files have comparable digests.
+        digests = digests[:min(old.chunksize, slot.chunksize) // base.block_size]
+    return digests
+
+
+def _segments(slot: Slot, block_size: int, segment: int) -> Iterator[tuple[int, int]]:
+    step = max(1, segment // block_size) * block_size
+    for lo in range(0, slot.chunksize, step):
+        yield lo, min(slot.chunksize, lo + step)
+
+
+def _hash_segment(source: ByteSource, start: int, stop: int, block_size: int, fn: Callable[[memoryview], bytes],
+                  size: int, reuse: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, memoryview | None]:
+    """The digests of the blocks of bytes ``[start, stop)``; with ``reuse`` = (digests, stale
+    mask) only the stale blocks are hashed and the others' digests are taken as given."""
+    view = source.view(start, stop)
+    copy = None
+    if view is None:  # non-contiguous array: one bounded copy, kept for writing
+        copy = memoryview(b"".join(bytes(p) for p in source.pieces(start, stop)))
+        view = copy
+    if reuse is None:
+        return block_digests(view, block_size, fn, size), copy
+    digests, stale = reuse
+    for b0, b1 in _runs(stale):
+        digests[b0:b1] = block_digests(view[b0 * block_size:b1 * block_size], block_size, fn, size)
+    return digests, copy
+
+
+_Run = tuple[int, int, bool, bool]  # blocks [b0, b1) of a segment; may it widen to a page before, after?
+
+
+@dataclasses.dataclass
+class _Segment:
+    """One hashed segment of a container: its digests, the blocks that differ from the base, and
+    the bytes to write: ``staged`` (segment offset, private copy) by the hashing task, then
+    ``runs`` that the task left for the writer to stage (past its budget)."""
+
+    digests: np.ndarray
+    mask: np.ndarray
+    staged: list[tuple[int, memoryview]]
+    runs: list[_Run]
+    copy: memoryview | None
+
+
+def _split(runs: list[tuple[int, int]], most: int) -> list[_Run]:
+    """``runs`` cut into runs of at most ``most`` blocks (each staged copy stays bounded); only the
+    outer ends of a run are widened to whole pages, so that no two writes overlap."""
+    out = []
+    for b0, b1 in runs:
+        for lo in range(b0, b1, most):
+            out.append((lo, min(b1, lo + most), lo == b0, lo + most >= b1))
+    return out
+
+
+def _segment_task(source: ByteSource, start: int, stop: int, block_size: int, fn: Callable[[memoryview], bytes],
+                  size: int, reuse: tuple[np.ndarray, np.ndarray] | None, base: np.ndarray | None,
+                  file_offset: int) -> _Segment:
+    """Hash a segment, compare it with the base's digests, and stage (copy) its first changed
+    blocks for writing: on the pool, so that copying costs the writer's thread no time."""
+    if reuse is not None and not reuse[1].any():  # nothing to hash
+        digests, copy = reuse[0], None
+    else:
+        digests, copy = _hash_segment(source, start, stop, block_size, fn, size, reuse)
+        if not digests.flags.writeable:  # the pure-Python hashes: the staging below rewrites some rows
+            digests = digests.copy()
+    mask = np.ones(len(digests), bool)
+    if base is not None:
+        same = min(len(digests), len(base))
+        mask[:same] = _differ(digests[:same], base[:same])
+    runs = _split(_runs(mask), max(1, _STAGE_BUDGET // block_size))
+    staged: list[tuple[int, memoryview]] = []
+    budget = _STAGE_BUDGET
+    while runs and (copy is not None or budget > 0):
+        offset, data = stage_run(source, copy, start, stop - start, runs.pop(0), digests, block_size, fn, size,
+                                 file_offset)
+        staged.append((offset, data))
+        budget -= len(data)
+    return _Segment(digests, mask, staged, runs, copy)
+
+
+def stage_run(source: ByteSource, copy: memoryview | None, start: int, length: int, run: _Run,
+              digests: np.ndarray, block_size: int, fn: Callable[[memoryview], bytes], size: int,
+              file_offset: int) -> tuple[int, memoryview]:
+    """The bytes to write for a run of changed blocks of a segment: ``(segment offset, data)``.
+
+    The data is a private copy of the memory (another thread may be writing the array), and the
+    digests of its blocks are recomputed from that copy, so that the file's block hashes are those
+    of the bytes it holds. Widened to whole file pages (see :func:`_page_aligned`) only into a
+    neighbouring block whose copy still matches its digest (its bytes in the file).
+    """
+    b0, b1, widen_lo, widen_hi = run
+    off, end = b0 * block_size, min(length, b1 * block_size)
+    poff, pend = _page_aligned(file_offset, off, end, length) if aligns_writes(block_size) else (off, end)
+    poff, pend = poff if widen_lo else off, pend if widen_hi else end
+    if copy is not None:  # the digests were computed from this private copy
+        return poff, copy[poff:pend]
+    first, last = poff // block_size, -(-pend // block_size)
+    lo, hi = first * block_size, min(length, last * block_size)
+    view = source.view(start + lo, start + hi)
+    if view is None:
+        raise CheckpointError("a variable's buffer changed while it was checkpointed")
+    snap = np.frombuffer(view, np.uint8).copy()  # one read of the memory: hashed and written
+    fresh = block_digests(memoryview(snap), block_size, fn, size)
+    digests[b0:b1] = fresh[b0 - first:b1 - first]
+    if first < b0 and _differ(fresh[:1], digests[first:b0]).any():
+        poff = off  # the block before changed since it was hashed: its bytes in the file stay
+    if last > b1 and _differ(fresh[-1:], digests[b1:last]).any():
+        pend = end
+    return poff, memoryview(snap)[poff - lo:pend - lo]
+
+
+def aligns_writes(block_size: int) -> bool:
+    """Are changed blocks written as whole file pages? For blocks of 4 pages or more (at most
+    a quarter more bytes on average); smaller blocks would mean too many bytes more."""
+    return block_size >= 4 * _PAGE
+
+
+def _page_aligned(base: int, off: int, end: int, limit: int) -> tuple[int, int]:
+    """``[off, end)`` of a segment starting at file offset ``base``, widened to whole file pages
+    within ``[0, limit)``. The bytes added belong to blocks that are unchanged (file and memory
+    agree) or written anyway, so writing them changes nothing; but a write of whole pages into a
+    file whose pages are not cached (see :meth:`DcpStore.retire`) needs no read of the page first."""
+    return max(0, (base + off) // _PAGE * _PAGE - base), min(limit, -(-(base + end) // _PAGE) * _PAGE - base)
+
+
+def _differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row: do the digests differ?"""
+    if a.shape[1] % 8 == 0 and a.flags.c_contiguous and b.flags.c_contiguous:
+        a, b = a.view(np.uint64), b.view(np.uint64)  # 2 words per 16-byte digest, not 16 bytes
+    return (a != b).any(axis=1)
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """``[(first, stop), ...]`` of the runs of True in ``mask``."""
+    if not mask.any():
+        return []
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.view(np.int8), [0]))))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+class DcpFileWriter:
+    """Bring the file open at ``fd`` from ``base`` (None: unknown content, write everything) to
+    the current data, variable by variable (so that iCP can use it), then :meth:`finish`."""
+
+    def __init__(self, fd: int, layout: Layout, base: BlockState | None, *, block_size: int, bid: int,
+                 hash_id: int, pool: ThreadPoolExecutor, capture_xor: bool = False) -> None:
+        if not blockhash.MIN_BLOCK <= block_size <= blockhash.MAX_BLOCK:
+            raise CheckpointError(f"dcp_block_size {block_size} outside [512, 65535]")
+        self.fd, self.layout, self.pool = fd, layout, pool
+        self.base = base if base is not None and base.compatible(block_size, bid) else None
+        self.block_size, self.bid, self.hash_id = block_size, bid, hash_id
+        _name, self.dsize, self.fn = blockhash.block_hash(bid)
+        self.digests: dict[tuple[int, int], np.ndarray] = {}
+        self.changed: dict[tuple[int, int], np.ndarray] = {}  # per container: mask of written blocks
+        self.data_bytes = 0
+        self.blocks_hashed = 0
+        self.hash_seconds = 0.0
+        self.done: set[int] = set()
+        self._writeback: list[Future[None]] = []
+        self.runs: list[tuple[int, int]] = []  # file ranges of the data written
+        # For L3 parity updates: the base's metadata bytes, read before anything is overwritten.
+        self._old_meta: list[tuple[int, bytes]] | None = None
+        self._xor: list[tuple[int, np.ndarray]] = []
+        if capture_xor and self.base is not None and self.base.layout == layout:
+            old_size = os.fstat(fd).st_size
+            self._old_meta = [(off, _pread_padded(fd, n, off, old_size)) for off, n in self._meta_ranges(old_size)]
+        # Invalidate the FB before the first data write: a file torn by a crash while it is patched
+        # never shows a valid FB, so it is never mistaken for the file its old FB described.
+        os.pwrite(fd, bytes(96), 0)
+        os.fdatasync(fd)
+
+    def write_var(self, var_id: int, source: ByteSource, known: KnownDigests | None = None) -> int:
+        """Hash every block of ``var_id``'s containers, write those that differ from the base.
+        With ``known`` (see :mod:`ftidask.dcp.track`), blocks whose pages were not written since
+        they were last hashed keep their digest and are not read."""
+        written = 0
+        pending: deque[tuple[tuple[int, int], Slot, int, int, Future[Any]]] = deque()
+        slots = [((bi, si), s) for bi, b in enumerate(self.layout.blocks) for si, s in enumerate(b.slots)
+                 if s.var_id == var_id and s.hascontent]
+        parts: dict[tuple[int, int], list[np.ndarray]] = {key: [] for key, _s in slots}
+        reuse = {key: known.container(s.dptr, s.chunksize, self.block_size) for key, s in slots} if known else {}
+        tasks = ((key, s, lo, hi) for key, s in slots
+                 for lo, hi in _segments(s, self.block_size, _SEGMENT if reuse.get(key) is None else _SEGMENT_KNOWN))
+        start = time.perf_counter()
+
+        def submit() -> None:
+            for key, s, lo, hi in tasks:
+                known_part = reuse.get(key)
+                b0, b1 = lo // self.block_size, -(-hi // self.block_size)
+                if known_part is not None:
+                    known_part = (known_part[0][b0:b1], known_part[1][b0:b1])
+                self.blocks_hashed += (int(known_part[1].sum()) if known_part is not None
+                                       else -(-(hi - lo) // self.block_size))
+                base = _base_slot(self.base, key[0], key[1], s)
+                pending.append((key, s, lo, hi, self.pool.submit(
+                    _segment_task, source, s.dptr + lo, s.dptr + hi, self.block_size, self.fn, self.dsize,
+                    known_part, None if base is None else base[b0:b1], s.fptr + lo)))
+                if len(pending) >= _WINDOW:
+                    return
+
+        submit()
+        while pending:
+            key, slot, lo, hi, fut = pending.popleft()
+            seg = fut.result()
+            submit()
+            parts[key].append(seg.digests)
+            self.changed.setdefault(key, np.zeros(0, bool))
+            self.changed[key] = np.concatenate((self.changed[key], seg.mask))
+            # Changed blocks the task did not copy are copied now, one run at a time (bounded memory).
+            later = (stage_run(source, seg.copy, slot.dptr + lo, hi - lo, run, seg.digests, self.block_size,
+                               self.fn, self.dsize, slot.fptr + lo) for run in seg.runs)
+            for off, data in itertools.chain(seg.staged, later):
+                end = off + len(data)
+                if self._old_meta is not None:  # old XOR new, read before it is overwritten
+                    new_bytes = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+                    old_bytes = np.frombuffer(_pread_padded(self.fd, end - off, slot.fptr + lo + off, None), np.uint8)
+                    self._xor.append((slot.fptr + lo + off, old_bytes ^ new_bytes))
+                storage.pwrite_all(self.fd, data, slot.fptr + lo + off)
+                self.runs.append((slot.fptr + lo + off, end - off))
+                written += end - off
+            if seg.staged or seg.runs:
+                # Submitting write-back of scattered ranges costs CPU: on a pool thread, it overlaps.
+                self._writeback.append(self.pool.submit(storage.start_writeback, self.fd, slot.fptr + lo, hi - lo))
+        for key, chunks in parts.items():
+            self.digests[key] = (np.concatenate(chunks) if chunks else np.zeros((0, self.dsize), np.uint8))
+        self.hash_seconds += time.perf_counter() - start
+        self.data_bytes += written
+        self.done.add(var_id)
+        return written
+
+    def drain(self) -> None:
+        """Wait for the write-back requests sent to the pool (before fsync, and before fd is closed)."""
+        pending, self._writeback = self._writeback, []
+        for started in pending:
+            started.result()
+
+    def var_digests(self, var_id: int) -> dict[int, tuple[int, np.ndarray]]:
+        """``var_id``'s block digests by container: dptr -> (chunksize, digests)."""
+        return {s.dptr: (s.chunksize, self.digests[bi, si]) for bi, b in enumerate(self.layout.blocks)
+                for si, s in enumerate(b.slots) if s.var_id == var_id and (bi, si) in self.digests}
+
+    def _meta_ranges(self, end: int) -> list[tuple[int, int]]:
+        """The FB, each block's metadata, and ``[fs, end)``: the bytes a patch rewrites besides data."""
+        out = [(0, 96)] + [(b.offset, b.metasize) for b in self.layout.blocks]
+        return out + [(self.layout.fs, max(0, end - self.layout.fs))]
+
+    def _xor_delta(self, new_size: int) -> XorDelta:
+        """Old XOR new for the data runs written and every metadata range (FB, blocks, fs to the end)."""
+        assert self._old_meta is not None and self.base is not None
+        old_tail_end = self._old_meta[-1][0] + len(self._old_meta[-1][1])
+        pieces = list(self._xor)
+        for (_off, old), (off2, n) in zip(self._old_meta, self._meta_ranges(max(new_size, old_tail_end)), strict=True):
+            new = _pread_padded(self.fd, n, off2, new_size)
+            old = old + bytes(n - len(old))
+            pieces.append((off2, np.frombuffer(old, np.uint8) ^ np.frombuffer(new, np.uint8)))
+        pieces.sort(key=lambda p: p[0])
+        ranges = tuple((off, int(x.nbytes)) for off, x in pieces)
+        payload = np.concatenate([x for _o, x in pieces]) if pieces else np.zeros(0, np.uint8)
+        return XorDelta(self.base.fb_hash, ranges, payload)
+
+    def finish(self, trailer: Mapping[str, Any], *, pt_fs: int | None = None,
+               max_fs: int | None = None) -> tuple[WrittenFile, DcpStats, BlockState]:
+        """Write the metadata, block-hash section, table and FB; fsync. The new state is returned."""
+        missing = {s.var_id for s in self.layout.slots() if s.hascontent} - self.done
+        if missing:
+            raise CheckpointError(f"variables {sorted(missing)} were not written")
+        self.drain()
+        keys = [(bi, si) for bi, b in enumerate(self.layout.blocks) for si, s in enumerate(b.slots) if s.hascontent]
+        section = b"".join(memoryview(np.ascontiguousarray(self.digests[k])).cast("B") for k in keys)
+        table = dict(trailer)
+        table["dcp"] = blockhash.table_entry(self.block_size, self.bid, len(section))
+        hashes = {k: container_hash(self.hash_id, self.digests[k]) for k in keys}
+        with os.fdopen(os.dup(self.fd), "r+b") as fh:
+            written = write_metadata(fh, self.layout, hashes, hash_id=self.hash_id, trailer=table, pt_fs=pt_fs,
+                                     max_fs=max_fs, flags=FLAG_METADATA_CHECKSUM | FLAG_DCP, section=section)
+            fh.flush()
+            os.fsync(fh.fileno())
+        changed = sum(int(m.sum()) for m in self.changed.values())
+        total = sum(len(m) for m in self.changed.values())
+        meta_bytes = written.file_size - self.layout.fs + sum(b.metasize for b in self.layout.blocks) + 96
+        delta = None
+        if self.base is not None:
+            meta = [(0, 96), (self.layout.fs, written.file_size - self.layout.fs)]
+            meta += [(b.offset, b.metasize) for b in self.layout.blocks]
+            delta = FileDelta(self.base.fb_hash, written.file_size, merge_ranges(self.runs + meta))
+        xor = self._xor_delta(written.file_size) if self._old_meta is not None and self.base is not None else None
+        stats = DcpStats(self.data_bytes, changed, total, self.data_bytes + meta_bytes, self.hash_seconds, delta, xor,
+                         self.blocks_hashed, len(self.runs))
+        state = BlockState(self.layout, self.block_size, self.bid, dict(self.digests), written.fb.hash)
+        return dataclasses.replace(written, data_bytes=self.data_bytes), stats, state
+
+
+def _pread_padded(fd: int, n: int, offset: int, size: int | None) -> bytes:
+    """``n`` bytes at ``offset``, zeros past the end of the file (``size``, or as it is now)."""
+    raw = os.pread(fd, n, offset) if size is None or offset < size else b""
+    return raw + bytes(n - len(raw))
+
+
+def load_state(path: Path, expected_fb_hash: bytes) -> BlockState | None:
+    """The block state of the dCP file at ``path`` read from its own block-hash section, when its
+    FB hash is ``expected_fb_hash`` (the hash its commit record gave); None otherwise.
+
+    For backends whose writers keep no state between checkpoints (Dask tasks): a committed file
+    was complete and fsynced, and a writer invalidates the FB before patching a file, so a valid
+    FB with the expected hash means the section describes the data. Nothing but metadata is read.
+    """
+    from ..ftiff.reader import parse_ftiff
+
+    try:
+        with open(path, "rb") as fh:
+            parsed = parse_ftiff(fh, str(path))
+            if parsed.fb.hash != expected_fb_hash:
+                return None
+            return state_of_file(path, parsed)
+    except (OSError, FormatError):
+        return None
+
+
+def state_of_file(path: Path, parsed: Any) -> BlockState | None:
+    """The block state of a verified dCP file (None for a file without block hashes, or a Zarr store)."""
+    if getattr(parsed, "fb", None) is None or not parsed.fb.flags & FLAG_DCP:
+        return None
+    with open(path, "rb") as fh:
+        info, digests = blockhash.read_digests(fh, parsed)
+    return BlockState(parsed.layout(), info.block_size, info.bid, digests, parsed.fb.hash)
+
+
+def write_dcp_file(fd: int, layout: Layout, sources: Mapping[int, ByteSource], infos: list[VarInfo],
+                   meta: Mapping[str, Any], base: BlockState | None, *, block_size: int, bid: int, hash_id: int,
+                   pool: ThreadPoolExecutor, pt_fs: int | None = None, max_fs: int | None = None,
+                   capture_xor: bool = False) -> tuple[WrittenFile, DcpStats, BlockState]:
+    """Bring the file at ``fd`` from ``base`` to ``sources`` (every variable at once)."""
+    writer = DcpFileWriter(fd, layout, base, block_size=block_size, bid=bid, hash_id=hash_id, pool=pool,
+                           capture_xor=capture_xor)
+    try:
+        for vid, source in sources.items():
+            writer.write_var(vid, source)
+        trailer = dict(meta)
+        trailer["vars"] = [info.to_json() for info in infos]
+        return writer.finish(trailer, pt_fs=pt_fs, max_fs=max_fs)
+    finally:
+        writer.drain()

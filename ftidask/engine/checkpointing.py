@@ -1,0 +1,48 @@
+"""The write side: one rank's file of a checkpoint, and the info object returned to the user."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ..ftiff.layout import Layout
+from ..ftiff.writer import WrittenFile, write_ftiff
+from ..model.arrays import ArrayBytes, VarInfo
+from ..storage.files import atomic_file
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint did: id, level, bytes of data and of files written, and time."""
+
+    id: int
+    level: int
+    seq: int
+    bytes_written: int
+    file_bytes: int
+    seconds: float
+    blocks_changed: int | None = None
+    blocks_total: int | None = None
+    blocks_hashed: int | None = None  # of blocks_total, how many were read and hashed (the others: not written to)
+
+    def __repr__(self) -> str:
+        rate = self.bytes_written / self.seconds / 2**20 if self.seconds > 0 else 0.0
+        blocks = ("" if self.blocks_changed is None else
+                  f", blocks_changed={self.blocks_changed}/{self.blocks_total}")
+        return (f"CheckpointInfo(id={self.id}, level={self.level}, bytes_written={self.bytes_written}{blocks}, "
+                f"seconds={self.seconds:.3f} ({rate:.0f} MiB/s))")
+
+
+def write_rank_file(path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes], infos: list[VarInfo], *,
+                    hash_id: int, meta: Mapping[str, Any], pt_fs: int | None = None,
+                    max_fs: int | None = None, pool: ThreadPoolExecutor | None = None,
+                    codecs: Mapping[int, tuple[Any, int]] | None = None) -> WrittenFile:
+    """Write one rank's FTI-FF file atomically at ``path`` (``codecs``: variables to compress)."""
+    trailer = dict(meta)
+    trailer["vars"] = [info.to_json() for info in infos]
+    with atomic_file(path) as fh:
+        return write_ftiff(fh, layout, arrays, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs, pool=pool,
+                           codecs=codecs)

@@ -1,0 +1,156 @@
+"""A checkpoint being written, variable by variable, before its commit.
+
+:meth:`Context.checkpoint` writes every protected variable at once through it; incremental
+checkpointing (:mod:`ftidask.engine.icp`) writes them one at a time as the application finishes with
+them. The same object writes a full file (levels 1-4: a new file at a temporary name, renamed
+when complete) or a differential one (levels 5-8: the spare file patched in place, see
+:mod:`ftidask.engine.dcpstore`). Nothing is visible to recovery before the commit record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..dcp.files import DcpStats
+from ..ftiff.layout import Layout
+from ..ftiff.writer import WrittenFile, write_metadata, write_spans
+from ..model.arrays import ArrayBytes, VarInfo
+from ..model.errors import CheckpointError
+from ..storage.files import create_temp, fsync_dir, makedirs
+from .dcpstore import DcpHandle
+
+
+class RankFileWriter:
+    """A full FTI-FF file written variable by variable at a temporary name, renamed on finish."""
+
+    def __init__(self, path: Path, layout: Layout, hash_id: int, pool: ThreadPoolExecutor | None = None) -> None:
+        makedirs(path.parent)
+        self.path, self.layout, self.hash_id = path, layout, hash_id
+        fd, self.tmp = create_temp(path)
+        self.fh = os.fdopen(fd, "w+b")  # closed by finish or abort
+        self.digests: dict[tuple[int, int], bytes] = {}
+        self.data_bytes = 0
+        self._own_pool = pool is None
+        self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
+
+    def write_var(self, var_id: int, source: Any) -> int:
+        """Write and hash every container of ``var_id`` now (the array may change afterwards)."""
+        spans = [((bi, si), slot.fptr, source, slot.dptr, slot.dptr + slot.chunksize)
+                 for bi, block in enumerate(self.layout.blocks) for si, slot in enumerate(block.slots)
+                 if slot.var_id == var_id and slot.hascontent]
+        self.digests.update(write_spans(self.fh, spans, self.hash_id, self._pool))
+        written = sum(stop - start for _key, _offset, _source, start, stop in spans)
+        self.data_bytes += written
+        return written
+
+    def finish(self, trailer: Mapping[str, Any], *, pt_fs: int | None = None,
+               max_fs: int | None = None) -> WrittenFile:
+        written = write_metadata(self.fh, self.layout, self.digests, hash_id=self.hash_id, trailer=trailer,
+                                 pt_fs=pt_fs, max_fs=max_fs)
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.close()
+        os.replace(self.tmp, self.path)
+        fsync_dir(self.path.parent)
+        return dataclasses.replace(written, data_bytes=self.data_bytes)
+
+    def abort(self) -> None:
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp)
+
+    def close(self) -> None:
+        if not self.fh.closed:
+            self.fh.close()
+            if self._own_pool:
+                self._pool.shutdown(wait=True)
+
+
+class OneShotWriter:
+    """Writes the whole file at once when the checkpoint is finished (a plain ``checkpoint()``):
+    ``write(meta=..., pt_fs=..., max_fs=...)`` does it, with compression or Zarr L4 if configured."""
+
+    def __init__(self, write: Callable[..., WrittenFile]) -> None:
+        self.write = write
+
+    def write_var(self, var_id: int, source: Any) -> int:
+        return 0  # written by finish, from the protected arrays as they are then
+
+    def abort(self) -> None:
+        """Nothing is open before finish; a failed write cleans up after itself."""
+
+
+@dataclasses.dataclass
+class PendingCheckpoint:
+    """Checkpoint ``ckpt_id`` between its start and its commit, on one rank."""
+
+    ckpt_id: int
+    level: int  # as asked: 1-4, or 5-8 for a differential checkpoint
+    seq: int
+    layout: Layout
+    directory: Path
+    path: Path
+    sizes: dict[int, int]  # var id -> bytes planned
+    writer: RankFileWriter | DcpHandle | OneShotWriter | None  # None when opening it failed (see error)
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    written: set[int] = dataclasses.field(default_factory=set)
+    infos: dict[int, VarInfo] = dataclasses.field(default_factory=dict)
+    error: str = ""
+    result: WrittenFile | None = None
+    stats: DcpStats | None = None
+    post_level: int = 0  # the level a head raises the checkpoint to afterwards (0: none)
+    extras: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # var id -> VarInfo.extra
+
+    @property
+    def base_level(self) -> int:
+        """Where the files live: L5-L8 are differential L1-L4."""
+        return self.level - 4 if self.level > 4 else self.level
+
+    @property
+    def differential(self) -> bool:
+        return self.level > 4
+
+    def write_var(self, var_id: int, name: str, array: np.ndarray, extra: Mapping[str, Any] | None = None) -> None:
+        """Write variable ``var_id`` now; its array may change once this returns."""
+        if var_id in self.written:
+            raise CheckpointError(f"variable {var_id} was already added to checkpoint {self.ckpt_id}")
+        if self.sizes.get(var_id) != array.nbytes:
+            raise CheckpointError(f"variable {var_id} has {array.nbytes} bytes, {self.sizes.get(var_id)} when "
+                                  f"checkpoint {self.ckpt_id} started; its size must not change in between")
+        if self.writer is None:
+            raise CheckpointError(self.error or "checkpoint file not open")
+        self.infos[var_id] = VarInfo.of(var_id, name, array, **self.extras.get(var_id, {}))
+        self.writer.write_var(var_id, ArrayBytes(array))
+        self.written.add(var_id)
+
+    def finish(self, meta: Mapping[str, Any], *, pt_fs: int | None, max_fs: int | None) -> WrittenFile:
+        """Complete this rank's file (every variable must have been written)."""
+        missing = sorted(set(self.sizes) - self.written)
+        if missing:
+            raise CheckpointError(f"checkpoint {self.ckpt_id}: protected variables {missing} were not added")
+        trailer = dict(meta)
+        trailer["vars"] = [self.infos[vid].to_json() for vid in self.sizes]
+        if self.writer is None:
+            raise CheckpointError(self.error or "checkpoint file not open")
+        if isinstance(self.writer, OneShotWriter):
+            self.result = self.writer.write(meta=meta, pt_fs=pt_fs, max_fs=max_fs)
+            return self.result
+        if isinstance(self.writer, DcpHandle):
+            self.result, self.stats = self.writer.finish(self.path, self.seq, trailer, pt_fs=pt_fs, max_fs=max_fs)
+        else:
+            self.result = self.writer.finish(trailer, pt_fs=pt_fs, max_fs=max_fs)
+        return self.result
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            with contextlib.suppress(OSError):
+                self.writer.abort()

@@ -1,0 +1,102 @@
+"""What one recovery fills: every protected variable, or only those listed (FTI_RecoverVar), with
+the Python states (:mod:`ftidask.engine.pystate`) read and decoded before the first array is touched.
+
+Used by the serial and MPI backends (``Context.recover`` and ``recover_file``); every check
+happens before any byte reaches a user array or object, so a refused recovery leaves all as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..model.arrays import check_id
+from ..model.errors import FTIError, ProtectError, RecoveryError
+from .pystate import Holder, kind_of
+from .recovery import check_sizes, load_file
+
+
+def normalize_ids(ids: Any) -> list[int] | None:
+    """``ids`` of ``recover(ids=...)`` as a list of variable ids (None: every protected variable)."""
+    if ids is None:
+        return None
+    if isinstance(ids, (int, np.integer)) and not isinstance(ids, bool):
+        ids = [ids]
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise RecoveryError(f"recover(ids=...) takes a list of variable ids, got {ids!r}")
+    try:
+        out = list(dict.fromkeys(check_id(i, "variable id") for i in ids))
+    except ProtectError as exc:
+        raise RecoveryError(f"recover(ids=...): {exc}") from None
+    if not out:
+        raise RecoveryError("recover(ids=[]) names no variable; pass the ids to recover, or ids=None for all")
+    return out
+
+
+@dataclasses.dataclass
+class RecoveryPlan:
+    """The targets of one recovery from one verified file; ``problem`` says why it is refused ('' if not)."""
+
+    parsed: Any
+    arrays: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    states: dict[int, tuple[Holder, np.ndarray]] = dataclasses.field(default_factory=dict)
+    contents: dict[int, Any] = dataclasses.field(default_factory=dict)
+    problem: str = ""
+
+    def load_states(self) -> str:
+        """Read and decode the Python states (nothing of the user's is touched); an error message or ''."""
+        if not self.states:
+            return ""
+        try:
+            load_file(self.parsed, {vid: buf for vid, (_h, buf) in self.states.items()})
+            for vid, (holder, buf) in self.states.items():
+                self.contents[vid] = holder.decode(buf, f"variable {vid} ({holder.describe()})")
+        except (FTIError, OSError) as exc:
+            return f"cannot read the Python state in {self.parsed.path}: {exc}"
+        return ""
+
+    def apply_states(self) -> None:
+        """Set every decoded state into its protected object (after the arrays were filled)."""
+        for vid, (holder, _buf) in self.states.items():
+            holder.apply(self.contents[vid])
+
+    def recovered(self) -> dict[int, Any]:
+        """What ``recover`` returns: the arrays filled, and the state objects updated."""
+        return {**self.arrays, **{vid: holder.obj for vid, (holder, _b) in self.states.items()}}
+
+
+def plan(protected: Mapping[int, Any], parsed: Any, ids: list[int] | None) -> RecoveryPlan:
+    """Targets for ``ids`` (None: every protected variable) of ``protected`` (id -> Protected)."""
+    out = RecoveryPlan(parsed)
+    sizes = parsed.var_nbytes()
+    for vid in (list(protected) if ids is None else ids):
+        p = protected.get(vid)
+        if p is None:
+            out.problem = (f"variable {vid} is not protected: protect it (an array or a Python state) before "
+                           f"recover(ids=[{vid}])")
+            return out
+        if vid not in sizes:
+            out.problem = (f"variable {vid} is {'listed in ids' if ids is not None else 'protected'} but not in "
+                           f"checkpoint file {parsed.path} (it holds ids {sorted(sizes)}); nothing was recovered")
+            return out
+        stored = kind_of(parsed.vars.get(vid))
+        holder = getattr(p, "state", None)
+        if holder is None and stored:
+            out.problem = (f"variable {vid}: the checkpoint holds a Python state ({stored}), the protected "
+                           "variable is an array; protect what was protected then (ftidask.State, ftidask.Value "
+                           "or a numpy.random Generator)")
+            return out
+        if holder is not None:
+            if stored != holder.kind:
+                out.problem = (f"variable {vid}: the protected {holder.describe()} is a Python state "
+                               f"({holder.kind}), the checkpoint holds {stored or 'an array'}; protect an array "
+                               "there, or recover from a checkpoint written with the state")
+                return out
+            out.states[vid] = (holder, np.empty(sizes[vid], np.uint8))
+        else:
+            out.arrays[vid] = p.array
+    out.problem = check_sizes(parsed, out.arrays)
+    return out

@@ -1,0 +1,98 @@
+"""The read side: check a rank's file of a committed checkpoint, then fill the arrays.
+
+Everything is verified before the first byte reaches a user array: structure, every hash,
+the match with the commit record, and the sizes of the protected arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..ftiff.reader import FtiffFile, parse_ftiff, read_into, verify_data
+from ..model.arrays import ArrayBytes
+from ..model.errors import FormatError
+from .progress import tracked
+from .runstate import CommitRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Outcome of checking one rank's file: ``ok``, ``damaged`` (try another) or ``mismatch`` (user error)."""
+
+    kind: str
+    message: str = ""
+    parsed: FtiffFile | None = None
+
+
+def check_file(path: Path, record: CommitRecord | None, rank: int) -> Verdict:
+    """Parse and hash-check ``path``; compare it with the commit record."""
+    if path.suffix == ".zarr":  # a level-4 checkpoint written as Zarr
+        from .zarr_l4 import check_store
+
+        return check_store(path, record, rank)
+    try:
+        with open(path, "rb") as fh:
+            parsed = parse_ftiff(fh, str(path))
+            verify_data(fh, parsed)
+    except FileNotFoundError:
+        return Verdict("damaged", f"{path}: missing")
+    except (FormatError, OSError) as exc:
+        return Verdict("damaged", str(exc))
+    if record is not None:
+        expected = next((f for f in record.files if f.rank == rank), None)
+        if expected is None or expected.fb_hash != parsed.fb.hash.hex():
+            return Verdict("damaged", f"{path}: does not belong to checkpoint {record.ckpt_id} (seq {record.seq})")
+    return Verdict("ok", parsed=parsed)
+
+
+def check_sizes(parsed: FtiffFile, arrays: Mapping[int, np.ndarray]) -> str:
+    """An error message when a protected array cannot receive its stored data, else ''.
+
+    Every target is checked (dtype, shape, size, writeable) before the first byte is copied, so
+    that a recovery refused for one variable leaves every array as it was.
+    """
+    sizes = parsed.var_nbytes()
+    for vid, array in arrays.items():
+        problem = check_writeable(vid, array)
+        if problem:
+            return problem
+        if vid not in sizes:
+            return (f"variable {vid} is protected but not in checkpoint file {parsed.path} "
+                    f"(it holds ids {sorted(sizes)})")
+        info = parsed.vars.get(vid)
+        if info is not None and (info.dtype != array.dtype or info.shape != tuple(array.shape)):
+            return (f"variable {vid}: checkpoint holds {info.dtype} {info.shape}, the protected array is "
+                    f"{array.dtype} {tuple(array.shape)}; use ctx.stored_size({vid}) and ctx.realloc({vid}, ...)")
+        if array.nbytes != sizes[vid]:
+            return (f"variable {vid}: checkpoint holds {sizes[vid]} bytes, the protected array has "
+                    f"{array.nbytes}; use ctx.stored_size({vid}) and ctx.realloc({vid}, ...)")
+    return ""
+
+
+def check_writeable(vid: int, array: Any) -> str:
+    """An error message when recovery cannot write into the protected array ``array``, else ''."""
+    if isinstance(array, np.ndarray) and not array.flags.writeable:
+        return (f"variable {vid}: the protected array is read-only (a read-only view, buffer or memory map), so "
+                "recovery cannot fill it; protect a writeable array, e.g. numpy.array(a), and recover again")
+    return ""
+
+
+def load_file(parsed: FtiffFile, arrays: Mapping[int, np.ndarray], *, config: Any = None) -> None:
+    """Fill ``arrays`` (already size-checked) from a verified file (with a progress bar per ``config``)."""
+    if str(parsed.path).endswith(".zarr"):
+        from .zarr_l4 import load_store
+
+        load_store(parsed, arrays)  # type: ignore[arg-type]
+        return
+    # The stream order is the stored one, whatever the layout of the array receiving it.
+    targets = {vid: ArrayBytes(arr, parsed.vars[vid].order if vid in parsed.vars else "C")
+               for vid, arr in arrays.items()}
+    streams, bar = tracked(targets, config, "recovery") if config is not None else (targets, None)
+    with open(parsed.path, "rb") as fh, bar or contextlib.nullcontext():
+        read_into(fh, parsed, streams)

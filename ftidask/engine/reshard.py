@@ -1,0 +1,350 @@
+"""Recovery of an MPI checkpoint on another number of ranks (or another node layout).
+
+A restart whose layout differs from the checkpoint's never loads rank r's old file into rank r
+blindly. Every protected variable must say where its data sits (:mod:`ftidask.model.decomposition`):
+
+* a block of a global array: each new rank's block is filled from whichever old files hold its
+  pieces; only the containers that hold needed bytes are read, each checked against its hash
+  before its bytes are used;
+* replicated: filled from one old file;
+* undeclared: only when the number of ranks is unchanged (rank r still gets old rank r's data,
+  read from its old node's directory).
+
+Data goes first into private buffers; the ranks agree (allgather) that every one of them has all
+its data before any protected array is written. Otherwise every rank raises the same
+:class:`~ftidask.model.errors.RecoveryError` and no array is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..ftiff import compression, hashing
+from ..ftiff.blockhash import FLAG_DCP
+from ..ftiff.reader import FtiffFile, check_unchanged, parse_ftiff
+from ..model.arrays import dtype_to_json
+from ..model.decomposition import Piece, Placement, overlap, piece_view, placement
+from ..model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
+from ..storage import files as storage
+from .recovery import check_file, check_writeable, load_file
+from .reshard_rebuild import old_groups, rebuild_group
+from .runstate import CommitRecord
+
+log = logging.getLogger("ftidask")
+
+HOW = ("To recover it, either restart on the checkpoint's layout ({n} ranks{nodes}), or declare where each "
+       "variable sits, in the run that writes checkpoints and in this one: ctx.protect(id, local, "
+       "global_shape=..., offset=...) (or ftidask.Block(global_shape, offset)) for a block of a global array, "
+       "replicated=True for an array every rank holds whole; or move the data with `ftidask export --to-zarr` "
+       "and `ftidask import`.")
+
+
+def layout_change(record: CommitRecord, size: int, nodes: list[int]) -> str:
+    """What differs between the checkpoint's layout and this run's ('' when nothing does).
+
+    ``nodes``: this run's node per rank. L4 files are global, so only the number of ranks counts there.
+    """
+    if record.nranks != size:
+        return f"checkpoint {record.ckpt_id} (level {record.level}) was written by {record.nranks} ranks, " \
+               f"this run recovers on {size}"
+    old = [f.node for f in sorted(record.files, key=lambda f: f.rank)]
+    if record.level != 4 and old != list(nodes):
+        return (f"checkpoint {record.ckpt_id} (level {record.level}) was written with ranks on nodes {_short(old)}, "
+                f"this run has them on nodes {_short(nodes)}")
+    return ""
+
+
+def _short(values: list[int]) -> str:
+    return str(values) if len(values) <= 16 else f"[{', '.join(map(str, values[:16]))}, ...]"
+
+
+def advice(record: CommitRecord) -> str:
+    nodes = "" if record.level == 4 else \
+        f" on nodes {_short([f.node for f in sorted(record.files, key=lambda f: f.rank)])}"
+    return HOW.format(n=record.nranks, nodes=nodes)
+
+
+def old_path(ctx: Any, record: CommitRecord, rank: int) -> Path:
+    """Old rank ``rank``'s file of ``record``, in its own node's directory."""
+    node = next(f.node for f in record.files if f.rank == rank)
+    path = ctx.paths.level_dir(record.level, node) / record.dirname / storage.rank_file(record.ckpt_id, rank)
+    return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
+
+
+# --- the table of the old files ------------------------------------------------------------------
+
+def _open(path: Path, record: CommitRecord, rank: int) -> Any:
+    """A parsed old file: plain FTI-FF files are only parsed here (their containers are checked as they
+    are read); differential files and Zarr stores are verified whole."""
+    if path.suffix != ".zarr":
+        try:
+            with open(path, "rb") as fh:
+                parsed = parse_ftiff(fh, str(path))
+        except FileNotFoundError:
+            raise RecoveryError(f"{path}: missing, or not reachable from this rank") from None
+        except OSError as exc:
+            raise RecoveryError(f"{path}: {exc}") from None
+        expected = next((f.fb_hash for f in record.files if f.rank == rank), None)
+        if expected != parsed.fb.hash.hex():
+            raise RecoveryError(f"{path}: does not belong to checkpoint {record.ckpt_id} (seq {record.seq})")
+        if not parsed.fb.flags & FLAG_DCP:
+            return parsed
+    verdict = check_file(path, record, rank)
+    if verdict.kind != "ok":
+        raise RecoveryError(verdict.message)
+    return verdict.parsed
+
+
+def _table(parsed: Any) -> dict[str, Any]:
+    """What the planner needs of one old file: per variable dtype, shape, order and placement."""
+    out = {}
+    for vid, info in parsed.vars.items():
+        out[str(vid)] = {"dtype": dtype_to_json(info.dtype), "shape": list(info.shape), "order": info.order,
+                         "extra": {k: info.extra[k] for k in ("global_shape", "offset", "replicated")
+                                   if k in info.extra}}
+    return out
+
+
+# --- recovery ------------------------------------------------------------------------------------
+
+def recover_other_layout(ctx: Any, ckpt_id: int | None, level: int | None,
+                         ids: list[int] | None = None) -> dict[int, np.ndarray] | None:
+    """Recover when the newest candidate checkpoint has another layout than this run; None when it has
+    the same one (the ordinary recovery applies). Collective. A partial recovery (``ids``) is not
+    redistributed: it is refused, on every rank, before anything is read."""
+    t = ctx.transport
+    records = ctx._candidates(ckpt_id, level)
+    nodes = t.allgather(t.node)
+    change = layout_change(records[0], t.size, nodes) if records else ""
+    if not change:
+        return None
+    if ids is not None:
+        raise RecoveryError(f"{change}: recover(ids=...) recovers on the checkpoint's own layout only; recover every "
+                            "variable (no ids) to redistribute it")
+    other = [r for r in records if layout_change(r, t.size, nodes)]
+    record, arrays = recover_resharded(ctx, other, change)
+    ctx._layout = None  # the next checkpoint plans its containers afresh
+    ctx._restart_file = None
+    ctx._recovered = True
+    ctx.recovered_from = (record.ckpt_id, record.level)
+    ctx._next_ckpt_id = max(ctx._next_ckpt_id, record.ckpt_id + 1)
+    return dict(arrays)
+
+
+def recover_resharded(ctx: Any, records: list[CommitRecord], change: str) -> tuple[CommitRecord, dict[int, Any]]:
+    """Fill ``ctx``'s protected arrays from the newest of ``records`` (layouts other than this run's).
+
+    Collective. Returns the record and the arrays; raises the same error on every rank otherwise.
+    """
+    t = ctx.transport
+    arrays = {vid: p.array for vid, p in ctx._vars.items()}
+    decls = {vid: getattr(p, "decomp", None) for vid, p in ctx._vars.items()}
+    first = records[0]
+    problem = next((m for m in (check_writeable(vid, a) for vid, a in arrays.items()) if m), "")
+    if not problem and first.nranks != t.size:
+        undeclared = sorted(vid for vid, d in decls.items() if not d)
+        if undeclared:
+            problem = f"variable(s) {undeclared} declare no decomposition, so their data cannot be redistributed"
+    problems = [(r, p) for r, p in enumerate(t.allgather(problem)) if p]
+    if problems:
+        r, p = problems[0]
+        raise RecoveryError(f"{change}: rank {r}: {p}. {advice(first)}")
+    reasons = []
+    for record in records:
+        try:
+            staged = _stage(ctx, record, arrays, decls)
+        except _Refused as exc:  # the user's declarations do not fit this checkpoint: an older one will not fit either
+            raise RecoveryError(f"{layout_change(record, t.size, t.allgather(t.node))}: {exc}. {advice(record)}") \
+                from None
+        except RecoveryError as exc:
+            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {exc}")
+            log.warning("cannot recover checkpoint %d (level %d) on this layout: %s", record.ckpt_id, record.level,
+                        exc)
+            continue
+        for vid, data in staged.items():  # every rank has all its data: now, and only now, the arrays
+            np.copyto(arrays[vid], data)
+        log.info("recovered checkpoint %d from level %d, written by %d ranks, on %d", record.ckpt_id, record.level,
+                 record.nranks, t.size)
+        return record, arrays
+    raise NoCheckpointError(f"{change}; no checkpoint can be redistributed onto this layout:"
+                            + "".join(f"\n  - {r}" for r in reasons)
+                            + "\nOld files must be reachable from the ranks that read them (L4, or every node "
+                              "directory with local_test, where files lost from a node are first rebuilt from "
+                              f"L2/L3 partner copies or parity). {advice(records[0])}")
+
+
+class _Refused(FTIError):
+    """The declarations of this run do not match the checkpoint's."""
+
+
+def _agree(t: Any, problem: str, kind: type[FTIError]) -> None:
+    """Raise ``kind`` on every rank when any rank has a problem (the first one, with its rank)."""
+    problems = [(r, p) for r, p in enumerate(t.allgather(problem)) if p]
+    if problems:
+        r, p = problems[0]
+        more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
+        raise kind(f"rank {r}{more}: {p}")
+
+
+def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
+           decls: dict[int, Any]) -> dict[int, np.ndarray]:
+    """Every rank's new arrays in private buffers, from the old files (collective)."""
+    t = ctx.transport
+    n, m = record.nranks, t.size
+    if record.level in (2, 3):  # 0. Lost old files come back first, on the old layout's groups.
+        groups = old_groups(record, ctx.config.group_size)
+        problem = ""
+        for j in range(t.rank, len(groups), m):
+            try:
+                problem = problem or rebuild_group(ctx.config, record, groups[j], lambda r: old_path(ctx, record, r))
+            except Exception as exc:  # noqa: BLE001 - shared, as below
+                problem = problem or _why(exc)
+        _agree(t, problem, RecoveryError)
+    # 1. The old files' variable tables, each old file parsed by one rank, shared.
+    opened: dict[int, Any] = {}
+    mine, problem = {}, ""
+    for old in range(t.rank, n, m):
+        try:
+            opened[old] = _open(old_path(ctx, record, old), record, old)
+            mine[old] = _table(opened[old])
+        except Exception as exc:  # noqa: BLE001 - any failure is shared: a rank that raised alone would leave the others waiting
+            problem = problem or _why(exc)
+    _agree(t, problem, RecoveryError)
+    tables: dict[int, dict[str, Any]] = {}
+    for part in t.allgather(mine):
+        tables.update({int(k): v for k, v in part.items()})
+    # 2. The plan: which old file holds which piece of which variable.
+    try:
+        plan = _plan(tables, arrays, decls, t.rank, n, m)
+        problem = ""
+    except Exception as exc:  # noqa: BLE001 - a malformed table too: every rank must hear of it
+        plan, problem = {}, _why(exc)
+    _agree(t, problem, _Refused)
+    # 3. Read and check the pieces into buffers.
+    staged = {vid: np.empty(a.shape, a.dtype) for vid, a in arrays.items()}
+    problem = ""
+    try:
+        for old, wanted in sorted(plan.items()):
+            path = old_path(ctx, record, old)
+            parsed = opened.get(old) or _open(path, record, old)
+            _read(parsed, wanted, staged)
+    except Exception as exc:  # noqa: BLE001 - shared, as above
+        problem = _why(exc)
+    _agree(t, problem, RecoveryError)
+    return staged
+
+
+def _why(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, (FTIError, OSError)) else f"{type(exc).__name__}: {exc}"
+
+
+def _plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decls: dict[int, Any],
+          rank: int, n: int, m: int) -> dict[int, list[tuple[int, Piece]]]:
+    """old rank -> [(var id, piece)]: the pieces of this rank's arrays each old file holds."""
+    plan: dict[int, list[Any]] = {}
+    for vid, array in arrays.items():
+        decl = decls.get(vid) or {}
+        new = placement(decl, array.shape)
+        entries = {old: tables.get(old, {}).get(str(vid)) for old in range(n)}
+        missing = [old for old, e in entries.items() if e is None]
+        if missing:
+            raise _Refused(f"variable {vid} is not in the checkpoint file(s) of old rank(s) {missing[:8]}")
+        olds = {}
+        for old, e in entries.items():
+            dtype = np.dtype(e["dtype"]) if isinstance(e["dtype"], str) else None
+            if dtype is None or dtype != array.dtype:
+                raise _Refused(f"variable {vid}: the checkpoint holds {e['dtype']}, the protected array is {array.dtype}")
+            try:
+                olds[old] = (placement(e["extra"], e["shape"]), tuple(e["shape"]), e["order"])
+            except FormatError as exc:
+                raise _Refused(f"variable {vid}, old rank {old}: {exc}") from None
+        kinds = {p.kind for p, _s, _o in olds.values()}
+        if new.kind == "none":  # the same number of ranks (checked above): rank r gets old rank r's array
+            if n != m:
+                raise _Refused(f"variable {vid} declares no decomposition")
+            shape, order = olds[rank][1], olds[rank][2]
+            if shape != tuple(array.shape):
+                raise _Refused(f"variable {vid}: old rank {rank} holds shape {shape}, the protected array is "
+                               f"{tuple(array.shape)}")
+            sources = {rank: (Placement("block", shape, (0,) * len(shape)), shape, order)}
+            new = Placement("block", shape, (0,) * len(shape))
+        elif kinds != {new.kind}:
+            raise _Refused(f"variable {vid} is declared {new.kind} here, the checkpoint records it as "
+                           f"{' / '.join(sorted(kinds))}")
+        elif new.kind == "replicated":
+            keep = rank % n  # spread the reads over the old files
+            place, shape, order = olds[keep]
+            if shape != tuple(array.shape):
+                raise _Refused(f"variable {vid} (replicated): the checkpoint holds shape {shape}, the protected "
+                               f"array is {tuple(array.shape)}")
+            sources = {keep: olds[keep]}
+        else:
+            shapes = {p.global_shape for p, _s, _o in olds.values()}
+            if shapes != {new.global_shape}:
+                raise _Refused(f"variable {vid}: global shape {new.global_shape} here, {min(shapes)} in the "
+                               "checkpoint")
+            sources = olds
+        mask = np.zeros(array.shape, bool)
+        for old, (place, shape, order) in sources.items():
+            piece = overlap(place.offset, shape, order, array.dtype.itemsize, new.offset, array.shape)
+            if piece is not None:
+                plan.setdefault(old, []).append((vid, piece))
+                mask[piece.dst] = True
+        if not mask.all():
+            hole = tuple(int(i[0]) + o for i, o in zip(np.nonzero(~mask), new.offset))
+            raise _Refused(f"variable {vid}: no old file holds element {hole} of the global array {new.global_shape}")
+    return plan
+
+
+def _read(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, np.ndarray]) -> None:
+    """Copy the pieces ``wanted`` of one old file into the buffers (each byte checked by hash first)."""
+    if isinstance(parsed, FtiffFile) and not parsed.fb.flags & FLAG_DCP:
+        with open(parsed.path, "rb") as fh:
+            check_unchanged(fh, parsed)
+            for vid, piece in wanted:
+                info = parsed.vars[vid]
+                buf, base = _read_span(fh, parsed, vid, *piece.span)
+                staged[vid][piece.dst] = piece_view(piece, buf, base, info.dtype)
+        return
+    # Differential files and Zarr stores were verified whole: read their variables, then the pieces.
+    whole = {vid: parsed.vars[vid].empty() for vid in {w[0] for w in wanted}}
+    load_file(parsed, whole)
+    for vid, piece in wanted:
+        staged[vid][piece.dst] = whole[vid][piece.src]
+
+
+def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, stop: int) -> tuple[bytearray, int]:
+    """Bytes ``[start, stop)`` of variable ``vid``'s stream, as ``(buffer, its first byte's position)``.
+
+    Reads the whole containers that hold them (a container's hash covers it whole), checks each hash,
+    decodes compressed ones.
+    """
+    info = parsed.vars[vid]
+    codec = compression.var_codec(info.extra)
+    plain = compression.plain_ids(info.extra)
+    spans = []
+    for bi, ci, meta in parsed.containers():
+        if meta.id != vid or not meta.hascontent or not meta.chunksize:
+            continue
+        raw = compression.raw_span(info.nbytes, meta.dptr, meta.containersize) if codec else meta.chunksize
+        if meta.dptr < stop and meta.dptr + raw > start:
+            spans.append((meta.dptr, raw, bi, ci, meta))
+    spans.sort(key=lambda s: s[0])
+    if not spans or spans[0][0] > start or spans[-1][0] + spans[-1][1] < stop:
+        raise FormatError(f"variable {vid}: bytes [{start}, {stop}) are not held by its containers", path=parsed.path)
+    base = spans[0][0]
+    out = bytearray(spans[-1][0] + spans[-1][1] - base)
+    for dptr, raw, bi, ci, meta in spans:
+        stored = os.pread(fh.fileno(), meta.chunksize, meta.fptr)
+        if len(stored) != meta.chunksize or hashing.digest(parsed.fb.hash_id, stored) != meta.hash:
+            raise FormatError(f"block {bi}, container {ci} (var id {vid}): data hash does not match (damaged data)",
+                              path=parsed.path)
+        if codec is not None and meta.containerid not in plain:
+            stored = compression.decode_span(codec, stored, raw, what=f"block {bi}, container {ci} (var id {vid})")
+        out[dptr - base:dptr - base + raw] = stored
+    return out, base

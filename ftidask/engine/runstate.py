@@ -1,0 +1,219 @@
+"""The run's identity (FTI's ``exec_id``), its status at start, and its commit records.
+
+A checkpoint exists only once its commit record is written (last, atomically, by one
+process): files without a record are an interrupted checkpoint and are never recovered.
+
+Which run an init gets (:func:`claim_run`), with ``{meta_dir}/current_exec_id`` naming the run that
+an init without ``exec_id`` restarts:
+
+* ``exec_id`` configured: that run; refused (:class:`~ftidask.model.errors.RunInUseError`) while a live
+  process holds it (see :mod:`ftidask.storage.runlock`).
+* no ``exec_id``: the run ``current_exec_id`` names when it is dead, was not finalized (or kept its
+  last checkpoint) and has committed checkpoints; otherwise a new run.
+* ``current_exec_id`` is written only by a run that starts while the run it names is not live: a
+  run started beside a live one (a side run) never replaces it, so that a restart of the live run,
+  should it die, still finds its own run. A side run is restarted by naming its ``exec_id``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from ..model.config import check_exec_id
+from ..model.errors import CheckpointError, ConfigError, FTIError, RunInUseError
+from ..storage import files as storage
+from ..storage import runlock
+
+STATUS_FRESH, STATUS_RESTART, STATUS_KEPT = 0, 1, 2
+_CURRENT = "current_exec_id"
+log = logging.getLogger("ftidask")
+
+#: An exec_id is one directory name: ASCII letters, digits, '-', '_', '.', starting with a letter or digit.
+
+
+def read_current_exec_id(meta_dir: Path) -> str | None:
+    """The exec_id ``{meta_dir}/current_exec_id`` names; None if missing, unreadable or not a valid exec_id."""
+    current = storage.read_json(meta_dir / _CURRENT)
+    value = current.get("exec_id") if isinstance(current, dict) else None
+    if value is None:
+        return None
+    try:
+        return check_exec_id(value, f"{meta_dir / _CURRENT}")
+    except ConfigError as exc:
+        log.warning("ignoring %s", exc)
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """One rank's file in a committed checkpoint."""
+
+    rank: int
+    node: int
+    size: int
+    fb_hash: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitRecord:
+    """A committed checkpoint: which id, level and files, written after every file."""
+
+    seq: int
+    ckpt_id: int
+    level: int
+    timestamp: float
+    nranks: int
+    files: tuple[FileRecord, ...]
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def dirname(self) -> str:
+        return storage.ckpt_dirname(self.ckpt_id, self.seq)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["files"] = [f.to_json() for f in self.files]
+        return out
+
+    @classmethod
+    def from_json(cls, raw: Any) -> CommitRecord | None:
+        try:
+            files = tuple(FileRecord(int(f["rank"]), int(f["node"]), int(f["size"]), str(f["fb_hash"]))
+                          for f in raw["files"])
+            return cls(int(raw["seq"]), int(raw["ckpt_id"]), int(raw["level"]), float(raw["timestamp"]),
+                       int(raw["nranks"]), files, dict(raw.get("extra", {})))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def new_exec_id() -> str:
+    return time.strftime("%Y-%m-%d_%H-%M-%S") + "-" + secrets.token_hex(3)
+
+
+class RunState:
+    """Run metadata under ``{meta_dir}/{exec_id}``; read by every process, written by one."""
+
+    def __init__(self, meta_dir: Path, exec_id: str) -> None:
+        self.meta_dir = meta_dir
+        self.exec_id = exec_id
+        self.root = meta_dir / exec_id
+
+    @property
+    def records_dir(self) -> Path:
+        return self.root / "commits"
+
+    def records(self) -> list[CommitRecord]:
+        """Every readable commit record, oldest first."""
+        out = []
+        if self.records_dir.is_dir():
+            for path in self.records_dir.glob("s*.json"):
+                rec = CommitRecord.from_json(storage.read_json(path))
+                if rec is not None:
+                    out.append(rec)
+        return sorted(out, key=lambda r: r.seq)
+
+    def next_seq(self) -> int:
+        """One more than any sequence number this run used (records and directories left behind)."""
+        return max([0] + [r.seq for r in self.records()]) + 1
+
+    def write_record(self, record: CommitRecord) -> None:
+        """Commit ``record`` (atomically); a :class:`CheckpointError` when it cannot be written (a full
+        or read-only ``meta_dir``): then the previous checkpoint stays the newest."""
+        try:
+            storage.write_json_atomic(self.records_dir / f"s{record.seq:08d}.json", record.to_json())
+        except OSError as exc:
+            raise CheckpointError(f"writing its commit record in {self.records_dir} failed: {exc}") from exc
+
+    def delete_record(self, seq: int) -> None:
+        try:
+            os.unlink(self.records_dir / f"s{seq:08d}.json")
+        except FileNotFoundError:
+            pass
+
+    def run_info(self) -> dict[str, Any]:
+        info = storage.read_json(self.root / "run.json")
+        if not isinstance(info, dict):
+            return {}
+        if info.get("exec_id", self.exec_id) != self.exec_id:  # copied from another run: not this run's state
+            log.warning("ignoring %s: it names run %r", self.root / "run.json", info.get("exec_id"))
+            return {}
+        return info
+
+    def write_run(self, **changes: Any) -> None:
+        info = self.run_info()
+        info.update(changes, exec_id=self.exec_id)
+        storage.write_json_atomic(self.root / "run.json", info)
+
+    def make_current(self) -> None:
+        """Name this run in ``{meta_dir}/current_exec_id``: the run that an init without exec_id restarts."""
+        storage.write_json_atomic(self.meta_dir / _CURRENT, {"exec_id": self.exec_id})
+
+    def start_status(self) -> int:
+        """The status this run restarts with (FTI_Status): kept, restart, or fresh (nothing to recover)."""
+        if not self.records():
+            return STATUS_FRESH
+        info = self.run_info()
+        if info.get("state") != "finalized":
+            return STATUS_RESTART
+        return STATUS_KEPT if info.get("keep_last") else STATUS_FRESH
+
+
+@dataclasses.dataclass
+class Claim:
+    """The run an init got: its identity, its status, the lock its writer holds, and the run it started beside."""
+
+    exec_id: str
+    status: int
+    lock: runlock.RunLock
+    beside: str | None = None  # the live run current_exec_id names, when this is a side run
+
+
+def claim_run(meta_dir: Path, configured: str | None) -> Claim:
+    """Choose the run of an init (see the module's docstring) and lock it for this process.
+
+    Raises :class:`RunInUseError` when ``configured`` names a run that a live process writes.
+    """
+    try:
+        storage.makedirs(meta_dir)
+        with runlock.choosing(meta_dir):
+            return _claim(meta_dir, configured)
+    except OSError as exc:
+        raise FTIError(f"cannot start a run in meta_dir {meta_dir}: {exc}") from exc
+
+
+def _claim(meta_dir: Path, configured: str | None) -> Claim:
+    current = read_current_exec_id(meta_dir)
+    lock = None
+    if configured is not None:
+        exec_id = check_exec_id(configured, "config key [restart] exec_id")
+        lock = runlock.acquire(meta_dir / exec_id)
+        if lock is None:
+            raise RunInUseError(f"run {exec_id!r} in {meta_dir} is in use by {runlock.holder(meta_dir / exec_id)}: "
+                                "two processes must not write the same run. Wait for it to end, or start another "
+                                "run (another exec_id, or none for a new one)")
+    else:
+        if current is not None:
+            if RunState(meta_dir, current).start_status() != STATUS_FRESH:
+                lock = runlock.acquire(meta_dir / current)  # None: alive in another process, never adopted
+        exec_id = current if lock is not None else new_exec_id()
+        while lock is None:
+            if not (meta_dir / exec_id).exists():  # a new name: nobody else has it
+                lock = runlock.acquire(meta_dir / exec_id)
+            exec_id = exec_id if lock is not None else new_exec_id()
+    state = RunState(meta_dir, exec_id)
+    status = state.start_status()
+    if status == STATUS_FRESH:
+        state.write_run(state="running", seq=0, keep_last=False)
+    beside = current if current not in (None, exec_id) and runlock.is_live(meta_dir / current) else None
+    if beside is None and current != exec_id:
+        state.make_current()
+    return Claim(exec_id, status, lock, beside)

@@ -1,0 +1,341 @@
+"""FTI-style configuration: an INI file with [basic], [restart], [advanced], plus overrides.
+
+One frozen dataclass; every key has a default, a parser and a validation, so that a
+bad value is reported with its section, key and value before anything is written.
+"""
+
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import difflib
+import os
+import re
+import stat
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .codecspec import parse_compressor
+from .errors import ConfigError
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+#: Every integer key is bounded (FTI reads them as C ints): a huge value is a typo, and would
+#: overflow where it is used (a float timeout, a C call).
+_INT_MAX = 2**31 - 1
+#: MPI guarantees tags up to 32767 only (MPI_TAG_UB may be larger, never smaller).
+_MPI_TAG_MAX = 32767
+
+
+def _parse_int(lo: int | None = None, hi: int = _INT_MAX) -> Callable[[str, Any], int]:
+    def parse(key: str, value: Any) -> int:
+        if isinstance(value, bool):
+            value = int(value)
+        try:
+            number = int(str(value).strip(), 10) if not isinstance(value, int) else value
+        except ValueError:
+            raise ConfigError(f"config key {key!r}: expected an integer, got {value!r}") from None
+        if lo is not None and number < lo or number > hi:
+            shown = number if abs(number) < 10**30 else f"{str(number)[:12]}... ({len(str(number))} digits)"
+            raise ConfigError(f"config key {key!r}: {shown} is outside [{lo if lo is not None else -hi - 1}, {hi}]")
+        return number
+
+    return parse
+
+
+def _parse_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"config key {key!r}: expected 0 or 1, got {value!r}")
+
+
+def _parse_str(key: str, value: Any) -> str:
+    text = str(value).strip()
+    if not text:
+        raise ConfigError(f"config key {key!r}: empty value")
+    return text
+
+
+def _parse_dir(key: str, value: Any) -> str:
+    if isinstance(value, (bytes, os.PathLike)):  # str(b"/x") would be the name "b'/x'"
+        value = os.fsdecode(value)
+    text = _parse_str(key, value)
+    try:  # what the OS is given: no NUL, and encodable (a lone surrogate is not)
+        if "\0" in text:
+            raise ValueError("it holds a NUL character")
+        os.fsencode(text)
+    except (ValueError, UnicodeError) as exc:
+        raise ConfigError(f"config key {key!r}: {text!r} cannot be a directory name: {exc}") from None
+    return text
+
+
+def _parse_opt_str(key: str, value: Any) -> str | None:
+    text = str(value).strip() if value is not None else ""
+    return text or None
+
+
+def _parse_choice(*choices: str) -> Callable[[str, Any], str]:
+    def parse(key: str, value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise ConfigError(f"config key {key!r}: {value!r} is not one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _parse_ckpt_io(key: str, value: Any) -> int:
+    number = _parse_int()(key, value)
+    if number != 3:
+        raise ConfigError(
+            f"config key {key!r}: {number} is not supported; ftidask always writes FTI-FF (ckpt_io = 3)"
+        )
+    return number
+
+
+def _parse_compressor(key: str, value: Any) -> str | None:
+    text = _parse_opt_str(key, value)
+    if text is not None:
+        try:
+            parse_compressor(text)
+        except ConfigError as exc:
+            raise ConfigError(f"config key {key!r}: {exc}") from None
+    return text
+
+
+# key -> (section, default, parser). FTI's key names; ftidask's additions are marked.
+_KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
+    "head": ("basic", 0, _parse_int(0, 1)),
+    "node_size": ("basic", 1, _parse_int(1)),
+    "ckpt_dir": ("basic", "./Local", _parse_dir),
+    "glbl_dir": ("basic", "./Global", _parse_dir),
+    "meta_dir": ("basic", "./Meta", _parse_dir),
+    "ckpt_l1": ("basic", 0, _parse_int(0)),
+    "ckpt_l2": ("basic", 0, _parse_int(0)),
+    "ckpt_l3": ("basic", 0, _parse_int(0)),
+    "ckpt_l4": ("basic", 0, _parse_int(0)),
+    "inline_l2": ("basic", 1, _parse_bool),
+    "inline_l3": ("basic", 1, _parse_bool),
+    "inline_l4": ("basic", 1, _parse_bool),
+    "keep_last_ckpt": ("basic", 0, _parse_bool),
+    "keep_l4_ckpt": ("basic", 0, _parse_bool),
+    "group_size": ("basic", 4, _parse_int(1, 255)),
+    "verbosity": ("basic", 2, _parse_int(1, 4)),
+    "ckpt_io": ("basic", 3, _parse_ckpt_io),
+    "enable_staging": ("basic", 0, _parse_bool),
+    "enable_dcp": ("basic", 0, _parse_bool),
+    "dcp_mode": ("basic", 3, _parse_int(0, 4)),  # 0 MD5, 1 CRC32 (FTI); 2 xxh3_64, 3 xxh3_128, 4 BLAKE2b
+    "dcp_block_size": ("basic", 16384, _parse_int(512, 65535)),
+    "dcp_page_tracking": ("basic", 1, _parse_bool),  # ftidask: hash only blocks whose pages were written
+    "max_sync_intv": ("basic", 0, _parse_int(0)),
+    "failure": ("restart", 0, _parse_int(0, 3)),
+    "exec_id": ("restart", None, _parse_opt_str),
+    "block_size": ("advanced", 1024, _parse_int(1)),  # KiB, FTI's unit
+    "transfer_size": ("advanced", 16, _parse_int(1)),  # MiB, FTI's unit
+    "mpi_tag": ("advanced", 2612, _parse_int(0, _MPI_TAG_MAX)),
+    "local_test": ("advanced", 0, _parse_bool),
+    # ftidask's additions.
+    "hash": ("advanced", "xxh3_128", _parse_choice("xxh3_128", "md5")),
+    "snapshot_unit": ("advanced", "minutes", _parse_choice("minutes", "iterations")),
+    "l4_format": ("advanced", "ftiff", _parse_choice("ftiff", "zarr")),
+    "compressor": ("advanced", None, _parse_compressor),
+    "stage_timeout": ("advanced", 600, _parse_int(0)),
+    "stage_allow_outside": ("advanced", 0, _parse_bool),
+    "stage_mover": ("advanced", "auto", _parse_choice("auto", "thread", "process")),
+    "progress": ("advanced", "auto", _parse_choice("auto", "on", "off")),
+    "permissions": ("advanced", "private", _parse_choice("private", "group")),
+}
+
+#: FTI keys that are accepted and have no effect in ftidask (they tune FTI's C I/O paths, its
+#: POSIX/HDF5 modes, its fault injection), in any section: FTI's own files load as they are.
+_IGNORED_KEYS = {"lustre_stiping_unit", "lustre_stiping_factor", "lustre_stiping_offset", "ckpt_net",
+                 "gpu_host_bufsize", "enable_hdf5", "h5_single_file_enable", "h5_single_file_dir",
+                 # FTI 1.x's examples and conf.c
+                 "lustre_striping_unit", "lustre_striping_factor", "lustre_striping_offset", "dcp_l4",
+                 "keep_heads_alive", "dcp_stack_size", "cacheddcp", "h5_single_file_prefix", "h5_single_file_keep",
+                 "general_tag", "ckpt_tag", "stage_tag", "final_tag"}
+#: FTI's sections whose keys ftidask never uses ([injection]: FTI's bit-flip injection).
+_IGNORED_SECTIONS = {"injection"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A validated ftidask configuration. Build it with :func:`load_config`."""
+
+    head: int = 0
+    node_size: int = 1
+    ckpt_dir: str = "./Local"
+    glbl_dir: str = "./Global"
+    meta_dir: str = "./Meta"
+    ckpt_l1: int = 0
+    ckpt_l2: int = 0
+    ckpt_l3: int = 0
+    ckpt_l4: int = 0
+    inline_l2: bool = True
+    inline_l3: bool = True
+    inline_l4: bool = True
+    keep_last_ckpt: bool = False
+    keep_l4_ckpt: bool = False
+    group_size: int = 4
+    verbosity: int = 2
+    ckpt_io: int = 3
+    enable_staging: bool = False
+    enable_dcp: bool = False
+    dcp_mode: int = 3
+    dcp_block_size: int = 16384
+    dcp_page_tracking: bool = True
+    max_sync_intv: int = 0
+    failure: int = 0
+    exec_id: str | None = None
+    block_size: int = 1024
+    transfer_size: int = 16
+    mpi_tag: int = 2612
+    local_test: bool = False
+    hash: str = "xxh3_128"
+    snapshot_unit: str = "minutes"
+    l4_format: str = "ftiff"
+    compressor: str | None = None
+    stage_timeout: int = 600
+    stage_allow_outside: bool = False
+    stage_mover: str = "auto"
+    progress: str = "auto"
+    permissions: str = "private"
+
+    def interval(self, level: int) -> int:
+        """The snapshot interval of ``level`` (minutes or iterations; 0 = never)."""
+        return (self.ckpt_l1, self.ckpt_l2, self.ckpt_l3, self.ckpt_l4)[level - 1]
+
+    def with_absolute_dirs(self) -> Config:
+        """A copy whose ``ckpt_dir``, ``glbl_dir`` and ``meta_dir`` are absolute, taken from the current
+        directory now: a later ``os.chdir`` of the application changes no directory of the run."""
+        return dataclasses.replace(self, **{key: os.path.abspath(getattr(self, key))
+                                            for key in ("ckpt_dir", "glbl_dir", "meta_dir")})
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` parsed and validated like file values."""
+        return load_config(None, base=self, **changes)
+
+
+_MAX_CONFIG_BYTES = 1 << 20  # an FTI config is a few KiB: more is not a config file
+
+
+def _read_text(path: str | bytes | os.PathLike[str]) -> str:
+    """The text of a config file, or a :class:`ConfigError` saying why it cannot be read."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise ConfigError(f"the config must be the path of an INI file, got {type(path).__name__} {path!r}")
+    shown = repr(os.fsdecode(path))
+    try:
+        # O_NONBLOCK: a FIFO given as the config must not wait for a writer (refused below).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {shown} does not exist") from None
+    except (OSError, ValueError) as exc:  # permissions, a NUL in the path...
+        raise ConfigError(f"cannot open config file {shown}: {exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError(f"config file {shown} is a directory; give the path of an INI file")
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"config file {shown} is not a regular file")
+        with open(fd, "rb", closefd=False) as handle:
+            raw = handle.read(_MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {shown}: {exc}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > _MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {shown} is larger than {_MAX_CONFIG_BYTES >> 20} MiB: not an INI file")
+    try:
+        return raw.decode("utf-8-sig")  # an editor's byte-order mark is no error
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {shown} is not a text (UTF-8) INI file: byte {exc.start} is "
+                          f"{raw[exc.start:exc.start + 1]!r}") from None
+
+
+def _read_ini(path: str | os.PathLike[str]) -> dict[str, Any]:
+    text = _read_text(path)
+    shown = repr(os.fsdecode(path))  # type: ignore[arg-type]  # checked by _read_text
+    # No [DEFAULT] section with INI's meaning: FTI (iniparser) has none, and its keys would
+    # appear in every section.
+    parser = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=(";", "#"),
+                                       default_section="\0no default section")
+    try:
+        parser.read_string(text, source=os.fsdecode(path))  # type: ignore[arg-type]
+    except configparser.Error as exc:
+        raise ConfigError(f"config file {shown} is not a valid INI file: {exc}") from None
+    values: dict[str, Any] = {}
+    for section in parser.sections():
+        if section.strip().lower() in _IGNORED_SECTIONS:
+            continue
+        for key, value in parser.items(section):
+            key = key.lower()
+            if key in _IGNORED_KEYS:
+                continue
+            if key not in _KEYS:
+                close = difflib.get_close_matches(key, list(_KEYS) + sorted(_IGNORED_KEYS), n=1)
+                raise ConfigError(f"config file {shown}: unknown key [{section}] {key} = {value!r}"
+                                  + (f"; did you mean {close[0]!r}?" if close else ""))
+            # FTI reads each key from its own section only: one elsewhere would be silently unused there.
+            home = _KEYS[key][0]
+            if section.strip().lower() != home:
+                raise ConfigError(f"config file {shown}: key {key!r} is in [{section}]; it belongs in [{home}]")
+            values[key] = value
+    return values
+
+
+def load_config(path: str | os.PathLike[str] | Config | None = None, *, base: Config | None = None,
+                **overrides: Any) -> Config:
+    """Read an FTI-style INI file (or none, or take a :class:`Config`) and apply keyword ``overrides``;
+    validate everything."""
+    if isinstance(path, Config):  # init(load_config(...)): a config already built
+        base, path = path, None
+    raw: dict[str, Any] = dataclasses.asdict(base) if base is not None else {}
+    if path is not None:
+        raw.update(_read_ini(path))
+    for key, value in overrides.items():
+        if key not in _KEYS:
+            close = difflib.get_close_matches(key, list(_KEYS), n=1)
+            raise ConfigError(f"unknown config key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                              + f"; known keys: {', '.join(sorted(_KEYS))}")
+        raw[key] = value
+    parsed: dict[str, Any] = {}
+    for key, value in raw.items():
+        section, _default, parse = _KEYS[key]
+        if value is None and key in ("exec_id", "compressor"):
+            parsed[key] = None
+            continue
+        parsed[key] = parse(f"[{section}] {key}", value)
+    if parsed.get("exec_id") is not None:
+        _check_exec_id(parsed["exec_id"])
+    return Config(**parsed)
+
+
+def _check_exec_id(exec_id: str) -> None:
+    check_exec_id(exec_id, "config key [restart] exec_id")  # it becomes a directory name
+
+
+#: An exec_id names a directory: one safe path component.
+_EXEC_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_exec_id(value: Any, source: str = "exec_id") -> str:
+    """``value`` if it is a valid exec_id (a single safe path component), else :class:`ConfigError`."""
+    if not isinstance(value, str) or not _EXEC_ID.fullmatch(value):
+        raise ConfigError(f"{source}: {value!r} is not a valid exec_id: it must be 1 to 128 ASCII letters, digits, "
+                          "'-', '_' or '.', starting with a letter or a digit (it names a directory)")
+    return value
+
+
+def config_keys() -> Mapping[str, tuple[str, Any]]:
+    """Every known key with its section and default (for docs and the CLI)."""
+    return {key: (section, default) for key, (section, default, _parse) in _KEYS.items()}
+
+
+def keys_in_file(path: str | os.PathLike[str]) -> set[str]:
+    """The keys a config file sets itself (e.g. whether it sets ``verbosity``)."""
+    return set(_read_ini(path))

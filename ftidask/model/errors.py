@@ -1,0 +1,47 @@
+"""Exceptions of ftidask: one base class, one subclass per kind of failure."""
+
+from __future__ import annotations
+
+
+class FTIError(Exception):
+    """Base class of every error ftidask raises on purpose."""
+
+
+class ConfigError(FTIError, ValueError):
+    """A configuration key has a missing, unknown or invalid value."""
+
+
+class ProtectError(FTIError, ValueError):
+    """An array cannot be protected (object dtype, bad id, ...)."""
+
+
+class CheckpointError(FTIError):
+    """A checkpoint could not be written; the previous one is still intact."""
+
+
+class FormatError(FTIError):
+    """A file is not an FTI-FF file, or it is damaged (a hash does not match)."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class RecoveryError(FTIError):
+    """A recovery could not be completed; the protected arrays are untouched."""
+
+
+class NoCheckpointError(RecoveryError):
+    """No checkpoint can be recovered (FTI's FTI_NREC)."""
+
+
+class RunInUseError(FTIError):
+    """The run named by ``exec_id`` is being written by a live process (see :mod:`ftidask.storage.runlock`)."""
+
+
+class LevelError(FTIError, ValueError):
+    """A checkpoint level is unknown or not provided by the running backend."""
+
+
+class StagingError(FTIError):
+    """A staging request is invalid (raised by send_file), or requests failed (raised by finalize)."""

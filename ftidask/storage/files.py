@@ -1,0 +1,386 @@
+"""Where files live and how they are committed: temporary name, fsync, rename, fsync the directory.
+
+Paths follow FTI: node-local files under ``{ckpt_dir}/node{N}/{exec_id}/l1|l2|l3``, global ones
+under ``{glbl_dir}/{exec_id}/l4``, run state under ``{meta_dir}/{exec_id}``. Each checkpoint has
+its own directory ``ckpt{id}.s{seq}`` (``seq`` grows with every checkpoint), so that reusing a
+checkpoint id never overwrites the checkpoint that is still the newest committed one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import stat
+import sys
+import weakref
+from collections import deque
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import Executor, Future
+from pathlib import Path
+from typing import Any, BinaryIO
+
+_COPY_PIECE = 16 << 20
+log = logging.getLogger("ftidask")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    """The directories of one run (``exec_id``) as seen from one node."""
+
+    ckpt_dir: Path
+    glbl_dir: Path
+    meta_dir: Path
+    exec_id: str
+
+    def node_dir(self, node: int) -> Path:
+        return self.ckpt_dir / f"node{node}" / self.exec_id
+
+    def level_dir(self, level: int, node: int) -> Path:
+        """Where a level-``level`` checkpoint's files live (global for L4)."""
+        if level == 4:
+            return self.glbl_dir / self.exec_id / "l4"
+        return self.node_dir(node) / f"l{level}"
+
+    def local_dir(self, level: int, node: int) -> Path:
+        """Node-local directory of a level (L4 keeps its local copy under ``l4``)."""
+        return self.node_dir(node) / f"l{level}"
+
+    @property
+    def run_meta(self) -> Path:
+        return self.meta_dir / self.exec_id
+
+    @property
+    def stage_root(self) -> Path:
+        return self.ckpt_dir / "stage" / self.exec_id
+
+    def contains(self, path: Path) -> bool:
+        """Whether ``path`` lies inside this run's directories (lexically: node directories may be links
+        to local disks); what a run deletes is checked with it."""
+        return any(is_inside(path, root, resolve=False) for root in (self.ckpt_dir, self.glbl_dir, self.meta_dir))
+
+
+def ckpt_dirname(ckpt_id: int, seq: int) -> str:
+    return f"ckpt{ckpt_id}.s{seq}"
+
+
+def rank_file(ckpt_id: int, rank: int) -> str:
+    """Rank ``rank``'s own file (FTI's name)."""
+    return f"Ckpt{ckpt_id}-Rank{rank}.fti"
+
+
+#: Where a level keeps the spares of differential checkpoints, beside its checkpoint directories.
+SPARE_DIR = "dcp"
+
+
+def spare_file(rank: int, kind: str = "") -> str:
+    """A spare of differential checkpointing: rank ``rank``'s own file (``kind`` ""), the partner
+    copy it holds ("Pcof", L2) or its parity ("RSed", L3)."""
+    return f"Spare{kind}-Rank{rank}.fti"
+
+
+def partner_file(ckpt_id: int, rank: int) -> str:
+    """Kept on rank ``rank``'s node: the copy of its partner's file (FTI's ``Pcof``)."""
+    return f"Ckpt{ckpt_id}-Pcof{rank}.fti"
+
+
+def parity_file(ckpt_id: int, rank: int) -> str:
+    """Rank ``rank``'s Reed-Solomon parity (FTI's ``RSed``)."""
+    return f"Ckpt{ckpt_id}-RSed{rank}.fti"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+try:  # optional native helpers (built when a C compiler is there at install; see setup.py)
+    from .. import _native
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None  # type: ignore[assignment]
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing bytes ``[offset, offset + nbytes)`` of ``fd`` to disk now.
+
+    Overlaps the write-back with the work still to do, so the final fsync waits for the tail
+    only. A hint: it neither waits nor makes anything durable, and failures are ignored.
+    """
+    if _native is not None and nbytes > 0:
+        with contextlib.suppress(OSError):
+            _native.start_writeback(fd, offset, nbytes)
+
+
+def drop_cache(path: Path) -> None:
+    """Drop the clean cached pages of ``path`` (a hint; failures are ignored)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``pwrite`` may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view[: 256 << 20], offset)
+        view, offset = view[n:], offset + n
+
+
+def rename_into(src: Path, dst: Path) -> None:
+    """Publish a complete, fsynced file: rename ``src`` to ``dst`` and sync ``dst``'s directory."""
+    makedirs(dst.parent)
+    os.replace(src, dst)
+    fsync_dir(dst.parent)
+
+
+#: Modes of the files and directories ftidask creates, by ``[advanced] permissions``: private
+#: (the default) or readable by the group; never writable by anyone but the owner.
+PERMISSIONS = {"private": (0o600, 0o700), "group": (0o640, 0o750)}
+FILE_MODE, DIR_MODE = PERMISSIONS["private"]
+
+
+def set_permissions(name: str) -> None:
+    """Create files and directories with the modes of ``[advanced] permissions = name`` from now on
+    (in this process: each MPI rank and Dask worker sets its own)."""
+    global FILE_MODE, DIR_MODE
+    FILE_MODE, DIR_MODE = PERMISSIONS[name]
+
+
+def makedirs(path: Path) -> Path:
+    """Create ``path`` and its missing parents with :data:`DIR_MODE`; an existing directory is fine."""
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+    except FileNotFoundError:
+        if path.parent == path:
+            raise
+        makedirs(path.parent)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, DIR_MODE)
+    return path
+
+
+#: Flags of a new temporary file: never an existing file, never through a symbolic link.
+_NEW_FILE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def create_temp(path: Path, flags: int = os.O_RDWR) -> tuple[int, Path]:
+    """Create a new, empty file beside ``path`` at a hidden temporary name; its descriptor and name.
+
+    ``O_EXCL``: a file or symbolic link already at the name (a leftover of a killed process with
+    the same pid, or one planted there) is never opened, let alone followed: a fresh name is used.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    for _attempt in range(16):
+        try:
+            return os.open(tmp, flags | _NEW_FILE, FILE_MODE), tmp
+        except FileExistsError:
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
+def open_temp(path: Path, mode: str = "w+b") -> tuple[BinaryIO, Path]:
+    """A new file object at a temporary name beside ``path`` (:func:`create_temp`), and that name."""
+    fd, tmp = create_temp(path)
+    return os.fdopen(fd, mode), tmp  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "w+b") -> Iterator[BinaryIO]:
+    """Yield a file at a temporary name; on success fsync it and rename it to ``path``."""
+    makedirs(path.parent)
+    fh, tmp = open_temp(path, mode)
+    try:
+        yield fh  # type: ignore[misc]
+        fh.flush()
+        os.fsync(fh.fileno())
+        fh.close()
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        # Closing flushes what is buffered: on a full disk it fails again. The temporary file
+        # must go all the same, and the error to see is the first one.
+        with contextlib.suppress(OSError):
+            fh.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    with atomic_file(path) as fh:
+        fh.write(json.dumps(value, indent=1, sort_keys=True).encode())
+
+
+def read_json(path: Path) -> Any | None:
+    """The JSON at ``path``, or None when it is missing or unreadable (a torn or damaged record)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def copy_file_atomic(src: Path, dst: Path) -> int:
+    """Copy ``src`` to ``dst`` atomically; the bytes copied."""
+    with open(src, "rb") as fin, atomic_file(dst) as fout:
+        copied = 0
+        while True:
+            n = os.sendfile(fout.fileno(), fin.fileno(), copied, _COPY_PIECE) if hasattr(os, "sendfile") else 0
+            if n == 0:
+                break
+            copied += n
+        if copied == 0 and os.fstat(fin.fileno()).st_size:
+            shutil.copyfileobj(fin, fout, _COPY_PIECE)
+            copied = os.fstat(fin.fileno()).st_size
+        return copied
+
+
+def find_paths(root: str | os.PathLike[str], pattern: str) -> list[Path]:
+    """Files and directories under ``root`` whose path matches ``pattern`` (right-anchored, as
+    :meth:`pathlib.PurePath.match`), sorted. Unlike ``Path.rglob``, a directory that disappears
+    during the walk (a retired checkpoint deleted in the background) is skipped, not an error."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):  # os.walk ignores errors by default
+        found += [Path(dirpath, name) for name in dirnames + filenames if Path(dirpath, name).match(pattern)]
+    return sorted(found)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove ``path``: a regular file, a symbolic link (removed, never followed) or a directory tree.
+
+    Something already gone is fine (trash is deleted by a background thread and by start-up
+    garbage collection, possibly both at once); any other error is logged, not raised: a leftover
+    must never fail a checkpoint, but it must not go unnoticed either.
+    """
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+        if not is_dir:
+            os.unlink(path)
+            return
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
+        return
+
+    def failed(_func: Any, name: str, exc: Any) -> None:
+        exc = exc[1] if isinstance(exc, tuple) else exc  # onerror's exc_info, onexc's exception
+        if not isinstance(exc, FileNotFoundError):
+            log.warning("could not remove %s: %s", name, exc)
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=failed)
+    else:
+        shutil.rmtree(path, onerror=failed)
+
+
+def is_inside(path: str | os.PathLike[str], parent: str | os.PathLike[str], *, resolve: bool = True) -> bool:
+    """Whether ``path`` lies strictly inside ``parent``: after making both absolute and removing ``..``
+    and, with ``resolve``, also once every symbolic link is resolved (a link to elsewhere is outside)."""
+    def within(child: str, root: str) -> bool:
+        return child.startswith(root.rstrip(os.sep) + os.sep)
+
+    inside = within(os.path.normpath(os.path.abspath(path)), os.path.normpath(os.path.abspath(parent)))
+    return inside and (not resolve or within(os.path.realpath(path), os.path.realpath(parent)))
+
+
+def remove_inside(path: Path, parent: Path) -> bool:
+    """Remove the tree at ``path`` only if it lies inside ``parent`` (see :func:`is_inside`); whether it
+    did: every deletion of a path made from a name read somewhere (an exec_id) goes through here."""
+    if not is_inside(path, parent):
+        return False
+    remove_tree(path)
+    return True
+
+
+def prune_empty_dirs(root: Path) -> None:
+    """Remove the empty directories under ``root``, deepest first, and ``root`` itself if it ends up
+    empty. Only empty directories go (``os.rmdir``): a file, or one created meanwhile, keeps its own."""
+    for dirpath, _dirnames, _filenames in os.walk(root, topdown=False):
+        with contextlib.suppress(OSError):  # not empty, or gone
+            os.rmdir(dirpath)
+
+
+TRASH_PREFIX = ".trash-"
+
+
+def move_to_trash(path: Path) -> Path | None:
+    """Rename ``path`` to a hidden sibling (atomic, instant), to be removed later; None if absent.
+
+    Freeing the pages of a GiB-sized file takes a noticeable time: the caller removes the
+    trash in the background, and whatever a crash leaves is collected at the next start.
+    """
+    target = path.with_name(f"{TRASH_PREFIX}{path.name}-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        os.rename(path, target)
+    except FileNotFoundError:
+        return None
+    return target
+
+
+#: Deletions a remover may have queued before ``discard`` waits for the oldest: the trash never
+#: grows faster than it is deleted, so disk use stays bounded by retention even on a slow disk.
+_BACKLOG = 2
+_queued: weakref.WeakKeyDictionary[Executor, deque[Future[None]]] = weakref.WeakKeyDictionary()
+
+
+def discard(path: Path, remover: Callable[[], Executor]) -> None:
+    """Move ``path`` to the trash now and have ``remover()`` (made only when needed) delete it."""
+    trash = move_to_trash(path)
+    if trash is None:
+        return
+    pool = remover()
+    queued = _queued.setdefault(pool, deque())
+    while queued and queued[0].done():
+        queued.popleft()
+    if len(queued) >= _BACKLOG:
+        with contextlib.suppress(IndexError):  # another thread took it meanwhile
+            queued.popleft().result()
+    queued.append(pool.submit(remove_tree, trash))
+
+
+def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, spares: bool = True) -> int:
+    """Remove what interrupted checkpoints left in one level directory ``root``: checkpoint
+    directories that ``committed`` does not name, temporary files and stores, and (``trash``:
+    when nothing of this process is being deleted, at start-up) trash and old spares, and every
+    spare when the run does not write differential checkpoints (``spares`` False); the count."""
+    removed = 0
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        if entry.name.startswith(TRASH_PREFIX):
+            if trash:
+                remove_tree(entry)
+                removed += 1
+        elif entry.name.startswith(".") and ".tmp-" in entry.name:
+            entry.unlink(missing_ok=True)
+            removed += 1
+        elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
+            remove_tree(entry)
+            removed += 1
+        elif entry.is_dir():
+            for tmp in entry.glob(".*.tmp-*"):
+                if tmp.is_dir():  # a Zarr store being written (l4_format = zarr)
+                    remove_tree(tmp)
+                else:
+                    tmp.unlink(missing_ok=True)
+                removed += 1
+            if entry.name == SPARE_DIR and trash and not spares:  # no dCP in this run: nothing will patch them
+                remove_tree(entry)
+                removed += 1
+            elif entry.name == SPARE_DIR and trash:  # old spares that a crash left
+                for old in entry.glob(f"{TRASH_PREFIX}*"):
+                    remove_tree(old)
+                    removed += 1
+    return removed

@@ -1,0 +1,163 @@
+"""Which runs are live: a lock that a run holds for its lifetime, and one taken while a run is chosen.
+
+A run's writer (the single process, MPI rank 0, the Dask client) holds an exclusive ``flock`` on
+``{meta_dir}/{exec_id}/run.lock`` from init to finalize. The kernel releases it when the process
+dies, however it dies, so "the lock is free" means "nobody writes this run": only such a run may be
+adopted by a restart. Every init chooses its run while holding ``{meta_dir}/current_exec_id.lock``,
+so that two inits starting together never both adopt the same dead run.
+
+Within one process, inits of the same run share its lock (a re-init, as when a notebook's init cell
+runs again, is a restart, as it always was): the lock guards against other processes, and is released
+when the last Context of this process that holds it is finalized, closed or garbage collected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+from . import files as storage
+
+log = logging.getLogger("ftidask")
+
+LOCK_NAME = "run.lock"
+CHOOSING_NAME = "current_exec_id.lock"
+_UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class _Flock:
+    """One open, locked lock file of this process, shared by the :class:`RunLock` handles on it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+        self.users = 0
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor releases the flock
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class RunLock:
+    """One Context's hold on a run's lock, released by :meth:`release` (or garbage collection)."""
+
+    def __init__(self, flock: _Flock, path: Path) -> None:
+        self._flock: _Flock | None = flock
+        self.path = path
+        self._key = _key(path.parent)
+        flock.users += 1
+
+    @property
+    def held(self) -> bool:
+        return self._flock is not None
+
+    def release(self) -> None:
+        flock, self._flock = self._flock, None
+        if flock is not None:
+            flock.users -= 1
+            if flock.users == 0:
+                if _held.get(self._key) is flock:
+                    del _held[self._key]
+                flock.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit, the kernel releases it anyway
+            self.release()
+
+
+#: The runs this process holds, by the real path of their directory.
+_held: dict[str, _Flock] = {}
+
+
+def _key(run_dir: Path) -> str:
+    return os.path.realpath(run_dir)
+
+
+def _open(path: Path, create: bool) -> int:
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+    return os.open(path, flags, storage.FILE_MODE)
+
+
+def _flock(fd: int, path: Path) -> bool:
+    """Lock ``fd`` without waiting; False when another open file holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno not in _UNSUPPORTED:
+            raise
+        # A file system without locks: runs sharing this directory cannot be told apart (as before).
+        log.warning("cannot lock %s (%s): live runs sharing this meta_dir are not detected", path, exc)
+    return True
+
+
+def acquire(run_dir: Path) -> RunLock | None:
+    """Lock the run in ``run_dir`` (created if needed) for this process; None when another live process holds it."""
+    path = run_dir / LOCK_NAME
+    storage.makedirs(run_dir)
+    shared = _held.get(_key(run_dir))
+    if shared is not None and shared.fd is not None:  # a Context of this process holds it: shared
+        return RunLock(shared, path)
+    fd = _open(path, create=True)
+    if not _flock(fd, path):
+        os.close(fd)
+        return None
+    # Who holds it, for the error a second writer gets (only read while the lock is held).
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+    flock = _held[_key(run_dir)] = _Flock(fd)
+    return RunLock(flock, path)
+
+
+def is_live(run_dir: Path) -> bool:
+    """Whether another live process holds the run in ``run_dir`` (a run without a lock file is not live)."""
+    shared = _held.get(_key(run_dir))
+    if shared is not None and shared.fd is not None:
+        return False  # this process's own run
+    path = run_dir / LOCK_NAME
+    try:
+        fd = _open(path, create=False)
+    except OSError:
+        return False
+    try:
+        return not _flock(fd, path)
+    finally:
+        os.close(fd)
+
+
+def holder(run_dir: Path) -> str:
+    """``"pid N on host H"`` of the process that holds the run's lock, as far as its lock file says."""
+    try:
+        info = json.loads((run_dir / LOCK_NAME).read_text(encoding="utf-8"))
+        return f"pid {int(info['pid'])} on host {info['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "an unknown process"
+
+
+@contextlib.contextmanager
+def choosing(meta_dir: Path) -> Iterator[None]:
+    """Hold ``{meta_dir}/current_exec_id.lock`` (waiting for it): one init chooses its run at a time."""
+    path = meta_dir / CHOOSING_NAME
+    fd = _open(path, create=True)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in _UNSUPPORTED:
+                raise
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,2 @@
+"""Command-line tools and conversions: ``ftidask`` CLI, Zarr export and import.
+"""

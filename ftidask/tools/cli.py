@@ -1,0 +1,315 @@
+"""``python -m ftidask`` / ``ftidask``: inspect, verify, list, clean, export and import checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..engine.runstate import CommitRecord, check_exec_id
+from ..ftiff.dump import to_json, to_text
+from ..ftiff.filekind import is_config_file
+from ..ftiff.reader import parse_ftiff, verify_data
+from ..model.config import Config, load_config
+from ..model.errors import ConfigError, FormatError, FTIError
+from ..storage import runlock
+from ..storage.files import find_paths, read_json, remove_inside
+
+DESCRIPTION = ("Inspect, verify, list and clean the checkpoints of ftidask (FTI-FF files), export one to Zarr "
+               "or import a Zarr store. Run 'ftidask COMMAND --help' for a command's options.")
+
+
+def _error(message: str) -> int:
+    """Print ``ftidask: error: message`` (argparse's form) on stderr; the exit status 2."""
+    print(f"ftidask: error: {message}", file=sys.stderr)
+    return 2
+
+
+def check_config_file(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`ConfigError` unless ``path`` is an existing text (INI) file."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {os.fspath(path)!r} does not exist")
+    if p.is_dir():
+        raise ConfigError(f"config file {os.fspath(path)!r} is a directory; pass the INI file (e.g. config.fti)")
+    if not is_config_file(p):
+        raise ConfigError(f"config file {os.fspath(path)!r} is not a text (INI) file: it is binary "
+                          "(a checkpoint file?); pass the run's config")
+
+
+def _missing(path: Path, base: bool = True) -> int:
+    hint = " (check the path: the base directory is the one holding Local/, Global/ and Meta/)" if base else ""
+    return _error(f"{path} does not exist{hint}")
+
+
+def _check(path: Path) -> tuple[str, object]:
+    """``("ok", parsed)`` or ``("damaged", message)`` for one FTI-FF file (or ftidask Zarr store)."""
+    if path.suffix == ".zarr":
+        from ..zarrfmt.store import verify_store
+
+        try:
+            return "ok", verify_store(path)
+        except (FormatError, OSError) as exc:
+            return "damaged", str(exc)
+    try:
+        with open(path, "rb") as fh:
+            parsed = parse_ftiff(fh, str(path))
+            verify_data(fh, parsed)
+        return "ok", parsed
+    except (FormatError, OSError) as exc:
+        return "damaged", str(exc)
+
+
+def _ftiff_files(root: Path) -> list[Path]:
+    # Parity files (RSed) are not FTI-FF files: they are checked when they are decoded.
+    # A config named config.fti (FTI's examples) is told apart by its content.
+    return [p for p in find_paths(root, "*.fti")
+            if "-RSed" not in p.name and not p.name.startswith(".") and not is_config_file(p)]
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ..engine.pystate import read_states
+
+    try:
+        with open(args.file, "rb") as fh:
+            parsed = parse_ftiff(fh, args.file)
+            states = read_states(fh, parsed)  # Python state (ftidask.State, Value, generators): its value
+    except (FormatError, OSError) as exc:
+        return _error(str(exc))
+    if args.json:
+        print(json.dumps(to_json(parsed) | ({"python_state": {str(vid): {"kind": kind, "value": text} for vid, (
+            kind, text) in states.items()}} if states else {}), indent=1))
+    else:
+        print(to_text(parsed) + "".join(
+            ["\n\nPython state:"] + [f"\n    id {vid} '{parsed.vars[vid].name}': Python state {kind} = {text}"
+                                    for vid, (kind, text) in states.items()] if states else []))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    root = Path(args.path)
+    if not root.exists():
+        return _missing(root, base=False)
+    if is_config_file(root):  # a run's config: its checkpoint directories
+        cfg = _load_config(root)
+        roots = [p for p in (Path(cfg.ckpt_dir), Path(cfg.glbl_dir)) if p.is_dir()]
+        files = [f for r in roots for f in _ftiff_files(r) + _zarr_stores(r)]
+    else:
+        files = [root] if root.is_file() or root.suffix == ".zarr" else _ftiff_files(root)
+    if root.is_dir() and root.suffix != ".zarr":  # level 4 written as Zarr, and exports
+        files += _zarr_stores(root)
+    if not files:
+        return _error(f"no FTI-FF files under {root}")
+    bad = 0
+    for path in files:
+        kind, detail = _check(path)
+        if kind == "ok":
+            print(f"OK       {path}")
+        else:
+            bad += 1
+            print(f"DAMAGED  {detail}")
+    print(f"{len(files) - bad} sound, {bad} damaged")
+    return 1 if bad else 0
+
+
+def _dirs(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    if args.config:
+        cfg = _load_config(args.config)
+        return Path(cfg.ckpt_dir), Path(cfg.glbl_dir), Path(cfg.meta_dir)
+    base = Path(args.dir)
+    return base / "Local", base / "Global", base / "Meta"
+
+
+def _load_config(path: str | os.PathLike[str]) -> Config:
+    check_config_file(path)
+    return load_config(path)
+
+
+def _table_of(detail: object) -> dict:
+    """The checkpoint's description: an FTI-FF file's variable table, or a Zarr store's attributes."""
+    if isinstance(detail, dict):  # a verified Zarr store's manifest
+        return dict(detail.get("attrs", {}).get("ftidask", {}))
+    return dict(getattr(detail, "trailer", None) or {})
+
+
+def _zarr_stores(root: Path) -> list[Path]:
+    return [p for p in find_paths(root, "*.zarr") if (p / "ftidask-manifest.json").is_file()]
+
+
+def _size(path: Path) -> int:
+    if not path.is_dir():
+        return path.stat().st_size
+    total = 0
+    for p in find_paths(path, "*"):
+        with contextlib.suppress(OSError):  # deleted meanwhile
+            total += p.stat().st_size if p.is_file() else 0
+    return total
+
+
+def _key(path: Path, kind: str, detail: object) -> tuple[str, int]:
+    """``(exec_id, seq)`` of a checkpoint file: from its variable table, or (damaged) from its path
+    ``{exec_id}/l{level}/ckpt{id}.s{seq}/{file}``."""
+    table = _table_of(detail) if kind == "ok" else {}
+    if table:
+        return str(table.get("exec_id", path.parent.parent.parent.name)), int(table.get("seq", 0))
+    found = re.fullmatch(r"ckpt\d+\.s(\d+)", path.parent.name)
+    return path.parent.parent.parent.name, int(found.group(1)) if found else 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    if not args.config and not Path(args.dir).exists():
+        return _missing(Path(args.dir))
+    roots = [p for p in _dirs(args)[:2] if p.is_dir()] or [Path(args.dir)]
+    meta = _dirs(args)[2]
+    groups: dict[tuple[str, int], list[tuple[Path, str, object]]] = {}
+    for root in roots:
+        stores = _zarr_stores(root)
+        for path in _ftiff_files(root) + stores:  # level 4 may be written as Zarr stores
+            kind, detail = _check(path)
+            groups.setdefault(_key(path, kind, detail), []).append((path, kind, detail))
+    if not groups:
+        print(f"no checkpoints under {', '.join(map(str, roots))}")
+        return 0
+    print(f"{'exec_id':32} {'id':>5} {'level':>5} {'seq':>5} {'time':19} {'files':>5} {'bytes':>14}  state")
+    for (exec_id, seq), files in sorted(groups.items()):
+        sound = [d for _p, k, d in files if k == "ok"]
+        table = _table_of(sound[0]) if sound else {}
+        commit = meta / exec_id / "commits" / f"s{seq:08d}.json"
+        committed = commit.is_file()
+        record = CommitRecord.from_json(read_json(commit)) if committed and not table else None
+        if record is not None:  # every file damaged: the commit record still says what it was
+            table = {"ckpt_id": record.ckpt_id, "level": record.level, "time": record.timestamp}
+        size = sum(_size(p) for p, _k, _d in files)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.get("time", 0))) if table else "?"
+        state = ("sound" if len(sound) == len(files) else f"DAMAGED ({len(files) - len(sound)} of {len(files)} files)")
+        state += "" if committed else ", not committed"
+        print(f"{exec_id:32} {table.get('ckpt_id', '?'):>5} {table.get('level', '?'):>5} {seq:>5} {when:19} "
+              f"{len(files):>5} {size:>14}  {state}")
+    return 0
+
+
+def _runs_to_clean(args: argparse.Namespace, meta: Path) -> set[str]:
+    if args.exec_id is not None:
+        return {check_exec_id(args.exec_id, "--exec-id")}  # a single directory name, never a path
+    runs = set()
+    for p in (meta.iterdir() if meta.is_dir() else ()):
+        if p.is_dir():
+            try:
+                runs.add(check_exec_id(p.name, f"directory {p}"))
+            except FTIError as exc:
+                print(f"skipping {exc}", file=sys.stderr)
+    return runs
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    local, glbl, meta = _dirs(args)
+    if not args.config and not Path(args.dir).exists():
+        return _missing(Path(args.dir))
+    runs = _runs_to_clean(args, meta)
+    if args.exec_id and not any(p.exists() for p in [*local.glob(f"node*/{args.exec_id}"), glbl / args.exec_id,
+                                                      meta / args.exec_id]):
+        known = sorted(p.name for p in meta.iterdir() if p.is_dir()) if meta.is_dir() else []
+        return _error(f"no such run: {args.exec_id!r} has no directories under {local}, {glbl} or {meta}"
+                      f" (runs found: {', '.join(known) or 'none'})")
+    for run in sorted(runs):
+        if runlock.is_live(meta / run):  # a live run's files are its own: never deleted under it
+            print(f"skipping run {run}: in use by {runlock.holder(meta / run)}")
+            runs.discard(run)
+    if not runs:
+        print("nothing to clean")
+        return 0
+    targets = [(p, parent) for run in sorted(runs) for p, parent in
+               [*((p, p.parent) for p in local.glob(f"node*/{run}")), (glbl / run, glbl), (meta / run, meta)]
+               if p.exists()]
+    print("will remove:\n  " + "\n  ".join(str(p) for p, _parent in targets))
+    if not args.yes:
+        if not sys.stdin.isatty():
+            print("refusing to delete without confirmation; pass --yes", file=sys.stderr)
+            return 2
+        if input("proceed? [y/N] ").strip().lower() not in ("y", "yes"):
+            return 1
+    refused = 0
+    with runlock.choosing(meta) if meta.is_dir() else contextlib.nullcontext():  # no init adopts a run meanwhile
+        live = {run for run in runs if runlock.is_live(meta / run)}  # started since the question
+        for target, parent in targets:
+            if target.name in live:
+                print(f"skipping {target}: its run is in use by {runlock.holder(meta / target.name)}", file=sys.stderr)
+                refused += 1
+            elif not remove_inside(target, parent):
+                print(f"refusing to remove {target}: it does not resolve inside {parent}", file=sys.stderr)
+                refused += 1
+        current = meta / "current_exec_id"
+        named = read_json(current)
+        if current.is_file() and (not isinstance(named, dict) or named.get("exec_id") in runs - live):
+            os.unlink(current)
+    print(f"removed {len(targets) - refused} directories")
+    return 1 if refused else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ftidask", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="print a file's FTI-FF structure")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("verify", help="check every hash of a file, or of every file under a directory")
+    p.add_argument("path")
+    p.set_defaults(func=cmd_verify)
+    for name, func, text in (("list", cmd_list, "list the checkpoints found"),
+                             ("clean", cmd_clean, "remove a run's checkpoints")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("dir", nargs="?", default=".", help="base directory holding Local/, Global/, Meta/")
+        p.add_argument("--config", help="an FTI-style config file naming the directories")
+        if name == "clean":
+            p.add_argument("--exec-id", help="only this run (default: every run under Meta/)")
+            p.add_argument("--yes", "-y", action="store_true", help="do not ask")
+        p.set_defaults(func=func)
+    for hook in _EXTRA_COMMANDS:
+        hook(sub)
+    return parser
+
+
+#: Functions ``(subparsers) -> None`` that add commands from optional modules (export, ...).
+_EXTRA_COMMANDS: list = []
+
+
+def _add_zarr_commands(sub: argparse._SubParsersAction) -> None:
+    from .zarr_export import add_export_command  # export/import: Zarr is imported only when they run
+
+    add_export_command(sub)
+
+
+_EXTRA_COMMANDS.append(_add_zarr_commands)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)  # inside: --help into a closed pipe ends quietly too
+        if getattr(args, "config", None):  # list/clean --config, import's config: say what is wrong with it
+            check_config_file(args.config)
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, so that a closed pipe is caught below and not at exit
+        return code
+    except FTIError as exc:
+        return _error(str(exc))
+    except BrokenPipeError:
+        # The reader went away (ftidask list | head): stop quietly, as Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except UnicodeDecodeError as exc:  # a binary file read as text
+        return _error(f"a file given is binary where a text (INI) file was expected: {exc.reason}")
+    except IsADirectoryError as exc:
+        return _error(f"{exc.filename} is a directory where a file was expected")
+    except OSError as exc:
+        return _error(f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

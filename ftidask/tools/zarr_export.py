@@ -1,0 +1,377 @@
+"""Export a checkpoint to a Zarr v3 store, and import a Zarr store back as a checkpoint.
+
+``ftidask export CKPT --to-zarr PATH`` (and :func:`export_checkpoint`) reads a committed
+checkpoint from disk (any level, any backend: one FTI-FF file per rank or per Dask worker, or
+level 4 written as Zarr), verifies every hash, and writes one Zarr array per protected variable
+(name, dtype, shape kept; attributes: checkpoint id, level, time). How the rank files map to arrays:
+
+* a Dask array (worker files whose variable records its chunks in ``VarInfo.extra["dask"]``:
+  global ``shape``, ``chunks`` grid, and ``[grid index, chunk shape, dptr]`` per held chunk):
+  one global array, chunked as the Dask array was;
+* one rank file: one array per variable, at the root, named after the variable;
+* several rank files whose variable records a block of a global array (``VarInfo.extra`` with
+  ``global_shape`` and ``offset``, and optionally ``chunks``; ``protect(..., global_shape=, offset=)``
+  on the MPI backend): one global array;
+* several rank files whose variable is ``replicated`` (``protect(..., replicated=True)``): one array,
+  from the first rank's file;
+* otherwise: one group per rank, ``rank{r}/{name}``.
+
+:func:`import_zarr` does the reverse: it starts a new run whose first checkpoint holds the
+arrays of a Zarr store (an exported one, verified through its manifest, or any Zarr group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..engine.progress import for_config
+from ..engine.recovery import check_file, load_file
+from ..engine.runstate import CommitRecord, RunState, check_exec_id, read_current_exec_id
+from ..ftiff.filekind import is_config_file
+from ..model.arrays import VarInfo
+from ..model.config import Config, load_config
+from ..model.errors import FormatError, FTIError, NoCheckpointError
+from ..storage import files as storage
+from ..zarrfmt import store as zarr_store
+from .zarr_import import import_zarr, read_zarr
+
+__all__ = ["ExportResult", "add_export_command", "export_checkpoint", "import_zarr", "locate", "read_zarr",
+           "run_export", "run_import"]
+
+log = logging.getLogger("ftidask.zarr")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    """What an export wrote."""
+
+    path: Path
+    ckpt_id: int
+    level: int
+    nranks: int
+    arrays: tuple[str, ...]
+    nbytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """One rank's verified file (or store) of the checkpoint being exported."""
+
+    rank: int
+    path: Path
+    record: CommitRecord | None
+
+
+# --- finding the checkpoint ----------------------------------------------------------------------
+
+def _rank_of(path: Path) -> int:
+    stem = path.name.split("-Rank", 1)[-1].split(".", 1)[0]
+    try:
+        return int(stem)
+    except ValueError:
+        raise FTIError(f"{path}: not a rank file (expected Ckpt{{id}}-Rank{{r}}.fti or .zarr)") from None
+
+
+def _from_record(config: Config, exec_id: str | None, ckpt_id: int | None, level: int | None) -> list[_Source]:
+    meta_dir = Path(config.meta_dir)
+    if exec_id is None:
+        exec_id = config.exec_id
+    if exec_id is None:
+        exec_id = read_current_exec_id(meta_dir)
+    else:
+        check_exec_id(exec_id, "--exec-id")
+    if not exec_id:
+        raise NoCheckpointError(f"no run found in {meta_dir}: pass exec_id")
+    records = RunState(meta_dir, exec_id).records()
+    records = [r for r in records if (ckpt_id is None or r.ckpt_id == ckpt_id) and (level is None or r.level == level)]
+    if not records:
+        raise NoCheckpointError(f"no committed checkpoint for run {exec_id} in {meta_dir}"
+                                + (f" with id {ckpt_id}" if ckpt_id is not None else "")
+                                + (f" at level {level}" if level is not None else ""))
+    record = records[-1]
+    paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), meta_dir, exec_id)
+    out = []
+    for f in sorted(record.files, key=lambda f: f.rank):
+        path = paths.level_dir(record.level, f.node) / record.dirname / storage.rank_file(record.ckpt_id, f.rank)
+        if record.extra.get("l4_format") == "zarr":
+            path = path.with_suffix(".zarr")
+        out.append(_Source(f.rank, path, record))
+    return out
+
+
+def _from_path(path: Path) -> list[_Source]:
+    if path.is_dir() and not path.name.endswith(".zarr"):
+        if (path / "commits").is_dir():
+            raise NoCheckpointError(f"{path} is a run's metadata directory: pass the run's config file "
+                                    "(or ckpt_dir/glbl_dir/meta_dir) instead")
+        found = sorted([*path.glob("Ckpt*-Rank*.fti"), *path.glob("Ckpt*-Rank*.zarr")])
+        if not found:
+            raise NoCheckpointError(f"{path}: no Ckpt*-Rank*.fti file or .zarr store in this directory")
+        return sorted((_Source(_rank_of(p), p, None) for p in found), key=lambda s: s.rank)
+    if not path.exists():
+        raise NoCheckpointError(f"{path} does not exist")
+    return [_Source(_rank_of(path) if "-Rank" in path.name else 0, path, None)]
+
+
+def locate(checkpoint: str | os.PathLike[str] | Config | None, *, exec_id: str | None = None,
+           ckpt_id: int | None = None, level: int | None = None, **overrides: Any) -> list[_Source]:
+    """The rank files of a checkpoint: from a config (file, :class:`Config` or ``overrides``; the
+    newest committed checkpoint, or ``ckpt_id``/``level``), or from a checkpoint directory or file."""
+    if isinstance(checkpoint, Config):
+        return _from_record(checkpoint.replace(**overrides) if overrides else checkpoint, exec_id, ckpt_id, level)
+    if checkpoint is None:
+        return _from_record(load_config(None, **overrides), exec_id, ckpt_id, level)
+    path = Path(checkpoint)
+    if is_config_file(path):  # by content: FTI's own examples name the config config.fti
+        return _from_record(load_config(path, **overrides), exec_id, ckpt_id, level)
+    return _from_path(path)
+
+
+# --- reading and assembling ------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Rank:
+    """One rank's verified file (or store): its variables are read one at a time, when written out."""
+
+    rank: int
+    parsed: Any
+    infos: dict[int, VarInfo]
+    meta: dict[str, Any]
+
+    def read(self, vid: int) -> np.ndarray:
+        """Variable ``vid`` as a new array (each container's hash is checked again as it is read)."""
+        arr = self.infos[vid].empty()
+        load_file(self.parsed, {vid: arr})
+        return arr
+
+
+def _verify_source(source: _Source) -> _Rank:
+    """Verify one rank's file (every hash; against its commit record when known)."""
+    verdict = check_file(source.path, source.record, source.rank)
+    if verdict.kind != "ok" or verdict.parsed is None:
+        raise FormatError(f"cannot export: {verdict.message} (recover the run with ftidask to rebuild lost "
+                          "files of levels 2 and 3, then checkpoint again)")
+    parsed: Any = verdict.parsed
+    infos = dict(parsed.vars)
+    for vid, nbytes in parsed.var_nbytes().items():  # FTI 1.1 files have no table: raw bytes
+        if vid not in infos:
+            infos[vid] = VarInfo(vid, f"var{vid}", np.dtype(np.uint8), (nbytes,), "C", nbytes)
+    meta = dict(getattr(parsed, "trailer", None) or getattr(parsed, "manifest", {}).get("attrs", {}).get("ftidask", {}))
+    meta.pop("vars", None)
+    return _Rank(source.rank, parsed, infos, meta)
+
+
+def _global_block(info: VarInfo) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    shape, offset = info.extra.get("global_shape"), info.extra.get("offset")
+    if not isinstance(shape, list) or not isinstance(offset, list) or len(shape) != len(offset):
+        return None
+    if len(shape) != len(info.shape):
+        return None
+    return tuple(int(n) for n in shape), tuple(int(n) for n in offset)
+
+
+def _keep_extra(info: VarInfo, **extra: Any) -> dict[str, Any]:
+    return {**({"codec": info.extra["codec"]} if "codec" in info.extra else {}), **extra}
+
+
+def _dask_global(vid: int, parts: list[tuple[_Rank, VarInfo]]) -> tuple[VarInfo, Any]:
+    """A Dask array stitched from the worker files that hold its chunks: ``(info, fill)``.
+
+    The Dask backend stores, per worker, the chunks it holds concatenated (each in C order) and
+    records in ``extra["dask"]`` the global ``shape``, the ``chunks`` grid and, per held chunk,
+    ``[grid index, chunk shape, dptr]``. Checked before any data is read.
+    """
+    first = parts[0][1]
+    try:
+        shape = tuple(int(n) for n in first.extra["dask"]["shape"])
+        grid = [[int(c) for c in dim] for dim in first.extra["dask"]["chunks"]]
+        placed = [(rank, [(tuple(int(i) for i in index), tuple(int(n) for n in cshape), int(dptr))
+                          for index, cshape, dptr in info.extra["dask"].get("blocks", [])]) for rank, info in parts]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"variable {vid}: bad Dask chunk record: {exc}") from None
+    starts = [[sum(dim[:i]) for i in range(len(dim))] for dim in grid]
+    seen = set()
+    for rank, blocks in placed:
+        for index, cshape, dptr in blocks:
+            nbytes = int(np.prod(cshape, dtype=np.int64)) * first.dtype.itemsize
+            if (len(index) != len(shape) or index in seen or dptr + nbytes > rank.infos[vid].nbytes
+                    or any(not 0 <= i < len(dim) or dim[i] != n for i, n, dim in zip(index, cshape, grid))):
+                raise FormatError(f"variable {vid}: chunk {index} does not fit its grid or its worker's file")
+            seen.add(index)
+    expected = int(np.prod([len(dim) for dim in grid], dtype=np.int64))
+    if len(seen) != expected:
+        raise FormatError(f"variable {vid}: the worker files hold {len(seen)} of its {expected} chunks")
+
+    def fill(z: Any) -> None:
+        for rank, blocks in placed:
+            raw = rank.read(vid).reshape(-1).view(np.uint8)
+            for index, cshape, dptr in blocks:
+                nbytes = int(np.prod(cshape, dtype=np.int64)) * first.dtype.itemsize
+                chunk = raw[dptr:dptr + nbytes].view(first.dtype).reshape(cshape)
+                z[tuple(slice(starts[d][i], starts[d][i] + cshape[d]) for d, i in enumerate(index))] = chunk
+
+    nbytes = int(np.prod(shape, dtype=np.int64)) * first.dtype.itemsize
+    return VarInfo(vid, first.name, first.dtype, shape, "C", nbytes, _keep_extra(first, chunks=grid)), fill
+
+
+def _blocks_global(vid: int, parts: list[tuple[_Rank, VarInfo]]) -> tuple[VarInfo, Any] | None:
+    """A global array from rank blocks that record ``global_shape`` and ``offset``, or None."""
+    blocks = [_global_block(info) for _r, info in parts]
+    if any(b is None for b in blocks) or len({b[0] for b in blocks if b}) != 1:
+        return None
+    shape = blocks[0][0]  # type: ignore[index]
+    first = parts[0][1]
+
+    def fill(z: Any) -> None:
+        for (rank, info), block in zip(parts, blocks):
+            assert block is not None  # checked above
+            z[tuple(slice(o, o + n) for o, n in zip(block[1], info.shape))] = rank.read(vid)
+
+    nbytes = int(np.prod(shape, dtype=np.int64)) * first.dtype.itemsize
+    extra = _keep_extra(first, **({"chunks": first.extra["chunks"]} if "chunks" in first.extra else {}))
+    return VarInfo(vid, first.name, first.dtype, shape, "C", nbytes, extra), fill
+
+
+def _whole(rank: _Rank, vid: int) -> Any:
+    def fill(z: Any) -> None:
+        z[...] = rank.read(vid)
+
+    return fill
+
+
+def _assemble(ranks: list[_Rank]) -> list[tuple[str, VarInfo, Any]]:
+    """``(array path, VarInfo, fill)`` to write: one per variable, global arrays, or a group per rank."""
+    by_id: dict[int, list[tuple[_Rank, VarInfo]]] = {}
+    for rank in ranks:
+        for vid, info in rank.infos.items():
+            by_id.setdefault(vid, []).append((rank, info))
+    out: list[tuple[str, VarInfo, Any]] = []
+    taken: set[str] = set()
+    for vid, parts in by_id.items():
+        if all(isinstance(info.extra.get("dask"), dict) for _r, info in parts):
+            info, fill = _dask_global(vid, parts)
+            out.append((zarr_store.array_name(info, taken), info, fill))
+        elif len(ranks) == 1 or all(info.extra.get("replicated") is True for _r, info in parts):
+            rank, info = parts[0]  # one rank, or a replicated variable: every rank holds all of it
+            out.append((zarr_store.array_name(info, taken), info, _whole(rank, vid)))
+        elif (stitched := _blocks_global(vid, parts)) is not None:
+            out.append((zarr_store.array_name(stitched[0], taken), stitched[0], stitched[1]))
+        else:
+            for rank, info in parts:
+                group_taken = {n.rpartition("/")[2] for n, _i, _a in out if n.startswith(f"rank{rank.rank}/")}
+                out.append((f"rank{rank.rank}/{zarr_store.array_name(info, group_taken)}", info, _whole(rank, vid)))
+    return out
+
+
+def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: str | os.PathLike[str], *,
+                      exec_id: str | None = None, ckpt_id: int | None = None, level: int | None = None,
+                      overwrite: bool = False, **overrides: Any) -> ExportResult:
+    """Write a checkpoint as a Zarr v3 store at ``dest``; every hash is checked first.
+
+    ``checkpoint`` is an ftidask/FTI config file (or :class:`Config`, or None with ``overrides``
+    such as ``meta_dir=...``), a checkpoint directory (``.../ckpt{id}.s{seq}``) or one rank file.
+    Every file is verified before the store is created; variables are then copied one at a time
+    (memory: one rank's copy of one variable). The store also holds ``ftidask-manifest.json`` (a
+    digest per file), so that :func:`import_zarr` and :func:`read_zarr` detect damage.
+    """
+    start = time.perf_counter()
+    dest = Path(dest)
+    if dest.exists() and not overwrite:
+        raise FileExistsError(f"{dest} exists; pass overwrite=True (--overwrite) to replace it")
+    config_for_bar = checkpoint if isinstance(checkpoint, Config) else None
+    sources = locate(checkpoint, exec_id=exec_id, ckpt_id=ckpt_id, level=level, **overrides)
+    ranks = [_verify_source(source) for source in sources]
+    items = _assemble(ranks)
+    first = ranks[0].meta
+    record = sources[0].record
+    ckpt = int(record.ckpt_id if record else first.get("ckpt_id", 0))
+    lvl = int(record.level if record else first.get("level", 0))
+    attrs = {"checkpoint_id": ckpt, "level": lvl,
+             "time": record.timestamp if record else first.get("time"),
+             "exec_id": first.get("exec_id"), "nranks": len(sources), "backend": first.get("backend"),
+             "source": str(sources[0].path.parent), "ftidask_export": 1}
+    total = sum(info.nbytes for _n, info, _f in items)
+    with for_config(config_for_bar or Config(), total, "export to zarr") as bar:
+        zarr_store.write_items(dest, items, attrs, progress=bar, overwrite=overwrite)
+    result = ExportResult(dest, ckpt, lvl, len(sources), tuple(n for n, _i, _f in items), total,
+                          time.perf_counter() - start)
+    log.info("exported checkpoint %d (level %d, %d rank files) to %s: %d arrays, %d bytes", ckpt, lvl,
+             len(sources), dest, len(items), total)
+    return result
+
+
+# --- command line ------------------------------------------------------------------------------------
+
+def add_export_command(subparsers: Any) -> None:
+    """Add ``export`` and ``import`` to an argparse subparsers object (the ``ftidask`` CLI)."""
+    exp = subparsers.add_parser("export", help="write a checkpoint as a Zarr v3 store",
+                                description="Verify a checkpoint and write it as a Zarr v3 store.")
+    exp.add_argument("checkpoint", help="config file (newest checkpoint, or --id/--level), checkpoint "
+                                        "directory (ckpt{id}.s{seq}) or rank file")
+    exp.add_argument("--to-zarr", dest="to_zarr", required=True, metavar="PATH", help="the store to write")
+    exp.add_argument("--id", dest="ckpt_id", type=int, default=None, help="checkpoint id (with a config)")
+    exp.add_argument("--level", type=int, default=None, help="checkpoint level (with a config)")
+    exp.add_argument("--exec-id", dest="exec_id", default=None, help="run to export (with a config)")
+    exp.add_argument("--overwrite", action="store_true", help="replace PATH if it exists")
+    exp.set_defaults(func=run_export)
+    imp = subparsers.add_parser("import", help="start a run from a Zarr store",
+                                description="Write a Zarr group's arrays as the first checkpoint of a new run.")
+    imp.add_argument("store", help="the Zarr store to read")
+    imp.add_argument("config", nargs="?", default=None, help="config file of the new run")
+    imp.add_argument("--id", dest="ckpt_id", type=int, default=None, help="checkpoint id (default: the store's)")
+    imp.add_argument("--level", type=int, default=4, help="checkpoint level (default 4)")
+    imp.add_argument("--group", default="", help="group of the store to import (rank{r} of a per-rank export)")
+    imp.set_defaults(func=run_import)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Run ``ftidask export``; the exit code (2 on an error, as the other commands)."""
+    try:
+        result = export_checkpoint(args.checkpoint, args.to_zarr, exec_id=args.exec_id, ckpt_id=args.ckpt_id,
+                                   level=args.level, overwrite=args.overwrite)
+    except (FileExistsError, FTIError) as exc:
+        print(f"ftidask: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported checkpoint {result.ckpt_id} (level {result.level}, {result.nranks} rank file(s)) to "
+          f"{result.path}: {len(result.arrays)} array(s), {result.nbytes:,} bytes in {result.seconds:.2f} s")
+    for name in result.arrays:
+        print(f"  {name}")
+    return 0
+
+
+def run_import(args: argparse.Namespace) -> int:
+    """Run ``ftidask import``; the exit code (2 on an error)."""
+    try:
+        info = import_zarr(args.store, args.config, ckpt_id=args.ckpt_id, level=args.level, group=args.group)
+    except (FileNotFoundError, FTIError) as exc:
+        print(f"ftidask: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"imported {args.store} as checkpoint {info.id} (level {info.level}); restart the run with the same "
+          "config to recover it")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ftidask.tools.zarr_export export|import ...`` (the same commands as ``ftidask``)."""
+    parser = argparse.ArgumentParser(prog="python -m ftidask.tools.zarr_export")
+    add_export_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (FTIError, FileExistsError, OSError) as exc:
+        print(f"ftidask: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

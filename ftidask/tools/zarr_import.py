@@ -1,0 +1,80 @@
+"""Import a Zarr store as a checkpoint: the reverse of :mod:`ftidask.tools.zarr_export`.
+
+:func:`read_zarr` reads a Zarr group's arrays (verified through the ftidask manifest when the
+store has one); :func:`import_zarr` starts a new run whose first checkpoint holds them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..engine import pystate
+from ..model.errors import FormatError
+from ..zarrfmt import store as zarr_store
+
+log = logging.getLogger("ftidask.zarr")
+
+def read_zarr(path: str | os.PathLike[str], *, group: str = "") -> dict[int, tuple[str, np.ndarray]]:
+    """The arrays of a Zarr group by ftidask variable id: ``{id: (name, array)}``.
+
+    A store with an ftidask manifest is verified first (any damaged file raises
+    :class:`FormatError`). Any other Zarr group is read as it is: ids come from the arrays'
+    ``ftidask_id`` attribute, else 1, 2, ... in name order.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FormatError(f"{path}: no Zarr store there")
+    if (path / zarr_store.MANIFEST).exists():
+        return {vid: (name, data) for vid, (name, data, _kind) in _read_manifest_store(path, group).items()}
+    return zarr_store.read_plain_group(path, group)
+
+
+def _read_manifest_store(path: Path, group: str) -> dict[int, tuple[str, np.ndarray, str]]:
+    """A store ftidask exported, verified: ``{id: (name, array, Python-state kind or '')}``."""
+    manifest = zarr_store.verify_store(path)
+    table = zarr_store.store_vars(manifest, path, group)
+    data = zarr_store.read_arrays(path, manifest, group=group)
+    return {vid: (info.name, data[vid], pystate.kind_of(info)) for vid, (info, _n) in table.items()}
+
+
+def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | None = None, *,
+                ckpt_id: int | None = None, level: int = 4, group: str = "", **overrides: Any) -> Any:
+    """Start a new run whose first checkpoint holds the arrays of the Zarr group at ``path``.
+
+    The run is finalized with ``keep_last_ckpt`` so that the next ``ftidask.init`` with the same
+    config restarts from it (status 2) and ``recover()`` fills the protected arrays. Returns the
+    :class:`~ftidask.CheckpointInfo` of that checkpoint. ``group`` selects a rank group
+    (``"rank3"``) of a per-rank export.
+    """
+    from ..api.context import init
+
+    if (Path(path) / zarr_store.MANIFEST).exists():  # Python states come back as states, not as their bytes
+        arrays = {vid: (name, pystate.from_stored(kind, data, f"variable {vid} of {path}") if kind else data)
+                  for vid, (name, data, kind) in _read_manifest_store(Path(path), group).items()}
+    else:
+        arrays = read_zarr(path, group=group)
+    if not arrays:
+        raise FormatError(f"{path}: no array to import")
+    if ckpt_id is None:
+        manifest_attrs = {}
+        if (Path(path) / zarr_store.MANIFEST).exists():
+            manifest_attrs = zarr_store.read_manifest(Path(path)).get("attrs", {})
+        ckpt_id = int(manifest_attrs.get("checkpoint_id") or 1)
+    overrides["keep_last_ckpt"] = True
+    ctx = init(config, **overrides)
+    try:
+        for vid, (name, arr) in arrays.items():
+            ctx.protect(vid, arr, name=name)
+        info = ctx.checkpoint(ckpt_id, level)
+    except BaseException:
+        ctx.__exit__(RuntimeError, None, None)
+        raise
+    ctx.finalize()
+    log.info("imported %d arrays from %s as checkpoint %d (level %d) of run %s", len(arrays), path, ckpt_id,
+             level, ctx.exec_id)
+    return info

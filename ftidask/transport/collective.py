@@ -1,0 +1,80 @@
+"""One rank's failure becomes every rank's error: local steps of the collective paths, then agreement.
+
+A collective path (checkpoint, recovery, init, finalize) alternates local work and collectives
+(allgather, barrier, a level's exchanges). A rank that raises between two collectives leaves the
+others waiting in the next one until the job's walltime. So every local step runs through
+:func:`attempt`, which turns any exception into a message, and the ranks meet in :func:`agree`
+(one allgather), which raises the same ftidask error on every rank if any of them failed.
+
+Transport-neutral: ``t`` is anything with ``rank`` and ``allgather`` (a
+:class:`~ftidask.transport.base.Transport`); with one process the same code runs and raises the
+same errors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..model.errors import FTIError
+
+log = logging.getLogger("ftidask")
+T = TypeVar("T")
+
+
+def reason(exc: BaseException) -> str:
+    """What went wrong, in one line: the message of an ftidask or OS error, else the exception's type too."""
+    if isinstance(exc, (FTIError, OSError)):
+        return str(exc) or type(exc).__name__
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def guarded(errors: list[str], step: Callable[[], T], default: Any = None, what: str = "") -> T | Any:
+    """Run a local ``step``: its result, or ``default`` with why it failed appended to ``errors``.
+
+    Catches every :class:`Exception` (MemoryError and unexpected ones included: the peers must
+    hear of it); an unexpected one is logged with its traceback on this process. The L2/L3 levels
+    use it between a group's collectives, where raising would leave the group waiting.
+    """
+    try:
+        return step()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank (agree(), or a level's error)
+        if not isinstance(exc, (FTIError, OSError)):
+            log.error("unexpected %s%s", type(exc).__name__, f" ({what})" if what else "", exc_info=True)
+        errors.append(f"{what}: {reason(exc)}" if what else reason(exc))
+        return default
+
+
+def attempt(rank: int, step: Callable[[], T], default: Any = None) -> tuple[T | Any, str]:
+    """Run a local ``step``: ``(its result, "")``, or ``(default, "rank R: why")`` if it raised (:func:`guarded`)."""
+    errors: list[str] = []
+    result = guarded(errors, step, default, f"rank {rank}")
+    return result, "; ".join(errors)
+
+
+def agree(t: Any, error: str, error_type: type[FTIError], what: str, value: Any = None) -> list[Any]:
+    """Collective: every rank's JSON-able ``value``, by rank; or, when any rank has an ``error``,
+    the same ``error_type("{what}: {every rank's error}")`` raised on every rank."""
+    results = t.allgather([error, value])
+    errors = [e for e, _v in results if e]
+    if errors:
+        raise error_type(f"{what}: " + "; ".join(errors))
+    return [v for _e, v in results]
+
+
+def everywhere(t: Any, step: Callable[[], T], error_type: type[FTIError], what: str) -> T:
+    """Run a local ``step`` on every rank, then :func:`agree`: its result, or the same error everywhere."""
+    result, error = attempt(t.rank, step)
+    agree(t, error, error_type, what)
+    return result
+
+
+def on_root(t: Any, step: Callable[[], Any], error_type: type[FTIError], what: str, root: int = 0) -> Any:
+    """Run ``step`` on rank ``root`` only; its (JSON-able) result on every rank, or the same error everywhere.
+
+    Replaces ``bcast(step() if rank == root else None)`` and ``if rank == root: step(); barrier()``.
+    """
+    result, error = attempt(t.rank, step) if t.rank == root else (None, "")
+    return agree(t, error, error_type, what, result if t.rank == root else None)[root]

@@ -1,0 +1,2 @@
+"""The Zarr format: stores with a hash manifest (level 4 in Zarr, export and import use it).
+"""

@@ -1,0 +1,366 @@
+"""Zarr v3 stores that ftidask can trust: one array per variable plus a hash manifest.
+
+A store written here holds, next to Zarr's own files, ``ftidask-manifest.json``: the digest
+(xxh3_128) and size of every other file of the store, the variable table (ids, names, dtypes,
+shapes) and the checkpoint's attributes. The manifest's own digest is what a commit record
+keeps, so a damaged chunk, a damaged ``zarr.json`` or a damaged manifest is found before a
+value reaches a user array; reads go through :class:`VerifiedStore`, which checks every chunk's
+digest again as Zarr reads it. Any Zarr reader (``zarr.open``, ``dask.array.from_zarr``,
+``xarray.open_zarr``) opens the store as it is; the manifest is just one more file to them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..ftiff import hashing
+from ..model.arrays import VarInfo
+from ..model.errors import FormatError
+from ..storage import files as storage
+
+MANIFEST = "ftidask-manifest.json"
+FORMAT = "ftidask-zarr"
+VERSION = 1
+_HASH_ID = 2  # xxh3_128
+_PIECE = 16 << 20
+
+
+def _zarr() -> Any:
+    try:
+        import zarr
+    except ImportError:  # pragma: no cover - zarr is an extra
+        raise FormatError("Zarr support needs the zarr package: pip install 'ftidask[zarr]'") from None
+    return zarr
+
+
+#: Names a variable's array must not take: the files of the group that holds it (compared
+#: case-insensitively, for the file systems that are).
+_RESERVED = {"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata", MANIFEST.lower()}
+_NAME_MAX = 255  # bytes of one path component on every common file system
+
+
+def _usable_name(name: str) -> bool:
+    """Whether ``name`` can be an array's directory in a store as it is (else ``var{id}`` is used)."""
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeError:  # a lone surrogate: no file name holds it
+        return False
+    return (0 < size <= _NAME_MAX and "/" not in name and "\0" not in name
+            and not name.startswith((".", "__")) and name.lower() not in _RESERVED)
+
+
+def array_name(info: VarInfo, taken: set[str]) -> str:
+    """A Zarr array name for a variable: its name when usable and unique, else ``var{id}``."""
+    name = info.name
+    if not _usable_name(name) or name in taken:
+        name = f"var{info.id}"
+    while name in taken:
+        name = f"{name}_"
+    taken.add(name)
+    return name
+
+
+def zarr_compressors(codec: Mapping[str, Any] | None) -> Any:
+    """Zarr v3 compressors matching a variable's numcodecs config (Zarr's default when None)."""
+    zarr = _zarr()
+    if not codec:
+        return "auto"
+    if codec.get("id") == "zstd":
+        return zarr.codecs.ZstdCodec(level=int(codec.get("level", 3)))
+    if codec.get("id") == "blosc":
+        return zarr.codecs.BloscCodec(cname=str(codec.get("cname", "lz4")), clevel=int(codec.get("clevel", 5)),
+                                      shuffle="shuffle" if codec.get("shuffle", 1) else "noshuffle")
+    if codec.get("id") == "lz4":  # no LZ4 codec in the Zarr v3 spec: Blosc's LZ4 is the closest
+        return zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="noshuffle")
+    return "auto"
+
+
+def _chunks(info: VarInfo) -> Any:
+    grid = info.extra.get("chunks")  # a Dask array's chunk grid
+    if isinstance(grid, list) and len(grid) == len(info.shape) and all(isinstance(c, list) and c for c in grid):
+        return tuple(max(int(c[0]), 1) for c in grid)
+    if not info.shape or info.nbytes <= (64 << 20):
+        return tuple(max(n, 1) for n in info.shape)
+    return "auto"
+
+
+def write_store(path: Path, arrays: Mapping[int, np.ndarray], infos: list[VarInfo], attrs: Mapping[str, Any],
+                *, progress: Any = None) -> tuple[str, int]:
+    """Write a new store at ``path`` with one array per variable (atomically).
+
+    Returns ``(manifest digest hex, bytes on disk)``.
+    """
+    taken: set[str] = set()
+    items = [(array_name(info, taken), info, arrays[info.id]) for info in infos]
+    return write_items(path, items, attrs, progress=progress)
+
+
+def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mapping[str, Any],
+                *, progress: Any = None, overwrite: bool = True) -> tuple[str, int]:
+    """Write ``(array path, VarInfo, data)`` items as a new store (temporary directory, fsync, rename).
+
+    ``data`` is an array of the variable's shape, or a function that fills the Zarr array it is
+    given (to write a large variable piece by piece). An array path may hold one ``/``
+    (``rank3/temp``): the group is created. Returns ``(manifest digest hex, bytes on disk)``.
+    """
+    zarr = _zarr()
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    storage.remove_tree(tmp)
+    try:
+        root = zarr.open_group(str(tmp), mode="w", attributes=dict(attrs))
+        groups = {"": root}
+        table = []
+        for name, info, data in items:
+            parent, _, leaf = name.rpartition("/")
+            if parent not in groups:
+                groups[parent] = root.create_group(parent)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Zarr calls structured/string dtypes "unstable"
+                try:
+                    z = groups[parent].create_array(
+                        leaf, shape=info.shape, dtype=info.dtype, chunks=_chunks(info),
+                        compressors=zarr_compressors(info.extra.get("codec")),
+                        dimension_names=[f"{leaf}_dim{i}" for i in range(len(info.shape))],
+                        attributes={"ftidask_id": info.id, "ftidask_name": info.name, "ftidask_order": info.order},
+                        config={"write_empty_chunks": True})  # every chunk a file: a missing one is damage
+                except (ValueError, TypeError) as exc:  # Zarr has no data type for it (complex256, ...)
+                    raise FormatError(f"variable {info.id} ({info.name!r}): Zarr cannot store dtype {info.dtype}: "
+                                      f"{exc}; keep it in FTI-FF files (l4_format = ftiff)") from None
+                if callable(data):
+                    data(z)
+                else:
+                    z[...] = np.asarray(data)  # a subclass (np.matrix) as the plain array it views
+            entry = info.to_json()
+            entry["array"] = name
+            table.append(entry)
+            if progress is not None:
+                progress.update(info.nbytes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            zarr.consolidate_metadata(str(tmp))
+        files, total = _hash_tree(tmp, sync=True)
+        manifest = {"format": FORMAT, "version": VERSION, "hash": hashing.hash_name(_HASH_ID), "files": files,
+                    "vars": table, "attrs": dict(attrs)}
+        raw = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+        with storage.atomic_file(tmp / MANIFEST) as fh:
+            fh.write(raw)
+        storage.fsync_dir(tmp)
+        storage.remove_tree(path)
+        os.replace(tmp, path)
+        storage.fsync_dir(path.parent)
+    except BaseException:
+        storage.remove_tree(tmp)
+        raise
+    return hashing.digest(_HASH_ID, raw).hex(), total + len(raw)
+
+
+def _walk(root: Path) -> Iterator[tuple[str, Path]]:
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            full = Path(dirpath) / name
+            rel = full.relative_to(root).as_posix()
+            if rel != MANIFEST:
+                yield rel, full
+
+
+def _file_digest(path: Path, *, sync: bool = False) -> tuple[int, str]:
+    hasher = hashing.new_hasher(_HASH_ID)
+    size = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_PIECE):
+            hasher.update(chunk)
+            size += len(chunk)
+        if sync:
+            os.fsync(fh.fileno())
+    return size, hasher.hexdigest()
+
+
+def _hash_tree(root: Path, *, sync: bool = False) -> tuple[dict[str, list[Any]], int]:
+    files, total = {}, 0
+    for rel, full in sorted(_walk(root)):
+        size, digest = _file_digest(full, sync=sync)
+        files[rel] = [size, digest]
+        total += size
+    if sync:
+        for dirpath, _dirs, _names in os.walk(root):
+            storage.fsync_dir(Path(dirpath))
+    return files, total
+
+
+def read_manifest(path: Path, expected: str | None = None) -> dict[str, Any]:
+    """The store's manifest, checked against ``expected`` (its digest hex) when given."""
+    try:
+        raw = (path / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        raise FormatError(f"{path}: not an ftidask Zarr store (no {MANIFEST})") from None
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read {MANIFEST}: {exc}") from None
+    if expected is not None and hashing.digest(_HASH_ID, raw).hex() != expected:
+        raise FormatError(f"{path}: {MANIFEST} does not match the commit record (damaged or replaced)")
+    try:
+        manifest = json.loads(raw)
+    except ValueError as exc:
+        raise FormatError(f"{path}: {MANIFEST} is not valid JSON: {exc}") from None
+    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict)
+            or not isinstance(manifest.get("vars"), list)):
+        raise FormatError(f"{path}: {MANIFEST} is not an ftidask Zarr manifest")
+    if manifest.get("version") != VERSION:
+        raise FormatError(f"{path}: manifest version {manifest.get('version')} is not one this ftidask reads")
+    return manifest
+
+
+def store_entries(manifest: Mapping[str, Any], path: Path) -> list[tuple[str, VarInfo]]:
+    """``(array path, VarInfo)`` of every variable a manifest lists."""
+    out = []
+    for entry in manifest["vars"]:
+        try:
+            info = VarInfo.from_json(entry)
+            name = str(entry["array"])
+        except (FormatError, KeyError, TypeError) as exc:
+            raise FormatError(f"{path}: bad variable entry in {MANIFEST}: {exc}") from None
+        if not name or name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
+            raise FormatError(f"{path}: bad array name {name!r} in {MANIFEST}")
+        out.append((name, info))
+    return out
+
+
+def store_vars(manifest: Mapping[str, Any], path: Path, group: str = "") -> dict[int, tuple[VarInfo, str]]:
+    """Variable id -> (VarInfo, array path) for the arrays directly in ``group`` (the root by default)."""
+    out = {}
+    for name, info in store_entries(manifest, path):
+        if name.rpartition("/")[0] != group:
+            continue
+        if info.id in out:
+            raise FormatError(f"{path}: variable id {info.id} appears twice in {group or 'the root group'}")
+        out[info.id] = (info, name)
+    return out
+
+
+def verify_store(path: Path, expected: str | None = None) -> dict[str, Any]:
+    """Check every file listed in the manifest (size and digest); the manifest on success."""
+    manifest = read_manifest(path, expected)
+    for rel, entry in sorted(manifest["files"].items()):
+        full = path / rel
+        if ".." in Path(rel).parts or not isinstance(entry, list) or len(entry) != 2:
+            raise FormatError(f"{path}: bad manifest entry {rel!r}")
+        try:
+            size, digest = _file_digest(full)
+        except FileNotFoundError:
+            raise FormatError(f"{path}: {rel} is missing") from None
+        except OSError as exc:
+            raise FormatError(f"{path}: {rel}: {exc}") from None
+        if size != entry[0] or digest != entry[1]:
+            raise FormatError(f"{path}: {rel} does not match its hash (damaged Zarr chunk or metadata)")
+    store_entries(manifest, path)
+    return manifest
+
+
+def read_arrays(path: Path, manifest: Mapping[str, Any], ids: set[int] | None = None,
+                group: str = "") -> dict[int, np.ndarray]:
+    """The variables of a verified store as new arrays; every chunk is re-checked as it is read."""
+    zarr = _zarr()
+    store = verified_store(path, manifest)
+    out = {}
+    for vid, (info, name) in store_vars(manifest, path, group).items():
+        if ids is not None and vid not in ids:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            z = zarr.open_array(store=store, path=name, mode="r")
+            data = z[...]
+        if tuple(z.shape) != info.shape:
+            raise FormatError(f"{path}: array {name!r} has shape {z.shape}, the manifest says {info.shape}")
+        result = info.empty()
+        np.copyto(result, np.asarray(data).reshape(info.shape), casting="equiv")
+        out[vid] = result
+    return out
+
+
+def read_into(path: Path, manifest: Mapping[str, Any], targets: Mapping[int, np.ndarray]) -> None:
+    """Fill ``targets`` (id -> array of the stored shape) from a verified store, without a copy.
+
+    Call :func:`verify_store` first: the chunk re-check as Zarr reads only catches a store
+    changed in between.
+    """
+    zarr = _zarr()
+    from zarr.core.buffer import default_buffer_prototype
+
+    store = verified_store(path, manifest)
+    table = store_vars(manifest, path)
+    for vid, target in targets.items():
+        info, name = table[vid]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            z = zarr.open_array(store=store, path=name, mode="r")
+            if tuple(z.shape) != tuple(target.shape):
+                raise FormatError(f"{path}: array {name!r} has shape {z.shape}, expected {target.shape}")
+            out = np.asarray(target)  # a view: a subclass (np.matrix) is filled through it
+            z.get_basic_selection(Ellipsis, out=default_buffer_prototype().nd_buffer.from_numpy_array(out))
+
+
+def verified_store(path: Path, manifest: Mapping[str, Any]) -> Any:
+    """A read-only Zarr store on ``path`` that checks each file's digest as it is read."""
+    from zarr.storage import LocalStore
+
+    class VerifiedStore(LocalStore):
+        digests: Mapping[str, list[Any]] = {}
+
+        def with_read_only(self, read_only: bool = False) -> VerifiedStore:
+            other = type(self)(root=self.root, read_only=read_only)
+            other.digests = self.digests
+            return other
+
+        async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+            buf = await super().get(key, prototype, byte_range)
+            entry = self.digests.get(key)
+            if entry is None:
+                if buf is not None:
+                    raise FormatError(f"{path}: {key} is not in the manifest (file added after the checkpoint)")
+                return None
+            if buf is None:
+                raise FormatError(f"{path}: {key} is missing")
+            data = buf.to_bytes()
+            if byte_range is not None:
+                raise FormatError(f"{path}: partial read of {key} cannot be verified")
+            if len(data) != entry[0] or hashing.digest(_HASH_ID, data).hex() != entry[1]:
+                raise FormatError(f"{path}: {key} does not match its hash (damaged Zarr chunk)")
+            return buf
+
+    store = VerifiedStore(root=str(path), read_only=True)
+    store.digests = dict(manifest["files"])
+    return store
+
+
+def read_plain_group(path: Path, group: str = "") -> dict[int, tuple[str, np.ndarray]]:
+    """The arrays of a Zarr group that ftidask did not write, by id: ``{id: (name, array)}``.
+
+    Ids come from the arrays' ``ftidask_id`` attribute, else 1, 2, ... in name order.
+    """
+    import zarr
+
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        root = zarr.open_group(str(path), mode="r")
+        node = root[group] if group else root
+        names = sorted(name for name, _a in node.arrays())
+        out: dict[int, tuple[str, np.ndarray]] = {}
+        next_id = 1
+        for name in names:
+            z = node[name]
+            vid = z.attrs.get("ftidask_id")
+            if not isinstance(vid, int) or vid in out:
+                while next_id in out:
+                    next_id += 1
+                vid = next_id
+            out[vid] = (str(z.attrs.get("ftidask_name", name)), np.asarray(z[...]))
+    return out
