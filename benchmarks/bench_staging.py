@@ -23,7 +23,7 @@ import numpy as np
 
 import ftidask
 from ftidask import SI_SCES
-from ftidask.storage.files import files as storage
+from ftidask.storage import files as storage
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [(1 * KiB, 200), (64 * KiB, 200), (1 * MiB, 100), (16 * MiB, 20), (256 * MiB, 3)]

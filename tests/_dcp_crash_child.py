@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import ftidask
-from ftidask.dcp.files import files as dcp
+from ftidask.dcp import files as dcp
 from ftidask.engine import dcpstore
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -54,8 +54,8 @@ def kill_at_block_write(nth: int = 1) -> None:
     :class:`ftidask.dcp.files.DcpFileWriter` writes data blocks (and nothing else) with
     ``storage.pwrite_all``: its module sees a ``storage`` whose ``pwrite_all`` counts.
     """
-    from ftidask.dcp.files import files as dcp
-    from ftidask.storage.files import files as storage
+    from ftidask.dcp import files as dcp
+    from ftidask.storage import files as storage
 
     proxy = types.ModuleType(storage.__name__)
     proxy.__dict__.update(vars(storage))

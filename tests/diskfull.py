@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ftidask.storage.files import files as storage
+from ftidask.storage import files as storage
 
 
 class FullDiskFile(io.FileIO):

@@ -15,8 +15,8 @@ import sys
 import threading
 from pathlib import Path
 
-from ftidask.staging.stager.process import serve
-from ftidask.staging.stager.stager import Stager, ThreadMover
+from ftidask.staging.process import serve
+from ftidask.staging.stager import Stager, ThreadMover
 from mpi4py import MPI
 
 from ftidask import SI_NINI, SI_SCES

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ftidask.staging.stager import copy as staging_copy
-from ftidask.staging.stager import process as staging_process
+from ftidask.staging import copy as staging_copy
+from ftidask.staging import process as staging_process
 
 _ORIGINAL = staging_copy._write_all
 _TESTS = str(Path(__file__).resolve().parent)

@@ -15,7 +15,7 @@ import pytest
 import ftidask
 from ftidask.engine import writing as context_writing
 from ftidask.model.errors import CheckpointError
-from ftidask.storage.files import files as storage
+from ftidask.storage import files as storage
 
 
 def _kw(root: Path) -> dict:

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 from conftest import ROOT
-from ftidask.storage.files.files import find_paths
+from ftidask.storage.files import find_paths
 
 import ftidask
 

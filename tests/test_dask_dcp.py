@@ -12,7 +12,7 @@ da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
 
-from ftidask.storage.files.files import find_paths
+from ftidask.storage.files import find_paths
 from test_dask_backend import crash_worker, lose_workers
 
 import ftidask

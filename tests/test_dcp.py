@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ftidask.dcp.files.delta import DeltaMismatch, apply_delta, read_payload
+from ftidask.dcp.delta import DeltaMismatch, apply_delta, read_payload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ftidask
-from ftidask.storage.files import files as storage
+from ftidask.storage import files as storage
 
 
 def _kw(root: Path, **extra):

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ftidask.dcp.files import pagetrack
+from ftidask.dcp import pagetrack
 
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "dcp_l2_job.py"
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")

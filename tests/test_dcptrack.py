@@ -11,15 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ftidask.dcp.files.track import KnownDigests
+from ftidask.dcp.track import KnownDigests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ftidask
-from ftidask.dcp.files import pagetrack
-from ftidask.dcp.files import track as dcptrack
+from ftidask.dcp import pagetrack
+from ftidask.dcp import track as dcptrack
 from ftidask.model.errors import CheckpointError
-from ftidask.storage.files import files as storage
+from ftidask.storage import files as storage
 
 BLOCK = 16384
 N = 4 << 20  # bytes of the tracked array (tracking starts at dcptrack.MIN_TRACKED)

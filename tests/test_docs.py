@@ -88,7 +88,7 @@ def test_api_reference_lists_public_names_only():
 
     import ftidask
     from ftidask.model import constants, errors
-    from ftidask.staging.stager import stager as staging
+    from ftidask.staging import stager as staging
     from ftidask.tools import zarr_export
 
     public = [getattr(ftidask, name) for name in ftidask.__all__] + [constants, errors]

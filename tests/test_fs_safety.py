@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ftidask.staging.stager.stager import Stager, ThreadMover
+from ftidask.staging.stager import Stager, ThreadMover
 
 import ftidask
 from ftidask import SI_FAIL, SI_SCES, ConfigError

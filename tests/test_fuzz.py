@@ -4,7 +4,7 @@ import json
 import struct
 
 import numpy as np
-from ftidask.storage.files.files import find_paths
+from ftidask.storage.files import find_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

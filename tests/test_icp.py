@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ftidask.storage.files.files import find_paths
+from ftidask.storage.files import find_paths
 
 import ftidask
 from ftidask.model.errors import CheckpointError, ProtectError

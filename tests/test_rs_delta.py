@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ftidask.dcp.files.delta import file_fb_hash
-from ftidask.dcp.files.files import write_dcp_file
+from ftidask.dcp.delta import file_fb_hash
+from ftidask.dcp.files import write_dcp_file
 from test_partner_delta import ThreadChannel, ThreadGroup
 
 from ftidask.ftiff.layout import plan_layout

@@ -261,7 +261,7 @@ def test_clean_refuses_an_exec_id_outside_the_directories(tmp_path, capsys, whic
 
 
 def test_remove_inside_refuses_paths_that_resolve_elsewhere(tmp_path):
-    from ftidask.storage.files import files as storage
+    from ftidask.storage import files as storage
 
     parent, outside = tmp_path / "parent", tmp_path / "outside"
     (parent / "run").mkdir(parents=True)

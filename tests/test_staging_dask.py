@@ -13,7 +13,7 @@ import xxhash
 
 distributed = pytest.importorskip("distributed")
 
-from ftidask.staging.stager.stager import Stager  # noqa: E402
+from ftidask.staging.stager import Stager  # noqa: E402
 
 import ftidask  # noqa: E402
 from ftidask import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES  # noqa: E402

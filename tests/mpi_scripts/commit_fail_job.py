@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ftidask
-from ftidask.storage.files import files as storage
+from ftidask.storage import files as storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the seam
 from diskfull import full_commit_records  # noqa: E402

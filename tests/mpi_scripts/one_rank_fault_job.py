@@ -36,7 +36,7 @@ from ftidask.engine import pending, runstate
 from ftidask.engine import recovering as context_recovery
 from ftidask.engine import writing as context_writing
 from ftidask.levels import erasure, partner, partner_delta, rs_delta
-from ftidask.storage.files import files as storage
+from ftidask.storage import files as storage
 
 RANK = MPI.COMM_WORLD.rank
 BASE = {"local_test": 1, "node_size": 1, "group_size": MPI.COMM_WORLD.size, "verbosity": 4}
