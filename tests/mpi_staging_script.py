@@ -15,11 +15,11 @@ import sys
 import threading
 from pathlib import Path
 
-from ftidask.staging.process import serve
-from ftidask.staging.stager import Stager, ThreadMover
 from mpi4py import MPI
 
 from ftidask import SI_NINI, SI_SCES
+from ftidask.staging.process import serve
+from ftidask.staging.stager import Stager, ThreadMover
 
 TAG_REQ, TAG_STATE = 71, 72
 

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 from conftest import ROOT
-from ftidask.storage.files import find_paths
 
 import ftidask
+from ftidask.storage.files import find_paths
 
 CHILD = r"""
 import sys, numpy as np, ftidask

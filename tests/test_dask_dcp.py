@@ -12,12 +12,12 @@ da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
 
-from ftidask.storage.files import find_paths
 from test_dask_backend import crash_worker, lose_workers
 
 import ftidask
 from ftidask.ftiff.blockhash import FLAG_DCP
 from ftidask.ftiff.reader import parse_ftiff, verify_data
+from ftidask.storage.files import find_paths
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
 NWORKERS = 4

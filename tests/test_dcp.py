@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ftidask.dcp.delta import DeltaMismatch, apply_delta, read_payload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ftidask
+from ftidask.dcp.delta import DeltaMismatch, apply_delta, read_payload
 from ftidask.engine.recovery import load_file
 from ftidask.ftiff.blockhash import FLAG_DCP
 from ftidask.ftiff.reader import parse_ftiff, verify_data

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ftidask.dcp.track import KnownDigests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ftidask
 from ftidask.dcp import pagetrack
 from ftidask.dcp import track as dcptrack
+from ftidask.dcp.track import KnownDigests
 from ftidask.model.errors import CheckpointError
 from ftidask.storage import files as storage
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ftidask.staging.stager import Stager, ThreadMover
 
 import ftidask
 from ftidask import SI_FAIL, SI_SCES, ConfigError
+from ftidask.staging.stager import Stager, ThreadMover
 
 
 def _dirs(root: Path, **kw):

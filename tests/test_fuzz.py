@@ -4,13 +4,13 @@ import json
 import struct
 
 import numpy as np
-from ftidask.storage.files import find_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ftidask
 from ftidask.ftiff.reader import parse_ftiff, read_into, verify_data
 from ftidask.model.arrays import ArrayBytes
+from ftidask.storage.files import find_paths
 
 _FILES: dict[str, bytes] = {}
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ftidask.storage.files import find_paths
 
 import ftidask
 from ftidask.model.errors import CheckpointError, ProtectError
+from ftidask.storage.files import find_paths
 
 
 def _kw(root, **extra):

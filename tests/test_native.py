@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
-from ftidask.storage.files import find_paths
 
 import ftidask
 from ftidask.ftiff import blockhash
 from ftidask.ftiff.reader import parse_ftiff
 from ftidask.storage import files as storage
+from ftidask.storage.files import find_paths
 
 native = pytest.importorskip("ftidask._native", reason="native helpers not built (no C compiler at install)")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ftidask.dcp.files import write_dcp_file
 
+from ftidask.dcp.files import write_dcp_file
 from ftidask.ftiff.layout import plan_layout
 from ftidask.ftiff.reader import parse_ftiff, verify_data
 from ftidask.levels.partner_delta import protect

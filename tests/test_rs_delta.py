@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ftidask.dcp.delta import file_fb_hash
-from ftidask.dcp.files import write_dcp_file
 from test_partner_delta import ThreadChannel, ThreadGroup
 
+from ftidask.dcp.delta import file_fb_hash
+from ftidask.dcp.files import write_dcp_file
 from ftidask.ftiff.layout import plan_layout
 from ftidask.levels import rs, rs_delta
 from ftidask.levels.erasure import ReedSolomon

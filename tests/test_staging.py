@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from ftidask.staging.process import ProcessMover
-from ftidask.staging.stager import Stager, ThreadMover
 
 import ftidask
 from ftidask import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES, FTIError, StagingError
 from ftidask.staging import process as staging_process
+from ftidask.staging.process import ProcessMover
+from ftidask.staging.stager import Stager, ThreadMover
 
 sys.path.insert(0, str(Path(__file__).parent))
 import slowcopy  # noqa: E402

@@ -13,11 +13,10 @@ import xxhash
 
 distributed = pytest.importorskip("distributed")
 
-from ftidask.staging.stager import Stager  # noqa: E402
-
 import ftidask  # noqa: E402
 from ftidask import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES  # noqa: E402
 from ftidask.backends.dask.staging import DaskMover, worker_by_node_dir  # noqa: E402
+from ftidask.staging.stager import Stager  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # also on the workers' path (the nanny passes it on)
 import slowcopy  # noqa: E402

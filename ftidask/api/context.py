@@ -51,7 +51,7 @@ class Protected:
     name: str
     array: np.ndarray
     compressor: dict[str, Any] | None = None  # numcodecs config; None: the config's [advanced] compressor
-    decomp: dict[str, Any] | None = None  # where it sits in a global array (ftidask.model.decomposition), for resharding
+    decomp: dict[str, Any] | None = None  # its place in a global array (model.decomposition), for resharding
     state: pystate.Holder | None = None  # a Python state (ftidask.engine.pystate): ``array`` holds its bytes
 
 
