@@ -2,7 +2,7 @@
 
 Each rank owns a band of rows plus one halo row above and below; every iteration exchanges
 halos with its neighbours (on ``ctx.comm``, FTI_COMM_WORLD's role) and does a Jacobi step.
-``@ftidask.api.resilient`` checkpoints the band every ``--every`` iterations at ``--level``,
+``@ftidask.resilient`` checkpoints the band every ``--every`` iterations at ``--level``,
 resumes after a crash, and checkpoints and exits cleanly on SIGTERM/SIGUSR1.
 
     mpiexec -n 4 python examples/heat_mpi.py --dir /tmp/heat --iters 500 --every 50 --level 3
@@ -68,7 +68,7 @@ def main() -> None:
         first = [True]  # print the first iteration run (shows where a restart resumed)
         rng = np.random.default_rng(1000 + comm.rank)  # its state comes back on a restart (rng= below)
 
-        @ftidask.api.resilient(ctx, arrays={1: u}, every=args.every, level=args.level, iterations=args.iters,
+        @ftidask.resilient(ctx, arrays={1: u}, every=args.every, level=args.level, iterations=args.iters,
                            rng=rng)
         def step(i: int) -> None:
             if comm.rank == 0 and (i == 0 or i % 10 == 0 or first[0]):

@@ -19,7 +19,7 @@ def test_enabled_rules():
 
 
 def test_auto_is_off_in_a_non_interactive_run():
-    proc = run_python("from ftidask import progress; print(progress.interactive(), progress.enabled('auto', 1))",
+    proc = run_python("from ftidask.engine import progress; print(progress.interactive(), progress.enabled('auto', 1))",
                       stdin=None)
     assert proc.stdout.split() == ["False", "False"]
 

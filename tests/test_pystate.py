@@ -269,7 +269,7 @@ rng = np.random.default_rng(2024)
 params = ftidask.State({"drawn": []})
 x = np.zeros(4)
 
-@ftidask.api.resilient(ctx, arrays={1: x}, every=5, iterations=30, rng=rng, state=params)
+@ftidask.resilient(ctx, arrays={1: x}, every=5, iterations=30, rng=rng, state=params)
 def step(i):
     value = float(rng.random())
     params["drawn"].append(round(value, 6))

@@ -22,7 +22,7 @@ def _run(tmp: Path, iterations: int, crash_at: int | None = None, signal_at: int
     ctx = _ctx(tmp)
     x = np.zeros(1000)
 
-    @ftidask.api.resilient(ctx, arrays={1: x}, every=10, level=1, iterations=iterations, exit_on_signal=False)
+    @ftidask.resilient(ctx, arrays={1: x}, every=10, level=1, iterations=iterations, exit_on_signal=False)
     def step(i: int) -> None:
         if i == crash_at:
             raise RuntimeError("crash")

@@ -3,7 +3,7 @@
 ::
 
     with ftidask.init(cfg, comm=MPI.COMM_WORLD) as ctx:
-        @ftidask.api.resilient(ctx, arrays={1: u}, every=50, level=2, iterations=1000)
+        @ftidask.resilient(ctx, arrays={1: u}, every=50, level=2, iterations=1000)
         def step(i):
             ...  # one iteration, updating u in place
         last = step()          # runs iterations [resume point, 1000)

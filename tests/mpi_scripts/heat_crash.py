@@ -2,7 +2,7 @@
 
 usage: heat_crash.py N [heat_mpi.py arguments]
 
-The crash point wraps the iteration the example hands to :func:`ftidask.api.resilient`: the example
+The crash point wraps the iteration the example hands to :func:`ftidask.resilient`: the example
 itself holds no test hook.
 """
 
@@ -15,7 +15,7 @@ import ftidask
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "heat_mpi.py"
 crash_at = int(sys.argv.pop(1))
-real_resilient = ftidask.api.resilient
+real_resilient = ftidask.resilient
 
 
 def resilient(ctx, **kwargs):
@@ -32,6 +32,6 @@ def resilient(ctx, **kwargs):
     return wrap
 
 
-ftidask.api.resilient = resilient
+ftidask.resilient = resilient
 sys.argv[0] = str(EXAMPLE)
 runpy.run_path(str(EXAMPLE), run_name="__main__")
