@@ -428,19 +428,6 @@ def test_inconsistent_dcp_tables_are_refused(tmp_path):
             verify_data(fh, parse_ftiff(fh, str(bad)))
 
 
-def test_a_backend_with_its_own_checkpoint_must_opt_in(tmp_path):
-    class OwnCheckpoint(ftidask.Context):
-        def checkpoint(self, id, level):  # e.g. a backend whose workers write the files
-            self._check_level(level)
-
-    ctx = OwnCheckpoint(ftidask.load_config(**_kw(tmp_path)), SerialTransport())
-    with pytest.raises(LevelError, match="does not write differential"):
-        ctx.checkpoint(1, 5)
-    ctx.checkpoint(1, 1)
-    OwnCheckpoint.writes_dcp = True
-    ctx.checkpoint(1, 5)
-
-
 def test_dcp_and_icp_with_a_compressor_configured(tmp_path):
     """Compressed containers cannot be patched in place: dCP and iCP files are stored uncompressed."""
     pytest.importorskip("numcodecs")

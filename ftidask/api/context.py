@@ -31,7 +31,8 @@ from ..model import constants
 from ..model.arrays import check_ckpt_id, check_id, check_protectable
 from ..model.config import Config
 from ..model.decomposition import declaration, still_fits
-from ..model.errors import CheckpointError, ConfigError, FTIError, LevelError, ProtectError, RunInUseError
+from ..model.errors import CheckpointError, ConfigError, FTIError, ProtectError, RunInUseError
+from ..model.level import Level
 from ..staging.stager import StagingMixin
 from ..storage import dirchecks, runlock
 from ..storage import files as storage
@@ -174,7 +175,8 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         Levels 5-8 (FTI's L1_DCP..L4_DCP), or ``dcp=True`` with levels 1-4, write a differential
         checkpoint (``enable_dcp = 1``): only the blocks that changed since the file being updated.
         """
-        pending = self._begin_checkpoint(id, level + 4 if dcp and level in constants.LEVELS else level)
+        self._check_open()
+        pending = self._begin_checkpoint(id, self._check_level(level, dcp))
         try:
             for vid, p in self._vars.items():
                 if pending.error:
@@ -186,22 +188,21 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
             raise
         return self._commit_checkpoint(pending)
 
-    def _begin_checkpoint(self, id: int, level: int, incremental: bool = False) -> PendingCheckpoint:
+    def _begin_checkpoint(self, id: int, level: Level, incremental: bool = False) -> PendingCheckpoint:
         """Plan checkpoint ``id`` and open its file (shared by checkpoint and iCP)."""
         self._check_open()
         if self._icp is not None:
             raise CheckpointError(f"incremental checkpoint {self._icp.ckpt_id} is open; finalize_icp() first")
         ckpt_id = check_ckpt_id(id)
-        level = self._check_level(level)
         t = self.transport
         t.wait_post()  # a head still post-processing the previous checkpoint must finish first (as FTI)
-        differential = level > 4  # L5-L8: differential L1-L4
-        post_level = level - 4 if differential else level
-        level = t.write_level(post_level) + (4 if differential else 0)
+        post_level = level.base
+        level = Level(t.write_level(level.base), level.differential)  # L1 when a head raises it later
         state_error = self._encode_states()  # before the layout: a state's size changes with its value
 
         def plan() -> tuple[Layout, int | None]:
-            if incremental and level <= 4 and (self._codecs() or (level == 4 and self.config.l4_format == "zarr")):
+            if incremental and not level.differential and (self._codecs() or (
+                    level.base == 4 and self.config.l4_format == "zarr")):
                 raise CheckpointError("incremental checkpoints are written uncompressed as FTI-FF files: set "
                                       "compressor = none (and l4_format = ftiff for level 4), or use levels 5-8")
             return (plan_layout(self._layout, [(vid, p.array.nbytes) for vid, p in self._vars.items()]),
@@ -210,20 +211,20 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
         (layout, seq), error = attempt(t.rank, plan, (None, None))
         seq = agree(t, error, CheckpointError, f"checkpoint {ckpt_id} cannot start; the previous checkpoint is kept",
                     seq)[0]  # rank 0's sequence number, or the same error on every rank
-        base_level = level - 4 if level > 4 else level
+        base_level = level.base
         directory = self.paths.level_dir(base_level, t.node) / storage.ckpt_dirname(ckpt_id, seq)
         path = directory / storage.rank_file(ckpt_id, t.rank)
 
         def open_writer() -> Any:
-            if level > 4:
+            if level.differential:
                 return self._dcp_store().begin(base_level, layout)
             if incremental:
                 return RankFileWriter(path, layout, self._hash_id, self._hash_pool())
             # every variable at once, at commit: compression, Zarr L4 and progress bars apply
-            return OneShotWriter(functools.partial(self._write_full, ckpt_id, level, path, layout))
+            return OneShotWriter(functools.partial(self._write_full, ckpt_id, base_level, path, layout))
 
         writer, error = attempt(t.rank, open_writer)  # an error is reported, on every rank, at the commit
-        return PendingCheckpoint(ckpt_id, level, seq, layout, directory, path,
+        return PendingCheckpoint(ckpt_id, level.number, seq, layout, directory, path,
                                  {vid: p.array.nbytes for vid, p in self._vars.items()}, writer,
                                  error=state_error or error, post_level=post_level, extras=self._var_extras())
 
@@ -334,22 +335,12 @@ class Context(WritingMixin, RecoveryMixin, RetentionMixin, StagingMixin):
                 out[vid] = extra
         return out
 
-    def _check_level(self, level: Any) -> int:
-        if (self.config.enable_dcp and isinstance(level, (int, np.integer)) and not isinstance(level, bool)
-                and int(level) in constants.DCP_LEVELS):
-            # A backend with its own checkpoint() must say that it writes differential files.
-            if type(self).checkpoint is not Context.checkpoint and not getattr(self, "writes_dcp", False):
-                raise LevelError(f"level {level}: the {self.transport.name} backend does not write differential "
-                                 "checkpoints; use levels 1-4")
-            self.transport.check_level(int(level) - 4)
-            return int(level)
-        if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or int(level) not in constants.LEVELS:
-            if isinstance(level, (int, np.integer)) and int(level) in constants.DCP_LEVELS:
-                raise LevelError(f"level {level} (differential checkpointing) needs enable_dcp = 1")
-            raise LevelError(f"unknown checkpoint level {level!r}; FTI's levels are 1, 2, 3 and 4")
-        level = int(level)
-        self.transport.check_level(level)
-        return level
+    def _check_level(self, level: Any, dcp: bool = False) -> Level:
+        """The level a checkpoint asks for, parsed once (1-4; 5-8 or ``dcp=True`` with enable_dcp), and
+        refused here when this run's transport cannot provide it."""
+        parsed = Level.parse(level, dcp=dcp, enable_dcp=bool(self.config.enable_dcp))
+        self.transport.check_level(parsed.base)
+        return parsed
 
     def _partner_fs(self, sizes: list[int]) -> int:
         # FTI's ptFs: the size of the partner file this rank keeps (its left partner's).

@@ -45,7 +45,7 @@ def protected_var(ctx: Any, var_id: Any) -> Any:
 def init_icp(ctx: Context, ckpt_id: int, level: int) -> None:
     """Open incremental checkpoint ``ckpt_id`` at ``level`` (levels 1-8, as for checkpoint)."""
     check_none_open(ctx)
-    ctx._icp = ctx._begin_checkpoint(ckpt_id, level, incremental=True)
+    ctx._icp = ctx._begin_checkpoint(ckpt_id, ctx._check_level(level), incremental=True)
 
 
 def add_var_icp(ctx: Context, var_id: int) -> None:

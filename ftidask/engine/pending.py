@@ -25,6 +25,7 @@ from ..ftiff.layout import Layout
 from ..ftiff.writer import WrittenFile, write_metadata, write_spans
 from ..model.arrays import ArrayBytes, VarInfo
 from ..model.errors import CheckpointError
+from ..model.level import Level
 from ..storage.files import create_temp, fsync_dir, makedirs
 from .dcpstore import DcpHandle
 
@@ -113,11 +114,11 @@ class PendingCheckpoint:
     @property
     def base_level(self) -> int:
         """Where the files live: L5-L8 are differential L1-L4."""
-        return self.level - 4 if self.level > 4 else self.level
+        return Level.of(self.level).base
 
     @property
     def differential(self) -> bool:
-        return self.level > 4
+        return Level.of(self.level).differential
 
     def write_var(self, var_id: int, name: str, array: np.ndarray, extra: Mapping[str, Any] | None = None) -> None:
         """Write variable ``var_id`` now; its array may change once this returns."""

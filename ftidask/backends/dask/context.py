@@ -22,7 +22,6 @@ from distributed import Client, Future, futures_of
 from ...api.context import Context, Protected
 from ...engine.runstate import CommitRecord, FileRecord
 from ...levels.ring_groups import copy_holder, copy_source, group_of, make_groups
-from ...model import constants
 from ...model.arrays import check_ckpt_id, check_id
 from ...model.config import Config
 from ...model.errors import CheckpointError, FTIError, LevelError, ProtectError
@@ -73,8 +72,6 @@ class DaskTransport(Transport):
 
 class DaskContext(Context):
     """A :class:`Context` whose ranks are the workers of a ``distributed`` cluster."""
-
-    writes_dcp = True  # levels 5-8: see ftidask.backends.dask.dcp_levels
 
     def __init__(self, config: Config, client: Client) -> None:
         self.client = client
@@ -143,12 +140,12 @@ class DaskContext(Context):
         redundancy runs as tasks; committed only when every worker's part succeeded."""
         self._check_open()
         ckpt_id = check_ckpt_id(id)
-        level = self._check_level(level + 4 if dcp and level in constants.LEVELS else level)
+        parsed = self._check_level(level, dcp)
         error = "" if self._keep_state_bytes else self._encode_states()  # Python states: their bytes now
         if error:
             raise CheckpointError(f"checkpoint {ckpt_id} failed; the previous checkpoint is kept: {error}")
-        differential = level > 4  # L5-L8: differential L1-L4 (enable_dcp = 1)
-        shown_level, level = level, level - 4 if differential else level
+        differential = parsed.differential  # L5-L8: differential L1-L4 (enable_dcp = 1)
+        shown_level, level = parsed.number, parsed.base
         start = time.perf_counter()
         specs, futures = self._chunk_futures()
         try:
