@@ -20,6 +20,12 @@
  * x86-64; each kernel is compiled for its ISA by a function attribute and picked once from the
  * CPU's features. Lengths that are not a multiple of the vector width end with scalar code;
  * loads and stores are unaligned, so any buffer offset works.
+ *
+ * Why non-temporal stores: for stripes far larger than the caches the kernel is bound by memory
+ * bandwidth, and a plain store first reads each output line it overwrites (read for ownership).
+ * Streaming stores skip that read: a k = m = 4 encode then moves 8 bytes per data byte instead
+ * of 12, as many as a memory copy. Used on x86 when nothing is accumulated, the call is large
+ * and all outputs share one alignment (a scalar head aligns them).
  */
 #include "gf256.h"
 
@@ -39,7 +45,11 @@
 static uint8_t gf_mul_tab[256][256];
 
 typedef void (*gf_pass_fn)(const uint8_t *tabs, int g, int k, const uint8_t *const *in, uint8_t *const *out,
-                           size_t lo, size_t hi, int accumulate);
+                           size_t lo, size_t hi, int accumulate, int nt);
+
+/* Non-temporal stores from this much traffic (inputs + outputs) on: well past the L2 and a core's
+ * share of the L3, so the outputs would leave the caches before anyone reads them anyway. */
+#define GF_STREAM_MIN ((size_t)8 << 20)
 
 struct gf_isa {
     const char *name;
@@ -47,6 +57,7 @@ struct gf_isa {
     size_t width;    /* bytes per vector */
     int gmax;        /* outputs held in registers per pass */
     int affine;      /* tables are GFNI bit matrices (8 bytes per coefficient), else nibble tables */
+    int stream;      /* the pass honours nt (aligned non-temporal stores) */
     int (*cpu_has)(void);
 };
 
@@ -125,7 +136,7 @@ affine_matrix(uint8_t c)
                     acc[p] = ACC3(acc[p], SHUF(LOADT(tj + 2 * p * (W)), xl), SHUF(LOADT(tj + (2 * p + 1) * (W)), xh)); \
             }                                                                                           \
             for (int p = 0; p < G; p++)                                                                 \
-                STOREU(out[p] + t, acc[p]);                                                             \
+                STOREU(out[p] + t, acc[p], nt);                                                         \
         }                                                                                               \
     } while (0)
 
@@ -143,14 +154,15 @@ affine_matrix(uint8_t c)
                     acc[p] = XOR(acc[p], AFFINE(x, BCAST(mats[(size_t)j * (G) + p])));                  \
             }                                                                                           \
             for (int p = 0; p < G; p++)                                                                 \
-                STOREU(out[p] + t, acc[p]);                                                             \
+                STOREU(out[p] + t, acc[p], nt);                                                         \
         }                                                                                               \
     } while (0)
 
-/* A pass function: g (1..gmax) picks a body compiled for that literal row count. */
+/* A pass function: g (1..gmax) picks a body compiled for that literal row count. FENCE orders
+ * non-temporal stores before whatever the caller (or another thread) does next. */
 #define GF_PASS(NAME, ATTR, BODY)                                                                        \
     static ATTR void NAME(const uint8_t *tabs, int g, int k, const uint8_t *const *in, uint8_t *const *out, \
-                          size_t lo, size_t hi, int accumulate)                                         \
+                          size_t lo, size_t hi, int accumulate, int nt)                                 \
     {                                                                                                   \
         switch (g) {                                                                                    \
         case 1: BODY(1); break;                                                                         \
@@ -159,6 +171,7 @@ affine_matrix(uint8_t c)
         case 4: BODY(4); break;                                                                         \
         GF_PASS_WIDE(BODY)                                                                              \
         }                                                                                               \
+        GF_FENCE(nt);                                                                                   \
     }
 #define GF_CASES_5_8(BODY)                                                                              \
     case 5: BODY(5); break;                                                                             \
@@ -169,7 +182,8 @@ affine_matrix(uint8_t c)
 
 #ifdef GF_X86
 #define LD128(p) _mm_loadu_si128((const __m128i *)(const void *)(p))
-#define ST128(p, v) _mm_storeu_si128((__m128i *)(void *)(p), (v))
+#define GF_FENCE(nt) do { if (nt) _mm_sfence(); } while (0)
+#define ST128(p, v, nt) ((nt) ? _mm_stream_si128((__m128i *)(void *)(p), (v)) : _mm_storeu_si128((__m128i *)(void *)(p), (v)))
 #define LT128(p) _mm_load_si128((const __m128i *)(const void *)(p))
 #define X3_128(a, b, c) _mm_xor_si128((a), _mm_xor_si128((b), (c)))
 #define SSSE3_BODY(G) GF_NIBBLE_BODY(G, __m128i, 16, LD128, ST128, LT128, X3_128, _mm_and_si128, \
@@ -179,7 +193,7 @@ affine_matrix(uint8_t c)
 GF_PASS(pass_ssse3, __attribute__((target("ssse3"))), SSSE3_BODY)
 
 #define LD256(p) _mm256_loadu_si256((const __m256i *)(const void *)(p))
-#define ST256(p, v) _mm256_storeu_si256((__m256i *)(void *)(p), (v))
+#define ST256(p, v, nt) ((nt) ? _mm256_stream_si256((__m256i *)(void *)(p), (v)) : _mm256_storeu_si256((__m256i *)(void *)(p), (v)))
 #define LT256(p) _mm256_load_si256((const __m256i *)(const void *)(p))
 #define X3_256(a, b, c) _mm256_xor_si256((a), _mm256_xor_si256((b), (c)))
 #define SR4_256(x) _mm256_srli_epi16((x), 4)
@@ -197,7 +211,7 @@ GF_PASS(pass_gfni256, __attribute__((target("avx2,gfni"))), GFNI256_BODY)
 #undef GF_PASS_WIDE
 #define GF_PASS_WIDE GF_CASES_5_8
 #define LD512(p) _mm512_loadu_si512((const void *)(p))
-#define ST512(p, v) _mm512_storeu_si512((void *)(p), (v))
+#define ST512(p, v, nt) ((nt) ? _mm512_stream_si512((__m512i *)(void *)(p), (v)) : _mm512_storeu_si512((void *)(p), (v)))
 #define LT512(p) _mm512_load_si512((const void *)(p))
 #define X3_512(a, b, c) _mm512_ternarylogic_epi64((a), (b), (c), 0x96)
 #define SR4_512(x) _mm512_srli_epi16((x), 4)
@@ -231,7 +245,8 @@ static int has_gfni512(void) { return has_avx512() && cpu_gfni(); }
 /* NEON is part of every aarch64 CPU: no run-time check. TBL gives 0 for indices >= 16, so the
  * high nibble needs no mask; the AND is kept for one body shared with x86. */
 #define LDN(p) vld1q_u8((const uint8_t *)(p))
-#define STN(p, v) vst1q_u8((uint8_t *)(p), (v))
+#define STN(p, v, nt) vst1q_u8((uint8_t *)(p), (v)) /* nt is never set here (stream = 0) */
+#define GF_FENCE(nt) (void)(nt)
 #define X3N(a, b, c) veorq_u8((a), veorq_u8((b), (c)))
 #define SR4N(x) vshrq_n_u8((x), 4)
 #define NEON_BODY(G) GF_NIBBLE_BODY(G, uint8x16_t, 16, LDN, STN, LDN, X3N, vandq_u8, SR4N, vqtbl1q_u8, \
@@ -246,16 +261,16 @@ static int has_nothing_special(void) { return 1; }
 /* Best first: "auto" takes the first one the CPU has. */
 static const struct gf_isa isas[] = {
 #ifdef GF_X86
-    {"gfni", pass_gfni512, 64, 8, 1, has_gfni512},
-    {"avx512", pass_avx512, 64, 8, 0, has_avx512},
-    {"gfni-avx2", pass_gfni256, 32, 4, 1, has_gfni256},
-    {"avx2", pass_avx2, 32, 4, 0, has_avx2},
-    {"ssse3", pass_ssse3, 16, 4, 0, has_ssse3},
+    {"gfni", pass_gfni512, 64, 8, 1, 1, has_gfni512},
+    {"avx512", pass_avx512, 64, 8, 0, 1, has_avx512},
+    {"gfni-avx2", pass_gfni256, 32, 4, 1, 1, has_gfni256},
+    {"avx2", pass_avx2, 32, 4, 0, 1, has_avx2},
+    {"ssse3", pass_ssse3, 16, 4, 0, 1, has_ssse3},
 #endif
 #ifdef GF_NEON
-    {"neon", pass_neon, 16, 8, 0, has_neon},
+    {"neon", pass_neon, 16, 8, 0, 0, has_neon},
 #endif
-    {"scalar", NULL, 1, 1, 0, has_nothing_special},
+    {"scalar", NULL, 1, 1, 0, 0, has_nothing_special},
 };
 #define N_ISAS (sizeof isas / sizeof isas[0])
 
@@ -315,9 +330,18 @@ gf_matmul(const uint8_t *mat, int m, int k, const uint8_t *const *in, uint8_t *c
           int accumulate)
 {
     const struct gf_isa *isa = current();
-    size_t w = isa->width, nvec = isa->pass ? n - n % w : 0;
+    size_t w = isa->width, head = 0, nvec;
+    int nt = 0;
     if (m <= 0)
         return 0;
+    if (isa->stream && !accumulate && n * (size_t)(k + m) >= GF_STREAM_MIN) {
+        size_t mis = (uintptr_t)out[0] % w; /* streaming stores need aligned addresses */
+        nt = 1;
+        for (int i = 1; i < m; i++)
+            nt &= (uintptr_t)out[i] % w == mis;
+        head = nt ? (w - mis) % w : 0;
+    }
+    nvec = isa->pass ? (n - head) - (n - head) % w : 0; /* vector bytes, from head on */
     if (nvec) {
         int gmax = isa->gmax;
         size_t per = isa->affine ? 8 : 2 * w; /* table bytes per coefficient */
@@ -344,21 +368,23 @@ gf_matmul(const uint8_t *mat, int m, int k, const uint8_t *const *in, uint8_t *c
                 }
         }
         /* Several passes re-read the inputs: chunks of them (about 192 KiB with the outputs) stay in L2. */
-        size_t chunk = nvec;
+        size_t chunk = nvec, end = head + nvec;
         if (m > gmax) {
             chunk = ((size_t)192 << 10) / (size_t)(k + gmax) / 1024 * 1024;
             chunk = chunk < 1024 ? 1024 : chunk;
         }
-        for (size_t lo = 0; lo < nvec; lo += chunk) {
-            size_t hi = nvec - lo < chunk ? nvec : lo + chunk;
+        for (size_t lo = head; lo < end; lo += chunk) {
+            size_t hi = end - lo < chunk ? end : lo + chunk;
             for (int r0 = 0; r0 < m; r0 += gmax) {
                 int g = m - r0 < gmax ? m - r0 : gmax;
-                isa->pass(tabs + (size_t)r0 * k * per, g, k, in, out + r0, lo, hi, accumulate);
+                isa->pass(tabs + (size_t)r0 * k * per, g, k, in, out + r0, lo, hi, accumulate, nt);
             }
         }
         free(raw);
+    } else {
+        head = 0; /* no vector part: the scalar code does it all */
     }
-    if (nvec < n)
-        scalar_range(mat, m, k, in, out, nvec, n, accumulate);
+    scalar_range(mat, m, k, in, out, 0, head, accumulate);
+    scalar_range(mat, m, k, in, out, head + nvec, n, accumulate);
     return 0;
 }
