@@ -190,7 +190,6 @@ affine_matrix(uint8_t c)
     case 7: BODY(7); break;                                                                             \
     case 8: BODY(8); break;
 #define GF_NO_WIDE(BODY)
-
 #ifdef GF_X86
 #define LD128(p) _mm_loadu_si128((const __m128i *)(const void *)(p))
 #define GF_FENCE(nt) do { if (nt) _mm_sfence(); } while (0)
@@ -268,7 +267,6 @@ static int has_neon(void) { return 1; }
 #endif
 
 static int has_nothing_special(void) { return 1; }
-
 /* Best first: "auto" takes the first one the CPU has. */
 static const struct gf_isa isas[] = {
 #ifdef GF_X86
@@ -393,9 +391,8 @@ gf_matmul(const uint8_t *mat, int m, int k, const uint8_t *const *in, uint8_t *c
             }
         }
         free(raw);
-    } else {
+    } else
         head = 0; /* no vector part: the scalar code does it all */
-    }
     scalar_range(mat, m, k, in, out, 0, head, accumulate);
     scalar_range(mat, m, k, in, out, head + nvec, n, accumulate);
     return 0;
