@@ -1,7 +1,9 @@
-"""Build the optional native helpers (block hashing, early write-back); everything else is declared in pyproject.toml.
+"""Build the optional native helpers (block hashing, GF(2^8) erasure coding, early write-back); everything else is declared in pyproject.toml.
 
 ``optional=True``: without a C compiler the build goes on and ftidask hashes blocks through the
-xxhash binding instead (same digests, slower; see ftidask/ftiff/blockhash.py).
+xxhash binding instead (same digests, slower; see ftidask/ftiff/blockhash.py) and erasure codes
+with NumPy (same bytes, slower; see ftidask/levels/erasure.py). No -m flags: the GF(2^8) kernels
+pick their instruction set at run time (ftidask/csrc/gf256.c), so the build runs on any CPU.
 """
 
 import platform
@@ -15,8 +17,9 @@ setup(
     ext_modules=[
         Extension(
             "ftidask._native",
-            sources=["ftidask/csrc/native.c"] + ([f"{_XXH}/xxh_x86dispatch.c"] if _X86 else []),
+            sources=["ftidask/csrc/native.c", "ftidask/csrc/gf256.c"] + ([f"{_XXH}/xxh_x86dispatch.c"] if _X86 else []),
             include_dirs=[_XXH],
+            depends=["ftidask/csrc/gf256.h"],
             define_macros=[("FTIDASK_XXH_DISPATCH", "1")] if _X86 else [],
             extra_compile_args=["-O3"] if platform.system() != "Windows" else [],
             optional=True,

@@ -106,8 +106,14 @@ def golden_data(k: int, n: int) -> list[bytes]:
     return [bytes((37 * t + 101 * j + 7 + (t >> 3)) & 0xFF for t in range(n)) for j in range(k)]
 
 
-def test_golden_parity_bytes() -> None:
-    """Pins the on-disk format: if this fails, old parity files no longer decode."""
+@pytest.mark.parametrize("native", [False, True], ids=["numpy", "default"])
+def test_golden_parity_bytes(native: bool) -> None:
+    """Pins the on-disk format: if this fails, old parity files no longer decode (NumPy code, then the default path)."""
+    with patched(use_native=native and erasure.use_native):
+        _check_golden()
+
+
+def _check_golden() -> None:
     rs = ReedSolomon(4, 4)
     assert rs.matrix.tolist() == [[1, 1, 1, 1], [1, 217, 92, 172], [1, 92, 70, 123], [1, 172, 123, 158]]
     parity = [p.tobytes().hex() for p in rs.encode(golden_data(4, 16))]
@@ -155,7 +161,7 @@ def test_round_trip_any_erasures(k: int, m: int) -> None:
 def test_round_trip_property(k: int, m: int, n: int, seed: int, wide: bool) -> None:
     rng = np.random.default_rng(seed)
     data = blocks(rng, k, n)
-    with patched(_WIDE_MIN_BYTES=0 if wide else 1 << 62, _CHUNK_BYTES=256):
+    with patched(_WIDE_MIN_BYTES=0 if wide else 1 << 62, _CHUNK_BYTES=256, use_native=False):
         rs = ReedSolomon(k, m)
         parity = rs.encode(data)
         lost = rng.choice(k + m, size=int(rng.integers(0, m + 1)), replace=False)
@@ -168,9 +174,9 @@ def test_round_trip_property(k: int, m: int, n: int, seed: int, wide: bool) -> N
 def test_pair_table_path_equals_byte_path(k: int, m: int) -> None:
     rng = np.random.default_rng(k + m)
     data = blocks(rng, k, 3001)  # odd: the last byte takes the byte path
-    with patched(_WIDE_MIN_BYTES=1 << 62):
+    with patched(_WIDE_MIN_BYTES=1 << 62, use_native=False):
         want = ReedSolomon(k, m).encode(data)
-    with patched(_WIDE_MIN_BYTES=0, _CHUNK_BYTES=1024):  # many chunks
+    with patched(_WIDE_MIN_BYTES=0, _CHUNK_BYTES=1024, use_native=False):  # many chunks
         rs = ReedSolomon(k, m)
         assert_blocks_equal(rs.encode(data), want)
         lost = list(range(min(m, k)))

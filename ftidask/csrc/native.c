@@ -11,6 +11,8 @@
  * The digests are the canonical (big-endian) forms, byte for byte those of
  * xxhash.xxh3_128_digest / xxhash.xxh3_64_digest, which readers use: this module only speeds up
  * the writer and the verifier, it never changes what the file holds.
+ *
+ * gf_matmul: the GF(2^8) kernel of the level-3 Reed-Solomon codec (gf256.c), with the GIL released.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,6 +25,7 @@
 #define XXH_STATIC_LINKING_ONLY
 #define XXH_INLINE_ALL
 #include "xxhash.h"
+#include "gf256.h"
 
 #ifdef FTIDASK_XXH_DISPATCH
 #define XXH_DISPATCH_DISABLE_REPLACE
@@ -118,9 +121,160 @@ start_writeback(PyObject *module, PyObject *args)
 #endif
 }
 
+
+/* gf_matmul: argument checks here (with the GIL), arithmetic in gf256.c (without it). */
+PyDoc_STRVAR(gf_matmul_doc,
+"gf_matmul(matrix, inputs, outputs, accumulate=False)\n--\n\n"
+"outputs[i] = XOR_j matrix[i*k + j] * inputs[j] in GF(2^8) (polynomial 0x11D), byte by byte;\n"
+"with accumulate, outputs[i] ^= that. k = len(inputs), m = len(outputs) (each at most 256);\n"
+"matrix is m*k bytes, row by row. Every buffer is contiguous and of one length; outputs are\n"
+"writable and overlap no other buffer. The GIL is released while computing.");
+
+static int
+get_buffers(PyObject *seq, Py_buffer *views, Py_ssize_t count, int writable, const char *what)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (PyObject_GetBuffer(item, &views[i], writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) == 0)
+            continue;
+        if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_TypeError) ||
+            PyErr_ExceptionMatches(PyExc_ValueError)) {
+            PyErr_Clear(); /* one message for "not a buffer", "read-only" and "not contiguous" */
+            PyErr_Format(PyExc_TypeError, "%s[%zd] must be a %scontiguous bytes-like object, got %.80s", what, i,
+                         writable ? "writable, " : "", Py_TYPE(item)->tp_name);
+        }
+        for (Py_ssize_t j = 0; j < i; j++)
+            PyBuffer_Release(&views[j]);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+overlap(const Py_buffer *a, const Py_buffer *b)
+{
+    const char *pa = a->buf, *pb = b->buf;
+    return a->len > 0 && b->len > 0 && pa < pb + b->len && pb < pa + a->len;
+}
+
+static PyObject *
+gf_matmul_py(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"matrix", "inputs", "outputs", "accumulate", NULL};
+    Py_buffer mat;
+    PyObject *ins_arg, *outs_arg, *ins = NULL, *outs = NULL, *result = NULL;
+    Py_buffer *views = NULL;
+    int accumulate = 0, have_in = 0, have_out = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*OO|p:gf_matmul", kwlist, &mat, &ins_arg, &outs_arg,
+                                     &accumulate))
+        return NULL;
+    ins = PySequence_Fast(ins_arg, "inputs must be a sequence of buffers");
+    outs = ins ? PySequence_Fast(outs_arg, "outputs must be a sequence of writable buffers") : NULL;
+    if (!outs)
+        goto done;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(ins), m = PySequence_Fast_GET_SIZE(outs);
+    if (k > GF_MAX_ROWS || m > GF_MAX_ROWS) {
+        PyErr_Format(PyExc_ValueError, "at most %d inputs and %d outputs, got %zd and %zd", GF_MAX_ROWS,
+                     GF_MAX_ROWS, k, m);
+        goto done;
+    }
+    if (mat.len != m * k) {
+        PyErr_Format(PyExc_ValueError, "matrix holds %zd bytes, %zd outputs x %zd inputs need %zd", mat.len, m, k,
+                     m * k);
+        goto done;
+    }
+    views = PyMem_Calloc((size_t)(k + m) + 1, sizeof(Py_buffer));
+    if (!views) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (get_buffers(ins, views, k, 0, "inputs") < 0)
+        goto done;
+    have_in = 1;
+    if (get_buffers(outs, views + k, m, 1, "outputs") < 0)
+        goto done;
+    have_out = 1;
+    Py_ssize_t n = k + m > 0 ? views[0].len : 0;
+    for (Py_ssize_t i = 0; i < k + m; i++)
+        if (views[i].len != n) {
+            PyErr_Format(PyExc_ValueError, "every buffer must hold %zd bytes, %s[%zd] holds %zd", n,
+                         i < k ? "inputs" : "outputs", i < k ? i : i - k, views[i].len);
+            goto done;
+        }
+    for (Py_ssize_t i = k; i < k + m; i++) /* an output overlapping any other buffer would be read after writes */
+        for (Py_ssize_t j = 0; j < k + m; j++)
+            if (j != i && overlap(&views[i], &views[j])) {
+                PyErr_Format(PyExc_ValueError, "outputs[%zd] overlaps %s[%zd]", i - k, j < k ? "inputs" : "outputs",
+                             j < k ? j : j - k);
+                goto done;
+            }
+    {
+        const uint8_t **in_p = PyMem_Malloc(sizeof(void *) * (size_t)(k + m + 1));
+        if (!in_p) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        uint8_t **out_p = (uint8_t **)(in_p + k);
+        for (Py_ssize_t i = 0; i < k; i++)
+            in_p[i] = views[i].buf;
+        for (Py_ssize_t i = 0; i < m; i++)
+            out_p[i] = views[k + i].buf;
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = gf_matmul(mat.buf, (int)m, (int)k, in_p, out_p, (size_t)n, accumulate);
+        Py_END_ALLOW_THREADS
+        PyMem_Free(in_p);
+        result = rc == 0 ? Py_NewRef(Py_None) : PyErr_NoMemory();
+    }
+done:
+    if (views) {
+        for (Py_ssize_t i = 0; have_in && i < PySequence_Fast_GET_SIZE(ins); i++)
+            PyBuffer_Release(&views[i]);
+        for (Py_ssize_t i = 0; have_out && i < PySequence_Fast_GET_SIZE(outs); i++)
+            PyBuffer_Release(&views[PySequence_Fast_GET_SIZE(ins) + i]);
+        PyMem_Free(views);
+    }
+    Py_XDECREF(ins);
+    Py_XDECREF(outs);
+    PyBuffer_Release(&mat);
+    return result;
+}
+
+PyDoc_STRVAR(gf_set_isa_doc,
+"gf_set_isa(name)\n--\n\n"
+"Use the gf_matmul code path name (\"auto\": the best this CPU has; \"scalar\", \"ssse3\", \"avx2\",\n"
+"\"gfni-avx2\", \"avx512\", \"gfni\", \"neon\"). Returns False, changing nothing, when the CPU or\n"
+"this build lacks it; ValueError for an unknown name. A test seam: every path gives the same bytes.");
+
+static PyObject *
+gf_set_isa(PyObject *module, PyObject *arg)
+{
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    if (!name) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "gf_set_isa takes a str");
+        return NULL;
+    }
+    int rc = gf_select(name);
+    if (rc < 0)
+        return PyErr_Format(PyExc_ValueError, "unknown GF(2^8) code path %R", arg);
+    return PyBool_FromLong(rc);
+}
+
+PyDoc_STRVAR(gf_isa_doc, "gf_isa()\n--\n\nThe name of the code path gf_matmul uses.");
+
+static PyObject *
+gf_isa(PyObject *module, PyObject *unused)
+{
+    return PyUnicode_FromString(gf_isa_name());
+}
+
 static PyMethodDef methods[] = {
     {"xxh3_blocks", xxh3_blocks, METH_VARARGS, xxh3_blocks_doc},
     {"start_writeback", start_writeback, METH_VARARGS, start_writeback_doc},
+    {"gf_matmul", (PyCFunction)(void (*)(void))gf_matmul_py, METH_VARARGS | METH_KEYWORDS, gf_matmul_doc},
+    {"gf_set_isa", gf_set_isa, METH_O, gf_set_isa_doc},
+    {"gf_isa", gf_isa, METH_NOARGS, gf_isa_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -136,11 +290,13 @@ static PyModuleDef_Slot slots[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "ftidask._native",
-    "XXH3 block digests without the GIL, and early write-back, for the checkpoint write path.", 0, methods, slots,
+    "XXH3 block digests and GF(2^8) stripes without the GIL, and early write-back.", 0, methods, slots,
 };
 
 PyMODINIT_FUNC
 PyInit__native(void)
 {
+    gf_init(); /* idempotent: a second interpreter rebuilds the same table */
+    gf_select("auto");
     return PyModuleDef_Init(&module);
 }

@@ -19,11 +19,12 @@ later one; ``tests/test_erasure.py`` pins golden bytes):
 * Bytes are independent: byte t of parity i is XOR_j C[i][j] * data_j[t];
   blocks shorter than the longest one of the group count as zero-padded.
 
-Speed: GF multiplications are table lookups (``np.take``, ~2 ns each
-whatever the entry size).  One lookup serves several output rows: table
-entries pack the products for up to 8 rows, and for large blocks tables are
-indexed by byte pairs (65536 entries), so a 4+4 encode does one lookup per
-two input bytes.
+Speed: with the native extension, ``ftidask._native.gf_matmul`` computes the same bytes with
+SIMD table lookups or GFNI, on every core for large stripes (:mod:`ftidask.levels.gf_native`).
+Without it, or with ``use_native = False`` (tests), the NumPy code below: GF multiplications are
+table lookups (``np.take``, ~2 ns each whatever the entry size); one lookup serves several output
+rows (entries pack the products for up to 8 rows) and, for large blocks, tables are indexed by
+byte pairs (65536 entries), so a 4+4 encode does one lookup per two input bytes.
 """
 
 from __future__ import annotations
@@ -40,8 +41,12 @@ from pathlib import Path
 import numpy as np
 
 from ..storage import files as storage
+from . import gf_native
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "ReedSolomon", "decode_files", "encode_files", "gf_scale"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "ReedSolomon", "decode_files", "encode_files", "gf_add_scaled", "gf_scale"]
+
+#: Compute with the native kernel when it is built; False forces the NumPy code (the reference).
+use_native: bool = gf_native.available()
 
 DEFAULT_BLOCK_SIZE = 16 << 20
 _POLY = 0x11D
@@ -119,15 +124,27 @@ def _plan(rows: int, k: int, nbytes: int) -> tuple[int, int]:
     return 1, group8
 
 
-def _apply(mat: np.ndarray, ins: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> None:
-    """outs[i] = XOR_j mat[i][j] * ins[j], all 1-D uint8 of one length."""
+def _apply(mat: np.ndarray, ins: Sequence[np.ndarray], outs: Sequence[np.ndarray], accumulate: bool = False) -> None:
+    """outs[i] = XOR_j mat[i][j] * ins[j] (``^=`` with accumulate), all 1-D contiguous uint8 of one length."""
+    if use_native and len(outs):
+        gf_native.matmul(mat, ins, outs, accumulate)
+    elif accumulate:
+        tmp = [np.empty_like(o) for o in outs]
+        _apply_numpy(mat, ins, tmp)
+        for o, t in zip(outs, tmp):
+            np.bitwise_xor(o, t, out=o)
+    else:
+        _apply_numpy(mat, ins, outs)
+
+
+def _apply_numpy(mat: np.ndarray, ins: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> None:
     rows, k = mat.shape
     if not rows:
         return
     n = len(outs[0])
     wide, group = _plan(rows, k, n)
     if wide == 2 and n % 2:  # the odd last byte goes through byte tables
-        _apply(mat, [a[n - 1 :] for a in ins], [o[n - 1 :] for o in outs])
+        _apply_numpy(mat, [a[n - 1 :] for a in ins], [o[n - 1 :] for o in outs])
         n -= 1
     for g0 in range(0, rows, group):
         rs = range(g0, min(g0 + group, rows))
@@ -182,6 +199,17 @@ def gf_scale(coef: int, data: np.ndarray) -> np.ndarray:
     out = np.empty_like(block)
     _apply(np.array([[coef]], np.uint8), [block], [out])  # the codec's chunked tables: 2.5x a plain lookup
     return out
+
+
+def gf_add_scaled(coef: int, data: np.ndarray, out: np.ndarray) -> None:
+    """``out ^= coef * data`` in place (a parity update from a delta); both 1-D uint8 of one length."""
+    if not 0 <= coef <= 255:
+        raise ValueError(f"a GF(2^8) coefficient is 0..255, got {coef}")
+    block = np.ascontiguousarray(data, np.uint8)
+    if not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1 and out.flags.c_contiguous
+            and out.flags.writeable and len(out) == len(block)):
+        raise ValueError(f"out must be a writable contiguous 1-D uint8 array of {len(block)} bytes")
+    _apply(np.array([[coef]], np.uint8), [block], [out], accumulate=True)
 
 
 class ReedSolomon:

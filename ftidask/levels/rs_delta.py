@@ -41,7 +41,7 @@ from ..model.errors import FTIError
 from ..storage import files as storage
 from ..transport.collective import guarded
 from .channel import GroupChannel
-from .erasure import ReedSolomon, gf_scale
+from .erasure import ReedSolomon, gf_add_scaled
 from .rs import hash_path, write_record
 
 log = logging.getLogger("ftidask")
@@ -124,10 +124,11 @@ def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[lis
                 n = min(n, max_fs - off)  # past maxFs every file is padding on both sides
                 if n <= 0:
                     continue
-                cur = np.frombuffer(os.pread(fd, n, off), np.uint8)
+                cur = np.frombuffer(bytearray(os.pread(fd, n, off)), np.uint8)  # a writable copy
                 if len(cur) != n or len(delta) < n:
                     raise FTIError(f"{spare}: shorter than the parity length {max_fs}, or a short delta")
-                storage.pwrite_all(fd, (cur ^ gf_scale(int(coefs[i]), delta[:n])).tobytes(), off)
+                gf_add_scaled(int(coefs[i]), delta[:n], cur)  # parity ^= C[position][i] * delta, in place
+                storage.pwrite_all(fd, memoryview(cur), off)
         os.fsync(fd)
     finally:
         os.close(fd)
