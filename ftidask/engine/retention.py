@@ -1,10 +1,13 @@
 """Which checkpoints a run keeps: retirement after a commit, garbage of interrupted checkpoints.
 
-A mixin of :class:`ftidask.Context` (it provides ``transport``, ``paths``, ``state``, ``config``).
+The rule is a pure function (:func:`to_retire`), used by every path that commits (the ranks, the
+MPI heads, the Dask client); :class:`RetentionMixin` carries it out for :class:`ftidask.Context`
+(which provides ``transport``, ``paths``, ``state``, ``config``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -12,6 +15,17 @@ from ..model.errors import FTIError
 from ..storage import files as storage
 from ..transport.collective import agree, attempt, everywhere, on_root
 from .runstate import CommitRecord
+
+
+def to_retire(records: Iterable[CommitRecord | None], new: CommitRecord, keep_l4: bool) -> list[CommitRecord]:
+    """The checkpoints that committing ``new`` makes obsolete, oldest first (FTI's rule).
+
+    A level-L checkpoint retires every earlier one of levels 1..L: it survives all that they survive.
+    Higher levels stay (an L4 checkpoint outlives newer L1 ones), and so do L4 checkpoints when
+    ``keep_l4`` (``keep_l4_ckpt = 1``). ``None`` entries (unreadable records) are skipped.
+    """
+    return sorted((old for old in records if old is not None and old.seq < new.seq and old.level <= new.level
+                   and not (old.level == 4 and keep_l4)), key=lambda r: r.seq)
 
 
 class RetentionMixin:
@@ -33,12 +47,7 @@ class RetentionMixin:
         t = self.transport
         older = on_root(t, lambda: [r.to_json() for r in self.state.records()], FTIError,
                         "cannot read the run's commit records")
-        for raw in older:
-            old = CommitRecord.from_json(raw)
-            if old is None or old.seq >= record.seq or old.level > record.level:
-                continue
-            if old.level == 4 and self.config.keep_l4_ckpt:
-                continue
+        for old in to_retire(map(CommitRecord.from_json, older), record, bool(self.config.keep_l4_ckpt)):
             self._remove_checkpoint(old)
 
     def _collect_garbage(self) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from ...engine.retention import to_retire
 from ...engine.runstate import CommitRecord, RunState
 from ...levels import multilevel
 from ...model.config import Config
@@ -113,10 +114,7 @@ def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, leve
 def _retire_older(cfg: Config, t: MpiTransport, state: RunState, paths: storage.RunPaths,
                   record: CommitRecord) -> None:
     raw = on_root(t, lambda: [r.to_json() for r in state.records()], FTIError, "cannot read the commit records")
-    older = [r for r in (CommitRecord.from_json(x) for x in raw) if r is not None]
-    for old in older:
-        if old.seq >= record.seq or old.level > record.level or (old.level == 4 and cfg.keep_l4_ckpt):
-            continue
+    for old in to_retire(map(CommitRecord.from_json, raw), record, bool(cfg.keep_l4_ckpt)):
         on_root(t, functools.partial(state.delete_record, old.seq), FTIError,
                 f"removing checkpoint {old.ckpt_id} (level {old.level}) failed")
         for level in {old.level, 1, 2, 3}:
