@@ -10,53 +10,15 @@ missing file named.
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..levels import multilevel
 from ..storage import files as storage
+from ..transport.threads import ThreadMember, run_group
 from .recovery import check_file
 from .runstate import CommitRecord
-
-_WAIT = 600.0  # seconds a member waits for its peers (a thread that failed breaks the barrier at once)
-
-
-class _Hub:
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=_WAIT)
-        self.slots: list[Any] = [None] * size
-        self.mail = {(a, b): queue.Queue() for a in range(size) for b in range(size)}  # type: ignore[var-annotated]
-
-
-class _Member:
-    """One member's view of a simulated group (the GroupChannel protocol)."""
-
-    def __init__(self, hub: _Hub, index: int) -> None:
-        self.hub, self.index, self.size = hub, index, hub.size
-
-    def allgather(self, value: Any) -> list[Any]:
-        self.hub.slots[self.index] = value
-        self.hub.barrier.wait()
-        out = list(self.hub.slots)
-        self.hub.barrier.wait()  # nobody overwrites a slot before everyone has read it
-        return out
-
-    def allgather_blocks(self, block: np.ndarray) -> list[np.ndarray]:
-        return [np.array(b, copy=True) for b in self.allgather(block)]
-
-    def exchange(self, send: np.ndarray | None, dest: int | None, recv_nbytes: int,
-                 source: int | None) -> np.ndarray | None:
-        if send is not None and dest is not None:
-            self.hub.mail[(self.index, dest)].put(np.array(send, copy=True))
-        if source is None:
-            return None
-        return self.hub.mail[(source, self.index)].get(timeout=_WAIT)
 
 
 def old_groups(record: CommitRecord, group_size: int) -> list[list[int]]:
@@ -81,28 +43,17 @@ def rebuild_group(cfg: Any, record: CommitRecord, ranks: list[int], path_of: Cal
     if all(ok.values()) or len(ranks) < 2:
         return "" if all(ok.values()) else f"{own[ranks[0]]}: missing or damaged, and its group has no other member"
     sizes = {f.rank: f.size for f in record.files}
-    hub = _Hub(len(ranks))
-    results: dict[int, bool] = {}
-    errors: list[str] = []
+    def member(ch: ThreadMember) -> bool:
+        i = ch.index
+        r, left = ranks[i], ranks[(i - 1) % len(ranks)]
+        storage.makedirs(own[r].parent)  # a lost node's directory comes back
+        return multilevel.rebuild(
+            ch, cfg, record.level, record.ckpt_id, r, own[r], own[r].parent, [sizes[x] for x in ranks], ok[r],
+            verify_own=lambda p: check_file(p, record, r).kind == "ok",
+            verify_partner=lambda p: check_file(p, record, left).kind == "ok")
 
-    def member(i: int, r: int) -> None:
-        left = ranks[(i - 1) % len(ranks)]
-        try:
-            storage.makedirs(own[r].parent)  # a lost node's directory comes back
-            results[r] = multilevel.rebuild(
-                _Member(hub, i), cfg, record.level, record.ckpt_id, r, own[r], own[r].parent,
-                [sizes[x] for x in ranks], ok[r],
-                verify_own=lambda p: check_file(p, record, r).kind == "ok",
-                verify_partner=lambda p: check_file(p, record, left).kind == "ok")
-        except Exception as exc:  # noqa: BLE001 - reported; the other members must not wait for this one
-            errors.append(f"rebuilding old rank {r}'s file: {type(exc).__name__}: {exc}")
-            hub.barrier.abort()
-
-    threads = [threading.Thread(target=member, args=(i, r), name=f"ftidask-rebuild-{r}") for i, r in enumerate(ranks)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    rebuilt, errors = run_group(len(ranks), member, names=[f"rebuilding old rank {r}'s file" for r in ranks])
+    results = dict(zip(ranks, rebuilt))
     if errors:
         return errors[0]
     lost = [r for r in ranks if not results.get(r)]

@@ -1,0 +1,124 @@
+"""L2 and L3 in one process: the level code over a group of threads (transport.threads).
+
+The same `levels.multilevel.protect` / `rebuild` that the MPI and Dask backends run, on a simulated
+group whose members are threads and whose nodes are directories: every loss pattern of a group is
+checked against the rule of its level, in milliseconds, with the rebuilt files compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ftidask.levels import multilevel
+from ftidask.model.config import Config
+from ftidask.storage import files as storage
+from ftidask.transport.threads import run_group
+
+CKPT = 1
+CFG = Config(block_size=1, transfer_size=1)  # 1 KiB stripes, 1 MiB pieces: several stripes per file
+
+
+def own(base: Path, i: int) -> Path:
+    return base / f"node{i}" / storage.rank_file(CKPT, i)
+
+
+def redundancy(base: Path, level: int, i: int) -> Path:
+    name = storage.partner_file(CKPT, i) if level == 2 else storage.parity_file(CKPT, i)
+    return base / f"node{i}" / name
+
+
+def make_group(base: Path, level: int, sizes: list[int], seed: int) -> dict[int, bytes]:
+    """Every member's file, then the level's redundancy written by the group; the files' bytes."""
+    rng = np.random.default_rng(seed)
+    data = {}
+    for i, n in enumerate(sizes):
+        own(base, i).parent.mkdir(parents=True)
+        data[i] = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        own(base, i).write_bytes(data[i])
+
+    def protect(ch):
+        return multilevel.protect(ch, CFG, level, CKPT, ch.index, own(base, ch.index), own(base, ch.index).parent,
+                                  sizes)
+
+    errors_by_member, errors = run_group(len(sizes), protect)
+    assert errors == [] and not any(errors_by_member), (errors, errors_by_member)
+    return data
+
+
+def rebuild(base: Path, level: int, sizes: list[int], data: dict[int, bytes]) -> list[bool]:
+    def sound(i: int):
+        return lambda p: p.exists() and hashlib.sha256(p.read_bytes()).digest() == hashlib.sha256(data[i]).digest()
+
+    def step(ch):
+        i, g = ch.index, ch.size
+        own(base, i).parent.mkdir(parents=True, exist_ok=True)  # a lost node's directory comes back
+        return multilevel.rebuild(ch, CFG, level, CKPT, i, own(base, i), own(base, i).parent, sizes,
+                                  sound(i)(own(base, i)), verify_own=sound(i), verify_partner=sound((i - 1) % g))
+
+    results, errors = run_group(len(sizes), step)
+    assert errors == []
+    return results
+
+
+def lose(base: Path, level: int, i: int, what: str, how: str) -> None:
+    path = own(base, i) if what == "own" else redundancy(base, level, i)
+    if how == "erase":
+        path.unlink(missing_ok=True)
+    elif path.exists() and path.stat().st_size:
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        path.write_bytes(bytes(raw))
+
+
+def expected(level: int, g: int, lost: set[tuple[int, str]]) -> list[bool]:
+    """Which members have their file after a rebuild, by the level's rule."""
+    own_lost = {i for i, w in lost if w == "own"}
+    if level == 2:  # member i's file comes back from member i+1's partner copy
+        return [i not in own_lost or (((i + 1) % g, "red") not in lost) for i in range(g)]
+    if len(lost) <= g:  # L3: any g of the 2g files rebuild the rest
+        return [True] * g
+    return [i not in own_lost for i in range(g)]
+
+
+@pytest.mark.parametrize("level", [2, 3])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_every_loss_pattern_follows_the_levels_rule(tmp_path_factory, level, data):
+    g = data.draw(st.integers(2, 5), label="group size")
+    sizes = data.draw(st.lists(st.integers(0, 5000), min_size=g, max_size=g), label="sizes")
+    lost = data.draw(st.sets(st.tuples(st.integers(0, g - 1), st.sampled_from(["own", "red"]))), label="lost")
+    how = data.draw(st.sampled_from(["erase", "corrupt"]), label="how")
+    base = tmp_path_factory.mktemp("group")
+    files = make_group(base, level, sizes, seed=g)
+    reference = {i: redundancy(base, level, i).read_bytes() for i in range(g)}
+    effective = {(i, w) for i, w in lost if how == "erase" or (sizes[i] if w == "own" else
+                                                               len(reference[i])) > 0}
+    for i, what in lost:
+        lose(base, level, i, what, how)
+    want = expected(level, g, effective)
+    assert rebuild(base, level, sizes, files) == want
+    for i in range(g):
+        if want[i]:
+            assert own(base, i).read_bytes() == files[i]
+    if all(want):
+        for i in range(g):  # the redundancy is whole again too
+            assert redundancy(base, level, i).read_bytes() == reference[i]
+    shutil.rmtree(base)
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_a_whole_node_lost(tmp_path, level):
+    sizes = [3000, 1, 4097, 2048]
+    files = make_group(tmp_path, level, sizes, seed=7)
+    reference = {i: redundancy(tmp_path, level, i).read_bytes() for i in range(4)}
+    shutil.rmtree(tmp_path / "node2")
+    assert rebuild(tmp_path, level, sizes, files) == [True] * 4
+    assert own(tmp_path, 2).read_bytes() == files[2]
+    assert redundancy(tmp_path, level, 2).read_bytes() == reference[2]
