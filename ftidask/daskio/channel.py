@@ -11,10 +11,10 @@ task results:
   worker's event loop; the receiver's handler stores the block in the session's inbox of the
   destination member and answers only when it is accepted. Messages keep MPI's order: per
   (source, destination) pair, in sequence;
-* back-pressure: an inbox always accepts the next message it will consume from a source, and
-  others only while it holds less than ``buffer_bytes``; a sender waits for its sends of one
-  operation to be accepted before the next one. So a member holds at most the blocks of about
-  one operation per peer: the stripes, never a whole file.
+* back-pressure: an inbox accepts from each source the next message it will consume and the one
+  after (``AHEAD``), no further; a sender lets its sends of at most ``WINDOW`` operations wait to be
+  taken (overlapping the round trips), then waits. So a member holds a few blocks per peer: the
+  stripes (``block_size``, ``transfer_size``), never a whole file.
 
 No wait is unbounded: every wait wakes up every ``POLL`` seconds to see whether the session was
 aborted (by a failing member, which tells its peers, or by the client, which aborts on every
@@ -50,7 +50,8 @@ NAME = "ftidask-channel"
 POLL = 0.25  # seconds between checks of an abort while waiting
 LIVENESS_EVERY = 2.0  # seconds between asking the scheduler whether the peers live
 IDLE_TIMEOUT = 600.0  # seconds without a message from a live peer before giving up
-BUFFER_BYTES = 64 << 20  # an inbox's buffer for messages ahead of the one it consumes next
+AHEAD = 1  # messages per source an inbox takes beyond the one it consumes next (the stripes' pipeline)
+WINDOW = 2  # operations a member's sends may be ahead of their receivers (overlaps the round trips)
 
 
 class ChannelAborted(FTIError):
@@ -62,17 +63,17 @@ class ChannelAborted(FTIError):
 class Inbox:
     """The messages to one member of one session; the event loop puts, the member's thread takes."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, buffer_bytes: int) -> None:
-        self.loop, self.buffer_bytes = loop, buffer_bytes
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
         self.cond = threading.Condition()
         self.items: dict[tuple[int, int], np.ndarray] = {}
         self.expected: collections.Counter[int] = collections.Counter()  # source -> next sequence number
-        self.buffered = 0
         self.aborted = ""
         self.waiters: list[asyncio.Future[None]] = []  # handlers waiting for room (loop side)
 
-    def _room(self, src: int, seq: int, nbytes: int) -> bool:
-        return seq == self.expected[src] or self.buffered + nbytes <= self.buffer_bytes
+    def _room(self, src: int, seq: int) -> bool:
+        # Always the next message to consume from ``src`` (no deadlock), one more for the pipeline.
+        return seq <= self.expected[src] + AHEAD
 
     async def put(self, src: int, seq: int, data: np.ndarray) -> str:
         """Store a message once there is room (back-pressure on the sender); 'OK' or why not."""
@@ -80,9 +81,8 @@ class Inbox:
             with self.cond:
                 if self.aborted:
                     return f"aborted: {self.aborted}"
-                if self._room(src, seq, data.nbytes):
+                if self._room(src, seq):
                     self.items[src, seq] = data
-                    self.buffered += data.nbytes
                     self.cond.notify_all()
                     return "OK"
                 waiter = self.loop.create_future()
@@ -115,7 +115,6 @@ class Inbox:
                         self.cond.acquire()
             data = self.items.pop(key)
             self.expected[src] += 1
-            self.buffered -= data.nbytes
         self.loop.call_soon_threadsafe(self._wake)  # a sender may wait for room
         return data
 
@@ -129,8 +128,8 @@ class Inbox:
 class ChannelExtension:
     """A worker's sessions: inboxes by (tag, member index), and the tags that ended or were aborted."""
 
-    def __init__(self, worker: Any, buffer_bytes: int = BUFFER_BYTES) -> None:
-        self.worker, self.buffer_bytes = worker, buffer_bytes
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
         self.lock = threading.Lock()
         self.boxes: dict[tuple[str, int], Inbox] = {}
         self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()  # tag -> why (bounded)
@@ -142,7 +141,7 @@ class ChannelExtension:
                 return None
             box = self.boxes.get((tag, index))
             if box is None:
-                box = self.boxes[tag, index] = Inbox(self.worker.loop.asyncio_loop, self.buffer_bytes)
+                box = self.boxes[tag, index] = Inbox(self.worker.loop.asyncio_loop)
             return box
 
     def why_ended(self, tag: str) -> str:
@@ -235,6 +234,8 @@ class WorkerChannel:
         self.box = box
         self.idle_timeout = idle_timeout
         self.sent_seq: collections.Counter[int] = collections.Counter()
+        self._inflight: list[concurrent.futures.Future[Any]] = []  # sends not yet taken by their receivers
+        self._window = WINDOW * max(1, self.size - 1)
         self.bytes_sent = 0  # block bytes of exchange() (what crossed to the peers, for reports)
         self._last_progress = time.monotonic()
         self._last_liveness = time.monotonic()
@@ -250,28 +251,29 @@ class WorkerChannel:
 
     def exchange(self, send: np.ndarray | None, dest: int | None, recv_nbytes: int,
                  source: int | None) -> np.ndarray | None:
-        pending = []
         if send is not None and dest is not None:
             block = np.ascontiguousarray(send, dtype=np.uint8)
-            pending.append(self._send(dest, block))
+            self._send(dest, block)
             self.bytes_sent += block.nbytes
         got = None
         if source is not None:
             got = self._recv(source)
             if got.nbytes != recv_nbytes:
                 raise ChannelAborted(f"member {source} sent {got.nbytes} bytes, {recv_nbytes} expected")
-        self._wait_sent(pending)
+        self._drain(self._window)
         return got
 
     # --- the exchanges -----------------------------------------------------------------------------
 
     def _all(self, mine: np.ndarray) -> list[np.ndarray]:
-        pending = [self._send(j, mine) for j in range(self.size) if j != self.index]
+        for j in range(self.size):
+            if j != self.index:
+                self._send(j, mine)
         out = [mine if j == self.index else self._recv(j) for j in range(self.size)]
-        self._wait_sent(pending)
+        self._drain(self._window)
         return out
 
-    def _send(self, dest: int, data: np.ndarray) -> concurrent.futures.Future[Any]:
+    def _send(self, dest: int, data: np.ndarray) -> None:
         seq = self.sent_seq[dest]
         self.sent_seq[dest] += 1
         addr = self.peers[dest]
@@ -280,27 +282,34 @@ class WorkerChannel:
         else:
             coro = self.worker.rpc(addr).ftidask_channel_put(tag=self.tag, dst=dest, src=self.index, seq=seq,
                                                              data=to_serialize(data))
-        return asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
+        self._inflight.append(asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop))
 
     def _recv(self, source: int) -> np.ndarray:
         data = self.box.take(source, lambda: self._check(source))
         self._last_progress = time.monotonic()
         return data
 
-    def _wait_sent(self, pending: list[concurrent.futures.Future[Any]]) -> None:
-        while pending:
-            done, _rest = concurrent.futures.wait(pending, timeout=POLL)
-            for fut in done:
-                pending.remove(fut)
+    def _drain(self, limit: int) -> None:
+        """Wait until at most ``limit`` sends are not yet taken by their receivers (raise if one failed)."""
+        while True:
+            pending = []
+            for fut in self._inflight:
+                if not fut.done():
+                    pending.append(fut)
+                    continue
                 try:
                     reply = fut.result()
                 except Exception as exc:  # noqa: BLE001 - a peer gone, or its handler failed
                     raise ChannelAborted(f"cannot send to a member of the group: {type(exc).__name__}: {exc}") from exc
                 if reply != "OK":
                     raise ChannelAborted(str(reply))
-            if pending:
+                self._last_progress = time.monotonic()
+            self._inflight = pending
+            if len(pending) <= limit:
+                return
+            concurrent.futures.wait(pending, timeout=POLL, return_when=concurrent.futures.FIRST_COMPLETED)
+            if all(not f.done() for f in pending):
                 self._check(None)
-        self._last_progress = time.monotonic()
 
     def _check(self, waiting_for: int | None) -> None:
         """Raise :class:`ChannelAborted` when the session was aborted, a peer's worker left, or nothing
@@ -350,6 +359,12 @@ class WorkerChannel:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            try:
+                self._drain(0)  # every block taken: the step is complete for this member
+            except ChannelAborted as error:
+                self.close(error)
+                raise
         self.close(exc)
 
 

@@ -97,7 +97,9 @@ def rebuild(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -> dict
 
 
 def protect_delta(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -> dict[str, Any]:
-    """Differential L2: the partner gets only the changed ranges when it holds the base (``dep``: the write's result)."""
+    """Differential L2: the partner gets only the changed ranges when it holds the base.
+
+    ``dep``: the write's result (its ``delta``)."""
     own, rank = Path(m["own"]), int(m["rank"])
     delta = FileDelta.from_json(dep["delta"]) if dep.get("delta") is not None else None
     error = partner_delta.protect(ch, own, own.parent / m["pcof_name"],
