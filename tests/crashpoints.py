@@ -24,12 +24,18 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _counted(original: Callable[..., Any], nth: int, after: bool) -> Callable[..., Any]:
+class InjectedFailure(RuntimeError):
+    """Raised by a ``:raise`` crash point: a task that fails while its process lives on."""
+
+
+def _counted(original: Callable[..., Any], nth: int, after: bool, fail: bool = False) -> Callable[..., Any]:
     calls = itertools.count(1)  # next() is atomic: safe from the hashing threads too
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         hit = next(calls) == nth
+        if hit and fail:
+            raise InjectedFailure(f"injected failure at call {nth} of {original.__name__}")
         if hit and not after:
             die()
         result = original(*args, **kwargs)
@@ -40,12 +46,13 @@ def _counted(original: Callable[..., Any], nth: int, after: bool) -> Callable[..
     return wrapper
 
 
-def kill_at_call(owner: Any, name: str, nth: int = 1, *, after: bool = False) -> None:
+def kill_at_call(owner: Any, name: str, nth: int = 1, *, after: bool = False, fail: bool = False) -> None:
     """Replace ``owner.name`` (``owner``: a module, a class, or a module's dotted name) so that
-    its ``nth`` call kills this process: as it starts, or with ``after`` once it has returned."""
+    its ``nth`` call kills this process: as it starts, or with ``after`` once it has returned;
+    with ``fail``, raises :class:`InjectedFailure` instead (the process lives on)."""
     if isinstance(owner, str):
         owner = importlib.import_module(owner)
-    setattr(owner, name, _counted(getattr(owner, name), nth, after))
+    setattr(owner, name, _counted(getattr(owner, name), nth, after, fail))
 
 
 def kill_at_block_write(nth: int = 1) -> None:
@@ -67,10 +74,10 @@ def install(point: str, nth: int = 1) -> None:
     """Install a named crash point in this process (``client.run`` target on a Dask worker).
 
     Points: ``dcp-block`` (a write of changed blocks, :func:`kill_at_block_write`), or
-    ``"module:function"`` / ``"module:function:after"`` (:func:`kill_at_call`).
+    ``"module:function"`` / ``"module:function:after"`` / ``"module:function:raise"`` (:func:`kill_at_call`).
     """
     if point == "dcp-block":
         kill_at_block_write(nth)
         return
     module, name, *when = point.split(":")
-    kill_at_call(module, name, nth, after=when == ["after"])
+    kill_at_call(module, name, nth, after=when == ["after"], fail=when == ["raise"])

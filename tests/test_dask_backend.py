@@ -161,7 +161,7 @@ def test_worker_dying_during_checkpoint_keeps_previous(client, dirs, stage):
     ctx.protect(1, ctx.protected[1] * 2)
     # rank 1's worker process kills itself (SIGKILL) when its L1 write, or its L2 send, starts
     crash_worker(client, 1, {"write": "ftidask.backends.dask.tasks:write_rank",
-                             "send": "ftidask.backends.dask.tasks:read_bytes"}[stage])
+                             "send": "ftidask.levels.partner:exchange_file"}[stage])
     with pytest.raises(ftidask.CheckpointError, match="previous checkpoint is kept"):
         ctx.checkpoint(2, 2)
     assert [r.ckpt_id for r in ctx.state.records()] == [1]

@@ -100,12 +100,12 @@ def test_worker_lost_mid_checkpoint_named_in_one_sentence(client, dirs, caplog):
     saved = ctx.protected[1].compute()
     ctx.protect(1, ctx.protected[1] * 2)
     victim = sorted(live_workers(client))[1]
-    crash_worker(client, 1, "ftidask.backends.dask.tasks:read_bytes")  # rank 1's worker is killed as its send starts
+    crash_worker(client, 1, "ftidask.levels.partner:exchange_file")  # rank 1's worker is killed as its send starts
     with caplog.at_level(logging.INFO, logger="ftidask"), pytest.raises(ftidask.CheckpointError) as err:
         ctx.checkpoint(2, 2)
     message = str(err.value)
     assert f"worker {victim} (rank 1) left the cluster" in message, message
-    assert "ftidask-partner-send-2-" in message and "previous checkpoint is kept" in message
+    assert "ftidask-partner-2-" in message and "previous checkpoint is kept" in message
     assert "TimeoutError" not in message and "NoneType" not in message
     assert message.count("\n") == 0 and message.count("checkpoint 2") == 1
     assert not [r for r in caplog.records if r.name.startswith("ftidask") and r.levelno >= logging.WARNING]

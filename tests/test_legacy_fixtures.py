@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from mpi_util import need_mpi, run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "legacy"))

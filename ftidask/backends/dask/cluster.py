@@ -131,11 +131,12 @@ class Cluster:
                     break
             if all(f.status == "finished" for f in futures):
                 return self.client.gather(list(futures)) if gather else []
-            self.cancel(futures)
+            # What failed is read before the cancel (which turns a failed future into a cancelled one).
             gone = needed - set(self.workers())
-            if gone:
-                raise WorkerLost(what, self._lost(sorted(gone), list(ranks)))
-            raise TaskFailed(what, self._failed(futures))
+            error: ClusterError = (WorkerLost(what, self._lost(sorted(gone), list(ranks))) if gone
+                                   else TaskFailed(what, self._failed(futures)))
+            self.cancel(futures)
+            raise error
         finally:
             for f in futures:
                 self._placed.pop(f.key, None)
@@ -153,16 +154,18 @@ class Cluster:
 
     def _failed(self, futures: Sequence[Future]) -> str:
         """The exceptions the failed tasks raised (tasks cancelled or lost meanwhile are only counted)."""
-        errors, other = [], []
+        errors, echoes, other = [], [], []
         for f in futures:
             if f.status == "error":
                 try:
                     exc = f.exception(timeout=self.poll * 4)
                 except Exception as err:  # noqa: BLE001 - the future may be released meanwhile
                     exc = err
-                errors.append(f"{f.key}: {type(exc).__name__}: {exc}")
+                # A task that only stopped because another one failed (``echo``) is named when alone.
+                (echoes if getattr(exc, "echo", False) else errors).append(f"{f.key}: {type(exc).__name__}: {exc}")
             elif f.status != "finished":
                 other.append(str(f.key))
+        errors = errors or echoes
         if not errors:
             return f"task(s) {_listed(other)} were cancelled or lost by the cluster"
         return "; ".join(errors[:8]) + (f" (and {len(errors) - 8} more)" if len(errors) > 8 else "")

@@ -21,13 +21,13 @@ from distributed import Client, Future, futures_of
 
 from ...api.context import Context, Protected
 from ...engine.runstate import CommitRecord, FileRecord
-from ...levels.ring_groups import copy_holder, copy_source, group_of, make_groups
+from ...levels.ring_groups import copy_source, group_of, make_groups
 from ...model.arrays import check_ckpt_id, check_id
 from ...model.config import Config
 from ...model.errors import CheckpointError, FTIError, LevelError, ProtectError
 from ...storage import files as storage
 from ...transport.base import Transport
-from . import icp, restore, tasks
+from . import channel, group_steps, icp, restore, tasks
 from .cluster import Cluster, ClusterError
 from .dcp_levels import DaskSpares, run_dcp_levels, sticky_owners
 from .plan import VarSpec, chunk_table, layout_to_json, plan_ranks
@@ -79,6 +79,7 @@ class DaskContext(Context):
         self._started = False  # set by the first garbage collection (at init)
         self._keep_state_bytes = False  # finalize_icp: the Python states' bytes as init_icp took them
         self.cluster.run(storage.set_permissions, config.permissions)  # the modes of the workers' files
+        channel.register(client)  # L2/L3 blocks go worker to worker (every worker, also those joining later)
         super().__init__(config, DaskTransport(self.cluster))
         if config.enable_dcp:
             self._dcp = DaskSpares(self)
@@ -243,30 +244,24 @@ class DaskContext(Context):
                 *(futures[c.var_id, c.index] for c in plan.chunks),
                 key=f"ftidask-write-{tag}-{r}", worker=workers[r]))
         finals: list[Future] = []
-        if level == 2:
-            for r in range(n):
-                holder = copy_holder(groups, r)
-                sent = self.cluster.submit(tasks.read_bytes, own(2, r), writes[r],
-                                           key=f"ftidask-partner-send-{tag}-{r}", worker=workers[r])
-                finals.append(self.cluster.submit(
-                    tasks.store_bytes, self._file(2, ckpt_id, seq, holder, storage.partner_file(ckpt_id, holder)),
-                    sent, key=f"ftidask-partner-store-{tag}-{holder}", worker=workers[holder]))
-        elif level == 3:
-            for group in groups:
-                sent = [self.cluster.submit(tasks.read_bytes, own(3, r), writes[r],
-                                            key=f"ftidask-parity-send-{tag}-{r}", worker=workers[r])
-                        for r in group]
-                for pos, r in enumerate(group):
-                    finals.append(self.cluster.submit(
-                        tasks.encode_parity, self._file(3, ckpt_id, seq, r, storage.parity_file(ckpt_id, r)), pos,
-                        sent, key=f"ftidask-parity-encode-{tag}-{r}", worker=workers[r]))
+        tags: list[str] = []
+        if level in (2, 3):  # the shared level code, its blocks sent worker to worker (group_steps)
+            tags = group_steps.session_tags(f"ckpt{ckpt_id}-{seq}-l{level}", groups)
+            name = "partner" if level == 2 else "parity"
+            for tag_g, group in zip(tags, groups, strict=True):
+                for r in group:
+                    m = group_steps.member("protect", tag_g, group, r, workers, dep=0, level=level, ckpt_id=ckpt_id,
+                                           own=own(level, r))
+                    finals.append(group_steps.submit_members(self.cluster, self.config, workers[r], [m], [writes[r]],
+                                                             key=f"ftidask-{name}-{tag}-{r}"))
         elif level == 4:
             for r in range(n):
                 name = storage.rank_file(ckpt_id, r)
                 finals.append(self.cluster.submit(
                     tasks.flush, self._file(1, ckpt_id, seq, r, name), self._file(4, ckpt_id, seq, r, name), writes[r],
                     key=f"ftidask-flush-{tag}-{r}", worker=workers[r]))
-        written = self.cluster.wait_all(writes + finals, workers, f"checkpoint {ckpt_id}", ranks=workers)[:n]
+        written = group_steps.wait_step(self.cluster, writes + finals, workers, f"checkpoint {ckpt_id}", tags,
+                                        ranks=workers)[:n]
         return plans, written, groups
 
     # --- incremental checkpoints (see ftidask.backends.dask.icp) ---------------------------------------------

@@ -10,8 +10,12 @@ rewritten in full, which is still a valid checkpoint. Levels:
 * L1 (5) and L4 (8) write the differential file in the level's own directory (the global one
   for L4, so only changed blocks cross to the global file system);
 * L2 (6) sends the partner only the changed ranges when it still holds the base file as its spare
-  partner copy, else the whole file (the holder reports what it has first, in the same graph);
-* L3 (7) re-encodes the group's parity from the new files.
+  partner copy, else the whole file (:mod:`ftidask.levels.partner_delta`);
+* L3 (7) updates every member's spare parity from the group's XOR deltas when every spare encodes
+  the deltas' base files, else re-encodes the parity from the new files (:mod:`ftidask.levels.rs_delta`).
+
+L2 and L3 run the level code shared with the MPI backend, one task per worker, the blocks going
+worker to worker (:mod:`ftidask.backends.dask.group_steps`).
 
 The commit record, written last by the engine, is the commit point, as for every checkpoint.
 """
@@ -33,7 +37,7 @@ from ...levels import rs
 from ...levels.ring_groups import copy_holder, copy_source, group_of, make_groups
 from ...model.errors import FTIError
 from ...storage import files as storage
-from . import dcp_tasks, tasks
+from . import dcp_tasks, group_steps
 from .plan import VarSpec, layout_to_json, plan_ranks
 
 log = logging.getLogger("ftidask")
@@ -106,66 +110,37 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
             ctx.config.dcp_block_size, bid, partner, max(fs[g] for g in group_of(groups, r)),
             [[c.var_id, c.dptr] for c in plan.chunks], *(futures[c.var_id, c.index] for c in plan.chunks),
             with_xor=level == 3, key=f"ftidask-dcp-write-{tag}-{r}", worker=workers[r]))
-    payloads: list[Future] = []
+    deps = writes  # what each member's level task takes from its write (the delta, or the XOR bytes)
     if level == 3:  # (result, XOR bytes): the client takes the result, the bytes stay on the workers
-        payloads = [ctx.cluster.submit(operator.getitem, w, 1, key=f"ftidask-dcp-xor-{tag}-{r}", worker=workers[r])
-                    for r, w in enumerate(writes)]
         writes = [ctx.cluster.submit(operator.getitem, w, 0, key=f"ftidask-dcp-result-{tag}-{r}", worker=workers[r])
                   for r, w in enumerate(writes)]
     finals: list[Future] = []
-    if level == 2:
-        for r in range(n):
-            holder = copy_holder(groups, r)
-            has = ctx.cluster.submit(dcp_tasks.spare_fb_hash, spare_pcof_path(ctx, holder),
-                                     key=f"ftidask-dcp-partner-has-{tag}-{holder}", worker=workers[holder])
-            sent = ctx.cluster.submit(dcp_tasks.partner_payload, own(r), writes[r], has,
-                                      key=f"ftidask-dcp-partner-send-{tag}-{r}", worker=workers[r])
-            finals.append(ctx.cluster.submit(
-                dcp_tasks.partner_apply, ctx._file(2, ckpt_id, seq, holder, storage.partner_file(ckpt_id, holder)),
-                spare_pcof_path(ctx, holder), sent, key=f"ftidask-dcp-partner-store-{tag}-{holder}",
-                worker=workers[holder]))
-    elif level == 3:
-        finals = _parity(ctx, ckpt_id, seq, tag, groups, workers, writes, payloads, own)
-    results = ctx.cluster.wait_all(writes + finals, workers, f"differential checkpoint {ckpt_id}", ranks=workers)
+    tags: list[str] = []
+    if level in (2, 3):  # the shared level code over the workers' channels (see group_steps)
+        tags = group_steps.session_tags(f"dcp{ckpt_id}-{seq}-l{level}", groups)
+        for tag_g, group in zip(tags, groups, strict=True):
+            for r in group:
+                if level == 2:
+                    m = group_steps.member("protect_delta", tag_g, group, r, workers, dep=0, own=own(r),
+                                           pcof_name=storage.partner_file(ckpt_id, r))
+                else:
+                    m = group_steps.member("parity_delta", tag_g, group, r, workers, dep=0, level=3, ckpt_id=ckpt_id,
+                                           own=own(r), parity_name=storage.parity_file(ckpt_id, r))
+                finals.append(group_steps.submit_members(
+                    ctx.cluster, ctx.config, workers[r], [m], [deps[r]],
+                    key=f"ftidask-dcp-{'partner' if level == 2 else 'parity'}-{tag}-{r}"))
+    results = group_steps.wait_step(ctx.cluster, writes + finals, workers, f"differential checkpoint {ckpt_id}", tags,
+                                    ranks=workers)
     written = results[:n]
+    done = {int(d[0]["rank"]): d[0] for d in results[n:]}
     if level == 2:  # what crossed to the partners: deltas, or whole files when a partner had no base
-        for w, stored in zip(written, results[n:], strict=True):
-            w["partner_bytes"] = stored.get("sent", stored["size"])
+        for w in written:
+            w["partner_bytes"] = done[w["rank"]]["sent"]
+    elif level == 3:
+        for group in groups:
+            if not done[group[0]]["updated"]:  # the members agreed: all updated, or all re-encoded
+                log.info("L3: group %s re-encodes its parity in full (%s)", group, done[group[0]]["why"])
     return plans, written, groups
-
-
-def _parity(ctx: Any, ckpt_id: int, seq: int, tag: str, groups: list[list[int]], workers: list[str],
-            writes: list[Future], payloads: list[Future], own: Any) -> list[Future]:
-    """L3 of a differential checkpoint: per group, update every member's spare parity from the
-    members' XOR deltas when every spare encodes the deltas' base files (see
-    :mod:`ftidask.levels.rs_delta`), else encode the parity from the new files."""
-    n = len(workers)
-    has = [ctx.cluster.submit(dcp_tasks.parity_record, spare_parity_path(ctx, r),
-                              key=f"ftidask-dcp-parity-has-{tag}-{r}", worker=workers[r]) for r in range(n)]
-    done = ctx.cluster.wait_all(writes + has, workers, f"differential checkpoint {ckpt_id}", ranks=workers)
-    results, records = done[:n], done[n:]
-    finals = []
-    for group in groups:
-        bases = [results[r]["xor"]["base"] if results[r].get("xor") else None for r in group]
-        max_fs = max(results[r]["size"] for r in group)
-        new_hashes = [results[r]["fb_hash"] for r in group]
-        update = all(bases) and all(records[r] is not None and records[r]["fb_hashes"] == bases for r in group)
-        if not update:
-            log.info("L3: group %s re-encodes its parity in full (a spare parity does not encode the bases)", group)
-            sent = [ctx.cluster.submit(tasks.read_bytes, own(r), writes[r], key=f"ftidask-parity-send-{tag}-{r}",
-                                       worker=workers[r]) for r in group]
-        for pos, r in enumerate(group):
-            parity = ctx._file(3, ckpt_id, seq, r, storage.parity_file(ckpt_id, r))
-            if update:
-                finals.append(ctx.cluster.submit(
-                    dcp_tasks.parity_apply, spare_parity_path(ctx, r), parity, pos,
-                    [results[i]["xor"]["ranges"] for i in group], max_fs, ctx.config.hash, new_hashes,
-                    *(payloads[i] for i in group), key=f"ftidask-dcp-parity-apply-{tag}-{r}", worker=workers[r]))
-            else:
-                finals.append(ctx.cluster.submit(
-                    tasks.encode_parity, parity, pos, sent, ctx.config.hash, new_hashes,
-                    key=f"ftidask-parity-encode-{tag}-{r}", worker=workers[r]))
-    return finals
 
 
 class DaskSpares:

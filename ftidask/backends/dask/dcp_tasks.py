@@ -1,11 +1,10 @@
-"""Tasks of differential checkpoints on Dask workers: patch a spare, send L2 deltas, keep spares.
+"""Tasks of differential checkpoints on Dask workers: patch a spare, keep spares, remove them.
 
 A worker keeps no state between tasks, so each differential write is told by the client which
 file its spare should be (the FB hash from the retired checkpoint's commit record) and reads the
 block digests from the spare itself (:func:`ftidask.engine.dcpstore.write_differential`). A spare that
-is missing, torn or unexpected is rewritten in full. For L2, the holder first reports the FB hash
-of the partner copy it keeps as a spare (:func:`spare_fb_hash`); the sender ships only the
-changed ranges when that copy is the base of its delta, else the whole file.
+is missing, torn or unexpected is rewritten in full. L2 and L3 (deltas to the partner, parity
+updates) are the shared level code, run by :mod:`ftidask.backends.dask.group_tasks`.
 """
 
 from __future__ import annotations
@@ -20,14 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from ...dcp.delta import FileDelta, apply_delta, file_fb_hash, read_payload
 from ...engine.dcpstore import write_differential
 from ...ftiff import hashing
-from ...levels import rs, rs_delta
 from ...model.arrays import VarInfo
 from ...storage import files as storage
 from .plan import layout_from_json
-from .tasks import chunk_sources, discard_paths, store_bytes, wait_removals
+from .tasks import chunk_sources, discard_paths, wait_removals
 
 
 @functools.cache
@@ -43,7 +40,7 @@ def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_
     """Bring this worker's spare up to date with the chunks it holds and rename it to ``final``.
 
     ``with_xor`` (L3): return ``(result, old XOR new bytes)``, the result's ``xor`` giving the
-    ranges and the base, for a parity update (:func:`parity_apply`).
+    ranges and the base, for a parity update (:func:`ftidask.backends.dask.group_tasks.parity_delta`).
     """
     written, stats = write_differential(
         Path(spare), Path(final), bytes.fromhex(expected_fb_hash) if expected_fb_hash else None,
@@ -60,52 +57,6 @@ def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_
     xor = stats.xor
     result["xor"] = None if xor is None else {"base": xor.base_fb_hash.hex(), "ranges": [list(r) for r in xor.ranges]}
     return result, (np.zeros(0, np.uint8) if xor is None else xor.payload)
-
-
-def parity_record(path: str) -> dict[str, Any] | None:
-    """The record of the spare parity at ``path`` (which files it encodes, its length), or None."""
-    record = storage.read_json(rs.hash_path(Path(path)))
-    try:
-        size = os.stat(path).st_size
-    except OSError:
-        return None
-    if not isinstance(record, dict) or record.get("size") != size or not isinstance(record.get("fb_hashes"), list):
-        return None
-    return {"fb_hashes": record["fb_hashes"], "size": size}
-
-
-def parity_apply(spare: str, parity: str, position: int, ranges: list[list[list[int]]], max_fs: int, hash_name: str,
-                 fb_hashes: list[str], *payloads: np.ndarray) -> dict[str, Any]:
-    """Patch this member's spare parity with the group's deltas into ``parity`` (the client checked
-    that the spare encodes every member's base file)."""
-    rs_delta.patch_parity(Path(spare), Path(parity), position, ranges, list(payloads), max_fs,
-                          hashing.hash_id(hash_name), fb_hashes)
-    return {"path": parity, "size": max_fs, "sent": sum(int(p.nbytes) for p in payloads)}
-
-
-def spare_fb_hash(path: str) -> str:
-    """The FB hash (hex) of the file at ``path``, or "" when it is missing or has no valid FB."""
-    return file_fb_hash(path)
-
-
-def partner_payload(own: str, written: dict[str, Any], holder_has: str) -> dict[str, Any]:
-    """What rank ``written["rank"]`` sends its L2 partner: the delta's ranges when the partner's
-    spare copy (FB hash ``holder_has``) is the delta's base, else the whole file."""
-    raw = written.get("delta")
-    if raw is not None:
-        delta = FileDelta.from_json(raw)
-        if delta.base_fb_hash.hex() == holder_has:
-            return {"delta": raw, "data": np.frombuffer(read_payload(Path(own), delta), np.uint8)}
-    return {"delta": None, "data": np.fromfile(own, dtype=np.uint8)}
-
-
-def partner_apply(pcof: str, spare_pcof: str, sent: dict[str, Any]) -> dict[str, Any]:
-    """Build the partner copy ``pcof``: patch the spare copy with a delta, or store the whole file."""
-    if sent["delta"] is None:
-        return store_bytes(pcof, sent["data"])
-    delta = FileDelta.from_json(sent["delta"])
-    apply_delta(Path(spare_pcof), Path(pcof), delta, memoryview(np.ascontiguousarray(sent["data"])))
-    return {"path": pcof, "size": delta.file_size, "sent": delta.nbytes}
 
 
 def keep_as_spares(moves: Sequence[Sequence[str]]) -> list[bool]:

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ...levels.erasure import decode_files
 from ...model.errors import RecoveryError
+from ...storage import files as storage
 from . import tasks
 
 _locks: dict[str, threading.Lock] = {}
@@ -31,18 +34,22 @@ def _lock(path: str) -> threading.Lock:
 
 
 def _rebuild_from_parity(src: dict[str, Any]) -> bool:
-    """Rebuild ``src["path"]`` from any ``k`` of its group's ``2k`` files that this worker sees."""
+    """Rebuild ``src["path"]`` from any ``k`` of its group's ``2k`` files that this worker sees (streamed)."""
     group = src["group"]
     k, pos = len(group["data"]), group["position"]
-    files = [(i, p) for i, p in enumerate(group["data"]) if i != pos and os.path.exists(p)]
-    files += [(k + i, p) for i, p in enumerate(group["parity"]) if os.path.exists(p)]
-    if len(files) < k:
+    data = [p if i != pos and os.path.exists(p) else None for i, p in enumerate(group["data"])]
+    parity = [p if os.path.exists(p) else None for p in group["parity"]]
+    if sum(p is not None for p in data + parity) < k:
         return False
     with _lock(src["path"]):
         if os.path.exists(src["path"]):  # rebuilt meanwhile by another read of this process
             return True
-        datas = [(i, np.fromfile(p, dtype=np.uint8)) for i, p in files[:k]]
-        tasks.decode_file(src["path"], pos, k, group["size"], group["length"], datas)
+        try:
+            storage.makedirs(Path(src["path"]).parent)  # a lost node's directory comes back
+            decode_files(data, parity, group["sizes"], {pos: src["path"]})
+        except (ValueError, OSError) as exc:  # a file of the wrong size: damaged, or not of this checkpoint
+            raise RecoveryError(f"checkpoint {src['ckpt_id']} (level 3): the file of rank {src['rank']} cannot be "
+                                f"rebuilt from its group's parity: {exc}") from None
         verdict = tasks.check_file(src["path"], src["fb_hash"])
         if not verdict["ok"]:
             os.unlink(src["path"])

@@ -23,7 +23,7 @@ from ...levels.ring_groups import copy_holder, group_of
 from ...model.arrays import dtype_from_json
 from ...model.errors import FTIError, NoCheckpointError, RecoveryError
 from ...storage import files as storage
-from . import reads, stitch, tasks
+from . import group_steps, reads, stitch, tasks
 from .cluster import WorkerLost
 from .plan import VarSpec
 
@@ -74,7 +74,6 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
     recorded = list(record.extra.get("workers", []))
     groups = [list(g) for g in record.extra.get("groups", [list(range(n))])]
     fb = {f.rank: f.fb_hash for f in record.files}
-    sizes = {f.rank: f.size for f in record.files}
     own = {r: ctx._file(level, cid, seq, r, storage.rank_file(cid, r)) for r in range(n)}
     pcof = {r: ctx._file(2, cid, seq, r, storage.partner_file(cid, r)) for r in range(n)} if level == 2 else {}
     rsed = {r: ctx._file(3, cid, seq, r, storage.parity_file(cid, r)) for r in range(n)} if level == 3 else {}
@@ -98,47 +97,61 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
                     for r in bad[:4])
     if level in (1, 4):
         raise Unrecoverable(f"files of rank(s) {bad} are lost or damaged ({why}); level {level} keeps no copy")
-    for r in bad:
-        hosts[r] = placer.any()
-    rebuilt = {}
-    if level == 2:
-        for r in bad:
-            holder = copy_holder(groups, r)
-            src = placer.pick(pcof[holder], recorded[holder] if holder < len(recorded) else None)
-            if src is None:
-                raise Unrecoverable(f"rank {r}'s file and its partner copy (on rank {holder}) are both lost")
-            sent = cl.submit(tasks.read_bytes, pcof[holder], key=f"ftidask-rebuild-send-{tag}-{r}", worker=src)
-            stored = cl.submit(tasks.store_bytes, own[r], sent, key=f"ftidask-rebuild-store-{tag}-{r}",
-                               worker=hosts[r])
-            rebuilt[r] = cl.submit(tasks.check_file, own[r], fb[r], stored, key=f"ftidask-rebuild-check-{tag}-{r}",
-                                   worker=hosts[r])
-    else:
-        for gi, group in enumerate(groups):
-            lost = [r for r in group if r in bad]
-            if not lost:
-                continue
-            k, length = len(group), max(sizes[r] for r in group)
-            available = [(pos, own[r], hosts[r]) for pos, r in enumerate(group) if r in ok]
-            for pos, r in enumerate(group):
-                src = placer.pick(rsed[r], recorded[r] if r < len(recorded) else None)
-                if src is not None:
-                    available.append((k + pos, rsed[r], src))
-            if len(available) < k:
-                raise Unrecoverable(f"group {group} lost {len(lost)} of {k} workers: only {len(available)} of its "
-                                    f"{2 * k} files remain, {k} are needed")
-            sends = [(idx, cl.submit(tasks.read_bytes, path, key=f"ftidask-rebuild-send-{tag}-{gi}-{idx}",
-                                     worker=w)) for idx, path, w in available[:k]]
-            for r in lost:
-                decoded = cl.submit(tasks.decode_file, own[r], group.index(r), k, sizes[r], length, sends,
-                                    key=f"ftidask-rebuild-decode-{tag}-{r}", worker=hosts[r])
-                rebuilt[r] = cl.submit(tasks.check_file, own[r], fb[r], decoded,
-                                       key=f"ftidask-rebuild-check-{tag}-{r}", worker=hosts[r])
-    results = cl.wait_all(list(rebuilt.values()), workers, f"rebuilding checkpoint {cid}")
-    failed = [(r, v["message"]) for r, v in zip(rebuilt, results, strict=True) if not v["ok"]]
+    _check_rebuildable(level, groups, bad, ok, placer, pcof, rsed)
+    side = pcof if level == 2 else rsed
+    for r in bad:  # a stand-in: a worker that sees the rank's partner copy or parity if any, else the least loaded
+        hosts[r] = placer.pick(side[r]) or placer.any()
+    rebuilt = _rebuild(ctx, record, groups, hosts, {r for r in range(n) if r not in ok}, tag)
+    failed = [r for r in bad if not rebuilt.get(r)]
     if failed:
-        raise Unrecoverable(f"rebuilt file(s) do not verify: {failed[:4]}")
+        raise Unrecoverable(f"the file(s) of rank(s) {failed} could not be rebuilt from level {level} (too many of "
+                            "their group's files are lost or damaged, or the rebuilt file does not verify)")
     log.info("checkpoint %d: rebuilt the files of rank(s) %s from level %d", cid, bad, level)
     return {r: (hosts[r], own[r]) for r in range(n)}
+
+
+def _check_rebuildable(level: int, groups: list[list[int]], bad: list[int], ok: set[int], placer: _Placer,
+                       pcof: dict[int, str], rsed: dict[int, str]) -> None:
+    """Refuse at once (no session started) when the files that survive cannot bring back the lost ones."""
+    for group in groups:
+        lost = [r for r in group if r in bad]
+        if not lost:
+            continue
+        if level == 2:
+            for r in lost:
+                holder = copy_holder(groups, r)
+                if not placer.visible.get(pcof[holder]):
+                    raise Unrecoverable(f"rank {r}'s file and its partner copy (on rank {holder}) are both lost")
+        else:
+            k = len(group)
+            available = sum(r in ok for r in group) + sum(bool(placer.visible.get(rsed[r])) for r in group)
+            if available < k:
+                raise Unrecoverable(f"group {group} lost {len(lost)} of {k} workers: only {available} of its "
+                                    f"{2 * k} files remain, {k} are needed")
+
+
+def _rebuild(ctx: DaskContext, record: CommitRecord, groups: list[list[int]], hosts: dict[int, str], bad: set[int],
+             tag: str) -> dict[int, bool]:
+    """Run the level's rebuild (:func:`ftidask.levels.multilevel.rebuild`) in every group that lost a file,
+    each rank on ``hosts[rank]``; rank -> whether its file verifies now."""
+    cid, seq, level = record.ckpt_id, record.seq, record.level
+    fb = {f.rank: f.fb_hash for f in record.files}
+    sizes = {f.rank: f.size for f in record.files}
+    hit = [g for g in groups if bad & set(g)]
+    tags = group_steps.session_tags(f"rebuild{cid}-{seq}-l{level}", hit)
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for tag_g, group in zip(tags, hit, strict=True):
+        for pos, r in enumerate(group):
+            left = group[(pos - 1) % len(group)]
+            by_worker.setdefault(hosts[r], []).append(group_steps.member(
+                "rebuild", tag_g, group, r, hosts, level=level, ckpt_id=cid,
+                own=ctx._file(level, cid, seq, r, storage.rank_file(cid, r)), ok=r not in bad,
+                sizes=[sizes[g] for g in group], fb_hash=fb[r], left_fb_hash=fb[left],
+                parity_name=storage.parity_file(cid, r)))
+    futures = [group_steps.submit_members(ctx.cluster, ctx.config, w, members, (), key=f"ftidask-rebuild-{tag}-{i}")
+               for i, (w, members) in enumerate(sorted(by_worker.items()))]
+    results = group_steps.wait_step(ctx.cluster, futures, list(by_worker), f"rebuilding checkpoint {cid}", tags)
+    return {int(m["rank"]): bool(m["ok"]) for done in results for m in done}
 
 
 def _specs(record: CommitRecord) -> list[VarSpec]:
@@ -206,7 +219,7 @@ def file_sources(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
             src["copies"] = [ctx._file(2, cid, seq, holder, storage.partner_file(cid, holder))]
         elif level == 3 and n > 1:
             group = group_of(groups, r)
-            src["group"] = {"position": group.index(r), "size": sizes[r], "length": max(sizes[g] for g in group),
+            src["group"] = {"position": group.index(r), "sizes": [sizes[g] for g in group],
                             "data": [ctx._file(3, cid, seq, g, storage.rank_file(cid, g)) for g in group],
                             "parity": [ctx._file(3, cid, seq, g, storage.parity_file(cid, g)) for g in group]}
         out[r] = src

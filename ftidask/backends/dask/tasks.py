@@ -1,8 +1,8 @@
-"""Functions that Dask runs as tasks on the workers: write, copy, encode, flush, check, read.
+"""Functions that Dask runs as tasks on the workers: write, flush, check, read, clean up.
 
 Plain functions of paths, JSON-able values and NumPy arrays (no ``distributed`` import);
-the client places each one on the worker that holds the chunks or the files. Bytes that move
-between workers (L2 copies, L3 stripes) move as task results, through Dask's own transfers.
+the client places each one on the worker that holds the chunks or the files. L2 and L3 are not
+here: they run the shared level code over worker-to-worker channels (:mod:`.group_tasks`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import numpy as np
 from ...engine.checkpointing import write_rank_file
 from ...ftiff import blockhash, hashing
 from ...ftiff.reader import parse_ftiff, verify_data
-from ...levels import rs
 from ...model.arrays import VarInfo, dtype_from_json
 from ...model.errors import FormatError
 from ...storage import files as storage
@@ -74,61 +73,6 @@ def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], me
                               hash_id=hashing.hash_id(hash_name), meta=meta, pt_fs=pt_fs, max_fs=max_fs)
     return {"rank": meta["rank"], "node": meta["node"], "size": written.file_size,
             "fb_hash": written.fb.hash.hex(), "data_bytes": written.data_bytes, "path": path}
-
-
-def read_bytes(path: str, after: Any = None) -> np.ndarray:
-    """The whole file as uint8 (``after`` only orders this task after the one that wrote it)."""
-    return np.fromfile(path, dtype=np.uint8)
-
-
-def store_bytes(path: str, data: np.ndarray, after: Any = None) -> dict[str, Any]:
-    """Write ``data`` atomically at ``path`` (an L2 copy or a rebuilt file)."""
-    with storage.atomic_file(Path(path)) as fh:
-        fh.write(memoryview(np.ascontiguousarray(data)))
-    return {"path": path, "size": int(data.nbytes)}
-
-
-def _codec(k: int, m: int) -> Any:
-    from ...levels.erasure import ReedSolomon
-
-    return ReedSolomon(k, m)
-
-
-def _padded(datas: Sequence[np.ndarray], length: int) -> list[np.ndarray]:
-    out = []
-    for data in datas:
-        if data.nbytes < length:
-            data = np.concatenate([data, np.zeros(length - data.nbytes, np.uint8)])
-        out.append(data)
-    return out
-
-
-def encode_parity(path: str, position: int, datas: list[np.ndarray], hash_name: str | None = None,
-                  fb_hashes: list[str] | None = None) -> dict[str, Any]:
-    """Write the group's parity number ``position`` (of ``k``) at ``path``; files are zero-padded.
-
-    With ``hash_name``, also its record (hash, length, and the FB hashes of the files it encodes),
-    which lets the next differential checkpoint update it (:mod:`ftidask.levels.rs_delta`).
-    """
-    k = len(datas)
-    length = max(d.nbytes for d in datas)
-    parity = np.asarray(_codec(k, k).encode(_padded(datas, length), parity_indices=[position])[0], dtype=np.uint8)
-    out = store_bytes(path, parity)
-    if hash_name is not None:
-        hid = hashing.hash_id(hash_name)
-        errors: list[str] = []
-        rs.write_record(Path(path), hid, hashing.digest(hid, memoryview(parity)).hex(), length, errors, fb_hashes)
-        if errors:
-            raise OSError("; ".join(errors))
-    return out
-
-
-def decode_file(path: str, position: int, k: int, size: int, length: int,
-                available: list[tuple[int, np.ndarray]]) -> dict[str, Any]:
-    """Rebuild data file ``position`` of a group from any ``k`` of its data and parity files."""
-    blocks = {int(i): (d if d.nbytes == length else _padded([d], length)[0]) for i, d in available}
-    data = _codec(k, k).decode(blocks, length)[position]
-    return store_bytes(path, np.asarray(data, dtype=np.uint8)[:size])
 
 
 def flush(src: str, dst: str, after: Any = None, keep_src: bool = False) -> dict[str, Any]:

@@ -1,0 +1,152 @@
+"""The L2/L3 steps of the Dask backend: one task per worker runs the shared level code over a
+:class:`~ftidask.backends.dask.channel.WorkerChannel`.
+
+The level code (:mod:`ftidask.levels.multilevel`, :mod:`~ftidask.levels.partner_delta`,
+:mod:`~ftidask.levels.rs_delta`) is the one the MPI backend runs; here each member of a group is a
+worker, and its blocks go straight to the other members' workers. A worker runs all its members of a
+step in one task (:func:`run_members`): at a checkpoint that is one member (a worker is one rank),
+but at a recovery on fewer workers a worker may stand in for a lost rank too, of the same group or of
+another one. Its members then run in threads of that task, all at once: with ``nthreads = 1`` two
+tasks on one worker would run one after the other, and a member waiting for its peers would keep its
+worker's other member, and so the whole step, from running.
+
+A member that fails raises (after telling its peers, see the channel); the client turns that into
+one error and aborts the step's sessions on every worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from distributed import get_worker
+
+from ...dcp.delta import FileDelta, XorDelta, file_fb_hash
+from ...ftiff import hashing
+from ...levels import multilevel, partner_delta, rs, rs_delta
+from ...model.config import Config
+from ...model.errors import FTIError
+from ...transport.collective import guarded
+from . import tasks
+from .channel import WorkerChannel
+
+log = logging.getLogger("ftidask")
+
+
+class LevelFailed(FTIError):
+    """A member's part of an L2/L3 step failed (the level's own error message)."""
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # still takes part: the peers' loops need every member
+
+
+def _verify(path: Path, fb_hash: str) -> bool:
+    # Between the group's collectives: never raises.
+    return bool(guarded([], lambda: tasks.check_file(str(path), fb_hash)["ok"], False, f"checking {path}"))
+
+
+def protect(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -> dict[str, Any]:
+    """Full checkpoint: L2 partner copy or L3 parity of this member's file (sizes and FB hashes gathered)."""
+    own, level = Path(m["own"]), int(m["level"])
+    errors: list[str] = []
+    fb_hash = guarded(errors, lambda: file_fb_hash(own), "") if level == 3 else ""
+    fb_hashes = ch.allgather(fb_hash) if level == 3 else None
+    sizes = ch.allgather(_size(own))
+    error = multilevel.protect(ch, cfg, level, int(m["ckpt_id"]), int(m["rank"]), own, own.parent, sizes, fb_hashes)
+    if error or errors:
+        raise LevelFailed("; ".join([*errors, error] if error else errors))
+    return {"rank": m["rank"]}
+
+
+def _adopt_old_parity(parity: Path, max_fs: int, hash_id: int) -> None:
+    """A parity written before the Dask backend kept its ``.hash`` record: record it as it is.
+
+    :func:`ftidask.levels.rs.rebuild` trusts only a parity that matches its record; such a parity was
+    never checked by anything, as before, and a file rebuilt from it is verified against the commit
+    record's FB hash all the same.
+    """
+    if rs.hash_path(parity).exists() or not parity.is_file() or parity.stat().st_size != max_fs:
+        return
+    hasher = hashing.new_hasher(hash_id)
+    with open(parity, "rb") as fh:
+        while block := fh.read(16 << 20):
+            hasher.update(block)
+    errors: list[str] = []
+    rs.write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors)
+    if not errors:
+        log.info("%s: parity of an older checkpoint without its hash record; recorded as it is", parity)
+
+
+def rebuild(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -> dict[str, Any]:
+    """Recovery: rebuild what the group lost (own files, partner copies, parity); whether own verifies."""
+    own, level = Path(m["own"]), int(m["level"])
+    sizes = [int(s) for s in m["sizes"]]
+    if level == 3:
+        guarded([], lambda: _adopt_old_parity(own.parent / m["parity_name"], max(sizes), hashing.hash_id(cfg.hash)))
+    ok = multilevel.rebuild(ch, cfg, level, int(m["ckpt_id"]), int(m["rank"]), own, own.parent, sizes, bool(m["ok"]),
+                            verify_own=lambda p: _verify(p, m["fb_hash"]),
+                            verify_partner=lambda p: _verify(p, m["left_fb_hash"]))
+    return {"rank": m["rank"], "ok": bool(ok)}
+
+
+def protect_delta(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -> dict[str, Any]:
+    """Differential L2: the partner gets only the changed ranges when it holds the base.
+
+    ``dep``: the write's result (its ``delta``)."""
+    own, rank = Path(m["own"]), int(m["rank"])
+    delta = FileDelta.from_json(dep["delta"]) if dep.get("delta") is not None else None
+    error = partner_delta.protect(ch, own, own.parent / m["pcof_name"],
+                                  partner_delta.spare_partner_path(own.parent, rank), _size(own), delta,
+                                  cfg.transfer_size << 20)
+    if error:
+        raise LevelFailed(error)
+    return {"rank": rank, "sent": ch.bytes_sent}
+
+
+def parity_delta(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -> dict[str, Any]:
+    """Differential L3: patch the spare parity from the group's XOR deltas, else encode in full
+    (``dep``: the write's ``(result, XOR bytes)``)."""
+    own, rank = Path(m["own"]), int(m["rank"])
+    result, payload = dep
+    raw = result.get("xor")
+    xor = None if raw is None else XorDelta(bytes.fromhex(raw["base"]), tuple(tuple(r) for r in raw["ranges"]),
+                                            np.asarray(payload, np.uint8))
+    errors: list[str] = []
+    own_hash = guarded(errors, lambda: file_fb_hash(own), "")
+    why = rs_delta.update(ch, xor, own_hash, rs_delta.spare_parity_path(own.parent, rank),
+                          own.parent / m["parity_name"], ch.allgather(_size(own)), hashing.hash_id(cfg.hash))
+    if why is None:
+        if errors:
+            raise LevelFailed("; ".join(errors))
+        return {"rank": rank, "updated": True}
+    return protect(ch, m | {"level": 3}, cfg, dep) | {"updated": False, "why": why}
+
+
+STEPS = {"protect": protect, "rebuild": rebuild, "protect_delta": protect_delta, "parity_delta": parity_delta}
+
+
+def _run_one(m: dict[str, Any], cfg: Config, deps: tuple[Any, ...], worker: Any) -> dict[str, Any]:
+    dep = deps[m["dep"]] if m.get("dep") is not None else None
+    with WorkerChannel(m["tag"], int(m["index"]), m["peers"], worker) as ch:
+        return STEPS[m["step"]](ch, m, cfg, dep)
+
+
+def run_members(members: list[dict[str, Any]], cfg: Config, *deps: Any) -> list[dict[str, Any]]:
+    """Run this worker's members of an L2/L3 step, all at once; their results, in order.
+
+    Each member: ``step`` (a key of :data:`STEPS`), ``tag``, ``index``, ``peers`` (its session),
+    ``dep`` (index into ``deps``: the result of a task it needs, or None) and the step's values.
+    """
+    worker = get_worker()  # in the task's thread: the member threads below are not Dask's
+    if len(members) == 1:
+        return [_run_one(members[0], cfg, deps, worker)]
+    with ThreadPoolExecutor(len(members), thread_name_prefix="ftidask-member") as pool:
+        futures = [pool.submit(_run_one, m, cfg, deps, worker) for m in members]
+    return [f.result() for f in futures]  # the first failure raised, once every member ended
