@@ -119,9 +119,10 @@ def _dask_clusters():
 
 @pytest.fixture
 def dask_client(request, _dask_clusters):
-    """A client of the shared LocalCluster of ``request.module.NWORKERS`` worker processes, restored
-    (or replaced) after the test: the test may kill workers, or install crash points in them."""
-    client = _dask_clusters.client(request.module.NWORKERS)
+    """A client of the shared LocalCluster of ``request.module.NWORKERS`` (default 2) worker processes,
+    restored (or replaced) after the test: the test may kill workers, or install crash points in them."""
+    pytest.importorskip("distributed")
+    client = _dask_clusters.client(getattr(request.module, "NWORKERS", 2))
     yield client
     report = getattr(request.node, "rep_call", None)
     if report is None or report.failed:
