@@ -23,3 +23,117 @@ def run_python(code: str, *args: str, timeout: float = 120, check: bool = True, 
     if check and proc.returncode != 0:
         raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+# --- One LocalCluster shared by the Dask tests ------------------------------------------------------
+#
+# Starting a LocalCluster of worker processes costs about 1.3 s, closing it about 1 s: more than most
+# Dask tests. The tests that ask for the ``dask_client`` fixture share one cluster of worker processes
+# (of their module's NWORKERS), each test with a client of its own, and the cluster is kept for the next
+# test only when nothing of this one can leak into it. After each test:
+#
+# * the cluster is *restored*: every worker the test killed (SIGKILL) has been restarted, fresh, by its
+#   nanny; the fixture waits until the cluster has its NWORKERS workers again, each one answering (the
+#   restarted ones under a new address and pid);
+# * the test's client is closed, so the scheduler forgets every task of the test (an erred future
+#   keeps itself alive in its client: its exception's traceback holds it), and the fixture waits
+#   until the scheduler holds no task;
+# * the cluster is closed instead (the next test starts a new one) when the test failed, when a worker
+#   still carries a test seam (a crash point or a slowed copy: ``crashpoints.seams``), or when the
+#   workers or the scheduler are not back in time.
+#
+# Each test has its own directories (``dirs``, ``tmp_path``) and its own run (a new exec_id), so what
+# stays in a worker process from one test to the next (its background removal thread, its rebuild
+# locks) concerns other paths only.
+
+_WORKER_WAIT = 60  # seconds a test waits for its cluster's workers to start
+_RESTART_WAIT = 30  # seconds the fixture waits for killed workers to be restarted
+
+
+class DaskClusters:
+    """At most one live LocalCluster of worker processes, shared between tests."""
+
+    def __init__(self) -> None:
+        self.cluster = None
+        self.nworkers = 0
+
+    def client(self, nworkers: int):
+        """A new client of a cluster of ``nworkers`` workers (the live one, or a new one)."""
+        import distributed
+
+        if self.cluster is not None and self.nworkers != nworkers:
+            self.close()
+        if self.cluster is None:
+            self.cluster = distributed.LocalCluster(n_workers=nworkers, threads_per_worker=1, processes=True,
+                                                    dashboard_address=":0", silence_logs=50)
+            self.nworkers = nworkers
+        client = distributed.Client(self.cluster)
+        client.wait_for_workers(nworkers, timeout=_WORKER_WAIT)
+        return client
+
+    def restore(self, client) -> bool:
+        """Close ``client`` once every worker answers again (the killed ones restarted) and the
+        scheduler has forgotten its tasks; False when that does not happen in time, or when a worker
+        keeps a test seam."""
+        import time
+
+        import crashpoints
+
+        end, ok = time.monotonic() + _RESTART_WAIT, False
+        try:
+            while not ok:
+                workers = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+                if len(workers) == self.nworkers:
+                    try:
+                        seams = client.run(crashpoints.seams, workers=list(workers))
+                    except Exception:  # a killed worker still listed: it drops out, its successor comes
+                        seams = None
+                    if seams is not None:
+                        if any(seams.values()):
+                            return False
+                        ok = True
+                if not ok and (time.monotonic() > end or len(self.cluster.workers) < self.nworkers):
+                    return False  # (a nanny that gave up restarting its worker is gone from the cluster)
+                time.sleep(0 if ok else 0.05)
+        finally:
+            client.close()
+        scheduler, end = self.cluster.scheduler, time.monotonic() + 10
+        while scheduler.tasks:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def close(self) -> None:
+        cluster, self.cluster, self.nworkers = self.cluster, None, 0
+        if cluster is not None:
+            cluster.close()
+
+
+@pytest.fixture(scope="session")
+def _dask_clusters():
+    clusters = DaskClusters()
+    yield clusters
+    clusters.close()
+
+
+@pytest.fixture
+def dask_client(request, _dask_clusters):
+    """A client of the shared LocalCluster of ``request.module.NWORKERS`` (default 2) worker processes,
+    restored (or replaced) after the test: the test may kill workers, or install crash points in them."""
+    pytest.importorskip("distributed")
+    client = _dask_clusters.client(getattr(request.module, "NWORKERS", 2))
+    yield client
+    report = getattr(request.node, "rep_call", None)
+    if report is None or report.failed:
+        client.close()
+        _dask_clusters.close()
+    elif not _dask_clusters.restore(client):
+        _dask_clusters.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)

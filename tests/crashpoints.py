@@ -14,9 +14,13 @@ import importlib
 import itertools
 import os
 import signal
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
+
+
+INSTALLED: list[str] = []  # the crash points installed in this process
 
 
 def die() -> None:
@@ -76,8 +80,18 @@ def install(point: str, nth: int = 1) -> None:
     Points: ``dcp-block`` (a write of changed blocks, :func:`kill_at_block_write`), or
     ``"module:function"`` / ``"module:function:after"`` / ``"module:function:raise"`` (:func:`kill_at_call`).
     """
+    INSTALLED.append(point)
     if point == "dcp-block":
         kill_at_block_write(nth)
         return
     module, name, *when = point.split(":")
     kill_at_call(module, name, nth, after=when == ["after"], fail=when == ["raise"])
+
+
+def seams() -> list[str]:
+    """The test seams installed in this process: its crash points, a slowed staging copy
+    (:mod:`slowcopy`). Run on each worker of a shared cluster between tests: a worker that
+    carries one is not given to the next test."""
+    slowcopy = sys.modules.get("slowcopy")
+    slowed = ["slowed staging copy"] if slowcopy is not None and slowcopy.installed() else []
+    return [f"crash point {p}" for p in INSTALLED] + slowed

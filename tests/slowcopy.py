@@ -42,6 +42,11 @@ def uninstall() -> None:
     staging_copy._write_all = _ORIGINAL
 
 
+def installed() -> bool:
+    """Whether this process's transfers are slowed."""
+    return staging_copy._write_all is not _ORIGINAL
+
+
 def slow_movers(delay: float, setattr: Callable[[Any, str, Any], None] = setattr) -> None:
     """Slow the thread mover of this process and the process movers it starts from now on
     (``setattr``: pytest's ``monkeypatch.setattr`` to undo it after the test)."""

@@ -24,18 +24,10 @@ NWORKERS = 4
 
 
 @pytest.fixture
-def cluster():
-    # One cluster per test: killed workers are restarted by their nannies, but not reliably fast.
-    with distributed.LocalCluster(n_workers=NWORKERS, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0", silence_logs=50) as c:
-        yield c
-
-
-@pytest.fixture
-def client(cluster):
-    with distributed.Client(cluster) as cl:
-        cl.wait_for_workers(NWORKERS, timeout=60)
-        yield cl
+def client(dask_client):
+    # The shared cluster: after a test, the fixture waits until its nannies have restarted the killed
+    # workers, or replaces the cluster (conftest.py).
+    return dask_client
 
 
 def make_array(seed=0, shape=(96, 80), chunks=(24, 20), dtype=np.float64):
@@ -233,9 +225,15 @@ def test_protected_mismatch_is_refused(client, dirs):
         ctx2.recover()
 
 
+def _prefix_counts(dask_scheduler):
+    """Task prefix -> how many state transitions its tasks have made so far."""
+    return {name: sum(p.state_counts.values()) for name, p in dask_scheduler.task_prefixes.items()}
+
+
 def test_reprs(client, dirs):
     ctx = ftidask.init(client=client, **dirs)
     ctx.protect(1, make_array(), name="field")
+    before = client.run_on_scheduler(_prefix_counts)
     info = ctx.checkpoint(4, 4)
     text, page = repr(ctx), ctx._repr_html_()
     assert "backend=dask" in text and "field" in text and "workers=4" in text and "(4, 4)" in text
@@ -243,8 +241,10 @@ def test_reprs(client, dirs):
     assert "L4 global committed" in repr(info) and "field" in repr(info) and "60.0 KiB" in repr(info)
     assert info._repr_html_().count("<tr>") == 1 + 1 + 1 + NWORKERS
     # each level's work ran as Dask tasks under readable names (what the dashboard groups by)
-    prefixes = client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.task_prefixes))
-    assert {"ftidask-write", "ftidask-flush"} <= set(prefixes)
+    # (the shared cluster's scheduler keeps the prefixes of earlier tests: those that ran tasks now)
+    after = client.run_on_scheduler(_prefix_counts)
+    prefixes = {name for name, count in after.items() if count > before.get(name, 0)}
+    assert {"ftidask-write", "ftidask-flush"} <= prefixes
     ctx.finalize()
 
 

@@ -25,11 +25,8 @@ BLOCK = 1024
 
 
 @pytest.fixture
-def client():
-    with distributed.LocalCluster(n_workers=NWORKERS, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0", silence_logs=50) as c, distributed.Client(c) as cl:
-        cl.wait_for_workers(NWORKERS, timeout=60)
-        yield cl
+def client(dask_client):
+    return dask_client  # the shared cluster, restored after the tests that kill workers (conftest.py)
 
 
 def _init(client, dirs, **kw):

@@ -1,6 +1,7 @@
 """A Dask worker lost after a recovery, or in the middle of a checkpoint, on a real LocalCluster.
 
-Each test kills a real worker process (SIGKILL), so each gets its own small cluster. A lost node
+Each test kills a real worker process (SIGKILL) of the shared cluster, whose nanny restarts it
+fresh before the next test (conftest.py's ``dask_client``). A lost node
 is its worker killed plus its node directory erased (every worker of a LocalCluster sees every
 node directory, so a file "only on the dead node" is one that was erased).
 """
@@ -27,12 +28,8 @@ BOUND = 60  # seconds a compute() may take before the test calls it a hang
 
 
 @pytest.fixture
-def client():
-    with distributed.LocalCluster(n_workers=NWORKERS, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0", silence_logs=50) as cluster, \
-            distributed.Client(cluster) as cl:
-        cl.wait_for_workers(NWORKERS, timeout=60)
-        yield cl
+def client(dask_client):
+    return dask_client  # the shared cluster, its killed workers restarted after each test (conftest.py)
 
 
 def live_workers(client):

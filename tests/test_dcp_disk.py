@@ -120,26 +120,23 @@ def test_remove_tree_removes_files_links_and_trees(tmp_path, caplog):
     assert (target / "precious").exists()  # a link is removed, never followed
 
 
-def test_dask_l5_l5_l1_l1_keeps_disk_use_bounded_and_finalize_leaves_no_trash(tmp_path):
+def test_dask_l5_l5_l1_l1_keeps_disk_use_bounded_and_finalize_leaves_no_trash(tmp_path, dask_client):
     import pytest
 
     da = pytest.importorskip("dask.array")
-    distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                                  silence_logs=50) as cluster, distributed.Client(cluster) as client:
-        client.wait_for_workers(2, timeout=60)
-        ctx = ftidask.init(client=client, **_kw(tmp_path, dcp_block_size=1024))
-        field = da.zeros((128, 128), chunks=(64, 128))  # 128 KiB, one chunk per worker
-        state = 128 * 128 * 8
-        pattern = (5, 5, 1, 1)
-        most = 0
-        for i in range(24):
-            field = field + (da.arange(128)[:, None] == i)  # one row changes
-            ctx.protect(1, field)
-            ctx.checkpoint(i + 1, pattern[i % 4])
-            field = ctx.protected[1]
-            most = max(most, _disk_bytes(tmp_path))
-        assert most < 6 * state, f"disk use grew to {most} bytes ({most / state:.1f} states)"
-        ctx.finalize()
-        assert _trash(tmp_path) == []
-        assert _disk_bytes(tmp_path) < state
+    client = dask_client  # the shared cluster of 2 worker processes (conftest.py)
+    ctx = ftidask.init(client=client, **_kw(tmp_path, dcp_block_size=1024))
+    field = da.zeros((128, 128), chunks=(64, 128))  # 128 KiB, one chunk per worker
+    state = 128 * 128 * 8
+    pattern = (5, 5, 1, 1)
+    most = 0
+    for i in range(24):
+        field = field + (da.arange(128)[:, None] == i)  # one row changes
+        ctx.protect(1, field)
+        ctx.checkpoint(i + 1, pattern[i % 4])
+        field = ctx.protected[1]
+        most = max(most, _disk_bytes(tmp_path))
+    assert most < 6 * state, f"disk use grew to {most} bytes ({most / state:.1f} states)"
+    ctx.finalize()
+    assert _trash(tmp_path) == []
+    assert _disk_bytes(tmp_path) < state

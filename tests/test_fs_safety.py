@@ -216,21 +216,18 @@ def test_run_directory_owned_by_another_user_is_refused(tmp_path):
         ftidask.init(**_dirs(tmp_path))
 
 
-def test_dask_workers_create_files_with_the_configured_modes(tmp_path):
+def test_dask_workers_create_files_with_the_configured_modes(tmp_path, dask_client):
     da = pytest.importorskip("dask.array")
-    distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                                  silence_logs=50) as cluster, distributed.Client(cluster) as client:
-        client.wait_for_workers(2, timeout=60)
-        old = os.umask(0o002)
-        try:
-            ctx = ftidask.init(client=client, **_dirs(tmp_path, permissions="group", enable_dcp=1,
-                                                      dcp_block_size=1024))
-            ctx.protect(1, da.arange(20_000, chunks=5_000, dtype=np.float64))
-            for i, level in enumerate((1, 2, 5, 5, 4)):
-                ctx.checkpoint(i + 1, level)
-            files, dirs = _modes(tmp_path)
-            ctx.finalize()
-        finally:
-            os.umask(old)
+    client = dask_client  # the shared cluster of 2 worker processes (conftest.py)
+    old = os.umask(0o002)
+    try:
+        ctx = ftidask.init(client=client, **_dirs(tmp_path, permissions="group", enable_dcp=1,
+                                                  dcp_block_size=1024))
+        ctx.protect(1, da.arange(20_000, chunks=5_000, dtype=np.float64))
+        for i, level in enumerate((1, 2, 5, 5, 4)):
+            ctx.checkpoint(i + 1, level)
+        files, dirs = _modes(tmp_path)
+        ctx.finalize()
+    finally:
+        os.umask(old)
     assert files == {0o640} and dirs == {0o750}

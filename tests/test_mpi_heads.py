@@ -30,24 +30,44 @@ CASES = [
 
 
 @pytest.mark.parametrize(("level", "damage", "expected"), CASES)
-def test_heads_post_process(tmp_path: Path, level: int, damage: list[str], expected: str) -> None:
-    _check(tmp_path, 8, level, damage, expected)
+def test_heads_post_process(tmp_path: Path, written, level: int, damage: list[str], expected: str) -> None:
+    _check(tmp_path, written, 8, level, damage, expected)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("level", "damage", "expected"), CASES[:3])
-def test_heads_16_processes(tmp_path: Path, level: int, damage: list[str], expected: str) -> None:
+def test_heads_16_processes(tmp_path: Path, written, level: int, damage: list[str], expected: str) -> None:
     """4 nodes of 1 head + 3 application ranks: each head serves three positions of its node."""
-    _check(tmp_path, 16, level, damage, expected)
+    _check(tmp_path, written, 16, level, damage, expected)
 
 
-def _check(tmp_path: Path, nprocs: int, level: int, damage: list[str], expected: str) -> None:
-    node_size = nprocs // 4
+def _config(nprocs: int, level: int) -> str:
+    return json.dumps({**CONFIG, "node_size": nprocs // 4, f"inline_l{level}": 0})
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory):
+    """``(nprocs, level) -> (run directory, the write job's stdout)``: one write job per level, whose
+    untouched run directory each damage case copies (as test_mpi_levels does)."""
+    jobs: dict[tuple[int, int], tuple[Path, str]] = {}
+
+    def get(nprocs: int, level: int) -> tuple[Path, str]:
+        if (nprocs, level) not in jobs:
+            base = tmp_path_factory.mktemp(f"heads{nprocs}-l{level}") / "run"
+            proc = run(nprocs, "levels_job.py", "write", _config(nprocs, level), str(base), str(level), timeout=300)
+            jobs[nprocs, level] = base, proc.stdout
+        return jobs[nprocs, level]
+
+    return get
+
+
+def _check(tmp_path: Path, written, nprocs: int, level: int, damage: list[str], expected: str) -> None:
     napp = nprocs - 4
-    cfg = json.dumps({**CONFIG, "node_size": node_size, f"inline_l{level}": 0})
+    cfg = _config(nprocs, level)
+    written_base, stdout = written(nprocs, level)
     base = tmp_path / "run"
-    proc = run(nprocs, "levels_job.py", "write", cfg, str(base), str(level), timeout=300)
-    wrote = [line for line in proc.stdout.split("WROTE ")[1:]]
+    shutil.copytree(written_base, base, symlinks=True)
+    wrote = [line for line in stdout.split("WROTE ")[1:]]
     assert len(wrote) == napp  # the application ranks; the heads never return from init
     for line in wrote:
         _rank, written_level, reply = line.strip().split(" ", 2)

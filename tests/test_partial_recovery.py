@@ -106,39 +106,37 @@ def test_a_bad_size_among_the_listed_touches_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.dask
 @pytest.mark.timeout(240)
-def test_dask_partial_recovery_and_state(tmp_path: Path) -> None:
+def test_dask_partial_recovery_and_state(tmp_path: Path, dask_client) -> None:
     da = pytest.importorskip("dask.array")
-    distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                                  silence_logs=50) as cluster, distributed.Client(cluster) as client:
-        ctx = ftidask.init(client=client, ckpt_dir=tmp_path / "L", glbl_dir=tmp_path / "G",
-                           meta_dir=tmp_path / "M", verbosity=4)
-        x = da.arange(40.0, chunks=10)
-        local = np.arange(6.0)
-        st, rng = ftidask.State({"epoch": 1}), np.random.default_rng(8)
-        ctx.protect(1, x)
-        ctx.protect(2, local)
-        ctx.protect(3, st)
-        ctx.protect(4, rng)
-        ctx.checkpoint(1, 2)
-        expected = rng.random(3)
-        st["epoch"] = 2
-        st["grown"] = list(range(300))  # a bigger state: the next checkpoint's bytes grow
-        ctx.checkpoint(2, 3)
-        grown = dict(st)
-        local[:] = _noise(3, 6)
-        local_bytes = local.tobytes()
-        st.clear()
-        held = ctx.protected[1]
-        out = ctx.recover(ids=[3])
-        assert set(out) == {3} and out[3] is st and st == grown
-        assert local.tobytes() == local_bytes and ctx.protected[1] is held  # not filled, not rebound
-        with pytest.raises(RecoveryError, match=r"\[9\] are not in checkpoint"):
-            ctx.recover(ids=[2, 9])
-        assert local.tobytes() == local_bytes
-        rng.random(10)
-        out = ctx.recover()
-        assert np.array_equal(local, np.arange(6.0)) and st == grown
-        assert np.array_equal(out[1].compute(), np.arange(40.0))
-        assert not np.array_equal(rng.random(3), expected)  # checkpoint 2 was written after those draws
-        ctx.finalize()
+    client = dask_client  # the shared cluster of 2 worker processes (conftest.py)
+    ctx = ftidask.init(client=client, ckpt_dir=tmp_path / "L", glbl_dir=tmp_path / "G",
+                       meta_dir=tmp_path / "M", verbosity=4)
+    x = da.arange(40.0, chunks=10)
+    local = np.arange(6.0)
+    st, rng = ftidask.State({"epoch": 1}), np.random.default_rng(8)
+    ctx.protect(1, x)
+    ctx.protect(2, local)
+    ctx.protect(3, st)
+    ctx.protect(4, rng)
+    ctx.checkpoint(1, 2)
+    expected = rng.random(3)
+    st["epoch"] = 2
+    st["grown"] = list(range(300))  # a bigger state: the next checkpoint's bytes grow
+    ctx.checkpoint(2, 3)
+    grown = dict(st)
+    local[:] = _noise(3, 6)
+    local_bytes = local.tobytes()
+    st.clear()
+    held = ctx.protected[1]
+    out = ctx.recover(ids=[3])
+    assert set(out) == {3} and out[3] is st and st == grown
+    assert local.tobytes() == local_bytes and ctx.protected[1] is held  # not filled, not rebound
+    with pytest.raises(RecoveryError, match=r"\[9\] are not in checkpoint"):
+        ctx.recover(ids=[2, 9])
+    assert local.tobytes() == local_bytes
+    rng.random(10)
+    out = ctx.recover()
+    assert np.array_equal(local, np.arange(6.0)) and st == grown
+    assert np.array_equal(out[1].compute(), np.arange(40.0))
+    assert not np.array_equal(rng.random(3), expected)  # checkpoint 2 was written after those draws
+    ctx.finalize()

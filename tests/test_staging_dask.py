@@ -25,14 +25,9 @@ pytestmark = pytest.mark.dask
 MiB = 1 << 20
 
 
-def cluster():
-    return distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
-
-
-@pytest.fixture(scope="module")
-def client():
-    with cluster() as cl, distributed.Client(cl) as c:
-        yield c
+@pytest.fixture
+def client(dask_client):
+    return dask_client  # the shared cluster of 2 worker processes (conftest.py)
 
 
 @pytest.fixture
@@ -125,29 +120,30 @@ def test_finalize_timeout_cancels_running_task(tmp_path, client, slow_workers):
     assert list((tmp_path / "global").iterdir()) == [] and src.exists()
 
 
-def test_worker_killed_mid_transfer(tmp_path):
-    with cluster() as cl, distributed.Client(cl) as c:
-        c.run(slowcopy.install, 0.05)
-        stager, workers, _ = worker_stager(tmp_path, c)
-        pids = c.run(os.getpid)
-        src = stager.stage_dir / "node1" / "big"
-        src.write_bytes(os.urandom(64 * MiB))
-        req = stager.send(src, "big")
-        while stager.table.info(req).state == SI_PEND:
-            time.sleep(0.002)
-        os.kill(pids[workers[1]], signal.SIGKILL)
-        assert stager.wait(req, 60) == SI_FAIL
-        assert "mover died (worker" in stager.table.info(req).reason
-        assert stager.table.query(req) == SI_FAIL
-        assert list((tmp_path / "global").iterdir()) == []  # no partial file, no temporary
-        assert src.exists()
-        # Later requests work (on the surviving worker).
-        other = stager.stage_dir / "node0" / "small"
-        other.write_bytes(b"still working")
-        req2 = stager.send(other, "small")
-        assert stager.wait(req2, 60) == SI_SCES
-        assert (tmp_path / "global" / "small").read_bytes() == b"still working"
-        assert stager.close(30) == []
+def test_worker_killed_mid_transfer(tmp_path, dask_client):
+    c = dask_client  # the shared cluster: the killed worker is restarted after the test (conftest.py)
+    c.run(slowcopy.install, 0.05)
+    stager, workers, _ = worker_stager(tmp_path, c)
+    pids = c.run(os.getpid)
+    src = stager.stage_dir / "node1" / "big"
+    src.write_bytes(os.urandom(64 * MiB))
+    req = stager.send(src, "big")
+    while stager.table.info(req).state == SI_PEND:
+        time.sleep(0.002)
+    os.kill(pids[workers[1]], signal.SIGKILL)
+    assert stager.wait(req, 60) == SI_FAIL
+    assert "mover died (worker" in stager.table.info(req).reason
+    assert stager.table.query(req) == SI_FAIL
+    assert list((tmp_path / "global").iterdir()) == []  # no partial file, no temporary
+    assert src.exists()
+    # Later requests work (on the surviving worker).
+    other = stager.stage_dir / "node0" / "small"
+    other.write_bytes(b"still working")
+    req2 = stager.send(other, "small")
+    assert stager.wait(req2, 60) == SI_SCES
+    assert (tmp_path / "global" / "small").read_bytes() == b"still working"
+    assert stager.close(30) == []
+    c.run(slowcopy.uninstall, workers=[workers[0]])  # the survivor copies at full speed again (next test)
 
 
 def test_worker_by_node_dir_runs_the_copy_on_that_worker(tmp_path, client):
