@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -107,9 +108,14 @@ def test_every_loss_pattern_follows_the_levels_rule(tmp_path_factory, level, dat
     for i in range(g):
         if want[i]:
             assert own(base, i).read_bytes() == files[i]
-    if all(want):
-        for i in range(g):  # the redundancy is whole again too
+    own_lost = any(w == "own" for _, w in effective)
+    if all(want) and own_lost:
+        for i in range(g):  # a loss was repaired: the redundancy is whole again too
             assert redundancy(base, level, i).read_bytes() == reference[i]
+    elif not own_lost:  # every own file sound: no redundancy file was touched (repaired by the next checkpoint)
+        for i in range(g):
+            path = redundancy(base, level, i)
+            assert path.exists() == ((i, "red") not in lost or how != "erase")
     shutil.rmtree(base)
 
 
@@ -122,3 +128,87 @@ def test_a_whole_node_lost(tmp_path, level):
     assert rebuild(tmp_path, level, sizes, files) == [True] * 4
     assert own(tmp_path, 2).read_bytes() == files[2]
     assert redundancy(tmp_path, level, 2).read_bytes() == reference[2]
+
+
+# Every file a test opens while this list is installed (an audit hook sees every open, in every thread).
+_opened: list[list[str]] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "open" and _opened and isinstance(args[0], (str, bytes, Path)):
+        _opened[-1].append(str(args[0]))
+
+
+sys.addaudithook(_audit)
+
+
+def opened_during(fn):
+    """``fn()``'s result and the paths opened meanwhile."""
+    _opened.append([])
+    try:
+        return fn(), _opened[-1]
+    finally:
+        _opened.pop()
+
+
+def is_redundancy(path: str) -> bool:
+    return "Pcof" in path or "RSed" in path
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_a_recovery_with_nothing_lost_reads_no_redundancy(tmp_path, level):
+    sizes = [3000, 1, 4097, 2048]
+    files = make_group(tmp_path, level, sizes, seed=3)
+    result, paths = opened_during(lambda: rebuild(tmp_path, level, sizes, files))
+    assert result == [True] * 4
+    assert [p for p in paths if is_redundancy(p)] == []  # zero bytes read from partner copies or parity
+    # the seam sees the redundancy when a loss needs it
+    own(tmp_path, 1).unlink()
+    result, paths = opened_during(lambda: rebuild(tmp_path, level, sizes, files))
+    assert result == [True] * 4 and any(is_redundancy(p) for p in paths)
+
+
+@pytest.mark.parametrize("level", [2, 3])
+@pytest.mark.parametrize("how", ["erase", "corrupt"])
+def test_damaged_redundancy_beside_sound_files_is_never_trusted_later(tmp_path, level, how):
+    """Sound own files: a damaged partner copy / parity is left for the next checkpoint, and a later loss that
+    needs it finds it damaged (a clean failure at L2, a rebuild from the other files at L3), never wrong data."""
+    sizes = [3000, 1, 4097, 2048]
+    files = make_group(tmp_path, level, sizes, seed=5)
+    reference = redundancy(tmp_path, level, 1).read_bytes()
+    lose(tmp_path, level, 1, "red", how)
+    damaged = redundancy(tmp_path, level, 1).read_bytes() if how == "corrupt" else None
+    assert rebuild(tmp_path, level, sizes, files) == [True] * 4
+    if how == "corrupt":
+        assert redundancy(tmp_path, level, 1).read_bytes() == damaged  # not repaired, not read
+    else:
+        assert not redundancy(tmp_path, level, 1).exists()
+    for i in range(4):
+        assert own(tmp_path, i).read_bytes() == files[i]
+    # L2: member 1 keeps member 0's copy, so losing member 0's file now is a loss for good
+    # L3: 2 of 8 files lost, the other 6 rebuild both, the damaged parity included
+    lost = 0 if level == 2 else 1
+    own(tmp_path, lost).unlink()
+    got = rebuild(tmp_path, level, sizes, files)
+    if level == 2:
+        assert got == [False, True, True, True]
+        assert not own(tmp_path, 0).exists() or own(tmp_path, 0).read_bytes() != files[0]
+    else:
+        assert got == [True] * 4
+        assert own(tmp_path, 1).read_bytes() == files[1]
+        assert redundancy(tmp_path, level, 1).read_bytes() == reference  # the damaged parity rebuilt too
+    for i in range(4):
+        if got[i]:
+            assert own(tmp_path, i).read_bytes() == files[i]
+
+
+def test_verify_checks_parity_against_its_record(tmp_path, capsys):
+    """`ftidask verify` is how to check the redundancy that a recovery with nothing lost does not read."""
+    from ftidask.tools.cli import main
+
+    make_group(tmp_path, 3, [3000, 1, 4097], seed=9)
+    parity = redundancy(tmp_path, 3, 1)
+    assert main(["verify", str(parity)]) == 0
+    lose(tmp_path, 3, 1, "red", "corrupt")
+    assert main(["verify", str(parity)]) == 1
+    assert "does not match its recorded hash" in capsys.readouterr().out

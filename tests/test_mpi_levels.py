@@ -86,6 +86,11 @@ CASES: dict[str, tuple[Callable[[Path], None], tuple[str | None, ...]]] = {
     "global_and_node2_erased": (both(erase_global, erase_nodes([2])), (FAIL, OK, OK, FAIL)),
 }
 
+# Only redundancy damaged, every own file sound: recovery reads the own files only (a restart reads each byte
+# once), so the damaged partner copy / parity stays as it was until the next checkpoint at that level rewrites
+# it. A later loss that needs it finds it damaged (rank_node0_and_its_copy_node1: a clean failure everywhere).
+REDUNDANCY_ONLY = {"partner_erased_node1", "partner_corrupted_node1", "parity_erased_node0", "parity_corrupted_node0"}
+
 
 def _config(nranks: int) -> dict:
     return {"local_test": 1, "node_size": nranks // 4, "group_size": 4, "block_size": 256, "transfer_size": 1}
@@ -97,9 +102,13 @@ def _check_level(tmp: Path, nranks: int, level: int, timeout: float, config: dic
     base = tmp / f"l{level}"
     run(nranks, "levels_job.py", "write", cfg, str(base), str(level), timeout=timeout)
     cases = {name: spec for name, spec in (table or CASES).items() if spec[1][level - 1] is not None}
+    left: dict[str, dict[Path, bytes | None]] = {}
     for name, (damage, _expected) in cases.items():
         shutil.copytree(base, tmp / name)
         damage(tmp / name)
+        if name in REDUNDANCY_ONLY:
+            left[name] = {p.relative_to(base): _bytes(tmp / name / p.relative_to(base))
+                          for p in (base / "Local").rglob("Ckpt*.fti") if "-Rank" not in p.name}
     run(nranks, "levels_job.py", "recover", cfg, *(str(tmp / name) for name in cases), timeout=timeout)
     problems = []
     for name, (_damage, expected) in cases.items():
@@ -115,15 +124,23 @@ def _check_level(tmp: Path, nranks: int, level: int, timeout: float, config: dic
                 problems.append(f"{name}: ranks disagree on the error: {results}")
             if not all(r["untouched"] for r in results):
                 problems.append(f"{name}: a failed recovery wrote into the arrays")
+        elif want == OK and level in (2, 3) and name in REDUNDANCY_ONLY:
+            problems += _check_rebuilt(base, tmp / name, name, pattern="Ckpt*-Rank*.fti")
+            problems += [f"{name}: {rel} was touched by a recovery that needed no redundancy"
+                         for rel, before in left[name].items() if _bytes(tmp / name / rel) != before]
         elif want == OK and level in (2, 3):
             problems += _check_rebuilt(base, tmp / name, name)
     assert not problems, "\n".join(problems)
 
 
-def _check_rebuilt(original: Path, damaged: Path, name: str) -> list[str]:
-    """After an L2/L3 recovery, every lost or damaged file is back, byte for byte."""
+def _bytes(path: Path) -> bytes | None:
+    return path.read_bytes() if path.exists() else None
+
+
+def _check_rebuilt(original: Path, damaged: Path, name: str, pattern: str = "Ckpt*.fti") -> list[str]:
+    """After an L2/L3 recovery, every lost or damaged file (matching ``pattern``) is back, byte for byte."""
     out = []
-    for path in sorted((original / "Local").rglob("Ckpt*.fti")):
+    for path in sorted((original / "Local").rglob(pattern)):
         twin = damaged / path.relative_to(original)
         if not twin.exists() or twin.read_bytes() != path.read_bytes():
             out.append(f"{name}: {path.relative_to(original)} was not rebuilt identically")

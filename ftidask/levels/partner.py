@@ -59,13 +59,21 @@ def protect(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: in
 
 def rebuild(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: int,
             own_ok: bool, verify_own: Callable[[Path], bool], verify_pcof: Callable[[Path], bool]) -> bool:
-    """Bring back lost own files (from the next member's copy), then lost partner copies. True if own verifies."""
+    """Bring back lost own files (from the next member's copy), then lost partner copies. True if own verifies.
+
+    The group first agrees on its own files' verdicts: when every member's file is sound, no partner
+    copy is opened (a restart reads each byte once). Only when a file is lost are the partner copies
+    verified (a damaged one counts as lost, never as a source) and everything the ring allows rebuilt,
+    partner copies included. A damaged partner copy beside sound own files stays as it is until the
+    next L2 checkpoint rewrites it (``ftidask verify`` reports it).
+    """
     i, g = ch.index, ch.size
     right, left = (i + 1) % g, (i - 1) % g
-    pcof_ok = verify_pcof(pcof)
-    flags = ch.allgather([bool(own_ok), bool(pcof_ok)])
-    if all(a and b for a, b in flags):
+    if all(ch.allgather(bool(own_ok))):
         return own_ok
+    errors: list[str] = []
+    pcof_ok = guarded(errors, lambda: verify_pcof(pcof), False)  # never raise before a collective
+    flags = ch.allgather([bool(own_ok), bool(pcof_ok)])
     # Round 1: own files come back from the right member's Pcof.
     send = pcof if (not flags[left][0] and pcof_ok) else None
     recv = own if (not own_ok and flags[right][1]) else None

@@ -81,18 +81,27 @@ def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: i
 
 def parity_ok(parity: Path, size: int, block: int) -> bool:
     """Whether ``parity`` is present, of the expected size, and matches its recorded hash."""
+    return check_parity(parity, block, size) == ""
+
+
+def check_parity(parity: Path, block: int = 1 << 20, size: int | None = None) -> str:
+    """'' when ``parity`` matches its ``.hash`` record (length and hash; ``size``: the length expected), else why not."""
     info = read_json(hash_path(parity))
     try:
-        if not isinstance(info, dict) or int(info["size"]) != size or parity.stat().st_size != size:
-            return False
+        if not isinstance(info, dict):
+            return f"{parity}: no readable hash record {hash_path(parity).name}"
+        if size is not None and int(info["size"]) != size:
+            return f"{parity}: recorded for {info['size']} bytes, the group's files need {size}"
+        if parity.stat().st_size != int(info["size"]):
+            return f"{parity}: {parity.stat().st_size} bytes, its record says {info['size']}"
         hasher = hashing.new_hasher(int(info["hash_id"]))
         buf = bytearray(block)
         with open(parity, "rb") as fh:
             while n := fh.readinto(buf):
                 hasher.update(memoryview(buf)[:n])
-        return hasher.hexdigest() == info["hash"]
-    except (OSError, KeyError, TypeError, ValueError, FTIError):
-        return False
+        return "" if hasher.hexdigest() == info["hash"] else f"{parity}: does not match its recorded hash"
+    except (OSError, KeyError, TypeError, ValueError, FTIError) as exc:
+        return f"{parity}: {exc}"
 
 
 def _rebuild_block(codec: ReedSolomon, data: list[np.ndarray], pars: list[np.ndarray], chosen: list[int], n: int,
@@ -119,9 +128,16 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
             own_ok: bool, verify_own: Callable[[Path], bool]) -> bool:
     """Rebuild the group's lost data and parity files if at most ``k`` of the ``2k`` are lost.
 
-    True when this member's own file verifies afterwards.
+    True when this member's own file verifies afterwards. The group first agrees on its own files'
+    verdicts: when every member's file is sound, no parity file is opened (a restart reads each byte
+    once). Only when a file is lost are the parity files checked against their ``.hash`` records (a
+    damaged one counts as lost) and every lost data and parity file rebuilt. A damaged parity beside
+    sound data files stays as it is until the next L3 checkpoint rewrites it (``ftidask verify``
+    reports it).
     """
     i, k, max_fs = ch.index, ch.size, max(sizes)
+    if all(ch.allgather(bool(own_ok))):
+        return own_ok
     errors: list[str] = []
     par_ok = guarded(errors, lambda: parity_ok(parity, max_fs, block), False)  # never raise before a collective
     flags = ch.allgather([bool(own_ok), bool(par_ok)])

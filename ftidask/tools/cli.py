@@ -67,10 +67,21 @@ def _check(path: Path) -> tuple[str, object]:
 
 
 def _ftiff_files(root: Path) -> list[Path]:
-    # Parity files (RSed) are not FTI-FF files: they are checked when they are decoded.
+    # Parity files (RSed) are not FTI-FF files: `verify` checks them against their .hash record (_parity_files).
     # A config named config.fti (FTI's examples) is told apart by its content.
     return [p for p in find_paths(root, "*.fti")
             if "-RSed" not in p.name and not p.name.startswith(".") and not is_config_file(p)]
+
+
+def _parity_files(root: Path) -> list[Path]:
+    return [p for p in find_paths(root, "*-RSed*.fti") if not p.name.startswith(".")]
+
+
+def _check_parity(path: Path) -> tuple[str, object]:
+    from ..levels.rs import check_parity
+
+    problem = check_parity(path)
+    return ("damaged", problem) if problem else ("ok", None)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -99,16 +110,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if is_config_file(root):  # a run's config: its checkpoint directories
         cfg = _load_config(root)
         roots = [p for p in (Path(cfg.ckpt_dir), Path(cfg.glbl_dir)) if p.is_dir()]
-        files = [f for r in roots for f in _ftiff_files(r) + _zarr_stores(r)]
+        files = [f for r in roots for f in _ftiff_files(r) + _parity_files(r) + _zarr_stores(r)]
     else:
-        files = [root] if root.is_file() or root.suffix == ".zarr" else _ftiff_files(root)
+        files = [root] if root.is_file() or root.suffix == ".zarr" else _ftiff_files(root) + _parity_files(root)
     if root.is_dir() and root.suffix != ".zarr":  # level 4 written as Zarr, and exports
         files += _zarr_stores(root)
     if not files:
         return _error(f"no FTI-FF files under {root}")
     bad = 0
     for path in files:
-        kind, detail = _check(path)
+        kind, detail = _check_parity(path) if "-RSed" in path.name and path.suffix == ".fti" else _check(path)
         if kind == "ok":
             print(f"OK       {path}")
         else:
