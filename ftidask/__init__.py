@@ -1,8 +1,9 @@
 """ftidask: FTI's multilevel checkpointing (FTI-FF files, levels L1-L4) for NumPy, MPI and Dask."""
 
-from .api.context import Context, init
+from .api.context import Context
 from .api.logsetup import log_to_stderr
 from .api.resilient import ResilientLoop, resilient
+from .api.start import init
 from .engine.checkpointing import CheckpointInfo
 from .engine.pystate import State, Value
 from .model.config import Config, load_config

@@ -31,7 +31,7 @@ import contextlib
 import json
 import os
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,14 @@ class DcpHandle:
         written = self.writer.write_var(var_id, source, known)
         tracking.after_hash(var_id, self.writer.var_digests(var_id))
         return written
+
+    #: What the commit record of a checkpoint written so says of it (see engine.pending.RankWriter).
+    record_extra: dict[str, Any] = {"dcp": True}
+
+    def complete(self, path: Path, seq: int, meta: Mapping[str, Any], trailer: Mapping[str, Any], *,
+                 pt_fs: int | None, max_fs: int | None) -> tuple[WrittenFile, DcpStats]:
+        """:class:`~ftidask.engine.pending.RankWriter`'s finish: the spare patched, renamed to ``path``."""
+        return self.finish(path, seq, trailer, pt_fs=pt_fs, max_fs=max_fs)
 
     def finish(self, final_path: Path, seq: int, trailer: Mapping[str, Any], *, pt_fs: int | None = None,
                max_fs: int | None = None) -> tuple[WrittenFile, DcpStats]:
@@ -271,3 +279,18 @@ def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None,
         os.close(fd)
     storage.rename_into(spare, final)
     return written, stats
+
+
+class DcpSlot:
+    """A rank's differential-checkpoint store, made on first use and shared by its context's writer,
+    recovery and retention (none of them holds the context: dropping it releases the run at once)."""
+
+    def __init__(self, make: Callable[[], DcpStore]) -> None:
+        self.make = make
+        self.store: DcpStore | None = None
+
+    def get(self) -> DcpStore:
+        """The store, made now if this is its first use."""
+        if self.store is None:
+            self.store = self.make()
+        return self.store

@@ -36,7 +36,7 @@ def open_icp(ctx: Any) -> Any:
 
 def protected_var(ctx: Any, var_id: Any) -> Any:
     """The protected variable ``var_id`` to add, or a :class:`ProtectError`."""
-    protected = ctx._vars.get(var_id) if isinstance(var_id, int) and not isinstance(var_id, bool) else None
+    protected = ctx.variables.get(var_id) if isinstance(var_id, int) and not isinstance(var_id, bool) else None
     if protected is None:
         raise ProtectError(f"variable {var_id!r} is not protected; protect it before init_icp")
     return protected

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,11 +27,31 @@ from ..model.arrays import ArrayBytes, VarInfo
 from ..model.errors import CheckpointError
 from ..model.level import Level
 from ..storage.files import create_temp, fsync_dir, makedirs
-from .dcpstore import DcpHandle
+
+
+class RankWriter(Protocol):
+    """How a rank's file of a checkpoint is written: a full FTI-FF file variable by variable (iCP),
+    every variable at once (compressed, or Zarr at L4), or the spare patched in place (dCP)."""
+
+    #: What the commit record says of the files (``{}``, ``{"l4_format": "zarr"}``, ``{"dcp": True}``).
+    record_extra: dict[str, Any]
+
+    def write_var(self, var_id: int, source: Any) -> int:
+        """Write variable ``var_id`` now (its array may change once this returns); the bytes written."""
+
+    def complete(self, path: Path, seq: int, meta: Mapping[str, Any], trailer: Mapping[str, Any], *,
+                 pt_fs: int | None, max_fs: int | None) -> tuple[WrittenFile, DcpStats | None]:
+        """Finish the file at ``path`` (``trailer``: ``meta`` with the variable table); the file, and a
+        differential checkpoint's statistics."""
+
+    def abort(self) -> None:
+        """Drop what was written; nothing is left open."""
 
 
 class RankFileWriter:
     """A full FTI-FF file written variable by variable at a temporary name, renamed on finish."""
+
+    record_extra: dict[str, Any] = {}  # a plain FTI-FF file: the record says nothing more (never mutated)
 
     def __init__(self, path: Path, layout: Layout, hash_id: int, pool: ThreadPoolExecutor | None = None) -> None:
         makedirs(path.parent)
@@ -52,6 +72,11 @@ class RankFileWriter:
         written = sum(stop - start for _key, _offset, _source, start, stop in spans)
         self.data_bytes += written
         return written
+
+    def complete(self, path: Path, seq: int, meta: Mapping[str, Any], trailer: Mapping[str, Any], *,
+                 pt_fs: int | None, max_fs: int | None) -> tuple[WrittenFile, DcpStats | None]:
+        """:class:`RankWriter`'s finish (``path`` is the one it was opened with)."""
+        return self.finish(trailer, pt_fs=pt_fs, max_fs=max_fs), None
 
     def finish(self, trailer: Mapping[str, Any], *, pt_fs: int | None = None,
                max_fs: int | None = None) -> WrittenFile:
@@ -80,8 +105,14 @@ class OneShotWriter:
     """Writes the whole file at once when the checkpoint is finished (a plain ``checkpoint()``):
     ``write(meta=..., pt_fs=..., max_fs=...)`` does it, with compression or Zarr L4 if configured."""
 
-    def __init__(self, write: Callable[..., WrittenFile]) -> None:
+    def __init__(self, write: Callable[..., WrittenFile], record_extra: dict[str, Any] | None = None) -> None:
         self.write = write
+        self.record_extra = record_extra or {}  # {"l4_format": "zarr"} when ``write`` makes a Zarr store
+
+    def complete(self, path: Path, seq: int, meta: Mapping[str, Any], trailer: Mapping[str, Any], *,
+                 pt_fs: int | None, max_fs: int | None) -> tuple[WrittenFile, DcpStats | None]:
+        """:class:`RankWriter`'s finish: the whole file written now, from ``meta`` (``write`` knows where)."""
+        return self.write(meta=meta, pt_fs=pt_fs, max_fs=max_fs), None
 
     def write_var(self, var_id: int, source: Any) -> int:
         return 0  # written by finish, from the protected arrays as they are then
@@ -101,7 +132,7 @@ class PendingCheckpoint:
     directory: Path
     path: Path
     sizes: dict[int, int]  # var id -> bytes planned
-    writer: RankFileWriter | DcpHandle | OneShotWriter | None  # None when opening it failed (see error)
+    writer: RankWriter | None  # None when opening it failed (see error)
     started: float = dataclasses.field(default_factory=time.perf_counter)
     written: set[int] = dataclasses.field(default_factory=set)
     infos: dict[int, VarInfo] = dataclasses.field(default_factory=dict)
@@ -142,14 +173,13 @@ class PendingCheckpoint:
         trailer["vars"] = [self.infos[vid].to_json() for vid in self.sizes]
         if self.writer is None:
             raise CheckpointError(self.error or "checkpoint file not open")
-        if isinstance(self.writer, OneShotWriter):
-            self.result = self.writer.write(meta=meta, pt_fs=pt_fs, max_fs=max_fs)
-            return self.result
-        if isinstance(self.writer, DcpHandle):
-            self.result, self.stats = self.writer.finish(self.path, self.seq, trailer, pt_fs=pt_fs, max_fs=max_fs)
-        else:
-            self.result = self.writer.finish(trailer, pt_fs=pt_fs, max_fs=max_fs)
+        self.result, self.stats = self.writer.complete(self.path, self.seq, meta, trailer, pt_fs=pt_fs, max_fs=max_fs)
         return self.result
+
+    @property
+    def record_extra(self) -> dict[str, Any]:
+        """What the commit record says of this checkpoint's files (its writer's kind)."""
+        return self.writer.record_extra if self.writer is not None else {}
 
     def abort(self) -> None:
         if self.writer is not None:

@@ -1,10 +1,12 @@
 """Recovery: the newest committed checkpoint that every rank can verify (or rebuild), then the arrays.
 
-A mixin of :class:`ftidask.Context` (it provides ``transport``, ``paths``, ``state``, ``config``, ``_vars``).
+:class:`Recovery` is owned by :class:`ftidask.Context`: it fills the context's protected variables
+and notes what it recovered in the :class:`Progress` that the context's commits update too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -12,29 +14,67 @@ from typing import Any
 
 import numpy as np
 
+from ..ftiff.layout import Layout
 from ..ftiff.reader import FtiffFile
-from ..model.arrays import check_id
+from ..model.config import Config
 from ..model.errors import FTIError, NoCheckpointError, RecoveryError
-from ..storage import files as storage
+from ..storage.files import RunPaths
+from ..transport.base import Transport
 from ..transport.collective import agree, attempt, guarded, on_root
 from . import recoverplan, reshard
+from .checkpointing import CheckpointInfo
+from .dcpstore import DcpSlot
 from .recovery import Verdict, check_file, load_file
-from .runstate import CommitRecord
+from .retention import rank_path
+from .runstate import CommitRecord, RunState
+from .variables import Protected, protected_var
 
 log = logging.getLogger("ftidask")
 
 
-class RecoveryMixin:
-    """FTI_Recover, FTI_GetStoredSize and FTI_Realloc."""
+@dataclasses.dataclass
+class Progress:
+    """Where a context's run stands: what the last commit or recovery left for the next checkpoint."""
 
-    transport: Any
-    paths: Any
-    state: Any
-    config: Any
-    exec_id: str
+    layout: Layout | None = None  # the containers of the last file written or recovered (the next plan's start)
+    restart_file: FtiffFile | None = None  # the checkpoint to recover, parsed once (stored_size, realloc)
+    recovered: bool = False
+    recovered_from: tuple[int, int] | None = None  # (ckpt_id, level)
+    last_checkpoint: CheckpointInfo | None = None
+    next_ckpt_id: int = 1  # snapshot's next id
+
+    def committed(self, ckpt_id: int, layout: Layout | None) -> None:
+        """After checkpoint ``ckpt_id`` is committed with ``layout``."""
+        self.layout = layout
+        self.restart_file = None
+        self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
+
+    def restored(self, ckpt_id: int, level: int, layout: Layout | None) -> None:
+        """After checkpoint ``ckpt_id`` of ``level`` is recovered (``layout`` None: plan afresh)."""
+        self.layout = layout
+        self.restart_file = None if layout is None else self.restart_file
+        self.recovered = True
+        self.recovered_from = (ckpt_id, level)
+        self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
 
 
-    def _candidates(self, ckpt_id: int | None, level: int | None,
+class Recovery:
+    """FTI_Recover, FTI_GetStoredSize and FTI_Realloc for one context.
+
+    ``spares`` holds the rank's differential-checkpoint store (made on first use).
+    """
+
+    def __init__(self, transport: Transport, paths: RunPaths, state: RunState, config: Config,
+                 variables: dict[int, Protected], progress: Progress, spares: DcpSlot) -> None:
+        self.transport = transport
+        self.paths = paths
+        self.state = state
+        self.config = config
+        self.variables = variables
+        self.progress = progress
+        self.spares = spares
+
+    def candidates(self, ckpt_id: int | None, level: int | None,
                     error: type[FTIError] = RecoveryError) -> list[CommitRecord]:
         t = self.transport
         raw = on_root(t, lambda: [r.to_json() for r in self.state.records()], error,
@@ -46,29 +86,27 @@ class RecoveryMixin:
             records = [r for r in records if r.level == level]
         return sorted(records, key=lambda r: r.seq, reverse=True)
 
-    def _rank_file(self, record: CommitRecord) -> Path:
-        path = (self.paths.level_dir(record.level, self.transport.node) / record.dirname
-                / storage.rank_file(record.ckpt_id, self.transport.rank))
-        return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
+    def rank_file(self, record: CommitRecord) -> Path:
+        return rank_path(self.paths, record, self.transport.node, self.transport.rank)
 
-    def _check(self, record: CommitRecord) -> Verdict:
+    def check(self, record: CommitRecord) -> Verdict:
         """This rank's verdict on its file of ``record`` (an unexpected error is a damaged file, never raised)."""
-        path, errors = self._rank_file(record), []
+        path, errors = self.rank_file(record), []
         verdict = guarded(errors, lambda: check_file(path, record, self.transport.rank), None, f"checking {path}")
         return verdict if verdict is not None else Verdict("damaged", "; ".join(errors))
 
-    def _find(self, ckpt_id: int | None = None, level: int | None = None) -> tuple[CommitRecord, Verdict]:
+    def find(self, ckpt_id: int | None = None, level: int | None = None) -> tuple[CommitRecord, Verdict]:
         """The newest committed checkpoint that every rank can verify (or rebuild)."""
         t = self.transport
         reasons = []
         nodes = t.allgather(t.node)
-        for record in self._candidates(ckpt_id, level):
+        for record in self.candidates(ckpt_id, level):
             change = reshard.layout_change(record, t.size, nodes)
             if change:  # never rank r's old file into rank r blindly: recover() redistributes it, or says why not
                 reasons.append(f"{change}; {reshard.advice(record)}")
                 continue
-            verdict = self._check(record)
-            path = self._rank_file(record)
+            verdict = self.check(record)
+            path = self.rank_file(record)
             ok = verdict.kind == "ok"
             # Collective (L2/L3); the transport keeps the ranks in step, an error after its end is this rank's.
             have, error = attempt(t.rank, lambda: t.rebuild_file(record.level, record.ckpt_id, path,  # noqa: B023
@@ -76,7 +114,7 @@ class RecoveryMixin:
             if error:
                 log.warning("rebuilding checkpoint %d (level %d): %s", record.ckpt_id, record.level, error)
             if not ok and have:
-                verdict = self._check(record)
+                verdict = self.check(record)
             # Consensus: every rank sees every verdict, so that all agree and raise the same error.
             verdicts = t.allgather([verdict.kind, verdict.message])
             if all(k == "ok" for k, _m in verdicts):
@@ -86,31 +124,24 @@ class RecoveryMixin:
             reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {why}")
             log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, why)
         what = "no committed checkpoint" if not reasons else "no checkpoint verifies"
-        raise NoCheckpointError(f"{what} for run {self.exec_id} in {self.paths.meta_dir}"
+        raise NoCheckpointError(f"{what} for run {self.paths.exec_id} in {self.paths.meta_dir}"
                                 + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
                                 + (f" (level={level})" if level is not None else "")
                                 + ("".join(f"\n  - {r}" for r in reasons)))
 
-    def recover(self, ckpt_id: int | None = None, level: int | None = None, *,
-                ids: Any = None) -> dict[int, Any]:
-        """FTI_Recover: fill the protected arrays (and Python states) from the newest checkpoint that verifies.
-
-        ``ids`` (FTI_RecoverVar): recover only these variables; the others are left untouched.
-        Every hash is checked before any array is written; on failure nothing is touched.
-        Raises :class:`NoCheckpointError` when nothing can be recovered.
-        """
-        self._check_open()
+    def recover(self, ckpt_id: int | None, level: int | None, ids: Any) -> dict[int, Any]:
+        """:meth:`ftidask.Context.recover` (collective)."""
         wanted = recoverplan.normalize_ids(ids)
         resharded = reshard.recover_other_layout(self, ckpt_id, level, wanted)
         if resharded is not None:  # written on another number of ranks or node layout
             return resharded
-        record, verdict = self._find(ckpt_id, level)
+        record, verdict = self.find(ckpt_id, level)
         assert verdict.parsed is not None
         t = self.transport
         untouched = (f"cannot recover checkpoint {record.ckpt_id} (level {record.level}); the protected arrays "
                      "are untouched")
         # Every rank agrees on each step before the next: what to fill, then the Python states decoded.
-        targets, error = attempt(t.rank, lambda: recoverplan.plan(self._vars, verdict.parsed, wanted))
+        targets, error = attempt(t.rank, lambda: recoverplan.plan(self.variables, verdict.parsed, wanted))
         agree(t, error or (f"rank {t.rank}: {targets.problem}" if targets.problem else ""), RecoveryError, untouched)
         problem, error = attempt(t.rank, targets.load_states)
         agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError, untouched)
@@ -119,69 +150,58 @@ class RecoveryMixin:
             load_file(verdict.parsed, targets.arrays, config=self.config)
             targets.apply_states()
             if self.config.enable_dcp:
-                self._dcp_store().recovered(record.level, record.seq, self._rank_file(record), verdict.parsed)
+                self.spares.get().recovered(record.level, record.seq, self.rank_file(record), verdict.parsed)
 
         agree(t, attempt(t.rank, load)[1], RecoveryError,
               f"recovering checkpoint {record.ckpt_id} (level {record.level}) failed while loading, and the protected "
               "arrays may hold part of it: recover again")
-        self._layout = verdict.parsed.layout()
-        self._recovered = True
-        self.recovered_from = (record.ckpt_id, record.level)
-        self._next_ckpt_id = max(self._next_ckpt_id, record.ckpt_id + 1)
+        self.progress.restored(record.ckpt_id, record.level, verdict.parsed.layout())
         log.info("recovered checkpoint %d from level %d%s", record.ckpt_id, record.level,
                  "" if wanted is None else f" (variables {wanted})")
         return targets.recovered()
 
-    def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
-        """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
-        return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
-
     def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
-        """Fill the protected arrays from one FTI-FF file (ftidask's, or one written by FTI 1.1).
-
-        For files outside a run's directories, e.g. checkpoints copied by hand. Verified first.
-        """
-        self._check_open()
+        """:meth:`ftidask.Context.recover_file` (this rank only)."""
         verdict = check_file(Path(path), None, self.transport.rank)
         if verdict.kind != "ok" or verdict.parsed is None:
             raise RecoveryError(f"cannot recover from {os.fspath(path)}: {verdict.message}")
-        targets = recoverplan.plan(self._vars, verdict.parsed, None)
+        targets = recoverplan.plan(self.variables, verdict.parsed, None)
         problem = targets.problem or targets.load_states()
         if problem:
             raise RecoveryError(problem)
         load_file(verdict.parsed, targets.arrays)
         targets.apply_states()
-        self._layout = verdict.parsed.layout()
-        self._recovered = True
+        self.progress.layout = verdict.parsed.layout()
+        self.progress.recovered = True
         return targets.recovered()
 
-    def _restart_metadata(self) -> FtiffFile:
-        if self._restart_file is None:
-            self._restart_file = self._find()[1].parsed
-        assert self._restart_file is not None
-        return self._restart_file
+    def restart_metadata(self) -> FtiffFile:
+        """The checkpoint a restart recovers, parsed (found once; collective the first time)."""
+        if self.progress.restart_file is None:
+            self.progress.restart_file = self.find()[1].parsed
+        assert self.progress.restart_file is not None
+        return self.progress.restart_file
 
-    def stored_size(self, id: int) -> int:
-        """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover)."""
-        self._check_open()
-        vid = check_id(id, "variable id")
-        if self._layout is not None and self._restart_file is None and (self.last_checkpoint or self._recovered):
-            sizes = {s.var_id: 0 for s in self._layout.slots()}
-            for s in self._layout.slots():
+    def stored_size(self, vid: int) -> int:
+        """:meth:`ftidask.Context.stored_size` of the checked id ``vid``."""
+        pr = self.progress
+        if pr.layout is not None and pr.restart_file is None and (pr.last_checkpoint or pr.recovered):
+            sizes = {s.var_id: 0 for s in pr.layout.slots()}
+            for s in pr.layout.slots():
                 sizes[s.var_id] += s.chunksize
         else:
-            sizes = self._restart_metadata().var_nbytes()
+            sizes = self.restart_metadata().var_nbytes()
         if vid not in sizes:
             raise RecoveryError(f"variable {vid} is not in the checkpoint (it holds ids {sorted(sizes)})")
         return sizes[vid]
 
-    def realloc(self, id: int, array: Any = None) -> np.ndarray:
-        """FTI_Realloc: a new array of the stored size, which becomes the protected one."""
-        self._check_open()
-        vid = check_id(id, "variable id")
-        if vid in self._vars and self._vars[vid].state is not None:  # a Python state resizes itself
-            return self._vars[vid].state.obj
-        parsed = self._restart_metadata()
+    def realloc(self, vid: int, array: Any) -> Any:
+        """:meth:`ftidask.Context.realloc` of the checked id ``vid``."""
+        variables = self.variables
+        state = variables[vid].state if vid in variables else None
+        if state is not None:  # a Python state resizes itself
+            return state.obj
+        parsed = self.restart_metadata()
         info = parsed.vars.get(vid)
         if info is not None:
             new = info.empty()
@@ -190,12 +210,14 @@ class RecoveryMixin:
             if nbytes is None:
                 raise RecoveryError(f"variable {vid} is not in the checkpoint")
             dtype = (array.dtype if isinstance(array, np.ndarray) else
-                     self._vars[vid].array.dtype if vid in self._vars else np.dtype(np.uint8))
+                     variables[vid].array.dtype if vid in variables else np.dtype(np.uint8))
             if nbytes % dtype.itemsize:
                 raise RecoveryError(f"variable {vid}: {nbytes} stored bytes are not a whole number of {dtype}")
             new = np.empty(nbytes // dtype.itemsize, dtype)
         if isinstance(array, np.ndarray) and array.dtype == new.dtype and array.shape == new.shape:
             new = array
         name = info.name if info is not None else None
-        self.protect(vid, new, name=name if vid not in self._vars else self._vars[vid].name)
+        # registered as ctx.protect(vid, new, name=...) would (its compressor and declaration kept if they fit)
+        variables[vid] = protected_var(vid, new, name if vid not in variables else variables[vid].name, None,
+                                       variables.get(vid), global_shape=None, offset=None, replicated=False)
         return new

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from ..storage import files as storage
 from .recovery import check_file, check_writeable, load_file
 from .reshard_rebuild import old_groups, rebuild_group
 from .runstate import CommitRecord
+
+if TYPE_CHECKING:
+    from .recovering import Recovery
 
 log = logging.getLogger("ftidask")
 
@@ -112,13 +115,13 @@ def _table(parsed: Any) -> dict[str, Any]:
 
 # --- recovery ------------------------------------------------------------------------------------
 
-def recover_other_layout(ctx: Any, ckpt_id: int | None, level: int | None,
+def recover_other_layout(ctx: Recovery, ckpt_id: int | None, level: int | None,
                          ids: list[int] | None = None) -> dict[int, np.ndarray] | None:
     """Recover when the newest candidate checkpoint has another layout than this run; None when it has
     the same one (the ordinary recovery applies). Collective. A partial recovery (``ids``) is not
     redistributed: it is refused, on every rank, before anything is read."""
     t = ctx.transport
-    records = ctx._candidates(ckpt_id, level)
+    records = ctx.candidates(ckpt_id, level)
     nodes = t.allgather(t.node)
     change = layout_change(records[0], t.size, nodes) if records else ""
     if not change:
@@ -128,22 +131,18 @@ def recover_other_layout(ctx: Any, ckpt_id: int | None, level: int | None,
                             "variable (no ids) to redistribute it")
     other = [r for r in records if layout_change(r, t.size, nodes)]
     record, arrays = recover_resharded(ctx, other, change)
-    ctx._layout = None  # the next checkpoint plans its containers afresh
-    ctx._restart_file = None
-    ctx._recovered = True
-    ctx.recovered_from = (record.ckpt_id, record.level)
-    ctx._next_ckpt_id = max(ctx._next_ckpt_id, record.ckpt_id + 1)
+    ctx.progress.restored(record.ckpt_id, record.level, None)  # None: the next checkpoint plans its containers afresh
     return dict(arrays)
 
 
-def recover_resharded(ctx: Any, records: list[CommitRecord], change: str) -> tuple[CommitRecord, dict[int, Any]]:
+def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -> tuple[CommitRecord, dict[int, Any]]:
     """Fill ``ctx``'s protected arrays from the newest of ``records`` (layouts other than this run's).
 
     Collective. Returns the record and the arrays; raises the same error on every rank otherwise.
     """
     t = ctx.transport
-    arrays = {vid: p.array for vid, p in ctx._vars.items()}
-    decls = {vid: getattr(p, "decomp", None) for vid, p in ctx._vars.items()}
+    arrays = {vid: p.array for vid, p in ctx.variables.items()}
+    decls = {vid: getattr(p, "decomp", None) for vid, p in ctx.variables.items()}
     first = records[0]
     problem = next((m for m in (check_writeable(vid, a) for vid, a in arrays.items()) if m), "")
     if not problem and first.nranks != t.size:

@@ -1,20 +1,30 @@
 """Which checkpoints a run keeps: retirement after a commit, garbage of interrupted checkpoints.
 
 The rule is a pure function (:func:`to_retire`), used by every path that commits (the ranks, the
-MPI heads, the Dask client); :class:`RetentionMixin` carries it out for :class:`ftidask.Context`
-(which provides ``transport``, ``paths``, ``state``, ``config``).
+MPI heads, the Dask client); :class:`Retention` carries it out for :class:`ftidask.Context`, which
+owns one (the Dask backend, whose files live on the workers, owns a subclass).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from pathlib import Path
 
+from ..model.config import Config
 from ..model.errors import FTIError
 from ..storage import files as storage
+from ..storage.files import RunPaths
+from ..transport.base import Transport
 from ..transport.collective import agree, attempt, everywhere, on_root
-from .runstate import CommitRecord
+from .dcpstore import DcpSlot
+from .runstate import CommitRecord, RunState
+
+
+def rank_path(paths: RunPaths, record: CommitRecord, node: int, rank: int) -> Path:
+    """Rank ``rank``'s file of ``record`` on node ``node`` (a Zarr store for a Zarr L4 checkpoint)."""
+    path = paths.level_dir(record.level, node) / record.dirname / storage.rank_file(record.ckpt_id, rank)
+    return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
 
 
 def to_retire(records: Iterable[CommitRecord | None], new: CommitRecord, keep_l4: bool) -> list[CommitRecord]:
@@ -28,29 +38,32 @@ def to_retire(records: Iterable[CommitRecord | None], new: CommitRecord, keep_l4
                    and not (old.level == 4 and keep_l4)), key=lambda r: r.seq)
 
 
-class RetentionMixin:
+class Retention:
     """Deleting what is no longer needed, never what recovery may still use.
 
     Collective: a local error on any rank is raised as the same :class:`FTIError` on every rank
-    (:mod:`ftidask.transport.collective`).
+    (:mod:`ftidask.transport.collective`). ``spares`` holds the rank's differential-checkpoint
+    store once the writer has made one.
     """
 
-    transport: Any
-    paths: Any
-    state: Any
-    config: Any
-    _dcp: Any
-    _trash_pool: ThreadPoolExecutor | None
+    def __init__(self, transport: Transport, paths: RunPaths, state: RunState, config: Config,
+                 spares: DcpSlot) -> None:
+        self.transport = transport
+        self.paths = paths
+        self.state = state
+        self.config = config
+        self.spares = spares
+        self.trash_pool: ThreadPoolExecutor | None = None
 
-    def _retire_older(self, record: CommitRecord) -> None:
+    def retire_older(self, record: CommitRecord) -> None:
         """After a level-L commit, drop earlier checkpoints of levels 1..L (L4 archived if asked)."""
         t = self.transport
         older = on_root(t, lambda: [r.to_json() for r in self.state.records()], FTIError,
                         "cannot read the run's commit records")
         for old in to_retire(map(CommitRecord.from_json, older), record, bool(self.config.keep_l4_ckpt)):
-            self._remove_checkpoint(old)
+            self.remove_checkpoint(old)
 
-    def _collect_garbage(self) -> None:
+    def collect_garbage(self) -> None:
         """Remove what interrupted checkpoints left: directories no commit record names, temporary files."""
         t = self.transport
         committed = on_root(t, lambda: sorted({r.dirname for r in self.state.records()}), FTIError,
@@ -62,20 +75,20 @@ class RetentionMixin:
         def collect() -> None:
             for root in roots:  # trash too, unless our own remover is on it
                 if self.paths.contains(root):  # never outside the run's directories, whatever its exec_id
-                    storage.collect_level_garbage(root, set(committed), trash=self._trash_pool is None,
+                    storage.collect_level_garbage(root, set(committed), trash=self.trash_pool is None,
                                                   spares=bool(self.config.enable_dcp))
 
         everywhere(t, collect, FTIError, "garbage collection failed")
 
-    def _remove_checkpoint(self, record: CommitRecord) -> None:
+    def remove_checkpoint(self, record: CommitRecord) -> None:
         t = self.transport
         failed = f"removing checkpoint {record.ckpt_id} (level {record.level}) failed"
         t.barrier()
         on_root(t, lambda: self.state.delete_record(record.seq), FTIError, failed)
-        if self._dcp is not None:  # its file becomes the spare that the next dCP checkpoint patches
-            dcp = self._dcp
-            _r, error = attempt(t.rank, lambda: dcp.retire(record.level, record.seq, self._rank_file(record),
-                                                           record.ckpt_id))
+        dcp = self.spares.store
+        if dcp is not None:  # its file becomes the spare that the next dCP checkpoint patches
+            own = rank_path(self.paths, record, t.node, t.rank)
+            _r, error = attempt(t.rank, lambda: dcp.retire(record.level, record.seq, own, record.ckpt_id))
         else:
             error = ""
         if self.config.enable_dcp:
@@ -88,13 +101,33 @@ class RetentionMixin:
         def remove() -> None:
             for path in doomed:
                 if self.paths.contains(path):  # never outside the run's directories, whatever its exec_id
-                    storage.discard(path, self._remover)
+                    storage.discard(path, self.remover)
 
         _r, removing = attempt(t.rank, remove)
         agree(t, error or removing, FTIError, failed)
 
-    def _remover(self) -> ThreadPoolExecutor:
-        # Retired checkpoints are deleted off the critical path (they are no longer committed).
-        if self._trash_pool is None:
-            self._trash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-remove")
-        return self._trash_pool
+    def remover(self) -> ThreadPoolExecutor:
+        """The thread that deletes retired checkpoints off the critical path (they are no longer committed)."""
+        if self.trash_pool is None:
+            self.trash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-remove")
+        return self.trash_pool
+
+    def prune_run_dirs(self) -> None:
+        """After finalize: remove the empty directories this run leaves (level directories, node
+        directories of the run), never a file and never anything outside the run's own directories."""
+        p = self.paths
+        for root in (*p.ckpt_dir.glob(f"node*/{p.exec_id}"), p.glbl_dir / p.exec_id, p.stage_root):
+            storage.prune_empty_dirs(root)
+        for sub in (p.run_meta.iterdir() if p.run_meta.is_dir() else ()):  # the run's state stays
+            if sub.is_dir():
+                storage.prune_empty_dirs(sub)
+
+    def close(self) -> None:
+        """Wait for the deletions under way."""
+        if self.trash_pool is not None:
+            self.trash_pool.shutdown(wait=True)
+        self.trash_pool = None
+
+
+#: How a Context makes its Retention: ``(transport, paths, state, config, spares)`` (a backend may pass its own).
+RetentionFactory = Callable[[Transport, RunPaths, RunState, Config, DcpSlot], Retention]

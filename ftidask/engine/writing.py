@@ -2,7 +2,8 @@
 configured), differentially (the rank's :class:`~ftidask.engine.dcpstore.DcpStore`), or incrementally
 (FTI's InitICP / AddVarICP / FinalizeICP, in :mod:`ftidask.engine.icp`).
 
-A mixin of :class:`ftidask.Context` (it provides ``config``, ``transport``, ``paths``, ``_vars``).
+:class:`Writer` is owned by :class:`ftidask.Context`; it reads the context's protected variables
+(the same dict, so that ``protect`` is seen at once) and owns the hashing thread.
 """
 
 from __future__ import annotations
@@ -15,66 +16,36 @@ from typing import Any
 from ..ftiff import blockhash, compression
 from ..ftiff.layout import Layout
 from ..model.arrays import ArrayBytes, VarInfo
-from .checkpointing import CheckpointInfo, write_rank_file
+from ..model.config import Config
+from ..storage.files import RunPaths
+from ..transport.base import Transport
+from .checkpointing import write_rank_file
 from .dcpstore import DcpStore
 from .progress import Tracked, tracked
+from .variables import Protected, var_extras
 
 
-class WritingMixin:
-    """Writers of a rank's checkpoint file, and the incremental-checkpoint API."""
+class Writer:
+    """Writers of a rank's checkpoint file."""
 
-    config: Any
-    transport: Any
-    paths: Any
-    _vars: dict[int, Any]
-    _dcp: Any
-    _pool: ThreadPoolExecutor | None
-    _hash_id: int
-    _var_extras: Any
+    def __init__(self, config: Config, transport: Transport, paths: RunPaths, variables: Mapping[int, Protected],
+                 hash_id: int) -> None:
+        self.config = config
+        self.transport = transport
+        self.paths = paths
+        self.variables = variables
+        self.hash_id = hash_id
+        self.pool: ThreadPoolExecutor | None = None
 
-    def _dcp_store(self) -> DcpStore:
-        """This rank's differential-checkpoint files (created on first use)."""
-        if self._dcp is None:
-            t = self.transport
-            self._dcp = DcpStore(self.paths, t.rank, t.node, block_size=self.config.dcp_block_size,
-                                 bid=blockhash.block_hash_id(self.config.dcp_mode), hash_id=self._hash_id,
-                                 track_pages=self.config.dcp_page_tracking)
-        return self._dcp
+    def new_dcp_store(self) -> DcpStore:
+        """This rank's differential-checkpoint files (the context keeps the one it makes)."""
+        t = self.transport
+        return DcpStore(self.paths, t.rank, t.node, block_size=self.config.dcp_block_size,
+                        bid=blockhash.block_hash_id(self.config.dcp_mode), hash_id=self.hash_id,
+                        track_pages=self.config.dcp_page_tracking)
 
-    # --- incremental checkpointing (FTI_InitICP / AddVarICP / FinalizeICP) -------------------------
-
-    def init_icp(self, id: int, level: int) -> None:
-        """FTI_InitICP: open checkpoint ``id``; add each protected variable with :meth:`add_var_icp`."""
-        from .icp import init_icp
-
-        init_icp(self, id, level)
-
-    def add_var_icp(self, var_id: int) -> None:
-        """FTI_AddVarICP: write protected variable ``var_id`` into the open checkpoint now."""
-        from .icp import add_var_icp
-
-        add_var_icp(self, var_id)
-
-    def finalize_icp(self) -> CheckpointInfo:
-        """FTI_FinalizeICP: commit the open checkpoint (refused if a protected variable is missing)."""
-        from .icp import finalize_icp
-
-        return finalize_icp(self)
-
-    def _abort_icp(self) -> None:
-        """Drop the open incremental checkpoint without committing it (the previous one stays)."""
-        from .icp import abort_icp
-
-        abort_icp(self)
-
-    def incremental(self, id: int, level: int) -> Any:
-        """``with ctx.incremental(id, level) as icp: icp.add(var_id)``: iCP as a context manager."""
-        from .icp import Incremental
-
-        return Incremental(self, id, level)
-
-    def _write_zarr_l4(self, path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes], infos: list[VarInfo],
-                       *, meta: Mapping[str, Any], **_ignored: Any) -> Any:
+    def write_zarr_l4(self, path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes], infos: list[VarInfo],
+                      *, meta: Mapping[str, Any], **_ignored: Any) -> Any:
         """Level 4 as a Zarr store (``l4_format = zarr``), in place of the FTI-FF file."""
         from . import zarr_l4
 
@@ -82,35 +53,42 @@ class WritingMixin:
         return zarr_l4.write_rank_store(path.with_suffix(zarr_l4.SUFFIX), {vid: a.array for vid, a in arrays.items()},
                                         infos, meta, progress=bar)
 
-    def _codecs(self) -> dict[int, tuple[Any, dict[str, Any]]]:
+    def codecs(self) -> dict[int, tuple[Any, dict[str, Any]]]:
         """Per variable to compress: ``(numcodecs codec, its JSON config)``."""
         default = compression.parse_compressor(self.config.compressor)
         out = {}
-        for vid, p in self._vars.items():
+        for vid, p in self.variables.items():
             config = p.compressor if p.compressor is not None else default
             if config is not None and config.get("id") != "none" and p.array.nbytes:
                 out[vid] = (compression.get_codec(config), config)
         return out
 
-    def _write_full(self, ckpt_id: int, level: int, path: Path, layout: Layout, *, meta: Mapping[str, Any],
-                    pt_fs: int | None, max_fs: int | None) -> Any:
+    def write_full(self, ckpt_id: int, level: int, path: Path, layout: Layout, *, meta: Mapping[str, Any],
+                   pt_fs: int | None, max_fs: int | None) -> Any:
         """Write this rank's whole file of a level 1-4 checkpoint (compressed, or as Zarr at L4, if so configured)."""
         zarr_l4 = level == 4 and self.config.l4_format == "zarr"
-        codecs = self._codecs()
-        extras = self._var_extras()
+        codecs = self.codecs()
+        extras = var_extras(self.variables)
+        variables = self.variables
         infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}),
-                            **extras.get(vid, {})) for vid, p in self._vars.items()]
-        write = self._write_zarr_l4 if zarr_l4 else write_rank_file
-        streams, bar = tracked({vid: ArrayBytes(p.array) for vid, p in self._vars.items()}, self.config,
+                            **extras.get(vid, {})) for vid, p in variables.items()]
+        write = self.write_zarr_l4 if zarr_l4 else write_rank_file
+        streams, bar = tracked({vid: ArrayBytes(p.array) for vid, p in variables.items()}, self.config,
                                f"checkpoint {ckpt_id} (L{level})")
         with bar:
             return write(
                 path, layout, streams, infos,
-                codecs={vid: (codec, self._vars[vid].array.dtype.itemsize) for vid, (codec, _c) in codecs.items()},
-                hash_id=self._hash_id, pool=self._hash_pool(), pt_fs=pt_fs, max_fs=max_fs, meta=meta)
+                codecs={vid: (codec, variables[vid].array.dtype.itemsize) for vid, (codec, _c) in codecs.items()},
+                hash_id=self.hash_id, pool=self.hash_pool(), pt_fs=pt_fs, max_fs=max_fs, meta=meta)
 
-    def _hash_pool(self) -> ThreadPoolExecutor:
-        # One long-lived thread hashes a container while the caller writes it.
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
-        return self._pool
+    def hash_pool(self) -> ThreadPoolExecutor:
+        """One long-lived thread that hashes a container while the caller writes it."""
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
+        return self.pool
+
+    def close(self) -> None:
+        """Wait for the hashing thread and stop it."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        self.pool = None

@@ -1,7 +1,7 @@
 """Staging (FTI_GetStageDir, FTI_SendFile, FTI_GetStageStatus): move node-local files to the global FS.
 
 The application writes a file into its stage directory (``{ckpt_dir}/stage/{exec_id}/node{N}/rank{r}``),
-calls :meth:`StagingMixin.send_file` and keeps computing; a *mover* copies the file in the background
+calls :meth:`ftidask.Context.send_file` and keeps computing; a *mover* copies the file in the background
 (:mod:`ftidask.staging.copy`: temporary name, fsync, verified by size and hash, rename, then the local
 file is removed). States are FTI's: ``SI_PEND`` (queued), ``SI_ACTV`` (being copied), ``SI_SCES``,
 ``SI_FAIL``; a final state is returned once by ``stage_status``, after which the id is ``SI_NINI``.
@@ -45,8 +45,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..model.constants import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES
+from ..model.config import Config
 from ..model.errors import FTIError, StagingError
 from ..storage import files as storage
+from ..transport.base import Transport
 from .copy import CANCELLED, StageRequest, TransferFailed, temp_name, transfer
 
 log = logging.getLogger("ftidask")
@@ -314,30 +316,35 @@ class Stager:
         return [info for info in infos.values() if info.state == SI_FAIL]
 
 
-class StagingMixin:
-    """The staging methods of :class:`ftidask.Context` (it provides config, transport, paths)."""
+class Staging:
+    """A Context's staging: its :class:`Stager`, started on the first request, and the config's rules."""
 
-    _stager: Stager | None = None
+    def __init__(self, config: Config, transport: Transport, stage_root: Path) -> None:
+        self.config = config
+        self.transport = transport
+        self.stage_root = stage_root
+        self.stager: Stager | None = None
 
-    def _staging(self) -> Stager:
-        self._check_open()  # type: ignore[attr-defined]
-        cfg = self.config  # type: ignore[attr-defined]
+    def get(self) -> Stager:
+        """The stager (started on first use); refused when staging is disabled (the context checks it is open)."""
+        cfg = self.config
         if not cfg.enable_staging:
             raise FTIError("staging is disabled: set enable_staging = 1 in the config ([basic] section) "
                            "or pass enable_staging=1 to ftidask.init()")
-        if self._stager is None:
-            t = self.transport  # type: ignore[attr-defined]
-            stage_dir = self.paths.stage_root / f"node{t.node}" / f"rank{t.rank}"  # type: ignore[attr-defined]
+        if self.stager is None:
+            t = self.transport
+            stage_dir = self.stage_root / f"node{t.node}" / f"rank{t.rank}"
             storage.makedirs(stage_dir)
             # The mover starts here (with the stage dir), so that no send_file pays for starting it.
-            self._stager = Stager(stage_dir, Path(cfg.glbl_dir), self._make_mover(),
-                                  allow_outside=cfg.stage_allow_outside, hash_name=cfg.hash)
-        return self._stager
+            self.stager = Stager(stage_dir, Path(cfg.glbl_dir), self.make_mover(),
+                                 allow_outside=cfg.stage_allow_outside, hash_name=cfg.hash)
+        return self.stager
 
-    def _make_mover(self) -> Mover:
-        cfg = self.config  # type: ignore[attr-defined]
-        factory = getattr(self.transport, "stage_mover", None)  # type: ignore[attr-defined]
-        mover = factory(cfg) if factory is not None else None
+    def make_mover(self) -> Mover:
+        """The transport's own mover if it offers one, else a child process (heads) or a thread."""
+        cfg = self.config
+        factory = getattr(self.transport, "stage_mover", None)
+        mover: Mover | None = factory(cfg) if factory is not None else None
         if mover is not None:
             return mover
         if getattr(cfg, "stage_mover", "auto") == "process" or (
@@ -347,40 +354,16 @@ class StagingMixin:
             return ProcessMover()
         return ThreadMover()
 
-    def stage_dir(self) -> Path:
-        """FTI_GetStageDir: this process's node-local stage directory (created on demand)."""
-        return self._staging().stage_dir
-
-    def send_file(self, local_path: str | os.PathLike[str], remote_path: str | os.PathLike[str]) -> int:
-        """FTI_SendFile: move ``local_path`` (in :meth:`stage_dir`) to ``remote_path`` in the background.
-
-        ``remote_path`` is taken under ``glbl_dir`` when relative; a directory (or a trailing ``/``)
-        receives the file under its own name. Returns the request id for :meth:`stage_status`.
-        Raises :class:`StagingError` at once for bad input.
-        """
-        return self._staging().send(local_path, remote_path)
-
-    def stage_status(self, request_id: int) -> int:
-        """FTI_GetStageStatus: SI_PEND, SI_ACTV, SI_SCES or SI_FAIL (each final state once), else SI_NINI."""
-        return self._staging().table.query(int(request_id))
-
-    def stage_info(self, request_id: int) -> StageInfo | None:
-        """The request's state, failure reason, paths and times (without consuming a final state)."""
-        return self._staging().table.info(int(request_id))
-
-    def wait_staged(self, request_id: int | None = None, timeout: float | None = None) -> Any:
-        """Wait for one request (its state) or all (``{id: state}``); final states are not consumed."""
-        return self._staging().wait(request_id, timeout)
-
-    def _finish_staging(self) -> list[StageInfo]:
+    def finish(self) -> list[StageInfo]:
         """At finalize: wait for the requests (``stage_timeout``), stop the mover; the failures."""
-        stager, self._stager = self._stager, None
+        stager, self.stager = self.stager, None
         if stager is None:
             return []
-        return stager.close(float(self.config.stage_timeout))  # type: ignore[attr-defined]
+        return stager.close(float(self.config.stage_timeout))
 
     @staticmethod
-    def _staging_report(failed: list[StageInfo]) -> None:
+    def report(failed: list[StageInfo]) -> None:
+        """Raise the failures :meth:`finish` returned, if any, as one :class:`StagingError`."""
         if failed:
             raise StagingError(f"{len(failed)} staging request(s) failed: " + "; ".join(
                 f"#{i.request.id} {i.request.src} -> {i.request.dst}: {i.reason}" for i in failed))

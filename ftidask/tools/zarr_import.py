@@ -51,7 +51,7 @@ def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | N
     :class:`~ftidask.CheckpointInfo` of that checkpoint. ``group`` selects a rank group
     (``"rank3"``) of a per-rank export.
     """
-    from ..api.context import init
+    from ..api.start import init
 
     if (Path(path) / zarr_store.MANIFEST).exists():  # Python states come back as states, not as their bytes
         arrays = {vid: (name, pystate.from_stored(kind, data, f"variable {vid} of {path}") if kind else data)

@@ -29,10 +29,10 @@ import numpy as np
 from mpi4py import MPI
 
 import ftidask
-from ftidask.api import context
 from ftidask.backends.mpi import heads
 from ftidask.backends.mpi import transport as mpi_transport
-from ftidask.engine import pending, runstate
+from ftidask.engine import claim as run_claim
+from ftidask.engine import dcpstore, pending, runstate
 from ftidask.engine import recovering as context_recovery
 from ftidask.engine import writing as context_writing
 from ftidask.levels import erasure, partner, partner_delta, rs_delta
@@ -158,10 +158,10 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[int], Callable[..., None], int |
     "commit-edquot": ({}, [2], ckpt_fault(2, 0, storage, "write_json_atomic",
                                           OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))), 1),
     "retire": ({}, [1], ckpt_fault(1, 0, runstate.RunState, "delete_record", OSError(errno.EACCES, "denied")), 99),
-    "retire-dcp": ({"enable_dcp": 1}, [5], ckpt_fault(5, 2, context.DcpStore, "retire", MemoryError()), 99),
+    "retire-dcp": ({"enable_dcp": 1}, [5], ckpt_fault(5, 2, dcpstore.DcpStore, "retire", MemoryError()), 99),
     "icp": ({}, [1], icp_fault, 1),
     # init: rank 0 resolves the run; every rank collects garbage
-    "init-resolve": ({}, [1], init_fault(0, context, "claim_run", no_space()), 1),
+    "init-resolve": ({}, [1], init_fault(0, run_claim, "claim_run", no_space()), 1),
     "init-gc": ({}, [1], init_fault(1, storage, "collect_level_garbage", MemoryError()), 1),
     # recover: choosing the record, the rebuild, the load
     "recover-check": ({}, [1], recover_fault(1, context_recovery, "check_file", MemoryError()), 1),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import html
 import logging
 import time
@@ -32,6 +33,7 @@ from .cluster import Cluster, ClusterError
 from .dcp_levels import DaskSpares, run_dcp_levels, sticky_owners
 from .plan import VarSpec, chunk_table, layout_to_json, plan_ranks
 from .report import DaskCheckpointInfo, human
+from .retention import DaskRetention
 
 log = logging.getLogger("ftidask")
 
@@ -74,13 +76,14 @@ class DaskContext(Context):
     """A :class:`Context` whose ranks are the workers of a ``distributed`` cluster."""
 
     def __init__(self, config: Config, client: Client) -> None:
-        self.client = client
-        self.cluster = Cluster(client, config.progress)
-        self._started = False  # set by the first garbage collection (at init)
-        self._keep_state_bytes = False  # finalize_icp: the Python states' bytes as init_icp took them
-        self.cluster.run(storage.set_permissions, config.permissions)  # the modes of the workers' files
+        cluster = Cluster(client, config.progress)
+        cluster.run(storage.set_permissions, config.permissions)  # the modes of the workers' files
         channel.register(client)  # L2/L3 blocks go worker to worker (every worker, also those joining later)
-        super().__init__(config, DaskTransport(self.cluster))
+        # Init collects garbage on the workers: the Retention it makes is given the cluster.
+        super().__init__(config, DaskTransport(cluster), retention=functools.partial(DaskRetention, cluster))
+        self.client = client
+        self.cluster = cluster
+        self._keep_state_bytes = False  # finalize_icp: the Python states' bytes as init_icp took them
         if config.enable_dcp:
             self._dcp = DaskSpares(self)
 
@@ -175,7 +178,7 @@ class DaskContext(Context):
         except FTIError as exc:
             if differential:
                 self._dcp.discard()
-            self._remove_dirs(ckpt_id, seq, level, len(workers))
+            self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers))
             # A lost worker or a failed task is said in one sentence, without Dask's chained traceback.
             cluster_error = isinstance(exc, ClusterError)
             raise CheckpointError(f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint "
@@ -191,12 +194,12 @@ class DaskContext(Context):
         except CheckpointError as exc:  # a full or read-only meta_dir: the previous checkpoint stays the newest
             if differential:
                 self._dcp.discard()
-            self._remove_dirs(ckpt_id, seq, level, len(workers))
+            self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers))
             raise CheckpointError(f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint "
                                   f"is kept: {exc}") from exc
-        self._layout = None
+        self.progress.layout = None  # the workers plan their files afresh each time
         self._retire_older(record)
-        self._collect_garbage()
+        self._retention.collect_garbage()
         variables = tuple({"id": s.id, "name": s.name, "dtype": str(s.dtype), "shape": s.shape,
                            "nchunks": len(s.grid()), "nbytes": sum(s.chunk_nbytes(i) for i in s.grid())}
                           for s in specs)
@@ -209,13 +212,14 @@ class DaskContext(Context):
                                   variables=variables,
                                   partner_bytes=sum(w["partner_bytes"] for w in written)
                                   if differential and level == 2 else None)
-        self.last_checkpoint = info
-        self._next_ckpt_id = max(self._next_ckpt_id, ckpt_id + 1)
+        self.progress.last_checkpoint = info
+        self.progress.next_ckpt_id = max(self.progress.next_ckpt_id, ckpt_id + 1)
         log.info("checkpoint %d (level %d) written by %d workers: %s", ckpt_id, shown_level, len(workers),
                  human(info.bytes_written))
         return info
 
-    def _file(self, level: int, ckpt_id: int, seq: int, rank: int, name: str) -> str:
+    def node_file(self, level: int, ckpt_id: int, seq: int, rank: int, name: str) -> str:
+        """Internal: the path of file ``name`` of a checkpoint in rank (node) ``rank``'s level directory."""
         return str(self.paths.level_dir(level, rank) / storage.ckpt_dirname(ckpt_id, seq) / name)
 
     def _run_levels(self, ckpt_id: int, level: int, seq: int, specs: list[VarSpec], futures: dict,
@@ -228,7 +232,7 @@ class DaskContext(Context):
         tag = f"{ckpt_id}-{seq}"
 
         def own(lv: int, r: int) -> str:
-            return self._file(lv, ckpt_id, seq, r, storage.rank_file(ckpt_id, r))
+            return self.node_file(lv, ckpt_id, seq, r, storage.rank_file(ckpt_id, r))
 
         writes = []
         for plan in plans:
@@ -238,7 +242,7 @@ class DaskContext(Context):
                     "time": time.time()}
             partner = fs[copy_source(groups, r)] if level == 2 and len(workers) > 1 else fs[r]
             writes.append(self.cluster.submit(
-                tasks.write_rank, self._file(write_level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r)),
+                tasks.write_rank, self.node_file(write_level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r)),
                 layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, self.config.hash, partner,
                 max(fs[g] for g in group_of(groups, r)), [[c.var_id, c.dptr] for c in plan.chunks],
                 *(futures[c.var_id, c.index] for c in plan.chunks),
@@ -258,7 +262,7 @@ class DaskContext(Context):
             for r in range(n):
                 name = storage.rank_file(ckpt_id, r)
                 finals.append(self.cluster.submit(
-                    tasks.flush, self._file(1, ckpt_id, seq, r, name), self._file(4, ckpt_id, seq, r, name), writes[r],
+                    tasks.flush, self.node_file(1, ckpt_id, seq, r, name), self.node_file(4, ckpt_id, seq, r, name), writes[r],
                     key=f"ftidask-flush-{tag}-{r}", worker=workers[r]))
         written = group_steps.wait_step(self.cluster, writes + finals, workers, f"checkpoint {ckpt_id}", tags,
                                         ranks=workers)[:n]
@@ -283,34 +287,17 @@ class DaskContext(Context):
 
     # --- cleanup -----------------------------------------------------------------------------------
 
-    def _dirs(self, ckpt_id: int, seq: int, levels: set[int], nranks: int) -> list[str]:
-        name = storage.ckpt_dirname(ckpt_id, seq)
-        return [str(self.paths.level_dir(lv, r) / name) for lv in levels - {4} for r in range(nranks)]
+    @property
+    def spares(self) -> DaskSpares:
+        """Internal: the spare files of differential checkpoints (``enable_dcp = 1`` only)."""
+        assert isinstance(self._dcp, DaskSpares)
+        return self._dcp
 
-    def _remove_dirs(self, ckpt_id: int, seq: int, level: int, nranks: int) -> None:
-        """Remove a checkpoint's directories on every worker (each sees its own node's)."""
-        dirs = self._dirs(ckpt_id, seq, {1, 2, 3, level}, max(nranks, len(self.cluster.workers())))
-        self.cluster.run(tasks.discard_paths, dirs)  # renamed now, deleted in the background
-        storage.discard(self.paths.level_dir(4, 0) / storage.ckpt_dirname(ckpt_id, seq), self._remover)
-
-    def _collect_garbage(self) -> None:
-        """Remove interrupted checkpoints' leftovers on every worker (and in the global directory)."""
-        committed = {r.dirname for r in self.state.records()}
-        first = not self._started  # at the start nothing of ours is being deleted: old trash goes too
-        self._started = True
-        self.cluster.run(tasks.collect_garbage, str(self.paths.ckpt_dir), self.exec_id, sorted(committed), first,
-                         bool(self.config.enable_dcp))
-        glob_root = self.paths.level_dir(4, 0)
-        if glob_root.is_dir() and self.paths.contains(glob_root):
-            for entry in glob_root.iterdir():
-                if (entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed) or (
-                        first and entry.name.startswith(storage.TRASH_PREFIX)) or (
-                        first and not self.config.enable_dcp and entry.name == storage.SPARE_DIR):
-                    storage.remove_tree(entry)
-        for root in (self.state.records_dir, self.state.root):  # torn commit records (killed client)
-            if root.is_dir():
-                for tmp in root.glob(".*.tmp-*"):
-                    tmp.unlink(missing_ok=True)
+    @property
+    def _dask_retention(self) -> DaskRetention:
+        """The Retention made at init (a :class:`DaskRetention`: removals are tasks on the workers)."""
+        assert isinstance(self._retention, DaskRetention)
+        return self._retention
 
     def _close(self) -> None:
         # Workers delete retired checkpoints in the background: wait for them, so that a finished
@@ -318,12 +305,6 @@ class DaskContext(Context):
         with contextlib.suppress(Exception):  # a cluster already gone has nothing left to wait for
             self.cluster.run(tasks.wait_removals)
         super()._close()
-
-    def _remove_checkpoint(self, record: CommitRecord) -> None:
-        self.state.delete_record(record.seq)
-        if self._dcp is not None and record.extra.get("dcp"):  # its files become the spares to patch next
-            self._dcp.keep(record)
-        self._remove_dirs(record.ckpt_id, record.seq, record.level, record.nranks)
 
     def _flush_to_l4(self, record: CommitRecord) -> None:
         """keep_last_ckpt: copy the last checkpoint's files (rebuilt if needed) to the global directory."""
@@ -336,7 +317,7 @@ class DaskContext(Context):
         hosts = restore.restore_files(self, record)
         futures = []
         for r, (worker, path) in hosts.items():
-            dst = self._file(4, record.ckpt_id, seq, r, storage.rank_file(record.ckpt_id, r))
+            dst = self.node_file(4, record.ckpt_id, seq, r, storage.rank_file(record.ckpt_id, r))
             futures.append(self.cluster.submit(tasks.flush, path, dst, keep_src=True,
                                                key=f"ftidask-flush-{record.ckpt_id}-{seq}-{r}", worker=worker))
         self.cluster.wait_all(futures, [w for w, _p in hosts.values()], "keep_last_ckpt flush")

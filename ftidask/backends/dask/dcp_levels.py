@@ -87,16 +87,16 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
                    owner: dict, workers: list[str]) -> tuple[list, list[dict[str, Any]], list[list[int]]]:
     """Write differential checkpoint ``ckpt_id`` at ``level`` (1-4) on every worker, with its redundancy."""
     n = len(workers)
-    ctx._dcp.nranks = max(ctx._dcp.nranks, n)
+    ctx.spares.nranks = max(ctx.spares.nranks, n)
     plans = plan_ranks(specs, owner, n)
     groups = make_groups(n, ctx.config.group_size)
     fs = [p.layout.fs for p in plans]
     tag = f"{ckpt_id}-{seq}"
     bid = blockhash.block_hash_id(ctx.config.dcp_mode)
-    spares = ctx._dcp.hints
+    spares = ctx.spares.hints
 
     def own(r: int) -> str:
-        return ctx._file(level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r))
+        return ctx.node_file(level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r))
 
     writes = []
     for plan in plans:
@@ -168,18 +168,18 @@ class DaskSpares:
         for f in record.files:
             if f.rank >= len(workers) or workers[f.rank] not in live:
                 continue
-            move(workers[f.rank], ctx._file(record.level, record.ckpt_id, record.seq, f.rank,
+            move(workers[f.rank], ctx.node_file(record.level, record.ckpt_id, record.seq, f.rank,
                                             storage.rank_file(record.ckpt_id, f.rank)),
                  spare_path(ctx, record.level, f.rank), (record.level, f.rank, f.fb_hash))
             if record.level == 3:  # its parity and record, for the next parity update
-                parity = ctx._file(3, record.ckpt_id, record.seq, f.rank, storage.parity_file(record.ckpt_id, f.rank))
+                parity = ctx.node_file(3, record.ckpt_id, record.seq, f.rank, storage.parity_file(record.ckpt_id, f.rank))
                 spare = spare_parity_path(ctx, f.rank)
                 move(workers[f.rank], parity, spare, (0, f.rank, ""))
                 move(workers[f.rank], str(rs.hash_path(Path(parity))), str(rs.hash_path(Path(spare))), (0, f.rank, ""))
             if record.level == 2 and groups:
                 holder = copy_holder(groups, f.rank)
                 if holder < len(workers) and workers[holder] in live:
-                    move(workers[holder], ctx._file(2, record.ckpt_id, record.seq, holder,
+                    move(workers[holder], ctx.node_file(2, record.ckpt_id, record.seq, holder,
                                                     storage.partner_file(record.ckpt_id, holder)),
                          spare_pcof_path(ctx, holder), (0, holder, ""))  # the holder reports its hash itself
         futures = {w: ctx.cluster.submit(dcp_tasks.keep_as_spares, m, key=f"ftidask-dcp-keep-{record.seq}-{i}",

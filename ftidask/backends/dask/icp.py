@@ -48,17 +48,17 @@ def add_var_icp(ctx: Any, var_id: int) -> None:
 def finalize_icp(ctx: Any) -> Any:
     icp: DaskIcp = open_icp(ctx)
     ctx._icp = None
-    missing = sorted(set(ctx._vars) - set(icp.arrays))
+    missing = sorted(set(ctx.variables) - set(icp.arrays))
     if missing:
         raise CheckpointError(f"incremental checkpoint {icp.ckpt_id} misses protected variables {missing}; "
                               "the previous checkpoint is kept")
-    current = {vid: p.array for vid, p in ctx._vars.items()}
+    current = {vid: p.array for vid, p in ctx.variables.items()}
     try:
         for vid, arr in icp.arrays.items():
-            ctx._vars[vid].array = arr
+            ctx.variables[vid].array = arr
         ctx._keep_state_bytes = True  # the states as init_icp took them
         return ctx.checkpoint(icp.ckpt_id, icp.level)
     finally:
         ctx._keep_state_bytes = False
         for vid, arr in current.items():  # what the application protected stays protected
-            ctx._vars[vid].array = arr
+            ctx.variables[vid].array = arr

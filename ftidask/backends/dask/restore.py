@@ -38,7 +38,7 @@ class Unrecoverable(FTIError):
 
 
 def dask_records(ctx: DaskContext, ckpt_id: int | None, level: int | None) -> list[CommitRecord]:
-    return [r for r in ctx._candidates(ckpt_id, level) if r.extra.get("backend") == "dask"]
+    return [r for r in ctx.recovery.candidates(ckpt_id, level) if r.extra.get("backend") == "dask"]
 
 
 class _Placer:
@@ -74,9 +74,9 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
     recorded = list(record.extra.get("workers", []))
     groups = [list(g) for g in record.extra.get("groups", [list(range(n))])]
     fb = {f.rank: f.fb_hash for f in record.files}
-    own = {r: ctx._file(level, cid, seq, r, storage.rank_file(cid, r)) for r in range(n)}
-    pcof = {r: ctx._file(2, cid, seq, r, storage.partner_file(cid, r)) for r in range(n)} if level == 2 else {}
-    rsed = {r: ctx._file(3, cid, seq, r, storage.parity_file(cid, r)) for r in range(n)} if level == 3 else {}
+    own = {r: ctx.node_file(level, cid, seq, r, storage.rank_file(cid, r)) for r in range(n)}
+    pcof = {r: ctx.node_file(2, cid, seq, r, storage.partner_file(cid, r)) for r in range(n)} if level == 2 else {}
+    rsed = {r: ctx.node_file(3, cid, seq, r, storage.parity_file(cid, r)) for r in range(n)} if level == 3 else {}
     paths = list(own.values()) + list(pcof.values()) + list(rsed.values())
     placer = _Placer(workers, cl.run(tasks.existing, paths), paths)
     tag = f"{cid}-{seq}-{uuid.uuid4().hex[:8]}"
@@ -145,7 +145,7 @@ def _rebuild(ctx: DaskContext, record: CommitRecord, groups: list[list[int]], ho
             left = group[(pos - 1) % len(group)]
             by_worker.setdefault(hosts[r], []).append(group_steps.member(
                 "rebuild", tag_g, group, r, hosts, level=level, ckpt_id=cid,
-                own=ctx._file(level, cid, seq, r, storage.rank_file(cid, r)), ok=r not in bad,
+                own=ctx.node_file(level, cid, seq, r, storage.rank_file(cid, r)), ok=r not in bad,
                 sizes=[sizes[g] for g in group], fb_hash=fb[r], left_fb_hash=fb[left],
                 parity_name=storage.parity_file(cid, r)))
     futures = [group_steps.submit_members(ctx.cluster, ctx.config, w, members, (), key=f"ftidask-rebuild-{tag}-{i}")
@@ -165,7 +165,7 @@ def _target_chunks(ctx: DaskContext, spec: VarSpec, chunks: Any) -> Any:
     if isinstance(chunks, dict):
         chunks = chunks.get(spec.id)
     if chunks is None:
-        held = ctx._vars.get(spec.id)
+        held = ctx.variables.get(spec.id)
         if held is not None and hasattr(held.array, "chunks") and tuple(held.array.shape) == spec.shape:
             chunks = held.array.chunks
     if chunks is None:
@@ -181,7 +181,7 @@ def _check_protected(ctx: DaskContext, specs: list[VarSpec], ids: list[int] | No
     """Refuse before anything is read or rebound: every protected variable (of ``ids``) must be in
     the checkpoint with its dtype and shape (or Python-state kind), and a NumPy one must be writeable."""
     stored = {s.id: s for s in specs}
-    for vid, p in ctx._vars.items():
+    for vid, p in ctx.variables.items():
         if ids is not None and vid not in ids:
             continue
         spec = stored.get(vid)
@@ -216,12 +216,12 @@ def file_sources(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
                                "worker": worker}
         if level == 2 and n > 1:
             holder = copy_holder(groups, r)
-            src["copies"] = [ctx._file(2, cid, seq, holder, storage.partner_file(cid, holder))]
+            src["copies"] = [ctx.node_file(2, cid, seq, holder, storage.partner_file(cid, holder))]
         elif level == 3 and n > 1:
             group = group_of(groups, r)
             src["group"] = {"position": group.index(r), "sizes": [sizes[g] for g in group],
-                            "data": [ctx._file(3, cid, seq, g, storage.rank_file(cid, g)) for g in group],
-                            "parity": [ctx._file(3, cid, seq, g, storage.parity_file(cid, g)) for g in group]}
+                            "data": [ctx.node_file(3, cid, seq, g, storage.rank_file(cid, g)) for g in group],
+                            "parity": [ctx.node_file(3, cid, seq, g, storage.parity_file(cid, g)) for g in group]}
         out[r] = src
     return out
 
@@ -246,7 +246,7 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
     # array filled in place (target None), or a new Dask array with these chunks.
     plans = []
     for spec in specs:
-        held = ctx._vars.get(spec.id)
+        held = ctx.variables.get(spec.id)
         in_place = spec.kind == "numpy" or (held is not None and isinstance(held.array, np.ndarray))
         plans.append((spec, held, None if in_place else _target_chunks(ctx, spec, chunks)))
     sources = file_sources(ctx, record, hosts)
@@ -298,7 +298,7 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
         if target != spec.chunks:
             arr = arr.rechunk(target)
         out[spec.id] = arr
-        ctx._vars[spec.id] = Protected(spec.id, held.name if held is not None else spec.name, arr)
+        ctx.variables[spec.id] = Protected(spec.id, held.name if held is not None else spec.name, arr)
     return out
 
 
@@ -322,7 +322,7 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
     reasons = []
     records = dask_records(ctx, ckpt_id, level)
     if not records:  # written by the MPI or single-process backend: stitched into global arrays if declared
-        other = ctx._candidates(ckpt_id, level)
+        other = ctx.recovery.candidates(ckpt_id, level)
         if other:
             return stitch.recover(ctx, other, chunks, wanted)
     for record in records:
@@ -338,9 +338,7 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
             reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {exc}")
             continue
         out = build_arrays(ctx, record, hosts, chunks, wanted)
-        ctx._recovered = True
-        ctx.recovered_from = (record.ckpt_id, record.level)
-        ctx._next_ckpt_id = max(ctx._next_ckpt_id, record.ckpt_id + 1)
+        ctx.progress.restored(record.ckpt_id, record.level, None)  # Dask files have no layout to reuse
         log.info("recovered checkpoint %d from level %d on %d workers", record.ckpt_id, record.level,
                  len(ctx.cluster.workers()))
         return out
@@ -355,7 +353,7 @@ def stored_size(ctx: DaskContext, vid: int) -> int:
     """Bytes of variable ``vid`` in the newest committed checkpoint."""
     records = dask_records(ctx, None, None)
     if not records:
-        other = ctx._candidates(None, None)
+        other = ctx.recovery.candidates(None, None)
         if other:  # an MPI checkpoint's sizes are per old rank; recover() returns its global arrays
             raise RecoveryError(f"checkpoint {other[0].ckpt_id} was written by the MPI or single-process backend "
                                 f"({other[0].nranks} rank(s)): its stored sizes are per old rank; recover() returns "

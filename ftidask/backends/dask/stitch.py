@@ -208,7 +208,7 @@ def _servers(ctx: DaskContext, paths: list[str]) -> dict[str, str]:
 def _check_protected(ctx: DaskContext, shapes: dict[int, tuple[np.dtype, tuple[int, ...]]],
                      states: dict[int, str], wanted: list[int]) -> None:
     """Refuse before anything is read: each protected variable must match the global array it gets."""
-    for vid, p in ctx._vars.items():
+    for vid, p in ctx.variables.items():
         if vid not in wanted:
             continue
         if vid not in shapes:
@@ -280,19 +280,19 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
     _wait(ctx, futures, f"reading checkpoint {record.ckpt_id}", gather=False)
     values = {}
     for vid in plans:  # NumPy variables and Python states: computed before anything is filled
-        held = ctx._vars.get(vid)
+        held = ctx.variables.get(vid)
         if vid in states or (held is not None and isinstance(held.array, np.ndarray)):
             try:
                 values[vid] = np.ascontiguousarray(arrays[vid].compute())
             except Exception as exc:  # noqa: BLE001 - a chunk lost meanwhile: nothing is filled yet
                 raise RecoveryError(f"reading checkpoint {record.ckpt_id}: {exc}") from None
-    decoded = {vid: (ctx._vars[vid].state.decode(values[vid], f"variable {vid}")  # type: ignore[union-attr]
-                     if vid in ctx._vars else pystate.loads(values[vid], f"variable {vid}")) for vid in states
+    decoded = {vid: (ctx.variables[vid].state.decode(values[vid], f"variable {vid}")  # type: ignore[union-attr]
+                     if vid in ctx.variables else pystate.loads(values[vid], f"variable {vid}")) for vid in states
                if vid in plans}
     names = tables[0]["names"]
     out: dict[int, Any] = {}
     for vid, (dtype, shape, (grid, _owner)) in plans.items():
-        held = ctx._vars.get(vid)
+        held = ctx.variables.get(vid)
         if vid in decoded:
             if held is not None and held.state is not None:
                 held.state.apply(decoded[vid])
@@ -308,7 +308,7 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
             target = _target_chunks(ctx, spec, chunks)
             arr = arrays[vid] if target == grid else arrays[vid].rechunk(target)
             out[vid] = arr
-            ctx._vars[vid] = Protected(vid, held.name if held is not None else spec.name, arr)
+            ctx.variables[vid] = Protected(vid, held.name if held is not None else spec.name, arr)
     return out
 
 
@@ -332,10 +332,7 @@ def recover(ctx: DaskContext, records: list[CommitRecord], chunks: Any, ids: lis
             reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {exc}")
             log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, exc)
             continue
-        ctx._layout = None
-        ctx._recovered = True
-        ctx.recovered_from = (record.ckpt_id, record.level)
-        ctx._next_ckpt_id = max(ctx._next_ckpt_id, record.ckpt_id + 1)
+        ctx.progress.restored(record.ckpt_id, record.level, None)
         log.info("recovered checkpoint %d (level %d), written by %d MPI rank(s), as global arrays on %d workers",
                  record.ckpt_id, record.level, record.nranks, len(ctx.cluster.workers()))
         return out

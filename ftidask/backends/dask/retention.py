@@ -1,0 +1,66 @@
+"""Retention on a Dask cluster: the files to retire or collect live on the workers, one node each.
+
+The rule is the engine's (:func:`ftidask.engine.retention.to_retire`, applied by the inherited
+``retire_older``); what differs is where the deleting runs: a task on every worker, the global
+directory and the commit records on the client.
+"""
+
+from __future__ import annotations
+
+from ...engine.dcpstore import DcpSlot
+from ...engine.retention import Retention
+from ...engine.runstate import CommitRecord, RunState
+from ...model.config import Config
+from ...storage import files as storage
+from ...storage.files import RunPaths
+from ...transport.base import Transport
+from . import tasks
+from .cluster import Cluster
+
+
+class DaskRetention(Retention):
+    """:class:`Retention` whose removals are tasks on the cluster's workers."""
+
+    def __init__(self, cluster: Cluster, transport: Transport, paths: RunPaths, state: RunState, config: Config,
+                 spares: DcpSlot) -> None:
+        # ``spares.store`` is the DaskSpares of a run with enable_dcp (ftidask.backends.dask.dcp_levels), or None.
+        super().__init__(transport, paths, state, config, spares)
+        self.cluster = cluster
+        self.started = False  # set by the first garbage collection (at init)
+
+    def dirs(self, ckpt_id: int, seq: int, levels: set[int], nranks: int) -> list[str]:
+        """A checkpoint's node-local directories, for every rank (L4's global one excluded)."""
+        name = storage.ckpt_dirname(ckpt_id, seq)
+        return [str(self.paths.level_dir(lv, r) / name) for lv in levels - {4} for r in range(nranks)]
+
+    def remove_dirs(self, ckpt_id: int, seq: int, level: int, nranks: int) -> None:
+        """Remove a checkpoint's directories on every worker (each sees its own node's)."""
+        dirs = self.dirs(ckpt_id, seq, {1, 2, 3, level}, max(nranks, len(self.cluster.workers())))
+        self.cluster.run(tasks.discard_paths, dirs)  # renamed now, deleted in the background
+        storage.discard(self.paths.level_dir(4, 0) / storage.ckpt_dirname(ckpt_id, seq), self.remover)
+
+    def collect_garbage(self) -> None:
+        """Remove interrupted checkpoints' leftovers on every worker (and in the global directory)."""
+        committed = {r.dirname for r in self.state.records()}
+        first = not self.started  # at the start nothing of ours is being deleted: old trash goes too
+        self.started = True
+        self.cluster.run(tasks.collect_garbage, str(self.paths.ckpt_dir), self.paths.exec_id, sorted(committed),
+                         first, bool(self.config.enable_dcp))
+        glob_root = self.paths.level_dir(4, 0)
+        if glob_root.is_dir() and self.paths.contains(glob_root):
+            for entry in glob_root.iterdir():
+                if (entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed) or (
+                        first and entry.name.startswith(storage.TRASH_PREFIX)) or (
+                        first and not self.config.enable_dcp and entry.name == storage.SPARE_DIR):
+                    storage.remove_tree(entry)
+        for root in (self.state.records_dir, self.state.root):  # torn commit records (killed client)
+            if root.is_dir():
+                for tmp in root.glob(".*.tmp-*"):
+                    tmp.unlink(missing_ok=True)
+
+    def remove_checkpoint(self, record: CommitRecord) -> None:
+        self.state.delete_record(record.seq)
+        spares = self.spares.store
+        if spares is not None and record.extra.get("dcp"):  # its files become the spares to patch next
+            spares.keep(record)
+        self.remove_dirs(record.ckpt_id, record.seq, record.level, record.nranks)

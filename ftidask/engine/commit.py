@@ -1,0 +1,207 @@
+"""The checkpoint protocol of one rank: plan, write, redundancy, the commit record last, then retire.
+
+:class:`Committer` is owned by :class:`ftidask.Context` (``checkpoint``, iCP and ``finalize`` run
+through it). Every step is collective: a local error on any rank fails the checkpoint on every rank
+with the same :class:`CheckpointError`, and the previous checkpoint stays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from ..ftiff.layout import Layout, plan_layout
+from ..model.arrays import check_ckpt_id
+from ..model.config import Config
+from ..model.errors import CheckpointError
+from ..model.level import Level
+from ..storage import files as storage
+from ..storage.files import RunPaths
+from ..transport.base import Transport
+from ..transport.collective import agree, attempt, on_root
+from .checkpointing import CheckpointInfo
+from .dcpstore import DcpSlot
+from .pending import OneShotWriter, PendingCheckpoint, RankFileWriter, RankWriter
+from .recovering import Progress
+from .recovery import check_file
+from .runstate import CommitRecord, FileRecord, RunState
+from .variables import Protected, encode_states, var_extras
+from .writing import Writer
+
+log = logging.getLogger("ftidask")
+
+
+class Committer:
+    """Checkpoints of one rank, from plan to commit.
+
+    ``spares`` holds the rank's differential-checkpoint store (made on first use). The context
+    retires older checkpoints after :meth:`commit` (it holds no reference back to the context).
+    """
+
+    def __init__(self, transport: Transport, paths: RunPaths, state: RunState, config: Config,
+                 variables: dict[int, Protected], progress: Progress, writer: Writer,
+                 spares: DcpSlot) -> None:
+        self.transport = transport
+        self.paths = paths
+        self.state = state
+        self.config = config
+        self.variables = variables
+        self.progress = progress
+        self.writer = writer
+        self.spares = spares
+
+    def begin(self, id: int, level: Level, incremental: bool = False) -> PendingCheckpoint:
+        """Plan checkpoint ``id`` and open its file (shared by checkpoint and iCP; collective)."""
+        ckpt_id = check_ckpt_id(id)
+        t = self.transport
+        t.wait_post()  # a head still post-processing the previous checkpoint must finish first (as FTI)
+        post_level = level.base
+        level = Level(t.write_level(level.base), level.differential)  # L1 when a head raises it later
+        state_error = encode_states(self.variables, t.rank)  # before the layout: a state's size changes with its value
+
+        def plan() -> tuple[Layout, int | None]:
+            if incremental and not level.differential and (self.writer.codecs() or (
+                    level.base == 4 and self.config.l4_format == "zarr")):
+                raise CheckpointError("incremental checkpoints are written uncompressed as FTI-FF files: set "
+                                      "compressor = none (and l4_format = ftiff for level 4), or use levels 5-8")
+            return (plan_layout(self.progress.layout, [(vid, p.array.nbytes) for vid, p in self.variables.items()]),
+                    self.state.next_seq() if t.rank == 0 else None)
+
+        (layout, seq), error = attempt(t.rank, plan, (None, None))
+        seq = agree(t, error, CheckpointError, f"checkpoint {ckpt_id} cannot start; the previous checkpoint is kept",
+                    seq)[0]  # rank 0's sequence number, or the same error on every rank
+        base_level = level.base
+        directory = self.paths.level_dir(base_level, t.node) / storage.ckpt_dirname(ckpt_id, seq)
+        path = directory / storage.rank_file(ckpt_id, t.rank)
+
+        def open_writer() -> RankWriter:
+            if level.differential:
+                return self.spares.get().begin(base_level, layout)
+            if incremental:
+                return RankFileWriter(path, layout, self.writer.hash_id, self.writer.hash_pool())
+            # every variable at once, at commit: compression, Zarr L4 and progress bars apply
+            zarr = base_level == 4 and self.config.l4_format == "zarr"
+            return OneShotWriter(functools.partial(self.writer.write_full, ckpt_id, base_level, path, layout),
+                                 {"l4_format": "zarr"} if zarr else None)
+
+        writer, error = attempt(t.rank, open_writer)  # an error is reported, on every rank, at the commit
+        return PendingCheckpoint(ckpt_id, level.number, seq, layout, directory, path,
+                                 {vid: p.array.nbytes for vid, p in self.variables.items()}, writer,
+                                 error=state_error or error, post_level=post_level, extras=var_extras(self.variables))
+
+    def commit(self, pending: PendingCheckpoint) -> tuple[CheckpointInfo, CommitRecord]:
+        """Finish every rank's file, add the level's redundancy, write the commit record; what was committed.
+
+        Each local step runs through :func:`~ftidask.transport.collective.attempt` and the ranks agree after
+        it: an exception on any rank (an OS error, MemoryError, anything) fails the checkpoint on
+        every rank with the same :class:`CheckpointError`, and the previous checkpoint stays.
+        """
+        t = self.transport
+        ckpt_id, level, seq = pending.ckpt_id, pending.base_level, pending.seq
+        failed = f"checkpoint {ckpt_id} at level {pending.level} failed; the previous checkpoint is kept"
+        written = None
+        try:
+            sizes = t.allgather(pending.layout.fs)
+
+            def finish() -> tuple[Any, dict[str, Any]]:
+                done = pending.finish(
+                    {"format": "ftidask", "exec_id": self.paths.exec_id, "ckpt_id": ckpt_id, "level": level,
+                     "seq": seq, "rank": t.rank, "nranks": t.size, "node": t.node,
+                     "backend": t.name, "time": time.time()},
+                    pt_fs=self.partner_fs(sizes), max_fs=max(sizes[r] for r in t.group_of()))
+                return done, FileRecord(t.rank, t.node, done.file_size, done.fb.hash.hex()).to_json()
+
+            entry, error = None, pending.error
+            if not error:
+                (written, entry), error = attempt(t.rank, finish, (None, None))
+            # Every file is complete before the level's collectives: none of them runs for a failed checkpoint.
+            files = agree(t, error, CheckpointError, failed, entry)
+
+            def protect() -> None:  # collective for L2/L3: the level keeps the ranks in step, reports at its end
+                if pending.differential:
+                    stats = pending.stats
+                    t.protect_files_delta(level, ckpt_id, pending.path, pending.directory,
+                                          None if stats is None else stats.delta,
+                                          xor=None if stats is None else stats.xor)
+                else:
+                    t.protect_files(level, ckpt_id, pending.path, pending.directory)
+
+            agree(t, attempt(t.rank, protect)[1], CheckpointError, failed)
+            record = CommitRecord(seq, ckpt_id, level, time.time(), t.size, tuple(FileRecord(**f) for f in files),
+                                  dict(pending.record_extra))
+            on_root(t, functools.partial(self.state.write_record, record), CheckpointError, failed)  # the commit
+        except CheckpointError:  # agreed: the same on every rank
+            self.drop(pending, finished=written is not None)
+            raise
+        assert written is not None  # every rank succeeded
+        self.progress.committed(ckpt_id, pending.layout)
+        stats = pending.stats
+        info = CheckpointInfo(ckpt_id, pending.level, seq, written.data_bytes,
+                              written.file_size if stats is None else stats.file_bytes,
+                              time.perf_counter() - pending.started,
+                              None if stats is None else stats.blocks_changed,
+                              None if stats is None else stats.blocks_total,
+                              None if stats is None else stats.blocks_hashed)
+        self.progress.last_checkpoint = info
+        return info, record
+
+    def announce(self, pending: PendingCheckpoint, record: CommitRecord, info: CheckpointInfo) -> None:
+        """After the commit and the retirement: the head's post-processing (L2-L4 with heads), the log line."""
+        self.transport.post_process(record, pending.post_level or record.level, self.paths.exec_id)
+        log.info("checkpoint %d (level %d) written: %d bytes in %.3f s", record.ckpt_id, pending.level,
+                 info.bytes_written, info.seconds)
+
+    def drop(self, pending: PendingCheckpoint, finished: bool) -> None:
+        """After a failed checkpoint: remove its files (and its record, had rank 0 written it before
+        failing). Local and best effort: every rank raises the agreed error after it."""
+        def drop() -> None:
+            if not finished:
+                pending.abort()
+            storage.remove_tree(pending.directory)
+            dcp = self.spares.store
+            if dcp is not None:
+                dcp.discard(pending.base_level, pending.seq)
+            if self.transport.rank == 0:
+                self.state.delete_record(pending.seq)
+
+        _r, error = attempt(self.transport.rank, drop)
+        if error:
+            log.warning("cleaning up after the failed checkpoint %d: %s", pending.ckpt_id, error)
+
+    def partner_fs(self, sizes: list[int]) -> int:
+        # FTI's ptFs: the size of the partner file this rank keeps (its left partner's).
+        return sizes[self.transport.partner_of()]
+
+    def flush_to_l4(self, record: CommitRecord, own: Path) -> None:
+        """keep_last_ckpt: copy ``record`` (this rank's file ``own``) to L4 and commit the copy (collective)."""
+        t = self.transport
+        failed = "keep_last_ckpt: flushing the last checkpoint to L4 failed"
+        seq = on_root(t, self.state.next_seq, CheckpointError, failed)
+        as_zarr = self.config.l4_format == "zarr"
+
+        def flush() -> dict[str, Any] | None:
+            verdict = check_file(own, record, t.rank)
+            if verdict.kind != "ok":
+                raise CheckpointError(verdict.message)
+            dst = self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)
+            if as_zarr:
+                from . import zarr_l4
+
+                written = zarr_l4.flush_file(verdict.parsed, dst / zarr_l4.store_name(record.ckpt_id, t.rank), seq)
+                return FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()
+            storage.copy_file_atomic(own, dst / storage.rank_file(record.ckpt_id, t.rank))
+            return None
+
+        entry, error = attempt(t.rank, flush)
+        files = agree(t, error, CheckpointError, failed, entry)
+        zarr_files = {"files": tuple(FileRecord(**f) for f in files), "extra": {"l4_format": "zarr"}} if as_zarr else {}
+        flushed = dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(), **zarr_files)
+        try:
+            on_root(t, functools.partial(self.state.write_record, flushed), CheckpointError, failed)
+        except CheckpointError:  # the last checkpoint stays where it is, committed; the copy goes
+            storage.remove_tree(self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq))
+            raise

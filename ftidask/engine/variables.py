@@ -1,0 +1,74 @@
+"""The protected variables of a context: each one's array (or Python state) and what is recorded with it.
+
+Shared by the context that registers them (:meth:`ftidask.Context.protect`), the writer that
+checkpoints them (:mod:`ftidask.engine.writing`) and recovery, which fills them in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..ftiff import compression
+from ..model.arrays import check_protectable
+from ..model.decomposition import declaration, still_fits
+from ..model.errors import FTIError, ProtectError
+from . import pystate
+
+
+@dataclasses.dataclass
+class Protected:
+    """One protected variable."""
+
+    id: int
+    name: str
+    array: np.ndarray
+    compressor: dict[str, Any] | None = None  # numcodecs config; None: the config's [advanced] compressor
+    decomp: dict[str, Any] | None = None  # its place in a global array (model.decomposition), for resharding
+    state: pystate.Holder | None = None  # a Python state (ftidask.engine.pystate): ``array`` holds its bytes
+
+
+def protected_var(vid: int, array: Any, name: str | None, compressor: Any, old: Protected | None, *,
+                  global_shape: Any, offset: Any, replicated: bool) -> Protected:
+    """Variable ``vid`` as :meth:`ftidask.Context.protect` registers it (``old``: its previous registration)."""
+    state = pystate.holder_of(array)  # a Python state (stored as JSON bytes), or None for an array
+    array = state.encode() if state is not None else check_protectable(array)
+    if name is None:
+        name = old.name if old is not None else f"var{vid}"
+    codec = old.compressor if old is not None and compressor is None else None
+    if compressor is not None:
+        codec = compression.parse_compressor(compressor) or {"id": "none"}
+    if state is not None and (global_shape is not None or offset is not None or replicated):
+        raise ProtectError(f"variable {vid}: a Python state takes no global_shape, offset or replicated (it is "
+                           "recovered whole, on the checkpoint's number of ranks)")
+    decomp = declaration(array, global_shape, offset, replicated)
+    if decomp is None and old is not None and global_shape is None and not replicated:
+        decomp = still_fits(array, old.decomp)  # protect again (or realloc): the declaration stays if it fits
+    return Protected(vid, str(name), array, codec, decomp=decomp, state=state)
+
+
+def encode_states(variables: Mapping[int, Protected], rank: int) -> str:
+    """Store each protected Python state's current value as its bytes; why one cannot be, or ''."""
+    for p in variables.values():
+        if p.state is not None:
+            try:
+                p.array = p.state.encode()
+            except FTIError as exc:  # reported on every rank by the commit, nothing written
+                return f"rank {rank}: variable {p.id} ({p.name}): {exc}"
+    return ""
+
+
+def var_extras(variables: Mapping[int, Protected]) -> dict[int, dict[str, Any]]:
+    """What the variable table records beyond the array: a Python state's kind, a block's place
+    in a global array (resharding)."""
+    out: dict[int, dict[str, Any]] = {}
+    for vid, p in variables.items():
+        extra = dict(p.decomp or {})
+        if p.state is not None:
+            extra[pystate.EXTRA_KEY] = p.state.kind
+        if extra:
+            out[vid] = extra
+    return out
