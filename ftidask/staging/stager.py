@@ -44,8 +44,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..model.constants import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES
 from ..model.config import Config
+from ..model.constants import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES
 from ..model.errors import FTIError, StagingError
 from ..storage import files as storage
 from ..transport.base import Transport
