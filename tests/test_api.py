@@ -198,3 +198,20 @@ def test_context_manager_and_repr(dirs):
         assert "temperature" in repr(ctx) and "temperature" in ctx._repr_html_()
     with pytest.raises(ftidask.FTIError, match="finalized"):
         ctx.checkpoint(2, 1)
+
+
+def test_module_paths_documented_before_the_layers_still_import():
+    """`ftidask.constants`, `ftidask.errors`, `ftidask.zarr_export` and `ftidask.staging.StageInfo` were the
+    documented homes of these names before the package was split into layers; user code imports them."""
+    import ftidask.constants as constants
+    import ftidask.errors as errors
+    from ftidask.staging import StageInfo
+    from ftidask.staging.stager import StageInfo as moved
+    from ftidask.tools import zarr_export as tools_export
+    from ftidask.zarr_export import ExportResult, export_checkpoint, import_zarr, read_zarr
+
+    assert constants.FTI_SCES == ftidask.FTI_SCES and constants.init_type is ftidask.init_type
+    assert errors.CheckpointError is ftidask.CheckpointError and errors.FTIError is ftidask.FTIError
+    assert StageInfo is moved
+    assert (export_checkpoint, import_zarr, read_zarr, ExportResult) == (
+        tools_export.export_checkpoint, tools_export.import_zarr, tools_export.read_zarr, tools_export.ExportResult)
