@@ -20,6 +20,7 @@ from ..engine.dcpstore import DcpSlot, DcpStore
 from ..engine.pending import PendingCheckpoint
 from ..engine.recovering import Progress, Recovery
 from ..engine.retention import Retention, RetentionFactory
+from ..engine.run import Run
 from ..engine.runstate import STATUS_FRESH, CommitRecord, RunState
 from ..engine.variables import Protected, encode_states, protected_var
 from ..engine.writing import Writer
@@ -66,12 +67,11 @@ class Context:
         # No collaborator holds the context: dropping an unfinalized context releases the run lock at once.
         self._spares = DcpSlot(self._writer.new_dcp_store)
         self.progress = Progress()  # internal: what the last commit or recovery left (backends update it)
-        self.recovery = Recovery(transport, self.paths, self.state, config, self._vars, self.progress,
-                                 self._spares)  # internal: the backends' recovery uses it
-        self._committer = Committer(transport, self.paths, self.state, config, self._vars, self.progress,
-                                    self._writer, self._spares)
+        run = Run(transport, self.paths, self.state, config, self._spares)
+        self.recovery = Recovery(run, self._vars, self.progress)  # internal: the backends' recovery uses it
+        self._committer = Committer(run, self._vars, self.progress, self._writer)
         self._staging = Staging(config, transport, self.paths.stage_root)
-        self._retention = retention(transport, self.paths, self.state, config, self._spares)
+        self._retention = retention(run)
         self._iteration = 0
         self._last_time = [time.monotonic()] * 4
         self._icp: Any = None  # the open incremental checkpoint (ftidask.engine.icp)

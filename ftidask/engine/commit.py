@@ -16,43 +16,33 @@ from typing import Any
 
 from ..ftiff.layout import Layout, plan_layout
 from ..model.arrays import check_ckpt_id
-from ..model.config import Config
 from ..model.errors import CheckpointError
 from ..model.level import Level
 from ..storage import files as storage
-from ..storage.files import RunPaths
-from ..transport.base import Transport
 from ..transport.collective import agree, attempt, on_root
 from .checkpointing import CheckpointInfo
-from .dcpstore import DcpSlot
 from .pending import OneShotWriter, PendingCheckpoint, RankFileWriter, RankWriter
 from .recovering import Progress
 from .recovery import check_file
-from .runstate import CommitRecord, FileRecord, RunState
+from .run import Run, RunPart
+from .runstate import CommitRecord, FileRecord
 from .variables import Protected, encode_states, var_extras
 from .writing import Writer
 
 log = logging.getLogger("ftidask")
 
 
-class Committer:
+class Committer(RunPart):
     """Checkpoints of one rank, from plan to commit.
 
-    ``spares`` holds the rank's differential-checkpoint store (made on first use). The context
-    retires older checkpoints after :meth:`commit` (it holds no reference back to the context).
+    The context retires older checkpoints after :meth:`commit` (it holds no reference back to the context).
     """
 
-    def __init__(self, transport: Transport, paths: RunPaths, state: RunState, config: Config,
-                 variables: dict[int, Protected], progress: Progress, writer: Writer,
-                 spares: DcpSlot) -> None:
-        self.transport = transport
-        self.paths = paths
-        self.state = state
-        self.config = config
+    def __init__(self, run: Run, variables: dict[int, Protected], progress: Progress, writer: Writer) -> None:
+        super().__init__(run)
         self.variables = variables
         self.progress = progress
         self.writer = writer
-        self.spares = spares
 
     def begin(self, id: int, level: Level, incremental: bool = False) -> PendingCheckpoint:
         """Plan checkpoint ``id`` and open its file (shared by checkpoint and iCP; collective)."""

@@ -16,17 +16,14 @@ import numpy as np
 
 from ..ftiff.layout import Layout
 from ..ftiff.reader import FtiffFile
-from ..model.config import Config
 from ..model.errors import FTIError, NoCheckpointError, RecoveryError
-from ..storage.files import RunPaths
-from ..transport.base import Transport
 from ..transport.collective import agree, attempt, guarded, on_root
 from . import recoverplan, reshard
 from .checkpointing import CheckpointInfo
-from .dcpstore import DcpSlot
 from .recovery import Verdict, check_file, load_file
 from .retention import rank_path
-from .runstate import CommitRecord, RunState
+from .run import Run, RunPart
+from .runstate import CommitRecord
 from .variables import Protected, protected_var
 
 log = logging.getLogger("ftidask")
@@ -58,21 +55,13 @@ class Progress:
         self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
 
 
-class Recovery:
-    """FTI_Recover, FTI_GetStoredSize and FTI_Realloc for one context.
+class Recovery(RunPart):
+    """FTI_Recover, FTI_GetStoredSize and FTI_Realloc for one context."""
 
-    ``spares`` holds the rank's differential-checkpoint store (made on first use).
-    """
-
-    def __init__(self, transport: Transport, paths: RunPaths, state: RunState, config: Config,
-                 variables: dict[int, Protected], progress: Progress, spares: DcpSlot) -> None:
-        self.transport = transport
-        self.paths = paths
-        self.state = state
-        self.config = config
+    def __init__(self, run: Run, variables: dict[int, Protected], progress: Progress) -> None:
+        super().__init__(run)
         self.variables = variables
         self.progress = progress
-        self.spares = spares
 
     def candidates(self, ckpt_id: int | None, level: int | None,
                     error: type[FTIError] = RecoveryError) -> list[CommitRecord]:

@@ -11,14 +11,12 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..model.config import Config
 from ..model.errors import FTIError
 from ..storage import files as storage
 from ..storage.files import RunPaths
-from ..transport.base import Transport
 from ..transport.collective import agree, attempt, everywhere, on_root
-from .dcpstore import DcpSlot
-from .runstate import CommitRecord, RunState
+from .run import Run, RunPart
+from .runstate import CommitRecord
 
 
 def rank_path(paths: RunPaths, record: CommitRecord, node: int, rank: int) -> Path:
@@ -38,7 +36,7 @@ def to_retire(records: Iterable[CommitRecord | None], new: CommitRecord, keep_l4
                    and not (old.level == 4 and keep_l4)), key=lambda r: r.seq)
 
 
-class Retention:
+class Retention(RunPart):
     """Deleting what is no longer needed, never what recovery may still use.
 
     Collective: a local error on any rank is raised as the same :class:`FTIError` on every rank
@@ -46,13 +44,8 @@ class Retention:
     store once the writer has made one.
     """
 
-    def __init__(self, transport: Transport, paths: RunPaths, state: RunState, config: Config,
-                 spares: DcpSlot) -> None:
-        self.transport = transport
-        self.paths = paths
-        self.state = state
-        self.config = config
-        self.spares = spares
+    def __init__(self, run: Run) -> None:
+        super().__init__(run)
         self.trash_pool: ThreadPoolExecutor | None = None
 
     def retire_older(self, record: CommitRecord) -> None:
@@ -130,4 +123,4 @@ class Retention:
 
 
 #: How a Context makes its Retention: ``(transport, paths, state, config, spares)`` (a backend may pass its own).
-RetentionFactory = Callable[[Transport, RunPaths, RunState, Config, DcpSlot], Retention]
+RetentionFactory = Callable[[Run], Retention]

@@ -222,6 +222,12 @@ class DaskContext(Context):
         """Internal: the path of file ``name`` of a checkpoint in rank (node) ``rank``'s level directory."""
         return str(self.paths.level_dir(level, rank) / storage.ckpt_dirname(ckpt_id, seq) / name)
 
+    def rank_meta(self, ckpt_id: int, level: int, seq: int, rank: int, workers: list[str]) -> dict[str, Any]:
+        """Internal: the metadata a worker's rank file records (full and differential checkpoints alike)."""
+        return {"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level, "seq": seq,
+                "rank": rank, "nranks": len(workers), "node": rank, "backend": "dask", "worker": workers[rank],
+                "time": time.time()}
+
     def _run_levels(self, ckpt_id: int, level: int, seq: int, specs: list[VarSpec], futures: dict,
                     owner: dict, workers: list[str]) -> tuple[list, list[dict[str, Any]], list[list[int]]]:
         n = len(workers)
@@ -237,9 +243,7 @@ class DaskContext(Context):
         writes = []
         for plan in plans:
             r = plan.rank
-            meta = {"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level, "seq": seq,
-                    "rank": r, "nranks": n, "node": r, "backend": "dask", "worker": workers[r],
-                    "time": time.time()}
+            meta = self.rank_meta(ckpt_id, level, seq, r, workers)
             partner = fs[copy_source(groups, r)] if level == 2 and len(workers) > 1 else fs[r]
             writes.append(self.cluster.submit(
                 tasks.write_rank, self.node_file(write_level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r)),

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -101,8 +100,7 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
     writes = []
     for plan in plans:
         r = plan.rank
-        meta = {"format": "ftidask", "exec_id": ctx.exec_id, "ckpt_id": ckpt_id, "level": level, "seq": seq,
-                "rank": r, "nranks": n, "node": r, "backend": "dask", "worker": workers[r], "time": time.time()}
+        meta = ctx.rank_meta(ckpt_id, level, seq, r, workers)
         partner = fs[copy_source(groups, r)] if level == 2 else fs[r]
         writes.append(ctx.cluster.submit(
             dcp_tasks.write_rank_dcp, spare_path(ctx, level, r), own(r), spares.pop((level, r), None),

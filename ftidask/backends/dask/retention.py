@@ -7,13 +7,10 @@ directory and the commit records on the client.
 
 from __future__ import annotations
 
-from ...engine.dcpstore import DcpSlot
 from ...engine.retention import Retention
-from ...engine.runstate import CommitRecord, RunState
-from ...model.config import Config
+from ...engine.run import Run
+from ...engine.runstate import CommitRecord
 from ...storage import files as storage
-from ...storage.files import RunPaths
-from ...transport.base import Transport
 from . import tasks
 from .cluster import Cluster
 
@@ -21,10 +18,9 @@ from .cluster import Cluster
 class DaskRetention(Retention):
     """:class:`Retention` whose removals are tasks on the cluster's workers."""
 
-    def __init__(self, cluster: Cluster, transport: Transport, paths: RunPaths, state: RunState, config: Config,
-                 spares: DcpSlot) -> None:
-        # ``spares.store`` is the DaskSpares of a run with enable_dcp (ftidask.backends.dask.dcp_levels), or None.
-        super().__init__(transport, paths, state, config, spares)
+    def __init__(self, cluster: Cluster, run: Run) -> None:
+        # ``run.spares.store`` is the DaskSpares of a run with enable_dcp (ftidask.backends.dask.dcp_levels), or None.
+        super().__init__(run)
         self.cluster = cluster
         self.started = False  # set by the first garbage collection (at init)
 
