@@ -5,6 +5,7 @@ from .api.logsetup import log_to_stderr
 from .api.resilient import ResilientLoop, resilient
 from .api.start import init
 from .engine.checkpointing import CheckpointInfo
+from .engine.inflight import CheckpointHandle
 from .engine.pystate import State, Value
 from .model.config import Config, load_config
 from .model.constants import *  # noqa: F403 - FTI's names are the public API
@@ -26,7 +27,7 @@ from .model.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Block", "CheckpointError", "CheckpointInfo", "Config", "ConfigError", "Context", "FTIError", "FormatError",
+    "Block", "CheckpointError", "CheckpointHandle", "CheckpointInfo", "Config", "ConfigError", "Context", "FTIError", "FormatError",
     "LevelError", "NoCheckpointError", "ProtectError", "RecoveryError", "ResilientLoop", "RunInUseError",
     "StagingError", "State", "Value", "init", "init_type", "load_config", "log_to_stderr", "resilient",
 ]

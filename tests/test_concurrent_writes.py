@@ -122,7 +122,7 @@ def test_compressed_checkpoints_under_concurrent_writes_verify(dirs):
 def test_previous_checkpoint_kept_until_the_new_one_is_committed(dirs, monkeypatch):
     """Retirement runs only after the new checkpoint's commit record, with its files verifying;
     a checkpoint that fails midway leaves the previous one committed and recoverable."""
-    from ftidask.api import context as context_module
+    from ftidask.engine.retention import Retention
     from ftidask.ftiff import writer
 
     ctx = ftidask.init(**dirs)
@@ -132,16 +132,16 @@ def test_previous_checkpoint_kept_until_the_new_one_is_committed(dirs, monkeypat
     first = _committed_files(ctx)
 
     seen = []
-    retire = context_module.Context._retire_older
+    retire = Retention.retire_older
 
     def checked_retire(self, record):
         # At retirement time the new checkpoint is committed and every one of its files verifies.
         assert record.seq in [r.seq for r in self.state.records()]
-        verdict = check_file(self._rank_file(record), record, 0)
+        verdict = check_file(ctx._rank_file(record), record, 0)
         seen.append((record.ckpt_id, verdict.kind))
         return retire(self, record)
 
-    monkeypatch.setattr(context_module.Context, "_retire_older", checked_retire)
+    monkeypatch.setattr(Retention, "retire_older", checked_retire)
     a += 1
     ctx.checkpoint(2, 1)
     assert seen == [(2, "ok")]

@@ -152,6 +152,12 @@ def test_levels_4_ranks(tmp_path: Path, level: int) -> None:
     _check_level(tmp_path, 4, level, timeout=180)
 
 
+@pytest.mark.parametrize("level", [1, 2, 3, 4])
+def test_levels_4_ranks_async(tmp_path: Path, level: int) -> None:
+    """The checkpoint returns after its snapshot; the ranks overwrite their arrays at once: the same matrix."""
+    _check_level(tmp_path, 4, level, timeout=180, config={**_config(4), "async_ckpt": 1})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("level", [1, 2, 3, 4])
 def test_levels_16_ranks(tmp_path: Path, level: int) -> None:

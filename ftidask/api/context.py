@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,20 +11,23 @@ from typing import Any
 import numpy as np
 
 from ..engine import icp
+from ..engine.asyncckpt import AsyncCheckpoints
 from ..engine.checkpointing import CheckpointInfo
 from ..engine.claim import claim_everywhere
 from ..engine.commit import Committer
 from ..engine.dcpstore import DcpSlot, DcpStore
+from ..engine.inflight import CheckpointHandle
 from ..engine.pending import PendingCheckpoint
 from ..engine.recovering import Progress, Recovery
 from ..engine.retention import Retention, RetentionFactory
 from ..engine.run import Run
 from ..engine.runstate import STATUS_FRESH, CommitRecord, RunState
+from ..engine.schedule import SnapshotSchedule
 from ..engine.variables import Protected, encode_states, protected_var
 from ..engine.writing import Writer
 from ..ftiff import hashing
 from ..model import constants
-from ..model.arrays import check_id
+from ..model.arrays import check_ckpt_id, check_id
 from ..model.config import Config
 from ..model.errors import CheckpointError, FTIError
 from ..model.level import Level
@@ -35,7 +36,7 @@ from ..storage import dirchecks
 from ..storage import files as storage
 from ..storage.runlock import RunLock
 from ..transport.base import Transport
-from ..transport.collective import attempt, everywhere, on_root
+from ..transport.collective import everywhere, on_root
 from . import logsetup
 
 log = logging.getLogger("ftidask")
@@ -69,11 +70,11 @@ class Context:
         self.progress = Progress()  # internal: what the last commit or recovery left (backends update it)
         run = Run(transport, self.paths, self.state, config, self._spares)
         self.recovery = Recovery(run, self._vars, self.progress)  # internal: the backends' recovery uses it
-        self._committer = Committer(run, self._vars, self.progress, self._writer)
-        self._staging = Staging(config, transport, self.paths.stage_root)
         self._retention = retention(run)
-        self._iteration = 0
-        self._last_time = [time.monotonic()] * 4
+        self._committer = Committer(run, self._vars, self.progress, self._writer, self._retention)
+        self._async = AsyncCheckpoints(run, self.progress, retention, self._hash_id)
+        self._staging = Staging(config, transport, self.paths.stage_root)
+        self._schedule = SnapshotSchedule(config, transport)
         self._icp: Any = None  # the open incremental checkpoint (ftidask.engine.icp)
         transport.barrier()
         self._retention.collect_garbage()
@@ -137,48 +138,56 @@ class Context:
 
     # --- checkpoint ------------------------------------------------------------------------------
 
-    def checkpoint(self, id: int, level: int, *, dcp: bool = False) -> CheckpointInfo:
+    def checkpoint(self, id: int, level: int, *, dcp: bool = False,
+                   wait: bool | None = None) -> CheckpointInfo | CheckpointHandle:
         """FTI_Checkpoint: write every protected variable as checkpoint ``id`` at ``level``.
 
         Levels 5-8 (FTI's L1_DCP..L4_DCP), or ``dcp=True`` with levels 1-4, write a differential
         checkpoint (``enable_dcp = 1``): only the blocks that changed since the file being updated.
+
+        ``wait=False`` (or ``[advanced] async_ckpt = 1``) returns a :class:`CheckpointHandle` as soon as
+        a snapshot of every protected variable is taken: the arrays may be changed at once, the
+        checkpoint holds their values at the call (see docs/async.md). Otherwise the checkpoint is
+        committed when this returns its :class:`CheckpointInfo`.
         """
         self._check_open()
-        pending = self._begin_checkpoint(id, self._check_level(level, dcp))
-        try:
-            for vid, p in self._vars.items():
-                if pending.error:
-                    break
-                _r, pending.error = attempt(self.transport.rank,
-                                            functools.partial(pending.write_var, vid, p.name, p.array))
-        except BaseException:  # interrupted: no file left open, nothing committed
-            pending.abort()
-            raise
-        return self._commit_checkpoint(pending)
+        parsed = self._check_level(level, dcp)
+        if wait is False or (wait is None and self.config.async_ckpt):
+            return self._checkpoint_async(check_ckpt_id(id), parsed)
+        self._async.settle()
+        self._check_no_icp()
+        return self._committer.checkpoint(id, parsed)
 
-    def _begin_checkpoint(self, id: int, level: Level, incremental: bool = False) -> PendingCheckpoint:
-        """Plan checkpoint ``id`` and open its file (shared by checkpoint and iCP)."""
+    def _checkpoint_async(self, ckpt_id: int, level: Level) -> CheckpointHandle:
+        self._check_no_icp()
+        state_error = encode_states(self._vars, self.transport.rank)  # the states' values at the call
+
+        def blocking() -> CheckpointInfo:
+            self._async.settle()
+            return self._committer.checkpoint(ckpt_id, level)
+
+        return self._async.submit(ckpt_id, level, self._vars, state_error, blocking)
+
+    def wait(self) -> None:
+        """Wait until every asynchronous checkpoint in flight is committed (or failed); raise the first
+        failure whose handle nobody asked (:class:`CheckpointError`)."""
         self._check_open()
+        self._async.settle()
+
+    def _check_no_icp(self) -> None:
         if self._icp is not None:
             raise CheckpointError(f"incremental checkpoint {self._icp.ckpt_id} is open; finalize_icp() first")
+
+    def _begin_checkpoint(self, id: int, level: Level, incremental: bool = False) -> PendingCheckpoint:
+        """Plan checkpoint ``id`` and open its file (iCP; nothing may be in flight)."""
+        self._check_open()
+        self._async.settle()
+        self._check_no_icp()
         return self._committer.begin(id, level, incremental)
 
     def _commit_checkpoint(self, pending: PendingCheckpoint) -> CheckpointInfo:
-        """Finish every rank's file, add the level's redundancy, write the commit record (see
-        :meth:`ftidask.engine.commit.Committer.commit`), then retire what it makes obsolete."""
-        info, record = self._committer.commit(pending)
-        try:  # collective: their errors are agreed too (the same FTIError on every rank)
-            self._retire_older(record)
-            self._retention.collect_garbage()
-        except FTIError as exc:
-            raise CheckpointError(f"checkpoint {record.ckpt_id} (level {pending.level}) is committed and "
-                                  f"recoverable, but cleaning up after it failed: {exc}") from exc
-        self._committer.announce(pending, record, info)
-        return info
-
-    def _retire_older(self, record: CommitRecord) -> None:
-        """After a level-L commit, drop earlier checkpoints of levels 1..L (see :mod:`ftidask.engine.retention`)."""
-        self._retention.retire_older(record)
+        """Finish, commit, retire and announce ``pending`` (see :meth:`ftidask.engine.commit.Committer.finish`)."""
+        return self._committer.finish(pending)
 
     def _encode_states(self) -> str:
         """Store each protected Python state's current value as its bytes; why one cannot be, or ''."""
@@ -274,6 +283,7 @@ class Context:
         Raises :class:`NoCheckpointError` when nothing can be recovered.
         """
         self._check_open()
+        self._async.drain()  # never a checkpoint half written by this run
         return self.recovery.recover(ckpt_id, level, ids)
 
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
@@ -286,16 +296,19 @@ class Context:
         For files outside a run's directories, e.g. checkpoints copied by hand. Verified first.
         """
         self._check_open()
+        self._async.drain()
         return self.recovery.recover_file(path)
 
     def stored_size(self, id: int) -> int:
         """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover)."""
         self._check_open()
+        self._async.drain()
         return self.recovery.stored_size(check_id(id, "variable id"))
 
     def realloc(self, id: int, array: Any = None) -> np.ndarray:
         """FTI_Realloc: a new array of the stored size, which becomes the protected one."""
         self._check_open()
+        self._async.drain()
         return self.recovery.realloc(check_id(id, "variable id"), array)
 
     def _rank_file(self, record: CommitRecord) -> Path:
@@ -310,30 +323,15 @@ class Context:
         Returns FTI_SCES (nothing to do, or recovered) or FTI_DONE (a checkpoint was written).
         """
         self._check_open()
+        self._async.inflight.raise_unobserved()
         if self._status != STATUS_FRESH and not self.progress.recovered:
             self.recover()
             return constants.FTI_SCES
-        self._iteration += 1
-        now = time.monotonic()
-        due = []
-        for level in constants.LEVELS:
-            interval = self.config.interval(level)
-            if interval <= 0 or level not in self.transport.levels():
-                continue
-            if self.config.snapshot_unit == "iterations":
-                is_due = self._iteration % interval == 0
-            else:
-                is_due = now - self._last_time[level - 1] >= interval * 60
-            if is_due:
-                due.append(level)
-        # Ranks must agree (minutes are measured per process).
-        due = self.transport.bcast(due)
+        due, now = self._schedule.due()
         if not due:
             return constants.FTI_SCES
-        level = max(due)
-        self.checkpoint(self.progress.next_ckpt_id, level)
-        for lv in due:
-            self._last_time[lv - 1] = now
+        self.checkpoint(max(self.progress.next_ckpt_id, self._async.next_id), max(due))
+        self._schedule.written(due, now)
         return constants.FTI_DONE
 
     def finalize(self) -> None:
@@ -343,7 +341,9 @@ class Context:
         t = self.transport
         staging_failed = self._staging.finish()  # wait for pending SendFile requests (stage_timeout)
         failed = "finalize failed"
+        self._async.drain()  # a failure nobody asked for is raised at the end, once finalized
         try:
+            self._async.close()
             t.wait_post()
             records = self.recovery.candidates(None, None, FTIError)
             if self.config.keep_last_ckpt and records:
@@ -361,10 +361,12 @@ class Context:
             self._close()
         self._retention.prune_run_dirs()
         self._staging.report(staging_failed)
+        self._async.inflight.raise_unobserved()
 
     def _close(self) -> None:
         self._closed = True
         self._icp = None
+        self._async.close()  # what is in flight is finished first
         if self._dcp is not None:
             self._dcp.close()
         self._writer.close()
@@ -386,7 +388,8 @@ class Context:
 
     def wait_post_processing(self) -> Any:
         """Wait until the head has finished post-processing the last checkpoint (L2-L4 with heads)."""
-        return self.transport.wait_post()
+        self._async.drain()
+        return self._async.wait_post() or self.transport.wait_post()
 
     def post_processing_done(self) -> bool:
         """Whether the head has finished post-processing the last checkpoint (never blocks)."""

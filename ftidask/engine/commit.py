@@ -11,12 +11,13 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..ftiff.layout import Layout, plan_layout
 from ..model.arrays import check_ckpt_id
-from ..model.errors import CheckpointError
+from ..model.errors import CheckpointError, FTIError
 from ..model.level import Level
 from ..storage import files as storage
 from ..transport.collective import agree, attempt, on_root
@@ -24,6 +25,7 @@ from .checkpointing import CheckpointInfo
 from .pending import OneShotWriter, PendingCheckpoint, RankFileWriter, RankWriter
 from .recovering import Progress
 from .recovery import check_file
+from .retention import Retention
 from .run import Run, RunPart
 from .runstate import CommitRecord, FileRecord
 from .variables import Protected, encode_states, var_extras
@@ -35,14 +37,51 @@ log = logging.getLogger("ftidask")
 class Committer(RunPart):
     """Checkpoints of one rank, from plan to commit.
 
-    The context retires older checkpoints after :meth:`commit` (it holds no reference back to the context).
+    :meth:`checkpoint` runs a whole one; iCP runs :meth:`begin`, writes variables as the application
+    adds them, then :meth:`finish`. It holds no reference back to the context. An asynchronous
+    checkpoint runs :meth:`checkpoint` on a committer of its own (the snapshot's variables, the
+    background transport) on the context's background thread.
     """
 
-    def __init__(self, run: Run, variables: dict[int, Protected], progress: Progress, writer: Writer) -> None:
+    def __init__(self, run: Run, variables: dict[int, Protected], progress: Progress, writer: Writer,
+                 retention: Retention) -> None:
         super().__init__(run)
         self.variables = variables
         self.progress = progress
         self.writer = writer
+        self.retention = retention
+
+    def checkpoint(self, id: int, level: Level, sources: Mapping[int, Any] | None = None, *,
+                   state_error: str = "") -> CheckpointInfo:
+        """Write every protected variable as checkpoint ``id`` at ``level``, commit it, retire what it
+        makes obsolete (collective). ``sources``: byte sources to read some variables through (a
+        copy-on-write snapshot's) instead of their arrays; ``state_error``: why a Python state could
+        not be encoded at the call (the checkpoint then fails on every rank)."""
+        pending = self.begin(id, level)
+        pending.error = pending.error or state_error
+        try:
+            for vid, p in self.variables.items():
+                if pending.error:
+                    break
+                _r, pending.error = attempt(self.transport.rank, functools.partial(
+                    pending.write_var, vid, p.name, p.array, source=(sources or {}).get(vid)))
+        except BaseException:  # interrupted: no file left open, nothing committed
+            pending.abort()
+            raise
+        return self.finish(pending)
+
+    def finish(self, pending: PendingCheckpoint) -> CheckpointInfo:
+        """Finish every rank's file, add the level's redundancy, write the commit record (see
+        :meth:`commit`), then retire what it makes obsolete and announce it."""
+        info, record = self.commit(pending)
+        try:  # collective: their errors are agreed too (the same FTIError on every rank)
+            self.retention.retire_older(record)
+            self.retention.collect_garbage()
+        except FTIError as exc:
+            raise CheckpointError(f"checkpoint {record.ckpt_id} (level {pending.level}) is committed and "
+                                  f"recoverable, but cleaning up after it failed: {exc}") from exc
+        self.announce(pending, record, info)
+        return info
 
     def begin(self, id: int, level: Level, incremental: bool = False) -> PendingCheckpoint:
         """Plan checkpoint ``id`` and open its file (shared by checkpoint and iCP; collective)."""

@@ -151,8 +151,10 @@ class PendingCheckpoint:
     def differential(self) -> bool:
         return Level.of(self.level).differential
 
-    def write_var(self, var_id: int, name: str, array: np.ndarray, extra: Mapping[str, Any] | None = None) -> None:
-        """Write variable ``var_id`` now; its array may change once this returns."""
+    def write_var(self, var_id: int, name: str, array: np.ndarray, extra: Mapping[str, Any] | None = None, *,
+                  source: Any = None) -> None:
+        """Write variable ``var_id`` now; its array may change once this returns. ``source``: read its
+        bytes through this byte source instead (a snapshot's), ``array`` giving only its description."""
         if var_id in self.written:
             raise CheckpointError(f"variable {var_id} was already added to checkpoint {self.ckpt_id}")
         if self.sizes.get(var_id) != array.nbytes:
@@ -161,7 +163,7 @@ class PendingCheckpoint:
         if self.writer is None:
             raise CheckpointError(self.error or "checkpoint file not open")
         self.infos[var_id] = VarInfo.of(var_id, name, array, **self.extras.get(var_id, {}))
-        self.writer.write_var(var_id, ArrayBytes(array))
+        self.writer.write_var(var_id, source if source is not None else ArrayBytes(array))
         self.written.add(var_id)
 
     def finish(self, meta: Mapping[str, Any], *, pt_fs: int | None, max_fs: int | None) -> WrittenFile:

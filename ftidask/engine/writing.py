@@ -36,6 +36,8 @@ class Writer:
         self.variables = variables
         self.hash_id = hash_id
         self.pool: ThreadPoolExecutor | None = None
+        #: byte sources to read some variables through instead of their arrays (a copy-on-write snapshot's)
+        self.sources: Mapping[int, Any] = {}
 
     def new_dcp_store(self) -> DcpStore:
         """This rank's differential-checkpoint files (the context keeps the one it makes)."""
@@ -73,13 +75,18 @@ class Writer:
         infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}),
                             **extras.get(vid, {})) for vid, p in variables.items()]
         write = self.write_zarr_l4 if zarr_l4 else write_rank_file
-        streams, bar = tracked({vid: ArrayBytes(p.array) for vid, p in variables.items()}, self.config,
+        streams, bar = tracked({vid: self.source(vid, p) for vid, p in variables.items()}, self.config,
                                f"checkpoint {ckpt_id} (L{level})")
         with bar:
             return write(
                 path, layout, streams, infos,
                 codecs={vid: (codec, variables[vid].array.dtype.itemsize) for vid, (codec, _c) in codecs.items()},
                 hash_id=self.hash_id, pool=self.hash_pool(), pt_fs=pt_fs, max_fs=max_fs, meta=meta)
+
+    def source(self, vid: int, p: Protected) -> Any:
+        """Variable ``vid``'s bytes: through :attr:`sources` if there, else its array's."""
+        source = self.sources.get(vid)
+        return source if source is not None else ArrayBytes(p.array)
 
     def hash_pool(self) -> ThreadPoolExecutor:
         """One long-lived thread that hashes a container while the caller writes it."""

@@ -149,6 +149,10 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "stage_mover": ("advanced", "auto", _parse_choice("auto", "thread", "process")),
     "progress": ("advanced", "auto", _parse_choice("auto", "on", "off")),
     "permissions": ("advanced", "private", _parse_choice("private", "group")),
+    "async_ckpt": ("advanced", 0, _parse_bool),  # checkpoint() and snapshot() return once the snapshot is taken
+    "max_inflight": ("advanced", 1, _parse_int(1, 64)),  # asynchronous checkpoints queued or being written
+    "async_snapshot": ("advanced", "auto", _parse_choice("auto", "cow", "copy", "blocking")),
+    "async_buffer_mb": ("advanced", 0, _parse_int(0)),  # copy snapshots' staging buffers; 0: half of MemAvailable
 }
 
 #: FTI keys that are accepted and have no effect in ftidask (they tune FTI's C I/O paths, its
@@ -205,6 +209,10 @@ class Config:
     stage_mover: str = "auto"
     progress: str = "auto"
     permissions: str = "private"
+    async_ckpt: bool = False
+    max_inflight: int = 1
+    async_snapshot: str = "auto"
+    async_buffer_mb: int = 0
 
     def interval(self, level: int) -> int:
         """The snapshot interval of ``level`` (minutes or iterations; 0 = never)."""

@@ -94,6 +94,11 @@ class Transport(abc.ABC):
     def post_done(self) -> bool:
         return True
 
+    def background(self) -> Transport | None:
+        """A transport for the context's background thread (asynchronous checkpoints) whose messages
+        never mix with this one's, made now (collective); None when the backend cannot give one."""
+        return None
+
     def close(self) -> None:
         """Release what the transport holds (a duplicated communicator, ...)."""
 
@@ -102,6 +107,9 @@ class SerialTransport(Transport):
     """A single process: one rank on one node."""
 
     name = "single-process"
+
+    def background(self) -> Transport:
+        return self  # no messages: the same object serves both threads
 
     def barrier(self) -> None:
         return None

@@ -21,11 +21,13 @@ import numpy as np
 from distributed import Client, Future, futures_of
 
 from ...api.context import Context, Protected
+from ...engine.inflight import CheckpointHandle
 from ...engine.runstate import CommitRecord, FileRecord
 from ...levels.ring_groups import copy_source, group_of, make_groups
 from ...model.arrays import check_ckpt_id, check_id
 from ...model.config import Config
 from ...model.errors import CheckpointError, FTIError, LevelError, ProtectError
+from ...model.level import Level
 from ...storage import files as storage
 from ...transport.base import Transport
 from . import channel, group_steps, icp, restore, tasks
@@ -139,19 +141,39 @@ class DaskContext(Context):
 
     # --- checkpoint ------------------------------------------------------------------------------
 
-    def checkpoint(self, id: int, level: int, *, dcp: bool = False) -> DaskCheckpointInfo:
+    def checkpoint(self, id: int, level: int, *, dcp: bool = False,
+                   wait: bool | None = None) -> DaskCheckpointInfo | CheckpointHandle:
         """Write checkpoint ``id`` at ``level``: each worker writes the chunks it holds, then the level's
-        redundancy runs as tasks; committed only when every worker's part succeeded."""
+        redundancy runs as tasks; committed only when every worker's part succeeded.
+
+        ``wait=False`` (or ``async_ckpt = 1``): return a handle once the chunks are referenced (they are
+        immutable: no snapshot is needed); the tasks run while the client goes on."""
         self._check_open()
         ckpt_id = check_ckpt_id(id)
         parsed = self._check_level(level, dcp)
+        asynchronous = wait is False or (wait is None and self.config.async_ckpt)
+        if asynchronous:
+            self._async.inflight.raise_unobserved()
+            self._async.inflight.throttle()
+            self._async.inflight.raise_unobserved()
+        else:
+            self._async.settle()
         error = "" if self._keep_state_bytes else self._encode_states()  # Python states: their bytes now
         if error:
             raise CheckpointError(f"checkpoint {ckpt_id} failed; the previous checkpoint is kept: {error}")
+        start = time.perf_counter()
+        # The chunks' futures keep them alive on the workers until the checkpoint is written.
+        specs, futures = self._chunk_futures()
+        write = functools.partial(self._write_checkpoint, ckpt_id, parsed, specs, futures, start)
+        if not asynchronous:
+            return write()
+        self._async.next_id = max(self._async.next_id, ckpt_id + 1)
+        return self._async.inflight.submit(write, ckpt_id, parsed.number, "immutable")
+
+    def _write_checkpoint(self, ckpt_id: int, parsed: Level, specs: list[VarSpec],
+                          futures: dict[tuple[int, tuple[int, ...]], Future], start: float) -> DaskCheckpointInfo:
         differential = parsed.differential  # L5-L8: differential L1-L4 (enable_dcp = 1)
         shown_level, level = parsed.number, parsed.base
-        start = time.perf_counter()
-        specs, futures = self._chunk_futures()
         try:
             self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays", gather=False)
         except FTIError as exc:
@@ -198,7 +220,7 @@ class DaskContext(Context):
             raise CheckpointError(f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint "
                                   f"is kept: {exc}") from exc
         self.progress.layout = None  # the workers plan their files afresh each time
-        self._retire_older(record)
+        self._retention.retire_older(record)
         self._retention.collect_garbage()
         variables = tuple({"id": s.id, "name": s.name, "dtype": str(s.dtype), "shape": s.shape,
                            "nchunks": len(s.grid()), "nbytes": sum(s.chunk_nbytes(i) for i in s.grid())}
@@ -276,6 +298,7 @@ class DaskContext(Context):
 
     def init_icp(self, id: int, level: int) -> None:
         """FTI_InitICP: open checkpoint ``id``; add each protected variable with :meth:`add_var_icp`."""
+        self._async.settle()
         icp.init_icp(self, id, level)
 
     def add_var_icp(self, var_id: int) -> None:
@@ -341,6 +364,7 @@ class DaskContext(Context):
         their place (global_shape/offset or replicated; see :mod:`ftidask.backends.dask.stitch`).
         """
         self._check_open()
+        self._async.drain()  # never a checkpoint half written by this run
         return restore.recover(self, ckpt_id, level, chunks, ids)
 
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
@@ -350,6 +374,7 @@ class DaskContext(Context):
     def stored_size(self, id: int) -> int:
         """Bytes of variable ``id`` in the checkpoint to recover (or the last one written)."""
         vid = check_id(id, "variable id")
+        self._async.drain()
         return restore.stored_size(self, vid)
 
     def realloc(self, id: int, array: Any = None) -> Any:

@@ -9,6 +9,7 @@ raw bytes.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -133,6 +134,7 @@ class MpiTransport(Transport):
         self._pending = False
         self._last_reply: Any = None
         self._closed = False
+        self._foreground: MpiTransport | None = None  # set on the background clone: whose clone it is
 
     def _keep(self, comm: MPI.Comm) -> MPI.Comm:
         self._comms.append(comm)
@@ -268,10 +270,32 @@ class MpiTransport(Transport):
                             self._last_reply.get("error"))
         return self._last_reply
 
+    def background(self) -> MpiTransport | None:
+        """The same ranks over duplicates of the application ranks' and the L2/L3 group's communicators
+        (collective), for the background thread of asynchronous checkpoints; the node's head channel
+        is shared (the context waits for the background before it talks to the head itself).
+        None when MPI was not initialized with ``MPI_THREAD_MULTIPLE``: two threads may not both
+        make MPI calls then."""
+        if self.is_head or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            return None
+        clone = copy.copy(self)
+        clone._comms = []
+        clone.comm = clone._keep(self.comm.Dup())
+        if self.group is not None:
+            clone.group = MpiGroup(clone._keep(self.group.comm.Dup()), self.cfg.mpi_tag)
+        clone._pending, clone._last_reply, clone._closed = False, None, False
+        clone._foreground = self
+        return clone
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._foreground is not None:  # a background clone: the head channel is the foreground's
+            self.wait_post()
+            for comm in reversed(self._comms):
+                comm.Free()
+            return
         if self.node_comm is not None and not self.is_head:
             self.wait_post()
             send_json(self.node_comm, {"op": "end"}, 0, _TAG_REQ)

@@ -1,0 +1,133 @@
+"""Asynchronous checkpoints of one context: snapshot at the call, the rest on a background thread.
+
+``checkpoint(id, level, wait=False)`` encodes the Python states and takes a snapshot of every
+protected variable (:mod:`ftidask.engine.snapshot`), then queues the checkpoint on the context's
+background thread (:mod:`ftidask.engine.inflight`) and returns its handle. The background thread
+runs the same protocol as a blocking checkpoint (:meth:`Committer.checkpoint`: plan, write, the
+level's redundancy, commit record last, retire), on a committer of its own that reads the
+snapshot, over the transport's *background* channel: a duplicate of the ranks' communicator, so that
+its collectives never mix with the application's or the context's (MPI needs
+``MPI_THREAD_MULTIPLE`` for it; a transport that cannot give one makes every checkpoint blocking).
+
+While a checkpoint is in flight the context makes no collective call on its own transport that the
+background could race with: recovery, iCP, a blocking checkpoint and finalize wait for the
+checkpoints in flight first (:meth:`AsyncCheckpoints.settle`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..model.level import Level
+from ..transport.base import Transport
+from . import snapshot
+from .checkpointing import CheckpointInfo
+from .commit import Committer
+from .inflight import CheckpointHandle, Inflight
+from .recovering import Progress
+from .retention import Retention
+from .run import Run
+from .variables import Protected
+from .writing import Writer
+
+log = logging.getLogger("ftidask")
+
+
+def _default_buffer_limit() -> int:
+    """Half the memory available now (Linux's MemAvailable), or 1 GiB when it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 30
+
+
+class AsyncCheckpoints:
+    """The context's asynchronous checkpoints: the snapshot, the background committer, the handles."""
+
+    def __init__(self, run: Run, progress: Progress, make_retention: Callable[[Run], Retention],
+                 hash_id: int) -> None:
+        self.run, self.progress, self.make_retention, self.hash_id = run, progress, make_retention, hash_id
+        config = run.config
+        self.inflight = Inflight(config.max_inflight)
+        self.pool = snapshot.CopyPool((config.async_buffer_mb << 20) or _default_buffer_limit())
+        self._committer: Committer | None = None
+        self._transport: Transport | None = None
+        self._unavailable = ""  # why the transport has no background channel ('' : not asked yet / has one)
+        self.next_id = 0  # the id after the last one submitted (snapshot's next id while some are in flight)
+
+    def background_committer(self) -> Committer | None:
+        """The committer of the background thread, made at the first asynchronous checkpoint (collective:
+        every rank makes its background channel then), or None when the transport has none."""
+        if self._committer is None and not self._unavailable:
+            transport = self.run.transport.background()
+            if transport is None:
+                self._unavailable = f"the {self.run.transport.name} backend gives no background channel"
+                log.warning("asynchronous checkpoints are written before the call returns: %s", self._unavailable)
+                return None
+            self._transport = transport
+            bg_run = dataclasses.replace(self.run, transport=transport)
+            writer = Writer(self.run.config, transport, self.run.paths, {}, self.hash_id)
+            self._committer = Committer(bg_run, {}, self.progress, writer, self.make_retention(bg_run))
+        return self._committer
+
+    def submit(self, ckpt_id: int, level: Level, variables: dict[int, Protected], state_error: str,
+               blocking: Callable[[], CheckpointInfo]) -> CheckpointHandle:
+        """Snapshot ``variables`` (states already encoded) and queue checkpoint ``ckpt_id``; its handle.
+        ``blocking`` writes it as a blocking checkpoint, when no background channel exists."""
+        self.inflight.raise_unobserved()
+        self.inflight.throttle()
+        self.inflight.raise_unobserved()  # the one waited for may have failed
+        committer = self.background_committer()
+        if committer is None:
+            return self.inflight.done_now(ckpt_id, level.number, "blocking", blocking)
+        config = self.run.config
+        cow_ok = not level.differential and not (level.base == 4 and config.l4_format == "zarr")
+        snap = snapshot.take(variables, config.async_snapshot, self.pool, cow_ok=cow_ok)
+        log.debug("checkpoint %d: %s snapshot (%d bytes copied)", ckpt_id, snap.mechanism, snap.extra_bytes)
+        self.next_id = max(self.next_id, ckpt_id + 1)
+
+        def job() -> CheckpointInfo:
+            try:
+                committer.variables = snap.variables
+                committer.writer.variables = snap.variables
+                committer.writer.sources = snap.sources
+                return committer.checkpoint(ckpt_id, level, snap.sources, state_error=state_error)
+            finally:
+                committer.writer.sources = {}
+                committer.variables = committer.writer.variables = {}
+                snap.release()
+
+        handle = self.inflight.submit(job, ckpt_id, level.number, snap.mechanism)
+        if snap.mechanism == "blocking":
+            handle.settled()  # written before returning; a failure stays the handle's (and the next call's)
+        return handle
+
+    def settle(self) -> None:
+        """Wait for every checkpoint in flight; raise the first failure nobody asked for."""
+        self.inflight.settle()
+
+    def drain(self) -> None:
+        """Wait for every checkpoint in flight (their failures stay for their handles)."""
+        self.inflight.drain()
+
+    def wait_post(self) -> Any:
+        """The background channel's post-processing (heads) finished too."""
+        return self._transport.wait_post() if self._transport is not None else None
+
+    def close(self) -> None:
+        """Finish what is in flight, stop the thread, close the background channel and committer."""
+        self.inflight.close()
+        if self._committer is not None:
+            self._committer.writer.close()
+            self._committer.retention.close()
+        if self._transport is not None and self._transport is not self.run.transport:
+            self._transport.close()
+        self._committer, self._transport = None, None
+        self.pool.clear()

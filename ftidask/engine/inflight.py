@@ -1,0 +1,183 @@
+"""Checkpoints in flight: the handle an asynchronous checkpoint returns, and the one background thread
+that finishes them in order.
+
+Why one thread and a FIFO: checkpoints of a run depend on each other (the next file's layout starts
+from the last one's containers, a differential checkpoint patches the spare the previous one left, a
+commit retires what came before), so they are finished one after the other, in the order the
+application asked for them, on every rank alike. At most ``max_inflight`` are queued or running; the
+next call waits for the oldest.
+
+A failure is never lost: the handle raises it (``result``, ``wait``, ``exception`` return or raise
+it), and if nobody asked the handle, the context raises it at its next ``checkpoint``, ``wait``,
+``snapshot`` or ``finalize`` call (:meth:`Inflight.raise_unobserved`), once.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from ..model.errors import CheckpointError
+from .checkpointing import CheckpointInfo
+
+log = logging.getLogger("ftidask")
+
+
+class CheckpointHandle:
+    """An asynchronous checkpoint: ``checkpoint(..., wait=False)`` returns it once the snapshot is taken.
+
+    ``mechanism`` says how the snapshot was taken: ``"cow"`` (copy-on-write: the application's pages
+    are copied aside only when it writes them before they are written out), ``"copy"`` (copied into
+    staging buffers at the call) or ``"blocking"`` (neither could be used: the checkpoint was written
+    before the call returned).
+    """
+
+    def __init__(self, ckpt_id: int, level: int, mechanism: str, future: Future[CheckpointInfo]) -> None:
+        self.ckpt_id, self.level, self.mechanism = ckpt_id, level, mechanism
+        self._future = future
+        self._observed = False
+
+    def done(self) -> bool:
+        """Whether the checkpoint is committed or has failed (never blocks)."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo:
+        """Wait for the commit: the checkpoint's :class:`CheckpointInfo`, or its error raised
+        (:class:`CheckpointError`; the previous checkpoint stays recoverable)."""
+        self._observed = True
+        return self._future.result(timeout)
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo:
+        """:meth:`result` under FTI's name."""
+        return self.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for the end: the checkpoint's error, or None when it was committed."""
+        self._observed = True
+        return self._future.exception(timeout)
+
+    def settled(self) -> None:
+        """Wait for the end without taking the outcome (an unobserved failure stays for the next call)."""
+        self._future.exception()
+
+    @property
+    def observed(self) -> bool:
+        """Whether the application has asked for the outcome (an unobserved failure is raised later)."""
+        return self._observed
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._future.exception() else "committed")
+        return f"<ftidask.CheckpointHandle id={self.ckpt_id} level={self.level} {self.mechanism} {state}>"
+
+
+class Inflight:
+    """The background thread of one context and the checkpoints it has not finished."""
+
+    def __init__(self, max_inflight: int = 1) -> None:
+        self.max_inflight = max(1, int(max_inflight))
+        self._handles: collections.deque[CheckpointHandle] = collections.deque()
+        self._jobs: collections.deque[tuple[Callable[[], CheckpointInfo], Future[CheckpointInfo]]] = (
+            collections.deque())
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None  # alive while jobs are queued
+        self._stop = False
+
+    def submit(self, job: Callable[[], CheckpointInfo], ckpt_id: int, level: int, mechanism: str) -> CheckpointHandle:
+        """Queue ``job`` (it writes and commits one checkpoint) behind those in flight; its handle."""
+        future: Future[CheckpointInfo] = Future()
+        handle = CheckpointHandle(ckpt_id, level, mechanism, future)
+        with self._cond:
+            if self._stop:
+                raise CheckpointError("the context is finalized")
+            self._handles.append(handle)
+            self._jobs.append((job, future))
+            if self._thread is None:
+                # Not a daemon, and gone when the queue is empty: at exit the interpreter waits for the
+                # checkpoint being written, and a context never finalized does not keep it alive.
+                self._thread = threading.Thread(target=self._serve, name="ftidask-checkpoint", daemon=False)
+                self._thread.start()
+            self._cond.notify_all()
+        return handle
+
+    def done_now(self, ckpt_id: int, level: int, mechanism: str,
+                 job: Callable[[], CheckpointInfo]) -> CheckpointHandle:
+        """Run ``job`` here and now (nothing may be in flight); a finished handle with its outcome."""
+        future: Future[CheckpointInfo] = Future()
+        handle = CheckpointHandle(ckpt_id, level, mechanism, future)
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(job())
+        except Exception as exc:  # the handle's to raise (an interrupt propagates)
+            future.set_exception(exc)
+            with self._cond:
+                self._handles.append(handle)
+        return handle
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                if not self._jobs:
+                    self._thread = None
+                    return
+                job, future = self._jobs[0]
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(job())
+                except BaseException as exc:  # every error is the handle's (and the next call's) to raise
+                    future.set_exception(exc)
+                    log.warning("asynchronous checkpoint failed: %s", exc)
+            with self._cond:
+                self._jobs.popleft()
+                self._cond.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a checkpoint is queued or being written."""
+        with self._cond:
+            return bool(self._jobs)
+
+    def throttle(self) -> None:
+        """Before a new checkpoint: wait until fewer than ``max_inflight`` are in flight."""
+        with self._cond:
+            while len(self._jobs) >= self.max_inflight:
+                self._cond.wait()
+
+    def drain(self) -> None:
+        """Wait until every checkpoint in flight is committed or has failed."""
+        with self._cond:
+            while self._jobs:
+                self._cond.wait()
+
+    def raise_unobserved(self) -> None:
+        """Raise the first failure nobody asked its handle for (once), forgetting finished handles."""
+        failed: CheckpointHandle | None = None
+        with self._cond:
+            while self._handles and self._handles[0].done():
+                handle = self._handles.popleft()
+                if failed is None and not handle.observed and handle._future.exception() is not None:
+                    failed = handle
+        if failed is not None:
+            failed._observed = True
+            exc = failed._future.exception()
+            if isinstance(exc, CheckpointError):
+                raise CheckpointError(f"asynchronous checkpoint {failed.ckpt_id} (level {failed.level}) "
+                                      f"failed: {exc}") from exc
+            raise CheckpointError(f"asynchronous checkpoint {failed.ckpt_id} (level {failed.level}) failed: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+
+    def settle(self) -> None:
+        """Wait for every checkpoint in flight, then raise the first unobserved failure."""
+        self.drain()
+        self.raise_unobserved()
+
+    def close(self) -> None:
+        """Finish what is queued and stop the thread (idempotent)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()

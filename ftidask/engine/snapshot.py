@@ -1,0 +1,170 @@
+"""The snapshot an asynchronous checkpoint writes from: every protected variable as it was at the call.
+
+Three mechanisms, tried in this order by ``async_snapshot = auto``:
+
+``cow``
+    Copy-on-write (:mod:`ftidask.memsnap.cow`): the variables' pages are write-protected at the call
+    and written out from the live memory; a page the application writes before it is written out is
+    copied aside first, by a native thread (no GIL). Extra memory: only those pages. Needs Linux's
+    userfaultfd with write protection for kernel writes too (privileged, or
+    ``vm.unprivileged_userfaultfd = 1``), the native extension, and contiguous arrays of private
+    anonymous memory that no other userfaultfd holds (the differential checkpoints' page tracker
+    does: levels 5-8 take ``copy``).
+``copy``
+    Each variable copied at the call into staging buffers (memory speed), reused from one checkpoint
+    to the next; their total is bounded by ``async_buffer_mb`` (0: half the memory available).
+``blocking``
+    Neither fits: the checkpoint is written before the call returns, from the live arrays.
+
+Python states are encoded to their bytes at the call, whatever the mechanism (a new array each time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..model.arrays import stream_order
+from ..model.errors import ConfigError
+from .variables import Protected
+
+log = logging.getLogger("ftidask")
+
+MECHANISMS = ("auto", "cow", "copy", "blocking")
+COW_MIN_BYTES = 1 << 20  # smaller variables are copied: a page fault costs more than copying them
+
+
+@dataclasses.dataclass
+class FrozenState:
+    """A Python state's bytes taken at the call (what the background writes, whatever the state becomes)."""
+
+    kind: str
+    data: np.ndarray
+
+    def encode(self) -> np.ndarray:
+        return self.data
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """What a checkpoint in flight writes: ``variables`` (frozen), and for copy-on-write ones the byte
+    sources to read them through. :meth:`release` gives the memory back once the file is written."""
+
+    variables: dict[int, Protected]
+    sources: dict[int, Any]
+    mechanism: str
+    extra_bytes: int = 0  # copied at the call (copy), or peak of pages copied aside (cow, known at release)
+    _release: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+
+    def release(self) -> None:
+        """Unprotect what copy-on-write still protects and return staging buffers (idempotent)."""
+        while self._release:
+            self._release.pop()()
+
+
+class CopyPool:
+    """Staging buffers kept between checkpoints (already faulted in, so a copy runs at memory speed),
+    at most ``limit`` bytes in all, in flight or free."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free: list[np.ndarray] = []
+        self._held = 0  # bytes in buffers, free or lent
+        self._lock = threading.Lock()
+
+    def take(self, sizes: list[int]) -> list[np.ndarray] | None:
+        """A buffer of each size (free ones reused), or None, taking nothing, beyond the limit."""
+        with self._lock:
+            free = sorted(self._free, key=lambda b: b.nbytes)
+            reused: list[np.ndarray | None] = []
+            need = 0
+            for size in sizes:
+                at = next((i for i, b in enumerate(free) if size <= b.nbytes <= 2 * size + (1 << 20)), None)
+                if at is not None:
+                    reused.append(free.pop(at))
+                else:
+                    reused.append(None)
+                    need += size
+            spare = sum(b.nbytes for b in free)  # free buffers of sizes no longer asked for: dropped
+            if self._held - spare + need > self.limit:
+                return None
+            self._free = []
+            self._held += need - spare
+        return [b if b is not None else np.empty(size, np.uint8) for b, size in zip(reused, sizes, strict=True)]
+
+    def give_back(self, buffers: list[np.ndarray]) -> None:
+        with self._lock:
+            self._free.extend(buffers)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._held -= sum(b.nbytes for b in self._free)
+            self._free = []
+
+
+def _frozen_var(p: Protected, array: np.ndarray) -> Protected:
+    state = FrozenState(p.state.kind, p.array) if p.state is not None else None
+    return dataclasses.replace(p, array=array, state=state)  # type: ignore[arg-type]
+
+
+def _copy_into(buf: np.ndarray, array: np.ndarray) -> np.ndarray:
+    order = stream_order(array)
+    frozen = np.ndarray(array.shape, array.dtype, buffer=buf[:array.nbytes].data, order=order)
+    np.copyto(frozen, array, casting="no")
+    return frozen
+
+
+def take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, *,
+         cow_ok: bool = True) -> Snapshot:
+    """Snapshot ``variables`` now (their Python states already encoded) with ``mechanism`` (see the
+    module's text; ``cow_ok`` False rules copy-on-write out for this checkpoint)."""
+    if mechanism not in MECHANISMS:
+        raise ConfigError(f"async_snapshot = {mechanism!r}: expected one of {', '.join(MECHANISMS)}")
+    frozen = {vid: _frozen_var(p, p.array.view() if p.state is None else p.array) for vid, p in variables.items()}
+    if mechanism == "blocking":
+        return Snapshot(dict(variables), {}, "blocking")
+    big = [vid for vid, p in variables.items() if p.state is None and p.array.nbytes >= COW_MIN_BYTES]
+    sources: dict[int, Any] = {}
+    releases: list[Callable[[], None]] = []
+    used = "copy"
+    if mechanism in ("auto", "cow") and cow_ok and big:
+        cow = _try_cow([variables[vid].array for vid in big], forced=mechanism == "cow")
+        if cow is not None:
+            sources = {vid: cow.source(i) for i, vid in enumerate(big)}
+            releases.append(cow.release)
+            used = "cow"
+        elif mechanism == "cow":
+            log.info("copy-on-write snapshot unavailable: copying instead")
+    to_copy = [vid for vid, p in variables.items() if p.state is None and vid not in sources]
+    buffers = pool.take([variables[vid].array.nbytes for vid in to_copy]) if to_copy else []
+    if buffers is None:
+        for release in releases:
+            release()
+        log.info("asynchronous checkpoint: %d bytes to copy exceed async_buffer_mb; writing it before returning",
+                 sum(variables[vid].array.nbytes for vid in to_copy))
+        return Snapshot(dict(variables), {}, "blocking")
+    copied = 0
+    for vid, buf in zip(to_copy, buffers, strict=True):
+        frozen[vid] = _frozen_var(variables[vid], _copy_into(buf, variables[vid].array))
+        copied += variables[vid].array.nbytes
+    if buffers:
+        releases.append(lambda: pool.give_back(buffers))
+    return Snapshot(frozen, sources, used, copied, releases)
+
+
+def _try_cow(arrays: list[np.ndarray], forced: bool) -> Any:
+    """A copy-on-write snapshot of ``arrays``, or None where the kernel or the memory does not allow it."""
+    try:
+        from ..memsnap import cow
+    except ImportError:
+        return None
+    try:
+        return cow.CowSnapshot(arrays)
+    except cow.CowUnavailable as exc:
+        (log.info if forced else log.debug)("copy-on-write snapshot unavailable: %s", exc)
+        return None
