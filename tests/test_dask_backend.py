@@ -164,6 +164,38 @@ def test_worker_dying_during_checkpoint_keeps_previous(client, dirs, stage):
     assert out[1].compute().tobytes() == saved.tobytes()
 
 
+@pytest.mark.parametrize("level", [1, 3])
+def test_async_checkpoint_while_the_client_goes_on(client, dirs, level):
+    ctx = ftidask.init(client=client, **dirs)
+    x = make_array(11)
+    ctx.protect(1, x)
+    saved = x.compute()
+    handle = ctx.checkpoint(1, level, wait=False)
+    assert isinstance(handle, ftidask.CheckpointHandle) and handle.mechanism == "immutable"
+    ctx.protect(1, x + 1)  # the application goes on: the checkpoint keeps the chunks of the call
+    info = handle.result(timeout=120)
+    assert info.id == 1 and info.level == level
+    ctx.wait()
+    ctx2 = ftidask.init(client=client, **dirs)
+    assert ctx2.recover()[1].compute().tobytes() == saved.tobytes()
+
+
+def test_worker_dying_during_async_checkpoint(client, dirs):
+    ctx = ftidask.init(client=client, async_ckpt=1, **dirs)
+    ctx.protect(1, make_array(5))
+    ctx.checkpoint(1, 2).wait()
+    saved = ctx.protected[1].compute()
+    ctx.protect(1, ctx.protected[1] * 2)
+    crash_worker(client, 1, "ftidask.backends.dask.tasks:write_rank")
+    handle = ctx.checkpoint(2, 2)  # returns at once; the handle raises
+    with pytest.raises(ftidask.CheckpointError, match="previous checkpoint is kept"):
+        handle.result(timeout=120)
+    assert [r.ckpt_id for r in ctx.state.records()] == [1]
+    ctx.wait()  # observed: not raised again
+    ctx2 = ftidask.init(client=client, **dirs)
+    assert ctx2.recover()[1].compute().tobytes() == saved.tobytes()
+
+
 def test_no_chunk_reaches_the_client(client, dirs):
     x = make_array(7, shape=(512, 512), chunks=(128, 128)).persist()  # 16 chunks of 128 KiB
     distributed.wait(x)

@@ -158,10 +158,30 @@ def test_levels_4_ranks_async(tmp_path: Path, level: int) -> None:
     _check_level(tmp_path, 4, level, timeout=180, config={**_config(4), "async_ckpt": 1})
 
 
+@pytest.mark.parametrize("level", [2, 3])
+def test_rank_killed_with_an_async_checkpoint_in_flight(tmp_path: Path, level: int) -> None:
+    """SIGKILL of a rank while checkpoint 3 is in flight, its node's files lost: the restart recovers
+    checkpoint 2 or 3 whole on every rank (rebuilt by the level), never a mix."""
+    proc = run(4, "async_kill_job.py", "run", str(tmp_path), str(level), "3", timeout=120, check=False)
+    assert proc.returncode != 0, "the job should have been torn down by the killed rank"
+    shutil.rmtree(tmp_path / "Local" / "node3", ignore_errors=True)
+    run(4, "async_kill_job.py", "recover", str(tmp_path), str(level), timeout=120)
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
+    assert all(r["status"] == "ok" for r in results), results
+    values = {tuple(r["values"]) for r in results}
+    assert values in ({(2.0,)}, {(3.0,)}), values
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("level", [1, 2, 3, 4])
 def test_levels_16_ranks(tmp_path: Path, level: int) -> None:
     _check_level(tmp_path, 16, level, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", [1, 2, 3, 4])
+def test_levels_16_ranks_async(tmp_path: Path, level: int) -> None:
+    _check_level(tmp_path, 16, level, timeout=600, config={**_config(16), "async_ckpt": 1})
 
 
 # Two groups of two nodes (0-1 and 2-3): each group repairs itself, whatever happens to the other.
