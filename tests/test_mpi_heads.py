@@ -41,6 +41,20 @@ def test_heads_16_processes(tmp_path: Path, written, level: int, damage: list[st
     _check(tmp_path, written, 16, level, damage, expected)
 
 
+def test_heads_with_async_checkpoints(tmp_path: Path) -> None:
+    """The application ranks write L1 in the background; their heads raise it to L3 as before."""
+    cfg = json.loads(_config(8, 3))
+    base = tmp_path / "run"
+    proc = run(8, "levels_job.py", "write", json.dumps({**cfg, "async_ckpt": 1}), str(base), "3", timeout=300)
+    replies = [json.loads(line.strip().split(" ", 2)[2]) for line in proc.stdout.split("WROTE ")[1:]]
+    assert len(replies) == 4 and all(r["ok"] and r["level"] == 3 for r in replies), proc.stdout
+    assert _record(base)["level"] == 3
+    shutil.rmtree(base / "Local/node1")
+    run(8, "levels_job.py", "recover", json.dumps(cfg), str(base), timeout=300)
+    results = [json.loads((base / f"result-{r}.json").read_text()) for r in range(4)]
+    assert {r["status"] for r in results} == {"ok"} and all(r["source"] == [1, 3] for r in results), results
+
+
 def _config(nprocs: int, level: int) -> str:
     return json.dumps({**CONFIG, "node_size": nprocs // 4, f"inline_l{level}": 0})
 
