@@ -371,6 +371,41 @@ layout(const uintptr_t *addrs, const size_t *sizes, size_t n, size_t page)
     return s;
 }
 
+/* 1 when [lo, hi) lies entirely in private anonymous mappings. The kernel also registers shared
+ * memory (shmem) for write-protection, but a shared page can be written through another mapping
+ * or process, which this protection would not see; a private file mapping's unwritten pages are
+ * the file's, which others may write. */
+static int
+anonymous_private(uintptr_t lo, uintptr_t hi)
+{
+    FILE *maps = fopen("/proc/self/maps", "re");
+    if (!maps)
+        return 0;
+    char line[512];
+    uintptr_t covered = lo;
+    int ok = 0;
+    while (!ok && fgets(line, sizeof line, maps)) {
+        unsigned long start, end, offset, inode;
+        unsigned major, minor;
+        char perms[8];
+        int path_at = 0;
+        if (sscanf(line, "%lx-%lx %7s %lx %x:%x %lu %n", &start, &end, perms, &offset, &major, &minor, &inode,
+                   &path_at) < 7)
+            break;
+        if (end <= covered || start >= hi)
+            continue;
+        const char *path = line + path_at;
+        int anonymous = inode == 0 && major == 0 && minor == 0 &&
+                        (*path == '\n' || *path == '\0' || !strncmp(path, "[heap]", 6) || !strncmp(path, "[anon:", 6));
+        if (start > covered || !anonymous || perms[0] != 'r' || perms[1] != 'w' || perms[3] != 'p')
+            break;
+        covered = end;
+        ok = covered >= hi;
+    }
+    fclose(maps);
+    return ok;
+}
+
 int
 cow_create(const uintptr_t *addrs, const size_t *sizes, size_t n, cow_snap **out, char *why, size_t why_len)
 {
@@ -401,6 +436,9 @@ cow_create(const uintptr_t *addrs, const size_t *sizes, size_t n, cow_snap **out
         else
             s->thread_started = 1;
     }
+    for (size_t i = 0; !err && i < s->nranges; i++)
+        if (!anonymous_private(s->ranges[i].addr, s->ranges[i].addr + s->ranges[i].npages * page))
+            err = set_error(why, why_len, EINVAL, "memory that is not private anonymous (shared or file-backed)");
     size_t registered = 0;
     for (; !err && registered < s->nranges; registered++) {
         cow_range *r = &s->ranges[registered];
