@@ -18,9 +18,10 @@ setup(
     ext_modules=[
         Extension(
             "ftidask._native",
-            sources=["ftidask/csrc/native.c", "ftidask/csrc/gf256.c", "ftidask/csrc/cow.c"] + ([f"{_XXH}/xxh_x86dispatch.c"] if _X86 else []),
+            sources=["ftidask/csrc/native.c", "ftidask/csrc/gf256.c", "ftidask/csrc/cow.c", "ftidask/csrc/cow_pages.c",
+                     "ftidask/csrc/cow_py.c"] + ([f"{_XXH}/xxh_x86dispatch.c"] if _X86 else []),
             include_dirs=[_XXH],
-            depends=["ftidask/csrc/gf256.h", "ftidask/csrc/cow.h"],
+            depends=["ftidask/csrc/gf256.h", "ftidask/csrc/cow.h", "ftidask/csrc/cow_impl.h"],
             define_macros=[("FTIDASK_XXH_DISPATCH", "1")] if _X86 else [],
             extra_compile_args=["-O3"] if platform.system() != "Windows" else [],
             optional=True,

@@ -1,6 +1,9 @@
 """Copy-on-write snapshots (ftidask.memsnap): what the application waits for, and what it pays after.
 
-    python benchmarks/bench_cow.py [--mib 1024] [--repeat 3]
+    python benchmarks/bench_cow.py [--mib 1024] [--repeat 3] [--no-thp]
+
+``--no-thp`` maps the array with MADV_NOHUGEPAGE: 4 KiB page-table entries to protect instead of
+2 MiB ones, where transparent huge pages are on.
 
 - protect: the time ``CowSnapshot([a])`` blocks (write-protecting the pages), against
   ``np.copyto`` of the same bytes into a preallocated buffer (the blocking copy it replaces);
@@ -13,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import threading
 import time
@@ -49,12 +53,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-thp", action="store_true", help="no transparent huge pages for the array")
     args = parser.parse_args()
     ok, why = cow_available()
     if not ok:
         raise SystemExit(f"copy-on-write snapshots unavailable here: {why}")
     nbytes = args.mib << 20
-    a = np.ones(nbytes, np.uint8)  # populated: the usual case for a solver's state
+    if args.no_thp:
+        mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mem.madvise(mmap.MADV_NOHUGEPAGE)
+        a = np.frombuffer(mem, np.uint8)
+        a[:] = 1
+    else:
+        a = np.ones(nbytes, np.uint8)  # populated: the usual case for a solver's state
     dst = np.empty_like(a)
     gib = nbytes / (1 << 30)
 
@@ -70,7 +81,7 @@ def main() -> None:
         t0 = time.perf_counter()
         snap.release()
         release.append(time.perf_counter() - t0)
-    print(f"array: {args.mib} MiB, page {PAGE} B, best of {args.repeat}")
+    print(f"array: {args.mib} MiB, page {PAGE} B, {'no ' if args.no_thp else ''}THP, best of {args.repeat}")
     print(f"protect (blocked time of the snapshot): {min(protect) * 1e3:8.1f} ms  ({min(protect) / gib * 1e3:.1f} ms/GiB)")
     print(f"np.copyto of the same bytes:            {copy_s * 1e3:8.1f} ms  ({copy_s / gib * 1e3:.1f} ms/GiB)")
     print(f"copy-out, nothing written:              {nbytes / min(out_s) / 1e6:8.0f} MB/s")

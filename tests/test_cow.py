@@ -172,6 +172,32 @@ def test_release_early_then_writes_proceed():
     assert info.value.errno == errno.EBADF
 
 
+def test_release_while_a_thread_reads_out():
+    """release() waits for the copy-out in flight; the next one fails cleanly."""
+    a = np.arange(32 * MiB, dtype=np.uint8)
+    want = a.tobytes()
+    snap = CowSnapshot([a])
+    src = snap.source(0)
+
+    def reader() -> int:
+        out = np.empty(256 << 10, np.uint8)
+        lo = 0
+        try:
+            for lo in range(0, a.nbytes, out.size):
+                got = src.copy_into(lo, lo + out.size, out)
+                assert bytes(got) == want[lo:lo + out.size]
+        except OSError as exc:
+            assert exc.errno == errno.EBADF
+        return lo
+
+    thread, result = in_background(reader)
+    a[::PAGE] = 9
+    snap.release()
+    joined(thread, result)
+    a[:] = 1
+    assert (a == 1).all()
+
+
 def test_bytes_are_read_out_once():
     a = np.zeros(4 * PAGE, np.uint8)
     with CowSnapshot([a]) as snap:
