@@ -1,4 +1,5 @@
-"""Build the optional native helpers (block hashing, GF(2^8) erasure coding, early write-back); everything else is declared in pyproject.toml.
+"""Build the optional native helpers (block hashing, GF(2^8) erasure coding, early write-back,
+copy-on-write memory snapshots); everything else is declared in pyproject.toml.
 
 ``optional=True``: without a C compiler the build goes on and ftidask hashes blocks through the
 xxhash binding instead (same digests, slower; see ftidask/ftiff/blockhash.py) and erasure codes
@@ -17,9 +18,10 @@ setup(
     ext_modules=[
         Extension(
             "ftidask._native",
-            sources=["ftidask/csrc/native.c", "ftidask/csrc/gf256.c"] + ([f"{_XXH}/xxh_x86dispatch.c"] if _X86 else []),
+            sources=["ftidask/csrc/native.c", "ftidask/csrc/gf256.c", "ftidask/csrc/cow.c", "ftidask/csrc/cow_pages.c",
+                     "ftidask/csrc/cow_py.c"] + ([f"{_XXH}/xxh_x86dispatch.c"] if _X86 else []),
             include_dirs=[_XXH],
-            depends=["ftidask/csrc/gf256.h"],
+            depends=["ftidask/csrc/gf256.h", "ftidask/csrc/cow.h", "ftidask/csrc/cow_impl.h"],
             define_macros=[("FTIDASK_XXH_DISPATCH", "1")] if _X86 else [],
             extra_compile_args=["-O3"] if platform.system() != "Windows" else [],
             optional=True,

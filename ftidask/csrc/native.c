@@ -13,6 +13,8 @@
  * the writer and the verifier, it never changes what the file holds.
  *
  * gf_matmul: the GF(2^8) kernel of the level-3 Reed-Solomon codec (gf256.c), with the GIL released.
+ *
+ * cow_*: copy-on-write memory snapshots for asynchronous checkpoints (cow.c, Linux userfaultfd).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,6 +28,7 @@
 #define XXH_INLINE_ALL
 #include "xxhash.h"
 #include "gf256.h"
+#include "cow.h"
 
 #ifdef FTIDASK_XXH_DISPATCH
 #define XXH_DISPATCH_DISABLE_REPLACE
@@ -275,6 +278,11 @@ static PyMethodDef methods[] = {
     {"gf_matmul", (PyCFunction)(void (*)(void))gf_matmul_py, METH_VARARGS | METH_KEYWORDS, gf_matmul_doc},
     {"gf_set_isa", gf_set_isa, METH_O, gf_set_isa_doc},
     {"gf_isa", gf_isa, METH_NOARGS, gf_isa_doc},
+    {"cow_probe", cow_probe_py, METH_NOARGS, cow_probe_doc},
+    {"cow_new", cow_new_py, METH_O, cow_new_doc},
+    {"cow_copy", cow_copy_py, METH_VARARGS, cow_copy_doc},
+    {"cow_release", cow_release_py, METH_O, cow_release_doc},
+    {"cow_stats", cow_stats_py, METH_O, cow_stats_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -290,7 +298,7 @@ static PyModuleDef_Slot slots[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "ftidask._native",
-    "XXH3 block digests and GF(2^8) stripes without the GIL, and early write-back.", 0, methods, slots,
+    "XXH3 block digests and GF(2^8) stripes without the GIL, early write-back, copy-on-write snapshots.", 0, methods, slots,
 };
 
 PyMODINIT_FUNC

@@ -1,0 +1,67 @@
+/* cow_impl.h: the snapshot's state, shared by cow.c (set-up, release), cow_pages.c (faults,
+ * copy-out) and cow_py.c (Python entry points). Linux only. */
+#ifndef FTIDASK_COW_IMPL_H
+#define FTIDASK_COW_IMPL_H
+
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include "cow.h"
+
+#ifdef __linux__
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <linux/userfaultfd.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Newer than some build hosts' headers; the kernel says at run time what it has. */
+#ifndef UFFD_FEATURE_WP_UNPOPULATED
+#define UFFD_FEATURE_WP_UNPOPULATED (1 << 13)
+#endif
+#ifndef USERFAULTFD_IOC_NEW
+#define USERFAULTFD_IOC_NEW _IO(0xAA, 0x00)
+#endif
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+
+enum { PROTECTED = 0, COPIED = 1, DONE = 2, LOST = 3 };
+#define CHUNK_PAGES 256  /* pages per lock: the reader holds one while copying up to 1 MiB */
+#define SLAB_BYTES (2u << 20)
+
+typedef struct { uintptr_t addr; size_t npages, first; } cow_range;          /* one registration */
+typedef struct { uintptr_t addr, page0; size_t nbytes, npages, first, cnt; } cow_array;
+
+struct cow_snap {
+    size_t map_bytes, page, npages, nranges, narrays, nlocks;
+    int uffd, evfd, thread_started, released, populated;
+    pid_t pid;
+    pthread_t thread;
+    pthread_rwlock_t gate;      /* copy-outs (read) against release (write) */
+    pthread_mutex_t alloc_lock; /* side pages: free list, slabs and counters */
+    void *free_list;
+    char *bump;
+    size_t bump_left, nslabs, slab_cap, live, peak, copied, lost;
+    cow_range *ranges;
+    cow_array *arrays;
+    uint8_t *state;
+    void **side;
+    uint32_t *remaining; /* per page: array bytes in it not yet read out (an array's share counts once read in full) */
+    uint32_t *cnt;       /* per page of each array: that array's bytes of it read out so far */
+    pthread_mutex_t *locks;
+    void **slabs;
+};
+
+
+int cow_write_protect(cow_snap *s, uintptr_t start, size_t len, int on);
+long cow_page_index(cow_snap *s, uintptr_t addr);
+void *cow_handler(void *arg);
+
+#endif
+#endif

@@ -1,0 +1,276 @@
+/* cow_pages.c: the page states of a snapshot (cow.c): the fault handler thread that copies a page
+ * aside on its first write, and the copy-out that reads pages and unprotects those read in full.
+ *
+ * Per page, under the lock of its chunk: PROTECTED (unchanged, still protected), COPIED (the side
+ * copy holds the snapshot), DONE (read out, unprotected), LOST (written when no memory was left
+ * for its side copy: its copy-out fails, the writer is never kept waiting).
+ */
+#include "cow_impl.h"
+
+#ifdef __linux__
+
+int
+cow_write_protect(cow_snap *s, uintptr_t start, size_t len, int on)
+{
+    struct uffdio_writeprotect wp = {.range = {.start = start, .len = len}, .mode = on ? UFFDIO_WRITEPROTECT_MODE_WP : 0};
+    for (;;) {  /* EAGAIN: the address space is changing (mremap, fork); the call can be repeated */
+        if (ioctl(s->uffd, UFFDIO_WRITEPROTECT, &wp) == 0)
+            return 0;
+        if (errno != EAGAIN && errno != EINTR)
+            return -1;
+    }
+}
+
+/* The global index of the page at addr, or -1 when it is in none of the ranges. */
+long
+cow_page_index(cow_snap *s, uintptr_t addr)
+{
+    size_t lo = 0, hi = s->nranges;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        cow_range *r = &s->ranges[mid];
+        if (addr < r->addr)
+            hi = mid;
+        else if (addr >= r->addr + r->npages * s->page)
+            lo = mid + 1;
+        else
+            return (long)(r->first + (addr - r->addr) / s->page);
+    }
+    return -1;
+}
+
+/* A side page: never malloc, which may write to protected heap pages (see the top). */
+static void *
+side_alloc(cow_snap *s)
+{
+    void *p = NULL;
+    pthread_mutex_lock(&s->alloc_lock);
+    if (s->free_list) {
+        p = s->free_list;
+        s->free_list = *(void **)p;
+    } else {
+        if (s->bump_left == 0 && s->nslabs < s->slab_cap) {
+            size_t want = s->npages * s->page < SLAB_BYTES ? s->npages * s->page : SLAB_BYTES;
+            void *slab = mmap(NULL, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (slab != MAP_FAILED) {
+                s->slabs[s->nslabs++] = slab;
+                s->bump = slab;
+                s->bump_left = want / s->page;
+            }
+        }
+        if (s->bump_left) {
+            p = s->bump;
+            s->bump += s->page;
+            s->bump_left--;
+        }
+    }
+    if (p) {
+        s->copied++;
+        if (++s->live > s->peak)
+            s->peak = s->live;
+    } else {
+        s->lost++;
+    }
+    pthread_mutex_unlock(&s->alloc_lock);
+    return p;
+}
+
+static void
+side_free(cow_snap *s, void *p)
+{
+    pthread_mutex_lock(&s->alloc_lock);
+    *(void **)p = s->free_list;
+    s->free_list = p;
+    s->live--;
+    pthread_mutex_unlock(&s->alloc_lock);
+}
+
+/* A write fault on a protected page: keep its snapshot value if nobody has yet, then let the
+ * writer go. A fault on a page read out meanwhile (DONE) only needs the wake. */
+static void
+on_fault(cow_snap *s, uintptr_t addr)
+{
+    addr &= ~(uintptr_t)(s->page - 1);
+    long g = cow_page_index(s, addr);
+    if (g >= 0) {
+        pthread_mutex_t *lock = &s->locks[(size_t)g / CHUNK_PAGES];
+        pthread_mutex_lock(lock);
+        if (s->state[g] == PROTECTED) {
+            void *copy = side_alloc(s);
+            if (copy) {
+                memcpy(copy, (const void *)addr, s->page);
+                s->side[g] = copy;
+                s->state[g] = COPIED;
+            } else {
+                s->state[g] = LOST; /* never block the application: the snapshot fails instead */
+            }
+        }
+        pthread_mutex_unlock(lock);
+    }
+    /* A failure here leaves the writer blocked until release() unregisters the range; nothing
+     * better can be done from this thread. */
+    cow_write_protect(s, addr, s->page, 0);
+}
+
+void *
+cow_handler(void *arg)
+{
+    cow_snap *s = arg;
+    struct uffd_msg msgs[32];
+    struct pollfd fds[2] = {{.fd = s->uffd, .events = POLLIN}, {.fd = s->evfd, .events = POLLIN}};
+    for (;;) {
+        if (poll(fds, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            break;
+        }
+        if (fds[1].revents)
+            break;
+        ssize_t n = read(s->uffd, msgs, sizeof msgs);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EINTR)
+                continue;
+            break;
+        }
+        for (size_t i = 0; i < (size_t)n / sizeof msgs[0]; i++)
+            if (msgs[i].event == UFFD_EVENT_PAGEFAULT)
+                on_fault(s, (uintptr_t)msgs[i].arg.pagefault.address);
+    }
+    return NULL;
+}
+
+/* Copy bytes [addr, addr + len) of global page g, of array j, to dst and count them read out;
+ * under the page's chunk lock. 1 when the page became DONE (to unprotect), 0, or -errno. */
+static int
+take(cow_snap *s, cow_array *a, size_t g, uintptr_t addr, size_t len, char *dst)
+{
+    uintptr_t page_addr = addr & ~(uintptr_t)(s->page - 1);
+    uint8_t st = s->state[g];
+    if (st == DONE)
+        return -EALREADY;  /* read out in full before (and maybe written since): refuse, never guess */
+    if (st == LOST)
+        return -ENOMEM;
+    memcpy(dst, st == COPIED ? (const char *)s->side[g] + (addr - page_addr) : (const char *)addr, len);
+    size_t p = (page_addr - a->page0) / s->page;
+    uintptr_t lo = page_addr > a->addr ? page_addr : a->addr;
+    uintptr_t hi = page_addr + s->page < a->addr + a->nbytes ? page_addr + s->page : a->addr + a->nbytes;
+    uint32_t full = (uint32_t)(hi - lo), before = s->cnt[a->cnt + p];
+    s->cnt[a->cnt + p] = before + (uint32_t)len;
+    if (before >= full || before + len < full)
+        return 0;
+    s->remaining[g] -= full;
+    if (s->remaining[g])
+        return 0;
+    if (st == COPIED) {
+        side_free(s, s->side[g]);
+        s->side[g] = NULL;
+    }
+    s->state[g] = DONE;
+    return 1;
+}
+
+static int
+overlaps_ranges(cow_snap *s, uintptr_t lo, uintptr_t hi)
+{
+    for (size_t i = 0; i < s->nranges; i++)
+        if (lo < s->ranges[i].addr + s->ranges[i].npages * s->page && s->ranges[i].addr < hi)
+            return 1;
+    return 0;
+}
+
+int
+cow_copy_out(cow_snap *s, size_t j, size_t start, char *out, size_t n)
+{
+    pthread_rwlock_rdlock(&s->gate);
+    if (s->released || getpid() != s->pid) {
+        pthread_rwlock_unlock(&s->gate);
+        return EBADF;
+    }
+    if (j >= s->narrays || start > s->arrays[j].nbytes || n > s->arrays[j].nbytes - start) {
+        pthread_rwlock_unlock(&s->gate);
+        return ERANGE;
+    }
+    cow_array *a = &s->arrays[j];
+    /* An output in protected pages (a small buffer in the heap next to a small array) faults when
+     * written: its handler needs the chunk lock, so then each page goes through a bounce buffer
+     * written with no lock held. Allocated before any lock, and outside the protected pages. */
+    char *bounce = NULL;
+    if (n && overlaps_ranges(s, (uintptr_t)out, (uintptr_t)out + n)) {
+        bounce = mmap(NULL, s->page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (bounce == MAP_FAILED) {
+            pthread_rwlock_unlock(&s->gate);
+            return ENOMEM;
+        }
+    }
+    int err = 0;
+    uintptr_t addr = a->addr + start, end = addr + n;
+    uintptr_t run_lo = 0, run_hi = 0; /* pages that became DONE, unprotected in one call */
+    long held = -1;
+    while (addr < end && !err) {
+        uintptr_t page_addr = addr & ~(uintptr_t)(s->page - 1);
+        size_t len = (page_addr + s->page < end ? page_addr + s->page : end) - addr;
+        size_t g = a->first + (page_addr - a->page0) / s->page;
+        long chunk = (long)(g / CHUNK_PAGES);
+        if (chunk != held) {
+            if (held >= 0)
+                pthread_mutex_unlock(&s->locks[held]);
+            if (run_hi > run_lo && cow_write_protect(s, run_lo, run_hi - run_lo, 0) != 0)
+                err = errno; /* the lock is not held across the ioctl */
+            run_lo = run_hi = 0;
+            held = -1;
+            if (err)
+                break;
+            pthread_mutex_lock(&s->locks[chunk]);
+            held = chunk;
+        }
+        int rc = take(s, a, g, addr, len, bounce ? bounce : out);
+        if (bounce) {
+            pthread_mutex_unlock(&s->locks[held]);
+            held = -1;
+            if (rc >= 0)
+                memcpy(out, bounce, len);
+        }
+        if (rc < 0) {
+            err = -rc;
+        } else if (rc == 1) {
+            if (run_hi != page_addr) {
+                if (run_hi > run_lo && cow_write_protect(s, run_lo, run_hi - run_lo, 0) != 0)
+                    err = errno;
+                run_lo = page_addr;
+            }
+            run_hi = page_addr + s->page;
+        }
+        out += len;
+        addr += len;
+    }
+    if (held >= 0)
+        pthread_mutex_unlock(&s->locks[held]);
+    if (!err && run_hi > run_lo && cow_write_protect(s, run_lo, run_hi - run_lo, 0) != 0)
+        err = errno;
+    if (bounce)
+        munmap(bounce, s->page);
+    pthread_rwlock_unlock(&s->gate);
+    return err;
+}
+
+void
+cow_stats(cow_snap *s, cow_stat *st)
+{
+    pthread_mutex_lock(&s->alloc_lock);
+    st->pages_copied = s->copied;
+    st->pages_lost = s->lost;
+    st->peak_bytes = s->peak * s->page;
+    st->live_bytes = s->live * s->page;
+    st->pages = s->npages;
+    st->ranges = s->nranges;
+    st->unpopulated_protected = s->populated;
+    pthread_mutex_unlock(&s->alloc_lock);
+}
+
+
+#else /* not Linux: cow.c refuses to create a snapshot, so none of these is reached */
+
+int cow_copy_out(cow_snap *s, size_t j, size_t start, char *out, size_t n) { return ENOSYS; }
+void cow_stats(cow_snap *s, cow_stat *st) { memset(st, 0, sizeof *st); }
+
+#endif

@@ -1,0 +1,272 @@
+"""Copy-on-write snapshots on the real kernel: whatever writes the arrays after the snapshot (numpy
+with or without the GIL, other threads, the kernel's read(2)), the bytes read out are those of the
+snapshot moment, bit for bit; what cannot be protected is refused, never half-protected."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import mmap
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from ftidask.memsnap import CowSnapshot, CowUnavailable, cow_available
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MiB = 1 << 20
+
+_OK, _WHY = cow_available()
+pytestmark = [pytest.mark.skipif(not _OK, reason=f"copy-on-write snapshots unavailable: {_WHY}"),
+              pytest.mark.timeout(60)]  # a lost wake-up would hang a writer forever
+
+
+def read_out(snap: CowSnapshot, i: int, piece: int = 3 * MiB + 5) -> bytes:
+    """The whole source through pieces() (odd piece size: reads that split pages)."""
+    src = snap.source(i)
+    return b"".join(bytes(p) for p in src.pieces(0, src.nbytes, piece))
+
+
+def in_background(fn) -> tuple[threading.Thread, list]:
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # re-raised by the test
+            result.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def joined(thread: threading.Thread, result: list):
+    thread.join(30)
+    assert not thread.is_alive()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16, np.float32, np.float64, np.complex128, np.bool_])
+@pytest.mark.parametrize("shape,order", [((1,), "C"), ((4097,), "C"), ((301, 257), "C"), ((257, 301), "F"),
+                                         ((0, 5), "C")])
+def test_every_page_overwritten_reads_the_snapshot(dtype, shape, order):
+    rng = np.random.default_rng(7)
+    a = np.asarray(rng.integers(0, 200, shape), dtype=dtype, order=order)
+    want = (a.T if order == "F" else a).tobytes()  # the stream: the transpose's C order for F arrays
+    with CowSnapshot([a]) as snap:
+        a[...] = np.ones(shape, dtype)
+        assert read_out(snap, 0, piece=PAGE + 3) == want
+        if a.nbytes:
+            assert snap.pages_copied >= a.nbytes // PAGE
+    a[...] = 0  # released: writes go straight through
+
+
+def test_random_pages_written_while_a_thread_reads_out():
+    a = np.random.default_rng(1).integers(0, 1 << 62, (32 * MiB) // 8, dtype=np.int64)
+    want = a.tobytes()
+    with CowSnapshot([a]) as snap:
+        thread, result = in_background(lambda: read_out(snap, 0, piece=1 * MiB))
+        bytes_view = a.view(np.uint8)
+        for page in np.random.default_rng(2).permutation(a.nbytes // PAGE)[:2000]:
+            bytes_view[page * PAGE + 17] ^= 0xFF
+        assert joined(thread, result) == want
+        assert snap.pages_copied <= 2000 + 1
+
+
+def test_writes_holding_the_gil_while_a_python_thread_reads_out():
+    """The faulting thread holds the GIL; the handler needs none, the reader releases it."""
+    a = np.arange(16 * MiB // 8, dtype=np.float64)
+    b = np.full_like(a, -1.0)
+    want = a.tobytes()
+    with CowSnapshot([a]) as snap:
+        thread, result = in_background(lambda: read_out(snap, 0, piece=256 << 10))
+        raw = memoryview(a).cast("B")
+        for off in range(0, a.nbytes, 7 * PAGE):  # one Python-level store per page, GIL held
+            raw[off] = 0xAB
+        np.copyto(a, b)
+        assert joined(thread, result) == want
+    assert (a == -1.0).all()
+
+
+def test_several_writer_threads():
+    a = np.random.default_rng(3).random(48 * MiB // 8)
+    want = a.tobytes()
+    with CowSnapshot([a]) as snap:
+        def write(k: int) -> None:
+            rng = np.random.default_rng(10 + k)
+            for start in rng.integers(0, a.size - 4096, 300):
+                a[start:start + 4096] = k
+        writers = [threading.Thread(target=write, args=(k,)) for k in range(4)]
+        for w in writers:
+            w.start()
+        got = read_out(snap, 0, piece=2 * MiB)
+        for w in writers:
+            w.join()
+        assert got == want
+
+
+def test_a_write_by_the_kernel(tmp_path):
+    """read(2) into the array: the kernel's copy_to_user faults like a user write."""
+    a = np.arange(8 * MiB // 4, dtype=np.uint32)
+    want = a.tobytes()
+    path = tmp_path / "new"
+    path.write_bytes(np.full_like(a, 0xDEADBEEF).tobytes())
+    with CowSnapshot([a]) as snap:
+        with open(path, "rb", buffering=0) as fh:
+            assert fh.readinto(memoryview(a).cast("B")) == a.nbytes
+        assert (a == 0xDEADBEEF).all()
+        assert read_out(snap, 0) == want
+
+
+def test_arrays_sharing_pages_and_an_unpopulated_array():
+    buf = np.arange(1000, dtype=np.int32)
+    first, second = buf[:100], buf[300:400]  # two arrays in one page: one registration
+    small = [np.arange(n, dtype=np.int16) for n in (3, 50, 9)]  # malloc'ed: likely neighbours in the heap
+    zeros = np.zeros(64 * MiB, np.uint8)  # calloc: pages never touched
+    arrays = [first, second, *small, zeros]
+    wants = [x.tobytes() for x in arrays]
+    with CowSnapshot(arrays) as snap:
+        buf[:] = -1
+        for x in small:
+            x[:] = 7
+        zeros[::PAGE * 5] = 1
+        assert snap.stats["unpopulated_protected"] or snap.pages_copied
+        for i, want in enumerate(wants):
+            assert read_out(snap, i) == want
+    assert zeros[0] == 1 and (buf == -1).all()
+
+
+def test_extra_memory_follows_the_pages_written():
+    a = np.ones(256 * MiB, np.uint8)
+    pages = a.nbytes // PAGE
+    with CowSnapshot([a]) as snap:
+        written = np.random.default_rng(4).choice(pages, pages // 10, replace=False)
+        a[written * PAGE] = 2
+        assert pages // 10 <= snap.pages_copied <= pages // 10 + 2
+        assert snap.extra_bytes_peak == snap.pages_copied * PAGE
+        out = np.empty(16 * MiB, np.uint8)
+        src = snap.source(0)
+        for lo in range(0, a.nbytes, out.size):
+            assert (src.copy_into(lo, lo + out.size, out) == 1).all()
+        assert snap.stats["live_bytes"] == 0  # read out: the side copies are freed
+        a[:] = 3  # nothing is protected any more: no page is copied
+        assert snap.pages_copied <= pages // 10 + 2
+
+
+def test_release_early_then_writes_proceed():
+    a = np.arange(8 * MiB, dtype=np.uint8)
+    snap = CowSnapshot([a])
+    src = snap.source(0)
+    src.copy_into(0, MiB, np.empty(MiB, np.uint8))
+    snap.release()
+    snap.release()  # twice is fine
+    a[:] = 5
+    assert (a == 5).all()
+    with pytest.raises(OSError) as info:
+        src.copy_into(MiB, 2 * MiB, np.empty(MiB, np.uint8))
+    assert info.value.errno == errno.EBADF
+
+
+def test_release_while_a_thread_reads_out():
+    """release() waits for the copy-out in flight; the next one fails cleanly."""
+    a = np.arange(32 * MiB, dtype=np.uint8)
+    want = a.tobytes()
+    snap = CowSnapshot([a])
+    src = snap.source(0)
+
+    def reader() -> int:
+        out = np.empty(256 << 10, np.uint8)
+        lo = 0
+        try:
+            for lo in range(0, a.nbytes, out.size):
+                got = src.copy_into(lo, lo + out.size, out)
+                assert bytes(got) == want[lo:lo + out.size]
+        except OSError as exc:
+            assert exc.errno == errno.EBADF
+        return lo
+
+    thread, result = in_background(reader)
+    a[::PAGE] = 9
+    snap.release()
+    joined(thread, result)
+    a[:] = 1
+    assert (a == 1).all()
+
+
+def test_bytes_are_read_out_once():
+    a = np.zeros(4 * PAGE, np.uint8)
+    with CowSnapshot([a]) as snap:
+        snap.source(0).copy_into(0, 2 * PAGE, np.empty(2 * PAGE, np.uint8))
+        a[:] = 1  # the pages read out are unprotected: these writes are not the snapshot's
+        with pytest.raises(OSError) as info:
+            snap.source(0).copy_into(0, PAGE, np.empty(PAGE, np.uint8))
+        assert info.value.errno == errno.EALREADY
+        assert bytes(snap.source(0).copy_into(2 * PAGE, 4 * PAGE, np.empty(2 * PAGE, np.uint8))) == bytes(2 * PAGE)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_no_fd_or_thread_leak_and_the_destructor_releases():
+    a = np.ones(MiB, np.uint8)
+    fds, tasks, pythreads = len(os.listdir("/proc/self/fd")), _threads(), threading.active_count()
+    for k in range(200):
+        snap = CowSnapshot([a])
+        a[k * PAGE] = 2
+        if k % 2:
+            snap.release()
+        del snap  # the other half released by the destructor
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert _threads() == tasks and threading.active_count() == pythreads
+    a[:] = 0
+
+
+def test_refused_memory():
+    with pytest.raises(CowUnavailable):
+        CowSnapshot([np.ones((64, 64))[:, ::2]])  # not contiguous
+    shared = mmap.mmap(-1, 4 * PAGE)  # MAP_SHARED: shmem, another process could write it
+    try:
+        with pytest.raises(CowUnavailable) as info:
+            CowSnapshot([np.frombuffer(shared, np.uint8)])
+        assert info.value.errno == errno.EINVAL
+    finally:
+        gc.collect()
+
+
+@pytest.mark.parametrize("mode", ["c", "r+"])  # private (copy-on-write) and shared file mappings
+def test_file_backed_memory_is_refused(tmp_path, mode):
+    path = tmp_path / "f"
+    path.write_bytes(bytes(8 * PAGE))
+    mapped = np.memmap(path, np.uint8, mode)
+    with pytest.raises(CowUnavailable) as info:
+        CowSnapshot([mapped])
+    assert info.value.errno == errno.EINVAL
+    del mapped
+
+
+def test_range_held_by_the_dcp_page_tracker():
+    from ftidask.dcp import pagetrack
+    try:
+        tracker = pagetrack.WriteTracker()
+    except pagetrack.TrackingUnavailable as exc:
+        pytest.skip(f"dCP page tracker unavailable: {exc}")
+    a = np.ones(4 * MiB, np.uint8)
+    start = a.ctypes.data // PAGE * PAGE
+    stop = -(-(a.ctypes.data + a.nbytes) // PAGE) * PAGE
+    try:
+        tracker.register(start, stop)
+        with pytest.raises(CowUnavailable) as info:
+            CowSnapshot([a])
+        assert info.value.errno == errno.EBUSY
+    finally:
+        tracker.close()
+    with CowSnapshot([a]) as snap:  # free again once the tracker let go
+        a[:] = 0
+        assert (np.frombuffer(read_out(snap, 0), np.uint8) == 1).all()
