@@ -92,6 +92,9 @@ def copy_span(source: ByteSource, start: int, stop: int, out: np.ndarray) -> np.
     if view is not None:
         np.copyto(out[:n], np.frombuffer(view, np.uint8))
         return out[:n]
+    copy_into = getattr(source, "copy_into", None)
+    if copy_into is not None:  # a snapshot's source (ftidask.memsnap): straight into ``out``, no piece buffers
+        return copy_into(start, stop, out[:n])
     pos = 0
     for piece in source.pieces(start, stop):
         np.copyto(out[pos:pos + len(piece)], np.frombuffer(piece, np.uint8))
