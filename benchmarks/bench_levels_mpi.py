@@ -137,6 +137,46 @@ def worker_dcp(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps(out), flush=True)
 
 
+def worker_async(args: argparse.Namespace) -> None:
+    """Per level: the synchronous checkpoint, then the time an asynchronous one blocks the ranks (and its
+    total, until committed), slowest rank, medians of 3."""
+    import statistics
+
+    from mpi4py import MPI
+
+    import ftidask
+
+    world = MPI.COMM_WORLD
+    out = {}
+    for level in (1, 2, 3, 4):
+        base = Path(args.dir) / f"async{level}"
+        with ftidask.init(comm=world, local_test=1, node_size=max(1, world.size // 4), group_size=4,
+                          ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global", meta_dir=f"{base}/Meta",
+                          verbosity=3) as ctx:
+            data = np.random.default_rng(ctx.comm.rank).random((args.mib << 20) // 8)
+            ctx.protect(1, data)
+            ids = iter(range(1, 100))
+            sync, blocked, total = [], [], []
+            for _ in range(3):
+                ctx.comm.Barrier()
+                start = time.perf_counter()
+                ctx.checkpoint(next(ids), level)
+                sync.append(ctx.comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+            for _ in range(3):
+                ctx.comm.Barrier()
+                start = time.perf_counter()
+                handle = ctx.checkpoint(next(ids), level, wait=False)
+                blocked.append(ctx.comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+                np.add(data, 1, out=data)  # the application goes on writing its state
+                handle.result()
+                total.append(ctx.comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+            out[level] = [statistics.median(sync), statistics.median(blocked), statistics.median(total),
+                          handle.mechanism]
+        shutil.rmtree(base, ignore_errors=True)
+    if world.rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+
+
 def codec(mib: int) -> None:
     from ftidask.levels.erasure import ReedSolomon
 
@@ -169,13 +209,31 @@ def codec(mib: int) -> None:
     print(f"  memcpy                {mb / cpy:8.0f} MB/s")
 
 
+def report_async(mpiexec: str, args: argparse.Namespace, tmp: str) -> None:
+    proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, "--worker-async", "--mib",
+                           str(args.mib), "--dir", tmp], capture_output=True, text=True, timeout=3600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"benchmark failed:\n{proc.stdout}\n{proc.stderr}")
+    rows = {int(k): v for k, v in json.loads(line[7:]).items()}
+    print(f"asynchronous checkpoints of {args.ranks} ranks x {args.mib} MiB (slowest rank, medians of 3); the ranks "
+          "write their whole state right after each call")
+    print("level   sync (s)   blocked (s)  blocked/L1's  blocked/sync   total (s)  total/sync  snapshot")
+    for level, (sync, blocked, total, mechanism) in sorted(rows.items()):
+        print(f"  L{level}  {sync:9.3f}  {blocked:12.4f}  {blocked / rows[1][1]:12.2f}  {blocked / sync:12.3f}  "
+              f"{total:10.3f}  {total / sync:10.2f}  {mechanism}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--mib", type=int, default=256, help="MiB protected per rank")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--dcp", action="store_true", help="also time differential L2 and L3 (1%% of blocks changed)")
+    ap.add_argument("--async", dest="asynchronous", action="store_true",
+                    help="time how long asynchronous checkpoints block the ranks, per level, instead")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-async", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-dcp", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -184,10 +242,16 @@ def main() -> None:
     if args.worker_dcp:
         worker_dcp(args)
         return
+    if args.worker_async:
+        worker_async(args)
+        return
     tmp = args.dir or tempfile.mkdtemp(prefix="ftidask-bench-")
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     if not os.path.exists(mpiexec):
         mpiexec = shutil.which("mpiexec") or "mpiexec"
+    if args.asynchronous:
+        report_async(mpiexec, args, tmp)
+        return
     proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, "--worker", "--mib",
                            str(args.mib), "--dir", tmp], capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
