@@ -104,11 +104,29 @@ class DcpTracking:
         self._vars: dict[int, _Tracked] = {}
         self._pending: dict[int, tuple[bool, _Digests | None]] = {}  # var id -> (protected, digests before)
         self._refused: dict[int, tuple[int, int]] = {}  # var id -> (address, bytes) of memory not tracked
+        self._prescans: dict[int, KnownDigests | None] = {}  # var id -> a scan taken at an async call
         self._pid = os.getpid()
+
+    def prescan(self, var_id: int, view: memoryview | None) -> None:
+        """Scan ``var_id``'s live pages now, for an asynchronous checkpoint that hashes a snapshot of
+        them later: the next :meth:`before_hash` of ``var_id`` answers from this scan."""
+        self._prescans[var_id] = self._scan(var_id, view)
 
     def before_hash(self, var_id: int, view: memoryview | None) -> KnownDigests | None:
         """Scan ``var_id``'s pages (its bytes as ``view``, None if not contiguous): the digests
-        that can be reused, or None to hash every block."""
+        that can be reused, or None to hash every block. After :meth:`prescan`, that scan's answer
+        (``view`` is then a snapshot of the pages scanned, and is not looked at)."""
+        if var_id in self._prescans:
+            return self._prescans.pop(var_id)
+        return self._scan(var_id, view)
+
+    def forget_prescans(self) -> None:
+        """The asynchronous checkpoint that took the scans did not hash (failed before): hash everything."""
+        for var_id in self._prescans:
+            self._pending.pop(var_id, None)
+        self._prescans.clear()
+
+    def _scan(self, var_id: int, view: memoryview | None) -> KnownDigests | None:
         self._pending.pop(var_id, None)
         if os.getpid() != self._pid:
             self._leave_to_parent()
@@ -171,6 +189,7 @@ class DcpTracking:
         self._tracker = None  # its descriptors are closed with the child's copy of the object
         self._vars.clear()
         self._pending.clear()
+        self._prescans.clear()
 
     def close(self) -> None:
         if self._tracker is not None:
@@ -178,6 +197,7 @@ class DcpTracking:
             self._tracker = None
         self._vars.clear()
         self._pending.clear()
+        self._prescans.clear()
 
     def _start(self, var_id: int, address: int, nbytes: int) -> None:
         self._stop(var_id)

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..model.arrays import ArrayBytes
 from ..model.level import Level
 from ..transport.base import Transport
 from . import snapshot
@@ -88,6 +89,14 @@ class AsyncCheckpoints:
         if committer is None:
             return self.inflight.done_now(ckpt_id, level.number, "blocking", blocking)
         config = self.run.config
+        tracking = None
+        if level.differential and not self.inflight.busy:
+            # The pages written since the last checkpoint are those of the live arrays: scanned now,
+            # the background hashes only their blocks in the snapshot.
+            tracking = self.run.spares.get().tracking
+            for vid, p in variables.items():
+                if p.state is None:
+                    tracking.prescan(vid, ArrayBytes(p.array).view(0, p.array.nbytes))
         cow_ok = not level.differential and not (level.base == 4 and config.l4_format == "zarr")
         snap = snapshot.take(variables, config.async_snapshot, self.pool, cow_ok=cow_ok)
         log.debug("checkpoint %d: %s snapshot (%d bytes copied)", ckpt_id, snap.mechanism, snap.extra_bytes)
@@ -100,6 +109,8 @@ class AsyncCheckpoints:
                 committer.writer.sources = snap.sources
                 return committer.checkpoint(ckpt_id, level, snap.sources, state_error=state_error)
             finally:
+                if tracking is not None:
+                    tracking.forget_prescans()  # those not used: the checkpoint failed before hashing them
                 committer.writer.sources = {}
                 committer.variables = committer.writer.variables = {}
                 snap.release()
