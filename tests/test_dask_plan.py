@@ -1,26 +1,9 @@
-"""The Dask backend's pure parts: chunk placement in worker files, groups and partners."""
+"""The Dask backend's pure parts: chunk placement in worker files (its groups: tests/test_topology.py)."""
 
 import numpy as np
 import pytest
 
 from ftidask.backends.dask.plan import VarSpec, chunk_table, layout_from_json, layout_to_json, plan_ranks
-from ftidask.levels.ring_groups import copy_holder, copy_source, make_groups
-from ftidask.model.errors import LevelError
-
-
-def test_groups_absorb_a_lone_leftover_worker():
-    assert make_groups(4, 4) == [[0, 1, 2, 3]]
-    assert make_groups(3, 4) == [[0, 1, 2]]
-    assert make_groups(5, 2) == [[0, 1], [2, 3, 4]]
-    assert make_groups(6, 4) == [[0, 1, 2, 3], [4, 5]]
-    with pytest.raises(LevelError):
-        copy_holder(make_groups(1, 4), 0)
-
-
-def test_partner_ring():
-    groups = make_groups(4, 4)
-    assert [copy_holder(groups, r) for r in range(4)] == [1, 2, 3, 0]
-    assert [copy_source(groups, r) for r in range(4)] == [3, 0, 1, 2]
 
 
 def test_one_container_per_chunk_in_grid_order():

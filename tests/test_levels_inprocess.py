@@ -119,17 +119,6 @@ def test_every_loss_pattern_follows_the_levels_rule(tmp_path_factory, level, dat
     shutil.rmtree(base)
 
 
-@pytest.mark.parametrize("level", [2, 3])
-def test_a_whole_node_lost(tmp_path, level):
-    sizes = [3000, 1, 4097, 2048]
-    files = make_group(tmp_path, level, sizes, seed=7)
-    reference = {i: redundancy(tmp_path, level, i).read_bytes() for i in range(4)}
-    shutil.rmtree(tmp_path / "node2")
-    assert rebuild(tmp_path, level, sizes, files) == [True] * 4
-    assert own(tmp_path, 2).read_bytes() == files[2]
-    assert redundancy(tmp_path, level, 2).read_bytes() == reference[2]
-
-
 # Every file a test opens while this list is installed (an audit hook sees every open, in every thread).
 _opened: list[list[str]] = []
 

@@ -1,11 +1,19 @@
-"""FTI's topology as pure functions: nodes, heads, groups, partners, validation (no MPI needed)."""
+"""The one topology model as pure functions: nodes, heads, groups, partners, validation, for MPI (FTI)
+and Dask (workers) alike (no MPI or cluster needed)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ftidask.levels.topology import host_topology, local_topology, validate_levels
-from ftidask.model.errors import ConfigError
+from ftidask.levels.topology import (
+    host_topology,
+    local_topology,
+    recorded_topology,
+    validate_levels,
+    worker_groups,
+    worker_topology,
+)
+from ftidask.model.errors import ConfigError, LevelError
 
 
 def test_local_test_nodes_of_consecutive_ranks() -> None:
@@ -75,3 +83,60 @@ def test_groups_must_be_whole_for_l2_l3() -> None:
         validate_levels(topo, [3])
     assert "group_size >= 2" in local_topology(4, 1, 0, 1).multilevel_ok()
     assert local_topology(4, 1, 0, 2).multilevel_ok() == ""
+
+
+# --- the Dask backend's workers in the same model -------------------------------------------------
+# Dask commit records list these groups and recovery reads them back: the literals pin what every
+# checkpoint written so far holds (the rule of the former levels/ring_groups.make_groups).
+
+def test_worker_groups_absorb_a_lone_leftover_worker() -> None:
+    assert worker_groups(4, 4) == [[0, 1, 2, 3]]
+    assert worker_groups(3, 4) == [[0, 1, 2]]
+    assert worker_groups(5, 2) == [[0, 1], [2, 3, 4]]
+    assert worker_groups(6, 4) == [[0, 1, 2, 3], [4, 5]]
+    assert worker_topology(5, 2).rank_groups() == [[0, 1], [2, 3, 4]]
+    with pytest.raises(LevelError):
+        worker_groups(0, 4)
+
+
+def test_worker_partner_ring_and_lone_worker() -> None:
+    topo = worker_topology(4, 4)
+    assert [topo.right_partner(r) for r in range(4)] == [1, 2, 3, 0]  # who keeps r's copy
+    assert [topo.left_partner(r) for r in range(4)] == [3, 0, 1, 2]  # whose copy r keeps
+    assert topo.multilevel_ok() == ""
+    lone = worker_topology(1, 4)
+    assert lone.group_ranks(0) == [0] and "fewer than 2" in lone.multilevel_ok()
+    with pytest.raises(LevelError, match="at least 2 nodes"):
+        lone.right_partner(0)
+
+
+def test_ragged_worker_groups_keep_their_ring() -> None:
+    topo = worker_topology(5, 2)
+    assert topo.group_ranks(4) == [2, 3, 4] and topo.index_in_group(4) == 2
+    assert topo.right_partner(4) == 2 and topo.left_partner(2) == 4 and topo.right_partner(1) == 0
+
+
+def test_recorded_groups_rebuild_the_same_topology() -> None:
+    groups = worker_topology(7, 3).rank_groups()
+    assert groups == [[0, 1, 2], [3, 4, 5, 6]]
+    topo = recorded_topology(groups)
+    assert topo.rank_groups() == groups and topo.right_partner(6) == 3
+    with pytest.raises(LevelError, match="ranks 0..n-1"):
+        recorded_topology([[0, 1], [1, 2]])
+
+
+def test_fti_groups_by_position_and_partners_invert() -> None:
+    topo = local_topology(16, 4, 1, 2)  # 4 nodes of a head + 3 app ranks, groups of 2 nodes
+    assert topo.rank_groups() == [[0, 3], [1, 4], [2, 5], [6, 9], [7, 10], [8, 11]]
+    assert all(topo.left_partner(topo.right_partner(r)) == r for r in range(12))
+
+
+def test_old_groups_of_a_dask_record_are_its_recorded_groups() -> None:
+    """Resharding a Dask checkpoint rebuilds on the groups it was written with, leftover worker included."""
+    from ftidask.engine.reshard_rebuild import old_groups
+    from ftidask.engine.runstate import CommitRecord, FileRecord
+
+    files = tuple(FileRecord(r, r, 8, "") for r in range(3))
+    dask = CommitRecord(1, 1, 2, 0.0, 3, files, {"groups": worker_groups(3, 2)})
+    assert old_groups(dask, 2) == [[0, 1, 2]]
+    assert old_groups(CommitRecord(1, 1, 2, 0.0, 3, files), 2) == [[0, 1], [2]]  # MPI: by recorded nodes

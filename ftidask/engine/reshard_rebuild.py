@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..levels import multilevel
+from ..levels.topology import recorded_topology
 from ..storage import files as storage
 from ..transport.threads import ThreadMember, run_group
 from .recovery import check_file
@@ -23,7 +24,12 @@ from .runstate import CommitRecord
 
 def old_groups(record: CommitRecord, group_size: int) -> list[list[int]]:
     """The old layout's L2/L3 groups: per group of ``group_size`` consecutive nodes and per position on
-    a node, the old ranks at that position, by node (as :class:`ftidask.levels.topology.Topology`)."""
+    a node, the old ranks at that position, by node (as :class:`ftidask.levels.topology.Topology`).
+
+    A Dask record lists the groups it was written with (its cluster's size need not be a multiple of
+    ``group_size``): those are the groups, never ones derived again."""
+    if record.extra.get("groups"):
+        return recorded_topology(record.extra["groups"]).rank_groups()
     by_node: dict[int, list[int]] = {}
     for f in sorted(record.files, key=lambda f: f.rank):
         by_node.setdefault(f.node, []).append(f.rank)

@@ -1,11 +1,18 @@
-"""Who is where: nodes, heads, groups and partners of a run (pure functions, no MPI).
+"""Who is where: nodes, heads, groups and partners of a run (pure functions, no backend).
 
-FTI's topology: processes are grouped into nodes (by host name, or with ``local_test`` as
-simulated nodes of ``node_size`` consecutive ranks); with ``head = 1`` the first process of
-each node is a head, kept out of the application's communicator. Nodes form groups of
-``group_size`` consecutive nodes (FTI's sectors); inside a group, the process at the same
-position on the next node is the L2 partner (a ring), and the processes at the same position
-on every node of the group form the L3 erasure-coding group.
+The one model of placement for every backend. FTI's topology (MPI): processes are grouped into
+nodes (by host name, or with ``local_test`` as simulated nodes of ``node_size`` consecutive
+ranks); with ``head = 1`` the first process of each node is a head, kept out of the
+application's communicator. Nodes form groups of ``group_size`` consecutive nodes (FTI's
+sectors); inside a group, the process at the same position on the next node is the L2 partner
+(a ring), and the processes at the same position on every node of the group form the L3
+erasure-coding group.
+
+The Dask backend builds the same model from its worker list (:func:`worker_topology`): each
+worker is one rank on a node of its own. A cluster's size is whatever it is, so its groups
+follow a looser rule (:func:`worker_groups`) and are given to the model explicitly; a commit
+record lists them, and recovery rebuilds the model from that list (:func:`recorded_topology`),
+so a checkpoint is always read with the groups it was written with.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
-from ..model.errors import ConfigError
+from ..model.errors import ConfigError, LevelError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +33,9 @@ class Topology:
     group_size: int
     node_of: tuple[int, ...]  # world rank -> node id
     local_of: tuple[int, ...]  # world rank -> position on its node (0..node_size-1)
+    #: The groups of nodes when they do not follow FTI's rule (Dask's workers); None: FTI's
+    #: consecutive groups of ``group_size`` nodes.
+    node_groups: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def nprocs(self) -> int:
@@ -64,28 +74,56 @@ class Topology:
 
     # --- groups (FTI's sectors) ------------------------------------------------------------------
 
+    @functools.cached_property
+    def _groups(self) -> tuple[tuple[int, ...], ...]:
+        if self.node_groups is not None:
+            return self.node_groups
+        size = max(self.group_size, 1)
+        return tuple(tuple(range(lo, min(lo + size, self.nnodes))) for lo in range(0, self.nnodes, size))
+
+    @functools.cached_property
+    def _group_index(self) -> dict[int, int]:
+        return {node: g for g, nodes in enumerate(self._groups) for node in nodes}
+
     def group_of_node(self, node: int) -> int:
-        return node // self.group_size
+        return self._group_index[node]
 
     def index_in_group(self, node: int) -> int:
-        return node % self.group_size
+        return self._groups[self.group_of_node(node)].index(node)
 
     def group_nodes(self, node: int) -> list[int]:
-        first = self.group_of_node(node) * self.group_size
-        return list(range(first, first + self.group_size))
+        return list(self._groups[self.group_of_node(node)])
 
     def group_ranks(self, app: int) -> list[int]:
         """The L3 group of ``app``: the ranks at its position on each node of its group, by node."""
         pos = self.position_of_app(app)
         return [self.app_rank_at(n, pos) for n in self.group_nodes(self.node_of_app(app))]
 
+    def rank_groups(self) -> list[list[int]]:
+        """Every L2/L3 group of application ranks: by group of nodes, then by position on a node."""
+        return [[self.app_rank_at(n, pos) for n in nodes] for nodes in self._groups for pos in range(self.app_per_node)]
+
+    def _ring(self, app: int) -> list[int]:
+        ranks = self.group_ranks(app)
+        if len(ranks) < 2:  # a copy on the same node is no copy: never pretend there is a partner
+            raise LevelError(f"level 2 needs groups of at least 2 nodes; rank {app}'s group is {ranks}")
+        return ranks
+
     def left_partner(self, app: int) -> int:
         """Whose file ``app``'s node keeps as ``Pcof{app}``: same position, previous node of the group."""
-        ranks = self.group_ranks(app)
+        ranks = self._ring(app)
         return ranks[(ranks.index(app) - 1) % len(ranks)]
+
+    def right_partner(self, app: int) -> int:
+        """Who keeps ``app``'s file as its partner copy: same position, next node of the group."""
+        ranks = self._ring(app)
+        return ranks[(ranks.index(app) + 1) % len(ranks)]
 
     def multilevel_ok(self) -> str:
         """'' when L2 and L3 can run, else why not."""
+        if self.node_groups is not None:
+            small = [list(g) for g in self.node_groups if len(g) < 2]
+            return f"group(s) {small} have fewer than 2 nodes: L2 and L3 need 2 or more" if small else ""
         if self.group_size < 2:
             return f"group_size = {self.group_size}: L2 and L3 need group_size >= 2"
         if self.nnodes % self.group_size:
@@ -131,3 +169,37 @@ def validate_levels(topo: Topology, wanted: Sequence[int]) -> None:
     problem = topo.multilevel_ok()
     if problem and any(level in (2, 3) for level in wanted):
         raise ConfigError(f"L2/L3 checkpoints are configured but {problem}")
+
+
+def worker_groups(nnodes: int, group_size: int) -> list[list[int]]:
+    """Dask's groups: consecutive groups of ``group_size`` nodes; a lone leftover node joins the last group.
+
+    FTI requires ``nnodes`` to be a multiple of ``group_size``; a Dask cluster's size is
+    whatever it is, so a leftover of two or more nodes forms a smaller group of its own.
+    These groups are written into every Dask commit record: the rule must never change.
+    """
+    if nnodes < 1 or group_size < 1:
+        raise LevelError(f"cannot group {nnodes} nodes by {group_size}")
+    size = min(group_size, nnodes)
+    groups = [list(range(lo, min(lo + size, nnodes))) for lo in range(0, nnodes, size)]
+    if len(groups) > 1 and len(groups[-1]) == 1:
+        groups[-2].extend(groups.pop())
+    return groups
+
+
+def recorded_topology(groups: Sequence[Sequence[int]], group_size: int = 0) -> Topology:
+    """One rank per node (Dask's workers), in the given groups of ranks (a commit record's ``groups``).
+
+    The ranks of the groups together must be 0..n-1, each once.
+    """
+    ranks = sorted(r for g in groups for r in g)
+    if ranks != list(range(len(ranks))) or not ranks:
+        raise LevelError(f"groups {[list(g) for g in groups]} do not hold ranks 0..n-1 once each")
+    n = len(ranks)
+    return Topology(1, 0, group_size or max(len(g) for g in groups), tuple(range(n)), (0,) * n,
+                    tuple(tuple(int(r) for r in g) for g in groups))
+
+
+def worker_topology(nworkers: int, group_size: int) -> Topology:
+    """The Dask backend's topology: worker ``i`` (sorted addresses) is rank ``i`` on node ``i``."""
+    return recorded_topology(worker_groups(nworkers, group_size), group_size)

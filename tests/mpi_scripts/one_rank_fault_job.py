@@ -30,7 +30,7 @@ from mpi4py import MPI
 
 import ftidask
 from ftidask.backends.mpi import heads
-from ftidask.backends.mpi import transport as mpi_transport
+from ftidask.engine import grouplevels
 from ftidask.engine import claim as run_claim
 from ftidask.engine import dcpstore, pending, runstate
 from ftidask.engine import recovering as context_recovery
@@ -165,7 +165,7 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[int], Callable[..., None], int |
     "init-gc": ({}, [1], init_fault(1, storage, "collect_level_garbage", MemoryError()), 1),
     # recover: choosing the record, the rebuild, the load
     "recover-check": ({}, [1], recover_fault(1, context_recovery, "check_file", MemoryError()), 1),
-    "recover-rebuild": ({}, [2], recover_fault(1, mpi_transport, "check_file", MemoryError(), "Ckpt1-Rank1.fti"), 1),
+    "recover-rebuild": ({}, [2], recover_fault(1, grouplevels, "check_file", MemoryError(), "Ckpt1-Rank1.fti"), 1),
     "recover-load": ({}, [1], recover_fault(2, context_recovery, "load_file", MemoryError()), 1),
     # finalize: the flush of keep_last_ckpt, the clean-up
     "finalize-flush": ({"keep_last_ckpt": 1}, [1], finalize_fault(1, storage, "copy_file_atomic", MemoryError()), 1),

@@ -23,7 +23,7 @@ from distributed import Client, Future, futures_of
 from ...api.context import Context, Protected
 from ...engine.inflight import CheckpointHandle
 from ...engine.runstate import CommitRecord, FileRecord
-from ...levels.ring_groups import copy_source, group_of, make_groups
+from ...levels.topology import worker_topology
 from ...model.arrays import check_ckpt_id, check_id
 from ...model.config import Config
 from ...model.errors import CheckpointError, FTIError, LevelError, ProtectError
@@ -254,7 +254,8 @@ class DaskContext(Context):
                     owner: dict, workers: list[str]) -> tuple[list, list[dict[str, Any]], list[list[int]]]:
         n = len(workers)
         plans = plan_ranks(specs, owner, n)
-        groups = make_groups(n, self.config.group_size)
+        topo = worker_topology(n, self.config.group_size)
+        groups = topo.rank_groups()
         fs = [p.layout.fs for p in plans]
         write_level = 1 if level == 4 else level  # L4 writes locally, then flushes
         tag = f"{ckpt_id}-{seq}"
@@ -266,11 +267,11 @@ class DaskContext(Context):
         for plan in plans:
             r = plan.rank
             meta = self.rank_meta(ckpt_id, level, seq, r, workers)
-            partner = fs[copy_source(groups, r)] if level == 2 and len(workers) > 1 else fs[r]
+            partner = fs[topo.left_partner(r)] if level == 2 and len(workers) > 1 else fs[r]
             writes.append(self.cluster.submit(
                 tasks.write_rank, self.node_file(write_level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r)),
                 layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, self.config.hash, partner,
-                max(fs[g] for g in group_of(groups, r)), [[c.var_id, c.dptr] for c in plan.chunks],
+                max(fs[g] for g in topo.group_ranks(r)), [[c.var_id, c.dptr] for c in plan.chunks],
                 *(futures[c.var_id, c.index] for c in plan.chunks),
                 key=f"ftidask-write-{tag}-{r}", worker=workers[r]))
         finals: list[Future] = []

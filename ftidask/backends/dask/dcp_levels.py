@@ -33,7 +33,7 @@ from distributed import Future
 from ...engine.runstate import CommitRecord
 from ...ftiff import blockhash
 from ...levels import rs
-from ...levels.ring_groups import copy_holder, copy_source, group_of, make_groups
+from ...levels.topology import recorded_topology, worker_topology
 from ...model.errors import FTIError
 from ...storage import files as storage
 from . import dcp_tasks, group_steps
@@ -88,7 +88,8 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
     n = len(workers)
     ctx.spares.nranks = max(ctx.spares.nranks, n)
     plans = plan_ranks(specs, owner, n)
-    groups = make_groups(n, ctx.config.group_size)
+    topo = worker_topology(n, ctx.config.group_size)
+    groups = topo.rank_groups()
     fs = [p.layout.fs for p in plans]
     tag = f"{ckpt_id}-{seq}"
     bid = blockhash.block_hash_id(ctx.config.dcp_mode)
@@ -101,11 +102,11 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
     for plan in plans:
         r = plan.rank
         meta = ctx.rank_meta(ckpt_id, level, seq, r, workers)
-        partner = fs[copy_source(groups, r)] if level == 2 else fs[r]
+        partner = fs[topo.left_partner(r)] if level == 2 else fs[r]
         writes.append(ctx.cluster.submit(
             dcp_tasks.write_rank_dcp, spare_path(ctx, level, r), own(r), spares.pop((level, r), None),
             layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, ctx.config.hash,
-            ctx.config.dcp_block_size, bid, partner, max(fs[g] for g in group_of(groups, r)),
+            ctx.config.dcp_block_size, bid, partner, max(fs[g] for g in topo.group_ranks(r)),
             [[c.var_id, c.dptr] for c in plan.chunks], *(futures[c.var_id, c.index] for c in plan.chunks),
             with_xor=level == 3, key=f"ftidask-dcp-write-{tag}-{r}", worker=workers[r]))
     deps = writes  # what each member's level task takes from its write (the delta, or the XOR bytes)
@@ -175,7 +176,7 @@ class DaskSpares:
                 move(workers[f.rank], parity, spare, (0, f.rank, ""))
                 move(workers[f.rank], str(rs.hash_path(Path(parity))), str(rs.hash_path(Path(spare))), (0, f.rank, ""))
             if record.level == 2 and groups:
-                holder = copy_holder(groups, f.rank)
+                holder = recorded_topology(groups).right_partner(f.rank)
                 if holder < len(workers) and workers[holder] in live:
                     move(workers[holder], ctx.node_file(2, record.ckpt_id, record.seq, holder,
                                                     storage.partner_file(record.ckpt_id, holder)),

@@ -19,7 +19,7 @@ from ...engine import pystate
 from ...engine.recoverplan import normalize_ids
 from ...engine.recovery import check_writeable
 from ...engine.runstate import CommitRecord
-from ...levels.ring_groups import copy_holder, group_of
+from ...levels.topology import Topology, recorded_topology
 from ...model.arrays import dtype_from_json
 from ...model.errors import FTIError, NoCheckpointError, RecoveryError
 from ...storage import files as storage
@@ -72,7 +72,8 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
         raise RecoveryError("the cluster has no workers")
     n, level, cid, seq = record.nranks, record.level, record.ckpt_id, record.seq
     recorded = list(record.extra.get("workers", []))
-    groups = [list(g) for g in record.extra.get("groups", [list(range(n))])]
+    topo = _record_topology(record)
+    groups = topo.rank_groups()
     fb = {f.rank: f.fb_hash for f in record.files}
     own = {r: ctx.node_file(level, cid, seq, r, storage.rank_file(cid, r)) for r in range(n)}
     pcof = {r: ctx.node_file(2, cid, seq, r, storage.partner_file(cid, r)) for r in range(n)} if level == 2 else {}
@@ -97,7 +98,7 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
                     for r in bad[:4])
     if level in (1, 4):
         raise Unrecoverable(f"files of rank(s) {bad} are lost or damaged ({why}); level {level} keeps no copy")
-    _check_rebuildable(level, groups, bad, ok, placer, pcof, rsed)
+    _check_rebuildable(level, topo, bad, ok, placer, pcof, rsed)
     side = pcof if level == 2 else rsed
     for r in bad:  # a stand-in: a worker that sees the rank's partner copy or parity if any, else the least loaded
         hosts[r] = placer.pick(side[r]) or placer.any()
@@ -110,16 +111,21 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
     return {r: (hosts[r], own[r]) for r in range(n)}
 
 
-def _check_rebuildable(level: int, groups: list[list[int]], bad: list[int], ok: set[int], placer: _Placer,
+def _record_topology(record: CommitRecord) -> Topology:
+    """The groups ``record`` was written with (one group of every worker when it lists none)."""
+    return recorded_topology(record.extra.get("groups", [list(range(record.nranks))]))
+
+
+def _check_rebuildable(level: int, topo: Topology, bad: list[int], ok: set[int], placer: _Placer,
                        pcof: dict[int, str], rsed: dict[int, str]) -> None:
     """Refuse at once (no session started) when the files that survive cannot bring back the lost ones."""
-    for group in groups:
+    for group in topo.rank_groups():
         lost = [r for r in group if r in bad]
         if not lost:
             continue
         if level == 2:
             for r in lost:
-                holder = copy_holder(groups, r)
+                holder = topo.right_partner(r)
                 if not placer.visible.get(pcof[holder]):
                     raise Unrecoverable(f"rank {r}'s file and its partner copy (on rank {holder}) are both lost")
         else:
@@ -206,7 +212,7 @@ def file_sources(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
     """rank -> what a read task needs to find that rank's file again on any worker
     (see :func:`ftidask.backends.dask.reads.read_recovered_chunk`): the file, and its L2 copy or L3 group."""
     n, level, cid, seq = record.nranks, record.level, record.ckpt_id, record.seq
-    groups = [list(g) for g in record.extra.get("groups", [list(range(n))])]
+    topo = _record_topology(record)
     sizes = {f.rank: f.size for f in record.files}
     out = {}
     for f in record.files:
@@ -215,10 +221,10 @@ def file_sources(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
         src: dict[str, Any] = {"ckpt_id": cid, "level": level, "rank": r, "path": path, "fb_hash": f.fb_hash,
                                "worker": worker}
         if level == 2 and n > 1:
-            holder = copy_holder(groups, r)
+            holder = topo.right_partner(r)
             src["copies"] = [ctx.node_file(2, cid, seq, holder, storage.partner_file(cid, holder))]
         elif level == 3 and n > 1:
-            group = group_of(groups, r)
+            group = topo.group_ranks(r)
             src["group"] = {"position": group.index(r), "sizes": [sizes[g] for g in group],
                             "data": [ctx.node_file(3, cid, seq, g, storage.rank_file(cid, g)) for g in group],
                             "parity": [ctx.node_file(3, cid, seq, g, storage.parity_file(cid, g)) for g in group]}

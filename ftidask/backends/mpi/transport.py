@@ -12,23 +12,16 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from ...dcp.delta import file_fb_hash
-from ...engine.recovery import check_file
+from ...engine.grouplevels import GroupLevels
 from ...engine.runstate import CommitRecord
-from ...ftiff import hashing
-from ...levels import multilevel, partner_delta, rs_delta
 from ...levels.topology import Topology, host_topology, local_topology, validate_levels
 from ...model.config import Config
-from ...model.errors import CheckpointError, ConfigError, FTIError, LevelError
-from ...storage import files as storage
-from ...transport import collective
-from ...transport.base import Transport
+from ...model.errors import ConfigError, FTIError
 
 log = logging.getLogger("ftidask")
 _TAG_REQ, _TAG_REPLY = 1, 2
@@ -102,7 +95,7 @@ def make_topology(cfg: Config, comm: MPI.Comm) -> Topology:
     return host_topology(allgather_json(comm, MPI.Get_processor_name()), cfg.node_size, cfg.head, cfg.group_size)
 
 
-class MpiTransport(Transport):
+class MpiTransport(GroupLevels):
     """One process of an MPI run: an application rank, or (``head = 1``) a node's head."""
 
     name = "mpi"
@@ -155,83 +148,6 @@ class MpiTransport(Transport):
         from .stage_heads import HeadStageMover
 
         return HeadStageMover(self.node_comm)
-
-    def levels(self) -> tuple[int, ...]:
-        return (1, 4) if self._problem else (1, 2, 3, 4)
-
-    def check_level(self, level: int) -> None:
-        if level not in self.levels():
-            raise LevelError(f"level {level} is not available: {self._problem}")
-
-    def partner_of(self) -> int:
-        return self.topo.left_partner(self.rank) if self.group is not None else self.rank
-
-    def group_of(self) -> list[int]:
-        return self.topo.group_ranks(self.rank) if self.group is not None else [self.rank]
-
-    # --- levels -----------------------------------------------------------------------------------
-
-    def protect_files(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path) -> None:
-        if level not in (2, 3):
-            return
-        self.check_level(level)
-        assert self.group is not None
-        # Local work between the group's collectives records its errors (collective.guarded), never raises.
-        errors: list[str] = []
-        size = _size_or_zero(own_file)
-        fb_hash = collective.guarded(errors, lambda: file_fb_hash(own_file), "") if level == 3 else ""
-        fb_hashes = self.group.allgather(fb_hash) if level == 3 else None
-        error = multilevel.protect(self.group, self.cfg, level, ckpt_id, self.rank, own_file, ckpt_dir,
-                                   self.group.allgather(size), fb_hashes)
-        if error or errors:
-            raise CheckpointError("; ".join([*errors, error] if error else errors))
-
-    def protect_files_delta(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, delta: Any,
-                            xor: Any = None) -> None:
-        """L2 of a differential file: the partner gets only the changed ranges when it holds the base.
-        L3: the parity is updated from every member's ``xor`` delta when all can (else re-encoded)."""
-        if level == 3:
-            self.check_level(level)
-            assert self.group is not None
-            errors: list[str] = []
-            why = rs_delta.update(self.group, xor, collective.guarded(errors, lambda: file_fb_hash(own_file), ""),
-                                  rs_delta.spare_parity_path(ckpt_dir, self.rank),
-                                  ckpt_dir / storage.parity_file(ckpt_id, self.rank),
-                                  self.group.allgather(_size_or_zero(own_file)), hashing.hash_id(self.cfg.hash))
-            if why is None:
-                if errors:  # after the level's last collective: local, agreed by the caller
-                    raise CheckpointError("; ".join(errors))
-                return
-            log.info("L3: parity re-encoded in full: %s", why)
-        if level != 2:
-            self.protect_files(level, ckpt_id, own_file, ckpt_dir)
-            return
-        self.check_level(level)
-        assert self.group is not None
-        size = _size_or_zero(own_file)
-        error = partner_delta.protect(self.group, own_file, ckpt_dir / storage.partner_file(ckpt_id, self.rank),
-                                      partner_delta.spare_partner_path(ckpt_dir, self.rank), size, delta,
-                                      self.cfg.transfer_size << 20)
-        if error:
-            raise CheckpointError(error)
-
-    def rebuild_file(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, ok: bool,
-                     record: CommitRecord | None = None) -> bool:
-        if level not in (2, 3) or self.group is None or record is None:
-            return ok
-        sizes = {f.rank: f.size for f in record.files}
-        ranks = self.topo.group_ranks(self.rank)
-        if record.nranks != self.size or any(r not in sizes for r in ranks):
-            return ok  # written by another topology: nothing to rebuild with
-        left = self.topo.left_partner(self.rank)
-
-        def verify(path: Path, rank: int) -> bool:  # called between the group's collectives: never raises
-            return bool(collective.guarded([], lambda: check_file(path, record, rank).kind == "ok", False,
-                                          f"checking {path}"))
-
-        return multilevel.rebuild(
-            self.group, self.cfg, level, record.ckpt_id, self.rank, own_file, ckpt_dir, [sizes[r] for r in ranks],
-            ok, verify_own=lambda p: verify(p, self.rank), verify_partner=lambda p: verify(p, left))
 
     # --- heads (post-processing) --------------------------------------------------------------------
 
@@ -316,11 +232,3 @@ def make_mpi_context(cfg: Config, comm: Any) -> Any:
         serve(cfg, transport)
         raise SystemExit(0)
     return Context(cfg, transport)
-
-
-def _size_or_zero(path: Path) -> int:
-    """The file's size, 0 when it is missing (its rank still takes part in the collective)."""
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
