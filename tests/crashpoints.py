@@ -19,7 +19,6 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-
 INSTALLED: list[str] = []  # the crash points installed in this process
 
 

@@ -295,7 +295,8 @@ def test_many_async_checkpoints_hold_no_resources(dirs, count):
         a[:] = i
         ctx.checkpoint(i, 1, wait=False)
     ctx.wait()
-    assert _counts()[0] <= fds and _counts()[1] <= threads
+    # flat: a leak per checkpoint would show hundreds (a few may come and go with the cluster of other tests)
+    assert _counts()[0] <= fds + 3 and _counts()[1] <= threads + 2, (_counts(), fds, threads)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 64 << 10  # KiB: < 64 MiB more at peak
     assert ctx.last_checkpoint.id == count
     ctx.finalize()

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..memsnap import cow
 from ..model.arrays import stream_order
 from ..model.errors import ConfigError
 from .variables import Protected
@@ -159,10 +160,6 @@ def take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, *,
 
 def _try_cow(arrays: list[np.ndarray], forced: bool) -> Any:
     """A copy-on-write snapshot of ``arrays``, or None where the kernel or the memory does not allow it."""
-    try:
-        from ..memsnap import cow
-    except ImportError:
-        return None
     try:
         return cow.CowSnapshot(arrays)
     except cow.CowUnavailable as exc:

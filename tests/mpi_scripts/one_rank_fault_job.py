@@ -30,9 +30,8 @@ from mpi4py import MPI
 
 import ftidask
 from ftidask.backends.mpi import heads
-from ftidask.engine import grouplevels
 from ftidask.engine import claim as run_claim
-from ftidask.engine import dcpstore, pending, runstate
+from ftidask.engine import dcpstore, grouplevels, pending, runstate
 from ftidask.engine import recovering as context_recovery
 from ftidask.engine import writing as context_writing
 from ftidask.levels import erasure, partner, partner_delta, rs_delta
