@@ -36,8 +36,7 @@ from ..storage import dirchecks
 from ..storage import files as storage
 from ..storage.runlock import RunLock
 from ..transport.base import Transport
-from ..transport.collective import everywhere, on_root
-from . import logsetup
+from . import display, logsetup
 
 log = logging.getLogger("ftidask")
 
@@ -132,6 +131,11 @@ class Context:
         # snapshot's next checkpoint id (read by a test job)
         return self.progress.next_ckpt_id
 
+    @property
+    def finalized(self) -> bool:
+        """Whether :meth:`finalize` ran (or the context was closed after an error)."""
+        return self._closed
+
     def status(self) -> int:
         """FTI_Status, fixed at init: 0 fresh start, 1 restart, 2 restart from a kept L4 checkpoint."""
         return self._status
@@ -189,10 +193,6 @@ class Context:
         """Finish, commit, retire and announce ``pending`` (see :meth:`ftidask.engine.commit.Committer.finish`)."""
         return self._committer.finish(pending)
 
-    def _encode_states(self) -> str:
-        """Store each protected Python state's current value as its bytes; why one cannot be, or ''."""
-        return encode_states(self._vars, self.transport.rank)
-
     @property
     def _dcp(self) -> DcpStore | None:
         # This rank's differential-checkpoint store if one was made (the Dask backend puts its spares here).
@@ -201,10 +201,6 @@ class Context:
     @_dcp.setter
     def _dcp(self, store: DcpStore | None) -> None:
         self._spares.store = store
-
-    def _dcp_store(self) -> DcpStore:
-        """This rank's differential-checkpoint files (created on first use)."""
-        return self._spares.get()
 
     def _check_level(self, level: Any, dcp: bool = False) -> Level:
         """The level a checkpoint asks for, parsed once (1-4; 5-8 or ``dcp=True`` with enable_dcp), and
@@ -338,25 +334,12 @@ class Context:
         """FTI_Finalize: flush the last checkpoint to L4 if ``keep_last_ckpt``, else clean up."""
         if self._closed:
             return
-        t = self.transport
         staging_failed = self._staging.finish()  # wait for pending SendFile requests (stage_timeout)
-        failed = "finalize failed"
         self._async.drain()  # a failure nobody asked for is raised at the end, once finalized
         try:
             self._async.close()
-            t.wait_post()
-            records = self.recovery.candidates(None, None, FTIError)
-            if self.config.keep_last_ckpt and records:
-                last = records[0]
-                if last.level != 4:
-                    self._flush_to_l4(last)
-                on_root(t, lambda: self.state.write_run(state="finalized", keep_last=True), FTIError, failed)
-            else:
-                for record in records:
-                    self._retention.remove_checkpoint(record)
-                on_root(t, lambda: self.state.write_run(state="finalized", keep_last=False), FTIError, failed)
-            # the spares of differential checkpoints (every rank takes part, with a store or not)
-            everywhere(t, self._dcp.clear if self._dcp is not None else lambda: None, FTIError, failed)
+            self.transport.wait_post()
+            self._retention.end_run(self.recovery.candidates(None, None, FTIError), self._flush_to_l4)
         finally:
             self._close()
         self._retention.prune_run_dirs()
@@ -411,22 +394,7 @@ class Context:
             self._close()
 
     def __repr__(self) -> str:
-        vars_ = ", ".join(f"{p.id}:{p.name} {p.array.dtype}{list(p.array.shape)}" for p in self._vars.values())
-        last = self.last_checkpoint
-        return (f"<ftidask.Context exec_id={self.exec_id!r} backend={self.transport.name} rank={self.transport.rank}"
-                f"/{self.transport.size} status={self._status} vars=[{vars_}]"
-                f" last_checkpoint={None if last is None else (last.id, last.level)}"
-                f"{' finalized' if self._closed else ''}>")
+        return display.context_repr(self)
 
     def _repr_html_(self) -> str:
-        import html
-
-        rows = "".join(
-            f"<tr><td>{p.id}</td><td>{html.escape(p.name)}</td><td>{p.array.dtype}</td>"
-            f"<td>{tuple(p.array.shape)}</td><td>{p.array.nbytes:,}</td></tr>" for p in self._vars.values())
-        last = self.last_checkpoint
-        return (f"<div><b>ftidask.Context</b> run <code>{html.escape(self.exec_id)}</code>, "
-                f"{self.transport.name} backend, status {self._status}, "
-                f"last checkpoint: {'none' if last is None else f'id {last.id}, level {last.level}'}"
-                f"<table><tr><th>id</th><th>name</th><th>dtype</th><th>shape</th><th>bytes</th></tr>{rows}"
-                "</table></div>")
+        return display.context_html(self)

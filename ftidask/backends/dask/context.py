@@ -23,6 +23,7 @@ from distributed import Client, Future, futures_of
 from ...api.context import Context, Protected
 from ...engine.inflight import CheckpointHandle
 from ...engine.runstate import CommitRecord, FileRecord
+from ...engine.variables import encode_states
 from ...levels.topology import worker_topology
 from ...model.arrays import check_ckpt_id, check_id
 from ...model.config import Config
@@ -158,7 +159,7 @@ class DaskContext(Context):
             self._async.inflight.raise_unobserved()
         else:
             self._async.settle()
-        error = "" if self._keep_state_bytes else self._encode_states()  # Python states: their bytes now
+        error = "" if self._keep_state_bytes else encode_states(self._vars, self.transport.rank)  # Python states: their bytes now
         if error:
             raise CheckpointError(f"checkpoint {ckpt_id} failed; the previous checkpoint is kept: {error}")
         start = time.perf_counter()

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...engine.icp import check_none_open, open_icp, protected_var
+from ...engine.variables import encode_states
 from ...model.arrays import check_ckpt_id
 from ...model.errors import CheckpointError
 
@@ -33,7 +34,7 @@ def init_icp(ctx: Any, ckpt_id: int, level: int) -> None:
     check_none_open(ctx)
     cid = check_ckpt_id(ckpt_id)
     ctx._check_level(level)  # refuse a bad level now, not at the commit
-    error = ctx._encode_states()  # Python states are taken when the checkpoint begins (as on MPI)
+    error = encode_states(ctx.variables, ctx.transport.rank)  # Python states are taken when the checkpoint begins (as on MPI)
     if error:
         raise CheckpointError(f"incremental checkpoint {cid}: {error}; the previous checkpoint is kept")
     ctx._icp = DaskIcp(cid, level)
