@@ -209,13 +209,18 @@ def codec(mib: int) -> None:
     print(f"  memcpy                {mb / cpy:8.0f} MB/s")
 
 
-def report_async(mpiexec: str, args: argparse.Namespace, tmp: str) -> None:
-    proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, "--worker-async", "--mib",
+def run_workers(mpiexec: str, args: argparse.Namespace, tmp: str, flag: str) -> dict[int, list]:
+    """Launch the ranks with ``flag`` (--worker, --worker-async); rank 0's RESULT row per level."""
+    proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, flag, "--mib",
                            str(args.mib), "--dir", tmp], capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         sys.exit(f"benchmark failed:\n{proc.stdout}\n{proc.stderr}")
-    rows = {int(k): v for k, v in json.loads(line[7:]).items()}
+    return {int(k): v for k, v in json.loads(line[7:]).items()}
+
+
+def report_async(mpiexec: str, args: argparse.Namespace, tmp: str) -> None:
+    rows = run_workers(mpiexec, args, tmp, "--worker-async")
     print(f"asynchronous checkpoints of {args.ranks} ranks x {args.mib} MiB (slowest rank, medians of 3); the ranks "
           "write their whole state right after each call")
     print("level   sync (s)   blocked (s)  blocked/L1's  blocked/sync   total (s)  total/sync  snapshot")
@@ -252,12 +257,7 @@ def main() -> None:
     if args.asynchronous:
         report_async(mpiexec, args, tmp)
         return
-    proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, "--worker", "--mib",
-                           str(args.mib), "--dir", tmp], capture_output=True, text=True, timeout=3600)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        sys.exit(f"benchmark failed:\n{proc.stdout}\n{proc.stderr}")
-    rows = {int(k): v for k, v in json.loads(line[7:]).items()}
+    rows = run_workers(mpiexec, args, tmp, "--worker")
     times = {level: row[0] for level, row in rows.items()}
     total = args.ranks * args.mib
     print(f"checkpoint of {args.ranks} ranks x {args.mib} MiB = {total} MiB (slowest rank), against a raw tofile+fsync "
