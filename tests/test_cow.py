@@ -223,8 +223,10 @@ def test_no_fd_or_thread_leak_and_the_destructor_releases():
             snap.release()
         del snap  # the other half released by the destructor
     gc.collect()
-    assert len(os.listdir("/proc/self/fd")) == fds
-    assert _threads() == tasks and threading.active_count() == pythreads
+    # A leak would show once per cycle (100-200 more); other tests' background threads (a Dask client
+    # closing, a remover pool) may hold a descriptor or a thread for a moment: a little slack.
+    assert len(os.listdir("/proc/self/fd")) <= fds + 2
+    assert _threads() <= tasks + 2 and threading.active_count() <= pythreads + 2
     a[:] = 0
 
 
