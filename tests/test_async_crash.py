@@ -59,15 +59,17 @@ def _run_once(tmp_path, seed: int) -> None:
     deadline = time.monotonic() + 60
     want = rng.randint(1, 6)  # kill after this many commits, at a random moment after it
     while committed < want and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
+        words = proc.stdout.readline().split()
+        if not words:
             break
-        committed = int(line.split()[1])
+        committed = int(words[1])
     time.sleep(rng.uniform(0, 0.08))
     os.kill(proc.pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=30)
-    for line in out.splitlines():
-        committed = max(committed, int(line.split()[1]))
+    for line in out.splitlines():  # the last line may be cut short by the kill
+        words = line.split()
+        if len(words) == 2 and words[0] == "committed" and words[1].isdigit():
+            committed = max(committed, int(words[1]))
     assert committed >= 1, f"the child committed nothing: {err[-2000:]}"
     ctx = ftidask.init(exec_id="crash", enable_dcp=1, ckpt_dir=str(base / "Local"), glbl_dir=str(base / "Global"),
                        meta_dir=str(base / "Meta"))
