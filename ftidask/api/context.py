@@ -29,7 +29,7 @@ from ..ftiff import hashing
 from ..model import constants
 from ..model.arrays import check_ckpt_id, check_id
 from ..model.config import Config
-from ..model.errors import CheckpointError, FTIError
+from ..model.errors import FTIError
 from ..model.level import Level
 from ..staging.stager import StageInfo, Stager, Staging
 from ..storage import dirchecks
@@ -156,14 +156,14 @@ class Context:
         """
         self._check_open()
         parsed = self._check_level(level, dcp)
-        if wait is False or (wait is None and self.config.async_ckpt):
+        if self._asynchronous(wait):
             return self._checkpoint_async(check_ckpt_id(id), parsed)
         self._async.settle()
-        self._check_no_icp()
+        icp.check_none_open(self)
         return self._committer.checkpoint(id, parsed)
 
     def _checkpoint_async(self, ckpt_id: int, level: Level) -> CheckpointHandle:
-        self._check_no_icp()
+        icp.check_none_open(self)
         state_error = encode_states(self._vars, self.transport.rank)  # the states' values at the call
 
         def blocking() -> CheckpointInfo:
@@ -172,21 +172,20 @@ class Context:
 
         return self._async.submit(ckpt_id, level, self._vars, state_error, blocking)
 
+    def _asynchronous(self, wait: bool | None) -> bool:  # wait=None: as async_ckpt says
+        return wait is False or (wait is None and self.config.async_ckpt)
+
     def wait(self) -> None:
         """Wait until every asynchronous checkpoint in flight is committed (or failed); raise the first
         failure whose handle nobody asked (:class:`CheckpointError`)."""
         self._check_open()
         self._async.settle()
 
-    def _check_no_icp(self) -> None:
-        if self._icp is not None:
-            raise CheckpointError(f"incremental checkpoint {self._icp.ckpt_id} is open; finalize_icp() first")
-
     def _begin_checkpoint(self, id: int, level: Level, incremental: bool = False) -> PendingCheckpoint:
         """Plan checkpoint ``id`` and open its file (iCP; nothing may be in flight)."""
         self._check_open()
         self._async.settle()
-        self._check_no_icp()
+        icp.check_none_open(self)
         return self._committer.begin(id, level, incremental)
 
     def _commit_checkpoint(self, pending: PendingCheckpoint) -> CheckpointInfo:
@@ -371,8 +370,8 @@ class Context:
 
     def wait_post_processing(self) -> Any:
         """Wait until the head has finished post-processing the last checkpoint (L2-L4 with heads)."""
-        self._async.drain()
-        return self._async.wait_post() or self.transport.wait_post()
+        self._async.drain()  # the background's request too: its transport shares the head's state
+        return self.transport.wait_post()
 
     def post_processing_done(self) -> bool:
         """Whether the head has finished post-processing the last checkpoint (never blocks)."""

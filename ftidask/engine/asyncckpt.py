@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from ..model.arrays import ArrayBytes
 from ..model.level import Level
@@ -82,9 +81,7 @@ class AsyncCheckpoints:
                blocking: Callable[[], CheckpointInfo]) -> CheckpointHandle:
         """Snapshot ``variables`` (states already encoded) and queue checkpoint ``ckpt_id``; its handle.
         ``blocking`` writes it as a blocking checkpoint, when no background channel exists."""
-        self.inflight.raise_unobserved()
-        self.inflight.throttle()
-        self.inflight.raise_unobserved()  # the one waited for may have failed
+        self.inflight.make_room()
         committer = self.background_committer()
         if committer is None:
             return self.inflight.done_now(ckpt_id, level.number, "blocking", blocking)
@@ -127,10 +124,6 @@ class AsyncCheckpoints:
     def drain(self) -> None:
         """Wait for every checkpoint in flight (their failures stay for their handles)."""
         self.inflight.drain()
-
-    def wait_post(self) -> Any:
-        """The background channel's post-processing (heads) finished too."""
-        return self._transport.wait_post() if self._transport is not None else None
 
     def close(self) -> None:
         """Finish what is in flight, stop the thread, close the background channel and committer."""

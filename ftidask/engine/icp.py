@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 
 
 def check_none_open(ctx: Any) -> None:
-    """Refuse to open an incremental checkpoint while another one is open (any backend)."""
+    """Refuse to start a checkpoint while an incremental one is open (any backend)."""
     if ctx._icp is not None:
-        raise CheckpointError(f"incremental checkpoint {ctx._icp.ckpt_id} is still open; finalize it first")
+        raise CheckpointError(f"incremental checkpoint {ctx._icp.ckpt_id} is open; finalize_icp() first")
 
 
 def open_icp(ctx: Any) -> Any:

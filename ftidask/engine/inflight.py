@@ -145,6 +145,13 @@ class Inflight:
             while len(self._jobs) >= self.max_inflight:
                 self._cond.wait()
 
+    def make_room(self) -> None:
+        """Before a new asynchronous checkpoint: raise an unobserved failure, wait until fewer than
+        ``max_inflight`` are in flight, then raise the failure of one waited for."""
+        self.raise_unobserved()
+        self.throttle()
+        self.raise_unobserved()
+
     def drain(self) -> None:
         """Wait until every checkpoint in flight is committed or has failed."""
         with self._cond:

@@ -126,9 +126,10 @@ def take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, *,
     module's text; ``cow_ok`` False rules copy-on-write out for this checkpoint)."""
     if mechanism not in MECHANISMS:
         raise ConfigError(f"async_snapshot = {mechanism!r}: expected one of {', '.join(MECHANISMS)}")
-    frozen = {vid: _frozen_var(p, p.array.view() if p.state is None else p.array) for vid, p in variables.items()}
     if mechanism == "blocking":
         return Snapshot(dict(variables), {}, "blocking")
+    # A view: the description (shape, dtype) of the call, whatever the application does to the array's.
+    frozen = {vid: _frozen_var(p, p.array.view() if p.state is None else p.array) for vid, p in variables.items()}
     big = [vid for vid, p in variables.items() if p.state is None and p.array.nbytes >= COW_MIN_BYTES]
     sources: dict[int, Any] = {}
     releases: list[Callable[[], None]] = []

@@ -152,14 +152,13 @@ class DaskContext(Context):
         self._check_open()
         ckpt_id = check_ckpt_id(id)
         parsed = self._check_level(level, dcp)
-        asynchronous = wait is False or (wait is None and self.config.async_ckpt)
+        asynchronous = self._asynchronous(wait)
         if asynchronous:
-            self._async.inflight.raise_unobserved()
-            self._async.inflight.throttle()
-            self._async.inflight.raise_unobserved()
+            self._async.inflight.make_room()
         else:
             self._async.settle()
-        error = "" if self._keep_state_bytes else encode_states(self._vars, self.transport.rank)  # Python states: their bytes now
+        # Python states: their bytes now
+        error = "" if self._keep_state_bytes else encode_states(self._vars, self.transport.rank)
         if error:
             raise CheckpointError(f"checkpoint {ckpt_id} failed; the previous checkpoint is kept: {error}")
         start = time.perf_counter()

@@ -10,6 +10,7 @@ raw bytes.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 from typing import Any
@@ -95,6 +96,14 @@ def make_topology(cfg: Config, comm: MPI.Comm) -> Topology:
     return host_topology(allgather_json(comm, MPI.Get_processor_name()), cfg.node_size, cfg.head, cfg.group_size)
 
 
+@dataclasses.dataclass
+class _HeadRequest:
+    """A rank's last post-processing request to its head: outstanding or not, and the head's reply."""
+
+    pending: bool = False
+    last_reply: Any = None
+
+
 class MpiTransport(GroupLevels):
     """One process of an MPI run: an application rank, or (``head = 1``) a node's head."""
 
@@ -124,8 +133,8 @@ class MpiTransport(GroupLevels):
             color = g if self.is_head else g * topo.app_per_node + topo.position_of_app(self.rank)
             sub = self._keep(self.comm.Split(color, topo.index_in_group(self.node)))
             self.group = MpiGroup(sub, cfg.mpi_tag)
-        self._pending = False
-        self._last_reply: Any = None
+        # The head's last request: shared with the background clone (whichever sent it, either waits for it).
+        self._post = _HeadRequest()
         self._closed = False
         self._foreground: MpiTransport | None = None  # set on the background clone: whose clone it is
 
@@ -166,25 +175,25 @@ class MpiTransport(GroupLevels):
             return
         request = {"op": "post", "record": record.to_json(), "level": level, "exec_id": exec_id}
         send_json(self.node_comm, request, 0, _TAG_REQ)
-        self._pending = True
+        self._post.pending = True
 
     def post_done(self) -> bool:
         """Whether the last post-processing request is finished (never blocks)."""
-        if not self._pending:
+        if not self._post.pending:
             return True
         assert self.node_comm is not None
         return bool(self.node_comm.Iprobe(source=0, tag=_TAG_REPLY))
 
     def wait_post(self) -> Any:
         """Wait for the last post-processing request; its outcome ({'ok': bool, 'error': str}) or None."""
-        if self._pending:
+        post = self._post
+        if post.pending:
             assert self.node_comm is not None
-            self._last_reply, _src = recv_json(self.node_comm, 0, _TAG_REPLY)
-            self._pending = False
-            if not self._last_reply.get("ok"):
-                log.warning("post-processing failed, the checkpoint stays at level 1: %s",
-                            self._last_reply.get("error"))
-        return self._last_reply
+            post.last_reply, _src = recv_json(self.node_comm, 0, _TAG_REPLY)
+            post.pending = False
+            if not post.last_reply.get("ok"):
+                log.warning("post-processing failed, the checkpoint stays at level 1: %s", post.last_reply.get("error"))
+        return post.last_reply
 
     def background(self) -> MpiTransport | None:
         """The same ranks over duplicates of the application ranks' and the L2/L3 group's communicators
@@ -199,7 +208,7 @@ class MpiTransport(GroupLevels):
         clone.comm = clone._keep(self.comm.Dup())
         if self.group is not None:
             clone.group = MpiGroup(clone._keep(self.group.comm.Dup()), self.cfg.mpi_tag)
-        clone._pending, clone._last_reply, clone._closed = False, None, False
+        clone._closed = False
         clone._foreground = self
         return clone
 
