@@ -7,12 +7,14 @@
  *
  *  - the first write to a protected page, by any thread or by the kernel itself (read(2) into
  *    the array: hence no UFFD_USER_MODE_ONLY), stops the writer; a handler thread (cow_pages.c)
- *    copies the page aside and lifts the protection, which wakes the writer;
+ *    copies the page aside and lifts the protection, which wakes the writer; in fact a run of
+ *    pages around it, which grows while the faults sweep on (cow_pages.c: one fault per 2 MiB);
  *  - the background reader (cow_copy_out) takes each page from its side copy if there is one,
  *    else from memory (still protected, so unchanged), then lifts the protection of the pages it
  *    has read in full: later writes to them cost nothing.
  *
- * So the extra memory is the pages written before the reader got to them. The handler thread
+ * So the extra memory is the pages written before the reader got to them, plus at most one run
+ * per sweep and 15 pages per scattered write. The handler thread
  * never touches Python (the faulting thread may hold the GIL), and everything it writes lives in
  * memory mmap'ed here: a small array's page in the malloc heap may be protected, and a handler
  * writing to it would wait for itself.
@@ -138,6 +140,8 @@ layout(const uintptr_t *addrs, const size_t *sizes, size_t n, size_t page)
     s->locks = (pthread_mutex_t *)(base + off[7]);
     s->slabs = (void **)(base + off[8]);
     s->slab_cap = nslabs;
+    s->run_min = RUN_MIN_BYTES > page ? RUN_MIN_BYTES / page : 1;
+    s->run_max = RUN_MAX_BYTES > page ? RUN_MAX_BYTES / page : 1;
     s->uffd = s->evfd = -1;
     s->pid = getpid();
     s->narrays = n;

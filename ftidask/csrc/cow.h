@@ -8,7 +8,7 @@
 typedef struct cow_snap cow_snap;
 
 typedef struct {
-    size_t pages_copied, pages_lost, peak_bytes, live_bytes, pages, ranges;
+    size_t pages_copied, pages_copied_ahead, pages_lost, faults, peak_bytes, live_bytes, pages, ranges;
     int unpopulated_protected;
 } cow_stat;
 

@@ -34,6 +34,15 @@
 enum { PROTECTED = 0, COPIED = 1, DONE = 2, LOST = 3 };
 #define CHUNK_PAGES 256  /* pages per lock: the reader holds one while copying up to 1 MiB */
 #define SLAB_BYTES (2u << 20)
+/* A write fault copies aside and unprotects an aligned run of pages around the faulting one, like
+ * readahead: RUN_MIN_BYTES on a fault out of the blue, doubled on each fault that carries on where
+ * a run ended (a sweep), up to RUN_MAX_BYTES (a huge page: one PMD, unprotected without a split).
+ * So a sweep faults about once per 2 MiB, and a random write copies at most RUN_MIN_BYTES. */
+#define RUN_MIN_BYTES (64u << 10)
+#define RUN_MAX_BYTES (2u << 20)
+#define STREAMS 8  /* sweeps followed at once (handler thread only) */
+
+typedef struct { uintptr_t lo, hi; size_t pages; unsigned long used; } cow_stream; /* last run of a sweep */
 
 typedef struct { uintptr_t addr; size_t npages, first; } cow_range;          /* one registration */
 typedef struct { uintptr_t addr, page0; size_t nbytes, npages, first, cnt; } cow_array;
@@ -47,7 +56,11 @@ struct cow_snap {
     pthread_mutex_t alloc_lock; /* side pages: free list, slabs and counters */
     void *free_list;
     char *bump;
-    size_t bump_left, nslabs, slab_cap, live, peak, copied, lost;
+    size_t bump_left, nslabs, slab_cap, live, peak, copied, lost, ahead; /* ahead: copied by a run, not the faulting page */
+    size_t faults;              /* write faults handled (atomic) */
+    size_t run_min, run_max;    /* pages */
+    cow_stream streams[STREAMS];
+    unsigned long stream_clock;
     cow_range *ranges;
     cow_array *arrays;
     uint8_t *state;
@@ -61,6 +74,7 @@ struct cow_snap {
 
 int cow_write_protect(cow_snap *s, uintptr_t start, size_t len, int on);
 long cow_page_index(cow_snap *s, uintptr_t addr);
+cow_range *cow_find_range(cow_snap *s, uintptr_t addr);
 void *cow_handler(void *arg);
 
 #endif

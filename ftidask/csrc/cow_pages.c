@@ -21,9 +21,9 @@ cow_write_protect(cow_snap *s, uintptr_t start, size_t len, int on)
     }
 }
 
-/* The global index of the page at addr, or -1 when it is in none of the ranges. */
-long
-cow_page_index(cow_snap *s, uintptr_t addr)
+/* The range (registration) holding addr, or NULL. */
+cow_range *
+cow_find_range(cow_snap *s, uintptr_t addr)
 {
     size_t lo = 0, hi = s->nranges;
     while (lo < hi) {
@@ -34,14 +34,22 @@ cow_page_index(cow_snap *s, uintptr_t addr)
         else if (addr >= r->addr + r->npages * s->page)
             lo = mid + 1;
         else
-            return (long)(r->first + (addr - r->addr) / s->page);
+            return r;
     }
-    return -1;
+    return NULL;
+}
+
+/* The global index of the page at addr, or -1 when it is in none of the ranges. */
+long
+cow_page_index(cow_snap *s, uintptr_t addr)
+{
+    cow_range *r = cow_find_range(s, addr);
+    return r ? (long)(r->first + (addr - r->addr) / s->page) : -1;
 }
 
 /* A side page: never malloc, which may write to protected heap pages (see the top). */
 static void *
-side_alloc(cow_snap *s)
+side_alloc(cow_snap *s, int ahead)
 {
     void *p = NULL;
     pthread_mutex_lock(&s->alloc_lock);
@@ -66,10 +74,11 @@ side_alloc(cow_snap *s)
     }
     if (p) {
         s->copied++;
+        s->ahead += ahead != 0;
         if (++s->live > s->peak)
             s->peak = s->live;
-    } else {
-        s->lost++;
+    } else if (!ahead) {
+        s->lost++; /* a page ahead that finds no memory stays protected instead */
     }
     pthread_mutex_unlock(&s->alloc_lock);
     return p;
@@ -85,31 +94,128 @@ side_free(cow_snap *s, void *p)
     pthread_mutex_unlock(&s->alloc_lock);
 }
 
-/* A write fault on a protected page: keep its snapshot value if nobody has yet, then let the
- * writer go. A fault on a page read out meanwhile (DONE) only needs the wake. */
+/* The run to copy for a fault at addr in range r: follows a sweep if the fault carries on where one
+ * of the last runs ended (either way), else starts small. Handler thread only. */
+static cow_stream *
+pick_run(cow_snap *s, cow_range *r, uintptr_t addr, size_t *pages)
+{
+    cow_stream *victim = &s->streams[0];
+    for (int i = 0; i < STREAMS; i++) {
+        cow_stream *e = &s->streams[i];
+        uintptr_t span = e->pages * s->page;
+        if (!e->pages)
+            continue;
+        if ((addr >= e->hi && addr - e->hi < span) || (addr < e->lo && e->lo - addr <= span)) {
+            *pages = e->pages * 2 < s->run_max ? e->pages * 2 : s->run_max;
+            return e;
+        }
+        if (addr >= e->lo && addr < e->hi) { /* another writer of the same page, queued meanwhile */
+            *pages = e->pages;
+            return e;
+        }
+        if (e->used < victim->used)
+            victim = e;
+    }
+    *pages = s->run_min;
+    /* Not followed (more sweeps than STREAMS, or one that started before): a fault on the first
+     * page of a block whose previous page a fault copied aside looks like a sweep too. Random
+     * writes seldom hit the first page of a block, so they seldom get the larger run. */
+    uintptr_t block = s->run_min * s->page;
+    if (addr % block == 0 && addr > r->addr) {
+        size_t g = r->first + (addr - r->addr) / s->page - 1;
+        pthread_mutex_t *lock = &s->locks[g / CHUNK_PAGES];
+        pthread_mutex_lock(lock);
+        if (s->state[g] == COPIED)
+            *pages = s->run_min * 2 < s->run_max ? s->run_min * 2 : s->run_max;
+        pthread_mutex_unlock(lock);
+    }
+    return victim;
+}
+
+/* Keep the snapshot value of page g (at page_addr) if nobody has yet; under its chunk lock. 0, or
+ * -1 for a page ahead that found no memory (it stays protected). The faulting page itself never
+ * keeps its writer waiting: without memory it is LOST and its copy-out fails instead. */
+static int
+keep(cow_snap *s, size_t g, uintptr_t page_addr, int ahead)
+{
+    if (s->state[g] != PROTECTED)
+        return 0;
+    void *copy = side_alloc(s, ahead);
+    if (!copy) {
+        if (ahead)
+            return -1;
+        s->state[g] = LOST;
+        return 0;
+    }
+    memcpy(copy, (const void *)page_addr, s->page);
+    s->side[g] = copy;
+    s->state[g] = COPIED;
+    return 0;
+}
+
+/* Hold the lock of page g's chunk (and no other). */
+static void
+hold(cow_snap *s, long *held, size_t g)
+{
+    long chunk = (long)(g / CHUNK_PAGES);
+    if (chunk != *held) {
+        if (*held >= 0)
+            pthread_mutex_unlock(&s->locks[*held]);
+        pthread_mutex_lock(&s->locks[chunk]);
+        *held = chunk;
+    }
+}
+
+/* A write fault: keep the snapshot value of the still-protected pages of a run around the
+ * faulting page (pick_run), then unprotect the run in one call, which wakes the writer. Pages read
+ * out (DONE) or copied meanwhile are in the run too: unprotecting them again costs nothing.
+ *
+ * The extra memory beyond the pages written before the reader got to them: at most run_min - 1
+ * pages per fault out of a sweep, and per sweep the pages of its last run past where it stops
+ * (at most run_max - 1, 2 MiB); every other page a run copies ahead is written by the sweep. */
 static void
 on_fault(cow_snap *s, uintptr_t addr)
 {
-    addr &= ~(uintptr_t)(s->page - 1);
-    long g = cow_page_index(s, addr);
-    if (g >= 0) {
-        pthread_mutex_t *lock = &s->locks[(size_t)g / CHUNK_PAGES];
-        pthread_mutex_lock(lock);
-        if (s->state[g] == PROTECTED) {
-            void *copy = side_alloc(s);
-            if (copy) {
-                memcpy(copy, (const void *)addr, s->page);
-                s->side[g] = copy;
-                s->state[g] = COPIED;
-            } else {
-                s->state[g] = LOST; /* never block the application: the snapshot fails instead */
-            }
-        }
-        pthread_mutex_unlock(lock);
+    size_t page = s->page;
+    addr &= ~(uintptr_t)(page - 1);
+    __atomic_fetch_add(&s->faults, 1, __ATOMIC_RELAXED);
+    cow_range *r = cow_find_range(s, addr);
+    if (!r) {
+        cow_write_protect(s, addr, page, 0);
+        return;
     }
+    size_t pages;
+    cow_stream *e = pick_run(s, r, addr, &pages);
+    uintptr_t span = pages * page, r_end = r->addr + r->npages * page;
+    uintptr_t lo = addr - addr % span, hi = lo + span; /* aligned: a whole huge page at run_max */
+    lo = lo > r->addr ? lo : r->addr;
+    hi = hi < r_end ? hi : r_end;
+    size_t g0 = r->first + (lo - r->addr) / page, gf = r->first + (addr - r->addr) / page;
+    size_t n = (hi - lo) / page, first = gf - g0, last = first + 1; /* pages [first, last) of the run kept */
+    /* The faulting page, then on up, then down; a page ahead without memory ends the run there.
+     * One chunk lock at a time, never held across the ioctl. */
+    long held = -1;
+    hold(s, &held, gf);
+    keep(s, gf, addr, 0);
+    for (; last < n; last++) {
+        hold(s, &held, g0 + last);
+        if (keep(s, g0 + last, lo + last * page, 1) != 0)
+            break;
+    }
+    for (; first > 0; first--) {
+        hold(s, &held, g0 + first - 1);
+        if (keep(s, g0 + first - 1, lo + (first - 1) * page, 1) != 0)
+            break;
+    }
+    if (held >= 0)
+        pthread_mutex_unlock(&s->locks[held]);
+    e->lo = lo + first * page;
+    e->hi = lo + last * page;
+    e->pages = pages;
+    e->used = ++s->stream_clock;
     /* A failure here leaves the writer blocked until release() unregisters the range; nothing
      * better can be done from this thread. */
-    cow_write_protect(s, addr, s->page, 0);
+    cow_write_protect(s, lo + first * page, (last - first) * page, 0);
 }
 
 void *
@@ -204,25 +310,29 @@ cow_copy_out(cow_snap *s, size_t j, size_t start, char *out, size_t n)
     }
     int err = 0;
     uintptr_t addr = a->addr + start, end = addr + n;
-    uintptr_t run_lo = 0, run_hi = 0; /* pages that became DONE, unprotected in one call */
+    /* Pages that became DONE, unprotected in one call per contiguous run, cut at huge-page
+     * boundaries (so whole PMDs are unprotected, without a split, and writers do not wait long
+     * on pages read out but still protected); never with a chunk lock held. */
+    uintptr_t run_lo = 0, run_hi = 0, huge = RUN_MAX_BYTES > s->page ? RUN_MAX_BYTES : s->page;
     long held = -1;
+#define FLUSH()                                                                                 \
+    do {                                                                                        \
+        if (held >= 0)                                                                          \
+            pthread_mutex_unlock(&s->locks[held]);                                              \
+        held = -1;                                                                              \
+        if (run_hi > run_lo && cow_write_protect(s, run_lo, run_hi - run_lo, 0) != 0 && !err)   \
+            err = errno;                                                                        \
+        run_lo = run_hi = 0;                                                                    \
+    } while (0)
     while (addr < end && !err) {
         uintptr_t page_addr = addr & ~(uintptr_t)(s->page - 1);
         size_t len = (page_addr + s->page < end ? page_addr + s->page : end) - addr;
         size_t g = a->first + (page_addr - a->page0) / s->page;
-        long chunk = (long)(g / CHUNK_PAGES);
-        if (chunk != held) {
-            if (held >= 0)
-                pthread_mutex_unlock(&s->locks[held]);
-            if (run_hi > run_lo && cow_write_protect(s, run_lo, run_hi - run_lo, 0) != 0)
-                err = errno; /* the lock is not held across the ioctl */
-            run_lo = run_hi = 0;
-            held = -1;
-            if (err)
-                break;
-            pthread_mutex_lock(&s->locks[chunk]);
-            held = chunk;
-        }
+        if (run_hi > run_lo && page_addr % huge == 0)
+            FLUSH();
+        if (err)
+            break;
+        hold(s, &held, g);
         int rc = take(s, a, g, addr, len, bounce ? bounce : out);
         if (bounce) {
             pthread_mutex_unlock(&s->locks[held]);
@@ -234,8 +344,8 @@ cow_copy_out(cow_snap *s, size_t j, size_t start, char *out, size_t n)
             err = -rc;
         } else if (rc == 1) {
             if (run_hi != page_addr) {
-                if (run_hi > run_lo && cow_write_protect(s, run_lo, run_hi - run_lo, 0) != 0)
-                    err = errno;
+                if (run_hi > run_lo)
+                    FLUSH();
                 run_lo = page_addr;
             }
             run_hi = page_addr + s->page;
@@ -243,10 +353,8 @@ cow_copy_out(cow_snap *s, size_t j, size_t start, char *out, size_t n)
         out += len;
         addr += len;
     }
-    if (held >= 0)
-        pthread_mutex_unlock(&s->locks[held]);
-    if (!err && run_hi > run_lo && cow_write_protect(s, run_lo, run_hi - run_lo, 0) != 0)
-        err = errno;
+    FLUSH();
+#undef FLUSH
     if (bounce)
         munmap(bounce, s->page);
     pthread_rwlock_unlock(&s->gate);
@@ -258,6 +366,8 @@ cow_stats(cow_snap *s, cow_stat *st)
 {
     pthread_mutex_lock(&s->alloc_lock);
     st->pages_copied = s->copied;
+    st->pages_copied_ahead = s->ahead;
+    st->faults = __atomic_load_n(&s->faults, __ATOMIC_RELAXED);
     st->pages_lost = s->lost;
     st->peak_bytes = s->peak * s->page;
     st->live_bytes = s->live * s->page;

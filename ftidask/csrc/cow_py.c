@@ -140,8 +140,9 @@ cow_release_py(PyObject *module, PyObject *arg)
 
 const char cow_stats_doc[] =
     "cow_stats(snapshot)\n--\n\n"
-    "A dict: pages_copied, pages_lost, peak_bytes (of side copies at once), live_bytes, pages,\n"
-    "ranges (registrations), unpopulated_protected.";
+    "A dict: pages_copied, pages_copied_ahead (of those, copied by the run around a faulting page,\n"
+    "not for the page written), pages_lost, faults (write faults handled), peak_bytes (of side\n"
+    "copies at once), live_bytes, pages, ranges (registrations), unpopulated_protected.";
 
 PyObject *
 cow_stats_py(PyObject *module, PyObject *arg)
@@ -151,8 +152,9 @@ cow_stats_py(PyObject *module, PyObject *arg)
         return NULL;
     cow_stat st;
     cow_stats(s, &st);
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:O}", "pages_copied", (Py_ssize_t)st.pages_copied, "pages_lost",
-                         (Py_ssize_t)st.pages_lost, "peak_bytes", (Py_ssize_t)st.peak_bytes, "live_bytes",
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:O}", "pages_copied", (Py_ssize_t)st.pages_copied,
+                         "pages_copied_ahead", (Py_ssize_t)st.pages_copied_ahead, "pages_lost", (Py_ssize_t)st.pages_lost,
+                         "faults", (Py_ssize_t)st.faults, "peak_bytes", (Py_ssize_t)st.peak_bytes, "live_bytes",
                          (Py_ssize_t)st.live_bytes, "pages", (Py_ssize_t)st.pages, "ranges", (Py_ssize_t)st.ranges,
                          "unpopulated_protected", st.unpopulated_protected ? Py_True : Py_False);
 }

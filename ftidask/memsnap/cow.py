@@ -3,8 +3,10 @@
 Taking a snapshot write-protects the arrays' pages (a page-table walk, not a copy). Until a page
 is read out, the first write to it (by any thread, or by the kernel: ``f.readinto(array)``) waits
 while a native thread copies the page aside; reading out takes the side copy if there is one,
-else the page itself, and then lifts the page's protection, so later writes cost nothing. The
-extra memory is the pages written before they were read out (:attr:`CowSnapshot.extra_bytes_peak`).
+else the page itself, and then lifts the page's protection, so later writes cost nothing. A write
+copies a run of pages around the one written (64 KiB, doubled while writes sweep on, up to 2 MiB),
+so a sweep faults once per 2 MiB. The extra memory is the pages written before they were read out,
+plus at most 15 pages per scattered write and one run per sweep (:attr:`CowSnapshot.extra_bytes_peak`).
 
 Where this cannot work (no native extension, not Linux, userfaultfd refused or without
 write-protection, memory already registered elsewhere such as by the dCP page tracker, memory
@@ -127,13 +129,16 @@ class CowSnapshot:
 
     @property
     def pages_copied(self) -> int:
-        """Pages copied aside because they were written before being read out."""
+        """Pages copied aside because they, or a page of their run, were written before being
+        read out."""
         return int(self._stats().get("pages_copied", 0))
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Counters from the native side: pages_copied, pages_lost, peak_bytes, live_bytes,
-        pages (protected), ranges (registrations), unpopulated_protected."""
+        """Counters from the native side: pages_copied, pages_copied_ahead (of those, copied by
+        the run around a written page rather than for it), pages_lost, faults (write faults
+        handled), peak_bytes, live_bytes, pages (protected), ranges (registrations),
+        unpopulated_protected."""
         return self._stats()
 
     def __enter__(self) -> CowSnapshot:
