@@ -172,7 +172,8 @@ hold(cow_snap *s, long *held, size_t g)
  *
  * The extra memory beyond the pages written before the reader got to them: at most run_min - 1
  * pages per fault out of a sweep, and per sweep the pages of its last run past where it stops
- * (at most run_max - 1, 2 MiB); every other page a run copies ahead is written by the sweep. */
+ * (at most run_max - 1, 2 MiB); every other page a run copies ahead is written by the sweep. A
+ * fault right behind the reader copies the rest of the reader's 2 MiB, freed as it reads on. */
 static void
 on_fault(cow_snap *s, uintptr_t addr)
 {
@@ -184,13 +185,20 @@ on_fault(cow_snap *s, uintptr_t addr)
         cow_write_protect(s, addr, page, 0);
         return;
     }
-    size_t pages;
+    size_t pages, gf = r->first + (addr - r->addr) / page;
     cow_stream *e = pick_run(s, r, addr, &pages);
+    /* A page read out whose protection the reader has not lifted yet (it does so per 2 MiB): the
+     * writer follows the reader, so take the whole huge page at once, which the kernel unprotects
+     * without splitting it; the pages copied ahead there are those the reader reads next. */
+    pthread_mutex_lock(&s->locks[gf / CHUNK_PAGES]);
+    if (s->state[gf] == DONE)
+        pages = s->run_max;
+    pthread_mutex_unlock(&s->locks[gf / CHUNK_PAGES]);
     uintptr_t span = pages * page, r_end = r->addr + r->npages * page;
     uintptr_t lo = addr - addr % span, hi = lo + span; /* aligned: a whole huge page at run_max */
     lo = lo > r->addr ? lo : r->addr;
     hi = hi < r_end ? hi : r_end;
-    size_t g0 = r->first + (lo - r->addr) / page, gf = r->first + (addr - r->addr) / page;
+    size_t g0 = r->first + (lo - r->addr) / page;
     size_t n = (hi - lo) / page, first = gf - g0, last = first + 1; /* pages [first, last) of the run kept */
     /* The faulting page, then on up, then down; a page ahead without memory ends the run there.
      * One chunk lock at a time, never held across the ioctl. */
