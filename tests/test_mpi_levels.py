@@ -148,10 +148,13 @@ def _check_rebuilt(original: Path, damaged: Path, name: str, pattern: str = "Ckp
     return out
 
 
+@pytest.mark.parametrize("mechanism", ["cow", "copy", "blocking"])
 @pytest.mark.parametrize("level", [1, 2, 3, 4])
-def test_levels_4_ranks_async(tmp_path: Path, level: int) -> None:
-    """The checkpoint returns after its snapshot; the ranks overwrite their arrays at once: the same matrix."""
-    _check_level(tmp_path, 4, level, timeout=180, config={**_config(4), "async_ckpt": 1})
+def test_levels_4_ranks_async(tmp_path: Path, level: int, mechanism: str) -> None:
+    """The checkpoint returns after its snapshot, taken by each mechanism in turn (the job checks the handle
+    names it); the ranks overwrite their arrays at once: the same matrix."""
+    config = {**_config(4), "async_ckpt": 1, "async_snapshot": mechanism}
+    _check_level(tmp_path, 4, level, timeout=180, config=config)
 
 
 @pytest.mark.parametrize("level", [2, 3])

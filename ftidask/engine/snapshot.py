@@ -9,7 +9,8 @@ Three mechanisms, tried in this order by ``async_snapshot = auto``:
     userfaultfd with write protection for kernel writes too (privileged, or
     ``vm.unprivileged_userfaultfd = 1``), the native extension, and contiguous arrays of private
     anonymous memory that no other userfaultfd holds (the differential checkpoints' page tracker
-    does: levels 5-8 take ``copy``).
+    does: levels 5-8 take ``copy``). ``auto`` copies arrays under 1 MiB instead (a fault costs more
+    than their copy); ``cow`` forced takes every array.
 ``copy``
     Each variable copied at the call into staging buffers (memory speed), reused from one checkpoint
     to the next; their total is bounded by ``async_buffer_mb`` (0: half the memory available).
@@ -130,7 +131,9 @@ def take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, *,
         return Snapshot(dict(variables), {}, "blocking")
     # A view: the description (shape, dtype) of the call, whatever the application does to the array's.
     frozen = {vid: _frozen_var(p, p.array.view() if p.state is None else p.array) for vid, p in variables.items()}
-    big = [vid for vid, p in variables.items() if p.state is None and p.array.nbytes >= COW_MIN_BYTES]
+    # auto leaves small arrays to a copy (cheaper than a fault); a forced cow takes every array it can.
+    least = 1 if mechanism == "cow" else COW_MIN_BYTES
+    big = [vid for vid, p in variables.items() if p.state is None and p.array.nbytes >= least]
     sources: dict[int, Any] = {}
     releases: list[Callable[[], None]] = []
     used = "copy"

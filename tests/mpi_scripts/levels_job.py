@@ -58,6 +58,8 @@ def main() -> None:
         ctx.protect(2, b)
         info = ctx.checkpoint(1, int(sys.argv[4]))
         if isinstance(info, ftidask.CheckpointHandle):  # async_ckpt = 1: the arrays may change at once
+            forced = overrides.get("async_snapshot", "auto")
+            assert forced == "auto" or info.mechanism == forced, (forced, info.mechanism)
             a[:] = -1.0
             b[:] = -7
             info = info.result()
