@@ -161,6 +161,21 @@ def test_extra_memory_follows_the_pages_written():
         assert snap.pages_copied == copied
 
 
+def test_scattered_writes_hold_at_most_32_mib_beyond_the_pages_written():
+    """Runs copied ahead of scattered writes stop at a budget: the extra memory is the pages written
+    plus at most 32 MiB, however many pages are written (here a tenth of 256 MiB, no reader)."""
+    a = np.random.default_rng(8).integers(0, 255, 256 * MiB, dtype=np.uint8)
+    want = a.tobytes()
+    pages = a.nbytes // PAGE
+    with CowSnapshot([a]) as snap:
+        written = np.random.default_rng(9).choice(pages, pages // 10, replace=False)
+        a[written * PAGE + 7] ^= 0xFF
+        stats = snap.stats
+        assert stats["pages_lost"] == 0
+        assert written.size * PAGE <= snap.extra_bytes_peak <= written.size * PAGE + 32 * MiB, stats
+        assert read_out(snap, 0, piece=4 * MiB) == want
+
+
 def test_a_sweep_faults_once_per_run_and_random_writes_copy_little():
     """Sweeping writes (up, and down) fault about once per 2 MiB however the copy-out is going;
     sparse random single-page writes copy at most 16 pages each."""

@@ -13,8 +13,8 @@
  *    else from memory (still protected, so unchanged), then lifts the protection of the pages it
  *    has read in full: later writes to them cost nothing.
  *
- * So the extra memory is the pages written before the reader got to them, plus at most one run
- * per sweep and 15 pages per scattered write. The handler thread
+ * So the extra memory is the pages written before the reader got to them, plus the pages a run
+ * copied ahead that no sweep went on past: at most 32 MiB of those (AHEAD_MAX_BYTES). The handler thread
  * never touches Python (the faulting thread may hold the GIL), and everything it writes lives in
  * memory mmap'ed here: a small array's page in the malloc heap may be protected, and a handler
  * writing to it would wait for itself.
@@ -142,6 +142,7 @@ layout(const uintptr_t *addrs, const size_t *sizes, size_t n, size_t page)
     s->slab_cap = nslabs;
     s->run_min = RUN_MIN_BYTES > page ? RUN_MIN_BYTES / page : 1;
     s->run_max = RUN_MAX_BYTES > page ? RUN_MAX_BYTES / page : 1;
+    s->ahead_max = AHEAD_MAX_BYTES / page;
     s->uffd = s->evfd = -1;
     s->pid = getpid();
     s->narrays = n;

@@ -31,7 +31,9 @@
 #define MADV_POPULATE_READ 22
 #endif
 
-enum { PROTECTED = 0, COPIED = 1, DONE = 2, LOST = 3 };
+/* AHEAD: copied aside by the run around another page's fault (COPIED: the faulting page, or a
+ * page of a run that a sweep went on past, so written). Both are read from the side copy. */
+enum { PROTECTED = 0, COPIED = 1, DONE = 2, LOST = 3, AHEAD = 4 };
 #define CHUNK_PAGES 256  /* pages per lock: the reader holds one while copying up to 1 MiB */
 #define SLAB_BYTES (2u << 20)
 /* A write fault copies aside and unprotects an aligned run of pages around the faulting one, like
@@ -41,6 +43,10 @@ enum { PROTECTED = 0, COPIED = 1, DONE = 2, LOST = 3 };
 #define RUN_MIN_BYTES (64u << 10)
 #define RUN_MAX_BYTES (2u << 20)
 #define STREAMS 8  /* sweeps followed at once (handler thread only) */
+/* At most this many bytes of AHEAD pages held at once: beyond it a fault copies its own page only,
+ * so the extra memory stays within the pages written meanwhile plus this (scattered writes would
+ * otherwise hold a whole run per written page). */
+#define AHEAD_MAX_BYTES (32u << 20)
 
 typedef struct { uintptr_t lo, hi; size_t pages; unsigned long used; } cow_stream; /* last run of a sweep */
 
@@ -57,6 +63,7 @@ struct cow_snap {
     void *free_list;
     char *bump;
     size_t bump_left, nslabs, slab_cap, live, peak, copied, lost, ahead; /* ahead: copied by a run, not the faulting page */
+    size_t ahead_live, ahead_max; /* AHEAD pages held now, and the most allowed (pages) */
     size_t faults;              /* write faults handled (atomic) */
     size_t run_min, run_max;    /* pages */
     cow_stream streams[STREAMS];

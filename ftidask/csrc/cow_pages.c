@@ -2,8 +2,10 @@
  * aside on its first write, and the copy-out that reads pages and unprotects those read in full.
  *
  * Per page, under the lock of its chunk: PROTECTED (unchanged, still protected), COPIED (the side
- * copy holds the snapshot), DONE (read out, unprotected), LOST (written when no memory was left
- * for its side copy: its copy-out fails, the writer is never kept waiting).
+ * copy holds the snapshot), AHEAD (the same, copied by the run around another page's fault and not
+ * known to be written: at most ahead_max of those are held), DONE (read out, unprotected), LOST
+ * (written when no memory was left for its side copy: its copy-out fails, the writer is never kept
+ * waiting).
  */
 #include "cow_impl.h"
 
@@ -53,6 +55,10 @@ side_alloc(cow_snap *s, int ahead)
 {
     void *p = NULL;
     pthread_mutex_lock(&s->alloc_lock);
+    if (ahead && s->ahead_live >= s->ahead_max) {
+        pthread_mutex_unlock(&s->alloc_lock);
+        return NULL; /* over the budget: the page stays protected, as without memory */
+    }
     if (s->free_list) {
         p = s->free_list;
         s->free_list = *(void **)p;
@@ -75,6 +81,7 @@ side_alloc(cow_snap *s, int ahead)
     if (p) {
         s->copied++;
         s->ahead += ahead != 0;
+        s->ahead_live += ahead != 0;
         if (++s->live > s->peak)
             s->peak = s->live;
     } else if (!ahead) {
@@ -85,20 +92,22 @@ side_alloc(cow_snap *s, int ahead)
 }
 
 static void
-side_free(cow_snap *s, void *p)
+side_free(cow_snap *s, void *p, int ahead)
 {
     pthread_mutex_lock(&s->alloc_lock);
     *(void **)p = s->free_list;
     s->free_list = p;
     s->live--;
+    s->ahead_live -= ahead != 0;
     pthread_mutex_unlock(&s->alloc_lock);
 }
 
 /* The run to copy for a fault at addr in range r: follows a sweep if the fault carries on where one
  * of the last runs ended (either way), else starts small. Handler thread only. */
 static cow_stream *
-pick_run(cow_snap *s, cow_range *r, uintptr_t addr, size_t *pages)
+pick_run(cow_snap *s, cow_range *r, uintptr_t addr, size_t *pages, int *followed)
 {
+    *followed = 0;
     cow_stream *victim = &s->streams[0];
     for (int i = 0; i < STREAMS; i++) {
         cow_stream *e = &s->streams[i];
@@ -107,6 +116,7 @@ pick_run(cow_snap *s, cow_range *r, uintptr_t addr, size_t *pages)
             continue;
         if ((addr >= e->hi && addr - e->hi < span) || (addr < e->lo && e->lo - addr <= span)) {
             *pages = e->pages * 2 < s->run_max ? e->pages * 2 : s->run_max;
+            *followed = 1;
             return e;
         }
         if (addr >= e->lo && addr < e->hi) { /* another writer of the same page, queued meanwhile */
@@ -125,7 +135,7 @@ pick_run(cow_snap *s, cow_range *r, uintptr_t addr, size_t *pages)
         size_t g = r->first + (addr - r->addr) / s->page - 1;
         pthread_mutex_t *lock = &s->locks[g / CHUNK_PAGES];
         pthread_mutex_lock(lock);
-        if (s->state[g] == COPIED)
+        if (s->state[g] == COPIED || s->state[g] == AHEAD)
             *pages = s->run_min * 2 < s->run_max ? s->run_min * 2 : s->run_max;
         pthread_mutex_unlock(lock);
     }
@@ -149,8 +159,32 @@ keep(cow_snap *s, size_t g, uintptr_t page_addr, int ahead)
     }
     memcpy(copy, (const void *)page_addr, s->page);
     s->side[g] = copy;
-    s->state[g] = COPIED;
+    s->state[g] = ahead ? AHEAD : COPIED;
     return 0;
+}
+
+/* A sweep went on past the run [lo, hi): its pages copied ahead were written by it, so they no
+ * longer count against the budget of pages copied ahead. Handler thread; no lock held. */
+static void
+credit_run(cow_snap *s, cow_range *r, uintptr_t lo, uintptr_t hi)
+{
+    uintptr_t r_end = r->addr + r->npages * s->page;
+    lo = lo > r->addr ? lo : r->addr;
+    hi = hi < r_end ? hi : r_end;
+    size_t n = 0;
+    for (uintptr_t a = lo; a < hi; a += s->page) {
+        size_t g = r->first + (a - r->addr) / s->page;
+        pthread_mutex_t *lock = &s->locks[g / CHUNK_PAGES];
+        pthread_mutex_lock(lock);
+        if (s->state[g] == AHEAD) {
+            s->state[g] = COPIED;
+            n++;
+        }
+        pthread_mutex_unlock(lock);
+    }
+    pthread_mutex_lock(&s->alloc_lock);
+    s->ahead_live -= n;
+    pthread_mutex_unlock(&s->alloc_lock);
 }
 
 /* Hold the lock of page g's chunk (and no other). */
@@ -170,10 +204,10 @@ hold(cow_snap *s, long *held, size_t g)
  * faulting page (pick_run), then unprotect the run in one call, which wakes the writer. Pages read
  * out (DONE) or copied meanwhile are in the run too: unprotecting them again costs nothing.
  *
- * The extra memory beyond the pages written before the reader got to them: at most run_min - 1
- * pages per fault out of a sweep, and per sweep the pages of its last run past where it stops
- * (at most run_max - 1, 2 MiB); every other page a run copies ahead is written by the sweep. A
- * fault right behind the reader copies the rest of the reader's 2 MiB, freed as it reads on. */
+ * The extra memory beyond the pages written before the reader got to them: the pages copied ahead
+ * and held (AHEAD), at most ahead_max; a sweep that goes on past a run turns that run's pages to
+ * COPIED (written by the sweep). A fault right behind the reader copies the rest of the reader's
+ * 2 MiB, freed as it reads on. */
 static void
 on_fault(cow_snap *s, uintptr_t addr)
 {
@@ -186,7 +220,10 @@ on_fault(cow_snap *s, uintptr_t addr)
         return;
     }
     size_t pages, gf = r->first + (addr - r->addr) / page;
-    cow_stream *e = pick_run(s, r, addr, &pages);
+    int followed;
+    cow_stream *e = pick_run(s, r, addr, &pages, &followed);
+    if (followed)
+        credit_run(s, r, e->lo, e->hi);
     /* A page read out whose protection the reader has not lifted yet (it does so per 2 MiB): the
      * writer follows the reader, so take the whole huge page at once, which the kernel unprotects
      * without splitting it; the pages copied ahead there are those the reader reads next. */
@@ -264,7 +301,7 @@ take(cow_snap *s, cow_array *a, size_t g, uintptr_t addr, size_t len, char *dst)
         return -EALREADY;  /* read out in full before (and maybe written since): refuse, never guess */
     if (st == LOST)
         return -ENOMEM;
-    memcpy(dst, st == COPIED ? (const char *)s->side[g] + (addr - page_addr) : (const char *)addr, len);
+    memcpy(dst, st == COPIED || st == AHEAD ? (const char *)s->side[g] + (addr - page_addr) : (const char *)addr, len);
     size_t p = (page_addr - a->page0) / s->page;
     uintptr_t lo = page_addr > a->addr ? page_addr : a->addr;
     uintptr_t hi = page_addr + s->page < a->addr + a->nbytes ? page_addr + s->page : a->addr + a->nbytes;
@@ -275,8 +312,8 @@ take(cow_snap *s, cow_array *a, size_t g, uintptr_t addr, size_t len, char *dst)
     s->remaining[g] -= full;
     if (s->remaining[g])
         return 0;
-    if (st == COPIED) {
-        side_free(s, s->side[g]);
+    if (st == COPIED || st == AHEAD) {
+        side_free(s, s->side[g], st == AHEAD);
         s->side[g] = NULL;
     }
     s->state[g] = DONE;

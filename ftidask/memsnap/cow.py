@@ -6,7 +6,8 @@ while a native thread copies the page aside; reading out takes the side copy if 
 else the page itself, and then lifts the page's protection, so later writes cost nothing. A write
 copies a run of pages around the one written (64 KiB, doubled while writes sweep on, up to 2 MiB),
 so a sweep faults once per 2 MiB. The extra memory is the pages written before they were read out,
-plus at most 15 pages per scattered write and one run per sweep (:attr:`CowSnapshot.extra_bytes_peak`).
+plus the pages copied ahead by runs that no sweep went on past, at most 32 MiB of those at a time
+(:attr:`CowSnapshot.extra_bytes_peak`).
 
 Where this cannot work (no native extension, not Linux, userfaultfd refused or without
 write-protection, memory already registered elsewhere such as by the dCP page tracker, memory
