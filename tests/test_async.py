@@ -115,6 +115,24 @@ def test_holds_the_values_at_the_call(dirs, tmp_path, mechanism, how, level):
     assert_same(restart(dirs, ctx.exec_id, want), want)
 
 
+@pytest.mark.skipif(snapshot.COPY_THREADS < 2, reason="one core: the copy is not split")
+def test_copy_split_over_threads(dirs, monkeypatch):
+    """Large contiguous variables (C and F order) are copied by several threads at once: the same bytes."""
+    monkeypatch.setattr(snapshot, "PARALLEL_COPY_BYTES", 1 << 20)
+    arrays = state(11)
+    arrays[5] = np.asfortranarray(np.random.default_rng(5).random((1001, 1003)))  # not a page multiple
+    want = {vid: a.copy(order="A") for vid, a in arrays.items()}
+    ctx = ftidask.init(async_snapshot="copy", **dirs)
+    for vid, a in arrays.items():
+        ctx.protect(vid, a)
+    handle = ctx.checkpoint(1, 1, wait=False)
+    scribble_all(arrays)
+    assert any(t.name.startswith("ftidask-copy") for t in threading.enumerate())
+    handle.wait()
+    ctx._close()
+    assert_same(restart(dirs, ctx.exec_id, want), want)
+
+
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_reprotect_and_resize_after_the_call(dirs, mechanism):
     cow_or_skip(mechanism)

@@ -12,8 +12,8 @@ Three mechanisms, tried in this order by ``async_snapshot = auto``:
     does: levels 5-8 take ``copy``). ``auto`` copies arrays under 1 MiB instead (a fault costs more
     than their copy); ``cow`` forced takes every array.
 ``copy``
-    Each variable copied at the call into staging buffers (memory speed), reused from one checkpoint
-    to the next; their total is bounded by ``async_buffer_mb`` (0: half the memory available).
+    Each variable copied at the call into staging buffers (memory speed; large ones by a few threads),
+    reused from one checkpoint to the next; their total is bounded by ``async_buffer_mb`` (0: half the memory available).
 ``blocking``
     Neither fits: the checkpoint is written before the call returns, from the live arrays.
 
@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,6 +41,20 @@ log = logging.getLogger("ftidask")
 
 MECHANISMS = ("auto", "cow", "copy", "blocking")
 COW_MIN_BYTES = 1 << 20  # smaller variables are copied: a page fault costs more than copying them
+PARALLEL_COPY_BYTES = 64 << 20  # larger contiguous variables are copied by several threads at once
+
+COPY_THREADS = min(8, os.cpu_count() or 1)
+
+_copiers: ThreadPoolExecutor | None = None
+_copiers_lock = threading.Lock()
+
+
+def _forget_copiers() -> None:
+    global _copiers
+    _copiers = None  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_copiers)
 
 
 @dataclasses.dataclass
@@ -117,8 +133,29 @@ def _frozen_var(p: Protected, array: np.ndarray) -> Protected:
 def _copy_into(buf: np.ndarray, array: np.ndarray) -> np.ndarray:
     order = stream_order(array)
     frozen = np.ndarray(array.shape, array.dtype, buffer=buf[:array.nbytes].data, order=order)
-    np.copyto(frozen, array, casting="no")
+    contiguous = array.flags.c_contiguous if order == "C" else array.flags.f_contiguous
+    if contiguous and array.nbytes >= PARALLEL_COPY_BYTES and COPY_THREADS > 1 and not array.dtype.hasobject:
+        _parallel_copy(buf[:array.nbytes], _stream_bytes(array, order))
+    else:
+        np.copyto(frozen, array, casting="no")
     return frozen
+
+
+def _stream_bytes(array: np.ndarray, order: str) -> np.ndarray:
+    """The bytes of a contiguous ``array`` in its stream order, as a 1-D uint8 view (no copy)."""
+    flat = array.reshape(-1, order=order)  # a view: the array is contiguous in that order
+    return flat.view(np.uint8) if flat.dtype.itemsize else flat
+
+
+def _parallel_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src`` in slices on a few threads (NumPy releases the GIL for the copy): one core's
+    memcpy leaves most of the memory bandwidth unused, and this copy is all the application waits for."""
+    global _copiers
+    with _copiers_lock:
+        if _copiers is None:
+            _copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="ftidask-copy")
+    step = (-(-src.nbytes // COPY_THREADS) + 4095) & ~4095  # page-aligned slices
+    list(_copiers.map(lambda lo: np.copyto(dst[lo:lo + step], src[lo:lo + step]), range(0, src.nbytes, step)))
 
 
 def take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, *,
