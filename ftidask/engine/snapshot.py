@@ -26,8 +26,8 @@ import dataclasses
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
