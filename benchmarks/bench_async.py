@@ -4,18 +4,21 @@ and a plain memcpy of the state, measured in one run.
     python benchmarks/bench_async.py [--gib 1 4] [--dir /tmp/bench-async] [--repeat 3]
 
 For each state size and each snapshot mechanism available here (``cow``: copy-on-write, ``copy``:
-staging buffers), one process protects the state (float64) and, medians of ``--repeat``:
+staging buffers), one process protects the state (float64) and, medians of ``--repeat`` rounds
+(each round runs every measurement once, interleaved, so that a noisy moment weighs on all alike):
 
 * ``sync``: ``checkpoint(id, 1)`` (the whole write, fsync included);
 * ``blocked``: the time ``checkpoint(id, 1, wait=False)`` takes to return; ``total``: until its
-  handle's ``result()`` returns;
+  handle's ``result()`` returns, the application idle meanwhile;
 * ``memcpy``: ``numpy.copyto`` of the state into a buffer already faulted in;
 * ``loop``: a compute loop writing every page of the state once (``state += 1``) while the
   checkpoint is in flight, against the same loop with nothing in flight (slowdown ratio);
-* ``extra``: the peak resident memory above the state during an asynchronous checkpoint.
+* ``extra``: the peak resident memory above the state while a checkpoint is in flight, with the
+  loop (every page written) and with single writes to 5% of the pages, scattered (the target for
+  copy-on-write: the pages written plus 64 MiB).
 
-With torch installed, ``torch.distributed.checkpoint.async_save`` of the same arrays (as tensors,
-one process) is timed the same way. Ratios are printed against the synchronous checkpoint and memcpy.
+With torch installed, ``torch.distributed.checkpoint.save`` and ``async_save`` of the same array (a
+tensor sharing its memory, one process) are timed the same way.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from pathlib import Path
 import numpy as np
 
 import ftidask
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def rss() -> int:
@@ -75,44 +80,60 @@ def bench_size(gib: float, base: Path, repeat: int) -> None:
     state = np.random.default_rng(0).random(n)
     memcpy = _memcpy(state, repeat)
     loop_alone = statistics.median(_timed(lambda: np.add(state, 1, out=state)) for _ in range(repeat))
+    pages = state.nbytes // PAGE
+    scattered = np.random.default_rng(1).choice(pages, pages // 20, replace=False) * (PAGE // 8)
     print(f"\n== state {gib:g} GiB ({state.nbytes / 2**30:.2f} GiB float64) ==")
-    print(f"memcpy (numpy.copyto, warm)      {memcpy:8.3f} s")
-    print(f"compute loop alone (state += 1)   {loop_alone:8.3f} s")
+    print(f"memcpy (numpy.copyto, warm)          {memcpy:8.3f} s")
+    print(f"compute loop alone (state += 1)      {loop_alone:8.3f} s")
     for mechanism in mechanisms():
         run = base / mechanism
         shutil.rmtree(run, ignore_errors=True)
+        base_rss = rss()  # before the context: its staging buffers (copy) count as extra memory
         ctx = ftidask.init(ckpt_dir=str(run / "L"), glbl_dir=str(run / "G"), meta_dir=str(run / "M"), verbosity=3,
                            async_snapshot=mechanism)
         ctx.protect(1, state)
         ids = iter(range(1, 1000))
-        sync = statistics.median(_timed(lambda: ctx.checkpoint(next(ids), 1)) for _ in range(repeat))
-        blocked, total, loops, extra = [], [], [], []
-        for _ in range(repeat):
-            before = rss()
-            with PeakRss() as peak:
+        ctx.checkpoint(next(ids), 1, wait=False).result()  # warm-up: staging buffers, threads
+        m: dict[str, list[float]] = {k: [] for k in ("sync", "blocked", "total", "loop", "total_loop", "extra_loop",
+                                                     "extra_sparse")}
+        for _ in range(repeat):  # interleaved, so that a noisy moment weighs on both sides alike
+            m["sync"].append(_timed(lambda: ctx.checkpoint(next(ids), 1)))
+            start = time.perf_counter()
+            handle = ctx.checkpoint(next(ids), 1, wait=False)
+            m["blocked"].append(time.perf_counter() - start)
+            handle.result()
+            m["total"].append(time.perf_counter() - start)
+            assert handle.mechanism == mechanism, handle.mechanism
+            with PeakRss() as peak:  # a loop writing every page while the checkpoint is in flight
                 start = time.perf_counter()
                 handle = ctx.checkpoint(next(ids), 1, wait=False)
-                blocked.append(time.perf_counter() - start)
-                loop_start = time.perf_counter()
-                np.add(state, 1, out=state)
-                loops.append(time.perf_counter() - loop_start)
+                m["loop"].append(_timed(lambda: np.add(state, 1, out=state)))
                 handle.result()
-                total.append(time.perf_counter() - start)
-            assert handle.mechanism == mechanism, handle.mechanism
-            extra.append(peak.peak - before)
+                m["total_loop"].append(time.perf_counter() - start)
+            m["extra_loop"].append(peak.peak - base_rss)
+            with PeakRss() as peak:  # single writes to 5% of the pages, scattered
+                handle = ctx.checkpoint(next(ids), 1, wait=False)
+                state[scattered] += 1
+                handle.result()
+            m["extra_sparse"].append(peak.peak - base_rss)
         ctx.finalize()
-        b, t, lp = statistics.median(blocked), statistics.median(total), statistics.median(loops)
-        print(f"[{mechanism}] sync checkpoint              {sync:8.3f} s")
-        print(f"[{mechanism}] async blocked                {b:8.4f} s   {b / sync:6.3f}x sync   {b / memcpy:6.3f}x memcpy")
-        print(f"[{mechanism}] async total                  {t:8.3f} s   {t / sync:6.3f}x sync")
-        print(f"[{mechanism}] loop while in flight         {lp:8.3f} s   {lp / loop_alone:6.2f}x alone "
-              "(loop and writer share the cores)")
-        print(f"[{mechanism}] peak extra memory            {max(extra) / 2**20:8.1f} MiB "
-              f"({max(extra) / state.nbytes:.2%} of the state)")
-    _torch(state, base, repeat)
+        med = {k: statistics.median(v) for k, v in m.items()}
+        sync, b, t = med["sync"], med["blocked"], med["total"]
+        tag = f"[{mechanism}]"
+        print(f"{tag:7}sync checkpoint               {sync:8.3f} s")
+        print(f"{tag:7}async blocked                 {b:8.4f} s   {b / sync:6.3f}x sync   {b / memcpy:6.3f}x memcpy")
+        print(f"{tag:7}async total (app idle)        {t:8.3f} s   {t / sync:6.3f}x sync")
+        print(f"{tag:7}loop writing the state        {med['loop']:8.3f} s   {med['loop'] / loop_alone:6.2f}x alone "
+              f"(total {med['total_loop']:.3f} s, {med['total_loop'] / sync:.2f}x sync; loop and writer share the cores)")
+        print(f"{tag:7}peak extra memory, loop       {max(m['extra_loop']) / 2**20:8.1f} MiB "
+              f"(the loop writes all {state.nbytes / 2**20:.0f} MiB)")
+        written = scattered.size * PAGE
+        print(f"{tag:7}peak extra memory, scattered  {max(m['extra_sparse']) / 2**20:8.1f} MiB "
+              f"(pages written {written / 2**20:.0f} MiB; bound written + 64 MiB = {written / 2**20 + 64:.0f} MiB)")
+    _torch(state, base, repeat, memcpy)
 
 
-def _torch(state: np.ndarray, base: Path, repeat: int) -> None:
+def _torch(state: np.ndarray, base: Path, repeat: int, memcpy: float) -> None:
     try:
         import torch
         import torch.distributed.checkpoint as dcp
@@ -120,15 +141,18 @@ def _torch(state: np.ndarray, base: Path, repeat: int) -> None:
         print("torch.distributed.checkpoint.async_save: torch not installed, skipped")
         return
     tensor = torch.from_numpy(state)
-    blocked, total = [], []
+    sync, blocked, total = [], [], []
     for i in range(repeat):
+        sync.append(_timed(lambda i=i: dcp.save({"state": tensor}, checkpoint_id=str(base / f"torch-sync{i}"))))
         start = time.perf_counter()
         future = dcp.async_save({"state": tensor}, checkpoint_id=str(base / f"torch{i}"))
         blocked.append(time.perf_counter() - start)
         future.result()
         total.append(time.perf_counter() - start)
-    print(f"torch dcp.async_save blocked      {statistics.median(blocked):8.4f} s   "
-          f"total {statistics.median(total):8.3f} s")
+    s, b, t = (statistics.median(x) for x in (sync, blocked, total))
+    print(f"[torch]dcp.save                      {s:8.3f} s")
+    print(f"[torch]dcp.async_save blocked        {b:8.4f} s   {b / s:6.3f}x its save   {b / memcpy:6.3f}x memcpy")
+    print(f"[torch]dcp.async_save total          {t:8.3f} s   {t / s:6.3f}x its save")
 
 
 def _memcpy(state: np.ndarray, repeat: int) -> float:
