@@ -139,7 +139,7 @@ def worker_dcp(args: argparse.Namespace) -> None:
 
 def worker_async(args: argparse.Namespace) -> None:
     """Per level: the synchronous checkpoint, then the time an asynchronous one blocks the ranks (and its
-    total, until committed), slowest rank, medians of 3."""
+    total, until committed), slowest rank, medians of ``--repeat`` (after one asynchronous warm-up)."""
     import statistics
 
     from mpi4py import MPI
@@ -157,12 +157,13 @@ def worker_async(args: argparse.Namespace) -> None:
             ctx.protect(1, data)
             ids = iter(range(1, 100))
             sync, blocked, total = [], [], []
-            for _ in range(3):
+            ctx.checkpoint(next(ids), level, wait=False).result()  # warm-up: the background's communicators
+            for _ in range(args.repeat):
                 ctx.comm.Barrier()
                 start = time.perf_counter()
                 ctx.checkpoint(next(ids), level)
                 sync.append(ctx.comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
-            for _ in range(3):
+            for _ in range(args.repeat):
                 ctx.comm.Barrier()
                 start = time.perf_counter()
                 handle = ctx.checkpoint(next(ids), level, wait=False)
@@ -212,7 +213,7 @@ def codec(mib: int) -> None:
 def run_workers(mpiexec: str, args: argparse.Namespace, tmp: str, flag: str) -> dict[int, list]:
     """Launch the ranks with ``flag`` (--worker, --worker-async); rank 0's RESULT row per level."""
     proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, flag, "--mib",
-                           str(args.mib), "--dir", tmp], capture_output=True, text=True, timeout=3600)
+                           str(args.mib), "--dir", tmp, "--repeat", str(args.repeat)], capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         sys.exit(f"benchmark failed:\n{proc.stdout}\n{proc.stderr}")
@@ -221,7 +222,7 @@ def run_workers(mpiexec: str, args: argparse.Namespace, tmp: str, flag: str) -> 
 
 def report_async(mpiexec: str, args: argparse.Namespace, tmp: str) -> None:
     rows = run_workers(mpiexec, args, tmp, "--worker-async")
-    print(f"asynchronous checkpoints of {args.ranks} ranks x {args.mib} MiB (slowest rank, medians of 3); the ranks "
+    print(f"asynchronous checkpoints of {args.ranks} ranks x {args.mib} MiB (slowest rank, medians of {args.repeat}); the ranks "
           "write their whole state right after each call")
     print("level   sync (s)   blocked (s)  blocked/L1's  blocked/sync   total (s)  total/sync  snapshot")
     for level, (sync, blocked, total, mechanism) in sorted(rows.items()):
@@ -234,6 +235,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--mib", type=int, default=256, help="MiB protected per rank")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--repeat", type=int, default=5, help="rounds per level with --async (medians)")
     ap.add_argument("--dcp", action="store_true", help="also time differential L2 and L3 (1%% of blocks changed)")
     ap.add_argument("--async", dest="asynchronous", action="store_true",
                     help="time how long asynchronous checkpoints block the ranks, per level, instead")

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
-from diskfull import full_commit_records
+from diskfull import fill, full_commit_records, tmpfs
 
 import ftidask
 from ftidask.dcp import pagetrack
@@ -230,6 +231,34 @@ def test_background_failure_is_raised_once_and_the_previous_stays(dirs, monkeypa
     ctx._close()
     assert restart(dirs, ctx.exec_id, {1: a})[1][0] == 5.0
     assert sorted(r.ckpt_id for r in ctx.state.records()) == [5]
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_a_really_full_disk_in_the_background(dirs, tmp_path, mechanism):
+    """The node-local disk (a 24 MiB tmpfs) has room for one checkpoint of the 8 MiB state, not two:
+    the second fails in the background with ENOSPC, the next call raises it as a CheckpointError, the
+    first stays recoverable and nothing of the second is left; once space is freed, checkpoints work."""
+    cow_or_skip(mechanism)
+    with tmpfs(tmp_path / "node", "24m") as node:
+        dirs = dict(dirs, ckpt_dir=str(node / "Local"))
+        a = np.random.default_rng(3).random(1 << 20)
+        first = a.copy()
+        ctx = ftidask.init(async_snapshot=mechanism, **dirs)
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 1, wait=False).wait()
+        filler = fill(node, leave=4 << 20)
+        ctx.checkpoint(2, 1, wait=False)
+        a[:] = -1.0
+        with pytest.raises(ftidask.CheckpointError, match="(?s)asynchronous checkpoint 2.*No space left"):
+            ctx.wait()
+        assert ctx.last_checkpoint.id == 1
+        assert not [p for p in Path(dirs["ckpt_dir"]).rglob("*") if "ckpt2" in p.name.lower()]
+        assert restart(dirs, ctx.exec_id, {1: a})[1].tobytes() == first.tobytes()
+        filler.unlink()
+        a[:] = 2.0
+        ctx.checkpoint(3, 1, wait=False).wait()
+        ctx._close()
+        assert (restart(dirs, ctx.exec_id, {1: a})[1] == 2.0).all()
 
 
 def test_failure_unobserved_is_raised_by_finalize(dirs, monkeypatch):

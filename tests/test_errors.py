@@ -8,15 +8,13 @@ checkpoint intact).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-from diskfull import full_commit_records
+from diskfull import fill, full_commit_records, tmpfs
 from mpi_util import need_mpi, run
 
 import ftidask
@@ -54,42 +52,14 @@ def test_commit_record_on_full_disk_is_a_checkpoint_error(dirs, monkeypatch):
     _check_previous_recovers(dirs, np.arange(1000.0))
 
 
-@contextlib.contextmanager
-def _tiny_tmpfs(where: Path):
-    """A 256 KiB tmpfs mounted at ``where`` (root only: the test skips elsewhere)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    where.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode(errors='replace').strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
-def _fill(directory: Path) -> Path:
-    """Fill the file system of ``directory`` to the last byte; the filler file."""
-    filler = directory / "filler"
-    with open(filler, "wb", buffering=0) as fh:
-        with contextlib.suppress(OSError):
-            while True:
-                fh.write(b"\0" * 4096)
-        with contextlib.suppress(OSError):
-            while True:
-                fh.write(b"\0")
-    return filler
-
-
 def test_commit_record_on_a_really_full_meta_dir(tmp_path, dirs):
-    with _tiny_tmpfs(tmp_path / "small") as small:
+    with tmpfs(tmp_path / "small", "256k") as small:
         dirs = dict(dirs, meta_dir=str(small / "Meta"))
         ctx = ftidask.init(**dirs)
         data = np.arange(1000.0)
         ctx.protect(1, data)
         ctx.checkpoint(1, 1)
-        filler = _fill(small)
+        filler = fill(small)
         data += 1
         with pytest.raises(ftidask.CheckpointError, match="commit record"):
             ctx.checkpoint(2, 1)
