@@ -46,6 +46,19 @@ def _parity_rows(files: list[Path]) -> list[bytes]:
     return [p.tobytes() for p in ReedSolomon(len(files), len(files)).encode(padded)]
 
 
+@pytest.mark.parametrize("level", [6, 7])
+def test_dcp_async_then_lost_rank_file(tmp_path, level):
+    """Asynchronous differential checkpoints (the arrays overwritten while each is in flight): still
+    2 blocks of 391 per rank sent as changed ranges (L2) or parity updates (L3); a lost file recovers."""
+    out = _job(tmp_path, "write-async", level)
+    assert out.count("blocks 2 391") == 12, out
+    assert out.count("(changed ranges)" if level == 6 else "L3: parity updated") == 12, out
+    (own,) = tmp_path.glob(f"l/node1/trial/l{level - 4}/ckpt5.*/Ckpt5-Rank1.fti")
+    own.unlink()
+    out = _job(tmp_path, "read", level)
+    assert out.count("exact True") == 4, out
+
+
 @pytest.mark.parametrize("level", [6, 7, 8])
 def test_dcp_then_lost_rank_file(tmp_path, level):
     out = _job(tmp_path, "write", level)

@@ -27,13 +27,20 @@ def state(k):
     return a
 
 
-if phase == "write":
+if phase in ("write", "write-async"):
     ctx = ftidask.init(comm=comm, **cfg)
     a = state(0)
     ctx.protect(1, a)
     for k in range(1, 6):
         a[(k * 7919 * (r + 1)) % a.size] = -k  # in place: now a == state(k)
-        info = ctx.checkpoint(k, level)
+        if phase == "write":
+            info = ctx.checkpoint(k, level)
+        else:  # the whole array is overwritten while the checkpoint is in flight, then put back
+            handle = ctx.checkpoint(k, level, wait=False)
+            kept = a.copy()
+            a[:] = -99.0
+            info = handle.result()
+            a[:] = kept
         print("rank", r, "ckpt", k, "blocks", info.blocks_changed, info.blocks_total, "hashed", info.blocks_hashed,
               file=out)
     ctx._closed = True
