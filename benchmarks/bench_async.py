@@ -96,14 +96,17 @@ def bench_size(gib: float, base: Path, repeat: int) -> None:
         ctx.checkpoint(next(ids), 1, wait=False).result()  # warm-up: staging buffers, threads
         m: dict[str, list[float]] = {k: [] for k in ("sync", "blocked", "total", "loop", "total_loop", "extra_loop",
                                                      "extra_sparse")}
-        for _ in range(repeat):  # interleaved, so that a noisy moment weighs on both sides alike
+        for _ in range(repeat):  # interleaved, so that a noisy moment weighs on all alike
+            os.sync()  # each measurement starts with no dirty pages of the one before to write back
             m["sync"].append(_timed(lambda: ctx.checkpoint(next(ids), 1)))
+            os.sync()
             start = time.perf_counter()
             handle = ctx.checkpoint(next(ids), 1, wait=False)
             m["blocked"].append(time.perf_counter() - start)
             handle.result()
             m["total"].append(time.perf_counter() - start)
             assert handle.mechanism == mechanism, handle.mechanism
+            os.sync()
             with PeakRss() as peak:  # a loop writing every page while the checkpoint is in flight
                 start = time.perf_counter()
                 handle = ctx.checkpoint(next(ids), 1, wait=False)
@@ -111,6 +114,7 @@ def bench_size(gib: float, base: Path, repeat: int) -> None:
                 handle.result()
                 m["total_loop"].append(time.perf_counter() - start)
             m["extra_loop"].append(peak.peak - base_rss)
+            os.sync()
             with PeakRss() as peak:  # single writes to 5% of the pages, scattered
                 handle = ctx.checkpoint(next(ids), 1, wait=False)
                 state[scattered] += 1
@@ -143,7 +147,9 @@ def _torch(state: np.ndarray, base: Path, repeat: int, memcpy: float) -> None:
     tensor = torch.from_numpy(state)
     sync, blocked, total = [], [], []
     for i in range(repeat):
+        os.sync()
         sync.append(_timed(lambda i=i: dcp.save({"state": tensor}, checkpoint_id=str(base / f"torch-sync{i}"))))
+        os.sync()
         start = time.perf_counter()
         future = dcp.async_save({"state": tensor}, checkpoint_id=str(base / f"torch{i}"))
         blocked.append(time.perf_counter() - start)
