@@ -91,7 +91,7 @@ def test_context_manager_and_misuse(tmp_path):
     with pytest.raises(RuntimeError), ctx.incremental(2, 5) as icp2:
         icp2.add(7)
         raise RuntimeError("application failed mid-checkpoint")
-    assert ctx._icp is None
+    assert ctx._icp_slot.current is None
     got = _recover(tmp_path, {7: a})
     assert got[7][0] == 0  # checkpoint 2 was dropped; checkpoint 1 stays
     info = ctx.checkpoint(3, 5)

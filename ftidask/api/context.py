@@ -74,7 +74,10 @@ class Context:
         self._async = AsyncCheckpoints(run, self.progress, retention, self._hash_id)
         self._staging = Staging(config, transport, self.paths.stage_root)
         self._schedule = SnapshotSchedule(config, transport)
-        self._icp: Any = None  # the open incremental checkpoint (ftidask.engine.icp)
+        self._icp_slot = icp.IcpSlot()  # the open incremental checkpoint, whichever backend opened it
+        self._icp = icp.IncrementalCheckpoints(self._icp_slot, self._vars, transport.rank,
+                                               begin=self._begin_checkpoint, commit=self._commit_checkpoint,
+                                               check_level=self._check_level, discard_spare=self._discard_spare)
         transport.barrier()
         self._retention.collect_garbage()
         log.info("run %s: %s (%s backend, %d rank(s))", self.exec_id,
@@ -159,11 +162,11 @@ class Context:
         if self._asynchronous(wait):
             return self._checkpoint_async(check_ckpt_id(id), parsed)
         self._async.settle()
-        icp.check_none_open(self)
+        self._icp_slot.check_none_open()
         return self._committer.checkpoint(id, parsed)
 
     def _checkpoint_async(self, ckpt_id: int, level: Level) -> CheckpointHandle:
-        icp.check_none_open(self)
+        self._icp_slot.check_none_open()
         state_error = encode_states(self._vars, self.transport.rank)  # the states' values at the call
 
         def blocking() -> CheckpointInfo:
@@ -185,12 +188,17 @@ class Context:
         """Plan checkpoint ``id`` and open its file (iCP; nothing may be in flight)."""
         self._check_open()
         self._async.settle()
-        icp.check_none_open(self)
+        self._icp_slot.check_none_open()
         return self._committer.begin(id, level, incremental)
 
     def _commit_checkpoint(self, pending: PendingCheckpoint) -> CheckpointInfo:
         """Finish, commit, retire and announce ``pending`` (see :meth:`ftidask.engine.commit.Committer.finish`)."""
         return self._committer.finish(pending)
+
+    def _discard_spare(self, pending: PendingCheckpoint) -> None:
+        # A dropped differential checkpoint: its spare may be half patched, so it is not used as a base.
+        if self._dcp is not None:
+            self._dcp.discard(pending.base_level, pending.seq)
 
     @property
     def _dcp(self) -> DcpStore | None:
@@ -212,19 +220,22 @@ class Context:
 
     def init_icp(self, id: int, level: int) -> None:
         """FTI_InitICP: open checkpoint ``id``; add each protected variable with :meth:`add_var_icp`."""
-        icp.init_icp(self, id, level)
+        self._check_open()
+        self._icp.init(id, level)
 
     def add_var_icp(self, var_id: int) -> None:
         """FTI_AddVarICP: write protected variable ``var_id`` into the open checkpoint now."""
-        icp.add_var_icp(self, var_id)
+        self._check_open()
+        self._icp.add(var_id)
 
     def finalize_icp(self) -> CheckpointInfo:
         """FTI_FinalizeICP: commit the open checkpoint (refused if a protected variable is missing)."""
-        return icp.finalize_icp(self)
+        self._check_open()
+        return self._icp.finalize()
 
     def _abort_icp(self) -> None:
         """Drop the open incremental checkpoint without committing it (the previous one stays)."""
-        icp.abort_icp(self)
+        self._icp.abort()
 
     def incremental(self, id: int, level: int) -> icp.Incremental:
         """``with ctx.incremental(id, level) as icp: icp.add(var_id)``: iCP as a context manager."""
@@ -347,7 +358,7 @@ class Context:
 
     def _close(self) -> None:
         self._closed = True
-        self._icp = None
+        self._icp_slot.current = None
         self._async.close()  # what is in flight is finished first
         if self._dcp is not None:
             self._dcp.close()

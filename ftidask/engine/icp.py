@@ -9,81 +9,98 @@ variable is refused there, and the previous checkpoint stays the newest one. Dif
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..model.errors import CheckpointError, FTIError, ProtectError
+from ..model.level import Level
+from ..storage.files import remove_tree
 from ..transport.collective import reason
 
 if TYPE_CHECKING:
     from ..api.context import Context
     from .checkpointing import CheckpointInfo
     from .pending import PendingCheckpoint
+    from .variables import Protected
 
 
-def check_none_open(ctx: Any) -> None:
-    """Refuse to start a checkpoint while an incremental one is open (any backend)."""
-    if ctx._icp is not None:
-        raise CheckpointError(f"incremental checkpoint {ctx._icp.ckpt_id} is open; finalize_icp() first")
+class IcpSlot:
+    """The incremental checkpoint a context has open, at most one (any backend's kind of it)."""
+
+    def __init__(self) -> None:
+        self.current: Any = None
+
+    def check_none_open(self) -> None:
+        """Refuse to start a checkpoint while an incremental one is open."""
+        if self.current is not None:
+            raise CheckpointError(f"incremental checkpoint {self.current.ckpt_id} is open; finalize_icp() first")
+
+    def get(self) -> Any:
+        """The open incremental checkpoint, or a :class:`CheckpointError`."""
+        if self.current is None:
+            raise CheckpointError("no incremental checkpoint is open; call init_icp(id, level) first")
+        return self.current
+
+    def take(self) -> Any:
+        """The open incremental checkpoint (or None), no longer open."""
+        current, self.current = self.current, None
+        return current
 
 
-def open_icp(ctx: Any) -> Any:
-    """The open incremental checkpoint of ``ctx`` (any backend), or a :class:`CheckpointError`."""
-    ctx._check_open()
-    if ctx._icp is None:
-        raise CheckpointError("no incremental checkpoint is open; call init_icp(id, level) first")
-    return ctx._icp
-
-
-def protected_var(ctx: Any, var_id: Any) -> Any:
+def protected_var(variables: Mapping[int, Any], var_id: Any) -> Any:
     """The protected variable ``var_id`` to add, or a :class:`ProtectError`."""
-    protected = ctx.variables.get(var_id) if isinstance(var_id, int) and not isinstance(var_id, bool) else None
+    protected = variables.get(var_id) if isinstance(var_id, int) and not isinstance(var_id, bool) else None
     if protected is None:
         raise ProtectError(f"variable {var_id!r} is not protected; protect it before init_icp")
     return protected
 
 
-def init_icp(ctx: Context, ckpt_id: int, level: int) -> None:
-    """Open incremental checkpoint ``ckpt_id`` at ``level`` (levels 1-8, as for checkpoint)."""
-    check_none_open(ctx)
-    ctx._icp = ctx._begin_checkpoint(ckpt_id, ctx._check_level(level), incremental=True)
+class IncrementalCheckpoints:
+    """FTI's InitICP / AddVarICP / FinalizeICP over a context's checkpoint protocol (one process or
+    MPI ranks): ``begin`` opens a checkpoint as :meth:`Context._begin_checkpoint` does, ``commit``
+    commits it; ``variables`` is the context's table of protected variables (the same dict)."""
 
+    def __init__(self, slot: IcpSlot, variables: Mapping[int, Protected], rank: int, *,
+                 begin: Callable[[int, Level, bool], PendingCheckpoint], commit: Callable[[PendingCheckpoint], Any],
+                 check_level: Callable[[int], Level], discard_spare: Callable[[PendingCheckpoint], None]) -> None:
+        self.slot, self.variables, self.rank = slot, variables, rank
+        self._begin, self._commit, self._check_level, self._discard = begin, commit, check_level, discard_spare
 
-def add_var_icp(ctx: Context, var_id: int) -> None:
-    """Write protected variable ``var_id`` into the open checkpoint now."""
-    pending: PendingCheckpoint = open_icp(ctx)
-    protected = protected_var(ctx, var_id)
-    if pending.error:
-        return  # reported, on every rank together, by finalize_icp
-    try:
-        pending.write_var(protected.id, protected.name, protected.array)
-    except CheckpointError:
-        raise  # this call was wrong (variable added twice, resized): the checkpoint stays open
-    except Exception as exc:  # noqa: BLE001 - any failure of the write: reported on every rank by finalize_icp
-        pending.error = f"rank {ctx.transport.rank}: {reason(exc)}"
+    def init(self, ckpt_id: int, level: int) -> None:
+        """Open incremental checkpoint ``ckpt_id`` at ``level`` (levels 1-8, as for checkpoint)."""
+        self.slot.check_none_open()
+        self.slot.current = self._begin(ckpt_id, self._check_level(level), True)
 
+    def add(self, var_id: int) -> None:
+        """Write protected variable ``var_id`` into the open checkpoint now."""
+        pending: PendingCheckpoint = self.slot.get()
+        protected = protected_var(self.variables, var_id)
+        if pending.error:
+            return  # reported, on every rank together, by finalize
+        try:
+            pending.write_var(protected.id, protected.name, protected.array)
+        except CheckpointError:
+            raise  # this call was wrong (variable added twice, resized): the checkpoint stays open
+        except Exception as exc:  # noqa: BLE001 - any failure of the write: reported on every rank by finalize
+            pending.error = f"rank {self.rank}: {reason(exc)}"
 
-def finalize_icp(ctx: Context) -> CheckpointInfo:
-    """Commit the open checkpoint; a :class:`CheckpointError` (previous one kept) if a variable is missing."""
-    pending: PendingCheckpoint = open_icp(ctx)
-    ctx._icp = None
-    missing = sorted(set(pending.sizes) - pending.written)
-    if missing and not pending.error:
-        pending.error = (f"rank {ctx.transport.rank}: incremental checkpoint {pending.ckpt_id} misses protected "
-                         f"variables {missing}")
-    return ctx._commit_checkpoint(pending)
+    def finalize(self) -> CheckpointInfo:
+        """Commit the open checkpoint; a :class:`CheckpointError` (previous one kept) if a variable is missing."""
+        pending: PendingCheckpoint = self.slot.get()
+        self.slot.take()
+        missing = sorted(set(pending.sizes) - pending.written)
+        if missing and not pending.error:
+            pending.error = (f"rank {self.rank}: incremental checkpoint {pending.ckpt_id} misses protected "
+                             f"variables {missing}")
+        return self._commit(pending)  # type: ignore[no-any-return]
 
-
-def abort_icp(ctx: Context) -> None:
-    """Drop the open checkpoint without committing it (the previous one stays)."""
-    pending = ctx._icp
-    ctx._icp = None
-    if pending is not None:
-        pending.abort()
-        from ..storage.files import remove_tree
-
-        remove_tree(pending.directory)
-        if ctx._dcp is not None:
-            ctx._dcp.discard(pending.base_level, pending.seq)
+    def abort(self) -> None:
+        """Drop the open checkpoint without committing it (the previous one stays)."""
+        pending = self.slot.take()
+        if pending is not None:
+            pending.abort()
+            remove_tree(pending.directory)
+            self._discard(pending)
 
 
 class Incremental:
@@ -107,8 +124,8 @@ class Incremental:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self.info = self.ctx.finalize_icp()
-        elif self.ctx._icp is not None:
+        else:
             try:
-                self.ctx._abort_icp()
+                self.ctx._abort_icp()  # nothing when none is open
             except (OSError, FTIError):
                 pass  # the original exception matters more

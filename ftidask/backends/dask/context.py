@@ -311,7 +311,7 @@ class DaskContext(Context):
         return icp.finalize_icp(self)  # type: ignore[no-any-return]
 
     def _abort_icp(self) -> None:
-        self._icp = None
+        self._icp_slot.take()
 
     # --- cleanup -----------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ...engine.icp import check_none_open, open_icp, protected_var
+from ...engine.icp import protected_var
 from ...engine.variables import encode_states
 from ...model.arrays import check_ckpt_id
 from ...model.errors import CheckpointError
@@ -31,24 +31,26 @@ class DaskIcp:
 
 def init_icp(ctx: Any, ckpt_id: int, level: int) -> None:
     ctx._check_open()
-    check_none_open(ctx)
+    ctx._icp_slot.check_none_open()
     cid = check_ckpt_id(ckpt_id)
     ctx._check_level(level)  # refuse a bad level now, not at the commit
     error = encode_states(ctx.variables, ctx.transport.rank)  # Python states are taken when the checkpoint begins (as on MPI)
     if error:
         raise CheckpointError(f"incremental checkpoint {cid}: {error}; the previous checkpoint is kept")
-    ctx._icp = DaskIcp(cid, level)
+    ctx._icp_slot.current = DaskIcp(cid, level)
 
 
 def add_var_icp(ctx: Any, var_id: int) -> None:
-    icp: DaskIcp = open_icp(ctx)
-    arr = protected_var(ctx, var_id).array
+    ctx._check_open()
+    icp: DaskIcp = ctx._icp_slot.get()
+    arr = protected_var(ctx.variables, var_id).array
     icp.arrays[int(var_id)] = ctx.client.persist(arr) if hasattr(arr, "__dask_graph__") else np.array(arr)
 
 
 def finalize_icp(ctx: Any) -> Any:
-    icp: DaskIcp = open_icp(ctx)
-    ctx._icp = None
+    ctx._check_open()
+    icp: DaskIcp = ctx._icp_slot.get()
+    ctx._icp_slot.take()
     missing = sorted(set(ctx.variables) - set(icp.arrays))
     if missing:
         raise CheckpointError(f"incremental checkpoint {icp.ckpt_id} misses protected variables {missing}; "
