@@ -38,6 +38,7 @@ MIN_BYTES = 16 << 20  # below this, the copy costs about as much as mapping and 
 enabled = _native is not None and hasattr(_native, "page_move")  # a switch (and a test seam)
 #: bytes moved and staged arrays copied instead (mremap refused): for the tests and benchmarks.
 stats = {"moved_bytes": 0, "copied_back": 0}
+_PAGEMAP_CHUNK = 1 << 18  # pagemap entries read at a time (1 GiB of 4 KiB pages)
 _SAFE_FLAGS = {"rd", "wr", "mr", "mw", "me", "ac", "hg", "nh", "sd"}  # smaps VmFlags a plain heap array has
 
 
@@ -48,41 +49,70 @@ def _whole_pages(array: np.ndarray) -> tuple[int, int]:
 
 def _never_touched(lo: int, hi: int) -> bool:
     """Whether no page of [lo, hi) was ever present, swapped or file-backed (pagemap bits 61-63)."""
+    first, count = lo // PAGE, (hi - lo) // PAGE
     with open("/proc/self/pagemap", "rb", buffering=0) as fh:
-        raw = os.pread(fh.fileno(), (hi - lo) // PAGE * 8, lo // PAGE * 8)
-    return len(raw) == (hi - lo) // PAGE * 8 and not (np.frombuffer(raw, np.uint64) >> np.uint64(61)).any()
+        for at in range(0, count, _PAGEMAP_CHUNK):  # a touched array is usually told by its first chunk
+            n = min(_PAGEMAP_CHUNK, count - at)
+            raw = os.pread(fh.fileno(), n * 8, (first + at) * 8)
+            if len(raw) != n * 8 or (np.frombuffer(raw, np.uint64) >> np.uint64(61)).any():
+                return False
+    return True
 
 
-def _plain_anonymous(lo: int, hi: int) -> bool:
-    """Whether [lo, hi) lies in private anonymous mappings with no flag beyond a plain heap's."""
-    covered = lo
+def _plain_mappings() -> list[tuple[int, int, bool]]:
+    """Every mapping of this process: (start, end, private anonymous with no flag beyond a plain heap's)."""
+    out: list[tuple[int, int, bool]] = []
     with open("/proc/self/smaps") as fh:
-        span: tuple[int, int, bool] | None = None
         for line in fh:
             head = line.split()
             if "-" in head[0] and len(head) >= 5:  # a mapping's first line: range perms offset dev inode [path]
                 start, end = (int(x, 16) for x in head[0].split("-"))
-                plain = head[1] == "rw-p" and head[4] == "0" and (len(head) == 5 or head[5] == "[heap]")
-                span = (start, end, plain) if start < hi and end > lo else None
-            elif head[0] == "VmFlags:" and span is not None:
-                start, end, plain = span
-                if not plain or not set(head[1:]) <= _SAFE_FLAGS or start > covered:
-                    return False
-                covered = max(covered, end)
+                anonymous = head[4] == "0" and (len(head) == 5 or head[5] == "[heap]")
+                out.append((start, end, head[1] == "rw-p" and anonymous))
+            elif head[0] == "VmFlags:" and out:
+                start, end, plain = out[-1]
+                out[-1] = (start, end, plain and set(head[1:]) <= _SAFE_FLAGS)
+    return out
+
+
+def _plain_anonymous(lo: int, hi: int, mappings: list[tuple[int, int, bool]]) -> bool:
+    """Whether [lo, hi) lies, without a gap, in plain private anonymous mappings."""
+    covered = lo
+    for start, end, plain in mappings:
+        if start < hi and end > lo:
+            if not plain or start > covered:
+                return False
+            covered = max(covered, end)
     return covered >= hi
 
 
-def movable(array: Any) -> bool:
-    """Whether ``array`` can be recovered by moving verified pages under it (see the module's doc)."""
+def movable(array: Any, mappings: list[tuple[int, int, bool]] | None = None) -> bool:
+    """Whether ``array`` can be recovered by moving verified pages under it (see the module's doc).
+
+    ``mappings``: this process's, as :func:`_plain_mappings` reads them (read here when not given).
+    """
     if not enabled or not isinstance(array, np.ndarray) or array.nbytes < MIN_BYTES:
         return False
     if not (array.flags.writeable and array.flags.c_contiguous and numpy_owned(array)):
         return False
     lo, hi = _whole_pages(array)
     try:
-        return hi > lo and _never_touched(lo, hi) and _plain_anonymous(lo, hi)
+        return hi > lo and _never_touched(lo, hi) and _plain_anonymous(lo, hi, mappings or _plain_mappings())
     except (OSError, ValueError):  # no /proc (or an unexpected line): copy as before
         return False
+
+
+def movable_arrays(arrays: dict[int, Any]) -> dict[int, np.ndarray]:
+    """Those of ``arrays`` (by var id) that :func:`movable` accepts; the mappings are read once."""
+    candidates = {vid: a for vid, a in arrays.items()
+                  if enabled and isinstance(a, np.ndarray) and a.nbytes >= MIN_BYTES}
+    if not candidates:
+        return {}
+    try:
+        mappings = _plain_mappings()
+    except (OSError, ValueError):
+        return {}
+    return {vid: a for vid, a in candidates.items() if movable(a, mappings)}
 
 
 class Staged:

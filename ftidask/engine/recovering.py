@@ -139,7 +139,7 @@ class Recovery(RunPart):
             return resharded
         # Fresh arrays get verified pages moved under them; the others' pages are faulted in while the disk is read.
         arrays = self.arrays(wanted)
-        movable = {vid: a for vid, a in arrays.items() if pagemove.movable(a)}
+        movable = pagemove.movable_arrays(arrays)
         with Prefault(a for vid, a in arrays.items() if vid not in movable):
             record, verdict = self.find(ckpt_id, level, pagemove.stager(movable))
         try:
