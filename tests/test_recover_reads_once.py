@@ -300,3 +300,20 @@ class _Bytes:
 
     def store(self, start: int, data: bytes) -> None:
         self.mv[start:start + len(data)] = data
+
+
+def test_recover_file_moves_pages_under_fresh_arrays_too(dirs, small_moves):
+    data = np.random.default_rng(5).random(BIG)
+    checkpointed(dirs, [data])
+    path = next(Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank0.fti"))
+    ctx = ftidask.init(**dirs)
+    a = fresh(BIG)
+    ctx.protect(1, a)
+    ctx.recover_file(path)
+    assert np.array_equal(a, data) and pagemove.stats["moved_bytes"] >= BIG * 8 - 8192
+    flip_data(path)
+    b = fresh(BIG)
+    ctx.protect(1, b)
+    with pytest.raises(ftidask.RecoveryError, match="hash does not match"):
+        ctx.recover_file(path)
+    assert pagemove.movable(b)

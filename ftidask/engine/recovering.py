@@ -175,15 +175,20 @@ class Recovery(RunPart):
 
     def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
         """:meth:`ftidask.Context.recover_file` (this rank only)."""
-        with Prefault(self.arrays(None).values()):
-            verdict = check_file(Path(path), None, self.transport.rank)
-        if verdict.kind != "ok" or verdict.parsed is None:
-            raise RecoveryError(f"cannot recover from {os.fspath(path)}: {verdict.message}")
-        targets = recoverplan.plan(self.variables, verdict.parsed, None)
-        problem = targets.problem or targets.load_states()
-        if problem:
-            raise RecoveryError(problem)
-        load_file(verdict.parsed, targets.arrays)
+        arrays = self.arrays(None)
+        movable = pagemove.movable_arrays(arrays)
+        with Prefault(a for vid, a in arrays.items() if vid not in movable):
+            verdict = check_file(Path(path), None, self.transport.rank, pagemove.stager(movable))
+        try:
+            if verdict.kind != "ok" or verdict.parsed is None:
+                raise RecoveryError(f"cannot recover from {os.fspath(path)}: {verdict.message}")
+            targets = recoverplan.plan(self.variables, verdict.parsed, None)
+            problem = targets.problem or targets.load_states()
+            if problem:
+                raise RecoveryError(problem)
+            load_file(verdict.parsed, targets.arrays, staged=verdict.staged)
+        finally:
+            release_all(verdict.staged)  # committed ones are gone already
         targets.apply_states()
         self.progress.layout = verdict.parsed.layout()
         self.progress.recovered = True
