@@ -270,11 +270,15 @@ def test_a_failed_consensus_leaves_every_ranks_fresh_arrays_untouched(tmp_path):
 
 # --- the copy after verification ----------------------------------------------------------------------------
 
-def test_the_parallel_copy_fills_every_byte_and_sees_a_truncated_file(dirs, monkeypatch):
+@pytest.mark.parametrize("dcp", [False, True])
+def test_the_parallel_copy_fills_every_byte_and_sees_a_truncated_file(dirs, monkeypatch, dcp):
+    """Plain and dCP files alike: arrays with a zero-copy view get the verified bytes by the parallel copy."""
     monkeypatch.setattr(reader, "_COPY_PIECE", 4096 * 3)
     monkeypatch.setattr(reader, "_COPY_THREADS", 3)
     data = [np.random.default_rng(i).random(10_000 + i) for i in range(3)]
-    checkpointed(dirs, data)
+    if dcp:
+        dirs = dict(dirs, enable_dcp=1, dcp_block_size=512)
+    checkpointed(dirs, data, level=5 if dcp else 1)
     ctx = ftidask.init(**dirs)
     out = [np.ones_like(a) for a in data]
     for i, a in enumerate(out):
