@@ -1,14 +1,21 @@
 """L1 checkpoint and recovery of a ~1 GiB state against raw tofile+fsync / fromfile, same run.
 
-    python benchmarks/bench_l1.py [--size-mib 1024] [--arrays 4] [--repeat 3] [--hash xxh3_128]
+    python benchmarks/bench_l1.py [--size-mib 1024] [--arrays 4] [--repeat 3] [--hash xxh3_128] [--drop-caches]
 
 Prints throughputs, ratios (target: checkpoint >= 0.8x raw write, recovery >= 0.8x raw read,
 both with files in the page cache) and the extra anonymous resident memory at peak (target < 128 MiB).
+
+Then a restart from a cold cache (median of ``--repeat`` rounds, the variants interleaved): the
+checkpoint file is evicted from the page cache before each read (``posix_fadvise(DONTNEED)`` on that
+file only; ``--drop-caches`` drops the whole cache instead, as root), and a verified ``recover()`` is
+timed against a raw read of the same file: ``np.fromfile`` (a fresh array, as a restarting program
+allocates one) and ``readinto`` the existing arrays. Target (issue 16): at most 1.05-1.1x the raw read.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import shutil
 import tempfile
@@ -65,6 +72,58 @@ def raw_read(arrays, root) -> list[np.ndarray]:
     return [np.fromfile(os.path.join(root, f"raw{i}.bin"), dtype=a.dtype) for i, a in enumerate(arrays)]
 
 
+def evict(paths: list[str], drop_all: bool) -> None:
+    """Take ``paths`` out of the page cache (``drop_all``: the whole cache, root only)."""
+    if drop_all:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3\n")
+        return
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cold_restart(dirs: dict, arrays: list[np.ndarray], path: str, repeat: int, drop_all: bool) -> dict[str, float]:
+    """Median seconds of each cold-cache variant, interleaved round by round."""
+    targets = [np.ones_like(a) for a in arrays]  # pages already touched, like the arrays of a running program
+    flat = np.ones(os.path.getsize(path), np.uint8)
+    touched = ftidask.init(**dirs)
+    for i, a in enumerate(targets):
+        touched.protect(i + 1, a)
+
+    def raw_into() -> None:
+        with open(path, "rb", buffering=0) as fh:
+            fh.readinto(memoryview(flat))
+
+    restart = ftidask.init(**dirs)
+
+    def fresh() -> None:  # a restarting program's arrays: new, no page faulted in yet (not timed)
+        for i, a in enumerate(arrays):
+            restart.protect(i + 1, np.empty_like(a))
+
+    variants = {"raw np.fromfile (fresh array)": (None, lambda: np.fromfile(path, np.uint8)),
+                "raw readinto (existing array)": (None, raw_into),
+                "recover into fresh arrays": (fresh, restart.recover),
+                "recover into existing arrays": (None, touched.recover)}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeat):
+        for name, (prepare, fn) in variants.items():
+            if prepare is not None:
+                prepare()
+            evict([path], drop_all)
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    for a, b in zip(arrays, targets):
+        assert np.array_equal(a, b), "recovered arrays differ"
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
 def best(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -81,6 +140,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--hash", default="xxh3_128", choices=["xxh3_128", "md5"])
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--drop-caches", action="store_true", help="cold cache: drop the whole page cache (root)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(dir=args.dir)
     try:
@@ -113,6 +173,14 @@ def main() -> None:
         print(f"{'ftidask recover (verified)':34} {t_rec:8.3f} {gib / t_rec:7.2f} {t_raw_r / t_rec:6.2f}")
         print(f"extra anonymous RSS at peak: checkpoint {mem_w.extra / 2**20:.1f} MiB, "
               f"recovery {mem_r.extra / 2**20:.1f} MiB")
+        path = max(glob.glob(f"{root}/L/**/Ckpt*-Rank0.fti", recursive=True), key=os.path.getmtime)
+        cold = cold_restart(dirs, arrays, path, args.repeat, args.drop_caches)
+        raw, into = cold["raw np.fromfile (fresh array)"], cold["raw readinto (existing array)"]
+        print(f"\nrestart, cold cache ({'whole cache dropped' if args.drop_caches else 'file evicted'}), median of "
+              f"{args.repeat}, {os.path.getsize(path) / 2**20:.0f} MiB file, {os.cpu_count()} cores")
+        print(f"{'operation':34} {'seconds':>8} {'GiB/s':>7} {'x fromfile':>10} {'x readinto':>10}")
+        for name, t in cold.items():
+            print(f"{name:34} {t:8.3f} {gib / t:7.2f} {t / raw:10.2f} {t / into:10.2f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -12,6 +12,10 @@
  * xxhash.xxh3_128_digest / xxhash.xxh3_64_digest, which readers use: this module only speeds up
  * the writer and the verifier, it never changes what the file holds.
  *
+ * populate_write: fault in the pages of an array a recovery is about to fill, without changing a byte.
+ *
+ * page_map, page_move, page_unmap: private pages a recovery fills and verifies, then moves under an array.
+ *
  * gf_matmul: the GF(2^8) kernel of the level-3 Reed-Solomon codec (gf256.c), with the GIL released.
  *
  * cow_*: copy-on-write memory snapshots for asynchronous checkpoints (cow.c, Linux userfaultfd).
@@ -22,6 +26,12 @@
 #include <errno.h>
 #ifdef __linux__
 #include <fcntl.h>
+#include <stdint.h>
+#include <sys/mman.h>
+#include <unistd.h> /* mremap's MREMAP_FIXED: Python.h defines _GNU_SOURCE */
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older kernels answer EINVAL */
+#endif
 #endif
 
 #define XXH_STATIC_LINKING_ONLY
@@ -122,6 +132,129 @@ start_writeback(PyObject *module, PyObject *args)
 #else
     Py_RETURN_FALSE;
 #endif
+}
+
+
+/* populate_write: a restart fills arrays that are usually fresh (np.empty, np.zeros: no page yet), and
+ * the first write to each page costs a fault and the zeroing of a page. A recovery first verifies the
+ * whole file, waiting on the disk with a core to spare: faulting the pages in then (MADV_POPULATE_WRITE
+ * preserves the contents, so a refused recovery still leaves the array as it was) takes that cost off
+ * the copy that follows verification. Only the whole pages inside the buffer are touched. */
+PyDoc_STRVAR(populate_write_doc,
+"populate_write(buffer)\n--\n\n"
+"Fault in, writable, the whole pages inside the writable contiguous buffer, keeping its bytes.\n"
+"The GIL is released. Returns True if the kernel did it, False where it cannot (old kernel,\n"
+"not Linux, a mapping that refuses it): a hint only, nothing depends on it.");
+
+static PyObject *
+populate_write(PyObject *module, PyObject *arg)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    int rc = -1;
+#ifdef __linux__
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = ((uintptr_t)view.buf + page - 1) & ~(page - 1);
+    uintptr_t hi = ((uintptr_t)view.buf + (uintptr_t)view.len) & ~(page - 1);
+    if (hi > lo) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE);
+        Py_END_ALLOW_THREADS
+    }
+#endif
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(rc == 0);
+}
+
+
+/* Staged pages. A restart's arrays are fresh: none of their pages was ever touched. A verified recovery
+ * into them reads the file into private pages of its own (page_map) while it hashes it, and once every
+ * hash matched (and every rank agreed) moves those pages under the array (page_move: mremap, a change of
+ * page tables): no byte is copied after verification, and the array never holds an unverified byte.
+ * Addresses are plain integers: the caller (ftidask/engine/pagemove.py) owns what it maps. */
+#define HUGE_ALIGN ((uintptr_t)2 << 20)
+
+static int
+page_aligned(uintptr_t value)
+{
+    return value % (uintptr_t)sysconf(_SC_PAGESIZE) == 0;
+}
+
+PyDoc_STRVAR(page_map_doc,
+"page_map(nbytes, like)\n--\n\n"
+"Map nbytes (whole pages) of private anonymous memory at an address congruent to like modulo 2 MiB\n"
+"(so that transparent huge pages can move whole); returns the address. OSError if the kernel refuses.");
+
+static PyObject *
+page_map(PyObject *module, PyObject *args)
+{
+    unsigned long long nbytes, like;
+    if (!PyArg_ParseTuple(args, "KK:page_map", &nbytes, &like))
+        return NULL;
+#ifdef __linux__
+    if (nbytes == 0 || !page_aligned((uintptr_t)nbytes) || !page_aligned((uintptr_t)like)) {
+        PyErr_SetString(PyExc_ValueError, "page_map takes a positive whole number of pages and a page address");
+        return NULL;
+    }
+    size_t total = (size_t)nbytes + HUGE_ALIGN;
+    void *raw = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    uintptr_t start = (uintptr_t)raw, base = start + (((uintptr_t)like - start) % HUGE_ALIGN);
+    if (base > start)
+        munmap(raw, base - start);
+    if (start + total > base + nbytes)
+        munmap((void *)(base + nbytes), start + total - (base + nbytes));
+    madvise((void *)base, nbytes, MADV_HUGEPAGE); /* as NumPy advises its large arrays; a hint */
+    return PyLong_FromUnsignedLongLong((unsigned long long)base);
+#else
+    PyErr_SetString(PyExc_OSError, "page_map needs Linux");
+    return NULL;
+#endif
+}
+
+PyDoc_STRVAR(page_move_doc,
+"page_move(src, dst, nbytes)\n--\n\n"
+"Move the pages [src, src + nbytes) of one private anonymous mapping to dst, replacing what was\n"
+"mapped there (mremap). True when done (src is then unmapped); False, changing nothing, if refused.");
+
+static PyObject *
+page_move(PyObject *module, PyObject *args)
+{
+    unsigned long long src, dst, nbytes;
+    if (!PyArg_ParseTuple(args, "KKK:page_move", &src, &dst, &nbytes))
+        return NULL;
+#if defined(__linux__) && defined(MREMAP_FIXED)
+    if (nbytes == 0 || !page_aligned((uintptr_t)src) || !page_aligned((uintptr_t)dst) ||
+        !page_aligned((uintptr_t)nbytes)) {
+        PyErr_SetString(PyExc_ValueError, "page_move takes page addresses and a whole number of pages");
+        return NULL;
+    }
+    void *got;
+    Py_BEGIN_ALLOW_THREADS
+    got = mremap((void *)(uintptr_t)src, (size_t)nbytes, (size_t)nbytes, MREMAP_MAYMOVE | MREMAP_FIXED,
+                 (void *)(uintptr_t)dst);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(got == (void *)(uintptr_t)dst);
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
+PyDoc_STRVAR(page_unmap_doc, "page_unmap(addr, nbytes)\n--\n\nUnmap what page_map mapped (or what is left of it).");
+
+static PyObject *
+page_unmap(PyObject *module, PyObject *args)
+{
+    unsigned long long addr, nbytes;
+    if (!PyArg_ParseTuple(args, "KK:page_unmap", &addr, &nbytes))
+        return NULL;
+#ifdef __linux__
+    if (nbytes && munmap((void *)(uintptr_t)addr, (size_t)nbytes) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+#endif
+    Py_RETURN_NONE;
 }
 
 
@@ -275,6 +408,10 @@ gf_isa(PyObject *module, PyObject *unused)
 static PyMethodDef methods[] = {
     {"xxh3_blocks", xxh3_blocks, METH_VARARGS, xxh3_blocks_doc},
     {"start_writeback", start_writeback, METH_VARARGS, start_writeback_doc},
+    {"populate_write", populate_write, METH_O, populate_write_doc},
+    {"page_map", page_map, METH_VARARGS, page_map_doc},
+    {"page_move", page_move, METH_VARARGS, page_move_doc},
+    {"page_unmap", page_unmap, METH_VARARGS, page_unmap_doc},
     {"gf_matmul", (PyCFunction)(void (*)(void))gf_matmul_py, METH_VARARGS | METH_KEYWORDS, gf_matmul_doc},
     {"gf_set_isa", gf_set_isa, METH_O, gf_set_isa_doc},
     {"gf_isa", gf_isa, METH_NOARGS, gf_isa_doc},

@@ -18,8 +18,10 @@ from ..ftiff.layout import Layout
 from ..ftiff.reader import FtiffFile
 from ..model.errors import FTIError, NoCheckpointError, RecoveryError
 from ..transport.collective import agree, attempt, guarded, on_root
-from . import recoverplan, reshard
+from . import pagemove, recoverplan, reshard
 from .checkpointing import CheckpointInfo
+from .pagemove import Stager, release_all
+from .prefault import Prefault
 from .recovery import Verdict, check_file, load_file
 from .retention import rank_path
 from .run import Run, RunPart
@@ -75,17 +77,27 @@ class Recovery(RunPart):
             records = [r for r in records if r.level == level]
         return sorted(records, key=lambda r: r.seq, reverse=True)
 
+    def arrays(self, ids: list[int] | None) -> dict[int, np.ndarray]:
+        """The protected arrays (not Python states) a recovery of ``ids`` (None: all) fills, by id."""
+        return {vid: p.array for vid, p in self.variables.items() if p.state is None and (ids is None or vid in ids)}
+
     def rank_file(self, record: CommitRecord) -> Path:
         return rank_path(self.paths, record, self.transport.node, self.transport.rank)
 
-    def check(self, record: CommitRecord) -> Verdict:
+    def check(self, record: CommitRecord, stage: Stager | None = None) -> Verdict:
         """This rank's verdict on its file of ``record`` (an unexpected error is a damaged file, never raised)."""
         path, errors = self.rank_file(record), []
-        verdict = guarded(errors, lambda: check_file(path, record, self.transport.rank), None, f"checking {path}")
+        verdict = guarded(errors, lambda: check_file(path, record, self.transport.rank, stage), None,
+                          f"checking {path}")
         return verdict if verdict is not None else Verdict("damaged", "; ".join(errors))
 
-    def find(self, ckpt_id: int | None = None, level: int | None = None) -> tuple[CommitRecord, Verdict]:
-        """The newest committed checkpoint that every rank can verify (or rebuild)."""
+    def find(self, ckpt_id: int | None = None, level: int | None = None,
+             stage: Stager | None = None) -> tuple[CommitRecord, Verdict]:
+        """The newest committed checkpoint that every rank can verify (or rebuild).
+
+        ``stage``: arrays to read into staged pages while verifying (:mod:`.pagemove`); the verdict
+        returned holds them, the verdicts of checkpoints passed over release theirs.
+        """
         t = self.transport
         reasons = []
         nodes = t.allgather(t.node)
@@ -94,7 +106,7 @@ class Recovery(RunPart):
             if change:  # never rank r's old file into rank r blindly: recover() redistributes it, or says why not
                 reasons.append(f"{change}; {reshard.advice(record)}")
                 continue
-            verdict = self.check(record)
+            verdict = self.check(record, stage)
             path = self.rank_file(record)
             ok = verdict.kind == "ok"
             # Collective (L2/L3); the transport keeps the ranks in step, an error after its end is this rank's.
@@ -103,11 +115,12 @@ class Recovery(RunPart):
             if error:
                 log.warning("rebuilding checkpoint %d (level %d): %s", record.ckpt_id, record.level, error)
             if not ok and have:
-                verdict = self.check(record)
+                verdict = self.check(record, stage)
             # Consensus: every rank sees every verdict, so that all agree and raise the same error.
             verdicts = t.allgather([verdict.kind, verdict.message])
             if all(k == "ok" for k, _m in verdicts):
                 return record, verdict
+            release_all(verdict.staged)
             bad = [(r, m) for r, (k, m) in enumerate(verdicts) if k != "ok"]
             why = f"{len(bad)} rank(s) cannot verify or rebuild their file, first rank {bad[0][0]}: {bad[0][1]}"
             reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {why}")
@@ -124,7 +137,18 @@ class Recovery(RunPart):
         resharded = reshard.recover_other_layout(self, ckpt_id, level, wanted)
         if resharded is not None:  # written on another number of ranks or node layout
             return resharded
-        record, verdict = self.find(ckpt_id, level)
+        # Fresh arrays get verified pages moved under them; the others' pages are faulted in while the disk is read.
+        arrays = self.arrays(wanted)
+        movable = pagemove.movable_arrays(arrays)
+        with Prefault(a for vid, a in arrays.items() if vid not in movable):
+            record, verdict = self.find(ckpt_id, level, pagemove.stager(movable))
+        try:
+            return self._load(record, verdict, wanted)
+        finally:
+            release_all(verdict.staged)  # committed ones are gone already
+
+    def _load(self, record: CommitRecord, verdict: Verdict, wanted: list[int] | None) -> dict[int, Any]:
+        """Plan, agree and fill the arrays from ``record``, which every rank verified (collective)."""
         assert verdict.parsed is not None
         t = self.transport
         untouched = (f"cannot recover checkpoint {record.ckpt_id} (level {record.level}); the protected arrays "
@@ -136,7 +160,7 @@ class Recovery(RunPart):
         agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError, untouched)
 
         def load() -> None:
-            load_file(verdict.parsed, targets.arrays, config=self.config)
+            load_file(verdict.parsed, targets.arrays, config=self.config, staged=verdict.staged)
             targets.apply_states()
             if self.config.enable_dcp:
                 self.spares.get().recovered(record.level, record.seq, self.rank_file(record), verdict.parsed)
@@ -151,14 +175,20 @@ class Recovery(RunPart):
 
     def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
         """:meth:`ftidask.Context.recover_file` (this rank only)."""
-        verdict = check_file(Path(path), None, self.transport.rank)
-        if verdict.kind != "ok" or verdict.parsed is None:
-            raise RecoveryError(f"cannot recover from {os.fspath(path)}: {verdict.message}")
-        targets = recoverplan.plan(self.variables, verdict.parsed, None)
-        problem = targets.problem or targets.load_states()
-        if problem:
-            raise RecoveryError(problem)
-        load_file(verdict.parsed, targets.arrays)
+        arrays = self.arrays(None)
+        movable = pagemove.movable_arrays(arrays)
+        with Prefault(a for vid, a in arrays.items() if vid not in movable):
+            verdict = check_file(Path(path), None, self.transport.rank, pagemove.stager(movable))
+        try:
+            if verdict.kind != "ok" or verdict.parsed is None:
+                raise RecoveryError(f"cannot recover from {os.fspath(path)}: {verdict.message}")
+            targets = recoverplan.plan(self.variables, verdict.parsed, None)
+            problem = targets.problem or targets.load_states()
+            if problem:
+                raise RecoveryError(problem)
+            load_file(verdict.parsed, targets.arrays, staged=verdict.staged)
+        finally:
+            release_all(verdict.staged)  # committed ones are gone already
         targets.apply_states()
         self.progress.layout = verdict.parsed.layout()
         self.progress.recovered = True

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..ftiff.reader import FtiffFile, parse_ftiff, read_into, verify_data
+from ..ftiff.readhash import read_verified
 from ..model.arrays import ArrayBytes
 from ..model.errors import FormatError
+from .pagemove import release_all
+from .prefault import Prefault
 from .progress import tracked
 from .runstate import CommitRecord
 
@@ -28,27 +31,46 @@ class Verdict:
     kind: str
     message: str = ""
     parsed: FtiffFile | None = None
+    staged: dict[int, Any] = dataclasses.field(default_factory=dict)  # var id -> pagemove.Staged, verified
 
 
-def check_file(path: Path, record: CommitRecord | None, rank: int) -> Verdict:
-    """Parse and hash-check ``path``; compare it with the commit record."""
+def check_file(path: Path, record: CommitRecord | None, rank: int,
+               stage: Callable[[FtiffFile], dict[int, Any]] | None = None) -> Verdict:
+    """Parse and hash-check ``path``; compare it with the commit record.
+
+    ``stage``: given the parsed file, the variables to read into staged pages (:mod:`.pagemove`) while
+    they are hashed; the verdict holds them, verified (the others are hashed in place and copied later).
+    """
     if path.suffix == ".zarr":  # a level-4 checkpoint written as Zarr
         from .zarr_l4 import check_store
 
         return check_store(path, record, rank)
+    staged: dict[int, Any] = {}
     try:
         with open(path, "rb") as fh:
             parsed = parse_ftiff(fh, str(path))
-            verify_data(fh, parsed)
+            if record is not None:
+                expected = next((f for f in record.files if f.rank == rank), None)
+                if expected is None or expected.fb_hash != parsed.fb.hash.hex():
+                    return Verdict("damaged", f"{path}: does not belong to checkpoint {record.ckpt_id} "
+                                   f"(seq {record.seq})")
+            staged = stage(parsed) if stage is not None else {}
+            if staged:  # the staged pages are faulted in ahead of the reader, on the other core
+                with Prefault((), [(s.view, s.addr) for s in staged.values()]):
+                    read_verified(fh, parsed, {vid: s.view for vid, s in staged.items()})
+                verify_data(fh, parsed, only=set(parsed.var_nbytes()) - set(staged))
+            else:
+                verify_data(fh, parsed)
     except FileNotFoundError:
+        release_all(staged)
         return Verdict("damaged", f"{path}: missing")
     except (FormatError, OSError) as exc:
+        release_all(staged)
         return Verdict("damaged", str(exc))
-    if record is not None:
-        expected = next((f for f in record.files if f.rank == rank), None)
-        if expected is None or expected.fb_hash != parsed.fb.hash.hex():
-            return Verdict("damaged", f"{path}: does not belong to checkpoint {record.ckpt_id} (seq {record.seq})")
-    return Verdict("ok", parsed=parsed)
+    except BaseException:
+        release_all(staged)
+        raise
+    return Verdict("ok", parsed=parsed, staged=staged)
 
 
 def check_sizes(parsed: FtiffFile, arrays: Mapping[int, np.ndarray]) -> str:
@@ -83,16 +105,24 @@ def check_writeable(vid: int, array: Any) -> str:
     return ""
 
 
-def load_file(parsed: FtiffFile, arrays: Mapping[int, np.ndarray], *, config: Any = None) -> None:
-    """Fill ``arrays`` (already size-checked) from a verified file (with a progress bar per ``config``)."""
+def load_file(parsed: FtiffFile, arrays: Mapping[int, np.ndarray], *, config: Any = None,
+              staged: Mapping[int, Any] | None = None) -> None:
+    """Fill ``arrays`` (already size-checked) from a verified file (with a progress bar per ``config``).
+
+    ``staged``: variables already read and verified into staged pages, moved under their arrays here.
+    """
     if str(parsed.path).endswith(".zarr"):
         from .zarr_l4 import load_store
 
         load_store(parsed, arrays)  # type: ignore[arg-type]
         return
+    staged = {vid: s for vid, s in (staged or {}).items() if vid in arrays and s.array is arrays[vid]}
     # The stream order is the stored one, whatever the layout of the array receiving it.
     targets = {vid: ArrayBytes(arr, parsed.vars[vid].order if vid in parsed.vars else "C")
-               for vid, arr in arrays.items()}
-    streams, bar = tracked(targets, config, "recovery") if config is not None else (targets, None)
-    with open(parsed.path, "rb") as fh, bar or contextlib.nullcontext():
-        read_into(fh, parsed, streams)
+               for vid, arr in arrays.items() if vid not in staged}
+    if targets:
+        streams, bar = tracked(targets, config, "recovery") if config is not None else (targets, None)
+        with open(parsed.path, "rb") as fh, bar or contextlib.nullcontext():
+            read_into(fh, parsed, streams)
+    for s in staged.values():  # last: the file copy above is what can still fail
+        s.commit()

@@ -1,0 +1,323 @@
+"""A restart reads each byte once: with nothing lost, only the ranks' own files are opened (no partner
+copy, no parity), and every byte is verified before an array holds it, on every path: the copy after
+verification, the staged pages moved under fresh arrays (ftidask.engine.pagemove), a rebuild from
+redundancy. Issue 16, item 3.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ftidask
+from ftidask.api.context import Context
+from ftidask.engine import pagemove
+from ftidask.engine.grouplevels import run_ranks
+from ftidask.ftiff import hashing, reader
+from ftidask.model.config import load_config
+from ftidask.model.errors import NoCheckpointError
+
+NRANKS = 4
+_opened: list[list[str]] = []  # every file opened while a list is installed (an audit hook sees all threads)
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "open" and _opened and isinstance(args[0], (str, bytes, Path)):
+        _opened[-1].append(str(args[0]))
+
+
+sys.addaudithook(_audit)
+
+
+def config(base: Path) -> dict:
+    return {"ckpt_dir": str(base / "Local"), "glbl_dir": str(base / "Global"), "meta_dir": str(base / "Meta"),
+            "local_test": 1, "node_size": 1, "group_size": NRANKS, "block_size": 1, "transfer_size": 1,
+            "verbosity": 4}
+
+
+def values(rank: int, version: int) -> np.ndarray:
+    return np.random.default_rng(rank).random(5000 + 1000 * rank) + version
+
+
+def write(base: Path, versions: list[tuple[int, int]]) -> None:
+    """Checkpoints (id, level) in order, 4 ranks as threads; the id is also the values' version."""
+    def step(t):
+        ctx = Context(cfg, t)
+        a = np.zeros_like(values(t.rank, 0))
+        ctx.protect(1, a)
+        for ckpt_id, level in versions:
+            a[...] = values(t.rank, ckpt_id)
+            ctx.checkpoint(ckpt_id, level)
+
+    cfg = load_config(None, **config(base))
+    assert run_ranks(cfg, NRANKS, step, wait=60)[1] == []
+
+
+def recover(base: Path) -> tuple[list[dict], list[str]]:
+    """Every rank's recovery into arrays of 7s: what it recovered (bit for bit?) or its error; the paths opened."""
+    def step(t):
+        ctx = Context(cfg, t)
+        a = np.full_like(values(t.rank, 0), 7)
+        ctx.protect(1, a)
+        try:
+            ctx.recover()
+        except NoCheckpointError:
+            return {"error": "NoCheckpointError", "untouched": bool((a == 7).all())}
+        return {"from": ctx.recovered_from, "exact": np.array_equal(a, values(t.rank, ctx.recovered_from[0]))}
+
+    cfg = load_config(None, **config(base))
+    _opened.append([])
+    try:
+        results, errors = run_ranks(cfg, NRANKS, step, wait=60)
+        return results, _opened[-1]
+    finally:
+        _opened.pop()
+        assert errors == [], errors
+
+
+def latest(base: Path, name: str) -> list[Path]:
+    return sorted(p for p in base.glob(f"Local/**/ckpt3.s*/{name}") if p.is_file())
+
+
+def is_redundancy(path: str) -> bool:
+    return "Pcof" in path or "RSed" in path
+
+
+def flip(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    for at in (len(raw) // 3, len(raw) // 2, len(raw) - 20):
+        raw[at] ^= 0x5A
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("level", [2, 3])
+@pytest.mark.parametrize("how", ["erase", "corrupt"])
+def test_nothing_lost_reads_the_own_files_only(tmp_path, level, how):
+    """Every partner copy or parity erased or corrupted, every own file sound: the recovery succeeds from the
+    own files, opens no redundancy file, and rebuilds nothing (the redundancy is left to the next checkpoint)."""
+    write(tmp_path, [(3, level)])
+    red = latest(tmp_path, "Ckpt3-Pcof*.fti" if level == 2 else "Ckpt3-RSed*.fti*")
+    assert len(red) == NRANKS * (1 if level == 2 else 2)  # L3: each parity and its .hash record
+    for path in red:
+        if how == "erase":
+            path.unlink()
+        else:
+            flip(path)
+    before = {p: p.read_bytes() for p in red if p.exists()}
+    results, opened = recover(tmp_path)
+    assert results == [{"from": (3, level), "exact": True}] * NRANKS
+    assert [p for p in opened if is_redundancy(p)] == []
+    assert all(p.read_bytes() == b for p, b in before.items()) and all(p.exists() == (how != "erase") for p in red)
+
+
+def test_a_rebuild_is_verified_before_the_arrays_are_touched(tmp_path):
+    """A damaged own file is rebuilt from parity; a parity damaged in a way its own record cannot see (record
+    rewritten to match) gives a wrong rebuild, which the file's hashes refuse: the arrays get the older
+    checkpoint bit for bit, never a byte of the bad rebuild."""
+    write(tmp_path, [(1, 4), (3, 3)])
+    flip(latest(tmp_path, "Ckpt3-Rank0.fti")[0])
+    parity = latest(tmp_path, "Ckpt3-RSed0.fti")[0]  # the first parity a rebuild of member 0 uses
+    flip(parity)
+    record_path = parity.with_name(parity.name + ".hash")
+    record = json.loads(record_path.read_text())
+    record["hash"] = hashing.new_hasher(record["hash_id"])
+    record["hash"].update(parity.read_bytes())
+    record["hash"] = record["hash"].hexdigest()
+    record_path.write_text(json.dumps(record))
+    results, opened = recover(tmp_path)
+    assert any(is_redundancy(p) for p in opened)  # the loss needed the parity
+    assert results == [{"from": (1, 4), "exact": True}] * NRANKS
+
+
+def test_a_damaged_own_file_is_rebuilt_and_recovered(tmp_path):
+    write(tmp_path, [(3, 2)])
+    flip(latest(tmp_path, "Ckpt3-Rank2.fti")[0])
+    results, opened = recover(tmp_path)
+    assert results == [{"from": (3, 2), "exact": True}] * NRANKS
+    assert any("Pcof" in p for p in opened)
+
+
+# --- fresh arrays: verified pages moved under them (ftidask.engine.pagemove) -----------------------------
+
+BIG = 4_400_000  # float64s: 35 MiB, above glibc's largest mmap threshold, so a new array is always fresh pages
+
+
+@pytest.fixture
+def small_moves(monkeypatch):
+    """Stage arrays from 256 KiB up; counters from zero."""
+    if not pagemove.enabled:
+        pytest.skip("no native page_move in this build")
+    monkeypatch.setattr(pagemove, "MIN_BYTES", 256 << 10)
+    monkeypatch.setitem(pagemove.stats, "moved_bytes", 0)
+
+
+def fresh(n: int, dtype=np.float64) -> np.ndarray:
+    out = np.empty(n, dtype)
+    assert n * out.itemsize < (32 << 20) or pagemove.movable(out)
+    return out
+
+
+def flip_data(path: Path) -> None:
+    """Flip one byte in the middle of the file: in a container's data, same size."""
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x5A
+    path.write_bytes(bytes(raw))
+
+
+def checkpointed(dirs: dict, arrays: list[np.ndarray], level: int = 1) -> None:
+    ctx = ftidask.init(**dirs)
+    for i, a in enumerate(arrays):
+        ctx.protect(i + 1, a)
+    ctx.checkpoint(1, level)
+    ctx._close()  # as a job that ends: the checkpoint stays (finalize would remove it)
+
+
+def test_fresh_arrays_get_verified_pages_moved_under_them(dirs, small_moves):
+    data = [np.random.default_rng(i).random(BIG + 333 * i) for i in range(2)] + [np.arange(10)]
+    checkpointed(dirs, data)
+    ctx = ftidask.init(**dirs)
+    out = [fresh(a.size, a.dtype) for a in data]
+    assert not pagemove.movable(out[2])  # the small one is copied
+    for i, a in enumerate(out):
+        ctx.protect(i + 1, a)
+    ctx.recover()
+    assert all(np.array_equal(a, b) for a, b in zip(out, data))
+    assert pagemove.stats["moved_bytes"] >= 2 * (BIG * 8 - 8192)
+    out[0][:] = 1.5  # the moved pages are ordinary memory of the array: written, checkpointed, recovered
+    ctx.checkpoint(2, 1)
+    again = [fresh(a.size, a.dtype) for a in data]
+    for i, a in enumerate(again):
+        ctx.protect(i + 1, a)
+    ctx.recover()
+    assert (again[0] == 1.5).all() and np.array_equal(again[1], data[1])
+    ctx.finalize()
+    # malloc's realloc cannot mremap a chunk now made of several mappings: it falls back to a copy
+    out[1].resize(BIG * 2, refcheck=False)
+    assert np.array_equal(out[1][:data[1].size], data[1])
+
+
+@pytest.mark.parametrize("damage", ["data", "truncate"])
+def test_a_damaged_file_leaves_fresh_arrays_untouched(dirs, small_moves, damage):
+    """The file is read into staged pages and fails its hash: not a byte reaches the arrays, whose pages are
+    still never touched (pagemap), and nothing was moved."""
+    checkpointed(dirs, [np.random.default_rng(0).random(BIG)])
+    path = next(Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank0.fti"))
+    if damage == "data":
+        flip_data(path)
+    else:
+        with open(path, "r+b") as fh:
+            fh.truncate(path.stat().st_size // 2)
+    ctx = ftidask.init(**dirs)
+    a = fresh(BIG)
+    ctx.protect(1, a)
+    with pytest.raises(NoCheckpointError):
+        ctx.recover()
+    assert pagemove.stats["moved_bytes"] == 0
+    assert pagemove.movable(a)  # every whole page still never touched
+    assert not a.any()
+
+
+def test_touched_and_foreign_arrays_are_copied(dirs, small_moves, tmp_path):
+    shape = (2200, 2000)  # BIG float64s
+    data = [np.random.default_rng(i).random(shape) for i in range(4)]
+    checkpointed(dirs, data)
+    touched = np.ones(shape)
+    mapped = np.memmap(tmp_path / "m.bin", dtype=np.float64, mode="w+", shape=shape)
+    fortran = np.asfortranarray(fresh(BIG).reshape(shape))  # fresh, but not in the stored (C) order
+    untouched = fresh(BIG).reshape(shape)
+    assert not any(pagemove.movable(x) for x in (touched, mapped, fortran, np.frombuffer(bytearray(1 << 21))))
+    ctx = ftidask.init(**dirs)
+    for i, a in enumerate([touched, mapped, fortran, untouched]):
+        ctx.protect(i + 1, a)
+    ctx.recover(ids=[1, 2, 3])  # only these: the fourth stays as it is
+    assert all(np.array_equal(a, b) for a, b in zip([touched, mapped, fortran], data))
+    assert pagemove.stats["moved_bytes"] == 0 and pagemove.movable(untouched)
+
+
+def test_a_failed_consensus_leaves_every_ranks_fresh_arrays_untouched(tmp_path):
+    """Rank 2's file is damaged and nothing older exists: ranks 0, 1 and 3 verified theirs into staged pages,
+    which they drop; every rank's arrays stay as they were."""
+    if not pagemove.enabled:
+        pytest.skip("no native page_move in this build")
+    big = lambda rank, version: np.random.default_rng(rank).random(BIG) + version  # noqa: E731
+    cfg = load_config(None, **config(tmp_path))
+
+    def write_step(t):
+        ctx = Context(cfg, t)
+        ctx.protect(1, big(t.rank, 3))
+        ctx.checkpoint(3, 1)
+
+    assert run_ranks(cfg, NRANKS, write_step, wait=60)[1] == []
+    flip_data(latest(tmp_path, "Ckpt3-Rank2.fti")[0])
+
+    def recover_step(t):
+        ctx = Context(cfg, t)
+        a = fresh(BIG)
+        staged = pagemove.movable(a)
+        ctx.protect(1, a)
+        with pytest.raises(NoCheckpointError):
+            ctx.recover()
+        return staged, pagemove.movable(a), bool((a == 0).all())
+
+    results, errors = run_ranks(cfg, NRANKS, recover_step, wait=60)
+    assert errors == []
+    assert results == [(True, True, True)] * NRANKS  # staged, dropped: every array's pages still never touched
+
+
+# --- the copy after verification ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dcp", [False, True])
+def test_the_parallel_copy_fills_every_byte_and_sees_a_truncated_file(dirs, monkeypatch, dcp):
+    """Plain and dCP files alike: arrays with a zero-copy view get the verified bytes by the parallel copy."""
+    monkeypatch.setattr(reader, "_COPY_PIECE", 4096 * 3)
+    monkeypatch.setattr(reader, "_COPY_THREADS", 3)
+    data = [np.random.default_rng(i).random(10_000 + i) for i in range(3)]
+    if dcp:
+        dirs = dict(dirs, enable_dcp=1, dcp_block_size=512)
+    checkpointed(dirs, data, level=5 if dcp else 1)
+    ctx = ftidask.init(**dirs)
+    out = [np.ones_like(a) for a in data]
+    for i, a in enumerate(out):
+        ctx.protect(i + 1, a)
+    ctx.recover()
+    assert all(np.array_equal(a, b) for a, b in zip(out, data))
+    path = next(Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank0.fti"))
+    with open(path, "rb") as fh:
+        parsed = reader.parse_ftiff(fh, str(path))
+        reader.verify_data(fh, parsed)
+    with open(path, "r+b") as fh:
+        fh.truncate(path.stat().st_size - 30_000)
+    with open(path, "rb") as fh, pytest.raises(ftidask.FormatError, match="changed|modified"):
+        reader.read_into(fh, parsed, {1: _Bytes(out[0])})
+
+
+class _Bytes:
+    def __init__(self, a: np.ndarray) -> None:
+        self.mv = memoryview(a.view(np.uint8))
+
+    def view(self, start: int, stop: int) -> memoryview:
+        return self.mv[start:stop]
+
+    def store(self, start: int, data: bytes) -> None:
+        self.mv[start:start + len(data)] = data
+
+
+def test_recover_file_moves_pages_under_fresh_arrays_too(dirs, small_moves):
+    data = np.random.default_rng(5).random(BIG)
+    checkpointed(dirs, [data])
+    path = next(Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank0.fti"))
+    ctx = ftidask.init(**dirs)
+    a = fresh(BIG)
+    ctx.protect(1, a)
+    ctx.recover_file(path)
+    assert np.array_equal(a, data) and pagemove.stats["moved_bytes"] >= BIG * 8 - 8192
+    flip_data(path)
+    b = fresh(BIG)
+    ctx.protect(1, b)
+    with pytest.raises(ftidask.RecoveryError, match="hash does not match"):
+        ctx.recover_file(path)
+    assert pagemove.movable(b)
