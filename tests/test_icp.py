@@ -105,3 +105,28 @@ def test_size_change_during_icp_is_refused(tmp_path):
     ctx.protect(1, np.zeros(20))
     with pytest.raises(CheckpointError, match="size must not change"):
         ctx.add_var_icp(1)
+
+
+def test_no_collaborator_holds_the_context(dirs):
+    """An unfinalized context (a crashed program's) is freed as soon as it is dropped, without waiting
+    for the cycle collector: its run lock is released at once, so a restart in the same process
+    resumes the same run (a reference cycle through a collaborator once kept it locked)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        ctx = ftidask.init(async_ckpt=0, **dirs)
+        ctx.protect(1, np.arange(10.0))
+        ctx.checkpoint(1, 1)
+        ctx.checkpoint(2, 1, wait=False).wait()
+        with ctx.incremental(3, 1) as icp:
+            icp.add(1)
+        exec_id, gone = ctx.exec_id, weakref.ref(ctx)
+        del ctx, icp
+        assert gone() is None
+        again = ftidask.init(**dirs)
+        assert again.exec_id == exec_id and again.status() != 0
+        again._close()
+    finally:
+        gc.enable()

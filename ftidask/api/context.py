@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -17,7 +18,6 @@ from ..engine.claim import claim_everywhere
 from ..engine.commit import Committer
 from ..engine.dcpstore import DcpSlot, DcpStore
 from ..engine.inflight import CheckpointHandle
-from ..engine.pending import PendingCheckpoint
 from ..engine.recovering import Progress, Recovery
 from ..engine.retention import Retention, RetentionFactory
 from ..engine.run import Run
@@ -75,9 +75,9 @@ class Context:
         self._staging = Staging(config, transport, self.paths.stage_root)
         self._schedule = SnapshotSchedule(config, transport)
         self._icp_slot = icp.IcpSlot()  # the open incremental checkpoint, whichever backend opened it
-        self._icp = icp.IncrementalCheckpoints(self._icp_slot, self._vars, transport.rank,
-                                               begin=self._begin_checkpoint, commit=self._commit_checkpoint,
-                                               check_level=self._check_level, discard_spare=self._discard_spare)
+        self._icp = icp.IncrementalCheckpoints(self._icp_slot, self._vars, self._committer, self._async.settle,
+                                               functools.partial(icp.checked_level, dcp=False,
+                                                                 enable_dcp=bool(config.enable_dcp), transport=transport))
         transport.barrier()
         self._retention.collect_garbage()
         log.info("run %s: %s (%s backend, %d rank(s))", self.exec_id,
@@ -184,22 +184,6 @@ class Context:
         self._check_open()
         self._async.settle()
 
-    def _begin_checkpoint(self, id: int, level: Level, incremental: bool = False) -> PendingCheckpoint:
-        """Plan checkpoint ``id`` and open its file (iCP; nothing may be in flight)."""
-        self._check_open()
-        self._async.settle()
-        self._icp_slot.check_none_open()
-        return self._committer.begin(id, level, incremental)
-
-    def _commit_checkpoint(self, pending: PendingCheckpoint) -> CheckpointInfo:
-        """Finish, commit, retire and announce ``pending`` (see :meth:`ftidask.engine.commit.Committer.finish`)."""
-        return self._committer.finish(pending)
-
-    def _discard_spare(self, pending: PendingCheckpoint) -> None:
-        # A dropped differential checkpoint: its spare may be half patched, so it is not used as a base.
-        if self._dcp is not None:
-            self._dcp.discard(pending.base_level, pending.seq)
-
     @property
     def _dcp(self) -> DcpStore | None:
         # This rank's differential-checkpoint store if one was made (the Dask backend puts its spares here).
@@ -212,9 +196,7 @@ class Context:
     def _check_level(self, level: Any, dcp: bool = False) -> Level:
         """The level a checkpoint asks for, parsed once (1-4; 5-8 or ``dcp=True`` with enable_dcp), and
         refused here when this run's transport cannot provide it."""
-        parsed = Level.parse(level, dcp=dcp, enable_dcp=bool(self.config.enable_dcp))
-        self.transport.check_level(parsed.base)
-        return parsed
+        return icp.checked_level(level, dcp, enable_dcp=bool(self.config.enable_dcp), transport=self.transport)
 
     # --- incremental checkpointing (FTI_InitICP / AddVarICP / FinalizeICP: ftidask.engine.icp) -------------
 

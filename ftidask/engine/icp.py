@@ -19,7 +19,9 @@ from ..transport.collective import reason
 
 if TYPE_CHECKING:
     from ..api.context import Context
+    from ..transport.base import Transport
     from .checkpointing import CheckpointInfo
+    from .commit import Committer
     from .pending import PendingCheckpoint
     from .variables import Protected
 
@@ -55,21 +57,31 @@ def protected_var(variables: Mapping[int, Any], var_id: Any) -> Any:
     return protected
 
 
-class IncrementalCheckpoints:
-    """FTI's InitICP / AddVarICP / FinalizeICP over a context's checkpoint protocol (one process or
-    MPI ranks): ``begin`` opens a checkpoint as :meth:`Context._begin_checkpoint` does, ``commit``
-    commits it; ``variables`` is the context's table of protected variables (the same dict)."""
+def checked_level(level: Any, dcp: bool, *, enable_dcp: bool, transport: Transport) -> Level:
+    """The level a checkpoint asks for, parsed once (1-4; 5-8 or ``dcp=True`` with enable_dcp), and
+    refused here when ``transport`` cannot provide it."""
+    parsed = Level.parse(level, dcp=dcp, enable_dcp=enable_dcp)
+    transport.check_level(parsed.base)
+    return parsed
 
-    def __init__(self, slot: IcpSlot, variables: Mapping[int, Protected], rank: int, *,
-                 begin: Callable[[int, Level, bool], PendingCheckpoint], commit: Callable[[PendingCheckpoint], Any],
-                 check_level: Callable[[int], Level], discard_spare: Callable[[PendingCheckpoint], None]) -> None:
-        self.slot, self.variables, self.rank = slot, variables, rank
-        self._begin, self._commit, self._check_level, self._discard = begin, commit, check_level, discard_spare
+
+class IncrementalCheckpoints:
+    """FTI's InitICP / AddVarICP / FinalizeICP over the checkpoint protocol (one process or MPI ranks).
+
+    Made of the context's collaborators, never of the context itself: no collaborator holds the
+    context, so an unfinalized context dropped releases its run lock at once."""
+
+    def __init__(self, slot: IcpSlot, variables: Mapping[int, Protected], committer: Committer,
+                 settle: Callable[[], None], check_level: Callable[[int], Level]) -> None:
+        self.slot, self.variables, self.committer = slot, variables, committer
+        self._settle, self._check_level = settle, check_level
 
     def init(self, ckpt_id: int, level: int) -> None:
         """Open incremental checkpoint ``ckpt_id`` at ``level`` (levels 1-8, as for checkpoint)."""
         self.slot.check_none_open()
-        self.slot.current = self._begin(ckpt_id, self._check_level(level), True)
+        parsed = self._check_level(level)
+        self._settle()  # nothing may be in flight
+        self.slot.current = self.committer.begin(ckpt_id, parsed, True)
 
     def add(self, var_id: int) -> None:
         """Write protected variable ``var_id`` into the open checkpoint now."""
@@ -82,7 +94,7 @@ class IncrementalCheckpoints:
         except CheckpointError:
             raise  # this call was wrong (variable added twice, resized): the checkpoint stays open
         except Exception as exc:  # noqa: BLE001 - any failure of the write: reported on every rank by finalize
-            pending.error = f"rank {self.rank}: {reason(exc)}"
+            pending.error = f"rank {self.committer.transport.rank}: {reason(exc)}"
 
     def finalize(self) -> CheckpointInfo:
         """Commit the open checkpoint; a :class:`CheckpointError` (previous one kept) if a variable is missing."""
@@ -90,9 +102,9 @@ class IncrementalCheckpoints:
         self.slot.take()
         missing = sorted(set(pending.sizes) - pending.written)
         if missing and not pending.error:
-            pending.error = (f"rank {self.rank}: incremental checkpoint {pending.ckpt_id} misses protected "
+            pending.error = (f"rank {self.committer.transport.rank}: incremental checkpoint {pending.ckpt_id} misses protected "
                              f"variables {missing}")
-        return self._commit(pending)  # type: ignore[no-any-return]
+        return self.committer.finish(pending)
 
     def abort(self) -> None:
         """Drop the open checkpoint without committing it (the previous one stays)."""
@@ -100,7 +112,9 @@ class IncrementalCheckpoints:
         if pending is not None:
             pending.abort()
             remove_tree(pending.directory)
-            self._discard(pending)
+            store = self.committer.spares.store
+            if store is not None:  # its spare may be half patched: not a base any more
+                store.discard(pending.base_level, pending.seq)
 
 
 class Incremental:
