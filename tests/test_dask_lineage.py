@@ -84,6 +84,9 @@ def kill_rank(client, ctx, rank, erase=True):
     while address in live_workers(client):
         assert time.monotonic() < end, "the killed worker is still listed"
         time.sleep(0.05)
+    # Its nanny starts a fresh one (a replacement node): waited for, so that the next checkpoint does not
+    # meet a worker still starting (on a loaded machine a slow start may be cut short by the nanny).
+    client.wait_for_workers(NWORKERS, timeout=60)
     return address
 
 
@@ -199,7 +202,8 @@ def test_checkpoint_cuts_lineage_without_reading_or_copying(client, dirs, wait):
     ctx.finalize()
 
 
-@pytest.mark.parametrize(("level", "erase"), [(1, False), (2, True), (3, True), (4, True)])
+@pytest.mark.parametrize(("level", "erase"), [pytest.param(1, False, marks=pytest.mark.slow), (2, True), (3, True),
+                                               pytest.param(4, True, marks=pytest.mark.slow)])
 def test_lost_worker_is_read_back_not_recomputed(client, dirs, level, erase):
     """12 steps, a checkpoint every 3; the worker of rank 1 dies before step 8: its chunks come back
     from checkpoint 2 (step 6), steps 7.. run again where needed, nothing before; bit for bit."""
@@ -226,7 +230,7 @@ def test_level1_lost_node_fails_naming_chunk_and_checkpoint(client, dirs):
     ctx.finalize()
 
 
-@pytest.mark.parametrize(("level", "ranks"), [(2, (0, 2)), (3, (1, 3))])
+@pytest.mark.parametrize(("level", "ranks"), [pytest.param(2, (0, 2), marks=pytest.mark.slow), (3, (1, 3))])
 def test_two_workers_lost_where_the_level_survives(client, dirs, level, ranks):
     ctx = ftidask.init(client=client, **dirs)
     ctx.protect(1, client.persist(initial()), name="field")
@@ -246,11 +250,38 @@ def test_worker_killed_during_a_checkpoint(client, dirs):
     assert rerun == []
 
 
-def test_asynchronous_and_differential(client, dirs):
-    """Asynchronous differential L2 checkpoints (level 6) cut the lineage too."""
-    result, rerun, events = run(client, dirs, 12, 3, 6, kill_at={8: 2}, dcp=True, wait=False)
+@pytest.mark.parametrize(("level", "wait"), [(6, False), pytest.param(5, True, marks=pytest.mark.slow),
+                                             pytest.param(7, False, marks=pytest.mark.slow),
+                                             pytest.param(8, True, marks=pytest.mark.slow),
+                                             pytest.param(3, False, marks=pytest.mark.slow)])
+def test_differential_and_asynchronous_checkpoints(client, dirs, level, wait):
+    """Differential checkpoints (levels 5-8: L1-L4) and asynchronous ones cut the lineage too; the lost
+    worker's node directory is erased where the level keeps a copy."""
+    result, rerun, events = run(client, dirs, 12, 3, level, kill_at={8: 2}, erase=level != 5, dcp=level > 4,
+                                wait=wait)
     assert result.tobytes() == reference(12).tobytes()
-    assert rerun == [] and {(e["ckpt_id"], e["level"]) for e in events} == {(2, 2)}
+    base = level - 4 if level > 4 else level
+    assert rerun == [] and {(e["ckpt_id"], e["level"]) for e in events} == {(2, base)}
+
+
+@pytest.mark.slow
+def test_recovered_arrays_keep_their_checkpoint(client, dirs):
+    """The arrays recover() returns read their checkpoint back too: it is kept while they live."""
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, initial(), name="field")
+    ctx.checkpoint(1, 2)
+    ctx2 = ftidask.init(client=client, **dirs)
+    back = ctx2.recover()[1]
+    ctx2.protect(1, back + 1)
+    ctx2.checkpoint(2, 2)
+    assert [r.ckpt_id for r in ctx2.state.records()] == [1, 2]
+    kill_rank(client, ctx2, 1, erase=True)
+    assert client.compute(back).result(timeout=60).tobytes() == initial().compute().tobytes()
+    del back
+    ctx2.protect(1, ctx2.protected[1] + 1)
+    ctx2.checkpoint(3, 2)
+    assert [r.ckpt_id for r in ctx2.state.records()] == [3]
+    ctx2.finalize()
 
 
 def test_retention_keeps_a_checkpoint_a_live_array_reads(client, dirs):
