@@ -30,6 +30,7 @@ from ...engine.runstate import CommitRecord
 from ...storage import files as storage
 from . import reads
 from .plan import VarSpec
+from .restore import file_sources
 
 if TYPE_CHECKING:
     from .context import DaskContext
@@ -121,10 +122,8 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: M
     cid, seq, level = record.ckpt_id, record.seq, record.level
     hosts = {r: (workers[r], ctx.node_file(level, cid, seq, r, storage.rank_file(cid, r)))
              for r in range(record.nranks)}
-    from .restore import file_sources  # restore imports this module's neighbours; late import keeps it flat
-
     sources = {r: src | {"exec_id": ctx.exec_id} for r, src in file_sources(ctx, record, hosts).items()}
-    who_has = client.who_has([f for f in futures.values()])
+    who_has = client.who_has(list(futures.values()))
     pairs: dict[str, list[tuple[Any, Any]]] = {}
     graphs: dict[int, tuple[str, dict[Any, Task]]] = {}
     raw_dtypes = {int(v["id"]): v["dtype"] for v in record.extra["vars"]}
@@ -196,7 +195,13 @@ def _place_aliases(client: Client, pairs: dict[str, list[tuple[Any, Any]]]) -> i
         # those workers, with no run_spec yet; the graph persisted next gives them theirs. A call, not a
         # message on the client's stream: an error (a worker gone meanwhile) is ours to handle, whereas
         # a stream handler's error would close the client's connection.
-        client.sync(client.scheduler.update_data, who_has=who_has, nbytes=nbytes, client=client.id)
+        try:
+            client.sync(client.scheduler.update_data, who_has=who_has, nbytes=nbytes, client=client.id)
+        except Exception:  # noqa: BLE001 - a worker left after its aliases were made: tell about the others only
+            alive = set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+            who_has = {k: w for k, w in who_has.items() if w[0] in alive}
+            client.sync(client.scheduler.update_data, who_has=who_has, nbytes={k: nbytes[k] for k in who_has},
+                        client=client.id)
     return len(who_has)
 
 
