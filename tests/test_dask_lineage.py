@@ -22,6 +22,7 @@ from test_dask_backend import crash_worker  # noqa: E402
 
 import ftidask  # noqa: E402
 from ftidask.backends.dask import lineage  # noqa: E402
+from ftidask.ftiff.reader import parse_ftiff  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
 NWORKERS = 4
@@ -232,6 +233,8 @@ def test_level1_lost_node_fails_naming_chunk_and_checkpoint(client, dirs):
 
 @pytest.mark.parametrize(("level", "ranks"), [pytest.param(2, (0, 2), marks=pytest.mark.slow), (3, (1, 3))])
 def test_two_workers_lost_where_the_level_survives(client, dirs, level, ranks):
+    """Two nodes lost (processes killed, directories erased): L2 (not neighbours) and L3 (half a group)
+    bring their chunks back; the restores say which chunk came from which checkpoint and level, and how."""
     ctx = ftidask.init(client=client, **dirs)
     ctx.protect(1, client.persist(initial()), name="field")
     ctx.checkpoint(1, level)
@@ -239,6 +242,35 @@ def test_two_workers_lost_where_the_level_survives(client, dirs, level, ranks):
     for rank in ranks:
         kill_rank(client, ctx, rank, erase=True)
     assert client.compute(step(y, 1)).result(timeout=60).tobytes() == reference(1).tobytes()
+    lost = {tuple(i) for i, r, _d, _n in ctx.state.records()[-1].extra["chunks"]["1"] if r in ranks}
+    events = lineage.restores(client, ctx.exec_id)
+    # (a chunk read back after the first loss onto the second worker lost is read back once more)
+    assert {tuple(e["index"]) for e in events} == lost
+    assert {(e["ckpt_id"], e["level"], e["name"]) for e in events} == {(1, level, "field")}
+    assert {e["how"] for e in events} <= ({"partner copy"} if level == 2 else
+                                          {"rebuilt from the group's parity", "its file"})
+    ctx.finalize()
+
+
+def test_damaged_file_fails_naming_chunk_and_checkpoint(client, dirs):
+    """A chunk whose file is damaged is never handed back: the error names it and the checkpoint."""
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, initial(), name="field")
+    ctx.checkpoint(1, 1)
+    y = ctx.protected[1]
+    rank = 1
+    path = next(Path(ctx.config.ckpt_dir).glob(f"node{rank}/*/l1/ckpt1.*/Ckpt1-Rank{rank}.fti"))
+    with open(path, "rb") as fh:
+        meta = next(m for _b, _c, m in parse_ftiff(fh, str(path)).containers() if m.hascontent)
+    with open(path, "r+b") as fh:  # one flipped bit in the middle of a chunk's data
+        fh.seek(meta.fptr + meta.chunksize // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0x10]))
+    kill_rank(client, ctx, rank, erase=False)
+    with pytest.raises(ftidask.RecoveryError, match=r"chunk \(\d+, \d+\) of variable 1 \(field\) .* from checkpoint 1 "
+                                                    r"\(level 1\): .*hash does not match"):
+        client.compute(y).result(timeout=60)
     ctx.finalize()
 
 
