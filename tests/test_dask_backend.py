@@ -213,7 +213,9 @@ def test_no_chunk_reaches_the_client(client, dirs):
     assert info.bytes_written == x.nbytes
     assert sent < (128 << 10) // 4, f"{sent} bytes left the workers during an L1 checkpoint"
     assert fetched == 0
-    assert ctx.protected[1].name == x.name  # the persisted chunks were used, not recomputed
+    # the persisted chunks were used, not recomputed; they are handed back under keys that read the
+    # checkpoint if lost (the lineage is cut: tests/test_dask_lineage.py), with no byte moved for that
+    assert ctx.protected[1].name.startswith("ftidask-lineage-ckpt1-")
 
 
 def test_numpy_arrays_still_work(client, dirs):

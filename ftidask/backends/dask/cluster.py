@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -123,8 +124,11 @@ class Cluster:
                 try:
                     wait(list(futures), timeout=self.poll)
                     break
-                except TimeoutError:
-                    pass
+                except TimeoutError as exc:
+                    # The timeout's traceback is a reference cycle through distributed's frames that
+                    # would keep this frame, and the futures, alive until the next garbage collection:
+                    # a chunk the checkpoint no longer needs would then be recomputed if its worker died.
+                    traceback.clear_frames(exc.__traceback__)
                 if any(f.status in ("error", "cancelled", "lost") for f in futures):
                     break
                 if needed - set(self.workers()):

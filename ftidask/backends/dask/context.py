@@ -15,6 +15,7 @@ import functools
 import html
 import logging
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ from ...model.errors import CheckpointError, FTIError, LevelError, ProtectError
 from ...model.level import Level
 from ...storage import files as storage
 from ...transport.base import Transport
-from . import channel, group_steps, icp, restore, tasks
+from . import channel, group_steps, icp, lineage, restore, tasks
 from .cluster import Cluster, ClusterError
 from .dcp_levels import DaskSpares, run_dcp_levels, sticky_owners
 from .plan import VarSpec, chunk_table, layout_to_json, plan_ranks
@@ -82,6 +83,7 @@ class DaskContext(Context):
         cluster = Cluster(client, config.progress)
         cluster.run(storage.set_permissions, config.permissions)  # the modes of the workers' files
         channel.register(client)  # L2/L3 blocks go worker to worker (every worker, also those joining later)
+        lineage.watch(client)  # chunks read back after a worker loss are logged here
         # Init collects garbage on the workers: the Retention it makes is given the cluster.
         super().__init__(config, DaskTransport(cluster), retention=functools.partial(DaskRetention, cluster))
         self.client = client
@@ -164,16 +166,19 @@ class DaskContext(Context):
         start = time.perf_counter()
         # The chunks' futures keep them alive on the workers until the checkpoint is written.
         specs, futures = self._chunk_futures()
-        write = functools.partial(self._write_checkpoint, ckpt_id, parsed, specs, futures, start)
+        held = {vid: p.array for vid, p in self._vars.items()}  # the arrays whose lineage the commit cuts
+        write = functools.partial(self._write_checkpoint, ckpt_id, parsed, specs, futures, start, held)
         if not asynchronous:
             return write()
         self._async.next_id = max(self._async.next_id, ckpt_id + 1)
         return self._async.inflight.submit(write, ckpt_id, parsed.number, "immutable")
 
     def _write_checkpoint(self, ckpt_id: int, parsed: Level, specs: list[VarSpec],
-                          futures: dict[tuple[int, tuple[int, ...]], Future], start: float) -> DaskCheckpointInfo:
+                          futures: dict[tuple[int, tuple[int, ...]], Future], start: float,
+                          held: dict[int, Any]) -> DaskCheckpointInfo:
         differential = parsed.differential  # L5-L8: differential L1-L4 (enable_dcp = 1)
         shown_level, level = parsed.number, parsed.base
+        self._dask_retention.retire_deferred()  # before the write: a differential one may patch its files
         try:
             self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays", gather=False)
         except FTIError as exc:
@@ -182,8 +187,8 @@ class DaskContext(Context):
         rank_of = {w: r for r, w in enumerate(workers)}
         who_has = self.client.who_has(list(futures.values()))
         owner = {}
-        for place, future in futures.items():
-            holders = sorted(rank_of[w] for w in who_has.get(future.key, ()) if w in rank_of)
+        for place, key in [(place, f.key) for place, f in futures.items()]:  # no future left bound in this frame
+            holders = sorted(rank_of[w] for w in who_has.get(key, ()) if w in rank_of)
             if not holders:
                 raise CheckpointError(f"checkpoint {ckpt_id}: chunk {place} is held by no live worker")
             owner[place] = holders[0]
@@ -220,6 +225,9 @@ class DaskContext(Context):
             raise CheckpointError(f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint "
                                   f"is kept: {exc}") from exc
         self.progress.layout = None  # the workers plan their files afresh each time
+        arrays = lineage.cut_after_commit(self, record, specs, futures, held)  # chunks lost later are read back
+        futures.clear()  # the chunks as computed are ours no more (shared with the caller): a checkpoint that
+        held.clear()  # they were computed from is retired below unless the application still holds them
         self._retention.retire_older(record)
         self._retention.collect_garbage()
         variables = tuple({"id": s.id, "name": s.name, "dtype": str(s.dtype), "shape": s.shape,
@@ -233,7 +241,8 @@ class DaskContext(Context):
                                   workers=tuple(workers), file_sizes=tuple(w["size"] for w in written),
                                   variables=variables,
                                   partner_bytes=sum(w["partner_bytes"] for w in written)
-                                  if differential and level == 2 else None)
+                                  if differential and level == 2 else None,
+                                  array_refs={vid: weakref.ref(a) for vid, a in arrays.items()})
         self.progress.last_checkpoint = info
         self.progress.next_ckpt_id = max(self.progress.next_ckpt_id, ckpt_id + 1)
         log.info("checkpoint %d (level %d) written by %d workers: %s", ckpt_id, shown_level, len(workers),

@@ -11,17 +11,22 @@ Failing that, a :class:`RecoveryError` says so; never a wait for the dead worker
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ...levels.erasure import decode_files
-from ...model.errors import RecoveryError
+from ...model.errors import FormatError, RecoveryError
 from ...storage import files as storage
 from . import tasks
+
+log = logging.getLogger("ftidask")
+TOPIC = "ftidask-lineage"  # distributed's event topic of the lineage reads (Client.get_events)
 
 _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -120,3 +125,46 @@ def read_recovered_chunk(src: dict[str, Any], var_id: int, dptr: int, dtype_json
             f"not visible on worker {here or 'this process'}, and {_NO_COPY.get(src['level'], 'no copy is')}; "
             "call ctx.recover() again (it rebuilds what the level allows, or falls back to an older checkpoint)")
     return tasks.read_chunk(path, var_id, dptr, dtype_json, shape, src["fb_hash"])
+
+
+def _how(src: dict[str, Any], path: str, existed: bool) -> str:
+    if path in src.get("copies", ()):
+        return "partner copy"
+    if not existed and src.get("group"):
+        return "rebuilt from the group's parity"
+    return "global file" if src["level"] == 4 else "its file"
+
+
+def read_lineage_chunk(src: dict[str, Any], var_id: int, name: str, index: list[int], dptr: int, dtype_json: Any,
+                       shape: list[int]) -> np.ndarray:
+    """The task behind each chunk of an array whose lineage a checkpoint cut (:mod:`.lineage`).
+
+    It runs only when Dask recomputes a lost chunk (its worker died): the chunk is read from the
+    checkpoint's file as this worker sees it, or its L2 partner copy, or the file rebuilt from L3
+    parity, hash-checked. Reported as a ``ftidask-lineage`` event (logged by the client) and in
+    this worker's log; where the level cannot bring the chunk back, a :class:`RecoveryError` names
+    the chunk and the checkpoint (never wrong data).
+    """
+    start = time.perf_counter()
+    here = _here()
+    existed = os.path.exists(src["path"])
+    try:
+        path = locate(src)
+        if path is None:
+            raise RecoveryError(f"the file of rank {src['rank']} ({src['path']}) is not visible on worker "
+                                f"{here or 'this process'}, and {_NO_COPY.get(src['level'], 'no copy is')}")
+        out = tasks.read_chunk(path, var_id, dptr, dtype_json, shape, src["fb_hash"])
+    except (OSError, FormatError, RecoveryError) as exc:  # a lost, damaged or foreign file: said, never wrong data
+        raise RecoveryError(f"chunk {tuple(index)} of variable {var_id} ({name}) was lost with its worker and cannot "
+                            f"be restored from checkpoint {src['ckpt_id']} (level {src['level']}): {exc}") from None
+    event = {"exec_id": src.get("exec_id", ""), "var": var_id, "name": name, "index": list(index),
+             "ckpt_id": src["ckpt_id"], "level": src["level"], "how": _how(src, path, existed), "path": path,
+             "worker": here or "", "nbytes": int(out.nbytes), "seconds": time.perf_counter() - start}
+    log.info("lineage: chunk %s of variable %d restored from checkpoint %d (level %d, %s)", tuple(index), var_id,
+             src["ckpt_id"], src["level"], event["how"])
+    if here is not None:
+        from distributed import get_worker
+
+        get_worker().log_event(TOPIC, event)
+    return out
+

@@ -30,6 +30,15 @@ class DaskCheckpointInfo(CheckpointInfo):
     variables: tuple[dict[str, Any], ...] = ()
     state: str = "committed"
     partner_bytes: int | None = None  # differential L2: bytes sent to the partners (deltas or whole files)
+    #: var id -> weak reference to the Dask array as this checkpoint cut it (see :attr:`arrays`)
+    array_refs: dict[int, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def arrays(self) -> dict[int, Any]:
+        """var id -> the Dask array as this checkpoint cut it (its lost chunks are read back from it), while
+        it is alive: ``ctx.protected`` holds it until the variable is protected anew. Weak, because a live
+        array keeps its checkpoint from being retired, and a held report must not keep its files on disk."""
+        return {vid: a for vid, ref in self.array_refs.items() if (a := ref()) is not None}
 
     def __repr__(self) -> str:
         rate = self.bytes_written / self.seconds / 2**20 if self.seconds > 0 else 0.0

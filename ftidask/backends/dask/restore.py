@@ -272,6 +272,7 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
             futures.append(graph[key])
         if len(graph) != math.prod(len(c) for c in spec.chunks):
             raise RecoveryError(f"checkpoint {record.ckpt_id}: variable {spec.id} has missing chunks")
+        ctx._dask_retention.pins.add(record, graph)  # retention keeps the files while the array may read them
         arrays[spec.id] = Array(graph, name, spec.chunks, dtype=spec.dtype)
     # Every chunk is read and verified before anything is handed back (a read whose worker dies
     # meanwhile is done again elsewhere: no worker to watch).

@@ -1,18 +1,25 @@
 """Retention on a Dask cluster: the files to retire or collect live on the workers, one node each.
 
-The rule is the engine's (:func:`ftidask.engine.retention.to_retire`, applied by the inherited
-``retire_older``); what differs is where the deleting runs: a task on every worker, the global
-directory and the commit records on the client.
+The rule is the engine's (:func:`ftidask.engine.retention.to_retire`), with one exception: a
+checkpoint that live Dask arrays may still read back (their lineage was cut there, see
+:mod:`.lineage`) is kept until the scheduler has forgotten every task that reads it, then retired
+at the next checkpoint (before it is written) or commit. What differs otherwise is where the
+deleting runs: a task on every worker, the global directory and the commit records on the client.
 """
 
 from __future__ import annotations
 
-from ...engine.retention import Retention
+import logging
+
+from ...engine.retention import Retention, to_retire
 from ...engine.run import Run
 from ...engine.runstate import CommitRecord
 from ...storage import files as storage
 from . import tasks
 from .cluster import Cluster
+from .lineage import Pins
+
+log = logging.getLogger("ftidask")
 
 
 class DaskRetention(Retention):
@@ -23,6 +30,31 @@ class DaskRetention(Retention):
         super().__init__(run)
         self.cluster = cluster
         self.started = False  # set by the first garbage collection (at init)
+        self.pins = Pins(cluster.client)  # the lineage keys that read each checkpoint
+        self.deferred: list[CommitRecord] = []  # obsolete, but live arrays may still read them
+
+    def retire_older(self, record: CommitRecord) -> None:
+        """After a commit, retire what FTI's rule retires, except the checkpoints live arrays may read."""
+        self.deferred = []
+        self._retire(to_retire(self.state.records(), record, bool(self.config.keep_l4_ckpt)))
+
+    def retire_deferred(self) -> None:
+        """Retire the checkpoints kept for live arrays that no live array reads any more."""
+        if self.deferred:
+            committed = {r.seq for r in self.state.records()}
+            deferred, self.deferred = self.deferred, []
+            self._retire([r for r in deferred if r.seq in committed])
+
+    def _retire(self, obsolete: list[CommitRecord]) -> None:
+        read = self.pins.read(obsolete)
+        for old in obsolete:
+            if (old.ckpt_id, old.seq) in read:
+                log.debug("checkpoint %d (level %d) kept: live arrays may read chunks back from it", old.ckpt_id,
+                          old.level)
+                self.deferred.append(old)
+            else:
+                self.remove_checkpoint(old)
+                self.pins.forget(old)
 
     def dirs(self, ckpt_id: int, seq: int, levels: set[int], nranks: int) -> list[str]:
         """A checkpoint's node-local directories, for every rank (L4's global one excluded)."""

@@ -1,0 +1,226 @@
+"""A checkpoint cuts the lineage of the Dask arrays it wrote (issue 17).
+
+After a commit, each protected Dask array is handed back as a new array whose chunk tasks read
+that chunk from the checkpoint (:func:`ftidask.backends.dask.reads.read_lineage_chunk`) and depend
+on nothing else. Nothing is read while the chunks stay in memory: on the worker that holds a chunk,
+the new key is made an alias of the same object (``Worker.update_data``: no copy, no I/O), the
+scheduler learns that the key is in memory there (``Scheduler.update_data``, as ``scatter`` does),
+and only then is the read task sent as the key's ``run_spec`` (a task already in memory is not run;
+distributed fills the ``run_spec`` of a key it learnt from a scatter). When a worker dies, the
+scheduler recomputes its lost keys from their ``run_spec``: a read of the checkpoint, not the history.
+
+The keys are ``(ftidask-lineage-ckpt{id}-s{seq}-v{var}-{token}, *grid index)``; :class:`Pins`
+remembers them per checkpoint so that retention keeps a checkpoint that live arrays may still read.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from dask._task_spec import Task
+from dask.array.core import Array
+from distributed import Client, Future, futures_of, wait
+
+from ...engine.runstate import CommitRecord
+from ...storage import files as storage
+from . import reads
+from .plan import VarSpec
+from .restore import file_sources
+
+if TYPE_CHECKING:
+    from .context import DaskContext
+
+log = logging.getLogger("ftidask")
+
+TOPIC = reads.TOPIC
+Place = tuple[int, tuple[int, ...]]
+
+
+def _alias(pairs: Mapping[str, list[tuple[Any, Any]]], dask_worker: Any = None) -> dict[Any, int]:
+    """On a worker (``Client.run``): put each ``new`` key in memory as the very object of ``old``.
+
+    Runs in the worker's event loop, as its ``update_data`` handler does for a scatter; a key
+    released meanwhile is skipped (its new key will be read from the checkpoint instead).
+    Returns new key -> bytes of the keys aliased.
+    """
+    from dask.sizeof import sizeof
+
+    data = {}
+    for old, new in pairs.get(dask_worker.address, ()):
+        ts = dask_worker.state.tasks.get(old)
+        if ts is not None and ts.state == "memory" and old in dask_worker.data:
+            data[new] = dask_worker.data[old]  # the same ndarray: a second reference, not a copy
+    if data:
+        dask_worker.update_data(data, stimulus_id=f"ftidask-lineage-{time.time()}")
+    return {k: int(sizeof(v)) for k, v in data.items()}
+
+
+class Pins:
+    """The lineage keys made per checkpoint, to know whether a live array may still read one."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._keys: dict[tuple[int, int], list[Any]] = {}
+
+    def add(self, record: CommitRecord, keys: Iterable[Any]) -> None:
+        self._keys.setdefault((record.ckpt_id, record.seq), []).extend(keys)
+
+    def read(self, records: Iterable[CommitRecord]) -> set[tuple[int, int]]:
+        """(ckpt_id, seq) of those of ``records`` that the scheduler may still read back: it knows a task
+        reading it (held by a future, or kept as the dependency of a result in memory: either may be
+        recomputed from it). When it cannot be asked, all of them (a later commit asks again)."""
+        asked = {(r.ckpt_id, r.seq): self._keys[r.ckpt_id, r.seq] for r in records
+                 if self._keys.get((r.ckpt_id, r.seq))}
+        if not asked:
+            return set()
+        try:
+            # Futures caught in reference cycles (a traceback's frames keep the futures a wait was given)
+            # are released by a collection only: without it, a checkpoint nobody reads could be kept.
+            gc.collect()
+            _barrier(self.client)
+            states = self.client.sync(self.client.scheduler.get_task_status,
+                                      keys=[k for keys in asked.values() for k in keys])
+        except Exception as exc:  # noqa: BLE001 - keep the files rather than pull them from under an array
+            log.debug("cannot ask the scheduler which checkpoints live arrays read: %s", exc)
+            return set(asked)
+        out = set()
+        for which, keys in asked.items():
+            self._keys[which] = [k for k in keys if states.get(k) not in (None, "forgotten")]
+            if self._keys[which]:
+                out.add(which)
+        return out
+
+    def forget(self, record: CommitRecord) -> None:
+        self._keys.pop((record.ckpt_id, record.seq), None)
+
+
+def _noop() -> None:
+    return None
+
+
+def _barrier(client: Client, timeout: float = 30) -> None:
+    """Return once the scheduler has handled every message this client sent before (keys released by
+    futures just dropped): a task sent on the same stream, which the scheduler handles in order."""
+    client.submit(_noop, pure=False, key=f"ftidask-barrier-{uuid.uuid4().hex}").result(timeout=timeout)
+
+
+def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: Mapping[Place, Future],
+        held: Mapping[int, Any]) -> dict[int, Array]:
+    """The protected Dask arrays of committed ``record`` with their lineage cut: var id -> new array.
+
+    ``futures``: the chunks the checkpoint wrote; ``held``: the arrays they came from (``p.array``
+    is replaced by the new array only if it is still that one: an asynchronous checkpoint commits
+    while the application goes on and may have protected a newer array meanwhile).
+    """
+    client = ctx.client
+    workers: list[str] = list(record.extra["workers"])
+    cid, seq, level = record.ckpt_id, record.seq, record.level
+    hosts = {r: (workers[r], ctx.node_file(level, cid, seq, r, storage.rank_file(cid, r)))
+             for r in range(record.nranks)}
+    sources = {r: src | {"exec_id": ctx.exec_id} for r, src in file_sources(ctx, record, hosts).items()}
+    who_has = client.who_has(list(futures.values()))
+    pairs: dict[str, list[tuple[Any, Any]]] = {}
+    graphs: dict[int, tuple[str, dict[Any, Task]]] = {}
+    raw_dtypes = {int(v["id"]): v["dtype"] for v in record.extra["vars"]}
+    for spec in specs:
+        if spec.kind != "dask" or spec.pystate:
+            continue
+        name = f"ftidask-lineage-ckpt{cid}-s{seq}-v{spec.id}-{uuid.uuid4().hex}"
+        graph = {}
+        for index, rank, dptr, _nbytes in record.extra["chunks"].get(str(spec.id), []):
+            place = (spec.id, tuple(index))
+            key = (name, *index)
+            graph[key] = Task(key, reads.read_lineage_chunk, sources[int(rank)], spec.id, spec.name, list(index),
+                              int(dptr), raw_dtypes[spec.id],
+                              list(spec.chunk_shape(tuple(index))))
+            old = futures[place].key
+            holders = who_has.get(old, ())
+            writer = workers[int(rank)]  # it holds the chunk, or a replica made for its write task
+            at = writer if writer in holders else (sorted(holders)[0] if holders else None)
+            if at is not None:
+                pairs.setdefault(at, []).append((old, key))
+        graphs[spec.id] = (name, graph)
+    aliased = _place_aliases(client, pairs)
+    out: dict[int, Array] = {}
+    for spec in specs:
+        if spec.id not in graphs:
+            continue
+        name, graph = graphs[spec.id]
+        # A chunk not aliased (released meanwhile, or its worker gone) is read from the checkpoint now.
+        arr = client.persist(Array(graph, name, spec.chunks, dtype=spec.dtype), optimize_graph=False)
+        out[spec.id] = arr
+        ctx._dask_retention.pins.add(record, graph)
+        p = ctx._vars.get(spec.id)
+        if p is not None and p.array is held.get(spec.id):
+            p.array = arr
+    # Done when the scheduler has the graphs: the aliased keys are reported in memory once they have their
+    # run_spec (any chunk not aliased is read meanwhile).
+    wait([f for arr in out.values() for f in futures_of(arr)])
+    missed = sum(len(g) for _n, g in graphs.values()) - aliased
+    log.debug("checkpoint %d: lineage cut for %d arrays (%d chunks aliased in memory, %d to read)", cid, len(out),
+              aliased, missed)
+    return out
+
+
+def cut_after_commit(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: Mapping[Place, Future],
+                     held: Mapping[int, Any]) -> dict[int, Array]:
+    """:func:`cut`, or nothing when it fails: the arrays keep their history, the checkpoint stays committed."""
+    try:
+        return cut(ctx, record, specs, futures, held)
+    except Exception as exc:  # noqa: BLE001 - e.g. a worker lost meanwhile: Dask recomputes, as without ftidask
+        log.warning("checkpoint %d: the arrays keep their Dask history (lineage not cut: %s)", record.ckpt_id, exc)
+        return {}
+
+
+def _place_aliases(client: Client, pairs: dict[str, list[tuple[Any, Any]]]) -> int:
+    """Alias the chunks on their workers, then tell the scheduler where the new keys are; the count."""
+    if not pairs:
+        return 0
+    results = client.run(_alias, pairs, workers=list(pairs), on_error="return")
+    who_has: dict[Any, list[str]] = {}
+    nbytes: dict[Any, int] = {}
+    for worker, sizes in results.items():
+        if isinstance(sizes, BaseException):  # a worker lost meanwhile: its chunks are read back instead
+            continue
+        for key, n in sizes.items():
+            who_has[key] = [worker]
+            nbytes[key] = n
+    if who_has:
+        # What Client.scatter does from inside a task: the scheduler now holds these keys in memory on
+        # those workers, with no run_spec yet; the graph persisted next gives them theirs. A call, not a
+        # message on the client's stream: an error (a worker gone meanwhile) is ours to handle, whereas
+        # a stream handler's error would close the client's connection.
+        try:
+            client.sync(client.scheduler.update_data, who_has=who_has, nbytes=nbytes, client=client.id)
+        except Exception:  # noqa: BLE001 - a worker left after its aliases were made: tell about the others only
+            alive = set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+            who_has = {k: w for k, w in who_has.items() if w[0] in alive}
+            client.sync(client.scheduler.update_data, who_has=who_has, nbytes={k: nbytes[k] for k in who_has},
+                        client=client.id)
+    return len(who_has)
+
+
+def watch(client: Client) -> None:
+    """Log on the client each chunk that a worker restored from a checkpoint (the workers' events)."""
+    try:
+        client.subscribe_topic(TOPIC, _log_event)
+    except Exception as exc:  # noqa: BLE001 - the log is a convenience; the events stay on the scheduler
+        log.debug("cannot subscribe to %s events: %s", TOPIC, exc)
+
+
+def _log_event(event: tuple[float, dict[str, Any]]) -> None:
+    _t, e = event
+    log.info("lineage: chunk %s of variable %s (%s) restored from checkpoint %s (level %s, %s) on worker %s "
+             "in %.3f s", tuple(e["index"]), e["var"], e["name"], e["ckpt_id"], e["level"], e["how"], e["worker"],
+             e["seconds"])
+
+
+def restores(client: Client, exec_id: str | None = None) -> list[dict[str, Any]]:
+    """The chunks restored from a checkpoint (of run ``exec_id``, else any) by lineage reads on this
+    cluster, oldest first: var, name, index, ckpt_id, level, how, path, worker, nbytes, seconds."""
+    return [dict(e) for _t, e in client.get_events(TOPIC) if exec_id is None or e.get("exec_id") == exec_id]
