@@ -162,26 +162,15 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
     out_d = SafeOutput(own, errors) if not own_ok else None
     out_p = SafeOutput(parity, errors) if not par_ok else None
     hasher = hashing.new_hasher(hash_id)
-    offsets = range(0, max_fs, block)
-
-    def read(j: int) -> tuple[np.ndarray, np.ndarray]:
-        n = min(block, max_fs - offsets[j])
-        return _read(fd, offsets[j], n, sizes[i], own, errors), _read(fp, offsets[j], n, max_fs, parity, errors)
-
-    def exchange(j: int, mine: tuple[np.ndarray, np.ndarray] | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        n = min(block, max_fs - offsets[j])
-        d, p = mine if mine is not None else (np.zeros(n, np.uint8), np.zeros(n, np.uint8))
-        return ch.allgather_blocks(d), ch.allgather_blocks(p)
-
-    def consume(j: int, got: tuple[list[np.ndarray], list[np.ndarray]]) -> None:
-        if out_d is None and out_p is None:
-            return
-        n = min(block, max_fs - offsets[j])
-        guarded(errors, lambda: _rebuild_block(codec, got[0], got[1], chosen, n, offsets[j], i, sizes[i], out_d, out_p,
-                                              hasher), None, "cannot rebuild")
-
     try:
-        overlapped(len(offsets), read, exchange, consume, errors)
+        for offset in range(0, max_fs, block):
+            n = min(block, max_fs - offset)
+            data = ch.allgather_blocks(_read(fd, offset, n, sizes[i], own, errors))
+            pars = ch.allgather_blocks(_read(fp, offset, n, max_fs, parity, errors))
+            if out_d is None and out_p is None:
+                continue
+            guarded(errors, lambda: _rebuild_block(codec, data, pars, chosen, n, offset, i, sizes[i],  # noqa: B023
+                                                  out_d, out_p, hasher), None, "cannot rebuild")
     finally:
         for fh in (fd, fp):
             if fh is not None:
