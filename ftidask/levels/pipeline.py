@@ -44,8 +44,8 @@ def overlapped(count: int, read: Callable[[int], T], exchange: Callable[[int, T 
     if count <= 0:
         return
     if count == 1:  # nothing to overlap: no threads
-        got = exchange(0, _recorded(errors, "read", read, 0))
-        _recorded(errors, "write", consume, 0, got)
+        got = read(0)
+        consume(0, exchange(0, got))
         return
     with ThreadPoolExecutor(2, thread_name_prefix="ftidask-level") as pool:
         ahead: Future[Any] = pool.submit(_recorded, errors, "read", read, 0)
