@@ -16,7 +16,6 @@ import numpy as np
 from ..transport.collective import guarded
 from .blockio import SafeOutput, open_input, read_block
 from .channel import GroupChannel
-from .pipeline import overlapped
 
 
 def exchange_file(ch: GroupChannel, send_path: Path | None, dest: int, send_size: int,
@@ -32,27 +31,18 @@ def exchange_file(ch: GroupChannel, send_path: Path | None, dest: int, send_size
     errors: list[str] = []
     fin = open_input(send_path, errors) if send_path is not None else None
     out = SafeOutput(recv_path, errors) if recv_path is not None else None
-
-    def read(k: int) -> np.ndarray | None:
-        if k >= n_send:
-            return None
-        n = min(piece, send_size - k * piece)
-        block = guarded(errors, functools.partial(read_block, fin, k * piece, n, send_size), None,
-                        f"cannot read {send_path}")
-        return np.zeros(n, dtype=np.uint8) if block is None else block
-
-    def exchange(k: int, block: np.ndarray | None) -> np.ndarray | None:
-        if block is None and k < n_send:  # a read that failed beyond what read_block records
-            block = np.zeros(min(piece, send_size - k * piece), dtype=np.uint8)
-        want = min(piece, recv_size - k * piece) if k < n_recv else 0
-        return ch.exchange(block, dest if block is not None else None, want, source if want else None)
-
-    def consume(_k: int, got: np.ndarray | None) -> None:
-        if out is not None and got is not None:
-            out.write(got)
-
     try:
-        overlapped(max(n_send, n_recv), read, exchange, consume, errors)
+        for k in range(max(n_send, n_recv)):
+            block = None
+            if k < n_send:
+                n = min(piece, send_size - k * piece)
+                block = guarded(errors, functools.partial(read_block, fin, k * piece, n, send_size), None,
+                               f"cannot read {send_path}")
+                block = np.zeros(n, dtype=np.uint8) if block is None else block
+            want = min(piece, recv_size - k * piece) if k < n_recv else 0
+            got = ch.exchange(block, dest if block is not None else None, want, source if want else None)
+            if out is not None and got is not None:
+                out.write(got)
     finally:
         if fin is not None:
             fin.close()

@@ -23,7 +23,6 @@ from ..transport.collective import guarded
 from .blockio import SafeOutput, open_input, read_block
 from .channel import GroupChannel
 from .erasure import ReedSolomon
-from .pipeline import overlapped
 
 
 def hash_path(parity: Path) -> Path:
@@ -58,29 +57,20 @@ def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: i
     fin = open_input(own, errors)
     out = SafeOutput(parity, errors)
     hasher = hashing.new_hasher(hash_id)
-    offsets = range(0, max_fs, block)
-
-    def read(j: int) -> np.ndarray:
-        return _read(fin, offsets[j], min(block, max_fs - offsets[j]), sizes[ch.index], own, errors)
-
-    def exchange(j: int, mine: np.ndarray | None) -> list[np.ndarray]:
-        n = min(block, max_fs - offsets[j])
-        return ch.allgather_blocks(np.zeros(n, np.uint8) if mine is None else mine)
-
-    def consume(_j: int, blocks: list[np.ndarray]) -> None:
-        if out.fh is None:
-            return  # failed already: this member only keeps the group's collectives in step
-        # Local work between collectives never raises (the group would wait): an error drops the output.
-        par = guarded(errors, lambda: codec.encode(blocks, parity_indices=[ch.index])[0], None,
-                      f"cannot encode {parity}")
-        if par is None:
-            out.abort()
-            return
-        out.write(par)
-        hasher.update(memoryview(par))
-
     try:
-        overlapped(len(offsets), read, exchange, consume, errors)
+        for offset in range(0, max_fs, block):
+            n = min(block, max_fs - offset)
+            blocks = ch.allgather_blocks(_read(fin, offset, n, sizes[ch.index], own, errors))
+            if out.fh is None:
+                continue  # failed already: this member only keeps the group's collectives in step
+            # Local work between collectives never raises (the group would wait): an error drops the output.
+            par = guarded(errors, lambda: codec.encode(blocks, parity_indices=[ch.index])[0],  # noqa: B023
+                         None, f"cannot encode {parity}")
+            if par is None:
+                out.abort()
+                continue
+            out.write(par)
+            hasher.update(memoryview(par))
     finally:
         if fin is not None:
             fin.close()
