@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from timing import timed
 
 import ftidask
 
@@ -79,7 +80,7 @@ def bench_size(gib: float, base: Path, repeat: int) -> None:
     n = int(gib * (1 << 30)) // 8
     state = np.random.default_rng(0).random(n)
     memcpy = _memcpy(state, repeat)
-    loop_alone = statistics.median(_timed(lambda: np.add(state, 1, out=state)) for _ in range(repeat))
+    loop_alone = statistics.median(timed(lambda: np.add(state, 1, out=state)) for _ in range(repeat))
     pages = state.nbytes // PAGE
     scattered = np.random.default_rng(1).choice(pages, pages // 20, replace=False) * (PAGE // 8)
     print(f"\n== state {gib:g} GiB ({state.nbytes / 2**30:.2f} GiB float64) ==")
@@ -98,7 +99,7 @@ def bench_size(gib: float, base: Path, repeat: int) -> None:
                                                      "extra_sparse")}
         for _ in range(repeat):  # interleaved, so that a noisy moment weighs on all alike
             os.sync()  # each measurement starts with no dirty pages of the one before to write back
-            m["sync"].append(_timed(lambda: ctx.checkpoint(next(ids), 1)))
+            m["sync"].append(timed(lambda: ctx.checkpoint(next(ids), 1)))
             os.sync()
             start = time.perf_counter()
             handle = ctx.checkpoint(next(ids), 1, wait=False)
@@ -110,7 +111,7 @@ def bench_size(gib: float, base: Path, repeat: int) -> None:
             with PeakRss() as peak:  # a loop writing every page while the checkpoint is in flight
                 start = time.perf_counter()
                 handle = ctx.checkpoint(next(ids), 1, wait=False)
-                m["loop"].append(_timed(lambda: np.add(state, 1, out=state)))
+                m["loop"].append(timed(lambda: np.add(state, 1, out=state)))
                 handle.result()
                 m["total_loop"].append(time.perf_counter() - start)
             m["extra_loop"].append(peak.peak - base_rss)
@@ -148,7 +149,7 @@ def _torch(state: np.ndarray, base: Path, repeat: int, memcpy: float) -> None:
     sync, blocked, total = [], [], []
     for i in range(repeat):
         os.sync()
-        sync.append(_timed(lambda i=i: dcp.save({"state": tensor}, checkpoint_id=str(base / f"torch-sync{i}"))))
+        sync.append(timed(lambda i=i: dcp.save({"state": tensor}, checkpoint_id=str(base / f"torch-sync{i}"))))
         os.sync()
         start = time.perf_counter()
         future = dcp.async_save({"state": tensor}, checkpoint_id=str(base / f"torch{i}"))
@@ -165,13 +166,8 @@ def _memcpy(state: np.ndarray, repeat: int) -> float:
     """numpy.copyto of the state into a buffer already faulted in (freed before the checkpoints)."""
     scratch = np.empty_like(state)
     np.copyto(scratch, state)
-    return statistics.median(_timed(lambda: np.copyto(scratch, state)) for _ in range(repeat))
+    return statistics.median(timed(lambda: np.copyto(scratch, state)) for _ in range(repeat))
 
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from timing import best
 
 import ftidask
 from ftidask.ftiff import compression
@@ -39,14 +40,6 @@ def smooth_field(nbytes: int) -> np.ndarray:
 def random_field(nbytes: int) -> np.ndarray:
     return np.random.default_rng(1).random(nbytes // 8)
 
-
-def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def codec_speed(spec: str, data: np.ndarray, repeat: int) -> tuple[float, float, float]:

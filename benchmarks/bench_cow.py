@@ -23,20 +23,13 @@ import threading
 import time
 
 import numpy as np
+from timing import best
 
 from ftidask.memsnap import CowSnapshot, cow_available
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 PIECE = 16 << 20
 
-
-def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def copy_out(snap: CowSnapshot, nbytes: int) -> None:

@@ -23,6 +23,7 @@ import threading
 import time
 
 import numpy as np
+from timing import best
 
 import ftidask
 
@@ -123,14 +124,6 @@ def cold_restart(dirs: dict, arrays: list[np.ndarray], path: str, repeat: int, d
         assert np.array_equal(a, b), "recovered arrays differ"
     return {name: float(np.median(t)) for name, t in times.items()}
 
-
-def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
