@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..memsnap import cow
-from ..model.arrays import stream_order
+from ..model.arrays import ArrayBytes, stream_order
 from ..model.errors import ConfigError
 from .variables import Protected
 
@@ -133,18 +133,13 @@ def _frozen_var(p: Protected, array: np.ndarray) -> Protected:
 def _copy_into(buf: np.ndarray, array: np.ndarray) -> np.ndarray:
     order = stream_order(array)
     frozen = np.ndarray(array.shape, array.dtype, buffer=buf[:array.nbytes].data, order=order)
-    contiguous = array.flags.c_contiguous if order == "C" else array.flags.f_contiguous
-    if contiguous and array.nbytes >= PARALLEL_COPY_BYTES and COPY_THREADS > 1 and not array.dtype.hasobject:
-        _parallel_copy(buf[:array.nbytes], _stream_bytes(array, order))
+    big = array.nbytes >= PARALLEL_COPY_BYTES and COPY_THREADS > 1
+    stream = ArrayBytes(array, order).view(0, array.nbytes) if big else None  # None: not contiguous
+    if stream is not None:
+        _parallel_copy(buf[:array.nbytes], np.frombuffer(stream, np.uint8))
     else:
         np.copyto(frozen, array, casting="no")
     return frozen
-
-
-def _stream_bytes(array: np.ndarray, order: str) -> np.ndarray:
-    """The bytes of a contiguous ``array`` in its stream order, as a 1-D uint8 view (no copy)."""
-    flat = array.reshape(-1, order=order)  # a view: the array is contiguous in that order
-    return flat.view(np.uint8) if flat.dtype.itemsize else flat
 
 
 def _parallel_copy(dst: np.ndarray, src: np.ndarray) -> None:
