@@ -6,9 +6,11 @@ and notes what it recovered in the :class:`Progress` that the context's commits 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,15 +139,22 @@ class Recovery(RunPart):
         resharded = reshard.recover_other_layout(self, ckpt_id, level, wanted)
         if resharded is not None:  # written on another number of ranks or node layout
             return resharded
-        # Fresh arrays get verified pages moved under them; the others' pages are faulted in while the disk is read.
-        arrays = self.arrays(wanted)
-        movable = pagemove.movable_arrays(arrays)
-        with Prefault(a for vid, a in arrays.items() if vid not in movable):
-            record, verdict = self.find(ckpt_id, level, pagemove.stager(movable))
+        with self._verifying(wanted) as stage:
+            record, verdict = self.find(ckpt_id, level, stage)
         try:
             return self._load(record, verdict, wanted)
         finally:
             release_all(verdict.staged)  # committed ones are gone already
+
+    @contextlib.contextmanager
+    def _verifying(self, ids: list[int] | None) -> Iterator[Stager | None]:
+        """Around the verification of the file(s) to recover variables ``ids`` (None: all) from: fresh
+        arrays get verified pages to move under them (the stager given), the others' pages are faulted
+        in while the disk is read."""
+        arrays = self.arrays(ids)
+        movable = pagemove.movable_arrays(arrays)
+        with Prefault(a for vid, a in arrays.items() if vid not in movable):
+            yield pagemove.stager(movable)
 
     def _load(self, record: CommitRecord, verdict: Verdict, wanted: list[int] | None) -> dict[int, Any]:
         """Plan, agree and fill the arrays from ``record``, which every rank verified (collective)."""
@@ -175,10 +184,8 @@ class Recovery(RunPart):
 
     def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
         """:meth:`ftidask.Context.recover_file` (this rank only)."""
-        arrays = self.arrays(None)
-        movable = pagemove.movable_arrays(arrays)
-        with Prefault(a for vid, a in arrays.items() if vid not in movable):
-            verdict = check_file(Path(path), None, self.transport.rank, pagemove.stager(movable))
+        with self._verifying(None) as stage:
+            verdict = check_file(Path(path), None, self.transport.rank, stage)
         try:
             if verdict.kind != "ok" or verdict.parsed is None:
                 raise RecoveryError(f"cannot recover from {os.fspath(path)}: {verdict.message}")
