@@ -306,6 +306,11 @@ def read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget]
     check_unchanged(fh, parsed)
 
 
+def _flat_bytes(view: memoryview) -> memoryview:
+    """``view`` as flat bytes (an np.matrix's view, for one, is 2-D)."""
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
 def _read_into_dcp(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget]) -> None:
     """A dCP file: arrays with a zero-copy view are copied like any verified file (a second hash of
     every block would cost a third of a cold read, and protect nothing: the bytes are in the array
@@ -320,8 +325,7 @@ def _read_into_dcp(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTa
         if view is None:
             others[meta.id] = target
         else:
-            direct.append((meta.fptr, view.cast("B") if view.ndim != 1 or view.format != "B" else view,
-                           f"block {bi}, container {ci} (var id {meta.id})"))
+            direct.append((meta.fptr, _flat_bytes(view), f"block {bi}, container {ci} (var id {meta.id})"))
     if others:
         read_into_dcp(fh, parsed, others)
     _copy_direct(fh, parsed, direct)
@@ -340,8 +344,8 @@ def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget
             _read_compressed(fh, parsed, meta, target, what)
             continue
         view = target.view(meta.dptr, meta.dptr + meta.chunksize)
-        if view is not None:  # as flat bytes: an np.matrix's view is 2-D
-            direct.append((meta.fptr, view.cast("B") if view.ndim != 1 or view.format != "B" else view, what))
+        if view is not None:
+            direct.append((meta.fptr, _flat_bytes(view), what))
             continue
         hasher = hashing.new_hasher(hid)
         buf = buf or bytearray(_PIECE)
