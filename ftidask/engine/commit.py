@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,14 +74,30 @@ class Committer(RunPart):
         """Finish every rank's file, add the level's redundancy, write the commit record (see
         :meth:`commit`), then retire what it makes obsolete and announce it."""
         info, record = self.commit(pending)
+        self.retire_after(record, pending.level)
+        self.announce(pending, record, info)
+        return info
+
+    def seal(self, record: CommitRecord, failed: str, discard: Callable[[], None]) -> None:
+        """The commit point, for every backend: write ``record`` last, once every rank's file and the
+        level's redundancy are done (collective: rank 0, or the Dask client, writes it). When it cannot
+        be written, ``discard`` removes what the checkpoint left and the same :class:`CheckpointError`
+        (``failed: why``) is raised on every rank: the previous checkpoint stays the newest."""
+        try:
+            on_root(self.transport, functools.partial(self.state.write_record, record), CheckpointError, failed)
+        except CheckpointError:
+            discard()
+            raise
+
+    def retire_after(self, record: CommitRecord, shown_level: int) -> None:
+        """After ``record`` is committed: retire what it makes obsolete and collect interrupted checkpoints'
+        leftovers (collective, for every backend). A failure here leaves the new checkpoint committed."""
         try:  # collective: their errors are agreed too (the same FTIError on every rank)
             self.retention.retire_older(record)
             self.retention.collect_garbage()
         except FTIError as exc:
-            raise CheckpointError(f"checkpoint {record.ckpt_id} (level {pending.level}) is committed and "
+            raise CheckpointError(f"checkpoint {record.ckpt_id} (level {shown_level}) is committed and "
                                   f"recoverable, but cleaning up after it failed: {exc}") from exc
-        self.announce(pending, record, info)
-        return info
 
     def begin(self, id: int, level: Level, incremental: bool = False) -> PendingCheckpoint:
         """Plan checkpoint ``id`` and open its file (shared by checkpoint and iCP; collective)."""
@@ -160,12 +176,12 @@ class Committer(RunPart):
                     t.protect_files(level, ckpt_id, pending.path, pending.directory)
 
             agree(t, attempt(t.rank, protect)[1], CheckpointError, failed)
-            record = CommitRecord(seq, ckpt_id, level, time.time(), t.size, tuple(FileRecord(**f) for f in files),
-                                  dict(pending.record_extra))
-            on_root(t, functools.partial(self.state.write_record, record), CheckpointError, failed)  # the commit
         except CheckpointError:  # agreed: the same on every rank
             self.drop(pending, finished=written is not None)
             raise
+        record = CommitRecord(seq, ckpt_id, level, time.time(), t.size, tuple(FileRecord(**f) for f in files),
+                              dict(pending.record_extra))
+        self.seal(record, failed, functools.partial(self.drop, pending, finished=True))
         assert written is not None  # every rank succeeded
         self.progress.committed(ckpt_id, pending.layout)
         stats = pending.stats
@@ -229,8 +245,6 @@ class Committer(RunPart):
         files = agree(t, error, CheckpointError, failed, entry)
         zarr_files = {"files": tuple(FileRecord(**f) for f in files), "extra": {"l4_format": "zarr"}} if as_zarr else {}
         flushed = dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(), **zarr_files)
-        try:
-            on_root(t, functools.partial(self.state.write_record, flushed), CheckpointError, failed)
-        except CheckpointError:  # the last checkpoint stays where it is, committed; the copy goes
-            storage.remove_tree(self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq))
-            raise
+        # If it cannot be committed, the last checkpoint stays where it is, committed; the copy goes.
+        self.seal(flushed, failed, functools.partial(
+            storage.remove_tree, self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)))

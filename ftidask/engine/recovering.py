@@ -10,15 +10,16 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ..ftiff.layout import Layout
 from ..ftiff.reader import FtiffFile
 from ..model.errors import FTIError, NoCheckpointError, RecoveryError
+from ..storage.files import RunPaths
 from ..transport.collective import agree, attempt, guarded, on_root
 from . import pagemove, recoverplan, reshard
 from .checkpointing import CheckpointInfo
@@ -31,6 +32,7 @@ from .runstate import CommitRecord
 from .variables import Protected, protected_var
 
 log = logging.getLogger("ftidask")
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -57,6 +59,28 @@ class Progress:
         self.recovered = True
         self.recovered_from = (ckpt_id, level)
         self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
+
+
+def newest_recoverable(records: Iterable[CommitRecord], try_one: Callable[[CommitRecord], tuple[T | None, str]],
+                       paths: RunPaths, ckpt_id: int | None, level: int | None,
+                       none_recoverable: str = "no checkpoint verifies") -> tuple[CommitRecord, T]:
+    """The recovery protocol's search, for every backend: the first of ``records`` (newest first) that
+    ``try_one`` verifies or rebuilds (it returns ``(result, "")``, or ``(None, why not)``), with its result.
+
+    When none can be, a :class:`NoCheckpointError` names the run and every checkpoint passed over with why.
+    """
+    reasons = []
+    for record in records:
+        result, why = try_one(record)
+        if not why:
+            return record, result  # type: ignore[return-value]
+        reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {why}")
+        log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, why)
+    what = "no committed checkpoint" if not reasons else none_recoverable
+    raise NoCheckpointError(f"{what} for run {paths.exec_id} in {paths.meta_dir}"
+                            + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
+                            + (f" (level={level})" if level is not None else "")
+                            + "".join(f"\n  - {r}" for r in reasons))
 
 
 class Recovery(RunPart):
@@ -101,19 +125,18 @@ class Recovery(RunPart):
         returned holds them, the verdicts of checkpoints passed over release theirs.
         """
         t = self.transport
-        reasons = []
         nodes = t.allgather(t.node)
-        for record in self.candidates(ckpt_id, level):
+
+        def verify(record: CommitRecord) -> tuple[Verdict | None, str]:
             change = reshard.layout_change(record, t.size, nodes)
             if change:  # never rank r's old file into rank r blindly: recover() redistributes it, or says why not
-                reasons.append(f"{change}; {reshard.advice(record)}")
-                continue
+                return None, f"{change}; {reshard.advice(record)}"
             verdict = self.check(record, stage)
             path = self.rank_file(record)
             ok = verdict.kind == "ok"
             # Collective (L2/L3); the transport keeps the ranks in step, an error after its end is this rank's.
-            have, error = attempt(t.rank, lambda: t.rebuild_file(record.level, record.ckpt_id, path,  # noqa: B023
-                                                                  path.parent, ok, record=record), False)
+            have, error = attempt(t.rank, lambda: t.rebuild_file(record.level, record.ckpt_id, path, path.parent,
+                                                                  ok, record=record), False)
             if error:
                 log.warning("rebuilding checkpoint %d (level %d): %s", record.ckpt_id, record.level, error)
             if not ok and have:
@@ -121,17 +144,12 @@ class Recovery(RunPart):
             # Consensus: every rank sees every verdict, so that all agree and raise the same error.
             verdicts = t.allgather([verdict.kind, verdict.message])
             if all(k == "ok" for k, _m in verdicts):
-                return record, verdict
+                return verdict, ""
             release_all(verdict.staged)
             bad = [(r, m) for r, (k, m) in enumerate(verdicts) if k != "ok"]
-            why = f"{len(bad)} rank(s) cannot verify or rebuild their file, first rank {bad[0][0]}: {bad[0][1]}"
-            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {why}")
-            log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, why)
-        what = "no committed checkpoint" if not reasons else "no checkpoint verifies"
-        raise NoCheckpointError(f"{what} for run {self.paths.exec_id} in {self.paths.meta_dir}"
-                                + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
-                                + (f" (level={level})" if level is not None else "")
-                                + ("".join(f"\n  - {r}" for r in reasons)))
+            return None, f"{len(bad)} rank(s) cannot verify or rebuild their file, first rank {bad[0][0]}: {bad[0][1]}"
+
+        return newest_recoverable(self.candidates(ckpt_id, level), verify, self.paths, ckpt_id, level)
 
     def recover(self, ckpt_id: int | None, level: int | None, ids: Any) -> dict[int, Any]:
         """:meth:`ftidask.Context.recover` (collective)."""

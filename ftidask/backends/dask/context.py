@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import html
 import logging
 import time
 import weakref
@@ -25,17 +24,17 @@ from ...api.context import Context, Protected
 from ...engine.inflight import CheckpointHandle
 from ...engine.runstate import CommitRecord, FileRecord
 from ...engine.variables import encode_states
-from ...levels.topology import worker_topology
 from ...model.arrays import check_ckpt_id, check_id
 from ...model.config import Config
 from ...model.errors import CheckpointError, FTIError, LevelError, ProtectError
 from ...model.level import Level
 from ...storage import files as storage
 from ...transport.base import Transport
-from . import channel, group_steps, icp, lineage, restore, tasks
+from . import channel, icp, lineage, report, restore, tasks
 from .cluster import Cluster, ClusterError
 from .dcp_levels import DaskSpares, run_dcp_levels, sticky_owners
-from .plan import VarSpec, chunk_table, layout_to_json, plan_ranks
+from .full_levels import run_full_levels
+from .plan import VarSpec, chunk_table
 from .report import DaskCheckpointInfo, human
 from .retention import DaskRetention
 
@@ -195,41 +194,38 @@ class DaskContext(Context):
         if differential:
             owner = sticky_owners(self, level, owner, workers)
         seq = self.state.next_seq()
+        failed = f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint is kept"
+
+        def discard() -> None:  # what a checkpoint that is not committed leaves, on every worker
+            if differential:
+                self._dcp.discard()
+            self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers))
+
         try:
             with self.cluster.batch():
                 if differential:
                     plans, written, groups = run_dcp_levels(self, ckpt_id, level, seq, specs, futures, owner,
                                                             workers)
                 else:
-                    plans, written, groups = self._run_levels(ckpt_id, level, seq, specs, futures, owner, workers)
+                    plans, written, groups = run_full_levels(self, ckpt_id, level, seq, specs, futures, owner,
+                                                             workers)
         except FTIError as exc:
-            if differential:
-                self._dcp.discard()
-            self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers))
+            discard()
             # A lost worker or a failed task is said in one sentence, without Dask's chained traceback.
             cluster_error = isinstance(exc, ClusterError)
-            raise CheckpointError(f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint "
-                                  f"is kept: {exc.detail if cluster_error else exc}") from (None if cluster_error
-                                                                                          else exc)
+            raise CheckpointError(f"{failed}: {exc.detail if cluster_error else exc}") from (
+                None if cluster_error else exc)
         record = CommitRecord(seq, ckpt_id, level, time.time(), len(workers),
                               tuple(FileRecord(w["rank"], w["node"], w["size"], w["fb_hash"]) for w in written),
                               {"backend": "dask", "workers": workers, "groups": groups,
                                "vars": [s.to_json() for s in specs], "chunks": chunk_table(plans)}
                               | ({"dcp": True} if differential else {}))
-        try:
-            self.state.write_record(record)  # the commit point
-        except CheckpointError as exc:  # a full or read-only meta_dir: the previous checkpoint stays the newest
-            if differential:
-                self._dcp.discard()
-            self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers))
-            raise CheckpointError(f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint "
-                                  f"is kept: {exc}") from exc
+        self._committer.seal(record, failed, discard)  # the commit point, as on every backend
         self.progress.layout = None  # the workers plan their files afresh each time
         arrays = lineage.cut_after_commit(self, record, specs, futures, held)  # chunks lost later are read back
         futures.clear()  # the chunks as computed are ours no more (shared with the caller): a checkpoint that
         held.clear()  # they were computed from is retired below unless the application still holds them
-        self._retention.retire_older(record)
-        self._retention.collect_garbage()
+        self._committer.retire_after(record, shown_level)
         variables = tuple({"id": s.id, "name": s.name, "dtype": str(s.dtype), "shape": s.shape,
                            "nchunks": len(s.grid()), "nbytes": sum(s.chunk_nbytes(i) for i in s.grid())}
                           for s in specs)
@@ -258,51 +254,6 @@ class DaskContext(Context):
         return {"format": "ftidask", "exec_id": self.exec_id, "ckpt_id": ckpt_id, "level": level, "seq": seq,
                 "rank": rank, "nranks": len(workers), "node": rank, "backend": "dask", "worker": workers[rank],
                 "time": time.time()}
-
-    def _run_levels(self, ckpt_id: int, level: int, seq: int, specs: list[VarSpec], futures: dict,
-                    owner: dict, workers: list[str]) -> tuple[list, list[dict[str, Any]], list[list[int]]]:
-        n = len(workers)
-        plans = plan_ranks(specs, owner, n)
-        topo = worker_topology(n, self.config.group_size)
-        groups = topo.rank_groups()
-        fs = [p.layout.fs for p in plans]
-        write_level = 1 if level == 4 else level  # L4 writes locally, then flushes
-        tag = f"{ckpt_id}-{seq}"
-
-        def own(lv: int, r: int) -> str:
-            return self.node_file(lv, ckpt_id, seq, r, storage.rank_file(ckpt_id, r))
-
-        writes = []
-        for plan in plans:
-            r = plan.rank
-            meta = self.rank_meta(ckpt_id, level, seq, r, workers)
-            partner = fs[topo.left_partner(r)] if level == 2 and len(workers) > 1 else fs[r]
-            writes.append(self.cluster.submit(
-                tasks.write_rank, self.node_file(write_level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r)),
-                layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, self.config.hash, partner,
-                max(fs[g] for g in topo.group_ranks(r)), [[c.var_id, c.dptr] for c in plan.chunks],
-                *(futures[c.var_id, c.index] for c in plan.chunks),
-                key=f"ftidask-write-{tag}-{r}", worker=workers[r]))
-        finals: list[Future] = []
-        tags: list[str] = []
-        if level in (2, 3):  # the shared level code, its blocks sent worker to worker (group_steps)
-            tags = group_steps.session_tags(f"ckpt{ckpt_id}-{seq}-l{level}", groups)
-            name = "partner" if level == 2 else "parity"
-            for tag_g, group in zip(tags, groups, strict=True):
-                for r in group:
-                    m = group_steps.member("protect", tag_g, group, r, workers, dep=0, level=level, ckpt_id=ckpt_id,
-                                           own=own(level, r))
-                    finals.append(group_steps.submit_members(self.cluster, self.config, workers[r], [m], [writes[r]],
-                                                             key=f"ftidask-{name}-{tag}-{r}"))
-        elif level == 4:
-            for r in range(n):
-                name = storage.rank_file(ckpt_id, r)
-                finals.append(self.cluster.submit(
-                    tasks.flush, self.node_file(1, ckpt_id, seq, r, name), self.node_file(4, ckpt_id, seq, r, name), writes[r],
-                    key=f"ftidask-flush-{tag}-{r}", worker=workers[r]))
-        written = group_steps.wait_step(self.cluster, writes + finals, workers, f"checkpoint {ckpt_id}", tags,
-                                        ranks=workers)[:n]
-        return plans, written, groups
 
     # --- incremental checkpoints (see ftidask.backends.dask.icp) ---------------------------------------------
 
@@ -348,7 +299,10 @@ class DaskContext(Context):
         seq = self.state.next_seq()
         with self.cluster.batch():
             self._flush_files(record, seq)
-        self.state.write_record(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time()))
+        # If the copy cannot be committed, the last checkpoint stays where it is, committed; the copy goes.
+        self._committer.seal(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time()),
+                             "keep_last_ckpt: flushing the last checkpoint to L4 failed",
+                             lambda: self._dask_retention.remove_dirs(record.ckpt_id, seq, 4, record.nranks))
 
     def _flush_files(self, record: CommitRecord, seq: int) -> None:
         hosts = restore.restore_files(self, record)
@@ -392,33 +346,11 @@ class DaskContext(Context):
 
     # --- display -------------------------------------------------------------------------------------
 
-    def _var_rows(self) -> list[tuple[int, str, str, tuple[int, ...], str, int]]:
-        rows = []
-        for p in self._vars.values():
-            a = p.array
-            chunks = "x".join(str(max(c) if c else 0) for c in a.chunks) if is_dask_array(a) else "numpy"
-            rows.append((p.id, p.name, str(a.dtype), tuple(a.shape), chunks, int(a.nbytes)))
-        return rows
-
     def __repr__(self) -> str:
-        vars_ = ", ".join(f"{i}:{n} {d}{list(s)} chunks {c} ({human(b)})" for i, n, d, s, c, b in self._var_rows())
-        last = self.last_checkpoint
-        return (f"<ftidask.Context exec_id={self.exec_id!r} backend=dask workers={len(self.cluster.workers())} "
-                f"levels={list(self.transport.levels())} status={self._status} vars=[{vars_}] "
-                f"last_checkpoint={None if last is None else (last.id, last.level)}"
-                f"{' finalized' if self._closed else ''}>")
+        return report.context_repr(self)
 
     def _repr_html_(self) -> str:
-        rows = "".join(f"<tr><td>{i}</td><td>{html.escape(n)}</td><td>{d}</td><td>{s}</td><td>{c}</td>"
-                       f"<td>{human(b)}</td></tr>" for i, n, d, s, c, b in self._var_rows())
-        last = self.last_checkpoint
-        state = "finalized" if self._closed else "open"
-        return (f"<div><b>ftidask.Context</b> run <code>{html.escape(self.exec_id)}</code>, Dask backend, "
-                f"{len(self.cluster.workers())} workers, levels {list(self.transport.levels())}, status "
-                f"{self._status}, {state}; last checkpoint: "
-                f"{'none' if last is None else f'id {last.id}, level {last.level}, {human(last.bytes_written)}'}"
-                "<table><tr><th>id</th><th>name</th><th>dtype</th><th>shape</th><th>chunk</th><th>size</th></tr>"
-                f"{rows}</table></div>")
+        return report.context_html(self)
 
 
 def _flatten(keys: Any) -> list[Any]:

@@ -60,3 +60,38 @@ class DaskCheckpointInfo(CheckpointInfo):
                 "<table><tr><th>id</th><th>name</th><th>dtype</th><th>shape</th><th>chunks</th><th>size</th></tr>"
                 f"{rows}</table><details><summary>{len(self.workers)} worker files</summary>"
                 f"<table><tr><th>rank</th><th>worker</th><th>file</th></tr>{files}</table></details></div>")
+
+
+def _var_rows(ctx: Any) -> list[tuple[int, str, str, tuple[int, ...], str, int]]:
+    """id, name, dtype, shape, chunk shape ("numpy" for a NumPy variable), bytes of each protected variable."""
+    rows = []
+    for p in ctx.variables.values():
+        a = p.array
+        dask_array = hasattr(a, "__dask_graph__") and hasattr(a, "chunks")
+        chunks = "x".join(str(max(c) if c else 0) for c in a.chunks) if dask_array else "numpy"
+        rows.append((p.id, p.name, str(a.dtype), tuple(a.shape), chunks, int(a.nbytes)))
+    return rows
+
+
+def context_repr(ctx: Any) -> str:
+    """A Dask context in one line: run, workers, levels, status, variables with their chunks, last checkpoint."""
+    vars_ = ", ".join(f"{i}:{n} {d}{list(s)} chunks {c} ({human(b)})" for i, n, d, s, c, b in _var_rows(ctx))
+    last = ctx.last_checkpoint
+    return (f"<ftidask.Context exec_id={ctx.exec_id!r} backend=dask workers={len(ctx.cluster.workers())} "
+            f"levels={list(ctx.transport.levels())} status={ctx.status()} vars=[{vars_}] "
+            f"last_checkpoint={None if last is None else (last.id, last.level)}"
+            f"{' finalized' if ctx.finalized else ''}>")
+
+
+def context_html(ctx: Any) -> str:
+    """A Dask context as an HTML table for Jupyter."""
+    rows = "".join(f"<tr><td>{i}</td><td>{html.escape(n)}</td><td>{d}</td><td>{s}</td><td>{c}</td>"
+                   f"<td>{human(b)}</td></tr>" for i, n, d, s, c, b in _var_rows(ctx))
+    last = ctx.last_checkpoint
+    state = "finalized" if ctx.finalized else "open"
+    return (f"<div><b>ftidask.Context</b> run <code>{html.escape(ctx.exec_id)}</code>, Dask backend, "
+            f"{len(ctx.cluster.workers())} workers, levels {list(ctx.transport.levels())}, status "
+            f"{ctx.status()}, {state}; last checkpoint: "
+            f"{'none' if last is None else f'id {last.id}, level {last.level}, {human(last.bytes_written)}'}"
+            "<table><tr><th>id</th><th>name</th><th>dtype</th><th>shape</th><th>chunk</th><th>size</th></tr>"
+            f"{rows}</table></div>")

@@ -16,12 +16,13 @@ from dask.array.core import Array, normalize_chunks
 
 from ...api.context import Protected
 from ...engine import pystate
+from ...engine.recovering import newest_recoverable
 from ...engine.recoverplan import normalize_ids
 from ...engine.recovery import check_writeable
 from ...engine.runstate import CommitRecord
 from ...levels.topology import Topology, recorded_topology
 from ...model.arrays import dtype_from_json
-from ...model.errors import FTIError, NoCheckpointError, RecoveryError
+from ...model.errors import FTIError, RecoveryError
 from ...storage import files as storage
 from . import group_steps, reads, stitch, tasks
 from .cluster import WorkerLost
@@ -326,34 +327,29 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
             ids: Any = None) -> dict[int, Any]:
     """The newest recoverable checkpoint's arrays (see :meth:`DaskContext.recover`)."""
     wanted = normalize_ids(ids)
-    reasons = []
     records = dask_records(ctx, ckpt_id, level)
     if not records:  # written by the MPI or single-process backend: stitched into global arrays if declared
         other = ctx.recovery.candidates(ckpt_id, level)
         if other:
             return stitch.recover(ctx, other, chunks, wanted)
-    for record in records:
+
+    def verify(record: CommitRecord) -> tuple[dict[int, tuple[str, str]] | None, str]:
         try:
-            hosts = _restore_retrying(ctx, record)
-        except (Unrecoverable, RecoveryError) as exc:
-            if not isinstance(exc, Unrecoverable) and "no workers" in str(exc):
+            return _restore_retrying(ctx, record), ""
+        except RecoveryError as exc:
+            if "no workers" in str(exc):  # no checkpoint can be read on an empty cluster
                 raise
-            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {exc}")
-            log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, exc)
-            continue
-        except FTIError as exc:  # a worker lost or a task failed while checking: try the next one
-            reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {exc}")
-            continue
-        out = build_arrays(ctx, record, hosts, chunks, wanted)
-        ctx.progress.restored(record.ckpt_id, record.level, None)  # Dask files have no layout to reuse
-        log.info("recovered checkpoint %d from level %d on %d workers", record.ckpt_id, record.level,
-                 len(ctx.cluster.workers()))
-        return out
-    what = "no committed checkpoint" if not reasons else "no checkpoint can be recovered"
-    raise NoCheckpointError(f"{what} for run {ctx.exec_id} in {ctx.paths.meta_dir}"
-                            + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
-                            + (f" (level={level})" if level is not None else "")
-                            + "".join(f"\n  - {r}" for r in reasons))
+            return None, str(exc)
+        except FTIError as exc:  # lost or damaged files, a worker lost or a task failed while checking
+            return None, str(exc)
+
+    # The engine's search, as for every backend: the newest checkpoint whose files verify or are rebuilt.
+    record, hosts = newest_recoverable(records, verify, ctx.paths, ckpt_id, level, "no checkpoint can be recovered")
+    out = build_arrays(ctx, record, hosts, chunks, wanted)
+    ctx.progress.restored(record.ckpt_id, record.level, None)  # Dask files have no layout to reuse
+    log.info("recovered checkpoint %d from level %d on %d workers", record.ckpt_id, record.level,
+             len(ctx.cluster.workers()))
+    return out
 
 
 def stored_size(ctx: DaskContext, vid: int) -> int:
