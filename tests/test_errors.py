@@ -22,6 +22,16 @@ import ftidask
 # --- a commit record on a full meta_dir ------------------------------------------------------------
 
 
+@pytest.fixture
+def inprocess_client():
+    """Two Dask workers in this process: a commit-record writer patched here is the one the client uses."""
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0",
+                                  silence_logs=50) as cluster, distributed.Client(cluster) as client:
+        client.wait_for_workers(2, timeout=60)
+        yield client
+
+
 def _temp_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if ".tmp-" in p.name]
 
@@ -72,30 +82,27 @@ def test_commit_record_on_a_really_full_meta_dir(tmp_path, dirs):
 
 @pytest.mark.dask
 @pytest.mark.timeout(240)
-def test_dask_commit_record_on_full_disk_is_a_checkpoint_error(dirs, monkeypatch):
+def test_dask_commit_record_on_full_disk_is_a_checkpoint_error(dirs, monkeypatch, inprocess_client):
     da = pytest.importorskip("dask.array")
-    distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0",
-                                  silence_logs=50) as cluster, distributed.Client(cluster) as client:
-        client.wait_for_workers(2, timeout=60)
-        ctx = ftidask.init(client=client, **dirs)
-        first = da.arange(64.0, chunks=16).persist()
-        ctx.protect(1, first)
-        ctx.checkpoint(1, 1)
-        full_commit_records(monkeypatch.setattr)  # the commit records' disk is full
-        ctx.protect(1, (first + 1).persist())
-        with pytest.raises(ftidask.CheckpointError, match="commit record.*No space left"):
-            ctx.checkpoint(2, 1)
-        monkeypatch.undo()
-        assert _temp_files(Path(dirs["meta_dir"])) == []
-        # os.walk, not rglob: the failed checkpoint's trash directory may vanish while it is scanned
-        assert not [n for _d, dirnames, files in os.walk(dirs["ckpt_dir"]) for n in dirnames + files
-                    if n.startswith("ckpt2.")]
-        ctx.protect(1, da.zeros(64, chunks=16).persist())
-        ctx.recover()
-        assert ctx.recovered_from == (1, 1)
-        np.testing.assert_array_equal(ctx.protected[1].compute(), np.arange(64.0))
-        ctx.finalize()
+    client = inprocess_client
+    ctx = ftidask.init(client=client, **dirs)
+    first = da.arange(64.0, chunks=16).persist()
+    ctx.protect(1, first)
+    ctx.checkpoint(1, 1)
+    full_commit_records(monkeypatch.setattr)  # the commit records' disk is full
+    ctx.protect(1, (first + 1).persist())
+    with pytest.raises(ftidask.CheckpointError, match="commit record.*No space left"):
+        ctx.checkpoint(2, 1)
+    monkeypatch.undo()
+    assert _temp_files(Path(dirs["meta_dir"])) == []
+    # os.walk, not rglob: the failed checkpoint's trash directory may vanish while it is scanned
+    assert not [n for _d, dirnames, files in os.walk(dirs["ckpt_dir"]) for n in dirnames + files
+                if n.startswith("ckpt2.")]
+    ctx.protect(1, da.zeros(64, chunks=16).persist())
+    ctx.recover()
+    assert ctx.recovered_from == (1, 1)
+    np.testing.assert_array_equal(ctx.protected[1].compute(), np.arange(64.0))
+    ctx.finalize()
 
 
 # --- configuration files and values -------------------------------------------------------------------
@@ -370,28 +377,25 @@ def test_keep_last_flush_on_full_meta_dir_is_a_checkpoint_error(dirs, monkeypatc
 
 @pytest.mark.dask
 @pytest.mark.timeout(240)
-def test_dask_keep_last_flush_on_full_meta_dir_is_a_checkpoint_error(dirs, monkeypatch):
+def test_dask_keep_last_flush_on_full_meta_dir_is_a_checkpoint_error(dirs, monkeypatch, inprocess_client):
     """The Dask client commits its L4 copy through the engine's seal too: the copy goes, the checkpoint stays."""
     da = pytest.importorskip("dask.array")
-    distributed = pytest.importorskip("distributed")
+    client = inprocess_client
     dirs = dict(dirs, keep_last_ckpt=1)
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0",
-                                  silence_logs=50) as cluster, distributed.Client(cluster) as client:
-        client.wait_for_workers(2, timeout=60)
-        ctx = ftidask.init(client=client, **dirs)
-        ctx.protect(1, da.arange(64.0, chunks=16).persist())
-        ctx.checkpoint(1, 1)
-        full_commit_records(monkeypatch.setattr)  # the commit records' disk is full
-        with pytest.raises(ftidask.CheckpointError, match="keep_last_ckpt.*commit record.*No space left"):
-            ctx.finalize()
-        monkeypatch.undo()
-        assert _temp_files(Path(dirs["meta_dir"])) == []
-        # os.walk, not rglob: the uncommitted copy's trash directory may vanish while it is scanned
-        assert not [n for _d, dirnames, files in os.walk(dirs["glbl_dir"]) for n in dirnames + files
-                    if n.startswith("ckpt1.")]
-        ctx = ftidask.init(client=client, **dirs)  # the run was not finalized: it restarts from checkpoint 1
-        ctx.protect(1, da.zeros(64, chunks=16).persist())
-        ctx.recover()
-        assert ctx.recovered_from == (1, 1)
-        np.testing.assert_array_equal(ctx.protected[1].compute(), np.arange(64.0))
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, da.arange(64.0, chunks=16).persist())
+    ctx.checkpoint(1, 1)
+    full_commit_records(monkeypatch.setattr)  # the commit records' disk is full
+    with pytest.raises(ftidask.CheckpointError, match="keep_last_ckpt.*commit record.*No space left"):
         ctx.finalize()
+    monkeypatch.undo()
+    assert _temp_files(Path(dirs["meta_dir"])) == []
+    # os.walk, not rglob: the uncommitted copy's trash directory may vanish while it is scanned
+    assert not [n for _d, dirnames, files in os.walk(dirs["glbl_dir"]) for n in dirnames + files
+                if n.startswith("ckpt1.")]
+    ctx = ftidask.init(client=client, **dirs)  # the run was not finalized: it restarts from checkpoint 1
+    ctx.protect(1, da.zeros(64, chunks=16).persist())
+    ctx.recover()
+    assert ctx.recovered_from == (1, 1)
+    np.testing.assert_array_equal(ctx.protected[1].compute(), np.arange(64.0))
+    ctx.finalize()
