@@ -36,7 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..dcp.files import BlockState, DcpFileWriter, DcpStats, aligns_writes, load_state, state_of_file
+from ..dcp.files import BlockState, DcpFileWriter, DcpStats, load_state, state_of_file
+from ..dcp.segments import aligns_writes
 from ..dcp.track import DcpTracking
 from ..ftiff.layout import Layout
 from ..ftiff.structs import FB_SIZE, FileBlock
