@@ -1,9 +1,12 @@
 """Per-level checkpoint time over MPI ranks, and the erasure codec's throughput against a memory copy.
 
-    python benchmarks/bench_levels_mpi.py [--ranks 4] [--mib 256] [--dir /tmp/bench] [--dcp]
+    python benchmarks/bench_levels_mpi.py [--ranks 4] [--group 4] [--mib 256] [--dir /tmp/bench] [--dcp]
 
-The driver launches ``mpiexec -n RANKS`` workers (4 simulated nodes, one group), each protecting
-MIB MiB; every level is written once and timed (slowest rank), L1 being the baseline. Then, in
+The driver launches ``mpiexec -n RANKS`` workers (GROUP simulated nodes, L2/L3 groups of GROUP
+nodes), each protecting MIB MiB; every level is written --repeat times and timed (slowest rank,
+best of them), L1 being the baseline. Give each rank a core of its own (``--ranks 2 --group 2``
+on 2 cores): with more ranks than cores the level's exchange and hashing wait for a core, which
+a cluster's rank does not. Then, in
 this process, the Reed-Solomon codec (k = m = 4) encodes and decodes blocks; its MB/s per core is
 printed next to a plain ``numpy.copyto`` of the same bytes. With ``--dcp``, differential L2 and
 L3 checkpoints (1% of the blocks changed) are timed against a full checkpoint at the same level.
@@ -33,7 +36,7 @@ def worker(args: argparse.Namespace) -> None:
     out = {}
     for level in (1, 2, 3, 4):
         base = Path(args.dir) / f"l{level}"
-        dirs = dict(comm=world, local_test=1, node_size=max(1, world.size // 4), group_size=4,
+        dirs = dict(comm=world, local_test=1, node_size=max(1, world.size // args.group), group_size=args.group,
                     ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global", meta_dir=f"{base}/Meta", verbosity=3)
         with ftidask.init(**dirs) as ctx:
             data = np.random.default_rng(ctx.comm.rank).integers(0, 255, args.mib << 20, dtype=np.uint8)
@@ -45,7 +48,7 @@ def worker(args: argparse.Namespace) -> None:
                 start = time.perf_counter()
                 ctx.checkpoint(ckpt_id, level)  # each one retires the one before: one checkpoint on disk
                 elapsed = min(elapsed, ctx.comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
-            write = raw_write(world, base, level, last, Path(args.dir))
+            write = raw_write(world, base, level, last, Path(args.dir), args.group)
             # Restart with nothing lost against a raw read of this rank's file (same page cache state: warm, then cold).
             own = sorted(base.rglob(f"Ckpt{last}-Rank{world.rank}.fti"))
             ctx2 = ftidask.init(**dirs)
@@ -96,7 +99,7 @@ def evict(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def raw_write(world, base: Path, level: int, ckpt_id: int, scratch: Path) -> float:
+def raw_write(world, base: Path, level: int, ckpt_id: int, scratch: Path, group: int) -> float:
     """The slowest rank's time to write, with ``tofile`` then ``fsync``, exactly the bytes ``level`` wrote for it.
 
     L1: its file; L2: its file and its left partner's copy; L3: its file and a parity file of the group's
@@ -107,8 +110,8 @@ def raw_write(world, base: Path, level: int, ckpt_id: int, scratch: Path) -> flo
     where = "Global" if level == 4 else "Local"
     own = sum(p.stat().st_size for p in (base / where).rglob(f"Ckpt{ckpt_id}-Rank{world.rank}.fti"))
     sizes = world.allgather(own)
-    group = 4  # the benchmark's group_size; ranks are placed node by node, one per node per group
-    node_size = max(1, world.size // 4)
+    # ranks are placed node by node, one per node per group of ``group`` nodes
+    node_size = max(1, world.size // group)
     node, pos = world.rank // node_size, world.rank % node_size
     members = [(node // group * group + j) * node_size + pos for j in range(group)]
     left = members[(node % group - 1) % group]
@@ -143,7 +146,8 @@ def worker_dcp(args: argparse.Namespace) -> None:
     out = {}
     for level in (2, 3):
         base = Path(args.dir) / f"dcp{level}"
-        with ftidask.init(comm=world, local_test=1, node_size=max(1, world.size // 4), group_size=4,
+        with ftidask.init(comm=world, local_test=1, node_size=max(1, world.size // args.group),
+                          group_size=args.group,
                           ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global", meta_dir=f"{base}/Meta",
                           verbosity=3, enable_dcp=1, dcp_block_size=16384) as ctx:
             rng = np.random.default_rng(ctx.comm.rank)
@@ -180,7 +184,8 @@ def worker_async(args: argparse.Namespace) -> None:
     out = {}
     for level in (1, 2, 3, 4):
         base = Path(args.dir) / f"async{level}"
-        with ftidask.init(comm=world, local_test=1, node_size=max(1, world.size // 4), group_size=4,
+        with ftidask.init(comm=world, local_test=1, node_size=max(1, world.size // args.group),
+                          group_size=args.group,
                           ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global", meta_dir=f"{base}/Meta",
                           verbosity=3) as ctx:
             data = np.random.default_rng(ctx.comm.rank).random((args.mib << 20) // 8)
@@ -243,7 +248,7 @@ def codec(mib: int) -> None:
 def run_workers(mpiexec: str, args: argparse.Namespace, tmp: str, flag: str) -> dict[int, list]:
     """Launch the ranks with ``flag`` (--worker, --worker-async); rank 0's RESULT row per level."""
     proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, flag, "--mib",
-                           str(args.mib), "--dir", tmp, "--repeat", str(args.repeat)],
+                           str(args.mib), "--dir", tmp, "--repeat", str(args.repeat), "--group", str(args.group)],
                           capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
@@ -264,6 +269,7 @@ def report_async(mpiexec: str, args: argparse.Namespace, tmp: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--group", type=int, default=4, help="L2/L3 group size, and the number of simulated nodes")
     ap.add_argument("--mib", type=int, default=256, help="MiB protected per rank")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--repeat", type=int, default=5, help="rounds per level with --async (medians)")

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..storage.files import atomic_file
+from ..storage.files import atomic_file, start_writeback
 from ..transport.collective import reason
 
 
@@ -39,6 +39,9 @@ def read_block(fh: BinaryIO | None, offset: int, length: int, valid: int) -> np.
     return out
 
 
+WRITEBACK_MIN = 1 << 20  # blocks from this size on are sent to the disk as soon as they are written
+
+
 class SafeOutput:
     """An atomic output file (temporary name, fsync, rename) whose failures are recorded, not raised."""
 
@@ -56,7 +59,11 @@ class SafeOutput:
         if self.fh is None:
             return
         try:
-            self.fh.write(memoryview(data))
+            view = memoryview(data)
+            self.fh.write(view)
+            if view.nbytes >= WRITEBACK_MIN:  # the disk starts on it while the next block is exchanged
+                self.fh.flush()
+                start_writeback(self.fh.fileno(), self.fh.tell() - view.nbytes, view.nbytes)
         except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on
             self.errors.append(f"cannot write {self.path}: {reason(exc)}")
             self.abort()
