@@ -79,15 +79,24 @@ class Pins:
         if not asked:
             return set()
         try:
-            # Futures caught in reference cycles (a traceback's frames keep the futures a wait was given)
-            # are released by a collection only: without it, a checkpoint nobody reads could be kept.
-            gc.collect()
-            _barrier(self.client)
-            states = self.client.sync(self.client.scheduler.get_task_status,
-                                      keys=[k for keys in asked.values() for k in keys])
+            out = self._still_read(asked)
+            if out:
+                # Futures caught in reference cycles (a traceback's frames keep the futures a wait was given)
+                # are released by a collection only: without it, a checkpoint nobody reads could be kept.
+                # Only then: a full collection of a client's heap costs tens of milliseconds a commit.
+                gc.collect()
+                out = self._still_read({which: self._keys[which] for which in out})
         except Exception as exc:  # noqa: BLE001 - keep the files rather than pull them from under an array
             log.debug("cannot ask the scheduler which checkpoints live arrays read: %s", exc)
             return set(asked)
+        return out
+
+    def _still_read(self, asked: dict[tuple[int, int], list[Any]]) -> set[tuple[int, int]]:
+        """Those of ``asked`` whose keys the scheduler still knows (once it has handled every release
+        this client sent), their keys narrowed to those."""
+        _barrier(self.client)
+        states = self.client.sync(self.client.scheduler.get_task_status,
+                                  keys=[k for keys in asked.values() for k in keys])
         out = set()
         for which, keys in asked.items():
             self._keys[which] = [k for k in keys if states.get(k) not in (None, "forgotten")]
