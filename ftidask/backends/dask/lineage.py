@@ -70,18 +70,17 @@ class Pins:
     def add(self, record: CommitRecord, keys: Iterable[Any]) -> None:
         self._keys.setdefault((record.ckpt_id, record.seq), []).extend(keys)
 
-    def read(self, records: Iterable[CommitRecord], collect: bool = True) -> set[tuple[int, int]]:
+    def read(self, records: Iterable[CommitRecord]) -> set[tuple[int, int]]:
         """(ckpt_id, seq) of those of ``records`` that the scheduler may still read back: it knows a task
         reading it (held by a future, or kept as the dependency of a result in memory: either may be
-        recomputed from it). When it cannot be asked, all of them (a later commit asks again).
-        ``collect``: if some look held, collect garbage and ask again (see below)."""
+        recomputed from it). When it cannot be asked, all of them (a later commit asks again)."""
         asked = {(r.ckpt_id, r.seq): self._keys[r.ckpt_id, r.seq] for r in records
                  if self._keys.get((r.ckpt_id, r.seq))}
         if not asked:
             return set()
         try:
             out = self._still_read(asked)
-            if out and collect:
+            if out:
                 # Futures caught in reference cycles (a traceback's frames keep the futures a wait was given)
                 # are released by a collection only: without it, a checkpoint nobody reads could be kept.
                 # Only then: a full collection of a client's heap costs tens of milliseconds a commit.

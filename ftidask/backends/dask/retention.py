@@ -36,20 +36,17 @@ class DaskRetention(Retention):
     def retire_older(self, record: CommitRecord) -> None:
         """After a commit, retire what FTI's rule retires, except the checkpoints live arrays may read."""
         self.deferred = []
-        # At a commit the application usually still holds the array it protected, whose chunks were
-        # computed from the checkpoint before: that one is deferred, and a garbage collection (tens of
-        # milliseconds) would change nothing. The next checkpoint's start collects if it must.
-        self._retire(to_retire(self.state.records(), record, bool(self.config.keep_l4_ckpt)), collect=False)
+        self._retire(to_retire(self.state.records(), record, bool(self.config.keep_l4_ckpt)))
 
     def retire_deferred(self) -> None:
         """Retire the checkpoints kept for live arrays that no live array reads any more."""
         if self.deferred:
             committed = {r.seq for r in self.state.records()}
             deferred, self.deferred = self.deferred, []
-            self._retire([r for r in deferred if r.seq in committed], collect=True)
+            self._retire([r for r in deferred if r.seq in committed])
 
-    def _retire(self, obsolete: list[CommitRecord], collect: bool) -> None:
-        read = self.pins.read(obsolete, collect)
+    def _retire(self, obsolete: list[CommitRecord]) -> None:
+        read = self.pins.read(obsolete)
         for old in obsolete:
             if (old.ckpt_id, old.seq) in read:
                 log.debug("checkpoint %d (level %d) kept: live arrays may read chunks back from it", old.ckpt_id,
