@@ -156,9 +156,16 @@ def small_moves(monkeypatch):
 
 
 def fresh(n: int, dtype=np.float64) -> np.ndarray:
-    out = np.empty(n, dtype)
-    assert n * out.itemsize < (32 << 20) or pagemove.movable(out)
-    return out
+    """A new array of untouched pages (when above 32 MiB). Above glibc's largest mmap threshold malloc maps
+    fresh pages, unless its heap's free top is larger than the array (freed memory of earlier tests in this
+    process): such an allocation is kept while the next one is tried, so that malloc must map pages."""
+    kept = []
+    for _ in range(8):
+        out = np.empty(n, dtype)
+        if n * out.itemsize < (32 << 20) or pagemove.movable(out):
+            return out
+        kept.append(out)
+    raise AssertionError(f"malloc gave no untouched pages for {n} x {np.dtype(dtype)}")
 
 
 def flip_data(path: Path) -> None:
