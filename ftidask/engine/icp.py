@@ -102,8 +102,8 @@ class IncrementalCheckpoints:
         self.slot.take()
         missing = sorted(set(pending.sizes) - pending.written)
         if missing and not pending.error:
-            pending.error = (f"rank {self.committer.transport.rank}: incremental checkpoint {pending.ckpt_id} misses protected "
-                             f"variables {missing}")
+            pending.error = (f"rank {self.committer.transport.rank}: incremental checkpoint {pending.ckpt_id} "
+                             f"misses protected variables {missing}")
         return self.committer.finish(pending)
 
     def abort(self) -> None:

@@ -77,11 +77,8 @@ def _release(buf: np.ndarray) -> None:
 
 def _write_all(fh: BinaryIO, data: memoryview) -> None:
     for lo in range(0, len(data), _WRITE_PIECE):
-        piece = data[lo:lo + _WRITE_PIECE]
-        fh.write(piece)
-        if len(piece) >= _WRITEBACK_MIN:  # the disk starts on it while the next piece is written
-            fh.flush()
-            storage.start_writeback(fh.fileno(), fh.tell() - len(piece), len(piece))
+        # the disk starts on each large piece while the next one is written
+        storage.write_then_writeback(fh, data[lo:lo + _WRITE_PIECE], _WRITEBACK_MIN)
 
 
 def copy_span(source: ByteSource, start: int, stop: int, out: np.ndarray) -> np.ndarray:

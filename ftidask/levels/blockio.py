@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..storage.files import atomic_file, start_writeback
+from ..storage.files import atomic_file, write_then_writeback
 from ..transport.collective import reason
 
 
@@ -59,11 +59,8 @@ class SafeOutput:
         if self.fh is None:
             return
         try:
-            view = memoryview(data)
-            self.fh.write(view)
-            if view.nbytes >= WRITEBACK_MIN:  # the disk starts on it while the next block is exchanged
-                self.fh.flush()
-                start_writeback(self.fh.fileno(), self.fh.tell() - view.nbytes, view.nbytes)
+            # the disk starts on each block while the next one is exchanged
+            write_then_writeback(self.fh, memoryview(data), WRITEBACK_MIN)
         except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on
             self.errors.append(f"cannot write {self.path}: {reason(exc)}")
             self.abort()

@@ -117,6 +117,15 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
             _native.start_writeback(fd, offset, nbytes)
 
 
+def write_then_writeback(fh: BinaryIO, data: memoryview, min_bytes: int) -> None:
+    """Write ``data`` at ``fh``'s position; when it is ``min_bytes`` or more, flush it and have the disk
+    start on it now (:func:`start_writeback`) while the caller prepares what comes next."""
+    fh.write(data)
+    if data.nbytes >= min_bytes:
+        fh.flush()
+        start_writeback(fh.fileno(), fh.tell() - data.nbytes, data.nbytes)
+
+
 def drop_cache(path: Path) -> None:
     """Drop the clean cached pages of ``path`` (a hint; failures are ignored)."""
     with contextlib.suppress(OSError):
