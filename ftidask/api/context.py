@@ -76,8 +76,8 @@ class Context:
         self._schedule = SnapshotSchedule(config, transport)
         self._icp_slot = icp.IcpSlot()  # the open incremental checkpoint, whichever backend opened it
         self._icp = icp.IncrementalCheckpoints(self._icp_slot, self._vars, self._committer, self._async.settle,
-                                               functools.partial(icp.checked_level, dcp=False,
-                                                                 enable_dcp=bool(config.enable_dcp), transport=transport))
+                                               functools.partial(icp.checked_level, dcp=False, transport=transport,
+                                                                 enable_dcp=bool(config.enable_dcp)))
         transport.barrier()
         self._retention.collect_garbage()
         log.info("run %s: %s (%s backend, %d rank(s))", self.exec_id,

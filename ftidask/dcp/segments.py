@@ -35,7 +35,8 @@ def segment_bounds(slot: Slot, block_size: int, segment: int) -> Iterator[tuple[
 
 
 def _hash_segment(source: ByteSource, start: int, stop: int, block_size: int, fn: Callable[[memoryview], bytes],
-                  size: int, reuse: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, memoryview | None]:
+                  size: int, reuse: tuple[np.ndarray, np.ndarray] | None = None
+                  ) -> tuple[np.ndarray, memoryview | None]:
     """The digests of the blocks of bytes ``[start, stop)``; with ``reuse`` = (digests, stale
     mask) only the stale blocks are hashed and the others' digests are taken as given."""
     view = source.view(start, stop)

@@ -13,7 +13,8 @@ Three mechanisms, tried in this order by ``async_snapshot = auto``:
     than their copy); ``cow`` forced takes every array.
 ``copy``
     Each variable copied at the call into staging buffers (memory speed; large ones by a few threads),
-    reused from one checkpoint to the next; their total is bounded by ``async_buffer_mb`` (0: half the memory available).
+    reused from one checkpoint to the next; their total is bounded by ``async_buffer_mb`` (0: half the
+    memory available).
 ``blocking``
     Neither fits: the checkpoint is written before the call returns, from the live arrays.
 

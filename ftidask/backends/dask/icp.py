@@ -34,7 +34,8 @@ def init_icp(ctx: Any, ckpt_id: int, level: int) -> None:
     ctx._icp_slot.check_none_open()
     cid = check_ckpt_id(ckpt_id)
     ctx._check_level(level)  # refuse a bad level now, not at the commit
-    error = encode_states(ctx.variables, ctx.transport.rank)  # Python states are taken when the checkpoint begins (as on MPI)
+    # Python states are taken when the checkpoint begins (as on MPI)
+    error = encode_states(ctx.variables, ctx.transport.rank)
     if error:
         raise CheckpointError(f"incremental checkpoint {cid}: {error}; the previous checkpoint is kept")
     ctx._icp_slot.current = DaskIcp(cid, level)

@@ -167,4 +167,3 @@ def read_lineage_chunk(src: dict[str, Any], var_id: int, name: str, index: list[
 
         get_worker().log_event(TOPIC, event)
     return out
-
