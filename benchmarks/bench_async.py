@@ -18,7 +18,8 @@ staging buffers), one process protects the state (float64) and, medians of ``--r
   copy-on-write: the pages written plus 64 MiB).
 
 With torch installed, ``torch.distributed.checkpoint.save`` and ``async_save`` of the same array (a
-tensor sharing its memory, one process) are timed the same way.
+tensor sharing its memory, one process) are timed the same way, and ftidask's sync, blocked and
+total times are printed over torch's (``pip install -e '.[bench]'``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def bench_size(gib: float, base: Path, repeat: int) -> None:
     print(f"\n== state {gib:g} GiB ({state.nbytes / 2**30:.2f} GiB float64) ==")
     print(f"memcpy (numpy.copyto, warm)          {memcpy:8.3f} s")
     print(f"compute loop alone (state += 1)      {loop_alone:8.3f} s")
+    ours: dict[str, dict[str, float]] = {}
     for mechanism in mechanisms():
         run = base / mechanism
         shutil.rmtree(run, ignore_errors=True)
@@ -122,7 +124,7 @@ def bench_size(gib: float, base: Path, repeat: int) -> None:
                 handle.result()
             m["extra_sparse"].append(peak.peak - base_rss)
         ctx.finalize()
-        med = {k: statistics.median(v) for k, v in m.items()}
+        med = ours[mechanism] = {k: statistics.median(v) for k, v in m.items()}
         sync, b, t = med["sync"], med["blocked"], med["total"]
         tag = f"[{mechanism}]"
         print(f"{tag:7}sync checkpoint               {sync:8.3f} s")
@@ -135,10 +137,10 @@ def bench_size(gib: float, base: Path, repeat: int) -> None:
         written = scattered.size * PAGE
         print(f"{tag:7}peak extra memory, scattered  {max(m['extra_sparse']) / 2**20:8.1f} MiB "
               f"(pages written {written / 2**20:.0f} MiB; bound written + 64 MiB = {written / 2**20 + 64:.0f} MiB)")
-    _torch(state, base, repeat, memcpy)
+    _torch(state, base, repeat, memcpy, ours)
 
 
-def _torch(state: np.ndarray, base: Path, repeat: int, memcpy: float) -> None:
+def _torch(state: np.ndarray, base: Path, repeat: int, memcpy: float, ours: dict[str, dict[str, float]]) -> None:
     try:
         import torch
         import torch.distributed.checkpoint as dcp
@@ -160,6 +162,10 @@ def _torch(state: np.ndarray, base: Path, repeat: int, memcpy: float) -> None:
     print(f"[torch]dcp.save                      {s:8.3f} s")
     print(f"[torch]dcp.async_save blocked        {b:8.4f} s   {b / s:6.3f}x its save   {b / memcpy:6.3f}x memcpy")
     print(f"[torch]dcp.async_save total          {t:8.3f} s   {t / s:6.3f}x its save")
+    for mechanism, med in ours.items():  # the same array, the same run: ftidask's time over torch's
+        tag = f"[{mechanism}]"
+        print(f"{tag:7}ftidask / torch: sync {med['sync'] / s:.3f}x save, blocked {med['blocked'] / b:.3f}x "
+              f"async_save's, total {med['total'] / t:.3f}x async_save's")
 
 
 def _memcpy(state: np.ndarray, repeat: int) -> float:
