@@ -248,6 +248,8 @@ def _claim(meta_dir: Path, configured: str | None) -> Claim:
     status = state.start_status()
     if status == STATUS_FRESH:
         state.write_run(state="running", seq=0, keep_last=False)
+    elif status == STATUS_KEPT:  # the kept run runs again: should it die now, its next start is a restart (1)
+        state.write_run(state="running", keep_last=False)
     beside = current if current not in (None, exec_id) and runlock.is_live(meta_dir / current) else None
     if beside is None and current != exec_id:
         state.make_current()
