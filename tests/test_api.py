@@ -215,3 +215,28 @@ def test_module_paths_documented_before_the_layers_still_import():
     assert StageInfo is moved
     assert (export_checkpoint, import_zarr, read_zarr, ExportResult) == (
         tools_export.export_checkpoint, tools_export.import_zarr, tools_export.read_zarr, tools_export.ExportResult)
+
+
+def test_a_run_restarted_from_a_kept_checkpoint_that_dies_restarts_with_status_1(dirs):
+    """Status 2 describes the restart from a checkpoint kept at finalize, once: the execution it starts is a
+    running one, and if it dies the next start is a restart after a failure (status 1) of its newest checkpoint."""
+    a = np.arange(10.0)
+    ctx = ftidask.init(keep_last_ckpt=1, **dirs)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 1)
+    ctx.finalize()
+    ctx = ftidask.init(**dirs)
+    assert ctx.status() == 2
+    ctx.protect(1, a)
+    ctx.recover()
+    a += 1
+    ctx.checkpoint(2, 1)
+    ctx._close()  # dies: no finalize
+    ctx = ftidask.init(**dirs)
+    assert ctx.status() == 1
+    b = np.zeros(10)
+    ctx.protect(1, b)
+    ctx.recover()
+    assert ctx.recovered_from == (2, 1)
+    np.testing.assert_array_equal(a, b)
+    ctx.finalize()

@@ -61,3 +61,38 @@ def test_sigkill_mid_checkpoint(tmp_path, delay):
     ctx2.recover()
     assert ctx2.recovered_from[0] == ckpt_id + 1000
     assert leftovers == []
+
+
+FINALIZE_CHILD = r"""
+import sys, numpy as np, ftidask
+sys.path.insert(0, sys.argv[2])
+import crashpoints
+dirs = dict(ckpt_dir=sys.argv[1] + '/Local', glbl_dir=sys.argv[1] + '/Global', meta_dir=sys.argv[1] + '/Meta',
+            verbosity=4)
+ctx = ftidask.init(**dirs)
+a = np.zeros(100_000)
+ctx.protect(1, a)
+for ckpt_id, level in ((1, 4), (2, 1)):   # the L1 checkpoint does not retire the older L4 one
+    a[:] = ckpt_id
+    ctx.checkpoint(ckpt_id, level)
+from ftidask.engine.runstate import RunState
+crashpoints.kill_at_call(RunState, "delete_record", 1, after=True)
+ctx.finalize()   # killed once it has removed the first checkpoint's commit record
+"""
+
+
+def test_sigkill_in_finalize_keeps_the_newest_checkpoint(tmp_path):
+    """finalize removes the run's checkpoints oldest first: a process killed part-way leaves the newest one
+    recoverable, never only an older one (the restart would silently go back further than its last checkpoint)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", FINALIZE_CHILD, str(tmp_path), str(ROOT / "tests")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    ctx = ftidask.init(ckpt_dir=str(tmp_path / "Local"), glbl_dir=str(tmp_path / "Global"),
+                       meta_dir=str(tmp_path / "Meta"), verbosity=4)
+    assert ctx.status() == 1
+    a = np.full(100_000, -1.0)
+    ctx.protect(1, a)
+    ctx.recover()
+    assert ctx.recovered_from == (2, 1) and (a == 2).all()
+    ctx.finalize()

@@ -107,6 +107,27 @@ def test_torn_commit_record_is_ignored(dirs):
     assert ctx.recovered_from == (1, 4) and (a == 4.0).all()
 
 
+@pytest.mark.parametrize("field", ["nranks", "node", "rank", "level", "seq", "ckpt_id", "size", "extra"])
+def test_commit_record_with_a_changed_value_falls_back(tmp_path, field):
+    """A commit record whose bytes were damaged but still parse (a digit flipped) is not trusted: the
+    recovery takes the older checkpoint, exactly, rather than failing on the wrong number of ranks or nodes."""
+    dirs = {"ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
+            "meta_dir": str(tmp_path / "Meta"), "verbosity": 4}
+    _two_checkpoints(dirs)
+    (path,) = Path(dirs["meta_dir"]).glob("*/commits/s00000002.json")
+    text = path.read_text()
+    key = {"node": '"node": 0', "rank": '"rank": 0', "nranks": '"nranks": 1', "level": '"level": 1',
+           "seq": '"seq": 2', "ckpt_id": '"ckpt_id": 2', "size": '"size": ', "extra": '"extra": {}'}[field]
+    at = text.index(key) + len(key) - 1  # the value's last character: one byte changed, still JSON
+    damaged = text[:at] + {"}": "]", "2": "3", "1": "3", "0": "5", " ": " 9"}.get(text[at], "7") + text[at + 1:]
+    if field == "extra":
+        damaged = text.replace('"extra": {}', '"extra": {"dcp": 1}')
+    assert damaged != text
+    path.write_text(damaged)
+    ctx, a, b = _recover(dirs)
+    assert ctx.recovered_from == (1, 4) and (a == 4.0).all() and (b == 4).all()
+
+
 def test_file_swapped_from_another_checkpoint_is_refused(dirs):
     """A sound file that is not the one the commit record names (e.g. restored by hand) is not used."""
     l1, l4 = _two_checkpoints(dirs)

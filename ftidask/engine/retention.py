@@ -106,14 +106,16 @@ class Retention(RunPart):
         return self.trash_pool
 
     def end_run(self, records: list[CommitRecord], flush_to_l4: Callable[[CommitRecord], None]) -> None:
-        """FTI_Finalize's clean-up (collective): keep the newest of ``records`` (flushed to L4 by
+        """FTI_Finalize's clean-up (collective): keep the newest of ``records`` (newest first; flushed to L4 by
         ``flush_to_l4`` if it is not there) with ``keep_last_ckpt``, else remove them all; mark the run
         finalized; clear the differential checkpoints' spares."""
         t, failed = self.transport, "finalize failed"
         keep = bool(self.config.keep_last_ckpt and records)
         if keep and records[0].level != 4:
             flush_to_l4(records[0])
-        for record in [] if keep else records:
+        # Oldest first (``records`` is newest first): killed part-way, the run keeps its newest checkpoint,
+        # and a restart never goes back further than it.
+        for record in [] if keep else reversed(records):
             self.remove_checkpoint(record)
         on_root(t, lambda: self.state.write_run(state="finalized", keep_last=keep), FTIError, failed)
         dcp = self.spares.store  # every rank takes part, with a store or not

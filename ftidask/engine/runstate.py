@@ -18,6 +18,8 @@ an init without ``exec_id`` restarts:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import secrets
@@ -95,6 +97,37 @@ class CommitRecord:
             return None
 
 
+_CHECK = "check"  # a commit record's digest of its own content (see sealed_record)
+_FIELDS = frozenset(f.name for f in dataclasses.fields(CommitRecord))
+
+
+def _digest(raw: dict[str, Any]) -> str:
+    # As read back: JSON turns int keys into str keys (and tuples into lists), which sort differently.
+    body = json.loads(json.dumps({k: v for k, v in raw.items() if k != _CHECK}))
+    return hashlib.blake2b(json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), digest_size=16).hexdigest()
+
+
+def sealed_record(record: CommitRecord) -> dict[str, Any]:
+    """``record`` as written to disk: its JSON with a digest of that JSON, so that a damaged record
+    that still parses (a digit flipped in ``nranks``, a node, a size) is detected, not trusted."""
+    raw = record.to_json()
+    raw[_CHECK] = _digest(raw)
+    return raw
+
+
+def unsealed_record(raw: Any) -> CommitRecord | None:
+    """The record a commit file holds, or None when it is torn or damaged: its digest does not match
+    its content, or (records written before the digest existed) it holds a key no record has."""
+    if not isinstance(raw, dict):
+        return None
+    if _CHECK in raw:
+        if raw[_CHECK] != _digest(raw):
+            return None
+    elif not set(raw) <= _FIELDS:
+        return None
+    return CommitRecord.from_json(raw)
+
+
 def new_exec_id() -> str:
     return time.strftime("%Y-%m-%d_%H-%M-%S") + "-" + secrets.token_hex(3)
 
@@ -112,13 +145,15 @@ class RunState:
         return self.root / "commits"
 
     def records(self) -> list[CommitRecord]:
-        """Every readable commit record, oldest first."""
+        """Every readable commit record, oldest first (a torn or damaged one is skipped, with a warning)."""
         out = []
         if self.records_dir.is_dir():
             for path in self.records_dir.glob("s*.json"):
-                rec = CommitRecord.from_json(storage.read_json(path))
+                rec = unsealed_record(storage.read_json(path))
                 if rec is not None:
                     out.append(rec)
+                else:  # torn or damaged: never a checkpoint (the recovery's error lists what it tried)
+                    log.debug("ignoring the torn or damaged commit record %s", path)
         return sorted(out, key=lambda r: r.seq)
 
     def next_seq(self) -> int:
@@ -129,7 +164,7 @@ class RunState:
         """Commit ``record`` (atomically); a :class:`CheckpointError` when it cannot be written (a full
         or read-only ``meta_dir``): then the previous checkpoint stays the newest."""
         try:
-            storage.write_json_atomic(self.records_dir / f"s{record.seq:08d}.json", record.to_json())
+            storage.write_json_atomic(self.records_dir / f"s{record.seq:08d}.json", sealed_record(record))
         except OSError as exc:
             raise CheckpointError(f"writing its commit record in {self.records_dir} failed: {exc}") from exc
 
@@ -213,6 +248,8 @@ def _claim(meta_dir: Path, configured: str | None) -> Claim:
     status = state.start_status()
     if status == STATUS_FRESH:
         state.write_run(state="running", seq=0, keep_last=False)
+    elif status == STATUS_KEPT:  # the kept run runs again: should it die now, its next start is a restart (1)
+        state.write_run(state="running", keep_last=False)
     beside = current if current not in (None, exec_id) and runlock.is_live(meta_dir / current) else None
     if beside is None and current != exec_id:
         state.make_current()
