@@ -1,6 +1,7 @@
 """What a new user meets on the command line: a config named config.fti, wrong paths and files,
 damaged checkpoints, a closed pipe. Every command runs as a real subprocess (``python -m ftidask``)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -127,6 +128,17 @@ def test_list_shows_damaged_committed_checkpoint(run_dir):
     fields = row.split()
     assert fields[1:4] == ["1", "4", "1"], row  # id, level, seq
     assert "not committed" not in row and "?" not in row
+
+
+def test_list_says_a_damaged_commit_record_is_not_a_commit(run_dir):
+    (record,) = Path("Meta").glob("*/commits/s00000001.json")  # the L4 checkpoint's
+    raw = json.loads(record.read_text())
+    raw["nranks"] += 1  # still valid JSON: only the record's digest tells
+    record.write_text(json.dumps(raw))
+    proc = cli("list", ".", cwd=run_dir)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = [line for line in proc.stdout.splitlines() if line.split()[1:4] == ["1", "4", "1"]]
+    assert "commit record damaged" in row, row
 
 
 def test_inspect_prints_readable_timestamp(run_dir):

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..engine.runstate import CommitRecord, check_exec_id
+from ..engine.runstate import check_exec_id, unsealed_record
 from ..ftiff.dump import to_json, to_text
 from ..ftiff.filekind import is_config_file
 from ..ftiff.reader import parse_ftiff, verify_data
@@ -192,14 +192,14 @@ def cmd_list(args: argparse.Namespace) -> int:
         sound = [d for _p, k, d in files if k == "ok"]
         table = _table_of(sound[0]) if sound else {}
         commit = meta / exec_id / "commits" / f"s{seq:08d}.json"
-        committed = commit.is_file()
-        record = CommitRecord.from_json(read_json(commit)) if committed and not table else None
-        if record is not None:  # every file damaged: the commit record still says what it was
+        record = unsealed_record(read_json(commit)) if commit.is_file() else None  # None: torn or damaged too
+        committed = record is not None
+        if record is not None and not table:  # every file damaged: the commit record still says what it was
             table = {"ckpt_id": record.ckpt_id, "level": record.level, "time": record.timestamp}
         size = sum(_size(p) for p, _k, _d in files)
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.get("time", 0))) if table else "?"
         state = ("sound" if len(sound) == len(files) else f"DAMAGED ({len(files) - len(sound)} of {len(files)} files)")
-        state += "" if committed else ", not committed"
+        state += "" if committed else ", commit record damaged" if commit.is_file() else ", not committed"
         print(f"{exec_id:32} {table.get('ckpt_id', '?'):>5} {table.get('level', '?'):>5} {seq:>5} {when:19} "
               f"{len(files):>5} {size:>14}  {state}")
     return 0
