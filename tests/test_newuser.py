@@ -45,6 +45,22 @@ def test_finalize_keeping_the_last_checkpoint_prunes_only_empty_dirs(dirs, tmp_p
     again._close()
 
 
+def test_finalize_keeping_the_last_checkpoint_removes_the_older_ones(dirs, tmp_path):
+    ctx = ftidask.init(**dirs, keep_last_ckpt=1)
+    ctx.protect(1, a := np.arange(1000.0))
+    ctx.checkpoint(1, 4)
+    a += 1
+    ctx.checkpoint(2, 1)  # after a level-4 one: both committed until finalize
+    ctx.finalize()
+    names = sorted(p.parent.name for p in tmp_path.rglob("Ckpt*-Rank0.fti"))
+    assert names and all(name.startswith("ckpt2.") for name in names), names  # checkpoint 1 is gone, as in FTI
+    again = ftidask.init(**dirs, keep_last_ckpt=1)
+    again.protect(1, out := np.zeros(1000))
+    again.recover()
+    assert np.array_equal(out, np.arange(1000.0) + 1) and again.recovered_from[0] == 2
+    again._close()
+
+
 def test_resilient_loop_says_where_it_restarted(dirs, caplog):
     caplog.set_level(logging.INFO, logger="ftidask")  # the default verbosity keeps a level set before
     dirs = {k: v for k, v in dirs.items() if k != "verbosity"}

@@ -114,8 +114,8 @@ class Retention(RunPart):
         if keep and records[0].level != 4:
             flush_to_l4(records[0])
         # Oldest first (``records`` is newest first): killed part-way, the run keeps its newest checkpoint,
-        # and a restart never goes back further than it.
-        for record in [] if keep else reversed(records):
+        # and a restart never goes back further than it. Kept, the last one is all that stays (as in FTI).
+        for record in reversed(records[1:] if keep else records):
             self.remove_checkpoint(record)
         on_root(t, lambda: self.state.write_run(state="finalized", keep_last=keep), FTIError, failed)
         dcp = self.spares.store  # every rank takes part, with a store or not
