@@ -371,3 +371,25 @@ def test_mpi_rank0_holds_the_run_lock_and_every_rank_gets_the_error(tmp_path, ho
     holder.stop()
     run(2, "levels_job.py", "probe", json.dumps({"local_test": 1, "exec_id": "busy"}), str(base), "1", timeout=120)
     assert [json.loads((base / f"result-{r}.json").read_text())["status"] for r in range(2)] == ["ok"] * 2
+
+
+@pytest.mark.parametrize("damage", [b"", b"{\"exec_id\": \"2026-11-2", b"\xff\xfe garbage", b"{\"exec_id\": 7}"])
+def test_a_damaged_current_exec_id_restarts_the_run_committed_last(tmp_path, caplog, damage):
+    dirs = {k: str(tmp_path / k) for k in ("ckpt_dir", "glbl_dir", "meta_dir")}
+    older = ftidask.init(**dirs, exec_id="older-run")  # an unfinished side run, committed first
+    older.protect(1, np.zeros(3))
+    older.checkpoint(1, 1)
+    older._close()
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, a := np.arange(5.0))
+    ctx.checkpoint(1, 1)
+    ctx.checkpoint(2, 1)
+    ctx._close()  # dies
+    (Path(dirs["meta_dir"]) / "current_exec_id").write_bytes(damage)
+    again = ftidask.init(**dirs)
+    assert (again.exec_id, again.status()) == (ctx.exec_id, 1)
+    again.protect(1, out := np.zeros(5))
+    again.recover()
+    assert np.array_equal(out, a) and again.recovered_from[0] == 2
+    assert "current_exec_id" in caplog.text
+    again.finalize()

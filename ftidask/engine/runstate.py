@@ -13,6 +13,8 @@ an init without ``exec_id`` restarts:
 * ``current_exec_id`` is written only by a run that starts while the run it names is not live: a
   run started beside a live one (a side run) never replaces it, so that a restart of the live run,
   should it die, still finds its own run. A side run is restarted by naming its ``exec_id``.
+* ``current_exec_id`` damaged (it is written atomically, so only by outside harm): the unfinished run
+  whose last commit is the newest, with a warning.
 """
 
 from __future__ import annotations
@@ -40,16 +42,44 @@ log = logging.getLogger("ftidask")
 
 
 def read_current_exec_id(meta_dir: Path) -> str | None:
-    """The exec_id ``{meta_dir}/current_exec_id`` names; None if missing, unreadable or not a valid exec_id."""
-    current = storage.read_json(meta_dir / _CURRENT)
+    """The exec_id ``{meta_dir}/current_exec_id`` names; None if missing. Damaged (unreadable, or not a
+    valid exec_id), it is taken as naming the unfinished run whose last commit is the newest, if any:
+    a damaged pointer must not leave a dead run's checkpoints behind, unused."""
+    path = meta_dir / _CURRENT
+    current = storage.read_json(path)
     value = current.get("exec_id") if isinstance(current, dict) else None
-    if value is None:
+    if value is None and not path.exists():
         return None
     try:
-        return check_exec_id(value, f"{meta_dir / _CURRENT}")
+        if value is None:
+            raise ConfigError(f"{path} is unreadable or names no run")
+        return check_exec_id(value, f"{path}")
     except ConfigError as exc:
-        log.warning("ignoring %s", exc)
-        return None
+        found = _newest_unfinished_run(meta_dir)
+        log.warning("ignoring %s; %s", exc, f"restarting run {found!r}, the unfinished run committed last"
+                    if found else "no unfinished run with a checkpoint to restart")
+        return found
+
+
+def _newest_unfinished_run(meta_dir: Path) -> str | None:
+    """The run under ``meta_dir`` with committed checkpoints, not finalized (or kept at finalize), whose
+    newest commit record was written last; None if there is none."""
+    best: tuple[float, str] | None = None
+    for sub in meta_dir.iterdir() if meta_dir.is_dir() else ():
+        try:
+            exec_id = check_exec_id(sub.name, str(sub))
+        except ConfigError:
+            continue  # not a run's directory
+        state = RunState(meta_dir, exec_id)
+        if not sub.is_dir() or state.start_status() == STATUS_FRESH:
+            continue
+        try:
+            newest = max(p.stat().st_mtime for p in state.records_dir.glob("s*.json"))
+        except (OSError, ValueError):  # removed meanwhile: a run that is being retired
+            continue
+        if best is None or newest > best[0]:
+            best = (newest, exec_id)
+    return best[1] if best else None
 
 
 @dataclasses.dataclass(frozen=True)
