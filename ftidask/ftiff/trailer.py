@@ -41,7 +41,8 @@ def trailer_span(tail16: bytes, fs: int, file_size: int, *, path: str | None = N
 def parse_trailer(payload: bytes, *, path: str | None = None) -> dict[str, Any]:
     try:
         value = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    # ValueError, not only JSONDecodeError: json refuses integers of more than 4300 digits with a plain one.
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"variable table is not valid JSON: {exc}", path=path) from None
     if not isinstance(value, dict) or not isinstance(value.get("vars"), list):
         raise FormatError("variable table has no 'vars' list", path=path)

@@ -1,0 +1,58 @@
+"""Hostile inputs found in review: damaged tables, commit records and API misuse give ftidask errors."""
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ftidask
+from ftidask.ftiff import hashing
+from ftidask.ftiff.reader import parse_ftiff
+from ftidask.ftiff.structs import FileBlock
+from ftidask.ftiff.trailer import pack_trailer
+from ftidask.tools.cli import main as cli_main
+
+
+def _checkpoint(dirs, level=1):
+    """One checkpoint of one float64 array; (its file, the array's values)."""
+    ctx = ftidask.init(**dirs)
+    values = np.arange(100.0)
+    ctx.protect(1, values.copy())
+    info = ctx.checkpoint(1, level)
+    (path,) = Path(dirs["ckpt_dir" if level < 4 else "glbl_dir"]).glob(f"**/ckpt1.s{info.seq}/Ckpt1-Rank0.fti")
+    return path, values
+
+
+def _rewrite_table(path: Path, payload: bytes) -> None:
+    """Replace a one-block file's variable table by ``payload`` and reseal the metadata checksum and FB
+    hash, so that only the table itself is hostile (as a forged file would be)."""
+    raw = path.read_bytes()
+    fb = FileBlock.unpack(raw[:96])
+    numvars = struct.unpack("<i", raw[96:100])[0]
+    tail = pack_trailer(payload)
+    hasher = hashing.new_hasher(fb.hash_id)
+    hasher.update(raw[96:96 + 12 + 64 * numvars] + tail)
+    sealed = FileBlock(hasher.hexdigest()[:32], bytes(16), fb.ckpt_size, fb.fs, fb.max_fs, fb.pt_fs,
+                       fb.timestamp).sealed()
+    path.write_bytes(sealed.pack() + raw[96:fb.fs] + tail)
+
+
+def _table(path: Path) -> dict:
+    raw = path.read_bytes()
+    fb = FileBlock.unpack(raw[:96])
+    length = struct.unpack("<Q", raw[-16:-8])[0]
+    return json.loads(raw[fb.fs:fb.fs + length])
+
+
+def test_table_with_a_huge_integer_is_a_format_error(dirs, capsys):
+    """json.loads refuses integers of more than 4300 digits with a ValueError (not a JSONDecodeError)."""
+    path, _values = _checkpoint(dirs)
+    _rewrite_table(path, b'{"vars":[],"x":' + b"9" * 5000 + b"}")
+    with open(path, "rb") as fh, pytest.raises(ftidask.FormatError, match="not valid JSON"):
+        parse_ftiff(fh, str(path))
+    assert cli_main(["verify", str(path)]) == 1
+    assert "DAMAGED" in capsys.readouterr().out
+    assert cli_main(["inspect", str(path)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
