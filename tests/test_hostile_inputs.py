@@ -56,3 +56,22 @@ def test_table_with_a_huge_integer_is_a_format_error(dirs, capsys):
     assert "DAMAGED" in capsys.readouterr().out
     assert cli_main(["inspect", str(path)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value", [("seq", None), ("ckpt_id", "x"), ("level", 1.5), ("rank", True),
+                                          ("exec_id", ["a"]), ("time", "noon"), ("time", 1e308),
+                                          ("time", float("nan"))])
+def test_table_header_of_the_wrong_type_is_damage(dirs, capsys, field, value):
+    """``list`` and ``export`` formatted these fields as they were (int(), time.localtime()): a forged
+    table with valid hashes crashed them with a traceback."""
+    path, values = _checkpoint(dirs)
+    table = _table(path)
+    table[field] = value
+    _rewrite_table(path, json.dumps(table).encode())
+    with open(path, "rb") as fh, pytest.raises(ftidask.FormatError, match=f"'{field}'"):
+        parse_ftiff(fh, str(path))
+    root = str(Path(dirs["ckpt_dir"]).parent)
+    assert cli_main(["list", root]) == 0
+    assert "DAMAGED (1 of 1 files)" in capsys.readouterr().out
+    assert cli_main(["export", str(path), "--to-zarr", str(Path(root) / "out.zarr")]) == 2
+    assert f"'{field}'" in capsys.readouterr().err
