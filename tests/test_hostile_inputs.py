@@ -75,3 +75,18 @@ def test_table_header_of_the_wrong_type_is_damage(dirs, capsys, field, value):
     assert "DAMAGED (1 of 1 files)" in capsys.readouterr().out
     assert cli_main(["export", str(path), "--to-zarr", str(Path(root) / "out.zarr")]) == 2
     assert f"'{field}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape, dtype", [([100] + [1] * 70, "<f8"),
+                                          ([100] + [1] * 40, {"base": "<f8", "shape": [1] * 40})])
+def test_table_with_more_dimensions_than_numpy_has_is_damage(dirs, capsys, shape, dtype):
+    """A shape NumPy cannot make (more than 64 dimensions, sub-array ones included) passed the table's
+    checks and failed later in np.empty with a ValueError (``export`` showed a traceback)."""
+    path, _values = _checkpoint(dirs)
+    table = _table(path)
+    table["vars"][0].update(shape=shape, dtype=dtype)
+    _rewrite_table(path, json.dumps(table).encode())
+    with open(path, "rb") as fh, pytest.raises(ftidask.FormatError, match="dimensions"):
+        parse_ftiff(fh, str(path))
+    assert cli_main(["export", str(path), "--to-zarr", str(Path(dirs["ckpt_dir"]) / "out.zarr")]) == 2
+    assert "dimensions" in capsys.readouterr().err
