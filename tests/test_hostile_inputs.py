@@ -90,3 +90,30 @@ def test_table_with_more_dimensions_than_numpy_has_is_damage(dirs, capsys, shape
         parse_ftiff(fh, str(path))
     assert cli_main(["export", str(path), "--to-zarr", str(Path(dirs["ckpt_dir"]) / "out.zarr")]) == 2
     assert "dimensions" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change", [{"seq": float("inf")}, {"seq": 1e300}, {"ckpt_id": float("-inf")},
+                                    {"timestamp": float("inf")}, {"timestamp": float("nan")}, {"nranks": 0},
+                                    {"files": []}, {"level": 0}, {"level": 99}, {"ckpt_id": 0}, {"ckpt_id": 2**40},
+                                    {"files": [{"rank": 5, "node": 0, "size": 1, "fb_hash": "00"}]}])
+def test_forged_commit_record_is_ignored_like_a_torn_one(dirs, capsys, change):
+    """A commit record with values no commit holds (JSON's Infinity made int() raise OverflowError, which
+    failed the whole init) is ignored: the previous checkpoint is recovered, ``list`` shows no traceback."""
+    ctx = ftidask.init(**dirs)
+    a = np.arange(100.0)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 4)
+    a += 1
+    ctx.checkpoint(2, 1)
+    (record,) = Path(dirs["meta_dir"]).glob("*/commits/s00000002.json")
+    raw = json.loads(record.read_text())
+    raw.update(change)
+    record.write_text(json.dumps(raw))
+    ctx = ftidask.init(**dirs)
+    b = np.full(100, -1.0)
+    ctx.protect(1, b)
+    assert ctx.status() == 1
+    ctx.recover()
+    assert ctx.recovered_from == (1, 4) and (b == np.arange(100.0)).all()
+    assert cli_main(["list", str(Path(dirs["meta_dir"]).parent)]) == 0
+    capsys.readouterr()
