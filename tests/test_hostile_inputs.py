@@ -1,5 +1,6 @@
 """Hostile inputs found in review: damaged tables, commit records and API misuse give ftidask errors."""
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -26,24 +27,27 @@ def _checkpoint(dirs, level=1):
 
 
 def _rewrite_table(path: Path, payload: bytes) -> None:
-    """Replace a one-block file's variable table by ``payload`` and reseal the metadata checksum and FB
-    hash, so that only the table itself is hostile (as a forged file would be)."""
+    """Replace a file's variable table by ``payload`` and reseal the metadata checksum and FB hash, so
+    that only the table itself is hostile (as a forged file would be). A dCP file keeps its section."""
     raw = path.read_bytes()
     fb = FileBlock.unpack(raw[:96])
-    numvars = struct.unpack("<i", raw[96:100])[0]
+    start = len(raw) - 16 - struct.unpack("<Q", raw[-16:-8])[0]
     tail = pack_trailer(payload)
     hasher = hashing.new_hasher(fb.hash_id)
-    hasher.update(raw[96:96 + 12 + 64 * numvars] + tail)
-    sealed = FileBlock(hasher.hexdigest()[:32], bytes(16), fb.ckpt_size, fb.fs, fb.max_fs, fb.pt_fs,
-                       fb.timestamp).sealed()
-    path.write_bytes(sealed.pack() + raw[96:fb.fs] + tail)
+    offset = 96
+    while offset < fb.fs:
+        numvars, dbsize = struct.unpack("<iq", raw[offset:offset + 12])
+        hasher.update(raw[offset:offset + 12 + 64 * numvars])
+        offset += dbsize
+    hasher.update(tail)
+    sealed = dataclasses.replace(fb, checksum=hasher.hexdigest()[:32]).sealed()
+    path.write_bytes(sealed.pack() + raw[96:start] + tail)
 
 
 def _table(path: Path) -> dict:
     raw = path.read_bytes()
-    fb = FileBlock.unpack(raw[:96])
     length = struct.unpack("<Q", raw[-16:-8])[0]
-    return json.loads(raw[fb.fs:fb.fs + length])
+    return json.loads(raw[len(raw) - 16 - length:len(raw) - 16])
 
 
 def test_table_with_a_huge_integer_is_a_format_error(dirs, capsys):
@@ -117,3 +121,20 @@ def test_forged_commit_record_is_ignored_like_a_torn_one(dirs, capsys, change):
     assert ctx.recovered_from == (1, 4) and (b == np.arange(100.0)).all()
     assert cli_main(["list", str(Path(dirs["meta_dir"]).parent)]) == 0
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("key", ["block_size", "block_hash_id", "section_len"])
+def test_dcp_entry_with_an_infinite_number_is_damage(dirs, capsys, key):
+    """JSON's Infinity in the table's 'dcp' entry made int() raise OverflowError out of parse_ftiff
+    (a traceback from inspect, verify and list)."""
+    ctx = ftidask.init(**dirs, enable_dcp=1, dcp_block_size=512)
+    ctx.protect(1, np.arange(1000.0))
+    info = ctx.checkpoint(1, 5)
+    (path,) = Path(dirs["ckpt_dir"]).glob(f"**/ckpt1.s{info.seq}/Ckpt1-Rank0.fti")
+    table = _table(path)
+    table["dcp"][key] = float("inf")
+    _rewrite_table(path, json.dumps(table).encode())
+    with open(path, "rb") as fh, pytest.raises(ftidask.FormatError, match="invalid 'dcp' entry"):
+        parse_ftiff(fh, str(path))
+    assert cli_main(["verify", str(path)]) == 1
+    assert "DAMAGED" in capsys.readouterr().out
