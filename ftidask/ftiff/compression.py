@@ -101,6 +101,22 @@ def plain_ids(extra: Mapping[str, Any]) -> set[int]:
         raise FormatError(f"invalid codec_plain record {extra.get('codec_plain')!r}") from None
 
 
+def decode_problem(info: Any, meta: Any, stored: memoryview | bytes, what: str) -> str:
+    """Why a hash-checked container (``meta``, of the variable ``info``: a VarInfo or None) does not decode
+    to its raw span, or '' (also for a container stored raw).
+
+    Checked with the hashes, before recovery writes any array: a container that failed to decode only
+    while the arrays are filled would leave the variables copied before it recovered and the others not.
+    """
+    if info is None or "codec" not in info.extra or meta.containerid in plain_ids(info.extra):
+        return ""
+    try:
+        decode_span(var_codec(info.extra), stored, raw_span(info.nbytes, meta.dptr, meta.containersize), what=what)
+    except FormatError as exc:
+        return str(exc)
+    return ""
+
+
 def annotate_trailer(trailer: MutableMapping[str, Any], plain: Mapping[int, list[int]]) -> None:
     """Record, in the variable table, which containers of compressed variables are stored raw."""
     entries = [dict(e) for e in trailer.get("vars", [])]
