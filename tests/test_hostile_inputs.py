@@ -185,3 +185,30 @@ def test_compressed_container_that_does_not_decode_touches_no_array(dirs, capsys
     with pytest.raises(ftidask.NoCheckpointError, match="cannot be decoded"):
         ctx.recover()
     assert (a == -1).all() and (b == -1).all()
+
+
+@pytest.mark.parametrize("extra", [{"codec": {"id": "zstd", "level": 1, "foo": 1}},
+                                   {"codec": {"id": "zstd", "level": float("inf")}},
+                                   {"codec": {"id": "blosc", "cname": "nope", "clevel": 5}},
+                                   {"codec": {"id": "zstd", "level": 1}, "codec_plain": [float("inf")]}])
+def test_codec_record_that_numcodecs_refuses_is_damage(dirs, capsys, extra):
+    """A codec record with an unknown key (numcodecs raised TypeError), an infinite number (OverflowError
+    in int()) or a parameter out of range was not checked as a user's config is: a raw traceback from
+    inspect, verify, list and export, a wrapped TypeError in recovery."""
+    path, _values = _checkpoint(dirs)
+    table = _table(path)
+    table["vars"][0]["extra"] = extra
+    _rewrite_table(path, json.dumps(table).encode())
+    with open(path, "rb") as fh, pytest.raises(ftidask.FormatError):
+        parse_ftiff(fh, str(path))
+    assert cli_main(["inspect", str(path)]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert cli_main(["verify", str(path)]) == 1
+    assert "DAMAGED" in capsys.readouterr().out
+
+
+def test_user_codec_config_errors_stay_config_errors(dirs):
+    with pytest.raises(ftidask.ConfigError):
+        ftidask.init(**dirs, compressor={"id": "zstd", "level": 1, "foo": 1})
+    with pytest.raises(ftidask.ConfigError, match="cname"):
+        ftidask.init(**dirs, compressor={"id": "blosc", "cname": "nope"})

@@ -32,8 +32,8 @@ def parse_compressor(spec: Any) -> dict[str, Any] | None:
     if config is not None:
         try:
             get_codec(config)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"invalid codec config {config!r}: {exc}") from None
+        except FormatError as exc:
+            raise ConfigError(str(exc)) from None
     return config
 
 
@@ -44,7 +44,12 @@ def get_codec(config: Mapping[str, Any]) -> Any:
     config = dict(config)
     if config.get("id") not in ALLOWED_IDS:
         raise FormatError(f"codec {config.get('id')!r} is not one ftidask decodes ({', '.join(ALLOWED_IDS)})")
-    return numcodecs.get_codec(config)
+    # A file's config is checked as a user's is: numcodecs hands its integers to C as they are.
+    codecspec.check_config(config, FormatError)
+    try:
+        return numcodecs.get_codec(config)
+    except (TypeError, ValueError, OverflowError) as exc:  # unknown keys, values of the wrong type
+        raise FormatError(f"invalid codec config {config!r}: {exc}") from None
 
 
 def _typed(raw: memoryview | bytes, itemsize: int) -> np.ndarray:
@@ -97,7 +102,7 @@ def plain_ids(extra: Mapping[str, Any]) -> set[int]:
     """Container ids of a compressed variable that are stored raw."""
     try:
         return {int(c) for c in extra.get("codec_plain", [])}
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int() of JSON's Infinity
         raise FormatError(f"invalid codec_plain record {extra.get('codec_plain')!r}") from None
 
 
