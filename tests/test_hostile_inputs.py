@@ -212,3 +212,20 @@ def test_user_codec_config_errors_stay_config_errors(dirs):
         ftidask.init(**dirs, compressor={"id": "zstd", "level": 1, "foo": 1})
     with pytest.raises(ftidask.ConfigError, match="cname"):
         ftidask.init(**dirs, compressor={"id": "blosc", "cname": "nope"})
+
+
+@pytest.mark.parametrize("dask", [{"shape": [float("inf")], "chunks": [[100]], "kind": "numpy",
+                                   "blocks": [[[0], [100], 0]]},
+                                  {"shape": [100], "chunks": [[100]], "kind": "numpy", "blocks": [[[0], [100], -800]]},
+                                  {"shape": [100], "chunks": [[60, 60]], "kind": "numpy",
+                                   "blocks": [[[0], [60], 0], [[1], [60], 480]]}])
+def test_export_of_a_forged_dask_chunk_record_is_refused(dirs, capsys, dask):
+    """``export`` stitches Dask arrays from the table's chunk record: JSON's Infinity raised OverflowError, a
+    negative dptr a ValueError in reshape, and a grid that does not tile the shape was not checked."""
+    path, _values = _checkpoint(dirs)
+    table = _table(path)
+    table["vars"][0]["extra"] = {"dask": dask}
+    _rewrite_table(path, json.dumps(table).encode())
+    assert cli_main(["export", str(path), "--to-zarr", str(path.parent / "out.zarr")]) == 2
+    err = capsys.readouterr().err
+    assert "variable 1" in err and "Traceback" not in err
