@@ -229,3 +229,13 @@ def test_export_of_a_forged_dask_chunk_record_is_refused(dirs, capsys, dask):
     assert cli_main(["export", str(path), "--to-zarr", str(path.parent / "out.zarr")]) == 2
     err = capsys.readouterr().err
     assert "variable 1" in err and "Traceback" not in err
+
+
+def test_block_record_with_an_infinite_number_is_a_format_error():
+    """A restart on another number of ranks reads each file's block record (``global_shape``, ``offset``);
+    JSON's Infinity there raised OverflowError instead of the FormatError every other bad record gives."""
+    from ftidask.model.decomposition import placement
+
+    table = json.loads('{"global_shape": [Infinity], "offset": [0]}')
+    with pytest.raises(ftidask.FormatError, match="invalid block record"):
+        placement(table, (100,))
