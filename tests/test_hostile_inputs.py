@@ -239,3 +239,22 @@ def test_block_record_with_an_infinite_number_is_a_format_error():
     table = json.loads('{"global_shape": [Infinity], "offset": [0]}')
     with pytest.raises(ftidask.FormatError, match="invalid block record"):
         placement(table, (100,))
+
+
+@pytest.mark.parametrize("value", [2**20000, "\udcff", {"\udcff": 1}, [1, {"a": -(3**10000)}]],
+                         ids=["huge-int", "surrogate", "surrogate-key", "nested-huge-int"])
+def test_state_json_cannot_write_is_refused_at_protect(dirs, value):
+    """JSON types that json.dumps/UTF-8 still refuse (an int beyond Python's 4300-digit text limit, a str
+    with a lone surrogate) passed check_json and failed in json.dumps with a raw ValueError or
+    UnicodeEncodeError; they are a ProtectError at protect, and at the checkpoint when set later."""
+    ctx = ftidask.init(**dirs)
+    with pytest.raises(ftidask.ProtectError, match="int of|UTF-8"):
+        ctx.protect(1, ftidask.State({"v": value}))
+    state = ftidask.State({"v": 1})
+    ctx.protect(1, state)
+    ctx.checkpoint(1, 1)
+    state["v"] = value
+    with pytest.raises(ftidask.FTIError, match="int of|UTF-8"):
+        ctx.checkpoint(2, 1)
+    state["v"] = 2
+    ctx.checkpoint(3, 1)
