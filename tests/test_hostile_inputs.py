@@ -258,3 +258,63 @@ def test_state_json_cannot_write_is_refused_at_protect(dirs, value):
         ctx.checkpoint(2, 1)
     state["v"] = 2
     ctx.checkpoint(3, 1)
+
+
+def _zarr_l4(dirs):
+    """A level-4 Zarr checkpoint of two variables; (its store, its commit record)."""
+    ctx = ftidask.init(**dirs, l4_format="zarr")
+    ctx.protect(1, np.arange(100.0))
+    ctx.protect(2, np.arange(50, dtype=np.int32))
+    info = ctx.checkpoint(1, 4)
+    (store,) = Path(dirs["glbl_dir"]).glob(f"*/l4/ckpt1.s{info.seq}/Ckpt1-Rank0.zarr")
+    (record,) = Path(dirs["meta_dir"]).glob(f"*/commits/s{info.seq:08d}.json")
+    return store, record
+
+
+def _forge_manifest(store: Path, record: Path, change) -> None:
+    """Change the store's manifest and record its new digest in the commit record (every hash matches)."""
+    manifest_path = store / "ftidask-manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    change(manifest)
+    manifest_path.write_text(json.dumps(manifest))
+    raw = json.loads(record.read_text())
+    raw["files"][0]["fb_hash"] = hashing.digest(2, manifest_path.read_bytes()).hex()
+    record.write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("how", ["missing array", "other array", "other dtype"])
+def test_zarr_manifest_that_does_not_match_its_arrays_touches_no_array(dirs, how):
+    """A manifest whose variable names an array that is not there, or another array, was found only while
+    the arrays were filled: the variables read before it were recovered and the others not."""
+    store, record = _zarr_l4(dirs)
+
+    def change(manifest):
+        second = next(v for v in manifest["vars"] if v["id"] == 2)
+        first = next(v for v in manifest["vars"] if v["id"] == 1)
+        if how == "missing array":
+            second["array"] = "nothere"
+        elif how == "other array":  # var 2 (int32, 50) pointed at var 1's array (float64, 100)
+            second["array"] = first["array"]
+        else:
+            second.update(dtype="<f4")
+    _forge_manifest(store, record, change)
+    ctx = ftidask.init(**dirs)
+    a, b = np.full(100, -1.0), np.full(50, -1, np.int32 if how != "other dtype" else np.float32)
+    ctx.protect(1, a)
+    ctx.protect(2, b)
+    with pytest.raises(ftidask.FTIError):
+        ctx.recover()
+    assert (a == -1).all() and (b == -1).all()
+
+
+def test_zarr_manifest_entry_outside_the_store_is_never_read(dirs, tmp_path):
+    """'../x' was refused but an absolute entry ('/etc/passwd', a FIFO that would block) was opened and
+    hashed: a store's manifest names files inside the store only."""
+    store, record = _zarr_l4(dirs)
+    outside = tmp_path / "fifo"
+    __import__("os").mkfifo(outside)  # opening it for reading would block forever
+    _forge_manifest(store, record, lambda m: m["files"].update({str(outside): [0, "00" * 16]}))
+    from ftidask.zarrfmt.store import verify_store
+
+    with pytest.raises(ftidask.FormatError, match="bad manifest entry"):
+        verify_store(store)
