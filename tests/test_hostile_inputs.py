@@ -318,3 +318,16 @@ def test_zarr_manifest_entry_outside_the_store_is_never_read(dirs, tmp_path):
 
     with pytest.raises(ftidask.FormatError, match="bad manifest entry"):
         verify_store(store)
+
+
+@pytest.mark.parametrize("attrs", [[1], {"ftidask": [1]}, {"ftidask": {"seq": "x"}}, {"ftidask": {"time": 1e308}}])
+def test_zarr_manifest_attrs_of_the_wrong_type_are_damage(dirs, capsys, attrs):
+    """``list`` and ``export`` read a store's description from attrs["ftidask"] with .get(), int() and
+    time.localtime(): attrs of another type crashed them with a traceback."""
+    store, record = _zarr_l4(dirs)
+    _forge_manifest(store, record, lambda m: m.update(attrs=attrs))
+    root = Path(dirs["glbl_dir"]).parent
+    assert cli_main(["list", str(root)]) == 0
+    assert "DAMAGED (1 of 1 files)" in capsys.readouterr().out
+    assert cli_main(["export", str(store), "--to-zarr", str(root / "out.zarr")]) == 2
+    assert "ftidask-manifest.json" in capsys.readouterr().err

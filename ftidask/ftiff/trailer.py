@@ -47,7 +47,7 @@ def parse_trailer(payload: bytes, *, path: str | None = None) -> dict[str, Any]:
         raise FormatError(f"variable table is not valid JSON: {exc}", path=path) from None
     if not isinstance(value, dict) or not isinstance(value.get("vars"), list):
         raise FormatError("variable table has no 'vars' list", path=path)
-    _check_header(value, path)
+    check_header(value, path)
     return value
 
 
@@ -55,9 +55,10 @@ _INT_KEYS = ("ckpt_id", "level", "seq", "rank", "nranks", "node")
 _STR_KEYS = ("format", "exec_id", "backend", "worker")
 
 
-def _check_header(table: dict[str, Any], path: str | None) -> None:
-    """The table's own fields, when present, have the types ftidask writes: ``list``, ``export`` and
-    ``inspect`` format them as they are, so a forged one must fail here as damage, not there."""
+def check_header(table: dict[str, Any], path: str | None) -> None:
+    """Raise :class:`FormatError` unless the table's own fields, when present, have the types ftidask
+    writes: ``list``, ``export`` and ``inspect`` format them as they are, so a forged one must fail here
+    as damage, not there."""
     for key in _INT_KEYS:
         if key in table and (isinstance(table[key], bool) or not isinstance(table[key], int)):
             raise FormatError(f"variable table: {key!r} is {reprlib.repr(table[key])}, not an integer", path=path)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..ftiff import hashing
+from ..ftiff.trailer import check_header
 from ..model.arrays import VarInfo
 from ..model.errors import FormatError
 from ..storage import files as storage
@@ -210,11 +211,17 @@ def read_manifest(path: Path, expected: str | None = None) -> dict[str, Any]:
         manifest = json.loads(raw)
     except ValueError as exc:
         raise FormatError(f"{path}: {MANIFEST} is not valid JSON: {exc}") from None
-    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict)
-            or not isinstance(manifest.get("vars"), list)):
+    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT
+            or not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("vars"), list)):
         raise FormatError(f"{path}: {MANIFEST} is not an ftidask Zarr manifest")
     if manifest.get("version") != VERSION:
         raise FormatError(f"{path}: manifest version {manifest.get('version')} is not one this ftidask reads")
+    # 'list' and 'export' read the checkpoint's description from attrs["ftidask"] (a level-4 store: the
+    # file's table fields): the same types as in an FTI-FF file's table.
+    attrs = manifest.get("attrs", {})
+    if not isinstance(attrs, dict) or not isinstance(attrs.get("ftidask", {}), dict):
+        raise FormatError(f"{path}: {MANIFEST}: 'attrs' is not an object of objects")
+    check_header(attrs.get("ftidask", {}), f"{path}: {MANIFEST}")
     return manifest
 
 
