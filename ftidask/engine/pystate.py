@@ -57,6 +57,22 @@ class State(dict):  # type: ignore[type-arg]
         return f"ftidask.State({dict.__repr__(self)})"
 
 
+def _check_writable(value: str | int, where: str) -> None:
+    """JSON types that json.dumps or UTF-8 still refuse: a str with lone surrogates (``'\\udcff'``, from
+    ``os.fsdecode`` of undecodable bytes) and an int of more digits than Python converts to text."""
+    try:
+        if type(value) is str:
+            value.encode("utf-8")
+        elif value.bit_length() > 14_000:  # about 4,200 digits: only such ints can pass the limit
+            str(value)
+    except UnicodeEncodeError as exc:
+        raise ProtectError(f"{where} is a str {reprlib.repr(value)} that UTF-8 cannot encode ({exc}); JSON "
+                           "strings are text: store bytes as a NumPy uint8 array") from None
+    except ValueError as exc:  # reprlib.repr() of such an int fails the same way: say its size instead
+        raise ProtectError(f"{where} is an int of {value.bit_length()} bits, which Python does not convert to "
+                           f"text ({exc}); store it in a NumPy array of its bytes") from None
+
+
 def check_json(value: Any, where: str = "value", depth: int = 0) -> None:
     """Raise :class:`ProtectError` unless ``value`` is made of exact JSON types (str keys).
 
@@ -66,6 +82,9 @@ def check_json(value: Any, where: str = "value", depth: int = 0) -> None:
     if depth > _MAX_DEPTH:
         raise ProtectError(f"{where}: nested more than {_MAX_DEPTH} levels deep (or contains itself)")
     kind = type(value)
+    if kind is str or kind is int:
+        _check_writable(value, where)
+        return
     if kind in _SCALARS:
         return
     if kind is list:
@@ -77,6 +96,7 @@ def check_json(value: Any, where: str = "value", depth: int = 0) -> None:
             if type(key) is not str:
                 raise ProtectError(f"{where}: key {key!r} is a {type(key).__name__}; JSON keys are str "
                                    "(convert it, e.g. str(key))")
+            _check_writable(key, f"{where}: key")
             check_json(item, f"{where}[{key!r}]", depth + 1)
         return
     hint = ""

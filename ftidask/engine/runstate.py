@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 import time
@@ -118,13 +119,23 @@ class CommitRecord:
 
     @classmethod
     def from_json(cls, raw: Any) -> CommitRecord | None:
+        """The record ``raw`` describes, or None for a torn, damaged or forged one (never recovered)."""
         try:
             files = tuple(FileRecord(int(f["rank"]), int(f["node"]), int(f["size"]), str(f["fb_hash"]))
                           for f in raw["files"])
-            return cls(int(raw["seq"]), int(raw["ckpt_id"]), int(raw["level"]), float(raw["timestamp"]),
-                       int(raw["nranks"]), files, dict(raw.get("extra", {})))
-        except (KeyError, TypeError, ValueError):
+            record = cls(int(raw["seq"]), int(raw["ckpt_id"]), int(raw["level"]), float(raw["timestamp"]),
+                         int(raw["nranks"]), files, dict(raw.get("extra", {})))
+        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int() of an infinity
             return None
+        return record if record.plausible() else None
+
+    def plausible(self) -> bool:
+        """Values that a commit ever holds: a record outside them names directories and ranks that
+        cannot exist (a seq of 1e300 makes a path too long, an infinite time breaks ``list``)."""
+        ranks = sorted(f.rank for f in self.files)
+        return (0 < self.seq < 2**63 and self.ckpt_id != 0 and -2**31 <= self.ckpt_id < 2**31
+                and 1 <= self.level <= 8 and math.isfinite(self.timestamp) and 0 < self.nranks < 2**31
+                and ranks == list(range(self.nranks)) and all(0 <= f.node < 2**31 and f.size >= 0 for f in self.files))
 
 
 _CHECK = "check"  # a commit record's digest of its own content (see sealed_record)

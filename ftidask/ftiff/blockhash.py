@@ -119,7 +119,7 @@ class DcpInfo:
             self.block_size = int(entry["block_size"])
             self.bid = int(entry["block_hash_id"])
             self.section_len = int(entry["section_len"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int() of JSON's Infinity
             raise FormatError(f"invalid 'dcp' entry {entry!r}", path=parsed.path) from None
         if not MIN_BLOCK <= self.block_size <= MAX_BLOCK:
             raise FormatError(f"dCP block size {self.block_size} outside [{MIN_BLOCK}, {MAX_BLOCK}]",

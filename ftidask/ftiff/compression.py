@@ -32,8 +32,8 @@ def parse_compressor(spec: Any) -> dict[str, Any] | None:
     if config is not None:
         try:
             get_codec(config)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"invalid codec config {config!r}: {exc}") from None
+        except FormatError as exc:
+            raise ConfigError(str(exc)) from None
     return config
 
 
@@ -44,7 +44,12 @@ def get_codec(config: Mapping[str, Any]) -> Any:
     config = dict(config)
     if config.get("id") not in ALLOWED_IDS:
         raise FormatError(f"codec {config.get('id')!r} is not one ftidask decodes ({', '.join(ALLOWED_IDS)})")
-    return numcodecs.get_codec(config)
+    # A file's config is checked as a user's is: numcodecs hands its integers to C as they are.
+    codecspec.check_config(config, FormatError)
+    try:
+        return numcodecs.get_codec(config)
+    except (TypeError, ValueError, OverflowError) as exc:  # unknown keys, values of the wrong type
+        raise FormatError(f"invalid codec config {config!r}: {exc}") from None
 
 
 def _typed(raw: memoryview | bytes, itemsize: int) -> np.ndarray:
@@ -97,8 +102,24 @@ def plain_ids(extra: Mapping[str, Any]) -> set[int]:
     """Container ids of a compressed variable that are stored raw."""
     try:
         return {int(c) for c in extra.get("codec_plain", [])}
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int() of JSON's Infinity
         raise FormatError(f"invalid codec_plain record {extra.get('codec_plain')!r}") from None
+
+
+def decode_problem(info: Any, meta: Any, stored: memoryview | bytes, what: str) -> str:
+    """Why a hash-checked container (``meta``, of the variable ``info``: a VarInfo or None) does not decode
+    to its raw span, or '' (also for a container stored raw).
+
+    Checked with the hashes, before recovery writes any array: a container that failed to decode only
+    while the arrays are filled would leave the variables copied before it recovered and the others not.
+    """
+    if info is None or "codec" not in info.extra or meta.containerid in plain_ids(info.extra):
+        return ""
+    try:
+        decode_span(var_codec(info.extra), stored, raw_span(info.nbytes, meta.dptr, meta.containersize), what=what)
+    except FormatError as exc:
+        return str(exc)
+    return ""
 
 
 def annotate_trailer(trailer: MutableMapping[str, Any], plain: Mapping[int, list[int]]) -> None:

@@ -273,10 +273,11 @@ def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -
         try:
             def check(job: tuple[int, int, ContainerMeta]) -> str:
                 bi, ci, meta = job
-                if hashing.digest(hid, data[meta.fptr:meta.fptr + meta.chunksize]) == meta.hash:
-                    return ""
-                return (f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid}): "
-                        "data hash does not match (damaged data)")
+                what = f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid})"
+                stored = data[meta.fptr:meta.fptr + meta.chunksize]
+                if hashing.digest(hid, stored) != meta.hash:
+                    return f"{what}: data hash does not match (damaged data)"
+                return compression.decode_problem(parsed.vars.get(meta.id), meta, stored, what)
 
             with ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="ftidask-verify") as pool:
                 for problem in pool.map(check, jobs):

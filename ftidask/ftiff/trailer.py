@@ -7,6 +7,7 @@ UTF-8 JSON, then its length as uint64 and the 8-byte magic ``FTDKVARS``. JSON, n
 from __future__ import annotations
 
 import json
+import reprlib
 import struct
 from typing import Any
 
@@ -41,11 +42,36 @@ def trailer_span(tail16: bytes, fs: int, file_size: int, *, path: str | None = N
 def parse_trailer(payload: bytes, *, path: str | None = None) -> dict[str, Any]:
     try:
         value = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    # ValueError, not only JSONDecodeError: json refuses integers of more than 4300 digits with a plain one.
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"variable table is not valid JSON: {exc}", path=path) from None
     if not isinstance(value, dict) or not isinstance(value.get("vars"), list):
         raise FormatError("variable table has no 'vars' list", path=path)
+    check_header(value, path)
     return value
+
+
+_INT_KEYS = ("ckpt_id", "level", "seq", "rank", "nranks", "node")
+_STR_KEYS = ("format", "exec_id", "backend", "worker")
+
+
+def check_header(table: dict[str, Any], path: str | None) -> None:
+    """Raise :class:`FormatError` unless the table's own fields, when present, have the types ftidask
+    writes: ``list``, ``export`` and ``inspect`` format them as they are, so a forged one must fail here
+    as damage, not there."""
+    for key in _INT_KEYS:
+        if key in table and (isinstance(table[key], bool) or not isinstance(table[key], int)):
+            raise FormatError(f"variable table: {key!r} is {reprlib.repr(table[key])}, not an integer", path=path)
+    for key in _STR_KEYS:
+        if key in table and not isinstance(table[key], str):
+            raise FormatError(f"variable table: {key!r} is {reprlib.repr(table[key])}, not a string", path=path)
+    when = table.get("time", 0)
+    # time.localtime() refuses NaN, infinities and years past 9999; no file ftidask writes holds those.
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not 0 <= when < _YEAR_9999:
+        raise FormatError(f"variable table: 'time' is {reprlib.repr(when)}, not a time in seconds", path=path)
+
+
+_YEAR_9999 = 253402300800  # 10000-01-01T00:00:00Z in seconds since the epoch
 
 
 TAIL_SIZE = _TAIL.size

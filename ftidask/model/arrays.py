@@ -196,6 +196,11 @@ class VarInfo:
             raise FormatError(f"invalid variable description {reprlib.repr(raw)}: {exc}") from None
         if info.order not in ("C", "F") or any(n < 0 for n in shape):
             raise FormatError(f"invalid variable description {reprlib.repr(raw)}")
+        try:  # NumPy's limit on dimensions (a sub-array dtype adds its own): checked on an empty array
+            np.empty((0,) * len(shape), dtype)
+        except ValueError as exc:
+            raise FormatError(f"variable {info.id}: shape {reprlib.repr(shape)} with dtype {dtype} has more "
+                              f"dimensions than NumPy supports ({exc})") from None
         if int(np.prod(shape, dtype=object)) * dtype.itemsize != info.nbytes:
             raise FormatError(f"variable {info.id}: shape {shape} x {dtype} does not make {info.nbytes} bytes")
         return info

@@ -102,7 +102,7 @@ def placement(extra: Mapping[str, Any], shape: Sequence[int]) -> Placement:
     try:
         g = tuple(int(n) for n in extra["global_shape"])
         o = tuple(int(n) for n in extra["offset"])
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int() of JSON's Infinity
         raise FormatError(f"invalid block record {dict(extra)!r}: {exc}") from None
     if len(g) != len(shape) or len(o) != len(shape) or any(
             oo < 0 or oo + n > gg for gg, oo, n in zip(g, o, shape)):

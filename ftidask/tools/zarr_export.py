@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
+import reprlib
 import sys
 import time
 from pathlib import Path
@@ -197,14 +199,18 @@ def _dask_global(vid: int, parts: list[tuple[_Rank, VarInfo]]) -> tuple[VarInfo,
         grid = [[int(c) for c in dim] for dim in first.extra["dask"]["chunks"]]
         placed = [(rank, [(tuple(int(i) for i in index), tuple(int(n) for n in cshape), int(dptr))
                           for index, cshape, dptr in info.extra["dask"].get("blocks", [])]) for rank, info in parts]
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int() of JSON's Infinity
         raise FormatError(f"variable {vid}: bad Dask chunk record: {exc}") from None
+    # The grid must tile the shape: the chunks' slices and the store's shape come from them.
+    if len(grid) != len(shape) or any(n < 0 for dim in grid for n in dim) or [sum(d) for d in grid] != list(shape):
+        raise FormatError(f"variable {vid}: Dask chunk grid {reprlib.repr(grid)} does not tile shape {shape}")
     starts = [[sum(dim[:i]) for i in range(len(dim))] for dim in grid]
     seen = set()
     for rank, blocks in placed:
         for index, cshape, dptr in blocks:
-            nbytes = int(np.prod(cshape, dtype=np.int64)) * first.dtype.itemsize
-            if (len(index) != len(shape) or index in seen or dptr + nbytes > rank.infos[vid].nbytes
+            nbytes = math.prod(cshape) * first.dtype.itemsize  # Python ints: a forged shape cannot wrap around
+            if (len(index) != len(shape) or len(cshape) != len(shape) or index in seen or dptr < 0
+                    or dptr + nbytes > rank.infos[vid].nbytes
                     or any(not 0 <= i < len(dim) or dim[i] != n for i, n, dim in zip(index, cshape, grid))):
                 raise FormatError(f"variable {vid}: chunk {index} does not fit its grid or its worker's file")
             seen.add(index)
@@ -220,7 +226,7 @@ def _dask_global(vid: int, parts: list[tuple[_Rank, VarInfo]]) -> tuple[VarInfo,
                 chunk = raw[dptr:dptr + nbytes].view(first.dtype).reshape(cshape)
                 z[tuple(slice(starts[d][i], starts[d][i] + cshape[d]) for d, i in enumerate(index))] = chunk
 
-    nbytes = int(np.prod(shape, dtype=np.int64)) * first.dtype.itemsize
+    nbytes = math.prod(shape) * first.dtype.itemsize
     return VarInfo(vid, first.name, first.dtype, shape, "C", nbytes, _keep_extra(first, chunks=grid)), fill
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..ftiff import hashing
+from ..ftiff.trailer import check_header
 from ..model.arrays import VarInfo
 from ..model.errors import FormatError
 from ..storage import files as storage
@@ -210,11 +211,17 @@ def read_manifest(path: Path, expected: str | None = None) -> dict[str, Any]:
         manifest = json.loads(raw)
     except ValueError as exc:
         raise FormatError(f"{path}: {MANIFEST} is not valid JSON: {exc}") from None
-    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict)
-            or not isinstance(manifest.get("vars"), list)):
+    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT
+            or not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("vars"), list)):
         raise FormatError(f"{path}: {MANIFEST} is not an ftidask Zarr manifest")
     if manifest.get("version") != VERSION:
         raise FormatError(f"{path}: manifest version {manifest.get('version')} is not one this ftidask reads")
+    # 'list' and 'export' read the checkpoint's description from attrs["ftidask"] (a level-4 store: the
+    # file's table fields): the same types as in an FTI-FF file's table.
+    attrs = manifest.get("attrs", {})
+    if not isinstance(attrs, dict) or not isinstance(attrs.get("ftidask", {}), dict):
+        raise FormatError(f"{path}: {MANIFEST}: 'attrs' is not an object of objects")
+    check_header(attrs.get("ftidask", {}), f"{path}: {MANIFEST}")
     return manifest
 
 
@@ -250,8 +257,11 @@ def verify_store(path: Path, expected: str | None = None) -> dict[str, Any]:
     manifest = read_manifest(path, expected)
     for rel, entry in sorted(manifest["files"].items()):
         full = path / rel
-        if ".." in Path(rel).parts or not isinstance(entry, list) or len(entry) != 2:
+        # Only files inside the store: an absolute entry would make path / rel that very path.
+        if ".." in Path(rel).parts or Path(rel).is_absolute() or not isinstance(entry, list) or len(entry) != 2:
             raise FormatError(f"{path}: bad manifest entry {rel!r}")
+        if full.exists() and not full.is_file():  # a FIFO or a device would block the read or never end
+            raise FormatError(f"{path}: {rel} is not a regular file")
         try:
             size, digest = _file_digest(full)
         except FileNotFoundError:
@@ -260,8 +270,32 @@ def verify_store(path: Path, expected: str | None = None) -> dict[str, Any]:
             raise FormatError(f"{path}: {rel}: {exc}") from None
         if size != entry[0] or digest != entry[1]:
             raise FormatError(f"{path}: {rel} does not match its hash (damaged Zarr chunk or metadata)")
-    store_entries(manifest, path)
+    _check_arrays(path, manifest)
     return manifest
+
+
+def _check_arrays(path: Path, manifest: Mapping[str, Any]) -> None:
+    """Each variable's array exists with the shape and dtype the manifest gives it (metadata only).
+
+    Checked with the hashes, before recovery fills any array: found only while filling them, a
+    mismatch would leave the variables read before it recovered and the others not.
+    """
+    zarr = _zarr()
+    store = verified_store(path, manifest)
+    for name, info in store_entries(manifest, path):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                z = zarr.open_array(store=store, path=name, mode="r")
+                shape, dtype = tuple(z.shape), np.dtype(z.dtype)
+        except FormatError:
+            raise
+        except Exception as exc:  # zarr raises many kinds on metadata it cannot read
+            raise FormatError(f"{path}: array {name!r} cannot be opened: {exc}") from None
+        # Zarr v3 gives arrays in native byte order (an endianness codec stores the file's).
+        if shape != info.shape or dtype.newbyteorder("<") != info.dtype.newbyteorder("<"):
+            raise FormatError(f"{path}: array {name!r} is {dtype} {shape}, the manifest says {info.dtype} "
+                              f"{info.shape}")
 
 
 def read_arrays(path: Path, manifest: Mapping[str, Any], ids: set[int] | None = None,
