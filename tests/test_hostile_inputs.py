@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import ftidask
+from ftidask.engine.runstate import seal_json
 from ftidask.ftiff import hashing
 from ftidask.ftiff.reader import parse_ftiff
 from ftidask.ftiff.structs import FileBlock
@@ -112,7 +113,7 @@ def test_forged_commit_record_is_ignored_like_a_torn_one(dirs, capsys, change):
     (record,) = Path(dirs["meta_dir"]).glob("*/commits/s00000002.json")
     raw = json.loads(record.read_text())
     raw.update(change)
-    record.write_text(json.dumps(raw))
+    record.write_text(json.dumps(seal_json(raw)))  # a forgery: its digest matches, its values are impossible
     ctx = ftidask.init(**dirs)
     b = np.full(100, -1.0)
     ctx.protect(1, b)
@@ -175,7 +176,7 @@ def test_compressed_container_that_does_not_decode_touches_no_array(dirs, capsys
     (record,) = Path(dirs["meta_dir"]).glob(f"*/commits/s{info.seq:08d}.json")
     raw = json.loads(record.read_text())
     raw["files"][0]["fb_hash"] = fb_hash
-    record.write_text(json.dumps(raw))
+    record.write_text(json.dumps(seal_json(raw)))
     assert cli_main(["verify", str(path)]) == 1
     assert "cannot be decoded" in capsys.readouterr().out
     ctx = ftidask.init(**dirs)
@@ -279,7 +280,7 @@ def _forge_manifest(store: Path, record: Path, change) -> None:
     manifest_path.write_text(json.dumps(manifest))
     raw = json.loads(record.read_text())
     raw["files"][0]["fb_hash"] = hashing.digest(2, manifest_path.read_bytes()).hex()
-    record.write_text(json.dumps(raw))
+    record.write_text(json.dumps(seal_json(raw)))
 
 
 @pytest.mark.parametrize("how", ["missing array", "other array", "other dtype"])
@@ -331,3 +332,35 @@ def test_zarr_manifest_attrs_of_the_wrong_type_are_damage(dirs, capsys, attrs):
     assert "DAMAGED (1 of 1 files)" in capsys.readouterr().out
     assert cli_main(["export", str(store), "--to-zarr", str(root / "out.zarr")]) == 2
     assert "ftidask-manifest.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("compressor", ["zstd", "none"])
+def test_zarr_chunk_that_does_not_decode_touches_no_array(dirs, compressor):
+    """A chunk whose digest the manifest matches but whose bytes do not decode (a compressed chunk of
+    garbage, an uncompressed one of the wrong length) was found only while recovery filled the arrays."""
+    ctx = ftidask.init(**dirs, l4_format="zarr", compressor=compressor)
+    ctx.protect(1, np.arange(100.0))
+    ctx.protect(2, np.arange(50, dtype=np.int32))
+    info = ctx.checkpoint(1, 4)
+    (store,) = Path(dirs["glbl_dir"]).glob(f"*/l4/ckpt1.s{info.seq}/Ckpt1-Rank0.zarr")
+    (record,) = Path(dirs["meta_dir"]).glob(f"*/commits/s{info.seq:08d}.json")
+    manifest = json.loads((store / "ftidask-manifest.json").read_text())
+    second = next(v["array"] for v in manifest["vars"] if v["id"] == 2)
+    (chunk,) = [rel for rel in manifest["files"] if rel.startswith(f"{second}/c/")]
+    garbage = b"not a chunk of anything"
+    (store / chunk).write_bytes(garbage)
+
+    def forge(m):
+        m["files"][chunk] = [len(garbage), hashing.digest(2, garbage).hex()]
+    _forge_manifest(store, record, forge)
+    from ftidask.zarrfmt.store import verify_store
+
+    with pytest.raises(ftidask.FormatError, match="does not decode|not a chunk"):
+        verify_store(store)
+    ctx = ftidask.init(**dirs)
+    a, b = np.full(100, -1.0), np.full(50, -1, np.int32)
+    ctx.protect(1, a)
+    ctx.protect(2, b)
+    with pytest.raises(ftidask.FTIError):
+        ctx.recover()
+    assert (a == -1).all() and (b == -1).all()

@@ -16,6 +16,7 @@ import numpy as np
 from ..engine import pystate
 from ..model.errors import FormatError
 from ..zarrfmt import store as zarr_store
+from ..zarrfmt.foreign import read_plain_group
 
 log = logging.getLogger("ftidask.zarr")
 
@@ -31,7 +32,7 @@ def read_zarr(path: str | os.PathLike[str], *, group: str = "") -> dict[int, tup
         raise FormatError(f"{path}: no Zarr store there")
     if (path / zarr_store.MANIFEST).exists():
         return {vid: (name, data) for vid, (name, data, _kind) in _read_manifest_store(path, group).items()}
-    return zarr_store.read_plain_group(path, group)
+    return read_plain_group(path, group)
 
 
 def _read_manifest_store(path: Path, group: str) -> dict[int, tuple[str, np.ndarray, str]]:

@@ -296,6 +296,27 @@ def _check_arrays(path: Path, manifest: Mapping[str, Any]) -> None:
         if shape != info.shape or dtype.newbyteorder("<") != info.dtype.newbyteorder("<"):
             raise FormatError(f"{path}: array {name!r} is {dtype} {shape}, the manifest says {info.dtype} "
                               f"{info.shape}")
+        _check_chunks_decode(path, manifest, name, z)
+
+
+def _check_chunks_decode(path: Path, manifest: Mapping[str, Any], name: str, z: Any) -> None:
+    """Every chunk of ``z`` decodes (hash-checked chunks of a forged store may not): an uncompressed
+    array's chunk files must be whole chunks, a compressed one's are decoded once, a chunk at a time."""
+    if not z.compressors and not z.filters and type(z.serializer).__name__ == "BytesCodec":
+        whole = int(np.prod(z.chunks)) * z.dtype.itemsize
+        for rel, entry in manifest["files"].items():
+            if rel.startswith(f"{name}/c/") and entry[0] != whole:
+                raise FormatError(f"{path}: chunk {rel} holds {entry[0]} bytes, not a chunk's {whole}")
+        return
+    for index in np.ndindex(*z.cdata_shape):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                z.get_block_selection(index)
+        except FormatError:
+            raise
+        except Exception as exc:  # whatever the codec raises on bytes it cannot decode
+            raise FormatError(f"{path}: array {name!r}: chunk {index} does not decode: {exc}") from None
 
 
 def read_arrays(path: Path, manifest: Mapping[str, Any], ids: set[int] | None = None,
@@ -372,29 +393,3 @@ def verified_store(path: Path, manifest: Mapping[str, Any]) -> Any:
     store = VerifiedStore(root=str(path), read_only=True)
     store.digests = dict(manifest["files"])
     return store
-
-
-def read_plain_group(path: Path, group: str = "") -> dict[int, tuple[str, np.ndarray]]:
-    """The arrays of a Zarr group that ftidask did not write, by id: ``{id: (name, array)}``.
-
-    Ids come from the arrays' ``ftidask_id`` attribute, else 1, 2, ... in name order.
-    """
-    import zarr
-
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        root = zarr.open_group(str(path), mode="r")
-        node = root[group] if group else root
-        names = sorted(name for name, _a in node.arrays())
-        out: dict[int, tuple[str, np.ndarray]] = {}
-        next_id = 1
-        for name in names:
-            z = node[name]
-            vid = z.attrs.get("ftidask_id")
-            if not isinstance(vid, int) or vid in out:
-                while next_id in out:
-                    next_id += 1
-                vid = next_id
-            out[vid] = (str(z.attrs.get("ftidask_name", name)), np.asarray(z[...]))
-    return out
