@@ -364,3 +364,16 @@ def test_zarr_chunk_that_does_not_decode_touches_no_array(dirs, compressor):
     with pytest.raises(ftidask.FTIError):
         ctx.recover()
     assert (a == -1).all() and (b == -1).all()
+
+
+def test_table_listing_a_variable_twice_is_damage(dirs, capsys):
+    """Two entries for one id (say, of other dtypes): which one the data is cannot be told, so neither."""
+    path, _values = _checkpoint(dirs)
+    table = _table(path)
+    twin = dict(table["vars"][0], dtype="<i8")
+    table["vars"].append(twin)
+    _rewrite_table(path, json.dumps(table).encode())
+    with open(path, "rb") as fh, pytest.raises(ftidask.FormatError, match="twice"):
+        parse_ftiff(fh, str(path))
+    assert cli_main(["verify", str(path)]) == 1
+    assert "twice" in capsys.readouterr().out

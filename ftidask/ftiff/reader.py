@@ -172,6 +172,8 @@ def _parse_vars(trailer: dict[str, Any] | None, path: str) -> dict[int, VarInfo]
             compression.plain_ids(info.extra)
         except FormatError as exc:
             raise FormatError(str(exc), path=path) from None
+        if info.id in out:  # which of the two would the data be? neither: a writer lists each once
+            raise FormatError(f"the variable table lists variable {info.id} twice", path=path)
         out[info.id] = info
     return out
 
