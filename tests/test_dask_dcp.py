@@ -12,6 +12,7 @@ da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
 
+from conftest import wait_for_replaced_workers
 from test_dask_backend import crash_worker, lose_workers
 
 import ftidask
@@ -119,7 +120,7 @@ def test_worker_killed_during_a_differential_checkpoint(client, dirs, stage):
     with pytest.raises(ftidask.CheckpointError, match="previous checkpoint is kept"):
         ctx.checkpoint(4, 5)
     assert [r.ckpt_id for r in ctx.state.records()] == [3]
-    client.wait_for_workers(NWORKERS, timeout=60)  # the nanny restarts the killed worker
+    wait_for_replaced_workers(client, NWORKERS)  # the nanny restarts the killed worker
     ctx2 = _init(client, dirs)
     _assert_same(ctx2.recover(), saved)
     # the run goes on: the next differential checkpoints are correct (a torn spare is rewritten)

@@ -19,6 +19,7 @@ import pytest
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
+from conftest import wait_for_replaced_workers  # noqa: E402
 from test_dask_backend import crash_worker  # noqa: E402
 
 import ftidask  # noqa: E402
@@ -90,7 +91,7 @@ def kill_rank(client, ctx, rank, erase=True, replaced=True):
     # Its nanny starts a fresh one (a replacement node): waited for, so that the next checkpoint does not
     # meet a worker still starting (on a loaded machine a slow start may be cut short by the nanny).
     if replaced:
-        client.wait_for_workers(NWORKERS, timeout=150)
+        wait_for_replaced_workers(client, NWORKERS)
     return address
 
 
