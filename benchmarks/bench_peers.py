@@ -16,7 +16,9 @@ restarting program does. Peers run where installed (``pip install -e '.[bench]'`
 * ``ftidask L1``: ``checkpoint(id, 1)`` (every container hashed) / ``recover()`` in a new context
   (every byte verified before the arrays hold it).
 
-Rounds interleave the tools (so that a noisy moment of the disk weighs on all alike); each figure
+Before each load, twice the state's size of memory is touched and freed, so that every tool finds
+resident free pages alike (a virtual machine that hands freed memory back to its host otherwise charges
+the first-touch of the arrays to whichever tool follows a large free). Rounds interleave the tools (so that a noisy moment of the disk weighs on all alike); each figure
 is the median of ``--repeat`` rounds, and ``x raw`` is that tool's time over the raw one.
 Only ftidask verifies what it reads; np.save, h5py, zarr and torch read back whatever the file holds.
 """
@@ -59,6 +61,13 @@ def evict(root: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def touch_and_free(nbytes: int) -> None:
+    """Fault in ``nbytes`` of memory and free it: a virtual machine that gives freed memory back to its host
+    pays again to touch it (up to 2 s per GiB on the development machine), so each load starts with the
+    same amount of resident free memory, whichever tool ran before it."""
+    np.ones(nbytes, np.uint8)
 
 
 def raw_tool() -> tuple[Callable[[Arrays, Path], None], Callable[[Arrays, Path], Arrays]]:
@@ -198,7 +207,8 @@ def main() -> None:
     per = args.size_mib * 2**20 // args.arrays // 8
     rng = np.random.default_rng(0)
     arrays = [rng.random(per) for _ in range(args.arrays)]
-    gib = sum(a.nbytes for a in arrays) / 2**30
+    nbytes = sum(a.nbytes for a in arrays)
+    gib = nbytes / 2**30
     root = Path(tempfile.mkdtemp(prefix="bench-peers-", dir=args.dir))
     times: dict[str, dict[str, list[float]]] = {name: {"save": [], "load": []} for name in tools}
     try:
@@ -212,6 +222,7 @@ def main() -> None:
                 save(arrays, d)
                 times[name]["save"].append(time.perf_counter() - start)
                 evict(d)
+                touch_and_free(2 * nbytes)
                 start = time.perf_counter()
                 back = load(arrays, d)
                 times[name]["load"].append(time.perf_counter() - start)
