@@ -23,7 +23,7 @@ import threading
 import time
 
 import numpy as np
-from timing import best
+from timing import best, evict_file
 
 import ftidask
 
@@ -81,12 +81,7 @@ def evict(paths: list[str], drop_all: bool) -> None:
             fh.write("3\n")
         return
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict_file(path)
 
 
 def cold_restart(dirs: dict, arrays: list[np.ndarray], path: str, repeat: int, drop_all: bool) -> dict[str, float]:

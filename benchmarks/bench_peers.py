@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from timing import evict_file
 
 import ftidask
 
@@ -55,12 +56,7 @@ def evict(root: Path) -> None:
     """Every file under ``root`` out of the page cache (written back first)."""
     for path in root.rglob("*"):
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            evict_file(path)
 
 
 def touch_and_free(nbytes: int) -> None:

@@ -3,6 +3,7 @@ this directory on ``sys.path``)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,3 +19,13 @@ def timed(fn: Callable[[], Any]) -> float:
 def best(fn: Callable[[], Any], repeat: int) -> float:
     """The fastest of ``repeat`` calls of ``fn``, in seconds."""
     return min(timed(fn) for _ in range(repeat))
+
+
+def evict_file(path: str | os.PathLike[str]) -> None:
+    """Take ``path`` out of the page cache (written back first), for a read from a cold cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
