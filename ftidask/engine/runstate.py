@@ -49,17 +49,19 @@ def read_current_exec_id(meta_dir: Path) -> str | None:
     path = meta_dir / _CURRENT
     current = storage.read_json(path)
     value = current.get("exec_id") if isinstance(current, dict) else None
-    if value is None and not path.exists():
-        return None
-    try:
-        if value is None:
-            raise ConfigError(f"{path} is unreadable or names no run")
-        return check_exec_id(value, f"{path}")
-    except ConfigError as exc:
-        found = _newest_unfinished_run(meta_dir)
-        log.warning("ignoring %s; %s", exc, f"restarting run {found!r}, the unfinished run committed last"
-                    if found else "no unfinished run with a checkpoint to restart")
-        return found
+    if value is None:
+        if not path.exists():
+            return None
+        why = f"{path} is unreadable or names no run"
+    else:
+        try:
+            return check_exec_id(value, f"{path}")
+        except ConfigError as exc:
+            why = str(exc)
+    found = _newest_unfinished_run(meta_dir)
+    log.warning("ignoring %s; %s", why, f"restarting run {found!r}, the unfinished run committed last"
+                if found else "no unfinished run with a checkpoint to restart")
+    return found
 
 
 def _newest_unfinished_run(meta_dir: Path) -> str | None:

@@ -199,7 +199,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         size = sum(_size(p) for p, _k, _d in files)
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.get("time", 0))) if table else "?"
         state = ("sound" if len(sound) == len(files) else f"DAMAGED ({len(files) - len(sound)} of {len(files)} files)")
-        state += "" if committed else ", commit record damaged" if commit.is_file() else ", not committed"
+        if not committed:
+            state += ", commit record damaged" if commit.is_file() else ", not committed"
         print(f"{exec_id:32} {table.get('ckpt_id', '?'):>5} {table.get('level', '?'):>5} {seq:>5} {when:19} "
               f"{len(files):>5} {size:>14}  {state}")
     return 0
