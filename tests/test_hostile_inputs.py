@@ -261,9 +261,9 @@ def test_state_json_cannot_write_is_refused_at_protect(dirs, value):
     ctx.checkpoint(3, 1)
 
 
-def _zarr_l4(dirs):
+def _zarr_l4(dirs, **config):
     """A level-4 Zarr checkpoint of two variables; (its store, its commit record)."""
-    ctx = ftidask.init(**dirs, l4_format="zarr")
+    ctx = ftidask.init(**dirs, l4_format="zarr", **config)
     ctx.protect(1, np.arange(100.0))
     ctx.protect(2, np.arange(50, dtype=np.int32))
     info = ctx.checkpoint(1, 4)
@@ -299,8 +299,13 @@ def test_zarr_manifest_that_does_not_match_its_arrays_touches_no_array(dirs, how
         else:
             second.update(dtype="<f4")
     _forge_manifest(store, record, change)
+    _assert_recovery_touches_nothing(dirs, np.int32 if how != "other dtype" else np.float32)
+
+
+def _assert_recovery_touches_nothing(dirs, second_dtype=np.int32):
+    """A restart of ``_zarr_l4``'s run fails and leaves both protected arrays as they were."""
     ctx = ftidask.init(**dirs)
-    a, b = np.full(100, -1.0), np.full(50, -1, np.int32 if how != "other dtype" else np.float32)
+    a, b = np.full(100, -1.0), np.full(50, -1, second_dtype)
     ctx.protect(1, a)
     ctx.protect(2, b)
     with pytest.raises(ftidask.FTIError):
@@ -338,12 +343,7 @@ def test_zarr_manifest_attrs_of_the_wrong_type_are_damage(dirs, capsys, attrs):
 def test_zarr_chunk_that_does_not_decode_touches_no_array(dirs, compressor):
     """A chunk whose digest the manifest matches but whose bytes do not decode (a compressed chunk of
     garbage, an uncompressed one of the wrong length) was found only while recovery filled the arrays."""
-    ctx = ftidask.init(**dirs, l4_format="zarr", compressor=compressor)
-    ctx.protect(1, np.arange(100.0))
-    ctx.protect(2, np.arange(50, dtype=np.int32))
-    info = ctx.checkpoint(1, 4)
-    (store,) = Path(dirs["glbl_dir"]).glob(f"*/l4/ckpt1.s{info.seq}/Ckpt1-Rank0.zarr")
-    (record,) = Path(dirs["meta_dir"]).glob(f"*/commits/s{info.seq:08d}.json")
+    store, record = _zarr_l4(dirs, compressor=compressor)
     manifest = json.loads((store / "ftidask-manifest.json").read_text())
     second = next(v["array"] for v in manifest["vars"] if v["id"] == 2)
     (chunk,) = [rel for rel in manifest["files"] if rel.startswith(f"{second}/c/")]
@@ -357,13 +357,7 @@ def test_zarr_chunk_that_does_not_decode_touches_no_array(dirs, compressor):
 
     with pytest.raises(ftidask.FormatError, match="does not decode|not a chunk"):
         verify_store(store)
-    ctx = ftidask.init(**dirs)
-    a, b = np.full(100, -1.0), np.full(50, -1, np.int32)
-    ctx.protect(1, a)
-    ctx.protect(2, b)
-    with pytest.raises(ftidask.FTIError):
-        ctx.recover()
-    assert (a == -1).all() and (b == -1).all()
+    _assert_recovery_touches_nothing(dirs)
 
 
 def test_table_listing_a_variable_twice_is_damage(dirs, capsys):
