@@ -7,7 +7,7 @@ nodes), each protecting MIB MiB; every level is written --repeat times and timed
 best of them), L1 being the baseline. Give each rank a core of its own (``--ranks 2 --group 2``
 on 2 cores): with more ranks than cores the level's exchange and hashing wait for a core, which
 a cluster's rank does not. Then, in
-this process, the Reed-Solomon codec (k = m = 4) encodes and decodes blocks; its MB/s per core is
+this process, the Reed-Solomon codec (k = m = 4) encodes and decodes blocks (``bench_erasure.py``); its GB/s per core is
 printed next to a plain ``numpy.copyto`` of the same bytes. With ``--dcp``, differential L2 and
 L3 checkpoints (1% of the blocks changed) are timed against a full checkpoint at the same level.
 """
@@ -214,35 +214,18 @@ def worker_async(args: argparse.Namespace) -> None:
 
 
 def codec(mib: int) -> None:
-    from ftidask.levels.erasure import ReedSolomon
+    """The codec's rows of ``bench_erasure.py`` (k = m = 4, outputs allocated once as ``encode_files``
+    does, against a one-thread copy of the same bytes into buffers of the same size)."""
+    import bench_erasure
 
-    k = 4
-    block = 1 << 20
-    rounds = max(1, mib // k)
-    rng = np.random.default_rng(0)
-    data = [rng.integers(0, 255, block, dtype=np.uint8) for _ in range(k)]
-    rs = ReedSolomon(k, k)
-    start = time.perf_counter()
-    for _ in range(rounds):
-        parity = rs.encode(data)
-    enc = time.perf_counter() - start
-    lost = {i: b for i, b in enumerate(data) if i >= 2} | {k + i: p for i, p in enumerate(parity) if i < 2}
-    start = time.perf_counter()
-    for _ in range(rounds):
-        back = rs.decode(lost, block)
-    dec = time.perf_counter() - start
-    assert all(np.array_equal(a, b) for a, b in zip(back, data, strict=True))
-    dst = np.empty(block, dtype=np.uint8)
-    start = time.perf_counter()
-    for _ in range(rounds):
-        for b in data:
-            np.copyto(dst, b)
-    cpy = time.perf_counter() - start
-    mb = rounds * k * block / 1e6  # data bytes processed
-    print(f"codec k=m={k}, {mb:.0f} MB of data in 1 MiB blocks (one core):")
-    print(f"  encode (all {k} parity){mb / enc:8.0f} MB/s   ({enc / cpy:6.1f} x memcpy time)")
-    print(f"  decode (2 data lost)  {mb / dec:8.0f} MB/s   ({dec / cpy:6.1f} x memcpy time)")
-    print(f"  memcpy                {mb / cpy:8.0f} MB/s")
+    rows: list = []
+    size = max(1, mib // 4) << 20
+    opts = argparse.Namespace(repeat=3, numpy_mib=1, files=False, compare=False)
+    bench_erasure.bench(4, 4, size, opts, rows)
+    print(f"codec k=m=4, blocks of {size >> 20} MiB (GB/s of data, best of 3; vs copy: over a one-thread "
+          "np.copyto of the same bytes):")
+    for name, threads, best, _median, ratio in rows:
+        print(f"  {name[len('k=4 m=4 '):]:<34} threads {threads:>3}  {best:7.2f} GB/s  {ratio:6.3f}x copy")
 
 
 def run_workers(mpiexec: str, args: argparse.Namespace, tmp: str, flag: str) -> dict[int, list]:
