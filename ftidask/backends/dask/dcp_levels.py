@@ -36,7 +36,7 @@ from ...levels import rs
 from ...levels.topology import recorded_topology, worker_topology
 from ...model.errors import FTIError
 from ...storage import files as storage
-from . import dcp_tasks, group_steps
+from . import dcp_tasks, group_steps, recorded
 from .plan import VarSpec, layout_to_json, plan_ranks
 
 log = logging.getLogger("ftidask")
@@ -68,14 +68,18 @@ def sticky_owners(ctx: Any, level: int, owner: dict[tuple[int, tuple[int, ...]],
                  if r.level == level and r.extra.get("dcp") and r.extra.get("workers") == workers), None)
     if prev is None:
         return owner
+    try:
+        chunks = recorded.layout(prev).chunks
+    except recorded.DamagedRecord:  # a hint only: the chunks stay where they are
+        return owner
     out = dict(owner)
     moved = moved_bytes = 0
-    for vid, rows in (prev.extra.get("chunks") or {}).items():
-        for index, rank, _dptr, nbytes in rows:
-            key = (int(vid), tuple(index))
-            if key in out and 0 <= rank < len(workers) and out[key] != rank:
-                out[key] = rank
-                moved, moved_bytes = moved + 1, moved_bytes + int(nbytes)
+    for vid, rows in chunks.items():
+        for at in rows:
+            key = (vid, at.index)
+            if key in out and at.rank < len(workers) and out[key] != at.rank:
+                out[key] = at.rank
+                moved, moved_bytes = moved + 1, moved_bytes + at.nbytes
     if moved:
         log.debug("differential checkpoint: %d chunks (%d bytes) move to the worker that wrote them last time",
                  moved, moved_bytes)

@@ -28,7 +28,7 @@ from distributed import Client, Future, futures_of, wait
 
 from ...engine.runstate import CommitRecord
 from ...storage import files as storage
-from . import reads
+from . import reads, recorded
 from .plan import VarSpec
 from .restore import file_sources
 
@@ -127,7 +127,8 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: M
     while the application goes on and may have protected a newer array meanwhile).
     """
     client = ctx.client
-    workers: list[str] = list(record.extra["workers"])
+    lay = recorded.layout(record)
+    workers = lay.workers
     cid, seq, level = record.ckpt_id, record.seq, record.level
     hosts = {r: (workers[r], ctx.node_file(level, cid, seq, r, storage.rank_file(cid, r)))
              for r in range(record.nranks)}
@@ -135,21 +136,18 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: M
     who_has = client.who_has(list(futures.values()))
     pairs: dict[str, list[tuple[Any, Any]]] = {}
     graphs: dict[int, tuple[str, dict[Any, Task]]] = {}
-    raw_dtypes = {int(v["id"]): v["dtype"] for v in record.extra["vars"]}
     for spec in specs:
         if spec.kind != "dask" or spec.pystate:
             continue
         name = f"ftidask-lineage-ckpt{cid}-s{seq}-v{spec.id}-{uuid.uuid4().hex}"
         graph = {}
-        for index, rank, dptr, _nbytes in record.extra["chunks"].get(str(spec.id), []):
-            place = (spec.id, tuple(index))
-            key = (name, *index)
-            graph[key] = Task(key, reads.read_lineage_chunk, sources[int(rank)], spec.id, spec.name, list(index),
-                              int(dptr), raw_dtypes[spec.id],
-                              list(spec.chunk_shape(tuple(index))))
-            old = futures[place].key
+        for at in lay.chunks[spec.id]:
+            key = (name, *at.index)
+            graph[key] = Task(key, reads.read_lineage_chunk, sources[at.rank], spec.id, spec.name, list(at.index),
+                              at.dptr, lay.raw_dtypes[spec.id], list(spec.chunk_shape(at.index)))
+            old = futures[(spec.id, at.index)].key
             holders = who_has.get(old, ())
-            writer = workers[int(rank)]  # it holds the chunk, or a replica made for its write task
+            writer = workers[at.rank]  # it holds the chunk, or a replica made for its write task
             at = writer if writer in holders else (sorted(holders)[0] if holders else None)
             if at is not None:
                 pairs.setdefault(at, []).append((old, key))

@@ -21,10 +21,9 @@ from ...engine.recoverplan import normalize_ids
 from ...engine.recovery import check_writeable
 from ...engine.runstate import CommitRecord
 from ...levels.topology import Topology, recorded_topology
-from ...model.arrays import dtype_from_json
 from ...model.errors import FTIError, RecoveryError
 from ...storage import files as storage
-from . import group_steps, reads, stitch, tasks
+from . import group_steps, reads, recorded, stitch, tasks
 from .cluster import WorkerLost
 from .plan import VarSpec
 
@@ -72,7 +71,7 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
     if not workers:
         raise RecoveryError("the cluster has no workers")
     n, level, cid, seq = record.nranks, record.level, record.ckpt_id, record.seq
-    recorded = list(record.extra.get("workers", []))
+    lay = recorded.layout(record)  # a damaged record: this checkpoint cannot be recovered
     topo = _record_topology(record)
     groups = topo.rank_groups()
     fb = {f.rank: f.fb_hash for f in record.files}
@@ -85,10 +84,11 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
     hosts: dict[int, str] = {}
     checks = {}
     for r in range(n):
-        worker = placer.pick(own[r], recorded[r] if r < len(recorded) else None)
+        worker = placer.pick(own[r], lay.workers[r] if r < len(lay.workers) else None)
         if worker is not None:
             hosts[r] = worker
-            checks[r] = cl.submit(tasks.check_file, own[r], fb[r], key=f"ftidask-check-{tag}-{r}", worker=worker)
+            checks[r] = cl.submit(tasks.check_file, own[r], fb[r], expect=lay.expected(r),
+                                  key=f"ftidask-check-{tag}-{r}", worker=worker)
     results = cl.wait_all(list(checks.values()), set(hosts.values()), f"checking checkpoint {cid}")
     verdicts = dict(zip(checks, results, strict=True))
     ok = {r for r, v in verdicts.items() if v["ok"]}
@@ -159,12 +159,6 @@ def _rebuild(ctx: DaskContext, record: CommitRecord, groups: list[list[int]], ho
                for i, (w, members) in enumerate(sorted(by_worker.items()))]
     results = group_steps.wait_step(ctx.cluster, futures, list(by_worker), f"rebuilding checkpoint {cid}", tags)
     return {int(m["rank"]): bool(m["ok"]) for done in results for m in done}
-
-
-def _specs(record: CommitRecord) -> list[VarSpec]:
-    return [VarSpec(int(v["id"]), str(v["name"]), dtype_from_json(v["dtype"]), tuple(v["shape"]),
-                    tuple(tuple(c) for c in v["chunks"]), str(v.get("kind", "dask")), str(v.get("pystate", "")))
-            for v in record.extra["vars"]]
 
 
 def _target_chunks(ctx: DaskContext, spec: VarSpec, chunks: Any) -> Any:
@@ -241,7 +235,8 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
     another worker, from the file, its copy or its rebuilt version (:mod:`ftidask.backends.dask.reads`).
     Only variables ``ids`` if given: the others are neither read nor touched.
     """
-    specs = _specs(record)
+    lay = recorded.layout(record)
+    specs = lay.specs
     if ids is not None:
         missing = sorted(set(ids) - {s.id for s in specs})
         if missing:
@@ -257,22 +252,19 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
         in_place = spec.kind == "numpy" or (held is not None and isinstance(held.array, np.ndarray))
         plans.append((spec, held, None if in_place else _target_chunks(ctx, spec, chunks)))
     sources = file_sources(ctx, record, hosts)
-    raw_dtypes = {int(v["id"]): v["dtype"] for v in record.extra["vars"]}
     token = uuid.uuid4().hex
     arrays: dict[int, Array] = {}
     futures = []
     for spec in specs:
         name = f"ftidask-read-{spec.id}-{token}"
         graph = {}
-        for index, rank, dptr, _nbytes in record.extra["chunks"].get(str(spec.id), []):
-            src = sources[int(rank)]
-            key = (name, *index)
-            graph[key] = ctx.cluster.submit(reads.read_recovered_chunk, src, spec.id, int(dptr), raw_dtypes[spec.id],
-                                            list(spec.chunk_shape(tuple(index))), key=key, worker=src["worker"],
+        for at in lay.chunks[spec.id]:  # every chunk of the grid (checked by recorded.layout)
+            src = sources[at.rank]
+            key = (name, *at.index)
+            graph[key] = ctx.cluster.submit(reads.read_recovered_chunk, src, spec.id, at.dptr, lay.raw_dtypes[spec.id],
+                                            list(spec.chunk_shape(at.index)), key=key, worker=src["worker"],
                                             loose=True)
             futures.append(graph[key])
-        if len(graph) != math.prod(len(c) for c in spec.chunks):
-            raise RecoveryError(f"checkpoint {record.ckpt_id}: variable {spec.id} has missing chunks")
         ctx._dask_retention.pins.add(record, graph)  # retention keeps the files while the array may read them
         arrays[spec.id] = Array(graph, name, spec.chunks, dtype=spec.dtype)
     # Every chunk is read and verified before anything is handed back (a read whose worker dies
@@ -362,7 +354,15 @@ def stored_size(ctx: DaskContext, vid: int) -> int:
                                 f"({other[0].nranks} rank(s)): its stored sizes are per old rank; recover() returns "
                                 "its variables as global arrays (their .nbytes)")
         raise RecoveryError("no committed checkpoint")
-    for spec in _specs(records[0]):
-        if spec.id == vid:
-            return math.prod(spec.shape) * spec.dtype.itemsize
-    raise RecoveryError(f"variable {vid} is not in the checkpoint")
+    damaged = []
+    for record in records:  # newest first; one whose record is damaged would not be recovered either
+        try:
+            specs = recorded.layout(record).specs
+        except recorded.DamagedRecord as exc:
+            damaged.append(str(exc))
+            continue
+        for spec in specs:
+            if spec.id == vid:
+                return math.prod(spec.shape) * spec.dtype.itemsize
+        raise RecoveryError(f"variable {vid} is not in checkpoint {record.ckpt_id}")
+    raise RecoveryError(f"no committed checkpoint has a sound commit record: {'; '.join(damaged[:2])}")

@@ -83,8 +83,10 @@ def flush(src: str, dst: str, after: Any = None, keep_src: bool = False) -> dict
     return {"path": dst, "size": size}
 
 
-def check_file(path: str, fb_hash: str, after: Any = None) -> dict[str, Any]:
-    """Parse and hash-check a rank's file; compare its file-block hash with the commit record."""
+def check_file(path: str, fb_hash: str, after: Any = None, *,
+               expect: Sequence[tuple[int, list[int], int, int]] = ()) -> dict[str, Any]:
+    """Parse and hash-check a rank's file; compare its file-block hash with the commit record, and
+    find in it every chunk the record places there (``expect``: var id, grid index, dptr, bytes)."""
     try:
         with open(path, "rb") as fh:
             parsed = parse_ftiff(fh, path)
@@ -95,7 +97,26 @@ def check_file(path: str, fb_hash: str, after: Any = None) -> dict[str, Any]:
         return {"ok": False, "message": str(exc)}
     if parsed.fb.hash.hex() != fb_hash:
         return {"ok": False, "message": f"{path}: does not belong to this checkpoint"}
+    if expect:
+        missing = _chunks_missing(parsed, expect)
+        if missing:  # the record and the file disagree: the record is wrong (the file verifies)
+            return {"ok": False, "message": f"{path}: holds no chunk (var id, grid index, dptr, bytes) {missing} "
+                                            "where the commit record places it"}
     return {"ok": True, "message": ""}
+
+
+def _chunks_missing(parsed: Any, expect: Sequence[tuple[int, list[int], int, int]]) -> list[Any] | None:
+    """The first of ``expect`` that the file's containers or its variable table (hash-covered: which
+    grid index is at which dptr) do not hold, or None."""
+    held = {(m.id, m.dptr, m.chunksize) for _b, _c, m in parsed.containers() if m.hascontent}
+    for vid, index, dptr, nbytes in expect:
+        info = parsed.vars.get(vid)
+        grid = info.extra.get("dask") if info is not None else None
+        blocks = grid.get("blocks") if isinstance(grid, dict) else None
+        if (vid, dptr, nbytes) not in held or not isinstance(blocks, list) or not any(
+                isinstance(b, list) and len(b) == 3 and b[0] == list(index) and b[2] == dptr for b in blocks):
+            return [vid, list(index), dptr, nbytes]
+    return None
 
 
 def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[int], fb_hash: str,

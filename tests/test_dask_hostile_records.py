@@ -1,0 +1,108 @@
+"""A Dask commit record sealed with a matching digest but a content that cannot be right (a forgery,
+another version's bug) is damage: recovery falls back to the previous checkpoint, never a raw
+KeyError/IndexError/TypeError from the planner, never chunks read from the wrong place."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+da = pytest.importorskip("dask.array")
+pytest.importorskip("distributed")
+
+import ftidask  # noqa: E402
+from ftidask.engine.runstate import seal_json  # noqa: E402
+
+pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
+NWORKERS = 2
+N, CHUNK = 1000, 250  # four chunks
+
+
+def _set(key, value):
+    return lambda extra: extra.__setitem__(key, value)
+
+
+def _var(key, value):
+    return lambda extra: extra["vars"][0].__setitem__(key, value)
+
+
+def _rows(position, value):
+    return lambda extra: [row.__setitem__(position, value) for row in extra["chunks"]["1"]]
+
+
+def _swap_indexes(extra):
+    rows = extra["chunks"]["1"]
+    rows[0][0], rows[2][0] = rows[2][0], rows[0][0]
+
+
+FORGERIES = {
+    "no variables": lambda extra: extra.pop("vars"),
+    "variables not a list": _set("vars", "x"),
+    "shape not a list": _var("shape", "abc"),
+    "negative shape": _var("shape", [-5]),
+    "bad dtype": _var("dtype", "zz"),
+    "object dtype": _var("dtype", "|O"),
+    "chunks not adding up": _var("chunks", [[1, 2]]),
+    "id not an integer": _var("id", "abc"),
+    "no chunk table": lambda extra: extra.pop("chunks"),
+    "chunk table a list": _set("chunks", []),
+    "rank out of range": _rows(1, 99),
+    "short chunk row": lambda extra: extra["chunks"].__setitem__("1", [[0]]),
+    "negative dptr": _rows(2, -10),
+    "dptr past the file": _rows(2, 10**12),
+    "grid index outside the grid": _rows(0, [99]),
+    "two chunks' grid indexes swapped": _swap_indexes,
+    "workers not a list": _set("workers", "abc"),
+    "groups naming a rank twice": _set("groups", [[0, 0]]),
+}
+
+
+def _two_checkpoints(client, dirs):
+    """Checkpoint 1 at L4 (values 0..N-1), checkpoint 2 at L1 (values + 1); the record of 2's path."""
+    ctx = ftidask.init(client=client, **dirs)
+    x = da.arange(N, chunks=CHUNK).astype(np.float64).persist()
+    ctx.protect(1, x)
+    ctx.checkpoint(1, 4)
+    ctx.protect(1, (x + 1).persist())
+    ctx.checkpoint(2, 1)
+    (record,) = Path(dirs["meta_dir"]).glob("*/commits/s00000002.json")
+    return record
+
+
+@pytest.mark.parametrize("forgery", list(FORGERIES))
+def test_forged_dask_record_falls_back_to_the_previous_checkpoint(dask_client, dirs, forgery):
+    record = _two_checkpoints(dask_client, dirs)
+    raw = json.loads(record.read_text())
+    FORGERIES[forgery](raw["extra"])
+    record.write_text(json.dumps(seal_json(raw)))  # its digest matches: only its content is wrong
+    ctx = ftidask.init(client=dask_client, **dirs)
+    ctx.protect(1, da.zeros(N, chunks=CHUNK))
+    assert ctx.status() == 1
+    ctx.recover()
+    assert ctx.recovered_from == (1, 4)
+    assert np.array_equal(ctx.protected[1].compute(), np.arange(N, dtype=np.float64))
+    ctx.finalize()
+
+
+def test_an_untouched_record_still_recovers_the_newest(dask_client, dirs):
+    """The checks pass what the backend writes (the control of the forgeries above)."""
+    record = _two_checkpoints(dask_client, dirs)
+    record.write_text(json.dumps(seal_json(json.loads(record.read_text()))))
+    ctx = ftidask.init(client=dask_client, **dirs)
+    ctx.protect(1, da.zeros(N, chunks=CHUNK))
+    ctx.recover()
+    assert ctx.recovered_from == (2, 1)
+    assert np.array_equal(ctx.protected[1].compute(), np.arange(N, dtype=np.float64) + 1)
+    ctx.finalize()
+
+
+def test_stored_size_passes_over_a_damaged_record(dask_client, dirs):
+    record = _two_checkpoints(dask_client, dirs)
+    raw = json.loads(record.read_text())
+    raw["extra"]["vars"][0]["shape"] = "abc"
+    record.write_text(json.dumps(seal_json(raw)))
+    ctx = ftidask.init(client=dask_client, **dirs)
+    ctx.protect(1, da.zeros(N, chunks=CHUNK))
+    assert ctx.stored_size(1) == N * 8  # from checkpoint 1's record
+    ctx.finalize()
