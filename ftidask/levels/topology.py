@@ -192,6 +192,9 @@ def recorded_topology(groups: Sequence[Sequence[int]], group_size: int = 0) -> T
 
     The ranks of the groups together must be 0..n-1, each once.
     """
+    if not isinstance(groups, (list, tuple)) or not all(
+            isinstance(g, (list, tuple)) and g and all(type(r) is int for r in g) for g in groups):
+        raise LevelError(f"groups {str(groups)[:80]} are not lists of ranks")  # a damaged record's
     ranks = sorted(r for g in groups for r in g)
     if ranks != list(range(len(ranks))) or not ranks:
         raise LevelError(f"groups {[list(g) for g in groups]} do not hold ranks 0..n-1 once each")
