@@ -145,8 +145,5 @@ def test_old_groups_of_a_dask_record_are_its_recorded_groups() -> None:
 @pytest.mark.parametrize("groups", ["x", [1], [[0, "a"]], [[0, True]], [[]]])
 def test_recorded_groups_that_are_not_lists_of_ranks_are_a_level_error(groups):
     """A record's groups of the wrong types raised TypeError while they were sorted."""
-    from ftidask.levels.topology import recorded_topology
-    from ftidask.model.errors import LevelError
-
     with pytest.raises(LevelError, match="groups"):
         recorded_topology(groups)
