@@ -11,6 +11,7 @@ checkpoint cannot be recovered, an older one may be.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from ...engine.runstate import CommitRecord
@@ -89,8 +90,9 @@ def _spec(raw: Any) -> VarSpec:
 
 def _chunk_rows(spec: VarSpec, rows: Any, nranks: int) -> list[ChunkAt]:
     what = f"variable {spec.id}'s chunk table"
-    if not isinstance(rows, list):
-        raise DamagedRecord(f"{what} is {str(rows)[:80]}")
+    if not isinstance(rows, list) or len(rows) != math.prod(len(c) for c in spec.chunks):
+        # (before the grid is enumerated: forged chunks of 10**5 entries per axis make a grid of 10**10)
+        raise DamagedRecord(f"{what} does not list every chunk of its grid once")
     out = []
     for row in rows:
         if not isinstance(row, list) or len(row) != 4:
