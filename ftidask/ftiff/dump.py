@@ -18,11 +18,18 @@ def _readable_ns(ns: int) -> str:
         return ""
 
 
+def _kind(parsed: FtiffFile) -> str:
+    fb = parsed.fb
+    if parsed.tail:
+        return "FTI file, metadata at the end (FTI 1.2 or later, MD5)"
+    return "FTI 1.1 file (MD5)" if fb.legacy else f"ftidask FTI-FF v{fb.version}, hash {hash_name(fb.hash_id)}"
+
+
 def to_text(parsed: FtiffFile) -> str:
     """The structure in the seed's ``DATASTRUCTURE BEGIN/END`` layout."""
     fb = parsed.fb
     lines = [f"# {parsed.path}",
-             f"# {'FTI 1.1 file (MD5)' if fb.legacy else f'ftidask FTI-FF v{fb.version}, hash {hash_name(fb.hash_id)}'}"
+             f"# {_kind(parsed)}"
              f", ckptSize {fb.ckpt_size}, fs {fb.fs}, maxFs {fb.max_fs}, ptFs {fb.pt_fs}, timestamp {fb.timestamp}"
              f"{_readable_ns(fb.timestamp)}",
              "------------------- DATASTRUCTURE BEGIN -------------------", ""]
@@ -30,7 +37,7 @@ def to_text(parsed: FtiffFile) -> str:
         lines += [f"    DataBase-id: {bi}",
                   f"                 numvars: {bmd.numvars}",
                   f"                 dbsize: {bmd.dbsize}",
-                  f"                 [size metadata: {BMD_SIZE + VMD_SIZE * bmd.numvars}]", ""]
+                  f"                 [size metadata: {_meta_size(parsed, bmd.numvars)}]", ""]
         for ci, m in enumerate(metas):
             lines += [f"         Var-id: {ci}",
                       f"                 id: {m.id}",
@@ -58,12 +65,19 @@ def to_text(parsed: FtiffFile) -> str:
     return "\n".join(lines)
 
 
+def _meta_size(parsed: FtiffFile, numvars: int) -> str:
+    if parsed.tail:  # blocks hold data only; their metadata is at the end of the file
+        return "0 (in the metadata at the end of the file)"
+    return str(BMD_SIZE + VMD_SIZE * numvars)
+
+
 def to_json(parsed: FtiffFile) -> dict[str, Any]:
     """The same structure as a JSON-able dict."""
     fb = parsed.fb
     return {
         "path": parsed.path,
         "legacy": fb.legacy,
+        "layout": "fti-tail" if parsed.tail else "head",
         "hash": hash_name(fb.hash_id),
         "fb": {"checksum": fb.checksum, "hash": fb.hash.hex(), "ckptSize": fb.ckpt_size, "fs": fb.fs,
                "maxFs": fb.max_fs, "ptFs": fb.pt_fs, "timestamp": fb.timestamp},

@@ -2,7 +2,8 @@
 
 FTI names its rank files ``Ckpt{id}-Rank{r}.fti`` and its examples name the config ``config.fti``:
 the suffix says nothing. A checkpoint (FTI-FF) is binary: ftidask's carry the magic ``FTDK`` at
-byte 49 of the file block, FTI 1.1's start with a NUL-terminated hex digest. A config is an INI
+byte 49 of the file block, FTI 1.1's start with a NUL-terminated hex digest, later FTI's end with
+their file metadata (which may follow a text variable's bytes: it is checked by its hash). A config is an INI
 text file: no NUL byte, valid UTF-8.
 """
 
@@ -12,6 +13,7 @@ import os
 import re
 
 from .structs import MAGIC
+from .tailmeta import TAIL_FB_SIZE, sniff
 
 #: The names of FTI-FF files (own, partner copy, parity, spares): never a config, whatever is left
 #: in them (a file truncated to nothing is a damaged checkpoint, not an empty config).
@@ -26,7 +28,11 @@ def is_config_file(path: str | os.PathLike[str]) -> bool:
     try:
         with open(path, "rb") as fh:
             head = fh.read(_SNIFF)
+            size = os.fstat(fh.fileno()).st_size
+            tail = os.pread(fh.fileno(), TAIL_FB_SIZE, size - TAIL_FB_SIZE) if size >= TAIL_FB_SIZE else b""
     except OSError:  # a directory, missing, unreadable: not a config file
+        return False
+    if sniff(tail):
         return False
     if not head or head[49:49 + len(MAGIC)] == MAGIC or b"\0" in head:
         return False

@@ -1,7 +1,8 @@
 """Read and verify one FTI-FF file: structure first (cheap, before any large allocation),
 then every container's hash, then the data into the caller's arrays.
 
-Both ftidask's files and FTI 1.1's (MD5 everywhere, no variable table) are read.
+Both ftidask's files and FTI's are read: FTI 1.1's (file block first, MD5 everywhere, no variable
+table) and those of later FTI versions, which keep all metadata at the end (:mod:`.tailmeta`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, BinaryIO, Protocol
 
 from ..model.arrays import VarInfo
 from ..model.errors import FormatError
-from . import compression, hashing
+from . import compression, hashing, tailmeta
 from .blockhash import FLAG_DCP, DcpInfo, read_into_dcp, verify_dcp
 from .layout import Layout, Slot, layout_from_slots
 from .structs import BMD_SIZE, FB_SIZE, VMD_SIZE, BlockMeta, ContainerMeta, FileBlock
@@ -44,6 +45,7 @@ class FtiffFile:
     trailer: dict[str, Any] | None
     vars: dict[int, VarInfo]
     identity: tuple[int, int, int, int] = (0, 0, 0, 0)  # device, inode, size, mtime_ns when parsed
+    tail: bool = False  # FTI 1.2+ layout: data first, metadata at the end (tailmeta.py)
 
     @property
     def legacy(self) -> bool:
@@ -93,9 +95,18 @@ def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:
     file_size = stat.st_size
     if file_size < FB_SIZE:
         raise FormatError(f"too small for an FTI-FF file ({file_size} bytes)", path=path)
-    fb = FileBlock.unpack(_pread(fh, 0, FB_SIZE, path, "file block"), path=path)
-    if fb.compute_hash() != fb.hash:
-        raise FormatError("file block hash does not match (damaged file block, or not an FTI-FF file)", path=path)
+    try:
+        fb = FileBlock.unpack(_pread(fh, 0, FB_SIZE, path, "file block"), path=path)
+        if fb.compute_hash() != fb.hash:
+            raise FormatError("file block hash does not match (damaged file block, or not an FTI-FF file)", path=path)
+    except FormatError:
+        # No file block at the start: a file of FTI 1.2 or later keeps its metadata at the end.
+        tail = tailmeta.parse_tail(fh, path, file_size)
+        if tail is None:
+            raise
+        parsed = FtiffFile(path, file_size, tail[0], tail[1], None, {}, _identity(stat), tail=True)
+        _check_coverage(parsed)
+        return parsed
     if not fb.legacy:
         if fb.version not in SUPPORTED_VERSIONS:
             raise FormatError(f"format version {fb.version} is newer than this ftidask reads", path=path)
@@ -285,7 +296,7 @@ def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -
                 for problem in pool.map(check, jobs):
                     if problem:
                         raise FormatError(problem, path=parsed.path)
-            if parsed.legacy:
+            if parsed.legacy and not parsed.tail:  # FTI 1.2+: the checksum is over the container hashes
                 hasher = hashing.new_hasher(1)
                 hasher.update(data[FB_SIZE:parsed.fb.fs])
                 if hasher.hexdigest() != parsed.fb.checksum:

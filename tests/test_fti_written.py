@@ -1,0 +1,117 @@
+"""Files written by FTI's own FTI-FF writer (tests/data/fti_written, see its README.md) are read bit for bit.
+
+FTI since 1.2 keeps all metadata at the end of the file (:mod:`ftidask.ftiff.tailmeta`).
+"""
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ftidask
+from ftidask.errors import RecoveryError
+from ftidask.ftiff.filekind import is_config_file
+from ftidask.ftiff.reader import parse_ftiff, verify_data
+from ftidask.model.errors import FormatError
+from ftidask.tools.cli import main as cli_main
+
+DATA = Path(__file__).parent / "data" / "fti_written"
+PAIR = np.dtype({"names": ["a", "b"], "formats": ["<i4", "<f8"], "offsets": [0, 8], "itemsize": 16})
+DTYPES = {0: np.dtype("<i4"), 1: np.dtype("<f8"), 2: np.dtype("S1"), 3: np.dtype("<i8"), 4: PAIR}
+FILES = [(run, ckpt, rank) for run, nranks in (("r1", 1), ("r2", 2)) for ckpt in (1, 2, 3) for rank in range(nranks)]
+
+
+def _path(run: str, ckpt: int, rank: int) -> Path:
+    return DATA / run / f"Ckpt{ckpt}-Rank{rank}.fti"
+
+
+def _expected(run: str, ckpt: int, rank: int) -> dict[int, bytes]:
+    folder = DATA / "expected" / run / f"ckpt{ckpt}" / f"rank{rank}"
+    return {vid: (folder / f"var{vid}.bin").read_bytes() for vid in DTYPES}
+
+
+def _protect_all(ctx, expected: dict[int, bytes], fill: int = 0) -> dict[int, np.ndarray]:
+    arrays = {}
+    for vid, dtype in DTYPES.items():
+        # over a bytearray: numpy's copy() of a structured array does not keep its padding bytes
+        arrays[vid] = np.frombuffer(bytearray([fill]) * len(expected[vid]), dtype)
+        ctx.protect(vid, arrays[vid])
+    return arrays
+
+
+@pytest.mark.parametrize("run,ckpt,rank", FILES)
+def test_inspect_verify_recover(run, ckpt, rank, dirs, capsys):
+    path = _path(run, ckpt, rank)
+    expected = _expected(run, ckpt, rank)
+    assert cli_main(["inspect", str(path)]) == 0
+    assert "metadata at the end" in capsys.readouterr().out
+    assert cli_main(["verify", str(path)]) == 0
+    assert not is_config_file(path)
+    ctx = ftidask.init(**dirs)
+    arrays = _protect_all(ctx, expected)
+    ctx.recover_file(path)
+    for vid, array in arrays.items():
+        assert array.tobytes() == expected[vid], f"variable {vid}"
+
+
+def test_layouts_are_ftis():
+    """The container layouts FTI made: a grown variable gets a container in an appended block, a
+    shrunk one keeps its containers (the appended one left empty, with the stale hash FTI keeps)."""
+    with open(_path("r1", 1, 0), "rb") as fh:
+        one = parse_ftiff(fh, "one")
+    assert one.tail and len(one.blocks) == 1 and [m.fptr for m in one.blocks[0][1]] == [0, 64, 128, 168, 216]
+    with open(_path("r1", 2, 0), "rb") as fh:
+        two = parse_ftiff(fh, "two")
+    grown = two.blocks[1][1][0]
+    assert (grown.id, grown.containerid, grown.dptr, grown.fptr, grown.chunksize) == (1, 1, 64, 280, 48)
+    shrunk = two.blocks[0][1][2]
+    assert (shrunk.id, shrunk.chunksize, shrunk.containersize) == (2, 24, 40)
+    with open(_path("r1", 3, 0), "rb") as fh:
+        three = parse_ftiff(fh, "three")
+        verify_data(fh, three)
+    empty = three.blocks[1][1][0]
+    assert (empty.id, empty.hascontent, empty.chunksize) == (1, False, 0) and empty.hash != bytes(16)
+    assert len(three.blocks) == 3 and three.var_nbytes() == {0: 64, 1: 40, 2: 50, 3: 48, 4: 64}
+    # FTI's writer hashed every container's hash into the checksum, the stale one included.
+    every = hashlib.md5(b"".join(m.hash for _b, metas in three.blocks for m in metas)).hexdigest()
+    assert three.fb.checksum == every
+
+
+def _damaged(tmp_path: Path, offset_from_end: int | None = None, offset: int | None = None) -> Path:
+    path = tmp_path / "Ckpt2-Rank0.fti"
+    shutil.copy(_path("r1", 2, 0), path)
+    raw = bytearray(path.read_bytes())
+    where = offset if offset is not None else len(raw) - offset_from_end
+    raw[where] ^= 0x01
+    path.write_bytes(bytes(raw))
+    return path
+
+
+@pytest.mark.parametrize("offset", [5, 70, 300])  # int array, double array, the appended container
+def test_flipped_data_byte_is_refused_and_arrays_untouched(tmp_path, dirs, offset):
+    path = _damaged(tmp_path, offset=offset)
+    assert cli_main(["verify", str(path)]) == 1
+    ctx = ftidask.init(**dirs)
+    arrays = _protect_all(ctx, _expected("r1", 2, 0), fill=0x5A)
+    with pytest.raises(RecoveryError, match="hash does not match"):
+        ctx.recover_file(path)
+    for vid, array in arrays.items():
+        assert array.tobytes() == bytes([0x5A]) * array.nbytes, f"variable {vid} was touched"
+
+
+# checksum, myHash, sizes, a container record (not ckptID, at from_end 61..58: FTI's myHash leaves it out)
+@pytest.mark.parametrize("from_end", [110, 70, 20, 150])
+def test_flipped_metadata_byte_is_a_clean_error(tmp_path, from_end):
+    path = _damaged(tmp_path, offset_from_end=from_end)
+    with open(path, "rb") as fh, pytest.raises(FormatError):
+        parse_ftiff(fh, str(path))
+    assert cli_main(["verify", str(path)]) == 1
+
+
+def test_truncated_file_is_a_clean_error(tmp_path):
+    path = tmp_path / "Ckpt3-Rank0.fti"
+    path.write_bytes(_path("r1", 3, 0).read_bytes()[:-1])
+    with open(path, "rb") as fh, pytest.raises(FormatError):
+        parse_ftiff(fh, str(path))
