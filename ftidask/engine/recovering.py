@@ -153,7 +153,7 @@ class Recovery(RunPart):
 
     def recover(self, ckpt_id: int | None, level: int | None, ids: Any) -> dict[int, Any]:
         """:meth:`ftidask.Context.recover` (collective)."""
-        wanted = recoverplan.normalize_ids(ids)
+        wanted = self._same_request(ckpt_id, level, ids)
         resharded = reshard.recover_other_layout(self, ckpt_id, level, wanted)
         if resharded is not None:  # written on another number of ranks or node layout
             return resharded
@@ -163,6 +163,25 @@ class Recovery(RunPart):
             return self._load(record, verdict, wanted)
         finally:
             release_all(verdict.staged)  # committed ones are gone already
+
+    def _same_request(self, ckpt_id: int | None, level: int | None, ids: Any) -> list[int] | None:
+        """The variable ids to recover (None: all), once every rank is known to ask for the same (collective).
+
+        Recovery is collective here (the ranks agree on the checkpoint, then on each step), where FTI's
+        FTI_Recover and FTI_RecoverVar read local files after FTI_Init. An application that calls recover()
+        on some ranks and recover_var() on others (FTI's ckptDiffSizes test does) would pair unrelated
+        collectives and hang; one allgather of the request first makes it the same RecoveryError everywhere.
+        """
+        t = self.transport
+        request, error = attempt(t.rank, lambda: [None if x is None else int(x)  # np.int64(1) asks for 1
+                                                  for x in (ckpt_id, level)] + [recoverplan.normalize_ids(ids)])
+        asked = [tuple(a) for a in agree(t, error, RecoveryError, "recover", request)]
+        if any(a != asked[0] for a in asked):
+            raise RecoveryError(
+                "the ranks asked for different recoveries (recover and recover_var are collective: every rank "
+                "calls them with the same arguments, in the same order): "
+                + "; ".join(f"rank {r}: {_request(*a)}" for r, a in enumerate(asked)))
+        return asked[0][2]
 
     @contextlib.contextmanager
     def _verifying(self, ids: list[int] | None) -> Iterator[Stager | None]:
@@ -265,3 +284,10 @@ class Recovery(RunPart):
         variables[vid] = protected_var(vid, new, name if vid not in variables else variables[vid].name, None,
                                        variables.get(vid), global_shape=None, offset=None, replicated=False)
         return new
+
+
+def _request(ckpt_id: int | None, level: int | None, ids: list[int] | None) -> str:
+    """One rank's recovery request, as the application wrote it."""
+    args = [f"ckpt_id={ckpt_id}"] if ckpt_id is not None else []
+    args += [f"level={level}"] if level is not None else []
+    return f"recover({', '.join(args + ([f'ids={ids}'] if ids is not None else []))})"

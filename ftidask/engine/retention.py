@@ -99,6 +99,21 @@ class Retention(RunPart):
         _r, removing = attempt(t.rank, remove)
         agree(t, error or removing, FTIError, failed)
 
+    def archive_checkpoint(self, record: CommitRecord) -> None:
+        """``keep_l4_ckpt`` at finalize: move a level-4 checkpoint to ``{glbl_dir}/{exec_id}/l4_archive`` (FTI's
+        archive, which outlives the run) and drop its commit record, so that no later restart of this run
+        recovers from it by itself (``recover_file`` reads an archived file)."""
+        src = self.paths.level_dir(4, 0) / record.dirname
+        dst = self.paths.l4_archive / record.dirname
+
+        def archive() -> None:
+            if src.exists() and self.paths.contains(dst):
+                storage.rename_into(src, dst)  # first: killed before the record goes, the record names nothing
+            self.state.delete_record(record.seq)
+
+        on_root(self.transport, archive, FTIError,
+                f"archiving checkpoint {record.ckpt_id} (level 4) to {self.paths.l4_archive} failed")
+
     def remover(self) -> ThreadPoolExecutor:
         """The thread that deletes retired checkpoints off the critical path (they are no longer committed)."""
         if self.trash_pool is None:
@@ -107,16 +122,23 @@ class Retention(RunPart):
 
     def end_run(self, records: list[CommitRecord], flush_to_l4: Callable[[CommitRecord], None]) -> None:
         """FTI_Finalize's clean-up (collective): keep the newest of ``records`` (newest first; flushed to L4 by
-        ``flush_to_l4`` if it is not there) with ``keep_last_ckpt``, else remove them all; mark the run
-        finalized; clear the differential checkpoints' spares."""
+        ``flush_to_l4`` if it is not there) with ``keep_last_ckpt``, else remove them all (``keep_l4_ckpt``:
+        level-4 ones go to the archive); mark the run finalized; clear the differential checkpoints' spares."""
         t, failed = self.transport, "finalize failed"
         keep = bool(self.config.keep_last_ckpt and records)
+        doomed = records[1:] if keep else records
         if keep and records[0].level != 4:
             flush_to_l4(records[0])
+            # Its L4 copy is the one kept: as in FTI, nothing stays on the nodes (their directories are
+            # scratch), and a restart that finds the global copy gone fails instead of reading a local leftover.
+            doomed = records
         # Oldest first (``records`` is newest first): killed part-way, the run keeps its newest checkpoint,
         # and a restart never goes back further than it. Kept, the last one is all that stays (as in FTI).
-        for record in reversed(records[1:] if keep else records):
-            self.remove_checkpoint(record)
+        for record in reversed(doomed):
+            if record.level == 4 and self.config.keep_l4_ckpt:
+                self.archive_checkpoint(record)
+            else:
+                self.remove_checkpoint(record)
         on_root(t, lambda: self.state.write_run(state="finalized", keep_last=keep), FTIError, failed)
         dcp = self.spares.store  # every rank takes part, with a store or not
         everywhere(t, dcp.clear if dcp is not None else lambda: None, FTIError, failed)

@@ -50,6 +50,11 @@ class RunPaths:
         return self.node_dir(node) / f"l{level}"
 
     @property
+    def l4_archive(self) -> Path:
+        """Where ``keep_l4_ckpt`` leaves the level-4 checkpoints at finalize (FTI's ``l4_archive``)."""
+        return self.glbl_dir / self.exec_id / "l4_archive"
+
+    @property
     def run_meta(self) -> Path:
         return self.meta_dir / self.exec_id
 
