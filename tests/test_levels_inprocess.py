@@ -158,20 +158,33 @@ def test_a_recovery_with_nothing_lost_reads_no_redundancy(tmp_path, level):
 
 
 @pytest.mark.parametrize("level", [2, 3])
-@pytest.mark.parametrize("how", ["erase", "corrupt"])
-def test_damaged_redundancy_beside_sound_files_is_never_trusted_later(tmp_path, level, how):
-    """Sound own files: a damaged partner copy / parity is left for the next checkpoint, and a later loss that
-    needs it finds it damaged (a clean failure at L2, a rebuild from the other files at L3), never wrong data."""
+def test_erased_redundancy_beside_sound_files_is_rebuilt(tmp_path, level):
+    """Sound own files, a partner copy / parity erased (a stat finds it): the rebuild brings it back, the same
+    bytes, so that a later loss that needs it is recovered (FTI's ckpt_consistency)."""
     sizes = [3000, 1, 4097, 2048]
     files = make_group(tmp_path, level, sizes, seed=5)
     reference = redundancy(tmp_path, level, 1).read_bytes()
-    lose(tmp_path, level, 1, "red", how)
-    damaged = redundancy(tmp_path, level, 1).read_bytes() if how == "corrupt" else None
+    lose(tmp_path, level, 1, "red", "erase")
     assert rebuild(tmp_path, level, sizes, files) == [True] * 4
-    if how == "corrupt":
-        assert redundancy(tmp_path, level, 1).read_bytes() == damaged  # not repaired, not read
-    else:
-        assert not redundancy(tmp_path, level, 1).exists()
+    assert redundancy(tmp_path, level, 1).read_bytes() == reference
+    own(tmp_path, 0 if level == 2 else 1).unlink()  # L2: member 1 keeps member 0's copy
+    assert rebuild(tmp_path, level, sizes, files) == [True] * 4
+    for i in range(4):
+        assert own(tmp_path, i).read_bytes() == files[i]
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_damaged_redundancy_beside_sound_files_is_never_trusted_later(tmp_path, level):
+    """Sound own files: a damaged partner copy / parity (its size kept) is left for the next checkpoint, and a
+    later loss that needs it finds it damaged (a clean failure at L2, a rebuild from the other files at L3),
+    never wrong data."""
+    sizes = [3000, 1, 4097, 2048]
+    files = make_group(tmp_path, level, sizes, seed=5)
+    reference = redundancy(tmp_path, level, 1).read_bytes()
+    lose(tmp_path, level, 1, "red", "corrupt")
+    damaged = redundancy(tmp_path, level, 1).read_bytes()
+    assert rebuild(tmp_path, level, sizes, files) == [True] * 4
+    assert redundancy(tmp_path, level, 1).read_bytes() == damaged  # not repaired, not read
     for i in range(4):
         assert own(tmp_path, i).read_bytes() == files[i]
     # L2: member 1 keeps member 0's copy, so losing member 0's file now is a loss for good

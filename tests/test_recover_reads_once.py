@@ -95,23 +95,44 @@ def flip(path: Path) -> None:
 
 
 @pytest.mark.parametrize("level", [2, 3])
-@pytest.mark.parametrize("how", ["erase", "corrupt"])
-def test_nothing_lost_reads_the_own_files_only(tmp_path, level, how):
-    """Every partner copy or parity erased or corrupted, every own file sound: the recovery succeeds from the
-    own files, opens no redundancy file, and rebuilds nothing (the redundancy is left to the next checkpoint)."""
+def test_nothing_lost_reads_the_own_files_only(tmp_path, level):
+    """Every partner copy or parity corrupted (sizes kept), every own file sound: the recovery succeeds from
+    the own files, opens no redundancy file, and rewrites nothing (the redundancy is left to the next checkpoint)."""
     write(tmp_path, [(3, level)])
     red = latest(tmp_path, "Ckpt3-Pcof*.fti" if level == 2 else "Ckpt3-RSed*.fti*")
     assert len(red) == NRANKS * (1 if level == 2 else 2)  # L3: each parity and its .hash record
     for path in red:
-        if how == "erase":
-            path.unlink()
-        else:
-            flip(path)
-    before = {p: p.read_bytes() for p in red if p.exists()}
+        flip(path)
+    before = {p: p.read_bytes() for p in red}
     results, opened = recover(tmp_path)
     assert results == [{"from": (3, level), "exact": True}] * NRANKS
     assert [p for p in opened if is_redundancy(p)] == []
-    assert all(p.read_bytes() == b for p, b in before.items()) and all(p.exists() == (how != "erase") for p in red)
+    assert all(p.read_bytes() == b for p, b in before.items())
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_erased_redundancy_is_rebuilt_at_restart(tmp_path, level):
+    """Every partner copy or parity erased (a stat finds it), every own file sound: the recovery rebuilds them,
+    so that the checkpoint then survives the loss of the own files, as FTI's does (its ckpt_consistency
+    check: partner files erased, restart, crash, every rank file erased, restart)."""
+    write(tmp_path, [(3, level)])
+    red = latest(tmp_path, "Ckpt3-Pcof*.fti" if level == 2 else "Ckpt3-RSed*.fti*")
+    before = {p: p.read_bytes() for p in red}
+    for path in red:
+        path.unlink()
+    results, _opened = recover(tmp_path)
+    assert results == [{"from": (3, level), "exact": True}] * NRANKS
+    for path in red:  # the same parity or copy as the checkpoint wrote (a rebuilt .hash names no fb_hashes)
+        if path.suffix == ".hash":
+            got, was = json.loads(path.read_text()), json.loads(before[path])
+            assert (got["hash"], got["size"]) == (was["hash"], was["size"])
+        else:
+            assert path.read_bytes() == before[path]
+    own = latest(tmp_path, "Ckpt3-Rank*.fti")
+    for path in own[:2] if level == 3 else own[::2]:  # L3: half the group; L2: non-adjacent ranks
+        path.unlink()
+    results, _opened = recover(tmp_path)
+    assert results == [{"from": (3, level), "exact": True}] * NRANKS
 
 
 def test_a_rebuild_is_verified_before_the_arrays_are_touched(tmp_path):

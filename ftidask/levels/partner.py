@@ -57,6 +57,14 @@ def protect(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: in
     return exchange_file(ch, own, right, sizes[ch.index], pcof, left, sizes[left], piece)
 
 
+def _present(path: Path, size: int) -> bool:
+    """Whether ``path`` exists with ``size`` bytes (a stat: what a restart with nothing lost may afford)."""
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
+
+
 def rebuild(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: int,
             own_ok: bool, verify_own: Callable[[Path], bool], verify_pcof: Callable[[Path], bool]) -> bool:
     """Bring back lost own files (from the next member's copy), then lost partner copies. True if own verifies.
@@ -64,12 +72,14 @@ def rebuild(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: in
     The group first agrees on its own files' verdicts: when every member's file is sound, no partner
     copy is opened (a restart reads each byte once). Only when a file is lost are the partner copies
     verified (a damaged one counts as lost, never as a source) and everything the ring allows rebuilt,
-    partner copies included. A damaged partner copy beside sound own files stays as it is until the
-    next L2 checkpoint rewrites it (``ftidask verify`` reports it).
+    partner copies included. A partner copy that is missing or of the wrong size (a stat, no read) also
+    counts as a loss: it is rebuilt from its member's own file, so that the checkpoint survives the next
+    failure as FTI's does. A damaged partner copy of the right size beside sound own files stays as it
+    is until the next L2 checkpoint rewrites it (``ftidask verify`` reports it).
     """
     i, g = ch.index, ch.size
     right, left = (i + 1) % g, (i - 1) % g
-    if all(ch.allgather(bool(own_ok))):
+    if all(ch.allgather(bool(own_ok) and _present(pcof, sizes[left]))):
         return own_ok
     errors: list[str] = []
     pcof_ok = guarded(errors, lambda: verify_pcof(pcof), False)  # never raise before a collective

@@ -79,6 +79,14 @@ def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: i
     return "; ".join(errors)
 
 
+def _present(parity: Path, size: int) -> bool:
+    """Whether ``parity`` (``size`` bytes) and its ``.hash`` record are there: stats, no file opened."""
+    try:
+        return parity.stat().st_size == size and hash_path(parity).is_file()
+    except OSError:
+        return False
+
+
 def parity_ok(parity: Path, size: int, block: int) -> bool:
     """Whether ``parity`` is present, of the expected size, and matches its recorded hash."""
     return check_parity(parity, block, size) == ""
@@ -131,12 +139,14 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
     True when this member's own file verifies afterwards. The group first agrees on its own files'
     verdicts: when every member's file is sound, no parity file is opened (a restart reads each byte
     once). Only when a file is lost are the parity files checked against their ``.hash`` records (a
-    damaged one counts as lost) and every lost data and parity file rebuilt. A damaged parity beside
-    sound data files stays as it is until the next L3 checkpoint rewrites it (``ftidask verify``
-    reports it).
+    damaged one counts as lost) and every lost data and parity file rebuilt. A parity file that is
+    missing, of the wrong size or without its record (stats, no file opened), also counts as lost
+    and is re-encoded, so that the checkpoint survives the next failure
+    as FTI's does. A damaged parity of the right size beside sound data files stays as it is until
+    the next L3 checkpoint rewrites it (``ftidask verify`` reports it).
     """
     i, k, max_fs = ch.index, ch.size, max(sizes)
-    if all(ch.allgather(bool(own_ok))):
+    if all(ch.allgather(bool(own_ok) and _present(parity, max_fs))):
         return own_ok
     errors: list[str] = []
     par_ok = guarded(errors, lambda: parity_ok(parity, max_fs, block), False)  # never raise before a collective
