@@ -115,3 +115,85 @@ def test_truncated_file_is_a_clean_error(tmp_path):
     path.write_bytes(_path("r1", 3, 0).read_bytes()[:-1])
     with open(path, "rb") as fh, pytest.raises(FormatError):
         parse_ftiff(fh, str(path))
+
+
+# --- FTI's src/ftiff.c at commit 8e2e72fc (the tail layout with a 106-byte file metadata record) ---
+
+DEV = DATA / "c8e2e72f"
+DEV_SOUND = [("r1", 0), ("r2", 0), ("r2", 1)]  # checkpoint 1: every container full
+
+
+def _dev_path(run: str, ckpt: int, rank: int) -> Path:
+    return DEV / run / f"Ckpt{ckpt}-Rank{rank}.fti"
+
+
+@pytest.mark.parametrize("run,rank", DEV_SOUND)
+def test_dev_8e2e72fc_read_bit_for_bit(run, rank, dirs, capsys):
+    path = _dev_path(run, 1, rank)
+    expected = _expected(run, 1, rank)  # make_files.c wrote the very same values in both runs
+    assert cli_main(["inspect", str(path)]) == 0
+    assert "metadata at the end" in capsys.readouterr().out
+    assert cli_main(["verify", str(path)]) == 0
+    assert not is_config_file(path)
+    ctx = ftidask.init(**dirs)
+    arrays = _protect_all(ctx, expected)
+    ctx.recover_file(path)
+    for vid, array in arrays.items():
+        assert array.tobytes() == expected[vid], f"variable {vid}"
+
+
+def test_dev_8e2e72fc_record_is_told_by_its_hash():
+    from ftidask.ftiff import tailmeta
+
+    dev = _dev_path("r1", 1, 0).read_bytes()
+    new = _path("r1", 1, 0).read_bytes()
+    assert tailmeta._unpack_fb(dev[-tailmeta.TAIL_FB_SIZE:])[0].size == 106
+    assert tailmeta._unpack_fb(new[-tailmeta.TAIL_FB_SIZE:])[0].size == 110
+    assert tailmeta._unpack_fb(dev[-tailmeta.TAIL_FB_SIZE - 1:-1]) is None
+    with open(_dev_path("r1", 1, 0), "rb") as fh:
+        one = parse_ftiff(fh, "one")
+    assert one.tail and [m.fptr for m in one.blocks[0][1]] == [0, 64, 128, 168, 216]
+    assert one.fb.fs == len(dev) == 280 + 106 + 12 + 5 * 62
+
+
+@pytest.mark.parametrize("run,ckpt,rank", [("r1", 2, 0), ("r1", 3, 0), ("r2", 2, 1), ("r2", 3, 0)])
+def test_dev_8e2e72fc_overwrites_its_own_data(run, ckpt, rank, dirs):
+    """That writer sets dataSize to the sum of the chunk sizes, not of the container sizes, and
+    writes the metadata there: once a container is partly filled or empty, the metadata lands on
+    data (FTI's own reader then fails the container's MD5). ftidask refuses the file cleanly."""
+    path = _dev_path(run, ckpt, rank)
+    with open(path, "rb") as fh, pytest.raises(FormatError, match="break the data layout"):
+        parse_ftiff(fh, str(path))
+    assert cli_main(["verify", str(path)]) == 1
+    ctx = ftidask.init(**dirs)
+    arrays = _protect_all(ctx, _expected(run, ckpt, rank), fill=0x5A)
+    with pytest.raises((FormatError, RecoveryError)):
+        ctx.recover_file(path)
+    for vid, array in arrays.items():
+        assert array.tobytes() == bytes([0x5A]) * array.nbytes, f"variable {vid} was touched"
+
+
+@pytest.mark.parametrize("offset", [5, 130, 250])
+def test_dev_8e2e72fc_flipped_data_byte(tmp_path, dirs, offset):
+    path = tmp_path / "Ckpt1-Rank0.fti"
+    raw = bytearray(_dev_path("r1", 1, 0).read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert cli_main(["verify", str(path)]) == 1
+    ctx = ftidask.init(**dirs)
+    arrays = _protect_all(ctx, _expected("r1", 1, 0), fill=0x5A)
+    with pytest.raises(RecoveryError, match="hash does not match"):
+        ctx.recover_file(path)
+    for vid, array in arrays.items():
+        assert array.tobytes() == bytes([0x5A]) * array.nbytes, f"variable {vid} was touched"
+
+
+@pytest.mark.parametrize("from_end", [106, 60, 20, 150, 400])
+def test_dev_8e2e72fc_flipped_metadata_byte(tmp_path, from_end):
+    path = tmp_path / "Ckpt1-Rank0.fti"
+    raw = bytearray(_dev_path("r1", 1, 0).read_bytes())
+    raw[len(raw) - from_end] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with open(path, "rb") as fh, pytest.raises(FormatError):
+        parse_ftiff(fh, str(path))
+    assert cli_main(["verify", str(path)]) == 1

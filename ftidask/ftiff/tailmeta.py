@@ -24,6 +24,12 @@ container's MD5 before it reaches an array.
 
 The ``FTIT_keymap`` version drops ``idx`` (58-byte records); both record sizes are tried and the
 one whose walk ends exactly at the file metadata and whose checksum matches is taken.
+
+An earlier development state of this layout (``src/ftiff.c`` at leobago/fti 8e2e72fc, files in
+``tests/data/fti_written/c8e2e72f/``) writes a 106-byte file metadata record: the same fields without
+``ckptID`` (``FTIFF_SerializeFileMeta`` there: checksum, myHash, then seven int64;
+``FTI_filemetastructsize`` = 33 + 16 + 7 * 8 = 105, rounded up to 106), with the same ``myHash`` recipe.
+Which record a file ends with is told by which one's ``myHash`` matches (:data:`VARIANTS`).
 """
 
 from __future__ import annotations
@@ -31,13 +37,29 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+from dataclasses import dataclass
 from typing import BinaryIO
 
 from ..model.errors import FormatError
 from .structs import BlockMeta, ContainerMeta, FileBlock
 
-TAIL_FB_SIZE = 110  # 109 serialized bytes, rounded up to even by FTI (the last byte is not written)
-_TAIL_FB = struct.Struct("<33s16siqqqqqqq")  # 109 bytes
+
+@dataclass(frozen=True)
+class TailVariant:
+    """One FTI version's file metadata record at the end of the file."""
+
+    name: str
+    size: int  # FTI_filemetastructsize: the serialized bytes rounded up to even (the last byte is not written)
+    record: struct.Struct
+    has_ckpt_id: bool
+
+
+#: The file metadata records FTI has written, newest first (both checked against FTI-written files).
+VARIANTS = (
+    TailVariant("FTI 1.3-1.4 (196f77d2)", 110, struct.Struct("<33s16siqqqqqqq"), True),  # 109 bytes
+    TailVariant("FTI 1.2 development (8e2e72fc)", 106, struct.Struct("<33s16sqqqqqqq"), False),  # 105 bytes
+)
+TAIL_FB_SIZE = max(v.size for v in VARIANTS)  # the last bytes to read to recognise any variant
 _DB = struct.Struct("<iq")  # 12 bytes
 _DBVAR_IDX = struct.Struct("<iiiBBQQqq16s")  # 62 bytes: with idx (FTIT_dataset arrays)
 _DBVAR_NOIDX = struct.Struct("<iiBBQQqq16s")  # 58 bytes: without (FTIT_keymap)
@@ -46,53 +68,61 @@ _HASHED = struct.Struct("<qqqqqqq")  # timestamp, ckptSize, metaSize, dataSize, 
 Blocks = tuple[tuple[BlockMeta, tuple[ContainerMeta, ...]], ...]
 
 
-def _unpack_fb(raw: bytes) -> tuple[FileBlock, int, int, int] | None:
-    """The file block, metaSize, dataSize and ckptID, or None unless ``myHash`` matches."""
-    checksum, my_hash, ckpt_id, ckpt_size, meta_size, data_size, fs, max_fs, pt_fs, timestamp = \
-        _TAIL_FB.unpack(raw[:_TAIL_FB.size])
-    hashed = _HASHED.pack(timestamp, ckpt_size, meta_size, data_size, fs, pt_fs, max_fs)
-    if hashlib.md5(checksum + hashed).digest() != my_hash:
-        return None
-    end = checksum.find(b"\0")
-    try:
-        text = checksum[:end if end >= 0 else 32].decode("ascii")
-    except UnicodeDecodeError:
-        return None
-    fb = FileBlock(text, my_hash, ckpt_size, fs, max_fs, pt_fs, timestamp, magic=b"", version=0, hash_id=1, flags=0)
-    return fb, meta_size, data_size, ckpt_id
+def _unpack_fb(tail: bytes) -> tuple[TailVariant, FileBlock, int, int] | None:
+    """The variant, file block, metaSize and dataSize of the record ``tail`` ends with, or None
+    unless one variant's ``myHash`` matches."""
+    for variant in VARIANTS:
+        if len(tail) < variant.size:
+            continue
+        fields = variant.record.unpack_from(tail, len(tail) - variant.size)
+        if variant.has_ckpt_id:
+            checksum, my_hash, _ckpt_id, ckpt_size, meta_size, data_size, fs, max_fs, pt_fs, timestamp = fields
+        else:
+            checksum, my_hash, ckpt_size, meta_size, data_size, fs, max_fs, pt_fs, timestamp = fields
+        hashed = _HASHED.pack(timestamp, ckpt_size, meta_size, data_size, fs, pt_fs, max_fs)
+        if hashlib.md5(checksum + hashed).digest() != my_hash:
+            continue
+        end = checksum.find(b"\0")
+        try:
+            text = checksum[:end if end >= 0 else 32].decode("ascii")
+        except UnicodeDecodeError:
+            continue
+        fb = FileBlock(text, my_hash, ckpt_size, fs, max_fs, pt_fs, timestamp, magic=b"", version=0, hash_id=1,
+                       flags=0)
+        return variant, fb, meta_size, data_size
+    return None
 
 
-def sniff(head_tail: bytes) -> bool:
-    """Whether the last :data:`TAIL_FB_SIZE` bytes of a file are an FTI file metadata record."""
-    return len(head_tail) == TAIL_FB_SIZE and _unpack_fb(head_tail) is not None
+def sniff(tail: bytes) -> bool:
+    """Whether the last bytes of a file (up to :data:`TAIL_FB_SIZE`) end with an FTI file metadata record."""
+    return _unpack_fb(tail) is not None
 
 
 def parse_tail(fh: BinaryIO, path: str, file_size: int) -> tuple[FileBlock, Blocks] | None:
     """Parse a metadata-at-the-end file; None when its last bytes are no FTI file metadata
-    (``myHash`` does not match), :class:`FormatError` when they are but the rest is inconsistent."""
-    if file_size < TAIL_FB_SIZE:
-        return None
-    found = _unpack_fb(os.pread(fh.fileno(), TAIL_FB_SIZE, file_size - TAIL_FB_SIZE))
+    (no variant's ``myHash`` matches), :class:`FormatError` when they are but the rest is inconsistent."""
+    size = min(file_size, TAIL_FB_SIZE)
+    found = _unpack_fb(os.pread(fh.fileno(), size, file_size - size))
     if found is None:
         return None
-    fb, meta_size, data_size, _ckpt_id = found
-    if not (fb.fs == fb.ckpt_size == file_size and meta_size >= TAIL_FB_SIZE and data_size >= 0
+    variant, fb, meta_size, data_size = found
+    if not (fb.fs == fb.ckpt_size == file_size and meta_size >= variant.size and data_size >= 0
             and meta_size + data_size == file_size):
         raise FormatError(f"FTI file metadata: fs={fb.fs}, ckptSize={fb.ckpt_size}, metaSize={meta_size}, "
                           f"dataSize={data_size} do not describe this file ({file_size} bytes)", path=path)
-    meta = os.pread(fh.fileno(), meta_size - TAIL_FB_SIZE, data_size)
+    meta = os.pread(fh.fileno(), meta_size - variant.size, data_size)
     problems = []
     for record in (_DBVAR_IDX, _DBVAR_NOIDX):
         for stride in sorted({record.size, _DBVAR_IDX.size}):
             try:
                 blocks = _walk(meta, record, stride, data_size, path)
             except FormatError as exc:
-                problems.append(str(exc))
+                problems.append(str(exc).removeprefix(f"{path}: "))  # the path is said once, below
                 continue
             if fb.checksum in _checksums(blocks):
                 return fb, blocks
             problems.append("checksum does not match the containers' hashes (damaged metadata)")
-    raise FormatError(f"FTI metadata at byte {data_size}: {problems[0]}", path=path)
+    raise FormatError(f"FTI metadata at byte {data_size} ({variant.name} record): {problems[0]}", path=path)
 
 
 def _walk(meta: bytes, record: struct.Struct, stride: int, data_size: int, path: str) -> Blocks:
