@@ -191,3 +191,27 @@ def test_dev_8e2e72fc_flipped_metadata_byte(tmp_path, from_end):
     with open(path, "rb") as fh, pytest.raises(FormatError):
         parse_ftiff(fh, str(path))
     assert cli_main(["verify", str(path)]) == 1
+
+
+def test_forged_metadata_size_is_refused_before_it_is_read(tmp_path):
+    """A tail record whose myHash matches (anyone can compute it) but whose metaSize is 1 GiB: the metadata
+    area was read whole, a 1 GiB allocation; it is refused before."""
+    import struct
+    import tracemalloc
+
+    size = (1 << 30) + 110
+    checksum = b"0" * 32 + b"\0"
+    my_hash = hashlib.md5(checksum + struct.pack("<qqqqqqq", 0, size, size, 0, size, 0, 0)).digest()
+    record = struct.pack("<33s16siqqqqqqq", checksum, my_hash, 1, size, size, 0, size, 0, 0, 0) + b"\0"
+    path = tmp_path / "Ckpt1-Rank0.fti"
+    with open(path, "wb") as fh:  # sparse: no disk used
+        fh.truncate(size - len(record))
+        fh.seek(size - len(record))
+        fh.write(record)
+    tracemalloc.start()
+    try:
+        with open(path, "rb") as fh, pytest.raises(FormatError, match="metaSize"):
+            parse_ftiff(fh, str(path))
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()

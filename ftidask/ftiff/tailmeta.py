@@ -65,6 +65,8 @@ _DBVAR_IDX = struct.Struct("<iiiBBQQqq16s")  # 62 bytes: with idx (FTIT_dataset 
 _DBVAR_NOIDX = struct.Struct("<iiBBQQqq16s")  # 58 bytes: without (FTIT_keymap)
 _HASHED = struct.Struct("<qqqqqqq")  # timestamp, ckptSize, metaSize, dataSize, fs, ptFs, maxFs
 
+_MAX_META = 64 << 20  # block and container records of a file: 62 bytes a container
+
 Blocks = tuple[tuple[BlockMeta, tuple[ContainerMeta, ...]], ...]
 
 
@@ -110,6 +112,9 @@ def parse_tail(fh: BinaryIO, path: str, file_size: int) -> tuple[FileBlock, Bloc
             and meta_size + data_size == file_size):
         raise FormatError(f"FTI file metadata: fs={fb.fs}, ckptSize={fb.ckpt_size}, metaSize={meta_size}, "
                           f"dataSize={data_size} do not describe this file ({file_size} bytes)", path=path)
+    if meta_size - variant.size > _MAX_META:  # read whole below: a forged size must not allocate gigabytes
+        raise FormatError(f"FTI file metadata: metaSize={meta_size} is more than any FTI file's records "
+                          f"({_MAX_META >> 20} MiB: a million containers)", path=path)
     meta = os.pread(fh.fileno(), meta_size - variant.size, data_size)
     problems = []
     for record in (_DBVAR_IDX, _DBVAR_NOIDX):
