@@ -148,9 +148,9 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: M
             old = futures[(spec.id, at.index)].key
             holders = who_has.get(old, ())
             writer = workers[at.rank]  # it holds the chunk, or a replica made for its write task
-            at = writer if writer in holders else (sorted(holders)[0] if holders else None)
-            if at is not None:
-                pairs.setdefault(at, []).append((old, key))
+            holder = writer if writer in holders else (sorted(holders)[0] if holders else None)
+            if holder is not None:
+                pairs.setdefault(holder, []).append((old, key))
         graphs[spec.id] = (name, graph)
     aliased = _place_aliases(client, pairs)
     out: dict[int, Array] = {}

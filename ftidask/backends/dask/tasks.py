@@ -109,14 +109,26 @@ def _chunks_missing(parsed: Any, expect: Sequence[tuple[int, list[int], int, int
     """The first of ``expect`` that the file's containers or its variable table (hash-covered: which
     grid index is at which dptr) do not hold, or None."""
     held = {(m.id, m.dptr, m.chunksize) for _b, _c, m in parsed.containers() if m.hascontent}
+    placed: dict[int, set[tuple[Any, Any]]] = {}  # a set per variable: a rank may hold thousands of chunks
     for vid, index, dptr, nbytes in expect:
-        info = parsed.vars.get(vid)
-        grid = info.extra.get("dask") if info is not None else None
-        blocks = grid.get("blocks") if isinstance(grid, dict) else None
-        if (vid, dptr, nbytes) not in held or not isinstance(blocks, list) or not any(
-                isinstance(b, list) and len(b) == 3 and b[0] == list(index) and b[2] == dptr for b in blocks):
+        if vid not in placed:
+            placed[vid] = _blocks_placed(parsed, vid)
+        if (vid, dptr, nbytes) not in held or (tuple(index), dptr) not in placed[vid]:
             return [vid, list(index), dptr, nbytes]
     return None
+
+
+def _blocks_placed(parsed: Any, vid: int) -> set[tuple[Any, Any]]:
+    """``(grid index, dptr)`` of every block the file's variable table places for ``vid`` (malformed
+    entries place nothing)."""
+    info = parsed.vars.get(vid)
+    grid = info.extra.get("dask") if info is not None else None
+    blocks = grid.get("blocks") if isinstance(grid, dict) else None
+    if not isinstance(blocks, list):
+        return set()
+    number = (int, float)  # what can equal a grid index or a dptr (and be hashed)
+    return {(tuple(b[0]), b[2]) for b in blocks if isinstance(b, list) and len(b) == 3 and isinstance(b[0], list)
+            and all(isinstance(i, number) for i in b[0]) and isinstance(b[2], number)}
 
 
 def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[int], fb_hash: str,
