@@ -17,7 +17,7 @@ import ftidask
 from ftidask.api.context import Context
 from ftidask.engine import pagemove
 from ftidask.engine.grouplevels import run_ranks
-from ftidask.ftiff import hashing, reader
+from ftidask.ftiff import compression, hashing, reader
 from ftidask.model.config import load_config
 from ftidask.model.errors import NoCheckpointError
 
@@ -247,6 +247,66 @@ def test_a_damaged_file_leaves_fresh_arrays_untouched(dirs, small_moves, damage)
     assert pagemove.stats["moved_bytes"] == 0
     assert pagemove.movable(a)  # every whole page still never touched
     assert not a.any()
+
+
+def _compressible(n: int, seed: int) -> np.ndarray:
+    """A random walk rounded to 2 decimals: zstd shrinks it, to about a third."""
+    return np.round(np.cumsum(np.random.default_rng(seed).standard_normal(n)), 2)
+
+
+def test_compressed_variables_are_decoded_once_into_fresh_arrays(dirs, small_moves, monkeypatch):
+    """A compressed variable was decoded twice in a recovery: once to check that it decodes (before any array
+    is touched), then again into the array. Into fresh arrays, each container is now read, hashed and decoded
+    once, into the staged pages moved under the array; a container stored raw (incompressible) is copied."""
+    grown, noise = _compressible(BIG, 0), np.random.default_rng(1).integers(0, 256, BIG, np.uint8)
+    ctx = ftidask.init(**dirs, compressor="zstd")
+    ctx.protect(1, grown[:BIG // 2].copy())
+    ctx.protect(2, noise)
+    ctx.checkpoint(1, 1)
+    ctx.protect(1, grown)  # grown: a second container, in an appended block
+    ctx.checkpoint(2, 1)
+    ctx._close()
+    path = next(Path(dirs["ckpt_dir"]).rglob("Ckpt2-Rank0.fti"))
+    with open(path, "rb") as fh:
+        parsed = reader.parse_ftiff(fh, str(path))
+    plain = {vid: compression.plain_ids(info.extra) for vid, info in parsed.vars.items()}
+    packed = [m for _b, _c, m in parsed.containers() if m.hascontent and m.containerid not in plain[m.id]]
+    assert len(packed) == 2 and plain[2]  # var 1's two containers compressed, var 2's stored raw
+    calls = []
+    decode = compression.decode_span
+    monkeypatch.setattr(compression, "decode_span", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    restart = ftidask.init(**dirs)
+    out = [fresh(BIG), fresh(BIG, np.uint8)]
+    restart.protect(1, out[0])
+    restart.protect(2, out[1])
+    restart.recover()
+    assert np.array_equal(out[0], grown) and np.array_equal(out[1], noise)
+    assert len(calls) == len(packed)
+    assert pagemove.stats["moved_bytes"] >= BIG * 8 - 8192
+
+
+def test_a_compressed_container_that_does_not_decode_leaves_fresh_arrays_untouched(dirs, small_moves):
+    """Hashes match (a forged file) but the bytes do not decode: refused while staged, nothing moved."""
+    from test_hostile_inputs import _forge_container
+
+    from ftidask.engine.runstate import seal_json
+
+    ctx = ftidask.init(**dirs, compressor="zstd")
+    ctx.protect(1, _compressible(BIG, 2))
+    info = ctx.checkpoint(1, 1)
+    ctx._close()
+    (path,) = Path(dirs["ckpt_dir"]).glob(f"**/ckpt1.s{info.seq}/Ckpt1-Rank0.fti")
+    fb_hash = _forge_container(path, 1, bytes(64))
+    (record,) = Path(dirs["meta_dir"]).glob(f"*/commits/s{info.seq:08d}.json")
+    raw = json.loads(record.read_text())
+    raw["files"][0]["fb_hash"] = fb_hash
+    record.write_text(json.dumps(seal_json(raw)))
+    restart = ftidask.init(**dirs)
+    a = fresh(BIG)
+    restart.protect(1, a)
+    with pytest.raises(NoCheckpointError, match="cannot be decoded"):
+        restart.recover()
+    assert pagemove.stats["moved_bytes"] == 0 and pagemove.movable(a) and not a.any()
 
 
 def test_touched_and_foreign_arrays_are_copied(dirs, small_moves, tmp_path):

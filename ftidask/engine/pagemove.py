@@ -164,7 +164,7 @@ Stager = Callable[[FtiffFile], dict[int, "Staged"]]
 
 def stager(arrays: dict[int, np.ndarray]) -> Stager | None:
     """For :func:`~ftidask.engine.recovery.check_file`: stage those of ``arrays`` (movable ones, by var id)
-    that a parsed file holds as they are (same dtype, shape and C order, uncompressed); None if none can be."""
+    that a parsed file holds as they are (same dtype, shape and C order); None if none can be."""
     if not arrays:
         return None
 
@@ -174,7 +174,7 @@ def stager(arrays: dict[int, np.ndarray]) -> Stager | None:
             return out
         for vid, array in arrays.items():
             info = parsed.vars.get(vid)
-            if (info is None or "codec" in info.extra or info.order != "C" or info.dtype != array.dtype
+            if (info is None or info.order != "C" or info.dtype != array.dtype
                     or info.shape != tuple(array.shape)):
                 continue
             try:
