@@ -37,6 +37,7 @@ from ..storage import files as storage
 from ..storage.runlock import RunLock
 from ..transport.base import Transport
 from . import display, logsetup
+from .names import VarNames, restart_names
 
 log = logging.getLogger("ftidask")
 
@@ -62,6 +63,7 @@ class Context:
         self.state = RunState(Path(config.meta_dir), self.exec_id)
         dirchecks.check(transport, dirchecks.run_dirs(self.paths, transport.node, self.state.records_dir))
         self._vars: dict[int, Protected] = {}
+        self._names = VarNames(lambda: restart_names(self._status, self.recovery))  # var_id (Dask: its own)
         self._hash_id = hashing.hash_id(config.hash)
         self._writer = Writer(config, transport, self.paths, self._vars, self._hash_id)
         # No collaborator holds the context: dropping an unfinalized context releases the run lock at once.
@@ -101,8 +103,15 @@ class Context:
         """
         self._check_open()
         vid = check_id(id, "variable id")
+        name = name if name is not None else self._names.name_of(vid)
         self._vars[vid] = protected_var(vid, array, name, compressor, self._vars.get(vid), global_shape=global_shape,
                                         offset=offset, replicated=replicated)
+
+    def var_id(self, name: str, *, create: bool = True) -> int | None:
+        """FTI_setIDFromString / FTI_getIDFromString (``create=False``): the id named ``name``, else a new one
+        or None (:mod:`ftidask.api.names`). On a restart, on MPI, every rank calls it (collective read)."""
+        self._check_open()
+        return self._names.id_for(name, self._vars, create)
 
     @property
     def protected(self) -> Mapping[int, np.ndarray]:
@@ -130,8 +139,7 @@ class Context:
         return self.progress.recovered_from
 
     @property
-    def _next_ckpt_id(self) -> int:
-        # snapshot's next checkpoint id (read by a test job)
+    def _next_ckpt_id(self) -> int:  # snapshot's next checkpoint id (read by a test job)
         return self.progress.next_ckpt_id
 
     @property

@@ -176,12 +176,15 @@ class Recovery(RunPart):
         request, error = attempt(t.rank, lambda: [None if x is None else int(x)  # np.int64(1) asks for 1
                                                   for x in (ckpt_id, level)] + [recoverplan.normalize_ids(ids)])
         asked = [tuple(a) for a in agree(t, error, RecoveryError, "recover", request)]
-        if any(a != asked[0] for a in asked):
+        # The ids may differ (each rank its own variables, as FTI's RecoverVar allows: ids given by name
+        # in another order on each rank); the call, the checkpoint and the level may not.
+        kinds = [(a[0], a[1], a[2] is None) for a in asked]
+        if any(k != kinds[0] for k in kinds):
             raise RecoveryError(
                 "the ranks asked for different recoveries (recover and recover_var are collective: every rank "
-                "calls them with the same arguments, in the same order): "
+                "calls them with the same checkpoint and level, in the same order): "
                 + "; ".join(f"rank {r}: {_request(*a)}" for r, a in enumerate(asked)))
-        return asked[0][2]
+        return asked[t.rank][2]
 
     @contextlib.contextmanager
     def _verifying(self, ids: list[int] | None) -> Iterator[Stager | None]:

@@ -21,6 +21,7 @@ import numpy as np
 from distributed import Client, Future, futures_of
 
 from ...api.context import Context, Protected
+from ...api.names import VarNames
 from ...engine.inflight import CheckpointHandle
 from ...engine.runstate import CommitRecord, FileRecord
 from ...engine.variables import encode_states
@@ -88,6 +89,7 @@ class DaskContext(Context):
         self.client = client
         self.cluster = cluster
         self._keep_state_bytes = False  # finalize_icp: the Python states' bytes as init_icp took them
+        self._names = VarNames(functools.partial(restore.stored_names, self))  # var_id: the commit records' names
         if config.enable_dcp:
             self._dcp = DaskSpares(self)
 
@@ -115,6 +117,7 @@ class DaskContext(Context):
         if any(np.isnan(c) for dim in array.chunks for c in dim):
             raise ProtectError("the array has unknown chunk sizes; call .compute_chunk_sizes() first")
         old = self._vars.get(vid)
+        name = name if name is not None else self._names.name_of(vid)
         self._vars[vid] = Protected(vid, str(name if name is not None else old.name if old else f"var{vid}"), array)
 
     def _chunk_futures(self) -> tuple[list[VarSpec], dict[tuple[int, tuple[int, ...]], Future]]:

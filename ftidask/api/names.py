@@ -1,0 +1,64 @@
+"""Variables found by name (FTI_setIDFromString, FTI_getIDFromString).
+
+FTI gives a name an id the first time the name is asked for, one after the ids already known, and
+finds the same id again on a restart in the checkpoint's metadata. ftidask does the same with the
+names that every checkpoint holds: the variable table of each FTI-FF file, a Dask commit record's
+variables. A run whose names are asked for in another order on a restart gets the same ids back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..engine.runstate import STATUS_FRESH
+from ..model.errors import NoCheckpointError, ProtectError, RecoveryError
+
+
+class VarNames:
+    """The ids given to names in this context, and the names of the checkpoint a restart recovers."""
+
+    def __init__(self, stored: Callable[[], dict[int, str]]) -> None:
+        """``stored``: the names (by id) of the variables of the checkpoint to recover; {} on a fresh start."""
+        self._read_stored = stored
+        self._stored: dict[int, str] | None = None
+        self._given: dict[str, int] = {}
+
+    def stored(self) -> dict[int, str]:
+        """The checkpoint's names, read once (on MPI, by every rank together: see :meth:`id_for`)."""
+        if self._stored is None:
+            self._stored = self._read_stored()
+        return self._stored
+
+    def id_for(self, name: Any, protected: Mapping[int, Any], create: bool) -> int | None:
+        """The id named ``name``: given before, then a protected variable's, then one of the checkpoint's;
+        else a new id (one above every id known) when ``create``, else None."""
+        if not isinstance(name, str) or not name:
+            raise ProtectError(f"a variable name is a non-empty str, got {name!r}")
+        # Read first, whatever is found below: on MPI the first read is collective, and every rank must take part.
+        stored = self.stored()
+        found = self._given.get(name)
+        if found is None:
+            found = next((vid for vid, p in protected.items() if p.name == name), None)
+        if found is None:
+            found = next((vid for vid in sorted(stored) if stored[vid] == name), None)
+        if found is None and create:
+            found = max([*protected, *self._given.values(), *stored], default=-1) + 1
+        if found is not None:
+            self._given[name] = found
+        return found
+
+    def name_of(self, vid: int) -> str | None:
+        """The name given to ``vid`` through :meth:`id_for`, if any (what :meth:`Context.protect` records)."""
+        return next((name for name, given in self._given.items() if given == vid), None)
+
+
+def restart_names(status: int, recovery: Any) -> dict[int, str]:
+    """The names (by id) of the checkpoint a restart recovers: {} on a fresh start, or when none verifies
+    (the recovery that follows says why). ``recovery``: the context's :class:`~ftidask.engine.recovering.Recovery`."""
+    if status == STATUS_FRESH:
+        return {}
+    try:
+        return {vid: info.name for vid, info in recovery.restart_metadata().vars.items()}
+    except (NoCheckpointError, RecoveryError):
+        return {}

@@ -1,0 +1,140 @@
+"""Variables found by name: ``ctx.var_id`` (FTI_setIDFromString, FTI_getIDFromString).
+
+FTI's recoverName suite: each rank gives ids to ten names in a random order of its own, protects and
+checkpoints; the restart asks for the names in another random order, protects what it is given and
+recovers each variable alone: every array must come back with its own values.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ftidask
+from ftidask.api.context import Context
+from ftidask.engine.grouplevels import run_ranks
+from ftidask.ftiff.reader import parse_ftiff
+from ftidask.model.config import load_config
+
+NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+SIZES = [42, 85, 8, 19, 95, 26, 66, 33, 65, 83]
+
+
+def _write(ctx, order: list[int]) -> dict[str, int]:
+    ids = {}
+    for i in order:
+        ids[NAMES[i]] = ctx.var_id(NAMES[i])
+        ctx.protect(ids[NAMES[i]], np.full(SIZES[i], i, np.int32))
+    ctx.checkpoint(1, 1)
+    return ids
+
+
+def _recover(ctx, order: list[int]) -> tuple[dict[str, int], list[np.ndarray]]:
+    ids, arrays = {}, [np.zeros(s, np.int32) for s in SIZES]
+    for i in order:
+        ids[NAMES[i]] = ctx.var_id(NAMES[i], create=False)
+        ctx.protect(ids[NAMES[i]], arrays[i])
+        ctx.recover_var(ids[NAMES[i]])
+    return ids, arrays
+
+
+def test_ids_given_by_name_are_found_again_in_another_order(dirs):
+    ctx = ftidask.init(**dirs)
+    given = _write(ctx, random.Random(1).sample(range(10), 10))
+    assert sorted(given.values()) == list(range(10))  # one after another, in the order asked
+    ctx._close()  # the job ends without finalize: the checkpoint stays
+    restart = ftidask.init(**dirs)
+    assert restart.status() == 1
+    found, arrays = _recover(restart, random.Random(2).sample(range(10), 10))
+    assert found == given
+    assert all((a == i).all() for i, a in enumerate(arrays))
+    assert restart.var_id("ten", create=False) is None
+    assert restart.var_id("ten") == 10 and restart.var_id("ten", create=False) == 10
+
+
+def test_the_name_is_recorded_in_the_file(dirs):
+    ctx = ftidask.init(**dirs)
+    ctx.protect(ctx.var_id("pressure"), np.arange(5.0))
+    ctx.protect(ctx.var_id("velocity"), np.arange(3.0), name="v")  # a name given to protect wins
+    assert ctx.var_id("pressure") == 0 and ctx.var_id("v", create=False) == 1
+    ctx.checkpoint(1, 1)
+    (path,) = Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank0.fti")
+    with open(path, "rb") as fh:
+        assert {i: v.name for i, v in parse_ftiff(fh, str(path)).vars.items()} == {0: "pressure", 1: "v"}
+    ctx.finalize()
+
+
+def test_a_fresh_start_after_ids_given_by_number(dirs):
+    ctx = ftidask.init(**dirs)
+    ctx.protect(7, np.zeros(2), name="seven")
+    assert ctx.var_id("seven") == 7 and ctx.var_id("eight") == 8 and ctx.var_id("eight") == 8
+    assert ctx.var_id("nine", create=False) is None
+    ctx.finalize()
+
+
+@pytest.mark.parametrize("name", ["", 3, None, b"x"])
+def test_a_name_that_is_not_a_str_is_refused(dirs, name):
+    ctx = ftidask.init(**dirs)
+    with pytest.raises(ftidask.ProtectError, match="non-empty str"):
+        ctx.var_id(name)
+    ctx.finalize()
+
+
+def test_a_restart_with_no_checkpoint_that_verifies_finds_no_name(dirs):
+    ctx = ftidask.init(**dirs)
+    _write(ctx, list(range(10)))
+    ctx._close()
+    for path in Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank0.fti"):
+        path.unlink()
+    restart = ftidask.init(**dirs)
+    assert restart.status() == 1 and restart.var_id("three", create=False) is None
+    restart.protect(0, np.zeros(SIZES[0], np.int32))
+    with pytest.raises(ftidask.NoCheckpointError):
+        restart.recover()
+
+
+def test_ranks_each_with_their_own_order(tmp_path):
+    """Four ranks (threads), each giving ids in a random order of its own, as FTI's test does."""
+    cfg = load_config(None, ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"),
+                      meta_dir=str(tmp_path / "M"), local_test=1, node_size=1, group_size=4)
+
+    def first(t):
+        ctx = Context(cfg, t)
+        ids = _write(ctx, random.Random(10 + t.rank).sample(range(10), 10))
+        ctx._close()
+        return ids
+
+    def again(t):
+        ctx = Context(cfg, t)
+        ids, arrays = _recover(ctx, random.Random(20 + t.rank).sample(range(10), 10))
+        ctx.finalize()
+        return ids, [bool((a == i).all()) for i, a in enumerate(arrays)]
+
+    given, errors = run_ranks(cfg, 4, first, wait=60)
+    assert errors == [] and given[0] != given[1]  # each rank its own ids
+    found, errors = run_ranks(cfg, 4, again, wait=60)
+    assert errors == []
+    assert [ids for ids, _ in found] == given and all(all(ok) for _, ok in found)
+
+
+@pytest.mark.dask
+@pytest.mark.timeout(240)
+def test_dask_ids_given_by_name_are_found_again(dask_client, dirs):
+    da = pytest.importorskip("dask.array")
+    ctx = ftidask.init(client=dask_client, **dirs)
+    given = {}
+    for i in random.Random(3).sample(range(4), 4):
+        given[NAMES[i]] = ctx.var_id(NAMES[i])
+        ctx.protect(given[NAMES[i]], da.full((SIZES[i],), i, chunks=10, dtype=np.int32))
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    restart = ftidask.init(client=dask_client, **dirs)
+    assert restart.status() == 1
+    found = {NAMES[i]: restart.var_id(NAMES[i], create=False) for i in random.Random(4).sample(range(4), 4)}
+    assert found == given and restart.var_id("ten", create=False) is None
+    out = restart.recover()
+    assert all((out[given[NAMES[i]]].compute() == i).all() for i in range(4))
+    restart.finalize()
