@@ -138,3 +138,23 @@ def test_dask_ids_given_by_name_are_found_again(dask_client, dirs):
     out = restart.recover()
     assert all((out[given[NAMES[i]]].compute() == i).all() for i in range(4))
     restart.finalize()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("level", [1, 3])
+def test_mpi_each_rank_its_own_order(tmp_path, level):
+    """Over mpiexec (4 ranks, 4 simulated nodes): the restart finds each rank's ids, recover_var by recover_var."""
+    import json
+
+    from mpi_util import mpiexec, run
+
+    if mpiexec() is None:
+        pytest.skip("needs mpiexec")
+    pytest.importorskip("mpi4py")
+    run(4, "names_job.py", "write", str(tmp_path), str(level))
+    given = [json.loads((tmp_path / f"ids-{r}.json").read_text()) for r in range(4)]
+    assert given[0] != given[1]
+    run(4, "names_job.py", "recover", str(tmp_path), str(level))
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
+    assert [r["ids"] for r in results] == given
+    assert all(r["status"] == 1 and all(r["exact"]) for r in results)
