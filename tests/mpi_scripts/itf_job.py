@@ -8,7 +8,8 @@ usage: itf_job.py seq CONFIG_JSON DIR END LEVEL [LEVEL ...]    checkpoints 1, 2,
        itf_job.py recovervar CONFIG_JSON DIR LEVEL [DIR ...]    checkpoint, or recover one variable at a time
 
 END is ``die`` (every rank leaves with os._exit, no finalize: the crash of FTI's applications) or
-``finalize``. Each application rank writes ``<DIR>/result-<rank>.json``: {"status": ok|fail|wrong, ...}.
+``finalize``. Each application rank writes ``<DIR>/result-<rank>.json``: {"status": ok|fail|wrong, ...}, its
+rank in ``ctx.comm`` (with ``head = 1`` the heads serve inside ``init`` and write nothing).
 Checkpoint ``c`` of rank ``r`` holds 4 int32 arrays (the 4 datasets of FTI's ckptHierarchy), of
 ``1024 * (r % 7 + 1)`` elements each (FTI's different sizes per rank), valued ``i + r + 1000 * c``.
 """
@@ -32,6 +33,15 @@ def dirs(base: str) -> dict:
     return {"ckpt_dir": f"{base}/Local", "glbl_dir": f"{base}/Global", "meta_dir": f"{base}/Meta"}
 
 
+def app_rank(overrides: dict) -> int | None:
+    """This process's rank among the application's, None for a head (``local_test``: a node is ``node_size``
+    consecutive ranks, its first one the head with ``head = 1``), for a report made before ``init`` returned."""
+    world, size = MPI.COMM_WORLD.rank, int(overrides.get("node_size", 1))
+    if not overrides.get("head"):
+        return world
+    return None if world % size == 0 else world // size * (size - 1) + world % size - 1
+
+
 def report(base: str, rank: int, **fields: object) -> None:
     with open(f"{base}/result-{rank}.json", "w") as fh:
         json.dump(fields, fh)
@@ -43,6 +53,8 @@ def end(ctx: ftidask.Context, how: str) -> None:
         return
     ctx.wait_post_processing()  # FTI's applications wait for their heads' post-processing before the crash
     ctx.comm.Barrier()
+    if ctx.config.head:  # as FTI's applications: FTI_ENDW to the head (else it waits for the job's end), then die
+        ctx.transport.close()
     sys.stdout.flush()
     os._exit(0)  # no finalize, no MPI_Finalize: the checkpoints stay as a crash leaves them
 
@@ -64,7 +76,9 @@ def recover(overrides: dict, base: str, how: str) -> None:
     try:
         ctx = ftidask.init(comm=MPI.COMM_WORLD, **overrides, **dirs(base))
     except ftidask.FTIError as exc:
-        report(base, MPI.COMM_WORLD.rank, status="fail", error=type(exc).__name__, message=str(exc))
+        rank = app_rank(overrides)
+        if rank is not None:
+            report(base, rank, status="fail", error=type(exc).__name__, message=str(exc))
         return
     rank = ctx.comm.rank
     arrays = [np.zeros_like(a) for a in data(rank, 0)]
