@@ -6,6 +6,8 @@ usage: itf_job.py seq CONFIG_JSON DIR END LEVEL [LEVEL ...]    checkpoints 1, 2,
        itf_job.py diffsizes CONFIG_JSON DIR FAIL LEVEL STYLE    FTI's ckptDiffSizes application (STYLE: how
                                                                 it recovers: recover, recover_var, or mixed)
        itf_job.py recovervar CONFIG_JSON DIR LEVEL [DIR ...]    checkpoint, or recover one variable at a time
+       itf_job.py syncintv CONFIG_JSON DIR CALLS                snapshot() CALLS times, rank r's calls taking
+                                                                r + 1 s of a clock the job drives
 
 END is ``die`` (every rank leaves with os._exit, no finalize: the crash of FTI's applications) or
 ``finalize``. Each application rank writes ``<DIR>/result-<rank>.json``: {"status": ok|fail|wrong, ...}, its
@@ -22,6 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ftidask
+from ftidask.engine.schedule import SnapshotSchedule
 
 
 def data(rank: int, ckpt_id: int) -> list[np.ndarray]:
@@ -210,6 +213,36 @@ def recovervar(overrides: dict, base: str, level: int) -> None:
     ctx.finalize()
 
 
+class _Counting:
+    """The transport, counting the allgathers asked of it."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.gathers = inner, 0
+
+    def allgather(self, value: object) -> list:
+        self.gathers += 1
+        return self.inner.allgather(value)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def syncintv(overrides: dict, base: str, calls: int) -> None:
+    """FTI's syncIntv application, the durations of its calls told by a clock of the job's, not measured."""
+    ctx = ftidask.init(comm=MPI.COMM_WORLD, **overrides, **dirs(base))
+    rank, now = ctx.comm.rank, [0.0]
+    counting = _Counting(ctx.transport)
+    ctx._schedule = SnapshotSchedule(ctx.config, counting, clock=lambda: now[0])
+    ctx.protect(1, np.full(1000, rank, dtype=np.int32))
+    made = []
+    for call in range(1, calls + 1):
+        now[0] += rank + 1
+        if ctx.snapshot() == ftidask.FTI_DONE:
+            made.append(call)
+    report(base, rank, made=made, gathers=counting.gathers)
+    ctx.finalize()
+
+
 def main() -> None:
     mode, overrides, base = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     if mode == "seq":
@@ -222,6 +255,8 @@ def main() -> None:
         diffsizes(overrides, base, sys.argv[4] == "1", int(sys.argv[5]), sys.argv[6])
     elif mode == "recovervar":
         recovervar(overrides, base, int(sys.argv[4]))
+    elif mode == "syncintv":
+        syncintv(overrides, base, int(sys.argv[4]))
     else:
         raise SystemExit(f"unknown mode {mode}")
 
