@@ -16,7 +16,9 @@ dies with ``os._exit`` (no finalize: FTI's applications' crash) before the files
 * keepL4Ckpt: keep_l4_ckpt leaves every level-4 checkpoint in ``l4_archive`` after finalize;
 * ckptDiffSizes: arrays of a size of each rank's, growing between checkpoints, recovered after realloc,
   disrupted on one node, on adjacent nodes, on every node;
-* recoverVar: each variable protected and recovered alone, in a random order on each rank.
+* recoverVar: each variable protected and recovered alone, in a random order on each rank;
+* dCP's corrupt_check: differential checkpoints (levels 5-8), a random rank's newest file truncated by a
+  random tail between runs.
 
 Their head = 1 variants (8 processes: 4 nodes of a head and a rank, inline_l2/3/4 = 0: the heads raise each
 checkpoint), and 16 ranks of 4 nodes (node_size 4, group_size 4; slow), in the same scenarios: the
@@ -26,6 +28,8 @@ checkpoint), and 16 ranks of 4 nodes (node_size 4, group_size 4; slow), in the s
 from __future__ import annotations
 
 import json
+import os
+import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +58,7 @@ FLAT = Layout("flat", 4, 4, {**BASE, "node_size": 1})  # 4 nodes of one rank, on
 # raise each L1 checkpoint to L2-L4 (and retire the older ones) while the application runs on.
 HEADS = Layout("heads", 8, 4, {**BASE, "node_size": 2, "head": 1, "inline_l2": 0, "inline_l3": 0, "inline_l4": 0})
 WIDE = Layout("wide", 16, 16, {**BASE, "node_size": 4})  # 4 nodes of 4 ranks: 4 groups of 4, one rank a node
+N = FLAT.ranks
 RANK, PCOF, RSED = "Ckpt*-Rank*.fti", "Ckpt*-Pcof*.fti", "Ckpt*-RSed*.fti"
 
 
@@ -310,3 +315,57 @@ def test_recover_var_one_variable_at_a_time(tmp_path: Path, level: int) -> None:
     job("recovervar", str(tmp_path), str(level), dies=True)
     job("recovervar", str(tmp_path), str(level))
     assert_ok(tmp_path, [1, level])
+
+
+# --- dCP: corrupt_check (differentialCkpt/dCP.itf) ---------------------------------------------------------------
+
+DCP = {"enable_dcp": 1, "dcp_block_size": 4096}
+
+
+def truncate_newest(base: Path, level: int, rng: random.Random) -> int:
+    """FTI's truncation: a random rank's file of the newest checkpoint loses a random tail (``$RANDOM`` bytes,
+    1..32767 here: 0 would change nothing); the bytes cut, 0 when no checkpoint is left (a finalized run)."""
+    rank = rng.randrange(N)
+    found = (sorted(base.glob(f"Global/*/l4/*/Ckpt*-Rank{rank}.fti")) if level == 8
+             else local(base, level - 4, f"Ckpt*-Rank{rank}.fti"))
+    if not found:
+        return 0
+    (path,) = found  # a differential checkpoint retires the previous one at its commit
+    cut = rng.randrange(1, 32768)
+    os.truncate(path, max(0, path.stat().st_size - cut))
+    return cut
+
+
+@pytest.mark.parametrize("level", [7, pytest.param(6, marks=pytest.mark.slow)])
+def test_dcp_truncated_file_is_rebuilt_and_the_run_goes_on(tmp_path: Path, level: int) -> None:
+    """FTI's corrupt_check: checkDCPPosix (each iteration changes a fifth of A, a differential checkpoint)
+    dies after checkpoint 1, then runs with crash = 1..6, a random rank's newest file truncated after each run
+    but the last. FTI (POSIX dCP, layers in one file) recovers the last intact layer and the run ends
+    [SUCCESSFUL]. Here, at L3_DCP (7) or L2_DCP (6), the truncated file fails its checks and is rebuilt from
+    the parity or the partner copy: every restart recovers the newest checkpoint, bit for bit."""
+    rng, base = random.Random(2612 + level), tmp_path / "run"
+    job("dcp", str(base), str(level), "1", config=DCP, dies=True)
+    cut = truncate_newest(base, level, rng)
+    done = 1
+    for crash in range(1, 7):
+        job("dcp", str(base), str(level), str(crash), config=DCP, dies=crash > done and crash <= 5)
+        got = results(base)
+        assert {r["status"] for r in got} == ({"died"} if crash > done and crash <= 5 else {"ok"}), got
+        if done:  # a restart: the newest checkpoint, whatever the truncation cut
+            assert all(r["recovered"] == [done, True] for r in got), (cut, got)
+        done = crash if crash > done and crash <= 5 else 0  # a finalized run leaves nothing: the next is fresh
+        if crash < 6:
+            cut = truncate_newest(base, level, rng)
+
+
+@pytest.mark.parametrize("level", [8, pytest.param(5, marks=pytest.mark.slow)])
+def test_dcp_truncated_file_without_redundancy_is_a_clean_failure(tmp_path: Path, level: int) -> None:
+    """The same truncation at L4_DCP (8) or L1_DCP (5), without redundancy: the truncated file fails its checks; the
+    previous checkpoint was retired when this one committed (one file per checkpoint, patched in place, as
+    FTI-FF's dCP), so there is nothing to fall back on: the same NoCheckpointError on every rank, no array
+    touched. (FTI's POSIX dCP would recover the previous layer of the file: see docs/dcp.md.)"""
+    base = tmp_path / "run"
+    job("dcp", str(base), str(level), "2", config=DCP, dies=True)
+    assert truncate_newest(base, level, random.Random(2612)) > 0
+    job("dcp", str(base), str(level), "6", config=DCP)
+    assert_clean_failure(base)

@@ -6,6 +6,8 @@ usage: itf_job.py seq CONFIG_JSON DIR END LEVEL [LEVEL ...]    checkpoints 1, 2,
        itf_job.py diffsizes CONFIG_JSON DIR FAIL LEVEL STYLE    FTI's ckptDiffSizes application (STYLE: how
                                                                 it recovers: recover, recover_var, or mixed)
        itf_job.py recovervar CONFIG_JSON DIR LEVEL [DIR ...]    checkpoint, or recover one variable at a time
+       itf_job.py dcp CONFIG_JSON DIR LEVEL CRASH                FTI's checkDCPPosix application (dCP suite):
+                                                                LEVEL 5-8, dies after checkpoint CRASH
        itf_job.py syncintv CONFIG_JSON DIR CALLS                snapshot() CALLS times, rank r's calls taking
                                                                 r + 1 s of a clock the job drives
 
@@ -213,6 +215,47 @@ def recovervar(overrides: dict, base: str, level: int) -> None:
     ctx.finalize()
 
 
+DCP_N = 100_000  # FTI's checkDCPPosix: A (ones) and B (random), N doubles each; five chunks of A multiplied by B
+
+
+def dcp(overrides: dict, base: str, level: int, crash: int) -> None:
+    """FTI's checkDCPPosix: each iteration multiplies one fifth of A by B and checkpoints (differentially, the
+    fifth and the counter change); it dies after checkpoint ``crash``; a restart recovers and goes on; the run
+    that reaches the end checks A == B everywhere and finalizes."""
+    ctx = ftidask.init(comm=MPI.COMM_WORLD, **overrides, **dirs(base))
+    rank = ctx.comm.rank
+    b_want = np.random.default_rng(rank).random(DCP_N) * 5.0
+    a, b, it = np.ones(DCP_N), b_want.copy(), np.zeros(1, dtype=np.int64)
+    for k, array in enumerate((a, b, it)):
+        ctx.protect(k, array)
+    recovered = None
+    if ctx.status() == 0:
+        ctx.checkpoint(1, level)
+    else:
+        a[:], b[:] = 0, 0
+        try:
+            ctx.recover()
+        except ftidask.FTIError as exc:
+            report(base, rank, status="fail", error=type(exc).__name__, message=str(exc),
+                   untouched=not (a.any() or b.any()))
+            ctx.transport.close()
+            return
+        done = int(it[0]) * (DCP_N // 5)
+        good = bool((b == b_want).all() and (a[:done] == b_want[:done]).all() and (a[done:] == 1).all())
+        recovered = [int(it[0]), bool(good)]
+    step = DCP_N // 5
+    while it[0] < 5:
+        i = int(it[0])
+        a[i * step:(i + 1) * step] *= b[i * step:(i + 1) * step]
+        it[0] += 1
+        ctx.checkpoint(int(it[0]) + 1, level)
+        if it[0] == crash:
+            report(base, rank, status="died", recovered=recovered)
+            end(ctx, "die")
+    report(base, rank, status="ok" if (a == b_want).all() else "wrong", recovered=recovered)
+    ctx.finalize()
+
+
 class _Counting:
     """The transport, counting the allgathers asked of it."""
 
@@ -255,6 +298,8 @@ def main() -> None:
         diffsizes(overrides, base, sys.argv[4] == "1", int(sys.argv[5]), sys.argv[6])
     elif mode == "recovervar":
         recovervar(overrides, base, int(sys.argv[4]))
+    elif mode == "dcp":
+        dcp(overrides, base, int(sys.argv[4]), int(sys.argv[5]))
     elif mode == "syncintv":
         syncintv(overrides, base, int(sys.argv[4]))
     else:
