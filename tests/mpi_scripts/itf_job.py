@@ -6,9 +6,14 @@ usage: itf_job.py seq CONFIG_JSON DIR END LEVEL [LEVEL ...]    checkpoints 1, 2,
        itf_job.py diffsizes CONFIG_JSON DIR FAIL LEVEL STYLE    FTI's ckptDiffSizes application (STYLE: how
                                                                 it recovers: recover, recover_var, or mixed)
        itf_job.py recovervar CONFIG_JSON DIR LEVEL [DIR ...]    checkpoint, or recover one variable at a time
+       itf_job.py dcp CONFIG_JSON DIR LEVEL CRASH                FTI's checkDCPPosix application (dCP suite):
+                                                                LEVEL 5-8, dies after checkpoint CRASH
+       itf_job.py syncintv CONFIG_JSON DIR CALLS                snapshot() CALLS times, rank r's calls taking
+                                                                r + 1 s of a clock the job drives
 
 END is ``die`` (every rank leaves with os._exit, no finalize: the crash of FTI's applications) or
-``finalize``. Each application rank writes ``<DIR>/result-<rank>.json``: {"status": ok|fail|wrong, ...}.
+``finalize``. Each application rank writes ``<DIR>/result-<rank>.json``: {"status": ok|fail|wrong, ...}, its
+rank in ``ctx.comm`` (with ``head = 1`` the heads serve inside ``init`` and write nothing).
 Checkpoint ``c`` of rank ``r`` holds 4 int32 arrays (the 4 datasets of FTI's ckptHierarchy), of
 ``1024 * (r % 7 + 1)`` elements each (FTI's different sizes per rank), valued ``i + r + 1000 * c``.
 """
@@ -21,6 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ftidask
+from ftidask.engine.schedule import SnapshotSchedule
 
 
 def data(rank: int, ckpt_id: int) -> list[np.ndarray]:
@@ -30,6 +36,15 @@ def data(rank: int, ckpt_id: int) -> list[np.ndarray]:
 
 def dirs(base: str) -> dict:
     return {"ckpt_dir": f"{base}/Local", "glbl_dir": f"{base}/Global", "meta_dir": f"{base}/Meta"}
+
+
+def app_rank(overrides: dict) -> int | None:
+    """This process's rank among the application's, None for a head (``local_test``: a node is ``node_size``
+    consecutive ranks, its first one the head with ``head = 1``), for a report made before ``init`` returned."""
+    world, size = MPI.COMM_WORLD.rank, int(overrides.get("node_size", 1))
+    if not overrides.get("head"):
+        return world
+    return None if world % size == 0 else world // size * (size - 1) + world % size - 1
 
 
 def report(base: str, rank: int, **fields: object) -> None:
@@ -43,6 +58,8 @@ def end(ctx: ftidask.Context, how: str) -> None:
         return
     ctx.wait_post_processing()  # FTI's applications wait for their heads' post-processing before the crash
     ctx.comm.Barrier()
+    if ctx.config.head:  # as FTI's applications: FTI_ENDW to the head (else it waits for the job's end), then die
+        ctx.transport.close()
     sys.stdout.flush()
     os._exit(0)  # no finalize, no MPI_Finalize: the checkpoints stay as a crash leaves them
 
@@ -64,7 +81,9 @@ def recover(overrides: dict, base: str, how: str) -> None:
     try:
         ctx = ftidask.init(comm=MPI.COMM_WORLD, **overrides, **dirs(base))
     except ftidask.FTIError as exc:
-        report(base, MPI.COMM_WORLD.rank, status="fail", error=type(exc).__name__, message=str(exc))
+        rank = app_rank(overrides)
+        if rank is not None:
+            report(base, rank, status="fail", error=type(exc).__name__, message=str(exc))
         return
     rank = ctx.comm.rank
     arrays = [np.zeros_like(a) for a in data(rank, 0)]
@@ -196,6 +215,77 @@ def recovervar(overrides: dict, base: str, level: int) -> None:
     ctx.finalize()
 
 
+DCP_N = 100_000  # FTI's checkDCPPosix: A (ones) and B (random), N doubles each; five chunks of A multiplied by B
+
+
+def dcp(overrides: dict, base: str, level: int, crash: int) -> None:
+    """FTI's checkDCPPosix: each iteration multiplies one fifth of A by B and checkpoints (differentially, the
+    fifth and the counter change); it dies after checkpoint ``crash``; a restart recovers and goes on; the run
+    that reaches the end checks A == B everywhere and finalizes."""
+    ctx = ftidask.init(comm=MPI.COMM_WORLD, **overrides, **dirs(base))
+    rank = ctx.comm.rank
+    b_want = np.random.default_rng(rank).random(DCP_N) * 5.0
+    a, b, it = np.ones(DCP_N), b_want.copy(), np.zeros(1, dtype=np.int64)
+    for k, array in enumerate((a, b, it)):
+        ctx.protect(k, array)
+    recovered = None
+    if ctx.status() == 0:
+        ctx.checkpoint(1, level)
+    else:
+        a[:], b[:] = 0, 0
+        try:
+            ctx.recover()
+        except ftidask.FTIError as exc:
+            report(base, rank, status="fail", error=type(exc).__name__, message=str(exc),
+                   untouched=not (a.any() or b.any()))
+            ctx.transport.close()
+            return
+        done = int(it[0]) * (DCP_N // 5)
+        good = bool((b == b_want).all() and (a[:done] == b_want[:done]).all() and (a[done:] == 1).all())
+        recovered = [int(it[0]), bool(good)]
+    step = DCP_N // 5
+    while it[0] < 5:
+        i = int(it[0])
+        a[i * step:(i + 1) * step] *= b[i * step:(i + 1) * step]
+        it[0] += 1
+        ctx.checkpoint(int(it[0]) + 1, level)
+        if it[0] == crash:
+            report(base, rank, status="died", recovered=recovered)
+            end(ctx, "die")
+    report(base, rank, status="ok" if (a == b_want).all() else "wrong", recovered=recovered)
+    ctx.finalize()
+
+
+class _Counting:
+    """The transport, counting the allgathers asked of it."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.gathers = inner, 0
+
+    def allgather(self, value: object) -> list:
+        self.gathers += 1
+        return self.inner.allgather(value)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def syncintv(overrides: dict, base: str, calls: int) -> None:
+    """FTI's syncIntv application, the durations of its calls told by a clock of the job's, not measured."""
+    ctx = ftidask.init(comm=MPI.COMM_WORLD, **overrides, **dirs(base))
+    rank, now = ctx.comm.rank, [0.0]
+    counting = _Counting(ctx.transport)
+    ctx._schedule = SnapshotSchedule(ctx.config, counting, clock=lambda: now[0])
+    ctx.protect(1, np.full(1000, rank, dtype=np.int32))
+    made = []
+    for call in range(1, calls + 1):
+        now[0] += rank + 1
+        if ctx.snapshot() == ftidask.FTI_DONE:
+            made.append(call)
+    report(base, rank, made=made, gathers=counting.gathers)
+    ctx.finalize()
+
+
 def main() -> None:
     mode, overrides, base = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     if mode == "seq":
@@ -208,6 +298,10 @@ def main() -> None:
         diffsizes(overrides, base, sys.argv[4] == "1", int(sys.argv[5]), sys.argv[6])
     elif mode == "recovervar":
         recovervar(overrides, base, int(sys.argv[4]))
+    elif mode == "dcp":
+        dcp(overrides, base, int(sys.argv[4]), int(sys.argv[5]))
+    elif mode == "syncintv":
+        syncintv(overrides, base, int(sys.argv[4]))
     else:
         raise SystemExit(f"unknown mode {mode}")
 

@@ -1,0 +1,146 @@
+"""snapshot() in minutes: FTI's schedule (FTI_UpdateIterTime) and ``max_sync_intv``, FTI's syncIntv suite.
+
+The ranks agree on the mean time of a call every ``sync`` calls (1, 2, 4, ... up to ``max_sync_intv``), from it
+on the calls a minute and the call at which the intervals are looked at next; they checkpoint at that call.
+FTI's ITF (testing/suites/features/syncIntv) checks, from FTI's debug lines, that each checkpoint is made at a
+predicted call, and that the resynchronisations come at multiples of the interval, never beyond
+``max_sync_intv``. A clock driven by the test stands for the calls' durations: nothing waits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi_util import need_mpi, run
+
+import ftidask
+from ftidask.engine.schedule import SnapshotSchedule, max_sync
+from ftidask.model import constants
+
+LINE = re.compile(r"Current iter : (\d+) ckpt intv. : (\d+) . Next ckpt. at iter. (\d+) . Sync. intv. : (\d+)")
+
+
+class Clock:
+    """Seconds that pass only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def drive(dirs: dict, durations: list[float], **config: object) -> tuple[list[tuple[int, int]], list[tuple]]:
+    """snapshot() once per duration (the call's time); ``[(call, level)]`` of the checkpoints it made, and
+    the (call, calls a minute, next look, sync) of FTI's debug lines."""
+    ctx = ftidask.init(**dirs, **config)
+    clock = Clock()
+    ctx._schedule = SnapshotSchedule(ctx.config, ctx.transport, clock=clock)
+    ctx.protect(1, np.zeros(4))
+    made, lines = [], []
+    handler = _Collect(lines)
+    logging.getLogger("ftidask").addHandler(handler)
+    logging.getLogger("ftidask").setLevel(logging.DEBUG)
+    try:
+        for call, seconds in enumerate(durations, start=1):
+            clock.now += seconds
+            if ctx.snapshot() == constants.FTI_DONE:
+                made.append((call, ctx.last_checkpoint.level))
+    finally:
+        logging.getLogger("ftidask").removeHandler(handler)
+        ctx.finalize()
+    return made, lines
+
+
+class _Collect(logging.Handler):
+    def __init__(self, lines: list[tuple]) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = LINE.search(record.getMessage())
+        if found:
+            self.lines.append(tuple(int(x) for x in found.groups()))
+
+
+def itf_checks(made: list[tuple[int, int]], lines: list[tuple], max_sync_intv: int) -> None:
+    """FTI's syncIntv ITF: each checkpoint at a predicted call (or a number of calls a minute after the
+    previous one); resynchronisations at multiples of their interval, which never exceeds the maximum."""
+    predicted, per_minute = {next_look for _c, _p, next_look, _s in lines}, {p for _c, p, _n, _s in lines}
+    last = 0
+    for call, _level in made:
+        assert call in predicted or call - last in per_minute, (call, sorted(predicted))
+        last = call
+    for call, _p, _n, sync in lines:
+        assert sync <= max_sync(max_sync_intv) and call % sync == 0, (call, sync)
+
+
+def test_max_sync_is_fti_power_of_two() -> None:
+    assert [max_sync(v) for v in (0, 1, 2, 3, 6, 8, 100, 512, 1000)] == [512, 1, 2, 2, 4, 8, 64, 512, 512]
+
+
+def test_checkpoints_at_the_calls_a_minute_of_calls_makes(dirs) -> None:
+    """Calls of 1.5 s: 40 a minute. Looks at calls 41, 81, 121, 161 (minutes 1-4): L1 each minute, L4 every
+    second one (the highest due level is written); the sync interval doubles to 32 (>= half of 40), agreeing
+    at calls 1, 2, 4, 8, 16, 32, 64, ..."""
+    made, lines = drive(dirs, [1.5] * 170, ckpt_l1=1, ckpt_l4=2)
+    assert made == [(41, 1), (81, 4), (121, 1), (161, 4)]
+    assert [c for c, *_ in lines] == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160]
+    assert {(p, n) for _c, p, n, _s in lines} >= {(40, 41), (40, 81), (40, 161)}
+    itf_checks(made, lines, 0)
+
+
+@pytest.mark.parametrize(("max_sync_intv", "sync", "looks"), [(1, 1, [170, 208, 242, 274]),
+                                                               (6, 4, [170, 209, 243, 275]),
+                                                               (0, 32, [174, 215, 251, 284])])
+def test_max_sync_intv_bounds_the_resynchronisation(dirs, max_sync_intv: int, sync: int, looks: list[int]) -> None:
+    """FTI's syncIntv application: the calls slow down (here from 1 s to 3 s, after call 150). The ranks agree
+    every call, every 4 (6 rounded down to a power of 2) or every 32 calls (512: half a minute's calls bound it):
+    the sooner they agree again, the sooner the looks follow the new pace. Each checkpoint is a predicted one,
+    and they go on to the end (FTI's schedule stops looking here: a look set to the call just passed)."""
+    made, lines = drive(dirs, [1.0] * 150 + [3.0] * 150, ckpt_l1=1, max_sync_intv=max_sync_intv)
+    itf_checks(made, lines, max_sync_intv)
+    assert max(s for *_x, s in lines) == sync
+    if max_sync_intv == 1:  # an agreement at every call (and only then a collective)
+        assert [c for c, *_ in lines] == list(range(1, 300))
+    assert made == [(c, 1) for c in [61, 121, *looks]]  # 60 calls a minute while every call takes 1 s
+
+
+def test_a_minute_longer_than_a_call_counts_the_minutes_passed(dirs) -> None:
+    """Calls of 90 s (over a minute): a look at every call, the minutes counted from the agreed mean time:
+    ckpt_l1 = 3 is due at minutes 3, 6, 9 ... (calls 3, 5, 7: 180 s, 360 s, 540 s of calls)."""
+    made, _lines = drive(dirs, [90.0] * 8, ckpt_l1=3)
+    assert [c for c, _lv in made] == [3, 5, 7]
+
+
+def test_iterations_unit_needs_no_clock(dirs) -> None:
+    made, lines = drive(dirs, [1000.0] * 6, ckpt_l1=2, ckpt_l4=3, snapshot_unit="iterations")
+    assert made == [(2, 1), (3, 4), (4, 1), (6, 4)] and lines == []
+
+
+def mpi_test(fn):
+    for mark in need_mpi():
+        fn = mark(fn)
+    return fn
+
+
+@mpi_test
+def test_ranks_of_different_pace_checkpoint_at_the_same_call(tmp_path: Path) -> None:
+    """4 ranks whose calls take 1, 2, 3 and 4 s: the agreed mean (2.5 s) makes 24 calls a minute, and every
+    rank checkpoints at calls 25, 49, 73 and 97 (each checkpoint is collective: a rank of its own would hang
+    the job), with an allgather only at the 10 agreements (calls 1, 2, 4, 8, 16, 32, 48, 64, 80, 96)."""
+    cfg = {"local_test": 1, "node_size": 1, "ckpt_l1": 1, "max_sync_intv": 16}
+    run(4, "itf_job.py", "syncintv", json.dumps(cfg), str(tmp_path), "100", timeout=120)
+    got = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
+    assert all(r["made"] == [25, 49, 73, 97] and r["gathers"] == 10 for r in got), got
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> dict:
+    return {"ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
+            "meta_dir": str(tmp_path / "Meta")}
