@@ -44,15 +44,18 @@ def drive(dirs: dict, durations: list[float], **config: object) -> tuple[list[tu
     ctx.protect(1, np.zeros(4))
     made, lines = [], []
     handler = _Collect(lines)
-    logging.getLogger("ftidask").addHandler(handler)
-    logging.getLogger("ftidask").setLevel(logging.DEBUG)
+    logger = logging.getLogger("ftidask")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
     try:
         for call, seconds in enumerate(durations, start=1):
             clock.now += seconds
             if ctx.snapshot() == constants.FTI_DONE:
                 made.append((call, ctx.last_checkpoint.level))
     finally:
-        logging.getLogger("ftidask").removeHandler(handler)
+        logger.removeHandler(handler)
+        logger.setLevel(level)  # the level the other tests expect
         ctx.finalize()
     return made, lines
 
