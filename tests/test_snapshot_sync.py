@@ -143,6 +143,15 @@ def test_ranks_of_different_pace_checkpoint_at_the_same_call(tmp_path: Path) -> 
     assert all(r["made"] == [25, 49, 73, 97] and r["gathers"] == 10 for r in got), got
 
 
+@pytest.mark.dask
+@pytest.mark.timeout(240)
+def test_dask_client_keeps_the_same_schedule(dirs, dask_client) -> None:
+    """On Dask the client is the one process that schedules: the same calls as one process's."""
+    made, lines = drive(dirs, [1.5] * 90, ckpt_l1=1, ckpt_l4=2, client=dask_client)
+    assert made == [(41, 1), (81, 4)]
+    itf_checks(made, lines, 0)
+
+
 @pytest.fixture
 def dirs(tmp_path: Path) -> dict:
     return {"ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
