@@ -15,6 +15,7 @@ Only the codec ids below are ever instantiated from a file (never numcodecs' Pic
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -23,6 +24,7 @@ import numpy as np
 from ..model import codecspec
 from ..model.codecspec import ALLOWED_IDS
 from ..model.errors import ConfigError, FormatError
+from . import hashing
 
 
 def parse_compressor(spec: Any) -> dict[str, Any] | None:
@@ -81,6 +83,24 @@ def decode_span(codec: Any, stored: bytes | memoryview, span: int, *, what: str 
     if len(raw) != span:
         raise FormatError(f"{what}: decodes to {len(raw)} bytes, expected {span}")
     return raw
+
+
+def read_decoded(fd: int, meta: Any, info: Any, hash_id: int, what: str) -> bytes:
+    """The raw span of compressed container ``meta`` (of the variable ``info``): read whole, hash-checked,
+    then decoded; a :class:`FormatError` (no path) when the file ends inside it, the hash does not match
+    or the bytes do not decode."""
+    stored = bytearray(meta.chunksize)
+    view, got = memoryview(stored), 0
+    while got < meta.chunksize:
+        n = os.preadv(fd, [view[got:]], meta.fptr + got)
+        if n <= 0:
+            break
+        got += n
+    if got != meta.chunksize:
+        raise FormatError(f"{what}: file ends inside its data")
+    if hashing.digest(hash_id, stored) != meta.hash:
+        raise FormatError(f"{what}: data hash does not match (damaged data)")
+    return decode_span(var_codec(info.extra), stored, raw_span(info.nbytes, meta.dptr, meta.containersize), what=what)
 
 
 def raw_span(nbytes: int, dptr: int, containersize: int) -> int:

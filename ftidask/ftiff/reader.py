@@ -237,21 +237,10 @@ def _raw_chunk(parsed: FtiffFile, meta: ContainerMeta) -> int:
 
 def _read_compressed(fh: BinaryIO, parsed: FtiffFile, meta: ContainerMeta, target: ByteTarget, what: str) -> None:
     """Read one compressed container, check its hash, then decode it into ``target``."""
-    info = parsed.vars[meta.id]
-    stored = bytearray(meta.chunksize)
-    view, got = memoryview(stored), 0
-    while got < meta.chunksize:
-        n = os.preadv(fh.fileno(), [view[got:]], meta.fptr + got)
-        if n <= 0:
-            break
-        got += n
-    if got != meta.chunksize or hashing.digest(parsed.fb.hash_id, stored) != meta.hash:
-        raise FormatError(f"{what} changed while it was read", path=parsed.path)
-    span = compression.raw_span(info.nbytes, meta.dptr, meta.containersize)
     try:
-        raw = compression.decode_span(compression.var_codec(info.extra), stored, span, what=what)
+        raw = compression.read_decoded(fh.fileno(), meta, parsed.vars[meta.id], parsed.fb.hash_id, what)
     except FormatError as exc:
-        raise FormatError(str(exc), path=parsed.path) from None
+        raise FormatError(f"{exc}; it changed while it was read", path=parsed.path) from None
     target.store(meta.dptr, raw)
 
 
@@ -348,6 +337,7 @@ def _read_into_dcp(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTa
 def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget], hid: int) -> None:
     buf: bytearray | None = None
     direct: list[tuple[int, memoryview, str]] = []  # (file offset, target view, what): copied below, in parallel
+    packed: list[tuple[ContainerMeta, ByteTarget, str]] = []  # compressed containers: decoded below
     for bi, ci, meta in parsed.containers():
         target = targets.get(meta.id)
         if target is None or not meta.hascontent:
@@ -355,7 +345,7 @@ def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget
         what = f"block {bi}, container {ci} (var id {meta.id})"
         info = parsed.vars.get(meta.id)
         if info is not None and "codec" in info.extra and meta.containerid not in compression.plain_ids(info.extra):
-            _read_compressed(fh, parsed, meta, target, what)
+            packed.append((meta, target, what))
             continue
         view = target.view(meta.dptr, meta.dptr + meta.chunksize)
         if view is not None:
@@ -374,6 +364,14 @@ def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget
         if got != meta.chunksize or hasher.digest() != meta.hash:
             raise FormatError(f"{what} changed while it was read", path=parsed.path)
     _copy_direct(fh, parsed, direct)
+    # Decoding is the cost here: containers of targets with a flat view (disjoint byte ranges of memory)
+    # are decoded on a few threads (numcodecs releases the GIL); the others store element by element, in turn.
+    flat = [job for job in packed if job[1].view(0, 0) is not None]
+    for meta, target, what in (job for job in packed if job[1].view(0, 0) is None):
+        _read_compressed(fh, parsed, meta, target, what)
+    if flat:
+        with ThreadPoolExecutor(max_workers=_COPY_THREADS, thread_name_prefix="ftidask-decode") as pool:
+            list(pool.map(lambda job: _read_compressed(fh, parsed, *job), flat))
 
 
 def _copy_direct(fh: BinaryIO, parsed: FtiffFile, spans: list[tuple[int, memoryview, str]]) -> None:

@@ -113,18 +113,11 @@ def _read_decoded(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
     def one(job: tuple[int, int, ContainerMeta]) -> str:
         bi, ci, meta = job
         where = f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid})"
-        stored = bytearray(meta.chunksize)
-        if _read_full(fh.fileno(), meta.fptr, memoryview(stored)) != meta.chunksize:
-            return f"{where}: file ends inside its data"
-        if hashing.digest(parsed.fb.hash_id, stored) != meta.hash:
-            return f"{where}: data hash does not match (damaged data)"
-        info = parsed.vars[meta.id]
-        span = compression.raw_span(info.nbytes, meta.dptr, meta.containersize)
         try:
-            raw = compression.decode_span(compression.var_codec(info.extra), stored, span, what=where)
+            raw = compression.read_decoded(fh.fileno(), meta, parsed.vars[meta.id], parsed.fb.hash_id, where)
         except FormatError as exc:
             return str(exc)
-        views[meta.id][meta.dptr:meta.dptr + span] = raw
+        views[meta.id][meta.dptr:meta.dptr + len(raw)] = raw
         return ""
 
     with ThreadPoolExecutor(max_workers=_DECODE_THREADS, thread_name_prefix="ftidask-decode") as pool:
