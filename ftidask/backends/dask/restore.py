@@ -23,7 +23,7 @@ from ...engine.runstate import CommitRecord
 from ...levels.topology import Topology, recorded_topology
 from ...model.errors import FTIError, RecoveryError
 from ...storage import files as storage
-from . import group_steps, reads, recorded, stitch, tasks
+from . import group_steps, reads, recorded, redundancy, stitch, tasks
 from .cluster import WorkerLost
 from .plan import VarSpec
 
@@ -78,8 +78,10 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
     own = {r: ctx.node_file(level, cid, seq, r, storage.rank_file(cid, r)) for r in range(n)}
     pcof = {r: ctx.node_file(2, cid, seq, r, storage.partner_file(cid, r)) for r in range(n)} if level == 2 else {}
     rsed = {r: ctx.node_file(3, cid, seq, r, storage.parity_file(cid, r)) for r in range(n)} if level == 3 else {}
-    paths = list(own.values()) + list(pcof.values()) + list(rsed.values())
-    placer = _Placer(workers, cl.run(tasks.existing, paths), paths)
+    red = redundancy.Redundancy(level, topo, {f.rank: f.size for f in record.files}, pcof if level == 2 else rsed)
+    paths = list(own.values()) + red.paths()
+    stats = cl.run(tasks.sizes, paths)  # stats only: which worker sees what, and the redundancy's sizes
+    placer = _Placer(workers, redundancy.visible(stats), paths)
     tag = f"{cid}-{seq}-{uuid.uuid4().hex[:8]}"
     hosts: dict[int, str] = {}
     checks = {}
@@ -93,7 +95,10 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
     verdicts = dict(zip(checks, results, strict=True))
     ok = {r for r, v in verdicts.items() if v["ok"]}
     bad = [r for r in range(n) if r not in ok]
+    short = red.missing({r: hosts[r] for r in ok}, stats, paths)  # its group rebuilds it, as FTI does
     if not bad:
+        if short:
+            _rebuild_redundancy(ctx, record, groups, hosts, short, tag, red, paths)
         return {r: (hosts[r], own[r]) for r in range(n)}
     why = "; ".join(verdicts[r]["message"] if r in verdicts else f"rank {r}'s file is on no live worker"
                     for r in bad[:4])
@@ -103,7 +108,7 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
     side = pcof if level == 2 else rsed
     for r in bad:  # a stand-in: a worker that sees the rank's partner copy or parity if any, else the least loaded
         hosts[r] = placer.pick(side[r]) or placer.any()
-    rebuilt = _rebuild(ctx, record, groups, hosts, {r for r in range(n) if r not in ok}, tag)
+    rebuilt = _rebuild(ctx, record, groups, hosts, set(bad), short, tag)
     failed = [r for r in bad if not rebuilt.get(r)]
     if failed:
         raise Unrecoverable(f"the file(s) of rank(s) {failed} could not be rebuilt from level {level} (too many of "
@@ -137,14 +142,36 @@ def _check_rebuildable(level: int, topo: Topology, bad: list[int], ok: set[int],
                                     f"{2 * k} files remain, {k} are needed")
 
 
+def _rebuild_redundancy(ctx: DaskContext, record: CommitRecord, groups: list[list[int]], hosts: dict[int, str],
+                        short: set[int], tag: str, red: redundancy.Redundancy, paths: list[str]) -> None:
+    """Every own file is sound: rebuild the missing partner copies or parity of ranks ``short``, so that the
+    checkpoint survives the next loss. Best effort: the checkpoint is recoverable as it is."""
+    what = "partner copies" if record.level == 2 else "parity files"
+    try:
+        _rebuild(ctx, record, groups, hosts, set(), short, tag)
+    except WorkerLost:
+        raise  # a worker that serves a file is gone: check again (_restore_retrying)
+    except FTIError as exc:
+        log.warning("checkpoint %d: the missing %s of rank(s) %s could not be rebuilt (%s); the next level %d "
+                    "checkpoint writes them", record.ckpt_id, what, sorted(short), exc, record.level)
+        return
+    still = red.missing({r: hosts[r] for r in short}, ctx.cluster.run(tasks.sizes, paths), paths)
+    if still:  # the level code reports no error of its own: a stat says what it left missing
+        log.warning("checkpoint %d: the missing %s of rank(s) %s could not be rebuilt; the next level %d "
+                    "checkpoint writes them", record.ckpt_id, what, sorted(still), record.level)
+    else:
+        log.info("checkpoint %d: rebuilt the missing %s of rank(s) %s", record.ckpt_id, what, sorted(short))
+
+
 def _rebuild(ctx: DaskContext, record: CommitRecord, groups: list[list[int]], hosts: dict[int, str], bad: set[int],
-             tag: str) -> dict[int, bool]:
-    """Run the level's rebuild (:func:`ftidask.levels.multilevel.rebuild`) in every group that lost a file,
-    each rank on ``hosts[rank]``; rank -> whether its file verifies now."""
+             short: set[int], tag: str) -> dict[int, bool]:
+    """Run the level's rebuild (:func:`ftidask.levels.multilevel.rebuild`) in every group that lost a file
+    (``bad``: own files; ``short``: partner copies or parity), each rank on ``hosts[rank]``; rank -> whether
+    its file verifies now."""
     cid, seq, level = record.ckpt_id, record.seq, record.level
     fb = {f.rank: f.fb_hash for f in record.files}
     sizes = {f.rank: f.size for f in record.files}
-    hit = [g for g in groups if bad & set(g)]
+    hit = [g for g in groups if (bad | short) & set(g)]
     tags = group_steps.session_tags(f"rebuild{cid}-{seq}-l{level}", hit)
     by_worker: dict[str, list[dict[str, Any]]] = {}
     for tag_g, group in zip(tags, hit, strict=True):

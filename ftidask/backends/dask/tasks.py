@@ -186,6 +186,17 @@ def existing(paths: Sequence[str]) -> list[bool]:
     return [os.path.exists(p) for p in paths]
 
 
+def sizes(paths: Sequence[str]) -> list[int]:
+    """The size of each of ``paths`` as this worker sees it, -1 where it sees none (stats: no file opened)."""
+    out = []
+    for p in paths:
+        try:
+            out.append(os.stat(p).st_size)
+        except OSError:
+            out.append(-1)
+    return out
+
+
 @functools.cache
 def _remover() -> ThreadPoolExecutor:
     # One thread per worker process, made on first use: deletions never hold up a task.
