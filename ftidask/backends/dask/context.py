@@ -31,7 +31,7 @@ from ...model.errors import CheckpointError, FTIError, LevelError, ProtectError
 from ...model.level import Level
 from ...storage import files as storage
 from ...transport.base import Transport
-from . import channel, icp, lineage, report, restore, tasks
+from . import channel, icp, lineage, recorded, report, restore, tasks
 from .cluster import Cluster, ClusterError
 from .dcp_levels import DaskSpares, run_dcp_levels, sticky_owners
 from .full_levels import run_full_levels
@@ -89,9 +89,12 @@ class DaskContext(Context):
         self.client = client
         self.cluster = cluster
         self._keep_state_bytes = False  # finalize_icp: the Python states' bytes as init_icp took them
-        self._names = VarNames(functools.partial(restore.stored_names, self))  # var_id: the commit records' names
+        self._names = VarNames(self._recorded_names)  # var_id: the names in the commit records
         if config.enable_dcp:
             self._dcp = DaskSpares(self)
+
+    def _recorded_names(self) -> dict[int, str]:
+        return {} if self.status() == 0 else recorded.names(restore.dask_records(self, None, None))
 
     # --- protection ------------------------------------------------------------------------------
 

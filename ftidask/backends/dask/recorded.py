@@ -129,3 +129,13 @@ def layout(record: CommitRecord) -> RecordLayout:
     except DamagedRecord as exc:
         raise DamagedRecord(f"the commit record of checkpoint {record.ckpt_id} is damaged: {exc}") from None
     return RecordLayout(specs, chunks, {v["id"]: v["dtype"] for v in raw_vars}, list(workers))
+
+
+def names(records: list[CommitRecord]) -> dict[int, str]:
+    """The variables' names (by id) in the newest of ``records`` whose map is sound; {} if none is."""
+    for record in records:
+        try:
+            return {spec.id: spec.name for spec in layout(record).specs}
+        except DamagedRecord:
+            continue
+    return {}

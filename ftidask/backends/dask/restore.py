@@ -394,14 +394,3 @@ def stored_size(ctx: DaskContext, vid: int) -> int:
         raise RecoveryError(f"variable {vid} is not in checkpoint {record.ckpt_id}")
     raise RecoveryError(f"no committed checkpoint has a sound commit record: {'; '.join(damaged[:2])}")
 
-
-def stored_names(ctx: DaskContext) -> dict[int, str]:
-    """The variables' names (by id) in the newest checkpoint whose commit record is sound; {} on a fresh start."""
-    if ctx.status() == 0:
-        return {}
-    for record in dask_records(ctx, None, None):
-        try:
-            return {spec.id: spec.name for spec in recorded.layout(record).specs}
-        except recorded.DamagedRecord:
-            continue
-    return {}
