@@ -120,6 +120,27 @@ def test_flipped_metadata_byte_is_a_clean_error(tmp_path, from_end):
     assert cli_main(["verify", str(path)]) == 1
 
 
+def test_a_variable_id_changed_in_its_record_is_refused_when_recovered(tmp_path, dirs):
+    """FTI's container records carry no hash: a changed id (4 -> 5) cannot be seen in the file (FTI's reader
+    takes it too), but recovering it finds the protected variable 4 missing and touches no array."""
+    source = _path("r1", 1, 0)
+    with open(source, "rb") as fh:
+        parsed = parse_ftiff(fh, str(source))
+    data_size = max(m.fptr + m.containersize for _b, metas in parsed.blocks for m in metas)
+    at = data_size + 12 + 4 * 62  # the one block's record, then the fifth container's: its id first
+    raw = bytearray(source.read_bytes())
+    assert raw[at:at + 4] == (4).to_bytes(4, "little")
+    raw[at] = 5
+    path = tmp_path / source.name
+    path.write_bytes(bytes(raw))
+    assert cli_main(["verify", str(path)]) == 0  # nothing in the file tells
+    ctx = ftidask.init(**dirs)
+    arrays = _protect_all(ctx, _expected("r1", 1, 0), fill=0x5A)
+    with pytest.raises(RecoveryError, match="variable 4 is protected but not in checkpoint file"):
+        ctx.recover_file(path)
+    assert all(a.tobytes() == bytes([0x5A]) * a.nbytes for a in arrays.values())
+
+
 def test_truncated_file_is_a_clean_error(tmp_path):
     path = tmp_path / "Ckpt3-Rank0.fti"
     path.write_bytes(_path("r1", 3, 0).read_bytes()[:-1])

@@ -20,7 +20,9 @@ order: FTI's writer (``FTIFF_writeMetaDataFTIFF``) takes every container's, its 
 stale hash, so the two differ there and either is accepted. The per-container metadata carries
 no hash of its own in the file: the layout checks below (contiguous containers inside the data
 area, every variable's bytes tiled once) stand for it; every data byte is checked by its
-container's MD5 before it reaches an array.
+container's MD5 before it reaches an array. A variable id changed in a record cannot be told from
+a real one (nor can FTI's reader): recovering such a file, a protected id is then missing, and the
+recovery is refused before any array is touched (tests/test_fuzz.py fuzzes these files too).
 
 The ``FTIT_keymap`` version drops ``idx`` (58-byte records); both record sizes are tried and the
 one whose walk ends exactly at the file metadata and whose checksum matches is taken.
