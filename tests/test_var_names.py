@@ -158,3 +158,25 @@ def test_mpi_each_rank_its_own_order(tmp_path, level):
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
     assert [r["ids"] for r in results] == given
     assert all(r["status"] == 1 and all(r["exact"]) for r in results)
+
+
+def test_a_context_dropped_after_var_id_holds_no_lock(dirs):
+    """A context keeps no reference to itself through its names (a cycle kept a dropped context, and its run
+    lock, alive until the garbage collector ran: a program restarted meanwhile started a run of its own)."""
+    import gc
+    import json
+
+    from conftest import run_python
+
+    child = ("import json, sys, ftidask; ctx = ftidask.init(**json.loads(sys.argv[1])); "
+             "print(ctx.exec_id, ctx.status()); ctx.finalize()")
+    gc.disable()
+    try:
+        ctx = ftidask.init(**dirs)
+        ctx.protect(ctx.var_id("u"), np.arange(3.0))
+        ctx.checkpoint(1, 1)
+        exec_id = ctx.exec_id
+        del ctx  # as a notebook cell that drops it: the run is no longer written by this process
+        assert run_python(child, json.dumps(dirs)).stdout.split() == [exec_id, "1"]
+    finally:
+        gc.enable()

@@ -63,7 +63,7 @@ class Context:
         self.state = RunState(Path(config.meta_dir), self.exec_id)
         dirchecks.check(transport, dirchecks.run_dirs(self.paths, transport.node, self.state.records_dir))
         self._vars: dict[int, Protected] = {}
-        self._names = VarNames(lambda: restart_names(self._status, self.recovery))  # var_id (Dask: its own)
+        self._names = VarNames()  # ids given by name (var_id)
         self._hash_id = hashing.hash_id(config.hash)
         self._writer = Writer(config, transport, self.paths, self._vars, self._hash_id)
         # No collaborator holds the context: dropping an unfinalized context releases the run lock at once.
@@ -111,7 +111,10 @@ class Context:
         """FTI_setIDFromString / FTI_getIDFromString (``create=False``): the id named ``name``, else a new one
         or None (:mod:`ftidask.api.names`). On a restart, on MPI, every rank calls it (collective read)."""
         self._check_open()
-        return self._names.id_for(name, self._vars, create)
+        return self._names.id_for(name, self._vars, create, self._stored_names)
+
+    def _stored_names(self) -> dict[int, str]:  # the Dask backend reads its commit records instead
+        return restart_names(self._status, self.recovery)
 
     @property
     def protected(self) -> Mapping[int, np.ndarray]:
@@ -193,8 +196,7 @@ class Context:
         self._async.settle()
 
     @property
-    def _dcp(self) -> DcpStore | None:
-        # This rank's differential-checkpoint store if one was made (the Dask backend puts its spares here).
+    def _dcp(self) -> DcpStore | None:  # this rank's dCP store, if made (the Dask backend puts its spares here)
         return self._spares.store
 
     @_dcp.setter
@@ -202,8 +204,7 @@ class Context:
         self._spares.store = store
 
     def _check_level(self, level: Any, dcp: bool = False) -> Level:
-        """The level a checkpoint asks for, parsed once (1-4; 5-8 or ``dcp=True`` with enable_dcp), and
-        refused here when this run's transport cannot provide it."""
+        """The level a checkpoint asks for (1-4; 5-8 or ``dcp=True`` with enable_dcp), refused if unavailable."""
         return icp.checked_level(level, dcp, enable_dcp=bool(self.config.enable_dcp), transport=self.transport)
 
     # --- incremental checkpointing (FTI_InitICP / AddVarICP / FinalizeICP: ftidask.engine.icp) -------------
@@ -234,8 +235,7 @@ class Context:
     # --- staging (ftidask.staging.stager) ----------------------------------------------------------------
 
     @property
-    def _stager(self) -> Stager | None:
-        # The running stager, if a request started it (the tests look at its mover).
+    def _stager(self) -> Stager | None:  # the running stager, if a request started it (the tests look at it)
         return self._staging.stager
 
     def stage_dir(self) -> Path:

@@ -18,25 +18,23 @@ from ..model.errors import NoCheckpointError, ProtectError, RecoveryError
 class VarNames:
     """The ids given to names in this context, and the names of the checkpoint a restart recovers."""
 
-    def __init__(self, stored: Callable[[], dict[int, str]]) -> None:
-        """``stored``: the names (by id) of the variables of the checkpoint to recover; {} on a fresh start."""
-        self._read_stored = stored
+    def __init__(self) -> None:
+        # No reference to the context (a cycle would keep a dropped context, and its run lock, alive until
+        # the garbage collector runs): the reader of the checkpoint's names is passed to each call.
         self._stored: dict[int, str] | None = None
         self._given: dict[str, int] = {}
 
-    def stored(self) -> dict[int, str]:
-        """The checkpoint's names, read once (on MPI, by every rank together: see :meth:`id_for`)."""
-        if self._stored is None:
-            self._stored = self._read_stored()
-        return self._stored
-
-    def id_for(self, name: Any, protected: Mapping[int, Any], create: bool) -> int | None:
-        """The id named ``name``: given before, then a protected variable's, then one of the checkpoint's;
-        else a new id (one above every id known) when ``create``, else None."""
+    def id_for(self, name: Any, protected: Mapping[int, Any], create: bool,
+               stored_names: Callable[[], dict[int, str]]) -> int | None:
+        """The id named ``name``: given before, then a protected variable's, then one of the checkpoint's
+        (``stored_names`` reads them, once; {} on a fresh start); else a new id (one above every id known)
+        when ``create``, else None."""
         if not isinstance(name, str) or not name:
             raise ProtectError(f"a variable name is a non-empty str, got {name!r}")
         # Read first, whatever is found below: on MPI the first read is collective, and every rank must take part.
-        stored = self.stored()
+        if self._stored is None:
+            self._stored = stored_names()
+        stored = self._stored
         found = self._given.get(name)
         if found is None:
             found = next((vid for vid, p in protected.items() if p.name == name), None)

@@ -21,7 +21,6 @@ import numpy as np
 from distributed import Client, Future, futures_of
 
 from ...api.context import Context, Protected
-from ...api.names import VarNames
 from ...engine.inflight import CheckpointHandle
 from ...engine.runstate import CommitRecord, FileRecord
 from ...engine.variables import encode_states
@@ -89,11 +88,10 @@ class DaskContext(Context):
         self.client = client
         self.cluster = cluster
         self._keep_state_bytes = False  # finalize_icp: the Python states' bytes as init_icp took them
-        self._names = VarNames(self._recorded_names)  # var_id: the names in the commit records
         if config.enable_dcp:
             self._dcp = DaskSpares(self)
 
-    def _recorded_names(self) -> dict[int, str]:
+    def _stored_names(self) -> dict[int, str]:  # var_id: the names in the commit records
         return {} if self.status() == 0 else recorded.names(restore.dask_records(self, None, None))
 
     # --- protection ------------------------------------------------------------------------------
