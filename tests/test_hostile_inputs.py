@@ -163,6 +163,18 @@ def _forge_container(path: Path, var_id: int, data: bytes) -> str:
     return sealed.hash.hex()
 
 
+def forge_committed(dirs: dict, seq: int, var_id: int, data: bytes) -> Path:
+    """:func:`_forge_container` on the one-rank checkpoint ``seq`` of checkpoint id 1, its commit record resealed
+    to the new FB hash: a forged checkpoint that recovery takes as committed. The file's path."""
+    (path,) = Path(dirs["ckpt_dir"]).glob(f"**/ckpt1.s{seq}/Ckpt1-Rank0.fti")
+    fb_hash = _forge_container(path, var_id, data)
+    (record,) = Path(dirs["meta_dir"]).glob(f"*/commits/s{seq:08d}.json")
+    raw = json.loads(record.read_text())
+    raw["files"][0]["fb_hash"] = fb_hash
+    record.write_text(json.dumps(seal_json(raw)))
+    return path
+
+
 def test_compressed_container_that_does_not_decode_touches_no_array(dirs, capsys):
     """A compressed container whose hash matches but whose bytes do not decode was found only while the
     arrays were filled: the variables copied before it were recovered, the others not (a partial
@@ -170,13 +182,7 @@ def test_compressed_container_that_does_not_decode_touches_no_array(dirs, capsys
     ctx = ftidask.init(**dirs, compressor="zstd")
     ctx.protect(1, np.zeros(10_000))
     ctx.protect(2, np.zeros(10_000))
-    info = ctx.checkpoint(1, 1)
-    (path,) = Path(dirs["ckpt_dir"]).glob(f"**/ckpt1.s{info.seq}/Ckpt1-Rank0.fti")
-    fb_hash = _forge_container(path, 2, bytes(16))
-    (record,) = Path(dirs["meta_dir"]).glob(f"*/commits/s{info.seq:08d}.json")
-    raw = json.loads(record.read_text())
-    raw["files"][0]["fb_hash"] = fb_hash
-    record.write_text(json.dumps(seal_json(raw)))
+    path = forge_committed(dirs, ctx.checkpoint(1, 1).seq, 2, bytes(16))
     assert cli_main(["verify", str(path)]) == 1
     assert "cannot be decoded" in capsys.readouterr().out
     ctx = ftidask.init(**dirs)

@@ -287,20 +287,13 @@ def test_compressed_variables_are_decoded_once_into_fresh_arrays(dirs, small_mov
 
 def test_a_compressed_container_that_does_not_decode_leaves_fresh_arrays_untouched(dirs, small_moves):
     """Hashes match (a forged file) but the bytes do not decode: refused while staged, nothing moved."""
-    from test_hostile_inputs import _forge_container
-
-    from ftidask.engine.runstate import seal_json
+    from test_hostile_inputs import forge_committed
 
     ctx = ftidask.init(**dirs, compressor="zstd")
     ctx.protect(1, _compressible(BIG, 2))
     info = ctx.checkpoint(1, 1)
     ctx._close()
-    (path,) = Path(dirs["ckpt_dir"]).glob(f"**/ckpt1.s{info.seq}/Ckpt1-Rank0.fti")
-    fb_hash = _forge_container(path, 1, bytes(64))
-    (record,) = Path(dirs["meta_dir"]).glob(f"*/commits/s{info.seq:08d}.json")
-    raw = json.loads(record.read_text())
-    raw["files"][0]["fb_hash"] = fb_hash
-    record.write_text(json.dumps(seal_json(raw)))
+    forge_committed(dirs, info.seq, 1, bytes(64))
     restart = ftidask.init(**dirs)
     a = fresh(BIG)
     restart.protect(1, a)
