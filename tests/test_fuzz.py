@@ -1,7 +1,8 @@
 """Fuzzing the reader: any damage gives the exact data back or a FormatError, nothing else.
 
 Over ftidask's own files (plain, differential, compressed), a file of FTI 1.1's layout built from the
-format's description, and files written by FTI's own C code (metadata at the end: tests/data/fti_written).
+format's description, files written by FTI's own C code (metadata at the end: tests/data/fti_written), and
+one of FTI 1.6/master's layout built from its sources (ftiff_builders.fti_master_file).
 """
 
 import json
@@ -9,7 +10,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
-from ftiff_builders import fti11_file
+from ftiff_builders import fti11_file, fti_master_file
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,7 @@ _FILES: dict[str, bytes] = {}
 
 
 _FTI_WRITTEN = Path(__file__).parent / "data" / "fti_written"
-KINDS = ["plain", "dcp", "zstd", "fti11", "fti_196f77d2", "fti_8e2e72fc"]
+KINDS = ["plain", "dcp", "zstd", "fti11", "fti_196f77d2", "fti_8e2e72fc", "fti_master_built"]
 
 
 def _sample(tmp_path_factory, kind):
@@ -30,6 +31,9 @@ def _sample(tmp_path_factory, kind):
         a, b = np.arange(1000, dtype=np.int32), np.linspace(0, 1, 300)
         _FILES[kind] = fti11_file({1: a.tobytes(), 2: b.tobytes()},
                                   [[(1, 0, 0, 0, 2400), (2, 1, 0, 0, 3200)], [(1, 0, 1, 2400, 1600)]])
+    elif kind == "fti_master_built" and kind not in _FILES:  # FTI 1.6/master, from its sources: grown, shrunk, empty
+        blocks = [[(1, 0, 0, 160), (2, 0, 0, 40), (3, 0, 0, 48)], [(1, 1, 160, 40), (3, 1, 48, 8)]]
+        _FILES[kind] = fti_master_file({1: bytes(range(200)), 2: b"x" * 24, 3: bytes(48)}, blocks)
     elif kind.startswith("fti_") and kind not in _FILES:
         # 196f77d2: its third checkpoint (three blocks, an empty container); 8e2e72fc: its first, the one of its
         # files its own writer leaves sound (README there)

@@ -32,6 +32,20 @@ An earlier development state of this layout (``src/ftiff.c`` at leobago/fti 8e2e
 ``ckptID`` (``FTIFF_SerializeFileMeta`` there: checksum, myHash, then seven int64;
 ``FTI_filemetastructsize`` = 33 + 16 + 7 * 8 = 105, rounded up to 106), with the same ``myHash`` recipe.
 Which record a file ends with is told by which one's ``myHash`` matches (:data:`VARIANTS`).
+
+FTI's latest sources (``src/IO/ftiff.c`` at 52f4cbeb, ``FTIFF_metaInfo`` in ``include/fti-intern.h`` at
+cb10789a: the ``FTIT_Datatype`` API of FTI 1.6 and master) keep the sizes int64 but make the timestamp a
+``uint32_t``: ``FTIFF_SerializeFileMeta`` writes checksum[33], myHash[16], ckptId int32, ckptSize,
+metaSize, dataSize, fs, maxFs, ptFs (int64), timestamp uint32 (105 bytes), and ``myHash`` is
+MD5(checksum[33], timestamp uint32, ckptSize, metaSize, dataSize, fs, ptFs, maxFs int64). Block and
+container records are the ``FTIT_keymap`` ones above (12 and 58 bytes); the checksum is the writer's, over
+every container's hash. The record sits at ``fs - FTI_filemetastructsize`` and what FTI writes after its
+105 bytes is whatever its malloc'd buffer held. ``FTI_filemetastructsize`` (``FTI_InitExecVars``) of that
+state was not found in the stored sources: 110 (``7 * sizeof(int64_t) + sizeof(int)``, rounded to even,
+as before) and 106 (the 105 bytes rounded) are both tried; a wrong one cannot end the walk at the record.
+(A transient state, tools.c at 09b551e2 with every ``long`` made ``int32_t``: 82/8/50-byte records, is not
+read: its serializers were not found.) These two variants are built from FTI's sources, not checked
+against a file FTI wrote (``tests/ftiff_builders.py`` builds such files independently).
 """
 
 from __future__ import annotations
@@ -54,10 +68,14 @@ class TailVariant:
     size: int  # FTI_filemetastructsize: the serialized bytes rounded up to even (the last byte is not written)
     record: struct.Struct
     has_ckpt_id: bool
+    timestamp: str = "q"  # the timestamp's struct code, in the record and in myHash
 
 
-#: The file metadata records FTI has written, newest first (both checked against FTI-written files).
+#: The file metadata records FTI has written, newest first (the last two checked against FTI-written files).
+_MASTER = struct.Struct("<33s16siqqqqqqI")  # 105 bytes: FTI 1.6 / master, src/IO/ftiff.c at 52f4cbeb
 VARIANTS = (
+    TailVariant("FTI 1.6/master (52f4cbeb, from its sources)", 110, _MASTER, True, "I"),
+    TailVariant("FTI 1.6/master (52f4cbeb, from its sources, 106-byte area)", 106, _MASTER, True, "I"),
     TailVariant("FTI 1.3-1.4 (196f77d2)", 110, struct.Struct("<33s16siqqqqqqq"), True),  # 109 bytes
     TailVariant("FTI 1.2 development (8e2e72fc)", 106, struct.Struct("<33s16sqqqqqqq"), False),  # 105 bytes
 )
@@ -65,7 +83,7 @@ TAIL_FB_SIZE = max(v.size for v in VARIANTS)  # the last bytes to read to recogn
 _DB = struct.Struct("<iq")  # 12 bytes
 _DBVAR_IDX = struct.Struct("<iiiBBQQqq16s")  # 62 bytes: with idx (FTIT_dataset arrays)
 _DBVAR_NOIDX = struct.Struct("<iiBBQQqq16s")  # 58 bytes: without (FTIT_keymap)
-_HASHED = struct.Struct("<qqqqqqq")  # timestamp, ckptSize, metaSize, dataSize, fs, ptFs, maxFs
+_HASHED = struct.Struct("<qqqqqq")  # after the timestamp: ckptSize, metaSize, dataSize, fs, ptFs, maxFs
 
 _MAX_META = 64 << 20  # block and container records of a file: 62 bytes a container
 
@@ -83,7 +101,8 @@ def _unpack_fb(tail: bytes) -> tuple[TailVariant, FileBlock, int, int] | None:
             checksum, my_hash, _ckpt_id, ckpt_size, meta_size, data_size, fs, max_fs, pt_fs, timestamp = fields
         else:
             checksum, my_hash, ckpt_size, meta_size, data_size, fs, max_fs, pt_fs, timestamp = fields
-        hashed = _HASHED.pack(timestamp, ckpt_size, meta_size, data_size, fs, pt_fs, max_fs)
+        hashed = struct.pack("<" + variant.timestamp, timestamp) + _HASHED.pack(ckpt_size, meta_size, data_size,
+                                                                               fs, pt_fs, max_fs)
         if hashlib.md5(checksum + hashed).digest() != my_hash:
             continue
         end = checksum.find(b"\0")
