@@ -217,3 +217,50 @@ def test_a_resharded_restart_finds_the_names_of_the_old_files(tmp_path):
     ids, out = found[0]
     assert ids == given[0]
     assert (out["a"] == np.arange(8.0)).all() and (out["b"] == np.arange(8.0) + 100).all()
+
+
+def test_the_first_var_id_of_a_restart_waits_for_the_checkpoints_in_flight(dirs, monkeypatch):
+    """Its read of the checkpoint's names is a recovery's search (every file verified, L2/L3 rebuilt): it ran while
+    a background checkpoint committed and retired files under it, which every other recovery call waits for."""
+    import threading
+
+    from ftidask.engine.asyncckpt import AsyncCheckpoints
+    from ftidask.engine.commit import Committer
+    from ftidask.engine.recovering import Recovery
+
+    ctx = ftidask.init(**dirs)
+    ctx.protect(ctx.var_id("u"), np.arange(4096.0))
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    restart = ftidask.init(**dirs)
+    assert restart.status() == 1
+    restart.protect(0, np.zeros(4096), name="u")
+    restart.recover()
+    held, committed, seen = threading.Event(), threading.Event(), []
+    real_checkpoint, real_find = Committer.checkpoint, Recovery.find
+
+    def checkpoint(self, *args, **kwargs):  # the background's commit waits for the search or a wait (30 s at most)
+        held.wait(30)
+        try:
+            return real_checkpoint(self, *args, **kwargs)
+        finally:
+            committed.set()
+
+    def find(self, *args, **kwargs):
+        seen.append(committed.is_set())
+        held.set()
+        return real_find(self, *args, **kwargs)
+
+    def drain(self):  # waiting for it lets it go on, too
+        held.set()
+        return real_drain(self)
+
+    real_drain = AsyncCheckpoints.drain
+    monkeypatch.setattr(Committer, "checkpoint", checkpoint)
+    monkeypatch.setattr(Recovery, "find", find)
+    monkeypatch.setattr(AsyncCheckpoints, "drain", drain)
+    handle = restart.checkpoint(2, 1, wait=False)
+    assert restart.var_id("u", create=False) == 0
+    handle.result()
+    assert seen == [True]
+    restart.finalize()
