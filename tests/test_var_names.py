@@ -180,3 +180,87 @@ def test_a_context_dropped_after_var_id_holds_no_lock(dirs):
         assert run_python(child, json.dumps(dirs)).stdout.split() == [exec_id, "1"]
     finally:
         gc.enable()
+
+
+def test_a_resharded_restart_finds_the_names_of_the_old_files(tmp_path):
+    """Written by 2 ranks, recovered on 1 (declared blocks): the names are in the old files' tables. They were
+    not read there (no file of this layout verifies): var_id gave new ids in the order asked, and the
+    redistribution filled each array with another variable's data, silently."""
+    def cfg(n):
+        return load_config(None, ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"),
+                           meta_dir=str(tmp_path / "M"), local_test=1, node_size=1, group_size=n)
+
+    def first(t):
+        ctx = Context(cfg(2), t)
+        ids = {name: ctx.var_id(name) for name in ("a", "b")}
+        for k, name in enumerate(("a", "b")):
+            ctx.protect(ids[name], np.arange(4.0) + 4 * t.rank + 100 * k, global_shape=(8,), offset=(4 * t.rank,))
+        ctx.checkpoint(1, 4)
+        ctx._close()
+        return ids
+
+    def again(t):
+        ctx = Context(cfg(1), t)
+        ids = {name: ctx.var_id(name, create=False) for name in ("b", "a")}
+        out = {}
+        for name in ("b", "a"):
+            out[name] = np.zeros(8)
+            ctx.protect(ids[name], out[name], global_shape=(8,), offset=(0,))
+        ctx.recover()
+        ctx.finalize()
+        return ids, out
+
+    given, errors = run_ranks(cfg(2), 2, first, wait=60)
+    assert errors == [] and given[0] == {"a": 0, "b": 1}
+    found, errors = run_ranks(cfg(1), 1, again, wait=60)
+    assert errors == []
+    ids, out = found[0]
+    assert ids == given[0]
+    assert (out["a"] == np.arange(8.0)).all() and (out["b"] == np.arange(8.0) + 100).all()
+
+
+def test_the_first_var_id_of_a_restart_waits_for_the_checkpoints_in_flight(dirs, monkeypatch):
+    """Its read of the checkpoint's names is a recovery's search (every file verified, L2/L3 rebuilt): it ran while
+    a background checkpoint committed and retired files under it, which every other recovery call waits for."""
+    import threading
+
+    from ftidask.engine.asyncckpt import AsyncCheckpoints
+    from ftidask.engine.commit import Committer
+    from ftidask.engine.recovering import Recovery
+
+    ctx = ftidask.init(**dirs)
+    ctx.protect(ctx.var_id("u"), np.arange(4096.0))
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    restart = ftidask.init(**dirs)
+    assert restart.status() == 1
+    restart.protect(0, np.zeros(4096), name="u")
+    restart.recover()
+    held, committed, seen = threading.Event(), threading.Event(), []
+    real_checkpoint, real_find = Committer.checkpoint, Recovery.find
+
+    def checkpoint(self, *args, **kwargs):  # the background's commit waits for the search or a wait (30 s at most)
+        held.wait(30)
+        try:
+            return real_checkpoint(self, *args, **kwargs)
+        finally:
+            committed.set()
+
+    def find(self, *args, **kwargs):
+        seen.append(committed.is_set())
+        held.set()
+        return real_find(self, *args, **kwargs)
+
+    def drain(self):  # waiting for it lets it go on, too
+        held.set()
+        return real_drain(self)
+
+    real_drain = AsyncCheckpoints.drain
+    monkeypatch.setattr(Committer, "checkpoint", checkpoint)
+    monkeypatch.setattr(Recovery, "find", find)
+    monkeypatch.setattr(AsyncCheckpoints, "drain", drain)
+    handle = restart.checkpoint(2, 1, wait=False)
+    assert restart.var_id("u", create=False) == 0
+    handle.result()
+    assert seen == [True]
+    restart.finalize()

@@ -46,8 +46,7 @@ class Context:
     """One process's handle on a run: protected variables, checkpoints, recovery."""
 
     def __init__(self, config: Config, transport: Transport, *, retention: RetentionFactory = Retention) -> None:
-        """``retention`` makes the collaborator that retires checkpoints (a backend whose files live
-        elsewhere passes its own)."""
+        """``retention`` makes the collaborator that retires checkpoints (a backend with files elsewhere: its own)."""
         self._closed = False
         self._run_lock: RunLock | None = None
         config = config.with_absolute_dirs()  # a later os.chdir of the application moves nothing
@@ -108,12 +107,13 @@ class Context:
                                         offset=offset, replicated=replicated)
 
     def var_id(self, name: str, *, create: bool = True) -> int | None:
-        """FTI_setIDFromString / FTI_getIDFromString (``create=False``): the id named ``name``, else a new one
-        or None (:mod:`ftidask.api.names`). On a restart, on MPI, every rank calls it (collective read)."""
+        """FTI_setIDFromString / FTI_getIDFromString (``create=False``): the id named ``name``, else a new one or
+        None (:mod:`ftidask.api.names`). On a restart, on MPI, every rank calls the first one (collective)."""
         self._check_open()
         return self._names.id_for(name, self._vars, create, self._stored_names)
 
     def _stored_names(self) -> dict[int, str]:  # the Dask backend reads its commit records instead
+        self._async.drain()  # a recovery's search: never beside a checkpoint committing and retiring files
         return restart_names(self._status, self.recovery)
 
     @property

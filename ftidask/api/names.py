@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..engine import reshard
 from ..engine.runstate import STATUS_FRESH
 from ..model.errors import NoCheckpointError, ProtectError, RecoveryError
 
@@ -57,6 +58,11 @@ def restart_names(status: int, recovery: Any) -> dict[int, str]:
     if status == STATUS_FRESH:
         return {}
     try:
+        # A checkpoint of another layout (a resharded restart): none verifies as this rank's file, the old files
+        # hold the names.
+        resharded = reshard.old_names(recovery)
+        if resharded is not None:
+            return resharded
         return {vid: info.name for vid, info in recovery.restart_metadata().vars.items()}
     except (NoCheckpointError, RecoveryError):
         return {}
