@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -402,3 +403,89 @@ def test_recover_file_moves_pages_under_fresh_arrays_too(dirs, small_moves):
     with pytest.raises(ftidask.RecoveryError, match="hash does not match"):
         ctx.recover_file(path)
     assert pagemove.movable(b)
+
+
+# --- FTI's order: stored_size / realloc (or var_id) before recover -------------------------------------------
+
+def _counting_checks(monkeypatch) -> list[str]:
+    """The files a recovery's search verifies (every byte hashed), in order."""
+    from ftidask.engine import recovering
+
+    checked: list[str] = []
+    check = recovering.check_file
+    def counted(path, *args, **kwargs):
+        checked.append(str(path))
+        return check(path, *args, **kwargs)
+
+    monkeypatch.setattr(recovering, "check_file", counted)
+    return checked
+
+
+def test_stored_size_realloc_then_recover_verifies_the_file_once(dirs, monkeypatch):
+    """FTI's restart: FTI_GetStoredSize and FTI_Realloc, then FTI_Recover. The file stored_size verified (its
+    search) is loaded as it is by the recovery that follows, not read and hashed a second time."""
+    data = np.random.default_rng(3).random(300_000)
+    checkpointed(dirs, [data, np.arange(10)])
+    checked = _counting_checks(monkeypatch)
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, np.zeros(1))
+    ctx.protect(2, np.zeros(10, np.int64))
+    assert ctx.stored_size(1) == data.nbytes and ctx.var_id("var2", create=False) == 2  # its default name
+    a = ctx.realloc(1)
+    ctx.recover()
+    assert np.array_equal(a, data) and len(checked) == 1
+    ctx.recover()  # a second recovery verifies again
+    assert np.array_equal(a, data) and len(checked) == 2
+
+
+@pytest.mark.parametrize("how", ["bytes, times restored", "replaced"])
+def test_a_file_changed_after_stored_size_is_verified_again(dirs, monkeypatch, how):
+    """Between stored_size and recover the file is damaged, its modification time set back (only the change
+    time tells), or replaced by another: the recovery verifies afresh, finds the damage, and touches nothing."""
+    import os
+
+    checkpointed(dirs, [np.random.default_rng(4).random(300_000)])
+    path = next(Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank0.fti"))
+    checked = _counting_checks(monkeypatch)
+    ctx = ftidask.init(**dirs)
+    a = np.full(300_000, 7.0)
+    ctx.protect(1, a)
+    assert ctx.stored_size(1) == a.nbytes
+    before = path.stat()
+    if how == "replaced":
+        damaged = path.with_name("other")
+        damaged.write_bytes(path.read_bytes())
+        flip_data(damaged)
+        damaged.rename(path)
+    else:
+        flip_data(path)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(NoCheckpointError):
+        ctx.recover()
+    assert (a == 7.0).all() and len(checked) == 2
+
+
+def test_ranks_verify_again_when_one_rank_file_changed(tmp_path):
+    """4 ranks: every rank's stored_size verified its file; one rank's file is then damaged. All ranks take the
+    full search (one rank alone skipping it would pair different collectives), and all fail the same way."""
+    write(tmp_path, [(1, 1)])
+    cfg = load_config(None, **config(tmp_path))
+    target = sorted(tmp_path.glob("Local/**/Ckpt1-Rank2.fti"))[0]
+    barrier = threading.Barrier(NRANKS)
+
+    def step(t):
+        ctx = Context(cfg, t)
+        a = np.full_like(values(t.rank, 0), 7)
+        ctx.protect(1, a)
+        assert ctx.stored_size(1) == a.nbytes
+        if barrier.wait() == 0:
+            flip_data(target)
+        barrier.wait()
+        try:
+            ctx.recover()
+        except NoCheckpointError:
+            return "NoCheckpointError", bool((a == 7).all())
+        return "recovered", bool(np.array_equal(a, values(t.rank, 1)))
+
+    results, errors = run_ranks(cfg, NRANKS, step, wait=60)
+    assert errors == [] and results == [("NoCheckpointError", True)] * NRANKS, results

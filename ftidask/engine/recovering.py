@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..ftiff.layout import Layout
-from ..ftiff.reader import FtiffFile
+from ..ftiff.reader import FtiffFile, identity_of
 from ..model.errors import FTIError, NoCheckpointError, RecoveryError
 from ..storage.files import RunPaths
 from ..transport.collective import agree, attempt, guarded, on_root
@@ -41,6 +41,7 @@ class Progress:
 
     layout: Layout | None = None  # the containers of the last file written or recovered (the next plan's start)
     restart_file: FtiffFile | None = None  # the checkpoint to recover, parsed once (stored_size, realloc)
+    restart_record: CommitRecord | None = None  # its record, while its file, verified, may be loaded as it is
     recovered: bool = False
     recovered_from: tuple[int, int] | None = None  # (ckpt_id, level)
     last_checkpoint: CheckpointInfo | None = None
@@ -49,16 +50,25 @@ class Progress:
     def committed(self, ckpt_id: int, layout: Layout | None) -> None:
         """After checkpoint ``ckpt_id`` is committed with ``layout``."""
         self.layout = layout
-        self.restart_file = None
+        self.restart_file, self.restart_record = None, None
         self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
 
     def restored(self, ckpt_id: int, level: int, layout: Layout | None) -> None:
         """After checkpoint ``ckpt_id`` of ``level`` is recovered (``layout`` None: plan afresh)."""
         self.layout = layout
         self.restart_file = None if layout is None else self.restart_file
+        self.restart_record = None
         self.recovered = True
         self.recovered_from = (ckpt_id, level)
         self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
+
+
+def unchanged(parsed: FtiffFile) -> bool:
+    """Whether the file at ``parsed.path`` is still the one parsed (and verified), unmodified since."""
+    try:
+        return identity_of(os.stat(parsed.path)) == parsed.identity
+    except OSError:
+        return False
 
 
 def newest_recoverable(records: Iterable[CommitRecord], try_one: Callable[[CommitRecord], tuple[T | None, str]],
@@ -157,6 +167,9 @@ class Recovery(RunPart):
         resharded = reshard.recover_other_layout(self, ckpt_id, level, wanted)
         if resharded is not None:  # written on another number of ranks or node layout
             return resharded
+        verified = self._verified_before(ckpt_id, level)
+        if verified is not None:
+            return self._load(*verified, wanted)
         with self._verifying(wanted) as stage:
             record, verdict = self.find(ckpt_id, level, stage)
         try:
@@ -242,11 +255,24 @@ class Recovery(RunPart):
         return targets.recovered()
 
     def restart_metadata(self) -> FtiffFile:
-        """The checkpoint a restart recovers, parsed (found once; collective the first time)."""
+        """The checkpoint a restart recovers, parsed and verified (found once; collective the first time)."""
         if self.progress.restart_file is None:
-            self.progress.restart_file = self.find()[1].parsed
+            record, verdict = self.find()
+            self.progress.restart_file, self.progress.restart_record = verdict.parsed, record
         assert self.progress.restart_file is not None
         return self.progress.restart_file
+
+    def _verified_before(self, ckpt_id: int | None, level: int | None) -> tuple[CommitRecord, Verdict] | None:
+        """The checkpoint :meth:`restart_metadata` found and verified (stored_size, realloc, var_id before a
+        recover(), FTI's order), when it is the one this recovery asks for and every rank's file is unchanged
+        since: it is then loaded as it is, not read and hashed again. Collective."""
+        record, parsed = self.progress.restart_record, self.progress.restart_file
+        usable = (record is not None and parsed is not None and ckpt_id in (None, record.ckpt_id)
+                  and level in (None, record.level) and not str(parsed.path).endswith(".zarr") and unchanged(parsed))
+        if not all(self.transport.allgather(usable)):
+            return None
+        assert record is not None
+        return record, Verdict("ok", parsed=parsed)
 
     def stored_size(self, vid: int) -> int:
         """:meth:`ftidask.Context.stored_size` of the checked id ``vid``."""

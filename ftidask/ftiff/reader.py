@@ -44,7 +44,7 @@ class FtiffFile:
     blocks: tuple[tuple[BlockMeta, tuple[ContainerMeta, ...]], ...]
     trailer: dict[str, Any] | None
     vars: dict[int, VarInfo]
-    identity: tuple[int, int, int, int] = (0, 0, 0, 0)  # device, inode, size, mtime_ns when parsed
+    identity: tuple[int, ...] = (0, 0, 0, 0, 0)  # device, inode, size, mtime_ns, ctime_ns when parsed
     tail: bool = False  # FTI 1.2+ layout: data first, metadata at the end (tailmeta.py)
 
     @property
@@ -79,13 +79,15 @@ def _pread(fh: BinaryIO, offset: int, length: int, path: str, what: str) -> byte
     return data
 
 
-def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
-    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+def identity_of(stat: os.stat_result) -> tuple[int, ...]:
+    """What tells a file from itself modified or replaced (:attr:`FtiffFile.identity`)."""
+    # ctime too: no program can set it back, so a write with the modification time restored still shows
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
 def check_unchanged(fh: BinaryIO, parsed: FtiffFile) -> None:
     """Raise unless ``fh`` is the very file that was parsed and verified, unmodified since."""
-    if _identity(os.fstat(fh.fileno())) != parsed.identity:
+    if identity_of(os.fstat(fh.fileno())) != parsed.identity:
         raise FormatError("file was replaced or modified after it was verified", path=parsed.path)
 
 
@@ -104,7 +106,7 @@ def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:
         tail = tailmeta.parse_tail(fh, path, file_size)
         if tail is None:
             raise
-        parsed = FtiffFile(path, file_size, tail[0], tail[1], None, {}, _identity(stat), tail=True)
+        parsed = FtiffFile(path, file_size, tail[0], tail[1], None, {}, identity_of(stat), tail=True)
         _check_coverage(parsed)
         return parsed
     if not fb.legacy:
@@ -129,7 +131,7 @@ def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:
         if checksum.hexdigest()[:32] != fb.checksum:
             raise FormatError("metadata checksum does not match the file block (damaged metadata)", path=path)
         trailer = parse_trailer(tail[:length], path=path)
-    parsed = FtiffFile(path, file_size, fb, tuple(blocks), trailer, _parse_vars(trailer, path), _identity(stat))
+    parsed = FtiffFile(path, file_size, fb, tuple(blocks), trailer, _parse_vars(trailer, path), identity_of(stat))
     _check_coverage(parsed)
     if fb.flags & FLAG_DCP:
         info = DcpInfo(parsed)
