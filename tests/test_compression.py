@@ -1,5 +1,7 @@
 """Compressed FTI-FF containers: round trips per codec, recorded codec, damage detection."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -7,6 +9,7 @@ import ftidask
 from ftidask.ftiff import compression
 from ftidask.ftiff.reader import parse_ftiff, verify_data
 from ftidask.model.errors import ConfigError, FormatError, NoCheckpointError
+from ftidask.tools.cli import main as cli_main
 
 CODECS = ["zstd", "zstd:9", "lz4", "blosc", "blosc-zstd:3", "blosc-lz4hc"]
 
@@ -188,3 +191,70 @@ def test_inspect_shows_the_codec(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "'zeros'" in out and "'cname': 'zstd'" in out and "'clevel': 2" in out
     assert main(["verify", str(path)]) == 0
+
+
+# --- large containers: frames encoded and decoded on several threads ----------------------------------------
+
+def _walk(n: int, seed: int = 5) -> np.ndarray:
+    """A random walk rounded to 2 decimals: every codec shrinks it."""
+    return np.round(np.cumsum(np.random.default_rng(seed).standard_normal(n)), 2)
+
+
+def _vars_extra(path) -> dict:
+    with open(path, "rb") as fh:
+        return {vid: info.extra for vid, info in parse_ftiff(fh, str(path)).vars.items()}
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4", "blosc"])
+def test_a_large_container_is_stored_in_frames(tmp_path, codec):
+    n = 3 * compression.FRAME_BYTES // 8 + 1001  # four frames, the last one short
+    data, small = _walk(n), _walk(1000, 6)
+    grown = np.asfortranarray(_walk(2 * n, 7).reshape(2, n))  # grown in a second checkpoint: another container
+    ctx = ftidask.init(**_dirs(tmp_path, compressor=codec))
+    ctx.protect(1, data)
+    ctx.protect(2, small)
+    ctx.protect(3, grown[:, : n // 2].copy(order="F"))
+    ctx.checkpoint(1, 1)
+    ctx.protect(3, grown)
+    ctx.checkpoint(2, 1)
+    ctx._close()
+    path = sorted(tmp_path.glob("l/node0/*/l1/ckpt2*/Ckpt2-Rank0.fti"))[0]
+    extra = _vars_extra(path)
+    assert [len(s) for s in extra[1]["codec_frames"].values()] == [4]
+    assert extra[1]["codec_frame_bytes"] == compression.FRAME_BYTES and "codec_frames" not in extra[2]
+    assert sorted(extra[3]["codec_frames"]) == ["0", "1"]  # both of the grown variable's containers
+    for fresh in (False, True):  # into touched arrays, and into fresh ones (read, checked, decoded once)
+        ctx2 = ftidask.init(**_dirs(tmp_path))
+        outs = [np.empty_like(a) if fresh else np.full_like(a, -1) for a in (data, small, grown)]
+        for i, o in enumerate(outs):
+            ctx2.protect(i + 1, o)
+        ctx2.recover()
+        ctx2._close()
+        assert all(o.tobytes() == a.tobytes() for o, a in zip(outs, (data, small, grown)))
+    assert cli_main(["verify", str(path)]) == 0
+
+
+@pytest.mark.parametrize("forged", [{"codec_frames": {"0": [1, 2]}}, {"codec_frames": {"0": "x"}},
+                                    {"codec_frames": [3]}, {"codec_frame_bytes": 0},
+                                    {"codec_frame_bytes": True}, "shift"])
+def test_a_forged_frame_record_is_damage(tmp_path, forged):
+    """Frame sizes that do not add up to the stored bytes or make another number of frames, records of the
+    wrong type, a frame boundary moved (each frame then fails to decode): a FormatError before any array."""
+    from test_hostile_inputs import _rewrite_table, _table
+
+    ctx = ftidask.init(**_dirs(tmp_path, compressor="zstd"))
+    ctx.protect(1, _walk(compression.FRAME_BYTES // 4))  # two frames
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    (path,) = _files(tmp_path)
+    table = _table(path)
+    extra = table["vars"][0]["extra"]
+    if forged == "shift":
+        sizes = extra["codec_frames"]["0"]
+        extra["codec_frames"]["0"] = [sizes[0] - 7, sizes[1] + 7]
+    else:
+        extra.update(forged)
+    _rewrite_table(path, json.dumps(table).encode())
+    with open(path, "rb") as fh, pytest.raises(FormatError):
+        verify_data(fh, parse_ftiff(fh, str(path)))
+    assert cli_main(["verify", str(path)]) == 1

@@ -274,8 +274,8 @@ def test_compressed_variables_are_decoded_once_into_fresh_arrays(dirs, small_mov
     packed = [m for _b, _c, m in parsed.containers() if m.hascontent and m.containerid not in plain[m.id]]
     assert len(packed) == 2 and plain[2]  # var 1's two containers compressed, var 2's stored raw
     calls = []
-    decode = compression.decode_span
-    monkeypatch.setattr(compression, "decode_span", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    decode = compression.decode_container
+    monkeypatch.setattr(compression, "decode_container", lambda *a, **k: calls.append(1) or decode(*a, **k))
     restart = ftidask.init(**dirs)
     out = [fresh(BIG), fresh(BIG, np.uint8)]
     restart.protect(1, out[0])

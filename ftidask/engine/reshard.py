@@ -377,6 +377,6 @@ def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, stop: int) -> t
             raise FormatError(f"block {bi}, container {ci} (var id {vid}): data hash does not match (damaged data)",
                               path=parsed.path)
         if codec is not None and meta.containerid not in plain:
-            stored = compression.decode_span(codec, stored, raw, what=f"block {bi}, container {ci} (var id {vid})")
+            stored = compression.decode_container(info, meta, stored, f"block {bi}, container {ci} (var id {vid})")
         out[dptr - base:dptr - base + raw] = stored
     return out, base

@@ -10,13 +10,22 @@ listed in the variable's ``extra["codec_plain"]`` (its container ids). The codec
 recorded per variable in the variable table (``extra["codec"]``), so recovery needs no
 configuration. The container hash covers the stored bytes: damage is found before decoding.
 
+A span of more than :data:`FRAME_BYTES` raw bytes is encoded in frames of that many raw bytes (the last
+one shorter), each on its own, by several threads (numcodecs releases the GIL), and stored one after the
+other; ``extra["codec_frames"]`` maps the container id (a str) to the frames' stored sizes and
+``extra["codec_frame_bytes"]`` gives the raw size of a frame. A recovery decodes them on several threads
+too. A container without an entry there is one frame (files written before frames, small spans).
+
 Only the codec ids below are ever instantiated from a file (never numcodecs' Pickle codec).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 from collections.abc import Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,6 +34,28 @@ from ..model import codecspec
 from ..model.codecspec import ALLOWED_IDS
 from ..model.errors import ConfigError, FormatError
 from . import hashing
+
+FRAME_BYTES = 4 << 20  # raw bytes a frame of a larger container holds (a multiple of every element size)
+_FRAME_THREADS = min(8, os.cpu_count() or 1)
+_frame_pool: ThreadPoolExecutor | None = None
+_frame_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:
+    global _frame_pool
+    _frame_pool = None  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The threads that encode and decode frames (their tasks start no other task: no deadlock)."""
+    global _frame_pool
+    with _frame_pool_lock:
+        if _frame_pool is None:
+            _frame_pool = ThreadPoolExecutor(_FRAME_THREADS, thread_name_prefix="ftidask-frames")
+        return _frame_pool
 
 
 def parse_compressor(spec: Any) -> dict[str, Any] | None:
@@ -73,6 +104,26 @@ def encode_span(codec: Any, raw: memoryview | bytes, itemsize: int = 1) -> tuple
     return encoded, False
 
 
+def encode_container(codec: Any, raw: memoryview | bytes,
+                     itemsize: int = 1) -> tuple[bytes | memoryview, bool, list[int] | None]:
+    """``(stored bytes, plain, frame sizes)``: :func:`encode_span`, in frames of :data:`FRAME_BYTES` raw bytes
+    encoded on several threads when the span is longer (their stored sizes, else None)."""
+    if len(raw) <= FRAME_BYTES:
+        stored, plain = encode_span(codec, raw, itemsize)
+        return stored, plain, None
+    view = memoryview(raw)
+    view = view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+    def one(lo: int) -> bytes:
+        out = codec.encode(_typed(view[lo:lo + FRAME_BYTES], itemsize))
+        return out if isinstance(out, bytes) else bytes(out)
+
+    frames = list(_pool().map(one, range(0, len(view), FRAME_BYTES)))
+    if sum(len(f) for f in frames) >= len(view):
+        return raw, True, None
+    return b"".join(frames), False, [len(f) for f in frames]
+
+
 def decode_span(codec: Any, stored: bytes | memoryview, span: int, *, what: str = "container") -> bytes:
     """The raw bytes of a verified compressed container; a :class:`FormatError` on a size mismatch."""
     try:
@@ -83,6 +134,46 @@ def decode_span(codec: Any, stored: bytes | memoryview, span: int, *, what: str 
     if len(raw) != span:
         raise FormatError(f"{what}: decodes to {len(raw)} bytes, expected {span}")
     return raw
+
+
+def decode_container(info: Any, meta: Any, stored: bytes | memoryview, what: str) -> bytes:
+    """The raw span of compressed container ``meta`` (of the variable ``info``, a VarInfo) from its hash-checked
+    ``stored`` bytes: one frame, or its frames decoded on several threads; a :class:`FormatError` otherwise."""
+    span = raw_span(info.nbytes, meta.dptr, meta.containersize)
+    codec = var_codec(info.extra)
+    sizes = _frame_sizes(info.extra, meta.containerid, what)
+    if sizes is None:
+        return decode_span(codec, stored, span, what=what)
+    frame = info.extra.get("codec_frame_bytes")
+    if isinstance(frame, bool) or not isinstance(frame, int) or frame <= 0:
+        raise FormatError(f"{what}: invalid codec_frame_bytes record {frame!r}")
+    if len(sizes) != -(-span // frame) or sum(sizes) != len(stored):
+        raise FormatError(f"{what}: {len(sizes)} frames of {sum(sizes)} stored bytes do not make a span of {span} "
+                          f"raw bytes in frames of {frame} from {len(stored)} stored bytes")
+    starts = [0, *itertools.accumulate(sizes[:-1])]
+    view = memoryview(stored)
+
+    def one(i: int) -> bytes:
+        piece = view[starts[i]:starts[i] + sizes[i]]
+        return decode_span(codec, piece, min(frame, span - i * frame), what=f"{what}, frame {i}")
+
+    return b"".join(_pool().map(one, range(len(sizes))))
+
+
+def _frame_sizes(extra: Mapping[str, Any], containerid: int, what: str) -> list[int] | None:
+    """The stored sizes of a container's frames (``extra["codec_frames"]``), or None for one frame."""
+    table = extra.get("codec_frames")
+    if table is None:
+        return None
+    if not isinstance(table, Mapping):
+        raise FormatError(f"{what}: invalid codec_frames record {table!r}")
+    sizes = table.get(str(containerid))
+    if sizes is None:
+        return None
+    if not isinstance(sizes, list) or not sizes or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes):
+        raise FormatError(f"{what}: invalid frame sizes {sizes!r}")
+    return sizes
 
 
 def read_decoded(fd: int, meta: Any, info: Any, hash_id: int, what: str) -> bytes:
@@ -100,7 +191,7 @@ def read_decoded(fd: int, meta: Any, info: Any, hash_id: int, what: str) -> byte
         raise FormatError(f"{what}: file ends inside its data")
     if hashing.digest(hash_id, stored) != meta.hash:
         raise FormatError(f"{what}: data hash does not match (damaged data)")
-    return decode_span(var_codec(info.extra), stored, raw_span(info.nbytes, meta.dptr, meta.containersize), what=what)
+    return decode_container(info, meta, stored, what)
 
 
 def raw_span(nbytes: int, dptr: int, containersize: int) -> int:
@@ -136,19 +227,26 @@ def decode_problem(info: Any, meta: Any, stored: memoryview | bytes, what: str) 
     if info is None or "codec" not in info.extra or meta.containerid in plain_ids(info.extra):
         return ""
     try:
-        decode_span(var_codec(info.extra), stored, raw_span(info.nbytes, meta.dptr, meta.containersize), what=what)
+        decode_container(info, meta, stored, what)
     except FormatError as exc:
         return str(exc)
     return ""
 
 
-def annotate_trailer(trailer: MutableMapping[str, Any], plain: Mapping[int, list[int]]) -> None:
-    """Record, in the variable table, which containers of compressed variables are stored raw."""
+def annotate_trailer(trailer: MutableMapping[str, Any], plain: Mapping[int, list[int]],
+                     frames: Mapping[int, Mapping[int, list[int]]] | None = None) -> None:
+    """Record, in the variable table, which containers of compressed variables are stored raw, and the
+    frames of those stored in frames (by var id, then container id)."""
+    frames = frames or {}
     entries = [dict(e) for e in trailer.get("vars", [])]
     for entry in entries:
         vid = entry.get("id")
+        extra = dict(entry.get("extra", {}))
         if vid in plain and plain[vid]:
-            extra = dict(entry.get("extra", {}))
             extra["codec_plain"] = sorted(plain[vid])
+        if frames.get(vid):
+            extra["codec_frames"] = {str(cid): sizes for cid, sizes in sorted(frames[vid].items())}
+            extra["codec_frame_bytes"] = FRAME_BYTES
+        if extra:
             entry["extra"] = extra
     trailer["vars"] = entries

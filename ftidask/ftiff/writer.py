@@ -171,18 +171,18 @@ def write_spans(fh: BinaryIO, spans: Iterable[Span], hash_id: int, pool: ThreadP
 
 
 def _write_compressed(fh: BinaryIO, source: ByteSource, start: int, stop: int, hid: int,
-                      codec: tuple[Any, int]) -> tuple[bytes, int, bool]:
-    """Encode one container's raw span and write it: ``(digest, stored size, stored plain)``."""
+                      codec: tuple[Any, int]) -> tuple[bytes, int, bool, list[int] | None]:
+    """Encode one container's raw span and write it: ``(digest, stored size, stored plain, frame sizes)``."""
     view = source.view(start, stop)
     raw = view if view is not None else b"".join(bytes(p) for p in source.pieces(start, stop))
-    stored, plain = compression.encode_span(codec[0], raw, codec[1])
+    stored, plain, frames = compression.encode_container(codec[0], raw, codec[1])
     if plain and view is not None:
         # Stored as is: from a private copy (the encoder's output already is one), so that the
         # bytes hashed are the bytes written even if the array changes meanwhile.
         del stored
         stored = copy_span(source, start, stop, np.empty(stop - start, np.uint8))
     _write_all(fh, memoryview(stored))
-    return hashing.digest(hid, stored), len(stored), plain
+    return hashing.digest(hid, stored), len(stored), plain, frames
 
 
 def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource], *, hash_id: int,
@@ -200,6 +200,7 @@ def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource],
         digests: dict[tuple[int, int], bytes] = {}
         stored_sizes: dict[tuple[int, int], int] = {}
         plain: dict[int, list[int]] = {}
+        frames: dict[int, dict[int, list[int]]] = {}
         spans: list[Span] = []
         data_bytes = 0
         for bi, block in enumerate(layout.blocks):
@@ -209,11 +210,13 @@ def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource],
                 source = sources[slot.var_id]
                 if codecs and slot.var_id in codecs:
                     fh.seek(slot.fptr)
-                    digests[bi, si], size, is_plain = _write_compressed(
+                    digests[bi, si], size, is_plain, sizes = _write_compressed(
                         fh, source, slot.dptr, slot.dptr + slot.chunksize, hash_id, codecs[slot.var_id])
                     stored_sizes[bi, si] = size
                     if is_plain:
                         plain.setdefault(slot.var_id, []).append(slot.containerid)
+                    if sizes:
+                        frames.setdefault(slot.var_id, {})[slot.containerid] = sizes
                     data_bytes += size
                     continue
                 spans.append(((bi, si), slot.fptr, source, slot.dptr, slot.dptr + slot.chunksize))
@@ -221,7 +224,7 @@ def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource],
         digests.update(write_spans(fh, spans, hash_id, pool))
         if codecs:
             trailer = dict(trailer)
-            compression.annotate_trailer(trailer, plain)
+            compression.annotate_trailer(trailer, plain, frames)
         written = write_metadata(fh, layout, digests, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs,
                                  timestamp=timestamp, stored_sizes=stored_sizes if codecs else None)
         return dataclasses.replace(written, data_bytes=data_bytes)
