@@ -25,8 +25,8 @@ import itertools
 import os
 import threading
 from collections.abc import Mapping, MutableMapping
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from ..model.codecspec import ALLOWED_IDS
 from ..model.errors import ConfigError, FormatError
 from . import hashing
 
+T = TypeVar("T")
 FRAME_BYTES = 4 << 20  # raw bytes a frame of a larger container holds (a multiple of every element size)
 _FRAME_THREADS = min(8, os.cpu_count() or 1)
 _frame_pool: ThreadPoolExecutor | None = None
@@ -105,12 +106,13 @@ def encode_span(codec: Any, raw: memoryview | bytes, itemsize: int = 1) -> tuple
 
 
 def encode_container(codec: Any, raw: memoryview | bytes,
-                     itemsize: int = 1) -> tuple[bytes | memoryview, bool, list[int] | None]:
-    """``(stored bytes, plain, frame sizes)``: :func:`encode_span`, in frames of :data:`FRAME_BYTES` raw bytes
-    encoded on several threads when the span is longer (their stored sizes, else None)."""
+                     itemsize: int = 1) -> tuple[list[bytes | memoryview], bool, list[int] | None]:
+    """``(stored pieces, plain, frame sizes)``: :func:`encode_span`, in frames of :data:`FRAME_BYTES` raw bytes
+    encoded on several threads when the span is longer (the frames, their stored sizes; else one piece, None).
+    The pieces are written one after the other (never joined: a copy of the whole container)."""
     if len(raw) <= FRAME_BYTES:
         stored, plain = encode_span(codec, raw, itemsize)
-        return stored, plain, None
+        return [stored], plain, None
     view = memoryview(raw)
     view = view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
@@ -118,10 +120,17 @@ def encode_container(codec: Any, raw: memoryview | bytes,
         out = codec.encode(_typed(view[lo:lo + FRAME_BYTES], itemsize))
         return out if isinstance(out, bytes) else bytes(out)
 
-    frames = list(_pool().map(one, range(0, len(view), FRAME_BYTES)))
+    frames: list[bytes | memoryview] = _all_done([_pool().submit(one, lo) for lo in range(0, len(view), FRAME_BYTES)])
     if sum(len(f) for f in frames) >= len(view):
-        return raw, True, None
-    return b"".join(frames), False, [len(f) for f in frames]
+        return [raw], True, None
+    return frames, False, [len(f) for f in frames]
+
+
+def _all_done(futures: list[Future[T]]) -> list[T]:
+    """Every result, once every task has ended (a task left running could still write into memory that the
+    caller, seeing the first error, unmaps); the first error then."""
+    wait(futures)
+    return [f.result() for f in futures]
 
 
 def decode_span(codec: Any, stored: bytes | memoryview, span: int, *, what: str = "container") -> bytes:
@@ -136,14 +145,20 @@ def decode_span(codec: Any, stored: bytes | memoryview, span: int, *, what: str 
     return raw
 
 
-def decode_container(info: Any, meta: Any, stored: bytes | memoryview, what: str) -> bytes:
+def decode_container(info: Any, meta: Any, stored: bytes | memoryview, what: str,
+                     out: memoryview | None = None) -> bytes | None:
     """The raw span of compressed container ``meta`` (of the variable ``info``, a VarInfo) from its hash-checked
-    ``stored`` bytes: one frame, or its frames decoded on several threads; a :class:`FormatError` otherwise."""
+    ``stored`` bytes: one frame, or its frames decoded on several threads; a :class:`FormatError` otherwise.
+    With ``out`` (as long as the span), the bytes are put there instead (each frame where it belongs)."""
     span = raw_span(info.nbytes, meta.dptr, meta.containersize)
     codec = var_codec(info.extra)
     sizes = _frame_sizes(info.extra, meta.containerid, what)
     if sizes is None:
-        return decode_span(codec, stored, span, what=what)
+        raw = decode_span(codec, stored, span, what=what)
+        if out is None:
+            return raw
+        out[:span] = raw
+        return None
     frame = info.extra.get("codec_frame_bytes")
     if isinstance(frame, bool) or not isinstance(frame, int) or frame <= 0:
         raise FormatError(f"{what}: invalid codec_frame_bytes record {frame!r}")
@@ -153,11 +168,24 @@ def decode_container(info: Any, meta: Any, stored: bytes | memoryview, what: str
     starts = [0, *itertools.accumulate(sizes[:-1])]
     view = memoryview(stored)
 
-    def one(i: int) -> bytes:
-        piece = view[starts[i]:starts[i] + sizes[i]]
-        return decode_span(codec, piece, min(frame, span - i * frame), what=f"{what}, frame {i}")
+    def one(i: int) -> bytes | str | None:
+        # An error comes back as its message, never as an exception: one kept in a future (with the frames of
+        # its traceback, and their views of the caller's memory map) would outlive the call.
+        try:
+            raw = decode_span(codec, view[starts[i]:starts[i] + sizes[i]], min(frame, span - i * frame),
+                              what=f"{what}, frame {i}")
+        except FormatError as exc:
+            return str(exc)
+        if out is None:
+            return raw
+        out[i * frame:i * frame + len(raw)] = raw
+        return None
 
-    return b"".join(_pool().map(one, range(len(sizes))))
+    parts = _all_done([_pool().submit(one, i) for i in range(len(sizes))])
+    problem = next((p for p in parts if isinstance(p, str)), None)
+    if problem is not None:
+        raise FormatError(problem)
+    return None if out is not None else b"".join(parts)  # type: ignore[arg-type]
 
 
 def _frame_sizes(extra: Mapping[str, Any], containerid: int, what: str) -> list[int] | None:
@@ -176,10 +204,10 @@ def _frame_sizes(extra: Mapping[str, Any], containerid: int, what: str) -> list[
     return sizes
 
 
-def read_decoded(fd: int, meta: Any, info: Any, hash_id: int, what: str) -> bytes:
+def read_decoded(fd: int, meta: Any, info: Any, hash_id: int, what: str, out: memoryview | None = None) -> Any:
     """The raw span of compressed container ``meta`` (of the variable ``info``): read whole, hash-checked,
-    then decoded; a :class:`FormatError` (no path) when the file ends inside it, the hash does not match
-    or the bytes do not decode."""
+    then decoded (into ``out`` if given: None returned); a :class:`FormatError` (no path) when the file ends
+    inside it, the hash does not match or the bytes do not decode."""
     stored = bytearray(meta.chunksize)
     view, got = memoryview(stored), 0
     while got < meta.chunksize:
@@ -191,7 +219,7 @@ def read_decoded(fd: int, meta: Any, info: Any, hash_id: int, what: str) -> byte
         raise FormatError(f"{what}: file ends inside its data")
     if hashing.digest(hash_id, stored) != meta.hash:
         raise FormatError(f"{what}: data hash does not match (damaged data)")
-    return decode_container(info, meta, stored, what)
+    return decode_container(info, meta, stored, what, out)
 
 
 def raw_span(nbytes: int, dptr: int, containersize: int) -> int:

@@ -113,11 +113,13 @@ def _read_decoded(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
     def one(job: tuple[int, int, ContainerMeta]) -> str:
         bi, ci, meta = job
         where = f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid})"
-        try:
-            raw = compression.read_decoded(fh.fileno(), meta, parsed.vars[meta.id], parsed.fb.hash_id, where)
+        info = parsed.vars[meta.id]
+        span = compression.raw_span(info.nbytes, meta.dptr, meta.containersize)
+        try:  # decoded straight into the staged pages, frame by frame
+            compression.read_decoded(fh.fileno(), meta, info, parsed.fb.hash_id, where,
+                                     views[meta.id][meta.dptr:meta.dptr + span])
         except FormatError as exc:
             return str(exc)
-        views[meta.id][meta.dptr:meta.dptr + len(raw)] = raw
         return ""
 
     with ThreadPoolExecutor(max_workers=_DECODE_THREADS, thread_name_prefix="ftidask-decode") as pool:

@@ -175,14 +175,17 @@ def _write_compressed(fh: BinaryIO, source: ByteSource, start: int, stop: int, h
     """Encode one container's raw span and write it: ``(digest, stored size, stored plain, frame sizes)``."""
     view = source.view(start, stop)
     raw = view if view is not None else b"".join(bytes(p) for p in source.pieces(start, stop))
-    stored, plain, frames = compression.encode_container(codec[0], raw, codec[1])
+    pieces, plain, frames = compression.encode_container(codec[0], raw, codec[1])
     if plain and view is not None:
         # Stored as is: from a private copy (the encoder's output already is one), so that the
         # bytes hashed are the bytes written even if the array changes meanwhile.
-        del stored
-        stored = copy_span(source, start, stop, np.empty(stop - start, np.uint8))
-    _write_all(fh, memoryview(stored))
-    return hashing.digest(hid, stored), len(stored), plain, frames
+        del pieces
+        pieces = [copy_span(source, start, stop, np.empty(stop - start, np.uint8))]
+    hasher = hashing.new_hasher(hid)
+    for piece in pieces:
+        hasher.update(piece)
+        _write_all(fh, memoryview(piece))
+    return hasher.digest(), sum(memoryview(p).nbytes for p in pieces), plain, frames
 
 
 def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource], *, hash_id: int,
