@@ -264,3 +264,28 @@ def test_the_first_var_id_of_a_restart_waits_for_the_checkpoints_in_flight(dirs,
     handle.result()
     assert seen == [True]
     restart.finalize()
+
+
+def test_a_name_refused_on_one_rank_does_not_hang_the_others(tmp_path):
+    """On a restart the first var_id reads the checkpoint's names together on every rank: a rank whose name is
+    refused takes part in that read before raising, so the others do not wait for it forever."""
+    cfg = load_config(None, ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"),
+                      meta_dir=str(tmp_path / "M"), local_test=1, node_size=1, group_size=4)
+
+    def first(t):
+        ctx = Context(cfg, t)
+        _write(ctx, list(range(10)))
+        ctx._close()
+
+    def again(t):
+        ctx = Context(cfg, t)
+        try:
+            return ctx.var_id("" if t.rank == 2 else "three", create=False)
+        except ftidask.ProtectError:
+            return "refused"
+        finally:
+            ctx._close()
+
+    assert run_ranks(cfg, 4, first, wait=60)[1] == []
+    found, errors = run_ranks(cfg, 4, again, wait=30)
+    assert errors == [] and found == [3, 3, "refused", 3]

@@ -30,11 +30,12 @@ class VarNames:
         """The id named ``name``: given before, then a protected variable's, then one of the checkpoint's
         (``stored_names`` reads them, once; {} on a fresh start); else a new id (one above every id known)
         when ``create``, else None."""
-        if not isinstance(name, str) or not name:
-            raise ProtectError(f"a variable name is a non-empty str, got {name!r}")
-        # Read first, whatever is found below: on MPI the first read is collective, and every rank must take part.
+        # Read first, whatever is found below and whatever the name: on MPI the first read is collective, and
+        # every rank must take part (a rank whose name is refused too, or the others would wait for it).
         if self._stored is None:
             self._stored = stored_names()
+        if not isinstance(name, str) or not name:
+            raise ProtectError(f"a variable name is a non-empty str, got {name!r}")
         stored = self._stored
         found = self._given.get(name)
         if found is None:
