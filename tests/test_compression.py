@@ -1,6 +1,7 @@
 """Compressed FTI-FF containers: round trips per codec, recorded codec, damage detection."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -304,3 +305,41 @@ def test_decoding_stops_at_the_first_frames_that_fail(tmp_path, monkeypatch):
     with open(path, "rb") as fh, pytest.raises(FormatError, match="frame 0: cannot be decoded"):
         verify_data(fh, parse_ftiff(fh, str(path)))
     assert count == 128 and 0 < len(calls) < count
+
+
+def _frames_in_child() -> bool:
+    import numcodecs
+
+    data = _walk(compression.FRAME_BYTES // 4)
+    pieces, plain, sizes = compression.encode_container(numcodecs.Zstd(), memoryview(data).cast("B"), 8)
+    return not plain and len(sizes) == 2
+
+
+def _copy_in_child() -> bool:
+    from ftidask.engine import snapshot
+
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    snapshot._parallel_copy(dst, src)
+    return bool(np.array_equal(dst, src))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+@pytest.mark.parametrize("module, lock, use", [("ftidask.ftiff.compression", "_frame_pool_lock", _frames_in_child),
+                                               ("ftidask.engine.snapshot", "_copiers_lock", _copy_in_child)])
+def test_a_child_forked_while_a_thread_makes_the_pool_makes_its_own(module, lock, use):
+    """A thread of the parent inside the pool's lock when another thread forks: the child's copy of the lock
+    was held, by no thread of the child, and its first frame (or parallel copy) waited for it forever."""
+    import importlib
+    import warnings
+
+    mod = importlib.import_module(module)
+    with getattr(mod, lock), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork in a process with threads
+        pid = os.fork()
+        if pid == 0:  # the child: a lock it can take (not to wait forever here), then the pool works
+            free = getattr(mod, lock).acquire(blocking=False)
+            if free:
+                getattr(mod, lock).release()
+            os._exit(0 if free and use() else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0

@@ -47,8 +47,10 @@ _frame_pool_lock = threading.Lock()
 
 
 def _forget_pool() -> None:
-    global _frame_pool
+    global _frame_pool, _frame_pool_lock
     _frame_pool = None  # a forked child has none of the parent's threads
+    # nor the thread that may have held the lock when another forked: the child's copy would stay held
+    _frame_pool_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pool)
