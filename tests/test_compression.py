@@ -1,6 +1,7 @@
 """Compressed FTI-FF containers: round trips per codec, recorded codec, damage detection."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -258,3 +259,87 @@ def test_a_forged_frame_record_is_damage(tmp_path, forged):
     with open(path, "rb") as fh, pytest.raises(FormatError):
         verify_data(fh, parse_ftiff(fh, str(path)))
     assert cli_main(["verify", str(path)]) == 1
+
+
+def _frames_forged(tmp_path, frame: int) -> tuple:
+    """A two-frame container whose record is rewritten to ``frame`` raw bytes a frame, its stored bytes cut
+    into as many frames (none of which decodes): the path and how many frames the record declares."""
+    from test_hostile_inputs import _rewrite_table, _table
+
+    ctx = ftidask.init(**_dirs(tmp_path, compressor="zstd"))
+    ctx.protect(1, _walk(compression.FRAME_BYTES // 4))  # two frames
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    (path,) = _files(tmp_path)
+    table = _table(path)
+    extra = table["vars"][0]["extra"]
+    stored, count = sum(extra["codec_frames"]["0"]), -(-2 * compression.FRAME_BYTES // frame)
+    extra["codec_frames"]["0"] = [stored // count + (i < stored % count) for i in range(count)]
+    extra["codec_frame_bytes"] = frame
+    _rewrite_table(path, json.dumps(table).encode())
+    return path, count
+
+
+def _counting_decodes(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    decode = compression.decode_span
+    monkeypatch.setattr(compression, "decode_span", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    return calls
+
+
+def test_frames_too_small_to_be_ftidask_s_are_refused_from_the_record(tmp_path, monkeypatch):
+    """A forged record of tiny frames (a frame per byte, a list as long as the span) cost a task, a future and
+    a decoding per frame, thousands of times the file's bytes in memory: refused before any is decoded."""
+    path, count = _frames_forged(tmp_path, 256)
+    calls = _counting_decodes(monkeypatch)
+    with open(path, "rb") as fh, pytest.raises(FormatError, match="codec_frame_bytes"):
+        verify_data(fh, parse_ftiff(fh, str(path)))
+    assert count == 32768 and calls == []
+
+
+def test_decoding_stops_at_the_first_frames_that_fail(tmp_path, monkeypatch):
+    """Frames that do not decode: the first ones' failure refuses the container; the frames after them are
+    never submitted (all of them queued at once cost a future each, however many the record lists)."""
+    path, count = _frames_forged(tmp_path, 64 << 10)  # the smallest frame a file may declare
+    calls = _counting_decodes(monkeypatch)
+    with open(path, "rb") as fh, pytest.raises(FormatError, match="frame 0: cannot be decoded"):
+        verify_data(fh, parse_ftiff(fh, str(path)))
+    assert count == 128 and 0 < len(calls) < count
+
+
+def _frames_in_child() -> bool:
+    import numcodecs
+
+    data = _walk(compression.FRAME_BYTES // 4)
+    pieces, plain, sizes = compression.encode_container(numcodecs.Zstd(), memoryview(data).cast("B"), 8)
+    return not plain and len(sizes) == 2
+
+
+def _copy_in_child() -> bool:
+    from ftidask.engine import snapshot
+
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    snapshot._parallel_copy(dst, src)
+    return bool(np.array_equal(dst, src))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+@pytest.mark.parametrize("module, lock, use", [("ftidask.ftiff.compression", "_frame_pool_lock", _frames_in_child),
+                                               ("ftidask.engine.snapshot", "_copiers_lock", _copy_in_child)])
+def test_a_child_forked_while_a_thread_makes_the_pool_makes_its_own(module, lock, use):
+    """A thread of the parent inside the pool's lock when another thread forks: the child's copy of the lock
+    was held, by no thread of the child, and its first frame (or parallel copy) waited for it forever."""
+    import importlib
+    import warnings
+
+    mod = importlib.import_module(module)
+    with getattr(mod, lock), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork in a process with threads
+        pid = os.fork()
+        if pid == 0:  # the child: a lock it can take (not to wait forever here), then the pool works
+            free = getattr(mod, lock).acquire(blocking=False)
+            if free:
+                getattr(mod, lock).release()
+            os._exit(0 if free and use() else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0

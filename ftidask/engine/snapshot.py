@@ -51,8 +51,10 @@ _copiers_lock = threading.Lock()
 
 
 def _forget_copiers() -> None:
-    global _copiers
+    global _copiers, _copiers_lock
     _copiers = None  # a forked child has none of the parent's threads
+    # nor the thread that may have held the lock when another forked: the child's copy would stay held
+    _copiers_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_copiers)

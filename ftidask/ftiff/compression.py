@@ -37,14 +37,20 @@ from . import hashing
 
 T = TypeVar("T")
 FRAME_BYTES = 4 << 20  # raw bytes a frame of a larger container holds (a multiple of every element size)
+# The smallest frame a file may declare: each frame costs a task and a decoding, so a forged record of tiny
+# frames (one a byte) would cost thousands of times its file's bytes in memory and time.
+MIN_FRAME_BYTES = 64 << 10
 _FRAME_THREADS = min(8, os.cpu_count() or 1)
+_FRAME_WINDOW = 4 * _FRAME_THREADS  # frames queued at once while decoding (a future each, not one per frame)
 _frame_pool: ThreadPoolExecutor | None = None
 _frame_pool_lock = threading.Lock()
 
 
 def _forget_pool() -> None:
-    global _frame_pool
+    global _frame_pool, _frame_pool_lock
     _frame_pool = None  # a forked child has none of the parent's threads
+    # nor the thread that may have held the lock when another forked: the child's copy would stay held
+    _frame_pool_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pool)
@@ -160,8 +166,8 @@ def decode_container(info: Any, meta: Any, stored: bytes | memoryview, what: str
         out[:span] = raw
         return None
     frame = info.extra.get("codec_frame_bytes")
-    if isinstance(frame, bool) or not isinstance(frame, int) or frame <= 0:
-        raise FormatError(f"{what}: invalid codec_frame_bytes record {frame!r}")
+    if isinstance(frame, bool) or not isinstance(frame, int) or frame < MIN_FRAME_BYTES:
+        raise FormatError(f"{what}: invalid codec_frame_bytes record {frame!r} (at least {MIN_FRAME_BYTES})")
     if len(sizes) != -(-span // frame) or sum(sizes) != len(stored):
         raise FormatError(f"{what}: {len(sizes)} frames of {sum(sizes)} stored bytes do not make a span of {span} "
                           f"raw bytes in frames of {frame} from {len(stored)} stored bytes")
@@ -181,10 +187,12 @@ def decode_container(info: Any, meta: Any, stored: bytes | memoryview, what: str
         out[i * frame:i * frame + len(raw)] = raw
         return None
 
-    parts = _all_done([_pool().submit(one, i) for i in range(len(sizes))])
-    problem = next((p for p in parts if isinstance(p, str)), None)
-    if problem is not None:
-        raise FormatError(problem)
+    parts: list[bytes | str | None] = []
+    for lo in range(0, len(sizes), _FRAME_WINDOW):  # a window at a time: the frames after a failure never run
+        parts += _all_done([_pool().submit(one, i) for i in range(lo, min(len(sizes), lo + _FRAME_WINDOW))])
+        problem = next((p for p in parts[lo:] if isinstance(p, str)), None)
+        if problem is not None:
+            raise FormatError(problem)
     return None if out is not None else b"".join(parts)  # type: ignore[arg-type]
 
 
