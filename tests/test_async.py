@@ -347,3 +347,40 @@ def test_many_async_checkpoints_hold_no_resources(dirs, count):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 64 << 10  # KiB: < 64 MiB more at peak
     assert ctx.last_checkpoint.id == count
     ctx.finalize()
+
+
+_ENDS_IN_FLIGHT = """
+import json, sys
+import numpy as np
+import ftidask
+
+ctx = ftidask.init(**json.loads(sys.argv[1]), compressor="zstd")
+walk = [np.round(np.cumsum(np.random.default_rng(i).standard_normal(6_000_000)), 2) for i in range(3)]
+for i, a in enumerate(walk):
+    ctx.protect(i + 1, a)
+ctx.checkpoint(1, 1)
+for a in walk:
+    a += 1.0
+ctx.checkpoint(2, 1, wait=False)
+# the program ends here, checkpoint 2 in flight, without finalize (the run stays restartable)
+"""
+
+
+def test_a_program_that_ends_with_a_checkpoint_in_flight_commits_it(dirs):
+    """The interpreter's exit stops every thread pool from taking work before it joins the threads: the
+    checkpoint in flight then failed on its first task (compressed frames, hashes) and was never committed.
+    It is now finished first, as the docs say (finalize, or the end of the program, waits for it)."""
+    import json
+
+    from conftest import run_python
+
+    run_python(_ENDS_IN_FLIGHT, json.dumps(dirs))
+    ctx = ftidask.init(**dirs)
+    out = [np.zeros(6_000_000) for _ in range(3)]
+    for i, a in enumerate(out):
+        ctx.protect(i + 1, a)
+    ctx.recover()
+    assert ctx.recovered_from == (2, 1)
+    want = [np.round(np.cumsum(np.random.default_rng(i).standard_normal(6_000_000)), 2) + 1.0 for i in range(3)]
+    assert all(np.array_equal(a, w) for a, w in zip(out, want))
+    ctx.finalize()

@@ -15,8 +15,10 @@ it), and if nobody asked the handle, the context raises it at its next ``checkpo
 from __future__ import annotations
 
 import collections
+import concurrent.futures.thread  # noqa: F401 - its exit hook registered first: ours runs before it (see below)
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -73,6 +75,21 @@ class CheckpointHandle:
         return f"<ftidask.CheckpointHandle id={self.ckpt_id} level={self.level} {self.mechanism} {state}>"
 
 
+_LIVE: weakref.WeakSet[Inflight] = weakref.WeakSet()
+
+
+def _finish_at_exit() -> None:
+    """At the interpreter's exit, before thread pools refuse new work (concurrent.futures' own exit hook,
+    registered earlier, runs after this one): the checkpoints in flight are finished, not failed."""
+    for inflight in list(_LIVE):
+        inflight.drain()
+
+
+# threading's exit hooks run before the interpreter joins its threads, the last registered first.
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_finish_at_exit)
+
+
 class Inflight:
     """The background thread of one context and the checkpoints it has not finished."""
 
@@ -84,6 +101,7 @@ class Inflight:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None  # alive while jobs are queued
         self._stop = False
+        _LIVE.add(self)
 
     def submit(self, job: Callable[[], CheckpointInfo], ckpt_id: int, level: int, mechanism: str) -> CheckpointHandle:
         """Queue ``job`` (it writes and commits one checkpoint) behind those in flight; its handle."""
@@ -96,7 +114,7 @@ class Inflight:
             self._jobs.append((job, future))
             if self._thread is None:
                 # Not a daemon, and gone when the queue is empty: at exit the interpreter waits for the
-                # checkpoint being written, and a context never finalized does not keep it alive.
+                # checkpoints queued (_finish_at_exit), and a context never finalized does not keep it alive.
                 self._thread = threading.Thread(target=self._serve, name="ftidask-checkpoint", daemon=False)
                 self._thread.start()
             self._cond.notify_all()
