@@ -343,3 +343,21 @@ def test_a_child_forked_while_a_thread_makes_the_pool_makes_its_own(module, lock
                 getattr(mod, lock).release()
             os._exit(0 if free and use() else 1)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def test_an_unexpected_error_while_decoding_is_damage_named_as_it_is(tmp_path, monkeypatch, capsys):
+    """A codec failing otherwise than by a decoding error (a MemoryError, say) came out of verification as a
+    BufferError (the memory map could not be closed under the exception's views): it is the container's damage."""
+    ctx = ftidask.init(**_dirs(tmp_path, compressor="zstd"))
+    ctx.protect(1, _walk(100_000))
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    (path,) = _files(tmp_path)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no room to decode")
+
+    monkeypatch.setattr(compression, "decode_container", no_memory)
+    with open(path, "rb") as fh, pytest.raises(FormatError, match="MemoryError: no room to decode"):
+        verify_data(fh, parse_ftiff(fh, str(path)))
+    assert cli_main(["verify", str(path)]) == 1 and "MemoryError" in capsys.readouterr().out

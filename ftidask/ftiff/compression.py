@@ -260,12 +260,15 @@ def decode_problem(info: Any, meta: Any, stored: memoryview | bytes, what: str) 
     Checked with the hashes, before recovery writes any array: a container that failed to decode only
     while the arrays are filled would leave the variables copied before it recovered and the others not.
     """
-    if info is None or "codec" not in info.extra or meta.containerid in plain_ids(info.extra):
-        return ""
     try:
+        if info is None or "codec" not in info.extra or meta.containerid in plain_ids(info.extra):
+            return ""
         decode_container(info, meta, stored, what)
     except FormatError as exc:
         return str(exc)
+    except Exception as exc:  # noqa: BLE001 - a codec's MemoryError, say: damage too, said here (an exception
+        # leaving the verifier's threads would keep views of its memory map, which could then not be closed)
+        return f"{what}: cannot be decoded: {type(exc).__name__}: {exc}"
     return ""
 
 
