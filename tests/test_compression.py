@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+from test_hostile_inputs import _rewrite_table, _table
 
 import ftidask
 from ftidask.ftiff import compression
@@ -235,21 +236,24 @@ def test_a_large_container_is_stored_in_frames(tmp_path, codec):
     assert cli_main(["verify", str(path)]) == 0
 
 
+def _two_frames(tmp_path) -> tuple:
+    """A file of one zstd container in two frames: its path, its variable table, the variable's ``extra``."""
+    ctx = ftidask.init(**_dirs(tmp_path, compressor="zstd"))
+    ctx.protect(1, _walk(compression.FRAME_BYTES // 4))
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    (path,) = _files(tmp_path)
+    table = _table(path)
+    return path, table, table["vars"][0]["extra"]
+
+
 @pytest.mark.parametrize("forged", [{"codec_frames": {"0": [1, 2]}}, {"codec_frames": {"0": "x"}},
                                     {"codec_frames": [3]}, {"codec_frame_bytes": 0},
                                     {"codec_frame_bytes": True}, "shift"])
 def test_a_forged_frame_record_is_damage(tmp_path, forged):
     """Frame sizes that do not add up to the stored bytes or make another number of frames, records of the
     wrong type, a frame boundary moved (each frame then fails to decode): a FormatError before any array."""
-    from test_hostile_inputs import _rewrite_table, _table
-
-    ctx = ftidask.init(**_dirs(tmp_path, compressor="zstd"))
-    ctx.protect(1, _walk(compression.FRAME_BYTES // 4))  # two frames
-    ctx.checkpoint(1, 1)
-    ctx._close()
-    (path,) = _files(tmp_path)
-    table = _table(path)
-    extra = table["vars"][0]["extra"]
+    path, table, extra = _two_frames(tmp_path)
     if forged == "shift":
         sizes = extra["codec_frames"]["0"]
         extra["codec_frames"]["0"] = [sizes[0] - 7, sizes[1] + 7]
@@ -264,15 +268,7 @@ def test_a_forged_frame_record_is_damage(tmp_path, forged):
 def _frames_forged(tmp_path, frame: int) -> tuple:
     """A two-frame container whose record is rewritten to ``frame`` raw bytes a frame, its stored bytes cut
     into as many frames (none of which decodes): the path and how many frames the record declares."""
-    from test_hostile_inputs import _rewrite_table, _table
-
-    ctx = ftidask.init(**_dirs(tmp_path, compressor="zstd"))
-    ctx.protect(1, _walk(compression.FRAME_BYTES // 4))  # two frames
-    ctx.checkpoint(1, 1)
-    ctx._close()
-    (path,) = _files(tmp_path)
-    table = _table(path)
-    extra = table["vars"][0]["extra"]
+    path, table, extra = _two_frames(tmp_path)
     stored, count = sum(extra["codec_frames"]["0"]), -(-2 * compression.FRAME_BYTES // frame)
     extra["codec_frames"]["0"] = [stored // count + (i < stored % count) for i in range(count)]
     extra["codec_frame_bytes"] = frame
@@ -325,22 +321,22 @@ def _copy_in_child() -> bool:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
-@pytest.mark.parametrize("module, lock, use", [("ftidask.ftiff.compression", "_frame_pool_lock", _frames_in_child),
-                                               ("ftidask.engine.snapshot", "_copiers_lock", _copy_in_child)])
-def test_a_child_forked_while_a_thread_makes_the_pool_makes_its_own(module, lock, use):
+@pytest.mark.parametrize("module, pool, use", [("ftidask.ftiff.compression", "_frames", _frames_in_child),
+                                               ("ftidask.engine.snapshot", "_copiers", _copy_in_child)])
+def test_a_child_forked_while_a_thread_makes_the_pool_makes_its_own(module, pool, use):
     """A thread of the parent inside the pool's lock when another thread forks: the child's copy of the lock
     was held, by no thread of the child, and its first frame (or parallel copy) waited for it forever."""
     import importlib
     import warnings
 
-    mod = importlib.import_module(module)
-    with getattr(mod, lock), warnings.catch_warnings():
+    lazy = getattr(importlib.import_module(module), pool)
+    with lazy._lock, warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork in a process with threads
         pid = os.fork()
         if pid == 0:  # the child: a lock it can take (not to wait forever here), then the pool works
-            free = getattr(mod, lock).acquire(blocking=False)
+            free = lazy._lock.acquire(blocking=False)
             if free:
-                getattr(mod, lock).release()
+                lazy._lock.release()
             os._exit(0 if free and use() else 1)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 

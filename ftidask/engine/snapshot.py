@@ -28,7 +28,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -36,6 +35,7 @@ import numpy as np
 from ..memsnap import cow
 from ..model.arrays import ArrayBytes, stream_order
 from ..model.errors import ConfigError
+from ..model.pools import LazyPool
 from .variables import Protected
 
 log = logging.getLogger("ftidask")
@@ -46,18 +46,7 @@ PARALLEL_COPY_BYTES = 64 << 20  # larger contiguous variables are copied by seve
 
 COPY_THREADS = min(8, os.cpu_count() or 1)
 
-_copiers: ThreadPoolExecutor | None = None
-_copiers_lock = threading.Lock()
-
-
-def _forget_copiers() -> None:
-    global _copiers, _copiers_lock
-    _copiers = None  # a forked child has none of the parent's threads
-    # nor the thread that may have held the lock when another forked: the child's copy would stay held
-    _copiers_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_copiers)
+_copiers = LazyPool(COPY_THREADS, "ftidask-copy")
 
 
 @dataclasses.dataclass
@@ -148,12 +137,8 @@ def _copy_into(buf: np.ndarray, array: np.ndarray) -> np.ndarray:
 def _parallel_copy(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[:] = src`` in slices on a few threads (NumPy releases the GIL for the copy): one core's
     memcpy leaves most of the memory bandwidth unused, and this copy is all the application waits for."""
-    global _copiers
-    with _copiers_lock:
-        if _copiers is None:
-            _copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="ftidask-copy")
     step = (-(-src.nbytes // COPY_THREADS) + 4095) & ~4095  # page-aligned slices
-    list(_copiers.map(lambda lo: np.copyto(dst[lo:lo + step], src[lo:lo + step]), range(0, src.nbytes, step)))
+    list(_copiers.get().map(lambda lo: np.copyto(dst[lo:lo + step], src[lo:lo + step]), range(0, src.nbytes, step)))
 
 
 def take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, *,

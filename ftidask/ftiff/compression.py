@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 from collections.abc import Mapping, MutableMapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 import numpy as np
@@ -33,6 +32,7 @@ import numpy as np
 from ..model import codecspec
 from ..model.codecspec import ALLOWED_IDS
 from ..model.errors import ConfigError, FormatError
+from ..model.pools import LazyPool
 from . import hashing
 
 T = TypeVar("T")
@@ -42,27 +42,7 @@ FRAME_BYTES = 4 << 20  # raw bytes a frame of a larger container holds (a multip
 MIN_FRAME_BYTES = 64 << 10
 _FRAME_THREADS = min(8, os.cpu_count() or 1)
 _FRAME_WINDOW = 4 * _FRAME_THREADS  # frames queued at once while decoding (a future each, not one per frame)
-_frame_pool: ThreadPoolExecutor | None = None
-_frame_pool_lock = threading.Lock()
-
-
-def _forget_pool() -> None:
-    global _frame_pool, _frame_pool_lock
-    _frame_pool = None  # a forked child has none of the parent's threads
-    # nor the thread that may have held the lock when another forked: the child's copy would stay held
-    _frame_pool_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _pool() -> ThreadPoolExecutor:
-    """The threads that encode and decode frames (their tasks start no other task: no deadlock)."""
-    global _frame_pool
-    with _frame_pool_lock:
-        if _frame_pool is None:
-            _frame_pool = ThreadPoolExecutor(_FRAME_THREADS, thread_name_prefix="ftidask-frames")
-        return _frame_pool
+_frames = LazyPool(_FRAME_THREADS, "ftidask-frames")  # its tasks start no other task: no deadlock
 
 
 def parse_compressor(spec: Any) -> dict[str, Any] | None:
@@ -126,7 +106,7 @@ def encode_container(codec: Any, raw: memoryview | bytes,
         out = codec.encode(_typed(view[lo:lo + FRAME_BYTES], itemsize))
         return out if isinstance(out, bytes) else bytes(out)
 
-    frames: list[bytes | memoryview] = _all_done([_pool().submit(one, lo) for lo in range(0, len(view), FRAME_BYTES)])
+    frames: list[bytes | memoryview] = _all_done([_frames.get().submit(one, lo) for lo in range(0, len(view), FRAME_BYTES)])
     if sum(len(f) for f in frames) >= len(view):
         return [raw], True, None
     return frames, False, [len(f) for f in frames]
@@ -189,7 +169,7 @@ def decode_container(info: Any, meta: Any, stored: bytes | memoryview, what: str
 
     parts: list[bytes | str | None] = []
     for lo in range(0, len(sizes), _FRAME_WINDOW):  # a window at a time: the frames after a failure never run
-        parts += _all_done([_pool().submit(one, i) for i in range(lo, min(len(sizes), lo + _FRAME_WINDOW))])
+        parts += _all_done([_frames.get().submit(one, i) for i in range(lo, min(len(sizes), lo + _FRAME_WINDOW))])
         problem = next((p for p in parts[lo:] if isinstance(p, str)), None)
         if problem is not None:
             raise FormatError(problem)
