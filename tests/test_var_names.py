@@ -151,7 +151,9 @@ def test_mpi_each_rank_its_own_order(tmp_path, level):
     if mpiexec() is None:
         pytest.skip("needs mpiexec")
     pytest.importorskip("mpi4py")
-    run(4, "names_job.py", "write", str(tmp_path), str(level))
+    # The ranks die (os._exit, no finalize) once every rank's ids are written: mpiexec may report a rank
+    # killed when another one's end came first.
+    run(4, "names_job.py", "write", str(tmp_path), str(level), check=False)
     given = [json.loads((tmp_path / f"ids-{r}.json").read_text()) for r in range(4)]
     assert given[0] != given[1]
     run(4, "names_job.py", "recover", str(tmp_path), str(level))
