@@ -291,3 +291,35 @@ def test_a_name_refused_on_one_rank_does_not_hang_the_others(tmp_path):
     assert run_ranks(cfg, 4, first, wait=60)[1] == []
     found, errors = run_ranks(cfg, 4, again, wait=30)
     assert errors == [] and found == [3, 3, "refused", 3]
+
+
+def test_an_id_refused_on_one_rank_by_stored_size_does_not_hang_the_others(tmp_path):
+    """stored_size on a restart reads the sizes together on every rank: a rank whose id is refused (not an
+    int) takes part in that read before raising, so the others get their size and do not wait for it."""
+    cfg = load_config(None, ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"),
+                      meta_dir=str(tmp_path / "M"), local_test=1, node_size=1, group_size=4)
+
+    def first(t):
+        ctx = Context(cfg, t)
+        _write(ctx, list(range(10)))
+        ctx._close()
+
+    def again(t):
+        ctx = Context(cfg, t)
+        try:
+            return ctx.stored_size("three" if t.rank == 2 else 3)
+        except ftidask.ProtectError:
+            return "refused"
+        finally:
+            ctx._close()
+
+    assert run_ranks(cfg, 4, first, wait=60)[1] == []
+    found, errors = run_ranks(cfg, 4, again, wait=30)
+    assert errors == [] and found == [4 * SIZES[3], 4 * SIZES[3], "refused", 4 * SIZES[3]]
+
+
+def test_stored_size_of_a_bad_id_on_a_fresh_start_says_so(dirs):
+    ctx = ftidask.init(**dirs)
+    with pytest.raises(ftidask.ProtectError, match="must be an int"):
+        ctx.stored_size("three")
+    ctx.finalize()

@@ -299,7 +299,7 @@ class Context:
         """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover)."""
         self._check_open()
         self._async.drain()
-        return self.recovery.stored_size(check_id(id, "variable id"))
+        return self.recovery.stored_size(id)  # the id checked there, after the ranks' collective read
 
     def realloc(self, id: int, array: Any = None) -> np.ndarray:
         """FTI_Realloc: a new array of the stored size, which becomes the protected one."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..ftiff.layout import Layout
 from ..ftiff.reader import FtiffFile, identity_of
+from ..model.arrays import check_id
 from ..model.errors import FTIError, NoCheckpointError, RecoveryError
 from ..storage.files import RunPaths
 from ..transport.collective import agree, attempt, guarded, on_root
@@ -274,18 +275,28 @@ class Recovery(RunPart):
         assert record is not None
         return record, Verdict("ok", parsed=parsed)
 
-    def stored_size(self, vid: int) -> int:
-        """:meth:`ftidask.Context.stored_size` of the checked id ``vid``."""
+    def stored_size(self, id: Any) -> int:
+        """:meth:`ftidask.Context.stored_size` of ``id``. On a restart the sizes are read by every rank together:
+        a rank whose id is refused takes part first (or the others would wait for it), then raises."""
+        try:
+            vid = check_id(id, "variable id")
+        except FTIError:
+            with contextlib.suppress(FTIError):
+                self._stored_sizes()
+            raise
+        sizes = self._stored_sizes()
+        if vid not in sizes:
+            raise RecoveryError(f"variable {vid} is not in the checkpoint (it holds ids {sorted(sizes)})")
+        return sizes[vid]
+
+    def _stored_sizes(self) -> dict[int, int]:
         pr = self.progress
         if pr.layout is not None and pr.restart_file is None and (pr.last_checkpoint or pr.recovered):
             sizes = {s.var_id: 0 for s in pr.layout.slots()}
             for s in pr.layout.slots():
                 sizes[s.var_id] += s.chunksize
-        else:
-            sizes = self.restart_metadata().var_nbytes()
-        if vid not in sizes:
-            raise RecoveryError(f"variable {vid} is not in the checkpoint (it holds ids {sorted(sizes)})")
-        return sizes[vid]
+            return sizes
+        return self.restart_metadata().var_nbytes()
 
     def realloc(self, vid: int, array: Any) -> Any:
         """:meth:`ftidask.Context.realloc` of the checked id ``vid``."""
