@@ -268,9 +268,12 @@ def test_the_first_var_id_of_a_restart_waits_for_the_checkpoints_in_flight(dirs,
     restart.finalize()
 
 
-def test_a_name_refused_on_one_rank_does_not_hang_the_others(tmp_path):
-    """On a restart the first var_id reads the checkpoint's names together on every rank: a rank whose name is
-    refused takes part in that read before raising, so the others do not wait for it forever."""
+@pytest.mark.parametrize("call, bad, good, found", [("var_id", "", "three", 3),
+                                                    ("stored_size", "three", 3, 4 * SIZES[3])])
+def test_an_argument_refused_on_one_rank_does_not_hang_the_others(tmp_path, call, bad, good, found):
+    """On a restart the first var_id (the names) and stored_size (the sizes) read the checkpoint together on
+    every rank: a rank whose argument is refused (an empty name, an id that is not an int) takes part in that
+    read before raising, so the others get their answer and do not wait for it forever."""
     cfg = load_config(None, ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"),
                       meta_dir=str(tmp_path / "M"), local_test=1, node_size=1, group_size=4)
 
@@ -281,41 +284,17 @@ def test_a_name_refused_on_one_rank_does_not_hang_the_others(tmp_path):
 
     def again(t):
         ctx = Context(cfg, t)
+        ask = (lambda x: ctx.var_id(x, create=False)) if call == "var_id" else ctx.stored_size
         try:
-            return ctx.var_id("" if t.rank == 2 else "three", create=False)
+            return ask(bad if t.rank == 2 else good)
         except ftidask.ProtectError:
             return "refused"
         finally:
             ctx._close()
 
     assert run_ranks(cfg, 4, first, wait=60)[1] == []
-    found, errors = run_ranks(cfg, 4, again, wait=30)
-    assert errors == [] and found == [3, 3, "refused", 3]
-
-
-def test_an_id_refused_on_one_rank_by_stored_size_does_not_hang_the_others(tmp_path):
-    """stored_size on a restart reads the sizes together on every rank: a rank whose id is refused (not an
-    int) takes part in that read before raising, so the others get their size and do not wait for it."""
-    cfg = load_config(None, ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"),
-                      meta_dir=str(tmp_path / "M"), local_test=1, node_size=1, group_size=4)
-
-    def first(t):
-        ctx = Context(cfg, t)
-        _write(ctx, list(range(10)))
-        ctx._close()
-
-    def again(t):
-        ctx = Context(cfg, t)
-        try:
-            return ctx.stored_size("three" if t.rank == 2 else 3)
-        except ftidask.ProtectError:
-            return "refused"
-        finally:
-            ctx._close()
-
-    assert run_ranks(cfg, 4, first, wait=60)[1] == []
-    found, errors = run_ranks(cfg, 4, again, wait=30)
-    assert errors == [] and found == [4 * SIZES[3], 4 * SIZES[3], "refused", 4 * SIZES[3]]
+    answers, errors = run_ranks(cfg, 4, again, wait=30)
+    assert errors == [] and answers == [found, found, "refused", found]
 
 
 def test_stored_size_of_a_bad_id_on_a_fresh_start_says_so(dirs):
