@@ -268,11 +268,13 @@ class Recovery(RunPart):
         recover(), FTI's order), when it is the one this recovery asks for and every rank's file is unchanged
         since: it is then loaded as it is, not read and hashed again. Collective."""
         record, parsed = self.progress.restart_record, self.progress.restart_file
-        usable = (record is not None and parsed is not None and ckpt_id in (None, record.ckpt_id)
-                  and level in (None, record.level) and not str(parsed.path).endswith(".zarr") and unchanged(parsed))
-        if not all(self.transport.allgather(usable)):
+        # The same on every rank (set and cleared by collective steps, the request agreed): no message needed
+        # to pass over it, and none in an ordinary recovery.
+        if (record is None or parsed is None or ckpt_id not in (None, record.ckpt_id)
+                or level not in (None, record.level) or str(parsed.path).endswith(".zarr")):
             return None
-        assert record is not None
+        if not all(self.transport.allgather(unchanged(parsed))):  # each rank's own file: agreed
+            return None
         return record, Verdict("ok", parsed=parsed)
 
     def stored_size(self, id: Any) -> int:

@@ -51,7 +51,3 @@ class Redundancy:
                 out.add(r)
         return out
 
-
-def visible(stats: dict[str, Any]) -> dict[str, Any]:
-    """Each worker's :func:`~ftidask.backends.dask.tasks.sizes` as which paths it sees (what a placer takes)."""
-    return {w: [s >= 0 for s in got] if isinstance(got, list) else got for w, got in stats.items()}

@@ -44,10 +44,11 @@ def dask_records(ctx: DaskContext, ckpt_id: int | None, level: int | None) -> li
 class _Placer:
     """Chooses the worker that serves each file: the one that wrote it if alive, else the least loaded."""
 
-    def __init__(self, workers: list[str], seen: dict[str, list[bool]], paths: list[str]) -> None:
+    def __init__(self, workers: list[str], seen: dict[str, list[int]], paths: list[str]) -> None:
+        """``seen``: each worker's :func:`~ftidask.backends.dask.tasks.sizes` of ``paths`` (-1: not seen)."""
         self.workers = workers
         self.load: collections.Counter[str] = collections.Counter()
-        self.visible = {p: [w for w in workers if isinstance(seen.get(w), list) and seen[w][i]]
+        self.visible = {p: [w for w in workers if isinstance(seen.get(w), list) and seen[w][i] >= 0]
                         for i, p in enumerate(paths)}
 
     def pick(self, path: str, preferred: str | None = None) -> str | None:
@@ -81,7 +82,7 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
     red = redundancy.Redundancy(level, topo, {f.rank: f.size for f in record.files}, pcof if level == 2 else rsed)
     paths = list(own.values()) + red.paths()
     stats = cl.run(tasks.sizes, paths)  # stats only: which worker sees what, and the redundancy's sizes
-    placer = _Placer(workers, redundancy.visible(stats), paths)
+    placer = _Placer(workers, stats, paths)
     tag = f"{cid}-{seq}-{uuid.uuid4().hex[:8]}"
     hosts: dict[int, str] = {}
     checks = {}
@@ -393,4 +394,3 @@ def stored_size(ctx: DaskContext, vid: int) -> int:
                 return math.prod(spec.shape) * spec.dtype.itemsize
         raise RecoveryError(f"variable {vid} is not in checkpoint {record.ckpt_id}")
     raise RecoveryError(f"no committed checkpoint has a sound commit record: {'; '.join(damaged[:2])}")
-

@@ -194,7 +194,7 @@ def _servers(ctx: DaskContext, paths: list[str]) -> dict[str, str]:
     workers = ctx.cluster.workers()
     if not workers:
         raise RecoveryError("the cluster has no workers")
-    placer = _Placer(workers, ctx.cluster.run(tasks.existing, paths), paths)
+    placer = _Placer(workers, ctx.cluster.run(tasks.sizes, paths), paths)
     out = {}
     for path in paths:
         worker = placer.pick(path)

@@ -181,11 +181,6 @@ def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str], trash
                for root in Path(ckpt_dir).glob(f"node*/{exec_id}/l[1-4]"))
 
 
-def existing(paths: Sequence[str]) -> list[bool]:
-    """Which of ``paths`` this worker sees (run on every worker with ``Client.run``)."""
-    return [os.path.exists(p) for p in paths]
-
-
 def sizes(paths: Sequence[str]) -> list[int]:
     """The size of each of ``paths`` as this worker sees it, -1 where it sees none (stats: no file opened)."""
     out = []
