@@ -106,7 +106,8 @@ def encode_container(codec: Any, raw: memoryview | bytes,
         out = codec.encode(_typed(view[lo:lo + FRAME_BYTES], itemsize))
         return out if isinstance(out, bytes) else bytes(out)
 
-    frames: list[bytes | memoryview] = _all_done([_frames.get().submit(one, lo) for lo in range(0, len(view), FRAME_BYTES)])
+    frames: list[bytes | memoryview] = _all_done([_frames.get().submit(one, lo)
+                                                  for lo in range(0, len(view), FRAME_BYTES)])
     if sum(len(f) for f in frames) >= len(view):
         return [raw], True, None
     return frames, False, [len(f) for f in frames]
@@ -225,6 +226,12 @@ def var_codec(extra: Mapping[str, Any]) -> Any | None:
     return get_codec(config)
 
 
+def encoded(info: Any, meta: Any) -> bool:
+    """Whether container ``meta`` of the variable ``info`` (a VarInfo or None) holds encoded bytes: a
+    compressed variable's container not stored raw."""
+    return info is not None and "codec" in info.extra and meta.containerid not in plain_ids(info.extra)
+
+
 def plain_ids(extra: Mapping[str, Any]) -> set[int]:
     """Container ids of a compressed variable that are stored raw."""
     try:
@@ -241,7 +248,7 @@ def decode_problem(info: Any, meta: Any, stored: memoryview | bytes, what: str) 
     while the arrays are filled would leave the variables copied before it recovered and the others not.
     """
     try:
-        if info is None or "codec" not in info.extra or meta.containerid in plain_ids(info.extra):
+        if not encoded(info, meta):
             return ""
         decode_container(info, meta, stored, what)
     except FormatError as exc:

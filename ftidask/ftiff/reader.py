@@ -345,8 +345,7 @@ def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget
         if target is None or not meta.hascontent:
             continue
         what = f"block {bi}, container {ci} (var id {meta.id})"
-        info = parsed.vars.get(meta.id)
-        if info is not None and "codec" in info.extra and meta.containerid not in compression.plain_ids(info.extra):
+        if compression.encoded(parsed.vars.get(meta.id), meta):
             packed.append((meta, target, what))
             continue
         view = target.view(meta.dptr, meta.dptr + meta.chunksize)

@@ -72,12 +72,16 @@ def read_verified(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
     The views then hold unverified bytes: the caller discards them (they are never a user's array).
     Only ftidask's files (not dCP, not FTI 1.1) are read this way.
     """
-    packed = [(bi, ci, meta) for bi, ci, meta in parsed.containers()
-              if meta.hascontent and meta.id in views and _compressed(parsed, meta)]
+    packed: list[tuple[int, int, ContainerMeta]] = []  # encoded: read whole, checked, decoded
+    jobs: list[tuple[int, int, ContainerMeta]] = []  # the others: streamed and hashed
+    for bi, ci, meta in parsed.containers():
+        if meta.hascontent and meta.id in views:
+            if compression.encoded(parsed.vars.get(meta.id), meta):
+                packed.append((bi, ci, meta))
+            elif meta.chunksize:
+                jobs.append((bi, ci, meta))
     if packed:
         _read_decoded(fh, parsed, views, packed)
-    jobs = [(bi, ci, meta) for bi, ci, meta in parsed.containers()
-            if meta.hascontent and meta.chunksize and meta.id in views and not _compressed(parsed, meta)]
     spans = [[(meta.fptr + lo, views[meta.id][meta.dptr + lo:meta.dptr + min(lo + PIECE, meta.chunksize)])
               for lo in range(0, meta.chunksize, PIECE)] for _bi, _ci, meta in jobs]
     reader = _Reader(fh.fileno(), [piece for pieces in spans for piece in pieces])
@@ -97,12 +101,6 @@ def read_verified(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
     finally:
         reader.stop = True
         reader.join()
-
-
-def _compressed(parsed: FtiffFile, meta: ContainerMeta) -> bool:
-    """Whether a container holds encoded bytes (a compressed variable's container not stored raw)."""
-    info = parsed.vars.get(meta.id)
-    return info is not None and "codec" in info.extra and meta.containerid not in compression.plain_ids(info.extra)
 
 
 def _read_decoded(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryview],
