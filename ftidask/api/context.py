@@ -323,11 +323,11 @@ class Context:
         if self._status != STATUS_FRESH and not self.progress.recovered:
             self.recover()
             return constants.FTI_SCES
-        due, now = self._schedule.due()
+        due = self._schedule.due()
         if not due:
             return constants.FTI_SCES
         self.checkpoint(max(self.progress.next_ckpt_id, self._async.next_id), max(due))
-        self._schedule.written(due, now)
+        self._schedule.written()
         return constants.FTI_DONE
 
     def finalize(self) -> None:

@@ -51,17 +51,17 @@ class SnapshotSchedule:
         self.counts = [1] * len(constants.LEVELS)  # level L is due at minute counts[L-1] * ckpt_lL (FTI's ckptCnt)
         self.mark = clock()  # when the last call (or checkpoint) ended (FTI's iterTime)
 
-    def due(self) -> tuple[list[int], float]:
-        """Count this call; the levels due now and the time they are due at (minutes: collective every
-        ``sync`` calls, the same on every rank)."""
+    def due(self) -> list[int]:
+        """Count this call; the levels due now (minutes: collective every ``sync`` calls, the same on every
+        rank)."""
         self.iteration += 1
-        now = self.clock()
         levels = [lv for lv in constants.LEVELS if self.config.interval(lv) > 0 and lv in self.transport.levels()]
         if self.config.snapshot_unit == "iterations":
-            return [lv for lv in levels if self.iteration % self.config.interval(lv) == 0], now
+            return [lv for lv in levels if self.iteration % self.config.interval(lv) == 0]
+        now = self.clock()
         self._time_call(now)
         if self.iteration != self.next_check:
-            return [], now
+            return []
         # A look at the intervals: one more minute. Beyond a minute a call, the minutes the calls took; from
         # the agreed mean (FTI reads each rank's own total here, on which the ranks may disagree).
         self.minutes = int(self.mean * (self.iteration - 1) // 60) if self.mean > 60 else self.minutes + 1
@@ -71,10 +71,10 @@ class SnapshotSchedule:
         self.last_check, self.next_check = self.next_check, self.next_check + self.per_minute
         if not due:
             self.mark = now
-        return due, now
+        return due
 
-    def written(self, due: list[int], now: float) -> None:
-        """The checkpoint for ``due`` was written (or queued): its time is no call's."""
+    def written(self) -> None:
+        """The checkpoint of the levels due was written (or queued): its time is no call's."""
         self.mark = self.clock()
 
     def _time_call(self, now: float) -> None:
