@@ -25,6 +25,7 @@ CRASH_POINTS = {
     "block": crashpoints.kill_at_block_write,  # before a write of changed blocks into the spare
     "finished": lambda n: crashpoints.kill_at_call(dcp.DcpFileWriter, "finish", n, after=True),  # file complete
     "renamed": lambda n: crashpoints.kill_at_call(dcpstore.DcpHandle, "finish", n, after=True),  # renamed, no record
+    "retired": lambda n: crashpoints.kill_at_call(dcpstore.DcpStore, "retire", n, after=True),  # now the spare
 }
 
 SIZES = {1: (200_000, np.float64), 2: (50_000, np.int32), 3: (300_000, np.uint8)}

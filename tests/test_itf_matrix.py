@@ -359,13 +359,34 @@ def test_dcp_truncated_file_is_rebuilt_and_the_run_goes_on(tmp_path: Path, level
 
 
 @pytest.mark.parametrize("level", [8, pytest.param(5, marks=pytest.mark.slow)])
-def test_dcp_truncated_file_without_redundancy_is_a_clean_failure(tmp_path: Path, level: int) -> None:
-    """The same truncation at L4_DCP (8) or L1_DCP (5), without redundancy: the truncated file fails its checks; the
-    previous checkpoint was retired when this one committed (one file per checkpoint, patched in place, as
-    FTI-FF's dCP), so there is nothing to fall back on: the same NoCheckpointError on every rank, no array
-    touched. (FTI's POSIX dCP would recover the previous layer of the file: see docs/dcp.md.)"""
+def test_dcp_truncated_file_without_redundancy_goes_back_one_checkpoint(tmp_path: Path, level: int) -> None:
+    """The same sequence at L4_DCP (8) or L1_DCP (5), without redundancy, as FTI's corrupt_check runs it: the
+    truncated file fails its checks, and the restart recovers the checkpoint before it, whose file is still
+    whole as the spare (FTI's POSIX dCP recovers the previous layer of its file), bit for bit; the run goes on
+    from there (dying again after checkpoint ``crash``) and the last one ends with the right data."""
+    rng, base = random.Random(2612 + level), tmp_path / "run"
+    job("dcp", str(base), str(level), "1", config=DCP, dies=True)
+    newest = 1  # the iteration the newest checkpoint holds
+    for crash in range(1, 7):
+        assert truncate_newest(base, level, rng) > 0
+        job("dcp", str(base), str(level), str(crash), config=DCP, dies=crash <= 5)
+        got = results(base)
+        assert {r["status"] for r in got} == ({"died"} if crash <= 5 else {"ok"}), got
+        assert all(r["recovered"] == [newest - 1, True] for r in got), got
+        newest = crash
+
+
+@pytest.mark.parametrize("level", [8, pytest.param(5, marks=pytest.mark.slow)])
+def test_dcp_truncated_file_and_spare_is_a_clean_failure(tmp_path: Path, level: int) -> None:
+    """The newest file and the spare of the checkpoint before it both cut on one rank: nothing is whole, so the
+    same NoCheckpointError on every rank, no array touched."""
     base = tmp_path / "run"
     job("dcp", str(base), str(level), "2", config=DCP, dies=True)
-    assert truncate_newest(base, level, random.Random(2612)) > 0
+    rng = random.Random(2612)
+    assert truncate_newest(base, level, rng) > 0
+    spares = (sorted(base.glob("Global/*/l4/dcp/Spare-Rank*.fti")) if level == 8
+              else local(base, level - 4, "Spare-Rank*.fti"))
+    assert len(spares) == N
+    os.truncate(spares[0], spares[0].stat().st_size - 100)
     job("dcp", str(base), str(level), "6", config=DCP)
     assert_clean_failure(base)

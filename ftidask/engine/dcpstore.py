@@ -52,8 +52,9 @@ _SHORT_RUN = 128 << 10  # mean bytes per write under which the spare's cache is 
 class DcpHandle:
     """One differential file being written: the writer, and where it goes on commit."""
 
-    def __init__(self, store: DcpStore, level: int, fd: int, writer: DcpFileWriter) -> None:
+    def __init__(self, store: DcpStore, level: int, fd: int, writer: DcpFileWriter, path: Path) -> None:
         self.store, self.level, self.fd, self.writer = store, level, fd, writer
+        self.path = path  # the spare being patched (or, after a fallback recovery, a new file)
         self.closed = False
 
     def write_var(self, var_id: int, source: Any) -> int:
@@ -76,8 +77,8 @@ class DcpHandle:
         """Finish the file, fsync it and rename it to ``final_path`` (not yet committed)."""
         written, stats, state = self.writer.finish(trailer, pt_fs=pt_fs, max_fs=max_fs)
         self.close()
-        storage.rename_into(self.store.spare_path(self.level), final_path)
-        storage.fsync_dir(self.store.spare_path(self.level).parent)
+        storage.rename_into(self.path, final_path)
+        storage.fsync_dir(self.path.parent)
         self.store._files[self.level, seq] = state
         if stats.delta is not None and stats.data_runs:  # patched from a known base
             self.store._recent_writes[self.level].append((stats.data_bytes, stats.data_runs))
@@ -103,6 +104,7 @@ class DcpStore:
         self.tracking = DcpTracking(track_pages)  # which blocks need hashing at all
         self.block_size, self.bid, self.hash_id = block_size, bid, hash_id
         self._spares: dict[int, BlockState] = {}  # level -> state of the spare file
+        self._pinned: set[int] = set()  # levels whose spare holds the checkpoint recovered (see recovered_fallback)
         self._files: dict[tuple[int, int], BlockState] = {}  # (level, seq) -> state of a checkpoint file
         self._pool = ThreadPoolExecutor(max_workers=threads or min(4, os.cpu_count() or 1),
                                         thread_name_prefix="ftidask-dcp")
@@ -121,10 +123,22 @@ class DcpStore:
         """The partner copy kept for L2 deltas (see :mod:`ftidask.levels.partner_delta`)."""
         return self.spare_path(level).with_name(storage.spare_file(self.rank, "Pcof"))
 
+    def next_path(self, level: int) -> Path:
+        """Where a checkpoint is written in full while the spare is the only sound copy (a fallback recovered)."""
+        return self.spare_path(level).with_name(storage.spare_file(self.rank, "Next"))
+
     def begin(self, level: int, layout: Layout) -> DcpHandle:
-        """Open the spare of ``level`` for patching up to ``layout``."""
+        """Open the spare of ``level`` for patching up to ``layout`` (a new file while it is pinned)."""
+        if level in self._pinned:  # the spare is what a crash now would recover: keep it, write everything
+            path = self.next_path(level)
+            storage.makedirs(path.parent)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, storage.FILE_MODE)
+            writer = DcpFileWriter(fd, layout, None, block_size=self.block_size, bid=self.bid, hash_id=self.hash_id,
+                                   pool=self._pool, capture_xor=level == 3)
+            return DcpHandle(self, level, fd, writer, path)
         path = self.spare_path(level)
         storage.makedirs(path.parent)
+        self.next_path(level).unlink(missing_ok=True)  # torn by a crash while the spare was pinned
         base = self._spares.pop(level, None)  # from now on the spare's content is unknown
         if base is None:  # after a restart: the spare's own block hashes, if it is the file retired
             known = storage.read_json(self._spare_record(level))
@@ -136,11 +150,12 @@ class DcpStore:
             base = None
         writer = DcpFileWriter(fd, layout, base, block_size=self.block_size, bid=self.bid, hash_id=self.hash_id,
                                pool=self._pool, capture_xor=level == 3)  # L3 updates parity from old XOR new
-        return DcpHandle(self, level, fd, writer)
+        return DcpHandle(self, level, fd, writer, path)
 
-    def retire(self, level: int, seq: int, path: Path, ckpt_id: int | None = None) -> None:
+    def retire(self, level: int, seq: int, path: Path, ckpt_id: int | None = None) -> bool:
         """Checkpoint ``seq`` of ``level`` is no longer committed: keep its file as the spare
-        (and, at L2, the partner copy it holds as the spare partner copy)."""
+        (and, at L2, the partner copy it holds as the spare partner copy). True when it was kept."""
+        self._pinned.discard(level)  # a newer checkpoint of this level or above is committed
         if level == 2 and ckpt_id is not None:
             pcof = path.parent / storage.partner_file(ckpt_id, self.rank)
             with contextlib.suppress(OSError):
@@ -149,14 +164,14 @@ class DcpStore:
                 os.replace(pcof, self.spare_partner_path(level))
         state = self._files.pop((level, seq), None)
         if state is None:
-            return
+            return False
         spare = self.spare_path(level)
         try:
             storage.makedirs(spare.parent)
             self._discard(spare)
             os.replace(path, spare)
         except OSError:
-            return  # no spare: the next differential checkpoint writes everything
+            return False  # no spare: the next differential checkpoint writes everything
         self._spares[level] = state
         if level != 3 and aligns_writes(self.block_size) and self._short_runs(level):
             # Patching a file cached in large folios costs ~38 us per scattered write on ext4
@@ -182,6 +197,7 @@ class DcpStore:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(json.dumps({"fb_hash": state.fb_hash.hex()}).encode())
             os.replace(tmp, hint)
+        return True
 
     def _short_runs(self, level: int) -> bool:
         """Were the level's recent patches mostly short scattered writes? (The spare receives
@@ -205,10 +221,20 @@ class DcpStore:
 
     def recovered(self, level: int, seq: int, path: Path, parsed: Any) -> None:
         """The file of a verified, recovered checkpoint: remember its state (it will be a spare)."""
+        self._pinned.discard(level)  # a sound committed checkpoint: the spare may be patched again
         with contextlib.suppress(OSError, ValueError):
             state = state_of_file(path, parsed)
             if state is not None and state.compatible(self.block_size, self.bid):
                 self._files[level, seq] = state
+
+    def recovered_fallback(self, level: int, path: Path, parsed: Any) -> None:
+        """The spare of ``level`` was recovered (no newer checkpoint could be): it stays untouched until a
+        newer checkpoint of the level is committed, and is then patched from its known state."""
+        self._pinned.add(level)
+        with contextlib.suppress(OSError, ValueError):
+            state = state_of_file(path, parsed)
+            if state is not None and state.compatible(self.block_size, self.bid):
+                self._spares[level] = state
 
     def discard(self, level: int, seq: int) -> None:
         """Checkpoint ``seq`` failed: its file is gone."""
@@ -218,6 +244,7 @@ class DcpStore:
         """Drop every known state (another process may have changed the files)."""
         self._spares.clear()
         self._files.clear()
+        self._pinned.clear()
 
     def clear(self) -> None:
         """Remove the spares (the run is over) and stop the hashing threads."""
@@ -228,8 +255,8 @@ class DcpStore:
             for trash in self.spare_path(level).parent.glob(f"{storage.TRASH_PREFIX}*-{os.getpid()}-*"):
                 storage.remove_tree(trash)
             parity = self.spare_parity_path(level)
-            for path in (self.spare_path(level), self.spare_partner_path(level), self._spare_record(level), parity,
-                         hash_path(parity)):
+            for path in (self.spare_path(level), self.next_path(level), self.spare_partner_path(level),
+                         self._spare_record(level), parity, hash_path(parity)):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             with contextlib.suppress(OSError):

@@ -146,8 +146,10 @@ class Recovery(RunPart):
             path = self.rank_file(record)
             ok = verdict.kind == "ok"
             # Collective (L2/L3); the transport keeps the ranks in step, an error after its end is this rank's.
-            have, error = attempt(t.rank, lambda: t.rebuild_file(record.level, record.ckpt_id, path, path.parent,
-                                                                  ok, record=record), False)
+            # A fallback's redundancy was the committed checkpoint's: never rebuilt (the same on every rank).
+            have, error = (False, "") if record.extra.get("fallback") else attempt(
+                t.rank, lambda: t.rebuild_file(record.level, record.ckpt_id, path, path.parent, ok, record=record),
+                False)
             if error:
                 log.warning("rebuilding checkpoint %d (level %d): %s", record.ckpt_id, record.level, error)
             if not ok and have:
@@ -160,7 +162,20 @@ class Recovery(RunPart):
             bad = [(r, m) for r, (k, m) in enumerate(verdicts) if k != "ok"]
             return None, f"{len(bad)} rank(s) cannot verify or rebuild their file, first rank {bad[0][0]}: {bad[0][1]}"
 
-        return newest_recoverable(self.candidates(ckpt_id, level), verify, self.paths, ckpt_id, level)
+        # Newest first, committed or not: a fallback is newer than an older checkpoint of another level.
+        records = sorted(self.candidates(ckpt_id, level) + self.fallbacks(ckpt_id, level), key=lambda r: -r.seq)
+        return newest_recoverable(records, verify, self.paths, ckpt_id, level)
+
+    def fallbacks(self, ckpt_id: int | None, level: int | None) -> list[CommitRecord]:
+        """The previous differential checkpoints kept as spares (see
+        :meth:`~ftidask.engine.runstate.RunState.write_fallback`)."""
+        if not self.config.enable_dcp:  # without dCP the spares are removed at the start of the run
+            return []
+        t = self.transport
+        raw = on_root(t, lambda: [r.to_json() for r in self.state.fallbacks()], RecoveryError,
+                      "cannot read the run's commit records")
+        records = (CommitRecord.from_json(x) for x in raw)
+        return [r for r in records if r is not None and ckpt_id in (None, r.ckpt_id) and level in (None, r.level)]
 
     def recover(self, ckpt_id: int | None, level: int | None, ids: Any) -> dict[int, Any]:
         """:meth:`ftidask.Context.recover` (collective)."""
@@ -225,15 +240,18 @@ class Recovery(RunPart):
         def load() -> None:
             load_file(verdict.parsed, targets.arrays, config=self.config, staged=verdict.staged)
             targets.apply_states()
-            if self.config.enable_dcp:
+            if record.extra.get("fallback"):
+                self.spares.get().recovered_fallback(record.level, self.rank_file(record), verdict.parsed)
+            elif self.config.enable_dcp:
                 self.spares.get().recovered(record.level, record.seq, self.rank_file(record), verdict.parsed)
 
         agree(t, attempt(t.rank, load)[1], RecoveryError,
               f"recovering checkpoint {record.ckpt_id} (level {record.level}) failed while loading, and the protected "
               "arrays may hold part of it: recover again")
         self.progress.restored(record.ckpt_id, record.level, verdict.parsed.layout())
-        log.info("recovered checkpoint %d from level %d%s", record.ckpt_id, record.level,
-                 "" if wanted is None else f" (variables {wanted})")
+        log.info("recovered checkpoint %d from level %d%s%s", record.ckpt_id, record.level,
+                 "" if wanted is None else f" (variables {wanted})",
+                 " (the previous differential checkpoint, kept as the spare)" if record.extra.get("fallback") else "")
         return targets.recovered()
 
     def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:

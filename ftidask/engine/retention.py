@@ -20,7 +20,10 @@ from .runstate import CommitRecord
 
 
 def rank_path(paths: RunPaths, record: CommitRecord, node: int, rank: int) -> Path:
-    """Rank ``rank``'s file of ``record`` on node ``node`` (a Zarr store for a Zarr L4 checkpoint)."""
+    """Rank ``rank``'s file of ``record`` on node ``node`` (a Zarr store for a Zarr L4 checkpoint; the
+    spare for the fallback of a level, see :meth:`~ftidask.engine.runstate.RunState.write_fallback`)."""
+    if record.extra.get("fallback") is True:
+        return paths.level_dir(record.level, node) / storage.SPARE_DIR / storage.spare_file(rank)
     path = paths.level_dir(record.level, node) / record.dirname / storage.rank_file(record.ckpt_id, rank)
     return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
 
@@ -79,14 +82,15 @@ class Retention(RunPart):
         t.barrier()
         on_root(t, lambda: self.state.delete_record(record.seq), FTIError, failed)
         dcp = self.spares.store
+        kept, error = False, ""
         if dcp is not None:  # its file becomes the spare that the next dCP checkpoint patches
             own = rank_path(self.paths, record, t.node, t.rank)
-            _r, error = attempt(t.rank, lambda: dcp.retire(record.level, record.seq, own, record.ckpt_id))
-        else:
-            error = ""
+            kept, error = attempt(t.rank, lambda: dcp.retire(record.level, record.seq, own, record.ckpt_id), False)
         if self.config.enable_dcp:
             # every rank has moved its file out of the shared directories before any is removed
             agree(t, error, FTIError, failed)
+            if record.extra.get("dcp"):  # until the spares are patched, recovery may fall back to them
+                on_root(t, lambda: self.state.write_fallback(record) if kept else None, FTIError, failed)
         doomed = [self.paths.level_dir(level, t.node) / record.dirname for level in {record.level, 1, 2, 3}]
         if t.rank == 0:
             doomed.append(self.paths.level_dir(4, 0) / record.dirname)
@@ -141,6 +145,7 @@ class Retention(RunPart):
                 self.remove_checkpoint(record)
         on_root(t, lambda: self.state.write_run(state="finalized", keep_last=keep), FTIError, failed)
         dcp = self.spares.store  # every rank takes part, with a store or not
+        on_root(t, self.state.delete_fallbacks, FTIError, failed)  # first: a record never names a cleared spare
         everywhere(t, dcp.clear if dcp is not None else lambda: None, FTIError, failed)
 
     def prune_run_dirs(self) -> None:

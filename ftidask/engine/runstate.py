@@ -221,6 +221,33 @@ class RunState:
         except FileNotFoundError:
             pass
 
+    def fallbacks(self) -> list[CommitRecord]:
+        """The previous differential checkpoint of each level that keeps one (see :meth:`write_fallback`)."""
+        out = []
+        for level in (1, 2, 3, 4):
+            rec = unsealed_record(storage.read_json(self._fallback_path(level)))
+            if rec is not None and rec.level == level and rec.extra.get("fallback") is True:
+                out.append(rec)
+        return out
+
+    def write_fallback(self, record: CommitRecord) -> None:
+        """Name the retired differential checkpoint ``record``, whose files are now the spares, as the one
+        a recovery falls back to when no committed checkpoint verifies (FTI's dCP goes back a layer). Best
+        effort: without it, nothing older than the committed checkpoints is recovered."""
+        kept = dataclasses.replace(record, extra={**record.extra, "fallback": True})
+        try:
+            storage.write_json_atomic(self._fallback_path(record.level), sealed_record(kept))
+        except OSError as exc:
+            log.warning("cannot keep checkpoint %d as the fallback of level %d: %s", record.ckpt_id, record.level, exc)
+
+    def delete_fallbacks(self) -> None:
+        """The spares are gone (the run is over): nothing to fall back to."""
+        for level in (1, 2, 3, 4):
+            self._fallback_path(level).unlink(missing_ok=True)
+
+    def _fallback_path(self, level: int) -> Path:
+        return self.records_dir / f"fallback-l{level}.json"
+
     def run_info(self) -> dict[str, Any]:
         info = storage.read_json(self.root / "run.json")
         if not isinstance(info, dict):

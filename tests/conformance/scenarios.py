@@ -11,9 +11,10 @@ backend's groups of 4 workers: the same ring, :mod:`ftidask.levels.topology`). A
   one patches;
 * the *latest* checkpoint (id 3, version 3) at the scenario's level.
 
-The losses then hit the latest checkpoint's files only (or whole node directories), and recovery
-must give the latest checkpoint, the older one, or ``NoCheckpointError`` with the arrays untouched:
-bit for bit, never a partial recovery.
+The losses then hit the latest checkpoint's files only (or whole node directories, or the spare that
+keeps a differential level's previous checkpoint), and recovery must give the latest checkpoint, the
+previous one of a differential level (id 2, kept whole as the spare: docs/dcp.md), the older one, or
+``NoCheckpointError`` with the arrays untouched: bit for bit, never a partial recovery.
 """
 
 from __future__ import annotations
@@ -25,17 +26,19 @@ from pathlib import Path
 import numpy as np
 
 from ftidask.levels.topology import worker_topology
+from ftidask.storage.files import SPARE_DIR, spare_file
 
 NRANKS = 4
-LATEST, OLDER, NONE = "latest", "older", "none"
+LATEST, PREVIOUS, OLDER, NONE = "latest", "previous", "older", "none"
 #: L2 copies and L3 groups: the same ring for every backend (rank r's copy is kept by node r+1).
 TOPOLOGY = worker_topology(NRANKS, NRANKS)
 
 
 @dataclasses.dataclass(frozen=True)
 class Loss:
-    """``what`` (rank, partner, parity: a file of the latest checkpoint; node: a node's whole directory)
-    of ``ranks``, erased or corrupted. A partner loss of rank r hits the copy of r's file (kept by r+1)."""
+    """``what`` (rank, partner, parity: a file of the latest checkpoint; node: a node's whole directory;
+    spare: the file of rank r that a differential level keeps of its previous checkpoint) of ``ranks``,
+    erased or corrupted. A partner loss of rank r hits the copy of r's file (kept by r+1)."""
 
     what: str
     ranks: tuple[int, ...]
@@ -46,7 +49,7 @@ class Loss:
 class Scenario:
     level: int
     losses: tuple[Loss, ...]
-    outcome: str  # LATEST, OLDER or NONE (no older checkpoint is written: recovery must fail)
+    outcome: str  # LATEST, PREVIOUS (dCP only), OLDER or NONE (no older checkpoint is written: recovery must fail)
 
     @property
     def name(self) -> str:
@@ -59,6 +62,7 @@ class Scenario:
 
     def __post_init__(self) -> None:
         assert not (self.outcome == OLDER and self.level in (4, 8)), "L4/L8 keep no older checkpoint"
+        assert self.outcome != PREVIOUS or self.differential, "only a differential level keeps its previous one"
 
     def versions(self) -> list[tuple[int, int]]:
         """(checkpoint id, level) in writing order; the id is also the values' version."""
@@ -71,14 +75,15 @@ class Scenario:
     def expected(self) -> tuple[int, int] | None:
         """The (id, level) a recovery returns, None for NoCheckpointError."""
         # a differential checkpoint is recovered as what it is on disk: its base level (L6 is L2 dCP)
-        return {LATEST: (3, self.level - 4 * self.differential), OLDER: (1, 4), NONE: None}[self.outcome]
+        base = self.level - 4 * self.differential
+        return {LATEST: (3, base), PREVIOUS: (2, base), OLDER: (1, 4), NONE: None}[self.outcome]
 
 
 def _s(level: int, outcome: str, *losses: Loss) -> Scenario:
     return Scenario(level, losses, outcome)
 
 
-rank0, rank0_bad = Loss("rank", (0,)), Loss("rank", (0,), "corrupt")
+rank0, rank0_bad, spare0 = Loss("rank", (0,)), Loss("rank", (0,), "corrupt"), Loss("spare", (0,))
 node = lambda *n: Loss("node", n)  # noqa: E731 - a table's shorthand
 
 #: Every scenario; one level per block. Whole-level rules: L1/L4 keep no copy, L2 loses a file when its
@@ -92,10 +97,13 @@ SCENARIOS: list[Scenario] = [
     _s(3, LATEST, Loss("parity", (0,)), Loss("rank", (1,))), _s(3, LATEST, node(0)), _s(3, LATEST, node(0, 1)),
     _s(3, OLDER, node(0, 1, 2)), _s(3, NONE, node(1, 2, 3)),
     _s(4, NONE, rank0), _s(4, NONE, Loss("rank", (3,), "corrupt")), _s(4, LATEST, node(0, 1, 2, 3)),
-    _s(5, OLDER, rank0_bad), _s(5, OLDER, Loss("rank", (3,))), _s(5, NONE, node(2)),
-    _s(6, LATEST, rank0), _s(6, LATEST, node(1)), _s(6, OLDER, rank0, Loss("partner", (0,), "corrupt")),
+    _s(5, PREVIOUS, rank0_bad), _s(5, PREVIOUS, Loss("rank", (3,))), _s(5, OLDER, rank0_bad, Loss("spare", (2,))),
+    _s(5, NONE, node(2)),
+    _s(6, LATEST, rank0), _s(6, LATEST, node(1)), _s(6, PREVIOUS, rank0, Loss("partner", (0,), "corrupt")),
+    _s(6, OLDER, rank0, Loss("partner", (0,), "corrupt"), Loss("spare", (0,), "corrupt")),
     _s(7, LATEST, rank0_bad), _s(7, LATEST, node(0, 1)), _s(7, OLDER, node(0, 1, 3)), _s(7, NONE, node(0, 1, 3)),
-    _s(8, NONE, rank0), _s(8, LATEST, node(0, 1, 2, 3)), _s(8, NONE, rank0_bad),
+    _s(8, PREVIOUS, rank0), _s(8, NONE, rank0, spare0), _s(8, LATEST, node(0, 1, 2, 3)),
+    _s(8, NONE, rank0_bad, Loss("spare", (3,), "corrupt")),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
 assert len(BY_NAME) == len(SCENARIOS), "two scenarios with one name"
@@ -133,9 +141,13 @@ def damage(base: Path, scenario: Scenario) -> None:
                 shutil.rmtree(node_dir, ignore_errors=True)
                 assert not node_dir.exists()
                 continue
-            name = {"rank": f"Ckpt3-Rank{r}.fti", "partner": f"Ckpt3-Pcof{TOPOLOGY.right_partner(r)}.fti",
-                    "parity": f"Ckpt3-RSed{r}.fti"}[loss.what]
-            found = _latest_files(base, name)
+            if loss.what == "spare":
+                found = sorted(base.glob(f"*/**/{SPARE_DIR}/{spare_file(r)}"))
+                name = spare_file(r)
+            else:
+                name = {"rank": f"Ckpt3-Rank{r}.fti", "partner": f"Ckpt3-Pcof{TOPOLOGY.right_partner(r)}.fti",
+                        "parity": f"Ckpt3-RSed{r}.fti"}[loss.what]
+                found = _latest_files(base, name)
             assert found, f"{scenario.name}: no file {name} under {base}"
             for path in found:
                 if loss.how == "erase":

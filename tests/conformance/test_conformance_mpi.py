@@ -15,10 +15,10 @@ from mpi_util import need_mpi, run
 
 pytestmark = need_mpi()
 
-#: One scenario per level (L3 twice: a rebuild and a loss beyond it).
+#: One scenario per level (L3 twice: a rebuild and a loss beyond it; L8 twice: without its fallback).
 CASES = ["L1-corrupt-rank0-older", "L2-erase-rank0+erase-partner0-older", "L2-erase-node02-latest",
-         "L3-erase-node01-latest", "L3-erase-node123-none", "L4-erase-rank0-none", "L5-corrupt-rank0-older",
-         "L6-erase-node1-latest", "L7-erase-node01-latest", "L8-erase-node0123-latest"]
+         "L3-erase-node01-latest", "L3-erase-node123-none", "L4-erase-rank0-none", "L5-corrupt-rank0-previous",
+         "L6-erase-node1-latest", "L7-erase-node01-latest", "L8-erase-node0123-latest", "L8-erase-rank0+erase-spare0-none"]
 
 
 def test_scenarios_over_mpi(tmp_path: Path) -> None:
