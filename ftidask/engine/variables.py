@@ -38,9 +38,7 @@ def protected_var(vid: int, array: Any, name: str | None, compressor: Any, old: 
     array = state.encode() if state is not None else check_protectable(array)
     if name is None:
         name = old.name if old is not None else f"var{vid}"
-    codec = old.compressor if old is not None and compressor is None else None
-    if compressor is not None:
-        codec = compression.parse_compressor(compressor) or {"id": "none"}
+    codec = compressor_config(compressor, old)
     if state is not None and (global_shape is not None or offset is not None or replicated):
         raise ProtectError(f"variable {vid}: a Python state takes no global_shape, offset or replicated (it is "
                            "recovered whole, on the checkpoint's number of ranks)")
@@ -48,6 +46,14 @@ def protected_var(vid: int, array: Any, name: str | None, compressor: Any, old: 
     if decomp is None and old is not None and global_shape is None and not replicated:
         decomp = still_fits(array, old.decomp)  # protect again (or realloc): the declaration stays if it fits
     return Protected(vid, str(name), array, codec, decomp=decomp, state=state)
+
+
+def compressor_config(compressor: Any, old: Protected | None) -> dict[str, Any] | None:
+    """The numcodecs config a variable protected with ``compressor`` keeps (``old``: its previous registration,
+    whose choice stays when none is given); ``{"id": "none"}`` for an explicit no, None for the config's."""
+    if compressor is None:
+        return old.compressor if old is not None else None
+    return compression.parse_compressor(compressor) or {"id": "none"}
 
 
 def encode_states(variables: Mapping[int, Protected], rank: int) -> str:

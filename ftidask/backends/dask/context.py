@@ -23,7 +23,7 @@ from distributed import Client, Future, futures_of
 from ...api.context import Context, Protected
 from ...engine.inflight import CheckpointHandle
 from ...engine.runstate import CommitRecord, FileRecord
-from ...engine.variables import encode_states
+from ...engine.variables import compressor_config, encode_states
 from ...model.arrays import check_ckpt_id, check_id
 from ...model.config import Config
 from ...model.errors import CheckpointError, FTIError, LevelError, ProtectError
@@ -101,11 +101,11 @@ class DaskContext(Context):
 
         Dask arrays are immutable: protect the new array after each step (or use the one
         :attr:`protected` holds after a checkpoint, which is persisted on the cluster).
+        ``compressor`` (else ``[advanced] compressor``): each chunk's container is compressed by the
+        worker that writes it, as the engine compresses a container (full checkpoints, levels 1-4).
         """
-        if compressor not in (None, "none") or self.config.compressor not in (None, "none"):
-            raise ProtectError("compression is not available on the Dask backend yet; its files are uncompressed")
         if not is_dask_array(array):
-            super().protect(id, array, name)
+            super().protect(id, array, name, compressor)
             return
         self._check_open()
         vid = check_id(id, "variable id")
@@ -119,7 +119,8 @@ class DaskContext(Context):
             raise ProtectError("the array has unknown chunk sizes; call .compute_chunk_sizes() first")
         old = self._vars.get(vid)
         name = name if name is not None else self._names.name_of(vid)
-        self._vars[vid] = Protected(vid, str(name if name is not None else old.name if old else f"var{vid}"), array)
+        self._vars[vid] = Protected(vid, str(name if name is not None else old.name if old else f"var{vid}"), array,
+                                    compressor_config(compressor, old))
 
     def _chunk_futures(self) -> tuple[list[VarSpec], dict[tuple[int, tuple[int, ...]], Future]]:
         """Persist every protected array (once) and return its chunks' futures by grid index."""
@@ -170,7 +171,10 @@ class DaskContext(Context):
         # The chunks' futures keep them alive on the workers until the checkpoint is written.
         specs, futures = self._chunk_futures()
         held = {vid: p.array for vid, p in self._vars.items()}  # the arrays whose lineage the commit cuts
-        write = functools.partial(self._write_checkpoint, ckpt_id, parsed, specs, futures, start, held)
+        # Taken now, as the arrays are: a protect() while an asynchronous checkpoint runs is for the next one.
+        # Differential files are never compressed (a compressed container cannot be patched in place).
+        codecs = {} if parsed.differential else {vid: c for vid, (_codec, c) in self._writer.codecs().items()}
+        write = functools.partial(self._write_checkpoint, ckpt_id, parsed, specs, futures, start, held, codecs)
         if not asynchronous:
             return write()
         self._async.next_id = max(self._async.next_id, ckpt_id + 1)
@@ -178,7 +182,7 @@ class DaskContext(Context):
 
     def _write_checkpoint(self, ckpt_id: int, parsed: Level, specs: list[VarSpec],
                           futures: dict[tuple[int, tuple[int, ...]], Future], start: float,
-                          held: dict[int, Any]) -> DaskCheckpointInfo:
+                          held: dict[int, Any], codecs: dict[int, dict[str, Any]]) -> DaskCheckpointInfo:
         differential = parsed.differential  # L5-L8: differential L1-L4 (enable_dcp = 1)
         shown_level, level = parsed.number, parsed.base
         self._dask_retention.retire_deferred()  # before the write: a differential one may patch its files
@@ -212,7 +216,7 @@ class DaskContext(Context):
                                                             workers)
                 else:
                     plans, written, groups = run_full_levels(self, ckpt_id, level, seq, specs, futures, owner,
-                                                             workers)
+                                                             workers, codecs)
         except FTIError as exc:
             discard()
             # A lost worker or a failed task is said in one sentence, without Dask's chained traceback.

@@ -11,6 +11,7 @@ each file to the global directory. The commit record, written last by the engine
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from distributed import Future
@@ -25,12 +26,14 @@ if TYPE_CHECKING:
 
 
 def run_full_levels(ctx: DaskContext, ckpt_id: int, level: int, seq: int, specs: list[VarSpec], futures: dict,
-                    owner: dict, workers: list[str]) -> tuple[list[RankPlan], list[dict[str, Any]], list[list[int]]]:
+                    owner: dict, workers: list[str], codecs: Mapping[int, dict[str, Any]] | None = None
+                    ) -> tuple[list[RankPlan], list[dict[str, Any]], list[list[int]]]:
     """Write full checkpoint ``ckpt_id`` (sequence ``seq``) at ``level`` on ``workers``: each rank's chunks
     (``futures`` by (var id, grid index), held by rank ``owner[...]``), then the level's redundancy.
+    ``codecs``: var id -> numcodecs config of the variables whose containers the workers compress.
     Returns the rank plans, what each rank's file task reported, and the L2/L3 groups."""
     n = len(workers)
-    plans = plan_ranks(specs, owner, n)
+    plans = plan_ranks(specs, owner, n, codecs)
     topo = worker_topology(n, ctx.config.group_size)
     groups = topo.rank_groups()
     fs = [p.layout.fs for p in plans]

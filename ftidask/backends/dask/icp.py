@@ -33,7 +33,13 @@ def init_icp(ctx: Any, ckpt_id: int, level: int) -> None:
     ctx._check_open()
     ctx._icp_slot.check_none_open()
     cid = check_ckpt_id(ckpt_id)
-    ctx._check_level(level)  # refuse a bad level now, not at the commit
+    parsed = ctx._check_level(level)  # refuse a bad level now, not at the commit
+    if not parsed.differential and ctx._writer.codecs():
+        # The engine's rule, on every backend alike (its incremental files are streamed, never compressed):
+        # a program that runs here runs on MPI too.
+        raise CheckpointError(f"incremental checkpoint {cid}: incremental checkpoints are written uncompressed "
+                              "as FTI-FF files: set compressor = none (or protect with compressor='none'), "
+                              "or use levels 5-8; the previous checkpoint is kept")
     # Python states are taken when the checkpoint begins (as on MPI)
     error = encode_states(ctx.variables, ctx.transport.rank)
     if error:

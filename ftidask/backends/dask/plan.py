@@ -75,8 +75,11 @@ class RankPlan:
 
 
 def plan_ranks(variables: Sequence[VarSpec], owner: Mapping[tuple[int, GridIndex], int],
-               nranks: int) -> list[RankPlan]:
-    """Plan every rank's file; ``owner[(var_id, index)]`` is the rank holding that chunk."""
+               nranks: int, codecs: Mapping[int, Mapping[str, Any]] | None = None) -> list[RankPlan]:
+    """Plan every rank's file; ``owner[(var_id, index)]`` is the rank holding that chunk, ``codecs`` the
+    numcodecs config of each variable to compress (recorded in its ``extra["codec"]``, which the writing
+    worker follows; containers stay planned by the raw sizes, as the engine plans them)."""
+    codecs = codecs or {}
     per_rank: list[list[ChunkPlace]] = [[] for _ in range(nranks)]
     per_rank_var: list[dict[int, list[ChunkPlace]]] = [{} for _ in range(nranks)]
     for var in variables:
@@ -106,6 +109,8 @@ def plan_ranks(variables: Sequence[VarSpec], owner: Mapping[tuple[int, GridIndex
                               "blocks": [[list(p.index), list(var.chunk_shape(p.index)), p.dptr] for p in held]}}
             if var.pystate:
                 extra["pystate"] = var.pystate
+            if var.id in codecs and nbytes:  # as the engine: a variable of no bytes has nothing to compress
+                extra["codec"] = dict(codecs[var.id])
             infos.append(VarInfo(var.id, var.name, var.dtype, (nbytes // var.dtype.itemsize,), "C", nbytes, extra))
         plans.append(RankPlan(rank, layout, tuple(infos), tuple(places)))
     return plans

@@ -326,7 +326,9 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
         if target != spec.chunks:
             arr = arr.rechunk(target)
         out[spec.id] = arr
-        ctx.variables[spec.id] = Protected(spec.id, held.name if held is not None else spec.name, arr)
+        # its compressor stays: the next checkpoint writes it as the one recovered was written
+        ctx.variables[spec.id] = Protected(spec.id, held.name if held is not None else spec.name, arr,
+                                           held.compressor if held is not None else None)
     return out
 
 

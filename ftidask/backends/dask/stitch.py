@@ -308,7 +308,8 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
             target = _target_chunks(ctx, spec, chunks)
             arr = arrays[vid] if target == grid else arrays[vid].rechunk(target)
             out[vid] = arr
-            ctx.variables[vid] = Protected(vid, held.name if held is not None else spec.name, arr)
+            ctx.variables[vid] = Protected(vid, held.name if held is not None else spec.name, arr,
+                                           held.compressor if held is not None else None)
     return out
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ...engine.checkpointing import write_rank_file
-from ...ftiff import blockhash, hashing
+from ...ftiff import blockhash, compression, hashing
 from ...ftiff.reader import parse_ftiff, verify_data
 from ...model.arrays import VarInfo, dtype_from_json
 from ...model.errors import FormatError
@@ -66,11 +66,14 @@ def chunk_sources(places: Sequence[Sequence[int]], chunks: Sequence[np.ndarray])
 def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], meta: dict[str, Any],
                hash_name: str, pt_fs: int, max_fs: int, places: list[list[int]],
                *chunks: np.ndarray) -> dict[str, Any]:
-    """Write this worker's FTI-FF file from the chunks it holds (``places``: [var id, dptr] per chunk)."""
+    """Write this worker's FTI-FF file from the chunks it holds (``places``: [var id, dptr] per chunk); the
+    containers of a variable whose table entry names a codec (``extra["codec"]``) are compressed here."""
     layout = layout_from_json(layout_json)
     infos = [VarInfo.from_json(raw) for raw in infos_json]
+    codecs = {i.id: (compression.get_codec(i.extra["codec"]), i.dtype.itemsize) for i in infos if "codec" in i.extra}
     written = write_rank_file(Path(path), layout, chunk_sources(places, chunks), infos,
-                              hash_id=hashing.hash_id(hash_name), meta=meta, pt_fs=pt_fs, max_fs=max_fs)
+                              hash_id=hashing.hash_id(hash_name), meta=meta, pt_fs=pt_fs, max_fs=max_fs,
+                              codecs=codecs or None)
     return {"rank": meta["rank"], "node": meta["node"], "size": written.file_size,
             "fb_hash": written.fb.hash.hex(), "data_bytes": written.data_bytes, "path": path}
 
@@ -108,7 +111,7 @@ def check_file(path: str, fb_hash: str, after: Any = None, *,
 def _chunks_missing(parsed: Any, expect: Sequence[tuple[int, list[int], int, int]]) -> list[Any] | None:
     """The first of ``expect`` that the file's containers or its variable table (hash-covered: which
     grid index is at which dptr) do not hold, or None."""
-    held = {(m.id, m.dptr, m.chunksize) for _b, _c, m in parsed.containers() if m.hascontent}
+    held = {(m.id, m.dptr, _raw_size(parsed, m)) for _b, _c, m in parsed.containers() if m.hascontent}
     placed: dict[int, set[tuple[Any, Any]]] = {}  # a set per variable: a rank may hold thousands of chunks
     for vid, index, dptr, nbytes in expect:
         if vid not in placed:
@@ -131,9 +134,19 @@ def _blocks_placed(parsed: Any, vid: int) -> set[tuple[Any, Any]]:
             and all(isinstance(i, number) for i in b[0]) and isinstance(b[2], number)}
 
 
+def _raw_size(parsed: Any, meta: Any) -> int:
+    """The raw bytes container ``meta`` holds: its stored size, or a compressed variable's raw span (which
+    :func:`parse_ftiff` checked against the stored size of a container kept raw)."""
+    info = parsed.vars.get(meta.id)
+    if info is None or "codec" not in info.extra:
+        return int(meta.chunksize)
+    return compression.raw_span(info.nbytes, meta.dptr, meta.containersize)
+
+
 def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[int], fb_hash: str,
                after: Any = None) -> np.ndarray:
-    """One chunk from a rank's file, its container hash checked before it is returned."""
+    """One chunk from a rank's file, its container hash checked before it is returned (a compressed
+    container's stored bytes are checked, then decoded)."""
     dtype = dtype_from_json(dtype_json)
     with open(path, "rb") as fh:
         parsed = parse_ftiff(fh, path)
@@ -145,9 +158,19 @@ def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[i
         nbytes = out.nbytes
         if nbytes == 0:
             return out
-        if meta is None or meta.chunksize != nbytes:
+        if meta is None or _raw_size(parsed, meta) != nbytes:
             raise FormatError(f"no container of {nbytes} bytes for variable {var_id} at dptr {dptr}", path=path)
         view = memoryview(out.reshape(-1).view(np.uint8))
+        info = parsed.vars.get(var_id)
+        if compression.encoded(info, meta):
+            if parsed.fb.flags & blockhash.FLAG_DCP:  # ftidask never writes one: patched in place, not decoded
+                raise FormatError(f"variable {var_id}: a differential file holds a compressed container", path=path)
+            what = f"variable {var_id}, chunk at dptr {dptr}"
+            try:  # the stored bytes are read whole and hash-checked before any is decoded into the chunk
+                compression.read_decoded(fh.fileno(), meta, info, parsed.fb.hash_id, what, view)
+            except FormatError as exc:
+                raise FormatError(str(exc), path=path) from None
+            return out
         got = _pread_into(fh.fileno(), meta.fptr, view)
         if got == nbytes and parsed.fb.flags & blockhash.FLAG_DCP:  # checked block by block
             blockhash.check_container(fh, parsed, meta, view)
