@@ -8,6 +8,7 @@ it after every newer checkpoint (tests/test_itf_matrix.py runs FTI's sequence ov
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ import ftidask
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _dcp_crash_child as child  # noqa: E402
+from mpi_util import need_mpi, run  # noqa: E402
 from test_dcp import _assert_same, _kw, _rank_file  # noqa: E402
 
 CHILD = str(Path(__file__).parent / "_dcp_crash_child.py")
@@ -244,3 +246,181 @@ def test_recover_var_and_stored_size_fall_back_too(tmp_path):
     ctx2.recover()
     assert ra[0] == 99
     ctx2._closed = True
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@need_mpi()[0]
+@need_mpi()[1]
+def test_restart_on_another_number_of_ranks_falls_back_too(tmp_path, ranks):
+    """4 ranks write L4_DCP checkpoints 1-3 of a global array; rank 1's newest file is cut; a restart on 2 ranks
+    redistributes checkpoint 2 from the spares (as one on 4 ranks recovers it directly), exactly, on every rank."""
+    run(4, "dcp_fallback_job.py", "write", str(tmp_path), timeout=120)
+    (newest,) = tmp_path.glob("Global/*/l4/ckpt3.*/Ckpt3-Rank1.fti")
+    _truncate(newest, 100)
+    run(ranks, "dcp_fallback_job.py", "recover", str(tmp_path), timeout=120)
+    got = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(ranks)]
+    assert got == [{"from": [2, 4], "exact": True}] * ranks, got
+
+
+# --- found by review: stale fallbacks, kills while retiring, keep_last_ckpt ---------------------------------
+
+def _fkw(root: Path, **extra):
+    return _kw(root, **{"verbosity": 4, **extra})
+
+
+def _closed(ctx):
+    ctx._closed = True
+    if ctx._run_lock is not None:
+        ctx._run_lock.release()
+
+
+CHILD_FINALIZE = r"""
+import sys
+sys.path.insert(0, {tests!r})
+import numpy as np, crashpoints, ftidask
+from ftidask.engine import runstate
+crashpoints.kill_at_call(runstate.RunState, {point!r}, {nth})   # SIGKILL as it starts
+ctx = ftidask.init(**{kw!r})
+a = np.zeros(10_000); ctx.protect(1, a)
+for i in (1, 2, 3):
+    a[:] = 100 + i
+    ctx.checkpoint(i, 5)
+ctx.finalize()
+"""
+
+
+@pytest.mark.parametrize("point,nth", [("delete_fallbacks", 1), ("write_run", 2)])  # write_run 1: init
+def test_finalize_killed_then_fresh_run_with_same_exec_id_recovers_its_own_checkpoint(tmp_path, point, nth):
+    """Finalize killed after the last commit record is retired (its file kept as the spare, fallback-l1.json
+    written) and before delete_fallbacks. The next init with the same exec_id is a fresh start (no record), seq
+    restarts at 1, and the stale fallback (seq 3) outranks the new run's committed checkpoint 1."""
+    k = _fkw(tmp_path, exec_id="runx")
+    script = CHILD_FINALIZE.format(tests=str(Path(__file__).parent), point=point, nth=nth, kw=k)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -9, r.stderr
+    ctx = ftidask.init(**k)
+    assert ctx.status() == 0  # finalize had removed every record: a fresh start, as FTI
+    b = np.full(10_000, 7.0)
+    ctx.protect(1, b)
+    ctx.checkpoint(1, 4)  # the new run's first checkpoint (any level that does not consume the L1 spare)
+    _closed(ctx)
+    ctx2 = ftidask.init(**k)
+    c = np.zeros(10_000)
+    ctx2.protect(1, c)
+    ctx2.recover()
+    _closed(ctx2)
+    assert ctx2.recovered_from == (1, 4) and c[0] == 7.0, \
+        f"recovered {ctx2.recovered_from} value {c[0]}: the finalized run's state, not this run's checkpoint 1"
+
+
+def test_damaged_newest_record_fresh_status_then_stale_fallback_wins(tmp_path):
+    """The newest commit record damaged (outside harm): status() says 0 although recover() would
+    recover the fallback; continuing fresh with the same exec_id, the stale fallback (seq 2) outranks the new
+    run's checkpoint (seq 1) on the next restart."""
+    import json
+    k = _fkw(tmp_path, exec_id="r")
+    ctx = ftidask.init(**k)
+    a = np.zeros(10_000)
+    ctx.protect(1, a)
+    for i in (1, 2, 3):
+        a[:] = i
+        ctx.checkpoint(i, 5)
+    _closed(ctx)
+    rec = tmp_path / "m/r/commits/s00000003.json"
+    raw = json.loads(rec.read_text())
+    raw["timestamp"] += 1
+    rec.write_text(json.dumps(raw))
+    ctx = ftidask.init(**k)
+    status = ctx.status()
+    b = np.full(10_000, 7.0)
+    ctx.protect(1, b)
+    if status == 0:  # FTI's application: nothing to recover, start over
+        ctx.checkpoint(1, 8)
+    _closed(ctx)
+    ctx2 = ftidask.init(**k)
+    c = np.zeros(10_000)
+    ctx2.protect(1, c)
+    ctx2.recover()
+    _closed(ctx2)
+    assert status == 1 or (ctx2.recovered_from == (1, 4) and c[0] == 7.0), (status, ctx2.recovered_from, c[0])
+
+
+CHILD_RETIRE = r"""
+import sys
+sys.path.insert(0, {tests!r})
+import numpy as np, crashpoints, ftidask
+from ftidask.engine import runstate
+crashpoints.kill_at_call(runstate.RunState, "delete_record", 1, after=True)  # ckpt 1's record gone, 1 still whole
+ctx = ftidask.init(**{kw!r})
+a = np.zeros(10_000); ctx.protect(1, a)
+for i in (1, 2):
+    a[:] = i
+    ctx.checkpoint(i, 5)
+"""
+
+
+def test_killed_while_retiring_then_newest_damaged_loses_the_whole_previous_checkpoint(tmp_path):
+    """Killed in remove_checkpoint between delete_record and write_fallback: checkpoint 1's file is whole (in
+    its directory or as the spare) but nothing names it; with checkpoint 2's file then damaged, the restart
+    fails although checkpoint 1 is whole."""
+    k = _fkw(tmp_path)
+    r = subprocess.run([sys.executable, "-c", CHILD_RETIRE.format(tests=str(Path(__file__).parent), kw=k)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -9, r.stderr
+    whole = sorted(p.name for p in tmp_path.rglob("*.fti"))
+    f = next(tmp_path.rglob("ckpt2.*/Ckpt2-Rank0.fti"))
+    os.truncate(f, f.stat().st_size - 50)
+    ctx = ftidask.init(**k)
+    b = np.zeros(10_000)
+    ctx.protect(1, b)
+    try:
+        ctx.recover()
+    except ftidask.NoCheckpointError as exc:
+        pytest.fail(f"files {whole}: checkpoint 1 is whole, yet {exc}")
+    finally:
+        _closed(ctx)
+    assert b[0] == 1.0
+
+
+def test_keep_last_ckpt_after_a_fallback_recovery(tmp_path):
+    """After a restart that recovered the previous checkpoint (the newest file cut), finalize with
+    keep_last_ckpt = 1 tries to flush the damaged newest checkpoint and fails with CheckpointError."""
+    k = _fkw(tmp_path, keep_last_ckpt=1)
+    ctx = ftidask.init(**k)
+    a = np.zeros(10_000)
+    ctx.protect(1, a)
+    for i in (1, 2, 3):
+        a[:] = i
+        ctx.checkpoint(i, 5)
+    f = ctx._rank_file(ctx.state.records()[-1])
+    os.truncate(f, f.stat().st_size - 100)
+    _closed(ctx)
+    ctx2 = ftidask.init(**k)
+    b = np.zeros(10_000)
+    ctx2.protect(1, b)
+    ctx2.recover()
+    assert ctx2.recovered_from == (2, 1)
+    ctx2.finalize()  # keep_last_ckpt keeps the newest checkpoint that can be kept: 2, from the spare
+    ctx3 = ftidask.init(**k)
+    assert ctx3.status() == 2
+    c = np.zeros(10_000)
+    ctx3.protect(1, c)
+    ctx3.recover()
+    assert ctx3.recovered_from == (2, 4) and (c == 2).all()
+    ctx3.finalize()
+
+
+def test_cli_list_names_the_fallback(tmp_path, capsys):
+    """`ftidask list` says which uncommitted file a restart may still fall back to (the spare), not 'not committed'."""
+    from ftidask.tools.cli import main
+
+    ctx = ftidask.init(**_kw(tmp_path, ckpt_dir=str(tmp_path / "Local"), glbl_dir=str(tmp_path / "Global"),
+                             meta_dir=str(tmp_path / "Meta")))
+    a = np.arange(20_000, dtype=np.int64)
+    ctx.protect(1, a)
+    _states(ctx, a, 5, range(1, 4))
+    ctx._closed = True
+    assert main(["list", str(tmp_path)]) == 0
+    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "the previous differential checkpoint" in rows["2"] and "not committed" not in rows["2"], rows
+    assert rows["3"].endswith("sound"), rows

@@ -339,7 +339,7 @@ class Context:
         try:
             self._async.close()
             self.transport.wait_post()
-            self._retention.end_run(self.recovery.candidates(None, None, FTIError), self._flush_to_l4)
+            self._retention.end_run(self.recovery.all_candidates(None, None, FTIError), self._flush_to_l4)
         finally:
             self._close()
         self._retention.prune_run_dirs()

@@ -162,20 +162,21 @@ class Recovery(RunPart):
             bad = [(r, m) for r, (k, m) in enumerate(verdicts) if k != "ok"]
             return None, f"{len(bad)} rank(s) cannot verify or rebuild their file, first rank {bad[0][0]}: {bad[0][1]}"
 
-        # Newest first, committed or not: a fallback is newer than an older checkpoint of another level.
-        records = sorted(self.candidates(ckpt_id, level) + self.fallbacks(ckpt_id, level), key=lambda r: -r.seq)
-        return newest_recoverable(records, verify, self.paths, ckpt_id, level)
+        return newest_recoverable(self.all_candidates(ckpt_id, level), verify, self.paths, ckpt_id, level)
 
-    def fallbacks(self, ckpt_id: int | None, level: int | None) -> list[CommitRecord]:
-        """The previous differential checkpoints kept as spares (see
-        :meth:`~ftidask.engine.runstate.RunState.write_fallback`)."""
+    def all_candidates(self, ckpt_id: int | None, level: int | None,
+                       error: type[FTIError] = RecoveryError) -> list[CommitRecord]:
+        """:meth:`candidates` and the previous differential checkpoints kept as spares (see
+        :meth:`~ftidask.engine.runstate.RunState.write_fallback`), newest first: a fallback is newer than an
+        older checkpoint of another level."""
+        records = self.candidates(ckpt_id, level, error)
         if not self.config.enable_dcp:  # without dCP the spares are removed at the start of the run
-            return []
-        t = self.transport
-        raw = on_root(t, lambda: [r.to_json() for r in self.state.fallbacks()], RecoveryError,
+            return records
+        raw = on_root(self.transport, lambda: [r.to_json() for r in self.state.fallbacks()], error,
                       "cannot read the run's commit records")
-        records = (CommitRecord.from_json(x) for x in raw)
-        return [r for r in records if r is not None and ckpt_id in (None, r.ckpt_id) and level in (None, r.level)]
+        kept = (CommitRecord.from_json(x) for x in raw)
+        records += [r for r in kept if r is not None and ckpt_id in (None, r.ckpt_id) and level in (None, r.level)]
+        return sorted(records, key=lambda r: r.seq, reverse=True)
 
     def recover(self, ckpt_id: int | None, level: int | None, ids: Any) -> dict[int, Any]:
         """:meth:`ftidask.Context.recover` (collective)."""

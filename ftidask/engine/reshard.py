@@ -30,9 +30,9 @@ from ..ftiff.reader import FtiffFile, check_unchanged, parse_ftiff
 from ..model.arrays import dtype_to_json
 from ..model.decomposition import Piece, Placement, overlap, piece_view, placement
 from ..model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
-from ..storage import files as storage
 from .recovery import check_file, check_writeable, load_file
 from .reshard_rebuild import old_groups, rebuild_group
+from .retention import rank_path
 from .runstate import CommitRecord
 
 if TYPE_CHECKING:
@@ -73,10 +73,8 @@ def advice(record: CommitRecord) -> str:
 
 
 def old_path(ctx: Any, record: CommitRecord, rank: int) -> Path:
-    """Old rank ``rank``'s file of ``record``, in its own node's directory."""
-    node = next(f.node for f in record.files if f.rank == rank)
-    path = ctx.paths.level_dir(record.level, node) / record.dirname / storage.rank_file(record.ckpt_id, rank)
-    return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
+    """Old rank ``rank``'s file of ``record``, in its own node's directory (a fallback's: the spare there)."""
+    return rank_path(ctx.paths, record, next(f.node for f in record.files if f.rank == rank), rank)
 
 
 # --- the table of the old files ------------------------------------------------------------------
@@ -121,7 +119,7 @@ def recover_other_layout(ctx: Recovery, ckpt_id: int | None, level: int | None,
     the same one (the ordinary recovery applies). Collective. A partial recovery (``ids``) is not
     redistributed: it is refused, on every rank, before anything is read."""
     t = ctx.transport
-    records = ctx.candidates(ckpt_id, level)
+    records = ctx.all_candidates(ckpt_id, level)
     nodes = t.allgather(t.node)
     change = layout_change(records[0], t.size, nodes) if records else ""
     if not change:
@@ -142,7 +140,7 @@ def old_names(ctx: Recovery) -> dict[int, str] | None:
     another old file is left out: a name given a new id then is refused by the recovery, never filled
     with another variable's data."""
     t = ctx.transport
-    records = ctx.candidates(None, None)
+    records = ctx.all_candidates(None, None)
     nodes = t.allgather(t.node)
     if not records or not layout_change(records[0], t.size, nodes):
         return None
@@ -228,7 +226,8 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
     """Every rank's new arrays in private buffers, from the old files (collective)."""
     t = ctx.transport
     n, m = record.nranks, t.size
-    if record.level in (2, 3):  # 0. Lost old files come back first, on the old layout's groups.
+    if record.level in (2, 3) and not record.extra.get("fallback"):  # 0. Lost old files come back first, on the
+        # old layout's groups (a fallback's redundancy was the committed checkpoint's: never rebuilt).
         groups = old_groups(record, ctx.config.group_size)
         problem = ""
         for j in range(t.rank, len(groups), m):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..model.errors import FTIError
+from ..model.errors import CheckpointError, FTIError
 from ..storage import files as storage
 from ..storage.files import RunPaths
 from ..transport.collective import agree, attempt, everywhere, on_root
@@ -76,11 +76,13 @@ class Retention(RunPart):
 
         everywhere(t, collect, FTIError, "garbage collection failed")
 
-    def remove_checkpoint(self, record: CommitRecord) -> None:
+    def remove_checkpoint(self, record: CommitRecord, fallback: bool = True) -> None:
+        """Drop ``record`` (collective); a differential checkpoint's files become the spares, and with
+        ``fallback`` what recovery falls back to (written before its commit record goes: a kill in
+        between leaves it named)."""
         t = self.transport
         failed = f"removing checkpoint {record.ckpt_id} (level {record.level}) failed"
         t.barrier()
-        on_root(t, lambda: self.state.delete_record(record.seq), FTIError, failed)
         dcp = self.spares.store
         kept, error = False, ""
         if dcp is not None:  # its file becomes the spare that the next dCP checkpoint patches
@@ -89,8 +91,9 @@ class Retention(RunPart):
         if self.config.enable_dcp:
             # every rank has moved its file out of the shared directories before any is removed
             agree(t, error, FTIError, failed)
-            if record.extra.get("dcp"):  # until the spares are patched, recovery may fall back to them
+            if record.extra.get("dcp") and fallback:  # until the spares are patched, recovery may fall back to them
                 on_root(t, lambda: self.state.write_fallback(record) if kept else None, FTIError, failed)
+        on_root(t, lambda: self.state.delete_record(record.seq), FTIError, failed)
         doomed = [self.paths.level_dir(level, t.node) / record.dirname for level in {record.level, 1, 2, 3}]
         if t.rank == 0:
             doomed.append(self.paths.level_dir(4, 0) / record.dirname)
@@ -130,23 +133,38 @@ class Retention(RunPart):
         level-4 ones go to the archive); mark the run finalized; clear the differential checkpoints' spares."""
         t, failed = self.transport, "finalize failed"
         keep = bool(self.config.keep_last_ckpt and records)
-        doomed = records[1:] if keep else records
-        if keep and records[0].level != 4:
-            flush_to_l4(records[0])
+        committed = [r for r in records if not r.extra.get("fallback")]  # the spares are cleared below
+        doomed = committed
+        if keep and records[0].level == 4 and not records[0].extra.get("fallback"):
+            doomed = committed[1:]
+        elif keep:
+            self._flush_newest(records, flush_to_l4)
             # Its L4 copy is the one kept: as in FTI, nothing stays on the nodes (their directories are
             # scratch), and a restart that finds the global copy gone fails instead of reading a local leftover.
-            doomed = records
+        on_root(t, self.state.delete_fallbacks, FTIError, failed)  # first: none outlives the run (a kill from
+        # here on must not leave one beside no commit record: a fresh run of this exec_id would recover it)
         # Oldest first (``records`` is newest first): killed part-way, the run keeps its newest checkpoint,
         # and a restart never goes back further than it. Kept, the last one is all that stays (as in FTI).
         for record in reversed(doomed):
             if record.level == 4 and self.config.keep_l4_ckpt:
                 self.archive_checkpoint(record)
             else:
-                self.remove_checkpoint(record)
+                self.remove_checkpoint(record, fallback=False)
         on_root(t, lambda: self.state.write_run(state="finalized", keep_last=keep), FTIError, failed)
         dcp = self.spares.store  # every rank takes part, with a store or not
-        on_root(t, self.state.delete_fallbacks, FTIError, failed)  # first: a record never names a cleared spare
         everywhere(t, dcp.clear if dcp is not None else lambda: None, FTIError, failed)
+
+    @staticmethod
+    def _flush_newest(records: list[CommitRecord], flush_to_l4: Callable[[CommitRecord], None]) -> None:
+        """keep_last_ckpt: flush the newest of ``records`` that can be (collective: each failure is agreed). The
+        newest may be a damaged one that a restart passed over for the previous differential checkpoint."""
+        for i, record in enumerate(records):
+            try:
+                flush_to_l4(record)
+                return
+            except CheckpointError:
+                if i + 1 == len(records):
+                    raise
 
     def prune_run_dirs(self) -> None:
         """After finalize: remove the empty directories this run leaves (level directories, node

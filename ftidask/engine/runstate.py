@@ -205,7 +205,7 @@ class RunState:
 
     def next_seq(self) -> int:
         """One more than any sequence number this run used (records and directories left behind)."""
-        return max([0] + [r.seq for r in self.records()]) + 1
+        return max([0] + [r.seq for r in self.records() + self.fallbacks()]) + 1
 
     def write_record(self, record: CommitRecord) -> None:
         """Commit ``record`` (atomically); a :class:`CheckpointError` when it cannot be written (a full
@@ -268,7 +268,7 @@ class RunState:
 
     def start_status(self) -> int:
         """The status this run restarts with (FTI_Status): kept, restart, or fresh (nothing to recover)."""
-        if not self.records():
+        if not self.records() and not self.fallbacks():
             return STATUS_FRESH
         info = self.run_info()
         if info.get("state") != "finalized":
@@ -321,6 +321,7 @@ def _claim(meta_dir: Path, configured: str | None) -> Claim:
     state = RunState(meta_dir, exec_id)
     status = state.start_status()
     if status == STATUS_FRESH:
+        state.delete_fallbacks()  # a finalized run's, left by a kill during its finalize: never this run's
         state.write_run(state="running", seq=0, keep_last=False)
     elif status == STATUS_KEPT:  # the kept run runs again: should it die now, its next start is a restart (1)
         state.write_run(state="running", keep_last=False)

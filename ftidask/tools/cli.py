@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..engine.runstate import check_exec_id, unsealed_record
+from ..engine.runstate import RunState, check_exec_id, unsealed_record
 from ..ftiff.dump import to_json, to_text
 from ..ftiff.filekind import is_config_file
 from ..ftiff.reader import parse_ftiff, verify_data
@@ -199,7 +199,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         size = sum(_size(p) for p, _k, _d in files)
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.get("time", 0))) if table else "?"
         state = ("sound" if len(sound) == len(files) else f"DAMAGED ({len(files) - len(sound)} of {len(files)} files)")
-        if not committed:
+        if not committed and any(f.seq == seq for f in RunState(meta, exec_id).fallbacks()):
+            state += ", the previous differential checkpoint (a restart falls back to it if it must)"
+        elif not committed:
             state += ", commit record damaged" if commit.is_file() else ", not committed"
         print(f"{exec_id:32} {table.get('ckpt_id', '?'):>5} {table.get('level', '?'):>5} {seq:>5} {when:19} "
               f"{len(files):>5} {size:>14}  {state}")
