@@ -86,8 +86,8 @@ class DaskRetention(Retention):
                 for tmp in root.glob(".*.tmp-*"):
                     tmp.unlink(missing_ok=True)
 
-    def remove_checkpoint(self, record: CommitRecord) -> None:
-        self.state.delete_record(record.seq)
+    def remove_checkpoint(self, record: CommitRecord, fallback: bool = True) -> None:
+        self.state.delete_record(record.seq)  # (no fallback records on Dask: docs/dcp.md)
         spares = self.spares.store
         if spares is not None and record.extra.get("dcp"):  # its files become the spares to patch next
             spares.keep(record)
