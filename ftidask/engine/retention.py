@@ -157,14 +157,17 @@ class Retention(RunPart):
     @staticmethod
     def _flush_newest(records: list[CommitRecord], flush_to_l4: Callable[[CommitRecord], None]) -> None:
         """keep_last_ckpt: flush the newest of ``records`` that can be (collective: each failure is agreed). The
-        newest may be a damaged one that a restart passed over for the previous differential checkpoint."""
-        for i, record in enumerate(records):
+        newest may be a damaged one that a restart passed over for the previous differential checkpoint. None
+        can be: the newest's error."""
+        first: CheckpointError | None = None
+        for record in records:
             try:
                 flush_to_l4(record)
                 return
-            except CheckpointError:
-                if i + 1 == len(records):
-                    raise
+            except CheckpointError as exc:
+                first = first or exc
+        assert first is not None  # records is not empty
+        raise first
 
     def prune_run_dirs(self) -> None:
         """After finalize: remove the empty directories this run leaves (level directories, node
