@@ -85,3 +85,24 @@ def test_dcp_then_lost_rank_file(tmp_path, level):
         own.unlink()  # node 1 lost its file: it comes back from the partner copy (L2) or the parity (L3)
     out = _job(tmp_path, "read", level)
     assert out.count("exact True") == 4, out
+
+
+def test_heads_raising_l4_dcp_keep_it_differential(tmp_path):
+    """With heads and inline_l4 = 0, a head copies each L1 differential file to L4: it then moves the L1 file to the
+    rank's spare (with its FB-hash hint), so the next checkpoint patches it (1 of n blocks, not all), also after a
+    restart, which recovers the newest exactly. Before, every checkpoint was written in full."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from mpi_util import run
+
+    run(8, "heads_dcp_job.py", str(tmp_path), "3", timeout=180, check=False)  # the heads end as a crash leaves them
+    first = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
+    for got in first:
+        (full, total), *rest = got["infos"]
+        assert full == total and rest == [[1, total]] * 2 and got["states"] <= 2, got
+    run(8, "heads_dcp_job.py", str(tmp_path), "5", timeout=180, check=False)
+    again = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
+    for got, before in zip(again, first, strict=True):
+        total = before["infos"][0][1]
+        assert got["recovered"] == [3, 4, True] and got["infos"] == [[1, total]] * 2, got

@@ -139,6 +139,7 @@ class DcpStore:
         path = self.spare_path(level)
         storage.makedirs(path.parent)
         self.next_path(level).unlink(missing_ok=True)  # torn by a crash while the spare was pinned
+        self._keep_newest_file(level)
         base = self._spares.pop(level, None)  # from now on the spare's content is unknown
         if base is None:  # after a restart: the spare's own block hashes, if it is the file retired
             known = storage.read_json(self._spare_record(level))
@@ -189,14 +190,7 @@ class DcpStore:
                     hash_path(parity).unlink(missing_ok=True)
                     os.replace(rsed, parity)
                     os.replace(hash_path(rsed), hash_path(parity))
-        # A hint that lets a restarted process trust this (committed, fsynced) file. Not synced: a
-        # lost or stale hint only names another FB hash, and then the spare is rewritten in full.
-        hint = self._spare_record(level)
-        with contextlib.suppress(OSError):
-            fd, tmp = storage.create_temp(hint, os.O_WRONLY)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(json.dumps({"fb_hash": state.fb_hash.hex()}).encode())
-            os.replace(tmp, hint)
+        write_spare_hint(spare, state.fb_hash.hex())
         return True
 
     def _short_runs(self, level: int) -> bool:
@@ -217,7 +211,14 @@ class DcpStore:
         return self._remover
 
     def _spare_record(self, level: int) -> Path:
-        return self.spare_path(level).with_suffix(".json")
+        return spare_hint_path(self.spare_path(level))
+
+    def _keep_newest_file(self, level: int) -> None:
+        """Forget the states of this level's files but the newest: retirement pops them, but a head that
+        raises every checkpoint to another level never retires one here (a BlockState per checkpoint)."""
+        seqs = sorted(s for lv, s in self._files if lv == level)
+        for seq in seqs[:-1]:
+            del self._files[level, seq]
 
     def recovered(self, level: int, seq: int, path: Path, parsed: Any) -> None:
         """The file of a verified, recovered checkpoint: remember its state (it will be a spare)."""
@@ -269,6 +270,23 @@ class DcpStore:
         self._pool.shutdown(wait=True)
         if self._remover is not None:
             self._remover.shutdown(wait=True)
+
+
+def spare_hint_path(spare: Path) -> Path:
+    """Where the FB hash of the file that became ``spare`` is noted (see :func:`write_spare_hint`)."""
+    return spare.with_suffix(".json")
+
+
+def write_spare_hint(spare: Path, fb_hash: str) -> None:
+    """Note that ``spare`` is the (committed, fsynced) file whose FB hash is ``fb_hash``: a process that
+    did not retire it (a restarted one, or the rank a head moved it for) then trusts its own block-hash
+    section. Not synced: a lost or stale hint only names another FB hash, and the spare is rewritten in full."""
+    hint = spare_hint_path(spare)
+    with contextlib.suppress(OSError):
+        fd, tmp = storage.create_temp(hint, os.O_WRONLY)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(json.dumps({"fb_hash": fb_hash}).encode())
+        os.replace(tmp, hint)
 
 
 def _holds(fd: int, state: BlockState) -> bool:

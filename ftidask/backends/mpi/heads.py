@@ -19,6 +19,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from ...engine.dcpstore import write_spare_hint
 from ...engine.retention import to_retire
 from ...engine.runstate import CommitRecord, RunState
 from ...levels import multilevel
@@ -105,10 +106,28 @@ def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, leve
     except FTIError as exc:  # agreed: the same on every head
         storage.remove_tree(dst_dir)
         return {"ok": False, "error": str(exc)}
+    if level == 4 and record.extra.get("dcp"):  # the L1 file is now a copy: each rank's next differential
+        _keep_as_spares(paths, topo, node, record, src_dir)  # checkpoint patches it instead of writing anew
     storage.remove_tree(src_dir)
     _retire_older(cfg, t, state, paths, raised)
     log.info("head of node %d: checkpoint %d raised to level %d", node, record.ckpt_id, level)
     return {"ok": True, "error": "", "level": level, "ckpt_id": record.ckpt_id}
+
+
+def _keep_as_spares(paths: storage.RunPaths, topo: Any, node: int, record: CommitRecord, src_dir: Path) -> None:
+    """Move this node's L1 files of ``record`` (raised to L4 by a copy) to their ranks' L1 spares, with the hint
+    that lets the rank trust them (:mod:`ftidask.engine.dcpstore`). Best effort: a rank without one writes in full."""
+    fb = {f.rank: f.fb_hash for f in record.files}
+    for pos in range(topo.app_per_node):
+        app = topo.app_rank_at(node, pos)
+        spare = paths.level_dir(1, node) / storage.SPARE_DIR / storage.spare_file(app)
+        try:
+            storage.makedirs(spare.parent)
+            os.replace(src_dir / storage.rank_file(record.ckpt_id, app), spare)
+        except OSError as exc:
+            log.debug("head of node %d: no spare for rank %d: %s", node, app, exc)
+            continue
+        write_spare_hint(spare, fb[app])
 
 
 def _retire_older(cfg: Config, t: MpiTransport, state: RunState, paths: storage.RunPaths,
