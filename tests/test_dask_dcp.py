@@ -135,16 +135,26 @@ def test_worker_killed_during_a_differential_checkpoint(client, dirs, stage):
 def test_damaged_block_is_never_returned(client, dirs):
     ctx = _init(client, dirs)
     _start(ctx)
-    _checkpoints(ctx, 5, 3)
-    path = find_paths(dirs["ckpt_dir"], "Ckpt3-Rank1.fti")[0]
-    with open(path, "rb") as fh:
-        parsed = parse_ftiff(fh, str(path))
-    meta = next(m for _b, _c, m in parsed.containers() if m.hascontent)
-    with open(path, "r+b") as fh:  # one flipped bit in the middle of a data block
-        fh.seek(meta.fptr + meta.chunksize // 2)
-        byte = fh.read(1)
-        fh.seek(-1, os.SEEK_CUR)
-        fh.write(bytes([byte[0] ^ 0x10]))
+    _checkpoints(ctx, 5, 2)
+    saved = _state(ctx)
+    _step(ctx, 2)
+    ctx.checkpoint(3, 5)
+
+    def flip(path):  # one flipped bit in the middle of a data block
+        with open(path, "rb") as fh:
+            parsed = parse_ftiff(fh, str(path))
+        meta = next(m for _b, _c, m in parsed.containers() if m.hascontent)
+        with open(path, "r+b") as fh:
+            fh.seek(meta.fptr + meta.chunksize // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0x10]))
+
+    flip(find_paths(dirs["ckpt_dir"], "Ckpt3-Rank1.fti")[0])
+    ctx2 = _init(client, dirs)  # the previous checkpoint, kept whole as the spares (docs/dcp.md)
+    _assert_same(ctx2.recover(), saved)
+    assert ctx2.recovered_from == (2, 1)
+    flip(find_paths(dirs["ckpt_dir"], "dcp/Spare-Rank1.fti")[0])
     with pytest.raises(ftidask.NoCheckpointError, match="Rank1|rank 1|damaged|hash"):
         _init(client, dirs).recover()
 

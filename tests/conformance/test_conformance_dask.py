@@ -21,8 +21,10 @@ import ftidask  # noqa: E402
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
 NWORKERS = sc.NRANKS
 
-#: The levels whose bytes cross between workers (L2, L3, differential L3); about 5 s each, so few.
-CASES = ["L2-erase-rank0+erase-partner0-older", "L3-erase-node01-latest", "L7-erase-node01-latest"]
+#: The levels whose bytes cross between workers (L2, L3, differential L3); about 5 s each, so few. And the
+#: previous differential checkpoint read from the spares (L5; L6 without rebuilding it from partner copies).
+CASES = ["L2-erase-rank0+erase-partner0-older", "L3-erase-node01-latest", "L7-erase-node01-latest",
+         "L5-corrupt-rank0-previous", "L6-erase-rank0+corrupt-partner0-previous"]
 
 
 def global_arrays(version: int) -> list[np.ndarray]:

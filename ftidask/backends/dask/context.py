@@ -229,6 +229,8 @@ class DaskContext(Context):
                                "vars": [s.to_json() for s in specs], "chunks": chunk_table(plans)}
                               | ({"dcp": True} if differential else {}))
         self._committer.seal(record, failed, discard)  # the commit point, as on every backend
+        if differential:  # its files are sound: retired, they become the spares (and the fallback)
+            self._dcp.written(record)
         self.progress.layout = None  # the workers plan their files afresh each time
         arrays = lineage.cut_after_commit(self, record, specs, futures, held)  # chunks lost later are read back
         futures.clear()  # the chunks as computed are ours no more (shared with the caller): a checkpoint that
@@ -305,10 +307,18 @@ class DaskContext(Context):
     def _flush_to_l4(self, record: CommitRecord) -> None:
         """keep_last_ckpt: copy the last checkpoint's files (rebuilt if needed) to the global directory."""
         seq = self.state.next_seq()
-        with self.cluster.batch():
-            self._flush_files(record, seq)
+        try:
+            with self.cluster.batch():
+                self._flush_files(record, seq)
+        except CheckpointError:
+            raise
+        except FTIError as exc:  # damaged or lost files: finalize tries the next older checkpoint
+            self._dask_retention.remove_dirs(record.ckpt_id, seq, 4, record.nranks)
+            raise CheckpointError(f"keep_last_ckpt: checkpoint {record.ckpt_id} (level {record.level}) cannot be "
+                                  f"flushed to L4: {exc}") from exc
+        extra = {k: v for k, v in record.extra.items() if k != "fallback"}  # a spare's copy is committed now
         # If the copy cannot be committed, the last checkpoint stays where it is, committed; the copy goes.
-        self._committer.seal(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time()),
+        self._committer.seal(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(), extra=extra),
                              "keep_last_ckpt: flushing the last checkpoint to L4 failed",
                              lambda: self._dask_retention.remove_dirs(record.ckpt_id, seq, 4, record.nranks))
 

@@ -46,6 +46,12 @@ def spare_path(ctx: Any, level: int, rank: int) -> str:
     return str(ctx.paths.level_dir(level, rank) / storage.SPARE_DIR / storage.spare_file(rank))
 
 
+def next_path(ctx: Any, level: int, rank: int) -> str:
+    """Where rank ``rank`` writes a checkpoint of ``level`` in full while its spare is the fallback that a
+    recovery read (pinned: see :meth:`DaskSpares.recovered`); renamed into its checkpoint directory."""
+    return str(ctx.paths.level_dir(level, rank) / storage.SPARE_DIR / storage.spare_file(rank, "Next"))
+
+
 def spare_parity_path(ctx: Any, rank: int) -> str:
     return str(ctx.paths.level_dir(3, rank) / storage.SPARE_DIR / storage.spare_file(rank, "RSed"))
 
@@ -98,6 +104,7 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
     tag = f"{ckpt_id}-{seq}"
     bid = blockhash.block_hash_id(ctx.config.dcp_mode)
     spares = ctx.spares.hints
+    pinned = ctx.spares.left_alone(level)  # the spares are the checkpoint recovered: files written anew
 
     def own(r: int) -> str:
         return ctx.node_file(level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r))
@@ -108,11 +115,12 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
         meta = ctx.rank_meta(ckpt_id, level, seq, r, workers)
         partner = fs[topo.left_partner(r)] if level == 2 else fs[r]
         writes.append(ctx.cluster.submit(
-            dcp_tasks.write_rank_dcp, spare_path(ctx, level, r), own(r), spares.pop((level, r), None),
+            dcp_tasks.write_rank_dcp, next_path(ctx, level, r) if pinned else spare_path(ctx, level, r), own(r),
+            None if pinned else spares.pop((level, r), None),
             layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, ctx.config.hash,
             ctx.config.dcp_block_size, bid, partner, max(fs[g] for g in topo.group_ranks(r)),
             [[c.var_id, c.dptr] for c in plan.chunks], *(futures[c.var_id, c.index] for c in plan.chunks),
-            with_xor=level == 3, key=f"ftidask-dcp-write-{tag}-{r}", worker=workers[r]))
+            with_xor=level == 3, fresh=pinned, key=f"ftidask-dcp-write-{tag}-{r}", worker=workers[r]))
     deps = writes  # what each member's level task takes from its write (the delta, or the XOR bytes)
     if level == 3:  # (result, XOR bytes): the client takes the result, the bytes stay on the workers
         writes = [ctx.cluster.submit(operator.getitem, w, 0, key=f"ftidask-dcp-result-{tag}-{r}", worker=workers[r])
@@ -147,16 +155,63 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
 
 
 class DaskSpares:
-    """The client's knowledge of the workers' spares: (level, rank) -> the spare's FB hash (hex)."""
+    """The client's knowledge of the workers' spares: (level, rank) -> the spare's FB hash (hex), the
+    differential checkpoints known sound (written or recovered by this client: only their files become
+    spares) and the levels whose spares hold the checkpoint a recovery fell back to (see :mod:`.fallback`)."""
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
         self.hints: dict[tuple[int, int], str] = {}
         self.nranks = 0  # the most workers a differential checkpoint of this run had
+        self.sound: set[int] = set()  # seqs of the checkpoints committed or recovered by this client
+        self.pinned: set[int] = set()  # levels whose spares are the checkpoint recovered: never patched now
+        self.read: dict[int, CommitRecord] = {}  # level -> the fallback recovered, while live arrays may read it
 
-    def keep(self, record: CommitRecord) -> None:
-        """Before retired differential checkpoint ``record`` is removed, rename each rank's file (and,
-        at L2, each partner copy) to its spare name, on the worker that sees it; note their FB hashes."""
+    def written(self, record: CommitRecord) -> None:
+        """This client committed ``record``: its files are sound (they may become spares)."""
+        self.sound.add(record.seq)
+
+    def recovered(self, record: CommitRecord) -> None:
+        """``record``'s files were verified and read. A fallback's spares are all that a crash would recover:
+        the next checkpoint of their level leaves them alone (written in full to :func:`next_path`) until a
+        newer checkpoint of that level or above is committed (it retires one: :meth:`keep`)."""
+        self.nranks = max(self.nranks, record.nranks)
+        if record.extra.get("fallback") is True:
+            self.pinned.add(record.level)
+            self.read[record.level] = record
+            for f in record.files:  # the spares' state is known: once unpinned they are patched again
+                self.hints[record.level, f.rank] = f.fb_hash
+        else:
+            self.pinned.discard(record.level)  # a sound committed checkpoint: the spares may be patched again
+            self.sound.add(record.seq)
+
+    def left_alone(self, level: int) -> bool:
+        """Must the spares of ``level`` stay as they are (neither patched nor replaced)? After a recovery from
+        them, until a newer checkpoint of the level or above is committed, and while live arrays may still
+        read chunks back from them (their lineage, see :class:`~ftidask.backends.dask.lineage.Pins`)."""
+        if level in self.pinned:
+            return True
+        record = self.read.pop(level, None)
+        if record is None:
+            return False
+        pins = self.ctx._dask_retention.pins
+        if pins.read([record]):
+            self.read[level] = record
+            return True
+        pins.forget(record)
+        return False
+
+    def keep(self, record: CommitRecord) -> bool:
+        """Before retired checkpoint ``record`` is removed: if it is a differential one known sound, rename each
+        rank's file (and, at L2, each partner copy) to its spare name, on the worker that sees it, and note their
+        FB hashes. True when every rank's file is now its spare (recovery may fall back to them). The files of a
+        checkpoint not known sound (perhaps the damaged one a recovery passed over) never replace a spare."""
+        self.nranks = max(self.nranks, record.nranks)
+        self.pinned.discard(record.level)  # a newer checkpoint of this level or above is committed
+        sound = record.seq in self.sound
+        self.sound.discard(record.seq)
+        if not record.extra.get("dcp") or not sound or self.left_alone(record.level):
+            return False
         ctx = self.ctx
         live = set(ctx.cluster.workers())
         workers: Sequence[str] = record.extra.get("workers") or []
@@ -175,7 +230,8 @@ class DaskSpares:
                                             storage.rank_file(record.ckpt_id, f.rank)),
                  spare_path(ctx, record.level, f.rank), (record.level, f.rank, f.fb_hash))
             if record.level == 3:  # its parity and record, for the next parity update
-                parity = ctx.node_file(3, record.ckpt_id, record.seq, f.rank, storage.parity_file(record.ckpt_id, f.rank))
+                parity = ctx.node_file(3, record.ckpt_id, record.seq, f.rank,
+                                       storage.parity_file(record.ckpt_id, f.rank))
                 spare = spare_parity_path(ctx, f.rank)
                 move(workers[f.rank], parity, spare, (0, f.rank, ""))
                 move(workers[f.rank], str(rs.hash_path(Path(parity))), str(rs.hash_path(Path(spare))), (0, f.rank, ""))
@@ -190,11 +246,14 @@ class DaskSpares:
         try:
             done = ctx.cluster.wait_all(list(futures.values()), list(futures), "keeping spares")
         except FTIError:  # no spare only means that the next differential checkpoint writes in full
-            return
+            return False
+        spares = set()
         for w, ok in zip(futures, done, strict=True):
             for (lv, rank, fb_hash), moved in zip(kept[w], ok, strict=True):
                 if moved and lv > 0:
                     self.hints[lv, rank] = fb_hash
+                    spares.add(rank)
+        return spares == set(range(record.nranks)) == {f.rank for f in record.files}
 
     def discard(self) -> None:
         """A checkpoint failed: the spares it was patching are unknown now."""
@@ -202,11 +261,15 @@ class DaskSpares:
 
     def clear(self) -> None:
         """The run is over: remove every spare directory on every worker."""
+        nranks = max(self.nranks, len(self.ctx.cluster.workers()))  # a restarted client wrote none yet
         dirs = [str(self.ctx.paths.level_dir(level, r) / storage.SPARE_DIR) for level in (1, 2, 3, 4)
-                for r in range(self.nranks)]
+                for r in range(nranks)]
         if dirs:
             self.ctx.cluster.run(dcp_tasks.remove_spare_dirs, dirs)
         self.hints.clear()
+        self.pinned.clear()
+        self.sound.clear()
+        self.read.clear()
 
     def close(self) -> None:
         return None

@@ -36,12 +36,17 @@ def _hash_pool() -> ThreadPoolExecutor:
 def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_json: Any,
                    infos_json: list[dict[str, Any]], meta: dict[str, Any], hash_name: str, block_size: int, bid: int,
                    pt_fs: int, max_fs: int, places: list[list[int]], *chunks: np.ndarray,
-                   with_xor: bool = False) -> Any:
+                   with_xor: bool = False, fresh: bool = False) -> Any:
     """Bring this worker's spare up to date with the chunks it holds and rename it to ``final``.
 
     ``with_xor`` (L3): return ``(result, old XOR new bytes)``, the result's ``xor`` giving the
     ranges and the base, for a parity update (:func:`ftidask.backends.dask.group_tasks.parity_delta`).
+    ``fresh``: ``spare`` is a new file (``SpareNext``, beside a spare that a recovery fell back to and that
+    stays untouched), written in full; whatever a crash left there first goes.
     """
+    if fresh:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spare)
     written, stats = write_differential(
         Path(spare), Path(final), bytes.fromhex(expected_fb_hash) if expected_fb_hash else None,
         layout_from_json(layout_json), chunk_sources(places, chunks), [VarInfo.from_json(r) for r in infos_json],

@@ -5,7 +5,6 @@ its file. Works on a cluster of any size: ranks of the checkpoint are mapped ont
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import uuid
@@ -25,6 +24,7 @@ from ...model.errors import FTIError, RecoveryError
 from ...storage import files as storage
 from . import group_steps, reads, recorded, redundancy, stitch, tasks
 from .cluster import WorkerLost
+from .fallback import Placer, Unrecoverable, is_fallback, restore_spares
 from .plan import VarSpec
 
 if TYPE_CHECKING:
@@ -33,40 +33,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("ftidask")
 
 
-class Unrecoverable(FTIError):
-    """This checkpoint cannot be rebuilt; an older one may still be."""
-
-
 def dask_records(ctx: DaskContext, ckpt_id: int | None, level: int | None) -> list[CommitRecord]:
-    return [r for r in ctx.recovery.candidates(ckpt_id, level) if r.extra.get("backend") == "dask"]
-
-
-class _Placer:
-    """Chooses the worker that serves each file: the one that wrote it if alive, else the least loaded."""
-
-    def __init__(self, workers: list[str], seen: dict[str, list[int]], paths: list[str]) -> None:
-        """``seen``: each worker's :func:`~ftidask.backends.dask.tasks.sizes` of ``paths`` (-1: not seen)."""
-        self.workers = workers
-        self.load: collections.Counter[str] = collections.Counter()
-        self.visible = {p: [w for w in workers if isinstance(seen.get(w), list) and seen[w][i] >= 0]
-                        for i, p in enumerate(paths)}
-
-    def pick(self, path: str, preferred: str | None = None) -> str | None:
-        cands = self.visible.get(path, [])
-        if not cands:
-            return None
-        worker = preferred if preferred in cands else min(cands, key=lambda w: (self.load[w], self.workers.index(w)))
-        self.load[worker] += 1
-        return worker
-
-    def any(self) -> str:
-        worker = min(self.workers, key=lambda w: (self.load[w], self.workers.index(w)))
-        self.load[worker] += 1
-        return worker
+    """The Dask checkpoints to recover, newest first: the committed ones and the previous differential
+    checkpoints kept as spares (see :mod:`.fallback`)."""
+    return [r for r in ctx.recovery.all_candidates(ckpt_id, level) if r.extra.get("backend") == "dask"]
 
 
 def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str, str]]:
-    """rank -> (worker, path) of a verified file, for every rank of ``record``; rebuilds lost files."""
+    """rank -> (worker, path) of a verified file, for every rank of ``record``; rebuilds lost files (never a
+    fallback's: its spares are read as they are)."""
+    if is_fallback(record):
+        return restore_spares(ctx, record)
     cl = ctx.cluster
     workers = cl.workers()
     if not workers:
@@ -82,7 +59,7 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
     red = redundancy.Redundancy(level, topo, {f.rank: f.size for f in record.files}, pcof if level == 2 else rsed)
     paths = list(own.values()) + red.paths()
     stats = cl.run(tasks.sizes, paths)  # stats only: which worker sees what, and the redundancy's sizes
-    placer = _Placer(workers, stats, paths)
+    placer = Placer(workers, stats, paths)
     tag = f"{cid}-{seq}-{uuid.uuid4().hex[:8]}"
     hosts: dict[int, str] = {}
     checks = {}
@@ -123,7 +100,7 @@ def _record_topology(record: CommitRecord) -> Topology:
     return recorded_topology(record.extra.get("groups", [list(range(record.nranks))]))
 
 
-def _check_rebuildable(level: int, topo: Topology, bad: list[int], ok: set[int], placer: _Placer,
+def _check_rebuildable(level: int, topo: Topology, bad: list[int], ok: set[int], placer: Placer,
                        pcof: dict[int, str], rsed: dict[int, str]) -> None:
     """Refuse at once (no session started) when the files that survive cannot bring back the lost ones."""
     for group in topo.rank_groups():
@@ -351,7 +328,7 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
     wanted = normalize_ids(ids)
     records = dask_records(ctx, ckpt_id, level)
     if not records:  # written by the MPI or single-process backend: stitched into global arrays if declared
-        other = ctx.recovery.candidates(ckpt_id, level)
+        other = ctx.recovery.all_candidates(ckpt_id, level)  # their fallbacks too (read from their spares)
         if other:
             return stitch.recover(ctx, other, chunks, wanted)
 
@@ -368,9 +345,12 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
     # The engine's search, as for every backend: the newest checkpoint whose files verify or are rebuilt.
     record, hosts = newest_recoverable(records, verify, ctx.paths, ckpt_id, level, "no checkpoint can be recovered")
     out = build_arrays(ctx, record, hosts, chunks, wanted)
+    if ctx.config.enable_dcp:  # a fallback's spares are left alone by the next checkpoint of its level
+        ctx.spares.recovered(record)
     ctx.progress.restored(record.ckpt_id, record.level, None)  # Dask files have no layout to reuse
-    log.info("recovered checkpoint %d from level %d on %d workers", record.ckpt_id, record.level,
-             len(ctx.cluster.workers()))
+    log.info("recovered checkpoint %d from level %d on %d workers%s", record.ckpt_id, record.level,
+             len(ctx.cluster.workers()),
+             " (the previous differential checkpoint, kept as the spares)" if is_fallback(record) else "")
     return out
 
 

@@ -87,8 +87,12 @@ class DaskRetention(Retention):
                     tmp.unlink(missing_ok=True)
 
     def remove_checkpoint(self, record: CommitRecord, fallback: bool = True) -> None:
-        self.state.delete_record(record.seq)  # (no fallback records on Dask: docs/dcp.md)
+        """Drop ``record``: a differential checkpoint's files become the spares (if this client knows them
+        sound, see :meth:`~ftidask.backends.dask.dcp_levels.DaskSpares.keep`), and with ``fallback`` what
+        recovery falls back to, written before its commit record goes (a kill in between leaves it named)."""
         spares = self.spares.store
-        if spares is not None and record.extra.get("dcp"):  # its files become the spares to patch next
-            spares.keep(record)
+        kept = spares is not None and spares.keep(record)  # its files become the spares to patch next
+        if kept and fallback:
+            self.state.write_fallback(record)
+        self.state.delete_record(record.seq)
         self.remove_dirs(record.ckpt_id, record.seq, record.level, record.nranks)

@@ -32,6 +32,7 @@ from ...engine.runstate import CommitRecord
 from ...model.decomposition import Piece, Placement, overlap, placement
 from ...model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from . import reads, tasks
+from .fallback import Placer, is_fallback
 from .plan import VarSpec
 
 if TYPE_CHECKING:
@@ -189,12 +190,10 @@ def _run(ctx: DaskContext, calls: list[tuple[Any, tuple[Any, ...], str, str]], w
 
 def _servers(ctx: DaskContext, paths: list[str]) -> dict[str, str]:
     """path -> the worker that reads it (the least loaded of those that see it)."""
-    from .restore import _Placer
-
     workers = ctx.cluster.workers()
     if not workers:
         raise RecoveryError("the cluster has no workers")
-    placer = _Placer(workers, ctx.cluster.run(tasks.sizes, paths), paths)
+    placer = Placer(workers, ctx.cluster.run(tasks.sizes, paths), paths)
     out = {}
     for path in paths:
         worker = placer.pick(path)
@@ -235,7 +234,8 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
     paths = _paths(ctx, record)
     token = f"{record.ckpt_id}-{record.seq}-{uuid.uuid4().hex[:8]}"
     workers = ctx.cluster.workers()
-    if record.level in (2, 3):  # lost old files come back first, on the old layout's groups
+    if record.level in (2, 3) and not is_fallback(record):  # lost old files come back first, on the old layout's
+        # groups (a fallback's redundancy was the committed checkpoint's: never rebuilt)
         calls = [(rebuild_task, (ctx.config, rj, g, {r: paths[r] for r in g}), f"ftidask-stitch-rebuild-{token}-{i}",
                   workers[i % len(workers)]) for i, g in enumerate(old_groups(record, ctx.config.group_size))]
         problem = next((p for p in _run(ctx, calls, f"rebuilding checkpoint {record.ckpt_id}") if p), "")
@@ -333,6 +333,8 @@ def recover(ctx: DaskContext, records: list[CommitRecord], chunks: Any, ids: lis
             reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {exc}")
             log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, exc)
             continue
+        if ctx.config.enable_dcp:  # a fallback's spares are left alone by the next checkpoint of its level
+            ctx.spares.recovered(record)
         ctx.progress.restored(record.ckpt_id, record.level, None)
         log.info("recovered checkpoint %d (level %d), written by %d MPI rank(s), as global arrays on %d workers",
                  record.ckpt_id, record.level, record.nranks, len(ctx.cluster.workers()))

@@ -1,0 +1,156 @@
+"""The previous differential checkpoint, kept as the spares, on a real LocalCluster: FTI's dCP test
+(a truncated newest file) recovers the checkpoint before it (docs/dcp.md, "A truncated or damaged file")."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+
+import ftidask
+from ftidask.storage.files import find_paths
+
+pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
+NWORKERS = 2
+BLOCK = 1024
+
+
+@pytest.fixture
+def client(dask_client):
+    return dask_client
+
+
+def _init(client, dirs):
+    return ftidask.init(client=client, enable_dcp=1, dcp_block_size=BLOCK, **dirs)
+
+
+def _step(ctx, k):
+    """Change one row of the field (a few blocks), keep the counts."""
+    field = ctx.protected[1]
+    ctx.protect(1, da.where(da.arange(96)[:, None] == 5 * k, field + 1, field))
+
+
+def _state(ctx):
+    return {vid: a.compute() for vid, a in ctx.protected.items()}
+
+
+def _assert_same(arrays, saved):
+    assert sorted(arrays) == sorted(saved)
+    for vid, ref in saved.items():
+        got = arrays[vid].compute()
+        assert got.dtype == ref.dtype and got.tobytes() == ref.tobytes()
+
+
+def _root(dirs, level):
+    return Path(dirs["glbl_dir" if level == 8 else "ckpt_dir"])
+
+
+def _truncate(dirs, level, ckpt_id, rank=1):
+    """Cut a tail off rank ``rank``'s file of checkpoint ``ckpt_id`` (FTI's corrupt_check)."""
+    (path,) = find_paths(_root(dirs, level), f"ckpt{ckpt_id}.s*/Ckpt{ckpt_id}-Rank{rank}.fti")
+    os.truncate(path, os.path.getsize(path) - 777)
+
+
+def _spares(dirs, level):
+    """Each spare's bytes, by path (the spares of the test's level only)."""
+    paths = find_paths(_root(dirs, level), f"l{level - 4}/dcp/Spare-Rank*.fti")
+    return {str(p): Path(p).read_bytes() for p in paths}
+
+
+def _fallback(ctx, level):
+    path = ctx.state.records_dir / f"fallback-l{level - 4}.json"
+    return json.loads(path.read_text())["ckpt_id"] if path.exists() else None
+
+
+@pytest.mark.parametrize("level", [5, 8])
+def test_a_truncated_newest_file_falls_back_to_the_spares(client, dirs, level):
+    ctx = _init(client, dirs)
+    ctx.protect(1, da.random.default_rng(1).random((96, 64), chunks=(24, 64)), name="field")
+    ctx.protect(2, da.arange(3000, chunks=750, dtype=np.int32), name="counts")
+    saved = {}
+    for k in (1, 2, 3):
+        _step(ctx, k)
+        ctx.checkpoint(k, level)
+        saved[k] = _state(ctx)
+    assert _fallback(ctx, level) == 2 and len(_spares(dirs, level)) == NWORKERS
+    _truncate(dirs, level, 3)
+
+    # A new client on the same cluster: checkpoint 3 does not verify, 2 is read from the spares.
+    ctx2 = _init(client, dirs)
+    assert ctx2.status() == 1
+    _assert_same(ctx2.recover(), saved[2])
+    assert ctx2.recovered_from == (2, level - 4)
+    # The next checkpoint is written in full beside the spares, which stay as they are.
+    spares = _spares(dirs, level)
+    _step(ctx2, 4)
+    info = ctx2.checkpoint(4, level)
+    assert info.blocks_changed == info.blocks_total
+    assert _spares(dirs, level) == spares and _fallback(ctx2, level) == 2
+    assert not find_paths(_root(dirs, level), "dcp/SpareNext-Rank*.fti")  # renamed into checkpoint 4
+    _truncate(dirs, level, 4, rank=0)
+
+    ctx3 = _init(client, dirs)  # the damaged checkpoint 4 never replaced the spares: 2 again
+    _assert_same(ctx3.recover(), saved[2])
+    assert ctx3.recovered_from == (2, level - 4)
+    for k in (5, 6):
+        _step(ctx3, k)
+        ctx3.checkpoint(k, level)
+        saved[k] = _state(ctx3)
+    assert _fallback(ctx3, level) == 5
+
+    ctx4 = _init(client, dirs)
+    _assert_same(ctx4.recover(), saved[6])
+    assert ctx4.recovered_from == (6, level - 4)
+
+
+@pytest.mark.parametrize("level", [5, 8])
+def test_spares_damaged_too_recover_nothing_and_finalize_leaves_nothing(client, dirs, level):
+    ctx = _init(client, dirs)
+    ctx.protect(1, da.random.default_rng(2).random((96, 64), chunks=(24, 64)), name="field")
+    for k in (1, 2, 3):
+        _step(ctx, k)
+        ctx.checkpoint(k, level)
+    assert _fallback(ctx, level) == 2
+    _truncate(dirs, level, 3)
+    (spare,) = [p for p in _spares(dirs, level) if p.endswith("Spare-Rank0.fti")]
+    os.truncate(spare, os.path.getsize(spare) - 777)
+
+    ctx2 = _init(client, dirs)
+    mine = np.full(5, 7.0)
+    ctx2.protect(1, da.zeros((96, 64), chunks=(48, 64)), name="field")
+    ctx2.protect(3, mine)
+    held = ctx2.protected[1]
+    with pytest.raises(ftidask.NoCheckpointError, match="spares of rank"):
+        ctx2.recover()
+    assert ctx2.protected[1] is held and (mine == 7.0).all()
+
+    ctx2.finalize()
+    assert not list(ctx2.state.records_dir.glob("fallback-*"))
+    assert not [p for p in _root(dirs, level).rglob("*") if p.is_file()]
+    assert not [p for p in Path(dirs["ckpt_dir"]).rglob("*") if p.is_file()]
+
+
+def test_a_single_process_runs_previous_checkpoint_is_stitched_from_its_spare(client, tmp_path):
+    """A checkpoint of the single-process backend read on Dask (stitch): its fallback too."""
+    dirs = {"ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
+            "meta_dir": str(tmp_path / "Meta"), "local_test": 1, "verbosity": 3}
+    a = np.arange(8192, dtype=np.float64)
+    ctx = ftidask.init(enable_dcp=1, dcp_block_size=BLOCK, **dirs)
+    ctx.protect(1, a)
+    saved = {}
+    for k in (1, 2, 3):
+        a[k * 1000] += 1
+        ctx.checkpoint(k, 5)
+        saved[k] = a.copy()
+    ctx._close()
+    (path,) = find_paths(dirs["ckpt_dir"], "ckpt3.s*/Ckpt3-Rank0.fti")
+    os.truncate(path, os.path.getsize(path) - 777)
+    ctx = ftidask.init(client=client, enable_dcp=1, dcp_block_size=BLOCK, **dirs)
+    out = ctx.recover()
+    assert np.asarray(out[1]).tobytes() == saved[2].tobytes()
+    assert ctx.recovered_from == (2, 1) and 1 in ctx.spares.pinned  # its spare is left alone by the next one
+    ctx._close()
