@@ -57,6 +57,25 @@ class Placer:
         return worker
 
 
+def check_files(ctx: DaskContext, record: CommitRecord, own: dict[int, str], placer: Placer,
+                tag: str) -> tuple[dict[int, str], dict[int, dict]]:
+    """Check every rank's file ``own[r]`` of ``record`` (FB hash from the record, every hash, every chunk where
+    the record places it) on the worker that wrote it if it sees it, else on one that does: the worker chosen
+    per rank, and the verdict of each file that some worker sees."""
+    cl, lay = ctx.cluster, recorded.layout(record)  # a damaged record: this checkpoint cannot be recovered
+    fb = {f.rank: f.fb_hash for f in record.files}
+    hosts: dict[int, str] = {}
+    checks = {}
+    for r in range(record.nranks):
+        worker = placer.pick(own[r], lay.workers[r] if r < len(lay.workers) else None)
+        if worker is not None:
+            hosts[r] = worker
+            checks[r] = cl.submit(tasks.check_file, own[r], fb[r], expect=lay.expected(r),
+                                  key=f"ftidask-check-{tag}-{r}", worker=worker)
+    results = cl.wait_all(list(checks.values()), set(hosts.values()), f"checking checkpoint {record.ckpt_id}")
+    return hosts, dict(zip(checks, results, strict=True))
+
+
 def is_fallback(record: CommitRecord) -> bool:
     """Is ``record`` the previous differential checkpoint of its level, kept as the spares?"""
     return record.extra.get("fallback") is True
@@ -69,24 +88,15 @@ def restore_spares(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[st
     workers = cl.workers()
     if not workers:
         raise RecoveryError("the cluster has no workers")
-    lay = recorded.layout(record)  # a damaged record: this checkpoint cannot be recovered
-    fb = {f.rank: f.fb_hash for f in record.files}
-    if sorted(fb) != list(range(record.nranks)):
-        raise Unrecoverable(f"its record lists the files of ranks {sorted(fb)} of {record.nranks}")
+    recorded.layout(record)  # a damaged record: this checkpoint cannot be recovered
+    ranks = sorted(f.rank for f in record.files)
+    if ranks != list(range(record.nranks)):
+        raise Unrecoverable(f"its record lists the files of ranks {ranks} of {record.nranks}")
     own = {r: spare_path(ctx, record.level, r) for r in range(record.nranks)}
     paths = list(own.values())
     placer = Placer(workers, cl.run(tasks.sizes, paths), paths)
     tag = f"{record.ckpt_id}-{record.seq}-spare-{uuid.uuid4().hex[:8]}"
-    hosts: dict[int, str] = {}
-    checks = {}
-    for r in range(record.nranks):
-        worker = placer.pick(own[r], lay.workers[r] if r < len(lay.workers) else None)
-        if worker is not None:
-            hosts[r] = worker
-            checks[r] = cl.submit(tasks.check_file, own[r], fb[r], expect=lay.expected(r),
-                                  key=f"ftidask-check-{tag}-{r}", worker=worker)
-    results = cl.wait_all(list(checks.values()), set(hosts.values()), f"checking checkpoint {record.ckpt_id}")
-    verdicts = dict(zip(checks, results, strict=True))
+    hosts, verdicts = check_files(ctx, record, own, placer, tag)
     bad = [r for r in range(record.nranks) if not (r in verdicts and verdicts[r]["ok"])]
     if bad:
         why = "; ".join(verdicts[r]["message"] if r in verdicts else f"rank {r}'s spare is on no live worker"

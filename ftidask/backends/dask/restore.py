@@ -24,7 +24,7 @@ from ...model.errors import FTIError, RecoveryError
 from ...storage import files as storage
 from . import group_steps, reads, recorded, redundancy, stitch, tasks
 from .cluster import WorkerLost
-from .fallback import Placer, Unrecoverable, is_fallback, restore_spares
+from .fallback import Placer, Unrecoverable, check_files, is_fallback, restore_spares
 from .plan import VarSpec
 
 if TYPE_CHECKING:
@@ -49,10 +49,9 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
     if not workers:
         raise RecoveryError("the cluster has no workers")
     n, level, cid, seq = record.nranks, record.level, record.ckpt_id, record.seq
-    lay = recorded.layout(record)  # a damaged record: this checkpoint cannot be recovered
+    recorded.layout(record)  # a damaged record: this checkpoint cannot be recovered (before any stat)
     topo = _record_topology(record)
     groups = topo.rank_groups()
-    fb = {f.rank: f.fb_hash for f in record.files}
     own = {r: ctx.node_file(level, cid, seq, r, storage.rank_file(cid, r)) for r in range(n)}
     pcof = {r: ctx.node_file(2, cid, seq, r, storage.partner_file(cid, r)) for r in range(n)} if level == 2 else {}
     rsed = {r: ctx.node_file(3, cid, seq, r, storage.parity_file(cid, r)) for r in range(n)} if level == 3 else {}
@@ -61,16 +60,7 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
     stats = cl.run(tasks.sizes, paths)  # stats only: which worker sees what, and the redundancy's sizes
     placer = Placer(workers, stats, paths)
     tag = f"{cid}-{seq}-{uuid.uuid4().hex[:8]}"
-    hosts: dict[int, str] = {}
-    checks = {}
-    for r in range(n):
-        worker = placer.pick(own[r], lay.workers[r] if r < len(lay.workers) else None)
-        if worker is not None:
-            hosts[r] = worker
-            checks[r] = cl.submit(tasks.check_file, own[r], fb[r], expect=lay.expected(r),
-                                  key=f"ftidask-check-{tag}-{r}", worker=worker)
-    results = cl.wait_all(list(checks.values()), set(hosts.values()), f"checking checkpoint {cid}")
-    verdicts = dict(zip(checks, results, strict=True))
+    hosts, verdicts = check_files(ctx, record, own, placer, tag)
     ok = {r for r, v in verdicts.items() if v["ok"]}
     bad = [r for r in range(n) if r not in ok]
     short = red.missing({r: hosts[r] for r in ok}, stats, paths)  # its group rebuilds it, as FTI does
