@@ -7,7 +7,6 @@ with the same :class:`CheckpointError`, and the previous checkpoint stays.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -244,8 +243,7 @@ class Committer(RunPart):
         entry, error = attempt(t.rank, flush)
         files = agree(t, error, CheckpointError, failed, entry)
         zarr_files = {"files": tuple(FileRecord(**f) for f in files), "extra": {"l4_format": "zarr"}} if as_zarr else {}
-        zarr_files.setdefault("extra", {k: v for k, v in record.extra.items() if k != "fallback"})  # committed now
-        flushed = dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(), **zarr_files)
+        flushed = record.committed_copy(seq=seq, level=4, timestamp=time.time(), **zarr_files)
         # If it cannot be committed, the last checkpoint stays where it is, committed; the copy goes.
         self.seal(flushed, failed, functools.partial(
             storage.remove_tree, self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)))

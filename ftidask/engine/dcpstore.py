@@ -129,24 +129,21 @@ class DcpStore:
 
     def begin(self, level: int, layout: Layout) -> DcpHandle:
         """Open the spare of ``level`` for patching up to ``layout`` (a new file while it is pinned)."""
-        if level in self._pinned:  # the spare is what a crash now would recover: keep it, write everything
-            path = self.next_path(level)
-            storage.makedirs(path.parent)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, storage.FILE_MODE)
-            writer = DcpFileWriter(fd, layout, None, block_size=self.block_size, bid=self.bid, hash_id=self.hash_id,
-                                   pool=self._pool, capture_xor=level == 3)
-            return DcpHandle(self, level, fd, writer, path)
-        path = self.spare_path(level)
+        pinned = level in self._pinned  # the spare is what a crash now would recover: keep it, write everything
+        path = self.next_path(level) if pinned else self.spare_path(level)
         storage.makedirs(path.parent)
-        self.next_path(level).unlink(missing_ok=True)  # torn by a crash while the spare was pinned
         self._keep_newest_file(level)
-        base = self._spares.pop(level, None)  # from now on the spare's content is unknown
-        if base is None:  # after a restart: the spare's own block hashes, if it is the file retired
-            known = storage.read_json(self._spare_record(level))
-            if isinstance(known, dict) and isinstance(known.get("fb_hash"), str):
-                with contextlib.suppress(ValueError):
-                    base = load_state(path, bytes.fromhex(known["fb_hash"]))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, storage.FILE_MODE)
+        base = None
+        if not pinned:
+            self.next_path(level).unlink(missing_ok=True)  # torn by a crash while the spare was pinned
+            base = self._spares.pop(level, None)  # from now on the spare's content is unknown
+            if base is None:  # after a restart: the spare's own block hashes, if it is the file retired
+                known = storage.read_json(self._spare_record(level))
+                if isinstance(known, dict) and isinstance(known.get("fb_hash"), str):
+                    with contextlib.suppress(ValueError):
+                        base = load_state(path, bytes.fromhex(known["fb_hash"]))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if pinned else 0),
+                     storage.FILE_MODE)
         if base is not None and not _holds(fd, base):
             base = None
         writer = DcpFileWriter(fd, layout, base, block_size=self.block_size, bid=self.bid, hash_id=self.hash_id,
@@ -223,19 +220,25 @@ class DcpStore:
     def recovered(self, level: int, seq: int, path: Path, parsed: Any) -> None:
         """The file of a verified, recovered checkpoint: remember its state (it will be a spare)."""
         self._pinned.discard(level)  # a sound committed checkpoint: the spare may be patched again
-        with contextlib.suppress(OSError, ValueError):
-            state = state_of_file(path, parsed)
-            if state is not None and state.compatible(self.block_size, self.bid):
-                self._files[level, seq] = state
+        state = self._state_of(path, parsed)
+        if state is not None:
+            self._files[level, seq] = state
 
     def recovered_fallback(self, level: int, path: Path, parsed: Any) -> None:
         """The spare of ``level`` was recovered (no newer checkpoint could be): it stays untouched until a
         newer checkpoint of the level is committed, and is then patched from its known state."""
         self._pinned.add(level)
+        state = self._state_of(path, parsed)
+        if state is not None:
+            self._spares[level] = state
+
+    def _state_of(self, path: Path, parsed: Any) -> BlockState | None:
+        """The block state of a verified file, when it can serve as a base here (its block size and hash)."""
         with contextlib.suppress(OSError, ValueError):
             state = state_of_file(path, parsed)
             if state is not None and state.compatible(self.block_size, self.bid):
-                self._spares[level] = state
+                return state
+        return None
 
     def discard(self, level: int, seq: int) -> None:
         """Checkpoint ``seq`` failed: its file is gone."""

@@ -147,7 +147,7 @@ class Recovery(RunPart):
             ok = verdict.kind == "ok"
             # Collective (L2/L3); the transport keeps the ranks in step, an error after its end is this rank's.
             # A fallback's redundancy was the committed checkpoint's: never rebuilt (the same on every rank).
-            have, error = (False, "") if record.extra.get("fallback") else attempt(
+            have, error = (False, "") if record.fallback else attempt(
                 t.rank, lambda: t.rebuild_file(record.level, record.ckpt_id, path, path.parent, ok, record=record),
                 False)
             if error:
@@ -241,7 +241,7 @@ class Recovery(RunPart):
         def load() -> None:
             load_file(verdict.parsed, targets.arrays, config=self.config, staged=verdict.staged)
             targets.apply_states()
-            if record.extra.get("fallback"):
+            if record.fallback:
                 self.spares.get().recovered_fallback(record.level, self.rank_file(record), verdict.parsed)
             elif self.config.enable_dcp:
                 self.spares.get().recovered(record.level, record.seq, self.rank_file(record), verdict.parsed)
@@ -252,7 +252,7 @@ class Recovery(RunPart):
         self.progress.restored(record.ckpt_id, record.level, verdict.parsed.layout())
         log.info("recovered checkpoint %d from level %d%s%s", record.ckpt_id, record.level,
                  "" if wanted is None else f" (variables {wanted})",
-                 " (the previous differential checkpoint, kept as the spare)" if record.extra.get("fallback") else "")
+                 " (the previous differential checkpoint, kept as the spare)" if record.fallback else "")
         return targets.recovered()
 
     def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:

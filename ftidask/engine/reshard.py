@@ -226,7 +226,7 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
     """Every rank's new arrays in private buffers, from the old files (collective)."""
     t = ctx.transport
     n, m = record.nranks, t.size
-    if record.level in (2, 3) and not record.extra.get("fallback"):  # 0. Lost old files come back first, on the
+    if record.level in (2, 3) and not record.fallback:  # 0. Lost old files come back first, on the
         # old layout's groups (a fallback's redundancy was the committed checkpoint's: never rebuilt).
         groups = old_groups(record, ctx.config.group_size)
         problem = ""

@@ -22,7 +22,7 @@ from .runstate import CommitRecord
 def rank_path(paths: RunPaths, record: CommitRecord, node: int, rank: int) -> Path:
     """Rank ``rank``'s file of ``record`` on node ``node`` (a Zarr store for a Zarr L4 checkpoint; the
     spare for the fallback of a level, see :meth:`~ftidask.engine.runstate.RunState.write_fallback`)."""
-    if record.extra.get("fallback") is True:
+    if record.fallback:
         return paths.level_dir(record.level, node) / storage.SPARE_DIR / storage.spare_file(rank)
     path = paths.level_dir(record.level, node) / record.dirname / storage.rank_file(record.ckpt_id, rank)
     return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
@@ -133,9 +133,9 @@ class Retention(RunPart):
         level-4 ones go to the archive); mark the run finalized; clear the differential checkpoints' spares."""
         t, failed = self.transport, "finalize failed"
         keep = bool(self.config.keep_last_ckpt and records)
-        committed = [r for r in records if not r.extra.get("fallback")]  # the spares are cleared below
+        committed = [r for r in records if not r.fallback]  # the spares are cleared below
         doomed = committed
-        if keep and records[0].level == 4 and not records[0].extra.get("fallback"):
+        if keep and records[0].level == 4 and not records[0].fallback:
             doomed = committed[1:]
         elif keep:
             self._flush_newest(records, flush_to_l4)

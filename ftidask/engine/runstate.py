@@ -114,6 +114,20 @@ class CommitRecord:
     def dirname(self) -> str:
         return storage.ckpt_dirname(self.ckpt_id, self.seq)
 
+    @property
+    def fallback(self) -> bool:
+        """A retired differential checkpoint kept as the spares (:meth:`RunState.write_fallback`), not a commit."""
+        return self.extra.get("fallback") is True
+
+    def as_fallback(self) -> CommitRecord:
+        """This record marked as its level's fallback (see :attr:`fallback`)."""
+        return dataclasses.replace(self, extra={**self.extra, "fallback": True})
+
+    def committed_copy(self, **changes: Any) -> CommitRecord:
+        """This checkpoint with ``changes`` (a copy of its files committed anew: never a fallback)."""
+        extra = {k: v for k, v in self.extra.items() if k != "fallback"}
+        return dataclasses.replace(self, **{"extra": extra, **changes})
+
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["files"] = [f.to_json() for f in self.files]
@@ -226,7 +240,7 @@ class RunState:
         out = []
         for level in (1, 2, 3, 4):
             rec = unsealed_record(storage.read_json(self._fallback_path(level)))
-            if rec is not None and rec.level == level and rec.extra.get("fallback") is True:
+            if rec is not None and rec.level == level and rec.fallback:
                 out.append(rec)
         return out
 
@@ -234,9 +248,8 @@ class RunState:
         """Name the retired differential checkpoint ``record``, whose files are now the spares, as the one
         a recovery falls back to when no committed checkpoint verifies (FTI's dCP goes back a layer). Best
         effort: without it, nothing older than the committed checkpoints is recovered."""
-        kept = dataclasses.replace(record, extra={**record.extra, "fallback": True})
         try:
-            storage.write_json_atomic(self._fallback_path(record.level), sealed_record(kept))
+            storage.write_json_atomic(self._fallback_path(record.level), sealed_record(record.as_fallback()))
         except OSError as exc:
             log.warning("cannot keep checkpoint %d as the fallback of level %d: %s", record.ckpt_id, record.level, exc)
 

@@ -10,7 +10,6 @@ through the client or the scheduler. The client writes the commit record, last.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -316,9 +315,8 @@ class DaskContext(Context):
             self._dask_retention.remove_dirs(record.ckpt_id, seq, 4, record.nranks)
             raise CheckpointError(f"keep_last_ckpt: checkpoint {record.ckpt_id} (level {record.level}) cannot be "
                                   f"flushed to L4: {exc}") from exc
-        extra = {k: v for k, v in record.extra.items() if k != "fallback"}  # a spare's copy is committed now
         # If the copy cannot be committed, the last checkpoint stays where it is, committed; the copy goes.
-        self._committer.seal(dataclasses.replace(record, seq=seq, level=4, timestamp=time.time(), extra=extra),
+        self._committer.seal(record.committed_copy(seq=seq, level=4, timestamp=time.time()),
                              "keep_last_ckpt: flushing the last checkpoint to L4 failed",
                              lambda: self._dask_retention.remove_dirs(record.ckpt_id, seq, 4, record.nranks))
 

@@ -176,7 +176,7 @@ class DaskSpares:
         the next checkpoint of their level leaves them alone (written in full to :func:`next_path`) until a
         newer checkpoint of that level or above is committed (it retires one: :meth:`keep`)."""
         self.nranks = max(self.nranks, record.nranks)
-        if record.extra.get("fallback") is True:
+        if record.fallback:
             self.pinned.add(record.level)
             self.read[record.level] = record
             for f in record.files:  # the spares' state is known: once unpinned they are patched again

@@ -76,11 +76,6 @@ def check_files(ctx: DaskContext, record: CommitRecord, own: dict[int, str], pla
     return hosts, dict(zip(checks, results, strict=True))
 
 
-def is_fallback(record: CommitRecord) -> bool:
-    """Is ``record`` the previous differential checkpoint of its level, kept as the spares?"""
-    return record.extra.get("fallback") is True
-
-
 def restore_spares(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str, str]]:
     """rank -> (worker, spare path) of fallback ``record``, every rank's spare verified; :class:`Unrecoverable`
     when one is lost or damaged (nothing is rebuilt, nothing is written)."""

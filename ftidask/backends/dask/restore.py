@@ -24,7 +24,7 @@ from ...model.errors import FTIError, RecoveryError
 from ...storage import files as storage
 from . import group_steps, reads, recorded, redundancy, stitch, tasks
 from .cluster import WorkerLost
-from .fallback import Placer, Unrecoverable, check_files, is_fallback, restore_spares
+from .fallback import Placer, Unrecoverable, check_files, restore_spares
 from .plan import VarSpec
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def dask_records(ctx: DaskContext, ckpt_id: int | None, level: int | None) -> li
 def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str, str]]:
     """rank -> (worker, path) of a verified file, for every rank of ``record``; rebuilds lost files (never a
     fallback's: its spares are read as they are)."""
-    if is_fallback(record):
+    if record.fallback:
         return restore_spares(ctx, record)
     cl = ctx.cluster
     workers = cl.workers()
@@ -340,7 +340,7 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
     ctx.progress.restored(record.ckpt_id, record.level, None)  # Dask files have no layout to reuse
     log.info("recovered checkpoint %d from level %d on %d workers%s", record.ckpt_id, record.level,
              len(ctx.cluster.workers()),
-             " (the previous differential checkpoint, kept as the spares)" if is_fallback(record) else "")
+             " (the previous differential checkpoint, kept as the spares)" if record.fallback else "")
     return out
 
 

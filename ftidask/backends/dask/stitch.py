@@ -32,7 +32,7 @@ from ...engine.runstate import CommitRecord
 from ...model.decomposition import Piece, Placement, overlap, placement
 from ...model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from . import reads, tasks
-from .fallback import Placer, is_fallback
+from .fallback import Placer
 from .plan import VarSpec
 
 if TYPE_CHECKING:
@@ -234,7 +234,7 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
     paths = _paths(ctx, record)
     token = f"{record.ckpt_id}-{record.seq}-{uuid.uuid4().hex[:8]}"
     workers = ctx.cluster.workers()
-    if record.level in (2, 3) and not is_fallback(record):  # lost old files come back first, on the old layout's
+    if record.level in (2, 3) and not record.fallback:  # lost old files come back first, on the old layout's
         # groups (a fallback's redundancy was the committed checkpoint's: never rebuilt)
         calls = [(rebuild_task, (ctx.config, rj, g, {r: paths[r] for r in g}), f"ftidask-stitch-rebuild-{token}-{i}",
                   workers[i % len(workers)]) for i, g in enumerate(old_groups(record, ctx.config.group_size))]
