@@ -59,6 +59,25 @@ def state(step: int) -> dict[int, np.ndarray]:
     return arrays
 
 
+def recovered_step(root: str) -> int:
+    """Recover ROOT's run in a fresh context (no finalize); the state must be exactly that of the step it holds,
+    which is returned. NoCheckpointError passes through."""
+    ctx = ftidask.init(**config(root))
+    arrays = {vid: np.zeros(n, dt) for vid, (n, dt) in SIZES.items()}
+    step = np.zeros(1, np.int64)
+    for vid, arr in arrays.items():
+        ctx.protect(vid, arr)
+    ctx.protect(99, step)
+    try:
+        ctx.recover()
+    finally:
+        ctx._closed = True
+    want = state(int(step[0]))
+    for vid in arrays:
+        assert arrays[vid].tobytes() == want[vid].tobytes(), f"variable {vid} at step {int(step[0])}"
+    return int(step[0])
+
+
 def main() -> None:
     root, steps, level = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if len(sys.argv) > 4:

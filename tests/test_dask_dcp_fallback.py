@@ -11,6 +11,8 @@ import pytest
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
+from test_dask_dcp import _init, _state
+
 import ftidask
 from ftidask.storage.files import find_paths
 
@@ -24,18 +26,10 @@ def client(dask_client):
     return dask_client
 
 
-def _init(client, dirs):
-    return ftidask.init(client=client, enable_dcp=1, dcp_block_size=BLOCK, **dirs)
-
-
 def _step(ctx, k):
     """Change one row of the field (a few blocks), keep the counts."""
     field = ctx.protected[1]
     ctx.protect(1, da.where(da.arange(96)[:, None] == 5 * k, field + 1, field))
-
-
-def _state(ctx):
-    return {vid: a.compute() for vid, a in ctx.protected.items()}
 
 
 def _assert_same(arrays, saved):

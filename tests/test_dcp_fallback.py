@@ -33,9 +33,9 @@ def _truncate(path: Path, cut: int = 1000) -> None:
     os.truncate(path, path.stat().st_size - cut)
 
 
-def _restart(root: Path, like: np.ndarray):
-    """A new process of the run: init, protect a zeroed array shaped like ``like`` (id 1)."""
-    ctx = ftidask.init(**_kw(root))
+def _restart(root: Path, like: np.ndarray, **extra):
+    """A new process of the run: init (``extra``: config keys), protect a zeroed array shaped like ``like`` (id 1)."""
+    ctx = ftidask.init(**_kw(root, **extra))
     arr = np.zeros_like(like)
     ctx.protect(1, arr)
     return ctx, arr
@@ -180,24 +180,6 @@ def _child(root: Path, steps: int, crash: str | None = None) -> subprocess.Compl
     return subprocess.run(args, capture_output=True, text=True, timeout=120)
 
 
-def _recovered_step(root: Path) -> int:
-    """Recover the child's run in a fresh context; the state must be exactly that of the step it holds."""
-    ctx = ftidask.init(**child.config(str(root)))
-    arrays = {vid: np.zeros(n, dt) for vid, (n, dt) in child.SIZES.items()}
-    step = np.zeros(1, np.int64)
-    for vid, arr in arrays.items():
-        ctx.protect(vid, arr)
-    ctx.protect(99, step)
-    try:
-        ctx.recover()
-    finally:
-        ctx._closed = True
-    want = child.state(int(step[0]))
-    for vid in arrays:
-        assert arrays[vid].tobytes() == want[vid].tobytes(), f"variable {vid} at step {int(step[0])}"
-    return int(step[0])
-
-
 @pytest.mark.parametrize("crash", ["write_var:1", "block:2", "finished:1", "renamed:1", "retired:1",
                                    pytest.param("write_var:5", marks=pytest.mark.slow), "block:12", "renamed:2",
                                    pytest.param("retired:2", marks=pytest.mark.slow)])
@@ -211,11 +193,11 @@ def test_killed_while_writing_after_a_fallback(tmp_path, crash):
     done = _child(tmp_path, 8, crash)
     assert done.returncode == -signal.SIGKILL, done.stderr
     printed = [int(x) for x in done.stdout.split()]
-    got = _recovered_step(tmp_path)
+    got = child.recovered_step(str(tmp_path))
     assert got in {3, *printed, (printed or [3])[-1] + 1}, (got, printed)
     assert got >= (printed or [3])[-1]  # never older than a checkpoint reported committed
     assert _child(tmp_path, 8).returncode == 0
-    assert _recovered_step(tmp_path) == 8
+    assert child.recovered_step(str(tmp_path)) == 8
 
 
 def test_recover_var_and_stored_size_fall_back_too(tmp_path):
@@ -264,10 +246,6 @@ def test_restart_on_another_number_of_ranks_falls_back_too(tmp_path, ranks):
 
 # --- found by review: stale fallbacks, kills while retiring, keep_last_ckpt ---------------------------------
 
-def _fkw(root: Path, **extra):
-    return _kw(root, **{"verbosity": 4, **extra})
-
-
 def _closed(ctx):
     ctx._closed = True
     if ctx._run_lock is not None:
@@ -279,49 +257,48 @@ import sys
 sys.path.insert(0, {tests!r})
 import numpy as np, crashpoints, ftidask
 from ftidask.engine import runstate
-crashpoints.kill_at_call(runstate.RunState, {point!r}, {nth})   # SIGKILL as it starts
+crashpoints.kill_at_call(runstate.RunState, {point!r}, {nth}, after={after})   # SIGKILL
 ctx = ftidask.init(**{kw!r})
 a = np.zeros(10_000); ctx.protect(1, a)
 for i in (1, 2, 3):
     a[:] = 100 + i
     ctx.checkpoint(i, 5)
+print("finalizing", flush=True)
 ctx.finalize()
 """
 
 
-@pytest.mark.parametrize("point,nth", [("delete_fallbacks", 1), ("write_run", 2)])  # write_run 1: init
-def test_finalize_killed_then_fresh_run_with_same_exec_id_recovers_its_own_checkpoint(tmp_path, point, nth):
-    """Finalize killed after the last commit record is retired (its file kept as the spare, fallback-l1.json
-    written) and before delete_fallbacks. The next init with the same exec_id is a fresh start (no record), seq
-    restarts at 1, and the stale fallback (seq 3) outranks the new run's committed checkpoint 1."""
-    k = _fkw(tmp_path, exec_id="runx")
-    script = CHILD_FINALIZE.format(tests=str(Path(__file__).parent), point=point, nth=nth, kw=k)
+# The finalize's calls: delete_record 1 and 2 retired checkpoints 1 and 2, write_run 1 was the init's.
+@pytest.mark.parametrize("point,nth,after", [("delete_record", 3, True), ("write_run", 2, False)])
+def test_finalize_killed_then_fresh_run_with_same_exec_id_recovers_its_own_checkpoint(tmp_path, point, nth, after):
+    """Finalize killed once the last commit record is gone (the fallbacks were deleted before it) and before the
+    run is marked finalized. The next init with the same exec_id is a fresh start (no record); a later restart recovers that
+    run's own checkpoint 1, never the finalized run's previous checkpoint (its fallback, seq 3, is gone)."""
+    extra = {"exec_id": "runx"}
+    k = _kw(tmp_path, **extra)
+    script = CHILD_FINALIZE.format(tests=str(Path(__file__).parent), point=point, nth=nth, after=after, kw=k)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert r.returncode == -9, r.stderr
+    assert r.returncode == -9 and "finalizing" in r.stdout, r.stderr  # killed in the finalize
     ctx = ftidask.init(**k)
     assert ctx.status() == 0  # finalize had removed every record: a fresh start, as FTI
     b = np.full(10_000, 7.0)
     ctx.protect(1, b)
     ctx.checkpoint(1, 4)  # the new run's first checkpoint (any level that does not consume the L1 spare)
     _closed(ctx)
-    ctx2 = ftidask.init(**k)
-    c = np.zeros(10_000)
-    ctx2.protect(1, c)
+    ctx2, c = _restart(tmp_path, np.zeros(10_000), **extra)
     ctx2.recover()
     _closed(ctx2)
     assert ctx2.recovered_from == (1, 4) and c[0] == 7.0, \
         f"recovered {ctx2.recovered_from} value {c[0]}: the finalized run's state, not this run's checkpoint 1"
 
 
-def test_damaged_newest_record_fresh_status_then_stale_fallback_wins(tmp_path):
-    """The newest commit record damaged (outside harm): status() says 0 although recover() would
-    recover the fallback; continuing fresh with the same exec_id, the stale fallback (seq 2) outranks the new
-    run's checkpoint (seq 1) on the next restart."""
-    import json
-    k = _fkw(tmp_path, exec_id="r")
-    ctx = ftidask.init(**k)
-    a = np.zeros(10_000)
-    ctx.protect(1, a)
+def test_a_fallback_without_commit_records_is_a_restart_and_never_outranks_a_new_checkpoint(tmp_path):
+    """The newest commit record damaged (outside harm), the fallback (seq 2) left: status() says 1, since recover()
+    would recover it; an application that started afresh anyway checkpoints after it (sequence numbers count the
+    fallback), so the next restart recovers the new checkpoint, not the stale fallback."""
+    extra = {"exec_id": "r"}
+    k = _kw(tmp_path, **extra)
+    ctx, a = _restart(tmp_path, np.zeros(10_000), **extra)
     for i in (1, 2, 3):
         a[:] = i
         ctx.checkpoint(i, 5)
@@ -337,9 +314,7 @@ def test_damaged_newest_record_fresh_status_then_stale_fallback_wins(tmp_path):
     if status == 0:  # FTI's application: nothing to recover, start over
         ctx.checkpoint(1, 8)
     _closed(ctx)
-    ctx2 = ftidask.init(**k)
-    c = np.zeros(10_000)
-    ctx2.protect(1, c)
+    ctx2, c = _restart(tmp_path, np.zeros(10_000), **extra)
     ctx2.recover()
     _closed(ctx2)
     assert status == 1 or (ctx2.recovered_from == (1, 4) and c[0] == 7.0), (status, ctx2.recovered_from, c[0])
@@ -359,20 +334,17 @@ for i in (1, 2):
 """
 
 
-def test_killed_while_retiring_then_newest_damaged_loses_the_whole_previous_checkpoint(tmp_path):
-    """Killed in remove_checkpoint between delete_record and write_fallback: checkpoint 1's file is whole (in
-    its directory or as the spare) but nothing names it; with checkpoint 2's file then damaged, the restart
-    fails although checkpoint 1 is whole."""
-    k = _fkw(tmp_path)
+def test_killed_while_retiring_then_newest_damaged_still_recovers_the_previous_checkpoint(tmp_path):
+    """Killed in remove_checkpoint right after checkpoint 1's record is deleted: its fallback record was written
+    before, so with checkpoint 2's file then damaged the restart recovers checkpoint 1 from the spare."""
+    k = _kw(tmp_path)
     r = subprocess.run([sys.executable, "-c", CHILD_RETIRE.format(tests=str(Path(__file__).parent), kw=k)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == -9, r.stderr
     whole = sorted(p.name for p in tmp_path.rglob("*.fti"))
     f = next(tmp_path.rglob("ckpt2.*/Ckpt2-Rank0.fti"))
     os.truncate(f, f.stat().st_size - 50)
-    ctx = ftidask.init(**k)
-    b = np.zeros(10_000)
-    ctx.protect(1, b)
+    ctx, b = _restart(tmp_path, np.zeros(10_000))
     try:
         ctx.recover()
     except ftidask.NoCheckpointError as exc:
@@ -384,20 +356,17 @@ def test_killed_while_retiring_then_newest_damaged_loses_the_whole_previous_chec
 
 def test_keep_last_ckpt_after_a_fallback_recovery(tmp_path):
     """After a restart that recovered the previous checkpoint (the newest file cut), finalize with
-    keep_last_ckpt = 1 tries to flush the damaged newest checkpoint and fails with CheckpointError."""
-    k = _fkw(tmp_path, keep_last_ckpt=1)
-    ctx = ftidask.init(**k)
-    a = np.zeros(10_000)
-    ctx.protect(1, a)
+    keep_last_ckpt = 1 keeps that one (the damaged newest cannot be flushed): the next run restarts from it."""
+    extra = {"keep_last_ckpt": 1}
+    k = _kw(tmp_path, **extra)
+    ctx, a = _restart(tmp_path, np.zeros(10_000), **extra)
     for i in (1, 2, 3):
         a[:] = i
         ctx.checkpoint(i, 5)
     f = ctx._rank_file(ctx.state.records()[-1])
     os.truncate(f, f.stat().st_size - 100)
     _closed(ctx)
-    ctx2 = ftidask.init(**k)
-    b = np.zeros(10_000)
-    ctx2.protect(1, b)
+    ctx2, b = _restart(tmp_path, np.zeros(10_000), **extra)
     ctx2.recover()
     assert ctx2.recovered_from == (2, 1)
     ctx2.finalize()  # keep_last_ckpt keeps the newest checkpoint that can be kept: 2, from the spare
