@@ -1,6 +1,12 @@
 """Recovery on a Dask cluster: find the newest checkpoint whose files verify (rebuilding what
 lost workers held from L2 copies or L3 parity), then read each chunk on the worker that sees
 its file. Works on a cluster of any size: ranks of the checkpoint are mapped onto live workers.
+
+Each byte is read once when nothing is damaged: the search checks each file's metadata (its own
+hashes, the file block's hash against the commit record, every chunk where the record places it),
+and the read of each chunk checks its container's hash. A chunk that fails its check makes the
+recovery check that checkpoint's files in full, as a damaged file is found (then rebuilt, or the
+checkpoint passed over), before any array is filled or rebound.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from ...levels.topology import Topology, recorded_topology
 from ...model.errors import FTIError, RecoveryError
 from ...storage import files as storage
 from . import group_steps, reads, recorded, redundancy, stitch, tasks
-from .cluster import WorkerLost
+from .cluster import TaskFailed, WorkerLost
 from .fallback import Placer, Unrecoverable, check_files, restore_spares
 from .plan import VarSpec
 
@@ -39,11 +45,12 @@ def dask_records(ctx: DaskContext, ckpt_id: int | None, level: int | None) -> li
     return [r for r in ctx.recovery.all_candidates(ckpt_id, level) if r.extra.get("backend") == "dask"]
 
 
-def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str, str]]:
+def restore_files(ctx: DaskContext, record: CommitRecord, data: bool = True) -> dict[int, tuple[str, str]]:
     """rank -> (worker, path) of a verified file, for every rank of ``record``; rebuilds lost files (never a
-    fallback's: its spares are read as they are)."""
+    fallback's: its spares are read as they are). ``data`` False verifies the files' metadata only: the
+    reads that follow check the data (see :func:`recover`)."""
     if record.fallback:
-        return restore_spares(ctx, record)
+        return restore_spares(ctx, record, data)
     cl = ctx.cluster
     workers = cl.workers()
     if not workers:
@@ -60,10 +67,12 @@ def restore_files(ctx: DaskContext, record: CommitRecord) -> dict[int, tuple[str
     stats = cl.run(tasks.sizes, paths)  # stats only: which worker sees what, and the redundancy's sizes
     placer = Placer(workers, stats, paths)
     tag = f"{cid}-{seq}-{uuid.uuid4().hex[:8]}"
-    hosts, verdicts = check_files(ctx, record, own, placer, tag)
+    hosts, verdicts = check_files(ctx, record, own, placer, tag, data)
     ok = {r for r, v in verdicts.items() if v["ok"]}
     bad = [r for r in range(n) if r not in ok]
     short = red.missing({r: hosts[r] for r in ok}, stats, paths)  # its group rebuilds it, as FTI does
+    if not data and level in (2, 3) and (bad or short):  # a rebuild reads the group's files: data checked first
+        return restore_files(ctx, record, True)
     if not bad:
         if short:
             _rebuild_redundancy(ctx, record, groups, hosts, short, tag, red, paths)
@@ -299,17 +308,18 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
     return out
 
 
-def _restore_retrying(ctx: DaskContext, record: CommitRecord, attempts: int = 3) -> dict[int, tuple[str, str]]:
+def _restore_retrying(ctx: DaskContext, record: CommitRecord, data: bool,
+                      attempts: int = 3) -> dict[int, tuple[str, str]]:
     """:func:`restore_files`, tried again when a worker leaves meanwhile (a loss the scheduler had not
     noticed yet when the tasks were placed)."""
     for _attempt in range(attempts - 1):
         try:
             with ctx.cluster.batch():
-                return restore_files(ctx, record)
+                return restore_files(ctx, record, data)
         except WorkerLost:
             log.info("a worker left while checkpoint %d was being checked; trying again", record.ckpt_id)
     with ctx.cluster.batch():
-        return restore_files(ctx, record)
+        return restore_files(ctx, record, data)
 
 
 def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: Any,
@@ -322,19 +332,33 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
         if other:
             return stitch.recover(ctx, other, chunks, wanted)
 
-    def verify(record: CommitRecord) -> tuple[dict[int, tuple[str, str]] | None, str]:
-        try:
-            return _restore_retrying(ctx, record), ""
-        except RecoveryError as exc:
-            if "no workers" in str(exc):  # no checkpoint can be read on an empty cluster
-                raise
-            return None, str(exc)
-        except FTIError as exc:  # lost or damaged files, a worker lost or a task failed while checking
-            return None, str(exc)
+    def verifier(data: bool) -> Any:
+        def verify(record: CommitRecord) -> tuple[dict[int, tuple[str, str]] | None, str]:
+            try:
+                return _restore_retrying(ctx, record, data), ""
+            except RecoveryError as exc:
+                if "no workers" in str(exc):  # no checkpoint can be read on an empty cluster
+                    raise
+                return None, str(exc)
+            except FTIError as exc:  # lost or damaged files, a worker lost or a task failed while checking
+                return None, str(exc)
+        return verify
 
     # The engine's search, as for every backend: the newest checkpoint whose files verify or are rebuilt.
-    record, hosts = newest_recoverable(records, verify, ctx.paths, ckpt_id, level, "no checkpoint can be recovered")
-    out = build_arrays(ctx, record, hosts, chunks, wanted)
+    # Each byte is read once: the search checks the files' metadata, the reads every chunk's hash. A chunk
+    # that does not verify (damaged data) sends the search back to that checkpoint with every file's data
+    # checked, which finds the damaged files, rebuilds them from L2/L3 or passes over to an older one.
+    record, hosts = newest_recoverable(records, verifier(False), ctx.paths, ckpt_id, level,
+                                       "no checkpoint can be recovered")
+    try:
+        out = build_arrays(ctx, record, hosts, chunks, wanted)
+    except TaskFailed as exc:  # nothing was filled or rebound
+        log.warning("checkpoint %d (level %d): %s; checking every file of it in full", record.ckpt_id, record.level,
+                    exc)
+        later = records[next(i for i, r in enumerate(records) if r is record):]
+        record, hosts = newest_recoverable(later, verifier(True), ctx.paths, ckpt_id, level,
+                                           "no checkpoint can be recovered")
+        out = build_arrays(ctx, record, hosts, chunks, wanted)
     if ctx.config.enable_dcp:  # a fallback's spares are left alone by the next checkpoint of its level
         ctx.spares.recovered(record)
     ctx.progress.restored(record.ckpt_id, record.level, None)  # Dask files have no layout to reuse
