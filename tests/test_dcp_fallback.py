@@ -354,21 +354,23 @@ def test_killed_while_retiring_then_newest_damaged_still_recovers_the_previous_c
     assert b[0] == 1.0
 
 
-def test_keep_last_ckpt_after_a_fallback_recovery(tmp_path):
+@pytest.mark.parametrize("level", [5, 8])
+def test_keep_last_ckpt_after_a_fallback_recovery(tmp_path, level):
     """After a restart that recovered the previous checkpoint (the newest file cut), finalize with
-    keep_last_ckpt = 1 keeps that one (the damaged newest cannot be flushed): the next run restarts from it."""
+    keep_last_ckpt = 1 keeps that one (the damaged newest cannot be flushed, nor kept where it is at L4):
+    the next run restarts from it."""
     extra = {"keep_last_ckpt": 1}
     k = _kw(tmp_path, **extra)
     ctx, a = _restart(tmp_path, np.zeros(10_000), **extra)
     for i in (1, 2, 3):
         a[:] = i
-        ctx.checkpoint(i, 5)
+        ctx.checkpoint(i, level)
     f = ctx._rank_file(ctx.state.records()[-1])
     os.truncate(f, f.stat().st_size - 100)
     _closed(ctx)
     ctx2, b = _restart(tmp_path, np.zeros(10_000), **extra)
     ctx2.recover()
-    assert ctx2.recovered_from == (2, 1)
+    assert ctx2.recovered_from == (2, level - 4)
     ctx2.finalize()  # keep_last_ckpt keeps the newest checkpoint that can be kept: 2, from the spare
     ctx3 = ftidask.init(**k)
     assert ctx3.status() == 2
