@@ -156,6 +156,26 @@ def test_a_damaged_spare_is_never_recovered(tmp_path):
     assert not b.any()
 
 
+@pytest.mark.parametrize("full", [1, 4])
+def test_no_fallback_past_a_full_checkpoint_of_the_level(tmp_path, full):
+    """L1_DCP checkpoints 1-2, then full checkpoints 3-4 at level ``full``; checkpoint 4's file cut. Checkpoint 3
+    (committed, not kept) came between: the spare (checkpoint 2) is no longer the checkpoint before the newest,
+    and recovery never goes back past 3 to it (docs/dcp.md: "a full checkpoint of the level between them")."""
+    ctx = ftidask.init(**_kw(tmp_path))
+    a = np.arange(20_000, dtype=np.int64)
+    ctx.protect(1, a)
+    for i, level in ((1, 5), (2, 5), (3, full), (4, full)):
+        a[:] = i
+        ctx.checkpoint(i, level)
+    _truncate(_rank_file(ctx))
+    _closed(ctx)
+    ctx2, b = _restart(tmp_path, a)
+    with pytest.raises(ftidask.NoCheckpointError):
+        ctx2.recover()
+    _closed(ctx2)
+    assert ctx2.recovered_from is None and not b.any(), f"recovered {ctx2.recovered_from}, past checkpoint 3"
+
+
 def test_no_fallback_without_dcp_on_the_restart(tmp_path):
     """A restart without enable_dcp removes the spares at its start: only committed checkpoints are candidates."""
     ctx = ftidask.init(**_kw(tmp_path))

@@ -258,6 +258,14 @@ class RunState:
         for level in (1, 2, 3, 4):
             self._fallback_path(level).unlink(missing_ok=True)
 
+    def retired_in_full(self, record: CommitRecord) -> None:
+        """Checkpoint ``record``, written in full (not differentially), is being retired: its file is not kept,
+        so a fallback of its level or below that is older than it is no longer the checkpoint before the newest
+        (recovering it would go back past ``record``): it is dropped."""
+        for rec in self.fallbacks():
+            if rec.level <= record.level and rec.seq < record.seq:
+                self._fallback_path(rec.level).unlink(missing_ok=True)
+
     def _fallback_path(self, level: int) -> Path:
         return self.records_dir / f"fallback-l{level}.json"
 
