@@ -169,3 +169,24 @@ def test_keep_last_ckpt_at_l4_dcp_after_a_fallback_keeps_the_previous_checkpoint
     _assert_same(ctx3.recover(), saved[2])
     assert ctx3.recovered_from == (2, 4)
     ctx3.finalize()
+
+
+def test_a_fallback_recovered_by_the_client_that_wrote_the_damaged_checkpoint_keeps_the_spares(client, dirs):
+    """The client that wrote checkpoints 1-3 recovers (checkpoint 3 cut): checkpoint 2, from the spares. Checkpoint 3,
+    passed over, is retired by checkpoint 4 without replacing them: checkpoint 2 stays the fallback."""
+    ctx = _init(client, dirs)
+    ctx.protect(1, da.random.default_rng(4).random((96, 64), chunks=(24, 64)), name="field")
+    saved = {}
+    for k in (1, 2, 3):
+        _step(ctx, k)
+        ctx.checkpoint(k, 5)
+        saved[k] = _state(ctx)
+    _truncate(dirs, 5, 3)
+    _assert_same(ctx.recover(), saved[2])
+    _step(ctx, 4)
+    ctx.checkpoint(4, 5)
+    assert _fallback(ctx, 5) == 2
+    _truncate(dirs, 5, 4, rank=0)
+    ctx2 = _init(client, dirs)
+    _assert_same(ctx2.recover(), saved[2])
+    assert ctx2.recovered_from == (2, 1)

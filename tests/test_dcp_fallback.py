@@ -97,6 +97,28 @@ def test_a_cut_newest_file_recovers_the_previous_checkpoint(tmp_path, level, cap
     assert diff.blocks_changed == diff.blocks_total and s1 is not None and s3 is not None
 
 
+def test_a_fallback_recovered_in_the_same_process_keeps_the_spare_after_the_next_checkpoint(tmp_path):
+    """The process that wrote checkpoints 1-3 recovers (checkpoint 3's file cut): checkpoint 2, from the spare. The
+    damaged checkpoint 3, retired by checkpoint 4, never replaces it: with checkpoint 4 cut too, a restart still
+    recovers checkpoint 2 (as after a restart, see the test above)."""
+    ctx = ftidask.init(**_kw(tmp_path))
+    a = np.arange(40_000, dtype=np.float64)
+    ctx.protect(1, a)
+    _s1, s2, _s3 = _states(ctx, a, 5, range(1, 4))
+    _truncate(_rank_file(ctx))
+    ctx.recover()
+    assert ctx.recovered_from == (2, 1) and a.tobytes() == s2.tobytes()
+    a[5] = 5.5
+    ctx.checkpoint(4, 5)
+    assert [r.ckpt_id for r in ctx.state.fallbacks()] == [2]
+    _truncate(_rank_file(ctx))
+    _closed(ctx)
+    ctx2, b = _restart(tmp_path, a)
+    ctx2.recover()
+    _closed(ctx2)
+    assert ctx2.recovered_from == (2, 1) and b.tobytes() == s2.tobytes()
+
+
 def test_nothing_older_than_a_cut_spare(tmp_path):
     """Both the newest file and the spare cut: the same clean NoCheckpointError, the array untouched."""
     ctx = ftidask.init(**_kw(tmp_path))

@@ -241,7 +241,7 @@ class DcpStore:
         return None
 
     def discard(self, level: int, seq: int) -> None:
-        """Checkpoint ``seq`` failed: its file is gone."""
+        """Checkpoint ``seq`` failed, or its file did not verify at a recovery: it never becomes the spare."""
         self._files.pop((level, seq), None)
 
     def forget(self) -> None:
