@@ -286,6 +286,22 @@ def test_restart_on_another_number_of_ranks_falls_back_too(tmp_path, ranks):
     assert got == [{"from": [2, 4], "exact": True}] * ranks, got
 
 
+@need_mpi()[0]
+@need_mpi()[1]
+def test_the_checkpoint_after_a_fallback_redistributed_leaves_the_spares_alone(tmp_path):
+    """Checkpoint 2 recovered from the spares of 4 ranks on 2 (checkpoint 3 cut): the next checkpoint is written
+    beside the spares, not by patching the old ranks' 0 and 1 (a kill during it would leave nothing to recover)."""
+    run(4, "dcp_fallback_job.py", "write", str(tmp_path), timeout=120)
+    (newest,) = tmp_path.glob("Global/*/l4/ckpt3.*/Ckpt3-Rank1.fti")
+    _truncate(newest, 100)
+    spares = {p: p.read_bytes() for p in tmp_path.glob("Global/*/l4/dcp/Spare-Rank*.fti")}
+    assert len(spares) == 4
+    run(2, "dcp_fallback_job.py", "continue", str(tmp_path), timeout=120)
+    got = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
+    assert got == [{"from": [2, 4], "exact": True}] * 2, got
+    assert all(p.exists() and p.read_bytes() == before for p, before in spares.items()), "a spare was patched"
+
+
 # --- found by review: stale fallbacks, kills while retiring, keep_last_ckpt ---------------------------------
 
 def _closed(ctx):
@@ -437,3 +453,4 @@ def test_cli_list_names_the_fallback(tmp_path, capsys):
     rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert "the previous differential checkpoint" in rows["2"] and "not committed" not in rows["2"], rows
     assert rows["3"].endswith("sound"), rows
+
