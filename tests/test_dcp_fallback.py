@@ -454,3 +454,27 @@ def test_cli_list_names_the_fallback(tmp_path, capsys):
     assert "the previous differential checkpoint" in rows["2"] and "not committed" not in rows["2"], rows
     assert rows["3"].endswith("sound"), rows
 
+
+def test_a_forged_fallback_with_the_last_sequence_number_never_hides_a_new_checkpoint(tmp_path):
+    """A fallback record forged with seq 2**63 - 1 (plausible): the next checkpoint's seq would be one no record may
+    hold, so it would be committed unreadable and retire checkpoint 3. It fails instead (CheckpointError), and
+    checkpoint 3 stays committed and recoverable."""
+    from ftidask.engine.runstate import seal_json
+
+    ctx, a = _restart(tmp_path, np.zeros(10_000), exec_id="r")
+    for i in (1, 2, 3):
+        a[:] = i
+        ctx.checkpoint(i, 5)
+    path = ctx.state.records_dir / "fallback-l1.json"
+    raw = json.loads(path.read_text())
+    raw["seq"] = 2**63 - 1
+    path.write_text(json.dumps(seal_json(raw)))
+    a[:] = 4
+    with pytest.raises(ftidask.CheckpointError):
+        ctx.checkpoint(4, 5)
+    assert [r.ckpt_id for r in ctx.state.records()] == [3]
+    _closed(ctx)
+    ctx2, b = _restart(tmp_path, np.zeros(10_000), exec_id="r")
+    ctx2.recover(ckpt_id=3)
+    _closed(ctx2)
+    assert ctx2.recovered_from == (3, 1) and (b == 3).all()

@@ -218,8 +218,14 @@ class RunState:
         return sorted(out, key=lambda r: r.seq)
 
     def next_seq(self) -> int:
-        """One more than any sequence number this run used (records and directories left behind)."""
-        return max([0] + [r.seq for r in self.records() + self.fallbacks()]) + 1
+        """One more than any sequence number this run used (records and directories left behind); a
+        :class:`CheckpointError` past the largest a record may hold (a forged record's: a checkpoint committed with
+        it would never be read back, and it would retire the previous one)."""
+        seq = max([0] + [r.seq for r in self.records() + self.fallbacks()]) + 1
+        if seq >= 2**63:
+            raise CheckpointError(f"the commit records in {self.records_dir} use every sequence number (damaged or "
+                                  "forged records): start another run")
+        return seq
 
     def write_record(self, record: CommitRecord) -> None:
         """Commit ``record`` (atomically); a :class:`CheckpointError` when it cannot be written (a full
