@@ -148,3 +148,45 @@ def test_a_single_process_runs_previous_checkpoint_is_stitched_from_its_spare(cl
     assert np.asarray(out[1]).tobytes() == saved[2].tobytes()
     assert ctx.recovered_from == (2, 1) and 1 in ctx.spares.pinned  # its spare is left alone by the next one
     ctx._close()
+
+
+def test_keep_last_ckpt_at_l4_dcp_after_a_fallback_keeps_the_previous_checkpoint(client, dirs):
+    """keep_last_ckpt after a restart that fell back from a cut L4_DCP checkpoint: finalize keeps the checkpoint
+    recovered (the newest, damaged, is not kept where it is), so the next run restarts from it."""
+    ctx = _init(client, dirs, keep_last_ckpt=1)
+    ctx.protect(1, da.random.default_rng(3).random((96, 64), chunks=(24, 64)), name="field")
+    saved = {}
+    for k in (1, 2, 3):
+        _step(ctx, k)
+        ctx.checkpoint(k, 8)
+        saved[k] = _state(ctx)
+    _truncate(dirs, 8, 3)
+    ctx2 = _init(client, dirs, keep_last_ckpt=1)
+    _assert_same(ctx2.recover(), saved[2])
+    ctx2.finalize()
+    ctx3 = _init(client, dirs, keep_last_ckpt=1)
+    assert ctx3.status() == 2
+    _assert_same(ctx3.recover(), saved[2])
+    assert ctx3.recovered_from == (2, 4)
+    ctx3.finalize()
+
+
+def test_a_fallback_recovered_by_the_client_that_wrote_the_damaged_checkpoint_keeps_the_spares(client, dirs):
+    """The client that wrote checkpoints 1-3 recovers (checkpoint 3 cut): checkpoint 2, from the spares. Checkpoint 3,
+    passed over, is retired by checkpoint 4 without replacing them: checkpoint 2 stays the fallback."""
+    ctx = _init(client, dirs)
+    ctx.protect(1, da.random.default_rng(4).random((96, 64), chunks=(24, 64)), name="field")
+    saved = {}
+    for k in (1, 2, 3):
+        _step(ctx, k)
+        ctx.checkpoint(k, 5)
+        saved[k] = _state(ctx)
+    _truncate(dirs, 5, 3)
+    _assert_same(ctx.recover(), saved[2])
+    _step(ctx, 4)
+    ctx.checkpoint(4, 5)
+    assert _fallback(ctx, 5) == 2
+    _truncate(dirs, 5, 4, rank=0)
+    ctx2 = _init(client, dirs)
+    _assert_same(ctx2.recover(), saved[2])
+    assert ctx2.recovered_from == (2, 1)

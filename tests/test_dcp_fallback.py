@@ -97,6 +97,28 @@ def test_a_cut_newest_file_recovers_the_previous_checkpoint(tmp_path, level, cap
     assert diff.blocks_changed == diff.blocks_total and s1 is not None and s3 is not None
 
 
+def test_a_fallback_recovered_in_the_same_process_keeps_the_spare_after_the_next_checkpoint(tmp_path):
+    """The process that wrote checkpoints 1-3 recovers (checkpoint 3's file cut): checkpoint 2, from the spare. The
+    damaged checkpoint 3, retired by checkpoint 4, never replaces it: with checkpoint 4 cut too, a restart still
+    recovers checkpoint 2 (as after a restart, see the test above)."""
+    ctx = ftidask.init(**_kw(tmp_path))
+    a = np.arange(40_000, dtype=np.float64)
+    ctx.protect(1, a)
+    _s1, s2, _s3 = _states(ctx, a, 5, range(1, 4))
+    _truncate(_rank_file(ctx))
+    ctx.recover()
+    assert ctx.recovered_from == (2, 1) and a.tobytes() == s2.tobytes()
+    a[5] = 5.5
+    ctx.checkpoint(4, 5)
+    assert [r.ckpt_id for r in ctx.state.fallbacks()] == [2]
+    _truncate(_rank_file(ctx))
+    _closed(ctx)
+    ctx2, b = _restart(tmp_path, a)
+    ctx2.recover()
+    _closed(ctx2)
+    assert ctx2.recovered_from == (2, 1) and b.tobytes() == s2.tobytes()
+
+
 def test_nothing_older_than_a_cut_spare(tmp_path):
     """Both the newest file and the spare cut: the same clean NoCheckpointError, the array untouched."""
     ctx = ftidask.init(**_kw(tmp_path))
@@ -154,6 +176,26 @@ def test_a_damaged_spare_is_never_recovered(tmp_path):
     with pytest.raises(ftidask.NoCheckpointError, match="checkpoint 2"):
         ctx2.recover()
     assert not b.any()
+
+
+@pytest.mark.parametrize("full", [1, 4])
+def test_no_fallback_past_a_full_checkpoint_of_the_level(tmp_path, full):
+    """L1_DCP checkpoints 1-2, then full checkpoints 3-4 at level ``full``; checkpoint 4's file cut. Checkpoint 3
+    (committed, not kept) came between: the spare (checkpoint 2) is no longer the checkpoint before the newest,
+    and recovery never goes back past 3 to it (docs/dcp.md: "a full checkpoint of the level between them")."""
+    ctx = ftidask.init(**_kw(tmp_path))
+    a = np.arange(20_000, dtype=np.int64)
+    ctx.protect(1, a)
+    for i, level in ((1, 5), (2, 5), (3, full), (4, full)):
+        a[:] = i
+        ctx.checkpoint(i, level)
+    _truncate(_rank_file(ctx))
+    _closed(ctx)
+    ctx2, b = _restart(tmp_path, a)
+    with pytest.raises(ftidask.NoCheckpointError):
+        ctx2.recover()
+    _closed(ctx2)
+    assert ctx2.recovered_from is None and not b.any(), f"recovered {ctx2.recovered_from}, past checkpoint 3"
 
 
 def test_no_fallback_without_dcp_on_the_restart(tmp_path):
@@ -242,6 +284,22 @@ def test_restart_on_another_number_of_ranks_falls_back_too(tmp_path, ranks):
     run(ranks, "dcp_fallback_job.py", "recover", str(tmp_path), timeout=120)
     got = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(ranks)]
     assert got == [{"from": [2, 4], "exact": True}] * ranks, got
+
+
+@need_mpi()[0]
+@need_mpi()[1]
+def test_the_checkpoint_after_a_fallback_redistributed_leaves_the_spares_alone(tmp_path):
+    """Checkpoint 2 recovered from the spares of 4 ranks on 2 (checkpoint 3 cut): the next checkpoint is written
+    beside the spares, not by patching the old ranks' 0 and 1 (a kill during it would leave nothing to recover)."""
+    run(4, "dcp_fallback_job.py", "write", str(tmp_path), timeout=120)
+    (newest,) = tmp_path.glob("Global/*/l4/ckpt3.*/Ckpt3-Rank1.fti")
+    _truncate(newest, 100)
+    spares = {p: p.read_bytes() for p in tmp_path.glob("Global/*/l4/dcp/Spare-Rank*.fti")}
+    assert len(spares) == 4
+    run(2, "dcp_fallback_job.py", "continue", str(tmp_path), timeout=120)
+    got = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
+    assert got == [{"from": [2, 4], "exact": True}] * 2, got
+    assert all(p.exists() and p.read_bytes() == before for p, before in spares.items()), "a spare was patched"
 
 
 # --- found by review: stale fallbacks, kills while retiring, keep_last_ckpt ---------------------------------
@@ -354,21 +412,23 @@ def test_killed_while_retiring_then_newest_damaged_still_recovers_the_previous_c
     assert b[0] == 1.0
 
 
-def test_keep_last_ckpt_after_a_fallback_recovery(tmp_path):
+@pytest.mark.parametrize("level", [5, 8])
+def test_keep_last_ckpt_after_a_fallback_recovery(tmp_path, level):
     """After a restart that recovered the previous checkpoint (the newest file cut), finalize with
-    keep_last_ckpt = 1 keeps that one (the damaged newest cannot be flushed): the next run restarts from it."""
+    keep_last_ckpt = 1 keeps that one (the damaged newest cannot be flushed, nor kept where it is at L4):
+    the next run restarts from it."""
     extra = {"keep_last_ckpt": 1}
     k = _kw(tmp_path, **extra)
     ctx, a = _restart(tmp_path, np.zeros(10_000), **extra)
     for i in (1, 2, 3):
         a[:] = i
-        ctx.checkpoint(i, 5)
+        ctx.checkpoint(i, level)
     f = ctx._rank_file(ctx.state.records()[-1])
     os.truncate(f, f.stat().st_size - 100)
     _closed(ctx)
     ctx2, b = _restart(tmp_path, np.zeros(10_000), **extra)
     ctx2.recover()
-    assert ctx2.recovered_from == (2, 1)
+    assert ctx2.recovered_from == (2, level - 4)
     ctx2.finalize()  # keep_last_ckpt keeps the newest checkpoint that can be kept: 2, from the spare
     ctx3 = ftidask.init(**k)
     assert ctx3.status() == 2
@@ -393,3 +453,28 @@ def test_cli_list_names_the_fallback(tmp_path, capsys):
     rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert "the previous differential checkpoint" in rows["2"] and "not committed" not in rows["2"], rows
     assert rows["3"].endswith("sound"), rows
+
+
+def test_a_forged_fallback_with_the_last_sequence_number_never_hides_a_new_checkpoint(tmp_path):
+    """A fallback record forged with seq 2**63 - 1 (plausible): the next checkpoint's seq would be one no record may
+    hold, so it would be committed unreadable and retire checkpoint 3. It fails instead (CheckpointError), and
+    checkpoint 3 stays committed and recoverable."""
+    from ftidask.engine.runstate import seal_json
+
+    ctx, a = _restart(tmp_path, np.zeros(10_000), exec_id="r")
+    for i in (1, 2, 3):
+        a[:] = i
+        ctx.checkpoint(i, 5)
+    path = ctx.state.records_dir / "fallback-l1.json"
+    raw = json.loads(path.read_text())
+    raw["seq"] = 2**63 - 1
+    path.write_text(json.dumps(seal_json(raw)))
+    a[:] = 4
+    with pytest.raises(ftidask.CheckpointError):
+        ctx.checkpoint(4, 5)
+    assert [r.ckpt_id for r in ctx.state.records()] == [3]
+    _closed(ctx)
+    ctx2, b = _restart(tmp_path, np.zeros(10_000), exec_id="r")
+    ctx2.recover(ckpt_id=3)
+    _closed(ctx2)
+    assert ctx2.recovered_from == (3, 1) and (b == 3).all()

@@ -24,7 +24,7 @@ from .checkpointing import CheckpointInfo
 from .pending import OneShotWriter, PendingCheckpoint, RankFileWriter, RankWriter
 from .recovering import Progress
 from .recovery import check_file
-from .retention import Retention
+from .retention import Retention, in_l4
 from .run import Run, RunPart
 from .runstate import CommitRecord, FileRecord
 from .variables import Protected, encode_states, var_extras
@@ -221,9 +221,19 @@ class Committer(RunPart):
         return sizes[self.transport.partner_of()]
 
     def flush_to_l4(self, record: CommitRecord, own: Path) -> None:
-        """keep_last_ckpt: copy ``record`` (this rank's file ``own``) to L4 and commit the copy (collective)."""
+        """keep_last_ckpt: copy ``record`` (this rank's file ``own``) to L4 and commit the copy (collective); a
+        committed L4 checkpoint is only verified where it is. A :class:`CheckpointError` if it does not verify."""
         t = self.transport
         failed = "keep_last_ckpt: flushing the last checkpoint to L4 failed"
+        if in_l4(record):
+            def verify() -> None:
+                verdict = check_file(own, record, t.rank)
+                if verdict.kind != "ok":
+                    raise CheckpointError(verdict.message)
+
+            agree(t, attempt(t.rank, verify)[1], CheckpointError, f"keep_last_ckpt: checkpoint {record.ckpt_id} "
+                  "(level 4) cannot be kept")
+            return
         seq = on_root(t, self.state.next_seq, CheckpointError, failed)
         as_zarr = self.config.l4_format == "zarr"
 

@@ -232,6 +232,12 @@ class DcpStore:
         if state is not None:
             self._spares[level] = state
 
+    def pin(self, level: int) -> None:
+        """The spares of ``level`` hold a fallback recovered on another layout (each rank's spare is not the file
+        it read): they stay untouched until a newer checkpoint of the level is committed (see
+        :meth:`recovered_fallback`)."""
+        self._pinned.add(level)
+
     def _state_of(self, path: Path, parsed: Any) -> BlockState | None:
         """The block state of a verified file, when it can serve as a base here (its block size and hash)."""
         with contextlib.suppress(OSError, ValueError):
@@ -241,7 +247,7 @@ class DcpStore:
         return None
 
     def discard(self, level: int, seq: int) -> None:
-        """Checkpoint ``seq`` failed: its file is gone."""
+        """Checkpoint ``seq`` failed, or its file did not verify at a recovery: it never becomes the spare."""
         self._files.pop((level, seq), None)
 
     def forget(self) -> None:

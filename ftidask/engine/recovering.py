@@ -159,6 +159,8 @@ class Recovery(RunPart):
             if all(k == "ok" for k, _m in verdicts):
                 return verdict, ""
             release_all(verdict.staged)
+            if self.spares.store is not None and not record.fallback:  # never a spare (nor a fallback) once retired
+                self.spares.store.discard(record.level, record.seq)
             bad = [(r, m) for r, (k, m) in enumerate(verdicts) if k != "ok"]
             return None, f"{len(bad)} rank(s) cannot verify or rebuild their file, first rank {bad[0][0]}: {bad[0][1]}"
 

@@ -129,6 +129,8 @@ def recover_other_layout(ctx: Recovery, ckpt_id: int | None, level: int | None,
                             "variable (no ids) to redistribute it")
     other = [r for r in records if layout_change(r, t.size, nodes)]
     record, arrays = recover_resharded(ctx, other, change)
+    if record.fallback:  # the old ranks' spares are all that a crash would recover: the next checkpoint leaves them
+        ctx.spares.get().pin(record.level)
     ctx.progress.restored(record.ckpt_id, record.level, None)  # None: the next checkpoint plans its containers afresh
     return dict(arrays)
 

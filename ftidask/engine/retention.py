@@ -28,6 +28,11 @@ def rank_path(paths: RunPaths, record: CommitRecord, node: int, rank: int) -> Pa
     return path.with_suffix(".zarr") if record.extra.get("l4_format") == "zarr" else path
 
 
+def in_l4(record: CommitRecord) -> bool:
+    """Whether ``record`` is a committed level-4 checkpoint (keep_last_ckpt keeps it where it is)."""
+    return record.level == 4 and not record.fallback
+
+
 def to_retire(records: Iterable[CommitRecord | None], new: CommitRecord, keep_l4: bool) -> list[CommitRecord]:
     """The checkpoints that committing ``new`` makes obsolete, oldest first (FTI's rule).
 
@@ -93,6 +98,8 @@ class Retention(RunPart):
             agree(t, error, FTIError, failed)
             if record.extra.get("dcp") and fallback:  # until the spares are patched, recovery may fall back to them
                 on_root(t, lambda: self.state.write_fallback(record) if kept else None, FTIError, failed)
+            elif fallback:
+                on_root(t, lambda: self.state.retired_in_full(record), FTIError, failed)
         on_root(t, lambda: self.state.delete_record(record.seq), FTIError, failed)
         doomed = [self.paths.level_dir(level, t.node) / record.dirname for level in {record.level, 1, 2, 3}]
         if t.rank == 0:
@@ -128,19 +135,24 @@ class Retention(RunPart):
         return self.trash_pool
 
     def end_run(self, records: list[CommitRecord], flush_to_l4: Callable[[CommitRecord], None]) -> None:
-        """FTI_Finalize's clean-up (collective): keep the newest of ``records`` (newest first; flushed to L4 by
-        ``flush_to_l4`` if it is not there) with ``keep_last_ckpt``, else remove them all (``keep_l4_ckpt``:
-        level-4 ones go to the archive); mark the run finalized; clear the differential checkpoints' spares."""
+        """FTI_Finalize's clean-up (collective): keep the newest of ``records`` (newest first) that ``flush_to_l4``
+        flushes to L4 (a committed L4 one it verifies where it is) with ``keep_last_ckpt``, else remove them all
+        (``keep_l4_ckpt``: level-4 ones go to the archive); mark the run finalized; clear the differential
+        checkpoints' spares."""
         t, failed = self.transport, "finalize failed"
         keep = bool(self.config.keep_last_ckpt and records)
         committed = [r for r in records if not r.fallback]  # the spares are cleared below
         doomed = committed
-        if keep and records[0].level == 4 and not records[0].fallback:
-            doomed = committed[1:]
+        if keep and in_l4(records[0]) and not any(r.fallback for r in records):
+            doomed = committed[1:]  # nothing older to fall back to: kept as it is
         elif keep:
-            self._flush_newest(records, flush_to_l4)
-            # Its L4 copy is the one kept: as in FTI, nothing stays on the nodes (their directories are
-            # scratch), and a restart that finds the global copy gone fails instead of reading a local leftover.
+            # The newest may be a damaged one that a restart passed over for the previous differential
+            # checkpoint, at L4 too: the one kept is the newest that verifies (a committed L4 one stays where
+            # it is). Any other's L4 copy is the one kept: as in FTI, nothing stays on the nodes (their
+            # directories are scratch), and a restart that finds the global copy gone fails instead of
+            # reading a local leftover.
+            kept = self._flush_newest(records, flush_to_l4)
+            doomed = [r for r in committed if r is not kept or not in_l4(r)]
         on_root(t, self.state.delete_fallbacks, FTIError, failed)  # first: none outlives the run (a kill from
         # here on must not leave one beside no commit record: a fresh run of this exec_id would recover it)
         # Oldest first (``records`` is newest first): killed part-way, the run keeps its newest checkpoint,
@@ -155,15 +167,15 @@ class Retention(RunPart):
         everywhere(t, dcp.clear if dcp is not None else lambda: None, FTIError, failed)
 
     @staticmethod
-    def _flush_newest(records: list[CommitRecord], flush_to_l4: Callable[[CommitRecord], None]) -> None:
-        """keep_last_ckpt: flush the newest of ``records`` that can be (collective: each failure is agreed). The
-        newest may be a damaged one that a restart passed over for the previous differential checkpoint. None
-        can be: the newest's error."""
+    def _flush_newest(records: list[CommitRecord], flush_to_l4: Callable[[CommitRecord], None]) -> CommitRecord:
+        """keep_last_ckpt: flush the newest of ``records`` that can be (collective: each failure is agreed; a
+        committed L4 one is only verified), which is returned. The newest may be a damaged one that a restart
+        passed over for the previous differential checkpoint. None can be: the newest's error."""
         first: CheckpointError | None = None
         for record in records:
             try:
                 flush_to_l4(record)
-                return
+                return record
             except CheckpointError as exc:
                 first = first or exc
         assert first is not None  # records is not empty

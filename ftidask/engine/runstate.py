@@ -218,8 +218,14 @@ class RunState:
         return sorted(out, key=lambda r: r.seq)
 
     def next_seq(self) -> int:
-        """One more than any sequence number this run used (records and directories left behind)."""
-        return max([0] + [r.seq for r in self.records() + self.fallbacks()]) + 1
+        """One more than any sequence number this run used (records and directories left behind); a
+        :class:`CheckpointError` past the largest a record may hold (a forged record's: a checkpoint committed with
+        it would never be read back, and it would retire the previous one)."""
+        seq = max([0] + [r.seq for r in self.records() + self.fallbacks()]) + 1
+        if seq >= 2**63:
+            raise CheckpointError(f"the commit records in {self.records_dir} use every sequence number (damaged or "
+                                  "forged records): start another run")
+        return seq
 
     def write_record(self, record: CommitRecord) -> None:
         """Commit ``record`` (atomically); a :class:`CheckpointError` when it cannot be written (a full
@@ -257,6 +263,14 @@ class RunState:
         """The spares are gone (the run is over): nothing to fall back to."""
         for level in (1, 2, 3, 4):
             self._fallback_path(level).unlink(missing_ok=True)
+
+    def retired_in_full(self, record: CommitRecord) -> None:
+        """Checkpoint ``record``, written in full (not differentially), is being retired: its file is not kept,
+        so a fallback of its level or below that is older than it is no longer the checkpoint before the newest
+        (recovering it would go back past ``record``): it is dropped."""
+        for rec in self.fallbacks():
+            if rec.level <= record.level and rec.seq < record.seq:
+                self._fallback_path(rec.level).unlink(missing_ok=True)
 
     def _fallback_path(self, level: int) -> Path:
         return self.records_dir / f"fallback-l{level}.json"

@@ -1,5 +1,6 @@
-"""mpiexec -n P python dcp_fallback_job.py write|recover BASE: a global array of 4096 float64 in blocks, one block
-per rank, checkpointed at L4_DCP three times (write, on 4 ranks); recover writes result-{rank}.json."""
+"""mpiexec -n P python dcp_fallback_job.py write|recover|continue BASE: a global array of 4096 float64 in blocks, one
+block per rank, checkpointed at L4_DCP three times (write, on 4 ranks); recover writes result-{rank}.json; continue
+recovers, then writes checkpoint 4 at L4_DCP."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def main() -> None:
         try:
             ctx.recover()
             out = {"from": list(ctx.recovered_from), "exact": bool(np.array_equal(a, want(ctx.recovered_from[0])[mine]))}
+            if mode == "continue":
+                a[:] = want(4)[mine]
+                ctx.checkpoint(4, 8)
         except ftidask.FTIError as exc:
             out = {"error": type(exc).__name__, "message": str(exc)[:500]}
         with open(f"{base}/result-{comm.rank}.json", "w") as fh:

@@ -21,6 +21,7 @@ from distributed import Client, Future, futures_of
 
 from ...api.context import Context, Protected
 from ...engine.inflight import CheckpointHandle
+from ...engine.retention import in_l4
 from ...engine.runstate import CommitRecord, FileRecord
 from ...engine.variables import compressor_config, encode_states
 from ...model.arrays import check_ckpt_id, check_id
@@ -304,7 +305,16 @@ class DaskContext(Context):
         super()._close()
 
     def _flush_to_l4(self, record: CommitRecord) -> None:
-        """keep_last_ckpt: copy the last checkpoint's files (rebuilt if needed) to the global directory."""
+        """keep_last_ckpt: copy the last checkpoint's files (rebuilt if needed) to the global directory; a committed
+        L4 checkpoint's files are only verified where they are."""
+        if in_l4(record):
+            try:
+                with self.cluster.batch():
+                    restore.restore_files(self, record)
+            except FTIError as exc:  # damaged or lost files: finalize tries the next older checkpoint
+                raise CheckpointError(f"keep_last_ckpt: checkpoint {record.ckpt_id} (level 4) cannot be kept: "
+                                      f"{exc}") from exc
+            return
         seq = self.state.next_seq()
         try:
             with self.cluster.batch():

@@ -339,9 +339,12 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
             except RecoveryError as exc:
                 if "no workers" in str(exc):  # no checkpoint can be read on an empty cluster
                     raise
-                return None, str(exc)
+                why = str(exc)
             except FTIError as exc:  # lost or damaged files, a worker lost or a task failed while checking
-                return None, str(exc)
+                why = str(exc)
+            if ctx.config.enable_dcp:
+                ctx.spares.sound.discard(record.seq)  # passed over: its files never replace the spares
+            return None, why
         return verify
 
     # The engine's search, as for every backend: the newest checkpoint whose files verify or are rebuilt.

@@ -94,5 +94,7 @@ class DaskRetention(Retention):
         kept = spares is not None and spares.keep(record)  # its files become the spares to patch next
         if kept and fallback:
             self.state.write_fallback(record)
+        elif fallback and not record.extra.get("dcp") and self.config.enable_dcp:
+            self.state.retired_in_full(record)
         self.state.delete_record(record.seq)
         self.remove_dirs(record.ckpt_id, record.seq, record.level, record.nranks)
