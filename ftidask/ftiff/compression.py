@@ -120,32 +120,59 @@ def _all_done(futures: list[Future[T]]) -> list[T]:
     return [f.result() for f in futures]
 
 
-def decode_span(codec: Any, stored: bytes | memoryview, span: int, *, what: str = "container") -> bytes:
-    """The raw bytes of a verified compressed container; a :class:`FormatError` on a size mismatch."""
-    try:
-        out = codec.decode(bytes(stored))
+def declared_size(codec_id: str, stored: bytes | memoryview) -> int | None:
+    """The raw size that an encoded span's own header declares (Zstd's frame content size, the size LZ4's
+    numcodecs codec puts first, Blosc's ``nbytes``), or None when it declares none or is too short.
+
+    Read before decoding: the codec allocates what its header declares, and a hostile file's hash-checked
+    bytes can declare anything (a Zstd frame of 32 KiB unpacks to 1 GiB)."""
+    head = bytes(stored[:18])
+    if codec_id == "lz4":
+        return int.from_bytes(head[:4], "little") if len(head) >= 4 else None
+    if codec_id == "blosc":
+        return int.from_bytes(head[4:8], "little") if len(head) >= 16 else None
+    if len(head) < 6 or head[:4] != b"\x28\xb5\x2f\xfd":  # Zstd's magic number (little-endian 0xFD2FB528)
+        return None
+    fhd = head[4]  # frame header descriptor: size flag (2 bits), single segment, ..., dictionary id flag (2 bits)
+    single = (fhd >> 5) & 1
+    at = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]  # after the window descriptor and dictionary id
+    width = (1 if single else 0, 2, 4, 8)[fhd >> 6]
+    if width == 0 or len(head) < at + width:
+        return None  # no content size: numcodecs never writes such a frame
+    return int.from_bytes(head[at:at + width], "little") + (256 if width == 2 else 0)
+
+
+def decode_span(codec: Any, stored: bytes | memoryview, span: int, *, what: str = "container",
+                into: memoryview | None = None) -> memoryview | bytes:
+    """The raw bytes of a verified compressed container (decoded into ``into``, ``span`` bytes long, if
+    given); a :class:`FormatError` on a size mismatch, found from the codec's header before anything is
+    decoded or allocated."""
+    declared = declared_size(codec.codec_id, stored)
+    if declared != span:
+        said = "no size" if declared is None else f"{declared} raw bytes"
+        raise FormatError(f"{what}: its {codec.codec_id} header declares {said}, expected {span}")
+    if span == 0:
+        return b""
+    out = np.empty(span, np.uint8) if into is None else np.frombuffer(into, np.uint8)
+    try:  # the codec writes there, never more (it refuses a buffer smaller than its header declares)
+        codec.decode(bytes(stored), out=out)
     except Exception as exc:  # numcodecs raises RuntimeError/ValueError; the bytes were hash-checked
         raise FormatError(f"{what}: cannot be decoded: {exc}") from None
-    raw = np.asarray(out).reshape(-1).view(np.uint8).tobytes() if not isinstance(out, bytes) else out
-    if len(raw) != span:
-        raise FormatError(f"{what}: decodes to {len(raw)} bytes, expected {span}")
-    return raw
+    return out.data.cast("B")
 
 
 def decode_container(info: Any, meta: Any, stored: bytes | memoryview, what: str,
-                     out: memoryview | None = None) -> bytes | None:
+                     out: memoryview | None = None, keep: bool = True) -> bytes | memoryview | None:
     """The raw span of compressed container ``meta`` (of the variable ``info``, a VarInfo) from its hash-checked
     ``stored`` bytes: one frame, or its frames decoded on several threads; a :class:`FormatError` otherwise.
-    With ``out`` (as long as the span), the bytes are put there instead (each frame where it belongs)."""
+    With ``out`` (as long as the span), the bytes are put there instead (each frame where it belongs); with
+    ``keep`` False they are only checked (a frame at a time is held), None returned."""
     span = raw_span(info.nbytes, meta.dptr, meta.containersize)
     codec = var_codec(info.extra)
     sizes = _frame_sizes(info.extra, meta.containerid, what)
     if sizes is None:
-        raw = decode_span(codec, stored, span, what=what)
-        if out is None:
-            return raw
-        out[:span] = raw
-        return None
+        raw = decode_span(codec, stored, span, what=what, into=None if out is None else out[:span])
+        return raw if out is None else None
     frame = info.extra.get("codec_frame_bytes")
     if isinstance(frame, bool) or not isinstance(frame, int) or frame < MIN_FRAME_BYTES:
         raise FormatError(f"{what}: invalid codec_frame_bytes record {frame!r} (at least {MIN_FRAME_BYTES})")
@@ -158,15 +185,13 @@ def decode_container(info: Any, meta: Any, stored: bytes | memoryview, what: str
     def one(i: int) -> bytes | str | None:
         # An error comes back as its message, never as an exception: one kept in a future (with the frames of
         # its traceback, and their views of the caller's memory map) would outlive the call.
-        try:
-            raw = decode_span(codec, view[starts[i]:starts[i] + sizes[i]], min(frame, span - i * frame),
-                              what=f"{what}, frame {i}")
+        n = min(frame, span - i * frame)
+        try:  # straight into its place in ``out``
+            raw = decode_span(codec, view[starts[i]:starts[i] + sizes[i]], n, what=f"{what}, frame {i}",
+                              into=None if out is None else out[i * frame:i * frame + n])
         except FormatError as exc:
             return str(exc)
-        if out is None:
-            return raw
-        out[i * frame:i * frame + len(raw)] = raw
-        return None
+        return None if out is not None or not keep else raw
 
     parts: list[bytes | str | None] = []
     for lo in range(0, len(sizes), _FRAME_WINDOW):  # a window at a time: the frames after a failure never run
@@ -174,7 +199,7 @@ def decode_container(info: Any, meta: Any, stored: bytes | memoryview, what: str
         problem = next((p for p in parts[lo:] if isinstance(p, str)), None)
         if problem is not None:
             raise FormatError(problem)
-    return None if out is not None else b"".join(parts)  # type: ignore[arg-type]
+    return None if out is not None or not keep else b"".join(parts)  # type: ignore[arg-type]
 
 
 def _frame_sizes(extra: Mapping[str, Any], containerid: int, what: str) -> list[int] | None:
@@ -250,7 +275,7 @@ def decode_problem(info: Any, meta: Any, stored: memoryview | bytes, what: str) 
     try:
         if not encoded(info, meta):
             return ""
-        decode_container(info, meta, stored, what)
+        decode_container(info, meta, stored, what, keep=False)
     except FormatError as exc:
         return str(exc)
     except Exception as exc:  # noqa: BLE001 - a codec's MemoryError, say: damage too, said here (an exception
