@@ -298,7 +298,7 @@ def test_decoding_stops_at_the_first_frames_that_fail(tmp_path, monkeypatch):
     never submitted (all of them queued at once cost a future each, however many the record lists)."""
     path, count = _frames_forged(tmp_path, 64 << 10)  # the smallest frame a file may declare
     calls = _counting_decodes(monkeypatch)
-    with open(path, "rb") as fh, pytest.raises(FormatError, match="frame 0: (cannot be decoded|its zstd header)"):
+    with open(path, "rb") as fh, pytest.raises(FormatError, match="frame 0: cannot be decoded"):
         verify_data(fh, parse_ftiff(fh, str(path)))
     assert count == 128 and 0 < len(calls) < count
 

@@ -150,7 +150,7 @@ def decode_span(codec: Any, stored: bytes | memoryview, span: int, *, what: str 
     declared = declared_size(codec.codec_id, stored)
     if declared != span:
         said = "no size" if declared is None else f"{declared} raw bytes"
-        raise FormatError(f"{what}: its {codec.codec_id} header declares {said}, expected {span}")
+        raise FormatError(f"{what}: cannot be decoded: its {codec.codec_id} header declares {said}, expected {span}")
     if span == 0:
         return b""
     out = np.empty(span, np.uint8) if into is None else np.frombuffer(into, np.uint8)
