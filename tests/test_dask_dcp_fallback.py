@@ -150,16 +150,22 @@ def test_a_single_process_runs_previous_checkpoint_is_stitched_from_its_spare(cl
     ctx._close()
 
 
-def test_keep_last_ckpt_at_l4_dcp_after_a_fallback_keeps_the_previous_checkpoint(client, dirs):
-    """keep_last_ckpt after a restart that fell back from a cut L4_DCP checkpoint: finalize keeps the checkpoint
-    recovered (the newest, damaged, is not kept where it is), so the next run restarts from it."""
-    ctx = _init(client, dirs, keep_last_ckpt=1)
-    ctx.protect(1, da.random.default_rng(3).random((96, 64), chunks=(24, 64)), name="field")
+def _three_checkpoints(client, dirs, level, seed, **extra):
+    """A context (``extra``: config keys) that wrote checkpoints 1-3 at ``level``; the states each holds."""
+    ctx = _init(client, dirs, **extra)
+    ctx.protect(1, da.random.default_rng(seed).random((96, 64), chunks=(24, 64)), name="field")
     saved = {}
     for k in (1, 2, 3):
         _step(ctx, k)
-        ctx.checkpoint(k, 8)
+        ctx.checkpoint(k, level)
         saved[k] = _state(ctx)
+    return ctx, saved
+
+
+def test_keep_last_ckpt_at_l4_dcp_after_a_fallback_keeps_the_previous_checkpoint(client, dirs):
+    """keep_last_ckpt after a restart that fell back from a cut L4_DCP checkpoint: finalize keeps the checkpoint
+    recovered (the newest, damaged, is not kept where it is), so the next run restarts from it."""
+    ctx, saved = _three_checkpoints(client, dirs, 8, 3, keep_last_ckpt=1)
     _truncate(dirs, 8, 3)
     ctx2 = _init(client, dirs, keep_last_ckpt=1)
     _assert_same(ctx2.recover(), saved[2])
@@ -174,13 +180,7 @@ def test_keep_last_ckpt_at_l4_dcp_after_a_fallback_keeps_the_previous_checkpoint
 def test_a_fallback_recovered_by_the_client_that_wrote_the_damaged_checkpoint_keeps_the_spares(client, dirs):
     """The client that wrote checkpoints 1-3 recovers (checkpoint 3 cut): checkpoint 2, from the spares. Checkpoint 3,
     passed over, is retired by checkpoint 4 without replacing them: checkpoint 2 stays the fallback."""
-    ctx = _init(client, dirs)
-    ctx.protect(1, da.random.default_rng(4).random((96, 64), chunks=(24, 64)), name="field")
-    saved = {}
-    for k in (1, 2, 3):
-        _step(ctx, k)
-        ctx.checkpoint(k, 5)
-        saved[k] = _state(ctx)
+    ctx, saved = _three_checkpoints(client, dirs, 5, 4)
     _truncate(dirs, 5, 3)
     _assert_same(ctx.recover(), saved[2])
     _step(ctx, 4)

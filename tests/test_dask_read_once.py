@@ -16,8 +16,9 @@ import pytest
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
+from test_dask_compression import _files, _flip_in_container  # noqa: E402
+
 import ftidask  # noqa: E402
-from ftidask.ftiff.reader import parse_ftiff  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(180)]
 NWORKERS = 4  # one L2 ring / L3 group of four workers (the cluster of the other Dask tests)
@@ -64,23 +65,6 @@ def _field(seed=0):
     return da.random.default_rng(seed).random((1024, 1024), chunks=(128, 512))  # 8 MiB in 16 chunks
 
 
-def _files(dirs, level):
-    root = Path(dirs["glbl_dir"] if level == 4 else dirs["ckpt_dir"])
-    return sorted(root.glob(f"**/l{level}/ckpt*/Ckpt*-Rank*.fti"))
-
-
-def _flip_data(path):
-    """Flip a byte in the middle of the data of the file's first container with content (metadata intact)."""
-    with open(path, "rb") as fh:
-        parsed = parse_ftiff(fh, str(path))
-    meta = next(m for _b, _c, m in parsed.containers() if m.hascontent and m.chunksize)
-    with open(path, "r+b") as fh:
-        fh.seek(meta.fptr + meta.chunksize // 2)
-        byte = fh.read(1)
-        fh.seek(meta.fptr + meta.chunksize // 2)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-
-
 def _restart(client, dirs):
     ctx = ftidask.init(client=client, **dirs)
     ctx.protect(1, da.zeros((1024, 1024), chunks=(128, 512)))
@@ -118,7 +102,7 @@ def test_damaged_data_found_by_a_read_goes_back_to_the_older_checkpoint(client, 
     ctx.protect(1, ctx.protected[1] + 1)
     ctx.checkpoint(2, 1)
     ctx._close()
-    _flip_data(_files(dirs, 1)[2])
+    _flip_in_container(_files(dirs, 1)[2], 1)
     restart = _restart(client, dirs)
     held = restart.protected[1]
     with caplog.at_level(logging.WARNING, logger="ftidask"):
@@ -135,7 +119,7 @@ def test_damaged_data_and_no_older_checkpoint_touches_nothing(client, dirs):
     ctx.protect(1, _field(2))
     ctx.checkpoint(1, 1)
     ctx._close()
-    _flip_data(_files(dirs, 1)[0])
+    _flip_in_container(_files(dirs, 1)[0], 1)
     restart = _restart(client, dirs)
     numpy_var = np.full(10, 7.0)
     held = restart.protected[1]
@@ -152,7 +136,7 @@ def test_damaged_data_found_by_a_read_is_rebuilt_from_the_level(client, dirs, le
     ctx.checkpoint(1, level)
     saved = ctx.protected[1].compute()
     ctx._close()
-    _flip_data(_files(dirs, level)[1])
+    _flip_in_container(_files(dirs, level)[1], 1)
     restart = _restart(client, dirs)
     out = restart.recover()
     assert restart.recovered_from == (1, level)
@@ -171,7 +155,7 @@ def test_damaged_data_beside_missing_parity_is_checked_before_the_parity_is_rebu
     ctx.checkpoint(1, 3)
     saved = ctx.protected[1].compute()
     ctx._close()
-    _flip_data(_files(dirs, 3)[1])
+    _flip_in_container(_files(dirs, 3)[1], 1)
     parity = list(Path(dirs["ckpt_dir"]).glob("**/l3/ckpt*/Ckpt1-RSed2.fti"))
     assert len(parity) == 1
     parity[0].unlink()

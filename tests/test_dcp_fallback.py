@@ -378,6 +378,29 @@ def test_a_fallback_without_commit_records_is_a_restart_and_never_outranks_a_new
     assert status == 1 or (ctx2.recovered_from == (1, 4) and c[0] == 7.0), (status, ctx2.recovered_from, c[0])
 
 
+
+def test_a_restart_without_dcp_counts_no_fallback_and_drops_it(tmp_path):
+    """The same fallback (the newest commit record damaged) and a restart without enable_dcp, whose start removes
+    the spares: status() said 1 where recover() raised NoCheckpointError; it says 0, and the fallback record goes
+    with its spares (a later restart with dCP on finds neither)."""
+    k = _kw(tmp_path, exec_id="r")
+    ctx, a = _restart(tmp_path, np.zeros(10_000), exec_id="r")
+    for i in (1, 2, 3):
+        a[:] = i
+        ctx.checkpoint(i, 5)
+    _closed(ctx)
+    rec = tmp_path / "m/r/commits/s00000003.json"
+    rec.write_text(rec.read_text()[:-5])  # torn: no commit record left that verifies
+    assert list((tmp_path / "m/r/commits").glob("fallback-l*.json"))
+    ctx = ftidask.init(**{**k, "enable_dcp": 0})
+    assert ctx.status() == 0
+    ctx.protect(1, np.zeros(10_000))
+    with pytest.raises(ftidask.NoCheckpointError):
+        ctx.recover()
+    _closed(ctx)
+    assert not list((tmp_path / "m/r/commits").glob("fallback-l*.json"))
+
+
 CHILD_RETIRE = r"""
 import sys
 sys.path.insert(0, {tests!r})

@@ -56,7 +56,7 @@ class Context:
         storage.set_permissions(config.permissions)
         dirchecks.check(transport, [Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir)])
         self.exec_id, self._status, self._run_lock = claim_everywhere(transport, Path(config.meta_dir),
-                                                                      config.exec_id)
+                                                                      config.exec_id, bool(config.enable_dcp))
         self.paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir),
                                       self.exec_id)
         self.state = RunState(Path(config.meta_dir), self.exec_id)

@@ -16,15 +16,16 @@ from .runstate import claim_run
 log = logging.getLogger("ftidask")
 
 
-def claim_everywhere(t: Transport, meta_dir: Path, configured: str | None) -> tuple[str, int, RunLock | None]:
-    """``(exec_id, status, lock)``: rank 0 chooses and locks the run (:func:`ftidask.engine.runstate.claim_run`)
-    and holds the lock; every rank gets its choice, or the same error."""
+def claim_everywhere(t: Transport, meta_dir: Path, configured: str | None,
+                     dcp: bool = True) -> tuple[str, int, RunLock | None]:
+    """``(exec_id, status, lock)``: rank 0 chooses and locks the run (:func:`ftidask.engine.runstate.claim_run`,
+    ``dcp``: differential checkpoints on) and holds the lock; every rank gets its choice, or the same error."""
     outcome: dict[str, Any] | None = None
     error: FTIError | None = None
     lock: RunLock | None = None
     if t.rank == 0:
         try:
-            claim = claim_run(meta_dir, configured)
+            claim = claim_run(meta_dir, configured, dcp)
         except FTIError as exc:
             error = exc
             outcome = {"error": type(exc).__name__, "message": str(exc)}

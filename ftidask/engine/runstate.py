@@ -293,9 +293,10 @@ class RunState:
         """Name this run in ``{meta_dir}/current_exec_id``: the run that an init without exec_id restarts."""
         storage.write_json_atomic(self.meta_dir / _CURRENT, {"exec_id": self.exec_id})
 
-    def start_status(self) -> int:
-        """The status this run restarts with (FTI_Status): kept, restart, or fresh (nothing to recover)."""
-        if not self.records() and not self.fallbacks():
+    def start_status(self, dcp: bool = True) -> int:
+        """The status this run restarts with (FTI_Status): kept, restart, or fresh (nothing to recover; a
+        previous differential checkpoint kept as the spares counts with ``dcp`` only)."""
+        if not self.records() and not (dcp and self.fallbacks()):
             return STATUS_FRESH
         info = self.run_info()
         if info.get("state") != "finalized":
@@ -313,20 +314,21 @@ class Claim:
     beside: str | None = None  # the live run current_exec_id names, when this is a side run
 
 
-def claim_run(meta_dir: Path, configured: str | None) -> Claim:
-    """Choose the run of an init (see the module's docstring) and lock it for this process.
+def claim_run(meta_dir: Path, configured: str | None, dcp: bool = True) -> Claim:
+    """Choose the run of an init (see the module's docstring) and lock it for this process. Without ``dcp``
+    (differential checkpoints off) the fallback records go: the spares they name are removed at the start.
 
     Raises :class:`RunInUseError` when ``configured`` names a run that a live process writes.
     """
     try:
         storage.makedirs(meta_dir)
         with runlock.choosing(meta_dir):
-            return _claim(meta_dir, configured)
+            return _claim(meta_dir, configured, dcp)
     except OSError as exc:
         raise FTIError(f"cannot start a run in meta_dir {meta_dir}: {exc}") from exc
 
 
-def _claim(meta_dir: Path, configured: str | None) -> Claim:
+def _claim(meta_dir: Path, configured: str | None, dcp: bool) -> Claim:
     current = read_current_exec_id(meta_dir)
     lock = None
     if configured is not None:
@@ -338,7 +340,7 @@ def _claim(meta_dir: Path, configured: str | None) -> Claim:
                                 "run (another exec_id, or none for a new one)")
     else:
         if current is not None:
-            if RunState(meta_dir, current).start_status() != STATUS_FRESH:
+            if RunState(meta_dir, current).start_status(dcp) != STATUS_FRESH:
                 lock = runlock.acquire(meta_dir / current)  # None: alive in another process, never adopted
         exec_id = current if lock is not None else new_exec_id()
         while lock is None:
@@ -346,8 +348,8 @@ def _claim(meta_dir: Path, configured: str | None) -> Claim:
                 lock = runlock.acquire(meta_dir / exec_id)
             exec_id = exec_id if lock is not None else new_exec_id()
     state = RunState(meta_dir, exec_id)
-    status = state.start_status()
-    if status == STATUS_FRESH:
+    status = state.start_status(dcp)
+    if status == STATUS_FRESH or not dcp:
         state.delete_fallbacks()  # a finalized run's, left by a kill during its finalize: never this run's
         state.write_run(state="running", seq=0, keep_last=False)
     elif status == STATUS_KEPT:  # the kept run runs again: should it die now, its next start is a restart (1)
