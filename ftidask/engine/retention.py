@@ -141,6 +141,9 @@ class Retention(RunPart):
             self._flush_newest(records, flush_to_l4)
             # Its L4 copy is the one kept: as in FTI, nothing stays on the nodes (their directories are
             # scratch), and a restart that finds the global copy gone fails instead of reading a local leftover.
+        # The sequence numbers used so far, before any record goes: the run may be started again (fresh, or
+        # after a kill below) and must not take the names of this one's directories (l4_archive keeps them).
+        used = on_root(t, self.state.mark_seq, FTIError, failed)
         on_root(t, self.state.delete_fallbacks, FTIError, failed)  # first: none outlives the run (a kill from
         # here on must not leave one beside no commit record: a fresh run of this exec_id would recover it)
         # Oldest first (``records`` is newest first): killed part-way, the run keeps its newest checkpoint,
@@ -150,7 +153,7 @@ class Retention(RunPart):
                 self.archive_checkpoint(record)
             else:
                 self.remove_checkpoint(record, fallback=False)
-        on_root(t, lambda: self.state.write_run(state="finalized", keep_last=keep), FTIError, failed)
+        on_root(t, lambda: self.state.write_run(state="finalized", keep_last=keep, seq=used), FTIError, failed)
         dcp = self.spares.store  # every rank takes part, with a store or not
         everywhere(t, dcp.clear if dcp is not None else lambda: None, FTIError, failed)
 
