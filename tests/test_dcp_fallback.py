@@ -326,8 +326,9 @@ ctx.finalize()
 """
 
 
-# The finalize's calls: delete_record 1 and 2 retired checkpoints 1 and 2, write_run 1 was the init's.
-@pytest.mark.parametrize("point,nth,after", [("delete_record", 3, True), ("write_run", 2, False)])
+# The finalize's calls: delete_record 1 and 2 retired checkpoints 1 and 2, write_run 1 was the init's, write_run 2
+# the finalize's mark of the sequence numbers used (before any record goes), write_run 3 marks the run finalized.
+@pytest.mark.parametrize("point,nth,after", [("delete_record", 3, True), ("write_run", 3, False)])
 def test_finalize_killed_then_fresh_run_with_same_exec_id_recovers_its_own_checkpoint(tmp_path, point, nth, after):
     """Finalize killed once the last commit record is gone (the fallbacks were deleted before it) and before the
     run is marked finalized. The next init with the same exec_id is a fresh start (no record); a later restart recovers that

@@ -153,6 +153,9 @@ class Retention(RunPart):
             # reading a local leftover.
             kept = self._flush_newest(records, flush_to_l4)
             doomed = [r for r in committed if r is not kept or not in_l4(r)]
+        # The sequence numbers used so far, before any record goes: the run may be started again (fresh, or
+        # after a kill below) and must not take the names of this one's directories (l4_archive keeps them).
+        used = on_root(t, self.state.mark_seq, FTIError, failed)
         on_root(t, self.state.delete_fallbacks, FTIError, failed)  # first: none outlives the run (a kill from
         # here on must not leave one beside no commit record: a fresh run of this exec_id would recover it)
         # Oldest first (``records`` is newest first): killed part-way, the run keeps its newest checkpoint,
@@ -162,7 +165,7 @@ class Retention(RunPart):
                 self.archive_checkpoint(record)
             else:
                 self.remove_checkpoint(record, fallback=False)
-        on_root(t, lambda: self.state.write_run(state="finalized", keep_last=keep), FTIError, failed)
+        on_root(t, lambda: self.state.write_run(state="finalized", keep_last=keep, seq=used), FTIError, failed)
         dcp = self.spares.store  # every rank takes part, with a store or not
         everywhere(t, dcp.clear if dcp is not None else lambda: None, FTIError, failed)
 

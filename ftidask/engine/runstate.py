@@ -218,14 +218,27 @@ class RunState:
         return sorted(out, key=lambda r: r.seq)
 
     def next_seq(self) -> int:
-        """One more than any sequence number this run used (records and directories left behind); a
+        """One more than any sequence number this run used (records, fallbacks, and the mark finalize leaves
+        in ``run.json``: a finished run started again never reuses its directory names, as in l4_archive); a
         :class:`CheckpointError` past the largest a record may hold (a forged record's: a checkpoint committed with
         it would never be read back, and it would retire the previous one)."""
-        seq = max([0] + [r.seq for r in self.records() + self.fallbacks()]) + 1
+        used = self.run_info().get("seq")
+        mark = used if type(used) is int and 0 <= used < 2**62 else 0  # a damaged or forged mark: ignored
+        seq = max([mark] + [r.seq for r in self.records() + self.fallbacks()]) + 1
         if seq >= 2**63:
             raise CheckpointError(f"the commit records in {self.records_dir} use every sequence number (damaged or "
                                   "forged records): start another run")
         return seq
+
+    def mark_seq(self) -> int:
+        """Note the highest sequence number used so far in ``run.json`` (see :meth:`next_seq`), and return it.
+        Best effort (a full disk must not stop a finalize that frees it): the finalized state carries it too."""
+        used = self.next_seq() - 1
+        try:
+            self.write_run(seq=used)
+        except OSError as exc:
+            log.warning("cannot note the sequence numbers used in %s: %s", self.root / "run.json", exc)
+        return used
 
     def write_record(self, record: CommitRecord) -> None:
         """Commit ``record`` (atomically); a :class:`CheckpointError` when it cannot be written (a full
@@ -351,7 +364,7 @@ def _claim(meta_dir: Path, configured: str | None, dcp: bool) -> Claim:
     status = state.start_status(dcp)
     if status == STATUS_FRESH or not dcp:
         state.delete_fallbacks()  # a finalized run's, left by a kill during its finalize: never this run's
-        state.write_run(state="running", seq=0, keep_last=False)
+        state.write_run(state="running", keep_last=False)  # seq: the mark of a finished run, if any (next_seq)
     elif status == STATUS_KEPT:  # the kept run runs again: should it die now, its next start is a restart (1)
         state.write_run(state="running", keep_last=False)
     beside = current if current not in (None, exec_id) and runlock.is_live(meta_dir / current) else None
