@@ -185,11 +185,16 @@ def test_compressed_container_that_does_not_decode_touches_no_array(dirs, capsys
     path = forge_committed(dirs, ctx.checkpoint(1, 1).seq, 2, bytes(16))
     assert cli_main(["verify", str(path)]) == 1
     assert "cannot be decoded" in capsys.readouterr().out
+    refused_untouched(dirs, "cannot be decoded")
+
+
+def refused_untouched(dirs: dict, match: str) -> None:
+    """A restart that protects ids 1 and 2 (10,000 float64 each) cannot recover (``match``); both untouched."""
     ctx = ftidask.init(**dirs)
     a, b = np.full(10_000, -1.0), np.full(10_000, -1.0)
     ctx.protect(1, a)
     ctx.protect(2, b)
-    with pytest.raises(ftidask.NoCheckpointError, match="cannot be decoded"):
+    with pytest.raises(ftidask.NoCheckpointError, match=match):
         ctx.recover()
     assert (a == -1).all() and (b == -1).all()
 
