@@ -96,10 +96,8 @@ class Retention(RunPart):
         if self.config.enable_dcp:
             # every rank has moved its file out of the shared directories before any is removed
             agree(t, error, FTIError, failed)
-            if record.extra.get("dcp") and fallback:  # until the spares are patched, recovery may fall back to them
-                on_root(t, lambda: self.state.write_fallback(record) if kept else None, FTIError, failed)
-            elif fallback:
-                on_root(t, lambda: self.state.retired_in_full(record), FTIError, failed)
+            if fallback:  # until the spares are patched, recovery may fall back to them
+                on_root(t, lambda: self.state.note_retired(record, kept), FTIError, failed)
         on_root(t, lambda: self.state.delete_record(record.seq), FTIError, failed)
         doomed = [self.paths.level_dir(level, t.node) / record.dirname for level in {record.level, 1, 2, 3}]
         if t.rank == 0:

@@ -277,6 +277,15 @@ class RunState:
         for level in (1, 2, 3, 4):
             self._fallback_path(level).unlink(missing_ok=True)
 
+    def note_retired(self, record: CommitRecord, kept: bool) -> None:
+        """Checkpoint ``record`` is being retired, differential checkpoints on: a differential one whose files
+        became the spares (``kept``) is its level's fallback now (:meth:`write_fallback`), one written in full
+        drops the older fallbacks it passes (:meth:`retired_in_full`). Before its commit record goes."""
+        if not record.extra.get("dcp"):
+            self.retired_in_full(record)
+        elif kept:
+            self.write_fallback(record)
+
     def retired_in_full(self, record: CommitRecord) -> None:
         """Checkpoint ``record``, written in full (not differentially), is being retired: its file is not kept,
         so a fallback of its level or below that is older than it is no longer the checkpoint before the newest

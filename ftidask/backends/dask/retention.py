@@ -92,9 +92,7 @@ class DaskRetention(Retention):
         recovery falls back to, written before its commit record goes (a kill in between leaves it named)."""
         spares = self.spares.store
         kept = spares is not None and spares.keep(record)  # its files become the spares to patch next
-        if kept and fallback:
-            self.state.write_fallback(record)
-        elif fallback and not record.extra.get("dcp") and self.config.enable_dcp:
-            self.state.retired_in_full(record)
+        if fallback and self.config.enable_dcp:
+            self.state.note_retired(record, kept)
         self.state.delete_record(record.seq)
         self.remove_dirs(record.ckpt_id, record.seq, record.level, record.nranks)
