@@ -357,3 +357,28 @@ def test_an_unexpected_error_while_decoding_is_damage_named_as_it_is(tmp_path, m
     with open(path, "rb") as fh, pytest.raises(FormatError, match="MemoryError: no room to decode"):
         verify_data(fh, parse_ftiff(fh, str(path)))
     assert cli_main(["verify", str(path)]) == 1 and "MemoryError" in capsys.readouterr().out
+
+
+def test_an_encoding_error_in_a_frame_leaves_no_view_of_the_source_behind():
+    """A frame whose encoding fails: the error reaches the caller as it was raised, and once the caller has
+    dropped it the source buffer is no longer exported (it stayed exported, held in a cycle of the future,
+    its exception and the frames, until a garbage collection ran)."""
+    import gc
+
+    class Failing:
+        def encode(self, data):
+            raise RuntimeError("encoder out of memory")
+
+    source = bytearray(3 * compression.FRAME_BYTES)
+    gc.disable()
+    try:
+        try:
+            compression.encode_container(Failing(), source, 8)
+        except RuntimeError as exc:
+            assert str(exc) == "encoder out of memory"
+        else:
+            raise AssertionError("the encoding error was not raised")
+        source.extend(b"x")  # a BufferError while any view of it is alive
+    finally:
+        gc.enable()
+    assert len(source) == 3 * compression.FRAME_BYTES + 1

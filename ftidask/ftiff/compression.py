@@ -102,12 +102,24 @@ def encode_container(codec: Any, raw: memoryview | bytes,
     view = memoryview(raw)
     view = view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
-    def one(lo: int) -> bytes:
-        out = codec.encode(_typed(view[lo:lo + FRAME_BYTES], itemsize))
+    def one(lo: int) -> bytes | Exception:
+        # An error comes back as a value, its traceback dropped: raised from its future, it would sit in a
+        # cycle (the future, the exception, the frames holding the futures) keeping the caller's buffer
+        # exported until a garbage collection (see decode_container).
+        try:
+            out = codec.encode(_typed(view[lo:lo + FRAME_BYTES], itemsize))
+        except Exception as exc:
+            return exc.with_traceback(None)
         return out if isinstance(out, bytes) else bytes(out)
 
-    frames: list[bytes | memoryview] = _all_done([_frames.get().submit(one, lo)
-                                                  for lo in range(0, len(view), FRAME_BYTES)])
+    frames = _all_done([_frames.get().submit(one, lo) for lo in range(0, len(view), FRAME_BYTES)])
+    failed = next((f for f in frames if isinstance(f, Exception)), None)
+    if failed is not None:
+        frames.clear()
+        try:
+            raise failed
+        finally:  # this frame's locals must not hold the exception its traceback holds
+            failed = None
     if sum(len(f) for f in frames) >= len(view):
         return [raw], True, None
     return frames, False, [len(f) for f in frames]
