@@ -87,22 +87,27 @@ def test_dcp_then_lost_rank_file(tmp_path, level):
     assert out.count("exact True") == 4, out
 
 
-def test_heads_raising_l4_dcp_keep_it_differential(tmp_path):
-    """With heads and inline_l4 = 0, a head copies each L1 differential file to L4: it then moves the L1 file to the
-    rank's spare (with its FB-hash hint), so the next checkpoint patches it (1 of n blocks, not all), also after a
-    restart, which recovers the newest exactly. Before, every checkpoint was written in full."""
+@pytest.mark.parametrize("level", [6, 7, 8])
+def test_heads_raising_dcp_levels_keep_them_differential(tmp_path, level):
+    """With heads and inline L2-L4 off, a head copies each L1 differential file to the level (L4: to the global
+    file system; L2/L3: beside their partner copies and parity) and then moves the L1 file to the rank's spare
+    (with its FB-hash hint), so the next checkpoint patches it (1 of n blocks, not all), also after a restart,
+    which recovers the newest exactly. Before, every checkpoint was written in full (L2/L3 linked the file)."""
     import json
 
     sys.path.insert(0, str(Path(__file__).parent))
     from mpi_util import run
 
-    run(8, "heads_dcp_job.py", str(tmp_path), "3", timeout=180, check=False)  # the heads end as a crash leaves them
+    run(8, "heads_dcp_job.py", str(tmp_path), "3", str(level), timeout=180, check=False)  # heads end as in a crash
     first = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
     for got in first:
         (full, total), *rest = got["infos"]
         assert full == total and rest == [[1, total]] * 2 and got["states"] <= 2, got
-    run(8, "heads_dcp_job.py", str(tmp_path), "5", timeout=180, check=False)
+    if level < 8:  # node 1 lost: its file comes back from the partner copy or the parity, and without its spare
+        shutil.rmtree(tmp_path / "Local" / "node1")  # its rank writes its next checkpoint in full
+    run(8, "heads_dcp_job.py", str(tmp_path), "5", str(level), timeout=180, check=False)
     again = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
-    for got, before in zip(again, first, strict=True):
+    for rank, (got, before) in enumerate(zip(again, first, strict=True)):
         total = before["infos"][0][1]
-        assert got["recovered"] == [3, 4, True] and got["infos"] == [[1, total]] * 2, got
+        changed = total if rank == 1 and level < 8 else 1
+        assert got["recovered"] == [3, level - 4, True] and got["infos"] == [[changed, total], [1, total]], got

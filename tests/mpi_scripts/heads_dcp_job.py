@@ -1,5 +1,6 @@
-"""mpiexec -n 8 python heads_dcp_job.py BASE UPTO: 4 nodes of one head and one application rank, L4_DCP raised by the
-heads (inline_l4 = 0). A restart recovers first; checkpoints up to UPTO, each changing one element; writes
+"""mpiexec -n 8 python heads_dcp_job.py BASE UPTO [LEVEL]: 4 nodes of one head and one application rank, L2_DCP,
+L3_DCP or L4_DCP (LEVEL 6, 7 or 8, the default) raised by the heads (inline_l2 = inline_l3 = inline_l4 = 0). A
+restart recovers first; checkpoints up to UPTO, each changing one element; writes
 result-{rank}.json (the recovered checkpoint and whether it is exact, blocks changed and total per checkpoint)."""
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ def data(rank: int, c: int) -> np.ndarray:
 
 def main() -> None:
     base, upto = sys.argv[1], int(sys.argv[2])
+    level = int(sys.argv[3]) if len(sys.argv) > 3 else 8
     ctx = ftidask.init(comm=MPI.COMM_WORLD, ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global",
-                       meta_dir=f"{base}/Meta", local_test=1, node_size=2, head=1, inline_l4=0, group_size=4,
-                       enable_dcp=1, dcp_block_size=4096, verbosity=3)
+                       meta_dir=f"{base}/Meta", local_test=1, node_size=2, head=1, group_size=4,
+                       inline_l2=0, inline_l3=0, inline_l4=0, enable_dcp=1, dcp_block_size=4096, verbosity=3)
     if ctx.comm is None:  # a head: it served the ranks until they finalized or closed
         return
     rank = ctx.comm.rank
@@ -39,7 +41,7 @@ def main() -> None:
     out["infos"] = []
     for c in range(start + 1, upto + 1):
         a[:] = data(rank, c)
-        info = ctx.checkpoint(c, 8)
+        info = ctx.checkpoint(c, level)
         ctx.wait_post_processing()
         out["infos"].append([info.blocks_changed, info.blocks_total])
     out["states"] = len(ctx._dcp._files)  # block states kept in memory: the newest two, not one per checkpoint

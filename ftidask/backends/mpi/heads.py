@@ -87,7 +87,8 @@ def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, leve
     for pos in range(topo.app_per_node):
         app = topo.app_rank_at(node, pos)
         name = storage.rank_file(record.ckpt_id, app)
-        place = storage.copy_file_atomic if level == 4 else _link_or_copy
+        # A differential L1 file is copied, not linked, so that it can become the rank's spare below.
+        place = storage.copy_file_atomic if level == 4 or record.extra.get("dcp") else _link_or_copy
         failed: list[str] = []
         guarded(failed, functools.partial(place, src_dir / name, dst_dir / name), None, f"node {node}")
         error = error or "; ".join(failed)
@@ -106,8 +107,8 @@ def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, leve
     except FTIError as exc:  # agreed: the same on every head
         storage.remove_tree(dst_dir)
         return {"ok": False, "error": str(exc)}
-    if level == 4 and record.extra.get("dcp"):  # the L1 file is now a copy: each rank's next differential
-        _keep_as_spares(paths, topo, node, record, src_dir)  # checkpoint patches it instead of writing anew
+    if record.extra.get("dcp"):  # the L1 file is now a copy: each rank's next differential checkpoint
+        _keep_as_spares(paths, topo, node, record, src_dir)  # patches it instead of writing anew
     storage.remove_tree(src_dir)
     _retire_older(cfg, t, state, paths, raised)
     log.info("head of node %d: checkpoint %d raised to level %d", node, record.ckpt_id, level)
@@ -115,8 +116,9 @@ def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, leve
 
 
 def _keep_as_spares(paths: storage.RunPaths, topo: Any, node: int, record: CommitRecord, src_dir: Path) -> None:
-    """Move this node's L1 files of ``record`` (raised to L4 by a copy) to their ranks' L1 spares, with the hint
-    that lets the rank trust them (:mod:`ftidask.engine.dcpstore`). Best effort: a rank without one writes in full."""
+    """Move this node's L1 files of ``record`` (raised to its level by a copy) to their ranks' L1 spares, with the
+    hint that lets the rank trust them (:mod:`ftidask.engine.dcpstore`). Best effort: a rank without one writes in
+    full. The head pays a copy of the file in the background so that the application writes only what changed."""
     fb = {f.rank: f.fb_hash for f in record.files}
     for pos in range(topo.app_per_node):
         app = topo.app_rank_at(node, pos)
