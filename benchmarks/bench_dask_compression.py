@@ -222,6 +222,7 @@ def main() -> None:
     ap.add_argument("--compressor", default="zstd:1")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--frame-threads", action="store_true", help="also compare the frame pool's sizes")
+    ap.add_argument("--only-frame-threads", action="store_true", help="only the comparison of --frame-threads")
     ap.add_argument("--frame-pool", choices=("worker", "default"), default="worker",
                     help="the workers' frame pool in the recovery runs: 'worker' (nthreads, what ftidask.init sets) "
                          "or 'default' (min(8, cores): as ftidask did before, to compare with an older version)")
@@ -240,8 +241,9 @@ def main() -> None:
               f"{args.workers} workers x {args.threads} thread(s) on {os.cpu_count()} cores, {args.compressor}, "
               f"frame pool {args.frame_pool}; ftidask from {Path(ftidask.__file__).parent}")
         try:
-            bench_recovery(client, x, root, args.compressor, args.repeat, args.frame_pool)
-            if args.frame_threads:
+            if not args.only_frame_threads:
+                bench_recovery(client, x, root, args.compressor, args.repeat, args.frame_pool)
+            if args.frame_threads or args.only_frame_threads:
                 bench_frame_threads(client, x, root, args.compressor, args.repeat, args.threads)
         finally:
             shutil.rmtree(root, ignore_errors=True)
