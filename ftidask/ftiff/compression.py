@@ -45,6 +45,23 @@ _FRAME_WINDOW = 4 * _FRAME_THREADS  # frames queued at once while decoding (a fu
 _frames = LazyPool(_FRAME_THREADS, "ftidask-frames")  # its tasks start no other task: no deadlock
 
 
+def frame_threads() -> int:
+    """How many threads of this process encode and decode frames (at most, all callers together)."""
+    return _frames.threads
+
+
+def limit_frame_threads(share: int | None) -> int:
+    """Encode and decode frames on at most ``share`` threads in this process (None: the default,
+    ``min(8, cores)``); the number now used.
+
+    A process that runs several tasks at once beside other such processes (a Dask worker: ``nthreads``
+    tasks, several workers per machine) gives the pool its share of the cores, not up to 8 threads each:
+    the pool is the process's, shared by all its tasks, so the codec threads of a machine stay within its
+    cores. The share is also capped by the default (more threads than cores would only compete)."""
+    _frames.resize(_FRAME_THREADS if share is None else max(1, min(_FRAME_THREADS, int(share))))
+    return _frames.threads
+
+
 def parse_compressor(spec: Any) -> dict[str, Any] | None:
     """The numcodecs config for a user's compressor spec (see :func:`ftidask.model.codecspec.parse_compressor`),
     checked by instantiating the codec, or None for no compression."""
@@ -112,7 +129,7 @@ def encode_container(codec: Any, raw: memoryview | bytes,
             return exc.with_traceback(None)
         return out if isinstance(out, bytes) else bytes(out)
 
-    frames = _all_done([_frames.get().submit(one, lo) for lo in range(0, len(view), FRAME_BYTES)])
+    frames = _all_done([_frames.submit(one, lo) for lo in range(0, len(view), FRAME_BYTES)])
     failed = next((f for f in frames if isinstance(f, Exception)), None)
     if failed is not None:
         frames.clear()
@@ -207,7 +224,7 @@ def decode_container(info: Any, meta: Any, stored: bytes | memoryview, what: str
 
     parts: list[bytes | str | None] = []
     for lo in range(0, len(sizes), _FRAME_WINDOW):  # a window at a time: the frames after a failure never run
-        parts += _all_done([_frames.get().submit(one, i) for i in range(lo, min(len(sizes), lo + _FRAME_WINDOW))])
+        parts += _all_done([_frames.submit(one, i) for i in range(lo, min(len(sizes), lo + _FRAME_WINDOW))])
         problem = next((p for p in parts[lo:] if isinstance(p, str)), None)
         if problem is not None:
             raise FormatError(problem)

@@ -257,11 +257,14 @@ def _read_span(fh: BinaryIO, offset: int, target: memoryview) -> int:
     return got
 
 
-def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -> None:
-    """Check every container's hash (and, for FTI 1.1 files, the MD5 of the whole VB).
+def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None, *, decode: bool = True) -> None:
+    """Check every container's hash (and, for FTI 1.1 files, the MD5 of the whole VB), and that each
+    compressed container decodes to its raw span.
 
     Hashes straight from the page cache through a read-only map (no copy), containers in
-    parallel threads (the hashes release the GIL).
+    parallel threads (the hashes release the GIL). ``decode`` False checks the hashes only: for a
+    reader that decodes every container it uses afterwards, and whose failure there touches nothing
+    (a Dask recovery's reads, see :func:`ftidask.backends.dask.tasks.check_file`).
     """
     if parsed.fb.flags & FLAG_DCP:
         return verify_dcp(fh, parsed, only)
@@ -281,7 +284,7 @@ def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -
                 stored = data[meta.fptr:meta.fptr + meta.chunksize]
                 if hashing.digest(hid, stored) != meta.hash:
                     return f"{what}: data hash does not match (damaged data)"
-                return compression.decode_problem(parsed.vars.get(meta.id), meta, stored, what)
+                return compression.decode_problem(parsed.vars.get(meta.id), meta, stored, what) if decode else ""
 
             with ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="ftidask-verify") as pool:
                 for problem in pool.map(check, jobs):

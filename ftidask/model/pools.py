@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class LazyPool:
@@ -31,3 +35,22 @@ class LazyPool:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self.prefix)
             return self._pool
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """``fn(*args)`` in the pool; safe against a concurrent :meth:`resize` (which a bare ``get().submit``
+        is not: the pool it got may be shut down before it submits)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self.prefix)
+            return self._pool.submit(fn, *args)
+
+    def resize(self, threads: int) -> None:
+        """Use ``threads`` threads from now on (at least one). A pool already started is replaced; the tasks
+        already submitted to it still run, on its threads, which end once they are done."""
+        threads = max(1, int(threads))
+        with self._lock:
+            if threads == self.threads:
+                return
+            self.threads, old, self._pool = threads, self._pool, None
+        if old is not None:
+            old.shutdown(wait=False)

@@ -30,7 +30,7 @@ from ...model.errors import CheckpointError, FTIError, LevelError, ProtectError
 from ...model.level import Level
 from ...storage import files as storage
 from ...transport.base import Transport
-from . import channel, icp, lineage, recorded, report, restore, tasks
+from . import channel, codecthreads, icp, lineage, recorded, report, restore, tasks
 from .cluster import Cluster, ClusterError
 from .dcp_levels import DaskSpares, run_dcp_levels, sticky_owners
 from .full_levels import run_full_levels
@@ -82,6 +82,7 @@ class DaskContext(Context):
         cluster = Cluster(client, config.progress)
         cluster.run(storage.set_permissions, config.permissions)  # the modes of the workers' files
         channel.register(client)  # L2/L3 blocks go worker to worker (every worker, also those joining later)
+        codecthreads.register(client)  # compressed frames on the worker's share of the cores, not 8 threads
         lineage.watch(client)  # chunks read back after a worker loss are logged here
         # Init collects garbage on the workers: the Retention it makes is given the cluster.
         super().__init__(config, DaskTransport(cluster), retention=functools.partial(DaskRetention, cluster))

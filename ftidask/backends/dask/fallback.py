@@ -58,11 +58,11 @@ class Placer:
 
 
 def check_files(ctx: DaskContext, record: CommitRecord, own: dict[int, str], placer: Placer,
-                tag: str, data: bool = True) -> tuple[dict[int, str], dict[int, dict]]:
+                tag: str, data: bool = True, decode: bool = True) -> tuple[dict[int, str], dict[int, dict]]:
     """Check every rank's file ``own[r]`` of ``record`` (FB hash from the record, every hash, every chunk where
     the record places it) on the worker that wrote it if it sees it, else on one that does: the worker chosen
-    per rank, and the verdict of each file that some worker sees. ``data`` False: the metadata only (see
-    :func:`~ftidask.backends.dask.tasks.check_file`)."""
+    per rank, and the verdict of each file that some worker sees. ``data`` False: the metadata only; ``decode``
+    False: the hashes, no compressed container decoded (see :func:`~ftidask.backends.dask.tasks.check_file`)."""
     cl, lay = ctx.cluster, recorded.layout(record)  # a damaged record: this checkpoint cannot be recovered
     fb = {f.rank: f.fb_hash for f in record.files}
     hosts: dict[int, str] = {}
@@ -71,13 +71,14 @@ def check_files(ctx: DaskContext, record: CommitRecord, own: dict[int, str], pla
         worker = placer.pick(own[r], lay.workers[r] if r < len(lay.workers) else None)
         if worker is not None:
             hosts[r] = worker
-            checks[r] = cl.submit(tasks.check_file, own[r], fb[r], expect=lay.expected(r), data=data,
+            checks[r] = cl.submit(tasks.check_file, own[r], fb[r], expect=lay.expected(r), data=data, decode=decode,
                                   key=f"ftidask-check-{tag}-{r}", worker=worker)
     results = cl.wait_all(list(checks.values()), set(hosts.values()), f"checking checkpoint {record.ckpt_id}")
     return hosts, dict(zip(checks, results, strict=True))
 
 
-def restore_spares(ctx: DaskContext, record: CommitRecord, data: bool = True) -> dict[int, tuple[str, str]]:
+def restore_spares(ctx: DaskContext, record: CommitRecord, data: bool = True,
+                   decode: bool = True) -> dict[int, tuple[str, str]]:
     """rank -> (worker, spare path) of fallback ``record``, every rank's spare verified (``data`` False: its
     metadata); :class:`Unrecoverable` when one is lost or damaged (nothing is rebuilt, nothing is written)."""
     cl = ctx.cluster
@@ -92,7 +93,7 @@ def restore_spares(ctx: DaskContext, record: CommitRecord, data: bool = True) ->
     paths = list(own.values())
     placer = Placer(workers, cl.run(tasks.sizes, paths), paths)
     tag = f"{record.ckpt_id}-{record.seq}-spare-{uuid.uuid4().hex[:8]}"
-    hosts, verdicts = check_files(ctx, record, own, placer, tag, data)
+    hosts, verdicts = check_files(ctx, record, own, placer, tag, data, decode)
     bad = [r for r in range(record.nranks) if not (r in verdicts and verdicts[r]["ok"])]
     if bad:
         why = "; ".join(verdicts[r]["message"] if r in verdicts else f"rank {r}'s spare is on no live worker"

@@ -47,9 +47,10 @@ def _size(path: Path) -> int:
         return 0  # still takes part: the peers' loops need every member
 
 
-def _verify(path: Path, fb_hash: str) -> bool:
+def _verify(path: Path, fb_hash: str, decode: bool = True) -> bool:
     # Between the group's collectives: never raises.
-    return bool(guarded([], lambda: tasks.check_file(str(path), fb_hash)["ok"], False, f"checking {path}"))
+    return bool(guarded([], lambda: tasks.check_file(str(path), fb_hash, decode=decode)["ok"], False,
+                        f"checking {path}"))
 
 
 def protect(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -> dict[str, Any]:
@@ -85,14 +86,15 @@ def _adopt_old_parity(parity: Path, max_fs: int, hash_id: int) -> None:
 
 
 def rebuild(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -> dict[str, Any]:
-    """Recovery: rebuild what the group lost (own files, partner copies, parity); whether own verifies."""
-    own, level = Path(m["own"]), int(m["level"])
+    """Recovery: rebuild what the group lost (own files, partner copies, parity); whether own verifies
+    (``m["decode"]`` False: its hashes; the recovery's reads decode its compressed containers, once)."""
+    own, level, decode = Path(m["own"]), int(m["level"]), bool(m.get("decode", True))
     sizes = [int(s) for s in m["sizes"]]
     if level == 3:
         guarded([], lambda: _adopt_old_parity(own.parent / m["parity_name"], max(sizes), hashing.hash_id(cfg.hash)))
     ok = multilevel.rebuild(ch, cfg, level, int(m["ckpt_id"]), int(m["rank"]), own, own.parent, sizes, bool(m["ok"]),
-                            verify_own=lambda p: _verify(p, m["fb_hash"]),
-                            verify_partner=lambda p: _verify(p, m["left_fb_hash"]))
+                            verify_own=lambda p: _verify(p, m["fb_hash"], decode),
+                            verify_partner=lambda p: _verify(p, m["left_fb_hash"], decode))
     return {"rank": m["rank"], "ok": bool(ok)}
 
 

@@ -55,7 +55,8 @@ def _rebuild_from_parity(src: dict[str, Any]) -> bool:
         except (ValueError, OSError) as exc:  # a file of the wrong size: damaged, or not of this checkpoint
             raise RecoveryError(f"checkpoint {src['ckpt_id']} (level 3): the file of rank {src['rank']} cannot be "
                                 f"rebuilt from its group's parity: {exc}") from None
-        verdict = tasks.check_file(src["path"], src["fb_hash"])
+        # Its hashes: the read that follows decodes the chunk it needs (a compressed container decoded once).
+        verdict = tasks.check_file(src["path"], src["fb_hash"], decode=False)
         if not verdict["ok"]:
             os.unlink(src["path"])
             raise RecoveryError(f"checkpoint {src['ckpt_id']} (level 3): the file of rank {src['rank']} rebuilt "

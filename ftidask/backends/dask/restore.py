@@ -7,6 +7,11 @@ hashes, the file block's hash against the commit record, every chunk where the r
 and the read of each chunk checks its container's hash. A chunk that fails its check makes the
 recovery check that checkpoint's files in full, as a damaged file is found (then rebuilt, or the
 checkpoint passed over), before any array is filled or rebound.
+
+Each compressed container is decoded once, by the read that puts it into its chunk: a check that
+must hash every byte first (a rebuild reads the group's files) does not decode them. A container that
+does not decode fails its read like a damaged one, and only the full check that follows decodes
+every container, to find it.
 """
 
 from __future__ import annotations
@@ -45,12 +50,14 @@ def dask_records(ctx: DaskContext, ckpt_id: int | None, level: int | None) -> li
     return [r for r in ctx.recovery.all_candidates(ckpt_id, level) if r.extra.get("backend") == "dask"]
 
 
-def restore_files(ctx: DaskContext, record: CommitRecord, data: bool = True) -> dict[int, tuple[str, str]]:
+def restore_files(ctx: DaskContext, record: CommitRecord, data: bool = True,
+                  decode: bool = True) -> dict[int, tuple[str, str]]:
     """rank -> (worker, path) of a verified file, for every rank of ``record``; rebuilds lost files (never a
     fallback's: its spares are read as they are). ``data`` False verifies the files' metadata only: the
-    reads that follow check the data (see :func:`recover`)."""
+    reads that follow check the data (see :func:`recover`); ``decode`` False checks the data's hashes but
+    decodes no compressed container (the reads do, once)."""
     if record.fallback:
-        return restore_spares(ctx, record, data)
+        return restore_spares(ctx, record, data, decode)
     cl = ctx.cluster
     workers = cl.workers()
     if not workers:
@@ -67,15 +74,16 @@ def restore_files(ctx: DaskContext, record: CommitRecord, data: bool = True) -> 
     stats = cl.run(tasks.sizes, paths)  # stats only: which worker sees what, and the redundancy's sizes
     placer = Placer(workers, stats, paths)
     tag = f"{cid}-{seq}-{uuid.uuid4().hex[:8]}"
-    hosts, verdicts = check_files(ctx, record, own, placer, tag, data)
+    hosts, verdicts = check_files(ctx, record, own, placer, tag, data, decode)
     ok = {r for r, v in verdicts.items() if v["ok"]}
     bad = [r for r in range(n) if r not in ok]
     short = red.missing({r: hosts[r] for r in ok}, stats, paths)  # its group rebuilds it, as FTI does
     if not data and level in (2, 3) and (bad or short):  # a rebuild reads the group's files: data checked first
-        return restore_files(ctx, record, True)
+        # (their hashes: a rebuild copies or encodes the stored bytes, it never decodes them; the reads do)
+        return restore_files(ctx, record, True, decode=False)
     if not bad:
         if short:
-            _rebuild_redundancy(ctx, record, groups, hosts, short, tag, red, paths)
+            _rebuild_redundancy(ctx, record, groups, hosts, short, tag, red, paths, decode)
         return {r: (hosts[r], own[r]) for r in range(n)}
     why = "; ".join(verdicts[r]["message"] if r in verdicts else f"rank {r}'s file is on no live worker"
                     for r in bad[:4])
@@ -85,7 +93,7 @@ def restore_files(ctx: DaskContext, record: CommitRecord, data: bool = True) -> 
     side = pcof if level == 2 else rsed
     for r in bad:  # a stand-in: a worker that sees the rank's partner copy or parity if any, else the least loaded
         hosts[r] = placer.pick(side[r]) or placer.any()
-    rebuilt = _rebuild(ctx, record, groups, hosts, set(bad), short, tag)
+    rebuilt = _rebuild(ctx, record, groups, hosts, set(bad), short, tag, decode)
     failed = [r for r in bad if not rebuilt.get(r)]
     if failed:
         raise Unrecoverable(f"the file(s) of rank(s) {failed} could not be rebuilt from level {level} (too many of "
@@ -120,12 +128,13 @@ def _check_rebuildable(level: int, topo: Topology, bad: list[int], ok: set[int],
 
 
 def _rebuild_redundancy(ctx: DaskContext, record: CommitRecord, groups: list[list[int]], hosts: dict[int, str],
-                        short: set[int], tag: str, red: redundancy.Redundancy, paths: list[str]) -> None:
+                        short: set[int], tag: str, red: redundancy.Redundancy, paths: list[str],
+                        decode: bool = True) -> None:
     """Every own file is sound: rebuild the missing partner copies or parity of ranks ``short``, so that the
     checkpoint survives the next loss. Best effort: the checkpoint is recoverable as it is."""
     what = "partner copies" if record.level == 2 else "parity files"
     try:
-        _rebuild(ctx, record, groups, hosts, set(), short, tag)
+        _rebuild(ctx, record, groups, hosts, set(), short, tag, decode)
     except WorkerLost:
         raise  # a worker that serves a file is gone: check again (_restore_retrying)
     except FTIError as exc:
@@ -141,10 +150,10 @@ def _rebuild_redundancy(ctx: DaskContext, record: CommitRecord, groups: list[lis
 
 
 def _rebuild(ctx: DaskContext, record: CommitRecord, groups: list[list[int]], hosts: dict[int, str], bad: set[int],
-             short: set[int], tag: str) -> dict[int, bool]:
+             short: set[int], tag: str, decode: bool = True) -> dict[int, bool]:
     """Run the level's rebuild (:func:`ftidask.levels.multilevel.rebuild`) in every group that lost a file
     (``bad``: own files; ``short``: partner copies or parity), each rank on ``hosts[rank]``; rank -> whether
-    its file verifies now."""
+    its file verifies now (``decode`` False: its hashes, its compressed containers left to the reads)."""
     cid, seq, level = record.ckpt_id, record.seq, record.level
     fb = {f.rank: f.fb_hash for f in record.files}
     sizes = {f.rank: f.size for f in record.files}
@@ -158,7 +167,7 @@ def _rebuild(ctx: DaskContext, record: CommitRecord, groups: list[list[int]], ho
                 "rebuild", tag_g, group, r, hosts, level=level, ckpt_id=cid,
                 own=ctx.node_file(level, cid, seq, r, storage.rank_file(cid, r)), ok=r not in bad,
                 sizes=[sizes[g] for g in group], fb_hash=fb[r], left_fb_hash=fb[left],
-                parity_name=storage.parity_file(cid, r)))
+                parity_name=storage.parity_file(cid, r), decode=decode))
     futures = [group_steps.submit_members(ctx.cluster, ctx.config, w, members, (), key=f"ftidask-rebuild-{tag}-{i}")
                for i, (w, members) in enumerate(sorted(by_worker.items()))]
     results = group_steps.wait_step(ctx.cluster, futures, list(by_worker), f"rebuilding checkpoint {cid}", tags)

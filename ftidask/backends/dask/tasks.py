@@ -87,17 +87,21 @@ def flush(src: str, dst: str, after: Any = None, keep_src: bool = False) -> dict
 
 
 def check_file(path: str, fb_hash: str, after: Any = None, *,
-               expect: Sequence[tuple[int, list[int], int, int]] = (), data: bool = True) -> dict[str, Any]:
+               expect: Sequence[tuple[int, list[int], int, int]] = (), data: bool = True,
+               decode: bool = True) -> dict[str, Any]:
     """Parse and hash-check a rank's file; compare its file-block hash with the commit record, and
     find in it every chunk the record places there (``expect``: var id, grid index, dptr, bytes).
 
     ``data`` False checks the metadata only (parsed, its own hashes, the file block's, the chunks'
-    places), not the containers' data: for a recovery whose reads check every chunk's hash anyway."""
+    places), not the containers' data: for a recovery whose reads check every chunk's hash anyway.
+    ``decode`` False checks the containers' hashes but does not decode the compressed ones: the reads
+    that follow decode each chunk (once), and one that does not decode sends the recovery back to a
+    check that does (see :func:`ftidask.backends.dask.restore.recover`)."""
     try:
         with open(path, "rb") as fh:
             parsed = parse_ftiff(fh, path)
             if data:
-                verify_data(fh, parsed)
+                verify_data(fh, parsed, decode=decode)
     except FileNotFoundError:
         return {"ok": False, "message": f"{path}: missing"}
     except (FormatError, OSError) as exc:
