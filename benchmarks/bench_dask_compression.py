@@ -15,9 +15,9 @@ cold cache (every file evicted from the page cache):
 * ``from_zarr``: ``da.from_zarr(...).persist()`` of the same array written by ``to_zarr`` with the Zarr codec
   that matches the compressor (``ftidask.zarrfmt.store.zarr_compressors``).
 
-With ``--frame-threads``, also a checkpoint and a recovery with the frame pool of each worker bounded by its
-``nthreads`` (what ``ftidask.init`` does) against ``min(8, cores)`` threads per worker (the default of a
-process that owns its machine), interleaved. Prints every time, medians and ratios.
+With ``--frame-threads``, also a checkpoint and a recovery with the frame pool of each worker bounded by twice
+its ``nthreads`` (what ``ftidask.init`` does), by its ``nthreads``, and ``min(8, cores)`` threads per worker (the
+default of a process that owns its machine), interleaved. Prints every time, medians and ratios.
 """
 
 from __future__ import annotations
@@ -184,13 +184,14 @@ def check_costs(dirs: dict[str, str], repeat: int) -> None:
 def bench_frame_threads(client: Client, x: da.Array, root: str, spec: str, repeat: int, nthreads: int) -> None:
     dirs = {"ckpt_dir": f"{root}/FLocal", "glbl_dir": f"{root}/FGlobal", "meta_dir": f"{root}/FMeta"}
     default = min(8, os.cpu_count() or 1)
-    shares = {f"nthreads ({nthreads}) per worker": nthreads, f"min(8, cores) ({default}) per worker": None}
+    shares = {f"2 x nthreads ({2 * nthreads}) per worker": 2 * nthreads, f"nthreads ({nthreads}) per worker": nthreads,
+              f"min(8, cores) ({default}) per worker": None}
     ck: dict[str, list[float]] = {k: [] for k in shares}
     rc: dict[str, list[float]] = {k: [] for k in shares}
     for i in range(repeat):
         for name in (list(shares) if i % 2 == 0 else list(shares)[::-1]):
             ctx = ftidask.init(client=client, verbosity=3, progress="off", compressor=spec, **dirs)
-            set_frame_threads(client, shares[name])  # after init, whose plugin set nthreads
+            set_frame_threads(client, shares[name])  # after init, whose plugin set 2 x nthreads
             ctx.protect(1, x)
             ck[name].append(ctx.checkpoint(1, 1).seconds)
             ctx._close()
@@ -203,7 +204,7 @@ def bench_frame_threads(client: Client, x: da.Array, root: str, spec: str, repea
             rc[name].append(time.perf_counter() - start)
             del out
             ctx.finalize()  # removes the checkpoint
-    set_frame_threads(client, nthreads)
+    set_frame_threads(client, 2 * nthreads)
     print("frame threads (L1 checkpoint, then recovery from a cold cache):")
     first = list(shares)[0]
     for name in shares:
@@ -224,7 +225,7 @@ def main() -> None:
     ap.add_argument("--frame-threads", action="store_true", help="also compare the frame pool's sizes")
     ap.add_argument("--only-frame-threads", action="store_true", help="only the comparison of --frame-threads")
     ap.add_argument("--frame-pool", choices=("worker", "default"), default="worker",
-                    help="the workers' frame pool in the recovery runs: 'worker' (nthreads, what ftidask.init sets) "
+                    help="the workers' frame pool in the recovery runs: 'worker' (2 x nthreads, what ftidask.init sets) "
                          "or 'default' (min(8, cores): as ftidask did before, to compare with an older version)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = ap.parse_args()

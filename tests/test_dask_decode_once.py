@@ -256,9 +256,9 @@ def test_a_chunk_read_from_a_file_rebuilt_from_parity_decodes_its_container_only
 
 # --- frame threads --------------------------------------------------------------------------------------
 
-def test_frame_threads_on_a_worker_are_bounded_by_its_nthreads(client, dirs, seams):
-    """The shared cluster's workers have one thread each: a checkpoint (encoding) and a recovery (decoding) of
-    chunks stored in frames run their codec on one frame thread per worker (before: min(8, cores) each)."""
+def test_frame_threads_on_a_worker_are_bounded_by_twice_its_nthreads(client, dirs, seams):
+    """A checkpoint (encoding) and a recovery (decoding) of chunks stored in frames run their codec on at most twice
+    the worker's nthreads frame threads (the shared cluster's workers have one thread each; before: min(8, cores))."""
     ctx = ftidask.init(client=client, compressor="lz4", **dirs)
     arrays = _arrays()
     saved = {vid: a.compute() for vid, a in arrays.items()}
@@ -266,16 +266,19 @@ def test_frame_threads_on_a_worker_are_bounded_by_its_nthreads(client, dirs, sea
     ctx.checkpoint(1, 1)
     _same(_restart(client, dirs).recover(), saved)
     used = {w: s["threads"] for w, s in client.run(_seen).items()}
+    pools = client.run(compression.frame_threads)
+    share = {w: min(2 * n, compression._FRAME_THREADS) for w, n in client.nthreads().items()}
     assert any(used.values())  # frames were encoded and decoded on the pool
-    assert all(len(names) <= 1 for names in used.values()), used
-    assert set(client.run(compression.frame_threads).values()) == {1}
+    assert pools == share and all(len(names) <= share[w] for w, names in used.items()), (used, pools)
     ctx.finalize()
 
 
-def test_the_plugin_gives_the_frame_pool_the_workers_nthreads():
-    """In this process: a worker of 3 threads, of 1, of more threads than the default; then the default."""
+def test_the_plugin_gives_the_frame_pool_twice_the_workers_nthreads(monkeypatch):
+    """In this process, the default being 8 threads: a worker of 3 threads, of 1, of more threads than the default
+    allows; then the default."""
+    monkeypatch.setattr(compression, "_FRAME_THREADS", 8)
     try:
-        for nthreads, expected in ((3, min(3, compression._FRAME_THREADS)), (1, 1), (64, compression._FRAME_THREADS)):
+        for nthreads, expected in ((3, 6), (1, 2), (64, 8)):
             codecthreads.CodecThreadsPlugin().setup(SimpleNamespace(state=SimpleNamespace(nthreads=nthreads),
                                                                     address="tcp://w:1"))
             assert compression.frame_threads() == expected
@@ -284,9 +287,10 @@ def test_the_plugin_gives_the_frame_pool_the_workers_nthreads():
             pieces, plain, sizes = compression.encode_container(codec, memoryview(raw).cast("B"), 8)
             assert not plain and len(sizes) == 3
             assert compression._frames.get()._max_workers == expected
-    finally:
+        assert compression.limit_frame_threads(None) == 8
+    finally:  # this process's own default again
+        monkeypatch.undo()
         compression.limit_frame_threads(None)
-    assert compression.frame_threads() == compression._FRAME_THREADS
 
 
 def test_a_resized_pool_finishes_what_was_submitted_to_the_old_one():
