@@ -190,3 +190,40 @@ def test_a_fallback_recovered_by_the_client_that_wrote_the_damaged_checkpoint_ke
     ctx2 = _init(client, dirs)
     _assert_same(ctx2.recover(), saved[2])
     assert ctx2.recovered_from == (2, 1)
+
+
+class _ClientDied(BaseException):
+    """The client process dies here (raised through every handler, as a kill would stop them)."""
+
+
+@pytest.mark.parametrize("level", [5, 8])
+def test_a_client_killed_while_retiring_leaves_the_previous_checkpoint_recoverable(client, dirs, level, monkeypatch):
+    """The client dies as checkpoint 3 retires checkpoint 2, when it comes to name the fallback; checkpoint 3's file
+    is then cut. Checkpoint 2 is whole: a new client recovers it. Before, its files had already been renamed to the
+    spares while the fallback record still named checkpoint 1: checkpoint 2's commit record pointed at directories
+    without its files, and nothing was recovered (NoCheckpointError)."""
+    from ftidask.engine.runstate import RunState
+
+    original = RunState.note_retired
+
+    def note_retired(self, record, kept):
+        if record.ckpt_id == 2:
+            raise _ClientDied
+        return original(self, record, kept)
+
+    monkeypatch.setattr(RunState, "note_retired", note_retired)
+    ctx = _init(client, dirs)
+    ctx.protect(1, da.random.default_rng(5).random((96, 64), chunks=(24, 64)), name="field")
+    saved = {}
+    for k in (1, 2, 3):
+        _step(ctx, k)
+        try:
+            ctx.checkpoint(k, level)
+        except _ClientDied:
+            assert k == 3
+        saved[k] = _state(ctx)
+    monkeypatch.setattr(RunState, "note_retired", original)
+    _truncate(dirs, level, 3)
+    ctx2 = _init(client, dirs)
+    _assert_same(ctx2.recover(), saved[2])
+    assert ctx2.recovered_from == (2, level - 4)

@@ -150,6 +150,11 @@ class DcpStore:
                                pool=self._pool, capture_xor=level == 3)  # L3 updates parity from old XOR new
         return DcpHandle(self, level, fd, writer, path)
 
+    def keeps(self, level: int, seq: int) -> bool:
+        """Whether :meth:`retire` of checkpoint ``seq`` of ``level`` makes its file the spare (its state is known:
+        written or recovered, verified, by this process), barring an error while renaming it."""
+        return (level, seq) in self._files
+
     def retire(self, level: int, seq: int, path: Path, ckpt_id: int | None = None) -> bool:
         """Checkpoint ``seq`` of ``level`` is no longer committed: keep its file as the spare
         (and, at L2, the partner copy it holds as the spare partner copy). True when it was kept."""

@@ -1,0 +1,88 @@
+"""The dCP fallback under kills at each step of a retirement, then the newest checkpoint damaged.
+
+Found by a random-crash campaign (SIGKILL at random product calls, random damage, then a restart): whatever
+moment of ``remove_checkpoint`` a process dies at, the previous checkpoint (whole, in its directory or as the
+spare) must stay recoverable when the newest one turns out damaged.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ftidask
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_dcp import _kw  # noqa: E402
+
+CHILD = r"""
+import sys
+sys.path.insert(0, {tests!r})
+import numpy as np, crashpoints, ftidask
+from {module} import {cls}
+crashpoints.kill_at_call({cls}, {name!r}, {nth}, after={after})   # SIGKILL
+ctx = ftidask.init(**{kw!r})
+a = np.zeros(10_000); ctx.protect(1, a)
+for i in (1, 2, 3):
+    a[:] = i
+    a[i * 700] = -i
+    ctx.checkpoint(i, {level})
+"""
+
+
+def _killed(root: Path, owner: str, name: str, nth: int, after: bool, level: int) -> None:
+    """Checkpoints 1-3 at ``level`` in a child process SIGKILLed at the ``nth`` call of ``owner.name``."""
+    module, cls = owner.split(":")
+    code = CHILD.format(tests=str(Path(__file__).parent), module=module, cls=cls, name=name, nth=nth, after=after,
+                        kw=_kw(root), level=level)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -9, r.stderr
+
+
+def _state(i: int) -> np.ndarray:
+    a = np.full(10_000, float(i))
+    a[i * 700] = -i
+    return a
+
+
+def _recovered(root: Path) -> np.ndarray:
+    ctx = ftidask.init(**_kw(root))
+    b = np.zeros(10_000)
+    ctx.protect(1, b)
+    try:
+        ctx.recover()
+    finally:
+        ctx._closed = True
+        if ctx._run_lock is not None:
+            ctx._run_lock.release()
+    return b
+
+
+# Checkpoint 3's retirement of checkpoint 2 (the second retirement): killed as each of its steps starts or ends.
+STEPS = [("ftidask.engine.dcpstore:DcpStore", "retire", False), ("ftidask.engine.dcpstore:DcpStore", "retire", True),
+         ("ftidask.engine.runstate:RunState", "note_retired", False),
+         ("ftidask.engine.runstate:RunState", "note_retired", True),
+         ("ftidask.engine.runstate:RunState", "delete_record", True)]
+
+
+@pytest.mark.parametrize("level", [5, 8])
+@pytest.mark.parametrize("owner,name,after", STEPS)
+def test_killed_while_retiring_the_previous_checkpoint_then_newest_damaged(tmp_path, owner, name, after, level):
+    """Checkpoints 1-3; killed during checkpoint 3's retirement of checkpoint 2; checkpoint 3's file then cut.
+    Checkpoint 2 is whole (its file in its directory or renamed to the spare): the restart recovers it, exactly.
+    Before, a kill once the file was the spare and before its fallback record was written left checkpoint 2 named
+    by its commit record only, which points at its directory: NoCheckpointError with checkpoint 2 whole."""
+    _killed(tmp_path, owner, name, 2, after, level)
+    (newest,) = tmp_path.glob("*/**/ckpt3.*/Ckpt3-Rank0.fti")
+    os.truncate(newest, newest.stat().st_size - 100)
+    whole = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.fti"))
+    try:
+        got = _recovered(tmp_path)
+    except ftidask.NoCheckpointError as exc:
+        pytest.fail(f"files {whole}: checkpoint 2 is whole, yet {exc}")
+    assert got.tobytes() == _state(2).tobytes()
