@@ -227,3 +227,30 @@ def test_a_client_killed_while_retiring_leaves_the_previous_checkpoint_recoverab
     ctx2 = _init(client, dirs)
     _assert_same(ctx2.recover(), saved[2])
     assert ctx2.recovered_from == (2, level - 4)
+
+
+def test_spares_found_damaged_are_never_patched(client, dirs):
+    """The client that wrote checkpoints 1-3 recovers with checkpoint 3 cut and a bit of a spare flipped in a block
+    that never changes: nothing (NoCheckpointError). Checkpoint 4 must then write the spares in full: before, the
+    client patched them from the FB hashes it noted, the damaged block stayed, and checkpoint 4, committed and
+    reported written, never verified."""
+    ctx, saved = _three_checkpoints(client, dirs, 5, 6)
+    row = saved[3][1][90].tobytes()  # a row that _step never changes
+    for path in _spares(dirs, 5):
+        data = Path(path).read_bytes()
+        off = data.find(row)
+        if off > 0:
+            with open(path, "r+b") as fh:
+                fh.seek(off + 8)
+                fh.write(bytes([data[off + 8] ^ 1]))
+            break
+    else:
+        pytest.fail("row 90 is in no spare")
+    _truncate(dirs, 5, 3)
+    with pytest.raises(ftidask.NoCheckpointError):
+        ctx.recover()
+    _step(ctx, 4)
+    ctx.checkpoint(4, 5)
+    saved[4] = _state(ctx)
+    ctx2 = _init(client, dirs)
+    _assert_same(ctx2.recover(), saved[4])

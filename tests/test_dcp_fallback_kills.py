@@ -50,9 +50,10 @@ def _state(i: int) -> np.ndarray:
     return a
 
 
-def _recovered(root: Path) -> np.ndarray:
+def _recovered(root: Path, size: int = 10_000) -> np.ndarray:
+    """A restart's recovery of array 1 (``size`` float64)."""
     ctx = ftidask.init(**_kw(root))
-    b = np.zeros(10_000)
+    b = np.zeros(size)
     ctx.protect(1, b)
     try:
         ctx.recover()
@@ -86,3 +87,48 @@ def test_killed_while_retiring_the_previous_checkpoint_then_newest_damaged(tmp_p
     except ftidask.NoCheckpointError as exc:
         pytest.fail(f"files {whole}: checkpoint 2 is whole, yet {exc}")
     assert got.tobytes() == _state(2).tobytes()
+
+
+# --- a spare that a recovery found damaged ------------------------------------------------------------------
+
+def _flip_unchanged_block(spare: Path, a: np.ndarray, at: int) -> None:
+    """Flip a bit of ``a[at]`` in the spare: a block that the next checkpoint does not change (bit rot)."""
+    data = spare.read_bytes()
+    off = data.find(a[at:at + 4].tobytes())
+    assert off > 0
+    with open(spare, "r+b") as fh:
+        fh.seek(off)
+        fh.write(bytes([data[off] ^ 1]))
+
+
+@pytest.mark.parametrize("restart", [True, False])
+@pytest.mark.parametrize("level", [5, 8])
+def test_a_spare_found_damaged_is_never_patched(tmp_path, level, restart):
+    """Checkpoints 1-3; a bit of the spare (checkpoint 2) flipped in a block that never changes, checkpoint 3's file
+    cut: recovery finds nothing (NoCheckpointError). Checkpoint 4 must then be written in full, not by patching the
+    spare that the recovery has just found damaged: before, a restart trusted the spare's own block hashes (its hint
+    named its FB hash) and the process that wrote it its block state, so checkpoint 4 patched only the changed
+    blocks, was committed and reported written, and never verified (the next restart recovered nothing)."""
+    ctx = ftidask.init(**_kw(tmp_path))
+    a = np.arange(40_000, dtype=np.float64)
+    ctx.protect(1, a)
+    for i in (1, 2, 3):
+        a[i * 100] = -i
+        ctx.checkpoint(i, level)
+    _flip_unchanged_block(ctx._dcp.spare_path(level - 4), a, 30_000)
+    newest = ctx._rank_file(ctx.state.records()[-1])
+    os.truncate(newest, newest.stat().st_size - 100)
+    if restart:
+        ctx._closed = True
+        ctx._run_lock.release()
+        ctx = ftidask.init(**_kw(tmp_path))
+        a = np.arange(40_000, dtype=np.float64)
+        ctx.protect(1, a)
+    with pytest.raises(ftidask.NoCheckpointError):
+        ctx.recover()
+    a[4 * 100] = -4
+    ctx.checkpoint(4, level)
+    ctx._closed = True
+    ctx._run_lock.release()
+    got = _recovered(tmp_path, a.size)
+    assert got.tobytes() == a.tobytes()

@@ -303,6 +303,18 @@ def write_spare_hint(spare: Path, fb_hash: str) -> None:
         os.replace(tmp, hint)
 
 
+def distrust_spare(store: DcpStore | None, level: int, spare: Path) -> None:
+    """A recovery found ``spare`` (this rank's spare of ``level``, checked as the previous checkpoint) damaged or not
+    the file its fallback record names: forget its block state and its hint, so that the next differential
+    checkpoint writes every block. Trusted, a damaged block that the next checkpoint does not change was kept
+    as it was (only the changed blocks are written): that checkpoint was committed, reported written, and never
+    verified. Best effort: a hint left only names an FB hash, which the next patch checks again."""
+    if store is not None:
+        store._spares.pop(level, None)
+    with contextlib.suppress(OSError):
+        spare_hint_path(spare).unlink(missing_ok=True)
+
+
 def _holds(fd: int, state: BlockState) -> bool:
     """True when the file at ``fd`` is still the one ``state`` describes (its FB hash)."""
     raw = os.pread(fd, FB_SIZE, 0)

@@ -24,6 +24,7 @@ from ..storage.files import RunPaths
 from ..transport.collective import agree, attempt, guarded, on_root
 from . import pagemove, recoverplan, reshard
 from .checkpointing import CheckpointInfo
+from .dcpstore import distrust_spare
 from .pagemove import Stager, release_all
 from .prefault import Prefault
 from .recovery import Verdict, check_file, load_file
@@ -161,6 +162,8 @@ class Recovery(RunPart):
             release_all(verdict.staged)
             if self.spares.store is not None and not record.fallback:  # never a spare (nor a fallback) once retired
                 self.spares.store.discard(record.level, record.seq)
+            if record.fallback and not ok:  # this rank's spare: never patched as if it were whole
+                distrust_spare(self.spares.store, record.level, path)
             bad = [(r, m) for r, (k, m) in enumerate(verdicts) if k != "ok"]
             return None, f"{len(bad)} rank(s) cannot verify or rebuild their file, first rank {bad[0][0]}: {bad[0][1]}"
 

@@ -185,6 +185,13 @@ class DaskSpares:
             self.pinned.discard(record.level)  # a sound committed checkpoint: the spares may be patched again
             self.sound.add(record.seq)
 
+    def distrust(self, level: int) -> None:
+        """A recovery found the spares of ``level`` (a fallback) damaged or not the files its record names: the next
+        differential checkpoint of the level writes every block. Patched from the FB hashes noted, a damaged block
+        that checkpoint does not change was kept as it was: committed, reported written, and never verified."""
+        for key in [k for k in self.hints if k[0] == level]:
+            del self.hints[key]
+
     def left_alone(self, level: int) -> bool:
         """Must the spares of ``level`` stay as they are (neither patched nor replaced)? After a recovery from
         them, until a newer checkpoint of the level or above is committed, and while live arrays may still
