@@ -7,6 +7,7 @@ spare) must stay recoverable when the newest one turns out damaged.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -132,3 +133,29 @@ def test_a_spare_found_damaged_is_never_patched(tmp_path, level, restart):
     ctx._run_lock.release()
     got = _recovered(tmp_path, a.size)
     assert got.tobytes() == a.tobytes()
+
+
+# --- restarts on another number of ranks ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("level", [1, 5])
+@pytest.mark.mpi
+def test_an_older_checkpoint_of_this_layout_is_recovered_when_the_resharded_ones_fail(tmp_path, level):
+    """Checkpoint 1 at L4 on 4 ranks; a restart on 2 ranks recovers it and writes checkpoints 2 and 3 at ``level``;
+    rank 0's file of checkpoint 3 is cut (at L1_DCP, its spare too: checkpoint 2 is lost). A restart on 4 ranks
+    recovers checkpoint 1, exactly: before, the newest checkpoints had another layout, only they were tried (to be
+    redistributed), and the restart raised NoCheckpointError with checkpoint 1, of its own layout, sound."""
+    pytest.importorskip("mpi4py")
+    from mpi_util import mpiexec, run
+
+    if mpiexec() is None:
+        pytest.skip("needs mpiexec")
+    run(4, "reshard_older_job.py", "l4", str(tmp_path), str(level))
+    run(2, "reshard_older_job.py", "dcp", str(tmp_path), str(level))
+    (newest,) = tmp_path.glob("Local/node0/*/l1/ckpt3.*/Ckpt3-Rank0.fti")
+    os.truncate(newest, newest.stat().st_size - 100)
+    if level == 5:
+        spare = next(tmp_path.glob("Local/node0/*/l1/dcp/Spare-Rank0.fti"))
+        os.truncate(spare, spare.stat().st_size - 100)
+    run(4, "reshard_older_job.py", "recover", str(tmp_path), str(level))
+    got = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
+    assert got == [{"from": [1, 4], "exact": True}] * 4, got

@@ -17,6 +17,7 @@ its data before any protected array is written. Otherwise every rank raises the 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -127,8 +128,18 @@ def recover_other_layout(ctx: Recovery, ckpt_id: int | None, level: int | None,
     if ids is not None:
         raise RecoveryError(f"{change}: recover(ids=...) recovers on the checkpoint's own layout only; recover every "
                             "variable (no ids) to redistribute it")
-    other = [r for r in records if layout_change(r, t.size, nodes)]
-    record, arrays = recover_resharded(ctx, other, change)
+    # Newest first, as every recovery: the other layout's checkpoints newer than the newest of this run's layout;
+    # when none of them can be redistributed, that one and what follows (the ordinary recovery). Before, only the
+    # other layout's were tried, all of them: a restart raised NoCheckpointError with an older checkpoint of its
+    # own layout sound, or redistributed an older checkpoint over a newer one of its own layout.
+    newer = list(itertools.takewhile(lambda r: layout_change(r, t.size, nodes), records))
+    try:
+        record, arrays = recover_resharded(ctx, newer, change)
+    except NoCheckpointError as exc:  # agreed: the same on every rank
+        if len(newer) == len(records):
+            raise
+        log.warning("%s; recovering an older checkpoint of this run's layout", exc)
+        return None
     if record.fallback:  # the old ranks' spares are all that a crash would recover: the next checkpoint leaves them
         ctx.spares.get().pin(record.level)
     ctx.progress.restored(record.ckpt_id, record.level, None)  # None: the next checkpoint plans its containers afresh
