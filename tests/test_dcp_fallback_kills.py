@@ -159,3 +159,36 @@ def test_an_older_checkpoint_of_this_layout_is_recovered_when_the_resharded_ones
     run(4, "reshard_older_job.py", "recover", str(tmp_path), str(level))
     got = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
     assert got == [{"from": [1, 4], "exact": True}] * 4, got
+
+
+@pytest.mark.parametrize("ranks,node_size,level,rank", [(4, 2, 5, 0), (4, 2, 8, 1), (2, 1, 8, 1)])
+@pytest.mark.mpi
+def test_spares_found_damaged_on_another_layout_are_never_patched(tmp_path, ranks, node_size, level, rank):
+    """4 ranks on 4 nodes write checkpoints 1-3 at ``level`` (zeros but a marker: blocks alike); a bit of rank
+    ``rank``'s spare is flipped and its file of checkpoint 3 cut. A restart on another layout (``ranks`` ranks,
+    ``node_size`` per node) recovers nothing (NoCheckpointError) and writes checkpoint 4, which a restart on that
+    layout recovers exactly. Before, a rank that found its spare again (4 ranks on 2 nodes: rank 0's L1 spare on its
+    node, rank 1's L4 spare in the global directory) patched it, damaged (its hint still named its FB hash): the
+    damaged block, unchanged, stayed, and checkpoint 4 never verified."""
+    pytest.importorskip("mpi4py")
+    from mpi_util import mpiexec, run
+
+    if mpiexec() is None:
+        pytest.skip("needs mpiexec")
+    run(4, "reshard_spare_job.py", "write", str(tmp_path), "1", str(level))
+    where = "Global/*/l4" if level == 8 else f"Local/node{rank}/*/l1"
+    spare = next(tmp_path.glob(f"{where}/dcp/Spare-Rank{rank}.fti"))
+    data = spare.read_bytes()
+    off = data.find(bytes(4096), 4096 * 2)  # a zero block of its data
+    with open(spare, "r+b") as fh:
+        fh.seek(off + 100)
+        fh.write(b"\x01")
+    (newest,) = tmp_path.glob(f"{where}/ckpt3.*/Ckpt3-Rank{rank}.fti")
+    os.truncate(newest, newest.stat().st_size - 100)
+    args = (str(tmp_path), str(node_size), str(level))
+    run(ranks, "reshard_spare_job.py", "continue", *args)
+    assert [json.loads((tmp_path / f"continue-{r}.json").read_text()) for r in range(ranks)] == \
+        [{"error": "NoCheckpointError"}] * ranks
+    run(ranks, "reshard_spare_job.py", "recover", *args)
+    got = [json.loads((tmp_path / f"recover-{r}.json").read_text()) for r in range(ranks)]
+    assert got == [{"from": [4, level - 4], "exact": True}] * ranks, got

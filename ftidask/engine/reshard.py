@@ -31,6 +31,8 @@ from ..ftiff.reader import FtiffFile, check_unchanged, parse_ftiff
 from ..model.arrays import dtype_to_json
 from ..model.decomposition import Piece, Placement, overlap, piece_view, placement
 from ..model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
+from ..storage.files import SPARE_DIR, spare_file
+from .dcpstore import distrust_spare
 from .recovery import check_file, check_writeable, load_file
 from .reshard_rebuild import old_groups, rebuild_group
 from .retention import rank_path
@@ -205,6 +207,10 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -
             raise RecoveryError(f"{layout_change(record, t.size, t.allgather(t.node))}: {exc}. {advice(record)}") \
                 from None
         except RecoveryError as exc:
+            if record.fallback:  # an old rank's spare failed, perhaps this rank's own (same node and name): none of
+                # them is patched as if it were whole (see Recovery.find), each rank's next one is written in full
+                distrust_spare(ctx.spares.store, record.level, ctx.paths.level_dir(record.level, t.node)
+                               / SPARE_DIR / spare_file(t.rank))
             reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {exc}")
             log.warning("cannot recover checkpoint %d (level %d) on this layout: %s", record.ckpt_id, record.level,
                         exc)
