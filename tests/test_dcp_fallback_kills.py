@@ -1,8 +1,10 @@
-"""The dCP fallback under kills at each step of a retirement, then the newest checkpoint damaged.
+"""The dCP fallback under kills and damage: found by an adversarial review and its random-crash campaign.
 
-Found by a random-crash campaign (SIGKILL at random product calls, random damage, then a restart): whatever
-moment of ``remove_checkpoint`` a process dies at, the previous checkpoint (whole, in its directory or as the
-spare) must stay recoverable when the newest one turns out damaged.
+* Killed at each step of a retirement, then the newest checkpoint damaged: the previous checkpoint (whole, in its
+  directory or as the spare) stays recoverable.
+* A spare that a recovery tried as the fallback and found damaged is never patched by the next checkpoint
+  (on the process's own layout and on another one).
+* A restart on another layout recovers an older checkpoint of its own layout when the newer ones fail.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 import ftidask
 
 sys.path.insert(0, str(Path(__file__).parent))
+from mpi_util import need_mpi, run  # noqa: E402
 from test_dcp import _kw  # noqa: E402
 
 CHILD = r"""
@@ -138,17 +141,13 @@ def test_a_spare_found_damaged_is_never_patched(tmp_path, level, restart):
 # --- restarts on another number of ranks ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("level", [1, 5])
-@pytest.mark.mpi
+@need_mpi()[0]
+@need_mpi()[1]
 def test_an_older_checkpoint_of_this_layout_is_recovered_when_the_resharded_ones_fail(tmp_path, level):
     """Checkpoint 1 at L4 on 4 ranks; a restart on 2 ranks recovers it and writes checkpoints 2 and 3 at ``level``;
     rank 0's file of checkpoint 3 is cut (at L1_DCP, its spare too: checkpoint 2 is lost). A restart on 4 ranks
     recovers checkpoint 1, exactly: before, the newest checkpoints had another layout, only they were tried (to be
     redistributed), and the restart raised NoCheckpointError with checkpoint 1, of its own layout, sound."""
-    pytest.importorskip("mpi4py")
-    from mpi_util import mpiexec, run
-
-    if mpiexec() is None:
-        pytest.skip("needs mpiexec")
     run(4, "reshard_older_job.py", "l4", str(tmp_path), str(level))
     run(2, "reshard_older_job.py", "dcp", str(tmp_path), str(level))
     (newest,) = tmp_path.glob("Local/node0/*/l1/ckpt3.*/Ckpt3-Rank0.fti")
@@ -162,7 +161,8 @@ def test_an_older_checkpoint_of_this_layout_is_recovered_when_the_resharded_ones
 
 
 @pytest.mark.parametrize("ranks,node_size,level,rank", [(4, 2, 5, 0), (4, 2, 8, 1), (2, 1, 8, 1)])
-@pytest.mark.mpi
+@need_mpi()[0]
+@need_mpi()[1]
 def test_spares_found_damaged_on_another_layout_are_never_patched(tmp_path, ranks, node_size, level, rank):
     """4 ranks on 4 nodes write checkpoints 1-3 at ``level`` (zeros but a marker: blocks alike); a bit of rank
     ``rank``'s spare is flipped and its file of checkpoint 3 cut. A restart on another layout (``ranks`` ranks,
@@ -170,11 +170,6 @@ def test_spares_found_damaged_on_another_layout_are_never_patched(tmp_path, rank
     layout recovers exactly. Before, a rank that found its spare again (4 ranks on 2 nodes: rank 0's L1 spare on its
     node, rank 1's L4 spare in the global directory) patched it, damaged (its hint still named its FB hash): the
     damaged block, unchanged, stayed, and checkpoint 4 never verified."""
-    pytest.importorskip("mpi4py")
-    from mpi_util import mpiexec, run
-
-    if mpiexec() is None:
-        pytest.skip("needs mpiexec")
     run(4, "reshard_spare_job.py", "write", str(tmp_path), "1", str(level))
     where = "Global/*/l4" if level == 8 else f"Local/node{rank}/*/l1"
     spare = next(tmp_path.glob(f"{where}/dcp/Spare-Rank{rank}.fti"))
@@ -192,3 +187,21 @@ def test_spares_found_damaged_on_another_layout_are_never_patched(tmp_path, rank
     run(ranks, "reshard_spare_job.py", "recover", *args)
     got = [json.loads((tmp_path / f"recover-{r}.json").read_text()) for r in range(ranks)]
     assert got == [{"from": [4, level - 4], "exact": True}] * ranks, got
+
+
+@need_mpi()[0]
+@need_mpi()[1]
+def test_a_fallback_of_another_layout_is_recovered_after_the_newest_of_this_layout_fails(tmp_path):
+    """4 ranks write L4_DCP checkpoints 1-3 (rank 1's file of 3 then cut); a restart on 2 ranks redistributes
+    checkpoint 2 from the spares and writes checkpoint 4 beside them; rank 1's file of 4 is cut. A restart on 2 ranks
+    recovers checkpoint 2 again, from the spares of the 4 ranks, exactly: before, the newest checkpoint (4) had this
+    run's layout, so only checkpoints of this layout were tried, and the restart raised NoCheckpointError."""
+    run(4, "dcp_fallback_job.py", "write", str(tmp_path), timeout=120)
+    (newest,) = tmp_path.glob("Global/*/l4/ckpt3.*/Ckpt3-Rank1.fti")
+    os.truncate(newest, newest.stat().st_size - 100)
+    run(2, "dcp_fallback_job.py", "continue", str(tmp_path), timeout=120)
+    (newest,) = tmp_path.glob("Global/*/l4/ckpt4.*/Ckpt4-Rank1.fti")
+    os.truncate(newest, newest.stat().st_size - 100)
+    run(2, "dcp_fallback_job.py", "recover", str(tmp_path), timeout=120)
+    got = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
+    assert got == [{"from": [2, 4], "exact": True}] * 2, got

@@ -17,7 +17,6 @@ its data before any protected array is written. Otherwise every rank raises the 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 from pathlib import Path
@@ -116,32 +115,30 @@ def _table(parsed: Any) -> dict[str, Any]:
 
 # --- recovery ------------------------------------------------------------------------------------
 
-def recover_other_layout(ctx: Recovery, ckpt_id: int | None, level: int | None,
-                         ids: list[int] | None = None) -> dict[int, np.ndarray] | None:
-    """Recover when the newest candidate checkpoint has another layout than this run; None when it has
-    the same one (the ordinary recovery applies). Collective. A partial recovery (``ids``) is not
-    redistributed: it is refused, on every rank, before anything is read."""
+def by_layout(ctx: Recovery, records: list[CommitRecord]) -> list[tuple[str, list[CommitRecord]]]:
+    """``records`` (newest first) in runs of one kind, newest first: ``(change, run)``, ``change`` saying how the
+    run's checkpoints differ from this run's layout ("" for this run's own). Collective (the nodes are gathered)."""
     t = ctx.transport
-    records = ctx.all_candidates(ckpt_id, level)
     nodes = t.allgather(t.node)
-    change = layout_change(records[0], t.size, nodes) if records else ""
-    if not change:
-        return None
+    runs: list[tuple[str, list[CommitRecord]]] = []
+    for record in records:
+        change = layout_change(record, t.size, nodes)
+        if runs and bool(runs[-1][0]) == bool(change):
+            runs[-1][1].append(record)
+        else:
+            runs.append((change, [record]))
+    return runs
+
+
+def recover_other_layout(ctx: Recovery, records: list[CommitRecord], change: str,
+                         ids: list[int] | None = None) -> dict[int, np.ndarray]:
+    """Redistribute the newest of ``records`` (written on another layout than this run's, as ``change`` says) that can
+    be; the same NoCheckpointError on every rank, nothing touched, when none can. Collective. A partial recovery
+    (``ids``) is not redistributed: it is refused, on every rank, before anything is read."""
     if ids is not None:
         raise RecoveryError(f"{change}: recover(ids=...) recovers on the checkpoint's own layout only; recover every "
                             "variable (no ids) to redistribute it")
-    # Newest first, as every recovery: the other layout's checkpoints newer than the newest of this run's layout;
-    # when none of them can be redistributed, that one and what follows (the ordinary recovery). Before, only the
-    # other layout's were tried, all of them: a restart raised NoCheckpointError with an older checkpoint of its
-    # own layout sound, or redistributed an older checkpoint over a newer one of its own layout.
-    newer = list(itertools.takewhile(lambda r: layout_change(r, t.size, nodes), records))
-    try:
-        record, arrays = recover_resharded(ctx, newer, change)
-    except NoCheckpointError as exc:  # agreed: the same on every rank
-        if len(newer) == len(records):
-            raise
-        log.warning("%s; recovering an older checkpoint of this run's layout", exc)
-        return None
+    record, arrays = recover_resharded(ctx, records, change)
     if record.fallback:  # the old ranks' spares are all that a crash would recover: the next checkpoint leaves them
         ctx.spares.get().pin(record.level)
     ctx.progress.restored(record.ckpt_id, record.level, None)  # None: the next checkpoint plans its containers afresh
