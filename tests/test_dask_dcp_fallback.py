@@ -190,3 +190,67 @@ def test_a_fallback_recovered_by_the_client_that_wrote_the_damaged_checkpoint_ke
     ctx2 = _init(client, dirs)
     _assert_same(ctx2.recover(), saved[2])
     assert ctx2.recovered_from == (2, 1)
+
+
+class _ClientDied(BaseException):
+    """The client process dies here (raised through every handler, as a kill would stop them)."""
+
+
+@pytest.mark.parametrize("level", [5, 8])
+def test_a_client_killed_while_retiring_leaves_the_previous_checkpoint_recoverable(client, dirs, level, monkeypatch):
+    """The client dies as checkpoint 3 retires checkpoint 2, when it comes to name the fallback; checkpoint 3's file
+    is then cut. Checkpoint 2 is whole: a new client recovers it. Before, its files had already been renamed to the
+    spares while the fallback record still named checkpoint 1: checkpoint 2's commit record pointed at directories
+    without its files, and nothing was recovered (NoCheckpointError)."""
+    from ftidask.engine.runstate import RunState
+
+    original = RunState.note_retired
+
+    def note_retired(self, record, kept):
+        if record.ckpt_id == 2:
+            raise _ClientDied
+        return original(self, record, kept)
+
+    monkeypatch.setattr(RunState, "note_retired", note_retired)
+    ctx = _init(client, dirs)
+    ctx.protect(1, da.random.default_rng(5).random((96, 64), chunks=(24, 64)), name="field")
+    saved = {}
+    for k in (1, 2, 3):
+        _step(ctx, k)
+        try:
+            ctx.checkpoint(k, level)
+        except _ClientDied:
+            assert k == 3
+        saved[k] = _state(ctx)
+    monkeypatch.setattr(RunState, "note_retired", original)
+    _truncate(dirs, level, 3)
+    ctx2 = _init(client, dirs)
+    _assert_same(ctx2.recover(), saved[2])
+    assert ctx2.recovered_from == (2, level - 4)
+
+
+def test_spares_found_damaged_are_never_patched(client, dirs):
+    """The client that wrote checkpoints 1-3 recovers with checkpoint 3 cut and a bit of a spare flipped in a block
+    that never changes: nothing (NoCheckpointError). Checkpoint 4 must then write the spares in full: before, the
+    client patched them from the FB hashes it noted, the damaged block stayed, and checkpoint 4, committed and
+    reported written, never verified."""
+    ctx, saved = _three_checkpoints(client, dirs, 5, 6)
+    row = saved[3][1][90].tobytes()  # a row that _step never changes
+    for path in _spares(dirs, 5):
+        data = Path(path).read_bytes()
+        off = data.find(row)
+        if off > 0:
+            with open(path, "r+b") as fh:
+                fh.seek(off + 8)
+                fh.write(bytes([data[off + 8] ^ 1]))
+            break
+    else:
+        pytest.fail("row 90 is in no spare")
+    _truncate(dirs, 5, 3)
+    with pytest.raises(ftidask.NoCheckpointError):
+        ctx.recover()
+    _step(ctx, 4)
+    ctx.checkpoint(4, 5)
+    saved[4] = _state(ctx)
+    ctx2 = _init(client, dirs)
+    _assert_same(ctx2.recover(), saved[4])

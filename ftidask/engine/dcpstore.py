@@ -150,6 +150,11 @@ class DcpStore:
                                pool=self._pool, capture_xor=level == 3)  # L3 updates parity from old XOR new
         return DcpHandle(self, level, fd, writer, path)
 
+    def keeps(self, level: int, seq: int) -> bool:
+        """Whether :meth:`retire` of checkpoint ``seq`` of ``level`` makes its file the spare (its state is known:
+        written or recovered, verified, by this process), barring an error while renaming it."""
+        return (level, seq) in self._files
+
     def retire(self, level: int, seq: int, path: Path, ckpt_id: int | None = None) -> bool:
         """Checkpoint ``seq`` of ``level`` is no longer committed: keep its file as the spare
         (and, at L2, the partner copy it holds as the spare partner copy). True when it was kept."""
@@ -296,6 +301,18 @@ def write_spare_hint(spare: Path, fb_hash: str) -> None:
         with os.fdopen(fd, "wb") as fh:
             fh.write(json.dumps({"fb_hash": fb_hash}).encode())
         os.replace(tmp, hint)
+
+
+def distrust_spare(store: DcpStore | None, level: int, spare: Path) -> None:
+    """A recovery found ``spare`` (this rank's spare of ``level``, checked as the previous checkpoint) damaged or not
+    the file its fallback record names: forget its block state and its hint, so that the next differential
+    checkpoint writes every block. Trusted, a damaged block that the next checkpoint does not change was kept
+    as it was (only the changed blocks are written): that checkpoint was committed, reported written, and never
+    verified. Best effort: a hint left only names an FB hash, which the next patch checks again."""
+    if store is not None:
+        store._spares.pop(level, None)
+    with contextlib.suppress(OSError):
+        spare_hint_path(spare).unlink(missing_ok=True)
 
 
 def _holds(fd: int, state: BlockState) -> bool:

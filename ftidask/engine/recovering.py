@@ -24,6 +24,7 @@ from ..storage.files import RunPaths
 from ..transport.collective import agree, attempt, guarded, on_root
 from . import pagemove, recoverplan, reshard
 from .checkpointing import CheckpointInfo
+from .dcpstore import distrust_spare
 from .pagemove import Stager, release_all
 from .prefault import Prefault
 from .recovery import Verdict, check_file, load_file
@@ -128,9 +129,9 @@ class Recovery(RunPart):
                           f"checking {path}")
         return verdict if verdict is not None else Verdict("damaged", "; ".join(errors))
 
-    def find(self, ckpt_id: int | None = None, level: int | None = None,
-             stage: Stager | None = None) -> tuple[CommitRecord, Verdict]:
-        """The newest committed checkpoint that every rank can verify (or rebuild).
+    def find(self, ckpt_id: int | None = None, level: int | None = None, stage: Stager | None = None,
+             records: list[CommitRecord] | None = None) -> tuple[CommitRecord, Verdict]:
+        """The newest committed checkpoint that every rank can verify (or rebuild); among ``records`` if given.
 
         ``stage``: arrays to read into staged pages while verifying (:mod:`.pagemove`); the verdict
         returned holds them, the verdicts of checkpoints passed over release theirs.
@@ -161,10 +162,13 @@ class Recovery(RunPart):
             release_all(verdict.staged)
             if self.spares.store is not None and not record.fallback:  # never a spare (nor a fallback) once retired
                 self.spares.store.discard(record.level, record.seq)
+            if record.fallback and not ok:  # this rank's spare: never patched as if it were whole
+                distrust_spare(self.spares.store, record.level, path)
             bad = [(r, m) for r, (k, m) in enumerate(verdicts) if k != "ok"]
             return None, f"{len(bad)} rank(s) cannot verify or rebuild their file, first rank {bad[0][0]}: {bad[0][1]}"
 
-        return newest_recoverable(self.all_candidates(ckpt_id, level), verify, self.paths, ckpt_id, level)
+        return newest_recoverable(self.all_candidates(ckpt_id, level) if records is None else records, verify,
+                                  self.paths, ckpt_id, level)
 
     def all_candidates(self, ckpt_id: int | None, level: int | None,
                        error: type[FTIError] = RecoveryError) -> list[CommitRecord]:
@@ -183,14 +187,33 @@ class Recovery(RunPart):
     def recover(self, ckpt_id: int | None, level: int | None, ids: Any) -> dict[int, Any]:
         """:meth:`ftidask.Context.recover` (collective)."""
         wanted = self._same_request(ckpt_id, level, ids)
-        resharded = reshard.recover_other_layout(self, ckpt_id, level, wanted)
-        if resharded is not None:  # written on another number of ranks or node layout
-            return resharded
+        # Newest first, whatever layout wrote them: each run of candidates of one layout in turn, those written on
+        # another number of ranks or node layout redistributed. Before, the newest's layout chose the only ones tried:
+        # NoCheckpointError with a sound checkpoint of the other kind (e.g. the previous differential checkpoint,
+        # written on 4 ranks and recovered on 2, once the checkpoint written after it on 2 ranks was damaged).
+        failed: list[NoCheckpointError] = []
+        for i, (change, records) in enumerate(reshard.by_layout(self, self.all_candidates(ckpt_id, level))):
+            if change and wanted is not None and i > 0:
+                continue  # never redistributed in part; refused (RecoveryError) when it is the newest
+            try:
+                if change:
+                    return reshard.recover_other_layout(self, records, change, wanted)
+                return self._recover_here(ckpt_id, level, wanted, records)
+            except NoCheckpointError as exc:  # agreed: the same on every rank; nothing was touched
+                failed.append(exc)
+        if not failed:
+            return self._recover_here(ckpt_id, level, wanted, [])  # raises: no committed checkpoint
+        raise failed[0] if len(failed) == 1 else NoCheckpointError("\n".join(map(str, failed)))
+
+    def _recover_here(self, ckpt_id: int | None, level: int | None, wanted: list[int] | None,
+                      records: list[CommitRecord]) -> dict[int, Any]:
+        """Recover the newest of ``records`` (written on this run's layout) that verifies (collective)."""
         verified = self._verified_before(ckpt_id, level)
-        if verified is not None:
+        if verified is not None and any(r.seq == verified[0].seq and r.fallback == verified[0].fallback
+                                        for r in records):
             return self._load(*verified, wanted)
         with self._verifying(wanted) as stage:
-            record, verdict = self.find(ckpt_id, level, stage)
+            record, verdict = self.find(ckpt_id, level, stage, records)
         try:
             return self._load(record, verdict, wanted)
         finally:

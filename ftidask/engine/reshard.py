@@ -30,6 +30,8 @@ from ..ftiff.reader import FtiffFile, check_unchanged, parse_ftiff
 from ..model.arrays import dtype_to_json
 from ..model.decomposition import Piece, Placement, overlap, piece_view, placement
 from ..model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
+from ..storage.files import SPARE_DIR, spare_file
+from .dcpstore import distrust_spare
 from .recovery import check_file, check_writeable, load_file
 from .reshard_rebuild import old_groups, rebuild_group
 from .retention import rank_path
@@ -113,22 +115,30 @@ def _table(parsed: Any) -> dict[str, Any]:
 
 # --- recovery ------------------------------------------------------------------------------------
 
-def recover_other_layout(ctx: Recovery, ckpt_id: int | None, level: int | None,
-                         ids: list[int] | None = None) -> dict[int, np.ndarray] | None:
-    """Recover when the newest candidate checkpoint has another layout than this run; None when it has
-    the same one (the ordinary recovery applies). Collective. A partial recovery (``ids``) is not
-    redistributed: it is refused, on every rank, before anything is read."""
+def by_layout(ctx: Recovery, records: list[CommitRecord]) -> list[tuple[str, list[CommitRecord]]]:
+    """``records`` (newest first) in runs of one kind, newest first: ``(change, run)``, ``change`` saying how the
+    run's checkpoints differ from this run's layout ("" for this run's own). Collective (the nodes are gathered)."""
     t = ctx.transport
-    records = ctx.all_candidates(ckpt_id, level)
     nodes = t.allgather(t.node)
-    change = layout_change(records[0], t.size, nodes) if records else ""
-    if not change:
-        return None
+    runs: list[tuple[str, list[CommitRecord]]] = []
+    for record in records:
+        change = layout_change(record, t.size, nodes)
+        if runs and bool(runs[-1][0]) == bool(change):
+            runs[-1][1].append(record)
+        else:
+            runs.append((change, [record]))
+    return runs
+
+
+def recover_other_layout(ctx: Recovery, records: list[CommitRecord], change: str,
+                         ids: list[int] | None = None) -> dict[int, np.ndarray]:
+    """Redistribute the newest of ``records`` (written on another layout than this run's, as ``change`` says) that can
+    be; the same NoCheckpointError on every rank, nothing touched, when none can. Collective. A partial recovery
+    (``ids``) is not redistributed: it is refused, on every rank, before anything is read."""
     if ids is not None:
         raise RecoveryError(f"{change}: recover(ids=...) recovers on the checkpoint's own layout only; recover every "
                             "variable (no ids) to redistribute it")
-    other = [r for r in records if layout_change(r, t.size, nodes)]
-    record, arrays = recover_resharded(ctx, other, change)
+    record, arrays = recover_resharded(ctx, records, change)
     if record.fallback:  # the old ranks' spares are all that a crash would recover: the next checkpoint leaves them
         ctx.spares.get().pin(record.level)
     ctx.progress.restored(record.ckpt_id, record.level, None)  # None: the next checkpoint plans its containers afresh
@@ -194,6 +204,10 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -
             raise RecoveryError(f"{layout_change(record, t.size, t.allgather(t.node))}: {exc}. {advice(record)}") \
                 from None
         except RecoveryError as exc:
+            if record.fallback:  # an old rank's spare failed, perhaps this rank's own (same node and name): none of
+                # them is patched as if it were whole (see Recovery.find), each rank's next one is written in full
+                distrust_spare(ctx.spares.store, record.level, ctx.paths.level_dir(record.level, t.node)
+                               / SPARE_DIR / spare_file(t.rank))
             reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {exc}")
             log.warning("cannot recover checkpoint %d (level %d) on this layout: %s", record.ckpt_id, record.level,
                         exc)

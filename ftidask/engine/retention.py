@@ -83,21 +83,26 @@ class Retention(RunPart):
 
     def remove_checkpoint(self, record: CommitRecord, fallback: bool = True) -> None:
         """Drop ``record`` (collective); a differential checkpoint's files become the spares, and with
-        ``fallback`` what recovery falls back to (written before its commit record goes: a kill in
-        between leaves it named)."""
+        ``fallback`` what recovery falls back to (written before its files move and its commit record goes:
+        a kill at any point leaves it named by one of the two)."""
         t = self.transport
         failed = f"removing checkpoint {record.ckpt_id} (level {record.level}) failed"
         t.barrier()
         dcp = self.spares.store
-        kept, error = False, ""
+        if self.config.enable_dcp and fallback:  # until the spares are patched, recovery may fall back to them
+            # Named before its file is renamed to the spare: killed between the two, the checkpoint was named by its
+            # commit record only, which points at its directory, and a damaged newest one left nothing to recover
+            # while it was whole in the spare. Until the rename, the fallback record names a spare that still holds
+            # an older file (it fails the FB hash check, passed over) and the commit record its own file.
+            keeping = dcp is not None and dcp.keeps(record.level, record.seq)
+            on_root(t, lambda: self.state.note_retired(record, keeping), FTIError, failed)
+        error = ""
         if dcp is not None:  # its file becomes the spare that the next dCP checkpoint patches
             own = rank_path(self.paths, record, t.node, t.rank)
-            kept, error = attempt(t.rank, lambda: dcp.retire(record.level, record.seq, own, record.ckpt_id), False)
+            _kept, error = attempt(t.rank, lambda: dcp.retire(record.level, record.seq, own, record.ckpt_id), False)
         if self.config.enable_dcp:
             # every rank has moved its file out of the shared directories before any is removed
             agree(t, error, FTIError, failed)
-            if fallback:  # until the spares are patched, recovery may fall back to them
-                on_root(t, lambda: self.state.note_retired(record, kept), FTIError, failed)
         on_root(t, lambda: self.state.delete_record(record.seq), FTIError, failed)
         doomed = [self.paths.level_dir(level, t.node) / record.dirname for level in {record.level, 1, 2, 3}]
         if t.rank == 0:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +185,13 @@ class DaskSpares:
             self.pinned.discard(record.level)  # a sound committed checkpoint: the spares may be patched again
             self.sound.add(record.seq)
 
+    def distrust(self, level: int) -> None:
+        """A recovery found the spares of ``level`` (a fallback) damaged or not the files its record names: the next
+        differential checkpoint of the level writes every block. Patched from the FB hashes noted, a damaged block
+        that checkpoint does not change was kept as it was: committed, reported written, and never verified."""
+        for key in [k for k in self.hints if k[0] == level]:
+            del self.hints[key]
+
     def left_alone(self, level: int) -> bool:
         """Must the spares of ``level`` stay as they are (neither patched nor replaced)? After a recovery from
         them, until a newer checkpoint of the level or above is committed, and while live arrays may still
@@ -201,16 +208,23 @@ class DaskSpares:
         pins.forget(record)
         return False
 
-    def keep(self, record: CommitRecord) -> bool:
+    def keep(self, record: CommitRecord, named: Callable[[bool], None] = lambda keeping: None) -> bool:
         """Before retired checkpoint ``record`` is removed: if it is a differential one known sound, rename each
         rank's file (and, at L2, each partner copy) to its spare name, on the worker that sees it, and note their
         FB hashes. True when every rank's file is now its spare (recovery may fall back to them). The files of a
-        checkpoint not known sound (perhaps the damaged one a recovery passed over) never replace a spare."""
+        checkpoint not known sound (perhaps the damaged one a recovery passed over) never replace a spare.
+
+        ``named(keeping)`` is called first, before any file moves (the client writes the fallback record there):
+        a client killed once the files were the spares and before the fallback record was written left the
+        checkpoint named by its commit record only, which points at its directories, so a damaged newest one
+        left nothing to recover. Until the moves, the fallback record names spares that still hold older files
+        (they fail the FB hash check: passed over) and the commit record the checkpoint's own files."""
         self.nranks = max(self.nranks, record.nranks)
         self.pinned.discard(record.level)  # a newer checkpoint of this level or above is committed
         sound = record.seq in self.sound
         self.sound.discard(record.seq)
         if not record.extra.get("dcp") or not sound or self.left_alone(record.level):
+            named(False)
             return False
         ctx = self.ctx
         live = set(ctx.cluster.workers())
@@ -241,6 +255,8 @@ class DaskSpares:
                     move(workers[holder], ctx.node_file(2, record.ckpt_id, record.seq, holder,
                                                     storage.partner_file(record.ckpt_id, holder)),
                          spare_pcof_path(ctx, holder), (0, holder, ""))  # the holder reports its hash itself
+        moving = {f.rank for f in record.files if f.rank < len(workers) and workers[f.rank] in live}
+        named(moving == set(range(record.nranks)) == {f.rank for f in record.files})  # before any move
         futures = {w: ctx.cluster.submit(dcp_tasks.keep_as_spares, m, key=f"ftidask-dcp-keep-{record.seq}-{i}",
                                          worker=w) for i, (w, m) in enumerate(sorted(moves.items()))}
         try:

@@ -353,6 +353,8 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
                 why = str(exc)
             if ctx.config.enable_dcp:
                 ctx.spares.sound.discard(record.seq)  # passed over: its files never replace the spares
+                if record.fallback:  # nor are the spares patched as if they were whole
+                    ctx.spares.distrust(record.level)
             return None, why
         return verify
 

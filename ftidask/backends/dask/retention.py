@@ -89,10 +89,17 @@ class DaskRetention(Retention):
     def remove_checkpoint(self, record: CommitRecord, fallback: bool = True) -> None:
         """Drop ``record``: a differential checkpoint's files become the spares (if this client knows them
         sound, see :meth:`~ftidask.backends.dask.dcp_levels.DaskSpares.keep`), and with ``fallback`` what
-        recovery falls back to, written before its commit record goes (a kill in between leaves it named)."""
+        recovery falls back to, written before its files move and its commit record goes (a kill at any point
+        leaves it named by one of the two)."""
         spares = self.spares.store
-        kept = spares is not None and spares.keep(record)  # its files become the spares to patch next
-        if fallback and self.config.enable_dcp:
-            self.state.note_retired(record, kept)
+
+        def named(keeping: bool) -> None:  # before any file is renamed (see DaskSpares.keep)
+            if fallback and self.config.enable_dcp:
+                self.state.note_retired(record, keeping)
+
+        if spares is None:
+            named(False)
+        else:
+            spares.keep(record, named)  # its files become the spares to patch next
         self.state.delete_record(record.seq)
         self.remove_dirs(record.ckpt_id, record.seq, record.level, record.nranks)
