@@ -24,6 +24,7 @@ import time
 import dask.array as da
 import numpy as np
 from distributed import Client, LocalCluster, wait
+from timing import evict_tree
 
 import ftidask
 
@@ -64,18 +65,6 @@ def run_ftidask(client: Client, x: da.Array, root: str, ckpt_id: int) -> float:
     info = ctx.checkpoint(ckpt_id, 1)
     ctx.finalize()  # removes the checkpoint (keep_last_ckpt = 0)
     return info.seconds
-
-
-def evict_tree(root: str) -> None:
-    """Drop every file under ``root`` from the page cache (what a restart on other nodes would read)."""
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def run_recovery(client: Client, x: da.Array, root: str, repeat: int) -> tuple[list[float], list[float]]:

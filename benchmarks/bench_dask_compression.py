@@ -34,6 +34,7 @@ from typing import Any
 import dask.array as da
 import numpy as np
 from distributed import Client, LocalCluster, wait
+from timing import evict_tree
 
 import ftidask
 from ftidask.ftiff import compression
@@ -53,18 +54,6 @@ def _block(block_info: Any = None) -> np.ndarray:
     for cx, cy, w, a in SOURCES:
         field += 50 * a * np.exp(-((x - cx) ** 2 + (y - cy) ** 2) / (0.005 + 0.05 * w))
     return field
-
-
-def evict_tree(root: str) -> None:
-    """Drop every file under ``root`` from the page cache (what a restart on other nodes would read)."""
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def set_frame_threads(client: Client, share: int | None) -> None:

@@ -29,3 +29,10 @@ def evict_file(path: str | os.PathLike[str]) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def evict_tree(root: str | os.PathLike[str]) -> None:
+    """Take every file under ``root`` out of the page cache (what a restart on other nodes would read)."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            evict_file(os.path.join(dirpath, name))
