@@ -8,9 +8,8 @@ import json
 import sys
 
 import numpy as np
+from blockjob import init_block, recover_report
 from mpi4py import MPI
-
-import ftidask
 
 G = 4096
 
@@ -21,29 +20,18 @@ def want(c: int) -> np.ndarray:
 
 def main() -> None:
     mode, base = sys.argv[1], sys.argv[2]
-    comm = MPI.COMM_WORLD
-    n = G // comm.size
-    ctx = ftidask.init(comm=comm, ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global", meta_dir=f"{base}/Meta",
-                       enable_dcp=1, dcp_block_size=4096, local_test=1, node_size=1, group_size=comm.size,
-                       verbosity=3)
-    mine = slice(comm.rank * n, (comm.rank + 1) * n)
-    a = np.zeros(n)
-    ctx.protect(1, a, global_shape=(G,), offset=(comm.rank * n,))
+    ctx, a, mine = init_block(base, G)
     if mode == "write":
         for c in (1, 2, 3):
             a[:] = want(c)[mine]
             ctx.checkpoint(c, 8)
         out = {}
     else:
-        try:
-            ctx.recover()
-            out = {"from": list(ctx.recovered_from), "exact": bool(np.array_equal(a, want(ctx.recovered_from[0])[mine]))}
-            if mode == "continue":
-                a[:] = want(4)[mine]
-                ctx.checkpoint(4, 8)
-        except ftidask.FTIError as exc:
-            out = {"error": type(exc).__name__, "message": str(exc)[:500]}
-        with open(f"{base}/result-{comm.rank}.json", "w") as fh:
+        out = recover_report(ctx, a, mine, want)
+        if mode == "continue" and "error" not in out:
+            a[:] = want(4)[mine]
+            ctx.checkpoint(4, 8)
+        with open(f"{base}/result-{MPI.COMM_WORLD.rank}.json", "w") as fh:
             json.dump(out, fh)
     ctx.transport.close()  # the run stays as it is (no finalize): the test restarts it
 

@@ -8,9 +8,8 @@ import json
 import sys
 
 import numpy as np
+from blockjob import init_block, recover_report
 from mpi4py import MPI
-
-import ftidask
 
 G = 4096
 
@@ -21,14 +20,7 @@ def want(c: int) -> np.ndarray:
 
 def main() -> None:
     mode, base, level = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    comm = MPI.COMM_WORLD
-    n = G // comm.size
-    ctx = ftidask.init(comm=comm, ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global", meta_dir=f"{base}/Meta",
-                       enable_dcp=1, dcp_block_size=4096, local_test=1, node_size=1, group_size=comm.size,
-                       verbosity=3)
-    mine = slice(comm.rank * n, (comm.rank + 1) * n)
-    a = np.zeros(n)
-    ctx.protect(1, a, global_shape=(G,), offset=(comm.rank * n,))
+    ctx, a, mine = init_block(base, G)
     if mode == "l4":
         a[:] = want(1)[mine]
         ctx.checkpoint(1, 4)
@@ -38,12 +30,8 @@ def main() -> None:
             a[:] = want(c)[mine]
             ctx.checkpoint(c, level)
     else:
-        try:
-            ctx.recover()
-            out = {"from": list(ctx.recovered_from), "exact": bool(np.array_equal(a, want(ctx.recovered_from[0])[mine]))}
-        except ftidask.FTIError as exc:
-            out = {"error": type(exc).__name__, "message": str(exc)}
-        with open(f"{base}/result-{comm.rank}.json", "w") as fh:
+        out = recover_report(ctx, a, mine, want)
+        with open(f"{base}/result-{MPI.COMM_WORLD.rank}.json", "w") as fh:
             json.dump(out, fh)
     ctx._closed = True  # the process dies: no finalize
 
