@@ -31,6 +31,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ import pytest
 from mpi_util import need_mpi, run
 
 import ftidask
+from ftidask.storage.files import TRASH_PREFIX
 
 pytestmark = need_mpi()
 
@@ -74,8 +76,14 @@ def results(base: Path, layout: Layout = FLAT) -> list[dict]:
     return [json.loads((base / f"result-{r}.json").read_text()) for r in range(layout.ranks)]
 
 
+def live(paths: Iterable[Path]) -> list[Path]:
+    """``paths`` but those in the trash: a retired checkpoint's directory is renamed ``.trash-...`` and deleted by a
+    background thread, which a process that dies at once (``os._exit``) may leave for the next start to collect."""
+    return sorted(p for p in paths if not any(part.startswith(TRASH_PREFIX) for part in p.parts))
+
+
 def local(base: Path, level: int, pattern: str, nodes: list[int] | None = None) -> list[Path]:
-    found = sorted(base.glob(f"Local/node*/*/l{level}/*/{pattern}"))
+    found = live(base.glob(f"Local/node*/*/l{level}/*/{pattern}"))
     return [p for p in found if nodes is None or int(p.parts[len(base.parts) + 1][4:]) in nodes]
 
 
@@ -117,7 +125,7 @@ def test_hierarchy_recovers_the_newest_checkpoint_that_survives(tmp_path: Path, 
     job("seq", str(written), "die", "4", "3", "2", "1", dies=True, layout=layout)
     for level in (1, 2, 3):  # secure first: every checkpoint stays (each is newer than the more secure ones)
         assert len(local(written, level, RANK)) == layout.ranks
-    assert len(list(written.glob("Global/*/l4/*/Ckpt1-Rank*.fti"))) == layout.ranks
+    assert len(live(written.glob("Global/*/l4/*/Ckpt1-Rank*.fti"))) == layout.ranks
     cases = [("l1", [(1, RANK)], [3, 2]), ("l1_l2", [(1, RANK), (2, RANK), (2, PCOF)], [2, 3]),
              ("l1_l2_l3", [(1, RANK), (2, RANK), (2, PCOF), (3, RANK), (3, RSED)], [1, 4])]
     for name, erased, source in cases:
@@ -148,7 +156,7 @@ def test_files_each_checkpoint_order_leaves(tmp_path: Path, order: str) -> None:
         job("seq", str(tmp_path), "finalize", level, level, level, level, config={"keep_last_ckpt": 1})
     for level in (1, 2, 3):
         assert local(tmp_path, level, "*.fti") == []
-    assert sorted(p.name for p in tmp_path.glob("Global/*/l4/*/*.fti")) == [f"Ckpt4-Rank{r}.fti" for r in range(4)]
+    assert sorted(p.name for p in live(tmp_path.glob("Global/*/l4/*/*.fti"))) == [f"Ckpt4-Rank{r}.fti" for r in range(4)]
 
 
 # --- corner cases: keep_last_consistency, keep_last_ckpt's global copy erased, ckpt_consistency ---------------
@@ -253,7 +261,7 @@ DISRUPT = {  # name -> (level, damage, expected); FTI's expectations, with FTI's
     "l2_none": (2, lambda b: None, "ok"),
     "l3_none": (3, lambda b: None, "ok"),
     "l1_one": (1, lambda b: corrupt(local(b, 1, RANK, [0])), "fail"),
-    "l4_one": (4, lambda b: erase(sorted(b.glob("Global/*/l4/*/Ckpt*-Rank0.fti"))), "fail"),
+    "l4_one": (4, lambda b: erase(live(b.glob("Global/*/l4/*/Ckpt*-Rank0.fti"))), "fail"),
     "l2_adjacent": (2, lambda b: (erase(local(b, 2, RANK, [0])), corrupt(local(b, 2, PCOF, [1]))), "fail"),
     "l3_adjacent": (3, lambda b: (erase(local(b, 3, RANK, [0])), corrupt(local(b, 3, RSED, [1]))), "ok"),
     "l2_non_adjacent": (2, lambda b: (corrupt(local(b, 2, RANK, [0])), erase(local(b, 2, PCOF, [2]))), "ok"),
@@ -285,7 +293,7 @@ def test_diff_sizes_disrupted(tmp_path: Path, diffsizes_written, name: str, layo
     job("diffsizes", str(base), "0", str(level), style, config={"keep_last_ckpt": 1}, layout=layout)
     if expected == "ok":
         assert_ok(base, [7, level], layout)
-        assert sorted(p.name for p in base.glob("Global/*/l4/*/*.fti")) == sorted(
+        assert sorted(p.name for p in live(base.glob("Global/*/l4/*/*.fti"))) == sorted(
             f"Ckpt12-Rank{r}.fti" for r in range(layout.ranks))
     else:
         got = results(base, layout)
@@ -326,7 +334,7 @@ def truncate_newest(base: Path, level: int, rng: random.Random) -> int:
     """FTI's truncation: a random rank's file of the newest checkpoint loses a random tail (``$RANDOM`` bytes,
     1..32767 here: 0 would change nothing); the bytes cut, 0 when no checkpoint is left (a finalized run)."""
     rank = rng.randrange(N)
-    found = (sorted(base.glob(f"Global/*/l4/*/Ckpt*-Rank{rank}.fti")) if level == 8
+    found = (live(base.glob(f"Global/*/l4/*/Ckpt*-Rank{rank}.fti")) if level == 8
              else local(base, level - 4, f"Ckpt*-Rank{rank}.fti"))
     if not found:
         return 0
@@ -384,7 +392,7 @@ def test_dcp_truncated_file_and_spare_is_a_clean_failure(tmp_path: Path, level: 
     job("dcp", str(base), str(level), "2", config=DCP, dies=True)
     rng = random.Random(2612)
     assert truncate_newest(base, level, rng) > 0
-    spares = (sorted(base.glob("Global/*/l4/dcp/Spare-Rank*.fti")) if level == 8
+    spares = (live(base.glob("Global/*/l4/dcp/Spare-Rank*.fti")) if level == 8
               else local(base, level - 4, "Spare-Rank*.fti"))
     assert len(spares) == N
     os.truncate(spares[0], spares[0].stat().st_size - 100)
