@@ -29,20 +29,22 @@ class LazyPool:
         self._pool = None
         self._lock = threading.Lock()
 
+    def _started(self) -> ThreadPoolExecutor:
+        # Under self._lock.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self.prefix)
+        return self._pool
+
     def get(self) -> ThreadPoolExecutor:
         """The pool (its tasks must start no task of their own in it: a full pool would wait for itself)."""
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self.prefix)
-            return self._pool
+            return self._started()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """``fn(*args)`` in the pool; safe against a concurrent :meth:`resize` (which a bare ``get().submit``
         is not: the pool it got may be shut down before it submits)."""
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self.prefix)
-            return self._pool.submit(fn, *args)
+            return self._started().submit(fn, *args)
 
     def resize(self, threads: int) -> None:
         """Use ``threads`` threads from now on (at least one). A pool already started is replaced; the tasks
