@@ -55,9 +55,10 @@ def limit_frame_threads(share: int | None) -> int:
     ``min(8, cores)``); the number now used.
 
     A process that runs several tasks at once beside other such processes (a Dask worker: ``nthreads``
-    tasks, several workers per machine) gives the pool its share of the cores, not up to 8 threads each:
-    the pool is the process's, shared by all its tasks, so the codec threads of a machine stay within its
-    cores. The share is also capped by the default (more threads than cores would only compete)."""
+    tasks, several workers per machine) gives the pool its share, not up to 8 threads each: the pool is the
+    process's, shared by all its tasks (a Dask worker gets twice its ``nthreads``, see
+    :mod:`ftidask.backends.dask.codecthreads`). The share is also capped by the default (more threads than
+    cores would only compete)."""
     _frames.resize(_FRAME_THREADS if share is None else max(1, min(_FRAME_THREADS, int(share))))
     return _frames.threads
 
