@@ -205,3 +205,21 @@ def test_a_fallback_of_another_layout_is_recovered_after_the_newest_of_this_layo
     run(2, "dcp_fallback_job.py", "recover", str(tmp_path), timeout=120)
     got = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
     assert got == [{"from": [2, 4], "exact": True}] * 2, got
+
+
+@need_mpi()[0]
+@need_mpi()[1]
+def test_stored_size_refuses_when_the_newest_checkpoint_has_another_layout(tmp_path):
+    """Checkpoint 1 at L4 on 4 ranks; a restart on 2 ranks writes checkpoints 2 and 3. A restart on 4 ranks asks
+    stored_size(1) and realloc(1) before recover(), FTI's order: both raise a RecoveryError naming the layout change,
+    and recover() then redistributes checkpoint 3, exactly. Before, both answered for checkpoint 1 (the newest of
+    this run's layout) while recover() redistributed checkpoint 3: sizes of another checkpoint than the one loaded."""
+    run(4, "reshard_older_job.py", "l4", str(tmp_path), "1")
+    run(2, "reshard_older_job.py", "dcp", str(tmp_path), "1")
+    run(4, "reshard_older_job.py", "sizes", str(tmp_path), "1")
+    got = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
+    for res in got:
+        assert res["from"] == [3, 1] and res["exact"], res
+        for call in ("stored_size", "realloc"):
+            assert isinstance(res[call], dict) and res[call]["error"] == "RecoveryError", res
+            assert "checkpoint 3 (level 1) was written by 2 ranks, this run recovers on 4" in res[call]["message"], res

@@ -302,7 +302,16 @@ class Recovery(RunPart):
     def restart_metadata(self) -> FtiffFile:
         """The checkpoint a restart recovers, parsed and verified (found once; collective the first time)."""
         if self.progress.restart_file is None:
-            record, verdict = self.find()
+            records = self.all_candidates(None, None)
+            t = self.transport
+            # recover() redistributes the newest checkpoint when another layout wrote it: the sizes of an older one
+            # of this layout would describe a checkpoint that is not loaded. Agreed: the records and nodes are.
+            change = reshard.layout_change(records[0], t.size, t.allgather(t.node)) if records else ""
+            if change:
+                raise RecoveryError(f"{change}: its stored sizes are per old rank, and recover() redistributes it into "
+                                    "the arrays as this run declares them (the size of each block is the "
+                                    f"application's choice). {reshard.advice(records[0])}")
+            record, verdict = self.find(records=records)
             self.progress.restart_file, self.progress.restart_record = verdict.parsed, record
         assert self.progress.restart_file is not None
         return self.progress.restart_file

@@ -1,6 +1,7 @@
-"""mpiexec -n P python reshard_older_job.py l4|dcp|recover BASE LEVEL: a global array of 4096 float64 in blocks, one
-block per rank. l4: checkpoint 1 at L4; dcp: recover, then checkpoints 2 and 3 at LEVEL; recover: writes
-result-{rank}.json (the checkpoint recovered, and whether the block is exactly its values, or the error)."""
+"""mpiexec -n P python reshard_older_job.py l4|dcp|recover|sizes BASE LEVEL: a global array of 4096 float64 in blocks,
+one block per rank. l4: checkpoint 1 at L4; dcp: recover, then checkpoints 2 and 3 at LEVEL; recover: writes
+result-{rank}.json (the checkpoint recovered, and whether the block is exactly its values, or the error); sizes: the
+same after asking stored_size(1) and realloc(1) first (FTI's order), their answers or errors in the result."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 import numpy as np
 from blockjob import init_block, recover_report
 from mpi4py import MPI
+
+import ftidask
 
 G = 4096
 
@@ -30,7 +33,14 @@ def main() -> None:
             a[:] = want(c)[mine]
             ctx.checkpoint(c, level)
     else:
-        out = recover_report(ctx, a, mine, want)
+        asked = {}
+        if mode == "sizes":
+            for name, call in (("stored_size", lambda: ctx.stored_size(1)), ("realloc", lambda: ctx.realloc(1, a).nbytes)):
+                try:
+                    asked[name] = call()
+                except ftidask.FTIError as exc:
+                    asked[name] = {"error": type(exc).__name__, "message": str(exc)[:300]}
+        out = {**recover_report(ctx, a, mine, want), **asked}
         with open(f"{base}/result-{MPI.COMM_WORLD.rank}.json", "w") as fh:
             json.dump(out, fh)
     ctx._closed = True  # the process dies: no finalize
