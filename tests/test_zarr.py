@@ -435,3 +435,51 @@ def test_cli_verify_checks_zarr_stores(tmp_path, capsys):
     chunk.write_bytes(bytes(raw))
     assert cli_main(["verify", str(store)]) == 1
     assert "does not match its hash" in capsys.readouterr().out
+
+
+def test_export_goes_back_to_the_newest_checkpoint_that_verifies(tmp_path, caplog):
+    """Checkpoint 1 at L4, checkpoint 2 at L1 damaged: the export is checkpoint 1's (as a recovery loads it),
+    with a warning naming checkpoint 2; asked for checkpoint 2 by id, it is refused. Before, the newest
+    committed checkpoint was the only one tried: an export failed while a sound checkpoint was there."""
+    ctx = ftidask.init(**_dirs(tmp_path))
+    a = np.arange(1000.0)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 4)
+    a += 1
+    ctx.checkpoint(2, 1)
+    (path,) = tmp_path.glob("l/node0/*/l1/*/Ckpt2-Rank0.fti")
+    raw = bytearray(path.read_bytes())
+    raw[-200] ^= 1
+    path.write_bytes(bytes(raw))
+    with caplog.at_level("WARNING", logger="ftidask"):
+        result = export_checkpoint(None, tmp_path / "x.zarr", **_dirs(tmp_path))
+    assert (result.ckpt_id, result.level) == (1, 4)
+    assert zarr.open_group(str(tmp_path / "x.zarr"), mode="r")["var1"][...].tobytes() == (a - 1).tobytes()
+    assert any("checkpoint 2 (level 1)" in r.getMessage() for r in caplog.records)
+    with pytest.raises(FormatError, match="cannot export"):
+        export_checkpoint(None, tmp_path / "y.zarr", ckpt_id=2, **_dirs(tmp_path))
+    assert not (tmp_path / "y.zarr").exists()
+    ctx._close()
+
+
+def test_export_falls_back_to_the_previous_differential_checkpoint(tmp_path):
+    """L1_DCP checkpoints 1 and 2; checkpoint 2's file is cut: the export is checkpoint 1, kept as the spare,
+    exactly; with both cut, a FormatError names both."""
+    ctx = ftidask.init(**_dirs(tmp_path, enable_dcp=1, dcp_block_size=4096))
+    a = np.arange(100_000.0)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 5)
+    first = a.copy()
+    a[::1000] = -1
+    ctx.checkpoint(2, 5)
+    ctx._close()
+    (newest,) = tmp_path.glob("l/node0/*/l1/*/Ckpt2-Rank0.fti")
+    newest.write_bytes(newest.read_bytes()[:-100])
+    result = export_checkpoint(None, tmp_path / "x.zarr", **_dirs(tmp_path))
+    assert result.ckpt_id == 1
+    assert zarr.open_group(str(tmp_path / "x.zarr"), mode="r")["var1"][...].tobytes() == first.tobytes()
+    (spare,) = tmp_path.glob("l/node0/*/l1/dcp/Spare-Rank0.fti")
+    spare.write_bytes(spare.read_bytes()[:-100])
+    with pytest.raises(FormatError, match="no checkpoint verifies") as err:
+        export_checkpoint(None, tmp_path / "y.zarr", **_dirs(tmp_path))
+    assert "checkpoint 2 (level 5)" in str(err.value) or "checkpoint 2 (level 1)" in str(err.value)

@@ -37,6 +37,7 @@ import numpy as np
 
 from ..engine.progress import for_config
 from ..engine.recovery import check_file, load_file
+from ..engine.retention import rank_path
 from ..engine.runstate import CommitRecord, RunState, check_exec_id, read_current_exec_id
 from ..ftiff.filekind import is_config_file
 from ..model.arrays import VarInfo
@@ -84,7 +85,9 @@ def _rank_of(path: Path) -> int:
         raise FTIError(f"{path}: not a rank file (expected Ckpt{{id}}-Rank{{r}}.fti or .zarr)") from None
 
 
-def _from_record(config: Config, exec_id: str | None, ckpt_id: int | None, level: int | None) -> list[_Source]:
+def _from_record(config: Config, exec_id: str | None, ckpt_id: int | None, level: int | None) -> list[list[_Source]]:
+    """Every checkpoint of the run that fits ``ckpt_id``/``level``, newest first, as its rank files: the committed
+    ones, and the previous differential checkpoints kept as spares (what a recovery falls back to)."""
     meta_dir = Path(config.meta_dir)
     if exec_id is None:
         exec_id = config.exec_id
@@ -94,21 +97,17 @@ def _from_record(config: Config, exec_id: str | None, ckpt_id: int | None, level
         check_exec_id(exec_id, "--exec-id")
     if not exec_id:
         raise NoCheckpointError(f"no run found in {meta_dir}: pass exec_id")
-    records = RunState(meta_dir, exec_id).records()
-    records = [r for r in records if (ckpt_id is None or r.ckpt_id == ckpt_id) and (level is None or r.level == level)]
+    state = RunState(meta_dir, exec_id)
+    records = [r for r in [*state.records(), *state.fallbacks()]
+               if (ckpt_id is None or r.ckpt_id == ckpt_id) and (level is None or r.level == level)]
     if not records:
         raise NoCheckpointError(f"no committed checkpoint for run {exec_id} in {meta_dir}"
                                 + (f" with id {ckpt_id}" if ckpt_id is not None else "")
                                 + (f" at level {level}" if level is not None else ""))
-    record = records[-1]
     paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), meta_dir, exec_id)
-    out = []
-    for f in sorted(record.files, key=lambda f: f.rank):
-        path = paths.level_dir(record.level, f.node) / record.dirname / storage.rank_file(record.ckpt_id, f.rank)
-        if record.extra.get("l4_format") == "zarr":
-            path = path.with_suffix(".zarr")
-        out.append(_Source(f.rank, path, record))
-    return out
+    return [[_Source(f.rank, rank_path(paths, record, f.node, f.rank), record)
+             for f in sorted(record.files, key=lambda f: f.rank)]
+            for record in sorted(records, key=lambda r: (r.seq, not r.fallback), reverse=True)]
 
 
 def _from_path(path: Path) -> list[_Source]:
@@ -126,9 +125,10 @@ def _from_path(path: Path) -> list[_Source]:
 
 
 def locate(checkpoint: str | os.PathLike[str] | Config | None, *, exec_id: str | None = None,
-           ckpt_id: int | None = None, level: int | None = None, **overrides: Any) -> list[_Source]:
-    """The rank files of a checkpoint: from a config (file, :class:`Config` or ``overrides``; the
-    newest committed checkpoint, or ``ckpt_id``/``level``), or from a checkpoint directory or file."""
+           ckpt_id: int | None = None, level: int | None = None, **overrides: Any) -> list[list[_Source]]:
+    """The rank files of the checkpoints to try, newest first: from a config (file, :class:`Config` or
+    ``overrides``; every checkpoint of the run, or those of ``ckpt_id``/``level``), or the one of a checkpoint
+    directory or file."""
     if isinstance(checkpoint, Config):
         return _from_record(checkpoint.replace(**overrides) if overrides else checkpoint, exec_id, ckpt_id, level)
     if checkpoint is None:
@@ -136,7 +136,7 @@ def locate(checkpoint: str | os.PathLike[str] | Config | None, *, exec_id: str |
     path = Path(checkpoint)
     if is_config_file(path):  # by content: FTI's own examples name the config config.fti
         return _from_record(load_config(path, **overrides), exec_id, ckpt_id, level)
-    return _from_path(path)
+    return [_from_path(path)]
 
 
 # --- reading and assembling ------------------------------------------------------------------------
@@ -279,6 +279,23 @@ def _assemble(ranks: list[_Rank]) -> list[tuple[str, VarInfo, Any]]:
     return out
 
 
+def _newest_sound(candidates: list[list[_Source]]) -> tuple[list[_Source], list[_Rank]]:
+    """The first of ``candidates`` (newest first) whose every rank file verifies, verified; as a recovery does,
+    an older one when the newest is damaged (a warning names what was passed over), never a mix of two."""
+    reasons = []
+    for sources in candidates:
+        try:
+            return sources, [_verify_source(source) for source in sources]
+        except FormatError as exc:
+            if len(candidates) == 1:
+                raise
+            record = sources[0].record
+            what = f"checkpoint {record.ckpt_id} (level {record.level})" if record else str(sources[0].path)
+            reasons.append(f"{what}: {exc}")
+            log.warning("not exporting %s", reasons[-1])
+    raise FormatError("cannot export: no checkpoint verifies" + "".join(f"\n  - {r}" for r in reasons))
+
+
 def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: str | os.PathLike[str], *,
                       exec_id: str | None = None, ckpt_id: int | None = None, level: int | None = None,
                       overwrite: bool = False, **overrides: Any) -> ExportResult:
@@ -286,8 +303,9 @@ def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: 
 
     ``checkpoint`` is an ftidask/FTI config file (or :class:`Config`, or None with ``overrides``
     such as ``meta_dir=...``), a checkpoint directory (``.../ckpt{id}.s{seq}``) or one rank file.
-    Every file is verified before the store is created; variables are then copied one at a time
-    (memory: one rank's copy of one variable). The store also holds ``ftidask-manifest.json`` (a
+    Every file is verified before the store is created (from a config, the newest checkpoint whose every
+    file verifies is exported, as a recovery would load it, with a warning for those passed over);
+    variables are then copied one at a time (memory: one rank's copy of one variable). The store also holds ``ftidask-manifest.json`` (a
     digest per file), so that :func:`import_zarr` and :func:`read_zarr` detect damage.
     """
     start = time.perf_counter()
@@ -295,8 +313,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: 
     if dest.exists() and not overwrite:
         raise FileExistsError(f"{dest} exists; pass overwrite=True (--overwrite) to replace it")
     config_for_bar = checkpoint if isinstance(checkpoint, Config) else None
-    sources = locate(checkpoint, exec_id=exec_id, ckpt_id=ckpt_id, level=level, **overrides)
-    ranks = [_verify_source(source) for source in sources]
+    sources, ranks = _newest_sound(locate(checkpoint, exec_id=exec_id, ckpt_id=ckpt_id, level=level, **overrides))
     items = _assemble(ranks)
     first = ranks[0].meta
     record = sources[0].record
