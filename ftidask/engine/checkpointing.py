@@ -39,10 +39,11 @@ class CheckpointInfo:
 def write_rank_file(path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes], infos: list[VarInfo], *,
                     hash_id: int, meta: Mapping[str, Any], pt_fs: int | None = None,
                     max_fs: int | None = None, pool: ThreadPoolExecutor | None = None,
-                    codecs: Mapping[int, tuple[Any, int]] | None = None) -> WrittenFile:
-    """Write one rank's FTI-FF file atomically at ``path`` (``codecs``: variables to compress)."""
+                    codecs: Mapping[int, tuple[Any, int]] | None = None, durable: bool = True) -> WrittenFile:
+    """Write one rank's FTI-FF file atomically at ``path`` (``codecs``: variables to compress; ``durable=False``:
+    renamed before the disk has it all, see :func:`~ftidask.storage.files.atomic_file`)."""
     trailer = dict(meta)
     trailer["vars"] = [info.to_json() for info in infos]
-    with atomic_file(path) as fh:
+    with atomic_file(path, durable=durable) as fh:
         return write_ftiff(fh, layout, arrays, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs, pool=pool,
                            codecs=codecs)

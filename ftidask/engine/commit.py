@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -129,13 +130,18 @@ class Committer(RunPart):
                 return RankFileWriter(path, layout, self.writer.hash_id, self.writer.hash_pool())
             # every variable at once, at commit: compression, Zarr L4 and progress bars apply
             zarr = base_level == 4 and self.config.l4_format == "zarr"
-            return OneShotWriter(functools.partial(self.writer.write_full, ckpt_id, base_level, path, layout),
+            return OneShotWriter(functools.partial(self.writer.write_full, ckpt_id, base_level, path, layout,
+                                                   durable=not sync_at_commit),
                                  {"l4_format": "zarr"} if zarr else None)
 
+        # L2/L3: the rank file is made durable after the partner copy or parity is written, not before: the
+        # exchange then runs while the disk still writes the rank file, and the fsync waits for both at once.
+        sync_at_commit = base_level in (2, 3) and not level.differential and not incremental
         writer, error = attempt(t.rank, open_writer)  # an error is reported, on every rank, at the commit
         return PendingCheckpoint(ckpt_id, level.number, seq, layout, directory, path,
                                  {vid: p.array.nbytes for vid, p in self.variables.items()}, writer,
-                                 error=state_error or error, post_level=post_level, extras=var_extras(self.variables))
+                                 error=state_error or error, post_level=post_level, extras=var_extras(self.variables),
+                                 sync_at_commit=sync_at_commit)
 
     def commit(self, pending: PendingCheckpoint) -> tuple[CheckpointInfo, CommitRecord]:
         """Finish every rank's file, add the level's redundancy, write the commit record; what was committed.
@@ -175,6 +181,8 @@ class Committer(RunPart):
                     t.protect_files(level, ckpt_id, pending.path, pending.directory)
 
             agree(t, attempt(t.rank, protect)[1], CheckpointError, failed)
+            if pending.sync_at_commit:  # before the commit record names the file
+                agree(t, attempt(t.rank, functools.partial(_make_durable, pending.path))[1], CheckpointError, failed)
         except CheckpointError:  # agreed: the same on every rank
             self.drop(pending, finished=written is not None)
             raise
@@ -257,3 +265,13 @@ class Committer(RunPart):
         # If it cannot be committed, the last checkpoint stays where it is, committed; the copy goes.
         self.seal(flushed, failed, functools.partial(
             storage.remove_tree, self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)))
+
+
+def _make_durable(path: Path) -> None:
+    """fsync ``path`` (written with ``durable=False``) and its directory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    storage.fsync_dir(path.parent)

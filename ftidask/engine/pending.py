@@ -141,6 +141,7 @@ class PendingCheckpoint:
     stats: DcpStats | None = None
     post_level: int = 0  # the level a head raises the checkpoint to afterwards (0: none)
     extras: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # var id -> VarInfo.extra
+    sync_at_commit: bool = False  # the file is renamed unsynced; the commit fsyncs it after the level's redundancy
 
     @property
     def base_level(self) -> int:

@@ -8,6 +8,7 @@ configured), differentially (the rank's :class:`~ftidask.engine.dcpstore.DcpStor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -66,15 +67,16 @@ class Writer:
         return out
 
     def write_full(self, ckpt_id: int, level: int, path: Path, layout: Layout, *, meta: Mapping[str, Any],
-                   pt_fs: int | None, max_fs: int | None) -> Any:
-        """Write this rank's whole file of a level 1-4 checkpoint (compressed, or as Zarr at L4, if so configured)."""
+                   pt_fs: int | None, max_fs: int | None, durable: bool = True) -> Any:
+        """Write this rank's whole file of a level 1-4 checkpoint (compressed, or as Zarr at L4, if so configured);
+        ``durable=False``: an FTI-FF file is renamed before the disk has it all (the caller makes it durable)."""
         zarr_l4 = level == 4 and self.config.l4_format == "zarr"
         codecs = self.codecs()
         extras = var_extras(self.variables)
         variables = self.variables
         infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}),
                             **extras.get(vid, {})) for vid, p in variables.items()]
-        write = self.write_zarr_l4 if zarr_l4 else write_rank_file
+        write = self.write_zarr_l4 if zarr_l4 else functools.partial(write_rank_file, durable=durable)
         streams, bar = tracked({vid: self.source(vid, p) for vid, p in variables.items()}, self.config,
                                f"checkpoint {ckpt_id} (L{level})")
         with bar:

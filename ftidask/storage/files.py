@@ -211,17 +211,20 @@ def open_temp(path: Path, mode: str = "w+b") -> tuple[BinaryIO, Path]:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, mode: str = "w+b") -> Iterator[BinaryIO]:
-    """Yield a file at a temporary name; on success fsync it and rename it to ``path``."""
+def atomic_file(path: Path, mode: str = "w+b", durable: bool = True) -> Iterator[BinaryIO]:
+    """Yield a file at a temporary name; on success fsync it and rename it to ``path``. ``durable=False``: renamed
+    without waiting for the disk; the caller fsyncs it before any record names it."""
     makedirs(path.parent)
     fh, tmp = open_temp(path, mode)
     try:
         yield fh  # type: ignore[misc]
         fh.flush()
-        os.fsync(fh.fileno())
+        if durable:
+            os.fsync(fh.fileno())
         fh.close()
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        if durable:
+            fsync_dir(path.parent)
     except BaseException:
         # Closing flushes what is buffered: on a full disk it fails again. The temporary file
         # must go all the same, and the error to see is the first one.
@@ -293,10 +296,7 @@ def remove_tree(path: Path) -> None:
         if not isinstance(exc, FileNotFoundError):
             log.warning("could not remove %s: %s", name, exc)
 
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=failed)
-    else:
-        shutil.rmtree(path, onerror=failed)
+    shutil.rmtree(path, **({"onexc": failed} if sys.version_info >= (3, 12) else {"onerror": failed}))
 
 
 def is_inside(path: str | os.PathLike[str], parent: str | os.PathLike[str], *, resolve: bool = True) -> bool:
