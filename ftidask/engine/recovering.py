@@ -104,15 +104,15 @@ class Recovery(RunPart):
         self.progress = progress
 
     def candidates(self, ckpt_id: int | None, level: int | None,
-                    error: type[FTIError] = RecoveryError) -> list[CommitRecord]:
-        t = self.transport
-        raw = on_root(t, lambda: [r.to_json() for r in self.state.records()], error,
-                      "cannot read the run's commit records")
-        records = [r for r in (CommitRecord.from_json(x) for x in raw) if r is not None]
-        if ckpt_id is not None:
-            records = [r for r in records if r.ckpt_id == ckpt_id]
-        if level is not None:
-            records = [r for r in records if r.level == level]
+                   error: type[FTIError] = RecoveryError, fallbacks: bool = False) -> list[CommitRecord]:
+        """The committed checkpoints (``fallbacks``: and the previous differential checkpoints kept as spares),
+        newest first, read by rank 0 and sent to every rank in one message."""
+        def read() -> list[Any]:
+            return [r.to_json() for r in [*self.state.records(), *(self.state.fallbacks() if fallbacks else [])]]
+
+        raw = on_root(self.transport, read, error, "cannot read the run's commit records")
+        records = [r for r in (CommitRecord.from_json(x) for x in raw)
+                   if r is not None and ckpt_id in (None, r.ckpt_id) and level in (None, r.level)]
         return sorted(records, key=lambda r: r.seq, reverse=True)
 
     def arrays(self, ids: list[int] | None) -> dict[int, np.ndarray]:
@@ -174,15 +174,8 @@ class Recovery(RunPart):
                        error: type[FTIError] = RecoveryError) -> list[CommitRecord]:
         """:meth:`candidates` and the previous differential checkpoints kept as spares (see
         :meth:`~ftidask.engine.runstate.RunState.write_fallback`), newest first: a fallback is newer than an
-        older checkpoint of another level."""
-        records = self.candidates(ckpt_id, level, error)
-        if not self.config.enable_dcp:  # without dCP the spares are removed at the start of the run
-            return records
-        raw = on_root(self.transport, lambda: [r.to_json() for r in self.state.fallbacks()], error,
-                      "cannot read the run's commit records")
-        kept = (CommitRecord.from_json(x) for x in raw)
-        records += [r for r in kept if r is not None and ckpt_id in (None, r.ckpt_id) and level in (None, r.level)]
-        return sorted(records, key=lambda r: r.seq, reverse=True)
+        older checkpoint of another level. Without dCP the spares are removed at the start of the run."""
+        return self.candidates(ckpt_id, level, error, fallbacks=bool(self.config.enable_dcp))
 
     def recover(self, ckpt_id: int | None, level: int | None, ids: Any) -> dict[int, Any]:
         """:meth:`ftidask.Context.recover` (collective)."""
