@@ -254,3 +254,22 @@ def test_spares_found_damaged_are_never_patched(client, dirs):
     saved[4] = _state(ctx)
     ctx2 = _init(client, dirs)
     _assert_same(ctx2.recover(), saved[4])
+
+
+def test_export_of_a_dask_run_falls_back_to_the_spares(client, dirs, tmp_path):
+    """The Dask run's newest checkpoint truncated: ``ftidask export`` writes checkpoint 2, read from the workers'
+    spares (the fallback a recovery takes), the global array exactly."""
+    zarr = pytest.importorskip("zarr")
+    from ftidask.tools.zarr_export import export_checkpoint
+
+    ctx = _init(client, dirs)
+    ctx.protect(1, da.random.default_rng(1).random((96, 64), chunks=(24, 64)), name="field")
+    saved = {}
+    for k in (1, 2, 3):
+        _step(ctx, k)
+        ctx.checkpoint(k, 5)
+        saved[k] = ctx.protected[1].compute()
+    _truncate(dirs, 5, 3)
+    result = export_checkpoint(None, tmp_path / "out.zarr", **dirs)
+    assert result.ckpt_id == 2
+    assert zarr.open_group(str(tmp_path / "out.zarr"), mode="r")["field"][...].tobytes() == saved[2].tobytes()
