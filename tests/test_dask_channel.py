@@ -64,8 +64,9 @@ def idle(client, timeout=20.0):
     (2, "ftidask.levels.partner:exchange_file:raise"),  # a member fails before its first block
 ])
 def test_a_failing_member_leaves_no_member_waiting(client, dirs, level, point):
-    ctx = ftidask.init(client=client, block_size=16, transfer_size=1, **dirs)  # many blocks per file
-    ctx.protect(1, field(1))
+    # many stripes per file: 1 MiB each (a Dask L3 stripes by transfer_size), 8 MiB per worker
+    ctx = ftidask.init(client=client, block_size=16, transfer_size=1, **dirs)
+    ctx.protect(1, field(1, rows=6144))
     ctx.checkpoint(1, level)
     saved = ctx.protected[1].compute()
     ctx.protect(1, ctx.protected[1] + 1)
@@ -128,11 +129,11 @@ def _rss(pids):
 
 
 def test_l3_worker_memory_is_bounded_by_the_stripes(client, dirs):
-    """Each worker writes a 96 MiB file; the L3 step adds about ``group x block_size`` to a worker's
-    memory (peak resident set, sampled), not the group's files (3 x 96 MiB)."""
+    """Each worker writes a 96 MiB file; the L3 step adds a few ``group x stripe`` to a worker's memory (peak
+    resident set, sampled), not the group's files (3 x 96 MiB). A Dask L3 stripes by ``transfer_size``."""
     x = da.random.default_rng(4).random((3 * 12 * 1024, 1024), chunks=(4 * 1024, 1024)).persist()  # 9 x 32 MiB
     distributed.wait(x)
-    ctx = ftidask.init(client=client, block_size=1024, **dirs)  # 1 MiB stripes
+    ctx = ftidask.init(client=client, block_size=1024, transfer_size=1, **dirs)  # 1 MiB stripes
     ctx.protect(1, x)
     ctx.checkpoint(1, 1)  # the page cache and the write path warmed up
     pids = client.run(os.getpid)
