@@ -1,7 +1,7 @@
 """L2/L3: a rank's file is made durable after its partner copy or parity is written, before the commit record.
 
 The rank file of an L2/L3 checkpoint is renamed into its directory unsynced; the group's exchange then runs while
-the disk still writes it, and one fsync per rank file follows the redundancy (``commit._make_durable``). These
+the disk still writes it, and one fsync per rank file follows the redundancy (``storage.files.make_durable``). These
 tests run 4 ranks as threads over the real engine and levels (``run_ranks``): the order of the steps, and a
 failed fsync failing the checkpoint on every rank with the previous one kept.
 """
@@ -17,7 +17,7 @@ import pytest
 
 import ftidask
 from ftidask.api.context import Context
-from ftidask.engine import commit
+from ftidask.storage import files as storage
 from ftidask.engine.grouplevels import run_ranks
 from ftidask.model.config import load_config
 
@@ -43,7 +43,7 @@ def _run(base: Path, program):
 def test_the_rank_file_is_made_durable_after_the_redundancy_and_before_the_record(tmp_path, monkeypatch, level):
     seen: list[tuple[str, bool, int]] = []
     lock = threading.Lock()
-    real = commit._make_durable
+    real = storage.make_durable
 
     def durable(path: Path) -> None:
         redundancy = list(path.parent.glob("*-Pcof*.fti")) + list(path.parent.glob("*-RSed*.fti"))
@@ -52,7 +52,7 @@ def test_the_rank_file_is_made_durable_after_the_redundancy_and_before_the_recor
             seen.append((path.name, bool(redundancy), records))
         real(path)
 
-    monkeypatch.setattr(commit, "_make_durable", durable)
+    monkeypatch.setattr(storage, "make_durable", durable)
 
     def program(ctx: Context, rank: int) -> None:
         ctx.protect(1, _values(rank, 1))
@@ -68,14 +68,14 @@ def test_the_rank_file_is_made_durable_after_the_redundancy_and_before_the_recor
 
 @pytest.mark.parametrize("level", [2, 3])
 def test_a_failed_fsync_of_one_rank_file_fails_the_checkpoint_and_keeps_the_previous(tmp_path, monkeypatch, level):
-    real = commit._make_durable
+    real = storage.make_durable
 
     def durable(path: Path) -> None:
         if path.name == "Ckpt2-Rank2.fti":
             raise OSError(errno.EIO, "Input/output error (injected)", str(path))
         real(path)
 
-    monkeypatch.setattr(commit, "_make_durable", durable)
+    monkeypatch.setattr(storage, "make_durable", durable)
 
     def write(ctx: Context, rank: int) -> str:
         a = _values(rank, 1)

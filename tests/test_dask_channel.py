@@ -159,3 +159,25 @@ def test_l3_worker_memory_is_bounded_by_the_stripes(client, dirs):
     extra = max(peak[w] - before[w] for w in pids)
     assert size > 80 << 20
     assert extra < 48 << 20, f"L3 added {extra / 2**20:.0f} MiB to a worker ({size / 2**20:.0f} MiB files)"
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_a_rank_file_that_cannot_be_made_durable_fails_the_checkpoint(client, dirs, level):
+    """At L2/L3 a worker's rank file is renamed unsynced and made durable by its level task, after the partner
+    copy or parity: when that fsync fails on one worker, the checkpoint fails with its error, nothing of it stays,
+    and the previous checkpoint is recovered."""
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, field(5))
+    ctx.checkpoint(1, level)
+    saved = ctx.protected[1].compute()
+    ctx.protect(1, ctx.protected[1] + 1)
+    crash_worker(client, 1, "ftidask.storage.files:make_durable:raise")
+    with pytest.raises(ftidask.CheckpointError, match="previous checkpoint is kept") as err:
+        ctx.checkpoint(2, level)
+    assert "InjectedFailure" in str(err.value) and "durable" in str(err.value), err.value
+    idle(client)
+    assert [r.ckpt_id for r in ctx.state.records()] == [1]
+    assert not list(Path(dirs["ckpt_dir"]).glob("node*/*/l*/ckpt2.*"))
+    ctx2 = ftidask.init(client=client, **dirs)
+    assert ctx2.recover()[1].compute().tobytes() == saved.tobytes()
+    assert ctx2.recovered_from == (1, level)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -182,7 +181,8 @@ class Committer(RunPart):
 
             agree(t, attempt(t.rank, protect)[1], CheckpointError, failed)
             if pending.sync_at_commit:  # before the commit record names the file
-                agree(t, attempt(t.rank, functools.partial(_make_durable, pending.path))[1], CheckpointError, failed)
+                synced = attempt(t.rank, functools.partial(storage.make_durable, pending.path))[1]
+                agree(t, synced, CheckpointError, failed)
         except CheckpointError:  # agreed: the same on every rank
             self.drop(pending, finished=written is not None)
             raise
@@ -266,12 +266,3 @@ class Committer(RunPart):
         self.seal(flushed, failed, functools.partial(
             storage.remove_tree, self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)))
 
-
-def _make_durable(path: Path) -> None:
-    """fsync ``path`` (written with ``durable=False``) and its directory."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    storage.fsync_dir(path.parent)

@@ -1,15 +1,11 @@
-"""Where files live and how they are committed: temporary name, fsync, rename, fsync the directory.
+"""How files are committed (temporary name, fsync, rename, fsync the directory), removed and collected.
 
-Paths follow FTI: node-local files under ``{ckpt_dir}/node{N}/{exec_id}/l1|l2|l3``, global ones
-under ``{glbl_dir}/{exec_id}/l4``, run state under ``{meta_dir}/{exec_id}``. Each checkpoint has
-its own directory ``ckpt{id}.s{seq}`` (``seq`` grows with every checkpoint), so that reusing a
-checkpoint id never overwrites the checkpoint that is still the newest committed one.
+The names of a run's directories and files are :mod:`ftidask.storage.paths` (re-exported here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -23,82 +19,33 @@ from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from .paths import (  # noqa: F401 - the names and paths, long imported from here
+    SPARE_DIR,
+    RunPaths,
+    ckpt_dirname,
+    is_inside,
+    parity_file,
+    partner_file,
+    rank_file,
+    spare_file,
+)
+
 _COPY_PIECE = 16 << 20
 log = logging.getLogger("ftidask")
 
 
-@dataclasses.dataclass(frozen=True)
-class RunPaths:
-    """The directories of one run (``exec_id``) as seen from one node."""
-
-    ckpt_dir: Path
-    glbl_dir: Path
-    meta_dir: Path
-    exec_id: str
-
-    def node_dir(self, node: int) -> Path:
-        return self.ckpt_dir / f"node{node}" / self.exec_id
-
-    def level_dir(self, level: int, node: int) -> Path:
-        """Where a level-``level`` checkpoint's files live (global for L4)."""
-        if level == 4:
-            return self.glbl_dir / self.exec_id / "l4"
-        return self.node_dir(node) / f"l{level}"
-
-    def local_dir(self, level: int, node: int) -> Path:
-        """Node-local directory of a level (L4 keeps its local copy under ``l4``)."""
-        return self.node_dir(node) / f"l{level}"
-
-    @property
-    def l4_archive(self) -> Path:
-        """Where ``keep_l4_ckpt`` leaves the level-4 checkpoints at finalize (FTI's ``l4_archive``)."""
-        return self.glbl_dir / self.exec_id / "l4_archive"
-
-    @property
-    def run_meta(self) -> Path:
-        return self.meta_dir / self.exec_id
-
-    @property
-    def stage_root(self) -> Path:
-        return self.ckpt_dir / "stage" / self.exec_id
-
-    def contains(self, path: Path) -> bool:
-        """Whether ``path`` lies inside this run's directories (lexically: node directories may be links
-        to local disks); what a run deletes is checked with it."""
-        return any(is_inside(path, root, resolve=False) for root in (self.ckpt_dir, self.glbl_dir, self.meta_dir))
-
-
-def ckpt_dirname(ckpt_id: int, seq: int) -> str:
-    return f"ckpt{ckpt_id}.s{seq}"
-
-
-def rank_file(ckpt_id: int, rank: int) -> str:
-    """Rank ``rank``'s own file (FTI's name)."""
-    return f"Ckpt{ckpt_id}-Rank{rank}.fti"
-
-
-#: Where a level keeps the spares of differential checkpoints, beside its checkpoint directories.
-SPARE_DIR = "dcp"
-
-
-def spare_file(rank: int, kind: str = "") -> str:
-    """A spare of differential checkpointing: rank ``rank``'s own file (``kind`` ""), the partner
-    copy it holds ("Pcof", L2) or its parity ("RSed", L3)."""
-    return f"Spare{kind}-Rank{rank}.fti"
-
-
-def partner_file(ckpt_id: int, rank: int) -> str:
-    """Kept on rank ``rank``'s node: the copy of its partner's file (FTI's ``Pcof``)."""
-    return f"Ckpt{ckpt_id}-Pcof{rank}.fti"
-
-
-def parity_file(ckpt_id: int, rank: int) -> str:
-    """Rank ``rank``'s Reed-Solomon parity (FTI's ``RSed``)."""
-    return f"Ckpt{ckpt_id}-RSed{rank}.fti"
-
-
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    _fsync(path, os.O_DIRECTORY)
+
+
+def make_durable(path: Path) -> None:
+    """fsync the file ``path`` and its directory: what :func:`atomic_file` leaves to do with ``durable=False``."""
+    _fsync(path, 0)
+    _fsync(path.parent, os.O_DIRECTORY)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
@@ -213,7 +160,7 @@ def open_temp(path: Path, mode: str = "w+b") -> tuple[BinaryIO, Path]:
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "w+b", durable: bool = True) -> Iterator[BinaryIO]:
     """Yield a file at a temporary name; on success fsync it and rename it to ``path``. ``durable=False``: renamed
-    without waiting for the disk; the caller fsyncs it before any record names it."""
+    without waiting for the disk; the caller calls :func:`make_durable` before any record names it."""
     makedirs(path.parent)
     fh, tmp = open_temp(path, mode)
     try:
@@ -297,16 +244,6 @@ def remove_tree(path: Path) -> None:
             log.warning("could not remove %s: %s", name, exc)
 
     shutil.rmtree(path, **({"onexc": failed} if sys.version_info >= (3, 12) else {"onerror": failed}))
-
-
-def is_inside(path: str | os.PathLike[str], parent: str | os.PathLike[str], *, resolve: bool = True) -> bool:
-    """Whether ``path`` lies strictly inside ``parent``: after making both absolute and removing ``..``
-    and, with ``resolve``, also once every symbolic link is resolved (a link to elsewhere is outside)."""
-    def within(child: str, root: str) -> bool:
-        return child.startswith(root.rstrip(os.sep) + os.sep)
-
-    inside = within(os.path.normpath(os.path.abspath(path)), os.path.normpath(os.path.abspath(parent)))
-    return inside and (not resolve or within(os.path.realpath(path), os.path.realpath(parent)))
 
 
 def remove_inside(path: Path, parent: Path) -> bool:

@@ -29,6 +29,7 @@ from ...ftiff import hashing
 from ...levels import multilevel, partner_delta, rs, rs_delta
 from ...model.config import Config
 from ...model.errors import FTIError
+from ...storage import files as storage
 from ...transport.collective import guarded
 from . import tasks
 from .channel import WorkerChannel
@@ -61,6 +62,8 @@ def protect(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -> dict
     fb_hashes = ch.allgather(fb_hash) if level == 3 else None
     sizes = ch.allgather(_size(own))
     error = multilevel.protect(ch, cfg, level, int(m["ckpt_id"]), int(m["rank"]), own, own.parent, sizes, fb_hashes)
+    if not (error or errors):  # the rank file was renamed unsynced (tasks.write_rank): durable before the record
+        guarded(errors, lambda: storage.make_durable(own), None, f"cannot make {own} durable")
     if error or errors:
         raise LevelFailed("; ".join([*errors, error] if error else errors))
     return {"rank": m["rank"]}

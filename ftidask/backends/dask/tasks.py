@@ -65,15 +65,16 @@ def chunk_sources(places: Sequence[Sequence[int]], chunks: Sequence[np.ndarray])
 
 def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], meta: dict[str, Any],
                hash_name: str, pt_fs: int, max_fs: int, places: list[list[int]],
-               *chunks: np.ndarray) -> dict[str, Any]:
+               *chunks: np.ndarray, durable: bool = True) -> dict[str, Any]:
     """Write this worker's FTI-FF file from the chunks it holds (``places``: [var id, dptr] per chunk); the
-    containers of a variable whose table entry names a codec (``extra["codec"]``) are compressed here."""
+    containers of a variable whose table entry names a codec (``extra["codec"]``) are compressed here.
+    ``durable=False`` (L2/L3): renamed unsynced; the level's task makes it durable after the redundancy."""
     layout = layout_from_json(layout_json)
     infos = [VarInfo.from_json(raw) for raw in infos_json]
     codecs = {i.id: (compression.get_codec(i.extra["codec"]), i.dtype.itemsize) for i in infos if "codec" in i.extra}
     written = write_rank_file(Path(path), layout, chunk_sources(places, chunks), infos,
                               hash_id=hashing.hash_id(hash_name), meta=meta, pt_fs=pt_fs, max_fs=max_fs,
-                              codecs=codecs or None)
+                              codecs=codecs or None, durable=durable)
     return {"rank": meta["rank"], "node": meta["node"], "size": written.file_size,
             "fb_hash": written.fb.hash.hex(), "data_bytes": written.data_bytes, "path": path}
 

@@ -1,0 +1,93 @@
+"""The names of a run's directories and files, as FTI names them, and the check that a path lies inside another.
+
+Node-local files live under ``{ckpt_dir}/node{N}/{exec_id}/l1|l2|l3``, global ones under
+``{glbl_dir}/{exec_id}/l4``, run state under ``{meta_dir}/{exec_id}``. Each checkpoint has its own
+directory ``ckpt{id}.s{seq}`` (``seq`` grows with every checkpoint), so that reusing a checkpoint id
+never overwrites the checkpoint that is still the newest committed one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    """The directories of one run (``exec_id``) as seen from one node."""
+
+    ckpt_dir: Path
+    glbl_dir: Path
+    meta_dir: Path
+    exec_id: str
+
+    def node_dir(self, node: int) -> Path:
+        return self.ckpt_dir / f"node{node}" / self.exec_id
+
+    def level_dir(self, level: int, node: int) -> Path:
+        """Where a level-``level`` checkpoint's files live (global for L4)."""
+        if level == 4:
+            return self.glbl_dir / self.exec_id / "l4"
+        return self.node_dir(node) / f"l{level}"
+
+    def local_dir(self, level: int, node: int) -> Path:
+        """Node-local directory of a level (L4 keeps its local copy under ``l4``)."""
+        return self.node_dir(node) / f"l{level}"
+
+    @property
+    def l4_archive(self) -> Path:
+        """Where ``keep_l4_ckpt`` leaves the level-4 checkpoints at finalize (FTI's ``l4_archive``)."""
+        return self.glbl_dir / self.exec_id / "l4_archive"
+
+    @property
+    def run_meta(self) -> Path:
+        return self.meta_dir / self.exec_id
+
+    @property
+    def stage_root(self) -> Path:
+        return self.ckpt_dir / "stage" / self.exec_id
+
+    def contains(self, path: Path) -> bool:
+        """Whether ``path`` lies inside this run's directories (lexically: node directories may be links
+        to local disks); what a run deletes is checked with it."""
+        return any(is_inside(path, root, resolve=False) for root in (self.ckpt_dir, self.glbl_dir, self.meta_dir))
+
+
+def ckpt_dirname(ckpt_id: int, seq: int) -> str:
+    return f"ckpt{ckpt_id}.s{seq}"
+
+
+def rank_file(ckpt_id: int, rank: int) -> str:
+    """Rank ``rank``'s own file (FTI's name)."""
+    return f"Ckpt{ckpt_id}-Rank{rank}.fti"
+
+
+#: Where a level keeps the spares of differential checkpoints, beside its checkpoint directories.
+SPARE_DIR = "dcp"
+
+
+def spare_file(rank: int, kind: str = "") -> str:
+    """A spare of differential checkpointing: rank ``rank``'s own file (``kind`` ""), the partner
+    copy it holds ("Pcof", L2) or its parity ("RSed", L3)."""
+    return f"Spare{kind}-Rank{rank}.fti"
+
+
+def partner_file(ckpt_id: int, rank: int) -> str:
+    """Kept on rank ``rank``'s node: the copy of its partner's file (FTI's ``Pcof``)."""
+    return f"Ckpt{ckpt_id}-Pcof{rank}.fti"
+
+
+def parity_file(ckpt_id: int, rank: int) -> str:
+    """Rank ``rank``'s Reed-Solomon parity (FTI's ``RSed``)."""
+    return f"Ckpt{ckpt_id}-RSed{rank}.fti"
+
+
+def is_inside(path: str | os.PathLike[str], parent: str | os.PathLike[str], *, resolve: bool = True) -> bool:
+    """Whether ``path`` lies strictly inside ``parent``: after making both absolute and removing ``..``
+    and, with ``resolve``, also once every symbolic link is resolved (a link to elsewhere is outside)."""
+    def within(child: str, root: str) -> bool:
+        return child.startswith(root.rstrip(os.sep) + os.sep)
+
+    inside = within(os.path.normpath(os.path.abspath(path)), os.path.normpath(os.path.abspath(parent)))
+    return inside and (not resolve or within(os.path.realpath(path), os.path.realpath(parent)))
