@@ -317,10 +317,10 @@ class Recovery(RunPart):
             sound = next((r for r in records if old_files_sound(self, r, partial(reshard.old_path, self, r))), None)
             if sound is not None:
                 t = self.transport
-                raise RecoveryError(f"{reshard.layout_change(sound, t.size, t.allgather(t.node))}: its stored sizes "
-                                    "are per old rank, and recover() redistributes it into the arrays as this run "
-                                    "declares them (the size of each block is the application's choice). "
-                                    f"{reshard.advice(sound)}")
+                raise reshard.redistributed(f"{reshard.layout_change(sound, t.size, t.allgather(t.node))}: its stored "
+                                            "sizes are per old rank, and recover() redistributes it into the arrays as "
+                                            "this run declares them (the size of each block is the application's "
+                                            f"choice). {reshard.advice(sound)}", sound)
             failed.append(NoCheckpointError(f"{change}; none of those checkpoints can be redistributed"))
         if not failed:
             return self.find(records=[])  # raises: no committed checkpoint
