@@ -223,3 +223,23 @@ def test_stored_size_refuses_when_the_newest_checkpoint_has_another_layout(tmp_p
         for call in ("stored_size", "realloc"):
             assert isinstance(res[call], dict) and res[call]["error"] == "RecoveryError", res
             assert "checkpoint 3 (level 1) was written by 2 ranks, this run recovers on 4" in res[call]["message"], res
+
+
+@pytest.mark.parametrize("level", [1, 5])
+@need_mpi()[0]
+@need_mpi()[1]
+def test_stored_size_answers_for_the_older_checkpoint_that_recover_loads_when_the_resharded_ones_fail(tmp_path, level):
+    """As above (checkpoint 1 at L4 on 4 ranks, checkpoints 2 and 3 at ``level`` on 2 ranks, rank 0's file of 3 cut,
+    at L1_DCP its spare too): a restart on 4 ranks asks stored_size(1) and realloc(1) before recover(). recover()
+    loads checkpoint 1 (this run's layout), so both answer for it (8192 bytes per rank). Before, both raised a
+    RecoveryError naming checkpoint 3's layout, which recover() cannot redistribute and does not load."""
+    run(4, "reshard_older_job.py", "l4", str(tmp_path), str(level))
+    run(2, "reshard_older_job.py", "dcp", str(tmp_path), str(level))
+    (newest,) = tmp_path.glob("Local/node0/*/l1/ckpt3.*/Ckpt3-Rank0.fti")
+    os.truncate(newest, newest.stat().st_size - 100)
+    if level == 5:
+        spare = next(tmp_path.glob("Local/node0/*/l1/dcp/Spare-Rank0.fti"))
+        os.truncate(spare, spare.stat().st_size - 100)
+    run(4, "reshard_older_job.py", "sizes", str(tmp_path), str(level))
+    got = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
+    assert got == [{"from": [1, 4], "exact": True, "stored_size": 8192, "realloc": 8192}] * 4, got

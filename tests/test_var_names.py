@@ -302,3 +302,61 @@ def test_stored_size_of_a_bad_id_on_a_fresh_start_says_so(dirs):
     with pytest.raises(ftidask.ProtectError, match="must be an int"):
         ctx.stored_size("three")
     ctx.finalize()
+
+
+@pytest.mark.parametrize("newest_here", [False, True])
+def test_var_id_finds_the_names_of_the_checkpoint_that_recover_loads(tmp_path, newest_here):
+    """Names a and b given in the order b, a (ids 1, 0 then), checkpoint 1 at L4 written by 1 rank; a restart on 2
+    ranks redistributes it and writes checkpoint 2 at L1 (``newest_here``: at L4, then a restart on 1 rank writes
+    checkpoint 3 at L1). The newest checkpoint's files are lost: recover() on 1 rank loads the newest that it can (1, of
+    this layout, or 2 redistributed), and var_id finds the names there. Before, var_id read the names of the newest
+    checkpoint's layout only: none (the files of 2 lost), or none at all (the newest, of this layout, lost)."""
+    def cfg(n):
+        return load_config(None, ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"),
+                           meta_dir=str(tmp_path / "M"), local_test=1, node_size=1, group_size=n)
+
+    def block(ctx, t, n, ids, out=None):
+        for k, name in enumerate(("a", "b")):
+            a = np.zeros(8 // n) if out is None else out.setdefault(name, np.zeros(8 // n))
+            ctx.protect(ids[name], a, global_shape=(8,), offset=(8 // n * t.rank,))
+
+    def write(n, ckpt, level, recover=True):
+        def job(t):
+            ctx = Context(cfg(n), t)
+            ids = {name: ctx.var_id(name) for name in ("b", "a")}
+            out: dict = {}
+            block(ctx, t, n, ids, out)
+            if recover:
+                ctx.recover()
+            else:
+                for k, name in enumerate(("a", "b")):
+                    out[name][:] = np.arange(8.0) + 100 * k
+            ctx.checkpoint(ckpt, level)
+            ctx._close()
+            return ids
+
+        results, errors = run_ranks(cfg(n), n, job, wait=60)
+        assert errors == [], errors
+        return results[0]
+
+    given = write(1, 1, 4, recover=False)
+    write(2, 2, 4 if newest_here else 1)
+    if newest_here:
+        write(1, 3, 1)
+    for f in tmp_path.glob(f"L/node*/*/l1/ckpt{3 if newest_here else 2}.*/*.fti"):
+        f.unlink()
+
+    def again(t):
+        ctx = Context(cfg(1), t)
+        ids = {name: ctx.var_id(name, create=False) for name in ("a", "b")}
+        out: dict = {}
+        block(ctx, t, 1, ids, out)
+        ctx.recover()
+        ctx._close()
+        return ids, ctx.recovered_from, out
+
+    found, errors = run_ranks(cfg(1), 1, again, wait=60)
+    assert errors == [], errors
+    ids, recovered_from, out = found[0]
+    assert ids == given and recovered_from == ((2, 4) if newest_here else (1, 4))
+    assert (out["a"] == np.arange(8.0)).all() and (out["b"] == np.arange(8.0) + 100).all()

@@ -59,11 +59,7 @@ def restart_names(status: int, recovery: Any) -> dict[int, str]:
     if status == STATUS_FRESH:
         return {}
     try:
-        # A checkpoint of another layout (a resharded restart): none verifies as this rank's file, the old files
-        # hold the names.
-        resharded = reshard.old_names(recovery)
-        if resharded is not None:
-            return resharded
         return {vid: info.name for vid, info in recovery.restart_metadata().vars.items()}
-    except (NoCheckpointError, RecoveryError):
-        return {}
+    except (NoCheckpointError, RecoveryError) as exc:
+        record = getattr(exc, "redistributed", None)  # of another layout (a resharded restart): the old files
+        return {} if record is None else reshard.old_names(recovery, record)  # hold the names

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ from .dcpstore import distrust_spare
 from .pagemove import Stager, release_all
 from .prefault import Prefault
 from .recovery import Verdict, check_file, load_file
+from .reshard_rebuild import old_files_sound
 from .retention import rank_path
 from .run import Run, RunPart
 from .runstate import CommitRecord
@@ -295,19 +297,34 @@ class Recovery(RunPart):
     def restart_metadata(self) -> FtiffFile:
         """The checkpoint a restart recovers, parsed and verified (found once; collective the first time)."""
         if self.progress.restart_file is None:
-            records = self.all_candidates(None, None)
-            t = self.transport
-            # recover() redistributes the newest checkpoint when another layout wrote it: the sizes of an older one
-            # of this layout would describe a checkpoint that is not loaded. Agreed: the records and nodes are.
-            change = reshard.layout_change(records[0], t.size, t.allgather(t.node)) if records else ""
-            if change:
-                raise RecoveryError(f"{change}: its stored sizes are per old rank, and recover() redistributes it into "
-                                    "the arrays as this run declares them (the size of each block is the "
-                                    f"application's choice). {reshard.advice(records[0])}")
-            record, verdict = self.find(records=records)
+            record, verdict = self._restart_find()
             self.progress.restart_file, self.progress.restart_record = verdict.parsed, record
         assert self.progress.restart_file is not None
         return self.progress.restart_file
+
+    def _restart_find(self) -> tuple[CommitRecord, Verdict]:
+        """The checkpoint recover() loads, sought as it does: each run of candidates of one layout in turn (collective,
+        agreed). When it is one of another layout, redistributed, its sizes per old rank describe nothing loaded: a
+        RecoveryError. One of another layout that cannot be redistributed is passed over, as recover() does."""
+        failed: list[NoCheckpointError] = []
+        for change, records in reshard.by_layout(self, self.all_candidates(None, None)):
+            if not change:
+                try:
+                    return self.find(records=records)
+                except NoCheckpointError as exc:  # agreed
+                    failed.append(exc)
+                    continue
+            sound = next((r for r in records if old_files_sound(self, r, partial(reshard.old_path, self, r))), None)
+            if sound is not None:
+                t = self.transport
+                raise reshard.redistributed(f"{reshard.layout_change(sound, t.size, t.allgather(t.node))}: its stored "
+                                            "sizes are per old rank, and recover() redistributes it into the arrays as "
+                                            "this run declares them (the size of each block is the application's "
+                                            f"choice). {reshard.advice(sound)}", sound)
+            failed.append(NoCheckpointError(f"{change}; none of those checkpoints can be redistributed"))
+        if not failed:
+            return self.find(records=[])  # raises: no committed checkpoint
+        raise failed[0] if len(failed) == 1 else NoCheckpointError("\n".join(map(str, failed)))
 
     def _verified_before(self, ckpt_id: int | None, level: int | None) -> tuple[CommitRecord, Verdict] | None:
         """The checkpoint :meth:`restart_metadata` found and verified (stored_size, realloc, var_id before a

@@ -145,37 +145,38 @@ def recover_other_layout(ctx: Recovery, records: list[CommitRecord], change: str
     return dict(arrays)
 
 
-def old_names(ctx: Recovery) -> dict[int, str] | None:
-    """The variables' names (by id) a restart on another layout finds (``ctx.var_id``): those of the newest
-    checkpoint of another layout whose old files all parse, read from their tables (each old file by one
-    rank); None when the newest checkpoint has this run's layout. Collective. An id named otherwise in
-    another old file is left out: a name given a new id then is refused by the recovery, never filled
+def redistributed(message: str, record: CommitRecord) -> RecoveryError:
+    """The error of stored_size/realloc when the checkpoint a restart recovers, ``record``, has another layout
+    (recover() redistributes it); it names the record (``.redistributed``: var_id reads its names, :func:`old_names`)."""
+    error = RecoveryError(message)
+    error.redistributed = record  # type: ignore[attr-defined]
+    return error
+
+
+def old_names(ctx: Recovery, record: CommitRecord) -> dict[int, str]:
+    """The variables' names (by id) on a restart that redistributes ``record`` (``ctx.var_id``), read from its old
+    files' tables (each old file by one rank); {} when they cannot all be read. Collective. An id named otherwise
+    in another old file is left out: a name given a new id then is refused by the recovery, never filled
     with another variable's data."""
     t = ctx.transport
-    records = ctx.all_candidates(None, None)
-    nodes = t.allgather(t.node)
-    if not records or not layout_change(records[0], t.size, nodes):
-        return None
-    for record in (r for r in records if layout_change(r, t.size, nodes)):
-        mine: list[list[Any]] = []
-        ok = True
-        for old in range(t.rank, record.nranks, t.size):
-            try:
-                parsed = _open(old_path(ctx, record, old), record, old)
-                mine += [[vid, info.name] for vid, info in parsed.vars.items()]
-            except Exception:  # noqa: BLE001 - this checkpoint's names cannot all be read: an older one's may
-                ok = False
-        parts = t.allgather([ok, mine])
-        if not all(part[0] for part in parts):
-            continue
-        names: dict[int, str] = {}
-        clash: set[int] = set()
-        for _ok, pairs in parts:
-            for vid, name in pairs:
-                if names.setdefault(int(vid), str(name)) != name:
-                    clash.add(int(vid))
-        return {vid: name for vid, name in names.items() if vid not in clash}
-    return {}
+    mine: list[list[Any]] = []
+    ok = True
+    for old in range(t.rank, record.nranks, t.size):
+        try:
+            parsed = _open(old_path(ctx, record, old), record, old)
+            mine += [[vid, info.name] for vid, info in parsed.vars.items()]
+        except Exception:  # noqa: BLE001 - agreed below: a rank that raised alone would leave the others waiting
+            ok = False
+    parts = t.allgather([ok, mine])
+    if not all(part[0] for part in parts):
+        return {}
+    names: dict[int, str] = {}
+    clash: set[int] = set()
+    for _ok, pairs in parts:
+        for vid, name in pairs:
+            if names.setdefault(int(vid), str(name)) != name:
+                clash.add(int(vid))
+    return {vid: name for vid, name in names.items() if vid not in clash}
 
 
 def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -> tuple[CommitRecord, dict[int, Any]]:

@@ -64,3 +64,21 @@ def rebuild_group(cfg: Any, record: CommitRecord, ranks: list[int], path_of: Cal
         return errors[0]
     lost = [r for r in ranks if not results.get(r)]
     return f"{own[lost[0]]}: missing or damaged, and not rebuilt from its group" if lost else ""
+
+
+def old_files_sound(ctx: Any, record: CommitRecord, path_of: Callable[[int], Path]) -> bool:
+    """Whether every old file of ``record`` (another layout's) verifies, lost L2/L3 files rebuilt first, as a
+    redistribution would find them: each rank checks its share of the old files or groups; agreed. Collective."""
+    t, problem = ctx.transport, ""
+    try:
+        if record.level in (2, 3) and not record.fallback:  # a fallback's redundancy was the committed one's
+            groups = old_groups(record, ctx.config.group_size)
+            for j in range(t.rank, len(groups), t.size):
+                problem = problem or rebuild_group(ctx.config, record, groups[j], path_of)
+        else:
+            for old in range(t.rank, record.nranks, t.size):
+                verdict = check_file(path_of(old), record, old)
+                problem = problem or ("" if verdict.kind == "ok" else verdict.message or "damaged")
+    except Exception as exc:  # noqa: BLE001 - agreed below: a rank that raised alone would leave the others waiting
+        problem = problem or f"{type(exc).__name__}: {exc}"
+    return not any(t.allgather(problem))
