@@ -161,8 +161,7 @@ def _verify_source(source: _Source) -> _Rank:
     """Verify one rank's file (every hash; against its commit record when known)."""
     verdict = check_file(source.path, source.record, source.rank)
     if verdict.kind != "ok" or verdict.parsed is None:
-        raise FormatError(f"cannot export: {verdict.message} (recover the run with ftidask to rebuild lost "
-                          "files of levels 2 and 3, then checkpoint again)")
+        raise FormatError(verdict.message)
     parsed: Any = verdict.parsed
     infos = dict(parsed.vars)
     for vid, nbytes in parsed.var_nbytes().items():  # FTI 1.1 files have no table: raw bytes
@@ -287,13 +286,14 @@ def _newest_sound(candidates: list[list[_Source]]) -> tuple[list[_Source], list[
         try:
             return sources, [_verify_source(source) for source in sources]
         except FormatError as exc:
-            if len(candidates) == 1:
-                raise
             record = sources[0].record
             what = f"checkpoint {record.ckpt_id} (level {record.level})" if record else str(sources[0].path)
             reasons.append(f"{what}: {exc}")
-            log.warning("not exporting %s", reasons[-1])
-    raise FormatError("cannot export: no checkpoint verifies" + "".join(f"\n  - {r}" for r in reasons))
+            if len(candidates) > 1:
+                log.warning("not exporting %s", reasons[-1])
+    listed = f" {reasons[0]}" if len(reasons) == 1 else ": no checkpoint verifies" + "".join(f"\n  - {r}" for r in reasons)
+    raise FormatError(f"cannot export{listed}\n(recover the run with ftidask to rebuild lost files of levels 2 and 3, "
+                      "then checkpoint again)")
 
 
 def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: str | os.PathLike[str], *,
