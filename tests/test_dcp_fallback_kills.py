@@ -140,6 +140,18 @@ def test_a_spare_found_damaged_is_never_patched(tmp_path, level, restart):
 
 # --- restarts on another number of ranks ---------------------------------------------------------------------
 
+def _resharded_newest_cut(tmp_path, level):
+    """Checkpoint 1 at L4 on 4 ranks; a restart on 2 ranks recovers it and writes checkpoints 2 and 3 at ``level``;
+    rank 0's file of checkpoint 3 is cut (at L1_DCP, its spare too: checkpoint 2 is lost)."""
+    run(4, "reshard_older_job.py", "l4", str(tmp_path), str(level))
+    run(2, "reshard_older_job.py", "dcp", str(tmp_path), str(level))
+    (newest,) = tmp_path.glob("Local/node0/*/l1/ckpt3.*/Ckpt3-Rank0.fti")
+    os.truncate(newest, newest.stat().st_size - 100)
+    if level == 5:
+        spare = next(tmp_path.glob("Local/node0/*/l1/dcp/Spare-Rank0.fti"))
+        os.truncate(spare, spare.stat().st_size - 100)
+
+
 @pytest.mark.parametrize("level", [1, 5])
 @need_mpi()[0]
 @need_mpi()[1]
@@ -148,13 +160,7 @@ def test_an_older_checkpoint_of_this_layout_is_recovered_when_the_resharded_ones
     rank 0's file of checkpoint 3 is cut (at L1_DCP, its spare too: checkpoint 2 is lost). A restart on 4 ranks
     recovers checkpoint 1, exactly: before, the newest checkpoints had another layout, only they were tried (to be
     redistributed), and the restart raised NoCheckpointError with checkpoint 1, of its own layout, sound."""
-    run(4, "reshard_older_job.py", "l4", str(tmp_path), str(level))
-    run(2, "reshard_older_job.py", "dcp", str(tmp_path), str(level))
-    (newest,) = tmp_path.glob("Local/node0/*/l1/ckpt3.*/Ckpt3-Rank0.fti")
-    os.truncate(newest, newest.stat().st_size - 100)
-    if level == 5:
-        spare = next(tmp_path.glob("Local/node0/*/l1/dcp/Spare-Rank0.fti"))
-        os.truncate(spare, spare.stat().st_size - 100)
+    _resharded_newest_cut(tmp_path, level)
     run(4, "reshard_older_job.py", "recover", str(tmp_path), str(level))
     got = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
     assert got == [{"from": [1, 4], "exact": True}] * 4, got
@@ -233,13 +239,7 @@ def test_stored_size_answers_for_the_older_checkpoint_that_recover_loads_when_th
     at L1_DCP its spare too): a restart on 4 ranks asks stored_size(1) and realloc(1) before recover(). recover()
     loads checkpoint 1 (this run's layout), so both answer for it (8192 bytes per rank). Before, both raised a
     RecoveryError naming checkpoint 3's layout, which recover() cannot redistribute and does not load."""
-    run(4, "reshard_older_job.py", "l4", str(tmp_path), str(level))
-    run(2, "reshard_older_job.py", "dcp", str(tmp_path), str(level))
-    (newest,) = tmp_path.glob("Local/node0/*/l1/ckpt3.*/Ckpt3-Rank0.fti")
-    os.truncate(newest, newest.stat().st_size - 100)
-    if level == 5:
-        spare = next(tmp_path.glob("Local/node0/*/l1/dcp/Spare-Rank0.fti"))
-        os.truncate(spare, spare.stat().st_size - 100)
+    _resharded_newest_cut(tmp_path, level)
     run(4, "reshard_older_job.py", "sizes", str(tmp_path), str(level))
     got = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(4)]
     assert got == [{"from": [1, 4], "exact": True, "stored_size": 8192, "realloc": 8192}] * 4, got
