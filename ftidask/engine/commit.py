@@ -265,4 +265,3 @@ class Committer(RunPart):
         # If it cannot be committed, the last checkpoint stays where it is, committed; the copy goes.
         self.seal(flushed, failed, functools.partial(
             storage.remove_tree, self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)))
-
