@@ -8,7 +8,6 @@ table) and those of later FTI versions, which keep all metadata at the end (:mod
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -16,14 +15,13 @@ from typing import Any, BinaryIO, Protocol
 
 from ..model.arrays import VarInfo
 from ..model.errors import FormatError
-from . import compression, hashing, tailmeta
+from . import compression, hashing, tailmeta, verify
 from .blockhash import FLAG_DCP, DcpInfo, read_into_dcp, verify_dcp
 from .layout import Layout, Slot, layout_from_slots
 from .structs import BMD_SIZE, FB_SIZE, VMD_SIZE, BlockMeta, ContainerMeta, FileBlock
 from .trailer import TAIL_SIZE, parse_trailer, trailer_span
 
 _PIECE = 16 << 20
-_VERIFY_THREADS = min(4, os.cpu_count() or 1)
 _COPY_PIECE = 32 << 20  # bytes per piece of the copy into the arrays, spread over _COPY_THREADS
 _COPY_THREADS = min(4, os.cpu_count() or 1)
 SUPPORTED_VERSIONS = (1,)
@@ -261,10 +259,10 @@ def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None, *
     """Check every container's hash (and, for FTI 1.1 files, the MD5 of the whole VB), and that each
     compressed container decodes to its raw span.
 
-    Hashes straight from the page cache through a read-only map (no copy), containers in
-    parallel threads (the hashes release the GIL). ``decode`` False checks the hashes only: for a
-    reader that decodes every container it uses afterwards, and whose failure there touches nothing
-    (a Dask recovery's reads, see :func:`ftidask.backends.dask.tasks.check_file`).
+    The file is read, never mapped (:mod:`.verify`: a fault while reading is damage, not a SIGBUS), containers
+    on parallel threads. ``decode`` False checks the hashes only: for a reader that decodes every container
+    it uses afterwards, and whose failure there touches nothing (a Dask recovery's reads, see
+    :func:`ftidask.backends.dask.tasks.check_file`).
     """
     if parsed.fb.flags & FLAG_DCP:
         return verify_dcp(fh, parsed, only)
@@ -272,31 +270,12 @@ def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None, *
         raise FormatError("file changed size since it was parsed", path=parsed.path)
     jobs = [(bi, ci, meta) for bi, ci, meta in parsed.containers()
             if meta.hascontent and (only is None or meta.id in only)]
-    if not jobs and not parsed.legacy:
-        return
-    hid = parsed.fb.hash_id
-    with mmap.mmap(fh.fileno(), parsed.file_size, access=mmap.ACCESS_READ) as mapped:
-        data = memoryview(mapped)
-        try:
-            def check(job: tuple[int, int, ContainerMeta]) -> str:
-                bi, ci, meta = job
-                what = f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid})"
-                stored = data[meta.fptr:meta.fptr + meta.chunksize]
-                if hashing.digest(hid, stored) != meta.hash:
-                    return f"{what}: data hash does not match (damaged data)"
-                return compression.decode_problem(parsed.vars.get(meta.id), meta, stored, what) if decode else ""
-
-            with ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="ftidask-verify") as pool:
-                for problem in pool.map(check, jobs):
-                    if problem:
-                        raise FormatError(problem, path=parsed.path)
-            if parsed.legacy and not parsed.tail:  # FTI 1.2+: the checksum is over the container hashes
-                hasher = hashing.new_hasher(1)
-                hasher.update(data[FB_SIZE:parsed.fb.fs])
-                if hasher.hexdigest() != parsed.fb.checksum:
-                    raise FormatError("MD5 checksum of the VB does not match the file block", path=parsed.path)
-        finally:
-            data.release()
+    problem = verify.first_problem(fh.fileno(), parsed, jobs, decode) if jobs else ""
+    if problem:
+        raise FormatError(problem, path=parsed.path)
+    if parsed.legacy and not parsed.tail:  # FTI 1.2+: the checksum is over the container hashes
+        if verify.md5_hex(fh.fileno(), FB_SIZE, parsed.fb.fs) != parsed.fb.checksum:
+            raise FormatError("MD5 checksum of the VB does not match the file block", path=parsed.path)
 
 
 def read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget]) -> None:

@@ -22,19 +22,10 @@ from ..model.errors import FormatError
 from . import compression, hashing
 from .reader import FtiffFile
 from .structs import ContainerMeta
+from .verify import read_full
 
 PIECE = 8 << 20  # bytes per read; the hash follows one piece behind
 _DECODE_THREADS = min(4, os.cpu_count() or 1)  # containers decoded at once (numcodecs releases the GIL)
-
-
-def _read_full(fd: int, offset: int, view: memoryview) -> int:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            break
-        got += n
-    return got
 
 
 class _Reader(threading.Thread):
@@ -50,7 +41,7 @@ class _Reader(threading.Thread):
 
     def run(self) -> None:
         for offset, view in self.pieces:
-            full = not self.stop and _read_full(self.fd, offset, view) == len(view)
+            full = not self.stop and read_full(self.fd, offset, view) == len(view)
             with self.cond:
                 self.short = not full
                 self.done += full

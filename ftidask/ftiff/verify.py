@@ -1,0 +1,88 @@
+"""Check the containers of a parsed FTI-FF file against their hashes, reading the file, never mapping it.
+
+A map would spare a copy, but a mapped file that shrinks under its reader (another process, a truncation
+by a failing job) or whose disk cannot read a page kills the process with SIGBUS: no fallback to a
+partner copy, the parity or an older checkpoint could follow. Read with ``preadv`` into a buffer per
+thread, the same faults are a short read or an ``OSError``: a damaged file. Containers are checked on
+several threads (``preadv`` and the hashes release the GIL), each one piece by piece; a compressed
+container is read whole, as its codec needs it, and decoded once its hash matched.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import compression, hashing
+from .structs import ContainerMeta
+
+PIECE = 8 << 20  # bytes per read of a container being hashed
+THREADS = min(4, os.cpu_count() or 1)  # containers checked at once
+_local = threading.local()
+
+
+def read_full(fd: int, offset: int, view: memoryview) -> int:
+    """Read ``len(view)`` bytes at ``offset`` into ``view``; the count read (less: the file ended)."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
+def _buffer() -> memoryview:
+    """This thread's read buffer (the verifying threads live as long as one check)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(PIECE))
+    return buf
+
+
+def container_problem(fd: int, parsed: Any, meta: ContainerMeta, what: str, decode: bool) -> str:
+    """Why container ``meta`` of ``parsed`` does not match its hash (or, ``decode``, does not decode), or ''."""
+    info = parsed.vars.get(meta.id)
+    hid = parsed.fb.hash_id
+    if decode and compression.encoded(info, meta):
+        stored = bytearray(meta.chunksize)
+        if read_full(fd, meta.fptr, memoryview(stored)) != meta.chunksize:
+            return f"{what}: the file ends inside its data"
+        if hashing.digest(hid, stored) != meta.hash:
+            return f"{what}: data hash does not match (damaged data)"
+        return compression.decode_problem(info, meta, stored, what)
+    hasher, buf = hashing.new_hasher(hid), _buffer()
+    for lo in range(0, meta.chunksize, PIECE):
+        n = min(PIECE, meta.chunksize - lo)
+        if read_full(fd, meta.fptr + lo, buf[:n]) != n:
+            return f"{what}: the file ends inside its data"
+        hasher.update(buf[:n])
+    return "" if hasher.digest() == meta.hash else f"{what}: data hash does not match (damaged data)"
+
+
+def first_problem(fd: int, parsed: Any, jobs: Sequence[tuple[int, int, ContainerMeta]], decode: bool) -> str:
+    """The first container of ``jobs`` ((block, container, meta) triples) that fails its check, said; ''."""
+    def check(job: tuple[int, int, ContainerMeta]) -> str:
+        bi, ci, meta = job
+        what = f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid})"
+        try:
+            return container_problem(fd, parsed, meta, what, decode)
+        except OSError as exc:  # a disk that cannot read the span: damage, for this file
+            return f"{what}: cannot be read: {exc.strerror or exc}"
+
+    with ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="ftidask-verify") as pool:
+        return next((problem for problem in pool.map(check, jobs) if problem), "")
+
+
+def md5_hex(fd: int, start: int, stop: int) -> str:
+    """The MD5 (hex) of bytes ``[start, stop)`` of the file (FTI 1.1's checksum of the whole VB); '' when short."""
+    hasher, buf = hashing.new_hasher(1), memoryview(bytearray(min(PIECE, max(stop - start, 1))))
+    for lo in range(start, stop, len(buf)):
+        n = min(len(buf), stop - lo)
+        if read_full(fd, lo, buf[:n]) != n:
+            return ""
+        hasher.update(buf[:n])
+    return hasher.hexdigest()
