@@ -28,7 +28,6 @@ after it is complete. Like every L3 parity, it is checked against its hash befor
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -135,13 +134,10 @@ def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[lis
     storage.rename_into(spare, parity)
     hasher = hashing.new_hasher(hash_id)
     if max_fs:
-        with open(parity, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)  # hashed straight from the page cache, no copy
-            try:
-                for lo in range(0, len(view), 64 << 20):
-                    hasher.update(view[lo:lo + (64 << 20)])
-            finally:
-                view.release()
+        buf = memoryview(bytearray(min(max_fs, 16 << 20)))  # read, not mapped: a read error raises, no SIGBUS
+        with open(parity, "rb") as fh:
+            while n := fh.readinto(buf):
+                hasher.update(buf[:n])
     errors: list[str] = []
     write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors, fb_hashes)
     if errors:
