@@ -309,7 +309,7 @@ def decode_problem(info: Any, meta: Any, stored: memoryview | bytes, what: str) 
     except FormatError as exc:
         return str(exc)
     except Exception as exc:  # noqa: BLE001 - a codec's MemoryError, say: damage too, said here (an exception
-        # leaving the verifier's threads would keep views of its memory map, which could then not be closed)
+        # leaving the verifier's threads would keep, in its traceback, views of the stored bytes)
         return f"{what}: cannot be decoded: {type(exc).__name__}: {exc}"
     return ""
 
