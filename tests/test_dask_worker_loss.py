@@ -37,9 +37,10 @@ def live_workers(client):
 
 
 def kill_worker(client, address, node_dir=None):
-    """SIGKILL the worker process at ``address`` (and erase ``node_dir``: its node's disk is lost too)."""
+    """SIGKILL the worker process at ``address`` (and erase ``node_dir``: its node's disk is lost too; an L4
+    checkpoint wrote nothing there)."""
     os.kill(client.run(os.getpid)[address], signal.SIGKILL)
-    if node_dir is not None:
+    if node_dir is not None and node_dir.exists():
         shutil.rmtree(node_dir)
     end = time.monotonic() + 60
     while address in live_workers(client):

@@ -2,9 +2,9 @@
 the level's redundancy as tasks.
 
 Every worker (rank ``r``, its position in the sorted addresses) writes the chunks it holds into its
-rank file; L2 and L3 then run the level code shared with the MPI backend, one task per worker, the
-blocks going worker to worker (:mod:`ftidask.backends.dask.group_steps`); L4 writes locally and flushes
-each file to the global directory. The commit record, written last by the engine's
+rank file (at L4 straight into the global directory, as an MPI rank does); L2 and L3 then run the level
+code shared with the MPI backend, one task per worker, the blocks going worker to worker
+(:mod:`ftidask.backends.dask.group_steps`). The commit record, written last by the engine's
 :meth:`~ftidask.engine.commit.Committer.seal`, is the commit point. Differential checkpoints (levels
 5-8) are :mod:`ftidask.backends.dask.dcp_levels`.
 """
@@ -37,11 +37,10 @@ def run_full_levels(ctx: DaskContext, ckpt_id: int, level: int, seq: int, specs:
     topo = worker_topology(n, ctx.config.group_size)
     groups = topo.rank_groups()
     fs = [p.layout.fs for p in plans]
-    write_level = 1 if level == 4 else level  # L4 writes locally, then flushes
     tag = f"{ckpt_id}-{seq}"
 
-    def own(lv: int, r: int) -> str:
-        return ctx.node_file(lv, ckpt_id, seq, r, storage.rank_file(ckpt_id, r))
+    def own(r: int) -> str:  # at L4 in the global directory, written once
+        return ctx.node_file(level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r))
 
     writes = []
     for plan in plans:
@@ -49,7 +48,7 @@ def run_full_levels(ctx: DaskContext, ckpt_id: int, level: int, seq: int, specs:
         meta = ctx.rank_meta(ckpt_id, level, seq, r, workers)
         partner = fs[topo.left_partner(r)] if level == 2 and len(workers) > 1 else fs[r]
         writes.append(ctx.cluster.submit(
-            tasks.write_rank, ctx.node_file(write_level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r)),
+            tasks.write_rank, own(r),
             layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, ctx.config.hash, partner,
             max(fs[g] for g in topo.group_ranks(r)), [[c.var_id, c.dptr] for c in plan.chunks],
             *(futures[c.var_id, c.index] for c in plan.chunks), durable=level not in (2, 3),
@@ -62,15 +61,9 @@ def run_full_levels(ctx: DaskContext, ckpt_id: int, level: int, seq: int, specs:
         for tag_g, group in zip(tags, groups, strict=True):
             for r in group:
                 m = group_steps.member("protect", tag_g, group, r, workers, dep=0, level=level, ckpt_id=ckpt_id,
-                                       own=own(level, r))
+                                       own=own(r))
                 finals.append(group_steps.submit_members(ctx.cluster, ctx.config, workers[r], [m], [writes[r]],
                                                          key=f"ftidask-{name}-{tag}-{r}"))
-    elif level == 4:
-        for r in range(n):
-            name = storage.rank_file(ckpt_id, r)
-            finals.append(ctx.cluster.submit(
-                tasks.flush, ctx.node_file(1, ckpt_id, seq, r, name), ctx.node_file(4, ckpt_id, seq, r, name),
-                writes[r], key=f"ftidask-flush-{tag}-{r}", worker=workers[r]))
     written = group_steps.wait_step(ctx.cluster, writes + finals, workers, f"checkpoint {ckpt_id}", tags,
                                     ranks=workers)[:n]
     return plans, written, groups
