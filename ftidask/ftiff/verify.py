@@ -4,12 +4,14 @@ A map would spare a copy, but a mapped file that shrinks under its reader (anoth
 by a failing job) or whose disk cannot read a page kills the process with SIGBUS: no fallback to a
 partner copy, the parity or an older checkpoint could follow. Read with ``preadv`` into a buffer per
 thread, the same faults are a short read or an ``OSError``: a damaged file. Containers are checked on
-several threads (``preadv`` and the hashes release the GIL), each one piece by piece; a compressed
-container is read whole, as its codec needs it, and decoded once its hash matched.
+several threads (``preadv`` and the hashes release the GIL), each one piece by piece. A compressed
+container whose hash matched is then decoded, whole as its codec needs it, from a map of the pages just
+read (a copy could double a recovery's memory): only a file cut in that moment could still end the process.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -45,22 +47,28 @@ def _buffer() -> memoryview:
 
 def container_problem(fd: int, parsed: Any, meta: ContainerMeta, what: str, decode: bool) -> str:
     """Why container ``meta`` of ``parsed`` does not match its hash (or, ``decode``, does not decode), or ''."""
-    info = parsed.vars.get(meta.id)
-    hid = parsed.fb.hash_id
-    if decode and compression.encoded(info, meta):
-        stored = bytearray(meta.chunksize)
-        if read_full(fd, meta.fptr, memoryview(stored)) != meta.chunksize:
-            return f"{what}: the file ends inside its data"
-        if hashing.digest(hid, stored) != meta.hash:
-            return f"{what}: data hash does not match (damaged data)"
-        return compression.decode_problem(info, meta, stored, what)
-    hasher, buf = hashing.new_hasher(hid), _buffer()
+    hasher, buf = hashing.new_hasher(parsed.fb.hash_id), _buffer()
     for lo in range(0, meta.chunksize, PIECE):
         n = min(PIECE, meta.chunksize - lo)
         if read_full(fd, meta.fptr + lo, buf[:n]) != n:
             return f"{what}: the file ends inside its data"
         hasher.update(buf[:n])
-    return "" if hasher.digest() == meta.hash else f"{what}: data hash does not match (damaged data)"
+    if hasher.digest() != meta.hash:
+        return f"{what}: data hash does not match (damaged data)"
+    info = parsed.vars.get(meta.id)
+    if not (decode and compression.encoded(info, meta)):
+        return ""
+    if not meta.chunksize:  # nothing to map
+        return compression.decode_problem(info, meta, b"", what)
+    # The codec needs the container whole: decoded from a map of the pages the hash has just read (in the page
+    # cache), not from a copy as large as the container, which a recovery's memory could not always hold.
+    start = meta.fptr - meta.fptr % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(fd, meta.fptr + meta.chunksize - start, offset=start, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            return compression.decode_problem(info, meta, view[meta.fptr - start:], what)
+        finally:
+            view.release()
 
 
 def first_problem(fd: int, parsed: Any, jobs: Sequence[tuple[int, int, ContainerMeta]], decode: bool) -> str:
