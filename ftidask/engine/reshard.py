@@ -147,7 +147,8 @@ def recover_other_layout(ctx: Recovery, records: list[CommitRecord], change: str
 
 def redistributed(message: str, record: CommitRecord) -> RecoveryError:
     """The error of stored_size/realloc when the checkpoint a restart recovers, ``record``, has another layout
-    (recover() redistributes it); it names the record (``.redistributed``: var_id reads its names, :func:`old_names`)."""
+    (recover() redistributes it); it names the record (``.redistributed``: var_id reads its names,
+    :func:`old_names`)."""
     error = RecoveryError(message)
     error.redistributed = record  # type: ignore[attr-defined]
     return error

@@ -291,7 +291,8 @@ def _newest_sound(candidates: list[list[_Source]]) -> tuple[list[_Source], list[
             reasons.append(f"{what}: {exc}")
             if len(candidates) > 1:
                 log.warning("not exporting %s", reasons[-1])
-    listed = f" {reasons[0]}" if len(reasons) == 1 else ": no checkpoint verifies" + "".join(f"\n  - {r}" for r in reasons)
+    listed = (f" {reasons[0]}" if len(reasons) == 1
+              else ": no checkpoint verifies" + "".join(f"\n  - {r}" for r in reasons))
     raise FormatError(f"cannot export{listed}\n(recover the run with ftidask to rebuild lost files of levels 2 and 3, "
                       "then checkpoint again)")
 
@@ -305,8 +306,9 @@ def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: 
     such as ``meta_dir=...``), a checkpoint directory (``.../ckpt{id}.s{seq}``) or one rank file.
     Every file is verified before the store is created (from a config, the newest checkpoint whose every
     file verifies is exported, as a recovery would load it, with a warning for those passed over);
-    variables are then copied one at a time (memory: one rank's copy of one variable). The store also holds ``ftidask-manifest.json`` (a
-    digest per file), so that :func:`import_zarr` and :func:`read_zarr` detect damage.
+    variables are then copied one at a time (memory: one rank's copy of one variable). The store also
+    holds ``ftidask-manifest.json`` (a digest per file), so that :func:`import_zarr` and
+    :func:`read_zarr` detect damage.
     """
     start = time.perf_counter()
     dest = Path(dest)

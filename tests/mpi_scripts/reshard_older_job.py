@@ -35,7 +35,8 @@ def main() -> None:
     else:
         asked = {}
         if mode == "sizes":
-            for name, call in (("stored_size", lambda: ctx.stored_size(1)), ("realloc", lambda: ctx.realloc(1, a).nbytes)):
+            calls = (("stored_size", lambda: ctx.stored_size(1)), ("realloc", lambda: ctx.realloc(1, a).nbytes))
+            for name, call in calls:
                 try:
                     asked[name] = call()
                 except ftidask.FTIError as exc:
