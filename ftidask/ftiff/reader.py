@@ -244,17 +244,6 @@ def _read_compressed(fh: BinaryIO, parsed: FtiffFile, meta: ContainerMeta, targe
     target.store(meta.dptr, raw)
 
 
-def _read_span(fh: BinaryIO, offset: int, target: memoryview) -> int:
-    """Read ``len(target)`` bytes at ``offset`` straight into ``target``; the count read."""
-    got = 0
-    while got < len(target):
-        n = os.preadv(fh.fileno(), [target[got:got + _PIECE * 4]], offset + got)
-        if n <= 0:
-            break
-        got += n
-    return got
-
-
 def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None, *, decode: bool = True) -> None:
     """Check every container's hash (and, for FTI 1.1 files, the MD5 of the whole VB), and that each
     compressed container decodes to its raw span.
@@ -368,7 +357,7 @@ def _copy_direct(fh: BinaryIO, parsed: FtiffFile, spans: list[tuple[int, memoryv
 
     def copy(piece: tuple[int, memoryview, str]) -> str:
         offset, view, what = piece
-        return "" if _read_span(fh, offset, view) == len(view) else what
+        return "" if verify.read_full(fh.fileno(), offset, view) == len(view) else what
 
     if len(pieces) < 2 or _COPY_THREADS < 2:
         problems = [copy(p) for p in pieces]

@@ -27,10 +27,11 @@ _local = threading.local()
 
 
 def read_full(fd: int, offset: int, view: memoryview) -> int:
-    """Read ``len(view)`` bytes at ``offset`` into ``view``; the count read (less: the file ended)."""
+    """Read ``len(view)`` bytes at ``offset`` into ``view`` (at most 64 MiB per call); the count read (less: the
+    file ended)."""
     got = 0
     while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
+        n = os.preadv(fd, [view[got:got + (64 << 20)]], offset + got)
         if n <= 0:
             break
         got += n

@@ -41,7 +41,7 @@ def fsync_dir(path: Path) -> None:
 def make_durable(path: Path) -> None:
     """fsync the file ``path`` and its directory: what :func:`atomic_file` leaves to do with ``durable=False``."""
     _fsync(path, 0)
-    _fsync(path.parent, os.O_DIRECTORY)
+    fsync_dir(path.parent)
 
 
 def _fsync(path: Path, flags: int) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 from ...engine.checkpointing import write_rank_file
 from ...ftiff import blockhash, compression, hashing
 from ...ftiff.reader import parse_ftiff, verify_data
+from ...ftiff.verify import read_full
 from ...model.arrays import VarInfo, dtype_from_json
 from ...model.errors import FormatError
 from ...storage import files as storage
@@ -180,23 +181,13 @@ def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[i
             except FormatError as exc:
                 raise FormatError(str(exc), path=path) from None
             return out
-        got = _pread_into(fh.fileno(), meta.fptr, view)
+        got = read_full(fh.fileno(), meta.fptr, view)
         if got == nbytes and parsed.fb.flags & blockhash.FLAG_DCP:  # checked block by block
             blockhash.check_container(fh, parsed, meta, view)
             return out
     if got != nbytes or hashing.digest(parsed.fb.hash_id, view) != meta.hash:
         raise FormatError(f"variable {var_id}, chunk at dptr {dptr}: data hash does not match", path=path)
     return out
-
-
-def _pread_into(fd: int, offset: int, view: memoryview) -> int:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:got + (64 << 20)]], offset + got)
-        if n <= 0:
-            break
-        got += n
-    return got
 
 
 def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str], trash: bool = False,
