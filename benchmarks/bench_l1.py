@@ -92,9 +92,14 @@ def cold_restart(dirs: dict, arrays: list[np.ndarray], path: str, repeat: int, d
     for i, a in enumerate(targets):
         touched.protect(i + 1, a)
 
-    def raw_into() -> None:
+    def raw_into() -> None:  # one read(2) returns at most 2 GiB on Linux: loop until the file is in
+        view, got = memoryview(flat), 0
         with open(path, "rb", buffering=0) as fh:
-            fh.readinto(memoryview(flat))
+            while got < len(view):
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise OSError(f"{path}: ended after {got} of {len(view)} bytes")
+                got += n
 
     restart = ftidask.init(**dirs)
 

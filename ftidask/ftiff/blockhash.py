@@ -30,6 +30,7 @@ import xxhash
 
 from ..model.errors import FormatError
 from . import hashing
+from .verify import read_full
 
 if TYPE_CHECKING:
     from .reader import ByteTarget, FtiffFile
@@ -208,16 +209,6 @@ def _spans(parsed: FtiffFile, only: set[int] | None) -> Iterator[tuple[int, int,
 _PIECE_BLOCKS = 1024  # blocks read per piece while verifying (<= 64 MiB)
 
 
-def _readinto(fh: BinaryIO, offset: int, view: memoryview) -> int:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fh.fileno(), [view[got:]], offset + got)
-        if n <= 0:
-            break
-        got += n
-    return got
-
-
 def verify_dcp(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) -> None:
     """Check every container hash against its block digests, and every block against its digest."""
     info, digests = read_digests(fh, parsed)
@@ -228,7 +219,7 @@ def verify_dcp(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) ->
         for lo in range(0, meta.chunksize, piece):
             n = min(piece, meta.chunksize - lo)
             view = memoryview(buf)[:n]
-            if os.preadv(fh.fileno(), [view], meta.fptr + lo) != n:
+            if read_full(fh.fileno(), meta.fptr + lo, view) != n:
                 raise FormatError(f"block {bi}, container {ci}: file ends inside its data", path=parsed.path)
             first = lo // info.block_size
             got = block_digests(view, info.block_size, info.fn, info.digest_size)
@@ -252,7 +243,7 @@ def read_into_dcp(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTar
             if direct is None:
                 buf = buf or bytearray(piece)
             view = direct if direct is not None else memoryview(buf)[:n]  # type: ignore[arg-type]
-            got_n = _readinto(fh, meta.fptr + lo, view)
+            got_n = read_full(fh.fileno(), meta.fptr + lo, view)
             first = lo // info.block_size
             got = block_digests(view, info.block_size, info.fn, info.digest_size)
             if got_n != n or (got != want[first:first + len(got)]).any():
