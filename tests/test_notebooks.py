@@ -7,9 +7,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+# The Dask notebooks start clusters, kill workers and restart them (one to two minutes each on 2 cores):
+# they run with the slow tests, so that the default run stays within its ten minutes.
+HEAVY = {"dask_quickstart", "dask_lineage"}
+PARAMS = [pytest.param(p, id=p.stem, marks=[pytest.mark.slow] if p.stem in HEAVY else []) for p in NOTEBOOKS]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", PARAMS)
 def test_notebook_runs(path, tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
