@@ -209,18 +209,18 @@ class Context:
 
     # --- incremental checkpointing (FTI_InitICP / AddVarICP / FinalizeICP: ftidask.engine.icp) -------------
 
-    def init_icp(self, id: int, level: int) -> None:
-        """FTI_InitICP: open checkpoint ``id``; add each protected variable with :meth:`add_var_icp`."""
+    def init_icp(self, id: int, level: int, activate: bool = True) -> None:
+        """FTI_InitICP: open checkpoint ``id`` for :meth:`add_var_icp`; ``activate`` false: the next do nothing."""
         self._check_open()
-        self._icp.init(id, level)
+        self._icp.init(id, level, activate)
 
     def add_var_icp(self, var_id: int) -> None:
         """FTI_AddVarICP: write protected variable ``var_id`` into the open checkpoint now."""
         self._check_open()
         self._icp.add(var_id)
 
-    def finalize_icp(self) -> CheckpointInfo:
-        """FTI_FinalizeICP: commit the open checkpoint (refused if a protected variable is missing)."""
+    def finalize_icp(self) -> CheckpointInfo | None:
+        """FTI_FinalizeICP: commit the open checkpoint (refused if a variable is missing); None if not activated."""
         self._check_open()
         return self._icp.finalize()
 
@@ -348,7 +348,7 @@ class Context:
 
     def _close(self) -> None:
         self._closed = True
-        self._icp_slot.current = None
+        self._icp_slot.current, self._icp_slot.inactive = None, False
         self._async.close()  # what is in flight is finished first
         if self._dcp is not None:
             self._dcp.close()

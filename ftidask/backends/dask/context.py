@@ -268,17 +268,18 @@ class DaskContext(Context):
 
     # --- incremental checkpoints (see ftidask.backends.dask.icp) ---------------------------------------------
 
-    def init_icp(self, id: int, level: int) -> None:
-        """FTI_InitICP: open checkpoint ``id``; add each protected variable with :meth:`add_var_icp`."""
+    def init_icp(self, id: int, level: int, activate: bool = True) -> None:
+        """FTI_InitICP: open checkpoint ``id`` for :meth:`add_var_icp`; ``activate`` false: the next do nothing."""
         self._async.settle()
-        icp.init_icp(self, id, level)
+        icp.init_icp(self, id, level, activate)
 
     def add_var_icp(self, var_id: int) -> None:
         """FTI_AddVarICP: pin protected variable ``var_id`` as it is now (persisted on the workers)."""
         icp.add_var_icp(self, var_id)
 
-    def finalize_icp(self) -> DaskCheckpointInfo:
-        """FTI_FinalizeICP: the workers write every pinned array; refused if a variable is missing."""
+    def finalize_icp(self) -> DaskCheckpointInfo | None:
+        """FTI_FinalizeICP: the workers write every pinned array; refused if a variable is missing (None if
+        not activated)."""
         return icp.finalize_icp(self)  # type: ignore[no-any-return]
 
     def _abort_icp(self) -> None:
