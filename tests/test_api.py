@@ -149,8 +149,7 @@ def test_size_mismatch_points_to_realloc_and_touches_nothing(dirs):
     ctx.recover()
     np.testing.assert_array_equal(x, a)
     np.testing.assert_array_equal(y, b)
-    with pytest.raises(ftidask.RecoveryError):
-        ctx.stored_size(99)
+    assert ctx.stored_size(99) == 0  # FTI_GetStoredSize: 0, no size stored for that id
 
 
 def test_grow_shrink_stored_size(dirs):
@@ -239,4 +238,20 @@ def test_a_run_restarted_from_a_kept_checkpoint_that_dies_restarts_with_status_1
     ctx.recover()
     assert ctx.recovered_from == (2, 1)
     np.testing.assert_array_equal(a, b)
+    ctx.finalize()
+
+
+def test_stored_size_is_0_where_nothing_is_stored(dirs):
+    """FTI_GetStoredSize returns 0 when it has no stored size ("0: No success"; FTI's docs test it with
+    ``if (FTI_GetStoredSize(1) == 0)``): a fresh run before its first checkpoint, an id the checkpoint does not hold
+    (on a restart too). A size stored is the size at the last checkpoint, not the protected array's."""
+    ctx = ftidask.init(**dirs)
+    a = np.arange(10.0)
+    ctx.protect(1, a)
+    assert ctx.stored_size(1) == 0 and ctx.stored_size(99) == 0
+    ctx.checkpoint(1, 1)
+    ctx.protect(1, np.arange(20.0))
+    assert ctx.stored_size(1) == 80 and ctx.stored_size(99) == 0
+    ctx = ftidask.init(**dirs)  # a restart: the checkpoint's sizes
+    assert ctx.status() == 1 and ctx.stored_size(1) == 80 and ctx.stored_size(2) == 0
     ctx.finalize()

@@ -296,7 +296,7 @@ class Context:
         return self.recovery.recover_file(path)
 
     def stored_size(self, id: int) -> int:
-        """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover)."""
+        """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover); 0 if none."""
         self._check_open()
         self._async.drain()
         return self.recovery.stored_size(id)  # the id checked there, after the ranks' collective read

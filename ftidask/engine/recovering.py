@@ -341,18 +341,16 @@ class Recovery(RunPart):
         return record, Verdict("ok", parsed=parsed)
 
     def stored_size(self, id: Any) -> int:
-        """:meth:`ftidask.Context.stored_size` of ``id``. On a restart the sizes are read by every rank together:
-        a rank whose id is refused takes part first (or the others would wait for it), then raises."""
+        """:meth:`ftidask.Context.stored_size` of ``id`` (0 when nothing is stored for it, as FTI). On a restart the
+        sizes are read by every rank together: a rank whose id is refused takes part first (or the others would wait
+        for it), then raises."""
         try:
             vid = check_id(id, "variable id")
         except FTIError:
             with contextlib.suppress(FTIError):
                 self._stored_sizes()
             raise
-        sizes = self._stored_sizes()
-        if vid not in sizes:
-            raise RecoveryError(f"variable {vid} is not in the checkpoint (it holds ids {sorted(sizes)})")
-        return sizes[vid]
+        return self._stored_sizes().get(vid, 0)  # FTI_GetStoredSize's 0: no size stored for this id
 
     def _stored_sizes(self) -> dict[int, int]:
         pr = self.progress
@@ -361,6 +359,8 @@ class Recovery(RunPart):
             for s in pr.layout.slots():
                 sizes[s.var_id] += s.chunksize
             return sizes
+        if pr.restart_file is None and not self.all_candidates(None, None):  # the same on every rank
+            return {}  # nothing committed (a fresh run before its first checkpoint): FTI's 0 for every id
         return self.restart_metadata().var_nbytes()
 
     def realloc(self, vid: int, array: Any) -> Any:
