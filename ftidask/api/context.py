@@ -286,14 +286,13 @@ class Context:
         """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
         return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
 
-    def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
-        """Fill the protected arrays from one FTI-FF file (ftidask's, or one written by FTI 1.1).
-
-        For files outside a run's directories, e.g. checkpoints copied by hand. Verified first.
+    def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None) -> dict[int, Any]:
+        """Fill the protected arrays from one FTI-FF file (ftidask's, or FTI's); with ``meta``, FTI's meta file (or
+        its directory), from a file of FTI's POSIX I/O (``ckpt_io = 1``). Verified first (docs/format.md).
         """
         self._check_open()
         self._async.drain()
-        return self.recovery.recover_file(path)
+        return self.recovery.recover_file(path, meta)
 
     def stored_size(self, id: int) -> int:
         """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover); 0 if none."""

@@ -275,8 +275,10 @@ class Recovery(RunPart):
                  " (the previous differential checkpoint, kept as the spare)" if record.fallback else "")
         return targets.recovered()
 
-    def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
+    def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None) -> dict[int, Any]:
         """:meth:`ftidask.Context.recover_file` (this rank only)."""
+        if meta is not None:  # FTI's POSIX file, described by its meta file
+            return recoverplan.recover_posix(self.variables, path, meta, self.progress)
         with self._verifying(None) as stage:
             verdict = check_file(Path(path), None, self.transport.rank, stage)
         try:
