@@ -158,3 +158,18 @@ def test_missing_meta_is_a_clean_error(tmp_path, dirs):
     _refused(ctx, arrays, data_dir / "Ckpt1-Rank0.fti", tmp_path / "nowhere.fti", "no such FTI meta file")
     _refused(ctx, arrays, data_dir / "Ckpt1-Rank0.fti", data_dir, r"no FTI meta file \(sector")
     ctx.finalize()
+
+
+def test_cli_verify_with_meta(tmp_path, capsys):
+    from ftidask.tools.cli import main as cli_main
+
+    data_dir, meta = _write_fti_posix(tmp_path / "fti", 2, 3)
+    assert cli_main(["verify", str(data_dir), "--meta", str(meta.parent)]) == 0
+    assert "3 sound, 0 damaged" in capsys.readouterr().out
+    path = data_dir / "Ckpt2-Rank1.fti"
+    raw = bytearray(path.read_bytes())
+    raw[5] ^= 0x40
+    path.write_bytes(bytes(raw))
+    assert cli_main(["verify", str(path), "--meta", str(meta)]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "MD5 does not match" in out and "0 sound, 1 damaged" in out
