@@ -35,25 +35,31 @@ def _raw(array: np.ndarray) -> bytes:
     return array.tobytes(order="F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C")
 
 
-def _write_fti_posix(root: Path, ckpt: int, nranks: int, *, positions: bool = False,
+def _write_fti_posix(root: Path, ckpt: int, nranks: int, *, version: str = "1.1",
                      extra: str = "") -> tuple[Path, Path]:
     """FTI's L4 directories of one group: ``Global/<exec>/l4/Ckpt{ckpt}-Rank{r}.fti`` and
-    ``Meta/<exec>/l4/sector0-group0.fti``; ``positions``: the var{j}_pos keys of later FTI versions."""
+    ``Meta/<exec>/l4/sector0-group0.fti``, the meta file as ``version`` writes it: "1.0" FTI_Checksum's 15
+    characters (each byte's hex digits printed at offset i, not 2 * i), "1.1" the MD5, "1.4" (src/meta.c with
+    FTIT_keymap) adds a [ckpt_info] section, var{j}_pos and var{j}_name."""
     data_dir, meta_dir = root / "Global/2018-08-01_10-00-00/l4", root / "Meta/2018-08-01_10-00-00/l4"
     data_dir.mkdir(parents=True)
     meta_dir.mkdir(parents=True)
     sizes = [sum(len(_raw(a)) for a in _variables(r).values()) for r in range(nranks)]
-    lines = []
+    lines = [f"\n[ckpt_info]\n{'ckpt_type':<30} = full\n{'ckpt_id':<30} = {ckpt}\n"] if version == "1.4" else []
     for rank in range(nranks):
         raw = b"".join(_raw(a) for a in _variables(rank).values())
         (data_dir / f"Ckpt{ckpt}-Rank{rank}.fti").write_bytes(raw)
+        digest = hashlib.md5(raw).hexdigest()
         entries = [("ckpt_file_name", f"Ckpt{ckpt}-Rank{rank}.fti"), ("ckpt_file_size", str(len(raw))),
-                   ("ckpt_file_maxs", str(max(sizes))), ("ckpt_checksum", hashlib.md5(raw).hexdigest())]
+                   ("ckpt_file_maxs", str(max(sizes))),
+                   ("ckpt_checksum", digest[0:30:2] if version == "1.0" else digest)]
         pos = 0
         for j, (vid, array) in enumerate(_variables(rank).items()):
             entries += [(f"var{j}_id", str(vid)), (f"var{j}_size", str(array.nbytes))]
-            entries += [(f"var{j}_pos", str(pos))] if positions else []
+            if version == "1.4":
+                entries += [(f"var{j}_pos", str(pos)), (f"var{j}_name", "" if j % 2 else f"v{vid}")]
             pos += array.nbytes
+        entries += [("rsed_checksum", "")] if version == "1.4" else []
         lines.append(f"\n[{rank}]\n" + "".join(f"{k:<30} = {v}\n" for k, v in entries) + extra)
     meta = meta_dir / "sector0-group0.fti"
     meta.write_text("".join(lines) + "\n")
@@ -70,10 +76,10 @@ def _protect(ctx, rank: int, fill: int = 0) -> dict[int, np.ndarray]:
     return arrays
 
 
-@pytest.mark.parametrize("positions", [False, True])
+@pytest.mark.parametrize("version", ["1.0", "1.1", "1.4"])
 @pytest.mark.parametrize("meta_as", ["file", "directory"])
-def test_posix_file_is_read_bit_for_bit(tmp_path, dirs, positions, meta_as):
-    data_dir, meta = _write_fti_posix(tmp_path / "fti", 5, 2, positions=positions)
+def test_posix_file_is_read_bit_for_bit(tmp_path, dirs, version, meta_as):
+    data_dir, meta = _write_fti_posix(tmp_path / "fti", 5, 2, version=version)
     ctx = ftidask.init(**dirs)
     for rank in range(2):
         arrays = _protect(ctx, rank, fill=0x5A)
@@ -91,8 +97,9 @@ def _refused(ctx, arrays: dict[int, np.ndarray], path: Path, meta: Path, match: 
     assert {vid: a.tobytes() for vid, a in arrays.items()} == before  # nothing touched
 
 
-def test_damaged_or_cut_file_is_refused_and_arrays_untouched(tmp_path, dirs):
-    data_dir, meta = _write_fti_posix(tmp_path / "fti", 1, 1)
+@pytest.mark.parametrize("version", ["1.0", "1.1"])
+def test_damaged_or_cut_file_is_refused_and_arrays_untouched(tmp_path, dirs, version):
+    data_dir, meta = _write_fti_posix(tmp_path / "fti", 1, 1, version=version)
     path = data_dir / "Ckpt1-Rank0.fti"
     ctx = ftidask.init(**dirs)
     arrays = _protect(ctx, 0, fill=0x11)
@@ -139,6 +146,7 @@ def test_protected_variables_must_match_the_file(tmp_path, dirs):
     (lambda t: t.replace("var1_id                        = 7", "var1_id = 0"), "listed twice"),
     (lambda t: t.replace("var0_id", "nothing_id"), "lists no variable"),
     (lambda t: t + "dcp_layer0_size = 10\n", "differential"),
+    (lambda t: "[ckpt_info]\nckpt_type = dcp\n" + t, "differential"),
     (lambda t: "garbage without a section\n" + t, "not a readable FTI meta file"),
     (lambda t: "\0\xff", "not a readable FTI meta file"),
 ])

@@ -16,10 +16,12 @@ written by iniparser (keys lower case) with one section per process of the group
     var0_pos                       = 0         later versions only; else the sizes follow each other
     ...
 
-The section is found by the file's name; the file must have the recorded size and checksum, and it is read
-whole into memory and hashed there, so the bytes given to the arrays are the bytes checked. Other keys (names,
-types, dimensions of later versions) are not needed and not read. A meta file of FTI's POSIX differential
-checkpoints (``dcp_*`` keys: layers of blocks) is refused: those files are not read.
+Later versions (src/meta.c with ``FTIT_keymap``) add a ``[ckpt_info]`` section (``ckpt_type = full`` or ``dcp``,
+``ckpt_id``), ``var{j}_pos``, ``var{j}_name`` and ``RSed_checksum``; FTI 1.0's checksum is 15 characters (see
+:data:`_HEX15`). The section is found by the file's name; the file must have the recorded size and checksum, and
+it is read whole into memory and hashed there, so the bytes given to the arrays are the bytes checked. Names are
+not needed and not read. FTI's POSIX differential checkpoints (``ckpt_type = dcp``, ``dcp_layer*`` keys: layers
+of blocks) are refused: those files are not read.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from ..model.errors import FormatError
 _META_NAME = re.compile(r"sector\d+-group\d+\.fti")
 _MAX_META = 16 << 20  # a meta file of thousands of processes and variables is far smaller
 _HEX32 = re.compile(r"[0-9a-f]{32}")
+#: FTI 1.0's FTI_Checksum wrote each byte's two hex digits at offset i, not 2 * i, over 15 bytes, then cut the string
+#: at 15: the first hex digit of each of the MD5's first 15 bytes (its FTI_VerifyChecksum computes the same).
+_HEX15 = re.compile(r"[0-9a-f]{15}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +86,16 @@ def _read_meta(path: Path) -> configparser.ConfigParser:
 
 
 def find_section(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> tuple[Path, dict[str, str]]:
-    """The meta file and its section that describe the checkpoint file ``path`` (found by its name)."""
+    """The meta file and its section that describe the checkpoint file ``path`` (found by its name); the
+    ``[ckpt_info]`` section's ``ckpt_type`` (later versions: ``full`` or ``dcp``) is added as ``ckpt_type``."""
     name = os.path.basename(os.fspath(path))
     for meta_path in meta_files(meta):
         ini = _read_meta(meta_path)
+        kind = ini.get("ckpt_info", "ckpt_type", fallback="full").strip().lower()
         for section in ini.sections():
             values = {k.lower(): v.strip() for k, v in ini.items(section)}
             if values.get("ckpt_file_name") == name:
-                return meta_path, values
+                return meta_path, values | {"ckpt_type": kind}
     raise FormatError(f"no section of the FTI meta file(s) names {name} (ckpt_file_name)", path=os.fspath(meta))
 
 
@@ -125,12 +132,12 @@ def read_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> Po
     """Read and verify FTI's POSIX checkpoint file ``path`` with its meta file (or a directory of them)."""
     meta_path, values = find_section(path, meta)
     where = f"{meta_path} [{os.path.basename(os.fspath(path))}]"
-    if any(key.startswith("dcp") for key in values):
+    if values["ckpt_type"] != "full" or any(key.startswith("dcp") for key in values):
         raise FormatError("FTI's POSIX differential checkpoint (dCP layers) files are not read by ftidask; "
                           "FTI-FF files (ckpt_io = 3), differential or not, are", path=where)
     size = _int(values, "ckpt_file_size", where)
     checksum = values.get("ckpt_checksum", "").lower()
-    if not _HEX32.fullmatch(checksum):
+    if not (_HEX32.fullmatch(checksum) or _HEX15.fullmatch(checksum)):
         raise FormatError(f"ckpt_checksum = {checksum!r}: no MD5 to verify the file against, so it is not read",
                           path=where)
     variables = _variables(values, size, where)
@@ -145,7 +152,8 @@ def read_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> Po
         raise FormatError(f"cannot read: {exc}", path=os.fspath(path)) from None
     if got != size:
         raise FormatError(f"the file ends at byte {got}, its meta file says {size}", path=os.fspath(path))
-    if hashlib.md5(raw, usedforsecurity=False).hexdigest() != checksum:
+    digest = hashlib.md5(raw, usedforsecurity=False).hexdigest()
+    if (digest if len(checksum) == 32 else digest[0:30:2]) != checksum:
         raise FormatError("MD5 does not match the meta file's ckpt_checksum (damaged file)", path=os.fspath(path))
     view = memoryview(raw)
     data = {vid: view[start:start + nbytes] for vid, start, nbytes in variables}
