@@ -38,7 +38,7 @@ def _raw(array: np.ndarray) -> bytes:
 def _write_fti_posix(root: Path, ckpt: int, nranks: int, *, version: str = "1.1",
                      extra: str = "") -> tuple[Path, Path]:
     """FTI's L4 directories of one group: ``Global/<exec>/l4/Ckpt{ckpt}-Rank{r}.fti`` and
-    ``Meta/<exec>/l4/sector0-group0.fti``, the meta file as ``version`` writes it: "1.0" FTI_Checksum's 15
+    ``Meta/<exec>/l4/sector0-group0.fti``, the meta file as ``version`` writes it: "1.0" an early FTI_Checksum's 15
     characters (each byte's hex digits printed at offset i, not 2 * i), "1.1" the MD5, "1.4" (src/meta.c with
     FTIT_keymap) adds a [ckpt_info] section, var{j}_pos and var{j}_name."""
     data_dir, meta_dir = root / "Global/2018-08-01_10-00-00/l4", root / "Meta/2018-08-01_10-00-00/l4"

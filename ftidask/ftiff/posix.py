@@ -17,7 +17,7 @@ written by iniparser (keys lower case) with one section per process of the group
     ...
 
 Later versions (src/meta.c with ``FTIT_keymap``) add a ``[ckpt_info]`` section (``ckpt_type = full`` or ``dcp``,
-``ckpt_id``), ``var{j}_pos``, ``var{j}_name`` and ``RSed_checksum``; FTI 1.0's checksum is 15 characters (see
+``ckpt_id``), ``var{j}_pos``, ``var{j}_name`` and ``RSed_checksum``; an early FTI's checksum is 15 characters (see
 :data:`_HEX15`). The section is found by the file's name; the file must have the recorded size and checksum, and
 it is read whole into memory and hashed there, so the bytes given to the arrays are the bytes checked. Names are
 not needed and not read. FTI's POSIX differential checkpoints (``ckpt_type = dcp``, ``dcp_layer*`` keys: layers
@@ -39,8 +39,8 @@ from ..model.errors import FormatError
 _META_NAME = re.compile(r"sector\d+-group\d+\.fti")
 _MAX_META = 16 << 20  # a meta file of thousands of processes and variables is far smaller
 _HEX32 = re.compile(r"[0-9a-f]{32}")
-#: FTI 1.0's FTI_Checksum wrote each byte's two hex digits at offset i, not 2 * i, over 15 bytes, then cut the string
-#: at 15: the first hex digit of each of the MD5's first 15 bytes (its FTI_VerifyChecksum computes the same).
+#: An early FTI_Checksum wrote each byte's two hex digits at offset i, not 2 * i, over 15 bytes, then cut the
+#: string at 15: the first hex digit of each of the MD5's first 15 bytes (its FTI_VerifyChecksum computes the same).
 _HEX15 = re.compile(r"[0-9a-f]{15}")
 
 
