@@ -89,6 +89,38 @@ def test_status_lifecycle(dirs):
     ctx.recover()
     assert ctx.recovered_from == (3, 4)
     np.testing.assert_array_equal(a, b)
+    assert ctx.status() == 0  # FTI_Recover sets FTI_Status back to 0 (FTI_Exec.reco = 0)
+
+
+def test_status_is_0_after_a_full_recovery_only(dirs):
+    """FTI_Status returns FTI_Exec.reco, which every FTI_Recover (POSIX, FTI-FF, HDF5, dCP) sets to 0 once it
+    succeeds, and FTI_RecoverVar leaves: a program asking FTI_Status after its recovery sees 0 (the wiki: "0: no
+    checkpoints taken yet or recovered successfully"). A refused recovery or one of some variables leaves it as
+    it was; a restart's snapshot(), which recovers, sets it to 0 too."""
+    a, b = np.arange(10.0), np.arange(4)
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, a)
+    ctx.protect(2, b)
+    ctx.checkpoint(1, 1)
+    ctx = ftidask.init(**dirs)
+    assert ctx.status() == 1
+    ctx.protect(1, np.zeros(3))
+    with pytest.raises(ftidask.RecoveryError):
+        ctx.recover()
+    assert ctx.status() == 1
+    x, y = np.zeros(10), np.zeros(4, b.dtype)
+    ctx.protect(1, x)
+    ctx.protect(2, y)
+    ctx.recover(ids=[2])  # FTI_RecoverVar
+    assert ctx.status() == 1 and (y == b).all() and (x == 0).all()
+    ctx.recover()
+    assert ctx.status() == 0 and (x == a).all()
+    assert ctx.var_id("nothing", create=False) is None
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, x)
+    ctx.protect(2, y)
+    assert ctx.status() == 1 and ctx.snapshot() == ftidask.FTI_SCES and ctx.status() == 0
+    ctx.finalize()
 
 
 def test_exec_id_isolates_runs_sharing_directories(dirs):

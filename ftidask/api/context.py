@@ -151,8 +151,8 @@ class Context:
         return self._closed
 
     def status(self) -> int:
-        """FTI_Status, fixed at init: 0 fresh start, 1 restart, 2 restart from a kept L4 checkpoint."""
-        return self._status
+        """FTI_Status: 0 fresh start (or after a full recover(), as FTI), 1 restart, 2 restart from a kept L4 one."""
+        return STATUS_FRESH if self.progress.recovered_all else self._status
 
     # --- checkpoint ------------------------------------------------------------------------------
 
@@ -274,13 +274,14 @@ class Context:
                 ids: Any = None) -> dict[int, Any]:
         """FTI_Recover: fill the protected arrays (and Python states) from the newest checkpoint that verifies.
 
-        ``ids`` (FTI_RecoverVar): recover only these variables; the others are left untouched.
-        Every hash is checked before any array is written; on failure nothing is touched.
-        Raises :class:`NoCheckpointError` when nothing can be recovered.
-        """
+        ``ids`` (FTI_RecoverVar): recover only these variables, the others untouched. Every hash is checked before any
+        array is written; on failure nothing is touched. Raises :class:`NoCheckpointError` when nothing can be
+        recovered. A full recovery sets :meth:`status` to 0, as FTI_Recover does."""
         self._check_open()
         self._async.drain()  # never a checkpoint half written by this run
-        return self.recovery.recover(ckpt_id, level, ids)
+        out = self.recovery.recover(ckpt_id, level, ids)
+        self.progress.recovered_all |= ids is None  # FTI_RecoverVar leaves FTI_Status as it is
+        return out
 
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
         """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
@@ -288,8 +289,7 @@ class Context:
 
     def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None) -> dict[int, Any]:
         """Fill the protected arrays from one FTI-FF file (ftidask's, or FTI's); with ``meta``, FTI's meta file (or
-        its directory), from a file of FTI's POSIX I/O (``ckpt_io = 1``). Verified first (docs/format.md).
-        """
+        its directory), from a file of FTI's POSIX I/O (``ckpt_io = 1``). Verified first (docs/format.md)."""
         self._check_open()
         self._async.drain()
         return self.recovery.recover_file(path, meta)

@@ -47,6 +47,7 @@ class Progress:
     restart_file: FtiffFile | None = None  # the checkpoint to recover, parsed once (stored_size, realloc)
     restart_record: CommitRecord | None = None  # its record, while its file, verified, may be loaded as it is
     recovered: bool = False
+    recovered_all: bool = False  # a full recover() succeeded: FTI_Status is 0 after it (FTI_Exec.reco = 0)
     recovered_from: tuple[int, int] | None = None  # (ckpt_id, level)
     last_checkpoint: CheckpointInfo | None = None
     next_ckpt_id: int = 1  # snapshot's next id
@@ -343,9 +344,8 @@ class Recovery(RunPart):
         return record, Verdict("ok", parsed=parsed)
 
     def stored_size(self, id: Any) -> int:
-        """:meth:`ftidask.Context.stored_size` of ``id`` (0 when nothing is stored for it, as FTI). On a restart the
-        sizes are read by every rank together: a rank whose id is refused takes part first (or the others would wait
-        for it), then raises."""
+        """:meth:`ftidask.Context.stored_size` of ``id`` (0: nothing stored for it). On a restart the sizes are read by
+        every rank together: a rank whose id is refused takes part first (or the others would wait), then raises."""
         try:
             vid = check_id(id, "variable id")
         except FTIError:

@@ -93,7 +93,7 @@ class DaskContext(Context):
             self._dcp = DaskSpares(self)
 
     def _stored_names(self) -> dict[int, str]:  # var_id: the names in the commit records
-        return {} if self.status() == 0 else recorded.names(restore.dask_records(self, None, None))
+        return {} if self._status == 0 else recorded.names(restore.dask_records(self, None, None))
 
     # --- protection ------------------------------------------------------------------------------
 
@@ -357,7 +357,9 @@ class DaskContext(Context):
         """
         self._check_open()
         self._async.drain()  # never a checkpoint half written by this run
-        return restore.recover(self, ckpt_id, level, chunks, ids)
+        out = restore.recover(self, ckpt_id, level, chunks, ids)
+        self.progress.recovered_all |= ids is None  # FTI_Status is 0 after a full recovery, as FTI_Recover sets it
+        return out
 
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
         """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
