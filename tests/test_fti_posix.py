@@ -163,6 +163,8 @@ def test_missing_meta_is_a_clean_error(tmp_path, dirs):
     data_dir, meta = _write_fti_posix(tmp_path / "fti", 1, 1)
     ctx = ftidask.init(**dirs)
     arrays = _protect(ctx, 0)
+    with pytest.raises(RecoveryError, match=r"not an FTI-FF file.*read with its meta file: recover_file\(path, meta="):
+        ctx.recover_file(data_dir / "Ckpt1-Rank0.fti")
     _refused(ctx, arrays, data_dir / "Ckpt1-Rank0.fti", tmp_path / "nowhere.fti", "no such FTI meta file")
     _refused(ctx, arrays, data_dir / "Ckpt1-Rank0.fti", data_dir, r"no FTI meta file \(sector")
     ctx.finalize()

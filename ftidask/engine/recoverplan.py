@@ -122,3 +122,12 @@ def recover_posix(protected: Mapping[int, Any], path: str | os.PathLike[str], me
             ArrayBytes(array).store(0, parsed.data[vid])  # the array's memory order, as FTI copied it
     progress.recovered = True
     return targets.recovered()
+
+
+def hinted(message: str) -> str:
+    """``message`` of a file recover_file refused, with a hint when it may be a file of FTI's POSIX I/O (raw bytes,
+    no FTI-FF metadata), which is read with its meta file."""
+    if "not an FTI-FF file" not in message:
+        return message
+    return (f"{message}; a checkpoint file of FTI's POSIX I/O (ckpt_io = 1) is read with its meta file: "
+            "recover_file(path, meta=META_DIR/sector*-group*.fti)")
