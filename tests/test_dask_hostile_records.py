@@ -105,4 +105,13 @@ def test_stored_size_passes_over_a_damaged_record(dask_client, dirs):
     ctx = ftidask.init(client=dask_client, **dirs)
     ctx.protect(1, da.zeros(N, chunks=CHUNK))
     assert ctx.stored_size(1) == N * 8  # from checkpoint 1's record
+    assert ctx.stored_size(7) == 0  # FTI_GetStoredSize: no size stored for that id
+    ctx.finalize()
+
+
+def test_stored_size_is_0_before_the_first_checkpoint(dask_client, dirs):
+    """FTI_GetStoredSize returns 0 when nothing is stored, as on the other backends."""
+    ctx = ftidask.init(client=dask_client, **dirs)
+    ctx.protect(1, da.zeros(N, chunks=CHUNK))
+    assert ctx.stored_size(1) == 0
     ctx.finalize()

@@ -130,3 +130,25 @@ def test_no_collaborator_holds_the_context(dirs):
         again._close()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("level", [1, 5])
+def test_init_icp_not_activated_makes_add_and_finalize_do_nothing(tmp_path, level):
+    """FTI_InitICP(id, level, activate): FTI's loops call the three every iteration with ``activate`` true only
+    when a checkpoint is due; otherwise FTI_AddVarICP and FTI_FinalizeICP return FTI_SCES and write nothing."""
+    ctx = ftidask.init(**_kw(tmp_path))
+    a = np.arange(2000.0)
+    ctx.protect(1, a)
+    for it in range(6):
+        a[:] = it
+        ctx.init_icp(it // 3 + 1, level, it % 3 == 0)
+        ctx.add_var_icp(1)
+        info = ctx.finalize_icp()
+        assert (info is None) == (it % 3 != 0)
+        if it % 3 == 1:  # nothing is open: an ordinary checkpoint may run between them
+            assert ctx.checkpoint(10 + it, level).id == 10 + it
+    assert _recover(tmp_path, {1: a})[1][0] == 4  # checkpoint 14, the newest: iteration 4's values
+    with pytest.raises(CheckpointError, match="no incremental checkpoint"):  # no init at all: still a misuse
+        ctx.add_var_icp(1)
+    ctx.init_icp(3, level, False)
+    ctx.finalize()  # an inactive one is nothing to finish

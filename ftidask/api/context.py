@@ -151,8 +151,8 @@ class Context:
         return self._closed
 
     def status(self) -> int:
-        """FTI_Status, fixed at init: 0 fresh start, 1 restart, 2 restart from a kept L4 checkpoint."""
-        return self._status
+        """FTI_Status: 0 fresh start (or after a full recover(), as FTI), 1 restart, 2 restart from a kept L4 one."""
+        return STATUS_FRESH if self.progress.recovered_all else self._status
 
     # --- checkpoint ------------------------------------------------------------------------------
 
@@ -209,18 +209,18 @@ class Context:
 
     # --- incremental checkpointing (FTI_InitICP / AddVarICP / FinalizeICP: ftidask.engine.icp) -------------
 
-    def init_icp(self, id: int, level: int) -> None:
-        """FTI_InitICP: open checkpoint ``id``; add each protected variable with :meth:`add_var_icp`."""
+    def init_icp(self, id: int, level: int, activate: bool = True) -> None:
+        """FTI_InitICP: open checkpoint ``id`` for :meth:`add_var_icp`; ``activate`` false: the next do nothing."""
         self._check_open()
-        self._icp.init(id, level)
+        self._icp.init(id, level, activate)
 
     def add_var_icp(self, var_id: int) -> None:
         """FTI_AddVarICP: write protected variable ``var_id`` into the open checkpoint now."""
         self._check_open()
         self._icp.add(var_id)
 
-    def finalize_icp(self) -> CheckpointInfo:
-        """FTI_FinalizeICP: commit the open checkpoint (refused if a protected variable is missing)."""
+    def finalize_icp(self) -> CheckpointInfo | None:
+        """FTI_FinalizeICP: commit the open checkpoint (refused if a variable is missing); None if not activated."""
         self._check_open()
         return self._icp.finalize()
 
@@ -274,29 +274,28 @@ class Context:
                 ids: Any = None) -> dict[int, Any]:
         """FTI_Recover: fill the protected arrays (and Python states) from the newest checkpoint that verifies.
 
-        ``ids`` (FTI_RecoverVar): recover only these variables; the others are left untouched.
-        Every hash is checked before any array is written; on failure nothing is touched.
-        Raises :class:`NoCheckpointError` when nothing can be recovered.
-        """
+        ``ids`` (FTI_RecoverVar): recover only these variables, the others untouched. Every hash is checked before any
+        array is written; on failure nothing is touched. Raises :class:`NoCheckpointError` when nothing can be
+        recovered. A full recovery sets :meth:`status` to 0, as FTI_Recover does."""
         self._check_open()
         self._async.drain()  # never a checkpoint half written by this run
-        return self.recovery.recover(ckpt_id, level, ids)
+        out = self.recovery.recover(ckpt_id, level, ids)
+        self.progress.recovered_all |= ids is None  # FTI_RecoverVar leaves FTI_Status as it is
+        return out
 
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
         """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
         return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
 
-    def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
-        """Fill the protected arrays from one FTI-FF file (ftidask's, or one written by FTI 1.1).
-
-        For files outside a run's directories, e.g. checkpoints copied by hand. Verified first.
-        """
+    def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None) -> dict[int, Any]:
+        """Fill the protected arrays from one FTI-FF file (ftidask's, or FTI's); with ``meta``, FTI's meta file (or
+        its directory), from a file of FTI's POSIX I/O (``ckpt_io = 1``). Verified first (docs/format.md)."""
         self._check_open()
         self._async.drain()
-        return self.recovery.recover_file(path)
+        return self.recovery.recover_file(path, meta)
 
     def stored_size(self, id: int) -> int:
-        """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover)."""
+        """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover); 0 if none."""
         self._check_open()
         self._async.drain()
         return self.recovery.stored_size(id)  # the id checked there, after the ranks' collective read
@@ -348,7 +347,7 @@ class Context:
 
     def _close(self) -> None:
         self._closed = True
-        self._icp_slot.current = None
+        self._icp_slot.current, self._icp_slot.inactive = None, False
         self._async.close()  # what is in flight is finished first
         if self._dcp is not None:
             self._dcp.close()

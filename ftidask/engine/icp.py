@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..model.arrays import check_ckpt_id
 from ..model.errors import CheckpointError, FTIError, ProtectError
 from ..model.level import Level
 from ..storage.files import remove_tree
@@ -31,6 +32,18 @@ class IcpSlot:
 
     def __init__(self) -> None:
         self.current: Any = None
+        #: init_icp(..., activate=False) was the last call: FTI's FTI_ICP_NINI, in which FTI_AddVarICP and
+        #: FTI_FinalizeICP return FTI_SCES and write nothing (loops call the three at every iteration).
+        self.inactive = False
+
+    def skip(self) -> None:
+        """init_icp(..., activate=False): the following add and finalize calls do nothing."""
+        self.check_none_open()
+        self.inactive = True
+
+    def skipping(self) -> bool:
+        """Whether add and finalize do nothing (an inactive init_icp, nothing open)."""
+        return self.current is None and self.inactive
 
     def check_none_open(self) -> None:
         """Refuse to start a checkpoint while an incremental one is open."""
@@ -76,15 +89,23 @@ class IncrementalCheckpoints:
         self.slot, self.variables, self.committer = slot, variables, committer
         self._settle, self._check_level = settle, check_level
 
-    def init(self, ckpt_id: int, level: int) -> None:
-        """Open incremental checkpoint ``ckpt_id`` at ``level`` (levels 1-8, as for checkpoint)."""
+    def init(self, ckpt_id: int, level: int, activate: bool = True) -> None:
+        """Open incremental checkpoint ``ckpt_id`` at ``level`` (levels 1-8, as for checkpoint); with
+        ``activate`` false, nothing is opened and add and finalize do nothing (the arguments are still checked)."""
         self.slot.check_none_open()
+        check_ckpt_id(ckpt_id)
         parsed = self._check_level(level)
+        if not activate:
+            self.slot.skip()
+            return
+        self.slot.inactive = False
         self._settle()  # nothing may be in flight
         self.slot.current = self.committer.begin(ckpt_id, parsed, True)
 
     def add(self, var_id: int) -> None:
         """Write protected variable ``var_id`` into the open checkpoint now."""
+        if self.slot.skipping():
+            return
         pending: PendingCheckpoint = self.slot.get()
         protected = protected_var(self.variables, var_id)
         if pending.error:
@@ -96,8 +117,12 @@ class IncrementalCheckpoints:
         except Exception as exc:  # noqa: BLE001 - any failure of the write: reported on every rank by finalize
             pending.error = f"rank {self.committer.transport.rank}: {reason(exc)}"
 
-    def finalize(self) -> CheckpointInfo:
-        """Commit the open checkpoint; a :class:`CheckpointError` (previous one kept) if a variable is missing."""
+    def finalize(self) -> CheckpointInfo | None:
+        """Commit the open checkpoint; a :class:`CheckpointError` (previous one kept) if a variable is missing.
+        None after an inactive init."""
+        if self.slot.skipping():
+            self.slot.inactive = False
+            return None
         pending: PendingCheckpoint = self.slot.get()
         self.slot.take()
         missing = sorted(set(pending.sizes) - pending.written)

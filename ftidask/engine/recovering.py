@@ -47,6 +47,7 @@ class Progress:
     restart_file: FtiffFile | None = None  # the checkpoint to recover, parsed once (stored_size, realloc)
     restart_record: CommitRecord | None = None  # its record, while its file, verified, may be loaded as it is
     recovered: bool = False
+    recovered_all: bool = False  # a full recover() succeeded: FTI_Status is 0 after it (FTI_Exec.reco = 0)
     recovered_from: tuple[int, int] | None = None  # (ckpt_id, level)
     last_checkpoint: CheckpointInfo | None = None
     next_ckpt_id: int = 1  # snapshot's next id
@@ -275,13 +276,15 @@ class Recovery(RunPart):
                  " (the previous differential checkpoint, kept as the spare)" if record.fallback else "")
         return targets.recovered()
 
-    def recover_file(self, path: str | os.PathLike[str]) -> dict[int, np.ndarray]:
+    def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None) -> dict[int, Any]:
         """:meth:`ftidask.Context.recover_file` (this rank only)."""
+        if meta is not None:  # FTI's POSIX file, described by its meta file
+            return recoverplan.recover_posix(self.variables, path, meta, self.progress)
         with self._verifying(None) as stage:
             verdict = check_file(Path(path), None, self.transport.rank, stage)
         try:
             if verdict.kind != "ok" or verdict.parsed is None:
-                raise RecoveryError(f"cannot recover from {os.fspath(path)}: {verdict.message}")
+                raise RecoveryError(f"cannot recover from {os.fspath(path)}: {recoverplan.hinted(verdict.message)}")
             targets = recoverplan.plan(self.variables, verdict.parsed, None)
             problem = targets.problem or targets.load_states()
             if problem:
@@ -341,18 +344,15 @@ class Recovery(RunPart):
         return record, Verdict("ok", parsed=parsed)
 
     def stored_size(self, id: Any) -> int:
-        """:meth:`ftidask.Context.stored_size` of ``id``. On a restart the sizes are read by every rank together:
-        a rank whose id is refused takes part first (or the others would wait for it), then raises."""
+        """:meth:`ftidask.Context.stored_size` of ``id`` (0: nothing stored for it). On a restart the sizes are read by
+        every rank together: a rank whose id is refused takes part first (or the others would wait), then raises."""
         try:
             vid = check_id(id, "variable id")
         except FTIError:
             with contextlib.suppress(FTIError):
                 self._stored_sizes()
             raise
-        sizes = self._stored_sizes()
-        if vid not in sizes:
-            raise RecoveryError(f"variable {vid} is not in the checkpoint (it holds ids {sorted(sizes)})")
-        return sizes[vid]
+        return self._stored_sizes().get(vid, 0)  # FTI_GetStoredSize's 0: no size stored for this id
 
     def _stored_sizes(self) -> dict[int, int]:
         pr = self.progress
@@ -361,6 +361,8 @@ class Recovery(RunPart):
             for s in pr.layout.slots():
                 sizes[s.var_id] += s.chunksize
             return sizes
+        if pr.restart_file is None and not self.all_candidates(None, None):  # the same on every rank
+            return {}  # nothing committed (a fresh run before its first checkpoint): FTI's 0 for every id
         return self.restart_metadata().var_nbytes()
 
     def realloc(self, vid: int, array: Any) -> Any:

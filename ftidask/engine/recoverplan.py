@@ -8,13 +8,15 @@ happens before any byte reaches a user array or object, so a refused recovery le
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from ..model.arrays import check_id
-from ..model.errors import FTIError, ProtectError, RecoveryError
+from ..ftiff.posix import read_posix
+from ..model.arrays import ArrayBytes, check_id
+from ..model.errors import FormatError, FTIError, ProtectError, RecoveryError
 from .pystate import Holder, kind_of
 from .recovery import check_sizes, load_file
 
@@ -100,3 +102,32 @@ def plan(protected: Mapping[int, Any], parsed: Any, ids: list[int] | None) -> Re
             out.arrays[vid] = p.array
     out.problem = check_sizes(parsed, out.arrays)
     return out
+
+
+def recover_posix(protected: Mapping[int, Any], path: str | os.PathLike[str], meta: str | os.PathLike[str],
+                  progress: Any) -> dict[int, Any]:
+    """``recover_file(path, meta=...)``: FTI's POSIX checkpoint file ``path``, described by its meta file ``meta``
+    (:mod:`ftidask.ftiff.posix`), verified whole (size, MD5) before every protected variable is checked against
+    it (each must be there, of its size: FTI stores bytes, no dtype or shape) and filled; else a RecoveryError
+    with nothing touched."""
+    try:
+        parsed = read_posix(path, meta)
+    except FormatError as exc:
+        raise RecoveryError(f"cannot recover from FTI's POSIX file: {exc}") from None
+    targets = plan(protected, parsed, None)
+    if targets.problem:
+        raise RecoveryError(targets.problem)
+    for vid, array in targets.arrays.items():
+        if array.nbytes:
+            ArrayBytes(array).store(0, parsed.data[vid])  # the array's memory order, as FTI copied it
+    progress.recovered = True
+    return targets.recovered()
+
+
+def hinted(message: str) -> str:
+    """``message`` of a file recover_file refused, with a hint when it may be a file of FTI's POSIX I/O (raw bytes,
+    no FTI-FF metadata), which is read with its meta file."""
+    if "not an FTI-FF file" not in message:
+        return message
+    return (f"{message}; a checkpoint file of FTI's POSIX I/O (ckpt_io = 1) is read with its meta file: "
+            "recover_file(path, meta=META_DIR/sector*-group*.fti)")

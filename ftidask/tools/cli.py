@@ -107,6 +107,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     root = Path(args.path)
     if not root.exists():
         return _missing(root, base=False)
+    if args.meta:
+        return _verify_posix(root, args.meta)
     if is_config_file(root):  # a run's config: its checkpoint directories
         cfg = _load_config(root)
         roots = [p for p in (Path(cfg.ckpt_dir), Path(cfg.glbl_dir)) if p.is_dir()]
@@ -125,6 +127,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
         else:
             bad += 1
             print(f"DAMAGED  {detail}")
+    print(f"{len(files) - bad} sound, {bad} damaged")
+    return 1 if bad else 0
+
+
+def _verify_posix(root: Path, meta: str) -> int:
+    """verify --meta: files of FTI's POSIX I/O (``root``, or its ``Ckpt*-Rank*.fti``) against FTI's meta file(s)."""
+    from ..ftiff.posix import read_posix
+
+    files = [root] if root.is_file() else sorted(p for p in root.glob("Ckpt*-Rank*.fti") if p.is_file())
+    if not files:
+        return _error(f"no Ckpt*-Rank*.fti file in {root}")
+    bad = 0
+    for path in files:
+        try:
+            read_posix(path, meta)
+            print(f"OK       {path}")
+        except FormatError as exc:
+            bad += 1
+            print(f"DAMAGED  {exc}")
     print(f"{len(files) - bad} sound, {bad} damaged")
     return 1 if bad else 0
 
@@ -275,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("verify", help="check every hash of a file, or of every file under a directory")
     p.add_argument("path")
+    p.add_argument("--meta", help="FTI's meta file (or its directory) of files of FTI's POSIX I/O (ckpt_io = 1)")
     p.set_defaults(func=cmd_verify)
     for name, func, text in (("list", cmd_list, "list the checkpoints found"),
                              ("clean", cmd_clean, "remove a run's checkpoints")):

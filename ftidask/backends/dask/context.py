@@ -93,7 +93,7 @@ class DaskContext(Context):
             self._dcp = DaskSpares(self)
 
     def _stored_names(self) -> dict[int, str]:  # var_id: the names in the commit records
-        return {} if self.status() == 0 else recorded.names(restore.dask_records(self, None, None))
+        return {} if self._status == 0 else recorded.names(restore.dask_records(self, None, None))
 
     # --- protection ------------------------------------------------------------------------------
 
@@ -268,17 +268,18 @@ class DaskContext(Context):
 
     # --- incremental checkpoints (see ftidask.backends.dask.icp) ---------------------------------------------
 
-    def init_icp(self, id: int, level: int) -> None:
-        """FTI_InitICP: open checkpoint ``id``; add each protected variable with :meth:`add_var_icp`."""
+    def init_icp(self, id: int, level: int, activate: bool = True) -> None:
+        """FTI_InitICP: open checkpoint ``id`` for :meth:`add_var_icp`; ``activate`` false: the next do nothing."""
         self._async.settle()
-        icp.init_icp(self, id, level)
+        icp.init_icp(self, id, level, activate)
 
     def add_var_icp(self, var_id: int) -> None:
         """FTI_AddVarICP: pin protected variable ``var_id`` as it is now (persisted on the workers)."""
         icp.add_var_icp(self, var_id)
 
-    def finalize_icp(self) -> DaskCheckpointInfo:
-        """FTI_FinalizeICP: the workers write every pinned array; refused if a variable is missing."""
+    def finalize_icp(self) -> DaskCheckpointInfo | None:
+        """FTI_FinalizeICP: the workers write every pinned array; refused if a variable is missing (None if
+        not activated)."""
         return icp.finalize_icp(self)  # type: ignore[no-any-return]
 
     def _abort_icp(self) -> None:
@@ -356,7 +357,9 @@ class DaskContext(Context):
         """
         self._check_open()
         self._async.drain()  # never a checkpoint half written by this run
-        return restore.recover(self, ckpt_id, level, chunks, ids)
+        out = restore.recover(self, ckpt_id, level, chunks, ids)
+        self.progress.recovered_all |= ids is None  # FTI_Status is 0 after a full recovery, as FTI_Recover sets it
+        return out
 
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
         """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""

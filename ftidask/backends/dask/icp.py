@@ -29,11 +29,15 @@ class DaskIcp:
     arrays: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
-def init_icp(ctx: Any, ckpt_id: int, level: int) -> None:
+def init_icp(ctx: Any, ckpt_id: int, level: int, activate: bool = True) -> None:
     ctx._check_open()
     ctx._icp_slot.check_none_open()
     cid = check_ckpt_id(ckpt_id)
     parsed = ctx._check_level(level)  # refuse a bad level now, not at the commit
+    if not activate:  # FTI's loops call the three at every iteration: add and finalize do nothing
+        ctx._icp_slot.skip()
+        return
+    ctx._icp_slot.inactive = False
     if not parsed.differential and ctx._writer.codecs():
         # The engine's rule, on every backend alike (its incremental files are streamed, never compressed):
         # a program that runs here runs on MPI too.
@@ -49,6 +53,8 @@ def init_icp(ctx: Any, ckpt_id: int, level: int) -> None:
 
 def add_var_icp(ctx: Any, var_id: int) -> None:
     ctx._check_open()
+    if ctx._icp_slot.skipping():
+        return
     icp: DaskIcp = ctx._icp_slot.get()
     arr = protected_var(ctx.variables, var_id).array
     icp.arrays[int(var_id)] = ctx.client.persist(arr) if hasattr(arr, "__dask_graph__") else np.array(arr)
@@ -56,6 +62,9 @@ def add_var_icp(ctx: Any, var_id: int) -> None:
 
 def finalize_icp(ctx: Any) -> Any:
     ctx._check_open()
+    if ctx._icp_slot.skipping():
+        ctx._icp_slot.inactive = False
+        return None
     icp: DaskIcp = ctx._icp_slot.get()
     ctx._icp_slot.take()
     missing = sorted(set(ctx.variables) - set(icp.arrays))

@@ -383,7 +383,7 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
 
 
 def stored_size(ctx: DaskContext, vid: int) -> int:
-    """Bytes of variable ``vid`` in the newest committed checkpoint."""
+    """Bytes of variable ``vid`` in the newest committed checkpoint; 0 when none holds it (FTI_GetStoredSize)."""
     records = dask_records(ctx, None, None)
     if not records:
         other = ctx.recovery.candidates(None, None)
@@ -391,7 +391,7 @@ def stored_size(ctx: DaskContext, vid: int) -> int:
             raise RecoveryError(f"checkpoint {other[0].ckpt_id} was written by the MPI or single-process backend "
                                 f"({other[0].nranks} rank(s)): its stored sizes are per old rank; recover() returns "
                                 "its variables as global arrays (their .nbytes)")
-        raise RecoveryError("no committed checkpoint")
+        return 0  # nothing committed: FTI's "no size stored"
     damaged = []
     for record in records:  # newest first; one whose record is damaged would not be recovered either
         try:
@@ -402,5 +402,5 @@ def stored_size(ctx: DaskContext, vid: int) -> int:
         for spec in specs:
             if spec.id == vid:
                 return math.prod(spec.shape) * spec.dtype.itemsize
-        raise RecoveryError(f"variable {vid} is not in checkpoint {record.ckpt_id}")
+        return 0  # not in the checkpoint: FTI's "no size stored"
     raise RecoveryError(f"no committed checkpoint has a sound commit record: {'; '.join(damaged[:2])}")

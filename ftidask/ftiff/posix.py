@@ -1,0 +1,160 @@
+"""Checkpoint files of FTI's POSIX I/O (``ckpt_io = 1``, FTI's default), read with FTI's meta file.
+
+FTI's POSIX file ``Ckpt{id}-Rank{r}.fti`` holds the protected variables' bytes, in protection order, and
+nothing else: what they are is in the meta file FTI writes for each group of processes,
+``{meta_dir}/{exec_id}/l{level}/sector{s}-group{g}.fti`` (``FTI_WriteMetadata``, src/meta.c), an INI file
+written by iniparser (keys lower case) with one section per process of the group, ``[0]`` to
+``[group_size - 1]``::
+
+    [0]
+    ckpt_file_name                 = Ckpt1-Rank0.fti
+    ckpt_file_size                 = 1272      bytes of the file
+    ckpt_file_maxs                 = 1272      the largest of the group (L3's stripes)
+    ckpt_checksum                  = 5d41...   MD5 (hex) of the file's bytes (FTI_Checksum, FTI_VerifyChecksum)
+    var0_id                        = 0
+    var0_size                      = 800
+    var0_pos                       = 0         later versions only; else the sizes follow each other
+    ...
+
+Later versions (src/meta.c with ``FTIT_keymap``) add a ``[ckpt_info]`` section (``ckpt_type = full`` or ``dcp``,
+``ckpt_id``), ``var{j}_pos``, ``var{j}_name`` and ``RSed_checksum``; an early FTI's checksum is 15 characters (see
+:data:`_HEX15`). The section is found by the file's name; the file must have the recorded size and checksum, and
+it is read whole into memory and hashed there, so the bytes given to the arrays are the bytes checked. Names are
+not needed and not read. FTI's POSIX differential checkpoints (``ckpt_type = dcp``, ``dcp_layer*`` keys: layers
+of blocks) are refused: those files are not read.
+"""
+
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from ..model.errors import FormatError
+
+_META_NAME = re.compile(r"sector\d+-group\d+\.fti")
+_MAX_META = 16 << 20  # a meta file of thousands of processes and variables is far smaller
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+#: An early FTI_Checksum wrote each byte's two hex digits at offset i, not 2 * i, over 15 bytes, then cut the
+#: string at 15: the first hex digit of each of the MD5's first 15 bytes (its FTI_VerifyChecksum computes the same).
+_HEX15 = re.compile(r"[0-9a-f]{15}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PosixFile:
+    """One verified POSIX checkpoint file: each variable's bytes, by id, as the meta file describes them."""
+
+    path: str
+    meta_path: str
+    data: dict[int, memoryview]
+    vars: dict[int, Any] = dataclasses.field(default_factory=dict)  # no dtype or shape: FTI stores bytes
+
+    def var_nbytes(self) -> dict[int, int]:
+        """Bytes held per variable id."""
+        return {vid: len(buf) for vid, buf in self.data.items()}
+
+
+def meta_files(meta: str | os.PathLike[str]) -> list[Path]:
+    """``meta`` itself if a file, else the FTI meta files (``sector*-group*.fti``) in the directory ``meta``."""
+    where = Path(meta)
+    if where.is_dir():
+        found = sorted(p for p in where.iterdir() if _META_NAME.fullmatch(p.name) and p.is_file())
+        if not found:
+            raise FormatError("no FTI meta file (sector*-group*.fti) in this directory", path=str(where))
+        return found
+    if not where.is_file():
+        raise FormatError("no such FTI meta file", path=str(where))
+    return [where]
+
+
+def _read_meta(path: Path) -> configparser.ConfigParser:
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(_MAX_META + 1)
+        if len(raw) > _MAX_META:
+            raise FormatError(f"larger than {_MAX_META} bytes: not an FTI meta file", path=str(path))
+        ini = configparser.ConfigParser(interpolation=None, strict=False, delimiters=("=",),
+                                        comment_prefixes=("#", ";"), inline_comment_prefixes=(";", "#"))
+        ini.read_string(raw.decode("utf-8"), source=str(path))
+    except (OSError, UnicodeDecodeError, configparser.Error) as exc:
+        raise FormatError(f"not a readable FTI meta file: {exc}", path=str(path)) from None
+    return ini
+
+
+def find_section(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> tuple[Path, dict[str, str]]:
+    """The meta file and its section that describe the checkpoint file ``path`` (found by its name); the
+    ``[ckpt_info]`` section's ``ckpt_type`` (later versions: ``full`` or ``dcp``) is added as ``ckpt_type``."""
+    name = os.path.basename(os.fspath(path))
+    for meta_path in meta_files(meta):
+        ini = _read_meta(meta_path)
+        kind = ini.get("ckpt_info", "ckpt_type", fallback="full").strip().lower()
+        for section in ini.sections():
+            values = {k.lower(): v.strip() for k, v in ini.items(section)}
+            if values.get("ckpt_file_name") == name:
+                return meta_path, values | {"ckpt_type": kind}
+    raise FormatError(f"no section of the FTI meta file(s) names {name} (ckpt_file_name)", path=os.fspath(meta))
+
+
+def _int(values: dict[str, str], key: str, where: str) -> int:
+    text = values.get(key)
+    if text is None or not re.fullmatch(r"\d{1,19}", text):
+        raise FormatError(f"{key} = {text!r} is not a byte count (missing or not a non-negative integer)", path=where)
+    return int(text)
+
+
+def _variables(values: dict[str, str], size: int, where: str) -> list[tuple[int, int, int]]:
+    """``(id, position, size)`` of each variable, in the file's order, checked to lie inside ``size`` bytes."""
+    out: list[tuple[int, int, int]] = []
+    pos, j = 0, 0
+    while f"var{j}_id" in values:
+        text = values[f"var{j}_id"]
+        if not re.fullmatch(r"-?\d{1,10}", text) or not -2**31 <= int(text) < 2**31:
+            raise FormatError(f"var{j}_id = {text!r} is not a variable id", path=where)
+        nbytes = _int(values, f"var{j}_size", where)
+        start = _int(values, f"var{j}_pos", where) if f"var{j}_pos" in values else pos
+        if start + nbytes > size:
+            raise FormatError(f"variable {text}: bytes [{start}, {start + nbytes}) lie outside the file "
+                              f"({size} bytes)", path=where)
+        if any(vid == int(text) for vid, _p, _n in out):
+            raise FormatError(f"variable id {text} is listed twice", path=where)
+        out.append((int(text), start, nbytes))
+        pos, j = start + nbytes, j + 1
+    if not out:
+        raise FormatError("the section lists no variable (var0_id, var0_size)", path=where)
+    return out
+
+
+def read_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> PosixFile:
+    """Read and verify FTI's POSIX checkpoint file ``path`` with its meta file (or a directory of them)."""
+    meta_path, values = find_section(path, meta)
+    where = f"{meta_path} [{os.path.basename(os.fspath(path))}]"
+    if values["ckpt_type"] != "full" or any(key.startswith("dcp") for key in values):
+        raise FormatError("FTI's POSIX differential checkpoint (dCP layers) files are not read by ftidask; "
+                          "FTI-FF files (ckpt_io = 3), differential or not, are", path=where)
+    size = _int(values, "ckpt_file_size", where)
+    checksum = values.get("ckpt_checksum", "").lower()
+    if not (_HEX32.fullmatch(checksum) or _HEX15.fullmatch(checksum)):
+        raise FormatError(f"ckpt_checksum = {checksum!r}: no MD5 to verify the file against, so it is not read",
+                          path=where)
+    variables = _variables(values, size, where)
+    try:
+        with open(path, "rb") as fh:
+            actual = os.fstat(fh.fileno()).st_size
+            if actual != size:
+                raise FormatError(f"the file has {actual} bytes, its meta file says {size}", path=os.fspath(path))
+            raw = bytearray(size)
+            got = fh.readinto(raw)  # type: ignore[attr-defined]
+    except OSError as exc:
+        raise FormatError(f"cannot read: {exc}", path=os.fspath(path)) from None
+    if got != size:
+        raise FormatError(f"the file ends at byte {got}, its meta file says {size}", path=os.fspath(path))
+    digest = hashlib.md5(raw, usedforsecurity=False).hexdigest()
+    if (digest if len(checksum) == 32 else digest[0:30:2]) != checksum:
+        raise FormatError("MD5 does not match the meta file's ckpt_checksum (damaged file)", path=os.fspath(path))
+    view = memoryview(raw)
+    data = {vid: view[start:start + nbytes] for vid, start, nbytes in variables}
+    return PosixFile(os.fspath(path), str(meta_path), data)

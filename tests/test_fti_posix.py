@@ -1,0 +1,185 @@
+"""Files of FTI's POSIX I/O (ckpt_io = 1, FTI's default) read with FTI's meta file: ``recover_file(path, meta=...)``.
+
+The files are built here as FTI writes them (no POSIX file written by FTI is pinned in tests/data): the checkpoint
+file is the protected variables' bytes in protection order (FTI_WritePosixData); the meta file is
+FTI_WriteMetadata's (src/meta.c) dictionary dumped by iniparser_dump_ini: one section per process of the group,
+keys lower case, ``%-30s = %s``, Ckpt_checksum the MD5 of the variables' bytes (FTI_Checksum).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ftidask
+from ftidask.errors import RecoveryError
+
+PAIR = np.dtype({"names": ["a", "b"], "formats": ["<i4", "<f8"], "offsets": [0, 8], "itemsize": 16})
+
+
+def _variables(rank: int) -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(rank)
+    pairs = np.zeros(4, PAIR)
+    pairs["a"], pairs["b"] = np.arange(4) + rank, np.linspace(0, 1, 4)
+    return {0: np.arange(16, dtype="<i4") * (rank + 1),  # FTI_INTG
+            7: rng.random((3, 5)),  # FTI_DBLE, ids need not follow each other
+            2: np.asfortranarray(rng.integers(-9, 9, (4, 3), dtype="<i8")),  # memory as FTI copies it: F order
+            3: pairs,  # FTI_InitType(16)
+            4: np.zeros(0, "<f4")}  # empty
+
+
+def _raw(array: np.ndarray) -> bytes:
+    return array.tobytes(order="F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C")
+
+
+def _write_fti_posix(root: Path, ckpt: int, nranks: int, *, version: str = "1.1",
+                     extra: str = "") -> tuple[Path, Path]:
+    """FTI's L4 directories of one group: ``Global/<exec>/l4/Ckpt{ckpt}-Rank{r}.fti`` and
+    ``Meta/<exec>/l4/sector0-group0.fti``, the meta file as ``version`` writes it: "1.0" an early FTI_Checksum's 15
+    characters (each byte's hex digits printed at offset i, not 2 * i), "1.1" the MD5, "1.4" (src/meta.c with
+    FTIT_keymap) adds a [ckpt_info] section, var{j}_pos and var{j}_name."""
+    data_dir, meta_dir = root / "Global/2018-08-01_10-00-00/l4", root / "Meta/2018-08-01_10-00-00/l4"
+    data_dir.mkdir(parents=True)
+    meta_dir.mkdir(parents=True)
+    sizes = [sum(len(_raw(a)) for a in _variables(r).values()) for r in range(nranks)]
+    lines = [f"\n[ckpt_info]\n{'ckpt_type':<30} = full\n{'ckpt_id':<30} = {ckpt}\n"] if version == "1.4" else []
+    for rank in range(nranks):
+        raw = b"".join(_raw(a) for a in _variables(rank).values())
+        (data_dir / f"Ckpt{ckpt}-Rank{rank}.fti").write_bytes(raw)
+        digest = hashlib.md5(raw).hexdigest()
+        entries = [("ckpt_file_name", f"Ckpt{ckpt}-Rank{rank}.fti"), ("ckpt_file_size", str(len(raw))),
+                   ("ckpt_file_maxs", str(max(sizes))),
+                   ("ckpt_checksum", digest[0:30:2] if version == "1.0" else digest)]
+        pos = 0
+        for j, (vid, array) in enumerate(_variables(rank).items()):
+            entries += [(f"var{j}_id", str(vid)), (f"var{j}_size", str(array.nbytes))]
+            if version == "1.4":
+                entries += [(f"var{j}_pos", str(pos)), (f"var{j}_name", "" if j % 2 else f"v{vid}")]
+            pos += array.nbytes
+        entries += [("rsed_checksum", "")] if version == "1.4" else []
+        lines.append(f"\n[{rank}]\n" + "".join(f"{k:<30} = {v}\n" for k, v in entries) + extra)
+    meta = meta_dir / "sector0-group0.fti"
+    meta.write_text("".join(lines) + "\n")
+    return data_dir, meta
+
+
+def _protect(ctx, rank: int, fill: int = 0) -> dict[int, np.ndarray]:
+    arrays = {}
+    for vid, like in _variables(rank).items():
+        arrays[vid] = np.frombuffer(bytearray([fill]) * like.nbytes, like.dtype).reshape(like.shape)
+        if like.flags.f_contiguous and not like.flags.c_contiguous:
+            arrays[vid] = np.asfortranarray(arrays[vid])
+        ctx.protect(vid, arrays[vid])
+    return arrays
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.1", "1.4"])
+@pytest.mark.parametrize("meta_as", ["file", "directory"])
+def test_posix_file_is_read_bit_for_bit(tmp_path, dirs, version, meta_as):
+    data_dir, meta = _write_fti_posix(tmp_path / "fti", 5, 2, version=version)
+    ctx = ftidask.init(**dirs)
+    for rank in range(2):
+        arrays = _protect(ctx, rank, fill=0x5A)
+        got = ctx.recover_file(data_dir / f"Ckpt5-Rank{rank}.fti", meta=meta if meta_as == "file" else meta.parent)
+        assert set(got) == set(arrays)
+        for vid, want in _variables(rank).items():
+            assert arrays[vid].tobytes() == want.tobytes() and arrays[vid].flags.f_contiguous == want.flags.f_contiguous
+    ctx.finalize()
+
+
+def _refused(ctx, arrays: dict[int, np.ndarray], path: Path, meta: Path, match: str) -> None:
+    before = {vid: a.tobytes() for vid, a in arrays.items()}
+    with pytest.raises(RecoveryError, match=match):
+        ctx.recover_file(path, meta=meta)
+    assert {vid: a.tobytes() for vid, a in arrays.items()} == before  # nothing touched
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.1"])
+def test_damaged_or_cut_file_is_refused_and_arrays_untouched(tmp_path, dirs, version):
+    data_dir, meta = _write_fti_posix(tmp_path / "fti", 1, 1, version=version)
+    path = data_dir / "Ckpt1-Rank0.fti"
+    ctx = ftidask.init(**dirs)
+    arrays = _protect(ctx, 0, fill=0x11)
+    raw = path.read_bytes()
+    path.write_bytes(raw[:100] + bytes([raw[100] ^ 1]) + raw[101:])
+    _refused(ctx, arrays, path, meta, "MD5 does not match")
+    path.write_bytes(raw[:-8])
+    _refused(ctx, arrays, path, meta, "has 336 bytes, its meta file says 344")
+    path.write_bytes(raw)
+    ctx.recover_file(path, meta=meta)
+    assert arrays[0].tobytes() == _variables(0)[0].tobytes()
+    ctx.finalize()
+
+
+def test_protected_variables_must_match_the_file(tmp_path, dirs):
+    """Every protected variable must be in the file with its size (FTI stores bytes: no dtype, no shape); a
+    variable of the file that is not protected is left out, as FTI_Recover does."""
+    data_dir, meta = _write_fti_posix(tmp_path / "fti", 1, 1)
+    path = data_dir / "Ckpt1-Rank0.fti"
+    ctx = ftidask.init(**dirs)
+    arrays = _protect(ctx, 0)
+    ctx.protect(9, np.zeros(3))
+    _refused(ctx, arrays, path, meta, "variable 9 is protected but not in checkpoint file")
+    ctx = ftidask.init(**dirs)
+    arrays = _protect(ctx, 0)
+    ctx.protect(7, np.zeros(14))
+    _refused(ctx, arrays, path, meta, "variable 7: checkpoint holds 120 bytes, the protected array has 112")
+    ctx = ftidask.init(**dirs)
+    only = np.zeros(16, "<i4")
+    ctx.protect(0, only)
+    assert set(ctx.recover_file(path, meta=meta)) == {0}
+    assert only.tobytes() == _variables(0)[0].tobytes()
+    ctx.protect(5, ftidask.State({}))
+    with pytest.raises(RecoveryError):
+        ctx.recover_file(path, meta=meta)
+    ctx.finalize()
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda t: t.replace("Ckpt1-Rank0.fti", "Ckpt1-Rank9.fti"), "no section .* names Ckpt1-Rank0.fti"),
+    (lambda t: "\n".join(x for x in t.splitlines() if not x.startswith("ckpt_checksum")), "no MD5 to verify"),
+    (lambda t: t.replace("var1_size                      = 120", "var1_size = 99999999999"), "outside the file"),
+    (lambda t: t.replace("var1_size                      = 120", "var1_size = -8"), "not a byte count"),
+    (lambda t: t.replace("var1_id                        = 7", "var1_id = 0"), "listed twice"),
+    (lambda t: t.replace("var0_id", "nothing_id"), "lists no variable"),
+    (lambda t: t + "dcp_layer0_size = 10\n", "differential"),
+    (lambda t: "[ckpt_info]\nckpt_type = dcp\n" + t, "differential"),
+    (lambda t: "garbage without a section\n" + t, "not a readable FTI meta file"),
+    (lambda t: "\0\xff", "not a readable FTI meta file"),
+])
+def test_hostile_or_unsupported_meta_file_is_a_clean_error(tmp_path, dirs, edit, match):
+    data_dir, meta = _write_fti_posix(tmp_path / "fti", 1, 1)
+    meta.write_text(edit(meta.read_text()), errors="surrogateescape")
+    ctx = ftidask.init(**dirs)
+    arrays = _protect(ctx, 0, fill=3)
+    _refused(ctx, arrays, data_dir / "Ckpt1-Rank0.fti", meta, match)
+    ctx.finalize()
+
+
+def test_missing_meta_is_a_clean_error(tmp_path, dirs):
+    data_dir, meta = _write_fti_posix(tmp_path / "fti", 1, 1)
+    ctx = ftidask.init(**dirs)
+    arrays = _protect(ctx, 0)
+    with pytest.raises(RecoveryError, match=r"not an FTI-FF file.*read with its meta file: recover_file\(path, meta="):
+        ctx.recover_file(data_dir / "Ckpt1-Rank0.fti")
+    _refused(ctx, arrays, data_dir / "Ckpt1-Rank0.fti", tmp_path / "nowhere.fti", "no such FTI meta file")
+    _refused(ctx, arrays, data_dir / "Ckpt1-Rank0.fti", data_dir, r"no FTI meta file \(sector")
+    ctx.finalize()
+
+
+def test_cli_verify_with_meta(tmp_path, capsys):
+    from ftidask.tools.cli import main as cli_main
+
+    data_dir, meta = _write_fti_posix(tmp_path / "fti", 2, 3)
+    assert cli_main(["verify", str(data_dir), "--meta", str(meta.parent)]) == 0
+    assert "3 sound, 0 damaged" in capsys.readouterr().out
+    path = data_dir / "Ckpt2-Rank1.fti"
+    raw = bytearray(path.read_bytes())
+    raw[5] ^= 0x40
+    path.write_bytes(bytes(raw))
+    assert cli_main(["verify", str(path), "--meta", str(meta)]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "MD5 does not match" in out and "0 sound, 1 damaged" in out
