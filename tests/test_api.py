@@ -34,7 +34,7 @@ def test_bad_input_is_refused_clearly(dirs):
     with pytest.raises(ftidask.NoCheckpointError):
         ctx.recover()
     with pytest.raises(ftidask.ConfigError, match="ckpt_io"):
-        ftidask.init(ckpt_io=1, **dirs)
+        ftidask.init(ckpt_io=7, **dirs)
     with pytest.raises(ftidask.ConfigError, match="unknown config key"):
         ftidask.init(ckpt_l9=1, **dirs)
     with pytest.raises(ftidask.ConfigError, match="group_size"):
@@ -287,3 +287,26 @@ def test_stored_size_is_0_where_nothing_is_stored(dirs):
     ctx = ftidask.init(**dirs)  # a restart: the checkpoint's sizes
     assert ctx.status() == 1 and ctx.stored_size(1) == 80 and ctx.stored_size(2) == 0
     ctx.finalize()
+
+
+@pytest.mark.parametrize("mode", [1, 2, 4, 5])
+def test_fti_io_modes_load_and_files_are_fti_ff(tmp_path, caplog, mode):
+    """FTI's config files name other I/O modes (its examples say ckpt_io = 1): the run starts, says it writes
+    FTI-FF, and its checkpoints round-trip."""
+    cfg = tmp_path / "config.fti"
+    cfg.write_text(f"[basic]\nckpt_dir = {tmp_path}/L\nglbl_dir = {tmp_path}/G\nmeta_dir = {tmp_path}/M\n"
+                   f"ckpt_io = {mode}\n")
+    a = np.arange(1000.0)
+    with caplog.at_level("WARNING", logger="ftidask"):
+        ctx = ftidask.init(cfg)
+    assert any("FTI-FF" in r.getMessage() and f"ckpt_io = {mode}" in r.getMessage() for r in caplog.records)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 1)
+    b = np.zeros(1000)
+    again = ftidask.init(cfg)  # died without finalize: a restart
+    assert again.status() == 1
+    again.protect(1, b)
+    again.recover()
+    assert np.array_equal(a, b)
+    files = sorted(p.name for p in (tmp_path / "L").rglob("*") if p.is_file())
+    assert files and all(name.endswith(".fti") for name in files), files

@@ -156,8 +156,7 @@ def test_fti_config_files_load(tmp_path):
 
 
 @pytest.mark.parametrize("key", sorted(k for k, (_s, d) in ftidask.model.config.config_keys().items()
-                                       if isinstance(d, int) and not isinstance(d, bool)
-                                       and k not in ("ckpt_io",)))
+                                       if isinstance(d, int) and not isinstance(d, bool)))
 def test_huge_integer_values_are_refused(tmp_path, key):
     with pytest.raises(ftidask.ConfigError, match=key):
         ftidask.load_config(**{key: 10**400})

@@ -4,6 +4,7 @@ imported on demand (``import ftidask`` never imports mpi4py or distributed)."""
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from typing import Any
 
@@ -53,6 +54,12 @@ def init(config: str | os.PathLike[str] | Config | None = None, *, comm: Any = N
     else:
         explicit = "verbosity" in overrides or (config is not None and "verbosity" in keys_in_file(config))
     logsetup.apply_verbosity(cfg.verbosity, explicit, 0 if comm is None else _rank_of(comm))
+    if cfg.ckpt_io != 3:
+        from ..model.config import IO_MODES
+
+        logging.getLogger("ftidask").warning(
+            "ckpt_io = %d asks for FTI's %s files: ftidask writes FTI-FF files (ckpt_io = 3) whatever ckpt_io "
+            "says (FTI's POSIX files are read with recover_file(path, meta=...))", cfg.ckpt_io, IO_MODES[cfg.ckpt_io])
     if comm is not None and client is not None:
         raise FTIError("pass comm= (MPI) or client= (Dask), not both")
     if comm is not None:
