@@ -45,7 +45,7 @@ from ..model.config import Config, load_config
 from ..model.errors import FormatError, FTIError, NoCheckpointError
 from ..storage import files as storage
 from ..zarrfmt import store as zarr_store
-from .zarr_import import import_zarr, read_zarr
+from .zarr_import import import_zarr, read_zarr, run_import
 
 __all__ = ["ExportResult", "add_export_command", "export_checkpoint", "import_zarr", "locate", "read_zarr",
            "run_export", "run_import"]
@@ -371,18 +371,6 @@ def run_export(args: argparse.Namespace) -> int:
           f"{result.path}: {len(result.arrays)} array(s), {result.nbytes:,} bytes in {result.seconds:.2f} s")
     for name in result.arrays:
         print(f"  {name}")
-    return 0
-
-
-def run_import(args: argparse.Namespace) -> int:
-    """Run ``ftidask import``; the exit code (2 on an error)."""
-    try:
-        info = import_zarr(args.store, args.config, ckpt_id=args.ckpt_id, level=args.level, group=args.group)
-    except (FileNotFoundError, FTIError) as exc:
-        print(f"ftidask: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"imported {args.store} as checkpoint {info.id} (level {info.level}); restart the run with the same "
-          "config to recover it")
     return 0
 
 

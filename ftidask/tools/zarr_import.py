@@ -6,15 +6,17 @@ store has one); :func:`import_zarr` starts a new run whose first checkpoint hold
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..engine import pystate
-from ..model.errors import FormatError
+from ..model.errors import FormatError, FTIError
 from ..zarrfmt import store as zarr_store
 from ..zarrfmt.foreign import read_plain_group
 
@@ -79,3 +81,15 @@ def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | N
     log.info("imported %d arrays from %s as checkpoint %d (level %d) of run %s", len(arrays), path, ckpt_id,
              level, ctx.exec_id)
     return info
+
+
+def run_import(args: argparse.Namespace) -> int:
+    """Run ``ftidask import``; the exit code (2 on an error)."""
+    try:
+        info = import_zarr(args.store, args.config, ckpt_id=args.ckpt_id, level=args.level, group=args.group)
+    except (FileNotFoundError, FTIError) as exc:
+        print(f"ftidask: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"imported {args.store} as checkpoint {info.id} (level {info.level}); restart the run with the same "
+          "config to recover it")
+    return 0
