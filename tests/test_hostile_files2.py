@@ -1,0 +1,108 @@
+"""Hostile checkpoint trees, second campaign: files replaced by what is not a regular file (a FIFO, a link
+to a device), and fields that lie. Recovery gives the newest sound checkpoint, bit for bit, or a ftidask
+error that touches no array; the command line gives a message and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_python
+
+import ftidask
+
+# A restart in a child process with little address space: a hang is a timeout of the child, an unbounded
+# read (a link to /dev/zero) a MemoryError there, not a machine out of memory.
+RESTART = """
+import resource, sys
+import numpy as np
+import ftidask
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+root = sys.argv[1]
+ctx = ftidask.init(ckpt_dir=root + "/Local", glbl_dir=root + "/Global", meta_dir=root + "/Meta")
+a = np.full(1000, -1.0)
+ctx.protect(1, a)
+try:
+    ctx.recover()
+except ftidask.FTIError as exc:
+    print("REFUSED", (a == -1).all(), type(exc).__name__, exc)
+else:
+    print("RECOVERED", ctx.recovered_from, a.tobytes() == (np.arange(1000.0) + ctx.recovered_from[0] - 1).tobytes())
+"""
+
+
+def two_checkpoints(root: Path) -> None:
+    """Checkpoint 1 at level 4 (values 0..999), then checkpoint 2 at level 1 (values + 1); not finalized."""
+    ctx = ftidask.init(ckpt_dir=str(root / "Local"), glbl_dir=str(root / "Global"), meta_dir=str(root / "Meta"))
+    a = np.arange(1000.0)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 4)
+    a += 1
+    ctx.checkpoint(2, 1)
+    ctx._close()
+
+
+def restart(root: Path) -> str:
+    """The child's one line: ``RECOVERED (id, level) exact`` or ``REFUSED untouched Error message``."""
+    proc = run_python(RESTART, str(root), timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip()
+
+
+def replace(path: Path, how: str) -> None:
+    """Put a FIFO (no writer ever comes), a link to an endless device, or a directory where ``path`` was."""
+    path.unlink()
+    if how == "fifo":
+        os.mkfifo(path)
+    elif how == "devzero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.mkdir()
+
+
+@pytest.mark.parametrize("how", ["fifo", "devzero", "dir"])
+@pytest.mark.parametrize("which, recovered", [("record", "(1, 4)"), ("run.json", "(2, 1)"),
+                                              ("current_exec_id", "(2, 1)")])
+def test_a_json_file_that_is_not_a_regular_file_is_damage(tmp_path, which, recovered, how):
+    """A commit record, ``run.json`` or ``current_exec_id`` that is a FIFO blocked the restart for ever in
+    ``open``; a link to /dev/zero was read to the end of memory. They are damaged records now."""
+    two_checkpoints(tmp_path)
+    (run,) = (tmp_path / "Meta").glob("*/run.json")
+    path = {"record": run.parent / "commits" / "s00000002.json", "run.json": run,
+            "current_exec_id": tmp_path / "Meta" / "current_exec_id"}[which]
+    replace(path, how)
+    assert restart(tmp_path) == f"RECOVERED {recovered} True"
+
+
+@pytest.mark.parametrize("how", ["fifo", "devzero", "dir"])
+@pytest.mark.parametrize("which, recovered", [("Local", "(1, 4)"), ("Global", "(2, 1)")])
+def test_a_checkpoint_file_that_is_not_a_regular_file_is_damage(tmp_path, which, recovered, how):
+    """A rank file replaced by a FIFO blocked ``open`` for ever; the recovery takes the other checkpoint."""
+    two_checkpoints(tmp_path)
+    (path,) = (tmp_path / which).glob("**/Ckpt*-Rank0.fti")
+    replace(path, how)
+    assert restart(tmp_path) == f"RECOVERED {recovered} True"
+
+
+CLI = """
+import resource, sys
+from ftidask.tools.cli import main
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("how", ["fifo", "devzero"])
+@pytest.mark.parametrize("command", ["inspect", "verify", "export"])
+def test_cli_on_a_file_that_is_not_a_regular_file(tmp_path, command, how):
+    """``inspect``/``verify``/``export`` of a FIFO named like a checkpoint blocked for ever."""
+    path = tmp_path / "Ckpt1-Rank0.fti"
+    path.touch()
+    replace(path, how)
+    args = [command, str(path)] + (["--to-zarr", str(tmp_path / "out.zarr")] if command == "export" else [])
+    proc = run_python(CLI, *args, timeout=60, check=False)
+    assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "ftidask: error" in proc.stderr or "DAMAGED" in proc.stdout
