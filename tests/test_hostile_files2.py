@@ -106,3 +106,48 @@ def test_cli_on_a_file_that_is_not_a_regular_file(tmp_path, command, how):
     proc = run_python(CLI, *args, timeout=60, check=False)
     assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "ftidask: error" in proc.stderr or "DAMAGED" in proc.stdout
+
+
+def test_a_forged_file_size_in_a_commit_record_drives_no_rebuild(tmp_path):
+    """The sizes of a commit record (sealed, so its digest matches) drive the L2/L3 rebuilds: a size the file
+    does not have made a sound rank file "verify" and be sent to its partner as that many bytes (64 MiB of
+    zeros here; 2**62 would fill the disk). A file whose size differs from its record is now damage: the
+    checkpoint is passed over and nothing is rebuilt from it."""
+    from ftidask.api.context import Context
+    from ftidask.engine.grouplevels import run_ranks
+    from ftidask.engine.runstate import seal_json
+    from ftidask.model.config import load_config
+
+    cfg = load_config(None, ckpt_dir=str(tmp_path / "Local"), glbl_dir=str(tmp_path / "Global"),
+                      meta_dir=str(tmp_path / "Meta"), local_test=1, node_size=1, group_size=4, block_size=1,
+                      transfer_size=1)
+
+    def write(t):
+        ctx = Context(cfg, t)
+        a = np.arange(1000.0) + t.rank
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 4)
+        a += 1
+        ctx.checkpoint(2, 2)
+        ctx._close()
+
+    assert run_ranks(cfg, 4, write, wait=60)[1] == []
+    (record,) = (tmp_path / "Meta").glob("*/commits/s00000002.json")
+    raw = json.loads(record.read_text())
+    raw["files"][0]["size"] += 64 << 20
+    record.write_text(json.dumps(seal_json(raw)))
+    (pcof,) = (tmp_path / "Local").glob("node1/**/Ckpt2-Pcof1.fti")  # rank 1 keeps rank 0's copy
+    pcof.unlink()
+
+    def recover(t):
+        ctx = Context(cfg, t)
+        a = np.full(1000, -1.0)
+        ctx.protect(1, a)
+        ctx.recover()
+        exact = a.tobytes() == (np.arange(1000.0) + t.rank + ctx.recovered_from[0] - 1).tobytes()
+        ctx._close()
+        return ctx.recovered_from, exact
+
+    results, errors = run_ranks(cfg, 4, recover, wait=60)
+    assert errors == [] and all(r == ((1, 4), True) for r in results), (results, errors)
+    assert max(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file()) < 1 << 20

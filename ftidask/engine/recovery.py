@@ -55,6 +55,9 @@ def check_file(path: Path, record: CommitRecord | None, rank: int,
                 if expected is None or expected.fb_hash != parsed.fb.hash.hex():
                     return Verdict("damaged", f"{path}: does not belong to checkpoint {record.ckpt_id} "
                                    f"(seq {record.seq})")
+                if expected.size != parsed.file_size:  # the record's sizes drive L2/L3 rebuilds: never trusted
+                    return Verdict("damaged", f"{path}: {parsed.file_size} bytes, the commit record of checkpoint "
+                                   f"{record.ckpt_id} (seq {record.seq}) says {expected.size}")
             staged = stage(parsed) if stage is not None else {}
             if staged:  # the staged pages are faulted in ahead of the reader, on the other core
                 with Prefault((), [(s.view, s.addr) for s in staged.values()]):
