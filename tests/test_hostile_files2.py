@@ -151,3 +151,42 @@ def test_a_forged_file_size_in_a_commit_record_drives_no_rebuild(tmp_path):
     results, errors = run_ranks(cfg, 4, recover, wait=60)
     assert errors == [] and all(r == ((1, 4), True) for r in results), (results, errors)
     assert max(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file()) < 1 << 20
+
+
+def test_a_partner_rebuild_never_sends_more_than_a_file_holds(tmp_path):
+    """The level code on its own (as the Dask backend runs it, whose file check compares hashes only): a
+    member's file sound by its hashes but shorter than the size the record gives was sent to its partner as
+    that many bytes, zeros past its end. A file of another size than the record's is no source."""
+    import hashlib
+
+    from ftidask.levels import multilevel
+    from ftidask.model.config import Config
+    from ftidask.storage import files as storage
+    from ftidask.transport.threads import run_group
+
+    cfg = Config(block_size=1, transfer_size=1)
+    sizes = [3000, 4000, 5000, 6000]
+    own = [tmp_path / f"node{i}" / storage.rank_file(1, i) for i in range(4)]
+    for i, path in enumerate(own):
+        path.parent.mkdir()
+        path.write_bytes(bytes([i + 1]) * sizes[i])
+    digests = [hashlib.sha256(p.read_bytes()).digest() for p in own]
+
+    def protect(ch):
+        return multilevel.protect(ch, cfg, 2, 1, ch.index, own[ch.index], own[ch.index].parent, sizes)
+
+    assert run_group(4, protect)[1] == []
+    (own[1].parent / storage.partner_file(1, 1)).unlink()  # member 1 kept member 0's copy
+    forged = [sizes[0] + (64 << 20)] + sizes[1:]
+
+    def sound(i):
+        return lambda p: p.is_file() and hashlib.sha256(p.read_bytes()).digest() == digests[i]
+
+    def rebuild(ch):
+        i = ch.index
+        return multilevel.rebuild(ch, cfg, 2, 1, i, own[i], own[i].parent, forged, sound(i)(own[i]),
+                                  verify_own=sound(i), verify_partner=sound((i - 1) % 4))
+
+    results, errors = run_group(4, rebuild)
+    assert errors == [] and results == [False, True, True, True]
+    assert max(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file()) == 6000
