@@ -190,3 +190,55 @@ def test_a_partner_rebuild_never_sends_more_than_a_file_holds(tmp_path):
     results, errors = run_group(4, rebuild)
     assert errors == [] and results == [False, True, True, True]
     assert max(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file()) == 6000
+
+
+def test_a_spare_parity_replaced_by_a_link_is_never_written_through(tmp_path):
+    """An L3 differential checkpoint patches the spare parity in place: a symbolic link planted there (to a
+    copy of it outside the run's directories) had the file it names rewritten. The spare is opened without
+    following links: that checkpoint fails (the previous one is kept), the next one is written whole."""
+    import hashlib
+    import shutil
+    import threading
+
+    from ftidask.api.context import Context
+    from ftidask.engine.grouplevels import run_ranks
+    from ftidask.model.config import load_config
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    cfg = load_config(None, ckpt_dir=str(tmp_path / "Local"), glbl_dir=str(tmp_path / "Global"),
+                      meta_dir=str(tmp_path / "Meta"), local_test=1, node_size=1, group_size=4, block_size=1,
+                      transfer_size=1, enable_dcp=1, dcp_block_size=512)
+    barrier = threading.Barrier(4)
+    digest = {}
+
+    def step(t):
+        ctx = Context(cfg, t)
+        a = np.arange(20000.0) + t.rank
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 7)
+        a[:10] += 1
+        ctx.checkpoint(2, 7)
+        barrier.wait()
+        if t.rank == 0:
+            (spare,) = (tmp_path / "Local").glob("node0/**/dcp/SpareRSed-Rank0.fti")
+            copy = outside / spare.name
+            shutil.copy(spare, copy)
+            spare.unlink()
+            spare.symlink_to(copy)
+            digest["before"] = hashlib.sha256(copy.read_bytes()).hexdigest()
+        barrier.wait()
+        outcomes = []
+        for ckpt_id in (3, 4):
+            a[:10] += 1
+            try:
+                ctx.checkpoint(ckpt_id, 7)
+                outcomes.append("ok")
+            except ftidask.CheckpointError:
+                outcomes.append("refused")
+        ctx._close()
+        return outcomes
+
+    results, errors = run_ranks(cfg, 4, step, wait=60)
+    assert errors == [] and all(r[1] == "ok" for r in results), (results, errors)
+    assert hashlib.sha256((outside / "SpareRSed-Rank0.fti").read_bytes()).hexdigest() == digest["before"]

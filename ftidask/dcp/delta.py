@@ -106,7 +106,7 @@ def apply_delta(base_path: Path, out_path: Path, delta: FileDelta, payload: byte
     """Patch the copy of the base at ``base_path`` in place and rename it to ``out_path``."""
     if len(payload) != delta.nbytes:
         raise FormatError(f"delta payload of {len(payload)} bytes, the ranges need {delta.nbytes}")
-    fd = storage.open_regular(base_path, os.O_RDWR)
+    fd = storage.open_regular(base_path, os.O_RDWR | os.O_NOFOLLOW)  # never written through a planted link
     try:
         raw = os.pread(fd, FB_SIZE, 0)
         try:

@@ -110,7 +110,7 @@ def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[lis
     coefs = ReedSolomon(len(ranges), len(ranges)).matrix[position]
     try:
         hash_path(spare).unlink(missing_ok=True)  # from now on the spare's content is unknown
-        fd = storage.open_regular(spare, os.O_RDWR)
+        fd = storage.open_regular(spare, os.O_RDWR | os.O_NOFOLLOW)  # never written through a planted link
     except OSError as exc:
         raise FTIError(f"cannot patch the spare parity {spare}: {exc}") from exc
     try:
