@@ -242,3 +242,32 @@ def test_a_spare_parity_replaced_by_a_link_is_never_written_through(tmp_path):
     results, errors = run_ranks(cfg, 4, step, wait=60)
     assert errors == [] and all(r[1] == "ok" for r in results), (results, errors)
     assert hashlib.sha256((outside / "SpareRSed-Rank0.fti").read_bytes()).hexdigest() == digest["before"]
+
+
+_ARRAY_META = {"zarr_format": 3, "node_type": "array", "shape": [1 << 40], "data_type": "float64",
+               "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1 << 40]}},
+               "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}}, "fill_value": 0.0,
+               "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}], "attributes": {}}
+
+
+@pytest.mark.parametrize("how", ["torn metadata", "huge shape", "fifo chunk"])
+def test_import_of_a_hostile_foreign_zarr_store_is_an_error(tmp_path, how):
+    """``ftidask import`` of a Zarr store ftidask did not write (nothing in it hash-checked): torn metadata
+    showed zarr's JSONDecodeError as a traceback, a shape of 2**40 elements numpy's MemoryError, and a chunk
+    that is a FIFO blocked the import for ever."""
+    pytest.importorskip("zarr")
+    store = tmp_path / "s.zarr"
+    (store / "a" / "c").mkdir(parents=True)
+    (store / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
+    meta = dict(_ARRAY_META, shape=[8], chunk_grid={"name": "regular", "configuration": {"chunk_shape": [8]}})
+    if how == "torn metadata":
+        (store / "a" / "zarr.json").write_text(json.dumps(meta)[:40])
+    elif how == "huge shape":
+        (store / "a" / "zarr.json").write_text(json.dumps(_ARRAY_META))
+    else:
+        (store / "a" / "zarr.json").write_text(json.dumps(meta))
+        os.mkfifo(store / "a" / "c" / "0")
+    args = ["import", str(store), "--config", str(tmp_path / "none.fti")]
+    proc = run_python(CLI, *args[:2], timeout=60, check=False, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "ftidask: error" in proc.stderr
