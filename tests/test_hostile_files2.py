@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import run_python
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ftidask
 
@@ -271,3 +273,74 @@ def test_import_of_a_hostile_foreign_zarr_store_is_an_error(tmp_path, how):
     proc = run_python(CLI, *args[:2], timeout=60, check=False, cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "ftidask: error" in proc.stderr
+
+
+_TREE: dict[str, Path] = {}
+
+
+def _sample_tree(tmp_path_factory) -> Path:
+    """One tree of three committed checkpoints, every kind of file of a one-process run (level 4, level 1,
+    differential with its spare and fallback record, a Python state), built once for the examples below."""
+    if "tree" not in _TREE:
+        root = tmp_path_factory.mktemp("tree")
+        ctx = ftidask.init(ckpt_dir=str(root / "Local"), glbl_dir=str(root / "Global"), meta_dir=str(root / "Meta"),
+                           enable_dcp=1, dcp_block_size=512)
+        a, state = np.arange(1000.0), ftidask.State({"k": 0})
+        ctx.protect(1, a)
+        ctx.protect(2, state)
+        for k, level in enumerate([4, 1, 5, 5], 1):
+            a[:] = np.arange(1000.0) + k
+            state["k"] = k
+            ctx.checkpoint(k, level)
+        ctx._close()
+        _TREE["tree"] = root
+    return _TREE["tree"]
+
+
+def _damage(path: Path, how: str, at: int) -> None:
+    raw = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(raw[:at % max(len(raw), 1)])
+    elif how == "flip":
+        damaged = bytearray(raw)
+        if damaged:
+            damaged[at % len(damaged)] ^= 1 << (at % 8)
+        path.write_bytes(bytes(damaged))
+    elif how == "json-type" and path.suffix == ".json":
+        path.write_text(json.dumps([raw.decode("utf-8", "replace")]))
+    else:
+        replace(path, {"json-type": "dir", "empty": "dir"}.get(how, how))
+        if how == "empty":
+            path.rmdir()
+            path.touch()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_file_damaged_gives_exact_data_or_a_clear_error(tmp_path_factory, data):
+    """Any file of the tree (commit and fallback records, run state, rank files, the spare and its record)
+    truncated, flipped, emptied, of the wrong JSON type, or replaced by a directory or a FIFO: the restart
+    recovers a committed checkpoint bit for bit, or raises a ftidask error that touches no array."""
+    import shutil
+
+    tree = _sample_tree(tmp_path_factory)
+    files = sorted(p.relative_to(tree) for p in tree.rglob("*") if p.is_file() and p.suffix != ".lock")
+    rel = data.draw(st.sampled_from(files))
+    how = data.draw(st.sampled_from(["truncate", "flip", "empty", "json-type", "dir", "fifo"]))
+    root = tmp_path_factory.mktemp("case")
+    shutil.copytree(tree, root, dirs_exist_ok=True)
+    _damage(root / rel, how, data.draw(st.integers(0, 1 << 20)))
+    ctx = ftidask.init(ckpt_dir=str(root / "Local"), glbl_dir=str(root / "Global"), meta_dir=str(root / "Meta"),
+                       enable_dcp=1, dcp_block_size=512)
+    a, state = np.full(1000, -1.0), ftidask.State({"k": -1})
+    ctx.protect(1, a)
+    ctx.protect(2, state)
+    try:
+        ctx.recover()
+    except ftidask.FTIError:
+        assert (a == -1).all() and state["k"] == -1
+    else:
+        k = state["k"]
+        assert ctx.recovered_from[0] == k and a.tobytes() == (np.arange(1000.0) + k).tobytes()
+    finally:
+        ctx._close()
