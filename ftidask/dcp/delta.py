@@ -74,7 +74,7 @@ class FileDelta:
 def file_fb_hash(path: Path | str) -> str:
     """The FB hash (hex) of the file at ``path``, or "" when it is missing or has no valid FB."""
     try:
-        with open(path, "rb") as fh:
+        with storage.open_read(path) as fh:
             raw = fh.read(FB_SIZE)
         return FileBlock.unpack(raw).hash.hex() if len(raw) == FB_SIZE else ""
     except (OSError, FormatError):
@@ -94,7 +94,7 @@ def merge_ranges(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 def read_payload(path: Path, delta: FileDelta) -> bytes:
     """The bytes of ``delta``'s ranges of the new file, concatenated."""
-    with open(path, "rb") as fh:
+    with storage.open_read(path) as fh:
         parts = [os.pread(fh.fileno(), n, off) for off, n in delta.ranges]
     payload = b"".join(parts)
     if len(payload) != delta.nbytes:
@@ -106,7 +106,7 @@ def apply_delta(base_path: Path, out_path: Path, delta: FileDelta, payload: byte
     """Patch the copy of the base at ``base_path`` in place and rename it to ``out_path``."""
     if len(payload) != delta.nbytes:
         raise FormatError(f"delta payload of {len(payload)} bytes, the ranges need {delta.nbytes}")
-    fd = os.open(base_path, os.O_RDWR)
+    fd = storage.open_regular(base_path, os.O_RDWR | os.O_NOFOLLOW)  # never written through a planted link
     try:
         raw = os.pread(fd, FB_SIZE, 0)
         try:

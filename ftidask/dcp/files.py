@@ -253,7 +253,7 @@ def load_state(path: Path, expected_fb_hash: bytes) -> BlockState | None:
     from ..ftiff.reader import parse_ftiff
 
     try:
-        with open(path, "rb") as fh:
+        with storage.open_read(path) as fh:
             parsed = parse_ftiff(fh, str(path))
             if parsed.fb.hash != expected_fb_hash:
                 return None
@@ -266,7 +266,7 @@ def state_of_file(path: Path, parsed: Any) -> BlockState | None:
     """The block state of a verified dCP file (None for a file without block hashes, or a Zarr store)."""
     if getattr(parsed, "fb", None) is None or not parsed.fb.flags & FLAG_DCP:
         return None
-    with open(path, "rb") as fh:
+    with storage.open_read(path) as fh:
         info, digests = blockhash.read_digests(fh, parsed)
     return BlockState(parsed.layout(), info.block_size, info.bid, digests, parsed.fb.hash)
 

@@ -142,8 +142,8 @@ class DcpStore:
                 if isinstance(known, dict) and isinstance(known.get("fb_hash"), str):
                     with contextlib.suppress(ValueError):
                         base = load_state(path, bytes.fromhex(known["fb_hash"]))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if pinned else 0),
-                     storage.FILE_MODE)
+        fd = storage.open_regular(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if pinned else 0),
+                                  storage.FILE_MODE)  # a FIFO planted there would block the writes
         if base is not None and not _holds(fd, base):
             base = None
         writer = DcpFileWriter(fd, layout, base, block_size=self.block_size, bid=self.bid, hash_id=self.hash_id,
@@ -342,7 +342,7 @@ def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None,
 
     base = load_state(spare, expected_fb_hash) if expected_fb_hash is not None else None
     storage.makedirs(spare.parent)
-    fd = os.open(spare, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, storage.FILE_MODE)
+    fd = storage.open_regular(spare, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, storage.FILE_MODE)
     try:
         written, stats, _state = write_dcp_file(fd, layout, sources, infos, meta, base, block_size=block_size,
                                                 bid=bid, hash_id=hash_id, pool=pool, pt_fs=pt_fs, max_fs=max_fs,

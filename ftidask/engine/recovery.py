@@ -18,6 +18,7 @@ from ..ftiff.reader import FtiffFile, parse_ftiff, read_into, verify_data
 from ..ftiff.readhash import read_verified
 from ..model.arrays import ArrayBytes
 from ..model.errors import FormatError
+from ..storage.files import open_read
 from .pagemove import release_all
 from .prefault import Prefault
 from .progress import tracked
@@ -47,13 +48,16 @@ def check_file(path: Path, record: CommitRecord | None, rank: int,
         return check_store(path, record, rank)
     staged: dict[int, Any] = {}
     try:
-        with open(path, "rb") as fh:
+        with open_read(path) as fh:
             parsed = parse_ftiff(fh, str(path))
             if record is not None:
                 expected = next((f for f in record.files if f.rank == rank), None)
                 if expected is None or expected.fb_hash != parsed.fb.hash.hex():
                     return Verdict("damaged", f"{path}: does not belong to checkpoint {record.ckpt_id} "
                                    f"(seq {record.seq})")
+                if expected.size != parsed.file_size:  # the record's sizes drive L2/L3 rebuilds: never trusted
+                    return Verdict("damaged", f"{path}: {parsed.file_size} bytes, the commit record of checkpoint "
+                                   f"{record.ckpt_id} (seq {record.seq}) says {expected.size}")
             staged = stage(parsed) if stage is not None else {}
             if staged:  # the staged pages are faulted in ahead of the reader, on the other core
                 with Prefault((), [(s.view, s.addr) for s in staged.values()]):
@@ -122,7 +126,7 @@ def load_file(parsed: FtiffFile, arrays: Mapping[int, np.ndarray], *, config: An
                for vid, arr in arrays.items() if vid not in staged}
     if targets:
         streams, bar = tracked(targets, config, "recovery") if config is not None else (targets, None)
-        with open(parsed.path, "rb") as fh, bar or contextlib.nullcontext():
+        with open_read(parsed.path) as fh, bar or contextlib.nullcontext():
             read_into(fh, parsed, streams)
     for s in staged.values():  # last: the file copy above is what can still fail
         s.commit()

@@ -30,7 +30,7 @@ from ..ftiff.reader import FtiffFile, check_unchanged, parse_ftiff
 from ..model.arrays import dtype_to_json
 from ..model.decomposition import Piece, Placement, overlap, piece_view, placement
 from ..model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
-from ..storage.files import SPARE_DIR, spare_file
+from ..storage.files import SPARE_DIR, open_read, spare_file
 from .dcpstore import distrust_spare
 from .recovery import check_file, check_writeable, load_file
 from .reshard_rebuild import old_groups, rebuild_group
@@ -86,7 +86,7 @@ def _open(path: Path, record: CommitRecord, rank: int) -> Any:
     are read); differential files and Zarr stores are verified whole."""
     if path.suffix != ".zarr":
         try:
-            with open(path, "rb") as fh:
+            with open_read(path) as fh:
                 parsed = parse_ftiff(fh, str(path))
         except FileNotFoundError:
             raise RecoveryError(f"{path}: missing, or not reachable from this rank") from None
@@ -353,7 +353,7 @@ def _plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decl
 def _read(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, np.ndarray]) -> None:
     """Copy the pieces ``wanted`` of one old file into the buffers (each byte checked by hash first)."""
     if isinstance(parsed, FtiffFile) and not parsed.fb.flags & FLAG_DCP:
-        with open(parsed.path, "rb") as fh:
+        with open_read(parsed.path) as fh:
             check_unchanged(fh, parsed)
             for vid, piece in wanted:
                 info = parsed.vars[vid]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 
+from ..storage.files import open_read
 from .structs import MAGIC
 from .tailmeta import TAIL_FB_SIZE, sniff
 
@@ -26,7 +27,7 @@ def is_config_file(path: str | os.PathLike[str]) -> bool:
     if _CHECKPOINT_NAME.fullmatch(os.path.basename(os.fspath(path))):
         return False
     try:
-        with open(path, "rb") as fh:
+        with open_read(path) as fh:
             head = fh.read(_SNIFF)
             size = os.fstat(fh.fileno()).st_size
             tail = os.pread(fh.fileno(), TAIL_FB_SIZE, size - TAIL_FB_SIZE) if size >= TAIL_FB_SIZE else b""

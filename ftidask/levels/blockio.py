@@ -15,14 +15,14 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..storage.files import atomic_file, write_then_writeback
+from ..storage.files import atomic_file, open_read, write_then_writeback
 from ..transport.collective import reason
 
 
 def open_input(path: Path, errors: list[str]) -> BinaryIO | None:
     """``path`` opened for reading, or None (the error recorded)."""
     try:
-        return open(path, "rb")  # noqa: SIM115 - closed by the caller
+        return open_read(path)  # closed by the caller
     except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on
         errors.append(f"cannot read {path}: {reason(exc)}")
         return None

@@ -340,7 +340,7 @@ def encode_files(
     bufs = [np.empty(block_size, np.uint8) for _ in data_paths]
     outs = [np.empty(block_size, np.uint8) for _ in wanted]
     with contextlib.ExitStack() as stack:
-        srcs = [stack.enter_context(open(p, "rb", buffering=0)) for p in data_paths]
+        srcs = [stack.enter_context(storage.open_read(p, buffering=0)) for p in data_paths]
         dsts = stack.enter_context(_atomic_writers(targets))
         for off in range(0, size, block_size):
             n = min(block_size, size - off)
@@ -389,7 +389,7 @@ def decode_files(
             outs[i] = bufs[chosen.index(i)]
     targets = sorted(out_paths)
     with contextlib.ExitStack() as stack:
-        srcs = [stack.enter_context(open(have[i], "rb", buffering=0)) for i in chosen]
+        srcs = [stack.enter_context(storage.open_read(have[i], buffering=0)) for i in chosen]
         dsts = stack.enter_context(_atomic_writers([out_paths[i] for i in targets]))
         for off in range(0, size, block_size):
             n = min(block_size, size - off)

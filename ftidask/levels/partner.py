@@ -57,7 +57,7 @@ def protect(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: in
     return exchange_file(ch, own, right, sizes[ch.index], pcof, left, sizes[left], piece)
 
 
-def _present(path: Path, size: int) -> bool:
+def has_size(path: Path, size: int) -> bool:
     """Whether ``path`` exists with ``size`` bytes (a stat: what a restart with nothing lost may afford)."""
     try:
         return path.stat().st_size == size
@@ -79,10 +79,11 @@ def rebuild(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: in
     """
     i, g = ch.index, ch.size
     right, left = (i + 1) % g, (i - 1) % g
-    if all(ch.allgather(bool(own_ok) and _present(pcof, sizes[left]))):
+    if all(ch.allgather(bool(own_ok) and has_size(pcof, sizes[left]))):
         return own_ok
     errors: list[str] = []
-    pcof_ok = guarded(errors, lambda: verify_pcof(pcof), False)  # never raise before a collective
+    # never raise before a collective; a copy of another size than the record's is no source (see has_size)
+    pcof_ok = has_size(pcof, sizes[left]) and guarded(errors, lambda: verify_pcof(pcof), False)
     flags = ch.allgather([bool(own_ok), bool(pcof_ok)])
     # Round 1: own files come back from the right member's Pcof.
     send = pcof if (not flags[left][0] and pcof_ok) else None

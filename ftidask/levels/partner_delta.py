@@ -65,7 +65,7 @@ def protect(ch: Any, own: Path, pcof: Path, spare: Path, size: int, delta: FileD
               "changed ranges" if patches[right] else "whole file")
     fin = None
     try:
-        fin = open(own, "rb")  # noqa: SIM115 - closed below
+        fin = storage.open_read(own)  # closed below
     except OSError as exc:
         errors.append(f"{own}: {exc}")
     target = spare if can_patch else pcof
@@ -73,7 +73,7 @@ def protect(ch: Any, own: Path, pcof: Path, spare: Path, size: int, delta: FileD
     try:
         storage.makedirs(target.parent)
         if can_patch:  # the spare partner copy, in a directory of ours: never through a link
-            fd = os.open(target, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = storage.open_regular(target, os.O_RDWR | os.O_NOFOLLOW)
         else:
             fd, target = storage.create_temp(pcof)
     except OSError as exc:

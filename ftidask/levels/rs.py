@@ -18,7 +18,7 @@ import numpy as np
 
 from ..ftiff import hashing
 from ..model.errors import FTIError
-from ..storage.files import read_json, write_json_atomic
+from ..storage.files import open_read, read_json, write_json_atomic
 from ..transport.collective import guarded
 from .blockio import SafeOutput, open_input, read_block
 from .channel import GroupChannel
@@ -104,7 +104,7 @@ def check_parity(parity: Path, block: int = 1 << 20, size: int | None = None) ->
             return f"{parity}: {parity.stat().st_size} bytes, its record says {info['size']}"
         hasher = hashing.new_hasher(int(info["hash_id"]))
         buf = bytearray(block)
-        with open(parity, "rb") as fh:
+        with open_read(parity) as fh:
             while n := fh.readinto(buf):
                 hasher.update(memoryview(buf)[:n])
         return "" if hasher.hexdigest() == info["hash"] else f"{parity}: does not match its recorded hash"

@@ -110,7 +110,7 @@ def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[lis
     coefs = ReedSolomon(len(ranges), len(ranges)).matrix[position]
     try:
         hash_path(spare).unlink(missing_ok=True)  # from now on the spare's content is unknown
-        fd = os.open(spare, os.O_RDWR)
+        fd = storage.open_regular(spare, os.O_RDWR | os.O_NOFOLLOW)  # never written through a planted link
     except OSError as exc:
         raise FTIError(f"cannot patch the spare parity {spare}: {exc}") from exc
     try:
@@ -135,7 +135,7 @@ def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[lis
     hasher = hashing.new_hasher(hash_id)
     if max_fs:
         buf = memoryview(bytearray(min(max_fs, 16 << 20)))  # read, not mapped: a read error raises, no SIGBUS
-        with open(parity, "rb") as fh:
+        with storage.open_read(parity) as fh:
             while n := fh.readinto(buf):
                 hasher.update(buf[:n])
     errors: list[str] = []

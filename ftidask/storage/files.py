@@ -6,6 +6,7 @@ The names of a run's directories and files are :mod:`ftidask.storage.paths` (re-
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -187,17 +188,46 @@ def write_json_atomic(path: Path, value: Any) -> None:
         fh.write(json.dumps(value, indent=1, sort_keys=True).encode())
 
 
-def read_json(path: Path) -> Any | None:
-    """The JSON at ``path``, or None when it is missing or unreadable (a torn or damaged record)."""
+def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+    """A descriptor on the regular file ``path``, opened with ``flags``; an :class:`OSError` when it is anything
+    else. A FIFO planted in a checkpoint tree would block an ``open`` for ever (no writer comes) and a device
+    (a link to ``/dev/zero``) never ends: both are refused here, without blocking (``O_NONBLOCK``)."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        kind = os.fstat(fd).st_mode
+        if not stat.S_ISREG(kind):
+            raise OSError(errno.EISDIR if stat.S_ISDIR(kind) else errno.EINVAL,
+                          "a directory, not a file" if stat.S_ISDIR(kind) else "not a regular file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_read(path: str | os.PathLike[str], buffering: int = -1) -> BinaryIO:
+    """``open(path, "rb")`` for a file of a checkpoint tree: a regular file only (:func:`open_regular`)."""
+    return open(open_regular(path), "rb", buffering=buffering)
+
+
+def read_regular(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`: an :class:`OSError` for anything else)."""
+    with open_read(path) as fh:
+        return fh.read()
+
+
+def read_json(path: Path) -> Any | None:
+    """The JSON at ``path``, or None when it is missing or unreadable (a torn or damaged record, or not
+    a regular file: :func:`open_regular`)."""
+    try:
+        return json.loads(read_regular(path).decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
 
 
 def copy_file_atomic(src: Path, dst: Path) -> int:
     """Copy ``src`` to ``dst`` atomically; the bytes copied."""
-    with open(src, "rb") as fin, atomic_file(dst) as fout:
+    with open_read(src) as fin, atomic_file(dst) as fout:
         copied = 0
         while True:
             n = os.sendfile(fout.fileno(), fin.fileno(), copied, _COPY_PIECE) if hasattr(os, "sendfile") else 0

@@ -141,7 +141,7 @@ def is_live(run_dir: Path) -> bool:
 def holder(run_dir: Path) -> str:
     """``"pid N on host H"`` of the process that holds the run's lock, as far as its lock file says."""
     try:
-        info = json.loads((run_dir / LOCK_NAME).read_text(encoding="utf-8"))
+        info = json.loads(storage.read_regular(run_dir / LOCK_NAME).decode("utf-8"))
         return f"pid {int(info['pid'])} on host {info['host']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "an unknown process"

@@ -19,7 +19,7 @@ from ..ftiff.reader import parse_ftiff, verify_data
 from ..model.config import Config, load_config
 from ..model.errors import ConfigError, FormatError, FTIError
 from ..storage import runlock
-from ..storage.files import find_paths, read_json, remove_inside
+from ..storage.files import find_paths, open_read, read_json, remove_inside
 
 DESCRIPTION = ("Inspect, verify, list and clean the checkpoints of ftidask (FTI-FF files), export one to Zarr "
                "or import a Zarr store. Run 'ftidask COMMAND --help' for a command's options.")
@@ -58,7 +58,7 @@ def _check(path: Path) -> tuple[str, object]:
         except (FormatError, OSError) as exc:
             return "damaged", str(exc)
     try:
-        with open(path, "rb") as fh:
+        with open_read(path) as fh:
             parsed = parse_ftiff(fh, str(path))
             verify_data(fh, parsed)
         return "ok", parsed
@@ -88,7 +88,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ..engine.pystate import read_states
 
     try:
-        with open(args.file, "rb") as fh:
+        with open_read(args.file) as fh:
             parsed = parse_ftiff(fh, args.file)
             states = read_states(fh, parsed)  # Python state (ftidask.State, Value, generators): its value
     except (FormatError, OSError) as exc:

@@ -176,7 +176,7 @@ def _walk(root: Path) -> Iterator[tuple[str, Path]]:
 def _file_digest(path: Path, *, sync: bool = False) -> tuple[int, str]:
     hasher = hashing.new_hasher(_HASH_ID)
     size = 0
-    with open(path, "rb") as fh:
+    with storage.open_read(path) as fh:
         while chunk := fh.read(_PIECE):
             hasher.update(chunk)
             size += len(chunk)
@@ -200,7 +200,7 @@ def _hash_tree(root: Path, *, sync: bool = False) -> tuple[dict[str, list[Any]],
 def read_manifest(path: Path, expected: str | None = None) -> dict[str, Any]:
     """The store's manifest, checked against ``expected`` (its digest hex) when given."""
     try:
-        raw = (path / MANIFEST).read_bytes()
+        raw = storage.read_regular(path / MANIFEST)
     except FileNotFoundError:
         raise FormatError(f"{path}: not an ftidask Zarr store (no {MANIFEST})") from None
     except OSError as exc:

@@ -79,7 +79,7 @@ def _adopt_old_parity(parity: Path, max_fs: int, hash_id: int) -> None:
     if rs.hash_path(parity).exists() or not parity.is_file() or parity.stat().st_size != max_fs:
         return
     hasher = hashing.new_hasher(hash_id)
-    with open(parity, "rb") as fh:
+    with storage.open_read(parity) as fh:
         while block := fh.read(16 << 20):
             hasher.update(block)
     errors: list[str] = []

@@ -100,7 +100,7 @@ def check_file(path: str, fb_hash: str, after: Any = None, *,
     that follow decode each chunk (once), and one that does not decode sends the recovery back to a
     check that does (see :func:`ftidask.backends.dask.restore.recover`)."""
     try:
-        with open(path, "rb") as fh:
+        with storage.open_read(path) as fh:
             parsed = parse_ftiff(fh, path)
             if data:
                 verify_data(fh, parsed, decode=decode)
@@ -158,7 +158,7 @@ def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[i
     """One chunk from a rank's file, its container hash checked before it is returned (a compressed
     container's stored bytes are checked, then decoded)."""
     dtype = dtype_from_json(dtype_json)
-    with open(path, "rb") as fh:
+    with storage.open_read(path) as fh:
         parsed = parse_ftiff(fh, path)
         if parsed.fb.hash.hex() != fb_hash:
             raise FormatError("file does not belong to the checkpoint being recovered", path=path)
