@@ -9,6 +9,7 @@ keys lower case, ``%-30s = %s``, Ckpt_checksum the MD5 of the variables' bytes (
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ import pytest
 
 import ftidask
 from ftidask.errors import RecoveryError
+from ftidask.ftiff.posix import read_posix
+from ftidask.model.errors import FormatError
 
 PAIR = np.dtype({"names": ["a", "b"], "formats": ["<i4", "<f8"], "offsets": [0, 8], "itemsize": 16})
 
@@ -183,3 +186,18 @@ def test_cli_verify_with_meta(tmp_path, capsys):
     assert cli_main(["verify", str(path), "--meta", str(meta)]) == 1
     out = capsys.readouterr().out
     assert "DAMAGED" in out and "MD5 does not match" in out and "0 sound, 1 damaged" in out
+
+
+def test_a_fifo_in_place_of_the_file_or_its_meta_file_is_an_error_not_a_hang(tmp_path):
+    """A FIFO planted where FTI's POSIX file or its meta file should be is refused at once (an open would block)."""
+    fifo = tmp_path / "Ckpt1-Rank0.fti"
+    os.mkfifo(fifo)
+    meta = tmp_path / "sector0-group0.fti"
+    meta.write_text("[0]\nckpt_file_name = Ckpt1-Rank0.fti\nckpt_file_size = 8\n"
+                    "ckpt_checksum = 0123456789abcdef0123456789abcdef\nvar0_id = 0\nvar0_size = 8\n")
+    with pytest.raises(FormatError, match="not a regular file"):
+        read_posix(fifo, meta)
+    os.unlink(meta)
+    os.mkfifo(meta)
+    with pytest.raises(FormatError):
+        read_posix(fifo, meta)

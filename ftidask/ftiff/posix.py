@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..model.errors import FormatError
+from ..storage.files import open_read
 
 _META_NAME = re.compile(r"sector\d+-group\d+\.fti")
 _MAX_META = 16 << 20  # a meta file of thousands of processes and variables is far smaller
@@ -73,7 +74,7 @@ def meta_files(meta: str | os.PathLike[str]) -> list[Path]:
 
 def _read_meta(path: Path) -> configparser.ConfigParser:
     try:
-        with open(path, "rb") as fh:
+        with open_read(path) as fh:  # a regular file only: a FIFO planted there would block for ever
             raw = fh.read(_MAX_META + 1)
         if len(raw) > _MAX_META:
             raise FormatError(f"larger than {_MAX_META} bytes: not an FTI meta file", path=str(path))
@@ -142,7 +143,7 @@ def read_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> Po
                           path=where)
     variables = _variables(values, size, where)
     try:
-        with open(path, "rb") as fh:
+        with open_read(path) as fh:
             actual = os.fstat(fh.fileno()).st_size
             if actual != size:
                 raise FormatError(f"the file has {actual} bytes, its meta file says {size}", path=os.fspath(path))
