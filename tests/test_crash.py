@@ -96,3 +96,48 @@ def test_sigkill_in_finalize_keeps_the_newest_checkpoint(tmp_path):
     ctx.recover()
     assert ctx.recovered_from == (2, 1) and (a == 2).all()
     ctx.finalize()
+
+
+ARCHIVE_CHILD = r"""
+import sys, numpy as np, ftidask
+sys.path.insert(0, sys.argv[2])
+import crashpoints
+ctx = ftidask.init(exec_id="arch", keep_l4_ckpt=1, ckpt_dir=sys.argv[1] + "/Local", glbl_dir=sys.argv[1] + "/Global",
+                   meta_dir=sys.argv[1] + "/Meta", verbosity=4)
+a = np.zeros(100_000)
+ctx.protect(1, a)
+for ckpt_id, level in ((1, 4), (2, 1), (3, 4)):
+    a[:] = ckpt_id
+    ctx.checkpoint(ckpt_id, level)
+from ftidask.engine.runstate import RunState
+crashpoints.kill_at_call(RunState, "delete_record", 2)
+ctx.finalize()   # killed once checkpoint 3, the newest, is archived, before its commit record goes
+"""
+
+
+def test_sigkill_in_finalize_after_archiving_the_newest_checkpoint_keeps_it_recoverable(tmp_path):
+    """keep_l4_ckpt: finalize archives level-4 checkpoints (oldest first). Killed between archiving the newest and
+    dropping its commit record, the restart (status 1) recovered nothing: the record named a directory moved to
+    l4_archive. The checkpoint stays whole where its record points until the record goes."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", ARCHIVE_CHILD, str(tmp_path), str(ROOT / "tests")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    dirs = dict(exec_id="arch", keep_l4_ckpt=1, ckpt_dir=str(tmp_path / "Local"), glbl_dir=str(tmp_path / "Global"),
+                meta_dir=str(tmp_path / "Meta"), verbosity=4)
+    ctx = ftidask.init(**dirs)
+    assert ctx.status() == 1
+    a = np.full(100_000, -1.0)
+    ctx.protect(1, a)
+    ctx.recover()
+    assert ctx.recovered_from == (3, 4) and (a == 3).all()
+    ctx.finalize()  # archives it again: one copy of each checkpoint in the archive, whole
+    archive = tmp_path / "Global" / "arch" / "l4_archive"
+    assert sorted(p.name for p in archive.iterdir()) == ["ckpt1.s1", "ckpt3.s3"]
+    for ckpt_id in (1, 3):
+        ctx = ftidask.init(**{**dirs, "exec_id": f"read{ckpt_id}"})
+        b = np.zeros(100_000)
+        ctx.protect(1, b)
+        ctx.recover_file(next(archive.glob(f"ckpt{ckpt_id}.s*/Ckpt{ckpt_id}-Rank0.fti")))
+        ctx.finalize()
+        assert (b == ckpt_id).all()

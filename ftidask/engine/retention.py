@@ -124,9 +124,13 @@ class Retention(RunPart):
         dst = self.paths.l4_archive / record.dirname
 
         def archive() -> None:
+            # Linked into the archive first, removed from l4 only once its record is gone: killed in between, the
+            # record still names a whole checkpoint (moved, the newest one was gone and a restart recovered nothing).
             if src.exists() and self.paths.contains(dst):
-                storage.rename_into(src, dst)  # first: killed before the record goes, the record names nothing
+                storage.link_tree_atomic(src, dst)
             self.state.delete_record(record.seq)
+            if self.paths.contains(src):
+                storage.discard(src, self.remover)
 
         on_root(self.transport, archive, FTIError,
                 f"archiving checkpoint {record.ckpt_id} (level 4) to {self.paths.l4_archive} failed")
