@@ -141,3 +141,38 @@ def test_sigkill_in_finalize_after_archiving_the_newest_checkpoint_keeps_it_reco
         ctx.recover_file(next(archive.glob(f"ckpt{ckpt_id}.s*/Ckpt{ckpt_id}-Rank0.fti")))
         ctx.finalize()
         assert (b == ckpt_id).all()
+
+
+DCP_FINALIZE_CHILD = r"""
+import sys, numpy as np, ftidask
+sys.path.insert(0, sys.argv[2])
+import crashpoints
+ctx = ftidask.init(exec_id="dcp", enable_dcp=1, ckpt_dir=sys.argv[1] + "/Local", glbl_dir=sys.argv[1] + "/Global",
+                   meta_dir=sys.argv[1] + "/Meta", verbosity=4)
+a = np.zeros(100_000)
+ctx.protect(1, a)
+for ckpt_id in (1, 2, 3):
+    a[:] = ckpt_id
+    ctx.checkpoint(ckpt_id, int(sys.argv[3]))
+from ftidask.engine.runstate import RunState
+crashpoints.kill_at_call(RunState, "delete_record", 1)
+ctx.finalize()   # killed as it drops the commit record of checkpoint 3, the only one left
+"""
+
+
+@pytest.mark.parametrize("level", [5, 8])
+def test_sigkill_in_finalize_of_differential_checkpoints_keeps_the_newest(tmp_path, level):
+    """finalize with differential checkpoints: the newest checkpoint's file was moved to the spare (which finalize
+    then clears) before its commit record was dropped; killed in between, the restart recovered nothing."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", DCP_FINALIZE_CHILD, str(tmp_path), str(ROOT / "tests"), str(level)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    ctx = ftidask.init(exec_id="dcp", enable_dcp=1, ckpt_dir=str(tmp_path / "Local"), glbl_dir=str(tmp_path / "Global"),
+                       meta_dir=str(tmp_path / "Meta"), verbosity=4)
+    assert ctx.status() == 1
+    a = np.full(100_000, -1.0)
+    ctx.protect(1, a)
+    ctx.recover()
+    assert ctx.recovered_from == (3, level - 4) and (a == 3).all()
+    ctx.finalize()
