@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,3 +177,39 @@ def test_sigkill_in_finalize_of_differential_checkpoints_keeps_the_newest(tmp_pa
     ctx.recover()
     assert ctx.recovered_from == (3, level - 4) and (a == 3).all()
     ctx.finalize()
+
+
+STAGING_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+import slowcopy
+slowcopy.slow_movers(0.3)   # each 8 MiB piece the mover process writes takes 0.3 s more
+import ftidask
+ctx = ftidask.init(ckpt_dir=sys.argv[1] + "/Local", glbl_dir=sys.argv[1] + "/Global", meta_dir=sys.argv[1] + "/Meta",
+                   enable_staging=1, stage_mover="process", verbosity=4)
+for name in ("first", "second"):
+    (ctx.stage_dir() / name).write_bytes(bytes(range(256)) * (96 << 12))   # 24 MiB
+    ctx.send_file(ctx.stage_dir() / name, name)
+print(ctx._stager.mover.pid, flush=True)
+sys.stdin.read()   # until killed
+"""
+
+
+def test_an_application_killed_while_its_mover_process_copies_leaves_no_traceback_and_no_torn_file(tmp_path):
+    """The process mover outlives an application killed during a transfer: it finished that transfer, then its reply
+    to the dead owner raised BrokenPipeError, a raw traceback on the application's stderr. It now stops quietly (nobody
+    is left to learn the states), after the transfer under way, before any other."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", STAGING_CHILD, str(tmp_path), str(ROOT / "tests")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    mover = int(proc.stdout.readline())
+    proc.kill()  # during the first transfer (3 pieces, about 1 s)
+    _out, err = proc.communicate(timeout=60)  # until the mover, which shares the pipes, has exited too
+    try:  # exited: gone, or a zombie its new parent has not reaped yet
+        assert Path(f"/proc/{mover}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        pass
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    published = sorted(p.name for p in (tmp_path / "Global").iterdir())
+    assert published == ["first"]  # the transfer under way, whole; the next one never started
+    assert (tmp_path / "Global" / "first").read_bytes() == bytes(range(256)) * (96 << 12)
