@@ -99,6 +99,8 @@ class DaskRetention(Retention):
                 self.state.note_retired(record, keeping)
 
         if spares is None or not fallback:
+            if spares is not None:  # its ranks' spare directories are cleared next, those of more workers too
+                spares.nranks = max(spares.nranks, record.nranks)
             named(False)
         else:
             spares.keep(record, named)  # its files become the spares to patch next
