@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,3 +97,119 @@ def test_sigkill_in_finalize_keeps_the_newest_checkpoint(tmp_path):
     ctx.recover()
     assert ctx.recovered_from == (2, 1) and (a == 2).all()
     ctx.finalize()
+
+
+ARCHIVE_CHILD = r"""
+import sys, numpy as np, ftidask
+sys.path.insert(0, sys.argv[2])
+import crashpoints
+ctx = ftidask.init(exec_id="arch", keep_l4_ckpt=1, ckpt_dir=sys.argv[1] + "/Local", glbl_dir=sys.argv[1] + "/Global",
+                   meta_dir=sys.argv[1] + "/Meta", verbosity=4)
+a = np.zeros(100_000)
+ctx.protect(1, a)
+for ckpt_id, level in ((1, 4), (2, 1), (3, 4)):
+    a[:] = ckpt_id
+    ctx.checkpoint(ckpt_id, level)
+from ftidask.engine.runstate import RunState
+crashpoints.kill_at_call(RunState, "delete_record", 2)
+ctx.finalize()   # killed once checkpoint 3, the newest, is archived, before its commit record goes
+"""
+
+
+def test_sigkill_in_finalize_after_archiving_the_newest_checkpoint_keeps_it_recoverable(tmp_path):
+    """keep_l4_ckpt: finalize archives level-4 checkpoints (oldest first). Killed between archiving the newest and
+    dropping its commit record, the restart (status 1) recovered nothing: the record named a directory moved to
+    l4_archive. The checkpoint stays whole where its record points until the record goes."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", ARCHIVE_CHILD, str(tmp_path), str(ROOT / "tests")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    dirs = dict(exec_id="arch", keep_l4_ckpt=1, ckpt_dir=str(tmp_path / "Local"), glbl_dir=str(tmp_path / "Global"),
+                meta_dir=str(tmp_path / "Meta"), verbosity=4)
+    ctx = ftidask.init(**dirs)
+    assert ctx.status() == 1
+    a = np.full(100_000, -1.0)
+    ctx.protect(1, a)
+    ctx.recover()
+    assert ctx.recovered_from == (3, 4) and (a == 3).all()
+    ctx.finalize()  # archives it again: one copy of each checkpoint in the archive, whole
+    archive = tmp_path / "Global" / "arch" / "l4_archive"
+    assert sorted(p.name for p in archive.iterdir()) == ["ckpt1.s1", "ckpt3.s3"]
+    for ckpt_id in (1, 3):
+        ctx = ftidask.init(**{**dirs, "exec_id": f"read{ckpt_id}"})
+        b = np.zeros(100_000)
+        ctx.protect(1, b)
+        ctx.recover_file(next(archive.glob(f"ckpt{ckpt_id}.s*/Ckpt{ckpt_id}-Rank0.fti")))
+        ctx.finalize()
+        assert (b == ckpt_id).all()
+
+
+DCP_FINALIZE_CHILD = r"""
+import sys, numpy as np, ftidask
+sys.path.insert(0, sys.argv[2])
+import crashpoints
+ctx = ftidask.init(exec_id="dcp", enable_dcp=1, ckpt_dir=sys.argv[1] + "/Local", glbl_dir=sys.argv[1] + "/Global",
+                   meta_dir=sys.argv[1] + "/Meta", verbosity=4)
+a = np.zeros(100_000)
+ctx.protect(1, a)
+for ckpt_id in (1, 2, 3):
+    a[:] = ckpt_id
+    ctx.checkpoint(ckpt_id, int(sys.argv[3]))
+from ftidask.engine.runstate import RunState
+crashpoints.kill_at_call(RunState, "delete_record", 1)
+ctx.finalize()   # killed as it drops the commit record of checkpoint 3, the only one left
+"""
+
+
+@pytest.mark.parametrize("level", [5, 8])
+def test_sigkill_in_finalize_of_differential_checkpoints_keeps_the_newest(tmp_path, level):
+    """finalize with differential checkpoints: the newest checkpoint's file was moved to the spare (which finalize
+    then clears) before its commit record was dropped; killed in between, the restart recovered nothing."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", DCP_FINALIZE_CHILD, str(tmp_path), str(ROOT / "tests"), str(level)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    ctx = ftidask.init(exec_id="dcp", enable_dcp=1, ckpt_dir=str(tmp_path / "Local"), glbl_dir=str(tmp_path / "Global"),
+                       meta_dir=str(tmp_path / "Meta"), verbosity=4)
+    assert ctx.status() == 1
+    a = np.full(100_000, -1.0)
+    ctx.protect(1, a)
+    ctx.recover()
+    assert ctx.recovered_from == (3, level - 4) and (a == 3).all()
+    ctx.finalize()
+
+
+STAGING_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+import slowcopy
+slowcopy.slow_movers(0.3)   # each 8 MiB piece the mover process writes takes 0.3 s more
+import ftidask
+ctx = ftidask.init(ckpt_dir=sys.argv[1] + "/Local", glbl_dir=sys.argv[1] + "/Global", meta_dir=sys.argv[1] + "/Meta",
+                   enable_staging=1, stage_mover="process", verbosity=4)
+for name in ("first", "second"):
+    (ctx.stage_dir() / name).write_bytes(bytes(range(256)) * (96 << 12))   # 24 MiB
+    ctx.send_file(ctx.stage_dir() / name, name)
+print(ctx._stager.mover.pid, flush=True)
+sys.stdin.read()   # until killed
+"""
+
+
+def test_an_application_killed_while_its_mover_process_copies_leaves_no_traceback_and_no_torn_file(tmp_path):
+    """The process mover outlives an application killed during a transfer: it finished that transfer, then its reply
+    to the dead owner raised BrokenPipeError, a raw traceback on the application's stderr. It now stops quietly (nobody
+    is left to learn the states), after the transfer under way, before any other."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", STAGING_CHILD, str(tmp_path), str(ROOT / "tests")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    mover = int(proc.stdout.readline())
+    proc.kill()  # during the first transfer (3 pieces, about 1 s)
+    _out, err = proc.communicate(timeout=60)  # until the mover, which shares the pipes, has exited too
+    try:  # exited: gone, or a zombie its new parent has not reaped yet
+        assert Path(f"/proc/{mover}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        pass
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    published = sorted(p.name for p in (tmp_path / "Global").iterdir())
+    assert published == ["first"]  # the transfer under way, whole; the next one never started
+    assert (tmp_path / "Global" / "first").read_bytes() == bytes(range(256)) * (96 << 12)

@@ -273,3 +273,31 @@ def test_export_of_a_dask_run_falls_back_to_the_spares(client, dirs, tmp_path):
     result = export_checkpoint(None, tmp_path / "out.zarr", **dirs)
     assert result.ckpt_id == 2
     assert zarr.open_group(str(tmp_path / "out.zarr"), mode="r")["field"][...].tobytes() == saved[2].tobytes()
+
+
+@pytest.mark.parametrize("level", [5, 8])
+def test_finalize_interrupted_at_the_newest_commit_record_leaves_it_recoverable(client, dirs, level, monkeypatch):
+    """finalize moved the newest differential checkpoint's files to the spares (cleared next) before dropping its
+    commit record: a client stopped in between (here: a failure injected where the record goes, the files as a kill
+    leaves them) left a restart nothing to recover. Its files now stay where the record points."""
+    import crashpoints
+
+    from ftidask.engine.runstate import RunState
+
+    ctx = _init(client, dirs)
+    ctx.protect(1, da.random.default_rng(1).random((96, 64), chunks=(24, 64)), name="field")
+    ctx.protect(2, da.arange(3000, chunks=750, dtype=np.int32), name="counts")
+    for k in (1, 2, 3):
+        _step(ctx, k)
+        ctx.checkpoint(k, level)
+    saved = _state(ctx)
+    monkeypatch.setattr(RunState, "delete_record", crashpoints._counted(RunState.delete_record, 1, False, fail=True))
+    with pytest.raises(crashpoints.InjectedFailure):
+        ctx.finalize()
+    monkeypatch.undo()
+
+    ctx2 = _init(client, dirs)
+    assert ctx2.status() == 1
+    _assert_same(ctx2.recover(), saved)
+    assert ctx2.recovered_from == (3, level - 4)
+    ctx2.finalize()

@@ -82,9 +82,10 @@ class Retention(RunPart):
         everywhere(t, collect, FTIError, "garbage collection failed")
 
     def remove_checkpoint(self, record: CommitRecord, fallback: bool = True) -> None:
-        """Drop ``record`` (collective); a differential checkpoint's files become the spares, and with
-        ``fallback`` what recovery falls back to (written before its files move and its commit record goes:
-        a kill at any point leaves it named by one of the two)."""
+        """Drop ``record`` (collective); with ``fallback``, a differential checkpoint's files become the spares and
+        what recovery falls back to (written before its files move and its commit record goes: a kill at any point
+        leaves it named by one of the two). Without (finalize: the spares are cleared next), its files stay where
+        its commit record points until the record is gone: the newest one, moved first, left nothing to recover."""
         t = self.transport
         failed = f"removing checkpoint {record.ckpt_id} (level {record.level}) failed"
         t.barrier()
@@ -97,7 +98,7 @@ class Retention(RunPart):
             keeping = dcp is not None and dcp.keeps(record.level, record.seq)
             on_root(t, lambda: self.state.note_retired(record, keeping), FTIError, failed)
         error = ""
-        if dcp is not None:  # its file becomes the spare that the next dCP checkpoint patches
+        if dcp is not None and fallback:  # its file becomes the spare that the next dCP checkpoint patches
             own = rank_path(self.paths, record, t.node, t.rank)
             _kept, error = attempt(t.rank, lambda: dcp.retire(record.level, record.seq, own, record.ckpt_id), False)
         if self.config.enable_dcp:
@@ -124,9 +125,13 @@ class Retention(RunPart):
         dst = self.paths.l4_archive / record.dirname
 
         def archive() -> None:
+            # Linked into the archive first, removed from l4 only once its record is gone: killed in between, the
+            # record still names a whole checkpoint (moved, the newest one was gone and a restart recovered nothing).
             if src.exists() and self.paths.contains(dst):
-                storage.rename_into(src, dst)  # first: killed before the record goes, the record names nothing
+                storage.link_tree_atomic(src, dst)
             self.state.delete_record(record.seq)
+            if self.paths.contains(src):
+                storage.discard(src, self.remover)
 
         on_root(self.transport, archive, FTIError,
                 f"archiving checkpoint {record.ckpt_id} (level 4) to {self.paths.l4_archive} failed")

@@ -3,7 +3,8 @@
 Protocol (JSON lines, never pickle): the owner writes one :meth:`StageRequest.to_json` object per
 line to the mover's stdin; the mover answers on stdout with ``{"id": n, "state": SI_ACTV}`` when it
 starts a request and ``{"id": n, "state": SI_SCES | SI_FAIL, "reason": "..."}`` when it ends. Closing
-stdin asks the mover to finish its queue and exit. If the mover dies (killed, out of memory), the
+stdin asks the mover to finish its queue and exit; an owner that dies (its reply pipe broken) stops the mover
+after the transfer under way. If the mover dies (killed, out of memory), the
 owner fails every request it had not finished with reason "mover died (...)", removes their
 temporary files (``req.tmp``: nothing half-written stays at the destination) and starts a new mover
 for the next request.
@@ -179,8 +180,11 @@ def child_main() -> None:
     out = sys.stdout.buffer
 
     def reply(msg: dict[str, Any]) -> None:
-        out.write((json.dumps(msg) + "\n").encode())
-        out.flush()
+        try:
+            out.write((json.dumps(msg) + "\n").encode())
+            out.flush()
+        except BrokenPipeError:  # the owner died (killed): nobody is left to learn the states, or to wait
+            os._exit(0)  # for the queue. Stop quietly, after the transfer under way (whole), before any other.
 
     # A reader thread drains stdin, so the owner's writes never block on a full pipe during a long copy.
     requests: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()

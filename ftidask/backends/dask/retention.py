@@ -87,17 +87,20 @@ class DaskRetention(Retention):
                     tmp.unlink(missing_ok=True)
 
     def remove_checkpoint(self, record: CommitRecord, fallback: bool = True) -> None:
-        """Drop ``record``: a differential checkpoint's files become the spares (if this client knows them
-        sound, see :meth:`~ftidask.backends.dask.dcp_levels.DaskSpares.keep`), and with ``fallback`` what
-        recovery falls back to, written before its files move and its commit record goes (a kill at any point
-        leaves it named by one of the two)."""
+        """Drop ``record``; with ``fallback``, a differential checkpoint's files become the spares (if this client
+        knows them sound, see :meth:`~ftidask.backends.dask.dcp_levels.DaskSpares.keep`) and what recovery falls
+        back to, written before its files move and its commit record goes (a kill at any point leaves it named by
+        one of the two). Without (finalize: the spares are cleared next), its files stay where its commit record
+        points until the record is gone: the newest one, moved first, left nothing to recover."""
         spares = self.spares.store
 
         def named(keeping: bool) -> None:  # before any file is renamed (see DaskSpares.keep)
             if fallback and self.config.enable_dcp:
                 self.state.note_retired(record, keeping)
 
-        if spares is None:
+        if spares is None or not fallback:
+            if spares is not None:  # its ranks' spare directories are cleared next, those of more workers too
+                spares.nranks = max(spares.nranks, record.nranks)
             named(False)
         else:
             spares.keep(record, named)  # its files become the spares to patch next
