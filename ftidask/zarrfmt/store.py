@@ -25,6 +25,7 @@ from ..ftiff.trailer import check_header
 from ..model.arrays import VarInfo
 from ..model.errors import FormatError
 from ..storage import files as storage
+from ..storage.swap import replace_tree
 
 MANIFEST = "ftidask-manifest.json"
 FORMAT = "ftidask-zarr"
@@ -155,9 +156,7 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
         with storage.atomic_file(tmp / MANIFEST) as fh:
             fh.write(raw)
         storage.fsync_dir(tmp)
-        storage.remove_tree(path)
-        os.replace(tmp, path)
-        storage.fsync_dir(path.parent)
+        replace_tree(tmp, path)  # killed at any moment: the old store or the new one is at ``path``
     except BaseException:
         storage.remove_tree(tmp)
         raise

@@ -1,0 +1,69 @@
+"""Replace a directory tree by another in one step: a kill at any moment leaves the old tree or the new one.
+
+``os.replace`` cannot put a directory where a non-empty one stands, and removing the old tree first
+leaves, killed in between, nothing at the destination. Linux's ``renameat2(RENAME_EXCHANGE)`` swaps the
+two names atomically (ext4, xfs, btrfs, tmpfs since 3.15; glibc 2.28 has the wrapper); the old tree,
+now at the temporary name, is removed after. Where the exchange is refused, the old tree is first
+renamed aside to a hidden name (killed then, it is still there, under that name), the new one renamed
+in, and the old one removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import os
+import stat
+from pathlib import Path
+
+from .files import fsync_dir, remove_tree
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _libc_renameat2() -> object | None:
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).renameat2
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return fn
+    return None
+
+
+_renameat2 = _libc_renameat2()
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` atomically; False (nothing changed) where the system cannot."""
+    if _renameat2 is None:
+        return False
+    done = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)  # type: ignore[operator]
+    if done == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_tree(src: Path, dst: Path) -> None:
+    """Put the complete, fsynced tree ``src`` at ``dst``, replacing what is there (a file or a tree)."""
+    try:
+        old_is_dir = stat.S_ISDIR(os.lstat(dst).st_mode)
+    except FileNotFoundError:
+        os.replace(src, dst)
+        fsync_dir(dst.parent)
+        return
+    if old_is_dir and exchange(src, dst):
+        fsync_dir(dst.parent)
+        remove_tree(src)  # the old tree, under the temporary name
+        return
+    aside = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+    remove_tree(aside)
+    os.replace(dst, aside)
+    os.replace(src, dst)
+    fsync_dir(dst.parent)
+    remove_tree(aside)
