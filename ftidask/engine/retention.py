@@ -14,6 +14,7 @@ from pathlib import Path
 from ..model.errors import CheckpointError, FTIError
 from ..storage import files as storage
 from ..storage.files import RunPaths
+from ..storage.swap import link_tree_atomic
 from ..transport.collective import agree, attempt, everywhere, on_root
 from .run import Run, RunPart
 from .runstate import CommitRecord
@@ -128,7 +129,7 @@ class Retention(RunPart):
             # Linked into the archive first, removed from l4 only once its record is gone: killed in between, the
             # record still names a whole checkpoint (moved, the newest one was gone and a restart recovered nothing).
             if src.exists() and self.paths.contains(dst):
-                storage.link_tree_atomic(src, dst)
+                link_tree_atomic(src, dst)
             self.state.delete_record(record.seq)
             if self.paths.contains(src):
                 storage.discard(src, self.remover)

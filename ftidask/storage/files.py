@@ -183,33 +183,6 @@ def atomic_file(path: Path, mode: str = "w+b", durable: bool = True) -> Iterator
         raise
 
 
-def link_tree_atomic(src: Path, dst: Path) -> None:
-    """Publish at ``dst`` a copy of the directory ``src`` whose files are hard links to ``src``'s (copied where a
-    link cannot be made), built at a hidden temporary name and renamed: ``src`` stays whole, and ``dst`` is never
-    seen half-built. A ``dst`` (or temporary) left by an earlier, killed attempt is replaced."""
-    makedirs(dst.parent)
-    for stale in dst.parent.glob(f".{dst.name}.tmp-*"):
-        remove_tree(stale)
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
-
-    def link(s: str, d: str) -> None:
-        try:
-            os.link(s, d, follow_symlinks=False)
-        except OSError:  # another file system, or none of links: a copy
-            shutil.copy2(s, d, follow_symlinks=False)
-
-    try:
-        shutil.copytree(src, tmp, symlinks=True, copy_function=link)
-        for dirpath, _dirs, _files in os.walk(tmp):
-            fsync_dir(Path(dirpath))
-        remove_tree(dst)
-        os.replace(tmp, dst)
-        fsync_dir(dst.parent)
-    except BaseException:
-        remove_tree(tmp)
-        raise
-
-
 def write_json_atomic(path: Path, value: Any) -> None:
     with atomic_file(path) as fh:
         fh.write(json.dumps(value, indent=1, sort_keys=True).encode())

@@ -1,4 +1,5 @@
-"""Replace a directory tree by another in one step: a kill at any moment leaves the old tree or the new one.
+"""Replace a directory tree by another in one step: a kill at any moment leaves the old tree or the new one
+(:func:`replace_tree`, used by an export that overwrites a store and by :func:`link_tree_atomic`).
 
 ``os.replace`` cannot put a directory where a non-empty one stands, and removing the old tree first
 leaves, killed in between, nothing at the destination. Linux's ``renameat2(RENAME_EXCHANGE)`` swaps the
@@ -15,10 +16,11 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import shutil
 import stat
 from pathlib import Path
 
-from .files import fsync_dir, remove_tree
+from .files import fsync_dir, makedirs, remove_tree
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -67,3 +69,28 @@ def replace_tree(src: Path, dst: Path) -> None:
     os.replace(src, dst)
     fsync_dir(dst.parent)
     remove_tree(aside)
+
+
+def link_tree_atomic(src: Path, dst: Path) -> None:
+    """Publish at ``dst`` a copy of the directory ``src`` whose files are hard links to ``src``'s (copied where a
+    link cannot be made), built at a hidden temporary name and renamed: ``src`` stays whole, and ``dst`` is never
+    seen half-built. A ``dst`` (or temporary) left by an earlier, killed attempt is replaced."""
+    makedirs(dst.parent)
+    for stale in dst.parent.glob(f".{dst.name}.tmp-*"):
+        remove_tree(stale)
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+
+    def link(s: str, d: str) -> None:
+        try:
+            os.link(s, d, follow_symlinks=False)
+        except OSError:  # another file system, or none of links: a copy
+            shutil.copy2(s, d, follow_symlinks=False)
+
+    try:
+        shutil.copytree(src, tmp, symlinks=True, copy_function=link)
+        for dirpath, _dirs, _files in os.walk(tmp):
+            fsync_dir(Path(dirpath))
+        replace_tree(tmp, dst)
+    except BaseException:
+        remove_tree(tmp)
+        raise
