@@ -205,10 +205,17 @@ def test_an_application_killed_while_its_mover_process_copies_leaves_no_tracebac
     mover = int(proc.stdout.readline())
     proc.kill()  # during the first transfer (3 pieces, about 1 s)
     _out, err = proc.communicate(timeout=60)  # until the mover, which shares the pipes, has exited too
-    try:  # exited: gone, or a zombie its new parent has not reaped yet
-        assert Path(f"/proc/{mover}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        pass
+    # Its pipes close while it exits: it is then gone, or a zombie its new parent has not reaped yet, soon after.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            state = Path(f"/proc/{mover}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        assert time.monotonic() < deadline, f"the mover still runs (state {state})"
+        time.sleep(0.05)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     published = sorted(p.name for p in (tmp_path / "Global").iterdir())
     assert published == ["first"]  # the transfer under way, whole; the next one never started
