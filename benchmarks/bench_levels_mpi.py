@@ -207,6 +207,7 @@ def worker_async(args: argparse.Namespace) -> None:
                 np.add(data, 1, out=data)  # the application goes on writing its state
                 handle.result()
                 total.append(ctx.comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+                time.sleep(args.pause)  # --pause: let what the commit left in the background (deletions) finish
             out[level] = [statistics.median(sync), statistics.median(blocked), statistics.median(total),
                           handle.mechanism]
         shutil.rmtree(base, ignore_errors=True)
@@ -233,6 +234,7 @@ def run_workers(mpiexec: str, args: argparse.Namespace, tmp: str, flag: str) -> 
     """Launch the ranks with ``flag`` (--worker, --worker-async); rank 0's RESULT row per level."""
     proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, flag, "--mib",
                            str(args.mib), "--dir", tmp, "--repeat", str(args.repeat), "--group", str(args.group),
+                           "--pause", str(args.pause),
                            "--levels", *map(str, args.levels)],
                           capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -243,8 +245,9 @@ def run_workers(mpiexec: str, args: argparse.Namespace, tmp: str, flag: str) -> 
 
 def report_async(mpiexec: str, args: argparse.Namespace, tmp: str) -> None:
     rows = run_workers(mpiexec, args, tmp, "--worker-async")
+    pause = f"; {args.pause} s of pause after each commit" if args.pause else ""
     print(f"asynchronous checkpoints of {args.ranks} ranks x {args.mib} MiB (slowest rank, medians of "
-          f"{args.repeat}); the ranks write their whole state right after each call")
+          f"{args.repeat}); the ranks write their whole state right after each call{pause}")
     print(f"level   sync (s)   blocked (s)  blocked/L{min(rows)}'s  blocked/sync   total (s)  total/sync  snapshot")
     first = rows[min(rows)][1]  # L1's unless --levels leaves it out
     for level, (sync, blocked, total, mechanism) in sorted(rows.items()):
@@ -264,6 +267,9 @@ def main() -> None:
     ap.add_argument("--dcp", action="store_true", help="also time differential L2 and L3 (1%% of blocks changed)")
     ap.add_argument("--async", dest="asynchronous", action="store_true",
                     help="time how long asynchronous checkpoints block the ranks, per level, instead")
+    ap.add_argument("--pause", type=float, default=0.0,
+                    help="with --async: seconds to sleep after each commit, so that the previous checkpoint's "
+                         "deletion (a background thread) is over when the next call starts")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-async", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-dcp", action="store_true", help=argparse.SUPPRESS)
