@@ -63,3 +63,20 @@ def test_write_failure_on_one_node_fails_everywhere(tmp_path: Path, level: int) 
     results = _results(base, 4)
     assert {r["error"] for r in results} == {"CheckpointError"}, results
     assert len({r["message"] for r in results}) == 1 and "rank 1" in results[0]["message"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_each_rank_deletes_its_own_file_of_a_retired_l4_checkpoint(tmp_path: Path, mode: str) -> None:
+    """Retiring an L4 checkpoint: each rank deletes its own file of the global directory (as FTI's ranks do), the
+    directory goes once it holds none of the other ranks' files. One rank deleted all of them: a serial tail of
+    the whole job's bytes on one rank, under the next checkpoint."""
+    run(4, "l4_retire_job.py", str(tmp_path), *(["async"] if mode == "async" else []), timeout=120)
+    for rank in range(4):
+        deleted = json.loads((tmp_path / f"deleted-{rank}.json").read_text())
+        files = [p for p, _content in deleted if f"Ckpt1-Rank{rank}.fti" in Path(p).name]
+        if rank:
+            assert files and all(Path(p).parent.name == "l4" for p in files), deleted
+        dirs = [(p, content) for p, content in deleted if content is not None and "l4" in Path(p).parts]
+        for _path, content in dirs:  # what a directory of the global level held when this rank deleted it
+            assert not [name for name in content if "Rank" in name and not name.endswith("Rank0.fti")], deleted
+    assert not list((tmp_path / "Global").glob("*/l4/*ckpt*1*")), list((tmp_path / "Global").rglob("*"))

@@ -106,17 +106,32 @@ class Retention(RunPart):
             # every rank has moved its file out of the shared directories before any is removed
             agree(t, error, FTIError, failed)
         on_root(t, lambda: self.state.delete_record(record.seq), FTIError, failed)
-        doomed = [self.paths.level_dir(level, t.node) / record.dirname for level in {record.level, 1, 2, 3}]
-        if t.rank == 0:
-            doomed.append(self.paths.level_dir(4, 0) / record.dirname)
+        # The global L4 directory (level_dir(4, *)) is rank 0's, after every rank has moved its own file out of it.
+        doomed = [self.paths.level_dir(level, t.node) / record.dirname for level in {record.level, 1, 2, 3} - {4}]
+        l4_dir = self.paths.level_dir(4, 0)
+        own_l4 = None
+        if record.level == 4 and not record.fallback and t.rank != 0:
+            # Each rank deletes its own file of the global directory, as FTI's ranks do: rank 0 deleting every
+            # rank's (a GiB each) is a serial tail on one rank, under the next checkpoint, and on a parallel file
+            # system one client's metadata operations for the whole job. Moved to the level's own trash: rank 0
+            # renames the checkpoint's directory away below.
+            own_l4 = rank_path(self.paths, record, 0, t.rank)
 
         def remove() -> None:
             for path in doomed:
                 if self.paths.contains(path):  # never outside the run's directories, whatever its exec_id
                     storage.discard(path, self.remover)
+            if own_l4 is not None and self.paths.contains(own_l4):
+                storage.discard(own_l4, self.remover, into=l4_dir)
 
         _r, removing = attempt(t.rank, remove)
-        agree(t, error or removing, FTIError, failed)
+        agree(t, error or removing, FTIError, failed)  # every rank's L4 file moved out before its directory goes
+
+        def remove_l4_dir() -> None:
+            if self.paths.contains(l4_dir / record.dirname):
+                storage.discard(l4_dir / record.dirname, self.remover)
+
+        on_root(t, remove_l4_dir, FTIError, failed)
 
     def archive_checkpoint(self, record: CommitRecord) -> None:
         """``keep_l4_ckpt`` at finalize: move a level-4 checkpoint to ``{glbl_dir}/{exec_id}/l4_archive`` (FTI's

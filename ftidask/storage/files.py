@@ -296,13 +296,14 @@ def prune_empty_dirs(root: Path) -> None:
 TRASH_PREFIX = ".trash-"
 
 
-def move_to_trash(path: Path) -> Path | None:
-    """Rename ``path`` to a hidden sibling (atomic, instant), to be removed later; None if absent.
+def move_to_trash(path: Path, into: Path | None = None) -> Path | None:
+    """Rename ``path`` to a hidden sibling (or a hidden entry of directory ``into``, on the same file
+    system), atomic and instant, to be removed later; None if absent.
 
     Freeing the pages of a GiB-sized file takes a noticeable time: the caller removes the
     trash in the background, and whatever a crash leaves is collected at the next start.
     """
-    target = path.with_name(f"{TRASH_PREFIX}{path.name}-{os.getpid()}-{os.urandom(4).hex()}")
+    target = (into or path.parent) / f"{TRASH_PREFIX}{path.name}-{os.getpid()}-{os.urandom(4).hex()}"
     try:
         os.rename(path, target)
     except FileNotFoundError:
@@ -316,9 +317,10 @@ _BACKLOG = 2
 _queued: weakref.WeakKeyDictionary[Executor, deque[Future[None]]] = weakref.WeakKeyDictionary()
 
 
-def discard(path: Path, remover: Callable[[], Executor]) -> None:
-    """Move ``path`` to the trash now and have ``remover()`` (made only when needed) delete it."""
-    trash = move_to_trash(path)
+def discard(path: Path, remover: Callable[[], Executor], into: Path | None = None) -> None:
+    """Move ``path`` to the trash now (in directory ``into``, else beside it) and have ``remover()`` (made
+    only when needed) delete it."""
+    trash = move_to_trash(path, into)
     if trash is None:
         return
     pool = remover()
