@@ -103,6 +103,21 @@ def test_binary_file_or_directory_as_config(run_dir):
     assert not (run_dir / "x.zarr").exists()
 
 
+def test_text_file_that_is_not_ini_is_a_one_line_error(run_dir):
+    """configparser's messages span lines (the file, the line number, the offending line); the CLI promises
+    one ``ftidask: error:`` line (README, docs/cli.md), and a ConfigError reads as one sentence."""
+    (run_dir / "notes.txt").write_text("root:x:0:0:root:/root:/bin/bash\n")  # no [section] header
+    (run_dir / "broken.ini").write_text("[basic]\nverbosity = 2\n  this line is no key\n[basic]\n")
+    for bad in ("notes.txt", "broken.ini"):
+        with pytest.raises(ftidask.ConfigError) as info:
+            ftidask.load_config(run_dir / bad)
+        assert "\n" not in str(info.value) and bad in str(info.value), str(info.value)
+        for command in (("list", "--config", bad), ("clean", "--config", bad, "--yes"), ("verify", bad)):
+            proc = cli(*command, cwd=run_dir)
+            assert_error(proc, bad, "not a valid INI file")
+            assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("ftidask: error:"), proc.stderr
+
+
 def test_mistyped_paths_say_they_do_not_exist(run_dir):
     for command in (("verify", "Lcal"), ("list", "Lcal"), ("clean", "Lcal", "--yes"), ("inspect", "Lcal.fti")):
         assert_error(cli(*command, cwd=run_dir), "Lcal")

@@ -279,7 +279,9 @@ def _read_ini(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         parser.read_string(text, source=os.fsdecode(path))  # type: ignore[arg-type]
     except configparser.Error as exc:
-        raise ConfigError(f"config file {shown} is not a valid INI file: {exc}") from None
+        # configparser's message spans lines (file, line number, the line itself): an error is one line.
+        detail = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+        raise ConfigError(f"config file {shown} is not a valid INI file: {detail}") from None
     values: dict[str, Any] = {}
     for section in parser.sections():
         if section.strip().lower() in _IGNORED_SECTIONS:
