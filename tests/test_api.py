@@ -310,3 +310,14 @@ def test_fti_io_modes_load_and_files_are_fti_ff(tmp_path, caplog, mode):
     assert np.array_equal(a, b)
     files = sorted(p.name for p in (tmp_path / "L").rglob("*") if p.is_file())
     assert files and all(name.endswith(".fti") for name in files), files
+
+
+def test_init_type_refuses_a_bad_size_with_an_ftidask_error():
+    """FTI_InitType's size is a positive int: anything else is bad input, refused with an ftidask error (README:
+    errors are ftidask.FTIError and subclasses), still a ValueError for code that caught the old one."""
+    for bad in (0, -4, "8", 2.0, True, None):
+        with pytest.raises(ftidask.ProtectError, match="init_type"):
+            ftidask.init_type(bad)
+        with pytest.raises(ValueError):
+            ftidask.init_type(bad)
+    assert ftidask.init_type(np.int64(24)) == np.dtype((np.void, 24)) == ftidask.init_type(24)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import ProtectError
+
 #: FTI return codes, kept for code ported from C.
 FTI_BUFS = 256
 FTI_DONE = 1
@@ -57,8 +59,10 @@ FTI_L1_DCP, FTI_L2_DCP, FTI_L3_DCP, FTI_L4_DCP = DCP_LEVELS
 def init_type(itemsize: int) -> np.dtype:
     """FTI_InitType: an opaque fixed-size type of ``itemsize`` bytes.
 
-    Prefer a structured NumPy dtype, which is stored with its fields.
+    Prefer a structured NumPy dtype, which is stored with its fields. Raises :class:`ProtectError`
+    (a ``ValueError``) unless ``itemsize`` is a positive int.
     """
-    if not isinstance(itemsize, int) or itemsize <= 0:
-        raise ValueError(f"init_type: itemsize must be a positive int, got {itemsize!r}")
-    return np.dtype((np.void, itemsize))
+    # bool is an int to Python, not a size; a NumPy integer is one
+    if isinstance(itemsize, bool) or not isinstance(itemsize, (int, np.integer)) or itemsize <= 0:
+        raise ProtectError(f"init_type: itemsize must be a positive int, got {itemsize!r}")
+    return np.dtype((np.void, int(itemsize)))
