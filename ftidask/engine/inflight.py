@@ -33,8 +33,8 @@ class CheckpointHandle:
 
     ``mechanism`` says how the snapshot was taken: ``"cow"`` (copy-on-write: the application's pages
     are copied aside only when it writes them before they are written out), ``"copy"`` (copied into
-    staging buffers at the call) or ``"blocking"`` (neither could be used: the checkpoint was written
-    before the call returned).
+    staging buffers at the call), ``"blocking"`` (neither could be used: the checkpoint was written
+    before the call returned), or ``"immutable"`` on Dask (chunks never change: no snapshot is needed).
     """
 
     def __init__(self, ckpt_id: int, level: int, mechanism: str, future: Future[CheckpointInfo]) -> None:
