@@ -120,6 +120,21 @@ def test_same_ranks_other_nodes(written: Path, tmp_path: Path) -> None:
             assert res[name].get("ok") and all(res[name]["equal"].values()), (name, rank, res[name])
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_run_restarted_on_fewer_nodes_leaves_no_old_file(written: Path, tmp_path: Path, size: int) -> None:
+    """The old layout's nodes that no rank of the restarted run holds (node2, node3 here) are the run's too: the
+    checkpoints retired after the restart and those finalize removes are removed there as well, not left behind."""
+    base = tmp_path / "runs"
+    shutil.copytree(written, base)
+    names = ("l1", "l2", "l3", "l4", "dcp", "l4zarr")
+    assert all(list((base / name).rglob("Ckpt*-Rank3.*")) for name in names)
+    run(size, "reshard_job.py", "finish", str(base), *names, timeout=300)
+    for name in names:
+        left = sorted(str(p.relative_to(base)) for p in (base / name).rglob("*")
+                      if p.is_file() and "Meta" not in p.parts)
+        assert left == [], (name, left)
+
+
 @pytest.mark.slow
 def test_16_ranks_recovered_on_4(tmp_path: Path) -> None:
     base = tmp_path / "written"

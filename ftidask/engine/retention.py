@@ -116,6 +116,11 @@ class Retention(RunPart):
             # system one client's metadata operations for the whole job. Moved to the level's own trash: rank 0
             # renames the checkpoint's directory away below.
             own_l4 = rank_path(self.paths, record, 0, t.rank)
+        if t.rank == 0:
+            # Written on more nodes than this run has (a restart on fewer ranks, or more ranks per node): no rank
+            # of this run is on those nodes, so rank 0 removes what it sees of them (local_test, shared node dirs).
+            doomed += [self.paths.level_dir(level, node) / record.dirname for node in sorted(
+                {f.node for f in record.files if f.node >= t.nnodes}) for level in {record.level, 1, 2, 3} - {4}]
 
         def remove() -> None:
             for path in doomed:
@@ -192,6 +197,19 @@ class Retention(RunPart):
         on_root(t, lambda: self.state.write_run(state="finalized", keep_last=keep, seq=used), FTIError, failed)
         dcp = self.spares.store  # every rank takes part, with a store or not
         everywhere(t, dcp.clear if dcp is not None else lambda: None, FTIError, failed)
+        if self.config.enable_dcp:  # once every rank's store is cleared: nothing else writes a spare
+            on_root(t, self._sweep_spares, FTIError, failed)
+
+    def _sweep_spares(self) -> None:
+        """The spares no store of this execution cleared (a rank without a dCP checkpoint since a restart on another
+        layout, or an old node no rank holds now): the run is over and no record falls back to them."""
+        p = self.paths
+        spare_dirs = [p.level_dir(4, 0) / storage.SPARE_DIR]
+        for node_dir in p.ckpt_dir.glob(f"node*/{p.exec_id}"):
+            spare_dirs += [node_dir / f"l{level}" / storage.SPARE_DIR for level in (1, 2, 3, 4)]
+        for path in spare_dirs:
+            if path.is_dir() and p.contains(path):  # what the node directories visible here hold
+                storage.remove_tree(path)
 
     @staticmethod
     def _flush_newest(records: list[CommitRecord], flush_to_l4: Callable[[CommitRecord], None]) -> CommitRecord:

@@ -2,6 +2,7 @@
 
 usage: reshard_job.py write BASE          (on 4 ranks) writes BASE/l1, BASE/l4 (declared) and BASE/undeclared
        reshard_job.py recover BASE NAME.. (on M ranks) recovers each named run directory in turn
+       reshard_job.py finish BASE NAME..  (on M ranks) recovers each, checkpoints at L1 and finalizes
 Each rank writes ``BASE/result-<M>-<rank>.json``: per run, "ok" and a check of every block, or the error.
 The reference: global arrays built from indices, so every rank knows every block's expected bytes.
 """
@@ -132,8 +133,23 @@ def recover(base: str, names: list[str]) -> None:
         json.dump(result, fh)
 
 
+def finish(base: str, names: list[str]) -> None:
+    """Go on after the restart: a new L1 checkpoint (retiring the old L1 one), then finalize (removing the rest)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    for name in names:
+        ctx = ftidask.init(comm=comm, **dirs(base, name))
+        protect_all(ctx, comm, True, False)
+        ctx.recover()
+        ctx.checkpoint(2, 1)
+        ctx.finalize()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "write":
         write(sys.argv[2])
+    elif sys.argv[1] == "finish":
+        finish(sys.argv[2], sys.argv[3:])
     else:
         recover(sys.argv[2], sys.argv[3:])
