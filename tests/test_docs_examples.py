@@ -1,0 +1,159 @@
+"""The Python examples of the README and docs/, run as a user runs them: saved beside a copy of
+examples/config.fti in an empty directory, in a fresh interpreter. Where a block is a fragment, the
+lines around it are the README's or the page's own; where it holds a placeholder (``...``), the test
+fills it and says so. The examples cannot drift from the code without one of these failing."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+import mpi_util
+
+EXAMPLE_CONFIG = ROOT / "examples" / "config.fti"
+
+
+def python_blocks(page: str) -> list[str]:
+    """The ```python blocks of ``page`` (README.md or docs/NAME.md), in order."""
+    text = (ROOT / page).read_text()
+    return [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```$", text, re.M | re.S)]
+
+
+def block(page: str, *marks: str) -> str:
+    """The one python block of ``page`` that holds every string of ``marks``."""
+    found = [b for b in python_blocks(page) if all(mark in b for mark in marks)]
+    assert len(found) == 1, f"{page}: {len(found)} python blocks hold {marks}"
+    return found[0]
+
+
+def fill(code: str, placeholder: str, replacement: str) -> str:
+    """``code`` with the line holding ``placeholder`` (a doc's ``...``) replaced, indentation kept."""
+    lines = code.splitlines()
+    at = [i for i, line in enumerate(lines) if line.strip().startswith(placeholder)]
+    assert len(at) == 1, (placeholder, code)
+    indent = lines[at[0]][:len(lines[at[0]]) - len(lines[at[0]].lstrip())]
+    lines[at[0]:at[0] + 1] = [indent + line for line in replacement.splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """An empty directory holding a copy of examples/config.fti (README: ``cp examples/config.fti .``)."""
+    shutil.copy(EXAMPLE_CONFIG, tmp_path / "config.fti")
+    return tmp_path
+
+
+def run(folder, code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    (folder / "prog.py").write_text(code)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "prog.py", *args], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.stdout
+
+
+def rank_files(folder) -> list:
+    return sorted(p for p in folder.rglob("Ckpt*.fti"))
+
+
+QUICK_START = ("README.md", "ctx = ftidask.init(\"config.fti\")", "ctx.finalize()")
+
+
+def test_readme_quick_start_killed_and_run_again_carries_on(folder):
+    """'Run it, kill it part-way (Ctrl-C, kill -9), run it again: it carries on from the last checkpoint.'"""
+    code = block(*QUICK_START)
+    # The block's compute placeholder becomes a SIGKILL at step 350 (after checkpoints 1-3) when asked.
+    killed = fill(code, "...", "if state['step'] == 350 and len(__import__('sys').argv) > 1:\n"
+                               "    __import__('os').kill(__import__('os').getpid(), 9)")
+    proc = run(folder, killed, "kill")
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    assert proc.stderr.count("written:") == 3 and "checkpoint 3 (level 1) written" in proc.stderr, proc.stderr
+    proc = run(folder, code + "print(state['step'], float(temperature.sum()))\n")  # the block as written
+    assert ok(proc).split() == ["1000", "0.0"]
+    assert "restart (status 1)" in proc.stderr and "recovered checkpoint 3 from level 1" in proc.stderr, proc.stderr
+    assert "checkpoint 8 (level 4) written" in proc.stderr and "checkpoint 10 (level 1) written" in proc.stderr
+    assert rank_files(folder) == []  # finalize() cleaned up
+
+
+def test_readme_fragments_after_the_quick_start(folder):
+    """The README's asynchronous, staging and incremental fragments, after the quick start's own setup."""
+    setup = block(*QUICK_START).split("\nif ctx.status()")[0] + "\n"
+    code = setup + block("README.md", "wait=False") + "print(info.id, info.level)\n"
+    code += "ctx.protect(3, np.ones(8))\n" + block("README.md", "ctx.incremental(7")
+    code = fill(code, "...", "icp.add(3)")  # between the two adds: the third protected variable
+    code += "print(ctx.last_checkpoint.id)\nctx.finalize()\n"
+    assert ok(run(folder, code)).split() == ["7", "4", "7"]
+    staging = block("README.md", "enable_staging=1")
+    code = "import numpy as np\nimport ftidask\nfield = np.arange(10.0)\n" + fill(staging, "...", "pass")
+    code = code.replace("ctx.wait_staged()", "print(ctx.wait_staged())")
+    assert ok(run(folder, code)).strip() == "{1: 0}"
+    assert (folder / "Global" / "frames" / "frame042.npy").is_file()
+
+
+def test_index_and_tutorial_programs_run(folder):
+    out = ok(run(folder, block("docs/index.md", "with ftidask.init(\"config.fti\") as ctx:")))
+    assert out == ""
+    tutorial = block("docs/tutorial.md", "resuming at step")
+    out = ok(run(folder, tutorial.replace("time.sleep(0.01)", "pass")))  # the sleep only slows it for Ctrl-C
+    assert out.startswith("done ")
+    assert rank_files(folder) == []
+
+
+def test_guide_python_state_continues_the_generator_stream(folder):
+    code = "import numpy as np\nimport ftidask\nctx = ftidask.init(\"config.fti\")\nfield = np.zeros(4)\n"
+    state_block = block("docs/guide.md", "ftidask.State({\"epoch\": 0")
+    code += fill(state_block, "...", "ctx.checkpoint(1, 1)\nexpected = rng.random(3)\nstate['epoch'] = 5\n"
+                                     "best.value = 0.5")
+    code += "print(state['epoch'], best.value, bool((rng.random(3) == expected).all()))\nctx.finalize()\n"
+    assert ok(run(folder, code)).split() == ["0", "inf", "True"]
+
+
+def test_dcp_and_icp_blocks(folder):
+    code = "import numpy as np\nimport ftidask\nstate = np.zeros(1 << 16)\n" + block("docs/dcp.md", "enable_dcp=1")
+    code += "ctx.protect(2, np.ones(10))\n" + block("docs/dcp.md", "ctx.init_icp(20, 1)")
+    code += "print(info.id, ctx.last_checkpoint.id)\nctx.finalize()\n"
+    out = ok(run(folder, code)).split()
+    # checkpoint 11, the second differential one, fills the other of the two files: every block is new there
+    assert out[:3] == [str(8 << 16), "32", "32"] and float(out[3]) > 0, out
+    assert out[4:] == ["20", "21"], out
+
+
+def test_config_reference_example(folder):
+    (folder / "config.fti").write_text(re.search(r"```ini\n(.*?)```", (ROOT / "docs/config.md").read_text(),
+                                                 re.S).group(1))
+    code = "import ftidask\n" + block("docs/config.md", "verbosity=3")
+    code += "print(ctx.config.verbosity, ctx.config.compressor, ctx.config.l4_format, ctx.config.ckpt_l1)\n"
+    code += "ctx.finalize()\n"
+    assert ok(run(folder, code)).split() == ["3", "blosc", "zarr", "5"]
+
+
+def test_mpi_restart_on_another_number_of_ranks(folder):
+    """docs/mpi.md: '4 ranks wrote it, 2, 3 or 8 recover it' (here 4, then 3), with the page's own program."""
+    text = (folder / "config.fti").read_text()
+    assert "local_test      = 0" in text
+    (folder / "config.fti").write_text(text.replace("local_test      = 0", "local_test      = 1"))  # one machine
+    code = block("docs/mpi.md", "global_shape=(n,), offset=(lo,)")
+    write = code.replace("u = np.zeros(hi - lo)", "u = np.arange(lo, hi, dtype=float)")
+    write = write.replace("params = np.zeros(3)", "params = np.array([1.0, 2.0, 3.0])")
+    write += "    ctx.checkpoint(1, 1)\n    comm.Barrier()\n    __import__('os')._exit(0)\n"  # dies unfinalized
+    read = code + "        print(f'{comm.rank}:', bool((u == np.arange(lo, hi)).all()), params.tolist(), flush=True)\n"
+    for ranks, prog in ((4, write), (3, read)):
+        (folder / "prog.py").write_text(prog)
+        proc = subprocess.run([mpi_util.mpiexec(), "-n", str(ranks), sys.executable, "prog.py"], cwd=folder,
+                              env=mpi_util.env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all(f"{r}: True [1.0, 2.0, 3.0]" in proc.stdout for r in range(3)), proc.stdout + proc.stderr
+    assert "recovered checkpoint 1 from level 1, written by 4 ranks, on 3" in proc.stderr, proc.stderr
+    assert rank_files(folder) == []  # the with block finalized the restarted run
+
+
+for _mark in mpi_util.need_mpi():
+    test_mpi_restart_on_another_number_of_ranks = _mark(test_mpi_restart_on_another_number_of_ranks)
