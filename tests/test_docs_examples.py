@@ -157,3 +157,28 @@ def test_mpi_restart_on_another_number_of_ranks(folder):
 
 for _mark in mpi_util.need_mpi():
     test_mpi_restart_on_another_number_of_ranks = _mark(test_mpi_restart_on_another_number_of_ranks)
+
+
+@pytest.mark.slow  # xarray and matplotlib take seconds to import
+def test_zarr_export_open_and_import_blocks(folder):
+    """docs/zarr.md's Python blocks: export a run's checkpoint, open the store with zarr, Dask and xarray,
+    import it into a new run that recovers it (status 2)."""
+    pytest.importorskip("zarr")
+    pytest.importorskip("xarray")
+    pytest.importorskip("matplotlib")
+    write = ("import os\nimport numpy as np\nimport ftidask\nctx = ftidask.init('config.fti')\n"
+             "u = np.arange(12.0).reshape(3, 4)\nctx.protect(1, u, name='u')\nctx.checkpoint(1, 1)\nos._exit(0)\n")
+    ok(run(folder, write))
+    code = "import matplotlib\nmatplotlib.use('Agg')\n" + block("docs/zarr.md", "export_checkpoint(\"config.fti\"")
+    code += block("docs/zarr.md", "zarr.open_group(\"state.zarr\")")
+    code = code.replace('zarr.open_group("state.zarr")["u"][...]', 'print(zarr.open_group("state.zarr")["u"][...].sum())')
+    code += "print(da.from_zarr('state.zarr', component='u').sum().compute())\n"
+    assert ok(run(folder, code)).split() == ["66.0", "66.0"]
+    new = folder / "new"
+    new.mkdir()
+    shutil.copy(EXAMPLE_CONFIG, new / "config.fti")
+    shutil.move(folder / "state.zarr", new / "state.zarr")
+    code = "import numpy as np\nimport ftidask\n" + block("docs/zarr.md", "import_zarr(\"state.zarr\", \"config.fti\")")
+    code += "print(ctx.status())\nu = np.zeros((3, 4))\nctx.protect(1, u)\nctx.recover()\nprint(u.sum())\n"
+    code += "ctx.finalize()\n"
+    assert ok(run(new, code)).split() == ["2", "66.0"]
