@@ -171,7 +171,8 @@ def test_zarr_export_open_and_import_blocks(folder):
     ok(run(folder, write))
     code = "import matplotlib\nmatplotlib.use('Agg')\n" + block("docs/zarr.md", "export_checkpoint(\"config.fti\"")
     code += block("docs/zarr.md", "zarr.open_group(\"state.zarr\")")
-    code = code.replace('zarr.open_group("state.zarr")["u"][...]', 'print(zarr.open_group("state.zarr")["u"][...].sum())')
+    opened = 'zarr.open_group("state.zarr")["u"][...]'
+    code = code.replace(opened, f"print({opened}.sum())")
     code += "print(da.from_zarr('state.zarr', component='u').sum().compute())\n"
     assert ok(run(folder, code)).split() == ["66.0", "66.0"]
     new = folder / "new"
