@@ -183,3 +183,28 @@ def test_zarr_export_open_and_import_blocks(folder):
     code += "print(ctx.status())\nu = np.zeros((3, 4))\nctx.protect(1, u)\nctx.recover()\nprint(u.sum())\n"
     code += "ctx.finalize()\n"
     assert ok(run(new, code)).split() == ["2", "66.0"]
+
+
+@pytest.mark.dask
+@pytest.mark.slow  # a LocalCluster per program
+def test_dask_lineage_loop_and_its_cost_in_disk(folder):
+    """docs/dask-lineage.md's loop (100 steps here): the page's loop holds ``x`` while the checkpoint is written,
+    so checkpoint N-1 stays until the next one starts; with ``del x`` first it is retired at once."""
+    pytest.importorskip("distributed")
+    loop = block("docs/dask-lineage.md", "x = client.persist(update(x))")
+    loop = loop.replace("range(1, 1001)", "range(1, 101)")
+    count = "print(len({p.name for p in Path('Local').glob('node*/*/l3/ckpt*')}))"  # checkpoints on disk
+    loop = loop.replace("        x = ctx.protected[1]", f"        x = ctx.protected[1]\n        {count}")
+    head = ("from pathlib import Path\nimport dask.array as da\nimport ftidask\nfrom distributed import Client, "
+            "LocalCluster\n\ndef initial_state():\n    return da.zeros((64, 64), chunks=16)\n\ndef update(x):\n"
+            "    return x + 1\n\nif __name__ == '__main__':\n    client = Client(LocalCluster(n_workers=2, "
+            "threads_per_worker=1, processes=False))\n")
+    tail = "    print(float(x.sum().compute()))\n    ctx.finalize()\n    client.close()\n"
+    text = (folder / "config.fti").read_text()
+    (folder / "config.fti").write_text(text.replace("group_size      = 4", "group_size      = 2"))  # 2 workers
+    program = head + "".join("    " + line + "\n" for line in loop.splitlines()) + tail
+    assert ok(run(folder, program)).split() == ["1"] + ["2"] * 9 + [str(64 * 64 * 100.0)]
+    dropped = program.replace('ctx.protect(1, x, name="field")\n', 'ctx.protect(1, x, name="field")\n'
+                              "            del x\n")
+    assert dropped != program
+    assert ok(run(folder, dropped)).split() == ["1"] * 10 + [str(64 * 64 * 100.0)]
