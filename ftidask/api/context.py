@@ -300,8 +300,9 @@ class Context:
         self._async.drain()
         return self.recovery.stored_size(id)  # the id checked there, after the ranks' collective read
 
-    def realloc(self, id: int, array: Any = None) -> np.ndarray:
-        """FTI_Realloc: a new array of the stored size, which becomes the protected one."""
+    def realloc(self, id: int, array: Any = None) -> Any:
+        """FTI_Realloc: a new array of the stored size (``array`` itself where it already fits), which becomes the
+        protected one; for a Python state (``State``, ``Value``, a generator), the protected object itself."""
         self._check_open()
         self._async.drain()
         return self.recovery.realloc(check_id(id, "variable id"), array)
