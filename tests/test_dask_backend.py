@@ -3,6 +3,7 @@
 A lost node is a worker process killed with SIGKILL plus its node directory erased.
 """
 
+import logging
 import os
 import shutil
 import signal
@@ -313,3 +314,16 @@ def test_restore_on_a_cluster_of_another_size(client, dirs, nworkers):
         assert len(cl2.has_what()) == nworkers
         ctx2.checkpoint(2, 2)  # and checkpoints again with its own number of ranks
         assert ctx2.last_checkpoint.workers == tuple(live_workers(cl2))
+
+
+def test_the_start_line_counts_the_workers(client, dirs, caplog):
+    """Each worker is a rank (docs/dask.md): the run's first log line counts them, not the one client."""
+    logger = logging.getLogger("ftidask")
+    logger.addHandler(caplog.handler)  # verbosity 2 sets the logger's level (and its own stderr handler)
+    try:
+        ctx = ftidask.init(client=client, **{**dirs, "verbosity": 2})
+    finally:
+        logger.removeHandler(caplog.handler)
+    starts = [r.getMessage() for r in caplog.records if "fresh start" in r.getMessage()]
+    assert starts and all(m.endswith(f"(dask backend, {NWORKERS} worker(s))") for m in starts), starts
+    ctx.finalize()

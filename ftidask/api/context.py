@@ -81,9 +81,9 @@ class Context:
                                                                  enable_dcp=bool(config.enable_dcp)))
         transport.barrier()
         self._retention.collect_garbage()
-        log.info("run %s: %s (%s backend, %d rank(s))", self.exec_id,
+        log.info("run %s: %s (%s backend, %s)", self.exec_id,
                  "fresh start" if self._status == STATUS_FRESH else f"restart (status {self._status})",
-                 transport.name, transport.size)
+                 transport.name, transport.ranks_text())
 
     # --- protection ----------------------------------------------------------------------------
 

@@ -22,6 +22,10 @@ class Transport(abc.ABC):
     node: int = 0
     nnodes: int = 1
 
+    def ranks_text(self) -> str:
+        """The ranks this context runs on, for the log line of ``init``."""
+        return f"{self.size} rank(s)"
+
     @abc.abstractmethod
     def barrier(self) -> None: ...
 

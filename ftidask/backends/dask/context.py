@@ -53,8 +53,10 @@ class DaskTransport(Transport):
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
 
-    def barrier(self) -> None:
-        return None
+    def ranks_text(self) -> str:  # Transport's: each worker is a rank, the client none
+        return f"{len(self.cluster.workers())} worker(s)"
+
+    def barrier(self) -> None: ...  # the client alone: nothing to wait for
 
     def allgather(self, value: Any) -> list[Any]:
         return [value]
@@ -213,8 +215,7 @@ class DaskContext(Context):
         try:
             with self.cluster.batch():
                 if differential:
-                    plans, written, groups = run_dcp_levels(self, ckpt_id, level, seq, specs, futures, owner,
-                                                            workers)
+                    plans, written, groups = run_dcp_levels(self, ckpt_id, level, seq, specs, futures, owner, workers)
                 else:
                     plans, written, groups = run_full_levels(self, ckpt_id, level, seq, specs, futures, owner,
                                                              workers, codecs)
