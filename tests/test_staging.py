@@ -181,7 +181,8 @@ def test_wait_staged_one_request_and_info(tmp_path):
     info = ctx.stage_info(req)
     assert info.state == SI_SCES and info.request.dst == os.fspath((tmp_path / "global" / "dir" / "a").resolve())
     assert ctx.stage_status(req) == SI_SCES  # waiting did not consume the final state
-    assert ctx.stage_info(req) is None and ctx.wait_staged(req) == SI_NINI
+    assert ctx.stage_status(req) == SI_NINI and ctx.wait_staged(req) == SI_NINI  # consumed, as in FTI
+    assert ctx.stage_info(req).state == SI_SCES  # but still told (the README reads its reason after polling)
     ctx.finalize()
 
 
@@ -285,7 +286,24 @@ def test_failure_reason_is_reported(tmp_path, monkeypatch):
     (tmp_path / "global" / "blocker").write_bytes(b"")
     assert stager.wait(req, 30) == SI_FAIL
     assert "not a directory (ENOTDIR)" in stager.table.info(req).reason
+    assert stager.table.query(req) == SI_FAIL  # FTI's loop consumed the final state: the reason is still told
+    assert "not a directory (ENOTDIR)" in stager.table.info(req).reason
     stager.close(30)
+
+
+def test_final_states_returned_are_told_for_the_last_requests_only(tmp_path, monkeypatch):
+    from ftidask.staging import stager as stager_module
+
+    monkeypatch.setattr(stager_module, "HISTORY", 2)
+    ctx = make_ctx(tmp_path)
+    reqs = []
+    for name in "abc":
+        (ctx.stage_dir() / name).write_bytes(name.encode())
+        reqs.append(ctx.send_file(ctx.stage_dir() / name, name))
+        assert poll_until_final(ctx, reqs[-1])[-1] == SI_SCES
+    assert ctx.stage_info(reqs[0]) is None  # the history is bounded: a run may send millions of files
+    assert [ctx.stage_info(r).state for r in reqs[1:]] == [SI_SCES, SI_SCES]
+    ctx.finalize()
 
 
 def test_file_larger_than_rlimit_fsize(tmp_path, monkeypatch):

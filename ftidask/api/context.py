@@ -259,7 +259,7 @@ class Context:
         return self._staging.get().table.query(int(request_id))
 
     def stage_info(self, request_id: int) -> StageInfo | None:
-        """The request's state, failure reason, paths and times (without consuming a final state)."""
+        """The request's state, reason, paths, times (a final state not consumed; kept for 1024 stage_status read)."""
         self._check_open()
         return self._staging.get().table.info(int(request_id))
 

@@ -30,6 +30,7 @@ its own through a ``stage_mover(config)`` method returning a mover or None.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -72,12 +73,19 @@ class StageInfo:
         return STATE_NAMES[self.state]
 
 
+#: Requests whose final state :meth:`StageTable.query` returned that :meth:`StageTable.info` still knows.
+HISTORY = 1024
+
+
 class StageTable:
     """The states of a process's requests, shared by the caller and its mover (thread-safe)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._infos: dict[int, StageInfo] = {}
+        # Final states already returned by query (FTI_GetStageStatus forgets them): stage_info still tells
+        # why one failed, for the last HISTORY of them (a run may send millions of files).
+        self._history: collections.OrderedDict[int, StageInfo] = collections.OrderedDict()
         self._targets: set[str] = set()  # destinations of open requests
         self._poller: Callable[[], None] | None = None
         self._poll_lock = threading.Lock()  # one poller at a time (a probe and its receive go together)
@@ -124,13 +132,15 @@ class StageTable:
             if info is None:
                 return SI_NINI
             if info.state in FINAL:
-                del self._infos[req_id]
+                self._history[req_id] = self._infos.pop(req_id)
+                if len(self._history) > HISTORY:
+                    self._history.popitem(last=False)
             return info.state
 
     def info(self, req_id: int) -> StageInfo | None:
         self._poll()
         with self._cond:
-            info = self._infos.get(req_id)
+            info = self._infos.get(req_id) or self._history.get(req_id)
             return None if info is None else dataclasses.replace(info)
 
     def open_requests(self) -> list[StageRequest]:
