@@ -205,6 +205,8 @@ def test_bad_requests_raise_at_the_call(tmp_path):
     (stage / "sub").mkdir()
     with pytest.raises(StagingError, match="not a regular file"):
         ctx.send_file(stage / "sub", "x")
+    with pytest.raises(StagingError, match="not a regular file"):  # it said "not in the stage directory"
+        ctx.send_file(stage, "x")
     with pytest.raises(StagingError, match="outside glbl_dir"):
         ctx.send_file(stage / "ok", tmp_path / "not_global" / "ok")
     with pytest.raises(StagingError, match="outside glbl_dir"):

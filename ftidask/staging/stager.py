@@ -268,12 +268,12 @@ class Stager:
                 st = os.stat(absolute)
         except FileNotFoundError:
             raise StagingError(f"send_file: local file {local} does not exist") from None
+        if not stat.S_ISREG(st.st_mode):  # first: the stage directory itself is not "outside" it
+            raise StagingError(f"send_file: {local} is not a regular file")
         src = os.path.join(self._real_dir(os.path.dirname(absolute)), os.path.basename(absolute))
         if not _inside(src, self._stage_real):
             raise StagingError(f"send_file: {local} is not in the stage directory {self.stage_dir} "
                                "(write it under ctx.stage_dir())")
-        if not stat.S_ISREG(st.st_mode):
-            raise StagingError(f"send_file: {local} is not a regular file")
         text = os.fspath(remote_path)
         remote = os.path.join(self._glbl_abs, text)  # relative remote paths are taken under glbl_dir
         if text.endswith(os.sep) or os.path.isdir(remote):
