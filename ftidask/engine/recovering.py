@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..ftiff.layout import Layout
-from ..ftiff.reader import FtiffFile, identity_of
+from ..ftiff.reader import FtiffFile, unchanged
 from ..model.arrays import check_id
 from ..model.errors import FTIError, NoCheckpointError, RecoveryError
 from ..storage.files import RunPaths
@@ -66,14 +66,6 @@ class Progress:
         self.recovered = True
         self.recovered_from = (ckpt_id, level)
         self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
-
-
-def unchanged(parsed: FtiffFile) -> bool:
-    """Whether the file at ``parsed.path`` is still the one parsed (and verified), unmodified since."""
-    try:
-        return identity_of(os.stat(parsed.path)) == parsed.identity
-    except OSError:
-        return False
 
 
 def newest_recoverable(records: Iterable[CommitRecord], try_one: Callable[[CommitRecord], tuple[T | None, str]],
@@ -255,6 +247,10 @@ class Recovery(RunPart):
                      "are untouched")
         # Every rank agrees on each step before the next: what to fill, then the Python states decoded.
         targets, error = attempt(t.rank, lambda: recoverplan.plan(self.variables, verdict.parsed, wanted))
+        moved = [f"rank {r}: {m}" for r, m in enumerate(t.allgather("" if error else targets.moved)) if m]
+        if moved:  # the blocks moved between ranks: redistributed as declared, never old rank r's into rank r
+            return reshard.recover_other_layout(self, [record], f"checkpoint {record.ckpt_id} (level {record.level})"
+                                                f" has this run's layout but other blocks ({moved[0]})", wanted)
         agree(t, error or (f"rank {t.rank}: {targets.problem}" if targets.problem else ""), RecoveryError, untouched)
         problem, error = attempt(t.rank, targets.load_states)
         agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError, untouched)
