@@ -267,6 +267,7 @@ class Recovery(RunPart):
               f"recovering checkpoint {record.ckpt_id} (level {record.level}) failed while loading, and the protected "
               "arrays may hold part of it: recover again")
         self.progress.restored(record.ckpt_id, record.level, verdict.parsed.layout())
+        self.progress.restart_file = verdict.parsed  # stored_size's sizes (its layout holds compressed bytes)
         log.info("recovered checkpoint %d from level %d%s%s", record.ckpt_id, record.level,
                  "" if wanted is None else f" (variables {wanted})",
                  " (the previous differential checkpoint, kept as the spare)" if record.fallback else "")
@@ -289,7 +290,7 @@ class Recovery(RunPart):
         finally:
             release_all(verdict.staged)  # committed ones are gone already
         targets.apply_states()
-        self.progress.layout = verdict.parsed.layout()
+        self.progress.layout, self.progress.restart_file = verdict.parsed.layout(), verdict.parsed  # as _load
         self.progress.recovered = True
         return targets.recovered()
 
