@@ -64,7 +64,15 @@ def _short(values: list[int]) -> str:
     return str(values) if len(values) <= 16 else f"[{', '.join(map(str, values[:16]))}, ...]"
 
 
+DASK = ("It was written by the Dask backend, whose workers' files hold chunks, not one block per rank: recover it "
+        "on a Dask cluster of any number of workers (ftidask.init(client=...)), or move the data with `ftidask export "
+        "--to-zarr` and `ftidask import`.")
+
+
 def advice(record: CommitRecord) -> str:
+    """How to recover ``record`` when this run cannot redistribute it."""
+    if record.extra.get("backend") == "dask":
+        return DASK
     nodes = "" if record.level == 4 else \
         f" on nodes {_short([f.node for f in sorted(record.files, key=lambda f: f.rank)])}"
     return HOW.format(n=record.nranks, nodes=nodes)
@@ -206,6 +214,8 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
     """Every rank's new arrays in private buffers, from the old files (collective)."""
     t = ctx.transport
     n, m = record.nranks, t.size
+    if record.extra.get("backend") == "dask":  # the same on every rank
+        raise _Refused("the checkpoint was written by the Dask backend")
     if record.level in (2, 3) and not record.fallback:  # 0. Lost old files come back first, on the
         # old layout's groups (a fallback's redundancy was the committed checkpoint's: never rebuilt).
         groups = old_groups(record, ctx.config.group_size)

@@ -29,6 +29,7 @@ from ...engine import pystate, reshard, reshard_files
 from ...engine.recovery import check_writeable
 from ...engine.reshard_rebuild import old_groups, rebuild_group
 from ...engine.runstate import CommitRecord
+from ...model.arrays import dtype_from_json, dtype_to_json
 from ...model.decomposition import Piece, Placement, overlap, placement
 from ...model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from . import reads, tasks
@@ -68,7 +69,7 @@ def table_task(path: str, record_json: dict[str, Any], rank: int) -> dict[str, A
                         if pystate.EXTRA_KEY in i.extra}}
 
 
-def read_task(path: str, record_json: dict[str, Any], rank: int, vid: int, piece: Piece, dtype: str,
+def read_task(path: str, record_json: dict[str, Any], rank: int, vid: int, piece: Piece, dtype: Any,
               worker: str) -> np.ndarray:
     """One chunk: the piece of old rank ``rank``'s block, read and hash-checked on this worker."""
     here = reads._here()
@@ -79,7 +80,7 @@ def read_task(path: str, record_json: dict[str, Any], rank: int, vid: int, piece
         raise Reschedule()
     record = CommitRecord.from_json(record_json)
     parsed = reshard_files.open_old(Path(path), record, rank)  # type: ignore[arg-type]
-    out = {vid: np.empty(piece.shape, np.dtype(dtype))}
+    out = {vid: np.empty(piece.shape, dtype_from_json(dtype))}  # dtype_to_json's: a structured one too
     reshard_files.read_pieces(parsed, [(vid, piece)], out)
     return out[vid]
 
@@ -270,7 +271,7 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
         graph = {}
         for index, (old, piece) in owner.items():
             path = paths[old]
-            graph[(name, *index)] = ctx.cluster.submit(read_task, path, rj, old, vid, piece, dtype.str,
+            graph[(name, *index)] = ctx.cluster.submit(read_task, path, rj, old, vid, piece, dtype_to_json(dtype),
                                                        server[path], key=(name, *index), worker=server[path],
                                                        loose=True)
         futures.extend(graph.values())
