@@ -51,18 +51,19 @@ class Progress:
     recovered_from: tuple[int, int] | None = None  # (ckpt_id, level)
     last_checkpoint: CheckpointInfo | None = None
     next_ckpt_id: int = 1  # snapshot's next id
+    resharded: tuple[CommitRecord, str] | None = None  # what recover() redistributed, and how its layout differs
 
     def committed(self, ckpt_id: int, layout: Layout | None) -> None:
         """After checkpoint ``ckpt_id`` is committed with ``layout``."""
         self.layout = layout
-        self.restart_file, self.restart_record = None, None
+        self.restart_file, self.restart_record, self.resharded = None, None, None
         self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
 
     def restored(self, ckpt_id: int, level: int, layout: Layout | None) -> None:
         """After checkpoint ``ckpt_id`` of ``level`` is recovered (``layout`` None: plan afresh)."""
         self.layout = layout
         self.restart_file = None if layout is None else self.restart_file
-        self.restart_record = None
+        self.restart_record = self.resharded = None
         self.recovered = True
         self.recovered_from = (ckpt_id, level)
         self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
@@ -306,6 +307,8 @@ class Recovery(RunPart):
         """The checkpoint recover() loads, sought as it does: each run of candidates of one layout in turn (collective,
         agreed). When it is one of another layout, redistributed, its sizes per old rank describe nothing loaded: a
         RecoveryError. One of another layout that cannot be redistributed is passed over, as recover() does."""
+        if self.progress.resharded is not None:  # what recover() redistributed: refused as such, never sought again
+            raise reshard.sizes_refused(*self.progress.resharded)  # (a whole check of its files may fail where it read)
         failed: list[NoCheckpointError] = []
         for change, records in reshard.by_layout(self, self.all_candidates(None, None)):
             if not change:
@@ -317,10 +320,7 @@ class Recovery(RunPart):
             sound = next((r for r in records if old_files_sound(self, r, partial(reshard.old_path, self, r))), None)
             if sound is not None:
                 t = self.transport
-                raise reshard.redistributed(f"{reshard.layout_change(sound, t.size, t.allgather(t.node))}: its stored "
-                                            "sizes are per old rank, and recover() redistributes it into the arrays as "
-                                            "this run declares them (the size of each block is the application's "
-                                            f"choice). {reshard.advice(sound)}", sound)
+                raise reshard.sizes_refused(sound, reshard.layout_change(sound, t.size, t.allgather(t.node)))
             failed.append(NoCheckpointError(f"{change}; none of those checkpoints can be redistributed"))
         if not failed:
             return self.find(records=[])  # raises: no committed checkpoint

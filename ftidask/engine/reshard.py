@@ -112,6 +112,7 @@ def recover_other_layout(ctx: Recovery, records: list[CommitRecord], change: str
     if record.fallback:  # the old ranks' spares are all that a crash would recover: the next checkpoint leaves them
         ctx.spares.get().pin(record.level)
     ctx.progress.restored(record.ckpt_id, record.level, None)  # None: the next checkpoint plans its containers afresh
+    ctx.progress.resharded = (record, change)  # stored_size and realloc refuse it as such
     return dict(arrays)
 
 
@@ -122,6 +123,13 @@ def redistributed(message: str, record: CommitRecord) -> RecoveryError:
     error = RecoveryError(message)
     error.redistributed = record  # type: ignore[attr-defined]
     return error
+
+
+def sizes_refused(record: CommitRecord, change: str) -> RecoveryError:
+    """stored_size's and realloc's error when the checkpoint of a restart, ``record``, is (or was) redistributed."""
+    return redistributed(f"{change}: its stored sizes are per old rank, and recover() redistributes it into the arrays "
+                         "as this run declares them (the size of each block is the application's choice). "
+                         f"{advice(record)}", record)
 
 
 def old_names(ctx: Recovery, record: CommitRecord) -> dict[int, str]:

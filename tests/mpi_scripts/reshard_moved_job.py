@@ -21,7 +21,7 @@ STRUCT = np.dtype([("a", "<i4"), ("b", "<f8", (2,)), ("c", "?")])  # packed: a s
 def globals_() -> dict[int, np.ndarray]:
     s = np.zeros(N, STRUCT)
     s["a"], s["b"], s["c"] = np.arange(N) - 3, np.arange(2 * N).reshape(N, 2) / 3, np.arange(N) % 3 == 0
-    return {1: s, 2: np.arange(N) * 1.25}
+    return {1: s, 2: np.arange(N) * 1.25, 3: np.arange(4.0) * 3}  # 3: replicated
 
 
 def main() -> None:
@@ -36,10 +36,10 @@ def main() -> None:
         lo, hi = (0, 3) if comm.rank == 0 else (3, N)
     ctx = ftidask.init(comm=comm, ckpt_dir=f"{base}/L", glbl_dir=f"{base}/G", meta_dir=f"{base}/M",
                        local_test=1, verbosity=4)
-    expect = {vid: g[lo:hi].copy() for vid, g in globals_().items()}
+    expect = {vid: g[lo:hi].copy() if vid != 3 else g.copy() for vid, g in globals_().items()}
     arrays = {vid: (e.copy() if mode == "write" else np.zeros_like(e)) for vid, e in expect.items()}
     for vid, a in arrays.items():
-        ctx.protect(vid, a, global_shape=(N,), offset=(lo,))
+        ctx.protect(vid, a, **({"replicated": True} if vid == 3 else {"global_shape": (N,), "offset": (lo,)}))
     if mode == "write":
         ctx.checkpoint(1, 1)
         ctx._close()  # as if the job died: the checkpoint stays
