@@ -12,21 +12,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from mpi_util import need_mpi, run
 
 pytestmark = need_mpi()
 
 
-def test_old_groups_from_the_record(tmp_path: Path) -> None:
-    run(4, "reshard_groups_job.py", "write", str(tmp_path), timeout=180)
-    for level in (2, 3):
-        lost = list((tmp_path / f"l{level}").rglob("Ckpt1-Rank2.fti"))
-        assert len(lost) == 1
-        lost[0].unlink()
-    run(3, "reshard_groups_job.py", "recover", str(tmp_path), timeout=180)
+@pytest.mark.parametrize("level", [2, 3])
+def test_old_groups_from_the_record(tmp_path: Path, level: int) -> None:
+    run(4, "reshard_groups_job.py", "write", str(tmp_path), str(level), timeout=180)
+    lost = list((tmp_path / f"l{level}").rglob("Ckpt1-Rank2.fti"))
+    assert len(lost) == 1
+    lost[0].unlink()
+    run(3, "reshard_groups_job.py", "recover", str(tmp_path), str(level), timeout=180)
     for rank in range(3):
         res = json.loads((tmp_path / f"result-{rank}.json").read_text())
-        for level in ("2", "3"):
-            assert res[level].get("ok") and res[level]["equal"], (rank, level, res[level])
-    for level in (2, 3):  # rebuilt in its old node's directory
-        assert len(list((tmp_path / f"l{level}").rglob("Ckpt1-Rank2.fti"))) == 1
+        assert res[str(level)].get("ok") and res[str(level)]["equal"], (rank, res)
+    assert len(list((tmp_path / f"l{level}").rglob("Ckpt1-Rank2.fti"))) == 1  # rebuilt in its old node's directory
