@@ -382,3 +382,25 @@ def test_an_encoding_error_in_a_frame_leaves_no_view_of_the_source_behind():
     finally:
         gc.enable()
     assert len(source) == 3 * compression.FRAME_BYTES + 1
+
+
+@pytest.mark.parametrize("how", ["recover", "recover_var", "recover_file"])
+def test_stored_size_after_a_recovery_is_the_variables_size(tmp_path, how):
+    """FTI_GetStoredSize gives a variable's bytes, compressed or not. After a recovery (no stored_size asked
+    before it) it summed the recovered file's containers as stored: a compressed variable's compressed bytes,
+    and a realloc sized by it would have been too small."""
+    smooth, *_ = _fields()
+    ctx = ftidask.init(**_dirs(tmp_path))
+    ctx.protect(1, smooth, compressor="zstd")
+    ctx.protect(2, np.arange(10.0))
+    ctx.checkpoint(1, 1)
+    assert ctx.stored_size(1) == smooth.nbytes
+    ctx2 = ftidask.init(**_dirs(tmp_path))
+    ctx2.protect(1, np.zeros_like(smooth))
+    ctx2.protect(2, np.zeros(10))
+    if how == "recover_file":
+        ctx2.recover_file(_files(tmp_path)[0])
+    else:
+        getattr(ctx2, how)(*([1] if how == "recover_var" else []))
+    assert ctx2.protected[1].tobytes() == smooth.tobytes()
+    assert (ctx2.stored_size(1), ctx2.stored_size(2)) == (smooth.nbytes, 80)

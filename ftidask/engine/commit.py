@@ -186,8 +186,10 @@ class Committer(RunPart):
         except CheckpointError:  # agreed: the same on every rank
             self.drop(pending, finished=written is not None)
             raise
-        record = CommitRecord(seq, ckpt_id, level, time.time(), t.size, tuple(FileRecord(**f) for f in files),
-                              dict(pending.record_extra))
+        extra = dict(pending.record_extra)
+        if t.size > 1:  # the L2/L3 groups (a head may raise an L1 checkpoint later): a restart on another number of
+            extra["group_size"] = self.config.group_size  # ranks, with another group_size, rebuilds on these
+        record = CommitRecord(seq, ckpt_id, level, time.time(), t.size, tuple(FileRecord(**f) for f in files), extra)
         self.seal(record, failed, functools.partial(self.drop, pending, finished=True))
         assert written is not None  # every rank succeeded
         self.progress.committed(ckpt_id, pending.layout)

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..ftiff.layout import Layout
-from ..ftiff.reader import FtiffFile, identity_of
+from ..ftiff.reader import FtiffFile, unchanged
 from ..model.arrays import check_id
 from ..model.errors import FTIError, NoCheckpointError, RecoveryError
 from ..storage.files import RunPaths
@@ -51,29 +51,22 @@ class Progress:
     recovered_from: tuple[int, int] | None = None  # (ckpt_id, level)
     last_checkpoint: CheckpointInfo | None = None
     next_ckpt_id: int = 1  # snapshot's next id
+    resharded: tuple[CommitRecord, str] | None = None  # what recover() redistributed, and how its layout differs
 
     def committed(self, ckpt_id: int, layout: Layout | None) -> None:
         """After checkpoint ``ckpt_id`` is committed with ``layout``."""
         self.layout = layout
-        self.restart_file, self.restart_record = None, None
+        self.restart_file, self.restart_record, self.resharded = None, None, None
         self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
 
     def restored(self, ckpt_id: int, level: int, layout: Layout | None) -> None:
         """After checkpoint ``ckpt_id`` of ``level`` is recovered (``layout`` None: plan afresh)."""
         self.layout = layout
         self.restart_file = None if layout is None else self.restart_file
-        self.restart_record = None
+        self.restart_record = self.resharded = None
         self.recovered = True
         self.recovered_from = (ckpt_id, level)
         self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
-
-
-def unchanged(parsed: FtiffFile) -> bool:
-    """Whether the file at ``parsed.path`` is still the one parsed (and verified), unmodified since."""
-    try:
-        return identity_of(os.stat(parsed.path)) == parsed.identity
-    except OSError:
-        return False
 
 
 def newest_recoverable(records: Iterable[CommitRecord], try_one: Callable[[CommitRecord], tuple[T | None, str]],
@@ -255,6 +248,10 @@ class Recovery(RunPart):
                      "are untouched")
         # Every rank agrees on each step before the next: what to fill, then the Python states decoded.
         targets, error = attempt(t.rank, lambda: recoverplan.plan(self.variables, verdict.parsed, wanted))
+        moved = [f"rank {r}: {m}" for r, m in enumerate(t.allgather("" if error else targets.moved)) if m]
+        if moved:  # the blocks moved between ranks: redistributed as declared, never old rank r's into rank r
+            return reshard.recover_other_layout(self, [record], f"checkpoint {record.ckpt_id} (level {record.level})"
+                                                f" has this run's layout but other blocks ({moved[0]})", wanted)
         agree(t, error or (f"rank {t.rank}: {targets.problem}" if targets.problem else ""), RecoveryError, untouched)
         problem, error = attempt(t.rank, targets.load_states)
         agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError, untouched)
@@ -271,6 +268,7 @@ class Recovery(RunPart):
               f"recovering checkpoint {record.ckpt_id} (level {record.level}) failed while loading, and the protected "
               "arrays may hold part of it: recover again")
         self.progress.restored(record.ckpt_id, record.level, verdict.parsed.layout())
+        self.progress.restart_file = verdict.parsed  # stored_size's sizes (its layout holds compressed bytes)
         log.info("recovered checkpoint %d from level %d%s%s", record.ckpt_id, record.level,
                  "" if wanted is None else f" (variables {wanted})",
                  " (the previous differential checkpoint, kept as the spare)" if record.fallback else "")
@@ -293,7 +291,7 @@ class Recovery(RunPart):
         finally:
             release_all(verdict.staged)  # committed ones are gone already
         targets.apply_states()
-        self.progress.layout = verdict.parsed.layout()
+        self.progress.layout, self.progress.restart_file = verdict.parsed.layout(), verdict.parsed  # as _load
         self.progress.recovered = True
         return targets.recovered()
 
@@ -309,6 +307,8 @@ class Recovery(RunPart):
         """The checkpoint recover() loads, sought as it does: each run of candidates of one layout in turn (collective,
         agreed). When it is one of another layout, redistributed, its sizes per old rank describe nothing loaded: a
         RecoveryError. One of another layout that cannot be redistributed is passed over, as recover() does."""
+        if self.progress.resharded is not None:  # what recover() redistributed: refused as such, never sought again
+            raise reshard.sizes_refused(*self.progress.resharded)  # (a whole check of its files may fail where it read)
         failed: list[NoCheckpointError] = []
         for change, records in reshard.by_layout(self, self.all_candidates(None, None)):
             if not change:
@@ -320,10 +320,7 @@ class Recovery(RunPart):
             sound = next((r for r in records if old_files_sound(self, r, partial(reshard.old_path, self, r))), None)
             if sound is not None:
                 t = self.transport
-                raise reshard.redistributed(f"{reshard.layout_change(sound, t.size, t.allgather(t.node))}: its stored "
-                                            "sizes are per old rank, and recover() redistributes it into the arrays as "
-                                            "this run declares them (the size of each block is the application's "
-                                            f"choice). {reshard.advice(sound)}", sound)
+                raise reshard.sizes_refused(sound, reshard.layout_change(sound, t.size, t.allgather(t.node)))
             failed.append(NoCheckpointError(f"{change}; none of those checkpoints can be redistributed"))
         if not failed:
             return self.find(records=[])  # raises: no committed checkpoint

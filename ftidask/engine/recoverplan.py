@@ -47,6 +47,7 @@ class RecoveryPlan:
     states: dict[int, tuple[Holder, np.ndarray]] = dataclasses.field(default_factory=dict)
     contents: dict[int, Any] = dataclasses.field(default_factory=dict)
     problem: str = ""
+    moved: str = ""  # a declared block that the file records elsewhere ('' if none): redistributed, not loaded as it is
 
     def load_states(self) -> str:
         """Read and decode the Python states (nothing of the user's is touched); an error message or ''."""
@@ -100,8 +101,26 @@ def plan(protected: Mapping[int, Any], parsed: Any, ids: list[int] | None) -> Re
             out.states[vid] = (holder, np.empty(sizes[vid], np.uint8))
         else:
             out.arrays[vid] = p.array
+            out.moved = out.moved or moved(vid, getattr(p, "decomp", None), parsed)
     out.problem = check_sizes(parsed, out.arrays)
     return out
+
+
+def moved(vid: int, decl: Mapping[str, Any] | None, parsed: Any) -> str:
+    """Why variable ``vid``, declared ``decl`` here, is not where the checkpoint's file records it ('' when it is,
+    or when either side declares nothing: rank r then gets old rank r's array, as FTI does).
+
+    The same number of ranks on the same nodes need not mean the same blocks: loading old rank r's block into a
+    rank that declares another one would put the data at the wrong place of the global array."""
+    info = getattr(parsed, "vars", {}).get(vid)
+    if decl and info is not None and "dask" in info.extra:  # a Dask worker's chunks, never a block
+        return f"variable {vid} is declared {dict(decl)} here, the checkpoint's file holds chunks of a Dask array"
+    stored = {k: info.extra[k] for k in ("global_shape", "offset", "replicated") if k in info.extra} if info else {}
+    if not decl or not stored:
+        return ""
+    here = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in decl.items()}
+    there = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in stored.items()}
+    return "" if here == there else f"variable {vid} is declared {here} here, the checkpoint's file records {there}"
 
 
 def recover_posix(protected: Mapping[int, Any], path: str | os.PathLike[str], meta: str | os.PathLike[str],

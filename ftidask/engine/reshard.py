@@ -18,21 +18,17 @@ its data before any protected array is written. Otherwise every rank raises the 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..ftiff import compression, hashing
-from ..ftiff.blockhash import FLAG_DCP
-from ..ftiff.reader import FtiffFile, check_unchanged, parse_ftiff
-from ..model.arrays import dtype_to_json
-from ..model.decomposition import Piece, Placement, overlap, piece_view, placement
+from ..model.decomposition import Piece, Placement, overlap, placement
 from ..model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
-from ..storage.files import SPARE_DIR, open_read, spare_file
+from ..storage.files import SPARE_DIR, spare_file
 from .dcpstore import distrust_spare
-from .recovery import check_file, check_writeable, load_file
+from .recovery import check_writeable
+from .reshard_files import open_old, read_pieces, stored_dtype, table_of
 from .reshard_rebuild import old_groups, rebuild_group
 from .retention import rank_path
 from .runstate import CommitRecord
@@ -68,7 +64,15 @@ def _short(values: list[int]) -> str:
     return str(values) if len(values) <= 16 else f"[{', '.join(map(str, values[:16]))}, ...]"
 
 
+DASK = ("It was written by the Dask backend, whose workers' files hold chunks, not one block per rank: recover it "
+        "on a Dask cluster of any number of workers (ftidask.init(client=...)), or move the data with `ftidask export "
+        "--to-zarr` and `ftidask import`.")
+
+
 def advice(record: CommitRecord) -> str:
+    """How to recover ``record`` when this run cannot redistribute it."""
+    if record.extra.get("backend") == "dask":
+        return DASK
     nodes = "" if record.level == 4 else \
         f" on nodes {_short([f.node for f in sorted(record.files, key=lambda f: f.rank)])}"
     return HOW.format(n=record.nranks, nodes=nodes)
@@ -77,40 +81,6 @@ def advice(record: CommitRecord) -> str:
 def old_path(ctx: Any, record: CommitRecord, rank: int) -> Path:
     """Old rank ``rank``'s file of ``record``, in its own node's directory (a fallback's: the spare there)."""
     return rank_path(ctx.paths, record, next(f.node for f in record.files if f.rank == rank), rank)
-
-
-# --- the table of the old files ------------------------------------------------------------------
-
-def _open(path: Path, record: CommitRecord, rank: int) -> Any:
-    """A parsed old file: plain FTI-FF files are only parsed here (their containers are checked as they
-    are read); differential files and Zarr stores are verified whole."""
-    if path.suffix != ".zarr":
-        try:
-            with open_read(path) as fh:
-                parsed = parse_ftiff(fh, str(path))
-        except FileNotFoundError:
-            raise RecoveryError(f"{path}: missing, or not reachable from this rank") from None
-        except OSError as exc:
-            raise RecoveryError(f"{path}: {exc}") from None
-        expected = next((f.fb_hash for f in record.files if f.rank == rank), None)
-        if expected != parsed.fb.hash.hex():
-            raise RecoveryError(f"{path}: does not belong to checkpoint {record.ckpt_id} (seq {record.seq})")
-        if not parsed.fb.flags & FLAG_DCP:
-            return parsed
-    verdict = check_file(path, record, rank)
-    if verdict.kind != "ok":
-        raise RecoveryError(verdict.message)
-    return verdict.parsed
-
-
-def _table(parsed: Any) -> dict[str, Any]:
-    """What the planner needs of one old file: per variable dtype, shape, order and placement."""
-    out = {}
-    for vid, info in parsed.vars.items():
-        out[str(vid)] = {"dtype": dtype_to_json(info.dtype), "shape": list(info.shape), "order": info.order,
-                         "extra": {k: info.extra[k] for k in ("global_shape", "offset", "replicated")
-                                   if k in info.extra}}
-    return out
 
 
 # --- recovery ------------------------------------------------------------------------------------
@@ -142,6 +112,7 @@ def recover_other_layout(ctx: Recovery, records: list[CommitRecord], change: str
     if record.fallback:  # the old ranks' spares are all that a crash would recover: the next checkpoint leaves them
         ctx.spares.get().pin(record.level)
     ctx.progress.restored(record.ckpt_id, record.level, None)  # None: the next checkpoint plans its containers afresh
+    ctx.progress.resharded = (record, change)  # stored_size and realloc refuse it as such
     return dict(arrays)
 
 
@@ -154,6 +125,13 @@ def redistributed(message: str, record: CommitRecord) -> RecoveryError:
     return error
 
 
+def sizes_refused(record: CommitRecord, change: str) -> RecoveryError:
+    """stored_size's and realloc's error when the checkpoint of a restart, ``record``, is (or was) redistributed."""
+    return redistributed(f"{change}: its stored sizes are per old rank, and recover() redistributes it into the arrays "
+                         "as this run declares them (the size of each block is the application's choice). "
+                         f"{advice(record)}", record)
+
+
 def old_names(ctx: Recovery, record: CommitRecord) -> dict[int, str]:
     """The variables' names (by id) on a restart that redistributes ``record`` (``ctx.var_id``), read from its old
     files' tables (each old file by one rank); {} when they cannot all be read. Collective. An id named otherwise
@@ -164,7 +142,7 @@ def old_names(ctx: Recovery, record: CommitRecord) -> dict[int, str]:
     ok = True
     for old in range(t.rank, record.nranks, t.size):
         try:
-            parsed = _open(old_path(ctx, record, old), record, old)
+            parsed = open_old(old_path(ctx, record, old), record, old)
             mine += [[vid, info.name] for vid, info in parsed.vars.items()]
         except Exception:  # noqa: BLE001 - agreed below: a rank that raised alone would leave the others waiting
             ok = False
@@ -244,6 +222,8 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
     """Every rank's new arrays in private buffers, from the old files (collective)."""
     t = ctx.transport
     n, m = record.nranks, t.size
+    if record.extra.get("backend") == "dask":  # the same on every rank
+        raise _Refused("the checkpoint was written by the Dask backend")
     if record.level in (2, 3) and not record.fallback:  # 0. Lost old files come back first, on the
         # old layout's groups (a fallback's redundancy was the committed checkpoint's: never rebuilt).
         groups = old_groups(record, ctx.config.group_size)
@@ -259,9 +239,9 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
     mine, problem = {}, ""
     for old in range(t.rank, n, m):
         try:
-            opened[old] = _open(old_path(ctx, record, old), record, old)
-            mine[old] = _table(opened[old])
-        except Exception as exc:  # noqa: BLE001 - any failure is shared: a rank that raised alone would leave the others waiting
+            opened[old] = open_old(old_path(ctx, record, old), record, old)
+            mine[old] = table_of(opened[old])
+        except Exception as exc:  # noqa: BLE001 - shared: a rank that raised alone would leave the others waiting
             problem = problem or _why(exc)
     _agree(t, problem, RecoveryError)
     tables: dict[int, dict[str, Any]] = {}
@@ -280,8 +260,8 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
     try:
         for old, wanted in sorted(plan.items()):
             path = old_path(ctx, record, old)
-            parsed = opened.get(old) or _open(path, record, old)
-            _read(parsed, wanted, staged)
+            parsed = opened.get(old) or open_old(path, record, old)
+            read_pieces(parsed, wanted, staged)
     except Exception as exc:  # noqa: BLE001 - shared, as above
         problem = _why(exc)
     _agree(t, problem, RecoveryError)
@@ -305,9 +285,10 @@ def _plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decl
             raise _Refused(f"variable {vid} is not in the checkpoint file(s) of old rank(s) {missing[:8]}")
         olds = {}
         for old, e in entries.items():
-            dtype = np.dtype(e["dtype"]) if isinstance(e["dtype"], str) else None
+            dtype = stored_dtype(e["dtype"])  # structured and sub-array dtypes are recorded as JSON objects
             if dtype is None or dtype != array.dtype:
-                raise _Refused(f"variable {vid}: the checkpoint holds {e['dtype']}, the protected array is {array.dtype}")
+                raise _Refused(f"variable {vid}: the checkpoint holds {dtype or e['dtype']}, the protected array is "
+                               f"{array.dtype}")
             try:
                 olds[old] = (placement(e["extra"], e["shape"]), tuple(e["shape"]), e["order"])
             except FormatError as exc:
@@ -348,52 +329,3 @@ def _plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decl
             hole = tuple(int(i[0]) + o for i, o in zip(np.nonzero(~mask), new.offset))
             raise _Refused(f"variable {vid}: no old file holds element {hole} of the global array {new.global_shape}")
     return plan
-
-
-def _read(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, np.ndarray]) -> None:
-    """Copy the pieces ``wanted`` of one old file into the buffers (each byte checked by hash first)."""
-    if isinstance(parsed, FtiffFile) and not parsed.fb.flags & FLAG_DCP:
-        with open_read(parsed.path) as fh:
-            check_unchanged(fh, parsed)
-            for vid, piece in wanted:
-                info = parsed.vars[vid]
-                buf, base = _read_span(fh, parsed, vid, *piece.span)
-                staged[vid][piece.dst] = piece_view(piece, buf, base, info.dtype)
-        return
-    # Differential files and Zarr stores were verified whole: read their variables, then the pieces.
-    whole = {vid: parsed.vars[vid].empty() for vid in {w[0] for w in wanted}}
-    load_file(parsed, whole)
-    for vid, piece in wanted:
-        staged[vid][piece.dst] = whole[vid][piece.src]
-
-
-def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, stop: int) -> tuple[bytearray, int]:
-    """Bytes ``[start, stop)`` of variable ``vid``'s stream, as ``(buffer, its first byte's position)``.
-
-    Reads the whole containers that hold them (a container's hash covers it whole), checks each hash,
-    decodes compressed ones.
-    """
-    info = parsed.vars[vid]
-    codec = compression.var_codec(info.extra)
-    plain = compression.plain_ids(info.extra)
-    spans = []
-    for bi, ci, meta in parsed.containers():
-        if meta.id != vid or not meta.hascontent or not meta.chunksize:
-            continue
-        raw = compression.raw_span(info.nbytes, meta.dptr, meta.containersize) if codec else meta.chunksize
-        if meta.dptr < stop and meta.dptr + raw > start:
-            spans.append((meta.dptr, raw, bi, ci, meta))
-    spans.sort(key=lambda s: s[0])
-    if not spans or spans[0][0] > start or spans[-1][0] + spans[-1][1] < stop:
-        raise FormatError(f"variable {vid}: bytes [{start}, {stop}) are not held by its containers", path=parsed.path)
-    base = spans[0][0]
-    out = bytearray(spans[-1][0] + spans[-1][1] - base)
-    for dptr, raw, bi, ci, meta in spans:
-        stored = os.pread(fh.fileno(), meta.chunksize, meta.fptr)
-        if len(stored) != meta.chunksize or hashing.digest(parsed.fb.hash_id, stored) != meta.hash:
-            raise FormatError(f"block {bi}, container {ci} (var id {vid}): data hash does not match (damaged data)",
-                              path=parsed.path)
-        if codec is not None and meta.containerid not in plain:
-            stored = compression.decode_container(info, meta, stored, f"block {bi}, container {ci} (var id {vid})")
-        out[dptr - base:dptr - base + raw] = stored
-    return out, base

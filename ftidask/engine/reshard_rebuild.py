@@ -27,9 +27,14 @@ def old_groups(record: CommitRecord, group_size: int) -> list[list[int]]:
     a node, the old ranks at that position, by node (as :class:`ftidask.levels.topology.Topology`).
 
     A Dask record lists the groups it was written with (its cluster's size need not be a multiple of
-    ``group_size``): those are the groups, never ones derived again."""
+    ``group_size``): those are the groups, never ones derived again. An MPI record gives the ``group_size`` it
+    was written with, which a restart on another number of ranks may have had to change (``group_size`` here is
+    then only the fallback of records written before it was recorded)."""
     if record.extra.get("groups"):
         return recorded_topology(record.extra["groups"]).rank_groups()
+    recorded = record.extra.get("group_size")
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded >= 1:
+        group_size = recorded
     by_node: dict[int, list[int]] = {}
     for f in sorted(record.files, key=lambda f: f.rank):
         by_node.setdefault(f.node, []).append(f.rank)

@@ -83,6 +83,14 @@ def identity_of(stat: os.stat_result) -> tuple[int, ...]:
     return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
+def unchanged(parsed: FtiffFile) -> bool:
+    """Whether the file at ``parsed.path`` is still the one parsed (and verified), unmodified since."""
+    try:
+        return identity_of(os.stat(parsed.path)) == parsed.identity
+    except OSError:
+        return False
+
+
 def check_unchanged(fh: BinaryIO, parsed: FtiffFile) -> None:
     """Raise unless ``fh`` is the very file that was parsed and verified, unmodified since."""
     if identity_of(os.fstat(fh.fileno())) != parsed.identity:

@@ -4,7 +4,7 @@ Every variable must declare its place (:mod:`ftidask.model.decomposition`: ``glo
 or ``replicated``); a checkpoint of one rank needs no declaration (its arrays are whole). Each
 variable comes back as one Dask array of the global shape whose chunks are the old ranks' blocks
 (cut further where blocks do not form a grid), each chunk read by a task on a worker from the old
-rank's file with the MPI reshard's reader (:func:`ftidask.engine.reshard._read`: only the containers that
+rank's file with the MPI reshard's reader (:func:`ftidask.engine.reshard_files.read_pieces`: only the containers that
 hold the chunk, each checked against its hash before its bytes are used). Old files must be
 visible to the workers: L4 (global directory), L1-L3 with ``local_test`` or shared node
 directories; at L2/L3 lost files are first rebuilt on the old layout's groups
@@ -25,10 +25,11 @@ import numpy as np
 from dask.array.core import Array
 
 from ...api.context import Protected
-from ...engine import pystate, reshard
+from ...engine import pystate, reshard, reshard_files
 from ...engine.recovery import check_writeable
 from ...engine.reshard_rebuild import old_groups, rebuild_group
 from ...engine.runstate import CommitRecord
+from ...model.arrays import dtype_from_json, dtype_to_json
 from ...model.decomposition import Piece, Placement, overlap, placement
 from ...model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from . import reads, tasks
@@ -61,14 +62,14 @@ def rebuild_task(cfg: Any, record_json: dict[str, Any], group: list[int], paths:
 def table_task(path: str, record_json: dict[str, Any], rank: int) -> dict[str, Any]:
     """Old rank ``rank``'s variable table (the reshard planner's, plus names and Python-state kinds)."""
     record = CommitRecord.from_json(record_json)
-    parsed = reshard._open(Path(path), record, rank)  # type: ignore[arg-type]
-    return {"table": reshard._table(parsed),
+    parsed = reshard_files.open_old(Path(path), record, rank)  # type: ignore[arg-type]
+    return {"table": reshard_files.table_of(parsed),
             "names": {str(v): i.name for v, i in parsed.vars.items()},
             "pystate": {str(v): i.extra[pystate.EXTRA_KEY] for v, i in parsed.vars.items()
                         if pystate.EXTRA_KEY in i.extra}}
 
 
-def read_task(path: str, record_json: dict[str, Any], rank: int, vid: int, piece: Piece, dtype: str,
+def read_task(path: str, record_json: dict[str, Any], rank: int, vid: int, piece: Piece, dtype: Any,
               worker: str) -> np.ndarray:
     """One chunk: the piece of old rank ``rank``'s block, read and hash-checked on this worker."""
     here = reads._here()
@@ -78,9 +79,9 @@ def read_task(path: str, record_json: dict[str, Any], rank: int, vid: int, piece
 
         raise Reschedule()
     record = CommitRecord.from_json(record_json)
-    parsed = reshard._open(Path(path), record, rank)  # type: ignore[arg-type]
-    out = {vid: np.empty(piece.shape, np.dtype(dtype))}
-    reshard._read(parsed, [(vid, piece)], out)
+    parsed = reshard_files.open_old(Path(path), record, rank)  # type: ignore[arg-type]
+    out = {vid: np.empty(piece.shape, dtype_from_json(dtype))}  # dtype_to_json's: a structured one too
+    reshard_files.read_pieces(parsed, [(vid, piece)], out)
     return out[vid]
 
 
@@ -125,9 +126,9 @@ def _variable(vid: int, tables: dict[int, dict[str, Any]], n: int) -> tuple[np.d
     missing = [old for old, e in entries.items() if e is None]
     if missing:
         raise _Refused(f"variable {vid} is not in the checkpoint file(s) of old rank(s) {missing[:8]}")
-    dtypes = {np.dtype(e["dtype"]) if isinstance(e["dtype"], str) else None for e in entries.values()}
+    dtypes = {reshard_files.stored_dtype(e["dtype"]) for e in entries.values()}
     if len(dtypes) != 1 or None in dtypes:
-        raise _Refused(f"variable {vid}: the old ranks hold different or structured dtypes {sorted(map(str, dtypes))}")
+        raise _Refused(f"variable {vid}: the old ranks hold different (or malformed) dtypes {sorted(map(str, dtypes))}")
     dtype = dtypes.pop()
     assert dtype is not None
     try:
@@ -270,7 +271,7 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
         graph = {}
         for index, (old, piece) in owner.items():
             path = paths[old]
-            graph[(name, *index)] = ctx.cluster.submit(read_task, path, rj, old, vid, piece, dtype.str,
+            graph[(name, *index)] = ctx.cluster.submit(read_task, path, rj, old, vid, piece, dtype_to_json(dtype),
                                                        server[path], key=(name, *index), worker=server[path],
                                                        loose=True)
         futures.extend(graph.values())

@@ -1,0 +1,111 @@
+"""The old files of a redistributed checkpoint (:mod:`ftidask.engine.reshard`): each one opened and its variable
+table summed up for the planner, then the pieces a new rank needs read from it, each container checked against its
+hash before its bytes are used. The Dask backend's stitching (:mod:`ftidask.backends.dask.stitch`) reads with them
+too."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..ftiff import compression, hashing
+from ..ftiff.blockhash import FLAG_DCP
+from ..ftiff.reader import FtiffFile, check_unchanged, parse_ftiff
+from ..model.arrays import dtype_from_json, dtype_to_json
+from ..model.decomposition import Piece, piece_view
+from ..model.errors import FormatError, RecoveryError
+from ..storage.files import open_read
+from .recovery import check_file, load_file
+from .runstate import CommitRecord
+
+
+def open_old(path: Path, record: CommitRecord, rank: int) -> Any:
+    """A parsed old file: plain FTI-FF files are only parsed here (their containers are checked as they
+    are read); differential files and Zarr stores are verified whole."""
+    if path.suffix != ".zarr":
+        try:
+            with open_read(path) as fh:
+                parsed = parse_ftiff(fh, str(path))
+        except FileNotFoundError:
+            raise RecoveryError(f"{path}: missing, or not reachable from this rank") from None
+        except OSError as exc:
+            raise RecoveryError(f"{path}: {exc}") from None
+        expected = next((f.fb_hash for f in record.files if f.rank == rank), None)
+        if expected != parsed.fb.hash.hex():
+            raise RecoveryError(f"{path}: does not belong to checkpoint {record.ckpt_id} (seq {record.seq})")
+        if not parsed.fb.flags & FLAG_DCP:
+            return parsed
+    verdict = check_file(path, record, rank)
+    if verdict.kind != "ok":
+        raise RecoveryError(verdict.message)
+    return verdict.parsed
+
+
+def stored_dtype(value: Any) -> np.dtype | None:
+    """The dtype an old file's table records (:func:`dtype_to_json`'s form), None for a malformed one."""
+    try:
+        return dtype_from_json(value)
+    except FormatError:
+        return None
+
+
+def table_of(parsed: Any) -> dict[str, Any]:
+    """What the planner needs of one old file: per variable dtype, shape, order and placement."""
+    out = {}
+    for vid, info in parsed.vars.items():
+        out[str(vid)] = {"dtype": dtype_to_json(info.dtype), "shape": list(info.shape), "order": info.order,
+                         "extra": {k: info.extra[k] for k in ("global_shape", "offset", "replicated")
+                                   if k in info.extra}}
+    return out
+
+
+def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, np.ndarray]) -> None:
+    """Copy the pieces ``wanted`` of one old file into the buffers (each byte checked by hash first)."""
+    if isinstance(parsed, FtiffFile) and not parsed.fb.flags & FLAG_DCP:
+        with open_read(parsed.path) as fh:
+            check_unchanged(fh, parsed)
+            for vid, piece in wanted:
+                info = parsed.vars[vid]
+                buf, base = _read_span(fh, parsed, vid, *piece.span)
+                staged[vid][piece.dst] = piece_view(piece, buf, base, info.dtype)
+        return
+    # Differential files and Zarr stores were verified whole: read their variables, then the pieces.
+    whole = {vid: parsed.vars[vid].empty() for vid in {w[0] for w in wanted}}
+    load_file(parsed, whole)
+    for vid, piece in wanted:
+        staged[vid][piece.dst] = whole[vid][piece.src]
+
+
+def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, stop: int) -> tuple[bytearray, int]:
+    """Bytes ``[start, stop)`` of variable ``vid``'s stream, as ``(buffer, its first byte's position)``.
+
+    Reads the whole containers that hold them (a container's hash covers it whole), checks each hash,
+    decodes compressed ones.
+    """
+    info = parsed.vars[vid]
+    codec = compression.var_codec(info.extra)
+    plain = compression.plain_ids(info.extra)
+    spans = []
+    for bi, ci, meta in parsed.containers():
+        if meta.id != vid or not meta.hascontent or not meta.chunksize:
+            continue
+        raw = compression.raw_span(info.nbytes, meta.dptr, meta.containersize) if codec else meta.chunksize
+        if meta.dptr < stop and meta.dptr + raw > start:
+            spans.append((meta.dptr, raw, bi, ci, meta))
+    spans.sort(key=lambda s: s[0])
+    if not spans or spans[0][0] > start or spans[-1][0] + spans[-1][1] < stop:
+        raise FormatError(f"variable {vid}: bytes [{start}, {stop}) are not held by its containers", path=parsed.path)
+    base = spans[0][0]
+    out = bytearray(spans[-1][0] + spans[-1][1] - base)
+    for dptr, raw, bi, ci, meta in spans:
+        stored = os.pread(fh.fileno(), meta.chunksize, meta.fptr)
+        if len(stored) != meta.chunksize or hashing.digest(parsed.fb.hash_id, stored) != meta.hash:
+            raise FormatError(f"block {bi}, container {ci} (var id {vid}): data hash does not match (damaged data)",
+                              path=parsed.path)
+        if codec is not None and meta.containerid not in plain:
+            stored = compression.decode_container(info, meta, stored, f"block {bi}, container {ci} (var id {vid})")
+        out[dptr - base:dptr - base + raw] = stored
+    return out, base
