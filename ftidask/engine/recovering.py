@@ -226,7 +226,9 @@ class Recovery(RunPart):
             request = recoverplan.normalize_request(ckpt_id, level, ids)
             return {"ckpt_id": request[0], "level": request[1], "all": request[2] is None}, request
 
-        return agree_call(self.transport, "recover", step, RecoveryError)
+        shown = [f"ckpt_id={ckpt_id!r}"] * (ckpt_id is not None) + [f"level={level!r}"] * (level is not None)
+        shown += [f"ids={ids!r}"] * (ids is not None)  # as the application wrote them (the ids may differ)
+        return agree_call(self.transport, "recover", step, RecoveryError, f"({', '.join(shown)})")
 
     @contextlib.contextmanager
     def _verifying(self, ids: list[int] | None) -> Iterator[Stager | None]:

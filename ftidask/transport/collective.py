@@ -83,7 +83,8 @@ def on_root(t: Any, step: Callable[[], Any], error_type: type[FTIError], what: s
     return agree(t, error, error_type, what, result if t.rank == root else None)[root]
 
 
-def agree_call(t: Any, call: str, step: Callable[[], tuple[Any, T]], error_type: type[FTIError]) -> T:
+def agree_call(t: Any, call: str, step: Callable[[], tuple[Any, T]], error_type: type[FTIError],
+               shown: str | None = None) -> T:
     """Collective, the first step of a collective API call (``checkpoint``, ``recover``...): every rank checks its
     own arguments (``step``), then the ranks compare their calls in one allgather.
 
@@ -92,7 +93,8 @@ def agree_call(t: Any, call: str, step: Callable[[], tuple[Any, T]], error_type:
     them, or ranks in different collective calls (one ``checkpoint``, another ``recover``) would otherwise run
     unrelated collectives: wrong data paired silently (a checkpoint committed with another id on each rank),
     raw errors, or a hang. Instead every rank raises the same error here (the refused arguments' own ftidask
-    error class when every failing rank raised that one, else ``error_type``). One rank: ``step`` alone.
+    error class when every failing rank raised that one, else ``error_type``), naming each rank's call (``shown``:
+    its arguments as the application wrote them, else ``shared``). One rank: ``step`` alone.
     """
     if t.size == 1:
         return step()[1]
@@ -102,11 +104,11 @@ def agree_call(t: Any, call: str, step: Callable[[], tuple[Any, T]], error_type:
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         shared, mine = None, None
         error, kind = f"rank {t.rank}: {reason(exc)}", type(exc).__name__ if isinstance(exc, FTIError) else ""
-    calls = t.allgather([call, shared, error, kind])
+    calls = t.allgather([call, shared, error, kind, call + (_args(shared) if shown is None else shown)])
     if any(c[0] != call for c in calls) or (not any(c[2] for c in calls) and any(c[1] != shared for c in calls)):
         raise error_type("the ranks made different collective calls (checkpoint, recover and the like are collective: "
                          "every rank makes the same call with the same arguments, in the same order): "
-                         + "; ".join(f"rank {r}: {c[0]}{_args(c[1])}" for r, c in enumerate(calls)))
+                         + "; ".join(f"rank {r}: {c[4]}" for r, c in enumerate(calls)))
     errors = [c for c in calls if c[2]]
     if errors:
         kinds = {c[3] for c in errors}
