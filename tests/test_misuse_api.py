@@ -157,3 +157,14 @@ def test_staging_arguments_are_checked(dirs) -> None:
         with pytest.raises(StagingError, match="send_file: remote_path must be a path"):
             ctx.send_file(path, None)
         assert ctx.stage_status(np.int64(999)) == ftidask.SI_NINI
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"every": "10"}, "every must be an int, got '10'"),  # before: TypeError '<' not supported between str and int
+    ({"iterations": 3.5}, "iterations must be an int, got 3.5"),
+    ({"rng": 5}, "rng must be a numpy.random.Generator or BitGenerator, got 5"),  # before: protect's message
+    ({"state": [1]}, "state must be a dict of JSON values, got list"),
+])
+def test_resilient_loop_arguments_are_checked(ctx, kwargs, match) -> None:
+    with pytest.raises(ftidask.FTIError, match=match):
+        ftidask.ResilientLoop(ctx, arrays={1: np.zeros(3)}, **{"every": 1, "iterations": 3, **kwargs})
