@@ -103,18 +103,28 @@ def agree_call(t: Any, call: str, step: Callable[[], tuple[Any, T]], error_type:
         error, kind = "", ""
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         shared, mine = None, None
-        error, kind = f"rank {t.rank}: {reason(exc)}", type(exc).__name__ if isinstance(exc, FTIError) else ""
+        error, kind = reason(exc), type(exc).__name__ if isinstance(exc, FTIError) else ""
     calls = t.allgather([call, shared, error, kind, call + (_args(shared) if shown is None else shown)])
     if any(c[0] != call for c in calls) or (not any(c[2] for c in calls) and any(c[1] != shared for c in calls)):
         raise error_type("the ranks made different collective calls (checkpoint, recover and the like are collective: "
                          "every rank makes the same call with the same arguments, in the same order): "
                          + "; ".join(f"rank {r}: {c[4]}" for r, c in enumerate(calls)))
-    errors = [c for c in calls if c[2]]
+    errors: dict[str, list[int]] = {}  # each reason once, with the ranks that gave it (a level every rank refuses)
+    for r, c in enumerate(calls):
+        if c[2]:
+            errors.setdefault(c[2], []).append(r)
     if errors:
-        kinds = {c[3] for c in errors}
+        kinds = {c[3] for c in calls if c[2]}
         cls = FTI_ERRORS.get(kinds.pop(), error_type) if len(kinds) == 1 else error_type
-        raise cls(f"{call}: " + "; ".join(c[2] for c in errors))
+        raise cls(f"{call}: " + "; ".join(f"{_ranks(ranks)}: {why}" for why, ranks in errors.items()))
     return mine
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    shown = ", ".join(map(str, ranks[:8]))
+    return f"ranks {shown}" + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
 def _args(shared: Any) -> str:
