@@ -36,6 +36,7 @@ from ..storage import dirchecks
 from ..storage import files as storage
 from ..storage.runlock import RunLock
 from ..transport.base import Transport
+from ..transport.collective import agree_call
 from . import display, logsetup
 from .names import VarNames, restart_names
 
@@ -331,6 +332,7 @@ class Context:
         """FTI_Finalize: flush the last checkpoint to L4 if ``keep_last_ckpt``, else clean up."""
         if self._closed:
             return
+        agree_call(self.transport, "finalize", lambda: ({}, None), FTIError)  # not beside another rank's checkpoint
         staging_failed = self._staging.finish()  # wait for pending SendFile requests (stage_timeout)
         self._async.drain()  # a failure nobody asked for is raised at the end, once finalized
         try:

@@ -52,6 +52,7 @@ SCENARIOS: dict[str, Callable[[Any], Any]] = {
     "icp_id_differs": lambda ctx: (ctx.init_icp(mine(2, 3), 1), ctx.add_var_icp(1), ctx.finalize_icp()),
     "icp_level_refused_on_one_rank": lambda ctx: ctx.init_icp(2, mine(1, 9)),
     "checkpoint_beside_recover": lambda ctx: ctx.checkpoint(2, 1) if RANK == 0 else ctx.recover(),
+    "finalize_beside_checkpoint": lambda ctx: ctx.finalize() if RANK == 0 else ctx.checkpoint(2, 1),
     "recover_ckpt_id_str_on_one_rank": lambda ctx: ctx.recover(ckpt_id=mine(1, "1")),
     "realloc_refused_on_one_rank": lambda ctx: ctx.realloc(mine(1, "x")),
 }
