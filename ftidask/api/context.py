@@ -27,15 +27,16 @@ from ..engine.variables import Protected, encode_states, protected_var
 from ..engine.writing import Writer
 from ..ftiff import hashing
 from ..model import constants
-from ..model.arrays import check_ckpt_id, check_id
+from ..model.arrays import check_id
 from ..model.config import Config
-from ..model.errors import FTIError
+from ..model.errors import FTIError, RecoveryError
 from ..model.level import Level
-from ..staging.stager import StageInfo, Stager, Staging
+from ..staging.stager import StageInfo, Stager, Staging, request_id_of
 from ..storage import dirchecks
 from ..storage import files as storage
 from ..storage.runlock import RunLock
 from ..transport.base import Transport
+from ..transport.collective import agree_call
 from . import display, logsetup
 from .names import VarNames, restart_names
 
@@ -54,7 +55,7 @@ class Context:
         self.transport = transport
         logsetup.apply_verbosity(config.verbosity, False, transport.rank)
         storage.set_permissions(config.permissions)
-        dirchecks.check(transport, [Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir)])
+        dirchecks.check(transport, [Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir)], True)
         self.exec_id, self._status, self._run_lock = claim_everywhere(transport, Path(config.meta_dir),
                                                                       config.exec_id, bool(config.enable_dcp))
         self.paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir),
@@ -142,10 +143,6 @@ class Context:
         return self.progress.recovered_from
 
     @property
-    def _next_ckpt_id(self) -> int:  # snapshot's next checkpoint id (read by a test job)
-        return self.progress.next_ckpt_id
-
-    @property
     def finalized(self) -> bool:
         """Whether :meth:`finalize` ran (or the context was closed after an error)."""
         return self._closed
@@ -169,12 +166,13 @@ class Context:
         committed when this returns its :class:`CheckpointInfo`.
         """
         self._check_open()
-        parsed = self._check_level(level, dcp)
-        if self._asynchronous(wait):
-            return self._checkpoint_async(check_ckpt_id(id), parsed)
+        ckpt_id, parsed, asynchronous = icp.agreed_request(  # collective: every rank the same id, level and wait
+            self.transport, "checkpoint", id, lambda: self._check_level(level, dcp), self._icp_slot, wait=wait,
+            asynchronous=lambda: self._asynchronous(wait))
+        if asynchronous:
+            return self._checkpoint_async(ckpt_id, parsed)
         self._async.settle()
-        self._icp_slot.check_none_open()
-        return self._committer.checkpoint(id, parsed)
+        return self._committer.checkpoint(ckpt_id, parsed)
 
     def _checkpoint_async(self, ckpt_id: int, level: Level) -> CheckpointHandle:
         self._icp_slot.check_none_open()
@@ -256,12 +254,12 @@ class Context:
     def stage_status(self, request_id: int) -> int:
         """FTI_GetStageStatus: SI_PEND, SI_ACTV, SI_SCES or SI_FAIL (each final state once), else SI_NINI."""
         self._check_open()
-        return self._staging.get().table.query(int(request_id))
+        return self._staging.get().table.query(request_id_of(request_id))
 
     def stage_info(self, request_id: int) -> StageInfo | None:
         """The request's state, reason, paths, times (a final state not consumed; kept for 1024 stage_status read)."""
         self._check_open()
-        return self._staging.get().table.info(int(request_id))
+        return self._staging.get().table.info(request_id_of(request_id))
 
     def wait_staged(self, request_id: int | None = None, timeout: float | None = None) -> Any:
         """Wait for one request (its state) or all (``{id: state}``); final states are not consumed."""
@@ -278,6 +276,7 @@ class Context:
         array is written; on failure nothing is touched. Raises :class:`NoCheckpointError` when nothing can be
         recovered. A full recovery sets :meth:`status` to 0, as FTI_Recover does."""
         self._check_open()
+        self._icp_slot.check_none_open(RecoveryError)  # the checkpoint would mix values from before and after
         self._async.drain()  # never a checkpoint half written by this run
         out = self.recovery.recover(ckpt_id, level, ids)
         self.progress.recovered_all |= ids is None  # FTI_RecoverVar leaves FTI_Status as it is
@@ -305,7 +304,7 @@ class Context:
         protected one; for a Python state (``State``, ``Value``, a generator), the protected object itself."""
         self._check_open()
         self._async.drain()
-        return self.recovery.realloc(check_id(id, "variable id"), array)
+        return self.recovery.realloc(id, array)  # the id checked there, with the other ranks
 
     def _rank_file(self, record: CommitRecord) -> Path:
         # This rank's file of ``record`` (the tests corrupt it).
@@ -334,6 +333,7 @@ class Context:
         """FTI_Finalize: flush the last checkpoint to L4 if ``keep_last_ckpt``, else clean up."""
         if self._closed:
             return
+        agree_call(self.transport, "finalize", lambda: ({}, None), FTIError)  # not beside another rank's checkpoint
         staging_failed = self._staging.finish()  # wait for pending SendFile requests (stage_timeout)
         self._async.drain()  # a failure nobody asked for is raised at the end, once finalized
         try:
@@ -348,7 +348,7 @@ class Context:
 
     def _close(self) -> None:
         self._closed = True
-        self._icp_slot.current, self._icp_slot.inactive = None, False
+        self._icp.close()  # an incremental checkpoint left open is dropped, its file closed
         self._async.close()  # what is in flight is finished first
         if self._dcp is not None:
             self._dcp.close()

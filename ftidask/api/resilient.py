@@ -33,6 +33,8 @@ import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
+
 from ..engine.pystate import Value
 from ..model.errors import FTIError
 
@@ -52,6 +54,13 @@ class ResilientLoop:
     def __init__(self, ctx: Any, *, arrays: Mapping[int, Any], every: int, level: int = 1,
                  iterations: int, stop_level: int | None = None, signals: tuple[int, ...] = STOP_SIGNALS,
                  check_every: int = 1, rng: Any = None, state: dict[str, Any] | None = None) -> None:
+        for what, value in (("every", every), ("iterations", iterations), ("check_every", check_every)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):  # "10" would fail a comparison
+                raise FTIError(f"ResilientLoop: {what} must be an int, got {value!r}")
+        if rng is not None and not isinstance(rng, (np.random.Generator, np.random.BitGenerator)):
+            raise FTIError(f"ResilientLoop: rng must be a numpy.random.Generator or BitGenerator, got {rng!r}")
+        if state is not None and not isinstance(state, dict):
+            raise FTIError(f"ResilientLoop: state must be a dict of JSON values, got {type(state).__name__}")
         if every < 1 or iterations < 0 or check_every < 1:
             raise FTIError(f"ResilientLoop: every={every}, check_every={check_every} must be >= 1 and "
                            f"iterations={iterations} >= 0")

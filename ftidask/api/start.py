@@ -48,7 +48,14 @@ def init(config: str | os.PathLike[str] | Config | None = None, *, comm: Any = N
     """
     from ..model.config import keys_in_file, load_config
 
-    cfg = load_config(config, **overrides).with_absolute_dirs()  # every backend, MPI heads included
+    try:
+        cfg = load_config(config, **overrides).with_absolute_dirs()  # every backend, MPI heads included
+    except FTIError as exc:
+        if comm is None or client is not None:
+            raise
+        # One rank's config refused (a file its node cannot read, a value of its own): the others are told in
+        # the MPI backend's first collective and raise the same error, instead of waiting in it forever.
+        return backend("mpi")(None, comm, refused=exc)  # type: ignore[no-any-return]
     if isinstance(config, Config):  # built by the application: explicit where it differs from the default
         explicit = "verbosity" in overrides or config.verbosity != Config().verbosity
     else:

@@ -9,14 +9,17 @@ variable is refused there, and the previous checkpoint stays the newest one. Dif
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ..model.arrays import check_ckpt_id
 from ..model.errors import CheckpointError, FTIError, ProtectError
 from ..model.level import Level
 from ..storage.files import remove_tree
-from ..transport.collective import reason
+from ..transport.collective import agree_call, reason
 
 if TYPE_CHECKING:
     from ..api.context import Context
@@ -45,10 +48,10 @@ class IcpSlot:
         """Whether add and finalize do nothing (an inactive init_icp, nothing open)."""
         return self.current is None and self.inactive
 
-    def check_none_open(self) -> None:
-        """Refuse to start a checkpoint while an incremental one is open."""
+    def check_none_open(self, error: type[FTIError] = CheckpointError) -> None:
+        """Refuse to start a checkpoint (or a recovery: ``error``) while an incremental one is open."""
         if self.current is not None:
-            raise CheckpointError(f"incremental checkpoint {self.current.ckpt_id} is open; finalize_icp() first")
+            raise error(f"incremental checkpoint {self.current.ckpt_id} is open; finalize_icp() first")
 
     def get(self) -> Any:
         """The open incremental checkpoint, or a :class:`CheckpointError`."""
@@ -78,6 +81,22 @@ def checked_level(level: Any, dcp: bool, *, enable_dcp: bool, transport: Transpo
     return parsed
 
 
+def agreed_request(transport: Transport, call: str, ckpt_id: Any, level: Callable[[], Level], slot: IcpSlot,
+                   wait: Any = None, asynchronous: Callable[[], bool] = bool) -> tuple[int, Level, bool]:
+    """Checkpoint ``ckpt_id`` at the parsed ``level()`` (and whether it is asynchronous), once every rank is
+    known to ask for the same (collective: :func:`~ftidask.transport.collective.agree_call`). Ranks that asked
+    for another id or level would each commit a checkpoint of their own that no recovery finds."""
+    def step() -> tuple[dict[str, Any], tuple[int, Level, bool]]:
+        checked, parsed = check_ckpt_id(ckpt_id), level()
+        if wait is not None and not isinstance(wait, (bool, np.bool_)):
+            raise CheckpointError(f"{call}(wait=...) takes True, False or None, got {wait!r}")
+        slot.check_none_open()
+        out = (checked, parsed, asynchronous())
+        return {"id": checked, "level": parsed.number, **({"wait": not out[2]} if call == "checkpoint" else {})}, out
+
+    return agree_call(transport, call, step, CheckpointError)
+
+
 class IncrementalCheckpoints:
     """FTI's InitICP / AddVarICP / FinalizeICP over the checkpoint protocol (one process or MPI ranks).
 
@@ -92,9 +111,13 @@ class IncrementalCheckpoints:
     def init(self, ckpt_id: int, level: int, activate: bool = True) -> None:
         """Open incremental checkpoint ``ckpt_id`` at ``level`` (levels 1-8, as for checkpoint); with
         ``activate`` false, nothing is opened and add and finalize do nothing (the arguments are still checked)."""
-        self.slot.check_none_open()
-        check_ckpt_id(ckpt_id)
-        parsed = self._check_level(level)
+        if activate:  # collective: every rank the same id and level (FTI_InitICP with activate false writes nothing)
+            ckpt_id, parsed, _ = agreed_request(self.committer.transport, "init_icp", ckpt_id,
+                                                lambda: self._check_level(level), self.slot)
+        else:
+            self.slot.check_none_open()
+            check_ckpt_id(ckpt_id)
+            parsed = self._check_level(level)
         if not activate:
             self.slot.skip()
             return
@@ -130,6 +153,13 @@ class IncrementalCheckpoints:
             pending.error = (f"rank {self.committer.transport.rank}: incremental checkpoint {pending.ckpt_id} "
                              f"misses protected variables {missing}")
         return self.committer.finish(pending)
+
+    def close(self) -> None:
+        """At finalize: the open checkpoint is dropped, its file closed and removed; nothing is left open."""
+        with contextlib.suppress(OSError, FTIError):
+            if hasattr(self.slot.current, "abort"):  # this engine's own (the Dask backend's pins arrays only)
+                self.abort()
+        self.slot.current, self.slot.inactive = None, False
 
     def abort(self) -> None:
         """Drop the open checkpoint without committing it (the previous one stays)."""

@@ -20,9 +20,9 @@ import numpy as np
 from ..ftiff.layout import Layout
 from ..ftiff.reader import FtiffFile, unchanged
 from ..model.arrays import check_id
-from ..model.errors import FTIError, NoCheckpointError, RecoveryError
+from ..model.errors import FTIError, NoCheckpointError, ProtectError, RecoveryError
 from ..storage.files import RunPaths
-from ..transport.collective import agree, attempt, guarded, on_root
+from ..transport.collective import agree, agree_call, attempt, guarded, on_root
 from . import pagemove, recoverplan, reshard
 from .checkpointing import CheckpointInfo
 from .dcpstore import distrust_spare
@@ -175,7 +175,7 @@ class Recovery(RunPart):
 
     def recover(self, ckpt_id: int | None, level: int | None, ids: Any) -> dict[int, Any]:
         """:meth:`ftidask.Context.recover` (collective)."""
-        wanted = self._same_request(ckpt_id, level, ids)
+        ckpt_id, level, wanted = self._same_request(ckpt_id, level, ids)
         # Newest first, whatever layout wrote them: each run of candidates of one layout in turn, those written on
         # another number of ranks or node layout redistributed. Before, the newest's layout chose the only ones tried:
         # NoCheckpointError with a sound checkpoint of the other kind (e.g. the previous differential checkpoint,
@@ -208,27 +208,20 @@ class Recovery(RunPart):
         finally:
             release_all(verdict.staged)  # committed ones are gone already
 
-    def _same_request(self, ckpt_id: int | None, level: int | None, ids: Any) -> list[int] | None:
-        """The variable ids to recover (None: all), once every rank is known to ask for the same (collective).
+    def _same_request(self, ckpt_id: Any, level: Any, ids: Any) -> tuple[int | None, int | None, list[int] | None]:
+        """The checkpoint id, level and variable ids (None: all) to recover, checked, once every rank is known to
+        ask for the same (collective). Recovery is collective here, where FTI's FTI_Recover and FTI_RecoverVar
+        read local files after FTI_Init: an application that calls recover() on some ranks and recover_var() (or
+        checkpoint()) on others would pair unrelated collectives and hang; :func:`agree_call` makes it the same
+        RecoveryError everywhere. The ids may differ (each rank its own variables, as FTI's RecoverVar allows:
+        ids given by name in another order on each rank); the call, the checkpoint and the level may not."""
+        def step() -> tuple[dict[str, Any], tuple[int | None, int | None, list[int] | None]]:
+            request = recoverplan.normalize_request(ckpt_id, level, ids)
+            return {"ckpt_id": request[0], "level": request[1], "all": request[2] is None}, request
 
-        Recovery is collective here (the ranks agree on the checkpoint, then on each step), where FTI's
-        FTI_Recover and FTI_RecoverVar read local files after FTI_Init. An application that calls recover()
-        on some ranks and recover_var() on others (FTI's ckptDiffSizes test does) would pair unrelated
-        collectives and hang; one allgather of the request first makes it the same RecoveryError everywhere.
-        """
-        t = self.transport
-        request, error = attempt(t.rank, lambda: [None if x is None else int(x)  # np.int64(1) asks for 1
-                                                  for x in (ckpt_id, level)] + [recoverplan.normalize_ids(ids)])
-        asked = [tuple(a) for a in agree(t, error, RecoveryError, "recover", request)]
-        # The ids may differ (each rank its own variables, as FTI's RecoverVar allows: ids given by name
-        # in another order on each rank); the call, the checkpoint and the level may not.
-        kinds = [(a[0], a[1], a[2] is None) for a in asked]
-        if any(k != kinds[0] for k in kinds):
-            raise RecoveryError(
-                "the ranks asked for different recoveries (recover and recover_var are collective: every rank "
-                "calls them with the same checkpoint and level, in the same order): "
-                + "; ".join(f"rank {r}: {_request(*a)}" for r, a in enumerate(asked)))
-        return asked[t.rank][2]
+        shown = [f"ckpt_id={ckpt_id!r}"] * (ckpt_id is not None) + [f"level={level!r}"] * (level is not None)
+        shown += [f"ids={ids!r}"] * (ids is not None)  # as the application wrote them (the ids may differ)
+        return agree_call(self.transport, "recover", step, RecoveryError, f"({', '.join(shown)})")
 
     @contextlib.contextmanager
     def _verifying(self, ids: list[int] | None) -> Iterator[Stager | None]:
@@ -362,9 +355,15 @@ class Recovery(RunPart):
             return {}  # nothing committed (a fresh run before its first checkpoint): FTI's 0 for every id
         return self.restart_metadata().var_nbytes()
 
-    def realloc(self, vid: int, array: Any) -> Any:
-        """:meth:`ftidask.Context.realloc` of the checked id ``vid``."""
-        variables = self.variables
+    def realloc(self, id: Any, array: Any) -> Any:
+        """:meth:`ftidask.Context.realloc` (collective: a rank whose arguments are refused tells the others)."""
+        def step() -> tuple[dict[str, Any], int]:
+            if array is not None and not isinstance(array, np.ndarray):
+                raise ProtectError("realloc(id, array): array must be a numpy.ndarray or None, got "
+                                   f"{type(array).__name__}")
+            return {}, check_id(id, "variable id")
+
+        vid, variables = agree_call(self.transport, "realloc", step, RecoveryError), self.variables
         state = variables[vid].state if vid in variables else None
         if state is not None:  # a Python state resizes itself
             return state.obj
@@ -389,9 +388,3 @@ class Recovery(RunPart):
                                        variables.get(vid), global_shape=None, offset=None, replicated=False)
         return new
 
-
-def _request(ckpt_id: int | None, level: int | None, ids: list[int] | None) -> str:
-    """One rank's recovery request, as the application wrote it."""
-    args = [f"ckpt_id={ckpt_id}"] if ckpt_id is not None else []
-    args += [f"level={level}"] if level is not None else []
-    return f"recover({', '.join(args + ([f'ids={ids}'] if ids is not None else []))})"

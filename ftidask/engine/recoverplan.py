@@ -21,6 +21,20 @@ from .pystate import Holder, kind_of
 from .recovery import check_sizes, load_file
 
 
+def normalize_request(ckpt_id: Any, level: Any, ids: Any) -> tuple[int | None, int | None, list[int] | None]:
+    """``recover(ckpt_id, level, ids=...)``'s arguments checked: a checkpoint id, a level 1-8 (or None for
+    any), and :func:`normalize_ids`; a :class:`RecoveryError` naming the argument otherwise (a str "2" would
+    name no checkpoint, and the recovery would say that none exists)."""
+    try:
+        checked = None if ckpt_id is None else check_id(ckpt_id, "recover(ckpt_id=...): a checkpoint id")
+    except ProtectError as exc:
+        raise RecoveryError(str(exc)) from None
+    if level is not None and (isinstance(level, bool) or not isinstance(level, (int, np.integer))
+                              or not 1 <= int(level) <= 8):
+        raise RecoveryError(f"recover(level=...) takes a checkpoint level 1-8 (or None for any), got {level!r}")
+    return checked, None if level is None else int(level), normalize_ids(ids)
+
+
 def normalize_ids(ids: Any) -> list[int] | None:
     """``ids`` of ``recover(ids=...)`` as a list of variable ids (None: every protected variable)."""
     if ids is None:

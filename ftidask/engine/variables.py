@@ -34,6 +34,7 @@ class Protected:
 def protected_var(vid: int, array: Any, name: str | None, compressor: Any, old: Protected | None, *,
                   global_shape: Any, offset: Any, replicated: bool) -> Protected:
     """Variable ``vid`` as :meth:`ftidask.Context.protect` registers it (``old``: its previous registration)."""
+    check_name(name)
     state = pystate.holder_of(array)  # a Python state (stored as JSON bytes), or None for an array
     array = state.encode() if state is not None else check_protectable(array)
     if name is None:
@@ -46,6 +47,13 @@ def protected_var(vid: int, array: Any, name: str | None, compressor: Any, old: 
     if decomp is None and old is not None and global_shape is None and not replicated:
         decomp = still_fits(array, old.decomp)  # protect again (or realloc): the declaration stays if it fits
     return Protected(vid, str(name), array, codec, decomp=decomp, state=state)
+
+
+def check_name(name: Any) -> None:
+    """Refuse a variable name that is not a str: 123 or b"x" would be stored as another name than the one given,
+    which var_id and the Zarr export then do not find."""
+    if name is not None and not isinstance(name, str):
+        raise ProtectError(f"protect(..., name=...) takes a str, got {type(name).__name__} {name!r}")
 
 
 def compressor_config(compressor: Any, old: Protected | None) -> dict[str, Any] | None:

@@ -64,6 +64,8 @@ def _parse_str(key: str, value: Any) -> str:
 def _parse_dir(key: str, value: Any) -> str:
     if isinstance(value, (bytes, os.PathLike)):  # str(b"/x") would be the name "b'/x'"
         value = os.fsdecode(value)
+    if not isinstance(value, str):  # None or 3 would be the directories "./None" and "./3"
+        raise ConfigError(f"config key {key!r}: expected a directory path (str or os.PathLike), got {value!r}")
     text = _parse_str(key, value)
     try:  # what the OS is given: no NUL, and encodable (a lone surrogate is not)
         if "\0" in text:

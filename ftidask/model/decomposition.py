@@ -51,6 +51,8 @@ def declaration(array: np.ndarray, global_shape: Any = None, offset: Any = None,
     ``global_shape`` may be a :class:`Block` (then ``offset`` is not given). Refuses (with
     :class:`ProtectError`) a block that does not lie inside the global array.
     """
+    if not isinstance(replicated, (bool, np.bool_)):  # "no" would be true, and declare it replicated
+        raise ProtectError(f"replicated must be True or False, got {replicated!r}")
     if isinstance(global_shape, Block):
         if offset is not None:
             raise ProtectError("pass a Block, or global_shape and offset, not both")

@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..model.config import Config
 from ..model.constants import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES
 from ..model.errors import FTIError, StagingError
@@ -219,6 +221,20 @@ class ThreadMover:
                               "timed out: not finished at finalize (stage_timeout)")
 
 
+def request_id_of(value: Any) -> int:
+    """``value`` as a staging request id (what send_file returned), or a :class:`StagingError` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise StagingError(f"a staging request id is the int send_file returned, got {value!r}")
+    return int(value)
+
+
+def _path_of(value: Any, what: str) -> str:
+    try:
+        return os.fspath(value)
+    except TypeError:
+        raise StagingError(f"send_file: {what} must be a path (str or os.PathLike), got {value!r}") from None
+
+
 def _inside(path: str, root: str) -> bool:
     """Strictly below ``root`` (both real, absolute paths)."""
     return path.startswith(root.rstrip(os.sep) + os.sep)
@@ -259,7 +275,7 @@ class Stager:
 
     def _check(self, local_path: Any, remote_path: Any) -> tuple[str, str, int]:
         # Plain os.path strings: pathlib costs a few hundred microseconds here, and send_file must not block.
-        local = os.fspath(local_path)
+        local = _path_of(local_path, "local_path")
         absolute = os.path.abspath(local)
         try:
             st = os.lstat(absolute)
@@ -274,7 +290,7 @@ class Stager:
         if not _inside(src, self._stage_real):
             raise StagingError(f"send_file: {local} is not in the stage directory {self.stage_dir} "
                                "(write it under ctx.stage_dir())")
-        text = os.fspath(remote_path)
+        text = _path_of(remote_path, "remote_path")
         remote = os.path.join(self._glbl_abs, text)  # relative remote paths are taken under glbl_dir
         if text.endswith(os.sep) or os.path.isdir(remote):
             remote = os.path.join(remote, os.path.basename(src))
@@ -312,6 +328,9 @@ class Stager:
         return req_id
 
     def wait(self, request_id: int | None = None, timeout: float | None = None) -> int | dict[int, int]:
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.number))):
+            raise StagingError(f"wait_staged(timeout=...) takes seconds (a number) or None, got {timeout!r}")
+        request_id = None if request_id is None else request_id_of(request_id)
         ids = None if request_id is None else [request_id]
         infos = self.table.wait(ids, timeout)
         if request_id is not None:

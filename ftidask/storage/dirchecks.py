@@ -19,8 +19,12 @@ from ..model.errors import ConfigError
 from .files import SPARE_DIR, RunPaths
 
 
-def unsafe_dirs(dirs: Iterable[Path]) -> list[str]:
-    """Why each existing directory of ``dirs`` is not safe to use (empty: all are safe)."""
+_NOT_A_DIR = "exists and is not a directory"
+
+
+def unsafe_dirs(dirs: Iterable[Path], need_dirs: bool = False) -> list[str]:
+    """Why each existing directory of ``dirs`` is not safe to use (empty: all are safe); with ``need_dirs``, an
+    existing path of ``dirs`` that is not a directory too."""
     uid = os.geteuid()
     problems = []
     for path in dirs:
@@ -31,8 +35,10 @@ def unsafe_dirs(dirs: Iterable[Path]) -> list[str]:
         except OSError as exc:
             problems.append(f"{path}: cannot be checked ({exc.strerror or exc})")
             continue
-        if not stat.S_ISDIR(st.st_mode):
-            continue  # makedirs reports it when it is needed
+        if not stat.S_ISDIR(st.st_mode):  # the configured ones: refused at init, not at the first checkpoint
+            if need_dirs:
+                problems.append(f"{path} {_NOT_A_DIR}")
+            continue  # below them: makedirs reports it when it is needed
         if st.st_uid not in (uid, 0):
             problems.append(f"{path} is owned by uid {st.st_uid}, not by this user (uid {uid})")
         elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -50,9 +56,14 @@ def run_dirs(paths: RunPaths, node: int, records_dir: Path) -> list[Path]:
             paths.ckpt_dir / "stage", paths.stage_root, paths.glbl_dir / paths.exec_id, paths.run_meta, records_dir]
 
 
-def check(transport: Any, dirs: Iterable[Path]) -> None:
-    """Raise :class:`ConfigError` on every rank when any rank finds an unsafe directory in ``dirs``."""
-    problems = sorted({p for mine in transport.allgather(unsafe_dirs(dirs)) for p in mine})
+def check(transport: Any, dirs: Iterable[Path], need_dirs: bool = False) -> None:
+    """Raise :class:`ConfigError` on every rank when any rank finds an unsafe directory in ``dirs`` (or, with
+    ``need_dirs``, a path of ``dirs`` that is a file)."""
+    problems = sorted({p for mine in transport.allgather(unsafe_dirs(dirs, need_dirs)) for p in mine})
+    files = [p for p in problems if p.endswith(_NOT_A_DIR)]
+    if files:
+        raise ConfigError(f"a run directory is a file: {'; '.join(files)}; give ckpt_dir, glbl_dir and meta_dir "
+                          "directories (or paths that do not exist yet: ftidask creates them)")
     if problems:
         raise ConfigError(explain(problems))
 

@@ -17,10 +17,13 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ..model import errors as _errors
 from ..model.errors import FTIError
 
 log = logging.getLogger("ftidask")
 T = TypeVar("T")
+#: ftidask's error classes by name: a refused argument keeps its class on every rank (:func:`agree_call`).
+FTI_ERRORS = {name: cls for name, cls in vars(_errors).items() if isinstance(cls, type) and issubclass(cls, FTIError)}
 
 
 def reason(exc: BaseException) -> str:
@@ -78,3 +81,51 @@ def on_root(t: Any, step: Callable[[], Any], error_type: type[FTIError], what: s
     """
     result, error = attempt(t.rank, step) if t.rank == root else (None, "")
     return agree(t, error, error_type, what, result if t.rank == root else None)[root]
+
+
+def agree_call(t: Any, call: str, step: Callable[[], tuple[Any, T]], error_type: type[FTIError],
+               shown: str | None = None) -> T:
+    """Collective, the first step of a collective API call (``checkpoint``, ``recover``...): every rank checks its
+    own arguments (``step``), then the ranks compare their calls in one allgather.
+
+    ``step`` returns ``(shared, mine)``: ``shared`` (JSON: the call's parsed arguments) must be the same on
+    every rank, ``mine`` is this rank's own result. A rank whose arguments are refused, ranks that disagree on
+    them, or ranks in different collective calls (one ``checkpoint``, another ``recover``) would otherwise run
+    unrelated collectives: wrong data paired silently (a checkpoint committed with another id on each rank),
+    raw errors, or a hang. Instead every rank raises the same error here (the refused arguments' own ftidask
+    error class when every failing rank raised that one, else ``error_type``), naming each rank's call (``shown``:
+    its arguments as the application wrote them, else ``shared``). One rank: ``step`` alone.
+    """
+    if t.size == 1:
+        return step()[1]
+    try:
+        shared, mine = step()
+        error, kind = "", ""
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        shared, mine = None, None
+        error, kind = reason(exc), type(exc).__name__ if isinstance(exc, FTIError) else ""
+    calls = t.allgather([call, shared, error, kind, call + (_args(shared) if shown is None else shown)])
+    if any(c[0] != call for c in calls) or (not any(c[2] for c in calls) and any(c[1] != shared for c in calls)):
+        raise error_type("the ranks made different collective calls (checkpoint, recover and the like are collective: "
+                         "every rank makes the same call with the same arguments, in the same order): "
+                         + "; ".join(f"rank {r}: {c[4]}" for r, c in enumerate(calls)))
+    errors: dict[str, list[int]] = {}  # each reason once, with the ranks that gave it (a level every rank refuses)
+    for r, c in enumerate(calls):
+        if c[2]:
+            errors.setdefault(c[2], []).append(r)
+    if errors:
+        kinds = {c[3] for c in calls if c[2]}
+        cls = FTI_ERRORS.get(kinds.pop(), error_type) if len(kinds) == 1 else error_type
+        raise cls(f"{call}: " + "; ".join(f"{_ranks(ranks)}: {why}" for why, ranks in errors.items()))
+    return mine
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    shown = ", ".join(map(str, ranks[:8]))
+    return f"ranks {shown}" + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _args(shared: Any) -> str:
+    return "(" + ", ".join(f"{k}={v}" for k, v in shared.items()) + ")" if isinstance(shared, dict) else "(?)"

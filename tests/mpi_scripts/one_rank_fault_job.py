@@ -104,7 +104,7 @@ def ckpt_fault(level: int, victim: int, owner: Any, name: str, exc: BaseExceptio
     def action(base: Path, ctx: ftidask.Context, array: np.ndarray) -> None:
         array[:] = data(99)
         with fault(victim, owner, name, exc):
-            ctx.checkpoint(ctx._next_ckpt_id, level)
+            ctx.checkpoint(ctx.progress.next_ckpt_id, level)
     return action
 
 

@@ -39,6 +39,15 @@ def _listed(names: Sequence[str], most: int = 6) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
+def check_client(client: Client) -> None:
+    """Refuse a client that is closed (or closing): distributed would fail deep inside, with an AttributeError."""
+    status = str(getattr(client, "status", "running"))
+    if status in ("closing", "closed"):
+        raise FTIError(f"the Dask client is {status}: ftidask works through a running distributed.Client; a run "
+                       "whose client was closed keeps its checkpoints: ftidask.init(config, client=Client(...)) "
+                       "restarts from them")
+
+
 class Cluster:
     """Task placement and waiting on one ``distributed.Client``."""
 

@@ -23,58 +23,22 @@ from ...api.context import Context, Protected
 from ...engine.inflight import CheckpointHandle
 from ...engine.retention import in_l4
 from ...engine.runstate import CommitRecord, FileRecord
-from ...engine.variables import compressor_config, encode_states
+from ...engine.variables import check_name, compressor_config, encode_states
 from ...model.arrays import check_ckpt_id, check_id
 from ...model.config import Config
-from ...model.errors import CheckpointError, FTIError, LevelError, ProtectError
+from ...model.errors import CheckpointError, FTIError, ProtectError, RecoveryError
 from ...model.level import Level
 from ...storage import files as storage
-from ...transport.base import Transport
 from . import channel, codecthreads, icp, lineage, recorded, report, restore, tasks
-from .cluster import Cluster, ClusterError
+from .cluster import Cluster, ClusterError, check_client
 from .dcp_levels import DaskSpares, run_dcp_levels, sticky_owners
 from .full_levels import run_full_levels
 from .plan import VarSpec, chunk_table
 from .report import DaskCheckpointInfo, human
 from .retention import DaskRetention
+from .transport import DaskTransport, is_dask_array, is_dask_collection
 
 log = logging.getLogger("ftidask")
-
-
-def is_dask_array(value: Any) -> bool:
-    return hasattr(value, "__dask_graph__") and hasattr(value, "chunks") and hasattr(value, "dtype")
-
-
-class DaskTransport(Transport):
-    """The client's view: one process (rank 0 of 1) driving a cluster of worker nodes."""
-
-    name = "dask"
-
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-
-    def ranks_text(self) -> str:  # Transport's: each worker is a rank, the client none
-        return f"{len(self.cluster.workers())} worker(s)"
-
-    def barrier(self) -> None: ...  # the client alone: nothing to wait for
-
-    def allgather(self, value: Any) -> list[Any]:
-        return [value]
-
-    def stage_mover(self, cfg: Config) -> Any:
-        """Staging: each copy is a task on the worker whose node directory (``node{k}``) holds the file."""
-        from .staging import DaskMover, worker_by_node_dir
-
-        return DaskMover(self.cluster.client, worker_by_node_dir(self.cluster.workers))
-
-    def levels(self) -> tuple[int, ...]:
-        return (1, 2, 3, 4) if len(self.cluster.workers()) >= 2 else (1, 4)
-
-    def check_level(self, level: int) -> None:
-        if level in (2, 3) and level not in self.levels():
-            raise LevelError(f"level {level} needs at least 2 Dask workers; the cluster has "
-                             f"{len(self.cluster.workers())}")
-        super().check_level(level)
 
 
 class DaskContext(Context):
@@ -94,6 +58,17 @@ class DaskContext(Context):
         if config.enable_dcp:
             self._dcp = DaskSpares(self)
 
+    def _check_open(self) -> None:
+        super()._check_open()
+        check_client(self.client)
+
+    def finalize(self) -> None:
+        """FTI_Finalize, as :meth:`Context.finalize`; with a closed client, the run is left for a restart."""
+        if not self._closed and str(self.client.status) in ("closing", "closed"):
+            self._close()  # the lock released, nothing removed: the checkpoints stay recoverable
+            check_client(self.client)
+        super().finalize()
+
     def _stored_names(self) -> dict[int, str]:  # var_id: the names in the commit records
         return {} if self._status == 0 else recorded.names(restore.dask_records(self, None, None))
 
@@ -108,10 +83,14 @@ class DaskContext(Context):
         worker that writes it, as the engine compresses a container (full checkpoints, levels 1-4).
         """
         if not is_dask_array(array):
+            if is_dask_collection(array):  # a bag, a delayed value, a dataframe: no fixed-size chunks to write
+                raise ProtectError(f"protect takes Dask arrays (dask.array.Array), got {type(array).__name__}; "
+                                   "make it one (e.g. dask.array.from_delayed) or protect a NumPy array")
             super().protect(id, array, name, compressor)
             return
         self._check_open()
         vid = check_id(id, "variable id")
+        check_name(name)
         if np.dtype(array.dtype).hasobject:
             raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes")
         meta = getattr(array, "_meta", None)
@@ -357,6 +336,7 @@ class DaskContext(Context):
         their place (global_shape/offset or replicated; see :mod:`ftidask.backends.dask.stitch`).
         """
         self._check_open()
+        self._icp_slot.check_none_open(RecoveryError)  # its pinned arrays and the recovered ones would be mixed
         self._async.drain()  # never a checkpoint half written by this run
         out = restore.recover(self, ckpt_id, level, chunks, ids)
         self.progress.recovered_all |= ids is None  # FTI_Status is 0 after a full recovery, as FTI_Recover sets it
@@ -368,6 +348,7 @@ class DaskContext(Context):
 
     def stored_size(self, id: int) -> int:
         """Bytes of variable ``id`` in the checkpoint to recover (or the last one written)."""
+        self._check_open()
         vid = check_id(id, "variable id")
         self._async.drain()
         return restore.stored_size(self, vid)
@@ -394,6 +375,7 @@ def make_dask_context(cfg: Config, client: Client) -> DaskContext:
     """The Context of ``ftidask.init(config, client=...)``."""
     if not isinstance(client, Client):
         raise FTIError(f"client= must be a distributed.Client, got {type(client).__name__}")
+    check_client(client)
     return DaskContext(cfg, client)
 
 

@@ -27,7 +27,7 @@ from dask.array.core import Array, normalize_chunks
 from ...api.context import Protected
 from ...engine import pystate
 from ...engine.recovering import newest_recoverable
-from ...engine.recoverplan import normalize_ids
+from ...engine.recoverplan import normalize_request
 from ...engine.recovery import check_writeable
 from ...engine.runstate import CommitRecord
 from ...model.errors import FTIError, RecoveryError
@@ -61,7 +61,7 @@ def _target_chunks(ctx: DaskContext, spec: VarSpec, chunks: Any) -> Any:
         return spec.chunks
     try:
         return normalize_chunks(chunks, spec.shape, dtype=spec.dtype)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ArithmeticError) as exc:  # chunks of 0: dask divides by them
         raise RecoveryError(f"variable {spec.id}: chunks {chunks!r} do not fit its shape {spec.shape}: "
                             f"{exc}") from None
 
@@ -209,7 +209,7 @@ def _restore_retrying(ctx: DaskContext, record: CommitRecord, data: bool,
 def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: Any,
             ids: Any = None) -> dict[int, Any]:
     """The newest recoverable checkpoint's arrays (see :meth:`DaskContext.recover`)."""
-    wanted = normalize_ids(ids)
+    ckpt_id, level, wanted = normalize_request(ckpt_id, level, ids)  # "2" would name no checkpoint
     records = dask_records(ctx, ckpt_id, level)
     if not records:  # written by the MPI or single-process backend: stitched into global arrays if declared
         other = ctx.recovery.all_candidates(ckpt_id, level)  # their fallbacks too (read from their spares)

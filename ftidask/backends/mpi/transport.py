@@ -228,12 +228,18 @@ class MpiTransport(GroupLevels):
             comm.Free()
 
 
-def make_mpi_context(cfg: Config, comm: Any) -> Any:
-    """``ftidask.init(config, comm=...)``: a Context over MPI ranks; heads serve and never return (as in FTI)."""
+def make_mpi_context(cfg: Config | None, comm: Any, refused: FTIError | None = None) -> Any:
+    """``ftidask.init(config, comm=...)``: a Context over MPI ranks; heads serve and never return (as in FTI).
+
+    ``refused``: why this rank's config was refused (``cfg`` is None then): every rank raises it."""
     from ...api.context import Context
 
     if not isinstance(comm, MPI.Comm):
         raise FTIError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+    refusals = [r for r in allgather_json(comm, f"rank {comm.Get_rank()}: {refused}" if refused else "") if r]
+    if refusals:
+        raise ConfigError(f"init refused the config: {'; '.join(refusals)}")  # load_config's errors are ConfigErrors
+    assert cfg is not None
     transport = MpiTransport(cfg, comm)
     if transport.is_head:
         from .heads import serve

@@ -1,0 +1,55 @@
+"""The Dask backend's transport: the client is rank 0 of 1; the workers do the work (as tasks)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ...model.config import Config
+from ...model.errors import LevelError
+from ...transport.base import Transport
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+
+
+def is_dask_collection(value: Any) -> bool:
+    """Whether ``value`` is a Dask collection (an array, a bag, a delayed value...)."""
+    return hasattr(value, "__dask_graph__")
+
+
+def is_dask_array(value: Any) -> bool:
+    """Whether ``value`` is a Dask array (a Delayed answers every attribute: its chunks are no tuple)."""
+    return is_dask_collection(value) and isinstance(getattr(value, "chunks", None), tuple) and hasattr(value, "dtype")
+
+
+class DaskTransport(Transport):
+    """The client's view: one process (rank 0 of 1) driving a cluster of worker nodes."""
+
+    name = "dask"
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def ranks_text(self) -> str:  # Transport's: each worker is a rank, the client none
+        return f"{len(self.cluster.workers())} worker(s)"
+
+    def barrier(self) -> None:
+        return None
+
+    def allgather(self, value: Any) -> list[Any]:
+        return [value]
+
+    def stage_mover(self, cfg: Config) -> Any:
+        """Staging: each copy is a task on the worker whose node directory (``node{k}``) holds the file."""
+        from .staging import DaskMover, worker_by_node_dir
+
+        return DaskMover(self.cluster.client, worker_by_node_dir(self.cluster.workers))
+
+    def levels(self) -> tuple[int, ...]:
+        return (1, 2, 3, 4) if len(self.cluster.workers()) >= 2 else (1, 4)
+
+    def check_level(self, level: int) -> None:
+        if level in (2, 3) and level not in self.levels():
+            raise LevelError(f"level {level} needs at least 2 Dask workers; the cluster has "
+                             f"{len(self.cluster.workers())}")
+        super().check_level(level)
