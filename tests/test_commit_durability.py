@@ -17,9 +17,9 @@ import pytest
 
 import ftidask
 from ftidask.api.context import Context
-from ftidask.storage import files as storage
 from ftidask.engine.grouplevels import run_ranks
 from ftidask.model.config import load_config
+from ftidask.storage import files as storage
 
 NRANKS = 4
 

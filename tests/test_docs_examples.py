@@ -9,10 +9,9 @@ import shutil
 import subprocess
 import sys
 
+import mpi_util
 import pytest
 from conftest import ROOT
-
-import mpi_util
 
 EXAMPLE_CONFIG = ROOT / "examples" / "config.fti"
 

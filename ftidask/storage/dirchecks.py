@@ -18,7 +18,6 @@ from typing import Any
 from ..model.errors import ConfigError
 from .files import SPARE_DIR, RunPaths
 
-
 _NOT_A_DIR = "exists and is not a directory"
 
 
