@@ -6,6 +6,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+HEAVY_LIST = Path(__file__).resolve().parent / "heavy_variants.txt"
+
+
+def heavy_variants() -> set[str]:
+    """The node ids of tests/heavy_variants.txt: heavier variants run with the slow tests."""
+    lines = HEAVY_LIST.read_text().splitlines()
+    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
+def pytest_collection_modifyitems(config, items):
+    heavy = heavy_variants()
+    for item in items:
+        if item.nodeid in heavy:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
