@@ -287,9 +287,9 @@ class Context:
         return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
 
     def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None) -> dict[int, Any]:
-        """Fill the protected arrays from one FTI-FF file (ftidask's, or FTI's); with ``meta``, FTI's meta file (or
-        its directory), from a file of FTI's POSIX I/O (``ckpt_io = 1``). Verified first (docs/format.md)."""
+        """Fill the protected arrays from one verified FTI-FF file, or (``meta``) FTI POSIX file (docs/format.md)."""
         self._check_open()
+        self._icp_slot.check_none_open(RecoveryError)  # as recover(): the iCP would commit a mix of both
         self._async.drain()
         return self.recovery.recover_file(path, meta)
 
