@@ -60,6 +60,8 @@ def test_recover_arguments_are_checked(dask_client, dirs) -> None:
         # Before: ZeroDivisionError from dask.array.core.
         with pytest.raises(RecoveryError, match="variable 1: chunks 0 do not fit its shape"):
             ctx.recover(chunks={1: 0})
+        with pytest.raises(RecoveryError, match=r"chunks=\.\.\.\) names variables \[2, 'x'\] that checkpoint 1 does "):
+            ctx.recover(chunks={1: 5, 2: 5, "x": 5})  # before: ignored (a mistyped id)
         # Before: "1" named no checkpoint: NoCheckpointError with checkpoint 1 there.
         for kwargs in ({"ckpt_id": "1"}, {"level": "1"}, {"level": 9}):
             with pytest.raises(RecoveryError, match=r"recover\((ckpt_id|level)=\.\.\.\)") as info:

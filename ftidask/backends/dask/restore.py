@@ -131,6 +131,11 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
             raise RecoveryError(f"variables {missing} are not in checkpoint {record.ckpt_id} (it holds ids "
                                 f"{sorted(s.id for s in specs)}); nothing was recovered")
         specs = [s for s in specs if s.id in ids]
+    unknown = sorted(set(chunks) - {s.id for s in lay.specs}, key=str) if isinstance(chunks, dict) else []
+    if unknown:  # a mistyped id: never ignored
+        raise RecoveryError(f"recover(chunks=...) names variables {unknown} "
+                            f"that checkpoint {record.ckpt_id} does not hold (it holds ids "
+                            f"{sorted(s.id for s in lay.specs)}); nothing was recovered")
     _check_protected(ctx, specs, ids)
     # What each variable becomes, decided before anything is read, filled or rebound: a NumPy
     # array filled in place (target None), or a new Dask array with these chunks.
