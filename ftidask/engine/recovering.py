@@ -243,8 +243,9 @@ class Recovery(RunPart):
         targets, error = attempt(t.rank, lambda: recoverplan.plan(self.variables, verdict.parsed, wanted))
         moved = [f"rank {r}: {m}" for r, m in enumerate(t.allgather("" if error else targets.moved)) if m]
         if moved:  # the blocks moved between ranks: redistributed as declared, never old rank r's into rank r
-            return reshard.recover_other_layout(self, [record], f"checkpoint {record.ckpt_id} (level {record.level})"
-                                                f" has this run's layout but other blocks ({moved[0]})", wanted)
+            change = f"checkpoint {record.ckpt_id} (level {record.level}) has this run's ranks, but its blocks sit " \
+                     f"elsewhere ({moved[0]})"
+            return reshard.recover_other_layout(self, [record], change, wanted)
         agree(t, error or (f"rank {t.rank}: {targets.problem}" if targets.problem else ""), RecoveryError, untouched)
         problem, error = attempt(t.rank, targets.load_states)
         agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError, untouched)
