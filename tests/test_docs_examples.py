@@ -143,13 +143,16 @@ def test_mpi_restart_on_another_number_of_ranks(folder):
     write = code.replace("u = np.zeros(hi - lo)", "u = np.arange(lo, hi, dtype=float)")
     write = write.replace("params = np.zeros(3)", "params = np.array([1.0, 2.0, 3.0])")
     write += "    ctx.checkpoint(1, 1)\n    comm.Barrier()\n    __import__('os')._exit(0)\n"  # dies unfinalized
-    read = code + "        print(f'{comm.rank}:', bool((u == np.arange(lo, hi)).all()), params.tolist(), flush=True)\n"
+    # Each rank writes its own file: the ranks' stdout lines interleave.
+    read = code + ("        open(f'result-{comm.rank}.txt', 'w').write(f'{comm.rank}: '"
+                   "f'{bool((u == np.arange(lo, hi)).all())} {params.tolist()}')\n")
     for ranks, prog in ((4, write), (3, read)):
         (folder / "prog.py").write_text(prog)
         proc = subprocess.run([mpi_util.mpiexec(), "-n", str(ranks), sys.executable, "prog.py"], cwd=folder,
                               env=mpi_util.env(), capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert all(f"{r}: True [1.0, 2.0, 3.0]" in proc.stdout for r in range(3)), proc.stdout + proc.stderr
+    got = [(folder / f"result-{r}.txt").read_text() for r in range(3)]
+    assert got == [f"{r}: True [1.0, 2.0, 3.0]" for r in range(3)], (got, proc.stdout + proc.stderr)
     assert "recovered checkpoint 1 from level 1, written by 4 ranks, on 3" in proc.stderr, proc.stderr
     assert rank_files(folder) == []  # the with block finalized the restarted run
 
