@@ -107,7 +107,8 @@ class Retention(RunPart):
             agree(t, error, FTIError, failed)
         on_root(t, lambda: self.state.delete_record(record.seq), FTIError, failed)
         # The global L4 directory (level_dir(4, *)) is rank 0's, after every rank has moved its own file out of it.
-        doomed = [self.paths.level_dir(level, t.node) / record.dirname for level in {record.level, 1, 2, 3} - {4}]
+        local_levels = {record.level, 1, 2, 3} - {4}
+        doomed = [self.paths.level_dir(level, t.node) / record.dirname for level in local_levels]
         l4_dir = self.paths.level_dir(4, 0)
         own_l4 = None
         if record.level == 4 and not record.fallback and t.rank != 0:
@@ -120,7 +121,7 @@ class Retention(RunPart):
             # Written on more nodes than this run has (a restart on fewer ranks, or more ranks per node): no rank
             # of this run is on those nodes, so rank 0 removes what it sees of them (local_test, shared node dirs).
             doomed += [self.paths.level_dir(level, node) / record.dirname for node in sorted(
-                {f.node for f in record.files if f.node >= t.nnodes}) for level in {record.level, 1, 2, 3} - {4}]
+                {f.node for f in record.files if f.node >= t.nnodes}) for level in local_levels]
 
         def remove() -> None:
             for path in doomed:
