@@ -56,3 +56,22 @@ def test_failed_step_is_a_checkpoint_error_and_the_previous_stays(tmp_path: Path
     source, got = _recovered(tmp_path)
     assert source == (1, 1) and (got == np.arange(1000.0)).all()
     assert not list((tmp_path / "l").rglob("Ckpt2-*"))  # the failed checkpoint's file is gone
+
+
+def test_a_big_job_that_disagrees_is_named_by_groups_of_ranks() -> None:
+    """Ten ranks, two calls: the error names each call once with its ranks (a 4096-rank job: a few lines, not 4096)."""
+    from ftidask.transport.collective import agree_call
+    from ftidask.transport.threads import run_group
+
+    def rank(m):  # a ThreadMember has allgather; agree_call needs rank and size too
+        m.rank = m.index
+        level = 4 if m.index in (3, 7) else 1
+        with pytest.raises(CheckpointError) as info:
+            agree_call(m, "checkpoint", lambda: ({"id": 2, "level": level}, None), CheckpointError)
+        m.allgather(None)  # nobody leaves (and breaks the group's barrier) before every member has raised
+        return str(info.value)
+
+    errors, failed = run_group(10, rank)
+    assert not failed and len(set(errors)) == 1
+    assert all(e.endswith("checkpoint(id=2, level=1); ranks 3, 7: checkpoint(id=2, level=4)") for e in errors), errors[0]
+    assert all("in the same order): ranks 0-2, 4-6, 8-9: checkpoint(id=2, level=1); " in e for e in errors), errors[0]

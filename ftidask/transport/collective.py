@@ -108,11 +108,9 @@ def agree_call(t: Any, call: str, step: Callable[[], tuple[Any, T]], error_type:
     if any(c[0] != call for c in calls) or (not any(c[2] for c in calls) and any(c[1] != shared for c in calls)):
         raise error_type("the ranks made different collective calls (checkpoint, recover and the like are collective: "
                          "every rank makes the same call with the same arguments, in the same order): "
-                         + "; ".join(f"rank {r}: {c[4]}" for r, c in enumerate(calls)))
-    errors: dict[str, list[int]] = {}  # each reason once, with the ranks that gave it (a level every rank refuses)
-    for r, c in enumerate(calls):
-        if c[2]:
-            errors.setdefault(c[2], []).append(r)
+                         + "; ".join(f"{_ranks(ranks)}: {shown}" for shown, ranks in _grouped(c[4] for c in calls).items()))
+    errors = _grouped(c[2] for c in calls)  # each reason once, with its ranks (a level every rank refuses)
+    errors.pop("", None)
     if errors:
         kinds = {c[3] for c in calls if c[2]}
         cls = FTI_ERRORS.get(kinds.pop(), error_type) if len(kinds) == 1 else error_type
@@ -120,11 +118,27 @@ def agree_call(t: Any, call: str, step: Callable[[], tuple[Any, T]], error_type:
     return mine
 
 
+def _grouped(texts: Any) -> dict[str, list[int]]:
+    """Each distinct text once, with the ranks that gave it: a job of 4096 ranks is named in a few lines."""
+    groups: dict[str, list[int]] = {}
+    for r, text in enumerate(texts):
+        groups.setdefault(text, []).append(r)
+    return groups
+
+
 def _ranks(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0-2, 4, 8-4095``: runs of ranks as ranges, at most 8 of them named."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    shown = ", ".join(map(str, ranks[:8]))
-    return f"ranks {shown}" + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:8])
+    more = sum(b - a + 1 for a, b in runs[8:])
+    return f"ranks {shown}" + (f" and {more} more" if more else "")
 
 
 def _args(shared: Any) -> str:
