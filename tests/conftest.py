@@ -23,6 +23,47 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# --- MPICH's shared-memory segments of killed jobs ----------------------------------------------------
+#
+# A rank SIGKILLed before its node's ranks have attached leaves MPICH's segment (/dev/shm/mpich_shm_*, 4-17 MiB
+# of RAM each) for ever; the fault tests kill hundreds. After each test, the segments it left that no process
+# has open or mapped are removed, so a whole run does not hold gigabytes of the machine's memory.
+
+_SHM = Path("/dev/shm")
+
+
+def _mpich_segments() -> set[str]:
+    try:
+        return {name for name in os.listdir(_SHM) if name.startswith("mpich_shm_")}
+    except OSError:
+        return set()
+
+
+def _in_use(paths: set[str]) -> set[str]:
+    """The paths some process has open or mapped (/proc/*/fd and /proc/*/maps)."""
+    used: set[str] = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            used.update(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+            with open(f"/proc/{pid}/maps") as maps:
+                used.update(line.split(None, 5)[-1].strip() for line in maps if "/dev/shm/" in line)
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return used & paths
+
+
+@pytest.fixture(autouse=True)
+def _mpich_shm_swept():
+    before = _mpich_segments()
+    yield
+    left = {str(_SHM / name) for name in _mpich_segments() - before}
+    for path in left - _in_use(left) if left else ():
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 @pytest.fixture
 def dirs(tmp_path):
     """Config overrides that put a run's directories under tmp_path."""

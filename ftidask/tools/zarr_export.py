@@ -37,14 +37,11 @@ import numpy as np
 
 from ..engine.progress import for_config
 from ..engine.recovery import check_file, load_file
-from ..engine.retention import rank_path
-from ..engine.runstate import CommitRecord, RunState, check_exec_id, read_current_exec_id
-from ..ftiff.filekind import is_config_file
 from ..model.arrays import VarInfo
-from ..model.config import Config, load_config
-from ..model.errors import FormatError, FTIError, NoCheckpointError
-from ..storage import files as storage
+from ..model.config import Config
+from ..model.errors import FormatError, FTIError
 from ..zarrfmt import store as zarr_store
+from .export_sources import Source, config_of, locate, rebuilt
 from .zarr_import import import_zarr, read_zarr, run_import
 
 __all__ = ["ExportResult", "add_export_command", "export_checkpoint", "import_zarr", "locate", "read_zarr",
@@ -66,79 +63,6 @@ class ExportResult:
     seconds: float
 
 
-@dataclasses.dataclass(frozen=True)
-class _Source:
-    """One rank's verified file (or store) of the checkpoint being exported."""
-
-    rank: int
-    path: Path
-    record: CommitRecord | None
-
-
-# --- finding the checkpoint ----------------------------------------------------------------------
-
-def _rank_of(path: Path) -> int:
-    stem = path.name.split("-Rank", 1)[-1].split(".", 1)[0]
-    try:
-        return int(stem)
-    except ValueError:
-        raise FTIError(f"{path}: not a rank file (expected Ckpt{{id}}-Rank{{r}}.fti or .zarr)") from None
-
-
-def _from_record(config: Config, exec_id: str | None, ckpt_id: int | None, level: int | None) -> list[list[_Source]]:
-    """Every checkpoint of the run that fits ``ckpt_id``/``level``, newest first, as its rank files: the committed
-    ones, and the previous differential checkpoints kept as spares (what a recovery falls back to)."""
-    meta_dir = Path(config.meta_dir)
-    if exec_id is None:
-        exec_id = config.exec_id
-    if exec_id is None:
-        exec_id = read_current_exec_id(meta_dir)
-    else:
-        check_exec_id(exec_id, "--exec-id")
-    if not exec_id:
-        raise NoCheckpointError(f"no run found in {meta_dir}: pass exec_id")
-    state = RunState(meta_dir, exec_id)
-    records = [r for r in [*state.records(), *state.fallbacks()]
-               if (ckpt_id is None or r.ckpt_id == ckpt_id) and (level is None or r.level == level)]
-    if not records:
-        raise NoCheckpointError(f"no committed checkpoint for run {exec_id} in {meta_dir}"
-                                + (f" with id {ckpt_id}" if ckpt_id is not None else "")
-                                + (f" at level {level}" if level is not None else ""))
-    paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), meta_dir, exec_id)
-    return [[_Source(f.rank, rank_path(paths, record, f.node, f.rank), record)
-             for f in sorted(record.files, key=lambda f: f.rank)]
-            for record in sorted(records, key=lambda r: (r.seq, not r.fallback), reverse=True)]
-
-
-def _from_path(path: Path) -> list[_Source]:
-    if path.is_dir() and not path.name.endswith(".zarr"):
-        if (path / "commits").is_dir():
-            raise NoCheckpointError(f"{path} is a run's metadata directory: pass the run's config file "
-                                    "(or ckpt_dir/glbl_dir/meta_dir) instead")
-        found = sorted([*path.glob("Ckpt*-Rank*.fti"), *path.glob("Ckpt*-Rank*.zarr")])
-        if not found:
-            raise NoCheckpointError(f"{path}: no Ckpt*-Rank*.fti file or .zarr store in this directory")
-        return sorted((_Source(_rank_of(p), p, None) for p in found), key=lambda s: s.rank)
-    if not path.exists():
-        raise NoCheckpointError(f"{path} does not exist")
-    return [_Source(_rank_of(path) if "-Rank" in path.name else 0, path, None)]
-
-
-def locate(checkpoint: str | os.PathLike[str] | Config | None, *, exec_id: str | None = None,
-           ckpt_id: int | None = None, level: int | None = None, **overrides: Any) -> list[list[_Source]]:
-    """The rank files of the checkpoints to try, newest first: from a config (file, :class:`Config` or
-    ``overrides``; every checkpoint of the run, or those of ``ckpt_id``/``level``), or the one of a checkpoint
-    directory or file."""
-    if isinstance(checkpoint, Config):
-        return _from_record(checkpoint.replace(**overrides) if overrides else checkpoint, exec_id, ckpt_id, level)
-    if checkpoint is None:
-        return _from_record(load_config(None, **overrides), exec_id, ckpt_id, level)
-    path = Path(checkpoint)
-    if is_config_file(path):  # by content: FTI's own examples name the config config.fti
-        return _from_record(load_config(path, **overrides), exec_id, ckpt_id, level)
-    return [_from_path(path)]
-
-
 # --- reading and assembling ------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +81,7 @@ class _Rank:
         return arr
 
 
-def _verify_source(source: _Source) -> _Rank:
+def _verify_source(source: Source) -> _Rank:
     """Verify one rank's file (every hash; against its commit record when known)."""
     verdict = check_file(source.path, source.record, source.rank)
     if verdict.kind != "ok" or verdict.parsed is None:
@@ -278,12 +202,18 @@ def _assemble(ranks: list[_Rank]) -> list[tuple[str, VarInfo, Any]]:
     return out
 
 
-def _newest_sound(candidates: list[list[_Source]]) -> tuple[list[_Source], list[_Rank]]:
+def _newest_sound(candidates: list[list[Source]], config: Config | None = None) -> tuple[list[Source], list[_Rank]]:
     """The first of ``candidates`` (newest first) whose every rank file verifies, verified; as a recovery does,
-    an older one when the newest is damaged (a warning names what was passed over), never a mix of two."""
+    lost L2/L3 files rebuilt from their group first, an older one when the newest is damaged (a warning names
+    what was passed over), never a mix of two."""
     reasons = []
     for sources in candidates:
         try:
+            try:
+                return sources, [_verify_source(source) for source in sources]
+            except FormatError:
+                if not rebuilt(config, sources):
+                    raise
             return sources, [_verify_source(source) for source in sources]
         except FormatError as exc:
             record = sources[0].record
@@ -293,8 +223,7 @@ def _newest_sound(candidates: list[list[_Source]]) -> tuple[list[_Source], list[
                 log.warning("not exporting %s", reasons[-1])
     listed = (f" {reasons[0]}" if len(reasons) == 1
               else ": no checkpoint verifies" + "".join(f"\n  - {r}" for r in reasons))
-    raise FormatError(f"cannot export{listed}\n(recover the run with ftidask to rebuild lost files of levels 2 and 3, "
-                      "then checkpoint again)")
+    raise FormatError(f"cannot export{listed}")
 
 
 def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: str | os.PathLike[str], *,
@@ -315,7 +244,9 @@ def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: 
     if dest.exists() and not overwrite:
         raise FileExistsError(f"{dest} exists; pass overwrite=True (--overwrite) to replace it")
     config_for_bar = checkpoint if isinstance(checkpoint, Config) else None
-    sources, ranks = _newest_sound(locate(checkpoint, exec_id=exec_id, ckpt_id=ckpt_id, level=level, **overrides))
+    config = config_of(checkpoint, overrides)
+    where = config if config is not None else checkpoint
+    sources, ranks = _newest_sound(locate(where, exec_id=exec_id, ckpt_id=ckpt_id, level=level), config)
     items = _assemble(ranks)
     first = ranks[0].meta
     record = sources[0].record
