@@ -187,6 +187,32 @@ def test_export_rebuilds_a_lost_node_of_an_l2_l3_checkpoint(written: Path, tmp_p
     assert sorted(p.name for p in (run_dir / "Local" / "node1").rglob("Ckpt*-Rank*.fti")) == lost
 
 
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_dask_checkpoint_redistributed_onto_mpi_ranks(tmp_path: Path, ranks: int) -> None:
+    """A checkpoint of 2 Dask workers (irregular chunks, an int, a structured and an empty array) recovered by MPI
+    ranks that declare their blocks (rows, a middle axis) or replicated arrays: each rank's block exactly. Before,
+    it was refused (a Dask worker's file holds chunks in the worker's order)."""
+    pytest.importorskip("distributed")
+    from test_reshard_dask import _arrays, _write_dask
+
+    dirs = {"ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
+            "meta_dir": str(tmp_path / "Meta"), "verbosity": 3}
+    _write_dask(dirs, 2, 1)
+    out = tmp_path / "out"
+    out.mkdir()
+    run(ranks, "dask_ckpt_job.py", str(out), dirs["ckpt_dir"], dirs["glbl_dir"], dirs["meta_dir"], timeout=180)
+    assert not list(out.glob("error-*")), [p.read_text() for p in out.glob("error-*")]
+    want = _arrays()
+    for r in range(ranks):
+        where = json.loads((out / f"where-{r}.json").read_text())
+        assert where["from"] == [1, 1]
+        (r0, r1), (c0, c1) = where["rows"], where["cols"]
+        expect = {1: want[1][r0:r1], 2: want[2][:, c0:c1], 3: want[3], 4: want[4]}
+        for vid, a in expect.items():
+            got = np.load(out / f"got-{r}-{vid}.npy")
+            assert got.dtype == a.dtype and got.shape == a.shape and got.tobytes() == a.tobytes(), (r, vid)
+
+
 # --- the Dask backend stitches the same checkpoints into global arrays --------------------------------
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,11 @@
 A structured dtype written by one process is recovered on Dask: the stitching planner once refused it ("different
 or structured dtypes"), its table recording the dtype as a JSON object.
 
-A Dask checkpoint restarted by one process (or MPI ranks) with declared blocks: refused with advice that fits.
-
-A Dask worker's file holds some chunks of each array (recorded in its table's ``extra["dask"]``), never one block
-per rank, so the MPI reshard cannot redistribute it. The refusal said "the checkpoint records it as none" and
-advised declaring blocks "in the run that writes checkpoints" (which a Dask run cannot do) or restarting on "3
-ranks"; with one worker, whose file looked like this run's layout, it said "use ctx.realloc". It now says that
-a Dask cluster of any size recovers it, or the Zarr export moves it.
+A Dask checkpoint restarted by one process (or MPI ranks: tests/test_mpi_reshard.py): a Dask worker's file holds
+some chunks of each array (recorded in its table's ``extra["dask"]``), in the worker's order, never one block per
+rank. It was refused (and, with one worker, offered to ``ctx.realloc``, which would have given the chunks' bytes in
+the worker's order); it is now redistributed (:mod:`ftidask.engine.reshard_dask`): one process protects each array
+whole, MPI ranks declare their blocks.
 """
 
 import numpy as np
@@ -23,23 +21,105 @@ import ftidask  # noqa: E402
 pytestmark = pytest.mark.dask
 
 
-@pytest.mark.parametrize("workers", [1, 3])  # 1: "this run's layout" (one file, on node 0), loaded as it was
-def test_dask_checkpoint_refused_by_one_process_with_dask_advice(dirs, workers):
+def _arrays() -> dict[int, np.ndarray]:
+    """Variables of a Dask checkpoint: irregular 2-D chunks, a 3-D int array, a structured dtype, a 0-size one."""
+    rec = np.zeros((7, 3), np.dtype([("a", "<i4"), ("b", "<f8", (2,))]))
+    rec["a"], rec["b"] = np.arange(21).reshape(7, 3), np.arange(42).reshape(7, 3, 2) / 3
+    return {1: np.arange(30.0).reshape(5, 6) ** 1.5, 2: np.arange(120, dtype=np.int32).reshape(4, 5, 6) - 60,
+            3: rec, 4: np.zeros((0, 3), np.float32)}
+
+
+CHUNKS = {1: (2, 4), 2: (3, 2, 5), 3: (2, 3), 4: (1, 2)}
+
+
+def _write_dask(dirs, workers: int, level: int, ckpts: int = 1) -> None:
+    """``ckpts`` checkpoints (ids 1, 2...: the last at ``level``, the earlier ones at L4), each array + (id - 1)."""
     with distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=False,
                                   dashboard_address=None) as cluster, distributed.Client(cluster) as client:
         ctx = ftidask.init(client=client, **dirs)
-        ctx.protect(1, da.arange(30.0, chunks=7).reshape(5, 6).rechunk((2, 4)), name="f")
-        ctx.checkpoint(1, 4)
-        ctx._close()  # as a job that ends: the checkpoint stays
-    ctx = ftidask.init(**dirs)
-    a = np.zeros((5, 6))
-    ctx.protect(1, a, global_shape=(5, 6), offset=(0, 0))
-    with pytest.raises(ftidask.RecoveryError) as err:
+        for ckpt in range(1, ckpts + 1):
+            for vid, a in _arrays().items():
+                ctx.protect(vid, da.from_array(a + (ckpt - 1) if vid != 3 else a, chunks=CHUNKS[vid]), name=f"v{vid}")
+            ctx.checkpoint(ckpt, level if ckpt == ckpts else 4)
+        ctx._close()  # as a job that ends: the checkpoints stay
+
+
+@pytest.mark.parametrize(("workers", "level"), [(1, 1), (3, 1), (3, 4)])
+def test_dask_checkpoint_recovered_whole_by_one_process(dirs, workers, level):
+    """A Dask checkpoint restarted by one process that protects each array whole (no declaration, a block that is
+    the whole array, or replicated): every array exactly as the Dask arrays were. Before, a worker's file (its
+    chunks one after the other, in the worker's order) was refused, or with one worker offered to ctx.realloc."""
+    _write_dask(dirs, workers, level)
+    for how in ({}, {"replicated": True}, "block"):
+        ctx = ftidask.init(**dirs)
+        out = {vid: np.zeros_like(a) for vid, a in _arrays().items()}
+        for vid, a in out.items():
+            decl = {"global_shape": a.shape, "offset": (0,) * a.ndim} if how == "block" else how
+            ctx.protect(vid, a, **decl)
         ctx.recover()
-    message = str(err.value)
-    assert "written by the Dask backend" in message and "client=" in message and "export --to-zarr" in message
-    assert "records it as none" not in message and "restart on the checkpoint's layout" not in message
-    assert not a.any()
+        assert ctx.recovered_from == (1, level)
+        for vid, a in _arrays().items():
+            assert out[vid].tobytes() == a.tobytes(), (how, vid)
+        ctx._close()
+
+
+def test_dask_checkpoint_refused_by_one_process_whose_arrays_do_not_fit(dirs):
+    """A protected array of another shape than the Dask array, or a block of another global shape: a RecoveryError
+    that says what to protect, and the arrays untouched."""
+    _write_dask(dirs, 2, 1)
+    for shape, decl in (((6, 5), {}), ((30,), {}), ((2, 6), {"global_shape": (6, 6), "offset": (0, 0)})):
+        ctx = ftidask.init(**dirs)
+        a = np.full(shape, 7.0)
+        ctx.protect(1, a, **decl)
+        with pytest.raises(ftidask.RecoveryError) as err:
+            ctx.recover()
+        message = str(err.value)
+        assert "written by the Dask backend" in message and "client=" in message, message
+        assert (a == 7.0).all()
+        ctx._close()
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_dask_checkpoint_with_a_lost_worker_file_recovered_by_one_process(dirs, level):
+    """An L2/L3 Dask checkpoint (4 workers) whose worker 1 file is lost: rebuilt from its group, then stitched."""
+    from pathlib import Path
+
+    _write_dask(dirs, 4, level)
+    (lost,) = Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank1.fti")
+    lost.unlink()
+    ctx = ftidask.init(**dirs)
+    out = {vid: np.zeros_like(a) for vid, a in _arrays().items()}
+    for vid, a in out.items():
+        ctx.protect(vid, a)
+    ctx.recover()
+    for vid, a in _arrays().items():
+        assert out[vid].tobytes() == a.tobytes(), vid
+    assert lost.exists()
+    ctx._close()
+
+
+def test_damaged_dask_chunk_falls_back_to_the_previous_checkpoint(dirs):
+    """Checkpoint 2's (L1) file of worker 0 damaged in a chunk: one process recovers checkpoint 1 (L4) whole, never a
+    mix of the two."""
+    from pathlib import Path
+
+    from ftidask.ftiff.reader import parse_ftiff
+
+    _write_dask(dirs, 2, 1, ckpts=2)
+    (path,) = Path(dirs["ckpt_dir"]).rglob("Ckpt2-Rank0.fti")
+    with open(path, "rb") as fh:
+        meta = next(m for _b, _c, m in parse_ftiff(fh, str(path)).containers() if m.id == 1 and m.chunksize)
+    raw = bytearray(path.read_bytes())
+    raw[meta.fptr] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    ctx = ftidask.init(**dirs)
+    out = {vid: np.zeros_like(a) for vid, a in _arrays().items()}
+    for vid, a in out.items():
+        ctx.protect(vid, a)
+    ctx.recover()
+    assert ctx.recovered_from == (1, 4)
+    for vid, a in _arrays().items():
+        assert out[vid].tobytes() == a.tobytes(), vid
     ctx._close()
 
 
@@ -58,3 +138,38 @@ def test_structured_dtype_written_by_one_process_recovered_on_dask(dirs):
         got = back.compute()
         assert back.dtype == dtype and got.tobytes() == rec.tobytes()
         ctx._close()
+
+
+def test_python_states_of_a_dask_checkpoint_recovered_by_one_process(dirs):
+    """ftidask.State, Value and a NumPy Generator protected on Dask come back in one process beside the arrays;
+    a state protected where the checkpoint holds an array is refused, nothing touched."""
+    rng = np.random.default_rng(7)
+    rng.random(3)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+        ctx = ftidask.init(client=client, **dirs)
+        ctx.protect(1, da.from_array(np.arange(12.0).reshape(3, 4), chunks=(2, 3)))
+        ctx.protect(2, ftidask.State(step=5, name="x", hist=[1.5, 2]))
+        ctx.protect(3, ftidask.Value([1, {"a": None}]))
+        ctx.protect(4, rng)
+        ctx.checkpoint(1, 1)
+        ctx._close()
+    expected_draw = np.random.default_rng(7)
+    expected_draw.random(3)
+    ctx = ftidask.init(**dirs)
+    a, state, value, gen = np.zeros((3, 4)), ftidask.State(), ftidask.Value(None), np.random.default_rng(0)
+    for vid, obj in enumerate((a, state, value, gen), start=1):
+        ctx.protect(vid, obj)
+    ctx.recover()
+    assert a.tobytes() == np.arange(12.0).reshape(3, 4).tobytes()
+    assert dict(state) == {"step": 5, "name": "x", "hist": [1.5, 2]} and value.value == [1, {"a": None}]
+    assert gen.random() == expected_draw.random()
+    ctx._close()
+    ctx = ftidask.init(**dirs)
+    wrong, b = ftidask.State(keep=1), np.zeros((3, 4))
+    ctx.protect(1, wrong)
+    ctx.protect(2, b)
+    with pytest.raises(ftidask.RecoveryError):
+        ctx.recover()
+    assert dict(wrong) == {"keep": 1} and not b.any()
+    ctx._close()

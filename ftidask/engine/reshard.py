@@ -10,6 +10,9 @@ blindly. Every protected variable must say where its data sits (:mod:`ftidask.mo
 * undeclared: only when the number of ranks is unchanged (rank r still gets old rank r's data,
   read from its old node's directory).
 
+A checkpoint of the Dask backend (its workers' files hold chunks) is always redistributed
+(:mod:`.reshard_dask`); one process may protect its arrays whole, undeclared.
+
 Data goes first into private buffers; the ranks agree (allgather) that every one of them has all
 its data before any protected array is written. Otherwise every rank raises the same
 :class:`~ftidask.model.errors.RecoveryError` and no array is touched.
@@ -26,6 +29,7 @@ import numpy as np
 from ..model.decomposition import Piece, Placement, overlap, placement
 from ..model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from ..storage.files import SPARE_DIR, spare_file
+from . import reshard_dask
 from .dcpstore import distrust_spare
 from .recovery import check_writeable
 from .reshard_files import open_old, read_pieces, stored_dtype, table_of
@@ -50,6 +54,9 @@ def layout_change(record: CommitRecord, size: int, nodes: list[int]) -> str:
 
     ``nodes``: this run's node per rank. L4 files are global, so only the number of ranks counts there.
     """
+    if record.extra.get("backend") == "dask":  # chunks in the workers' order: never loaded as rank r's block
+        return f"checkpoint {record.ckpt_id} (level {record.level}) was written by the Dask backend " \
+               f"({record.nranks} worker(s)), this run recovers on {size} rank(s)"
     if record.nranks != size:
         return f"checkpoint {record.ckpt_id} (level {record.level}) was written by {record.nranks} ranks, " \
                f"this run recovers on {size}"
@@ -64,9 +71,10 @@ def _short(values: list[int]) -> str:
     return str(values) if len(values) <= 16 else f"[{', '.join(map(str, values[:16]))}, ...]"
 
 
-DASK = ("It was written by the Dask backend, whose workers' files hold chunks, not one block per rank: recover it "
-        "on a Dask cluster of any number of workers (ftidask.init(client=...)), or move the data with `ftidask export "
-        "--to-zarr` and `ftidask import`.")
+DASK = ("It was written by the Dask backend, whose workers' files hold chunks of each array: protect each variable "
+        "whole (one process), or declare each rank's block (ctx.protect(id, local, global_shape=..., offset=...)) or "
+        "replicated=True, and recover() redistributes the chunks; or recover it on a Dask cluster of any number of "
+        "workers (ftidask.init(client=...)), or move the data with `ftidask export --to-zarr` and `ftidask import`.")
 
 
 def advice(record: CommitRecord) -> str:
@@ -166,10 +174,12 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -
     t = ctx.transport
     arrays = {vid: p.array for vid, p in ctx.variables.items()}
     decls = {vid: getattr(p, "decomp", None) for vid, p in ctx.variables.items()}
+    holders = {vid: p.state for vid, p in ctx.variables.items() if getattr(p, "state", None) is not None}
     first = records[0]
     problem = next((m for m in (check_writeable(vid, a) for vid, a in arrays.items()) if m), "")
-    if not problem and first.nranks != t.size:
-        undeclared = sorted(vid for vid, d in decls.items() if not d)
+    dask = first.extra.get("backend") == "dask"  # one process takes a Dask checkpoint's arrays whole
+    if not problem and (first.nranks != t.size or dask) and not (dask and t.size == 1):
+        undeclared = sorted(vid for vid, d in decls.items() if not d and not (dask and vid in holders))
         if undeclared:
             problem = f"variable(s) {undeclared} declare no decomposition, so their data cannot be redistributed"
     problems = [(r, p) for r, p in enumerate(t.allgather(problem)) if p]
@@ -178,8 +188,10 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -
         raise RecoveryError(f"{change}: rank {r}: {p}. {advice(first)}")
     reasons = []
     for record in records:
+        states = holders if record.extra.get("backend") == "dask" else {}  # a Dask worker holds each whole
         try:
-            staged = _stage(ctx, record, arrays, decls)
+            staged = _stage(ctx, record, {v: a for v, a in arrays.items() if v not in states}, decls, list(states))
+            contents = {vid: holder.decode(staged.pop(vid), f"variable {vid}") for vid, holder in states.items()}
         except _Refused as exc:  # the user's declarations do not fit this checkpoint: an older one will not fit either
             raise RecoveryError(f"{layout_change(record, t.size, t.allgather(t.node))}: {exc}. {advice(record)}") \
                 from None
@@ -194,8 +206,10 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -
             continue
         for vid, data in staged.items():  # every rank has all its data: now, and only now, the arrays
             np.copyto(arrays[vid], data)
-        log.info("recovered checkpoint %d from level %d, written by %d ranks, on %d", record.ckpt_id, record.level,
-                 record.nranks, t.size)
+        for vid, content in contents.items():
+            states[vid].apply(content)
+        log.info("recovered checkpoint %d from level %d, written by %d %s, on %d", record.ckpt_id, record.level,
+                 record.nranks, "Dask workers" if record.extra.get("backend") == "dask" else "ranks", t.size)
         return record, arrays
     raise NoCheckpointError(f"{change}; no checkpoint can be redistributed onto this layout:"
                             + "".join(f"\n  - {r}" for r in reasons)
@@ -204,8 +218,7 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -
                               f"L2/L3 partner copies or parity). {advice(records[0])}")
 
 
-class _Refused(FTIError):
-    """The declarations of this run do not match the checkpoint's."""
+_Refused = reshard_dask.Refused  # the declarations of this run do not match the checkpoint's
 
 
 def _agree(t: Any, problem: str, kind: type[FTIError]) -> None:
@@ -217,13 +230,12 @@ def _agree(t: Any, problem: str, kind: type[FTIError]) -> None:
         raise kind(f"rank {r}{more}: {p}")
 
 
-def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
-           decls: dict[int, Any]) -> dict[int, np.ndarray]:
-    """Every rank's new arrays in private buffers, from the old files (collective)."""
+def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls: dict[int, Any],
+           states: list[int] = ()) -> dict[int, np.ndarray]:  # type: ignore[assignment]
+    """Every rank's new arrays in private buffers, from the old files (collective); and the stored bytes of the
+    Python states ``states`` (a Dask checkpoint's: their sizes are the old files')."""
     t = ctx.transport
     n, m = record.nranks, t.size
-    if record.extra.get("backend") == "dask":  # the same on every rank
-        raise _Refused("the checkpoint was written by the Dask backend")
     if record.level in (2, 3) and not record.fallback:  # 0. Lost old files come back first, on the
         # old layout's groups (a fallback's redundancy was the committed checkpoint's: never rebuilt).
         groups = old_groups(record, ctx.config.group_size)
@@ -249,6 +261,7 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
         tables.update({int(k): v for k, v in part.items()})
     # 2. The plan: which old file holds which piece of which variable.
     try:
+        arrays = {**arrays, **{vid: np.empty(_state_size(tables, vid, n), np.uint8) for vid in states}}
         plan = _plan(tables, arrays, decls, t.rank, n, m)
         problem = ""
     except Exception as exc:  # noqa: BLE001 - a malformed table too: every rank must hear of it
@@ -268,6 +281,19 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray],
     return staged
 
 
+def _state_size(tables: dict[int, dict[str, Any]], vid: int, n: int) -> int:
+    """The stored size of the Python state ``vid`` in a Dask checkpoint's tables (:class:`_Refused`: none there)."""
+    entries = [e for e in (tables.get(old, {}).get(str(vid)) for old in range(n)) if e]
+    try:
+        (size,) = entries[0]["extra"]["dask"]["shape"]
+        stored = sum(int(np.prod([int(k) for k in e["shape"]], dtype=object)) for e in entries)
+        if stored_dtype(entries[0]["dtype"]) == np.uint8 and 0 <= int(size) <= stored:  # forged: nothing allocated
+            return int(size)
+    except (IndexError, TypeError, KeyError, ValueError, OverflowError):
+        pass
+    raise _Refused(f"variable {vid} is a Python state here, the checkpoint holds no state under that id")
+
+
 def _why(exc: Exception) -> str:
     return str(exc) if isinstance(exc, (FTIError, OSError)) else f"{type(exc).__name__}: {exc}"
 
@@ -280,6 +306,9 @@ def _plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decl
         decl = decls.get(vid) or {}
         new = placement(decl, array.shape)
         entries = {old: tables.get(old, {}).get(str(vid)) for old in range(n)}
+        if reshard_dask.holds_chunks(entries):
+            _dask_plan(vid, entries, array, new, plan)
+            continue
         missing = [old for old, e in entries.items() if e is None]
         if missing:
             raise _Refused(f"variable {vid} is not in the checkpoint file(s) of old rank(s) {missing[:8]}")
@@ -319,13 +348,31 @@ def _plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decl
                 raise _Refused(f"variable {vid}: global shape {new.global_shape} here, {min(shapes)} in the "
                                "checkpoint")
             sources = olds
-        mask = np.zeros(array.shape, bool)
-        for old, (place, shape, order) in sources.items():
-            piece = overlap(place.offset, shape, order, array.dtype.itemsize, new.offset, array.shape)
-            if piece is not None:
-                plan.setdefault(old, []).append((vid, piece))
-                mask[piece.dst] = True
-        if not mask.all():
-            hole = tuple(int(i[0]) + o for i, o in zip(np.nonzero(~mask), new.offset))
-            raise _Refused(f"variable {vid}: no old file holds element {hole} of the global array {new.global_shape}")
+        found = [(old, overlap(place.offset, shape, order, array.dtype.itemsize, new.offset, array.shape))
+                 for old, (place, shape, order) in sources.items()]
+        _add(plan, vid, array, new, [(old, piece) for old, piece in found if piece is not None])
     return plan
+
+
+def _dask_plan(vid: int, entries: dict[int, Any], array: np.ndarray, new: Placement,
+               plan: dict[int, list[Any]]) -> None:
+    """A Dask checkpoint's variable (:mod:`.reshard_dask`): the chunks that overlap this rank's block."""
+    bad = next((e["dtype"] for e in entries.values() if e is not None and stored_dtype(e["dtype"]) != array.dtype),
+               None)
+    if bad is not None or all(e is None for e in entries.values()):
+        raise _Refused(f"variable {vid}: the checkpoint holds {stored_dtype(bad) or bad}, the protected array is "
+                       f"{array.dtype}")
+    new, found = reshard_dask.pieces(vid, entries, array, new, array.dtype)
+    _add(plan, vid, array, new, found)
+
+
+def _add(plan: dict[int, list[Any]], vid: int, array: np.ndarray, new: Placement,
+         found: list[tuple[int, Piece]]) -> None:
+    """Plan ``found`` (old rank, piece) for variable ``vid``; :class:`_Refused` when they leave an element unfilled."""
+    mask = np.zeros(array.shape, bool)
+    for old, piece in found:
+        plan.setdefault(old, []).append((vid, piece))
+        mask[piece.dst] = True
+    if not mask.all():
+        hole = tuple(int(i[0]) + o for i, o in zip(np.nonzero(~mask), new.offset))
+        raise _Refused(f"variable {vid}: no old file holds element {hole} of the global array {new.global_shape}")

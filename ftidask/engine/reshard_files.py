@@ -19,6 +19,7 @@ from ..model.decomposition import Piece, piece_view
 from ..model.errors import FormatError, RecoveryError
 from ..storage.files import open_read
 from .recovery import check_file, load_file
+from .reshard_dask import piece_of_stream
 from .runstate import CommitRecord
 
 
@@ -57,7 +58,7 @@ def table_of(parsed: Any) -> dict[str, Any]:
     out = {}
     for vid, info in parsed.vars.items():
         out[str(vid)] = {"dtype": dtype_to_json(info.dtype), "shape": list(info.shape), "order": info.order,
-                         "extra": {k: info.extra[k] for k in ("global_shape", "offset", "replicated")
+                         "extra": {k: info.extra[k] for k in ("global_shape", "offset", "replicated", "dask")
                                    if k in info.extra}}
     return out
 
@@ -76,7 +77,10 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
     whole = {vid: parsed.vars[vid].empty() for vid in {w[0] for w in wanted}}
     load_file(parsed, whole)
     for vid, piece in wanted:
-        staged[vid][piece.dst] = whole[vid][piece.src]
+        if "dask" in parsed.vars[vid].extra:  # a chunk at its dptr in the worker's stream (.reshard_dask)
+            staged[vid][piece.dst] = piece_of_stream(piece, whole[vid], parsed.vars[vid].dtype)
+        else:
+            staged[vid][piece.dst] = whole[vid][piece.src]
 
 
 def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, stop: int) -> tuple[bytearray, int]:
