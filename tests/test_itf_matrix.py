@@ -309,7 +309,7 @@ def test_diff_sizes_mixed_recover_and_recover_var_is_a_clean_error(tmp_path: Pat
     job("diffsizes", str(base), "0", "2", "mixed", config={"keep_last_ckpt": 1}, timeout=60)
     got = results(base)
     assert {r["error"] for r in got} == {"RecoveryError"} and len({r["message"] for r in got}) == 1, got
-    assert "rank 0: recover(); rank 1: recover(ids=[1])" in got[0]["message"]
+    assert "ranks 0, 2: recover(); ranks 1, 3: recover(ids=[1])" in got[0]["message"]
 
 
 # --- recoverVar ----------------------------------------------------------------------------------------------

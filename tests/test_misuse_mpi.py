@@ -30,9 +30,9 @@ def _results(base: Path) -> list[dict]:
     ("icp_level_refused_on_one_rank", "LevelError", "rank 1: unknown checkpoint level 9"),
     ("realloc_refused_on_one_rank", "ProtectError", "rank 1: variable id must be an int, got 'x'"),
     # Before: a raw TypeError from the paired collectives, then a hang.
-    ("checkpoint_beside_recover", None, "rank 0: checkpoint(id=2, level=1, wait=True); rank 1: recover("),
+    ("checkpoint_beside_recover", None, "rank 0: checkpoint(id=2, level=1, wait=True); ranks 1-3: recover("),
     # Before: rank 0 removed the run's files while the others wrote checkpoint 2 (a raw error or a hang).
-    ("finalize_beside_checkpoint", None, "rank 0: finalize(); rank 1: checkpoint(id=2, level=1, wait=True)"),
+    ("finalize_beside_checkpoint", None, "rank 0: finalize(); ranks 1-3: checkpoint(id=2, level=1, wait=True)"),
     # Before: rank 1 looked for a checkpoint "1", found none, and the ranks' recoveries diverged.
     ("recover_ckpt_id_str_on_one_rank", "RecoveryError",
      "rank 1: recover(ckpt_id=...): a checkpoint id must be an int"),
