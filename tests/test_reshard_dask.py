@@ -173,3 +173,26 @@ def test_python_states_of_a_dask_checkpoint_recovered_by_one_process(dirs):
         ctx.recover()
     assert dict(wrong) == {"keep": 1} and not b.any()
     ctx._close()
+
+
+def test_differential_dask_checkpoint_recovered_by_one_process(dirs):
+    """Two L5 (L1 differential) checkpoints of a Dask array, the second changing one chunk: one process recovers
+    the second whole (a differential file is verified whole, then each chunk taken at its place)."""
+    dcp = dict(dirs, enable_dcp=1, dcp_block_size=1024)
+    base = np.arange(4000.0).reshape(40, 100)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+        ctx = ftidask.init(client=client, **dcp)
+        ctx.protect(1, da.from_array(base, chunks=(15, 30)))
+        ctx.checkpoint(1, 5)
+        changed = base.copy()
+        changed[:15, :30] += 0.5
+        ctx.protect(1, da.from_array(changed, chunks=(15, 30)))
+        ctx.checkpoint(2, 5)
+        ctx._close()
+    ctx = ftidask.init(**dcp)
+    out = np.zeros_like(base)
+    ctx.protect(1, out)
+    ctx.recover()
+    assert ctx.recovered_from[0] == 2 and out.tobytes() == changed.tobytes()
+    ctx._close()

@@ -21,6 +21,7 @@ its data before any protected array is written. Otherwise every rank raises the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -231,7 +232,7 @@ def _agree(t: Any, problem: str, kind: type[FTIError]) -> None:
 
 
 def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls: dict[int, Any],
-           states: list[int] = ()) -> dict[int, np.ndarray]:  # type: ignore[assignment]
+           states: Sequence[int] = ()) -> dict[int, np.ndarray]:
     """Every rank's new arrays in private buffers, from the old files (collective); and the stored bytes of the
     Python states ``states`` (a Dask checkpoint's: their sizes are the old files')."""
     t = ctx.transport

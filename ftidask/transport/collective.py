@@ -108,7 +108,7 @@ def agree_call(t: Any, call: str, step: Callable[[], tuple[Any, T]], error_type:
     if any(c[0] != call for c in calls) or (not any(c[2] for c in calls) and any(c[1] != shared for c in calls)):
         raise error_type("the ranks made different collective calls (checkpoint, recover and the like are collective: "
                          "every rank makes the same call with the same arguments, in the same order): "
-                         + "; ".join(f"{_ranks(ranks)}: {shown}" for shown, ranks in _grouped(c[4] for c in calls).items()))
+                         + "; ".join(f"{_ranks(r)}: {text}" for text, r in _grouped(c[4] for c in calls).items()))
     errors = _grouped(c[2] for c in calls)  # each reason once, with its ranks (a level every rank refuses)
     errors.pop("", None)
     if errors:
