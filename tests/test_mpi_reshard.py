@@ -163,6 +163,42 @@ def test_export_stitches_declared_blocks(written: Path) -> None:
             assert got.shape == glob.shape and got.tobytes() == np.ascontiguousarray(glob).tobytes(), (name, vid)
 
 
+@pytest.mark.parametrize("name", ["l1", "l4", "dcp"])
+def test_one_process_recovers_whole_arrays_undeclared(written: Path, tmp_path: Path, name: str) -> None:
+    """One process (a notebook) restarting the 4-rank checkpoint protects each global array whole, with no
+    declaration: the blocks are stitched into it (it was refused: "declare no decomposition"). A wrong shape, or a
+    checkpoint whose ranks declared nothing, is refused with the arrays untouched."""
+    from mpi_scripts.reshard_job import dirs, globals_
+
+    import ftidask
+
+    shutil.copytree(written / name, tmp_path / name)
+    ctx = ftidask.init(**dirs(str(tmp_path), name))
+    out = {vid: np.zeros_like(glob) for vid, glob in globals_().items()}
+    for vid, a in out.items():
+        ctx.protect(vid, a)
+    ctx.recover()
+    assert ctx.recovered_from == (CKPT.get(name, 1), LEVEL[name])
+    for vid, glob in globals_().items():
+        assert out[vid].tobytes() == glob.tobytes(), vid
+    ctx._close()
+    ctx = ftidask.init(**dirs(str(tmp_path), name))
+    wrong = np.zeros(7)
+    ctx.protect(1, wrong)
+    with pytest.raises(ftidask.RecoveryError, match="protect the whole array"):
+        ctx.recover()
+    assert not wrong.any()
+    ctx._close()
+    shutil.copytree(written / "undeclared", tmp_path / "undeclared")
+    ctx = ftidask.init(**dirs(str(tmp_path), "undeclared"))
+    whole = np.zeros_like(globals_()[1])
+    ctx.protect(1, whole)
+    with pytest.raises(ftidask.RecoveryError, match="declares no decomposition"):
+        ctx.recover()
+    assert not whole.any()
+    ctx._close()
+
+
 @pytest.mark.parametrize("name", ["l2", "l3"])
 def test_export_rebuilds_a_lost_node_of_an_l2_l3_checkpoint(written: Path, tmp_path: Path, name: str) -> None:
     """A node's directory lost at L2/L3: the export rebuilds its files from the partner copies or the parity

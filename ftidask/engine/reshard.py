@@ -179,7 +179,7 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -
     first = records[0]
     problem = next((m for m in (check_writeable(vid, a) for vid, a in arrays.items()) if m), "")
     dask = first.extra.get("backend") == "dask"  # one process takes a Dask checkpoint's arrays whole
-    if not problem and (first.nranks != t.size or dask) and not (dask and t.size == 1):
+    if not problem and (first.nranks != t.size or dask) and t.size > 1:  # one process: each array whole (_plan)
         undeclared = sorted(vid for vid, d in decls.items() if not d and not (dask and vid in holders))
         if undeclared:
             problem = f"variable(s) {undeclared} declare no decomposition, so their data cannot be redistributed"
@@ -324,6 +324,8 @@ def _plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decl
             except FormatError as exc:
                 raise _Refused(f"variable {vid}, old rank {old}: {exc}") from None
         kinds = {p.kind for p, _s, _o in olds.values()}
+        if new.kind == "none" and m == 1 and n > 1 and len(kinds) == 1 and kinds != {"none"}:
+            new = _whole(vid, olds, next(iter(kinds)), array)  # one process, an undeclared array: the whole one
         if new.kind == "none":  # the same number of ranks (checked above): rank r gets old rank r's array
             if n != m:
                 raise _Refused(f"variable {vid} declares no decomposition")
@@ -353,6 +355,17 @@ def _plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decl
                  for old, (place, shape, order) in sources.items()]
         _add(plan, vid, array, new, [(old, piece) for old, piece in found if piece is not None])
     return plan
+
+
+def _whole(vid: int, olds: dict[int, Any], kind: str, array: np.ndarray) -> Placement:
+    """The declaration of an undeclared array of one process that restarts a checkpoint of several ranks: the
+    whole global array (of blocks) or the replicated array, when its shape is theirs (else :class:`_Refused`)."""
+    shapes = {p.global_shape if kind == "block" else shape for p, shape, _o in olds.values()}
+    if shapes != {tuple(array.shape)}:
+        raise _Refused(f"variable {vid}: the checkpoint holds a {'global' if kind == 'block' else 'replicated'} array "
+                       f"of shape {min(shapes)}, the protected array is {tuple(array.shape)} (protect the whole array, "
+                       "or declare its block: global_shape=..., offset=...)")
+    return Placement(kind, tuple(array.shape), (0,) * array.ndim)
 
 
 def _dask_plan(vid: int, entries: dict[int, Any], array: np.ndarray, new: Placement,
