@@ -17,6 +17,7 @@ from ..model.arrays import VarInfo
 from ..model.errors import FormatError
 from . import compression, hashing, tailmeta, verify
 from .blockhash import FLAG_DCP, DcpInfo, read_into_dcp, verify_dcp
+from .ftiparity import sniff_parity
 from .layout import Layout, Slot, layout_from_slots
 from .structs import BMD_SIZE, FB_SIZE, VMD_SIZE, BlockMeta, ContainerMeta, FileBlock
 from .trailer import TAIL_SIZE, parse_trailer, trailer_span
@@ -108,6 +109,9 @@ def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:
         if fb.compute_hash() != fb.hash:
             raise FormatError("file block hash does not match (damaged file block, or not an FTI-FF file)", path=path)
     except FormatError:
+        parity = sniff_parity(fh.fileno(), file_size)
+        if parity is not None:  # FTI's own level-3 parity (RSed): no checkpoint, but not damaged either
+            raise FormatError(parity.describe(), path=path) from None
         # No file block at the start: a file of FTI 1.2 or later keeps its metadata at the end.
         tail = tailmeta.parse_tail(fh, path, file_size)
         if tail is None:

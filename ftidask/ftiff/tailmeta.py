@@ -116,6 +116,11 @@ def _unpack_fb(tail: bytes) -> tuple[TailVariant, FileBlock, int, int] | None:
     return None
 
 
+def unpack_record(tail: bytes) -> tuple[TailVariant, FileBlock, int, int] | None:
+    """The variant, file block, metaSize and dataSize of the FTI file metadata record ``tail`` ends with, or None."""
+    return _unpack_fb(tail)
+
+
 def sniff(tail: bytes) -> bool:
     """Whether the last bytes of a file (up to :data:`TAIL_FB_SIZE`) end with an FTI file metadata record."""
     return _unpack_fb(tail) is not None
