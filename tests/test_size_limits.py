@@ -83,3 +83,26 @@ def test_read_json_refuses_what_is_larger_than_a_record(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="larger than"):
         files.write_json_atomic(tmp_path / "w.json", {"a": "x" * 200})
     assert not (tmp_path / "w.json").exists()
+
+
+@pytest.mark.parametrize("which", ["metadata", "chunk"])
+def test_a_foreign_zarr_store_with_a_file_forged_huge_is_refused_before_it_is_read(tmp_path, which):
+    """Nothing in a Zarr store ftidask did not write is hash-checked: a metadata file or a chunk replaced by a
+    sparse file of 300 MiB was read whole by Zarr (900 MiB allocated for the metadata); refused before."""
+    zarr = pytest.importorskip("zarr")
+    from ftidask.zarrfmt.foreign import read_plain_group
+
+    store = tmp_path / "s.zarr"
+    group = zarr.open_group(str(store), mode="w")
+    group.create_array("a", shape=(100,), chunks=(10,), dtype="f8")[:] = np.arange(100.0)
+    assert read_plain_group(store)[1][1].tobytes() == np.arange(100.0).tobytes()
+    _sparse(store / "a" / ("zarr.json" if which == "metadata" else "c/0"), 300 << 20)
+    peak = []
+    with pytest.raises(ftidask.FormatError, match="larger than"):
+        try:
+            tracemalloc.start()
+            read_plain_group(store)
+        finally:
+            peak.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+    assert peak[0] < 16 << 20
