@@ -9,6 +9,7 @@ parity bytes are arbitrary here (ftidask checks only their MD5, which FTI's reco
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -182,3 +183,24 @@ def test_damaged_dcp_file_is_refused_and_arrays_untouched(tmp_path, dirs):
     with pytest.raises(RecoveryError):
         ctx.recover_file(path)
     assert all(a.tobytes() == bytes([0x33]) * a.nbytes for a in arrays.values())
+
+
+@pytest.mark.parametrize(("name", "head", "mode"), [("Ckpt4-mpiio.fti", b"\1\2\3", "MPI-IO (ckpt_io = 2)"),
+                                                    ("Ckpt4-sionlib.fti", b"\1\2\3", "SIONlib (ckpt_io = 4)"),
+                                                    ("Ckpt4-Rank0.h5", b"\x89HDF\r\n\x1a\n", "HDF5 (ckpt_io = 5)")])
+def test_files_of_ftis_other_io_modes_are_refused_by_name(tmp_path, dirs, name, head, mode):
+    """FTI's MPI-IO file (every rank's bytes in one file, Ckpt{id}-mpiio.fti, while its meta file names each rank's
+    Ckpt{id}-Rank{r}.fti), SIONlib's and HDF5's are not read: said so, not "not an FTI-FF file" then, with the meta
+    file, "no section names it"."""
+    path = tmp_path / name
+    path.write_bytes(head + bytes(2000))
+    meta = tmp_path / "sector0-group0.fti"
+    meta.write_text("[0]\nckpt_file_name = Ckpt4-Rank0.fti\nckpt_file_size = 8\n"
+                    "ckpt_checksum = 0123456789abcdef0123456789abcdef\nvar0_id = 0\nvar0_size = 8\n")
+    ctx = ftidask.init(**dirs)
+    array = np.zeros(8, np.uint8)
+    ctx.protect(0, array)
+    for kwargs in ({}, {"meta": meta}):
+        with pytest.raises(RecoveryError, match=f"FTI's {re.escape(mode)} .*not read by ftidask"):
+            ctx.recover_file(path, **kwargs)
+    ctx.finalize()
