@@ -63,6 +63,9 @@ def _check(path: Path) -> tuple[str, object]:
             verify_data(fh, parsed)
         return "ok", parsed
     except (FormatError, OSError) as exc:
+        if "not an FTI-FF file" in str(exc):  # no metadata of its own: maybe FTI's POSIX I/O, checked with its meta
+            return "damaged", (f"{exc}; a checkpoint file of FTI's POSIX I/O (ckpt_io = 1) is checked with its meta "
+                               "file: ftidask verify PATH --meta META_DIR")
         return "damaged", str(exc)
 
 
