@@ -150,3 +150,11 @@ def fti_rsed_file(parity, rank_size, *, record="196f77d2"):
                                                                     timestamp)
     return parity + fti_record(record, checksum, ckpt_size=rank_size, meta_size=0x0BADC0DE, data_size=-0x2152411,
                                fs=len(parity), max_fs=len(parity), pt_fs=-1, ckpt_id=0x7F7F7F7F)
+
+
+def fti_padded_rank_file(rank, max_fs):
+    """A rank file as FTI's level-3 recovery (FTI_RSdec, src/recover.c) leaves it when interrupted: truncated
+    (extended with zeros) to ``maxFs`` and its own size written in its last ``sizeof(off_t)`` bytes, so that the
+    decoding sees the file as at encoding; the truncation back to that size never came."""
+    assert len(rank) <= max_fs - 8
+    return rank + bytes(max_fs - 8 - len(rank)) + struct.pack("<q", len(rank))

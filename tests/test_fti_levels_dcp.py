@@ -10,11 +10,12 @@ parity bytes are arbitrary here (ftidask checks only their MD5, which FTI's reco
 import hashlib
 import os
 import re
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
-from ftiff_builders import RECORDS, fti_rsed_file, fti_tail_file
+from ftiff_builders import RECORDS, fti_padded_rank_file, fti_rsed_file, fti_tail_file
 
 import ftidask
 from ftidask.errors import RecoveryError
@@ -204,3 +205,28 @@ def test_files_of_ftis_other_io_modes_are_refused_by_name(tmp_path, dirs, name, 
         with pytest.raises(RecoveryError, match=f"FTI's {re.escape(mode)} .*not read by ftidask"):
             ctx.recover_file(path, **kwargs)
     ctx.finalize()
+
+
+@pytest.mark.parametrize("record", RECORD_NAMES)
+def test_level3_rank_file_left_padded_by_an_interrupted_recovery_is_read(tmp_path, dirs, capsys, record):
+    """FTI_RSdec pads a present rank file to maxFs, writes its size at the end, decodes, then truncates it back: a
+    crash in between leaves the padded file in the l3 directory. Its first bytes are the file, every one of them
+    hash-checked: it is read as that file (the padding never is)."""
+    variables = {1: os.urandom(700), 2: b"x" * 24}
+    rank = fti_tail_file(variables, [[(1, 0, 0, 700), (2, 0, 0, 24)]], record=record, max_fs=2000)
+    for max_fs in (2000, len(rank) + 8):  # a smaller file of the group; the largest
+        path = tmp_path / "Ckpt7-Rank0.fti"
+        path.write_bytes(fti_padded_rank_file(rank, max_fs))
+        _recovered(dirs, path, variables)
+        assert cli_main(["verify", str(path)]) == 0
+        assert cli_main(["inspect", str(path)]) == 0
+        assert f"{max_fs - len(rank)} bytes of padding after its {len(rank)}" in capsys.readouterr().out
+    raw = bytearray(fti_padded_rank_file(rank, 2000))
+    raw[100] ^= 1  # a data byte: refused as for the file itself
+    path.write_bytes(bytes(raw))
+    with open(path, "rb") as fh, pytest.raises(FormatError, match="hash does not match"):
+        verify_data(fh, parse_ftiff(fh, str(path)))
+    for size in (len(rank) - 1, len(rank) + 1, 2**62, -1):  # a size that is not the file's: not an FTI file
+        path.write_bytes(bytes(raw[:-8]) + struct.pack("<q", size))
+        with open(path, "rb") as fh, pytest.raises(FormatError):
+            parse_ftiff(fh, str(path))

@@ -156,6 +156,22 @@ def parse_tail(fh: BinaryIO, path: str, file_size: int) -> tuple[FileBlock, Bloc
     raise FormatError(f"FTI metadata at byte {data_size} ({variant.name} record): {problems[0]}", path=path)
 
 
+def parse_padded(fh: BinaryIO, path: str, file_size: int) -> tuple[int, tuple[FileBlock, Blocks]] | None:
+    """``(size, parse_tail's result)`` of a rank file that FTI's level-3 recovery left padded, else None.
+
+    ``FTI_RSdec`` (src/recover.c) truncates a present FTI-FF rank file to the group's ``maxFs`` (zeros appended)
+    and writes the file's size in its last ``sizeof(off_t)`` bytes, decodes, then truncates it back to that size:
+    interrupted in between, it leaves the file padded. Its first ``size`` bytes are the file: read as such (every
+    data byte is still checked by its container's MD5; the padding is never read)."""
+    if file_size <= 8:
+        return None
+    (size,) = struct.unpack("<q", os.pread(fh.fileno(), 8, file_size - 8))
+    if not 0 < size <= file_size - 8:
+        return None
+    tail = parse_tail(fh, path, size)
+    return None if tail is None else (size, tail)
+
+
 def _walk(meta: bytes, record: struct.Struct, stride: int, data_size: int, path: str) -> Blocks:
     """The blocks of the metadata area ``meta``; every container checked against the data area."""
     blocks = []
