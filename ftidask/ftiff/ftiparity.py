@@ -7,7 +7,8 @@ MD5 (hex) of the parity bytes, ``myHash`` computed as for a rank file (``metaSiz
 whatever FTI's malloc'd struct held: hashed, never used). FTI 1.1 ``fwrite``s its raw 96-byte ``FTIFF_metaInfo``
 (:class:`~.structs.FileBlock`'s layout and FTI 1.1 hash); later versions ``FTIFF_SerializeFileMeta``'s record
 (:data:`.tailmeta.VARIANTS`). Such a file holds no variable's bytes: reading it as a checkpoint is refused with
-what it is, and ``ftidask verify`` checks its MD5 as FTI's recovery does (``FTIFF_CheckL3RecoverInit``).
+what it is, and ``ftidask verify`` checks its MD5 over the ``fs`` parity bytes as FTI's level-3 recovery does
+(``FTIFF_GetEncodedFileChecksum``).
 ftidask's own parity files have a ``.hash`` record instead (:func:`ftidask.levels.rs.check_parity`).
 """
 
