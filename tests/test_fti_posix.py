@@ -201,3 +201,14 @@ def test_a_fifo_in_place_of_the_file_or_its_meta_file_is_an_error_not_a_hang(tmp
     os.mkfifo(meta)
     with pytest.raises(FormatError):
         read_posix(fifo, meta)
+
+
+def test_cli_verify_without_meta_says_how_to_check_a_posix_file(tmp_path, capsys):
+    """Without --meta a POSIX file cannot be checked (no metadata of its own): the line says so and how, rather
+    than only 'damaged file block'."""
+    from ftidask.tools.cli import main as cli_main
+
+    data_dir, meta = _write_fti_posix(tmp_path / "fti", 2, 1)
+    assert cli_main(["verify", str(data_dir)]) == 1
+    out = capsys.readouterr().out
+    assert "0 sound, 1 damaged" in out and "verify PATH --meta" in out

@@ -306,6 +306,8 @@ def _damage(path: Path, how: str, at: int) -> None:
         if damaged:
             damaged[at % len(damaged)] ^= 1 << (at % 8)
         path.write_bytes(bytes(damaged))
+    elif how == "sparse":  # a size of a terabyte costs nothing on disk: nothing may read it whole
+        os.truncate(path, 1 << 40)
     elif how == "json-type" and path.suffix == ".json":
         path.write_text(json.dumps([raw.decode("utf-8", "replace")]))
     else:
@@ -319,14 +321,15 @@ def _damage(path: Path, how: str, at: int) -> None:
 @given(data=st.data())
 def test_any_file_damaged_gives_exact_data_or_a_clear_error(tmp_path_factory, data):
     """Any file of the tree (commit and fallback records, run state, rank files, the spare and its record)
-    truncated, flipped, emptied, of the wrong JSON type, or replaced by a directory or a FIFO: the restart
+    truncated, flipped, emptied, of the wrong JSON type, made a sparse terabyte, or replaced by a directory or a
+    FIFO: the restart
     recovers a committed checkpoint bit for bit, or raises a ftidask error that touches no array."""
     import shutil
 
     tree = _sample_tree(tmp_path_factory)
     files = sorted(p.relative_to(tree) for p in tree.rglob("*") if p.is_file() and p.suffix != ".lock")
     rel = data.draw(st.sampled_from(files))
-    how = data.draw(st.sampled_from(["truncate", "flip", "empty", "json-type", "dir", "fifo"]))
+    how = data.draw(st.sampled_from(["truncate", "flip", "empty", "json-type", "dir", "fifo", "sparse"]))
     root = tmp_path_factory.mktemp("case")
     shutil.copytree(tree, root, dirs_exist_ok=True)
     _damage(root / rel, how, data.draw(st.integers(0, 1 << 20)))

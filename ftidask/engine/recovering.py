@@ -276,7 +276,8 @@ class Recovery(RunPart):
             verdict = check_file(Path(path), None, self.transport.rank, stage)
         try:
             if verdict.kind != "ok" or verdict.parsed is None:
-                raise RecoveryError(f"cannot recover from {os.fspath(path)}: {recoverplan.hinted(verdict.message)}")
+                why = recoverplan.hinted(verdict.message, path)
+                raise RecoveryError(f"cannot recover from {os.fspath(path)}: {why}")
             targets = recoverplan.plan(self.variables, verdict.parsed, None)
             problem = targets.problem or targets.load_states()
             if problem:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ftiff.posix import read_posix
+from ..ftiff.posix import other_io_mode, read_posix
 from ..model.arrays import ArrayBytes, check_id
 from ..model.errors import FormatError, FTIError, ProtectError, RecoveryError
 from .pystate import Holder, kind_of
@@ -157,10 +157,13 @@ def recover_posix(protected: Mapping[int, Any], path: str | os.PathLike[str], me
     return targets.recovered()
 
 
-def hinted(message: str) -> str:
+def hinted(message: str, path: str | os.PathLike[str]) -> str:
     """``message`` of a file recover_file refused, with a hint when it may be a file of FTI's POSIX I/O (raw bytes,
-    no FTI-FF metadata), which is read with its meta file."""
+    no FTI-FF metadata), which is read with its meta file, or what it is when a file of FTI's other I/O modes."""
     if "not an FTI-FF file" not in message:
         return message
+    other = other_io_mode(path)
+    if other:
+        return other
     return (f"{message}; a checkpoint file of FTI's POSIX I/O (ckpt_io = 1) is read with its meta file: "
             "recover_file(path, meta=META_DIR/sector*-group*.fti)")

@@ -21,7 +21,10 @@ def _readable_ns(ns: int) -> str:
 def _kind(parsed: FtiffFile) -> str:
     fb = parsed.fb
     if parsed.tail:
-        return "FTI file, metadata at the end (FTI 1.2 or later, MD5)"
+        padded = parsed.identity[2] - parsed.file_size
+        return "FTI file, metadata at the end (FTI 1.2 or later, MD5)" + (
+            f"; {padded} bytes of padding after its {parsed.file_size} (an interrupted FTI level-3 recovery's), "
+            "not read" if padded > 0 else "")
     return "FTI 1.1 file (MD5)" if fb.legacy else f"ftidask FTI-FF v{fb.version}, hash {hash_name(fb.hash_id)}"
 
 

@@ -59,6 +59,29 @@ class PosixFile:
         return {vid: len(buf) for vid, buf in self.data.items()}
 
 
+#: FTI's other I/O modes' files: MPI-IO's one file of every rank's bytes (its meta file names each rank's
+#: Ckpt{id}-Rank{r}.fti, at an offset of it), SIONlib's container, HDF5's files (src/IO/mpio.c, sion-fti.c, hdf5-fti.c).
+_OTHER_MODES = ((re.compile(r"Ckpt-?\d+-mpiio\.fti"), "MPI-IO (ckpt_io = 2)"),
+                (re.compile(r"Ckpt-?\d+-sionlib\.fti"), "SIONlib (ckpt_io = 4)"))
+_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+
+
+def other_io_mode(path: str | os.PathLike[str]) -> str:
+    """'' or why ``path`` is not read: a checkpoint file of FTI's MPI-IO, SIONlib or HDF5 I/O (by its name, or
+    HDF5's signature at its start)."""
+    name = os.path.basename(os.fspath(path))
+    mode = next((mode for pattern, mode in _OTHER_MODES if pattern.fullmatch(name)), "")
+    if not mode:
+        try:
+            with open_read(path) as fh:
+                head = fh.read(len(_HDF5_MAGIC))
+        except OSError:
+            head = b""
+        mode = "HDF5 (ckpt_io = 5)" if head == _HDF5_MAGIC or name.endswith(".h5") else ""
+    return (f"FTI's {mode} checkpoint file: not read by ftidask, which reads FTI-FF files (ckpt_io = 3) and, with "
+            "their meta file, POSIX ones (ckpt_io = 1)") if mode else ""
+
+
 def meta_files(meta: str | os.PathLike[str]) -> list[Path]:
     """``meta`` itself if a file, else the FTI meta files (``sector*-group*.fti``) in the directory ``meta``."""
     where = Path(meta)
@@ -131,6 +154,9 @@ def _variables(values: dict[str, str], size: int, where: str) -> list[tuple[int,
 
 def read_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> PosixFile:
     """Read and verify FTI's POSIX checkpoint file ``path`` with its meta file (or a directory of them)."""
+    other = other_io_mode(path)
+    if other:
+        raise FormatError(other, path=os.fspath(path))
     meta_path, values = find_section(path, meta)
     where = f"{meta_path} [{os.path.basename(os.fspath(path))}]"
     if values["ckpt_type"] != "full" or any(key.startswith("dcp") for key in values):

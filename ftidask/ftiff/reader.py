@@ -17,6 +17,7 @@ from ..model.arrays import VarInfo
 from ..model.errors import FormatError
 from . import compression, hashing, tailmeta, verify
 from .blockhash import FLAG_DCP, DcpInfo, read_into_dcp, verify_dcp
+from .ftiparity import sniff_parity
 from .layout import Layout, Slot, layout_from_slots
 from .structs import BMD_SIZE, FB_SIZE, VMD_SIZE, BlockMeta, ContainerMeta, FileBlock
 from .trailer import TAIL_SIZE, parse_trailer, trailer_span
@@ -37,7 +38,7 @@ class FtiffFile:
     """The parsed, structurally checked metadata of one file."""
 
     path: str
-    file_size: int
+    file_size: int  # the bytes that are the file: less than the file's size for a padded FTI L3 rank file
     fb: FileBlock
     blocks: tuple[tuple[BlockMeta, tuple[ContainerMeta, ...]], ...]
     trailer: dict[str, Any] | None
@@ -108,11 +109,17 @@ def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:
         if fb.compute_hash() != fb.hash:
             raise FormatError("file block hash does not match (damaged file block, or not an FTI-FF file)", path=path)
     except FormatError:
+        parity = sniff_parity(fh.fileno(), file_size)
+        if parity is not None:  # FTI's own level-3 parity (RSed): no checkpoint, but not damaged either
+            raise FormatError(parity.describe(), path=path) from None
         # No file block at the start: a file of FTI 1.2 or later keeps its metadata at the end.
-        tail = tailmeta.parse_tail(fh, path, file_size)
+        tail, size = tailmeta.parse_tail(fh, path, file_size), file_size
         if tail is None:
-            raise
-        parsed = FtiffFile(path, file_size, tail[0], tail[1], None, {}, identity_of(stat), tail=True)
+            padded = tailmeta.parse_padded(fh, path, file_size)  # an L3 rank file FTI left padded
+            if padded is None:
+                raise
+            size, tail = padded
+        parsed = FtiffFile(path, size, tail[0], tail[1], None, {}, identity_of(stat), tail=True)
         _check_coverage(parsed)
         return parsed
     if not fb.legacy:
@@ -263,7 +270,7 @@ def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None, *
     """
     if parsed.fb.flags & FLAG_DCP:
         return verify_dcp(fh, parsed, only)
-    if os.fstat(fh.fileno()).st_size != parsed.file_size:
+    if os.fstat(fh.fileno()).st_size != parsed.identity[2]:  # the size parsed (file_size: its first bytes read)
         raise FormatError("file changed size since it was parsed", path=parsed.path)
     jobs = [(bi, ci, meta) for bi, ci, meta in parsed.containers()
             if meta.hascontent and (only is None or meta.id in only)]

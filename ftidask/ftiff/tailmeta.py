@@ -116,6 +116,11 @@ def _unpack_fb(tail: bytes) -> tuple[TailVariant, FileBlock, int, int] | None:
     return None
 
 
+def unpack_record(tail: bytes) -> tuple[TailVariant, FileBlock, int, int] | None:
+    """The variant, file block, metaSize and dataSize of the FTI file metadata record ``tail`` ends with, or None."""
+    return _unpack_fb(tail)
+
+
 def sniff(tail: bytes) -> bool:
     """Whether the last bytes of a file (up to :data:`TAIL_FB_SIZE`) end with an FTI file metadata record."""
     return _unpack_fb(tail) is not None
@@ -149,6 +154,22 @@ def parse_tail(fh: BinaryIO, path: str, file_size: int) -> tuple[FileBlock, Bloc
                 return fb, blocks
             problems.append("checksum does not match the containers' hashes (damaged metadata)")
     raise FormatError(f"FTI metadata at byte {data_size} ({variant.name} record): {problems[0]}", path=path)
+
+
+def parse_padded(fh: BinaryIO, path: str, file_size: int) -> tuple[int, tuple[FileBlock, Blocks]] | None:
+    """``(size, parse_tail's result)`` of a rank file that FTI's level-3 recovery left padded, else None.
+
+    ``FTI_RSdec`` (src/recover.c) truncates a present FTI-FF rank file to the group's ``maxFs`` (zeros appended)
+    and writes the file's size in its last ``sizeof(off_t)`` bytes, decodes, then truncates it back to that size:
+    interrupted in between, it leaves the file padded. Its first ``size`` bytes are the file: read as such (every
+    data byte is still checked by its container's MD5; the padding is never read)."""
+    if file_size <= 8:
+        return None
+    (size,) = struct.unpack("<q", os.pread(fh.fileno(), 8, file_size - 8))
+    if not 0 < size <= file_size - 8:
+        return None
+    tail = parse_tail(fh, path, size)
+    return None if tail is None else (size, tail)
 
 
 def _walk(meta: bytes, record: struct.Struct, stride: int, data_size: int, path: str) -> Blocks:

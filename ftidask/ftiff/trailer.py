@@ -11,7 +11,7 @@ import reprlib
 import struct
 from typing import Any
 
-from ..model.errors import FormatError
+from ..model.errors import CheckpointError, FormatError
 
 TRAILER_MAGIC = b"FTDKVARS"
 _TAIL = struct.Struct("<Q8s")
@@ -19,6 +19,11 @@ MAX_TRAILER = 64 << 20  # refuse absurd tables before allocating them
 
 
 def pack_trailer(payload: bytes) -> bytes:
+    """The table ``payload`` with its length and magic; :class:`CheckpointError` when the readers would refuse it
+    (more than :data:`MAX_TRAILER` bytes): the checkpoint fails, rather than commit a file no recovery reads."""
+    if len(payload) > MAX_TRAILER:
+        raise CheckpointError(f"the variable table would be {len(payload)} bytes, more than the {MAX_TRAILER} "
+                              "bytes ftidask reads back (too many variables, or names too long)")
     return payload + _TAIL.pack(len(payload), TRAILER_MAGIC)
 
 

@@ -184,8 +184,18 @@ def atomic_file(path: Path, mode: str = "w+b", durable: bool = True) -> Iterator
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
+    """Write ``value`` as JSON at ``path`` atomically; an :class:`OSError`, and nothing written, when it would
+    be larger than :data:`MAX_RECORD` (:func:`read_json` would refuse it)."""
+    raw = json.dumps(value, indent=1, sort_keys=True).encode()
+    check_record_size(path, raw)
     with atomic_file(path) as fh:
-        fh.write(json.dumps(value, indent=1, sort_keys=True).encode())
+        fh.write(raw)
+
+
+def check_record_size(path: str | os.PathLike[str], raw: bytes) -> None:
+    """Raise :class:`OSError` when ``raw`` is larger than a record ftidask reads back (:data:`MAX_RECORD`)."""
+    if len(raw) > MAX_RECORD:
+        raise _too_large(path, len(raw))
 
 
 def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
@@ -210,15 +220,35 @@ def open_read(path: str | os.PathLike[str], buffering: int = -1) -> BinaryIO:
     return open(open_regular(path), "rb", buffering=buffering)
 
 
+#: The largest JSON record ftidask writes or reads (commit records, hash records, run state, a Zarr store's
+#: manifest): a Dask commit record lists every chunk (about 75 bytes each), so millions of chunks fit. A record
+#: forged larger (a sparse file costs nothing on disk) is refused before it is read, never allocated.
+MAX_RECORD = 256 << 20
+
+
+def _too_large(path: str | os.PathLike[str], size: int) -> OSError:
+    return OSError(errno.EFBIG, f"{size} bytes, larger than the {MAX_RECORD} bytes of any ftidask record",
+                   os.fspath(path))
+
+
 def read_regular(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of the regular file ``path`` (:func:`open_regular`: an :class:`OSError` for anything else)."""
+    """The bytes of the regular file ``path`` (:func:`open_regular`: an :class:`OSError` for anything else,
+    and for a file of more than :data:`MAX_RECORD` bytes)."""
     with open_read(path) as fh:
-        return fh.read()
+        size = os.fstat(fh.fileno()).st_size
+        if size > MAX_RECORD:  # before any read: nothing of its size is allocated
+            raise _too_large(path, size)
+        raw = fh.read(size + 1)  # bounded even if it grows meanwhile (read(n) allocates n bytes first)
+        if len(raw) > size:  # it did: read what is there now, as before, up to the limit
+            raw += fh.read(MAX_RECORD + 1 - len(raw))
+    if len(raw) > MAX_RECORD:
+        raise _too_large(path, len(raw))
+    return raw
 
 
 def read_json(path: Path) -> Any | None:
-    """The JSON at ``path``, or None when it is missing or unreadable (a torn or damaged record, or not
-    a regular file: :func:`open_regular`)."""
+    """The JSON at ``path``, or None when it is missing or unreadable (a torn or damaged record, one larger
+    than :data:`MAX_RECORD`, or not a regular file: :func:`open_regular`)."""
     try:
         return json.loads(read_regular(path).decode("utf-8"))
     except (OSError, ValueError, RecursionError):

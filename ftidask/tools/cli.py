@@ -63,6 +63,9 @@ def _check(path: Path) -> tuple[str, object]:
             verify_data(fh, parsed)
         return "ok", parsed
     except (FormatError, OSError) as exc:
+        if "not an FTI-FF file" in str(exc):  # no metadata of its own: maybe FTI's POSIX I/O, checked with its meta
+            return "damaged", (f"{exc}; a checkpoint file of FTI's POSIX I/O (ckpt_io = 1) is checked with its meta "
+                               "file: ftidask verify PATH --meta META_DIR")
         return "damaged", str(exc)
 
 
@@ -78,10 +81,26 @@ def _parity_files(root: Path) -> list[Path]:
 
 
 def _check_parity(path: Path) -> tuple[str, object]:
+    from ..levels.rs import check_parity, hash_path
+
+    problem = check_parity(path) if hash_path(path).exists() else _fti_parity_problem(path)
+    return ("damaged", problem) if problem else ("ok", None)
+
+
+def _fti_parity_problem(path: Path) -> str:
+    """A parity file without ftidask's .hash record: FTI's own (its MD5 checked), else ftidask's without record."""
+    from ..ftiff.ftiparity import parity_problem, sniff_parity
     from ..levels.rs import check_parity
 
-    problem = check_parity(path)
-    return ("damaged", problem) if problem else ("ok", None)
+    try:
+        with open_read(path) as fh:
+            parity = sniff_parity(fh.fileno(), os.fstat(fh.fileno()).st_size)
+            problem = parity_problem(fh.fileno(), parity) if parity is not None else ""
+    except OSError as exc:
+        return f"{path}: {exc}"
+    if parity is None:  # not FTI's: ftidask's parity file, its record missing (check_parity says so)
+        return check_parity(path)
+    return f"{path}: {problem}" if problem else ""
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

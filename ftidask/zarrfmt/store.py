@@ -153,6 +153,7 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
         manifest = {"format": FORMAT, "version": VERSION, "hash": hashing.hash_name(_HASH_ID), "files": files,
                     "vars": table, "attrs": dict(attrs)}
         raw = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+        storage.check_record_size(tmp / MANIFEST, raw)  # read back with storage.read_regular
         with storage.atomic_file(tmp / MANIFEST) as fh:
             fh.write(raw)
         storage.fsync_dir(tmp)
