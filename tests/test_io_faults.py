@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 from diskfull import fill, tmpfs
 
+import ftidask
+from ftidask.api.context import Context
+from ftidask.engine.grouplevels import run_ranks
 from ftidask.levels import multilevel
-from ftidask.model.config import Config
+from ftidask.model.config import Config, load_config
 from ftidask.storage import files as storage
 from ftidask.transport.threads import run_group
 
@@ -56,10 +59,9 @@ def _rebuild(base: Path, level: int, sizes: list[int], data: dict[int, bytes], e
 
     def step(ch):
         i, g = ch.index, ch.size
-        found = {} if errors is None else {"errors": errors[i]}
         return multilevel.rebuild(ch, CFG, level, CKPT, i, _own(base, i), _own(base, i).parent, sizes,
                                   sound(i)(_own(base, i)), verify_own=sound(i), verify_partner=sound((i - 1) % g),
-                                  **found)
+                                  errors=None if errors is None else errors[i])
 
     results, failures = run_group(len(sizes), step)
     assert failures == []
@@ -78,3 +80,76 @@ def test_a_directory_in_place_of_a_rank_file_is_rebuilt_over(tmp_path, level):
     (victim / "inside").write_bytes(b"x")
     assert _rebuild(tmp_path, level, sizes, data) == [True, True, True]
     assert victim.read_bytes() == data[1]
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_a_rebuild_that_cannot_write_says_why(tmp_path, level):
+    """The node of the lost file is full: the rebuild fails, and the level says why (it said nothing)."""
+    sizes = [30_000, 50_000, 40_000]
+    with tmpfs(tmp_path / "node1", "1m"):
+        data = _group(tmp_path, level, sizes)
+        _own(tmp_path, 1).unlink()
+        filler = fill(tmp_path / "node1")
+        errors: list[list[str]] = [[], [], []]
+        assert _rebuild(tmp_path, level, sizes, data, errors) == [True, False, True]
+        assert any(str(_own(tmp_path, 1)) in e and "No space left on device" in e for e in errors[1]), errors
+        assert not [p for p in (tmp_path / "node1").iterdir() if ".tmp-" in p.name]
+        filler.unlink()
+        assert _rebuild(tmp_path, level, sizes, data) == [True, True, True]  # room again: rebuilt
+        assert _own(tmp_path, 1).read_bytes() == data[1]
+
+
+# --- the engine over ranks as threads (run_ranks): L2/L3 on a node whose disk is full -------------------
+
+NRANKS = 3
+
+
+def _config(base: Path, **kw):
+    return load_config(None, ckpt_dir=str(base / "Local"), glbl_dir=str(base / "Global"), meta_dir=str(base / "Meta"),
+                       local_test=1, node_size=1, group_size=NRANKS, block_size=1, transfer_size=1, verbosity=4, **kw)
+
+
+def _values(rank: int, version: int) -> np.ndarray:
+    return np.arange(20_000, dtype=np.float64) * (rank + 1) + version
+
+
+def _ranks(base: Path, program, **kw):
+    results, errors = run_ranks(_config(base, **kw), NRANKS, lambda t: program(Context(_config(base, **kw), t), t.rank),
+                                wait=60)
+    assert errors == [], errors
+    return results
+
+
+def _recover(ctx: Context, rank: int):
+    out = np.full(20_000, -7.0)
+    ctx.protect(1, out)
+    try:
+        ctx.recover()
+        return ctx.recovered_from, bool(np.array_equal(out, _values(rank, 1)))
+    except ftidask.FTIError as exc:
+        return type(exc).__name__, str(exc), bool((out == -7.0).all())
+    finally:
+        ctx._close()
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_recovery_whose_rebuild_finds_the_disk_full_says_so(tmp_path, level):
+    node1 = tmp_path / "Local" / "node1"
+    with tmpfs(node1, "2m"):
+        node1.chmod(0o700)  # a tmpfs root is world-writable: ftidask refuses it as a run directory
+
+        def write(ctx: Context, rank: int) -> None:
+            ctx.protect(1, _values(rank, 1))
+            ctx.checkpoint(1, level)
+            ctx._close()
+
+        _ranks(tmp_path, write)
+        lost = next(node1.rglob("Ckpt1-Rank1.fti"))
+        lost.unlink()
+        filler = fill(node1)
+        refused = _ranks(tmp_path, _recover)
+        assert {r[0] for r in refused} == {"NoCheckpointError"} and len({r[1] for r in refused}) == 1, refused
+        assert str(lost) in refused[0][1] and "No space left on device" in refused[0][1], refused[0][1]
+        assert all(r[2] for r in refused)  # the arrays untouched
+        filler.unlink()
+        assert _ranks(tmp_path, _recover) == [((1, level), True)] * NRANKS  # room again: rebuilt, recovered
