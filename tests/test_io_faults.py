@@ -153,3 +153,37 @@ def test_recovery_whose_rebuild_finds_the_disk_full_says_so(tmp_path, level):
         assert all(r[2] for r in refused)  # the arrays untouched
         filler.unlink()
         assert _ranks(tmp_path, _recover) == [((1, level), True)] * NRANKS  # room again: rebuilt, recovered
+
+
+# --- Dask: the same on a real LocalCluster --------------------------------------------------------------
+
+NWORKERS = 3  # the shared cluster of the Dask tests (conftest.py): one L2 ring / L3 group of three workers
+
+
+@pytest.mark.dask
+@pytest.mark.slow  # a cluster of its own size: 6 s to 17 s
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("level", [2, 3])
+def test_dask_recovery_whose_rebuild_finds_the_disk_full_says_so(tmp_path, dirs, dask_client, level):
+    da = pytest.importorskip("dask.array")
+    node1 = Path(dirs["ckpt_dir"]) / "node1"
+    with tmpfs(node1, "2m"):
+        node1.chmod(0o700)
+        ctx = ftidask.init(client=dask_client, group_size=NWORKERS, **dirs)
+        ctx.protect(1, da.arange(60_000.0, chunks=20_000).persist())
+        ctx.checkpoint(1, level)
+        lost = next(node1.rglob("Ckpt1-Rank1.fti"))
+        lost.unlink()
+        filler = fill(node1)
+        ctx = ftidask.init(client=dask_client, group_size=NWORKERS, **dirs)
+        zeros = da.zeros(60_000, chunks=20_000).persist()
+        ctx.protect(1, zeros)
+        with pytest.raises(ftidask.RecoveryError, match="No space left on device") as refused:
+            ctx.recover()
+        assert str(lost) in str(refused.value)
+        assert ctx.protected[1] is zeros
+        filler.unlink()
+        ctx.recover()
+        assert ctx.recovered_from == (1, level)
+        np.testing.assert_array_equal(ctx.protected[1].compute(), np.arange(60_000.0))
+        ctx.finalize()
