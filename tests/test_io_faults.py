@@ -9,6 +9,7 @@ redundancy; the previous checkpoint stays recoverable and the context works once
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,49 @@ from ftidask.transport.threads import run_group
 
 CKPT = 1
 CFG = Config(block_size=1, transfer_size=1)  # 1 KiB stripes, 1 MiB pieces
+
+
+# --- the error says where: a rank file on a full disk -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("level", "dcp", "icp"), [(1, 0, False), (4, 0, False), (5, 1, False), (1, 0, True)],
+                         ids=["L1", "L4", "dCP", "iCP"])
+def test_a_rank_file_on_a_full_disk_is_named_in_the_error(tmp_path, level, dcp, icp):
+    """ENOSPC from a write() carries no file name: the error named no file ("rank 0: [Errno 28] No space
+    left on device"). Now it names the file being written; the previous checkpoint stays, the next works."""
+    with tmpfs(tmp_path / "fs", "1m") as fs:
+        fs.chmod(0o700)
+        where = "glbl_dir" if level == 4 else "ckpt_dir"
+        dirs = {"ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
+                "meta_dir": str(tmp_path / "Meta"), where: str(fs / "run"), "verbosity": 4, "enable_dcp": dcp}
+        ctx = ftidask.init(**dirs)
+        data = np.arange(20_000.0)
+        ctx.protect(1, data)
+        ctx.checkpoint(1, level)
+        filler = fill(fs)
+        data += 1
+        fds = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(ftidask.CheckpointError, match="No space left on device") as failed:
+            if icp:
+                ctx.init_icp(2, level)
+                ctx.add_var_icp(1)
+                ctx.finalize_icp()
+            else:
+                ctx.checkpoint(2, level)
+        named = "Spare-Rank0.fti" if dcp else "Ckpt2-Rank0.fti"  # dCP patches its spare in place
+        assert named in str(failed.value) and str(fs) in str(failed.value), failed.value
+        assert not [p for p in fs.rglob("*") if ".tmp-" in p.name]
+        assert len(os.listdir("/proc/self/fd")) == fds  # no descriptor left open by the failed write
+        filler.unlink()
+        data += 1
+        ctx.checkpoint(3, level)  # the fault gone, the same context checkpoints again
+        ctx._close()
+        ctx = ftidask.init(**dirs)
+        out = np.zeros(20_000)
+        ctx.protect(1, out)
+        ctx.recover()
+        assert ctx.recovered_from == (3, (level - 1) % 4 + 1) and np.array_equal(out, np.arange(20_000.0) + 2)
+        ctx.finalize()
 
 
 # --- L2/L3 rebuild, in one process (the level code over a group of threads) -------------------------------

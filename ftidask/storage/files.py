@@ -173,14 +173,24 @@ def atomic_file(path: Path, mode: str = "w+b", durable: bool = True) -> Iterator
         os.replace(tmp, path)
         if durable:
             fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as exc:
         # Closing flushes what is buffered: on a full disk it fails again. The temporary file
         # must go all the same, and the error to see is the first one.
         with contextlib.suppress(OSError):
             fh.close()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise located(exc, path) from None
         raise
+
+
+def located(exc: OSError, path: str | os.PathLike[str]) -> OSError:
+    """``exc``, naming ``path`` when it names no file: a failed ``write`` or ``fsync`` (a full disk, EIO) says
+    nothing of where, and the user must learn which disk failed."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror, os.fspath(path))
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
