@@ -231,3 +231,31 @@ def test_dask_recovery_whose_rebuild_finds_the_disk_full_says_so(tmp_path, dirs,
         assert ctx.recovered_from == (1, level)
         np.testing.assert_array_equal(ctx.protected[1].compute(), np.arange(60_000.0))
         ctx.finalize()
+
+
+# --- Zarr export to a full disk ------------------------------------------------------------------------
+
+
+def test_zarr_export_to_a_full_disk_is_an_ftidask_error_naming_the_store(tmp_path, dirs):
+    """It was a raw OSError naming nothing ("[Errno 28] No space left on device"); the store it was to
+    replace stays as it was, and nothing half-written is left beside it."""
+    from ftidask.zarr_export import export_checkpoint, read_zarr
+
+    where = {k: v for k, v in dirs.items() if k != "verbosity"}
+    ctx = ftidask.init(**dirs)
+    data = np.arange(20_000.0)
+    ctx.protect(1, data)
+    ctx.checkpoint(1, 1)
+    with tmpfs(tmp_path / "fs", "1m") as fs:
+        export_checkpoint(None, fs / "state.zarr", exec_id=ctx.exec_id, **where)
+        data += 1
+        ctx.checkpoint(2, 1)
+        filler = fill(fs)
+        for dest, overwrite in ((fs / "new.zarr", False), (fs / "state.zarr", True)):
+            with pytest.raises(ftidask.FTIError, match="No space left on device") as failed:
+                export_checkpoint(None, dest, exec_id=ctx.exec_id, overwrite=overwrite, **where)
+            assert str(dest) in str(failed.value) and "checkpoint 2" in str(failed.value), failed.value
+        assert sorted(p.name for p in fs.iterdir()) == ["filler", "state.zarr"]
+        filler.unlink()
+        np.testing.assert_array_equal(read_zarr(fs / "state.zarr")[1][1], np.arange(20_000.0))
+    ctx.finalize()
