@@ -8,13 +8,16 @@ redundancy; the previous checkpoint stays recoverable and the context works once
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 from diskfull import fill, tmpfs
+from mpi_util import need_mpi, run
 
 import ftidask
 from ftidask.api.context import Context
@@ -259,3 +262,49 @@ def test_zarr_export_to_a_full_disk_is_an_ftidask_error_naming_the_store(tmp_pat
         filler.unlink()
         np.testing.assert_array_equal(read_zarr(fs / "state.zarr")[1][1], np.arange(20_000.0))
     ctx.finalize()
+
+
+# --- MPI: the same over mpiexec, the fault on one rank's node ---------------------------------------------
+
+WRITES = ["l1-full", "l2-full", "l2-room1", "l3-room1", "l7-room1", "l3-async"]
+READS = ["l2-dir", "l3-dir", "l2-eio", "l3-eio", "l2-rebuildfull", "l3-rebuildfull"]
+
+
+@pytest.mark.slow  # two mpiexec jobs of 3 ranks, 12 scenarios: about 7 s
+def test_mpi_disk_faults_on_one_node(tmp_path):
+    """Rank 1's node full (its own file, or the partner copy or parity it keeps), a rank file replaced by a
+    directory, a read error, a rebuild on a full node: every rank gets the same error, naming rank 1 and
+    its file, or the level repairs the loss; no rank hangs (the job's timeout)."""
+    with contextlib.ExitStack() as mounts:
+        for scenario in WRITES + READS:
+            node1 = mounts.enter_context(tmpfs(tmp_path / scenario / "Local" / "node1", "4m"))
+            node1.chmod(0o700)
+        run(3, "disk_fault_job.py", str(tmp_path), *WRITES, timeout=240)
+        run(3, "disk_fault_job.py", str(tmp_path), *READS, timeout=240)
+    for scenario in WRITES:
+        level = int(scenario.split("-")[0][1:])
+        results = [json.loads((tmp_path / f"{scenario}-{r}.json").read_text()) for r in range(3)]
+        assert {r["error"] for r in results} == {"CheckpointError"}, (scenario, results)
+        message = results[0]["message"]
+        assert len({r["message"] for r in results}) == 1, (scenario, results)  # the same error on every rank
+        assert "rank 1: " in message and "No space left on device" in message, (scenario, message)
+        assert str(tmp_path / scenario / "Local" / "node1") in message, (scenario, message)  # where
+        assert results[0]["previous_intact"] and results[0]["temps"] == [], (scenario, results[0])
+        assert all(r["after"] == {"error": None} for r in results), (scenario, results)
+        assert all(r["restart"]["recovered"] == [3, (level - 1) % 4 + 1] and r["restart"]["same"]
+                   for r in results), (scenario, results)
+    for scenario in READS:
+        level = int(scenario.split("-")[0][1:])
+        results = [json.loads((tmp_path / f"{scenario}-{r}.json").read_text()) for r in range(3)]
+        if scenario.endswith("rebuildfull"):  # the level cannot write the file back: said, arrays untouched
+            assert {r["error"] for r in results} == {"NoCheckpointError"}, (scenario, results)
+            assert "rebuilding it failed" in results[0]["message"], results[0]
+            assert "No space left on device" in results[0]["message"], results[0]
+            assert all(r["untouched"] for r in results), (scenario, results)
+        else:  # the partner copy or the parity brings the file back
+            assert all(r["error"] is None and r["recovered"] == [2, level] and r["same"] for r in results), \
+                (scenario, results)
+
+
+for _mark in need_mpi():
+    test_mpi_disk_faults_on_one_node = _mark(test_mpi_disk_faults_on_one_node)
