@@ -308,3 +308,60 @@ def test_mpi_disk_faults_on_one_node(tmp_path):
 
 for _mark in need_mpi():
     test_mpi_disk_faults_on_one_node = _mark(test_mpi_disk_faults_on_one_node)
+
+
+# --- finalize on a node-local disk turned read-only ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _read_only(mount: Path):
+    """``mount`` (a tmpfs) remounted read-only inside the block: EROFS at every write, rename and unlink."""
+    import subprocess
+
+    subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(mount)], check=True)
+
+
+def _node_dirs(tmp_path: Path, node: Path) -> dict:
+    return {"ckpt_dir": str(node / "Local"), "glbl_dir": str(tmp_path / "Global"), "meta_dir": str(tmp_path / "Meta"),
+            "verbosity": 4}
+
+
+def test_an_l4_checkpoint_on_a_read_only_node_disk_retires_the_previous_one(tmp_path):
+    """The node-local disk turned read-only (a failing SSD that the kernel remounts read-only) holds nothing of
+    the L4 checkpoint to retire; its removal renamed the absent local directory, which a read-only file system
+    refuses (EROFS) before it looks the name up: the new checkpoint, committed, was reported as failed, and the
+    old one's global copy was left."""
+    with tmpfs(tmp_path / "node", "8m") as node:
+        node.chmod(0o700)
+        dirs = _node_dirs(tmp_path, node)
+        ctx = ftidask.init(**dirs)
+        data = np.arange(20_000.0)
+        ctx.protect(1, data)
+        ctx.checkpoint(1, 1)  # makes the node-local l1 directory
+        ctx.checkpoint(2, 4)
+        data += 1
+        with _read_only(node):
+            ctx.checkpoint(3, 4)
+        assert sorted(p.name for p in (tmp_path / "Global").rglob("*.fti")) == ["Ckpt3-Rank0.fti"]
+        ctx.finalize()
+
+
+def test_finalize_on_a_read_only_node_disk_removes_what_it_can_and_says_what_it_could_not(tmp_path):
+    with tmpfs(tmp_path / "node", "8m") as node:
+        node.chmod(0o700)
+        dirs = _node_dirs(tmp_path, node)
+        ctx = ftidask.init(**dirs)
+        ctx.protect(1, np.arange(20_000.0))
+        ctx.checkpoint(1, 4)
+        ctx.checkpoint(2, 1)  # an L1 one does not retire the L4 one: two to remove, oldest first
+        with _read_only(node), pytest.raises(ftidask.FTIError, match="Read-only file system") as failed:
+            ctx.finalize()
+        assert "checkpoint 2 (level 1)" in str(failed.value) and str(node) in str(failed.value), failed.value
+        assert not [p for p in (tmp_path / "Global").rglob("*") if p.is_file()]  # checkpoint 1's global copy gone
+        ctx = ftidask.init(**dirs)  # the run is over: a fresh start
+        assert ctx.status() == 0
+        ctx.finalize()

@@ -318,6 +318,10 @@ def move_to_trash(path: Path, into: Path | None = None) -> Path | None:
         os.rename(path, target)
     except FileNotFoundError:
         return None
+    except OSError:
+        if not os.path.lexists(path):  # a read-only file system refuses (EROFS) before it looks the name up
+            return None
+        raise
     return target
 
 
