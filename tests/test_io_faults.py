@@ -365,3 +365,31 @@ def test_finalize_on_a_read_only_node_disk_removes_what_it_can_and_says_what_it_
         ctx = ftidask.init(**dirs)  # the run is over: a fresh start
         assert ctx.status() == 0
         ctx.finalize()
+
+
+def test_a_restart_on_a_read_only_node_disk_with_leftover_temporaries_recovers(tmp_path, caplog):
+    """A crash left temporary files, then the node-local disk went read-only: the restart's garbage collection
+    cannot remove them, which it said by failing init ("garbage collection failed"), so the checkpoint that
+    the disk still holds, whole, could not be recovered. Now it warns, as for the other leftovers."""
+    with tmpfs(tmp_path / "node", "8m") as node:
+        node.chmod(0o700)
+        dirs = _node_dirs(tmp_path, node)
+        ctx = ftidask.init(**dirs)
+        ctx.protect(1, np.arange(20_000.0))
+        ctx.checkpoint(1, 1)
+        ctx._close()  # the crash
+        ckpt = next(node.rglob("ckpt1.s1"))
+        leftovers = [ckpt.parent / ".Ckpt2-Rank0.fti.tmp-999", ckpt / ".Ckpt1-Rank0.fti.tmp-998"]
+        for path in leftovers:
+            path.write_bytes(b"torn")
+        with _read_only(node):
+            ctx = ftidask.init(**dirs | {"verbosity": 3})  # warnings shown
+            out = np.zeros(20_000)
+            ctx.protect(1, out)
+            ctx.recover()
+            assert ctx.recovered_from == (1, 1) and np.array_equal(out, np.arange(20_000.0))
+            ctx._close()
+        assert all(str(path) in caplog.text for path in leftovers), caplog.text  # said, not hidden
+        ctx = ftidask.init(**dirs)  # writable again: collected
+        assert not [p for p in node.rglob("*") if ".tmp-" in p.name]
+        ctx.finalize()

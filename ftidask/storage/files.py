@@ -361,17 +361,14 @@ def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, s
                 remove_tree(entry)
                 removed += 1
         elif entry.name.startswith(".") and ".tmp-" in entry.name:
-            entry.unlink(missing_ok=True)
+            remove_tree(entry)  # logged, not raised, when it cannot go (a read-only disk): the restart goes on
             removed += 1
         elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
             remove_tree(entry)
             removed += 1
         elif entry.is_dir():
             for tmp in entry.glob(".*.tmp-*"):
-                if tmp.is_dir():  # a Zarr store being written (l4_format = zarr)
-                    remove_tree(tmp)
-                else:
-                    tmp.unlink(missing_ok=True)
+                remove_tree(tmp)  # a file, or a Zarr store being written (l4_format = zarr)
                 removed += 1
             if entry.name == SPARE_DIR and trash and not spares:  # no dCP in this run: nothing will patch them
                 remove_tree(entry)
