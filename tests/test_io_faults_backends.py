@@ -73,7 +73,7 @@ NWORKERS = 3  # the shared cluster of the Dask tests (conftest.py): one L2 ring 
 @pytest.mark.slow  # a cluster of its own size: 6 s to 17 s
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("level", [2, 3])
-def test_dask_recovery_whose_rebuild_finds_the_disk_full_says_so(tmp_path, dirs, dask_client, level):
+def test_dask_rebuild_on_a_full_disk_says_why_and_rebuilds_over_a_directory(tmp_path, dirs, dask_client, level):
     da = pytest.importorskip("dask.array")
     node1 = Path(dirs["ckpt_dir"]) / "node1"
     with tmpfs(node1, "2m"):
@@ -94,5 +94,13 @@ def test_dask_recovery_whose_rebuild_finds_the_disk_full_says_so(tmp_path, dirs,
         filler.unlink()
         ctx.recover()
         assert ctx.recovered_from == (1, level)
+        np.testing.assert_array_equal(ctx.protected[1].compute(), np.arange(60_000.0))
+        lost.unlink()  # rebuilt: now replaced by a directory, which the rebuild's rename could not replace
+        lost.mkdir()
+        (lost / "inside").write_bytes(b"x")
+        ctx = ftidask.init(client=dask_client, group_size=NWORKERS, **dirs)
+        ctx.protect(1, da.zeros(60_000, chunks=20_000).persist())
+        ctx.recover()
+        assert ctx.recovered_from == (1, level) and lost.is_file()
         np.testing.assert_array_equal(ctx.protected[1].compute(), np.arange(60_000.0))
         ctx.finalize()
