@@ -312,3 +312,34 @@ def test_a_restart_on_a_read_only_node_disk_with_leftover_temporaries_recovers(t
         ctx = ftidask.init(**dirs)  # writable again: collected
         assert not [p for p in node.rglob("*") if ".tmp-" in p.name]
         ctx.finalize()
+
+
+# --- the run's metadata removed under it -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("removed", ["current_exec_id", "meta_dir"])
+def test_checkpoints_after_the_run_pointer_was_removed_are_restarted_from(dirs, removed):
+    """``{meta_dir}/current_exec_id`` (or the whole ``meta_dir``) removed during the run: the next checkpoints
+    were committed, but a restart no longer found the run and started afresh, their progress silently lost.
+    A commit now names its run again when the pointer is missing."""
+    import shutil
+
+    ctx = ftidask.init(**dirs)
+    data = np.arange(20_000.0)
+    ctx.protect(1, data)
+    ctx.checkpoint(1, 1)
+    meta = Path(dirs["meta_dir"])
+    if removed == "meta_dir":
+        shutil.rmtree(meta)
+    else:
+        (meta / "current_exec_id").unlink()
+    data += 1
+    ctx.checkpoint(2, 1)
+    ctx._close()  # the crash
+    ctx = ftidask.init(**dirs)
+    assert ctx.status() == 1
+    out = np.zeros(20_000)
+    ctx.protect(1, out)
+    ctx.recover()
+    assert ctx.recovered_from == (2, 1) and np.array_equal(out, np.arange(20_000.0) + 1)
+    ctx.finalize()
