@@ -343,3 +343,31 @@ def test_checkpoints_after_the_run_pointer_was_removed_are_restarted_from(dirs, 
     ctx.recover()
     assert ctx.recovered_from == (2, 1) and np.array_equal(out, np.arange(20_000.0) + 1)
     ctx.finalize()
+
+
+@pytest.mark.parametrize("level", [5, 8])
+def test_a_directory_in_place_of_the_dcp_spare_is_replaced(dirs, level):
+    """The spare a differential checkpoint patches is ftidask's own scratch file: a directory found at its name
+    failed every later dCP checkpoint of the run ("Is a directory"), now it is moved away and the checkpoint
+    written in full."""
+    dirs = dict(dirs, enable_dcp=1)
+    ctx = ftidask.init(**dirs)
+    data = np.arange(20_000.0)
+    ctx.protect(1, data)
+    ctx.checkpoint(1, level)
+    data += 1
+    ctx.checkpoint(2, level)  # checkpoint 1's file is now the spare
+    (spare,) = [p for root in (dirs["ckpt_dir"], dirs["glbl_dir"]) for p in Path(root).rglob("Spare-Rank0.fti")]
+    spare.unlink()
+    spare.mkdir()
+    (spare / "inside").write_bytes(b"x")
+    data += 1
+    info = ctx.checkpoint(3, level)
+    assert info.blocks_changed == info.blocks_total  # no base to patch: written in full
+    ctx._close()
+    ctx = ftidask.init(**dirs)
+    out = np.zeros(20_000)
+    ctx.protect(1, out)
+    ctx.recover()
+    assert ctx.recovered_from == (3, (level - 1) % 4 + 1) and np.array_equal(out, np.arange(20_000.0) + 2)
+    ctx.finalize()

@@ -132,6 +132,8 @@ class DcpStore:
         pinned = level in self._pinned  # the spare is what a crash now would recover: keep it, write everything
         path = self.next_path(level) if pinned else self.spare_path(level)
         storage.makedirs(path.parent)
+        if os.path.isdir(path) and not os.path.islink(path):  # no base, and in the way of every later checkpoint
+            self._discard(path)
         self._keep_newest_file(level)
         base = None
         if not pinned:
