@@ -73,6 +73,31 @@ def test_a_rank_file_on_a_full_disk_is_named_in_the_error(tmp_path, level, dcp, 
         ctx.finalize()
 
 
+def test_the_keep_last_flush_to_a_full_global_disk_names_both_files(tmp_path):
+    """finalize's flush of the last checkpoint (keep_last_ckpt) copies the node-local file to the global file
+    system: a failed copy names the file copied and where to (it named neither); the run stays restartable."""
+    with tmpfs(tmp_path / "global", "1m") as glbl:
+        glbl.chmod(0o700)
+        dirs = {"ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(glbl / "G"), "meta_dir": str(tmp_path / "Meta"),
+                "verbosity": 4, "keep_last_ckpt": 1}
+        ctx = ftidask.init(**dirs)
+        ctx.protect(1, np.arange(20_000.0))
+        ctx.checkpoint(1, 1)
+        filler = fill(glbl)
+        with pytest.raises(ftidask.CheckpointError, match="No space left on device") as failed:
+            ctx.finalize()
+        (local,) = (tmp_path / "Local").rglob("Ckpt1-Rank0.fti")
+        assert f"'{local}' -> '{glbl / 'G'}" in str(failed.value), failed.value
+        assert not [p for p in glbl.rglob("*") if ".tmp-" in p.name]
+        filler.unlink()
+        ctx = ftidask.init(**dirs)  # not finalized: it restarts from checkpoint 1
+        out = np.zeros(20_000)
+        ctx.protect(1, out)
+        ctx.recover()
+        assert ctx.recovered_from == (1, 1) and np.array_equal(out, np.arange(20_000.0))
+        ctx.finalize()
+
+
 # --- L2/L3 rebuild, in one process (the level code over a group of threads) -------------------------------
 
 

@@ -236,17 +236,23 @@ def read_json(path: Path) -> Any | None:
 
 
 def copy_file_atomic(src: Path, dst: Path) -> int:
-    """Copy ``src`` to ``dst`` atomically; the bytes copied."""
+    """Copy ``src`` to ``dst`` atomically; the bytes copied. A read or write error names both files."""
     with open_read(src) as fin, atomic_file(dst) as fout:
-        copied = 0
-        while True:
-            n = os.sendfile(fout.fileno(), fin.fileno(), copied, _COPY_PIECE) if hasattr(os, "sendfile") else 0
-            if n == 0:
-                break
-            copied += n
-        if copied == 0 and os.fstat(fin.fileno()).st_size:
-            shutil.copyfileobj(fin, fout, _COPY_PIECE)
-            copied = os.fstat(fin.fileno()).st_size
+        try:
+            copied = 0
+            while True:
+                n = os.sendfile(fout.fileno(), fin.fileno(), copied, _COPY_PIECE) if hasattr(os, "sendfile") else 0
+                if n == 0:
+                    break
+                copied += n
+            if copied == 0 and os.fstat(fin.fileno()).st_size:
+                shutil.copyfileobj(fin, fout, _COPY_PIECE)
+                copied = os.fstat(fin.fileno()).st_size
+            fout.flush()  # here, where a full disk is still this copy's error
+        except OSError as exc:
+            if exc.filename is not None or exc.errno is None:
+                raise
+            raise OSError(exc.errno, exc.strerror, os.fspath(src), None, os.fspath(dst)) from None
         return copied
 
 
