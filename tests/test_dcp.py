@@ -254,11 +254,11 @@ def test_failed_differential_checkpoint_keeps_previous(tmp_path):
     a[3] = 42
     spare = ctx._dcp.spare_path(1)
     os.unlink(spare)
-    spare.mkdir()  # patching the spare fails (it is a directory now)
+    os.mkfifo(spare)  # patching the spare fails (a FIFO is refused; a directory would be moved away)
     with pytest.raises(CheckpointError, match="previous checkpoint is kept"):
         ctx.checkpoint(3, 5)
     _assert_same(_recover_fresh(tmp_path, {1: a}), {1: saved})
-    spare.rmdir()
+    spare.unlink()
     a[4] = 43
     info = ctx.checkpoint(4, 5)  # works again, in full (the spare is unknown)
     assert info.blocks_changed == info.blocks_total

@@ -132,6 +132,8 @@ class DcpStore:
         pinned = level in self._pinned  # the spare is what a crash now would recover: keep it, write everything
         path = self.next_path(level) if pinned else self.spare_path(level)
         storage.makedirs(path.parent)
+        if os.path.isdir(path) and not os.path.islink(path):  # no base, and in the way of every later checkpoint
+            self._discard(path)
         self._keep_newest_file(level)
         base = None
         if not pinned:
@@ -144,10 +146,16 @@ class DcpStore:
                         base = load_state(path, bytes.fromhex(known["fb_hash"]))
         fd = storage.open_regular(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if pinned else 0),
                                   storage.FILE_MODE)  # a FIFO planted there would block the writes
-        if base is not None and not _holds(fd, base):
-            base = None
-        writer = DcpFileWriter(fd, layout, base, block_size=self.block_size, bid=self.bid, hash_id=self.hash_id,
-                               pool=self._pool, capture_xor=level == 3)  # L3 updates parity from old XOR new
+        try:
+            if base is not None and not _holds(fd, base):
+                base = None
+            writer = DcpFileWriter(fd, layout, base, block_size=self.block_size, bid=self.bid, hash_id=self.hash_id,
+                                   pool=self._pool, capture_xor=level == 3)  # L3 updates parity from old XOR new
+        except BaseException as exc:  # a full disk at its first write: the descriptor is not left open
+            os.close(fd)
+            if isinstance(exc, OSError):
+                raise storage.located(exc, path) from None
+            raise
         return DcpHandle(self, level, fd, writer, path)
 
     def keeps(self, level: int, seq: int) -> bool:

@@ -25,7 +25,7 @@ from ..levels import multilevel, partner_delta, rs_delta
 from ..levels.channel import GroupChannel
 from ..levels.topology import Topology, local_topology, validate_levels
 from ..model.config import Config
-from ..model.errors import CheckpointError, LevelError
+from ..model.errors import CheckpointError, LevelError, RecoveryError
 from ..storage import files as storage
 from ..transport import collective
 from ..transport.base import Transport
@@ -118,9 +118,15 @@ class GroupLevels(Transport):
             return bool(collective.guarded([], lambda: check_file(path, record, rank).kind == "ok", False,
                                           f"checking {path}"))
 
-        return multilevel.rebuild(
+        errors: list[str] = []
+        rebuilt = multilevel.rebuild(
             self.group, self.cfg, level, record.ckpt_id, self.rank, own_file, ckpt_dir, [sizes[r] for r in ranks],
-            ok, verify_own=lambda p: verify(p, self.rank), verify_partner=lambda p: verify(p, left))
+            ok, verify_own=lambda p: verify(p, self.rank), verify_partner=lambda p: verify(p, left), errors=errors)
+        if errors and not rebuilt:  # after the level's last collective: why this rank's file did not come back
+            raise RecoveryError("; ".join(errors))
+        if errors:  # a partner copy or parity of another rank could not be rebuilt here: the next checkpoint's
+            log.warning("rebuilding checkpoint %d (level %d): %s", record.ckpt_id, level, "; ".join(errors))
+        return rebuilt
 
 
 def _size_or_zero(path: Path) -> int:

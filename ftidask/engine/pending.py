@@ -26,7 +26,7 @@ from ..ftiff.writer import WrittenFile, write_metadata, write_spans
 from ..model.arrays import ArrayBytes, VarInfo
 from ..model.errors import CheckpointError
 from ..model.level import Level
-from ..storage.files import create_temp, fsync_dir, makedirs
+from ..storage.files import create_temp, fsync_dir, located, makedirs
 
 
 class RankWriter(Protocol):
@@ -164,7 +164,10 @@ class PendingCheckpoint:
         if self.writer is None:
             raise CheckpointError(self.error or "checkpoint file not open")
         self.infos[var_id] = VarInfo.of(var_id, name, array, **self.extras.get(var_id, {}))
-        self.writer.write_var(var_id, source if source is not None else ArrayBytes(array))
+        try:
+            self.writer.write_var(var_id, source if source is not None else ArrayBytes(array))
+        except OSError as exc:
+            raise located(exc, self.path) from None
         self.written.add(var_id)
 
     def finish(self, meta: Mapping[str, Any], *, pt_fs: int | None, max_fs: int | None) -> WrittenFile:
@@ -176,7 +179,11 @@ class PendingCheckpoint:
         trailer["vars"] = [self.infos[vid].to_json() for vid in self.sizes]
         if self.writer is None:
             raise CheckpointError(self.error or "checkpoint file not open")
-        self.result, self.stats = self.writer.complete(self.path, self.seq, meta, trailer, pt_fs=pt_fs, max_fs=max_fs)
+        try:
+            self.result, self.stats = self.writer.complete(self.path, self.seq, meta, trailer, pt_fs=pt_fs,
+                                                           max_fs=max_fs)
+        except OSError as exc:
+            raise located(exc, self.path) from None
         return self.result
 
     @property

@@ -151,6 +151,8 @@ class Recovery(RunPart):
                 log.warning("rebuilding checkpoint %d (level %d): %s", record.ckpt_id, record.level, error)
             if not ok and have:
                 verdict = self.check(record, stage)
+            elif not ok and error:  # why the level could not bring the file back (a full disk, a read error)
+                verdict = Verdict(verdict.kind, f"{verdict.message}; rebuilding it failed: {error}")
             # Consensus: every rank sees every verdict, so that all agree and raise the same error.
             verdicts = t.allgather([verdict.kind, verdict.message])
             if all(k == "ok" for k, _m in verdicts):

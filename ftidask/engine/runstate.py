@@ -247,6 +247,23 @@ class RunState:
             storage.write_json_atomic(self.records_dir / f"s{record.seq:08d}.json", sealed_record(record))
         except OSError as exc:
             raise CheckpointError(f"writing its commit record in {self.records_dir} failed: {exc}") from exc
+        self._name_again()
+
+    def _name_again(self) -> None:
+        """``current_exec_id`` removed during the run (or the whole ``meta_dir``): a restart would start afresh and
+        leave this record unused; name this run again (no other run holds the pointer). Never fails the commit."""
+        if os.path.lexists(self.meta_dir / _CURRENT):
+            return
+        try:
+            with runlock.choosing(self.meta_dir):  # as an init chooses its run: one at a time
+                if not os.path.lexists(self.meta_dir / _CURRENT):
+                    self.make_current()
+        except OSError as exc:
+            log.warning("%s is missing and cannot be written again (%s): a restart without exec_id will not find "
+                        "run %s; pass exec_id=%r", self.meta_dir / _CURRENT, exc, self.exec_id, self.exec_id)
+        else:
+            log.warning("%s was removed during the run: it names run %s again", self.meta_dir / _CURRENT,
+                        self.exec_id)
 
     def delete_record(self, seq: int) -> None:
         try:

@@ -10,12 +10,14 @@ work between collectives goes through :func:`ftidask.transport.collective.guarde
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..storage.files import atomic_file, open_read, write_then_writeback
+from ..storage.files import atomic_file, move_to_trash, open_read, remove_tree, write_then_writeback
 from ..transport.collective import reason
 
 
@@ -39,6 +41,19 @@ def read_block(fh: BinaryIO | None, offset: int, length: int, valid: int) -> np.
     return out
 
 
+def _clear_directory(path: Path) -> None:
+    """Move a directory found at ``path`` out of the way and remove it: a file of a checkpoint replaced by a
+    directory is a lost file, which the rename of its rebuilt copy could not replace. Never followed (lstat)."""
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return
+    if is_dir:
+        trash = move_to_trash(path)
+        if trash is not None:
+            remove_tree(trash)
+
+
 WRITEBACK_MIN = 1 << 20  # blocks from this size on are sent to the disk as soon as they are written
 
 
@@ -50,6 +65,7 @@ class SafeOutput:
         self._cm: Any = atomic_file(path)
         self.fh: BinaryIO | None
         try:
+            _clear_directory(path)
             self.fh = self._cm.__enter__()
         except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on
             self.fh = None

@@ -33,8 +33,9 @@ def protect(group: GroupChannel, cfg: Config, level: int, ckpt_id: int, rank: in
 
 def rebuild(group: GroupChannel, cfg: Config, level: int, ckpt_id: int, rank: int, own_file: Path, ckpt_dir: Path,
             sizes: list[int], ok: bool, *, verify_own: Callable[[Path], bool],
-            verify_partner: Callable[[Path], bool]) -> bool:
+            verify_partner: Callable[[Path], bool], errors: list[str] | None = None) -> bool:
     """Rebuild what the group lost of an L2/L3 checkpoint (own, partner and parity files); True if own verifies.
+    ``errors`` gets why this member could not read or write its part (a full disk, a read error).
 
     ``sizes`` (by group index) come from the commit record: an own file of another size is no source, whatever
     its hashes say (a forged size would have it sent, or encoded, as that many bytes), and is rebuilt if it can be.
@@ -42,8 +43,8 @@ def rebuild(group: GroupChannel, cfg: Config, level: int, ckpt_id: int, rank: in
     ok = bool(ok) and partner.has_size(own_file, sizes[group.index])
     if level == 2:
         return partner.rebuild(group, own_file, ckpt_dir / storage.partner_file(ckpt_id, rank), sizes,
-                               cfg.transfer_size << 20, ok, verify_own, verify_partner)
+                               cfg.transfer_size << 20, ok, verify_own, verify_partner, errors)
     if level == 3:
         return rs.rebuild(group, own_file, ckpt_dir / storage.parity_file(ckpt_id, rank), sizes,
-                          cfg.block_size << 10, hashing.hash_id(cfg.hash), ok, verify_own)
+                          cfg.block_size << 10, hashing.hash_id(cfg.hash), ok, verify_own, errors)
     return ok

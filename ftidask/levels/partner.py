@@ -66,8 +66,10 @@ def has_size(path: Path, size: int) -> bool:
 
 
 def rebuild(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: int,
-            own_ok: bool, verify_own: Callable[[Path], bool], verify_pcof: Callable[[Path], bool]) -> bool:
-    """Bring back lost own files (from the next member's copy), then lost partner copies. True if own verifies.
+            own_ok: bool, verify_own: Callable[[Path], bool], verify_pcof: Callable[[Path], bool],
+            errors: list[str] | None = None) -> bool:
+    """Bring back lost own files (from the next member's copy), then lost partner copies. True if own verifies;
+    ``errors`` gets why this member could not read or write what it had to (a full disk, a read error).
 
     The group first agrees on its own files' verdicts: when every member's file is sound, no partner
     copy is opened (a restart reads each byte once). Only when a file is lost are the partner copies
@@ -81,7 +83,7 @@ def rebuild(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: in
     right, left = (i + 1) % g, (i - 1) % g
     if all(ch.allgather(bool(own_ok) and has_size(pcof, sizes[left]))):
         return own_ok
-    errors: list[str] = []
+    errors = [] if errors is None else errors
     # never raise before a collective; a copy of another size than the record's is no source (see has_size)
     pcof_ok = has_size(pcof, sizes[left]) and guarded(errors, lambda: verify_pcof(pcof), False)
     flags = ch.allgather([bool(own_ok), bool(pcof_ok)])
@@ -89,7 +91,7 @@ def rebuild(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: in
     send = pcof if (not flags[left][0] and pcof_ok) else None
     recv = own if (not own_ok and flags[right][1]) else None
     if any(not flags[j][0] and flags[(j + 1) % g][1] for j in range(g)):
-        exchange_file(ch, send, left, sizes[left], recv, right, sizes[i], piece)
+        errors += filter(None, [exchange_file(ch, send, left, sizes[left], recv, right, sizes[i], piece)])
     if recv is not None:
         own_ok = verify_own(own)
     # Round 2: partner copies come back from the left member's own file.
@@ -97,5 +99,5 @@ def rebuild(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: in
     send = own if (own_ok and not flags[right][1]) else None
     recv = pcof if (not pcof_ok and owns[left]) else None
     if any(not flags[j][1] and owns[(j - 1) % g] for j in range(g)):
-        exchange_file(ch, send, right, sizes[i], recv, left, sizes[left], piece)
+        errors += filter(None, [exchange_file(ch, send, right, sizes[i], recv, left, sizes[left], piece)])
     return own_ok

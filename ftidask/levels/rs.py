@@ -133,10 +133,11 @@ def _rebuild_block(codec: ReedSolomon, data: list[np.ndarray], pars: list[np.nda
 
 
 def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: int, hash_id: int,
-            own_ok: bool, verify_own: Callable[[Path], bool]) -> bool:
+            own_ok: bool, verify_own: Callable[[Path], bool], errors: list[str] | None = None) -> bool:
     """Rebuild the group's lost data and parity files if at most ``k`` of the ``2k`` are lost.
 
-    True when this member's own file verifies afterwards. The group first agrees on its own files'
+    True when this member's own file verifies afterwards; ``errors`` gets why this member could not read or
+    write what it had to (a full disk, a read error). The group first agrees on its own files'
     verdicts: when every member's file is sound, no parity file is opened (a restart reads each byte
     once). Only when a file is lost are the parity files checked against their ``.hash`` records (a
     damaged one counts as lost) and every lost data and parity file rebuilt. A parity file that is
@@ -148,7 +149,7 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
     i, k, max_fs = ch.index, ch.size, max(sizes)
     if all(ch.allgather(bool(own_ok) and _present(parity, max_fs))):
         return own_ok
-    errors: list[str] = []
+    errors = [] if errors is None else errors
     par_ok = guarded(errors, lambda: parity_ok(parity, max_fs, block), False)  # never raise before a collective
     flags = ch.allgather([bool(own_ok), bool(par_ok)])
     lost = sum((not d) + (not p) for d, p in flags)

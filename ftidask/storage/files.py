@@ -173,14 +173,24 @@ def atomic_file(path: Path, mode: str = "w+b", durable: bool = True) -> Iterator
         os.replace(tmp, path)
         if durable:
             fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as exc:
         # Closing flushes what is buffered: on a full disk it fails again. The temporary file
         # must go all the same, and the error to see is the first one.
         with contextlib.suppress(OSError):
             fh.close()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise located(exc, path) from None
         raise
+
+
+def located(exc: OSError, path: str | os.PathLike[str]) -> OSError:
+    """``exc``, naming ``path`` when it names no file: a failed ``write`` or ``fsync`` (a full disk, EIO) says
+    nothing of where, and the user must learn which disk failed."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror, os.fspath(path))
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
@@ -256,17 +266,23 @@ def read_json(path: Path) -> Any | None:
 
 
 def copy_file_atomic(src: Path, dst: Path) -> int:
-    """Copy ``src`` to ``dst`` atomically; the bytes copied."""
+    """Copy ``src`` to ``dst`` atomically; the bytes copied. A read or write error names both files."""
     with open_read(src) as fin, atomic_file(dst) as fout:
-        copied = 0
-        while True:
-            n = os.sendfile(fout.fileno(), fin.fileno(), copied, _COPY_PIECE) if hasattr(os, "sendfile") else 0
-            if n == 0:
-                break
-            copied += n
-        if copied == 0 and os.fstat(fin.fileno()).st_size:
-            shutil.copyfileobj(fin, fout, _COPY_PIECE)
-            copied = os.fstat(fin.fileno()).st_size
+        try:
+            copied = 0
+            while True:
+                n = os.sendfile(fout.fileno(), fin.fileno(), copied, _COPY_PIECE) if hasattr(os, "sendfile") else 0
+                if n == 0:
+                    break
+                copied += n
+            if copied == 0 and os.fstat(fin.fileno()).st_size:
+                shutil.copyfileobj(fin, fout, _COPY_PIECE)
+                copied = os.fstat(fin.fileno()).st_size
+            fout.flush()  # here, where a full disk is still this copy's error
+        except OSError as exc:
+            if exc.filename is not None or exc.errno is None:
+                raise
+            raise OSError(exc.errno, exc.strerror, os.fspath(src), None, os.fspath(dst)) from None
         return copied
 
 
@@ -338,6 +354,10 @@ def move_to_trash(path: Path, into: Path | None = None) -> Path | None:
         os.rename(path, target)
     except FileNotFoundError:
         return None
+    except OSError:
+        if not os.path.lexists(path):  # a read-only file system refuses (EROFS) before it looks the name up
+            return None
+        raise
     return target
 
 
@@ -377,17 +397,14 @@ def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, s
                 remove_tree(entry)
                 removed += 1
         elif entry.name.startswith(".") and ".tmp-" in entry.name:
-            entry.unlink(missing_ok=True)
+            remove_tree(entry)  # logged, not raised, when it cannot go (a read-only disk): the restart goes on
             removed += 1
         elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
             remove_tree(entry)
             removed += 1
         elif entry.is_dir():
             for tmp in entry.glob(".*.tmp-*"):
-                if tmp.is_dir():  # a Zarr store being written (l4_format = zarr)
-                    remove_tree(tmp)
-                else:
-                    tmp.unlink(missing_ok=True)
+                remove_tree(tmp)  # a file, or a Zarr store being written (l4_format = zarr)
                 removed += 1
             if entry.name == SPARE_DIR and trash and not spares:  # no dCP in this run: nothing will patch them
                 remove_tree(entry)

@@ -257,8 +257,14 @@ def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: 
              "exec_id": first.get("exec_id"), "nranks": len(sources), "backend": first.get("backend"),
              "source": str(sources[0].path.parent), "ftidask_export": 1}
     total = sum(info.nbytes for _n, info, _f in items)
-    with for_config(config_for_bar or Config(), total, "export to zarr") as bar:
-        zarr_store.write_items(dest, items, attrs, progress=bar, overwrite=overwrite)
+    try:
+        with for_config(config_for_bar or Config(), total, "export to zarr") as bar:
+            zarr_store.write_items(dest, items, attrs, progress=bar, overwrite=overwrite)
+    except FileExistsError:
+        raise
+    except OSError as exc:  # a full disk, a lost permission: said with the store, the old one (if any) kept
+        why = exc.strerror if exc.strerror and exc.filename == str(dest) else str(exc)  # the store named once
+        raise FTIError(f"cannot export checkpoint {ckpt} (level {lvl}) to {dest}: {why}") from None
     result = ExportResult(dest, ckpt, lvl, len(sources), tuple(n for n, _i, _f in items), total,
                           time.perf_counter() - start)
     log.info("exported checkpoint %d (level %d, %d rank files) to %s: %d arrays, %d bytes", ckpt, lvl,

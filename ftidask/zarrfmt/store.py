@@ -158,8 +158,10 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
             fh.write(raw)
         storage.fsync_dir(tmp)
         replace_tree(tmp, path)  # killed at any moment: the old store or the new one is at ``path``
-    except BaseException:
+    except BaseException as exc:
         storage.remove_tree(tmp)
+        if isinstance(exc, OSError):
+            raise storage.located(exc, path) from None
         raise
     return hashing.digest(_HASH_ID, raw).hex(), total + len(raw)
 

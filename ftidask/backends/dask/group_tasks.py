@@ -95,10 +95,11 @@ def rebuild(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -> dict
     sizes = [int(s) for s in m["sizes"]]
     if level == 3:
         guarded([], lambda: _adopt_old_parity(own.parent / m["parity_name"], max(sizes), hashing.hash_id(cfg.hash)))
+    errors: list[str] = []
     ok = multilevel.rebuild(ch, cfg, level, int(m["ckpt_id"]), int(m["rank"]), own, own.parent, sizes, bool(m["ok"]),
                             verify_own=lambda p: _verify(p, m["fb_hash"], decode),
-                            verify_partner=lambda p: _verify(p, m["left_fb_hash"], decode))
-    return {"rank": m["rank"], "ok": bool(ok)}
+                            verify_partner=lambda p: _verify(p, m["left_fb_hash"], decode), errors=errors)
+    return {"rank": m["rank"], "ok": bool(ok), "errors": errors}  # errors: why it could not (a full disk...)
 
 
 def protect_delta(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -> dict[str, Any]:

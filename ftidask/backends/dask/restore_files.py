@@ -65,11 +65,14 @@ def restore_files(ctx: DaskContext, record: CommitRecord, data: bool = True,
     side = pcof if level == 2 else rsed
     for r in bad:  # a stand-in: a worker that sees the rank's partner copy or parity if any, else the least loaded
         hosts[r] = placer.pick(side[r]) or placer.any()
-    rebuilt = _rebuild(ctx, record, groups, hosts, set(bad), short, tag, decode)
+    why: dict[int, list[str]] = {}
+    rebuilt = _rebuild(ctx, record, groups, hosts, set(bad), short, tag, decode, why)
     failed = [r for r in bad if not rebuilt.get(r)]
     if failed:
-        raise Unrecoverable(f"the file(s) of rank(s) {failed} could not be rebuilt from level {level} (too many of "
-                            "their group's files are lost or damaged, or the rebuilt file does not verify)")
+        errors = [e for r in failed for e in why.get(r, [])]  # a full disk, a read error: said, not guessed
+        raise Unrecoverable(f"the file(s) of rank(s) {failed} could not be rebuilt from level {level} " + (
+            f"({'; '.join(errors)})" if errors else
+            "(too many of their group's files are lost or damaged, or the rebuilt file does not verify)"))
     log.info("checkpoint %d: rebuilt the files of rank(s) %s from level %d", cid, bad, level)
     return {r: (hosts[r], own[r]) for r in range(n)}
 
@@ -122,10 +125,12 @@ def _rebuild_redundancy(ctx: DaskContext, record: CommitRecord, groups: list[lis
 
 
 def _rebuild(ctx: DaskContext, record: CommitRecord, groups: list[list[int]], hosts: dict[int, str], bad: set[int],
-             short: set[int], tag: str, decode: bool = True) -> dict[int, bool]:
+             short: set[int], tag: str, decode: bool = True,
+             why: dict[int, list[str]] | None = None) -> dict[int, bool]:
     """Run the level's rebuild (:func:`ftidask.levels.multilevel.rebuild`) in every group that lost a file
     (``bad``: own files; ``short``: partner copies or parity), each rank on ``hosts[rank]``; rank -> whether
-    its file verifies now (``decode`` False: its hashes, its compressed containers left to the reads)."""
+    its file verifies now (``decode`` False: its hashes, its compressed containers left to the reads).
+    ``why``: filled with each rank's I/O errors of the rebuild (a full disk, a read error)."""
     cid, seq, level = record.ckpt_id, record.seq, record.level
     fb = {f.rank: f.fb_hash for f in record.files}
     sizes = {f.rank: f.size for f in record.files}
@@ -143,4 +148,6 @@ def _rebuild(ctx: DaskContext, record: CommitRecord, groups: list[list[int]], ho
     futures = [group_steps.submit_members(ctx.cluster, ctx.config, w, members, (), key=f"ftidask-rebuild-{tag}-{i}")
                for i, (w, members) in enumerate(sorted(by_worker.items()))]
     results = group_steps.wait_step(ctx.cluster, futures, list(by_worker), f"rebuilding checkpoint {cid}", tags)
+    if why is not None:
+        why.update({int(m["rank"]): [str(e) for e in m.get("errors", [])] for done in results for m in done})
     return {int(m["rank"]): bool(m["ok"]) for done in results for m in done}
