@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ftidask
-from ftidask.storage import files
+from ftidask.storage import files, removal
 
 deleted: list[list] = []
 real_remove_tree = files.remove_tree
@@ -23,7 +23,7 @@ def logged_remove_tree(path):  # the seam: every deletion of this rank's remover
     real_remove_tree(path)
 
 
-files.remove_tree = logged_remove_tree
+files.remove_tree = removal.remove_tree = logged_remove_tree
 
 
 def main() -> None:

@@ -1,0 +1,144 @@
+"""Removing what a run no longer needs: trees removed without raising, trash renamed now and deleted in the
+background (with a bounded backlog), and the garbage interrupted checkpoints leave in a level directory.
+
+Re-exported by :mod:`ftidask.storage.files`, where the callers have long found them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import stat
+import sys
+import weakref
+from collections import deque
+from collections.abc import Callable, Collection
+from concurrent.futures import Executor, Future
+from pathlib import Path
+from typing import Any
+
+from .paths import SPARE_DIR, is_inside
+
+log = logging.getLogger("ftidask")
+
+
+def remove_tree(path: Path) -> None:
+    """Remove ``path``: a regular file, a symbolic link (removed, never followed) or a directory tree.
+
+    Something already gone is fine (trash is deleted by a background thread and by start-up
+    garbage collection, possibly both at once); any other error is logged, not raised: a leftover
+    must never fail a checkpoint, but it must not go unnoticed either.
+    """
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+        if not is_dir:
+            os.unlink(path)
+            return
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
+        return
+
+    def failed(_func: Any, name: str, exc: Any) -> None:
+        exc = exc[1] if isinstance(exc, tuple) else exc  # onerror's exc_info, onexc's exception
+        if not isinstance(exc, FileNotFoundError):
+            log.warning("could not remove %s: %s", name, exc)
+
+    shutil.rmtree(path, **({"onexc": failed} if sys.version_info >= (3, 12) else {"onerror": failed}))
+
+
+def remove_inside(path: Path, parent: Path) -> bool:
+    """Remove the tree at ``path`` only if it lies inside ``parent`` (see :func:`is_inside`); whether it
+    did: every deletion of a path made from a name read somewhere (an exec_id) goes through here."""
+    if not is_inside(path, parent):
+        return False
+    remove_tree(path)
+    return True
+
+
+def prune_empty_dirs(root: Path) -> None:
+    """Remove the empty directories under ``root``, deepest first, and ``root`` itself if it ends up
+    empty. Only empty directories go (``os.rmdir``): a file, or one created meanwhile, keeps its own."""
+    for dirpath, _dirnames, _filenames in os.walk(root, topdown=False):
+        with contextlib.suppress(OSError):  # not empty, or gone
+            os.rmdir(dirpath)
+
+
+TRASH_PREFIX = ".trash-"
+
+
+def move_to_trash(path: Path, into: Path | None = None) -> Path | None:
+    """Rename ``path`` to a hidden sibling (or a hidden entry of directory ``into``, on the same file
+    system), atomic and instant, to be removed later; None if absent.
+
+    Freeing the pages of a GiB-sized file takes a noticeable time: the caller removes the
+    trash in the background, and whatever a crash leaves is collected at the next start.
+    """
+    target = (into or path.parent) / f"{TRASH_PREFIX}{path.name}-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        os.rename(path, target)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        if not os.path.lexists(path):  # a read-only file system refuses (EROFS) before it looks the name up
+            return None
+        raise
+    return target
+
+
+#: Deletions a remover may have queued before ``discard`` waits for the oldest: the trash never
+#: grows faster than it is deleted, so disk use stays bounded by retention even on a slow disk.
+_BACKLOG = 2
+_queued: weakref.WeakKeyDictionary[Executor, deque[Future[None]]] = weakref.WeakKeyDictionary()
+
+
+def discard(path: Path, remover: Callable[[], Executor], into: Path | None = None) -> None:
+    """Move ``path`` to the trash now (in directory ``into``, else beside it) and have ``remover()`` (made
+    only when needed) delete it."""
+    trash = move_to_trash(path, into)
+    if trash is None:
+        return
+    pool = remover()
+    queued = _queued.setdefault(pool, deque())
+    while queued and queued[0].done():
+        queued.popleft()
+    if len(queued) >= _BACKLOG:
+        with contextlib.suppress(IndexError):  # another thread took it meanwhile
+            queued.popleft().result()
+    queued.append(pool.submit(remove_tree, trash))
+
+
+def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, spares: bool = True) -> int:
+    """Remove what interrupted checkpoints left in one level directory ``root``: checkpoint
+    directories that ``committed`` does not name, temporary files and stores, and (``trash``:
+    when nothing of this process is being deleted, at start-up) trash and old spares, and every
+    spare when the run does not write differential checkpoints (``spares`` False); the count."""
+    removed = 0
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        if entry.name.startswith(TRASH_PREFIX):
+            if trash:
+                remove_tree(entry)
+                removed += 1
+        elif entry.name.startswith(".") and ".tmp-" in entry.name:
+            remove_tree(entry)  # logged, not raised, when it cannot go (a read-only disk): the restart goes on
+            removed += 1
+        elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
+            remove_tree(entry)
+            removed += 1
+        elif entry.is_dir():
+            for tmp in entry.glob(".*.tmp-*"):
+                remove_tree(tmp)  # a file, or a Zarr store being written (l4_format = zarr)
+                removed += 1
+            if entry.name == SPARE_DIR and trash and not spares:  # no dCP in this run: nothing will patch them
+                remove_tree(entry)
+                removed += 1
+            elif entry.name == SPARE_DIR and trash:  # old spares that a crash left
+                for old in entry.glob(f"{TRASH_PREFIX}*"):
+                    remove_tree(old)
+                    removed += 1
+    return removed
