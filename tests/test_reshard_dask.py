@@ -196,3 +196,26 @@ def test_differential_dask_checkpoint_recovered_by_one_process(dirs):
     ctx.recover()
     assert ctx.recovered_from[0] == 2 and out.tobytes() == changed.tobytes()
     ctx._close()
+
+
+def test_big_endian_dask_array_written_in_its_byte_order(dirs):
+    """A big-endian Dask array whose chunks Dask computes in the machine's byte order (a 2-D slice of a '>f8'
+    array): each chunk is written in the array's recorded dtype, so recovered on Dask and by one process exactly.
+    Before, the chunks' little-endian bytes were stored under '>f8': every value came back byte-swapped."""
+    a = (np.arange(60).reshape(6, 10) / 7).astype(">f8")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+        ctx = ftidask.init(client=client, **dirs)
+        ctx.protect(1, da.from_array(a, chunks=((1, 5), (3, 3, 4))))
+        ctx.checkpoint(1, 1)
+        ctx._close()
+        ctx = ftidask.init(client=client, **dirs)
+        back = ctx.recover()[1]
+        assert back.dtype == a.dtype and back.compute().tobytes() == a.tobytes()
+        ctx._close()
+    ctx = ftidask.init(**dirs)
+    out = np.zeros_like(a)
+    ctx.protect(1, out)
+    ctx.recover()
+    assert out.tobytes() == a.tobytes()
+    ctx._close()
