@@ -239,13 +239,13 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls:
     n, m = record.nranks, t.size
     if record.level in (2, 3) and not record.fallback:  # 0. Lost old files come back first, on the
         # old layout's groups (a fallback's redundancy was the committed checkpoint's: never rebuilt).
-        groups = old_groups(record, ctx.config.group_size)
         problem = ""
-        for j in range(t.rank, len(groups), m):
-            try:
+        try:  # the groups a sealed record lists may be malformed (a forgery): damage, an older checkpoint may do
+            groups = old_groups(record, ctx.config.group_size)
+            for j in range(t.rank, len(groups), m):
                 problem = problem or rebuild_group(ctx.config, record, groups[j], lambda r: old_path(ctx, record, r))
-            except Exception as exc:  # noqa: BLE001 - shared, as below
-                problem = problem or _why(exc)
+        except Exception as exc:  # noqa: BLE001 - shared, as below
+            problem = problem or _why(exc)
         _agree(t, problem, RecoveryError)
     # 1. The old files' variable tables, each old file parsed by one rank, shared.
     opened: dict[int, Any] = {}
@@ -264,10 +264,12 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls:
     try:
         arrays = {**arrays, **{vid: np.empty(_state_size(tables, vid, n), np.uint8) for vid in states}}
         plan = _plan(tables, arrays, decls, t.rank, n, m)
-        problem = ""
+        problem, damaged = "", False
     except Exception as exc:  # noqa: BLE001 - a malformed table too: every rank must hear of it
-        plan, problem = {}, _why(exc)
-    _agree(t, problem, _Refused)
+        plan, problem, damaged = {}, _why(exc), isinstance(exc, FormatError)
+    # A malformed record (FormatError) is damage, as a failed hash: an older checkpoint may be recovered. Only
+    # declarations that do not fit refuse the recovery outright. Agreed, or the ranks would part ways.
+    _agree(t, problem, RecoveryError if any(t.allgather(damaged)) else _Refused)
     # 3. Read and check the pieces into buffers.
     staged = {vid: np.empty(a.shape, a.dtype) for vid, a in arrays.items()}
     problem = ""
