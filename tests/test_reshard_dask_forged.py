@@ -110,3 +110,23 @@ def test_forged_groups_of_an_l3_dask_record_fall_back_to_the_previous_checkpoint
     ctx.recover()
     assert ctx.recovered_from == (1, 4) and out.tobytes() == (A + 1).tobytes()
     ctx._close()
+
+
+def test_export_of_an_l3_dask_checkpoint_with_forged_groups_and_a_lost_file_exports_the_previous_one(dirs, tmp_path):
+    """`ftidask export --to-zarr` of a run whose newest checkpoint (L3) lost worker 0's file and whose sealed record
+    lists malformed groups: nothing can be rebuilt, so checkpoint 1 is exported, exactly. Before, the LevelError
+    of the groups escaped the export, the sound checkpoint 1 never tried."""
+    zarr = pytest.importorskip("zarr")
+    from ftidask.tools.zarr_export import export_checkpoint
+
+    _two_checkpoints(dirs, level=3)
+    (lost,) = Path(dirs["ckpt_dir"]).rglob("Ckpt2-Rank0.fti")
+    lost.unlink()
+    (record,) = Path(dirs["meta_dir"]).glob("*/commits/s00000002.json")
+    raw = json.loads(record.read_text())
+    raw["extra"]["groups"] = [[0, 0]]
+    record.write_text(json.dumps(seal_json(raw)))
+    result = export_checkpoint(None, tmp_path / "out.zarr", **dirs)
+    assert (result.ckpt_id, result.level) == (1, 4)
+    got = np.asarray(zarr.open_group(str(tmp_path / "out.zarr"), mode="r")[result.arrays[0]])
+    assert got.tobytes() == (A + 1).tobytes()
