@@ -192,7 +192,12 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -
         states = holders if record.extra.get("backend") == "dask" else {}  # a Dask worker holds each whole
         try:
             staged = _stage(ctx, record, {v: a for v, a in arrays.items() if v not in states}, decls, list(states))
-            contents = {vid: holder.decode(staged.pop(vid), f"variable {vid}") for vid, holder in states.items()}
+            contents, problem = {}, ""
+            try:  # each rank decodes its own holders (a dict may refuse what a Value takes): agreed, or they part ways
+                contents = {vid: holder.decode(staged.pop(vid), f"variable {vid}") for vid, holder in states.items()}
+            except RecoveryError as exc:
+                problem = str(exc)
+            _agree(t, problem, RecoveryError)
         except _Refused as exc:  # the user's declarations do not fit this checkpoint: an older one will not fit either
             raise RecoveryError(f"{layout_change(record, t.size, t.allgather(t.node))}: {exc}. {advice(record)}") \
                 from None
