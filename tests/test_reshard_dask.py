@@ -219,3 +219,35 @@ def test_big_endian_dask_array_written_in_its_byte_order(dirs):
     ctx.recover()
     assert out.tobytes() == a.tobytes()
     ctx._close()
+
+
+def test_partial_recovery_names_the_dask_checkpoint_it_passes_over(dirs):
+    """One process restarted a Dask checkpoint (1, L4) and wrote its own (2, L1), now damaged: recover_var and
+    recover(ids=...) cannot redistribute checkpoint 1 (a partial recovery never is), and their NoCheckpointError says
+    that recover() without ids does, nothing touched; recover() then takes checkpoint 1. Before, the error listed
+    only checkpoint 2, as if no checkpoint could be recovered."""
+    from pathlib import Path
+
+    _write_dask(dirs, 2, 4)
+    ctx = ftidask.init(**dirs)
+    a = np.zeros((5, 6))
+    ctx.protect(1, a)
+    ctx.recover()
+    a += 1
+    ctx.checkpoint(2, 1)
+    ctx._close()
+    (path,) = Path(dirs["ckpt_dir"]).rglob("Ckpt2-Rank0.fti")
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    ctx = ftidask.init(**dirs)
+    out = np.full((5, 6), -7.0)
+    ctx.protect(1, out)
+    for call in (lambda: ctx.recover_var(1), lambda: ctx.recover(ids=[1])):
+        with pytest.raises(ftidask.NoCheckpointError) as err:
+            call()
+        assert "checkpoint 1 (level 4) was written by the Dask backend" in str(err.value), str(err.value)
+        assert "without ids" in str(err.value) and (out == -7).all()
+    ctx.recover()
+    assert ctx.recovered_from == (1, 4) and out.tobytes() == _arrays()[1].tobytes()
+    ctx._close()
