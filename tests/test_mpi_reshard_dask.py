@@ -1,4 +1,5 @@
-"""A Dask checkpoint recovered by MPI ranks (real mpiexec): the ranks agree on every step, the Python states too."""
+"""Checkpoints recovered by MPI ranks on another layout (real mpiexec): a Dask checkpoint, an MPI checkpoint on another
+node layout; the ranks agree on every step, and the Python states are recovered as the arrays are."""
 
 from __future__ import annotations
 
@@ -39,3 +40,19 @@ def test_a_state_only_some_ranks_cannot_take_is_refused_on_every_rank(tmp_path: 
     for result in results:
         assert "NoCheckpointError" in result.get("error", ""), result
         assert "holds a list" in result["error"] and result["untouched"], result
+
+
+def test_python_states_recovered_on_another_node_layout(tmp_path: Path) -> None:
+    """2 ranks, each with an array and an ftidask.State, checkpointed one rank per node; restarted two ranks per node
+    (the files are read from the old nodes' directories): each rank's array and State exactly as its old rank's.
+    Before, the arrays were recovered and the States silently kept their new values (the stored bytes went into a
+    buffer that was never decoded)."""
+    dirs = [str(tmp_path / d) for d in ("Local", "Global", "Meta")]
+    out = tmp_path / "out"
+    out.mkdir()
+    run(2, "state_layout_job.py", "write", str(out), *dirs, "1", timeout=90)
+    run(2, "state_layout_job.py", "recover", str(out), *dirs, "2", timeout=90)
+    for r in range(2):
+        result = json.loads((out / f"r{r}.json").read_text())
+        assert result.get("from") == [1, 1], result
+        assert result["a"] == (np.arange(4.0) + r).tolist() and result["state"] == {"step": 5 + r}, result

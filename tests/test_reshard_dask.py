@@ -251,3 +251,24 @@ def test_partial_recovery_names_the_dask_checkpoint_it_passes_over(dirs):
     ctx.recover()
     assert ctx.recovered_from == (1, 4) and out.tobytes() == _arrays()[1].tobytes()
     ctx._close()
+
+
+def test_a_python_state_of_a_dask_checkpoint_is_never_loaded_into_an_array(dirs):
+    """A Dask checkpoint holding an ftidask.Value under id 2; one process protects a uint8 array of its stored size
+    there: refused (as on the checkpoint's own layout), the array untouched. Before, the state's JSON bytes were
+    copied into the array."""
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+        ctx = ftidask.init(client=client, **dirs)
+        ctx.protect(1, da.from_array(np.arange(12.0), chunks=5))
+        ctx.protect(2, ftidask.Value([1, 2]))
+        ctx.checkpoint(1, 1)
+        ctx._close()
+    ctx = ftidask.init(**dirs)
+    a, b = np.zeros(12), np.zeros(len(b"[1,2]"), np.uint8)
+    ctx.protect(1, a)
+    ctx.protect(2, b)
+    with pytest.raises(ftidask.RecoveryError, match="holds a Python state"):
+        ctx.recover()
+    assert not a.any() and not b.any()
+    ctx._close()
