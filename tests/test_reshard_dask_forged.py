@@ -112,10 +112,13 @@ def test_forged_groups_of_an_l3_dask_record_fall_back_to_the_previous_checkpoint
     ctx._close()
 
 
-def test_export_of_an_l3_dask_checkpoint_with_forged_groups_and_a_lost_file_exports_the_previous_one(dirs, tmp_path):
+@pytest.mark.parametrize("groups", [[[0, 0]], [[0, 1, 2]]])
+def test_export_of_an_l3_dask_checkpoint_with_forged_groups_and_a_lost_file_exports_the_previous_one(dirs, tmp_path,
+                                                                                                    groups):
     """`ftidask export --to-zarr` of a run whose newest checkpoint (L3) lost worker 0's file and whose sealed record
-    lists malformed groups: nothing can be rebuilt, so checkpoint 1 is exported, exactly. Before, the LevelError
-    of the groups escaped the export, the sound checkpoint 1 never tried."""
+    lists malformed groups (a worker twice, a worker the checkpoint does not have): nothing can be rebuilt, so
+    checkpoint 1 is exported, exactly. Before, the LevelError of the groups (or a raw KeyError: 2) escaped the
+    export, the sound checkpoint 1 never tried."""
     zarr = pytest.importorskip("zarr")
     from ftidask.tools.zarr_export import export_checkpoint
 
@@ -124,7 +127,7 @@ def test_export_of_an_l3_dask_checkpoint_with_forged_groups_and_a_lost_file_expo
     lost.unlink()
     (record,) = Path(dirs["meta_dir"]).glob("*/commits/s00000002.json")
     raw = json.loads(record.read_text())
-    raw["extra"]["groups"] = [[0, 0]]
+    raw["extra"]["groups"] = groups
     record.write_text(json.dumps(seal_json(raw)))
     result = export_checkpoint(None, tmp_path / "out.zarr", **dirs)
     assert (result.ckpt_id, result.level) == (1, 4)
