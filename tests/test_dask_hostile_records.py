@@ -55,6 +55,7 @@ FORGERIES = {
     "two chunks' grid indexes swapped": _swap_indexes,
     "workers not a list": _set("workers", "abc"),
     "groups naming a rank twice": _set("groups", [[0, 0]]),
+    "groups naming a rank it has not": _set("groups", [[0, 1, 2]]),  # (was: recovered; a rebuild's KeyError: 2)
 }
 
 

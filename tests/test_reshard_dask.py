@@ -196,3 +196,79 @@ def test_differential_dask_checkpoint_recovered_by_one_process(dirs):
     ctx.recover()
     assert ctx.recovered_from[0] == 2 and out.tobytes() == changed.tobytes()
     ctx._close()
+
+
+def test_big_endian_dask_array_written_in_its_byte_order(dirs):
+    """A big-endian Dask array whose chunks Dask computes in the machine's byte order (a 2-D slice of a '>f8'
+    array): each chunk is written in the array's recorded dtype, so recovered on Dask and by one process exactly.
+    Before, the chunks' little-endian bytes were stored under '>f8': every value came back byte-swapped."""
+    a = (np.arange(60).reshape(6, 10) / 7).astype(">f8")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+        ctx = ftidask.init(client=client, **dirs)
+        ctx.protect(1, da.from_array(a, chunks=((1, 5), (3, 3, 4))))
+        ctx.checkpoint(1, 1)
+        ctx._close()
+        ctx = ftidask.init(client=client, **dirs)
+        back = ctx.recover()[1]
+        assert back.dtype == a.dtype and back.compute().tobytes() == a.tobytes()
+        ctx._close()
+    ctx = ftidask.init(**dirs)
+    out = np.zeros_like(a)
+    ctx.protect(1, out)
+    ctx.recover()
+    assert out.tobytes() == a.tobytes()
+    ctx._close()
+
+
+def test_partial_recovery_names_the_dask_checkpoint_it_passes_over(dirs):
+    """One process restarted a Dask checkpoint (1, L4) and wrote its own (2, L1), now damaged: recover_var and
+    recover(ids=...) cannot redistribute checkpoint 1 (a partial recovery never is), and their NoCheckpointError says
+    that recover() without ids does, nothing touched; recover() then takes checkpoint 1. Before, the error listed
+    only checkpoint 2, as if no checkpoint could be recovered."""
+    from pathlib import Path
+
+    _write_dask(dirs, 2, 4)
+    ctx = ftidask.init(**dirs)
+    a = np.zeros((5, 6))
+    ctx.protect(1, a)
+    ctx.recover()
+    a += 1
+    ctx.checkpoint(2, 1)
+    ctx._close()
+    (path,) = Path(dirs["ckpt_dir"]).rglob("Ckpt2-Rank0.fti")
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    ctx = ftidask.init(**dirs)
+    out = np.full((5, 6), -7.0)
+    ctx.protect(1, out)
+    for call in (lambda: ctx.recover_var(1), lambda: ctx.recover(ids=[1])):
+        with pytest.raises(ftidask.NoCheckpointError) as err:
+            call()
+        assert "checkpoint 1 (level 4) was written by the Dask backend" in str(err.value), str(err.value)
+        assert "without ids" in str(err.value) and (out == -7).all()
+    ctx.recover()
+    assert ctx.recovered_from == (1, 4) and out.tobytes() == _arrays()[1].tobytes()
+    ctx._close()
+
+
+def test_a_python_state_of_a_dask_checkpoint_is_never_loaded_into_an_array(dirs):
+    """A Dask checkpoint holding an ftidask.Value under id 2; one process protects a uint8 array of its stored size
+    there: refused (as on the checkpoint's own layout), the array untouched. Before, the state's JSON bytes were
+    copied into the array."""
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+        ctx = ftidask.init(client=client, **dirs)
+        ctx.protect(1, da.from_array(np.arange(12.0), chunks=5))
+        ctx.protect(2, ftidask.Value([1, 2]))
+        ctx.checkpoint(1, 1)
+        ctx._close()
+    ctx = ftidask.init(**dirs)
+    a, b = np.zeros(12), np.zeros(len(b"[1,2]"), np.uint8)
+    ctx.protect(1, a)
+    ctx.protect(2, b)
+    with pytest.raises(ftidask.RecoveryError, match="holds a Python state"):
+        ctx.recover()
+    assert not a.any() and not b.any()
+    ctx._close()

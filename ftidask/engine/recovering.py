@@ -183,8 +183,10 @@ class Recovery(RunPart):
         # NoCheckpointError with a sound checkpoint of the other kind (e.g. the previous differential checkpoint,
         # written on 4 ranks and recovered on 2, once the checkpoint written after it on 2 ranks was damaged).
         failed: list[NoCheckpointError] = []
+        passed = ""  # a partial recovery passes over older checkpoints of another layout: the error names them
         for i, (change, records) in enumerate(reshard.by_layout(self, self.all_candidates(ckpt_id, level))):
             if change and wanted is not None and i > 0:
+                passed = passed or f"\n{change}: recover() without ids redistributes it"
                 continue  # never redistributed in part; refused (RecoveryError) when it is the newest
             try:
                 if change:
@@ -194,7 +196,9 @@ class Recovery(RunPart):
                 failed.append(exc)
         if not failed:
             return self._recover_here(ckpt_id, level, wanted, [])  # raises: no committed checkpoint
-        raise failed[0] if len(failed) == 1 else NoCheckpointError("\n".join(map(str, failed)))
+        if len(failed) == 1 and not passed:
+            raise failed[0]
+        raise NoCheckpointError("\n".join(map(str, failed)) + passed)
 
     def _recover_here(self, ckpt_id: int | None, level: int | None, wanted: list[int] | None,
                       records: list[CommitRecord]) -> dict[int, Any]:

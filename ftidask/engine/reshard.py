@@ -33,7 +33,7 @@ from ..storage.files import SPARE_DIR, spare_file
 from . import reshard_dask
 from .dcpstore import distrust_spare
 from .recovery import check_writeable
-from .reshard_files import open_old, read_pieces, stored_dtype, table_of
+from .reshard_files import open_old, read_pieces, state_sizes, stored_dtype, table_of
 from .reshard_rebuild import old_groups, rebuild_group
 from .retention import rank_path
 from .runstate import CommitRecord
@@ -189,10 +189,15 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -
         raise RecoveryError(f"{change}: rank {r}: {p}. {advice(first)}")
     reasons = []
     for record in records:
-        states = holders if record.extra.get("backend") == "dask" else {}  # a Dask worker holds each whole
+        states = holders  # stored as bytes (a Dask worker holds each whole): decoded, agreed, then applied
         try:
             staged = _stage(ctx, record, {v: a for v, a in arrays.items() if v not in states}, decls, list(states))
-            contents = {vid: holder.decode(staged.pop(vid), f"variable {vid}") for vid, holder in states.items()}
+            contents, problem = {}, ""
+            try:  # each rank decodes its own holders (a dict may refuse what a Value takes): agreed, or they part ways
+                contents = {vid: holder.decode(staged.pop(vid), f"variable {vid}") for vid, holder in states.items()}
+            except RecoveryError as exc:
+                problem = str(exc)
+            _agree(t, problem, RecoveryError)
         except _Refused as exc:  # the user's declarations do not fit this checkpoint: an older one will not fit either
             raise RecoveryError(f"{layout_change(record, t.size, t.allgather(t.node))}: {exc}. {advice(record)}") \
                 from None
@@ -234,18 +239,18 @@ def _agree(t: Any, problem: str, kind: type[FTIError]) -> None:
 def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls: dict[int, Any],
            states: Sequence[int] = ()) -> dict[int, np.ndarray]:
     """Every rank's new arrays in private buffers, from the old files (collective); and the stored bytes of the
-    Python states ``states`` (a Dask checkpoint's: their sizes are the old files')."""
+    Python states ``states`` (their sizes are the old files')."""
     t = ctx.transport
     n, m = record.nranks, t.size
     if record.level in (2, 3) and not record.fallback:  # 0. Lost old files come back first, on the
         # old layout's groups (a fallback's redundancy was the committed checkpoint's: never rebuilt).
-        groups = old_groups(record, ctx.config.group_size)
         problem = ""
-        for j in range(t.rank, len(groups), m):
-            try:
+        try:  # the groups a sealed record lists may be malformed (a forgery): damage, an older checkpoint may do
+            groups = old_groups(record, ctx.config.group_size)
+            for j in range(t.rank, len(groups), m):
                 problem = problem or rebuild_group(ctx.config, record, groups[j], lambda r: old_path(ctx, record, r))
-            except Exception as exc:  # noqa: BLE001 - shared, as below
-                problem = problem or _why(exc)
+        except Exception as exc:  # noqa: BLE001 - shared, as below
+            problem = problem or _why(exc)
         _agree(t, problem, RecoveryError)
     # 1. The old files' variable tables, each old file parsed by one rank, shared.
     opened: dict[int, Any] = {}
@@ -262,12 +267,15 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls:
         tables.update({int(k): v for k, v in part.items()})
     # 2. The plan: which old file holds which piece of which variable.
     try:
-        arrays = {**arrays, **{vid: np.empty(_state_size(tables, vid, n), np.uint8) for vid in states}}
+        sizes = state_sizes(tables, n, m, t.rank, arrays, states)
+        arrays = {**arrays, **{vid: np.empty(size, np.uint8) for vid, size in sizes.items()}}
         plan = _plan(tables, arrays, decls, t.rank, n, m)
-        problem = ""
+        problem, damaged = "", False
     except Exception as exc:  # noqa: BLE001 - a malformed table too: every rank must hear of it
-        plan, problem = {}, _why(exc)
-    _agree(t, problem, _Refused)
+        plan, problem, damaged = {}, _why(exc), isinstance(exc, FormatError)
+    # A malformed record (FormatError) is damage, as a failed hash: an older checkpoint may be recovered. Only
+    # declarations that do not fit refuse the recovery outright. Agreed, or the ranks would part ways.
+    _agree(t, problem, RecoveryError if any(t.allgather(damaged)) else _Refused)
     # 3. Read and check the pieces into buffers.
     staged = {vid: np.empty(a.shape, a.dtype) for vid, a in arrays.items()}
     problem = ""
@@ -280,19 +288,6 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls:
         problem = _why(exc)
     _agree(t, problem, RecoveryError)
     return staged
-
-
-def _state_size(tables: dict[int, dict[str, Any]], vid: int, n: int) -> int:
-    """The stored size of the Python state ``vid`` in a Dask checkpoint's tables (:class:`_Refused`: none there)."""
-    entries = [e for e in (tables.get(old, {}).get(str(vid)) for old in range(n)) if e]
-    try:
-        (size,) = entries[0]["extra"]["dask"]["shape"]
-        stored = sum(int(np.prod([int(k) for k in e["shape"]], dtype=object)) for e in entries)
-        if stored_dtype(entries[0]["dtype"]) == np.uint8 and 0 <= int(size) <= stored:  # forged: nothing allocated
-            return int(size)
-    except (IndexError, TypeError, KeyError, ValueError, OverflowError):
-        pass
-    raise _Refused(f"variable {vid} is a Python state here, the checkpoint holds no state under that id")
 
 
 def _why(exc: Exception) -> str:

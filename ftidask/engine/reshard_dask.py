@@ -73,6 +73,7 @@ def pieces(vid: int, entries: Mapping[int, Any], array: np.ndarray, new: Placeme
                     for index, cshape, dptr in record.get("blocks", [])]
         except (TypeError, ValueError, OverflowError) as exc:
             raise FormatError(f"variable {vid}: bad Dask chunk record of old rank {old}: {exc}") from None
+        _check_tiling(vid, old, [(dptr, math.prod(cshape) * dtype.itemsize) for _i, cshape, dptr in held], var_bytes)
         for index, cshape, dptr in held:
             nbytes = math.prod(cshape) * dtype.itemsize  # Python ints: a forged shape cannot wrap around
             if (len(index) != len(shape) or len(cshape) != len(shape) or index in seen or dptr < 0
@@ -87,6 +88,19 @@ def pieces(vid: int, entries: Mapping[int, Any], array: np.ndarray, new: Placeme
                 out.append((old, dataclasses.replace(piece, span=(piece.span[0] + dptr, piece.span[1] + dptr),
                                                      first=piece.first + dptr)))
     return new, out
+
+
+def _check_tiling(vid: int, old: int, spans: list[tuple[int, int]], var_bytes: int) -> None:
+    """A worker writes its chunks back to back: their ``(dptr, bytes)`` spans tile its variable's stream exactly.
+    Chunks said to overlap (a forged record) would put one chunk's verified bytes in two places (FormatError)."""
+    pos = 0
+    for dptr, nbytes in sorted(spans):
+        if dptr != pos:
+            raise FormatError(f"variable {vid}: the Dask chunks of old rank {old} do not tile its stream (a gap or an "
+                              f"overlap at byte {pos})")
+        pos += nbytes
+    if pos != var_bytes:
+        raise FormatError(f"variable {vid}: the Dask chunks of old rank {old} hold {pos} bytes, its file {var_bytes}")
 
 
 def piece_of_stream(piece: Piece, whole: np.ndarray, dtype: np.dtype) -> np.ndarray:

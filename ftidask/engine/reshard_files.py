@@ -6,6 +6,7 @@ too."""
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,9 @@ from ..model.arrays import dtype_from_json, dtype_to_json
 from ..model.decomposition import Piece, piece_view
 from ..model.errors import FormatError, RecoveryError
 from ..storage.files import open_read
+from .pystate import EXTRA_KEY as PYSTATE
 from .recovery import check_file, load_file
-from .reshard_dask import piece_of_stream
+from .reshard_dask import Refused, piece_of_stream
 from .runstate import CommitRecord
 
 
@@ -58,9 +60,47 @@ def table_of(parsed: Any) -> dict[str, Any]:
     out = {}
     for vid, info in parsed.vars.items():
         out[str(vid)] = {"dtype": dtype_to_json(info.dtype), "shape": list(info.shape), "order": info.order,
-                         "extra": {k: info.extra[k] for k in ("global_shape", "offset", "replicated", "dask")
+                         "extra": {k: info.extra[k] for k in ("global_shape", "offset", "replicated", "dask", PYSTATE)
                                    if k in info.extra}}
     return out
+
+
+def state_sizes(tables: dict[int, dict[str, Any]], n: int, m: int, rank: int, arrays: Collection[int],
+                states: Collection[int]) -> dict[int, int]:
+    """The stored sizes of the Python states ``states`` in the old files' tables (by old rank, ``n`` of them, ``m``
+    ranks now): a Dask checkpoint holds each whole on one worker; an MPI checkpoint one per rank, old rank ``rank``'s
+    for this rank (on as many ranks only). :class:`Refused` when the checkpoint holds an array under a state's id, or
+    a state under the id of one of ``arrays`` (its bytes are never loaded into an array)."""
+    for vid in arrays:
+        kind = next((e["extra"][PYSTATE] for e in _entries(tables, vid, n) if PYSTATE in e["extra"]), None)
+        if kind is not None:
+            raise Refused(f"variable {vid}: the checkpoint holds a Python state ({kind}), the protected variable is an "
+                          "array; protect what was protected then (ftidask.State, ftidask.Value or a numpy.random "
+                          "Generator)")
+    return {vid: _state_size(tables, vid, n, m, rank) for vid in states}
+
+
+def _entries(tables: dict[int, dict[str, Any]], vid: int, n: int) -> list[dict[str, Any]]:
+    return [e for e in (tables.get(old, {}).get(str(vid)) for old in range(n)) if e]
+
+
+def _state_size(tables: dict[int, dict[str, Any]], vid: int, n: int, m: int, rank: int) -> int:
+    entries = _entries(tables, vid, n)
+    try:
+        if entries and all(PYSTATE in e["extra"] and stored_dtype(e["dtype"]) == np.uint8 for e in entries):
+            if "dask" not in entries[0]["extra"]:
+                if n != m:
+                    raise Refused(f"variable {vid}: a Python state of a checkpoint of {n} ranks is each rank's own; "
+                                  f"restart on {n} ranks to recover it")
+                (size,) = tables[rank][str(vid)]["shape"]
+                return int(size)
+            (size,) = entries[0]["extra"]["dask"]["shape"]
+            stored = sum(int(np.prod([int(k) for k in e["shape"]], dtype=object)) for e in entries)
+            if 0 <= int(size) <= stored:  # forged: nothing allocated
+                return int(size)
+    except (IndexError, TypeError, KeyError, ValueError, OverflowError):
+        pass
+    raise Refused(f"variable {vid} is a Python state here, the checkpoint holds no state under that id")
 
 
 def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, np.ndarray]) -> None:

@@ -10,12 +10,14 @@ missing file named.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..levels import multilevel
 from ..levels.topology import recorded_topology
+from ..model.errors import FormatError
 from ..storage import files as storage
 from ..transport.threads import ThreadMember, run_group
 from .recovery import check_file
@@ -31,7 +33,11 @@ def old_groups(record: CommitRecord, group_size: int) -> list[list[int]]:
     was written with, which a restart on another number of ranks may have had to change (``group_size`` here is
     then only the fallback of records written before it was recorded)."""
     if record.extra.get("groups"):
-        return recorded_topology(record.extra["groups"]).rank_groups()
+        groups = recorded_topology(record.extra["groups"]).rank_groups()
+        if sorted(r for g in groups for r in g) != sorted(f.rank for f in record.files):  # a forged record
+            raise FormatError(f"checkpoint {record.ckpt_id}: its groups {reprlib.repr(record.extra['groups'])} do "
+                              f"not hold its {len(record.files)} ranks once each")
+        return groups
     recorded = record.extra.get("group_size")
     if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded >= 1:
         group_size = recorded

@@ -111,8 +111,13 @@ def rebuilt(config: Config | None, sources: list[Source]) -> bool:
     if config is None or record is None or record.level not in (2, 3) or record.fallback:
         return False
     path_of = {s.rank: s.path for s in sources}
+    try:
+        groups = old_groups(record, config.group_size)
+    except FTIError as exc:  # a sealed record's malformed groups (a forgery): nothing rebuilt, an older one exported
+        log.warning("checkpoint %d (level %d): cannot rebuild its lost files: %s", record.ckpt_id, record.level, exc)
+        return False
     tried = False
-    for group in old_groups(record, config.group_size):
+    for group in groups:
         if all(check_file(path_of[r], record, r).kind == "ok" for r in group):
             continue
         tried = True

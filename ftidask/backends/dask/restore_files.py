@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...engine.runstate import CommitRecord
 from ...levels.topology import Topology, recorded_topology
-from ...model.errors import FTIError, RecoveryError
+from ...model.errors import FTIError, LevelError, RecoveryError
 from ...storage import files as storage
 from . import group_steps, recorded, redundancy, tasks
 from .cluster import WorkerLost
@@ -78,8 +78,13 @@ def restore_files(ctx: DaskContext, record: CommitRecord, data: bool = True,
 
 
 def record_topology(record: CommitRecord) -> Topology:
-    """The groups ``record`` was written with (one group of every worker when it lists none)."""
-    return recorded_topology(record.extra.get("groups", [list(range(record.nranks))]))
+    """The groups ``record`` was written with (one group of every worker when it lists none); LevelError when they
+    do not hold its workers once each (a forged record: groups naming a worker it has not broke the rebuild of an
+    L2/L3 file with a raw KeyError)."""
+    topo = recorded_topology(record.extra.get("groups", [list(range(record.nranks))]))
+    if sorted(r for g in topo.rank_groups() for r in g) != list(range(record.nranks)):
+        raise LevelError(f"groups {record.extra.get('groups')!r} do not hold the {record.nranks} workers once each")
+    return topo
 
 
 def _check_rebuildable(level: int, topo: Topology, bad: list[int], ok: set[int], placer: Placer,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,10 +30,10 @@ from .plan import layout_from_json
 class ChunkBytes:
     """The byte stream of one variable in a worker's file: its chunks back to back."""
 
-    def __init__(self, chunks: Sequence[np.ndarray], dptrs: Sequence[int]) -> None:
+    def __init__(self, chunks: Sequence[np.ndarray], dptrs: Sequence[int], dtype: np.dtype | None = None) -> None:
         self._views = {}
         for chunk, dptr in zip(chunks, dptrs, strict=True):
-            flat = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+            flat = np.ascontiguousarray(_as_recorded(chunk, dtype)).reshape(-1).view(np.uint8)
             self._views[dptr] = memoryview(flat)
         self._starts = sorted(self._views)
         self.nbytes = sum(len(v) for v in self._views.values())
@@ -54,14 +54,29 @@ class ChunkBytes:
         return [self.view(start, stop)]
 
 
-def chunk_sources(places: Sequence[Sequence[int]], chunks: Sequence[np.ndarray]) -> dict[int, ChunkBytes]:
-    """Each variable's byte stream from the chunks a worker holds (``places``: [var id, dptr] per chunk)."""
+def _as_recorded(chunk: Any, dtype: np.dtype | None) -> np.ndarray:
+    """The chunk in the dtype its variable's table records. Dask may compute the chunks of a big-endian array in the
+    machine's byte order (a slice of a '>f8' array is copied as '<f8'): their bytes written as they are would be
+    read back byte-swapped. Only the byte order is changed; a chunk of another kind of value is refused."""
+    chunk = np.asarray(chunk)
+    if dtype is None or chunk.dtype == dtype:
+        return chunk
+    try:
+        return chunk.astype(dtype, casting="equiv")
+    except TypeError:
+        raise FormatError(f"a chunk holds {chunk.dtype}, its Dask array is {dtype}") from None
+
+
+def chunk_sources(places: Sequence[Sequence[int]], chunks: Sequence[np.ndarray],
+                  dtypes: Mapping[int, np.dtype] | None = None) -> dict[int, ChunkBytes]:
+    """Each variable's byte stream from the chunks a worker holds (``places``: [var id, dptr] per chunk), each chunk
+    in its variable's recorded dtype (``dtypes`` by var id)."""
     by_var: dict[int, tuple[list[np.ndarray], list[int]]] = {}
     for (vid, dptr), chunk in zip(places, chunks, strict=True):
         arrays, dptrs = by_var.setdefault(int(vid), ([], []))
         arrays.append(chunk)
         dptrs.append(int(dptr))
-    return {vid: ChunkBytes(a, d) for vid, (a, d) in by_var.items()}
+    return {vid: ChunkBytes(a, d, (dtypes or {}).get(vid)) for vid, (a, d) in by_var.items()}
 
 
 def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], meta: dict[str, Any],
@@ -73,9 +88,9 @@ def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], me
     layout = layout_from_json(layout_json)
     infos = [VarInfo.from_json(raw) for raw in infos_json]
     codecs = {i.id: (compression.get_codec(i.extra["codec"]), i.dtype.itemsize) for i in infos if "codec" in i.extra}
-    written = write_rank_file(Path(path), layout, chunk_sources(places, chunks), infos,
-                              hash_id=hashing.hash_id(hash_name), meta=meta, pt_fs=pt_fs, max_fs=max_fs,
-                              codecs=codecs or None, durable=durable)
+    sources = chunk_sources(places, chunks, {i.id: i.dtype for i in infos})
+    written = write_rank_file(Path(path), layout, sources, infos, hash_id=hashing.hash_id(hash_name), meta=meta,
+                              pt_fs=pt_fs, max_fs=max_fs, codecs=codecs or None, durable=durable)
     return {"rank": meta["rank"], "node": meta["node"], "size": written.file_size,
             "fb_hash": written.fb.hash.hex(), "data_bytes": written.data_bytes, "path": path}
 
