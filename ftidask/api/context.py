@@ -306,8 +306,7 @@ class Context:
         self._async.drain()
         return self.recovery.realloc(id, array)  # the id checked there, with the other ranks
 
-    def _rank_file(self, record: CommitRecord) -> Path:
-        # This rank's file of ``record`` (the tests corrupt it).
+    def _rank_file(self, record: CommitRecord) -> Path:  # this rank's file of ``record`` (the tests corrupt it)
         return self.recovery.rank_file(record)
 
     # --- snapshot and finalize ---------------------------------------------------------------------
@@ -375,8 +374,9 @@ class Context:
         return self.transport.wait_post()
 
     def post_processing_done(self) -> bool:
-        """Whether the head has finished post-processing the last checkpoint (never blocks)."""
-        return self.transport.post_done()
+        """Whether the head has finished post-processing the last checkpoint (never blocks; False while an
+        asynchronous checkpoint is still being written: its request to the head is not even sent)."""
+        return not self._async.inflight.busy and self.transport.post_done()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,122 @@
+"""Rank script of the heads fault tests: checkpoints post-processed by heads, processes killed, restarts.
+
+usage: heads_fault_job.py write CONFIG_JSON DIR LEVELS [KILL]    (checkpoints 1, 2, ... at LEVELS, "2,3,...")
+       heads_fault_job.py recover CONFIG_JSON DIR
+
+CONFIG_JSON: the config (``head``, ``node_size``, ``inline_lN``, ...); ``"wait": false`` writes asynchronously,
+``"finalize": true`` ends the write with ``finalize`` (no wait for the heads first), else the job ends without one;
+``"poll": true`` polls ``post_processing_done`` after each checkpoint call (the handle not waited for), then prints
+``POLL <rank> <ckpt> <its level in the commit records when done said so> <done before the first poll's answer>``.
+KILL: ``W:module:function[:after][@N]`` installs a crash point (tests/crashpoints.py) in world rank W: the process is
+SIGKILLed at the N-th call (the job is torn down); ``app:K`` kills the last application rank right after
+checkpoint K returns (its head still working). Each checkpoint c holds ``data(rank, c)``.
+The write prints ``WROTE <rank> <ckpt> <level written> <reply>`` per checkpoint; the recover writes
+``DIR/result-<world rank>.json``: {"status", "source", "same", "error"} (application ranks only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: crashpoints
+import crashpoints  # noqa: E402
+
+import ftidask  # noqa: E402
+
+WORLD = MPI.COMM_WORLD.rank
+
+
+def data(rank: int, c: int) -> np.ndarray:
+    return np.arange(30000 + 1000 * rank, dtype=np.float64) * (rank + 1) + c
+
+
+def dirs(base: str) -> dict[str, str]:
+    return {"ckpt_dir": f"{base}/Local", "glbl_dir": f"{base}/Global", "meta_dir": f"{base}/Meta"}
+
+
+def level_on_disk(base: str, ckpt_id: int) -> int | None:
+    """The level of checkpoint ``ckpt_id`` in the commit records now (None: not committed)."""
+    for path in Path(base, "Meta").glob("*/commits/s*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):  # replaced while read: the head rewrites it
+            continue
+        if record["ckpt_id"] == ckpt_id:
+            return int(record["level"])
+    return None
+
+
+def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
+    app_kill = 0
+    if kill.startswith("app:"):
+        app_kill = int(kill[4:])
+    elif kill:
+        who, point = kill.split(":", 1)
+        point, _, nth = point.partition("@")
+        if int(who) == WORLD:
+            crashpoints.install(point, int(nth or 1))
+    wait, finalize, poll = cfg.pop("wait", True), cfg.pop("finalize", False), cfg.pop("poll", False)
+    ctx = ftidask.init(comm=MPI.COMM_WORLD, **cfg, **dirs(base))
+    rank = ctx.comm.rank
+    a = data(rank, 0)
+    ctx.protect(1, a)
+    for c, level in enumerate(levels, 1):
+        a[:] = data(rank, c)
+        info = ctx.checkpoint(c, level, wait=wait)
+        if poll:
+            first = ctx.post_processing_done()
+            for _ in range(200_000):  # bounded: a done that never comes fails the test, not hangs it
+                if ctx.post_processing_done():
+                    break
+                time.sleep(0.001)
+            print(f"POLL {ctx.comm.rank} {c} {level_on_disk(base, c)} {first}", flush=True)
+        if not wait:
+            a[:] = -1.0
+            info = info.result()
+            a[:] = data(rank, c)
+        if c == app_kill and rank == ctx.comm.size - 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # the head of its node is raising checkpoint c now
+        reply = None if finalize and c == len(levels) else ctx.wait_post_processing()
+        print(f"WROTE {rank} {c} {info.level} {json.dumps(reply)}", flush=True)
+    if finalize:
+        ctx.finalize()
+    else:
+        ctx.transport.close()  # no finalize: the checkpoints stay for the restart
+
+
+def recover(cfg: dict, base: str) -> None:
+    cfg.pop("wait", None), cfg.pop("finalize", None)
+    ctx = ftidask.init(comm=MPI.COMM_WORLD, **cfg, **dirs(base))
+    rank = ctx.comm.rank
+    a = np.zeros_like(data(rank, 0))
+    ctx.protect(1, a)
+    out: dict = {"status": "ok", "rank": rank}
+    try:
+        ctx.recover()
+    except ftidask.FTIError as exc:
+        out.update(status="fail", error=f"{type(exc).__name__}: {exc}", untouched=not a.any())
+    else:
+        c = ctx.recovered_from[0]
+        out.update(source=list(ctx.recovered_from), same=bool(np.array_equal(a, data(rank, c))))
+    Path(base, f"result-{WORLD}.json").write_text(json.dumps(out))
+    ctx.transport.close()
+
+
+def main() -> None:
+    mode, cfg, base = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    if mode == "write":
+        write(cfg, base, [int(x) for x in sys.argv[4].split(",")], sys.argv[5] if len(sys.argv) > 5 else "")
+    else:
+        recover(cfg, base)
+
+
+if __name__ == "__main__":
+    main()
