@@ -8,6 +8,7 @@ head raises a checkpoint (tests/crashpoints.py), finalize while the head works, 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,75 @@ def test_post_processing_done_waits_for_an_async_checkpoint(tmp_path: Path) -> N
     for _rank, ckpt, level, first in polls:
         assert first == "False", polls  # asked at once: the background is still writing it
         assert level == {"1": "3", "2": "2", "3": "4"}[ckpt], polls
+
+
+def _l1_files(base: Path) -> list[Path]:
+    return [p for p in base.glob("Local/node*/*/l1/ckpt*/*.fti")]
+
+
+# name -> (levels, crash point, nodes lost before the restart, the checkpoint recovered)
+KILLS = {
+    # a head dies while it encodes checkpoint 2 (L3 parity): checkpoint 2 stays a valid L1 checkpoint
+    "head-in-parity": ("3,3", "2:ftidask.levels.multilevel:protect@2", [], [2, 1]),
+    # ... and with a node lost too: checkpoint 1, raised to L3 before, rebuilds it
+    "head-in-parity-node-lost": ("3,3", "2:ftidask.levels.multilevel:protect@2", ["node1"], [1, 3]),
+    # the heads' root dies right after its commit record at L3, before the L1 files go: L3 is complete
+    "root-head-after-commit": ("3,3", "0:ftidask.engine.runstate:RunState.write_record:after@2", [], [2, 3]),
+    # the head copying checkpoint 2 to the global directory dies: checkpoint 2 stays at L1
+    "head-in-l4-copy": ("4,4", "6:ftidask.storage.files:copy_file_atomic@2", [], [2, 1]),
+    # an application rank dies right after checkpoint 2 returns, while its head raises it to L3
+    "app-while-head-works": ("2,3", "app:2", [], [2, 1]),
+}
+
+
+@pytest.mark.parametrize("name", KILLS)
+def test_kill_while_heads_post_process(tmp_path: Path, name: str) -> None:
+    """A SIGKILL during the heads' post-processing tears the job down (no hang: run's timeout); a restart with heads
+    recovers the newest checkpoint that survives, bit for bit."""
+    levels, kill, lost, source = KILLS[name]
+    base = tmp_path / "run"
+    _write(base, HEADS, levels, kill)
+    for node in lost:
+        for path in base.glob(f"Local/{node}/*"):
+            shutil.rmtree(path)
+    _assert_recovered(_recover(base, HEADS), source)
+
+
+def test_finalize_while_heads_post_process(tmp_path: Path) -> None:
+    """``finalize`` right after checkpoint 2 (its head still raising it to L3) waits for the head, then flushes it
+    to L4 (keep_last_ckpt): a restart recovers it; no L1 file is left behind."""
+    base = tmp_path / "run"
+    _write(base, {**HEADS, "finalize": True, "keep_last_ckpt": 1}, "3,3")
+    assert not _l1_files(base)
+    _assert_recovered(_recover(base, HEADS), [2, 4])
+
+
+@pytest.mark.slow
+def test_head_killed_in_a_differential_raise_then_resume(tmp_path: Path) -> None:
+    """L2_DCP/L3_DCP raised by heads: the head dies as it writes the hint of an L1 spare; the restart recovers,
+    goes on with differential checkpoints (the spares and hints left as they were) and a second restart recovers
+    the last one exactly."""
+    cfg = {**HEADS, "enable_dcp": 1}
+    base = tmp_path / "run"
+    _write(base, cfg, "6,7,6", "2:ftidask.backends.mpi.heads:write_spare_hint@2")
+    _write(base, {**cfg, "resume": True}, "7,6,7")
+    _assert_recovered(_recover(base, cfg), [5, 3])
+
+
+# name -> (write config and processes, restart config and processes, levels, recovered)
+SWITCHES = {
+    "without-then-with-heads": ((NO_HEADS, 4), (HEADS, 8), "3,3", [2, 3]),
+    "with-then-without-heads": ((HEADS, 8), (NO_HEADS, 4), "3,3", [2, 3]),
+    "with-heads-then-node-size-2": ((HEADS, 8), ({"local_test": 1, "node_size": 2, "group_size": 2}, 4), "2,2",
+                                    [2, 2]),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if i else []) for i, n in
+                                  enumerate(SWITCHES)])
+def test_restart_switching_heads(tmp_path: Path, name: str) -> None:
+    """A run with heads restarted without them (and the reverse, or on other nodes): the same checkpoint."""
+    (write_cfg, write_n), (read_cfg, read_n), levels, source = SWITCHES[name]
+    base = tmp_path / "run"
+    _write(base, write_cfg, levels, nprocs=write_n)
+    _assert_recovered(_recover(base, read_cfg, read_n), source)

@@ -5,6 +5,7 @@ usage: heads_fault_job.py write CONFIG_JSON DIR LEVELS [KILL]    (checkpoints 1,
 
 CONFIG_JSON: the config (``head``, ``node_size``, ``inline_lN``, ...); ``"wait": false`` writes asynchronously,
 ``"finalize": true`` ends the write with ``finalize`` (no wait for the heads first), else the job ends without one;
+``"resume": true`` recovers first (on a restart) and numbers the checkpoints on from the one recovered;
 ``"poll": true`` polls ``post_processing_done`` after each checkpoint call (the handle not waited for), then prints
 ``POLL <rank> <ckpt> <its level in the commit records when done said so> <done before the first poll's answer>``.
 KILL: ``W:module:function[:after][@N]`` installs a crash point (tests/crashpoints.py) in world rank W: the process is
@@ -64,11 +65,17 @@ def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
         if int(who) == WORLD:
             crashpoints.install(point, int(nth or 1))
     wait, finalize, poll = cfg.pop("wait", True), cfg.pop("finalize", False), cfg.pop("poll", False)
+    resume = cfg.pop("resume", False)
     ctx = ftidask.init(comm=MPI.COMM_WORLD, **cfg, **dirs(base))
     rank = ctx.comm.rank
     a = data(rank, 0)
     ctx.protect(1, a)
-    for c, level in enumerate(levels, 1):
+    start = 0
+    if resume and ctx.status():  # a restart: go on after the checkpoint recovered
+        ctx.recover()
+        start = ctx.recovered_from[0]
+        assert np.array_equal(a, data(rank, start)), "recovered arrays differ"
+    for c, level in enumerate(levels, start + 1):
         a[:] = data(rank, c)
         info = ctx.checkpoint(c, level, wait=wait)
         if poll:
@@ -84,7 +91,7 @@ def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
             a[:] = data(rank, c)
         if c == app_kill and rank == ctx.comm.size - 1:
             os.kill(os.getpid(), signal.SIGKILL)  # the head of its node is raising checkpoint c now
-        reply = None if finalize and c == len(levels) else ctx.wait_post_processing()
+        reply = None if finalize and c == start + len(levels) else ctx.wait_post_processing()
         print(f"WROTE {rank} {c} {info.level} {json.dumps(reply)}", flush=True)
     if finalize:
         ctx.finalize()
@@ -93,7 +100,8 @@ def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
 
 
 def recover(cfg: dict, base: str) -> None:
-    cfg.pop("wait", None), cfg.pop("finalize", None)
+    for key in ("wait", "finalize", "poll", "resume"):
+        cfg.pop(key, None)
     ctx = ftidask.init(comm=MPI.COMM_WORLD, **cfg, **dirs(base))
     rank = ctx.comm.rank
     a = np.zeros_like(data(rank, 0))
