@@ -23,11 +23,20 @@ NAPP = 4
 
 def _write(base: Path, cfg: dict, levels: str, kill: str = "", nprocs: int = 8) -> str:
     """The write job; a kill tears the job down (mpiexec ends it: the test fails at the timeout on a hang)."""
+    dies = bool(kill) and not kill.endswith(":raise") and ":raise@" not in kill  # ":raise": the process lives on
     proc = run(nprocs, "heads_fault_job.py", "write", json.dumps(cfg), str(base), levels, kill, timeout=120,
-               check=not kill)
-    if kill:
+               check=not dies)
+    if dies:
         assert proc.returncode != 0, proc.stdout  # the crash point was reached: the job was torn down
     return proc.stdout
+
+
+def _replies(stdout: str, ckpt: int) -> list[dict]:
+    """The heads' replies to checkpoint ``ckpt``, one per application rank."""
+    lines = [line.split(" ", 4) for line in stdout.splitlines() if line.startswith("WROTE ")]
+    replies = [json.loads(reply) for _w, _rank, c, _level, reply in lines if int(c) == ckpt]
+    assert len(replies) == NAPP, stdout
+    return replies
 
 
 def _recover(base: Path, cfg: dict, nprocs: int = 8) -> list[dict]:
@@ -123,3 +132,14 @@ def test_restart_switching_heads(tmp_path: Path, name: str) -> None:
     base = tmp_path / "run"
     _write(base, write_cfg, levels, nprocs=write_n)
     _assert_recovered(_recover(base, read_cfg, read_n), source)
+
+
+def test_head_cleanup_failure_after_the_raise_is_reported_as_raised(tmp_path: Path) -> None:
+    """Retiring checkpoint 1 fails on the heads' root once checkpoint 2 is committed at L3: the heads' reply must
+    say that checkpoint 2 is raised (ok, level 3) and name the clean-up failure, not that it stayed at L1."""
+    base = tmp_path / "run"
+    stdout = _write(base, HEADS, "3,3", "0:ftidask.engine.runstate:RunState.delete_record:raise@1")
+    for reply in _replies(stdout, 2):
+        assert reply["ok"] is True and reply["level"] == 3, reply
+        assert "cleaning up" in reply["error"] and "injected failure" in reply["error"], reply
+    _assert_recovered(_recover(base, HEADS), [2, 3])

@@ -193,6 +193,8 @@ class MpiTransport(GroupLevels):
             post.pending = False
             if not post.last_reply.get("ok"):
                 log.warning("post-processing failed, the checkpoint stays at level 1: %s", post.last_reply.get("error"))
+            elif post.last_reply.get("error"):  # raised, but the heads could not retire older checkpoints
+                log.warning("post-processing: %s", post.last_reply["error"])
         return post.last_reply
 
     def background(self) -> MpiTransport | None:
