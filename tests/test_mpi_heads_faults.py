@@ -143,3 +143,23 @@ def test_head_cleanup_failure_after_the_raise_is_reported_as_raised(tmp_path: Pa
         assert reply["ok"] is True and reply["level"] == 3, reply
         assert "cleaning up" in reply["error"] and "injected failure" in reply["error"], reply
     _assert_recovered(_recover(base, HEADS), [2, 3])
+
+
+def test_zarr_level_4_with_heads_is_written_as_zarr(tmp_path: Path) -> None:
+    """``l4_format = zarr`` with heads (inline_l4 = 0): level 4 is still a Zarr store per rank (docs/zarr.md), not
+    the head's copy of the L1 FTI-FF file; the application writes it (no post-processing: the reply is None,
+    not the previous checkpoint's)."""
+    cfg = {**HEADS, "l4_format": "zarr"}
+    base = tmp_path / "run"
+    stdout = _write(base, cfg, "3,4")
+    assert all(r["ok"] and r["level"] == 3 for r in _replies(stdout, 1))
+    assert _replies(stdout, 2) == [None] * NAPP
+    assert sorted(p.name for p in base.glob("Global/*/l4/ckpt2.*/*")) == [f"Ckpt2-Rank{r}.zarr" for r in range(NAPP)]
+    assert _record(base, 2)["extra"].get("l4_format") == "zarr"
+    _assert_recovered(_recover(base, cfg), [2, 4])
+
+
+def _record(base: Path, ckpt_id: int) -> dict:
+    records = [json.loads(p.read_text()) for p in base.glob("Meta/*/commits/s*.json")]
+    (record,) = [r for r in records if r["ckpt_id"] == ckpt_id]
+    return record
