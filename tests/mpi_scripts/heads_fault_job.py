@@ -6,6 +6,10 @@ usage: heads_fault_job.py write CONFIG_JSON DIR LEVELS [KILL]    (checkpoints 1,
 CONFIG_JSON: the config (``head``, ``node_size``, ``inline_lN``, ...); ``"wait": false`` writes asynchronously,
 ``"finalize": true`` ends the write with ``finalize`` (no wait for the heads first), else the job ends without one;
 ``"resume": true`` recovers first (on a restart) and numbers the checkpoints on from the one recovered;
+``"rollback": true`` calls ``recover()`` right after the last checkpoint (its head still raising it), with two
+seams that open the race: the heads' root holds the last commit until a moment after the application asks to recover, and an
+application rank that checks an L1 file waits until it is gone (a head removed it); it prints
+``ROLLBACK <rank> <recovered_from> <same>``;
 ``"poll": true`` polls ``post_processing_done`` after each checkpoint call (the handle not waited for), then prints
 ``POLL <rank> <ckpt> <its level in the commit records when done said so> <done before the first poll's answer>``.
 KILL: ``W:module:function[:after][@N]`` installs a crash point (tests/crashpoints.py) in world rank W: the process is
@@ -22,7 +26,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -55,6 +61,38 @@ def level_on_disk(base: str, ckpt_id: int) -> int | None:
     return None
 
 
+def wait_for(done: Callable[[], bool], seconds: float) -> None:
+    """Poll ``done`` for at most ``seconds`` (a seam that waits in vain lets the job go on, it never hangs it)."""
+    for _ in range(int(seconds * 100)):
+        if done():
+            return
+        time.sleep(0.01)
+
+
+def race_seams(base: Path, last: int) -> None:
+    """The seams of ``rollback``: see the usage above."""
+    from ftidask.engine import recovering, runstate
+
+    if WORLD == 0:  # the heads' root (a head: init never returns there)
+        write_record = runstate.RunState.write_record
+
+        def held(self: Any, record: Any) -> Any:
+            if record.ckpt_id == last:  # raising the last checkpoint: once the application calls recover(),
+                wait_for((base / "recovering").exists, 20)  # give it a moment to read the records first
+                time.sleep(1)
+            return write_record(self, record)
+
+        runstate.RunState.write_record = held  # type: ignore[method-assign]
+    check_file = recovering.check_file
+
+    def checked(path: Path, *args: Any, **kwargs: Any) -> Any:
+        if "/l1/" in str(path):  # an L1 file while a head raises its checkpoint: wait until the head removed it
+            wait_for(lambda: not Path(path).exists(), 20)
+        return check_file(path, *args, **kwargs)
+
+    recovering.check_file = checked  # type: ignore[assignment]
+
+
 def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
     app_kill = 0
     if kill.startswith("app:"):
@@ -65,7 +103,9 @@ def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
         if int(who) == WORLD:
             crashpoints.install(point, int(nth or 1))
     wait, finalize, poll = cfg.pop("wait", True), cfg.pop("finalize", False), cfg.pop("poll", False)
-    resume = cfg.pop("resume", False)
+    resume, rollback = cfg.pop("resume", False), cfg.pop("rollback", False)
+    if rollback:
+        race_seams(Path(base), len(levels))
     ctx = ftidask.init(comm=MPI.COMM_WORLD, **cfg, **dirs(base))
     rank = ctx.comm.rank
     a = data(rank, 0)
@@ -91,8 +131,13 @@ def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
             a[:] = data(rank, c)
         if c == app_kill and rank == ctx.comm.size - 1:
             os.kill(os.getpid(), signal.SIGKILL)  # the head of its node is raising checkpoint c now
-        reply = None if finalize and c == start + len(levels) else ctx.wait_post_processing()
+        reply = None if (finalize or rollback) and c == start + len(levels) else ctx.wait_post_processing()
         print(f"WROTE {rank} {c} {info.level} {json.dumps(reply)}", flush=True)
+    if rollback:
+        Path(base, "recovering").touch()
+        ctx.recover()
+        c = ctx.recovered_from[0]
+        print(f"ROLLBACK {rank} {list(ctx.recovered_from)} {np.array_equal(a, data(rank, c))}", flush=True)
     if finalize:
         ctx.finalize()
     else:
@@ -100,7 +145,7 @@ def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
 
 
 def recover(cfg: dict, base: str) -> None:
-    for key in ("wait", "finalize", "poll", "resume"):
+    for key in ("wait", "finalize", "poll", "resume", "rollback"):
         cfg.pop(key, None)
     ctx = ftidask.init(comm=MPI.COMM_WORLD, **cfg, **dirs(base))
     rank = ctx.comm.rank
