@@ -77,14 +77,19 @@ def install(point: str, nth: int = 1) -> None:
     """Install a named crash point in this process (``client.run`` target on a Dask worker).
 
     Points: ``dcp-block`` (a write of changed blocks, :func:`kill_at_block_write`), or
-    ``"module:function"`` / ``"module:function:after"`` / ``"module:function:raise"`` (:func:`kill_at_call`).
+    ``"module:function"`` / ``"module:function:after"`` / ``"module:function:raise"`` (:func:`kill_at_call`);
+    ``function`` may be ``Class.method``.
     """
     INSTALLED.append(point)
     if point == "dcp-block":
         kill_at_block_write(nth)
         return
     module, name, *when = point.split(":")
-    kill_at_call(module, name, nth, after=when == ["after"], fail=when == ["raise"])
+    owner: Any = importlib.import_module(module)
+    *classes, name = name.split(".")
+    for cls in classes:
+        owner = getattr(owner, cls)
+    kill_at_call(owner, name, nth, after=when == ["after"], fail=when == ["raise"])
 
 
 def seams() -> list[str]:

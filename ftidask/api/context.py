@@ -114,7 +114,7 @@ class Context:
         return self._names.id_for(name, self._vars, create, self._stored_names)
 
     def _stored_names(self) -> dict[int, str]:  # the Dask backend reads its commit records instead
-        self._async.drain()  # a recovery's search: never beside a checkpoint committing and retiring files
+        self._async.quiesce()  # a recovery's search: never beside a checkpoint committing, retiring or raised
         return restart_names(self._status, self.recovery)
 
     @property
@@ -277,7 +277,7 @@ class Context:
         recovered. A full recovery sets :meth:`status` to 0, as FTI_Recover does."""
         self._check_open()
         self._icp_slot.check_none_open(RecoveryError)  # the checkpoint would mix values from before and after
-        self._async.drain()  # never a checkpoint half written by this run
+        self._async.quiesce()  # never a checkpoint half written by this run, or raised by a head
         out = self.recovery.recover(ckpt_id, level, ids)
         self.progress.recovered_all |= ids is None  # FTI_RecoverVar leaves FTI_Status as it is
         return out
@@ -296,18 +296,17 @@ class Context:
     def stored_size(self, id: int) -> int:
         """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover); 0 if none."""
         self._check_open()
-        self._async.drain()
+        self._async.quiesce()
         return self.recovery.stored_size(id)  # the id checked there, after the ranks' collective read
 
     def realloc(self, id: int, array: Any = None) -> Any:
         """FTI_Realloc: a new array of the stored size (``array`` itself where it already fits), which becomes the
         protected one; for a Python state (``State``, ``Value``, a generator), the protected object itself."""
         self._check_open()
-        self._async.drain()
+        self._async.quiesce()
         return self.recovery.realloc(id, array)  # the id checked there, with the other ranks
 
-    def _rank_file(self, record: CommitRecord) -> Path:
-        # This rank's file of ``record`` (the tests corrupt it).
+    def _rank_file(self, record: CommitRecord) -> Path:  # this rank's file of ``record`` (the tests corrupt it)
         return self.recovery.rank_file(record)
 
     # --- snapshot and finalize ---------------------------------------------------------------------
@@ -375,8 +374,9 @@ class Context:
         return self.transport.wait_post()
 
     def post_processing_done(self) -> bool:
-        """Whether the head has finished post-processing the last checkpoint (never blocks)."""
-        return self.transport.post_done()
+        """Whether the head has finished post-processing the last checkpoint (never blocks; False while an
+        asynchronous checkpoint is still being written: its request to the head is not even sent)."""
+        return not self._async.inflight.busy and self.transport.post_done()
 
     def _check_open(self) -> None:
         if self._closed:

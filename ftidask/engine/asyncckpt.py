@@ -125,6 +125,12 @@ class AsyncCheckpoints:
         """Wait for every checkpoint in flight (their failures stay for their handles)."""
         self.inflight.drain()
 
+    def quiesce(self) -> None:
+        """Wait for every checkpoint in flight, then for the head's post-processing of the last one (heads move its
+        files and rewrite its record): before anything reads the run's checkpoints (a recovery's search)."""
+        self.inflight.drain()
+        self.run.transport.wait_post()
+
     def close(self) -> None:
         """Finish what is in flight, stop the thread, close the background channel and committer."""
         self.inflight.close()

@@ -104,7 +104,7 @@ class Committer(RunPart):
         t = self.transport
         t.wait_post()  # a head still post-processing the previous checkpoint must finish first (as FTI)
         post_level = level.base
-        level = Level(t.write_level(level.base), level.differential)  # L1 when a head raises it later
+        level = Level(t.write_level(level.base, level.differential), level.differential)  # L1: a head raises it
         state_error = encode_states(self.variables, t.rank)  # before the layout: a state's size changes with its value
 
         def plan() -> tuple[Layout, int | None]:

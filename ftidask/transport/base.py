@@ -84,7 +84,7 @@ class Transport(abc.ABC):
         return [self.rank]
 
     # Heads (asynchronous post-processing); without heads, everything is inline.
-    def write_level(self, level: int) -> int:
+    def write_level(self, level: int, differential: bool = False) -> int:
         """The level the application writes at (1 when a head raises it to ``level`` later)."""
         return level
 

@@ -72,7 +72,8 @@ def serve(cfg: Config, t: MpiTransport) -> None:
 
 def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, level: int, exec_id: str
                  ) -> dict[str, Any]:
-    """Collectively (all heads) raise an L1 checkpoint to ``level``; every head returns the same outcome.
+    """Collectively (all heads) raise an L1 checkpoint to ``level``; every head returns the same outcome: ``ok``
+    once the raised commit record is written (``error`` then names a failure of the clean-up after it).
 
     A local exception on one head is agreed on (:mod:`ftidask.transport.collective`): every head fails alike.
     """
@@ -110,9 +111,14 @@ def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, leve
     if record.extra.get("dcp"):  # the L1 file is now a copy: each rank's next differential checkpoint
         _keep_as_spares(paths, topo, node, record, src_dir)  # patches it instead of writing anew
     storage.remove_tree(src_dir)
-    _retire_older(cfg, t, state, paths, raised)
+    cleanup = ""
+    try:
+        _retire_older(cfg, t, state, paths, raised)
+    except FTIError as exc:  # agreed (on_root): the same on every head; the raised checkpoint is committed
+        cleanup = (f"checkpoint {record.ckpt_id} is raised to level {level} and recoverable, but cleaning up "
+                   f"after it failed: {exc}")
     log.info("head of node %d: checkpoint %d raised to level %d", node, record.ckpt_id, level)
-    return {"ok": True, "error": "", "level": level, "ckpt_id": record.ckpt_id}
+    return {"ok": True, "error": cleanup, "level": level, "ckpt_id": record.ckpt_id}
 
 
 def _keep_as_spares(paths: storage.RunPaths, topo: Any, node: int, record: CommitRecord, src_dir: Path) -> None:

@@ -160,9 +160,11 @@ class MpiTransport(GroupLevels):
 
     # --- heads (post-processing) --------------------------------------------------------------------
 
-    def write_level(self, level: int) -> int:
-        """The level the application writes at: 1 when a head will post-process to ``level``."""
-        if self.cfg.head and level > 1 and not self.cfg_inline(level):
+    def write_level(self, level: int, differential: bool = False) -> int:
+        """The level the application writes at: 1 when a head will post-process to ``level``. A Zarr level 4
+        (``l4_format = zarr``, not differential) is written by the application: a head only copies FTI-FF files."""
+        if self.cfg.head and level > 1 and not self.cfg_inline(level) and not (
+                level == 4 and self.cfg.l4_format == "zarr" and not differential):
             return 1
         return level
 
@@ -172,6 +174,7 @@ class MpiTransport(GroupLevels):
     def post_process(self, record: CommitRecord, level: int, exec_id: str = "") -> None:
         """Ask this node's head to raise ``record`` (an L1 checkpoint) to ``level``."""
         if self.node_comm is None or level == record.level:
+            self._post.last_reply = None  # nothing to post-process: no reply of an older checkpoint stands for it
             return
         request = {"op": "post", "record": record.to_json(), "level": level, "exec_id": exec_id}
         send_json(self.node_comm, request, 0, _TAG_REQ)
@@ -193,6 +196,8 @@ class MpiTransport(GroupLevels):
             post.pending = False
             if not post.last_reply.get("ok"):
                 log.warning("post-processing failed, the checkpoint stays at level 1: %s", post.last_reply.get("error"))
+            elif post.last_reply.get("error"):  # raised, but the heads could not retire older checkpoints
+                log.warning("post-processing: %s", post.last_reply["error"])
         return post.last_reply
 
     def background(self) -> MpiTransport | None:

@@ -1,0 +1,175 @@
+"""Heads (head = 1, inline_lN = 0) under faults, on real mpiexec: a head or an application rank SIGKILLed while the
+head raises a checkpoint (tests/crashpoints.py), finalize while the head works, restarts with and without heads,
+``post_processing_done`` with asynchronous checkpoints. Jobs: ``mpi_scripts/heads_fault_job.py``.
+
+8 processes = 4 simulated nodes of a head and an application rank, one group of 4 (as test_mpi_heads).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from mpi_util import need_mpi, run
+
+pytestmark = need_mpi()
+
+HEADS = {"local_test": 1, "node_size": 2, "group_size": 4, "head": 1, "inline_l2": 0, "inline_l3": 0, "inline_l4": 0}
+NO_HEADS = {"local_test": 1, "node_size": 1, "group_size": 4}
+NAPP = 4
+
+
+def _write(base: Path, cfg: dict, levels: str, kill: str = "", nprocs: int = 8) -> str:
+    """The write job; a kill tears the job down (mpiexec ends it: the test fails at the timeout on a hang)."""
+    dies = bool(kill) and not kill.endswith(":raise") and ":raise@" not in kill  # ":raise": the process lives on
+    proc = run(nprocs, "heads_fault_job.py", "write", json.dumps(cfg), str(base), levels, kill, timeout=120,
+               check=not dies)
+    if dies:
+        assert proc.returncode != 0, proc.stdout  # the crash point was reached: the job was torn down
+    return proc.stdout
+
+
+def _replies(stdout: str, ckpt: int) -> list[dict]:
+    """The heads' replies to checkpoint ``ckpt``, one per application rank."""
+    lines = re.findall(r"WROTE (\d+) (\d+) (\d+) (null|\{[^}]*\})", stdout)  # the ranks' lines may interleave
+    replies = [json.loads(reply) for _rank, c, _level, reply in lines if int(c) == ckpt]
+    assert len(replies) == NAPP, stdout
+    return replies
+
+
+def _recover(base: Path, cfg: dict, nprocs: int = 8) -> list[dict]:
+    run(nprocs, "heads_fault_job.py", "recover", json.dumps(cfg), str(base), timeout=120)
+    results = [json.loads(p.read_text()) for p in sorted(base.glob("result-*.json"))]
+    assert len(results) == NAPP, results
+    return results
+
+
+def _assert_recovered(results: list[dict], source: list[int]) -> None:
+    assert all(r["status"] == "ok" and r["same"] for r in results), results
+    assert {tuple(r["source"]) for r in results} == {tuple(source)}, results
+
+
+def test_post_processing_done_waits_for_an_async_checkpoint(tmp_path: Path) -> None:
+    """``post_processing_done`` right after ``checkpoint(wait=False)`` must not say True before the checkpoint
+    is even committed: when it says True, the commit records show the checkpoint at its target level."""
+    stdout = _write(tmp_path / "run", {**HEADS, "wait": False, "poll": True}, "3,2,4")
+    polls = re.findall(r"POLL (\d+) (\d+) (None|\d+) (True|False)", stdout)
+    assert len(polls) == 3 * NAPP, stdout
+    for _rank, ckpt, level, first in polls:
+        assert first == "False", polls  # asked at once: the background is still writing it
+        assert level == {"1": "3", "2": "2", "3": "4"}[ckpt], polls
+
+
+def _l1_files(base: Path) -> list[Path]:
+    return [p for p in base.glob("Local/node*/*/l1/ckpt*/*.fti")]
+
+
+# name -> (levels, crash point, nodes lost before the restart, the checkpoint recovered)
+KILLS = {
+    # a head dies while it encodes checkpoint 2 (L3 parity): checkpoint 2 stays a valid L1 checkpoint
+    "head-in-parity": ("3,3", "2:ftidask.levels.multilevel:protect@2", [], [2, 1]),
+    # ... and with a node lost too: checkpoint 1, raised to L3 before, rebuilds it
+    "head-in-parity-node-lost": ("3,3", "2:ftidask.levels.multilevel:protect@2", ["node1"], [1, 3]),
+    # the heads' root dies right after its commit record at L3, before the L1 files go: L3 is complete
+    "root-head-after-commit": ("3,3", "0:ftidask.engine.runstate:RunState.write_record:after@2", [], [2, 3]),
+    # the head copying checkpoint 2 to the global directory dies: checkpoint 2 stays at L1
+    "head-in-l4-copy": ("4,4", "6:ftidask.storage.files:copy_file_atomic@2", [], [2, 1]),
+    # an application rank dies right after checkpoint 2 returns, while its head raises it to L3
+    "app-while-head-works": ("2,3", "app:2", [], [2, 1]),
+}
+
+
+@pytest.mark.parametrize("name", KILLS)
+def test_kill_while_heads_post_process(tmp_path: Path, name: str) -> None:
+    """A SIGKILL during the heads' post-processing tears the job down (no hang: run's timeout); a restart with heads
+    recovers the newest checkpoint that survives, bit for bit."""
+    levels, kill, lost, source = KILLS[name]
+    base = tmp_path / "run"
+    _write(base, HEADS, levels, kill)
+    for node in lost:
+        for path in base.glob(f"Local/{node}/*"):
+            shutil.rmtree(path)
+    _assert_recovered(_recover(base, HEADS), source)
+
+
+def test_finalize_while_heads_post_process(tmp_path: Path) -> None:
+    """``finalize`` right after checkpoint 2 (its head still raising it to L3) waits for the head, then flushes it
+    to L4 (keep_last_ckpt): a restart recovers it; no L1 file is left behind."""
+    base = tmp_path / "run"
+    _write(base, {**HEADS, "finalize": True, "keep_last_ckpt": 1}, "3,3")
+    assert not _l1_files(base)
+    _assert_recovered(_recover(base, HEADS), [2, 4])
+
+
+@pytest.mark.slow
+def test_head_killed_in_a_differential_raise_then_resume(tmp_path: Path) -> None:
+    """L2_DCP/L3_DCP raised by heads: the head dies as it writes the hint of an L1 spare; the restart recovers,
+    goes on with differential checkpoints (the spares and hints left as they were) and a second restart recovers
+    the last one exactly."""
+    cfg = {**HEADS, "enable_dcp": 1}
+    base = tmp_path / "run"
+    _write(base, cfg, "6,7,6", "2:ftidask.backends.mpi.heads:write_spare_hint@2")
+    _write(base, {**cfg, "resume": True}, "7,6,7")
+    _assert_recovered(_recover(base, cfg), [5, 3])
+
+
+# name -> (write config and processes, restart config and processes, levels, recovered)
+SWITCHES = {
+    "without-then-with-heads": ((NO_HEADS, 4), (HEADS, 8), "3,3", [2, 3]),
+    "with-then-without-heads": ((HEADS, 8), (NO_HEADS, 4), "3,3", [2, 3]),
+    "with-heads-then-node-size-2": ((HEADS, 8), ({"local_test": 1, "node_size": 2, "group_size": 2}, 4), "2,2",
+                                    [2, 2]),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if i else []) for i, n in
+                                  enumerate(SWITCHES)])
+def test_restart_switching_heads(tmp_path: Path, name: str) -> None:
+    """A run with heads restarted without them (and the reverse, or on other nodes): the same checkpoint."""
+    (write_cfg, write_n), (read_cfg, read_n), levels, source = SWITCHES[name]
+    base = tmp_path / "run"
+    _write(base, write_cfg, levels, nprocs=write_n)
+    _assert_recovered(_recover(base, read_cfg, read_n), source)
+
+
+def test_head_cleanup_failure_after_the_raise_is_reported_as_raised(tmp_path: Path) -> None:
+    """Retiring checkpoint 1 fails on the heads' root once checkpoint 2 is committed at L3: the heads' reply must
+    say that checkpoint 2 is raised (ok, level 3) and name the clean-up failure, not that it stayed at L1."""
+    base = tmp_path / "run"
+    stdout = _write(base, HEADS, "3,3", "0:ftidask.engine.runstate:RunState.delete_record:raise@1")
+    for reply in _replies(stdout, 2):
+        assert reply["ok"] is True and reply["level"] == 3, reply
+        assert "cleaning up" in reply["error"] and "injected failure" in reply["error"], reply
+    _assert_recovered(_recover(base, HEADS), [2, 3])
+
+
+def test_zarr_level_4_with_heads_is_written_as_zarr(tmp_path: Path) -> None:
+    """``l4_format = zarr`` with heads (inline_l4 = 0): level 4 is still a Zarr store per rank (docs/zarr.md), not
+    the head's copy of the L1 FTI-FF file; the application writes it (no post-processing: the reply is None,
+    not the previous checkpoint's)."""
+    cfg = {**HEADS, "l4_format": "zarr"}
+    base = tmp_path / "run"
+    stdout = _write(base, cfg, "3,4")
+    assert all(r["ok"] and r["level"] == 3 for r in _replies(stdout, 1))
+    assert _replies(stdout, 2) == [None] * NAPP
+    assert sorted(p.name for p in base.glob("Global/*/l4/ckpt2.*/*")) == [f"Ckpt2-Rank{r}.zarr" for r in range(NAPP)]
+    assert _record(base, 2)["extra"].get("l4_format") == "zarr"
+    _assert_recovered(_recover(base, cfg), [2, 4])
+
+
+def _record(base: Path, ckpt_id: int) -> dict:
+    records = [json.loads(p.read_text()) for p in base.glob("Meta/*/commits/s*.json")]
+    (record,) = [r for r in records if r["ckpt_id"] == ckpt_id]
+    return record
+
+
+def test_recover_while_heads_post_process_waits_for_them(tmp_path: Path) -> None:
+    """``recover()`` (a rollback) right after checkpoint 2, its head still raising it to L3 (moving its files,
+    rewriting its record): the recovery must wait for the head and recover checkpoint 2, not read L1 files that
+    vanish under it and fall back to an older checkpoint (or none)."""
+    stdout = _write(tmp_path / "run", {**HEADS, "rollback": True}, "3,3")
+    rolled = re.findall(r"ROLLBACK \d+ (\[\d+, \d+\]) (True|False)", stdout)
+    assert rolled == [("[2, 3]", "True")] * NAPP, stdout
