@@ -47,9 +47,11 @@ def _recover(base: Path, cfg: dict, nprocs: int = 8) -> list[dict]:
     return results
 
 
-def _assert_recovered(results: list[dict], source: list[int]) -> None:
+def _assert_recovered(results: list[dict], source: list) -> None:
+    """Every rank recovered exactly, all from ``source`` ([id, level]), or all from one of ``source``'s pairs."""
     assert all(r["status"] == "ok" and r["same"] for r in results), results
-    assert {tuple(r["source"]) for r in results} == {tuple(source)}, results
+    allowed = [tuple(s) for s in source] if isinstance(source[0], list) else [tuple(source)]
+    assert len({tuple(r["source"]) for r in results}) == 1 and tuple(results[0]["source"]) in allowed, results
 
 
 def test_post_processing_done_waits_for_an_async_checkpoint(tmp_path: Path) -> None:
@@ -77,8 +79,9 @@ KILLS = {
     "root-head-after-commit": ("3,3", "0:ftidask.engine.runstate:RunState.write_record:after@2", [], [2, 3]),
     # the head copying checkpoint 2 to the global directory dies: checkpoint 2 stays at L1
     "head-in-l4-copy": ("4,4", "6:ftidask.storage.files:copy_file_atomic@2", [], [2, 1]),
-    # an application rank dies right after checkpoint 2 returns, while its head raises it to L3
-    "app-while-head-works": ("2,3", "app:2", [], [2, 1]),
+    # an application rank dies right after checkpoint 2 returns, while its head raises it to L3: at L1, or at L3
+    # when the head committed before mpiexec tore the job down (a race on a loaded machine: both are exact)
+    "app-while-head-works": ("2,3", "app:2", [], [[2, 1], [2, 3]]),
 }
 
 
