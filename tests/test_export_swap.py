@@ -62,7 +62,8 @@ def test_replace_tree_swaps_and_removes_the_old_tree(tmp_path):
     assert (tmp_path / "file").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["file", "store"]
 
 
-@pytest.mark.parametrize("point", ["ftidask.zarrfmt.store:_hash_tree", "ftidask.storage.swap:exchange:after",
+@pytest.mark.parametrize("point", [pytest.param("ftidask.zarrfmt.store:_hash_tree", marks=pytest.mark.slow),
+                                   pytest.param("ftidask.storage.swap:exchange:after", marks=pytest.mark.slow),
                                    "ftidask.storage.swap:remove_tree"])
 def test_the_next_export_removes_what_a_killed_export_left_beside_the_store(tmp_path, point):
     """An export killed while it built the new store (at a hidden temporary name beside the destination), or once it
