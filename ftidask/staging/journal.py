@@ -54,8 +54,9 @@ def begin(notes: Path, req: StageRequest) -> None:
 
 
 def end(notes: Path, req: StageRequest) -> None:
-    """The transfer is over (its temporary file published or removed): drop its note."""
-    with contextlib.suppress(FileNotFoundError):
+    """The transfer is over (its temporary file published or removed): drop its note (never raises: the mover
+    thread must live on; a note left costs the restart an unlink of a name already gone)."""
+    with contextlib.suppress(OSError):
         os.unlink(_note_path(notes, req))
 
 
@@ -64,7 +65,10 @@ def sweep(notes: Path) -> int:
     the number of files removed. Called when the run starts again, before any transfer of its own."""
     try:
         entries = list(os.scandir(notes))
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:  # the run starts all the same: only leftovers stay
+        log.warning("could not read the staging notes %s: %s", notes, exc)
         return 0
     removed = 0
     for entry in entries:
