@@ -220,3 +220,40 @@ def test_an_application_killed_while_its_mover_process_copies_leaves_no_tracebac
     published = sorted(p.name for p in (tmp_path / "Global").iterdir())
     assert published == ["first"]  # the transfer under way, whole; the next one never started
     assert (tmp_path / "Global" / "first").read_bytes() == bytes(range(256)) * (96 << 12)
+
+
+STAGE_KILL_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+import crashpoints
+import ftidask
+ctx = ftidask.init(exec_id="stage", ckpt_dir=sys.argv[1] + "/Local", glbl_dir=sys.argv[1] + "/Global",
+                   meta_dir=sys.argv[1] + "/Meta", enable_staging=1, stage_mover="thread", verbosity=4)
+(ctx.stage_dir() / "frame").write_bytes(bytes(range(256)) * 4096)   # 1 MiB: one piece
+crashpoints.kill_at_call("ftidask.staging.copy", "_write_all", 1, after=True)   # the copy written, not published
+ctx.send_file(ctx.stage_dir() / "frame", "out/frame")
+ctx.wait_staged()
+"""
+
+
+def test_a_staging_copy_killed_with_its_thread_mover_leaves_no_temporary_file_after_the_restart(tmp_path):
+    """The mover thread dies with the application: killed during a copy, its temporary file stayed at the
+    destination (a hidden 1 MiB file under glbl_dir) for good, as nothing else knew its name. The transfer is noted
+    in the stage directory before it starts, and the restart of the run removes what the notes name; the local file
+    is kept, and sending it again publishes it whole."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", STAGE_KILL_CHILD, str(tmp_path), str(ROOT / "tests")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    out = tmp_path / "Global" / "out"
+    (left,) = out.iterdir()  # what the kill left: the temporary copy, complete, never published
+    assert left.name.startswith(".frame.ftidask-stage-") and left.stat().st_size == 1 << 20
+    ctx = ftidask.init(exec_id="stage", ckpt_dir=str(tmp_path / "Local"), glbl_dir=str(tmp_path / "Global"),
+                       meta_dir=str(tmp_path / "Meta"), enable_staging=1, stage_mover="thread", verbosity=4)
+    assert list(out.iterdir()) == []
+    local = ctx.stage_dir() / "frame"
+    assert local.read_bytes() == bytes(range(256)) * 4096
+    ctx.send_file(local, "out/frame")
+    ctx.finalize()
+    assert [p.name for p in out.iterdir()] == ["frame"]
+    assert (out / "frame").read_bytes() == bytes(range(256)) * 4096

@@ -10,7 +10,8 @@ import pytest
 from conftest import ROOT
 
 from ftidask.storage import swap
-from ftidask.tools.zarr_export import read_zarr
+from ftidask import load_config
+from ftidask.tools.zarr_export import export_checkpoint, read_zarr
 
 CHILD = r"""
 import sys, numpy as np, ftidask
@@ -59,3 +60,22 @@ def test_replace_tree_swaps_and_removes_the_old_tree(tmp_path):
     new.mkdir()
     swap.replace_tree(new, tmp_path / "file")
     assert (tmp_path / "file").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["file", "store"]
+
+
+@pytest.mark.parametrize("point", [pytest.param("ftidask.zarrfmt.store:_hash_tree", marks=pytest.mark.slow),
+                                   pytest.param("ftidask.storage.swap:exchange:after", marks=pytest.mark.slow),
+                                   "ftidask.storage.swap:remove_tree"])
+def test_the_next_export_removes_what_a_killed_export_left_beside_the_store(tmp_path, point):
+    """An export killed while it built the new store (at a hidden temporary name beside the destination), or once it
+    had swapped it in (the old store then at that name), left that tree there for good: each export names its
+    temporary after its own pid and removed only its own. The next export, once its store is in place, removes the
+    temporary trees of this host's processes that are gone."""
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), point, str(ROOT / "tests")],
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert any(p.name.startswith(".out.zarr.tmp-") for p in tmp_path.iterdir())  # what the kill left
+    dirs = dict(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"), verbosity=4)
+    export_checkpoint(load_config(**dirs), tmp_path / "out.zarr", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["L", "M", "out.zarr"]
+    (_name, data), = read_zarr(tmp_path / "out.zarr").values()
+    assert np.array_equal(data, np.full(50_000, 2.0))

@@ -35,7 +35,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import queue
 import stat
 import threading
 import time
@@ -52,7 +51,9 @@ from ..model.constants import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES
 from ..model.errors import FTIError, StagingError
 from ..storage import files as storage
 from ..transport.base import Transport
-from .copy import CANCELLED, StageRequest, TransferFailed, temp_name, transfer
+from . import journal
+from .copy import StageRequest, temp_name
+from .threadmover import ThreadMover
 
 log = logging.getLogger("ftidask")
 
@@ -176,49 +177,6 @@ class Mover(Protocol):
     def start(self, table: StageTable) -> None: ...
     def submit(self, req: StageRequest) -> None: ...
     def close(self, timeout: float) -> None: ...
-
-
-class ThreadMover:
-    """Copies in a background thread of the caller, one request at a time, in submission order."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[StageRequest | None] = queue.SimpleQueue()
-        self._cancel = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._table: StageTable | None = None
-
-    def start(self, table: StageTable) -> None:
-        self._table = table
-        self._thread = threading.Thread(target=self._run, name="ftidask-stager", daemon=True)
-        self._thread.start()
-
-    def submit(self, req: StageRequest) -> None:
-        self._queue.put(req)
-
-    def _run(self) -> None:
-        assert self._table is not None
-        while (req := self._queue.get()) is not None:
-            if self._cancel.is_set():
-                self._table.update(req.id, SI_FAIL, CANCELLED)
-                continue
-            self._table.update(req.id, SI_ACTV)
-            try:
-                transfer(req, self._cancel.is_set)
-            except TransferFailed as exc:
-                self._table.update(req.id, SI_FAIL, str(exc))
-            except Exception as exc:  # noqa: BLE001 - a mover must report, never die silently
-                self._table.update(req.id, SI_FAIL, f"internal error: {exc!r}")
-            else:
-                self._table.update(req.id, SI_SCES)
-
-    def close(self, timeout: float) -> None:
-        assert self._table is not None and self._thread is not None
-        self._queue.put(None)
-        self._table.wait(None, timeout)
-        self._cancel.set()  # what is left is over time: abort it at the next piece
-        self._thread.join(5.0)
-        self._table.fail_open([r.id for r in self._table.open_requests()],
-                              "timed out: not finished at finalize (stage_timeout)")
 
 
 def request_id_of(value: Any) -> int:
@@ -353,6 +311,8 @@ class Staging:
         self.transport = transport
         self.stage_root = stage_root
         self.stager: Stager | None = None
+        if config.enable_staging:  # the run starts again: what its mover thread was copying when killed goes
+            journal.sweep(journal.notes_dir(self.stage_dir()))
 
     def get(self) -> Stager:
         """The stager (started on first use); refused when staging is disabled (the context checks it is open)."""
@@ -361,13 +321,15 @@ class Staging:
             raise FTIError("staging is disabled: set enable_staging = 1 in the config ([basic] section) "
                            "or pass enable_staging=1 to ftidask.init()")
         if self.stager is None:
-            t = self.transport
-            stage_dir = self.stage_root / f"node{t.node}" / f"rank{t.rank}"
-            storage.makedirs(stage_dir)
+            stage_dir = storage.makedirs(self.stage_dir())
             # The mover starts here (with the stage dir), so that no send_file pays for starting it.
             self.stager = Stager(stage_dir, Path(cfg.glbl_dir), self.make_mover(),
                                  allow_outside=cfg.stage_allow_outside, hash_name=cfg.hash)
         return self.stager
+
+    def stage_dir(self) -> Path:
+        """This rank's stage directory (node-local, of this run)."""
+        return self.stage_root / f"node{self.transport.node}" / f"rank{self.transport.rank}"
 
     def make_mover(self) -> Mover:
         """The transport's own mover if it offers one, else a child process (heads) or a thread."""
@@ -381,7 +343,7 @@ class Staging:
             from .process import ProcessMover  # the head's role, played by a child process
 
             return ProcessMover()
-        return ThreadMover()
+        return ThreadMover(journal.notes_dir(self.stage_dir()))
 
     def finish(self) -> list[StageInfo]:
         """At finalize: wait for the requests (``stage_timeout``), stop the mover; the failures."""

@@ -16,7 +16,9 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import re
 import shutil
+import socket
 import stat
 from pathlib import Path
 
@@ -69,6 +71,39 @@ def replace_tree(src: Path, dst: Path) -> None:
     os.replace(src, dst)
     fsync_dir(dst.parent)
     remove_tree(aside)
+
+
+def _host() -> str:
+    """This host's name, as a file name part (a shared file system sees the temporaries of several hosts)."""
+    return re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "host"
+
+
+def temp_beside(dst: Path) -> Path:
+    """The hidden name beside ``dst`` where this process builds a tree that then replaces it (:func:`replace_tree`):
+    ``.NAME.tmp-HOST-PID``, so that :func:`sweep_temps_beside` tells whose it is."""
+    return dst.with_name(f".{dst.name}.tmp-{_host()}-{os.getpid()}")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return pid == os.getpid()  # this process's own leftover (an earlier attempt) is not in use either
+
+
+def sweep_temps_beside(dst: Path) -> None:
+    """Remove the trees a killed process left beside ``dst`` (:func:`temp_beside`: one being built, or the old tree
+    that :func:`replace_tree` swapped out): only this host's, of processes that are gone. Call it once a new tree is
+    in place at ``dst``: whatever they held is superseded (the old tree a fallback set aside has another name)."""
+    prefix = f".{dst.name}.tmp-{_host()}-"
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(dst.parent):
+            pid = entry.name[len(prefix):]
+            if entry.name.startswith(prefix) and pid.isdigit() and _gone(int(pid)):
+                remove_tree(Path(entry.path))
 
 
 def link_tree_atomic(src: Path, dst: Path) -> None:

@@ -25,7 +25,7 @@ from ..ftiff.trailer import check_header
 from ..model.arrays import VarInfo
 from ..model.errors import FormatError
 from ..storage import files as storage
-from ..storage.swap import replace_tree
+from ..storage.swap import replace_tree, sweep_temps_beside, temp_beside
 
 MANIFEST = "ftidask-manifest.json"
 FORMAT = "ftidask-zarr"
@@ -115,7 +115,7 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
     zarr = _zarr()
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_beside(path)
     storage.remove_tree(tmp)
     try:
         root = zarr.open_group(str(tmp), mode="w", attributes=dict(attrs))
@@ -163,6 +163,7 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
         if isinstance(exc, OSError):
             raise storage.located(exc, path) from None
         raise
+    sweep_temps_beside(path)  # what killed exports left beside it: this store supersedes it
     return hashing.digest(_HASH_ID, raw).hex(), total + len(raw)
 
 

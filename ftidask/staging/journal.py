@@ -1,0 +1,91 @@
+"""The transfers a mover thread has under way, noted beside the rank's stage directory.
+
+A mover thread dies with its process: killed during a copy, it leaves its hidden temporary file at the
+destination (``.NAME.ftidask-stage-TOKEN-ID.tmp``, under ``glbl_dir``), which nothing else would ever remove. So
+before a transfer starts its temporary name is noted in a directory of notes (``.rank{r}-transfers`` beside the
+stage directory ``rank{r}``: the application's stage directory holds its files only), and the note goes once the
+transfer is over; the restart of the run (the same ``exec_id``, hence the same directories) removes the
+temporary files still noted (:func:`sweep`). A mover process or an MPI head outlives the application (it finishes
+the transfer under way) and the application removes the temporary files of a mover that died: they need no note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+from ..storage import files as storage
+from .copy import StageRequest
+
+log = logging.getLogger("ftidask")
+
+#: What a temporary name of :func:`ftidask.staging.copy.temp_name` looks like; a note naming anything else is ignored.
+_TEMP = re.compile(r"\..+\.ftidask-stage-[0-9a-f]{12}-[0-9]+\.tmp")
+#: A note still at its own temporary name (:func:`ftidask.storage.files.create_temp`): killed while written.
+_TORN = re.compile(r".*\.tmp-[0-9]+(-[0-9a-f]{8})?")
+
+
+def notes_dir(stage_dir: Path) -> Path:
+    """Where the transfers of the stage directory ``stage_dir`` are noted: a hidden sibling of it."""
+    return stage_dir.with_name(f".{stage_dir.name}-transfers")
+
+
+def _note_path(notes: Path, req: StageRequest) -> Path:
+    return notes / os.path.basename(req.tmp)
+
+
+def begin(notes: Path, req: StageRequest) -> None:
+    """Note ``req``'s temporary file before the transfer creates it (no fsync: a process killed keeps the
+    page cache; a lost note costs a leftover file, never data)."""
+    try:
+        storage.makedirs(notes)
+        fd, tmp = storage.create_temp(_note_path(notes, req), os.O_WRONLY)
+        try:
+            os.write(fd, json.dumps({"tmp": req.tmp}).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, _note_path(notes, req))
+    except OSError as exc:  # the transfer goes on: only its cleanup after a kill is lost
+        log.warning("could not note the staging transfer to %s in %s: %s", req.dst, notes, exc)
+
+
+def end(notes: Path, req: StageRequest) -> None:
+    """The transfer is over (its temporary file published or removed): drop its note (never raises: the mover
+    thread must live on; a note left costs the restart an unlink of a name already gone)."""
+    with contextlib.suppress(OSError):
+        os.unlink(_note_path(notes, req))
+
+
+def sweep(notes: Path) -> int:
+    """Remove the temporary files of the transfers noted in ``notes`` (a run killed during them) and the notes;
+    the number of files removed. Called when the run starts again, before any transfer of its own."""
+    try:
+        entries = list(os.scandir(notes))
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:  # the run starts all the same: only leftovers stay
+        log.warning("could not read the staging notes %s: %s", notes, exc)
+        return 0
+    removed = 0
+    for entry in entries:
+        if _TORN.fullmatch(entry.name):  # a note being written when the kill came
+            storage.remove_tree(Path(entry.path))
+            continue
+        note = storage.read_json(Path(entry.path))
+        tmp = note.get("tmp") if isinstance(note, dict) else None
+        if isinstance(tmp, str) and os.path.isabs(tmp) and _TEMP.fullmatch(os.path.basename(tmp)) \
+                and os.path.basename(tmp) == entry.name:
+            try:
+                os.unlink(tmp)  # the name itself: a link there is removed, never followed
+                removed += 1
+                log.info("removed %s, left by a staging transfer that was killed", tmp)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("could not remove %s, left by a staging transfer that was killed: %s", tmp, exc)
+        storage.remove_tree(Path(entry.path))
+    return removed
