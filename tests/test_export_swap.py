@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from ftidask.storage import swap
 from ftidask import load_config
+from ftidask.storage import swap
 from ftidask.tools.zarr_export import export_checkpoint, read_zarr
 
 CHILD = r"""
