@@ -65,12 +65,7 @@ def test_a_rank_file_on_a_full_disk_is_named_in_the_error(tmp_path, level, dcp, 
         data += 1
         ctx.checkpoint(3, level)  # the fault gone, the same context checkpoints again
         ctx._close()
-        ctx = ftidask.init(**dirs)
-        out = np.zeros(20_000)
-        ctx.protect(1, out)
-        ctx.recover()
-        assert ctx.recovered_from == (3, (level - 1) % 4 + 1) and np.array_equal(out, np.arange(20_000.0) + 2)
-        ctx.finalize()
+        _recovers_checkpoint_3(dirs, level)
 
 
 def test_the_keep_last_flush_to_a_full_global_disk_names_both_files(tmp_path):
@@ -390,6 +385,11 @@ def test_a_directory_in_place_of_the_dcp_spare_is_replaced(dirs, level):
     info = ctx.checkpoint(3, level)
     assert info.blocks_changed == info.blocks_total  # no base to patch: written in full
     ctx._close()
+    _recovers_checkpoint_3(dirs, level)
+
+
+def _recovers_checkpoint_3(dirs: dict, level: int) -> None:
+    """A restart recovers checkpoint 3 (``level``'s base level), written after the fault was gone, exactly."""
     ctx = ftidask.init(**dirs)
     out = np.zeros(20_000)
     ctx.protect(1, out)

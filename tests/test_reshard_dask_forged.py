@@ -88,12 +88,7 @@ def test_forged_dask_chunk_records_fall_back_to_the_previous_checkpoint(dirs, fo
     _two_checkpoints(dirs)
     (path,) = Path(dirs["ckpt_dir"]).rglob("Ckpt2-Rank0.fti")
     _reforge(path, dirs["meta_dir"], FORGED[forgery])
-    ctx = ftidask.init(**dirs)
-    out = np.full_like(A, -7.0)
-    ctx.protect(1, out)
-    ctx.recover()
-    assert ctx.recovered_from == (1, 4) and out.tobytes() == (A + 1).tobytes()
-    ctx._close()
+    _recovers_checkpoint_1(dirs)
 
 
 def test_forged_groups_of_an_l3_dask_record_fall_back_to_the_previous_checkpoint(dirs):
@@ -104,12 +99,7 @@ def test_forged_groups_of_an_l3_dask_record_fall_back_to_the_previous_checkpoint
     raw = json.loads(record.read_text())
     raw["extra"]["groups"] = [[0, 0]]
     record.write_text(json.dumps(seal_json(raw)))
-    ctx = ftidask.init(**dirs)
-    out = np.full_like(A, -7.0)
-    ctx.protect(1, out)
-    ctx.recover()
-    assert ctx.recovered_from == (1, 4) and out.tobytes() == (A + 1).tobytes()
-    ctx._close()
+    _recovers_checkpoint_1(dirs)
 
 
 @pytest.mark.parametrize("groups", [[[0, 0]], [[0, 1, 2]]])
@@ -133,3 +123,13 @@ def test_export_of_an_l3_dask_checkpoint_with_forged_groups_and_a_lost_file_expo
     assert (result.ckpt_id, result.level) == (1, 4)
     got = np.asarray(zarr.open_group(str(tmp_path / "out.zarr"), mode="r")[result.arrays[0]])
     assert got.tobytes() == (A + 1).tobytes()
+
+
+def _recovers_checkpoint_1(dirs: dict) -> None:
+    """One process recovers checkpoint 1 (L4) exactly: the forged checkpoint 2 passed over."""
+    ctx = ftidask.init(**dirs)
+    out = np.full_like(A, -7.0)
+    ctx.protect(1, out)
+    ctx.recover()
+    assert ctx.recovered_from == (1, 4) and out.tobytes() == (A + 1).tobytes()
+    ctx._close()
