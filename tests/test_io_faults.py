@@ -17,18 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from diskfull import fill, tmpfs
+from test_levels_inprocess import CFG, CKPT, make_group, own
 
 import ftidask
 from ftidask.api.context import Context
 from ftidask.engine.grouplevels import run_ranks
 from ftidask.levels import multilevel
-from ftidask.model.config import Config, load_config
-from ftidask.storage import files as storage
+from ftidask.model.config import load_config
 from ftidask.transport.threads import run_group
-
-CKPT = 1
-CFG = Config(block_size=1, transfer_size=1)  # 1 KiB stripes, 1 MiB pieces
-
 
 # --- the error says where: a rank file on a full disk -------------------------------------------------------
 
@@ -96,26 +92,9 @@ def test_the_keep_last_flush_to_a_full_global_disk_names_both_files(tmp_path):
 # --- L2/L3 rebuild, in one process (the level code over a group of threads) -------------------------------
 
 
-def _own(base: Path, i: int) -> Path:
-    return base / f"node{i}" / storage.rank_file(CKPT, i)
-
-
 def _group(base: Path, level: int, sizes: list[int]) -> dict[int, bytes]:
-    """Every member's file and the level's redundancy; the files' bytes."""
-    rng = np.random.default_rng(7)
-    data = {}
-    for i, n in enumerate(sizes):
-        _own(base, i).parent.mkdir(parents=True, exist_ok=True)
-        data[i] = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
-        _own(base, i).write_bytes(data[i])
-
-    def protect(ch):
-        return multilevel.protect(ch, CFG, level, CKPT, ch.index, _own(base, ch.index), _own(base, ch.index).parent,
-                                  sizes)
-
-    results, errors = run_group(len(sizes), protect)
-    assert errors == [] and not any(results), (errors, results)
-    return data
+    """Every member's file and the level's redundancy; the files' bytes (test_levels_inprocess's group)."""
+    return make_group(base, level, sizes, 7)
 
 
 def _rebuild(base: Path, level: int, sizes: list[int], data: dict[int, bytes], errors: list[list[str]] | None = None):
@@ -125,8 +104,8 @@ def _rebuild(base: Path, level: int, sizes: list[int], data: dict[int, bytes], e
 
     def step(ch):
         i, g = ch.index, ch.size
-        return multilevel.rebuild(ch, CFG, level, CKPT, i, _own(base, i), _own(base, i).parent, sizes,
-                                  sound(i)(_own(base, i)), verify_own=sound(i), verify_partner=sound((i - 1) % g),
+        return multilevel.rebuild(ch, CFG, level, CKPT, i, own(base, i), own(base, i).parent, sizes,
+                                  sound(i)(own(base, i)), verify_own=sound(i), verify_partner=sound((i - 1) % g),
                                   errors=None if errors is None else errors[i])
 
     results, failures = run_group(len(sizes), step)
@@ -140,7 +119,7 @@ def test_a_directory_in_place_of_a_rank_file_is_rebuilt_over(tmp_path, level):
     the level brings it back, the directory moved out of its way."""
     sizes = [3000, 5000, 4000]
     data = _group(tmp_path, level, sizes)
-    victim = _own(tmp_path, 1)
+    victim = own(tmp_path, 1)
     victim.unlink()
     victim.mkdir()
     (victim / "inside").write_bytes(b"x")
@@ -154,15 +133,15 @@ def test_a_rebuild_that_cannot_write_says_why(tmp_path, level):
     sizes = [30_000, 50_000, 40_000]
     with tmpfs(tmp_path / "node1", "1m"):
         data = _group(tmp_path, level, sizes)
-        _own(tmp_path, 1).unlink()
+        own(tmp_path, 1).unlink()
         filler = fill(tmp_path / "node1")
         errors: list[list[str]] = [[], [], []]
         assert _rebuild(tmp_path, level, sizes, data, errors) == [True, False, True]
-        assert any(str(_own(tmp_path, 1)) in e and "No space left on device" in e for e in errors[1]), errors
+        assert any(str(own(tmp_path, 1)) in e and "No space left on device" in e for e in errors[1]), errors
         assert not [p for p in (tmp_path / "node1").iterdir() if ".tmp-" in p.name]
         filler.unlink()
         assert _rebuild(tmp_path, level, sizes, data) == [True, True, True]  # room again: rebuilt
-        assert _own(tmp_path, 1).read_bytes() == data[1]
+        assert own(tmp_path, 1).read_bytes() == data[1]
 
 
 # --- the engine over ranks as threads (run_ranks): L2/L3 on a node whose disk is full -------------------

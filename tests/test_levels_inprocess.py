@@ -40,7 +40,7 @@ def make_group(base: Path, level: int, sizes: list[int], seed: int) -> dict[int,
     rng = np.random.default_rng(seed)
     data = {}
     for i, n in enumerate(sizes):
-        own(base, i).parent.mkdir(parents=True)
+        own(base, i).parent.mkdir(parents=True, exist_ok=True)  # a node directory may be a mount (test_io_faults)
         data[i] = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         own(base, i).write_bytes(data[i])
 
