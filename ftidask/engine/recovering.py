@@ -10,10 +10,10 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -21,14 +21,13 @@ from ..ftiff.layout import Layout
 from ..ftiff.reader import FtiffFile, unchanged
 from ..model.arrays import check_id
 from ..model.errors import FTIError, NoCheckpointError, ProtectError, RecoveryError
-from ..storage.files import RunPaths
 from ..transport.collective import agree, agree_call, attempt, guarded, on_root
 from . import pagemove, recoverplan, reshard
 from .checkpointing import CheckpointInfo
 from .dcpstore import distrust_spare
 from .pagemove import Stager, release_all
 from .prefault import Prefault
-from .recovery import Verdict, check_file, load_file
+from .recovery import Verdict, check_file, load_file, newest_recoverable
 from .reshard_rebuild import old_files_sound
 from .retention import rank_path
 from .run import Run, RunPart
@@ -36,7 +35,6 @@ from .runstate import CommitRecord
 from .variables import Protected, protected_var
 
 log = logging.getLogger("ftidask")
-T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -69,26 +67,12 @@ class Progress:
         self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
 
 
-def newest_recoverable(records: Iterable[CommitRecord], try_one: Callable[[CommitRecord], tuple[T | None, str]],
-                       paths: RunPaths, ckpt_id: int | None, level: int | None,
-                       none_recoverable: str = "no checkpoint verifies") -> tuple[CommitRecord, T]:
-    """The recovery protocol's search, for every backend: the first of ``records`` (newest first) that
-    ``try_one`` verifies or rebuilds (it returns ``(result, "")``, or ``(None, why not)``), with its result.
+class _Passed(Exception):
+    """A checkpoint to redistribute (its blocks moved) found damaged: for ``_recover_here`` to try the older ones."""
 
-    When none can be, a :class:`NoCheckpointError` names the run and every checkpoint passed over with why.
-    """
-    reasons = []
-    for record in records:
-        result, why = try_one(record)
-        if not why:
-            return record, result  # type: ignore[return-value]
-        reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {why}")
-        log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, why)
-    what = "no committed checkpoint" if not reasons else none_recoverable
-    raise NoCheckpointError(f"{what} for run {paths.exec_id} in {paths.meta_dir}"
-                            + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
-                            + (f" (level={level})" if level is not None else "")
-                            + "".join(f"\n  - {r}" for r in reasons))
+    def __init__(self, error: NoCheckpointError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class Recovery(RunPart):
@@ -184,13 +168,14 @@ class Recovery(RunPart):
         # written on 4 ranks and recovered on 2, once the checkpoint written after it on 2 ranks was damaged).
         failed: list[NoCheckpointError] = []
         passed = ""  # a partial recovery passes over older checkpoints of another layout: the error names them
-        for i, (change, records) in enumerate(reshard.by_layout(self, self.all_candidates(ckpt_id, level))):
+        candidates = self.all_candidates(ckpt_id, level)
+        for i, (change, records) in enumerate(reshard.by_layout(self, candidates)):
             if change and wanted is not None and i > 0:
                 passed = passed or f"\n{change}: recover() without ids redistributes it"
                 continue  # never redistributed in part; refused (RecoveryError) when it is the newest
             try:
                 if change:
-                    return reshard.recover_other_layout(self, records, change, wanted)
+                    return reshard.recover_other_layout(self, records, change, wanted, candidates)
                 return self._recover_here(ckpt_id, level, wanted, records)
             except NoCheckpointError as exc:  # agreed: the same on every rank; nothing was touched
                 failed.append(exc)
@@ -202,17 +187,30 @@ class Recovery(RunPart):
 
     def _recover_here(self, ckpt_id: int | None, level: int | None, wanted: list[int] | None,
                       records: list[CommitRecord]) -> dict[int, Any]:
-        """Recover the newest of ``records`` (written on this run's layout) that verifies (collective)."""
+        """Recover the newest of ``records`` (written on this run's layout) that verifies (collective). One whose
+        blocks sit elsewhere than declared is redistributed (:meth:`_load`); found damaged then (a forged block
+        record, a container that fails its hash), the older ones are tried, as for a file that does not verify."""
+        passed: list[NoCheckpointError] = []
         verified = self._verified_before(ckpt_id, level)
-        if verified is not None and any(r.seq == verified[0].seq and r.fallback == verified[0].fallback
-                                        for r in records):
-            return self._load(*verified, wanted)
-        with self._verifying(wanted) as stage:
-            record, verdict = self.find(ckpt_id, level, stage, records)
-        try:
-            return self._load(record, verdict, wanted)
-        finally:
-            release_all(verdict.staged)  # committed ones are gone already
+        while True:
+            try:
+                if verified is not None and any(r.seq == verified[0].seq and r.fallback == verified[0].fallback
+                                                for r in records):
+                    record, verdict = verified
+                    return self._load(record, verdict, wanted)
+                with self._verifying(wanted) as stage:
+                    record, verdict = self.find(ckpt_id, level, stage, records)
+                try:
+                    return self._load(record, verdict, wanted)
+                finally:
+                    release_all(verdict.staged)  # committed ones are gone already
+            except _Passed as exc:  # agreed, nothing touched: the older ones of this layout
+                passed.append(exc.error)
+                verified, records = None, records[records.index(record) + 1:]
+            except NoCheckpointError as exc:
+                if not passed:
+                    raise
+                raise NoCheckpointError("\n".join(map(str, [*passed, exc]))) from None
 
     def _same_request(self, ckpt_id: Any, level: Any, ids: Any) -> tuple[int | None, int | None, list[int] | None]:
         """The checkpoint id, level and variable ids (None: all) to recover, checked, once every rank is known to
@@ -251,7 +249,10 @@ class Recovery(RunPart):
         if moved:  # the blocks moved between ranks: redistributed as declared, never old rank r's into rank r
             change = f"checkpoint {record.ckpt_id} (level {record.level}) has this run's ranks, but its blocks sit " \
                      f"elsewhere ({moved[0]})"
-            return reshard.recover_other_layout(self, [record], change, wanted)
+            try:
+                return reshard.recover_other_layout(self, [record], change, wanted)
+            except NoCheckpointError as exc:  # damaged: _recover_here tries the older ones of this layout
+                raise _Passed(exc) from None
         agree(t, error or (f"rank {t.rank}: {targets.problem}" if targets.problem else ""), RecoveryError, untouched)
         problem, error = attempt(t.rank, targets.load_states)
         agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError, untouched)

@@ -8,21 +8,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ..ftiff.reader import FtiffFile, parse_ftiff, read_into, verify_data
 from ..ftiff.readhash import read_verified
 from ..model.arrays import ArrayBytes
-from ..model.errors import FormatError
-from ..storage.files import open_read
+from ..model.errors import FormatError, NoCheckpointError
+from ..storage.files import RunPaths, open_read
 from .pagemove import release_all
 from .prefault import Prefault
 from .progress import tracked
 from .runstate import CommitRecord
+
+log = logging.getLogger("ftidask")
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,3 +134,25 @@ def load_file(parsed: FtiffFile, arrays: Mapping[int, np.ndarray], *, config: An
             read_into(fh, parsed, streams)
     for s in staged.values():  # last: the file copy above is what can still fail
         s.commit()
+
+
+def newest_recoverable(records: Iterable[CommitRecord], try_one: Callable[[CommitRecord], tuple[T | None, str]],
+                       paths: RunPaths, ckpt_id: int | None, level: int | None,
+                       none_recoverable: str = "no checkpoint verifies") -> tuple[CommitRecord, T]:
+    """The recovery protocol's search, for every backend: the first of ``records`` (newest first) that
+    ``try_one`` verifies or rebuilds (it returns ``(result, "")``, or ``(None, why not)``), with its result.
+
+    When none can be, a :class:`NoCheckpointError` names the run and every checkpoint passed over with why.
+    """
+    reasons = []
+    for record in records:
+        result, why = try_one(record)
+        if not why:
+            return record, result  # type: ignore[return-value]
+        reasons.append(f"checkpoint {record.ckpt_id} (level {record.level}): {why}")
+        log.warning("cannot recover checkpoint %d (level %d): %s", record.ckpt_id, record.level, why)
+    what = "no committed checkpoint" if not reasons else none_recoverable
+    raise NoCheckpointError(f"{what} for run {paths.exec_id} in {paths.meta_dir}"
+                            + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
+                            + (f" (level={level})" if level is not None else "")
+                            + "".join(f"\n  - {r}" for r in reasons))

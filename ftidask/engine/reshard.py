@@ -27,13 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..model.decomposition import Piece, Placement, overlap, placement
 from ..model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from ..storage.files import SPARE_DIR, spare_file
-from . import reshard_dask
+from . import reshard_dask, reshard_plan
 from .dcpstore import distrust_spare
 from .recovery import check_writeable
-from .reshard_files import open_old, read_pieces, state_sizes, stored_dtype, table_of
+from .reshard_files import StatesRefused, open_old, read_pieces, state_sizes, table_of
 from .reshard_rebuild import old_groups, rebuild_group
 from .retention import rank_path
 from .runstate import CommitRecord
@@ -87,6 +86,20 @@ def advice(record: CommitRecord) -> str:
     return HOW.format(n=record.nranks, nodes=nodes)
 
 
+def states_advice(record: CommitRecord, older: Sequence[CommitRecord]) -> str:
+    """How to go on when ``record`` holds per-rank Python states and this run has another number of ranks. An older
+    checkpoint is never recovered in its place unasked (the application would silently go back in time, while a
+    restart on the checkpoint's ranks recovers the newest): ``older`` (the run's checkpoints) names those to ask for."""
+    named = sorted({(r.seq, r.ckpt_id, r.level, r.nranks, r.extra.get("backend") == "dask") for r in older
+                    if r.seq < record.seq and not (r.fallback and r.ckpt_id == record.ckpt_id)}, reverse=True)
+    listed = ", ".join(f"{c} (level {lv}, {n} {'Dask workers' if dask else 'ranks'})"
+                       for _s, c, lv, n, dask in named[:6])
+    return (f"An older checkpoint is not recovered in its place unasked: restart on {record.nranks} ranks to recover "
+            f"checkpoint {record.ckpt_id}, or recover an older one by its id, ctx.recover(ckpt_id=...) "
+            + (f"(older checkpoints of this run: {listed}{', ...' if len(named) > 6 else ''})." if named
+               else "(this run has no older checkpoint)."))
+
+
 def old_path(ctx: Any, record: CommitRecord, rank: int) -> Path:
     """Old rank ``rank``'s file of ``record``, in its own node's directory (a fallback's: the spare there)."""
     return rank_path(ctx.paths, record, next(f.node for f in record.files if f.rank == rank), rank)
@@ -109,15 +122,16 @@ def by_layout(ctx: Recovery, records: list[CommitRecord]) -> list[tuple[str, lis
     return runs
 
 
-def recover_other_layout(ctx: Recovery, records: list[CommitRecord], change: str,
-                         ids: list[int] | None = None) -> dict[int, np.ndarray]:
+def recover_other_layout(ctx: Recovery, records: list[CommitRecord], change: str, ids: list[int] | None = None,
+                         older: Sequence[CommitRecord] = ()) -> dict[int, np.ndarray]:
     """Redistribute the newest of ``records`` (written on another layout than this run's, as ``change`` says) that can
     be; the same NoCheckpointError on every rank, nothing touched, when none can. Collective. A partial recovery
-    (``ids``) is not redistributed: it is refused, on every rank, before anything is read."""
+    (``ids``) is not redistributed: it is refused, on every rank, before anything is read. ``older``: the run's
+    checkpoints a refusal may name (:func:`states_advice`)."""
     if ids is not None:
         raise RecoveryError(f"{change}: recover(ids=...) recovers on the checkpoint's own layout only; recover every "
                             "variable (no ids) to redistribute it")
-    record, arrays = recover_resharded(ctx, records, change)
+    record, arrays = recover_resharded(ctx, records, change, older)
     if record.fallback:  # the old ranks' spares are all that a crash would recover: the next checkpoint leaves them
         ctx.spares.get().pin(record.level)
     ctx.progress.restored(record.ckpt_id, record.level, None)  # None: the next checkpoint plans its containers afresh
@@ -167,7 +181,8 @@ def old_names(ctx: Recovery, record: CommitRecord) -> dict[int, str]:
     return {vid: name for vid, name in names.items() if vid not in clash}
 
 
-def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -> tuple[CommitRecord, dict[int, Any]]:
+def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str,
+                      older: Sequence[CommitRecord] = ()) -> tuple[CommitRecord, dict[int, Any]]:
     """Fill ``ctx``'s protected arrays from the newest of ``records`` (layouts other than this run's).
 
     Collective. Returns the record and the arrays; raises the same error on every rank otherwise.
@@ -179,8 +194,8 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -
     first = records[0]
     problem = next((m for m in (check_writeable(vid, a) for vid, a in arrays.items()) if m), "")
     dask = first.extra.get("backend") == "dask"  # one process takes a Dask checkpoint's arrays whole
-    if not problem and (first.nranks != t.size or dask) and t.size > 1:  # one process: each array whole (_plan)
-        undeclared = sorted(vid for vid, d in decls.items() if not d and not (dask and vid in holders))
+    if not problem and (first.nranks != t.size or dask) and t.size > 1:  # one process: each array whole (reshard_plan)
+        undeclared = sorted(vid for vid, d in decls.items() if not d and vid not in holders)  # states: below
         if undeclared:
             problem = f"variable(s) {undeclared} declare no decomposition, so their data cannot be redistributed"
     problems = [(r, p) for r, p in enumerate(t.allgather(problem)) if p]
@@ -199,8 +214,8 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str) -
                 problem = str(exc)
             _agree(t, problem, RecoveryError)
         except _Refused as exc:  # the user's declarations do not fit this checkpoint: an older one will not fit either
-            raise RecoveryError(f"{layout_change(record, t.size, t.allgather(t.node))}: {exc}. {advice(record)}") \
-                from None
+            how = states_advice(record, older) if isinstance(exc, StatesRefused) else advice(record)
+            raise RecoveryError(f"{layout_change(record, t.size, t.allgather(t.node))}: {exc}. {how}") from None
         except RecoveryError as exc:
             if record.fallback:  # an old rank's spare failed, perhaps this rank's own (same node and name): none of
                 # them is patched as if it were whole (see Recovery.find), each rank's next one is written in full
@@ -269,13 +284,16 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls:
     try:
         sizes = state_sizes(tables, n, m, t.rank, arrays, states)
         arrays = {**arrays, **{vid: np.empty(size, np.uint8) for vid, size in sizes.items()}}
-        plan = _plan(tables, arrays, decls, t.rank, n, m)
-        problem, damaged = "", False
+        plan = reshard_plan.plan(tables, arrays, decls, t.rank, n, m)
+        problem, kind = "", _Refused
     except Exception as exc:  # noqa: BLE001 - a malformed table too: every rank must hear of it
-        plan, problem, damaged = {}, _why(exc), isinstance(exc, FormatError)
+        plan, problem = {}, _why(exc)
+        kind = RecoveryError if isinstance(exc, FormatError) else StatesRefused if isinstance(exc, StatesRefused) \
+            else _Refused
     # A malformed record (FormatError) is damage, as a failed hash: an older checkpoint may be recovered. Only
     # declarations that do not fit refuse the recovery outright. Agreed, or the ranks would part ways.
-    _agree(t, problem, RecoveryError if any(t.allgather(damaged)) else _Refused)
+    kinds = set(t.allgather(kind.__name__))  # damage first, then per-rank states (their own advice), else _Refused
+    _agree(t, problem, next(k for k in (RecoveryError, StatesRefused, _Refused) if k.__name__ in kinds))
     # 3. Read and check the pieces into buffers.
     staged = {vid: np.empty(a.shape, a.dtype) for vid, a in arrays.items()}
     problem = ""
@@ -292,96 +310,3 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls:
 
 def _why(exc: Exception) -> str:
     return str(exc) if isinstance(exc, (FTIError, OSError)) else f"{type(exc).__name__}: {exc}"
-
-
-def _plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decls: dict[int, Any],
-          rank: int, n: int, m: int) -> dict[int, list[tuple[int, Piece]]]:
-    """old rank -> [(var id, piece)]: the pieces of this rank's arrays each old file holds."""
-    plan: dict[int, list[Any]] = {}
-    for vid, array in arrays.items():
-        decl = decls.get(vid) or {}
-        new = placement(decl, array.shape)
-        entries = {old: tables.get(old, {}).get(str(vid)) for old in range(n)}
-        if reshard_dask.holds_chunks(entries):
-            _dask_plan(vid, entries, array, new, plan)
-            continue
-        missing = [old for old, e in entries.items() if e is None]
-        if missing:
-            raise _Refused(f"variable {vid} is not in the checkpoint file(s) of old rank(s) {missing[:8]}")
-        olds = {}
-        for old, e in entries.items():
-            dtype = stored_dtype(e["dtype"])  # structured and sub-array dtypes are recorded as JSON objects
-            if dtype is None or dtype != array.dtype:
-                raise _Refused(f"variable {vid}: the checkpoint holds {dtype or e['dtype']}, the protected array is "
-                               f"{array.dtype}")
-            try:
-                olds[old] = (placement(e["extra"], e["shape"]), tuple(e["shape"]), e["order"])
-            except FormatError as exc:
-                raise _Refused(f"variable {vid}, old rank {old}: {exc}") from None
-        kinds = {p.kind for p, _s, _o in olds.values()}
-        if new.kind == "none" and m == 1 and n > 1 and len(kinds) == 1 and kinds != {"none"}:
-            new = _whole(vid, olds, next(iter(kinds)), array)  # one process, an undeclared array: the whole one
-        if new.kind == "none":  # the same number of ranks (checked above): rank r gets old rank r's array
-            if n != m:
-                raise _Refused(f"variable {vid} declares no decomposition")
-            shape, order = olds[rank][1], olds[rank][2]
-            if shape != tuple(array.shape):
-                raise _Refused(f"variable {vid}: old rank {rank} holds shape {shape}, the protected array is "
-                               f"{tuple(array.shape)}")
-            sources = {rank: (Placement("block", shape, (0,) * len(shape)), shape, order)}
-            new = Placement("block", shape, (0,) * len(shape))
-        elif kinds != {new.kind}:
-            raise _Refused(f"variable {vid} is declared {new.kind} here, the checkpoint records it as "
-                           f"{' / '.join(sorted(kinds))}")
-        elif new.kind == "replicated":
-            keep = rank % n  # spread the reads over the old files
-            place, shape, order = olds[keep]
-            if shape != tuple(array.shape):
-                raise _Refused(f"variable {vid} (replicated): the checkpoint holds shape {shape}, the protected "
-                               f"array is {tuple(array.shape)}")
-            sources = {keep: olds[keep]}
-        else:
-            shapes = {p.global_shape for p, _s, _o in olds.values()}
-            if shapes != {new.global_shape}:
-                raise _Refused(f"variable {vid}: global shape {new.global_shape} here, {min(shapes)} in the "
-                               "checkpoint")
-            sources = olds
-        found = [(old, overlap(place.offset, shape, order, array.dtype.itemsize, new.offset, array.shape))
-                 for old, (place, shape, order) in sources.items()]
-        _add(plan, vid, array, new, [(old, piece) for old, piece in found if piece is not None])
-    return plan
-
-
-def _whole(vid: int, olds: dict[int, Any], kind: str, array: np.ndarray) -> Placement:
-    """The declaration of an undeclared array of one process that restarts a checkpoint of several ranks: the
-    whole global array (of blocks) or the replicated array, when its shape is theirs (else :class:`_Refused`)."""
-    shapes = {p.global_shape if kind == "block" else shape for p, shape, _o in olds.values()}
-    if shapes != {tuple(array.shape)}:
-        raise _Refused(f"variable {vid}: the checkpoint holds a {'global' if kind == 'block' else 'replicated'} array "
-                       f"of shape {min(shapes)}, the protected array is {tuple(array.shape)} (protect the whole array, "
-                       "or declare its block: global_shape=..., offset=...)")
-    return Placement(kind, tuple(array.shape), (0,) * array.ndim)
-
-
-def _dask_plan(vid: int, entries: dict[int, Any], array: np.ndarray, new: Placement,
-               plan: dict[int, list[Any]]) -> None:
-    """A Dask checkpoint's variable (:mod:`.reshard_dask`): the chunks that overlap this rank's block."""
-    bad = next((e["dtype"] for e in entries.values() if e is not None and stored_dtype(e["dtype"]) != array.dtype),
-               None)
-    if bad is not None or all(e is None for e in entries.values()):
-        raise _Refused(f"variable {vid}: the checkpoint holds {stored_dtype(bad) or bad}, the protected array is "
-                       f"{array.dtype}")
-    new, found = reshard_dask.pieces(vid, entries, array, new, array.dtype)
-    _add(plan, vid, array, new, found)
-
-
-def _add(plan: dict[int, list[Any]], vid: int, array: np.ndarray, new: Placement,
-         found: list[tuple[int, Piece]]) -> None:
-    """Plan ``found`` (old rank, piece) for variable ``vid``; :class:`_Refused` when they leave an element unfilled."""
-    mask = np.zeros(array.shape, bool)
-    for old, piece in found:
-        plan.setdefault(old, []).append((vid, piece))
-        mask[piece.dst] = True
-    if not mask.all():
-        hole = tuple(int(i[0]) + o for i, o in zip(np.nonzero(~mask), new.offset))
-        raise _Refused(f"variable {vid}: no old file holds element {hole} of the global array {new.global_shape}")

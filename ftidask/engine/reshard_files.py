@@ -90,8 +90,9 @@ def _state_size(tables: dict[int, dict[str, Any]], vid: int, n: int, m: int, ran
         if entries and all(PYSTATE in e["extra"] and stored_dtype(e["dtype"]) == np.uint8 for e in entries):
             if "dask" not in entries[0]["extra"]:
                 if n != m:
-                    raise Refused(f"variable {vid}: a Python state of a checkpoint of {n} ranks is each rank's own; "
-                                  f"restart on {n} ranks to recover it")
+                    raise StatesRefused(f"variable {vid} is a Python state (ftidask.State, Value or a NumPy "
+                                        f"Generator), which each of the checkpoint's {n} ranks holds for itself: it "
+                                        f"cannot be redistributed onto {m} rank(s)")
                 (size,) = tables[rank][str(vid)]["shape"]
                 return int(size)
             (size,) = entries[0]["extra"]["dask"]["shape"]
@@ -101,6 +102,12 @@ def _state_size(tables: dict[int, dict[str, Any]], vid: int, n: int, m: int, ran
     except (IndexError, TypeError, KeyError, ValueError, OverflowError):
         pass
     raise Refused(f"variable {vid} is a Python state here, the checkpoint holds no state under that id")
+
+
+class StatesRefused(Refused):
+    """A checkpoint's per-rank Python states on another number of ranks: its layout, not this run's declarations,
+    is what does not fit (restart on its number of ranks, or name an older checkpoint: see
+    :func:`ftidask.engine.reshard.states_advice`)."""
 
 
 def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, np.ndarray]) -> None:

@@ -12,6 +12,7 @@ of the old rank's stream (C or Fortran order) that holds it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -96,21 +97,56 @@ class Placement:
 
 
 def placement(extra: Mapping[str, Any], shape: Sequence[int]) -> Placement:
-    """The placement a variable's table entry records (``FormatError`` when it is malformed)."""
-    if extra.get("replicated") is True:
+    """The placement a variable's table entry records (``FormatError`` when it is malformed: entries that are not
+    JSON ints, one per dimension, a block that does not lie inside its global array)."""
+    if "replicated" in extra:
+        if extra["replicated"] is not True or "global_shape" in extra or "offset" in extra:
+            raise FormatError(f"invalid block record {dict(extra)!r}: replicated is true, without a block")
         return Placement("replicated", tuple(shape), (0,) * len(shape))
     if "global_shape" not in extra and "offset" not in extra:
         return Placement("none")
-    try:
-        g = tuple(int(n) for n in extra["global_shape"])
-        o = tuple(int(n) for n in extra["offset"])
-    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int() of JSON's Infinity
-        raise FormatError(f"invalid block record {dict(extra)!r}: {exc}") from None
+    g = _record_ints(extra, "global_shape")
+    o = _record_ints(extra, "offset")
     if len(g) != len(shape) or len(o) != len(shape) or any(
             oo < 0 or oo + n > gg for gg, oo, n in zip(g, o, shape)):
         raise FormatError(f"block record global_shape={list(g)} offset={list(o)} does not fit a block of shape "
                           f"{list(shape)}")
     return Placement("block", g, o)
+
+
+def _record_ints(extra: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    """``extra[key]`` as ints: a list of JSON ints (never a bool, a float or a str that int() would take, nor a
+    number past 2**62: a forged record's, which no array has)."""
+    value = extra.get(key)
+    if not isinstance(value, list) or any(isinstance(n, bool) or not isinstance(n, int) or abs(n) > 2**62
+                                          for n in value):
+        raise FormatError(f"invalid block record {dict(extra)!r}: {key} is not a list of ints")
+    return tuple(value)
+
+
+def check_tiling(vid: int, blocks: Mapping[int, tuple[Placement, Sequence[int]]]) -> None:
+    """``FormatError`` unless the blocks ``blocks`` (old rank -> (its placement, its block's shape)), each inside its
+    global array (:func:`placement`), record one global shape and tile it exactly: no two overlap, none is missing.
+    Records that overlap would put one element's bytes from two files (which one depends on the reading order), and
+    blocks that leave a hole hold less than the array: both are a damaged or forged checkpoint, never used."""
+    shapes = {p.global_shape for p, _s in blocks.values()}
+    if len(shapes) != 1:
+        raise FormatError(f"variable {vid}: the old ranks record different global shapes {sorted(shapes)}")
+    (whole,) = shapes
+    boxes = [(old, p.offset, tuple(int(n) for n in s)) for old, (p, s) in sorted(blocks.items()) if math.prod(s)]
+    if len(boxes) > 1:  # pairwise, one old block against all the later ones at a time
+        lo = np.array([b[1] for b in boxes], np.int64).reshape(len(boxes), -1)
+        hi = lo + np.array([b[2] for b in boxes], np.int64).reshape(len(boxes), -1)
+        for i in range(len(boxes) - 1):
+            hit = np.all((lo[i] < hi[i + 1:]) & (lo[i + 1:] < hi[i]), axis=1)
+            if hit.any():
+                j = i + 1 + int(np.argmax(hit))
+                raise FormatError(f"variable {vid}: the blocks that old ranks {boxes[i][0]} and {boxes[j][0]} record "
+                                  f"overlap (offsets {list(boxes[i][1])} and {list(boxes[j][1])})")
+    held = sum(math.prod(s) for _o, _off, s in boxes)
+    if held != math.prod(whole):
+        raise FormatError(f"variable {vid}: the old ranks' blocks hold {held} elements of the global array "
+                          f"{list(whole)} ({math.prod(whole)}): they do not tile it")
 
 
 @dataclasses.dataclass(frozen=True)
