@@ -170,3 +170,23 @@ def test_without_an_older_checkpoint_the_damage_is_named_and_nothing_is_touched(
     got = _recover_threads(tmp_path, 2)
     assert len(got) == 2 and all(untouched for _m, untouched in got), got
     assert all(m.startswith("NoCheckpointError") and "overlap" in m for m, _u in got), got
+
+
+@pytest.mark.dask
+@pytest.mark.parametrize("forgery", ["offset a float", "overlapping blocks", "another global shape than the other ranks"])
+def test_the_dask_backend_passes_over_a_forged_block_record(tmp_path, forgery):
+    """The Dask backend stitching the 4 ranks' checkpoint into global arrays takes the forged record for damage too,
+    and recovers checkpoint 1 exactly. Before, it refused the recovery (the records taken for declarations that do
+    not make one global array), or stitched overlapping blocks from whichever file held a chunk first."""
+    distributed = pytest.importorskip("distributed")
+    _write(tmp_path)
+    _reforge(tmp_path, 1, FORGED[forgery])
+    cfg = _config(tmp_path)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) \
+            as cluster, distributed.Client(cluster) as client:
+        ctx = ftidask.init(cfg, client=client)
+        a = np.full(G, -1.0)
+        ctx.protect(1, a)
+        ctx.recover()
+        assert ctx.recovered_from == (1, 4) and a.tobytes() == _want(1).tobytes()
+        ctx._close()

@@ -35,7 +35,7 @@ def plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decls
         missing = [old for old, e in entries.items() if e is None]
         if missing:
             raise _Refused(f"variable {vid} is not in the checkpoint file(s) of old rank(s) {missing[:8]}")
-        olds = _old_blocks(vid, entries)
+        olds = old_blocks(vid, entries)
         dtype = stored_dtype(entries[0]["dtype"])  # structured and sub-array dtypes are recorded as JSON objects
         if dtype != array.dtype:
             raise _Refused(f"variable {vid}: the checkpoint holds {dtype}, the protected array is {array.dtype}")
@@ -73,7 +73,7 @@ def plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decls
     return plan
 
 
-def _old_blocks(vid: int, entries: dict[int, Any]) -> dict[int, tuple[Placement, tuple[int, ...], str]]:
+def old_blocks(vid: int, entries: dict[int, Any]) -> dict[int, tuple[Placement, tuple[int, ...], str]]:
     """Each old rank's placement, block shape and order of variable ``vid`` (``entries``: its table entries, by old
     rank). FormatError (damage: an older checkpoint may be recovered) when the records cannot be right: a malformed
     dtype or block record, old ranks that disagree on the dtype or on the kind, replicated arrays of several shapes,

@@ -25,12 +25,12 @@ import numpy as np
 from dask.array.core import Array
 
 from ...api.context import Protected
-from ...engine import pystate, reshard, reshard_files
+from ...engine import pystate, reshard, reshard_files, reshard_plan
 from ...engine.recovery import check_writeable
 from ...engine.reshard_rebuild import old_groups, rebuild_group
 from ...engine.runstate import CommitRecord
 from ...model.arrays import dtype_from_json, dtype_to_json
-from ...model.decomposition import Piece, Placement, overlap, placement
+from ...model.decomposition import Piece, Placement, overlap
 from ...model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from . import reads, tasks
 from .fallback import Placer
@@ -105,8 +105,6 @@ def _grid(blocks: dict[int, tuple[Placement, tuple[int, ...], str]], shape: tupl
         ranges = [range(bisect.bisect_left(e, o), bisect.bisect_left(e, o + n))
                   for e, o, n in zip(edges, place.offset, bshape)]
         for index in itertools.product(*ranges):
-            if index in owner:  # overlapping blocks (halos): any holder will do
-                continue
             offset = tuple(e[i] for e, i in zip(edges, index))
             cshape = tuple(e[i + 1] - e[i] for e, i in zip(edges, index))
             piece = overlap(place.offset, bshape, order, itemsize, offset, cshape)
@@ -120,21 +118,19 @@ def _grid(blocks: dict[int, tuple[Placement, tuple[int, ...], str]], shape: tupl
 
 
 def _variable(vid: int, tables: dict[int, dict[str, Any]], n: int) -> tuple[np.dtype, tuple[int, ...], Any]:
-    """A variable's dtype, global shape and chunk plan ``(chunks, owner)``; :class:`_Refused` when the
-    old ranks' records do not make one global array."""
+    """A variable's dtype, global shape and chunk plan ``(chunks, owner)``; :class:`_Refused` when the old ranks'
+    records do not make one global array, RecoveryError (damage: the next older checkpoint is tried) when they cannot
+    be right (:func:`ftidask.engine.reshard_plan.old_blocks`: malformed, overlapping, leaving a hole)."""
     entries = {old: tables[old]["table"].get(str(vid)) for old in range(n)}
     missing = [old for old, e in entries.items() if e is None]
     if missing:
         raise _Refused(f"variable {vid} is not in the checkpoint file(s) of old rank(s) {missing[:8]}")
-    dtypes = {reshard_files.stored_dtype(e["dtype"]) for e in entries.values()}
-    if len(dtypes) != 1 or None in dtypes:
-        raise _Refused(f"variable {vid}: the old ranks hold different (or malformed) dtypes {sorted(map(str, dtypes))}")
-    dtype = dtypes.pop()
-    assert dtype is not None
     try:
-        olds = {old: (placement(e["extra"], e["shape"]), tuple(e["shape"]), e["order"]) for old, e in entries.items()}
+        olds = reshard_plan.old_blocks(vid, entries)
     except FormatError as exc:
-        raise _Refused(f"variable {vid}: {exc}") from None
+        raise RecoveryError(str(exc)) from None
+    dtype = reshard_files.stored_dtype(entries[0]["dtype"])
+    assert dtype is not None
     kinds = {p.kind for p, _s, _o in olds.values()}
     if n == 1 or kinds == {"replicated"}:  # one array, from one file (spread over the files)
         keep = vid % n
@@ -142,12 +138,8 @@ def _variable(vid: int, tables: dict[int, dict[str, Any]], n: int) -> tuple[np.d
         return dtype, shape, _grid({keep: (Placement("block", shape, (0,) * len(shape)), shape, order)}, shape,
                                    dtype.itemsize, vid)
     if kinds != {"block"}:
-        raise _Refused(f"variable {vid} declares no place in a global array" if "none" in kinds else
-                       f"variable {vid} is recorded as {' / '.join(sorted(kinds))} by different old ranks")
-    shapes = {p.global_shape for p, _s, _o in olds.values()}
-    if len(shapes) != 1:
-        raise _Refused(f"variable {vid}: the old ranks record different global shapes {sorted(shapes)}")
-    shape = shapes.pop()
+        raise _Refused(f"variable {vid} declares no place in a global array")
+    (shape,) = {p.global_shape for p, _s, _o in olds.values()}  # one (old_blocks)
     return dtype, shape, _grid(olds, shape, dtype.itemsize, vid)
 
 
