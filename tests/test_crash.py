@@ -257,3 +257,60 @@ def test_a_staging_copy_killed_with_its_thread_mover_leaves_no_temporary_file_af
     ctx.finalize()
     assert [p.name for p in out.iterdir()] == ["frame"]
     assert (out / "frame").read_bytes() == bytes(range(256)) * 4096
+
+
+STAGE_KILL_RANKS_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+import crashpoints
+from ftidask.api.context import Context
+from ftidask.engine.grouplevels import run_ranks
+from ftidask.model.config import load_config
+cfg = load_config(None, exec_id="stage", ckpt_dir=sys.argv[1] + "/Local", glbl_dir=sys.argv[1] + "/Global",
+                  meta_dir=sys.argv[1] + "/Meta", enable_staging=1, stage_mover="thread", local_test=1, node_size=1,
+                  verbosity=4)
+crashpoints.kill_at_call("ftidask.staging.copy", "_write_all", 1, after=True)   # the copy written, not published
+
+def program(t):
+    ctx = Context(cfg, t)
+    if t.rank == int(sys.argv[3]):   # only this rank sends a file
+        (ctx.stage_dir() / "frame").write_bytes(bytes(range(256)) * 4096)
+        ctx.send_file(ctx.stage_dir() / "frame", "out/frame")
+        ctx.wait_staged()
+    t.barrier()
+
+run_ranks(cfg, 2, program, wait=60)
+"""
+
+
+@pytest.mark.parametrize("restart", ["one process", "two ranks on one node"])
+def test_a_staging_copy_killed_on_a_rank_that_the_restart_does_not_have_leaves_no_temporary_file(tmp_path, restart):
+    """Two ranks on two nodes (threads of one process); rank 1's mover thread is killed during a copy (the process
+    dies). The run restarts as one process (rank 1 gone), or as two ranks on one node (rank 1 on node 0 now, its
+    notes on node 1). Each restarted rank sweeps the notes of its own number on every node it sees, and rank 0 those
+    of the ranks this run does not have: the temporary copy goes. Before, each rank swept its own stage directory on
+    its own node only: a rank gone (a restart on fewer ranks) or moved left its 1 MiB temporary file under glbl_dir
+    for good."""
+    from ftidask.api.context import Context
+    from ftidask.engine.grouplevels import run_ranks
+    from ftidask.model.config import load_config
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", STAGE_KILL_RANKS_CHILD, str(tmp_path), str(ROOT / "tests"), "1"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    out = tmp_path / "Global" / "out"
+    (left,) = out.iterdir()
+    assert left.name.startswith(".frame.ftidask-stage-") and left.stat().st_size == 1 << 20
+    notes = [str(p.relative_to(tmp_path / "Local" / "stage" / "stage")) for p in (tmp_path / "Local").rglob("*")
+             if p.name.endswith("-transfers")]
+    assert notes == ["node1/.rank1-transfers"], notes
+    dirs = {"exec_id": "stage", "ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
+            "meta_dir": str(tmp_path / "Meta"), "enable_staging": 1, "stage_mover": "thread", "verbosity": 4}
+    if restart == "one process":
+        ftidask.init(**dirs).finalize()
+    else:
+        cfg = load_config(None, local_test=1, node_size=2, **dirs)
+        assert run_ranks(cfg, 2, lambda t: Context(cfg, t).finalize(), wait=60)[1] == []
+    assert list(out.iterdir()) == []
+    assert list((tmp_path / "Local").rglob(".rank*-transfers/*")) == []

@@ -5,8 +5,9 @@ destination (``.NAME.ftidask-stage-TOKEN-ID.tmp``, under ``glbl_dir``), which no
 before a transfer starts its temporary name is noted in a directory of notes (``.rank{r}-transfers`` beside the
 stage directory ``rank{r}``: the application's stage directory holds its files only), and the note goes once the
 transfer is over; the restart of the run (the same ``exec_id``, hence the same directories) removes the
-temporary files still noted (:func:`sweep`). A mover process or an MPI head outlives the application (it finishes
-the transfer under way) and the application removes the temporary files of a mover that died: they need no note.
+temporary files still noted (:func:`sweep`; those of ranks that are gone or sit on other nodes now:
+:func:`sweep_others`). A mover process or an MPI head outlives the application (it finishes the transfer under
+way) and the application removes the temporary files of a mover that died: they need no note.
 """
 
 from __future__ import annotations
@@ -88,4 +89,19 @@ def sweep(notes: Path) -> int:
             except OSError as exc:
                 log.warning("could not remove %s, left by a staging transfer that was killed: %s", tmp, exc)
         storage.remove_tree(Path(entry.path))
+    return removed
+
+
+def sweep_others(stage_root: Path, rank: int, size: int) -> int:
+    """:func:`sweep` the notes that the sweep of this rank's own stage directory does not reach: those of its rank
+    number on the other nodes (a restart on another node layout) and, on rank 0, those of the ranks this run does
+    not have (a restart on fewer ranks: nobody else would ever remove their temporary files). Only this run's rank
+    r moves files under the number r, and none has started yet: no live transfer's note is among them."""
+    removed = 0
+    for notes in sorted(stage_root.glob("node*/.rank*-transfers")):
+        number = re.fullmatch(r"\.rank([0-9]+)-transfers", notes.name)
+        if number and (int(number[1]) == rank or (rank == 0 and int(number[1]) >= size)):
+            removed += sweep(notes)
+            with contextlib.suppress(OSError):
+                notes.rmdir()
     return removed
