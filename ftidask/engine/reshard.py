@@ -90,10 +90,13 @@ def states_advice(record: CommitRecord, older: Sequence[CommitRecord]) -> str:
     """How to go on when ``record`` holds per-rank Python states and this run has another number of ranks. An older
     checkpoint is never recovered in its place unasked (the application would silently go back in time, while a
     restart on the checkpoint's ranks recovers the newest): ``older`` (the run's checkpoints) names those to ask for."""
-    named = sorted({(r.seq, r.ckpt_id, r.level, r.nranks, r.extra.get("backend") == "dask") for r in older
-                    if r.seq < record.seq and not (r.fallback and r.ckpt_id == record.ckpt_id)}, reverse=True)
-    listed = ", ".join(f"{c} (level {lv}, {n} {'Dask workers' if dask else 'ranks'})"
-                       for _s, c, lv, n, dask in named[:6])
+    named: dict[int, CommitRecord] = {}  # by id, the newest of each (the one recover(ckpt_id=...) tries first)
+    for r in sorted(older, key=lambda r: r.seq, reverse=True):
+        if r.seq < record.seq and r.ckpt_id != record.ckpt_id:  # that id would find this checkpoint again
+            named.setdefault(r.ckpt_id, r)
+    listed = ", ".join(f"{r.ckpt_id} (level {r.level}, {r.nranks} "
+                       f"{'Dask workers' if r.extra.get('backend') == 'dask' else 'ranks'})"
+                       for r in list(named.values())[:6])
     return (f"An older checkpoint is not recovered in its place unasked: restart on {record.nranks} ranks to recover "
             f"checkpoint {record.ckpt_id}, or recover an older one by its id, ctx.recover(ckpt_id=...) "
             + (f"(older checkpoints of this run: {listed}{', ...' if len(named) > 6 else ''})." if named
