@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import ftidask
 from ftidask.api.context import Context
@@ -94,5 +95,15 @@ def test_states_of_another_number_of_ranks_refuse_and_name_the_older_checkpoints
     assert "variable 2 is a Python state" in message and "restart on 4 ranks to recover checkpoint 2" in message
     assert "ctx.recover(ckpt_id=...) (older checkpoints of this run: 1 (level 4, 2 ranks))" in message
     assert "global_shape" not in message  # no declaration makes a Python state fit
+    # One process (the whole array, undeclared) is refused the same way, nothing touched.
+    ctx = ftidask.init(_config(tmp_path))
+    whole, state = np.full(G, -1.0), ftidask.State(step=-1)
+    ctx.protect(1, whole)
+    ctx.protect(2, state)
+    with pytest.raises(ftidask.RecoveryError, match="restart on 4 ranks to recover checkpoint 2") as err:
+        ctx.recover()
+    assert "older checkpoints of this run: 1 (level 4, 2 ranks)" in str(err.value)
+    assert (whole == -1).all() and dict(state) == {"step": -1}
+    ctx._close()
     got = _stage(tmp_path, 2, _recover(ckpt_id=1))
     assert got == [((1, 4), True, {"step": 10 + r}) for r in range(2)], got
