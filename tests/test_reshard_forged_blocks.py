@@ -173,7 +173,8 @@ def test_without_an_older_checkpoint_the_damage_is_named_and_nothing_is_touched(
 
 
 @pytest.mark.dask
-@pytest.mark.parametrize("forgery", ["offset a float", "overlapping blocks", "another global shape than the other ranks"])
+@pytest.mark.parametrize("forgery", ["offset a float", "overlapping blocks",
+                                     "another global shape than the other ranks"])
 def test_the_dask_backend_passes_over_a_forged_block_record(tmp_path, forgery):
     """The Dask backend stitching the 4 ranks' checkpoint into global arrays takes the forged record for damage too,
     and recovers checkpoint 1 exactly. Before, it refused the recovery (the records taken for declarations that do
