@@ -65,8 +65,12 @@ class DaskContext(Context):
     def finalize(self) -> None:
         """FTI_Finalize, as :meth:`Context.finalize`; with a closed client, the run is left for a restart."""
         if not self._closed and str(self.client.status) in ("closing", "closed"):
-            self._close()  # the lock released, nothing removed: the checkpoints stay recoverable
-            check_client(self.client)
+            try:
+                check_client(self.client)
+            except FTIError as exc:  # the lock released, nothing removed: the checkpoints stay recoverable
+                self._unfinished = exc
+                self._close()
+                raise
         super().finalize()
 
     def _stored_names(self) -> dict[int, str]:  # var_id: the names in the commit records
@@ -340,6 +344,7 @@ class DaskContext(Context):
         self._async.drain()  # never a checkpoint half written by this run
         out = restore.recover(self, ckpt_id, level, chunks, ids)
         self.progress.recovered_all |= ids is None  # FTI_Status is 0 after a full recovery, as FTI_Recover sets it
+        self.progress.recovered_ids.update(out)  # what snapshot() no longer recovers
         return out
 
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:

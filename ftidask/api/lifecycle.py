@@ -1,0 +1,57 @@
+"""How a :class:`ftidask.Context` closes: every part closed whatever fails (FTI_Finalize tears down), and a clear
+error for a context closed with its run left unfinished (a finalize that failed, a ``with`` block left by an error).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..model.errors import FTIError
+from ..transport.collective import reason
+
+log = logging.getLogger("ftidask")
+
+
+def close_all(steps: Iterable[Callable[[], Any] | None]) -> None:
+    """Run every step (None: nothing to close), each even when an earlier one raised; then raise the first error.
+
+    A part left open by its neighbour's failure would hold what the next run needs: the run lock (another process
+    could not restart the run until this one exits), the heads' channel (they would wait for good), a thread."""
+    first: BaseException | None = None
+    for step in steps:
+        if step is None:
+            continue
+        try:
+            step()
+        except BaseException as exc:  # a Ctrl-C too: the other parts still close, then it is raised
+            first = first or exc
+    if first is not None:
+        raise first
+
+
+def unfinished_error(cause: BaseException, exec_id: str) -> FTIError:
+    """The error of a call on a context closed with its run unfinished (``cause``: why), chained to ``cause``."""
+    error = FTIError(
+        f"finalize() failed or did not run ({reason(cause)}), and this context is closed all the same (as "
+        f"FTI_Finalize, it always tears down): it cannot retry. Run {exec_id!r} is left as that failure left it, "
+        f"its checkpoints not finalized: ftidask.init(..., exec_id={exec_id!r}) restarts it (status() != 0, its "
+        "last checkpoint recoverable), and its finalize() retries the clean-up")
+    error.__cause__ = cause
+    return error
+
+
+def close_after_error(ctx: Any, exc: BaseException | None) -> None:
+    """A ``with`` block left by ``exc``: close ``ctx`` without finalizing its run (its checkpoints stay for a restart).
+    A failure while closing is logged, never raised over the application's own error, which is the one to see."""
+    if ctx.finalized:  # a finalize inside the block closed it (and raised the error leaving it)
+        return
+    ctx._unfinished = exc if exc is not None else FTIError("the with block was left by an error")
+    try:
+        try:
+            ctx._staging.finish()  # its failures are logged by the stager
+        finally:
+            ctx._close()
+    except Exception as error:  # noqa: BLE001 - the application's error propagates
+        log.warning("closing the context after the error that left its with block failed too: %s", reason(error))
