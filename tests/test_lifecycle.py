@@ -185,3 +185,22 @@ def test_snapshot_after_recovering_each_variable_or_a_checkpoint_recovers_nothin
     assert y.tobytes() == ((b + 1) if then == "each_recovered" else np.ones_like(b)).tobytes()
     assert ctx.status() == 0
     ctx.finalize()
+
+
+# --- a fresh run has nothing to recover -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", ["recover", "recover_var", "realloc"])
+def test_recovering_on_a_fresh_start_is_a_clear_error_with_advice(dirs, call):
+    """FTI returns FTI_NSCS; ftidask raised NoCheckpointError("no committed checkpoint for run ...") without saying
+    why a run that never crashed has none, nor what to do. Now it says: a fresh start, recover on a restart only."""
+    ctx = ftidask.init(**dirs)
+    a = np.arange(4.0)
+    ctx.protect(1, a)
+    assert ctx.status() == 0 and ctx.stored_size(1) == 0  # FTI_GetStoredSize's 0: nothing stored
+    step = {"recover": ctx.recover, "recover_var": lambda: ctx.recover_var(1), "realloc": lambda: ctx.realloc(1)}
+    with pytest.raises(ftidask.NoCheckpointError, match=r"fresh start \(status\(\) == 0\).*status\(\) != 0"):
+        step[call]()
+    assert a.tobytes() == np.arange(4.0).tobytes() and ctx.protected[1] is a
+    ctx.checkpoint(1, 1)  # the context works on
+    ctx.finalize()

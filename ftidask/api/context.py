@@ -250,7 +250,8 @@ class Context(StagingCalls):
         return out
 
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
-        """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
+        """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched). Raises
+        :class:`NoCheckpointError` where FTI returns FTI_NSCS: on a fresh start, nothing is committed to recover."""
         return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
 
     def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None) -> dict[int, Any]:
@@ -270,7 +271,8 @@ class Context(StagingCalls):
 
     def realloc(self, id: int, array: Any = None) -> Any:
         """FTI_Realloc: a new array of the stored size (``array`` itself where it already fits), which becomes the
-        protected one; for a Python state (``State``, ``Value``, a generator), the protected object itself."""
+        protected one; for a Python state (``State``, ``Value``, a generator), the protected object itself. On a fresh
+        start (nothing committed, :meth:`stored_size` 0) it raises :class:`NoCheckpointError`, as recover() does."""
         self._check_open()
         self._async.quiesce()
         return self.recovery.realloc(id, array)  # the id checked there, with the other ranks

@@ -20,6 +20,10 @@ from ..model.errors import FormatError, FTIError, ProtectError, RecoveryError
 from .pystate import Holder, kind_of
 from .recovery import check_sizes, load_file
 
+#: What a recovery that finds no commit record at all adds (FTI returns FTI_NSCS there): why, and when to recover.
+NOTHING_YET = (": nothing to recover. A fresh start (status() == 0) has no checkpoint until its first one commits: "
+               "recover(), recover_var() and realloc() belong to a restart (status() != 0); stored_size() is 0 there")
+
 
 def normalize_request(ckpt_id: Any, level: Any, ids: Any) -> tuple[int | None, int | None, list[int] | None]:
     """``recover(ckpt_id, level, ids=...)``'s arguments checked: a checkpoint id, a level 1-8 (or None for
