@@ -204,3 +204,27 @@ def test_recovering_on_a_fresh_start_is_a_clear_error_with_advice(dirs, call):
     assert a.tobytes() == np.arange(4.0).tobytes() and ctx.protected[1] is a
     ctx.checkpoint(1, 1)  # the context works on
     ctx.finalize()
+
+
+# --- [restart] exec_id and failure ------------------------------------------------------------------------------
+
+
+def test_exec_id_names_the_run_whatever_failure_says(dirs):
+    """FTI reads ``exec_id`` only when ``failure`` is not 0, as FTI itself rewrites both in its config file (at init
+    and at finalize). ftidask never writes the config file: ``failure`` is accepted and ignored, ``exec_id`` names
+    the run, and the run's commit records decide whether it is a restart (docs/config.md)."""
+    data = np.arange(8.0)
+    ctx = ftidask.init(exec_id="job", failure=0, **dirs)
+    assert (ctx.exec_id, ctx.status(), ctx.config.failure) == ("job", 0, 0)
+    ctx.protect(1, data)
+    ctx.checkpoint(1, 1)
+    ctx._close()  # the crash
+    status, out, found = _recovered(dirs, data, exec_id="job", failure=0)  # a restart, failure = 0 or not
+    assert status == 1 and found == (1, 1) and out.tobytes() == data.tobytes()
+    for exec_id in ("job", "never-run"):  # finalized, or never run: a fresh start under that name
+        ctx = ftidask.init(exec_id=exec_id, failure=1, **dirs)
+        assert (ctx.exec_id, ctx.status()) == (exec_id, 0)
+        ctx.protect(1, np.zeros(8))
+        with pytest.raises(ftidask.NoCheckpointError, match="fresh start"):
+            ctx.recover()
+        ctx.finalize()
