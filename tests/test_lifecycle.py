@@ -228,3 +228,31 @@ def test_exec_id_names_the_run_whatever_failure_says(dirs):
         with pytest.raises(ftidask.NoCheckpointError, match="fresh start"):
             ctx.recover()
         ctx.finalize()
+
+
+# --- stored_size(total=...) in one process; bad arguments in odd orders -------------------------------------------
+
+
+def test_stored_size_total_in_one_process_is_its_own(dirs):
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, np.zeros(10))
+    ctx.checkpoint(1, 1)
+    assert ctx.stored_size(1) == ctx.stored_size(1, total=True) == 80
+    for bad in (1, "yes", None):
+        with pytest.raises(ftidask.RecoveryError, match=r"stored_size\(total=\.\.\.\) takes a bool"):
+            ctx.stored_size(1, total=bad)
+    ctx.finalize()
+
+
+@pytest.mark.parametrize("ckpt_id", ["1", 1.5, True, 2**31, -2**31 - 1])
+def test_a_bad_checkpoint_id_is_a_checkpoint_error(dirs, ckpt_id):
+    """A checkpoint id that is no 32-bit int was refused as a ProtectError (protect()'s error), id 0 as a
+    CheckpointError: now every checkpoint id refused by checkpoint() or init_icp() is a CheckpointError."""
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, np.zeros(3))
+    with pytest.raises(ftidask.CheckpointError, match="checkpoint id"):
+        ctx.checkpoint(ckpt_id, 1)
+    with pytest.raises(ftidask.CheckpointError, match="checkpoint id"):
+        ctx.init_icp(ckpt_id, 1)
+    assert ctx.checkpoint(1, 1).id == 1  # nothing half done
+    ctx.finalize()

@@ -27,7 +27,7 @@ from ..engine.variables import Protected, encode_states, protected_var
 from ..engine.writing import Writer
 from ..ftiff import hashing
 from ..model import constants
-from ..model.arrays import check_id
+from ..model.arrays import check_bool, check_id
 from ..model.config import Config
 from ..model.errors import FTIError, RecoveryError
 from ..model.level import Level
@@ -263,11 +263,16 @@ class Context(StagingCalls):
         self.progress.recovered_ids.update(out)
         return out
 
-    def stored_size(self, id: int) -> int:
-        """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover); 0 if none."""
+    def stored_size(self, id: int, *, total: bool = False) -> int:
+        """FTI_GetStoredSize: bytes of variable ``id`` in this rank's file of the checkpoint (last written, or to
+        recover), 0 if none; ``total=True``: the job's, summed over the ranks (collective: every rank asks it)."""
         self._check_open()
+        if total is not False:  # a collective sum: the ranks agree on the call first (a refused argument: everywhere)
+            agree_call(self.transport, "stored_size", lambda: ({}, (check_id(id, "variable id"), check_bool(
+                total, "stored_size(total=...)", RecoveryError))), RecoveryError)
         self._async.quiesce()
-        return self.recovery.stored_size(id)  # the id checked there, after the ranks' collective read
+        size = self.recovery.stored_size(id)  # the id checked there, after the ranks' collective read
+        return sum(self.transport.allgather(size)) if total else size
 
     def realloc(self, id: int, array: Any = None) -> Any:
         """FTI_Realloc: a new array of the stored size (``array`` itself where it already fits), which becomes the
@@ -299,8 +304,7 @@ class Context(StagingCalls):
             if not pr.recovered:
                 self.recover()
             elif rest and pr.last_checkpoint is None:
-                # After recover(ids=...): the others from the same checkpoint; never again over those recovered,
-                # which the application may have changed since. A checkpoint committed since ends the restart.
+                # the others from the same checkpoint; never again those recovered, which may have changed since
                 self.recover(*(pr.recovered_from or (None, None)), ids=rest)
             pr.recovered_all = True  # every variable recovered: FTI_Status is 0, as after FTI_Snapshot's recovery
             return constants.FTI_SCES
@@ -393,3 +397,4 @@ class Context(StagingCalls):
 
     def _repr_html_(self) -> str:
         return display.context_html(self)
+

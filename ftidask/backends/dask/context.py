@@ -24,7 +24,7 @@ from ...engine.inflight import CheckpointHandle
 from ...engine.retention import in_l4
 from ...engine.runstate import CommitRecord, FileRecord
 from ...engine.variables import check_name, compressor_config, encode_states
-from ...model.arrays import check_ckpt_id, check_id
+from ...model.arrays import check_bool, check_ckpt_id, check_id
 from ...model.config import Config
 from ...model.errors import CheckpointError, FTIError, ProtectError, RecoveryError
 from ...model.level import Level
@@ -351,10 +351,11 @@ class DaskContext(Context):
         """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
         return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
 
-    def stored_size(self, id: int) -> int:
-        """Bytes of variable ``id`` in the checkpoint to recover (or the last one written)."""
+    def stored_size(self, id: int, *, total: bool = False) -> int:
+        """Bytes of variable ``id`` in the checkpoint to recover (or the last one written): the whole array's, the
+        client's view, so ``total=True`` changes nothing."""
         self._check_open()
-        vid = check_id(id, "variable id")
+        vid, _total = check_id(id, "variable id"), check_bool(total, "stored_size(total=...)", RecoveryError)
         self._async.drain()
         return restore.stored_size(self, vid)
 
