@@ -256,3 +256,31 @@ def test_a_bad_checkpoint_id_is_a_checkpoint_error(dirs, ckpt_id):
         ctx.init_icp(ckpt_id, 1)
     assert ctx.checkpoint(1, 1).id == 1  # nothing half done
     ctx.finalize()
+
+
+# --- two inits of one run in one process -------------------------------------------------------------------------
+
+
+def test_finalizing_one_of_two_contexts_of_a_run_leaves_the_run_to_the_other(dirs):
+    """A second init of a run in the same process (a notebook's init cell run again) restarts it, sharing its lock.
+    Finalizing the first context removed the checkpoints and marked the run finalized under the second, which went
+    on committing checkpoints into it: killed then, its next start was a fresh run, and checkpoint 3, committed, was
+    lost for good. Now a finalize closes its own context only while another context of this process holds the run;
+    the last one's finalize cleans up."""
+    first = ftidask.init(**dirs)
+    a = np.arange(5.0)
+    first.protect(1, a)
+    first.checkpoint(1, 1)
+    second = ftidask.init(**dirs)
+    b = np.zeros(5)
+    second.protect(1, b)
+    assert second.status() == 1 and second.exec_id == first.exec_id
+    second.recover()
+    first.finalize()
+    assert first.finalized and not second.finalized
+    b += 10
+    second.checkpoint(3, 1)
+    second._close()  # the crash
+    status, out, found = _recovered(dirs, b)
+    assert status == 1 and found == (3, 1) and out.tobytes() == b.tobytes()
+    assert not list(Path(dirs["meta_dir"]).glob(f"{first.exec_id}/commits/*.json"))  # the last finalize cleaned up

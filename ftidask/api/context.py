@@ -323,6 +323,7 @@ class Context(StagingCalls):
         is raised and the run keeps its checkpoints; a later ``finalize()`` raises :class:`FTIError` saying so (a
         closed context cannot retry): ``ftidask.init(..., exec_id=...)`` restarts the run and its ``finalize()``
         cleans up. Refused at the ranks' call check (MPI: another rank is in another call), the context stays open.
+        While another context of this process holds the run (a second init of it), it closes this one only.
         """
         if self._closed:
             if self._unfinished is not None:
@@ -330,17 +331,14 @@ class Context(StagingCalls):
             return
         agree_call(self.transport, "finalize", lambda: ({}, None), FTIError)  # not beside another rank's checkpoint
         try:
-            staging_failed = self._staging.finish()  # wait for pending SendFile requests (stage_timeout)
-            self._async.drain()  # a failure nobody asked for is raised at the end, once finalized
-            self._async.close()
-            self.transport.wait_post()
-            self._retention.end_run(self.recovery.all_candidates(None, None, FTIError), self._flush_to_l4)
+            staging_failed, cleaned = lifecycle.end_run(self)
         except BaseException as exc:  # a Ctrl-C too: the run is left as it is, for a restart
             self._unfinished = exc
             raise
         finally:
             self._close()
-        self._retention.prune_run_dirs()
+        if cleaned:
+            self._retention.prune_run_dirs()
         self._staging.report(staging_failed)
         self._async.inflight.raise_unobserved()
 

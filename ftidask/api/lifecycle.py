@@ -31,6 +31,26 @@ def close_all(steps: Iterable[Callable[[], Any] | None]) -> None:
         raise first
 
 
+def end_run(ctx: Any) -> tuple[list[Any], bool]:
+    """finalize()'s work before ``ctx`` closes: wait for its staging requests and asynchronous checkpoints, then
+    FTI_Finalize's clean-up; ``(staging failures, whether the run was cleaned up)``.
+
+    Not while another context of this process holds the run (a second init of it, as a notebook's init cell run
+    again): the run is that one's too, and removing its checkpoints under it lost those it committed next (a restart
+    found the run finalized and started afresh). The last context's finalize cleans up."""
+    staging_failed = ctx._staging.finish()  # wait for pending SendFile requests (stage_timeout)
+    ctx._async.drain()  # a failure nobody asked for is raised at the end, once finalized
+    ctx._async.close()
+    ctx.transport.wait_post()
+    lock = ctx._run_lock
+    if ctx.transport.bcast(lock is not None and lock.shared):  # rank 0 holds the lock: the ranks do as it says
+        log.warning("run %s is still open in another context of this process (a second init of it): this finalize "
+                    "closes this context only; the last one's finalize cleans the run up", ctx.exec_id)
+        return staging_failed, False
+    ctx._retention.end_run(ctx.recovery.all_candidates(None, None, FTIError), ctx._flush_to_l4)
+    return staging_failed, True
+
+
 def unfinished_error(cause: BaseException, exec_id: str) -> FTIError:
     """The error of a call on a context closed with its run unfinished (``cause``: why), chained to ``cause``."""
     error = FTIError(
