@@ -83,6 +83,7 @@ class Context(StagingCalls):
                                                functools.partial(icp.checked_level, dcp=False, transport=transport,
                                                                  enable_dcp=bool(config.enable_dcp)))
         transport.barrier()
+        lifecycle.register(self)  # a second context of this run in this process: its finalize leaves the run alone
         self._retention.collect_garbage()
         log.info("run %s: %s (%s backend, %s)", self.exec_id,
                  "fresh start" if self._status == STATUS_FRESH else f"restart (status {self._status})",

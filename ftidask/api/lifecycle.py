@@ -5,6 +5,7 @@ error for a context closed with its run left unfinished (a finalize that failed,
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -12,6 +13,7 @@ from ..model.errors import FTIError
 from ..transport.collective import reason
 
 log = logging.getLogger("ftidask")
+_holders: weakref.WeakSet[Any] = weakref.WeakSet()  # the contexts of this process that hold a run's lock
 
 
 def close_all(steps: Iterable[Callable[[], Any] | None]) -> None:
@@ -42,8 +44,7 @@ def end_run(ctx: Any) -> tuple[list[Any], bool]:
     ctx._async.drain()  # a failure nobody asked for is raised at the end, once finalized
     ctx._async.close()
     ctx.transport.wait_post()
-    lock = ctx._run_lock
-    if ctx.transport.bcast(lock is not None and lock.shared):  # rank 0 holds the lock: the ranks do as it says
+    if ctx.transport.bcast(_shared(ctx)):  # rank 0 holds the lock: the ranks do as it says
         log.warning("run %s is still open in another context of this process (a second init of it): this finalize "
                     "closes this context only; the last one's finalize cleans the run up", ctx.exec_id)
         return staging_failed, False
@@ -51,13 +52,27 @@ def end_run(ctx: Any) -> tuple[list[Any], bool]:
     return staging_failed, True
 
 
+def register(ctx: Any) -> None:
+    """Note a context that holds its run's lock (rank 0's, the client's) among this process's."""
+    if ctx._run_lock is not None:
+        _holders.add(ctx)
+
+
+def _shared(ctx: Any) -> bool:
+    """Whether another open context of this process holds ``ctx``'s run (ranks as threads: rank 0's alone does)."""
+    mine = ctx._run_lock
+    return mine is not None and any(
+        other is not ctx and not other._closed and other._run_lock is not None and other._run_lock.held
+        and other._run_lock.path == mine.path for other in list(_holders))
+
+
 def unfinished_error(cause: BaseException, exec_id: str) -> FTIError:
     """The error of a call on a context closed with its run unfinished (``cause``: why), chained to ``cause``."""
     error = FTIError(
         f"finalize() failed or did not run ({reason(cause)}), and this context is closed all the same (as "
-        f"FTI_Finalize, it always tears down): it cannot retry. Run {exec_id!r} is left as that failure left it, "
-        f"its checkpoints not finalized: ftidask.init(..., exec_id={exec_id!r}) restarts it (status() != 0, its "
-        "last checkpoint recoverable), and its finalize() retries the clean-up")
+        f"FTI_Finalize, it always tears down): it cannot retry. Run {exec_id!r} is left as that failure left it (its "
+        f"checkpoints kept, unless the clean-up had removed them): ftidask.init(..., exec_id={exec_id!r}) restarts it "
+        "from the last one left (status() != 0), and its finalize() retries the clean-up")
     error.__cause__ = cause
     return error
 

@@ -62,11 +62,6 @@ class RunLock:
     def held(self) -> bool:
         return self._flock is not None
 
-    @property
-    def shared(self) -> bool:
-        """Whether another Context of this process holds the run too (a second init of it, still open)."""
-        return self._flock is not None and self._flock.users > 1
-
     def release(self) -> None:
         flock, self._flock = self._flock, None
         if flock is not None:
