@@ -1,8 +1,9 @@
-"""``stored_size`` on MPI ranks that hold blocks of different sizes: ``stored_size_job.py BASE PHASE`` on 3 ranks.
+"""``stored_size`` on MPI ranks that hold blocks of different sizes: ``stored_size_job.py BASE`` on 3 ranks.
 
-PHASE ``write``: the sizes before and after checkpoint 1, a ``total=`` refused on rank 1 only, then the context is
-closed unfinalized (a crash). PHASE ``restart``: the sizes of the checkpoint to recover, before and after recover().
-Each rank writes ``BASE/{PHASE}-{rank}.json``; tests/test_lifecycle_mpi.py checks them.
+Phase ``write``: the sizes before and after checkpoint 1, a ``total=`` refused on rank 1 only, then the context is
+closed unfinalized (a crash). Phase ``restart``, a new init of the run in the same job: the sizes of the checkpoint
+to recover, before and after recover(). Each rank writes ``BASE/{phase}-{rank}.json``; tests/test_lifecycle_mpi.py
+checks them.
 """
 
 from __future__ import annotations
@@ -25,14 +26,13 @@ def sizes(ctx: Any, vid: int = 1) -> list[int]:
     return [ctx.stored_size(vid), ctx.stored_size(vid, total=True)]
 
 
-def main() -> None:
-    base, phase = sys.argv[1], sys.argv[2]
+def phase(base: str, name: str) -> None:
     ctx = ftidask.init(comm=MPI.COMM_WORLD, ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global",
                        meta_dir=f"{base}/Meta", local_test=1, node_size=1, group_size=3, verbosity=4)
     a = np.full(10 * (RANK + 1), float(RANK))  # 80, 160, 240 bytes
     ctx.protect(1, a)
     result: dict[str, Any] = {"status": ctx.status()}
-    if phase == "write":
+    if name == "write":
         result["before"] = sizes(ctx)
         ctx.checkpoint(1, 1)
         result["after"], result["absent"] = sizes(ctx), sizes(ctx, 9)
@@ -47,7 +47,12 @@ def main() -> None:
         ctx.recover()
         result["recovered"] = sizes(ctx) + [bool((a == RANK).all())]
         ctx.finalize()
-    Path(base, f"{phase}-{RANK}.json").write_text(json.dumps(result))
+    Path(base, f"{name}-{RANK}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    phase(sys.argv[1], "write")
+    phase(sys.argv[1], "restart")
 
 
 if __name__ == "__main__":
