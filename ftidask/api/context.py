@@ -27,28 +27,30 @@ from ..engine.variables import Protected, encode_states, protected_var
 from ..engine.writing import Writer
 from ..ftiff import hashing
 from ..model import constants
-from ..model.arrays import check_id
+from ..model.arrays import check_bool, check_id
 from ..model.config import Config
 from ..model.errors import FTIError, RecoveryError
 from ..model.level import Level
-from ..staging.stager import StageInfo, Stager, Staging, request_id_of
+from ..staging.stager import Staging
 from ..storage import dirchecks
 from ..storage import files as storage
 from ..storage.runlock import RunLock
 from ..transport.base import Transport
 from ..transport.collective import agree_call
-from . import display, logsetup
+from . import display, lifecycle, logsetup
 from .names import VarNames, restart_names
+from .stagecalls import StagingCalls
 
 log = logging.getLogger("ftidask")
 
 
-class Context:
+class Context(StagingCalls):
     """One process's handle on a run: protected variables, checkpoints, recovery."""
 
     def __init__(self, config: Config, transport: Transport, *, retention: RetentionFactory = Retention) -> None:
         """``retention`` makes the collaborator that retires checkpoints (a backend with files elsewhere: its own)."""
         self._closed = False
+        self._unfinished: BaseException | None = None  # why the context closed with its run not finalized
         self._run_lock: RunLock | None = None
         config = config.with_absolute_dirs()  # a later os.chdir of the application moves nothing
         self.config = config
@@ -81,6 +83,7 @@ class Context:
                                                functools.partial(icp.checked_level, dcp=False, transport=transport,
                                                                  enable_dcp=bool(config.enable_dcp)))
         transport.barrier()
+        lifecycle.register(self)  # a second context of this run in this process: its finalize leaves the run alone
         self._retention.collect_garbage()
         log.info("run %s: %s (%s backend, %s)", self.exec_id,
                  "fresh start" if self._status == STATUS_FRESH else f"restart (status {self._status})",
@@ -230,42 +233,6 @@ class Context:
         """``with ctx.incremental(id, level) as icp: icp.add(var_id)``: iCP as a context manager."""
         return icp.Incremental(self, id, level)
 
-    # --- staging (ftidask.staging.stager) ----------------------------------------------------------------
-
-    @property
-    def _stager(self) -> Stager | None:  # the running stager, if a request started it (the tests look at it)
-        return self._staging.stager
-
-    def stage_dir(self) -> Path:
-        """FTI_GetStageDir: this process's node-local stage directory (created on demand)."""
-        self._check_open()
-        return self._staging.get().stage_dir
-
-    def send_file(self, local_path: str | os.PathLike[str], remote_path: str | os.PathLike[str]) -> int:
-        """FTI_SendFile: move ``local_path`` (in :meth:`stage_dir`) to ``remote_path`` in the background.
-
-        ``remote_path`` is taken under ``glbl_dir`` when relative; a directory (or a trailing ``/``)
-        receives the file under its own name. Returns the request id for :meth:`stage_status`.
-        Raises :class:`StagingError` at once for bad input.
-        """
-        self._check_open()
-        return self._staging.get().send(local_path, remote_path)
-
-    def stage_status(self, request_id: int) -> int:
-        """FTI_GetStageStatus: SI_PEND, SI_ACTV, SI_SCES or SI_FAIL (each final state once), else SI_NINI."""
-        self._check_open()
-        return self._staging.get().table.query(request_id_of(request_id))
-
-    def stage_info(self, request_id: int) -> StageInfo | None:
-        """The request's state, reason, paths, times (a final state not consumed; kept for 1024 stage_status read)."""
-        self._check_open()
-        return self._staging.get().table.info(request_id_of(request_id))
-
-    def wait_staged(self, request_id: int | None = None, timeout: float | None = None) -> Any:
-        """Wait for one request (its state) or all (``{id: state}``); final states are not consumed."""
-        self._check_open()
-        return self._staging.get().wait(request_id, timeout)
-
     # --- recovery (ftidask.engine.recovering) ---------------------------------------------------------
 
     def recover(self, ckpt_id: int | None = None, level: int | None = None, *,
@@ -280,10 +247,12 @@ class Context:
         self._async.quiesce()  # never a checkpoint half written by this run, or raised by a head
         out = self.recovery.recover(ckpt_id, level, ids)
         self.progress.recovered_all |= ids is None  # FTI_RecoverVar leaves FTI_Status as it is
+        self.progress.recovered_ids.update(out)  # what snapshot() no longer recovers
         return out
 
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
-        """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
+        """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched). Raises
+        :class:`NoCheckpointError` where FTI returns FTI_NSCS: on a fresh start, nothing is committed to recover."""
         return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
 
     def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None) -> dict[int, Any]:
@@ -291,17 +260,25 @@ class Context:
         self._check_open()
         self._icp_slot.check_none_open(RecoveryError)  # as recover(): the iCP would commit a mix of both
         self._async.drain()
-        return self.recovery.recover_file(path, meta)
+        out = self.recovery.recover_file(path, meta)
+        self.progress.recovered_ids.update(out)
+        return out
 
-    def stored_size(self, id: int) -> int:
-        """FTI_GetStoredSize: bytes of variable ``id`` in the checkpoint (last written, or to recover); 0 if none."""
+    def stored_size(self, id: int, *, total: bool = False) -> int:
+        """FTI_GetStoredSize: bytes of variable ``id`` in this rank's file of the checkpoint (last written, or to
+        recover), 0 if none; ``total=True``: the job's, summed over the ranks (collective: every rank asks it)."""
         self._check_open()
+        if total is not False:  # a collective sum: the ranks agree on the call first (a refused argument: everywhere)
+            agree_call(self.transport, "stored_size", lambda: ({}, (check_id(id, "variable id"), check_bool(
+                total, "stored_size(total=...)", RecoveryError))), RecoveryError)
         self._async.quiesce()
-        return self.recovery.stored_size(id)  # the id checked there, after the ranks' collective read
+        size = self.recovery.stored_size(id)  # the id checked there, after the ranks' collective read
+        return sum(self.transport.allgather(size)) if total else size
 
     def realloc(self, id: int, array: Any = None) -> Any:
         """FTI_Realloc: a new array of the stored size (``array`` itself where it already fits), which becomes the
-        protected one; for a Python state (``State``, ``Value``, a generator), the protected object itself."""
+        protected one; for a Python state (``State``, ``Value``, a generator), the protected object itself. On a fresh
+        start (nothing committed, :meth:`stored_size` 0) it raises :class:`NoCheckpointError`, as recover() does."""
         self._check_open()
         self._async.quiesce()
         return self.recovery.realloc(id, array)  # the id checked there, with the other ranks
@@ -314,12 +291,23 @@ class Context:
     def snapshot(self) -> int:
         """FTI_Snapshot: recover on a restart, otherwise checkpoint the levels that are due.
 
+        After ``recover(ids=...)`` or ``recover_var`` on a restart, it recovers the other protected variables only,
+        from the same checkpoint: never again those recovered, which the application may have changed since (a
+        checkpoint committed since ends the restart: nothing more is recovered).
+
         Returns FTI_SCES (nothing to do, or recovered) or FTI_DONE (a checkpoint was written).
         """
         self._check_open()
         self._async.inflight.raise_unobserved()
-        if self._status != STATUS_FRESH and not self.progress.recovered:
-            self.recover()
+        pr = self.progress
+        if self._status != STATUS_FRESH and not pr.recovered_all:  # a restart whose recovery is not complete
+            rest = [vid for vid in self._vars if vid not in pr.recovered_ids]
+            if not pr.recovered:
+                self.recover()
+            elif rest and pr.last_checkpoint is None:
+                # the others from the same checkpoint; never again those recovered, which may have changed since
+                self.recover(*(pr.recovered_from or (None, None)), ids=rest)
+            pr.recovered_all = True  # every variable recovered: FTI_Status is 0, as after FTI_Snapshot's recovery
             return constants.FTI_SCES
         due = self._schedule.due()
         if not due:
@@ -329,35 +317,45 @@ class Context:
         return constants.FTI_DONE
 
     def finalize(self) -> None:
-        """FTI_Finalize: flush the last checkpoint to L4 if ``keep_last_ckpt``, else clean up."""
+        """FTI_Finalize: flush the last checkpoint to L4 if ``keep_last_ckpt``, else clean up; close the context.
+
+        Once the ranks agree on the call, the context ends closed whatever happens, as FTI_Finalize tears down: its
+        run lock released, its threads and channels stopped. Should the clean-up fail (or be interrupted), its error
+        is raised and the run keeps its checkpoints; a later ``finalize()`` raises :class:`FTIError` saying so (a
+        closed context cannot retry): ``ftidask.init(..., exec_id=...)`` restarts the run and its ``finalize()``
+        cleans up. Refused at the ranks' call check (MPI: another rank is in another call), the context stays open.
+        While another context of this process holds the run (a second init of it), it closes this one only.
+        """
         if self._closed:
+            if self._unfinished is not None:
+                raise lifecycle.unfinished_error(self._unfinished, self.exec_id)
             return
         agree_call(self.transport, "finalize", lambda: ({}, None), FTIError)  # not beside another rank's checkpoint
-        staging_failed = self._staging.finish()  # wait for pending SendFile requests (stage_timeout)
-        self._async.drain()  # a failure nobody asked for is raised at the end, once finalized
         try:
-            self._async.close()
-            self.transport.wait_post()
-            self._retention.end_run(self.recovery.all_candidates(None, None, FTIError), self._flush_to_l4)
+            staging_failed, cleaned = lifecycle.end_run(self)
+        except BaseException as exc:  # a Ctrl-C too: the run is left as it is, for a restart
+            self._unfinished = exc
+            raise
         finally:
             self._close()
-        self._retention.prune_run_dirs()
+        if cleaned:
+            self._retention.prune_run_dirs()
         self._staging.report(staging_failed)
         self._async.inflight.raise_unobserved()
 
     def _close(self) -> None:
+        """Close every part, even when one fails (the first error raised after): never a lock held for good."""
         self._closed = True
-        self._icp.close()  # an incremental checkpoint left open is dropped, its file closed
-        self._async.close()  # what is in flight is finished first
-        if self._dcp is not None:
-            self._dcp.close()
-        self._writer.close()
-        self._retention.close()
-        try:
-            self.transport.close()
-        finally:
-            if self._run_lock is not None:  # last: the run is no longer written by this process
-                self._run_lock.release()
+        dcp = self._dcp
+        lifecycle.close_all([
+            self._icp.close,  # an incremental checkpoint left open is dropped, its file closed
+            self._async.close,  # what is in flight is finished first
+            dcp.close if dcp is not None else None,
+            self._writer.close,
+            self._retention.close,
+            self.transport.close,
+            self._run_lock.release if self._run_lock is not None else None,  # last: no longer written by us
+        ])
 
     def _flush_to_l4(self, record: CommitRecord) -> None:
         """keep_last_ckpt: copy the last checkpoint to L4 (the Dask backend has its own)."""
@@ -380,6 +378,8 @@ class Context:
 
     def _check_open(self) -> None:
         if self._closed:
+            if self._unfinished is not None:
+                raise lifecycle.unfinished_error(self._unfinished, self.exec_id)
             raise FTIError("this context is finalized; call ftidask.init() again")
 
     def __enter__(self) -> Context:
@@ -388,13 +388,12 @@ class Context:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self.finalize()
-        else:
-            # Died with an error: keep the checkpoints so that the next run can restart.
-            self._staging.finish()  # failures are logged; the application's error is the one to see
-            self._close()
+        else:  # died with an error: the checkpoints stay, for the next run to restart
+            lifecycle.close_after_error(self, exc)
 
     def __repr__(self) -> str:
         return display.context_repr(self)
 
     def _repr_html_(self) -> str:
         return display.context_html(self)
+

@@ -46,6 +46,7 @@ class Progress:
     restart_record: CommitRecord | None = None  # its record, while its file, verified, may be loaded as it is
     recovered: bool = False
     recovered_all: bool = False  # a full recover() succeeded: FTI_Status is 0 after it (FTI_Exec.reco = 0)
+    recovered_ids: set[int] = dataclasses.field(default_factory=set)  # the variables recovered (snapshot's rest)
     recovered_from: tuple[int, int] | None = None  # (ckpt_id, level)
     last_checkpoint: CheckpointInfo | None = None
     next_ckpt_id: int = 1  # snapshot's next id

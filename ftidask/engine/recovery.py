@@ -136,6 +136,10 @@ def load_file(parsed: FtiffFile, arrays: Mapping[int, np.ndarray], *, config: An
         s.commit()
 
 
+NOTHING_YET = (": nothing to recover. A fresh start (status() == 0) has no checkpoint until its first one commits: "
+               "recover(), recover_var() and realloc() belong to a restart (status() != 0); stored_size() is 0 there")
+
+
 def newest_recoverable(records: Iterable[CommitRecord], try_one: Callable[[CommitRecord], tuple[T | None, str]],
                        paths: RunPaths, ckpt_id: int | None, level: int | None,
                        none_recoverable: str = "no checkpoint verifies") -> tuple[CommitRecord, T]:
@@ -155,4 +159,5 @@ def newest_recoverable(records: Iterable[CommitRecord], try_one: Callable[[Commi
     raise NoCheckpointError(f"{what} for run {paths.exec_id} in {paths.meta_dir}"
                             + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
                             + (f" (level={level})" if level is not None else "")
+                            + (NOTHING_YET if not reasons and ckpt_id is None and level is None else "")
                             + "".join(f"\n  - {r}" for r in reasons))

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CheckpointError, FormatError, ProtectError
+from .errors import CheckpointError, FormatError, FTIError, ProtectError
 
 PIECE = 32 << 20  # bytes per piece when copying is needed; bounds extra memory
 
@@ -56,9 +56,19 @@ def check_id(value: Any, what: str) -> int:
     return value
 
 
+def check_bool(value: Any, what: str, error: type[FTIError]) -> bool:
+    """``value`` if it is a bool (not 1 or "yes": what they mean is unsure), else ``error`` naming ``what``."""
+    if not isinstance(value, bool):
+        raise error(f"{what} takes a bool, got {value!r}")
+    return value
+
+
 def check_ckpt_id(value: Any) -> int:
-    """``value`` as a checkpoint id: an FTI id other than 0, which FTI reserves."""
-    ckpt_id = check_id(value, "checkpoint id")
+    """``value`` as a checkpoint id: an FTI id other than 0, which FTI reserves (else a :class:`CheckpointError`)."""
+    try:
+        ckpt_id = check_id(value, "checkpoint id")
+    except ProtectError as exc:  # the checkpoint's error, not protect()'s
+        raise CheckpointError(str(exc)) from None
     if ckpt_id == 0:
         raise CheckpointError("checkpoint id 0 is reserved by FTI; use a non-zero id")
     return ckpt_id

@@ -24,7 +24,7 @@ from ...engine.inflight import CheckpointHandle
 from ...engine.retention import in_l4
 from ...engine.runstate import CommitRecord, FileRecord
 from ...engine.variables import check_name, compressor_config, encode_states
-from ...model.arrays import check_ckpt_id, check_id
+from ...model.arrays import check_bool, check_ckpt_id, check_id
 from ...model.config import Config
 from ...model.errors import CheckpointError, FTIError, ProtectError, RecoveryError
 from ...model.level import Level
@@ -65,8 +65,12 @@ class DaskContext(Context):
     def finalize(self) -> None:
         """FTI_Finalize, as :meth:`Context.finalize`; with a closed client, the run is left for a restart."""
         if not self._closed and str(self.client.status) in ("closing", "closed"):
-            self._close()  # the lock released, nothing removed: the checkpoints stay recoverable
-            check_client(self.client)
+            try:
+                check_client(self.client)
+            except FTIError as exc:  # the lock released, nothing removed: the checkpoints stay recoverable
+                self._unfinished = exc
+                self._close()
+                raise
         super().finalize()
 
     def _stored_names(self) -> dict[int, str]:  # var_id: the names in the commit records
@@ -340,16 +344,18 @@ class DaskContext(Context):
         self._async.drain()  # never a checkpoint half written by this run
         out = restore.recover(self, ckpt_id, level, chunks, ids)
         self.progress.recovered_all |= ids is None  # FTI_Status is 0 after a full recovery, as FTI_Recover sets it
+        self.progress.recovered_ids.update(out)  # what snapshot() no longer recovers
         return out
 
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
         """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
         return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
 
-    def stored_size(self, id: int) -> int:
-        """Bytes of variable ``id`` in the checkpoint to recover (or the last one written)."""
+    def stored_size(self, id: int, *, total: bool = False) -> int:
+        """Bytes of variable ``id`` in the checkpoint to recover (or the last one written): the whole array's, the
+        client's view, so ``total=True`` changes nothing."""
         self._check_open()
-        vid = check_id(id, "variable id")
+        vid, _total = check_id(id, "variable id"), check_bool(total, "stored_size(total=...)", RecoveryError)
         self._async.drain()
         return restore.stored_size(self, vid)
 
