@@ -18,9 +18,9 @@ from ..ftiff.posix import other_io_mode, read_posix
 from ..model.arrays import ArrayBytes, check_id
 from ..model.errors import FormatError, FTIError, ProtectError, RecoveryError
 from .pystate import Holder, kind_of
-from .recovery import NOTHING_YET, check_sizes, load_file  # noqa: F401 (NOTHING_YET: the advice, here too)
+from .recovery import check_sizes, load_file
 
-#: What a recovery that finds no commit record at all adds (FTI returns FTI_NSCS there): why, and when to recover.
+
 def normalize_request(ckpt_id: Any, level: Any, ids: Any) -> tuple[int | None, int | None, list[int] | None]:
     """``recover(ckpt_id, level, ids=...)``'s arguments checked: a checkpoint id, a level 1-8 (or None for
     any), and :func:`normalize_ids`; a :class:`RecoveryError` naming the argument otherwise (a str "2" would

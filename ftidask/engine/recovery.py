@@ -136,6 +136,7 @@ def load_file(parsed: FtiffFile, arrays: Mapping[int, np.ndarray], *, config: An
         s.commit()
 
 
+#: What a recovery that finds no commit record at all adds (FTI returns FTI_NSCS there): why, and when to recover.
 NOTHING_YET = (": nothing to recover. A fresh start (status() == 0) has no checkpoint until its first one commits: "
                "recover(), recover_var() and realloc() belong to a restart (status() != 0); stored_size() is 0 there")
 
