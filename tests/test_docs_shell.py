@@ -165,8 +165,8 @@ def check_output(line: str, out: str, names: dict) -> None:
         assert "'u'" in out and "Python state" in out and "{\"step\": 0}" in out, out
     elif line.startswith("ftidask export"):  # docs/cli.md's example output
         ckpt, level = ("1", "4") if "--id 1" in line else ("40", "1")
-        assert re.fullmatch(rf"exported checkpoint {ckpt} \(level {level}, 1 rank file\(s\)\) to \S+\.zarr: 2 array\(s\), "
-                            r"[\d,]+ bytes in \d+\.\d\d s\n  u\n  step\n", out), out
+        said = rf"exported checkpoint {ckpt} \(level {level}, 1 rank file\(s\)\) to \S+\.zarr: 2 array\(s\), "
+        assert re.fullmatch(said + r"[\d,]+ bytes in \d+\.\d\d s\n  u\n  step\n", out), out
     elif line == "ftidask --help":
         for command in ("inspect", "verify", "list", "clean", "export", "import"):
             assert command in out, out
