@@ -253,6 +253,9 @@ def make_mpi_context(cfg: Config | None, comm: Any, refused: FTIError | None = N
 
     if not isinstance(comm, MPI.Comm):
         raise FTIError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+    if comm == MPI.COMM_NULL:  # every MPI call on it fails, deep inside; a finalized context's ctx.comm is one
+        raise FTIError("comm is MPI.COMM_NULL (a freed communicator, such as ctx.comm after finalize()): pass "
+                       "MPI.COMM_WORLD or another live intracommunicator")
     refusals = [r for r in allgather_json(comm, f"rank {comm.Get_rank()}: {refused}" if refused else "") if r]
     if refusals:
         raise ConfigError(f"init refused the config: {'; '.join(refusals)}")  # load_config's errors are ConfigErrors
