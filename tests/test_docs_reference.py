@@ -62,6 +62,16 @@ def test_config_default_as_documented(row):
     assert getattr(load_config(None), key) == value
 
 
+def test_staging_page_config_table_agrees():
+    """docs/staging.md repeats its keys' sections and defaults."""
+    text = (ROOT / "docs" / "staging.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (\w+) \| (\w+) \|", text, re.M)
+    assert rows
+    for key, section, default in rows:
+        code_section, value = config_keys()[key]
+        assert (section, default) == (code_section, str(int(value)) if isinstance(value, bool) else str(value)), key
+
+
 def documented_range(validation: str) -> tuple[int, int | None] | None:
     """``(lo, hi)`` of an integer validation (``hi`` None: unbounded above, i.e. at most 2^31 - 1)."""
     text = validation.replace("`", "")
