@@ -267,3 +267,40 @@ def test_api_page_covers_every_public_name():
             covered.add(target.rpartition(".")[2])
     missing = [name for name in ftidask.__all__ if name not in covered]
     assert not missing, f"docs/api.md does not document {missing}"
+
+
+# --- files and modules the docs name ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
+def test_named_repository_files_exist(path):
+    text = path.read_text()
+    named = set(re.findall(r"(?<![\w/.{])((?:ftidask|tests|benchmarks|examples|notebooks|docs)/[\w/.-]*\w"
+                           r"\.(?:py|c|h|ipynb|md|fti|txt|sh|toml))\b", text))
+    missing = sorted(n for n in named if not (ROOT / n).exists())
+    assert not missing, f"{path.name} names files that do not exist: {missing}"
+
+
+def resolve(dotted: str) -> bool:
+    """Whether ``ftidask.a.b.c`` is a module, or an attribute of the longest module prefix."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
+def test_named_modules_and_attributes_exist(path):
+    pytest.importorskip("distributed")  # the docs name ftidask.backends.dask's modules
+    named = set(re.findall(r"`(ftidask(?:\.\w+)+)", path.read_text()))
+    missing = sorted(n for n in named if not resolve(n))
+    assert not missing, f"{path.name} names {missing}, which do not exist"
