@@ -190,7 +190,9 @@ def test_verify_exit_status_on_damage(killed_run):
 def test_readme_clean(killed_run):
     folder, names = killed_run
     proc = sh(folder, f"ftidask clean --exec-id {names['exec']}")  # no terminal: refused, nothing removed
-    assert proc.returncode == 2 and "pass --yes" in proc.stderr, proc.stdout + proc.stderr
+    # docs/cli.md: an error is one line, `ftidask: error: ...`, exit status 2
+    assert proc.returncode == 2 and proc.stderr.startswith("ftidask: error: ") and "pass --yes" in proc.stderr, \
+        proc.stdout + proc.stderr
     assert (folder / names["l1dir"]).is_dir()
     proc = sh(folder, f"ftidask clean . --exec-id {names['exec']} --yes")
     assert proc.returncode == 0 and "removed 3 directories" in proc.stdout, proc.stdout + proc.stderr

@@ -290,8 +290,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
     print("will remove:\n  " + "\n  ".join(str(p) for p, _parent in targets))
     if not args.yes:
         if not sys.stdin.isatty():
-            print("refusing to delete without confirmation; pass --yes", file=sys.stderr)
-            return 2
+            return _error("refusing to delete without confirmation (no terminal to ask on); pass --yes")
         if input("proceed? [y/N] ").strip().lower() not in ("y", "yes"):
             return 1
     refused = 0
