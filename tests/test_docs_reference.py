@@ -62,6 +62,26 @@ def test_config_default_as_documented(row):
     assert getattr(load_config(None), key) == value
 
 
+def test_ignored_fti_keys_as_documented(tmp_path):
+    """docs/config.md lists the FTI keys accepted and ignored in any section (``name_*`` for a family): the code
+    ignores exactly those, and an FTI file holding them all loads."""
+    from ftidask.model.config import _IGNORED_KEYS
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    paragraph = text[text.index("accepted and ignored"):text.index("## [basic]")]
+    listed = re.findall(r"`(\w+\*?)`", paragraph)
+    patterns = [re.compile(name.replace("*", r"\w+") + "$") for name in listed if name != "injection"]
+    assert "injection" in paragraph
+    unlisted = sorted(k for k in _IGNORED_KEYS if not any(p.match(k) for p in patterns))
+    assert not unlisted, f"docs/config.md does not list the ignored keys {unlisted}"
+    for p in patterns:
+        assert any(p.match(k) for k in _IGNORED_KEYS), f"docs/config.md lists {p.pattern}, which the code reads"
+    lines = [f"{k} = 1" for k in sorted(_IGNORED_KEYS)]
+    (tmp_path / "fti.cfg").write_text("[basic]\n" + "\n".join(lines[::2]) + "\n[advanced]\n"
+                                      + "\n".join(lines[1::2]) + "\n[injection]\nrank = 0\nnumber = 2\n")
+    assert load_config(tmp_path / "fti.cfg") == load_config(None)
+
+
 def test_staging_page_config_table_agrees():
     """docs/staging.md repeats its keys' sections and defaults."""
     text = (ROOT / "docs" / "staging.md").read_text()
