@@ -28,7 +28,7 @@ CONCRETE = {
         "ftidask export config.fti --id 1 --level 4 --to-zarr by-id.zarr"],  # this run's level-4 checkpoint is 1
     "ftidask export Local/node0/<exec_id>/l1/ckpt40.s12 --to-zarr state.zarr": [
         "ftidask export {l1dir} --to-zarr by-dir.zarr"],
-    "ftidask clean [BASEDIR] [--exec-id X] [--yes]": [],  # run last, by test_readme_clean
+    "ftidask clean [BASEDIR] [--config F] [--exec-id X] [--yes]": [],  # run by test_readme_clean
     "ftidask inspect --json Local/node2/<exec_id>/l3/ckpt3.s3/Ckpt3-Rank2.fti": [],  # the Dask test below
 }
 SYNOPSIS = re.compile(r"[A-Z]{3,}|\[")  # docs/cli.md's usage lines (checked by test_docs_reference.py)
