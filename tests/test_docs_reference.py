@@ -82,14 +82,16 @@ def test_ignored_fti_keys_as_documented(tmp_path):
     assert load_config(tmp_path / "fti.cfg") == load_config(None)
 
 
-def test_staging_page_config_table_agrees():
-    """docs/staging.md repeats its keys' sections and defaults."""
-    text = (ROOT / "docs" / "staging.md").read_text()
-    rows = re.findall(r"^\| `(\w+)` \| (\w+) \| (\w+) \|", text, re.M)
-    assert rows
+@pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
+def test_other_pages_config_tables_agree(path):
+    """Pages that repeat some keys in a table (docs/staging.md, docs/dcp.md: key | section | default) agree."""
+    rows = re.findall(r"^\| `(\w+)` \| (basic|restart|advanced) \| `?([\w.-]+)`? \|", path.read_text(), re.M)
     for key, section, default in rows:
+        assert key in config_keys(), f"{path.name}: {key} is no config key"
         code_section, value = config_keys()[key]
-        assert (section, default) == (code_section, str(int(value)) if isinstance(value, bool) else str(value)), key
+        shown = "none" if value is None else str(int(value)) if isinstance(value, bool) else str(value)
+        assert (section, default) == (code_section, shown), f"{path.name}: {key}: [{section}] {default}; the code: " \
+                                                            f"[{code_section}] {shown}"
 
 
 def documented_range(validation: str) -> tuple[int, int | None] | None:
