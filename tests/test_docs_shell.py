@@ -134,11 +134,16 @@ def killed_run(tmp_path):
     return tmp_path, {"exec": exec_id, "l1dir": str(l1.relative_to(tmp_path)), "l4dir": str(l4.relative_to(tmp_path))}
 
 
-def test_shell_examples_on_a_killed_run(killed_run):
-    pytest.importorskip("zarr")
+@pytest.mark.parametrize("export", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["inspect-verify-list",
+                                                                                       "export"])  # export: Zarr, 3 s
+def test_shell_examples_on_a_killed_run(killed_run, export):
+    """Every documented command line but import (below), as written or as CONCRETE gives it: exit 0, the output
+    the docs describe. ``export``: the export lines; otherwise the others."""
     folder, names = killed_run
+    if export:
+        pytest.importorskip("zarr")
     for line in documented():
-        if line.startswith("ftidask import") or not runnable(line):
+        if line.startswith("ftidask import") or not runnable(line) or line.startswith("ftidask export") != export:
             continue  # import: on a new run's directory, below
         for concrete in CONCRETE.get(line, [line]):
             concrete = concrete.format(**names)
