@@ -98,9 +98,10 @@ def test_mpi_resilient_loop_block(folder):
     head = ("import os, sys\nimport numpy as np\nfrom mpi4py import MPI\nimport ftidask\n"
             "ctx = ftidask.init('config.fti', comm=MPI.COMM_WORLD)\nu = np.zeros(64)\n"
             "def halo_exchange(comm, u):\n    comm.Barrier()\n"
-            "def update(u):\n    u += 1\n    if u[0] == 120 and os.path.exists('kill'):\n"
-            "        os.remove('kill') if ctx.comm.rank == 0 else None\n        ctx.comm.Barrier()\n"
-            "        os._exit(9)\n")
+            # every rank looks for the file before rank 0 removes it: all die at iteration 120, or none
+            "def update(u):\n    u += 1\n    if u[0] == 120:\n        kill = os.path.exists('kill')\n"
+            "        ctx.comm.Barrier()\n        if kill:\n"
+            "            os.remove('kill') if ctx.comm.rank == 0 else None\n            os._exit(9)\n")
     tail = "open(f'result-{ctx.comm.rank}', 'w').write(json.dumps(u[0]))\nctx.finalize()\n"  # stdout lines interleave
     (folder / "kill").write_text("")
     proc = mpirun(folder, head + "import json\n" + loop + tail)
