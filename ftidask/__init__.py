@@ -27,7 +27,8 @@ from .model.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Block", "CheckpointError", "CheckpointHandle", "CheckpointInfo", "Config", "ConfigError", "Context", "FTIError", "FormatError",
-    "LevelError", "NoCheckpointError", "ProtectError", "RecoveryError", "ResilientLoop", "RunInUseError",
-    "StagingError", "State", "Value", "init", "init_type", "load_config", "log_to_stderr", "resilient",
+    "Block", "CheckpointError", "CheckpointHandle", "CheckpointInfo", "Config", "ConfigError", "Context", "FTIError",
+    "FormatError", "LevelError", "NoCheckpointError", "ProtectError", "RecoveryError", "ResilientLoop",
+    "RunInUseError", "StagingError", "State", "Value", "init", "init_type", "load_config", "log_to_stderr",
+    "resilient",
 ]

@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,13 @@ def _mpich_shm_swept():
             os.unlink(path)
         except OSError:
             pass
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """An empty directory holding a copy of examples/config.fti (README: ``cp examples/config.fti .``)."""
+    shutil.copy(ROOT / "examples" / "config.fti", tmp_path / "config.fti")
+    return tmp_path
 
 
 @pytest.fixture

@@ -183,3 +183,17 @@ def test_closed_pipe_ends_quietly(run_dir, command):
     stderr = proc.stderr.read()
     proc.wait(timeout=60)
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+def test_commands_on_a_config_before_any_run(tmp_path):
+    """A new user's first commands, with the example config and no run yet (or a config given to inspect): each
+    error says what is wrong and what to do (before: 'no run found in Meta: pass exec_id', an option export does
+    not have under that name; 'no FTI-FF files under config.fti'; a config inspected was 'damaged')."""
+    shutil.copy(EXAMPLE_CONFIG, tmp_path / "config.fti")
+    proc = cli("export", "config.fti", "--to-zarr", "s.zarr", cwd=tmp_path)
+    assert_error(proc, f"no run found in {tmp_path / 'Meta'}", "--exec-id", "relative directories")
+    proc = cli("verify", "config.fti", cwd=tmp_path)
+    assert_error(proc, f"no checkpoint files under {tmp_path / 'Local'} or {tmp_path / 'Global'}")
+    proc = cli("inspect", "config.fti", cwd=tmp_path)
+    assert_error(proc, "config.fti is a config file", "ftidask list --config config.fti")
+    assert not (tmp_path / "s.zarr").exists() and not (tmp_path / "Meta").exists()

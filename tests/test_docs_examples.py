@@ -39,13 +39,6 @@ def fill(code: str, placeholder: str, replacement: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-@pytest.fixture
-def folder(tmp_path):
-    """An empty directory holding a copy of examples/config.fti (README: ``cp examples/config.fti .``)."""
-    shutil.copy(EXAMPLE_CONFIG, tmp_path / "config.fti")
-    return tmp_path
-
-
 def run(folder, code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (folder / "prog.py").write_text(code)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

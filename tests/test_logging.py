@@ -85,6 +85,18 @@ def test_log_to_stderr_attaches_once():
         logger.setLevel(logging.NOTSET)
 
 
+@pytest.mark.parametrize("level", ["LOUD", 3.5, None])
+def test_log_to_stderr_refuses_an_unknown_level(level):
+    """An ftidask error naming the levels it takes (before: logging's raw ValueError/TypeError); nothing changed."""
+    import ftidask
+
+    logger = logging.getLogger("ftidask")
+    before, was = list(logger.handlers), logger.level
+    with pytest.raises(ftidask.FTIError, match=r"log_to_stderr\(level=.*\): .*logging.INFO or 'INFO'"):
+        ftidask.log_to_stderr(level)
+    assert logger.handlers == before and logger.level == was
+
+
 MPI_SCRIPT = """
 import sys
 import numpy as np

@@ -56,3 +56,37 @@ def test_config_refused_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> 
     errors = [r["error"] for r in _results(tmp_path)]
     assert {e["type"] for e in errors} == {"ConfigError"} and len({e["message"] for e in errors}) == 1, errors
     assert "rank 1: config key '[basic] ckpt_l1': expected an integer, got 'x'" in errors[0]["message"]
+
+
+NULL_COMM = r"""
+import sys
+from mpi4py import MPI
+import ftidask
+
+base = sys.argv[1]
+dirs = dict(ckpt_dir=base + "/L", glbl_dir=base + "/G", meta_dir=base + "/M", local_test=1)
+with ftidask.init(comm=MPI.COMM_WORLD, **dirs) as ctx:
+    freed = ctx.comm                          # FTI_COMM_WORLD: freed by finalize
+for comm in (MPI.COMM_NULL, freed):
+    try:
+        ftidask.init(comm=comm, **dirs)
+    except ftidask.FTIError as exc:
+        with open(f"{base}/null-{MPI.COMM_WORLD.rank}.txt", "a") as out:  # the ranks' stdout lines interleave
+            out.write(f"{type(exc).__name__} {exc}\n")
+"""
+
+
+def test_init_with_a_null_communicator_says_so(tmp_path: Path) -> None:
+    """MPI.COMM_NULL (or ctx.comm of a finalized context) as comm: an FTIError saying what to pass (before: a raw
+    mpi4py 'Invalid communicator' traceback from deep inside init)."""
+    import subprocess
+    import sys
+
+    from mpi_util import env, mpiexec
+
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c", NULL_COMM, str(tmp_path)], env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    lines = [line for r in range(2) for line in (tmp_path / f"null-{r}.txt").read_text().splitlines()]
+    assert len(lines) == 4 and all(line.startswith("FTIError comm is MPI.COMM_NULL") for line in lines), lines
+    assert all("MPI.COMM_WORLD" in line for line in lines), lines

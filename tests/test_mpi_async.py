@@ -38,3 +38,6 @@ def test_async_below_thread_multiple_is_blocking(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("OK") == 2 and "THREAD 3" not in proc.stdout
     assert "asynchronous checkpoints are written before the call returns" in proc.stderr
+    # ... and what to do about it (docs/troubleshooting.md): the level MPI gave, the one needed, how to ask for it
+    assert "MPI was initialized with MPI_THREAD_SERIALIZED" in proc.stderr, proc.stderr
+    assert "MPI_THREAD_MULTIPLE" in proc.stderr and "mpi4py.rc.thread_level = 'multiple'" in proc.stderr, proc.stderr

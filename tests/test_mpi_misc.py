@@ -34,7 +34,7 @@ def test_keep_last_ckpt_survives_every_local_loss(tmp_path: Path) -> None:
     ({"node_size": 4, "head": 1}, 1, None, ""),  # one node, one head: L1 works
     ({"local_test": 0, "node_size": 4}, 4, None, ""),  # nodes by host name: this machine is one node
     ({"local_test": 0, "node_size": 2}, 1, "ConfigError", "runs 4 process(es), node_size is 2"),
-    ({"local_test": 0, "node_size": 4}, 2, "LevelError", "not a multiple of group_size"),
+    ({"local_test": 0, "node_size": 4}, 2, "LevelError", "one node: L2 and L3 need 2 or more (on one machine"),
 ])
 def test_same_outcome_on_every_rank(tmp_path: Path, overrides: dict, level: int, error: str | None,
                                     match: str) -> None:

@@ -147,3 +147,14 @@ def test_recorded_groups_that_are_not_lists_of_ranks_are_a_level_error(groups):
     """A record's groups of the wrong types raised TypeError while they were sorted."""
     with pytest.raises(LevelError, match="groups"):
         recorded_topology(groups)
+
+
+def test_layout_errors_say_what_to_set() -> None:
+    """A node or group count that does not fit says which setting fits (before: only what did not fit)."""
+    assert "set group_size to 2, 3 or 6 (a divisor of the 6 nodes), or run on a multiple of 4 nodes" in \
+        local_topology(6, 1, 0, 4).multilevel_ok()
+    assert "one node: L2 and L3 need 2 or more (on one machine: local_test = 1" in \
+        local_topology(3, 3, 0, 4).multilevel_ok()
+    assert "set group_size to 2 or more" in local_topology(4, 1, 0, 1).multilevel_ok()
+    with pytest.raises(ConfigError, match=r"set node_size to the processes on each node \(1, 2, 3 or 6"):
+        local_topology(6, 4, 0, 4)

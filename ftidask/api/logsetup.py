@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from ..model.errors import FTIError
+
 _LOGGER = "ftidask"
 _HANDLER_NAME = "ftidask-stderr"
 VERBOSITY_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
@@ -50,8 +52,13 @@ def _handler() -> logging.Handler | None:
 def log_to_stderr(level: int | str = logging.INFO) -> logging.Handler:
     """Print ftidask's log lines at ``level`` and above on stderr (``logging.INFO``: one line per
     checkpoint and recovery). Calling it again changes the level; the handler is attached once."""
+    known = isinstance(level, int) and not isinstance(level, bool) or isinstance(level, str) and isinstance(
+        logging.getLevelName(level.upper()), int)
+    if not known:  # logging's own error would be a raw ValueError or TypeError
+        raise FTIError(f"log_to_stderr(level={level!r}): give a logging level, e.g. logging.INFO or 'INFO' "
+                       "(DEBUG, INFO, WARNING, ERROR)")
     logger = logging.getLogger(_LOGGER)
-    logger.setLevel(level)
+    logger.setLevel(level.upper() if isinstance(level, str) else level)
     handler = _handler()
     if handler is None:
         handler = _StderrHandler()

@@ -18,10 +18,10 @@ On a restart (``ctx.status() != 0``) the arrays are recovered and the loop resum
 last checkpointed iteration. The loop's counter is checkpointed with them, and so are, if given,
 a NumPy random generator (``rng=``: it continues the exact same stream) and a dict of JSON values
 (``state=``, e.g. an ``ftidask.State``), all recovered in place (see :mod:`ftidask.engine.pystate`).
-``arrays`` may hold Python states too (``ftidask.Value``, ``ftidask.State``, generators). When the job is told its time is up (SIGTERM or SIGUSR1, as batch
-schedulers send before the walltime), every rank finishes its current iteration, the ranks
-agree, a checkpoint is written and the loop stops: the decorator then exits the process with
-status 0 (``exit_on_signal``), the context manager sets ``loop.stopped``.
+``arrays`` may hold Python states too (``ftidask.Value``, ``ftidask.State``, generators). When the job
+is told its time is up (SIGTERM or SIGUSR1, as batch schedulers send before the walltime), every rank
+finishes its current iteration, the ranks agree, a checkpoint is written and the loop stops: the
+decorator then exits the process with status 0 (``exit_on_signal``), the context manager sets ``loop.stopped``.
 """
 
 from __future__ import annotations

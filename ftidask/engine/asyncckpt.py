@@ -68,7 +68,7 @@ class AsyncCheckpoints:
         if self._committer is None and not self._unavailable:
             transport = self.run.transport.background()
             if transport is None:
-                self._unavailable = f"the {self.run.transport.name} backend gives no background channel"
+                self._unavailable = self.run.transport.no_background()
                 log.warning("asynchronous checkpoints are written before the call returns: %s", self._unavailable)
                 return None
             self._transport = transport

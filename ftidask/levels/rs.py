@@ -93,7 +93,8 @@ def parity_ok(parity: Path, size: int, block: int) -> bool:
 
 
 def check_parity(parity: Path, block: int = 1 << 20, size: int | None = None) -> str:
-    """'' when ``parity`` matches its ``.hash`` record (length and hash; ``size``: the length expected), else why not."""
+    """'' when ``parity`` matches its ``.hash`` record (length and hash; ``size``: the length expected), else
+    why not."""
     info = read_json(hash_path(parity))
     try:
         if not isinstance(info, dict):

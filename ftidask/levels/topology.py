@@ -125,16 +125,31 @@ class Topology:
             small = [list(g) for g in self.node_groups if len(g) < 2]
             return f"group(s) {small} have fewer than 2 nodes: L2 and L3 need 2 or more" if small else ""
         if self.group_size < 2:
-            return f"group_size = {self.group_size}: L2 and L3 need group_size >= 2"
+            return f"group_size = {self.group_size}: L2 and L3 need group_size >= 2; set group_size to 2 or more"
+        if self.nnodes < 2:
+            return ("one node: L2 and L3 need 2 or more (on one machine: local_test = 1, which makes a node of "
+                    "every node_size ranks)")
         if self.nnodes % self.group_size:
+            fits = [g for g in range(2, min(self.nnodes, 255) + 1) if self.nnodes % g == 0]
             return (f"{self.nnodes} node(s) are not a multiple of group_size = {self.group_size} "
-                    "(L2 and L3 need whole groups of nodes)")
+                    f"(L2 and L3 need whole groups of nodes): set group_size to {_either(fits)} (a divisor of the "
+                    f"{self.nnodes} nodes), or run on a multiple of {self.group_size} nodes")
         return ""
+
+
+def _either(numbers: list[int]) -> str:
+    """``[1, 2, 3]`` -> ``'1, 2 or 3'`` (the first 8 only, then ``...``)."""
+    shown = [str(n) for n in numbers[:8]]
+    if len(numbers) > 8:
+        return ", ".join(shown) + ", ..."
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
 
 
 def _check_basic(nprocs: int, node_size: int, head: int) -> None:
     if nprocs % node_size:
-        raise ConfigError(f"the number of processes ({nprocs}) is not a multiple of node_size ({node_size})")
+        fits = [n for n in range(1, nprocs + 1) if nprocs % n == 0]
+        raise ConfigError(f"the number of processes ({nprocs}) is not a multiple of node_size ({node_size}): set "
+                          f"node_size to the processes on each node ({_either(fits)}: a divisor of {nprocs})")
     if head and node_size < 2:
         raise ConfigError("head = 1 needs node_size >= 2 (one head and at least one application process per node)")
 

@@ -106,6 +106,9 @@ def _fti_parity_problem(path: Path) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..engine.pystate import read_states
 
+    if is_config_file(Path(args.file)):  # a checkpoint is binary: this is FTI's config.fti, not Ckpt*-Rank*.fti
+        return _error(f"{args.file} is a config file, not a checkpoint file: `ftidask list --config {args.file}` "
+                      "lists its run's checkpoints, and inspect takes one of their Ckpt*-Rank*.fti files")
     try:
         with open_read(args.file) as fh:
             parsed = parse_ftiff(fh, args.file)
@@ -136,6 +139,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         files = [root] if root.is_file() or root.suffix == ".zarr" else _ftiff_files(root) + _parity_files(root)
     if root.is_dir() and root.suffix != ".zarr":  # level 4 written as Zarr, and exports
         files += _zarr_stores(root)
+    if not files and is_config_file(root):
+        return _error(f"no checkpoint files under {Path(cfg.ckpt_dir).absolute()} or {Path(cfg.glbl_dir).absolute()}"
+                      f" (the directories of {root}; relative ones are taken from the current directory)")
     if not files:
         return _error(f"no FTI-FF files under {root}")
     bad = 0
@@ -284,8 +290,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
     print("will remove:\n  " + "\n  ".join(str(p) for p, _parent in targets))
     if not args.yes:
         if not sys.stdin.isatty():
-            print("refusing to delete without confirmation; pass --yes", file=sys.stderr)
-            return 2
+            return _error("refusing to delete without confirmation (no terminal to ask on); pass --yes")
         if input("proceed? [y/N] ").strip().lower() not in ("y", "yes"):
             return 1
     refused = 0

@@ -54,7 +54,9 @@ def _from_record(config: Config, exec_id: str | None, ckpt_id: int | None, level
     else:
         check_exec_id(exec_id, "--exec-id")
     if not exec_id:
-        raise NoCheckpointError(f"no run found in {meta_dir}: pass exec_id")
+        raise NoCheckpointError(f"no run found in {meta_dir.absolute()}: no checkpoint was written with this "
+                                "meta_dir (relative directories are taken from the current directory), or name the "
+                                "run with --exec-id ID (exec_id=... in Python)")
     state = RunState(meta_dir, exec_id)
     records = [r for r in [*state.records(), *state.fallbacks()]
                if (ckpt_id is None or r.ckpt_id == ckpt_id) and (level is None or r.level == level)]

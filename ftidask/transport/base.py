@@ -103,6 +103,10 @@ class Transport(abc.ABC):
         never mix with this one's, made now (collective); None when the backend cannot give one."""
         return None
 
+    def no_background(self) -> str:
+        """Why :meth:`background` gave None, and what to do about it (said in the warning)."""
+        return f"the {self.name} backend gives no background channel"
+
     def close(self) -> None:
         """Release what the transport holds (a duplicated communicator, ...)."""
 

@@ -360,6 +360,7 @@ class DaskContext(Context):
         return restore.stored_size(self, vid)
 
     def realloc(self, id: int, array: Any = None) -> Any:
+        """FTI_Realloc has no use here (an FTIError says so): :meth:`recover` returns arrays of the stored shape."""
         raise FTIError("realloc is not needed with Dask: recover() returns new arrays of the stored shape")
 
     # --- display -------------------------------------------------------------------------------------

@@ -217,6 +217,18 @@ class MpiTransport(GroupLevels):
         clone._foreground = self
         return clone
 
+    def no_background(self) -> str:
+        """Why :meth:`background` gives None: the thread level MPI was initialized with, and how to ask for more."""
+        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+                 MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
+        level = MPI.Query_thread()
+        if self.is_head or level >= MPI.THREAD_MULTIPLE:
+            return super().no_background()
+        return (f"MPI was initialized with {names.get(level, level)}, and a background thread that sends while the "
+                "application does needs MPI_THREAD_MULTIPLE: let mpi4py initialize MPI (it asks for MULTIPLE unless "
+                "mpi4py.rc.thread_level or MPI4PY_RC_THREAD_LEVEL says otherwise), or set "
+                "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI, with an MPI library that provides it")
+
     def close(self) -> None:
         if self._closed:
             return
@@ -241,6 +253,9 @@ def make_mpi_context(cfg: Config | None, comm: Any, refused: FTIError | None = N
 
     if not isinstance(comm, MPI.Comm):
         raise FTIError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+    if comm == MPI.COMM_NULL:  # every MPI call on it fails, deep inside; a finalized context's ctx.comm is one
+        raise FTIError("comm is MPI.COMM_NULL (a freed communicator, such as ctx.comm after finalize()): pass "
+                       "MPI.COMM_WORLD or another live intracommunicator")
     refusals = [r for r in allgather_json(comm, f"rank {comm.Get_rank()}: {refused}" if refused else "") if r]
     if refusals:
         raise ConfigError(f"init refused the config: {'; '.join(refusals)}")  # load_config's errors are ConfigErrors
