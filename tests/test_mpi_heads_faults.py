@@ -261,3 +261,41 @@ def test_heads_parity_records_the_files_it_encodes_and_damage_is_found(tmp_path:
     shutil.rmtree(next(base.glob("Local/node0/*")))
     _assert_recovered(_recover(base, HEADS), [1, 3])
     assert subprocess.run(cli, capture_output=True, text=True, env=env(), timeout=60).returncode == 0  # rebuilt
+
+
+def _lose_ckpt2(base: Path, where: list[str]) -> None:
+    """Make checkpoint 2 unrecoverable: its directory on each node of ``where`` removed (its spares stay), or its
+    global file of rank 1 cut short (``global``)."""
+    for node in where:
+        if node == "global":
+            (path,) = base.glob("Global/*/l4/ckpt2.*/Ckpt2-Rank1.fti")
+            path.write_bytes(path.read_bytes()[:1000])
+            continue
+        dirs = list(base.glob(f"Local/{node}/*/l[23]/ckpt2.*"))
+        assert dirs, node
+        for path in dirs:
+            shutil.rmtree(path)
+
+
+# name -> (levels, what checkpoint 2 loses): more than the level rebuilds
+FALLBACKS = {
+    "l2-dcp": ("6,6", ["node1", "node2"]),  # two adjacent nodes: rank 1's file and its partner copy
+    "l3-dcp": ("7,7", ["node0", "node1", "node2"]),  # 6 of the group's 8 files
+    "l4-dcp": ("8,8", ["global"]),
+}
+
+
+@pytest.mark.parametrize("heads", [True, False], ids=["heads", "no-heads"])
+@pytest.mark.parametrize("name", FALLBACKS)
+def test_damaged_differential_checkpoint_falls_back_with_heads_as_without(tmp_path: Path, name: str,
+                                                                          heads: bool) -> None:
+    """Differential L2-L4 checkpoints 1 and 2; checkpoint 2 then lost beyond what its level rebuilds: the restart
+    recovers checkpoint 1 (the previous differential checkpoint, kept as the level's spares), bit for bit on every
+    rank, with heads as without. Before, with heads, the heads deleted checkpoint 1 when they raised checkpoint 2:
+    NoCheckpointError."""
+    levels, lost = FALLBACKS[name]
+    cfg, nprocs = ({**HEADS, "enable_dcp": 1}, 8) if heads else ({**NO_HEADS, "enable_dcp": 1}, 4)
+    base = tmp_path / "run"
+    _write(base, cfg, levels, nprocs=nprocs)
+    _lose_ckpt2(base, lost)
+    _assert_recovered(_recover(base, cfg, nprocs), [1, int(levels[0]) - 4])

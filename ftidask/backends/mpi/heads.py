@@ -20,7 +20,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ...engine.dcpstore import write_spare_hint
-from ...engine.retention import to_retire
+from ...engine.retention import rank_path, to_retire
 from ...engine.runstate import CommitRecord, RunState
 from ...levels import multilevel
 from ...model.config import Config
@@ -177,13 +177,34 @@ def _keep_as_spares(paths: storage.RunPaths, topo: Any, node: int, record: Commi
         write_spare_hint(spare, fb[app])
 
 
+def _keep_as_fallback(paths: storage.RunPaths, topo: Any, node: int, old: CommitRecord) -> None:
+    """Move this node's files of the retired differential checkpoint ``old`` (L2-L4) to its level's spares, where
+    its fallback record points (:func:`~ftidask.engine.retention.rank_path`), as a rank does without heads."""
+    for pos in range(topo.app_per_node):
+        app = topo.app_rank_at(node, pos)
+        spare = rank_path(paths, old.as_fallback(), node, app)
+        storage.makedirs(spare.parent)
+        os.replace(rank_path(paths, old, node, app), spare)
+
+
 def _retire_older(cfg: Config, t: MpiTransport, state: RunState, paths: storage.RunPaths,
                   record: CommitRecord) -> None:
+    """Drop the checkpoints that ``record`` retires (collective over the heads). With differential checkpoints, as
+    without heads (:meth:`~ftidask.engine.retention.Retention.remove_checkpoint`): a retired differential
+    checkpoint of L2-L4 keeps its files as its level's spares, named its level's fallback first (killed in
+    between, its commit record or the fallback names it), which a recovery tries when no newer checkpoint verifies."""
     raw = on_root(t, lambda: [r.to_json() for r in state.records()], FTIError, "cannot read the commit records")
     failed: list[str] = []
     for old in to_retire(map(CommitRecord.from_json, raw), record, bool(cfg.keep_l4_ckpt)):
-        on_root(t, functools.partial(state.delete_record, old.seq), FTIError,
-                f"removing checkpoint {old.ckpt_id} (level {old.level}) failed")
+        what = f"removing checkpoint {old.ckpt_id} (level {old.level}) failed"
+        kept = bool(cfg.enable_dcp) and bool(old.extra.get("dcp")) and old.level in (2, 3, 4)
+        if cfg.enable_dcp:
+            on_root(t, functools.partial(state.note_retired, old, kept), FTIError, what)
+        if kept:  # local: a file not moved leaves a spare that fails the fallback's FB hash check, passed over
+            guarded(failed, functools.partial(_keep_as_fallback, paths, t.topo, t.node, old), None,
+                    f"keeping checkpoint {old.ckpt_id} as the previous checkpoint")
+        # After every head moved its files (a collective): the global L4 directory goes below.
+        on_root(t, functools.partial(state.delete_record, old.seq), FTIError, what)
         for level in {old.level, 1, 2, 3}:  # local, between collectives: never raises (a full disk is agreed below)
             guarded(failed, functools.partial(storage.remove_tree, paths.level_dir(level, t.node) / old.dirname))
         if t.rank == 0:
