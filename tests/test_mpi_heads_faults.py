@@ -113,11 +113,11 @@ def test_finalize_while_heads_post_process(tmp_path: Path) -> None:
     _assert_recovered(_recover(base, HEADS), [2, 4])
 
 
-# name -> (levels, crash point): a head dies while it raises differential checkpoint 2 (L2_DCP, L3_DCP: in the
-# level's exchanges; L4_DCP: copying the file to the global directory)
+# name -> (levels, crash point): a head dies while it raises differential checkpoint 2 (L2_DCP: in the level's
+# exchanges; L3_DCP: encoding the parity; L4_DCP: copying the file to the global directory)
 DCP_KILLS = {
     "l2-dcp": ("6,6", "2:ftidask.levels.multilevel:protect@2"),
-    "l3-dcp": ("7,7", "6:ftidask.levels.multilevel:protect@2"),
+    "l3-dcp": ("7,7", "6:ftidask.levels.multilevel:protect@2"),  # every element changes: encoded in full
     "l4-dcp": ("8,8", "4:ftidask.storage.files:copy_file_atomic@2"),
 }
 

@@ -27,6 +27,7 @@ from ...model.config import Config
 from ...model.errors import FTIError
 from ...storage import files as storage
 from ...transport.collective import agree, guarded, on_root, reason
+from .head_parity import previous_l3, update_parity
 from .stage_heads import serve_stage_request
 from .transport import _TAG_REPLY, _TAG_REQ, MpiTransport, recv_json, send_json
 
@@ -122,6 +123,8 @@ def _raise(cfg: Config, t: MpiTransport, job: _Job) -> dict[str, Any]:
     src_dir = paths.level_dir(1, node) / record.dirname
     dst_dir = paths.level_dir(level, node) / record.dirname
     errors: list[str] = []
+    state = RunState(Path(cfg.meta_dir), job.exec_id)
+    prev = _previous_l3(t, state, record) if level == 3 else None
     for pos in range(topo.app_per_node):
         app = topo.app_rank_at(node, pos)
         name = storage.rank_file(record.ckpt_id, app)
@@ -134,11 +137,16 @@ def _raise(cfg: Config, t: MpiTransport, job: _Job) -> dict[str, Any]:
         group = topo.group_ranks(app)
         # The parity's record lists the FB hashes of the files it encodes, as without heads: what lets a
         # differential L3 checkpoint update it instead of encoding it anew (rs_delta).
-        problem = multilevel.protect_in_step(t.group, cfg, level, record.ckpt_id, app, dst_dir / name, dst_dir,
-                                             [sizes[r] for r in group],
-                                             [fb[r] for r in group] if level == 3 else None)
+        done, problem = False, ""
+        if prev is not None:  # a differential L3: the previous parity updated where the files did not change
+            done, problem = update_parity(cfg, t.group, prev, paths.level_dir(3, node) / prev.dirname, app,
+                                          dst_dir / name, dst_dir / storage.parity_file(record.ckpt_id, app),
+                                          [sizes[r] for r in group], [fb[r] for r in group])
+        if not done:  # the same on every member of the group
+            problem = multilevel.protect_in_step(t.group, cfg, level, record.ckpt_id, app, dst_dir / name, dst_dir,
+                                                 [sizes[r] for r in group],
+                                                 [fb[r] for r in group] if level == 3 else None)
         errors += [f"node {node}: {problem}"] if problem else []
-    state = RunState(Path(cfg.meta_dir), job.exec_id)
     raised = dataclasses.replace(record, level=level)
     what = f"raising checkpoint {record.ckpt_id} to level {level} failed"
     try:
@@ -158,6 +166,18 @@ def _raise(cfg: Config, t: MpiTransport, job: _Job) -> dict[str, Any]:
                    f"after it failed: {exc}")
     log.info("head of node %d: checkpoint %d raised to level %d", node, record.ckpt_id, level)
     return {"ok": True, "error": cleanup, "level": level, "ckpt_id": record.ckpt_id}
+
+
+def _previous_l3(t: MpiTransport, state: RunState, record: CommitRecord) -> CommitRecord | None:
+    """The committed L3 checkpoint whose parity the heads update for differential ``record`` (collective: the same
+    on every head; None when there is none, or the records cannot be read: the parity is then encoded in full)."""
+    if not record.extra.get("dcp"):
+        return None
+    try:
+        raw = on_root(t, lambda: [r.to_json() for r in state.records()], FTIError, "cannot read the commit records")
+    except FTIError:
+        return None
+    return previous_l3([CommitRecord.from_json(r) for r in raw], record)
 
 
 def _keep_as_spares(paths: storage.RunPaths, topo: Any, node: int, record: CommitRecord, src_dir: Path) -> None:
