@@ -77,27 +77,40 @@ def keep_in_step(group: GroupChannel, cfg: Config, level: int, sizes: list[int])
 
 class _Counted:
     """A group channel that counts the exchanges made through it, and makes none for the first ``skip`` ones
-    (made before: :func:`keep_in_step` replays a level from its start); those return placeholders."""
+    (made before: :func:`keep_in_step` replays a level from its start); those return placeholders. An exchange
+    that raises is not counted: the exception came before the group saw it (a bad buffer, a local error)."""
 
     def __init__(self, group: GroupChannel, skip: int = 0) -> None:
         self.group, self.skip, self.done = group, skip, 0
         self.index, self.size = group.index, group.size
 
-    def _made(self) -> bool:
-        self.done += 1
-        return self.done > self.skip
+    def _skipped(self) -> bool:
+        if self.done < self.skip:
+            self.done += 1
+            return True
+        return False
 
     def allgather(self, value: Any) -> list[Any]:
-        return self.group.allgather(value) if self._made() else [value] * self.size
+        if self._skipped():
+            return [value] * self.size
+        out = self.group.allgather(value)
+        self.done += 1
+        return out
 
     def allgather_blocks(self, block: np.ndarray) -> list[np.ndarray]:
-        return self.group.allgather_blocks(block) if self._made() else [block] * self.size
+        if self._skipped():
+            return [block] * self.size
+        out = self.group.allgather_blocks(block)
+        self.done += 1
+        return out
 
     def exchange(self, send: np.ndarray | None, dest: int | None, recv_nbytes: int,
                  source: int | None) -> np.ndarray | None:
-        if self._made():
-            return self.group.exchange(send, dest, recv_nbytes, source)
-        return np.zeros(recv_nbytes, np.uint8) if source is not None else None
+        if self._skipped():
+            return np.zeros(recv_nbytes, np.uint8) if source is not None else None
+        out = self.group.exchange(send, dest, recv_nbytes, source)
+        self.done += 1
+        return out
 
 
 def rebuild(group: GroupChannel, cfg: Config, level: int, ckpt_id: int, rank: int, own_file: Path, ckpt_dir: Path,
