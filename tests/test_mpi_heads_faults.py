@@ -298,4 +298,13 @@ def test_damaged_differential_checkpoint_falls_back_with_heads_as_without(tmp_pa
     base = tmp_path / "run"
     _write(base, cfg, levels, nprocs=nprocs)
     _lose_ckpt2(base, lost)
-    _assert_recovered(_recover(base, cfg, nprocs), [1, int(levels[0]) - 4])
+    level = int(levels[0]) - 4
+    _assert_recovered(_recover(base, cfg, nprocs), [1, level])
+    for result in base.glob("result-*.json"):
+        result.unlink()
+    # The run goes on from checkpoint 1 (checkpoints 2 and 3 anew); retiring the lost checkpoint 2 is no failure.
+    stdout = _write(base, {**cfg, "resume": True}, levels, nprocs=nprocs)
+    replies = _replies(stdout, 3)
+    assert replies == [None] * NAPP if not heads else all(r == {"ok": True, "error": "", "level": level,
+                                                                 "ckpt_id": 3} for r in replies), replies
+    _assert_recovered(_recover(base, cfg, nprocs), [3, level])

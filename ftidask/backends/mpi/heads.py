@@ -199,12 +199,19 @@ def _keep_as_spares(paths: storage.RunPaths, topo: Any, node: int, record: Commi
 
 def _keep_as_fallback(paths: storage.RunPaths, topo: Any, node: int, old: CommitRecord) -> None:
     """Move this node's files of the retired differential checkpoint ``old`` (L2-L4) to its level's spares, where
-    its fallback record points (:func:`~ftidask.engine.retention.rank_path`), as a rank does without heads."""
+    its fallback record points (:func:`~ftidask.engine.retention.rank_path`), as a rank does without heads.
+
+    Best effort, as :meth:`~ftidask.engine.dcpstore.DcpStore.retire`: a file that is gone (a lost node) or cannot
+    be moved leaves a spare that fails the fallback's FB hash check, passed over by a recovery."""
     for pos in range(topo.app_per_node):
         app = topo.app_rank_at(node, pos)
         spare = rank_path(paths, old.as_fallback(), node, app)
-        storage.makedirs(spare.parent)
-        os.replace(rank_path(paths, old, node, app), spare)
+        try:
+            storage.makedirs(spare.parent)
+            os.replace(rank_path(paths, old, node, app), spare)
+        except OSError as exc:
+            log.debug("head of node %d: checkpoint %d of rank %d not kept as its spare: %s", node, old.ckpt_id, app,
+                      exc)
 
 
 def _retire_older(cfg: Config, t: MpiTransport, state: RunState, paths: storage.RunPaths,
@@ -220,9 +227,8 @@ def _retire_older(cfg: Config, t: MpiTransport, state: RunState, paths: storage.
         kept = bool(cfg.enable_dcp) and bool(old.extra.get("dcp")) and old.level in (2, 3, 4)
         if cfg.enable_dcp:
             on_root(t, functools.partial(state.note_retired, old, kept), FTIError, what)
-        if kept:  # local: a file not moved leaves a spare that fails the fallback's FB hash check, passed over
-            guarded(failed, functools.partial(_keep_as_fallback, paths, t.topo, t.node, old), None,
-                    f"keeping checkpoint {old.ckpt_id} as the previous checkpoint")
+        if kept:  # local, between collectives: never raises
+            guarded([], functools.partial(_keep_as_fallback, paths, t.topo, t.node, old))
         # After every head moved its files (a collective): the global L4 directory goes below.
         on_root(t, functools.partial(state.delete_record, old.seq), FTIError, what)
         for level in {old.level, 1, 2, 3}:  # local, between collectives: never raises (a full disk is agreed below)
