@@ -216,3 +216,51 @@ def test_verify_checks_parity_against_its_record(tmp_path, capsys):
     lose(tmp_path, 3, 1, "red", "corrupt")
     assert main(["verify", str(parity)]) == 1
     assert "does not match its recorded hash" in capsys.readouterr().out
+
+
+class _Faulty:
+    """A member's group channel whose ``nth`` exchange raises before it is made (a bug in the member's level step)."""
+
+    def __init__(self, ch, nth: int) -> None:
+        self.ch, self.nth, self.calls = ch, nth, 0
+        self.index, self.size = ch.index, ch.size
+
+    def _tick(self) -> None:
+        self.calls += 1
+        if self.calls == self.nth:
+            raise RuntimeError("injected channel failure")
+
+    def allgather(self, value):
+        self._tick()
+        return self.ch.allgather(value)
+
+    def allgather_blocks(self, block):
+        self._tick()
+        return self.ch.allgather_blocks(block)
+
+    def exchange(self, *args):
+        self._tick()
+        return self.ch.exchange(*args)
+
+
+@pytest.mark.parametrize("level", [2, 3])
+@pytest.mark.parametrize("nth", [1, 3])
+def test_a_member_failing_inside_the_level_keeps_the_group_in_step(tmp_path, level, nth):
+    """``multilevel.protect_in_step`` (the MPI heads' L2/L3): an exception escaping the level code on one member
+    (its channel raising before its first, or third, exchange) is that member's error, and it takes part in the
+    rest of the group's exchanges without its file: the other members end the level (no broken or timed-out
+    collective, which ``multilevel.protect`` leaves them in) and write their redundancy."""
+    sizes = [2_500_000, 2_400_000, 2_600_000, 2_500_000] if level == 2 else [5000, 4000, 6000, 5000]
+    for i, n in enumerate(sizes):
+        own(tmp_path, i).parent.mkdir(parents=True)
+        own(tmp_path, i).write_bytes(bytes([i + 1]) * n)
+
+    def step(ch):
+        chan = _Faulty(ch, nth) if ch.index == 1 else ch
+        return multilevel.protect_in_step(chan, CFG, level, CKPT, ch.index, own(tmp_path, ch.index),
+                                          own(tmp_path, ch.index).parent, sizes)
+
+    results, errors = run_group(len(sizes), step, wait=30)
+    assert errors == [] and "injected channel failure" in results[1], (errors, results)
+    assert [results[i] for i in (0, 2, 3)] == [""] * 3, results
+    assert all(redundancy(tmp_path, level, i).is_file() for i in (0, 2, 3))

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from mpi_util import need_mpi, run
+from mpi_util import env, need_mpi, run
 
 pytestmark = need_mpi()
 
@@ -79,6 +81,10 @@ KILLS = {
     "root-head-after-commit": ("3,3", "0:ftidask.engine.runstate:RunState.write_record:after@2", [], [2, 3]),
     # the head copying checkpoint 2 to the global directory dies: checkpoint 2 stays at L1
     "head-in-l4-copy": ("4,4", "6:ftidask.storage.files:copy_file_atomic@2", [], [2, 1]),
+    # a head dies while it sends checkpoint 2 to its partner (L2): checkpoint 2 stays at L1
+    "head-in-partner-copy": ("2,2", "4:ftidask.levels.multilevel:protect@2", [], [2, 1]),
+    # ... and with a node lost too: checkpoint 1, raised to L2 before, rebuilds it from its partner copy
+    "head-in-partner-copy-node-lost": ("2,2", "4:ftidask.levels.multilevel:protect@2", ["node2"], [1, 2]),
     # an application rank dies right after checkpoint 2 returns, while its head raises it to L3: at L1, or at L3
     # when the head committed before mpiexec tore the job down (a race on a loaded machine: both are exact)
     "app-while-head-works": ("2,3", "app:2", [], [[2, 1], [2, 3]]),
@@ -105,6 +111,33 @@ def test_finalize_while_heads_post_process(tmp_path: Path) -> None:
     _write(base, {**HEADS, "finalize": True, "keep_last_ckpt": 1}, "3,3")
     assert not _l1_files(base)
     _assert_recovered(_recover(base, HEADS), [2, 4])
+
+
+# name -> (levels, crash point): a head dies while it raises differential checkpoint 2 (L2_DCP: in the level's
+# exchanges; L3_DCP: encoding the parity; L4_DCP: copying the file to the global directory)
+DCP_KILLS = {
+    "l2-dcp": ("6,6", "2:ftidask.levels.multilevel:protect@2"),
+    "l3-dcp": ("7,7", "6:ftidask.levels.multilevel:protect@2"),  # every element changes: encoded in full
+    "l4-dcp": ("8,8", "4:ftidask.storage.files:copy_file_atomic@2"),
+}
+
+
+@pytest.mark.parametrize("name", DCP_KILLS)
+def test_kill_while_heads_raise_a_differential_checkpoint(tmp_path: Path, name: str) -> None:
+    """A head SIGKILLed while it raises differential checkpoint 2 tears the job down (no hang: run's timeout);
+    checkpoint 2 stays a valid differential L1 checkpoint, which a restart recovers bit for bit, and the restarted
+    run goes on with differential checkpoints that a second restart recovers exactly."""
+    levels, kill = DCP_KILLS[name]
+    cfg = {**HEADS, "enable_dcp": 1}
+    base = tmp_path / "run"
+    _write(base, cfg, levels, kill)
+    _assert_recovered(_recover(base, cfg), [2, 1])
+    for result in base.glob("result-*.json"):
+        result.unlink()
+    level = int(levels[0])
+    stdout = _write(base, {**cfg, "resume": True}, levels)
+    assert all(r["ok"] and r["level"] == level - 4 for r in _replies(stdout, 4)), stdout
+    _assert_recovered(_recover(base, cfg), [4, level - 4])
 
 
 @pytest.mark.slow
@@ -176,3 +209,102 @@ def test_recover_while_heads_post_process_waits_for_them(tmp_path: Path) -> None
     stdout = _write(tmp_path / "run", {**HEADS, "rollback": True}, "3,3")
     rolled = re.findall(r"ROLLBACK \d+ (\[\d+, \d+\]) (True|False)", stdout)
     assert rolled == [("[2, 3]", "True")] * NAPP, stdout
+
+
+# name -> (levels, the seam: one head raises at the start of checkpoint 1's post-processing)
+HEAD_BUGS = {
+    # an exception escaping the level's entry point before the group's exchanges (L3 parity, L2 partner copy)
+    "l3-protect": ("3,3", "2:ftidask.levels.multilevel:protect:raise@1"),
+    "l2-protect": ("2,2", "4:ftidask.levels.multilevel:protect:raise@1"),
+    # ... or escaping the head's first step, reading the request (its commit record)
+    "request": ("3,3", "6:ftidask.engine.runstate:CommitRecord.from_json:raise@1"),
+}
+
+
+@pytest.mark.parametrize("name", HEAD_BUGS)
+def test_a_bug_on_one_head_fails_the_post_processing_on_every_head(tmp_path: Path, name: str) -> None:
+    """An unexpected exception on one head, before its group's exchanges: the other heads must not wait for it (a
+    hang: the job's timeout fails the test). Every application rank gets the same failed reply naming it, checkpoint
+    1 stays at L1 (no half-raised level directory left), and the heads go on: checkpoint 2 is raised, recovered."""
+    levels, seam = HEAD_BUGS[name]
+    base = tmp_path / "run"
+    stdout = _write(base, HEADS, levels, seam)
+    failed = _replies(stdout, 1)
+    assert all(r["ok"] is False for r in failed) and len({r["error"] for r in failed}) == 1, failed
+    assert "injected failure" in failed[0]["error"], failed
+    level = int(levels[0])
+    assert all(r["ok"] is True and r["level"] == level for r in _replies(stdout, 2)), stdout
+    assert not list(base.glob(f"Local/node*/*/l{level}/ckpt1.*")), "checkpoint 1's failed raise left files"
+    _assert_recovered(_recover(base, HEADS), [2, level])
+
+
+def test_heads_parity_records_the_files_it_encodes_and_damage_is_found(tmp_path: Path) -> None:
+    """The heads' L3 parity records, as without heads, the FB hashes of the group's files it encodes (what lets a
+    differential L3 checkpoint update it: rs_delta). A damaged parity file is found by ``ftidask verify``, and a
+    recovery that needs the parity (node 0 lost) passes the damaged one over for a sound one: exact."""
+    base = tmp_path / "run"
+    _write(base, HEADS, "3")
+    record = _record(base, 1)
+    parities = sorted(base.glob("Local/node*/*/l3/ckpt1.*/Ckpt1-RSed*.fti"))
+    assert len(parities) == NAPP, parities
+    for parity in parities:
+        info = json.loads(Path(f"{parity}.hash").read_text())
+        assert info["fb_hashes"] == [f["fb_hash"] for f in record["files"]], info
+    cli = [sys.executable, "-m", "ftidask", "verify", str(base / "Local")]
+    assert subprocess.run(cli, capture_output=True, text=True, env=env(), timeout=60).returncode == 0
+    (damaged,) = base.glob("Local/node1/*/l3/ckpt1.*/Ckpt1-RSed1.fti")  # the first parity a decoding of node 0 takes
+    raw = bytearray(damaged.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    found = subprocess.run(cli, capture_output=True, text=True, env=env(), timeout=60)
+    assert found.returncode == 1 and re.search(r"DAMAGED.*Ckpt1-RSed1\.fti", found.stdout), found.stdout
+    shutil.rmtree(next(base.glob("Local/node0/*")))
+    _assert_recovered(_recover(base, HEADS), [1, 3])
+    assert subprocess.run(cli, capture_output=True, text=True, env=env(), timeout=60).returncode == 0  # rebuilt
+
+
+def _lose_ckpt2(base: Path, where: list[str]) -> None:
+    """Make checkpoint 2 unrecoverable: its directory on each node of ``where`` removed (its spares stay), or its
+    global file of rank 1 cut short (``global``)."""
+    for node in where:
+        if node == "global":
+            (path,) = base.glob("Global/*/l4/ckpt2.*/Ckpt2-Rank1.fti")
+            path.write_bytes(path.read_bytes()[:1000])
+            continue
+        dirs = list(base.glob(f"Local/{node}/*/l[23]/ckpt2.*"))
+        assert dirs, node
+        for path in dirs:
+            shutil.rmtree(path)
+
+
+# name -> (levels, what checkpoint 2 loses): more than the level rebuilds
+FALLBACKS = {
+    "l2-dcp": ("6,6", ["node1", "node2"]),  # two adjacent nodes: rank 1's file and its partner copy
+    "l3-dcp": ("7,7", ["node0", "node1", "node2"]),  # 6 of the group's 8 files
+    "l4-dcp": ("8,8", ["global"]),
+}
+
+
+@pytest.mark.parametrize("heads", [True, False], ids=["heads", "no-heads"])
+@pytest.mark.parametrize("name", FALLBACKS)
+def test_damaged_differential_checkpoint_falls_back_with_heads_as_without(tmp_path: Path, name: str,
+                                                                          heads: bool) -> None:
+    """Differential L2-L4 checkpoints 1 and 2; checkpoint 2 then lost beyond what its level rebuilds: the restart
+    recovers checkpoint 1 (the previous differential checkpoint, kept as the level's spares), bit for bit on every
+    rank, with heads as without. Before, with heads, the heads deleted checkpoint 1 when they raised checkpoint 2:
+    NoCheckpointError."""
+    levels, lost = FALLBACKS[name]
+    cfg, nprocs = ({**HEADS, "enable_dcp": 1}, 8) if heads else ({**NO_HEADS, "enable_dcp": 1}, 4)
+    base = tmp_path / "run"
+    _write(base, cfg, levels, nprocs=nprocs)
+    _lose_ckpt2(base, lost)
+    level = int(levels[0]) - 4
+    _assert_recovered(_recover(base, cfg, nprocs), [1, level])
+    for result in base.glob("result-*.json"):
+        result.unlink()
+    # The run goes on from checkpoint 1 (checkpoints 2 and 3 anew); retiring the lost checkpoint 2 is no failure.
+    stdout = _write(base, {**cfg, "resume": True}, levels, nprocs=nprocs)
+    replies = _replies(stdout, 3)
+    assert replies == [None] * NAPP if not heads else all(r == {"ok": True, "error": "", "level": level,
+                                                                 "ckpt_id": 3} for r in replies), replies
+    _assert_recovered(_recover(base, cfg, nprocs), [3, level])

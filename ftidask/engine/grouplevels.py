@@ -70,8 +70,9 @@ class GroupLevels(Transport):
         size = _size_or_zero(own_file)
         fb_hash = collective.guarded(errors, lambda: file_fb_hash(own_file), "") if level == 3 else ""
         fb_hashes = self.group.allgather(fb_hash) if level == 3 else None
-        error = multilevel.protect(self.group, self.cfg, level, ckpt_id, self.rank, own_file, ckpt_dir,
-                                   self.group.allgather(size), fb_hashes)
+        # protect_in_step: an exception escaping the level code (a bug) is this rank's error, never its group's hang
+        error = multilevel.protect_in_step(self.group, self.cfg, level, ckpt_id, self.rank, own_file, ckpt_dir,
+                                           self.group.allgather(size), fb_hashes)
         if error or errors:
             raise CheckpointError("; ".join([*errors, error] if error else errors))
 

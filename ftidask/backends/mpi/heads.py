@@ -20,13 +20,14 @@ from typing import Any
 from mpi4py import MPI
 
 from ...engine.dcpstore import write_spare_hint
-from ...engine.retention import to_retire
+from ...engine.retention import rank_path, to_retire
 from ...engine.runstate import CommitRecord, RunState
 from ...levels import multilevel
 from ...model.config import Config
 from ...model.errors import FTIError
 from ...storage import files as storage
-from ...transport.collective import agree, guarded, on_root
+from ...transport.collective import agree, guarded, on_root, reason
+from .head_parity import previous_l3, update_parity
 from .stage_heads import serve_stage_request
 from .transport import _TAG_REPLY, _TAG_REQ, MpiTransport, recv_json, send_json
 
@@ -59,58 +60,104 @@ def serve(cfg: Config, t: MpiTransport) -> None:
             requests.append(msg)
         if any(r.get("op") != "post" for r in requests):
             break
-        req = requests[0]
         try:
-            reply = post_process(cfg, t, CommitRecord.from_json(req["record"]), int(req["level"]),
-                                 str(req["exec_id"]))
-        except Exception as exc:  # noqa: BLE001 - reported to the application, the head keeps serving
-            reply = {"ok": False, "error": f"head of node {t.node}: {exc}"}
+            reply = post_process(cfg, t, requests[0])
+        except Exception as exc:  # noqa: BLE001 - after the heads' last collective: reported, the head keeps serving
+            log.error("head of node %d: post-processing failed", t.node, exc_info=True)
+            reply = {"ok": False, "error": f"head of node {t.node}: {reason(exc)}"}
         for app in range(1, napp + 1):
             send_json(t.node_comm, reply, app, _TAG_REPLY)
     t.close()
 
 
-def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, level: int, exec_id: str
-                 ) -> dict[str, Any]:
-    """Collectively (all heads) raise an L1 checkpoint to ``level``; every head returns the same outcome: ``ok``
-    once the raised commit record is written (``error`` then names a failure of the clean-up after it).
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """One post-processing request, checked: the checkpoint, its target level, and where its files go."""
 
-    A local exception on one head is agreed on (:mod:`ftidask.transport.collective`): every head fails alike.
+    record: CommitRecord
+    level: int
+    exec_id: str
+    paths: storage.RunPaths
+
+    @classmethod
+    def of(cls, cfg: Config, t: MpiTransport, request: Any) -> _Job:
+        record = CommitRecord.from_json(request["record"])
+        level = int(request["level"])
+        if (record is None or level not in (2, 3, 4) or record.level != 1 or record.nranks != len(t.topo.app_world)
+                or (level in (2, 3) and t.group is None)):
+            raise FTIError(f"malformed post-processing request (checkpoint level {getattr(record, 'level', None)} "
+                           f"to {level})")
+        exec_id = str(request["exec_id"])
+        return cls(record, level, exec_id,
+                   storage.RunPaths(Path(cfg.ckpt_dir), Path(cfg.glbl_dir), Path(cfg.meta_dir), exec_id))
+
+    def key(self) -> list[Any]:
+        """What every head must have been asked for alike."""
+        return [self.record.seq, self.record.ckpt_id, self.level, self.exec_id]
+
+
+def post_process(cfg: Config, t: MpiTransport, request: Any) -> dict[str, Any]:
+    """Collectively (all heads) raise the L1 checkpoint of ``request`` to its level; every head returns the same
+    outcome: ``ok`` once the raised commit record is written (``error`` then names a failure of the clean-up after it).
+
+    A local exception on one head (a malformed request, a full disk, a bug) is agreed on
+    (:mod:`ftidask.transport.collective`): every head fails alike, none waits for another in an exchange.
     """
-    if record is None:
-        return {"ok": False, "error": "malformed request"}
-    topo, node = t.topo, t.node
-    paths = storage.RunPaths(Path(cfg.ckpt_dir), Path(cfg.glbl_dir), Path(cfg.meta_dir), exec_id)
+    failed: list[str] = []
+    job = guarded(failed, lambda: _Job.of(cfg, t, request), None, f"head of node {t.node}")
+    try:  # before any exchange: every head has the same checkpoint to raise, or none raises it
+        keys = agree(t, "; ".join(failed), FTIError, "post-processing failed", None if job is None else job.key())
+        if any(k != keys[0] for k in keys):
+            raise FTIError(f"post-processing failed: the heads were asked for different checkpoints: {keys}")
+    except FTIError as exc:
+        return {"ok": False, "error": str(exc)}
+    assert job is not None
+    return _raise(cfg, t, job)
+
+
+def _raise(cfg: Config, t: MpiTransport, job: _Job) -> dict[str, Any]:
+    """:func:`post_process` of a request that every head accepted."""
+    topo, node, record, level, paths = t.topo, t.node, job.record, job.level, job.paths
     sizes = {f.rank: f.size for f in record.files}
+    fb = {f.rank: f.fb_hash for f in record.files}
     src_dir = paths.level_dir(1, node) / record.dirname
     dst_dir = paths.level_dir(level, node) / record.dirname
-    error = ""
+    errors: list[str] = []
+    state = RunState(Path(cfg.meta_dir), job.exec_id)
+    prev = _previous_l3(t, state, record) if level == 3 else None
     for pos in range(topo.app_per_node):
         app = topo.app_rank_at(node, pos)
         name = storage.rank_file(record.ckpt_id, app)
         # A differential L1 file is copied, not linked, so that it can become the rank's spare below.
         place = storage.copy_file_atomic if level == 4 or record.extra.get("dcp") else _link_or_copy
-        failed: list[str] = []
-        guarded(failed, functools.partial(place, src_dir / name, dst_dir / name), None, f"node {node}")
-        error = error or "; ".join(failed)
+        guarded(errors, functools.partial(place, src_dir / name, dst_dir / name), None, f"node {node}")
         if level == 4:
             continue
         assert t.group is not None  # L2/L3 were validated when the run started
-        problem = multilevel.protect(t.group, cfg, level, record.ckpt_id, app, dst_dir / name, dst_dir,
-                                     [sizes[r] for r in topo.group_ranks(app)])
-        error = error or (f"node {node}: {problem}" if problem else "")
-    state = RunState(Path(cfg.meta_dir), exec_id)
+        group = topo.group_ranks(app)
+        # The parity's record lists the FB hashes of the files it encodes, as without heads: what lets a
+        # differential L3 checkpoint update it instead of encoding it anew (rs_delta).
+        done, problem = False, ""
+        if prev is not None:  # a differential L3: the previous parity updated where the files did not change
+            done, problem = update_parity(cfg, t.group, prev, paths.level_dir(3, node) / prev.dirname, app,
+                                          dst_dir / name, dst_dir / storage.parity_file(record.ckpt_id, app),
+                                          [sizes[r] for r in group], [fb[r] for r in group])
+        if not done:  # the same on every member of the group
+            problem = multilevel.protect_in_step(t.group, cfg, level, record.ckpt_id, app, dst_dir / name, dst_dir,
+                                                 [sizes[r] for r in group],
+                                                 [fb[r] for r in group] if level == 3 else None)
+        errors += [f"node {node}: {problem}"] if problem else []
     raised = dataclasses.replace(record, level=level)
     what = f"raising checkpoint {record.ckpt_id} to level {level} failed"
     try:
-        agree(t, error, FTIError, what)
+        agree(t, "; ".join(errors), FTIError, what)
         on_root(t, functools.partial(state.write_record, raised), FTIError, what)  # the commit point
     except FTIError as exc:  # agreed: the same on every head
         storage.remove_tree(dst_dir)
         return {"ok": False, "error": str(exc)}
     if record.extra.get("dcp"):  # the L1 file is now a copy: each rank's next differential checkpoint
-        _keep_as_spares(paths, topo, node, record, src_dir)  # patches it instead of writing anew
-    storage.remove_tree(src_dir)
+        guarded([], lambda: _keep_as_spares(paths, topo, node, record, src_dir))  # patches it instead of writing anew
+    guarded([], lambda: storage.remove_tree(src_dir), None, f"removing {src_dir}")
     cleanup = ""
     try:
         _retire_older(cfg, t, state, paths, raised)
@@ -119,6 +166,18 @@ def post_process(cfg: Config, t: MpiTransport, record: CommitRecord | None, leve
                    f"after it failed: {exc}")
     log.info("head of node %d: checkpoint %d raised to level %d", node, record.ckpt_id, level)
     return {"ok": True, "error": cleanup, "level": level, "ckpt_id": record.ckpt_id}
+
+
+def _previous_l3(t: MpiTransport, state: RunState, record: CommitRecord) -> CommitRecord | None:
+    """The committed L3 checkpoint whose parity the heads update for differential ``record`` (collective: the same
+    on every head; None when there is none, or the records cannot be read: the parity is then encoded in full)."""
+    if not record.extra.get("dcp"):
+        return None
+    try:
+        raw = on_root(t, lambda: [r.to_json() for r in state.records()], FTIError, "cannot read the commit records")
+    except FTIError:
+        return None
+    return previous_l3([CommitRecord.from_json(r) for r in raw], record)
 
 
 def _keep_as_spares(paths: storage.RunPaths, topo: Any, node: int, record: CommitRecord, src_dir: Path) -> None:
@@ -138,13 +197,42 @@ def _keep_as_spares(paths: storage.RunPaths, topo: Any, node: int, record: Commi
         write_spare_hint(spare, fb[app])
 
 
+def _keep_as_fallback(paths: storage.RunPaths, topo: Any, node: int, old: CommitRecord) -> None:
+    """Move this node's files of the retired differential checkpoint ``old`` (L2-L4) to its level's spares, where
+    its fallback record points (:func:`~ftidask.engine.retention.rank_path`), as a rank does without heads.
+
+    Best effort, as :meth:`~ftidask.engine.dcpstore.DcpStore.retire`: a file that is gone (a lost node) or cannot
+    be moved leaves a spare that fails the fallback's FB hash check, passed over by a recovery."""
+    for pos in range(topo.app_per_node):
+        app = topo.app_rank_at(node, pos)
+        spare = rank_path(paths, old.as_fallback(), node, app)
+        try:
+            storage.makedirs(spare.parent)
+            os.replace(rank_path(paths, old, node, app), spare)
+        except OSError as exc:
+            log.debug("head of node %d: checkpoint %d of rank %d not kept as its spare: %s", node, old.ckpt_id, app,
+                      exc)
+
+
 def _retire_older(cfg: Config, t: MpiTransport, state: RunState, paths: storage.RunPaths,
                   record: CommitRecord) -> None:
+    """Drop the checkpoints that ``record`` retires (collective over the heads). With differential checkpoints, as
+    without heads (:meth:`~ftidask.engine.retention.Retention.remove_checkpoint`): a retired differential
+    checkpoint of L2-L4 keeps its files as its level's spares, named its level's fallback first (killed in
+    between, its commit record or the fallback names it), which a recovery tries when no newer checkpoint verifies."""
     raw = on_root(t, lambda: [r.to_json() for r in state.records()], FTIError, "cannot read the commit records")
+    failed: list[str] = []
     for old in to_retire(map(CommitRecord.from_json, raw), record, bool(cfg.keep_l4_ckpt)):
-        on_root(t, functools.partial(state.delete_record, old.seq), FTIError,
-                f"removing checkpoint {old.ckpt_id} (level {old.level}) failed")
-        for level in {old.level, 1, 2, 3}:
-            storage.remove_tree(paths.level_dir(level, t.node) / old.dirname)
+        what = f"removing checkpoint {old.ckpt_id} (level {old.level}) failed"
+        kept = bool(cfg.enable_dcp) and bool(old.extra.get("dcp")) and old.level in (2, 3, 4)
+        if cfg.enable_dcp:
+            on_root(t, functools.partial(state.note_retired, old, kept), FTIError, what)
+        if kept:  # local, between collectives: never raises
+            guarded([], functools.partial(_keep_as_fallback, paths, t.topo, t.node, old))
+        # After every head moved its files (a collective): the global L4 directory goes below.
+        on_root(t, functools.partial(state.delete_record, old.seq), FTIError, what)
+        for level in {old.level, 1, 2, 3}:  # local, between collectives: never raises (a full disk is agreed below)
+            guarded(failed, functools.partial(storage.remove_tree, paths.level_dir(level, t.node) / old.dirname))
         if t.rank == 0:
-            storage.remove_tree(paths.level_dir(4, 0) / old.dirname)
+            guarded(failed, functools.partial(storage.remove_tree, paths.level_dir(4, 0) / old.dirname))
+    agree(t, "; ".join(failed), FTIError, "removing the checkpoints it retires failed")

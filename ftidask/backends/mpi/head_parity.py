@@ -1,0 +1,121 @@
+"""L3 of a differential checkpoint raised by the heads: the previous parity updated, not encoded anew.
+
+Without heads, each rank's differential writer records ``old XOR new`` of what it rewrites, and the group
+updates the parity it kept from the retired checkpoint (:mod:`ftidask.levels.rs_delta`). With heads, the
+application writes a differential L1 file and the heads raise it: they have no writer's delta, but while the
+previous L3 checkpoint is still committed they hold both files. So each head, for each rank of its node:
+
+1. checks the rank's file of the previous L3 checkpoint (every hash, as a recovery does) and its parity
+   against its ``.hash`` record, whose ``fb_hashes`` name the files it encodes;
+2. compares the two files block by block (``dcp_block_size``): the blocks that differ, as ``old XOR new``;
+3. copies the previous parity to the level's spare parity (the previous checkpoint stays whole: the new
+   parity is never written over a committed one).
+
+Then the group runs :func:`ftidask.levels.rs_delta.update`, which patches each spare with every member's
+delta only when every member could take part and every spare encodes exactly the files the deltas start
+from; otherwise (the first L3 checkpoint, a damaged or missing file, more than half of a file changed) the
+parity is encoded in full, on every member alike. Stripes whose blocks did not change are never exchanged
+nor encoded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...dcp.delta import XorDelta, file_fb_hash
+from ...engine.recovery import check_file
+from ...engine.runstate import CommitRecord
+from ...ftiff import hashing
+from ...levels import rs_delta
+from ...levels.rs import check_parity, hash_path
+from ...model.config import Config
+from ...storage import files as storage
+from ...transport.collective import guarded
+
+log = logging.getLogger("ftidask")
+
+
+def previous_l3(records: list[CommitRecord | None], record: CommitRecord) -> CommitRecord | None:
+    """The committed L3 checkpoint before ``record`` whose parity a differential ``record`` may update, or None."""
+    if not record.extra.get("dcp"):
+        return None
+    older = [r for r in records if r is not None and r.level == 3 and r.seq < record.seq and not r.fallback]
+    return max(older, key=lambda r: r.seq) if older else None
+
+
+def files_xor_delta(base: Path, new: Path, block: int, limit: int) -> XorDelta | None:
+    """``base XOR new`` (each zero-padded to the longer) over the ``block``-byte blocks that differ; None when
+    ``base`` has no FB or more than ``limit`` bytes differ (encoding anew then costs less)."""
+    base_fb = file_fb_hash(base)
+    if not base_fb:
+        return None
+    ranges: list[tuple[int, int]] = []
+    parts: list[np.ndarray] = []
+    total = 0
+    with storage.open_read(base) as fb, storage.open_read(new) as fn:
+        size = max(os.fstat(fb.fileno()).st_size, os.fstat(fn.fileno()).st_size)
+        for off in range(0, size, block):
+            n = min(block, size - off)
+            diff = _padded(fb.fileno(), off, n) ^ _padded(fn.fileno(), off, n)
+            if not diff.any():
+                continue
+            total += n
+            if total > limit:
+                return None
+            if ranges and ranges[-1][0] + ranges[-1][1] == off:  # adjacent blocks: one range
+                ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
+            else:
+                ranges.append((off, n))
+            parts.append(diff)
+    payload = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+    return XorDelta(bytes.fromhex(base_fb), tuple(ranges), payload)
+
+
+def _padded(fd: int, offset: int, n: int) -> np.ndarray:
+    out = np.zeros(n, np.uint8)
+    raw = os.pread(fd, n, offset)
+    out[:len(raw)] = np.frombuffer(raw, np.uint8)
+    return out
+
+
+def _prepare(cfg: Config, prev: CommitRecord, prev_dir: Path, app: int, new_file: Path,
+             spare: Path) -> XorDelta | None:
+    """Steps 1-3 of the module's docstring for rank ``app``: its delta, with the previous parity as the spare."""
+    base = prev_dir / storage.rank_file(prev.ckpt_id, app)
+    old_parity = prev_dir / storage.parity_file(prev.ckpt_id, app)
+    if check_file(base, prev, app).kind != "ok":
+        return None
+    xor = files_xor_delta(base, new_file, cfg.dcp_block_size, new_file.stat().st_size // 2)
+    if xor is None:
+        return None
+    hash_path(spare).unlink(missing_ok=True)  # the record last: a spare torn by a crash is never trusted
+    storage.copy_file_atomic(old_parity, spare)
+    storage.copy_file_atomic(hash_path(old_parity), hash_path(spare))
+    return xor if check_parity(spare, cfg.block_size << 10) == "" else None
+
+
+def update_parity(cfg: Config, group: Any, prev: CommitRecord, prev_dir: Path, app: int, new_file: Path,
+                  parity: Path, sizes: list[int], fb_hashes: list[str]) -> tuple[bool, str]:
+    """Collectively (the heads of the group) update the parity of rank ``app``'s ``new_file`` from ``prev``'s:
+    ``(done, error)``. Not done and no error: the caller encodes in full (the same on every member)."""
+    errors: list[str] = []
+    spare = rs_delta.spare_parity_path(parity.parent, app)
+    xor = guarded(errors, lambda: _prepare(cfg, prev, prev_dir, app, new_file, spare), None,
+                  f"preparing the parity update of rank {app}")
+    why = guarded(errors, lambda: rs_delta.update(group, xor, fb_hashes[group.index], spare, parity, sizes,
+                                                  hashing.hash_id(cfg.hash)), "failed", f"updating {parity}")
+    if why is None:
+        log.info("L3: parity of rank %d updated from the group's deltas (%d bytes changed)", app,
+                 0 if xor is None else xor.nbytes)
+        return True, "; ".join(errors)
+    if errors and why == "failed":  # rs_delta.update raised after the group's last collective: this member alone
+        return True, "; ".join(errors)
+    for path in (hash_path(spare), spare):  # not used: a parity's worth of disk freed at once
+        guarded([], lambda: path.unlink(missing_ok=True))  # noqa: B023
+    log.info("L3: parity of rank %d re-encoded in full: %s", app, "; ".join([why, *errors]))
+    return False, ""
