@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-
 from pathlib import Path
 
 import numpy as np
