@@ -192,3 +192,23 @@ def test_a_torn_spare_is_not_used_again(group, tmp_path):
 
     _xors, results = _patch_all(members, pool, change)
     assert all(r is not None for r in results)
+
+
+def test_a_damaged_spare_parity_is_not_patched_into_a_parity_that_looks_sound(group):
+    """A byte of member 1's spare parity flipped on disk (its record untouched): the group re-encodes in full.
+    Before, the spare was patched as it was and given a fresh hash: a wrong parity that verified, so the L3
+    redundancy was lost without a word until a lost node needed it."""
+    members, pool = group
+    spare = members[1]["dir"] / "spare.rsed"
+    with open(spare, "r+b") as fh:
+        fh.seek(spare.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+    def change(i, arrays):
+        arrays[1][:10] = 7.0
+
+    _xors, results = _patch_all(members, pool, change)
+    assert all(r is not None and "does not" in r for r in results)
+    assert not any((m["dir"] / "new.rsed").exists() for m in members)

@@ -11,7 +11,8 @@ This is only correct when the spare parity encodes exactly the files the deltas 
 every member checks, and all agree before anything is written:
 
 * the spare parity's record (its ``.hash`` file) lists the FB hashes of the files it encodes,
-  and they are the FB hashes of every member's base (``XorDelta.base_fb_hash``);
+  and they are the FB hashes of every member's base (``XorDelta.base_fb_hash``), and the spare's
+  bytes match the hash of that record (a damaged spare would be patched into a parity that verifies);
 * every member has a delta (its file was patched, with the base's layout).
 
 The parity length follows the group's largest file (FTI's maxFs), which may change by a few bytes
@@ -41,7 +42,7 @@ from ..storage import files as storage
 from ..transport.collective import guarded
 from .channel import GroupChannel
 from .erasure import ReedSolomon, gf_add_scaled
-from .rs import hash_path, write_record
+from .rs import check_parity, hash_path, write_record
 
 log = logging.getLogger("ftidask")
 
@@ -57,6 +58,12 @@ def _can_use(spare: Path, xor: XorDelta | None) -> dict[str, Any]:
         ok = (xor is not None and isinstance(record, dict) and isinstance(record.get("fb_hashes"), list)
               and record.get("size") == spare.stat().st_size)
     except OSError:  # no spare: never raise between the group's collectives
+        ok = False
+    # Its bytes too: a damaged spare patched as it is would get a fresh hash over wrong parity (one read of it,
+    # still far less than re-encoding, which reads the whole group's files and moves them).
+    why = check_parity(spare) if ok else ""
+    if why:
+        log.warning("L3: the spare parity cannot be updated, the group re-encodes: %s", why)
         ok = False
     return {"ok": ok, "base": xor.base_fb_hash.hex() if xor is not None else "",
             "encodes": record.get("fb_hashes") if ok and isinstance(record, dict) else None,
