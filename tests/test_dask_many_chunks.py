@@ -2,6 +2,8 @@
 shape, whose length NumPy bounds at 64), and a recovery parses each rank file once per worker, not once per chunk
 (a file of n chunks cost n parses of its n-entry table: quadratic)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -35,3 +37,29 @@ def test_more_than_64_chunks_along_an_axis_recover(client, dirs):
     for vid, ref in saved.items():
         assert out[vid].compute().tobytes() == ref.tobytes()
     ctx.finalize()
+
+
+def _rchar() -> int:
+    """Bytes this worker process read from files (``rchar``: read and pread; sockets are received with recv)."""
+    with open("/proc/self/io") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("rchar:"))
+
+
+def test_a_file_of_many_chunks_is_parsed_once_per_worker(client, dirs):
+    x = da.arange(400 * 8, chunks=8).astype(np.float64)  # 400 chunks of 64 bytes: the metadata outweighs the data
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, x)
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    stored = sum(p.stat().st_size for p in Path(dirs["ckpt_dir"]).rglob("*.fti"))
+    for attempt in ("warm", "counted"):  # the first imports what a recovery needs (module files are read too)
+        restart = ftidask.init(client=client, **dirs)
+        restart.protect(1, da.zeros(x.shape, chunks=x.chunks))
+        before = client.run(_rchar)
+        out = restart.recover()[1]
+        read = sum(client.run(_rchar)[w] - before[w] for w in before)
+        assert out.compute().tobytes() == x.compute().tobytes()
+        restart._close()
+    # Each file's metadata parsed once (the check) and each chunk read once; a parse per chunk read every file's
+    # table of its 100 chunks 100 times (128 times the files' bytes, measured).
+    assert read < 3 * stored, (read, stored)
