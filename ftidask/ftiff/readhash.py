@@ -55,6 +55,30 @@ class _Reader(threading.Thread):
             return self.done > k
 
 
+def read_hashed(fd: int, offset: int, view: memoryview, hash_id: int) -> bytes | None:
+    """Read ``len(view)`` bytes at ``offset`` into ``view`` and return their digest under ``hash_id``, each
+    piece hashed while the next one is read (a raw read, then a hash pass, left the disk idle during the
+    hash); None when the file ends first."""
+    hasher = hashing.new_hasher(hash_id)
+    if len(view) <= PIECE:
+        if read_full(fd, offset, view) != len(view):
+            return None
+        hasher.update(view)
+        return hasher.digest()
+    pieces = [(offset + lo, view[lo:lo + PIECE]) for lo in range(0, len(view), PIECE)]
+    reader = _Reader(fd, pieces)
+    reader.start()
+    try:
+        for k, (_offset, piece) in enumerate(pieces):
+            if not reader.wait(k):
+                return None
+            hasher.update(piece)
+    finally:
+        reader.stop = True
+        reader.join()
+    return hasher.digest()
+
+
 def read_verified(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryview]) -> None:
     """Read every container of the variables in ``views`` into ``views[id][dptr:dptr + chunksize]``,
     checking its hash (a compressed variable's containers are decoded there, once their stored bytes

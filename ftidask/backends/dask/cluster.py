@@ -7,9 +7,10 @@ import contextlib
 import logging
 import threading
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from dask._task_spec import Task
 from distributed import Client, Future, wait
 from distributed.diagnostics.progressbar import TextProgressBar, is_kernel
 
@@ -98,6 +99,24 @@ class Cluster:
         if not loose:
             self._placed[future.key] = worker
         return future
+
+    def submit_group(self, calls: Mapping[Any, tuple[Callable[..., Any], tuple[Any, ...]]], worker: str,
+                     loose: bool = False) -> dict[Any, Future]:
+        """:meth:`submit` of every ``key: (fn, args)`` of ``calls`` on ``worker``, sent to the scheduler as one
+        graph: a ``submit`` is a message and a serialization each (a recovery of 1024 chunks spent 3.8 s of
+        the client's time submitting its reads one by one)."""
+        if not calls:
+            return {}
+        graph = {key: Task(key, fn, *args) for key, (fn, args) in calls.items()}
+        keys = list(graph)
+        futures = dict(zip(keys, self.client.get(graph, keys, workers=[worker], allow_other_workers=loose,
+                                                 sync=False), strict=True))
+        for future in futures.values():
+            if self._batch is not None:
+                self._batch.append(future)
+            if not loose:
+                self._placed[future.key] = worker
+        return futures
 
     def run(self, fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
         """``fn(*args)`` on every live worker (small values only)."""

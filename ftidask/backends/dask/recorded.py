@@ -60,8 +60,8 @@ def _int(value: Any, lo: int, hi: int, what: str) -> int:
     return value
 
 
-def _ints(value: Any, lo: int, hi: int, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or len(value) > _MAX_DIMS:
+def _ints(value: Any, lo: int, hi: int, what: str, most: int = _MAX_DIMS) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > most:
         raise DamagedRecord(f"{what} is {str(value)[:80]}")
     return tuple(_int(v, lo, hi, what) for v in value)
 
@@ -75,7 +75,9 @@ def _spec(raw: Any) -> VarSpec:
     grid = raw.get("chunks")
     if not isinstance(grid, list) or len(grid) != len(shape):
         raise DamagedRecord(f"{what}'s chunks {str(grid)[:80]} do not fit its shape {shape}")
-    chunks = tuple(_ints(c, 0, 2**63, f"{what}'s chunks") for c in grid)
+    # Any number of chunks along an axis (Dask allows chunks of 0; the record's size bounds the lists), not
+    # at most 64, a shape's bound: every array of more than 64 chunks along an axis was unrecoverable.
+    chunks = tuple(_ints(c, 0, 2**63, f"{what}'s chunks", most=len(c) if isinstance(c, list) else 0) for c in grid)
     if any(sum(c) != n or not c for c, n in zip(chunks, shape, strict=True)):
         raise DamagedRecord(f"{what}'s chunks {str(grid)[:80]} do not add up to its shape {shape}")
     name, kind, state = raw.get("name"), raw.get("kind", "dask"), raw.get("pystate", "")

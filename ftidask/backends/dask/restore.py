@@ -148,16 +148,20 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
     token = uuid.uuid4().hex
     arrays: dict[int, Array] = {}
     futures = []
+    calls: dict[str, dict[Any, tuple[Any, tuple[Any, ...]]]] = {}  # worker -> the reads placed there, by key
     for spec in specs:
         name = f"ftidask-read-{spec.id}-{token}"
-        graph = {}
         for at in lay.chunks[spec.id]:  # every chunk of the grid (checked by recorded.layout)
             src = sources[at.rank]
-            key = (name, *at.index)
-            graph[key] = ctx.cluster.submit(reads.read_recovered_chunk, src, spec.id, at.dptr, lay.raw_dtypes[spec.id],
-                                            list(spec.chunk_shape(at.index)), key=key, worker=src["worker"],
-                                            loose=True)
-            futures.append(graph[key])
+            calls.setdefault(src["worker"], {})[(name, *at.index)] = (reads.read_recovered_chunk, (
+                src, spec.id, at.dptr, lay.raw_dtypes[spec.id], list(spec.chunk_shape(at.index))))
+    placed: dict[Any, Any] = {}
+    for worker, group in calls.items():  # one message per worker, not one per chunk
+        placed.update(ctx.cluster.submit_group(group, worker, loose=True))
+    for spec in specs:
+        name = f"ftidask-read-{spec.id}-{token}"
+        graph = {(name, *at.index): placed[(name, *at.index)] for at in lay.chunks[spec.id]}
+        futures.extend(graph.values())
         ctx._dask_retention.pins.add(record, graph)  # retention keeps the files while the array may read them
         arrays[spec.id] = Array(graph, name, spec.chunks, dtype=spec.dtype)
     # Every chunk is read and verified before anything is handed back (a read whose worker dies

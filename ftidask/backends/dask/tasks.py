@@ -19,11 +19,13 @@ import numpy as np
 
 from ...engine.checkpointing import write_rank_file
 from ...ftiff import blockhash, compression, hashing
-from ...ftiff.reader import parse_ftiff, verify_data
+from ...ftiff.reader import verify_data
+from ...ftiff.readhash import read_hashed
 from ...ftiff.verify import read_full
 from ...model.arrays import VarInfo, dtype_from_json
 from ...model.errors import FormatError
 from ...storage import files as storage
+from . import parsecache
 from .plan import layout_from_json
 
 
@@ -116,7 +118,7 @@ def check_file(path: str, fb_hash: str, after: Any = None, *,
     check that does (see :func:`ftidask.backends.dask.restore.recover`)."""
     try:
         with storage.open_read(path) as fh:
-            parsed = parse_ftiff(fh, path)
+            parsed = parsecache.parse_kept(fh, path)  # parsed now; the reads of its chunks that follow reuse it
             if data:
                 verify_data(fh, parsed, decode=decode)
     except FileNotFoundError:
@@ -171,14 +173,14 @@ def _raw_size(parsed: Any, meta: Any) -> int:
 def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[int], fb_hash: str,
                after: Any = None) -> np.ndarray:
     """One chunk from a rank's file, its container hash checked before it is returned (a compressed
-    container's stored bytes are checked, then decoded)."""
+    container's stored bytes are checked, then decoded). The file's metadata is parsed once per worker
+    while the file is unchanged (:mod:`.parsecache`), not once per chunk."""
     dtype = dtype_from_json(dtype_json)
     with storage.open_read(path) as fh:
-        parsed = parse_ftiff(fh, path)
+        parsed, index = parsecache.parsed(fh, path, fb_hash)
         if parsed.fb.hash.hex() != fb_hash:
             raise FormatError("file does not belong to the checkpoint being recovered", path=path)
-        meta = next((m for _b, _c, m in parsed.containers() if m.id == var_id and m.dptr == dptr
-                     and m.hascontent), None)
+        meta = index.get((var_id, dptr))
         out = np.empty(shape, dtype)
         nbytes = out.nbytes
         if nbytes == 0:
@@ -196,11 +198,14 @@ def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[i
             except FormatError as exc:
                 raise FormatError(str(exc), path=path) from None
             return out
-        got = read_full(fh.fileno(), meta.fptr, view)
-        if got == nbytes and parsed.fb.flags & blockhash.FLAG_DCP:  # checked block by block
-            blockhash.check_container(fh, parsed, meta, view)
-            return out
-    if got != nbytes or hashing.digest(parsed.fb.hash_id, view) != meta.hash:
+        if parsed.fb.flags & blockhash.FLAG_DCP:  # checked block by block
+            if read_full(fh.fileno(), meta.fptr, view) == nbytes:
+                blockhash.check_container(fh, parsed, meta, view)
+                return out
+            digest = None
+        else:  # each piece hashed while the next is read
+            digest = read_hashed(fh.fileno(), meta.fptr, view, parsed.fb.hash_id)
+    if digest != meta.hash:
         raise FormatError(f"variable {var_id}, chunk at dptr {dptr}: data hash does not match", path=path)
     return out
 
