@@ -37,7 +37,7 @@ from ..storage import files as storage
 from ..storage.runlock import RunLock
 from ..transport.base import Transport
 from ..transport.collective import agree_call
-from . import display, logsetup
+from . import display, live, logsetup
 from .names import VarNames, restart_names
 
 log = logging.getLogger("ftidask")
@@ -60,6 +60,8 @@ class Context:
                                                                       config.exec_id, bool(config.enable_dcp))
         self.paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir),
                                       self.exec_id)
+        self._closed_why = ""
+        live.replace_older(self)  # an older context of this process on this run is closed (api/live.py)
         self.state = RunState(Path(config.meta_dir), self.exec_id)
         dirchecks.check(transport, dirchecks.run_dirs(self.paths, transport.node, self.state.records_dir))
         self._vars: dict[int, Protected] = {}
@@ -380,7 +382,7 @@ class Context:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise FTIError("this context is finalized; call ftidask.init() again")
+            raise FTIError(self._closed_why or "this context is finalized; call ftidask.init() again")
 
     def __enter__(self) -> Context:
         return self
@@ -393,8 +395,5 @@ class Context:
             self._staging.finish()  # failures are logged; the application's error is the one to see
             self._close()
 
-    def __repr__(self) -> str:
-        return display.context_repr(self)
-
-    def _repr_html_(self) -> str:
-        return display.context_html(self)
+    __repr__ = display.context_repr  # one line in a terminal; never raises, computes nothing (api/display.py)
+    _repr_html_ = display.context_html  # a table in a notebook
