@@ -52,38 +52,6 @@ def test_init_again_while_a_checkpoint_is_in_flight_keeps_that_checkpoint(tmp_pa
     b_ctx.finalize()
 
 
-def test_the_context_replaced_by_init_again_refuses_to_write_and_its_finalize_removes_nothing(tmp_path):
-    """Both contexts wrote the run; the old one's finalize removed every checkpoint, the new one's included."""
-    old = ftidask.init(**_config(tmp_path))
-    old.protect(1, np.full(10, 1.0))
-    old.checkpoint(1, 1)
-    new = ftidask.init(**_config(tmp_path))
-    b = np.zeros(10)
-    new.protect(1, b)
-    new.recover()
-    b[:] = 2.0
-    new.checkpoint(2, 1)
-    with pytest.raises(ftidask.FTIError, match="replaced by a later ftidask.init"):
-        old.checkpoint(3, 1)
-    with pytest.raises(ftidask.FTIError, match="replaced by a later ftidask.init"):
-        old.recover()
-    old.finalize()  # closed already: nothing to do, nothing removed
-    assert old.finalized and "finalized" in repr(old)
-    b[:] = 0.0
-    new.recover()
-    assert new.recovered_from == (2, 1) and (b == 2.0).all()
-    new.finalize()
-
-
-def test_contexts_of_other_runs_are_not_replaced(tmp_path):
-    first = ftidask.init(**_config(tmp_path / "one"))
-    second = ftidask.init(**_config(tmp_path / "two"))
-    first.protect(1, np.ones(4))
-    first.checkpoint(1, 1)  # still open
-    first.finalize()
-    second.finalize()
-
-
 def test_protect_again_with_another_shape_and_ids_reused_or_going_back(tmp_path):
     """What the guide says of cells run again: protect(id, another array) replaces the array; a recovery into an
     array of another dtype or shape is refused, nothing touched; ids reused or smaller are new checkpoints (each has

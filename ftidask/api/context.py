@@ -60,8 +60,7 @@ class Context:
                                                                       config.exec_id, bool(config.enable_dcp))
         self.paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir),
                                       self.exec_id)
-        self._closed_why = ""
-        live.replace_older(self)  # an older context of this process on this run is closed (api/live.py)
+        live.settle_older(self)  # an older context of this process on this run: its checkpoint in flight committed
         self.state = RunState(Path(config.meta_dir), self.exec_id)
         dirchecks.check(transport, dirchecks.run_dirs(self.paths, transport.node, self.state.records_dir))
         self._vars: dict[int, Protected] = {}
@@ -382,7 +381,7 @@ class Context:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise FTIError(self._closed_why or "this context is finalized; call ftidask.init() again")
+            raise FTIError("this context is finalized; call ftidask.init() again")
 
     def __enter__(self) -> Context:
         return self
