@@ -289,8 +289,8 @@ def test_a_real_sigint_at_random_moments_of_a_checkpoint_loop(tmp_path):
             fired.set()
 
         timer = threading.Thread(target=ctrl_c)
-        timer.start()
         try:
+            timer.start()  # with no delay, the signal may come before start() returns
             ctx.checkpoint(ckpt_id, level, wait=wait)
             if not wait:
                 ctx.wait()
