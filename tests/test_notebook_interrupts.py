@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,12 +35,16 @@ N = 300_000  # 2.4 MB: copy-on-write snapshots and page tracking apply to it
 
 
 def _descriptors() -> set[str]:
+    """What this process has open that ftidask may have opened: files under the tests' temporary directories and
+    userfaultfd/eventfd descriptors (not what other threads of the test session open meanwhile: /proc files)."""
     out = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
-            out.add(os.readlink(f"/proc/self/fd/{fd}"))
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # the descriptor of the listing itself
-            pass
+            continue
+        if target.startswith(tempfile.gettempdir()) or target.startswith("anon_inode:"):
+            out.add(target)
     return out
 
 

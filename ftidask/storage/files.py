@@ -52,11 +52,12 @@ def make_durable(path: Path) -> None:
 
 
 def _fsync(path: Path, flags: int) -> None:
-    fd = os.open(path, os.O_RDONLY | flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with interrupts.held_off():  # Ctrl-C never between the descriptor and the try that closes it
+        fd = os.open(path, os.O_RDONLY | flags)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 try:  # optional native helpers (built when a C compiler is there at install; see setup.py)
