@@ -92,8 +92,10 @@ class DcpHandle:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.writer.drain()
-            os.close(self.fd)
+            try:
+                self.writer.drain()
+            finally:  # interrupted (Ctrl-C) while draining: the descriptor is closed all the same
+                os.close(self.fd)
 
     def __del__(self) -> None:
         # Lost before the checkpoint held it (Ctrl-C in a notebook): its descriptor must not stay open for ever.
