@@ -1,4 +1,5 @@
-"""Crash points for the tests: kill a process for real (SIGKILL) at the n-th call of a product function.
+"""Crash points for the tests: kill a process for real (SIGKILL) at the n-th call of a product function,
+or interrupt it there as Ctrl-C does in a notebook (KeyboardInterrupt, the process lives on).
 
 The product code holds no test hooks. A test installs a crash point in the process that must die:
 a child process of the test (see ``_dcp_crash_child.py``), or a Dask worker, with
@@ -31,8 +32,14 @@ class InjectedFailure(RuntimeError):
     """Raised by a ``:raise`` crash point: a task that fails while its process lives on."""
 
 
-def _counted(original: Callable[..., Any], nth: int, after: bool, fail: bool = False) -> Callable[..., Any]:
+def _counted(original: Callable[..., Any], nth: int, after: bool, fail: bool = False,
+             interrupt: bool = False) -> Callable[..., Any]:
     calls = itertools.count(1)  # next() is atomic: safe from the hashing threads too
+
+    def hit_now() -> None:
+        if interrupt:
+            raise KeyboardInterrupt(f"injected interrupt at call {nth} of {original.__name__}")
+        die()
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -40,22 +47,69 @@ def _counted(original: Callable[..., Any], nth: int, after: bool, fail: bool = F
         if hit and fail:
             raise InjectedFailure(f"injected failure at call {nth} of {original.__name__}")
         if hit and not after:
-            die()
+            hit_now()
         result = original(*args, **kwargs)
         if hit:
-            die()
+            hit_now()
         return result
 
     return wrapper
 
 
-def kill_at_call(owner: Any, name: str, nth: int = 1, *, after: bool = False, fail: bool = False) -> None:
+def kill_at_call(owner: Any, name: str, nth: int = 1, *, after: bool = False, fail: bool = False,
+                 interrupt: bool = False) -> None:
     """Replace ``owner.name`` (``owner``: a module, a class, or a module's dotted name) so that
     its ``nth`` call kills this process: as it starts, or with ``after`` once it has returned;
-    with ``fail``, raises :class:`InjectedFailure` instead (the process lives on)."""
+    with ``fail``, raises :class:`InjectedFailure` instead (the process lives on); with ``interrupt``,
+    raises KeyboardInterrupt, as Ctrl-C in a notebook does (the process lives on)."""
     if isinstance(owner, str):
         owner = importlib.import_module(owner)
-    setattr(owner, name, _counted(getattr(owner, name), nth, after, fail))
+    setattr(owner, name, _counted(getattr(owner, name), nth, after, fail, interrupt))
+
+
+def interrupt_at_call(owner: Any, name: str, nth: int = 1, *, after: bool = False) -> Callable[[], None]:
+    """:func:`kill_at_call` with ``interrupt``: the ``nth`` call of ``owner.name`` raises KeyboardInterrupt (as it
+    starts, or with ``after`` once it has returned). Returns the function that puts the original back."""
+    if isinstance(owner, str):
+        owner = importlib.import_module(owner)
+    original = getattr(owner, name)
+    kill_at_call(owner, name, nth, after=after, interrupt=True)
+    return lambda: setattr(owner, name, original)
+
+
+class InterruptAt:
+    """``with InterruptAt(n) as hit:``: Ctrl-C at the ``n``-th event of ftidask's code in this thread: a call or a
+    return of one of its functions, or a call of a C function (``os.replace``, ``os.fsync``...) from one. As the
+    signal, it reaches the main thread only, between two bytecodes of whatever runs there. ``hit.where`` says
+    where it was raised (None: the code under test made fewer events: the sweep is over). ``skip``: events
+    (``"return create_temp"``) never interrupted, for windows known to be open."""
+
+    EVENTS = ("call", "return", "c_call")
+    #: Called by the with statement itself: a signal is never handled between it and the call (the lock of a
+    #: ``with lock:`` is always released), while the profiler sees them as calls of C functions.
+    ATOMIC = ("__enter__", "__exit__")
+
+    def __init__(self, nth: int, package: str = "ftidask", skip: tuple[str, ...] = ()) -> None:
+        self.nth, self.package, self.count, self.skip = nth, package + ".", 0, skip
+        self.where: str | None = None
+
+    def __call__(self, frame: types.FrameType, event: str, arg: Any) -> None:
+        if event in self.EVENTS and (frame.f_globals.get("__name__", "") + ".").startswith(self.package) and not (
+                event == "c_call" and getattr(arg, "__name__", "") in self.ATOMIC):
+            if f"{event} {frame.f_code.co_qualname}" in self.skip:
+                return
+            self.count += 1
+            if self.count == self.nth:
+                called = f" -> {getattr(arg, '__name__', arg)}" if event == "c_call" else ""
+                self.where = f"{event} {frame.f_code.co_qualname}{called} ({frame.f_code.co_filename})"
+                raise KeyboardInterrupt(f"injected interrupt at {self.where}")  # the profiler is unset with it
+
+    def __enter__(self) -> InterruptAt:
+        sys.setprofile(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        sys.setprofile(None)
 
 
 def kill_at_block_write(nth: int = 1) -> None:
@@ -77,8 +131,8 @@ def install(point: str, nth: int = 1) -> None:
     """Install a named crash point in this process (``client.run`` target on a Dask worker).
 
     Points: ``dcp-block`` (a write of changed blocks, :func:`kill_at_block_write`), or
-    ``"module:function"`` / ``"module:function:after"`` / ``"module:function:raise"`` (:func:`kill_at_call`);
-    ``function`` may be ``Class.method``.
+    ``"module:function"`` / ``"module:function:after"`` / ``"module:function:raise"`` /
+    ``"module:function:interrupt"`` (:func:`kill_at_call`); ``function`` may be ``Class.method``.
     """
     INSTALLED.append(point)
     if point == "dcp-block":
@@ -89,7 +143,7 @@ def install(point: str, nth: int = 1) -> None:
     *classes, name = name.split(".")
     for cls in classes:
         owner = getattr(owner, cls)
-    kill_at_call(owner, name, nth, after=when == ["after"], fail=when == ["raise"])
+    kill_at_call(owner, name, nth, after=when == ["after"], fail=when == ["raise"], interrupt=when == ["interrupt"])
 
 
 def seams() -> list[str]:

@@ -71,3 +71,23 @@ def test_recover_arguments_are_checked(dask_client, dirs) -> None:
         assert (got.compute() == np.arange(10.0)).all()
     with pytest.raises(FTIError, match="this context is finalized"):
         ctx.stored_size(1)  # before: answered after finalize on this backend
+
+
+def test_a_context_whose_client_closed_still_shows_itself(dask_client, dirs) -> None:
+    """A notebook shows the context after every cell: with its client closed, repr and the HTML table raised
+    AttributeError (the scheduler asked for its workers); they say the client is closed, and compute nothing."""
+    own = distributed.Client(dask_client.scheduler.address, set_as_default=False)
+    ctx = ftidask.init(**dirs, client=own)
+    x = da.arange(12.0, chunks=4)
+    ctx.protect(1, x)
+    ctx.checkpoint(1, 1)
+    own.close()
+    assert "workers=? (client closed)" in repr(ctx) and "1:var1 float64[12]" in repr(ctx)
+    assert "? (client closed) workers" in ctx._repr_html_()
+    with pytest.raises(FTIError, match="the Dask client is closed"):
+        ctx.finalize()
+    assert "finalized" in repr(ctx) and "<table>" in ctx._repr_html_()
+    with ftidask.init(**dirs, client=dask_client) as again:  # re-created on another client: recovers checkpoint 1
+        assert "workers=2" in repr(again)
+        got = again.recover()[1]
+        assert again.recovered_from == (1, 1) and (got.compute() == np.arange(12.0)).all()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from ..model.arrays import ArrayBytes
 from ..model.level import Level
@@ -87,17 +88,41 @@ class AsyncCheckpoints:
             return self.inflight.done_now(ckpt_id, level.number, "blocking", blocking)
         config = self.run.config
         tracking = None
-        if level.differential and not self.inflight.busy:
-            # The pages written since the last checkpoint are those of the live arrays: scanned now,
-            # the background hashes only their blocks in the snapshot.
-            tracking = self.run.spares.get().tracking
-            for vid, p in variables.items():
-                if p.state is None:
-                    tracking.prescan(vid, ArrayBytes(p.array).view(0, p.array.nbytes))
-        cow_ok = not level.differential and not (level.base == 4 and config.l4_format == "zarr")
-        snap = snapshot.take(variables, config.async_snapshot, self.pool, cow_ok=cow_ok)
-        log.debug("checkpoint %d: %s snapshot (%d bytes copied)", ckpt_id, snap.mechanism, snap.extra_bytes)
-        self.next_id = max(self.next_id, ckpt_id + 1)
+        snap: snapshot.Snapshot | None = None
+        job: Callable[[], CheckpointInfo] | None = None
+        try:
+            if level.differential and not self.inflight.busy:
+                # The pages written since the last checkpoint are those of the live arrays: scanned now,
+                # the background hashes only their blocks in the snapshot.
+                tracking = self.run.spares.get().tracking
+                for vid, p in variables.items():
+                    if p.state is None:
+                        tracking.prescan(vid, ArrayBytes(p.array).view(0, p.array.nbytes))
+            cow_ok = not level.differential and not (level.base == 4 and config.l4_format == "zarr")
+            snap = snapshot.take(variables, config.async_snapshot, self.pool, cow_ok=cow_ok)
+            log.debug("checkpoint %d: %s snapshot (%d bytes copied)", ckpt_id, snap.mechanism, snap.extra_bytes)
+            self.next_id = max(self.next_id, ckpt_id + 1)
+            job = self._job(ckpt_id, level, snap, tracking, state_error, committer)
+            handle = self.inflight.submit(job, ckpt_id, level.number, snap.mechanism)
+        except BaseException:
+            if job is not None and self.inflight.holds(job):
+                raise  # queued after all (interrupted while its thread started): the job releases what it holds
+            # Failed or interrupted (Ctrl-C) before the job was queued: a scan kept would be taken by the next
+            # checkpoint for its own, missing what is written meanwhile; a copy-on-write snapshot kept (by the
+            # traceback a notebook holds) would keep the arrays write-protected and their pages copied aside.
+            if tracking is not None:
+                tracking.forget_prescans()
+            if snap is not None:
+                snap.release()
+            raise
+        if snap.mechanism == "blocking":
+            handle.settled()  # written before returning; a failure stays the handle's (and the next call's)
+        return handle
+
+    @staticmethod
+    def _job(ckpt_id: int, level: Level, snap: snapshot.Snapshot, tracking: Any, state_error: str,
+             committer: Committer) -> Callable[[], CheckpointInfo]:
+        """The job that writes checkpoint ``ckpt_id`` from ``snap`` (released by the job, however it ends)."""
 
         def job() -> CheckpointInfo:
             try:
@@ -112,10 +137,7 @@ class AsyncCheckpoints:
                 committer.variables = committer.writer.variables = {}
                 snap.release()
 
-        handle = self.inflight.submit(job, ckpt_id, level.number, snap.mechanism)
-        if snap.mechanism == "blocking":
-            handle.settled()  # written before returning; a failure stays the handle's (and the next call's)
-        return handle
+        return job
 
     def settle(self) -> None:
         """Wait for every checkpoint in flight; raise the first failure nobody asked for."""

@@ -186,6 +186,9 @@ class Committer(RunPart):
         except CheckpointError:  # agreed: the same on every rank
             self.drop(pending, finished=written is not None)
             raise
+        except BaseException:  # interrupted (Ctrl-C in a notebook) before the commit record: as a failure, no file
+            self.drop(pending, finished=False)  # left open (a dCP spare's descriptor), nothing named by a record
+            raise
         extra = dict(pending.record_extra)
         if t.size > 1:  # the L2/L3 groups (a head may raise an L1 checkpoint later): a restart on another number of
             extra["group_size"] = self.config.group_size  # ranks, with another group_size, rebuilds on these

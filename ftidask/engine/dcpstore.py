@@ -45,6 +45,7 @@ from ..ftiff.writer import WrittenFile
 from ..levels.rs import hash_path
 from ..model.errors import FormatError
 from ..storage import files as storage
+from ..storage import interrupts
 
 _SHORT_RUN = 128 << 10  # mean bytes per write under which the spare's cache is dropped (see retire)
 
@@ -91,8 +92,17 @@ class DcpHandle:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.writer.drain()
-            os.close(self.fd)
+            try:
+                self.writer.drain()
+            finally:  # interrupted (Ctrl-C) while draining: the descriptor is closed all the same
+                os.close(self.fd)
+
+    def __del__(self) -> None:
+        # Lost before the checkpoint held it (Ctrl-C in a notebook): its descriptor must not stay open for ever.
+        if not getattr(self, "closed", True):
+            self.closed = True
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
 
 
 class DcpStore:
@@ -144,19 +154,21 @@ class DcpStore:
                 if isinstance(known, dict) and isinstance(known.get("fb_hash"), str):
                     with contextlib.suppress(ValueError):
                         base = load_state(path, bytes.fromhex(known["fb_hash"]))
-        fd = storage.open_regular(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if pinned else 0),
-                                  storage.FILE_MODE)  # a FIFO planted there would block the writes
-        try:
-            if base is not None and not _holds(fd, base):
-                base = None
-            writer = DcpFileWriter(fd, layout, base, block_size=self.block_size, bid=self.bid, hash_id=self.hash_id,
-                                   pool=self._pool, capture_xor=level == 3)  # L3 updates parity from old XOR new
-        except BaseException as exc:  # a full disk at its first write: the descriptor is not left open
-            os.close(fd)
-            if isinstance(exc, OSError):
-                raise storage.located(exc, path) from None
-            raise
-        return DcpHandle(self, level, fd, writer, path)
+        with interrupts.held_off():  # Ctrl-C never between the descriptor and the try that closes it
+            fd = storage.open_regular(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if pinned else 0),
+                                      storage.FILE_MODE)  # a FIFO planted there would block the writes
+            try:
+                if base is not None and not _holds(fd, base):
+                    base = None
+                writer = DcpFileWriter(fd, layout, base, block_size=self.block_size, bid=self.bid,
+                                       hash_id=self.hash_id, pool=self._pool,
+                                       capture_xor=level == 3)  # L3 updates parity from old XOR new
+                return DcpHandle(self, level, fd, writer, path)
+            except BaseException as exc:  # a full disk at its first write: the descriptor is not left open
+                os.close(fd)
+                if isinstance(exc, OSError):
+                    raise storage.located(exc, path) from None
+                raise
 
     def keeps(self, level: int, seq: int) -> bool:
         """Whether :meth:`retire` of checkpoint ``seq`` of ``level`` makes its file the spare (its state is known:
@@ -305,8 +317,10 @@ def write_spare_hint(spare: Path, fb_hash: str) -> None:
     section. Not synced: a lost or stale hint only names another FB hash, and the spare is rewritten in full."""
     hint = spare_hint_path(spare)
     with contextlib.suppress(OSError):
-        fd, tmp = storage.create_temp(hint, os.O_WRONLY)
-        with os.fdopen(fd, "wb") as fh:
+        with interrupts.held_off():  # Ctrl-C never between the descriptor and its file object
+            fd, tmp = storage.create_temp(hint, os.O_WRONLY)
+            fh = os.fdopen(fd, "wb")
+        with fh:
             fh.write(json.dumps({"fb_hash": fb_hash}).encode())
         os.replace(tmp, hint)
 

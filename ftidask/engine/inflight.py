@@ -151,6 +151,11 @@ class Inflight:
                 self._jobs.popleft()
                 self._cond.notify_all()
 
+    def holds(self, job: Callable[[], CheckpointInfo]) -> bool:
+        """Whether ``job`` is queued or running (a submit interrupted once it was queued: the job goes on)."""
+        with self._cond:
+            return any(queued is job for queued, _future in self._jobs)
+
     @property
     def busy(self) -> bool:
         """Whether a checkpoint is queued or being written."""

@@ -26,6 +26,7 @@ from ..ftiff.writer import WrittenFile, write_metadata, write_spans
 from ..model.arrays import ArrayBytes, VarInfo
 from ..model.errors import CheckpointError
 from ..model.level import Level
+from ..storage import interrupts
 from ..storage.files import create_temp, fsync_dir, located, makedirs
 
 
@@ -56,8 +57,9 @@ class RankFileWriter:
     def __init__(self, path: Path, layout: Layout, hash_id: int, pool: ThreadPoolExecutor | None = None) -> None:
         makedirs(path.parent)
         self.path, self.layout, self.hash_id = path, layout, hash_id
-        fd, self.tmp = create_temp(path)
-        self.fh = os.fdopen(fd, "w+b")  # closed by finish or abort
+        with interrupts.held_off():  # Ctrl-C never between the descriptor and its file object
+            fd, self.tmp = create_temp(path)
+            self.fh = os.fdopen(fd, "w+b")  # closed by finish or abort
         self.digests: dict[tuple[int, int], bytes] = {}
         self.data_bytes = 0
         self._own_pool = pool is None

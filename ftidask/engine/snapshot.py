@@ -152,10 +152,21 @@ def take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, *,
     # A view: the description (shape, dtype) of the call, whatever the application does to the array's.
     frozen = {vid: _frozen_var(p, p.array.view() if p.state is None else p.array) for vid, p in variables.items()}
     # auto leaves small arrays to a copy (cheaper than a fault); a forced cow takes every array it can.
+    releases: list[Callable[[], None]] = []
+    try:
+        return _take(variables, mechanism, pool, cow_ok, frozen, releases)
+    except BaseException:  # failed or interrupted (Ctrl-C) part-way: no protection, no buffer held
+        for release in releases:
+            release()
+        raise
+
+
+def _take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, cow_ok: bool,
+          frozen: dict[int, Protected], releases: list[Callable[[], None]]) -> Snapshot:
+    """:func:`take`'s work, ``releases`` filled as soon as something is held (take releases it on an error)."""
     least = 1 if mechanism == "cow" else COW_MIN_BYTES
     big = [vid for vid, p in variables.items() if p.state is None and p.array.nbytes >= least]
     sources: dict[int, Any] = {}
-    releases: list[Callable[[], None]] = []
     used = "copy"
     if mechanism in ("auto", "cow") and cow_ok and big:
         cow = _try_cow([variables[vid].array for vid in big], forced=mechanism == "cow")
@@ -168,18 +179,18 @@ def take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, *,
     to_copy = [vid for vid, p in variables.items() if p.state is None and vid not in sources]
     buffers = pool.take([variables[vid].array.nbytes for vid in to_copy]) if to_copy else []
     if buffers is None:
-        for release in releases:
-            release()
+        while releases:
+            releases.pop()()
         log.info("asynchronous checkpoint: %d bytes to copy exceed async_buffer_mb; writing it before returning",
                  sum(variables[vid].array.nbytes for vid in to_copy))
         return Snapshot(dict(variables), {}, "blocking")
+    if buffers:
+        releases.append(lambda: pool.give_back(buffers))
     copied = 0
     for vid, buf in zip(to_copy, buffers, strict=True):
         frozen[vid] = _frozen_var(variables[vid], _copy_into(buf, variables[vid].array))
         copied += variables[vid].array.nbytes
-    if buffers:
-        releases.append(lambda: pool.give_back(buffers))
-    return Snapshot(frozen, sources, used, copied, releases)
+    return Snapshot(frozen, sources, used, copied, list(releases))
 
 
 def _try_cow(arrays: list[np.ndarray], forced: bool) -> Any:

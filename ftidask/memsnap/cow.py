@@ -88,13 +88,15 @@ class CowSnapshot:
         self._handle: Any = None
         arrays = list(arrays)
         regions = [_region(a) for a in arrays]
+        self._sizes = [n for _addr, n in regions]
+        self._native = native
+        # Set before the protection: an interrupt (Ctrl-C) right after it still finds what release() needs.
+        self._arrays: list[np.ndarray] | None = arrays
         try:
             self._handle = native.cow_new(regions)
         except OSError as exc:
+            self._arrays = None
             raise CowUnavailable(exc.errno, f"copy-on-write snapshot: {exc.strerror}") from None
-        self._arrays: list[np.ndarray] | None = arrays
-        self._sizes = [n for _addr, n in regions]
-        self._native = native
 
     def __len__(self) -> int:
         return len(self._sizes)

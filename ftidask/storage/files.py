@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from . import interrupts
 from .paths import (  # noqa: F401 - the names and paths, long imported from here
     SPARE_DIR,
     RunPaths,
@@ -51,11 +52,12 @@ def make_durable(path: Path) -> None:
 
 
 def _fsync(path: Path, flags: int) -> None:
-    fd = os.open(path, os.O_RDONLY | flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with interrupts.held_off():  # Ctrl-C never between the descriptor and the try that closes it
+        fd = os.open(path, os.O_RDONLY | flags)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 try:  # optional native helpers (built when a C compiler is there at install; see setup.py)
@@ -159,8 +161,13 @@ def create_temp(path: Path, flags: int = os.O_RDWR) -> tuple[int, Path]:
 
 def open_temp(path: Path, mode: str = "w+b") -> tuple[BinaryIO, Path]:
     """A new file object at a temporary name beside ``path`` (:func:`create_temp`), and that name."""
-    fd, tmp = create_temp(path)
-    return os.fdopen(fd, mode), tmp  # type: ignore[return-value]
+    with interrupts.held_off():  # Ctrl-C never between the descriptor and its file object
+        fd, tmp = create_temp(path)
+        try:
+            return os.fdopen(fd, mode), tmp  # type: ignore[return-value]
+        except BaseException:
+            os.close(fd)
+            raise
 
 
 @contextlib.contextmanager
@@ -232,7 +239,13 @@ def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: i
 
 def open_read(path: str | os.PathLike[str], buffering: int = -1) -> BinaryIO:
     """``open(path, "rb")`` for a file of a checkpoint tree: a regular file only (:func:`open_regular`)."""
-    return open(open_regular(path), "rb", buffering=buffering)
+    with interrupts.held_off():  # Ctrl-C never between the descriptor and its file object
+        fd = open_regular(path)
+        try:
+            return open(fd, "rb", buffering=buffering)
+        except BaseException:
+            os.close(fd)
+            raise
 
 
 #: The largest JSON record ftidask writes or reads (commit records, hash records, run state, a Zarr store's

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from . import files as storage
+from . import interrupts
 
 log = logging.getLogger("ftidask")
 
@@ -151,8 +152,10 @@ def holder(run_dir: Path) -> str:
 def choosing(meta_dir: Path) -> Iterator[None]:
     """Hold ``{meta_dir}/current_exec_id.lock`` (waiting for it): one init chooses its run at a time."""
     path = meta_dir / CHOOSING_NAME
-    fd = _open(path, create=True)
+    fd = -1
     try:
+        with interrupts.held_off():  # Ctrl-C never between the descriptor and the name that closes it
+            fd = _open(path, create=True)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as exc:
@@ -160,4 +163,5 @@ def choosing(meta_dir: Path) -> Iterator[None]:
                 raise
         yield
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)

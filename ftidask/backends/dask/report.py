@@ -73,12 +73,21 @@ def _var_rows(ctx: Any) -> list[tuple[int, str, str, tuple[int, ...], str, int]]
     return rows
 
 
+def _cluster_text(ctx: Any) -> tuple[str, str]:
+    """The number of workers and the levels, or "?" when the cluster cannot be asked (a closed client): shown
+    after every notebook cell, a repr never raises."""
+    try:
+        return str(len(ctx.cluster.workers())), str(list(ctx.transport.levels()))
+    except Exception:  # the client closed, the scheduler gone
+        return "? (client closed)", "?"
+
+
 def context_repr(ctx: Any) -> str:
     """A Dask context in one line: run, workers, levels, status, variables with their chunks, last checkpoint."""
     vars_ = ", ".join(f"{i}:{n} {d}{list(s)} chunks {c} ({human(b)})" for i, n, d, s, c, b in _var_rows(ctx))
-    last = ctx.last_checkpoint
-    return (f"<ftidask.Context exec_id={ctx.exec_id!r} backend=dask workers={len(ctx.cluster.workers())} "
-            f"levels={list(ctx.transport.levels())} status={ctx.status()} vars=[{vars_}] "
+    last, (workers, levels) = ctx.last_checkpoint, _cluster_text(ctx)
+    return (f"<ftidask.Context exec_id={ctx.exec_id!r} backend=dask workers={workers} "
+            f"levels={levels} status={ctx.status()} vars=[{vars_}] "
             f"last_checkpoint={None if last is None else (last.id, last.level)}"
             f"{' finalized' if ctx.finalized else ''}>")
 
@@ -87,10 +96,10 @@ def context_html(ctx: Any) -> str:
     """A Dask context as an HTML table for Jupyter."""
     rows = "".join(f"<tr><td>{i}</td><td>{html.escape(n)}</td><td>{d}</td><td>{s}</td><td>{c}</td>"
                    f"<td>{human(b)}</td></tr>" for i, n, d, s, c, b in _var_rows(ctx))
-    last = ctx.last_checkpoint
+    last, (workers, levels) = ctx.last_checkpoint, _cluster_text(ctx)
     state = "finalized" if ctx.finalized else "open"
     return (f"<div><b>ftidask.Context</b> run <code>{html.escape(ctx.exec_id)}</code>, Dask backend, "
-            f"{len(ctx.cluster.workers())} workers, levels {list(ctx.transport.levels())}, status "
+            f"{html.escape(workers)} workers, levels {levels}, status "
             f"{ctx.status()}, {state}; last checkpoint: "
             f"{'none' if last is None else f'id {last.id}, level {last.level}, {human(last.bytes_written)}'}"
             "<table><tr><th>id</th><th>name</th><th>dtype</th><th>shape</th><th>chunk</th><th>size</th></tr>"
