@@ -34,6 +34,7 @@ from ..ftiff.writer import ByteSource, WrittenFile, write_metadata
 from ..model.arrays import VarInfo
 from ..model.errors import CheckpointError, FormatError
 from ..storage import files as storage
+from ..storage import interrupts
 from .delta import FileDelta, XorDelta, merge_ranges
 from .segments import SEGMENT, SEGMENT_KNOWN, WINDOW, segment_bounds, segment_task, stage_run
 from .track import KnownDigests
@@ -216,7 +217,14 @@ class DcpFileWriter:
         table = dict(trailer)
         table["dcp"] = blockhash.table_entry(self.block_size, self.bid, len(section))
         hashes = {k: container_hash(self.hash_id, self.digests[k]) for k in keys}
-        with os.fdopen(os.dup(self.fd), "r+b") as fh:
+        with interrupts.held_off():  # Ctrl-C never between the duplicate descriptor and its file object
+            dup = os.dup(self.fd)
+            try:
+                fh = os.fdopen(dup, "r+b")
+            except BaseException:
+                os.close(dup)
+                raise
+        with fh:
             written = write_metadata(fh, self.layout, hashes, hash_id=self.hash_id, trailer=table, pt_fs=pt_fs,
                                      max_fs=max_fs, flags=FLAG_METADATA_CHECKSUM | FLAG_DCP, section=section)
             fh.flush()

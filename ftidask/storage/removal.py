@@ -19,6 +19,7 @@ from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
+from . import interrupts
 from .paths import SPARE_DIR, is_inside
 
 log = logging.getLogger("ftidask")
@@ -47,7 +48,8 @@ def remove_tree(path: Path) -> None:
         if not isinstance(exc, FileNotFoundError):
             log.warning("could not remove %s: %s", name, exc)
 
-    shutil.rmtree(path, **({"onexc": failed} if sys.version_info >= (3, 12) else {"onerror": failed}))
+    with interrupts.held_off():  # rmtree holds directory descriptors: Ctrl-C there would leak one for good
+        shutil.rmtree(path, **({"onexc": failed} if sys.version_info >= (3, 12) else {"onerror": failed}))
 
 
 def remove_inside(path: Path, parent: Path) -> bool:
