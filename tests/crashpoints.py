@@ -86,8 +86,10 @@ class InterruptAt:
 
     EVENTS = ("call", "return", "c_call")
     #: Called by the with statement itself: a signal is never handled between it and the call (the lock of a
-    #: ``with lock:`` is always released), while the profiler sees them as calls of C functions.
-    ATOMIC = ("__enter__", "__exit__")
+    #: ``with lock:`` is always released), while the profiler sees them as calls of C functions. And ``close``:
+    #: CPython handles a signal after a C call returns, never before it starts, so the ``os.close`` that begins a
+    #: ``finally`` block always runs (the profiler's c_call event comes before it).
+    ATOMIC = ("__enter__", "__exit__", "close")
 
     def __init__(self, nth: int, package: str = "ftidask", skip: tuple[str, ...] = ()) -> None:
         self.nth, self.package, self.count, self.skip = nth, package + ".", 0, skip
