@@ -112,6 +112,7 @@ def test_spares_damaged_too_recover_nothing_and_finalize_leaves_nothing(client, 
     _truncate(dirs, level, 3)
     (spare,) = [p for p in _spares(dirs, level) if p.endswith("Spare-Rank0.fti")]
     os.truncate(spare, os.path.getsize(spare) - 777)
+    ctx._close()  # the job ends (a context of it left open would keep the run from ctx2's finalize)
 
     ctx2 = _init(client, dirs)
     mine = np.full(5, 7.0)
@@ -167,6 +168,7 @@ def test_keep_last_ckpt_at_l4_dcp_after_a_fallback_keeps_the_previous_checkpoint
     recovered (the newest, damaged, is not kept where it is), so the next run restarts from it."""
     ctx, saved = _three_checkpoints(client, dirs, 8, 3, keep_last_ckpt=1)
     _truncate(dirs, 8, 3)
+    ctx._close()  # the job ends
     ctx2 = _init(client, dirs, keep_last_ckpt=1)
     _assert_same(ctx2.recover(), saved[2])
     ctx2.finalize()
