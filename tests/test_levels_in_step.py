@@ -11,23 +11,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import crashpoints  # noqa: E402
+from test_commit_durability import NRANKS, _config, _values  # noqa: E402 - the same 4-rank run
 
 import ftidask  # noqa: E402
 from ftidask.api.context import Context  # noqa: E402
 from ftidask.engine.grouplevels import run_ranks  # noqa: E402
 from ftidask.levels import multilevel  # noqa: E402
-from ftidask.model.config import load_config  # noqa: E402
-
-NRANKS = 4
-
-
-def _config(base: Path):
-    return load_config(None, ckpt_dir=str(base / "Local"), glbl_dir=str(base / "Global"), meta_dir=str(base / "Meta"),
-                       local_test=1, node_size=1, group_size=NRANKS, block_size=1, transfer_size=1, verbosity=4)
-
-
-def _values(rank: int, version: int) -> np.ndarray:
-    return np.arange(50_000, dtype=np.float64) * (rank + 1) + version
 
 
 @pytest.mark.parametrize("level", [2, 3])

@@ -19,13 +19,19 @@ pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
 NWORKERS = 2
 
 
-def test_a_closed_client_is_a_clear_error_and_the_run_restarts(dask_client, dirs) -> None:
+def _checkpointed_then_client_closed(dask_client, dirs):
+    """A context on a client of its own, checkpoint 1 of a Dask array committed, then that client closed."""
     own = distributed.Client(dask_client.scheduler.address, set_as_default=False)
     ctx = ftidask.init(**dirs, client=own)
     x = da.arange(12.0, chunks=4)
     ctx.protect(1, x)
     ctx.checkpoint(1, 1)
     own.close()
+    return own, ctx, x
+
+
+def test_a_closed_client_is_a_clear_error_and_the_run_restarts(dask_client, dirs) -> None:
+    own, ctx, x = _checkpointed_then_client_closed(dask_client, dirs)
     # Before: AttributeError: 'NoneType' object has no attribute 'identity' (deep in distributed).
     for call in (lambda: ctx.checkpoint(2, 1), ctx.recover, lambda: ctx.stored_size(1), ctx.finalize):
         with pytest.raises(FTIError, match="the Dask client is closed"):
@@ -76,12 +82,7 @@ def test_recover_arguments_are_checked(dask_client, dirs) -> None:
 def test_a_context_whose_client_closed_still_shows_itself(dask_client, dirs) -> None:
     """A notebook shows the context after every cell: with its client closed, repr and the HTML table raised
     AttributeError (the scheduler asked for its workers); they say the client is closed, and compute nothing."""
-    own = distributed.Client(dask_client.scheduler.address, set_as_default=False)
-    ctx = ftidask.init(**dirs, client=own)
-    x = da.arange(12.0, chunks=4)
-    ctx.protect(1, x)
-    ctx.checkpoint(1, 1)
-    own.close()
+    own, ctx, x = _checkpointed_then_client_closed(dask_client, dirs)
     assert "workers=? (client closed)" in repr(ctx) and "1:var1 float64[12]" in repr(ctx)
     assert "? (client closed) workers" in ctx._repr_html_()
     with pytest.raises(FTIError, match="the Dask client is closed"):

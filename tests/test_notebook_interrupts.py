@@ -249,9 +249,13 @@ def test_an_async_checkpoint_interrupted_after_its_snapshot_leaves_no_protection
     del kept
 
 
-def test_a_differential_checkpoint_interrupted_while_finishing_its_file_leaves_no_descriptor(tmp_path):
-    """The spare's descriptor stayed open for ever (a raw descriptor: never closed by garbage collection), and
-    with it the disk space of the file once retired and deleted."""
+@pytest.mark.parametrize(("method", "nth"), [("finish", 1), ("drain", 2)], ids=["finishing its file",
+                                                                                 "closing its spare"])
+def test_a_differential_checkpoint_interrupted_at_its_end_leaves_no_descriptor(tmp_path, method, nth):
+    """Interrupted while finishing its file: the spare's descriptor stayed open for ever (a raw descriptor: never
+    closed by garbage collection), and with it the disk space of the file once retired and deleted. Interrupted
+    while closing the spare (``drain``'s call in the handle's close): marked closed before its descriptor was, the
+    spare stayed open for ever too."""
     from ftidask.dcp import files
 
     ctx = ftidask.init(**_config(tmp_path, enable_dcp=1))
@@ -259,7 +263,7 @@ def test_a_differential_checkpoint_interrupted_while_finishing_its_file_leaves_n
     ctx.protect(1, a)
     ctx.checkpoint(1, 5)
     fds = _descriptors()
-    restore = crashpoints.interrupt_at_call(files.DcpFileWriter, "finish")
+    restore = crashpoints.interrupt_at_call(files.DcpFileWriter, method, nth)
     try:
         with pytest.raises(KeyboardInterrupt):
             ctx.checkpoint(2, 5)
@@ -334,28 +338,3 @@ def test_a_real_sigint_at_random_moments_of_a_checkpoint_loop(tmp_path):
     del ctx
     _check_nothing_left(base, threads, fds)
     assert expected is not None and interrupted > 0
-
-
-def test_a_differential_checkpoint_interrupted_while_closing_its_spare_leaves_no_descriptor(tmp_path):
-    """Marked closed before its descriptor was: interrupted in between, the spare stayed open for ever."""
-    from ftidask.dcp import files
-
-    ctx = ftidask.init(**_config(tmp_path, enable_dcp=1))
-    a = np.zeros(N)
-    ctx.protect(1, a)
-    ctx.checkpoint(1, 5)
-    fds = _descriptors()
-    restore = crashpoints.interrupt_at_call(files.DcpFileWriter, "drain", 2)  # its call in the handle's close
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            ctx.checkpoint(2, 5)
-    finally:
-        restore()
-    gc.collect()
-    assert _descriptors() - fds == set()
-    a[:] = 3.0
-    ctx.checkpoint(3, 5)
-    a[:] = -1
-    ctx.recover()
-    assert ctx.recovered_from[0] == 3 and (a == 3.0).all()
-    ctx.finalize()
