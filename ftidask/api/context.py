@@ -37,7 +37,7 @@ from ..storage import files as storage
 from ..storage.runlock import RunLock
 from ..transport.base import Transport
 from ..transport.collective import agree_call
-from . import display, lifecycle, live, logsetup
+from . import display, lifecycle, logsetup
 from .names import VarNames, restart_names
 from .stagecalls import StagingCalls
 
@@ -62,7 +62,7 @@ class Context(StagingCalls):
                                                                       config.exec_id, bool(config.enable_dcp))
         self.paths = storage.RunPaths(Path(config.ckpt_dir), Path(config.glbl_dir), Path(config.meta_dir),
                                       self.exec_id)
-        live.settle_older(self)  # an older context of this process on this run: its checkpoint in flight committed
+        lifecycle.settle_older(self)  # an older context of this process on this run: its checkpoint in flight committed
         self.state = RunState(Path(config.meta_dir), self.exec_id)
         dirchecks.check(transport, dirchecks.run_dirs(self.paths, transport.node, self.state.records_dir))
         self._vars: dict[int, Protected] = {}

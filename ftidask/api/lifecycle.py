@@ -1,10 +1,17 @@
 """How a :class:`ftidask.Context` closes: every part closed whatever fails (FTI_Finalize tears down), and a clear
 error for a context closed with its run left unfinished (a finalize that failed, a ``with`` block left by an error).
+
+It also keeps the open contexts of this process, for a run initialised again in it (a notebook's init cell run
+again, the first context never finalized). The new init waits for the older context's checkpoints in flight
+(:func:`settle_older`): it collects what interrupted checkpoints left, and a checkpoint in flight (its file renamed
+into place, its commit record not yet written) looked like one; removed, its commit then named files gone and retired
+the previous checkpoint. And while another context holds the run, a finalize leaves the run to it (:func:`end_run`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -13,7 +20,7 @@ from ..model.errors import FTIError
 from ..transport.collective import reason
 
 log = logging.getLogger("ftidask")
-_holders: weakref.WeakSet[Any] = weakref.WeakSet()  # the contexts of this process that hold a run's lock
+_contexts: weakref.WeakSet[Any] = weakref.WeakSet()  # the contexts made in this process
 
 
 def close_all(steps: Iterable[Callable[[], Any] | None]) -> None:
@@ -52,10 +59,22 @@ def end_run(ctx: Any) -> tuple[list[Any], bool]:
     return staging_failed, True
 
 
+def _run_of(ctx: Any) -> tuple[str, str, int]:
+    return os.path.realpath(ctx.paths.meta_dir), ctx.exec_id, ctx.transport.rank
+
+
+def settle_older(ctx: Any) -> None:
+    """Wait until every other open context of this process on ``ctx``'s run and rank has finished its checkpoints in
+    flight (their failures stay with their handles). Contexts of other ranks (ranks as threads) are not waited for."""
+    run = _run_of(ctx)
+    for old in list(_contexts):
+        if old is not ctx and not getattr(old, "_closed", True) and _run_of(old) == run:
+            old._async.drain()
+
+
 def register(ctx: Any) -> None:
-    """Note a context that holds its run's lock (rank 0's, the client's) among this process's."""
-    if ctx._run_lock is not None:
-        _holders.add(ctx)
+    """Note ``ctx`` among this process's contexts (once its run is claimed)."""
+    _contexts.add(ctx)
 
 
 def _shared(ctx: Any) -> bool:
@@ -63,7 +82,7 @@ def _shared(ctx: Any) -> bool:
     mine = ctx._run_lock
     return mine is not None and any(
         other is not ctx and not other._closed and other._run_lock is not None and other._run_lock.held
-        and other._run_lock.path == mine.path for other in list(_holders))
+        and other._run_lock.path == mine.path for other in list(_contexts))
 
 
 def unfinished_error(cause: BaseException, exec_id: str) -> FTIError:
