@@ -48,14 +48,20 @@ def _whole_pages(array: np.ndarray) -> tuple[int, int]:
 
 
 def _never_touched(lo: int, hi: int) -> bool:
-    """Whether no page of [lo, hi) was ever present, swapped or file-backed (pagemap bits 61-63)."""
+    """Whether no page of [lo, hi) was ever present, swapped or file-backed (pagemap bits 61-63).
+
+    Read a few entries first, then ever more: a touched array (the usual case once a program ran) is told by
+    its first pages in microseconds; only a fresh one costs a read of every entry (8 bytes per page).
+    """
     first, count = lo // PAGE, (hi - lo) // PAGE
     with open("/proc/self/pagemap", "rb", buffering=0) as fh:
-        for at in range(0, count, _PAGEMAP_CHUNK):  # a touched array is usually told by its first chunk
-            n = min(_PAGEMAP_CHUNK, count - at)
+        at, n = 0, 16
+        while at < count:
+            n = min(n, _PAGEMAP_CHUNK, count - at)
             raw = os.pread(fh.fileno(), n * 8, (first + at) * 8)
             if len(raw) != n * 8 or (np.frombuffer(raw, np.uint64) >> np.uint64(61)).any():
                 return False
+            at, n = at + n, n * 16
     return True
 
 
@@ -86,33 +92,45 @@ def _plain_anonymous(lo: int, hi: int, mappings: list[tuple[int, int, bool]]) ->
     return covered >= hi
 
 
-def movable(array: Any, mappings: list[tuple[int, int, bool]] | None = None) -> bool:
-    """Whether ``array`` can be recovered by moving verified pages under it (see the module's doc).
-
-    ``mappings``: this process's, as :func:`_plain_mappings` reads them (read here when not given).
-    """
+def _fresh(array: Any) -> bool:
+    """:func:`movable`'s checks but the mappings': NumPy's own writable C-ordered memory, large enough, whose
+    whole pages were never touched."""
     if not enabled or not isinstance(array, np.ndarray) or array.nbytes < MIN_BYTES:
         return False
     if not (array.flags.writeable and array.flags.c_contiguous and numpy_owned(array)):
         return False
     lo, hi = _whole_pages(array)
     try:
-        return hi > lo and _never_touched(lo, hi) and _plain_anonymous(lo, hi, mappings or _plain_mappings())
+        return hi > lo and _never_touched(lo, hi)
+    except (OSError, ValueError):  # no /proc: copy as before
+        return False
+
+
+def movable(array: Any, mappings: list[tuple[int, int, bool]] | None = None) -> bool:
+    """Whether ``array`` can be recovered by moving verified pages under it (see the module's doc).
+
+    ``mappings``: this process's, as :func:`_plain_mappings` reads them (read here when needed and not given).
+    """
+    if not _fresh(array):
+        return False
+    try:
+        return _plain_anonymous(*_whole_pages(array), mappings or _plain_mappings())
     except (OSError, ValueError):  # no /proc (or an unexpected line): copy as before
         return False
 
 
 def movable_arrays(arrays: dict[int, Any]) -> dict[int, np.ndarray]:
-    """Those of ``arrays`` (by var id) that :func:`movable` accepts; the mappings are read once."""
-    candidates = {vid: a for vid, a in arrays.items()
-                  if enabled and isinstance(a, np.ndarray) and a.nbytes >= MIN_BYTES}
-    if not candidates:
+    """Those of ``arrays`` (by var id) that :func:`movable` accepts; the mappings are read once, and only when
+    an array passes the cheap checks (``/proc/self/smaps`` walks every page of the process: milliseconds per
+    GiB resident, which a recovery into arrays already in use, never staged, need not pay)."""
+    fresh = {vid: a for vid, a in arrays.items() if _fresh(a)}
+    if not fresh:
         return {}
     try:
         mappings = _plain_mappings()
     except (OSError, ValueError):
         return {}
-    return {vid: a for vid, a in candidates.items() if movable(a, mappings)}
+    return {vid: a for vid, a in fresh.items() if _plain_anonymous(*_whole_pages(a), mappings)}
 
 
 class Staged:

@@ -30,7 +30,7 @@ import xxhash
 
 from ..model.errors import FormatError
 from . import hashing
-from .verify import read_full
+from .readahead import read_full
 
 if TYPE_CHECKING:
     from .reader import ByteTarget, FtiffFile

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO, Protocol
 
 from ..model.arrays import VarInfo
 from ..model.errors import FormatError
-from . import compression, hashing, tailmeta, verify
+from . import compression, hashing, readahead, tailmeta, verify
 from .blockhash import FLAG_DCP, DcpInfo, read_into_dcp, verify_dcp
 from .ftiparity import sniff_parity
 from .layout import Layout, Slot, layout_from_slots
@@ -372,7 +372,7 @@ def _copy_direct(fh: BinaryIO, parsed: FtiffFile, spans: list[tuple[int, memoryv
 
     def copy(piece: tuple[int, memoryview, str]) -> str:
         offset, view, what = piece
-        return "" if verify.read_full(fh.fileno(), offset, view) == len(view) else what
+        return "" if readahead.read_full(fh.fileno(), offset, view) == len(view) else what
 
     if len(pieces) < 2 or _COPY_THREADS < 2:
         problems = [copy(p) for p in pieces]

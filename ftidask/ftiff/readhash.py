@@ -13,46 +13,18 @@ staged decodes it twice: once to check it, before any array is touched, and once
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 from ..model.errors import FormatError
 from . import compression, hashing
+from .readahead import READERS, ReadAhead, read_full
 from .reader import FtiffFile
 from .structs import ContainerMeta
-from .verify import read_full
 
 PIECE = 8 << 20  # bytes per read; the hash follows one piece behind
 _DECODE_THREADS = min(4, os.cpu_count() or 1)  # containers decoded at once (numcodecs releases the GIL)
-
-
-class _Reader(threading.Thread):
-    """Reads ``pieces`` in order; :meth:`wait` returns once piece ``k`` is in (False: the file ended)."""
-
-    def __init__(self, fd: int, pieces: list[tuple[int, memoryview]]) -> None:
-        super().__init__(name="ftidask-readahead", daemon=True)
-        self.fd, self.pieces = fd, pieces
-        self.done = 0  # pieces read in full
-        self.short = False
-        self.stop = False
-        self.cond = threading.Condition()
-
-    def run(self) -> None:
-        for offset, view in self.pieces:
-            full = not self.stop and read_full(self.fd, offset, view) == len(view)
-            with self.cond:
-                self.short = not full
-                self.done += full
-                self.cond.notify_all()
-            if not full:
-                return
-
-    def wait(self, k: int) -> bool:
-        with self.cond:
-            self.cond.wait_for(lambda: self.done > k or self.short)
-            return self.done > k
 
 
 def read_hashed(fd: int, offset: int, view: memoryview, hash_id: int) -> bytes | None:
@@ -66,16 +38,11 @@ def read_hashed(fd: int, offset: int, view: memoryview, hash_id: int) -> bytes |
         hasher.update(view)
         return hasher.digest()
     pieces = [(offset + lo, view[lo:lo + PIECE]) for lo in range(0, len(view), PIECE)]
-    reader = _Reader(fd, pieces)
-    reader.start()
-    try:
+    with ReadAhead(fd, pieces, threads=READERS) as reader:
         for k, (_offset, piece) in enumerate(pieces):
             if not reader.wait(k):
                 return None
             hasher.update(piece)
-    finally:
-        reader.stop = True
-        reader.join()
     return hasher.digest()
 
 
@@ -99,9 +66,7 @@ def read_verified(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
         _read_decoded(fh, parsed, views, packed)
     spans = [[(meta.fptr + lo, views[meta.id][meta.dptr + lo:meta.dptr + min(lo + PIECE, meta.chunksize)])
               for lo in range(0, meta.chunksize, PIECE)] for _bi, _ci, meta in jobs]
-    reader = _Reader(fh.fileno(), [piece for pieces in spans for piece in pieces])
-    reader.start()
-    try:
+    with ReadAhead(fh.fileno(), [piece for pieces in spans for piece in pieces], threads=READERS) as reader:
         k = 0
         for (bi, ci, meta), pieces in zip(jobs, spans):
             where = f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid})"
@@ -113,9 +78,6 @@ def read_verified(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
                 k += 1
             if hasher.digest() != meta.hash:
                 raise FormatError(f"{where}: data hash does not match (damaged data)", path=parsed.path)
-    finally:
-        reader.stop = True
-        reader.join()
 
 
 def _read_decoded(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryview],

@@ -2,8 +2,8 @@
 
 A map would spare a copy, but a mapped file that shrinks under its reader (another process, a truncation
 by a failing job) or whose disk cannot read a page kills the process with SIGBUS: no fallback to a
-partner copy, the parity or an older checkpoint could follow. Read with ``preadv`` into a buffer per
-thread, the same faults are a short read or an ``OSError``: a damaged file. Containers are checked on
+partner copy, the parity or an older checkpoint could follow. Read with ``preadv`` into buffers of each
+thread (:mod:`.readahead`: the next piece read while one is hashed), the same faults are a short read or an ``OSError``: a damaged file. Containers are checked on
 several threads (``preadv`` and the hashes release the GIL), each one piece by piece. A compressed
 container whose hash matched is then decoded, whole as its codec needs it, from a map of the pages just
 read (a copy could double a recovery's memory): only a file cut in that moment could still end the process.
@@ -18,42 +18,26 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from . import compression, hashing
+from . import compression, hashing, readahead
 from .structs import ContainerMeta
 
-PIECE = 8 << 20  # bytes per read of a container being hashed
 THREADS = min(4, os.cpu_count() or 1)  # containers checked at once
 _local = threading.local()
 
 
-def read_full(fd: int, offset: int, view: memoryview) -> int:
-    """Read ``len(view)`` bytes at ``offset`` into ``view`` (at most 64 MiB per call); the count read (less: the
-    file ended)."""
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:got + (64 << 20)]], offset + got)
-        if n <= 0:
-            break
-        got += n
-    return got
-
-
-def _buffer() -> memoryview:
-    """This thread's read buffer (the verifying threads live as long as one check)."""
-    buf = getattr(_local, "buf", None)
-    if buf is None:
-        buf = _local.buf = memoryview(bytearray(PIECE))
-    return buf
+def _ring() -> list[memoryview]:
+    """This thread's read buffers (the verifying threads live as long as one check)."""
+    ring = getattr(_local, "ring", None)
+    if ring is None:
+        ring = _local.ring = [memoryview(bytearray(readahead.PIECE)) for _ in range(readahead.SLOTS)]
+    return ring
 
 
 def container_problem(fd: int, parsed: Any, meta: ContainerMeta, what: str, decode: bool) -> str:
     """Why container ``meta`` of ``parsed`` does not match its hash (or, ``decode``, does not decode), or ''."""
-    hasher, buf = hashing.new_hasher(parsed.fb.hash_id), _buffer()
-    for lo in range(0, meta.chunksize, PIECE):
-        n = min(PIECE, meta.chunksize - lo)
-        if read_full(fd, meta.fptr + lo, buf[:n]) != n:
-            return f"{what}: the file ends inside its data"
-        hasher.update(buf[:n])
+    hasher = hashing.new_hasher(parsed.fb.hash_id)
+    if not readahead.feed(fd, meta.fptr, meta.chunksize, hasher.update, _ring(), readahead.READERS):
+        return f"{what}: the file ends inside its data"
     if hasher.digest() != meta.hash:
         return f"{what}: data hash does not match (damaged data)"
     info = parsed.vars.get(meta.id)
@@ -88,10 +72,5 @@ def first_problem(fd: int, parsed: Any, jobs: Sequence[tuple[int, int, Container
 
 def md5_hex(fd: int, start: int, stop: int) -> str:
     """The MD5 (hex) of bytes ``[start, stop)`` of the file (FTI 1.1's checksum of the whole VB); '' when short."""
-    hasher, buf = hashing.new_hasher(1), memoryview(bytearray(min(PIECE, max(stop - start, 1))))
-    for lo in range(start, stop, len(buf)):
-        n = min(len(buf), stop - lo)
-        if read_full(fd, lo, buf[:n]) != n:
-            return ""
-        hasher.update(buf[:n])
-    return hasher.hexdigest()
+    hasher = hashing.new_hasher(1)
+    return hasher.hexdigest() if readahead.feed(fd, start, max(stop - start, 0), hasher.update, _ring()) else ""

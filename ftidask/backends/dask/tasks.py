@@ -19,9 +19,9 @@ import numpy as np
 
 from ...engine.checkpointing import write_rank_file
 from ...ftiff import blockhash, compression, hashing
+from ...ftiff.readahead import read_full
 from ...ftiff.reader import verify_data
 from ...ftiff.readhash import read_hashed
-from ...ftiff.verify import read_full
 from ...model.arrays import VarInfo, dtype_from_json
 from ...model.errors import FormatError
 from ...storage import files as storage
