@@ -489,3 +489,17 @@ def test_ranks_verify_again_when_one_rank_file_changed(tmp_path):
 
     results, errors = run_ranks(cfg, NRANKS, step, wait=60)
     assert errors == [] and results == [("NoCheckpointError", True)] * NRANKS, results
+
+
+def test_arrays_in_use_are_told_without_walking_the_process_mappings(monkeypatch):
+    """A recovery into arrays already in use (a warm restart, a recover() in a loop) never stages them, and learns
+    it from their first pagemap entries: /proc/self/smaps, which walks every resident page of the process, is read
+    only for an array that could be staged."""
+    calls = []
+    real = pagemove._plain_mappings
+    monkeypatch.setattr(pagemove, "_plain_mappings", lambda: calls.append(1) or real())
+    touched = np.ones(32 << 20, np.uint8)
+    assert pagemove.movable_arrays({1: touched, 2: touched[: 20 << 20]}) == {} and not calls
+    fresh = np.empty(32 << 20, np.uint8)
+    if pagemove.enabled:
+        assert list(pagemove.movable_arrays({1: touched, 2: fresh})) == [2] and calls == [1]
