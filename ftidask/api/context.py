@@ -23,7 +23,7 @@ from ..engine.retention import Retention, RetentionFactory
 from ..engine.run import Run
 from ..engine.runstate import STATUS_FRESH, CommitRecord, RunState
 from ..engine.schedule import SnapshotSchedule
-from ..engine.variables import Protected, encode_states, protected_var
+from ..engine.variables import Protected, encode_states, protected_var, user_array
 from ..engine.writing import Writer
 from ..ftiff import hashing
 from ..model import constants
@@ -124,7 +124,7 @@ class Context(StagingCalls):
     @property
     def protected(self) -> Mapping[int, np.ndarray]:
         """The protected arrays (and Python-state objects) by id, in protection order."""
-        return {vid: p.state.obj if p.state is not None else p.array for vid, p in self._vars.items()}
+        return {vid: p.state.obj if p.state is not None else user_array(p) for vid, p in self._vars.items()}
 
     @property
     def variables(self) -> dict[int, Protected]:
@@ -180,7 +180,7 @@ class Context(StagingCalls):
 
     def _checkpoint_async(self, ckpt_id: int, level: Level) -> CheckpointHandle:
         self._icp_slot.check_none_open()
-        state_error = encode_states(self._vars, self.transport.rank)  # the states' values at the call
+        state_error = encode_states(self._vars, self.transport.rank, bool(self.config.enable_dcp))  # values at the call
 
         def blocking() -> CheckpointInfo:
             self._async.settle()

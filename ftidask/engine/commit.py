@@ -105,7 +105,8 @@ class Committer(RunPart):
         t.wait_post()  # a head still post-processing the previous checkpoint must finish first (as FTI)
         post_level = level.base
         level = Level(t.write_level(level.base, level.differential), level.differential)  # L1: a head raises it
-        state_error = encode_states(self.variables, t.rank)  # before the layout: a state's size changes with its value
+        # before the layout: a state's size changes with its value (and a device array's mirror is filled)
+        state_error = encode_states(self.variables, t.rank, bool(self.config.enable_dcp))
 
         def plan() -> tuple[Layout, int | None]:
             if incremental and not level.differential and (self.writer.codecs() or (

@@ -20,6 +20,7 @@ from ..model.errors import CheckpointError, FTIError, ProtectError
 from ..model.level import Level
 from ..storage.files import remove_tree
 from ..transport.collective import agree_call, reason
+from .variables import download
 
 if TYPE_CHECKING:
     from ..api.context import Context
@@ -134,6 +135,9 @@ class IncrementalCheckpoints:
         if pending.error:
             return  # reported, on every rank together, by finalize
         try:
+            problem = download(protected, self.committer.transport.rank) if protected.device is not None else ""
+            if problem:  # a device array: its value at this call (init_icp brought the values of then)
+                raise OSError(problem)
             pending.write_var(protected.id, protected.name, protected.array)
         except CheckpointError:
             raise  # this call was wrong (variable added twice, resized): the checkpoint stays open

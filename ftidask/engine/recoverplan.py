@@ -17,6 +17,7 @@ import numpy as np
 from ..ftiff.posix import other_io_mode, read_posix
 from ..model.arrays import ArrayBytes, check_id
 from ..model.errors import FormatError, FTIError, ProtectError, RecoveryError
+from .device import DeviceHolder
 from .pystate import Holder, kind_of
 from .recovery import check_sizes, load_file
 
@@ -62,6 +63,7 @@ class RecoveryPlan:
     contents: dict[int, Any] = dataclasses.field(default_factory=dict)
     problem: str = ""
     moved: str = ""  # a declared block that the file records elsewhere ('' if none): redistributed, not loaded as it is
+    devices: dict[int, DeviceHolder] = dataclasses.field(default_factory=dict)  # CuPy arrays: their mirrors filled
 
     def load_states(self) -> str:
         """Read and decode the Python states (nothing of the user's is touched); an error message or ''."""
@@ -76,13 +78,26 @@ class RecoveryPlan:
         return ""
 
     def apply_states(self) -> None:
-        """Set every decoded state into its protected object (after the arrays were filled)."""
+        """Set every decoded state into its protected object, and upload every device array's mirror (after the
+        arrays were filled)."""
         for vid, (holder, _buf) in self.states.items():
             holder.apply(self.contents[vid])
+        upload(self.devices)
 
     def recovered(self) -> dict[int, Any]:
-        """What ``recover`` returns: the arrays filled, and the state objects updated."""
-        return {**self.arrays, **{vid: holder.obj for vid, (holder, _b) in self.states.items()}}
+        """What ``recover`` returns: the arrays filled (a CuPy array, not its mirror), the state objects updated."""
+        return {**self.arrays, **{vid: d.obj for vid, d in self.devices.items()},
+                **{vid: holder.obj for vid, (holder, _b) in self.states.items()}}
+
+
+def upload(devices: Mapping[int, DeviceHolder]) -> None:
+    """Put each recovered mirror's bytes into its CuPy array; a CUDA error (the device gone) said as such."""
+    for vid, holder in devices.items():
+        try:
+            holder.upload()
+        except Exception as exc:  # noqa: BLE001 - CUDA's errors have no common base
+            raise RecoveryError(f"variable {vid} was recovered into its host copy, but putting it back on {holder} "
+                          f"failed: {exc}") from None
 
 
 def plan(protected: Mapping[int, Any], parsed: Any, ids: list[int] | None) -> RecoveryPlan:
@@ -116,6 +131,8 @@ def plan(protected: Mapping[int, Any], parsed: Any, ids: list[int] | None) -> Re
         else:
             out.arrays[vid] = p.array
             out.moved = out.moved or moved(vid, getattr(p, "decomp", None), parsed)
+            if isinstance(getattr(p, "device", None), DeviceHolder):
+                out.devices[vid] = p.device
     out.problem = check_sizes(parsed, out.arrays)
     return out
 
@@ -153,6 +170,7 @@ def recover_posix(protected: Mapping[int, Any], path: str | os.PathLike[str], me
     for vid, array in targets.arrays.items():
         if array.nbytes:
             ArrayBytes(array).store(0, parsed.data[vid])  # the array's memory order, as FTI copied it
+    upload(targets.devices)
     progress.recovered = True
     return targets.recovered()
 

@@ -119,7 +119,8 @@ class CopyPool:
 
 def _frozen_var(p: Protected, array: np.ndarray) -> Protected:
     state = FrozenState(p.state.kind, p.array) if p.state is not None else None
-    return dataclasses.replace(p, array=array, state=state)  # type: ignore[arg-type]
+    device = None if p.device is None else str(p.device)  # its name only: nothing downloads into a snapshot
+    return dataclasses.replace(p, array=array, state=state, device=device)  # type: ignore[arg-type]
 
 
 def _copy_into(buf: np.ndarray, array: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ from ..ftiff import compression
 from ..model.arrays import check_protectable
 from ..model.decomposition import declaration, still_fits
 from ..model.errors import FTIError, ProtectError
+from . import device as device_vars
 from . import pystate
 
 
@@ -29,6 +30,9 @@ class Protected:
     compressor: dict[str, Any] | None = None  # numcodecs config; None: the config's [advanced] compressor
     decomp: dict[str, Any] | None = None  # its place in a global array (model.decomposition), for resharding
     state: pystate.Holder | None = None  # a Python state (ftidask.engine.pystate): ``array`` holds its bytes
+    # a CuPy array (ftidask.engine.device): ``array`` is its host mirror. A snapshot's frozen copy keeps only the
+    # device's name (a str): the background writes the mirror's bytes of the call, never the device's of later.
+    device: device_vars.DeviceHolder | str | None = None
 
 
 def protected_var(vid: int, array: Any, name: str | None, compressor: Any, old: Protected | None, *,
@@ -36,7 +40,8 @@ def protected_var(vid: int, array: Any, name: str | None, compressor: Any, old: 
     """Variable ``vid`` as :meth:`ftidask.Context.protect` registers it (``old``: its previous registration)."""
     check_name(name)
     state = pystate.holder_of(array)  # a Python state (stored as JSON bytes), or None for an array
-    array = state.encode() if state is not None else check_protectable(array)
+    device = None if state is not None else device_vars.holder_of(array, old.device if old is not None else None)
+    array = state.encode() if state is not None else check_protectable(device.mirror if device else array)
     if name is None:
         name = old.name if old is not None else f"var{vid}"
     codec = compressor_config(compressor, old)
@@ -46,7 +51,7 @@ def protected_var(vid: int, array: Any, name: str | None, compressor: Any, old: 
     decomp = declaration(array, global_shape, offset, replicated)
     if decomp is None and old is not None and global_shape is None and not replicated:
         decomp = still_fits(array, old.decomp)  # protect again (or realloc): the declaration stays if it fits
-    return Protected(vid, str(name), array, codec, decomp=decomp, state=state)
+    return Protected(vid, str(name), array, codec, decomp=decomp, state=state, device=device)
 
 
 def check_name(name: Any) -> None:
@@ -64,14 +69,33 @@ def compressor_config(compressor: Any, old: Protected | None) -> dict[str, Any] 
     return compression.parse_compressor(compressor) or {"id": "none"}
 
 
-def encode_states(variables: Mapping[int, Protected], rank: int) -> str:
-    """Store each protected Python state's current value as its bytes; why one cannot be, or ''."""
+def encode_states(variables: Mapping[int, Protected], rank: int, dcp: bool = False) -> str:
+    """Store each protected Python state's current value as its bytes, and bring each device array's into its
+    mirror (``dcp``: only its changed pages written); why one cannot be, or ''."""
     for p in variables.values():
+        if isinstance(p.device, device_vars.DeviceHolder):
+            problem = download(p, rank, dcp)
+            if problem:
+                return problem
         if p.state is not None:
             try:
                 p.array = p.state.encode()
             except FTIError as exc:  # reported on every rank by the commit, nothing written
                 return f"rank {rank}: variable {p.id} ({p.name}): {exc}"
+    return ""
+
+
+def user_array(p: Protected) -> Any:
+    """The array the application protected: a CuPy array itself, not its mirror."""
+    return p.device.obj if isinstance(p.device, device_vars.DeviceHolder) else p.array
+
+
+def download(p: Protected, rank: int, dcp: bool = False) -> str:
+    """Bring device variable ``p``'s bytes into its mirror; why that failed (a CUDA error), or ''."""
+    try:
+        p.device.download(compare=dcp)  # type: ignore[union-attr]
+    except Exception as exc:  # noqa: BLE001 - CUDA's errors have no common base: reported on every rank
+        return f"rank {rank}: variable {p.id} ({p.name}) on {p.device}: copying it from the device failed: {exc}"
     return ""
 
 
@@ -83,6 +107,8 @@ def var_extras(variables: Mapping[int, Protected]) -> dict[int, dict[str, Any]]:
         extra = dict(p.decomp or {})
         if p.state is not None:
             extra[pystate.EXTRA_KEY] = p.state.kind
+        if p.device is not None:
+            extra[device_vars.EXTRA_KEY] = str(p.device)
         if extra:
             out[vid] = extra
     return out

@@ -1,0 +1,112 @@
+"""A CuPy array on the GPU checkpointed and recovered, against what a program does without ftidask, one run.
+
+    python benchmarks/bench_gpu.py [--gib 4] [--repeat 3] [--dir DIR]
+
+Needs CuPy and a CUDA device (torch for its row, where installed). A float32 array of ``--gib`` GiB, medians of
+``--repeat`` interleaved rounds, every write fsync'd, every read from a cold cache (the file evicted):
+
+* checkpoint: ftidask's L1 checkpoint of the device array against a raw host write of the same bytes (host array
+  ``tofile`` + ``fsync``; the target of issue 19: at most 1.05x) and against ``torch.save`` of the same CUDA tensor
+  (shared through DLPack) + ``fsync``;
+* asynchronous checkpoint: how long ``checkpoint(wait=False)`` blocks against a device-to-host copy into a pinned
+  host buffer made beforehand (target: at most 1.5x);
+* recovery: ftidask's verified ``recover()`` into the device array against a raw read (``np.fromfile``) and its
+  upload (``cupy.asarray``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import numpy as np
+from timing import evict_file, timed
+
+import ftidask
+
+
+def fsynced(path: str, write) -> None:
+    with open(path, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args()
+    import cupy
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    base = tempfile.mkdtemp(prefix="bench-gpu-", dir=args.dir)
+    n = int(args.gib * (1 << 30)) // 4
+    a = cupy.random.default_rng(0).random(n, dtype=cupy.float32)
+    host = a.get()
+    pinned = np.frombuffer(cupy.cuda.alloc_pinned_memory(a.nbytes), np.float32, n)
+    props = cupy.cuda.runtime.getDeviceProperties(a.device.id)
+    print(f"ftidask {ftidask.__version__}; {props['name'].decode()}; {os.cpu_count()} cores; "
+          f"array {a.nbytes / 2**30:.2f} GiB float32; files under {base}")
+    ctx = ftidask.init(ckpt_dir=f"{base}/L", glbl_dir=f"{base}/G", meta_dir=f"{base}/M", verbosity=3)
+    ctx.protect(1, a)
+    ids = iter(range(1, 10000))
+    ctx.checkpoint(next(ids), 1)  # warm-up: the host copy's pages, the pinned buffers, the writer's threads
+    raw_path = f"{base}/raw.bin"
+    m: dict[str, list[float]] = {k: [] for k in ("raw", "ckpt", "torch", "d2h", "blocked", "total", "read_up",
+                                                 "recover")}
+    tensor = torch.from_dlpack(a) if torch is not None else None
+    for _ in range(args.repeat):
+        os.sync()
+        m["raw"].append(timed(lambda: fsynced(raw_path, host.tofile)))
+        os.sync()
+        m["ckpt"].append(timed(lambda: ctx.checkpoint(next(ids), 1)))
+        if tensor is not None:
+            os.sync()
+            m["torch"].append(timed(lambda: fsynced(f"{base}/t.pt", lambda fh: torch.save(tensor, fh))))
+        m["d2h"].append(timed(lambda: (a.get(out=pinned), cupy.cuda.Device(a.device.id).synchronize())))
+        os.sync()
+        start = time.perf_counter()
+        handle = ctx.checkpoint(next(ids), 1, wait=False)
+        m["blocked"].append(time.perf_counter() - start)
+        handle.result()
+        m["total"].append(time.perf_counter() - start)
+        evict_file(raw_path)
+        m["read_up"].append(timed(lambda: (cupy.asarray(np.fromfile(raw_path, np.float32)),
+                                           cupy.cuda.Device(a.device.id).synchronize())))
+        for path in glob.glob(f"{base}/L/**/*.fti", recursive=True):
+            evict_file(path)
+        m["recover"].append(timed(ctx.recover))
+    assert cupy.array_equal(a, cupy.asarray(host))
+    ctx.finalize()
+    med = {k: statistics.median(v) for k, v in m.items() if v}
+    gib = a.nbytes / 2**30
+    print(f"operation                                  seconds   GiB/s  ratio (medians of {args.repeat})")
+    print(f"raw host write (tofile + fsync)           {med['raw']:8.3f} {gib / med['raw']:7.2f}   1.00")
+    print(f"ftidask L1 checkpoint of the device array {med['ckpt']:8.3f} {gib / med['ckpt']:7.2f} "
+          f"{med['ckpt'] / med['raw']:6.2f}x raw write (target <= 1.05x)")
+    if "torch" in med:
+        print(f"torch.save of the CUDA tensor + fsync     {med['torch']:8.3f} {gib / med['torch']:7.2f} "
+              f"{med['torch'] / med['raw']:6.2f}x raw write; ftidask {med['ckpt'] / med['torch']:.2f}x torch.save")
+    print(f"pinned device-to-host copy                {med['d2h']:8.3f} {gib / med['d2h']:7.2f}   1.00")
+    print(f"ftidask async checkpoint, blocked         {med['blocked']:8.3f} {gib / med['blocked']:7.2f} "
+          f"{med['blocked'] / med['d2h']:6.2f}x the pinned copy (target <= 1.5x)")
+    print(f"ftidask async checkpoint, total           {med['total']:8.3f} {gib / med['total']:7.2f} "
+          f"{med['total'] / med['ckpt']:6.2f}x the sync checkpoint")
+    print(f"raw read (cold) + upload                  {med['read_up']:8.3f} {gib / med['read_up']:7.2f}   1.00")
+    print(f"ftidask recover (cold, verified)          {med['recover']:8.3f} {gib / med['recover']:7.2f} "
+          f"{med['recover'] / med['read_up']:6.2f}x read + upload")
+    shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

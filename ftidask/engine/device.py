@@ -1,0 +1,175 @@
+"""GPU arrays (CuPy): protected through a host mirror that every level, format and mechanism already serves.
+
+A CuPy array's variable keeps a host array of the same shape, dtype and memory order (the *mirror*, plain
+pageable NumPy memory): at each checkpoint call its bytes are brought over from the device, and the
+checkpoint is written from the mirror exactly as from a host array, so that levels 1-8, compression,
+asynchronous snapshots, Zarr L4, resharding and the files are those of host arrays (a container holds the
+same bytes; the variable table records the device, ``extra["device"]``). A recovery fills the mirror,
+verified as always, then uploads it into the CuPy array.
+
+The copy runs in pieces through two pinned host buffers (:data:`PIECE` each): the device copies piece k+1
+into one while the CPU moves piece k from the other into the mirror. The CPU writes the mirror (never the
+GPU's DMA engine): page tracking (differential checkpoints) and copy-on-write snapshots (an asynchronous
+checkpoint still writing the previous values) see every write, as they see the application's. With
+differential checkpoints enabled only the pages whose bytes changed are written into the mirror, so that a
+dCP checkpoint writes only the blocks that changed on the device (every byte still crosses the bus).
+
+Nothing here imports CuPy before a CuPy array is protected; only this module imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ..model.errors import ProtectError
+
+PIECE = 64 << 20  # bytes per device-host copy through a pinned buffer
+EXTRA_KEY = "device"  # the variable table's record of a device array: "cuda:<id>"
+_PAGE = 4096
+_bounce: dict[int, list[tuple[Any, np.ndarray]]] = {}  # per device: two pinned buffers (memory, bytes view)
+_lock = threading.Lock()
+MOVERS = min(4, os.cpu_count() or 1)  # threads moving a piece from the pinned buffer into the mirror
+_movers: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def is_device_array(obj: Any) -> bool:
+    """Whether ``obj`` is a CuPy array (told by its type's module: CuPy is not imported to ask)."""
+    return type(obj).__module__.split(".")[0] == "cupy" and hasattr(obj, "__cuda_array_interface__")
+
+
+def _bounce_buffers(cupy: Any, device_id: int) -> list[tuple[Any, np.ndarray]]:
+    with _lock:
+        if device_id not in _bounce:
+            bufs = []
+            for _ in range(2):
+                mem = cupy.cuda.alloc_pinned_memory(PIECE)
+                bufs.append((mem, np.frombuffer(mem, np.uint8, PIECE)))
+            _bounce[device_id] = bufs
+        return _bounce[device_id]
+
+
+class DeviceHolder:
+    """A protected CuPy array and its host mirror (what the engine checkpoints and recovery fills)."""
+
+    def __init__(self, array: Any, old: DeviceHolder | None = None) -> None:
+        import cupy  # noqa: PLC0415 - only once a CuPy array is protected
+
+        self.cupy, self.obj = cupy, array
+        self.device_id = int(array.device.id)
+        if array.dtype.hasobject or array.dtype.byteorder not in "=|":
+            raise ProtectError(f"a CuPy array of dtype {array.dtype} cannot be protected")
+        order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+        if (old is not None and old.mirror.shape == array.shape and old.mirror.dtype == array.dtype
+                and (old.mirror.flags.f_contiguous if order == "F" else old.mirror.flags.c_contiguous)):
+            self.mirror = old.mirror  # protect again (same shape): the mirror and its pages stay
+        else:
+            self.mirror = np.zeros(array.shape, array.dtype, order=order)  # zeros: unfaulted, calloc'd
+        self.order = order
+
+    def __str__(self) -> str:  # the variable table's record, and what a frozen copy keeps
+        return f"cuda:{self.device_id}"
+
+    def _flat_device(self, contiguous: bool) -> Any:
+        """The array's bytes in the mirror's order, on the device (a contiguous copy if it is strided)."""
+        a = self.obj
+        if self.order == "F":
+            a = a.T  # C-contiguous view of an F-contiguous array
+        if not a.flags.c_contiguous:
+            if not contiguous:
+                return None
+            a = self.cupy.ascontiguousarray(a)
+        return a.reshape(-1).view(self.cupy.uint8)
+
+    def download(self, compare: bool = False) -> None:
+        """Bring the device array's bytes into the mirror; ``compare``: write only the pages that changed."""
+        nbytes = self.mirror.nbytes
+        if nbytes == 0:
+            return
+        cupy = self.cupy
+        rt = cupy.cuda.runtime
+        dst = self.mirror.reshape(-1, order="A").view(np.uint8)
+        with cupy.cuda.Device(self.device_id):
+            src = self._flat_device(contiguous=True)
+            bufs = _bounce_buffers(cupy, self.device_id)
+            stream = cupy.cuda.Stream(non_blocking=True)
+            events = [cupy.cuda.Event(), cupy.cuda.Event()]
+            cuts = list(range(0, nbytes, PIECE))
+
+            def start(k: int) -> None:
+                lo = cuts[k]
+                n = min(PIECE, nbytes - lo)
+                mem, _view = bufs[k % 2]
+                rt.memcpyAsync(mem.ptr, src.data.ptr + lo, n, rt.memcpyDeviceToHost, stream.ptr)
+                events[k % 2].record(stream)
+
+            with _lock:  # the pinned buffers are the device's, shared by the process's contexts
+                start(0)
+                for k, lo in enumerate(cuts):
+                    if k + 1 < len(cuts):
+                        start(k + 1)  # in the other buffer, while this one is moved into the mirror
+                    events[k % 2].synchronize()
+                    n = min(PIECE, nbytes - lo)
+                    _move_parallel(bufs[k % 2][1][:n], dst[lo:lo + n], compare)
+
+    def upload(self) -> None:
+        """Put the mirror's bytes (just recovered, verified) into the device array."""
+        nbytes = self.mirror.nbytes
+        if nbytes == 0:
+            return
+        cupy = self.cupy
+        rt = cupy.cuda.runtime
+        src = self.mirror.reshape(-1, order="A").view(np.uint8)
+        with cupy.cuda.Device(self.device_id):
+            flat = self._flat_device(contiguous=False)
+            target = flat if flat is not None else cupy.empty(nbytes, cupy.uint8)
+            rt.memcpy(target.data.ptr, src.ctypes.data, nbytes, rt.memcpyHostToDevice)
+            if flat is None:  # a strided array: through a contiguous copy in the mirror's order
+                shaped = target.view(self.obj.dtype).reshape(self.mirror.shape[::-1] if self.order == "F"
+                                                             else self.mirror.shape)
+                self.obj[...] = shaped.T if self.order == "F" else shaped
+            cupy.cuda.Device(self.device_id).synchronize()
+
+
+def _move_parallel(src: np.ndarray, dst: np.ndarray, compare: bool) -> None:
+    """:func:`_move` in page-aligned slices on a few threads (NumPy releases the GIL): one core's copy would be
+    what an asynchronous checkpoint of a device array blocks for, several times the bus's copy."""
+    step = -(-len(src) // (MOVERS * _PAGE)) * _PAGE  # a slice per thread, whole pages
+    if MOVERS < 2 or len(src) < 2 * _PAGE * MOVERS:
+        _move(src, dst, compare)
+        return
+    global _movers
+    with _pool_lock:
+        if _movers is None:
+            _movers = ThreadPoolExecutor(MOVERS, thread_name_prefix="ftidask-device")
+    list(_movers.map(lambda lo: _move(src[lo:lo + step], dst[lo:lo + step], compare), range(0, len(src), step)))
+
+
+def _move(src: np.ndarray, dst: np.ndarray, compare: bool) -> None:
+    """Copy ``src`` into ``dst`` (bytes of equal length); ``compare``: only the pages that differ are written."""
+    if not compare:
+        np.copyto(dst, src)
+        return
+    whole = len(src) // _PAGE * _PAGE
+    if whole:
+        a, b = src[:whole].reshape(-1, _PAGE), dst[:whole].reshape(-1, _PAGE)
+        try:  # eight bytes at a time where both are aligned to them
+            changed = np.flatnonzero((a.view(np.uint64) != b.view(np.uint64)).any(axis=1))
+        except ValueError:
+            changed = np.flatnonzero((a != b).any(axis=1))
+        if len(changed):
+            b[changed] = a[changed]  # only those rows (pages) of the mirror are written
+    if whole < len(src) and not np.array_equal(src[whole:], dst[whole:]):
+        np.copyto(dst[whole:], src[whole:])
+
+
+def holder_of(array: Any, old: Any = None) -> DeviceHolder | None:
+    """A :class:`DeviceHolder` for a CuPy array (``old``: the variable's previous one), else None."""
+    if not is_device_array(array):
+        return None
+    return DeviceHolder(array, old if isinstance(old, DeviceHolder) else None)

@@ -1,0 +1,241 @@
+"""GPU arrays (CuPy): protected, checkpointed and recovered as host arrays are, on the device they live on.
+
+Needs CuPy and a CUDA device: skipped otherwise (CI has none; these run on a GPU machine). Every check is bit
+for bit against the device array's own bytes (``.get()``): every dtype CuPy has, C and F order, strided views,
+0-d and empty arrays; levels 1-4 over four ranks sharing the device; differential checkpoints that write only
+the changed blocks; asynchronous checkpoints whose arrays are overwritten at once, by each snapshot mechanism;
+incremental checkpoints; a damaged file that leaves the device array untouched; a device checkpoint recovered
+into host arrays and a host checkpoint into device arrays (the same bytes in the file).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi_util import need_mpi
+from mpi_util import run as mpi_run
+
+import ftidask
+from ftidask.api.context import Context
+from ftidask.engine.grouplevels import run_ranks
+from ftidask.model.config import load_config
+from ftidask.model.errors import NoCheckpointError
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed (the GPU tests run on a machine with a GPU)")
+try:
+    _DEVICES = cupy.cuda.runtime.getDeviceCount()
+except Exception:  # noqa: BLE001 - CuPy installed, no driver or no device
+    _DEVICES = 0
+pytestmark = pytest.mark.skipif(_DEVICES == 0, reason="no CUDA device")
+
+DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32",
+          "float64", "complex64", "complex128"]
+
+
+def _kw(root: Path, **extra) -> dict:
+    kw = dict(ckpt_dir=str(root / "l"), glbl_dir=str(root / "g"), meta_dir=str(root / "m"), verbosity=3)
+    kw.update(extra)
+    return kw
+
+
+def _values(shape: tuple, dtype: str, seed: int, order: str = "C"):
+    raw = np.random.default_rng(seed).integers(0, 256, int(np.prod(shape)) * np.dtype(dtype).itemsize,
+                                               dtype=np.uint8)
+    host = raw.view(dtype).reshape(shape) if shape else raw.view(dtype).reshape(())
+    if dtype == "bool":
+        host = raw.reshape(shape) % 2 == 1 if shape else np.bool_(raw[0] % 2)
+    return cupy.asarray(np.asarray(host, order=order), order=order)
+
+
+def _same(device, host) -> bool:
+    got = device.get()
+    return got.dtype == host.dtype and got.shape == host.shape and got.tobytes() == np.asarray(host).tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, order", [((), "C"), ((0,), "C"), ((7,), "C"), ((33, 65), "C"), ((33, 65), "F"),
+                                          ((3, 4, 5), "F")])
+def test_round_trip_bit_for_bit(tmp_path, dtype, shape, order):
+    a = _values(shape, dtype, 1, order)
+    want = a.get()
+    with ftidask.init(**_kw(tmp_path)) as ctx:
+        ctx.protect(1, a)
+        assert ctx.protected[1] is a  # the device array itself, not its host copy
+        ctx.checkpoint(1, 1)
+        a[...] = _values(shape, dtype, 2, order)  # changed on the device after the checkpoint
+        out = ctx.recover()
+        assert out[1] is a and _same(a, want)
+        assert a.flags.f_contiguous == (order == "F" or a.ndim < 2)
+
+
+def test_a_strided_view_is_recovered_in_place(tmp_path):
+    base = _values((64, 40), "float64", 3)
+    view = base[::2, 1::3]  # neither C nor F contiguous
+    want, untouched = view.get(), base[1::2].get()
+    with ftidask.init(**_kw(tmp_path)) as ctx:
+        ctx.protect(1, view)
+        ctx.checkpoint(1, 1)
+        base[...] = 0
+        ctx.recover()
+    assert _same(view, want) and not base[1::2].any()  # only the view's elements were written
+    assert untouched.any()
+
+
+def test_a_new_process_recovers_on_the_device_and_on_the_host(tmp_path):
+    """A restart protects new arrays (a device one, then a host one): both get the device array's bytes."""
+    a = _values((1000, 3), "float32", 4)
+    want = a.get()
+    ctx = ftidask.init(**_kw(tmp_path))
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 1)
+    ctx._closed = True  # a crash: the run stays for the restart
+    for target in (cupy.zeros((1000, 3), "float32"), np.zeros((1000, 3), "float32")):
+        restart = ftidask.init(**_kw(tmp_path))
+        assert restart.status() == 1
+        restart.protect(1, target)
+        restart.recover()
+        got = target.get() if hasattr(target, "get") else target
+        assert got.tobytes() == want.tobytes()
+        restart._closed = True
+
+
+def test_a_host_checkpoint_recovers_into_a_device_array(tmp_path):
+    host = np.random.default_rng(5).random((300, 7))
+    ctx = ftidask.init(**_kw(tmp_path))
+    ctx.protect(1, host)
+    ctx.checkpoint(1, 4)
+    ctx._closed = True
+    restart = ftidask.init(**_kw(tmp_path))
+    a = cupy.zeros((300, 7))
+    restart.protect(1, a)
+    restart.recover()
+    assert _same(a, host)
+    restart.finalize()
+
+
+@pytest.mark.parametrize("level", [1, 2, 3, 4])
+def test_every_level_over_four_ranks_sharing_the_device(tmp_path, level):
+    cfg = load_config(None, **_kw(tmp_path, local_test=1, node_size=1, group_size=4))
+
+    def write(t):
+        ctx = Context(cfg, t)
+        a = _values((2000 + 100 * t.rank,), "float64", t.rank)
+        ctx.protect(1, a)
+        ctx.checkpoint(1, level)
+        return a.get()
+
+    wanted, errors = run_ranks(cfg, 4, write, wait=120)
+    assert errors == []
+    lost = next(tmp_path.glob("l/**/Ckpt1-Rank1.fti"), None)
+    if level in (2, 3):  # a rank's file lost: its partner copy or the group's parity brings it back
+        lost.unlink()
+
+    def restart(t):
+        ctx = Context(cfg, t)
+        a = cupy.full((2000 + 100 * t.rank,), 7.0)
+        ctx.protect(1, a)
+        ctx.recover()
+        return a.get().tobytes() == wanted[t.rank].tobytes()
+
+    results, errors = run_ranks(cfg, 4, restart, wait=120)
+    assert errors == [] and results == [True] * 4
+
+
+def test_a_differential_checkpoint_writes_only_the_blocks_that_changed(tmp_path):
+    with ftidask.init(**_kw(tmp_path, enable_dcp=1, dcp_block_size=4096)) as ctx:
+        a = _values((1 << 22,), "uint8", 6)  # 1024 blocks of 4 KiB
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 5)
+        ctx.checkpoint(2, 5)  # checkpoint 1's file becomes the spare
+        same = ctx.checkpoint(3, 5)
+        assert same.blocks_changed == 0 and same.bytes_written == 0
+        a[5000:5000 + 10] += 1  # block 1
+        a[-1] += 1  # the last block
+        two = ctx.checkpoint(4, 5)
+        assert two.blocks_changed == 2 and two.bytes_written == 2 * 4096
+        want = a.get()
+        a[...] = 0
+        ctx.recover()
+        assert _same(a, want)
+
+
+@pytest.mark.parametrize("mechanism", ["cow", "copy"])
+def test_an_async_checkpoint_holds_the_values_of_the_call(tmp_path, mechanism):
+    with ftidask.init(**_kw(tmp_path, async_snapshot=mechanism)) as ctx:
+        a = _values((1 << 21,), "float32", 7)
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 1)
+        want = a.get()
+        handle = ctx.checkpoint(2, 1, wait=False)
+        a[...] = -1  # at once, on the device
+        handle.result()
+        ctx.recover()
+        assert _same(a, want)
+        a[...] = -1
+        ctx.checkpoint(3, 1, wait=False)  # the mirror's pages written while nothing holds them any more
+        a[...] = 5
+        ctx.wait()
+        ctx.recover()
+        assert (a.get() == -1).all()
+
+
+def test_an_incremental_checkpoint_writes_each_value_of_its_call(tmp_path):
+    with ftidask.init(**_kw(tmp_path)) as ctx:
+        a, b = _values((5000,), "int32", 8), _values((3000,), "int64", 9)
+        ctx.protect(1, a)
+        ctx.protect(2, b)
+        ctx.init_icp(1, 1)
+        a[...] = 1
+        ctx.add_var_icp(1)
+        b[...] = 2
+        ctx.add_var_icp(2)
+        a[...] = 3  # after its add: not in the checkpoint
+        ctx.finalize_icp()
+        ctx.recover()
+        assert (a.get() == 1).all() and (b.get() == 2).all()
+
+
+def test_a_damaged_file_leaves_the_device_array_untouched(tmp_path):
+    with ftidask.init(**_kw(tmp_path)) as ctx:
+        a = _values((100000,), "float64", 10)
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 1)
+        path = next(tmp_path.glob("l/**/Ckpt1-Rank0.fti"))
+        with open(path, "r+b") as fh:
+            fh.seek(1000)
+            byte = fh.read(1)
+            fh.seek(1000)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        a[...] = 3.5
+        with pytest.raises(NoCheckpointError):
+            ctx.recover()
+        assert (a.get() == 3.5).all()
+
+
+def test_protect_again_with_a_new_shape(tmp_path):
+    with ftidask.init(**_kw(tmp_path)) as ctx:
+        a = _values((100,), "float64", 11)
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 1)
+        b = _values((250,), "float64", 12)  # realloc: a bigger array under the same id
+        ctx.protect(1, b)
+        ctx.checkpoint(2, 1)
+        want = b.get()
+        b[...] = 0
+        ctx.recover()
+        assert _same(b, want) and ctx.stored_size(1) == 250 * 8
+
+
+_MPI = need_mpi()
+
+
+@_MPI[0]
+@_MPI[1]
+@pytest.mark.parametrize("level", [2, 3])
+def test_mpi_ranks_sharing_the_device_lose_a_file_and_recover(tmp_path, level):
+    mpi_run(4, "gpu_job.py", str(tmp_path), "write", str(level), timeout=180)
+    next(tmp_path.glob("l/**/Ckpt1-Rank2.fti")).unlink()  # one rank's node lost
+    out = mpi_run(4, "gpu_job.py", str(tmp_path), "recover", str(level), timeout=180).stdout
+    assert "exact [True, True, True, True]" in out.splitlines()
