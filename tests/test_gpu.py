@@ -19,6 +19,7 @@ from mpi_util import run as mpi_run
 
 import ftidask
 from ftidask.api.context import Context
+from ftidask.engine.device import DeviceHolder
 from ftidask.engine.grouplevels import run_ranks
 from ftidask.model.config import load_config
 from ftidask.model.errors import NoCheckpointError
@@ -161,8 +162,13 @@ def test_a_differential_checkpoint_writes_only_the_blocks_that_changed(tmp_path)
         assert _same(a, want)
 
 
+@pytest.mark.parametrize("on_device", [True, False], ids=["device-copy", "host-copy"])
 @pytest.mark.parametrize("mechanism", ["cow", "copy"])
-def test_an_async_checkpoint_holds_the_values_of_the_call(tmp_path, mechanism):
+def test_an_async_checkpoint_holds_the_values_of_the_call(tmp_path, monkeypatch, mechanism, on_device):
+    """The snapshot of a device array is a copy in device memory where it fits, else its bytes brought to the
+    host at the call (the test seam refuses the device copy); either way the checkpoint holds the call's values."""
+    if not on_device:
+        monkeypatch.setattr(DeviceHolder, "device_copy", lambda self: None)
     with ftidask.init(**_kw(tmp_path, async_snapshot=mechanism)) as ctx:
         a = _values((1 << 21,), "float32", 7)
         ctx.protect(1, a)
@@ -179,6 +185,22 @@ def test_an_async_checkpoint_holds_the_values_of_the_call(tmp_path, mechanism):
         ctx.wait()
         ctx.recover()
         assert (a.get() == -1).all()
+
+
+def test_async_checkpoints_in_a_loop_each_hold_their_call(tmp_path):
+    """Checkpoints in flight one after the other (two at most), the array changed after every call: each one's
+    file holds its own call's values (a device copy is written into the host copy by its own job, in turn)."""
+    with ftidask.init(**_kw(tmp_path, max_inflight=2)) as ctx:
+        a = _values((1 << 20,), "float64", 13)
+        ctx.protect(1, a)
+        handles = []
+        for i in range(1, 6):
+            a[...] = i
+            handles.append(ctx.checkpoint(i, 1, wait=False))
+        a[...] = 0
+        assert [h.result().id for h in handles] == [1, 2, 3, 4, 5]
+        ctx.recover()
+        assert ctx.recovered_from[0] == 5 and (a.get() == 5).all()
 
 
 def test_an_incremental_checkpoint_writes_each_value_of_its_call(tmp_path):

@@ -23,7 +23,7 @@ from ..engine.retention import Retention, RetentionFactory
 from ..engine.run import Run
 from ..engine.runstate import STATUS_FRESH, CommitRecord, RunState
 from ..engine.schedule import SnapshotSchedule
-from ..engine.variables import Protected, encode_states, protected_var, user_array
+from ..engine.variables import Protected, protected_var, user_array
 from ..engine.writing import Writer
 from ..ftiff import hashing
 from ..model import constants
@@ -180,13 +180,13 @@ class Context(StagingCalls):
 
     def _checkpoint_async(self, ckpt_id: int, level: Level) -> CheckpointHandle:
         self._icp_slot.check_none_open()
-        state_error = encode_states(self._vars, self.transport.rank, bool(self.config.enable_dcp))  # values at the call
+        copies, state_error = self._async.encode_at_call(self._vars, level, self.transport.rank)  # values at the call
 
         def blocking() -> CheckpointInfo:
             self._async.settle()
             return self._committer.checkpoint(ckpt_id, level)
 
-        return self._async.submit(ckpt_id, level, self._vars, state_error, blocking)
+        return self._async.submit(ckpt_id, level, self._vars, state_error, blocking, copies)
 
     def _asynchronous(self, wait: bool | None) -> bool:  # wait=None: as async_ckpt says
         return wait is False or (wait is None and self.config.async_ckpt)

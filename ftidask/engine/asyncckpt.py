@@ -27,11 +27,12 @@ from ..transport.base import Transport
 from . import snapshot
 from .checkpointing import CheckpointInfo
 from .commit import Committer
+from .device import DeviceHolder
 from .inflight import CheckpointHandle, Inflight
 from .recovering import Progress
 from .retention import Retention
 from .run import Run
-from .variables import Protected
+from .variables import Protected, encode_states
 from .writing import Writer
 
 log = logging.getLogger("ftidask")
@@ -78,10 +79,25 @@ class AsyncCheckpoints:
             self._committer = Committer(bg_run, {}, self.progress, writer, self.make_retention(bg_run))
         return self._committer
 
+    def encode_at_call(self, variables: dict[int, Protected], level: Level, rank: int) -> tuple[dict[int, Any], str]:
+        """The values of the call that are not in host memory yet: each CuPy array copied in device memory where
+        it fits (the application then waits for that copy only; not for a differential checkpoint, whose page
+        tracking must see the mirror written at the call), the others brought into their mirrors (after the
+        checkpoints in flight, which may still write one from a device copy), the Python states encoded.
+        Returns the device copies by id and why a value could not be taken ('')."""
+        copies: dict[int, Any] = {}
+        devices = {vid: p.device for vid, p in variables.items() if isinstance(p.device, DeviceHolder)}
+        if not level.differential:
+            copies = {vid: c for vid, d in devices.items() if (c := d.device_copy()) is not None}
+        if len(copies) < len(devices) and self.inflight.busy:
+            self.drain()
+        return copies, encode_states(variables, rank, bool(self.run.config.enable_dcp), skip=copies)
+
     def submit(self, ckpt_id: int, level: Level, variables: dict[int, Protected], state_error: str,
-               blocking: Callable[[], CheckpointInfo]) -> CheckpointHandle:
-        """Snapshot ``variables`` (states already encoded) and queue checkpoint ``ckpt_id``; its handle.
-        ``blocking`` writes it as a blocking checkpoint, when no background channel exists."""
+               blocking: Callable[[], CheckpointInfo], device_copies: dict[int, Any] | None = None) -> CheckpointHandle:
+        """Snapshot ``variables`` (states already encoded, ``device_copies`` taken: :meth:`encode_at_call`) and
+        queue checkpoint ``ckpt_id``; its handle. ``blocking`` writes it as a blocking checkpoint, when no
+        background channel exists."""
         self.inflight.make_room()
         committer = self.background_committer()
         if committer is None:
@@ -99,7 +115,7 @@ class AsyncCheckpoints:
                     if p.state is None:
                         tracking.prescan(vid, ArrayBytes(p.array).view(0, p.array.nbytes))
             cow_ok = not level.differential and not (level.base == 4 and config.l4_format == "zarr")
-            snap = snapshot.take(variables, config.async_snapshot, self.pool, cow_ok=cow_ok)
+            snap = snapshot.take(variables, config.async_snapshot, self.pool, cow_ok=cow_ok, device_copies=device_copies)
             log.debug("checkpoint %d: %s snapshot (%d bytes copied)", ckpt_id, snap.mechanism, snap.extra_bytes)
             self.next_id = max(self.next_id, ckpt_id + 1)
             job = self._job(ckpt_id, level, snap, tracking, state_error, committer)

@@ -95,6 +95,9 @@ class DeviceHolder:
         rt = cupy.cuda.runtime
         dst = self.mirror.reshape(-1, order="A").view(np.uint8)
         with cupy.cuda.Device(self.device_id):
+            # The values of the call: every stream's work on the device done (the copies run on a stream of their
+            # own, which would not wait for the application's)
+            cupy.cuda.Device(self.device_id).synchronize()
             src = self._flat_device(contiguous=True)
             bufs = _bounce_buffers(cupy, self.device_id)
             stream = cupy.cuda.Stream(non_blocking=True)
@@ -117,6 +120,29 @@ class DeviceHolder:
                     n = min(PIECE, nbytes - lo)
                     _move_parallel(bufs[k % 2][1][:n], dst[lo:lo + n], compare)
 
+    def device_copy(self) -> DeviceCopy | None:
+        """A copy of the array's bytes in device memory now (an asynchronous checkpoint's snapshot: the
+        application waits for a device-to-device copy only); None where it would take more than half of the
+        device's free memory, or fails: the caller brings the bytes to the host instead."""
+        nbytes = self.mirror.nbytes
+        if nbytes == 0:
+            return None
+        cupy = self.cupy
+        try:
+            with cupy.cuda.Device(self.device_id):
+                free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
+                if nbytes > free // 2:  # the application's next step must still find its memory
+                    return None
+                cupy.cuda.Device(self.device_id).synchronize()  # the values of the call (see download)
+                flat = self._flat_device(contiguous=True)
+                contiguous = flat.data.ptr == self.obj.data.ptr or self.obj.flags.c_contiguous or \
+                    self.obj.flags.f_contiguous
+                copy = flat.copy() if contiguous else flat  # a strided array's flat bytes already are a copy
+                cupy.cuda.Device(self.device_id).synchronize()
+        except Exception:  # noqa: BLE001 - out of device memory, or any CUDA error: the host path instead
+            return None
+        return DeviceCopy(self, copy)
+
     def upload(self) -> None:
         """Put the mirror's bytes (just recovered, verified) into the device array."""
         nbytes = self.mirror.nbytes
@@ -134,6 +160,22 @@ class DeviceHolder:
                                                              else self.mirror.shape)
                 self.obj[...] = shaped.T if self.order == "F" else shaped
             cupy.cuda.Device(self.device_id).synchronize()
+
+
+class DeviceCopy(DeviceHolder):
+    """A protected CuPy array's bytes copied in device memory at an asynchronous checkpoint's call: its background
+    job brings them into the variable's mirror (:meth:`download`, once) and writes the mirror; the device memory
+    goes back to CuPy's pool then."""
+
+    def __init__(self, holder: DeviceHolder, flat: Any) -> None:  # noqa: D107 - no DeviceHolder.__init__
+        self.cupy, self.obj, self.device_id = holder.cupy, flat, holder.device_id
+        self.mirror, self.order = holder.mirror, "C"  # flat: the bytes in the mirror's order already
+
+    def download(self, compare: bool = False) -> None:
+        try:
+            super().download(compare)
+        finally:
+            self.obj = None
 
 
 def _move_parallel(src: np.ndarray, dst: np.ndarray, compare: bool) -> None:

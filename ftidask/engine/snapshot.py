@@ -143,19 +143,24 @@ def _parallel_copy(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 def take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, *,
-         cow_ok: bool = True) -> Snapshot:
+         cow_ok: bool = True, device_copies: Mapping[int, Any] | None = None) -> Snapshot:
     """Snapshot ``variables`` now (their Python states already encoded) with ``mechanism`` (see the
-    module's text; ``cow_ok`` False rules copy-on-write out for this checkpoint)."""
+    module's text; ``cow_ok`` False rules copy-on-write out for this checkpoint). ``device_copies``: CuPy arrays
+    already copied in device memory (:meth:`ftidask.engine.device.DeviceHolder.device_copy`), by id: their
+    mirrors are neither protected nor copied, the job fills them from those copies before it writes."""
     if mechanism not in MECHANISMS:
         raise ConfigError(f"async_snapshot = {mechanism!r}: expected one of {', '.join(MECHANISMS)}")
     if mechanism == "blocking":
         return Snapshot(dict(variables), {}, "blocking")
     # A view: the description (shape, dtype) of the call, whatever the application does to the array's.
     frozen = {vid: _frozen_var(p, p.array.view() if p.state is None else p.array) for vid, p in variables.items()}
+    for vid, copy in (device_copies or {}).items():
+        frozen[vid] = dataclasses.replace(frozen[vid], device=copy)
+    host = {vid: p for vid, p in variables.items() if vid not in (device_copies or {})}
     # auto leaves small arrays to a copy (cheaper than a fault); a forced cow takes every array it can.
     releases: list[Callable[[], None]] = []
     try:
-        return _take(variables, mechanism, pool, cow_ok, frozen, releases)
+        return _take(host, mechanism, pool, cow_ok, frozen, releases, variables)
     except BaseException:  # failed or interrupted (Ctrl-C) part-way: no protection, no buffer held
         for release in releases:
             release()
@@ -163,8 +168,10 @@ def take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, *,
 
 
 def _take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, cow_ok: bool,
-          frozen: dict[int, Protected], releases: list[Callable[[], None]]) -> Snapshot:
-    """:func:`take`'s work, ``releases`` filled as soon as something is held (take releases it on an error)."""
+          frozen: dict[int, Protected], releases: list[Callable[[], None]],
+          everything: Mapping[int, Protected]) -> Snapshot:
+    """:func:`take`'s work on the host's ``variables`` (of ``everything``), ``releases`` filled as soon as something
+    is held (take releases it on an error)."""
     least = 1 if mechanism == "cow" else COW_MIN_BYTES
     big = [vid for vid, p in variables.items() if p.state is None and p.array.nbytes >= least]
     sources: dict[int, Any] = {}
@@ -184,7 +191,7 @@ def _take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, co
             releases.pop()()
         log.info("asynchronous checkpoint: %d bytes to copy exceed async_buffer_mb; writing it before returning",
                  sum(variables[vid].array.nbytes for vid in to_copy))
-        return Snapshot(dict(variables), {}, "blocking")
+        return Snapshot(dict(everything), {}, "blocking")  # the live variables: written before the call returns
     if buffers:
         releases.append(lambda: pool.give_back(buffers))
     copied = 0

@@ -69,11 +69,13 @@ def compressor_config(compressor: Any, old: Protected | None) -> dict[str, Any] 
     return compression.parse_compressor(compressor) or {"id": "none"}
 
 
-def encode_states(variables: Mapping[int, Protected], rank: int, dcp: bool = False) -> str:
+def encode_states(variables: Mapping[int, Protected], rank: int, dcp: bool = False,
+                  skip: Mapping[int, Any] = ()) -> str:
     """Store each protected Python state's current value as its bytes, and bring each device array's into its
-    mirror (``dcp``: only its changed pages written); why one cannot be, or ''."""
+    mirror (``dcp``: only its changed pages written; ``skip``: ids whose bytes an asynchronous checkpoint copied
+    on the device); why one cannot be, or ''."""
     for p in variables.values():
-        if isinstance(p.device, device_vars.DeviceHolder):
+        if isinstance(p.device, device_vars.DeviceHolder) and p.id not in skip:
             problem = download(p, rank, dcp)
             if problem:
                 return problem

@@ -20,6 +20,7 @@ import numpy as np
 from distributed import Client, Future, futures_of
 
 from ...api.context import Context, Protected
+from ...engine.device import is_device_array
 from ...engine.inflight import CheckpointHandle
 from ...engine.retention import in_l4
 from ...engine.runstate import CommitRecord, FileRecord
@@ -98,6 +99,10 @@ class DaskContext(Context):
         if np.dtype(array.dtype).hasobject:
             raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes")
         meta = getattr(array, "_meta", None)
+        if is_device_array(meta):
+            raise ProtectError("the array's chunks are CuPy arrays: the Dask backend protects NumPy-backed arrays "
+                               "only (docs/gpu.md); protect array.map_blocks(cupy.asnumpy), or each worker's "
+                               "device arrays with the single-process or MPI backend")
         if isinstance(meta, np.ma.MaskedArray) or not isinstance(meta, np.ndarray):  # chunks the files cannot hold
             raise ProtectError(f"the array's chunks are {type(meta).__name__}s, not plain NumPy arrays "
                                "(a masked array's mask is not checkpointed): protect a NumPy-backed array")
