@@ -236,6 +236,22 @@ def test_a_damaged_file_leaves_the_device_array_untouched(tmp_path):
         assert (a.get() == 3.5).all()
 
 
+def test_realloc_gives_a_device_array_of_the_stored_size(tmp_path):
+    a = _values((1000, 4), "int16", 14, "F")
+    ctx = ftidask.init(**_kw(tmp_path))
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 1)
+    ctx._closed = True
+    restart = ftidask.init(**_kw(tmp_path))
+    restart.protect(1, cupy.zeros(10, "int16"))  # a restart that does not know the size yet
+    b = restart.realloc(1)
+    assert type(b) is type(a) and b.shape == (1000, 4) and b.dtype == a.dtype and b.flags.f_contiguous
+    assert restart.protected[1] is b
+    restart.recover()
+    assert _same(b, a.get())
+    restart.finalize()
+
+
 def test_protect_again_with_a_new_shape(tmp_path):
     with ftidask.init(**_kw(tmp_path)) as ctx:
         a = _values((100,), "float64", 11)

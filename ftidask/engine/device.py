@@ -215,3 +215,19 @@ def holder_of(array: Any, old: Any = None) -> DeviceHolder | None:
     if not is_device_array(array):
         return None
     return DeviceHolder(array, old if isinstance(old, DeviceHolder) else None)
+
+
+def realloc_target(new: np.ndarray, array: Any, old: Any) -> Any:
+    """:meth:`ftidask.Context.realloc`'s array: ``new`` (a host array of the stored size) on the device when
+    ``array`` is a CuPy array (itself where it already fits) or the variable (``old``: its device holder) lives on
+    one, in the device memory of the same device; else ``new`` itself."""
+    like = array if is_device_array(array) else old.obj if isinstance(old, DeviceHolder) else None
+    if like is None:
+        return new
+    if is_device_array(array) and array.dtype == new.dtype and array.shape == new.shape:
+        return array
+    import cupy  # noqa: PLC0415 - only once a CuPy array is protected
+
+    with cupy.cuda.Device(int(like.device.id)):
+        return cupy.empty(new.shape, new.dtype, order="F" if new.flags.f_contiguous and not new.flags.c_contiguous
+                          else "C")

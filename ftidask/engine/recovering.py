@@ -25,6 +25,7 @@ from ..transport.collective import agree, agree_call, attempt, guarded, on_root
 from . import pagemove, recoverplan, reshard
 from .checkpointing import CheckpointInfo
 from .dcpstore import distrust_spare
+from .device import is_device_array
 from .pagemove import Stager, release_all
 from .prefault import Prefault
 from .recovery import Verdict, check_file, load_file, newest_recoverable
@@ -368,8 +369,8 @@ class Recovery(RunPart):
     def realloc(self, id: Any, array: Any) -> Any:
         """:meth:`ftidask.Context.realloc` (collective: a rank whose arguments are refused tells the others)."""
         def step() -> tuple[dict[str, Any], int]:
-            if array is not None and not isinstance(array, np.ndarray):
-                raise ProtectError("realloc(id, array): array must be a numpy.ndarray or None, got "
+            if array is not None and not isinstance(array, np.ndarray) and not is_device_array(array):
+                raise ProtectError("realloc(id, array): array must be a numpy.ndarray, a CuPy array or None, got "
                                    f"{type(array).__name__}")
             return {}, check_id(id, "variable id")
 
@@ -379,19 +380,7 @@ class Recovery(RunPart):
             return state.obj
         parsed = self.restart_metadata()
         info = parsed.vars.get(vid)
-        if info is not None:
-            new = info.empty()
-        else:
-            nbytes = parsed.var_nbytes().get(vid)
-            if nbytes is None:
-                raise RecoveryError(f"variable {vid} is not in the checkpoint")
-            dtype = (array.dtype if isinstance(array, np.ndarray) else
-                     variables[vid].array.dtype if vid in variables else np.dtype(np.uint8))
-            if nbytes % dtype.itemsize:
-                raise RecoveryError(f"variable {vid}: {nbytes} stored bytes are not a whole number of {dtype}")
-            new = np.empty(nbytes // dtype.itemsize, dtype)
-        if isinstance(array, np.ndarray) and array.dtype == new.dtype and array.shape == new.shape:
-            new = array
+        new = recoverplan.realloc_array(parsed, vid, array, variables)
         name = info.name if info is not None else None
         # registered as ctx.protect(vid, new, name=...) would (its compressor and declaration kept if they fit)
         variables[vid] = protected_var(vid, new, name if vid not in variables else variables[vid].name, None,

@@ -17,7 +17,7 @@ import numpy as np
 from ..ftiff.posix import other_io_mode, read_posix
 from ..model.arrays import ArrayBytes, check_id
 from ..model.errors import FormatError, FTIError, ProtectError, RecoveryError
-from .device import DeviceHolder
+from .device import DeviceHolder, realloc_target
 from .pystate import Holder, kind_of
 from .recovery import check_sizes, load_file
 
@@ -135,6 +135,27 @@ def plan(protected: Mapping[int, Any], parsed: Any, ids: list[int] | None) -> Re
                 out.devices[vid] = p.device
     out.problem = check_sizes(parsed, out.arrays)
     return out
+
+
+def realloc_array(parsed: Any, vid: int, array: Any, variables: Mapping[int, Any]) -> Any:
+    """:meth:`ftidask.Context.realloc`'s new array for variable ``vid`` of ``parsed`` (the checkpoint to recover):
+    of its stored shape and dtype (``array`` itself where it already fits), on the device where ``array`` is a
+    CuPy array or the variable lives on one."""
+    info = parsed.vars.get(vid)
+    if info is not None:
+        new = info.empty()
+    else:
+        nbytes = parsed.var_nbytes().get(vid)
+        if nbytes is None:
+            raise RecoveryError(f"variable {vid} is not in the checkpoint")
+        dtype = (np.dtype(array.dtype) if array is not None else  # a NumPy or CuPy array
+                 variables[vid].array.dtype if vid in variables else np.dtype(np.uint8))
+        if nbytes % dtype.itemsize:
+            raise RecoveryError(f"variable {vid}: {nbytes} stored bytes are not a whole number of {dtype}")
+        new = np.empty(nbytes // dtype.itemsize, dtype)
+    if isinstance(array, np.ndarray) and array.dtype == new.dtype and array.shape == new.shape:
+        new = array
+    return realloc_target(new, array, variables[vid].device if vid in variables else None)
 
 
 def moved(vid: int, decl: Mapping[str, Any] | None, parsed: Any) -> str:
