@@ -75,6 +75,10 @@ class DeviceHolder:
     def __str__(self) -> str:  # the variable table's record, and what a frozen copy keeps
         return f"cuda:{self.device_id}"
 
+    def _mirror_bytes(self) -> np.ndarray:
+        """The mirror's bytes, flat, in its memory order."""
+        return self.mirror.reshape(-1, order="A").view(np.uint8)
+
     def _flat_device(self, contiguous: bool) -> Any:
         """The array's bytes in the mirror's order, on the device (a contiguous copy if it is strided)."""
         a = self.obj
@@ -88,12 +92,10 @@ class DeviceHolder:
 
     def download(self, compare: bool = False) -> None:
         """Bring the device array's bytes into the mirror; ``compare``: write only the pages that changed."""
-        nbytes = self.mirror.nbytes
-        if nbytes == 0:
+        dst, cupy = self._mirror_bytes(), self.cupy
+        nbytes, rt = len(dst), cupy.cuda.runtime
+        if not nbytes:
             return
-        cupy = self.cupy
-        rt = cupy.cuda.runtime
-        dst = self.mirror.reshape(-1, order="A").view(np.uint8)
         with cupy.cuda.Device(self.device_id):
             # The values of the call: every stream's work on the device done (the copies run on a stream of their
             # own, which would not wait for the application's)
@@ -145,16 +147,14 @@ class DeviceHolder:
 
     def upload(self) -> None:
         """Put the mirror's bytes (just recovered, verified) into the device array."""
-        nbytes = self.mirror.nbytes
-        if nbytes == 0:
+        src, cupy = self._mirror_bytes(), self.cupy
+        if not len(src):
             return
-        cupy = self.cupy
-        rt = cupy.cuda.runtime
-        src = self.mirror.reshape(-1, order="A").view(np.uint8)
         with cupy.cuda.Device(self.device_id):
             flat = self._flat_device(contiguous=False)
-            target = flat if flat is not None else cupy.empty(nbytes, cupy.uint8)
-            rt.memcpy(target.data.ptr, src.ctypes.data, nbytes, rt.memcpyHostToDevice)
+            target = flat if flat is not None else cupy.empty(len(src), cupy.uint8)
+            rt = cupy.cuda.runtime
+            rt.memcpy(target.data.ptr, src.ctypes.data, len(src), rt.memcpyHostToDevice)
             if flat is None:  # a strided array: through a contiguous copy in the mirror's order
                 shaped = target.view(self.obj.dtype).reshape(self.mirror.shape[::-1] if self.order == "F"
                                                              else self.mirror.shape)
