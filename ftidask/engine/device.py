@@ -38,6 +38,16 @@ _movers: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+def _forget_after_fork() -> None:
+    """A forked child has neither the parent's threads nor its CUDA context: the pool and the buffers go."""
+    global _movers
+    _movers = None
+    _bounce.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def is_device_array(obj: Any) -> bool:
     """Whether ``obj`` is a CuPy array (told by its type's module: CuPy is not imported to ask)."""
     return type(obj).__module__.split(".")[0] == "cupy" and hasattr(obj, "__cuda_array_interface__")
