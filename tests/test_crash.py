@@ -190,6 +190,11 @@ ctx = ftidask.init(ckpt_dir=sys.argv[1] + "/Local", glbl_dir=sys.argv[1] + "/Glo
 for name in ("first", "second"):
     (ctx.stage_dir() / name).write_bytes(bytes(range(256)) * (96 << 12))   # 24 MiB
     ctx.send_file(ctx.stage_dir() / name, name)
+import os, time
+deadline = time.monotonic() + 60
+while not (os.path.isdir(sys.argv[1] + "/Global") and os.listdir(sys.argv[1] + "/Global")):  # the first has begun:
+    assert time.monotonic() < deadline, "the mover never started"  # a process mover starting late on a busy machine
+    time.sleep(0.005)                                                  # was killed with its owner before any copy
 print(ctx._stager.mover.pid, flush=True)
 sys.stdin.read()   # until killed
 """
@@ -203,7 +208,7 @@ def test_an_application_killed_while_its_mover_process_copies_leaves_no_tracebac
     proc = subprocess.Popen([sys.executable, "-c", STAGING_CHILD, str(tmp_path), str(ROOT / "tests")],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     mover = int(proc.stdout.readline())
-    proc.kill()  # during the first transfer (3 pieces, about 1 s)
+    proc.kill()  # during the first transfer (3 pieces, about 1 s; the child waits until it has begun)
     _out, err = proc.communicate(timeout=60)  # until the mover, which shares the pipes, has exited too
     # Its pipes close while it exits: it is then gone, or a zombie its new parent has not reaped yet, soon after.
     deadline = time.monotonic() + 30
