@@ -30,8 +30,9 @@ class Protected:
     compressor: dict[str, Any] | None = None  # numcodecs config; None: the config's [advanced] compressor
     decomp: dict[str, Any] | None = None  # its place in a global array (model.decomposition), for resharding
     state: pystate.Holder | None = None  # a Python state (ftidask.engine.pystate): ``array`` holds its bytes
-    # a CuPy array (ftidask.engine.device): ``array`` is its host mirror. A snapshot's frozen copy keeps only the
-    # device's name (a str): the background writes the mirror's bytes of the call, never the device's of later.
+    # a CuPy array (ftidask.engine.device): ``array`` is its host mirror. A snapshot's frozen copy keeps the device's
+    # name (a str: the mirror holds the call's bytes), or the DeviceCopy of the call that its job downloads first;
+    # never the live array, whose later values the background would write.
     device: device_vars.DeviceHolder | str | None = None
 
 
