@@ -111,7 +111,8 @@ def test_checkpoint_wait_must_be_a_bool(ctx) -> None:
 @pytest.mark.parametrize("array", [[1, 2, 3], "x", 3.0])
 def test_realloc_takes_an_array_or_none(ctx, array) -> None:
     _written(ctx)
-    with pytest.raises(ProtectError, match=r"realloc\(id, array\): array must be a numpy.ndarray, a CuPy array or None"):
+    with pytest.raises(ProtectError,
+                       match=r"realloc\(id, array\): array must be a numpy.ndarray, a CuPy array or None"):
         ctx.realloc(1, array)  # before: silently ignored
 
 

@@ -27,7 +27,7 @@ from ..transport.base import Transport
 from . import snapshot
 from .checkpointing import CheckpointInfo
 from .commit import Committer
-from .device import DeviceHolder
+from .device import holders
 from .inflight import CheckpointHandle, Inflight
 from .recovering import Progress
 from .retention import Retention
@@ -86,7 +86,7 @@ class AsyncCheckpoints:
         checkpoints in flight, which may still write one from a device copy), the Python states encoded.
         Returns the device copies by id and why a value could not be taken ('')."""
         copies: dict[int, Any] = {}
-        devices = {vid: p.device for vid, p in variables.items() if isinstance(p.device, DeviceHolder)}
+        devices = holders(variables)
         if not level.differential:
             copies = {vid: c for vid, d in devices.items() if (c := d.device_copy()) is not None}
         if len(copies) < len(devices) and self.inflight.busy:
@@ -115,7 +115,8 @@ class AsyncCheckpoints:
                     if p.state is None:
                         tracking.prescan(vid, ArrayBytes(p.array).view(0, p.array.nbytes))
             cow_ok = not level.differential and not (level.base == 4 and config.l4_format == "zarr")
-            snap = snapshot.take(variables, config.async_snapshot, self.pool, cow_ok=cow_ok, device_copies=device_copies)
+            snap = snapshot.take(variables, config.async_snapshot, self.pool, cow_ok=cow_ok,
+                                 device_copies=device_copies)
             log.debug("checkpoint %d: %s snapshot (%d bytes copied)", ckpt_id, snap.mechanism, snap.extra_bytes)
             self.next_id = max(self.next_id, ckpt_id + 1)
             job = self._job(ckpt_id, level, snap, tracking, state_error, committer)

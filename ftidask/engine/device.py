@@ -53,6 +53,11 @@ def is_device_array(obj: Any) -> bool:
     return type(obj).__module__.split(".")[0] == "cupy" and hasattr(obj, "__cuda_array_interface__")
 
 
+def holders(variables: Any) -> dict[int, DeviceHolder]:
+    """The device holders of ``variables`` (id -> Protected) that hold a CuPy array, by id."""
+    return {vid: p.device for vid, p in variables.items() if isinstance(p.device, DeviceHolder)}
+
+
 def _bounce_buffers(cupy: Any, device_id: int) -> list[tuple[Any, np.ndarray]]:
     with _lock:
         if device_id not in _bounce:

@@ -97,7 +97,7 @@ def upload(devices: Mapping[int, DeviceHolder]) -> None:
             holder.upload()
         except Exception as exc:  # noqa: BLE001 - CUDA's errors have no common base
             raise RecoveryError(f"variable {vid} was recovered into its host copy, but putting it back on {holder} "
-                          f"failed: {exc}") from None
+                                f"failed: {exc}") from None
 
 
 def plan(protected: Mapping[int, Any], parsed: Any, ids: list[int] | None) -> RecoveryPlan:

@@ -31,7 +31,7 @@ from ..model.errors import FormatError, FTIError, NoCheckpointError, RecoveryErr
 from ..storage.files import SPARE_DIR, spare_file
 from . import recoverplan, reshard_dask, reshard_plan
 from .dcpstore import distrust_spare
-from .device import DeviceHolder
+from .device import holders
 from .recovery import check_writeable
 from .reshard_files import StatesRefused, open_old, read_pieces, state_sizes, table_of
 from .reshard_rebuild import old_groups, rebuild_group
@@ -140,7 +140,7 @@ def recover_other_layout(ctx: Recovery, records: list[CommitRecord], change: str
         ctx.spares.get().pin(record.level)
     ctx.progress.restored(record.ckpt_id, record.level, None)  # None: the next checkpoint plans its containers afresh
     ctx.progress.resharded = (record, change)  # stored_size and realloc refuse it as such
-    devices = {vid: p.device for vid, p in ctx.variables.items() if isinstance(p.device, DeviceHolder) and vid in arrays}
+    devices = {vid: d for vid, d in holders(ctx.variables).items() if vid in arrays}
     recoverplan.upload(devices)  # CuPy arrays: their mirrors were filled
     return {**arrays, **{vid: d.obj for vid, d in devices.items()}}
 

@@ -2,9 +2,10 @@
 
 ``preadv`` and the hashes both release the GIL, so with the read on its own thread the disk (or, from
 the page cache, the memory copy) never waits for a hash, nor a hash for the disk: a verified read costs
-about what the read alone costs, and with two threads reading (:data:`READERS`) less than one read. :class:`ReadAhead` reads pieces in order into views the caller gives:
-distinct views (the data's final place, no limit on how far it reads ahead) or views of a few buffers
-used in turn (``window`` pieces at most ahead of the consumer, each buffer released by :meth:`release`).
+about what the read alone costs, and with two threads reading (:data:`READERS`) less than one read.
+:class:`ReadAhead` reads pieces in order into views the caller gives: distinct views (the data's final
+place, no limit on how far it reads ahead) or views of a few buffers used in turn (``window`` pieces at
+most ahead of the consumer, each buffer released by :meth:`release`).
 A read error (``EIO``) is raised to the consumer as the ``OSError`` it was, never left to hang it.
 """
 

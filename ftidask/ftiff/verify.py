@@ -3,10 +3,11 @@
 A map would spare a copy, but a mapped file that shrinks under its reader (another process, a truncation
 by a failing job) or whose disk cannot read a page kills the process with SIGBUS: no fallback to a
 partner copy, the parity or an older checkpoint could follow. Read with ``preadv`` into buffers of each
-thread (:mod:`.readahead`: the next piece read while one is hashed), the same faults are a short read or an ``OSError``: a damaged file. Containers are checked on
-several threads (``preadv`` and the hashes release the GIL), each one piece by piece. A compressed
-container whose hash matched is then decoded, whole as its codec needs it, from a map of the pages just
-read (a copy could double a recovery's memory): only a file cut in that moment could still end the process.
+thread (:mod:`.readahead`: the next piece read while one is hashed), the same faults are a short read or an
+``OSError``: a damaged file. Containers are checked on several threads (``preadv`` and the hashes release
+the GIL), each one piece by piece. A compressed container whose hash matched is then decoded, whole as its
+codec needs it, from a map of the pages just read (a copy could double a recovery's memory): only a file cut
+in that moment could still end the process.
 """
 
 from __future__ import annotations
