@@ -19,6 +19,7 @@ from mpi_util import run as mpi_run
 
 import ftidask
 from ftidask.api.context import Context
+from ftidask.engine import device, devicehash
 from ftidask.engine.device import DeviceHolder
 from ftidask.engine.grouplevels import run_ranks
 from ftidask.model.config import load_config
@@ -154,8 +155,74 @@ def test_a_differential_checkpoint_writes_only_the_blocks_that_changed(tmp_path)
         assert same.blocks_changed == 0 and same.bytes_written == 0
         a[5000:5000 + 10] += 1  # block 1
         a[-1] += 1  # the last block
+        before = device.stats["d2h_bytes"]
         two = ctx.checkpoint(4, 5)
         assert two.blocks_changed == 2 and two.bytes_written == 2 * 4096
+        # the device's digests found the two blocks: only they crossed the bus
+        assert device.stats["d2h_bytes"] - before == 2 * devicehash.BLOCK
+        want = a.get()
+        a[...] = 0
+        ctx.recover()
+        assert _same(a, want)
+
+
+def test_a_differential_checkpoint_after_one_percent_changed_moves_one_percent_over_the_bus(tmp_path):
+    blocks = 4096  # 64 MiB of float32
+    with ftidask.init(**_kw(tmp_path, enable_dcp=1)) as ctx:
+        a = cupy.random.default_rng(3).random((blocks * devicehash.BLOCK // 4,), dtype=cupy.float32)
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 5)  # every byte: no digests yet
+        picked = np.random.default_rng(4).choice(blocks, blocks // 100, replace=False)
+        for b in picked.tolist():
+            a[b * devicehash.BLOCK // 4 + 17] += 1
+        before = device.stats["d2h_bytes"]
+        ctx.checkpoint(2, 5)
+        moved = device.stats["d2h_bytes"] - before
+        assert moved == len(picked) * devicehash.BLOCK  # 1% of 64 MiB
+        want = a.get()
+        a[...] = 0
+        ctx.recover()
+        assert _same(a, want)
+
+
+def test_a_failed_upload_between_differential_checkpoints_leaves_nothing_stale(tmp_path, monkeypatch):
+    """A recovery fills the mirror, then its upload fails (the test seam: a device error): the mirror and the device
+    now differ, and the digests of the last download describe neither. The next differential checkpoint must still
+    hold what is on the device: it brings every byte over again."""
+    with ftidask.init(**_kw(tmp_path, enable_dcp=1)) as ctx:
+        a = _values((1 << 20,), "float32", 11)
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 5)
+        a += 1
+        ctx.checkpoint(2, 5)  # the digests: of these values, on the device still after the failed recovery below
+
+        def broken(self):
+            raise RuntimeError("cudaErrorLaunchFailure (the test's)")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(DeviceHolder, "upload", broken)
+            with pytest.raises(ftidask.FTIError, match="putting it back on cuda"):
+                ctx.recover(ckpt_id=1)  # the mirror: checkpoint 1's values; the device: checkpoint 2's
+        a[12345] = -7
+        want = a.get()
+        ctx.checkpoint(3, 5)
+        a[...] = 0
+        ctx.recover()
+        assert _same(a, want)
+
+
+def test_a_misaligned_device_array_is_downloaded_whole(tmp_path):
+    """A view that starts off an 8-byte boundary cannot be read as 8-byte words on the device: no digests, every
+    byte crosses the bus, the checkpoint is right."""
+    with ftidask.init(**_kw(tmp_path, enable_dcp=1)) as ctx:
+        base = _values(((1 << 20) + 3,), "uint8", 12)
+        a = base[3:]
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 5)
+        a[100] += 1
+        before = device.stats["d2h_bytes"]
+        ctx.checkpoint(2, 5)
+        assert device.stats["d2h_bytes"] - before == a.nbytes
         want = a.get()
         a[...] = 0
         ctx.recover()

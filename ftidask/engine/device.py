@@ -12,7 +12,8 @@ into one while the CPU moves piece k from the other into the mirror. The CPU wri
 GPU's DMA engine): page tracking (differential checkpoints) and copy-on-write snapshots (an asynchronous
 checkpoint still writing the previous values) see every write, as they see the application's. With
 differential checkpoints enabled only the pages whose bytes changed are written into the mirror, so that a
-dCP checkpoint writes only the blocks that changed on the device (every byte still crosses the bus).
+dCP checkpoint writes only the blocks that changed on the device; and the device hashes the array's blocks
+(:mod:`.devicehash`), so that from the second download on only the blocks whose digests changed cross the bus.
 
 Nothing here imports CuPy before a CuPy array is protected; only this module imports it.
 """
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..model.errors import ProtectError
+from . import devicehash
 
 PIECE = 64 << 20  # bytes per device-host copy through a pinned buffer
 EXTRA_KEY = "device"  # the variable table's record of a device array: "cuda:<id>"
@@ -36,6 +38,8 @@ _lock = threading.Lock()
 MOVERS = min(4, os.cpu_count() or 1)  # threads moving a piece from the pinned buffer into the mirror
 _movers: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+#: bytes brought from a device to the host (the tests and benchmarks read it: a dCP checkpoint's bus traffic)
+stats = {"d2h_bytes": 0}
 
 
 def _forget_after_fork() -> None:
@@ -72,6 +76,8 @@ def _bounce_buffers(cupy: Any, device_id: int) -> list[tuple[Any, np.ndarray]]:
 class DeviceHolder:
     """A protected CuPy array and its host mirror (what the engine checkpoints and recovery fills)."""
 
+    hashes = True  # whether a differential download digests the array's blocks on the device
+
     def __init__(self, array: Any, old: DeviceHolder | None = None) -> None:
         import cupy  # noqa: PLC0415 - only once a CuPy array is protected
 
@@ -86,6 +92,7 @@ class DeviceHolder:
         else:
             self.mirror = np.zeros(array.shape, array.dtype, order=order)  # zeros: unfaulted, calloc'd
         self.order = order
+        self._digests: Any = None  # the device digests of the blocks the mirror holds, when known (dCP only)
 
     def __str__(self) -> str:  # the variable table's record, and what a frozen copy keeps
         return f"cuda:{self.device_id}"
@@ -106,36 +113,90 @@ class DeviceHolder:
         return a.reshape(-1).view(self.cupy.uint8)
 
     def download(self, compare: bool = False) -> None:
-        """Bring the device array's bytes into the mirror; ``compare``: write only the pages that changed."""
+        """Bring the device array's bytes into the mirror; ``compare`` (a differential checkpoint): write only the
+        pages that changed, and bring over the bus only the blocks whose device digests changed since the last
+        download (all of them the first time, or where the digests cannot be computed)."""
         dst, cupy = self._mirror_bytes(), self.cupy
-        nbytes, rt = len(dst), cupy.cuda.runtime
-        if not nbytes:
+        if not len(dst):
             return
+        old, self._digests = self._digests, None  # none until the mirror holds the bytes they describe
         with cupy.cuda.Device(self.device_id):
             # The values of the call: every stream's work on the device done (the copies run on a stream of their
             # own, which would not wait for the application's)
             cupy.cuda.Device(self.device_id).synchronize()
             src = self._flat_device(contiguous=True)
-            bufs = _bounce_buffers(cupy, self.device_id)
-            stream = cupy.cuda.Stream(non_blocking=True)
-            events = [cupy.cuda.Event(), cupy.cuda.Event()]
-            cuts = list(range(0, nbytes, PIECE))
+            new = self._block_digests(src) if compare else None
+            if new is not None and old is not None and old.shape == new.shape:
+                self._download_blocks(src, dst, devicehash.changed(cupy, new, old))
+            else:
+                self._download_all(src, dst, compare)
+            self._digests = new
 
-            def start(k: int) -> None:
-                lo = cuts[k]
+    def _block_digests(self, src: Any) -> Any:
+        """The device digests of ``src``'s blocks; None where they cannot be had (a misaligned or small array, a
+        device out of memory for the hash's temporaries: the whole array crosses the bus then)."""
+        if not self.hashes or not devicehash.usable(src):
+            return None
+        try:
+            return devicehash.digests(self.cupy, src)
+        except Exception:  # noqa: BLE001 - out of device memory (CuPy's error), or any CUDA error: no digests
+            return None
+
+    def _download_all(self, src: Any, dst: np.ndarray, compare: bool) -> None:
+        """Every byte of ``src`` into ``dst`` through the pinned buffers, the next piece copied while one is moved."""
+        cupy, nbytes = self.cupy, len(dst)
+        rt = cupy.cuda.runtime
+        bufs = _bounce_buffers(cupy, self.device_id)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        events = [cupy.cuda.Event(), cupy.cuda.Event()]
+        cuts = list(range(0, nbytes, PIECE))
+
+        def start(k: int) -> None:
+            lo = cuts[k]
+            n = min(PIECE, nbytes - lo)
+            mem, _view = bufs[k % 2]
+            rt.memcpyAsync(mem.ptr, src.data.ptr + lo, n, rt.memcpyDeviceToHost, stream.ptr)
+            events[k % 2].record(stream)
+
+        with _lock:  # the pinned buffers are the device's, shared by the process's contexts
+            start(0)
+            for k, lo in enumerate(cuts):
+                if k + 1 < len(cuts):
+                    start(k + 1)  # in the other buffer, while this one is moved into the mirror
+                events[k % 2].synchronize()
                 n = min(PIECE, nbytes - lo)
-                mem, _view = bufs[k % 2]
-                rt.memcpyAsync(mem.ptr, src.data.ptr + lo, n, rt.memcpyDeviceToHost, stream.ptr)
-                events[k % 2].record(stream)
+                _move_parallel(bufs[k % 2][1][:n], dst[lo:lo + n], compare)
+                stats["d2h_bytes"] += n
 
-            with _lock:  # the pinned buffers are the device's, shared by the process's contexts
-                start(0)
-                for k, lo in enumerate(cuts):
-                    if k + 1 < len(cuts):
-                        start(k + 1)  # in the other buffer, while this one is moved into the mirror
-                    events[k % 2].synchronize()
-                    n = min(PIECE, nbytes - lo)
-                    _move_parallel(bufs[k % 2][1][:n], dst[lo:lo + n], compare)
+    def _download_blocks(self, src: Any, dst: np.ndarray, idx: np.ndarray) -> None:
+        """The blocks ``idx`` (ascending) of ``src`` into ``dst``: gathered on the device, brought over in pieces of
+        the pinned buffer, and only their pages that differ written into the mirror."""
+        cupy, block = self.cupy, devicehash.BLOCK
+        whole = len(dst) // block
+        bufs = _bounce_buffers(cupy, self.device_id)
+        full = idx[idx < whole]
+        rows_src = src[:whole * block].reshape(whole, block)
+        pages = dst[:whole * block].reshape(-1, _PAGE)
+        per = PIECE // block
+        with _lock:
+            view = bufs[0][1]
+            for lo in range(0, len(full), per):
+                some = full[lo:lo + per]
+                picked = rows_src[cupy.asarray(some)]  # a contiguous copy of those rows, on the device
+                host = view[:len(some) * block].reshape(len(some), block)
+                picked.get(out=host)  # ordered after the gather on CuPy's current stream, and waited for
+                _move_pages(host, pages, some * (block // _PAGE))
+                stats["d2h_bytes"] += host.nbytes
+            if len(full) < len(idx):  # the last block, shorter than the others
+                rest = src[whole * block:]
+                host = view[:len(rest)]
+                rest.get(out=host)
+                _move(host, dst[whole * block:], compare=True)
+                stats["d2h_bytes"] += len(rest)
+
+    def mirror_written(self) -> None:
+        """The mirror is being filled from elsewhere (a recovery): the device digests no longer describe it."""
+        self._digests = None
 
     def device_copy(self) -> DeviceCopy | None:
         """A copy of the array's bytes in device memory now (an asynchronous checkpoint's snapshot: the
@@ -163,6 +224,7 @@ class DeviceHolder:
     def upload(self) -> None:
         """Put the mirror's bytes (just recovered, verified) into the device array."""
         src, cupy = self._mirror_bytes(), self.cupy
+        self._digests = None  # the device's bytes change: the next differential download starts afresh
         if not len(src):
             return
         with cupy.cuda.Device(self.device_id):
@@ -185,6 +247,9 @@ class DeviceCopy(DeviceHolder):
     def __init__(self, holder: DeviceHolder, flat: Any) -> None:  # noqa: D107 - no DeviceHolder.__init__
         self.cupy, self.obj, self.device_id = holder.cupy, flat, holder.device_id
         self.mirror, self.order = holder.mirror, "C"  # flat: the bytes in the mirror's order already
+        self._digests = None
+
+    hashes = False  # a copy is brought over once: its digests would serve no later download
 
     def download(self, compare: bool = False) -> None:
         try:
@@ -205,6 +270,17 @@ def _move_parallel(src: np.ndarray, dst: np.ndarray, compare: bool) -> None:
         if _movers is None:
             _movers = ThreadPoolExecutor(MOVERS, thread_name_prefix="ftidask-device")
     list(_movers.map(lambda lo: _move(src[lo:lo + step], dst[lo:lo + step], compare), range(0, len(src), step)))
+
+
+def _move_pages(src: np.ndarray, pages: np.ndarray, first: np.ndarray) -> None:
+    """Write rows ``src`` (each a whole number of pages) at pages ``first[i]`` onward of ``pages`` (the mirror's
+    bytes as rows of a page): only the pages that differ."""
+    per = src.shape[1] // _PAGE
+    new = src.reshape(-1, _PAGE)
+    at = (first[:, None] + np.arange(per)).reshape(-1)
+    differ = np.flatnonzero((new.view(np.uint64) != pages[at].view(np.uint64)).any(axis=1))
+    if len(differ):
+        pages[at[differ]] = new[differ]
 
 
 def _move(src: np.ndarray, dst: np.ndarray, compare: bool) -> None:

@@ -133,6 +133,7 @@ def plan(protected: Mapping[int, Any], parsed: Any, ids: list[int] | None) -> Re
             out.moved = out.moved or moved(vid, getattr(p, "decomp", None), parsed)
             if isinstance(getattr(p, "device", None), DeviceHolder):
                 out.devices[vid] = p.device
+                p.device.mirror_written()  # before any byte of the recovery reaches it
     out.problem = check_sizes(parsed, out.arrays)
     return out
 

@@ -135,6 +135,8 @@ def recover_other_layout(ctx: Recovery, records: list[CommitRecord], change: str
     if ids is not None:
         raise RecoveryError(f"{change}: recover(ids=...) recovers on the checkpoint's own layout only; recover every "
                             "variable (no ids) to redistribute it")
+    for holder in holders(ctx.variables).values():
+        holder.mirror_written()  # before any byte of the recovery reaches it
     record, arrays = recover_resharded(ctx, records, change, older)
     if record.fallback:  # the old ranks' spares are all that a crash would recover: the next checkpoint leaves them
         ctx.spares.get().pin(record.level)
