@@ -26,7 +26,7 @@ SLICE = 32 << 20  # bytes hashed per round of array operations
 _SEED = 0x5EED_F71D_A5C0_0001  # the position keys: fixed, so that two runs give the same digests
 _M1, _M2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
 _S = np.uint64(33)
-_keys_cache: dict[tuple[int, int], Any] = {}  # (id of the array module, words per block) -> (2, words) keys
+_keys_cache: dict[tuple[int, Any, int], Any] = {}  # (array module's id, device, words per block) -> (2, words) keys
 
 
 def usable(flat: Any, block: int = BLOCK) -> bool:
@@ -36,8 +36,9 @@ def usable(flat: Any, block: int = BLOCK) -> bool:
     return ptr % 8 == 0 and len(flat) >= 2 * block and block % 8 == 0
 
 
-def _keys(xp: Any, words: int) -> Any:
-    key = (id(xp), words)
+def _keys(xp: Any, flat: Any, words: int) -> Any:
+    """The position keys, in the memory of ``flat``'s device (each device its own: another's would be a peer read)."""
+    key = (id(xp), getattr(getattr(flat, "device", None), "id", None), words)
     keys = _keys_cache.get(key)
     if keys is None:
         host = np.random.default_rng(_SEED).integers(0, 2**64 - 1, size=(2, words), dtype=np.uint64, endpoint=True)
@@ -61,7 +62,7 @@ def digests(xp: Any, flat: Any, block: int = BLOCK) -> Any:
     n = len(flat)
     nblocks, words = -(-n // block), block // 8
     out = xp.empty((nblocks, 2), dtype=xp.uint64)
-    keys = _keys(xp, words)
+    keys = _keys(xp, flat, words)
     step = max(1, SLICE // block) * block
     for lo in range(0, n, step):
         seg = flat[lo:lo + step]
