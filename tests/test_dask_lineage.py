@@ -6,10 +6,12 @@ depend on nothing else; while the chunks stay in memory nothing is read or copie
 of its chunks from the newest checkpoint, never a recomputation of the steps before it.
 """
 
+import gc
 import os
 import shutil
 import signal
 import time
+import types
 from pathlib import Path
 from typing import NamedTuple
 
@@ -384,6 +386,44 @@ def test_retention_keeps_a_checkpoint_a_live_array_reads(client, dirs):
     ctx.protect(1, ctx.protected[1] + 1)
     ctx.checkpoint(4, 2)  # 1 and 2 are read by no live array any more
     assert [r.ckpt_id for r in ctx.state.records()] == [4]
+    ctx.finalize()
+
+
+def _slow_chunk(i):
+    time.sleep(0.6)  # longer than the cluster's poll (0.25 s): the checkpoint's wait times out before it is done
+    return np.full(1000, i, np.float64)
+
+
+def test_a_checkpoint_that_waited_keeps_nothing_alive(client, dirs):
+    """Waiting for arrays slower than the cluster's poll raises (and drops) timeouts; none may keep the checkpoint's
+    frame, with its futures and the arrays whose lineage it cut: garbage collection disabled, no such frame is
+    left, and the next commit retires the checkpoint before it without a collection."""
+    import dask
+
+    ctx = ftidask.init(client=client, **dirs)
+    collections = []
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.collect()
+    gc.disable()
+    gc.callbacks.append(count)
+    try:
+        for i in (1, 2):
+            ctx.protect(1, da.concatenate([da.from_delayed(dask.delayed(_slow_chunk)(10 * i + j), (1000,), np.float64)
+                                           for j in range(2)]))
+            collections.clear()
+            ctx.checkpoint(i, 1)
+            left = [f for f in gc.get_objects() if isinstance(f, types.FrameType)
+                    and f.f_code.co_name == "_write_checkpoint"]
+            assert left == [] and collections == []
+        assert [r.ckpt_id for r in ctx.state.records()] == [2]
+        assert np.array_equal(ctx.protected[1].compute(), np.repeat([20.0, 21.0], 1000))
+    finally:
+        gc.callbacks.remove(count)
+        gc.enable()
     ctx.finalize()
 
 

@@ -148,15 +148,7 @@ class Cluster:
         needed = set(addresses)
         self._show_progress(futures)
         try:
-            while True:
-                try:
-                    wait(list(futures), timeout=self.poll)
-                    break
-                except TimeoutError as exc:
-                    # The timeout's traceback is a reference cycle through distributed's frames that
-                    # would keep this frame, and the futures, alive until the next garbage collection:
-                    # a chunk the checkpoint no longer needs would then be recomputed if its worker died.
-                    traceback.clear_frames(exc.__traceback__)
+            while not wait_for(futures, self.poll):
                 if any(f.status in ("error", "cancelled", "lost") for f in futures):
                     break
                 if needed - set(self.workers()):
@@ -207,3 +199,21 @@ class Cluster:
             self.client.cancel(list(futures), force=True)
         except Exception as exc:  # noqa: BLE001 - best effort on a failing cluster
             log.debug("cancel failed: %s", exc)
+
+
+def wait_for(futures: Sequence[Future], timeout: float) -> bool:
+    """Whether every one of ``futures`` is done within ``timeout`` seconds (``distributed.wait``, without its
+    ``TimeoutError`` left behind).
+
+    That error is kept by a reference cycle through distributed's ``sync`` (a closure's cell) until the next
+    garbage collection, and its traceback by then holds the frames it went through, each frame its caller: a
+    checkpoint's frame, with the futures and the arrays whose lineage it cut. A checkpoint that nothing reads
+    would look read, kept or retired only after a full collection (tens of milliseconds per commit).
+    """
+    try:
+        wait(list(futures), timeout=timeout)
+        return True
+    except TimeoutError as exc:
+        traceback.clear_frames(exc.__traceback__)
+        exc.__traceback__ = None
+        return False

@@ -120,8 +120,8 @@ class DaskContext(Context):
             arr = p.array
             if is_dask_array(arr):
                 kind = "dask"
-                arr = self.client.persist(arr)
-                p.array = arr  # later checkpoints and the user reuse the persisted chunks
+                if not _persisted(arr, self.client):  # (again: a new graph of the same futures, for nothing)
+                    arr = p.array = self.client.persist(arr)  # later checkpoints and the user reuse the chunks
             else:
                 kind = "numpy"
                 future = self.client.scatter(np.ascontiguousarray(arr), hash=False)
@@ -375,6 +375,12 @@ class DaskContext(Context):
 
     def _repr_html_(self) -> str:
         return report.context_html(self)
+
+
+def _persisted(arr: Any, client: Client) -> bool:
+    """Whether each chunk of Dask array ``arr`` is a future of ``client`` (persisted, or its lineage cut)."""
+    done = {f.key for f in futures_of(arr) if f.client is client}
+    return bool(done) and all(k in done for k in _flatten(arr.__dask_keys__()))
 
 
 def _flatten(keys: Any) -> list[Any]:

@@ -33,6 +33,7 @@ from ...model.arrays import dtype_from_json, dtype_to_json
 from ...model.decomposition import Piece, Placement, overlap
 from ...model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from . import reads, tasks
+from .cluster import wait_for
 from .fallback import Placer
 from .plan import VarSpec
 
@@ -152,18 +153,12 @@ def _paths(ctx: DaskContext, record: CommitRecord) -> dict[int, str]:
 def _wait(ctx: DaskContext, futures: list[Any], what: str, gather: bool = True) -> list[Any]:
     """The results of loose tasks (Dask reruns them elsewhere if their worker dies); the first task's
     error as a :class:`RecoveryError` (its own message: which file, which container)."""
-    from distributed import wait
-
-    while True:
-        try:
-            wait(futures, timeout=ctx.cluster.poll)
+    while not wait_for(futures, ctx.cluster.poll):
+        if any(f.status == "error" for f in futures):
             break
-        except TimeoutError:
-            if any(f.status == "error" for f in futures):
-                break
-            if not ctx.cluster.workers():
-                ctx.cluster.cancel(futures)
-                raise RecoveryError(f"{what}: the cluster has no workers") from None
+        if not ctx.cluster.workers():
+            ctx.cluster.cancel(futures)
+            raise RecoveryError(f"{what}: the cluster has no workers") from None
     failed = [f for f in futures if f.status == "error"]
     if failed:
         try:
