@@ -254,6 +254,32 @@ def test_an_async_checkpoint_holds_the_values_of_the_call(tmp_path, monkeypatch,
         assert (a.get() == -1).all()
 
 
+@pytest.mark.parametrize("on_device", [True, False], ids=["device-copy", "host-copy"])
+@pytest.mark.parametrize("why", ["staging-pool-too-small", "mechanism-blocking"])
+def test_an_async_checkpoint_written_before_returning_copies_from_the_device_once(tmp_path, monkeypatch, why,
+                                                                                    on_device):
+    """When an asynchronous checkpoint must be written before the call returns (its staging buffers cannot be had,
+    or the snapshot mechanism says so), the bytes taken at the call are those written: the array crosses the bus
+    once (from a device copy or straight into the mirror), not a second time for the write."""
+    if not on_device:
+        monkeypatch.setattr(DeviceHolder, "device_copy", lambda self: None)
+    extra = dict(async_snapshot="copy", async_buffer_mb=1) if why == "staging-pool-too-small" else \
+        dict(async_snapshot="blocking")
+    with ftidask.init(**_kw(tmp_path, **extra)) as ctx:
+        host = np.zeros(1 << 20, np.float32)  # 4 MiB to copy into 1 MiB of staging buffers
+        a = _values((1 << 21,), "float32", 8)
+        ctx.protect(1, a)
+        ctx.protect(2, host)
+        before = device.stats["d2h_bytes"]
+        handle = ctx.checkpoint(1, 1, wait=False)
+        assert handle.mechanism == "blocking" and handle.done()
+        assert device.stats["d2h_bytes"] - before == a.nbytes
+        want = a.get()
+        a[...] = 0
+        ctx.recover()
+        assert _same(a, want)
+
+
 def test_async_checkpoints_in_a_loop_each_hold_their_call(tmp_path):
     """Checkpoints in flight one after the other (two at most), the array changed after every call: each one's
     file holds its own call's values (a device copy is written into the host copy by its own job, in turn)."""

@@ -86,8 +86,10 @@ class AsyncCheckpoints:
         checkpoints in flight, which may still write one from a device copy), the Python states encoded.
         Returns the device copies by id and why a value could not be taken ('')."""
         copies: dict[int, Any] = {}
+        if self.background_committer() is None:  # written before the call returns: it takes the values itself
+            return copies, ""
         devices = holders(variables)
-        if not level.differential:
+        if not level.differential and self.run.config.async_snapshot != "blocking":
             copies = {vid: c for vid, d in devices.items() if (c := d.device_copy()) is not None}
         if len(copies) < len(devices) and self.inflight.busy:
             self.drain()

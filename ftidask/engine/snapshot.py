@@ -151,7 +151,7 @@ def take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, *,
     if mechanism not in MECHANISMS:
         raise ConfigError(f"async_snapshot = {mechanism!r}: expected one of {', '.join(MECHANISMS)}")
     if mechanism == "blocking":
-        return Snapshot(dict(variables), {}, "blocking")
+        return Snapshot(_live(variables, device_copies or {}), {}, "blocking")
     # A view: the description (shape, dtype) of the call, whatever the application does to the array's.
     frozen = {vid: _frozen_var(p, p.array.view() if p.state is None else p.array) for vid, p in variables.items()}
     for vid, copy in (device_copies or {}).items():
@@ -160,18 +160,30 @@ def take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, *,
     # auto leaves small arrays to a copy (cheaper than a fault); a forced cow takes every array it can.
     releases: list[Callable[[], None]] = []
     try:
-        return _take(host, mechanism, pool, cow_ok, frozen, releases, variables)
+        snap = _take(host, mechanism, pool, cow_ok, frozen, releases)
     except BaseException:  # failed or interrupted (Ctrl-C) part-way: no protection, no buffer held
         for release in releases:
             release()
         raise
+    # None: the staging buffers could not be had; the live variables, written before the call returns
+    return snap if snap is not None else Snapshot(_live(variables, device_copies or {}), {}, "blocking")
+
+
+def _live(variables: Mapping[int, Protected], device_copies: Mapping[int, Any]) -> dict[int, Protected]:
+    """The live ``variables``, for a checkpoint written before the call returns. A device array's bytes were taken at
+    the call, into its mirror or into a device copy (which the checkpoint brings into the mirror): marked so, they
+    do not cross the bus again."""
+    out = dict(variables)
+    for vid, p in variables.items():
+        if p.device is not None and not isinstance(p.device, str):
+            out[vid] = dataclasses.replace(p, device=device_copies.get(vid, str(p.device)))
+    return out
 
 
 def _take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, cow_ok: bool,
-          frozen: dict[int, Protected], releases: list[Callable[[], None]],
-          everything: Mapping[int, Protected]) -> Snapshot:
-    """:func:`take`'s work on the host's ``variables`` (of ``everything``), ``releases`` filled as soon as something
-    is held (take releases it on an error)."""
+          frozen: dict[int, Protected], releases: list[Callable[[], None]]) -> Snapshot | None:
+    """:func:`take`'s work on the host's ``variables``, ``releases`` filled as soon as something is held (take
+    releases it on an error); None when the staging buffers cannot be had."""
     least = 1 if mechanism == "cow" else COW_MIN_BYTES
     big = [vid for vid, p in variables.items() if p.state is None and p.array.nbytes >= least]
     sources: dict[int, Any] = {}
@@ -191,7 +203,7 @@ def _take(variables: Mapping[int, Protected], mechanism: str, pool: CopyPool, co
             releases.pop()()
         log.info("asynchronous checkpoint: %d bytes to copy exceed async_buffer_mb; writing it before returning",
                  sum(variables[vid].array.nbytes for vid in to_copy))
-        return Snapshot(dict(everything), {}, "blocking")  # the live variables: written before the call returns
+        return None
     if buffers:
         releases.append(lambda: pool.give_back(buffers))
     copied = 0
