@@ -308,6 +308,38 @@ def holder_of(array: Any, old: Any = None) -> DeviceHolder | None:
     return DeviceHolder(array, old if isinstance(old, DeviceHolder) else None)
 
 
+def host_chunk(chunk: Any) -> np.ndarray:
+    """A Dask chunk's values on the host: a CuPy chunk copied from its device (on the worker that holds it), any
+    other chunk as a NumPy array."""
+    return chunk.get() if is_device_array(chunk) else np.asarray(chunk)
+
+
+def device_chunk(chunk: np.ndarray) -> Any:
+    """A chunk read from a checkpoint (verified) put on the worker's current device: a CuPy array."""
+    import cupy  # noqa: PLC0415 - only for a variable that lives on a device
+
+    return cupy.asarray(chunk)
+
+
+def device_meta(ndim: int, dtype: Any) -> Any:
+    """The ``meta`` of a Dask array of CuPy chunks: an empty CuPy array of ``ndim`` dimensions and ``dtype``."""
+    import cupy  # noqa: PLC0415 - only for a variable that lives on a device
+
+    return cupy.empty((0,) * ndim, dtype=dtype)
+
+
+def chunks_on_device(held: Any, default: bool) -> bool:
+    """Whether a recovered Dask variable's chunks go on the workers' devices: as those of the Dask array protected
+    now (``held``) are, else (none) ``default`` (as those of the array checkpointed were)."""
+    meta = getattr(held, "_meta", None)
+    return is_device_array(meta) if meta is not None else default
+
+
+def onto_devices(arr: Any) -> Any:
+    """A Dask array of NumPy chunks as one of CuPy chunks, each put on the device of the worker that holds it."""
+    return arr.map_blocks(device_chunk, dtype=arr.dtype, meta=device_meta(arr.ndim, arr.dtype))
+
+
 def realloc_target(new: np.ndarray, array: Any, old: Any) -> Any:
     """:meth:`ftidask.Context.realloc`'s array: ``new`` (a host array of the stored size) on the device when
     ``array`` is a CuPy array (itself where it already fits) or the variable (``old``: its device holder) lives on

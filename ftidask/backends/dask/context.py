@@ -80,7 +80,7 @@ class DaskContext(Context):
     # --- protection ------------------------------------------------------------------------------
 
     def protect(self, id: int, array: Any, name: str | None = None, compressor: Any = None) -> None:
-        """Register a Dask array (or a NumPy array) under ``id``.
+        """Register a Dask array (of NumPy or CuPy chunks; or a NumPy array) under ``id``.
 
         Dask arrays are immutable: protect the new array after each step (or use the one
         :attr:`protected` holds after a checkpoint, which is persisted on the cluster).
@@ -98,13 +98,9 @@ class DaskContext(Context):
         check_name(name)
         if np.dtype(array.dtype).hasobject:
             raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes")
-        meta = getattr(array, "_meta", None)
-        if is_device_array(meta):
-            raise ProtectError("the array's chunks are CuPy arrays: the Dask backend protects NumPy-backed arrays "
-                               "only (docs/gpu.md); protect array.map_blocks(cupy.asnumpy), or each worker's "
-                               "device arrays with the single-process or MPI backend")
-        if isinstance(meta, np.ma.MaskedArray) or not isinstance(meta, np.ndarray):  # chunks the files cannot hold
-            raise ProtectError(f"the array's chunks are {type(meta).__name__}s, not plain NumPy arrays "
+        meta = getattr(array, "_meta", None)  # CuPy chunks are written from their bytes copied to the host
+        if not is_device_array(meta) and (isinstance(meta, np.ma.MaskedArray) or not isinstance(meta, np.ndarray)):
+            raise ProtectError(f"the array's chunks are {type(meta).__name__}s, not plain NumPy (or CuPy) arrays "
                                "(a masked array's mask is not checkpointed): protect a NumPy-backed array")
         if any(np.isnan(c) for dim in array.chunks for c in dim):
             raise ProtectError("the array has unknown chunk sizes; call .compute_chunk_sizes() first")
@@ -129,7 +125,7 @@ class DaskContext(Context):
             spec = VarSpec(vid, p.name, np.dtype(arr.dtype), tuple(int(n) for n in arr.shape),
                            tuple(tuple(int(c) for c in dim) for dim in arr.chunks) if kind == "dask"
                            else tuple((int(n),) for n in arr.shape), kind,
-                           p.state.kind if p.state is not None else "")
+                           p.state.kind if p.state is not None else "", is_device_array(getattr(arr, "_meta", None)))
             specs.append(spec)
             if kind == "dask":
                 by_key = {f.key: f for f in futures_of(arr)}

@@ -26,6 +26,7 @@ from dask._task_spec import Task
 from dask.array.core import Array
 from distributed import Client, Future, futures_of, wait
 
+from ...engine.device import device_meta
 from ...engine.runstate import CommitRecord
 from ...storage import files as storage
 from . import reads, recorded
@@ -144,7 +145,8 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: M
         for at in lay.chunks[spec.id]:
             key = (name, *at.index)
             graph[key] = Task(key, reads.read_lineage_chunk, sources[at.rank], spec.id, spec.name, list(at.index),
-                              at.dptr, lay.raw_dtypes[spec.id], list(spec.chunk_shape(at.index)))
+                              at.dptr, lay.raw_dtypes[spec.id], list(spec.chunk_shape(at.index)),
+                              device=spec.device)
             old = futures[(spec.id, at.index)].key
             holders = who_has.get(old, ())
             writer = workers[at.rank]  # it holds the chunk, or a replica made for its write task
@@ -159,7 +161,8 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: M
             continue
         name, graph = graphs[spec.id]
         # A chunk not aliased (released meanwhile, or its worker gone) is read from the checkpoint now.
-        arr = client.persist(Array(graph, name, spec.chunks, dtype=spec.dtype), optimize_graph=False)
+        meta = device_meta(len(spec.shape), spec.dtype) if spec.device else None  # CuPy chunks stay CuPy chunks
+        arr = client.persist(Array(graph, name, spec.chunks, dtype=spec.dtype, meta=meta), optimize_graph=False)
         out[spec.id] = arr
         ctx._dask_retention.pins.add(record, graph)
         p = ctx._vars.get(spec.id)

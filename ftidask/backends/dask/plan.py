@@ -35,6 +35,7 @@ class VarSpec:
     chunks: tuple[tuple[int, ...], ...]
     kind: str = "dask"  # "dask" or "numpy" (a NumPy array protected on a Dask cluster)
     pystate: str = ""  # a Python state's kind (ftidask.engine.pystate): its JSON bytes, a NumPy uint8 array
+    device: bool = False  # its chunks are CuPy arrays (written from the host copies of their bytes)
 
     def grid(self) -> list[GridIndex]:
         """Every chunk's grid index, in C order."""
@@ -49,7 +50,7 @@ class VarSpec:
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.name, "dtype": dtype_to_json(self.dtype), "shape": list(self.shape),
                 "chunks": [list(c) for c in self.chunks], "kind": self.kind} | (
-                    {"pystate": self.pystate} if self.pystate else {})
+                    {"pystate": self.pystate} if self.pystate else {}) | ({"device": True} if self.device else {})
 
 
 @dataclasses.dataclass(frozen=True)

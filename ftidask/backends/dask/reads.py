@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ...engine.device import device_chunk
 from ...levels.erasure import decode_files
 from ...model.errors import FormatError, RecoveryError
 from ...storage import files as storage
@@ -137,14 +138,15 @@ def _how(src: dict[str, Any], path: str, existed: bool) -> str:
 
 
 def read_lineage_chunk(src: dict[str, Any], var_id: int, name: str, index: list[int], dptr: int, dtype_json: Any,
-                       shape: list[int]) -> np.ndarray:
+                       shape: list[int], device: bool = False) -> Any:
     """The task behind each chunk of an array whose lineage a checkpoint cut (:mod:`.lineage`).
 
     It runs only when Dask recomputes a lost chunk (its worker died): the chunk is read from the
     checkpoint's file as this worker sees it, or its L2 partner copy, or the file rebuilt from L3
     parity, hash-checked. Reported as a ``ftidask-lineage`` event (logged by the client) and in
     this worker's log; where the level cannot bring the chunk back, a :class:`RecoveryError` names
-    the chunk and the checkpoint (never wrong data).
+    the chunk and the checkpoint (never wrong data). ``device``: the chunk is put on the worker's device (its
+    array's chunks are CuPy arrays).
     """
     start = time.perf_counter()
     here = _here()
@@ -167,4 +169,4 @@ def read_lineage_chunk(src: dict[str, Any], var_id: int, name: str, index: list[
         from distributed import get_worker
 
         get_worker().log_event(TOPIC, event)
-    return out
+    return device_chunk(out) if device else out

@@ -81,13 +81,15 @@ def _spec(raw: Any) -> VarSpec:
     if any(sum(c) != n or not c for c, n in zip(chunks, shape, strict=True)):
         raise DamagedRecord(f"{what}'s chunks {str(grid)[:80]} do not add up to its shape {shape}")
     name, kind, state = raw.get("name"), raw.get("kind", "dask"), raw.get("pystate", "")
-    if not isinstance(name, str) or kind not in ("dask", "numpy") or not isinstance(state, str):
-        raise DamagedRecord(f"{what}: name {name!r}, kind {kind!r}, pystate {state!r}")
+    device = raw.get("device", False)
+    if not isinstance(name, str) or kind not in ("dask", "numpy") or not isinstance(state, str) or not isinstance(
+            device, bool):
+        raise DamagedRecord(f"{what}: name {name!r}, kind {kind!r}, pystate {state!r}, device {device!r}")
     try:
         dtype = dtype_from_json(raw.get("dtype"))
     except FTIError as exc:
         raise DamagedRecord(f"{what}: {exc}") from None
-    return VarSpec(vid, name, dtype, shape, chunks, kind, state)
+    return VarSpec(vid, name, dtype, shape, chunks, kind, state, bool(device))
 
 
 def _chunk_rows(spec: VarSpec, rows: Any, nranks: int) -> list[ChunkAt]:

@@ -26,8 +26,9 @@ from dask.array.core import Array, normalize_chunks
 
 from ...api.context import Protected
 from ...engine import pystate
+from ...engine.device import DeviceHolder, chunks_on_device, onto_devices
 from ...engine.recovering import newest_recoverable
-from ...engine.recoverplan import normalize_request
+from ...engine.recoverplan import normalize_request, upload
 from ...engine.recovery import check_writeable
 from ...engine.runstate import CommitRecord
 from ...model.errors import FTIError, RecoveryError
@@ -189,11 +190,16 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
             if held is not None and isinstance(held.array, np.ndarray):
                 np.copyto(held.array, value)
                 value = held.array
+                if isinstance(held.device, DeviceHolder):  # a CuPy array protected as such: its mirror was filled
+                    upload({spec.id: held.device})
+                    value = held.device.obj
             out[spec.id] = value
             continue
         arr = arrays[spec.id]
         if target != spec.chunks:
             arr = arr.rechunk(target)
+        if chunks_on_device(getattr(held, "array", None), spec.device):
+            arr = onto_devices(arr)
         out[spec.id] = arr
         # its compressor stays: the next checkpoint writes it as the one recovered was written
         ctx.variables[spec.id] = Protected(spec.id, held.name if held is not None else spec.name, arr,

@@ -26,6 +26,8 @@ from dask.array.core import Array
 
 from ...api.context import Protected
 from ...engine import pystate, reshard, reshard_files, reshard_plan
+from ...engine.device import DeviceHolder, chunks_on_device, onto_devices
+from ...engine.recoverplan import upload
 from ...engine.recovery import check_writeable
 from ...engine.reshard_rebuild import old_groups, rebuild_group
 from ...engine.runstate import CommitRecord
@@ -291,11 +293,14 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
         elif vid in values:
             np.copyto(held.array, values[vid])  # type: ignore[union-attr]
             out[vid] = held.array  # type: ignore[union-attr]
+            if isinstance(held.device, DeviceHolder):  # type: ignore[union-attr] - a CuPy array: its mirror filled
+                upload({vid: held.device})  # type: ignore[union-attr]
+                out[vid] = held.device.obj  # type: ignore[union-attr]
         else:
             spec = VarSpec(vid, names.get(str(vid), f"var{vid}"), dtype, shape, grid)
             target = _target_chunks(ctx, spec, chunks)
             arr = arrays[vid] if target == grid else arrays[vid].rechunk(target)
-            out[vid] = arr
+            out[vid] = arr = onto_devices(arr) if chunks_on_device(getattr(held, "array", None), False) else arr
             ctx.variables[vid] = Protected(vid, held.name if held is not None else spec.name, arr,
                                            held.compressor if held is not None else None)
     return out

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ...engine.checkpointing import write_rank_file
+from ...engine.device import host_chunk
 from ...ftiff import blockhash, compression, hashing
 from ...ftiff.readahead import read_full
 from ...ftiff.reader import verify_data
@@ -57,10 +58,11 @@ class ChunkBytes:
 
 
 def _as_recorded(chunk: Any, dtype: np.dtype | None) -> np.ndarray:
-    """The chunk in the dtype its variable's table records. Dask may compute the chunks of a big-endian array in the
-    machine's byte order (a slice of a '>f8' array is copied as '<f8'): their bytes written as they are would be
-    read back byte-swapped. Only the byte order is changed; a chunk of another kind of value is refused."""
-    chunk = np.asarray(chunk)
+    """The chunk, on the host (a CuPy chunk copied from its device), in the dtype its variable's table records. Dask
+    may compute the chunks of a big-endian array in the machine's byte order (a slice of a '>f8' array is copied as
+    '<f8'): their bytes written as they are would be read back byte-swapped. Only the byte order is changed; a chunk
+    of another kind of value is refused."""
+    chunk = host_chunk(chunk)
     if dtype is None or chunk.dtype == dtype:
         return chunk
     try:
