@@ -49,7 +49,11 @@ def container_problem(fd: int, parsed: Any, meta: ContainerMeta, what: str, deco
     # The codec needs the container whole: decoded from a map of the pages the hash has just read (in the page
     # cache), not from a copy as large as the container, which a recovery's memory could not always hold.
     start = meta.fptr - meta.fptr % mmap.ALLOCATIONGRANULARITY
-    with mmap.mmap(fd, meta.fptr + meta.chunksize - start, offset=start, access=mmap.ACCESS_READ) as mapped:
+    try:
+        mapped = mmap.mmap(fd, meta.fptr + meta.chunksize - start, offset=start, access=mmap.ACCESS_READ)
+    except ValueError:  # the map is longer than the file: it was cut since the hash read the container
+        return f"{what}: the file ends inside its data (it shrank while it was read)"
+    with mapped:
         view = memoryview(mapped)
         try:
             return compression.decode_problem(info, meta, view[meta.fptr - start:], what)
