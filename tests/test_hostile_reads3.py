@@ -214,3 +214,26 @@ def test_a_chunk_missing_from_the_store_and_its_manifest_is_damage(dirs, compres
     (store / "v" / "c" / "3").unlink()
     _reseal(dirs, store)
     _refused(dirs, store, "has 10 chunks, the manifest lists 9 chunk files")
+
+
+# --- the Meta directory -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("payload", [b"[" * 100_000 + b"]" * 100_000, b'{"pid": Infinity, "host": "h"}',
+                                     b'{"pid": 1e999, "host": "h"}'])
+def test_a_hostile_lock_file_of_a_live_run_is_an_unknown_holder(dirs, payload):
+    """The lock file of a run that another process holds says who: nested too deep (RecursionError) or with an
+    infinite pid (OverflowError), it made the init's RunInUseError a raw exception."""
+    import fcntl
+
+    ctx = ftidask.init(**dirs, exec_id="held")
+    ctx._close()
+    lock = Path(dirs["meta_dir"]) / "held" / "run.lock"
+    fd = os.open(lock, os.O_RDWR)  # another open file description: the run is live, as for another process
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, payload, 0)
+        with pytest.raises(ftidask.RunInUseError, match="an unknown process"):
+            ftidask.init(**dirs, exec_id="held")
+    finally:
+        os.close(fd)
