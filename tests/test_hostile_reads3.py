@@ -237,3 +237,40 @@ def test_a_hostile_lock_file_of_a_live_run_is_an_unknown_holder(dirs, payload):
             ftidask.init(**dirs, exec_id="held")
     finally:
         os.close(fd)
+
+
+# --- the read-ahead threads ---------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("error", [MemoryError, ValueError])
+def test_any_error_of_a_reader_thread_reaches_the_consumer(tmp_path, error):
+    """A reader thread caught only OSError: any other error of a read (a MemoryError of a recovery short of
+    memory) ended the thread with its piece never marked, and the hash waited for it for ever. It is raised
+    to the consumer now, and no reader thread is left behind."""
+    import threading
+
+    from ftidask.ftiff import readhash
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 4096 * 40)  # 40 MiB: pieces enough for both readers and the ring
+    read_full, calls = readahead.read_full, []
+
+    def failing(fd, offset, view):
+        calls.append(offset)
+        if len(calls) == 3:
+            raise error("injected")
+        return read_full(fd, offset, view)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(readahead, "read_full", failing)
+            ring = [memoryview(bytearray(1 << 20)) for _ in range(readahead.SLOTS)]
+            with pytest.raises(error, match="injected"):
+                readahead.feed(fd, 0, 40 << 20, lambda v: None, ring, threads=2)
+            calls.clear()
+            with pytest.raises(error, match="injected"):
+                readhash.read_hashed(fd, 0, memoryview(bytearray(40 << 20)), hashing.hash_id("md5"))
+    finally:
+        os.close(fd)
+    assert not [t for t in threading.enumerate() if t.name == "ftidask-readahead"]
