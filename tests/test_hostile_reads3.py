@@ -274,3 +274,18 @@ def test_any_error_of_a_reader_thread_reaches_the_consumer(tmp_path, error):
     finally:
         os.close(fd)
     assert not [t for t in threading.enumerate() if t.name == "ftidask-readahead"]
+
+
+@pytest.mark.parametrize("record", ['{"size": Infinity, "hash_id": 1, "hash": "x"}',
+                                    '{"size": 1000, "hash_id": 1e999, "hash": "x"}'])
+def test_a_parity_record_with_an_infinite_number_is_damage(tmp_path, capsys, record):
+    """A parity's .hash record holding JSON's Infinity: int() raised OverflowError, a traceback from 'ftidask
+    verify' (and an 'unexpected' error where an L3 rebuild reads it). The parity is damaged, said."""
+    from ftidask.levels.rs import check_parity
+
+    parity = tmp_path / "Ckpt1-RSed0.fti"
+    parity.write_bytes(bytes(1000))
+    (tmp_path / "Ckpt1-RSed0.fti.hash").write_text(record)
+    assert str(parity) in check_parity(parity)
+    assert cli_main(["verify", str(parity)]) == 1
+    assert "DAMAGED" in capsys.readouterr().out
