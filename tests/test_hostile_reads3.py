@@ -289,3 +289,51 @@ def test_a_parity_record_with_an_infinite_number_is_damage(tmp_path, capsys, rec
     assert str(parity) in check_parity(parity)
     assert cli_main(["verify", str(parity)]) == 1
     assert "DAMAGED" in capsys.readouterr().out
+
+
+_CUT_WHILE_DECODED = """
+import os, sys
+from pathlib import Path
+import numpy as np
+import ftidask
+from ftidask.ftiff import compression
+
+base, n = Path(sys.argv[1]), int(sys.argv[2])
+dirs = dict(ckpt_dir=base / "l", glbl_dir=base / "g", meta_dir=base / "m")
+old = np.round(np.cumsum(np.random.default_rng(0).standard_normal(n)), 2)  # zstd shrinks it
+ctx = ftidask.init(**dirs, compressor="zstd")
+a = old.copy()
+ctx.protect(1, a)
+ctx.checkpoint(1, 4)
+a += 1
+ctx.checkpoint(2, 1)
+ctx._close()
+(path,) = base.glob("l/**/Ckpt2-Rank0.fti")
+decode, cut = compression.decode_problem, []
+
+
+def cut_first(info, meta, stored, what):  # the newest file's first container cut 2 pages in, just before its decode
+    if not cut:
+        cut.append(os.truncate(path, meta.fptr - meta.fptr % 4096 + 8192))
+    return decode(info, meta, stored, what)
+
+
+compression.decode_problem = cut_first
+ctx = ftidask.init(**dirs)
+out = np.full(n, -1.0)
+ctx.protect(1, out)
+ctx.recover()
+print(ctx.recovered_from, np.array_equal(out, old), bool(cut))
+"""
+
+
+@pytest.mark.parametrize("n", [20_000, 700_000])  # one frame; two frames of 4 MiB raw
+def test_a_compressed_container_cut_while_it_is_decoded_is_damage(tmp_path, n):
+    """Once its hash matched, a compressed container was decoded from a map of the file: the file cut then, the
+    next access of the map killed the process with SIGBUS (no fallback possible). It is read, a frame at a
+    time, for the decode too: the cut is a short read, damage, and recover() goes back to the older checkpoint."""
+    from conftest import run_python
+
+    proc = run_python(_CUT_WHILE_DECODED, str(tmp_path), str(n), check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["(1,", "4)", "True", "True"]
