@@ -337,3 +337,14 @@ def test_a_compressed_container_cut_while_it_is_decoded_is_damage(tmp_path, n):
     proc = run_python(_CUT_WHILE_DECODED, str(tmp_path), str(n), check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["(1,", "4)", "True", "True"]
+
+
+def test_a_chunk_shape_of_zero_is_damage(dirs):
+    """zarr opens an array whose chunks are 0 elements long, then divides by it for its chunk grid: the
+    ZeroDivisionError escaped recover_file."""
+    store = _zarr_checkpoint(dirs)
+    meta = json.loads((store / "v" / "zarr.json").read_text())
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = [0]
+    (store / "v" / "zarr.json").write_text(json.dumps(meta))
+    _reseal(dirs, store)
+    _refused(dirs, store, "cannot be opened")

@@ -34,6 +34,7 @@ def check_arrays(path: Path, manifest: Mapping[str, Any]) -> None:
                 warnings.simplefilter("ignore")
                 z = zarr.open_array(store=store, path=name, mode="r")
                 shape, dtype = tuple(z.shape), np.dtype(z.dtype)
+                grid = tuple(z.cdata_shape)  # a chunk shape of 0: ZeroDivisionError
         except FormatError:
             raise
         except Exception as exc:  # zarr raises many kinds on metadata it cannot read
@@ -42,25 +43,25 @@ def check_arrays(path: Path, manifest: Mapping[str, Any]) -> None:
         if shape != info.shape or dtype.newbyteorder("<") != info.dtype.newbyteorder("<"):
             raise FormatError(f"{path}: array {name!r} is {dtype} {shape}, the manifest says {info.dtype} "
                               f"{info.shape}")
-        _check_chunk_files(path, manifest, name, z)
-        _check_chunks_decode(path, manifest, name, z)
+        _check_chunk_files(path, manifest, name, z, grid)
+        _check_chunks_decode(path, manifest, name, z, grid)
 
 
-def _check_chunk_files(path: Path, manifest: Mapping[str, Any], name: str, z: Any) -> None:
-    """The manifest lists a file for every chunk of array ``name`` (``z``), and no other file in it but its
-    metadata: counted first (a grid of more chunks than files is refused without walking it), then each
-    chunk's key."""
+def _check_chunk_files(path: Path, manifest: Mapping[str, Any], name: str, z: Any, grid: tuple[int, ...]) -> None:
+    """The manifest lists a file for every chunk of array ``name`` (``z``, its chunk grid ``grid``), and no other
+    file in it but its metadata: counted first (a grid of more chunks than files is refused without walking it),
+    then each chunk's key."""
     listed = {rel for rel in manifest["files"] if rel.startswith(f"{name}/") and rel != f"{name}/zarr.json"}
-    count = int(np.prod(z.cdata_shape, dtype=object))
+    count = int(np.prod(grid, dtype=object))
     if count != len(listed):
         raise FormatError(f"{path}: array {name!r} has {count} chunks, the manifest lists {len(listed)} chunk files")
-    for index in np.ndindex(*z.cdata_shape):  # as many as the files listed
+    for index in np.ndindex(*grid):  # as many as the files listed
         key = f"{name}/{z.metadata.encode_chunk_key(index)}"
         if key not in listed:
             raise FormatError(f"{path}: array {name!r}: chunk {index} ({key}) is not in the store")
 
 
-def _check_chunks_decode(path: Path, manifest: Mapping[str, Any], name: str, z: Any) -> None:
+def _check_chunks_decode(path: Path, manifest: Mapping[str, Any], name: str, z: Any, grid: tuple[int, ...]) -> None:
     """Every chunk of ``z`` decodes (hash-checked chunks of a forged store may not): an uncompressed
     array's chunk files must be whole chunks, a compressed one's are decoded once, a chunk at a time."""
     if not z.compressors and not z.filters and type(z.serializer).__name__ == "BytesCodec":
@@ -69,7 +70,7 @@ def _check_chunks_decode(path: Path, manifest: Mapping[str, Any], name: str, z: 
             if rel.startswith(f"{name}/c/") and entry[0] != whole:
                 raise FormatError(f"{path}: chunk {rel} holds {entry[0]} bytes, not a chunk's {whole}")
         return
-    for index in np.ndindex(*z.cdata_shape):
+    for index in np.ndindex(*grid):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
