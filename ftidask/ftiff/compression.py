@@ -150,7 +150,29 @@ def _all_done(futures: list[Future[T]]) -> list[T]:
     return [f.result() for f in futures]
 
 
-def declared_size(codec_id: str, stored: bytes | memoryview) -> int | None:
+class StoredSpan:
+    """Bytes ``[offset, offset + length)`` of a file, read (``pread``) only when a slice of them is made bytes: a
+    container decoded a frame at a time from its file, never mapped (a file cut under a map ends the process with
+    SIGBUS; here it is a short read, a :class:`FormatError`) nor read whole."""
+
+    def __init__(self, fd: int, offset: int, length: int, what: str = "container") -> None:
+        self.fd, self.offset, self.length, self.what = fd, offset, length, what
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice) -> StoredSpan:
+        start, stop, _step = key.indices(self.length)
+        return StoredSpan(self.fd, self.offset + start, max(stop - start, 0), self.what)
+
+    def __bytes__(self) -> bytes:
+        data = os.pread(self.fd, self.length, self.offset)
+        if len(data) != self.length:
+            raise FormatError(f"{self.what}: the file ends inside its data (it shrank while it was read)")
+        return data
+
+
+def declared_size(codec_id: str, stored: bytes | memoryview | StoredSpan) -> int | None:
     """The raw size that an encoded span's own header declares (Zstd's frame content size, the size LZ4's
     numcodecs codec puts first, Blosc's ``nbytes``), or None when it declares none or is too short.
 
@@ -172,7 +194,7 @@ def declared_size(codec_id: str, stored: bytes | memoryview) -> int | None:
     return int.from_bytes(head[at:at + width], "little") + (256 if width == 2 else 0)
 
 
-def decode_span(codec: Any, stored: bytes | memoryview, span: int, *, what: str = "container",
+def decode_span(codec: Any, stored: bytes | memoryview | StoredSpan, span: int, *, what: str = "container",
                 into: memoryview | None = None) -> memoryview | bytes:
     """The raw bytes of a verified compressed container (decoded into ``into``, ``span`` bytes long, if
     given); a :class:`FormatError` on a size mismatch, found from the codec's header before anything is
@@ -183,15 +205,16 @@ def decode_span(codec: Any, stored: bytes | memoryview, span: int, *, what: str 
         raise FormatError(f"{what}: cannot be decoded: its {codec.codec_id} header declares {said}, expected {span}")
     if span == 0:
         return b""
+    data = bytes(stored)  # a StoredSpan's short read: its own FormatError, said as it is
     out = np.empty(span, np.uint8) if into is None else np.frombuffer(into, np.uint8)
     try:  # the codec writes there, never more (it refuses a buffer smaller than its header declares)
-        codec.decode(bytes(stored), out=out)
+        codec.decode(data, out=out)
     except Exception as exc:  # numcodecs raises RuntimeError/ValueError; the bytes were hash-checked
         raise FormatError(f"{what}: cannot be decoded: {exc}") from None
     return out.data.cast("B")
 
 
-def decode_container(info: Any, meta: Any, stored: bytes | memoryview, what: str,
+def decode_container(info: Any, meta: Any, stored: bytes | memoryview | StoredSpan, what: str,
                      out: memoryview | None = None, keep: bool = True) -> bytes | memoryview | None:
     """The raw span of compressed container ``meta`` (of the variable ``info``, a VarInfo) from its hash-checked
     ``stored`` bytes: one frame, or its frames decoded on several threads; a :class:`FormatError` otherwise.
@@ -210,7 +233,7 @@ def decode_container(info: Any, meta: Any, stored: bytes | memoryview, what: str
         raise FormatError(f"{what}: {len(sizes)} frames of {sum(sizes)} stored bytes do not make a span of {span} "
                           f"raw bytes in frames of {frame} from {len(stored)} stored bytes")
     starts = [0, *itertools.accumulate(sizes[:-1])]
-    view = memoryview(stored)
+    view = stored if isinstance(stored, StoredSpan) else memoryview(stored)
 
     def one(i: int) -> bytes | str | None:
         # An error comes back as its message, never as an exception: one kept in a future (with the frames of
@@ -295,7 +318,7 @@ def plain_ids(extra: Mapping[str, Any]) -> set[int]:
         raise FormatError(f"invalid codec_plain record {extra.get('codec_plain')!r}") from None
 
 
-def decode_problem(info: Any, meta: Any, stored: memoryview | bytes, what: str) -> str:
+def decode_problem(info: Any, meta: Any, stored: memoryview | bytes | StoredSpan, what: str) -> str:
     """Why a hash-checked container (``meta``, of the variable ``info``: a VarInfo or None) does not decode
     to its raw span, or '' (also for a container stored raw).
 

@@ -6,7 +6,8 @@ about what the read alone costs, and with two threads reading (:data:`READERS`) 
 :class:`ReadAhead` reads pieces in order into views the caller gives: distinct views (the data's final
 place, no limit on how far it reads ahead) or views of a few buffers used in turn (``window`` pieces at
 most ahead of the consumer, each buffer released by :meth:`release`).
-A read error (``EIO``) is raised to the consumer as the ``OSError`` it was, never left to hang it.
+A read error (``EIO``) is raised to the consumer as the ``OSError`` it was, never left to hang it; so is any
+other error of a reader thread (a ``MemoryError`` of a recovery short of memory).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class ReadAhead:
         self.fd, self.pieces, self.window = fd, pieces, window
         self.state = [0] * len(pieces)  # per piece: 0 pending, 1 read in full, 2 the file ended, 3 a read error
         self.released = 0  # pieces the consumer is through with
-        self.error: OSError | None = None
+        self.error: BaseException | None = None
         self.stop = False
         self.cond = threading.Condition()
         self._threads = [threading.Thread(target=self._run, args=(j, threads), name="ftidask-readahead", daemon=True)
@@ -64,7 +65,7 @@ class ReadAhead:
                     return
             try:
                 state = 1 if read_full(self.fd, offset, view) == len(view) else 2
-            except OSError as exc:  # the consumer raises it
+            except BaseException as exc:  # noqa: BLE001 - the consumer raises it (a piece never marked: a hang)
                 state, self.error = 3, exc
             with self.cond:
                 self.state[k] = state
@@ -73,7 +74,7 @@ class ReadAhead:
                 return
 
     def wait(self, k: int) -> bool:
-        """Whether piece ``k`` was read in full (False: the file ends first); an ``OSError`` of the read is raised."""
+        """Whether piece ``k`` was read in full (False: the file ends first); an error of the read is raised."""
         with self.cond:
             self.cond.wait_for(lambda: self.state[k] != 0)
             if self.state[k] == 3 and self.error is not None:

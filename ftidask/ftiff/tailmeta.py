@@ -163,9 +163,10 @@ def parse_padded(fh: BinaryIO, path: str, file_size: int) -> tuple[int, tuple[Fi
     and writes the file's size in its last ``sizeof(off_t)`` bytes, decodes, then truncates it back to that size:
     interrupted in between, it leaves the file padded. Its first ``size`` bytes are the file: read as such (every
     data byte is still checked by its container's MD5; the padding is never read)."""
-    if file_size <= 8:
+    last = os.pread(fh.fileno(), 8, file_size - 8) if file_size > 8 else b""
+    if len(last) != 8:  # too small, or it holds less than its size said (it shrank since): no padded file
         return None
-    (size,) = struct.unpack("<q", os.pread(fh.fileno(), 8, file_size - 8))
+    (size,) = struct.unpack("<q", last)
     if not 0 < size <= file_size - 8:
         return None
     tail = parse_tail(fh, path, size)

@@ -5,14 +5,13 @@ by a failing job) or whose disk cannot read a page kills the process with SIGBUS
 partner copy, the parity or an older checkpoint could follow. Read with ``preadv`` into buffers of each
 thread (:mod:`.readahead`: the next piece read while one is hashed), the same faults are a short read or an
 ``OSError``: a damaged file. Containers are checked on several threads (``preadv`` and the hashes release
-the GIL), each one piece by piece. A compressed container whose hash matched is then decoded, whole as its
-codec needs it, from a map of the pages just read (a copy could double a recovery's memory): only a file cut
-in that moment could still end the process.
+the GIL), each one piece by piece. A compressed container whose hash matched is then decoded a frame at a
+time (:class:`~.compression.StoredSpan`), each frame read again from the pages just read: a copy of the whole
+container could double a recovery's memory, a map of it would end the process if the file were cut meanwhile.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -44,17 +43,11 @@ def container_problem(fd: int, parsed: Any, meta: ContainerMeta, what: str, deco
     info = parsed.vars.get(meta.id)
     if not (decode and compression.encoded(info, meta)):
         return ""
-    if not meta.chunksize:  # nothing to map
-        return compression.decode_problem(info, meta, b"", what)
-    # The codec needs the container whole: decoded from a map of the pages the hash has just read (in the page
-    # cache), not from a copy as large as the container, which a recovery's memory could not always hold.
-    start = meta.fptr - meta.fptr % mmap.ALLOCATIONGRANULARITY
-    with mmap.mmap(fd, meta.fptr + meta.chunksize - start, offset=start, access=mmap.ACCESS_READ) as mapped:
-        view = memoryview(mapped)
-        try:
-            return compression.decode_problem(info, meta, view[meta.fptr - start:], what)
-        finally:
-            view.release()
+    # The codec needs each frame whole: read from the file a frame at a time (from the page cache, which the hash
+    # has just filled), never the container whole (a recovery's memory could not always hold a copy of it) nor
+    # from a map (the file cut under it would end the process with SIGBUS: a short read here is damage).
+    stored = compression.StoredSpan(fd, meta.fptr, meta.chunksize, what)
+    return compression.decode_problem(info, meta, stored, what)
 
 
 def first_problem(fd: int, parsed: Any, jobs: Sequence[tuple[int, int, ContainerMeta]], decode: bool) -> str:

@@ -109,7 +109,7 @@ def check_parity(parity: Path, block: int = 1 << 20, size: int | None = None) ->
             while n := fh.readinto(buf):
                 hasher.update(memoryview(buf)[:n])
         return "" if hasher.hexdigest() == info["hash"] else f"{parity}: does not match its recorded hash"
-    except (OSError, KeyError, TypeError, ValueError, FTIError) as exc:
+    except (OSError, KeyError, TypeError, ValueError, OverflowError, FTIError) as exc:  # Overflow: int(Infinity)
         return f"{parity}: {exc}"
 
 

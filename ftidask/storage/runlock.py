@@ -144,7 +144,8 @@ def holder(run_dir: Path) -> str:
     try:
         info = json.loads(storage.read_regular(run_dir / LOCK_NAME).decode("utf-8"))
         return f"pid {int(info['pid'])} on host {info['host']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    # RecursionError: JSON nested too deep; OverflowError: int() of JSON's Infinity (a lock file written by anyone)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, OverflowError):
         return "an unknown process"
 
 

@@ -212,7 +212,7 @@ def read_manifest(path: Path, expected: str | None = None) -> dict[str, Any]:
         raise FormatError(f"{path}: {MANIFEST} does not match the commit record (damaged or replaced)")
     try:
         manifest = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deep
         raise FormatError(f"{path}: {MANIFEST} is not valid JSON: {exc}") from None
     if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT
             or not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("vars"), list)):
@@ -261,7 +261,9 @@ def verify_store(path: Path, expected: str | None = None) -> dict[str, Any]:
     for rel, entry in sorted(manifest["files"].items()):
         full = path / rel
         # Only files inside the store: an absolute entry would make path / rel that very path.
-        if ".." in Path(rel).parts or Path(rel).is_absolute() or not isinstance(entry, list) or len(entry) != 2:
+        # A NUL byte names no file (os.open raises ValueError on it).
+        if (".." in Path(rel).parts or Path(rel).is_absolute() or "\0" in rel or not isinstance(entry, list)
+                or len(entry) != 2):
             raise FormatError(f"{path}: bad manifest entry {rel!r}")
         if full.exists() and not full.is_file():  # a FIFO or a device would block the read or never end
             raise FormatError(f"{path}: {rel} is not a regular file")
@@ -273,53 +275,10 @@ def verify_store(path: Path, expected: str | None = None) -> dict[str, Any]:
             raise FormatError(f"{path}: {rel}: {exc}") from None
         if size != entry[0] or digest != entry[1]:
             raise FormatError(f"{path}: {rel} does not match its hash (damaged Zarr chunk or metadata)")
-    _check_arrays(path, manifest)
+    from .checks import check_arrays  # it reads the store through this module's verified_store
+
+    check_arrays(path, manifest)
     return manifest
-
-
-def _check_arrays(path: Path, manifest: Mapping[str, Any]) -> None:
-    """Each variable's array exists with the shape and dtype the manifest gives it (metadata only).
-
-    Checked with the hashes, before recovery fills any array: found only while filling them, a
-    mismatch would leave the variables read before it recovered and the others not.
-    """
-    zarr = _zarr()
-    store = verified_store(path, manifest)
-    for name, info in store_entries(manifest, path):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                z = zarr.open_array(store=store, path=name, mode="r")
-                shape, dtype = tuple(z.shape), np.dtype(z.dtype)
-        except FormatError:
-            raise
-        except Exception as exc:  # zarr raises many kinds on metadata it cannot read
-            raise FormatError(f"{path}: array {name!r} cannot be opened: {exc}") from None
-        # Zarr v3 gives arrays in native byte order (an endianness codec stores the file's).
-        if shape != info.shape or dtype.newbyteorder("<") != info.dtype.newbyteorder("<"):
-            raise FormatError(f"{path}: array {name!r} is {dtype} {shape}, the manifest says {info.dtype} "
-                              f"{info.shape}")
-        _check_chunks_decode(path, manifest, name, z)
-
-
-def _check_chunks_decode(path: Path, manifest: Mapping[str, Any], name: str, z: Any) -> None:
-    """Every chunk of ``z`` decodes (hash-checked chunks of a forged store may not): an uncompressed
-    array's chunk files must be whole chunks, a compressed one's are decoded once, a chunk at a time."""
-    if not z.compressors and not z.filters and type(z.serializer).__name__ == "BytesCodec":
-        whole = int(np.prod(z.chunks)) * z.dtype.itemsize
-        for rel, entry in manifest["files"].items():
-            if rel.startswith(f"{name}/c/") and entry[0] != whole:
-                raise FormatError(f"{path}: chunk {rel} holds {entry[0]} bytes, not a chunk's {whole}")
-        return
-    for index in np.ndindex(*z.cdata_shape):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                z.get_block_selection(index)
-        except FormatError:
-            raise
-        except Exception as exc:  # whatever the codec raises on bytes it cannot decode
-            raise FormatError(f"{path}: array {name!r}: chunk {index} does not decode: {exc}") from None
 
 
 def read_arrays(path: Path, manifest: Mapping[str, Any], ids: set[int] | None = None,

@@ -1,0 +1,81 @@
+"""The arrays of a Zarr store whose files matched their manifest: each one as the manifest describes it.
+
+The files' hashes say that the store holds what its writer hashed; these checks say that it is whole: each
+variable's array opens with the manifest's shape and dtype, its chunk files are exactly its chunks (a writer
+of :mod:`.store` writes every chunk, empty or not: a chunk without a file would read as Zarr's fill value,
+a value the checkpoint never held) and every chunk decodes. A forged chunk grid of billions of chunks is
+refused by its count, before any chunk is read.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..model.errors import FormatError
+from . import store as store_module
+
+
+def check_arrays(path: Path, manifest: Mapping[str, Any]) -> None:
+    """Each variable's array exists with the shape and dtype the manifest gives it (metadata only).
+
+    Checked with the hashes, before recovery fills any array: found only while filling them, a
+    mismatch would leave the variables read before it recovered and the others not.
+    """
+    zarr = store_module._zarr()
+    store = store_module.verified_store(path, manifest)
+    for name, info in store_module.store_entries(manifest, path):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                z = zarr.open_array(store=store, path=name, mode="r")
+                shape, dtype = tuple(z.shape), np.dtype(z.dtype)
+                grid = tuple(z.cdata_shape)  # a chunk shape of 0: ZeroDivisionError
+        except FormatError:
+            raise
+        except Exception as exc:  # zarr raises many kinds on metadata it cannot read
+            raise FormatError(f"{path}: array {name!r} cannot be opened: {exc}") from None
+        # Zarr v3 gives arrays in native byte order (an endianness codec stores the file's).
+        if shape != info.shape or dtype.newbyteorder("<") != info.dtype.newbyteorder("<"):
+            raise FormatError(f"{path}: array {name!r} is {dtype} {shape}, the manifest says {info.dtype} "
+                              f"{info.shape}")
+        _check_chunk_files(path, manifest, name, z, grid)
+        _check_chunks_decode(path, manifest, name, z, grid)
+
+
+def _check_chunk_files(path: Path, manifest: Mapping[str, Any], name: str, z: Any, grid: tuple[int, ...]) -> None:
+    """The manifest lists a file for every chunk of array ``name`` (``z``, its chunk grid ``grid``), and no other
+    file in it but its metadata: counted first (a grid of more chunks than files is refused without walking it),
+    then each chunk's key."""
+    listed = {rel for rel in manifest["files"] if rel.startswith(f"{name}/") and rel != f"{name}/zarr.json"}
+    count = int(np.prod(grid, dtype=object))
+    if count != len(listed):
+        raise FormatError(f"{path}: array {name!r} has {count} chunks, the manifest lists {len(listed)} chunk files")
+    for index in np.ndindex(*grid):  # as many as the files listed
+        key = f"{name}/{z.metadata.encode_chunk_key(index)}"
+        if key not in listed:
+            raise FormatError(f"{path}: array {name!r}: chunk {index} ({key}) is not in the store")
+
+
+def _check_chunks_decode(path: Path, manifest: Mapping[str, Any], name: str, z: Any, grid: tuple[int, ...]) -> None:
+    """Every chunk of ``z`` decodes (hash-checked chunks of a forged store may not): an uncompressed
+    array's chunk files must be whole chunks, a compressed one's are decoded once, a chunk at a time."""
+    if not z.compressors and not z.filters and type(z.serializer).__name__ == "BytesCodec":
+        whole = int(np.prod(z.chunks)) * z.dtype.itemsize
+        for rel, entry in manifest["files"].items():
+            if rel.startswith(f"{name}/c/") and entry[0] != whole:
+                raise FormatError(f"{path}: chunk {rel} holds {entry[0]} bytes, not a chunk's {whole}")
+        return
+    for index in np.ndindex(*grid):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                z.get_block_selection(index)
+        except FormatError:
+            raise
+        except Exception as exc:  # whatever the codec raises on bytes it cannot decode
+            raise FormatError(f"{path}: array {name!r}: chunk {index} does not decode: {exc}") from None
