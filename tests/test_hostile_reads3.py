@@ -217,6 +217,33 @@ def test_a_chunk_missing_from_the_store_and_its_manifest_is_damage(dirs, compres
     _refused(dirs, store, "has 10 chunks, the manifest lists 9 chunk files")
 
 
+def test_a_chunk_whose_codec_declares_more_than_a_chunk_is_refused_before_it_is_decoded(dirs):
+    """A Zstd frame of a few KiB declaring 64 MiB in place of a chunk of 100 float64 (a frame that unpacks to
+    terabytes is as small): the codec would allocate what it declares. Refused from its header, never decoded."""
+    from numcodecs import Zstd
+
+    store = _zarr_checkpoint(dirs)
+    chunk = sorted((store / "v" / "c").iterdir())[0]
+    bomb = Zstd(level=1).encode(bytes(64 << 20))
+    assert len(bomb) < 64 << 10
+    chunk.write_bytes(bomb)
+    _reseal(dirs, store)
+    _refused(dirs, store, f"declares {64 << 20} raw bytes")
+
+
+def test_a_chunk_shape_larger_than_its_array_is_refused(dirs):
+    """A chunk of 2**33 elements for an array of N: Zarr would allocate a chunk's buffer of 64 GiB to read one."""
+    store = _zarr_checkpoint(dirs)
+    meta = json.loads((store / "v" / "zarr.json").read_text())
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = [1 << 33]
+    (store / "v" / "zarr.json").write_text(json.dumps(meta))
+    files = sorted((store / "v" / "c").iterdir())
+    for extra in files[1:]:  # one chunk file, as one chunk of that shape would have
+        extra.unlink()
+    _reseal(dirs, store)
+    _refused(dirs, store, "are larger than its shape")
+
+
 # --- the Meta directory -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("payload", [b"[" * 100_000 + b"]" * 100_000, b'{"pid": Infinity, "host": "h"}',

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..ftiff import compression
 from ..model.errors import FormatError
 from . import store as store_module
 
@@ -70,6 +71,7 @@ def _check_chunks_decode(path: Path, manifest: Mapping[str, Any], name: str, z: 
             if rel.startswith(f"{name}/c/") and entry[0] != whole:
                 raise FormatError(f"{path}: chunk {rel} holds {entry[0]} bytes, not a chunk's {whole}")
         return
+    _check_declared_sizes(path, manifest, name, z)
     for index in np.ndindex(*grid):
         try:
             with warnings.catch_warnings():
@@ -79,3 +81,25 @@ def _check_chunks_decode(path: Path, manifest: Mapping[str, Any], name: str, z: 
             raise
         except Exception as exc:  # whatever the codec raises on bytes it cannot decode
             raise FormatError(f"{path}: array {name!r}: chunk {index} does not decode: {exc}") from None
+
+
+def _check_declared_sizes(path: Path, manifest: Mapping[str, Any], name: str, z: Any) -> None:
+    """Before a compressed chunk is decoded: its chunk shape is at most its array's, and each chunk file's codec
+    header declares exactly a chunk's raw size. A codec allocates what its header declares, and hash-checked
+    bytes of a forged store can declare anything: a Zstd frame of a few bytes unpacks to terabytes, and a chunk
+    shape of 2**40 elements is a buffer Zarr allocates for any chunk. Only the codecs ftidask writes are read."""
+    if any(c > max(n, 1) for c, n in zip(z.chunks, z.shape, strict=True)):
+        raise FormatError(f"{path}: array {name!r}: chunks {tuple(z.chunks)} are larger than its shape {z.shape}")
+    kinds = [type(c).__name__ for c in z.compressors]
+    codec = {("ZstdCodec",): "zstd", ("BloscCodec",): "blosc"}.get(tuple(kinds))
+    if codec is None or z.filters:
+        raise FormatError(f"{path}: array {name!r}: filters {list(z.filters)} and compressors {kinds} are not "
+                          "those of a store ftidask writes (one Zstd or Blosc compressor)")
+    whole = int(np.prod(z.chunks)) * z.dtype.itemsize
+    for rel in manifest["files"]:
+        if rel.startswith(f"{name}/c"):
+            with open(path / rel, "rb") as fh:
+                said = compression.declared_size(codec, fh.read(18))
+            if said != whole:
+                raise FormatError(f"{path}: chunk {rel} declares {said} raw bytes (its {codec} header), a chunk "
+                                  f"holds {whole}")
