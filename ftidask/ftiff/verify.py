@@ -67,4 +67,6 @@ def first_problem(fd: int, parsed: Any, jobs: Sequence[tuple[int, int, Container
 def md5_hex(fd: int, start: int, stop: int) -> str:
     """The MD5 (hex) of bytes ``[start, stop)`` of the file (FTI 1.1's checksum of the whole VB); '' when short."""
     hasher = hashing.new_hasher(1)
-    return hasher.hexdigest() if readahead.feed(fd, start, max(stop - start, 0), hasher.update, _ring()) else ""
+    # buffers of this call (the caller's thread may be the application's, which would keep a ring for ever)
+    ring = [memoryview(bytearray(readahead.PIECE)) for _ in range(readahead.SLOTS)]
+    return hasher.hexdigest() if readahead.feed(fd, start, max(stop - start, 0), hasher.update, ring) else ""
