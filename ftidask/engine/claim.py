@@ -6,7 +6,8 @@ an init without ``exec_id`` restarts:
 * ``exec_id`` configured: that run; refused (:class:`~ftidask.model.errors.RunInUseError`) while a live
   process holds it (see :mod:`ftidask.storage.runlock`).
 * no ``exec_id``: the run ``current_exec_id`` names when it is dead, was not finalized (or kept its
-  last checkpoint) and has committed checkpoints; otherwise a new run.
+  last checkpoint) and has committed checkpoints; dead, not finalized, with nothing committed (killed before
+  its first commit): that run too, started afresh, so that its start removes what it left; otherwise a new run.
 * ``current_exec_id`` is written only by a run that starts while the run it names is not live: a
   run started beside a live one (a side run) never replaces it, so that a restart of the live run,
   should it die, still finds its own run. A side run is restarted by naming its ``exec_id``.
@@ -57,6 +58,17 @@ def claim_run(meta_dir: Path, configured: str | None, dcp: bool = True) -> Claim
         raise FTIError(f"cannot start a run in meta_dir {meta_dir}: {exc}") from exc
 
 
+def _unfinished(meta_dir: Path, exec_id: str, dcp: bool) -> bool:
+    """Whether the run ``exec_id`` is to be started again, when dead: it has a checkpoint to restart from, or it
+    never committed one and was not finalized (killed before its first commit, or in its finalize once every
+    record was gone). Such a run starts afresh (status 0) under its own name, so that the start removes what its
+    interrupted checkpoint left: a new run would never look there, and the files stayed for good."""
+    state = RunState(meta_dir, exec_id)
+    if state.start_status(dcp) != STATUS_FRESH:
+        return True
+    return state.run_info().get("state") == "running" and not runlock.held_here(meta_dir / exec_id)
+
+
 def _claim(meta_dir: Path, configured: str | None, dcp: bool) -> Claim:
     current = read_current_exec_id(meta_dir)
     lock = None
@@ -68,9 +80,8 @@ def _claim(meta_dir: Path, configured: str | None, dcp: bool) -> Claim:
                                 "two processes must not write the same run. Wait for it to end, or start another "
                                 "run (another exec_id, or none for a new one)")
     else:
-        if current is not None:
-            if RunState(meta_dir, current).start_status(dcp) != STATUS_FRESH:
-                lock = runlock.acquire(meta_dir / current)  # None: alive in another process, never adopted
+        if current is not None and _unfinished(meta_dir, current, dcp):
+            lock = runlock.acquire(meta_dir / current)  # None: alive in another process, never adopted
         exec_id = current if lock is not None else new_exec_id()
         while lock is None:
             if not (meta_dir / exec_id).exists():  # a new name: nobody else has it
