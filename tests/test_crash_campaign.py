@@ -1,0 +1,343 @@
+"""A crash-consistency campaign: SIGKILL at any event of ftidask's code, then a restart that must recover the newest
+COMMITTED checkpoint bit for bit (or say there is nothing to recover), never hang, never trip on the leftovers.
+
+Unlike test_crash_random_time.py (killed after a timer) and the crash points of test_crash.py (one named call),
+the child (``_crash_campaign_child.py``) kills itself at the n-th event of ftidask's code, in any thread: a call or
+a return of a Python function, or of a C function (``os.replace``, ``os.fsync``) called from one; n is drawn
+with a fixed seed from a calibration run's count. The expected checkpoint is read from the disk just after the
+kill: the newest commit record (``{meta}/{exec_id}/commits/s*.json``) of the current run, unless the run was
+marked finalized. Each case kills a run, then kills its restart (which recovers, checkpoints on and
+finalizes: the second kill lands in the recovery, which moves verified pages under fresh arrays, in the
+checkpoints, in the retiring of older ones, or in finalize), then a last restart verifies and goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from mpi_util import SCRIPTS, env, mpiexec, need_mpi
+
+CHILD = Path(__file__).with_name("_crash_campaign_child.py")
+_counts: dict[str, int] = {}  # events of a whole unkilled run, per case (calibration)
+
+CASES = {
+    # async, several in flight, both snapshot mechanisms, differential levels
+    "async-cow-dcp": dict(mode="async", levels=[5, 8, 1], cfg=dict(enable_dcp=1, dcp_block_size=4096,
+                                                                   async_snapshot="cow", max_inflight=3)),
+    "async-copy-dcp": dict(mode="async", levels=[8, 5, 4], cfg=dict(enable_dcp=1, dcp_block_size=4096,
+                                                                    async_snapshot="copy", max_inflight=3)),
+    # Zarr level 4, async and sync
+    "async-zarr": dict(mode="async", levels=[4, 1], cfg=dict(l4_format="zarr", max_inflight=3)),
+    "sync-zarr-dcp": dict(mode="sync", levels=[4, 8, 1], cfg=dict(l4_format="zarr", enable_dcp=1)),
+    # incremental, killed between adds
+    "icp-dcp": dict(mode="icp", levels=[5, 8], cfg=dict(enable_dcp=1, dcp_block_size=4096)),
+    "icp-l1-l4": dict(mode="icp", levels=[1, 4, 1], cfg=dict(keep_l4_ckpt=1)),
+    # finalize that keeps the last checkpoint, or archives L4
+    "keep-last": dict(mode="sync", levels=[1, 4], cfg=dict(keep_last_ckpt=1)),
+    "keep-l4-dcp": dict(mode="sync", levels=[8, 1], cfg=dict(keep_l4_ckpt=1, enable_dcp=1)),
+}
+
+
+def expected(root: Path) -> tuple[int | None, int]:
+    """(the id of the newest committed checkpoint a restart must recover, or None; the status it must see)."""
+    meta = root / "M"
+    current = meta / "current_exec_id"
+    if not current.exists():
+        return None, 0
+    run = meta / json.loads(current.read_text())["exec_id"]
+    info = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
+    records = []
+    for path in (run / "commits").glob("s*.json"):
+        raw = json.loads(path.read_text())
+        records.append((int(raw["seq"]), int(raw["ckpt_id"])))
+    if not records or (info.get("state") == "finalized" and not info.get("keep_last")):
+        return None, 0
+    return max(records)[1], 2 if info.get("state") == "finalized" else 1
+
+
+def child(root: Path, spec: dict, kill: int, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, str(CHILD), str(root), json.dumps({**spec, "kill": kill})], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def lines(proc: subprocess.CompletedProcess, tag: str) -> list[list[str]]:
+    return [w for w in (line.split() for line in proc.stdout.splitlines()) if w and w[0] == tag]
+
+
+def check_recovery(proc: subprocess.CompletedProcess, want: int | None, where: str) -> None:
+    """The run's recovery, if it got that far: exactly the newest committed checkpoint."""
+    got = [w for w in lines(proc, "R") if len(w) >= 3]
+    if not got:
+        return
+    words = got[0]
+    if want is None:
+        assert words[1] == "none", f"{where}: recovered {words} with nothing committed\n{proc.stderr[-3000:]}"
+        return
+    assert words[1:3] == [str(want), "exact"], f"{where}: recovered {words}, want {want}\n{proc.stderr[-3000:]}"
+
+
+def calibrate(name: str, spec: dict, root: Path) -> int:
+    if name not in _counts:
+        proc = child(root / "calibration", spec, 0)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _counts[name] = int(lines(proc, "events")[0][1])
+    return _counts[name]
+
+
+def campaign(tmp_path: Path, name: str, seed: int, kills: int = 2) -> None:
+    spec = {"steps": 4, "finalize": True, "only_os": seed % 2 == 1, **CASES[name]}
+    total = calibrate(f"{name}-{spec['only_os']}", spec, tmp_path)
+    rng = random.Random(f"{name}-{seed}")
+    root = tmp_path / "run"
+    for crash in range(kills):
+        want, _status = expected(root)
+        nth = rng.randint(1, total)
+        proc = child(root, spec, nth)
+        where = f"{name} seed {seed}, kill {crash + 1} at event {nth} of {total}"
+        assert proc.returncode in (0, -9), f"{where}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+        if want is not None or crash:  # a restart: it recovers first
+            check_recovery(proc, want, where)
+    want, status = expected(root)
+    proc = child(root, {**spec, "mode": "verify"}, 0)
+    where = f"{name} seed {seed}, the last restart (want {want})"
+    assert proc.returncode == 0, f"{where}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    got = lines(proc, "R")
+    assert got, f"{where}: no recovery\n{proc.stdout}"
+    if want is None:
+        assert got[0][1] == "none" and got[0][2].endswith("Error"), f"{where}: {got}"
+    else:
+        assert got[0][1:3] == [str(want), "exact"], f"{where}: {got}\n{proc.stderr[-3000:]}"
+    if not spec["cfg"].get("keep_last_ckpt"):
+        assert expected(root) == (None, 0), f"{where}: finalize left a run to restart"
+    assert_no_leftovers(root, spec["cfg"], where)
+
+
+def assert_no_leftovers(root: Path, cfg: dict, where: str, outside: Path | None = None) -> None:
+    """Once the last run is finalized, no file stays in the checkpoint directories but what finalize keeps: the
+    last checkpoint (keep_last_ckpt) or the archived ones (keep_l4_ckpt), at level 4. Interrupted checkpoints'
+    files are removed at the next start, whichever run it starts. ``outside``: a directory of the application's."""
+    left = [p for d in ("L", "G") for p in (root / d).rglob("*") if p.is_file() and outside not in p.parents]
+    if cfg.get("keep_last_ckpt") or cfg.get("keep_l4_ckpt"):
+        left = [p for p in left if not any(part in ("l4", "l4_archive") for part in p.relative_to(root).parts)]
+    assert not left, f"{where}: left behind: {sorted(str(p.relative_to(root)) for p in left)}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_killed_at_random_events(tmp_path, name):
+    campaign(tmp_path, name, seed=0)
+
+
+@pytest.mark.parametrize("name", ["async-copy-dcp", "sync-zarr-dcp"])
+def test_killed_at_random_calls_of_os_functions(tmp_path, name):
+    campaign(tmp_path, name, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2, 14))
+@pytest.mark.parametrize("name", list(CASES))
+def test_killed_at_random_events_many_seeds(tmp_path, name, seed):
+    campaign(tmp_path, name, seed)
+
+
+# --- over MPI: 4 ranks, asynchronous differential checkpoints; the restart on 2 ranks (redistributed) killed ------
+
+MPI_STAGES = [  # (ranks, spec): each stage a restart of the one before, one of its ranks killed
+    (4, dict(mode="async", levels=[5, 6, 7, 8], steps=4, finalize=False,
+             cfg=dict(enable_dcp=1, dcp_block_size=4096, max_inflight=3))),
+    (2, dict(mode="sync", levels=[6, 5, 8], steps=3, finalize=True, cfg=dict(enable_dcp=1, dcp_block_size=4096))),
+    (2, dict(mode="async", levels=[8, 6], steps=3, finalize=True,
+             cfg=dict(enable_dcp=1, dcp_block_size=4096, async_snapshot="copy", max_inflight=2))),
+]
+_mpi_counts: dict[tuple[int, bool], dict[int, int]] = {}  # (stage, only_os) -> rank -> events of an unkilled run
+
+
+def mpi_job(ranks: int, base: Path, spec: dict, kill: dict[int, int]) -> subprocess.CompletedProcess:
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPTS / "crash_campaign_job.py"), str(base),
+           json.dumps({**spec, "kill": {str(r): n for r, n in kill.items()}})]
+    return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=180)
+
+
+def mpi_calibrate(tmp_path: Path, only_os: bool) -> None:
+    if (0, only_os) in _mpi_counts:
+        return
+    for i, (ranks, spec) in enumerate(MPI_STAGES):
+        proc = mpi_job(ranks, tmp_path / f"calibration{i}", {**spec, "finalize": False, "only_os": only_os}, {})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        _mpi_counts[i, only_os] = {int(w[1]): int(w[2]) for w in lines(proc, "events")}
+
+
+def mpi_campaign(tmp_path: Path, stages: list[int], seed: int) -> None:
+    only_os = seed % 2 == 1
+    mpi_calibrate(tmp_path, only_os)
+    rng = random.Random(f"mpi-{stages}-{seed}")
+    root = tmp_path / "run"
+    for i, stage in enumerate(stages):
+        ranks, spec = MPI_STAGES[stage]
+        want, _status = expected(root)
+        victim = rng.randrange(ranks)
+        nth = rng.randint(1, _mpi_counts[stage, only_os][victim])
+        proc = mpi_job(ranks, root, {**spec, "only_os": only_os}, {victim: nth})
+        where = f"MPI stage {stage} ({ranks} ranks) seed {seed}: rank {victim} killed at event {nth}"
+        if i:
+            check_recovery(proc, want, where)
+    want, _status = expected(root)
+    proc = mpi_job(3, root, dict(mode="verify", levels=[5, 8], cfg=dict(enable_dcp=1, dcp_block_size=4096)), {})
+    where = f"MPI {stages} seed {seed}: the last restart on 3 ranks (want {want})"
+    assert proc.returncode == 0, f"{where}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    got = lines(proc, "R")
+    if want is None:
+        assert got and got[0][1] == "none" and got[0][2].endswith("Error"), f"{where}: {got}"
+    else:
+        assert got and got[0][1:3] == [str(want), "exact"], f"{where}: {got}\n{proc.stderr[-3000:]}"
+    assert expected(root) == (None, 0), f"{where}: finalize left a run to restart"
+    assert_no_leftovers(root, {}, where)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("stages", [pytest.param([0, 1], marks=need_mpi(), id="then-sync-on-2"),
+                                    pytest.param([0, 2], marks=need_mpi(), id="then-async-on-2")])
+def test_mpi_killed_at_random_events_then_restarted_on_other_ranks(tmp_path, stages, seed):
+    mpi_campaign(tmp_path, stages, seed)
+
+
+# --- staging: the application killed anywhere while its mover (thread or process) copies; the restart stages again --
+
+def stage_campaign(tmp_path: Path, mover: str, seed: int) -> None:
+    from _crash_campaign_child import staged
+
+    spec = dict(mode="sync", levels=[1], steps=1, stage=3, finalize=True, only_os=seed % 2 == 1,
+                cfg=dict(enable_staging=1, exec_id="stagecamp", stage_mover=mover))
+    total = calibrate(f"stage-{mover}-{spec['only_os']}", spec, tmp_path)
+    rng = random.Random(f"stage-{mover}-{seed}")
+    root = tmp_path / "run"
+    out = root / "G" / "out"
+    nth = rng.randint(1, total)
+    proc = child(root, spec, nth)
+    where = f"staging ({mover}) seed {seed}: killed at event {nth} of {total}"
+    assert proc.returncode in (0, -9), f"{where}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    for k in range(3):  # published whole or not at all
+        path = out / f"f{k}.bin"
+        assert not path.exists() or path.read_bytes() == staged(k), f"{where}: {path.name} torn"
+    want, _status = expected(root)
+    proc = child(root, {**spec, "mode": "verify"}, 0)
+    assert proc.returncode == 0, f"{where}, the restart: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    check_recovery(proc, want, where)
+    assert all(w[2] == "0" for w in lines(proc, "S")), f"{where}: the restart's transfers: {lines(proc, 'S')}"
+    assert sorted(p.name for p in out.iterdir()) == ["f0.bin", "f1.bin", "f2.bin"], f"{where}: leftovers"
+    for k in range(3):
+        assert (out / f"f{k}.bin").read_bytes() == staged(k), f"{where}: f{k}.bin"
+    assert_no_leftovers(root, {}, where, outside=out)
+
+
+@pytest.mark.parametrize("mover", ["thread", "process"])
+def test_staging_killed_at_a_random_event_then_staged_again(tmp_path, mover):
+    stage_campaign(tmp_path, mover, seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(1, 16))
+@pytest.mark.parametrize("mover", ["thread", "process"])
+def test_staging_killed_at_random_events_many_seeds(tmp_path, mover, seed):
+    stage_campaign(tmp_path, mover, seed)
+
+
+# --- found by the campaign --------------------------------------------------------------------------------------
+
+FIRST_KILLED = r"""
+import sys, numpy as np, ftidask
+sys.path.insert(0, sys.argv[2])
+import crashpoints
+ctx = ftidask.init(ckpt_dir=sys.argv[1] + "/L", glbl_dir=sys.argv[1] + "/G", meta_dir=sys.argv[1] + "/M",
+                   verbosity=4, enable_dcp=int(sys.argv[4]))
+a = np.arange(300_000, dtype=np.float64)
+ctx.protect(1, a)
+from ftidask.engine.runstate import RunState
+crashpoints.kill_at_call(RunState, "write_record", 1)   # its file whole, no commit record
+ctx.checkpoint(1, int(sys.argv[3]))
+"""
+
+
+@pytest.mark.parametrize("level", [1, 4, 5, 8])
+def test_a_run_killed_before_its_first_commit_leaves_nothing_once_the_next_run_is_over(tmp_path, level):
+    """A checkpoint interrupted before its commit record is never recovered, and its files are removed at the next
+    start (docs/guide.md). A run killed during its FIRST checkpoint has nothing to restart: the next init started a
+    new run (a new exec_id) and nothing ever removed the dead run's rank file (the size of the state, in glbl_dir
+    at L4) nor its directories: each such kill leaked a checkpoint for good."""
+    import signal
+
+    import numpy as np
+
+    import ftidask
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", FIRST_KILLED, str(tmp_path), str(ROOT / "tests"), str(level),
+                           str(int(level > 4))], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert any(p.name == "Ckpt1-Rank0.fti" for p in tmp_path.rglob("*")), "the kill came before the file was written"
+    ctx = ftidask.init(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"),
+                       verbosity=4, enable_dcp=int(level > 4))
+    a = np.zeros(300_000)
+    ctx.protect(1, a)
+    assert ctx.status() == 0
+    with pytest.raises(ftidask.NoCheckpointError):
+        ctx.recover()
+    a[:] = 7.0
+    ctx.checkpoint(2, level)
+    ctx.finalize()
+    assert_no_leftovers(tmp_path, {}, f"level {level}")
+
+
+FINALIZE_KILLED = r"""
+import sys, numpy as np, ftidask
+sys.path.insert(0, sys.argv[2])
+import crashpoints
+ctx = ftidask.init(ckpt_dir=sys.argv[1] + "/L", glbl_dir=sys.argv[1] + "/G", meta_dir=sys.argv[1] + "/M",
+                   verbosity=4, enable_dcp=1, dcp_block_size=4096)
+a = np.zeros(300_000)
+ctx.protect(1, a)
+for ckpt_id, level in ((1, 8), (2, 8), (3, 4), (4, 5)):
+    a[:] = ckpt_id
+    ctx.checkpoint(ckpt_id, level)
+crashpoints.install(sys.argv[3])
+ctx.finalize()
+"""
+
+
+@pytest.mark.parametrize("point", ["ftidask.engine.dcpstore:DcpStore.clear", "ftidask.storage.removal:remove_tree",
+                                   "ftidask.storage.removal:remove_tree:after"])
+def test_a_finalize_killed_while_it_removes_leaves_nothing_once_the_next_run_is_over(tmp_path, point):
+    """finalize marked the run finalized, then cleared the differential checkpoints' spares, and its remover thread
+    deleted the trash (the checkpoints moved out of the way) while the context closed. Killed after the mark, the run
+    was over: the next init started a new run, and the spares and the trash (whole checkpoints) stayed for good.
+    The mark now comes last: killed before it, the run has no commit record left, and the next init starts it
+    afresh, under its name, removing what it left."""
+    import signal
+
+    import numpy as np
+
+    import ftidask
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", FINALIZE_KILLED, str(tmp_path), str(ROOT / "tests"), point],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    want, status = expected(tmp_path)
+    ctx = ftidask.init(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"),
+                       verbosity=4, enable_dcp=1, dcp_block_size=4096)
+    a = np.zeros(300_000)
+    ctx.protect(1, a)
+    assert ctx.status() == status
+    if want is not None:
+        ctx.recover()
+        assert ctx.recovered_from[0] == want and (a == want).all()
+    ctx.finalize()
+    assert_no_leftovers(tmp_path, {}, point)
