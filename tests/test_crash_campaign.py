@@ -341,3 +341,21 @@ def test_a_finalize_killed_while_it_removes_leaves_nothing_once_the_next_run_is_
         assert ctx.recovered_from[0] == want and (a == want).all()
     ctx.finalize()
     assert_no_leftovers(tmp_path, {}, point)
+
+
+@pytest.mark.parametrize("ranks", [pytest.param(2, marks=need_mpi())])
+def test_a_checkpoint_killed_before_its_commit_on_more_ranks_leaves_nothing_after_a_restart_on_fewer(tmp_path, ranks):
+    """4 ranks on 4 nodes, killed once every rank file of checkpoint 2 is written, before its commit record. The
+    restart on 2 ranks removes the interrupted checkpoint's files on its own nodes (0 and 1) at its start; those on
+    nodes 2 and 3, which no rank of it has, stayed for good (rank 0 removes the retired checkpoints' files on the
+    nodes the run no longer has, and now their garbage too)."""
+    spec = dict(mode="sync", levels=[1], steps=2, finalize=False, cfg={},
+                point=[0, "ftidask.engine.runstate:RunState.write_record", 2])
+    proc = mpi_job(4, tmp_path, spec, {})
+    assert "C 1" in proc.stdout and "C 2" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(list(tmp_path.rglob("Ckpt2-Rank*.fti"))) == 4
+    assert expected(tmp_path) == (1, 1)
+    proc = mpi_job(ranks, tmp_path, dict(mode="verify", levels=[1], cfg={}), {})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines(proc, "R")[0][1:3] == ["1", "exact"], proc.stdout
+    assert_no_leftovers(tmp_path, {}, f"restarted on {ranks} ranks")

@@ -73,6 +73,9 @@ class Retention(RunPart):
         roots = [self.paths.local_dir(level, t.node) for level in (1, 2, 3, 4)]
         if t.rank == 0:
             roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
+            # Nodes of an earlier start on more of them (a restart on fewer ranks), which no rank of this run has:
+            # rank 0 removes what it sees there, as it does for the checkpoints retired (see remove_checkpoint).
+            roots += [self.paths.local_dir(level, node) for node in self._gone_nodes() for level in (1, 2, 3, 4)]
 
         def collect() -> None:
             for root in roots:  # trash too, unless our own remover is on it
@@ -81,6 +84,15 @@ class Retention(RunPart):
                                                   spares=bool(self.config.enable_dcp))
 
         everywhere(t, collect, FTIError, "garbage collection failed")
+
+    def _gone_nodes(self) -> list[int]:
+        """The nodes, visible here, that hold a directory of this run and that no rank of this run has."""
+        p, nodes = self.paths, []
+        for node_dir in p.ckpt_dir.glob(f"node*/{p.exec_id}"):
+            name = node_dir.parent.name[len("node"):]
+            if name.isdigit() and int(name) >= self.transport.nnodes and node_dir == p.node_dir(int(name)):
+                nodes.append(int(name))
+        return sorted(nodes)
 
     def remove_checkpoint(self, record: CommitRecord, fallback: bool = True) -> None:
         """Drop ``record`` (collective); with ``fallback``, a differential checkpoint's files become the spares and
