@@ -171,7 +171,8 @@ def mpi_calibrate(tmp_path: Path, only_os: bool) -> None:
     for i, (ranks, spec) in enumerate(MPI_STAGES):
         proc = mpi_job(ranks, tmp_path / f"calibration{i}", {**spec, "finalize": False, "only_os": only_os}, {})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        _mpi_counts[i, only_os] = {int(w[1]): int(w[2]) for w in lines(proc, "events")}
+        _mpi_counts[i, only_os] = {r: int((tmp_path / f"calibration{i}" / f"events-{r}").read_text())
+                                   for r in range(ranks)}
 
 
 def mpi_campaign(tmp_path: Path, stages: list[int], seed: int) -> None:

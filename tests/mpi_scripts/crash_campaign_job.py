@@ -7,7 +7,8 @@ usage: crash_campaign_job.py BASE JSON. JSON: ``mode`` (``async``: ``wait=False`
 Each rank protects its block of a global 1-D float64 array and of a global int32 array (``global_shape`` /
 ``offset``: a restart on another number of ranks redistributes them) and a replicated step counter. The state of
 step ``s`` is a function of ``s``. Rank 0 prints ``R <id> exact|MIX`` (every rank's check, agreed) after a
-recovery (``R none <error>``: nothing to recover), ``C <id>`` once a checkpoint is committed.
+recovery (``R none <error>``: nothing to recover), ``C <id>`` once a checkpoint is committed; at the end each rank
+writes its count of events to ``BASE/events-<rank>``.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def main() -> None:
         ctx.finalize()
     sys.setprofile(None)
     threading.setprofile(None)  # type: ignore[arg-type]
-    print("events", rank, killer.count, flush=True)
+    with open(f"{base}/events-{rank}", "w") as fh:  # not on stdout: the ranks' lines may be interleaved there
+        fh.write(str(killer.count))
 
 
 if __name__ == "__main__":
