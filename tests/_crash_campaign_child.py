@@ -82,6 +82,7 @@ def main() -> None:
     killer = KillAt(spec.get("kill", 0), spec.get("only_os", False))
     threading.setprofile(killer)
     sys.setprofile(killer)
+    from ftidask.engine import pagemove
     ctx = ftidask.init(ckpt_dir=root + "/L", glbl_dir=root + "/G", meta_dir=root + "/M", verbosity=4, **spec["cfg"])
     a, b, step = np.zeros(N_A), np.zeros(N_B, np.int32), np.zeros(1, np.int64)
     state = ftidask.State({"step": 0})
@@ -93,6 +94,11 @@ def main() -> None:
         want = values(s)
         exact = a.tobytes() == want[0].tobytes() and b.tobytes() == want[1].tobytes() and state["step"] == s
         say("R", s, "exact" if exact else "MIX", ctx.recovered_from[0])
+        say("P", pagemove.stats["moved_bytes"])  # the recovery moved verified pages under the fresh array
+        if spec.get("scope") == "recover":  # only the start and the recovery are killed
+            sys.setprofile(None)
+            threading.setprofile(None)  # type: ignore[arg-type]
+            say("events", killer.count)
     elif spec["mode"] == "verify":
         try:
             ctx.recover()

@@ -147,6 +147,53 @@ def test_killed_at_random_events_many_seeds(tmp_path, name, seed):
     campaign(tmp_path, name, seed)
 
 
+# --- killed during the restart's recovery (verified pages moved under fresh arrays), again and again ---------------
+
+RECOVER_CASES = {  # the newest checkpoint (4): differential at L4 (read block by block), or at L1 (its pages moved)
+    "dcp-l4": dict(levels=[8, 4, 5, 1], cfg=dict(enable_dcp=1, dcp_block_size=4096)),
+    "zarr-l4": dict(levels=[1, 4], cfg=dict(l4_format="zarr")),
+}
+
+
+def recover_campaign(tmp_path: Path, name: str, seed: int, kills: int = 3) -> None:
+    case = RECOVER_CASES[name]
+    root = tmp_path / "run"
+    proc = child(root, dict(mode="sync", steps=4, finalize=False, **case), 0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, _status = expected(root)
+    assert want == 4
+    spec = dict(mode="sync", steps=0, finalize=False, scope="recover", only_os=seed % 2 == 1, **case)
+    calibration = child(root, spec, 0)
+    check_recovery(calibration, want, f"{name}: an unkilled restart")
+    if name == "zarr-l4":  # a whole L1 file: the recovery moves the verified pages under the fresh array
+        assert int(lines(calibration, "P")[0][1]) > 0, "the recovery copied instead of moving pages"
+    total = int(lines(calibration, "events")[0][1])
+    rng = random.Random(f"recover-{name}-{seed}")
+    for crash in range(kills):
+        nth = rng.randint(1, total)
+        proc = child(root, spec, nth)
+        where = f"{name} seed {seed}: restart {crash + 1} killed at event {nth} of {total} (init to recovery)"
+        assert proc.returncode in (0, -9), f"{where}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+        check_recovery(proc, want, where)
+        assert expected(root) == (want, 1), where
+    proc = child(root, {**spec, "mode": "verify", "scope": "", "finalize": True}, 0)
+    check_recovery(proc, want, f"{name} seed {seed}: the last restart")
+    assert lines(proc, "R"), proc.stderr[-3000:]
+    assert_no_leftovers(root, {}, f"{name} seed {seed}")
+
+
+@pytest.mark.parametrize("name", list(RECOVER_CASES))
+def test_restarts_killed_during_their_recovery(tmp_path, name):
+    recover_campaign(tmp_path, name, seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(1, 9))
+@pytest.mark.parametrize("name", list(RECOVER_CASES))
+def test_restarts_killed_during_their_recovery_many_seeds(tmp_path, name, seed):
+    recover_campaign(tmp_path, name, seed)
+
+
 # --- over MPI: 4 ranks, asynchronous differential checkpoints; the restart on 2 ranks (redistributed) killed ------
 
 MPI_STAGES = [  # (ranks, spec): each stage a restart of the one before, one of its ranks killed
