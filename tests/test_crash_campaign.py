@@ -205,6 +205,7 @@ MPI_STAGES = [  # (ranks, spec): each stage a restart of the one before, one of 
     (2, dict(mode="sync", levels=[6, 5, 8], steps=3, finalize=True, cfg=dict(enable_dcp=1, dcp_block_size=4096))),
     (2, dict(mode="async", levels=[8, 6], steps=3, finalize=True,
              cfg=dict(enable_dcp=1, dcp_block_size=4096, async_snapshot="copy", max_inflight=2))),
+    (2, dict(mode="icp", levels=[6, 5, 8], steps=3, finalize=True, cfg=dict(enable_dcp=1, dcp_block_size=4096))),
 ]
 _mpi_counts: dict[tuple[int, bool], dict[int, int]] = {}  # (stage, only_os) -> rank -> events of an unkilled run
 
@@ -255,7 +256,8 @@ def mpi_campaign(tmp_path: Path, stages: list[int], seed: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("stages", [pytest.param([0, 1], marks=need_mpi(), id="then-sync-on-2"),
-                                    pytest.param([0, 2], marks=need_mpi(), id="then-async-on-2")])
+                                    pytest.param([0, 2], marks=need_mpi(), id="then-async-on-2"),
+                                    pytest.param([0, 3], marks=need_mpi(), id="then-icp-on-2")])
 def test_mpi_killed_at_random_events_then_restarted_on_other_ranks(tmp_path, stages, seed):
     mpi_campaign(tmp_path, stages, seed)
 

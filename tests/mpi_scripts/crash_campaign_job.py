@@ -1,6 +1,6 @@
 """Rank script of tests/test_crash_campaign.py: a run on P ranks, one of them SIGKILLed at a chosen event.
 
-usage: crash_campaign_job.py BASE JSON. JSON: ``mode`` (``async``: ``wait=False``, several in flight; ``sync``;
+usage: crash_campaign_job.py BASE JSON. JSON: ``mode`` (``async``: ``wait=False``, several in flight; ``sync``; ``icp``;
 ``verify``: recover, checkpoint once, finalize), ``levels``, ``steps``, ``cfg`` (init keywords), ``kill``
 ({rank: n}: that rank kills itself at the n-th event of ftidask's code, see ``_crash_campaign_child.KillAt``),
 ``point`` ([rank, "module:function", n]: a crash point of ``crashpoints`` on that rank).
@@ -82,7 +82,15 @@ def main() -> None:
     for s in range(first, first + (1 if mode == "verify" else spec["steps"])):
         fill(s)
         level = levels[s % len(levels)]
-        if mode == "async":
+        if mode == "icp":  # incremental: the arrays changed between adds, the checkpoint holds them as added
+            with ctx.incremental(s, level) as icp:
+                for vid in (2, 1, 3):
+                    icp.add(vid)
+                    if vid == 1:
+                        a[::3] = -7.0
+            fill(s)
+            say("C", s)
+        elif mode == "async":
             handles.append((s, ctx.checkpoint(s, level, wait=False)))
             a[:] = -1.0  # the checkpoint holds the values of the call
             b[::5] = -1
