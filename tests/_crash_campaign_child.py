@@ -62,9 +62,10 @@ def stage_files(ctx: Any, root: str, count: int) -> None:
     """Stage output files 0..count-1 that are not at their destination yet (a restart stages the rest again)."""
     requests = []
     for k in range(count):
-        if os.path.exists(f"{root}/G/out/f{k}.bin"):
-            continue
         local = ctx.stage_dir() / f"f{k}.bin"
+        if os.path.exists(f"{root}/G/out/f{k}.bin"):  # published; a kill may have come before the local copy went
+            local.unlink(missing_ok=True)
+            continue
         with open(local, "wb") as fh:
             fh.write(staged(k))
         requests.append(ctx.send_file(local, f"out/f{k}.bin"))
