@@ -73,6 +73,9 @@ class Retention(RunPart):
         roots = [self.paths.local_dir(level, t.node) for level in (1, 2, 3, 4)]
         if t.rank == 0:
             roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
+            # Nodes of an earlier start on more of them (a restart on fewer ranks), which no rank of this run has:
+            # rank 0 removes what it sees there, as it does for the checkpoints retired (see remove_checkpoint).
+            roots += [self.paths.local_dir(level, node) for node in self._gone_nodes() for level in (1, 2, 3, 4)]
 
         def collect() -> None:
             for root in roots:  # trash too, unless our own remover is on it
@@ -81,6 +84,15 @@ class Retention(RunPart):
                                                   spares=bool(self.config.enable_dcp))
 
         everywhere(t, collect, FTIError, "garbage collection failed")
+
+    def _gone_nodes(self) -> list[int]:
+        """The nodes, visible here, that hold a directory of this run and that no rank of this run has."""
+        p, nodes = self.paths, []
+        for node_dir in p.ckpt_dir.glob(f"node*/{p.exec_id}"):
+            name = node_dir.parent.name[len("node"):]
+            if name.isdigit() and int(name) >= self.transport.nnodes and node_dir == p.node_dir(int(name)):
+                nodes.append(int(name))
+        return sorted(nodes)
 
     def remove_checkpoint(self, record: CommitRecord, fallback: bool = True) -> None:
         """Drop ``record`` (collective); with ``fallback``, a differential checkpoint's files become the spares and
@@ -167,8 +179,8 @@ class Retention(RunPart):
     def end_run(self, records: list[CommitRecord], flush_to_l4: Callable[[CommitRecord], None]) -> None:
         """FTI_Finalize's clean-up (collective): keep the newest of ``records`` (newest first) that ``flush_to_l4``
         flushes to L4 (a committed L4 one it verifies where it is) with ``keep_last_ckpt``, else remove them all
-        (``keep_l4_ckpt``: level-4 ones go to the archive); mark the run finalized; clear the differential
-        checkpoints' spares."""
+        (``keep_l4_ckpt``: level-4 ones go to the archive); clear the differential checkpoints' spares, wait for the
+        deletions; mark the run finalized, last."""
         t, failed = self.transport, "finalize failed"
         keep = bool(self.config.keep_last_ckpt and records)
         committed = [r for r in records if not r.fallback]  # the spares are cleared below
@@ -195,11 +207,14 @@ class Retention(RunPart):
                 self.archive_checkpoint(record)
             else:
                 self.remove_checkpoint(record, fallback=False)
-        on_root(t, lambda: self.state.write_run(state="finalized", keep_last=keep, seq=used), FTIError, failed)
         dcp = self.spares.store  # every rank takes part, with a store or not
         everywhere(t, dcp.clear if dcp is not None else lambda: None, FTIError, failed)
         if self.config.enable_dcp:  # once every rank's store is cleared: nothing else writes a spare
             on_root(t, self._sweep_spares, FTIError, failed)
+        # Marked last, once every rank's trash is deleted: killed before, the run (its records gone) is started afresh
+        # under its name, whose start removes what is left; marked finalized, nothing would ever look there again.
+        everywhere(t, self.close, FTIError, failed)
+        on_root(t, lambda: self.state.write_run(state="finalized", keep_last=keep, seq=used), FTIError, failed)
 
     def _sweep_spares(self) -> None:
         """The spares no store of this execution cleared (a rank without a dCP checkpoint since a restart on another

@@ -3,18 +3,7 @@
 A checkpoint exists only once its commit record is written (last, atomically, by one
 process): files without a record are an interrupted checkpoint and are never recovered.
 
-Which run an init gets (:func:`claim_run`), with ``{meta_dir}/current_exec_id`` naming the run that
-an init without ``exec_id`` restarts:
-
-* ``exec_id`` configured: that run; refused (:class:`~ftidask.model.errors.RunInUseError`) while a live
-  process holds it (see :mod:`ftidask.storage.runlock`).
-* no ``exec_id``: the run ``current_exec_id`` names when it is dead, was not finalized (or kept its
-  last checkpoint) and has committed checkpoints; otherwise a new run.
-* ``current_exec_id`` is written only by a run that starts while the run it names is not live: a
-  run started beside a live one (a side run) never replaces it, so that a restart of the live run,
-  should it die, still finds its own run. A side run is restarted by naming its ``exec_id``.
-* ``current_exec_id`` damaged (it is written atomically, so only by outside harm): the unfinished run
-  whose last commit is the newest, with a warning.
+Which run an init gets is chosen by :mod:`ftidask.engine.claim`.
 """
 
 from __future__ import annotations
@@ -31,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..model.config import check_exec_id
-from ..model.errors import CheckpointError, ConfigError, FTIError, RunInUseError
+from ..model.errors import CheckpointError, ConfigError
 from ..storage import files as storage
 from ..storage import runlock
 
@@ -341,58 +330,3 @@ class RunState:
         if info.get("state") != "finalized":
             return STATUS_RESTART
         return STATUS_KEPT if info.get("keep_last") else STATUS_FRESH
-
-
-@dataclasses.dataclass
-class Claim:
-    """The run an init got: its identity, its status, the lock its writer holds, and the run it started beside."""
-
-    exec_id: str
-    status: int
-    lock: runlock.RunLock
-    beside: str | None = None  # the live run current_exec_id names, when this is a side run
-
-
-def claim_run(meta_dir: Path, configured: str | None, dcp: bool = True) -> Claim:
-    """Choose the run of an init (see the module's docstring) and lock it for this process. Without ``dcp``
-    (differential checkpoints off) the fallback records go: the spares they name are removed at the start.
-
-    Raises :class:`RunInUseError` when ``configured`` names a run that a live process writes.
-    """
-    try:
-        storage.makedirs(meta_dir)
-        with runlock.choosing(meta_dir):
-            return _claim(meta_dir, configured, dcp)
-    except OSError as exc:
-        raise FTIError(f"cannot start a run in meta_dir {meta_dir}: {exc}") from exc
-
-
-def _claim(meta_dir: Path, configured: str | None, dcp: bool) -> Claim:
-    current = read_current_exec_id(meta_dir)
-    lock = None
-    if configured is not None:
-        exec_id = check_exec_id(configured, "config key [restart] exec_id")
-        lock = runlock.acquire(meta_dir / exec_id)
-        if lock is None:
-            raise RunInUseError(f"run {exec_id!r} in {meta_dir} is in use by {runlock.holder(meta_dir / exec_id)}: "
-                                "two processes must not write the same run. Wait for it to end, or start another "
-                                "run (another exec_id, or none for a new one)")
-    else:
-        if current is not None:
-            if RunState(meta_dir, current).start_status(dcp) != STATUS_FRESH:
-                lock = runlock.acquire(meta_dir / current)  # None: alive in another process, never adopted
-        exec_id = current if lock is not None else new_exec_id()
-        while lock is None:
-            if not (meta_dir / exec_id).exists():  # a new name: nobody else has it
-                lock = runlock.acquire(meta_dir / exec_id)
-            exec_id = exec_id if lock is not None else new_exec_id()
-    state = RunState(meta_dir, exec_id)
-    status = state.start_status(dcp)
-    if status == STATUS_FRESH or not dcp:  # a finalized run's, left by a kill during its finalize (never this
-        state.delete_fallbacks()  # run's), or ones whose spares this run removes at its start (no dCP)
-    if status in (STATUS_FRESH, STATUS_KEPT):  # seq stays: a finished run's mark (next_seq). Kept: should the run
-        state.write_run(state="running", keep_last=False)  # die now, its next start is a restart (1)
-    beside = current if current not in (None, exec_id) and runlock.is_live(meta_dir / current) else None
-    if beside is None and current != exec_id:
-        state.make_current()
-    return Claim(exec_id, status, lock, beside)

@@ -123,10 +123,15 @@ def acquire(run_dir: Path) -> RunLock | None:
     return RunLock(flock, path)
 
 
+def held_here(run_dir: Path) -> bool:
+    """Whether a Context of this process holds the run in ``run_dir``."""
+    shared = _held.get(_key(run_dir))
+    return shared is not None and shared.fd is not None
+
+
 def is_live(run_dir: Path) -> bool:
     """Whether another live process holds the run in ``run_dir`` (a run without a lock file is not live)."""
-    shared = _held.get(_key(run_dir))
-    if shared is not None and shared.fd is not None:
+    if held_here(run_dir):
         return False  # this process's own run
     path = run_dir / LOCK_NAME
     try:
