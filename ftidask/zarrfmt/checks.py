@@ -100,6 +100,8 @@ def _check_declared_sizes(path: Path, manifest: Mapping[str, Any], name: str, z:
         if rel.startswith(f"{name}/c"):
             with open(path / rel, "rb") as fh:
                 said = compression.declared_size(codec, fh.read(18))
+            if said is None:
+                raise FormatError(f"{path}: chunk {rel} does not decode: no {codec} header declares its raw size")
             if said != whole:
-                raise FormatError(f"{path}: chunk {rel} declares {said} raw bytes (its {codec} header), a chunk "
-                                  f"holds {whole}")
+                raise FormatError(f"{path}: chunk {rel} declares {said} raw bytes in its {codec} header, a chunk "
+                                  f"holds {whole}: refused before it is decoded")
