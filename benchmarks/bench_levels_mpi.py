@@ -57,27 +57,25 @@ def worker(args: argparse.Namespace) -> None:
             # has verified, so the file is hashed, then copied.
             ctx2 = ftidask.init(**dirs)
             in_use = np.zeros_like(data)
+
+            def slowest(run) -> float:  # the slowest rank's seconds
+                world.Barrier()
+                start = time.perf_counter()
+                run()
+                return world.allreduce(time.perf_counter() - start, op=MPI.MAX)
+
+            def recovered(target: np.ndarray) -> float:
+                ctx2.protect(1, target)
+                seconds = slowest(ctx2.recover)
+                assert np.array_equal(target, data)
+                return seconds
+
             raw = restart = rollback = float("inf")
             for _ in range(3):  # best of 3, alternating
-                world.Barrier()
-                start = time.perf_counter()
-                for path in own:
-                    np.fromfile(path, dtype=np.uint8)
-                raw = min(raw, world.allreduce(time.perf_counter() - start, op=MPI.MAX))
-                target = np.empty_like(data)
-                ctx2.protect(1, target)
-                world.Barrier()
-                start = time.perf_counter()
-                ctx2.recover()
-                restart = min(restart, world.allreduce(time.perf_counter() - start, op=MPI.MAX))
-                assert np.array_equal(target, data)
+                raw = min(raw, slowest(lambda: [np.fromfile(path, dtype=np.uint8) for path in own]))
+                restart = min(restart, recovered(np.empty_like(data)))
                 in_use[...] = 1
-                ctx2.protect(1, in_use)
-                world.Barrier()
-                start = time.perf_counter()
-                ctx2.recover()
-                rollback = min(rollback, world.allreduce(time.perf_counter() - start, op=MPI.MAX))
-            assert np.array_equal(in_use, data)
+                rollback = min(rollback, recovered(in_use))
             # Cold cache, as a restarted job: the rank's file evicted, a fresh array (medians of 3, alternating).
             cold_raw, cold_restart = [], []
             for _ in range(3):
