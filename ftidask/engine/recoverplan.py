@@ -100,6 +100,15 @@ def upload(devices: Mapping[int, DeviceHolder]) -> None:
                                 f"failed: {exc}") from None
 
 
+def handed_back(vid: int, p: Any) -> Any:
+    """What a recovery hands back for variable ``vid`` (a Protected) once its host array is filled: the CuPy array,
+    its mirror's bytes uploaded (:func:`upload`), for a variable that lives on a device; else the host array."""
+    if isinstance(getattr(p, "device", None), DeviceHolder):
+        upload({vid: p.device})
+        return p.device.obj
+    return p.array
+
+
 def plan(protected: Mapping[int, Any], parsed: Any, ids: list[int] | None) -> RecoveryPlan:
     """Targets for ``ids`` (None: every protected variable) of ``protected`` (id -> Protected)."""
     out = RecoveryPlan(parsed)

@@ -26,9 +26,9 @@ from dask.array.core import Array, normalize_chunks
 
 from ...api.context import Protected
 from ...engine import pystate
-from ...engine.device import DeviceHolder, chunks_on_device, onto_devices
+from ...engine.device import chunks_on_device, onto_devices
 from ...engine.recovering import newest_recoverable
-from ...engine.recoverplan import normalize_request, upload
+from ...engine.recoverplan import handed_back, normalize_request
 from ...engine.recovery import check_writeable
 from ...engine.runstate import CommitRecord
 from ...model.errors import FTIError, RecoveryError
@@ -189,10 +189,7 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
             value = values.pop(spec.id)
             if held is not None and isinstance(held.array, np.ndarray):
                 np.copyto(held.array, value)
-                value = held.array
-                if isinstance(held.device, DeviceHolder):  # a CuPy array protected as such: its mirror was filled
-                    upload({spec.id: held.device})
-                    value = held.device.obj
+                value = handed_back(spec.id, held)  # a CuPy array protected as such: its mirror was filled
             out[spec.id] = value
             continue
         arr = arrays[spec.id]

@@ -26,8 +26,8 @@ from dask.array.core import Array
 
 from ...api.context import Protected
 from ...engine import pystate, reshard, reshard_files, reshard_plan
-from ...engine.device import DeviceHolder, chunks_on_device, onto_devices
-from ...engine.recoverplan import upload
+from ...engine.device import chunks_on_device, onto_devices
+from ...engine.recoverplan import handed_back
 from ...engine.recovery import check_writeable
 from ...engine.reshard_rebuild import old_groups, rebuild_group
 from ...engine.runstate import CommitRecord
@@ -292,10 +292,7 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
                 out[vid] = decoded[vid]
         elif vid in values:
             np.copyto(held.array, values[vid])  # type: ignore[union-attr]
-            out[vid] = held.array  # type: ignore[union-attr]
-            if isinstance(held.device, DeviceHolder):  # type: ignore[union-attr] - a CuPy array: its mirror filled
-                upload({vid: held.device})  # type: ignore[union-attr]
-                out[vid] = held.device.obj  # type: ignore[union-attr]
+            out[vid] = handed_back(vid, held)  # a CuPy array protected as such: its mirror was filled
         else:
             spec = VarSpec(vid, names.get(str(vid), f"var{vid}"), dtype, shape, grid)
             target = _target_chunks(ctx, spec, chunks)
