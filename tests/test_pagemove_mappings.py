@@ -1,0 +1,79 @@
+"""Which fresh arrays get verified pages moved under them: the process's mappings read cheaply from
+``/proc/self/maps``, and from ``/proc/self/smaps`` (every resident page walked) only when a lock or a
+userfaultfd could make a mapping special."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from ftidask.engine import pagemove
+
+pytestmark = pytest.mark.skipif(not pagemove.enabled, reason="no native page_move in this build")
+
+MLOCK_ONFAULT = 1
+SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}.get(os.uname().machine)
+libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def fresh_array() -> np.ndarray:
+    """A 40 MiB array of pages never touched (above malloc's mmap threshold: pages of its own)."""
+    out = np.empty(40 << 20, np.uint8)
+    assert pagemove._fresh(out)
+    return out
+
+
+def sources(monkeypatch) -> list[str]:
+    """Record which /proc file each reading of the mappings uses."""
+    read, real = [], pagemove._mappings
+    monkeypatch.setattr(pagemove, "_mappings", lambda source: read.append(source) or real(source))
+    return read
+
+
+def test_a_plain_process_reads_maps_only_and_sees_what_smaps_sees(monkeypatch):
+    array = fresh_array()
+    read = sources(monkeypatch)
+    assert pagemove.movable(array) and read == ["/proc/self/maps"]
+    cheap, full = pagemove._mappings("/proc/self/maps"), pagemove._mappings("/proc/self/smaps")
+    assert [m[:2] for m in cheap] == [m[:2] for m in full]  # the same mappings, the same order
+    lo, hi = pagemove._whole_pages(array)
+    assert pagemove._plain_anonymous(lo, hi, cheap) and pagemove._plain_anonymous(lo, hi, full)
+
+
+def test_a_locked_fresh_array_is_not_moved(monkeypatch):
+    """A lock on fault leaves the pages untouched but marks the mapping: the moved pages would lose the lock, so
+    the array is filled by a copy. ``VmLck`` sends the check to smaps, which sees the lock."""
+    array = fresh_array()
+    lo, hi = pagemove._whole_pages(array)
+    size = 1 << 20  # within the default RLIMIT_MEMLOCK
+    if libc.mlock2(ctypes.c_void_p(lo + (4 << 20)), ctypes.c_size_t(size), MLOCK_ONFAULT) != 0:
+        pytest.skip(f"mlock2(MLOCK_ONFAULT): {os.strerror(ctypes.get_errno())}")
+    try:
+        read = sources(monkeypatch)
+        assert pagemove._never_touched(lo, hi)  # the lock touched nothing
+        assert not pagemove.movable(array) and read == ["/proc/self/smaps"]
+        assert pagemove.movable_arrays({1: array}) == {}
+    finally:
+        libc.munlock(ctypes.c_void_p(lo + (4 << 20)), ctypes.c_size_t(size))
+    read.clear()
+    assert pagemove.movable(array) and read == ["/proc/self/maps"]
+
+
+def test_an_open_userfaultfd_sends_the_check_to_smaps(monkeypatch):
+    if SYS_USERFAULTFD is None:
+        pytest.skip("no userfaultfd syscall number for this machine")
+    fd = libc.syscall(SYS_USERFAULTFD, os.O_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        pytest.skip(f"userfaultfd: {errno.errorcode.get(err, err)}")
+    try:
+        array = fresh_array()
+        read = sources(monkeypatch)
+        assert pagemove.movable(array) and read == ["/proc/self/smaps"]  # not registered: still plain
+    finally:
+        os.close(fd)
