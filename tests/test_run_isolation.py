@@ -139,6 +139,19 @@ def test_second_writer_of_a_live_exec_id_is_refused(dirs, holder_factory):
     assert b[0] == 7.0
 
 
+@pytest.mark.parametrize("left", [b'{"pid": 1, "host": "an-old-holder"}', b'{"pid": 1, "host": "' + b"h" * 900 + b'"}'])
+def test_the_lock_file_names_its_holder_over_any_record_left_before(dirs, holder_factory, left):
+    """The holder's record is written over the previous one without truncating the file first: a shorter or a
+    longer record left there never garbles the pid the refused writer is told."""
+    run = Path(dirs["meta_dir"], "job-b")
+    run.mkdir(parents=True)
+    (run / "run.lock").write_bytes(left)
+    holder = holder_factory(dirs, 7.0, exec_id="job-b")
+    with pytest.raises(ftidask.RunInUseError, match=rf"job-b.*pid {holder.info['pid']} on host "):
+        ftidask.init(exec_id="job-b", **dirs)
+    holder.stop()
+
+
 def test_killed_run_is_adopted_and_a_side_run_never_takes_its_place(dirs, holder_factory):
     holder = holder_factory(dirs, 3.0)
     first = holder.info["exec_id"]
