@@ -1,0 +1,215 @@
+"""The single-process API driven by random sequences of calls (hypothesis' stateful testing) against a model.
+
+The model keeps every committed checkpoint (the arrays' values at the call, its level) and FTI's retention:
+a level-L commit retires the older checkpoints of levels up to L. Between the calls the arrays change in place,
+are replaced by ones of another size, checkpoints are written at levels 1, 4, 5 and 8 (differential), waited for
+or not, incrementally, and the process "restarts" (the context closed as a job that ends, a new init, new
+arrays). Checked at every recovery: the arrays hold exactly the newest retained checkpoint, bit for bit. Once a
+file of the newest checkpoint was damaged (a byte flipped), a recovery may fall back: it must then give exactly
+the values of a checkpoint that was committed, every variable from the same one, or raise NoCheckpointError
+with the arrays untouched; never a mix, never bytes that were not checkpointed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import ftidask
+from ftidask import NoCheckpointError, RecoveryError
+
+IDS = (1, 2, 3)
+DTYPES = {1: np.float64, 2: np.int32, 3: np.uint8}
+DERANDOMIZE = True  # the same sequences on every run (CI); set False to explore new ones
+LEVELS = {1: 1, 4: 4, 5: 1, 8: 4}  # the level asked -> the level whose older checkpoints it retires
+
+
+def snapshot_of(arrays: dict[int, np.ndarray]) -> dict[int, bytes]:
+    return {vid: a.tobytes() for vid, a in arrays.items()}
+
+
+class ApiMachine(RuleBasedStateMachine):
+    config: dict = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        import tempfile
+
+        self.tmp = Path(tempfile.mkdtemp(prefix="ftidask-sm-"))
+        self.dirs = dict(ckpt_dir=str(self.tmp / "L"), glbl_dir=str(self.tmp / "G"), meta_dir=str(self.tmp / "M"),
+                         verbosity=4, **self.config)
+        self.ctx = ftidask.init(**self.dirs)
+        self.rng = np.random.default_rng(0)
+        self.arrays = {vid: self._new(vid, 3000 + 1000 * vid) for vid in IDS}
+        for vid, a in self.arrays.items():
+            self.ctx.protect(vid, a)
+        self.committed: list[dict] = []  # {"id", "level", "values", "retired"}, oldest first
+        self.next_id = 1
+        self.damaged = False  # a file of a retained checkpoint was damaged (cleared once it is retired)
+        self.damaged_ckpt: dict | None = None
+
+    def _new(self, vid: int, n: int) -> np.ndarray:
+        return (self.rng.random(n) * 250).astype(DTYPES[vid])
+
+    def _commit(self, level: int, values: dict[int, bytes]) -> None:
+        base = LEVELS[level]
+        for c in self.committed:
+            if not c["retired"] and c["level"] <= base:
+                c["retired"] = True
+        self.committed.append({"id": self.next_id, "level": base, "values": values, "retired": False})
+        if self.damaged_ckpt is not None and self.damaged_ckpt["retired"]:
+            self.damaged, self.damaged_ckpt = False, None
+        self.next_id += 1
+
+    def _retained(self) -> dict | None:
+        alive = [c for c in self.committed if not c["retired"]]
+        return alive[-1] if alive else None
+
+    # --- the application's work -------------------------------------------------------------------------------
+    @rule(vid=st.sampled_from(IDS), frac=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+    def mutate(self, vid: int, frac: float, seed: int) -> None:
+        a = self.arrays[vid]
+        idx = np.random.default_rng(seed).random(a.size) < frac
+        a[idx] = (a[idx] + 7).astype(a.dtype)
+
+    @rule(vid=st.sampled_from(IDS), n=st.integers(1, 9000))
+    def resize(self, vid: int, n: int) -> None:
+        self.arrays[vid] = self._new(vid, n)
+        self.ctx.protect(vid, self.arrays[vid])
+
+    # --- checkpoints ------------------------------------------------------------------------------------------
+    @rule(level=st.sampled_from(sorted(LEVELS)), wait=st.booleans())
+    def checkpoint(self, level: int, wait: bool) -> None:
+        if not self.config.get("enable_dcp"):
+            level = LEVELS[level]  # 5 and 8 need enable_dcp
+        values = snapshot_of(self.arrays)
+        out = self.ctx.checkpoint(self.next_id, level, wait=wait)
+        if not wait:
+            mutate_at_once = self.arrays[1]
+            mutate_at_once[:1] += 1  # the checkpoint holds the values at the call
+            out.result()
+        self._commit(level, values)
+
+    @rule(level=st.sampled_from([1, 4]))
+    def incremental(self, level: int) -> None:
+        if self.config.get("compressor"):
+            level += 4  # an incremental checkpoint is written uncompressed: a differential level (documented)
+        values = snapshot_of(self.arrays)
+        self.ctx.init_icp(self.next_id, level)
+        for vid in IDS:
+            self.ctx.add_var_icp(vid)
+        self.ctx.finalize_icp()
+        self._commit(level, values)
+
+    # --- failures and restarts -------------------------------------------------------------------------------
+    @precondition(lambda self: self._retained() is not None and not self.damaged)
+    @rule(where=st.floats(0.05, 0.95))
+    def damage_newest(self, where: float) -> None:
+        newest = self._retained()
+        self.ctx.wait()
+        name = f"Ckpt{newest['id']}-Rank0.fti"
+        for _ in range(5):  # the retired checkpoints' trash is removed in the background meanwhile
+            try:
+                files = [p for p in sorted(self.tmp.rglob(name)) if ".trash-" not in str(p)]
+                if not files:
+                    return
+                raw = bytearray(files[0].read_bytes())
+                break
+            except FileNotFoundError:
+                continue
+        else:
+            return
+        raw[int(len(raw) * where)] ^= 0xFF
+        files[0].write_bytes(bytes(raw))
+        self.damaged, self.damaged_ckpt = True, newest
+
+    @rule()
+    def restart(self) -> None:
+        self.ctx._close()  # the job ends without finalize: its checkpoints stay
+        self.ctx = ftidask.init(**self.dirs)
+        assert self.ctx.status() == (1 if self._retained() is not None or self.damaged else 0) or self.damaged
+        self.arrays = {vid: self._new(vid, 5) for vid in IDS}  # a new process's arrays (realloc'd below)
+        for vid, a in self.arrays.items():
+            self.ctx.protect(vid, a)
+        self.recover()
+
+    @rule()
+    def recover(self) -> None:
+        expected = self._retained()
+        if expected is not None:  # arrays of the stored size where they differ
+            for vid in IDS:
+                if len(expected["values"][vid]) != self.arrays[vid].nbytes:
+                    try:
+                        self.arrays[vid] = self.ctx.realloc(vid)
+                    except NoCheckpointError:
+                        assert self.damaged
+        before = snapshot_of(self.arrays)
+        try:
+            try:
+                self.ctx.recover()
+            except RecoveryError as exc:  # the fallback's arrays have other sizes: realloc'd to them, then again
+                if isinstance(exc, NoCheckpointError):
+                    raise
+                assert self.damaged and "realloc" in str(exc), exc
+                assert snapshot_of(self.arrays) == before, "a refused recovery touched the arrays"
+                self.arrays = {vid: self.ctx.realloc(vid) for vid in IDS}
+                before = snapshot_of(self.arrays)
+                self.ctx.recover()
+        except NoCheckpointError:
+            assert expected is None or self.damaged, "a sound checkpoint was not recovered"
+            assert snapshot_of(self.arrays) == before, "a refused recovery touched the arrays"
+            return
+        got = snapshot_of(self.arrays)
+        if not self.damaged:
+            assert expected is not None and got == expected["values"], "not the newest retained checkpoint"
+            return
+        matches = [c for c in self.committed if c["values"] == got]
+        assert matches, "the arrays hold values no checkpoint committed"
+        # the model follows what was recovered: the checkpoints after it are of no use (damaged or retired)
+        for c in self.committed:
+            if c["id"] > matches[-1]["id"]:
+                c["retired"] = True
+        matches[-1]["retired"] = False
+        self.damaged, self.damaged_ckpt = False, None
+
+    @invariant()
+    def protected_are_ours(self) -> None:
+        assert all(self.ctx.protected[vid] is self.arrays[vid] for vid in IDS)
+
+    def teardown(self) -> None:
+        import shutil
+
+        try:
+            self.ctx.finalize()
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+CONFIGS = {
+    "plain": {},
+    "dcp-async": dict(enable_dcp=1, dcp_block_size=4096, max_inflight=2),
+    "zstd-copy": dict(compressor="zstd", async_snapshot="copy", enable_dcp=1, dcp_block_size=4096),
+}
+
+
+def run_machine(config: dict, examples: int, steps: int) -> None:
+    machine = type("Machine", (ApiMachine,), {"config": config})
+    machine.TestCase.settings = settings(max_examples=examples, stateful_step_count=steps, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow], derandomize=DERANDOMIZE)
+    machine.TestCase().runTest()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_random_call_sequences_recover_what_was_committed(name):
+    run_machine(CONFIGS[name], examples=6, steps=12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONFIGS)
+def test_random_call_sequences_recover_what_was_committed_long(name):
+    run_machine(CONFIGS[name], examples=60, steps=30)
