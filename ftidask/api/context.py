@@ -23,7 +23,7 @@ from ..engine.retention import Retention, RetentionFactory
 from ..engine.run import Run
 from ..engine.runstate import STATUS_FRESH, CommitRecord, RunState
 from ..engine.schedule import SnapshotSchedule
-from ..engine.variables import Protected, protected_var, user_array
+from ..engine.variables import Protected, check_name, protected_var, user_array
 from ..engine.writing import Writer
 from ..ftiff import hashing
 from ..model import constants
@@ -108,6 +108,7 @@ class Context(StagingCalls):
         self._check_open()
         vid = check_id(id, "variable id")
         name = name if name is not None else self._names.name_of(vid)
+        check_name(name, vid, self._vars, self._names.owner(name))
         self._vars[vid] = protected_var(vid, array, name, compressor, self._vars.get(vid), global_shape=global_shape,
                                         offset=offset, replicated=replicated)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from ..engine import reshard
 from ..engine.runstate import STATUS_FRESH
 from ..model.errors import NoCheckpointError, ProtectError, RecoveryError
@@ -36,6 +38,8 @@ class VarNames:
             self._stored = stored_names()
         if not isinstance(name, str) or not name:
             raise ProtectError(f"a variable name is a non-empty str, got {name!r}")
+        if not isinstance(create, (bool, np.bool_)):  # "no" would be true, and give the name a new id
+            raise ProtectError(f"var_id(create=...) takes True or False, got {create!r}")
         stored = self._stored
         found = self._given.get(name)
         if found is None:
@@ -47,6 +51,10 @@ class VarNames:
         if found is not None:
             self._given[name] = found
         return found
+
+    def owner(self, name: Any) -> int | None:
+        """The id :meth:`id_for` gave ``name``, if any."""
+        return self._given.get(name) if isinstance(name, str) else None
 
     def name_of(self, vid: int) -> str | None:
         """The name given to ``vid`` through :meth:`id_for`, if any (what :meth:`Context.protect` records)."""

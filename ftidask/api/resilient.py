@@ -54,6 +54,12 @@ class ResilientLoop:
     def __init__(self, ctx: Any, *, arrays: Mapping[int, Any], every: int, level: int = 1,
                  iterations: int, stop_level: int | None = None, signals: tuple[int, ...] = STOP_SIGNALS,
                  check_every: int = 1, rng: Any = None, state: dict[str, Any] | None = None) -> None:
+        if not callable(getattr(ctx, "protect", None)) or not callable(getattr(ctx, "_check_level", None)):
+            raise FTIError(f"ResilientLoop: ctx must be the context ftidask.init() returns, got {type(ctx).__name__}")
+        if not isinstance(arrays, Mapping):  # before: "'int' object is not iterable", or ctx's AttributeError
+            raise FTIError(f"ResilientLoop: arrays must be a dict of variable id -> array, got {type(arrays).__name__}")
+        for value in (level, level if stop_level is None else stop_level):
+            ctx._check_level(value)  # LevelError now, not at the first checkpoint, iterations later
         for what, value in (("every", every), ("iterations", iterations), ("check_every", check_every)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):  # "10" would fail a comparison
                 raise FTIError(f"ResilientLoop: {what} must be an int, got {value!r}")

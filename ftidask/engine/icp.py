@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..model.arrays import check_ckpt_id
+from ..model.arrays import check_ckpt_id, check_id
 from ..model.errors import CheckpointError, FTIError, ProtectError
 from ..model.level import Level
 from ..storage.files import remove_tree
@@ -68,10 +68,16 @@ class IcpSlot:
 
 def protected_var(variables: Mapping[int, Any], var_id: Any) -> Any:
     """The protected variable ``var_id`` to add, or a :class:`ProtectError`."""
-    protected = variables.get(var_id) if isinstance(var_id, int) and not isinstance(var_id, bool) else None
+    protected = variables.get(check_id(var_id, "add_var_icp: variable id"))
     if protected is None:
         raise ProtectError(f"variable {var_id!r} is not protected; protect it before init_icp")
     return protected
+
+
+def check_activate(activate: Any) -> None:
+    """init_icp's ``activate``: a bool ("no" would be true, and open a checkpoint the program meant to skip)."""
+    if not isinstance(activate, (bool, np.bool_)):
+        raise CheckpointError(f"init_icp(activate=...) takes True or False, got {activate!r}")
 
 
 def checked_level(level: Any, dcp: bool, *, enable_dcp: bool, transport: Transport) -> Level:
@@ -112,6 +118,7 @@ class IncrementalCheckpoints:
     def init(self, ckpt_id: int, level: int, activate: bool = True) -> None:
         """Open incremental checkpoint ``ckpt_id`` at ``level`` (levels 1-8, as for checkpoint); with
         ``activate`` false, nothing is opened and add and finalize do nothing (the arguments are still checked)."""
+        check_activate(activate)
         if activate:  # collective: every rank the same id and level (FTI_InitICP with activate false writes nothing)
             ckpt_id, parsed, _ = agreed_request(self.committer.transport, "init_icp", ckpt_id,
                                                 lambda: self._check_level(level), self.slot)

@@ -279,6 +279,7 @@ class Recovery(RunPart):
 
     def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None) -> dict[int, Any]:
         """:meth:`ftidask.Context.recover_file` (this rank only)."""
+        recoverplan.check_paths(path, meta)
         if meta is not None:  # FTI's POSIX file, described by its meta file
             return recoverplan.recover_posix(self.variables, path, meta, self.progress)
         with self._verifying(None) as stage:

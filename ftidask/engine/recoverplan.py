@@ -109,10 +109,17 @@ def handed_back(vid: int, p: Any) -> Any:
     return p.array
 
 
+NOTHING_PROTECTED = ("no variable is protected: protect the arrays (and Python states) to fill before recover(), "
+                     "as FTI_Recover requires")
+
+
 def plan(protected: Mapping[int, Any], parsed: Any, ids: list[int] | None) -> RecoveryPlan:
     """Targets for ``ids`` (None: every protected variable) of ``protected`` (id -> Protected)."""
     out = RecoveryPlan(parsed)
     sizes = parsed.var_nbytes()
+    if ids is None and not protected and sizes:  # before: {} returned, status 0, and the next checkpoint lost it
+        out.problem = f"checkpoint file {parsed.path} holds variables {sorted(sizes)}, and {NOTHING_PROTECTED}"
+        return out
     for vid in (list(protected) if ids is None else ids):
         p = protected.get(vid)
         if p is None:
@@ -204,6 +211,15 @@ def recover_posix(protected: Mapping[int, Any], path: str | os.PathLike[str], me
     upload(targets.devices)
     progress.recovered = True
     return targets.recovered()
+
+
+def check_paths(path: Any, meta: Any) -> None:
+    """recover_file's ``path`` and ``meta`` (or None): paths, else a RecoveryError naming the argument (before,
+    None or 5 was pathlib's TypeError)."""
+    for what, value in (("path", path), ("meta", meta)):
+        if not isinstance(value, (str, os.PathLike)) and (what == "path" or value is not None):
+            raise RecoveryError(f"recover_file({what}=...) takes a path (str or os.PathLike)"
+                                f"{'' if what == 'path' else ' or None'}, got {type(value).__name__} {value!r}")
 
 
 def hinted(message: str, path: str | os.PathLike[str]) -> str:

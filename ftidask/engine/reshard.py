@@ -200,6 +200,8 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str,
     decls = {vid: getattr(p, "decomp", None) for vid, p in ctx.variables.items()}
     holders = {vid: p.state for vid, p in ctx.variables.items() if getattr(p, "state", None) is not None}
     first = records[0]
+    if not any(t.allgather(bool(arrays))):  # before: {} returned, status 0, and the next checkpoint lost it
+        raise RecoveryError(f"{change}: {recoverplan.NOTHING_PROTECTED}")
     problem = next((m for m in (check_writeable(vid, a) for vid, a in arrays.items()) if m), "")
     dask = first.extra.get("backend") == "dask"  # one process takes a Dask checkpoint's arrays whole
     if not problem and (first.nranks != t.size or dask) and t.size > 1:  # one process: each array whole (reshard_plan)

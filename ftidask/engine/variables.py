@@ -55,11 +55,22 @@ def protected_var(vid: int, array: Any, name: str | None, compressor: Any, old: 
     return Protected(vid, str(name), array, codec, decomp=decomp, state=state, device=device)
 
 
-def check_name(name: Any) -> None:
+def check_name(name: Any, vid: int | None = None, variables: Mapping[int, Any] | None = None,
+               given: int | None = None) -> None:
     """Refuse a variable name that is not a str: 123 or b"x" would be stored as another name than the one given,
-    which var_id and the Zarr export then do not find."""
+    which var_id and the Zarr export then do not find; an empty one (var_id refuses it); and one that names another
+    variable: protected under it (``variables``), or given to another id by var_id (``given``), var_id would find
+    one of the two."""
     if name is not None and not isinstance(name, str):
         raise ProtectError(f"protect(..., name=...) takes a str, got {type(name).__name__} {name!r}")
+    if name == "":
+        raise ProtectError("protect(..., name=...) takes a non-empty str (or None: the variable is named var{id})")
+    other = next((v for v, p in (variables or {}).items() if v != vid and p.name == name), None)
+    if other is None and given is not None and given != vid:
+        other = given
+    if name is not None and other is not None:
+        raise ProtectError(f"protect({vid}, ..., name={name!r}): the name is variable {other}'s; a name names one "
+                           "variable (var_id finds it): give this one another name")
 
 
 def compressor_config(compressor: Any, old: Protected | None) -> dict[str, Any] | None:

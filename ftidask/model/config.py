@@ -310,6 +310,8 @@ def load_config(path: str | os.PathLike[str] | Config | None = None, *, base: Co
     validate everything."""
     if isinstance(path, Config):  # init(load_config(...)): a config already built
         base, path = path, None
+    if base is not None and not isinstance(base, Config):
+        raise ConfigError(f"load_config(base=...) takes an ftidask.Config, got {type(base).__name__} {base!r}")
     raw: dict[str, Any] = dataclasses.asdict(base) if base is not None else {}
     if path is not None:
         raw.update(_read_ini(path))

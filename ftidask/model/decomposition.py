@@ -42,6 +42,8 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
             raise ValueError
     except (TypeError, ValueError):
         raise ProtectError(f"{what} must be a sequence of ints, got {value!r}") from None
+    if any(abs(v) >= 2**63 for v in out):  # before: recorded, and a restart on another layout failed deep inside
+        raise ProtectError(f"{what} {out} does not fit NumPy's 64-bit sizes")
     return out
 
 

@@ -46,6 +46,8 @@ class Level:
 
         Anything else (a bool, a float, 9, "2") is a :class:`LevelError` saying what is accepted.
         """
+        if not isinstance(dcp, (bool, np.bool_)):  # "no" would be true, and ask for a differential checkpoint
+            raise LevelError(f"checkpoint(dcp=...) takes True or False, got {dcp!r}")
         number = int(value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else None
         if number in LEVELS:
             if dcp and not enable_dcp:

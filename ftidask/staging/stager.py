@@ -48,7 +48,7 @@ import numpy as np
 
 from ..model.config import Config
 from ..model.constants import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES
-from ..model.errors import FTIError, StagingError
+from ..model.errors import StagingError
 from ..storage import files as storage
 from ..transport.base import Transport
 from . import journal
@@ -320,7 +320,7 @@ class Staging:
         """The stager (started on first use); refused when staging is disabled (the context checks it is open)."""
         cfg = self.config
         if not cfg.enable_staging:
-            raise FTIError("staging is disabled: set enable_staging = 1 in the config ([basic] section) "
+            raise StagingError("staging is disabled: set enable_staging = 1 in the config ([basic] section) "
                            "or pass enable_staging=1 to ftidask.init()")
         if self.stager is None:
             stage_dir = storage.makedirs(self.stage_dir())

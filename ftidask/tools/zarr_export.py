@@ -42,7 +42,7 @@ from ..model.config import Config
 from ..model.errors import FormatError, FTIError
 from ..zarrfmt import store as zarr_store
 from .export_sources import Source, config_of, locate, rebuilt
-from .zarr_import import import_zarr, read_zarr, run_import
+from .zarr_import import import_zarr, read_zarr, run_import, store_path
 
 __all__ = ["ExportResult", "add_export_command", "export_checkpoint", "import_zarr", "locate", "read_zarr",
            "run_export", "run_import"]
@@ -240,7 +240,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: 
     :func:`read_zarr` detect damage.
     """
     start = time.perf_counter()
-    dest = Path(dest)
+    dest = store_path(dest, "export_checkpoint(dest=...)")
     if dest.exists() and not overwrite:
         raise FileExistsError(f"{dest} exists; pass overwrite=True (--overwrite) to replace it")
     config_for_bar = checkpoint if isinstance(checkpoint, Config) else None

@@ -22,6 +22,15 @@ from ..zarrfmt.foreign import read_plain_group
 
 log = logging.getLogger("ftidask.zarr")
 
+
+def store_path(value: Any, what: str) -> Path:
+    """``value``, the path of a Zarr store (``what`` names the argument), else a FormatError saying what it takes
+    (before, None or 5 was pathlib's TypeError)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise FormatError(f"{what} takes the path of a Zarr store (str or os.PathLike), got {type(value).__name__} "
+                          f"{value!r}")
+    return Path(value)
+
 def read_zarr(path: str | os.PathLike[str], *, group: str = "") -> dict[int, tuple[str, np.ndarray]]:
     """The arrays of a Zarr group by ftidask variable id: ``{id: (name, array)}``.
 
@@ -29,7 +38,7 @@ def read_zarr(path: str | os.PathLike[str], *, group: str = "") -> dict[int, tup
     :class:`FormatError`). Any other Zarr group is read as it is: ids come from the arrays'
     ``ftidask_id`` attribute, else 1, 2, ... in name order.
     """
-    path = Path(path)
+    path = store_path(path, "read_zarr(path=...)")
     if not path.is_dir():
         raise FormatError(f"{path}: no Zarr store there")
     if (path / zarr_store.MANIFEST).exists():
@@ -56,7 +65,8 @@ def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | N
     """
     from ..api.start import init
 
-    if (Path(path) / zarr_store.MANIFEST).exists():  # Python states come back as states, not as their bytes
+    store = store_path(path, "import_zarr(path=...)")
+    if (store / zarr_store.MANIFEST).exists():  # Python states come back as states, not as their bytes
         arrays = {vid: (name, pystate.from_stored(kind, data, f"variable {vid} of {path}") if kind else data)
                   for vid, (name, data, kind) in _read_manifest_store(Path(path), group).items()}
     else:

@@ -95,7 +95,7 @@ class DaskContext(Context):
             return
         self._check_open()
         vid = check_id(id, "variable id")
-        check_name(name)
+        check_name(name, vid, self._vars, self._names.owner(name))
         if np.dtype(array.dtype).hasobject:
             raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes")
         meta = getattr(array, "_meta", None)  # CuPy chunks are written from their bytes copied to the host

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ...engine.icp import protected_var
+from ...engine.icp import check_activate, protected_var
 from ...engine.variables import encode_states
 from ...model.arrays import check_ckpt_id
 from ...model.errors import CheckpointError
@@ -34,6 +34,7 @@ def init_icp(ctx: Any, ckpt_id: int, level: int, activate: bool = True) -> None:
     ctx._icp_slot.check_none_open()
     cid = check_ckpt_id(ckpt_id)
     parsed = ctx._check_level(level)  # refuse a bad level now, not at the commit
+    check_activate(activate)
     if not activate:  # FTI's loops call the three at every iteration: add and finalize do nothing
         ctx._icp_slot.skip()
         return
