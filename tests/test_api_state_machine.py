@@ -99,6 +99,8 @@ class ApiMachine(RuleBasedStateMachine):
     def incremental(self, level: int) -> None:
         if self.config.get("compressor"):
             level += 4  # an incremental checkpoint is written uncompressed: a differential level (documented)
+        if self.config.get("l4_format") == "zarr":
+            level = 1  # and as an FTI-FF file: not at a Zarr level 4
         values = snapshot_of(self.arrays)
         self.ctx.init_icp(self.next_id, level)
         for vid in IDS:
@@ -177,6 +179,30 @@ class ApiMachine(RuleBasedStateMachine):
         matches[-1]["retired"] = False
         self.damaged, self.damaged_ckpt = False, None
 
+    @rule(vid=st.sampled_from(IDS))
+    def recover_var(self, vid: int) -> None:
+        expected = self._retained()
+        others = {v: a.tobytes() for v, a in self.arrays.items() if v != vid}
+        if expected is not None and len(expected["values"][vid]) != self.arrays[vid].nbytes:
+            try:
+                self.arrays[vid] = self.ctx.realloc(vid)
+            except NoCheckpointError:
+                assert self.damaged
+        before = self.arrays[vid].tobytes()
+        try:
+            self.ctx.recover_var(vid)
+        except RecoveryError as exc:  # NoCheckpointError, or a fallback of another size (after damage)
+            assert self.damaged or (expected is None and isinstance(exc, NoCheckpointError)), exc
+            assert self.arrays[vid].tobytes() == before, "a refused recovery touched the array"
+            return
+        finally:
+            assert {v: a.tobytes() for v, a in self.arrays.items() if v != vid} == others, "another variable changed"
+        got = self.arrays[vid].tobytes()
+        if not self.damaged:
+            assert expected is not None and got == expected["values"][vid], "not the newest retained checkpoint"
+        else:
+            assert any(c["values"][vid] == got for c in self.committed), "values no checkpoint committed"
+
     @invariant()
     def protected_are_ours(self) -> None:
         assert all(self.ctx.protected[vid] is self.arrays[vid] for vid in IDS)
@@ -193,6 +219,7 @@ class ApiMachine(RuleBasedStateMachine):
 CONFIGS = {
     "plain": {},
     "dcp-async": dict(enable_dcp=1, dcp_block_size=4096, max_inflight=2),
+    "zarr-l4": dict(l4_format="zarr"),
     "zstd-copy": dict(compressor="zstd", async_snapshot="copy", enable_dcp=1, dcp_block_size=4096),
 }
 
