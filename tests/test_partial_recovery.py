@@ -140,3 +140,32 @@ def test_dask_partial_recovery_and_state(tmp_path: Path, dask_client) -> None:
     assert np.array_equal(out[1].compute(), np.arange(40.0))
     assert not np.array_equal(rng.random(3), expected)  # checkpoint 2 was written after those draws
     ctx.finalize()
+
+
+@pytest.mark.parametrize("last", ["checkpoint", "recovery"])
+def test_realloc_sizes_the_arrays_for_the_checkpoint_recover_falls_back_to(tmp_path: Path, last: str) -> None:
+    """The newest checkpoint fails its hash in a running context (the last one it wrote, or recovered): recover()
+    falls back to the older one, whose array has another size, and refuses to touch the arrays; stored_size() and
+    realloc() must then answer for that one, so that the recovery they prepare succeeds (they answered for the
+    newest, and recover() refused the arrays they sized, for ever). Found by tests/test_api_state_machine.py."""
+    ctx = _ctx(tmp_path)
+    old = _noise(3, 1000)
+    ctx.protect(1, old.copy())
+    ctx.checkpoint(1, 4)  # level 4: kept when level 1 is written
+    ctx.protect(1, np.arange(300.0))
+    ctx.checkpoint(2, 1)
+    if last == "recovery":
+        ctx.recover()
+    path = next(tmp_path.rglob("Ckpt2-Rank0.fti"))
+    raw = bytearray(path.read_bytes())
+    raw[raw.find(np.arange(300.0).tobytes()) + 1200] ^= 0xFF  # in the array's bytes
+    path.write_bytes(bytes(raw))
+    with pytest.raises(RecoveryError, match=r"checkpoint 1 \(level 4\).*realloc"):
+        ctx.recover()
+    assert ctx.stored_size(1) == old.nbytes
+    new = ctx.realloc(1)
+    assert new.shape == old.shape
+    ctx.recover()
+    assert new.tobytes() == old.tobytes()
+    ctx.checkpoint(3, 1)  # and the run goes on from there
+    assert ctx.stored_size(1) == old.nbytes

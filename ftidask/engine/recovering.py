@@ -255,9 +255,15 @@ class Recovery(RunPart):
                 return reshard.recover_other_layout(self, [record], change, wanted)
             except NoCheckpointError as exc:  # damaged: _recover_here tries the older ones of this layout
                 raise _Passed(exc) from None
-        agree(t, error or (f"rank {t.rank}: {targets.problem}" if targets.problem else ""), RecoveryError, untouched)
-        problem, error = attempt(t.rank, targets.load_states)
-        agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError, untouched)
+        try:
+            agree(t, error or (f"rank {t.rank}: {targets.problem}" if targets.problem else ""), RecoveryError, untouched)
+            problem, error = attempt(t.rank, targets.load_states)
+            agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError, untouched)
+        except RecoveryError:  # an array of another size (FTI: realloc it): verified by every rank, the one to recover
+            # stored_size() and realloc() now answer for it, not for the newest written or recovered in this run:
+            # when that one failed its hash, they would size the arrays for a checkpoint recover() never loads
+            self.progress.restart_file, self.progress.restart_record = verdict.parsed, record
+            raise
 
         def load() -> None:
             load_file(verdict.parsed, targets.arrays, config=self.config, staged=verdict.staged)
