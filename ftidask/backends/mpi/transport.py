@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -150,13 +151,14 @@ class MpiTransport(GroupLevels):
     def allgather(self, value: Any) -> list[Any]:
         return allgather_json(self.comm, value)
 
-    def stage_mover(self, cfg: Config) -> Any:
-        """Staging's mover: the node's head with ``head = 1``; None (a thread of the rank) otherwise."""
+    def stage_mover(self, cfg: Config, notes: Path | None = None) -> Any:
+        """Staging's mover: the node's head with ``head = 1`` (the transfers handed to it noted in ``notes``, see
+        :mod:`ftidask.staging.journal`); None (a thread of the rank) otherwise."""
         if self.node_comm is None or self.is_head:
             return None
         from .stage_heads import HeadStageMover
 
-        return HeadStageMover(self.node_comm)
+        return HeadStageMover(self.node_comm, notes)
 
     # --- heads (post-processing) --------------------------------------------------------------------
 
