@@ -85,6 +85,15 @@ class Retention(RunPart):
 
         everywhere(t, collect, FTIError, "garbage collection failed")
 
+    def remove_dead_runs(self, runs: list[str]) -> None:
+        """This node's directories of the dead runs ``runs``, which never committed a checkpoint (local; see
+        :mod:`ftidask.api.abandoned`)."""
+        for run in runs:
+            node_dir = RunPaths(self.paths.ckpt_dir, self.paths.glbl_dir, self.paths.meta_dir, run).node_dir(
+                self.transport.node)
+            if self.paths.contains(node_dir):
+                storage.remove_tree(node_dir)
+
     def _gone_nodes(self) -> list[int]:
         """The nodes, visible here, that hold a directory of this run and that no rank of this run has."""
         p, nodes = self.paths, []
