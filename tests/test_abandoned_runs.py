@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import ROOT
 from test_run_isolation import Holder
 
@@ -117,4 +118,21 @@ def test_live_runs_and_runs_with_a_commit_are_never_swept(dirs):
     finally:
         live.stdin.close()
         live.wait(60)
+        holder.stop()
+
+
+@pytest.mark.slow
+def test_a_side_run_killed_before_its_first_commit_restarted_by_its_exec_id_starts_afresh(dirs):
+    """Restarted by its exec_id (the live run still live), the side run starts afresh and its start removes what its
+    interrupted checkpoint left."""
+    holder = Holder(dirs, 3.0)
+    try:
+        proc = side(dirs, "kill", exec_id="side-a")
+        proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL and files_of(dirs, "side-a")
+        ctx = ftidask.init(exec_id="side-a", **dirs)
+        assert ctx.status() == 0 and not files_of(dirs, "side-a")
+        ctx.finalize()
+        assert files_of(dirs, holder.info["exec_id"])  # the live run: untouched
+    finally:
         holder.stop()
