@@ -159,3 +159,17 @@ def test_head_killed_while_it_stages_leaves_no_temporary_file(tmp_path):
     check_recovery(proc, 2, "the restart")
     staged_whole(root, nprocs, spec, "the restart", final=True)
     assert_no_leftovers(root, spec["cfg"], "the restart", outside=root / "G" / "out")
+
+
+def test_an_application_that_dies_of_an_uncaught_error_does_not_hang_its_heads(tmp_path):
+    """The application ranks end with an uncaught exception (no finalize) while their heads wait for requests: the
+    job ends (the heads waited for good: mpiexec hung until its timeout) and a restart recovers the newest
+    checkpoint, raised by the heads."""
+    nprocs, spec = CASES["plain"]
+    root = tmp_path / "run"
+    proc = job(nprocs, root, {**spec, "steps": 2, "error": True}, {}, timeout=90)
+    assert proc.returncode != 0 and "the application failed" in proc.stderr, proc.stderr[-3000:]
+    proc = job(nprocs, root, {**spec, "mode": "verify"}, {})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines(proc, "R")[0][1:5] == ["2", "exact", "2", str(spec["levels"][2 % len(spec["levels"])])]
+    assert_no_leftovers(root, spec["cfg"], "the restart")

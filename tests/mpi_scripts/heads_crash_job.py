@@ -7,7 +7,8 @@ through its head, asked for after its first checkpoint and waited for at the end
 destination are not staged again), ``only_os`` and ``kill``
 ({world rank: n}: that process, an application rank or a head, kills itself at the n-th event of ftidask's code,
 see ``_crash_campaign_child.KillAt``), ``point`` ([world rank, "module:function", n]: a crash point of
-``crashpoints`` in that process). Heads count their events too: ``init`` serves there until the application
+``crashpoints`` in that process), ``error`` (the application ranks end with an uncaught exception instead of
+finalize). Heads count their events too: ``init`` serves there until the application
 ends (SystemExit).
 
 Each application rank protects an array whose value at step ``s`` is a function of the rank and ``s`` (a few
@@ -120,6 +121,8 @@ def main() -> None:
         ctx.wait_staged(timeout=120)
         for req in requests:
             print("S", rank, req, ctx.stage_status(req), flush=True)
+    if spec.get("error"):  # the application dies of an uncaught error, without finalize
+        raise RuntimeError("the application failed")
     if spec.get("finalize", True):
         ctx.finalize()
     else:

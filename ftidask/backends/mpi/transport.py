@@ -9,6 +9,7 @@ raw bytes.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import json
@@ -268,4 +269,9 @@ def make_mpi_context(cfg: Config | None, comm: Any, refused: FTIError | None = N
 
         serve(cfg, transport)
         raise SystemExit(0)
+    if transport.node_comm is not None:
+        # An application that exits without finalize (an uncaught error, in init too) still ends its head, which
+        # waited for good (mpiexec with it, until the walltime). Before MPI_Finalize (mpi4py's C exit hook); once
+        # closed (finalize), nothing to do.
+        atexit.register(transport.close)
     return Context(cfg, transport)
