@@ -34,6 +34,11 @@ CASES = {  # name -> (processes, spec)
     "plain": (4, dict(mode="sync", levels=[3, 2, 4, 3], cfg=TWO_NODES)),
     # the application writes L1 in the background while its head raises the checkpoint before
     "async": (4, dict(mode="async", levels=[3, 4, 2], cfg=TWO_NODES)),
+    # asynchronous differential checkpoints, raised by the heads
+    "async-dcp": (4, dict(mode="async", levels=[7, 8, 6, 7], cfg=dict(enable_dcp=1, dcp_block_size=4096,
+                                                                       **TWO_NODES))),
+    # finalize flushes the last checkpoint to L4 (its head may still raise it) and archives the L4 ones
+    "keep": (4, dict(mode="sync", levels=[3, 4, 2], cfg=dict(keep_last_ckpt=1, keep_l4_ckpt=1, **TWO_NODES))),
     # the heads stage the application's files between their post-processing
     "stage": (4, dict(mode="sync", levels=[3, 4], stage=3, cfg=dict(enable_staging=1, **TWO_NODES))),
     # 4 nodes of a head and two application ranks, one group of 4: a head serves two ranks' files
@@ -119,7 +124,10 @@ def campaign(tmp_path: Path, name: str, seed: int, kills: int = 2, steps: int = 
         assert got[0][1] == "none" and got[0][2].endswith("Error"), f"{where}: {got}"
     else:
         assert got[0][1:3] == [str(want), "exact"], f"{where}: {got}\n{proc.stderr[-3000:]}"
-    assert expected(root) == (None, 0), f"{where}: finalize left a run to restart"
+    if spec["cfg"].get("keep_last_ckpt"):
+        assert expected(root) == ((want or 0) + 1, 2), f"{where}: its checkpoint not kept"
+    else:
+        assert expected(root) == (None, 0), f"{where}: finalize left a run to restart"
     if spec.get("stage"):
         staged_whole(root, nprocs, spec, where, final=True)
         assert all(w[3] == "0" for w in lines(proc, "S")), f"{where}: the restart's transfers: {lines(proc, 'S')}"
@@ -133,7 +141,7 @@ def test_heads_killed_at_random_events(tmp_path, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(1, 9))  # odd seeds: kills at calls of os functions only
-@pytest.mark.parametrize("name", ["dcp", "plain", "async", "stage"])
+@pytest.mark.parametrize("name", ["dcp", "plain", "async", "async-dcp", "keep", "stage"])
 def test_heads_killed_at_random_events_many_seeds(tmp_path, name, seed):
     campaign(tmp_path, name, seed)
 
