@@ -181,3 +181,41 @@ def test_an_application_that_dies_of_an_uncaught_error_does_not_hang_its_heads(t
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert lines(proc, "R")[0][1:5] == ["2", "exact", "2", str(spec["levels"][2 % len(spec["levels"])])]
     assert_no_leftovers(root, spec["cfg"], "the restart")
+
+
+# Crash points in the heads' own steps (the head of node 0, world rank 0, the heads' root) while they raise the
+# "dcp" case's checkpoints: 1 to L3 (encoded in full), 2 to L3 from the differences, 3 to L2, 4 to L4.
+HEAD_POINTS = [
+    "ftidask.backends.mpi.head_parity:_prepare@1",  # checkpoint 2: the previous parity copied to the spare
+    "ftidask.levels.rs_delta:patch_parity@1",  # ... the spare patched with the group's deltas
+    "ftidask.levels.rs_delta:update:after@1",  # ... patched, before the raised commit record
+    "ftidask.engine.runstate:RunState.write_record:after@2",  # checkpoint 2 at L3, its L1 files still there
+    "ftidask.backends.mpi.heads:_keep_as_spares@2",  # checkpoint 2's L1 files on their way to the spares
+    "ftidask.backends.mpi.heads:write_spare_hint@1",
+    "ftidask.engine.runstate:RunState.note_retired@1",  # checkpoint 1 retired by 2: its files kept as the spares
+    "ftidask.backends.mpi.heads:_keep_as_fallback@1",
+    "ftidask.engine.runstate:RunState.delete_record@1",
+    "ftidask.storage.files:copy_file_atomic@3",  # checkpoint 4 copied to the global directory
+    "ftidask.storage.files:remove_tree@2",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", HEAD_POINTS)
+def test_head_killed_at_its_steps_then_restarted(tmp_path, point):
+    """The heads' root SIGKILLed at each step of its raising and retiring: the restart recovers the newest committed
+    checkpoint bit for bit, goes on, and leaves nothing once finalized."""
+    nprocs, spec = CASES["dcp"]
+    where, _, nth = point.rpartition("@")
+    spec = {**spec, "steps": 4, "finalize": True}
+    root = tmp_path / "run"
+    proc = job(nprocs, root, {**spec, "point": [0, where, int(nth)]}, {})
+    assert proc.returncode != 0, f"{point}: never reached\n{proc.stdout[-2000:]}"
+    want, _status = expected(root)
+    proc = job(nprocs, root, {**spec, "finalize": False}, {})  # the restart goes on, its checkpoints left
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_recovery(proc, want, point)
+    proc = job(nprocs, root, {**spec, "mode": "verify"}, {})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines(proc, "R")[0][1:3] == [str((want or 0) + 4), "exact"], lines(proc, "R")
+    assert_no_leftovers(root, spec["cfg"], point)
