@@ -248,6 +248,11 @@ class MpiTransport(GroupLevels):
             comm.Free()
 
 
+def _close_at_exit(transport: MpiTransport) -> None:
+    if not MPI.Is_finalized():
+        transport.close()
+
+
 def make_mpi_context(cfg: Config | None, comm: Any, refused: FTIError | None = None) -> Any:
     """``ftidask.init(config, comm=...)``: a Context over MPI ranks; heads serve and never return (as in FTI).
 
@@ -272,6 +277,6 @@ def make_mpi_context(cfg: Config | None, comm: Any, refused: FTIError | None = N
     if transport.node_comm is not None:
         # An application that exits without finalize (an uncaught error, in init too) still ends its head, which
         # waited for good (mpiexec with it, until the walltime). Before MPI_Finalize (mpi4py's C exit hook); once
-        # closed (finalize), nothing to do.
-        atexit.register(transport.close)
+        # closed (finalize), or MPI finalized by the application itself, nothing to do.
+        atexit.register(_close_at_exit, transport)
     return Context(cfg, transport)
