@@ -26,7 +26,8 @@ import ftidask
 
 # A run that writes checkpoint 1 at ``level``: ``kill`` dies in its commit (its file written, no commit record),
 # ``commit`` commits it and exits without finalize, ``live`` writes its file, then waits alive (its lock held, its
-# checkpoint not committed) until its stdin is closed.
+# checkpoint not committed) until its stdin is closed; ``stage`` stages a file (enable_staging) and dies before its
+# mover thread publishes it (its temporary file written at the destination), with no checkpoint.
 SIDE = r"""
 import json, sys, numpy as np, ftidask
 from ftidask.engine.runstate import RunState
@@ -41,6 +42,13 @@ if mode == "kill":
     crashpoints.kill_at_call(RunState, "write_record", 1)  # the file whole, no commit record
 elif mode == "live":
     RunState.write_record = lambda self, record: sys.stdin.read()  # holds on, its checkpoint uncommitted
+elif mode == "stage":
+    from ftidask.staging import copy
+    crashpoints.kill_at_call(copy, "_publish", 1)
+    local = ctx.stage_dir() / "out.bin"
+    local.write_bytes(b"x" * 100_000)
+    ctx.send_file(local, "out/out.bin")
+    ctx.wait_staged(timeout=60)
 ctx.checkpoint(1, level)
 print(json.dumps({"exec_id": ctx.exec_id}), flush=True)
 """
@@ -136,3 +144,20 @@ def test_a_side_run_killed_before_its_first_commit_restarted_by_its_exec_id_star
         assert files_of(dirs, holder.info["exec_id"])  # the live run: untouched
     finally:
         holder.stop()
+
+
+@pytest.mark.slow
+def test_a_dead_side_runs_staging_leftovers_go_and_its_stage_files_stay(dirs):
+    """A run killed while its mover thread stages a file, before any commit: the next start of another run removes
+    the temporary file at the destination, never the application's file in the stage directory."""
+    proc = side(dirs, "stage", enable_staging=1)
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    (dead,) = run_ids(dirs)
+    out = Path(dirs["glbl_dir"]) / "out"
+    assert [p.name for p in out.iterdir()] and not (out / "out.bin").exists()  # its temporary file only
+    (staged,) = Path(dirs["ckpt_dir"]).rglob("out.bin")
+    ctx = ftidask.init(exec_id="other", **dirs)
+    ctx.finalize()
+    assert run_ids(dirs) == {"other"} and list(out.iterdir()) == []
+    assert staged.read_bytes() == b"x" * 100_000

@@ -12,11 +12,12 @@ once it has collected its own run's leftovers, removes the runs of its ``meta_di
   of a differential one, not even a damaged record), and without an ``l4_archive`` (``keep_l4_ckpt``: the
   archive outlives the run, and a finalize killed once it archived them leaves a run without records).
 
-Every rank removes the run's directory on its node (and its stage directory there, once the temporary files its
-noted staging transfers left at their destinations are gone: :mod:`ftidask.staging.journal`); then rank 0 what it
-sees of the other nodes, the run's global directory and, last, its state in ``meta_dir``. Nodes that no rank of
-this start is on keep their directory of such a run. A failure is logged and leaves the rest to a later start:
-the start goes on.
+Every rank removes the run's directory on its node and the temporary files that its staging transfers noted
+there left at their destinations (:mod:`ftidask.staging.journal`); then rank 0 what it sees of the other nodes,
+the run's global directory and, last, its state in ``meta_dir``. The files in the run's stage directories are
+the application's, never removed (as at finalize: only the empty directories go; a restart of the run by its
+exec_id finds them there). Nodes that no rank of this start is on keep their directory of such a run. A failure
+is logged and leaves the rest to a later start: the start goes on.
 """
 
 from __future__ import annotations
@@ -100,10 +101,11 @@ def _of(paths: storage.RunPaths, run: str) -> storage.RunPaths:
 
 
 def _remove_stage(stage_node_dir: Path) -> None:
-    """A node's stage directories of a dead run: the temporary files of its transfers first (their notes)."""
+    """A node's stage directories of a dead run: the temporary files its transfers left, their notes, the empty
+    directories (the application's files stay)."""
     for notes in sorted(stage_node_dir.glob(".rank*-transfers")):
         journal.sweep(notes)
-    storage.remove_tree(stage_node_dir)
+    storage.prune_empty_dirs(stage_node_dir)
 
 
 def _remove_local(paths: storage.RunPaths, runs: list[str], node: int, retention: Retention) -> None:
@@ -122,7 +124,8 @@ def _remove_rest(paths: storage.RunPaths, runs: list[str]) -> None:
         p = _of(paths, run)
         for stage in sorted(p.stage_root.glob("node*")):
             _remove_stage(stage)
-        doomed = [p.stage_root, *sorted(paths.ckpt_dir.glob(f"node*/{run}")), paths.glbl_dir / run, p.run_meta]
-        for path in doomed:
+        if paths.contains(p.stage_root):
+            storage.prune_empty_dirs(p.stage_root)
+        for path in [*sorted(paths.ckpt_dir.glob(f"node*/{run}")), paths.glbl_dir / run, p.run_meta]:
             if paths.contains(path):
                 storage.remove_tree(path)
