@@ -219,3 +219,24 @@ def test_head_killed_at_its_steps_then_restarted(tmp_path, point):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert lines(proc, "R")[0][1:3] == [str((want or 0) + 4), "exact"], lines(proc, "R")
     assert_no_leftovers(root, spec["cfg"], point)
+
+
+@pytest.mark.parametrize("keep", ["archived", "kept-last"])
+def test_l1_files_a_killed_head_left_under_an_l4_checkpoint_go_at_finalize(tmp_path, keep):
+    """A head killed once checkpoint 1 is raised to L4 (its record written) but before it removed its node's L1 files:
+    the restart recovers checkpoint 1 from L4. Its finalize archives it (keep_l4_ckpt) or keeps it where it is, the
+    newest (keep_last_ckpt): the L1 files under it stayed on the node for good (the commit record named their
+    directory until the end, and the archive or the kept checkpoint left it there)."""
+    nprocs, spec = CASES["plain"]
+    cfg = {**spec["cfg"], **({"keep_l4_ckpt": 1} if keep == "archived" else {"keep_last_ckpt": 1})}
+    spec = {**spec, "levels": [3, 4, 2], "cfg": cfg, "steps": 1, "finalize": False}  # checkpoint 1 at L4
+    root = tmp_path / "run"
+    proc = job(nprocs, root, {**spec, "point": [2, "ftidask.storage.files:remove_tree", 1]}, {})
+    assert proc.returncode != 0, proc.stdout
+    assert expected(root) == (1, 1) and list(root.glob("L/node1/*/l1/ckpt1.*/*.fti")), "killed elsewhere"
+    # archived: checkpoint 2 (L2) is flushed to L4 and kept, checkpoint 1 archived; kept: no checkpoint, 1 kept
+    proc = job(nprocs, root, {**spec, "mode": "verify" if keep == "archived" else "sync", "steps": 0,
+                              "finalize": True}, {})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines(proc, "R")[0][1:5] == ["1", "exact", "1", "4"], lines(proc, "R")
+    assert_no_leftovers(root, cfg, keep)
