@@ -221,7 +221,7 @@ def test_head_killed_at_its_steps_then_restarted(tmp_path, point):
     assert_no_leftovers(root, spec["cfg"], point)
 
 
-@pytest.mark.parametrize("keep", ["archived", "kept-last"])
+@pytest.mark.parametrize("keep", ["archived", pytest.param("kept-last", marks=pytest.mark.slow)])
 def test_l1_files_a_killed_head_left_under_an_l4_checkpoint_go_at_finalize(tmp_path, keep):
     """A head killed once checkpoint 1 is raised to L4 (its record written) but before it removed its node's L1 files:
     the restart recovers checkpoint 1 from L4. Its finalize archives it (keep_l4_ckpt) or keeps it where it is, the
