@@ -37,7 +37,7 @@ from ..storage import files as storage
 from ..storage.runlock import RunLock
 from ..transport.base import Transport
 from ..transport.collective import agree_call
-from . import display, lifecycle, logsetup
+from . import abandoned, display, lifecycle, logsetup
 from .names import VarNames, restart_names
 from .stagecalls import StagingCalls
 
@@ -86,6 +86,7 @@ class Context(StagingCalls):
         transport.barrier()
         lifecycle.register(self)  # a second context of this run in this process: its finalize leaves the run alone
         self._retention.collect_garbage()
+        abandoned.sweep(transport, self.paths, self._retention)  # dead runs that never committed (side runs)
         log.info("run %s: %s (%s backend, %s)", self.exec_id,
                  "fresh start" if self._status == STATUS_FRESH else f"restart (status {self._status})",
                  transport.name, transport.ranks_text())

@@ -10,7 +10,8 @@ an init without ``exec_id`` restarts:
   its first commit): that run too, started afresh, so that its start removes what it left; otherwise a new run.
 * ``current_exec_id`` is written only by a run that starts while the run it names is not live: a
   run started beside a live one (a side run) never replaces it, so that a restart of the live run,
-  should it die, still finds its own run. A side run is restarted by naming its ``exec_id``.
+  should it die, still finds its own run. A side run is restarted by naming its ``exec_id``; killed before its
+  first commit, what it wrote is removed by the next start of any run (:mod:`ftidask.api.abandoned`).
 * ``current_exec_id`` damaged (it is written atomically, so only by outside harm): the unfinished run
   whose last commit is the newest, with a warning.
 """

@@ -85,6 +85,15 @@ class Retention(RunPart):
 
         everywhere(t, collect, FTIError, "garbage collection failed")
 
+    def remove_dead_runs(self, runs: list[str]) -> None:
+        """This node's directories of the dead runs ``runs``, which never committed a checkpoint (local; see
+        :mod:`ftidask.api.abandoned`)."""
+        for run in runs:
+            node_dir = RunPaths(self.paths.ckpt_dir, self.paths.glbl_dir, self.paths.meta_dir, run).node_dir(
+                self.transport.node)
+            if self.paths.contains(node_dir):
+                storage.remove_tree(node_dir)
+
     def _gone_nodes(self) -> list[int]:
         """The nodes, visible here, that hold a directory of this run and that no rank of this run has."""
         p, nodes = self.paths, []
@@ -151,6 +160,21 @@ class Retention(RunPart):
 
         on_root(t, remove_l4_dir, FTIError, failed)
 
+    def drop_local_copies(self, record: CommitRecord) -> None:
+        """Remove the node-local directories of ``record``, a level-4 checkpoint that outlives the run (collective):
+        the level-1 files of a head killed after it raised the checkpoint to L4, before it removed them, which the
+        commit record named until now (nothing stays on the nodes: their directories are scratch)."""
+        t = self.transport
+        nodes = {t.node} | ({f.node for f in record.files if f.node >= t.nnodes} if t.rank == 0 else set())
+        doomed = [self.paths.local_dir(level, node) / record.dirname for node in sorted(nodes) for level in (1, 2, 3)]
+
+        def remove() -> None:
+            for path in doomed:
+                if self.paths.contains(path):
+                    storage.discard(path, self.remover)
+
+        everywhere(t, remove, FTIError, f"removing the node-local files of checkpoint {record.ckpt_id} failed")
+
     def archive_checkpoint(self, record: CommitRecord) -> None:
         """``keep_l4_ckpt`` at finalize: move a level-4 checkpoint to ``{glbl_dir}/{exec_id}/l4_archive`` (FTI's
         archive, which outlives the run) and drop its commit record, so that no later restart of this run
@@ -200,6 +224,10 @@ class Retention(RunPart):
         used = on_root(t, self.state.mark_seq, FTIError, failed)
         on_root(t, self.state.delete_fallbacks, FTIError, failed)  # first: none outlives the run (a kill from
         # here on must not leave one beside no commit record: a fresh run of this exec_id would recover it)
+        # The level-4 ones that stay (archived, or the last one kept where it is) keep nothing on the nodes either.
+        for record in committed:
+            if in_l4(record) and (record not in doomed or self.config.keep_l4_ckpt):
+                self.drop_local_copies(record)
         # Oldest first (``records`` is newest first): killed part-way, the run keeps its newest checkpoint,
         # and a restart never goes back further than it. Kept, the last one is all that stays (as in FTI).
         for record in reversed(doomed):

@@ -6,8 +6,10 @@ before a transfer starts its temporary name is noted in a directory of notes (``
 stage directory ``rank{r}``: the application's stage directory holds its files only), and the note goes once the
 transfer is over; the restart of the run (the same ``exec_id``, hence the same directories) removes the
 temporary files still noted (:func:`sweep`; those of ranks that are gone or sit on other nodes now:
-:func:`sweep_others`). A mover process or an MPI head outlives the application (it finishes the transfer under
-way) and the application removes the temporary files of a mover that died: they need no note.
+:func:`sweep_others`). A mover process outlives the application (it finishes the transfer under way) and the
+application removes the temporary files of a mover that died: they need no note. An MPI head does not outlive
+its job (mpiexec tears it down with any process of the job killed): the application rank notes the transfers it
+hands to its head (:mod:`ftidask.backends.mpi.stage_heads`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ is that loop with the transport left open (pipes for the ProcessMover, MPI messa
 
 Movers: :class:`ThreadMover` (default), :class:`ftidask.staging.process.ProcessMover` (``head = 1`` in
 one process, or ``stage_mover = process``), ``ftidask.backends.dask.staging.DaskMover``. A transport may offer
-its own through a ``stage_mover(config)`` method returning a mover or None.
+its own through a ``stage_mover(config, notes)`` method returning a mover or None (``notes``: where a mover that
+dies with the run notes its transfers, :mod:`ftidask.staging.journal`).
 """
 
 from __future__ import annotations
@@ -337,7 +338,7 @@ class Staging:
         """The transport's own mover if it offers one, else a child process (heads) or a thread."""
         cfg = self.config
         factory = getattr(self.transport, "stage_mover", None)
-        mover: Mover | None = factory(cfg) if factory is not None else None
+        mover: Mover | None = factory(cfg, journal.notes_dir(self.stage_dir())) if factory is not None else None
         if mover is not None:
             return mover
         if getattr(cfg, "stage_mover", "auto") == "process" or (

@@ -131,6 +131,25 @@ def acquire(run_dir: Path) -> RunLock | None:
     return RunLock(flock, path)
 
 
+def take_dead(run_dir: Path) -> RunLock | None:
+    """Lock the run in ``run_dir`` for this process when it is provably dead: its lock file exists and no process
+    holds it, this one included. None otherwise, and on a file system without locks (nothing is provably dead
+    there). What removes a dead run's files holds this meanwhile: no init adopts or restarts the run under it."""
+    if held_here(run_dir):
+        return None
+    path = run_dir / LOCK_NAME
+    try:
+        fd = _open(path, create=False)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held (BlockingIOError), or not supported
+        os.close(fd)
+        return None
+    return RunLock(_Flock(fd), path)  # not shared with an init of this process: that one is refused meanwhile
+
+
 def held_here(run_dir: Path) -> bool:
     """Whether a Context of this process holds the run in ``run_dir``."""
     shared = _held.get(_key(run_dir))

@@ -86,6 +86,10 @@ class DaskRetention(Retention):
                 for tmp in root.glob(".*.tmp-*"):
                     tmp.unlink(missing_ok=True)
 
+    def remove_dead_runs(self, runs: list[str]) -> None:
+        """The node directories of the dead runs ``runs`` that every worker sees (:mod:`ftidask.api.abandoned`)."""
+        self.cluster.run(tasks.remove_run_dirs, str(self.paths.ckpt_dir), list(runs))
+
     def remove_checkpoint(self, record: CommitRecord, fallback: bool = True) -> None:
         """Drop ``record``; with ``fallback``, a differential checkpoint's files become the spares (if this client
         knows them sound, see :meth:`~ftidask.backends.dask.dcp_levels.DaskSpares.keep`) and what recovery falls

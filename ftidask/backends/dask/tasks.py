@@ -226,6 +226,13 @@ def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str], trash
                for root in Path(ckpt_dir).glob(f"node*/{exec_id}/l[1-4]"))
 
 
+def remove_run_dirs(ckpt_dir: str, runs: Sequence[str]) -> None:
+    """Remove the node directories of the dead runs ``runs`` (checked exec_ids) that this worker sees."""
+    for run in runs:
+        for node_dir in Path(ckpt_dir).glob(f"node*/{run}"):
+            storage.remove_tree(node_dir)
+
+
 def sizes(paths: Sequence[str]) -> list[int]:
     """The size of each of ``paths`` as this worker sees it, -1 where it sees none (stats: no file opened)."""
     out = []

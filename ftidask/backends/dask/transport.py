@@ -9,6 +9,8 @@ from ...model.errors import LevelError
 from ...transport.base import Transport
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from .cluster import Cluster
 
 
@@ -39,8 +41,9 @@ class DaskTransport(Transport):
     def allgather(self, value: Any) -> list[Any]:
         return [value]
 
-    def stage_mover(self, cfg: Config) -> Any:
-        """Staging: each copy is a task on the worker whose node directory (``node{k}``) holds the file."""
+    def stage_mover(self, cfg: Config, notes: Path | None = None) -> Any:
+        """Staging: each copy is a task on the worker whose node directory (``node{k}``) holds the file
+        (``notes`` is not used)."""
         from .staging import DaskMover, worker_by_node_dir
 
         return DaskMover(self.cluster.client, worker_by_node_dir(self.cluster.workers))

@@ -6,15 +6,22 @@ communicator (the heads' request tag). Head -> rank: ``{"id", "state", "reason"}
 :func:`ftidask.staging.copy.transfer` between post-processing requests, one request at a time, in
 arrival order. The rank needs no thread: it probes for the head's answers whenever the application
 asks for a state (:meth:`StageTable.set_poller`). JSON both ways, never pickle.
+
+A head killed in a transfer takes the job down with it: nobody is left to remove its temporary file at the
+destination. So the rank notes each transfer before it hands it to the head and drops the note once the head
+reported its end, as a mover thread does (:mod:`ftidask.staging.journal`): the run's restart removes the
+temporary files of the transfers still noted.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from mpi4py import MPI
 
 from ...model.constants import SI_ACTV, SI_FAIL, SI_SCES
+from ...staging import journal
 from ...staging.copy import StageRequest, TransferFailed, transfer
 from .transport import _TAG_REQ, recv_json, send_json
 
@@ -22,10 +29,13 @@ TAG_STAGE = 3  # head -> application rank: staging states (requests travel with 
 
 
 class HeadStageMover:
-    """The application rank's mover: requests go to the node's head (position 0 of ``node_comm``)."""
+    """The application rank's mover: requests go to the node's head (position 0 of ``node_comm``); the transfers
+    under way are noted in ``notes`` (None: not noted)."""
 
-    def __init__(self, node_comm: MPI.Comm) -> None:
+    def __init__(self, node_comm: MPI.Comm, notes: Path | None = None) -> None:
         self.node_comm = node_comm
+        self.notes = notes
+        self._noted: dict[int, StageRequest] = {}  # the transfers handed to the head whose end it has not reported
         self._table: Any = None
 
     def start(self, table: Any) -> None:
@@ -33,12 +43,20 @@ class HeadStageMover:
         table.set_poller(self._poll)
 
     def submit(self, req: StageRequest) -> None:
+        if self.notes is not None:  # before the head can create the temporary file
+            journal.begin(self.notes, req)
+            self._noted[req.id] = req
         send_json(self.node_comm, {"op": "stage", "req": req.to_json()}, 0, _TAG_REQ)
 
     def _poll(self) -> None:
+        if self.node_comm == MPI.COMM_NULL:  # freed: the context closed (its exit hook may still ask)
+            return
         while self.node_comm.Iprobe(source=0, tag=TAG_STAGE):
             msg, _src = recv_json(self.node_comm, 0, TAG_STAGE)
-            self._table.update(int(msg["id"]), int(msg["state"]), str(msg.get("reason", "")))
+            state = int(msg["state"])
+            if state != SI_ACTV and self.notes is not None and int(msg["id"]) in self._noted:
+                journal.end(self.notes, self._noted.pop(int(msg["id"])))  # published or removed by the head
+            self._table.update(int(msg["id"]), state, str(msg.get("reason", "")))
 
     def close(self, timeout: float) -> None:
         self._table.wait(None, timeout)

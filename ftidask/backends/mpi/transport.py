@@ -9,10 +9,12 @@ raw bytes.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -150,13 +152,14 @@ class MpiTransport(GroupLevels):
     def allgather(self, value: Any) -> list[Any]:
         return allgather_json(self.comm, value)
 
-    def stage_mover(self, cfg: Config) -> Any:
-        """Staging's mover: the node's head with ``head = 1``; None (a thread of the rank) otherwise."""
+    def stage_mover(self, cfg: Config, notes: Path | None = None) -> Any:
+        """Staging's mover: the node's head with ``head = 1`` (the transfers handed to it noted in ``notes``, see
+        :mod:`ftidask.staging.journal`); None (a thread of the rank) otherwise."""
         if self.node_comm is None or self.is_head:
             return None
         from .stage_heads import HeadStageMover
 
-        return HeadStageMover(self.node_comm)
+        return HeadStageMover(self.node_comm, notes)
 
     # --- heads (post-processing) --------------------------------------------------------------------
 
@@ -245,6 +248,11 @@ class MpiTransport(GroupLevels):
             comm.Free()
 
 
+def _close_at_exit(transport: MpiTransport) -> None:
+    if not MPI.Is_finalized():
+        transport.close()
+
+
 def make_mpi_context(cfg: Config | None, comm: Any, refused: FTIError | None = None) -> Any:
     """``ftidask.init(config, comm=...)``: a Context over MPI ranks; heads serve and never return (as in FTI).
 
@@ -266,4 +274,9 @@ def make_mpi_context(cfg: Config | None, comm: Any, refused: FTIError | None = N
 
         serve(cfg, transport)
         raise SystemExit(0)
+    if transport.node_comm is not None:
+        # An application that exits without finalize (an uncaught error, in init too) still ends its head, which
+        # waited for good (mpiexec with it, until the walltime). Before MPI_Finalize (mpi4py's C exit hook); once
+        # closed (finalize), or MPI finalized by the application itself, nothing to do.
+        atexit.register(_close_at_exit, transport)
     return Context(cfg, transport)
