@@ -256,7 +256,8 @@ class Recovery(RunPart):
             except NoCheckpointError as exc:  # damaged: _recover_here tries the older ones of this layout
                 raise _Passed(exc) from None
         try:
-            agree(t, error or (f"rank {t.rank}: {targets.problem}" if targets.problem else ""), RecoveryError, untouched)
+            problem = f"rank {t.rank}: {targets.problem}" if targets.problem else ""
+            agree(t, error or problem, RecoveryError, untouched)
             problem, error = attempt(t.rank, targets.load_states)
             agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError, untouched)
         except RecoveryError:  # an array of another size (FTI: realloc it): verified by every rank, the one to recover
