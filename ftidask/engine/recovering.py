@@ -256,7 +256,7 @@ class Recovery(RunPart):
             except NoCheckpointError as exc:  # damaged: _recover_here tries the older ones of this layout
                 raise _Passed(exc) from None
         try:
-            problem = f"rank {t.rank}: {targets.problem}" if targets.problem else ""
+            problem = "" if error or not targets.problem else f"rank {t.rank}: {targets.problem}"
             agree(t, error or problem, RecoveryError, untouched)
             problem, error = attempt(t.rank, targets.load_states)
             agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError, untouched)
