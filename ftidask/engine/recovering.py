@@ -255,6 +255,10 @@ class Recovery(RunPart):
                 return reshard.recover_other_layout(self, [record], change, wanted)
             except NoCheckpointError as exc:  # damaged: _recover_here tries the older ones of this layout
                 raise _Passed(exc) from None
+        # The checkpoint to recover is this one now: a refusal's advice (stored_size, realloc) gives its sizes, never
+        # those of the one recovered before (recover(ckpt_id=...) of an older one, then recover(): realloc said the
+        # older one's sizes, and recover() refused them again). The same on every rank: the verdict is agreed.
+        self.progress.restart_file, self.progress.restart_record = verdict.parsed, record
         agree(t, error or (f"rank {t.rank}: {targets.problem}" if targets.problem else ""), RecoveryError, untouched)
         problem, error = attempt(t.rank, targets.load_states)
         agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError, untouched)
