@@ -9,6 +9,11 @@ rank, exactly the checkpoint the model knows recoverable (its damage within the 
 partner copy not both lost, L3 at most half of a group's files), or, where the damage may be beyond, a whole
 committed checkpoint tried before it or NoCheckpointError with the arrays untouched. A hang fails at the timeout.
 
+A byte flipped in a container's slack (bytes FTI-FF keeps when a variable shrinks) is never detected; at L3 that
+file then poisons the Reed-Solomon rebuild of another lost file of its group (a clean NoCheckpointError or fallback,
+where the group is within tolerance): the model promises nothing there (a known limit, dcp-n1g4 seed 120 of the
+first version of the driver).
+
 Hypothesis cannot drive several MPI ranks: the seeds are the sequences. A failing seed reproduces with
 ``mpiexec -n 4 python tests/mpi_scripts/random_sequence_job.py CONFIG DIR STEPS SEED``.
 """
@@ -16,6 +21,7 @@ Hypothesis cannot drive several MPI ranks: the seeds are the sequences. A failin
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,7 +33,11 @@ CONFIGS = ["n1g4", "n1g2", "n2g2", "dcp-n1g4", "dcp-n2g2"]
 
 
 def _run_seeds(tmp_path: Path, config: str, steps: int, seeds: list[int], timeout: float) -> None:
-    run(4, "random_sequence_job.py", config, str(tmp_path), str(steps), *map(str, seeds), timeout=timeout)
+    try:
+        run(4, "random_sequence_job.py", config, str(tmp_path), str(steps), *map(str, seeds), timeout=timeout)
+    except subprocess.TimeoutExpired as exc:  # a hang: where it stopped (the job prints each seed and operation)
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        raise AssertionError(f"{config}: no answer in {timeout} s; the job's last lines:\n{out[-3000:]}") from None
     problems = []
     for seed in seeds:
         result = json.loads((tmp_path / f"result-{seed}.json").read_text())
@@ -39,7 +49,7 @@ def _run_seeds(tmp_path: Path, config: str, steps: int, seeds: list[int], timeou
 
 @pytest.mark.parametrize("config", ["n1g4", "dcp-n2g2"])
 def test_random_sequences_recover_what_the_model_predicts(tmp_path, config):
-    _run_seeds(tmp_path, config, steps=20, seeds=[1], timeout=120)
+    _run_seeds(tmp_path, config, steps=16, seeds=[1], timeout=120)
 
 
 @pytest.mark.slow

@@ -5,8 +5,9 @@ usage: mpiexec -n 4 python random_sequence_job.py CONFIG BASE STEPS SEED [SEED .
 Every rank draws the SAME sequence of operations from the seed (one NumPy Generator seeded alike everywhere); the
 values are each rank's own. Operations: arrays changed in place or replaced by ones of another size, checkpoints at
 levels 1-4 (5-8 with dCP) waited for or not, incremental checkpoints (the arrays changed between the variables'
-writes), recover / recover_var, a restart (the context closed without finalize, a new init, new arrays), a node's
-files lost at a restart, one file of a checkpoint erased or a byte of it flipped.
+writes), recover / recover_var / recover(ckpt_id, level), a restart (the context closed without finalize, a new init,
+stored_size, new arrays realloc'd), a node's files lost at a restart, one file of a checkpoint erased or a byte of it
+flipped, a dCP spare erased or flipped.
 
 The model (alike on every rank) keeps every committed checkpoint (each rank's values at the call, its level, the
 state of each of its files: sound, erased, or unknown: a byte flipped) and FTI's retention. Each recovery walks the
@@ -423,7 +424,10 @@ class Run:
     def step(self) -> None:
         names = [n for n, _ in self.OPS]
         weights = np.array([w for _, w in self.OPS], dtype=float)
-        getattr(self, str(self.rng.choice(names, p=weights / weights.sum())))()
+        name = str(self.rng.choice(names, p=weights / weights.sum()))
+        if self.rank == 0:
+            print(f"  {len(self.log)} {name}", flush=True)  # where a hang stopped (the test's timeout shows it)
+        getattr(self, name)()
 
     def close(self) -> None:
         try:
