@@ -128,10 +128,11 @@ class Run:
         groups = {tuple(self.group(r)) for r in range(self.size)}
         for g in groups:
             n_lost = sum(lost(("rank", r)) + lost(("rsed", r)) for r in g)
-            # A byte flipped in a container's slack is never detected (not hashed): that file, taken as sound, feeds
-            # the Reed-Solomon decoding of another lost file of the group, which then fails its hashes. A known
-            # limit (the parity records no hash of its members' whole files): nothing is promised then.
-            poisoned = pessimistic and any(c["files"][("rank", r)] == UNKNOWN for r in g) and n_lost >= 2
+            # A byte flipped in a container's slack is never detected (not hashed): that file, taken as sound, spoils
+            # the Reed-Solomon decoding of another lost file of the group if it is one of its inputs. The decoding
+            # takes the parity files first (checked whole): a data file only where a parity file is lost too.
+            poisoned = pessimistic and any(c["files"][("rank", r)] == UNKNOWN for r in g) and n_lost >= 2 and any(
+                c["files"][("rsed", r)] != SOUND for r in g)
             if n_lost > len(g) or poisoned:
                 return False
         return True
