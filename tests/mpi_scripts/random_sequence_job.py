@@ -68,6 +68,7 @@ class Run:
                          verbosity=3, block_size=256, transfer_size=1, **cfg)
         self.ckpts: list[dict] = []  # committed, oldest first
         self.next_id, self.log, self.handles = 1, [], []
+        self.taint: set[tuple[int, str, int]] = set()  # (level, kind, rank) whose spare lineage holds a flipped byte
         self.stats = dict.fromkeys(["exact", "either", "first", "fallback", "none", "damage", "exact_rebuilt",
                                     "restart", "lost_node"], 0)
         self.ctx = ftidask.init(comm=COMM, **self.dirs)
@@ -112,6 +113,14 @@ class Run:
                 c["retired"] = True
         kinds = {1: ["rank"], 2: ["rank", "pcof"], 3: ["rank", "rsed"], 4: ["rank"]}[base]
         files = {(k, r): SOUND for k in kinds for r in range(self.size)}
+        if level > 4:  # differential: patched on the spare, whose damaged blocks not changed since stay (docs/dcp.md)
+            for lv, kind, r in self.taint:
+                if lv == base and (kind, r) in files:
+                    files[(kind, r)] = UNKNOWN
+                    if kind == "rank" and base == 3:  # the parity updated from deltas read on that spare
+                        files.update({("rsed", m): UNKNOWN for m in self.group(r)})
+                    if kind == "rank" and base == 2:  # the partner copy patched with the same ranges
+                        files[("pcof", self.right(r))] = UNKNOWN
         self.ckpts.append({"id": self.next_id, "level": base, "asked": level, "values": values, "n": dict(self.n),
                            "retired": False, "dead": False, "files": files})
         self.next_id += 1
@@ -254,11 +263,13 @@ class Run:
             # A flipped byte may lie in a container's slack (FTI-FF keeps a container's size when its variable
             # shrinks): never read, never hashed, so never detected; recovering that file is then right too.
             c["files"][key] = ERASED if erase else UNKNOWN
+            if not erase and self.dcp and key[0] != "rsed":  # once a spare, patched by later differential ones
+                self.taint.add((c["level"], *key))
 
     def op_damage_spare(self) -> None:
         """dCP: a spare (a retired checkpoint's file, which the next differential checkpoint patches) erased or a
-        byte of it flipped. The model is unchanged: a retired checkpoint is never promised; the next differential
-        checkpoint must not build on the damaged spare (it is promised, exactly)."""
+        byte of it flipped. A retired checkpoint is never promised; the next differential
+        checkpoint may carry its damaged blocks not changed since (docs/dcp.md): never promised for that rank again."""
         if not self.dcp:
             return
         u, erase, where = float(self.rng.random()), bool(self.rng.random() < 0.3), float(self.rng.uniform(0.02, 0.98))
@@ -278,6 +289,12 @@ class Run:
         done = COMM.bcast(done)
         COMM.barrier()
         self.log.append(f"damage spare {done} {'erase' if erase else f'corrupt@{where:.2f}'}")
+        if done and not erase:  # {level dir}/dcp/Spare{kind}-Rank{r}.fti (a damaged parity spare is re-encoded)
+            parts = Path(done).parts
+            level = 4 if parts[0] == "G" else int(parts[-3][1:])
+            kind = {"Spare": "rank", "SparePcof": "pcof"}.get(parts[-1].split("-")[0])
+            if kind is not None:
+                self.taint.add((level, kind, int(parts[-1].split("Rank")[1].split(".")[0])))
 
     def settle(self) -> None:
         self.ctx.wait()
