@@ -55,4 +55,5 @@ def test_random_sequences_recover_what_the_model_predicts(tmp_path, config):
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_random_sequences_recover_what_the_model_predicts_many_seeds(tmp_path, config):
-    _run_seeds(tmp_path, config, steps=40, seeds=list(range(2, 22)), timeout=900)
+    # dcp-n2g2 seed 5: recover(ckpt_id=...) of an older checkpoint, then recover(): realloc gave the older one's sizes
+    _run_seeds(tmp_path, config, steps=40, seeds=[5, *range(200, 215)], timeout=900)
