@@ -94,3 +94,31 @@ def test_dask_recover_read_only_numpy_target_touches_nothing(dirs):
         out = ctx.recover()
         assert (first == np.arange(100)).all() and (second == np.arange(50)).all()
         assert (out[1].compute() == np.arange(64)).all()
+
+
+@pytest.mark.parametrize("older_first", [True, False])
+def test_a_refused_size_is_what_realloc_then_gives(dirs, older_first):
+    """recover(ckpt_id=...) of one checkpoint, then a recovery of another of other sizes: refused (the arrays
+    untouched) with the advice to use stored_size and realloc, which then give the sizes of the checkpoint refused,
+    so that the same recovery succeeds. Before, they gave those of the checkpoint recovered before, and recover()
+    refused again forever (found by tests/test_mpi_random_sequences.py, dcp-n2g2 seed 5: recover(ckpt_id=7) then
+    recover())."""
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, np.arange(100.0))
+    ctx.checkpoint(1, 4)
+    ctx.protect(1, np.arange(200.0))
+    ctx.checkpoint(2, 1)
+    first, then, sizes = ((1, None, (100, 200)) if older_first else (None, 1, (200, 100)))
+    ctx.protect(1, np.zeros(sizes[0]))
+    ctx.recover(first)
+    before = ctx.protected[1].tobytes()
+    assert before == np.arange(float(sizes[0])).tobytes()
+    with pytest.raises(ftidask.RecoveryError, match="realloc"):
+        ctx.recover(then)
+    assert ctx.protected[1].tobytes() == before  # untouched
+    assert ctx.stored_size(1) == sizes[1] * 8
+    assert ctx.realloc(1).size == sizes[1]
+    ctx.recover(then)
+    assert ctx.protected[1].tobytes() == np.arange(float(sizes[1])).tobytes()
+    assert ctx.recovered_from == ((2, 1) if older_first else (1, 4))
+    ctx.finalize()

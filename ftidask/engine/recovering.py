@@ -261,8 +261,9 @@ class Recovery(RunPart):
             problem, error = attempt(t.rank, targets.load_states)
             agree(t, error or (f"rank {t.rank}: {problem}" if problem else ""), RecoveryError, untouched)
         except RecoveryError:  # an array of another size (FTI: realloc it): verified by every rank, the one to recover
-            # stored_size() and realloc() now answer for it, not for the newest written or recovered in this run:
-            # when that one failed its hash, they would size the arrays for a checkpoint recover() never loads
+            # stored_size() and realloc() now answer for it, not for the one written or recovered last in this run
+            # (the newest, failed its hash; or an older one recover(ckpt_id=...) gave): else they size the arrays for
+            # a checkpoint this recover() does not load, and it refuses them again, for ever. Agreed on every rank.
             self.progress.restart_file, self.progress.restart_record = verdict.parsed, record
             raise
 

@@ -156,7 +156,10 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
     lost = sum((not d) + (not p) for d, p in flags)
     if lost == 0 or lost > k:
         return own_ok
-    available = [j for j in range(k) if flags[j][0]] + [k + j for j in range(k) if flags[j][1]]
+    # The parity files first: each was checked whole against its .hash record, where a data file's hashes cover its
+    # containers' data only: a byte changed in a container's slack (FTI-FF keeps a container's size when its variable
+    # shrinks) leaves it "sound", and as an input it would spoil every file rebuilt from it.
+    available = [k + j for j in range(k) if flags[j][1]] + [j for j in range(k) if flags[j][0]]
     chosen = available[:k]
     codec = ReedSolomon(k, k)
     fd = open_input(own, errors) if own_ok else None
