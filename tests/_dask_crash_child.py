@@ -23,6 +23,7 @@ after a recovery (``R none <error>`` when there was nothing to recover), ``C <id
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import json
 import os
@@ -93,6 +94,7 @@ def say(*words: Any) -> None:
 
 def main() -> None:
     root, spec = sys.argv[1], json.loads(sys.argv[2])
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test dumps the stacks of a child it calls hung
     import dask.array as da
     import distributed
 
