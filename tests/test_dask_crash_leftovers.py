@@ -51,3 +51,19 @@ def test_a_worker_killed_while_it_deletes_leaves_nothing_once_the_run_is_finaliz
     ctx.checkpoint(3, level)
     ctx.finalize()
     assert files_left(dirs) == []
+
+
+def test_a_task_the_cluster_cancelled_fails_the_wait_as_a_cluster_error(client):
+    """The scheduler cancels a checkpoint's task when its worker is killed in it (the campaign saw "Futures cancelled
+    for reason: already forgotten"): distributed.wait raised FuturesCancelledError out of the checkpoint, a Dask error
+    instead of CheckpointError, and the checkpoint's directories were not discarded. The wait now says which task
+    was cancelled, as a ClusterError (a checkpoint turns it into CheckpointError and discards its files)."""
+    import time
+
+    from ftidask.backends.dask.cluster import Cluster, ClusterError
+
+    cluster = Cluster(client, "off")
+    future = client.submit(time.sleep, 30, pure=False, key="ftidask-write-9-9-0")
+    client.cancel([future], force=True)
+    with pytest.raises(ClusterError, match="ftidask-write-9-9-0 were cancelled or lost"):
+        cluster.wait_all([future], [], "checkpoint 9")
