@@ -241,7 +241,7 @@ class Retention(RunPart):
             on_root(t, self._sweep_spares, FTIError, failed)
         # Marked last, once every rank's trash is deleted: killed before, the run (its records gone) is started afresh
         # under its name, whose start removes what is left; marked finalized, nothing would ever look there again.
-        everywhere(t, self.close, FTIError, failed)
+        everywhere(t, self.finish_removals, FTIError, failed)
         on_root(t, lambda: self.state.write_run(state="finalized", keep_last=keep, seq=used), FTIError, failed)
 
     def _sweep_spares(self) -> None:
@@ -279,6 +279,11 @@ class Retention(RunPart):
         for sub in (p.run_meta.iterdir() if p.run_meta.is_dir() else ()):  # the run's state stays
             if sub.is_dir():
                 storage.prune_empty_dirs(sub)
+
+    def finish_removals(self) -> None:
+        """finalize, before the run is marked finalized: wait for the deletions under way (a backend whose deletions
+        run elsewhere waits for them there, and removes what its dead processes left)."""
+        self.close()
 
     def close(self) -> None:
         """Wait for the deletions under way."""

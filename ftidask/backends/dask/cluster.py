@@ -12,6 +12,7 @@ from typing import Any
 
 from dask._task_spec import Task
 from distributed import Client, Future, wait
+from distributed.client import FuturesCancelledError
 from distributed.diagnostics.progressbar import TextProgressBar, is_kernel
 
 from ...model.errors import FTIError
@@ -202,8 +203,8 @@ class Cluster:
 
 
 def wait_for(futures: Sequence[Future], timeout: float) -> bool:
-    """Whether every one of ``futures`` is done within ``timeout`` seconds (``distributed.wait``, without its
-    ``TimeoutError`` left behind).
+    """Whether every one of ``futures`` is done (finished, failed or cancelled) within ``timeout`` seconds
+    (``distributed.wait``, without its ``TimeoutError`` left behind).
 
     That error is kept by a reference cycle through distributed's ``sync`` (a closure's cell) until the next
     garbage collection, and its traceback by then holds the frames it went through, each frame its caller: a
@@ -212,6 +213,10 @@ def wait_for(futures: Sequence[Future], timeout: float) -> bool:
     """
     try:
         wait(list(futures), timeout=timeout)
+        return True
+    except FuturesCancelledError as exc:  # cancelled by the cluster (a worker killed in a task): the caller reads
+        traceback.clear_frames(exc.__traceback__)  # each future's status and says what failed, as for an error
+        exc.__traceback__ = None
         return True
     except TimeoutError as exc:
         traceback.clear_frames(exc.__traceback__)

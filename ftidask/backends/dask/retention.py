@@ -67,10 +67,11 @@ class DaskRetention(Retention):
         self.cluster.run(tasks.discard_paths, dirs)  # renamed now, deleted in the background
         storage.discard(self.paths.level_dir(4, 0) / storage.ckpt_dirname(ckpt_id, seq), self.remover)
 
-    def collect_garbage(self) -> None:
-        """Remove interrupted checkpoints' leftovers on every worker (and in the global directory)."""
+    def collect_garbage(self, trash: bool = False) -> None:
+        """Remove interrupted checkpoints' leftovers on every worker (and in the global directory); the trash too
+        at the start (nothing of ours is being deleted yet) or with ``trash`` (every deletion waited for)."""
         committed = {r.dirname for r in self.state.records()}
-        first = not self.started  # at the start nothing of ours is being deleted: old trash goes too
+        first = trash or not self.started
         self.started = True
         self.cluster.run(tasks.collect_garbage, str(self.paths.ckpt_dir), self.paths.exec_id, sorted(committed),
                          first, bool(self.config.enable_dcp))
@@ -89,6 +90,14 @@ class DaskRetention(Retention):
     def remove_dead_runs(self, runs: list[str]) -> None:
         """The node directories of the dead runs ``runs`` that every worker sees (:mod:`ftidask.api.abandoned`)."""
         self.cluster.run(tasks.remove_run_dirs, str(self.paths.ckpt_dir), list(runs))
+
+    def finish_removals(self) -> None:
+        """finalize, before the run is marked finalized (then nothing ever looks at its directories again): every
+        worker's deletions done, then what killed workers left removed: the trash a worker's deletion thread left
+        half deleted, the directories a failed checkpoint's discard missed while its worker was restarting."""
+        super().finish_removals()
+        self.cluster.run(tasks.wait_removals)
+        self.collect_garbage(trash=True)
 
     def remove_checkpoint(self, record: CommitRecord, fallback: bool = True) -> None:
         """Drop ``record``; with ``fallback``, a differential checkpoint's files become the spares (if this client

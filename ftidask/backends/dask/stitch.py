@@ -161,7 +161,7 @@ def _wait(ctx: DaskContext, futures: list[Any], what: str, gather: bool = True) 
         if not ctx.cluster.workers():
             ctx.cluster.cancel(futures)
             raise RecoveryError(f"{what}: the cluster has no workers") from None
-    failed = [f for f in futures if f.status == "error"]
+    failed = [f for f in futures if f.status in ("error", "cancelled")]
     if failed:
         try:
             exc: Any = failed[0].exception(timeout=ctx.cluster.poll * 4)
