@@ -22,6 +22,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in heavy:
             item.add_marker(pytest.mark.slow)
+    # The campaigns' whole seed matrices run only when asked by name (-m campaign), never with -m slow (CI's budget).
+    if "campaign" not in (config.option.markexpr or ""):
+        skipped = [item for item in items if item.get_closest_marker("campaign") is not None]
+        if skipped:
+            config.hook.pytest_deselected(items=skipped)
+            items[:] = [item for item in items if item.get_closest_marker("campaign") is None]
 
 
 # --- MPICH's shared-memory segments of killed jobs ----------------------------------------------------

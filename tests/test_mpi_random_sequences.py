@@ -53,7 +53,16 @@ def test_random_sequences_recover_what_the_model_predicts(tmp_path, config):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_random_sequences_recover_what_the_model_predicts_many_seeds(tmp_path, config):
     # dcp-n2g2 seed 5: recover(ckpt_id=...) of an older checkpoint, then recover(): realloc gave the older one's sizes
-    _run_seeds(tmp_path, config, steps=40, seeds=[5, *range(200, 215)], timeout=900)
+    _run_seeds(tmp_path, config, steps=40, seeds=[5, *range(200, 207)], timeout=900)
+
+
+@pytest.mark.campaign
+@pytest.mark.timeout(3700)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_random_sequences_recover_what_the_model_predicts_campaign(tmp_path, config):
+    """-m campaign: more seeds, longer sequences."""
+    _run_seeds(tmp_path, config, steps=80, seeds=list(range(300, 340)), timeout=3600)
