@@ -161,3 +161,24 @@ def test_a_dead_side_runs_staging_leftovers_go_and_its_stage_files_stay(dirs):
     ctx.finalize()
     assert run_ids(dirs) == {"other"} and list(out.iterdir()) == []
     assert staged.read_bytes() == b"x" * 100_000
+
+
+@pytest.mark.slow
+def test_a_dead_run_whose_last_holder_was_on_another_host_is_kept(dirs):
+    """On a file system whose locks are node-local (Lustre's localflock) a live run on another node holds a lock this
+    host can take: a run whose lock file names another host is never swept from here; once a start on its own host
+    finds it dead, it is."""
+    proc = side(dirs, "kill")
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    (run,) = run_ids(dirs)
+    lock = Path(dirs["meta_dir"], run, "run.lock")
+    record = json.loads(lock.read_text())
+    lock.write_text(json.dumps({**record, "host": "another-node"}))
+    before = files_of(dirs, run)
+    assert before
+    ftidask.init(exec_id="other", **dirs).finalize()
+    assert run in run_ids(dirs) and files_of(dirs, run) == before  # kept: its holder may be alive over there
+    lock.write_text(json.dumps(record))  # the record of this host's dead process
+    ftidask.init(exec_id="third", **dirs).finalize()
+    assert run not in run_ids(dirs) and not files_of(dirs, run)

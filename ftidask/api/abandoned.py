@@ -6,7 +6,10 @@ run never looks in its directories: its partial checkpoint (the size of the stat
 once it has collected its own run's leftovers, removes the runs of its ``meta_dir`` that are all of:
 
 * dead: no process holds their run lock, and this start takes it for as long as it removes them (no init adopts
-  or restarts them meanwhile). On a file system without locks no run is provably dead: nothing is swept there;
+  or restarts them meanwhile); and their last holder ran on this host (on a file system whose locks are
+  node-local, Lustre's ``localflock``, a live run on another node holds a lock invisible here: such a run is
+  kept, and swept by a later start on its host). On a file system without locks no run is provably dead:
+  nothing is swept there;
 * not finalized (``run.json`` says ``running``; a finalized run left nothing to sweep);
 * without any record in their ``commits`` directory (no checkpoint to restart from, no fallback to the spares
   of a differential one, not even a damaged record), and without an ``l4_archive`` (``keep_l4_ckpt``: the
@@ -78,6 +81,9 @@ def abandoned(paths: storage.RunPaths) -> list[tuple[str, RunLock]]:
             continue
         lock = runlock.take_dead(entry)
         if lock is None:
+            continue
+        if not runlock.last_holder_here(entry):  # its lock may be another node's (node-local locks): kept
+            lock.release()
             continue
         if _never_committed(paths, run):  # again under its lock: a restart may have committed in between
             found.append((run, lock))

@@ -173,12 +173,26 @@ def is_live(run_dir: Path) -> bool:
 
 def holder(run_dir: Path) -> str:
     """``"pid N on host H"`` of the process that holds the run's lock, as far as its lock file says."""
+    info = _record(run_dir)
+    return "an unknown process" if info is None else f"pid {info[0]} on host {info[1]}"
+
+
+def last_holder_here(run_dir: Path) -> bool:
+    """Whether the run's lock file names a process of this host as its last holder. A lock that this host could
+    take proves that holder dead only then: on a file system whose locks are node-local (Lustre's ``localflock``),
+    a live run on another node holds a lock this host does not see."""
+    info = _record(run_dir)
+    return info is not None and info[1] == socket.gethostname()
+
+
+def _record(run_dir: Path) -> tuple[int, str] | None:
+    """(pid, host) of the lock file's holder record; None when unreadable."""
     try:
         info = json.loads(storage.read_regular(run_dir / LOCK_NAME).decode("utf-8"))
-        return f"pid {int(info['pid'])} on host {info['host']}"
+        return int(info["pid"]), str(info["host"])
     # RecursionError: JSON nested too deep; OverflowError: int() of JSON's Infinity (a lock file written by anyone)
     except (OSError, ValueError, KeyError, TypeError, RecursionError, OverflowError):
-        return "an unknown process"
+        return None
 
 
 @contextlib.contextmanager
