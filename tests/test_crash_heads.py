@@ -163,9 +163,11 @@ def test_head_killed_while_it_stages_leaves_no_temporary_file(tmp_path):
     proc = job(nprocs, root, spec, {})
     assert proc.returncode != 0, proc.stdout  # the crash point was reached: the job was torn down
     assert list((root / "G" / "out").glob(".*.tmp")), "the head died before its temporary file was written"
+    want, _status = expected(root)  # 1 or 2: checkpoint 2 races the head's transfers (the kill takes the job down)
+    assert want in (1, 2), want
     proc = job(nprocs, root, {**spec, "mode": "verify", "point": None}, {})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    check_recovery(proc, 2, "the restart")
+    check_recovery(proc, want, "the restart")
     staged_whole(root, nprocs, spec, "the restart", final=True)
     assert_no_leftovers(root, spec["cfg"], "the restart", outside=root / "G" / "out")
 

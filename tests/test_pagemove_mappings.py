@@ -22,10 +22,16 @@ libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 def fresh_array() -> np.ndarray:
-    """A 40 MiB array of pages never touched (above malloc's mmap threshold: pages of its own)."""
-    out = np.empty(40 << 20, np.uint8)
-    assert pagemove._fresh(out)
-    return out
+    """A 40 MiB array of pages never touched. Above malloc's largest mmap threshold malloc maps fresh pages, unless
+    its heap's free top (memory an earlier test of this process freed) is larger: such an allocation is kept while
+    the next is tried, so that malloc must map pages (as tests/test_recover_reads_once.py's ``fresh``)."""
+    tried = []
+    for _ in range(8):
+        out = np.empty(40 << 20, np.uint8)
+        if pagemove._fresh(out):
+            return out
+        tried.append(out)
+    raise AssertionError("malloc gave no untouched pages for 40 MiB")
 
 
 def sources(monkeypatch) -> list[str]:
