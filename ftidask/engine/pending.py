@@ -27,7 +27,7 @@ from ..model.arrays import ArrayBytes, VarInfo
 from ..model.errors import CheckpointError
 from ..model.level import Level
 from ..storage import interrupts
-from ..storage.files import create_temp, fsync_dir, located, makedirs
+from ..storage.files import create_temp, fsync_dir, fsync_parents, located, makedirs
 
 
 class RankWriter(Protocol):
@@ -55,7 +55,8 @@ class RankFileWriter:
     record_extra: dict[str, Any] = {}  # a plain FTI-FF file: the record says nothing more (never mutated)
 
     def __init__(self, path: Path, layout: Layout, hash_id: int, pool: ThreadPoolExecutor | None = None) -> None:
-        makedirs(path.parent)
+        self._created: list[Path] = []  # the directories made for it: durable with the file (makedirs)
+        makedirs(path.parent, self._created)
         self.path, self.layout, self.hash_id = path, layout, hash_id
         with interrupts.held_off():  # Ctrl-C never between the descriptor and its file object
             fd, self.tmp = create_temp(path)
@@ -89,6 +90,7 @@ class RankFileWriter:
         self.close()
         os.replace(self.tmp, self.path)
         fsync_dir(self.path.parent)
+        fsync_parents(self._created)
         return dataclasses.replace(written, data_bytes=self.data_bytes)
 
     def abort(self) -> None:

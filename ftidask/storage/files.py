@@ -124,20 +124,54 @@ def set_permissions(name: str) -> None:
     FILE_MODE, DIR_MODE = PERMISSIONS[name]
 
 
-def makedirs(path: Path) -> Path:
-    """Create ``path`` and its missing parents with :data:`DIR_MODE`; an existing directory is fine."""
-    try:
-        os.mkdir(path, DIR_MODE)
-    except FileExistsError:
-        if not path.is_dir():
-            raise
-    except FileNotFoundError:
-        if path.parent == path:
-            raise
-        makedirs(path.parent)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, DIR_MODE)
+def makedirs(path: Path, created: list[Path] | None = None) -> Path:
+    """Create ``path`` and its missing parents with :data:`DIR_MODE`; an existing directory is fine.
+
+    A new directory's name is durable only once its parent is fsynced (POSIX; ext4 and XFS commit it with any
+    later fsync, other file systems need not, and a commit record could then outlive the directory holding the
+    files it names). Each directory created here has its parent fsynced at once, or, when ``created`` is given,
+    is appended to it for the caller's :func:`fsync_parents` once what the directory holds is durable (no extra
+    wait on a checkpoint's path: the file's fsync has by then committed the creation, the parents' is a flush).
+    """
+    made: list[Path] = []
+    missing: list[Path] = []
+    probe = path
+    while True:
+        try:
+            os.mkdir(probe, DIR_MODE)
+            made.append(probe)
+            break
+        except FileExistsError:
+            if not probe.is_dir():
+                raise
+            break
+        except FileNotFoundError:
+            if probe.parent == probe:
+                raise
+            missing.append(probe)
+            probe = probe.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+            os.mkdir(directory, DIR_MODE)
+            made.append(directory)
+    if created is None:
+        fsync_parents(made)
+    else:
+        created.extend(made)
     return path
+
+
+def fsync_parents(created: list[Path]) -> None:
+    """fsync the parent of each directory in ``created`` (see :func:`makedirs`), each parent once. The parent of
+    the topmost one may be the user's: one that cannot be opened for it (no read permission) or a file system
+    without directory fsync is passed over, as the directories ftidask makes never are."""
+    ours = set(created)
+    for parent in dict.fromkeys(directory.parent for directory in created):
+        try:
+            fsync_dir(parent)
+        except OSError as exc:
+            if parent in ours or exc.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL, errno.ENOTSUP):
+                raise
 
 
 #: Flags of a new temporary file: never an existing file, never through a symbolic link.
@@ -173,8 +207,10 @@ def open_temp(path: Path, mode: str = "w+b") -> tuple[BinaryIO, Path]:
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "w+b", durable: bool = True) -> Iterator[BinaryIO]:
     """Yield a file at a temporary name; on success fsync it and rename it to ``path``. ``durable=False``: renamed
-    without waiting for the disk; the caller calls :func:`make_durable` before any record names it."""
-    makedirs(path.parent)
+    without waiting for the disk; the caller calls :func:`make_durable` before any record names it (the
+    directories made for it are then durable at once: a later fsync of a parent would wait for the file's data)."""
+    created: list[Path] = []
+    makedirs(path.parent, created if durable else None)
     fh, tmp = open_temp(path, mode)
     try:
         yield fh  # type: ignore[misc]
@@ -185,6 +221,7 @@ def atomic_file(path: Path, mode: str = "w+b", durable: bool = True) -> Iterator
         os.replace(tmp, path)
         if durable:
             fsync_dir(path.parent)
+            fsync_parents(created)
     except BaseException as exc:
         # Closing flushes what is buffered: on a full disk it fails again. The temporary file
         # must go all the same, and the error to see is the first one.
