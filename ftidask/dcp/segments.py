@@ -29,6 +29,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def segment_bounds(slot: Slot, block_size: int, segment: int) -> Iterator[tuple[int, int]]:
+    """The ``(start, stop)`` spans of a container hashed as one segment each: ``segment`` bytes rounded down to
+    whole dCP blocks (one block at least), the last span cut at the container's end."""
     step = max(1, segment // block_size) * block_size
     for lo in range(0, slot.chunksize, step):
         yield lo, min(slot.chunksize, lo + step)

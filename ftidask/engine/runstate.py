@@ -179,6 +179,8 @@ def unsealed_record(raw: Any) -> CommitRecord | None:
 
 
 def new_exec_id() -> str:
+    """A new run's id: its start time, readable and sortable as FTI's, and 6 random hex digits so that two runs
+    started in the same second (a side run, a job array) never share directories."""
     return time.strftime("%Y-%m-%d_%H-%M-%S") + "-" + secrets.token_hex(3)
 
 

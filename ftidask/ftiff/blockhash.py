@@ -94,6 +94,7 @@ def block_hash(bid: int) -> tuple[str, int, Callable[[memoryview], bytes]]:
 
 
 def nblocks(chunksize: int, block_size: int) -> int:
+    """How many dCP blocks cover ``chunksize`` bytes (the last one may be short)."""
     return -(-chunksize // block_size)
 
 

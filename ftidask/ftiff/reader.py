@@ -29,6 +29,8 @@ SUPPORTED_VERSIONS = (1,)
 
 
 class ByteTarget(Protocol):
+    """Where a reader puts a variable's bytes: a view to read into in place (None: not possible), or a store."""
+
     def view(self, start: int, stop: int) -> memoryview | None: ...
     def store(self, start: int, data: bytes | memoryview) -> None: ...
 

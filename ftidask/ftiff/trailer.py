@@ -45,6 +45,8 @@ def trailer_span(tail16: bytes, fs: int, file_size: int, *, path: str | None = N
 
 
 def parse_trailer(payload: bytes, *, path: str | None = None) -> dict[str, Any]:
+    """The JSON variable table after a file's data, checked for shape (an object with a ``vars`` list);
+    :class:`FormatError` naming ``path`` when it is not."""
     try:
         value = json.loads(payload.decode("utf-8"))
     # ValueError, not only JSONDecodeError: json refuses integers of more than 4300 digits with a plain one.

@@ -152,6 +152,8 @@ def _publish(tmp: str, dst: str, dir_fd: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TransferResult:
+    """A completed transfer: the bytes copied, their digest as read back at the destination, the time taken."""
+
     nbytes: int
     digest: str
     seconds: float

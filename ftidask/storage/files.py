@@ -42,6 +42,7 @@ log = logging.getLogger("ftidask")
 
 
 def fsync_dir(path: Path) -> None:
+    """fsync the directory ``path``: the names created, renamed or removed in it are then durable."""
     _fsync(path, os.O_DIRECTORY)
 
 

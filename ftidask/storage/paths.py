@@ -55,6 +55,7 @@ class RunPaths:
 
 
 def ckpt_dirname(ckpt_id: int, seq: int) -> str:
+    """A checkpoint's directory: its id and its sequence number, so that reusing an id never overwrites one."""
     return f"ckpt{ckpt_id}.s{seq}"
 
 

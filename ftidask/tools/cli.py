@@ -104,6 +104,7 @@ def _fti_parity_problem(path: Path) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """``ftidask inspect FILE``: print a checkpoint file's structure (blocks, containers, variables)."""
     from ..engine.pystate import read_states
 
     if is_config_file(Path(args.file)):  # a checkpoint is binary: this is FTI's config.fti, not Ckpt*-Rank*.fti
@@ -126,6 +127,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """``ftidask verify PATH``: check every hash of a file, a checkpoint directory or a run; 0 when sound."""
     root = Path(args.path)
     if not root.exists():
         return _missing(root, base=False)
@@ -220,6 +222,7 @@ def _key(path: Path, kind: str, detail: object) -> tuple[str, int]:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    """``ftidask list``: the checkpoints of the runs under a directory (or a config's), with their state."""
     if not args.config and not Path(args.dir).exists():
         return _missing(Path(args.dir))
     roots = [p for p in _dirs(args)[:2] if p.is_dir()] or [Path(args.dir)]
@@ -268,6 +271,7 @@ def _runs_to_clean(args: argparse.Namespace, meta: Path) -> set[str]:
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
+    """``ftidask clean``: remove the files of finished or named runs (never those of a live one)."""
     local, glbl, meta = _dirs(args)
     if not args.config and not Path(args.dir).exists():
         return _missing(Path(args.dir))
@@ -312,6 +316,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: one sub-command per ``cmd_*`` function."""
     parser = argparse.ArgumentParser(prog="ftidask", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="print a file's FTI-FF structure")
@@ -350,6 +355,7 @@ _EXTRA_COMMANDS.append(_add_zarr_commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``ftidask`` command: its exit status (errors are one line on stderr, never a traceback)."""
     try:
         args = build_parser().parse_args(argv)  # inside: --help into a closed pipe ends quietly too
         if getattr(args, "config", None):  # list/clean --config, import's config: say what is wrong with it
