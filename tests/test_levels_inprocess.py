@@ -316,6 +316,22 @@ def test_l3_a_file_changed_where_no_hash_looks_is_no_input_when_a_parity_is_lost
     assert json.loads(again.with_name(again.name + ".hash").read_text())["file_hashes"] == record["file_hashes"]
 
 
+def test_l3_files_known_to_differ_rebuild_no_parity_when_they_must_be_inputs(tmp_path):
+    """Parities 1 and 2 and file 3 lost, files 0 and 1 changed where their own hashes do not look: two parity files
+    and one exact file are not enough, so file 0 is an input after all (as without whole-file hashes). File 3, spoiled
+    by it, fails its check; the lost parity files are not rebuilt from it (a rebuilt parity is recorded as sound
+    without a check: it would spoil a later rebuild), the next checkpoint writes them."""
+    sizes = [3000, 3100, 2900, 3050]
+    files = make_group(tmp_path, 3, sizes, seed=8)
+    also = {**_flip_unhashed(tmp_path, 0, files), **_flip_unhashed(tmp_path, 1, files)}
+    for i in (1, 2):
+        redundancy(tmp_path, 3, i).unlink()
+    own(tmp_path, 3).unlink()
+    assert rebuild(tmp_path, 3, sizes, files, also) == [True, True, True, False]
+    assert not redundancy(tmp_path, 3, 1).exists() and not redundancy(tmp_path, 3, 2).exists()
+    assert [own(tmp_path, i).read_bytes() for i in range(2)] == [also[0], also[1]]  # left as they are
+
+
 def test_l3_records_without_whole_file_hashes_rebuild_as_before(tmp_path):
     """Parity records of an older version (no whole-file hashes): a sound file is not read again, and the case above
     still loses member 2's file (its rebuild fails its checks: never wrong data)."""

@@ -195,7 +195,8 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
     When a file is lost, each member whose own file is sound also checks it against the whole-file hash the
     parity records keep (one more read of it): a file that differs where its own hashes do not look (a container's
     slack) is no decoding input, and is rebuilt too when the other files are enough; when they are not, it is an
-    input after all (a record without whole-file hashes: as before them), and whatever it spoils fails its checks.
+    input after all (as without whole-file hashes): a data file it spoils fails its checks, and no lost parity is
+    rebuilt from it (a parity is not checked once rebuilt).
     """
     i, k, max_fs = ch.index, ch.size, max(sizes)
     if all(ch.allgather(bool(own_ok) and _present(parity, max_fs))):
@@ -224,7 +225,9 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
     fd = open_input(own, errors) if not rebuild_own else None
     fp = open_input(parity, errors) if par_ok else None
     out_d = SafeOutput(own, errors) if rebuild_own else None
-    out_p = SafeOutput(parity, errors) if not par_ok else None
+    # A parity decoded from a file known to differ would be recorded as sound (a data file rebuilt from it is
+    # verified, a parity is not): left lost, the next L3 checkpoint writes it.
+    out_p = SafeOutput(parity, errors) if not par_ok and not set(chosen) & set(suspect) else None
     hasher = hashing.new_hasher(hash_id)
     try:
         for offset in range(0, max_fs, block):
