@@ -94,9 +94,16 @@ def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: i
     # Every member's whole-file hash, for every parity's record ('': this member's file could not be read).
     digests = ch.allgather([own.name, whole.hexdigest() if read_ok else ""])
     if out.close():
-        write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors, fb_hashes,
-                     {name: digest for name, digest in digests if digest})
+        write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors, fb_hashes, by_name(digests))
     return "; ".join(errors)
+
+
+def by_name(digests: list[list[str]]) -> dict[str, str] | None:
+    """The group's ``[file name, whole-file hash]`` pairs as a record's ``file_hashes`` ('' hashes left out); None
+    when two files share a name (never in a checkpoint: ``Ckpt{id}-Rank{r}.fti``): the record cannot tell them
+    apart."""
+    names = [name for name, _ in digests]
+    return {name: digest for name, digest in digests if digest} if len(set(names)) == len(names) else None
 
 
 def _present(parity: Path, size: int) -> bool:
