@@ -12,7 +12,7 @@ changed in a container's slack (FTI-FF keeps a container's size when its variabl
 loss forces a decode, such a file counts as lost too (and is rebuilt), never as an input that would spoil every file
 rebuilt from it. Each member hashes its own file as it reads it for the encode (no extra read); a rebuild reads its
 own file once more, only when the group lost a file. A record without ``file_hashes`` (an older version's, a parity
-patched by :mod:`ftidask.levels.rs_delta`) checks nothing more.
+a rank's differential writer patched: :mod:`ftidask.levels.rs_delta`) checks nothing more.
 """
 
 from __future__ import annotations
