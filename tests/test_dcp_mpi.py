@@ -130,8 +130,13 @@ def test_heads_update_the_l3_parity_of_differential_checkpoints(tmp_path):
     assert all(n <= 2 * 4096 for n in changed), changed  # a changed data block and the table's, of 8 to 32 blocks
     own = [next(tmp_path.glob(f"Local/node{r}/*/l3/ckpt3.*/Ckpt3-Rank{r}.fti")) for r in range(4)]
     rows = _parity_rows(own)
+    from ftidask.levels import rs
+
     for r in range(4):
         assert (own[r].parent / f"Ckpt3-RSed{r}.fti").read_bytes() == rows[r]
+        # the heads hashed each new file as they compared it with its base: the record keeps the whole-file hashes
+        record = json.loads(rs.hash_path(own[r].parent / f"Ckpt3-RSed{r}.fti").read_text())
+        assert record["file_hashes"] == {f.name: rs.file_hash(f, record["hash_id"]) for f in own}
     shutil.rmtree(tmp_path / "Local" / "node1")
     run(8, "heads_dcp_job.py", str(tmp_path), "4", "7", timeout=180, check=False)
     for r in range(4):

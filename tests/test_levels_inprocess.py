@@ -8,6 +8,7 @@ checked against the rule of its level, in milliseconds, with the rebuilt files c
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -53,9 +54,12 @@ def make_group(base: Path, level: int, sizes: list[int], seed: int) -> dict[int,
     return data
 
 
-def rebuild(base: Path, level: int, sizes: list[int], data: dict[int, bytes]) -> list[bool]:
+def rebuild(base: Path, level: int, sizes: list[int], data: dict[int, bytes],
+            also: dict[int, bytes] | None = None) -> list[bool]:
+    """``also``: a member's file that verifies too (a byte changed where its own hashes do not look)."""
     def sound(i: int):
-        return lambda p: p.exists() and hashlib.sha256(p.read_bytes()).digest() == hashlib.sha256(data[i]).digest()
+        ok = {hashlib.sha256(data[i]).digest()} | ({hashlib.sha256(also[i]).digest()} if i in (also or {}) else set())
+        return lambda p: p.exists() and hashlib.sha256(p.read_bytes()).digest() in ok
 
     def step(ch):
         i, g = ch.index, ch.size
@@ -266,19 +270,80 @@ def test_a_member_failing_inside_the_level_keeps_the_group_in_step(tmp_path, lev
     assert all(redundancy(tmp_path, level, i).is_file() for i in (0, 2, 3))
 
 
+def _flip_unhashed(base: Path, i: int, files: dict[int, bytes], at: int = 100) -> dict[int, bytes]:
+    """Member ``i``'s file with a byte changed where its own checks (here: ``rebuild``'s ``also``) do not look, as in
+    FTI-FF's container slack: its verifier accepts it."""
+    flipped = bytearray(files[i])
+    flipped[at] ^= 0xFF
+    own(base, i).write_bytes(bytes(flipped))
+    return {i: bytes(flipped)}
+
+
 def test_l3_rebuild_takes_the_parity_first_never_a_file_changed_where_no_hash_looks(tmp_path):
     """A byte flipped in a member's file where its hashes do not look (FTI-FF's container slack: the member's file
     still verifies) must not spoil the rebuild of another member's lost file: with every parity file but the lost
     node's whole (each checked against its .hash record), the decoding takes them first. Before, it took the data
     files first, and the lost file came back wrong: a NoCheckpointError for a group within its tolerance (found by
-    tests/test_mpi_random_sequences.py, dcp-n1g4, a node lost after a byte of another rank's file was flipped)."""
+    tests/test_mpi_random_sequences.py, dcp-n1g4, a node lost after a byte of another rank's file was flipped).
+    The flipped file does not match the whole-file hash the parity records keep: it is rebuilt as it was written."""
     sizes = [3000, 3100, 2900, 3050]
     files = make_group(tmp_path, 3, sizes, seed=7)
-    flipped = bytearray(files[1])
-    flipped[100] ^= 0xFF  # member 1's file changed; its own checks (here: verify_own accepts it) do not see it
-    own(tmp_path, 1).write_bytes(bytes(flipped))
-    files = {**files, 1: bytes(flipped)}
+    also = _flip_unhashed(tmp_path, 1, files)
     own(tmp_path, 2).unlink()  # node 2 lost: its file and its parity
     redundancy(tmp_path, 3, 2).unlink()
-    assert rebuild(tmp_path, 3, sizes, files) == [True] * 4
-    assert own(tmp_path, 2).read_bytes() == make_group(tmp_path / "again", 3, sizes, seed=7)[2]
+    assert rebuild(tmp_path, 3, sizes, files, also) == [True] * 4
+    assert own(tmp_path, 2).read_bytes() == files[2]
+    assert own(tmp_path, 1).read_bytes() == files[1]
+
+
+def test_l3_a_file_changed_where_no_hash_looks_is_no_input_when_a_parity_is_lost_too(tmp_path):
+    """Member 1's parity and member 2's file lost, member 0's file changed where its own hashes do not look: the
+    decoding needs a data file besides the three parity files left, and member 0's would be the first. Its
+    whole-file hash (kept by every parity's record, as FTI's L3 metadata keeps each rank's checksum) is not the
+    recorded one: it counts as lost, member 3's file is the input, and members 0 and 2 come back bit for bit. Before,
+    member 0's file spoiled member 2's rebuild (a checkpoint within L3's tolerance lost)."""
+    sizes = [3000, 3100, 2900, 3050]
+    files = make_group(tmp_path, 3, sizes, seed=8)
+    record_path = redundancy(tmp_path, 3, 0).with_name(redundancy(tmp_path, 3, 0).name + ".hash")
+    also = _flip_unhashed(tmp_path, 0, files)
+    redundancy(tmp_path, 3, 1).unlink()
+    own(tmp_path, 2).unlink()
+    assert rebuild(tmp_path, 3, sizes, files, also) == [True] * 4
+    assert [own(tmp_path, i).read_bytes() for i in range(4)] == [files[i] for i in range(4)]
+    record = json.loads(record_path.read_text())
+    assert sorted(record["file_hashes"]) == sorted(own(tmp_path, i).name for i in range(4))
+    again = redundancy(tmp_path, 3, 1)  # the rebuilt parity keeps the group's whole-file hashes
+    assert json.loads(again.with_name(again.name + ".hash").read_text())["file_hashes"] == record["file_hashes"]
+
+
+def test_l3_files_known_to_differ_rebuild_no_parity_when_they_must_be_inputs(tmp_path):
+    """Parities 1 and 2 and file 3 lost, files 0 and 1 changed where their own hashes do not look: two parity files
+    and one exact file are not enough, so file 0 is an input after all (as without whole-file hashes). File 3, spoiled
+    by it, fails its check; the lost parity files are not rebuilt from it (a rebuilt parity is recorded as sound
+    without a check: it would spoil a later rebuild), the next checkpoint writes them."""
+    sizes = [3000, 3100, 2900, 3050]
+    files = make_group(tmp_path, 3, sizes, seed=8)
+    also = {**_flip_unhashed(tmp_path, 0, files), **_flip_unhashed(tmp_path, 1, files)}
+    for i in (1, 2):
+        redundancy(tmp_path, 3, i).unlink()
+    own(tmp_path, 3).unlink()
+    assert rebuild(tmp_path, 3, sizes, files, also) == [True, True, True, False]
+    assert not redundancy(tmp_path, 3, 1).exists() and not redundancy(tmp_path, 3, 2).exists()
+    assert [own(tmp_path, i).read_bytes() for i in range(2)] == [also[0], also[1]]  # left as they are
+
+
+def test_l3_records_without_whole_file_hashes_rebuild_as_before(tmp_path):
+    """Parity records of an older version (no whole-file hashes): a sound file is not read again, and the case above
+    still loses member 2's file (its rebuild fails its checks: never wrong data)."""
+    sizes = [3000, 3100, 2900, 3050]
+    files = make_group(tmp_path, 3, sizes, seed=8)
+    for i in range(4):
+        path = redundancy(tmp_path, 3, i).with_name(redundancy(tmp_path, 3, i).name + ".hash")
+        record = json.loads(path.read_text())
+        del record["file_hashes"]
+        path.write_text(json.dumps(record))
+    also = _flip_unhashed(tmp_path, 0, files)
+    redundancy(tmp_path, 3, 1).unlink()
+    own(tmp_path, 2).unlink()
+    assert rebuild(tmp_path, 3, sizes, files, also) == [True, True, False, True]
+    assert own(tmp_path, 0).read_bytes() == also[0]

@@ -9,10 +9,12 @@ rank, exactly the checkpoint the model knows recoverable (its damage within the 
 partner copy not both lost, L3 at most half of a group's files), or, where the damage may be beyond, a whole
 committed checkpoint tried before it or NoCheckpointError with the arrays untouched. A hang fails at the timeout.
 
-A byte flipped in a container's slack (bytes FTI-FF keeps when a variable shrinks) is never detected; at L3 such a
-file spoils the Reed-Solomon rebuild of another lost file of its group when it is one of the decoding's inputs, which
-takes the parity files first (dcp-n1g4 seed 120 of the first version of this driver: the data files were taken first);
-where a parity file is lost too, the model promises nothing.
+A byte flipped in a container's slack (bytes FTI-FF keeps when a variable shrinks) is not detected by the file's
+hashes; at L3 such a file spoiled the Reed-Solomon rebuild of another lost file of its group when it was one of the
+decoding's inputs, which takes the parity files first (dcp-n1g4 seed 120 of the first version of this driver: the data
+files were taken first). A full encoding's parity records keep the group's whole-file hashes, which tell such a file
+apart (it counts as lost); a parity patched by a rank's differential writer keeps none: with dCP, where a parity file
+is lost too, the model promises nothing.
 
 Hypothesis cannot drive several MPI ranks: the seeds are the sequences. A failing seed reproduces with
 ``mpiexec -n 4 python tests/mpi_scripts/random_sequence_job.py CONFIG DIR STEPS SEED``.

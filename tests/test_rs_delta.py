@@ -116,6 +116,31 @@ def test_updated_parity_equals_a_full_encoding(group):
     assert got[1].tobytes() == pad[1].tobytes()
 
 
+@pytest.mark.parametrize("everyone", [True, False])
+def test_updated_record_keeps_whole_file_hashes_only_when_every_member_gives_its_own(group, everyone):
+    """The heads hash each new file as they compare it with its base (``own_whole``): the patched parity's record keeps
+    the group's whole-file hashes (rs.rebuild checks a sound file against them). A member without one (a rank's
+    differential writer) leaves them out: no stale hash of the base files, rs.rebuild checks nothing more."""
+    members, pool = group
+    names = [f"Ckpt2-Rank{i}.fti" for i in range(SIZE)]
+    record = json.loads(rs.hash_path(members[0]["dir"] / "spare.rsed").read_text())
+    assert "file_hashes" not in record  # the fixture's files share a name: a record cannot tell them apart
+    xors = []
+    for i, m in enumerate(members):
+        m["arrays"][1][i * 7] = -5.0
+        stats, m["state"] = _write(m["own"], m["arrays"], m["state"], pool)
+        xors.append(stats.xor)
+    sizes = [m["own"].stat().st_size for m in members]
+    wholes = [rs.file_hash(m["own"], 2) for m in members]
+    results = _in_group(lambda ch, i: rs_delta.update(
+        ch, xors[i], file_fb_hash(members[i]["own"]), members[i]["dir"] / "spare.rsed", members[i]["dir"] / "new.rsed",
+        sizes, 2, (names[i], wholes[i]) if everyone or i != 1 else None))
+    assert results == [None] * SIZE
+    for m in members:
+        record = json.loads(rs.hash_path(m["dir"] / "new.rsed").read_text())
+        assert record.get("file_hashes") == (dict(zip(names, wholes, strict=True)) if everyone else None)
+
+
 @pytest.mark.parametrize("notes", [("x" * 100_000, "", ""), ("", "", "y" * 300)])
 def test_the_largest_file_may_change_size(group, notes):
     """A longer table makes member 0 the largest file (the parity grows), or member 2 (the largest)

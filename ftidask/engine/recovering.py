@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..ftiff.layout import Layout
-from ..ftiff.reader import FtiffFile, unchanged
+from ..ftiff.reader import FtiffFile, identity_of, unchanged
 from ..model.arrays import check_id
 from ..model.errors import FTIError, NoCheckpointError, ProtectError, RecoveryError
 from ..transport.collective import agree, agree_call, attempt, guarded, on_root
@@ -130,12 +130,14 @@ class Recovery(RunPart):
             ok = verdict.kind == "ok"
             # Collective (L2/L3); the transport keeps the ranks in step, an error after its end is this rank's.
             # A fallback's redundancy was the committed checkpoint's: never rebuilt (the same on every rank).
+            before = guarded([], lambda: identity_of(os.stat(path)), None) if ok else None
             have, error = (False, "") if record.fallback else attempt(
                 t.rank, lambda: t.rebuild_file(record.level, record.ckpt_id, path, path.parent, ok, record=record),
                 False)
             if error:
                 log.warning("rebuilding checkpoint %d (level %d): %s", record.ckpt_id, record.level, error)
-            if not ok and have:
+            if (not ok and have) or (ok and guarded([], lambda: identity_of(os.stat(path)), None) != before):
+                release_all(verdict.staged)  # or L3 rebuilt a sound file, not the one its whole-file hash recorded
                 verdict = self.check(record, stage)
             elif not ok and error:  # why the level could not bring the file back (a full disk, a read error)
                 verdict = Verdict(verdict.kind, f"{verdict.message}; rebuilding it failed: {error}")

@@ -5,11 +5,20 @@ FTI's maxFs) and ``k`` parity files (``RSed``); the code is systematic, so any `
 ``2k`` files give back the others. Files are processed in blocks of ``block`` bytes: no file is
 ever held whole in memory. Each parity file's hash is kept beside it (``.hash``) so that a
 damaged parity file counts as lost instead of corrupting a rebuild.
+
+That record also keeps the whole-file hash of every data file of the group (``file_hashes``, by file name), as
+FTI's L3 metadata keeps each rank's checksum: a data file's own hashes cover its containers' data only, and a byte
+changed in a container's slack (FTI-FF keeps a container's size when its variable shrinks) leaves it "sound". When a
+loss forces a decode, such a file counts as lost too (and is rebuilt), never as an input that would spoil every file
+rebuilt from it. Each member hashes its own file as it reads it for the encode (no extra read); a rebuild reads its
+own file once more, only when the group lost a file. A record without ``file_hashes`` (an older version's, a parity
+a rank's differential writer patched: :mod:`ftidask.levels.rs_delta`) checks nothing more.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,12 +39,15 @@ def hash_path(parity: Path) -> Path:
 
 
 def write_record(parity: Path, hash_id: int, digest: str, size: int, errors: list[str],
-                 fb_hashes: list[str] | None = None) -> None:
-    """The parity's ``.hash`` file: its hash and length, and (``fb_hashes``) the FB hashes of the
-    group's files it encodes, by index (what :mod:`ftidask.levels.rs_delta` checks)."""
+                 fb_hashes: list[str] | None = None, file_hashes: dict[str, str] | None = None) -> None:
+    """The parity's ``.hash`` file: its hash and length, (``fb_hashes``) the FB hashes of the
+    group's files it encodes, by index (what :mod:`ftidask.levels.rs_delta` checks), and (``file_hashes``) the
+    whole-file hash of each of those files, by file name (what :func:`rebuild` checks, with ``hash_id`` too)."""
     record: dict[str, object] = {"hash_id": hash_id, "hash": digest, "size": size}
     if fb_hashes is not None:
         record["fb_hashes"] = fb_hashes
+    if file_hashes is not None:
+        record["file_hashes"] = file_hashes
     try:
         write_json_atomic(hash_path(parity), record)
     except OSError as exc:
@@ -56,11 +68,16 @@ def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: i
     errors: list[str] = []
     fin = open_input(own, errors)
     out = SafeOutput(parity, errors)
-    hasher = hashing.new_hasher(hash_id)
+    hasher, whole = hashing.new_hasher(hash_id), hashing.new_hasher(hash_id)
+    read_ok = fin is not None
     try:
         for offset in range(0, max_fs, block):
             n = min(block, max_fs - offset)
-            blocks = ch.allgather_blocks(_read(fin, offset, n, sizes[ch.index], own, errors))
+            had = len(errors)
+            mine = _read(fin, offset, n, sizes[ch.index], own, errors)
+            read_ok = read_ok and len(errors) == had
+            whole.update(memoryview(mine)[:max(0, min(n, sizes[ch.index] - offset))])  # the file's bytes, no padding
+            blocks = ch.allgather_blocks(mine)
             if out.fh is None:
                 continue  # failed already: this member only keeps the group's collectives in step
             # Local work between collectives never raises (the group would wait): an error drops the output.
@@ -74,9 +91,19 @@ def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: i
     finally:
         if fin is not None:
             fin.close()
+    # Every member's whole-file hash, for every parity's record ('': this member's file could not be read).
+    digests = ch.allgather([own.name, whole.hexdigest() if read_ok else ""])
     if out.close():
-        write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors, fb_hashes)
+        write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors, fb_hashes, by_name(digests))
     return "; ".join(errors)
+
+
+def by_name(digests: list[list[str]]) -> dict[str, str] | None:
+    """The group's ``[file name, whole-file hash]`` pairs as a record's ``file_hashes`` ('' hashes left out); None
+    when two files share a name (never in a checkpoint: ``Ckpt{id}-Rank{r}.fti``): the record cannot tell them
+    apart."""
+    names = [name for name, _ in digests]
+    return {name: digest for name, digest in digests if digest} if len(set(names)) == len(names) else None
 
 
 def _present(parity: Path, size: int) -> bool:
@@ -103,14 +130,39 @@ def check_parity(parity: Path, block: int = 1 << 20, size: int | None = None) ->
             return f"{parity}: recorded for {info['size']} bytes, the group's files need {size}"
         if parity.stat().st_size != int(info["size"]):
             return f"{parity}: {parity.stat().st_size} bytes, its record says {info['size']}"
-        hasher = hashing.new_hasher(int(info["hash_id"]))
-        buf = bytearray(block)
-        with open_read(parity) as fh:
-            while n := fh.readinto(buf):
-                hasher.update(memoryview(buf)[:n])
-        return "" if hasher.hexdigest() == info["hash"] else f"{parity}: does not match its recorded hash"
+        matches = file_hash(parity, int(info["hash_id"]), block) == info["hash"]
+        return "" if matches else f"{parity}: does not match its recorded hash"
     except (OSError, KeyError, TypeError, ValueError, OverflowError, FTIError) as exc:  # Overflow: int(Infinity)
         return f"{parity}: {exc}"
+
+
+def file_hash(path: Path, hash_id: int, block: int = 1 << 20) -> str:
+    """The hash (hex) of the whole file at ``path``, read in blocks of ``block`` bytes."""
+    hasher = hashing.new_hasher(hash_id)
+    buf = bytearray(block)
+    with open_read(path) as fh:
+        while n := fh.readinto(buf):
+            hasher.update(memoryview(buf)[:n])
+    return hasher.hexdigest()
+
+
+def recorded(parity: Path) -> dict[str, Any] | None:
+    """What a parity's record says of the group's files: ``hash_id``, ``fb_hashes`` and ``file_hashes`` (None when
+    it has no well-formed ``file_hashes``: an older version's record)."""
+    info = read_json(hash_path(parity))
+    if not isinstance(info, dict) or not isinstance(info.get("hash_id"), int):
+        return None
+    files, fbs = info.get("file_hashes"), info.get("fb_hashes")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        return None
+    return {"hash_id": info["hash_id"], "file_hashes": files,
+            "fb_hashes": fbs if isinstance(fbs, list) and all(isinstance(v, str) for v in fbs) else None}
+
+
+def _agreed(records: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The record most of the sound parities give (they were written by one encode: all alike), or None."""
+    seen = [json.dumps(r, sort_keys=True) for r in records if r is not None]
+    return json.loads(max(sorted(set(seen)), key=seen.count)) if seen else None  # sorted: alike everywhere
 
 
 def _rebuild_block(codec: ReedSolomon, data: list[np.ndarray], pars: list[np.ndarray], chosen: list[int], n: int,
@@ -146,26 +198,43 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
     and is re-encoded, so that the checkpoint survives the next failure
     as FTI's does. A damaged parity of the right size beside sound data files stays as it is until
     the next L3 checkpoint rewrites it (``ftidask verify`` reports it).
+
+    When a file is lost, each member whose own file is sound also checks it against the whole-file hash the
+    parity records keep (one more read of it): a file that differs where its own hashes do not look (a container's
+    slack) is no decoding input, and is rebuilt too when the other files are enough; when they are not, it is an
+    input after all (as without whole-file hashes): a data file it spoils fails its checks, and no lost parity is
+    rebuilt from it (a parity is not checked once rebuilt).
     """
     i, k, max_fs = ch.index, ch.size, max(sizes)
     if all(ch.allgather(bool(own_ok) and _present(parity, max_fs))):
         return own_ok
     errors = [] if errors is None else errors
     par_ok = guarded(errors, lambda: parity_ok(parity, max_fs, block), False)  # never raise before a collective
-    flags = ch.allgather([bool(own_ok), bool(par_ok)])
-    lost = sum((not d) + (not p) for d, p in flags)
+    record = guarded([], lambda: recorded(parity), None) if par_ok else None
+    flags = ch.allgather([bool(own_ok), bool(par_ok), record])
+    lost = sum((not d) + (not p) for d, p, _ in flags)
     if lost == 0 or lost > k:
         return own_ok
+    agreed = _agreed([r for _, _, r in flags])
+    want = agreed["file_hashes"].get(own.name) if agreed else None
+    exact = not (own_ok and want) or bool(guarded(  # never raise before a collective; unreadable: not exact
+        [], lambda: file_hash(own, int(agreed["hash_id"]), block) == want, False))  # type: ignore[index]
+    exacts = ch.allgather(exact)
     # The parity files first: each was checked whole against its .hash record, where a data file's hashes cover its
     # containers' data only: a byte changed in a container's slack (FTI-FF keeps a container's size when its variable
-    # shrinks) leaves it "sound", and as an input it would spoil every file rebuilt from it.
-    available = [k + j for j in range(k) if flags[j][1]] + [j for j in range(k) if flags[j][0]]
-    chosen = available[:k]
+    # shrinks) leaves it "sound", and as an input it would spoil every file rebuilt from it. Such a file (its
+    # whole-file hash not the recorded one) is rebuilt instead, when the other files are enough.
+    good = [k + j for j in range(k) if flags[j][1]] + [j for j in range(k) if flags[j][0] and exacts[j]]
+    suspect = [j for j in range(k) if flags[j][0] and not exacts[j]]
+    chosen = (good if len(good) >= k else good + suspect)[:k]
+    rebuild_own = not own_ok or (i in suspect and len(good) >= k)
     codec = ReedSolomon(k, k)
-    fd = open_input(own, errors) if own_ok else None
+    fd = open_input(own, errors) if not rebuild_own else None
     fp = open_input(parity, errors) if par_ok else None
-    out_d = SafeOutput(own, errors) if not own_ok else None
-    out_p = SafeOutput(parity, errors) if not par_ok else None
+    out_d = SafeOutput(own, errors) if rebuild_own else None
+    # A parity decoded from a file known to differ would be recorded as sound (a data file rebuilt from it is
+    # verified, a parity is not): left lost, the next L3 checkpoint writes it.
+    out_p = SafeOutput(parity, errors) if not par_ok and not set(chosen) & set(suspect) else None
     hasher = hashing.new_hasher(hash_id)
     try:
         for offset in range(0, max_fs, block):
@@ -183,5 +252,7 @@ def rebuild(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: 
     if out_d is not None:
         out_d.close()
     if out_p is not None and out_p.close():
-        write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors)
-    return verify_own(own) if not own_ok else own_ok
+        same = agreed is not None and agreed["hash_id"] == hash_id  # the group's files, as the sound parities say
+        write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors, agreed["fb_hashes"] if same else None,
+                     agreed["file_hashes"] if same else None)
+    return verify_own(own) if rebuild_own else own_ok

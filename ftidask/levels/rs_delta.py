@@ -21,9 +21,14 @@ old parity is zero there, and past the new length the new files are, so the spar
 zeros or truncated to the new length before it is patched.
 
 Otherwise :func:`update` returns a reason and the caller re-encodes in full
-(:func:`ftidask.levels.rs.encode`). The spare's record is removed before it is patched, so a
-parity torn by a crash is never trusted again; the new parity's hash and record are written
-after it is complete. Like every L3 parity, it is checked against its hash before a rebuild.
+(:func:`ftidask.levels.rs.encode`). The new record keeps the group's whole-file hashes (what
+:func:`ftidask.levels.rs.rebuild` checks a sound file against) only when every member gives its own
+(``own_whole``: the heads hash each new file as they compare it with its base; a rank's differential
+writer reads only the ranges it rewrites, and hashing its whole file would read it once more).
+
+The spare's record is removed before it is patched, so a parity torn by a crash is never trusted
+again; the new parity's hash and record are written after it is complete. Like every L3 parity, it
+is checked against its hash before a rebuild.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from ..storage import files as storage
 from ..transport.collective import guarded
 from .channel import GroupChannel
 from .erasure import ReedSolomon, gf_add_scaled
-from .rs import check_parity, hash_path, write_record
+from .rs import by_name, check_parity, hash_path, write_record
 
 log = logging.getLogger("ftidask")
 
@@ -72,7 +77,7 @@ def _can_use(spare: Path, xor: XorDelta | None) -> dict[str, Any]:
 
 
 def update(ch: GroupChannel, xor: XorDelta | None, own_fb_hash: str, spare: Path, parity: Path, sizes: list[int],
-           hash_id: int) -> str | None:
+           hash_id: int, own_whole: tuple[str, str] | None = None) -> str | None:
     """Collectively patch every member's spare parity into ``parity``; None when done, else why not.
 
     Collective over the group (every member calls it). Nothing is written unless every member
@@ -83,7 +88,7 @@ def update(ch: GroupChannel, xor: XorDelta | None, own_fb_hash: str, spare: Path
     problems: list[str] = []  # a local failure before a collective: this member cannot patch, all re-encode
     mine = guarded(problems, lambda: _can_use(spare, xor), {"ok": False, "base": "", "encodes": None, "ranges": [],
                                                              "nbytes": 0}, f"cannot check {spare}")
-    infos = ch.allgather(mine | {"new": own_fb_hash})
+    infos = ch.allgather(mine | {"new": own_fb_hash, "whole": list(own_whole) if own_whole else None})
     bases = [info["base"] for info in infos]
     if not all(info["ok"] and info["encodes"] == bases for info in infos):
         return "the spare parity does not encode every member's base file"
@@ -100,15 +105,16 @@ def update(ch: GroupChannel, xor: XorDelta | None, own_fb_hash: str, spare: Path
     # That was the last collective: what follows is local and may fail alone (the caller agrees on it).
     if problems:
         raise FTIError("; ".join(problems))
+    wholes = [info["whole"] for info in infos]
     patch_parity(spare, parity, ch.index, [info["ranges"] for info in infos], payloads, max_fs, hash_id,
-                 [info["new"] for info in infos])
+                 [info["new"] for info in infos], by_name(wholes) if all(wholes) else None)
     log.debug("L3: parity updated from the group's deltas (%d bytes from each member, parity %d bytes)",
              width, max_fs)
     return None
 
 
 def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[list[int]]], payloads: list[np.ndarray],
-                 max_fs: int, hash_id: int, fb_hashes: list[str]) -> None:
+                 max_fs: int, hash_id: int, fb_hashes: list[str], file_hashes: dict[str, str] | None = None) -> None:
     """Patch parity row ``position`` in ``spare`` with every member's deltas (``ranges[i]`` and the
     XOR bytes ``payloads[i]`` of member ``i``), rename it to ``parity``, write its hash and record.
 
@@ -146,6 +152,6 @@ def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[lis
             while n := fh.readinto(buf):
                 hasher.update(buf[:n])
     errors: list[str] = []
-    write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors, fb_hashes)
+    write_record(parity, hash_id, hasher.hexdigest(), max_fs, errors, fb_hashes, file_hashes)
     if errors:
         raise FTIError("; ".join(errors))

@@ -87,6 +87,24 @@ def _check_parity(path: Path) -> tuple[str, object]:
     return ("damaged", problem) if problem else ("ok", None)
 
 
+def _whole_file_problem(path: Path) -> str:
+    """A rank file of an L3 checkpoint against the whole-file hash its group's parity records keep ('' if none)."""
+    from ..levels.rs import file_hash, recorded
+
+    for parity in sorted(path.parent.glob(f"{path.name.split('-Rank')[0]}-RSed*.fti")):
+        info = recorded(parity)
+        want = info["file_hashes"].get(path.name) if info else None
+        if want:
+            try:
+                same = file_hash(path, int(info["hash_id"])) == want  # type: ignore[index]
+            except (OSError, FTIError) as exc:
+                return f"{path}: {exc}"
+            return "" if same else (f"{path}: does not match the whole-file hash its L3 parity records keep (a byte "
+                                    "changed where its own hashes do not look: a container's slack); its variables "
+                                    "read back, but L3 rebuilds no other file from it")
+    return ""
+
+
 def _fti_parity_problem(path: Path) -> str:
     """A parity file without ftidask's .hash record: FTI's own (its MD5 checked), else ftidask's without record."""
     from ..ftiff.ftiparity import parity_problem, sniff_parity
@@ -149,6 +167,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bad = 0
     for path in files:
         kind, detail = _check_parity(path) if "-RSed" in path.name and path.suffix == ".fti" else _check(path)
+        whole = _whole_file_problem(path) if kind == "ok" and "-Rank" in path.name else ""
+        kind, detail = ("damaged", whole) if whole else (kind, detail)
         if kind == "ok":
             print(f"OK       {path}")
         else:

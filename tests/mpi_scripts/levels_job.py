@@ -3,6 +3,8 @@
 usage: levels_job.py write CONFIG_JSON DIR LEVEL
        levels_job.py keep CONFIG_JSON DIR LEVEL      (checkpoint, then finalize: keep_last_ckpt)
        levels_job.py probe CONFIG_JSON DIR LEVEL     (report the error class of init/checkpoint per rank)
+       levels_job.py shrink CONFIG_JSON DIR LEVEL    (checkpoint 1 at L1 with a larger "field", checkpoint 2 at
+                                                     LEVEL with the usual arrays: its containers keep slack)
        levels_job.py recover CONFIG_JSON DIR [DIR ...]
 Each rank holds (rank % 7 + 1) * 100000 doubles plus a small int array, from a seed of its rank.
 Each rank writes ``<dir>/result-<rank>.json`` per case: {"status": ok|fail|wrong, "error", "message", "untouched"}.
@@ -50,6 +52,17 @@ def main() -> None:
             ctx.protect(1, arrays(ctx.comm.rank)[0])
             ctx.protect(2, arrays(ctx.comm.rank)[1])
             ctx.checkpoint(1, int(sys.argv[4]))
+        return
+    if mode == "shrink":
+        ctx = ftidask.init(comm=MPI.COMM_WORLD, **overrides, **dirs(sys.argv[3]))
+        a, b = arrays(ctx.comm.rank)
+        ctx.protect(1, np.ones(a.size + 5000), name="field")
+        ctx.protect(2, b)
+        ctx.checkpoint(1, 1)
+        ctx.protect(1, a, name="field")  # smaller: FTI-FF keeps its containers, partly filled
+        ctx.checkpoint(2, int(sys.argv[4]))
+        ctx.wait_post_processing()
+        ctx.transport.close()  # die without finalize: the checkpoint stays
         return
     if mode == "write":
         ctx = ftidask.init(comm=MPI.COMM_WORLD, **overrides, **dirs(sys.argv[3]))

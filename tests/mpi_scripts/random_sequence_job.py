@@ -137,10 +137,12 @@ class Run:
         groups = {tuple(self.group(r)) for r in range(self.size)}
         for g in groups:
             n_lost = sum(lost(("rank", r)) + lost(("rsed", r)) for r in g)
-            # A byte flipped in a container's slack is never detected (not hashed): that file, taken as sound, spoils
-            # the Reed-Solomon decoding of another lost file of the group if it is one of its inputs. The decoding
-            # takes the parity files first (checked whole): a data file only where a parity file is lost too.
-            poisoned = pessimistic and any(c["files"][("rank", r)] == UNKNOWN for r in g) and n_lost >= 2 and any(
+            # A byte flipped in a container's slack is not detected by the file's hashes (not hashed): that file, taken
+            # as sound, spoils the Reed-Solomon decoding of another lost file of the group if it is one of its inputs.
+            # A full encoding's parity records keep the group's whole-file hashes: such a file then counts as lost (and
+            # is rebuilt). A parity patched by a rank's differential writer keeps none: the decoding takes the parity
+            # files first (checked whole), a data file only where a parity file is lost too, and may take that one.
+            poisoned = self.dcp and pessimistic and any(c["files"][("rank", r)] == UNKNOWN for r in g) and n_lost >= 2 and any(
                 c["files"][("rsed", r)] != SOUND for r in g)
             if n_lost > len(g) or poisoned:
                 return False

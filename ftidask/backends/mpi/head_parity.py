@@ -48,9 +48,10 @@ def previous_l3(records: list[CommitRecord | None], record: CommitRecord) -> Com
     return max(older, key=lambda r: r.seq) if older else None
 
 
-def files_xor_delta(base: Path, new: Path, block: int, limit: int) -> XorDelta | None:
+def files_xor_delta(base: Path, new: Path, block: int, limit: int, whole: Any = None) -> XorDelta | None:
     """``base XOR new`` (each zero-padded to the longer) over the ``block``-byte blocks that differ; None when
-    ``base`` has no FB or more than ``limit`` bytes differ (encoding anew then costs less)."""
+    ``base`` has no FB or more than ``limit`` bytes differ (encoding anew then costs less). ``whole``: a hasher
+    that gets every byte of ``new`` (complete when a delta is returned)."""
     base_fb = file_fb_hash(base)
     if not base_fb:
         return None
@@ -61,7 +62,10 @@ def files_xor_delta(base: Path, new: Path, block: int, limit: int) -> XorDelta |
         size = max(os.fstat(fb.fileno()).st_size, os.fstat(fn.fileno()).st_size)
         for off in range(0, size, block):
             n = min(block, size - off)
-            diff = _padded(fb.fileno(), off, n) ^ _padded(fn.fileno(), off, n)
+            raw = os.pread(fn.fileno(), n, off)
+            if whole is not None:
+                whole.update(raw)
+            diff = _padded(os.pread(fb.fileno(), n, off), n) ^ _padded(raw, n)
             if not diff.any():
                 continue
             total += n
@@ -76,27 +80,28 @@ def files_xor_delta(base: Path, new: Path, block: int, limit: int) -> XorDelta |
     return XorDelta(bytes.fromhex(base_fb), tuple(ranges), payload)
 
 
-def _padded(fd: int, offset: int, n: int) -> np.ndarray:
+def _padded(raw: bytes, n: int) -> np.ndarray:
     out = np.zeros(n, np.uint8)
-    raw = os.pread(fd, n, offset)
     out[:len(raw)] = np.frombuffer(raw, np.uint8)
     return out
 
 
 def _prepare(cfg: Config, prev: CommitRecord, prev_dir: Path, app: int, new_file: Path,
-             spare: Path) -> XorDelta | None:
-    """Steps 1-3 of the module's docstring for rank ``app``: its delta, with the previous parity as the spare."""
+             spare: Path) -> tuple[XorDelta | None, str]:
+    """Steps 1-3 of the module's docstring for rank ``app``: its delta, with the previous parity as the spare, and
+    the new file's whole-file hash (for the parity's record, read with the delta)."""
     base = prev_dir / storage.rank_file(prev.ckpt_id, app)
     old_parity = prev_dir / storage.parity_file(prev.ckpt_id, app)
     if check_file(base, prev, app).kind != "ok":
-        return None
-    xor = files_xor_delta(base, new_file, cfg.dcp_block_size, new_file.stat().st_size // 2)
+        return None, ""
+    whole = hashing.new_hasher(hashing.hash_id(cfg.hash))
+    xor = files_xor_delta(base, new_file, cfg.dcp_block_size, new_file.stat().st_size // 2, whole)
     if xor is None:
-        return None
+        return None, ""
     hash_path(spare).unlink(missing_ok=True)  # the record last: a spare torn by a crash is never trusted
     storage.copy_file_atomic(old_parity, spare)
     storage.copy_file_atomic(hash_path(old_parity), hash_path(spare))
-    return xor  # rs_delta.update checks the spare's bytes against its record
+    return xor, whole.hexdigest()  # rs_delta.update checks the spare's bytes against its record
 
 
 def update_parity(cfg: Config, group: Any, prev: CommitRecord, prev_dir: Path, app: int, new_file: Path,
@@ -105,10 +110,11 @@ def update_parity(cfg: Config, group: Any, prev: CommitRecord, prev_dir: Path, a
     ``(done, error)``. Not done and no error: the caller encodes in full (the same on every member)."""
     errors: list[str] = []
     spare = rs_delta.spare_parity_path(parity.parent, app)
-    xor = guarded(errors, lambda: _prepare(cfg, prev, prev_dir, app, new_file, spare), None,
-                  f"preparing the parity update of rank {app}")
+    xor, whole = guarded(errors, lambda: _prepare(cfg, prev, prev_dir, app, new_file, spare), (None, ""),
+                         f"preparing the parity update of rank {app}")
     why = guarded(errors, lambda: rs_delta.update(group, xor, fb_hashes[group.index], spare, parity, sizes,
-                                                  hashing.hash_id(cfg.hash)), "failed", f"updating {parity}")
+                                                  hashing.hash_id(cfg.hash), (new_file.name, whole) if whole else None),
+                  "failed", f"updating {parity}")
     if why is None:
         log.info("L3: parity of rank %d updated from the group's deltas (%d bytes changed)", app,
                  0 if xor is None else xor.nbytes)
