@@ -120,3 +120,17 @@ def test_heads_keep_a_fallback_of_another_layout(written, tmp_path, level):
         path.unlink()
     got = _recover(base, 6, _cfg(level), "b", declared=True)
     assert got == [{"status": "ok", "from": [3, level - 4], "step": 3, "exact": True}] * 4, got
+
+
+def test_heads_remove_what_a_run_on_more_nodes_left(tmp_path):
+    """Checkpoints 1-3 at L2 written by 4 nodes of 1 head + 1 rank; a restart on 2 such nodes recovers 3 and writes
+    checkpoint 4, whose heads retire 3: its files on the old nodes 2 and 3 go too. Before, each head removed its own
+    node's directory of it only: what no node of the run holds now stayed for good."""
+    base = tmp_path / "run"
+    cfg = {"head": 1, "node_size": 2, "group_size": 2, "inline_l2": 0}
+    run(8, "heads_reshard_job.py", "write", str(base), json.dumps({"cfg": cfg, "level": 2, "count": 3}), timeout=180)
+    assert len(list(base.glob("L/node3/*/l2/ckpt3.*/*.fti"))) == 2
+    got = _recover(base, 4, cfg, "c", declared=True, then={"level": 2, "count": 1})
+    assert [g["from"] for g in got] == [[3, 2]] * 2, got
+    assert sorted(p.name for p in base.rglob("*.fti")) == sorted(
+        f"Ckpt4-{kind}{r}.fti" for kind in ("Rank", "Pcof") for r in (0, 1))
