@@ -376,13 +376,16 @@ class Run:
 
     def kept_at_finalize(self) -> tuple[bool, dict | None]:
         """keep_last_ckpt: (whether the model knows it, the checkpoint finalize keeps). The newest one whose every
-        rank file verifies is flushed to L4; a committed L4 newest one, with no fallback to go back to, is kept as it
-        is, unread (retention.end_run); none: finalize fails, the run keeps its checkpoints."""
+        rank file verifies is flushed to L4 (a committed L4 one verified where it is); the newest, committed at L4 with
+        no fallback to go back to, is kept as it is, unread (retention.end_run); none: finalize fails, the run keeps
+        its checkpoints."""
+        newest = True
         for c in reversed(self.ckpts):
             if c["retired"] and not self.dcp:
                 continue  # removed
             states = {c["files"][("rank", r)] for r in range(self.size)}
-            if c["level"] == 4 and not c["retired"]:
+            first, newest = newest, False
+            if first and c["level"] == 4 and not c["retired"]:
                 fallback = any(o["retired"] and o["asked"] > 4 for o in self.ckpts)  # maybe a fallback record
                 return (True, c) if states == {SOUND} or not fallback else (False, None)
             if c["retired"] or states - {SOUND, ERASED}:
