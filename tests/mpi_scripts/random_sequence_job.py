@@ -51,7 +51,7 @@ CONFIGS = {
 }
 # With FTI's heads (head = 1: the first process of each simulated node; node_size counts it): the application ranks
 # write L1 and the heads raise it (inline_lN = 0), or the ranks write a level themselves (inline_lN = 1).
-HEADS = dict(head=1, inline_l2=0, inline_l3=0, inline_l4=0)
+HEADS = dict(head=1, inline_l2=0, inline_l3=0, inline_l4=0, enable_staging=1)
 CONFIGS.update({
     "h-n3g2": dict(node_size=3, group_size=2, **HEADS),  # 6 processes: 2 nodes of 1 head + 2 ranks
     "h-n2g2-keep": dict(node_size=2, group_size=2, keep_last_ckpt=1, **HEADS),  # 4 nodes of 1 head + 1 rank
@@ -88,6 +88,7 @@ class Run:
                          verbosity=3, block_size=256, transfer_size=1, **cfg)
         self.ckpts: list[dict] = []  # committed, oldest first
         self.next_id, self.log, self.handles = 1, [], []
+        self.staged: list[tuple[int, Path, bytes]] = []  # (request, destination, bytes) not checked yet
         self.taint: set[tuple[int, str, int]] = set()  # (level, kind, rank) whose spare lineage holds a flipped byte
         self.stats = dict.fromkeys(["exact", "either", "first", "fallback", "none", "damage", "exact_rebuilt",
                                     "restart", "lost_node"], 0)
@@ -333,11 +334,31 @@ class Run:
             WORLD.bcast(self.dirs, root=app_root(self.cfg))
         return ftidask.init(comm=WORLD if self.heads else COMM, **self.dirs)
 
+    def op_stage(self) -> None:
+        """FTI_SendFile (heads: the node's head moves the file between its post-processing): a file of this rank's
+        random bytes staged to the global directory; checked at the next settle."""
+        k, size = self.next_stage, int(self.rng.integers(0, 200_000))
+        self.next_stage += 1
+        data = np.random.default_rng([int(self.rng.integers(1 << 30)), self.rank]).bytes(size + self.rank)
+        local = self.ctx.stage_dir() / f"f{k}.bin"
+        local.write_bytes(data)
+        self.log.append(f"stage {k} ({size} bytes)")
+        self.staged.append((self.ctx.send_file(local, f"out/r{self.rank}-{k}.bin"), self.base / "G" / "out" /
+                            f"r{self.rank}-{k}.bin", data))
+
+    next_stage = 0
+
     def settle(self) -> None:
         self.ctx.wait()
         for h in self.handles:
             h.result()
         self.handles = []
+        if self.staged:  # every file at its destination, bit for bit
+            states = self.ctx.wait_staged(timeout=120)
+            bad = [(req, states.get(req), dest.name) for req, dest, data in self.staged
+                   if states.get(req) != ftidask.SI_SCES or not dest.is_file() or dest.read_bytes() != data]
+            agree_ok(not bad, f"staged files: {bad}")
+            self.staged = []
         if self.heads:  # the heads' post-processing of the last checkpoint done, and done well (or none asked)
             reply = self.ctx.wait_post_processing()
             agree_ok(reply is None or bool(reply.get("ok")) and not reply.get("error"), f"post-processing: {reply}")
@@ -551,11 +572,17 @@ class Run:
 
     OPS = [("op_mutate", 3), ("op_resize", 1), ("op_checkpoint", 4), ("op_incremental", 1), ("op_recover", 2),
            ("op_recover_var", 1), ("op_recover_id", 0.7), ("op_restart", 1.5), ("op_damage", 2), ("op_damage_spare", 1),
-           ("op_finalize", 0.5)]
+           ("op_finalize", 0.5), ("op_stage", 0.7)]  # the last ones: weight 0 where they do not apply (the draws of
+    # the configs without them stay those of their seeds before)
+
+    def weight(self, name: str, w: float) -> float:
+        if name == "op_finalize" and not self.cfg.get("keep_last_ckpt") or name == "op_stage" and not self.heads:
+            return 0.0
+        return w
 
     def step(self) -> None:
         names = [n for n, _ in self.OPS]
-        weights = np.array([w for _, w in self.OPS], dtype=float)
+        weights = np.array([self.weight(n, w) for n, w in self.OPS], dtype=float)
         name = str(self.rng.choice(names, p=weights / weights.sum()))
         if self.rank == 0:
             print(f"  {len(self.log)} {name}", flush=True)  # where a hang stopped (the test's timeout shows it)
