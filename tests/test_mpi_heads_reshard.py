@@ -134,3 +134,24 @@ def test_heads_remove_what_a_run_on_more_nodes_left(tmp_path):
     assert [g["from"] for g in got] == [[3, 2]] * 2, got
     assert sorted(p.name for p in base.rglob("*.fti")) == sorted(
         f"Ckpt4-{kind}{r}.fti" for kind in ("Rank", "Pcof") for r in (0, 1))
+
+
+@pytest.mark.parametrize("level,target,more", [
+    (3, "heads-2-ranks", {}),
+    pytest.param(7, "heads-2-ranks", {}, marks=pytest.mark.slow),
+    pytest.param(3, "3-ranks", {"l4_format": "zarr"}, marks=pytest.mark.slow),
+])
+def test_keep_last_flushes_a_checkpoint_of_another_layout(written, tmp_path, level, target, more):
+    """A run written with heads (4 ranks on 2 nodes), restarted on another layout that recovers checkpoint 3 and
+    finalizes with keep_last_ckpt before writing one: the 4 old files are flushed to L4, and a restart on the first
+    layout recovers it exactly from there. Before, each rank flushed its own rank's file from its own node: old rank
+    1 (on node 0) was looked for on node 1, finalize failed (and ranks 2 and 3 would never have been copied)."""
+    base = tmp_path / "run"
+    shutil.copytree(written(level), base)
+    nprocs, cfg, _declared = TARGETS[target]
+    got = _recover(base, nprocs, {**cfg, **(DCP if level > 4 else {}), "keep_last_ckpt": 1, **more}, "k",
+                   declared=True, finalize=True)
+    assert {g["status"] for g in got} == {"ok"}, got
+    assert not list(base.glob("L/node*/*/l[123]/ckpt*"))  # as FTI: only the L4 copy stays
+    got = _recover(base, 6, _cfg(level), "b", declared=True)
+    assert got == [{"status": "ok", "from": [3, 4], "step": 3, "exact": True}] * 4, got
