@@ -16,8 +16,14 @@ files were taken first). A full encoding's parity records keep the group's whole
 apart (it counts as lost); a parity patched by a rank's differential writer keeps none: with dCP, where a parity file
 is lost too, the model promises nothing.
 
+With heads (configs ``h-*``: 2 or 4 simulated nodes of 1 head + 2 or 1 application ranks, the heads raising L2-L4
+and the dCP levels, one config with inline L2, two with keep_last_ckpt), the same model holds: each check waits for
+the heads' post-processing first and asks that it succeeded; the heads take part in every init (restarts too) and end
+at each close or finalize; with keep_last_ckpt a finalize restarts the run from the newest checkpoint whose files all
+verify (status 2), or fails on every rank when none does (the run kept, status 1).
+
 Hypothesis cannot drive several MPI ranks: the seeds are the sequences. A failing seed reproduces with
-``mpiexec -n 4 python tests/mpi_scripts/random_sequence_job.py CONFIG DIR STEPS SEED``.
+``mpiexec -n 4 python tests/mpi_scripts/random_sequence_job.py CONFIG DIR STEPS SEED`` (-n HEADS[CONFIG] with heads).
 """
 
 from __future__ import annotations
@@ -32,11 +38,14 @@ from mpi_util import need_mpi, run
 pytestmark = need_mpi()
 
 CONFIGS = ["n1g4", "n1g2", "n2g2", "dcp-n1g4", "dcp-n2g2"]
+#: With heads (head = 1, the heads raise L2-L4, see the job's CONFIGS): config -> processes (heads included).
+HEADS = {"h-n3g2": 6, "h-n2g2-keep": 8, "h-n3g2-l2inline": 6, "h-dcp-n3g2": 6, "h-dcp-n2g2-keep": 8}
 
 
 def _run_seeds(tmp_path: Path, config: str, steps: int, seeds: list[int], timeout: float) -> None:
     try:
-        run(4, "random_sequence_job.py", config, str(tmp_path), str(steps), *map(str, seeds), timeout=timeout)
+        run(HEADS.get(config, 4), "random_sequence_job.py", config, str(tmp_path), str(steps), *map(str, seeds),
+            timeout=timeout)
     except subprocess.TimeoutExpired as exc:  # a hang: where it stopped (the job prints each seed and operation)
         out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
         raise AssertionError(f"{config}: no answer in {timeout} s; the job's last lines:\n{out[-3000:]}") from None
@@ -68,3 +77,20 @@ def test_random_sequences_recover_what_the_model_predicts_many_seeds(tmp_path, c
 def test_random_sequences_recover_what_the_model_predicts_campaign(tmp_path, config):
     """-m campaign: more seeds, longer sequences."""
     _run_seeds(tmp_path, config, steps=80, seeds=list(range(300, 340)), timeout=3600)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("config,seeds", [("h-n3g2", [10]), ("h-dcp-n2g2-keep", [10]), ("h-dcp-n3g2", [11])])
+def test_random_sequences_with_heads(tmp_path, config, seeds):
+    """Heads raise the checkpoints; restarts re-init heads and ranks, finalize with keep_last_ckpt restarts (status
+    2), nodes lost and files damaged between runs: the model's prediction holds as without heads."""
+    _run_seeds(tmp_path, config, steps=30, seeds=seeds, timeout=500)
+
+
+@pytest.mark.campaign
+@pytest.mark.timeout(3700)
+@pytest.mark.parametrize("config", list(HEADS))
+def test_random_sequences_with_heads_campaign(tmp_path, config):
+    """-m campaign: more seeds, longer sequences, with heads."""
+    _run_seeds(tmp_path, config, steps=60, seeds=list(range(300, 330)), timeout=3600)

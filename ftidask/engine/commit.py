@@ -24,7 +24,7 @@ from .checkpointing import CheckpointInfo
 from .pending import OneShotWriter, PendingCheckpoint, RankFileWriter, RankWriter
 from .recovering import Progress
 from .recovery import check_file
-from .retention import Retention, in_l4
+from .retention import Retention, in_l4, rank_path
 from .run import Run, RunPart
 from .runstate import CommitRecord, FileRecord
 from .variables import Protected, encode_states, var_extras
@@ -236,14 +236,24 @@ class Committer(RunPart):
 
     def flush_to_l4(self, record: CommitRecord, own: Path) -> None:
         """keep_last_ckpt: copy ``record`` (this rank's file ``own``) to L4 and commit the copy (collective); a
-        committed L4 checkpoint is only verified where it is. A :class:`CheckpointError` if it does not verify."""
+        committed L4 checkpoint is only verified where it is. A :class:`CheckpointError` if it does not verify.
+
+        A checkpoint of another layout (the run restarted on another number of ranks, or its ranks on other nodes,
+        and finalized before writing one of its own) is flushed whole, as its record places its files: old rank f's
+        file by this run's rank ``f % size``, from f's node (visible with ``local_test``, or shared node
+        directories; otherwise missing, as a lost file). Before, each rank copied its own rank's file from its own
+        node: one placed elsewhere was missing (finalize failed), and the old ranks past this run's were never
+        copied."""
         t = self.transport
         failed = "keep_last_ckpt: flushing the last checkpoint to L4 failed"
+        mine = [(f, own if (f.rank, f.node) == (t.rank, t.node) else rank_path(self.paths, record, f.node, f.rank))
+                for f in record.files if f.rank % t.size == t.rank]
         if in_l4(record):
             def verify() -> None:
-                verdict = check_file(own, record, t.rank)
-                if verdict.kind != "ok":
-                    raise CheckpointError(verdict.message)
+                for f, path in mine:
+                    verdict = check_file(path, record, f.rank)
+                    if verdict.kind != "ok":
+                        raise CheckpointError(verdict.message)
 
             agree(t, attempt(t.rank, verify)[1], CheckpointError, f"keep_last_ckpt: checkpoint {record.ckpt_id} "
                   "(level 4) cannot be kept")
@@ -251,21 +261,25 @@ class Committer(RunPart):
         seq = on_root(t, self.state.next_seq, CheckpointError, failed)
         as_zarr = self.config.l4_format == "zarr"
 
-        def flush() -> dict[str, Any] | None:
-            verdict = check_file(own, record, t.rank)
-            if verdict.kind != "ok":
-                raise CheckpointError(verdict.message)
-            dst = self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)
-            if as_zarr:
-                from . import zarr_l4
+        def flush() -> list[dict[str, Any]]:
+            out = []
+            for f, path in mine:
+                verdict = check_file(path, record, f.rank)
+                if verdict.kind != "ok":
+                    raise CheckpointError(verdict.message)
+                dst = self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)
+                if as_zarr:
+                    from . import zarr_l4
 
-                written = zarr_l4.flush_file(verdict.parsed, dst / zarr_l4.store_name(record.ckpt_id, t.rank), seq)
-                return FileRecord(t.rank, t.node, written.file_size, written.fb.hash.hex()).to_json()
-            storage.copy_file_atomic(own, dst / storage.rank_file(record.ckpt_id, t.rank))
-            return None
+                    written = zarr_l4.flush_file(verdict.parsed, dst / zarr_l4.store_name(record.ckpt_id, f.rank), seq)
+                    out.append(FileRecord(f.rank, f.node, written.file_size, written.fb.hash.hex()).to_json())
+                else:
+                    storage.copy_file_atomic(path, dst / storage.rank_file(record.ckpt_id, f.rank))
+            return out
 
-        entry, error = attempt(t.rank, flush)
-        files = agree(t, error, CheckpointError, failed, entry)
+        entries, error = attempt(t.rank, flush, [])
+        files = sorted((e for each in agree(t, error, CheckpointError, failed, entries) for e in each),
+                       key=lambda e: e["rank"])
         zarr_files = {"files": tuple(FileRecord(**f) for f in files), "extra": {"l4_format": "zarr"}} if as_zarr else {}
         flushed = record.committed_copy(seq=seq, level=4, timestamp=time.time(), **zarr_files)
         # If it cannot be committed, the last checkpoint stays where it is, committed; the copy goes.

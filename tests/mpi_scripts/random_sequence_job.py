@@ -1,6 +1,13 @@
 """Random sequences of API calls and real failures on 4 ranks, checked against a model (test_mpi_random_sequences.py).
 
 usage: mpiexec -n 4 python random_sequence_job.py CONFIG BASE STEPS SEED [SEED ...]
+       (configs ``h-*``, with heads: -n 6 for ``n3`` (2 nodes of 1 head + 2 ranks), -n 8 for ``n2`` (4 of 1 + 1))
+
+With heads, the application ranks run the sequence on their communicator; the heads loop in :func:`serve_heads`
+(each init's keywords broadcast to them first). The model then knows that with heads every differential checkpoint a
+head raises is written at L1, on the rank's L1 spare (a flipped byte there or in an L1 checkpoint's file spoils the
+next ones at any level), and that the heads update an L3 parity from the previous L3 file; every check first waits for
+the post-processing and asks that it succeeded. ``op_finalize`` (keep_last_ckpt) finalizes and starts the run again.
 
 Every rank draws the SAME sequence of operations from the seed (one NumPy Generator seeded alike everywhere); the
 values are each rank's own. Operations: arrays changed in place or replaced by ones of another size, checkpoints at
@@ -42,7 +49,19 @@ CONFIGS = {
     "dcp-n1g4": dict(node_size=1, group_size=4, enable_dcp=1, dcp_block_size=512),
     "dcp-n2g2": dict(node_size=2, group_size=2, enable_dcp=1, dcp_block_size=512, max_inflight=2),
 }
-COMM = MPI.COMM_WORLD
+# With FTI's heads (head = 1: the first process of each simulated node; node_size counts it): the application ranks
+# write L1 and the heads raise it (inline_lN = 0), or the ranks write a level themselves (inline_lN = 1).
+HEADS = dict(head=1, inline_l2=0, inline_l3=0, inline_l4=0, enable_staging=1)
+CONFIGS.update({
+    "h-n3g2": dict(node_size=3, group_size=2, **HEADS),  # 6 processes: 2 nodes of 1 head + 2 ranks
+    "h-n2g2-keep": dict(node_size=2, group_size=2, keep_last_ckpt=1, **HEADS),  # 4 nodes of 1 head + 1 rank
+    "h-n3g2-l2inline": dict(node_size=3, group_size=2, **{**HEADS, "inline_l2": 1}),
+    "h-dcp-n3g2": dict(node_size=3, group_size=2, enable_dcp=1, dcp_block_size=512, **HEADS),
+    "h-dcp-n2g2-keep": dict(node_size=2, group_size=2, enable_dcp=1, dcp_block_size=512, keep_last_ckpt=1,
+                            max_inflight=2, **HEADS),
+})
+WORLD = MPI.COMM_WORLD
+COMM = WORLD  # the application's ranks: WORLD, or WORLD without the heads (split in main)
 
 
 class Failed(AssertionError):
@@ -61,17 +80,19 @@ class Run:
     def __init__(self, cfg: dict, base: Path, seed: int) -> None:
         self.cfg, self.base, self.rank, self.size = cfg, base, COMM.rank, COMM.size
         self.rng = np.random.default_rng(seed)  # the same draws on every rank
-        self.node_size, self.group_size = cfg["node_size"], cfg["group_size"]
+        self.heads = bool(cfg.get("head"))
+        self.node_size, self.group_size = cfg["node_size"] - self.heads, cfg["group_size"]  # application ranks
         self.nnodes = self.size // self.node_size
         self.dcp = bool(cfg.get("enable_dcp"))
         self.dirs = dict(ckpt_dir=str(base / "L"), glbl_dir=str(base / "G"), meta_dir=str(base / "M"), local_test=1,
                          verbosity=3, block_size=256, transfer_size=1, **cfg)
         self.ckpts: list[dict] = []  # committed, oldest first
         self.next_id, self.log, self.handles = 1, [], []
+        self.staged: list[tuple[int, Path, bytes]] = []  # (request, destination, bytes) not checked yet
         self.taint: set[tuple[int, str, int]] = set()  # (level, kind, rank) whose spare lineage holds a flipped byte
         self.stats = dict.fromkeys(["exact", "either", "first", "fallback", "none", "damage", "exact_rebuilt",
                                     "restart", "lost_node"], 0)
-        self.ctx = ftidask.init(comm=COMM, **self.dirs)
+        self.ctx = self.init()
         self.n = {vid: int(self.rng.integers(1, 3000)) for vid in IDS}
         self.arrays = {vid: self._new(vid) for vid in IDS}
         for vid, a in self.arrays.items():
@@ -115,7 +136,11 @@ class Run:
         files = {(k, r): SOUND for k in kinds for r in range(self.size)}
         if level > 4:  # differential: patched on the spare, whose damaged blocks not changed since stay (docs/dcp.md)
             for lv, kind, r in self.taint:
-                if lv == base and (kind, r) in files:
+                if self.heads and self.raised(base) and lv == 3 and kind == "rank" and base == 3:
+                    # the heads update the parity from the previous L3 file's differences: a byte flipped where
+                    # no hash looks goes into the new parity
+                    files.update({("rsed", m): UNKNOWN for m in self.group(r)})
+                if lv == (1 if self.heads and self.raised(base) else base) and (kind, r) in files:
                     files[(kind, r)] = UNKNOWN
                     if kind == "rank" and base == 3:  # the parity updated from deltas read on that spare
                         files.update({("rsed", m): UNKNOWN for m in self.group(r)})
@@ -124,6 +149,11 @@ class Run:
         self.ckpts.append({"id": self.next_id, "level": base, "asked": level, "values": values, "n": dict(self.n),
                            "retired": False, "dead": False, "files": files})
         self.next_id += 1
+
+    def raised(self, base: int) -> bool:
+        """Whether a head raises a checkpoint of level ``base`` (the rank writes it at L1, differential ones on its
+        L1 spare, which the head makes of the L1 file it copied to the level)."""
+        return base > 1 and not self.cfg.get(f"inline_l{base}", 1)
 
     def recoverable(self, c: dict, pessimistic: bool) -> bool:
         def lost(key: tuple[str, int]) -> bool:
@@ -295,14 +325,45 @@ class Run:
             parts = Path(done).parts
             level = 4 if parts[0] == "G" else int(parts[-3][1:])
             kind = {"Spare": "rank", "SparePcof": "pcof"}.get(parts[-1].split("-")[0])
+            if self.heads and level > 1 and self.raised(level):
+                kind = None  # a fallback only: the ranks patch their L1 spares, the heads copy to the level
             if kind is not None:
                 self.taint.add((level, kind, int(parts[-1].split("Rank")[1].split(".")[0])))
+
+    def init(self):
+        """``ftidask.init`` on every process: the heads are told the keywords first (see :func:`serve_heads`)."""
+        if self.heads:
+            WORLD.bcast(self.dirs, root=app_root(self.cfg))
+        return ftidask.init(comm=WORLD if self.heads else COMM, **self.dirs)
+
+    def op_stage(self) -> None:
+        """FTI_SendFile (heads: the node's head moves the file between its post-processing): a file of this rank's
+        random bytes staged to the global directory; checked at the next settle."""
+        k, size = self.next_stage, int(self.rng.integers(0, 200_000))
+        self.next_stage += 1
+        data = np.random.default_rng([int(self.rng.integers(1 << 30)), self.rank]).bytes(size + self.rank)
+        local = self.ctx.stage_dir() / f"f{k}.bin"
+        local.write_bytes(data)
+        self.log.append(f"stage {k} ({size} bytes)")
+        self.staged.append((self.ctx.send_file(local, f"out/r{self.rank}-{k}.bin"), self.base / "G" / "out" /
+                            f"r{self.rank}-{k}.bin", data))
+
+    next_stage = 0
 
     def settle(self) -> None:
         self.ctx.wait()
         for h in self.handles:
             h.result()
         self.handles = []
+        if self.staged:  # every file at its destination, bit for bit
+            states = self.ctx.wait_staged(timeout=120)
+            bad = [(req, states.get(req), dest.name) for req, dest, data in self.staged
+                   if states.get(req) != ftidask.SI_SCES or not dest.is_file() or dest.read_bytes() != data]
+            agree_ok(not bad, f"staged files: {bad}")
+            self.staged = []
+        if self.heads:  # the heads' post-processing of the last checkpoint done, and done well (or none asked)
+            reply = self.ctx.wait_post_processing()
+            agree_ok(reply is None or bool(reply.get("ok")) and not reply.get("error"), f"post-processing: {reply}")
 
     def op_restart(self) -> None:
         lose = int(self.rng.integers(-2, self.nnodes))  # < 0: no node lost
@@ -321,8 +382,11 @@ class Run:
                         if self.node(key[1]) == lose:
                             c["files"][key] = ERASED
         COMM.barrier()
-        self.ctx = ftidask.init(comm=COMM, **self.dirs)
+        self.ctx = self.init()
         agree_ok(self.ctx.status() == (1 if self.ckpts else 0), f"status {self.ctx.status()}")
+        self._restarted()
+
+    def _restarted(self) -> None:
         cands, none_ok = self.candidates()
         if len(cands) == 1 and not none_ok:  # FTI's order on a restart: stored_size before realloc and recover
             sizes = [self.ctx.stored_size(vid) for vid in IDS]
@@ -332,6 +396,65 @@ class Run:
         for vid, a in self.arrays.items():
             self.ctx.protect(vid, a)
         self.op_recover()
+
+    def kept_at_finalize(self) -> tuple[bool, dict | None]:
+        """keep_last_ckpt: (whether the model knows it, the checkpoint finalize keeps). The newest one whose every
+        rank file verifies is flushed to L4 (a committed L4 one verified where it is); the newest, committed at L4 with
+        no fallback to go back to, is kept as it is, unread (retention.end_run); none: finalize fails, the run keeps
+        its checkpoints."""
+        newest = True
+        for c in reversed(self.ckpts):
+            if c["retired"] and not self.dcp:
+                continue  # removed
+            states = {c["files"][("rank", r)] for r in range(self.size)}
+            first, newest = newest, False
+            if first and c["level"] == 4 and not c["retired"]:
+                fallback = any(o["retired"] and o["asked"] > 4 for o in self.ckpts)  # maybe a fallback record
+                return (True, c) if states == {SOUND} or not fallback else (False, None)
+            if c["retired"] or states - {SOUND, ERASED}:
+                return False, None
+            if states == {SOUND}:
+                return True, c
+        return True, None
+
+    def op_finalize(self) -> None:
+        """keep_last_ckpt: finalize (see :meth:`kept_at_finalize`), then a new run restarts from what it kept (status
+        2), or, where none could be kept, from the run's checkpoints (status 1). Only where the model knows which."""
+        if not self.cfg.get("keep_last_ckpt"):
+            return
+        known, kept = self.kept_at_finalize()
+        if not known:
+            self.log.append("finalize skipped: which checkpoint is kept is not known")
+            return
+        committed = any(not c["retired"] for c in self.ckpts)
+        self.log.append(f"finalize keeping {kept and kept['id']}")
+        self.settle()
+        try:
+            self.ctx.finalize()
+            failed = ""
+        except ftidask.FTIError as exc:  # none can be flushed: the run keeps its checkpoints (docs/guide.md)
+            failed = f"{type(exc).__name__}: {exc}"
+        agree_ok(bool(failed) == (kept is None and committed), f"finalize: {failed or 'returned'}")
+        agree_ok(len(set(COMM.allgather(failed))) == 1, "finalize failed on some ranks only, or differently")
+        COMM.barrier()
+        self.stats["restart"] += 1
+        if failed:
+            self.log.append("  -> finalize failed: the run restarts")
+            self.ctx = self.init()
+            agree_ok(self.ctx.status() == 1, f"status {self.ctx.status()} after a failed finalize")
+            self._restarted()
+            return
+        self.taint = set()  # the spares are cleared
+        if kept is not None and kept["level"] != 4:  # flushed: a sound copy
+            kept = dict(kept, level=4, asked=4, retired=False, files={("rank", r): SOUND for r in range(self.size)})
+        self.ckpts = [] if kept is None else [dict(kept, dead=False)]
+        self.ctx = self.init()
+        agree_ok(self.ctx.status() == (2 if kept else 0), f"status {self.ctx.status()} after finalize")
+        if kept is None:
+            for vid, a in self.arrays.items():
+                self.ctx.protect(vid, a)
+            return
+        self._restarted()
 
     def op_recover(self) -> None:
         cands, none_ok = self.candidates()
@@ -450,20 +573,33 @@ class Run:
         self.log.append(f"  -> {c['id']}")
 
     OPS = [("op_mutate", 3), ("op_resize", 1), ("op_checkpoint", 4), ("op_incremental", 1), ("op_recover", 2),
-           ("op_recover_var", 1), ("op_recover_id", 0.7), ("op_restart", 1.5), ("op_damage", 2), ("op_damage_spare", 1)]
+           ("op_recover_var", 1), ("op_recover_id", 0.7), ("op_restart", 1.5), ("op_damage", 2), ("op_damage_spare", 1),
+           ("op_finalize", 0.5), ("op_stage", 0.7)]  # the last ones: weight 0 where they do not apply (the draws of
+    # the configs without them stay those of their seeds before)
+
+    def weight(self, name: str, w: float) -> float:
+        if name == "op_finalize" and not self.cfg.get("keep_last_ckpt") or name == "op_stage" and not self.heads:
+            return 0.0
+        return w
 
     def step(self) -> None:
         names = [n for n, _ in self.OPS]
-        weights = np.array([w for _, w in self.OPS], dtype=float)
+        weights = np.array([self.weight(n, w) for n, w in self.OPS], dtype=float)
         name = str(self.rng.choice(names, p=weights / weights.sum()))
         if self.rank == 0:
             print(f"  {len(self.log)} {name}", flush=True)  # where a hang stopped (the test's timeout shows it)
         getattr(self, name)()
 
     def close(self) -> None:
+        known, kept = self.kept_at_finalize() if self.cfg.get("keep_last_ckpt") else (True, True)
         try:
             self.settle()
             self.ctx.finalize()
+        except ftidask.FTIError as exc:  # keep_last_ckpt and no checkpoint can be kept
+            self.ctx._close()
+            if known and kept is not None or not any(not c["retired"] for c in self.ckpts):
+                raise
+            agree_ok(True, f"{exc}")
         except Exception:
             self.ctx._close()
             raise
@@ -492,8 +628,43 @@ def run_seed(name: str, base: Path, steps: int, seed: int) -> dict:
                 "log": run.log if run else []}
 
 
+def app_root(cfg: dict) -> int:
+    """The world rank of application rank 0 (after node 0's head)."""
+    return 1 if cfg.get("head") else 0
+
+
+def serve_heads(cfg: dict) -> None:
+    """A head: each ``ftidask.init`` the application ranks make (they broadcast its keywords first) serves until they
+    close or finalize (SystemExit); None ends the job."""
+    while True:
+        kwargs = WORLD.bcast(None, root=app_root(cfg))
+        if kwargs is None:
+            return
+        try:
+            ftidask.init(comm=WORLD, **kwargs)
+        except SystemExit:
+            pass
+        else:
+            raise AssertionError("init returned on a head")
+
+
 def main() -> None:
+    global COMM
     name, base, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    cfg = CONFIGS[name]
+    head = bool(cfg.get("head")) and WORLD.rank % cfg["node_size"] == 0  # local_test: node = rank // node_size
+    COMM = WORLD.Split(1 if head else 0, WORLD.rank)
+    if head:
+        serve_heads(cfg)
+        return
+    try:
+        seeds(name, base, steps)
+    finally:
+        if cfg.get("head"):
+            WORLD.bcast(None, root=app_root(cfg))
+
+
+def seeds(name: str, base: Path, steps: int) -> None:
     for seed in map(int, sys.argv[4:]):
         if COMM.rank == 0:
             print(f"seed {seed}", flush=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -202,15 +203,20 @@ def _keep_as_fallback(paths: storage.RunPaths, topo: Any, node: int, old: Commit
     its fallback record points (:func:`~ftidask.engine.retention.rank_path`), as a rank does without heads.
 
     Best effort, as :meth:`~ftidask.engine.dcpstore.DcpStore.retire`: a file that is gone (a lost node) or cannot
-    be moved leaves a spare that fails the fallback's FB hash check, passed over by a recovery."""
-    for pos in range(topo.app_per_node):
-        app = topo.app_rank_at(node, pos)
-        spare = rank_path(paths, old.as_fallback(), node, app)
+    be moved leaves a spare that fails the fallback's FB hash check, passed over by a recovery.
+
+    The files are those ``old`` records, on the nodes it records: written on another layout (a restart on another
+    number of ranks), its ranks are not this run's, and a recovery redistributes the fallback from where its record
+    says. Node 0's head also moves those of nodes this run does not have (seen with ``local_test``)."""
+    for f in old.files:
+        if (f.node if f.node < topo.nnodes else 0) != node:
+            continue
+        spare = rank_path(paths, old.as_fallback(), f.node, f.rank)
         try:
             storage.makedirs(spare.parent)
-            os.replace(rank_path(paths, old, node, app), spare)
+            os.replace(rank_path(paths, old, f.node, f.rank), spare)
         except OSError as exc:
-            log.debug("head of node %d: checkpoint %d of rank %d not kept as its spare: %s", node, old.ckpt_id, app,
+            log.debug("head of node %d: checkpoint %d of rank %d not kept as its spare: %s", node, old.ckpt_id, f.rank,
                       exc)
 
 
@@ -231,8 +237,10 @@ def _retire_older(cfg: Config, t: MpiTransport, state: RunState, paths: storage.
             guarded([], functools.partial(_keep_as_fallback, paths, t.topo, t.node, old))
         # After every head moved its files (a collective): the global L4 directory goes below.
         on_root(t, functools.partial(state.delete_record, old.seq), FTIError, what)
-        for level in {old.level, 1, 2, 3}:  # local, between collectives: never raises (a full disk is agreed below)
-            guarded(failed, functools.partial(storage.remove_tree, paths.level_dir(level, t.node) / old.dirname))
+        # This node's, and on node 0 those of nodes this run does not have (written on more nodes: local_test).
+        nodes = {t.node} | ({f.node for f in old.files if f.node >= t.nnodes} if t.node == 0 else set())
+        for level, n in itertools.product({old.level, 1, 2, 3} - {4}, sorted(nodes)):  # local, between collectives:
+            guarded(failed, functools.partial(storage.remove_tree, paths.level_dir(level, n) / old.dirname))  # agreed
         if t.rank == 0:
             guarded(failed, functools.partial(storage.remove_tree, paths.level_dir(4, 0) / old.dirname))
     agree(t, "; ".join(failed), FTIError, "removing the checkpoints it retires failed")
