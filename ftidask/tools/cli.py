@@ -232,8 +232,7 @@ def _size(path: Path) -> int:
 
 
 def _key(path: Path, kind: str, detail: object) -> tuple[str, int]:
-    """``(exec_id, seq)`` of a checkpoint file: from its variable table, or (damaged) from its path
-    ``{exec_id}/l{level}/ckpt{id}.s{seq}/{file}``."""
+    """``(exec_id, seq)`` of a file: its variable table's, or (damaged) its path's (``{exec_id}/l*/ckpt*.s{seq}``)."""
     table = _table_of(detail) if kind == "ok" else {}
     if table:
         return str(table.get("exec_id", path.parent.parent.parent.name)), int(table.get("seq", 0))
