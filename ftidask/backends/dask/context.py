@@ -23,7 +23,7 @@ from ...api.context import Context, Protected
 from ...engine.device import is_device_array
 from ...engine.inflight import CheckpointHandle
 from ...engine.retention import in_l4
-from ...engine.runstate import CommitRecord, FileRecord
+from ...engine.runstate import CommitRecord, FileRecord, SeqReservation
 from ...engine.variables import check_name, compressor_config, encode_states
 from ...model.arrays import check_bool, check_ckpt_id, check_id
 from ...model.config import Config
@@ -56,6 +56,8 @@ class DaskContext(Context):
         self.client = client
         self.cluster = cluster
         self._keep_state_bytes = False  # finalize_icp: the Python states' bytes as init_icp took them
+        # Never a number of an earlier client of the run: its tasks may still run on the workers (SeqReservation).
+        self._seqs = SeqReservation(self.state)
         if config.enable_dcp:
             self._dcp = DaskSpares(self)
 
@@ -188,7 +190,7 @@ class DaskContext(Context):
             owner[place] = holders[0]
         if differential:
             owner = sticky_owners(self, level, owner, workers)
-        seq = self.state.next_seq()
+        seq = self._seqs.take()
         failed = f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint is kept"
 
         def discard() -> None:  # what a checkpoint that is not committed leaves, on every worker
@@ -302,7 +304,7 @@ class DaskContext(Context):
                 raise CheckpointError(f"keep_last_ckpt: checkpoint {record.ckpt_id} (level 4) cannot be kept: "
                                       f"{exc}") from exc
             return
-        seq = self.state.next_seq()
+        seq = self._seqs.take()
         try:
             with self.cluster.batch():
                 self._flush_files(record, seq)
