@@ -104,17 +104,8 @@ def _wait_marks(marks: Path, prefix: str, n: int, timeout: float = 120) -> None:
 
 def orphan_case(root: Path, sched: Path, cfg: dict, levels: list[int], what: str = "write_rank",
                 delay: float = 60.0) -> None:
-    marks = root / "marks"
-    marks.mkdir(parents=True)
     # 1. Two checkpoints committed; the third one's tasks sleep on every worker; the client dies meanwhile.
-    spec = dict(cfg=cfg, levels=levels, steps=3, slow=dict(ckpt=3, delay=delay, marks=str(marks), what=what))
-    proc = _start(root, sched, spec)
-    try:
-        _wait_marks(marks, "start", NWORKERS)
-    finally:
-        proc.kill()
-        out, err = proc.communicate()
-    assert "C 2" in out and "C 3" not in out, f"stdout: {out}\nstderr: {err[-4000:]}"
+    marks = kill_during_checkpoint_3(root, sched, cfg, levels, what, delay)
     # 2. The program restarted on the same cluster while the orphans sleep: it recovers 2 and writes 3 again (from
     # other values: a restarted program need not compute what the dead one did).
     lines, err = _run(root, sched, dict(cfg=cfg, levels=levels, steps=1, salt=1))
@@ -133,6 +124,38 @@ def orphan_case(root: Path, sched: Path, cfg: dict, levels: list[int], what: str
     assert [w[:2] for w in lines if w[0] in ("C", "FINALIZED")] == [["C", "4"], ["FINALIZED"]], (
         f"{lines}\n{err[-6000:]}")
     assert_no_leftovers(root, cfg, "after the orphans ended and the run was finalized")
+
+
+def kill_during_checkpoint_3(root: Path, sched: Path, cfg: dict, levels: list[int], what: str,
+                             delay: float) -> Path:
+    """Two checkpoints committed, the third one's tasks sleeping on every worker, the client SIGKILLed."""
+    marks = root / "marks"
+    marks.mkdir(parents=True)
+    spec = dict(cfg=cfg, levels=levels, steps=3, slow=dict(ckpt=3, delay=delay, marks=str(marks), what=what))
+    proc = _start(root, sched, spec)
+    try:
+        _wait_marks(marks, "start", NWORKERS)
+    finally:
+        proc.kill()
+        out, err = proc.communicate()
+    assert "C 2" in out and "C 3" not in out, f"stdout: {out}\nstderr: {err[-4000:]}"
+    return marks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", [1, 3])
+def test_orphans_that_outlive_the_finalize_of_the_restart(tmp_path, external_cluster, level):
+    """The restarted program recovers, checkpoints and finalizes while the dead client's tasks still run: once they
+    end, no file is left (they wrote a checkpoint that no client will ever collect)."""
+    root, cfg, levels = tmp_path / "run", dict(group_size=3), [level]
+    marks = kill_during_checkpoint_3(root, external_cluster, cfg, levels, "write_rank", 60.0)
+    lines, err = _run(root, external_cluster, dict(cfg=cfg, levels=levels, steps=1, salt=1, finalize=True))
+    assert [w[:2] for w in lines if w[0] in ("R", "C", "FINALIZED")] == [["R", "2"], ["C", "3"], ["FINALIZED"]], (
+        f"{lines}\n{err[-6000:]}")
+    (marks / "release").touch()
+    _wait_marks(marks, "done", NWORKERS, timeout=180)
+    time.sleep(1)
+    assert_no_leftovers(root, cfg, "after the orphans of the dead client ended, the run finalized")
 
 
 @pytest.mark.slow

@@ -198,8 +198,8 @@ class DaskContext(Context):
                 self._dcp.discard()
             self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers))
 
-        try:
-            with self.cluster.batch():
+        try:  # (the checkpoint's directories: a task of it orphaned by a restart removes them)
+            with self.cluster.batch(), self.cluster.cleaning(self._dask_retention.dir_patterns(ckpt_id, seq)):
                 if differential:
                     plans, written, groups = run_dcp_levels(self, ckpt_id, level, seq, specs, futures, owner, workers)
                 else:
@@ -306,7 +306,7 @@ class DaskContext(Context):
             return
         seq = self._seqs.take()
         try:
-            with self.cluster.batch():
+            with self.cluster.batch(), self.cluster.cleaning(self._dask_retention.dir_patterns(record.ckpt_id, seq)):
                 self._flush_files(record, seq)
         except CheckpointError:
             raise
