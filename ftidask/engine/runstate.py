@@ -184,6 +184,48 @@ def new_exec_id() -> str:
     return time.strftime("%Y-%m-%d_%H-%M-%S") + "-" + secrets.token_hex(3)
 
 
+#: Sequence numbers a :class:`SeqReservation` reserves in ``run.json`` at a time: one atomic write per that many
+#: checkpoints, and a restart's numbers start at most that far past the last one used.
+SEQ_BLOCK = 64
+
+
+def _seq_mark(value: Any) -> int:
+    """A sequence number noted in ``run.json``; 0 when missing, damaged or forged."""
+    return value if type(value) is int and 0 <= value < 2**62 else 0
+
+
+class SeqReservation:
+    """Sequence numbers that no client of the run ever uses twice (the Dask backend's).
+
+    A Dask checkpoint's tasks outlive the client that submitted them: a client killed, or a checkpoint that failed
+    and was cancelled, leaves the tasks already running on worker threads to run to their end, while the cluster
+    lives on. A number used again would give the next checkpoint the same directories, temporary names, task keys
+    (distributed then hands the new checkpoint the result of the old task still running under that key) and
+    worker-to-worker sessions as those orphans. So each number is taken from a block noted in ``run.json``
+    (``seq_reserved``) before any task that uses it is submitted, never twice in this process, and a client that
+    starts the run later (a restart) begins past every block reserved before it.
+    """
+
+    def __init__(self, state: RunState) -> None:
+        self.state = state
+        self.last = self.upto = _seq_mark(state.run_info().get("seq_reserved"))  # every earlier client's
+
+    def take(self) -> int:
+        """The next sequence number, reserved durably; a :class:`CheckpointError` if it cannot be."""
+        seq = max(self.state.next_seq(), self.last + 1)
+        if seq > self.upto:
+            seq = max(seq, _seq_mark(self.state.run_info().get("seq_reserved")) + 1)  # another Context's block
+            upto = min(seq + SEQ_BLOCK - 1, 2**62 - 1)
+            try:
+                self.state.write_run(seq_reserved=upto)
+            except OSError as exc:
+                raise CheckpointError(f"cannot reserve sequence numbers in {self.state.root / 'run.json'}: "
+                                      f"{exc}") from exc
+            self.upto = upto
+        self.last = seq
+        return seq
+
+
 class RunState:
     """Run metadata under ``{meta_dir}/{exec_id}``; read by every process, written by one."""
 
@@ -213,8 +255,7 @@ class RunState:
         in ``run.json``: a finished run started again never reuses its directory names, as in l4_archive); a
         :class:`CheckpointError` past the largest a record may hold (a forged record's: a checkpoint committed with
         it would never be read back, and it would retire the previous one)."""
-        used = self.run_info().get("seq")
-        mark = used if type(used) is int and 0 <= used < 2**62 else 0  # a damaged or forged mark: ignored
+        mark = _seq_mark(self.run_info().get("seq"))  # a damaged or forged mark: ignored
         seq = max([mark] + [r.seq for r in self.records() + self.fallbacks()]) + 1
         if seq >= 2**63:
             raise CheckpointError(f"the commit records in {self.records_dir} use every sequence number (damaged or "

@@ -16,6 +16,7 @@ from distributed.client import FuturesCancelledError
 from distributed.diagnostics.progressbar import TextProgressBar, is_kernel
 
 from ...model.errors import FTIError
+from . import fence
 
 log = logging.getLogger("ftidask")
 
@@ -59,6 +60,23 @@ class Cluster:
         self.poll = poll
         self._batch: list[Future] | None = None
         self._placed: dict[Any, str] = {}  # key -> worker of each pinned task not yet waited for or released
+        self.run_id: str | None = None  # the run this client writes (set at init): its tasks are fenced (.fence)
+        self._cleanup = threading.local()  # the directories of the checkpoint this thread's tasks write
+
+    def take_over(self, run: str) -> None:
+        """At ``init``, before the garbage collection: this client writes ``run`` now; the tasks that a dead client
+        of the run left running on the workers are orphans (see :mod:`.fence`)."""
+        self.run_id = run
+        self.run(fence.take_over, run, self.client.id)
+
+    @contextlib.contextmanager
+    def cleaning(self, dirs: Sequence[str]) -> Iterator[None]:
+        """The tasks this thread submits in the block write into ``dirs``: an orphan removes them."""
+        outer, self._cleanup.dirs = getattr(self._cleanup, "dirs", ()), list(dirs)
+        try:
+            yield
+        finally:
+            self._cleanup.dirs = outer
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -93,6 +111,8 @@ class Cluster:
         for tasks that cope with running elsewhere, such as recovered chunks read again after their
         worker died (a strictly pinned task would then wait for its dead worker forever).
         """
+        if self.run_id is not None:  # refused on the workers once another client took the run over
+            fn, args = fence.call, (fn, self.run_id, self.client.id, getattr(self._cleanup, "dirs", ()), *args)
         future = self.client.submit(fn, *args, key=key, workers=[worker], allow_other_workers=loose, pure=False,
                                     **kwargs)
         if self._batch is not None:

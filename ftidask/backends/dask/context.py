@@ -23,7 +23,7 @@ from ...api.context import Context, Protected
 from ...engine.device import is_device_array
 from ...engine.inflight import CheckpointHandle
 from ...engine.retention import in_l4
-from ...engine.runstate import CommitRecord, FileRecord
+from ...engine.runstate import CommitRecord, FileRecord, SeqReservation
 from ...engine.variables import check_name, compressor_config, encode_states
 from ...model.arrays import check_bool, check_ckpt_id, check_id
 from ...model.config import Config
@@ -56,6 +56,8 @@ class DaskContext(Context):
         self.client = client
         self.cluster = cluster
         self._keep_state_bytes = False  # finalize_icp: the Python states' bytes as init_icp took them
+        # Never a number of an earlier client of the run: its tasks may still run on the workers (SeqReservation).
+        self._seqs = SeqReservation(self.state)
         if config.enable_dcp:
             self._dcp = DaskSpares(self)
 
@@ -188,7 +190,7 @@ class DaskContext(Context):
             owner[place] = holders[0]
         if differential:
             owner = sticky_owners(self, level, owner, workers)
-        seq = self.state.next_seq()
+        seq = self._seqs.take()
         failed = f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint is kept"
 
         def discard() -> None:  # what a checkpoint that is not committed leaves, on every worker
@@ -196,8 +198,8 @@ class DaskContext(Context):
                 self._dcp.discard()
             self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers))
 
-        try:
-            with self.cluster.batch():
+        try:  # (the checkpoint's directories: a task of it orphaned by a restart removes them)
+            with self.cluster.batch(), self.cluster.cleaning(self._dask_retention.dir_patterns(ckpt_id, seq)):
                 if differential:
                     plans, written, groups = run_dcp_levels(self, ckpt_id, level, seq, specs, futures, owner, workers)
                 else:
@@ -302,9 +304,9 @@ class DaskContext(Context):
                 raise CheckpointError(f"keep_last_ckpt: checkpoint {record.ckpt_id} (level 4) cannot be kept: "
                                       f"{exc}") from exc
             return
-        seq = self.state.next_seq()
+        seq = self._seqs.take()
         try:
-            with self.cluster.batch():
+            with self.cluster.batch(), self.cluster.cleaning(self._dask_retention.dir_patterns(record.ckpt_id, seq)):
                 self._flush_files(record, seq)
         except CheckpointError:
             raise

@@ -9,6 +9,7 @@ deleting runs: a task on every worker, the global directory and the commit recor
 
 from __future__ import annotations
 
+import glob
 import logging
 
 from ...engine.retention import Retention, to_retire
@@ -67,11 +68,20 @@ class DaskRetention(Retention):
         self.cluster.run(tasks.discard_paths, dirs)  # renamed now, deleted in the background
         storage.discard(self.paths.level_dir(4, 0) / storage.ckpt_dirname(ckpt_id, seq), self.remover)
 
+    def dir_patterns(self, ckpt_id: int, seq: int) -> list[str]:
+        """Glob patterns of every directory a checkpoint may write, in any node directory and in the global one
+        (a few strings, whatever the number of workers: every task of the checkpoint carries them)."""
+        name = glob.escape(storage.ckpt_dirname(ckpt_id, seq))
+        return [f"{glob.escape(str(self.paths.ckpt_dir))}/node*/{glob.escape(self.paths.exec_id)}/l[1-4]/{name}",
+                f"{glob.escape(str(self.paths.level_dir(4, 0)))}/{name}"]
+
     def collect_garbage(self, trash: bool = False) -> None:
         """Remove interrupted checkpoints' leftovers on every worker (and in the global directory); the trash too
         at the start (nothing of ours is being deleted yet) or with ``trash`` (every deletion waited for)."""
         committed = {r.dirname for r in self.state.records()}
         first = trash or not self.started
+        if not self.started:  # the tasks a dead client of the run left running write nothing of ours from now on
+            self.cluster.take_over(str(self.paths.meta_dir / self.paths.exec_id))
         self.started = True
         self.cluster.run(tasks.collect_garbage, str(self.paths.ckpt_dir), self.paths.exec_id, sorted(committed),
                          first, bool(self.config.enable_dcp))
