@@ -208,11 +208,18 @@ class Run:
             return not any(lost(("pcof", self.right(c, r))) for r in own)
         return all(sum(lost(("rank", r)) + lost(("rsed", r)) for r in g) <= len(g) for g in c["groups"])
 
-    def candidates(self) -> tuple[list[dict], bool]:
-        """The checkpoints a recovery may give, newest first, and whether NoCheckpointError is allowed."""
+    def candidates(self, partial: bool = False) -> tuple[list[dict], bool]:
+        """The checkpoints a recovery may give, newest first, and whether NoCheckpointError is allowed.
+
+        ``partial`` (recover(ids=...)): a checkpoint passed over by a full recovery may still give variables whose
+        chunks verify (a flipped byte in another variable's chunk: the reads check the chunks they read)."""
         out = []
         for c in reversed(self.ckpts):
-            if c["dead"] or c["gone"]:
+            if c["gone"]:
+                continue
+            if c["dead"]:
+                if partial and self.recoverable(c, pessimistic=False):
+                    out.append(c)
                 continue
             if c["retired"]:
                 out.append(c)  # kept for live arrays, or dCP's previous checkpoint: may come back, never promised
@@ -229,7 +236,7 @@ class Run:
         for c in tried:
             if c is got:
                 break
-            if not c["retired"]:
+            if not c["retired"] and c is not got:
                 c["dead"] = True
         if got is None or got["level"] not in (2, 3) or got["files"] is None:
             return
@@ -496,7 +503,7 @@ class Run:
     def _recover(self, vids, ckpt: dict | None = None) -> None:
         """recover() (of ``vids``; of checkpoint ``ckpt``), into arrays of the expected checkpoint's shapes."""
         if ckpt is None:
-            cands, none_ok = self.candidates()
+            cands, none_ok = self.candidates(partial=len(vids) < len(IDS))
         else:
             sure = not ckpt["dead"] and not ckpt["retired"] and not ckpt["uncertain"] and self.recoverable(ckpt, True)
             cands = [] if ckpt["dead"] or ckpt["gone"] or not self.recoverable(ckpt, False) else [ckpt]
@@ -571,7 +578,17 @@ class Run:
         self.log.append("finalize and start again")
         self.stats["finalize"] += 1
         cands, none_ok = self.candidates()
-        self.ctx.finalize()
+        try:
+            self.ctx.finalize()
+        except ftidask.CheckpointError as exc:
+            # keep_last_ckpt and no checkpoint can be flushed: the engine raises the newest's error, the run keeps
+            # its checkpoints (docs/guide.md: finalize's clean-up failed), restarted with status 1
+            check(self.keep_last and none_ok and "keep_last_ckpt" in str(exc), f"finalize: {exc}")
+            self.log.append(f"  finalize refused (allowed): {exc}")
+            self._restart_ctx()
+            check(self.ctx.status() == 1, f"status {self.ctx.status()} after a failed finalize")
+            self.restart_recover()
+            return
         for c in self.ckpts:
             c["gone"] = True
         if self.keep_last:  # the newest checkpoint that can be flushed stays, at L4 (status 2)
