@@ -40,7 +40,7 @@ CONFIGS = {
     "g2": dict(nworkers=4, cfg=dict(group_size=2)),
     "dcp": dict(nworkers=3, cfg=dict(group_size=3, enable_dcp=1, dcp_block_size=512)),
     "keep": dict(nworkers=3, cfg=dict(group_size=3, keep_last_ckpt=1)),
-    "zstd": dict(nworkers=3, cfg=dict(group_size=3, compressor="zstd", enable_dcp=1, dcp_block_size=256)),
+    "zstd": dict(nworkers=3, cfg=dict(group_size=3, compressor="zstd", enable_dcp=1, dcp_block_size=512)),
 }
 
 
