@@ -116,14 +116,12 @@ def file_sources(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
     return out
 
 
-def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[str, str]],
-                 chunks: Any = None, ids: list[int] | None = None) -> dict[int, Any]:
-    """Dask arrays whose chunks are read (and hash-checked) on the workers that serve the files.
+class Refused(RecoveryError):
+    """A request refused for a checkpoint whose files' metadata verified, their data not read yet."""
 
-    The reads are placed loosely: if a serving worker dies later, Dask reads its chunks again on
-    another worker, from the file, its copy or its rebuilt version (:mod:`ftidask.backends.dask.reads`).
-    Only variables ``ids`` if given: the others are neither read nor touched.
-    """
+
+def _requested(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: list[int] | None) -> tuple[list, Any]:
+    """The specs to recover from ``record``, the request checked against it (ids, chunks, protected arrays)."""
     lay = recorded.layout(record)
     specs = lay.specs
     if ids is not None:
@@ -138,6 +136,21 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
                             f"that checkpoint {record.ckpt_id} does not hold (it holds ids "
                             f"{sorted(s.id for s in lay.specs)}); nothing was recovered")
     _check_protected(ctx, specs, ids)
+    return specs, lay
+
+
+def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[str, str]],
+                 chunks: Any = None, ids: list[int] | None = None) -> dict[int, Any]:
+    """Dask arrays whose chunks are read (and hash-checked) on the workers that serve the files.
+
+    The reads are placed loosely: if a serving worker dies later, Dask reads its chunks again on
+    another worker, from the file, its copy or its rebuilt version (:mod:`ftidask.backends.dask.reads`).
+    Only variables ``ids`` if given: the others are neither read nor touched.
+    """
+    try:
+        specs, lay = _requested(ctx, record, chunks, ids)
+    except RecoveryError as exc:  # about this checkpoint, whose data is not read yet
+        raise Refused(str(exc)) from None
     # What each variable becomes, decided before anything is read, filled or rebound: a NumPy
     # array filled in place (target None), or a new Dask array with these chunks.
     plans = []
@@ -253,12 +266,18 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
                                        "no checkpoint can be recovered")
     try:
         out = build_arrays(ctx, record, hosts, chunks, wanted)
-    except TaskFailed as exc:  # nothing was filled or rebound
+    except (TaskFailed, Refused) as exc:  # nothing was filled or rebound
+        # A refusal (the protected arrays' shapes...) is about a checkpoint whose data is not read yet: if that data
+        # is damaged, the recovery is of an older one, whose shapes the application may have protected; refused
+        # for a damaged newest one, it could never recover. So its files are checked in full first.
         log.warning("checkpoint %d (level %d): %s; checking every file of it in full", record.ckpt_id, record.level,
                     exc)
         later = records[next(i for i, r in enumerate(records) if r is record):]
-        record, hosts = newest_recoverable(later, verifier(True), ctx.paths, ckpt_id, level,
-                                           "no checkpoint can be recovered")
+        checked, hosts = newest_recoverable(later, verifier(True), ctx.paths, ckpt_id, level,
+                                            "no checkpoint can be recovered")
+        if isinstance(exc, Refused) and checked is record:
+            raise
+        record = checked
         out = build_arrays(ctx, record, hosts, chunks, wanted)
     if ctx.config.enable_dcp:  # a fallback's spares are left alone by the next checkpoint of its level
         ctx.spares.recovered(record)
