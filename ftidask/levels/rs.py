@@ -35,6 +35,7 @@ from .erasure import ReedSolomon
 
 
 def hash_path(parity: Path) -> Path:
+    """The ``.hash`` record beside a parity file."""
     return parity.with_name(parity.name + ".hash")
 
 

@@ -43,6 +43,7 @@ log = logging.getLogger("ftidask")
 
 
 def spare_path(ctx: Any, level: int, rank: int) -> str:
+    """Rank ``rank``'s spare file of ``level``: the file its differential checkpoints patch."""
     return str(ctx.paths.level_dir(level, rank) / storage.SPARE_DIR / storage.spare_file(rank))
 
 
@@ -53,10 +54,12 @@ def next_path(ctx: Any, level: int, rank: int) -> str:
 
 
 def spare_parity_path(ctx: Any, rank: int) -> str:
+    """Rank ``rank``'s spare L3 parity file, patched with its group's differential checkpoints."""
     return str(ctx.paths.level_dir(3, rank) / storage.SPARE_DIR / storage.spare_file(rank, "RSed"))
 
 
 def spare_pcof_path(ctx: Any, rank: int) -> str:
+    """The spare partner copy rank ``rank`` keeps, patched with its partner's differential checkpoints."""
     return str(ctx.paths.level_dir(2, rank) / storage.SPARE_DIR / storage.spare_file(rank, "Pcof"))
 
 

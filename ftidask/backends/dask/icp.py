@@ -30,6 +30,7 @@ class DaskIcp:
 
 
 def init_icp(ctx: Any, ckpt_id: int, level: int, activate: bool = True) -> None:
+    """``Context.init_icp`` on Dask: open incremental checkpoint ``ckpt_id`` at ``level`` (FTI_InitICP)."""
     ctx._check_open()
     ctx._icp_slot.check_none_open()
     cid = check_ckpt_id(ckpt_id)
@@ -53,6 +54,8 @@ def init_icp(ctx: Any, ckpt_id: int, level: int, activate: bool = True) -> None:
 
 
 def add_var_icp(ctx: Any, var_id: int) -> None:
+    """``Context.add_var_icp`` on Dask: take variable ``var_id``'s values now (persisted: the array may change), for
+    the checkpoint :func:`finalize_icp` writes."""
     ctx._check_open()
     if ctx._icp_slot.skipping():
         return
@@ -62,6 +65,8 @@ def add_var_icp(ctx: Any, var_id: int) -> None:
 
 
 def finalize_icp(ctx: Any) -> Any:
+    """``Context.finalize_icp`` on Dask: write the values :func:`add_var_icp` took as one checkpoint (every protected
+    variable must have been added); its info, or None when the checkpoint was not activated."""
     ctx._check_open()
     if ctx._icp_slot.skipping():
         ctx._icp_slot.inactive = False

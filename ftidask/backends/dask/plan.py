@@ -133,6 +133,7 @@ def layout_to_json(layout: Layout) -> list[list[list[int]]]:
 
 
 def layout_from_json(raw: Sequence[Sequence[Sequence[int]]]) -> Layout:
+    """A rank file's FTI-FF layout from the blocks of slots a task receives (JSON lists: no pickled objects)."""
     blocks = []
     offset = FB_SIZE
     for slots in raw:

@@ -41,6 +41,7 @@ def _json_default(value: Any) -> Any:
 
 
 def encode_json(value: Any) -> np.ndarray:
+    """``value`` as JSON bytes in a uint8 array, ready for a buffer send."""
     return np.frombuffer(json.dumps(value, default=_json_default).encode(), dtype=np.uint8)
 
 
@@ -56,10 +57,13 @@ def allgather_json(comm: MPI.Comm, value: Any) -> list[Any]:
 
 
 def send_json(comm: MPI.Comm, value: Any, dest: int, tag: int) -> None:
+    """Send ``value`` as JSON to rank ``dest`` (a buffer send: never pickled)."""
     comm.Send([encode_json(value), MPI.BYTE], dest=dest, tag=tag)
 
 
 def recv_json(comm: MPI.Comm, source: int, tag: int) -> tuple[Any, int]:
+    """Receive a JSON value sent by :func:`send_json` (``source`` may be ``MPI.ANY_SOURCE``); the value and its
+    sender."""
     status = MPI.Status()
     comm.Probe(source=source, tag=tag, status=status)
     buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
