@@ -42,6 +42,14 @@ def uninstall() -> None:
     staging_copy._write_all = _ORIGINAL
 
 
+def hold(gate: str, timeout: float = 120.0) -> None:
+    """Keep this thread (a Dask worker's only one) busy until the file ``gate`` exists: the tasks queued behind it
+    wait, whatever the machine's load."""
+    deadline = time.monotonic() + timeout
+    while not Path(gate).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def installed() -> bool:
     """Whether this process's transfers are slowed."""
     return staging_copy._write_all is not _ORIGINAL

@@ -67,12 +67,17 @@ def test_many_files_each_on_its_worker(tmp_path, client):
 
 
 def test_state_sequence_on_dask(tmp_path, client, slow_workers):
-    slow_workers(0.05)
-    stager, _, _ = worker_stager(tmp_path, client)
+    slow_workers(0.2)  # each 8 MiB piece: a copy in flight long enough to be seen whatever the load
+    stager, workers, _ = worker_stager(tmp_path, client)
     src = stager.stage_dir / "node0" / "big"
     src.write_bytes(os.urandom(24 * MiB))
+    gate = tmp_path / "gate"  # node0's worker kept busy: the transfer stays queued until the test has seen it so
+    holder = client.submit(slowcopy.hold, str(gate), workers=[workers[0]], allow_other_workers=False, pure=False)
     req = stager.send(src, "big")
-    seen = []
+    assert stager.table.query(req) == SI_PEND
+    gate.touch()
+    holder.result(timeout=60)
+    seen = [SI_PEND]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         state = stager.table.query(req)
