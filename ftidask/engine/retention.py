@@ -248,16 +248,23 @@ class Retention(RunPart):
         return self.trash_pool
 
     def end_run(self, records: list[CommitRecord], flush_to_l4: Callable[[CommitRecord], None]) -> None:
-        """FTI_Finalize's clean-up (collective): keep the newest of ``records`` (newest first) that ``flush_to_l4``
-        flushes to L4 (a committed L4 one it verifies where it is) with ``keep_last_ckpt``, else remove them all
-        (``keep_l4_ckpt``: level-4 ones go to the archive); clear the differential checkpoints' spares, wait for the
-        deletions; mark the run finalized, last."""
+        """FTI_Finalize's clean-up (collective): with ``keep_last_ckpt``, keep one of ``records`` (newest first), else
+        remove them all (``keep_l4_ckpt``: level-4 ones go to the archive); clear the differential checkpoints'
+        spares, wait for the deletions; mark the run finalized, last.
+
+        The one kept: when the newest is a committed L4 checkpoint and no fallback is among ``records``, that one,
+        where it is and NOT read (deliberate: no older one would be kept in its place, older L4 ones go to the archive
+        with keep_l4_ckpt, and checking it would read every L4 byte; a damaged file is found by the next run's
+        recovery, which verifies every file it uses). Otherwise
+        the newest that ``flush_to_l4`` flushes: each file checked in full (hashes) and copied to L4, a committed L4
+        one checked where it is; one that fails is passed over for the next (a fallback: the previous differential
+        checkpoint, in the spares)."""
         t, failed = self.transport, "finalize failed"
         keep = bool(self.config.keep_last_ckpt and records)
         committed = [r for r in records if not r.fallback]  # the spares are cleared below
         doomed = committed
         if keep and in_l4(records[0]) and not any(r.fallback for r in records):
-            doomed = committed[1:]  # nothing older to fall back to: kept as it is
+            doomed = committed[1:]  # nothing older to fall back to: kept as it is, unread (see above)
         elif keep:
             # The newest may be a damaged one that a restart passed over for the previous differential
             # checkpoint, at L4 too: the one kept is the newest that verifies (a committed L4 one stays where
