@@ -1,5 +1,6 @@
 """A context's life in one process: a finalize that fails or is interrupted, a restart's snapshot after a recovery of
-some variables, the calls of a fresh run that have nothing to recover, and ``[restart] exec_id`` beside ``failure``.
+some variables, the calls of a fresh run that have nothing to recover, ``[restart] exec_id`` beside ``failure``, and
+what a finalize with keep_last_ckpt reads.
 
 A finalize always ends with the context closed (FTI_Finalize tears down whatever happened): its run lock released,
 its threads stopped. When the clean-up itself failed, the run keeps its checkpoints (a restart recovers the last one)
@@ -284,3 +285,40 @@ def test_finalizing_one_of_two_contexts_of_a_run_leaves_the_run_to_the_other(dir
     status, out, found = _recovered(dirs, b)
     assert status == 1 and found == (3, 1) and out.tobytes() == b.tobytes()
     assert not list(Path(dirs["meta_dir"]).glob(f"{first.exec_id}/commits/*.json"))  # the last finalize cleaned up
+
+
+# --- keep_last_ckpt: what finalize reads (docs/guide.md, finalize) -------------------------------------------
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_keep_last_keeps_a_committed_l4_checkpoint_unread(tmp_path):
+    """The newest checkpoint committed at L4, no fallback: finalize keeps it where it is without reading it (no read
+    of every L4 byte), so a file damaged since its commit stays as it is, and the next run's recovery, which verifies
+    everything, finds it (nothing older: NoCheckpointError). A level-1 newest is checked in full while it is
+    flushed: damaged, that finalize fails."""
+    for level, name in ((4, "l4"), (1, "l1")):
+        dirs = {"ckpt_dir": str(tmp_path / name / "Local"), "glbl_dir": str(tmp_path / name / "Global"),
+                "meta_dir": str(tmp_path / name / "Meta"), "verbosity": 4, "keep_last_ckpt": 1}
+        ctx = ftidask.init(**dirs)
+        data = np.arange(20_000.0)
+        ctx.protect(1, data)
+        ctx.checkpoint(1, level)
+        (path,) = Path(dirs["glbl_dir" if level == 4 else "ckpt_dir"]).rglob("Ckpt1-Rank0.fti")
+        _flip_a_byte(path)
+        if level == 1:
+            with pytest.raises(ftidask.CheckpointError, match="keep_last_ckpt"):
+                ctx.finalize()
+            continue
+        ctx.finalize()
+        assert path.exists()
+        restarted = ftidask.init(**dirs)
+        assert restarted.status() == 2
+        restarted.protect(1, np.zeros_like(data))
+        with pytest.raises(ftidask.NoCheckpointError):
+            restarted.recover()
+        restarted.finalize()

@@ -116,6 +116,7 @@ class DcpStore:
         self._spares: dict[int, BlockState] = {}  # level -> state of the spare file
         self._pinned: set[int] = set()  # levels whose spare holds the checkpoint recovered (see recovered_fallback)
         self._files: dict[tuple[int, int], BlockState] = {}  # (level, seq) -> state of a checkpoint file
+        self._elsewhere: set[tuple[int, int]] = set()  # (level, seq) of another layout, redistributed here
         self._pool = ThreadPoolExecutor(max_workers=threads or min(4, os.cpu_count() or 1),
                                         thread_name_prefix="ftidask-dcp")
         self._remover: ThreadPoolExecutor | None = None
@@ -173,7 +174,7 @@ class DcpStore:
     def keeps(self, level: int, seq: int) -> bool:
         """Whether :meth:`retire` of checkpoint ``seq`` of ``level`` makes its file the spare (its state is known:
         written or recovered, verified, by this process), barring an error while renaming it."""
-        return (level, seq) in self._files
+        return (level, seq) in self._files or (level, seq) in self._elsewhere
 
     def retire(self, level: int, seq: int, path: Path, ckpt_id: int | None = None) -> bool:
         """Checkpoint ``seq`` of ``level`` is no longer committed: keep its file as the spare
@@ -214,6 +215,11 @@ class DcpStore:
                     os.replace(hash_path(rsed), hash_path(parity))
         write_spare_hint(spare, state.fb_hash.hex())
         return True
+
+    def retired_elsewhere(self, level: int, seq: int) -> None:
+        """Checkpoint ``seq`` of ``level``, of another layout, was retired (a spare replaced fails :func:`_holds`)."""
+        self._pinned.discard(level)  # a newer checkpoint of this level or above is committed
+        self.discard(level, seq)
 
     def _short_runs(self, level: int) -> bool:
         """Were the level's recent patches mostly short scattered writes? (The spare receives
@@ -257,11 +263,13 @@ class DcpStore:
         if state is not None:
             self._spares[level] = state
 
-    def pin(self, level: int) -> None:
-        """The spares of ``level`` hold a fallback recovered on another layout (each rank's spare is not the file
-        it read): they stay untouched until a newer checkpoint of the level is committed (see
-        :meth:`recovered_fallback`)."""
-        self._pinned.add(level)
+    def redistributed(self, level: int, seq: int, fallback: bool) -> None:
+        """A checkpoint of another layout was recovered: a ``fallback`` pins the spares, untouched until a newer one of
+        the level is committed (:meth:`recovered_fallback`); a committed one is kept once retired (:meth:`keeps`)."""
+        if fallback:
+            self._pinned.add(level)
+        else:
+            self._elsewhere.add((level, seq))
 
     def _state_of(self, path: Path, parsed: Any) -> BlockState | None:
         """The block state of a verified file, when it can serve as a base here (its block size and hash)."""
@@ -274,12 +282,14 @@ class DcpStore:
     def discard(self, level: int, seq: int) -> None:
         """Checkpoint ``seq`` failed, or its file did not verify at a recovery: it never becomes the spare."""
         self._files.pop((level, seq), None)
+        self._elsewhere.discard((level, seq))
 
     def forget(self) -> None:
         """Drop every known state (another process may have changed the files)."""
         self._spares.clear()
         self._files.clear()
         self._pinned.clear()
+        self._elsewhere.clear()
 
     def clear(self) -> None:
         """Remove the spares (the run is over) and stop the hashing threads."""

@@ -138,8 +138,8 @@ def recover_other_layout(ctx: Recovery, records: list[CommitRecord], change: str
     for holder in holders(ctx.variables).values():
         holder.mirror_written()  # before any byte of the recovery reaches it
     record, arrays = recover_resharded(ctx, records, change, older)
-    if record.fallback:  # the old ranks' spares are all that a crash would recover: the next checkpoint leaves them
-        ctx.spares.get().pin(record.level)
+    if record.fallback or ctx.config.enable_dcp:  # a fallback: the old ranks' spares are all that a crash would
+        ctx.spares.get().redistributed(record.level, record.seq, record.fallback)  # recover (the next one leaves them)
     ctx.progress.restored(record.ckpt_id, record.level, None)  # None: the next checkpoint plans its containers afresh
     ctx.progress.resharded = (record, change)  # stored_size and realloc refuse it as such
     devices = {vid: d for vid, d in holders(ctx.variables).items() if vid in arrays}

@@ -7,6 +7,8 @@ owns one (the Dask backend, whose files live on the workers, owns a subclass).
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,8 +18,11 @@ from ..storage import files as storage
 from ..storage.files import RunPaths
 from ..storage.swap import link_tree_atomic
 from ..transport.collective import agree, attempt, everywhere, on_root
+from .dcpstore import spare_hint_path
 from .run import Run, RunPart
 from .runstate import CommitRecord
+
+log = logging.getLogger("ftidask")
 
 
 def rank_path(paths: RunPaths, record: CommitRecord, node: int, rank: int) -> Path:
@@ -56,6 +61,7 @@ class Retention(RunPart):
     def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.trash_pool: ThreadPoolExecutor | None = None
+        self._nodes: list[int] | None = None  # each rank's node (see _movers)
 
     def retire_older(self, record: CommitRecord) -> None:
         """After a level-L commit, drop earlier checkpoints of levels 1..L (L4 archived if asked)."""
@@ -112,15 +118,23 @@ class Retention(RunPart):
         failed = f"removing checkpoint {record.ckpt_id} (level {record.level}) failed"
         t.barrier()
         dcp = self.spares.store
+        movers: dict[int, int] | None = None  # written on another layout: old rank -> the rank that keeps its file
         if self.config.enable_dcp and fallback:  # until the spares are patched, recovery may fall back to them
             # Named before its file is renamed to the spare: killed between the two, the checkpoint was named by its
             # commit record only, which points at its directory, and a damaged newest one left nothing to recover
             # while it was whole in the spare. Until the rename, the fallback record names a spare that still holds
             # an older file (it fails the FB hash check, passed over) and the commit record its own file.
             keeping = dcp is not None and dcp.keeps(record.level, record.seq)
+            movers = self._movers(record)
+            if movers is not None and not t.bcast(keeping):  # not recovered here (damaged, passed over): its files
+                movers = None  # are not kept, and the older fallback (the checkpoint before it) stays
             on_root(t, lambda: self.state.note_retired(record, keeping), FTIError, failed)
         error = ""
-        if dcp is not None and fallback:  # its file becomes the spare that the next dCP checkpoint patches
+        if movers is not None:  # each rank moves the files its commit record places on this rank's node
+            _kept, error = attempt(t.rank, lambda: self._keep_elsewhere(record, movers))
+            if dcp is not None:
+                dcp.retired_elsewhere(record.level, record.seq)
+        elif dcp is not None and fallback:  # its file becomes the spare that the next dCP checkpoint patches
             own = rank_path(self.paths, record, t.node, t.rank)
             _kept, error = attempt(t.rank, lambda: dcp.retire(record.level, record.seq, own, record.ckpt_id), False)
         if self.config.enable_dcp:
@@ -159,6 +173,39 @@ class Retention(RunPart):
                 storage.discard(l4_dir / record.dirname, self.remover)
 
         on_root(t, remove_l4_dir, FTIError, failed)
+
+    def _movers(self, record: CommitRecord) -> dict[int, int] | None:
+        """For a differential ``record`` written on another layout (a restart on another number of ranks, or on other
+        nodes): which rank of this run moves each old rank's file to the spares, one on the node the record places
+        it (rank 0 for a node this run does not have). None otherwise: each rank retires its own file. Collective
+        (the nodes of the ranks are gathered once). The caller keeps it only if this run recovered it (redistributed,
+        verified: :meth:`~ftidask.engine.dcpstore.DcpStore.redistributed`)."""
+        if self._nodes is None:
+            self._nodes = [int(n) for n in self.transport.allgather(self.transport.node)]
+        nodes = self._nodes
+        if not record.extra.get("dcp") or (record.nranks == len(nodes) and all(
+                f.rank < len(nodes) and nodes[f.rank] == f.node for f in record.files)):
+            return None
+        first = {n: r for r, n in reversed(list(enumerate(nodes)))}  # node -> its lowest rank
+        return {f.rank: first.get(f.node, 0) for f in record.files}
+
+    def _keep_elsewhere(self, record: CommitRecord, movers: dict[int, int]) -> None:
+        """Move the files of ``record`` (written on another layout) that ``movers`` gives this rank to their level's
+        spares, where its fallback record points (:func:`rank_path`), as the heads do
+        (:func:`ftidask.backends.mpi.heads._keep_as_fallback`). Best effort, as
+        :meth:`~ftidask.engine.dcpstore.DcpStore.retire`: a file gone or not moved leaves a spare that fails the
+        fallback's FB hash check, passed over by a recovery. No hint is written: no rank patches such a spare from
+        its own block hashes (it holds no file of this run's layout)."""
+        for f in record.files:
+            if movers[f.rank] != self.transport.rank:
+                continue
+            spare = rank_path(self.paths, record.as_fallback(), f.node, f.rank)
+            try:
+                storage.makedirs(spare.parent)
+                spare_hint_path(spare).unlink(missing_ok=True)
+                os.replace(rank_path(self.paths, record, f.node, f.rank), spare)
+            except OSError as exc:
+                log.debug("checkpoint %d of rank %d not kept as its spare: %s", record.ckpt_id, f.rank, exc)
 
     def drop_local_copies(self, record: CommitRecord) -> None:
         """Remove the node-local directories of ``record``, a level-4 checkpoint that outlives the run (collective):
@@ -201,16 +248,23 @@ class Retention(RunPart):
         return self.trash_pool
 
     def end_run(self, records: list[CommitRecord], flush_to_l4: Callable[[CommitRecord], None]) -> None:
-        """FTI_Finalize's clean-up (collective): keep the newest of ``records`` (newest first) that ``flush_to_l4``
-        flushes to L4 (a committed L4 one it verifies where it is) with ``keep_last_ckpt``, else remove them all
-        (``keep_l4_ckpt``: level-4 ones go to the archive); clear the differential checkpoints' spares, wait for the
-        deletions; mark the run finalized, last."""
+        """FTI_Finalize's clean-up (collective): with ``keep_last_ckpt``, keep one of ``records`` (newest first), else
+        remove them all (``keep_l4_ckpt``: level-4 ones go to the archive); clear the differential checkpoints'
+        spares, wait for the deletions; mark the run finalized, last.
+
+        The one kept: when the newest is a committed L4 checkpoint and no fallback is among ``records``, that one,
+        where it is and NOT read (deliberate: no older one would be kept in its place, older L4 ones go to the archive
+        with keep_l4_ckpt, and checking it would read every L4 byte; a damaged file is found by the next run's
+        recovery, which verifies every file it uses). Otherwise
+        the newest that ``flush_to_l4`` flushes: each file checked in full (hashes) and copied to L4, a committed L4
+        one checked where it is; one that fails is passed over for the next (a fallback: the previous differential
+        checkpoint, in the spares)."""
         t, failed = self.transport, "finalize failed"
         keep = bool(self.config.keep_last_ckpt and records)
         committed = [r for r in records if not r.fallback]  # the spares are cleared below
         doomed = committed
         if keep and in_l4(records[0]) and not any(r.fallback for r in records):
-            doomed = committed[1:]  # nothing older to fall back to: kept as it is
+            doomed = committed[1:]  # nothing older to fall back to: kept as it is, unread (see above)
         elif keep:
             # The newest may be a damaged one that a restart passed over for the previous differential
             # checkpoint, at L4 too: the one kept is the newest that verifies (a committed L4 one stays where
