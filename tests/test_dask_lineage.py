@@ -392,6 +392,32 @@ def test_recovered_arrays_keep_their_checkpoint(client, dirs):
     ctx2.finalize()
 
 
+@pytest.mark.slow
+def test_recovered_array_reads_a_damaged_file_from_its_partner_copy(client, dirs):
+    """The chunks of a recovered array lost with their worker are read again: at L2, a file damaged since the
+    recovery is read from its partner copy, as the lineage reads do (before, the read failed at the hash)."""
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, initial(), name="field")
+    ctx.checkpoint(1, 2)
+    ctx2 = ftidask.init(client=client, **dirs)
+    back = ctx2.recover()[1]
+    rank = 1
+    path = next(Path(ctx.config.ckpt_dir).glob(f"node{rank}/*/l2/ckpt1.*/Ckpt1-Rank{rank}.fti"))
+    with open(path, "rb") as fh:
+        metas = [m for _b, _c, m in parse_ftiff(fh, str(path)).containers() if m.hascontent]
+    with open(path, "r+b") as fh:  # one flipped bit in the middle of each chunk's data
+        for meta in metas:
+            fh.seek(meta.fptr + meta.chunksize // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0x10]))
+    kill_rank(client, ctx, rank, erase=False)
+    assert client.compute(back).result(timeout=60).tobytes() == initial().compute().tobytes()
+    del back
+    ctx2.finalize()
+    ctx.finalize()
+
+
 def test_retention_keeps_a_checkpoint_a_live_array_reads(client, dirs):
     """An L2 checkpoint retires the older L2 ones, except those a live array may still read back from."""
     ctx = ftidask.init(client=client, **dirs)

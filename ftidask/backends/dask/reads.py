@@ -4,8 +4,9 @@ that :func:`ftidask.backends.dask.restore.recover` returns.
 A read runs on the worker that serves its file (chosen by recovery) while that worker lives. If
 it dies, Dask computes the lost chunks again on other workers (the tasks' placement is loose),
 where the task finds the file as that worker sees it: the rank's file itself (L4's global directory,
-or a node directory it sees), else, where the level keeps redundancy, the partner copy (L2) or a
-file rebuilt from the group's data and parity files (L3), written where recovery rebuilds files.
+or a node directory it sees), else, where the level keeps redundancy, the partner copy (L2: also where the
+rank's file is damaged) or a file rebuilt from the group's data and parity files (L3), written where recovery
+rebuilds files.
 Failing that, a :class:`RecoveryError` says so; never a wait for the dead worker.
 """
 
@@ -143,7 +144,7 @@ def read_recovered_chunk(src: dict[str, Any], var_id: int, dptr: int, dtype_json
             f"again: the file of rank {src['rank']} ({src['path']}), served by worker {src['worker']}{gone}, is "
             f"not visible on worker {here or 'this process'}, and {_NO_COPY.get(src['level'], 'no copy is')}; "
             "call ctx.recover() again (it rebuilds what the level allows, or falls back to an older checkpoint)")
-    return tasks.read_chunk(path, var_id, dptr, dtype_json, shape, src["fb_hash"])
+    return read_or_copy(src, path, var_id, dptr, dtype_json, shape)[0]
 
 
 def _how(src: dict[str, Any], path: str, existed: bool) -> str:
