@@ -431,6 +431,15 @@ class Run:
                     for key in c["files"]:
                         if key[1] == position:
                             c["files"][key] = ERASED
+        # The chunks the worker held alone are read back (persisted arrays: at once, before the erasure or after), and
+        # an L3 read whose rank file is missing rebuilds it from the group's parity, where recovery would
+        # (docs/dask-lineage.md): an erased rank file of an L3 checkpoint the live arrays read may be there again.
+        readers = [c for c in self.src.values() if c is not None] + self.readers
+        for c in readers:
+            if c["level"] == 3 and c["files"]:
+                for key, state in c["files"].items():
+                    if key[0] == "rank" and state == ERASED:
+                        c["files"][key] = UNKNOWN
 
     def op_compute(self) -> None:
         self.log.append("compute the live arrays")
