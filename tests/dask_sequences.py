@@ -13,7 +13,9 @@ file: sound, erased, unknown = a byte flipped) and FTI's retention. A recovery w
 the product does: one known recoverable (its damage within its level's tolerance) must come back bit for bit; before
 it, those whose fate is unknown may come back instead; with none known recoverable, NoCheckpointError (arrays
 untouched) is allowed too. Every error must be an ftidask error. Checkpoints retired by FTI's rule may still come back
-(the Dask backend keeps a checkpoint live arrays read, and dCP's previous checkpoint), never ahead of one promised.
+(the Dask backend keeps a checkpoint live arrays read, and dCP's previous checkpoint), never ahead of one promised;
+finalize with keep_last_ckpt may keep any of them (the newest that can be flushed). An asynchronous checkpoint whose
+arrays may not compute may fail at its handle, at the wait or at the next checkpoint (docs/async.md): never committed.
 """
 
 from __future__ import annotations
@@ -166,11 +168,12 @@ class Run:
     # --- the model -----------------------------------------------------------------------------------------
     def commit(self, level: int, values: dict[int, np.ndarray], chunks: dict) -> dict:
         base = level - 4 if level > 4 else level
-        for c in self.ckpts:
-            if not c["retired"] and c["level"] <= base:
-                c["retired"] = True
+        retires = [c for c in self.ckpts if not c["retired"] and c["level"] <= base]
+        for c in retires:
+            c["retired"] = True
         c = {"id": self.next_id, "level": base, "asked": level, "values": values, "chunks": chunks,
-             "retired": False, "dead": False, "gone": False, "uncertain": False, "files": None, "groups": None}
+             "retired": False, "dead": False, "gone": False, "uncertain": False, "files": None, "groups": None,
+             "retires": retires}
         self.ckpts.append(c)
         self.next_id += 1
         return c
@@ -307,19 +310,22 @@ class Run:
         self.log.append(f"checkpoint {self.next_id} L{level} wait={wait} rebind={rebind}")
         values = {vid: v.copy() for vid, v in self.values.items()}
         chunks = {vid: self.ctx.protected[vid].chunks for vid in IDS}
+        fragile, later = self.fragile(), False
         try:
             out = self.ctx.checkpoint(self.next_id, level, wait=wait)
             if not wait:
                 if self.rng.random() < 0.5:
                     out.result()
                 else:
-                    self.handles.append(out)
+                    later = True
         except ftidask.LevelError as exc:  # a worker dropped out under load (not restarted yet): said so
             check(len(self.clusters.workers()) < 2 and "needs at least 2" in str(exc), f"checkpoint: {exc}")
             self.log.append(f"  refused: {exc}")
             self.clusters.wait_workers()
             return
         except FTIError as exc:
+            if self.pending_failed(exc):
+                return  # an asynchronous checkpoint in flight failed, raised by this call: this one was not taken
             check(self.fragile(), f"checkpoint failed: {type(exc).__name__}: {exc}")
             self.log.append(f"  failed (allowed): {exc}")
             self.stats["fragile_error"] += 1
@@ -328,11 +334,15 @@ class Run:
         c = self.commit(level, values, chunks)
         self.readers.append(c)
         self.stats["checkpoint"] += 1
+        if later:  # its failure (allowed where it was fragile at the call) is raised by its handle or the next call
+            self.handles.append((out, c, fragile))
         if wait:
             self.fill()
         if rebind:  # the loop of docs/dask.md: x = ctx.protected[1], read back from this checkpoint if lost
             if not wait:
                 self.settle()
+                if c["gone"]:
+                    return
             self.arrays = dict(self.ctx.protected)
             self.src = dict.fromkeys(IDS, c)
             self.killed = False
@@ -421,6 +431,15 @@ class Run:
                     for key in c["files"]:
                         if key[1] == position:
                             c["files"][key] = ERASED
+        # The chunks the worker held alone are read back (persisted arrays: at once, before the erasure or after), and
+        # an L3 read whose rank file is missing rebuilds it from the group's parity, where recovery would
+        # (docs/dask-lineage.md): an erased rank file of an L3 checkpoint the live arrays read may be there again.
+        readers = [c for c in self.src.values() if c is not None] + self.readers
+        for c in readers:
+            if c["level"] == 3 and c["files"]:
+                for key, state in c["files"].items():
+                    if key[0] == "rank" and state == ERASED:
+                        c["files"][key] = UNKNOWN
 
     def op_compute(self) -> None:
         self.log.append("compute the live arrays")
@@ -428,11 +447,37 @@ class Run:
         self.live_ok("compute")
 
     def settle(self) -> None:
+        """Wait for the asynchronous checkpoints: each handle asked (an allowed failure: :meth:`async_failed`)."""
+        handles, self.handles = self.handles, []
+        for h, c, fragile in handles:
+            try:
+                h.result()
+            except FTIError as exc:
+                self.async_failed(c, fragile, exc)
         self.ctx.wait()
-        for h in self.handles:
-            h.result()
-        self.handles = []
         self.fill()
+
+    def pending_failed(self, exc: Exception) -> bool:
+        """Whether ``exc`` (from a checkpoint call) is the failure of an asynchronous checkpoint in flight, raised by
+        the next call as docs/async.md says (handled: :meth:`async_failed`)."""
+        for entry in self.handles:
+            h, c, fragile = entry
+            if str(exc).startswith(f"asynchronous checkpoint {c['id']} ") and h.done():
+                self.handles.remove(entry)
+                self.async_failed(c, fragile, exc)
+                return True
+        return False
+
+    def async_failed(self, c: dict, fragile: bool, exc: Exception) -> None:
+        """An asynchronous checkpoint failed after its call: allowed where its arrays may not compute (fragile at
+        the call); it was never committed (what its commit retired stays), and the arrays are made anew."""
+        check(fragile, f"asynchronous checkpoint {c['id']} failed: {type(exc).__name__}: {exc}")
+        self.log.append(f"  asynchronous checkpoint {c['id']} failed (allowed): {type(exc).__name__}")
+        self.stats["fragile_error"] += 1
+        c["gone"] = True
+        for old in c["retires"]:
+            old["retired"] = False
+        self.refresh()
 
     def _restart_ctx(self) -> None:
         self.ctx = ftidask.init(client=self.client, **self.dirs)
@@ -591,9 +636,11 @@ class Run:
             return
         for c in self.ckpts:
             c["gone"] = True
-        if self.keep_last:  # the newest checkpoint that can be flushed stays, at L4 (status 2)
+        if self.keep_last:
+            # The newest checkpoint that can be flushed stays, at L4 (status 2): of those a recovery may give, one
+            # retired by FTI's rule but kept for live arrays too (docs/dcp.md: the newest that can be flushed).
             self.ckpts = [dict(c, files=None, level=4, gone=False, dead=False, retired=False, kept=True,
-                               uncertain=len(cands) > 1 or none_ok, groups=None) for c in cands if not c["retired"]]
+                               uncertain=len(cands) > 1 or none_ok, groups=None) for c in reversed(cands)]
         else:
             self.ckpts = []
         self._restart_ctx()

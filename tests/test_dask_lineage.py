@@ -324,6 +324,32 @@ def test_damaged_file_fails_naming_chunk_and_checkpoint(client, dirs):
     ctx.finalize()
 
 
+@pytest.mark.slow
+def test_damaged_own_file_is_read_from_its_partner_copy(client, dirs):
+    """Found by the Dask sequences (g3 seed 903): at L2, a chunk lost with its worker whose own file is damaged
+    (flipped bytes, the file still there) is read from the partner copy, as recovery does; before, the read stopped
+    at the own file's hash mismatch (a RecoveryError, although the level had a sound copy)."""
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, initial(), name="field")
+    ctx.checkpoint(1, 2)
+    y = ctx.protected[1]
+    rank = 1
+    path = next(Path(ctx.config.ckpt_dir).glob(f"node{rank}/*/l2/ckpt1.*/Ckpt1-Rank{rank}.fti"))
+    with open(path, "rb") as fh:
+        metas = [m for _b, _c, m in parse_ftiff(fh, str(path)).containers() if m.hascontent]
+    with open(path, "r+b") as fh:  # one flipped bit in the middle of each chunk's data
+        for meta in metas:
+            fh.seek(meta.fptr + meta.chunksize // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0x10]))
+    kill_rank(client, ctx, rank, erase=False)
+    assert client.compute(y).result(timeout=60).tobytes() == initial().compute().tobytes()
+    events = [e for e in lineage.restores(client, ctx.exec_id) if e["ckpt_id"] == 1]
+    assert events and {e["how"] for e in events} == {"partner copy"}
+    ctx.finalize()
+
+
 def test_worker_killed_during_a_checkpoint(client, dirs):
     """Checkpoint 3 (step 9) fails as rank 1's worker dies sending its L2 copy: the run goes on, the
     lost chunks are recomputed from checkpoint 2 (step 6), never from before it; bit for bit."""
@@ -364,6 +390,32 @@ def test_recovered_arrays_keep_their_checkpoint(client, dirs):
     ctx2.checkpoint(3, 2)
     assert [r.ckpt_id for r in ctx2.state.records()] == [3]
     ctx2.finalize()
+
+
+@pytest.mark.slow
+def test_recovered_array_reads_a_damaged_file_from_its_partner_copy(client, dirs):
+    """The chunks of a recovered array lost with their worker are read again: at L2, a file damaged since the
+    recovery is read from its partner copy, as the lineage reads do (before, the read failed at the hash)."""
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, initial(), name="field")
+    ctx.checkpoint(1, 2)
+    ctx2 = ftidask.init(client=client, **dirs)
+    back = ctx2.recover()[1]
+    rank = 1
+    path = next(Path(ctx.config.ckpt_dir).glob(f"node{rank}/*/l2/ckpt1.*/Ckpt1-Rank{rank}.fti"))
+    with open(path, "rb") as fh:
+        metas = [m for _b, _c, m in parse_ftiff(fh, str(path)).containers() if m.hascontent]
+    with open(path, "r+b") as fh:  # one flipped bit in the middle of each chunk's data
+        for meta in metas:
+            fh.seek(meta.fptr + meta.chunksize // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0x10]))
+    kill_rank(client, ctx, rank, erase=False)
+    assert client.compute(back).result(timeout=60).tobytes() == initial().compute().tobytes()
+    del back
+    ctx2.finalize()
+    ctx.finalize()
 
 
 def test_retention_keeps_a_checkpoint_a_live_array_reads(client, dirs):

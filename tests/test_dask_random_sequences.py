@@ -36,6 +36,15 @@ def test_dask_random_sequence(tmp_path, name, seed):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("name", "seed"), [("keep", 546), ("g3", 903), ("zstd", 714)])
+def test_dask_random_sequence_found(tmp_path, name, seed):
+    """Seeds that found something: keep 546 (finalize kept a checkpoint retired by FTI's rule but kept for live
+    arrays: the model's rule), g3 903 (an L2 lineage read of a damaged own file: the partner copy; an asynchronous
+    checkpoint's failure raised at the wait: the model's rule), zstd 714 (a fallback of other shapes, fb29f61)."""
+    run(tmp_path, name, 50, [seed])
+
+
+@pytest.mark.slow
 @pytest.mark.campaign
 @pytest.mark.parametrize("name", sorted(dask_sequences.CONFIGS))
 def test_dask_random_sequences_many_seeds(tmp_path, name):

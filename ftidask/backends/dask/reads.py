@@ -4,8 +4,9 @@ that :func:`ftidask.backends.dask.restore.recover` returns.
 A read runs on the worker that serves its file (chosen by recovery) while that worker lives. If
 it dies, Dask computes the lost chunks again on other workers (the tasks' placement is loose),
 where the task finds the file as that worker sees it: the rank's file itself (L4's global directory,
-or a node directory it sees), else, where the level keeps redundancy, the partner copy (L2) or a
-file rebuilt from the group's data and parity files (L3), written where recovery rebuilds files.
+or a node directory it sees), else, where the level keeps redundancy, the partner copy (L2: also where the
+rank's file is damaged) or a file rebuilt from the group's data and parity files (L3), written where recovery
+rebuilds files.
 Failing that, a :class:`RecoveryError` says so; never a wait for the dead worker.
 """
 
@@ -77,6 +78,23 @@ def locate(src: dict[str, Any]) -> str | None:
     return None
 
 
+def read_or_copy(src: dict[str, Any], path: str, var_id: int, dptr: int, dtype_json: Any,
+                 shape: list[int]) -> tuple[np.ndarray, str]:
+    """The chunk read (hash-checked) from ``path``; should that file be damaged, from an L2 partner copy that
+    verifies (the same bytes under the same FB hash), as recovery does. The chunk and the path it came from."""
+    try:
+        return tasks.read_chunk(path, var_id, dptr, dtype_json, shape, src["fb_hash"]), path
+    except (OSError, FormatError) as exc:
+        first = exc
+    for copy in src.get("copies", ()):
+        if copy != path and os.path.exists(copy):
+            try:
+                return tasks.read_chunk(copy, var_id, dptr, dtype_json, shape, src["fb_hash"]), str(copy)
+            except (OSError, FormatError):
+                continue
+    raise first
+
+
 def _here() -> str | None:
     try:
         from distributed import get_worker
@@ -126,7 +144,7 @@ def read_recovered_chunk(src: dict[str, Any], var_id: int, dptr: int, dtype_json
             f"again: the file of rank {src['rank']} ({src['path']}), served by worker {src['worker']}{gone}, is "
             f"not visible on worker {here or 'this process'}, and {_NO_COPY.get(src['level'], 'no copy is')}; "
             "call ctx.recover() again (it rebuilds what the level allows, or falls back to an older checkpoint)")
-    return tasks.read_chunk(path, var_id, dptr, dtype_json, shape, src["fb_hash"])
+    return read_or_copy(src, path, var_id, dptr, dtype_json, shape)[0]
 
 
 def _how(src: dict[str, Any], path: str, existed: bool) -> str:
@@ -142,8 +160,8 @@ def read_lineage_chunk(src: dict[str, Any], var_id: int, name: str, index: list[
     """The task behind each chunk of an array whose lineage a checkpoint cut (:mod:`.lineage`).
 
     It runs only when Dask recomputes a lost chunk (its worker died): the chunk is read from the
-    checkpoint's file as this worker sees it, or its L2 partner copy, or the file rebuilt from L3
-    parity, hash-checked. Reported as a ``ftidask-lineage`` event (logged by the client) and in
+    checkpoint's file as this worker sees it, or (that file lost or damaged) its L2 partner copy, or (lost)
+    the file rebuilt from L3 parity, hash-checked. Reported as a ``ftidask-lineage`` event (logged by the client) and in
     this worker's log; where the level cannot bring the chunk back, a :class:`RecoveryError` names
     the chunk and the checkpoint (never wrong data). ``device``: the chunk is put on the worker's device (its
     array's chunks are CuPy arrays).
@@ -156,7 +174,7 @@ def read_lineage_chunk(src: dict[str, Any], var_id: int, name: str, index: list[
         if path is None:
             raise RecoveryError(f"the file of rank {src['rank']} ({src['path']}) is not visible on worker "
                                 f"{here or 'this process'}, and {_NO_COPY.get(src['level'], 'no copy is')}")
-        out = tasks.read_chunk(path, var_id, dptr, dtype_json, shape, src["fb_hash"])
+        out, path = read_or_copy(src, path, var_id, dptr, dtype_json, shape)
     except (OSError, FormatError, RecoveryError) as exc:  # a lost, damaged or foreign file: said, never wrong data
         raise RecoveryError(f"chunk {tuple(index)} of variable {var_id} ({name}) was lost with its worker and cannot "
                             f"be restored from checkpoint {src['ckpt_id']} (level {src['level']}): {exc}") from None
