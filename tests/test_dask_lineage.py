@@ -302,6 +302,18 @@ def test_two_workers_lost_where_the_level_survives(client, dirs, level, ranks):
     ctx.finalize()
 
 
+def flip_each_chunk(path: Path) -> None:
+    """Flip one bit in the middle of each chunk's data in the file (its size and metadata unchanged)."""
+    with open(path, "rb") as fh:
+        metas = [m for _b, _c, m in parse_ftiff(fh, str(path)).containers() if m.hascontent]
+    with open(path, "r+b") as fh:
+        for meta in metas:
+            fh.seek(meta.fptr + meta.chunksize // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0x10]))
+
+
 def test_damaged_file_fails_naming_chunk_and_checkpoint(client, dirs):
     """A chunk whose file is damaged is never handed back: the error names it and the checkpoint."""
     ctx = ftidask.init(client=client, **dirs)
@@ -335,14 +347,7 @@ def test_damaged_own_file_is_read_from_its_partner_copy(client, dirs):
     y = ctx.protected[1]
     rank = 1
     path = next(Path(ctx.config.ckpt_dir).glob(f"node{rank}/*/l2/ckpt1.*/Ckpt1-Rank{rank}.fti"))
-    with open(path, "rb") as fh:
-        metas = [m for _b, _c, m in parse_ftiff(fh, str(path)).containers() if m.hascontent]
-    with open(path, "r+b") as fh:  # one flipped bit in the middle of each chunk's data
-        for meta in metas:
-            fh.seek(meta.fptr + meta.chunksize // 2)
-            byte = fh.read(1)
-            fh.seek(-1, os.SEEK_CUR)
-            fh.write(bytes([byte[0] ^ 0x10]))
+    flip_each_chunk(path)
     kill_rank(client, ctx, rank, erase=False)
     assert client.compute(y).result(timeout=60).tobytes() == initial().compute().tobytes()
     events = [e for e in lineage.restores(client, ctx.exec_id) if e["ckpt_id"] == 1]
@@ -403,14 +408,7 @@ def test_recovered_array_reads_a_damaged_file_from_its_partner_copy(client, dirs
     back = ctx2.recover()[1]
     rank = 1
     path = next(Path(ctx.config.ckpt_dir).glob(f"node{rank}/*/l2/ckpt1.*/Ckpt1-Rank{rank}.fti"))
-    with open(path, "rb") as fh:
-        metas = [m for _b, _c, m in parse_ftiff(fh, str(path)).containers() if m.hascontent]
-    with open(path, "r+b") as fh:  # one flipped bit in the middle of each chunk's data
-        for meta in metas:
-            fh.seek(meta.fptr + meta.chunksize // 2)
-            byte = fh.read(1)
-            fh.seek(-1, os.SEEK_CUR)
-            fh.write(bytes([byte[0] ^ 0x10]))
+    flip_each_chunk(path)
     kill_rank(client, ctx, rank, erase=False)
     assert client.compute(back).result(timeout=60).tobytes() == initial().compute().tobytes()
     del back
