@@ -20,7 +20,7 @@ from ..storage.swap import link_tree_atomic
 from ..transport.collective import agree, attempt, everywhere, on_root
 from .dcpstore import spare_hint_path
 from .run import Run, RunPart
-from .runstate import CommitRecord
+from .runstate import CommitRecord, FileRecord
 
 log = logging.getLogger("ftidask")
 
@@ -48,6 +48,25 @@ def to_retire(records: Iterable[CommitRecord | None], new: CommitRecord, keep_l4
     """
     return sorted((old for old in records if old is not None and old.seq < new.seq and old.level <= new.level
                    and not (old.level == 4 and keep_l4)), key=lambda r: r.seq)
+
+
+def move_to_spares(paths: RunPaths, record: CommitRecord, files: Iterable[FileRecord], drop_hints: bool = False,
+                   who: str = "") -> None:
+    """Move ``files`` of ``record``, a retired differential checkpoint, to their level's spares, where its fallback
+    record points (:func:`rank_path` of ``record.as_fallback()``), each from the node ``record`` places it on.
+
+    Best effort, as :meth:`~ftidask.engine.dcpstore.DcpStore.retire`: a file that is gone (a lost node) or cannot be
+    moved leaves a spare that fails the fallback's FB hash check, passed over by a recovery. ``drop_hints``: remove
+    the spare's hint first (:func:`~ftidask.engine.dcpstore.spare_hint_path`); ``who`` prefixes the log line."""
+    for f in files:
+        spare = rank_path(paths, record.as_fallback(), f.node, f.rank)
+        try:
+            storage.makedirs(spare.parent)
+            if drop_hints:
+                spare_hint_path(spare).unlink(missing_ok=True)
+            os.replace(rank_path(paths, record, f.node, f.rank), spare)
+        except OSError as exc:
+            log.debug("%scheckpoint %d of rank %d not kept as its spare: %s", who, record.ckpt_id, f.rank, exc)
 
 
 class Retention(RunPart):
@@ -191,21 +210,10 @@ class Retention(RunPart):
 
     def _keep_elsewhere(self, record: CommitRecord, movers: dict[int, int]) -> None:
         """Move the files of ``record`` (written on another layout) that ``movers`` gives this rank to their level's
-        spares, where its fallback record points (:func:`rank_path`), as the heads do
-        (:func:`ftidask.backends.mpi.heads._keep_as_fallback`). Best effort, as
-        :meth:`~ftidask.engine.dcpstore.DcpStore.retire`: a file gone or not moved leaves a spare that fails the
-        fallback's FB hash check, passed over by a recovery. No hint is written: no rank patches such a spare from
-        its own block hashes (it holds no file of this run's layout)."""
-        for f in record.files:
-            if movers[f.rank] != self.transport.rank:
-                continue
-            spare = rank_path(self.paths, record.as_fallback(), f.node, f.rank)
-            try:
-                storage.makedirs(spare.parent)
-                spare_hint_path(spare).unlink(missing_ok=True)
-                os.replace(rank_path(self.paths, record, f.node, f.rank), spare)
-            except OSError as exc:
-                log.debug("checkpoint %d of rank %d not kept as its spare: %s", record.ckpt_id, f.rank, exc)
+        spares (:func:`move_to_spares`), as the heads do. No hint is written, and a stale one is dropped: no rank
+        patches such a spare from its own block hashes (it holds no file of this run's layout)."""
+        mine = [f for f in record.files if movers[f.rank] == self.transport.rank]
+        move_to_spares(self.paths, record, mine, drop_hints=True)
 
     def drop_local_copies(self, record: CommitRecord) -> None:
         """Remove the node-local directories of ``record``, a level-4 checkpoint that outlives the run (collective):

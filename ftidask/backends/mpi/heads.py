@@ -21,7 +21,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ...engine.dcpstore import write_spare_hint
-from ...engine.retention import rank_path, to_retire
+from ...engine.retention import move_to_spares, to_retire
 from ...engine.runstate import CommitRecord, RunState
 from ...levels import multilevel
 from ...model.config import Config
@@ -208,16 +208,8 @@ def _keep_as_fallback(paths: storage.RunPaths, topo: Any, node: int, old: Commit
     The files are those ``old`` records, on the nodes it records: written on another layout (a restart on another
     number of ranks), its ranks are not this run's, and a recovery redistributes the fallback from where its record
     says. Node 0's head also moves those of nodes this run does not have (seen with ``local_test``)."""
-    for f in old.files:
-        if (f.node if f.node < topo.nnodes else 0) != node:
-            continue
-        spare = rank_path(paths, old.as_fallback(), f.node, f.rank)
-        try:
-            storage.makedirs(spare.parent)
-            os.replace(rank_path(paths, old, f.node, f.rank), spare)
-        except OSError as exc:
-            log.debug("head of node %d: checkpoint %d of rank %d not kept as its spare: %s", node, old.ckpt_id, f.rank,
-                      exc)
+    mine = [f for f in old.files if (f.node if f.node < topo.nnodes else 0) == node]
+    move_to_spares(paths, old, mine, who=f"head of node {node}: ")
 
 
 def _retire_older(cfg: Config, t: MpiTransport, state: RunState, paths: storage.RunPaths,
