@@ -7,7 +7,7 @@
 #         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #         -d .whl dask distributed zarr numcodecs donfig crc32c xxhash zstandard cloudpickle toolz partd locket \
 #         fsspec msgpack sortedcontainers tblib zict tornado psutil click jinja2 markupsafe pyyaml \
-#         mpi4py mpich hypothesis attrs pytest-timeout tqdm packaging typing_extensions
+#         mpi4py mpich hypothesis attrs pytest-timeout tqdm packaging typing_extensions google-crc32c msgspec
 #     (and pure-Python wheels with --python-version 3.12 only; check each one's Requires-Dist)
 # then the tool's call: carry [".whl"], timeout_s about 560, command "bash benchmarks/gpu_session.sh 540".
 # Each step prints as it goes and has its own limit, so a step cut short keeps what the others printed.
@@ -16,8 +16,14 @@ START=$(date +%s)
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD
+  # pip --target keeps a wheel's bin/ but drops its lib/ (MPICH's libmpi): that wheel is unpacked by hand instead
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    $(ls .whl/*.whl | grep -v /mpich-) && export PYTHONPATH=/tmp/site:$PWD
+  if ls .whl/mpich-*.whl >/dev/null 2>&1; then
+    python3 -m zipfile -e .whl/mpich-*.whl /tmp/mpich && MPICH=$(echo /tmp/mpich/mpich-*.data/data) && chmod -R +x "$MPICH/bin"
+    # the image's Open MPI would be found first otherwise, and each rank would run alone
+    export PATH=$MPICH/bin:$PATH LD_LIBRARY_PATH=$MPICH/lib:$LD_LIBRARY_PATH MPI4PY_LIBMPI=$MPICH/lib/libmpi.so.12
+  fi
 else
   export PYTHONPATH=$PWD
 fi
@@ -34,12 +40,21 @@ step() {  # step LIMIT COMMAND...: within LIMIT seconds and what is left of the 
   echo "=== rc=$?"
 }
 
+mpiexec -n 2 python3 -c "from mpi4py import MPI; print('mpi ok', MPI.COMM_WORLD.rank, MPI.Get_library_version()[:20])" 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "$(nproc) cores; python $(python3 -c 'import sys; print(sys.version.split()[0])'); cupy $(python3 -c \
   'import cupy; print(cupy.__version__)' 2>&1 | tail -1)"
-step 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_devicehash.py tests/test_gpu_dask.py \
-  --junitxml "$OUT/gpu-tests.xml"
-step 120 python3 benchmarks/bench_gpu.py --gib 4 --repeat 2
-step 90 python3 benchmarks/bench_levels_mpi.py --ranks 8 --group 4 --mib 128 --repeat 3 --levels 1 2
-step 90 python3 benchmarks/bench_dask.py --workers 8 --size-mib 4096 --chunk-mib 128 --repeat 2
+# STEPS picks what runs (default: all): gputests (issue 19's tests and benchmark), gpumpi (its MPI tests alone),
+# then issue 16's rows: codec, levels, l1, dask
+STEPS=${STEPS:-gputests codec levels l1 dask}
+[[ $STEPS == *gpumpi* ]] && step 90 python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu.py -k mpi
+if [[ $STEPS == *gputests* ]]; then
+  step 200 python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu.py tests/test_devicehash.py \
+    tests/test_gpu_dask.py --junitxml "$OUT/gpu-tests.xml"
+  step 120 python3 benchmarks/bench_gpu.py --gib 2 --repeat 2
+fi
+[[ $STEPS == *codec* ]] && step 40 python3 benchmarks/bench_erasure.py --size-mib 64 --repeat 3
+[[ $STEPS == *levels* ]] && step 150 python3 benchmarks/bench_levels_mpi.py --ranks 8 --group 4 --mib 256 --repeat 3
+[[ $STEPS == *l1* ]] && step 60 python3 benchmarks/bench_l1.py --size-mib 1024 --arrays 4 --repeat 3
+[[ $STEPS == *dask* ]] && step 90 python3 benchmarks/bench_dask.py --workers 8 --size-mib 4096 --chunk-mib 128 --repeat 2
 echo "=== done in $(( $(date +%s) - START ))s"
