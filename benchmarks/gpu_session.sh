@@ -39,20 +39,19 @@ step() {  # step LIMIT COMMAND...: within LIMIT seconds and what is left of the 
   timeout -k 5 "$lim" "$@"
   echo "=== rc=$?"
 }
+exec > >(tee -a "$OUT/session.log") 2>&1  # the whole log comes back, also when the call is cut short
 
 mpiexec -n 2 python3 -c "from mpi4py import MPI; print('mpi ok', MPI.COMM_WORLD.rank, MPI.Get_library_version()[:20])" 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "$(nproc) cores; python $(python3 -c 'import sys; print(sys.version.split()[0])'); cupy $(python3 -c \
   'import cupy; print(cupy.__version__)' 2>&1 | tail -1)"
-# STEPS picks what runs (default: all): gputests (issue 19's tests and benchmark), gpumpi (its MPI tests alone),
-# then issue 16's rows: codec, levels, l1, dask
-STEPS=${STEPS:-gputests codec levels l1 dask}
+# STEPS picks what runs (default: all): gputests (issue 19's tests), gpumpi (their MPI tests alone), gpubench
+# (issue 19's benchmark), then issue 16's rows: codec, levels, l1, dask
+STEPS=${STEPS:-gputests gpubench codec levels l1 dask}
 [[ $STEPS == *gpumpi* ]] && step 90 python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu.py -k mpi
-if [[ $STEPS == *gputests* ]]; then
-  step 200 python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu.py tests/test_devicehash.py \
-    tests/test_gpu_dask.py --junitxml "$OUT/gpu-tests.xml"
-  step 120 python3 benchmarks/bench_gpu.py --gib 2 --repeat 2
-fi
+[[ $STEPS == *gputests* ]] && step 200 python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu.py \
+  tests/test_devicehash.py tests/test_gpu_dask.py --junitxml "$OUT/gpu-tests.xml"
+[[ $STEPS == *gpubench* ]] && step 150 python3 benchmarks/bench_gpu.py --gib 4 --repeat 2
 [[ $STEPS == *codec* ]] && step 40 python3 benchmarks/bench_erasure.py --size-mib 64 --repeat 3
 [[ $STEPS == *levels* ]] && step 150 python3 benchmarks/bench_levels_mpi.py --ranks 8 --group 4 --mib 256 --repeat 3
 [[ $STEPS == *l1* ]] && step 60 python3 benchmarks/bench_l1.py --size-mib 1024 --arrays 4 --repeat 3
