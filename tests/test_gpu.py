@@ -82,7 +82,7 @@ def test_a_strided_view_is_recovered_in_place(tmp_path):
         base[...] = 0
         ctx.recover()
     assert _same(view, want) and not base[1::2].any()  # only the view's elements were written
-    assert untouched.any()
+    assert untouched.view(np.uint8).any()  # random bytes, read as bytes (as float64, some are NaN)
 
 
 def test_a_new_process_recovers_on_the_device_and_on_the_host(tmp_path):
