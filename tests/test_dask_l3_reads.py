@@ -4,17 +4,20 @@ worker processes: both for the arrays whose lineage a checkpoint cut and for tho
 such a read stopped at the hash mismatch although the group's parity could rebuild the file.
 """
 
+import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 distributed = pytest.importorskip("distributed")
 
-from test_dask_lineage import NWORKERS, flip_each_chunk, initial, kill_rank  # noqa: E402, F401
+from test_dask_lineage import CHUNKS, NWORKERS, flip_each_chunk, initial, kill_rank  # noqa: E402, F401
 
 import ftidask  # noqa: E402
-from ftidask.backends.dask import lineage  # noqa: E402
+from ftidask.backends.dask import lineage, reads, recorded  # noqa: E402
+from ftidask.backends.dask.restore import file_sources  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(420)]
 RANK = 1  # the rank whose file is damaged and whose worker is killed (one L3 group of the 4 workers)
@@ -104,3 +107,31 @@ def test_damaged_own_file_beyond_the_parity_fails_cleanly(client, dirs, recovere
     del y
     for c in contexts:
         c.finalize()
+
+
+def test_concurrent_reads_of_a_damaged_file_rebuild_it_once(client, dirs, caplog):
+    """Every chunk of the damaged file read at once by threads of one process (as a worker's threads do): the file is
+    rebuilt once (the reads waiting meanwhile read the rebuilt file), each chunk bit for bit."""
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, initial(), name="field")
+    ctx.checkpoint(1, 3)
+    record = ctx.state.records()[-1]
+    lay = recorded.layout(record)
+    hosts = {r: (lay.workers[r], str(l3_file(ctx, f"Ckpt1-Rank{r}.fti", r))) for r in range(record.nranks)}
+    src = file_sources(ctx, record, hosts)[RANK]
+    mine = [at for at in lay.chunks[1] if at.rank == RANK]
+    assert len(mine) >= 2
+    damage(ctx)
+    want = initial().compute()
+
+    def read(at):
+        return reads.read_lineage_chunk(src, 1, "field", list(at.index), at.dptr, lay.raw_dtypes[1], list(CHUNKS))
+
+    with caplog.at_level(logging.INFO, logger="ftidask"), ThreadPoolExecutor(len(mine)) as pool:
+        got = list(pool.map(read, mine))
+    for at, chunk in zip(mine, got):
+        i, j = at.index
+        assert chunk.tobytes() == want[i * CHUNKS[0]:(i + 1) * CHUNKS[0], j * CHUNKS[1]:(j + 1) * CHUNKS[1]].tobytes()
+    rebuilt = [r.getMessage() for r in caplog.records if "rebuilt from its group's parity" in r.getMessage()]
+    assert rebuilt == [f"checkpoint 1: the damaged file of rank {RANK} rebuilt from its group's parity"]
+    ctx.finalize()

@@ -93,6 +93,8 @@ def _rebuild_from_parity(src: dict[str, Any], damaged: tuple[int, ...] | None = 
                 raise RecoveryError(f"{what} rebuilt from its group's parity does not verify: {verdict['message']}")
             storage.rename_into(tmp, target)  # the damaged file replaced at once, never a partial one
             tmp = None
+            log.info("checkpoint %s: the %s file of rank %s rebuilt from its group's parity", src["ckpt_id"],
+                     "missing" if damaged is None else "damaged", src["rank"])
         except (ValueError, OSError) as exc:  # a read or write error, a file changed since it was checked
             raise RecoveryError(f"{what} cannot be rebuilt from its group's parity: {exc}") from None
         finally:
