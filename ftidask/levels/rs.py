@@ -166,6 +166,47 @@ def _agreed(records: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     return json.loads(max(sorted(set(seen)), key=seen.count)) if seen else None  # sorted: alike everywhere
 
 
+def decode_inputs(data: list[str], parity: list[str], lost: int, sizes: list[int],
+                  block: int = 1 << 20) -> tuple[list[str | None], list[str | None], list[str]]:
+    """``k`` of a group's files that may rebuild its data file ``lost`` in one process (the others None, data
+    files first: a cheaper decode), and why each file left out was; fewer than ``k`` when the group has no more.
+
+    The rule of :func:`rebuild`: a parity must match its ``.hash`` record, a data file the whole-file hash those
+    records keep (``file_hashes``): one that differs, even where its own hashes do not look, spoils every byte
+    decoded from it. A data file the records keep no hash of (an older version's record) is taken as it is:
+    what is rebuilt from it is verified against the commit record. ``lost`` itself is never an input."""
+    k, max_fs = len(data), max(sizes)
+    agreed = _agreed([recorded(Path(p)) for p in parity])
+    hashes: dict[str, str] = agreed["file_hashes"] if agreed else {}
+    use_d: list[str | None] = [None] * k
+    use_p: list[str | None] = [None] * k
+    why: list[str] = []
+    for j, p in enumerate(data):
+        if j == lost:
+            continue
+        want = hashes.get(Path(p).name)
+        try:
+            if Path(p).stat().st_size != sizes[j]:
+                why.append(f"{p}: {Path(p).stat().st_size} bytes, the checkpoint's file has {sizes[j]}")
+            elif want and file_hash(Path(p), int(agreed["hash_id"]), block) != want:  # type: ignore[index]
+                why.append(f"{p}: differs from the whole-file hash its group's parity records keep")
+            else:
+                use_d[j] = p
+        except FileNotFoundError:
+            why.append(f"{p}: missing")
+        except (OSError, FTIError) as exc:
+            why.append(f"{p}: {exc}")
+    for j, p in enumerate(parity):
+        if sum(x is not None for x in use_d + use_p) == k:
+            break
+        problem = check_parity(Path(p), block, max_fs)
+        if problem:
+            why.append(problem)
+        else:
+            use_p[j] = p
+    return use_d, use_p, why
+
+
 def _rebuild_block(codec: ReedSolomon, data: list[np.ndarray], pars: list[np.ndarray], chosen: list[int], n: int,
                    offset: int, i: int, size: int, out_d: SafeOutput | None, out_p: SafeOutput | None,
                    hasher: Any) -> None:

@@ -7,11 +7,20 @@ where the task finds the file as that worker sees it: the rank's file itself (L4
 or a node directory it sees), else, where the level keeps redundancy, the partner copy (L2: also where the
 rank's file is damaged) or a file rebuilt from the group's data and parity files (L3), written where recovery
 rebuilds files.
-Failing that, a :class:`RecoveryError` says so; never a wait for the dead worker.
+
+At L3 a rank's file that is there but damaged (a chunk's hash fails) is rebuilt as one that is missing, and
+replaces it as recovery's rebuild does (:func:`ftidask.levels.rs.rebuild`): decoded into a temporary file
+beside it, fsynced, verified against the commit record, then renamed over it. The decode inputs follow the
+level's rule (:func:`ftidask.levels.rs.decode_inputs`): ``k`` of the group's other files, a parity only if it
+matches its ``.hash`` record, a data file only if it matches the whole-file hash those records keep; the
+damaged file never. One read at a time rebuilds a file in a worker process; the reads of its other chunks
+waiting meanwhile read the rebuilt file.
+Failing that, a :class:`RecoveryError` says so (never unverified bytes); never a wait for the dead worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -22,6 +31,8 @@ from typing import Any
 import numpy as np
 
 from ...engine.device import device_chunk
+from ...ftiff.reader import identity_of
+from ...levels import rs
 from ...levels.erasure import decode_files
 from ...model.errors import FormatError, RecoveryError
 from ...storage import files as storage
@@ -40,29 +51,56 @@ def _lock(path: str) -> threading.Lock:
         return _locks.setdefault(path, threading.Lock())
 
 
-def _rebuild_from_parity(src: dict[str, Any]) -> bool:
-    """Rebuild ``src["path"]`` from any ``k`` of its group's ``2k`` files that this worker sees (streamed)."""
+def _identity(path: str) -> tuple[int, ...] | None:
+    try:
+        return identity_of(os.stat(path))
+    except OSError:
+        return None
+
+
+def _rebuild_from_parity(src: dict[str, Any], damaged: tuple[int, ...] | None = None) -> bool:
+    """Rebuild ``src["path"]`` from ``k`` of its group's other files that this worker sees and that verify (a
+    parity against its record, a data file against the whole-file hash the records keep: never one that differs,
+    :func:`ftidask.levels.rs.decode_inputs`), streamed into a temporary file that replaces the path, as recovery's
+    rebuild does, once it verifies against the commit record. ``damaged``: the identity of the own file whose read
+    failed (rebuilt only while it is still that file: a read of another chunk may have rebuilt it); None: the file
+    is missing. False when fewer than ``k`` of those files are visible (nothing tried); a rebuild that fails raises
+    :class:`RecoveryError`, leaving the path as it was."""
     group = src["group"]
     k, pos = len(group["data"]), group["position"]
-    data = [p if i != pos and os.path.exists(p) else None for i, p in enumerate(group["data"])]
-    parity = [p if os.path.exists(p) else None for p in group["parity"]]
-    if sum(p is not None for p in data + parity) < k:
+    others = [p for i, p in enumerate(group["data"]) if i != pos] + list(group["parity"])
+    if sum(os.path.exists(p) for p in others) < k:
         return False
+    what = f"checkpoint {src['ckpt_id']} (level {src['level']}): the file of rank {src['rank']}"
     with _lock(src["path"]):
-        if os.path.exists(src["path"]):  # rebuilt meanwhile by another read of this process
+        if _identity(src["path"]) != damaged:  # rebuilt meanwhile by another read of this process
             return True
+        data, parity, why = rs.decode_inputs(group["data"], group["parity"], pos, group["sizes"])
+        have = sum(p is not None for p in data + parity)
+        if have < k:
+            raise RecoveryError(f"{what} cannot be rebuilt from its group's parity: {have} of the {2 * k - 1} other "
+                                f"files verify, {k} are needed ({'; '.join(why[:4])})")
+        target = Path(src["path"])
+        tmp: Path | None = None
         try:
-            storage.makedirs(Path(src["path"]).parent)  # a lost node's directory comes back
-            decode_files(data, parity, group["sizes"], {pos: src["path"]})
-        except (ValueError, OSError) as exc:  # a file of the wrong size: damaged, or not of this checkpoint
-            raise RecoveryError(f"checkpoint {src['ckpt_id']} (level 3): the file of rank {src['rank']} cannot be "
-                                f"rebuilt from its group's parity: {exc}") from None
-        # Its hashes: the read that follows decodes the chunk it needs (a compressed container decoded once).
-        verdict = tasks.check_file(src["path"], src["fb_hash"], decode=False)
-        if not verdict["ok"]:
-            os.unlink(src["path"])
-            raise RecoveryError(f"checkpoint {src['ckpt_id']} (level 3): the file of rank {src['rank']} rebuilt "
-                                f"from its group's parity does not verify: {verdict['message']}")
+            storage.makedirs(target.parent)  # a lost node's directory comes back
+            fd, tmp = storage.create_temp(target, os.O_WRONLY)
+            os.close(fd)
+            decode_files(data, parity, group["sizes"], {pos: str(tmp)})  # written whole and fsynced
+            # Its hashes: the read that follows decodes the chunk it needs (a compressed container decoded once).
+            verdict = tasks.check_file(str(tmp), src["fb_hash"], decode=False)
+            if not verdict["ok"]:
+                raise RecoveryError(f"{what} rebuilt from its group's parity does not verify: {verdict['message']}")
+            storage.rename_into(tmp, target)  # the damaged file replaced at once, never a partial one
+            tmp = None
+            log.info("checkpoint %s: the %s file of rank %s rebuilt from its group's parity", src["ckpt_id"],
+                     "missing" if damaged is None else "damaged", src["rank"])
+        except (ValueError, OSError) as exc:  # a read or write error, a file changed since it was checked
+            raise RecoveryError(f"{what} cannot be rebuilt from its group's parity: {exc}") from None
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
     return True
 
 
@@ -79,20 +117,27 @@ def locate(src: dict[str, Any]) -> str | None:
 
 
 def read_or_copy(src: dict[str, Any], path: str, var_id: int, dptr: int, dtype_json: Any,
-                 shape: list[int]) -> tuple[np.ndarray, str]:
+                 shape: list[int]) -> tuple[np.ndarray, str, bool]:
     """The chunk read (hash-checked) from ``path``; should that file be damaged, from an L2 partner copy that
-    verifies (the same bytes under the same FB hash), as recovery does. The chunk and the path it came from."""
+    verifies (the same bytes under the same FB hash), or (L3) from the file rebuilt from the group's parity in its
+    place, as recovery does. The chunk, the path it came from, and whether a damaged file was rebuilt for it."""
+    seen = _identity(path)
     try:
-        return tasks.read_chunk(path, var_id, dptr, dtype_json, shape, src["fb_hash"]), path
+        return tasks.read_chunk(path, var_id, dptr, dtype_json, shape, src["fb_hash"]), path, False
     except (OSError, FormatError) as exc:
         first = exc
     for copy in src.get("copies", ()):
         if copy != path and os.path.exists(copy):
             try:
-                return tasks.read_chunk(copy, var_id, dptr, dtype_json, shape, src["fb_hash"]), str(copy)
+                return tasks.read_chunk(copy, var_id, dptr, dtype_json, shape, src["fb_hash"]), str(copy), False
             except (OSError, FormatError):
                 continue
-    raise first
+    if not (src.get("group") and path == str(src["path"]) and seen is not None):
+        raise first
+    if not _rebuild_from_parity(src, seen):
+        raise RecoveryError(f"checkpoint {src['ckpt_id']} (level {src['level']}): the file of rank {src['rank']} is "
+                            f"damaged ({first}), and {_NO_COPY[3]} to rebuild it")
+    return tasks.read_chunk(path, var_id, dptr, dtype_json, shape, src["fb_hash"]), path, True
 
 
 def _here() -> str | None:
@@ -160,9 +205,9 @@ def read_lineage_chunk(src: dict[str, Any], var_id: int, name: str, index: list[
     """The task behind each chunk of an array whose lineage a checkpoint cut (:mod:`.lineage`).
 
     It runs only when Dask recomputes a lost chunk (its worker died): the chunk is read from the
-    checkpoint's file as this worker sees it, or (that file lost or damaged) its L2 partner copy, or (lost)
-    the file rebuilt from L3 parity, hash-checked. Reported as a ``ftidask-lineage`` event (logged by the client) and in
-    this worker's log; where the level cannot bring the chunk back, a :class:`RecoveryError` names
+    checkpoint's file as this worker sees it, or (that file lost or damaged) its L2 partner copy, or (lost or
+    damaged) the file rebuilt from L3 parity, hash-checked. Reported as a ``ftidask-lineage`` event (logged by
+    the client) and in this worker's log; where the level cannot bring the chunk back, a :class:`RecoveryError` names
     the chunk and the checkpoint (never wrong data). ``device``: the chunk is put on the worker's device (its
     array's chunks are CuPy arrays).
     """
@@ -174,13 +219,13 @@ def read_lineage_chunk(src: dict[str, Any], var_id: int, name: str, index: list[
         if path is None:
             raise RecoveryError(f"the file of rank {src['rank']} ({src['path']}) is not visible on worker "
                                 f"{here or 'this process'}, and {_NO_COPY.get(src['level'], 'no copy is')}")
-        out, path = read_or_copy(src, path, var_id, dptr, dtype_json, shape)
+        out, path, rebuilt = read_or_copy(src, path, var_id, dptr, dtype_json, shape)
     except (OSError, FormatError, RecoveryError) as exc:  # a lost, damaged or foreign file: said, never wrong data
         raise RecoveryError(f"chunk {tuple(index)} of variable {var_id} ({name}) was lost with its worker and cannot "
                             f"be restored from checkpoint {src['ckpt_id']} (level {src['level']}): {exc}") from None
     event = {"exec_id": src.get("exec_id", ""), "var": var_id, "name": name, "index": list(index),
-             "ckpt_id": src["ckpt_id"], "level": src["level"], "how": _how(src, path, existed), "path": path,
-             "worker": here or "", "nbytes": int(out.nbytes), "seconds": time.perf_counter() - start}
+             "ckpt_id": src["ckpt_id"], "level": src["level"], "how": _how(src, path, existed and not rebuilt),
+             "path": path, "worker": here or "", "nbytes": int(out.nbytes), "seconds": time.perf_counter() - start}
     log.info("lineage: chunk %s of variable %d restored from checkpoint %d (level %d, %s)", tuple(index), var_id,
              src["ckpt_id"], src["level"], event["how"])
     if here is not None:
