@@ -8,10 +8,10 @@ committed, ``F <id> <error>`` when one failed).
 
 JSON: ``cfg`` (init keywords), ``levels`` (the level of step s: ``levels[s % len(levels)]``), ``steps``,
 ``finalize``, and ``slow``: ``{"ckpt": N, "delay": D, "marks": DIR, "what": NAME}``: on every worker, the first
-call of NAME (a function of the worker's task module, see :func:`install`) for checkpoint N sleeps first, until the
-test makes ``DIR/release`` or D seconds have passed (``DIR/start-<pid>`` is made as it starts sleeping,
-``DIR/done-<pid>`` when the call has returned or raised): the test SIGKILLs this child while those tasks sleep, so
-that they go on running as orphans of a dead client, and releases them when it chooses.
+call of NAME (a function of the worker's task module, or a dotted ``module.function``, see :func:`install`) for
+checkpoint N sleeps first, until the test makes ``DIR/release`` or D seconds have passed (``DIR/start-<pid>`` is
+made as it starts sleeping, ``DIR/done-<pid>`` when the call has returned or raised): the test SIGKILLs this child
+while those tasks sleep, so that they go on running as orphans of a dead client, and releases them when it chooses.
 Prints ``ARMED`` just before the checkpoint whose tasks are slowed.
 
 The state of step ``s`` is a function of ``s`` (``_dask_crash_child.values``) and of ``salt`` (added at each step
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 import sys
@@ -38,18 +39,27 @@ _SLOWED: dict[str, Any] = {}
 
 
 def install(what: str, ckpt: int, delay: float, marks: str) -> int:
-    """On a worker (``client.run``): the first call of ``tasks.<what>`` whose arguments name checkpoint ``ckpt``'s
-    directory waits for ``marks/release`` (at most ``delay`` seconds) before it runs; returns the worker's pid."""
+    """On a worker (``client.run``): the first call of ``tasks.<what>`` (or of ``module.function``, a dotted name)
+    whose arguments name checkpoint ``ckpt``'s directory (or pass its metadata: a dict whose ``ckpt_id`` is ``ckpt``)
+    waits for ``marks/release`` (at most ``delay`` seconds) before it runs; returns the worker's pid."""
     from ftidask.backends.dask import dcp_tasks, tasks
 
-    module = dcp_tasks if hasattr(dcp_tasks, what) and not hasattr(tasks, what) else tasks
-    original = _SLOWED.setdefault(what, getattr(module, what))
+    if "." in what:  # e.g. ftidask.dcp.files.write_dcp_file: a differential write, its spare open
+        module_name, what = what.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+    else:
+        module = dcp_tasks if hasattr(dcp_tasks, what) and not hasattr(tasks, what) else tasks
+    original = _SLOWED.setdefault(f"{module.__name__}.{what}", getattr(module, what))
     state = {"hit": False}
     needle = f"ckpt{ckpt}."
 
+    def names(args: tuple[Any, ...]) -> bool:
+        return (any(isinstance(a, str) and needle in a for a in args[:2])
+                or any(isinstance(a, dict) and a.get("ckpt_id") == ckpt for a in args))
+
     @functools.wraps(original)
     def slowed(*args: Any, **kwargs: Any) -> Any:
-        if state["hit"] or not any(isinstance(a, str) and needle in a for a in args[:2]):
+        if state["hit"] or not names(args):
             return original(*args, **kwargs)
         state["hit"] = True
         Path(marks, f"start-{os.getpid()}").touch()

@@ -164,6 +164,66 @@ def test_orphan_writes_of_a_dead_client(tmp_path, external_cluster, level):
     orphan_case(tmp_path / "run", external_cluster, dict(group_size=3), [level])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("level", [5, 8])
+def test_orphaned_differential_writes(tmp_path, external_cluster, level):
+    """Differential checkpoints patch a spare in place, a file of the run that outlives every checkpoint: the dead
+    client's write tasks are held with their spare open (inside the patch), and the restart writes its differential
+    checkpoint 3 meanwhile, on the same workers. The orphans, let go, patch what they claimed before the take-over
+    (in their own checkpoint's directory, removed), never the restart's checkpoint 3: a third run recovers it bit for
+    bit, and nothing is left. (Before, the orphan and the restart patched one file, the spare: the restart renamed it
+    into its checkpoint 3 and committed it, and the orphan's blocks and metadata went on into it.)"""
+    orphan_case(tmp_path / "run", external_cluster, dict(group_size=3, enable_dcp=True), [level],
+                what="ftidask.dcp.files.write_dcp_file")
+
+
+def test_a_spare_is_claimed_by_one_client_only(tmp_path):
+    """On a worker: a task claims a spare (renames it into its checkpoint's directory) under the fence lock. Once the
+    run is taken over, a task of the dead client claims nothing (its directory goes, the spare stays for the new
+    client's task); a take-over waits for a claim in progress."""
+    import threading
+
+    from ftidask.backends.dask import fence
+
+    run = str(tmp_path / "M" / "run")
+    spare = tmp_path / "dcp" / "SpareRSed-Rank0.fti"
+    spare.parent.mkdir()
+    spare.write_bytes(b"parity")
+    record = spare.with_name(spare.name + ".hash")
+    record.write_text("{}")
+
+    def claim(into: Path) -> list[bool]:
+        into.mkdir(exist_ok=True)
+        return fence.claim([(spare, into / spare.name), (record, into / record.name)])
+
+    old, new = tmp_path / "ckpt3.s3", tmp_path / "ckpt3.s65"
+    fence.take_over(run, "dead")
+    inside, leave = threading.Event(), threading.Event()
+
+    def held() -> None:  # the dead client's task, in the fence lock when its client dies
+        with fence.exclusive():
+            inside.set()
+            leave.wait()
+
+    orphan = threading.Thread(target=fence.call, args=(held, run, "dead", ()))
+    orphan.start()
+    inside.wait()
+    taking = threading.Thread(target=fence.take_over, args=(run, "restart"))
+    taking.start()
+    taking.join(0.2)
+    assert taking.is_alive(), "the take-over did not wait for the claim in progress"
+    leave.set()
+    orphan.join()
+    taking.join()
+    with pytest.raises(fence.OrphanedTask):
+        fence.call(claim, run, "dead", [str(old)], old)
+    assert not old.exists() and spare.read_bytes() == b"parity" and record.exists()
+    assert fence.call(claim, run, "restart", [str(new)], new) == [True, True]
+    assert (new / spare.name).read_bytes() == b"parity" and not spare.exists() and not record.exists()
+    assert fence.call(claim, run, "restart", [str(new)], new) == [False, False]  # none left: written in full
+    assert fence.owner() is None
+
+
 def test_sequence_numbers_of_a_dead_client_are_never_used_again(tmp_path):
     """The numbers a client took (durably reserved before its tasks are submitted) are never taken again by the
     client of a restart, committed or not, nor twice by one client (a failed checkpoint's are not reused)."""

@@ -47,12 +47,6 @@ def spare_path(ctx: Any, level: int, rank: int) -> str:
     return str(ctx.paths.level_dir(level, rank) / storage.SPARE_DIR / storage.spare_file(rank))
 
 
-def next_path(ctx: Any, level: int, rank: int) -> str:
-    """Where rank ``rank`` writes a checkpoint of ``level`` in full while its spare is the fallback that a
-    recovery read (pinned: see :meth:`DaskSpares.recovered`); renamed into its checkpoint directory."""
-    return str(ctx.paths.level_dir(level, rank) / storage.SPARE_DIR / storage.spare_file(rank, "Next"))
-
-
 def spare_parity_path(ctx: Any, rank: int) -> str:
     """Rank ``rank``'s spare L3 parity file, patched with its group's differential checkpoints."""
     return str(ctx.paths.level_dir(3, rank) / storage.SPARE_DIR / storage.spare_file(rank, "RSed"))
@@ -118,7 +112,7 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
         meta = ctx.rank_meta(ckpt_id, level, seq, r, workers)
         partner = fs[topo.left_partner(r)] if level == 2 else fs[r]
         writes.append(ctx.cluster.submit(
-            dcp_tasks.write_rank_dcp, next_path(ctx, level, r) if pinned else spare_path(ctx, level, r), own(r),
+            dcp_tasks.write_rank_dcp, spare_path(ctx, level, r), own(r),
             None if pinned else spares.pop((level, r), None),
             layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, ctx.config.hash,
             ctx.config.dcp_block_size, bid, partner, max(fs[g] for g in topo.group_ranks(r)),
@@ -176,7 +170,7 @@ class DaskSpares:
 
     def recovered(self, record: CommitRecord) -> None:
         """``record``'s files were verified and read. A fallback's spares are all that a crash would recover:
-        the next checkpoint of their level leaves them alone (written in full to :func:`next_path`) until a
+        the next checkpoint of their level leaves them alone (written in full, in its own directory) until a
         newer checkpoint of that level or above is committed (it retires one: :meth:`keep`)."""
         self.nranks = max(self.nranks, record.nranks)
         if record.fallback:

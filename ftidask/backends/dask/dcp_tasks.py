@@ -3,8 +3,10 @@
 A worker keeps no state between tasks, so each differential write is told by the client which
 file its spare should be (the FB hash from the retired checkpoint's commit record) and reads the
 block digests from the spare itself (:func:`ftidask.engine.dcpstore.write_differential`). A spare that
-is missing, torn or unexpected is rewritten in full. L2 and L3 (deltas to the partner, parity
-updates) are the shared level code, run by :mod:`ftidask.backends.dask.group_tasks`.
+is missing, torn or unexpected is rewritten in full. A task patches no spare where it lies: it claims it first,
+renaming it into its own checkpoint's directory (:func:`ftidask.backends.dask.fence.claim`), so that the task of a
+dead client (an orphan, still running) and the restarted client's never patch the same file. L2 and L3 (deltas to
+the partner, parity updates) are the shared level code, run by :mod:`ftidask.backends.dask.group_tasks`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ...engine.dcpstore import write_differential
 from ...ftiff import hashing
 from ...model.arrays import VarInfo
 from ...storage import files as storage
+from . import fence
 from .plan import layout_from_json
 from .tasks import chunk_sources, discard_paths, wait_removals
 
@@ -39,17 +42,20 @@ def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_
                    with_xor: bool = False, fresh: bool = False) -> Any:
     """Bring this worker's spare up to date with the chunks it holds and rename it to ``final``.
 
+    The spare is claimed first (renamed into ``final``'s directory, see :func:`claimed`) and patched there.
     ``with_xor`` (L3): return ``(result, old XOR new bytes)``, the result's ``xor`` giving the
     ranges and the base, for a parity update (:func:`ftidask.backends.dask.group_tasks.parity_delta`).
-    ``fresh``: ``spare`` is a new file (``SpareNext``, beside a spare that a recovery fell back to and that
-    stays untouched), written in full; whatever a crash left there first goes.
+    ``fresh``: the spare is the checkpoint a recovery fell back to and stays untouched: a new file is written in full.
     """
+    work = claimed(spare, final)
     if fresh:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(spare)
+            os.unlink(work)
+    else:
+        fence.claim([(spare, work)])
     infos = [VarInfo.from_json(r) for r in infos_json]
     written, stats = write_differential(
-        Path(spare), Path(final), bytes.fromhex(expected_fb_hash) if expected_fb_hash else None,
+        work, Path(final), bytes.fromhex(expected_fb_hash) if expected_fb_hash else None,
         layout_from_json(layout_json), chunk_sources(places, chunks, {i.id: i.dtype for i in infos}), infos,
         meta, block_size=block_size, bid=bid, hash_id=hashing.hash_id(hash_name), pool=_hash_pool(),
         pt_fs=pt_fs, max_fs=max_fs, capture_xor=with_xor)
@@ -65,14 +71,22 @@ def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_
     return result, (np.zeros(0, np.uint8) if xor is None else xor.payload)
 
 
+def claimed(spare: str | Path, into: str | Path) -> Path:
+    """Where a task of the checkpoint that writes ``into`` patches ``spare``: beside ``into``, under the spare's name
+    (the directory is made). It leaves it there only if it fails: the checkpoint's directory is then removed."""
+    storage.makedirs(Path(into).parent)
+    return Path(into).parent / Path(spare).name
+
+
 def keep_as_spares(moves: Sequence[Sequence[str]]) -> list[bool]:
     """Rename each retired file ``src`` to its spare name ``dst``; which renames happened."""
     done = []
     for src, dst in moves:
         try:
             storage.makedirs(Path(dst).parent)
-            discard_paths([dst])  # the old spare: freeing a GiB-sized file must not hold up the commit
-            os.replace(src, dst)
+            with fence.exclusive():  # never once another client writes the run (its spares are there)
+                discard_paths([dst])  # the old spare: freeing a GiB-sized file must not hold up the commit
+                os.replace(src, dst)
             done.append(True)
         except OSError:
             done.append(False)

@@ -10,14 +10,23 @@ task of another client of the run refuses to start there, and one that was runni
 returns, the directories of its checkpoint (never committed: its client died) that it may have written after the
 garbage collection, or after the new client's ``finalize``.
 
+A differential checkpoint patches a file that outlives the checkpoint: a spare (its rank file, at L2 the partner
+copy, at L3 the parity), renamed into the checkpoint once complete. A task never patches it where it lies: it first
+*claims* it, renaming it into its own checkpoint's directory (:func:`exclusive`, under the lock that
+:func:`take_over` takes, refused once the run was taken over), and patches it there. An orphan that claimed a spare
+before the take-over patches a file that no other client names (its checkpoint's directory, removed); one that had
+not claims nothing more. The restart's tasks find the spare where the dead client left it, or none (written in full).
+
 Plain functions of strings (no ``distributed`` import); a worker keeps the run's client in this module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +35,7 @@ from ...storage import files as storage
 
 _writers: dict[str, str] = {}  # run (its meta directory) -> the id of the client that writes it now
 _lock = threading.Lock()
+_task = threading.local()  # owner: the (run, client) of the task this thread runs, while call runs it
 
 
 class OrphanedTask(FTIError):
@@ -41,8 +51,52 @@ def take_over(run: str, client: str) -> None:
 def orphaned(run: str, client: str) -> bool:
     """Whether another client has taken run ``run`` over from client ``client`` on this worker."""
     with _lock:
-        writer = _writers.get(run)
+        return _taken(run, client)
+
+
+def _taken(run: str, client: str) -> bool:
+    writer = _writers.get(run)
     return writer is not None and writer != client
+
+
+def owner() -> tuple[str, str] | None:
+    """The (run, client) of the task that this thread runs (None outside :func:`call`)."""
+    return getattr(_task, "owner", None)
+
+
+@contextlib.contextmanager
+def acting(who: tuple[str, str] | None) -> Iterator[None]:
+    """This thread works for the task of ``who`` (:func:`owner` of the task's thread): a helper thread of a task."""
+    outer, _task.owner = owner(), who
+    try:
+        yield
+    finally:
+        _task.owner = outer
+
+
+@contextlib.contextmanager
+def exclusive() -> Iterator[None]:
+    """Hold the worker's fence lock while this thread's task moves a file that outlives its checkpoint (a spare):
+    :class:`OrphanedTask` once the task's run was taken over. :func:`take_over` waits for the block to end."""
+    with _lock:
+        who = owner()
+        if who is not None and _taken(*who):
+            raise OrphanedTask(f"run {who[0]} is written by another client now: client {who[1]}'s task moves nothing")
+        yield
+
+
+def claim(moves: Sequence[tuple[str | os.PathLike[str], str | os.PathLike[str]]]) -> list[bool]:
+    """Rename each ``src`` to ``dst`` (in this task's checkpoint directory, which exists), all under
+    :func:`exclusive`: this task alone patches them now. Which ones were there."""
+    done = []
+    with exclusive():
+        for src, dst in moves:
+            try:
+                os.replace(src, dst)
+                done.append(True)
+            except FileNotFoundError:
+                done.append(False)
+    return done
 
 
 def call(fn: Callable[..., Any], run: str, client: str, cleanup: Sequence[str], *args: Any, **kwargs: Any) -> Any:
@@ -51,9 +105,11 @@ def call(fn: Callable[..., Any], run: str, client: str, cleanup: Sequence[str], 
     ``fn`` is done."""
     if orphaned(run, client):
         raise OrphanedTask(f"run {run} is written by another client now: this task of client {client} does nothing")
+    outer, _task.owner = owner(), (run, client)
     try:
         return fn(*args, **kwargs)
     finally:
+        _task.owner = outer
         if cleanup and orphaned(run, client):  # after fn's last rename: the take-over's collection may have missed it
             for pattern in cleanup:
                 for path in glob.glob(pattern):

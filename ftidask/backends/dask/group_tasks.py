@@ -16,7 +16,10 @@ one error and aborts the step's sessions on every worker.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,7 @@ from ...model.config import Config
 from ...model.errors import FTIError
 from ...storage import files as storage
 from ...transport.collective import guarded
-from . import tasks
+from . import dcp_tasks, fence, tasks
 from .channel import WorkerChannel
 
 log = logging.getLogger("ftidask")
@@ -108,9 +111,9 @@ def protect_delta(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -
     ``dep``: the write's result (its ``delta``)."""
     own, rank = Path(m["own"]), int(m["rank"])
     delta = FileDelta.from_json(dep["delta"]) if dep.get("delta") is not None else None
-    error = partner_delta.protect(ch, own, own.parent / m["pcof_name"],
-                                  partner_delta.spare_partner_path(own.parent, rank), _size(own), delta,
-                                  cfg.transfer_size << 20)
+    with _claimed(partner_delta.spare_partner_path(own.parent, rank), own) as spare:
+        error = partner_delta.protect(ch, own, own.parent / m["pcof_name"], spare, _size(own), delta,
+                                      cfg.transfer_size << 20)
     if error:
         raise LevelFailed(error)
     return {"rank": rank, "sent": ch.bytes_sent}
@@ -126,8 +129,9 @@ def parity_delta(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) ->
                                             np.asarray(payload, np.uint8))
     errors: list[str] = []
     own_hash = guarded(errors, lambda: file_fb_hash(own), "")
-    why = rs_delta.update(ch, xor, own_hash, rs_delta.spare_parity_path(own.parent, rank),
-                          own.parent / m["parity_name"], ch.allgather(_size(own)), hashing.hash_id(cfg.hash))
+    with _claimed(rs_delta.spare_parity_path(own.parent, rank), own, record=True) as spare:
+        why = rs_delta.update(ch, xor, own_hash, spare, own.parent / m["parity_name"], ch.allgather(_size(own)),
+                              hashing.hash_id(cfg.hash))
     if why is None:
         if errors:
             raise LevelFailed("; ".join(errors))
@@ -135,12 +139,28 @@ def parity_delta(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) ->
     return protect(ch, m | {"level": 3}, cfg, dep) | {"updated": False, "why": why}
 
 
+@contextlib.contextmanager
+def _claimed(spare: Path, own: Path, record: bool = False) -> Iterator[Path]:
+    """The spare partner copy or parity (with its ``record``), claimed into ``own``'s directory (see
+    :func:`ftidask.backends.dask.fence.claim`): what the level code patches. Removed after, unless it was renamed
+    into the checkpoint (the whole file was sent or encoded instead, or the step failed)."""
+    work = dcp_tasks.claimed(spare, own)
+    fence.claim([(spare, work)] + ([(rs.hash_path(spare), rs.hash_path(work))] if record else []))
+    try:
+        yield work
+    finally:
+        for path in [work] + ([rs.hash_path(work)] if record else []):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 STEPS = {"protect": protect, "rebuild": rebuild, "protect_delta": protect_delta, "parity_delta": parity_delta}
 
 
-def _run_one(m: dict[str, Any], cfg: Config, deps: tuple[Any, ...], worker: Any) -> dict[str, Any]:
+def _run_one(m: dict[str, Any], cfg: Config, deps: tuple[Any, ...], worker: Any,
+             owner: tuple[str, str] | None) -> dict[str, Any]:
     dep = deps[m["dep"]] if m.get("dep") is not None else None
-    with WorkerChannel(m["tag"], int(m["index"]), m["peers"], worker) as ch:
+    with fence.acting(owner), WorkerChannel(m["tag"], int(m["index"]), m["peers"], worker) as ch:
         return STEPS[m["step"]](ch, m, cfg, dep)
 
 
@@ -150,9 +170,9 @@ def run_members(members: list[dict[str, Any]], cfg: Config, *deps: Any) -> list[
     Each member: ``step`` (a key of :data:`STEPS`), ``tag``, ``index``, ``peers`` (its session),
     ``dep`` (index into ``deps``: the result of a task it needs, or None) and the step's values.
     """
-    worker = get_worker()  # in the task's thread: the member threads below are not Dask's
+    worker, owner = get_worker(), fence.owner()  # in the task's thread: the member threads below are not Dask's
     if len(members) == 1:
-        return [_run_one(members[0], cfg, deps, worker)]
+        return [_run_one(members[0], cfg, deps, worker, owner)]
     with ThreadPoolExecutor(len(members), thread_name_prefix="ftidask-member") as pool:
-        futures = [pool.submit(_run_one, m, cfg, deps, worker) for m in members]
+        futures = [pool.submit(_run_one, m, cfg, deps, worker, owner) for m in members]
     return [f.result() for f in futures]  # the first failure raised, once every member ended
