@@ -130,10 +130,10 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
             for r in group:
                 if level == 2:
                     m = group_steps.member("protect_delta", tag_g, group, r, workers, dep=0, own=own(r),
-                                           pcof_name=storage.partner_file(ckpt_id, r))
+                                           pcof_name=storage.partner_file(ckpt_id, r), claim=not pinned)
                 else:
                     m = group_steps.member("parity_delta", tag_g, group, r, workers, dep=0, level=3, ckpt_id=ckpt_id,
-                                           own=own(r), parity_name=storage.parity_file(ckpt_id, r))
+                                           own=own(r), parity_name=storage.parity_file(ckpt_id, r), claim=not pinned)
                 finals.append(group_steps.submit_members(
                     ctx.cluster, ctx.config, workers[r], [m], [deps[r]],
                     key=f"ftidask-dcp-{'partner' if level == 2 else 'parity'}-{tag}-{r}"))

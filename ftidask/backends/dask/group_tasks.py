@@ -111,7 +111,7 @@ def protect_delta(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -
     ``dep``: the write's result (its ``delta``)."""
     own, rank = Path(m["own"]), int(m["rank"])
     delta = FileDelta.from_json(dep["delta"]) if dep.get("delta") is not None else None
-    with _claimed(partner_delta.spare_partner_path(own.parent, rank), own) as spare:
+    with _claimed(partner_delta.spare_partner_path(own.parent, rank), own, take=m.get("claim", True)) as spare:
         error = partner_delta.protect(ch, own, own.parent / m["pcof_name"], spare, _size(own), delta,
                                       cfg.transfer_size << 20)
     if error:
@@ -129,7 +129,7 @@ def parity_delta(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) ->
                                             np.asarray(payload, np.uint8))
     errors: list[str] = []
     own_hash = guarded(errors, lambda: file_fb_hash(own), "")
-    with _claimed(rs_delta.spare_parity_path(own.parent, rank), own, record=True) as spare:
+    with _claimed(rs_delta.spare_parity_path(own.parent, rank), own, record=True, take=m.get("claim", True)) as spare:
         why = rs_delta.update(ch, xor, own_hash, spare, own.parent / m["parity_name"], ch.allgather(_size(own)),
                               hashing.hash_id(cfg.hash))
     if why is None:
@@ -140,12 +140,17 @@ def parity_delta(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) ->
 
 
 @contextlib.contextmanager
-def _claimed(spare: Path, own: Path, record: bool = False) -> Iterator[Path]:
+def _claimed(spare: Path, own: Path, record: bool = False, take: bool = True) -> Iterator[Path]:
     """The spare partner copy or parity (with its ``record``), claimed into ``own``'s directory (see
     :func:`ftidask.backends.dask.fence.claim`): what the level code patches. Removed after, unless it was renamed
-    into the checkpoint (the whole file was sent or encoded instead, or the step failed)."""
+    into the checkpoint (the whole file was sent or encoded instead, or the step failed).
+
+    ``take`` False (the spares are the checkpoint a recovery fell back to, every file of the step is written in
+    full: nothing is patched): the spare stays where it is, untouched, and the level code gets a path where there
+    is none (it sends the whole file, or encodes the parity anew)."""
     work = dcp_tasks.claimed(spare, own)
-    fence.claim([(spare, work)] + ([(rs.hash_path(spare), rs.hash_path(work))] if record else []))
+    if take:
+        fence.claim([(spare, work)] + ([(rs.hash_path(spare), rs.hash_path(work))] if record else []))
     try:
         yield work
     finally:
