@@ -40,7 +40,7 @@ _SLOWED: dict[str, Any] = {}
 
 def install(what: str, ckpt: int, delay: float, marks: str) -> int:
     """On a worker (``client.run``): the first call of ``tasks.<what>`` (or of ``module.function``, a dotted name)
-    whose arguments name checkpoint ``ckpt``'s directory (or pass its metadata: a dict whose ``ckpt_id`` is ``ckpt``)
+    whose arguments (one of its first four, a string or a path) name checkpoint ``ckpt``'s directory (or pass its metadata: a dict whose ``ckpt_id`` is ``ckpt``)
     waits for ``marks/release`` (at most ``delay`` seconds) before it runs; returns the worker's pid."""
     from ftidask.backends.dask import dcp_tasks, tasks
 
@@ -53,8 +53,8 @@ def install(what: str, ckpt: int, delay: float, marks: str) -> int:
     state = {"hit": False}
     needle = f"ckpt{ckpt}."
 
-    def names(args: tuple[Any, ...]) -> bool:
-        return (any(isinstance(a, str) and needle in a for a in args[:2])
+    def names(args: tuple[Any, ...]) -> bool:  # a path of the checkpoint (the level code passes Paths) or its meta
+        return (any(isinstance(a, (str, os.PathLike)) and needle in os.fspath(a) for a in args[:4])
                 or any(isinstance(a, dict) and a.get("ckpt_id") == ckpt for a in args))
 
     @functools.wraps(original)

@@ -177,6 +177,18 @@ def test_orphaned_differential_writes(tmp_path, external_cluster, level):
                 what="ftidask.dcp.files.write_dcp_file")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("level", "what"), [(6, "ftidask.levels.partner_delta.protect"),
+                                             (7, "ftidask.levels.rs_delta.update")])
+def test_orphaned_differential_partner_and_parity_steps(tmp_path, external_cluster, level, what):
+    """The L2/L3 step of a differential checkpoint patches a spare too (the partner copy a worker holds, its parity):
+    the dead client's step is held on every worker once it claimed it (inside the level code, before its first
+    collective), and the restart writes its checkpoint 3 at the same level meanwhile (the spares gone: whole files,
+    parity encoded anew). The orphans, let go, finish in their own directories: the restart's checkpoint 3 comes
+    back bit for bit, and nothing is left."""
+    orphan_case(tmp_path / "run", external_cluster, dict(group_size=3, enable_dcp=True), [level], what=what)
+
+
 def test_a_spare_is_claimed_by_one_client_only(tmp_path):
     """On a worker: a task claims a spare (renames it into its checkpoint's directory) under the fence lock. Once the
     run is taken over, a task of the dead client claims nothing (its directory goes, the spare stays for the new
