@@ -85,6 +85,16 @@ def _probe(client, dirs, newest, saved, rank=1):
         path.write_bytes(data)
 
 
+def _newest_recovered(ctx, client, dirs, saved, newest=6):
+    """A restart after ``ctx`` closed (no finalize): the newest checkpoint recovered bit for bit; its context."""
+    ctx._close()
+    ctx2 = _init(client, dirs)
+    out = ctx2.recover()
+    assert ctx2.recovered_from[0] == newest
+    assert {v: a.compute().tobytes() for v, a in out.items()} == saved[newest]
+    return ctx2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("level", [5, 6, 7, 8])
 def test_dcp_full_dcp_sequence_leaves_no_stray_and_recovers(client, dirs, level):
@@ -105,12 +115,7 @@ def test_dcp_full_dcp_sequence_leaves_no_stray_and_recovers(client, dirs, level)
         else:
             assert got in (k - 1, ("none", "NoCheckpointError")), seen
     # the newest, undamaged, after all of it
-    ctx._close()
-    ctx2 = _init(client, dirs)
-    out = ctx2.recover()
-    assert ctx2.recovered_from[0] == 6
-    assert {v: a.compute().tobytes() for v, a in out.items()} == saved[6]
-    ctx2.finalize()
+    _newest_recovered(ctx, client, dirs, saved).finalize()
     assert not _files(dirs), _files(dirs)
 
 
@@ -136,11 +141,7 @@ def test_asynchronous_dcp_checkpoints_in_a_row(client, dirs, level):
     assert not _strays(dirs), _strays(dirs)
     got = _probe(client, dirs, 6, saved)
     assert got == (6 if level in (6, 7) else 5), got
-    ctx._close()
-    ctx2 = _init(client, dirs)
-    out = ctx2.recover()
-    assert ctx2.recovered_from[0] == 6
-    assert {v: a.compute().tobytes() for v, a in out.items()} == saved[6]
+    ctx2 = _newest_recovered(ctx, client, dirs, saved)
     for k in (7, 8):  # a recovery, then checkpoints
         _step(ctx2, k)
         ctx2.checkpoint(k, level)
@@ -215,10 +216,5 @@ def test_worker_killed_with_a_claimed_spare(client, dirs, level, point):
         saved[k] = _state(ctx)
         assert not _strays(dirs), _strays(dirs)
     assert _probe(client, dirs, 6, saved) == (6 if level in (6, 7) else 5)
-    ctx._close()
-    ctx2 = _init(client, dirs)
-    out = ctx2.recover()
-    assert ctx2.recovered_from[0] == 6
-    assert {v: a.compute().tobytes() for v, a in out.items()} == saved[6]
-    ctx2.finalize()
+    _newest_recovered(ctx, client, dirs, saved).finalize()
     assert not _files(dirs), _files(dirs)
