@@ -347,3 +347,30 @@ def test_l3_records_without_whole_file_hashes_rebuild_as_before(tmp_path):
     own(tmp_path, 2).unlink()
     assert rebuild(tmp_path, 3, sizes, files, also) == [True, True, False, True]
     assert own(tmp_path, 0).read_bytes() == also[0]
+
+
+@pytest.mark.parametrize("forge", [
+    {"hash_id": 999}, {"hash_id": "xxh3"}, {"hash_id": -1}, {"file_hashes": [1, 2]}, {"fb_hashes": {"a": 1}},
+    "file_hashes: zeros", "file_hashes: not hex"])
+def test_l3_forged_parity_records_never_rebuild_wrong_bytes(tmp_path, forge):
+    """Every parity's ``.hash`` record forged (untrusted bytes), a parity and a data file lost: the rebuild raises
+    nothing, and every file it gives back is the one written. A record whose hash id is not the parity's makes no
+    parity trusted (3 data files are too few: member 2 stays lost); forged whole-file hashes leave the decoding to
+    the files' own checks."""
+    sizes = [3000, 3100, 2900, 3050]
+    files = make_group(tmp_path, 3, sizes, seed=8)
+    for i in range(4):
+        path = redundancy(tmp_path, 3, i).with_name(redundancy(tmp_path, 3, i).name + ".hash")
+        record = json.loads(path.read_text())
+        if isinstance(forge, dict):
+            record.update(forge)
+        else:
+            record["file_hashes"] = {name: "00" * 16 if forge.endswith("zeros") else "zz"
+                                     for name in record["file_hashes"]}
+        path.write_text(json.dumps(record))
+    redundancy(tmp_path, 3, 1).unlink()
+    own(tmp_path, 2).unlink()
+    back = rebuild(tmp_path, 3, sizes, files)
+    assert back[:2] == [True, True] and back[3]
+    assert back[2] == (not (isinstance(forge, dict) and "hash_id" in forge))
+    assert all(own(tmp_path, i).read_bytes() == files[i] for i in range(4) if back[i])
