@@ -85,6 +85,18 @@ def _probe(client, dirs, newest, saved, rank=1):
         path.write_bytes(data)
 
 
+def _three_checkpoints(client, dirs, level, seed, **kw):
+    """A context protecting a field, checkpointed three times at ``level`` (each after a step); its states."""
+    ctx = _init(client, dirs, **kw)
+    ctx.protect(1, da.random.default_rng(seed).random((96, 64), chunks=(32, 64)), name="field")
+    saved = {}
+    for k in (1, 2, 3):
+        _step(ctx, k)
+        ctx.checkpoint(k, level)
+        saved[k] = _state(ctx)
+    return ctx, saved
+
+
 def _newest_recovered(ctx, client, dirs, saved, newest=6):
     """A restart after ``ctx`` closed (no finalize): the newest checkpoint recovered bit for bit; its context."""
     ctx._close()
@@ -157,13 +169,7 @@ def test_asynchronous_dcp_checkpoints_in_a_row(client, dirs, level):
 def test_keep_last_ckpt_then_differential_checkpoints_again(client, dirs, level):
     """keep_last_ckpt: the finalized run keeps its newest checkpoint and no spare; the next run recovers it, writes
     differential checkpoints from there (the first in full: no spare) and finalizes the same way."""
-    ctx = _init(client, dirs, keep_last_ckpt=1)
-    ctx.protect(1, da.random.default_rng(20 + level).random((96, 64), chunks=(32, 64)), name="field")
-    saved = {}
-    for k in (1, 2, 3):
-        _step(ctx, k)
-        ctx.checkpoint(k, level)
-        saved[k] = _state(ctx)
+    ctx, saved = _three_checkpoints(client, dirs, level, 20 + level, keep_last_ckpt=1)
     ctx.finalize()
     assert not [p for p in _files(dirs) if p.name.startswith("Spare") or p.parent.name == "dcp"], _files(dirs)
     for run in (1, 2):
@@ -194,13 +200,7 @@ def test_worker_killed_with_a_claimed_spare(client, dirs, level, point):
     from conftest import wait_for_replaced_workers
     from test_dask_backend import crash_worker
 
-    ctx = _init(client, dirs)
-    ctx.protect(1, da.random.default_rng(30 + level).random((96, 64), chunks=(32, 64)), name="field")
-    saved = {}
-    for k in (1, 2, 3):
-        _step(ctx, k)
-        ctx.checkpoint(k, level)
-        saved[k] = _state(ctx)
+    ctx, saved = _three_checkpoints(client, dirs, level, 30 + level)
     _step(ctx, 4)  # changes a row of the first chunk: its rank patches a block (sticky: it writes it again)
     rank = next(r for index, r, _d, _n in ctx.state.records()[-1].extra["chunks"]["1"] if index == [0, 0])
     crash_worker(client, rank, point)
