@@ -6,6 +6,7 @@ such a read stopped at the hash mismatch although the group's parity could rebui
 
 import logging
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -134,4 +135,73 @@ def test_concurrent_reads_of_a_damaged_file_rebuild_it_once(client, dirs, caplog
         assert chunk.tobytes() == want[i * CHUNKS[0]:(i + 1) * CHUNKS[0], j * CHUNKS[1]:(j + 1) * CHUNKS[1]].tobytes()
     rebuilt = [r.getMessage() for r in caplog.records if "rebuilt from its group's parity" in r.getMessage()]
     assert rebuilt == [f"checkpoint 1: the damaged file of rank {RANK} rebuilt from its group's parity"]
+    ctx.finalize()
+
+
+def _lose_inputs_mid_rebuild(monkeypatch, ctx, ranks):
+    """Each decode of the rebuild first loses the node of the next rank of ``ranks`` whose data file is one of its
+    inputs (its directory erased, as a second node lost while the first is being rebuilt): the inputs read then are
+    gone. The ranks lost, in order."""
+    real, lost = reads.decode_files, []
+
+    def decode_losing_a_node(data, parity, sizes, out):
+        for r in ranks:
+            if r not in lost and any(p is not None and p.endswith(f"Ckpt1-Rank{r}.fti") for p in data):
+                shutil.rmtree(Path(ctx.config.ckpt_dir) / f"node{r}")
+                lost.append(r)
+                break
+        return real(data, parity, sizes, out)
+
+    monkeypatch.setattr(reads, "decode_files", decode_losing_a_node)
+    return lost
+
+
+def _lineage_reads(ctx):
+    """The rank RANK's chunks of the checkpointed array, and a function reading one back as a lineage read does."""
+    record = ctx.state.records()[-1]
+    lay = recorded.layout(record)
+    hosts = {r: (lay.workers[r], str(l3_file(ctx, f"Ckpt1-Rank{r}.fti", r))) for r in range(record.nranks)}
+    src = file_sources(ctx, record, hosts)[RANK]
+
+    def read(at):
+        return reads.read_lineage_chunk(src, 1, "field", list(at.index), at.dptr, lay.raw_dtypes[1], list(CHUNKS))
+
+    return [at for at in lay.chunks[1] if at.rank == RANK], read
+
+
+def test_a_node_lost_while_a_file_is_rebuilt_leaves_the_rebuild_to_the_others(client, dirs, monkeypatch):
+    """Rank RANK's node is lost; while its file is being rebuilt from parity, the node of one of the rebuild's
+    inputs is lost too (the CI failure of test_two_workers_lost_where_the_level_survives[3]): the rebuild chooses
+    again among the files left (half the group is still there) and every chunk comes back bit for bit."""
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, initial(), name="field")
+    ctx.checkpoint(1, 3)
+    mine, read = _lineage_reads(ctx)
+    shutil.rmtree(Path(ctx.config.ckpt_dir) / f"node{RANK}")
+    lost = _lose_inputs_mid_rebuild(monkeypatch, ctx, [next(r for r in range(NWORKERS) if r != RANK)])
+    want = initial().compute()
+    for at in mine:
+        i, j = at.index
+        part = want[i * CHUNKS[0]:(i + 1) * CHUNKS[0], j * CHUNKS[1]:(j + 1) * CHUNKS[1]]
+        assert read(at).tobytes() == part.tobytes()
+    assert len(lost) == 1
+    ctx.finalize()
+
+
+def test_nodes_lost_while_a_file_is_rebuilt_beyond_the_parity_fail_cleanly(client, dirs, monkeypatch):
+    """Every other data file's node lost one after the other while the file is being rebuilt: once fewer than half the
+    group is left the read fails naming the chunk and what is missing, with no temporary file left behind."""
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, initial(), name="field")
+    ctx.checkpoint(1, 3)
+    mine, read = _lineage_reads(ctx)
+    shutil.rmtree(Path(ctx.config.ckpt_dir) / f"node{RANK}")
+    lost = _lose_inputs_mid_rebuild(monkeypatch, ctx, [r for r in range(NWORKERS) if r != RANK])
+    with pytest.raises(ftidask.RecoveryError, match=r"chunk \(\d+, \d+\) of variable 1 \(field\) was lost with its "
+                                                    r"worker and cannot be restored from checkpoint 1 \(level 3\).*"
+                                                    r"2 of the 7 other files verify, 4 are needed"):
+        read(mine[0])
+    assert lost  # the rebuild was tried
+    own = Path(ctx.config.ckpt_dir) / f"node{RANK}"
+    assert not [p.name for p in own.rglob("*") if ".tmp-" in p.name]
     ctx.finalize()

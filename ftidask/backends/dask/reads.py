@@ -14,7 +14,8 @@ beside it, fsynced, verified against the commit record, then renamed over it. Th
 level's rule (:func:`ftidask.levels.rs.decode_inputs`): ``k`` of the group's other files, a parity only if it
 matches its ``.hash`` record, a data file only if it matches the whole-file hash those records keep; the
 damaged file never. One read at a time rebuilds a file in a worker process; the reads of its other chunks
-waiting meanwhile read the rebuilt file.
+waiting meanwhile read the rebuilt file. An input lost while it is read (a second node lost during the rebuild) is
+left out and the inputs chosen again, while the group keeps ``k`` of them.
 Failing that, a :class:`RecoveryError` says so (never unverified bytes); never a wait for the dead worker.
 """
 
@@ -75,33 +76,55 @@ def _rebuild_from_parity(src: dict[str, Any], damaged: tuple[int, ...] | None = 
     with _lock(src["path"]):
         if _identity(src["path"]) != damaged:  # rebuilt meanwhile by another read of this process
             return True
-        data, parity, why = rs.decode_inputs(group["data"], group["parity"], pos, group["sizes"])
-        have = sum(p is not None for p in data + parity)
-        if have < k:
-            raise RecoveryError(f"{what} cannot be rebuilt from its group's parity: {have} of the {2 * k - 1} other "
-                                f"files verify, {k} are needed ({'; '.join(why[:4])})")
-        target = Path(src["path"])
-        tmp: Path | None = None
-        try:
-            storage.makedirs(target.parent)  # a lost node's directory comes back
-            fd, tmp = storage.create_temp(target, os.O_WRONLY)
-            os.close(fd)
-            decode_files(data, parity, group["sizes"], {pos: str(tmp)})  # written whole and fsynced
-            # Its hashes: the read that follows decodes the chunk it needs (a compressed container decoded once).
-            verdict = tasks.check_file(str(tmp), src["fb_hash"], decode=False)
-            if not verdict["ok"]:
-                raise RecoveryError(f"{what} rebuilt from its group's parity does not verify: {verdict['message']}")
-            storage.rename_into(tmp, target)  # the damaged file replaced at once, never a partial one
-            tmp = None
-            log.info("checkpoint %s: the %s file of rank %s rebuilt from its group's parity", src["ckpt_id"],
-                     "missing" if damaged is None else "damaged", src["rank"])
-        except (ValueError, OSError) as exc:  # a read or write error, a file changed since it was checked
-            raise RecoveryError(f"{what} cannot be rebuilt from its group's parity: {exc}") from None
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+        # An input lost while it is read (another node lost during the rebuild) is left out of a next choice, as
+        # long as the group keeps k: each try either succeeds or loses an input for good, so 2k - 1 tries suffice.
+        for _ in range(2 * k - 1):
+            data, parity, why = rs.decode_inputs(group["data"], group["parity"], pos, group["sizes"])
+            have = sum(p is not None for p in data + parity)
+            if have < k:
+                raise RecoveryError(f"{what} cannot be rebuilt from its group's parity: {have} of the {2 * k - 1} "
+                                    f"other files verify, {k} are needed ({'; '.join(why[:4])})")
+            try:
+                _decode_over(src, data, parity, pos, what)
+                break
+            except _InputLost:
+                continue
+        else:
+            raise RecoveryError(f"{what} cannot be rebuilt from its group's parity: its inputs kept vanishing while "
+                                "they were read")
+        log.info("checkpoint %s: the %s file of rank %s rebuilt from its group's parity", src["ckpt_id"],
+                 "missing" if damaged is None else "damaged", src["rank"])
     return True
+
+
+class _InputLost(Exception):
+    """An input of a rebuild vanished while it was read, or the directory written to."""
+
+
+def _decode_over(src: dict[str, Any], data: list[str | None], parity: list[str | None], pos: int, what: str) -> None:
+    """Decode rank ``pos``'s file from the chosen inputs into a temporary file, verify it and rename it over
+    ``src["path"]`` (the path as it was on any failure). :class:`_InputLost` when an input is gone meanwhile."""
+    group, target = src["group"], Path(src["path"])
+    tmp: Path | None = None
+    try:
+        storage.makedirs(target.parent)  # a lost node's directory comes back
+        fd, tmp = storage.create_temp(target, os.O_WRONLY)
+        os.close(fd)
+        decode_files(data, parity, group["sizes"], {pos: str(tmp)})  # written whole and fsynced
+        # Its hashes: the read that follows decodes the chunk it needs (a compressed container decoded once).
+        verdict = tasks.check_file(str(tmp), src["fb_hash"], decode=False)
+        if not verdict["ok"]:
+            raise RecoveryError(f"{what} rebuilt from its group's parity does not verify: {verdict['message']}")
+        storage.rename_into(tmp, target)  # the damaged file replaced at once, never a partial one
+        tmp = None
+    except (ValueError, OSError) as exc:  # a read or write error, a file changed since it was checked
+        if not target.parent.exists() or any(p is not None and not os.path.exists(p) for p in data + parity):
+            raise _InputLost() from None  # (or the target's directory erased: its node lost as it came back)
+        raise RecoveryError(f"{what} cannot be rebuilt from its group's parity: {exc}") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def locate(src: dict[str, Any]) -> str | None:
