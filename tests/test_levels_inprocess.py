@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ftidask.levels import multilevel
+from ftidask.levels import multilevel, rs
+from ftidask.levels.erasure import decode_files
 from ftidask.model.config import Config
 from ftidask.storage import files as storage
 from ftidask.transport.threads import run_group
@@ -374,3 +375,30 @@ def test_l3_forged_parity_records_never_rebuild_wrong_bytes(tmp_path, forge):
     assert back[:2] == [True, True] and back[3]
     assert back[2] == (not (isinstance(forge, dict) and "hash_id" in forge))
     assert all(own(tmp_path, i).read_bytes() == files[i] for i in range(4) if back[i])
+
+
+@pytest.mark.parametrize("hashes", [True, False])
+def test_l3_decode_inputs_never_take_an_unhashed_data_file_before_a_parity(tmp_path, hashes):
+    """``rs.decode_inputs`` (the one-process choice of a Dask chunk read's L3 rebuild) follows ``rebuild``'s rule: a
+    data file is taken before the parity files only when the records keep its whole-file hash and it matches. With
+    records of an older version (no ``file_hashes``), member 1's file changed where its own hashes do not look would be
+    an input where the parity files suffice; before, it was (data files first), and the decoded file came out wrong."""
+    sizes = [3000, 3100, 2900, 3050]
+    files = make_group(tmp_path, 3, sizes, seed=9)
+    if not hashes:  # an older version's records
+        for i in range(4):
+            path = redundancy(tmp_path, 3, i).with_name(redundancy(tmp_path, 3, i).name + ".hash")
+            record = json.loads(path.read_text())
+            del record["file_hashes"]
+            path.write_text(json.dumps(record))
+    _flip_unhashed(tmp_path, 1, files)
+    own(tmp_path, 2).unlink()  # node 2 lost
+    redundancy(tmp_path, 3, 2).unlink()
+    data, parity, _why = rs.decode_inputs([str(own(tmp_path, i)) for i in range(4)],
+                                          [str(redundancy(tmp_path, 3, i)) for i in range(4)], 2, sizes)
+    assert data[1] is None
+    assert sum(p is not None for p in data + parity) == 4
+    out = tmp_path / "rebuilt"
+    out.touch()
+    decode_files(data, parity, sizes, {2: str(out)})
+    assert out.read_bytes() == files[2]

@@ -168,18 +168,20 @@ def _agreed(records: list[dict[str, Any] | None]) -> dict[str, Any] | None:
 
 def decode_inputs(data: list[str], parity: list[str], lost: int, sizes: list[int],
                   block: int = 1 << 20) -> tuple[list[str | None], list[str | None], list[str]]:
-    """``k`` of a group's files that may rebuild its data file ``lost`` in one process (the others None, data
-    files first: a cheaper decode), and why each file left out was; fewer than ``k`` when the group has no more.
+    """``k`` of a group's files that may rebuild its data file ``lost`` in one process (the others None), and why
+    each file left out was; fewer than ``k`` when the group has no more.
 
     The rule of :func:`rebuild`: a parity must match its ``.hash`` record, a data file the whole-file hash those
     records keep (``file_hashes``): one that differs, even where its own hashes do not look, spoils every byte
-    decoded from it. A data file the records keep no hash of (an older version's record) is taken as it is:
-    what is rebuilt from it is verified against the commit record. ``lost`` itself is never an input."""
+    decoded from it. The data files that match are taken first (a cheaper decode), then the parity files, and only
+    then a data file the records keep no hash of (an older version's record; what is rebuilt from it is verified
+    against the commit record), as :func:`rebuild` takes the parity first. ``lost`` itself is never an input."""
     k, max_fs = len(data), max(sizes)
     agreed = _agreed([recorded(Path(p)) for p in parity])
     hashes: dict[str, str] = agreed["file_hashes"] if agreed else {}
     use_d: list[str | None] = [None] * k
     use_p: list[str | None] = [None] * k
+    unhashed: list[int] = []
     why: list[str] = []
     for j, p in enumerate(data):
         if j == lost:
@@ -188,7 +190,9 @@ def decode_inputs(data: list[str], parity: list[str], lost: int, sizes: list[int
         try:
             if Path(p).stat().st_size != sizes[j]:
                 why.append(f"{p}: {Path(p).stat().st_size} bytes, the checkpoint's file has {sizes[j]}")
-            elif want and file_hash(Path(p), int(agreed["hash_id"]), block) != want:  # type: ignore[index]
+            elif not want:
+                unhashed.append(j)
+            elif file_hash(Path(p), int(agreed["hash_id"]), block) != want:  # type: ignore[index]
                 why.append(f"{p}: differs from the whole-file hash its group's parity records keep")
             else:
                 use_d[j] = p
@@ -204,6 +208,9 @@ def decode_inputs(data: list[str], parity: list[str], lost: int, sizes: list[int
             why.append(problem)
         else:
             use_p[j] = p
+    for j in unhashed:
+        if sum(x is not None for x in use_d + use_p) < k:
+            use_d[j] = data[j]
     return use_d, use_p, why
 
 
