@@ -11,8 +11,10 @@ import pytest
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
-import ftidask
-from ftidask.storage.files import find_paths
+from test_dask_dcp_fallback import checkpoint_three_times  # noqa: E402
+
+import ftidask  # noqa: E402
+from ftidask.storage.files import find_paths  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(600)]
 NWORKERS = 3
@@ -88,13 +90,7 @@ def _probe(client, dirs, newest, saved, rank=1):
 def _three_checkpoints(client, dirs, level, seed, **kw):
     """A context protecting a field, checkpointed three times at ``level`` (each after a step); its states."""
     ctx = _init(client, dirs, **kw)
-    ctx.protect(1, da.random.default_rng(seed).random((96, 64), chunks=(32, 64)), name="field")
-    saved = {}
-    for k in (1, 2, 3):
-        _step(ctx, k)
-        ctx.checkpoint(k, level)
-        saved[k] = _state(ctx)
-    return ctx, saved
+    return ctx, checkpoint_three_times(ctx, level, seed, (32, 64), _step, _state)
 
 
 def _newest_recovered(ctx, client, dirs, saved, newest=6):

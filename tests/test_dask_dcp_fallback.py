@@ -151,16 +151,22 @@ def test_a_single_process_runs_previous_checkpoint_is_stitched_from_its_spare(cl
     ctx._close()
 
 
+def checkpoint_three_times(ctx, level, seed, chunks, step, state):
+    """Protect a (96, 64) random field cut in ``chunks`` and checkpoint it at ``level`` after each of ``step(ctx, k)``
+    for k = 1, 2, 3; ``state(ctx)`` after each, by checkpoint id."""
+    ctx.protect(1, da.random.default_rng(seed).random((96, 64), chunks=chunks), name="field")
+    saved = {}
+    for k in (1, 2, 3):
+        step(ctx, k)
+        ctx.checkpoint(k, level)
+        saved[k] = state(ctx)
+    return saved
+
+
 def _three_checkpoints(client, dirs, level, seed, **extra):
     """A context (``extra``: config keys) that wrote checkpoints 1-3 at ``level``; the states each holds."""
     ctx = _init(client, dirs, **extra)
-    ctx.protect(1, da.random.default_rng(seed).random((96, 64), chunks=(24, 64)), name="field")
-    saved = {}
-    for k in (1, 2, 3):
-        _step(ctx, k)
-        ctx.checkpoint(k, level)
-        saved[k] = _state(ctx)
-    return ctx, saved
+    return ctx, checkpoint_three_times(ctx, level, seed, (24, 64), _step, _state)
 
 
 def test_keep_last_ckpt_at_l4_dcp_after_a_fallback_keeps_the_previous_checkpoint(client, dirs):
