@@ -15,6 +15,7 @@ distributed = pytest.importorskip("distributed")
 
 import ftidask  # noqa: E402
 from ftidask import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES  # noqa: E402
+from ftidask.backends.dask import fence  # noqa: E402
 from ftidask.backends.dask.staging import DaskMover, worker_by_node_dir  # noqa: E402
 from ftidask.staging.stager import Stager  # noqa: E402
 
@@ -187,4 +188,42 @@ def test_context_staging_on_dask_backend(tmp_path, client):
         assert ctx.stage_status(req) == SI_SCES and ctx.stage_status(req) == SI_NINI
         assert mover.ran_on[req] == workers[0]
         assert (tmp_path / "global" / "out" / f"f{i}").read_bytes() == bytes([i]) * (i * 1000)
+    ctx.finalize()
+
+
+def test_a_copy_of_a_client_whose_run_was_taken_over_never_publishes(tmp_path, client, slow_workers):
+    """A restarted program's client takes the run over (its init tells every worker: ``fence.take_over``) while a
+    copy of the first client runs on a worker (an orphan: its client died): the copy stops, publishes nothing and
+    leaves no temporary file; a copy of the first client's not started yet is refused. The destination stays free
+    for the new client's copy (before, the dead client's older file was published there, and the new client's copy
+    of it then failed: "destination appeared during the transfer")."""
+    slow_workers(0.2)
+    ctx = ftidask.init(client=client, ckpt_dir=tmp_path / "local", glbl_dir=tmp_path / "global",
+                       meta_dir=tmp_path / "meta", enable_staging=1)
+    src = ctx.stage_dir() / "big"
+    src.write_bytes(os.urandom(32 * MiB))
+    req = ctx.send_file(src, "out/big")
+    table = ctx._stager.table  # (the stager starts with the first request)
+    deadline = time.monotonic() + 60
+    while table.info(req).state == SI_PEND:
+        assert time.monotonic() < deadline, "the copy did not start"
+        time.sleep(0.01)
+    run = ctx.cluster.run_id
+    client.run(fence.take_over, run, "the-restarted-programs-client")
+    try:
+        assert ctx.wait_staged(req, timeout=60) == SI_FAIL
+        assert "is written by another client now" in table.info(req).reason
+        assert not (tmp_path / "global" / "out" / "big").exists()
+        assert [p for p in (tmp_path / "global").rglob("*") if p.is_file()] == []
+        assert src.exists()  # the source stays for the run that goes on
+        late = ctx.send_file(src, "out/late")
+        assert ctx.wait_staged(late, timeout=60) == SI_FAIL
+        assert "this copy was not started" in table.info(late).reason
+        assert [ctx.stage_status(r) for r in (req, late)] == [SI_FAIL, SI_FAIL]  # read: not raised at finalize
+    finally:
+        client.run(fence.take_over, run, client.id)  # the test's client writes the run again: finalize runs
+    slow_workers(0)
+    again = ctx.send_file(src, "out/big")
+    assert ctx.wait_staged(again, timeout=60) == SI_SCES
+    assert (tmp_path / "global" / "out" / "big").stat().st_size == 32 * MiB
     ctx.finalize()

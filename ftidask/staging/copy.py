@@ -22,7 +22,7 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ContextManager
 
 from ..ftiff import hashing
 
@@ -159,10 +159,13 @@ class TransferResult:
     seconds: float
 
 
-def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False) -> TransferResult:
+def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False,
+             publishing: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> TransferResult:
     """Run ``req``: copy, verify, publish, remove the source. Raises :class:`TransferFailed`.
 
-    ``cancelled`` is polled between pieces (a finalize that timed out).
+    ``cancelled`` is polled between pieces (a finalize that timed out) and before the publication, which runs inside
+    ``publishing()`` (the Dask mover's: under the run's fence, so that a dead client's copy never publishes once a
+    new client writes the run; it raises :class:`TransferFailed` then).
     """
     start = time.perf_counter()
     src_dir, src_name = os.path.split(req.src)
@@ -235,8 +238,9 @@ def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False) -
         if cancelled():
             raise TransferFailed(CANCELLED)
         action = f"publishing {req.dst}"
-        _publish(tmp_name, dst_name, dfd)
-        created = False
+        with publishing():
+            _publish(tmp_name, dst_name, dfd)
+            created = False
         os.fsync(dfd)
         action = f"removing the staged source {req.src}"
         now = os.stat(src_name, dir_fd=sfd, follow_symlinks=False)

@@ -6,15 +6,21 @@ client never sees the bytes. The task announces ``SI_ACTV`` through a worker eve
 final state. A finalize that times out sets a distributed ``Event`` that running copies poll between
 pieces, so they stop and remove their temporary file. Only this module (in ftidask's staging) imports
 ``distributed``.
+
+A copy belongs to the run's client (:mod:`.fence`): once a restarted program's client took the run over (the
+first one died, its copy still running on a worker, an orphan), the copy stops at its next piece, or at the latest
+before it publishes (under the fence's lock), and removes its temporary file; a copy not started yet never starts.
+The new client's copy of the same destination then publishes, not the dead client's older file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +29,47 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ...model.constants import SI_ACTV, SI_FAIL, SI_SCES
 from ...staging.copy import CANCELLED, StageRequest, TransferFailed, transfer
+from . import fence
 
 _CANCEL_REASON = CANCELLED
 
 
-def run_transfer(raw: dict[str, Any], topic: str, cancel_name: str) -> dict[str, Any]:
-    """The task body, on the worker: announce, copy, report (JSON-able result)."""
+def run_transfer(raw: dict[str, Any], topic: str, cancel_name: str,
+                 owner: tuple[str, str] | None = None) -> dict[str, Any]:
+    """The task body, on the worker: announce, copy, report (JSON-able result). ``owner``: the (run, client) the
+    copy belongs to: refused, or stopped before it publishes, once another client writes the run."""
     req = StageRequest.from_json(raw)
     worker = get_worker()
+    who = tuple(owner) if owner else None
+    if who is not None and fence.orphaned(*who):
+        return {"id": req.id, "state": SI_FAIL, "worker": worker.address,
+                "reason": f"run {who[0]} is written by another client now: this copy was not started"}
     worker.log_event(topic, {"id": req.id, "state": SI_ACTV, "worker": worker.address})
     cancel = Event(cancel_name)
+
+    def cancelled() -> bool:
+        if who is not None and fence.orphaned(*who):
+            raise TransferFailed(f"run {who[0]} is written by another client now: this copy was stopped")
+        return bool(cancel.is_set())
+
     try:
-        transfer(req, lambda: cancel.is_set())
+        transfer(req, cancelled, functools.partial(_publishing, who))
     except TransferFailed as exc:
         return {"id": req.id, "state": SI_FAIL, "reason": str(exc), "worker": worker.address}
     return {"id": req.id, "state": SI_SCES, "reason": "", "worker": worker.address}
+
+
+@contextlib.contextmanager
+def _publishing(who: tuple[str, str] | None) -> Iterator[None]:
+    """The publication of a copy of ``who``'s, under the worker's fence lock: never once the run was taken over."""
+    if who is None:
+        yield
+        return
+    try:
+        with fence.acting(who), fence.exclusive():
+            yield
+    except fence.OrphanedTask as exc:
+        raise TransferFailed(f"{exc} (the copy was not published)") from None
 
 
 def worker_by_node_dir(workers: Callable[[], list[str]]) -> Callable[[StageRequest], str | None]:
@@ -79,9 +111,11 @@ class DaskMover:
     every worker can read, as on a LocalCluster).
     """
 
-    def __init__(self, client: Client, worker_for: Callable[[StageRequest], str | None] | None = None) -> None:
+    def __init__(self, client: Client, worker_for: Callable[[StageRequest], str | None] | None = None,
+                 run: str | None = None) -> None:
         self.client = client
         self.worker_for = worker_for
+        self.owner = (run, str(client.id)) if run else None  # the copies are fenced by the run (see .fence)
         self._token = uuid.uuid4().hex[:12]
         self.topic = f"ftidask-stage-{self._token}"
         self._cancel = Event(f"ftidask-stage-cancel-{self._token}", client=client)
@@ -127,7 +161,7 @@ class DaskMover:
     def submit(self, req: StageRequest) -> None:
         address = self.worker_for(req) if self.worker_for is not None else None
         future = self.client.submit(
-            run_transfer, req.to_json(), self.topic, self._cancel.name,
+            run_transfer, req.to_json(), self.topic, self._cancel.name, self.owner,
             key=f"ftidask-stage-{self._token}-{req.id}", pure=False, retries=0,
             workers=[address] if address else None, allow_other_workers=False)
         with self._lock:

@@ -46,7 +46,7 @@ class DaskTransport(Transport):
         (``notes`` is not used)."""
         from .staging import DaskMover, worker_by_node_dir
 
-        return DaskMover(self.cluster.client, worker_by_node_dir(self.cluster.workers))
+        return DaskMover(self.cluster.client, worker_by_node_dir(self.cluster.workers), self.cluster.run_id)
 
     def levels(self) -> tuple[int, ...]:
         return (1, 2, 3, 4) if len(self.cluster.workers()) >= 2 else (1, 4)
