@@ -67,3 +67,20 @@ def test_list_shows_level4_zarr_stores(dirs, tmp_path, capsys):
     assert main(["list", str(tmp_path)]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert [(r[1], r[2], r[-1]) for r in rows] == [("1", "4", "sound"), ("2", "1", "sound")]
+
+
+def test_list_shows_a_checkpoint_kept_at_level4_by_keep_last_ckpt_as_committed(dirs, tmp_path, capsys):
+    """keep_last_ckpt moves the last checkpoint to level 4 at finalize under a sequence number of its own (its commit
+    record's), its files unchanged (their variable table still says level 1 and the first sequence number): list
+    shows it committed, at level 4 (before: "level 1, seq 1, sound, not committed", though the next init restarts
+    from it)."""
+    ctx = ftidask.init(keep_last_ckpt=1, **dirs)
+    ctx.protect(1, np.arange(1000.0), name="density")
+    ctx.checkpoint(40, 1)
+    ctx.finalize()
+    assert ftidask.init(keep_last_ckpt=1, **dirs).status() == 2
+    assert main(["list", str(tmp_path)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    (row,) = [r for r in rows if r[1] == "40"]
+    (kept,) = Path(dirs["glbl_dir"]).glob("*/l4/ckpt40.s*")
+    assert (row[2], row[3], row[-1]) == ("4", kept.name.split(".s")[1], "sound")

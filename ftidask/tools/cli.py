@@ -232,12 +232,12 @@ def _size(path: Path) -> int:
 
 
 def _key(path: Path, kind: str, detail: object) -> tuple[str, int]:
-    """``(exec_id, seq)`` of a file: its variable table's, or (damaged) its path's (``{exec_id}/l*/ckpt*.s{seq}``)."""
+    """``(exec_id, seq)`` of a file: its path's (``{exec_id}/l*/ckpt*.s{seq}``; keep_last_ckpt's L4 copy has a seq
+    of its own, its files the first one's), else its variable table's."""
     table = _table_of(detail) if kind == "ok" else {}
-    if table:
-        return str(table.get("exec_id", path.parent.parent.parent.name)), int(table.get("seq", 0))
     found = re.fullmatch(r"ckpt\d+\.s(\d+)", path.parent.name)
-    return path.parent.parent.parent.name, int(found.group(1)) if found else 0
+    exec_id = str(table.get("exec_id", path.parent.parent.parent.name))
+    return exec_id, int(found[1]) if found else int(table.get("seq", 0))
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -261,17 +261,17 @@ def cmd_list(args: argparse.Namespace) -> int:
         table = _table_of(sound[0]) if sound else {}
         commit = meta / exec_id / "commits" / f"s{seq:08d}.json"
         record = unsealed_record(read_json(commit)) if commit.is_file() else None  # None: torn or damaged too
-        committed = record is not None
         if record is not None and not table:  # every file damaged: the commit record still says what it was
             table = {"ckpt_id": record.ckpt_id, "level": record.level, "time": record.timestamp}
         size = sum(_size(p) for p, _k, _d in files)
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.get("time", 0))) if table else "?"
         state = ("sound" if len(sound) == len(files) else f"DAMAGED ({len(files) - len(sound)} of {len(files)} files)")
-        if not committed and any(f.seq == seq for f in RunState(meta, exec_id).fallbacks()):
+        if record is None and any(f.seq == seq for f in RunState(meta, exec_id).fallbacks()):
             state += ", the previous differential checkpoint (a restart falls back to it if it must)"
-        elif not committed:
+        elif record is None:
             state += ", commit record damaged" if commit.is_file() else ", not committed"
-        print(f"{exec_id:32} {table.get('ckpt_id', '?'):>5} {table.get('level', '?'):>5} {seq:>5} {when:19} "
+        level = record.level if record is not None else table.get("level", "?")  # (raised to L4 after the write)
+        print(f"{exec_id:32} {table.get('ckpt_id', '?'):>5} {level:>5} {seq:>5} {when:19} "
               f"{len(files):>5} {size:>14}  {state}")
     return 0
 
