@@ -446,3 +446,19 @@ def test_dcp_and_icp_with_a_compressor_configured(tmp_path):
     ctx.init_icp(9, 5)  # differential iCP is uncompressed anyway
     ctx.add_var_icp(1)
     ctx.finalize_icp()
+
+
+def test_recover_at_a_differential_level_says_which_level_to_ask(tmp_path):
+    """A checkpoint written at level 5 (L1_DCP) is recorded at level 1: recover(level=5) finds nothing, and says to
+    ask for level 1 (before: only "no committed checkpoint ... (level=5)")."""
+    ctx = ftidask.init(**_kw(tmp_path))
+    ctx.protect(1, np.arange(1000.0))
+    ctx.checkpoint(1, 5)
+    ctx._close()
+    ctx2 = ftidask.init(**_kw(tmp_path))
+    ctx2.protect(1, np.zeros(1000))
+    with pytest.raises(ftidask.NoCheckpointError, match=r"\(level=5\): a differential checkpoint \(level 5\) is "
+                                                        r"recorded at its base level, recover\(level=1\)"):
+        ctx2.recover(level=5)
+    assert ctx2.recover(level=1)[1].tobytes() == np.arange(1000.0).tobytes()
+    ctx2.finalize()

@@ -160,5 +160,7 @@ def newest_recoverable(records: Iterable[CommitRecord], try_one: Callable[[Commi
     raise NoCheckpointError(f"{what} for run {paths.exec_id} in {paths.meta_dir}"
                             + (f" (ckpt_id={ckpt_id})" if ckpt_id is not None else "")
                             + (f" (level={level})" if level is not None else "")
+                            + (f": a differential checkpoint (level {level}) is recorded at its base level, recover("
+                               f"level={level - 4})" if not reasons and level in (5, 6, 7, 8) else "")
                             + (NOTHING_YET if not reasons and ckpt_id is None and level is None else "")
                             + "".join(f"\n  - {r}" for r in reasons))
