@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,8 +33,9 @@ def client(dask_client):
 
 @pytest.fixture
 def slow_workers(client):
-    """Slow each piece the module's workers copy by ``delay`` seconds (undone after the test)."""
-    yield lambda delay: client.run(slowcopy.install, delay)
+    """Slow each piece the module's workers copy by ``delay`` seconds, and hold it until the file ``gate`` exists if
+    one is named (undone after the test)."""
+    yield lambda delay, gate=None: client.run(slowcopy.install, delay, gate)
     client.run(slowcopy.uninstall)
 
 
@@ -111,17 +113,29 @@ def test_256_mib_on_a_worker(tmp_path, client):
     stager.close(30)
 
 
+def _open_once_cancelled(mover: DaskMover, gate: Path) -> None:
+    """Create ``gate`` once the mover's finalize has set its cancel event (at most 120 s)."""
+    deadline = time.monotonic() + 120
+    while not mover._cancel.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.touch()
+
+
 def test_finalize_timeout_cancels_running_task(tmp_path, client, slow_workers):
-    slow_workers(0.2)
-    stager, _, _ = worker_stager(tmp_path, client)
+    gate = tmp_path / "gate"  # the copy's first piece held until the finalize has cancelled it, whatever the load
+    slow_workers(0.2, str(gate))
+    stager, _, mover = worker_stager(tmp_path, client)
     src = stager.stage_dir / "node0" / "f"
     src.write_bytes(os.urandom(32 * MiB))
     req = stager.send(src, "f")
     while stager.table.info(req).state == SI_PEND:
         time.sleep(0.002)
+    opener = threading.Thread(target=_open_once_cancelled, args=(mover, gate), daemon=True)
+    opener.start()
     failed = stager.close(0.2)
+    opener.join()
     assert [f.request.id for f in failed] == [req] and "stage_timeout" in failed[0].reason
-    time.sleep(1.0)  # the running task notices the cancel event at its next piece
+    # The task noticed the cancel event at its next piece and removed its temporary file before it reported.
     assert list((tmp_path / "global").iterdir()) == [] and src.exists()
 
 
