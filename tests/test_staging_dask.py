@@ -141,8 +141,10 @@ def test_finalize_timeout_cancels_running_task(tmp_path, client, slow_workers):
 
 def test_worker_killed_mid_transfer(tmp_path, dask_client):
     c = dask_client  # the shared cluster: the killed worker is restarted after the test (conftest.py)
-    c.run(slowcopy.install, 0.05)
     stager, workers, _ = worker_stager(tmp_path, c)
+    # Worker 1's copy is held at its first piece by a gate never opened: it is killed mid-transfer, whatever the load
+    # (with a copy merely slowed, a late SI_ACTV could let it finish first). Its successor is a fresh process.
+    c.run(slowcopy.install, 0.05, str(tmp_path / "never"), workers=[workers[1]])
     pids = c.run(os.getpid)
     src = stager.stage_dir / "node1" / "big"
     src.write_bytes(os.urandom(64 * MiB))
@@ -162,7 +164,6 @@ def test_worker_killed_mid_transfer(tmp_path, dask_client):
     assert stager.wait(req2, 60) == SI_SCES
     assert (tmp_path / "global" / "small").read_bytes() == b"still working"
     assert stager.close(30) == []
-    c.run(slowcopy.uninstall, workers=[workers[0]])  # the survivor copies at full speed again (next test)
 
 
 def test_worker_by_node_dir_runs_the_copy_on_that_worker(tmp_path, client):
