@@ -6,10 +6,9 @@ depend on nothing else; while the chunks stay in memory nothing is read or copie
 of its chunks from the newest checkpoint, never a recomputation of the steps before it.
 """
 
+import ctypes
 import gc
 import os
-import shutil
-import signal
 import time
 import types
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
-from conftest import wait_for_replaced_workers  # noqa: E402
+from conftest import lose_node, wait_for_replaced_workers  # noqa: E402
 from test_dask_backend import crash_worker  # noqa: E402
 
 import ftidask  # noqa: E402
@@ -83,9 +82,9 @@ def kill_rank(client, ctx, rank, erase=True, replaced=True):
     """SIGKILL the worker of rank ``rank`` of the last checkpoint (and erase its node directory); with
     ``replaced``, wait for its nanny's fresh worker (needed where the test checkpoints again)."""
     address = ctx.last_checkpoint.workers[rank]
-    os.kill(client.run(os.getpid, workers=[address])[address], signal.SIGKILL)
-    if erase:
-        shutil.rmtree(Path(ctx.config.ckpt_dir) / f"node{rank}", ignore_errors=True)
+    # (the directory erased before the cluster sees the loss: never while Dask reads the lost chunks again)
+    lose_node(client.run(os.getpid, workers=[address])[address],
+              Path(ctx.config.ckpt_dir) / f"node{rank}" if erase else None)
     end = time.monotonic() + 60
     while address in live_workers(client):
         assert time.monotonic() < end, "the killed worker is still listed"
