@@ -197,6 +197,9 @@ def _held(keys, dask_worker=None):
     for k in keys:
         if k in dask_worker.data:
             out[k] = dask_worker.data[k].__array_interface__["data"][0]
+    # Memory malloc keeps after a free (a buffer of the size of a chunk, freed, stays resident as free heap: seen as
+    # a 2 MiB "growth" of one worker under load) goes back first: what is left resident is what is held.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as fh:
         rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return {"ptr": out, "rss": rss}
@@ -237,7 +240,10 @@ def test_checkpoint_cuts_lineage_without_reading_or_copying(client, dirs, wait):
     view = client.run_on_scheduler(_scheduler_view, keys)
     assert all(v == ("memory", [], "read_lineage_chunk") for v in view.values()), view
     del x
-    time.sleep(0.3)  # the old keys are released
+    deadline = time.monotonic() + 60  # the old keys released on the workers (they held the chunks under both)
+    while any(w["ptr"] for w in client.run(_held, old).values()):
+        assert time.monotonic() < deadline, "the workers still hold the old keys"
+        time.sleep(0.05)
     after = client.run(_held, keys)
     ptr_before = {k[1:]: p for w in before.values() for k, p in w["ptr"].items()}
     ptr_after = {k[1:]: p for w in after.values() for k, p in w["ptr"].items()}
