@@ -180,6 +180,25 @@ class DaskClusters:
             cluster.close()
 
 
+def lose_node(pid: int, node_dir: Path | None = None) -> None:
+    """A node lost at once: its worker process ``pid`` stopped (SIGSTOP: the cluster sees nothing yet), its node
+    directory ``node_dir`` erased, then the process killed (SIGKILL).
+
+    Dask computes a lost worker's chunks again as soon as the scheduler sees it gone. A directory erased after the
+    kill raced that recomputation: a read on another worker found the node's file still there and read it (an L2
+    chunk read back from "its file" instead of its partner copy), or rebuilt it into the directory being erased. A
+    real node's disk goes with its process: here the files are gone before the cluster can notice the loss.
+    """
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        if node_dir is not None and node_dir.exists():
+            shutil.rmtree(node_dir)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+
+
 def wait_for_replaced_workers(client, nworkers: int, timeout: float = 60) -> None:
     """Wait until ``client``'s LocalCluster has ``nworkers`` workers again after workers were killed.
 

@@ -22,20 +22,23 @@ _ORIGINAL = staging_copy._write_all
 _TESTS = str(Path(__file__).resolve().parent)
 
 
-def slowed(delay: float) -> Callable[[int, memoryview], None]:
-    """``staging_copy._write_all``, then a pause of ``delay`` seconds."""
+def slowed(delay: float, gate: str | None = None) -> Callable[[int, memoryview], None]:
+    """``staging_copy._write_all``, then a pause of ``delay`` seconds; with ``gate``, then a wait until the file
+    ``gate`` exists (at most 120 s): a copy that cannot end before the test opens the gate, whatever the load."""
 
     @functools.wraps(_ORIGINAL)
     def write_all(fd: int, data: memoryview) -> None:
         _ORIGINAL(fd, data)
         time.sleep(delay)
+        if gate is not None:
+            hold(gate)
 
     return write_all
 
 
-def install(delay: float) -> None:
-    """Slow every transfer this process runs from now on."""
-    staging_copy._write_all = slowed(delay)
+def install(delay: float, gate: str | None = None) -> None:
+    """Slow every transfer this process runs from now on (:func:`slowed`)."""
+    staging_copy._write_all = slowed(delay, gate)
 
 
 def uninstall() -> None:

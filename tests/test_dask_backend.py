@@ -5,7 +5,6 @@ A lost node is a worker process killed with SIGKILL plus its node directory eras
 
 import logging
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
 import crashpoints  # noqa: E402
+from conftest import lose_node  # noqa: E402
 
 import ftidask  # noqa: E402
 
@@ -39,9 +39,8 @@ def lose_workers(client, dirs, ranks):
     """Kill the worker processes of checkpoint ranks ``ranks`` and erase their node directories."""
     pids = client.run(os.getpid)
     addresses = sorted(pids)
-    for rank in ranks:
-        os.kill(pids[addresses[rank]], signal.SIGKILL)
-        shutil.rmtree(Path(dirs["ckpt_dir"]) / f"node{rank}", ignore_errors=True)
+    for rank in ranks:  # each node's directory erased before the cluster sees it lost (conftest.py)
+        lose_node(pids[addresses[rank]], Path(dirs["ckpt_dir"]) / f"node{rank}")
     gone = {addresses[r] for r in ranks}
     end = time.monotonic() + 60
     while gone & set(live_workers(client)):

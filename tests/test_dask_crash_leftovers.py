@@ -7,6 +7,8 @@ and finalizes must remove it itself: marked finalized, nobody looks at its direc
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -42,8 +44,15 @@ def test_a_worker_killed_while_it_deletes_leaves_nothing_once_the_run_is_finaliz
     ctx.protect(1, da.random.default_rng(0).random((64, 48), chunks=(16, 48)), name="field")
     ctx.checkpoint(1, level)
     client.run(crashpoints.install, "ftidask.storage.removal:remove_tree")  # every worker dies as it deletes
+    doomed = set(client.run(os.getpid))
     ctx.protect(1, ctx.protected[1] + 1)
     ctx.checkpoint(2, level)  # retires checkpoint 1 (the workers rename its directories, then delete them)
+    # The deletions run on the workers' removal threads after checkpoint 2 returned: each worker dies a moment later.
+    # Checkpoint 3 must not start before they are gone (it would lose a worker mid-way), nor before their successors.
+    deadline = time.monotonic() + 60
+    while doomed & set(client.sync(client.scheduler.identity, n_workers=-1)["workers"]):
+        assert time.monotonic() < deadline, "a worker did not die as it deleted checkpoint 1"
+        time.sleep(0.05)
     wait_for_replaced_workers(client, NWORKERS)
     trash = [f for f in files_left(dirs) if "/.trash-" in f]
     assert trash, f"no trash left by the killed workers: {files_left(dirs)}"

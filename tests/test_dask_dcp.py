@@ -207,7 +207,7 @@ def test_retired_checkpoints_are_deleted_in_the_background(client, dirs):
     _start(ctx)
     _checkpoints(ctx, 2, 4)
     root = Path(dirs["ckpt_dir"])
-    end = time.monotonic() + 20
+    end = time.monotonic() + 60  # (a loaded machine's workers delete slowly)
     while time.monotonic() < end:
         left = sorted({p.name.split(".s")[0] for p in root.glob("node*/*/l*/ckpt*")})
         trash = list(root.glob("node*/*/l*/.trash-*"))

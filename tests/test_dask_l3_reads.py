@@ -205,3 +205,33 @@ def test_nodes_lost_while_a_file_is_rebuilt_beyond_the_parity_fail_cleanly(clien
     own = Path(ctx.config.ckpt_dir) / f"node{RANK}"
     assert not [p.name for p in own.rglob("*") if ".tmp-" in p.name]
     ctx.finalize()
+
+
+def test_a_node_lost_while_its_file_is_read_rebuilds_it_from_parity(client, dirs, monkeypatch):
+    """Rank RANK's file is found, then its node is lost before the chunk is read from it (its directory erased between
+    the look and the read, as a node lost while a surviving worker reads its file): the file is rebuilt from its
+    group's parity as a missing one, and every chunk comes back bit for bit. (Before, the read failed with a
+    RecoveryError: the vanished file was taken for one rebuilt meanwhile and read again.)"""
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, initial(), name="field")
+    ctx.checkpoint(1, 3)
+    mine, read = _lineage_reads(ctx)
+    node, real, lost = Path(ctx.config.ckpt_dir) / f"node{RANK}", reads.tasks.read_chunk, []
+
+    def read_after_losing_the_node(path, *args, **kwargs):
+        if not lost and path.endswith(f"Ckpt1-Rank{RANK}.fti"):
+            shutil.rmtree(node)
+            lost.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(reads.tasks, "read_chunk", read_after_losing_the_node)
+    want = initial().compute()
+    with ThreadPoolExecutor(1) as pool:  # (read on another thread, as a worker's task is)
+        got = [pool.submit(read, at).result() for at in mine]
+    assert lost
+    for at, chunk in zip(mine, got):
+        i, j = at.index
+        assert chunk.tobytes() == want[i * CHUNKS[0]:(i + 1) * CHUNKS[0], j * CHUNKS[1]:(j + 1) * CHUNKS[1]].tobytes()
+    assert Path(lost[0]).exists()  # rebuilt in its place
+    assert not [p.name for p in node.rglob("*") if ".tmp-" in p.name]
+    ctx.finalize()

@@ -8,8 +8,6 @@ node directory, so a file "only on the dead node" is one that was erased).
 
 import logging
 import os
-import shutil
-import signal
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
+from conftest import lose_node  # noqa: E402
 from test_dask_backend import crash_worker  # noqa: E402
 
 import ftidask  # noqa: E402
@@ -39,9 +38,7 @@ def live_workers(client):
 def kill_worker(client, address, node_dir=None):
     """SIGKILL the worker process at ``address`` (and erase ``node_dir``: its node's disk is lost too; an L4
     checkpoint wrote nothing there)."""
-    os.kill(client.run(os.getpid)[address], signal.SIGKILL)
-    if node_dir is not None and node_dir.exists():
-        shutil.rmtree(node_dir)
+    lose_node(client.run(os.getpid)[address], node_dir)  # erased before the cluster sees the loss (conftest.py)
     end = time.monotonic() + 60
     while address in live_workers(client):
         assert time.monotonic() < end, "the killed worker is still listed"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,8 +34,9 @@ def client(dask_client):
 
 @pytest.fixture
 def slow_workers(client):
-    """Slow each piece the module's workers copy by ``delay`` seconds (undone after the test)."""
-    yield lambda delay: client.run(slowcopy.install, delay)
+    """Slow each piece the module's workers copy by ``delay`` seconds, and hold it until the file ``gate`` exists if
+    one is named (undone after the test)."""
+    yield lambda delay, gate=None: client.run(slowcopy.install, delay, gate)
     client.run(slowcopy.uninstall)
 
 
@@ -112,24 +114,38 @@ def test_256_mib_on_a_worker(tmp_path, client):
     stager.close(30)
 
 
+def _open_once_cancelled(mover: DaskMover, gate: Path) -> None:
+    """Create ``gate`` once the mover's finalize has set its cancel event (at most 120 s)."""
+    deadline = time.monotonic() + 120
+    while not mover._cancel.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.touch()
+
+
 def test_finalize_timeout_cancels_running_task(tmp_path, client, slow_workers):
-    slow_workers(0.2)
-    stager, _, _ = worker_stager(tmp_path, client)
+    gate = tmp_path / "gate"  # the copy's first piece held until the finalize has cancelled it, whatever the load
+    slow_workers(0.2, str(gate))
+    stager, _, mover = worker_stager(tmp_path, client)
     src = stager.stage_dir / "node0" / "f"
     src.write_bytes(os.urandom(32 * MiB))
     req = stager.send(src, "f")
     while stager.table.info(req).state == SI_PEND:
         time.sleep(0.002)
+    opener = threading.Thread(target=_open_once_cancelled, args=(mover, gate), daemon=True)
+    opener.start()
     failed = stager.close(0.2)
+    opener.join()
     assert [f.request.id for f in failed] == [req] and "stage_timeout" in failed[0].reason
-    time.sleep(1.0)  # the running task notices the cancel event at its next piece
+    # The task noticed the cancel event at its next piece and removed its temporary file before it reported.
     assert list((tmp_path / "global").iterdir()) == [] and src.exists()
 
 
 def test_worker_killed_mid_transfer(tmp_path, dask_client):
     c = dask_client  # the shared cluster: the killed worker is restarted after the test (conftest.py)
-    c.run(slowcopy.install, 0.05)
     stager, workers, _ = worker_stager(tmp_path, c)
+    # Worker 1's copy is held at its first piece by a gate never opened: it is killed mid-transfer, whatever the load
+    # (with a copy merely slowed, a late SI_ACTV could let it finish first). Its successor is a fresh process.
+    c.run(slowcopy.install, 0.05, str(tmp_path / "never"), workers=[workers[1]])
     pids = c.run(os.getpid)
     src = stager.stage_dir / "node1" / "big"
     src.write_bytes(os.urandom(64 * MiB))
@@ -149,7 +165,6 @@ def test_worker_killed_mid_transfer(tmp_path, dask_client):
     assert stager.wait(req2, 60) == SI_SCES
     assert (tmp_path / "global" / "small").read_bytes() == b"still working"
     assert stager.close(30) == []
-    c.run(slowcopy.uninstall, workers=[workers[0]])  # the survivor copies at full speed again (next test)
 
 
 def test_worker_by_node_dir_runs_the_copy_on_that_worker(tmp_path, client):

@@ -15,7 +15,8 @@ level's rule (:func:`ftidask.levels.rs.decode_inputs`): ``k`` of the group's oth
 matches its ``.hash`` record, a data file only if it matches the whole-file hash those records keep; the
 damaged file never. One read at a time rebuilds a file in a worker process; the reads of its other chunks
 waiting meanwhile read the rebuilt file. An input lost while it is read (a second node lost during the rebuild) is
-left out and the inputs chosen again, while the group keeps ``k`` of them.
+left out and the inputs chosen again, while the group keeps ``k`` of them; the own file lost between the look that
+found it and its read is rebuilt as a missing one.
 Failing that, a :class:`RecoveryError` says so (never unverified bytes); never a wait for the dead worker.
 """
 
@@ -155,11 +156,14 @@ def read_or_copy(src: dict[str, Any], path: str, var_id: int, dptr: int, dtype_j
                 return tasks.read_chunk(copy, var_id, dptr, dtype_json, shape, src["fb_hash"]), str(copy), False
             except (OSError, FormatError):
                 continue
-    if not (src.get("group") and path == str(src["path"]) and seen is not None):
+    if not (src.get("group") and path == str(src["path"])):
         raise first
-    if not _rebuild_from_parity(src, seen):
+    now = _identity(path)
+    # Damaged (unchanged since the read), or vanished since it was found (its node lost meanwhile): rebuilt as a
+    # damaged or a missing file. Otherwise replaced meanwhile (rebuilt by another read): that file is read.
+    if (now is None or now == seen) and not _rebuild_from_parity(src, now):
         raise RecoveryError(f"checkpoint {src['ckpt_id']} (level {src['level']}): the file of rank {src['rank']} is "
-                            f"damaged ({first}), and {_NO_COPY[3]} to rebuild it")
+                            f"{'lost' if now is None else 'damaged'} ({first}), and {_NO_COPY[3]} to rebuild it")
     return tasks.read_chunk(path, var_id, dptr, dtype_json, shape, src["fb_hash"]), path, True
 
 
