@@ -33,6 +33,7 @@ import numpy as np
 
 import ftidask
 from ftidask import FTIError, NoCheckpointError, RecoveryError
+from ftidask.storage.files import find_paths
 
 IDS = (1, 2, 3)
 DTYPES = (np.float64, np.float32, np.int32, np.uint8, np.int64, np.complex64)
@@ -381,7 +382,7 @@ class Run:
 
     def _files(self, c: dict) -> list[tuple[tuple[str, int], Path]]:
         out = []
-        for p in sorted(self.base.rglob(f"ckpt{c['id']}.s*/Ckpt{c['id']}-*")):
+        for p in sorted(find_paths(self.base, f"ckpt{c['id']}.s*/Ckpt{c['id']}-*")):
             if ".trash" in str(p) or not p.is_file():
                 continue
             stem = p.name.split("-", 1)[1].split(".")[0]

@@ -23,6 +23,7 @@ from conftest import ROOT
 from test_run_isolation import Holder
 
 import ftidask
+from ftidask.storage.files import find_paths
 
 # A run that writes checkpoint 1 at ``level``: ``kill`` dies in its commit (its file written, no commit record),
 # ``commit`` commits it and exits without finalize, ``live`` writes its file, then waits alive (its lock held, its
@@ -65,7 +66,7 @@ def run_ids(dirs: dict) -> set[str]:
 
 
 def files_of(dirs: dict, exec_id: str) -> list[Path]:
-    return [p for d in ("ckpt_dir", "glbl_dir") for p in Path(dirs[d]).rglob("*")
+    return [p for d in ("ckpt_dir", "glbl_dir") for p in find_paths(Path(dirs[d]), "*")
             if p.is_file() and exec_id in p.parts]
 
 
@@ -91,7 +92,7 @@ def test_a_side_run_killed_before_its_first_commit_is_swept_by_the_next_start(di
     ctx.checkpoint(2, 1)
     ctx.finalize()
     assert run_ids(dirs) == {first}, "the dead side run's state was left"
-    left = [p for d in ("ckpt_dir", "glbl_dir") for p in Path(dirs[d]).rglob("*") if p.is_file()]
+    left = [p for d in ("ckpt_dir", "glbl_dir") for p in find_paths(Path(dirs[d]), "*") if p.is_file()]
     assert not left, sorted(map(str, left))
 
 
@@ -156,7 +157,7 @@ def test_a_dead_side_runs_staging_leftovers_go_and_its_stage_files_stay(dirs):
     (dead,) = run_ids(dirs)
     out = Path(dirs["glbl_dir"]) / "out"
     assert [p.name for p in out.iterdir()] and not (out / "out.bin").exists()  # its temporary file only
-    (staged,) = Path(dirs["ckpt_dir"]).rglob("out.bin")
+    (staged,) = find_paths(Path(dirs["ckpt_dir"]), "out.bin")
     ctx = ftidask.init(exec_id="other", **dirs)
     ctx.finalize()
     assert run_ids(dirs) == {"other"} and list(out.iterdir()) == []

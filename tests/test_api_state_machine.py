@@ -22,6 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import ftidask
 from ftidask import NoCheckpointError, RecoveryError
+from ftidask.storage.files import find_paths
 
 IDS = (1, 2, 3)
 DTYPES = {1: np.float64, 2: np.int32, 3: np.uint8}
@@ -117,7 +118,7 @@ class ApiMachine(RuleBasedStateMachine):
         name = f"Ckpt{newest['id']}-Rank0.fti"
         for _ in range(5):  # the retired checkpoints' trash is removed in the background meanwhile
             try:
-                files = [p for p in sorted(self.tmp.rglob(name)) if ".trash-" not in str(p)]
+                files = [p for p in sorted(find_paths(self.tmp, name)) if ".trash-" not in str(p)]
                 if not files:
                     return
                 raw = bytearray(files[0].read_bytes())

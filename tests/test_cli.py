@@ -9,6 +9,7 @@ import numpy as np
 from conftest import ROOT
 
 import ftidask
+from ftidask.storage.files import find_paths
 from ftidask.tools.cli import main
 
 
@@ -55,7 +56,7 @@ def test_verify_list_clean(dirs, tmp_path, capsys):
                           stdin=subprocess.DEVNULL, cwd=ROOT)
     assert proc.returncode == 2 and "--yes" in proc.stderr
     assert main(["clean", str(tmp_path), "--yes"]) == 0
-    assert not list(tmp_path.rglob("*.fti"))
+    assert not list(find_paths(tmp_path, "*.fti"))
     assert ftidask.init(**dirs).status() == 0
 
 

@@ -20,6 +20,7 @@ from ftidask.api.context import Context
 from ftidask.engine.grouplevels import run_ranks
 from ftidask.model.config import load_config
 from ftidask.storage import files as storage
+from ftidask.storage.files import find_paths
 
 NRANKS = 4
 
@@ -47,7 +48,7 @@ def test_the_rank_file_is_made_durable_after_the_redundancy_and_before_the_recor
 
     def durable(path: Path) -> None:
         redundancy = list(path.parent.glob("*-Pcof*.fti")) + list(path.parent.glob("*-RSed*.fti"))
-        records = len(list((tmp_path / "Meta").rglob("s*.json")))
+        records = len(list(find_paths(tmp_path / "Meta", "s*.json")))
         with lock:
             seen.append((path.name, bool(redundancy), records))
         real(path)

@@ -307,7 +307,7 @@ def test_a_staging_copy_killed_on_a_rank_that_the_restart_does_not_have_leaves_n
     out = tmp_path / "Global" / "out"
     (left,) = out.iterdir()
     assert left.name.startswith(".frame.ftidask-stage-") and left.stat().st_size == 1 << 20
-    notes = [str(p.relative_to(tmp_path / "Local" / "stage" / "stage")) for p in (tmp_path / "Local").rglob("*")
+    notes = [str(p.relative_to(tmp_path / "Local" / "stage" / "stage")) for p in find_paths(tmp_path / "Local", "*")
              if p.name.endswith("-transfers")]
     assert notes == ["node1/.rank1-transfers"], notes
     dirs = {"exec_id": "stage", "ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
@@ -318,4 +318,4 @@ def test_a_staging_copy_killed_on_a_rank_that_the_restart_does_not_have_leaves_n
         cfg = load_config(None, local_test=1, node_size=2, **dirs)
         assert run_ranks(cfg, 2, lambda t: Context(cfg, t).finalize(), wait=60)[1] == []
     assert list(out.iterdir()) == []
-    assert list((tmp_path / "Local").rglob(".rank*-transfers/*")) == []
+    assert list(find_paths(tmp_path / "Local", ".rank*-transfers/*")) == []

@@ -27,6 +27,8 @@ import pytest
 from conftest import ROOT
 from mpi_util import SCRIPTS, env, mpiexec, need_mpi
 
+from ftidask.storage.files import find_paths
+
 CHILD = Path(__file__).with_name("_crash_campaign_child.py")
 _counts: dict[str, int] = {}  # events of a whole unkilled run, per case (calibration)
 
@@ -127,7 +129,7 @@ def assert_no_leftovers(root: Path, cfg: dict, where: str, outside: Path | None 
     """Once the last run is finalized, no file stays in the checkpoint directories but what finalize keeps: the
     last checkpoint (keep_last_ckpt) or the archived ones (keep_l4_ckpt), at level 4. Interrupted checkpoints'
     files are removed at the next start, whichever run it starts. ``outside``: a directory of the application's."""
-    left = [p for d in ("L", "G") for p in (root / d).rglob("*") if p.is_file() and outside not in p.parents]
+    left = [p for d in ("L", "G") for p in find_paths(root / d, "*") if p.is_file() and outside not in p.parents]
     if cfg.get("keep_last_ckpt") or cfg.get("keep_l4_ckpt"):
         left = [p for p in left if not any(part in ("l4", "l4_archive") for part in p.relative_to(root).parts)]
     assert not left, f"{where}: left behind: {sorted(str(p.relative_to(root)) for p in left)}"

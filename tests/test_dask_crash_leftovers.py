@@ -20,6 +20,7 @@ import crashpoints  # noqa: E402
 from conftest import wait_for_replaced_workers  # noqa: E402
 
 import ftidask  # noqa: E402
+from ftidask.storage.files import find_paths  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(180)]
 NWORKERS = 2
@@ -31,7 +32,7 @@ def client(dask_client):
 
 
 def files_left(dirs: dict) -> list[str]:
-    return sorted(str(p) for d in ("ckpt_dir", "glbl_dir") for p in Path(dirs[d]).rglob("*") if p.is_file())
+    return sorted(str(p) for d in ("ckpt_dir", "glbl_dir") for p in find_paths(Path(dirs[d]), "*") if p.is_file())
 
 
 @pytest.mark.parametrize("level", [1, pytest.param(3, marks=pytest.mark.slow)])

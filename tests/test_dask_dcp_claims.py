@@ -41,7 +41,7 @@ def _state(ctx):
 
 
 def _files(dirs):
-    return [p for root in (dirs["ckpt_dir"], dirs["glbl_dir"]) for p in Path(root).rglob("*") if p.is_file()]
+    return [p for root in (dirs["ckpt_dir"], dirs["glbl_dir"]) for p in find_paths(Path(root), "*") if p.is_file()]
 
 
 def _strays(dirs):

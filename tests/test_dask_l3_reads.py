@@ -19,6 +19,7 @@ from test_dask_lineage import CHUNKS, NWORKERS, flip_each_chunk, initial, kill_r
 import ftidask  # noqa: E402
 from ftidask.backends.dask import lineage, reads, recorded  # noqa: E402
 from ftidask.backends.dask.restore import file_sources  # noqa: E402
+from ftidask.storage.files import find_paths  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(420)]
 RANK = 1  # the rank whose file is damaged and whose worker is killed (one L3 group of the 4 workers)
@@ -203,7 +204,7 @@ def test_nodes_lost_while_a_file_is_rebuilt_beyond_the_parity_fail_cleanly(clien
         read(mine[0])
     assert lost  # the rebuild was tried
     own = Path(ctx.config.ckpt_dir) / f"node{RANK}"
-    assert not [p.name for p in own.rglob("*") if ".tmp-" in p.name]
+    assert not [p.name for p in find_paths(own, "*") if ".tmp-" in p.name]
     ctx.finalize()
 
 
@@ -233,5 +234,5 @@ def test_a_node_lost_while_its_file_is_read_rebuilds_it_from_parity(client, dirs
         i, j = at.index
         assert chunk.tobytes() == want[i * CHUNKS[0]:(i + 1) * CHUNKS[0], j * CHUNKS[1]:(j + 1) * CHUNKS[1]].tobytes()
     assert Path(lost[0]).exists()  # rebuilt in its place
-    assert not [p.name for p in node.rglob("*") if ".tmp-" in p.name]
+    assert not [p.name for p in find_paths(node, "*") if ".tmp-" in p.name]
     ctx.finalize()

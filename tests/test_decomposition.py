@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import ftidask
 from ftidask.model.decomposition import Block, declaration, overlap, piece_view, placement
 from ftidask.model.errors import FormatError, ProtectError
+from ftidask.storage.files import find_paths
 
 
 @st.composite
@@ -98,7 +99,7 @@ def test_protect_records_the_declaration(tmp_path) -> None:
     ctx.checkpoint(1, 1)
     from ftidask.ftiff.reader import parse_ftiff
 
-    path = next((tmp_path / "L").rglob("Ckpt1-Rank0.fti"))
+    path = next(iter(find_paths(tmp_path / "L", "Ckpt1-Rank0.fti")))
     with open(path, "rb") as fh:
         parsed = parse_ftiff(fh, str(path))
     assert parsed.vars[1].extra == {"global_shape": [20], "offset": [4]}

@@ -16,6 +16,7 @@ import pytest
 
 import ftidask
 from ftidask.storage import files as storage
+from ftidask.storage.files import find_paths
 
 
 @pytest.fixture
@@ -62,7 +63,7 @@ def test_every_directory_of_a_checkpoint_is_durable_before_its_commit_record(tmp
     for ckpt_id in (1, 2):
         start = len(synced_dirs)
         ctx.checkpoint(ckpt_id, level)
-        rank_file = next(p for p in tmp_path.rglob(f"Ckpt{ckpt_id}-Rank0.fti"))
+        rank_file = next(p for p in find_paths(tmp_path, f"Ckpt{ckpt_id}-Rank0.fti"))
         before_record = set(synced_dirs[start:start + _commits(synced_dirs[start:])[0]])
         chain = [rank_file.parent] if ckpt_id == 2 else [d for d in rank_file.parents if tmp_path in d.parents]
         for directory in chain:  # the second checkpoint made only its own directory

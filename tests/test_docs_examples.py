@@ -13,6 +13,8 @@ import mpi_util
 import pytest
 from conftest import ROOT
 
+from ftidask.storage.files import find_paths
+
 EXAMPLE_CONFIG = ROOT / "examples" / "config.fti"
 
 
@@ -53,7 +55,7 @@ def ok(proc: subprocess.CompletedProcess) -> str:
 
 
 def rank_files(folder) -> list:
-    return sorted(p for p in folder.rglob("Ckpt*.fti"))
+    return sorted(p for p in find_paths(folder, "Ckpt*.fti"))
 
 
 QUICK_START = ("README.md", "ctx = ftidask.init(\"config.fti\")", "ctx.finalize()")

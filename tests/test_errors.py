@@ -18,6 +18,7 @@ from diskfull import fill, full_commit_records, tmpfs
 from mpi_util import need_mpi, run
 
 import ftidask
+from ftidask.storage.files import find_paths
 
 # --- a commit record on a full meta_dir ------------------------------------------------------------
 
@@ -33,7 +34,7 @@ def inprocess_client():
 
 
 def _temp_files(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if ".tmp-" in p.name]
+    return [p for p in find_paths(root, "*") if ".tmp-" in p.name]
 
 
 def _check_previous_recovers(dirs, expected: np.ndarray) -> None:
@@ -74,7 +75,7 @@ def test_commit_record_on_a_really_full_meta_dir(tmp_path, dirs):
         with pytest.raises(ftidask.CheckpointError, match="commit record"):
             ctx.checkpoint(2, 1)
         assert _temp_files(small) == []
-        assert not list(Path(dirs["ckpt_dir"]).rglob("ckpt2.*"))  # the uncommitted files are gone too
+        assert not list(find_paths(Path(dirs["ckpt_dir"]), "ckpt2.*"))  # the uncommitted files are gone too
         filler.unlink()
         ctx._close()
         _check_previous_recovers(dirs, np.arange(1000.0))
@@ -245,7 +246,7 @@ def test_dtype_zarr_cannot_store_is_a_checkpoint_error(dirs, dtype):
     with pytest.raises(ftidask.CheckpointError, match="Zarr cannot store"):
         ctx.checkpoint(2, 4)
     assert ctx.last_checkpoint.id == 1
-    assert not list(Path(dirs["glbl_dir"]).rglob("*.tmp-*"))
+    assert not list(find_paths(Path(dirs["glbl_dir"]), "*.tmp-*"))
     ctx.finalize()
 
 
@@ -370,7 +371,7 @@ def test_keep_last_flush_on_full_meta_dir_is_a_checkpoint_error(dirs, monkeypatc
         ctx.finalize()
     monkeypatch.undo()
     assert _temp_files(Path(dirs["meta_dir"])) == []
-    assert not list(Path(dirs["glbl_dir"]).rglob("ckpt1.*"))  # the uncommitted L4 copy is gone
+    assert not list(find_paths(Path(dirs["glbl_dir"]), "ckpt1.*"))  # the uncommitted L4 copy is gone
     _check_previous_recovers(dirs, np.arange(1000.0))  # the run was not finalized: it restarts
 
 

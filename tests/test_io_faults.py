@@ -24,6 +24,7 @@ from ftidask.api.context import Context
 from ftidask.engine.grouplevels import run_ranks
 from ftidask.levels import multilevel
 from ftidask.model.config import load_config
+from ftidask.storage.files import find_paths
 from ftidask.transport.threads import run_group
 
 # --- the error says where: a rank file on a full disk -------------------------------------------------------
@@ -55,7 +56,7 @@ def test_a_rank_file_on_a_full_disk_is_named_in_the_error(tmp_path, level, dcp, 
                 ctx.checkpoint(2, level)
         named = "Spare-Rank0.fti" if dcp else "Ckpt2-Rank0.fti"  # dCP patches its spare in place
         assert named in str(failed.value) and str(fs) in str(failed.value), failed.value
-        assert not [p for p in fs.rglob("*") if ".tmp-" in p.name]
+        assert not [p for p in find_paths(fs, "*") if ".tmp-" in p.name]
         assert len(os.listdir("/proc/self/fd")) == fds  # no descriptor left open by the failed write
         filler.unlink()
         data += 1
@@ -77,9 +78,9 @@ def test_the_keep_last_flush_to_a_full_global_disk_names_both_files(tmp_path):
         filler = fill(glbl)
         with pytest.raises(ftidask.CheckpointError, match="No space left on device") as failed:
             ctx.finalize()
-        (local,) = (tmp_path / "Local").rglob("Ckpt1-Rank0.fti")
+        (local,) = find_paths(tmp_path / "Local", "Ckpt1-Rank0.fti")
         assert f"'{local}' -> '{glbl / 'G'}" in str(failed.value), failed.value
-        assert not [p for p in glbl.rglob("*") if ".tmp-" in p.name]
+        assert not [p for p in find_paths(glbl, "*") if ".tmp-" in p.name]
         filler.unlink()
         ctx = ftidask.init(**dirs)  # not finalized: it restarts from checkpoint 1
         out = np.zeros(20_000)
@@ -189,7 +190,7 @@ def test_recovery_whose_rebuild_finds_the_disk_full_says_so(tmp_path, level):
             ctx._close()
 
         _ranks(tmp_path, write)
-        lost = next(node1.rglob("Ckpt1-Rank1.fti"))
+        lost = next(iter(find_paths(node1, "Ckpt1-Rank1.fti")))
         lost.unlink()
         filler = fill(node1)
         refused = _ranks(tmp_path, _recover)
@@ -264,7 +265,7 @@ def test_an_l4_checkpoint_on_a_read_only_node_disk_retires_the_previous_one(tmp_
         data += 1
         with _read_only(node):
             ctx.checkpoint(3, 4)
-        assert sorted(p.name for p in (tmp_path / "Global").rglob("*.fti")) == ["Ckpt3-Rank0.fti"]
+        assert sorted(p.name for p in find_paths(tmp_path / "Global", "*.fti")) == ["Ckpt3-Rank0.fti"]
         ctx.finalize()
 
 
@@ -279,7 +280,7 @@ def test_finalize_on_a_read_only_node_disk_removes_what_it_can_and_says_what_it_
         with _read_only(node), pytest.raises(ftidask.FTIError, match="Read-only file system") as failed:
             ctx.finalize()
         assert "checkpoint 2 (level 1)" in str(failed.value) and str(node) in str(failed.value), failed.value
-        assert not [p for p in (tmp_path / "Global").rglob("*") if p.is_file()]  # checkpoint 1's global copy gone
+        assert not [p for p in find_paths(tmp_path / "Global", "*") if p.is_file()]  # checkpoint 1's global copy gone
         ctx = ftidask.init(**dirs)  # the run is over: a fresh start
         assert ctx.status() == 0
         ctx.finalize()
@@ -296,7 +297,7 @@ def test_a_restart_on_a_read_only_node_disk_with_leftover_temporaries_recovers(t
         ctx.protect(1, np.arange(20_000.0))
         ctx.checkpoint(1, 1)
         ctx._close()  # the crash
-        ckpt = next(node.rglob("ckpt1.s1"))
+        ckpt = next(iter(find_paths(node, "ckpt1.s1")))
         leftovers = [ckpt.parent / ".Ckpt2-Rank0.fti.tmp-999", ckpt / ".Ckpt1-Rank0.fti.tmp-998"]
         for path in leftovers:
             path.write_bytes(b"torn")
@@ -309,7 +310,7 @@ def test_a_restart_on_a_read_only_node_disk_with_leftover_temporaries_recovers(t
             ctx._close()
         assert all(str(path) in caplog.text for path in leftovers), caplog.text  # said, not hidden
         ctx = ftidask.init(**dirs)  # writable again: collected
-        assert not [p for p in node.rglob("*") if ".tmp-" in p.name]
+        assert not [p for p in find_paths(node, "*") if ".tmp-" in p.name]
         ctx.finalize()
 
 
@@ -356,7 +357,7 @@ def test_a_directory_in_place_of_the_dcp_spare_is_replaced(dirs, level):
     ctx.checkpoint(1, level)
     data += 1
     ctx.checkpoint(2, level)  # checkpoint 1's file is now the spare
-    (spare,) = [p for root in (dirs["ckpt_dir"], dirs["glbl_dir"]) for p in Path(root).rglob("Spare-Rank0.fti")]
+    (spare,) = [p for root in (dirs["ckpt_dir"], dirs["glbl_dir"]) for p in find_paths(Path(root), "Spare-Rank0.fti")]
     spare.unlink()
     spare.mkdir()
     (spare / "inside").write_bytes(b"x")

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from mpi_util import need_mpi, run
 
+from ftidask.storage.files import find_paths
+
 pytestmark = need_mpi()
 
 OK, FAIL = "ok", "fail"
@@ -109,7 +111,7 @@ def _check_level(tmp: Path, nranks: int, level: int, timeout: float, config: dic
         damage(tmp / name)
         if name in REDUNDANCY_ONLY:
             left[name] = {p.relative_to(base): _bytes(tmp / name / p.relative_to(base))
-                          for p in (base / "Local").rglob("Ckpt*.fti") if "-Rank" not in p.name}
+                          for p in find_paths(base / "Local", "Ckpt*.fti") if "-Rank" not in p.name}
     run(nranks, "levels_job.py", "recover", cfg, *(str(tmp / name) for name in cases), timeout=timeout)
     problems = []
     for name, (_damage, expected) in cases.items():
@@ -142,7 +144,7 @@ def _bytes(path: Path) -> bytes | None:
 def _check_rebuilt(original: Path, damaged: Path, name: str, pattern: str = "Ckpt*.fti") -> list[str]:
     """After an L2/L3 recovery, every lost or damaged file (matching ``pattern``) is back, byte for byte."""
     out = []
-    for path in sorted((original / "Local").rglob(pattern)):
+    for path in sorted(find_paths(original / "Local", pattern)):
         twin = damaged / path.relative_to(original)
         if not twin.exists() or twin.read_bytes() != path.read_bytes():
             out.append(f"{name}: {path.relative_to(original)} was not rebuilt identically")
@@ -194,7 +196,7 @@ def test_l3_slack_byte_flipped_beside_a_lost_parity_and_a_lost_file(tmp_path: Pa
     run(4, "levels_job.py", "recover", cfg, str(base), timeout=120)
     results = [json.loads((base / f"result-{r}.json").read_text()) for r in range(4)]
     assert [(r["status"], r.get("source")) for r in results] == [("ok", [2, 3])] * 4, results
-    assert len(list(original.rglob("Ckpt2-*.fti"))) == 8 and not _check_rebuilt(original, base, "slack", pattern="Ckpt2-*.fti")
+    assert len(list(find_paths(original, "Ckpt2-*.fti"))) == 8 and not _check_rebuilt(original, base, "slack", pattern="Ckpt2-*.fti")
 
 
 # Copy-on-write at every level in the default run; the copy and blocking snapshots (the same background work,

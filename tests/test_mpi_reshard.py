@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from mpi_util import need_mpi, run
 
+from ftidask.storage.files import find_paths
+
 pytestmark = need_mpi()
 
 DECLARED = ("l1", "l2", "l3", "l4")
@@ -33,7 +35,7 @@ def _corrupt_container(run_dir: Path, rank: int, vid: int) -> None:
     """Flip the first data bytes of variable ``vid`` in old rank ``rank``'s file (its structure stays valid)."""
     from ftidask.ftiff.reader import parse_ftiff
 
-    path = next(run_dir.rglob(f"Ckpt1-Rank{rank}.fti"))
+    path = next(iter(find_paths(run_dir, f"Ckpt1-Rank{rank}.fti")))
     with open(path, "rb") as fh:
         parsed = parse_ftiff(fh, str(path))
     meta = next(m for _b, _c, m in parsed.containers() if m.id == vid and m.chunksize)
@@ -51,7 +53,7 @@ def _recover_on(written: Path, tmp_path: Path, size: int) -> tuple[Path, list[di
     shutil.copytree(written, base)
     # A node of the old layout lost: its L1 file cannot be read, so no rank may get partial data.
     shutil.copytree(base / "l1", base / "l1_lost")
-    for path in (base / "l1_lost" / "Local" / "node1").rglob("Ckpt*-Rank*.fti"):
+    for path in find_paths(base / "l1_lost" / "Local" / "node1", "Ckpt*-Rank*.fti"):
         path.unlink()
     # A whole node of the old layout lost at L2 and L3: its files are rebuilt first, then redistributed.
     for name in ("l2", "l3"):
@@ -95,7 +97,7 @@ def _check(results: list[dict], size: int, written: int = 4) -> None:
 def _check_rebuilt(base: Path) -> None:
     """The lost node's files of L2/L3 are back, byte for byte."""
     for name in ("l2", "l3"):
-        originals = sorted((base / name / "Local" / "node1").rglob("Ckpt*.fti"))  # as test_mpi_levels
+        originals = sorted(find_paths(base / name / "Local" / "node1", "Ckpt*.fti"))  # as test_mpi_levels
         assert originals
         for path in originals:
             twin = base / f"{name}_lost" / path.relative_to(base / name)
@@ -127,10 +129,10 @@ def test_a_run_restarted_on_fewer_nodes_leaves_no_old_file(written: Path, tmp_pa
     base = tmp_path / "runs"
     shutil.copytree(written, base)
     names = ("l1", "l2", "l3", "l4", "dcp", "l4zarr")
-    assert all(list((base / name).rglob("Ckpt*-Rank3.*")) for name in names)
+    assert all(list(find_paths(base / name, "Ckpt*-Rank3.*")) for name in names)
     run(size, "reshard_job.py", "finish", str(base), *names, timeout=300)
     for name in names:
-        left = sorted(str(p.relative_to(base)) for p in (base / name).rglob("*")
+        left = sorted(str(p.relative_to(base)) for p in find_paths(base / name, "*")
                       if p.is_file() and "Meta" not in p.parts)
         assert left == [], (name, left)
 
@@ -211,7 +213,7 @@ def test_export_rebuilds_a_lost_node_of_an_l2_l3_checkpoint(written: Path, tmp_p
 
     run_dir = tmp_path / name
     shutil.copytree(written / name, run_dir)
-    lost = sorted(p.name for p in (run_dir / "Local" / "node1").rglob("Ckpt*-Rank*.fti"))
+    lost = sorted(p.name for p in find_paths(run_dir / "Local" / "node1", "Ckpt*-Rank*.fti"))
     assert lost
     shutil.rmtree(run_dir / "Local" / "node1")
     result = export_checkpoint(None, tmp_path / "x.zarr", ckpt_dir=run_dir / "Local", glbl_dir=run_dir / "Global",
@@ -220,7 +222,7 @@ def test_export_rebuilds_a_lost_node_of_an_l2_l3_checkpoint(written: Path, tmp_p
     group = zarr.open_group(str(tmp_path / "x.zarr"), mode="r")
     for vid, glob in globals_().items():
         assert group[f"var{vid}"][...].tobytes() == np.ascontiguousarray(glob).tobytes(), vid
-    assert sorted(p.name for p in (run_dir / "Local" / "node1").rglob("Ckpt*-Rank*.fti")) == lost
+    assert sorted(p.name for p in find_paths(run_dir / "Local" / "node1", "Ckpt*-Rank*.fti")) == lost
 
 
 @pytest.mark.parametrize("ranks", [1, 3])
@@ -297,7 +299,7 @@ def test_dask_backend_stitches_an_mpi_checkpoint(written: Path, tmp_path: Path, 
         assert ctx.recovered_from == (CKPT.get(name, 1), LEVEL[name]), name
         ctx._close()
     for name in ("l2_lost", "l3_lost"):  # rebuilt from the partner copy / the group's parity
-        assert list((tmp_path / name / "Local" / "node1").rglob("Ckpt1-Rank1.fti")), name
+        assert list(find_paths(tmp_path / name / "Local" / "node1", "Ckpt1-Rank1.fti")), name
 
 
 @pytest.mark.dask

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from mpi_util import need_mpi, run
 
+from ftidask.storage.files import find_paths
+
 pytestmark = need_mpi()
 
 DCP = {"enable_dcp": 1, "dcp_block_size": 512}
@@ -44,7 +46,7 @@ def _restarted(base: Path, level: int, layout: str, count: int) -> None:
 
 
 def _spoil(base: Path, ckpt_id: int, how: str) -> None:
-    paths = list(base.rglob(f"Ckpt{ckpt_id}-*"))
+    paths = list(find_paths(base, f"Ckpt{ckpt_id}-*"))
     assert paths
     for path in paths:
         if how == "lost":

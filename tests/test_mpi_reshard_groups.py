@@ -15,17 +15,19 @@ from pathlib import Path
 import pytest
 from mpi_util import need_mpi, run
 
+from ftidask.storage.files import find_paths
+
 pytestmark = need_mpi()
 
 
 @pytest.mark.parametrize("level", [2, 3])
 def test_old_groups_from_the_record(tmp_path: Path, level: int) -> None:
     run(4, "reshard_groups_job.py", "write", str(tmp_path), str(level), timeout=180)
-    lost = list((tmp_path / f"l{level}").rglob("Ckpt1-Rank2.fti"))
+    lost = list(find_paths(tmp_path / f"l{level}", "Ckpt1-Rank2.fti"))
     assert len(lost) == 1
     lost[0].unlink()
     run(3, "reshard_groups_job.py", "recover", str(tmp_path), str(level), timeout=180)
     for rank in range(3):
         res = json.loads((tmp_path / f"result-{rank}.json").read_text())
         assert res[str(level)].get("ok") and res[str(level)]["equal"], (rank, res)
-    assert len(list((tmp_path / f"l{level}").rglob("Ckpt1-Rank2.fti"))) == 1  # rebuilt in its old node's directory
+    assert len(list(find_paths(tmp_path / f"l{level}", "Ckpt1-Rank2.fti"))) == 1  # rebuilt in its old node's directory

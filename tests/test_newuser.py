@@ -12,6 +12,7 @@ import numpy as np
 from conftest import ROOT
 
 import ftidask
+from ftidask.storage.files import find_paths
 
 
 def _empty_dirs(root: Path) -> list[Path]:
@@ -24,7 +25,7 @@ def test_finalize_leaves_no_empty_run_directories(dirs, tmp_path):
     for ckpt_id, level in ((1, 1), (2, 4), (3, 1)):
         ctx.checkpoint(ckpt_id, level)
     ctx.finalize()
-    leftover = [p for p in tmp_path.rglob("*") if ctx.exec_id in p.parts and "Meta" not in p.parts]
+    leftover = [p for p in find_paths(tmp_path, "*") if ctx.exec_id in p.parts and "Meta" not in p.parts]
     assert leftover == [], leftover
     assert all(p in (tmp_path / "Local" / "node0", tmp_path / "Global") for p in _empty_dirs(tmp_path)), \
         _empty_dirs(tmp_path)
@@ -36,7 +37,7 @@ def test_finalize_keeping_the_last_checkpoint_prunes_only_empty_dirs(dirs, tmp_p
     ctx.protect(1, np.arange(1000.0))
     ctx.checkpoint(1, 1)
     ctx.finalize()
-    assert len(list(Path(dirs["glbl_dir"]).rglob("Ckpt*-Rank0.fti"))) == 1
+    assert len(list(find_paths(Path(dirs["glbl_dir"]), "Ckpt*-Rank0.fti"))) == 1
     assert not any(ctx.exec_id in p.parts for p in _empty_dirs(tmp_path))
     again = ftidask.init(**dirs, keep_last_ckpt=1)  # status 2: restart from the kept L4 checkpoint
     again.protect(1, out := np.zeros(1000))
@@ -52,7 +53,7 @@ def test_finalize_keeping_the_last_checkpoint_removes_the_older_ones(dirs, tmp_p
     a += 1
     ctx.checkpoint(2, 1)  # after a level-4 one: both committed until finalize
     ctx.finalize()
-    names = sorted(p.parent.name for p in tmp_path.rglob("Ckpt*-Rank0.fti"))
+    names = sorted(p.parent.name for p in find_paths(tmp_path, "Ckpt*-Rank0.fti"))
     assert names and all(name.startswith("ckpt2.") for name in names), names  # checkpoint 1 is gone, as in FTI
     again = ftidask.init(**dirs, keep_last_ckpt=1)
     again.protect(1, out := np.zeros(1000))

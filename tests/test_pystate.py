@@ -18,6 +18,7 @@ from conftest import ROOT
 import ftidask
 from ftidask.ftiff.reader import parse_ftiff
 from ftidask.model.errors import CheckpointError, NoCheckpointError, ProtectError, RecoveryError
+from ftidask.storage.files import find_paths
 from ftidask.tools.cli import main as cli_main
 
 
@@ -26,7 +27,7 @@ def _ctx(tmp: Path, **kw) -> ftidask.Context:
 
 
 def _files(tmp: Path) -> list[Path]:
-    return sorted(p for p in tmp.rglob("Ckpt*-Rank0.fti") if ".spare" not in str(p) and "spare" not in p.name)
+    return sorted(p for p in find_paths(tmp, "Ckpt*-Rank0.fti") if ".spare" not in str(p) and "spare" not in p.name)
 
 
 JSON_VALUE = {"step": 12, "name": "h\u00e9at \U0001f525", "lr": 1e-3, "neg": -7, "big": 2**80, "flag": True,

@@ -21,6 +21,7 @@ from ftidask.engine.grouplevels import run_ranks
 from ftidask.ftiff import compression, hashing, reader
 from ftidask.model.config import load_config
 from ftidask.model.errors import NoCheckpointError
+from ftidask.storage.files import find_paths
 
 NRANKS = 4
 _opened: list[list[str]] = []  # every file opened while a list is installed (an audit hook sees all threads)
@@ -234,7 +235,7 @@ def test_a_damaged_file_leaves_fresh_arrays_untouched(dirs, small_moves, damage)
     """The file is read into staged pages and fails its hash: not a byte reaches the arrays, whose pages are
     still never touched (pagemap), and nothing was moved."""
     checkpointed(dirs, [np.random.default_rng(0).random(BIG)])
-    path = next(Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank0.fti"))
+    path = next(iter(find_paths(Path(dirs["ckpt_dir"]), "Ckpt1-Rank0.fti")))
     if damage == "data":
         flip_data(path)
     else:
@@ -267,7 +268,7 @@ def test_compressed_variables_are_decoded_once_into_fresh_arrays(dirs, small_mov
     ctx.protect(1, grown)  # grown: a second container, in an appended block
     ctx.checkpoint(2, 1)
     ctx._close()
-    path = next(Path(dirs["ckpt_dir"]).rglob("Ckpt2-Rank0.fti"))
+    path = next(iter(find_paths(Path(dirs["ckpt_dir"]), "Ckpt2-Rank0.fti")))
     with open(path, "rb") as fh:
         parsed = reader.parse_ftiff(fh, str(path))
     plain = {vid: compression.plain_ids(info.extra) for vid, info in parsed.vars.items()}
@@ -367,7 +368,7 @@ def test_the_parallel_copy_fills_every_byte_and_sees_a_truncated_file(dirs, monk
         ctx.protect(i + 1, a)
     ctx.recover()
     assert all(np.array_equal(a, b) for a, b in zip(out, data))
-    path = next(Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank0.fti"))
+    path = next(iter(find_paths(Path(dirs["ckpt_dir"]), "Ckpt1-Rank0.fti")))
     with open(path, "rb") as fh:
         parsed = reader.parse_ftiff(fh, str(path))
         reader.verify_data(fh, parsed)
@@ -391,7 +392,7 @@ class _Bytes:
 def test_recover_file_moves_pages_under_fresh_arrays_too(dirs, small_moves):
     data = np.random.default_rng(5).random(BIG)
     checkpointed(dirs, [data])
-    path = next(Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank0.fti"))
+    path = next(iter(find_paths(Path(dirs["ckpt_dir"]), "Ckpt1-Rank0.fti")))
     ctx = ftidask.init(**dirs)
     a = fresh(BIG)
     ctx.protect(1, a)
@@ -445,7 +446,7 @@ def test_a_file_changed_after_stored_size_is_verified_again(dirs, monkeypatch, h
     import os
 
     checkpointed(dirs, [np.random.default_rng(4).random(300_000)])
-    path = next(Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank0.fti"))
+    path = next(iter(find_paths(Path(dirs["ckpt_dir"]), "Ckpt1-Rank0.fti")))
     checked = _counting_checks(monkeypatch)
     ctx = ftidask.init(**dirs)
     a = np.full(300_000, 7.0)

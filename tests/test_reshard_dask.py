@@ -17,6 +17,7 @@ da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
 import ftidask  # noqa: E402
+from ftidask.storage.files import find_paths  # noqa: E402
 
 pytestmark = pytest.mark.dask
 
@@ -85,7 +86,7 @@ def test_dask_checkpoint_with_a_lost_worker_file_recovered_by_one_process(dirs, 
     from pathlib import Path
 
     _write_dask(dirs, 4, level)
-    (lost,) = Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank1.fti")
+    (lost,) = find_paths(Path(dirs["ckpt_dir"]), "Ckpt1-Rank1.fti")
     lost.unlink()
     ctx = ftidask.init(**dirs)
     out = {vid: np.zeros_like(a) for vid, a in _arrays().items()}
@@ -106,7 +107,7 @@ def test_damaged_dask_chunk_falls_back_to_the_previous_checkpoint(dirs):
     from ftidask.ftiff.reader import parse_ftiff
 
     _write_dask(dirs, 2, 1, ckpts=2)
-    (path,) = Path(dirs["ckpt_dir"]).rglob("Ckpt2-Rank0.fti")
+    (path,) = find_paths(Path(dirs["ckpt_dir"]), "Ckpt2-Rank0.fti")
     with open(path, "rb") as fh:
         meta = next(m for _b, _c, m in parse_ftiff(fh, str(path)).containers() if m.id == 1 and m.chunksize)
     raw = bytearray(path.read_bytes())
@@ -236,7 +237,7 @@ def test_partial_recovery_names_the_dask_checkpoint_it_passes_over(dirs):
     a += 1
     ctx.checkpoint(2, 1)
     ctx._close()
-    (path,) = Path(dirs["ckpt_dir"]).rglob("Ckpt2-Rank0.fti")
+    (path,) = find_paths(Path(dirs["ckpt_dir"]), "Ckpt2-Rank0.fti")
     raw = bytearray(path.read_bytes())
     raw[-100] ^= 0xFF
     path.write_bytes(bytes(raw))

@@ -19,6 +19,7 @@ from ftidask.engine.runstate import seal_json  # noqa: E402
 from ftidask.ftiff import hashing  # noqa: E402
 from ftidask.ftiff.structs import FB_SIZE, BlockMeta, FileBlock  # noqa: E402
 from ftidask.ftiff.trailer import pack_trailer  # noqa: E402
+from ftidask.storage.files import find_paths  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
 A = np.arange(60.0).reshape(6, 10)
@@ -86,7 +87,7 @@ def test_forged_dask_chunk_records_fall_back_to_the_previous_checkpoint(dirs, fo
     records were taken for a declaration that does not fit (RecoveryError, the sound checkpoint 1 never tried), and
     overlapping chunks were accepted: checkpoint 2 'recovered' with one chunk's bytes in two places."""
     _two_checkpoints(dirs)
-    (path,) = Path(dirs["ckpt_dir"]).rglob("Ckpt2-Rank0.fti")
+    (path,) = find_paths(Path(dirs["ckpt_dir"]), "Ckpt2-Rank0.fti")
     _reforge(path, dirs["meta_dir"], FORGED[forgery])
     _recovers_checkpoint_1(dirs)
 
@@ -113,7 +114,7 @@ def test_export_of_an_l3_dask_checkpoint_with_forged_groups_and_a_lost_file_expo
     from ftidask.tools.zarr_export import export_checkpoint
 
     _two_checkpoints(dirs, level=3)
-    (lost,) = Path(dirs["ckpt_dir"]).rglob("Ckpt2-Rank0.fti")
+    (lost,) = find_paths(Path(dirs["ckpt_dir"]), "Ckpt2-Rank0.fti")
     lost.unlink()
     (record,) = Path(dirs["meta_dir"]).glob("*/commits/s00000002.json")
     raw = json.loads(record.read_text())

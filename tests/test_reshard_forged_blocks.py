@@ -25,6 +25,7 @@ from ftidask.ftiff import hashing
 from ftidask.ftiff.structs import FB_SIZE, BlockMeta, FileBlock
 from ftidask.ftiff.trailer import pack_trailer
 from ftidask.model.config import load_config
+from ftidask.storage.files import find_paths
 
 G, OLD = 1000, 4
 
@@ -60,7 +61,7 @@ def _write(base: Path) -> None:
 def _reforge(base: Path, rank: int, change) -> None:
     """``change(extra)`` applied to variable 1's table entry in old rank ``rank``'s file of checkpoint 2; the file's
     checksum and file-block hash recomputed, and its commit record's ``fb_hash`` and ``size`` (re-sealed) to match."""
-    (path,) = (base / "Local").rglob(f"Ckpt2-Rank{rank}.fti")
+    (path,) = find_paths(base / "Local", f"Ckpt2-Rank{rank}.fti")
     raw = path.read_bytes()
     fb = FileBlock.unpack(raw[:FB_SIZE])
     length = struct.unpack("<Q", raw[-16:-8])[0]

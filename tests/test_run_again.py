@@ -15,6 +15,7 @@ import numpy as np
 from conftest import ROOT
 
 import ftidask
+from ftidask.storage.files import find_paths
 
 
 def _dirs(base: Path) -> dict:
@@ -24,7 +25,7 @@ def _dirs(base: Path) -> dict:
 
 def _archived(base: Path) -> dict[str, bytes]:
     archive = base / "Global" / "again" / "l4_archive"
-    return {str(p.relative_to(archive)): p.read_bytes() for p in sorted(archive.rglob("*.fti"))}
+    return {str(p.relative_to(archive)): p.read_bytes() for p in sorted(find_paths(archive, "*.fti"))}
 
 
 def _run(base: Path, value: float) -> None:

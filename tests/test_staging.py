@@ -18,6 +18,7 @@ from ftidask import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES, FTIError, Stagi
 from ftidask.staging import process as staging_process
 from ftidask.staging.process import ProcessMover
 from ftidask.staging.stager import Stager, ThreadMover
+from ftidask.storage.files import find_paths
 
 sys.path.insert(0, str(Path(__file__).parent))
 import slowcopy  # noqa: E402
@@ -61,7 +62,7 @@ def file_hash(path: Path) -> str:
 
 def leftovers(directory: Path) -> list[str]:
     """Temporary files of transfers left in ``directory`` (there must be none)."""
-    return sorted(p.name for p in directory.rglob("*") if "ftidask-stage" in p.name)
+    return sorted(p.name for p in find_paths(directory, "*") if "ftidask-stage" in p.name)
 
 
 def poll_until_final(ctx_or_table, req_id: int, timeout: float = 60.0) -> list[int]:
@@ -563,4 +564,4 @@ def test_exit_without_finalize_leaves_nothing_half_written(tmp_path, mover):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "exiting while active" in proc.stdout, proc.stderr
     assert list((tmp_path / "global").iterdir()) == []
-    assert [p.name for p in (tmp_path / "local" / "stage").rglob("big")] == ["big"]  # the local file is kept
+    assert [p.name for p in find_paths(tmp_path / "local" / "stage", "big")] == ["big"]  # the local file is kept

@@ -18,6 +18,7 @@ from ftidask.api.context import Context
 from ftidask.engine.grouplevels import run_ranks
 from ftidask.ftiff.reader import parse_ftiff
 from ftidask.model.config import load_config
+from ftidask.storage.files import find_paths
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 SIZES = [42, 85, 8, 19, 95, 26, 66, 33, 65, 83]
@@ -61,7 +62,7 @@ def test_the_name_is_recorded_in_the_file(dirs):
     ctx.protect(ctx.var_id("velocity"), np.arange(3.0), name="v")  # a name given to protect wins
     assert ctx.var_id("pressure") == 0 and ctx.var_id("v", create=False) == 1
     ctx.checkpoint(1, 1)
-    (path,) = Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank0.fti")
+    (path,) = find_paths(Path(dirs["ckpt_dir"]), "Ckpt1-Rank0.fti")
     with open(path, "rb") as fh:
         assert {i: v.name for i, v in parse_ftiff(fh, str(path)).vars.items()} == {0: "pressure", 1: "v"}
     ctx.finalize()
@@ -87,7 +88,7 @@ def test_a_restart_with_no_checkpoint_that_verifies_finds_no_name(dirs):
     ctx = ftidask.init(**dirs)
     _write(ctx, list(range(10)))
     ctx._close()
-    for path in Path(dirs["ckpt_dir"]).rglob("Ckpt1-Rank0.fti"):
+    for path in find_paths(Path(dirs["ckpt_dir"]), "Ckpt1-Rank0.fti"):
         path.unlink()
     restart = ftidask.init(**dirs)
     assert restart.status() == 1 and restart.var_id("three", create=False) is None

@@ -12,6 +12,7 @@ from ftidask.engine.checkpointing import write_rank_file
 from ftidask.ftiff.layout import plan_layout
 from ftidask.model.arrays import ArrayBytes, VarInfo
 from ftidask.model.errors import FormatError, NoCheckpointError
+from ftidask.storage.files import find_paths
 from ftidask.tools.zarr_export import export_checkpoint, import_zarr, main, read_zarr
 from ftidask.transport.base import Transport
 
@@ -141,7 +142,7 @@ def test_damaged_zarr_l4_is_detected(tmp_path, damage):
     _protect(ctx, state)
     ctx.checkpoint(1, 4)
     (store,) = tmp_path.glob("g/*/l4/*/Ckpt1-Rank0.zarr")
-    chunk = next(p for p in (store / "temperature").rglob("*") if p.is_file() and p.name != "zarr.json")
+    chunk = next(p for p in find_paths(store / "temperature", "*") if p.is_file() and p.name != "zarr.json")
     if damage == "chunk":
         raw = bytearray(chunk.read_bytes())
         raw[len(raw) // 2] ^= 0x01
@@ -177,7 +178,7 @@ def test_damaged_export_detected_on_read(tmp_path):
     out = tmp_path / "out.zarr"
     export_checkpoint(None, out, **_dirs(tmp_path))
     assert read_zarr(out)[1][1].tobytes() == state[1][1].tobytes()
-    chunk = next(p for p in (out / "temperature").rglob("*") if p.is_file() and p.name != "zarr.json")
+    chunk = next(p for p in find_paths(out / "temperature", "*") if p.is_file() and p.name != "zarr.json")
     raw = bytearray(chunk.read_bytes())
     raw[-1] ^= 0x80
     chunk.write_bytes(bytes(raw))
@@ -429,7 +430,7 @@ def test_cli_verify_checks_zarr_stores(tmp_path, capsys):
     (store,) = tmp_path.glob("g/*/l4/*/Ckpt1-Rank0.zarr")
     assert cli_main(["verify", str(tmp_path / "g")]) == 0
     assert "1 sound, 0 damaged" in capsys.readouterr().out
-    chunk = next(p for p in (store / "counts").rglob("*") if p.is_file() and p.name != "zarr.json")
+    chunk = next(p for p in find_paths(store / "counts", "*") if p.is_file() and p.name != "zarr.json")
     raw = bytearray(chunk.read_bytes())
     raw[-1] ^= 0xFF
     chunk.write_bytes(bytes(raw))
