@@ -55,6 +55,21 @@ def test_heads_with_async_checkpoints(tmp_path: Path) -> None:
     assert {r["status"] for r in results} == {"ok"} and all(r["source"] == [1, 3] for r in results), results
 
 
+def test_list_shows_a_checkpoint_the_heads_raised_to_level4(written, capsys) -> None:
+    """The application wrote L1 and waited for it only; the heads raised it to L4 and removed the L1 files: ``ftidask
+    list`` shows that checkpoint once, at level 4 (its commit record's level, not its files' variable table's 1),
+    committed and sound, its files the application ranks' global ones."""
+    from ftidask.tools.cli import main
+
+    base, _stdout = written(8, 4)
+    assert main(["list", str(base)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert len(rows) == 1, rows
+    (exec_id, ckpt_id, level, _seq, _day, _clock, nfiles, _size, state) = rows[0]
+    assert (level, nfiles, state) == ("4", "4", "sound"), rows
+    assert len(list(base.glob(f"Global/{exec_id}/l4/*/Ckpt{ckpt_id}-Rank*.fti"))) == 4
+
+
 def _config(nprocs: int, level: int) -> str:
     return json.dumps({**CONFIG, "node_size": nprocs // 4, f"inline_l{level}": 0})
 
