@@ -63,7 +63,7 @@ def test_post_processing_done_waits_for_an_async_checkpoint(tmp_path: Path) -> N
     polls = re.findall(r"POLL (\d+) (\d+) (None|\d+) (True|False)", stdout)
     assert len(polls) == 3 * NAPP, stdout
     for _rank, ckpt, level, first in polls:
-        assert first == "False", polls  # asked at once: the background is still writing it
+        assert first == "False", polls  # asked while the background holds the checkpoint (the job's seam)
         assert level == {"1": "3", "2": "2", "3": "4"}[ckpt], polls
 
 

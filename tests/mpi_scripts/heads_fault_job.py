@@ -11,7 +11,8 @@ seams that open the race: the heads' root holds the last commit until a moment a
 application rank that checks an L1 file waits until it is gone (a head removed it); it prints
 ``ROLLBACK <rank> <recovered_from> <same>``;
 ``"poll": true`` polls ``post_processing_done`` after each checkpoint call (the handle not waited for), then prints
-``POLL <rank> <ckpt> <its level in the commit records when done said so> <done before the first poll's answer>``.
+``POLL <rank> <ckpt> <its level in the commit records when done said so> <done before the first poll's answer>``
+(a seam holds each background checkpoint until that first poll has answered: the checkpoint is then still in flight).
 KILL: ``W:module:function[:after][@N]`` installs a crash point (tests/crashpoints.py) in world rank W: the process is
 SIGKILLed at the N-th call (the job is torn down); ``app:K`` kills the last application rank right after
 checkpoint K returns (its head still working). Each checkpoint c holds ``data(rank, c)``.
@@ -25,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +95,22 @@ def race_seams(base: Path, last: int) -> None:
     recovering.check_file = checked  # type: ignore[assignment]
 
 
+def poll_gate() -> threading.Semaphore:
+    """The seam of ``poll``: each checkpoint's background job waits for a permit, released after the first poll."""
+    from ftidask.engine import commit
+
+    permits = threading.Semaphore(0)
+    checkpoint = commit.Committer.checkpoint
+
+    def held(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():  # the background thread's checkpoint
+            permits.acquire(timeout=60)  # bounded: a poll that never comes fails the test, it never hangs it
+        return checkpoint(self, *args, **kwargs)
+
+    commit.Committer.checkpoint = held  # type: ignore[method-assign]
+    return permits
+
+
 def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
     app_kill = 0
     if kill.startswith("app:"):
@@ -106,6 +124,7 @@ def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
     resume, rollback = cfg.pop("resume", False), cfg.pop("rollback", False)
     if rollback:
         race_seams(Path(base), len(levels))
+    permits = poll_gate() if poll else None
     ctx = ftidask.init(comm=MPI.COMM_WORLD, **cfg, **dirs(base))
     rank = ctx.comm.rank
     a = data(rank, 0)
@@ -120,6 +139,7 @@ def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
         info = ctx.checkpoint(c, level, wait=wait)
         if poll:
             first = ctx.post_processing_done()
+            permits.release()
             for _ in range(200_000):  # bounded: a done that never comes fails the test, not hangs it
                 if ctx.post_processing_done():
                     break
