@@ -10,13 +10,14 @@ hasher), as another process or a failing disk would.
 from __future__ import annotations
 
 import textwrap
+import threading
 
 import numpy as np
 import pytest
 from conftest import run_python
 
 import ftidask
-from ftidask.ftiff import hashing
+from ftidask.ftiff import hashing, verify
 from ftidask.ftiff.reader import parse_ftiff, verify_data
 from ftidask.model.errors import FormatError
 
@@ -48,9 +49,13 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _checkpoint(tmp_path, **kw):
+SIZES = {"large": 3 << 20, "small": 32 << 10}  # float64 values: 24 MiB (several pieces of a read, several threads);
+# 256 KiB (checked on the caller's thread, in one read per container: verify.INLINE_BYTES)
+
+
+def _checkpoint(tmp_path, size="large", **kw):
     ctx = ftidask.init(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"), **kw)
-    ctx.protect(1, np.arange(3 << 20, dtype=np.float64))  # 24 MiB: several pieces of a read
+    ctx.protect(1, np.arange(SIZES[size], dtype=np.float64))
     ctx.protect(2, np.arange(1000, dtype=np.int32))
     ctx.checkpoint(1, 1)
     ctx._close()
@@ -58,19 +63,21 @@ def _checkpoint(tmp_path, **kw):
     return path
 
 
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("compressor", [None, "zstd"])
 @pytest.mark.parametrize("decode", [True, False])
-def test_a_file_cut_while_it_is_verified_is_damaged_not_a_crash(tmp_path, compressor, decode):
-    path = _checkpoint(tmp_path, **({"compressor": compressor} if compressor else {}))
+def test_a_file_cut_while_it_is_verified_is_damaged_not_a_crash(tmp_path, compressor, decode, size):
+    path = _checkpoint(tmp_path, size, **({"compressor": compressor} if compressor else {}))
     proc = run_python(CHILD, str(path), "1" if decode else "0", check=False)
     assert proc.returncode == 0, f"the verifying process died ({proc.returncode}): {proc.stderr[-2000:]}"
     assert "RAISED FormatError" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("compressor", [None, "zstd"])
-def test_every_flipped_byte_of_a_container_is_found(tmp_path, compressor):
-    """Bytes flipped at the start, inside and at the end of a container spread over several pieces."""
-    path = _checkpoint(tmp_path, **({"compressor": compressor} if compressor else {}))
+def test_every_flipped_byte_of_a_container_is_found(tmp_path, compressor, size):
+    """Bytes flipped at the start, inside and at the end of a container (large: spread over several pieces)."""
+    path = _checkpoint(tmp_path, size, **({"compressor": compressor} if compressor else {}))
     with open(path, "rb") as fh:
         parsed = parse_ftiff(fh, str(path))
         verify_data(fh, parsed)
@@ -83,6 +90,25 @@ def test_every_flipped_byte_of_a_container_is_found(tmp_path, compressor):
             damaged.write_bytes(bytes(raw))
             with open(damaged, "rb") as fh, pytest.raises(FormatError, match="does not match"):
                 verify_data(fh, parse_ftiff(fh, str(damaged)))
+
+
+@pytest.mark.parametrize(("size", "threads"), [("small", {"MainThread"}), ("large", {"ftidask-verify"})])
+def test_a_small_file_is_checked_on_the_callers_thread(tmp_path, monkeypatch, size, threads):
+    """Starting the verifying threads cost a small state's recovery more than its reading and hashing (50-100 ms for
+    a 1 MiB state on a loaded machine): a file of a few MiB is checked where it is asked for, a large one on the
+    verifying threads."""
+    path = _checkpoint(tmp_path, size)
+    seen = set()
+    checked = verify.container_problem
+
+    def seam(*args, **kwargs):
+        seen.add(threading.current_thread().name.split("_")[0])
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(verify, "container_problem", seam)
+    with open(path, "rb") as fh:
+        verify_data(fh, parse_ftiff(fh, str(path)))
+    assert seen == threads
 
 
 def test_streamed_hashes_equal_whole_ones():

@@ -22,6 +22,10 @@ from . import compression, hashing, readahead
 from .structs import ContainerMeta
 
 THREADS = min(4, os.cpu_count() or 1)  # containers checked at once
+#: at most this many bytes in all are checked on the caller's thread: starting threads (and their buffers) costs
+#: more than hashing a few MiB (a 1 MiB state's recovery took 50-100 ms on a loaded 2-core machine, nearly all of
+#: it spent waiting for the verifying threads to start)
+INLINE_BYTES = 4 << 20
 _local = threading.local()
 
 
@@ -33,10 +37,13 @@ def _ring() -> list[memoryview]:
     return ring
 
 
-def container_problem(fd: int, parsed: Any, meta: ContainerMeta, what: str, decode: bool) -> str:
-    """Why container ``meta`` of ``parsed`` does not match its hash (or, ``decode``, does not decode), or ''."""
+def container_problem(fd: int, parsed: Any, meta: ContainerMeta, what: str, decode: bool,
+                      ring: list[memoryview] | None = None) -> str:
+    """Why container ``meta`` of ``parsed`` does not match its hash (or, ``decode``, does not decode), or ''.
+
+    ``ring``: the read buffers (default: this thread's)."""
     hasher = hashing.new_hasher(parsed.fb.hash_id)
-    if not readahead.feed(fd, meta.fptr, meta.chunksize, hasher.update, _ring(), readahead.READERS):
+    if not readahead.feed(fd, meta.fptr, meta.chunksize, hasher.update, ring or _ring(), readahead.READERS):
         return f"{what}: the file ends inside its data"
     if hasher.digest() != meta.hash:
         return f"{what}: data hash does not match (damaged data)"
@@ -51,15 +58,23 @@ def container_problem(fd: int, parsed: Any, meta: ContainerMeta, what: str, deco
 
 
 def first_problem(fd: int, parsed: Any, jobs: Sequence[tuple[int, int, ContainerMeta]], decode: bool) -> str:
-    """The first container of ``jobs`` ((block, container, meta) triples) that fails its check, said; ''."""
+    """The first container of ``jobs`` ((block, container, meta) triples) that fails its check, said; ''.
+
+    Small files (:data:`INLINE_BYTES`) are checked on the caller's thread, each container in one read into a buffer
+    of this call; larger ones on :data:`THREADS` threads."""
+    inline = sum(meta.chunksize for _b, _c, meta in jobs) <= INLINE_BYTES
+    ring = [memoryview(bytearray(max([meta.chunksize for _b, _c, meta in jobs] + [1])))] if inline else None
+
     def check(job: tuple[int, int, ContainerMeta]) -> str:
         bi, ci, meta = job
         what = f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid})"
         try:
-            return container_problem(fd, parsed, meta, what, decode)
+            return container_problem(fd, parsed, meta, what, decode, ring)
         except OSError as exc:  # a disk that cannot read the span: damage, for this file
             return f"{what}: cannot be read: {exc.strerror or exc}"
 
+    if inline:
+        return next((problem for problem in map(check, jobs) if problem), "")
     with ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="ftidask-verify") as pool:
         return next((problem for problem in pool.map(check, jobs) if problem), "")
 
