@@ -7,10 +7,16 @@ import contextlib
 import logging
 import threading
 import traceback
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from dask._task_spec import Task
+
+try:  # dask >= 2025: Client.get wraps a dict graph in this expression, whose name tokenizes every task's arguments
+    from dask._expr import LLGExpr
+except ImportError:  # pragma: no cover - older dask sends the dict as it is
+    LLGExpr = None
 from distributed import Client, Future, wait
 from distributed.client import FuturesCancelledError
 from distributed.diagnostics.progressbar import TextProgressBar, is_kernel
@@ -130,7 +136,7 @@ class Cluster:
             return {}
         graph = {key: Task(key, fn, *args) for key, (fn, args) in calls.items()}
         keys = list(graph)
-        futures = dict(zip(keys, self.client.get(graph, keys, workers=[worker], allow_other_workers=loose,
+        futures = dict(zip(keys, self.client.get(_untokenized(graph), keys, workers=[worker], allow_other_workers=loose,
                                                  sync=False), strict=True))
         for future in futures.values():
             if self._batch is not None:
@@ -220,6 +226,20 @@ class Cluster:
             self.client.cancel(list(futures), force=True)
         except Exception as exc:  # noqa: BLE001 - best effort on a failing cluster
             log.debug("cancel failed: %s", exc)
+
+
+def _untokenized(graph: dict[Any, Task]) -> Any:
+    """``graph`` for ``Client.get``, its name drawn at random instead of hashed from every task's arguments.
+
+    The tasks' keys are ftidask's own and never reused (``pure=False``): a deterministic name buys nothing, and
+    computing it walked every argument of every task on the client (77 ms for a recovery of 16 chunks, growing
+    with the chunks) before the graph could leave for the scheduler."""
+    if LLGExpr is None:
+        return graph
+    try:
+        return LLGExpr(graph, _determ_token=uuid.uuid4().hex)
+    except TypeError:  # pragma: no cover - a dask whose expressions take no given token
+        return graph
 
 
 def wait_for(futures: Sequence[Future], timeout: float) -> bool:
