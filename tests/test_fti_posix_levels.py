@@ -125,3 +125,15 @@ def test_cli_verifies_the_partner_copies_of_a_level_2_directory(tmp_path, capsys
     local, meta = _write_level(tmp_path / "fti", 2)
     assert cli_main(["verify", str(local / "node0/2019-01-01_00-00-00/l2"), "--meta", str(meta.parent)]) == 0
     assert "2 sound, 0 damaged" in capsys.readouterr().out
+
+
+def test_a_parity_file_without_rsed_checksum_is_checked_by_its_size(tmp_path, capsys):
+    """FTI versions without FTI_WriteRSedChecksum record no parity MD5: FTI_CheckFile then checks the size alone."""
+    local, meta = _write_level(tmp_path / "fti", 3)
+    meta.write_text("\n".join(x for x in meta.read_text().splitlines() if not x.startswith("rsed_checksum")))
+    rsed = local / "node2/2019-01-01_00-00-00/l3/Ckpt3-RSed2.fti"
+    assert cli_main(["verify", str(rsed), "--meta", str(meta)]) == 0
+    assert "size only" in capsys.readouterr().out
+    rsed.write_bytes(rsed.read_bytes()[:-1])
+    assert cli_main(["verify", str(rsed), "--meta", str(meta)]) == 1
+    assert "its meta file says" in capsys.readouterr().out

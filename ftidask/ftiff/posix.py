@@ -153,21 +153,26 @@ def find_section(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> 
                       + (f", the rank file whose node keeps {name}" if owner != name else ""), path=os.fspath(meta))
 
 
-def verify_posix_parity(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> None:
+def verify_posix_parity(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> str:
     """Check FTI's POSIX parity file ``Ckpt{id}-RSed{r}.fti`` against its group's meta file (FormatError if not
     sound): ``ckpt_file_maxs`` bytes (FTI_RSenc pads the group's files to the largest) of MD5 ``rsed_checksum``
-    (FTI_WriteRSedChecksum)."""
+    (FTI_WriteRSedChecksum). A meta file without ``rsed_checksum`` (FTI versions before it) leaves the size alone
+    to check, as FTI_CheckFile does then: the returned note says so ('' when the MD5 was checked)."""
     if not _RSED.fullmatch(os.path.basename(os.fspath(path))):
         raise FormatError("not an FTI parity file name (Ckpt{id}-RSed{r}.fti)", path=os.fspath(path))
     meta_path, values = find_section(path, meta)
     where = f"{meta_path} [{values.get('ckpt_file_name')}]"
     size = _int(values, "ckpt_file_maxs", where)
     checksum = values.get("rsed_checksum", "").lower()
+    raw = _read_whole(path, size)
+    if not checksum:
+        return "size only: the meta file records no RSed_checksum"
     if not _HEX32.fullmatch(checksum):
-        raise FormatError(f"RSed_checksum = {checksum!r}: no MD5 to verify the parity file against", path=where)
-    if hashlib.md5(_read_whole(path, size), usedforsecurity=False).hexdigest() != checksum:
+        raise FormatError(f"RSed_checksum = {checksum!r} is not an MD5 to verify the parity file against", path=where)
+    if hashlib.md5(raw, usedforsecurity=False).hexdigest() != checksum:
         raise FormatError("MD5 does not match the meta file's RSed_checksum (damaged parity file)",
                           path=os.fspath(path))
+    return ""
 
 
 def _read_whole(path: str | os.PathLike[str], size: int) -> bytearray:
@@ -248,6 +253,10 @@ def posix_files(root: Path) -> list[Path]:
                   for p in root.glob(pattern) if p.is_file())
 
 
-def verify_posix(path: Path, meta: str | os.PathLike[str]) -> None:
-    """Check one of FTI's POSIX files (a rank file, a partner copy or a parity file) against its meta file."""
-    (verify_posix_parity if _RSED.fullmatch(path.name) else read_posix)(path, meta)
+def verify_posix(path: Path, meta: str | os.PathLike[str]) -> str:
+    """Check one of FTI's POSIX files (a rank file, a partner copy or a parity file) against its meta file; a note on
+    what could not be checked, or ''."""
+    if _RSED.fullmatch(path.name):
+        return verify_posix_parity(path, meta)
+    read_posix(path, meta)
+    return ""

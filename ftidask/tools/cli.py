@@ -188,8 +188,8 @@ def _verify_posix(root: Path, meta: str) -> int:
     bad = 0
     for path in files:
         try:
-            verify_posix(path, meta)
-            print(f"OK       {path}")
+            note = verify_posix(path, meta)
+            print(f"OK       {path}" + (f" ({note})" if note else ""))
         except FormatError as exc:
             bad += 1
             print(f"DAMAGED  {exc}")
