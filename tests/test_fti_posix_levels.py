@@ -137,3 +137,22 @@ def test_a_parity_file_without_rsed_checksum_is_checked_by_its_size(tmp_path, ca
     rsed.write_bytes(rsed.read_bytes()[:-1])
     assert cli_main(["verify", str(rsed), "--meta", str(meta)]) == 1
     assert "its meta file says" in capsys.readouterr().out
+
+
+def test_a_rank_file_left_padded_by_an_interrupted_fti_decode_is_read(tmp_path, dirs):
+    """FTI_Decode pads every surviving rank file of the group to ckpt_file_maxs before decoding and cuts it back
+    after: a file left padded holds its checkpoint in its first ckpt_file_size bytes."""
+    local, meta = _write_level(tmp_path / "fti", 3)
+    path = local / "node0/2019-01-01_00-00-00/l3/Ckpt3-Rank0.fti"  # rank 0's file is the group's smallest
+    maxs = max(len(b"".join(_raw(r).values())) for r in range(GROUP))
+    with open(path, "r+b") as fh:
+        fh.truncate(maxs)
+    ctx = ftidask.init(**dirs)
+    arrays = _protect(ctx, 0)
+    ctx.recover_file(path, meta=meta)
+    assert {vid: a.tobytes() for vid, a in arrays.items()} == _raw(0)
+    with open(path, "r+b") as fh:  # any other size is still refused
+        fh.truncate(maxs - 1)
+    with pytest.raises(RecoveryError, match="its meta file says"):
+        ctx.recover_file(path, meta=meta)
+    ctx.finalize()

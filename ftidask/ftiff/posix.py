@@ -175,12 +175,13 @@ def verify_posix_parity(path: str | os.PathLike[str], meta: str | os.PathLike[st
     return ""
 
 
-def _read_whole(path: str | os.PathLike[str], size: int) -> bytearray:
-    """The ``size`` bytes of the regular file ``path``, which must have exactly that size (else FormatError)."""
+def _read_whole(path: str | os.PathLike[str], size: int, padded: int = -1) -> bytearray:
+    """The ``size`` bytes of the regular file ``path``, which must have exactly that size, or ``padded`` bytes of which
+    the first ``size`` are read (else FormatError)."""
     try:
         with open_read(path) as fh:
             actual = os.fstat(fh.fileno()).st_size
-            if actual != size:
+            if actual != size and not size < actual == padded:
                 raise FormatError(f"the file has {actual} bytes, its meta file says {size}", path=os.fspath(path))
             raw = bytearray(size)
             got = fh.readinto(raw)  # type: ignore[attr-defined]
@@ -238,7 +239,11 @@ def read_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> Po
         raise FormatError(f"ckpt_checksum = {checksum!r}: no MD5 to verify the file against, so it is not read",
                           path=where)
     variables = _variables(values, size, where)
-    raw = _read_whole(path, size)
+    # FTI_Decode (src/postreco.c) pads each surviving rank file to the group's largest, ckpt_file_maxs, and cuts it
+    # back once decoded: interrupted in between, it leaves the file padded. Its first ckpt_file_size bytes are the
+    # checkpoint (checked by their MD5 below); the padding is never read.
+    maxs = values.get("ckpt_file_maxs", "")
+    raw = _read_whole(path, size, int(maxs) if re.fullmatch(r"\d{1,19}", maxs) else -1)
     digest = hashlib.md5(raw, usedforsecurity=False).hexdigest()
     if (digest if len(checksum) == 32 else digest[0:30:2]) != checksum:
         raise FormatError("MD5 does not match the meta file's ckpt_checksum (damaged file)", path=os.fspath(path))
