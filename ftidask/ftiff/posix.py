@@ -109,18 +109,87 @@ def _read_meta(path: Path) -> configparser.ConfigParser:
     return ini
 
 
+#: Files of levels 2 and 3 that the meta file describes under their owner's rank file: FTI_RecvPtner names a partner
+#: copy after the rank that keeps it (``Pcof{r}``: its left neighbour's bytes), FTI_RSenc a parity file after its rank.
+_PCOF = re.compile(r"Ckpt(\d+)-Pcof(\d+)\.fti")
+_RSED = re.compile(r"Ckpt(\d+)-RSed(\d+)\.fti")
+_PARITY_REFUSED = ("FTI's level-3 Reed-Solomon parity file (RSed): parity, not a checkpoint; ftidask does not decode "
+                   "FTI's parity (its MD5 is checked by ftidask verify PATH --meta META)")
+
+
+def _process_sections(ini: configparser.ConfigParser) -> dict[int, dict[str, str]]:
+    """The sections of the group's processes, ``[0]`` to ``[group_size - 1]``, by group rank."""
+    return {int(name): {k.lower(): v.strip() for k, v in ini.items(name)}
+            for name in ini.sections() if re.fullmatch(r"\d{1,6}", name.strip())}
+
+
 def find_section(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> tuple[Path, dict[str, str]]:
     """The meta file and its section that describe the checkpoint file ``path`` (found by its name); the
-    ``[ckpt_info]`` section's ``ckpt_type`` (later versions: ``full`` or ``dcp``) is added as ``ckpt_type``."""
+    ``[ckpt_info]`` section's ``ckpt_type`` (later versions: ``full`` or ``dcp``) is added as ``ckpt_type``.
+
+    A partner copy ``Ckpt{id}-Pcof{r}.fti`` is described by the section left of rank ``r``'s, ``(g + n - 1) % n``
+    (FTI_GetChecksums, FTI_LoadMeta); a parity file ``Ckpt{id}-RSed{r}.fti`` by rank ``r``'s (its ``rsed_checksum``)."""
     name = os.path.basename(os.fspath(path))
+    named = _PCOF.fullmatch(name) or _RSED.fullmatch(name)
+    owner = f"Ckpt{named[1]}-Rank{named[2]}.fti" if named else name
     for meta_path in meta_files(meta):
         ini = _read_meta(meta_path)
         kind = ini.get("ckpt_info", "ckpt_type", fallback="full").strip().lower()
-        for section in ini.sections():
-            values = {k.lower(): v.strip() for k, v in ini.items(section)}
-            if values.get("ckpt_file_name") == name:
-                return meta_path, values | {"ckpt_type": kind}
-    raise FormatError(f"no section of the FTI meta file(s) names {name} (ckpt_file_name)", path=os.fspath(meta))
+        if not _PCOF.fullmatch(name):
+            for section in ini.sections():
+                values = {k.lower(): v.strip() for k, v in ini.items(section)}
+                if values.get("ckpt_file_name") == owner:
+                    return meta_path, values | {"ckpt_type": kind}
+            continue
+        procs = _process_sections(ini)
+        keeper = next((g for g, values in procs.items() if values.get("ckpt_file_name") == owner), None)
+        if keeper is None:
+            continue
+        if sorted(procs) != list(range(len(procs))):
+            raise FormatError(f"the process sections are {sorted(procs)}, not [0] to [{len(procs) - 1}]: the left "
+                              f"partner of {owner}, whose copy {name} is, cannot be told", path=str(meta_path))
+        return meta_path, procs[(keeper - 1) % len(procs)] | {"ckpt_type": kind}
+    raise FormatError(f"no section of the FTI meta file(s) names {owner} (ckpt_file_name)"
+                      + (f", the rank file whose node keeps {name}" if owner != name else ""), path=os.fspath(meta))
+
+
+def verify_posix_parity(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> str:
+    """Check FTI's POSIX parity file ``Ckpt{id}-RSed{r}.fti`` against its group's meta file (FormatError if not
+    sound): ``ckpt_file_maxs`` bytes (FTI_RSenc pads the group's files to the largest) of MD5 ``rsed_checksum``
+    (FTI_WriteRSedChecksum). A meta file without ``rsed_checksum`` (FTI versions before it) leaves the size alone
+    to check, as FTI_CheckFile does then: the returned note says so ('' when the MD5 was checked)."""
+    if not _RSED.fullmatch(os.path.basename(os.fspath(path))):
+        raise FormatError("not an FTI parity file name (Ckpt{id}-RSed{r}.fti)", path=os.fspath(path))
+    meta_path, values = find_section(path, meta)
+    where = f"{meta_path} [{values.get('ckpt_file_name')}]"
+    size = _int(values, "ckpt_file_maxs", where)
+    checksum = values.get("rsed_checksum", "").lower()
+    raw = _read_whole(path, size)
+    if not checksum:
+        return "size only: the meta file records no RSed_checksum"
+    if not _HEX32.fullmatch(checksum):
+        raise FormatError(f"RSed_checksum = {checksum!r} is not an MD5 to verify the parity file against", path=where)
+    if hashlib.md5(raw, usedforsecurity=False).hexdigest() != checksum:
+        raise FormatError("MD5 does not match the meta file's RSed_checksum (damaged parity file)",
+                          path=os.fspath(path))
+    return ""
+
+
+def _read_whole(path: str | os.PathLike[str], size: int, padded: int = -1) -> bytearray:
+    """The ``size`` bytes of the regular file ``path``, which must have exactly that size, or ``padded`` bytes of which
+    the first ``size`` are read (else FormatError)."""
+    try:
+        with open_read(path) as fh:
+            actual = os.fstat(fh.fileno()).st_size
+            if actual != size and not size < actual == padded:
+                raise FormatError(f"the file has {actual} bytes, its meta file says {size}", path=os.fspath(path))
+            raw = bytearray(size)
+            got = fh.readinto(raw)  # type: ignore[attr-defined]
+    except OSError as exc:
+        raise FormatError(f"cannot read: {exc}", path=os.fspath(path)) from None
+    if got != size:
+        raise FormatError(f"the file ends at byte {got}, its meta file says {size}", path=os.fspath(path))
+    return raw
 
 
 def _int(values: dict[str, str], key: str, where: str) -> int:
@@ -157,6 +226,8 @@ def read_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> Po
     other = other_io_mode(path)
     if other:
         raise FormatError(other, path=os.fspath(path))
+    if _RSED.fullmatch(os.path.basename(os.fspath(path))):
+        raise FormatError(_PARITY_REFUSED, path=os.fspath(path))
     meta_path, values = find_section(path, meta)
     where = f"{meta_path} [{os.path.basename(os.fspath(path))}]"
     if values["ckpt_type"] != "full" or any(key.startswith("dcp") for key in values):
@@ -168,20 +239,29 @@ def read_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> Po
         raise FormatError(f"ckpt_checksum = {checksum!r}: no MD5 to verify the file against, so it is not read",
                           path=where)
     variables = _variables(values, size, where)
-    try:
-        with open_read(path) as fh:
-            actual = os.fstat(fh.fileno()).st_size
-            if actual != size:
-                raise FormatError(f"the file has {actual} bytes, its meta file says {size}", path=os.fspath(path))
-            raw = bytearray(size)
-            got = fh.readinto(raw)  # type: ignore[attr-defined]
-    except OSError as exc:
-        raise FormatError(f"cannot read: {exc}", path=os.fspath(path)) from None
-    if got != size:
-        raise FormatError(f"the file ends at byte {got}, its meta file says {size}", path=os.fspath(path))
+    # FTI_Decode (src/postreco.c) pads each surviving rank file to the group's largest, ckpt_file_maxs, and cuts it
+    # back once decoded: interrupted in between, it leaves the file padded. Its first ckpt_file_size bytes are the
+    # checkpoint (checked by their MD5 below); the padding is never read.
+    maxs = values.get("ckpt_file_maxs", "")
+    raw = _read_whole(path, size, int(maxs) if re.fullmatch(r"\d{1,19}", maxs) else -1)
     digest = hashlib.md5(raw, usedforsecurity=False).hexdigest()
     if (digest if len(checksum) == 32 else digest[0:30:2]) != checksum:
         raise FormatError("MD5 does not match the meta file's ckpt_checksum (damaged file)", path=os.fspath(path))
     view = memoryview(raw)
     data = {vid: view[start:start + nbytes] for vid, start, nbytes in variables}
     return PosixFile(os.fspath(path), str(meta_path), data)
+
+
+def posix_files(root: Path) -> list[Path]:
+    """FTI's POSIX files in the directory ``root``: rank files, partner copies, parity files."""
+    return sorted(p for pattern in ("Ckpt*-Rank*.fti", "Ckpt*-Pcof*.fti", "Ckpt*-RSed*.fti")
+                  for p in root.glob(pattern) if p.is_file())
+
+
+def verify_posix(path: Path, meta: str | os.PathLike[str]) -> str:
+    """Check one of FTI's POSIX files (a rank file, a partner copy or a parity file) against its meta file; a note on
+    what could not be checked, or ''."""
+    if _RSED.fullmatch(path.name):
+        return verify_posix_parity(path, meta)
+    read_posix(path, meta)
+    return ""

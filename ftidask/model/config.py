@@ -276,8 +276,8 @@ def _read_ini(path: str | os.PathLike[str]) -> dict[str, Any]:
     shown = repr(os.fsdecode(path))  # type: ignore[arg-type]  # checked by _read_text
     # No [DEFAULT] section with INI's meaning: FTI (iniparser) has none, and its keys would
     # appear in every section.
-    parser = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=(";", "#"),
-                                       default_section="\0no default section")
+    # Inline comments are cut by _iniparser_value, as FTI's iniparser cuts them (no space needed before them).
+    parser = configparser.ConfigParser(interpolation=None, default_section="\0no default section")
     try:
         parser.read_string(text, source=os.fsdecode(path))  # type: ignore[arg-type]
     except configparser.Error as exc:
@@ -300,8 +300,17 @@ def _read_ini(path: str | os.PathLike[str]) -> dict[str, Any]:
             home = _KEYS[key][0]
             if section.strip().lower() != home:
                 raise ConfigError(f"config file {shown}: key {key!r} is in [{section}]; it belongs in [{home}]")
-            values[key] = value
+            values[key] = _iniparser_value(value)
     return values
+
+
+def _iniparser_value(raw: str) -> str:
+    """``raw`` as FTI's iniparser reads a value (parse_line): a quoted one between its quotes (spaces, ``;`` and ``#``
+    kept, what follows the closing quote dropped; ``""`` is empty), an unquoted one up to its first ``;`` or ``#``."""
+    text = raw.strip()
+    if text[:1] in ("'", '"') and text.find(text[0], 1) > 0:
+        return text[1:text.find(text[0], 1)]
+    return re.split(r"[;#]", text, maxsplit=1)[0].strip()
 
 
 def load_config(path: str | os.PathLike[str] | Config | None = None, *, base: Config | None = None,

@@ -179,17 +179,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _verify_posix(root: Path, meta: str) -> int:
-    """verify --meta: files of FTI's POSIX I/O (``root``, or its ``Ckpt*-Rank*.fti``) against FTI's meta file(s)."""
-    from ..ftiff.posix import read_posix
+    """verify --meta: FTI's POSIX files (``root``, or its rank, partner and parity files) against FTI's meta file(s)."""
+    from ..ftiff.posix import posix_files, verify_posix
 
-    files = [root] if root.is_file() else sorted(p for p in root.glob("Ckpt*-Rank*.fti") if p.is_file())
+    files = [root] if root.is_file() else posix_files(root)
     if not files:
         return _error(f"no Ckpt*-Rank*.fti file in {root}")
     bad = 0
     for path in files:
         try:
-            read_posix(path, meta)
-            print(f"OK       {path}")
+            note = verify_posix(path, meta)
+            print(f"OK       {path}" + (f" ({note})" if note else ""))
         except FormatError as exc:
             bad += 1
             print(f"DAMAGED  {exc}")

@@ -1,0 +1,48 @@
+"""Config values read as FTI's iniparser reads them (``parse_line`` of iniparser 3/4, FTI's deps/iniparser).
+
+iniparser takes a quoted value between its quotes (spaces kept, whatever follows the closing quote dropped, ``""``
+empty) and an unquoted one up to its first ``;`` or ``#``, whether or not a space comes before it. A config that FTI
+reads as ``ckpt_dir = ./My Local`` must not become a directory whose name holds the quotes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import ftidask
+
+
+@pytest.mark.parametrize(("line", "key", "value"), [
+    ('ckpt_dir = "./My Local"', "ckpt_dir", "./My Local"),
+    ("ckpt_dir = './My Local'  ; a comment", "ckpt_dir", "./My Local"),
+    ('ckpt_dir = "./a;b#c" # quoted: kept', "ckpt_dir", "./a;b#c"),
+    ("ckpt_dir = ./Local#no space before it", "ckpt_dir", "./Local"),
+    ("ckpt_dir = ./Local;no space before it", "ckpt_dir", "./Local"),
+    ("ckpt_l1 = 3#every 3 minutes", "ckpt_l1", 3),
+    ("ckpt_l1 = 3 ; every 3 minutes", "ckpt_l1", 3),
+    ("ckpt_l1 = '7'", "ckpt_l1", 7),
+])
+def test_values_are_read_as_iniparser_reads_them(tmp_path, line, key, value):
+    cfg = tmp_path / "config.fti"
+    cfg.write_text(f"[basic]\n{line}\n")
+    assert getattr(ftidask.load_config(cfg), key) == value
+
+
+@pytest.mark.parametrize("value", ['""', "''", "", "# nothing"])
+def test_an_empty_exec_id_is_none(tmp_path, value):
+    cfg = tmp_path / "config.fti"
+    cfg.write_text(f"[restart]\nfailure = 0\nexec_id = {value}\n")
+    assert ftidask.load_config(cfg).exec_id is None
+
+
+def test_a_config_rewritten_by_fti_update_conf_loads(tmp_path):
+    """FTI_UpdateConf rewrites the file with iniparser_dump_ini: lower-case sections and keys, ``%-30s = %s``,
+    comments gone; the restart section then names the run."""
+    cfg = tmp_path / "config.fti"
+    cfg.write_text("\n[basic]\nhead                           = 0\nckpt_dir                       = ./Local\n"
+                   "ckpt_l1                        = 1\nckpt_io                        = 3\n\n\n[restart]\n"
+                   "failure                        = 1\nexec_id                        = 2017-11-24_14-09-26\n\n\n"
+                   "[injection]\nrank                           = 0\n\n\n[advanced]\n"
+                   "block_size                     = 1024\nlustre_striping_factor         = -1\n\n\n")
+    config = ftidask.load_config(cfg)
+    assert (config.failure, config.exec_id, config.ckpt_dir, config.ckpt_l1) == (1, "2017-11-24_14-09-26", "./Local", 1)

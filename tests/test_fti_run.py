@@ -1,0 +1,160 @@
+"""A run FTI wrote, read in FTI_RecoverFiles' order (src/recover.c): :func:`ftidask.tools.fti_run.recover_fti_run`.
+
+FTI keeps one rank's checkpoint at ``{ckpt_dir}[/node{rank // node_size}]/{exec_id}/l1|l2|l3/Ckpt{id}-Rank{r}.fti``
+(``node{n}`` with ``local_test = 1``, src/conf.c FTI_CreateDirs), its partner copy on the next node of its group as
+``Ckpt{id}-Pcof{keeper}.fti`` (postckpt.c FTI_RecvPtner), level 4 at ``{glbl_dir}/{exec_id}/l4`` and, in POSIX mode,
+the meta files at ``{meta_dir}/{exec_id}/l{level}``. FTI tries level 1, 2, 3, then 4 (only 4 after a keep_last_ckpt
+finalize: ``failure = 2``). The FTI-FF files are the ones FTI's own writer made (tests/data/fti_written/r2).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ftidask
+from ftidask.errors import NoCheckpointError
+from ftidask.model.errors import ConfigError
+from ftidask.tools.fti_run import fti_run_files, recover_fti_run
+
+DATA = Path(__file__).parent / "data" / "fti_written"
+EXEC = "2023-05-04_10-20-30"
+PAIR = np.dtype({"names": ["a", "b"], "formats": ["<i4", "<f8"], "offsets": [0, 8], "itemsize": 16})
+DTYPES = {0: np.dtype("<i4"), 1: np.dtype("<f8"), 2: np.dtype("S1"), 3: np.dtype("<i8"), 4: PAIR}
+
+
+def _config(root: Path, **keys) -> Path:
+    values = {"ckpt_dir": root / "Local", "glbl_dir": root / "Global", "meta_dir": root / "Meta", "node_size": 1,
+              "group_size": 2, "local_test": 1, "ckpt_io": 3, "failure": 1, "exec_id": EXEC} | keys
+    sections = {"basic": [k for k in values if k not in ("failure", "exec_id", "local_test")],
+                "restart": ["failure", "exec_id"], "advanced": ["local_test"]}
+    text = "".join(f"[{s}]\n" + "".join(f"{k} = {values[k]}\n" for k in ks) for s, ks in sections.items())
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.fti").write_text(text)
+    return root / "config.fti"
+
+
+def _place(root: Path, level: int, ckpt: int, ranks=(0, 1), partner: bool = False) -> None:
+    """FTI's files of checkpoint ``ckpt`` (FTI-FF, written by FTI) where FTI puts them at ``level``."""
+    for rank in ranks:
+        src = DATA / "r2" / f"Ckpt{ckpt}-Rank{rank}.fti"
+        if level == 4:
+            dest = root / f"Global/{EXEC}/l4/Ckpt{ckpt}-Rank{rank}.fti"
+        else:
+            dest = root / f"Local/node{rank}/{EXEC}/l{level}/Ckpt{ckpt}-Rank{rank}.fti"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dest)
+        if partner:  # rank's copy on the next node (group of 2): named after the keeper's rank
+            keeper = (rank + 1) % 2
+            copy = root / f"Local/node{keeper}/{EXEC}/l2/Ckpt{ckpt}-Pcof{keeper}.fti"
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, copy)
+
+
+def _expected(ckpt: int, rank: int) -> dict[int, bytes]:
+    folder = DATA / "expected" / "r2" / f"ckpt{ckpt}" / f"rank{rank}"
+    return {vid: (folder / f"var{vid}.bin").read_bytes() for vid in DTYPES}
+
+
+def _recover(dirs, config: Path, ckpt: int, rank: int):
+    ctx = ftidask.init(**dirs)
+    arrays = {vid: np.frombuffer(bytearray(len(raw)), DTYPES[vid]) for vid, raw in _expected(ckpt, rank).items()}
+    for vid, array in arrays.items():
+        ctx.protect(vid, array)
+    try:
+        found = recover_fti_run(ctx, config, rank)
+        assert {vid: a.tobytes() for vid, a in arrays.items()} == _expected(ckpt, rank)
+        return found
+    finally:
+        ctx.finalize()
+
+
+@pytest.fixture
+def fti(tmp_path):
+    """The FTI run's directories, apart from those of the ftidask run that reads it (``dirs``)."""
+    return tmp_path / "fti"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_level_1_files_are_found_where_fti_keeps_them(fti, dirs, rank):
+    _place(fti, 1, 1)
+    found = _recover(dirs, _config(fti), 1, rank)
+    assert (found.level, found.ckpt_id, found.path.name) == (1, 1, f"Ckpt1-Rank{rank}.fti")
+
+
+def test_a_lost_level_1_file_falls_back_to_level_4_as_fti_does(fti, dirs):
+    _place(fti, 1, 2)
+    _place(fti, 4, 3)
+    (fti / f"Local/node0/{EXEC}/l1/Ckpt2-Rank0.fti").unlink()
+    assert _recover(dirs, _config(fti), 3, 0).level == 4
+    assert _recover(dirs, _config(fti), 2, 1).level == 1  # rank 1's own file is there
+
+
+def test_level_2_reads_the_partner_copy_of_a_lost_node(fti, dirs):
+    _place(fti, 2, 2, partner=True)
+    shutil.rmtree(fti / "Local/node1")  # node 1 lost: its own file and the copy of rank 0's
+    found = _recover(dirs, _config(fti), 2, 1)
+    assert (found.level, found.path.name, found.path.parent.parent.parent.name) == (2, "Ckpt2-Pcof0.fti", "node0")
+    assert _recover(dirs, _config(fti), 2, 0).path.name == "Ckpt2-Rank0.fti"
+
+
+def test_failure_2_recovers_from_level_4_only(fti, dirs):
+    """keep_last_ckpt's finalize sets failure = 2: FTI_RecoverFiles tries level 4 alone."""
+    _place(fti, 1, 2)
+    _place(fti, 4, 3)
+    config = _config(fti, failure=2)
+    assert [f.level for f in fti_run_files(config, 0)] == [4]
+    assert _recover(dirs, config, 3, 0).level == 4
+
+
+def test_a_damaged_file_is_passed_over(fti, dirs):
+    _place(fti, 1, 2)
+    _place(fti, 4, 3)
+    path = fti / f"Local/node1/{EXEC}/l1/Ckpt2-Rank1.fti"
+    raw = bytearray(path.read_bytes())
+    raw[3] ^= 1
+    path.write_bytes(bytes(raw))
+    assert _recover(dirs, _config(fti), 3, 1).level == 4
+
+
+def test_nothing_to_recover_is_no_checkpoint_and_arrays_untouched(fti, dirs):
+    _place(fti, 1, 1, ranks=(1,))
+    ctx = ftidask.init(**dirs)
+    array = np.full(16, 7, "<i4")
+    ctx.protect(0, array)
+    with pytest.raises(NoCheckpointError, match="no checkpoint file of rank 0"):
+        recover_fti_run(ctx, _config(fti), 0)
+    assert (array == 7).all()
+    ctx.finalize()
+
+
+def test_a_config_without_exec_id_is_refused(fti):
+    with pytest.raises(ConfigError, match="exec_id"):
+        fti_run_files(_config(fti, exec_id=""), 0)
+
+
+def test_posix_run_reads_the_partner_copy_with_its_meta_file(fti, dirs):
+    """ckpt_io = 1: files with FTI's meta files, level 2's partner copy read with its left partner's section."""
+    import hashlib
+
+    raws = {r: (np.arange(6, dtype="<f8") + 10 * r).tobytes() for r in range(2)}
+    meta = fti / f"Meta/{EXEC}/l2/sector0-group0.fti"
+    meta.parent.mkdir(parents=True)
+    meta.write_text("".join(f"[{r}]\nckpt_file_name = Ckpt4-Rank{r}.fti\nckpt_file_size = 48\n"
+                            f"ckpt_file_maxs = 48\nckpt_checksum = {hashlib.md5(raws[r]).hexdigest()}\n"
+                            "var0_id = 9\nvar0_size = 48\n" for r in range(2)))
+    for r in range(2):
+        node = fti / f"Local/node{r}/{EXEC}/l2"
+        node.mkdir(parents=True)
+        (node / f"Ckpt4-Pcof{r}.fti").write_bytes(raws[(r - 1) % 2])
+    (fti / f"Local/node0/{EXEC}/l2/Ckpt4-Rank0.fti").write_bytes(raws[0])  # node 1 lost its own file
+    ctx = ftidask.init(**dirs)
+    array = np.zeros(6)
+    ctx.protect(9, array)
+    found = recover_fti_run(ctx, _config(fti, ckpt_io=1), 1)
+    assert (found.level, found.path.name, found.meta) == (2, "Ckpt4-Pcof0.fti", meta.parent)
+    assert array.tobytes() == raws[1]
+    ctx.finalize()
