@@ -12,17 +12,17 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from dask._task_spec import Task
-
-try:  # dask >= 2025: Client.get wraps a dict graph in this expression, whose name tokenizes every task's arguments
-    from dask._expr import LLGExpr
-except ImportError:  # pragma: no cover - older dask sends the dict as it is
-    LLGExpr = None
 from distributed import Client, Future, wait
 from distributed.client import FuturesCancelledError
 from distributed.diagnostics.progressbar import TextProgressBar, is_kernel
 
 from ...model.errors import FTIError
 from . import fence
+
+try:  # dask >= 2025: Client.get wraps a dict graph in this expression, whose name tokenizes every task's arguments
+    from dask._expr import LLGExpr
+except ImportError:  # pragma: no cover - older dask sends the dict as it is
+    LLGExpr = None
 
 log = logging.getLogger("ftidask")
 
