@@ -184,7 +184,7 @@ def _verify_posix(root: Path, meta: str) -> int:
 
     files = [root] if root.is_file() else posix_files(root)
     if not files:
-        return _error(f"no Ckpt*-Rank*.fti file in {root}")
+        return _error(f"no FTI POSIX file (Ckpt*-Rank*.fti, Ckpt*-Pcof*.fti, Ckpt*-RSed*.fti) in {root}")
     bad = 0
     for path in files:
         try:
