@@ -34,6 +34,11 @@ def worker(args: argparse.Namespace) -> None:
     import ftidask
 
     world = MPI.COMM_WORLD
+    if args.writeback == "off":  # a variant to measure: every byte left to the final fsync, as the raw write does
+        from ftidask.ftiff import writer
+        from ftidask.levels import blockio
+
+        writer._WRITEBACK_MIN = blockio.WRITEBACK_MIN = 1 << 62
     out = {}
     for level in args.levels:
         base = Path(args.dir) / f"l{level}"
@@ -244,7 +249,7 @@ def run_workers(mpiexec: str, args: argparse.Namespace, tmp: str, flag: str) -> 
     """Launch the ranks with ``flag`` (--worker, --worker-async); rank 0's RESULT row per level."""
     proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, flag, "--mib",
                            str(args.mib), "--dir", tmp, "--repeat", str(args.repeat), "--group", str(args.group),
-                           "--pause", str(args.pause),
+                           "--pause", str(args.pause), "--writeback", args.writeback,
                            "--levels", *map(str, args.levels)],
                           capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -280,6 +285,10 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=0.0,
                     help="with --async: seconds to sleep after each commit, so that the previous checkpoint's "
                          "deletion (a background thread) is over when the next call starts")
+    ap.add_argument("--writeback", choices=["on", "off"], default="on",
+                    help="off: no early write-back of the rank files (sync_file_range as they are written), every "
+                         "byte left to the final fsync as in the raw write: whether early write-back helps or hurts "
+                         "when many ranks share a disk")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-async", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-dcp", action="store_true", help=argparse.SUPPRESS)
@@ -304,7 +313,8 @@ def main() -> None:
     times = {level: row[0] for level, row in rows.items()}
     times[1] = times.get(1, times[min(times)])
     total = args.ranks * args.mib
-    print(f"checkpoint of {args.ranks} ranks x {args.mib} MiB = {total} MiB (slowest rank, best of "
+    print(f"checkpoint of {args.ranks} ranks x {args.mib} MiB = {total} MiB (early write-back {args.writeback}; "
+          f"slowest rank, best of "
           f"{max(3, args.repeat)}), against a raw tofile+fsync (best of as many) by every rank of the bytes that "
           "level writes; restart with nothing lost into a fresh array against np.fromfile of the rank's file (warm "
           "cache, best of 3; cold: the file evicted, median of 3); in use: a recovery into the array in use, warm:")
