@@ -141,6 +141,7 @@ class Context(StagingCalls):
 
     @last_checkpoint.setter
     def last_checkpoint(self, info: CheckpointInfo | None) -> None:
+        """Set what :attr:`last_checkpoint` reports (a :class:`CheckpointInfo`, or None)."""
         self.progress.last_checkpoint = info
 
     @property

@@ -39,6 +39,7 @@ class XorDelta:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of XOR payload (the ranges' total length)."""
         return int(self.payload.nbytes)
 
 
@@ -56,14 +57,17 @@ class FileDelta:
 
     @property
     def nbytes(self) -> int:
+        """Bytes that differ: the ranges' total length."""
         return sum(n for _o, n in self.ranges)
 
     def to_json(self) -> dict[str, Any]:
+        """The delta as a JSON-able dict (the base's FB hash as hex)."""
         return {"base_fb_hash": self.base_fb_hash.hex(), "file_size": self.file_size,
                 "ranges": [list(r) for r in self.ranges]}
 
     @classmethod
     def from_json(cls, raw: Any) -> FileDelta:
+        """The delta ``raw`` holds; :class:`FormatError` if it is not a valid one."""
         try:
             return cls(bytes.fromhex(raw["base_fb_hash"]), int(raw["file_size"]),
                        tuple((int(o), int(n)) for o, n in raw["ranges"]))

@@ -51,6 +51,7 @@ class BlockState:
     fb_hash: bytes  # identifies the file this state describes
 
     def compatible(self, block_size: int, bid: int) -> bool:
+        """Whether these digests were made with block size ``block_size`` and block hash ``bid``."""
         return self.block_size == block_size and self.bid == bid
 
 

@@ -192,6 +192,7 @@ class DcpTracking:
         self._prescans.clear()
 
     def close(self) -> None:
+        """Close the write tracker (userfaultfd) and forget every variable's registration and scans."""
         if self._tracker is not None:
             self._tracker.close()
             self._tracker = None

@@ -231,6 +231,7 @@ class Committer(RunPart):
             log.warning("cleaning up after the failed checkpoint %d: %s", pending.ckpt_id, error)
 
     def partner_fs(self, sizes: list[int]) -> int:
+        """FTI's ``ptFs`` from every rank's file size (``sizes``, by rank): this rank's L2 partner's."""
         # FTI's ptFs: the size of the partner file this rank keeps (its left partner's).
         return sizes[self.transport.partner_of()]
 

@@ -252,6 +252,7 @@ class DeviceCopy(DeviceHolder):
     hashes = False  # a copy is brought over once: its digests would serve no later download
 
     def download(self, compare: bool = False) -> None:
+        """As :meth:`DeviceHolder.download`, once; the device copy then goes back to CuPy's pool (also on failure)."""
         try:
             super().download(compare)
         finally:

@@ -46,21 +46,26 @@ class GroupLevels(Transport):
     _problem: str = ""
 
     def levels(self) -> tuple[int, ...]:
+        """Levels 1-4, or only 1 and 4 when the topology cannot run L2/L3."""
         return (1, 4) if self._problem else (1, 2, 3, 4)
 
     def check_level(self, level: int) -> None:
+        """Raise :class:`LevelError`, with the topology's reason, when ``level`` cannot run."""
         if level not in self.levels():
             raise LevelError(f"level {level} is not available: {self._problem}")
 
     def partner_of(self) -> int:
+        """This rank's left partner in the topology (itself when L2/L3 cannot run)."""
         return self.topo.left_partner(self.rank) if self.group is not None else self.rank
 
     def group_of(self) -> list[int]:
+        """The ranks of this rank's L3 group, by node (only itself when L2/L3 cannot run)."""
         return self.topo.group_ranks(self.rank) if self.group is not None else [self.rank]
 
     # --- levels -----------------------------------------------------------------------------------
 
     def protect_files(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path) -> None:
+        """L2/L3 for ``own_file`` over the group (collective); this rank's errors raise :class:`CheckpointError`."""
         if level not in (2, 3):
             return
         self.check_level(level)
@@ -107,6 +112,8 @@ class GroupLevels(Transport):
 
     def rebuild_file(self, level: int, ckpt_id: int, own_file: Path, ckpt_dir: Path, ok: bool,
                      record: CommitRecord | None = None) -> bool:
+        """Rebuild the group's lost L2/L3 files from ``record`` (collective); True when this rank has its file. ``ok``
+        as given for other levels, no record, or another topology."""
         if level not in (2, 3) or self.group is None or record is None:
             return ok
         sizes = {f.rank: f.size for f in record.files}
@@ -169,9 +176,11 @@ class ThreadTransport(GroupLevels):
             self.group = ThreadMember(world.hubs[tuple(ranks)], ranks.index(self.rank))
 
     def barrier(self) -> None:
+        """Wait until every rank thread of the run has reached this call."""
         self._world.allgather(None)
 
     def allgather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, by rank, sent as JSON (no rank holds another's objects)."""
         # Values cross as JSON, as between MPI ranks: no rank ever holds another's objects.
         return [json.loads(v) for v in self._world.allgather(json.dumps(value, default=_plain))]
 

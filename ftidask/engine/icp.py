@@ -199,6 +199,7 @@ class Incremental:
         return self
 
     def add(self, var_id: int) -> None:
+        """Write protected variable ``var_id`` into the open checkpoint now (:meth:`Context.add_var_icp`)."""
         self.ctx.add_var_icp(var_id)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

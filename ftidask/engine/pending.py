@@ -83,6 +83,7 @@ class RankFileWriter:
 
     def finish(self, trailer: Mapping[str, Any], *, pt_fs: int | None = None,
                max_fs: int | None = None) -> WrittenFile:
+        """Write the metadata and ``trailer`` (the variable table), fsync, rename to ``path``; the file written."""
         written = write_metadata(self.fh, self.layout, self.digests, hash_id=self.hash_id, trailer=trailer,
                                  pt_fs=pt_fs, max_fs=max_fs)
         self.fh.flush()
@@ -94,11 +95,13 @@ class RankFileWriter:
         return dataclasses.replace(written, data_bytes=self.data_bytes)
 
     def abort(self) -> None:
+        """Close and remove the temporary file."""
         self.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp)
 
     def close(self) -> None:
+        """Close the file (and the hashing pool if it is this writer's own); idempotent."""
         if not self.fh.closed:
             self.fh.close()
             if self._own_pool:
@@ -119,6 +122,7 @@ class OneShotWriter:
         return self.write(meta=meta, pt_fs=pt_fs, max_fs=max_fs), None
 
     def write_var(self, var_id: int, source: Any) -> int:
+        """Nothing yet (0 bytes): :meth:`complete` writes every variable, from the arrays as they are then."""
         return 0  # written by finish, from the protected arrays as they are then
 
     def abort(self) -> None:
@@ -154,6 +158,7 @@ class PendingCheckpoint:
 
     @property
     def differential(self) -> bool:
+        """Whether the checkpoint is differential (levels 5-8)."""
         return Level.of(self.level).differential
 
     def write_var(self, var_id: int, name: str, array: np.ndarray, extra: Mapping[str, Any] | None = None, *,
@@ -196,6 +201,7 @@ class PendingCheckpoint:
         return self.writer.record_extra if self.writer is not None else {}
 
     def abort(self) -> None:
+        """Drop what the writer wrote (an OSError while doing so is ignored)."""
         if self.writer is not None:
             with contextlib.suppress(OSError):
                 self.writer.abort()

@@ -105,14 +105,17 @@ class Tracked:
         self.array = getattr(inner, "array", None)
 
     def view(self, start: int, stop: int) -> None:
+        """Always None: the bytes go through :meth:`pieces` and :meth:`store`, which advance the bar."""
         return None
 
     def pieces(self, start: int, stop: int) -> Any:
+        """The inner source's pieces of ``[start, stop)``; the bar advances after each."""
         for piece in self._inner.pieces(start, stop):
             yield piece
             self.bar.update(len(piece))
 
     def store(self, start: int, data: Any) -> None:
+        """Store ``data`` in the inner target at byte ``start`` and advance the bar."""
         self._inner.store(start, data)
         self.bar.update(len(data))
 

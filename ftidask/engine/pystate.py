@@ -200,6 +200,7 @@ class Holder:
             self.obj.value = content
 
     def describe(self) -> str:
+        """What the protected object is, for messages (``dict``, ``Value``, ``numpy.random PCG64``...)."""
         return "numpy.random " + type(self._bit_generator()).__name__ if self.kind == KIND_RNG else \
             type(self.obj).__name__
 

@@ -84,6 +84,7 @@ class FileRecord:
     fb_hash: str
 
     def to_json(self) -> dict[str, Any]:
+        """The record as a JSON-able dict."""
         return dataclasses.asdict(self)
 
 
@@ -101,6 +102,7 @@ class CommitRecord:
 
     @property
     def dirname(self) -> str:
+        """The checkpoint's directory name, ``ckpt{ckpt_id}.s{seq}``."""
         return storage.ckpt_dirname(self.ckpt_id, self.seq)
 
     @property
@@ -118,6 +120,7 @@ class CommitRecord:
         return dataclasses.replace(self, **{"extra": extra, **changes})
 
     def to_json(self) -> dict[str, Any]:
+        """The record as a JSON-able dict (:meth:`from_json` reads it back)."""
         out = dataclasses.asdict(self)
         out["files"] = [f.to_json() for f in self.files]
         return out
@@ -236,6 +239,7 @@ class RunState:
 
     @property
     def records_dir(self) -> Path:
+        """The directory of the commit records (and of the fallback records)."""
         return self.root / "commits"
 
     def records(self) -> list[CommitRecord]:
@@ -298,6 +302,7 @@ class RunState:
                         self.exec_id)
 
     def delete_record(self, seq: int) -> None:
+        """Remove commit record ``seq`` (already gone is fine)."""
         try:
             os.unlink(self.records_dir / f"s{seq:08d}.json")
         except FileNotFoundError:
@@ -347,6 +352,7 @@ class RunState:
         return self.records_dir / f"fallback-l{level}.json"
 
     def run_info(self) -> dict[str, Any]:
+        """The run's ``run.json`` as a dict; {} when missing, unreadable, or naming another run."""
         info = storage.read_json(self.root / "run.json")
         if not isinstance(info, dict):
             return {}
@@ -356,6 +362,7 @@ class RunState:
         return info
 
     def write_run(self, **changes: Any) -> None:
+        """Update ``run.json`` with ``changes`` (atomically; the other keys are kept)."""
         info = self.run_info()
         info.update(changes, exec_id=self.exec_id)
         storage.write_json_atomic(self.root / "run.json", info)

@@ -57,6 +57,7 @@ class FrozenState:
     data: np.ndarray
 
     def encode(self) -> np.ndarray:
+        """The bytes taken at the call (as :meth:`Holder.encode` gave them then)."""
         return self.data
 
 
@@ -108,10 +109,12 @@ class CopyPool:
         return [b if b is not None else np.empty(size, np.uint8) for b, size in zip(reused, sizes, strict=True)]
 
     def give_back(self, buffers: list[np.ndarray]) -> None:
+        """Return ``buffers`` (from :meth:`take`) to the free ones, for the next checkpoint."""
         with self._lock:
             self._free.extend(buffers)
 
     def clear(self) -> None:
+        """Drop the free buffers (those lent still count until given back)."""
         with self._lock:
             self._held -= sum(b.nbytes for b in self._free)
             self._free = []

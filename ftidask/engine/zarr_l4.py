@@ -76,6 +76,7 @@ class ZarrRankStore:
     names: dict[int, str]
 
     def var_nbytes(self) -> dict[int, int]:
+        """Bytes held per variable id (as :meth:`FtiffFile.var_nbytes`)."""
         return {vid: info.nbytes for vid, info in self.vars.items()}
 
     def layout(self) -> Layout | None:

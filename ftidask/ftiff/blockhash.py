@@ -143,6 +143,7 @@ class DcpInfo:
         self.offset = parsed.fb.fs
 
     def read_section(self, fh: BinaryIO, path: str) -> np.ndarray:
+        """The file's block-hash section (uint8); :class:`FormatError` if truncated."""
         raw = os.pread(fh.fileno(), self.section_len, self.offset)
         if len(raw) != self.section_len:
             raise FormatError("block-hash section truncated", path=path)

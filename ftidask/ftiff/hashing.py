@@ -18,9 +18,14 @@ from ..model.errors import FormatError
 class Hasher(Protocol):
     """What a hash object of :data:`_HASHES` offers (hashlib's and xxhash's share it)."""
 
-    def update(self, data: bytes | memoryview, /) -> None: ...
-    def digest(self) -> bytes: ...
-    def hexdigest(self) -> str: ...
+    def update(self, data: bytes | memoryview, /) -> None:
+        """Add ``data`` to the hashed bytes."""
+
+    def digest(self) -> bytes:
+        """The digest of the bytes added so far."""
+
+    def hexdigest(self) -> str:
+        """The digest of the bytes added so far, as hex."""
 
 
 #: id recorded in the file block -> (name, constructor). Ids are part of the format: never reuse one.

@@ -27,6 +27,7 @@ class Slot:
 
     @property
     def hascontent(self) -> bool:
+        """Whether the container holds any bytes (``chunksize > 0``)."""
         return self.chunksize > 0
 
 
@@ -39,14 +40,17 @@ class Block:
 
     @property
     def numvars(self) -> int:
+        """Number of containers in the block (FTI's ``numvars``)."""
         return len(self.slots)
 
     @property
     def metasize(self) -> int:
+        """Bytes of the block's metadata: its BMD and one VMD per container."""
         return BMD_SIZE + VMD_SIZE * len(self.slots)
 
     @property
     def dbsize(self) -> int:
+        """The block's size in the file: its metadata and its containers (FTI's ``dbsize``)."""
         return self.metasize + sum(s.containersize for s in self.slots)
 
 
@@ -67,13 +71,16 @@ class Layout:
         return sum(s.chunksize for s in self.slots())
 
     def slots(self) -> Iterator[Slot]:
+        """Every container of the file, block by block."""
         for block in self.blocks:
             yield from block.slots
 
     def slots_of(self, var_id: int) -> list[Slot]:
+        """The containers of variable ``var_id``, in file order."""
         return [s for s in self.slots() if s.var_id == var_id]
 
     def capacity(self, var_id: int) -> int:
+        """Bytes that the containers of variable ``var_id`` can hold."""
         return sum(s.containersize for s in self.slots() if s.var_id == var_id)
 
 

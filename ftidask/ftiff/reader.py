@@ -31,8 +31,11 @@ SUPPORTED_VERSIONS = (1,)
 class ByteTarget(Protocol):
     """Where a reader puts a variable's bytes: a view to read into in place (None: not possible), or a store."""
 
-    def view(self, start: int, stop: int) -> memoryview | None: ...
-    def store(self, start: int, data: bytes | memoryview) -> None: ...
+    def view(self, start: int, stop: int) -> memoryview | None:
+        """A writable view of bytes ``[start, stop)`` to read into in place, or None."""
+
+    def store(self, start: int, data: bytes | memoryview) -> None:
+        """Copy ``data`` into the variable at byte ``start``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +53,11 @@ class FtiffFile:
 
     @property
     def legacy(self) -> bool:
+        """True for a file written by FTI 1.1 (MD5 everywhere, no variable table)."""
         return self.fb.legacy
 
     def containers(self) -> Iterator[tuple[int, int, ContainerMeta]]:
+        """Every container's ``(block index, index in block, metadata)``, in file order."""
         for bi, (_bmd, metas) in enumerate(self.blocks):
             for ci, meta in enumerate(metas):
                 yield bi, ci, meta

@@ -62,6 +62,7 @@ class FileBlock:
         return checksum + bytes(16) + tail
 
     def pack(self) -> bytes:
+        """The 96 bytes of the file block, ``hash`` field included."""
         raw = self.pack_unhashed()
         return raw[:33] + self.hash + raw[49:]
 
@@ -80,6 +81,8 @@ class FileBlock:
 
     @classmethod
     def unpack(cls, raw: bytes, *, path: str | None = None) -> FileBlock:
+        """The file block in ``raw`` (96 bytes; one without ftidask's magic is read as FTI 1.1's); :class:`FormatError`,
+        naming ``path``, if it is not one."""
         if len(raw) != FB_SIZE:
             raise FormatError(f"file block truncated ({len(raw)} of {FB_SIZE} bytes)", path=path)
         checksum_raw = raw[:33]
@@ -103,10 +106,12 @@ class BlockMeta:
     dbsize: int
 
     def pack(self) -> bytes:
+        """The 12 bytes of the BMD."""
         return _BMD.pack(self.numvars, self.dbsize)
 
     @classmethod
     def unpack(cls, raw: bytes) -> BlockMeta:
+        """The BMD in ``raw`` (12 bytes)."""
         return cls(*_BMD.unpack(raw))
 
 
@@ -125,10 +130,12 @@ class ContainerMeta:
     hash: bytes = bytes(16)
 
     def pack(self) -> bytes:
+        """The 64 bytes of the VMD."""
         return _VMD.pack(self.id, self.idx, self.containerid, int(self.hascontent), self.dptr, self.fptr,
                          self.chunksize, self.containersize, self.hash)
 
     @classmethod
     def unpack(cls, raw: bytes) -> ContainerMeta:
+        """The VMD in ``raw`` (64 bytes)."""
         vid, idx, cid, has, dptr, fptr, chunk, csize, digest = _VMD.unpack(raw)
         return cls(vid, idx, cid, has != 0, dptr, fptr, chunk, csize, digest)

@@ -37,8 +37,11 @@ class ByteSource(Protocol):
 
     nbytes: int
 
-    def view(self, start: int, stop: int) -> memoryview | None: ...
-    def pieces(self, start: int, stop: int) -> Iterable[memoryview]: ...
+    def view(self, start: int, stop: int) -> memoryview | None:
+        """A zero-copy view of bytes ``[start, stop)``, or None (then :meth:`pieces` is used)."""
+
+    def pieces(self, start: int, stop: int) -> Iterable[memoryview]:
+        """Bytes ``[start, stop)``, in pieces."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,6 +72,8 @@ class SafeOutput:
             errors.append(f"cannot write {path}: {reason(exc)}")
 
     def write(self, data: Any) -> None:
+        """Append ``data`` (a block of 1 MiB or more is sent to the disk at once); a failure is recorded and drops the
+        output. Nothing once dropped."""
         if self.fh is None:
             return
         try:

@@ -39,10 +39,12 @@ class Topology:
 
     @property
     def nprocs(self) -> int:
+        """Processes in ``COMM_WORLD``, heads included."""
         return len(self.node_of)
 
     @property
     def nnodes(self) -> int:
+        """Number of nodes (``nprocs // node_size``)."""
         return self.nprocs // self.node_size
 
     @property
@@ -51,6 +53,7 @@ class Topology:
         return self.node_size - self.head
 
     def is_head(self, world: int) -> bool:
+        """Whether world rank ``world`` is its node's head (its first process, when ``head`` is set)."""
         return bool(self.head) and self.local_of[world] == 0
 
     @functools.cached_property
@@ -67,9 +70,11 @@ class Topology:
         return {(self.node_of[w], self.local_of[w] - self.head): a for a, w in enumerate(self.app_world)}
 
     def node_of_app(self, app: int) -> int:
+        """The node of application rank ``app``."""
         return self.node_of[self.app_world[app]]
 
     def position_of_app(self, app: int) -> int:
+        """Application rank ``app``'s position among its node's application processes."""
         return self.local_of[self.app_world[app]] - self.head
 
     # --- groups (FTI's sectors) ------------------------------------------------------------------
@@ -86,12 +91,15 @@ class Topology:
         return {node: g for g, nodes in enumerate(self._groups) for node in nodes}
 
     def group_of_node(self, node: int) -> int:
+        """The index of ``node``'s group (FTI's sector)."""
         return self._group_index[node]
 
     def index_in_group(self, node: int) -> int:
+        """``node``'s place in its group (0..size-1)."""
         return self._groups[self.group_of_node(node)].index(node)
 
     def group_nodes(self, node: int) -> list[int]:
+        """The nodes of ``node``'s group, in group order."""
         return list(self._groups[self.group_of_node(node)])
 
     def group_ranks(self, app: int) -> list[int]:

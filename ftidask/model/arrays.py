@@ -186,9 +186,11 @@ class VarInfo:
 
     @classmethod
     def of(cls, var_id: int, name: str, array: np.ndarray, **extra: Any) -> VarInfo:
+        """The description of ``array``, protected as variable ``var_id`` called ``name``."""
         return cls(var_id, name, array.dtype, tuple(array.shape), stream_order(array), array.nbytes, extra)
 
     def to_json(self) -> dict[str, Any]:
+        """The description as a JSON-able dict (``extra`` only when not empty)."""
         out = {"id": self.id, "name": self.name, "dtype": dtype_to_json(self.dtype), "shape": list(self.shape),
                "order": self.order, "nbytes": self.nbytes}
         if self.extra:
@@ -197,6 +199,7 @@ class VarInfo:
 
     @classmethod
     def from_json(cls, raw: Any) -> VarInfo:
+        """The description ``raw`` holds, checked; :class:`FormatError` if it is not a valid one."""
         try:
             dtype = dtype_from_json(raw["dtype"])
             shape = tuple(int(n) for n in raw["shape"])

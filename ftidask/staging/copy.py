@@ -49,10 +49,12 @@ class StageRequest:
     dir_mode: int = 0o700
 
     def to_json(self) -> dict[str, Any]:
+        """The request as a JSON-able dict (what a mover in another process receives)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> StageRequest:
+        """The request ``raw`` describes (its modes kept to permission bits)."""
         return cls(int(raw["id"]), str(raw["src"]), str(raw["dst"]), str(raw["tmp"]), int(raw["size"]),
                    str(raw.get("hash", "xxh3_128")), int(raw.get("file_mode", 0o600)) & 0o777,
                    int(raw.get("dir_mode", 0o700)) & 0o777)

@@ -64,6 +64,7 @@ class ProcessMover:
         return None if child is None or child.dead else child.proc.pid
 
     def start(self, table: Any) -> None:
+        """Spawn the mover process, which reports to ``table``."""
         self._table = table
         with self._lock:
             self._child = self._spawn()
@@ -82,6 +83,7 @@ class ProcessMover:
         return child
 
     def submit(self, req: StageRequest) -> None:
+        """Send ``req`` to the mover process as a JSON line (a dead mover is restarted first)."""
         line = (json.dumps(req.to_json()) + "\n").encode()
         with self._lock:
             child = self._child
@@ -121,6 +123,7 @@ class ProcessMover:
         self._table.fail_open([r.id for r in lost], reason)
 
     def close(self, timeout: float) -> None:
+        """Close the mover's input and wait at most ``timeout`` s; kill it if requests are left, reported failed."""
         with self._lock:
             child = self._child
         if child is None:

@@ -74,6 +74,7 @@ class StageInfo:
 
     @property
     def state_name(self) -> str:
+        """The state's FTI name (``SI_PEND``, ``SI_ACTV``, ``SI_SCES``, ``SI_FAIL``, ``SI_NINI``)."""
         return STATE_NAMES[self.state]
 
 
@@ -105,6 +106,7 @@ class StageTable:
                 self._poller()
 
     def add(self, req: StageRequest) -> None:
+        """Record a new request as ``SI_PEND`` (its destination counts as taken until it is final)."""
         with self._cond:
             self._infos[req.id] = StageInfo(req)
             self._targets.add(req.dst)
@@ -125,6 +127,7 @@ class StageTable:
                 self._cond.notify_all()
 
     def fail_open(self, ids: Iterable[int], reason: str) -> None:
+        """Report ``SI_FAIL`` with ``reason`` for each of ``ids`` not yet final."""
         for req_id in ids:
             self.update(req_id, SI_FAIL, reason)
 
@@ -142,12 +145,14 @@ class StageTable:
             return info.state
 
     def info(self, req_id: int) -> StageInfo | None:
+        """A copy of what is known about request ``req_id`` (also after its final state was read); None if unknown."""
         self._poll()
         with self._cond:
             info = self._infos.get(req_id) or self._history.get(req_id)
             return None if info is None else dataclasses.replace(info)
 
     def open_requests(self) -> list[StageRequest]:
+        """The requests not yet final (queued or being copied)."""
         with self._cond:
             return [i.request for i in self._infos.values() if i.state not in FINAL]
 
@@ -177,9 +182,14 @@ class StageTable:
 class Mover(Protocol):
     """What carries staging requests out: a thread of this process or a process of its own (the MPI heads)."""
 
-    def start(self, table: StageTable) -> None: ...
-    def submit(self, req: StageRequest) -> None: ...
-    def close(self, timeout: float) -> None: ...
+    def start(self, table: StageTable) -> None:
+        """Start; called once, before the first submit, with the table to report to."""
+
+    def submit(self, req: StageRequest) -> None:
+        """Take request ``req`` (never waits for the copy)."""
+
+    def close(self, timeout: float) -> None:
+        """Finish or cancel within ``timeout`` seconds; every request is final on return."""
 
 
 def request_id_of(value: Any) -> int:
@@ -289,6 +299,8 @@ class Stager:
         return req_id
 
     def wait(self, request_id: int | None = None, timeout: float | None = None) -> int | dict[int, int]:
+        """Wait at most ``timeout`` s (None: no limit) for request ``request_id`` (None: every one whose final state was
+        not yet read) to be final; its state (``SI_NINI`` if unknown), or ``{id: state}``. Nothing is consumed."""
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.number))):
             raise StagingError(f"wait_staged(timeout=...) takes seconds (a number) or None, got {timeout!r}")
         request_id = None if request_id is None else request_id_of(request_id)

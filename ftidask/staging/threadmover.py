@@ -31,11 +31,13 @@ class ThreadMover:
         self._table: StageTable | None = None
 
     def start(self, table: StageTable) -> None:
+        """Start the copying thread, which reports to ``table``."""
         self._table = table
         self._thread = threading.Thread(target=self._run, name="ftidask-stager", daemon=True)
         self._thread.start()
 
     def submit(self, req: StageRequest) -> None:
+        """Queue ``req`` for the thread."""
         self._queue.put(req)
 
     def _run(self) -> None:
@@ -60,6 +62,7 @@ class ThreadMover:
                     journal.end(self._notes, req)
 
     def close(self, timeout: float) -> None:
+        """Wait at most ``timeout`` s, then cancel what is left (at its next piece), reported failed."""
         assert self._table is not None and self._thread is not None
         self._queue.put(None)
         self._table.wait(None, timeout)

@@ -23,6 +23,7 @@ class RunPaths:
     exec_id: str
 
     def node_dir(self, node: int) -> Path:
+        """Node ``node``'s directory of this run, ``{ckpt_dir}/node{N}/{exec_id}``."""
         return self.ckpt_dir / f"node{node}" / self.exec_id
 
     def level_dir(self, level: int, node: int) -> Path:
@@ -42,10 +43,12 @@ class RunPaths:
 
     @property
     def run_meta(self) -> Path:
+        """The run's state directory, ``{meta_dir}/{exec_id}``."""
         return self.meta_dir / self.exec_id
 
     @property
     def stage_root(self) -> Path:
+        """The run's stage directories' root, ``{ckpt_dir}/stage/{exec_id}``."""
         return self.ckpt_dir / "stage" / self.exec_id
 
     def contains(self, path: Path) -> bool:

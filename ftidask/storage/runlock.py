@@ -61,9 +61,11 @@ class RunLock:
 
     @property
     def held(self) -> bool:
+        """Whether this handle still holds the lock (not yet released)."""
         return self._flock is not None
 
     def release(self) -> None:
+        """Let go of the lock (idempotent); the file lock is unlocked once no handle of this process holds it."""
         flock, self._flock = self._flock, None
         if flock is not None:
             flock.users -= 1

@@ -27,15 +27,19 @@ class Transport(abc.ABC):
         return f"{self.size} rank(s)"
 
     @abc.abstractmethod
-    def barrier(self) -> None: ...
+    def barrier(self) -> None:
+        """Wait until every rank has reached this call."""
 
     @abc.abstractmethod
-    def allgather(self, value: Any) -> list[Any]: ...
+    def allgather(self, value: Any) -> list[Any]:
+        """Every rank's JSON-able ``value``, by rank (collective)."""
 
     def bcast(self, value: Any, root: int = 0) -> Any:
+        """Rank ``root``'s ``value``, on every rank (collective)."""
         return self.allgather(value if self.rank == root else None)[root]
 
     def all_ok(self, ok: bool) -> bool:
+        """Whether ``ok`` is true on every rank (collective)."""
         return all(self.allgather(bool(ok)))
 
     def levels(self) -> tuple[int, ...]:
@@ -43,6 +47,7 @@ class Transport(abc.ABC):
         return (1, 4)
 
     def check_level(self, level: int) -> None:
+        """Raise :class:`LevelError` when this transport cannot run ``level``."""
         if level not in self.levels():
             raise LevelError(
                 f"level {level} needs several nodes: the {self.name} backend provides levels "
@@ -96,6 +101,7 @@ class Transport(abc.ABC):
         return None
 
     def post_done(self) -> bool:
+        """Whether the head has finished the last post-processing request (never blocks); True without heads."""
         return True
 
     def background(self) -> Transport | None:
@@ -117,10 +123,13 @@ class SerialTransport(Transport):
     name = "single-process"
 
     def background(self) -> Transport:
+        """This transport itself: a single process sends no messages to mix."""
         return self  # no messages: the same object serves both threads
 
     def barrier(self) -> None:
+        """Nothing to wait for: the only rank is here."""
         return None
 
     def allgather(self, value: Any) -> list[Any]:
+        """``[value]``: the only rank's value."""
         return [value]

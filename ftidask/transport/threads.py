@@ -37,6 +37,7 @@ class ThreadMember:
         self.hub, self.index, self.size = hub, index, hub.size
 
     def allgather(self, value: Any) -> list[Any]:
+        """Every member's ``value``, by index (the objects themselves, not copies)."""
         self.hub.slots[self.index] = value
         self.hub.barrier.wait()
         out = list(self.hub.slots)
@@ -44,10 +45,12 @@ class ThreadMember:
         return out
 
     def allgather_blocks(self, block: np.ndarray) -> list[np.ndarray]:
+        """A copy of every member's ``block``, by index."""
         return [np.array(b, copy=True) for b in self.allgather(block)]
 
     def exchange(self, send: np.ndarray | None, dest: int | None, recv_nbytes: int,
                  source: int | None) -> np.ndarray | None:
+        """As :meth:`GroupChannel.exchange`, through the hub's mailboxes; waits at most the hub's ``wait`` seconds."""
         if send is not None and dest is not None:
             self.hub.mail[(self.index, dest)].put(np.array(send, copy=True))
         if source is None:

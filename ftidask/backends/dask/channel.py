@@ -119,6 +119,7 @@ class Inbox:
         return data
 
     def abort(self, why: str) -> None:
+        """Abort the inbox with ``why`` (the first reason stays): waiting takers raise, waiting senders are refused."""
         with self.cond:
             self.aborted = self.aborted or why
             self.cond.notify_all()
@@ -145,6 +146,7 @@ class ChannelExtension:
             return box
 
     def why_ended(self, tag: str) -> str:
+        """Why session ``tag`` ended on this worker; '' when it has not (or is no longer remembered)."""
         with self.lock:
             return self.ended.get(tag, "")
 
@@ -161,18 +163,22 @@ class ChannelExtension:
             box.abort(why)
 
     def close_member(self, tag: str, index: int) -> None:
+        """Drop member ``index``'s inbox of session ``tag`` (its part is done; the session is not ended)."""
         with self.lock:
             self.boxes.pop((tag, index), None)
 
     # --- comm handlers (on the worker's event loop) ----------------------------------------------
 
     async def put(self, tag: str, dst: int, src: int, seq: int, data: Any) -> str:
+        """Comm handler ``ftidask_channel_put``: store ``data`` from member ``src`` in member ``dst``'s inbox; 'OK' once
+        accepted, else why not."""
         box = self.inbox(tag, dst)
         if box is None:
             return f"aborted: {self.why_ended(tag)}"
         return await box.put(src, seq, np.asarray(data, dtype=np.uint8))
 
     async def abort(self, tag: str, why: str) -> str:
+        """Comm handler ``ftidask_channel_abort``: end session ``tag`` here with ``why``; 'OK'."""
         self.end(tag, why)
         return "OK"
 
@@ -184,6 +190,7 @@ class ChannelPlugin(WorkerPlugin):
     idempotent = True
 
     def setup(self, worker: Any) -> None:
+        """Install the channel's extension and comm handlers on ``worker`` (:func:`install`)."""
         install(worker)
 
 
@@ -243,14 +250,18 @@ class WorkerChannel:
     # --- GroupChannel ------------------------------------------------------------------------------
 
     def allgather(self, value: Any) -> list[Any]:
+        """Every member's JSON-able ``value``, by index (sent to the peers as JSON bytes)."""
         raw = np.frombuffer(json.dumps(value).encode(), np.uint8)
         return [json.loads(b.tobytes()) for b in self._all(raw)]
 
     def allgather_blocks(self, block: np.ndarray) -> list[np.ndarray]:
+        """Every member's ``block`` (as uint8), by index."""
         return self._all(np.ascontiguousarray(block, dtype=np.uint8))
 
     def exchange(self, send: np.ndarray | None, dest: int | None, recv_nbytes: int,
                  source: int | None) -> np.ndarray | None:
+        """As :meth:`GroupChannel.exchange`; a block of another size than ``recv_nbytes`` raises
+        :class:`ChannelAborted`."""
         if send is not None and dest is not None:
             block = np.ascontiguousarray(send, dtype=np.uint8)
             self._send(dest, block)

@@ -222,6 +222,7 @@ class Cluster:
         return "; ".join(errors[:8]) + (f" (and {len(errors) - 8} more)" if len(errors) > 8 else "")
 
     def cancel(self, futures: Sequence[Future]) -> None:
+        """Cancel ``futures`` (forced); best effort: a failure is only logged."""
         try:
             self.client.cancel(list(futures), force=True)
         except Exception as exc:  # noqa: BLE001 - best effort on a failing cluster

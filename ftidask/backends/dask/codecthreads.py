@@ -41,6 +41,7 @@ class CodecThreadsPlugin(WorkerPlugin):
     idempotent = True
 
     def setup(self, worker: Any) -> None:
+        """Bound ``worker``'s frame pool by :func:`worker_share`."""
         used = compression.limit_frame_threads(worker_share(worker))
         log.debug("worker %s: compressed frames on at most %d thread(s)", getattr(worker, "address", "?"), used)
 

@@ -285,4 +285,5 @@ class DaskSpares:
         self.read.clear()
 
     def close(self) -> None:
+        """Nothing to release: the spares live on the workers (:meth:`clear` removes them at the run's end)."""
         return None

@@ -69,6 +69,7 @@ class Pins:
         self._keys: dict[tuple[int, int], list[Any]] = {}
 
     def add(self, record: CommitRecord, keys: Iterable[Any]) -> None:
+        """Note ``keys``, lineage keys made to read checkpoint ``record`` back."""
         self._keys.setdefault((record.ckpt_id, record.seq), []).extend(keys)
 
     def read(self, records: Iterable[CommitRecord]) -> set[tuple[int, int]]:
@@ -106,6 +107,7 @@ class Pins:
         return out
 
     def forget(self, record: CommitRecord) -> None:
+        """Drop checkpoint ``record``'s keys: it no longer counts as read."""
         self._keys.pop((record.ckpt_id, record.seq), None)
 
 

@@ -42,12 +42,15 @@ class VarSpec:
         return list(itertools.product(*(range(len(c)) for c in self.chunks)))
 
     def chunk_shape(self, index: GridIndex) -> tuple[int, ...]:
+        """The shape of the chunk at grid index ``index``."""
         return tuple(c[i] for c, i in zip(self.chunks, index, strict=True))
 
     def chunk_nbytes(self, index: GridIndex) -> int:
+        """Bytes of the chunk at grid index ``index``."""
         return math.prod(self.chunk_shape(index)) * self.dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
+        """The spec as a JSON-able dict (``pystate`` and ``device`` only when set)."""
         return {"id": self.id, "name": self.name, "dtype": dtype_to_json(self.dtype), "shape": list(self.shape),
                 "chunks": [list(c) for c in self.chunks], "kind": self.kind} | (
                     {"pystate": self.pystate} if self.pystate else {}) | ({"device": True} if self.device else {})

@@ -127,6 +127,7 @@ class DaskMover:
         self._table: Any = None
 
     def start(self, table: Any) -> None:
+        """Report to ``table``: subscribe to the transfers' events and watch for workers that leave."""
         self._table = table
         self.client.subscribe_topic(self.topic, self._on_event)
         self.client.register_plugin(self._watch, name=self._watch.name)
@@ -159,6 +160,7 @@ class DaskMover:
                 threading.Thread(target=future.cancel, daemon=True).start()
 
     def submit(self, req: StageRequest) -> None:
+        """Submit ``req`` as a task on the worker holding its file (``worker_for``), no retries."""
         address = self.worker_for(req) if self.worker_for is not None else None
         future = self.client.submit(
             run_transfer, req.to_json(), self.topic, self._cancel.name, self.owner,
@@ -191,6 +193,7 @@ class DaskMover:
         self._table.update(req.id, SI_FAIL, reason)
 
     def close(self, timeout: float) -> None:
+        """Wait at most ``timeout`` s, cancel the requests still open (reported failed), stop watching the cluster."""
         self._table.wait(None, timeout)
         open_ids = [r.id for r in self._table.open_requests()]
         if open_ids:

@@ -42,6 +42,7 @@ class ChunkBytes:
         self.nbytes = sum(len(v) for v in self._views.values())
 
     def view(self, start: int, stop: int) -> memoryview:
+        """A zero-copy view of bytes ``[start, stop)``; :class:`FormatError` unless they lie in one chunk."""
         # One container per chunk: a range (a container, or blocks of one) lies within one chunk.
         i = bisect.bisect_right(self._starts, start) - 1
         if i < 0:
@@ -54,6 +55,7 @@ class ChunkBytes:
         return data[start - first:stop - first]
 
     def pieces(self, start: int, stop: int) -> list[memoryview]:
+        """Bytes ``[start, stop)`` as one piece (:meth:`view`)."""
         return [self.view(start, stop)]
 
 

@@ -33,12 +33,15 @@ class DaskTransport(Transport):
         self.cluster = cluster
 
     def ranks_text(self) -> str:  # Transport's: each worker is a rank, the client none
+        """``N worker(s)``: each worker is a rank, the client none."""
         return f"{len(self.cluster.workers())} worker(s)"
 
     def barrier(self) -> None:
+        """Nothing to wait for: the client is the only rank."""
         return None
 
     def allgather(self, value: Any) -> list[Any]:
+        """``[value]``: the client is the only rank."""
         return [value]
 
     def stage_mover(self, cfg: Config, notes: Path | None = None) -> Any:
@@ -49,9 +52,11 @@ class DaskTransport(Transport):
         return DaskMover(self.cluster.client, worker_by_node_dir(self.cluster.workers), self.cluster.run_id)
 
     def levels(self) -> tuple[int, ...]:
+        """Levels 1-4 with at least 2 workers, else only 1 and 4."""
         return (1, 2, 3, 4) if len(self.cluster.workers()) >= 2 else (1, 4)
 
     def check_level(self, level: int) -> None:
+        """As :meth:`Transport.check_level`; L2 and L3 need at least 2 workers."""
         if level in (2, 3) and level not in self.levels():
             raise LevelError(f"level {level} needs at least 2 Dask workers; the cluster has "
                              f"{len(self.cluster.workers())}")

@@ -39,10 +39,12 @@ class HeadStageMover:
         self._table: Any = None
 
     def start(self, table: Any) -> None:
+        """Report to ``table``, polled at each query (no thread: the rank probes for the head's answers)."""
         self._table = table
         table.set_poller(self._poll)
 
     def submit(self, req: StageRequest) -> None:
+        """Note the transfer (with ``notes``), then send ``req`` to the node's head."""
         if self.notes is not None:  # before the head can create the temporary file
             journal.begin(self.notes, req)
             self._noted[req.id] = req
@@ -59,6 +61,8 @@ class HeadStageMover:
             self._table.update(int(msg["id"]), state, str(msg.get("reason", "")))
 
     def close(self, timeout: float) -> None:
+        """Wait at most ``timeout`` s; what is still open is reported failed, not cancelled (the head cannot be
+        interrupted)."""
         self._table.wait(None, timeout)
         # The head copies in order and cannot be interrupted: what is left is reported, not cancelled.
         self._table.fail_open([r.id for r in self._table.open_requests()],

@@ -79,15 +79,18 @@ class MpiGroup:
         self.index, self.size = comm.rank, comm.size
 
     def allgather(self, value: Any) -> list[Any]:
+        """Every member's JSON-able ``value``, by index (JSON over MPI, never pickle)."""
         return allgather_json(self.comm, value)
 
     def allgather_blocks(self, block: np.ndarray) -> list[np.ndarray]:
+        """Every member's ``block`` (as uint8; the same length everywhere), by index: one ``Allgather``."""
         out = np.empty((self.size, block.size), dtype=np.uint8)
         self.comm.Allgather([np.ascontiguousarray(block, dtype=np.uint8), MPI.BYTE], [out, MPI.BYTE])
         return list(out)
 
     def exchange(self, send: np.ndarray | None, dest: int | None, recv_nbytes: int,
                  source: int | None) -> np.ndarray | None:
+        """As :meth:`GroupChannel.exchange`: one ``Sendrecv`` (``MPI.PROC_NULL`` for a side skipped)."""
         sendbuf = send if send is not None else np.empty(0, np.uint8)
         recvbuf = np.empty(recv_nbytes if source is not None else 0, dtype=np.uint8)
         self.comm.Sendrecv([sendbuf, MPI.BYTE], MPI.PROC_NULL if dest is None else dest, self.tag,
@@ -151,9 +154,11 @@ class MpiTransport(GroupLevels):
     # --- collectives over the application's ranks -------------------------------------------------
 
     def barrier(self) -> None:
+        """A barrier over the application's ranks (heads excluded)."""
         self.comm.Barrier()
 
     def allgather(self, value: Any) -> list[Any]:
+        """Every application rank's JSON-able ``value``, by rank (JSON over MPI, never pickle)."""
         return allgather_json(self.comm, value)
 
     def stage_mover(self, cfg: Config, notes: Path | None = None) -> Any:
@@ -176,6 +181,7 @@ class MpiTransport(GroupLevels):
         return level
 
     def cfg_inline(self, level: int) -> bool:
+        """Whether the config has the application ranks do level ``level`` (2-4) themselves (``inline_l*``)."""
         return bool({2: self.cfg.inline_l2, 3: self.cfg.inline_l3, 4: self.cfg.inline_l4}[level])
 
     def post_process(self, record: CommitRecord, level: int, exec_id: str = "") -> None:
@@ -237,6 +243,8 @@ class MpiTransport(GroupLevels):
                 "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI, with an MPI library that provides it")
 
     def close(self) -> None:
+        """Free this transport's communicators (once); a rank with a head first waits for its last request and tells the
+        head to end, unless it is a background clone."""
         if self._closed:
             return
         self._closed = True
