@@ -3,26 +3,24 @@
 Design: two alternating files per rank and level, brought up to date in place.
 
 * The file of the last committed checkpoint is never written to.
-* When a checkpoint file of level L is retired (a newer checkpoint was committed), it is not
-  deleted but renamed to the *spare* slot ``{level dir}/dcp/Spare-Rank{r}.fti``, with its block
-  digests (:class:`~ftidask.dcp.files.BlockState`) kept in memory: it lags one or more checkpoints
-  behind the data.
-* A differential checkpoint patches the spare in place (only the blocks whose digest differs from
-  the spare's), fsyncs it, renames it into the new checkpoint's directory, and only then is the
-  commit record written (by the engine, as for every checkpoint). Its commit record is the
-  commit point: a crash at any moment before it leaves the previous checkpoint, untouched and
-  still the newest committed one; the spare may be torn, so its in-memory state is dropped when
-  patching starts and a torn spare is simply rewritten in full next time.
-* The writer zeroes the spare's FB (and syncs) before its first data write, so a spare torn
-  by a crash never shows a valid FB. When a file becomes the spare, its FB hash is also noted
-  in ``Spare-Rank{r}.json``: a restarted process trusts the spare's own block-hash section if
-  its FB hash is that one (read from the metadata only, see :func:`ftidask.dcp.files.load_state`).
-* Without a known spare (first dCP checkpoint, after a failed checkpoint, a torn spare, or
-  when the retired file was not a dCP file of this block size and hash), every block is written:
-  that is a full checkpoint in dCP format, and the next one is differential again.
+* When a checkpoint file of level L is retired (a newer checkpoint was committed), it is not deleted but renamed to
+  the *spare* slot ``{level dir}/dcp/Spare-Rank{r}.fti``, with its block digests
+  (:class:`~ftidask.dcp.files.BlockState`) kept in memory: it lags one or more checkpoints behind the data.
+* A differential checkpoint patches the spare in place (only the blocks whose digest differs from the spare's),
+  fsyncs it, renames it into the new checkpoint's directory, and only then is the commit record written (by the
+  engine, as for every checkpoint). Its commit record is the commit point: a crash at any moment before it leaves
+  the previous checkpoint, untouched and still the newest committed one; the spare may be torn, so its in-memory
+  state is dropped when patching starts and a torn spare is simply rewritten in full next time.
+* The writer zeroes the spare's FB (and syncs) before its first data write, so a spare torn by a crash never shows a
+  valid FB. When a file becomes the spare, its FB hash is also noted in ``Spare-Rank{r}.json``: a restarted process
+  trusts the spare's own block-hash section if its FB hash is that one (read from the metadata only, see
+  :func:`ftidask.dcp.files.load_state`).
+* Without a known spare (first dCP checkpoint, after a failed checkpoint, a torn spare, or when the retired file was
+  not a dCP file of this block size and hash), every block is written: that is a full checkpoint in dCP format, and
+  the next one is differential again.
 
-Rename and retirement cost no data I/O, so a differential checkpoint writes changed blocks plus
-metadata only. Nothing here depends on the backend: each rank calls it for its own file.
+Rename and retirement cost no data I/O, so a differential checkpoint writes changed blocks plus metadata only.
+Nothing here depends on the backend: each rank calls it for its own file.
 """
 
 from __future__ import annotations
@@ -59,6 +57,7 @@ class DcpHandle:
         self.closed = False
 
     def write_var(self, var_id: int, source: Any) -> int:
+        """Patch variable ``var_id``'s changed blocks into the spare (unchanged pages are not hashed); bytes written."""
         tracking = self.store.tracking
         known = tracking.before_hash(var_id, source.view(0, source.nbytes))
         written = self.writer.write_var(var_id, source, known)
@@ -124,6 +123,7 @@ class DcpStore:
         self._recent_writes: dict[int, deque[tuple[int, int]]] = {level: deque(maxlen=2) for level in (1, 2, 3, 4)}
 
     def spare_path(self, level: int) -> Path:
+        """This rank's spare file of ``level``: what the next differential checkpoint of that level patches."""
         return self.paths.level_dir(level, self.node) / storage.SPARE_DIR / storage.spare_file(self.rank)
 
     def spare_parity_path(self, level: int) -> Path:
