@@ -24,7 +24,9 @@ from .trailer import TAIL_SIZE, parse_trailer, trailer_span
 
 _PIECE = 16 << 20
 _COPY_PIECE = 32 << 20  # bytes per piece of the copy into the arrays, spread over _COPY_THREADS
-_COPY_THREADS = min(4, os.cpu_count() or 1)
+# A copy from the page cache runs at a few GB/s a thread (a page lookup, then a copy, per page): on the 16-core machine
+# a cold recovery of 1 GiB into arrays in use took 1.14x the read, about 8 GB/s for the copy on four threads.
+_COPY_THREADS = min(8, os.cpu_count() or 1)
 SUPPORTED_VERSIONS = (1,)
 
 
