@@ -188,6 +188,17 @@ def test_recover_fti_run_rebuilds_a_deleted_level_3_file(tmp_path, dirs, kind, g
 
 
 @pytest.mark.parametrize("kind", ["posix", "ftiff"])
+def test_a_lost_node_directory_is_made_again_and_its_file_rebuilt(tmp_path, dirs, kind):
+    """Node 2 lost whole: its l3 directory (rank file and parity) is gone; FTI makes it again and decodes into it."""
+    root = tmp_path / "fti"
+    config = _write_run(root, kind)
+    shutil.rmtree(root / "Local/node2")
+    found = _recover(dirs, config, kind, 2)
+    assert found.rebuilt and found.path == _l3(root, 2) / "Ckpt1-Rank2.fti"
+    assert sorted(p.name for p in _l3(root, 2).iterdir()) == ["Ckpt1-Rank2.fti"]  # its parity is not rebuilt
+
+
+@pytest.mark.parametrize("kind", ["posix", "ftiff"])
 def test_every_pattern_with_the_rank_file_lost_rebuilds_it_on_disk(tmp_path, kind):
     """Rank 2's file lost with 0 to 3 of the other 7 files (rank files, parity, mixes): rebuilt exactly."""
     cfg = load_config(_write_run(tmp_path / "fti", kind))
@@ -258,3 +269,21 @@ def test_a_rebuild_that_does_not_verify_is_not_put_in_place(tmp_path):
     with pytest.raises(RecoveryError, match="does not match the meta file's ckpt_checksum"):
         rebuild_rank_file(cfg, 2, 1)
     assert sorted(p.name for p in _l3(root, 2).iterdir()) == ["Ckpt1-RSed2.fti"]
+
+
+def test_a_group_past_rebuilding_sends_the_search_on_to_level_4(tmp_path, dirs):
+    """Five of the eight FTI-FF files gone: the rebuild's reason is kept and level 4 is read, as FTI goes on."""
+    root = tmp_path / "fti"
+    config = _write_run(root, "ftiff")
+    for g in (0, 1, 3):
+        (_l3(root, g) / f"Ckpt1-Rank{g}.fti").unlink()
+    for g in (0, 2):
+        (_l3(root, g) / f"Ckpt1-RSed{g}.fti").unlink()
+    l4 = root / f"Global/{EXEC}/l4/Ckpt1-Rank1.fti"
+    l4.parent.mkdir(parents=True)
+    l4.write_bytes(_rank("ftiff", 1))
+    found = _recover(dirs, config, "ftiff", 1)
+    assert (found.level, found.rebuilt) == (4, False)
+    l4.unlink()
+    with pytest.raises(NoCheckpointError, match="rank file rebuilt from FTI's parity: 5 of the group's 8 files"):
+        _recover(dirs, config, "ftiff", 1)

@@ -24,7 +24,8 @@ What FTI computes (leobago/fti src/postckpt.c ``FTI_RSenc``, src/postreco.c ``FT
   :func:`rebuild` reports it (``exact_end``) and the caller restores that byte from what it knows (zero padding, the
   FTI-FF size's top byte, or the file's MD5).
 
-NumPy only: a word multiply is two table look-ups (log, antilog) over a piece's ``uint16`` array.
+NumPy only: a word multiply is two table look-ups (log, antilog) over a piece's ``uint16`` array, each piece's logs
+taken once for all the files rebuilt from it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ POLY = 0x1100B  # x^16 + x^12 + x^3 + x + 1: Jerasure's prim_poly[16]
 ORDER = 0xFFFF  # the multiplicative group's order
 PIECE = 1 << 20  # bytes of each file decoded at a time (even: pieces hold whole words)
 SIZE_WORD = 8  # sizeof(off_t): FTI-FF's padded file ends with its size
+ZERO_LOG = 2 * ORDER  # log[0]: into the zeros after the repeated antilog table
 
 #: ``read(offset, nbytes)``: exactly ``nbytes`` of a padded file from ``offset`` (zeros past its end)
 Reader = Callable[[int, int], bytes]
@@ -51,24 +53,23 @@ Reader = Callable[[int, int], bytes]
 @functools.cache
 def tables() -> tuple[np.ndarray, np.ndarray]:
     """``(log, antilog)`` of GF(2^16) as Jerasure's ``galois_create_log_tables(16)`` builds them: ``antilog[j]`` is
-    ``x^j`` (``j < 2 * ORDER``, so that the sum of two logs needs no reduction), ``log[antilog[j]] = j``."""
-    antilog = np.empty(2 * ORDER, dtype=np.uint16)
+    ``x^j``, ``log[antilog[j]] = j``. ``antilog`` is repeated (``j < 2 * ORDER``: the sum of two logs needs no
+    reduction) and followed by zeros, where ``log[0] = ZERO_LOG`` points: a product with 0 is then 0 with no test."""
+    antilog = np.zeros(3 * ORDER + 1, dtype=np.uint16)
     b = 1
     for j in range(ORDER):  # 65535 steps, once: the shift register is sequential
         antilog[j] = b
         b <<= 1
         if b & 0x10000:
             b ^= POLY
-    antilog[ORDER:] = antilog[:ORDER]
-    log = np.zeros(1 << 16, dtype=np.int64)
-    log[antilog[:ORDER]] = np.arange(ORDER)
+    antilog[ORDER:2 * ORDER] = antilog[:ORDER]
+    log = np.full(1 << 16, ZERO_LOG, dtype=np.intp)  # intp: indexes used as they are, never converted
+    log[antilog[:ORDER]] = np.arange(ORDER, dtype=np.intp)
     return log, antilog
 
 
 def gf_mul(a: int, b: int) -> int:
     """``a * b`` in GF(2^16)."""
-    if a == 0 or b == 0:
-        return 0
     log, antilog = tables()
     return int(antilog[log[a] + log[b]])
 
@@ -108,22 +109,27 @@ def invert(matrix: Sequence[Sequence[int]]) -> list[list[int]]:
 
 def mul_region(words: np.ndarray, factor: int) -> np.ndarray:
     """``factor * words`` word by word (``galois_w16_region_multiply``), a new ``uint16`` array."""
-    if factor == 0:
-        return np.zeros_like(words)
-    if factor == 1:
-        return words.copy()
+    return _mul_logs(tables()[0][words], factor)
+
+
+def _mul_logs(logs: np.ndarray, factor: int) -> np.ndarray:
+    """``factor`` times the words whose logs are ``logs``."""
     log, antilog = tables()
-    out = antilog[log[words] + log[factor]]
-    out[words == 0] = 0
-    return out
+    if factor == 0:
+        return np.zeros(logs.shape, dtype=np.uint16)
+    return antilog[logs + log[factor]] if factor != 1 else antilog[logs]
 
 
 def combine(row: Sequence[int], pieces: Sequence[np.ndarray]) -> np.ndarray:
     """``sum_j row[j] * pieces[j]`` (``jerasure_matrix_dotprod``)."""
-    out = np.zeros_like(pieces[0])
-    for factor, words in zip(row, pieces):
+    return _combine_logs(row, [tables()[0][words] for words in pieces])
+
+
+def _combine_logs(row: Sequence[int], logs: Sequence[np.ndarray]) -> np.ndarray:
+    out = np.zeros(logs[0].shape, dtype=np.uint16)
+    for factor, piece in zip(row, logs):
         if factor:
-            out ^= mul_region(words, factor)
+            out ^= _mul_logs(piece, factor)
     return out
 
 
@@ -205,7 +211,7 @@ def rebuild(k: int, max_fs: int, sources: Mapping[int, Reader], sinks: Mapping[i
     survivors, rows = plan(k, list(sources), list(sinks))
     for pos in range(0, max_fs, piece):
         nbytes = min(piece, max_fs - pos)
-        pieces = [words_of(sources[s](pos, nbytes)) for s in survivors]
+        logs = [tables()[0][words_of(sources[s](pos, nbytes))] for s in survivors]  # once for every lost file
         for want, sink in sinks.items():
-            sink.write(combine(rows[want], pieces).astype("<u2").tobytes()[:nbytes])
+            sink.write(_combine_logs(rows[want], logs).astype("<u2").tobytes()[:nbytes])
     return not (max_fs % 2 and any(s >= k for s in survivors))

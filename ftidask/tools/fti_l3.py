@@ -27,7 +27,7 @@ from ..ftiff.reader import parse_ftiff, verify_data
 from ..ftiff.verify import md5_hex
 from ..model.config import Config
 from ..model.errors import FormatError, RecoveryError
-from ..storage.files import create_temp, fsync_dir, open_read
+from ..storage.files import create_temp, fsync_dir, makedirs, open_read
 
 
 def group_members(cfg: Config, rank: int) -> tuple[int, list[tuple[int, Path]]]:
@@ -155,7 +155,14 @@ def _ftiff_plan(ckpt_id: int, members: list[tuple[int, Path]], g: int, stack: co
 def rebuild_rank_file(cfg: Config, rank: int, ckpt_id: int) -> Path:
     """Rebuild rank ``rank``'s level-3 file of checkpoint ``ckpt_id`` from its group (module docstring) and put it in
     place; its path. RecoveryError saying why when it cannot be (too many losses, damaged parity, a result that does
-    not verify): the run is then left as it was."""
+    not verify, a file that cannot be read or written): the run is then left as it was."""
+    try:
+        return _rebuild(cfg, rank, ckpt_id)
+    except (OSError, FormatError) as exc:  # a file cut or unreadable meanwhile, a full disk: this rebuild fails
+        raise RecoveryError(f"the rebuild failed: {exc}") from None
+
+
+def _rebuild(cfg: Config, rank: int, ckpt_id: int) -> Path:
     g, members = group_members(cfg, rank)
     k = len(members)
     target = members[g][1] / f"Ckpt{ckpt_id}-Rank{rank}.fti"
@@ -168,6 +175,7 @@ def rebuild_rank_file(cfg: Config, rank: int, ckpt_id: int) -> Path:
         if len(readers) < k:
             raise RecoveryError(f"{len(lost)} of the group's {2 * k} files are lost or damaged, FTI's parity rebuilds "
                                 f"at most {k}: " + "; ".join(lost))
+        makedirs(target.parent)  # a lost node's directory is gone with its files: FTI makes it again too
         fd, tmp = create_temp(target)
         try:
             with os.fdopen(fd, "w+b") as out:
