@@ -65,13 +65,18 @@ def _posix_plan(cfg: Config, ckpt_id: int, members: list[tuple[int, Path]], g: i
             sections.append(find_section(folder / f"Ckpt{ckpt_id}-Rank{member}.fti", meta)[1])
         except FormatError as exc:
             raise RecoveryError(f"the group's meta file cannot be read: {exc}") from None
-    sizes = [_count(s, "ckpt_file_size") for s in sections]
     maxs = {_count(s, "ckpt_file_maxs") for s in sections}
-    if len(maxs) != 1 or None in maxs or None in sizes or max(sizes) > min(maxs):  # type: ignore[operator]
-        raise RecoveryError(f"the group's meta sections disagree on ckpt_file_maxs ({sorted(map(str, maxs))}) or "
-                            f"give sizes past it ({sizes})")
-    max_fs = maxs.pop()
-    assert max_fs is not None
+    max_fs = maxs.pop() if len(maxs) == 1 else None
+    sizes = [size for size in (_count(s, "ckpt_file_size") for s in sections)
+             if size is not None and max_fs is not None and size <= max_fs]
+    if max_fs is None or len(sizes) != k:
+        said = ", ".join(f"[{i}] {v.get('ckpt_file_size')} of {v.get('ckpt_file_maxs')}"
+                         for i, v in enumerate(sections))
+        raise RecoveryError("the group's meta sections disagree on ckpt_file_maxs, or give a ckpt_file_size that is "
+                            f"missing or past it: {said}")
+    if not sections[g].get("ckpt_checksum"):
+        raise RecoveryError("the meta file records no ckpt_checksum of the lost file: a rebuilt file could not be "
+                            "verified")
     readers: dict[int, fti_rs.Reader] = {}
     for i, (member, folder) in enumerate(members):
         for fid, path, expect, size in ((i, folder / f"Ckpt{ckpt_id}-Rank{member}.fti", "ckpt_checksum", sizes[i]),
@@ -83,7 +88,7 @@ def _posix_plan(cfg: Config, ckpt_id: int, members: list[tuple[int, Path]], g: i
                 lost.append(f"{path.name}: {why}")
             else:
                 readers[fid] = fti_rs.padded_reader(fd, size, max_fs, size_word=False)
-    return max_fs, sizes[g], readers, sections[g]  # type: ignore[return-value]
+    return max_fs, sizes[g], readers, sections[g]
 
 
 def _count(values: dict[str, str], key: str) -> int | None:
@@ -118,7 +123,7 @@ def _ftiff_plan(ckpt_id: int, members: list[tuple[int, Path]], g: int, stack: co
             fd = stack.enter_context(open_read(path)).fileno()
             parity = sniff_parity(fd, os.fstat(fd).st_size)
             why = ("not an FTI parity file (no parity record at its end)" if parity is None else
-                   "an FTI 1.1 parity file: its rank files are not padded as FTI 1.2 and later pad them (not decoded)"
+                   "FTI 1.1's parity (raw struct record): not decoded, its group's files lack FTI 1.2's size word"
                    if parity.record == "FTI 1.1" else parity_problem(fd, parity))
         except FileNotFoundError:
             why = "missing"
@@ -201,8 +206,6 @@ def _finish_posix(fh: BinaryIO, max_fs: int, size: int, exact_end: bool, checksu
     fh.truncate(size)
     fh.flush()
     fd = fh.fileno()
-    if not checksum:
-        raise RecoveryError("the meta file records no ckpt_checksum: a rebuilt file could not be verified")
     if not exact_end and size == max_fs:
         head = hashlib.md5(usedforsecurity=False)
         for pos in range(0, size - 1, fti_rs.PIECE):
