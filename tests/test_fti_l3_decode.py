@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ftiff_builders import fti_rsed_file
+from ftiff_builders import fti11_file, fti_rsed_file
 
 import ftidask
 from ftidask.errors import NoCheckpointError, RecoveryError
@@ -299,3 +299,27 @@ def test_a_group_past_rebuilding_sends_the_search_on_to_level_4(tmp_path, dirs):
     l4.unlink()
     with pytest.raises(NoCheckpointError, match="rank file rebuilt from FTI's parity: 5 of the group's 8 files"):
         _recover(dirs, config, "ftiff", 1)
+
+
+def test_an_fti_1_1_group_is_decoded_with_zero_padding_alone(tmp_path, dirs):
+    """FTI 1.1's FTI_RSenc pads its FTI-FF files with zeros only (no size word) and ends each parity file with its raw
+    96-byte struct: the rebuilt file's size is its parity record's ckptSize (else its file block's fs)."""
+    root = tmp_path / "fti"
+    config = _config(root, "ftiff")
+    variables = [inputs.ftiff_vars(g) for g in range(K)]
+
+    def file_of(g: int, max_fs: int) -> bytes:
+        blocks = [[(0, 0, 1, 0, len(variables[g][0])), (1, 1, 1, 0, len(variables[g][1]))]]
+        return fti11_file(variables[g], blocks, max_fs=max_fs)
+
+    max_fs = max(len(file_of(g, -1)) for g in range(K))
+    files = [file_of(g, max_fs) for g in range(K)]
+    parity = fti_rs.encode(K, files, max_fs)
+    for g in range(K):
+        _l3(root, g).mkdir(parents=True)
+        (_l3(root, g) / f"Ckpt1-Rank{g}.fti").write_bytes(files[g])
+        (_l3(root, g) / f"Ckpt1-RSed{g}.fti").write_bytes(fti_rsed_file(parity[g], len(files[g]), record="1.1"))
+    (_l3(root, 1) / "Ckpt1-Rank1.fti").unlink()
+    (_l3(root, 1) / "Ckpt1-RSed1.fti").unlink()  # the size then comes from the rebuilt file block
+    found = _recover(dirs, config, "ftiff", 1)
+    assert found.rebuilt and found.path.read_bytes() == files[1]

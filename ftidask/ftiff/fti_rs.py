@@ -5,7 +5,8 @@ What FTI computes (leobago/fti src/postckpt.c ``FTI_RSenc``, src/postreco.c ``FT
 * A group of ``k = group_size`` ranks (group rank ``g`` = the node's place in its group) has ``2k`` files: the rank
   files (ids ``0..k-1``) and their parity files (ids ``k..2k-1``), all ``maxFs`` bytes long once padded: each rank
   file is extended with zeros to ``maxFs`` (``truncate``); of an FTI-FF file the last ``sizeof(off_t)`` bytes of that
-  padded file hold its own size (8 bytes, the machine's order: little-endian), so that a rebuilt file tells its size.
+  padded file hold its own size (8 bytes, the machine's order: little-endian), so that a rebuilt file tells its size
+  (FTI 1.2 and later: FTI 1.1 pads with zeros alone, its files' size being in their file block).
   POSIX: ``maxFs`` is the meta file's ``ckpt_file_maxs``; FTI-FF: the ``fs`` (= ``maxFs``) of a parity file's record.
 * Arithmetic: GF(2^16) of Jerasure (``l3WordSize = FTI_WORD = 16``), primitive polynomial ``0x1100B`` (galois.c
   ``prim_poly[16] = 0210013``), the data taken as 16-bit words in the machine's (little-endian) order

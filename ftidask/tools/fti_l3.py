@@ -24,6 +24,7 @@ from ..ftiff import fti_rs
 from ..ftiff.ftiparity import parity_problem, sniff_parity
 from ..ftiff.posix import checksum_matches, find_section
 from ..ftiff.reader import parse_ftiff, verify_data
+from ..ftiff.structs import FB_SIZE, FileBlock
 from ..ftiff.verify import md5_hex
 from ..model.config import Config
 from ..model.errors import FormatError, RecoveryError
@@ -113,18 +114,19 @@ def _open_checked(path: Path, size: int, max_fs: int, checksum: str,
 
 
 def _ftiff_plan(ckpt_id: int, members: list[tuple[int, Path]], g: int, stack: contextlib.ExitStack,
-                lost: list[str]) -> tuple[int, int | None, dict[int, fti_rs.Reader]]:
-    """maxFs, the lost file's size if its parity record says it, and the sound files' readers (FTI-FF)."""
+                lost: list[str]) -> tuple[int, int | None, dict[int, fti_rs.Reader], bool]:
+    """maxFs, the lost file's size if its parity record says it, the sound files' readers, and whether the group is
+    FTI 1.1's (FTI-FF). FTI 1.1's FTI_RSenc pads the rank files with zeros only (no size word): its files say their
+    size in the file block at their start."""
     k = len(members)
-    parities: dict[int, tuple[int, int, int]] = {}  # id: (fd, maxFs, rank file size)
+    parities: dict[int, tuple[int, int, int, bool]] = {}  # id: (fd, maxFs, rank file size, FTI 1.1)
     for i, (member, folder) in enumerate(members):
         path = folder / f"Ckpt{ckpt_id}-RSed{member}.fti"
         try:
             fd = stack.enter_context(open_read(path)).fileno()
             parity = sniff_parity(fd, os.fstat(fd).st_size)
             why = ("not an FTI parity file (no parity record at its end)" if parity is None else
-                   "FTI 1.1's parity (raw struct record): not decoded, its group's files lack FTI 1.2's size word"
-                   if parity.record == "FTI 1.1" else parity_problem(fd, parity))
+                   parity_problem(fd, parity))
         except FileNotFoundError:
             why = "missing"
         except OSError as exc:
@@ -132,13 +134,14 @@ def _ftiff_plan(ckpt_id: int, members: list[tuple[int, Path]], g: int, stack: co
         if why:
             lost.append(f"{path.name}: {why}")
         else:
-            parities[k + i] = (fd, parity.parity_size, parity.rank_size)  # type: ignore[union-attr]
-    sizes = {p[1] for p in parities.values()}
-    if len(sizes) != 1:
-        raise RecoveryError(("no sound parity file in the group: " + "; ".join(lost)) if not sizes else
-                            f"the group's parity files disagree on maxFs ({sorted(sizes)})")
-    max_fs = sizes.pop()
-    readers = {fid: fti_rs.padded_reader(fd, max_fs, max_fs, size_word=False) for fid, (fd, _m, _s) in parities.items()}
+            legacy = parity.record == "FTI 1.1"  # type: ignore[union-attr]
+            parities[k + i] = (fd, parity.parity_size, parity.rank_size, legacy)  # type: ignore[union-attr]
+    kinds = {(p[1], p[3]) for p in parities.values()}
+    if len(kinds) != 1:
+        raise RecoveryError(("no sound parity file in the group: " + "; ".join(lost)) if not kinds else
+                            f"the group's parity files disagree on maxFs or FTI version ({sorted(kinds)})")
+    max_fs, legacy = kinds.pop()
+    readers = {fid: fti_rs.padded_reader(p[0], max_fs, max_fs, size_word=False) for fid, p in parities.items()}
     for i, (member, folder) in enumerate(members):
         path = folder / f"Ckpt{ckpt_id}-Rank{member}.fti"
         if i == g:
@@ -148,13 +151,13 @@ def _ftiff_plan(ckpt_id: int, members: list[tuple[int, Path]], g: int, stack: co
             parsed = parse_ftiff(fh, str(path))
             verify_data(fh, parsed)
             size = os.fstat(fh.fileno()).st_size
-            readers[i] = fti_rs.padded_reader(fh.fileno(), size, max_fs, size_word=size < max_fs)
+            readers[i] = fti_rs.padded_reader(fh.fileno(), size, max_fs, size_word=size < max_fs and not legacy)
         except FileNotFoundError:
             lost.append(f"{path.name}: missing")
         except (OSError, FormatError) as exc:
             lost.append(f"{path.name}: {exc}".replace(f"{path}: ", ""))
     own = parities.get(k + g)
-    return max_fs, (own[2] if own else None), readers
+    return max_fs, (own[2] if own else None), readers, legacy
 
 
 def rebuild_rank_file(cfg: Config, rank: int, ckpt_id: int) -> Path:
@@ -176,7 +179,7 @@ def _rebuild(cfg: Config, rank: int, ckpt_id: int) -> Path:
         if cfg.ckpt_io == 1:
             max_fs, size, readers, section = _posix_plan(cfg, ckpt_id, members, g, stack, lost)
         else:
-            max_fs, size, readers = _ftiff_plan(ckpt_id, members, g, stack, lost)
+            max_fs, size, readers, legacy = _ftiff_plan(ckpt_id, members, g, stack, lost)
         if len(readers) < k:
             raise RecoveryError(f"{len(lost)} of the group's {2 * k} files are lost or damaged, FTI's parity rebuilds "
                                 f"at most {k}: " + "; ".join(lost))
@@ -188,7 +191,7 @@ def _rebuild(cfg: Config, rank: int, ckpt_id: int) -> Path:
                 if cfg.ckpt_io == 1:
                     _finish_posix(out, max_fs, size, exact_end, section.get("ckpt_checksum", "").lower())
                 else:
-                    _finish_ftiff(out, max_fs, size, exact_end, tmp)
+                    _finish_ftiff(out, max_fs, size, exact_end, tmp, legacy)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, target)
@@ -221,15 +224,21 @@ def _finish_posix(fh: BinaryIO, max_fs: int, size: int, exact_end: bool, checksu
                             "those of one checkpoint (or FTI's parity was damaged undetected); it is not used")
 
 
-def _finish_ftiff(fh: BinaryIO, max_fs: int, size: int | None, exact_end: bool, tmp: Path) -> None:
-    """Cut the rebuilt FTI-FF file to the size in its last 8 bytes and check every hash of it."""
+def _finish_ftiff(fh: BinaryIO, max_fs: int, size: int | None, exact_end: bool, tmp: Path, legacy: bool) -> None:
+    """Cut the rebuilt FTI-FF file to the size in its last 8 bytes (FTI 1.1: its file block's ``fs``) and check
+    every hash of it."""
     fd = fh.fileno()
     fh.flush()
-    word = bytearray(os.pread(fd, fti_rs.SIZE_WORD, max_fs - fti_rs.SIZE_WORD))
-    if not exact_end:  # byte maxFs - 1: the size's top byte, 0 for any size the file can have
-        word[-1] = 0
-    (found,) = struct.unpack("<q", bytes(word))
-    if not 0 < found <= max_fs - fti_rs.SIZE_WORD or (size is not None and found != size):
+    if legacy:
+        fs_field = FileBlock.unpack(os.pread(fd, FB_SIZE, 0)).fs if max_fs >= FB_SIZE else -1
+        found, room = (size if size is not None else fs_field), max_fs
+    else:
+        word = bytearray(os.pread(fd, fti_rs.SIZE_WORD, max_fs - fti_rs.SIZE_WORD))
+        if not exact_end:  # byte maxFs - 1: the size's top byte, 0 for any size the file can have
+            word[-1] = 0
+        (found,) = struct.unpack("<q", bytes(word))
+        room = max_fs - fti_rs.SIZE_WORD
+    if not 0 < found <= room or (size is not None and found != size):
         raise RecoveryError(f"the rebuilt file says it has {found} bytes (its parity record: {size}, maxFs {max_fs}): "
                             "the group's files are not those of one checkpoint; it is not used")
     fh.truncate(found)
