@@ -323,3 +323,25 @@ def test_an_fti_1_1_group_is_decoded_with_zero_padding_alone(tmp_path, dirs):
     (_l3(root, 1) / "Ckpt1-RSed1.fti").unlink()  # the size then comes from the rebuilt file block
     found = _recover(dirs, config, "ftiff", 1)
     assert found.rebuilt and found.path.read_bytes() == files[1]
+
+
+def test_the_group_of_a_rank_on_nodes_of_two_processes(tmp_path, dirs):
+    """node_size 2: rank 5 (node 2, second process) is at place 2 of the group of ranks 1, 3, 5, 7 (nodes 0-3): its
+    files and its group's are found where FTI keeps them, named by global rank."""
+    root = tmp_path / "fti"
+    config = _config(root, "ftiff")
+    config.write_text(config.read_text().replace("node_size = 1", "node_size = 2"))
+    for g in range(K):
+        folder, member = _l3(root, g), 2 * g + 1
+        folder.mkdir(parents=True)
+        (folder / f"Ckpt1-Rank{member}.fti").write_bytes(_rank("ftiff", g))
+        (folder / f"Ckpt1-RSed{member}.fti").write_bytes(fti_rsed_file(_parity("ftiff", g), len(_rank("ftiff", g))))
+    (_l3(root, 2) / "Ckpt1-Rank5.fti").unlink()
+    ctx = ftidask.init(**dirs)
+    arrays = {vid: np.zeros(len(raw), "u1") for vid, raw in inputs.ftiff_vars(2).items()}
+    for vid, array in arrays.items():
+        ctx.protect(vid, array)
+    found = recover_fti_run(ctx, config, 5)
+    ctx.finalize()
+    assert found.rebuilt and found.path == _l3(root, 2) / "Ckpt1-Rank5.fti"
+    assert {vid: a.tobytes() for vid, a in arrays.items()} == inputs.ftiff_vars(2)
