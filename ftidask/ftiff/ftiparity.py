@@ -1,4 +1,4 @@
-"""FTI's own level-3 parity files of an FTI-FF run (``Ckpt{id}-RSed{r}.fti``): recognised and checked, never decoded.
+"""FTI's own level-3 parity files of an FTI-FF run (``Ckpt{id}-RSed{r}.fti``): recognised and checked.
 
 ``FTI_RSenc`` (leobago/fti src/postckpt.c) encodes the group's rank files, each padded to ``maxFs`` (the group's
 largest file plus ``sizeof(off_t)``), writes this rank's ``maxFs`` parity bytes, then appends a file metadata
@@ -8,7 +8,8 @@ whatever FTI's malloc'd struct held: hashed, never used). FTI 1.1 ``fwrite``s it
 (:class:`~.structs.FileBlock`'s layout and FTI 1.1 hash); later versions ``FTIFF_SerializeFileMeta``'s record
 (:data:`.tailmeta.VARIANTS`). Such a file holds no variable's bytes: reading it as a checkpoint is refused with
 what it is, and ``ftidask verify`` checks its MD5 over the ``fs`` parity bytes as FTI's level-3 recovery does
-(``FTIFF_GetEncodedFileChecksum``).
+(``FTIFF_GetEncodedFileChecksum``). Its parity bytes are decoded by :mod:`.fti_rs` when
+:func:`ftidask.tools.fti_run.recover_fti_run` rebuilds a lost level-3 rank file of its group.
 ftidask's own parity files have a ``.hash`` record instead (:func:`ftidask.levels.rs.check_parity`).
 """
 
@@ -35,8 +36,10 @@ class FtiParity:
     def describe(self) -> str:
         """One sentence: what the file is and what to do instead."""
         return (f"FTI's level-3 Reed-Solomon parity file (RSed, {self.record} record): {self.parity_size} parity "
-                f"bytes of a rank file of {self.rank_size} bytes; it holds no variable's data and ftidask does not "
-                "decode FTI's parity: recover from the rank file (Ckpt*-Rank*.fti) or its partner copy")
+                f"bytes of a rank file of {self.rank_size} bytes; it holds no variable's data and recover_file "
+                "does not decode FTI's parity: recover from the rank file (Ckpt*-Rank*.fti) or its partner copy, "
+                "or the whole run with ftidask.tools.fti_run.recover_fti_run, which rebuilds a lost level-3 rank "
+                "file from its group's files and their parity")
 
 
 def sniff_parity(fd: int, file_size: int) -> FtiParity | None:

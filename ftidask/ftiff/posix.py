@@ -113,8 +113,9 @@ def _read_meta(path: Path) -> configparser.ConfigParser:
 #: copy after the rank that keeps it (``Pcof{r}``: its left neighbour's bytes), FTI_RSenc a parity file after its rank.
 _PCOF = re.compile(r"Ckpt(\d+)-Pcof(\d+)\.fti")
 _RSED = re.compile(r"Ckpt(\d+)-RSed(\d+)\.fti")
-_PARITY_REFUSED = ("FTI's level-3 Reed-Solomon parity file (RSed): parity, not a checkpoint; ftidask does not decode "
-                   "FTI's parity (its MD5 is checked by ftidask verify PATH --meta META)")
+_PARITY_REFUSED = ("FTI's level-3 Reed-Solomon parity file (RSed): parity, not a checkpoint (its MD5 is checked by "
+                   "ftidask verify PATH --meta META; ftidask.tools.fti_run.recover_fti_run decodes it with its group's "
+                   "files to rebuild a lost level-3 rank file)")
 
 
 def _process_sections(ini: configparser.ConfigParser) -> dict[int, dict[str, str]]:
@@ -244,12 +245,19 @@ def read_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> Po
     # checkpoint (checked by their MD5 below); the padding is never read.
     maxs = values.get("ckpt_file_maxs", "")
     raw = _read_whole(path, size, int(maxs) if re.fullmatch(r"\d{1,19}", maxs) else -1)
-    digest = hashlib.md5(raw, usedforsecurity=False).hexdigest()
-    if (digest if len(checksum) == 32 else digest[0:30:2]) != checksum:
+    if not checksum_matches(hashlib.md5(raw, usedforsecurity=False).hexdigest(), checksum):
         raise FormatError("MD5 does not match the meta file's ckpt_checksum (damaged file)", path=os.fspath(path))
     view = memoryview(raw)
     data = {vid: view[start:start + nbytes] for vid, start, nbytes in variables}
     return PosixFile(os.fspath(path), str(meta_path), data)
+
+
+def checksum_matches(digest: str, checksum: str) -> bool:
+    """Whether the MD5 ``digest`` (32 hex digits) is the meta file's ``ckpt_checksum`` ``checksum``, in either form FTI
+    wrote it (:data:`_HEX15`: an early FTI's 15 characters)."""
+    if _HEX32.fullmatch(checksum):
+        return digest == checksum
+    return bool(_HEX15.fullmatch(checksum)) and len(digest) == 32 and digest[0:30:2] == checksum
 
 
 def posix_files(root: Path) -> list[Path]:

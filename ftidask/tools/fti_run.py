@@ -5,7 +5,7 @@ FTI keeps one rank's files in its run's directories (src/conf.c ``FTI_CreateDirs
 
     {ckpt_dir}[/node{rank // node_size}]/{exec_id}/l1/Ckpt{id}-Rank{rank}.fti
     {ckpt_dir}[/node{right}]/{exec_id}/l2/Ckpt{id}-Pcof{keeper}.fti   the copy kept on the next node of the group
-    {ckpt_dir}[/node{node}]/{exec_id}/l3/Ckpt{id}-Rank{rank}.fti      (its parity RSed beside it: never decoded)
+    {ckpt_dir}[/node{node}]/{exec_id}/l3/Ckpt{id}-Rank{rank}.fti      (its parity Ckpt{id}-RSed{rank}.fti beside it)
     {glbl_dir}/{exec_id}/l4/Ckpt{id}-Rank{rank}.fti
     {meta_dir}/{exec_id}/l{level}/sector{s}-group{g}.fti              POSIX I/O (ckpt_io = 1) only
 
@@ -15,7 +15,9 @@ rank (``FTI_RecvPtner``); ranks are taken as placed node by node (``node = rank 
 ``local_test`` and block placement: FTI itself groups them by host name). After a keep_last_ckpt finalize FTI sets
 ``failure = 2`` and recovers from level 4 only. Each file found is read with :meth:`ftidask.Context.recover_file`
 (every byte verified before an array is written); a missing or refused one sends the search on, as FTI goes on to
-the next level. FTI's own level-3 parity is not decoded: at level 3 only the rank's own file is read.
+the next level. At level 3 a rank file missing or refused is rebuilt from the other files of its group and FTI's parity
+(:mod:`ftidask.tools.fti_l3`: FTI_Decode's code, every file checked before use and the result verified before it is
+put in place), then read; too many losses or damaged parity is one more reason in the error, and level 4 is tried.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 from ..model.config import Config, load_config
 from ..model.errors import ConfigError, NoCheckpointError, RecoveryError
+from .fti_l3 import l3_checkpoint_ids, rebuild_rank_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,7 @@ class FtiRunFile:
     ckpt_id: int
     path: Path
     meta: Path | None
+    rebuilt: bool = False  # level 3: rebuilt from the group's files and FTI's parity (ftidask.tools.fti_l3)
 
 
 def _config(config: str | os.PathLike[str] | Config) -> Config:
@@ -93,14 +97,41 @@ def fti_run_files(config: str | os.PathLike[str] | Config, rank: int) -> list[Ft
 def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int) -> FtiRunFile:
     """Fill ``ctx``'s protected arrays from the FTI run ``config`` names, rank ``rank``'s checkpoint, as FTI's
     restart finds it (:func:`fti_run_files`' order: the first file that verifies); the file read is returned.
-    None verifying is a :class:`NoCheckpointError` saying why each was refused, the arrays untouched."""
-    refused = []
-    for found in fti_run_files(config, rank):
+
+    At level 3, a checkpoint whose rank file is missing or refused is rebuilt from its group's other files and FTI's
+    parity (:func:`ftidask.tools.fti_l3.rebuild_rank_file`, in place, as FTI_RecoverL3 does) and the rebuilt file
+    read (``rebuilt`` True). None verifying is a :class:`NoCheckpointError` saying why each was refused (a rebuild
+    too: too many losses, damaged parity), the arrays untouched."""
+    cfg = _config(config)
+    files = fti_run_files(cfg, rank)
+    refused: list[str] = []
+
+    def read(found: FtiRunFile) -> bool:
         try:
             ctx.recover_file(found.path, meta=found.meta)
         except RecoveryError as exc:
             refused.append(f"level {found.level} {found.path}: {exc}")
+            return False
+        return True
+
+    for level in ([4] if cfg.failure == 2 else [1, 2, 3, 4]):
+        if level != 3:
+            found = next((f for f in files if f.level == level and read(f)), None)
+            if found is not None:
+                return found
             continue
-        return found
+        own = {f.ckpt_id: f for f in files if f.level == 3}
+        for ckpt_id in sorted(set(own) | set(l3_checkpoint_ids(cfg, rank)), reverse=True):
+            if ckpt_id in own and read(own[ckpt_id]):
+                return own[ckpt_id]
+            try:
+                path = rebuild_rank_file(cfg, rank, ckpt_id)
+            except RecoveryError as exc:
+                refused.append(f"level 3 checkpoint {ckpt_id}, rank file rebuilt from FTI's parity: {exc}")
+                continue
+            rebuilt = FtiRunFile(3, ckpt_id, path, own[ckpt_id].meta if ckpt_id in own else
+                                 (Path(cfg.meta_dir) / str(cfg.exec_id) / "l3" if cfg.ckpt_io == 1 else None), True)
+            if read(rebuilt):
+                return rebuilt
     raise NoCheckpointError(f"no checkpoint file of rank {rank} in the FTI run that {config} names can be "
                             "recovered" + "".join(f"\n  {why}" for why in refused))
