@@ -254,14 +254,14 @@ def test_the_first_var_id_of_a_restart_waits_for_the_checkpoints_in_flight(dirs,
         held.set()
         return real_find(self, *args, **kwargs)
 
-    def drain(self):  # waiting for it lets it go on, too
+    def quiesce(self):  # waiting for it lets it go on, too (the wait of a recovery's search: drain, then the heads)
         held.set()
-        return real_drain(self)
+        return real_quiesce(self)
 
-    real_drain = AsyncCheckpoints.drain
+    real_quiesce = AsyncCheckpoints.quiesce
     monkeypatch.setattr(Committer, "checkpoint", checkpoint)
     monkeypatch.setattr(Recovery, "find", find)
-    monkeypatch.setattr(AsyncCheckpoints, "drain", drain)
+    monkeypatch.setattr(AsyncCheckpoints, "quiesce", quiesce)
     handle = restart.checkpoint(2, 1, wait=False)
     assert restart.var_id("u", create=False) == 0
     handle.result()
