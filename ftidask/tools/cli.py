@@ -64,8 +64,8 @@ def _check(path: Path) -> tuple[str, object]:
         return "ok", parsed
     except (FormatError, OSError) as exc:
         if "not an FTI-FF file" in str(exc):  # no metadata of its own: maybe FTI's POSIX I/O, checked with its meta
-            return "damaged", (f"{exc}; a checkpoint file of FTI's POSIX I/O (ckpt_io = 1) is checked with its meta "
-                               "file: ftidask verify PATH --meta META_DIR")
+            what = "FTI's POSIX dCP file" if path.name.startswith("dcp-id") else "a checkpoint file of FTI's POSIX I/O"
+            return "damaged", f"{exc}; {what} (ckpt_io = 1) is checked with its meta file: verify PATH --meta META_DIR"
         return "damaged", str(exc)
 
 
