@@ -78,6 +78,16 @@ def test_layers_appended_after_the_meta_file_are_not_read(dirs, k):
     assert {vid: bytes(b) for vid, b in got.data.items()} == _expected(k)
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_the_unsigned_long_layout_of_earlier_fti_is_read_bit_for_bit(k):
+    """FTI's src/diff-checkpoint-posix.c (commit 042fdb56: 8-byte block size and variable sizes), stack size 2:
+    tests/data/fti_dcp_posix/ulong."""
+    where = DATA / "ulong" / f"ckpt{k}"
+    got = read_dcp_posix(next(where.glob("dcp-id*-rank0.fti")), where / "sector0-group0.fti")
+    assert {vid: bytes(b) for vid, b in got.data.items()} == {
+        vid: (where / f"var{vid}.bin").read_bytes() for vid in (3, 5)}
+
+
 def _flip(path: Path, offset: int, mask: int = 0x10) -> None:
     raw = bytearray(path.read_bytes())
     raw[offset] ^= mask
