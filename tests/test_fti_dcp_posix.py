@@ -21,7 +21,7 @@ import pytest
 
 import ftidask
 from ftidask.errors import NoCheckpointError, RecoveryError
-from ftidask.ftiff.fti_dcp_posix import read_dcp_posix
+from ftidask.ftiff.fti_dcp_posix import read_dcp_head, read_dcp_posix
 from ftidask.model.errors import FormatError
 from ftidask.tools.cli import main as cli_main
 from ftidask.tools.fti_run import fti_run_files, recover_fti_run
@@ -148,7 +148,7 @@ def _assert_clean(path: Path, meta: Path) -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_hostile_header_fields_give_format_errors_only(tmp_path, seed):
+def test_hostile_header_fields_give_format_errors_only(tmp_path, seed):  # read_dcp_head (inspect) too
     """Seeded fuzz over the fields no hash covers: file header, layer headers, variable headers, block headers,
     set to huge, negative, zero or off-by-one values."""
     rng = random.Random(seed)
@@ -166,6 +166,10 @@ def test_hostile_header_fields_give_format_errors_only(tmp_path, seed):
             struct.pack_into(fmt.replace("i", "I").replace("h", "H"), raw, offset, value)
         path.write_bytes(bytes(raw))
         _assert_clean(path, meta)
+        try:
+            read_dcp_head(path)
+        except FormatError:
+            pass
 
 
 @pytest.mark.parametrize("key, values", [
@@ -200,6 +204,51 @@ def test_cli_verify_recognises_a_dcp_file(tmp_path, capsys):
     assert "FTI's POSIX dCP file" in capsys.readouterr().out
 
 
+def test_cli_inspect_and_list_recognise_a_dcp_file(tmp_path, capsys):
+    """inspect prints the header and layer 0; list checks the file against its run's meta file (level 4, else 1)
+    and says what it holds, or why not; the FTI-FF table does not count it as a damaged FTI-FF file."""
+    run = _run(tmp_path)
+    path = run / "Global/20260101-000000/dCP" / FILE_OF[5]
+    assert cli_main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "FTI POSIX differential checkpoint file" in out and "block size 512, stack size 3" in out
+    assert "layer 0: checkpoint 4" in out and "id 1000: 1300 bytes" in out
+    assert cli_main(["inspect", str(path), "--json"]) == 0
+    assert '"variables"' in capsys.readouterr().out
+    assert cli_main(["list", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "DAMAGED" not in out and f"{FILE_OF[5]}: sound" in out and "id 1000: 600 bytes" in out
+    _flip(path, 200)
+    assert cli_main(["list", str(run)]) == 0
+    assert "DAMAGED: " in capsys.readouterr().out
+    (run / "Meta/20260101-000000/l4/sector0-group0.fti").unlink()
+    assert cli_main(["list", str(run)]) == 0
+    assert "no meta file of run 20260101-000000 names it" in capsys.readouterr().out
+    path.write_bytes(b"\x00\x02\x00")  # cut inside the header: inspect says so, no traceback
+    assert cli_main(["inspect", str(path)]) == 2
+    assert "shorter than a dCP file header" in capsys.readouterr().err
+
+
+def test_hostile_variable_sizes_ask_for_no_memory(tmp_path):
+    """A size the layers cannot hold (both of the meta file's records of it changed) is refused before any buffer
+    of that size is made."""
+    path, meta = _copy(tmp_path, 3)
+    text = meta.read_text()
+    meta.write_text(re.sub(r"(?m)^((dcp_layer\d_)?var0_size\s*=).*$", r"\g<1> 99999999999999", text))
+    with pytest.raises(FormatError, match="blocks, the layers hold"):
+        read_dcp_posix(path, meta)
+
+
+def _run(tmp_path: Path) -> Path:
+    """An FTI run's directories as of checkpoint 5: the dCP file in L4's dCP directory, the meta file of l4."""
+    run = tmp_path / "run"
+    (run / "Global/20260101-000000/dCP").mkdir(parents=True)
+    (run / "Meta/20260101-000000/l4").mkdir(parents=True)
+    shutil.copy(DATA / "ckpt5" / FILE_OF[5], run / "Global/20260101-000000/dCP")
+    shutil.copy(DATA / "ckpt5" / "sector0-group0.fti", run / "Meta/20260101-000000/l4")
+    return run
+
+
 def _config(root: Path, **keys) -> Path:
     values = {"ckpt_dir": root / "Local", "glbl_dir": root / "Global", "meta_dir": root / "Meta", "node_size": 1,
               "group_size": 1, "local_test": 0, "ckpt_io": 1, "failure": 1, "exec_id": "20260101-000000"} | keys
@@ -212,11 +261,7 @@ def _config(root: Path, **keys) -> Path:
 
 def test_fti_run_files_lists_the_dcp_file_where_fti_keeps_it(tmp_path, dirs):
     """Inline L4: the global dCP directory, the meta file of level 4 (FTI_InitDCPPosix, FTI_WriteMetadata)."""
-    run = tmp_path / "run"
-    (run / "Global/20260101-000000/dCP").mkdir(parents=True)
-    (run / "Meta/20260101-000000/l4").mkdir(parents=True)
-    shutil.copy(DATA / "ckpt5" / FILE_OF[5], run / "Global/20260101-000000/dCP")
-    shutil.copy(DATA / "ckpt5" / "sector0-group0.fti", run / "Meta/20260101-000000/l4")
+    run = _run(tmp_path)
     config = _config(run)
     files = fti_run_files(config, 0)
     assert [(f.level, f.ckpt_id, f.path.name, f.meta) for f in files] == [

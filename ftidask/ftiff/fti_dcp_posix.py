@@ -207,6 +207,10 @@ def _apply(block: int, sizes: dict[int, int], base: dict[int, memoryview],
                               "a block header is damaged", path=where)
     out: dict[int, memoryview] = {}
     for vid, size in sizes.items():
+        held = -(-len(base.get(vid, b"")) // block) + sum(e[0] == vid for entries in later for e in entries)
+        if -(-size // block) > held:  # checked before allocating: a hostile size asks for no memory
+            raise FormatError(f"variable {vid}: its {size} bytes are {-(-size // block)} blocks, the layers hold "
+                              f"{held} of it", path=where)
         buf = bytearray(size)
         covered = set()
         first = base.get(vid, memoryview(b""))
@@ -267,3 +271,38 @@ def read_dcp_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -
         raise FormatError(f"the newest layer counts {heads[-1][1]} variables, the meta file lists {len(sizes)}",
                           path=where)
     return PosixFile(os.fspath(path), str(meta_path), _apply(block, sizes, base, later, os.fspath(path)))
+
+
+def read_dcp_head(path: str | os.PathLike[str]) -> dict:
+    """What a dCP file says of itself, without its meta file: layout, block and stack size, layer 0's checkpoint id
+    and variables (id, bytes), the file's size. Later layers' bounds are in the meta file only (FormatError if the
+    header or layer 0 does not hold together)."""
+    try:
+        with open_read(path) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(24)
+            block, stack, size_fmt = _file_header(memoryview(head), os.fspath(path))
+            pos = struct.calcsize(size_fmt) + 4
+            if len(head) < pos + 8:
+                raise FormatError("the file ends inside layer 0's header", path=os.fspath(path))
+            ckpt_id, nb_var = struct.unpack_from("<ii", head, pos)
+            pos += 8
+            entry = struct.Struct("<i" + size_fmt[1])
+            variables: list[tuple[int, int]] = []
+            for _ in range(max(nb_var, 0)):
+                fh.seek(pos)
+                raw = fh.read(entry.size)
+                if len(raw) < entry.size:
+                    raise FormatError(f"the file ends inside layer 0's variable {len(variables)}", path=os.fspath(path))
+                vid, nbytes = entry.unpack(raw)
+                pos += entry.size + -(-nbytes // block) * block
+                if pos > size:
+                    raise FormatError(f"variable {vid}'s {nbytes} bytes run past the end of the file",
+                                      path=os.fspath(path))
+                variables.append((vid, nbytes))
+    except OSError as exc:
+        raise FormatError(f"cannot read: {exc}", path=os.fspath(path)) from None
+    if nb_var < 0:
+        raise FormatError(f"layer 0 counts {nb_var} variables", path=os.fspath(path))
+    return {"layout": "uint32" if size_fmt == "<I" else "unsigned long", "block_size": block, "stack_size": stack,
+            "ckpt_id": ckpt_id, "variables": variables, "layer0_size": pos, "file_size": size}
