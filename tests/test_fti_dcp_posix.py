@@ -101,6 +101,8 @@ def _flip(path: Path, offset: int, mask: int = 0x10) -> None:
     (4648 + 8 + 6 + 3, "layer 1's blocks do not match"),  # a byte of layer 1's first block
     (4648 + 8 + 2, "not in FTI.s order"),  # block 0 of layer 1 named block 4, the next one
     (5692 + 8 + 518 + 300, "layer 2's blocks do not match"),
+    (5692, "the newest layer is checkpoint 19, the meta file's ckpt_id is 3"),  # its checkpoint id: 3 ^ 0x10
+    (5696, "the newest layer counts 19 variables"),
 ])
 def test_a_flipped_byte_is_refused_and_arrays_untouched(tmp_path, dirs, offset, match):
     path, meta = _copy(tmp_path, 3)
@@ -202,6 +204,32 @@ def test_cli_verify_recognises_a_dcp_file(tmp_path, capsys):
     assert "DAMAGED" in out and "layer 1's blocks do not match" in out
     assert cli_main(["verify", str(path)]) == 1  # without its meta file: says what the file is and how to check it
     assert "FTI's POSIX dCP file" in capsys.readouterr().out
+
+
+def test_level_1_dcp_files_are_listed_after_level_1_s_own_files(tmp_path, dirs):
+    """L4 not inline: FTI writes the dCP file to L1's dCP directory, {ckpt_dir}/{exec_id}/dCP, meta file of l1."""
+    run = tmp_path / "run"
+    (run / "Local/20260101-000000/dCP").mkdir(parents=True)
+    (run / "Local/20260101-000000/l1").mkdir(parents=True)
+    (run / "Meta/20260101-000000/l1").mkdir(parents=True)
+    shutil.copy(DATA / "ckpt3" / FILE_OF[3], run / "Local/20260101-000000/dCP")
+    shutil.copy(DATA / "ckpt3" / "sector0-group0.fti", run / "Meta/20260101-000000/l1")
+    (run / "Local/20260101-000000/l1/Ckpt9-Rank0.fti").write_bytes(b"not described by the meta file")
+    files = fti_run_files(_config(run), 0)
+    assert [(f.level, f.path.name) for f in files] == [(1, "Ckpt9-Rank0.fti"), (1, FILE_OF[3])]
+    ctx = ftidask.init(**dirs)
+    arrays = _protect(ctx, 3)
+    found = recover_fti_run(ctx, _config(run), 0)
+    assert (found.level, found.path.name, found.meta) == (1, FILE_OF[3], run / "Meta/20260101-000000/l1")
+    assert {vid: a.tobytes() for vid, a in arrays.items()} == _expected(3)
+    ctx.finalize()
+
+
+def test_recover_file_without_its_meta_file_says_how_to_read_it(dirs):
+    ctx = ftidask.init(**dirs)
+    arrays = _protect(ctx, 5)
+    _refused(ctx, arrays, DATA / "ckpt5" / FILE_OF[5], None, r"read with its meta file: recover_file\(path, meta=")
+    ctx.finalize()
 
 
 def test_cli_inspect_and_list_recognise_a_dcp_file(tmp_path, capsys):
