@@ -35,7 +35,6 @@ import hashlib
 import os
 import re
 import struct
-from pathlib import Path
 
 from ..model.errors import FormatError
 from ..storage.files import open_read
@@ -52,13 +51,6 @@ _VAR_BITS, _BLOCK_BITS = 18, 30
 def is_dcp_file(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is named as FTI names its POSIX dCP files, ``dcp-id{f}-rank{r}.fti``."""
     return DCP_NAME.fullmatch(os.path.basename(os.fspath(path))) is not None
-
-
-def dcp_files(root: Path) -> list[Path]:
-    """FTI's POSIX dCP files in the directory ``root``, by file id then rank."""
-    found = [(tuple(map(int, m.groups())), p) for p in root.glob("dcp-id*-rank*.fti")
-             if (m := DCP_NAME.fullmatch(p.name)) and p.is_file()]
-    return [p for _key, p in sorted(found)]
 
 
 def _count(values: dict[str, str], key: str, where: str, signed: bool = False) -> int:
@@ -178,7 +170,7 @@ def _parse_layers(raw: memoryview, layers: list[tuple[int, str]], where: str) ->
                 low, high = struct.unpack("<IH", cur.take(_BLOCK_META, "block header"))
                 data = cur.take(block, "block")
                 word = low | high << 32
-                entries.append((word & (1 << _VAR_BITS) - 1, word >> _VAR_BITS, data))
+                entries.append((word & (1 << _VAR_BITS) - 1, word >> _VAR_BITS & (1 << _BLOCK_BITS) - 1, data))
                 blocks.append(data)
             later.append(entries)
         if cur.pos != cur.end:

@@ -15,12 +15,13 @@ from pathlib import Path
 from ..engine.runstate import RunState, check_exec_id, unsealed_record
 from ..ftiff.dump import to_json, to_text
 from ..ftiff.filekind import is_config_file
+from ..ftiff.fti_dcp_posix import is_dcp_file
 from ..ftiff.reader import parse_ftiff, verify_data
 from ..model.config import Config, load_config
 from ..model.errors import ConfigError, FormatError, FTIError
 from ..storage import runlock
 from ..storage.files import find_paths, open_read, read_json, remove_inside
-from .fti_files_cli import fti_parity_problem, inspect_dcp, is_dcp_name, list_dcp_files
+from .fti_files_cli import fti_parity_problem, inspect_dcp, list_dcp_files
 
 DESCRIPTION = ("Inspect, verify, list and clean the checkpoints of ftidask (FTI-FF files), export one to Zarr "
                "or import a Zarr store. Run 'ftidask COMMAND --help' for a command's options.")
@@ -113,7 +114,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if is_config_file(Path(args.file)):  # a checkpoint is binary: this is FTI's config.fti, not Ckpt*-Rank*.fti
         return _error(f"{args.file} is a config file, not a checkpoint file: `ftidask list --config {args.file}` "
                       "lists its run's checkpoints, and inspect takes one of their Ckpt*-Rank*.fti files")
-    if is_dcp_name(args.file):  # FTI's POSIX dCP file: its own layout, checked with its meta file
+    if is_dcp_file(args.file):  # FTI's POSIX dCP file: its own layout, checked with its meta file
         return inspect_dcp(args.file, args.json)
     try:
         with open_read(args.file) as fh:

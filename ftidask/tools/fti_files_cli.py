@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..ftiff.fti_dcp_posix import DCP_NAME, read_dcp_head, read_dcp_posix
+from ..ftiff.fti_dcp_posix import DCP_NAME, is_dcp_file, read_dcp_head, read_dcp_posix
 from ..model.errors import FormatError
 from ..storage.files import find_paths, open_read
 
@@ -29,11 +29,6 @@ def fti_parity_problem(path: Path) -> str:
     if parity is None:  # not FTI's: ftidask's parity file, its record missing (check_parity says so)
         return check_parity(path)
     return f"{path}: {problem}" if problem else ""
-
-
-def is_dcp_name(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is named as FTI names a POSIX dCP file."""
-    return DCP_NAME.fullmatch(os.path.basename(os.fspath(path))) is not None
 
 
 def inspect_dcp(path: str, as_json: bool) -> int:
@@ -60,7 +55,7 @@ def inspect_dcp(path: str, as_json: bool) -> int:
 def list_dcp_files(roots: list[Path], meta: Path) -> int:
     """``ftidask list``: FTI's POSIX dCP files under ``roots`` (``{exec_id}/dCP/``), each checked against the meta
     file of level 4, else 1, of its run under ``meta``; 0."""
-    found = [p for root in roots for p in find_paths(root, "dcp-id*-rank*.fti") if is_dcp_name(p)]
+    found = [p for root in roots for p in find_paths(root, "dcp-id*-rank*.fti") if is_dcp_file(p)]
     if found:
         print("\nFTI POSIX differential checkpoint files (read with recover_file(path, meta=...)):")
     for path in found:
