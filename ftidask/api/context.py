@@ -260,7 +260,7 @@ class Context(StagingCalls):
         return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
 
     def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None) -> dict[int, Any]:
-        """Fill the protected arrays from one verified FTI-FF file, or (``meta``) FTI POSIX file (docs/format.md)."""
+        """Fill the protected arrays from a verified FTI-FF file, or (``meta``) FTI POSIX/dCP file (docs/format.md)."""
         self._check_open()
         self._icp_slot.check_none_open(RecoveryError)  # as recover(): the iCP would commit a mix of both
         self._async.drain()

@@ -21,7 +21,7 @@ Later versions (src/meta.c with ``FTIT_keymap``) add a ``[ckpt_info]`` section (
 :data:`_HEX15`). The section is found by the file's name; the file must have the recorded size and checksum, and
 it is read whole into memory and hashed there, so the bytes given to the arrays are the bytes checked. Names are
 not needed and not read. FTI's POSIX differential checkpoints (``ckpt_type = dcp``, ``dcp_layer*`` keys: layers
-of blocks) are refused: those files are not read.
+of blocks) are FTI's ``dcp-id{f}-rank{r}.fti`` files, read by :mod:`ftidask.ftiff.fti_dcp_posix`.
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ def _read_meta(path: Path) -> configparser.ConfigParser:
 #: copy after the rank that keeps it (``Pcof{r}``: its left neighbour's bytes), FTI_RSenc a parity file after its rank.
 _PCOF = re.compile(r"Ckpt(\d+)-Pcof(\d+)\.fti")
 _RSED = re.compile(r"Ckpt(\d+)-RSed(\d+)\.fti")
+_DCP = re.compile(r"dcp-id\d{1,9}-rank\d{1,9}\.fti")  # FTI's POSIX dCP files (ftidask.ftiff.fti_dcp_posix)
 _PARITY_REFUSED = ("FTI's level-3 Reed-Solomon parity file (RSed): parity, not a checkpoint (its MD5 is checked by "
                    "ftidask verify PATH --meta META; ftidask.tools.fti_run.recover_fti_run decodes it with its group's "
                    "files to rebuild a lost level-3 rank file)")
@@ -136,11 +137,13 @@ def find_section(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> 
     for meta_path in meta_files(meta):
         ini = _read_meta(meta_path)
         kind = ini.get("ckpt_info", "ckpt_type", fallback="full").strip().lower()
+        info = {"ckpt_type": kind} | ({"ckpt_info_ckpt_id": ini.get("ckpt_info", "ckpt_id").strip()}
+                                     if ini.has_option("ckpt_info", "ckpt_id") else {})
         if not _PCOF.fullmatch(name):
             for section in ini.sections():
                 values = {k.lower(): v.strip() for k, v in ini.items(section)}
                 if values.get("ckpt_file_name") == owner:
-                    return meta_path, values | {"ckpt_type": kind}
+                    return meta_path, values | info
             continue
         procs = _process_sections(ini)
         keeper = next((g for g, values in procs.items() if values.get("ckpt_file_name") == owner), None)
@@ -149,7 +152,7 @@ def find_section(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> 
         if sorted(procs) != list(range(len(procs))):
             raise FormatError(f"the process sections are {sorted(procs)}, not [0] to [{len(procs) - 1}]: the left "
                               f"partner of {owner}, whose copy {name} is, cannot be told", path=str(meta_path))
-        return meta_path, procs[(keeper - 1) % len(procs)] | {"ckpt_type": kind}
+        return meta_path, procs[(keeper - 1) % len(procs)] | info
     raise FormatError(f"no section of the FTI meta file(s) names {owner} (ckpt_file_name)"
                       + (f", the rank file whose node keeps {name}" if owner != name else ""), path=os.fspath(meta))
 
@@ -229,11 +232,14 @@ def read_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> Po
         raise FormatError(other, path=os.fspath(path))
     if _RSED.fullmatch(os.path.basename(os.fspath(path))):
         raise FormatError(_PARITY_REFUSED, path=os.fspath(path))
+    if _DCP.fullmatch(os.path.basename(os.fspath(path))):  # its layers: ftidask.ftiff.fti_dcp_posix
+        from .fti_dcp_posix import read_dcp_posix
+        return read_dcp_posix(path, meta)
     meta_path, values = find_section(path, meta)
     where = f"{meta_path} [{os.path.basename(os.fspath(path))}]"
     if values["ckpt_type"] != "full" or any(key.startswith("dcp") for key in values):
-        raise FormatError("FTI's POSIX differential checkpoint (dCP layers) files are not read by ftidask; "
-                          "FTI-FF files (ckpt_io = 3), differential or not, are", path=where)
+        raise FormatError("the meta file describes a differential checkpoint (dCP layers), kept by FTI in "
+                          "dcp-id{f}-rank{r}.fti files, not in this one", path=where)
     size = _int(values, "ckpt_file_size", where)
     checksum = values.get("ckpt_checksum", "").lower()
     if not (_HEX32.fullmatch(checksum) or _HEX15.fullmatch(checksum)):
@@ -261,8 +267,8 @@ def checksum_matches(digest: str, checksum: str) -> bool:
 
 
 def posix_files(root: Path) -> list[Path]:
-    """FTI's POSIX files in the directory ``root``: rank files, partner copies, parity files."""
-    return sorted(p for pattern in ("Ckpt*-Rank*.fti", "Ckpt*-Pcof*.fti", "Ckpt*-RSed*.fti")
+    """FTI's POSIX files in the directory ``root``: rank files, partner copies, parity files, dCP files."""
+    return sorted(p for pattern in ("Ckpt*-Rank*.fti", "Ckpt*-Pcof*.fti", "Ckpt*-RSed*.fti", "dcp-id*-rank*.fti")
                   for p in root.glob(pattern) if p.is_file())
 
 

@@ -15,11 +15,13 @@ from pathlib import Path
 from ..engine.runstate import RunState, check_exec_id, unsealed_record
 from ..ftiff.dump import to_json, to_text
 from ..ftiff.filekind import is_config_file
+from ..ftiff.fti_dcp_posix import is_dcp_file
 from ..ftiff.reader import parse_ftiff, verify_data
 from ..model.config import Config, load_config
 from ..model.errors import ConfigError, FormatError, FTIError
 from ..storage import runlock
 from ..storage.files import find_paths, open_read, read_json, remove_inside
+from .fti_files_cli import fti_parity_problem, inspect_dcp, list_dcp_files
 
 DESCRIPTION = ("Inspect, verify, list and clean the checkpoints of ftidask (FTI-FF files), export one to Zarr "
                "or import a Zarr store. Run 'ftidask COMMAND --help' for a command's options.")
@@ -64,16 +66,16 @@ def _check(path: Path) -> tuple[str, object]:
         return "ok", parsed
     except (FormatError, OSError) as exc:
         if "not an FTI-FF file" in str(exc):  # no metadata of its own: maybe FTI's POSIX I/O, checked with its meta
-            return "damaged", (f"{exc}; a checkpoint file of FTI's POSIX I/O (ckpt_io = 1) is checked with its meta "
-                               "file: ftidask verify PATH --meta META_DIR")
+            what = "FTI's POSIX dCP file" if path.name.startswith("dcp-id") else "a checkpoint file of FTI's POSIX I/O"
+            return "damaged", f"{exc}; {what} (ckpt_io = 1) is checked with its meta file: verify PATH --meta META_DIR"
         return "damaged", str(exc)
 
 
 def _ftiff_files(root: Path) -> list[Path]:
     # Parity files (RSed) are not FTI-FF files: `verify` checks them against their .hash record (_parity_files).
     # A config named config.fti (FTI's examples) is told apart by its content.
-    return [p for p in find_paths(root, "*.fti")
-            if "-RSed" not in p.name and not p.name.startswith(".") and not is_config_file(p)]
+    return [p for p in find_paths(root, "*.fti")  # FTI's POSIX dCP files are not FTI-FF: list_dcp_files shows them
+            if "-RSed" not in p.name and not p.name.startswith((".", "dcp-id")) and not is_config_file(p)]
 
 
 def _parity_files(root: Path) -> list[Path]:
@@ -83,7 +85,7 @@ def _parity_files(root: Path) -> list[Path]:
 def _check_parity(path: Path) -> tuple[str, object]:
     from ..levels.rs import check_parity, hash_path
 
-    problem = check_parity(path) if hash_path(path).exists() else _fti_parity_problem(path)
+    problem = check_parity(path) if hash_path(path).exists() else fti_parity_problem(path)
     return ("damaged", problem) if problem else ("ok", None)
 
 
@@ -105,22 +107,6 @@ def _whole_file_problem(path: Path) -> str:
     return ""
 
 
-def _fti_parity_problem(path: Path) -> str:
-    """A parity file without ftidask's .hash record: FTI's own (its MD5 checked), else ftidask's without record."""
-    from ..ftiff.ftiparity import parity_problem, sniff_parity
-    from ..levels.rs import check_parity
-
-    try:
-        with open_read(path) as fh:
-            parity = sniff_parity(fh.fileno(), os.fstat(fh.fileno()).st_size)
-            problem = parity_problem(fh.fileno(), parity) if parity is not None else ""
-    except OSError as exc:
-        return f"{path}: {exc}"
-    if parity is None:  # not FTI's: ftidask's parity file, its record missing (check_parity says so)
-        return check_parity(path)
-    return f"{path}: {problem}" if problem else ""
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``ftidask inspect FILE``: print a checkpoint file's structure (blocks, containers, variables)."""
     from ..engine.pystate import read_states
@@ -128,6 +114,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if is_config_file(Path(args.file)):  # a checkpoint is binary: this is FTI's config.fti, not Ckpt*-Rank*.fti
         return _error(f"{args.file} is a config file, not a checkpoint file: `ftidask list --config {args.file}` "
                       "lists its run's checkpoints, and inspect takes one of their Ckpt*-Rank*.fti files")
+    if is_dcp_file(args.file):  # FTI's POSIX dCP file: its own layout, checked with its meta file
+        return inspect_dcp(args.file, args.json)
     try:
         with open_read(args.file) as fh:
             parsed = parse_ftiff(fh, args.file)
@@ -254,7 +242,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             groups.setdefault(_key(path, kind, detail), []).append((path, kind, detail))
     if not groups:
         print(f"no checkpoints under {', '.join(map(str, roots))}")
-        return 0
+        return list_dcp_files(roots, meta)
     print(f"{'exec_id':32} {'id':>5} {'level':>5} {'seq':>5} {'time':19} {'files':>5} {'bytes':>14}  state")
     for (exec_id, seq), files in sorted(groups.items()):
         sound = [d for _p, k, d in files if k == "ok"]
@@ -273,7 +261,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         level = record.level if record is not None else table.get("level", "?")  # (raised to L4 after the write)
         print(f"{exec_id:32} {table.get('ckpt_id', '?'):>5} {level:>5} {seq:>5} {when:19} "
               f"{len(files):>5} {size:>14}  {state}")
-    return 0
+    return list_dcp_files(roots, meta)
 
 
 def _runs_to_clean(args: argparse.Namespace, meta: Path) -> set[str]:

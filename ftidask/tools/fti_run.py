@@ -8,6 +8,8 @@ FTI keeps one rank's files in its run's directories (src/conf.c ``FTI_CreateDirs
     {ckpt_dir}[/node{node}]/{exec_id}/l3/Ckpt{id}-Rank{rank}.fti      (its parity Ckpt{id}-RSed{rank}.fti beside it)
     {glbl_dir}/{exec_id}/l4/Ckpt{id}-Rank{rank}.fti
     {meta_dir}/{exec_id}/l{level}/sector{s}-group{g}.fti              POSIX I/O (ckpt_io = 1) only
+    {ckpt_dir}[/node{node}]/{exec_id}/dCP/dcp-id{f}-rank{rank}.fti      POSIX dCP (meta of l1), after l1's files
+    {glbl_dir}/{exec_id}/dCP/dcp-id{f}-rank{rank}.fti                  POSIX dCP, inline L4 (meta of l4), after l4's
 
 ``rank`` is the process's rank in FTI's global communicator (heads included). The partner copy of rank ``r`` is kept
 by the process at the same place on the next node of its group (``FTI_Topo->right``) and named after that keeper's
@@ -35,8 +37,8 @@ from .fti_l3 import l3_checkpoint_ids, rebuild_rank_file
 
 @dataclasses.dataclass(frozen=True)
 class FtiRunFile:
-    """One place FTI may keep a rank's checkpoint: its level, checkpoint id, the file, and (POSIX I/O) the
-    directory of the meta files that describe it (None for FTI-FF, whose files describe themselves)."""
+    """One place FTI may keep a rank's checkpoint: its level, checkpoint id (a POSIX dCP file's file id), the file,
+    and (POSIX I/O) the directory of the meta files that describe it (None for FTI-FF: they describe themselves)."""
 
     level: int
     ckpt_id: int
@@ -89,6 +91,9 @@ def fti_run_files(config: str | os.PathLike[str] | Config, rank: int) -> list[Ft
                   (local(right) / "l2", rf"Ckpt(\d+)-Pcof{keeper}\.fti")],
               3: [(local(node) / "l3", rf"Ckpt(\d+)-Rank{rank}\.fti")],
               4: [(Path(cfg.glbl_dir) / str(exec_id) / "l4", rf"Ckpt(\d+)-Rank{rank}\.fti")]}
+    if cfg.ckpt_io == 1:  # POSIX dCP files: L1's dCP directory, L4's (inline L4), FTI_InitDCPPosix
+        places[1].append((local(node) / "dCP", rf"dcp-id(\d+)-rank{rank}\.fti"))
+        places[4].append((Path(cfg.glbl_dir) / str(exec_id) / "dCP", rf"dcp-id(\d+)-rank{rank}\.fti"))
     levels = [4] if cfg.failure == 2 else [1, 2, 3, 4]
     return [FtiRunFile(level, ckpt_id, path, meta(level))
             for level in levels for folder, pattern in places[level] for ckpt_id, path in _ids(folder, pattern)]
