@@ -186,13 +186,12 @@ def test_damaged_dcp_file_is_refused_and_arrays_untouched(tmp_path, dirs):
     assert all(a.tobytes() == bytes([0x33]) * a.nbytes for a in arrays.values())
 
 
-@pytest.mark.parametrize(("name", "head", "mode"), [("Ckpt4-mpiio.fti", b"\1\2\3", "MPI-IO (ckpt_io = 2)"),
-                                                    ("Ckpt4-sionlib.fti", b"\1\2\3", "SIONlib (ckpt_io = 4)"),
+@pytest.mark.parametrize(("name", "head", "mode"), [("Ckpt4-sionlib.fti", b"\1\2\3", "SIONlib (ckpt_io = 4)"),
                                                     ("Ckpt4-Rank0.h5", b"\x89HDF\r\n\x1a\n", "HDF5 (ckpt_io = 5)")])
 def test_files_of_ftis_other_io_modes_are_refused_by_name(tmp_path, dirs, name, head, mode):
-    """FTI's MPI-IO file (every rank's bytes in one file, Ckpt{id}-mpiio.fti, while its meta file names each rank's
-    Ckpt{id}-Rank{r}.fti), SIONlib's and HDF5's are not read: said so, not "not an FTI-FF file" then, with the meta
-    file, "no section names it"."""
+    """FTI's SIONlib and HDF5 files are not read: said so, not "not an FTI-FF file" then, with the meta file, "no
+    section names it". (FTI's MPI-IO file, every rank's bytes in one Ckpt{id}-mpiio.fti, is read a rank at a time
+    with its meta files: tests/test_fti_mpiio.py.)"""
     path = tmp_path / name
     path.write_bytes(head + bytes(2000))
     meta = tmp_path / "sector0-group0.fti"

@@ -259,12 +259,13 @@ class Context(StagingCalls):
         :class:`NoCheckpointError` where FTI returns FTI_NSCS: on a fresh start, nothing is committed to recover."""
         return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
 
-    def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None) -> dict[int, Any]:
-        """Fill the protected arrays from a verified FTI-FF file, or (``meta``) FTI POSIX/dCP file (docs/format.md)."""
+    def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None,
+                     rank: int | None = None) -> dict[int, Any]:
+        """Fill the protected arrays from a verified FTI-FF file, or (``meta``) FTI's POSIX/dCP/MPI-IO file (docs)."""
         self._check_open()
         self._icp_slot.check_none_open(RecoveryError)  # as recover(): the iCP would commit a mix of both
         self._async.drain()
-        out = self.recovery.recover_file(path, meta)
+        out = self.recovery.recover_file(path, meta, rank)
         self.progress.recovered_ids.update(out)
         return out
 

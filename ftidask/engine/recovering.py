@@ -287,11 +287,11 @@ class Recovery(RunPart):
                  " (the previous differential checkpoint, kept as the spare)" if record.fallback else "")
         return targets.recovered()
 
-    def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None) -> dict[int, Any]:
-        """:meth:`ftidask.Context.recover_file` (this rank only)."""
-        recoverplan.check_paths(path, meta)
-        if meta is not None:  # FTI's POSIX file, described by its meta file
-            return recoverplan.recover_posix(self.variables, path, meta, self.progress)
+    def recover_file(self, path: Any, meta: Any = None, rank: Any = None) -> dict[int, Any]:  # checked: check_paths
+        """:meth:`ftidask.Context.recover_file` (this rank only; ``rank``: whose part of FTI's MPI-IO file)."""
+        recoverplan.check_paths(path, meta, rank)
+        if meta is not None:  # FTI's POSIX file (or MPI-IO's shared file), described by its meta files
+            return recoverplan.recover_posix(self.variables, path, meta, self.progress, rank, self.transport.rank)
         with self._verifying(None) as stage:
             verdict = check_file(Path(path), None, self.transport.rank, stage)
         try:

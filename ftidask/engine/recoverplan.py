@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..ftiff.fti_mpiio import check_rank, is_mpiio_file, read_mpiio
 from ..ftiff.posix import other_io_mode, read_posix
 from ..model.arrays import ArrayBytes, check_id
 from ..model.errors import FormatError, FTIError, ProtectError, RecoveryError
@@ -193,15 +194,20 @@ def moved(vid: int, decl: Mapping[str, Any] | None, parsed: Any) -> str:
 
 
 def recover_posix(protected: Mapping[int, Any], path: str | os.PathLike[str], meta: str | os.PathLike[str],
-                  progress: Any) -> dict[int, Any]:
-    """``recover_file(path, meta=...)``: FTI's POSIX checkpoint file ``path``, described by its meta file ``meta``
-    (:mod:`ftidask.ftiff.posix`), verified whole (size, MD5) before every protected variable is checked against
-    it (each must be there, of its size: FTI stores bytes, no dtype or shape) and filled; else a RecoveryError
-    with nothing touched."""
+                  progress: Any, rank: int | None = None, own_rank: int = 0) -> dict[int, Any]:
+    """``recover_file(path, meta=..., rank=...)``: FTI's POSIX checkpoint file ``path``, described by its meta file
+    ``meta`` (:mod:`ftidask.ftiff.posix`), or rank ``rank``'s part (default ``own_rank``, this context's) of FTI's
+    MPI-IO file (:mod:`ftidask.ftiff.fti_mpiio`), verified whole (size, MD5) before every protected variable is
+    checked against it (each must be there, of its size: FTI stores bytes, no dtype or shape) and filled; else a
+    RecoveryError with nothing touched."""
     try:
-        parsed = read_posix(path, meta)
+        if is_mpiio_file(path):
+            parsed = read_mpiio(path, meta, own_rank if rank is None else rank)
+        else:
+            parsed = read_posix(path, meta)
     except FormatError as exc:
-        raise RecoveryError(f"cannot recover from FTI's POSIX file: {exc}") from None
+        what = "FTI's MPI-IO file" if is_mpiio_file(path) else "FTI's POSIX file"
+        raise RecoveryError(f"cannot recover from {what}: {exc}") from None
     targets = plan(protected, parsed, None)
     if targets.problem:
         raise RecoveryError(targets.problem)
@@ -213,13 +219,22 @@ def recover_posix(protected: Mapping[int, Any], path: str | os.PathLike[str], me
     return targets.recovered()
 
 
-def check_paths(path: Any, meta: Any) -> None:
+def check_paths(path: Any, meta: Any, rank: Any = None) -> None:
     """recover_file's ``path`` and ``meta`` (or None): paths, else a RecoveryError naming the argument (before,
-    None or 5 was pathlib's TypeError)."""
+    None or 5 was pathlib's TypeError); ``rank`` (or None) a rank, given only for FTI's MPI-IO file."""
     for what, value in (("path", path), ("meta", meta)):
         if not isinstance(value, (str, os.PathLike)) and (what == "path" or value is not None):
             raise RecoveryError(f"recover_file({what}=...) takes a path (str or os.PathLike)"
                                 f"{'' if what == 'path' else ' or None'}, got {type(value).__name__} {value!r}")
+    if rank is None:
+        return
+    if not is_mpiio_file(path):
+        raise RecoveryError("recover_file(rank=...) names whose part to read of FTI's MPI-IO file (Ckpt{id}-mpiio.fti, "
+                            f"every rank's bytes in one file); {os.fspath(path)} is not one")
+    try:
+        check_rank(rank)
+    except FormatError as exc:
+        raise RecoveryError(f"recover_file(rank=...): {exc}") from None
 
 
 def hinted(message: str, path: str | os.PathLike[str]) -> str:

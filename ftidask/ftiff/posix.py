@@ -59,17 +59,20 @@ class PosixFile:
         return {vid: len(buf) for vid, buf in self.data.items()}
 
 
-#: FTI's other I/O modes' files: MPI-IO's one file of every rank's bytes (its meta file names each rank's
-#: Ckpt{id}-Rank{r}.fti, at an offset of it), SIONlib's container, HDF5's files (src/IO/mpio.c, sion-fti.c, hdf5-fti.c).
-_OTHER_MODES = ((re.compile(r"Ckpt-?\d+-mpiio\.fti"), "MPI-IO (ckpt_io = 2)"),
-                (re.compile(r"Ckpt-?\d+-sionlib\.fti"), "SIONlib (ckpt_io = 4)"))
+#: FTI's other I/O modes' files not read: SIONlib's container, HDF5's files (src/IO/sion-fti.c, hdf5-fti.c). MPI-IO's
+#: one file of every rank's bytes is read a rank at a time with its meta files (ftidask.ftiff.fti_mpiio).
+_OTHER_MODES = ((re.compile(r"Ckpt-?\d+-sionlib\.fti"), "SIONlib (ckpt_io = 4)"),)
+_MPIIO = re.compile(r"Ckpt\d{1,9}-mpiio\.fti")  # as ftidask.ftiff.fti_mpiio.MPIIO_NAME
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 
 
 def other_io_mode(path: str | os.PathLike[str]) -> str:
-    """'' or why ``path`` is not read: a checkpoint file of FTI's MPI-IO, SIONlib or HDF5 I/O (by its name, or
-    HDF5's signature at its start)."""
+    """'' or why ``path`` is not read as a file of its own: a checkpoint file of FTI's MPI-IO (read a rank at a time),
+    SIONlib or HDF5 I/O (by its name, or HDF5's signature at its start)."""
     name = os.path.basename(os.fspath(path))
+    if _MPIIO.fullmatch(name):
+        return ("FTI's MPI-IO (ckpt_io = 2) checkpoint file, every rank's part in one file: one rank's is read with "
+                "the meta files, recover_file(path, meta=META_DIR, rank=R) (ftidask.ftiff.fti_mpiio.read_mpiio)")
     mode = next((mode for pattern, mode in _OTHER_MODES if pattern.fullmatch(name)), "")
     if not mode:
         try:
@@ -267,15 +270,20 @@ def checksum_matches(digest: str, checksum: str) -> bool:
 
 
 def posix_files(root: Path) -> list[Path]:
-    """FTI's POSIX files in the directory ``root``: rank files, partner copies, parity files, dCP files."""
-    return sorted(p for pattern in ("Ckpt*-Rank*.fti", "Ckpt*-Pcof*.fti", "Ckpt*-RSed*.fti", "dcp-id*-rank*.fti")
+    """FTI's POSIX files in the directory ``root``: rank files, partner copies, parity files, dCP files, and MPI-IO's
+    shared files (their meta files are the POSIX mode's)."""
+    return sorted(p for pattern in ("Ckpt*-Rank*.fti", "Ckpt*-Pcof*.fti", "Ckpt*-RSed*.fti", "dcp-id*-rank*.fti",
+                                    "Ckpt*-mpiio.fti")
                   for p in root.glob(pattern) if p.is_file())
 
 
 def verify_posix(path: Path, meta: str | os.PathLike[str]) -> str:
-    """Check one of FTI's POSIX files (a rank file, a partner copy or a parity file) against its meta file; a note on
-    what could not be checked, or ''."""
+    """Check one of FTI's POSIX files (a rank file, a partner copy, a parity file, or MPI-IO's shared file: every rank's
+    part) against its meta file; a note on what could not be checked (or was: MPI-IO's parts), or ''."""
     if _RSED.fullmatch(path.name):
         return verify_posix_parity(path, meta)
+    if _MPIIO.fullmatch(path.name):  # every rank's part
+        from .fti_mpiio import verify_mpiio
+        return verify_mpiio(path, meta)
     read_posix(path, meta)
     return ""

@@ -167,7 +167,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _verify_posix(root: Path, meta: str) -> int:
-    """verify --meta: FTI's POSIX files (``root``, or its rank, partner and parity files) against FTI's meta file(s)."""
+    """verify --meta: FTI's POSIX files (``root``, or its rank, partner, parity, MPI-IO files) against meta files."""
     from ..ftiff.posix import posix_files, verify_posix
 
     files = [root] if root.is_file() else posix_files(root)
@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("verify", help="check every hash of a file, or of every file under a directory")
     p.add_argument("path")
-    p.add_argument("--meta", help="FTI's meta file (or its directory) of files of FTI's POSIX I/O (ckpt_io = 1)")
+    p.add_argument("--meta", help="FTI's meta file (or its directory) of files of FTI's POSIX I/O (ckpt_io = 1) or "
+                   "its MPI-IO file (ckpt_io = 2: every rank's part)")
     p.set_defaults(func=cmd_verify)
     for name, func, text in (("list", cmd_list, "list the checkpoints found"),
                              ("clean", cmd_clean, "remove a run's checkpoints")):

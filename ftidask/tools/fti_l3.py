@@ -176,7 +176,7 @@ def _rebuild(cfg: Config, rank: int, ckpt_id: int) -> Path:
     target = members[g][1] / f"Ckpt{ckpt_id}-Rank{rank}.fti"
     lost = [f"{target.name}: the file to rebuild"]
     with contextlib.ExitStack() as stack:
-        if cfg.ckpt_io == 1:
+        if cfg.ckpt_io in (1, 2):  # MPI-IO's levels 1-3 are POSIX files
             max_fs, size, readers, section = _posix_plan(cfg, ckpt_id, members, g, stack, lost)
         else:
             max_fs, size, readers, legacy = _ftiff_plan(ckpt_id, members, g, stack, lost)
@@ -188,7 +188,7 @@ def _rebuild(cfg: Config, rank: int, ckpt_id: int) -> Path:
         try:
             with os.fdopen(fd, "w+b") as out:
                 exact_end = fti_rs.rebuild(k, max_fs, readers, {g: out})
-                if cfg.ckpt_io == 1:
+                if cfg.ckpt_io in (1, 2):
                     _finish_posix(out, max_fs, size, exact_end, section.get("ckpt_checksum", "").lower())
                 else:
                     _finish_ftiff(out, max_fs, size, exact_end, tmp, legacy)

@@ -7,7 +7,8 @@ FTI keeps one rank's files in its run's directories (src/conf.c ``FTI_CreateDirs
     {ckpt_dir}[/node{right}]/{exec_id}/l2/Ckpt{id}-Pcof{keeper}.fti   the copy kept on the next node of the group
     {ckpt_dir}[/node{node}]/{exec_id}/l3/Ckpt{id}-Rank{rank}.fti      (its parity Ckpt{id}-RSed{rank}.fti beside it)
     {glbl_dir}/{exec_id}/l4/Ckpt{id}-Rank{rank}.fti
-    {meta_dir}/{exec_id}/l{level}/sector{s}-group{g}.fti              POSIX I/O (ckpt_io = 1) only
+    {glbl_dir}/{exec_id}/l4/Ckpt{id}-mpiio.fti                         MPI-IO (ckpt_io = 2): every rank's part
+    {meta_dir}/{exec_id}/l{level}/sector{s}-group{g}.fti              POSIX and MPI-IO I/O (ckpt_io = 1, 2) only
     {ckpt_dir}[/node{node}]/{exec_id}/dCP/dcp-id{f}-rank{rank}.fti      POSIX dCP (meta of l1), after l1's files
     {glbl_dir}/{exec_id}/dCP/dcp-id{f}-rank{rank}.fti                  POSIX dCP, inline L4 (meta of l4), after l4's
 
@@ -20,6 +21,8 @@ rank (``FTI_RecvPtner``); ranks are taken as placed node by node (``node = rank 
 the next level. At level 3 a rank file missing or refused is rebuilt from the other files of its group and FTI's parity
 (:mod:`ftidask.tools.fti_l3`: FTI_Decode's code, every file checked before use and the result verified before it is
 put in place), then read; too many losses or damaged parity is one more reason in the error, and level 4 is tried.
+With MPI-IO (``ckpt_io = 2``) levels 1-3 are POSIX files and level 4 FTI's shared file, of which the rank's part is
+read (:mod:`ftidask.ftiff.fti_mpiio`).
 """
 
 from __future__ import annotations
@@ -38,13 +41,15 @@ from .fti_l3 import l3_checkpoint_ids, rebuild_rank_file
 @dataclasses.dataclass(frozen=True)
 class FtiRunFile:
     """One place FTI may keep a rank's checkpoint: its level, checkpoint id (a POSIX dCP file's file id), the file,
-    and (POSIX I/O) the directory of the meta files that describe it (None for FTI-FF: they describe themselves)."""
+    and (POSIX I/O) the directory of the meta files that describe it (None for FTI-FF: they describe themselves);
+    ``rank``: whose part of FTI's MPI-IO shared file (None for a file of one rank)."""
 
     level: int
     ckpt_id: int
     path: Path
     meta: Path | None
     rebuilt: bool = False  # level 3: rebuilt from the group's files and FTI's parity (ftidask.tools.fti_l3)
+    rank: int | None = None
 
 
 def _config(config: str | os.PathLike[str] | Config) -> Config:
@@ -52,8 +57,8 @@ def _config(config: str | os.PathLike[str] | Config) -> Config:
     if cfg.exec_id is None:
         raise ConfigError("[restart] exec_id names the FTI run to read (FTI writes it there with failure = 1 once "
                           "its run has a checkpoint); this config has none")
-    if cfg.ckpt_io not in (1, 3):
-        raise ConfigError(f"ckpt_io = {cfg.ckpt_io}: only FTI's POSIX (1) and FTI-FF (3) runs are read")
+    if cfg.ckpt_io not in (1, 2, 3):
+        raise ConfigError(f"ckpt_io = {cfg.ckpt_io}: only FTI's POSIX (1), MPI-IO (2) and FTI-FF (3) runs are read")
     return cfg
 
 
@@ -84,18 +89,20 @@ def fti_run_files(config: str | os.PathLike[str] | Config, rank: int) -> list[Ft
         return Path(cfg.ckpt_dir) / (f"node{n}" if cfg.local_test else "") / str(exec_id)
 
     def meta(level: int) -> Path | None:
-        return Path(cfg.meta_dir) / str(exec_id) / f"l{level}" if cfg.ckpt_io == 1 else None
+        return Path(cfg.meta_dir) / str(exec_id) / f"l{level}" if cfg.ckpt_io in (1, 2) else None
 
     places = {1: [(local(node) / "l1", rf"Ckpt(\d+)-Rank{rank}\.fti")],
               2: [(local(node) / "l2", rf"Ckpt(\d+)-Rank{rank}\.fti"),
                   (local(right) / "l2", rf"Ckpt(\d+)-Pcof{keeper}\.fti")],
               3: [(local(node) / "l3", rf"Ckpt(\d+)-Rank{rank}\.fti")],
               4: [(Path(cfg.glbl_dir) / str(exec_id) / "l4", rf"Ckpt(\d+)-Rank{rank}\.fti")]}
+    if cfg.ckpt_io == 2:  # MPI-IO: level 4 is one file of every rank's part (FTI_InitMPIO)
+        places[4] = [(Path(cfg.glbl_dir) / str(exec_id) / "l4", r"Ckpt(\d+)-mpiio\.fti")]
     if cfg.ckpt_io == 1:  # POSIX dCP files: L1's dCP directory, L4's (inline L4), FTI_InitDCPPosix
         places[1].append((local(node) / "dCP", rf"dcp-id(\d+)-rank{rank}\.fti"))
         places[4].append((Path(cfg.glbl_dir) / str(exec_id) / "dCP", rf"dcp-id(\d+)-rank{rank}\.fti"))
     levels = [4] if cfg.failure == 2 else [1, 2, 3, 4]
-    return [FtiRunFile(level, ckpt_id, path, meta(level))
+    return [FtiRunFile(level, ckpt_id, path, meta(level), rank=rank if path.name.endswith("-mpiio.fti") else None)
             for level in levels for folder, pattern in places[level] for ckpt_id, path in _ids(folder, pattern)]
 
 
@@ -113,7 +120,7 @@ def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int
 
     def read(found: FtiRunFile) -> bool:
         try:
-            ctx.recover_file(found.path, meta=found.meta)
+            ctx.recover_file(found.path, meta=found.meta, **({} if found.rank is None else {"rank": found.rank}))
         except RecoveryError as exc:
             refused.append(f"level {found.level} {found.path}: {exc}")
             return False
@@ -135,7 +142,8 @@ def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int
                 refused.append(f"level 3 checkpoint {ckpt_id}, rank file rebuilt from FTI's parity: {exc}")
                 continue
             rebuilt = FtiRunFile(3, ckpt_id, path, own[ckpt_id].meta if ckpt_id in own else
-                                 (Path(cfg.meta_dir) / str(cfg.exec_id) / "l3" if cfg.ckpt_io == 1 else None), True)
+                                 (Path(cfg.meta_dir) / str(cfg.exec_id) / "l3" if cfg.ckpt_io in (1, 2) else None),
+                                 True)
             if read(rebuilt):
                 return rebuilt
     raise NoCheckpointError(f"no checkpoint file of rank {rank} in the FTI run that {config} names can be "
