@@ -187,6 +187,16 @@ def test_recover_fti_run_rebuilds_a_deleted_level_3_file(tmp_path, dirs, kind, g
     assert not [p for p in found.path.parent.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 
+def test_an_mpiio_runs_level_3_is_posix_and_rebuilt_as_such(tmp_path, dirs):
+    """ckpt_io = 2 writes levels 1-3 with FTI's POSIX writer (only level 4 is the shared MPI-IO file): a lost L3
+    rank file is rebuilt from POSIX parity and the meta file, as with ckpt_io = 1."""
+    config = _write_run(tmp_path / "fti", "posix")
+    config.write_text(config.read_text().replace("ckpt_io = 1\n", "ckpt_io = 2\n"))
+    (_l3(tmp_path / "fti", 1) / "Ckpt1-Rank1.fti").unlink()
+    found = _recover(dirs, config, "posix", 1)
+    assert (found.level, found.rebuilt, found.meta) == (3, True, tmp_path / f"fti/Meta/{EXEC}/l3")
+
+
 @pytest.mark.parametrize("kind", ["posix", "ftiff"])
 def test_a_lost_node_directory_is_made_again_and_its_file_rebuilt(tmp_path, dirs, kind):
     """Node 2 lost whole: its l3 directory (rank file and parity) is gone; FTI makes it again and decodes into it."""
