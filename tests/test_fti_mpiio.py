@@ -237,6 +237,8 @@ def test_cli_verify_with_meta_checks_every_ranks_part(tmp_path, capsys):
     from ftidask.tools.cli import main as cli_main
 
     path, meta = _write_fti_mpiio(tmp_path / "fti", 2, [0, 1, 2])
+    assert cli_main(["verify", str(path)]) == 1  # no metadata of its own: says how to check it
+    assert "MPI-IO file (ckpt_io = 2) is checked with its meta file: verify PATH --meta" in capsys.readouterr().out
     assert cli_main(["verify", str(path), "--meta", str(meta)]) == 0
     out = capsys.readouterr().out
     assert "OK" in out and "3 ranks" in out and "1 sound, 0 damaged" in out

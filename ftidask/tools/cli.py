@@ -66,8 +66,9 @@ def _check(path: Path) -> tuple[str, object]:
         return "ok", parsed
     except (FormatError, OSError) as exc:
         if "not an FTI-FF file" in str(exc):  # no metadata of its own: maybe FTI's POSIX I/O, checked with its meta
-            what = "FTI's POSIX dCP file" if path.name.startswith("dcp-id") else "a checkpoint file of FTI's POSIX I/O"
-            return "damaged", f"{exc}; {what} (ckpt_io = 1) is checked with its meta file: verify PATH --meta META_DIR"
+            what = ("FTI's POSIX dCP file (ckpt_io = 1)" if path.name.startswith("dcp-id") else "FTI's MPI-IO file "
+                    "(ckpt_io = 2)" if path.name.endswith("-mpiio.fti") else "a file of FTI's POSIX I/O (ckpt_io = 1)")
+            return "damaged", f"{exc}; {what} is checked with its meta file: verify PATH --meta META_DIR"
         return "damaged", str(exc)
 
 
