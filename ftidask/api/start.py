@@ -66,7 +66,8 @@ def init(config: str | os.PathLike[str] | Config | None = None, *, comm: Any = N
 
         logging.getLogger("ftidask").warning(
             "ckpt_io = %d asks for FTI's %s files: ftidask writes FTI-FF files (ckpt_io = 3) whatever ckpt_io "
-            "says (FTI's POSIX, dCP and MPI-IO files are read with recover_file(path, meta=...))", cfg.ckpt_io, IO_MODES[cfg.ckpt_io])
+            "says (FTI's POSIX, dCP and MPI-IO files are read with recover_file(path, meta=...))", cfg.ckpt_io,
+            IO_MODES[cfg.ckpt_io])
     if comm is not None and client is not None:
         raise FTIError("pass comm= (MPI) or client= (Dask), not both")
     if comm is not None:
