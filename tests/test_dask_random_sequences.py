@@ -38,12 +38,15 @@ def test_dask_random_sequence(tmp_path, name, seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "seed"), [("keep", 546), ("g3", 903), ("zstd", 714)])
-def test_dask_random_sequence_found(tmp_path, name, seed):
+@pytest.mark.parametrize(("name", "seed", "steps"), [("keep", 546, 50), ("g3", 903, 50), ("zstd", 714, 50),
+                                                     ("keep", 3029, 40)])
+def test_dask_random_sequence_found(tmp_path, name, seed, steps):
     """Seeds that found something: keep 546 (finalize kept a checkpoint retired by FTI's rule but kept for live
     arrays: the model's rule), g3 903 (an L2 lineage read of a damaged own file: the partner copy; an asynchronous
-    checkpoint's failure raised at the wait: the model's rule), zstd 714 (a fallback of other shapes, fb29f61)."""
-    run(tmp_path, name, 50, [seed])
+    checkpoint's failure raised at the wait: the model's rule), zstd 714 (a fallback of other shapes, fb29f61),
+    keep 3029 (the last recovery found nothing, and the finalize that ends the sequence found nothing to flush with
+    keep_last_ckpt: the newest's error, allowed as at a finalize step: the model's rule)."""
+    run(tmp_path, name, steps, [seed])
 
 
 @pytest.mark.slow
