@@ -38,7 +38,7 @@ import struct
 
 from ..model.errors import FormatError
 from ..storage.files import open_read
-from .posix import PosixFile, find_section
+from .posix import PosixFile, find_section, read_whole
 
 DCP_NAME = re.compile(r"dcp-id(\d{1,9})-rank(\d{1,9})\.fti")
 MAX_STACK_SIZE = 10  # FTI's MAX_STACK_SIZE: LayerSize[] and the meta file's layers stop there
@@ -242,18 +242,7 @@ def read_dcp_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -
     if _count(values, "ckpt_file_size", where) != total:
         raise FormatError(f"ckpt_file_size = {values['ckpt_file_size']}, the layers recorded add up to {total}",
                           path=where)
-    try:
-        with open_read(path) as fh:
-            actual = os.fstat(fh.fileno()).st_size
-            if actual < total:
-                raise FormatError(f"the file has {actual} bytes, its meta file's layers {total} (cut short)",
-                                  path=os.fspath(path))
-            raw = bytearray(total)
-            got = fh.readinto(raw)  # type: ignore[attr-defined]
-    except OSError as exc:
-        raise FormatError(f"cannot read: {exc}", path=os.fspath(path)) from None
-    if got != total:
-        raise FormatError(f"the file ends at byte {got}, its meta file's layers at {total}", path=os.fspath(path))
+    raw = read_whole(path, total, longer=True)  # layers appended after the meta file's: not read
     block, heads, base, later = _parse_layers(memoryview(raw), layers, os.fspath(path))
     ckpt_id = values.get("ckpt_info_ckpt_id")
     if ckpt_id is not None and str(heads[-1][0]) != ckpt_id:

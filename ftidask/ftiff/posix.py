@@ -171,7 +171,7 @@ def verify_posix_parity(path: str | os.PathLike[str], meta: str | os.PathLike[st
     where = f"{meta_path} [{values.get('ckpt_file_name')}]"
     size = _int(values, "ckpt_file_maxs", where)
     checksum = values.get("rsed_checksum", "").lower()
-    raw = _read_whole(path, size)
+    raw = read_whole(path, size)
     if not checksum:
         return "size only: the meta file records no RSed_checksum"
     if not _HEX32.fullmatch(checksum):
@@ -182,14 +182,15 @@ def verify_posix_parity(path: str | os.PathLike[str], meta: str | os.PathLike[st
     return ""
 
 
-def _read_whole(path: str | os.PathLike[str], size: int, padded: int = -1) -> bytearray:
-    """The ``size`` bytes of the regular file ``path``, which must have exactly that size, or ``padded`` bytes of which
-    the first ``size`` are read (else FormatError)."""
+def read_whole(path: str | os.PathLike[str], size: int, padded: int = -1, longer: bool = False) -> bytearray:
+    """The first ``size`` bytes of the regular file ``path``, which must have exactly that size, or ``padded`` bytes,
+    or (``longer``) any size from ``size`` on (else FormatError: the file is cut short, or not the one described)."""
     try:
         with open_read(path) as fh:
             actual = os.fstat(fh.fileno()).st_size
-            if actual != size and not size < actual == padded:
-                raise FormatError(f"the file has {actual} bytes, its meta file says {size}", path=os.fspath(path))
+            if actual != size and not size < actual == padded and not (longer and actual > size):
+                cut = " (cut short)" if actual < size else ""
+                raise FormatError(f"the file has {actual} bytes, its meta file says {size}{cut}", path=os.fspath(path))
             raw = bytearray(size)
             got = fh.readinto(raw)  # type: ignore[attr-defined]
     except OSError as exc:
@@ -253,7 +254,7 @@ def read_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> Po
     # back once decoded: interrupted in between, it leaves the file padded. Its first ckpt_file_size bytes are the
     # checkpoint (checked by their MD5 below); the padding is never read.
     maxs = values.get("ckpt_file_maxs", "")
-    raw = _read_whole(path, size, int(maxs) if re.fullmatch(r"\d{1,19}", maxs) else -1)
+    raw = read_whole(path, size, int(maxs) if re.fullmatch(r"\d{1,19}", maxs) else -1)
     if not checksum_matches(hashlib.md5(raw, usedforsecurity=False).hexdigest(), checksum):
         raise FormatError("MD5 does not match the meta file's ckpt_checksum (damaged file)", path=os.fspath(path))
     view = memoryview(raw)
