@@ -618,21 +618,27 @@ class Run:
             return
         self._recover(IDS, kept[int(self.rng.integers(len(kept)))])
 
+    def _finalized(self, none_ok: bool) -> bool:
+        """finalize: True when it finished; False when keep_last_ckpt found no checkpoint to flush, none being known
+        recoverable: the engine raises the newest's error and the run keeps its checkpoints (docs/guide.md:
+        finalize's clean-up failed), which a restart (done here) finds with status 1."""
+        try:
+            self.ctx.finalize()
+        except ftidask.CheckpointError as exc:
+            check(self.keep_last and none_ok and "keep_last_ckpt" in str(exc), f"finalize: {exc}")
+            self.log.append(f"  finalize refused (allowed): {exc}")
+            self._restart_ctx()
+            check(self.ctx.status() == 1, f"status {self.ctx.status()} after a failed finalize")
+            return False
+        return True
+
     def op_finalize(self) -> None:
         """finalize, then a new run on the same directories (status 0; 2 with keep_last_ckpt)."""
         self.settle()
         self.log.append("finalize and start again")
         self.stats["finalize"] += 1
         cands, none_ok = self.candidates()
-        try:
-            self.ctx.finalize()
-        except ftidask.CheckpointError as exc:
-            # keep_last_ckpt and no checkpoint can be flushed: the engine raises the newest's error, the run keeps
-            # its checkpoints (docs/guide.md: finalize's clean-up failed), restarted with status 1
-            check(self.keep_last and none_ok and "keep_last_ckpt" in str(exc), f"finalize: {exc}")
-            self.log.append(f"  finalize refused (allowed): {exc}")
-            self._restart_ctx()
-            check(self.ctx.status() == 1, f"status {self.ctx.status()} after a failed finalize")
+        if not self._finalized(none_ok):
             self.restart_recover()
             return
         for c in self.ckpts:
@@ -683,16 +689,7 @@ class Run:
     def close(self) -> None:
         try:
             self.settle()
-            _cands, none_ok = self.candidates()
-            try:
-                self.ctx.finalize()
-            except ftidask.CheckpointError as exc:
-                # As in op_finalize: keep_last_ckpt with no checkpoint known recoverable (the last recovery may have
-                # found none) may find none to flush: the newest's error (found by keep seed 3029)
-                check(self.keep_last and none_ok and "keep_last_ckpt" in str(exc), f"finalize: {exc}")
-                self.log.append(f"  finalize refused (allowed): {exc}")
-                self._restart_ctx()  # the run kept its checkpoints: a restart finds it (status 1), and leaves it
-                check(self.ctx.status() == 1, f"status {self.ctx.status()} after a failed finalize")
+            if not self._finalized(self.candidates()[1]):  # (the last recovery may have found none: keep seed 3029)
                 self.ctx._close()
         except Exception:
             self.ctx._close()
