@@ -27,15 +27,15 @@ from pathlib import Path
 from ..model.errors import FormatError
 from ..storage.files import open_read
 from .posix import (
-    _HEX15,
-    _HEX32,
+    HEX15,
+    HEX32,
     PosixFile,
-    _int,
-    _process_sections,
-    _read_meta,
-    _variables,
     checksum_matches,
     meta_files,
+    meta_int,
+    meta_variables,
+    process_sections,
+    read_meta,
 )
 
 MPIIO_NAME = re.compile(r"Ckpt(\d{1,9})-mpiio\.fti")
@@ -73,9 +73,9 @@ def mpiio_parts(path: str | os.PathLike[str],
     ckpt_id = int(named[1])
     sections: dict[int, tuple[dict[str, str], str]] = {}
     for meta_path in meta_files(meta):
-        ini = _read_meta(meta_path)
+        ini = read_meta(meta_path)
         kind = ini.get("ckpt_info", "ckpt_type", fallback="full").strip().lower()
-        for group_rank, values in sorted(_process_sections(ini).items()):
+        for group_rank, values in sorted(process_sections(ini).items()):
             values, where = values | {"ckpt_type": kind}, f"{meta_path} [{group_rank}]"
             name = values.get("ckpt_file_name", "")
             rank_file = _RANK_FILE.fullmatch(name)
@@ -96,7 +96,7 @@ def mpiio_parts(path: str | os.PathLike[str],
     offset = 0
     for rank in sorted(sections):  # FTI_COMM_WORLD's order: the application ranks by global rank
         values, where = sections[rank]
-        size = _int(values, "ckpt_file_size", where)
+        size = meta_int(values, "ckpt_file_size", where)
         if offset + size > total:
             raise FormatError(f"rank {rank}'s part [{offset}, {offset + size}) lies past the end of the file "
                               f"({total} bytes): a size is wrong, or the file is cut", path=os.fspath(path))
@@ -127,10 +127,10 @@ def _read_part(path: str | os.PathLike[str], meta: str | os.PathLike[str],
         raise FormatError("the meta file describes a differential checkpoint (dCP layers), not a part of "
                           "FTI's MPI-IO file", path=where)
     checksum = values.get("ckpt_checksum", "").lower()
-    if not (_HEX32.fullmatch(checksum) or _HEX15.fullmatch(checksum)):
+    if not (HEX32.fullmatch(checksum) or HEX15.fullmatch(checksum)):
         raise FormatError(f"ckpt_checksum = {checksum!r}: no MD5 to verify rank {rank}'s part against, so it is not "
                           "read", path=where)
-    variables = _variables(values, size, where)
+    variables = meta_variables(values, size, where)
     raw = bytearray(size)
     try:
         with open_read(path) as fh:

@@ -18,7 +18,7 @@ written by iniparser (keys lower case) with one section per process of the group
 
 Later versions (src/meta.c with ``FTIT_keymap``) add a ``[ckpt_info]`` section (``ckpt_type = full`` or ``dcp``,
 ``ckpt_id``), ``var{j}_pos``, ``var{j}_name`` and ``RSed_checksum``; an early FTI's checksum is 15 characters (see
-:data:`_HEX15`). The section is found by the file's name; the file must have the recorded size and checksum, and
+:data:`HEX15`). The section is found by the file's name; the file must have the recorded size and checksum, and
 it is read whole into memory and hashed there, so the bytes given to the arrays are the bytes checked. Names are
 not needed and not read. FTI's POSIX differential checkpoints (``ckpt_type = dcp``, ``dcp_layer*`` keys: layers
 of blocks) are FTI's ``dcp-id{f}-rank{r}.fti`` files, read by :mod:`ftidask.ftiff.fti_dcp_posix`.
@@ -39,10 +39,10 @@ from ..storage.files import open_read
 
 _META_NAME = re.compile(r"sector\d+-group\d+\.fti")
 _MAX_META = 16 << 20  # a meta file of thousands of processes and variables is far smaller
-_HEX32 = re.compile(r"[0-9a-f]{32}")
+HEX32 = re.compile(r"[0-9a-f]{32}")
 #: An early FTI_Checksum wrote each byte's two hex digits at offset i, not 2 * i, over 15 bytes, then cut the
 #: string at 15: the first hex digit of each of the MD5's first 15 bytes (its FTI_VerifyChecksum computes the same).
-_HEX15 = re.compile(r"[0-9a-f]{15}")
+HEX15 = re.compile(r"[0-9a-f]{15}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,8 @@ def meta_files(meta: str | os.PathLike[str]) -> list[Path]:
     return [where]
 
 
-def _read_meta(path: Path) -> configparser.ConfigParser:
+def read_meta(path: Path) -> configparser.ConfigParser:
+    """FTI's meta file ``path`` (a group's ``sector{s}-group{g}.fti``) parsed as FTI's iniparser reads it."""
     try:
         with open_read(path) as fh:  # a regular file only: a FIFO planted there would block for ever
             raw = fh.read(_MAX_META + 1)
@@ -122,7 +123,7 @@ _PARITY_REFUSED = ("FTI's level-3 Reed-Solomon parity file (RSed): parity, not a
                    "files to rebuild a lost level-3 rank file)")
 
 
-def _process_sections(ini: configparser.ConfigParser) -> dict[int, dict[str, str]]:
+def process_sections(ini: configparser.ConfigParser) -> dict[int, dict[str, str]]:
     """The sections of the group's processes, ``[0]`` to ``[group_size - 1]``, by group rank."""
     return {int(name): {k.lower(): v.strip() for k, v in ini.items(name)}
             for name in ini.sections() if re.fullmatch(r"\d{1,6}", name.strip())}
@@ -138,7 +139,7 @@ def find_section(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> 
     named = _PCOF.fullmatch(name) or _RSED.fullmatch(name)
     owner = f"Ckpt{named[1]}-Rank{named[2]}.fti" if named else name
     for meta_path in meta_files(meta):
-        ini = _read_meta(meta_path)
+        ini = read_meta(meta_path)
         kind = ini.get("ckpt_info", "ckpt_type", fallback="full").strip().lower()
         info = {"ckpt_type": kind} | ({"ckpt_info_ckpt_id": ini.get("ckpt_info", "ckpt_id").strip()}
                                      if ini.has_option("ckpt_info", "ckpt_id") else {})
@@ -148,7 +149,7 @@ def find_section(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> 
                 if values.get("ckpt_file_name") == owner:
                     return meta_path, values | info
             continue
-        procs = _process_sections(ini)
+        procs = process_sections(ini)
         keeper = next((g for g, values in procs.items() if values.get("ckpt_file_name") == owner), None)
         if keeper is None:
             continue
@@ -169,12 +170,12 @@ def verify_posix_parity(path: str | os.PathLike[str], meta: str | os.PathLike[st
         raise FormatError("not an FTI parity file name (Ckpt{id}-RSed{r}.fti)", path=os.fspath(path))
     meta_path, values = find_section(path, meta)
     where = f"{meta_path} [{values.get('ckpt_file_name')}]"
-    size = _int(values, "ckpt_file_maxs", where)
+    size = meta_int(values, "ckpt_file_maxs", where)
     checksum = values.get("rsed_checksum", "").lower()
     raw = read_whole(path, size)
     if not checksum:
         return "size only: the meta file records no RSed_checksum"
-    if not _HEX32.fullmatch(checksum):
+    if not HEX32.fullmatch(checksum):
         raise FormatError(f"RSed_checksum = {checksum!r} is not an MD5 to verify the parity file against", path=where)
     if hashlib.md5(raw, usedforsecurity=False).hexdigest() != checksum:
         raise FormatError("MD5 does not match the meta file's RSed_checksum (damaged parity file)",
@@ -200,14 +201,15 @@ def read_whole(path: str | os.PathLike[str], size: int, padded: int = -1, longer
     return raw
 
 
-def _int(values: dict[str, str], key: str, where: str) -> int:
+def meta_int(values: dict[str, str], key: str, where: str) -> int:
+    """The byte count of ``key`` in a meta section (FormatError naming ``where`` when missing or not one)."""
     text = values.get(key)
     if text is None or not re.fullmatch(r"\d{1,19}", text):
         raise FormatError(f"{key} = {text!r} is not a byte count (missing or not a non-negative integer)", path=where)
     return int(text)
 
 
-def _variables(values: dict[str, str], size: int, where: str) -> list[tuple[int, int, int]]:
+def meta_variables(values: dict[str, str], size: int, where: str) -> list[tuple[int, int, int]]:
     """``(id, position, size)`` of each variable, in the file's order, checked to lie inside ``size`` bytes."""
     out: list[tuple[int, int, int]] = []
     pos, j = 0, 0
@@ -215,8 +217,8 @@ def _variables(values: dict[str, str], size: int, where: str) -> list[tuple[int,
         text = values[f"var{j}_id"]
         if not re.fullmatch(r"-?\d{1,10}", text) or not -2**31 <= int(text) < 2**31:
             raise FormatError(f"var{j}_id = {text!r} is not a variable id", path=where)
-        nbytes = _int(values, f"var{j}_size", where)
-        start = _int(values, f"var{j}_pos", where) if f"var{j}_pos" in values else pos
+        nbytes = meta_int(values, f"var{j}_size", where)
+        start = meta_int(values, f"var{j}_pos", where) if f"var{j}_pos" in values else pos
         if start + nbytes > size:
             raise FormatError(f"variable {text}: bytes [{start}, {start + nbytes}) lie outside the file "
                               f"({size} bytes)", path=where)
@@ -244,12 +246,12 @@ def read_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> Po
     if values["ckpt_type"] != "full" or any(key.startswith("dcp") for key in values):
         raise FormatError("the meta file describes a differential checkpoint (dCP layers), kept by FTI in "
                           "dcp-id{f}-rank{r}.fti files, not in this one", path=where)
-    size = _int(values, "ckpt_file_size", where)
+    size = meta_int(values, "ckpt_file_size", where)
     checksum = values.get("ckpt_checksum", "").lower()
-    if not (_HEX32.fullmatch(checksum) or _HEX15.fullmatch(checksum)):
+    if not (HEX32.fullmatch(checksum) or HEX15.fullmatch(checksum)):
         raise FormatError(f"ckpt_checksum = {checksum!r}: no MD5 to verify the file against, so it is not read",
                           path=where)
-    variables = _variables(values, size, where)
+    variables = meta_variables(values, size, where)
     # FTI_Decode (src/postreco.c) pads each surviving rank file to the group's largest, ckpt_file_maxs, and cuts it
     # back once decoded: interrupted in between, it leaves the file padded. Its first ckpt_file_size bytes are the
     # checkpoint (checked by their MD5 below); the padding is never read.
@@ -264,10 +266,10 @@ def read_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> Po
 
 def checksum_matches(digest: str, checksum: str) -> bool:
     """Whether the MD5 ``digest`` (32 hex digits) is the meta file's ``ckpt_checksum`` ``checksum``, in either form FTI
-    wrote it (:data:`_HEX15`: an early FTI's 15 characters)."""
-    if _HEX32.fullmatch(checksum):
+    wrote it (:data:`HEX15`: an early FTI's 15 characters)."""
+    if HEX32.fullmatch(checksum):
         return digest == checksum
-    return bool(_HEX15.fullmatch(checksum)) and len(digest) == 32 and digest[0:30:2] == checksum
+    return bool(HEX15.fullmatch(checksum)) and len(digest) == 32 and digest[0:30:2] == checksum
 
 
 def posix_files(root: Path) -> list[Path]:
