@@ -62,6 +62,17 @@ def _config(config: str | os.PathLike[str] | Config) -> Config:
     return cfg
 
 
+def _levels(cfg: Config) -> list[int]:
+    """The levels FTI's restart tries, in order: level 4 only after a keep_last_ckpt finalize (``failure = 2``)."""
+    return [4] if cfg.failure == 2 else [1, 2, 3, 4]
+
+
+def _meta_dir(cfg: Config, level: int) -> Path | None:
+    """The directory of the meta files of ``level`` (POSIX and MPI-IO runs); None for FTI-FF, whose files describe
+    themselves."""
+    return Path(cfg.meta_dir) / str(cfg.exec_id) / f"l{level}" if cfg.ckpt_io in (1, 2) else None
+
+
 def _ids(folder: Path, pattern: str) -> list[tuple[int, Path]]:
     """``(checkpoint id, path)`` of the files in ``folder`` whose name matches ``pattern``, newest id first."""
     if not folder.is_dir():
@@ -88,9 +99,6 @@ def fti_run_files(config: str | os.PathLike[str] | Config, rank: int) -> list[Ft
     def local(n: int) -> Path:
         return Path(cfg.ckpt_dir) / (f"node{n}" if cfg.local_test else "") / str(exec_id)
 
-    def meta(level: int) -> Path | None:
-        return Path(cfg.meta_dir) / str(exec_id) / f"l{level}" if cfg.ckpt_io in (1, 2) else None
-
     places = {1: [(local(node) / "l1", rf"Ckpt(\d+)-Rank{rank}\.fti")],
               2: [(local(node) / "l2", rf"Ckpt(\d+)-Rank{rank}\.fti"),
                   (local(right) / "l2", rf"Ckpt(\d+)-Pcof{keeper}\.fti")],
@@ -101,9 +109,9 @@ def fti_run_files(config: str | os.PathLike[str] | Config, rank: int) -> list[Ft
     if cfg.ckpt_io == 1:  # POSIX dCP files: L1's dCP directory, L4's (inline L4), FTI_InitDCPPosix
         places[1].append((local(node) / "dCP", rf"dcp-id(\d+)-rank{rank}\.fti"))
         places[4].append((Path(cfg.glbl_dir) / str(exec_id) / "dCP", rf"dcp-id(\d+)-rank{rank}\.fti"))
-    levels = [4] if cfg.failure == 2 else [1, 2, 3, 4]
-    return [FtiRunFile(level, ckpt_id, path, meta(level), rank=rank if path.name.endswith("-mpiio.fti") else None)
-            for level in levels for folder, pattern in places[level] for ckpt_id, path in _ids(folder, pattern)]
+    return [FtiRunFile(level, ckpt_id, path, _meta_dir(cfg, level),
+                       rank=rank if path.name.endswith("-mpiio.fti") else None)
+            for level in _levels(cfg) for folder, pattern in places[level] for ckpt_id, path in _ids(folder, pattern)]
 
 
 def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int) -> FtiRunFile:
@@ -126,7 +134,7 @@ def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int
             return False
         return True
 
-    for level in ([4] if cfg.failure == 2 else [1, 2, 3, 4]):
+    for level in _levels(cfg):
         if level != 3:
             found = next((f for f in files if f.level == level and read(f)), None)
             if found is not None:
@@ -141,9 +149,7 @@ def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int
             except RecoveryError as exc:
                 refused.append(f"level 3 checkpoint {ckpt_id}, rank file rebuilt from FTI's parity: {exc}")
                 continue
-            rebuilt = FtiRunFile(3, ckpt_id, path, own[ckpt_id].meta if ckpt_id in own else
-                                 (Path(cfg.meta_dir) / str(cfg.exec_id) / "l3" if cfg.ckpt_io in (1, 2) else None),
-                                 True)
+            rebuilt = FtiRunFile(3, ckpt_id, path, _meta_dir(cfg, 3), True)
             if read(rebuilt):
                 return rebuilt
     raise NoCheckpointError(f"no checkpoint file of rank {rank} in the FTI run that {config} names can be "
