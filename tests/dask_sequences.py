@@ -169,12 +169,17 @@ class Run:
     # --- the model -----------------------------------------------------------------------------------------
     def commit(self, level: int, values: dict[int, np.ndarray], chunks: dict) -> dict:
         base = level - 4 if level > 4 else level
+        # A differential checkpoint patches the spare, the file of a checkpoint of its level retired before: a block
+        # of it damaged and unchanged since is carried into the new checkpoint (docs/dcp.md), found at recovery.
+        # A checkpoint that carried such a block passes it on when it becomes the spare in turn.
+        carried = level > 4 and any(o["retired"] and not o["gone"] and o["level"] == base and (o["carried"] or (
+            o["files"] and any(s == UNKNOWN for s in o["files"].values()))) for o in self.ckpts)
         retires = [c for c in self.ckpts if not c["retired"] and c["level"] <= base]
         for c in retires:
             c["retired"] = True
         c = {"id": self.next_id, "level": base, "asked": level, "values": values, "chunks": chunks,
-             "retired": False, "dead": False, "gone": False, "uncertain": False, "files": None, "groups": None,
-             "retires": retires}
+             "retired": False, "dead": False, "gone": False, "uncertain": carried, "carried": carried, "files": None,
+             "groups": None, "retires": retires}
         self.ckpts.append(c)
         self.next_id += 1
         return c
