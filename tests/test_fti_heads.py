@@ -293,3 +293,17 @@ def test_level_2_copies_made_by_the_heads_are_read_for_a_lost_node(tmp_path, dir
         found = _recover(dirs, config, app, _l1_bytes(glob), comm="app")
         assert (found.level, found.path) == (2, _local(root, 0, 2) / f"Ckpt4-Pcof{keeper}.fti")
     assert _recover(dirs, config, 2, _l1_bytes(2), comm="global").path.name == "Ckpt4-Rank2.fti"
+
+
+def test_a_partner_copy_of_another_rank_is_refused(tmp_path, dirs):
+    """If the processes were not placed node by node (hosts, not local_test), the copy kept as Pcof1 may be another
+    process's: here the meta file says node 1's place-1 process is global rank 7 and Pcof1 holds its bytes (same
+    sizes as rank 4's, verifying). Rank 4 must not get them: refused, saying whose copy it is."""
+    root = tmp_path / "fti"
+    config = _config(root, 2)
+    sections = [_section(f"Ckpt4-Rank{r}.fti", _l1_bytes(r), 1800) for r in (1, 7)]
+    _write_meta(root / f"Meta/{EXEC}/l2/sector0-group1.fti", sections)
+    _local(root, 0, 2).mkdir(parents=True)
+    (_local(root, 0, 2) / "Ckpt4-Pcof1.fti").write_bytes(_l1_bytes(7))
+    with pytest.raises(NoCheckpointError, match="this copy holds Ckpt4-Rank7.fti .* not Ckpt4-Rank4.fti"):
+        _recover(dirs, config, 4, _l1_bytes(4), comm="global")

@@ -37,8 +37,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..ftiff.posix import find_section
 from ..model.config import Config, load_config
-from ..model.errors import ConfigError, NoCheckpointError, RecoveryError
+from ..model.errors import ConfigError, FormatError, NoCheckpointError, RecoveryError
 from .fti_l3 import l3_checkpoint_ids, rebuild_rank_file
 from .fti_ranks import app_rank, global_rank
 
@@ -125,6 +126,21 @@ def fti_run_files(config: str | os.PathLike[str] | Config, rank: int, *,
             for level in _levels(cfg) for folder, pattern in places[level] for ckpt_id, path in _ids(folder, pattern)]
 
 
+def _copy_of_another(found: FtiRunFile, rank: int) -> str:
+    """Why a POSIX partner copy is not rank ``rank``'s: the meta section it is read with (its keeper's left
+    neighbour's) names another rank's file, as when the processes were not placed node by node; '' otherwise (the
+    copy's own checks are then recover_file's)."""
+    if found.meta is None or not found.path.name.startswith(f"Ckpt{found.ckpt_id}-Pcof"):
+        return ""
+    try:
+        named = find_section(found.path, found.meta)[1].get("ckpt_file_name", "")
+    except FormatError:
+        return ""  # recover_file refuses it, saying why
+    want = f"Ckpt{found.ckpt_id}-Rank{rank}.fti"
+    return "" if named == want else (f"this copy holds {named} (its keeper's left neighbour in the meta file), not "
+                                     f"{want}: the processes were not placed node by node as assumed")
+
+
 def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int, *,
                     comm: str | None = None) -> FtiRunFile:
     """Fill ``ctx``'s protected arrays from the FTI run ``config`` names, rank ``rank``'s checkpoint, as FTI's
@@ -141,6 +157,10 @@ def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int
     refused: list[str] = []
 
     def read(found: FtiRunFile) -> bool:
+        other = _copy_of_another(found, rank)
+        if other:
+            refused.append(f"level {found.level} {found.path}: {other}")
+            return False
         try:
             ctx.recover_file(found.path, meta=found.meta, **({} if found.rank is None else {"rank": found.rank}))
         except RecoveryError as exc:
