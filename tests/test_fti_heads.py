@@ -15,11 +15,13 @@ Level-3 parity: place 1 is the group of 4 POSIX files and the parity that the Je
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from ftiff_builders import fti_rsed_file
 
 import ftidask
 from ftidask.errors import NoCheckpointError
@@ -307,3 +309,31 @@ def test_a_partner_copy_of_another_rank_is_refused(tmp_path, dirs):
     (_local(root, 0, 2) / "Ckpt4-Pcof1.fti").write_bytes(_l1_bytes(7))
     with pytest.raises(NoCheckpointError, match="this copy holds Ckpt4-Rank7.fti .* not Ckpt4-Rank4.fti"):
         _recover(dirs, config, 4, _l1_bytes(4), comm="global")
+
+
+def test_an_fti_ff_group_encoded_by_the_heads(tmp_path, dirs):
+    """ckpt_io = 3: the oracle's FTI-FF group at place 1 of 4 nodes (global ranks 1, 4, 7, 10), parity files with
+    FTI_RSenc's record; node 2 lost whole: global rank 7 (FTI_COMM_WORLD 4) rebuilt from the other nodes' files."""
+    root = tmp_path / "fti"
+    config = _config(root, 4, ckpt_io=3)
+    data = L3_DATA.parent / "ftiff"
+    for node in range(4):
+        rank, raw = node * NODE_SIZE + 1, (data / f"Ckpt1-Rank{node}.fti").read_bytes()
+        _local(root, node, 3).mkdir(parents=True)
+        (_local(root, node, 3) / f"Ckpt1-Rank{rank}.fti").write_bytes(raw)
+        (_local(root, node, 3) / f"Ckpt1-RSed{rank}.fti").write_bytes(
+            fti_rsed_file((data / f"parity{node}.bin").read_bytes(), len(raw)))
+    shutil.rmtree(root / "Local/node2")
+    spec = importlib.util.spec_from_file_location("fti_l3_inputs", L3_DATA.parent / "make_inputs.py")
+    inputs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inputs)
+    want = inputs.ftiff_vars(2)
+    ctx = ftidask.init(**dirs)
+    arrays = {vid: np.zeros(len(raw), "u1") for vid, raw in want.items()}
+    for vid, array in arrays.items():
+        ctx.protect(vid, array)
+    found = recover_fti_run(ctx, config, 4, comm="app")
+    ctx.finalize()
+    assert found.rebuilt and found.path == _local(root, 2, 3) / "Ckpt1-Rank7.fti"
+    assert found.path.read_bytes() == (data / "Ckpt1-Rank2.fti").read_bytes()
+    assert {vid: a.tobytes() for vid, a in arrays.items()} == want
