@@ -94,7 +94,8 @@ def test_api_reference_lists_public_names_only():
     public = [getattr(ftidask, name) for name in ftidask.__all__] + [constants, errors]
     public += [zarr_export.export_checkpoint, zarr_export.ExportResult, zarr_export.import_zarr, zarr_export.read_zarr]
     public.append(staging.StageInfo)  # what the public Context.stage_info returns
-    public += [fti_run.recover_fti_run, fti_run.fti_run_files, fti_run.FtiRunFile]  # runs FTI wrote
+    public += [fti_run.recover_fti_run, fti_run.fti_run_files, fti_run.FtiRunFile,  # runs FTI wrote
+               fti_run.global_rank, fti_run.app_rank]  # and their ranks, with heads
     targets = re.findall(r"^::: (\S+)", (ROOT / "docs" / "api.md").read_text(), re.M)
     assert targets
     for target in targets:

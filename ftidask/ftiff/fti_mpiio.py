@@ -8,7 +8,10 @@ without padding; the file is those parts and nothing else. FTI_RecoverL4Mpi read
 sum of the sizes the meta files record. The meta files are the POSIX mode's (``{meta_dir}/{exec_id}/l4/
 sector{s}-group{g}.fti``, :mod:`ftidask.ftiff.posix`): a section per process naming ``Ckpt{id}-Rank{r}.fti`` (``r``
 its global rank), ``ckpt_file_size`` (its part's bytes), ``ckpt_checksum`` (FTI_Checksum: the MD5 of its
-variables, i.e. of its part) and ``var{j}_id``/``var{j}_size``.
+variables, i.e. of its part) and ``var{j}_id``/``var{j}_size``. Level 4 flushed by heads (``inline_l4 = 0``,
+src/postckpt.c FTI_FlushMPI) has the same layout: each head writes its node's local POSIX files at the sum of the
+sizes before them in node order, FTI_COMM_WORLD's order, and the meta files record each local file's MD5
+(docs/format.md, FTI runs with heads).
 
 A part is read only once every process's section of the checkpoint is found in the meta files (every group's file)
 and their sizes add up to the file's size exactly: a rank missing, a size that is not a byte count, or one that

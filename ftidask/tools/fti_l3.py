@@ -29,11 +29,16 @@ from ..ftiff.verify import md5_hex
 from ..model.config import Config
 from ..model.errors import FormatError, RecoveryError
 from ..storage.files import create_temp, fsync_dir, makedirs, open_read
+from .fti_ranks import global_rank
 
 
 def group_members(cfg: Config, rank: int) -> tuple[int, list[tuple[int, Path]]]:
     """``(g, members)``: rank ``rank``'s place ``g`` in its level-3 group and, for each place, the member's rank and
-    its ``l3`` directory (nodes placed as :func:`ftidask.tools.fti_run.fti_run_files` places them)."""
+    its ``l3`` directory (nodes placed as :func:`ftidask.tools.fti_run.fti_run_files` places them). ``rank``: a
+    global rank (heads included, as in the file names); a head's is refused (ConfigError). With heads the group
+    is the same: FTI_RSenc, run by the heads, encodes each place ``p`` of the node with the heads' group, i.e. the
+    files of the processes at place ``p`` on the group's nodes, in node order, as the processes do inline."""
+    rank = global_rank(cfg, rank, "global")
     per_node, k = cfg.node_size, cfg.group_size
     node = rank // per_node
     first = node - node % k

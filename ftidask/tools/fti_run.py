@@ -12,7 +12,11 @@ FTI keeps one rank's files in its run's directories (src/conf.c ``FTI_CreateDirs
     {ckpt_dir}[/node{node}]/{exec_id}/dCP/dcp-id{f}-rank{rank}.fti      POSIX dCP (meta of l1), after l1's files
     {glbl_dir}/{exec_id}/dCP/dcp-id{f}-rank{rank}.fti                  POSIX dCP, inline L4 (meta of l4), after l4's
 
-``rank`` is the process's rank in FTI's global communicator (heads included). The partner copy of rank ``r`` is kept
+``rank`` is the process's rank in FTI's global communicator (heads included); with heads (``head = 1``) the caller
+says whether a rank is that or one of FTI_COMM_WORLD (``comm``, :mod:`ftidask.tools.fti_ranks`), a head's is
+refused, and the files are found as without heads: FTI names them by global rank, and the heads' post-processing
+(L2 copies, L3 parity place by place, L4 flush) leaves the same files (docs/format.md, "FTI runs with heads").
+The partner copy of rank ``r`` is kept
 by the process at the same place on the next node of its group (``FTI_Topo->right``) and named after that keeper's
 rank (``FTI_RecvPtner``); ranks are taken as placed node by node (``node = rank // node_size``, as with
 ``local_test`` and block placement: FTI itself groups them by host name). After a keep_last_ckpt finalize FTI sets
@@ -33,9 +37,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..ftiff.posix import find_section
 from ..model.config import Config, load_config
-from ..model.errors import ConfigError, NoCheckpointError, RecoveryError
+from ..model.errors import ConfigError, FormatError, NoCheckpointError, RecoveryError
 from .fti_l3 import l3_checkpoint_ids, rebuild_rank_file
+from .fti_ranks import app_rank, global_rank
+
+__all__ = ["FtiRunFile", "app_rank", "fti_run_files", "global_rank", "recover_fti_run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +93,16 @@ def _ids(folder: Path, pattern: str) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def fti_run_files(config: str | os.PathLike[str] | Config, rank: int) -> list[FtiRunFile]:
+def fti_run_files(config: str | os.PathLike[str] | Config, rank: int, *,
+                  comm: str | None = None) -> list[FtiRunFile]:
     """The files where the FTI run that ``config`` names (FTI's config file: its directories, topology,
-    ``ckpt_io`` and ``[restart]``) keeps rank ``rank``'s checkpoint, in the order FTI_RecoverFiles tries them."""
+    ``ckpt_io`` and ``[restart]``) keeps rank ``rank``'s checkpoint, in the order FTI_RecoverFiles tries them.
+
+    ``comm``: which communicator ``rank`` is a rank of, ``"global"`` (the one given to FTI_Init, heads included, as
+    in FTI's file names) or ``"app"`` (FTI_COMM_WORLD); it must be said for a run with heads (``head = 1``), where
+    the two differ (:func:`ftidask.tools.fti_ranks.global_rank`: ConfigError otherwise, and for a head's rank)."""
     cfg = _config(config)
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise RecoveryError(f"rank must be a non-negative int (the rank in FTI's global communicator), got {rank!r}")
+    rank = global_rank(cfg, rank, comm)
     exec_id, per_node, group = cfg.exec_id, cfg.node_size, cfg.group_size
     node = rank // per_node
     right = node - node % group + (node % group + 1) % group  # FTI_Topo->right: next node of the group, a ring
@@ -114,19 +126,41 @@ def fti_run_files(config: str | os.PathLike[str] | Config, rank: int) -> list[Ft
             for level in _levels(cfg) for folder, pattern in places[level] for ckpt_id, path in _ids(folder, pattern)]
 
 
-def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int) -> FtiRunFile:
+def _copy_of_another(found: FtiRunFile, rank: int) -> str:
+    """Why a POSIX partner copy is not rank ``rank``'s: the meta section it is read with (its keeper's left
+    neighbour's) names another rank's file, as when the processes were not placed node by node; '' otherwise (the
+    copy's own checks are then recover_file's)."""
+    if found.meta is None or not found.path.name.startswith(f"Ckpt{found.ckpt_id}-Pcof"):
+        return ""
+    try:
+        named = find_section(found.path, found.meta)[1].get("ckpt_file_name", "")
+    except FormatError:
+        return ""  # recover_file refuses it, saying why
+    want = f"Ckpt{found.ckpt_id}-Rank{rank}.fti"
+    return "" if named == want else (f"this copy holds {named} (its keeper's left neighbour in the meta file), not "
+                                     f"{want}: the processes were not placed node by node as assumed")
+
+
+def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int, *,
+                    comm: str | None = None) -> FtiRunFile:
     """Fill ``ctx``'s protected arrays from the FTI run ``config`` names, rank ``rank``'s checkpoint, as FTI's
     restart finds it (:func:`fti_run_files`' order: the first file that verifies); the file read is returned.
 
     At level 3, a checkpoint whose rank file is missing or refused is rebuilt from its group's other files and FTI's
     parity (:func:`ftidask.tools.fti_l3.rebuild_rank_file`, in place, as FTI_RecoverL3 does) and the rebuilt file
     read (``rebuilt`` True). None verifying is a :class:`NoCheckpointError` saying why each was refused (a rebuild
-    too: too many losses, damaged parity), the arrays untouched."""
+    too: too many losses, damaged parity), the arrays untouched. ``comm`` as for :func:`fti_run_files` (to be said
+    with heads); the files are those of the global rank it gives."""
     cfg = _config(config)
-    files = fti_run_files(cfg, rank)
+    rank = global_rank(cfg, rank, comm)
+    files = fti_run_files(cfg, rank, comm="global")
     refused: list[str] = []
 
     def read(found: FtiRunFile) -> bool:
+        other = _copy_of_another(found, rank)
+        if other:
+            refused.append(f"level {found.level} {found.path}: {other}")
+            return False
         try:
             ctx.recover_file(found.path, meta=found.meta, **({} if found.rank is None else {"rank": found.rank}))
         except RecoveryError as exc:
