@@ -169,11 +169,18 @@ def test_lost_file_rebuilt_from_l2_l3(client, dirs, level):
     assert extras[1]["codec"]["id"] == "zstd"
 
 
-def _flip_in_container(path, vid):
-    """Flip a byte in the stored (compressed) bytes of the first container of ``vid`` in ``path``."""
-    parsed, extras = _tables(path)
-    meta = next(m for _b, _c, m in parsed.containers() if m.id == vid and m.hascontent
-                and m.containerid not in extras[vid].get("codec_plain", []))
+def _flip_in_container(paths, vid, prefer=0):
+    """Flip a byte in the stored (compressed) bytes of the first container of ``vid`` in ``paths[prefer]``, or, if
+    that file holds none (Dask placed no chunk of ``vid`` on its worker), in the first of the others that does;
+    the file flipped."""
+    for path in [paths[prefer]] + [p for i, p in enumerate(paths) if i != prefer]:
+        parsed, extras = _tables(path)
+        meta = next((m for _b, _c, m in parsed.containers() if m.id == vid and m.hascontent
+                     and m.containerid not in extras.get(vid, {}).get("codec_plain", [])), None)
+        if meta is not None:
+            break
+    else:
+        raise AssertionError(f"no file holds a container of variable {vid}")
     with open(path, "r+b") as fh:
         fh.seek(meta.fptr + meta.chunksize // 2)
         byte = fh.read(1)
@@ -186,7 +193,7 @@ def test_damaged_compressed_container_refused_arrays_untouched(client, dirs, cap
     arrays = _arrays()
     _protect_all(ctx, arrays, "zstd")
     ctx.checkpoint(1, 1)
-    _flip_in_container(_files(dirs, 1)[0], 1)
+    _flip_in_container(_files(dirs, 1), 1)
     assert main(["verify", str(Path(dirs["ckpt_dir"]))]) != 0
     ctx2 = ftidask.init(client=client, **dirs)
     held = {vid: (np.full_like(np.asarray(a), 3) if vid == 6 else a) for vid, a in arrays.items()}

@@ -102,7 +102,7 @@ def test_damaged_data_found_by_a_read_goes_back_to_the_older_checkpoint(client, 
     ctx.protect(1, ctx.protected[1] + 1)
     ctx.checkpoint(2, 1)
     ctx._close()
-    _flip_in_container(_files(dirs, 1)[2], 1)
+    _flip_in_container(_files(dirs, 1), 1, 2)
     restart = _restart(client, dirs)
     held = restart.protected[1]
     with caplog.at_level(logging.WARNING, logger="ftidask"):
@@ -119,7 +119,7 @@ def test_damaged_data_and_no_older_checkpoint_touches_nothing(client, dirs):
     ctx.protect(1, _field(2))
     ctx.checkpoint(1, 1)
     ctx._close()
-    _flip_in_container(_files(dirs, 1)[0], 1)
+    _flip_in_container(_files(dirs, 1), 1)
     restart = _restart(client, dirs)
     numpy_var = np.full(10, 7.0)
     held = restart.protected[1]
@@ -136,7 +136,7 @@ def test_damaged_data_found_by_a_read_is_rebuilt_from_the_level(client, dirs, le
     ctx.checkpoint(1, level)
     saved = ctx.protected[1].compute()
     ctx._close()
-    _flip_in_container(_files(dirs, level)[1], 1)
+    _flip_in_container(_files(dirs, level), 1, 1)
     restart = _restart(client, dirs)
     out = restart.recover()
     assert restart.recovered_from == (1, level)
@@ -155,7 +155,7 @@ def test_damaged_data_beside_missing_parity_is_checked_before_the_parity_is_rebu
     ctx.checkpoint(1, 3)
     saved = ctx.protected[1].compute()
     ctx._close()
-    _flip_in_container(_files(dirs, 3)[1], 1)
+    _flip_in_container(_files(dirs, 3), 1, 1)
     parity = list(Path(dirs["ckpt_dir"]).glob("**/l3/ckpt*/Ckpt1-RSed2.fti"))
     assert len(parity) == 1
     parity[0].unlink()
