@@ -54,8 +54,8 @@ class ResilientLoop:
     ``with ResilientLoop(ctx, arrays={1: u}, every=50, iterations=1000) as loop: for i in loop: ...``: on a
     restart the arrays (and ``rng``, ``state``, as for :func:`resilient`) are recovered and the loop resumes after
     the last checkpointed iteration. Every ``check_every`` iterations the ranks agree whether one received one of
-    ``signals`` (SIGTERM, SIGUSR1); if so, a checkpoint at ``stop_level`` (default: ``level``) is written, the
-    loop ends and ``loop.stopped`` is True.
+    ``signals`` (SIGTERM, SIGUSR1); if so, a checkpoint at ``stop_level`` (default: ``level``) is written (unless
+    that iteration was just checkpointed), the loop ends and ``loop.stopped`` is True.
     """
 
     def __init__(self, ctx: Any, *, arrays: Mapping[int, Any], every: int, level: int = 1,
