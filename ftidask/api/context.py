@@ -372,7 +372,7 @@ class Context(StagingCalls):
         return getattr(self.transport, "comm", None)
 
     def wait_post_processing(self) -> Any:
-        """Wait until the head has finished post-processing the last checkpoint (L2-L4 with heads)."""
+        """Wait for the heads' post-processing of the last checkpoint: their reply ``{"ok", "error", ...}``, or None."""
         self._async.drain()  # the background's request too: its transport shares the head's state
         return self.transport.wait_post()
 

@@ -49,7 +49,14 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class ResilientLoop:
-    """Iterate ``range(iterations)`` with checkpoints every ``every`` iterations at ``level``."""
+    """Iterate ``range(iterations)`` with checkpoints every ``every`` iterations at ``level``.
+
+    ``with ResilientLoop(ctx, arrays={1: u}, every=50, iterations=1000) as loop: for i in loop: ...``: on a
+    restart the arrays (and ``rng``, ``state``, as for :func:`resilient`) are recovered and the loop resumes after
+    the last checkpointed iteration. Every ``check_every`` iterations the ranks agree whether one received one of
+    ``signals`` (SIGTERM, SIGUSR1); if so, a checkpoint at ``stop_level`` (default: ``level``) is written (unless
+    that iteration was just checkpointed), the loop ends and ``loop.stopped`` is True.
+    """
 
     def __init__(self, ctx: Any, *, arrays: Mapping[int, Any], every: int, level: int = 1,
                  iterations: int, stop_level: int | None = None, signals: tuple[int, ...] = STOP_SIGNALS,
@@ -143,7 +150,8 @@ def resilient(ctx: Any, *, arrays: Mapping[int, Any], every: int, level: int = 1
     """Decorate ``fn(i)`` (one iteration) into a resilient loop; calling it runs the loop.
 
     ``rng`` (a ``numpy.random.Generator``) and ``state`` (a dict of JSON values) are checkpointed
-    with the arrays and the loop counter, and recovered in place on a restart.
+    with the arrays and the loop counter, and recovered in place on a restart. ``stop_level`` and
+    ``check_every`` are :class:`ResilientLoop`'s (its ``signals`` are SIGTERM and SIGUSR1).
 
     The call returns the number of iterations done in total (``iterations`` unless stopped by a
     signal); with ``exit_on_signal`` a stopped loop finalizes nothing and exits with status 0

@@ -16,7 +16,9 @@ from ..storage.files import atomic_file
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointInfo:
-    """What a checkpoint did: id, level, bytes of data and of files written, and time."""
+    """What a checkpoint did: ``id``, ``level``, ``seq`` (its sequence number in the run), ``bytes_written`` (data)
+    and ``file_bytes`` (everything written), ``seconds``; for a differential checkpoint (levels 5-8, else None)
+    ``blocks_total`` blocks, of which ``blocks_changed`` were written and ``blocks_hashed`` read and hashed."""
 
     id: int
     level: int

@@ -316,7 +316,7 @@ def _iniparser_value(raw: str) -> str:
 def load_config(path: str | os.PathLike[str] | Config | None = None, *, base: Config | None = None,
                 **overrides: Any) -> Config:
     """Read an FTI-style INI file (or none, or take a :class:`Config`) and apply keyword ``overrides``;
-    validate everything."""
+    validate everything. ``base``: a :class:`Config` whose values the file's and the overrides replace."""
     if isinstance(path, Config):  # init(load_config(...)): a config already built
         base, path = path, None
     if base is not None and not isinstance(base, Config):

@@ -44,4 +44,5 @@ class LevelError(FTIError, ValueError):
 
 
 class StagingError(FTIError):
-    """A staging request is invalid (raised by send_file), or requests failed (raised by finalize)."""
+    """Staging is not enabled (raised by every staging call), a staging request is invalid (raised by
+    send_file), or requests failed (raised by finalize)."""

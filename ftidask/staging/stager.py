@@ -64,7 +64,8 @@ STATE_NAMES = {SI_FAIL: "SI_FAIL", SI_SCES: "SI_SCES", SI_ACTV: "SI_ACTV", SI_PE
 
 @dataclasses.dataclass
 class StageInfo:
-    """What is known about one request."""
+    """What is known about one request: its ``request`` (``id``, ``src``, ``dst``...), ``state`` (``SI_*``,
+    ``state_name``), ``reason`` (why it failed), and its ``submitted`` and ``finished`` times (``time.monotonic``)."""
 
     request: StageRequest
     state: int = SI_PEND

@@ -73,7 +73,8 @@ SPARE_DIR = "dcp"
 
 def spare_file(rank: int, kind: str = "") -> str:
     """A spare of differential checkpointing: rank ``rank``'s own file (``kind`` ""), the partner
-    copy it holds ("Pcof", L2) or its parity ("RSed", L3)."""
+    copy it holds ("Pcof", L2), its parity ("RSed", L3), or the file written in full beside the spare
+    after a recovery from it ("Next")."""
     return f"Spare{kind}-Rank{rank}.fti"
 
 

@@ -52,7 +52,8 @@ log = logging.getLogger("ftidask.zarr")
 
 @dataclasses.dataclass(frozen=True)
 class ExportResult:
-    """What an export wrote."""
+    """What an export wrote: the store's ``path``, the checkpoint (``ckpt_id``, ``level``, ``nranks`` rank files), the
+    ``arrays`` written (their paths in the store), ``nbytes`` of data and ``seconds``."""
 
     path: Path
     ckpt_id: int
