@@ -85,3 +85,25 @@ def test_list_shows_a_checkpoint_kept_at_level4_by_keep_last_ckpt_as_committed(d
     (row,) = [r for r in rows if r[1] == "40"]
     (kept,) = Path(dirs["glbl_dir"]).glob("*/l4/ckpt40.s*")
     assert (row[2], row[3], row[-1]) == ("4", kept.name.split(".s")[1], "sound")
+
+
+def test_clean_tidies_the_stage_directories_and_keeps_the_application_files(dirs, tmp_path, capsys):
+    """clean removed Local/node*/{run}, Global/{run} and Meta/{run} but left Local/stage/{run} (its empty directories,
+    the notes and temporary files of transfers a kill interrupted), which no later start could sweep once Meta/{run}
+    was gone. Now tidied as an abandoned run's: the application's files waiting to be staged stay, and clean says so."""
+    ctx = ftidask.init(enable_staging=1, **dirs)
+    ctx.protect(1, np.arange(10.0))
+    ctx.checkpoint(1, 1)
+    kept = ctx.stage_dir() / "result.npy"
+    np.save(kept, np.arange(3))
+    stage_root = Path(dirs["ckpt_dir"]) / "stage" / ctx.exec_id
+    (stage_root / "node7" / "rank3").mkdir(parents=True)  # empty: goes
+    ctx._close()
+    assert main(["clean", str(tmp_path), "--yes"]) == 0
+    out = capsys.readouterr().out
+    assert kept.is_file() and np.array_equal(np.load(kept), np.arange(3))
+    assert not (stage_root / "node7").exists()
+    assert "kept 1 file" in out and str(stage_root) in out
+    kept.unlink()
+    assert main(["clean", str(tmp_path), "--yes"]) == 0  # the run's state is gone: its stage directory is tidied too
+    assert not stage_root.exists() and not (Path(dirs["ckpt_dir"]) / "stage").exists()

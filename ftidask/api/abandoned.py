@@ -26,7 +26,6 @@ is logged and leaves the rest to a later start: the start goes on.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from ..engine.retention import Retention
@@ -106,20 +105,12 @@ def _of(paths: storage.RunPaths, run: str) -> storage.RunPaths:
     return storage.RunPaths(paths.ckpt_dir, paths.glbl_dir, paths.meta_dir, run)
 
 
-def _remove_stage(stage_node_dir: Path) -> None:
-    """A node's stage directories of a dead run: the temporary files its transfers left, their notes, the empty
-    directories (the application's files stay)."""
-    for notes in sorted(stage_node_dir.glob(".rank*-transfers")):
-        journal.sweep(notes)
-    storage.prune_empty_dirs(stage_node_dir)
-
-
 def _remove_local(paths: storage.RunPaths, runs: list[str], node: int, retention: Retention) -> None:
     """On every rank: its node's directories of ``runs``."""
     for run in runs:
-        stage = _of(paths, run).stage_root / f"node{node}"
+        stage = _of(paths, run).stage_root
         if paths.contains(stage):
-            _remove_stage(stage)
+            journal.tidy_stage(stage, f"node{node}")
     retention.remove_dead_runs(runs)
 
 
@@ -128,10 +119,8 @@ def _remove_rest(paths: storage.RunPaths, runs: list[str]) -> None:
     run's state last."""
     for run in runs:
         p = _of(paths, run)
-        for stage in sorted(p.stage_root.glob("node*")):
-            _remove_stage(stage)
         if paths.contains(p.stage_root):
-            storage.prune_empty_dirs(p.stage_root)
+            journal.tidy_stage(p.stage_root)
         for path in [*sorted(paths.ckpt_dir.glob(f"node*/{run}")), paths.glbl_dir / run, p.run_meta]:
             if paths.contains(path):
                 storage.remove_tree(path)

@@ -107,3 +107,19 @@ def sweep_others(stage_root: Path, rank: int, size: int) -> int:
             with contextlib.suppress(OSError):
                 notes.rmdir()
     return removed
+
+
+
+def tidy_stage(stage_root: Path, nodes: str = "node*") -> int:
+    """A dead or finished run's stage directories (``{ckpt_dir}/stage/{exec_id}/{nodes}``): the temporary files
+    its transfers left and their notes removed, then the empty directories (``stage_root`` too, if it ends up
+    empty); the application's files waiting there stay (they are its own, as at finalize). The files left."""
+    left = 0
+    for node_dir in sorted(stage_root.glob(nodes)):
+        for notes in sorted(node_dir.glob(".rank*-transfers")):
+            sweep(notes)
+        storage.prune_empty_dirs(node_dir)
+        left += sum(len(files) for _dir, _dirs, files in os.walk(node_dir))
+    with contextlib.suppress(OSError):  # not empty, or gone
+        stage_root.rmdir()
+    return left

@@ -19,8 +19,9 @@ from ..ftiff.fti_dcp_posix import is_dcp_file
 from ..ftiff.reader import parse_ftiff, verify_data
 from ..model.config import Config, load_config
 from ..model.errors import ConfigError, FormatError, FTIError
+from ..staging import journal
 from ..storage import runlock
-from ..storage.files import find_paths, open_read, read_json, remove_inside
+from ..storage.files import find_paths, is_inside, open_read, read_json, remove_inside
 from .fti_files_cli import fti_parity_problem, inspect_dcp, list_dcp_files
 
 DESCRIPTION = ("Inspect, verify, list and clean the checkpoints of ftidask (FTI-FF files), export one to Zarr "
@@ -265,11 +266,11 @@ def cmd_list(args: argparse.Namespace) -> int:
     return list_dcp_files(roots, meta)
 
 
-def _runs_to_clean(args: argparse.Namespace, meta: Path) -> set[str]:
+def _runs_to_clean(args: argparse.Namespace, meta: Path, stage: Path) -> set[str]:
     if args.exec_id is not None:
         return {check_exec_id(args.exec_id, "--exec-id")}  # a single directory name, never a path
-    runs = set()
-    for p in (meta.iterdir() if meta.is_dir() else ()):
+    runs = set()  # a stage directory outlives its run's state when the application's files wait there
+    for p in [*(meta.iterdir() if meta.is_dir() else ()), *(stage.iterdir() if stage.is_dir() else ())]:
         if p.is_dir():
             try:
                 runs.add(check_exec_id(p.name, f"directory {p}"))
@@ -283,9 +284,10 @@ def cmd_clean(args: argparse.Namespace) -> int:
     local, glbl, meta = _dirs(args)
     if not args.config and not Path(args.dir).exists():
         return _missing(Path(args.dir))
-    runs = _runs_to_clean(args, meta)
+    stage = local / "stage"
+    runs = _runs_to_clean(args, meta, stage)
     if args.exec_id and not any(p.exists() for p in [*local.glob(f"node*/{args.exec_id}"), glbl / args.exec_id,
-                                                      meta / args.exec_id]):
+                                                      meta / args.exec_id, stage / args.exec_id]):
         known = sorted(p.name for p in meta.iterdir() if p.is_dir()) if meta.is_dir() else []
         return _error(f"no such run: {args.exec_id!r} has no directories under {local}, {glbl} or {meta}"
                       f" (runs found: {', '.join(known) or 'none'})")
@@ -299,7 +301,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
     targets = [(p, parent) for run in sorted(runs) for p, parent in
                [*((p, p.parent) for p in local.glob(f"node*/{run}")), (glbl / run, glbl), (meta / run, meta)]
                if p.exists()]
-    print("will remove:\n  " + "\n  ".join(str(p) for p, _parent in targets))
+    tidied = [stage / run for run in sorted(runs) if (stage / run).is_dir()]
+    print("will remove:\n  " + "\n  ".join([str(p) for p, _parent in targets] + [
+        f"{p} (what staging left; the application's files waiting there are kept)" for p in tidied]))
     if not args.yes:
         if not sys.stdin.isatty():
             return _error("refusing to delete without confirmation (no terminal to ask on); pass --yes")
@@ -315,6 +319,11 @@ def cmd_clean(args: argparse.Namespace) -> int:
             elif not remove_inside(target, parent):
                 print(f"refusing to remove {target}: it does not resolve inside {parent}", file=sys.stderr)
                 refused += 1
+        for target in (p for p in tidied if p.name not in live and is_inside(p, stage)):
+            if left := journal.tidy_stage(target):  # the application's own files: never removed by ftidask
+                print(f"kept {left} file(s) that the application left to stage in {target}")
+        with contextlib.suppress(OSError):
+            stage.rmdir()
         current = meta / "current_exec_id"
         named = read_json(current)
         if current.is_file() and (not isinstance(named, dict) or named.get("exec_id") in runs - live):
