@@ -71,7 +71,7 @@ def test_dcp_then_lost_rank_file(tmp_path, level):
     if TRACKING:
         assert all(v <= 6 for (_r, k), v in hashed.items() if k > 1), out
     if level == 6:
-        # ... and L2 partners receive only the changed ranges (MpiTransport.protect_files_delta).
+        # ... and L2 partners receive only the changed ranges (GroupLevels.protect_files_delta, engine/grouplevels.py).
         assert out.count("(changed ranges)") == 12, out
     if level == 7:
         # ... and L3 parity is updated from the deltas (rs_delta), equal to a full re-encoding.
