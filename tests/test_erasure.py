@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftidask.levels import erasure
+from ftidask.levels import erasure, gf_numpy
 from ftidask.levels.erasure import ReedSolomon, decode_files, encode_files
 
 # --- an independent, slow reference of the documented format --------------------------
@@ -66,15 +66,17 @@ def assert_blocks_equal(got, want) -> None:
 
 @contextlib.contextmanager
 def patched(**values):
-    """Temporarily set module tunables (forces the pair-table path, small chunks...)."""
-    old = {name: getattr(erasure, name) for name in values}
+    """Temporarily set module tunables (forces the pair-table path, small chunks...): ``use_native`` is the
+    codec's (erasure), the others the NumPy code's (gf_numpy)."""
+    where = {name: erasure if name == "use_native" else gf_numpy for name in values}
+    old = {name: getattr(where[name], name) for name in values}
     for name, v in values.items():
-        setattr(erasure, name, v)
+        setattr(where[name], name, v)
     try:
         yield
     finally:
         for name, v in old.items():
-            setattr(erasure, name, v)
+            setattr(where[name], name, v)
 
 
 # --- format -----------------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,9 @@ from ..engine.variables import Protected, check_name, protected_var, user_array
 from ..engine.writing import Writer
 from ..ftiff import hashing
 from ..model import constants
-from ..model.arrays import check_bool, check_id
+from ..model.arrays import check_id
 from ..model.config import Config
-from ..model.errors import FTIError, RecoveryError
+from ..model.errors import FTIError
 from ..model.level import Level
 from ..staging.stager import Staging
 from ..storage import dirchecks
@@ -39,13 +38,14 @@ from ..transport.base import Transport
 from ..transport.collective import agree_call
 from . import abandoned, display, lifecycle, logsetup
 from .names import VarNames, restart_names
+from .recovercalls import RecoveryCalls
 from .stagecalls import StagingCalls
 
 log = logging.getLogger("ftidask")
 
 
-class Context(StagingCalls):
-    """One process's handle on a run: protected variables, checkpoints, recovery."""
+class Context(RecoveryCalls, StagingCalls):
+    """One process's handle on a run: protected variables, checkpoints, recovery (:class:`RecoveryCalls`)."""
 
     def __init__(self, config: Config, transport: Transport, *, retention: RetentionFactory = Retention) -> None:
         """``retention`` makes the collaborator that retires checkpoints (a backend with files elsewhere: its own)."""
@@ -145,18 +145,9 @@ class Context(StagingCalls):
         self.progress.last_checkpoint = info
 
     @property
-    def recovered_from(self) -> tuple[int, int] | None:
-        """``(ckpt_id, level)`` of the checkpoint recovered last, or None."""
-        return self.progress.recovered_from
-
-    @property
     def finalized(self) -> bool:
         """Whether :meth:`finalize` ran (or the context was closed after an error)."""
         return self._closed
-
-    def status(self) -> int:
-        """FTI_Status: 0 fresh start (or after a full recover(), as FTI), 1 restart, 2 restart from a kept L4 one."""
-        return STATUS_FRESH if self.progress.recovered_all else self._status
 
     # --- checkpoint ------------------------------------------------------------------------------
 
@@ -236,60 +227,6 @@ class Context(StagingCalls):
     def incremental(self, id: int, level: int) -> icp.Incremental:
         """``with ctx.incremental(id, level) as icp: icp.add(var_id)``: iCP as a context manager."""
         return icp.Incremental(self, id, level)
-
-    # --- recovery (ftidask.engine.recovering) ---------------------------------------------------------
-
-    def recover(self, ckpt_id: int | None = None, level: int | None = None, *,
-                ids: Any = None) -> dict[int, Any]:
-        """FTI_Recover: fill the protected arrays (and Python states) from the newest checkpoint that verifies.
-
-        ``ids`` (FTI_RecoverVar): recover only these variables, the others untouched. Every hash is checked before any
-        array is written; on failure nothing is touched. Raises :class:`NoCheckpointError` when nothing can be
-        recovered. A full recovery sets :meth:`status` to 0, as FTI_Recover does."""
-        self._check_open()
-        self._icp_slot.check_none_open(RecoveryError)  # the checkpoint would mix values from before and after
-        self._async.quiesce()  # never a checkpoint half written by this run, or raised by a head
-        out = self.recovery.recover(ckpt_id, level, ids)
-        self.progress.recovered_all |= ids is None  # FTI_RecoverVar leaves FTI_Status as it is
-        self.progress.recovered_ids.update(out)  # what snapshot() no longer recovers
-        return out
-
-    def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
-        """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched). Raises
-        :class:`NoCheckpointError` where FTI returns FTI_NSCS: on a fresh start, nothing is committed to recover."""
-        return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
-
-    def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None,
-                     rank: int | None = None) -> dict[int, Any]:
-        """Fill the protected arrays from a verified FTI-FF file, or (``meta``) FTI's POSIX/dCP/MPI-IO file (docs)."""
-        self._check_open()
-        self._icp_slot.check_none_open(RecoveryError)  # as recover(): the iCP would commit a mix of both
-        self._async.drain()
-        out = self.recovery.recover_file(path, meta, rank)
-        self.progress.recovered_ids.update(out)
-        return out
-
-    def stored_size(self, id: int, *, total: bool = False) -> int:
-        """FTI_GetStoredSize: bytes of variable ``id`` in this rank's file of the checkpoint (last written, or to
-        recover), 0 if none; ``total=True``: the job's, summed over the ranks (collective: every rank asks it)."""
-        self._check_open()
-        if total is not False:  # a collective sum: the ranks agree on the call first (a refused argument: everywhere)
-            agree_call(self.transport, "stored_size", lambda: ({}, (check_id(id, "variable id"), check_bool(
-                total, "stored_size(total=...)", RecoveryError))), RecoveryError)
-        self._async.quiesce()
-        size = self.recovery.stored_size(id)  # the id checked there, after the ranks' collective read
-        return sum(self.transport.allgather(size)) if total else size
-
-    def realloc(self, id: int, array: Any = None) -> Any:
-        """FTI_Realloc: a new array of the stored size (``array`` itself where it already fits), which becomes the
-        protected one; for a Python state (``State``, ``Value``, a generator), the protected object itself. On a fresh
-        start (nothing committed, :meth:`stored_size` 0) it raises :class:`NoCheckpointError`, as recover() does."""
-        self._check_open()
-        self._async.quiesce()
-        return self.recovery.realloc(id, array)  # the id checked there, with the other ranks
-
-    def _rank_file(self, record: CommitRecord) -> Path:  # this rank's file of ``record`` (the tests corrupt it)
-        return self.recovery.rank_file(record)
 
     # --- snapshot and finalize ---------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Recovery: the newest committed checkpoint that every rank can verify (or rebuild), then the arrays.
 
 :class:`Recovery` is owned by :class:`ftidask.Context`: it fills the context's protected variables
-and notes what it recovered in the :class:`Progress` that the context's commits update too.
+and notes what it recovered in the :class:`Progress` that the context's commits update too. What a restart's
+stored_size() and realloc() read is its base, :class:`~ftidask.engine.restart_sizes.RestartSizes`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +19,19 @@ import numpy as np
 
 from ..ftiff.layout import Layout
 from ..ftiff.reader import FtiffFile, identity_of, unchanged
-from ..model.arrays import check_id
-from ..model.errors import FTIError, NoCheckpointError, ProtectError, RecoveryError
+from ..model.errors import FTIError, NoCheckpointError, RecoveryError
 from ..transport.collective import agree, agree_call, attempt, guarded, on_root
 from . import pagemove, recoverplan, reshard
 from .checkpointing import CheckpointInfo
 from .dcpstore import distrust_spare
-from .device import is_device_array
 from .pagemove import Stager, release_all
 from .prefault import Prefault
 from .recovery import Verdict, check_file, load_file, newest_recoverable
-from .reshard_rebuild import old_files_sound
+from .restart_sizes import RestartSizes
 from .retention import rank_path
-from .run import Run, RunPart
+from .run import Run
 from .runstate import CommitRecord
-from .variables import Protected, protected_var
+from .variables import Protected
 
 log = logging.getLogger("ftidask")
 
@@ -77,8 +75,8 @@ class _Passed(Exception):
         self.error = error
 
 
-class Recovery(RunPart):
-    """FTI_Recover, FTI_GetStoredSize and FTI_Realloc for one context."""
+class Recovery(RestartSizes):
+    """FTI_Recover for one context (FTI_GetStoredSize and FTI_Realloc: :class:`RestartSizes`)."""
 
     def __init__(self, run: Run, variables: dict[int, Protected], progress: Progress) -> None:
         super().__init__(run)
@@ -310,37 +308,6 @@ class Recovery(RunPart):
         self.progress.recovered = True
         return targets.recovered()
 
-    def restart_metadata(self) -> FtiffFile:
-        """The checkpoint a restart recovers, parsed and verified (found once; collective the first time)."""
-        if self.progress.restart_file is None:
-            record, verdict = self._restart_find()
-            self.progress.restart_file, self.progress.restart_record = verdict.parsed, record
-        assert self.progress.restart_file is not None
-        return self.progress.restart_file
-
-    def _restart_find(self) -> tuple[CommitRecord, Verdict]:
-        """The checkpoint recover() loads, sought as it does: each run of candidates of one layout in turn (collective,
-        agreed). When it is one of another layout, redistributed, its sizes per old rank describe nothing loaded: a
-        RecoveryError. One of another layout that cannot be redistributed is passed over, as recover() does."""
-        if self.progress.resharded is not None:  # what recover() redistributed: refused as such, never sought again
-            raise reshard.sizes_refused(*self.progress.resharded)  # (a whole check of its files may fail where it read)
-        failed: list[NoCheckpointError] = []
-        for change, records in reshard.by_layout(self, self.all_candidates(None, None)):
-            if not change:
-                try:
-                    return self.find(records=records)
-                except NoCheckpointError as exc:  # agreed
-                    failed.append(exc)
-                    continue
-            sound = next((r for r in records if old_files_sound(self, r, partial(reshard.old_path, self, r))), None)
-            if sound is not None:
-                t = self.transport
-                raise reshard.sizes_refused(sound, reshard.layout_change(sound, t.size, t.allgather(t.node)))
-            failed.append(NoCheckpointError(f"{change}; none of those checkpoints can be redistributed"))
-        if not failed:
-            return self.find(records=[])  # raises: no committed checkpoint
-        raise failed[0] if len(failed) == 1 else NoCheckpointError("\n".join(map(str, failed)))
-
     def _verified_before(self, ckpt_id: int | None, level: int | None) -> tuple[CommitRecord, Verdict] | None:
         """The checkpoint :meth:`restart_metadata` found and verified (stored_size, realloc, var_id before a
         recover(), FTI's order), when it is the one this recovery asks for and every rank's file is unchanged
@@ -354,47 +321,3 @@ class Recovery(RunPart):
         if not all(self.transport.allgather(unchanged(parsed))):  # each rank's own file: agreed
             return None
         return record, Verdict("ok", parsed=parsed)
-
-    def stored_size(self, id: Any) -> int:
-        """:meth:`ftidask.Context.stored_size` of ``id`` (0: nothing stored for it). On a restart the sizes are read by
-        every rank together: a rank whose id is refused takes part first (or the others would wait), then raises."""
-        try:
-            vid = check_id(id, "variable id")
-        except FTIError:
-            with contextlib.suppress(FTIError):
-                self._stored_sizes()
-            raise
-        return self._stored_sizes().get(vid, 0)  # FTI_GetStoredSize's 0: no size stored for this id
-
-    def _stored_sizes(self) -> dict[int, int]:
-        pr = self.progress
-        if pr.layout is not None and pr.restart_file is None and (pr.last_checkpoint or pr.recovered):
-            sizes = {s.var_id: 0 for s in pr.layout.slots()}
-            for s in pr.layout.slots():
-                sizes[s.var_id] += s.chunksize
-            return sizes
-        if pr.restart_file is None and not self.all_candidates(None, None):  # the same on every rank
-            return {}  # nothing committed (a fresh run before its first checkpoint): FTI's 0 for every id
-        return self.restart_metadata().var_nbytes()
-
-    def realloc(self, id: Any, array: Any) -> Any:
-        """:meth:`ftidask.Context.realloc` (collective: a rank whose arguments are refused tells the others)."""
-        def step() -> tuple[dict[str, Any], int]:
-            if array is not None and not isinstance(array, np.ndarray) and not is_device_array(array):
-                raise ProtectError("realloc(id, array): array must be a numpy.ndarray, a CuPy array or None, got "
-                                   f"{type(array).__name__}")
-            return {}, check_id(id, "variable id")
-
-        vid, variables = agree_call(self.transport, "realloc", step, RecoveryError), self.variables
-        state = variables[vid].state if vid in variables else None
-        if state is not None:  # a Python state resizes itself
-            return state.obj
-        parsed = self.restart_metadata()
-        info = parsed.vars.get(vid)
-        new = recoverplan.realloc_array(parsed, vid, array, variables)
-        name = info.name if info is not None else None
-        # registered as ctx.protect(vid, new, name=...) would (its compressor and declaration kept if they fit)
-        variables[vid] = protected_var(vid, new, name if vid not in variables else variables[vid].name, None,
-                                       variables.get(vid), global_shape=None, offset=None, replicated=False)
-        return new
-

@@ -2,14 +2,14 @@
 then every container's hash, then the data into the caller's arrays.
 
 Both ftidask's files and FTI's are read: FTI 1.1's (file block first, MD5 everywhere, no variable
-table) and those of later FTI versions, which keep all metadata at the end (:mod:`.tailmeta`).
+table) and those of later FTI versions, which keep all metadata at the end (:mod:`.tailmeta`). What
+:func:`parse_ftiff` returns, :class:`FtiffFile`, and the file's identity on disk are :mod:`.parsedfile`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, Protocol
 
@@ -18,7 +18,10 @@ from ..model.errors import FormatError
 from . import compression, hashing, readahead, tailmeta, verify
 from .blockhash import FLAG_DCP, DcpInfo, read_into_dcp, verify_dcp
 from .ftiparity import sniff_parity
-from .layout import Layout, Slot, layout_from_slots
+from .parsedfile import FtiffFile as FtiffFile
+from .parsedfile import check_unchanged as check_unchanged
+from .parsedfile import identity_of as identity_of
+from .parsedfile import unchanged as unchanged
 from .structs import BMD_SIZE, FB_SIZE, VMD_SIZE, BlockMeta, ContainerMeta, FileBlock
 from .trailer import TAIL_SIZE, parse_trailer, trailer_span
 
@@ -40,71 +43,11 @@ class ByteTarget(Protocol):
         """Copy ``data`` into the variable at byte ``start``."""
 
 
-@dataclasses.dataclass(frozen=True)
-class FtiffFile:
-    """The parsed, structurally checked metadata of one file."""
-
-    path: str
-    file_size: int  # the bytes that are the file: less than the file's size for a padded FTI L3 rank file
-    fb: FileBlock
-    blocks: tuple[tuple[BlockMeta, tuple[ContainerMeta, ...]], ...]
-    trailer: dict[str, Any] | None
-    vars: dict[int, VarInfo]
-    identity: tuple[int, ...] = (0, 0, 0, 0, 0)  # device, inode, size, mtime_ns, ctime_ns when parsed
-    tail: bool = False  # FTI 1.2+ layout: data first, metadata at the end (tailmeta.py)
-
-    @property
-    def legacy(self) -> bool:
-        """True for a file written by FTI 1.1 (MD5 everywhere, no variable table)."""
-        return self.fb.legacy
-
-    def containers(self) -> Iterator[tuple[int, int, ContainerMeta]]:
-        """Every container's ``(block index, index in block, metadata)``, in file order."""
-        for bi, (_bmd, metas) in enumerate(self.blocks):
-            for ci, meta in enumerate(metas):
-                yield bi, ci, meta
-
-    def var_nbytes(self) -> dict[int, int]:
-        """Bytes held per variable id."""
-        if self.vars:
-            return {vid: info.nbytes for vid, info in self.vars.items()}
-        sizes: dict[int, int] = {}
-        for _bi, _ci, meta in self.containers():
-            sizes[meta.id] = sizes.get(meta.id, 0) + (meta.chunksize if meta.hascontent else 0)
-        return sizes
-
-    def layout(self) -> Layout:
-        """The container layout, for planning the next checkpoint on top of it."""
-        return layout_from_slots([
-            [Slot(m.id, m.idx, m.containerid, m.dptr, m.fptr, m.containersize, m.chunksize if m.hascontent else 0)
-             for m in metas] for _bmd, metas in self.blocks])
-
-
 def _pread(fh: BinaryIO, offset: int, length: int, path: str, what: str) -> bytes:
     data = os.pread(fh.fileno(), length, offset)
     if len(data) != length:
         raise FormatError(f"{what}: file ends at byte {offset + len(data)}, expected {offset + length}", path=path)
     return data
-
-
-def identity_of(stat: os.stat_result) -> tuple[int, ...]:
-    """What tells a file from itself modified or replaced (:attr:`FtiffFile.identity`)."""
-    # ctime too: no program can set it back, so a write with the modification time restored still shows
-    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
-
-
-def unchanged(parsed: FtiffFile) -> bool:
-    """Whether the file at ``parsed.path`` is still the one parsed (and verified), unmodified since."""
-    try:
-        return identity_of(os.stat(parsed.path)) == parsed.identity
-    except OSError:
-        return False
-
-
-def check_unchanged(fh: BinaryIO, parsed: FtiffFile) -> None:
-    """Raise unless ``fh`` is the very file that was parsed and verified, unmodified since."""
-    if identity_of(os.fstat(fh.fileno())) != parsed.identity:
-        raise FormatError("file was replaced or modified after it was verified", path=parsed.path)
 
 
 def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:

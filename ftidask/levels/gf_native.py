@@ -3,7 +3,7 @@
 ``ftidask._native.gf_matmul`` (``ftidask/csrc/gf256.c``) computes ``outs[i] (^)= XOR_j
 mat[i][j] * ins[j]`` with split-nibble table lookups (SSSE3, AVX2, AVX-512BW, NEON) or GFNI affine
 transforms, picked at run time from the CPU's features, and releases the GIL. It computes the
-bytes of the NumPy code in :mod:`ftidask.levels.erasure`, which stays the reference and the
+bytes of the NumPy code in :mod:`ftidask.levels.gf_numpy`, which stays the reference and the
 fallback when the extension is not built (``tests/test_erasure_native.py`` compares the two).
 
 Bytes are independent, so a stripe longer than ``PARALLEL_MIN_BYTES`` is cut into one piece per

@@ -1,4 +1,6 @@
-"""``python -m ftidask`` / ``ftidask``: inspect, verify, list, clean, export and import checkpoints."""
+"""``python -m ftidask`` / ``ftidask``: inspect, verify, list, clean, export and import checkpoints.
+
+How the commands find and check the files they are given is :mod:`ftidask.tools.file_checks`."""
 
 from __future__ import annotations
 
@@ -16,13 +18,23 @@ from ..engine.runstate import RunState, check_exec_id, unsealed_record
 from ..ftiff.dump import to_json, to_text
 from ..ftiff.filekind import is_config_file
 from ..ftiff.fti_dcp_posix import is_dcp_file
-from ..ftiff.reader import parse_ftiff, verify_data
-from ..model.config import Config, load_config
-from ..model.errors import ConfigError, FormatError, FTIError
+from ..ftiff.reader import parse_ftiff
+from ..model.errors import FormatError, FTIError
 from ..staging import journal
 from ..storage import runlock
 from ..storage.files import find_paths, is_inside, open_read, read_json, remove_inside
-from .fti_files_cli import fti_parity_problem, inspect_dcp, list_dcp_files
+from .file_checks import check_config_file as check_config_file
+from .file_checks import (
+    ftiff_files,
+    load_checked_config,
+    parity_files,
+    parity_verdict,
+    table_of,
+    verdict_of,
+    whole_file_problem,
+    zarr_stores,
+)
+from .fti_files_cli import inspect_dcp, list_dcp_files
 
 DESCRIPTION = ("Inspect, verify, list and clean the checkpoints of ftidask (FTI-FF files), export one to Zarr "
                "or import a Zarr store. Run 'ftidask COMMAND --help' for a command's options.")
@@ -34,79 +46,9 @@ def _error(message: str) -> int:
     return 2
 
 
-def check_config_file(path: str | os.PathLike[str]) -> None:
-    """Raise :class:`ConfigError` unless ``path`` is an existing text (INI) file."""
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"config file {os.fspath(path)!r} does not exist")
-    if p.is_dir():
-        raise ConfigError(f"config file {os.fspath(path)!r} is a directory; pass the INI file (e.g. config.fti)")
-    if not is_config_file(p):
-        raise ConfigError(f"config file {os.fspath(path)!r} is not a text (INI) file: it is binary "
-                          "(a checkpoint file?); pass the run's config")
-
-
 def _missing(path: Path, base: bool = True) -> int:
     hint = " (check the path: the base directory is the one holding Local/, Global/ and Meta/)" if base else ""
     return _error(f"{path} does not exist{hint}")
-
-
-def _check(path: Path) -> tuple[str, object]:
-    """``("ok", parsed)`` or ``("damaged", message)`` for one FTI-FF file (or ftidask Zarr store)."""
-    if path.suffix == ".zarr":
-        from ..zarrfmt.store import verify_store
-
-        try:
-            return "ok", verify_store(path)
-        except (FormatError, OSError) as exc:
-            return "damaged", str(exc)
-    try:
-        with open_read(path) as fh:
-            parsed = parse_ftiff(fh, str(path))
-            verify_data(fh, parsed)
-        return "ok", parsed
-    except (FormatError, OSError) as exc:
-        if "not an FTI-FF file" in str(exc):  # no metadata of its own: maybe FTI's POSIX I/O, checked with its meta
-            what = ("FTI's POSIX dCP file (ckpt_io = 1)" if path.name.startswith("dcp-id") else "FTI's MPI-IO file "
-                    "(ckpt_io = 2)" if path.name.endswith("-mpiio.fti") else "a file of FTI's POSIX I/O (ckpt_io = 1)")
-            return "damaged", f"{exc}; {what} is checked with its meta file: verify PATH --meta META_DIR"
-        return "damaged", str(exc)
-
-
-def _ftiff_files(root: Path) -> list[Path]:
-    # Parity files (RSed) are not FTI-FF files: `verify` checks them against their .hash record (_parity_files).
-    # A config named config.fti (FTI's examples) is told apart by its content.
-    return [p for p in find_paths(root, "*.fti")  # FTI's POSIX dCP files are not FTI-FF: list_dcp_files shows them
-            if "-RSed" not in p.name and not p.name.startswith((".", "dcp-id")) and not is_config_file(p)]
-
-
-def _parity_files(root: Path) -> list[Path]:
-    return [p for p in find_paths(root, "*-RSed*.fti") if not p.name.startswith(".")]
-
-
-def _check_parity(path: Path) -> tuple[str, object]:
-    from ..levels.rs import check_parity, hash_path
-
-    problem = check_parity(path) if hash_path(path).exists() else fti_parity_problem(path)
-    return ("damaged", problem) if problem else ("ok", None)
-
-
-def _whole_file_problem(path: Path) -> str:
-    """A rank file of an L3 checkpoint against the whole-file hash its group's parity records keep ('' if none)."""
-    from ..levels.rs import file_hash, recorded
-
-    for parity in sorted(path.parent.glob(f"{path.name.split('-Rank')[0]}-RSed*.fti")):
-        info = recorded(parity)
-        want = info["file_hashes"].get(path.name) if info else None
-        if want:
-            try:
-                same = file_hash(path, int(info["hash_id"])) == want  # type: ignore[index]
-            except (OSError, FTIError) as exc:
-                return f"{path}: {exc}"
-            return "" if same else (f"{path}: does not match the whole-file hash its L3 parity records keep (a byte "
-                                    "changed where its own hashes do not look: a container's slack); its variables "
-                                    "read back, but L3 rebuilds no other file from it")
-    return ""
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -142,13 +84,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.meta:
         return _verify_posix(root, args.meta)
     if is_config_file(root):  # a run's config: its checkpoint directories
-        cfg = _load_config(root)
+        cfg = load_checked_config(root)
         roots = [p for p in (Path(cfg.ckpt_dir), Path(cfg.glbl_dir)) if p.is_dir()]
-        files = [f for r in roots for f in _ftiff_files(r) + _parity_files(r) + _zarr_stores(r)]
+        files = [f for r in roots for f in ftiff_files(r) + parity_files(r) + zarr_stores(r)]
     else:
-        files = [root] if root.is_file() or root.suffix == ".zarr" else _ftiff_files(root) + _parity_files(root)
+        files = [root] if root.is_file() or root.suffix == ".zarr" else ftiff_files(root) + parity_files(root)
     if root.is_dir() and root.suffix != ".zarr":  # level 4 written as Zarr, and exports
-        files += _zarr_stores(root)
+        files += zarr_stores(root)
     if not files and is_config_file(root):
         return _error(f"no checkpoint files under {Path(cfg.ckpt_dir).absolute()} or {Path(cfg.glbl_dir).absolute()}"
                       f" (the directories of {root}; relative ones are taken from the current directory)")
@@ -156,8 +98,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return _error(f"no FTI-FF files under {root}")
     bad = 0
     for path in files:
-        kind, detail = _check_parity(path) if "-RSed" in path.name and path.suffix == ".fti" else _check(path)
-        whole = _whole_file_problem(path) if kind == "ok" and "-Rank" in path.name else ""
+        kind, detail = parity_verdict(path) if "-RSed" in path.name and path.suffix == ".fti" else verdict_of(path)
+        whole = whole_file_problem(path) if kind == "ok" and "-Rank" in path.name else ""
         kind, detail = ("damaged", whole) if whole else (kind, detail)
         if kind == "ok":
             print(f"OK       {path}")
@@ -189,26 +131,10 @@ def _verify_posix(root: Path, meta: str) -> int:
 
 def _dirs(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     if args.config:
-        cfg = _load_config(args.config)
+        cfg = load_checked_config(args.config)
         return Path(cfg.ckpt_dir), Path(cfg.glbl_dir), Path(cfg.meta_dir)
     base = Path(args.dir)
     return base / "Local", base / "Global", base / "Meta"
-
-
-def _load_config(path: str | os.PathLike[str]) -> Config:
-    check_config_file(path)
-    return load_config(path)
-
-
-def _table_of(detail: object) -> dict:
-    """The checkpoint's description: an FTI-FF file's variable table, or a Zarr store's attributes."""
-    if isinstance(detail, dict):  # a verified Zarr store's manifest
-        return dict(detail.get("attrs", {}).get("ftidask", {}))
-    return dict(getattr(detail, "trailer", None) or {})
-
-
-def _zarr_stores(root: Path) -> list[Path]:
-    return [p for p in find_paths(root, "*.zarr") if (p / "ftidask-manifest.json").is_file()]
 
 
 def _size(path: Path) -> int:
@@ -224,7 +150,7 @@ def _size(path: Path) -> int:
 def _key(path: Path, kind: str, detail: object) -> tuple[str, int]:
     """``(exec_id, seq)`` of a file: its path's (``{exec_id}/l*/ckpt*.s{seq}``; keep_last_ckpt's L4 copy has a seq
     of its own, its files the first one's), else its variable table's."""
-    table = _table_of(detail) if kind == "ok" else {}
+    table = table_of(detail) if kind == "ok" else {}
     found = re.fullmatch(r"ckpt\d+\.s(\d+)", path.parent.name)
     exec_id = str(table.get("exec_id", path.parent.parent.parent.name))
     return exec_id, int(found[1]) if found else int(table.get("seq", 0))
@@ -238,9 +164,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     meta = _dirs(args)[2]
     groups: dict[tuple[str, int], list[tuple[Path, str, object]]] = {}
     for root in roots:
-        stores = _zarr_stores(root)
-        for path in _ftiff_files(root) + stores:  # level 4 may be written as Zarr stores
-            kind, detail = _check(path)
+        stores = zarr_stores(root)
+        for path in ftiff_files(root) + stores:  # level 4 may be written as Zarr stores
+            kind, detail = verdict_of(path)
             groups.setdefault(_key(path, kind, detail), []).append((path, kind, detail))
     if not groups:
         print(f"no checkpoints under {', '.join(map(str, roots))}")
@@ -248,7 +174,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(f"{'exec_id':32} {'id':>5} {'level':>5} {'seq':>5} {'time':19} {'files':>5} {'bytes':>14}  state")
     for (exec_id, seq), files in sorted(groups.items()):
         sound = [d for _p, k, d in files if k == "ok"]
-        table = _table_of(sound[0]) if sound else {}
+        table = table_of(sound[0]) if sound else {}
         commit = meta / exec_id / "commits" / f"s{seq:08d}.json"
         record = unsealed_record(read_json(commit)) if commit.is_file() else None  # None: torn or damaged too
         if record is not None and not table:  # every file damaged: the commit record still says what it was

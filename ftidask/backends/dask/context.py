@@ -4,45 +4,40 @@ Each live worker is an FTI rank (its position in the sorted worker addresses at 
 time) and an FTI node: it writes ``{ckpt_dir}/node{rank}/{exec_id}/l{level}/ckpt{id}.s{seq}/
 Ckpt{id}-Rank{rank}.fti`` from the chunks it holds (see :mod:`ftidask.backends.dask.plan`). Every level
 runs as Dask tasks pinned to the workers that hold the chunks or the files; no chunk passes
-through the client or the scheduler. The client writes the commit record, last.
+through the client or the scheduler. The client writes the commit record, last (how a checkpoint is
+written: :mod:`ftidask.backends.dask.writing`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import time
-import weakref
 from typing import Any
 
 import numpy as np
-from distributed import Client, Future, futures_of
+from distributed import Client
 
 from ...api.context import Context, Protected
 from ...engine.device import is_device_array
 from ...engine.inflight import CheckpointHandle
 from ...engine.retention import in_l4
-from ...engine.runstate import CommitRecord, FileRecord, SeqReservation
+from ...engine.runstate import CommitRecord, SeqReservation
 from ...engine.variables import check_name, compressor_config, encode_states
 from ...model.arrays import check_bool, check_ckpt_id, check_id
 from ...model.config import Config
 from ...model.errors import CheckpointError, FTIError, ProtectError, RecoveryError
-from ...model.level import Level
 from ...storage import files as storage
 from . import channel, codecthreads, icp, lineage, recorded, report, restore, tasks
-from .cluster import Cluster, ClusterError, check_client
-from .dcp_levels import DaskSpares, run_dcp_levels, sticky_owners
-from .full_levels import run_full_levels
-from .plan import VarSpec, chunk_table
-from .report import DaskCheckpointInfo, human
+from .cluster import Cluster, check_client
+from .dcp_levels import DaskSpares
+from .report import DaskCheckpointInfo
 from .retention import DaskRetention
 from .transport import DaskTransport, is_dask_array, is_dask_collection
+from .writing import DaskWriting
 
-log = logging.getLogger("ftidask")
 
-
-class DaskContext(Context):
+class DaskContext(DaskWriting, Context):
     """A :class:`Context` whose ranks are the workers of a ``distributed`` cluster."""
 
     def __init__(self, config: Config, client: Client) -> None:
@@ -111,30 +106,6 @@ class DaskContext(Context):
         self._vars[vid] = Protected(vid, str(name if name is not None else old.name if old else f"var{vid}"), array,
                                     compressor_config(compressor, old))
 
-    def _chunk_futures(self) -> tuple[list[VarSpec], dict[tuple[int, tuple[int, ...]], Future]]:
-        """Persist every protected array (once) and return its chunks' futures by grid index."""
-        specs, futures = [], {}
-        for vid, p in self._vars.items():
-            arr = p.array
-            if is_dask_array(arr):
-                kind = "dask"
-                if not _persisted(arr, self.client):  # (again: a new graph of the same futures, for nothing)
-                    arr = p.array = self.client.persist(arr)  # later checkpoints and the user reuse the chunks
-            else:
-                kind = "numpy"
-                future = self.client.scatter(np.ascontiguousarray(arr), hash=False)
-                futures[vid, tuple(0 for _ in arr.shape)] = future
-            spec = VarSpec(vid, p.name, np.dtype(arr.dtype), tuple(int(n) for n in arr.shape),
-                           tuple(tuple(int(c) for c in dim) for dim in arr.chunks) if kind == "dask"
-                           else tuple((int(n),) for n in arr.shape), kind,
-                           p.state.kind if p.state is not None else "", is_device_array(getattr(arr, "_meta", None)))
-            specs.append(spec)
-            if kind == "dask":
-                by_key = {f.key: f for f in futures_of(arr)}
-                for key in _flatten(arr.__dask_keys__()):
-                    futures[vid, tuple(key[1:])] = by_key[key]
-        return specs, futures
-
     # --- checkpoint ------------------------------------------------------------------------------
 
     def checkpoint(self, id: int, level: int, *, dcp: bool = False,
@@ -168,80 +139,6 @@ class DaskContext(Context):
             return write()
         self._async.next_id = max(self._async.next_id, ckpt_id + 1)
         return self._async.inflight.submit(write, ckpt_id, parsed.number, "immutable")
-
-    def _write_checkpoint(self, ckpt_id: int, parsed: Level, specs: list[VarSpec],
-                          futures: dict[tuple[int, tuple[int, ...]], Future], start: float,
-                          held: dict[int, Any], codecs: dict[int, dict[str, Any]]) -> DaskCheckpointInfo:
-        differential = parsed.differential  # L5-L8: differential L1-L4 (enable_dcp = 1)
-        shown_level, level = parsed.number, parsed.base
-        self._dask_retention.retire_deferred()  # before the write: a differential one may patch its files
-        try:
-            self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays", gather=False)
-        except FTIError as exc:
-            raise CheckpointError(f"checkpoint {ckpt_id}: the protected arrays could not be computed: {exc}") from exc
-        workers = self.cluster.workers()  # after the chunks: a worker lost meanwhile has its chunks recomputed
-        rank_of = {w: r for r, w in enumerate(workers)}
-        who_has = self.client.who_has(list(futures.values()))
-        owner = {}
-        for place, key in [(place, f.key) for place, f in futures.items()]:  # no future left bound in this frame
-            holders = sorted(rank_of[w] for w in who_has.get(key, ()) if w in rank_of)
-            if not holders:
-                raise CheckpointError(f"checkpoint {ckpt_id}: chunk {place} is held by no live worker")
-            owner[place] = holders[0]
-        if differential:
-            owner = sticky_owners(self, level, owner, workers)
-        seq = self._seqs.take()
-        failed = f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint is kept"
-
-        def discard() -> None:  # what a checkpoint that is not committed leaves, on every worker
-            if differential:
-                self._dcp.discard()
-            self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers))
-
-        try:  # (the checkpoint's directories: a task of it orphaned by a restart removes them)
-            with self.cluster.batch(), self.cluster.cleaning(self._dask_retention.dir_patterns(ckpt_id, seq)):
-                if differential:
-                    plans, written, groups = run_dcp_levels(self, ckpt_id, level, seq, specs, futures, owner, workers)
-                else:
-                    plans, written, groups = run_full_levels(self, ckpt_id, level, seq, specs, futures, owner,
-                                                             workers, codecs)
-        except FTIError as exc:
-            discard()
-            # A lost worker or a failed task is said in one sentence, without Dask's chained traceback.
-            cluster_error = isinstance(exc, ClusterError)
-            raise CheckpointError(f"{failed}: {exc.detail if cluster_error else exc}") from (
-                None if cluster_error else exc)
-        record = CommitRecord(seq, ckpt_id, level, time.time(), len(workers),
-                              tuple(FileRecord(w["rank"], w["node"], w["size"], w["fb_hash"]) for w in written),
-                              {"backend": "dask", "workers": workers, "groups": groups,
-                               "vars": [s.to_json() for s in specs], "chunks": chunk_table(plans)}
-                              | ({"dcp": True} if differential else {}))
-        self._committer.seal(record, failed, discard)  # the commit point, as on every backend
-        if differential:  # its files are sound: retired, they become the spares (and the fallback)
-            self._dcp.written(record)
-        self.progress.layout = None  # the workers plan their files afresh each time
-        arrays = lineage.cut_after_commit(self, record, specs, futures, held)  # chunks lost later are read back
-        futures.clear()  # the chunks as computed are ours no more (shared with the caller): a checkpoint that
-        held.clear()  # they were computed from is retired below unless the application still holds them
-        self._committer.retire_after(record, shown_level)
-        variables = tuple({"id": s.id, "name": s.name, "dtype": str(s.dtype), "shape": s.shape,
-                           "nchunks": len(s.grid()), "nbytes": sum(s.chunk_nbytes(i) for i in s.grid())}
-                          for s in specs)
-        info = DaskCheckpointInfo(ckpt_id, shown_level, seq, sum(w["data_bytes"] for w in written),
-                                  sum(w.get("file_bytes", w["size"]) for w in written), time.perf_counter() - start,
-                                  sum(w["blocks_changed"] for w in written) if differential else None,
-                                  sum(w["blocks_total"] for w in written) if differential else None,
-                                  blocks_hashed=sum(w["blocks_hashed"] for w in written) if differential else None,
-                                  workers=tuple(workers), file_sizes=tuple(w["size"] for w in written),
-                                  variables=variables,
-                                  partner_bytes=sum(w["partner_bytes"] for w in written)
-                                  if differential and level == 2 else None,
-                                  array_refs={vid: weakref.ref(a) for vid, a in arrays.items()})
-        self.progress.last_checkpoint = info
-        self.progress.next_ckpt_id = max(self.progress.next_ckpt_id, ckpt_id + 1)
-        log.info("checkpoint %d (level %d) written by %d workers: %s", ckpt_id, shown_level, len(workers),
-                 human(info.bytes_written))
-        return info
 
     def node_file(self, level: int, ckpt_id: int, seq: int, rank: int, name: str) -> str:
         """Internal: the path of file ``name`` of a checkpoint in rank (node) ``rank``'s level directory."""
@@ -373,18 +270,6 @@ class DaskContext(Context):
 
     def _repr_html_(self) -> str:
         return report.context_html(self)
-
-
-def _persisted(arr: Any, client: Client) -> bool:
-    """Whether each chunk of Dask array ``arr`` is a future of ``client`` (persisted, or its lineage cut)."""
-    done = {f.key for f in futures_of(arr) if f.client is client}
-    return bool(done) and all(k in done for k in _flatten(arr.__dask_keys__()))
-
-
-def _flatten(keys: Any) -> list[Any]:
-    if isinstance(keys, list):
-        return [k for sub in keys for k in _flatten(sub)]
-    return [keys]
 
 
 def make_dask_context(cfg: Config, client: Client) -> DaskContext:

@@ -2,7 +2,7 @@
 
 A worker keeps no state between tasks, so each differential write is told by the client which
 file its spare should be (the FB hash from the retired checkpoint's commit record) and reads the
-block digests from the spare itself (:func:`ftidask.engine.dcpstore.write_differential`). A spare that
+block digests from the spare itself (:func:`ftidask.engine.dcpwrite.write_differential`). A spare that
 is missing, torn or unexpected is rewritten in full. A task patches no spare where it lies: it claims it first,
 renaming it into its own checkpoint's directory (:func:`ftidask.backends.dask.fence.claim`), so that the task of a
 dead client (an orphan, still running) and the restarted client's never patch the same file. L2 and L3 (deltas to
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ...engine.dcpstore import write_differential
+from ...engine.dcpwrite import write_differential
 from ...ftiff import hashing
 from ...model.arrays import VarInfo
 from ...storage import files as storage
