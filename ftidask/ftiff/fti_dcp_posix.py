@@ -197,9 +197,13 @@ def _apply(block: int, sizes: dict[int, int], base: dict[int, memoryview],
         if any(a >= b for a, b in zip(keys, keys[1:])):
             raise FormatError(f"layer {k}'s blocks are not in FTI's order (variables as protected, blocks rising): "
                               "a block header is damaged", path=where)
+    by_var: dict[int, list[tuple[int, memoryview]]] = {vid: [] for vid in sizes}  # one pass: linear in the blocks
+    for entries in later:
+        for vid, index, data in entries:
+            by_var[vid].append((index, data))
     out: dict[int, memoryview] = {}
     for vid, size in sizes.items():
-        held = -(-len(base.get(vid, b"")) // block) + sum(e[0] == vid for entries in later for e in entries)
+        held = -(-len(base.get(vid, b"")) // block) + len(by_var[vid])
         if -(-size // block) > held:  # checked before allocating: a hostile size asks for no memory
             raise FormatError(f"variable {vid}: its {size} bytes are {-(-size // block)} blocks, the layers hold "
                               f"{held} of it", path=where)
@@ -209,12 +213,11 @@ def _apply(block: int, sizes: dict[int, int], base: dict[int, memoryview],
         n = min(len(first), size)
         buf[:n] = first[:n]
         covered.update(range(-(-n // block)))
-        for entries in later:
-            for _vid, index, data in (e for e in entries if e[0] == vid):
-                offset = index * block
-                if offset < size:  # blocks past the size were written when the variable was larger
-                    buf[offset:offset + min(block, size - offset)] = data[:min(block, size - offset)]
-                    covered.add(index)
+        for index, data in by_var[vid]:  # the layers' order: a later layer's block overwrites an earlier one
+            offset = index * block
+            if offset < size:  # blocks past the size were written when the variable was larger
+                buf[offset:offset + min(block, size - offset)] = data[:min(block, size - offset)]
+                covered.add(index)
         missing = set(range(-(-size // block))) - covered
         if missing:
             raise FormatError(f"variable {vid}: block {min(missing)} of its {size} bytes is in no layer", path=where)

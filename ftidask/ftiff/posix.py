@@ -212,6 +212,7 @@ def meta_int(values: dict[str, str], key: str, where: str) -> int:
 def meta_variables(values: dict[str, str], size: int, where: str) -> list[tuple[int, int, int]]:
     """``(id, position, size)`` of each variable, in the file's order, checked to lie inside ``size`` bytes."""
     out: list[tuple[int, int, int]] = []
+    seen: set[int] = set()
     pos, j = 0, 0
     while f"var{j}_id" in values:
         text = values[f"var{j}_id"]
@@ -222,8 +223,9 @@ def meta_variables(values: dict[str, str], size: int, where: str) -> list[tuple[
         if start + nbytes > size:
             raise FormatError(f"variable {text}: bytes [{start}, {start + nbytes}) lie outside the file "
                               f"({size} bytes)", path=where)
-        if any(vid == int(text) for vid, _p, _n in out):
+        if int(text) in seen:  # a set: a meta file of 500 000 variables is checked in linear time
             raise FormatError(f"variable id {text} is listed twice", path=where)
+        seen.add(int(text))
         out.append((int(text), start, nbytes))
         pos, j = start + nbytes, j + 1
     if not out:
