@@ -355,3 +355,74 @@ def test_the_group_of_a_rank_on_nodes_of_two_processes(tmp_path, dirs):
     ctx.finalize()
     assert found.rebuilt and found.path == _l3(root, 2) / "Ckpt1-Rank5.fti"
     assert {vid: a.tobytes() for vid, a in arrays.items()} == inputs.ftiff_vars(2)
+
+
+# A rebuild in a child whose files may grow to 64 MiB at most (SIGXFSZ ignored: a write past it fails with EFBIG),
+# under a timeout: before the room was checked, a hostile group made it write a terabyte, or hash one.
+_REBUILD_CHILD = """
+import resource, signal, sys
+import ftidask
+from ftidask.tools.fti_l3 import rebuild_rank_file
+from ftidask.model.config import load_config
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
+try:
+    rebuild_rank_file(load_config(sys.argv[1]), 0, 1)
+except ftidask.RecoveryError as exc:
+    print("REFUSED", exc)
+else:
+    print("REBUILT")
+"""
+_SPARSE = 1 << 43  # 8 TiB of nothing on disk: a sparse file costs no space, more than any test machine has free
+
+
+def _sparse(path: Path, size: int, tail: bytes = b"") -> None:
+    try:
+        with open(path, "r+b" if path.exists() else "w+b") as fh:
+            fh.truncate(size)
+            if tail:
+                fh.seek(size)
+                fh.write(tail)
+    except OSError as exc:  # a file system without sparse files this large
+        pytest.skip(f"no sparse file of {size} bytes here: {exc}")
+
+
+def test_a_posix_group_whose_maxfs_exceeds_the_free_space_is_not_rebuilt(tmp_path):
+    """The meta file says the lost file is 8 TiB (ckpt_file_maxs and its ckpt_file_size, no RSed_checksum) and the
+    parity files are sparse files of that size: the rebuild, which writes maxFs bytes, is refused before any file is
+    read or written, not left to fill the disk (it wrote until the child's 64 MiB limit before)."""
+    import re
+
+    from conftest import run_python
+
+    config = _write_run(tmp_path, "posix")
+    meta = tmp_path / f"Meta/{EXEC}/l3/sector0-group0.fti"
+    text = re.sub(r"(?m)^(ckpt_file_maxs\s*=).*$", rf"\g<1> {_SPARSE}", meta.read_text())
+    text = re.sub(r"(?m)^(rsed_checksum\s*=).*$", r"\g<1> ", text)
+    meta.write_text(re.sub(r"(?m)^(ckpt_file_size\s*=).*$", rf"\g<1> {_SPARSE}", text, count=1))  # rank 0's
+    for g in range(K):
+        _sparse(_l3(tmp_path, g) / f"Ckpt1-RSed{g}.fti", _SPARSE)
+    (_l3(tmp_path, 0) / "Ckpt1-Rank0.fti").unlink()
+    out = run_python(_REBUILD_CHILD, str(config), timeout=60).stdout
+    assert out.startswith("REFUSED") and f"ckpt_file_maxs is {_SPARSE} bytes" in out and "free" in out, out
+    assert sorted(p.name for p in _l3(tmp_path, 0).iterdir()) == ["Ckpt1-RSed0.fti"]  # no temporary file left
+
+
+def test_an_ftiff_parity_record_larger_than_the_free_space_is_left_out_unread(tmp_path):
+    """An FTI-FF parity file made a sparse 8 TiB with a sound record saying so: it is left out as a lost file before
+    its MD5 is computed (hours over 8 TiB before: the child's timeout), and the rank file is rebuilt from the group's
+    other files, bit for bit."""
+    from conftest import run_python
+    from ftiff_builders import fti_record
+
+    config = _write_run(tmp_path, "ftiff")
+    record = fti_record("196f77d2", "0" * 32, ckpt_size=1000, meta_size=0, data_size=0, fs=_SPARSE,
+                        max_fs=_SPARSE, pt_fs=-1)
+    parity = _l3(tmp_path, 1) / "Ckpt1-RSed1.fti"
+    parity.unlink()
+    _sparse(parity, _SPARSE, record)
+    rank0 = _l3(tmp_path, 0) / "Ckpt1-Rank0.fti"
+    want = rank0.read_bytes()
+    rank0.unlink()
+    assert run_python(_REBUILD_CHILD, str(config), timeout=60).stdout == "REBUILT\n"
+    assert rank0.read_bytes() == want

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import os
 import re
+import shutil
 import struct
 from pathlib import Path
 from typing import BinaryIO
@@ -80,6 +81,7 @@ def _posix_plan(cfg: Config, ckpt_id: int, members: list[tuple[int, Path]], g: i
                          for i, v in enumerate(sections))
         raise RecoveryError("the group's meta sections disagree on ckpt_file_maxs, or give a ckpt_file_size that is "
                             f"missing or past it: {said}")
+    _check_room(members[g][1], max_fs, "the group's ckpt_file_maxs")
     if not sections[g].get("ckpt_checksum"):
         raise RecoveryError("the meta file records no ckpt_checksum of the lost file: a rebuilt file could not be "
                             "verified")
@@ -95,6 +97,23 @@ def _posix_plan(cfg: Config, ckpt_id: int, members: list[tuple[int, Path]], g: i
             else:
                 readers[fid] = fti_rs.padded_reader(fd, size, max_fs, size_word=False)
     return max_fs, sizes[g], readers, sections[g]
+
+
+def _check_room(folder: Path, max_fs: int, said: str) -> None:
+    """RecoveryError unless ``max_fs`` bytes, the size of the file a rebuild writes, are free where it is written
+    (``folder``, or its nearest existing parent: a lost node's directory is made again). Checked before any file of
+    the group is read: a size in a meta file or parity record, backed by sparse files, then never fills the disk,
+    nor sends the rebuild through terabytes of zeros."""
+    where = folder
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError as exc:
+        raise RecoveryError(f"cannot tell the free space of {where}: {exc}") from None
+    if max_fs > free:
+        raise RecoveryError(f"{said} is {max_fs} bytes, the size of the file to rebuild, and {where} has {free} bytes "
+                            "free: not rebuilt")
 
 
 def _count(values: dict[str, str], key: str) -> int | None:
@@ -130,12 +149,16 @@ def _ftiff_plan(ckpt_id: int, members: list[tuple[int, Path]], g: int, stack: co
         try:
             fd = stack.enter_context(open_read(path)).fileno()
             parity = sniff_parity(fd, os.fstat(fd).st_size)
+            if parity is not None:  # the room first: the MD5 of a sparse terabyte would take hours
+                _check_room(members[g][1], parity.parity_size, f"{path.name}'s maxFs")
             why = ("not an FTI parity file (no parity record at its end)" if parity is None else
                    parity_problem(fd, parity))
         except FileNotFoundError:
             why = "missing"
         except OSError as exc:
             why = f"cannot be read: {exc}"
+        except RecoveryError as exc:
+            why = str(exc)
         if why:
             lost.append(f"{path.name}: {why}")
         else:
