@@ -116,3 +116,57 @@ def test_stored_size_is_0_before_the_first_checkpoint(dask_client, dirs):
     ctx.protect(1, da.zeros(N, chunks=CHUNK))
     assert ctx.stored_size(1) == 0
     ctx.finalize()
+
+
+def _nested(depth):
+    """A list nested ``depth`` deep, built without recursion: as deep, at the point a message formats it, as a
+    forged record JSON still parses (nesting near Python's recursion limit, read at a shallow stack)."""
+    value = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+_EXTRA = {"backend": "dask", "workers": ["tcp://a:1", "tcp://b:2"],
+          "vars": [{"id": 1, "name": "a", "dtype": "<f8", "shape": [10, 4], "chunks": [[5, 5], [4]], "kind": "dask"}],
+          "chunks": {"1": [[[0, 0], 0, 0, 160], [[1, 0], 1, 0, 160]]}}
+
+
+@pytest.mark.parametrize("where", ["shape", "chunks", "name", "kind", "variable", "row", "workers"])
+def test_a_value_nested_past_the_recursion_limit_is_damage_not_a_recursion_error(where):
+    """The messages naming a forged value print it with reprlib (a few levels, a few items), not str(): str() of
+    a list nested as deep as Python recurses raised RecursionError out of the record's check."""
+    import copy
+    import sys
+
+    from ftidask.backends.dask.recorded import DamagedRecord, layout
+    from ftidask.engine.runstate import CommitRecord, FileRecord
+
+    extra = copy.deepcopy(_EXTRA)
+    deep = _nested(sys.getrecursionlimit() + 100)
+    if where in ("shape", "chunks", "name", "kind"):
+        extra["vars"][0][where] = deep
+    elif where == "variable":
+        extra["vars"][0] = deep
+    elif where == "row":
+        extra["chunks"]["1"][0] = deep
+    else:
+        extra["workers"] = deep
+    record = CommitRecord(1, 1, 1, 1.0, 2, (FileRecord(0, 0, 10, "x"), FileRecord(1, 0, 10, "y")), extra)
+    with pytest.raises(DamagedRecord, match="is damaged"):
+        layout(record)
+
+
+def test_deeply_nested_groups_and_codec_records_are_clean_errors():
+    """The same for a record's ``groups`` (recorded_topology) and a variable's ``codec_plain`` list."""
+    import sys
+
+    from ftidask.ftiff.compression import plain_ids
+    from ftidask.levels.topology import recorded_topology
+    from ftidask.model.errors import FormatError, LevelError
+
+    deep = _nested(sys.getrecursionlimit() + 100)
+    with pytest.raises(LevelError, match="are not lists of ranks"):
+        recorded_topology([deep])
+    with pytest.raises(FormatError, match="invalid codec_plain record"):
+        plain_ids({"codec_plain": [deep]})

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import reprlib
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future, wait
 from typing import Any, TypeVar
@@ -315,7 +316,7 @@ def plain_ids(extra: Mapping[str, Any]) -> set[int]:
     try:
         return {int(c) for c in extra.get("codec_plain", [])}
     except (TypeError, ValueError, OverflowError):  # OverflowError: int() of JSON's Infinity
-        raise FormatError(f"invalid codec_plain record {extra.get('codec_plain')!r}") from None
+        raise FormatError(f"invalid codec_plain record {reprlib.repr(extra.get('codec_plain'))}") from None
 
 
 def decode_problem(info: Any, meta: Any, stored: memoryview | bytes | StoredSpan, what: str) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import reprlib
 from collections.abc import Sequence
 
 from ..model.errors import ConfigError, LevelError
@@ -217,7 +218,7 @@ def recorded_topology(groups: Sequence[Sequence[int]], group_size: int = 0) -> T
     """
     if not isinstance(groups, (list, tuple)) or not all(
             isinstance(g, (list, tuple)) and g and all(type(r) is int for r in g) for g in groups):
-        raise LevelError(f"groups {str(groups)[:80]} are not lists of ranks")  # a damaged record's
+        raise LevelError(f"groups {reprlib.repr(groups)} are not lists of ranks")  # a damaged record's
     ranks = sorted(r for g in groups for r in g)
     if ranks != list(range(len(ranks))) or not ranks:
         raise LevelError(f"groups {[list(g) for g in groups]} do not hold ranks 0..n-1 once each")

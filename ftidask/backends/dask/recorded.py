@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 from typing import Any
 
 from ...engine.runstate import CommitRecord
@@ -54,37 +55,44 @@ class RecordLayout:
                 if c.rank == rank and c.nbytes]
 
 
+def _show(value: Any) -> str:
+    """``value`` shortened for a message: reprlib stops at a few levels and items, where ``str`` of a forged value
+    nested as deep as JSON allows recursed past Python's limit (a RecursionError, not the damage it is)."""
+    return reprlib.repr(value)
+
+
 def _int(value: Any, lo: int, hi: int, what: str) -> int:
     if type(value) is not int or not lo <= value < hi:  # bool and float are no counts here
-        raise DamagedRecord(f"{what} is {value!r}")
+        raise DamagedRecord(f"{what} is {_show(value)}")
     return value
 
 
 def _ints(value: Any, lo: int, hi: int, what: str, most: int = _MAX_DIMS) -> tuple[int, ...]:
     if not isinstance(value, list) or len(value) > most:
-        raise DamagedRecord(f"{what} is {str(value)[:80]}")
+        raise DamagedRecord(f"{what} is {_show(value)}")
     return tuple(_int(v, lo, hi, what) for v in value)
 
 
 def _spec(raw: Any) -> VarSpec:
     if not isinstance(raw, dict):
-        raise DamagedRecord(f"a variable is {str(raw)[:80]}")
+        raise DamagedRecord(f"a variable is {_show(raw)}")
     vid = _int(raw.get("id"), -_MAX_ID, _MAX_ID, "a variable's id")
     what = f"variable {vid}"
     shape = _ints(raw.get("shape"), 0, 2**63, f"{what}'s shape")
     grid = raw.get("chunks")
     if not isinstance(grid, list) or len(grid) != len(shape):
-        raise DamagedRecord(f"{what}'s chunks {str(grid)[:80]} do not fit its shape {shape}")
+        raise DamagedRecord(f"{what}'s chunks {_show(grid)} do not fit its shape {shape}")
     # Any number of chunks along an axis (Dask allows chunks of 0; the record's size bounds the lists), not
     # at most 64, a shape's bound: every array of more than 64 chunks along an axis was unrecoverable.
     chunks = tuple(_ints(c, 0, 2**63, f"{what}'s chunks", most=len(c) if isinstance(c, list) else 0) for c in grid)
     if any(sum(c) != n or not c for c, n in zip(chunks, shape, strict=True)):
-        raise DamagedRecord(f"{what}'s chunks {str(grid)[:80]} do not add up to its shape {shape}")
+        raise DamagedRecord(f"{what}'s chunks {_show(grid)} do not add up to its shape {shape}")
     name, kind, state = raw.get("name"), raw.get("kind", "dask"), raw.get("pystate", "")
     device = raw.get("device", False)
     if not isinstance(name, str) or kind not in ("dask", "numpy") or not isinstance(state, str) or not isinstance(
             device, bool):
-        raise DamagedRecord(f"{what}: name {name!r}, kind {kind!r}, pystate {state!r}, device {device!r}")
+        raise DamagedRecord(f"{what}: name {_show(name)}, kind {_show(kind)}, pystate {_show(state)}, device "
+                            f"{_show(device)}")
     try:
         dtype = dtype_from_json(raw.get("dtype"))
     except FTIError as exc:
@@ -100,7 +108,7 @@ def _chunk_rows(spec: VarSpec, rows: Any, nranks: int) -> list[ChunkAt]:
     out = []
     for row in rows:
         if not isinstance(row, list) or len(row) != 4:
-            raise DamagedRecord(f"{what} holds {str(row)[:80]}")
+            raise DamagedRecord(f"{what} holds {_show(row)}")
         index = _ints(row[0], 0, 2**31, f"{what}'s grid index")
         if len(index) != len(spec.chunks) or any(i >= len(c) for i, c in zip(index, spec.chunks, strict=True)):
             raise DamagedRecord(f"{what}: grid index {list(index)} is outside the grid")
@@ -129,7 +137,7 @@ def layout(record: CommitRecord) -> RecordLayout:
         chunks = {s.id: _chunk_rows(s, table[str(s.id)], record.nranks) for s in specs}
         workers = extra.get("workers", [])
         if not isinstance(workers, list) or not all(isinstance(w, str) for w in workers):
-            raise DamagedRecord(f"its workers are {str(workers)[:80]}")
+            raise DamagedRecord(f"its workers are {_show(workers)}")
     except DamagedRecord as exc:
         raise DamagedRecord(f"the commit record of checkpoint {record.ckpt_id} is damaged: {exc}") from None
     return RecordLayout(specs, chunks, {v["id"]: v["dtype"] for v in raw_vars}, list(workers))
