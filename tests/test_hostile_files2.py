@@ -156,6 +156,38 @@ def test_a_forged_file_size_in_a_commit_record_drives_no_rebuild(tmp_path):
     assert max(p.stat().st_size for p in find_paths(tmp_path, "*") if p.is_file()) < 1 << 20
 
 
+def test_a_commit_record_nested_hundreds_deep_is_damage(tmp_path):
+    """A sealed commit record whose ``extra`` (or a file's hash) nests lists 500 deep: JSON parses it, but
+    ``dataclasses.asdict`` (the record sent to the ranks) recursed past Python's limit, so the whole recovery failed
+    with a logged RecursionError traceback although checkpoint 1 is sound. Such a record is now damage at its
+    read: the restart recovers checkpoint 1 bit for bit, quietly, and ``ftidask list`` shows no traceback."""
+    from ftidask.engine.runstate import seal_json
+
+    two_checkpoints(tmp_path)
+    (record,) = (tmp_path / "Meta").glob("*/commits/s00000002.json")
+    raw = json.loads(record.read_text())
+    deep = json.loads("[" * 500 + "]" * 500)
+    raw["extra"]["forged"], raw["files"][0]["fb_hash"] = deep, deep
+    record.write_text(json.dumps(seal_json(raw)))
+    proc = run_python(RESTART, str(tmp_path), timeout=60, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "RECOVERED (1, 4) True", proc.stdout + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "RecursionError" not in proc.stderr, proc.stderr[-2000:]
+    listed = run_python("import sys; from ftidask.tools.cli import main; sys.exit(main(['list', sys.argv[1]]))",
+                        str(tmp_path), timeout=60, check=False)
+    assert listed.returncode in (0, 1) and "Traceback" not in listed.stderr, listed.stderr[-2000:]
+
+
+def test_json_nesting_is_walked_without_recursion():
+    """The depth check itself: a list nested 100 000 deep (no JSON parser makes one) is measured, not recursed."""
+    from ftidask.storage.files import MAX_NESTING, nested_within
+
+    value: list = []
+    for _ in range(100_000):
+        value = [value]
+    assert not nested_within(value, MAX_NESTING)
+    assert nested_within({"a": [[{"b": 1}]], "c": []}, 4) and not nested_within({"a": [[{"b": [1]}]]}, 4)
+
+
 def test_a_partner_rebuild_never_sends_more_than_a_file_holds(tmp_path):
     """The level code on its own (as the Dask backend runs it, whose file check compares hashes only): a
     member's file sound by its hashes but shorter than the size the record gives was sent to its partner as

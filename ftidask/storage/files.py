@@ -314,13 +314,32 @@ def read_regular(path: str | os.PathLike[str]) -> bytes:
     return raw
 
 
+#: JSON nesting a record may have: ftidask's own nest a few levels (a Dask record's structured dtypes a few more).
+MAX_NESTING = 100
+
+
 def read_json(path: Path) -> Any | None:
     """The JSON at ``path``, or None when it is missing or unreadable (a torn or damaged record, one larger
-    than :data:`MAX_RECORD`, or not a regular file: :func:`open_regular`)."""
+    than :data:`MAX_RECORD`, not a regular file: :func:`open_regular`, or nested deeper than :data:`MAX_NESTING`:
+    JSON parses nesting up to Python's recursion limit, which code that walks the value recursively, a record's
+    ``dataclasses.asdict`` or a message's ``str()``, then exceeds: a RecursionError far from the read)."""
     try:
-        return json.loads(read_regular(path).decode("utf-8"))
+        value = json.loads(read_regular(path).decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
+    return value if nested_within(value, MAX_NESTING) else None
+
+
+def nested_within(value: Any, depth: int) -> bool:
+    """Whether the JSON value ``value`` nests lists and objects at most ``depth`` deep (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (list, dict)):
+            if level > depth:
+                return False
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return True
 
 
 def copy_file_atomic(src: Path, dst: Path) -> int:
