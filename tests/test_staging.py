@@ -565,3 +565,31 @@ def test_exit_without_finalize_leaves_nothing_half_written(tmp_path, mover):
     assert proc.returncode == 0 and "exiting while active" in proc.stdout, proc.stderr
     assert list((tmp_path / "global").iterdir()) == []
     assert [p.name for p in find_paths(tmp_path / "local" / "stage", "big")] == ["big"]  # the local file is kept
+
+
+def test_a_transfer_note_naming_a_file_outside_glbl_dir_removes_nothing(tmp_path):
+    """The restart removes the temporary files its notes name (a mover killed mid-copy): a note planted (or
+    damaged) to name a file of the same pattern outside glbl_dir, where no transfer of this run writes, left that
+    file removed. Only a file under glbl_dir is removed now (anywhere with stage_allow_outside = 1)."""
+    import json
+
+    import ftidask
+
+    name = ".frame.ftidask-stage-0123456789ab-1.tmp"
+    inside, outside = tmp_path / "Global" / "out" / name, tmp_path / "elsewhere" / name
+    for path in (inside, outside):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"x")
+    notes = tmp_path / "Local" / "stage" / "run1" / "node0" / ".rank0-transfers"
+    dirs = {"exec_id": "run1", "ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
+            "meta_dir": str(tmp_path / "Meta"), "enable_staging": 1, "stage_mover": "thread", "verbosity": 4}
+    for allow_outside in (0, 1):
+        notes.mkdir(parents=True, exist_ok=True)
+        (notes / name).write_text(json.dumps({"tmp": str(outside)}))
+        ftidask.init(**dirs, stage_allow_outside=allow_outside).finalize()
+        assert outside.exists() != bool(allow_outside)
+        assert not (notes / name).exists()  # the note goes either way
+    notes.mkdir(parents=True, exist_ok=True)
+    (notes / name).write_text(json.dumps({"tmp": str(inside)}))
+    ftidask.init(**dirs).finalize()
+    assert not inside.exists()

@@ -110,7 +110,7 @@ def _remove_local(paths: storage.RunPaths, runs: list[str], node: int, retention
     for run in runs:
         stage = _of(paths, run).stage_root
         if paths.contains(stage):
-            journal.tidy_stage(stage, f"node{node}")
+            journal.tidy_stage(stage, paths.glbl_dir, f"node{node}")
     retention.remove_dead_runs(runs)
 
 
@@ -120,7 +120,7 @@ def _remove_rest(paths: storage.RunPaths, runs: list[str]) -> None:
     for run in runs:
         p = _of(paths, run)
         if paths.contains(p.stage_root):
-            journal.tidy_stage(p.stage_root)
+            journal.tidy_stage(p.stage_root, paths.glbl_dir)
         for path in [*sorted(paths.ckpt_dir.glob(f"node*/{run}")), paths.glbl_dir / run, p.run_meta]:
             if paths.contains(path):
                 storage.remove_tree(path)

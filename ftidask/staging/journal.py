@@ -63,9 +63,12 @@ def end(notes: Path, req: StageRequest) -> None:
         os.unlink(_note_path(notes, req))
 
 
-def sweep(notes: Path) -> int:
+def sweep(notes: Path, within: Path | None) -> int:
     """Remove the temporary files of the transfers noted in ``notes`` (a run killed during them) and the notes;
-    the number of files removed. Called when the run starts again, before any transfer of its own."""
+    the number of files removed. Called when the run starts again, before any transfer of its own. ``within``:
+    the directory the destinations are under (``glbl_dir``; None when ``stage_allow_outside`` lets them be
+    anywhere): a note naming a file elsewhere is not the run's (planted, or damaged) and that file stays."""
+    root = os.path.realpath(within) + os.sep if within is not None else ""
     try:
         entries = list(os.scandir(notes))
     except FileNotFoundError:
@@ -81,7 +84,7 @@ def sweep(notes: Path) -> int:
         note = storage.read_json(Path(entry.path))
         tmp = note.get("tmp") if isinstance(note, dict) else None
         if isinstance(tmp, str) and os.path.isabs(tmp) and _TEMP.fullmatch(os.path.basename(tmp)) \
-                and os.path.basename(tmp) == entry.name:
+                and os.path.basename(tmp) == entry.name and _under(tmp, root):
             try:
                 os.unlink(tmp)  # the name itself: a link there is removed, never followed
                 removed += 1
@@ -94,7 +97,15 @@ def sweep(notes: Path) -> int:
     return removed
 
 
-def sweep_others(stage_root: Path, rank: int, size: int) -> int:
+def _under(tmp: str, root: str) -> bool:
+    """Whether the file ``tmp`` is in a directory whose real path is below ``root`` ('': anywhere)."""
+    try:
+        return not root or os.path.realpath(os.path.dirname(tmp)).startswith(root)
+    except (OSError, ValueError):  # ValueError: a NUL in the name
+        return False
+
+
+def sweep_others(stage_root: Path, rank: int, size: int, within: Path | None) -> int:
     """:func:`sweep` the notes that the sweep of this rank's own stage directory does not reach: those of its rank
     number on the other nodes (a restart on another node layout) and, on rank 0, those of the ranks this run does
     not have (a restart on fewer ranks: nobody else would ever remove their temporary files). Only this run's rank
@@ -103,21 +114,22 @@ def sweep_others(stage_root: Path, rank: int, size: int) -> int:
     for notes in sorted(stage_root.glob("node*/.rank*-transfers")):
         number = re.fullmatch(r"\.rank([0-9]+)-transfers", notes.name)
         if number and (int(number[1]) == rank or (rank == 0 and int(number[1]) >= size)):
-            removed += sweep(notes)
+            removed += sweep(notes, within)
             with contextlib.suppress(OSError):
                 notes.rmdir()
     return removed
 
 
 
-def tidy_stage(stage_root: Path, nodes: str = "node*") -> int:
+def tidy_stage(stage_root: Path, glbl_dir: Path, nodes: str = "node*") -> int:
     """A dead or finished run's stage directories (``{ckpt_dir}/stage/{exec_id}/{nodes}``): the temporary files
-    its transfers left and their notes removed, then the empty directories (``stage_root`` too, if it ends up
-    empty); the application's files waiting there stay (they are its own, as at finalize). The files left."""
+    its transfers left (under ``glbl_dir``: a dead run's stage_allow_outside is not known) and their notes removed,
+    then the empty directories (``stage_root`` too, if it ends up empty); the application's files waiting there
+    stay (they are its own, as at finalize). The files left."""
     left = 0
     for node_dir in sorted(stage_root.glob(nodes)):
         for notes in sorted(node_dir.glob(".rank*-transfers")):
-            sweep(notes)
+            sweep(notes, glbl_dir)
         storage.prune_empty_dirs(node_dir)
         left += sum(len(files) for _dir, _dirs, files in os.walk(node_dir))
     with contextlib.suppress(OSError):  # not empty, or gone

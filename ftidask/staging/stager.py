@@ -328,9 +328,10 @@ class Staging:
         self.stage_root = stage_root
         self.stager: Stager | None = None
         if config.enable_staging:  # the run starts again: what its mover thread was copying when killed goes
-            journal.sweep(journal.notes_dir(self.stage_dir()))
+            within = None if config.stage_allow_outside else Path(config.glbl_dir)
+            journal.sweep(journal.notes_dir(self.stage_dir()), within)
             if transport.name != "dask":  # a job's ranks (a Dask worker's number is no rank of a fixed job)
-                journal.sweep_others(stage_root, transport.rank, transport.size)
+                journal.sweep_others(stage_root, transport.rank, transport.size, within)
 
     def get(self) -> Stager:
         """The stager (started on first use); refused when staging is disabled (the context checks it is open)."""

@@ -246,7 +246,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
                 print(f"refusing to remove {target}: it does not resolve inside {parent}", file=sys.stderr)
                 refused += 1
         for target in (p for p in tidied if p.name not in live and is_inside(p, stage)):
-            if left := journal.tidy_stage(target):  # the application's own files: never removed by ftidask
+            if left := journal.tidy_stage(target, glbl):  # the application's own files: never removed by ftidask
                 print(f"kept {left} file(s) that the application left to stage in {target}")
         with contextlib.suppress(OSError):
             stage.rmdir()
