@@ -198,3 +198,30 @@ def test_commands_on_a_config_before_any_run(tmp_path):
     proc = cli("inspect", "config.fti", cwd=tmp_path)
     assert_error(proc, "config.fti is a config file", "ftidask list --config config.fti")
     assert not (tmp_path / "s.zarr").exists() and not (tmp_path / "Meta").exists()
+
+
+@pytest.mark.parametrize("timestamp", [1e300, -1e18, 253402300800.0])
+def test_list_with_a_sealed_record_whose_time_no_calendar_has(tmp_path, timestamp):
+    """A commit record sealed (digest matching) with a time past year 9999 or long before 1970, its checkpoint's
+    files damaged so that ``list`` shows the record's time: an OverflowError traceback (1e300) or an OSError that
+    ended the listing (-1e18). No record ftidask writes has such a time: the record is damaged, so listed."""
+    from ftidask.engine.runstate import seal_json
+    from ftidask.tools.cli import main
+
+    ctx = ftidask.init(ckpt_dir=str(tmp_path / "Local"), glbl_dir=str(tmp_path / "Global"),
+                       meta_dir=str(tmp_path / "Meta"), verbosity=4)
+    ctx.protect(1, np.arange(10.0))
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    (record,) = (tmp_path / "Meta").glob("*/commits/s*.json")
+    raw = json.loads(record.read_text())
+    raw["timestamp"] = timestamp
+    record.write_text(json.dumps(seal_json(raw)))
+    for path in find_paths(tmp_path / "Local", "Ckpt*.fti"):
+        damaged = bytearray(path.read_bytes())
+        damaged[200] ^= 1
+        path.write_bytes(bytes(damaged))
+    proc = cli("list", tmp_path, cwd=tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "DAMAGED (1 of 1 files), commit record damaged" in proc.stdout, proc.stdout
+    assert main(["list", str(tmp_path)]) == 0

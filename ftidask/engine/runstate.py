@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import secrets
 import time
@@ -142,11 +141,12 @@ class CommitRecord:
         cannot exist (a seq of 1e300 makes a path too long, an infinite time breaks ``list``)."""
         ranks = sorted(f.rank for f in self.files)
         return (0 < self.seq < 2**63 and self.ckpt_id != 0 and -2**31 <= self.ckpt_id < 2**31
-                and 1 <= self.level <= 8 and math.isfinite(self.timestamp) and 0 < self.nranks < 2**31
+                and 1 <= self.level <= 8 and 0 <= self.timestamp < _YEAR_9999 and 0 < self.nranks < 2**31
                 and ranks == list(range(self.nranks)) and all(0 <= f.node < 2**31 and f.size >= 0 for f in self.files))
 
 
 _CHECK = "check"  # a commit record's digest of its own content (see sealed_record)
+_YEAR_9999 = 253402300800  # a record's time is time.time(): time.localtime() refuses NaN, infinities, year 10000
 _FIELDS = frozenset(f.name for f in dataclasses.fields(CommitRecord))
 
 
