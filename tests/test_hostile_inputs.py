@@ -243,6 +243,25 @@ def test_export_of_a_forged_dask_chunk_record_is_refused(dirs, capsys, dask):
     assert "variable 1" in err and "Traceback" not in err
 
 
+def test_export_of_a_dask_grid_of_a_million_chunks_is_refused_in_linear_time(dirs, capsys):
+    """A forged grid of 10**6 empty chunks and one of the variable's 100 elements (a 2 MB table): each chunk's
+    start was summed from the axis's start, 5 * 10**11 additions (100 000 chunks took half a minute); now one
+    pass, and the record is refused for the chunks it does not place."""
+    import time
+
+    path, _values = _checkpoint(dirs)
+    table = _table(path)
+    n = 10**6
+    table["vars"][0]["extra"] = {"dask": {"shape": [100], "chunks": [[0] * n + [100]], "kind": "numpy",
+                                          "blocks": [[[n], [100], 0]]}}
+    _rewrite_table(path, json.dumps(table).encode())
+    start = time.monotonic()
+    assert cli_main(["export", str(path), "--to-zarr", str(path.parent / "out.zarr")]) == 2
+    assert time.monotonic() - start < 20
+    err = capsys.readouterr().err
+    assert f"hold 1 of its {n + 1} chunks" in err and "Traceback" not in err
+
+
 def test_block_record_with_an_infinite_number_is_a_format_error():
     """A restart on another number of ranks reads each file's block record (``global_shape``, ``offset``);
     JSON's Infinity there raised OverflowError instead of the FormatError every other bad record gives."""
