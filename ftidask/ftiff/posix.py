@@ -129,6 +129,13 @@ def process_sections(ini: configparser.ConfigParser) -> dict[int, dict[str, str]
             for name in ini.sections() if re.fullmatch(r"\d{1,6}", name.strip())}
 
 
+def _ckpt_info(ini: configparser.ConfigParser) -> dict[str, str]:
+    """The ``[ckpt_info]`` section's ``ckpt_type`` (``full`` when absent) and ``ckpt_id`` (as ``ckpt_info_ckpt_id``)."""
+    kind = ini.get("ckpt_info", "ckpt_type", fallback="full").strip().lower()
+    return {"ckpt_type": kind} | ({"ckpt_info_ckpt_id": ini.get("ckpt_info", "ckpt_id").strip()}
+                                 if ini.has_option("ckpt_info", "ckpt_id") else {})
+
+
 def find_section(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> tuple[Path, dict[str, str]]:
     """The meta file and its section that describe the checkpoint file ``path`` (found by its name); the
     ``[ckpt_info]`` section's ``ckpt_type`` (later versions: ``full`` or ``dcp``) is added as ``ckpt_type``.
@@ -140,9 +147,7 @@ def find_section(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> 
     owner = f"Ckpt{named[1]}-Rank{named[2]}.fti" if named else name
     for meta_path in meta_files(meta):
         ini = read_meta(meta_path)
-        kind = ini.get("ckpt_info", "ckpt_type", fallback="full").strip().lower()
-        info = {"ckpt_type": kind} | ({"ckpt_info_ckpt_id": ini.get("ckpt_info", "ckpt_id").strip()}
-                                     if ini.has_option("ckpt_info", "ckpt_id") else {})
+        info = _ckpt_info(ini)
         if not _PCOF.fullmatch(name):
             for section in ini.sections():
                 values = {k.lower(): v.strip() for k, v in ini.items(section)}
@@ -159,6 +164,27 @@ def find_section(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> 
         return meta_path, procs[(keeper - 1) % len(procs)] | info
     raise FormatError(f"no section of the FTI meta file(s) names {owner} (ckpt_file_name)"
                       + (f", the rank file whose node keeps {name}" if owner != name else ""), path=os.fspath(meta))
+
+
+def find_sections(paths: list[Path], meta: str | os.PathLike[str]) -> list[tuple[Path, dict[str, str]]]:
+    """:func:`find_section` of several rank files (``Ckpt{id}-Rank{r}.fti``: a level-3 group's) at once, each meta
+    file parsed once: a group of 255 looked up one by one in a 16 MiB meta file parsed it 255 times (10 s each)."""
+    names = [os.path.basename(os.fspath(p)) for p in paths]
+    found: dict[str, tuple[Path, dict[str, str]]] = {}
+    for meta_path in meta_files(meta):
+        ini = read_meta(meta_path)
+        info = _ckpt_info(ini)
+        for section in ini.sections():
+            values = {k.lower(): v.strip() for k, v in ini.items(section)}
+            name = values.get("ckpt_file_name", "")
+            if name in names and name not in found:  # the first section naming it, as find_section
+                found[name] = (meta_path, values | info)
+        if len(found) == len(set(names)):
+            break
+    missing = next((name for name in names if name not in found), None)
+    if missing is not None:
+        raise FormatError(f"no section of the FTI meta file(s) names {missing} (ckpt_file_name)", path=os.fspath(meta))
+    return [found[name] for name in names]
 
 
 def verify_posix_parity(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> str:

@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 from ..ftiff import fti_rs
 from ..ftiff.ftiparity import parity_problem, sniff_parity
-from ..ftiff.posix import checksum_matches, find_section
+from ..ftiff.posix import checksum_matches, find_sections
 from ..ftiff.reader import parse_ftiff, verify_data
 from ..ftiff.structs import FB_SIZE, FileBlock
 from ..ftiff.verify import md5_hex
@@ -66,12 +66,11 @@ def _posix_plan(cfg: Config, ckpt_id: int, members: list[tuple[int, Path]], g: i
     """maxFs, the lost file's size, the sound files' readers, and the lost file's meta section (POSIX I/O)."""
     k = len(members)
     meta = Path(cfg.meta_dir) / str(cfg.exec_id) / "l3"
-    sections = []
-    for member, folder in members:
-        try:
-            sections.append(find_section(folder / f"Ckpt{ckpt_id}-Rank{member}.fti", meta)[1])
-        except FormatError as exc:
-            raise RecoveryError(f"the group's meta file cannot be read: {exc}") from None
+    try:  # the meta file parsed once for the whole group
+        sections = [values for _path, values in
+                    find_sections([folder / f"Ckpt{ckpt_id}-Rank{member}.fti" for member, folder in members], meta)]
+    except FormatError as exc:
+        raise RecoveryError(f"the group's meta file cannot be read: {exc}") from None
     maxs = {_count(s, "ckpt_file_maxs") for s in sections}
     max_fs = maxs.pop() if len(maxs) == 1 else None
     sizes = [size for size in (_count(s, "ckpt_file_size") for s in sections)
