@@ -237,3 +237,26 @@ def test_a_meta_file_of_very_many_variables_is_read_in_linear_time(tmp_path, dir
     with pytest.raises(FormatError, match="variable id 17 is listed twice"):
         read_posix(tmp_path / "Ckpt1-Rank0.fti", meta)
     assert time.monotonic() - start < 10
+
+
+def test_verify_of_a_directory_parses_its_meta_file_once(tmp_path, capsys, monkeypatch):
+    """Found by the hostile-file campaign: `verify DIR --meta` parsed the group's meta file once per rank file (a
+    16 MiB meta file takes about 10 s to parse: N files, N times that). The parse is kept by the meta file's bytes:
+    once for the directory, and again once the file changed (the same size, rewritten in place)."""
+    from ftidask.ftiff import posix
+    from ftidask.tools.cli import main as cli_main
+
+    parses = []
+    real = posix._parse_meta
+    monkeypatch.setattr(posix, "_parse_meta", lambda text, source: parses.append(source) or real(text, source))
+    posix._PARSED.clear()
+    data_dir, meta = _write_fti_posix(tmp_path / "fti", 2, 3)
+    assert cli_main(["verify", str(data_dir), "--meta", str(meta.parent)]) == 0
+    assert "3 sound, 0 damaged" in capsys.readouterr().out
+    assert len(parses) == 1, parses
+    text = meta.read_text()
+    digest = hashlib.md5((data_dir / "Ckpt2-Rank1.fti").read_bytes()).hexdigest()
+    meta.write_text(text.replace(digest, digest[::-1]))  # rank 1's checksum changed, same size, same inode
+    assert cli_main(["verify", str(data_dir), "--meta", str(meta.parent)]) == 1
+    assert "2 sound, 1 damaged" in capsys.readouterr().out
+    assert len(parses) == 2, parses

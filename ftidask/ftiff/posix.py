@@ -31,6 +31,8 @@ import dataclasses
 import hashlib
 import os
 import re
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -98,18 +100,41 @@ def meta_files(meta: str | os.PathLike[str]) -> list[Path]:
     return [where]
 
 
+#: The last meta files parsed, by their bytes' digest: ``verify DIR --meta`` and a run's recovery look up each of a
+#: group's files in the same meta files, whose parse (up to 16 MiB: about 10 s) must not be repeated per file. Keyed
+#: by content, not by the file's identity (a file rewritten in place within one tick keeps its size and mtime).
+#: Two entries bound the memory.
+_PARSED: OrderedDict[bytes, configparser.ConfigParser] = OrderedDict()
+_PARSED_LOCK = threading.Lock()
+
+
 def read_meta(path: Path) -> configparser.ConfigParser:
-    """FTI's meta file ``path`` (a group's ``sector{s}-group{g}.fti``) parsed as FTI's iniparser reads it."""
+    """FTI's meta file ``path`` (a group's ``sector{s}-group{g}.fti``) parsed as FTI's iniparser reads it (read-only:
+    the same bytes read again give the same parse)."""
     try:
         with open_read(path) as fh:  # a regular file only: a FIFO planted there would block for ever
             raw = fh.read(_MAX_META + 1)
         if len(raw) > _MAX_META:
             raise FormatError(f"larger than {_MAX_META} bytes: not an FTI meta file", path=str(path))
-        ini = configparser.ConfigParser(interpolation=None, strict=False, delimiters=("=",),
-                                        comment_prefixes=("#", ";"), inline_comment_prefixes=(";", "#"))
-        ini.read_string(raw.decode("utf-8"), source=str(path))
+        key = hashlib.blake2b(raw, digest_size=32).digest()
+        with _PARSED_LOCK:
+            if key in _PARSED:
+                _PARSED.move_to_end(key)
+                return _PARSED[key]
+        ini = _parse_meta(raw.decode("utf-8"), str(path))
     except (OSError, UnicodeDecodeError, configparser.Error) as exc:
         raise FormatError(f"not a readable FTI meta file: {exc}", path=str(path)) from None
+    with _PARSED_LOCK:
+        _PARSED[key] = ini
+        while len(_PARSED) > 2:
+            _PARSED.popitem(last=False)
+    return ini
+
+
+def _parse_meta(text: str, source: str) -> configparser.ConfigParser:
+    ini = configparser.ConfigParser(interpolation=None, strict=False, delimiters=("=",),
+                                    comment_prefixes=("#", ";"), inline_comment_prefixes=(";", "#"))
+    ini.read_string(text, source=source)
     return ini
 
 
