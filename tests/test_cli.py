@@ -107,3 +107,23 @@ def test_clean_tidies_the_stage_directories_and_keeps_the_application_files(dirs
     kept.unlink()
     assert main(["clean", str(tmp_path), "--yes"]) == 0  # the run's state is gone: its stage directory is tidied too
     assert not stage_root.exists() and not (Path(dirs["ckpt_dir"]) / "stage").exists()
+
+
+def test_list_prints_an_odd_run_name_escaped(dirs, tmp_path, capsys):
+    """A run's name comes from a file's variable table or, for a damaged file, its directory: one holding terminal
+    control characters (or a path) is printed escaped, never sent to the terminal as it is."""
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, np.arange(10.0))
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    (path,) = Path(dirs["ckpt_dir"]).glob("node0/*/l1/*/Ckpt1-Rank0.fti")
+    run_dir = path.parent.parent.parent
+    odd = run_dir.with_name("run\x1b[2J")
+    run_dir.rename(odd)
+    (path,) = odd.glob("l1/*/Ckpt1-Rank0.fti")
+    raw = bytearray(path.read_bytes())
+    raw[0] ^= 0xFF  # damaged: the name is the directory's
+    path.write_bytes(bytes(raw))
+    assert main(["list", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "'run\\x1b[2J'" in out

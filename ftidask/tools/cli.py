@@ -153,6 +153,10 @@ def _key(path: Path, kind: str, detail: object) -> tuple[str, int]:
     table = table_of(detail) if kind == "ok" else {}
     found = re.fullmatch(r"ckpt\d+\.s(\d+)", path.parent.name)
     exec_id = str(table.get("exec_id", path.parent.parent.parent.name))
+    try:
+        exec_id = check_exec_id(exec_id)
+    except FTIError:  # a forged table's, or an odd directory's: printed escaped (no terminal control), never a path
+        exec_id = ascii(exec_id)
     return exec_id, int(found[1]) if found else int(table.get("seq", 0))
 
 
