@@ -463,3 +463,29 @@ def test_recover_at_a_differential_level_says_which_level_to_ask(tmp_path):
         ctx2.recover(level=5)
     assert ctx2.recover(level=1)[1].tobytes() == np.arange(1000.0).tobytes()
     ctx2.finalize()
+
+
+def test_finalize_when_another_rank_removed_the_shared_l4_spare_directory_meanwhile(tmp_path, monkeypatch):
+    """Found by the MPI crash campaign (3 ranks, seed 5): L4's spare directory ``{glbl}/{exec}/l4/dcp`` is every
+    rank's; one rank's finalize removed it between another's look at it and its listing of its trash there, and that
+    finalize failed (ENOENT). Here the directory really goes at that moment: the finalize ends the run all the same."""
+    import os
+    import shutil
+
+    ctx = ftidask.init(**_kw(tmp_path))
+    ctx.protect(1, np.arange(4096.0))
+    for ckpt in (1, 2, 3):
+        ctx.checkpoint(ckpt, 8)
+    shared = ctx._dcp.spare_path(4).parent
+    assert shared.is_dir()
+    real = os.scandir
+
+    def scandir(path=".", *args):
+        if str(path) == str(shared) and shared.exists():
+            shutil.rmtree(shared)  # another rank's clear, just now
+        return real(path, *args)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    ctx.finalize()
+    monkeypatch.undo()
+    assert ftidask.init(**_kw(tmp_path)).status() == 0

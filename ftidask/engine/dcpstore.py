@@ -244,7 +244,7 @@ class DcpStore:
             self._remover.shutdown(wait=True)
             self._remover = None
         for level in (1, 2, 3, 4):
-            for trash in self.spare_path(level).parent.glob(f"{storage.TRASH_PREFIX}*-{os.getpid()}-*"):
+            for trash in _own_trash(self.spare_path(level).parent):
                 storage.remove_tree(trash)
             parity = self.spare_parity_path(level)
             for path in (self.spare_path(level), self.next_path(level), self.spare_partner_path(level),
@@ -261,6 +261,17 @@ class DcpStore:
         self._pool.shutdown(wait=True)
         if self._remover is not None:
             self._remover.shutdown(wait=True)
+
+
+def _own_trash(folder: Path) -> list[Path]:
+    """This process's trash in ``folder``; none once the folder is gone. L4's spare directory is every rank's: the
+    clear of another rank may remove it between a look at it and its listing (a finalize failed on ENOENT)."""
+    mark = f"-{os.getpid()}-"
+    try:
+        with os.scandir(folder) as entries:
+            return [Path(e.path) for e in entries if e.name.startswith(storage.TRASH_PREFIX) and mark in e.name]
+    except FileNotFoundError:
+        return []
 
 
 def spare_hint_path(spare: Path) -> Path:
