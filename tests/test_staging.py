@@ -589,7 +589,10 @@ def test_a_transfer_note_naming_a_file_outside_glbl_dir_removes_nothing(tmp_path
         ftidask.init(**dirs, stage_allow_outside=allow_outside).finalize()
         assert outside.exists() != bool(allow_outside)
         assert not (notes / name).exists()  # the note goes either way
-    notes.mkdir(parents=True, exist_ok=True)
-    (notes / name).write_text(json.dumps({"tmp": str(inside)}))
-    ftidask.init(**dirs).finalize()
-    assert not inside.exists()
+    top = tmp_path / "Global" / name  # a destination right in glbl_dir (send_file(src, "name"))
+    top.write_bytes(b"x")
+    for path in (inside, top):
+        notes.mkdir(parents=True, exist_ok=True)
+        (notes / name).write_text(json.dumps({"tmp": str(path)}))
+        ftidask.init(**dirs).finalize()
+        assert not path.exists()

@@ -100,7 +100,7 @@ def sweep(notes: Path, within: Path | None) -> int:
 def _under(tmp: str, root: str) -> bool:
     """Whether the file ``tmp`` is in a directory whose real path is below ``root`` ('': anywhere)."""
     try:
-        return not root or os.path.realpath(os.path.dirname(tmp)).startswith(root)
+        return not root or (os.path.realpath(os.path.dirname(tmp)) + os.sep).startswith(root)  # glbl_dir's own too
     except (OSError, ValueError):  # ValueError: a NUL in the name
         return False
 
