@@ -260,3 +260,23 @@ def test_verify_of_a_directory_parses_its_meta_file_once(tmp_path, capsys, monke
     assert cli_main(["verify", str(data_dir), "--meta", str(meta.parent)]) == 1
     assert "2 sound, 1 damaged" in capsys.readouterr().out
     assert len(parses) == 2, parses
+
+
+def test_verify_of_a_run_of_many_groups_parses_each_meta_file_once(tmp_path, capsys, monkeypatch):
+    """A run of many groups has a meta file each, and each rank file's lookup goes through them in order: a cache of
+    the last two parses was evicted in turn and every meta file parsed again for every rank file."""
+    from ftidask.ftiff import posix
+    from ftidask.tools.cli import main as cli_main
+
+    parses = []
+    real = posix._parse_meta
+    monkeypatch.setattr(posix, "_parse_meta", lambda text, source: parses.append(source) or real(text, source))
+    posix._PARSED.clear()
+    data_dir, meta = _write_fti_posix(tmp_path / "fti", 2, 3)
+    text = meta.read_text()
+    meta.rename(meta.with_name("sector0-group9.fti"))  # looked up last
+    for group in (1, 2, 3):  # other groups' meta files, of other checkpoint ids: looked up first
+        meta.with_name(f"sector0-group{group}.fti").write_text(text.replace("Ckpt2-", f"Ckpt{20 + group}-"))
+    assert cli_main(["verify", str(data_dir), "--meta", str(meta.parent)]) == 0
+    assert "3 sound, 0 damaged" in capsys.readouterr().out
+    assert len(parses) == 4, parses

@@ -103,8 +103,10 @@ def meta_files(meta: str | os.PathLike[str]) -> list[Path]:
 #: The last meta files parsed, by their bytes' digest: ``verify DIR --meta`` and a run's recovery look up each of a
 #: group's files in the same meta files, whose parse (up to 16 MiB: about 10 s) must not be repeated per file. Keyed
 #: by content, not by the file's identity (a file rewritten in place within one tick keeps its size and mtime).
-#: Two entries bound the memory.
-_PARSED: OrderedDict[bytes, configparser.ConfigParser] = OrderedDict()
+#: Bounded by the bytes parsed, not a count: a run of many groups keeps one small meta file each, every one of which a
+#: lookup may pass through (two entries would be evicted in turn and every file parsed again on every lookup).
+_PARSED: OrderedDict[bytes, tuple[configparser.ConfigParser, int]] = OrderedDict()
+_PARSED_BYTES = 32 << 20  # at most two meta files of the largest size read
 _PARSED_LOCK = threading.Lock()
 
 
@@ -120,13 +122,13 @@ def read_meta(path: Path) -> configparser.ConfigParser:
         with _PARSED_LOCK:
             if key in _PARSED:
                 _PARSED.move_to_end(key)
-                return _PARSED[key]
+                return _PARSED[key][0]
         ini = _parse_meta(raw.decode("utf-8"), str(path))
     except (OSError, UnicodeDecodeError, configparser.Error) as exc:
         raise FormatError(f"not a readable FTI meta file: {exc}", path=str(path)) from None
     with _PARSED_LOCK:
-        _PARSED[key] = ini
-        while len(_PARSED) > 2:
+        _PARSED[key] = (ini, len(raw))
+        while sum(size for _ini, size in _PARSED.values()) > _PARSED_BYTES:
             _PARSED.popitem(last=False)
     return ini
 
