@@ -81,20 +81,26 @@ class Retention(RunPart):
         super().__init__(run)
         self.trash_pool: ThreadPoolExecutor | None = None
         self._nodes: list[int] | None = None  # each rank's node (see _movers)
+        # Committed directories looked into once after a newer commit (after any post-processing of theirs by a
+        # head, which ends before the next checkpoint begins): nothing of this process writes there any more.
+        self._settled: set[str] = set()
 
     def retire_older(self, record: CommitRecord) -> None:
         """After a level-L commit, drop earlier checkpoints of levels 1..L (L4 archived if asked)."""
         t = self.transport
-        older = on_root(t, lambda: [r.to_json() for r in self.state.records()], FTIError,
-                        "cannot read the run's commit records")
-        for old in to_retire(map(CommitRecord.from_json, older), record, bool(self.config.keep_l4_ckpt)):
-            self.remove_checkpoint(old)
+        keep_l4 = bool(self.config.keep_l4_ckpt)
+        older = on_root(t, lambda: [r.to_json() for r in to_retire(self.state.records(), record, keep_l4)], FTIError,
+                        "cannot read the run's commit records")  # only those retired cross to the ranks
+        for old in older:
+            self.remove_checkpoint(CommitRecord.from_json(old))
 
     def collect_garbage(self) -> None:
         """Remove what interrupted checkpoints left: directories no commit record names, temporary files."""
         t = self.transport
-        committed = on_root(t, lambda: sorted({r.dirname for r in self.state.records()}), FTIError,
-                            "garbage collection: cannot read the run's commit records")
+        newest = on_root(t, lambda: sorted((r.seq, r.dirname) for r in self.state.records()), FTIError,
+                         "garbage collection: cannot read the run's commit records")
+        committed = {name for _seq, name in newest}
+        settled = self._settled & committed
         roots = [self.paths.local_dir(level, t.node) for level in (1, 2, 3, 4)]
         if t.rank == 0:
             roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
@@ -105,10 +111,11 @@ class Retention(RunPart):
         def collect() -> None:
             for root in roots:  # trash too, unless our own remover is on it
                 if self.paths.contains(root):  # never outside the run's directories, whatever its exec_id
-                    storage.collect_level_garbage(root, set(committed), trash=self.trash_pool is None,
-                                                  spares=bool(self.config.enable_dcp))
+                    storage.collect_level_garbage(root, committed, trash=self.trash_pool is None,
+                                                  spares=bool(self.config.enable_dcp), settled=settled)
 
         everywhere(t, collect, FTIError, "garbage collection failed")
+        self._settled = committed - {name for _seq, name in newest[-1:]}  # the newest is looked into once more
 
     def remove_dead_runs(self, runs: list[str]) -> None:
         """This node's directories of the dead runs ``runs``, which never committed a checkpoint (local; see

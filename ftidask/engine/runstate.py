@@ -8,9 +8,6 @@ Which run an init gets is chosen by :mod:`ftidask.engine.claim`.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
 import os
 import secrets
@@ -22,6 +19,10 @@ from ..model.config import check_exec_id
 from ..model.errors import CheckpointError, ConfigError
 from ..storage import files as storage
 from ..storage import runlock
+from .records import CommitRecord, FileRecord, RecordReader, seal_json, sealed_record, unsealed_record
+
+__all__ = ["CommitRecord", "FileRecord", "RunState", "SeqReservation", "seal_json", "sealed_record",
+           "unsealed_record"]  # the records are re-exported: where the rest of the code looks for them
 
 STATUS_FRESH, STATUS_RESTART, STATUS_KEPT = 0, 1, 2
 _CURRENT = "current_exec_id"
@@ -71,114 +72,6 @@ def _newest_unfinished_run(meta_dir: Path) -> str | None:
         if best is None or newest > best[0]:
             best = (newest, exec_id)
     return best[1] if best else None
-
-
-@dataclasses.dataclass(frozen=True)
-class FileRecord:
-    """One rank's file in a committed checkpoint."""
-
-    rank: int
-    node: int
-    size: int
-    fb_hash: str
-
-    def to_json(self) -> dict[str, Any]:
-        """The record as a JSON-able dict."""
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class CommitRecord:
-    """A committed checkpoint: which id, level and files, written after every file."""
-
-    seq: int
-    ckpt_id: int
-    level: int
-    timestamp: float
-    nranks: int
-    files: tuple[FileRecord, ...]
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @property
-    def dirname(self) -> str:
-        """The checkpoint's directory name, ``ckpt{ckpt_id}.s{seq}``."""
-        return storage.ckpt_dirname(self.ckpt_id, self.seq)
-
-    @property
-    def fallback(self) -> bool:
-        """A retired differential checkpoint kept as the spares (:meth:`RunState.write_fallback`), not a commit."""
-        return self.extra.get("fallback") is True
-
-    def as_fallback(self) -> CommitRecord:
-        """This record marked as its level's fallback (see :attr:`fallback`)."""
-        return dataclasses.replace(self, extra={**self.extra, "fallback": True})
-
-    def committed_copy(self, **changes: Any) -> CommitRecord:
-        """This checkpoint with ``changes`` (a copy of its files committed anew: never a fallback)."""
-        extra = {k: v for k, v in self.extra.items() if k != "fallback"}
-        return dataclasses.replace(self, **{"extra": extra, **changes})
-
-    def to_json(self) -> dict[str, Any]:
-        """The record as a JSON-able dict (:meth:`from_json` reads it back)."""
-        out = dataclasses.asdict(self)
-        out["files"] = [f.to_json() for f in self.files]
-        return out
-
-    @classmethod
-    def from_json(cls, raw: Any) -> CommitRecord | None:
-        """The record ``raw`` describes, or None for a torn, damaged or forged one (never recovered)."""
-        try:
-            files = tuple(FileRecord(int(f["rank"]), int(f["node"]), int(f["size"]), str(f["fb_hash"]))
-                          for f in raw["files"])
-            record = cls(int(raw["seq"]), int(raw["ckpt_id"]), int(raw["level"]), float(raw["timestamp"]),
-                         int(raw["nranks"]), files, dict(raw.get("extra", {})))
-        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int() of an infinity
-            return None
-        return record if record.plausible() else None
-
-    def plausible(self) -> bool:
-        """Values that a commit ever holds: a record outside them names directories and ranks that
-        cannot exist (a seq of 1e300 makes a path too long, an infinite time breaks ``list``)."""
-        ranks = sorted(f.rank for f in self.files)
-        return (0 < self.seq < 2**63 and self.ckpt_id != 0 and -2**31 <= self.ckpt_id < 2**31
-                and 1 <= self.level <= 8 and 0 <= self.timestamp < _YEAR_9999 and 0 < self.nranks < 2**31
-                and ranks == list(range(self.nranks)) and all(0 <= f.node < 2**31 and f.size >= 0 for f in self.files))
-
-
-_CHECK = "check"  # a commit record's digest of its own content (see sealed_record)
-_YEAR_9999 = 253402300800  # a record's time is time.time(): time.localtime() refuses NaN, infinities, year 10000
-_FIELDS = frozenset(f.name for f in dataclasses.fields(CommitRecord))
-
-
-def _digest(raw: dict[str, Any]) -> str:
-    # As read back: JSON turns int keys into str keys (and tuples into lists), which sort differently.
-    body = json.loads(json.dumps({k: v for k, v in raw.items() if k != _CHECK}))
-    return hashlib.blake2b(json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), digest_size=16).hexdigest()
-
-
-def sealed_record(record: CommitRecord) -> dict[str, Any]:
-    """``record`` as written to disk: its JSON with a digest of that JSON, so that a damaged record
-    that still parses (a digit flipped in ``nranks``, a node, a size) is detected, not trusted."""
-    return seal_json(record.to_json())
-
-
-def seal_json(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` (a record's JSON) with its digest set to match its other keys (tools, tests' forgeries)."""
-    raw[_CHECK] = _digest(raw)
-    return raw
-
-
-def unsealed_record(raw: Any) -> CommitRecord | None:
-    """The record a commit file holds, or None when it is torn or damaged: its digest does not match
-    its content, or (records written before the digest existed) it holds a key no record has."""
-    if not isinstance(raw, dict):
-        return None
-    if _CHECK in raw:
-        if raw[_CHECK] != _digest(raw):
-            return None
-    elif not set(raw) <= _FIELDS:
-        return None
-    return CommitRecord.from_json(raw)
 
 
 def new_exec_id() -> str:
@@ -236,6 +129,7 @@ class RunState:
         self.meta_dir = meta_dir
         self.exec_id = exec_id
         self.root = meta_dir / exec_id
+        self._records = RecordReader(self.records_dir)
 
     @property
     def records_dir(self) -> Path:
@@ -243,16 +137,9 @@ class RunState:
         return self.root / "commits"
 
     def records(self) -> list[CommitRecord]:
-        """Every readable commit record, oldest first (a torn or damaged one is skipped, with a warning)."""
-        out = []
-        if self.records_dir.is_dir():
-            for path in self.records_dir.glob("s*.json"):
-                rec = unsealed_record(storage.read_json(path))
-                if rec is not None:
-                    out.append(rec)
-                else:  # torn or damaged: never a checkpoint (the recovery's error lists what it tried)
-                    log.debug("ignoring the torn or damaged commit record %s", path)
-        return sorted(out, key=lambda r: r.seq)
+        """Every readable commit record, oldest first (a torn or damaged one is skipped; a file read before and
+        unchanged since is not parsed again: :class:`~ftidask.engine.records.RecordReader`)."""
+        return self._records.read()
 
     def next_seq(self) -> int:
         """One more than any sequence number this run used (records, fallbacks, and the mark finalize leaves

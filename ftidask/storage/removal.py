@@ -113,34 +113,51 @@ def discard(path: Path, remover: Callable[[], Executor], into: Path | None = Non
     queued.append(pool.submit(remove_tree, trash))
 
 
-def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, spares: bool = True) -> int:
+def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, spares: bool = True,
+                          settled: Collection[str] = ()) -> int:
     """Remove what interrupted checkpoints left in one level directory ``root``: checkpoint
     directories that ``committed`` does not name, temporary files and stores, and (``trash``:
     when nothing of this process is being deleted, at start-up) trash and old spares, and every
-    spare when the run does not write differential checkpoints (``spares`` False); the count."""
+    spare when the run does not write differential checkpoints (``spares`` False); the count.
+    ``settled``: committed directories not looked into (found clean since nothing writes there: a run that
+    keeps every L4 checkpoint would list each of them again at every checkpoint)."""
     removed = 0
-    if not root.is_dir():
+    try:
+        with os.scandir(root) as it:
+            entries = list(it)
+    except (FileNotFoundError, NotADirectoryError):
         return removed
-    for entry in root.iterdir():
+    for entry in entries:
+        if entry.name in settled:
+            continue
+        path = Path(entry.path)
         if entry.name.startswith(TRASH_PREFIX):
             if trash:
-                remove_tree(entry)
+                remove_tree(path)
                 removed += 1
         elif entry.name.startswith(".") and ".tmp-" in entry.name:
-            remove_tree(entry)  # logged, not raised, when it cannot go (a read-only disk): the restart goes on
+            remove_tree(path)  # logged, not raised, when it cannot go (a read-only disk): the restart goes on
             removed += 1
-        elif entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed:
-            remove_tree(entry)
+        elif _is_dir(entry) and entry.name.startswith("ckpt") and entry.name not in committed:
+            remove_tree(path)
             removed += 1
-        elif entry.is_dir():
-            for tmp in entry.glob(".*.tmp-*"):
+        elif _is_dir(entry):
+            for tmp in path.glob(".*.tmp-*"):
                 remove_tree(tmp)  # a file, or a Zarr store being written (l4_format = zarr)
                 removed += 1
             if entry.name == SPARE_DIR and trash and not spares:  # no dCP in this run: nothing will patch them
-                remove_tree(entry)
+                remove_tree(path)
                 removed += 1
             elif entry.name == SPARE_DIR and trash:  # old spares that a crash left
-                for old in entry.glob(f"{TRASH_PREFIX}*"):
+                for old in path.glob(f"{TRASH_PREFIX}*"):
                     remove_tree(old)
                     removed += 1
     return removed
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    """``Path.is_dir``'s answer (a link to a directory counts) from the listing's file type, without a stat."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
