@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from ..model.errors import CheckpointError, FTIError
 from ..storage import files as storage
@@ -84,21 +85,34 @@ class Retention(RunPart):
         # Committed directories looked into once after a newer commit (after any post-processing of theirs by a
         # head, which ends before the next checkpoint begins): nothing of this process writes there any more.
         self._settled: set[str] = set()
+        self._remaining: list[tuple[int, str]] | None = None  # (seq, dirname) committed after retire_older, sorted
 
     def retire_older(self, record: CommitRecord) -> None:
         """After a level-L commit, drop earlier checkpoints of levels 1..L (L4 archived if asked)."""
         t = self.transport
         keep_l4 = bool(self.config.keep_l4_ckpt)
-        older = on_root(t, lambda: [r.to_json() for r in to_retire(self.state.records(), record, keep_l4)], FTIError,
-                        "cannot read the run's commit records")  # only those retired cross to the ranks
+
+        def plan() -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
+            records = self.state.records()
+            retired = to_retire(records, record, keep_l4)
+            gone = {r.seq for r in retired}
+            return [r.to_json() for r in retired], [(r.seq, r.dirname) for r in records if r.seq not in gone]
+
+        self._remaining = None
+        # Only those retired cross to the ranks as records; the records are read once for this and for the garbage
+        # collection that follows (a run that keeps every L4 checkpoint keeps thousands).
+        older, remaining = on_root(t, plan, FTIError, "cannot read the run's commit records")
         for old in older:
             self.remove_checkpoint(CommitRecord.from_json(old))
+        self._remaining = remaining
 
     def collect_garbage(self) -> None:
         """Remove what interrupted checkpoints left: directories no commit record names, temporary files."""
         t = self.transport
-        newest = on_root(t, lambda: sorted((r.seq, r.dirname) for r in self.state.records()), FTIError,
-                         "garbage collection: cannot read the run's commit records")
+        newest, self._remaining = self._remaining, None  # as retire_older left them, right before
+        if newest is None:
+            newest = on_root(t, lambda: sorted((r.seq, r.dirname) for r in self.state.records()), FTIError,
+                             "garbage collection: cannot read the run's commit records")
         committed = {name for _seq, name in newest}
         settled = self._settled & committed
         roots = [self.paths.local_dir(level, t.node) for level in (1, 2, 3, 4)]

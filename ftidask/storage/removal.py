@@ -128,27 +128,29 @@ def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, s
     except (FileNotFoundError, NotADirectoryError):
         return removed
     for entry in entries:
-        if entry.name in settled:
+        name = entry.name
+        if name in settled:
             continue
-        path = Path(entry.path)
-        if entry.name.startswith(TRASH_PREFIX):
+        if name.startswith(TRASH_PREFIX):
             if trash:
-                remove_tree(path)
+                remove_tree(Path(entry.path))
                 removed += 1
-        elif entry.name.startswith(".") and ".tmp-" in entry.name:
-            remove_tree(path)  # logged, not raised, when it cannot go (a read-only disk): the restart goes on
+        elif name.startswith(".") and ".tmp-" in name:
+            # logged, not raised, when it cannot go (a read-only disk): the restart goes on
+            remove_tree(Path(entry.path))
             removed += 1
-        elif _is_dir(entry) and entry.name.startswith("ckpt") and entry.name not in committed:
-            remove_tree(path)
+        elif _is_dir(entry) and name.startswith("ckpt") and name not in committed:
+            remove_tree(Path(entry.path))
             removed += 1
         elif _is_dir(entry):
+            path = Path(entry.path)
             for tmp in path.glob(".*.tmp-*"):
                 remove_tree(tmp)  # a file, or a Zarr store being written (l4_format = zarr)
                 removed += 1
-            if entry.name == SPARE_DIR and trash and not spares:  # no dCP in this run: nothing will patch them
+            if name == SPARE_DIR and trash and not spares:  # no dCP in this run: nothing will patch them
                 remove_tree(path)
                 removed += 1
-            elif entry.name == SPARE_DIR and trash:  # old spares that a crash left
+            elif name == SPARE_DIR and trash:  # old spares that a crash left
                 for old in path.glob(f"{TRASH_PREFIX}*"):
                     remove_tree(old)
                     removed += 1
