@@ -218,9 +218,11 @@ def _retire_older(cfg: Config, t: MpiTransport, state: RunState, paths: storage.
     without heads (:meth:`~ftidask.engine.retention.Retention.remove_checkpoint`): a retired differential
     checkpoint of L2-L4 keeps its files as its level's spares, named its level's fallback first (killed in
     between, its commit record or the fallback names it), which a recovery tries when no newer checkpoint verifies."""
-    raw = on_root(t, lambda: [r.to_json() for r in state.records()], FTIError, "cannot read the commit records")
+    keep_l4 = bool(cfg.keep_l4_ckpt)  # only those retired cross to the heads (keep_l4_ckpt keeps thousands)
+    raw = on_root(t, lambda: [r.to_json() for r in to_retire(state.records(), record, keep_l4)], FTIError,
+                  "cannot read the commit records")
     failed: list[str] = []
-    for old in to_retire(map(CommitRecord.from_json, raw), record, bool(cfg.keep_l4_ckpt)):
+    for old in map(CommitRecord.from_json, raw):
         what = f"removing checkpoint {old.ckpt_id} (level {old.level}) failed"
         kept = bool(cfg.enable_dcp) and bool(old.extra.get("dcp")) and old.level in (2, 3, 4)
         if cfg.enable_dcp:
