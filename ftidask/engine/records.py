@@ -155,7 +155,9 @@ class RecordReader:
         try:
             with os.scandir(self.directory) as it:
                 entries = [e for e in it if e.name.startswith("s") and e.name.endswith(".json")]
-        except (FileNotFoundError, NotADirectoryError):
+        except OSError as exc:  # none yet; or unreadable, which reads as none (the first commit then says why)
+            if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+                log.warning("cannot list the commit records in %s: %s", self.directory, exc)
             self._known = {}
             return []
         known, out = {}, []
