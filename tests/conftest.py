@@ -52,6 +52,27 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [item for item in items if item.get_closest_marker("campaign") is None]
 
 
+# --- The "ftidask" logger: each test starts as a fresh process would ------------------------------------------
+#
+# Every init() with an explicit verbosity sets the "ftidask" logger's level for the whole process, and one with the
+# default verbosity keeps the level set before (api/logsetup.py): a test that reads caplog then saw, or missed, its
+# lines by the verbosity of whichever test ran last (test_run_isolation's current_exec_id warnings were lost after
+# any test of verbosity 4). After each test the logger's level, handlers and propagation are put back.
+
+@pytest.fixture(autouse=True)
+def _ftidask_logger_restored():
+    import logging
+
+    from ftidask.api import logsetup
+
+    logger = logging.getLogger("ftidask")
+    saved = logger.level, list(logger.handlers), logger.propagate, logger.disabled, logsetup._rank
+    yield
+    logger.setLevel(saved[0])
+    logger.handlers[:] = saved[1]
+    logger.propagate, logger.disabled, logsetup._rank = saved[2], saved[3], saved[4]
+
+
 # --- MPICH's shared-memory segments of killed jobs ----------------------------------------------------
 #
 # A rank SIGKILLed before its node's ranks have attached leaves MPICH's segment (/dev/shm/mpich_shm_*, 4-17 MiB
