@@ -10,6 +10,28 @@ ROOT = Path(__file__).resolve().parent.parent
 HEAVY_LIST = Path(__file__).resolve().parent / "heavy_variants.txt"
 
 
+# --- Hypothesis: the same examples on every run ------------------------------------------------------------
+#
+# CI runs on a fresh clone without any of the variables by which Hypothesis recognises a CI machine (its own "ci"
+# profile), so each run drew new random examples and a rare one could fail one run in many, and nobody could rerun it.
+# Here every run draws the same examples (derandomize: from each test's name), keeps no example database between runs
+# (a fresh clone has none), and no health check or deadline depends on the machine's speed (a loaded 2-core machine).
+# HYPOTHESIS_PROFILE=explore draws new examples (and keeps a database) to look for new failures.
+
+def _hypothesis_profiles() -> None:
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # the test extras are not installed: the tests that need it skip or fail on their own
+        return
+    settings.register_profile("ftidask", derandomize=True, database=None, deadline=None, print_blob=True,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("explore", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ftidask"))
+
+
+_hypothesis_profiles()
+
+
 def heavy_variants() -> set[str]:
     """The node ids of tests/heavy_variants.txt: heavier variants run with the slow tests."""
     lines = HEAVY_LIST.read_text().splitlines()
@@ -28,6 +50,27 @@ def pytest_collection_modifyitems(config, items):
         if skipped:
             config.hook.pytest_deselected(items=skipped)
             items[:] = [item for item in items if item.get_closest_marker("campaign") is None]
+
+
+# --- The "ftidask" logger: each test starts as a fresh process would ------------------------------------------
+#
+# Every init() with an explicit verbosity sets the "ftidask" logger's level for the whole process, and one with the
+# default verbosity keeps the level set before (api/logsetup.py): a test that reads caplog then saw, or missed, its
+# lines by the verbosity of whichever test ran last (test_run_isolation's current_exec_id warnings were lost after
+# any test of verbosity 4). After each test the logger's level, handlers and propagation are put back.
+
+@pytest.fixture(autouse=True)
+def _ftidask_logger_restored():
+    import logging
+
+    from ftidask.api import logsetup
+
+    logger = logging.getLogger("ftidask")
+    saved = logger.level, list(logger.handlers), logger.propagate, logger.disabled, logsetup._rank
+    yield
+    logger.setLevel(saved[0])
+    logger.handlers[:] = saved[1]
+    logger.propagate, logger.disabled, logsetup._rank = saved[2], saved[3], saved[4]
 
 
 # --- MPICH's shared-memory segments of killed jobs ----------------------------------------------------

@@ -58,16 +58,21 @@ def installed() -> bool:
     return staging_copy._write_all is not _ORIGINAL
 
 
-def slow_movers(delay: float, setattr: Callable[[Any, str, Any], None] = setattr) -> None:
+def slow_movers(delay: float, setattr: Callable[[Any, str, Any], None] = setattr, gate: Path | None = None) -> None:
     """Slow the thread mover of this process and the process movers it starts from now on
-    (``setattr``: pytest's ``monkeypatch.setattr`` to undo it after the test)."""
-    setattr(staging_copy, "_write_all", slowed(delay))
+    (``setattr``: pytest's ``monkeypatch.setattr`` to undo it after the test). With ``gate``, each transfer also
+    waits after its first piece until the file ``gate`` exists (:func:`slowed`): a test that must act while a copy
+    runs (change its source, kill its mover, block the next request's path) opens the gate once it has acted, instead
+    of hoping that ``delay`` is longer than its own step takes on a loaded machine."""
+    gate_name = None if gate is None else str(gate)
+    setattr(staging_copy, "_write_all", slowed(delay, gate_name))
     popen = subprocess.Popen
 
     def popen_slowed(args: list[str], *rest: Any, **kwargs: Any) -> Any:
         # The mover runs ``python -c CODE``: install the same slowdown first.
         i = args.index("-c") + 1
-        prefix = f"import sys; sys.path.insert(0, {_TESTS!r}); import slowcopy; slowcopy.install({delay!r}); "
+        prefix = (f"import sys; sys.path.insert(0, {_TESTS!r}); import slowcopy; "
+                  f"slowcopy.install({delay!r}, {gate_name!r}); ")
         return popen([*args[:i], prefix + args[i], *args[i + 1:]], *rest, **kwargs)
 
     setattr(staging_process.subprocess, "Popen", popen_slowed)

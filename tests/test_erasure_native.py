@@ -53,7 +53,8 @@ LENGTHS = st.one_of(st.sampled_from([0, 1, 2, 15, 16, 17, 31, 33, 63, 64, 65, 12
                     st.integers(0, 3000))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(k=st.integers(1, 16), m=st.integers(1, 16), n=LENGTHS, seed=st.integers(0, 2**32 - 1),
        in_off=st.integers(0, 63), out_off=st.integers(0, 63), accumulate=st.booleans())
 def test_matches_numpy(isa, k, m, n, seed, in_off, out_off, accumulate):

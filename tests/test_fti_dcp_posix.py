@@ -332,8 +332,11 @@ def test_many_variables_and_blocks_are_applied_in_linear_time(tmp_path):
     import time
 
     want = _forged_dcp(tmp_path, 8_000, 80_000)
-    start = time.monotonic()
+    # CPU time of this thread (the read runs here), not the wall clock: on a loaded 2-core machine (CI, another test
+    # run) the wall clock measures the other processes too (2.0 s for 0.6 s of CPU seen here); a quadratic pass costs
+    # the CPU time all the same.
+    start = time.thread_time()
     found = read_dcp_posix(tmp_path / "dcp-id0-rank0.fti", tmp_path / "sector0-group0.fti")
-    assert time.monotonic() - start < 8
+    assert time.thread_time() - start < 8
     assert bytes(found.data[0]) == want and len(found.data) == 8_000
     assert all(len(found.data[j]) == 0 for j in range(1, 8_000))

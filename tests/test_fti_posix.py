@@ -228,15 +228,17 @@ def test_a_meta_file_of_very_many_variables_is_read_in_linear_time(tmp_path, dir
     lines += [f"var{j}_id = {j}\nvar{j}_size = 0" for j in range(1, n)]
     meta = tmp_path / "sector0-group0.fti"
     meta.write_text("\n".join(lines) + "\n")
-    start = time.monotonic()
+    # CPU time of this thread (the read runs here), not the wall clock: on a loaded 2-core machine (CI, another test
+    # run) the wall clock measures the other processes too; a quadratic check costs the CPU time all the same.
+    start = time.thread_time()
     found = read_posix(tmp_path / "Ckpt1-Rank0.fti", meta)
-    assert time.monotonic() - start < 10
+    assert time.thread_time() - start < 10
     assert len(found.data) == n and bytes(found.data[0]) == raw and all(len(found.data[j]) == 0 for j in range(1, n))
     meta.write_text("\n".join(lines) + f"\nvar{n}_id = 17\nvar{n}_size = 0\n")  # the last id repeats one
-    start = time.monotonic()
+    start = time.thread_time()
     with pytest.raises(FormatError, match="variable id 17 is listed twice"):
         read_posix(tmp_path / "Ckpt1-Rank0.fti", meta)
-    assert time.monotonic() - start < 10
+    assert time.thread_time() - start < 10
 
 
 def test_verify_of_a_directory_parses_its_meta_file_once(tmp_path, capsys, monkeypatch):

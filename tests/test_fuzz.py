@@ -72,7 +72,8 @@ mutations = st.lists(st.tuples(st.sampled_from(["flip", "set", "cut", "grow", "j
                                st.integers(0, 255)), min_size=1, max_size=4)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(kind=st.sampled_from(KINDS), ops=mutations)
 def test_any_damage_is_detected_or_harmless(tmp_path_factory, kind, ops):
     good = _sample(tmp_path_factory, kind)

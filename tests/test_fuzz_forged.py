@@ -31,7 +31,8 @@ from ftidask.ftiff.trailer import pack_trailer
 from ftidask.model.arrays import ArrayBytes
 
 HOSTILE = st.sampled_from([0, -1, 1, 7, 24, 64, 88, 2**31 - 1, -2**31, 2**40, 2**62, 2**63 - 1, -2**63])
-SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=100, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 VARS = {0: bytes(range(64)), 1: bytes(range(100, 188)), 2: b"abc" * 8, 4: bytes(range(32))}
 LAYOUT = [[(0, 0, 0, 64), (1, 0, 0, 64), (2, 0, 0, 40), (4, 0, 0, 32)], [(1, 1, 64, 24), (4, 1, 32, 16)]]
 _FIELDS = {"id": 0, "containerid": 2, "hascontent": 3, "dptr": 5, "fptr": 6, "chunksize": 7, "containersize": 8}
@@ -202,7 +203,8 @@ TABLE_VALUES = {"nbytes": HOSTILE, "shape": st.sampled_from([[2**40], [-1], [0],
 
 
 @pytest.mark.slow  # about 4 s: a context per example
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(block_changes=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 9), HOSTILE), max_size=3),
        table_changes=st.lists(st.sampled_from(sorted(TABLE_VALUES)).flatmap(
            lambda key: st.tuples(st.integers(0, 1), st.just(key), TABLE_VALUES[key])), max_size=2),

@@ -350,7 +350,8 @@ def _damage(path: Path, how: str, at: int) -> None:
             path.touch()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_any_file_damaged_gives_exact_data_or_a_clear_error(tmp_path_factory, data):
     """Any file of the tree (commit and fallback records, run state, rank files, the spare and its record)

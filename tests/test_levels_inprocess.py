@@ -94,7 +94,8 @@ def expected(level: int, g: int, lost: set[tuple[int, str]]) -> list[bool]:
 
 
 @pytest.mark.parametrize("level", [2, 3])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_every_loss_pattern_follows_the_levels_rule(tmp_path_factory, level, data):
     g = data.draw(st.integers(2, 5), label="group size")

@@ -26,7 +26,8 @@ def _fill(arr, seed):
     raw[:] = np.random.default_rng(seed).integers(0, 256, raw.size, dtype=np.uint8)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops)
 def test_random_sequences_match_model(sequence):
     root = tempfile.mkdtemp()

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from mpi_util import need_mpi, run
 
-pytestmark = need_mpi()
+# Each test runs up to two jobs of up to 300 s each (the write job of the module's fixture, made on first use, then
+# the recovery): not cut at pytest's 300 s while its jobs are within theirs.
+pytestmark = [*need_mpi(), pytest.mark.timeout(660)]
 
 # 8 processes = 4 simulated nodes of (1 head + 1 application rank); one group of 4 (16: 1 head + 3 ranks).
 CONFIG = {"local_test": 1, "node_size": 2, "group_size": 4, "head": 1, "block_size": 256, "transfer_size": 1}

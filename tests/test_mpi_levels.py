@@ -226,12 +226,14 @@ def test_rank_killed_with_an_async_checkpoint_in_flight(tmp_path: Path, level: i
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1300)  # two jobs of up to 600 s each (16 ranks on a 2-core machine): not cut at pytest's 300
 @pytest.mark.parametrize("level", [1, 2, 3, 4])
 def test_levels_16_ranks(tmp_path: Path, level: int) -> None:
     _check_level(tmp_path, 16, level, timeout=600)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1300)  # two jobs of up to 600 s each
 @pytest.mark.parametrize("level", [1, 2, 3, 4])
 def test_levels_16_ranks_async(tmp_path: Path, level: int) -> None:
     _check_level(tmp_path, 16, level, timeout=600, config={**_config(16), "async_ckpt": 1})

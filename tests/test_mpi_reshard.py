@@ -138,6 +138,7 @@ def test_a_run_restarted_on_fewer_nodes_leaves_no_old_file(written: Path, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(960)  # the 16-rank write job may take 600 s, the recovery job 300: not cut at pytest's 300
 def test_16_ranks_recovered_on_4(tmp_path: Path) -> None:
     base = tmp_path / "written"
     base.mkdir()

@@ -16,9 +16,9 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -32,22 +32,21 @@ from ftidask.storage.removal import TRASH_PREFIX
 
 sys.path.insert(0, os.path.dirname(__file__))
 import crashpoints  # noqa: E402
+import leaks  # noqa: E402
 
 N = 300_000  # 2.4 MB: copy-on-write snapshots and page tracking apply to it
 
 
-def _descriptors() -> set[str]:
-    """What this process has open that ftidask may have opened: files under the tests' temporary directories and
-    userfaultfd/eventfd descriptors (not what other threads of the test session open meanwhile: /proc files)."""
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # the descriptor of the listing itself
-            continue
-        if target.startswith(tempfile.gettempdir()) or target.startswith("anon_inode:"):
-            out.add(target)
-    return out
+def _descriptors(root: Path) -> Counter[str]:
+    """What this process has open that ftidask may have opened: files under the test's directory ``root`` and
+    userfaultfd/eventfd descriptors, by target (tests/leaks.py); not what other threads of the test session open
+    meanwhile (a Dask cluster's epoll and sockets, /proc files, other tests' directories)."""
+    return leaks.descriptors(root)
+
+
+def _held(root: Path) -> tuple[Counter[str], Counter[str], int]:
+    """Descriptors (above), threads that run ftidask code, and native threads (a snapshot's fault handler)."""
+    return _descriptors(root), leaks.ftidask_threads(), leaks.native_threads()
 
 
 def _config(base: Path, **kw) -> dict:
@@ -92,13 +91,17 @@ def _recovered_copy(base: Path, side: Path, **kw) -> tuple[tuple[int, int], Vars
         ctx._close()  # as a process that dies: the copy is removed by the test
 
 
-def _check_nothing_left(base: Path, threads: set, fds: set) -> None:
+def _check_nothing_left(base: Path, held: tuple[Counter[str], Counter[str], int]) -> None:
+    """Nothing more held than ``held`` (:func:`_held` before the run) once a remover thread has finished its last
+    deletion: not one more descriptor of the test's files, ftidask thread or native thread (by name and number: a
+    thread of another test's cluster that starts meanwhile is not ftidask's)."""
     gc.collect()
-    deadline = time.monotonic() + 10  # a remover thread finishing its last deletion
-    while time.monotonic() < deadline and {t for t in threading.enumerate() if t.is_alive()} - threads:
-        time.sleep(0.01)
-    assert not {t.name for t in threading.enumerate() if t.is_alive()} - {t.name for t in threads}
-    assert _descriptors() - fds == set()
+
+    def more(now: tuple[Counter[str], Counter[str], int]) -> tuple:
+        return leaks.grown(held[0], now[0]), leaks.grown(held[1], now[1]), max(0, now[2] - held[2])
+
+    left = more(leaks.settled(lambda: _held(base.parent), lambda now: not any(more(now)), timeout=30))
+    assert not any(left), f"left open (descriptors, threads, native threads): {left}"
     assert [p for p in find_paths(base, "*") if ".tmp-" in p.name] == []
 
 
@@ -114,7 +117,7 @@ def _one_interrupt(tmp_path: Path, level: int, mode: str, nth: int, **kw) -> str
     ``nth`` event of ftidask's code; then every check. None when fewer events ran (the sweep is over)."""
     base, side = tmp_path / "run", tmp_path / "copy"
     shutil.rmtree(base, ignore_errors=True)
-    threads, fds = set(threading.enumerate()), _descriptors()
+    held = _held(tmp_path)
     ctx = ftidask.init(**_config(base, **kw))
     v = Vars(1.0)
     v.protect(ctx)
@@ -157,7 +160,7 @@ def _one_interrupt(tmp_path: Path, level: int, mode: str, nth: int, **kw) -> str
     finally:
         sys.last_value = None
         del ctx
-    _check_nothing_left(base, threads, fds)
+    _check_nothing_left(base, held)
     return hit.where
 
 
@@ -237,14 +240,16 @@ def test_an_async_checkpoint_interrupted_after_its_snapshot_leaves_no_protection
     a = np.zeros(N)
     ctx.protect(1, a)
     ctx.checkpoint(1, 1)
-    fds = _descriptors()
+    fds = _descriptors(tmp_path)
     restore = crashpoints.interrupt_at_call(inflight.Inflight, "submit")
     try:
         with pytest.raises(KeyboardInterrupt) as kept:
             ctx.checkpoint(2, 1, wait=False)
     finally:
         restore()
-    assert _descriptors() - fds == set()  # while the exception and its frames are alive
+    # while the exception and its frames are alive (a remover thread deleting a directory is given time)
+    more = leaks.settled(lambda: leaks.grown(fds, _descriptors(tmp_path)), lambda v: not v)
+    assert not more, more
     a[:] = 3.0
     assert ctx.checkpoint(3, 1, wait=False).mechanism == "cow"
     ctx.wait()
@@ -268,7 +273,7 @@ def test_a_differential_checkpoint_interrupted_at_its_end_leaves_no_descriptor(t
     a = np.zeros(N)
     ctx.protect(1, a)
     ctx.checkpoint(1, 5)
-    fds = _descriptors()
+    fds = _descriptors(tmp_path)
     restore = crashpoints.interrupt_at_call(files.DcpFileWriter, method, nth)
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -276,7 +281,8 @@ def test_a_differential_checkpoint_interrupted_at_its_end_leaves_no_descriptor(t
     finally:
         restore()
     gc.collect()
-    assert _descriptors() - fds == set()
+    more = leaks.settled(lambda: leaks.grown(fds, _descriptors(tmp_path)), lambda v: not v)  # (a remover's)
+    assert not more, more
     a[:] = 3.0
     ctx.checkpoint(3, 5)
     a[:] = -1
@@ -298,7 +304,7 @@ def test_a_real_sigint_at_random_moments_of_a_checkpoint_loop(tmp_path):
         finally:
             signal.signal(signal.SIGINT, previous)
     base = tmp_path / "run"
-    threads, fds = set(threading.enumerate()), _descriptors()
+    held = _held(tmp_path)
     ctx = ftidask.init(**_config(base, enable_dcp=1))
     v = Vars(0.0)
     v.protect(ctx)
@@ -342,5 +348,5 @@ def test_a_real_sigint_at_random_moments_of_a_checkpoint_loop(tmp_path):
     assert ctx.recovered_from[0] == 100 and v.b[0, 0] == got
     ctx.finalize()
     del ctx
-    _check_nothing_left(base, threads, fds)
+    _check_nothing_left(base, held)
     assert expected is not None and interrupted > 0

@@ -106,8 +106,10 @@ def test_constants_match_fti():
 
 @pytest.mark.parametrize("mover", ["thread", "process"])
 def test_state_sequence_matches_fti(tmp_path, mover, monkeypatch):
-    # A slowed mover keeps request 1 active long enough to see request 2 pending behind it.
-    slowcopy.slow_movers(0.05, monkeypatch.setattr)
+    # A slowed mover keeps request 1 active until it is seen active, request 2 pending behind it (the gate: however
+    # long this loop takes to see it on a loaded machine).
+    gate = tmp_path / "gate"
+    slowcopy.slow_movers(0.05, monkeypatch.setattr, gate)
     m = ThreadMover() if mover == "thread" else ProcessMover()
     stager = make_stager(tmp_path, m)
     big, small = stager.stage_dir / "big", stager.stage_dir / "small"
@@ -122,6 +124,8 @@ def test_state_sequence_matches_fti(tmp_path, mover, monkeypatch):
                 state = stager.table.query(req)
                 if not seq or seq[-1] != state:
                     seq.append(state)
+        if SI_ACTV in seqs[r1] and not gate.exists():
+            gate.touch()
         time.sleep(0.001)
     seq1, seq2 = seqs[r1], seqs[r2]
     assert seq1[-2:] == [SI_ACTV, SI_SCES] and set(seq1) <= {SI_PEND, SI_ACTV, SI_SCES}
@@ -222,7 +226,8 @@ def test_bad_requests_raise_at_the_call(tmp_path):
 
 
 def test_two_pending_requests_to_one_destination(tmp_path, monkeypatch):
-    slowcopy.slow_movers(0.05, monkeypatch.setattr)
+    gate = tmp_path / "gate"  # the first copy is still running when the second request comes, whatever the load
+    slowcopy.slow_movers(0.05, monkeypatch.setattr, gate)
     stager = make_stager(tmp_path, ThreadMover())
     a, b = stager.stage_dir / "a", stager.stage_dir / "b"
     write_random(a, 24 * MiB)
@@ -230,6 +235,7 @@ def test_two_pending_requests_to_one_destination(tmp_path, monkeypatch):
     ra = stager.send(a, "same")
     with pytest.raises(StagingError, match="another pending request"):
         stager.send(b, "same")
+    gate.touch()
     assert stager.wait(ra, 60) == SI_SCES
     stager.close(10)
 
@@ -259,8 +265,9 @@ def test_destination_parent_is_a_file_raises(tmp_path):
 
 
 def test_destination_blocked_during_transfer_fails_with_reason(tmp_path, monkeypatch):
-    # the first request stays busy while the second one's path is blocked
-    slowcopy.slow_movers(0.05, monkeypatch.setattr)
+    # the first request stays busy while the second one's path is blocked (until the gate opens: whatever the load)
+    gate = tmp_path / "gate"
+    slowcopy.slow_movers(0.05, monkeypatch.setattr, gate)
     ctx = make_ctx(tmp_path)
     stage = ctx.stage_dir()
     write_random(stage / "first", 24 * MiB)
@@ -269,6 +276,7 @@ def test_destination_blocked_during_transfer_fails_with_reason(tmp_path, monkeyp
     r2 = ctx.send_file(stage / "f", "later/sub/f")
     (tmp_path / "global").mkdir(exist_ok=True)
     (tmp_path / "global" / "later").write_bytes(b"")  # the application puts a file where a directory goes
+    gate.touch()
     assert poll_until_final(ctx, r2)[-1] == SI_FAIL
     assert ctx.wait_staged(r1, 60) == SI_SCES
     assert (stage / "f").read_bytes() == b"data"  # a failed request keeps the local file
@@ -280,13 +288,15 @@ def test_destination_blocked_during_transfer_fails_with_reason(tmp_path, monkeyp
 
 
 def test_failure_reason_is_reported(tmp_path, monkeypatch):
-    slowcopy.slow_movers(0.05, monkeypatch.setattr)
+    gate = tmp_path / "gate"  # the first copy runs until the second request's path is blocked, whatever the load
+    slowcopy.slow_movers(0.05, monkeypatch.setattr, gate)
     stager = make_stager(tmp_path, ThreadMover())
     write_random(stager.stage_dir / "first", 24 * MiB)
     (stager.stage_dir / "f").write_bytes(b"data")
     stager.send(stager.stage_dir / "first", "first")
     req = stager.send(stager.stage_dir / "f", "blocker/f")
     (tmp_path / "global" / "blocker").write_bytes(b"")
+    gate.touch()
     assert stager.wait(req, 30) == SI_FAIL
     assert "not a directory (ENOTDIR)" in stager.table.info(req).reason
     assert stager.table.query(req) == SI_FAIL  # FTI's loop consumed the final state: the reason is still told
@@ -373,7 +383,8 @@ def test_disk_full_reason(tmp_path, full_fs):
 
 
 def test_source_modified_during_transfer_fails(tmp_path, monkeypatch):
-    slowcopy.slow_movers(0.1, monkeypatch.setattr)
+    gate = tmp_path / "gate"  # the copy cannot end before the change, whatever the load
+    slowcopy.slow_movers(0.1, monkeypatch.setattr, gate)
     stager = make_stager(tmp_path, ThreadMover())
     src = stager.stage_dir / "f"
     write_random(src, 32 * MiB)
@@ -384,6 +395,7 @@ def test_source_modified_during_transfer_fails(tmp_path, monkeypatch):
     with open(src, "r+b") as fh:  # the application rewrites a file it already handed over
         fh.seek(MiB)
         fh.write(b"changed")
+    gate.touch()
     assert stager.wait(req, 60) == SI_FAIL
     assert "modified during the transfer" in stager.table.info(req).reason
     assert not (tmp_path / "global" / "f").exists() and leftovers(tmp_path / "global") == []
@@ -394,7 +406,8 @@ def test_source_modified_during_transfer_fails(tmp_path, monkeypatch):
 
 
 def test_mover_killed_mid_transfer(tmp_path, monkeypatch):
-    slowcopy.slow_movers(0.05, monkeypatch.setattr)
+    gate = tmp_path / "gate"  # the copy cannot end before the kill, whatever the load
+    slowcopy.slow_movers(0.05, monkeypatch.setattr, gate)
     mover = ProcessMover()
     stager = make_stager(tmp_path, mover)
     big, queued = stager.stage_dir / "big", stager.stage_dir / "queued"
@@ -410,6 +423,7 @@ def test_mover_killed_mid_transfer(tmp_path, monkeypatch):
         time.sleep(0.001)
     assert leftovers(tmp_path / "global")
     os.kill(mover.pid, signal.SIGKILL)
+    gate.touch()  # (for the mover started next)
     assert stager.wait(r_big, 30) == SI_FAIL and stager.wait(r_queued, 30) == SI_FAIL
     for req in (r_big, r_queued):
         assert stager.table.info(req).reason == "mover died (killed by SIGKILL)"
@@ -457,7 +471,9 @@ def test_finalize_waits_for_pending_requests(tmp_path):
     assert not stage.exists()  # every file moved, and finalize prunes the empty stage directory
 
 
-def test_finalize_reports_failures_after_finishing(tmp_path):
+def test_finalize_reports_failures_after_finishing(tmp_path, monkeypatch):
+    gate = tmp_path / "gate"  # the first copy runs until the second request's path is blocked, whatever the load
+    slowcopy.slow_movers(0, monkeypatch.setattr, gate)
     ctx = make_ctx(tmp_path)
     stage = ctx.stage_dir()
     write_random(stage / "good", 16 * MiB)
@@ -466,6 +482,7 @@ def test_finalize_reports_failures_after_finishing(tmp_path):
     ctx.send_file(stage / "bad", "blocker/bad")
     (tmp_path / "global").mkdir(exist_ok=True)
     (tmp_path / "global" / "blocker").write_bytes(b"")  # blocks the second request while the first runs
+    gate.touch()
     with pytest.raises(StagingError, match=r"1 staging request\(s\) failed: .*bad.*ENOTDIR"):
         ctx.finalize()
     assert ctx._closed  # the rest of finalize ran
@@ -499,13 +516,15 @@ def test_process_mover_finalize_timeout(tmp_path, monkeypatch):
 
 
 def test_send_file_does_not_wait_for_the_copy(tmp_path, monkeypatch):
-    # Not a timing assertion: the request is still open when send_file returns (slowed mover).
-    slowcopy.slow_movers(0.05, monkeypatch.setattr)
+    # Not a timing assertion: the request is still open when send_file returns (the mover held at the gate).
+    gate = tmp_path / "gate"
+    slowcopy.slow_movers(0.05, monkeypatch.setattr, gate)
     stager = make_stager(tmp_path, ThreadMover())
     src = stager.stage_dir / "f"
     write_random(src, 32 * MiB)
     req = stager.send(src, "f")
     assert stager.table.info(req).state in (SI_PEND, SI_ACTV)
+    gate.touch()
     assert stager.wait(req, 60) == SI_SCES
     stager.close(5)
 

@@ -71,7 +71,8 @@ def test_many_files_each_on_its_worker(tmp_path, client):
 
 
 def test_state_sequence_on_dask(tmp_path, client, slow_workers):
-    slow_workers(0.2)  # each 8 MiB piece: a copy in flight long enough to be seen whatever the load
+    active = tmp_path / "seen-active"  # the copy held after its first piece until the test has seen it active
+    slow_workers(0.2, str(active))  # (a delay alone, 0.6 s in all, could pass unseen on a loaded machine)
     stager, workers, _ = worker_stager(tmp_path, client)
     src = stager.stage_dir / "node0" / "big"
     src.write_bytes(os.urandom(24 * MiB))
@@ -87,6 +88,8 @@ def test_state_sequence_on_dask(tmp_path, client, slow_workers):
         state = stager.table.query(req)
         if not seen or seen[-1] != state:
             seen.append(state)
+        if state == SI_ACTV:
+            active.touch()
         if state in (SI_SCES, SI_FAIL):
             break
         time.sleep(0.002)
