@@ -557,7 +557,7 @@ import os, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[3])
 import slowcopy
-slowcopy.slow_movers(0.05)   # a slow transfer, still running at exit
+slowcopy.slow_movers(0.3)   # a slow transfer (over 1 s), still running at exit on a loaded machine too
 import ftidask
 root = Path(sys.argv[1])
 ctx = ftidask.init(ckpt_dir=root / "local", glbl_dir=root / "global", meta_dir=root / "meta",
