@@ -1,0 +1,127 @@
+"""The commit records' cache (:class:`ftidask.engine.records.RecordReader`) under real faults: a record that could
+not be read for a moment, a listing of the records that fails, a record read through a symbolic link. A record
+that a listing misses is a checkpoint that the garbage collection that follows removes, record or not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ftidask
+
+_HOLDER = """
+import fcntl, os, signal, sys
+signal.signal(signal.SIGIO, signal.SIG_IGN)  # a lease break is told by SIGIO: the lease is held until told
+fd = os.open(sys.argv[1], os.O_WRONLY)  # opening for writing changes none of its times
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+print("held", flush=True)
+sys.stdin.readline()
+os.close(fd)
+"""
+
+
+@contextlib.contextmanager
+def _write_lease(path: Path):
+    """Another process holds a write lease on ``path`` (as a file server's delegation does): while it is held, an
+    open for reading with O_NONBLOCK fails at once with EAGAIN. The file is neither written nor touched."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        if holder.stdout.readline().strip() != "held":
+            pytest.skip("file leases are not available here")
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+        holder.wait(timeout=30)
+
+
+def _dirs(tmp_path: Path, **kw) -> dict:
+    return {"ckpt_dir": str(tmp_path / "L"), "glbl_dir": str(tmp_path / "G"), "meta_dir": str(tmp_path / "M"),
+            "verbosity": 4, "exec_id": "cache", **kw}
+
+
+def _l4_then_l1(tmp_path: Path) -> tuple[ftidask.Context, np.ndarray]:
+    a = np.zeros(64)
+    ctx = ftidask.init(**_dirs(tmp_path))
+    ctx.protect(1, a)
+    a[:] = 1
+    ctx.checkpoint(1, 4)
+    a[:] = 2
+    ctx.checkpoint(2, 1)  # L1 after L4: both kept (an L4 checkpoint outlives newer L1 ones)
+    return ctx, a
+
+
+def test_a_record_that_could_not_be_read_for_a_moment_is_read_again_and_its_checkpoint_kept(tmp_path):
+    ctx, a = _l4_then_l1(tmp_path)
+    commits = tmp_path / "M" / "cache" / "commits"
+    l4_record = sorted(commits.glob("s*.json"))[0]
+    assert [r.level for r in ctx.state.records()] == [4, 1]
+    os.utime(l4_record)  # touched (a backup, a sync): its times changed, its content did not; it is read again
+    with _write_lease(l4_record):
+        # held while it is read: the read fails (EAGAIN), and this listing misses it, as before the cache
+        assert [r.ckpt_id for r in ctx.state.records()] == [2]
+    # The lease is gone and nothing changed on disk: the record is read again, not remembered as unreadable.
+    a[:] = 3
+    ctx.checkpoint(3, 1)  # retires checkpoint 2; the garbage collection must know checkpoint 1 is committed
+    assert [(r.ckpt_id, r.level) for r in ctx.state.records()] == [(1, 4), (3, 1)]
+    assert list((tmp_path / "G" / "cache" / "l4").glob("ckpt1.s*")), "the committed L4 checkpoint was removed"
+    ctx._close()
+    shutil.rmtree(tmp_path / "L")  # the node is lost: its L1 checkpoint with it
+    ctx = ftidask.init(**_dirs(tmp_path))
+    a[:] = 0
+    ctx.protect(1, a)
+    ctx.recover()
+    assert (a == 1).all() and ctx.recovered_from[0] == 1
+    ctx._close()
+
+
+def _lowest_free_descriptor() -> int:
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)
+    return fd
+
+
+def test_a_listing_of_the_records_that_fails_is_an_error_not_a_run_without_checkpoints(tmp_path):
+    ctx, _a = _l4_then_l1(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_lowest_free_descriptor(), hard))  # no descriptor left: EMFILE
+    try:
+        with pytest.raises(OSError) as failed:
+            listed = ctx.state.records()  # read as [], the garbage collection removes every committed checkpoint
+            pytest.fail(f"the failed listing read as {listed}")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert failed.value.errno == errno.EMFILE
+    assert [r.ckpt_id for r in ctx.state.records()] == [1, 2]
+    ctx._close()
+
+
+def test_a_record_read_through_a_link_is_read_again_when_its_target_is_damaged(tmp_path):
+    ctx, a = _l4_then_l1(tmp_path)
+    commits = tmp_path / "M" / "cache" / "commits"
+    newest = sorted(commits.glob("s*.json"))[-1]
+    target = tmp_path / "elsewhere" / newest.name
+    target.parent.mkdir()
+    shutil.move(newest, target)
+    newest.symlink_to(target)  # the record read through a link, as the listing always did
+    assert [r.level for r in ctx.state.records()] == [4, 1]
+    raw = target.read_bytes()
+    with open(target, "r+b") as fh:  # a digit flipped in place: the link itself is unchanged
+        fh.seek(raw.index(b'"level": 1') + len(b'"level": '))
+        fh.write(b"2")
+    a[:] = 0
+    ctx.recover()  # the damaged newest record is passed over: checkpoint 1 from L4
+    assert (a == 1).all() and ctx.recovered_from[0] == 1
+    ctx._close()
