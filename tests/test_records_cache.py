@@ -108,6 +108,29 @@ def test_a_listing_of_the_records_that_fails_is_an_error_not_a_run_without_check
     ctx._close()
 
 
+def test_a_checkpoint_that_cannot_list_the_records_fails_and_deletes_no_committed_record(tmp_path):
+    """Read as "no records", the listing numbered the new checkpoint 1 again, and its failure (no descriptor left to
+    write it either) removed its record: checkpoint 1's, the L4 checkpoint that outlives the L1 ones."""
+    ctx, a = _l4_then_l1(tmp_path)
+    a[:] = 3
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_lowest_free_descriptor(), hard))
+    try:
+        with pytest.raises(ftidask.CheckpointError, match="previous checkpoint is kept"):
+            ctx.checkpoint(3, 1)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert [(r.ckpt_id, r.level) for r in ctx.state.records()] == [(1, 4), (2, 1)]
+    ctx._close()
+    shutil.rmtree(tmp_path / "L")  # the node is lost: its L1 checkpoint with it
+    ctx = ftidask.init(**_dirs(tmp_path))
+    a[:] = 0
+    ctx.protect(1, a)
+    ctx.recover()
+    assert (a == 1).all() and ctx.recovered_from[0] == 1
+    ctx._close()
+
+
 def test_a_record_read_through_a_link_is_read_again_when_its_target_is_damaged(tmp_path):
     ctx, a = _l4_then_l1(tmp_path)
     commits = tmp_path / "M" / "cache" / "commits"
