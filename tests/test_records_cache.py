@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import resource
 import shutil
@@ -14,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mpi_util
 import numpy as np
 import pytest
 
@@ -148,3 +150,13 @@ def test_a_record_read_through_a_link_is_read_again_when_its_target_is_damaged(t
     ctx.recover()  # the damaged newest record is passed over: checkpoint 1 from L4
     assert (a == 1).all() and ctx.recovered_from[0] == 1
     ctx._close()
+
+
+@pytest.mark.parametrize("nranks", [pytest.param(2, marks=mpi_util.need_mpi(), id="2-ranks")])
+def test_on_mpi_a_failed_listing_on_rank_0_fails_the_checkpoint_alike_on_every_rank(tmp_path, nranks):
+    mpi_util.run(nranks, "records_listing_job.py", str(tmp_path), timeout=180)
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(nranks)]
+    assert results[0]["error"] is not None and results[0]["error"] == results[1]["error"], results
+    assert results[0]["error"][0] == "CheckpointError" and "previous checkpoint is kept" in results[0]["error"][1]
+    assert results[0]["listed"] == [[1, 4], [2, 1]], results
+    assert all(r["recovered"] == [1, 4] and r["same"] for r in results), results
