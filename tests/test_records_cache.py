@@ -160,3 +160,43 @@ def test_on_mpi_a_failed_listing_on_rank_0_fails_the_checkpoint_alike_on_every_r
     assert results[0]["error"][0] == "CheckpointError" and "previous checkpoint is kept" in results[0]["error"][1]
     assert results[0]["listed"] == [[1, 4], [2, 1]], results
     assert all(r["recovered"] == [1, 4] and r["same"] for r in results), results
+
+
+def test_two_contexts_of_one_run_in_one_process_see_each_others_records(tmp_path):
+    """A notebook's init cell run again: each context reads the records through its own cache and collects with
+    its own memory of the directories it found clean; neither serves a record the other removed, nor removes a
+    checkpoint the other committed."""
+    a, b = np.zeros(64), np.zeros(64)
+    first = ftidask.init(**_dirs(tmp_path, keep_l4_ckpt=1))
+    first.protect(1, a)
+    for i in (1, 2):
+        a[:] = i
+        first.checkpoint(i, 4)
+    second = ftidask.init(**_dirs(tmp_path, keep_l4_ckpt=1))
+    second.protect(1, b)
+    second.recover()
+    assert (b == 2).all()
+    b[:] = 3
+    second.checkpoint(3, 1)
+    a[:] = 4
+    first.checkpoint(4, 1)  # retires checkpoint 3 (L1), which only the other context wrote
+    assert [(r.ckpt_id, r.level) for r in second.state.records()] == [(1, 4), (2, 4), (4, 1)]
+    b[:] = 5
+    second.checkpoint(5, 4)  # retires checkpoint 4 (L1), which only the other context wrote
+    listed = [(r.ckpt_id, r.level) for r in first.state.records()]
+    assert listed == [(1, 4), (2, 4), (5, 4)], listed
+    l4 = tmp_path / "G" / "cache" / "l4"
+    newest = next(l4.glob("ckpt5.s*"))
+    (newest / ".Ckpt5-Rank0.fti.tmp-1").write_bytes(b"torn")  # left in the other context's newest directory
+    a[:] = 6
+    first.checkpoint(6, 4)
+    assert not (newest / ".Ckpt5-Rank0.fti.tmp-1").exists()
+    assert sorted(p.name.split(".")[0] for p in l4.glob("ckpt*")) == ["ckpt1", "ckpt2", "ckpt5", "ckpt6"]
+    first._close()
+    second._close()
+    ctx = ftidask.init(**_dirs(tmp_path, keep_l4_ckpt=1))
+    a[:] = 0
+    ctx.protect(1, a)
+    ctx.recover()
+    assert (a == 6).all() and ctx.recovered_from[0] == 6
+    ctx._close()
