@@ -135,9 +135,11 @@ def unsealed_record(raw: Any) -> CommitRecord | None:
 
 def _signature(entry: os.DirEntry[str]) -> tuple[int, ...] | None:
     """What tells a record file changed: inode, device, size, mode, and the modification and change times
-    (``ctime`` cannot be set back). None when it cannot be told (then it is read)."""
+    (``ctime`` cannot be set back). None when it cannot be told (then it is read). Of the file read: a record
+    that is a symbolic link is read through it, so its target's (the link's own stay the same when the target
+    is damaged or replaced)."""
     try:
-        st = entry.stat(follow_symlinks=False)
+        st = entry.stat(follow_symlinks=True)
     except OSError:
         return None
     return st.st_ino, st.st_dev, st.st_size, st.st_mode, st.st_mtime_ns, st.st_ctime_ns
@@ -148,15 +150,18 @@ class RecordReader:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._known: dict[str, tuple[tuple[int, ...], CommitRecord | None]] = {}
+        self._known: dict[str, tuple[tuple[int, ...], CommitRecord]] = {}
 
     def read(self) -> list[CommitRecord]:
         """Every readable record (``s*.json``), oldest first (a torn or damaged one is skipped)."""
         try:
             with os.scandir(self.directory) as it:
                 entries = [e for e in it if e.name.startswith("s") and e.name.endswith(".json")]
-        except OSError as exc:  # none yet; or unreadable, which reads as none (the first commit then says why)
-            if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+        except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
+            # None yet; or unreadable, which reads as none, as the glob read it (the first commit then says why).
+            # Any other error (EIO, ESTALE, EMFILE: most often transient) is raised: read as "no records", it
+            # would make the garbage collection remove every committed checkpoint's directory.
+            if isinstance(exc, PermissionError):
                 log.warning("cannot list the commit records in %s: %s", self.directory, exc)
             self._known = {}
             return []
@@ -171,8 +176,8 @@ class RecordReader:
                 rec = unsealed_record(storage.read_json(Path(entry.path)))
                 if rec is None:  # torn or damaged: never a checkpoint (the recovery's error lists what it tried)
                     log.debug("ignoring the torn or damaged commit record %s", entry.path)
-            if sig is not None:
-                known[entry.name] = (sig, rec)
+            if sig is not None and rec is not None:  # one that could not be read (EIO, a lease held on it:
+                known[entry.name] = (sig, rec)  # EAGAIN) is read again next time, whatever its times say
             if rec is not None:
                 out.append(rec)
         self._known = known  # a whole new map: records of files gone are dropped

@@ -7,6 +7,7 @@ Re-exported by :mod:`ftidask.storage.files`, where the callers have long found t
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -125,8 +126,10 @@ def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, s
     try:
         with os.scandir(root) as it:
             entries = list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return removed
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):  # none, or not a directory (a link loop): as
+            return removed  # Path.is_dir read it (a loop planted on a node of an earlier start failed every start)
+        raise
     for entry in entries:
         name = entry.name
         if name in settled:
