@@ -200,3 +200,64 @@ def test_two_contexts_of_one_run_in_one_process_see_each_others_records(tmp_path
     ctx.recover()
     assert (a == 6).all() and ctx.recovered_from[0] == 6
     ctx._close()
+
+
+_UNREADABLE = """
+import json, os, sys
+import numpy as np
+import ftidask
+from ftidask.model.errors import FTIError
+cfg = json.loads(sys.argv[1])
+commits = os.path.join(cfg["meta_dir"], cfg["exec_id"], "commits")
+a = np.arange(1000.0)
+ctx = ftidask.init(**cfg)
+ctx.protect(1, a)
+ctx.checkpoint(1, 4)
+ctx.checkpoint(2, 1)
+os.chmod(commits, 0o300)  # listed no more (EACCES); still writable
+a[:] = -1
+try:
+    ctx.checkpoint(3, 4)
+except ftidask.CheckpointError as exc:
+    print("checkpoint refused:", exc)
+ctx._close()
+try:
+    ftidask.init(**cfg)
+except FTIError as exc:
+    print("init refused:", exc)
+os.chmod(commits, 0o700)
+ctx = ftidask.init(**cfg)
+ctx.protect(1, a)
+ctx.recover()
+print("recovered", ctx.recovered_from, bool((a == np.arange(1000.0)).all()))
+"""
+
+
+def _without_dac_override() -> None:
+    """In the child, before it runs Python: root without the capabilities that let it read any directory (dropped
+    from the bounding set, they are not given back at exec), so that permission bits apply to it too."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_records_that_cannot_be_listed_for_want_of_permission_stop_the_run_and_delete_nothing(tmp_path):
+    """A commits directory that cannot be listed (EACCES) read as no records, as the glob before the cache read it:
+    the next checkpoint took the first committed one's sequence number and its garbage collection removed every
+    committed checkpoint's directory. Now the checkpoint and the next init are refused, and once the directory can
+    be listed again the newest checkpoint is recovered. As root, without the capabilities that let root list any
+    directory."""
+    cfg = {"ckpt_dir": str(tmp_path / "L"), "glbl_dir": str(tmp_path / "G"), "meta_dir": str(tmp_path / "M"),
+           "exec_id": "perm", "verbosity": 2}
+    proc = subprocess.run([sys.executable, "-c", _UNREADABLE, json.dumps(cfg)], capture_output=True, text=True,
+                          timeout=120, preexec_fn=_without_dac_override if os.geteuid() == 0 else None,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "checkpoint refused:" in out and "Permission denied" in out, out
+    assert "init refused:" in out, out
+    assert "recovered (2, 1) True" in out, out
+    assert len(list((tmp_path / "G" / "perm" / "l4").glob("ckpt1.s*"))) == 1  # the L4 checkpoint stayed

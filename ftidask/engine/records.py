@@ -157,14 +157,13 @@ class RecordReader:
         try:
             with os.scandir(self.directory) as it:
                 entries = [e for e in it if e.name.startswith("s") and e.name.endswith(".json")]
-        except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
-            # None yet; or unreadable, which reads as none, as the glob read it (the first commit then says why).
-            # Any other error (EIO, ESTALE, EMFILE: most often transient) is raised: read as "no records", it
-            # would make the garbage collection remove every committed checkpoint's directory.
-            if isinstance(exc, PermissionError):
-                log.warning("cannot list the commit records in %s: %s", self.directory, exc)
+        except (FileNotFoundError, NotADirectoryError):  # none yet
             self._known = {}
             return []
+        # Any other error (EACCES, EIO, ESTALE, EMFILE) is raised: read as "no records" (as the glob read them), the
+        # next checkpoint took a committed one's sequence number, and the garbage collection removed every committed
+        # checkpoint's directory. The callers make it a clear error (an init's FTIError, the same CheckpointError on
+        # every rank).
         known, out = {}, []
         for entry in entries:
             sig = _signature(entry)

@@ -63,7 +63,11 @@ def _newest_unfinished_run(meta_dir: Path) -> str | None:
         except ConfigError:
             continue  # not a run's directory
         state = RunState(meta_dir, exec_id)
-        if not sub.is_dir() or state.start_status() == STATUS_FRESH:
+        try:
+            if not sub.is_dir() or state.start_status() == STATUS_FRESH:
+                continue
+        except OSError as exc:  # another run's records that cannot be listed: not the one to restart
+            log.warning("passing over run %s: %s", exec_id, exc)
             continue
         try:
             newest = max(p.stat().st_mtime for p in state.records_dir.glob("s*.json"))
