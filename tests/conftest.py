@@ -220,7 +220,9 @@ class DaskClusters:
     def close(self) -> None:
         cluster, self.cluster, self.nworkers = self.cluster, None, 0
         if cluster is not None:
-            cluster.close()
+            from daskclose import close_cluster
+
+            close_cluster(cluster)
 
 
 def lose_node(pid: int, node_dir: Path | None = None) -> None:

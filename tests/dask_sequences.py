@@ -103,7 +103,9 @@ class Clusters:
         if self.client is not None:
             self.client.close()
         if self.cluster is not None:
-            self.cluster.close()
+            from daskclose import close_cluster
+
+            close_cluster(self.cluster)
         self.cluster = self.client = None
 
 
