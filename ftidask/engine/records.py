@@ -22,8 +22,9 @@ from ..storage import files as storage
 
 log = logging.getLogger("ftidask")
 
-#: Record files parsed, for the tests and benchmarks (a listing served from the cache parses none).
-stats = {"parsed": 0}
+#: Record files parsed and directory listings of the records, for the tests and benchmarks (a listing served from
+#: the cache parses none; each listing still looks at every record file's signature).
+stats = {"parsed": 0, "listed": 0}
 
 @dataclasses.dataclass(frozen=True)
 class FileRecord:
@@ -152,6 +153,7 @@ class RecordReader:
 
     def read(self) -> list[CommitRecord]:
         """Every readable record (``s*.json``), oldest first (a torn or damaged one is skipped)."""
+        stats["listed"] += 1
         try:
             with os.scandir(self.directory) as it:
                 entries = [e for e in it if e.name.startswith("s") and e.name.endswith(".json")]
