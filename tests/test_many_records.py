@@ -125,3 +125,37 @@ def test_dask_lists_the_records_and_the_kept_directories_without_a_stat_each(tmp
     ctx.recover()
     assert (a == 13).all()
     ctx.finalize()
+
+
+def test_a_recovery_sends_the_records_kept_without_copying_each_field(tmp_path, monkeypatch):
+    """A recovery sends every committed record to the ranks as JSON: with keep_l4_ckpt, thousands. to_json was
+    dataclasses.asdict, which deep-copied every field one by one (a copy.deepcopy per value, the file records twice):
+    90 us a record, 100 ms a recover() after 1000 kept. The JSON is the same, key for key, type for type."""
+    a = np.zeros(64)
+    ctx = ftidask.init(**_dirs(tmp_path, keep_l4_ckpt=1))
+    ctx.protect(1, a)
+    for i in range(1, 21):
+        a[:] = i
+        ctx.checkpoint(i, 4)
+    import copy
+    import dataclasses
+
+    newest = ctx.state.records()[-1]
+    raw = dataclasses.asdict(newest)
+    raw["files"] = [dataclasses.asdict(f) for f in newest.files]
+    assert newest.to_json() == raw and list(newest.to_json()) == list(raw)
+    assert newest.to_json()["extra"] is not newest.extra
+    copies = []
+    real_deepcopy = copy.deepcopy
+
+    def counting_deepcopy(value, *args, **kw):
+        copies.append(type(value).__name__)
+        return real_deepcopy(value, *args, **kw)
+
+    monkeypatch.setattr(copy, "deepcopy", counting_deepcopy)
+    a[:] = 0
+    ctx.recover()
+    monkeypatch.undo()
+    assert (a == 20).all()
+    assert copies == []  # not one a value of each of the 20 records
+    ctx._close()
