@@ -31,6 +31,7 @@ from .removal import (  # noqa: F401 - long imported from here
     TRASH_PREFIX,
     collect_level_garbage,
     discard,
+    entry_is_dir,
     move_to_trash,
     prune_empty_dirs,
     remove_inside,

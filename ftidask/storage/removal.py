@@ -142,10 +142,10 @@ def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, s
             # logged, not raised, when it cannot go (a read-only disk): the restart goes on
             remove_tree(Path(entry.path))
             removed += 1
-        elif _is_dir(entry) and name.startswith("ckpt") and name not in committed:
+        elif entry_is_dir(entry) and name.startswith("ckpt") and name not in committed:
             remove_tree(Path(entry.path))
             removed += 1
-        elif _is_dir(entry):
+        elif entry_is_dir(entry):
             path = Path(entry.path)
             for tmp in path.glob(".*.tmp-*"):
                 remove_tree(tmp)  # a file, or a Zarr store being written (l4_format = zarr)
@@ -160,7 +160,7 @@ def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, s
     return removed
 
 
-def _is_dir(entry: os.DirEntry[str]) -> bool:
+def entry_is_dir(entry: os.DirEntry[str]) -> bool:
     """``Path.is_dir``'s answer (a link to a directory counts) from the listing's file type, without a stat."""
     try:
         return entry.is_dir()

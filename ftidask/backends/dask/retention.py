@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import glob
 import logging
+import os
+from pathlib import Path
 
 from ...engine.retention import Retention, to_retire
 from ...engine.run import Run
@@ -33,11 +35,19 @@ class DaskRetention(Retention):
         self.started = False  # set by the first garbage collection (at init)
         self.pins = Pins(cluster.client)  # the lineage keys that read each checkpoint
         self.deferred: list[CommitRecord] = []  # obsolete, but live arrays may still read them
+        # The directories still committed once retire_older is done, for the collect_garbage that follows at once:
+        # the records are listed once for both (a run that keeps every L4 checkpoint keeps thousands of them).
+        self._committed: set[str] | None = None
 
     def retire_older(self, record: CommitRecord) -> None:
         """After a commit, retire what FTI's rule retires, except the checkpoints live arrays may read."""
-        self.deferred = []
-        self._retire(to_retire(self.state.records(), record, bool(self.config.keep_l4_ckpt)))
+        self.deferred, self._committed = [], None
+        records = self.state.records()
+        obsolete = to_retire(records, record, bool(self.config.keep_l4_ckpt))
+        self._retire(obsolete)
+        kept = {r.seq for r in self.deferred}
+        gone = {r.seq for r in obsolete if r.seq not in kept}
+        self._committed = {r.dirname for r in records if r.seq not in gone}
 
     def retire_deferred(self) -> None:
         """Retire the checkpoints kept for live arrays that no live array reads any more."""
@@ -78,7 +88,9 @@ class DaskRetention(Retention):
     def collect_garbage(self, trash: bool = False) -> None:
         """Remove interrupted checkpoints' leftovers on every worker (and in the global directory); the trash too
         at the start (nothing of ours is being deleted yet) or with ``trash`` (every deletion waited for)."""
-        committed = {r.dirname for r in self.state.records()}
+        committed, self._committed = self._committed, None  # as retire_older left them, right before
+        if committed is None or trash:
+            committed = {r.dirname for r in self.state.records()}
         first = trash or not self.started
         if not self.started:  # the tasks a dead client of the run left running write nothing of ours from now on
             self.cluster.take_over(str(self.paths.meta_dir / self.paths.exec_id))
@@ -87,11 +99,14 @@ class DaskRetention(Retention):
                          first, bool(self.config.enable_dcp))
         glob_root = self.paths.level_dir(4, 0)
         if glob_root.is_dir() and self.paths.contains(glob_root):
-            for entry in glob_root.iterdir():
-                if (entry.is_dir() and entry.name.startswith("ckpt") and entry.name not in committed) or (
-                        first and entry.name.startswith(storage.TRASH_PREFIX)) or (
-                        first and not self.config.enable_dcp and entry.name == storage.SPARE_DIR):
-                    storage.remove_tree(entry)
+            # The listing's file types, not a stat and a Path per entry: every kept L4 checkpoint is one.
+            with os.scandir(glob_root) as it:
+                doomed = [entry.path for entry in it if (entry.name.startswith("ckpt") and entry.name not in committed
+                                                         and storage.entry_is_dir(entry)) or (
+                    first and entry.name.startswith(storage.TRASH_PREFIX)) or (
+                    first and not self.config.enable_dcp and entry.name == storage.SPARE_DIR)]
+            for path in doomed:
+                storage.remove_tree(Path(path))
         for root in (self.state.records_dir, self.state.root):  # torn commit records (killed client)
             if root.is_dir():
                 for tmp in root.glob(".*.tmp-*"):

@@ -51,6 +51,7 @@ def serve(cfg: Config, t: MpiTransport) -> None:
     """The head's loop: serve post-processing requests until every application rank of the node ends."""
     assert t.node_comm is not None
     napp = t.node_comm.size - 1
+    states: dict[str, RunState] = {}  # by exec_id: its commit records parsed once while their files stay the same
     while True:
         requests: list[Any] = []
         while len(requests) < napp:
@@ -62,7 +63,7 @@ def serve(cfg: Config, t: MpiTransport) -> None:
         if any(r.get("op") != "post" for r in requests):
             break
         try:
-            reply = post_process(cfg, t, requests[0])
+            reply = post_process(cfg, t, requests[0], states)
         except Exception as exc:  # noqa: BLE001 - after the heads' last collective: reported, the head keeps serving
             log.error("head of node %d: post-processing failed", t.node, exc_info=True)
             reply = {"ok": False, "error": f"head of node {t.node}: {reason(exc)}"}
@@ -97,12 +98,15 @@ class _Job:
         return [self.record.seq, self.record.ckpt_id, self.level, self.exec_id]
 
 
-def post_process(cfg: Config, t: MpiTransport, request: Any) -> dict[str, Any]:
+def post_process(cfg: Config, t: MpiTransport, request: Any,
+                 states: dict[str, RunState] | None = None) -> dict[str, Any]:
     """Collectively (all heads) raise the L1 checkpoint of ``request`` to its level; every head returns the same
     outcome: ``ok`` once the raised commit record is written (``error`` then names a failure of the clean-up after it).
 
     A local exception on one head (a malformed request, a full disk, a bug) is agreed on
     (:mod:`ftidask.transport.collective`): every head fails alike, none waits for another in an exchange.
+    ``states``: the run states of earlier requests, by exec_id (kept by :func:`serve`: a run that keeps every L4
+    checkpoint keeps thousands of commit records, which a new :class:`RunState` would parse again at every request).
     """
     failed: list[str] = []
     job = guarded(failed, lambda: _Job.of(cfg, t, request), None, f"head of node {t.node}")
@@ -113,18 +117,21 @@ def post_process(cfg: Config, t: MpiTransport, request: Any) -> dict[str, Any]:
     except FTIError as exc:
         return {"ok": False, "error": str(exc)}
     assert job is not None
-    return _raise(cfg, t, job)
+    states = {} if states is None else states
+    if job.exec_id not in states:
+        states.clear()  # a head serves one run: never more than one kept
+        states[job.exec_id] = RunState(Path(cfg.meta_dir), job.exec_id)
+    return _raise(cfg, t, job, states[job.exec_id])
 
 
-def _raise(cfg: Config, t: MpiTransport, job: _Job) -> dict[str, Any]:
-    """:func:`post_process` of a request that every head accepted."""
+def _raise(cfg: Config, t: MpiTransport, job: _Job, state: RunState) -> dict[str, Any]:
+    """:func:`post_process` of a request that every head accepted, with the run's ``state``."""
     topo, node, record, level, paths = t.topo, t.node, job.record, job.level, job.paths
     sizes = {f.rank: f.size for f in record.files}
     fb = {f.rank: f.fb_hash for f in record.files}
     src_dir = paths.level_dir(1, node) / record.dirname
     dst_dir = paths.level_dir(level, node) / record.dirname
     errors: list[str] = []
-    state = RunState(Path(cfg.meta_dir), job.exec_id)
     prev = _previous_l3(t, state, record) if level == 3 else None
     for pos in range(topo.app_per_node):
         app = topo.app_rank_at(node, pos)
@@ -174,11 +181,15 @@ def _previous_l3(t: MpiTransport, state: RunState, record: CommitRecord) -> Comm
     on every head; None when there is none, or the records cannot be read: the parity is then encoded in full)."""
     if not record.extra.get("dcp"):
         return None
+    def find() -> dict[str, Any] | None:  # only the one found crosses to the heads, not every record
+        prev = previous_l3(state.records(), record)
+        return None if prev is None else prev.to_json()
+
     try:
-        raw = on_root(t, lambda: [r.to_json() for r in state.records()], FTIError, "cannot read the commit records")
+        raw = on_root(t, find, FTIError, "cannot read the commit records")
     except FTIError:
         return None
-    return previous_l3([CommitRecord.from_json(r) for r in raw], record)
+    return None if raw is None else CommitRecord.from_json(raw)
 
 
 def _keep_as_spares(paths: storage.RunPaths, topo: Any, node: int, record: CommitRecord, src_dir: Path) -> None:
