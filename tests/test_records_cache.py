@@ -80,7 +80,12 @@ def test_a_record_that_could_not_be_read_for_a_moment_is_read_again_and_its_chec
     assert [(r.ckpt_id, r.level) for r in ctx.state.records()] == [(1, 4), (3, 1)]
     assert list((tmp_path / "G" / "cache" / "l4").glob("ckpt1.s*")), "the committed L4 checkpoint was removed"
     ctx._close()
-    shutil.rmtree(tmp_path / "L")  # the node is lost: its L1 checkpoint with it
+    _lose_the_node_then_recover_the_l4_checkpoint(tmp_path, a)
+
+
+def _lose_the_node_then_recover_the_l4_checkpoint(tmp_path: Path, a: np.ndarray) -> None:
+    """The node lost (its L1 checkpoint with it), a restart recovers checkpoint 1 from L4 (_l4_then_l1's)."""
+    shutil.rmtree(tmp_path / "L")
     ctx = ftidask.init(**_dirs(tmp_path))
     a[:] = 0
     ctx.protect(1, a)
@@ -124,13 +129,7 @@ def test_a_checkpoint_that_cannot_list_the_records_fails_and_deletes_no_committe
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert [(r.ckpt_id, r.level) for r in ctx.state.records()] == [(1, 4), (2, 1)]
     ctx._close()
-    shutil.rmtree(tmp_path / "L")  # the node is lost: its L1 checkpoint with it
-    ctx = ftidask.init(**_dirs(tmp_path))
-    a[:] = 0
-    ctx.protect(1, a)
-    ctx.recover()
-    assert (a == 1).all() and ctx.recovered_from[0] == 1
-    ctx._close()
+    _lose_the_node_then_recover_the_l4_checkpoint(tmp_path, a)
 
 
 def test_a_record_read_through_a_link_is_read_again_when_its_target_is_damaged(tmp_path):
