@@ -260,3 +260,21 @@ def test_records_that_cannot_be_listed_for_want_of_permission_stop_the_run_and_d
     assert "init refused:" in out, out
     assert "recovered (2, 1) True" in out, out
     assert len(list((tmp_path / "G" / "perm" / "l4").glob("ckpt1.s*"))) == 1  # the L4 checkpoint stayed
+
+
+def test_a_record_changed_on_disk_is_read_again(tmp_path):
+    """A record damaged in place, its modification time put back: its change time tells the cache to read it again."""
+    ctx, a = _l4_then_l1(tmp_path)
+    newest = sorted((tmp_path / "M" / "cache" / "commits").glob("s*.json"))[-1]
+    assert len(ctx.state.records()) == 2
+    raw = newest.read_bytes()
+    stat = newest.stat()
+    with open(newest, "r+b") as fh:  # a digit flipped in place
+        at = raw.index(b'"level": 1') + len(b'"level": ')
+        fh.seek(at)
+        fh.write(b"2")
+    os.utime(newest, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    a[:] = 0
+    ctx.recover()  # the damaged newest record is passed over: checkpoint 1 from L4
+    assert (a == 1).all() and ctx.recovered_from[0] == 1
+    ctx._close()

@@ -27,6 +27,7 @@ log = logging.getLogger("ftidask")
 #: the cache parses none; each listing still looks at every record file's signature).
 stats = {"parsed": 0, "listed": 0}
 
+
 @dataclasses.dataclass(frozen=True)
 class FileRecord:
     """One rank's file in a committed checkpoint."""
