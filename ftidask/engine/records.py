@@ -16,16 +16,19 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from ..storage import files as storage
 
 log = logging.getLogger("ftidask")
+T = TypeVar("T")
 
 #: Record files parsed and directory listings of the records, for the tests and benchmarks (a listing served from
-#: the cache parses none; each listing still looks at every record file's signature).
-stats = {"parsed": 0, "listed": 0}
+#: the cache parses none; each listing still looks at every record file's signature); the other state files read
+#: (:class:`JsonFiles`).
+stats = {"parsed": 0, "listed": 0, "files_parsed": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,10 +158,43 @@ def _signature(entry: os.DirEntry[str]) -> tuple[int, ...] | None:
     that is a symbolic link is read through it, so its target's (the link's own stay the same when the target
     is damaged or replaced)."""
     try:
-        st = entry.stat(follow_symlinks=True)
+        return _of(entry.stat(follow_symlinks=True))
     except OSError:
         return None
+
+
+def _of(st: os.stat_result) -> tuple[int, ...]:
     return st.st_ino, st.st_dev, st.st_size, st.st_mode, st.st_mtime_ns, st.st_ctime_ns
+
+
+class JsonFiles:
+    """Values parsed from single JSON files (``run.json``, the fallback records), parsed again only when a file's
+    signature changes (see :func:`_signature`): each checkpoint reads them to number itself, and most often nothing
+    changed. Kept only for a file read whole: one missing, unreadable or refused is read again next time."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[tuple[int, ...], Any]] = {}
+
+    def read(self, path: Path, parse: Callable[[Any], T]) -> T:
+        """``parse`` of the JSON at ``path`` (of None when it is missing or unreadable: ``storage.read_json``)."""
+        key = str(path)
+        try:
+            sig: tuple[int, ...] | None = _of(os.stat(key))
+        except (FileNotFoundError, NotADirectoryError):  # missing (a link to nothing too): what read_json reads
+            self._known.pop(key, None)
+            return parse(None)
+        except OSError:
+            sig = None
+        cached = self._known.pop(key, None)
+        if sig is not None and cached is not None and cached[0] == sig:
+            self._known[key] = cached
+            return cast(T, cached[1])
+        stats["files_parsed"] += 1
+        raw = storage.read_json(path)  # stat first: what is read is at least as new as the signature kept
+        value = parse(raw)
+        if sig is not None and raw is not None:
+            self._known[key] = (sig, value)
+        return value
 
 
 class RecordReader:

@@ -86,6 +86,7 @@ class Retention(RunPart):
         # head, which ends before the next checkpoint begins): nothing of this process writes there any more.
         self._settled: set[str] = set()
         self._remaining: list[tuple[int, str]] | None = None  # (seq, dirname) committed after retire_older, sorted
+        self._gone: list[int] | None = None  # see _gone_nodes: an earlier start's, found once (none appears since)
 
     def retire_older(self, record: CommitRecord) -> None:
         """After a level-L commit, drop earlier checkpoints of levels 1..L (L4 archived if asked)."""
@@ -120,7 +121,9 @@ class Retention(RunPart):
             roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
             # Nodes of an earlier start on more of them (a restart on fewer ranks), which no rank of this run has:
             # rank 0 removes what it sees there, as it does for the checkpoints retired (see remove_checkpoint).
-            roots += [self.paths.local_dir(level, node) for node in self._gone_nodes() for level in (1, 2, 3, 4)]
+            if self._gone is None:
+                self._gone = self._gone_nodes()
+            roots += [self.paths.local_dir(level, node) for node in self._gone for level in (1, 2, 3, 4)]
 
         def collect() -> None:
             for root in roots:  # trash too, unless our own remover is on it

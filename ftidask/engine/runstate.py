@@ -19,7 +19,7 @@ from ..model.config import check_exec_id
 from ..model.errors import CheckpointError, ConfigError
 from ..storage import files as storage
 from ..storage import runlock
-from .records import CommitRecord, FileRecord, RecordReader, seal_json, sealed_record, unsealed_record
+from .records import CommitRecord, FileRecord, JsonFiles, RecordReader, seal_json, sealed_record, unsealed_record
 
 __all__ = ["CommitRecord", "FileRecord", "RunState", "SeqReservation", "seal_json", "sealed_record",
            "unsealed_record"]  # the records are re-exported: where the rest of the code looks for them
@@ -133,12 +133,15 @@ class RunState:
         self.meta_dir = meta_dir
         self.exec_id = exec_id
         self.root = meta_dir / exec_id
+        self._commits = self.root / "commits"
+        self._fallback_paths = {level: self._commits / f"fallback-l{level}.json" for level in (1, 2, 3, 4)}
         self._records = RecordReader(self.records_dir)
+        self._files = JsonFiles()  # run.json and the fallback records, read at every checkpoint
 
     @property
     def records_dir(self) -> Path:
         """The directory of the commit records (and of the fallback records)."""
-        return self.root / "commits"
+        return self._commits
 
     def records(self) -> list[CommitRecord]:
         """Every readable commit record, oldest first (a torn or damaged one is skipped; a file read before and
@@ -203,7 +206,7 @@ class RunState:
         """The previous differential checkpoint of each level that keeps one (see :meth:`write_fallback`)."""
         out = []
         for level in (1, 2, 3, 4):
-            rec = unsealed_record(storage.read_json(self._fallback_path(level)))
+            rec = self._files.read(self._fallback_path(level), unsealed_record)
             if rec is not None and rec.level == level and rec.fallback:
                 out.append(rec)
         return out
@@ -240,13 +243,14 @@ class RunState:
                 self._fallback_path(rec.level).unlink(missing_ok=True)
 
     def _fallback_path(self, level: int) -> Path:
-        return self.records_dir / f"fallback-l{level}.json"
+        return self._fallback_paths.get(level) or self.records_dir / f"fallback-l{level}.json"
 
     def run_info(self) -> dict[str, Any]:
         """The run's ``run.json`` as a dict; {} when missing, unreadable, or naming another run."""
-        info = storage.read_json(self.root / "run.json")
+        info = self._files.read(self.root / "run.json", lambda raw: raw)
         if not isinstance(info, dict):
             return {}
+        info = dict(info)  # the caller's to change (write_run): flat, as written (see write_run)
         if info.get("exec_id", self.exec_id) != self.exec_id:  # copied from another run: not this run's state
             log.warning("ignoring %s: it names run %r", self.root / "run.json", info.get("exec_id"))
             return {}

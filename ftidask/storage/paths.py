@@ -9,8 +9,11 @@ never overwrites the checkpoint that is still the newest committed one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,17 +27,28 @@ class RunPaths:
 
     def node_dir(self, node: int) -> Path:
         """Node ``node``'s directory of this run, ``{ckpt_dir}/node{N}/{exec_id}``."""
-        return self.ckpt_dir / f"node{node}" / self.exec_id
+        return self._dir(("node", node), lambda: self.ckpt_dir / f"node{node}" / self.exec_id)
 
     def level_dir(self, level: int, node: int) -> Path:
         """Where a level-``level`` checkpoint's files live (global for L4)."""
         if level == 4:
-            return self.glbl_dir / self.exec_id / "l4"
-        return self.node_dir(node) / f"l{level}"
+            return self._dir(("l4",), lambda: self.glbl_dir / self.exec_id / "l4")
+        return self.local_dir(level, node)
 
     def local_dir(self, level: int, node: int) -> Path:
         """Node-local directory of a level (L4 keeps its local copy under ``l4``)."""
-        return self.node_dir(node) / f"l{level}"
+        return self._dir(("local", level, node), lambda: self.node_dir(node) / f"l{level}")
+
+    def _dir(self, key: tuple[Any, ...], make: Callable[[], Path]) -> Path:
+        # Made once each: a checkpoint asks for these paths dozens of times, and a pathlib join costs microseconds.
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = make()
+        return made
+
+    @functools.cached_property
+    def _made(self) -> dict[tuple[Any, ...], Path]:
+        return {}
 
     @property
     def l4_archive(self) -> Path:
@@ -54,7 +68,18 @@ class RunPaths:
     def contains(self, path: Path) -> bool:
         """Whether ``path`` lies inside this run's directories (lexically: node directories may be links
         to local disks); what a run deletes is checked with it."""
-        return any(is_inside(path, root, resolve=False) for root in (self.ckpt_dir, self.glbl_dir, self.meta_dir))
+        roots = self._roots
+        if roots is None:  # relative: each call resolves them against the working directory of the moment
+            return any(is_inside(path, root, resolve=False) for root in (self.ckpt_dir, self.glbl_dir, self.meta_dir))
+        return os.path.normpath(os.path.abspath(path)).startswith(roots)
+
+    @functools.cached_property
+    def _roots(self) -> tuple[str, ...] | None:
+        # Normalised once (a checkpoint checks a dozen paths); only absolute ones, which no chdir changes.
+        roots = (self.ckpt_dir, self.glbl_dir, self.meta_dir)
+        if not all(os.path.isabs(root) for root in roots):
+            return None
+        return tuple(os.path.normpath(root).rstrip(os.sep) + os.sep for root in roots)
 
 
 def ckpt_dirname(ckpt_id: int, seq: int) -> str:

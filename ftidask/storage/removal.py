@@ -147,7 +147,7 @@ def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, s
             removed += 1
         elif entry_is_dir(entry):
             path = Path(entry.path)
-            for tmp in path.glob(".*.tmp-*"):
+            for tmp in _temporaries(entry.path):
                 remove_tree(tmp)  # a file, or a Zarr store being written (l4_format = zarr)
                 removed += 1
             if name == SPARE_DIR and trash and not spares:  # no dCP in this run: nothing will patch them
@@ -158,6 +158,16 @@ def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, s
                     remove_tree(old)
                     removed += 1
     return removed
+
+
+def _temporaries(directory: str) -> list[Path]:
+    """The entries of ``directory`` named as a temporary (``.*.tmp-*``), as ``Path.glob`` found them (none when
+    it is gone, not a directory or not readable), without its cost (a checkpoint looks into several)."""
+    try:
+        with os.scandir(directory) as it:
+            return [Path(e.path) for e in it if e.name.startswith(".") and ".tmp-" in e.name[1:]]
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
 
 
 def entry_is_dir(entry: os.DirEntry[str]) -> bool:
