@@ -234,3 +234,14 @@ class RecordReader:
                 out.append(rec)
         self._known = known  # a whole new map: records of files gone are dropped
         return sorted(out, key=lambda r: r.seq)
+
+    def note(self, name: str, raw: bytes) -> None:
+        """Record file ``name`` was just written by this process with the bytes ``raw`` (sealed): kept as a listing
+        would read it, without reading it back (the retirement that follows the commit lists it)."""
+        try:
+            sig = _of(os.stat(self.directory / name))
+        except OSError:
+            return  # read at the next listing
+        rec = CommitRecord.from_json(json.loads(raw))
+        if rec is not None:
+            self._known[name] = (sig, rec)

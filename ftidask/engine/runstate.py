@@ -173,10 +173,12 @@ class RunState:
     def write_record(self, record: CommitRecord) -> None:
         """Commit ``record`` (atomically); a :class:`CheckpointError` when it cannot be written (a full
         or read-only ``meta_dir``): then the previous checkpoint stays the newest."""
+        name = f"s{record.seq:08d}.json"
         try:
-            storage.write_json_atomic(self.records_dir / f"s{record.seq:08d}.json", sealed_record(record))
+            raw = storage.write_json_atomic(self.records_dir / name, sealed_record(record))
         except OSError as exc:
             raise CheckpointError(f"writing its commit record in {self.records_dir} failed: {exc}") from exc
+        self._records.note(name, raw)
         self._name_again()
 
     def _name_again(self) -> None:

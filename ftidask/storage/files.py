@@ -244,15 +244,16 @@ def located(exc: OSError, path: str | os.PathLike[str]) -> OSError:
     return OSError(exc.errno, exc.strerror, os.fspath(path))
 
 
-def write_json_atomic(path: Path, value: Any) -> None:
-    """Write ``value`` as JSON at ``path`` atomically; an :class:`OSError`, and nothing written, when it would
-    be larger than :data:`MAX_RECORD` (:func:`read_json` would refuse it)."""
+def write_json_atomic(path: Path, value: Any) -> bytes:
+    """Write ``value`` as JSON at ``path`` atomically (the bytes written); an :class:`OSError`, and nothing written,
+    when it would be larger than :data:`MAX_RECORD` (:func:`read_json` would refuse it)."""
     # One line: with an indent json falls back to its Python encoder, 5.5x slower (16 ms against 3 for the commit
     # record of a Dask array of 1024 chunks, written and sealed on the client's path of every checkpoint).
     raw = json.dumps(value, sort_keys=True).encode()
     check_record_size(path, raw)
     with atomic_file(path) as fh:
         fh.write(raw)
+    return raw
 
 
 def check_record_size(path: str | os.PathLike[str], raw: bytes) -> None:
