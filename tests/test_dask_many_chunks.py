@@ -54,7 +54,8 @@ def test_a_file_of_many_chunks_is_parsed_once_per_worker(client, dirs):
     ctx.checkpoint(1, 1)
     ctx._close()
     stored = sum(p.stat().st_size for p in find_paths(Path(dirs["ckpt_dir"]), "*.fti"))
-    for attempt in ("warm", "counted"):  # the first imports what a recovery needs (module files are read too)
+    counted = []
+    for attempt in ("warm", "counted", "counted"):  # the first imports what a recovery needs (modules are read too)
         restart = ftidask.init(client=client, **dirs)
         restart.protect(1, da.zeros(x.shape, chunks=x.chunks))
         before = client.run(_rchar)
@@ -62,9 +63,12 @@ def test_a_file_of_many_chunks_is_parsed_once_per_worker(client, dirs):
         read = sum(client.run(_rchar)[w] - before[w] for w in before)
         assert out.compute().tobytes() == x.compute().tobytes()
         restart._close()
+        if attempt == "counted":
+            counted.append(read)
     # Each file's metadata parsed once (the check) and each chunk read once; a parse per chunk read every file's
-    # table of its 50 chunks 50 times (59 times the files' bytes, measured).
-    assert read < 3 * stored, (read, stored)
+    # table of its 50 chunks 50 times (59 times the files' bytes, measured), in every recovery. The fewer of two:
+    # a worker of the shared cluster may read something else meanwhile (once, in a full run: 18x the files' bytes).
+    assert min(counted) < 3 * stored, (counted, stored)
 
 
 def test_a_checkpoint_and_its_recovery_never_tokenize_their_task_graphs(client, dirs, monkeypatch):
