@@ -85,7 +85,10 @@ class Retention(RunPart):
         # Committed directories looked into once after a newer commit (after any post-processing of theirs by a
         # head, which ends before the next checkpoint begins): nothing of this process writes there any more.
         self._settled: set[str] = set()
-        self._remaining: list[tuple[int, str]] | None = None  # (seq, dirname) committed after retire_older, sorted
+        # (seq, dirname) of the checkpoints still committed once retire_older is done, sorted: for the collection
+        # that follows at once, so that the records are listed once for both (a run with keep_l4_ckpt keeps
+        # thousands). Every backend's retirement hands them over so (hand_over), every collection takes them.
+        self._remaining: list[tuple[int, str]] | None = None
         self._gone: list[int] | None = None  # see _gone_nodes: an earlier start's, found once (none appears since)
 
     def retire_older(self, record: CommitRecord) -> None:
@@ -99,18 +102,26 @@ class Retention(RunPart):
             gone = {r.seq for r in retired}
             return [r.to_json() for r in retired], [(r.seq, r.dirname) for r in records if r.seq not in gone]
 
-        self._remaining = None
-        # Only those retired cross to the ranks as records; the records are read once for this and for the garbage
-        # collection that follows (a run that keeps every L4 checkpoint keeps thousands).
+        self.take_remaining()  # none from an earlier retirement: its collection failed before it took them
+        # Only those retired cross to the ranks as records (see _remaining).
         older, remaining = on_root(t, plan, FTIError, "cannot read the run's commit records")
         for old in older:
             self.remove_checkpoint(CommitRecord.from_json(old))
+        self.hand_over(remaining)
+
+    def hand_over(self, remaining: list[tuple[int, str]]) -> None:
+        """After a retirement: ``remaining``, the (seq, dirname) still committed, sorted, for the collection next."""
         self._remaining = remaining
+
+    def take_remaining(self) -> list[tuple[int, str]] | None:
+        """What the retirement right before handed over (once); None when none did (then the collection lists)."""
+        remaining, self._remaining = self._remaining, None
+        return remaining
 
     def collect_garbage(self) -> None:
         """Remove what interrupted checkpoints left: directories no commit record names, temporary files."""
         t = self.transport
-        newest, self._remaining = self._remaining, None  # as retire_older left them, right before
+        newest = self.take_remaining()
         if newest is None:
             newest = on_root(t, lambda: sorted((r.seq, r.dirname) for r in self.state.records()), FTIError,
                              "garbage collection: cannot read the run's commit records")

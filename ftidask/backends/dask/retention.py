@@ -35,19 +35,17 @@ class DaskRetention(Retention):
         self.started = False  # set by the first garbage collection (at init)
         self.pins = Pins(cluster.client)  # the lineage keys that read each checkpoint
         self.deferred: list[CommitRecord] = []  # obsolete, but live arrays may still read them
-        # The directories still committed once retire_older is done, for the collect_garbage that follows at once:
-        # the records are listed once for both (a run that keeps every L4 checkpoint keeps thousands of them).
-        self._committed: set[str] | None = None
 
     def retire_older(self, record: CommitRecord) -> None:
         """After a commit, retire what FTI's rule retires, except the checkpoints live arrays may read."""
-        self.deferred, self._committed = [], None
+        self.deferred = []
+        self.take_remaining()  # none from an earlier retirement: its collection failed before it took them
         records = self.state.records()
         obsolete = to_retire(records, record, bool(self.config.keep_l4_ckpt))
         self._retire(obsolete)
         kept = {r.seq for r in self.deferred}
         gone = {r.seq for r in obsolete if r.seq not in kept}
-        self._committed = {r.dirname for r in records if r.seq not in gone}
+        self.hand_over([(r.seq, r.dirname) for r in records if r.seq not in gone])  # records() is sorted
 
     def retire_deferred(self) -> None:
         """Retire the checkpoints kept for live arrays that no live array reads any more."""
@@ -88,9 +86,9 @@ class DaskRetention(Retention):
     def collect_garbage(self, trash: bool = False) -> None:
         """Remove interrupted checkpoints' leftovers on every worker (and in the global directory); the trash too
         at the start (nothing of ours is being deleted yet) or with ``trash`` (every deletion waited for)."""
-        committed, self._committed = self._committed, None  # as retire_older left them, right before
-        if committed is None or trash:
-            committed = {r.dirname for r in self.state.records()}
+        remaining = self.take_remaining()  # as retire_older left them, right before
+        committed = ({name for _seq, name in remaining} if remaining is not None and not trash
+                     else {r.dirname for r in self.state.records()})
         first = trash or not self.started
         if not self.started:  # the tasks a dead client of the run left running write nothing of ours from now on
             self.cluster.take_over(str(self.paths.meta_dir / self.paths.exec_id))
