@@ -31,6 +31,13 @@ def _run_json(tmp_path: Path) -> Path:
     return tmp_path / "M" / "state" / "run.json"
 
 
+def _started(tmp_path: Path) -> tuple[ftidask.Context, Path, dict]:
+    """A fresh run protecting one array: its context, its run.json and what run.json holds."""
+    ctx = ftidask.init(**_dirs(tmp_path))
+    ctx.protect(1, np.zeros(64))
+    return ctx, _run_json(tmp_path), json.loads(_run_json(tmp_path).read_text())
+
+
 def _replace_from_another_process(path: Path, value: dict) -> None:
     """Write ``value`` to ``path`` as another process of the run would: a temporary file renamed over it."""
     code = ("import json, os, sys; tmp = sys.argv[1] + '.tmp-x'; open(tmp, 'w').write(sys.argv[2]); "
@@ -52,22 +59,15 @@ def test_checkpoints_parse_the_run_state_files_once_while_they_stay_the_same(tmp
 
 
 def test_a_run_json_replaced_by_another_process_is_read_again(tmp_path):
-    a = np.zeros(64)
-    ctx = ftidask.init(**_dirs(tmp_path))
-    ctx.protect(1, a)
+    ctx, path, info = _started(tmp_path)
     assert ctx.checkpoint(1, 1).seq == 1
-    info = json.loads(_run_json(tmp_path).read_text())
-    _replace_from_another_process(_run_json(tmp_path), {**info, "seq": 1000})  # as a finished start's mark
+    _replace_from_another_process(path, {**info, "seq": 1000})  # as a finished start's mark
     assert ctx.checkpoint(2, 1).seq == 1001  # never a sequence number the run used
     ctx.finalize()
 
 
 def test_a_run_json_changed_in_place_to_the_same_size_is_read_again(tmp_path):
-    a = np.zeros(64)
-    ctx = ftidask.init(**_dirs(tmp_path))
-    ctx.protect(1, a)
-    path = _run_json(tmp_path)
-    info = json.loads(path.read_text())
+    ctx, path, info = _started(tmp_path)
     path.write_text(json.dumps({**info, "seq": 1000}))
     assert ctx.checkpoint(1, 1).seq == 1001
     time.sleep(0.05)  # past the file system's clock tick: its modification time differs
@@ -80,9 +80,7 @@ def test_a_run_json_changed_in_place_to_the_same_size_is_read_again(tmp_path):
 
 
 def test_a_fallback_record_written_by_another_process_is_seen(tmp_path):
-    a = np.zeros(64)
-    ctx = ftidask.init(**_dirs(tmp_path))
-    ctx.protect(1, a)
+    ctx, _path, _info = _started(tmp_path)
     ctx.checkpoint(1, 1)
     fallback = CommitRecord(500, 7, 1, time.time(), 1, (FileRecord(0, 0, 1, "00" * 16),), {"fallback": True,
                                                                                             "dcp": True})
@@ -93,11 +91,7 @@ def test_a_fallback_record_written_by_another_process_is_seen(tmp_path):
 
 
 def test_a_run_json_that_cannot_be_parsed_is_read_again_once_repaired(tmp_path):
-    a = np.zeros(64)
-    ctx = ftidask.init(**_dirs(tmp_path))
-    ctx.protect(1, a)
-    path = _run_json(tmp_path)
-    info = json.loads(path.read_text())
+    ctx, path, info = _started(tmp_path)
     path.write_text("{torn")
     ctx.checkpoint(1, 1)  # a damaged run.json is read as empty, as before
     before = records.stats["files_parsed"]
