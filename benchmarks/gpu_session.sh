@@ -46,7 +46,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "$(nproc) cores; python $(python3 -c 'import sys; print(sys.version.split()[0])'); cupy $(python3 -c \
   'import cupy; print(cupy.__version__)' 2>&1 | tail -1)"
 # STEPS picks what runs (default: all): gputests (issue 19's tests), gpumpi (their MPI tests alone), gpubench
-# (issue 19's benchmark), then issue 16's rows: codec, levels, wb (not by default), l1, dask
+# (issue 19's benchmark), then issue 16's rows: codec, levels, wb (not by default), l1, dask; small (not by default)
 STEPS=${STEPS:-gputests gpubench codec levels l1 dask}
 [[ $STEPS == *gpumpi* ]] && step 90 python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu.py -k mpi
 [[ $STEPS == *gputests* ]] && step 200 python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu.py \
@@ -62,4 +62,6 @@ if [[ $STEPS == *wb* ]]; then
 fi
 [[ $STEPS == *l1* ]] && step 60 python3 benchmarks/bench_l1.py --size-mib 1024 --arrays 4 --repeat 3
 [[ $STEPS == *dask* ]] && step 90 python3 benchmarks/bench_dask.py --workers 8 --size-mib 4096 --chunk-mib 128 --repeat 2
+# small: the fixed cost of a checkpoint (not by default; about 20 s)
+[[ $STEPS == *small* ]] && step 40 python3 benchmarks/bench_small.py --checkpoints 200
 echo "=== done in $(( $(date +%s) - START ))s"
