@@ -33,6 +33,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,9 +177,8 @@ def find_section(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> 
         ini = read_meta(meta_path)
         info = _ckpt_info(ini)
         if not _PCOF.fullmatch(name):
-            for section in ini.sections():
-                values = {k.lower(): v.strip() for k, v in ini.items(section)}
-                if values.get("ckpt_file_name") == owner:
+            for named, values in _named_sections(ini):
+                if named == owner:
                     return meta_path, values | info
             continue
         procs = process_sections(ini)
@@ -193,6 +193,14 @@ def find_section(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -> 
                       + (f", the rank file whose node keeps {name}" if owner != name else ""), path=os.fspath(meta))
 
 
+def _named_sections(ini: configparser.ConfigParser) -> Iterator[tuple[str, dict[str, str]]]:
+    """Each section of ``ini`` in order: the checkpoint file it names (``ckpt_file_name``, '' if none) and its
+    values (keys lower-cased, values stripped)."""
+    for section in ini.sections():
+        values = {k.lower(): v.strip() for k, v in ini.items(section)}
+        yield values.get("ckpt_file_name", ""), values
+
+
 def find_sections(paths: list[Path], meta: str | os.PathLike[str]) -> list[tuple[Path, dict[str, str]]]:
     """:func:`find_section` of several rank files (``Ckpt{id}-Rank{r}.fti``: a level-3 group's) at once, each meta
     file parsed once: a group of 255 looked up one by one in a 16 MiB meta file parsed it 255 times (10 s each)."""
@@ -201,9 +209,7 @@ def find_sections(paths: list[Path], meta: str | os.PathLike[str]) -> list[tuple
     for meta_path in meta_files(meta):
         ini = read_meta(meta_path)
         info = _ckpt_info(ini)
-        for section in ini.sections():
-            values = {k.lower(): v.strip() for k, v in ini.items(section)}
-            name = values.get("ckpt_file_name", "")
+        for name, values in _named_sections(ini):
             if name in names and name not in found:  # the first section naming it, as find_section
                 found[name] = (meta_path, values | info)
         if len(found) == len(set(names)):
