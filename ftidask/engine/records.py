@@ -196,6 +196,14 @@ class JsonFiles:
             self._known[key] = (sig, value)
         return value
 
+    def forget(self, path: Path) -> None:
+        """This process replaces or removes the file at ``path``: read it again next time, whatever its signature.
+        Where timestamps are coarse (1 s on ext4 with 128-byte inodes, a clock tick before Linux 6.13), a file
+        removed and written again within one tick often gets the freed inode and the same size and times: its
+        signature would still name what was read before (a fallback record unlinked by ``retired_in_full``, and
+        the next retirement's written in its place: the stale one named spares that no longer hold it)."""
+        self._known.pop(str(path), None)
+
 
 class RecordReader:
     """The commit records of one directory, parsed once each while their files stay the same."""
