@@ -16,13 +16,14 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
 import ftidask
-from ftidask.engine.records import unsealed_record
+from ftidask.engine.records import seal_json, unsealed_record
 from ftidask.storage.files import find_paths
 
 
@@ -79,4 +80,48 @@ def test_a_fallback_dropped_and_written_again_within_one_tick_is_read_again(coar
         a[:] = 0
         ctx.recover()  # checkpoint 5 fails its check: back to 4, in the L1 spares
         assert ctx.recovered_from == (4, 1) and (a == 4).all(), f"attempt {attempt}"
+        ctx._close()
+
+
+_HEAD = """
+import os, sys
+path, text = sys.argv[1], sys.argv[2]
+old = os.stat(path).st_ino
+os.unlink(path)
+others = []  # what the writer creates meanwhile (a head copies files to L4) takes the lower free inodes
+for n in range(1000):
+    tmp = f"{path}.tmp-{n}"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as fh:  # as ftidask writes it
+        if os.fstat(fh.fileno()).st_ino == old:
+            fh.write(text)
+            break
+    others.append(tmp)
+os.replace(tmp, path)
+for other in others:
+    os.unlink(other)
+"""
+
+
+def _drop_and_write_from_another_process(path, value: dict) -> None:
+    """What a head's retirement does to a fallback record (``retired_in_full`` then ``write_fallback``), from
+    another process: the file removed, then a new one renamed in its place, which gets the freed inode."""
+    subprocess.run([sys.executable, "-c", _HEAD, str(path), json.dumps(value, sort_keys=True)], check=True)
+
+
+def test_a_fallback_dropped_and_written_again_by_another_process_within_one_tick_is_read_again(coarse_fs):
+    for attempt in range(4):  # the same second as the fallback replaced: most attempts, not all
+        root = coarse_fs / f"run{attempt}"
+        ctx = ftidask.init(ckpt_dir=str(root / "l"), glbl_dir=str(root / "g"), meta_dir=str(root / "m"),
+                           enable_dcp=1, dcp_block_size=512, verbosity=2, exec_id="r")
+        a = np.zeros(4096)
+        ctx.protect(1, a)
+        for i in (1, 2):
+            a[:] = i
+            ctx.checkpoint(i, 5)
+        path = ctx.state.records_dir / "fallback-l1.json"
+        raw = json.loads(path.read_text())
+        assert [r.ckpt_id for r in ctx.state.fallbacks()] == [raw["ckpt_id"]] == [1]
+        raw.update(seq=7, ckpt_id=7)  # the same size
+        _drop_and_write_from_another_process(path, seal_json(raw))
+        assert [r.ckpt_id for r in ctx.state.fallbacks()] == [7], f"attempt {attempt}"
         ctx._close()
