@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -167,34 +168,63 @@ def _of(st: os.stat_result) -> tuple[int, ...]:
     return st.st_ino, st.st_dev, st.st_size, st.st_mode, st.st_mtime_ns, st.st_ctime_ns
 
 
+#: How long after its last change a state file's signature alone is trusted (:class:`JsonFiles`): timestamps may be
+#: as coarse as 1 s (ext4 with 128-byte inodes, Lustre; a clock tick on ext4/XFS before Linux 6.13).
+SETTLED_NS = 2 * 10**9
+
+
 class JsonFiles:
-    """Values parsed from single JSON files (``run.json``, the fallback records), parsed again only when a file's
-    signature changes (see :func:`_signature`): each checkpoint reads them to number itself, and most often nothing
-    changed. Kept only for a file read whole: one missing, unreadable or refused is read again next time."""
+    """Values parsed from single JSON files (``run.json``, the fallback records), parsed again only when a file
+    changes: each checkpoint reads them to number itself, and most often nothing changed. Kept only for a file read
+    whole: one missing, unreadable or refused is read again next time.
+
+    A file unchanged for :data:`SETTLED_NS` is trusted while its signature (:func:`_of`) stays the same: any change
+    since gets later times. One changed more recently is read again and compared byte for byte (parsed only when
+    they differ): where timestamps are coarse, a file removed and written again within one tick (a fallback record
+    dropped and written by one retirement, in this process or a head's) often gets the freed inode, the same size
+    and the same times, so its signature still named what was read before."""
 
     def __init__(self) -> None:
-        self._known: dict[str, tuple[tuple[int, ...], Any]] = {}
+        # path -> (signature, settled: changed before SETTLED_NS, the bytes read, their value)
+        self._known: dict[str, tuple[tuple[int, ...], bool, bytes, Any]] = {}
 
     def read(self, path: Path, parse: Callable[[Any], T]) -> T:
         """``parse`` of the JSON at ``path`` (of None when it is missing or unreadable: ``storage.read_json``)."""
         key = str(path)
         try:
-            sig: tuple[int, ...] | None = _of(os.stat(key))
+            st: os.stat_result | None = os.stat(key)
         except (FileNotFoundError, NotADirectoryError):  # missing (a link to nothing too): what read_json reads
             self._known.pop(key, None)
             return parse(None)
         except OSError:
-            sig = None
+            st = None
+        sig = None if st is None else _of(st)
         cached = self._known.pop(key, None)
-        if sig is not None and cached is not None and cached[0] == sig:
+        if sig is not None and cached is not None and cached[0] == sig and cached[1]:
             self._known[key] = cached
-            return cast(T, cached[1])
-        stats["files_parsed"] += 1
-        raw = storage.read_json(path)  # stat first: what is read is at least as new as the signature kept
-        value = parse(raw)
-        if sig is not None and raw is not None:
-            self._known[key] = (sig, value)
+            return cast(T, cached[3])
+        try:  # stat first: what is read is at least as new as the signature kept
+            data: bytes | None = storage.read_regular(path)
+        except OSError:
+            data = None
+        if data is not None and cached is not None and data == cached[2]:
+            whole, value = True, cached[3]  # changed on disk (or recently), not in content: not parsed again
+        else:
+            stats["files_parsed"] += 1
+            raw = None if data is None else storage.json_of(data)
+            whole, value = raw is not None, parse(raw)
+        if st is not None and data is not None and whole:
+            settled = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > SETTLED_NS
+            self._known[key] = (_of(st), settled, data, value)
         return value
+
+    def forget(self, path: Path) -> None:
+        """This process replaces or removes the file at ``path``: read it again next time, whatever its signature.
+        Where timestamps are coarse (1 s on ext4 with 128-byte inodes, a clock tick before Linux 6.13), a file
+        removed and written again within one tick often gets the freed inode and the same size and times: its
+        signature would still name what was read before (a fallback record unlinked by ``retired_in_full``, and
+        the next retirement's written in its place: the stale one named spares that no longer hold it)."""
+        self._known.pop(str(path), None)
 
 
 class RecordReader:

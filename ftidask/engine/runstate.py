@@ -217,15 +217,18 @@ class RunState:
         """Name the retired differential checkpoint ``record``, whose files are now the spares, as the one
         a recovery falls back to when no committed checkpoint verifies (FTI's dCP goes back a layer). Best
         effort: without it, nothing older than the committed checkpoints is recovered."""
+        path = self._fallback_path(record.level)
         try:
-            storage.write_json_atomic(self._fallback_path(record.level), sealed_record(record.as_fallback()))
+            storage.write_json_atomic(path, sealed_record(record.as_fallback()))
         except OSError as exc:
             log.warning("cannot keep checkpoint %d as the fallback of level %d: %s", record.ckpt_id, record.level, exc)
+        finally:  # read again next time, whatever its signature (JsonFiles.forget)
+            self._files.forget(path)
 
     def delete_fallbacks(self) -> None:
         """The spares are gone (the run is over): nothing to fall back to."""
         for level in (1, 2, 3, 4):
-            self._fallback_path(level).unlink(missing_ok=True)
+            self._drop_fallback(level)
 
     def note_retired(self, record: CommitRecord, kept: bool) -> None:
         """Checkpoint ``record`` is being retired, differential checkpoints on: a differential one whose files
@@ -242,7 +245,14 @@ class RunState:
         (recovering it would go back past ``record``): it is dropped."""
         for rec in self.fallbacks():
             if rec.level <= record.level and rec.seq < record.seq:
-                self._fallback_path(rec.level).unlink(missing_ok=True)
+                self._drop_fallback(rec.level)
+
+    def _drop_fallback(self, level: int) -> None:
+        path = self._fallback_path(level)
+        try:
+            path.unlink(missing_ok=True)
+        finally:  # a fallback written next in its place may get its inode, size and times (JsonFiles.forget)
+            self._files.forget(path)
 
     def _fallback_path(self, level: int) -> Path:
         return self._fallback_paths.get(level) or self.records_dir / f"fallback-l{level}.json"
@@ -262,7 +272,10 @@ class RunState:
         """Update ``run.json`` with ``changes`` (atomically; the other keys are kept)."""
         info = self.run_info()
         info.update(changes, exec_id=self.exec_id)
-        storage.write_json_atomic(self.root / "run.json", info)
+        try:
+            storage.write_json_atomic(self.root / "run.json", info)
+        finally:  # read again next time, whatever its signature (JsonFiles.forget)
+            self._files.forget(self.root / "run.json")
 
     def make_current(self) -> None:
         """Name this run in ``{meta_dir}/current_exec_id``: the run that an init without exec_id restarts."""

@@ -326,8 +326,17 @@ def read_json(path: Path) -> Any | None:
     JSON parses nesting up to Python's recursion limit, which code that walks the value recursively, a record's
     ``dataclasses.asdict`` or a message's ``str()``, then exceeds: a RecursionError far from the read)."""
     try:
-        value = json.loads(read_regular(path).decode("utf-8"))
-    except (OSError, ValueError, RecursionError):
+        raw = read_regular(path)
+    except OSError:
+        return None
+    return json_of(raw)
+
+
+def json_of(raw: bytes) -> Any | None:
+    """The JSON value of ``raw``, a file's bytes, as :func:`read_json` reads it (None when it is not JSON)."""
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
         return None
     return value if nested_within(value, MAX_NESTING) else None
 
