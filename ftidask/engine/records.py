@@ -213,9 +213,9 @@ class JsonFiles:
             stats["files_parsed"] += 1
             raw = None if data is None else storage.json_of(data)
             whole, value = raw is not None, parse(raw)
-        if st is not None and data is not None and whole:
+        if st is not None and sig is not None and data is not None and whole:
             settled = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > SETTLED_NS
-            self._known[key] = (_of(st), settled, data, value)
+            self._known[key] = (sig, settled, data, value)
         return value
 
     def forget(self, path: Path) -> None:

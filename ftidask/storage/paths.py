@@ -79,7 +79,7 @@ class RunPaths:
         roots = (self.ckpt_dir, self.glbl_dir, self.meta_dir)
         if not all(os.path.isabs(root) for root in roots):
             return None
-        return tuple(os.path.normpath(root).rstrip(os.sep) + os.sep for root in roots)
+        return tuple(_prefix(root) for root in roots)
 
 
 def ckpt_dirname(ckpt_id: int, seq: int) -> str:
@@ -116,8 +116,11 @@ def parity_file(ckpt_id: int, rank: int) -> str:
 def is_inside(path: str | os.PathLike[str], parent: str | os.PathLike[str], *, resolve: bool = True) -> bool:
     """Whether ``path`` lies strictly inside ``parent``: after making both absolute and removing ``..``
     and, with ``resolve``, also once every symbolic link is resolved (a link to elsewhere is outside)."""
-    def within(child: str, root: str) -> bool:
-        return child.startswith(root.rstrip(os.sep) + os.sep)
+    inside = os.path.normpath(os.path.abspath(path)).startswith(_prefix(parent))
+    return inside and (not resolve or os.path.realpath(path).startswith(_prefix(os.path.realpath(parent))))
 
-    inside = within(os.path.normpath(os.path.abspath(path)), os.path.normpath(os.path.abspath(parent)))
-    return inside and (not resolve or within(os.path.realpath(path), os.path.realpath(parent)))
+
+def _prefix(root: str | os.PathLike[str]) -> str:
+    """What every path strictly inside directory ``root`` starts with: its normalised absolute form and a separator
+    (a sibling sharing the name's prefix, ``/a/bc`` for ``/a/b``, is outside)."""
+    return os.path.normpath(os.path.abspath(root)).rstrip(os.sep) + os.sep
