@@ -68,6 +68,7 @@ class Cluster:
         self._placed: dict[Any, str] = {}  # key -> worker of each pinned task not yet waited for or released
         self.run_id: str | None = None  # the run this client writes (set at init): its tasks are fenced (.fence)
         self._cleanup = threading.local()  # the directories of the checkpoint this thread's tasks write
+        self._workers: list[str] | None = None  # as the scheduler last listed them
 
     def take_over(self, run: str) -> None:
         """At ``init``, before the garbage collection: this client writes ``run`` now; the tasks that a dead client
@@ -107,7 +108,13 @@ class Cluster:
         """Addresses of the live workers, sorted: a worker's position is its rank."""
         # Not Client.scheduler_info(): a periodic refresh may replace its cache with one that lists no worker.
         info = self.client.sync(self.client.scheduler.identity, n_workers=-1)
-        return sorted(a for a, w in info["workers"].items() if w.get("status", "running") == "running")
+        self._workers = sorted(a for a, w in info["workers"].items() if w.get("status", "running") == "running")
+        return list(self._workers)
+
+    def last_workers(self) -> list[str]:
+        """:meth:`workers` as last asked (asked now if never): for what a list a moment old serves as well, such
+        as how many node directories to look into, which every live worker does for its own anyway."""
+        return list(self._workers) if self._workers is not None else self.workers()
 
     def submit(self, fn: Callable[..., Any], *args: Any, key: Any, worker: str, loose: bool = False,
                **kwargs: Any) -> Future:

@@ -15,6 +15,7 @@ remembers them per checkpoint so that retention keeps a checkpoint that live arr
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import time
@@ -67,6 +68,12 @@ class Pins:
     def __init__(self, client: Client) -> None:
         self.client = client
         self._keys: dict[tuple[int, int], list[Any]] = {}
+        # Set by a lineage cut whose graph left after the releases it made: the scheduler has handled those (its
+        # stream is in order), so the next read needs no barrier. Spent by that read.
+        self.settled = False
+        # Checkpoints found read once (the next ask may collect garbage for them), and those it was collected for.
+        self._kept: set[tuple[int, int]] = set()
+        self._collected: set[tuple[int, int]] = set()
 
     def add(self, record: CommitRecord, keys: Iterable[Any]) -> None:
         """Note ``keys``, lineage keys made to read checkpoint ``record`` back."""
@@ -76,27 +83,43 @@ class Pins:
         """(ckpt_id, seq) of those of ``records`` that the scheduler may still read back: it knows a task
         reading it (held by a future, or kept as the dependency of a result in memory: either may be
         recomputed from it). When it cannot be asked, all of them (a later commit asks again)."""
+        settled, self.settled = self.settled, False
         asked = {(r.ckpt_id, r.seq): self._keys[r.ckpt_id, r.seq] for r in records
                  if self._keys.get((r.ckpt_id, r.seq))}
         if not asked:
             return set()
         try:
+            # Asked first as things stand: a key the scheduler has forgotten is gone for good (keys are never reused),
+            # so only what it still knows may need the releases this client sent to land first (a barrier), unless
+            # a lineage cut just made sure they had.
             out = self._still_read(asked)
-            if out:
-                # Futures caught in reference cycles (a traceback's frames keep the futures a wait was given)
-                # are released by a collection only: without it, a checkpoint nobody reads could be kept.
-                # Only then: a full collection of a client's heap costs tens of milliseconds a commit.
+            if out and not settled:
+                out = self._still_read(self._narrowed(out), barrier=True)
+            # Futures caught in reference cycles (a traceback's frames keep the futures a wait was given) are
+            # released by a collection only: without one, a checkpoint nobody reads could be kept until Python
+            # collects its oldest generation. But a full collection of the client's heap costs tens of milliseconds
+            # (more in a large notebook), and a loop's checkpoint is usually read for a good reason: the array of
+            # the step being checkpointed was computed from it. So one collection per checkpoint, at most, and only
+            # when it is still read at the next ask (by then that step's array is usually gone).
+            retry = {which for which in out if which in self._kept and which not in self._collected}
+            self._kept |= out
+            if retry:
+                self._collected |= retry
                 gc.collect()
-                out = self._still_read({which: self._keys[which] for which in out})
+                out = (out - retry) | self._still_read(self._narrowed(retry), barrier=True)
         except Exception as exc:  # noqa: BLE001 - keep the files rather than pull them from under an array
             log.debug("cannot ask the scheduler which checkpoints live arrays read: %s", exc)
             return set(asked)
         return out
 
-    def _still_read(self, asked: dict[tuple[int, int], list[Any]]) -> set[tuple[int, int]]:
-        """Those of ``asked`` whose keys the scheduler still knows (once it has handled every release
-        this client sent), their keys narrowed to those."""
-        _barrier(self.client)
+    def _narrowed(self, which: Iterable[tuple[int, int]]) -> dict[tuple[int, int], list[Any]]:
+        return {w: self._keys[w] for w in which}
+
+    def _still_read(self, asked: dict[tuple[int, int], list[Any]], barrier: bool = False) -> set[tuple[int, int]]:
+        """Those of ``asked`` whose keys the scheduler still knows (with ``barrier``, once it has handled every
+        release this client sent), their keys narrowed to those."""
+        if barrier:
+            _barrier(self.client)
         states = self.client.sync(self.client.scheduler.get_task_status,
                                   keys=[k for keys in asked.values() for k in keys])
         out = set()
@@ -108,7 +131,10 @@ class Pins:
 
     def forget(self, record: CommitRecord) -> None:
         """Drop checkpoint ``record``'s keys: it no longer counts as read."""
-        self._keys.pop((record.ckpt_id, record.seq), None)
+        which = (record.ckpt_id, record.seq)
+        self._keys.pop(which, None)
+        self._kept.discard(which)
+        self._collected.discard(which)
 
 
 def _noop() -> None:
@@ -118,11 +144,26 @@ def _noop() -> None:
 def _barrier(client: Client, timeout: float = 30) -> None:
     """Return once the scheduler has handled every message this client sent before (keys released by
     futures just dropped): a task sent on the same stream, which the scheduler handles in order."""
+    _queued(client)
     client.submit(_noop, pure=False, key=f"ftidask-barrier-{uuid.uuid4().hex}").result(timeout=timeout)
 
 
-def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: Mapping[Place, Future],
-        held: Mapping[int, Any]) -> dict[int, Array]:
+async def _yield() -> None:
+    await asyncio.sleep(0)
+
+
+def _queued(client: Client) -> None:
+    """Return once the releases of the futures dropped before are queued on the client's stream to the scheduler,
+    ahead of any message sent after this call.
+
+    A dropped future's release takes two hops through the client's event loop (``Future.release`` schedules the
+    refcount's decrement, which schedules the message), a graph sent from this thread one: sent right away, a
+    graph would leave before the releases of the futures dropped just before it."""
+    client.sync(_yield)
+
+
+def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: dict[Place, Future],
+        held: dict[int, Any]) -> dict[int, Array]:
     """The protected Dask arrays of committed ``record`` with their lineage cut: var id -> new array.
 
     ``futures``: the chunks the checkpoint wrote; ``held``: the arrays they came from (``p.array``
@@ -157,30 +198,46 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: M
                 pairs.setdefault(holder, []).append((old, key))
         graphs[spec.id] = (name, graph)
     aliased = _place_aliases(client, pairs)
-    out: dict[int, Array] = {}
+    pins = ctx._dask_retention.pins
+    lazy: dict[int, Array] = {}
     for spec in specs:
         if spec.id not in graphs:
             continue
         name, graph = graphs[spec.id]
-        # A chunk not aliased (released meanwhile, or its worker gone) is read from the checkpoint now.
         meta = device_meta(len(spec.shape), spec.dtype) if spec.device else None  # CuPy chunks stay CuPy chunks
-        arr = client.persist(Array(graph, name, spec.chunks, dtype=spec.dtype, meta=meta), optimize_graph=False)
-        out[spec.id] = arr
-        ctx._dask_retention.pins.add(record, graph)
+        lazy[spec.id] = Array(graph, name, spec.chunks, dtype=spec.dtype, meta=meta)
+        pins.add(record, graph)
         p = ctx._vars.get(spec.id)
         if p is not None and p.array is held.get(spec.id):
+            # Until persisted below, the array reads the checkpoint when computed: the same values. (Were the
+            # persist to fail, the next checkpoint persists it: its reads are verified, and the checkpoint they
+            # read is the newest, which nothing retires before a newer one is committed.)
+            p.array = lazy[spec.id]
+    # The chunks as computed are ours no more: released before the graph goes, so that when the scheduler
+    # reports the graph's keys, it has forgotten the keys of the arrays this one replaces (unless the application
+    # or other results still hold them) and the retirement that follows needs no barrier to ask it.
+    futures.clear()
+    held.clear()
+    _queued(client)
+    # A chunk not aliased (released meanwhile, or its worker gone) is read from the checkpoint now.
+    out = dict(zip(lazy, client.persist(list(lazy.values()), optimize_graph=False), strict=True)) if lazy else {}
+    for vid, arr in out.items():
+        p = ctx._vars.get(vid)
+        if p is not None and p.array is lazy[vid]:
             p.array = arr
+    lazy.clear()
     # Done when the scheduler has the graphs: the aliased keys are reported in memory once they have their
     # run_spec (any chunk not aliased is read meanwhile).
     wait([f for arr in out.values() for f in futures_of(arr)])
+    pins.settled = True
     missed = sum(len(g) for _n, g in graphs.values()) - aliased
     log.debug("checkpoint %d: lineage cut for %d arrays (%d chunks aliased in memory, %d to read)", cid, len(out),
               aliased, missed)
     return out
 
 
-def cut_after_commit(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: Mapping[Place, Future],
-                     held: Mapping[int, Any]) -> dict[int, Array]:
+def cut_after_commit(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: dict[Place, Future],
+                     held: dict[int, Any]) -> dict[int, Array]:
     """:func:`cut`, or nothing when it fails: the arrays keep their history, the checkpoint stays committed."""
     try:
         return cut(ctx, record, specs, futures, held)

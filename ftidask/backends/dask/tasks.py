@@ -228,6 +228,14 @@ def collect_garbage(ckpt_dir: str, exec_id: str, committed: Sequence[str], trash
                for root in Path(ckpt_dir).glob(f"node*/{exec_id}/l[1-4]"))
 
 
+def discard_and_collect(discards: Sequence[str], ckpt_dir: str, exec_id: str, committed: Sequence[str],
+                        trash: bool = False, spares: bool = True) -> int:
+    """:func:`discard_paths` of the directories a retirement left to discard (first: the collection would delete
+    them on the spot), then :func:`collect_garbage`: both in one call to every worker."""
+    discard_paths(discards)
+    return collect_garbage(ckpt_dir, exec_id, committed, trash, spares)
+
+
 def remove_run_dirs(ckpt_dir: str, runs: Sequence[str]) -> None:
     """Remove the node directories of the dead runs ``runs`` (checked exec_ids) that this worker sees."""
     for run in runs:

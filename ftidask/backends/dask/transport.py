@@ -57,6 +57,8 @@ class DaskTransport(Transport):
 
     def check_level(self, level: int) -> None:
         """As :meth:`Transport.check_level`; L2 and L3 need at least 2 workers."""
+        if level in (1, 4):  # any number of workers (the scheduler is not asked: a round trip each checkpoint)
+            return
         if level in (2, 3) and level not in self.levels():
             raise LevelError(f"level {level} needs at least 2 Dask workers; the cluster has "
                              f"{len(self.cluster.workers())}")

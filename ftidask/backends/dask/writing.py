@@ -80,6 +80,7 @@ class DaskWriting:
                           held: dict[int, Any], codecs: dict[int, dict[str, Any]]) -> DaskCheckpointInfo:
         differential = parsed.differential  # L5-L8: differential L1-L4 (enable_dcp = 1)
         shown_level, level = parsed.number, parsed.base
+        self._dask_retention.pins.settled = False  # only the lineage cut below spares the retirement a barrier
         self._dask_retention.retire_deferred()  # before the write: a differential one may patch its files
         try:
             self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays", gather=False)

@@ -1,0 +1,110 @@
+"""Retiring checkpoints that a lineage cut made readable, on a real LocalCluster: without a barrier task or a full
+garbage collection where the scheduler's answer is already known, and never while a live array may read one.
+
+A barrier is a task sent on the client's stream (the scheduler handles that stream in order) to make sure the
+releases this client sent were handled before the scheduler is asked which keys it still knows; a full collection
+frees futures caught in reference cycles. Both cost a checkpoint of a small array a large part of its time (a
+collection grows with the client's heap), so they run only where the answer could depend on them.
+"""
+
+import gc
+
+import pytest
+
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+
+from test_dask_lineage import initial  # noqa: E402
+
+import ftidask  # noqa: E402
+from ftidask.backends.dask import lineage  # noqa: E402
+
+pytestmark = [pytest.mark.dask, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def client(dask_client):
+    return dask_client
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """(barrier tasks sent, full collections run), automatic collections off meanwhile (only explicit ones count)."""
+    barriers, collections = [], []
+    real = lineage._barrier
+    monkeypatch.setattr(lineage, "_barrier", lambda c, timeout=30: (barriers.append(1), real(c, timeout)))
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            collections.append(1)
+
+    gc.collect()
+    gc.disable()
+    gc.callbacks.append(count)
+    try:
+        yield barriers, collections
+    finally:
+        gc.callbacks.remove(count)
+        gc.enable()
+
+
+def stepped(x, steps):
+    """``x`` with 1 added ``steps`` times, one addition at a time as the loops do (its bits, not those of x + steps)."""
+    for _ in range(steps):
+        x = x + 1
+    return x
+
+
+def test_loop_on_one_array_retires_the_previous_checkpoint_at_once(client, dirs, counted):
+    """Checkpointing the protected array again and again: each checkpoint retires the one before as it returns,
+    without a barrier or a collection (the arrays it replaces were released before its lineage graph left)."""
+    barriers, collections = counted
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, initial(), name="field")
+    for i in range(1, 5):
+        ctx.checkpoint(i, 1)
+        assert [r.ckpt_id for r in ctx.state.records()] == [i]
+        ctx.protect(1, ctx.protected[1] + 1)
+    assert barriers == [] and collections == []
+    assert ctx.recover()[1].compute().tobytes() == stepped(initial(), 3).compute().tobytes()
+    ctx.finalize()
+
+
+def test_loop_of_steps_keeps_the_checkpoint_its_step_was_computed_from(client, dirs, counted):
+    """A loop whose step is computed from the array the last checkpoint handed back: while that step's array lives
+    (the application holds it during the checkpoint), the checkpoint it was computed from is kept, since a lost
+    chunk of it would be recomputed from there; the next checkpoint retires it, without a barrier or a collection."""
+    barriers, collections = counted
+    ctx = ftidask.init(client=client, **dirs)
+    x = initial().persist()
+    for i in range(1, 6):
+        ctx.protect(1, x)
+        ctx.checkpoint(i, 1)
+        assert [r.ckpt_id for r in ctx.state.records()] == ([i - 1, i] if i > 1 else [1])
+        x = (ctx.protected[1] + 1).persist()
+        distributed.wait(x)
+    assert barriers == [] and collections == []
+    del x
+    assert ctx.recover()[1].compute().tobytes() == stepped(initial(), 4).compute().tobytes()
+    ctx.finalize()
+
+
+def test_an_array_held_long_costs_one_collection(client, dirs, counted):
+    """An old array the application keeps holds its checkpoint through every later one; the scheduler is asked at
+    each commit, but its heap is collected for that checkpoint once only, the second time it is found read."""
+    barriers, collections = counted
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, initial(), name="field")
+    ctx.checkpoint(1, 1)
+    old = ctx.protected[1]  # reads checkpoint 1 back if a chunk is lost
+    for i in range(2, 6):
+        ctx.protect(1, ctx.protected[1] + 1)
+        ctx.checkpoint(i, 1)
+        assert [r.ckpt_id for r in ctx.state.records()] == [1, i]
+    assert len(collections) == 1
+    assert old.compute().tobytes() == initial().compute().tobytes()
+    del old
+    ctx.protect(1, ctx.protected[1] + 1)
+    ctx.checkpoint(6, 1)  # asked again: checkpoint 1 is read by no live array any more
+    assert [r.ckpt_id for r in ctx.state.records()] == [6]
+    ctx.finalize()
