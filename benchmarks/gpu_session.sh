@@ -64,4 +64,5 @@ fi
 [[ $STEPS == *dask* ]] && step 90 python3 benchmarks/bench_dask.py --workers 8 --size-mib 4096 --chunk-mib 128 --repeat 2
 # small: the fixed cost of a checkpoint (not by default; about 20 s)
 [[ $STEPS == *small* ]] && step 40 python3 benchmarks/bench_small.py --checkpoints 200
+[[ $STEPS == *small* ]] && step 60 python3 benchmarks/bench_dask_small.py --workers 8 --chunks 16 --checkpoints 20
 echo "=== done in $(( $(date +%s) - START ))s"
