@@ -108,3 +108,27 @@ def test_an_array_held_long_costs_one_collection(client, dirs, counted):
     ctx.checkpoint(6, 1)  # asked again: checkpoint 1 is read by no live array any more
     assert [r.ckpt_id for r in ctx.state.records()] == [6]
     ctx.finalize()
+
+
+def test_an_asynchronous_checkpoint_hands_out_no_array_that_reads_a_checkpoint_it_may_retire(client, dirs):
+    """While an asynchronous checkpoint cuts the lineage on its thread, what ``protected`` hands out is the array the
+    application protected or the one the cut persisted, never a graph that reads the checkpoint without the
+    scheduler knowing: retention asks the scheduler which checkpoints live arrays read, and would retire the one that
+    such an array reads the moment nothing else holds it."""
+    ctx = ftidask.init(client=client, **dirs)
+    grabbed = {}
+    for i in range(1, 9):
+        ctx.protect(1, stepped(initial(), i - 1).persist(), name="field")
+        handle = ctx.checkpoint(i, 1, wait=False)
+        while not handle.done():  # the application goes on, and looks at what it protected
+            arr = ctx.protected[1]
+            grabbed.setdefault(arr.name, (i, arr))
+        handle.result()
+    # What was grabbed stays computable (and right) through later checkpoints of unrelated arrays.
+    for i in range(9, 11):
+        ctx.protect(1, initial(seed=i).persist())
+        ctx.checkpoint(i, 1)
+    for name, (i, arr) in grabbed.items():
+        assert arr.compute().tobytes() == stepped(initial(), i - 1).compute().tobytes(), name
+    ctx.finalize()
+

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -42,6 +44,7 @@ class DaskContext(DaskWriting, Context):
 
     def __init__(self, config: Config, client: Client) -> None:
         cluster = Cluster(client, config.progress)
+        self._cutting = threading.RLock()  # held while a lineage cut swaps the arrays (see lineage.cut)
         cluster.run(storage.set_permissions, config.permissions)  # the modes of the workers' files
         channel.register(client)  # L2/L3 blocks go worker to worker (every worker, also those joining later)
         codecthreads.register(client)  # compressed frames on the worker's share of the cores, not 8 threads
@@ -105,6 +108,13 @@ class DaskContext(DaskWriting, Context):
         name = name if name is not None else self._names.name_of(vid)
         self._vars[vid] = Protected(vid, str(name if name is not None else old.name if old else f"var{vid}"), array,
                                     compressor_config(compressor, old))
+
+    @property
+    def protected(self) -> Mapping[int, Any]:
+        """As :attr:`Context.protected`; never an array a lineage cut is swapping (an asynchronous checkpoint's
+        thread cuts while the application goes on): the one before, or the one persisted."""
+        with self._cutting:
+            return super().protected
 
     # --- checkpoint ------------------------------------------------------------------------------
 

@@ -207,24 +207,28 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: d
         meta = device_meta(len(spec.shape), spec.dtype) if spec.device else None  # CuPy chunks stay CuPy chunks
         lazy[spec.id] = Array(graph, name, spec.chunks, dtype=spec.dtype, meta=meta)
         pins.add(record, graph)
-        p = ctx._vars.get(spec.id)
-        if p is not None and p.array is held.get(spec.id):
-            # Until persisted below, the array reads the checkpoint when computed: the same values. (Were the
-            # persist to fail, the next checkpoint persists it: its reads are verified, and the checkpoint they
-            # read is the newest, which nothing retires before a newer one is committed.)
-            p.array = lazy[spec.id]
-    # The chunks as computed are ours no more: released before the graph goes, so that when the scheduler
-    # reports the graph's keys, it has forgotten the keys of the arrays this one replaces (unless the application
-    # or other results still hold them) and the retirement that follows needs no barrier to ask it.
-    futures.clear()
-    held.clear()
-    _queued(client)
-    # A chunk not aliased (released meanwhile, or its worker gone) is read from the checkpoint now.
-    out = dict(zip(lazy, client.persist(list(lazy.values()), optimize_graph=False), strict=True)) if lazy else {}
-    for vid, arr in out.items():
-        p = ctx._vars.get(vid)
-        if p is not None and p.array is lazy[vid]:
-            p.array = arr
+    # Until persisted below, an array reads the checkpoint when computed: the same values, but from a graph whose
+    # keys the scheduler does not know yet, so that forgetting them later would prove nothing: retention would
+    # retire the checkpoint under an application that held such an array. Nobody sees one (ctx.protected waits
+    # for the lock: an asynchronous checkpoint cuts while the application goes on). (Were the persist to fail, the
+    # next checkpoint persists it; the keys aliased stay in memory meanwhile, which keeps the checkpoint.)
+    with ctx._cutting:
+        for vid in lazy:
+            p = ctx._vars.get(vid)
+            if p is not None and p.array is held.get(vid):
+                p.array = lazy[vid]
+        # The chunks as computed are ours no more: released before the graph goes, so that when the scheduler
+        # reports the graph's keys, it has forgotten the keys of the arrays this one replaces (unless the
+        # application or other results still hold them) and the retirement that follows needs no barrier to ask it.
+        futures.clear()
+        held.clear()
+        _queued(client)
+        # A chunk not aliased (released meanwhile, or its worker gone) is read from the checkpoint now.
+        out = dict(zip(lazy, client.persist(list(lazy.values()), optimize_graph=False), strict=True)) if lazy else {}
+        for vid, arr in out.items():
+            p = ctx._vars.get(vid)
+            if p is not None and p.array is lazy[vid]:
+                p.array = arr
     lazy.clear()
     # Done when the scheduler has the graphs: the aliased keys are reported in memory once they have their
     # run_spec (any chunk not aliased is read meanwhile).
