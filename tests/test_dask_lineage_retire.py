@@ -132,3 +132,35 @@ def test_an_asynchronous_checkpoint_hands_out_no_array_that_reads_a_checkpoint_i
         assert arr.compute().tobytes() == stepped(initial(), i - 1).compute().tobytes(), name
     ctx.finalize()
 
+
+
+def test_a_retirement_that_fails_midway_discards_what_it_retired(client, dirs, monkeypatch):
+    """A commit retires two checkpoints and fails on the second: the first one's directories are discarded at once
+    (not left for a collection that does not come), and removals made afterwards run at once again."""
+    from pathlib import Path
+
+    from ftidask.backends.dask.retention import DaskRetention
+    from ftidask.model.errors import CheckpointError
+
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, initial(), name="field")
+    ctx.checkpoint(1, 2)
+    ctx.checkpoint(2, 1)  # an L1 checkpoint retires no L2 one
+    real = DaskRetention.remove_checkpoint
+
+    def second_fails(self, record, fallback=True):
+        if record.ckpt_id == 2:
+            raise OSError(5, "Input/output error (injected)")
+        return real(self, record, fallback)
+
+    monkeypatch.setattr(DaskRetention, "remove_checkpoint", second_fails)
+    with pytest.raises(CheckpointError, match="committed and recoverable, but cleaning up after it failed"):
+        ctx.checkpoint(3, 2)  # retires 1 (level 2), then 2 (level 1)
+    monkeypatch.setattr(DaskRetention, "remove_checkpoint", real)
+    local = Path(dirs["ckpt_dir"])
+    assert not [p for p in local.glob("node*/*/l*/ckpt1.s*")]  # discarded (renamed away) at once
+    assert ctx._dask_retention._discards is None
+    ctx.checkpoint(4, 2)
+    assert [r.ckpt_id for r in ctx.state.records()] == [4]
+    assert ctx.recover()[1].compute().tobytes() == initial().compute().tobytes()
+    ctx.finalize()

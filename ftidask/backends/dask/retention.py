@@ -9,6 +9,7 @@ deleting runs: a task on every worker, the global directory and the commit recor
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 from ...engine.retention import Retention, to_retire
 from ...engine.run import Run
 from ...engine.runstate import CommitRecord
+from ...model.errors import FTIError
 from ...storage import files as storage
 from . import tasks
 from .cluster import Cluster
@@ -47,7 +49,13 @@ class DaskRetention(Retention):
         obsolete = to_retire(records, record, bool(self.config.keep_l4_ckpt))
         # Their records are deleted here; were the collection not to run, it would remove their directories next time.
         self._discards = []
-        self._retire(obsolete)
+        try:
+            self._retire(obsolete)
+        except BaseException:  # no collection follows: what was retired so far is discarded now, as any other time
+            discards, self._discards = self._discards, None
+            with contextlib.suppress(Exception):  # (the collection of a later start removes them otherwise)
+                self.cluster.run(tasks.discard_paths, discards)
+            raise
         kept = {r.seq for r in self.deferred}
         gone = {r.seq for r in obsolete if r.seq not in kept}
         self.hand_over([(r.seq, r.dirname) for r in records if r.seq not in gone])  # records() is sorted
@@ -67,7 +75,10 @@ class DaskRetention(Retention):
                           old.level)
                 self.deferred.append(old)
             else:
-                self.remove_checkpoint(old)
+                try:  # the client's share (its commit record, the global directory): a clean error, not errno's
+                    self.remove_checkpoint(old)
+                except OSError as exc:
+                    raise FTIError(f"checkpoint {old.ckpt_id} (level {old.level}) could not be retired: {exc}") from exc
                 self.pins.forget(old)
 
     def dirs(self, ckpt_id: int, seq: int, levels: set[int], nranks: int) -> list[str]:
