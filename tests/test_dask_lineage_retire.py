@@ -23,11 +23,6 @@ pytestmark = [pytest.mark.dask, pytest.mark.timeout(300)]
 
 
 @pytest.fixture
-def client(dask_client):
-    return dask_client
-
-
-@pytest.fixture
 def counted(monkeypatch):
     """(barrier tasks sent, full collections run), automatic collections off meanwhile (only explicit ones count)."""
     barriers, collections = [], []
@@ -55,11 +50,11 @@ def stepped(x, steps):
     return x
 
 
-def test_loop_on_one_array_retires_the_previous_checkpoint_at_once(client, dirs, counted):
+def test_loop_on_one_array_retires_the_previous_checkpoint_at_once(dask_client, dirs, counted):
     """Checkpointing the protected array again and again: each checkpoint retires the one before as it returns,
     without a barrier or a collection (the arrays it replaces were released before its lineage graph left)."""
     barriers, collections = counted
-    ctx = ftidask.init(client=client, **dirs)
+    ctx = ftidask.init(client=dask_client, **dirs)
     ctx.protect(1, initial(), name="field")
     for i in range(1, 5):
         ctx.checkpoint(i, 1)
@@ -70,12 +65,12 @@ def test_loop_on_one_array_retires_the_previous_checkpoint_at_once(client, dirs,
     ctx.finalize()
 
 
-def test_loop_of_steps_keeps_the_checkpoint_its_step_was_computed_from(client, dirs, counted):
+def test_loop_of_steps_keeps_the_checkpoint_its_step_was_computed_from(dask_client, dirs, counted):
     """A loop whose step is computed from the array the last checkpoint handed back: while that step's array lives
     (the application holds it during the checkpoint), the checkpoint it was computed from is kept, since a lost
     chunk of it would be recomputed from there; the next checkpoint retires it, without a barrier or a collection."""
     barriers, collections = counted
-    ctx = ftidask.init(client=client, **dirs)
+    ctx = ftidask.init(client=dask_client, **dirs)
     x = initial().persist()
     for i in range(1, 6):
         ctx.protect(1, x)
@@ -89,11 +84,11 @@ def test_loop_of_steps_keeps_the_checkpoint_its_step_was_computed_from(client, d
     ctx.finalize()
 
 
-def test_an_array_held_long_costs_one_collection(client, dirs, counted):
+def test_an_array_held_long_costs_one_collection(dask_client, dirs, counted):
     """An old array the application keeps holds its checkpoint through every later one; the scheduler is asked at
     each commit, but its heap is collected for that checkpoint once only, the second time it is found read."""
     barriers, collections = counted
-    ctx = ftidask.init(client=client, **dirs)
+    ctx = ftidask.init(client=dask_client, **dirs)
     ctx.protect(1, initial(), name="field")
     ctx.checkpoint(1, 1)
     old = ctx.protected[1]  # reads checkpoint 1 back if a chunk is lost
@@ -110,12 +105,12 @@ def test_an_array_held_long_costs_one_collection(client, dirs, counted):
     ctx.finalize()
 
 
-def test_an_asynchronous_checkpoint_hands_out_no_array_that_reads_a_checkpoint_it_may_retire(client, dirs):
+def test_an_asynchronous_checkpoint_hands_out_no_array_that_reads_a_checkpoint_it_may_retire(dask_client, dirs):
     """While an asynchronous checkpoint cuts the lineage on its thread, what ``protected`` hands out is the array the
     application protected or the one the cut persisted, never a graph that reads the checkpoint without the
     scheduler knowing: retention asks the scheduler which checkpoints live arrays read, and would retire the one that
     such an array reads the moment nothing else holds it."""
-    ctx = ftidask.init(client=client, **dirs)
+    ctx = ftidask.init(client=dask_client, **dirs)
     grabbed = {}
     for i in range(1, 9):
         ctx.protect(1, stepped(initial(), i - 1).persist(), name="field")
@@ -133,8 +128,7 @@ def test_an_asynchronous_checkpoint_hands_out_no_array_that_reads_a_checkpoint_i
     ctx.finalize()
 
 
-
-def test_a_retirement_that_fails_midway_discards_what_it_retired(client, dirs, monkeypatch):
+def test_a_retirement_that_fails_midway_discards_what_it_retired(dask_client, dirs, monkeypatch):
     """A commit retires two checkpoints and fails on the second: the first one's directories are discarded at once
     (not left for a collection that does not come), and removals made afterwards run at once again."""
     from pathlib import Path
@@ -142,7 +136,7 @@ def test_a_retirement_that_fails_midway_discards_what_it_retired(client, dirs, m
     from ftidask.backends.dask.retention import DaskRetention
     from ftidask.model.errors import CheckpointError
 
-    ctx = ftidask.init(client=client, **dirs)
+    ctx = ftidask.init(client=dask_client, **dirs)
     ctx.protect(1, initial(), name="field")
     ctx.checkpoint(1, 2)
     ctx.checkpoint(2, 1)  # an L1 checkpoint retires no L2 one
