@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import reprlib
 from typing import Any
 
@@ -134,13 +135,24 @@ def _state_to_json(value: Any) -> Any:
     return value
 
 
+def _array_from_json(value: dict[str, Any]) -> np.ndarray:
+    """An array of a bit generator's state, as :func:`_state_to_json` writes it: integers or booleans of at most 8
+    bytes, a flat list of as many values as its shape holds. Checked before NumPy sees it (a ValueError): a forged
+    dtype of 2**31 bytes an element or a shape that is not the values' made a few values gigabytes."""
+    dtype = np.dtype(str(value[_NDARRAY_TAG]))
+    shape, values = value["shape"], value["values"]
+    if dtype.kind not in "biu" or dtype.itemsize > 8:
+        raise ValueError(f"array dtype {dtype} (a bit generator's state holds integers)")
+    if not isinstance(shape, list) or len(shape) > 32 or not all(type(n) is int and n >= 0 for n in shape) \
+            or not isinstance(values, list) or math.prod(shape) != len(values):
+        raise ValueError(f"array of shape {reprlib.repr(shape)} with {reprlib.repr(values)}")
+    return np.array(values, dtype=dtype).reshape(shape)
+
+
 def _state_from_json(value: Any) -> Any:
     if isinstance(value, dict):
         if _NDARRAY_TAG in value:
-            dtype = np.dtype(str(value[_NDARRAY_TAG]))
-            if dtype.hasobject:
-                raise ValueError("object dtype")
-            return np.array(value["values"], dtype=dtype).reshape([int(n) for n in value["shape"]])
+            return _array_from_json(value)
         return {k: _state_from_json(v) for k, v in value.items()}
     return value
 
@@ -177,7 +189,8 @@ class Holder:
             try:
                 state = _state_from_json(raw)
                 type(bg)().state = state  # tried on a fresh one first: a bad state leaves the user's untouched
-            except (ValueError, TypeError, KeyError, OverflowError) as exc:
+            # IndexError: a bit generator's setter indexes what it is given (an array where it wants a dict)
+            except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
                 raise RecoveryError(f"{what}: the stored {name} state is not valid: {exc}") from None
             return state
         try:
