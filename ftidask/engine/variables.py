@@ -65,10 +65,12 @@ def check_name(name: Any, vid: int | None = None, variables: Mapping[int, Any] |
         raise ProtectError(f"protect(..., name=...) takes a str, got {type(name).__name__} {name!r}")
     if name == "":
         raise ProtectError("protect(..., name=...) takes a non-empty str (or None: the variable is named var{id})")
+    if name is None:  # the default, var{id}: nothing to look for (a scan per protect made n of them quadratic)
+        return
     other = next((v for v, p in (variables or {}).items() if v != vid and p.name == name), None)
     if other is None and given is not None and given != vid:
         other = given
-    if name is not None and other is not None:
+    if other is not None:
         raise ProtectError(f"protect({vid}, ..., name={name!r}): the name is variable {other}'s; a name names one "
                            "variable (var_id finds it): give this one another name")
 

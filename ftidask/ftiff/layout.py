@@ -8,6 +8,7 @@ that shrinks keeps its containers, partly filled or empty (FTI-FF v1.1 semantics
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 
 from .structs import BMD_SIZE, FB_SIZE, VMD_SIZE
@@ -75,13 +76,21 @@ class Layout:
         for block in self.blocks:
             yield from block.slots
 
+    @functools.cached_property
+    def _by_var(self) -> dict[int, list[Slot]]:
+        # Made once per layout: a file of n variables was planned in n scans of every container (4.4 s at 5000).
+        out: dict[int, list[Slot]] = {}
+        for s in self.slots():
+            out.setdefault(s.var_id, []).append(s)
+        return out
+
     def slots_of(self, var_id: int) -> list[Slot]:
         """The containers of variable ``var_id``, in file order."""
-        return [s for s in self.slots() if s.var_id == var_id]
+        return list(self._by_var.get(var_id, ()))
 
     def capacity(self, var_id: int) -> int:
         """Bytes that the containers of variable ``var_id`` can hold."""
-        return sum(s.containersize for s in self.slots() if s.var_id == var_id)
+        return sum(s.containersize for s in self._by_var.get(var_id, ()))
 
 
 def _fill(slot: Slot, idx: int, nbytes: int) -> Slot:

@@ -8,6 +8,7 @@ bounded pieces through their flat iterator.
 from __future__ import annotations
 
 import dataclasses
+import math
 import reprlib
 from collections.abc import Iterator
 from typing import Any
@@ -214,7 +215,7 @@ class VarInfo:
         except ValueError as exc:
             raise FormatError(f"variable {info.id}: shape {reprlib.repr(shape)} with dtype {dtype} has more "
                               f"dimensions than NumPy supports ({exc})") from None
-        if int(np.prod(shape, dtype=object)) * dtype.itemsize != info.nbytes:
+        if math.prod(shape) * dtype.itemsize != info.nbytes:
             raise FormatError(f"variable {info.id}: shape {shape} x {dtype} does not make {info.nbytes} bytes")
         return info
 
