@@ -150,3 +150,21 @@ def test_protect_under_a_name_still_refuses_another_variables_name(dirs):
             ctx.protect(51, np.zeros(2), name="var7")  # the default name of variable 7
         ctx.protect(50, np.ones(2), name="u")  # its own name again
         ctx.protect(52, np.ones(2))
+
+
+def test_an_incremental_checkpoint_of_thousands_of_variables(dirs):
+    """Each variable added to an incremental checkpoint is written at once, its containers found from the layout's
+    index (each add scanned every container of the file before)."""
+    data = _state(2)
+    with ftidask.init(**dirs) as ctx:
+        for i, a in enumerate(data):
+            ctx.protect(i, a)
+        ctx.init_icp(1, 1)
+        for i in reversed(range(N)):  # any order
+            ctx.add_var_icp(i)
+        ctx.finalize_icp()
+        out = [np.full_like(a, 9) if a.nbytes else np.empty_like(a) for a in data]
+        for i, a in enumerate(out):
+            ctx.protect(i, a)
+        ctx.recover()
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(out, data))

@@ -69,8 +69,7 @@ class RankFileWriter:
     def write_var(self, var_id: int, source: Any) -> int:
         """Write and hash every container of ``var_id`` now (the array may change afterwards)."""
         spans = [((bi, si), slot.fptr, source, slot.dptr, slot.dptr + slot.chunksize)
-                 for bi, block in enumerate(self.layout.blocks) for si, slot in enumerate(block.slots)
-                 if slot.var_id == var_id and slot.hascontent]
+                 for bi, si, slot in self.layout.positions_of(var_id) if slot.hascontent]
         self.digests.update(write_spans(self.fh, spans, self.hash_id, self._pool))
         written = sum(stop - start for _key, _offset, _source, start, stop in spans)
         self.data_bytes += written
@@ -120,6 +119,9 @@ class OneShotWriter:
                  pt_fs: int | None, max_fs: int | None) -> tuple[WrittenFile, DcpStats | None]:
         """:class:`RankWriter`'s finish: the whole file written now, from ``meta`` (``write`` knows where)."""
         return self.write(meta=meta, pt_fs=pt_fs, max_fs=max_fs), None
+
+    #: the variables' sources and descriptions are made by ``write`` at finish (here neither is needed before)
+    at_finish = True
 
     def write_var(self, var_id: int, source: Any) -> int:
         """Nothing yet (0 bytes): :meth:`complete` writes every variable, from the arrays as they are then."""
@@ -172,6 +174,9 @@ class PendingCheckpoint:
                                   f"checkpoint {self.ckpt_id} started; its size must not change in between")
         if self.writer is None:
             raise CheckpointError(self.error or "checkpoint file not open")
+        if getattr(self.writer, "at_finish", False):  # described and read at finish: nothing to make per variable
+            self.written.add(var_id)
+            return
         self.infos[var_id] = VarInfo.of(var_id, name, array, **self.extras.get(var_id, {}))
         try:
             self.writer.write_var(var_id, source if source is not None else ArrayBytes(array))
@@ -185,7 +190,8 @@ class PendingCheckpoint:
         if missing:
             raise CheckpointError(f"checkpoint {self.ckpt_id}: protected variables {missing} were not added")
         trailer = dict(meta)
-        trailer["vars"] = [self.infos[vid].to_json() for vid in self.sizes]
+        if not getattr(self.writer, "at_finish", False):
+            trailer["vars"] = [self.infos[vid].to_json() for vid in self.sizes]
         if self.writer is None:
             raise CheckpointError(self.error or "checkpoint file not open")
         try:

@@ -77,20 +77,25 @@ class Layout:
             yield from block.slots
 
     @functools.cached_property
-    def _by_var(self) -> dict[int, list[Slot]]:
+    def _by_var(self) -> dict[int, list[tuple[int, int, Slot]]]:
         # Made once per layout: a file of n variables was planned in n scans of every container (4.4 s at 5000).
-        out: dict[int, list[Slot]] = {}
-        for s in self.slots():
-            out.setdefault(s.var_id, []).append(s)
+        out: dict[int, list[tuple[int, int, Slot]]] = {}
+        for bi, block in enumerate(self.blocks):
+            for si, s in enumerate(block.slots):
+                out.setdefault(s.var_id, []).append((bi, si, s))
         return out
+
+    def positions_of(self, var_id: int) -> list[tuple[int, int, Slot]]:
+        """The containers of variable ``var_id`` in file order, each with its block's index and its own in it."""
+        return list(self._by_var.get(var_id, ()))
 
     def slots_of(self, var_id: int) -> list[Slot]:
         """The containers of variable ``var_id``, in file order."""
-        return list(self._by_var.get(var_id, ()))
+        return [s for _b, _i, s in self._by_var.get(var_id, ())]
 
     def capacity(self, var_id: int) -> int:
         """Bytes that the containers of variable ``var_id`` can hold."""
-        return sum(s.containersize for s in self._by_var.get(var_id, ()))
+        return sum(s.containersize for _b, _i, s in self._by_var.get(var_id, ()))
 
 
 def _fill(slot: Slot, idx: int, nbytes: int) -> Slot:
