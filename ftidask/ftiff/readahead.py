@@ -14,13 +14,30 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 PIECE = 2 << 20  # bytes per read of a span hashed through a ring of buffers
 SLOTS = 6  # buffers in the ring: one being hashed, the others being read ahead
 #: threads reading one span ahead of its hash: from the page cache, one thread's copy is the bottleneck (6 GB/s
 #: here, where the hash runs at 50), two double it; from a disk, two reads in flight keep its queue fuller.
 READERS = min(2, os.cpu_count() or 1)
+
+
+def runs(items: Sequence[T], size: Callable[[T], int], at_least: int) -> list[list[T]]:
+    """``items`` in order, cut into runs of at least ``at_least`` bytes by ``size`` (an item that large alone): a
+    task per small item costs more than the item (10,000 variables of 1 KiB: 20,000 tasks for one recovery)."""
+    out: list[list[T]] = []
+    held = at_least
+    for item in items:
+        if held >= at_least:
+            out.append([])
+            held = 0
+        out[-1].append(item)
+        held += size(item)
+    return out
 
 
 def read_full(fd: int, offset: int, view: memoryview) -> int:

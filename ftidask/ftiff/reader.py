@@ -346,14 +346,7 @@ def _copy_direct(fh: BinaryIO, parsed: FtiffFile, spans: list[tuple[int, memoryv
     """
     pieces = [(offset + lo, view[lo:lo + _COPY_PIECE], what)
               for offset, view, what in spans for lo in range(0, len(view), _COPY_PIECE)]
-    runs: list[list[tuple[int, memoryview, str]]] = []
-    size = _COPY_PIECE
-    for piece in pieces:
-        if size >= _COPY_PIECE:
-            runs.append([])
-            size = 0
-        runs[-1].append(piece)
-        size += len(piece[1])
+    runs = readahead.runs(pieces, lambda piece: len(piece[1]), _COPY_PIECE)
 
     def copy(run: list[tuple[int, memoryview, str]]) -> str:
         return next((what for what in map(lambda group: _read_group(fh.fileno(), group), _contiguous(run)) if what),

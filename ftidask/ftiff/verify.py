@@ -26,7 +26,7 @@ THREADS = min(4, os.cpu_count() or 1)  # containers checked at once
 #: more than hashing a few MiB (a 1 MiB state's recovery took 50-100 ms on a loaded 2-core machine, nearly all of
 #: it spent waiting for the verifying threads to start)
 INLINE_BYTES = 4 << 20
-BATCH_BYTES = 1 << 20  # containers smaller than this are checked a run of them per task (see batches)
+BATCH_BYTES = 1 << 20  # containers smaller than this are checked a run of them per task (readahead.runs)
 _local = threading.local()
 
 
@@ -80,22 +80,9 @@ def first_problem(fd: int, parsed: Any, jobs: Sequence[tuple[int, int, Container
     def check_batch(batch: Sequence[tuple[int, int, ContainerMeta]]) -> str:
         return next((problem for problem in map(check, batch) if problem), "")
 
+    runs = readahead.runs(jobs, lambda job: job[2].chunksize, BATCH_BYTES)
     with ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="ftidask-verify") as pool:
-        return next((problem for problem in pool.map(check_batch, batches(jobs)) if problem), "")
-
-
-def batches(jobs: Sequence[tuple[int, int, ContainerMeta]]) -> list[list[tuple[int, int, ContainerMeta]]]:
-    """``jobs`` in order, cut into runs of at least :data:`BATCH_BYTES` (a large container alone): a task per small
-    container cost more than its hash (10,000 variables of 1 KiB: 20,000 tasks, half a second of a recovery)."""
-    out: list[list[tuple[int, int, ContainerMeta]]] = []
-    size = BATCH_BYTES
-    for job in jobs:
-        if size >= BATCH_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(job)
-        size += job[2].chunksize
-    return out
+        return next((problem for problem in pool.map(check_batch, runs) if problem), "")
 
 
 def md5_hex(fd: int, start: int, stop: int) -> str:
