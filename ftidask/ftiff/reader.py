@@ -349,8 +349,7 @@ def _copy_direct(fh: BinaryIO, parsed: FtiffFile, spans: list[tuple[int, memoryv
     runs = readahead.runs(pieces, lambda piece: len(piece[1]), _COPY_PIECE)
 
     def copy(run: list[tuple[int, memoryview, str]]) -> str:
-        return next((what for what in map(lambda group: _read_group(fh.fileno(), group), _contiguous(run)) if what),
-                    "")
+        return next((short for short in (_read_group(fh.fileno(), group) for group in _contiguous(run)) if short), "")
 
     if len(runs) < 2 or _COPY_THREADS < 2:
         problems = [copy(r) for r in runs]
