@@ -1,7 +1,8 @@
 """A base install (``pip install -e .``, docs/installation.md: enough for one process and the command line) has no
-numcodecs, which compression needs (the ``zarr`` extra). A compressor asked for, or a compressed file read, is then a
-one-line ftidask error that says what to install, at ``init``/``protect`` rather than at every checkpoint, and
-``ftidask verify``/``inspect`` of a compressed file print ``ftidask: error: ...`` (exit 2), never a traceback."""
+numcodecs, which compression needs, and no zarr (both the ``zarr`` extra). A compressor asked for, or a compressed file
+read, is then a one-line ftidask error that says what to install, at ``init``/``protect`` rather than at every
+checkpoint; ``ftidask verify``/``inspect`` of a compressed file or a Zarr store print ``ftidask: error: ...`` (exit 2),
+never a traceback, and never call a sound file damaged."""
 
 import sys
 
@@ -55,3 +56,21 @@ def test_cli_on_a_compressed_file_is_one_line(tmp_path, monkeypatch, capsys):
         err = capsys.readouterr().err
         assert err.startswith("ftidask: error: ") and err.count("\n") == 1, err
         assert "numcodecs" in err and HINT in err, err
+
+
+def test_cli_verify_of_a_zarr_store_without_zarr_is_an_error_not_damage(tmp_path, monkeypatch, capsys):
+    """Without the zarr package, ``ftidask verify STORE`` said ``DAMAGED`` (exit 1) of a sound store."""
+    pytest.importorskip("zarr")
+    from ftidask.tools.zarr_export import export_checkpoint
+
+    ctx = ftidask.init(**_dirs(tmp_path))
+    ctx.protect(1, np.arange(10.0))
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    store = tmp_path / "s.zarr"
+    export_checkpoint(next(tmp_path.glob("l/node0/*/l1/ckpt1.s*")), store)
+    monkeypatch.setitem(sys.modules, "zarr", None)
+    capsys.readouterr()
+    assert cli_main(["verify", str(store)]) == 2
+    out, err = capsys.readouterr()
+    assert "DAMAGED" not in out and err.startswith("ftidask: error: ") and HINT in err, out + err
