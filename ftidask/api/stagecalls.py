@@ -43,7 +43,9 @@ class StagingCalls:
         return self._staging.get().table.query(request_id_of(request_id))
 
     def stage_info(self, request_id: int) -> StageInfo | None:
-        """The request's state, reason, paths, times (a final state not consumed; kept for 1024 stage_status read)."""
+        """The request's state, reason, paths and times (a :class:`StageInfo`), or None for an unknown id. It does
+        not consume a final state, and still knows a request whose final state stage_status returned, for the last
+        1024 of them (``reason`` says why one failed)."""
         self._check_open()
         return self._staging.get().table.info(request_id_of(request_id))
 
