@@ -120,9 +120,18 @@ class ResilientLoop:
 
     # --- the loop ----------------------------------------------------------------------------------
 
-    def _stop_requested(self) -> bool:
-        # Ranks receive the signal at different moments: agree, so that all checkpoint together.
-        return any(self.ctx.transport.allgather(self._signalled is not None))
+    def _stop_requested(self) -> str:
+        """Which rank received which signal (e.g. ``"SIGTERM on rank 0"``), '' when none did. Ranks receive the
+        signal at different moments: they agree, so that all checkpoint together, and all name the same one."""
+        got = self.ctx.transport.allgather(self._signalled)
+        rank, signum = next(((r, s) for r, s in enumerate(got) if s is not None), (None, None))
+        if signum is None:
+            return ""
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        return f"{name} on rank {rank}"
 
     def _checkpoint(self, next_iteration: int, level: int) -> None:
         self.counter.value = next_iteration
@@ -135,10 +144,11 @@ class ResilientLoop:
             done = i + 1
             if done % self.every == 0 and done < self.iterations:
                 self._checkpoint(done, self.level)
-            if done % self.check_every == 0 and done < self.iterations and self._stop_requested():
+            received = self._stop_requested() if done % self.check_every == 0 and done < self.iterations else ""
+            if received:
                 if self.last_checkpoint != done:
                     self._checkpoint(done, self.stop_level)
-                log.warning("signal %s: checkpointed at iteration %d, stopping", self._signalled, done)
+                log.warning("%s: checkpointed at iteration %d, stopping", received, done)
                 self.stopped = True
                 return
 
