@@ -308,8 +308,9 @@ class Context(RecoveryCalls, StagingCalls):
         """The communicator the application must use (FTI_COMM_WORLD: heads excluded); None without MPI."""
         return getattr(self.transport, "comm", None)
 
-    def wait_post_processing(self) -> Any:
-        """Wait for the heads' post-processing of the last checkpoint: their reply ``{"ok", "error", ...}``, or None."""
+    def wait_post_processing(self) -> dict[str, Any] | None:
+        """Wait for the heads' post-processing of the last checkpoint: their reply ``{"ok", "error", ...}``, or None
+        (no heads, or the last checkpoint needed no post-processing)."""
         self._async.drain()  # the background's request too: its transport shares the head's state
         return self.transport.wait_post()
 

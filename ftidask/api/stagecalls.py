@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from ..staging.stager import StageInfo, Stager, Staging, request_id_of
 
@@ -49,7 +48,9 @@ class StagingCalls:
         self._check_open()
         return self._staging.get().table.info(request_id_of(request_id))
 
-    def wait_staged(self, request_id: int | None = None, timeout: float | None = None) -> Any:
-        """Wait for one request (its state) or all (``{id: state}``); final states are not consumed."""
+    def wait_staged(self, request_id: int | None = None, timeout: float | None = None) -> int | dict[int, int]:
+        """Wait for one request (its state, ``SI_NINI`` if unknown) or, with ``request_id`` None, every one whose
+        final state was not yet read (``{id: state}``), at most ``timeout`` seconds (None: no limit); final states
+        are not consumed."""
         self._check_open()
         return self._staging.get().wait(request_id, timeout)
