@@ -33,7 +33,7 @@ def test_mkdocs_build_strict(tmp_path):
     for notebook in NOTEBOOKS:  # rendered as tutorial pages
         page = (tmp_path / "site" / "tutorial" / notebook.stem / "index.html").read_text()
         assert "<h1" in page and "language-python" in page, notebook.name
-    for internal in ("StagingMixin", "ThreadMover", "write_ftiff", "zarr_store", "add_export_command"):
+    for internal in ("StagingMixin", "ThreadMover", "write_ftiff", "zarr_store", "add_export_command", "RecoveryCalls"):
         assert internal not in api, internal
 
 

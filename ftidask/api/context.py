@@ -45,7 +45,8 @@ log = logging.getLogger("ftidask")
 
 
 class Context(RecoveryCalls, StagingCalls):
-    """One process's handle on a run: protected variables, checkpoints, recovery (:class:`RecoveryCalls`)."""
+    """A handle on a run, what :func:`ftidask.init` returns (the MPI and Dask backends' contexts are ones too):
+    protected variables, checkpoints, recovery and staging, FTI's calls as methods (see docs/guide.md)."""
 
     def __init__(self, config: Config, transport: Transport, *, retention: RetentionFactory = Retention) -> None:
         """``retention`` makes the collaborator that retires checkpoints (a backend with files elsewhere: its own)."""
