@@ -99,7 +99,7 @@ class Context(RecoveryCalls, StagingCalls):
         """FTI_Protect: register ``array`` under ``id`` (again: update its array and size).
 
         ``compressor`` (``"zstd"``, ``"lz4"``, ``"blosc"``, ``"none"``, a numcodecs codec...) overrides
-        ``[advanced] compressor`` for this variable; see :mod:`ftidask.ftiff.compression`.
+        ``[advanced] compressor`` for this variable; see docs/zarr.md.
         ``global_shape`` and ``offset`` (or ``global_shape=ftidask.Block(shape, offset)``) declare the
         array as a block of a global array, ``replicated=True`` as held whole by every rank: a restart
         on another number of ranks then redistributes it (see docs/mpi.md).
@@ -116,7 +116,7 @@ class Context(RecoveryCalls, StagingCalls):
 
     def var_id(self, name: str, *, create: bool = True) -> int | None:
         """FTI_setIDFromString / FTI_getIDFromString (``create=False``): the id named ``name``, else a new one or
-        None (:mod:`ftidask.api.names`). On a restart, on MPI, every rank calls the first one (collective)."""
+        None (docs/guide.md). On a restart, on MPI, every rank calls the first one (collective)."""
         self._check_open()
         return self._names.id_for(name, self._vars, create, self._stored_names)
 
