@@ -31,12 +31,15 @@ import logging
 import signal
 import types
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..engine.pystate import Value
 from ..model.errors import FTIError
+
+if TYPE_CHECKING:  # for the signatures only: context.py does not import this module
+    from .context import Context
 
 log = logging.getLogger("ftidask")
 
@@ -58,7 +61,7 @@ class ResilientLoop:
     that iteration was just checkpointed), the loop ends and ``loop.stopped`` is True.
     """
 
-    def __init__(self, ctx: Any, *, arrays: Mapping[int, Any], every: int, level: int = 1,
+    def __init__(self, ctx: Context, *, arrays: Mapping[int, Any], every: int, level: int = 1,
                  iterations: int, stop_level: int | None = None, signals: tuple[int, ...] = STOP_SIGNALS,
                  check_every: int = 1, rng: Any = None, state: dict[str, Any] | None = None) -> None:
         if not callable(getattr(ctx, "protect", None)) or not callable(getattr(ctx, "_check_level", None)):
@@ -153,7 +156,7 @@ class ResilientLoop:
                 return
 
 
-def resilient(ctx: Any, *, arrays: Mapping[int, Any], every: int, level: int = 1, iterations: int,
+def resilient(ctx: Context, *, arrays: Mapping[int, Any], every: int, level: int = 1, iterations: int,
               stop_level: int | None = None, exit_on_signal: bool = True, check_every: int = 1,
               rng: Any = None, state: dict[str, Any] | None = None
               ) -> Callable[[Callable[[int], Any]], Callable[[], int]]:

@@ -15,7 +15,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -239,7 +239,7 @@ class DaskContext(DaskWriting, Context):
     # --- recovery ----------------------------------------------------------------------------------
 
     def recover(self, ckpt_id: int | None = None, level: int | None = None,
-                chunks: Any = None, *, ids: Any = None) -> dict[int, Any]:
+                chunks: Any = None, *, ids: int | Iterable[int] | None = None) -> dict[int, Any]:
         """Rebuild the newest checkpoint that verifies; returns id -> array (a new Dask array for Dask
         variables: rebind it; NumPy variables are filled in place).
 
