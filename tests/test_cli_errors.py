@@ -225,3 +225,16 @@ def test_list_with_a_sealed_record_whose_time_no_calendar_has(tmp_path, timestam
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     assert "DAMAGED (1 of 1 files), commit record damaged" in proc.stdout, proc.stdout
     assert main(["list", str(tmp_path)]) == 0
+
+
+def test_list_and_clean_take_a_config_as_their_directory(run_dir):
+    """`ftidask list config.fti` (as `verify config.fti` is written) said 'no checkpoints under config.fti' (exit 0);
+    it now lists the config's run, as --config does, and clean takes it too. Another file is an error."""
+    proc = cli("list", "config.fti", cwd=run_dir)
+    assert proc.returncode == 0 and proc.stdout.count("sound") == 2, proc.stdout + proc.stderr
+    rank_file = find_paths(Path("Local"), "Ckpt2-Rank0.fti")[0]
+    for command in (("list", rank_file), ("clean", rank_file, "--yes")):
+        assert_error(cli(*command, cwd=run_dir), "is a file, not a directory", "--config")
+    proc = cli("clean", "config.fti", "--yes", cwd=run_dir)  # the run_dir context holds the run: skipped
+    assert proc.returncode == 0 and "in use by" in proc.stdout and "nothing to clean" in proc.stdout, proc.stdout
+    assert list(find_paths(Path("Local"), "*.fti"))

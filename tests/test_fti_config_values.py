@@ -46,3 +46,16 @@ def test_a_config_rewritten_by_fti_update_conf_loads(tmp_path):
                    "block_size                     = 1024\nlustre_striping_factor         = -1\n\n\n")
     config = ftidask.load_config(cfg)
     assert (config.failure, config.exec_id, config.ckpt_dir, config.ckpt_l1) == (1, "2017-11-24_14-09-26", "./Local", 1)
+
+
+@pytest.mark.parametrize("value", ["true", "No", "ON", "off", "1"])
+def test_booleans_as_docs_config_md_lists_them(tmp_path, value):
+    cfg = tmp_path / "config.fti"
+    cfg.write_text(f"[basic]\nkeep_last_ckpt = {value}\n")
+    assert ftidask.load_config(cfg).keep_last_ckpt is (value.lower() in ("true", "on", "1"))
+
+
+def test_a_bad_boolean_names_every_accepted_form():
+    """The error said 'expected 0 or 1' of a key that also takes true/false, yes/no, on/off (docs/config.md)."""
+    with pytest.raises(ftidask.ConfigError, match=r"keep_last_ckpt.*0/1, true/false, yes/no or on/off, got 'maybe'"):
+        ftidask.load_config(None, keep_last_ckpt="maybe")

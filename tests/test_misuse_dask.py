@@ -92,3 +92,17 @@ def test_a_context_whose_client_closed_still_shows_itself(dask_client, dirs) -> 
         assert "workers=2" in repr(again)
         got = again.recover()[1]
         assert again.recovered_from == (1, 1) and (got.compute() == np.arange(12.0)).all()
+
+
+def test_l4_format_zarr_is_said_to_be_unused(dask_client, dirs, caplog) -> None:
+    """docs/dask.md: l4_format = zarr is not used on Dask (level 4 is FTI-FF). It was ignored silently; init now warns,
+    as it does for a ckpt_io that ftidask does not write, and level 4 is written as FTI-FF files."""
+    caplog.set_level("WARNING", logger="ftidask")
+    ctx = ftidask.init(**dirs, client=dask_client, l4_format="zarr")
+    assert "l4_format = zarr is not used on Dask" in caplog.text, caplog.text
+    ctx.protect(1, da.arange(12.0, chunks=4))
+    ctx.checkpoint(1, 4)
+    from pathlib import Path
+
+    assert list(Path(dirs["glbl_dir"]).glob("*/l4/ckpt1.s*/Ckpt1-Rank*.fti"))
+    ctx.finalize()

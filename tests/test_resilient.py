@@ -57,3 +57,27 @@ def test_reserved_id_and_bad_arguments(tmp_path: Path) -> None:
                               iterations=3)
     with pytest.raises(FTIError, match="every"):
         ftidask.ResilientLoop(ctx, arrays={}, every=0, iterations=3)
+
+
+def test_signal_on_another_rank_is_named_on_every_rank(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A rank that did not receive the signal logged 'signal None: checkpointed ...': every rank now names the
+    signal and the rank that received it (here rank 1, simulated through the transport's allgather)."""
+    ctx = _ctx(tmp_path)
+    x = np.zeros(10)
+    calls, real = [], ctx.transport.allgather
+
+    def allgather(value):  # this process is rank 0; "rank 1" received SIGTERM at the loop's second check
+        if not (value is None or isinstance(value, int)):
+            return real(value)  # a checkpoint's own agreement
+        calls.append(value)
+        return [value, signal.SIGTERM if len(calls) >= 2 else None]
+
+    monkeypatch.setattr(ctx.transport, "allgather", allgather)
+    caplog.set_level("WARNING", logger="ftidask")
+    with ftidask.ResilientLoop(ctx, arrays={1: x}, every=10, level=1, iterations=100) as loop:
+        for _i in loop:
+            x += 1
+    assert loop.stopped and ctx.last_checkpoint.id == 2 and x[0] == 2.0
+    assert "SIGTERM on rank 1: checkpointed at iteration 2, stopping" in caplog.text, caplog.text
+    assert "None" not in caplog.text
+    ctx.finalize()

@@ -45,7 +45,8 @@ log = logging.getLogger("ftidask")
 
 
 class Context(RecoveryCalls, StagingCalls):
-    """One process's handle on a run: protected variables, checkpoints, recovery (:class:`RecoveryCalls`)."""
+    """A handle on a run, what :func:`ftidask.init` returns (the MPI and Dask backends' contexts are ones too):
+    protected variables, checkpoints, recovery and staging, FTI's calls as methods (see docs/guide.md)."""
 
     def __init__(self, config: Config, transport: Transport, *, retention: RetentionFactory = Retention) -> None:
         """``retention`` makes the collaborator that retires checkpoints (a backend with files elsewhere: its own)."""
@@ -98,7 +99,7 @@ class Context(RecoveryCalls, StagingCalls):
         """FTI_Protect: register ``array`` under ``id`` (again: update its array and size).
 
         ``compressor`` (``"zstd"``, ``"lz4"``, ``"blosc"``, ``"none"``, a numcodecs codec...) overrides
-        ``[advanced] compressor`` for this variable; see :mod:`ftidask.ftiff.compression`.
+        ``[advanced] compressor`` for this variable; see docs/zarr.md.
         ``global_shape`` and ``offset`` (or ``global_shape=ftidask.Block(shape, offset)``) declare the
         array as a block of a global array, ``replicated=True`` as held whole by every rank: a restart
         on another number of ranks then redistributes it (see docs/mpi.md).
@@ -115,7 +116,7 @@ class Context(RecoveryCalls, StagingCalls):
 
     def var_id(self, name: str, *, create: bool = True) -> int | None:
         """FTI_setIDFromString / FTI_getIDFromString (``create=False``): the id named ``name``, else a new one or
-        None (:mod:`ftidask.api.names`). On a restart, on MPI, every rank calls the first one (collective)."""
+        None (docs/guide.md). On a restart, on MPI, every rank calls the first one (collective)."""
         self._check_open()
         return self._names.id_for(name, self._vars, create, self._stored_names)
 
@@ -308,8 +309,9 @@ class Context(RecoveryCalls, StagingCalls):
         """The communicator the application must use (FTI_COMM_WORLD: heads excluded); None without MPI."""
         return getattr(self.transport, "comm", None)
 
-    def wait_post_processing(self) -> Any:
-        """Wait for the heads' post-processing of the last checkpoint: their reply ``{"ok", "error", ...}``, or None."""
+    def wait_post_processing(self) -> dict[str, Any] | None:
+        """Wait for the heads' post-processing of the last checkpoint: their reply ``{"ok", "error", ...}``, or None
+        (no heads, or the last checkpoint needed no post-processing)."""
         self._async.drain()  # the background's request too: its transport shares the head's state
         return self.transport.wait_post()
 

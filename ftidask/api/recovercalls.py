@@ -9,6 +9,7 @@ Separate from :mod:`ftidask.api.context` so that the context module keeps room f
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ class RecoveryCalls:
         return STATUS_FRESH if self.progress.recovered_all else self._status
 
     def recover(self, ckpt_id: int | None = None, level: int | None = None, *,
-                ids: Any = None) -> dict[int, Any]:
+                ids: int | Iterable[int] | None = None) -> dict[int, Any]:
         """FTI_Recover: fill the protected arrays (and Python states) from the newest checkpoint that verifies.
 
         ``ids`` (FTI_RecoverVar): recover only these variables, the others untouched. Every hash is checked before any

@@ -31,12 +31,15 @@ import logging
 import signal
 import types
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..engine.pystate import Value
 from ..model.errors import FTIError
+
+if TYPE_CHECKING:  # for the signatures only: context.py does not import this module
+    from .context import Context
 
 log = logging.getLogger("ftidask")
 
@@ -58,7 +61,7 @@ class ResilientLoop:
     that iteration was just checkpointed), the loop ends and ``loop.stopped`` is True.
     """
 
-    def __init__(self, ctx: Any, *, arrays: Mapping[int, Any], every: int, level: int = 1,
+    def __init__(self, ctx: Context, *, arrays: Mapping[int, Any], every: int, level: int = 1,
                  iterations: int, stop_level: int | None = None, signals: tuple[int, ...] = STOP_SIGNALS,
                  check_every: int = 1, rng: Any = None, state: dict[str, Any] | None = None) -> None:
         if not callable(getattr(ctx, "protect", None)) or not callable(getattr(ctx, "_check_level", None)):
@@ -120,9 +123,18 @@ class ResilientLoop:
 
     # --- the loop ----------------------------------------------------------------------------------
 
-    def _stop_requested(self) -> bool:
-        # Ranks receive the signal at different moments: agree, so that all checkpoint together.
-        return any(self.ctx.transport.allgather(self._signalled is not None))
+    def _stop_requested(self) -> str:
+        """Which rank received which signal (e.g. ``"SIGTERM on rank 0"``), '' when none did. Ranks receive the
+        signal at different moments: they agree, so that all checkpoint together, and all name the same one."""
+        got = self.ctx.transport.allgather(self._signalled)
+        rank, signum = next(((r, s) for r, s in enumerate(got) if s is not None), (None, None))
+        if signum is None:
+            return ""
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        return f"{name} on rank {rank}"
 
     def _checkpoint(self, next_iteration: int, level: int) -> None:
         self.counter.value = next_iteration
@@ -135,15 +147,16 @@ class ResilientLoop:
             done = i + 1
             if done % self.every == 0 and done < self.iterations:
                 self._checkpoint(done, self.level)
-            if done % self.check_every == 0 and done < self.iterations and self._stop_requested():
+            received = self._stop_requested() if done % self.check_every == 0 and done < self.iterations else ""
+            if received:
                 if self.last_checkpoint != done:
                     self._checkpoint(done, self.stop_level)
-                log.warning("signal %s: checkpointed at iteration %d, stopping", self._signalled, done)
+                log.warning("%s: checkpointed at iteration %d, stopping", received, done)
                 self.stopped = True
                 return
 
 
-def resilient(ctx: Any, *, arrays: Mapping[int, Any], every: int, level: int = 1, iterations: int,
+def resilient(ctx: Context, *, arrays: Mapping[int, Any], every: int, level: int = 1, iterations: int,
               stop_level: int | None = None, exit_on_signal: bool = True, check_every: int = 1,
               rng: Any = None, state: dict[str, Any] | None = None
               ) -> Callable[[Callable[[int], Any]], Callable[[], int]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from ..staging.stager import StageInfo, Stager, Staging, request_id_of
 
@@ -43,11 +42,15 @@ class StagingCalls:
         return self._staging.get().table.query(request_id_of(request_id))
 
     def stage_info(self, request_id: int) -> StageInfo | None:
-        """The request's state, reason, paths, times (a final state not consumed; kept for 1024 stage_status read)."""
+        """The request's state, reason, paths and times (a :class:`StageInfo`), or None for an unknown id. It does
+        not consume a final state, and still knows a request whose final state stage_status returned, for the last
+        1024 of them (``reason`` says why one failed)."""
         self._check_open()
         return self._staging.get().table.info(request_id_of(request_id))
 
-    def wait_staged(self, request_id: int | None = None, timeout: float | None = None) -> Any:
-        """Wait for one request (its state) or all (``{id: state}``); final states are not consumed."""
+    def wait_staged(self, request_id: int | None = None, timeout: float | None = None) -> int | dict[int, int]:
+        """Wait for one request (its state, ``SI_NINI`` if unknown) or, with ``request_id`` None, every one whose
+        final state was not yet read (``{id: state}``), at most ``timeout`` seconds (None: no limit); final states
+        are not consumed."""
         self._check_open()
         return self._staging.get().wait(request_id, timeout)

@@ -8,6 +8,7 @@ import logging
 import os
 from typing import Any
 
+from ..ftiff import compression
 from ..model.config import Config
 from ..model.errors import FTIError
 from . import logsetup
@@ -50,6 +51,8 @@ def init(config: str | os.PathLike[str] | Config | None = None, *, comm: Any = N
 
     try:
         cfg = load_config(config, **overrides).with_absolute_dirs()  # every backend, MPI heads included
+        if cfg.compressor is not None:  # its codec can be had (numcodecs installed): here, not at every checkpoint
+            compression.parse_compressor(cfg.compressor)
     except FTIError as exc:
         if comm is None or client is not None:
             raise

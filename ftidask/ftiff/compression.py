@@ -77,14 +77,18 @@ def parse_compressor(spec: Any) -> dict[str, Any] | None:
 
 
 def get_codec(config: Mapping[str, Any]) -> Any:
-    """A numcodecs codec for an allowed config (from a file or a user)."""
-    import numcodecs
-
+    """A numcodecs codec for an allowed config (from a file or a user). Without numcodecs (an install without
+    the ``zarr`` extra) a :class:`ConfigError` says what to install: the file is not damaged."""
     config = dict(config)
     if config.get("id") not in ALLOWED_IDS:
         raise FormatError(f"codec {config.get('id')!r} is not one ftidask decodes ({', '.join(ALLOWED_IDS)})")
     # A file's config is checked as a user's is: numcodecs hands its integers to C as they are.
     codecspec.check_config(config, FormatError)
+    try:
+        import numcodecs
+    except ImportError:
+        raise ConfigError(f"compression (codec {config['id']!r}) needs numcodecs, which is not installed: "
+                          "pip install 'ftidask[zarr]'") from None
     try:
         return numcodecs.get_codec(config)
     except (TypeError, ValueError, OverflowError) as exc:  # unknown keys, values of the wrong type

@@ -51,7 +51,7 @@ def _parse_bool(key: str, value: Any) -> bool:
         return True
     if text in _FALSE:
         return False
-    raise ConfigError(f"config key {key!r}: expected 0 or 1, got {value!r}")
+    raise ConfigError(f"config key {key!r}: expected a boolean, 0/1, true/false, yes/no or on/off, got {value!r}")
 
 
 def _parse_str(key: str, value: Any) -> str:

@@ -36,7 +36,7 @@ class NoCheckpointError(RecoveryError):
 
 
 class RunInUseError(FTIError):
-    """The run named by ``exec_id`` is being written by a live process (see :mod:`ftidask.storage.runlock`)."""
+    """The run named by ``exec_id`` is being written by a live process (docs/guide.md, runs sharing a directory)."""
 
 
 class LevelError(FTIError, ValueError):

@@ -129,6 +129,20 @@ def _verify_posix(root: Path, meta: str) -> int:
     return 1 if bad else 0
 
 
+def _config_as_dir(args: argparse.Namespace) -> int | None:
+    """``list``/``clean``: a ``DIR`` that is a config file stands for ``--config`` (as ``verify config.fti`` takes
+    one; told apart by content); another file is an error (its exit status), a directory None."""
+    path = Path(args.dir)
+    if args.config or not path.is_file():
+        return None
+    if not is_config_file(path):
+        return _error(f"{path} is a file, not a directory: give the base directory (holding Local/, Global/ and "
+                      "Meta/) or the run's config (--config CONFIG)")
+    check_config_file(args.dir)
+    args.config = args.dir
+    return None
+
+
 def _dirs(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     if args.config:
         cfg = load_checked_config(args.config)
@@ -164,7 +178,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     """``ftidask list``: the checkpoints of the runs under a directory (or a config's), with their state."""
     if not args.config and not Path(args.dir).exists():
         return _missing(Path(args.dir))
-    roots = [p for p in _dirs(args)[:2] if p.is_dir()] or [Path(args.dir)]
+    if (refused := _config_as_dir(args)) is not None:
+        return refused
+    roots = [p for p in _dirs(args)[:2] if p.is_dir()] or (list(_dirs(args)[:2]) if args.config else [Path(args.dir)])
     meta = _dirs(args)[2]
     groups: dict[tuple[str, int], list[tuple[Path, str, object]]] = {}
     for root in roots:
@@ -211,9 +227,11 @@ def _runs_to_clean(args: argparse.Namespace, meta: Path, stage: Path) -> set[str
 
 def cmd_clean(args: argparse.Namespace) -> int:
     """``ftidask clean``: remove the files of finished or named runs (never those of a live one)."""
-    local, glbl, meta = _dirs(args)
     if not args.config and not Path(args.dir).exists():
         return _missing(Path(args.dir))
+    if (refused := _config_as_dir(args)) is not None:
+        return refused
+    local, glbl, meta = _dirs(args)
     stage = local / "stage"
     runs = _runs_to_clean(args, meta, stage)
     if args.exec_id and not any(p.exists() for p in [*local.glob(f"node*/{args.exec_id}"), glbl / args.exec_id,
@@ -278,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (("list", cmd_list, "list the checkpoints found"),
                              ("clean", cmd_clean, "remove a run's checkpoints")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("dir", nargs="?", default=".", help="base directory holding Local/, Global/, Meta/")
+        p.add_argument("dir", nargs="?", default=".",
+                       help="base directory holding Local/, Global/, Meta/ (or a config file, as --config)")
         p.add_argument("--config", help="an FTI-style config file naming the directories")
         if name == "clean":
             p.add_argument("--exec-id", help="only this run (default: every run under Meta/)")

@@ -100,7 +100,7 @@ def fti_run_files(config: str | os.PathLike[str] | Config, rank: int, *,
 
     ``comm``: which communicator ``rank`` is a rank of, ``"global"`` (the one given to FTI_Init, heads included, as
     in FTI's file names) or ``"app"`` (FTI_COMM_WORLD); it must be said for a run with heads (``head = 1``), where
-    the two differ (:func:`ftidask.tools.fti_ranks.global_rank`: ConfigError otherwise, and for a head's rank)."""
+    the two differ (:func:`global_rank`: ConfigError otherwise, and for a head's rank)."""
     cfg = _config(config)
     rank = global_rank(cfg, rank, comm)
     exec_id, per_node, group = cfg.exec_id, cfg.node_size, cfg.group_size
@@ -147,7 +147,7 @@ def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int
     restart finds it (:func:`fti_run_files`' order: the first file that verifies); the file read is returned.
 
     At level 3, a checkpoint whose rank file is missing or refused is rebuilt from its group's other files and FTI's
-    parity (:func:`ftidask.tools.fti_l3.rebuild_rank_file`, in place, as FTI_RecoverL3 does) and the rebuilt file
+    parity (in place, as FTI_RecoverL3 does) and the rebuilt file
     read (``rebuilt`` True). None verifying is a :class:`NoCheckpointError` saying why each was refused (a rebuild
     too: too many losses, damaged parity), the arrays untouched. ``comm`` as for :func:`fti_run_files` (to be said
     with heads); the files are those of the global rank it gives."""

@@ -23,7 +23,7 @@ import numpy as np
 from ..ftiff import hashing
 from ..ftiff.trailer import check_header
 from ..model.arrays import VarInfo
-from ..model.errors import FormatError
+from ..model.errors import ConfigError, FormatError
 from ..storage import files as storage
 from ..storage.swap import replace_tree, sweep_temps_beside, temp_beside
 
@@ -37,8 +37,8 @@ _PIECE = 16 << 20
 def _zarr() -> Any:
     try:
         import zarr
-    except ImportError:  # pragma: no cover - zarr is an extra
-        raise FormatError("Zarr support needs the zarr package: pip install 'ftidask[zarr]'") from None
+    except ImportError:  # zarr is an extra; a package missing here is no damage of the store (not FormatError)
+        raise ConfigError("Zarr support needs the zarr package: pip install 'ftidask[zarr]'") from None
     return zarr
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -238,7 +239,7 @@ class DaskContext(DaskWriting, Context):
     # --- recovery ----------------------------------------------------------------------------------
 
     def recover(self, ckpt_id: int | None = None, level: int | None = None,
-                chunks: Any = None, *, ids: Any = None) -> dict[int, Any]:
+                chunks: Any = None, *, ids: int | Iterable[int] | None = None) -> dict[int, Any]:
         """Rebuild the newest checkpoint that verifies; returns id -> array (a new Dask array for Dask
         variables: rebind it; NumPy variables are filled in place).
 
@@ -287,6 +288,10 @@ def make_dask_context(cfg: Config, client: Client) -> DaskContext:
     if not isinstance(client, Client):
         raise FTIError(f"client= must be a distributed.Client, got {type(client).__name__}")
     check_client(client)
+    if cfg.l4_format == "zarr":  # said, as init says of a ckpt_io that is not written: never ignored silently
+        logging.getLogger("ftidask").warning(
+            "l4_format = zarr is not used on Dask: level 4 is written as FTI-FF files by the workers (export a "
+            "checkpoint to Zarr with ftidask export --to-zarr)")
     return DaskContext(cfg, client)
 
 

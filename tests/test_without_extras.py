@@ -1,0 +1,76 @@
+"""A base install (``pip install -e .``, docs/installation.md: enough for one process and the command line) has no
+numcodecs, which compression needs, and no zarr (both the ``zarr`` extra). A compressor asked for, or a compressed file
+read, is then a one-line ftidask error that says what to install, at ``init``/``protect`` rather than at every
+checkpoint; ``ftidask verify``/``inspect`` of a compressed file or a Zarr store print ``ftidask: error: ...`` (exit 2),
+never a traceback, and never call a sound file damaged."""
+
+import sys
+
+import numpy as np
+import pytest
+
+import ftidask
+from ftidask.model.errors import ConfigError
+from ftidask.tools.cli import main as cli_main
+
+pytest.importorskip("numcodecs")  # the compressed file is written with it, then read as if it were not installed
+HINT = "pip install 'ftidask[zarr]'"
+
+
+def _dirs(tmp_path):
+    return dict(ckpt_dir=tmp_path / "l", glbl_dir=tmp_path / "g", meta_dir=tmp_path / "m", verbosity=4)
+
+
+@pytest.fixture
+def no_numcodecs(monkeypatch):
+    """``import numcodecs`` fails, as in an install without the zarr extra."""
+    monkeypatch.setitem(sys.modules, "numcodecs", None)
+
+
+def test_init_with_a_compressor_says_what_to_install(tmp_path, no_numcodecs):
+    with pytest.raises(ConfigError, match=r"numcodecs.*" + HINT.replace("[", r"\[").replace("]", r"\]")):
+        ftidask.init(**_dirs(tmp_path), compressor="zstd")
+    assert not (tmp_path / "m").exists()  # refused before the run exists
+
+
+def test_protect_with_a_compressor_says_what_to_install(tmp_path, no_numcodecs):
+    ctx = ftidask.init(**_dirs(tmp_path))
+    with pytest.raises(ConfigError, match="numcodecs") as info:
+        ctx.protect(1, np.zeros(10), compressor="zstd")
+    assert HINT in str(info.value)
+    ctx.protect(1, np.zeros(10))  # the context goes on
+    assert ctx.checkpoint(1, 1).id == 1
+    ctx.finalize()
+
+
+def test_cli_on_a_compressed_file_is_one_line(tmp_path, monkeypatch, capsys):
+    ctx = ftidask.init(**_dirs(tmp_path), compressor="zstd")
+    ctx.protect(1, np.zeros(1000))
+    ctx.checkpoint(1, 1)
+    path = next(tmp_path.glob("l/node0/*/l1/*/Ckpt1-Rank0.fti"))
+    ctx._close()
+    monkeypatch.setitem(sys.modules, "numcodecs", None)
+    for argv in (["verify", str(path)], ["inspect", str(path)], ["verify", str(tmp_path / "l")]):
+        capsys.readouterr()
+        assert cli_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("ftidask: error: ") and err.count("\n") == 1, err
+        assert "numcodecs" in err and HINT in err, err
+
+
+def test_cli_verify_of_a_zarr_store_without_zarr_is_an_error_not_damage(tmp_path, monkeypatch, capsys):
+    """Without the zarr package, ``ftidask verify STORE`` said ``DAMAGED`` (exit 1) of a sound store."""
+    pytest.importorskip("zarr")
+    from ftidask.tools.zarr_export import export_checkpoint
+
+    ctx = ftidask.init(**_dirs(tmp_path))
+    ctx.protect(1, np.arange(10.0))
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    store = tmp_path / "s.zarr"
+    export_checkpoint(next(tmp_path.glob("l/node0/*/l1/ckpt1.s*")), store)
+    monkeypatch.setitem(sys.modules, "zarr", None)
+    capsys.readouterr()
+    assert cli_main(["verify", str(store)]) == 2
+    out, err = capsys.readouterr()
+    assert "DAMAGED" not in out and err.startswith("ftidask: error: ") and HINT in err, out + err
