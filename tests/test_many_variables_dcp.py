@@ -5,6 +5,8 @@ a round trip through the thread pool. The blocks written and the values recovere
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -49,3 +51,36 @@ def test_thousands_of_variables_differential_round_trip(dirs, level):
     assert ctx.recovered_from[0] == 4
     assert all(a.tobytes() == b.tobytes() for a, b in zip(out, data))
     ctx.finalize()
+
+
+def test_each_of_thousands_of_containers_of_a_differential_file_read_alone(dirs):
+    """A Dask worker's read of one chunk of a differential file (tasks.read_chunk): its container's block digests
+    only, found in an index of the parsed file (the whole block-hash section was read and checked, and the
+    container looked for among all, per chunk). Every chunk comes back exact; a damaged block is named."""
+    from ftidask.backends.dask import tasks
+    from ftidask.ftiff import reader
+    from ftidask.model.arrays import dtype_to_json
+    from ftidask.storage.files import find_paths
+
+    data = _state()
+    with ftidask.init(**dirs, enable_dcp=1, dcp_block_size=BLOCK) as ctx:
+        for i, a in enumerate(data):
+            ctx.protect(i, a)
+        ctx.checkpoint(1, 5)
+        ctx._close()
+    path = str(next(iter(find_paths(Path(dirs["ckpt_dir"]), "Ckpt1-Rank0.fti"))))
+    with open(path, "rb") as fh:
+        parsed = reader.parse_ftiff(fh, path)
+    fb_hash = parsed.fb.hash.hex()
+    got = [tasks.read_chunk(path, i, 0, dtype_to_json(a.dtype), list(a.shape), fb_hash) for i, a in enumerate(data)]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(got, data))
+    meta = next(m for _b, _c, m in parsed.containers() if m.id == 1234)
+    with open(path, "r+b") as fh:  # a byte of its second block
+        fh.seek(meta.fptr + BLOCK + 3)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ftidask.FormatError, match=r"var id 1234\): data block 1 does not match"):
+        tasks.read_chunk(path, 1234, 0, dtype_to_json(data[1234].dtype), list(data[1234].shape), fb_hash)
+    assert tasks.read_chunk(path, 1233, 0, dtype_to_json(data[1233].dtype), list(data[1233].shape),
+                            fb_hash).tobytes() == data[1233].tobytes()

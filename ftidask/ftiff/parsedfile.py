@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, BinaryIO
 
@@ -57,6 +57,13 @@ class FtiffFile:
         for c in self.containers():
             out.setdefault(c[2].id, []).append(c)
         return out
+
+    def memo(self, key: str, make: Callable[[], Any]) -> Any:
+        """``make()``, made once per parsed file under ``key`` (what a reader derives from it per call otherwise)."""
+        cache = self.__dict__.setdefault("_memo", {})  # as functools.cached_property: beside the frozen fields
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
 
     def var_nbytes(self) -> Mapping[int, int]:
         """Bytes held per variable id (read-only: computed once per parsed file)."""
