@@ -134,3 +134,32 @@ def test_the_variable_table_keeps_its_index_of_names():
     assert (table.named("n7"), table.named("n8"), table.top()) == (7, 8, 8)
     table.clear()
     assert (table.named("n7"), table.top(), dict(table)) == (None, -1, {})
+
+
+def test_small_spans_written_one_after_another_land_at_their_offsets(tmp_path):
+    """The writer seeks only where a small span does not follow the one before (a seek flushed the buffer: a write
+    per variable); spans that follow each other, leave a gap or go back all land where they belong."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ftidask.ftiff import hashing, writer
+    from ftidask.model.arrays import ArrayBytes
+
+    rng = np.random.default_rng(5)
+    arrays = [rng.integers(0, 256, 1 + i % 300, dtype=np.uint8) for i in range(2000)]
+    offsets, at = [], 0
+    for i, a in enumerate(arrays):
+        at += 17 if i % 9 == 0 else 0  # a gap now and then
+        offsets.append(at)
+        at += a.nbytes
+    order = list(range(2000))
+    order[100:110] = order[109:99:-1]  # some written backwards
+    spans = [(i, offsets[i], ArrayBytes(arrays[i]), 0, arrays[i].nbytes) for i in order]
+    path = tmp_path / "spans"
+    with open(path, "w+b") as fh, ThreadPoolExecutor(2) as pool:
+        fh.write(bytes(at))
+        digests = writer.write_spans(fh, spans, 2, pool)
+    raw = path.read_bytes()
+    assert all(raw[offsets[i]:offsets[i] + a.nbytes] == a.tobytes() for i, a in enumerate(arrays))
+    assert all(digests[i] == hashing.digest(2, memoryview(a)) for i, a in enumerate(arrays))
+    assert sum(map(len, (raw[offsets[i] - 17:offsets[i]] for i in range(9, 2000, 9)))) and not any(
+        raw[offsets[i] - 17:offsets[i]].strip(b"\0") for i in range(9, 2000, 9))
