@@ -129,14 +129,11 @@ def write_spans(fh: BinaryIO, spans: Iterable[Span], hash_id: int, pool: ThreadP
     digests: dict[Any, bytes] = {}
     hashers: dict[Any, hashing.Hasher] = {}
     pieces: list[tuple[Any, int, ByteSource, int, int]] = []
-    at = -1  # where the small spans' writes left the file: a seek flushes the buffer (a write per small variable)
     for key, offset, source, start, stop in spans:
         if stop - start <= _INLINE:  # not worth a round trip through the pool
             data = copy_span(source, start, stop, np.empty(stop - start, np.uint8))
-            if offset != at:
-                fh.seek(offset)
+            fh.seek(offset)
             _write_all(fh, memoryview(data))
-            at = offset + len(data)
             digests[key] = hashing.digest(hash_id, memoryview(data))
             continue
         hashers[key] = hashing.new_hasher(hash_id)
