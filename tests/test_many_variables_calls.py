@@ -137,8 +137,8 @@ def test_the_variable_table_keeps_its_index_of_names():
 
 
 def test_small_spans_written_one_after_another_land_at_their_offsets(tmp_path):
-    """The writer seeks only where a small span does not follow the one before (a seek flushed the buffer: a write
-    per variable); spans that follow each other, leave a gap or go back all land where they belong."""
+    """Small spans are written together where they follow each other (a seek and a write per variable cost more than
+    its copy); spans that follow each other, leave a gap or go back all land where they belong, hashed as written."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ftidask.ftiff import hashing, writer
