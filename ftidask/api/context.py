@@ -23,6 +23,7 @@ from ..engine.run import Run
 from ..engine.runstate import STATUS_FRESH, CommitRecord, RunState
 from ..engine.schedule import SnapshotSchedule
 from ..engine.variables import Protected, check_name, protected_var, user_array
+from ..engine.vartable import VarTable
 from ..engine.writing import Writer
 from ..ftiff import hashing
 from ..model import constants
@@ -66,7 +67,7 @@ class Context(RecoveryCalls, StagingCalls):
         lifecycle.settle_older(self)  # an older context of this process on this run: its checkpoint in flight committed
         self.state = RunState(Path(config.meta_dir), self.exec_id)
         dirchecks.check(transport, dirchecks.run_dirs(self.paths, transport.node, self.state.records_dir))
-        self._vars: dict[int, Protected] = {}
+        self._vars: dict[int, Protected] = VarTable()  # names indexed (var_id, protect(..., name=...))
         self._names = VarNames()  # ids given by name (var_id)
         self._hash_id = hashing.hash_id(config.hash)
         self._writer = Writer(config, transport, self.paths, self._vars, self._hash_id)

@@ -25,7 +25,11 @@ class VarNames:
         # No reference to the context (a cycle would keep a dropped context, and its run lock, alive until
         # the garbage collector runs): the reader of the checkpoint's names is passed to each call.
         self._stored: dict[int, str] | None = None
+        self._stored_ids: dict[str, int] = {}  # name -> its lowest id among the stored ones
+        self._stored_top = -1
         self._given: dict[str, int] = {}
+        self._given_names: dict[int, str] = {}  # id -> the first name given to it (name_of)
+        self._given_top = -1
 
     def id_for(self, name: Any, protected: Mapping[int, Any], create: bool,
                stored_names: Callable[[], dict[int, str]]) -> int | None:
@@ -36,20 +40,30 @@ class VarNames:
         # every rank must take part (a rank whose name is refused too, or the others would wait for it).
         if self._stored is None:
             self._stored = stored_names()
+            # Indexed once: a scan of the sorted stored names and a max of every id known per call made n names
+            # given O(n^2) (10,000: 2 s, 7 s on a restart)
+            for vid in sorted(self._stored, reverse=True):
+                self._stored_ids[self._stored[vid]] = vid
+            self._stored_top = max(self._stored, default=-1)
         if not isinstance(name, str) or not name:
             raise ProtectError(f"a variable name is a non-empty str, got {name!r}")
         if not isinstance(create, (bool, np.bool_)):  # "no" would be true, and give the name a new id
             raise ProtectError(f"var_id(create=...) takes True or False, got {create!r}")
-        stored = self._stored
         found = self._given.get(name)
         if found is None:
-            found = next((vid for vid, p in protected.items() if p.name == name), None)
+            named = getattr(protected, "named", None)  # the context's VarTable: its index of names
+            found = named(name) if named is not None else next(
+                (vid for vid, p in protected.items() if p.name == name), None)
         if found is None:
-            found = next((vid for vid in sorted(stored) if stored[vid] == name), None)
+            found = self._stored_ids.get(name)
         if found is None and create:
-            found = max([*protected, *self._given.values(), *stored], default=-1) + 1
+            top = getattr(protected, "top", None)
+            found = max(top() if top is not None else max(protected, default=-1), self._given_top,
+                        self._stored_top) + 1
         if found is not None:
             self._given[name] = found
+            self._given_names.setdefault(found, name)
+            self._given_top = max(self._given_top, found)
         return found
 
     def owner(self, name: Any) -> int | None:
@@ -58,7 +72,7 @@ class VarNames:
 
     def name_of(self, vid: int) -> str | None:
         """The name given to ``vid`` through :meth:`id_for`, if any (what :meth:`Context.protect` records)."""
-        return next((name for name, given in self._given.items() if given == vid), None)
+        return self._given_names.get(vid)
 
 
 def restart_names(status: int, recovery: Any) -> dict[int, str]:

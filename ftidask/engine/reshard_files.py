@@ -140,7 +140,7 @@ def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, stop: int) -> t
     codec = compression.var_codec(info.extra)
     plain = compression.plain_ids(info.extra)
     spans = []
-    for bi, ci, meta in parsed.containers():
+    for bi, ci, meta in parsed.containers_of((vid,)):  # indexed: a pass over every container per piece was O(n^2)
         if meta.id != vid or not meta.hascontent or not meta.chunksize:
             continue
         raw = compression.raw_span(info.nbytes, meta.dptr, meta.containersize) if codec else meta.chunksize

@@ -82,20 +82,20 @@ class RestartSizes(RunPart):
             vid = check_id(id, "variable id")
         except FTIError:
             with contextlib.suppress(FTIError):
-                self._stored_sizes()
+                self._stored_size(0)
             raise
-        return self._stored_sizes().get(vid, 0)  # FTI_GetStoredSize's 0: no size stored for this id
+        return self._stored_size(vid)
 
-    def _stored_sizes(self) -> dict[int, int]:
+    def _stored_size(self, vid: int) -> int:
+        """FTI_GetStoredSize's bytes of ``vid``, 0 where none is stored for it."""
         pr = self.progress
         if pr.layout is not None and pr.restart_file is None and (pr.last_checkpoint or pr.recovered):
-            sizes = {s.var_id: 0 for s in pr.layout.slots()}
-            for s in pr.layout.slots():
-                sizes[s.var_id] += s.chunksize
-            return sizes
+            # From the layout's index of its variables: a dict of every variable's size built per call made
+            # stored_size() of each of n variables O(n^2) (1.6 ms a call at 10,000 variables)
+            return sum(s.chunksize for s in pr.layout.slots_of(vid))
         if pr.restart_file is None and not self.all_candidates(None, None):  # the same on every rank
-            return {}  # nothing committed (a fresh run before its first checkpoint): FTI's 0 for every id
-        return self.restart_metadata().var_nbytes()
+            return 0  # nothing committed (a fresh run before its first checkpoint): FTI's 0 for every id
+        return self.restart_metadata().var_nbytes().get(vid, 0)
 
     def realloc(self, id: Any, array: Any) -> Any:
         """:meth:`ftidask.Context.realloc` (collective: a rank whose arguments are refused tells the others)."""

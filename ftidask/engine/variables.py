@@ -67,7 +67,9 @@ def check_name(name: Any, vid: int | None = None, variables: Mapping[int, Any] |
         raise ProtectError("protect(..., name=...) takes a non-empty str (or None: the variable is named var{id})")
     if name is None:  # the default, var{id}: nothing to look for (a scan per protect made n of them quadratic)
         return
-    other = next((v for v, p in (variables or {}).items() if v != vid and p.name == name), None)
+    indexed = getattr(variables, "other_named", None)  # the context's VarTable: a scan per name made n of them O(n^2)
+    other = indexed(name, vid) if indexed is not None else next(
+        (v for v, p in (variables or {}).items() if v != vid and p.name == name), None)
     if other is None and given is not None and given != vid:
         other = given
     if other is not None:

@@ -174,12 +174,22 @@ def read_digests(fh: BinaryIO, parsed: FtiffFile) -> tuple[DcpInfo, dict[tuple[i
 def check_container(fh: BinaryIO, parsed: FtiffFile, meta: Any, data: memoryview) -> None:
     """Check ``data``, read from container ``meta`` of a dCP file, against its block digests
     (themselves checked against the container hash); :class:`FormatError` if any differs."""
-    info, digests = read_digests(fh, parsed)
-    key = next(((bi, ci) for bi, ci, m in parsed.containers() if m is meta), None)
-    if key is None or len(data) != meta.chunksize:
+    # This container's digests only, its place found in an index made once per parsed file: each chunk a Dask
+    # worker read read and checked the whole section and looked for its container in a pass over all of them
+    info = parsed.memo("dcp_info", lambda: DcpInfo(parsed))
+    key = parsed.memo("dcp_keys", lambda: {id(m): (bi, ci) for bi, ci, m in parsed.containers()}).get(id(meta))
+    if key is None or len(data) != meta.chunksize or key not in info.spans:
         raise FormatError(f"var id {meta.id}: not a container of this file", path=parsed.path)
+    start, count = info.spans[key]
+    raw = os.pread(fh.fileno(), count * info.digest_size, info.offset + start)
+    if len(raw) != count * info.digest_size:
+        raise FormatError("block-hash section truncated", path=parsed.path)
+    digests = np.frombuffer(raw, np.uint8).reshape(count, info.digest_size)
+    if container_hash(parsed.fb.hash_id, digests) != meta.hash:
+        raise FormatError(f"block {key[0]}, container {key[1]} (var id {meta.id}): block hashes do not match the "
+                          "container hash (damaged block-hash section)", path=parsed.path)
     got = block_digests(data, info.block_size, info.fn, info.digest_size)
-    bad = np.flatnonzero((got != digests[key]).any(axis=1))
+    bad = np.flatnonzero((got != digests).any(axis=1))
     if len(bad):
         raise FormatError(f"block {key[0]}, container {key[1]} (var id {meta.id}): data block {int(bad[0])} "
                           "does not match its hash (damaged data)", path=parsed.path)

@@ -8,8 +8,10 @@ reader keeps room for those.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, BinaryIO
 
 from ..model.arrays import VarInfo
@@ -42,17 +44,48 @@ class FtiffFile:
             for ci, meta in enumerate(metas):
                 yield bi, ci, meta
 
-    def var_nbytes(self) -> dict[int, int]:
-        """Bytes held per variable id."""
+    def containers_of(self, ids: Collection[int]) -> Iterator[tuple[int, int, ContainerMeta]]:
+        """The containers of the variables ``ids``, as :meth:`containers` gives them (file order)."""
+        if 4 * len(ids) >= len(self._by_var):  # most of them: one pass
+            return (c for c in self.containers() if c[2].id in ids)
+        # A few of many (recover_var()): from the index, never a pass over every container per call
+        return iter(sorted(c for vid in ids for c in self._by_var.get(vid, ())))
+
+    @functools.cached_property
+    def _by_var(self) -> dict[int, list[tuple[int, int, ContainerMeta]]]:
+        out: dict[int, list[tuple[int, int, ContainerMeta]]] = {}
+        for c in self.containers():
+            out.setdefault(c[2].id, []).append(c)
+        return out
+
+    def memo(self, key: str, make: Callable[[], Any]) -> Any:
+        """``make()``, made once per parsed file under ``key`` (what a reader derives from it per call otherwise)."""
+        cache = self.__dict__.setdefault("_memo", {})  # as functools.cached_property: beside the frozen fields
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    def var_nbytes(self) -> Mapping[int, int]:
+        """Bytes held per variable id (read-only: computed once per parsed file)."""
+        return self._var_nbytes
+
+    def layout(self) -> Layout:
+        """The container layout, for planning the next checkpoint on top of it (built once per parsed file)."""
+        return self._layout
+
+    # Cached: each recover_var(), stored_size() and recovery of a file asked for them again, a pass over every
+    # container each time (recover_var() of each of 10,000 variables made 10,000 passes over 10,000 containers).
+    @functools.cached_property
+    def _var_nbytes(self) -> Mapping[int, int]:
         if self.vars:
-            return {vid: info.nbytes for vid, info in self.vars.items()}
+            return MappingProxyType({vid: info.nbytes for vid, info in self.vars.items()})
         sizes: dict[int, int] = {}
         for _bi, _ci, meta in self.containers():
             sizes[meta.id] = sizes.get(meta.id, 0) + (meta.chunksize if meta.hascontent else 0)
-        return sizes
+        return MappingProxyType(sizes)
 
-    def layout(self) -> Layout:
-        """The container layout, for planning the next checkpoint on top of it."""
+    @functools.cached_property
+    def _layout(self) -> Layout:
         return layout_from_slots([
             [Slot(m.id, m.idx, m.containerid, m.dptr, m.fptr, m.containersize, m.chunksize if m.hascontent else 0)
              for m in metas] for _bmd, metas in self.blocks])

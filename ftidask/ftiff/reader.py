@@ -261,7 +261,7 @@ def _read_into_dcp(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTa
     before it could fail); the others go through a buffer whose blocks are checked before the store."""
     direct: list[tuple[int, memoryview, str]] = []
     others = {}
-    for bi, ci, meta in parsed.containers():
+    for bi, ci, meta in parsed.containers_of(targets):
         target = targets.get(meta.id)
         if target is None or not meta.hascontent:
             continue
@@ -279,7 +279,7 @@ def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget
     buf: bytearray | None = None
     direct: list[tuple[int, memoryview, str]] = []  # (file offset, target view, what): copied below, in parallel
     packed: list[tuple[ContainerMeta, ByteTarget, str]] = []  # compressed containers: decoded below
-    for bi, ci, meta in parsed.containers():
+    for bi, ci, meta in parsed.containers_of(targets):
         target = targets.get(meta.id)
         if target is None or not meta.hascontent:
             continue
