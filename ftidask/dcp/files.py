@@ -123,8 +123,8 @@ class DcpFileWriter:
         they were last hashed keep their digest and are not read."""
         written = 0
         pending: deque[tuple[tuple[int, int], Slot, int, int, Future[Any]]] = deque()
-        slots = [((bi, si), s) for bi, b in enumerate(self.layout.blocks) for si, s in enumerate(b.slots)
-                 if s.var_id == var_id and s.hascontent]
+        # from the layout's index: a scan of every container per variable made n variables quadratic
+        slots = [((bi, si), s) for bi, si, s in self.layout.positions_of(var_id) if s.hascontent]
         parts: dict[tuple[int, int], list[np.ndarray]] = {key: [] for key, _s in slots}
         reuse = {key: known.container(s.dptr, s.chunksize, self.block_size) for key, s in slots} if known else {}
         tasks = ((key, s, lo, hi) for key, s in slots
@@ -184,8 +184,8 @@ class DcpFileWriter:
 
     def var_digests(self, var_id: int) -> dict[int, tuple[int, np.ndarray]]:
         """``var_id``'s block digests by container: dptr -> (chunksize, digests)."""
-        return {s.dptr: (s.chunksize, self.digests[bi, si]) for bi, b in enumerate(self.layout.blocks)
-                for si, s in enumerate(b.slots) if s.var_id == var_id and (bi, si) in self.digests}
+        return {s.dptr: (s.chunksize, self.digests[bi, si]) for bi, si, s in self.layout.positions_of(var_id)
+                if (bi, si) in self.digests}
 
     def _meta_ranges(self, end: int) -> list[tuple[int, int]]:
         """The FB, each block's metadata, and ``[fs, end)``: the bytes a patch rewrites besides data."""
