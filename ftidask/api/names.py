@@ -63,7 +63,7 @@ class VarNames:
         called var{vid}, which must not be another variable's name (protected under it, or given it by var_id). Only
         the variables protected under a name of that form are looked at: no scan per protect."""
         if name is not None:
-            if re.fullmatch(r"var\d+", name):
+            if name != f"var{vid}" and re.fullmatch(r"var\d+", name):  # its own default is no other's
                 self._default_like.add(vid)
             return
         if vid in protected:  # it keeps the name it has
