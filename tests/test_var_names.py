@@ -361,3 +361,21 @@ def test_var_id_finds_the_names_of_the_checkpoint_that_recover_loads(tmp_path, n
     ids, recovered_from, out = found[0]
     assert ids == given and recovered_from == ((2, 4) if newest_here else (1, 4))
     assert (out["a"] == np.arange(8.0)).all() and (out["b"] == np.arange(8.0) + 100).all()
+
+
+def test_a_default_name_that_is_another_variables_name_is_refused(tmp_path):
+    """protect(3, name="var5") then protect(5) (named var5 by default) made two variables of one name (var_id found
+    variable 3, a Zarr export keeps one of them); the other order was refused. Both are refused now."""
+    dirs = dict(ckpt_dir=tmp_path / "l", glbl_dir=tmp_path / "g", meta_dir=tmp_path / "m")
+    with ftidask.init(**dirs) as ctx:
+        ctx.protect(3, np.zeros(2), name="var5")
+        with pytest.raises(ftidask.ProtectError, match="variable 3's"):
+            ctx.protect(5, np.zeros(2))
+        assert 5 not in ctx.protected
+        ctx.protect(3, np.zeros(2), name="u")  # renamed: var5 is free again
+        ctx.protect(5, np.zeros(2))
+        given = ctx.var_id("var9")  # var_id gives var9 a new id: 6
+        with pytest.raises(ftidask.ProtectError, match=f"variable {given}'s"):
+            ctx.protect(9, np.zeros(2))
+        ctx.protect(given, np.zeros(2))
+        assert {vid: p.name for vid, p in ctx.variables.items()} == {3: "u", 5: "var5", given: "var9"}

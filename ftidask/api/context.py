@@ -112,6 +112,7 @@ class Context(RecoveryCalls, StagingCalls):
         vid = check_id(id, "variable id")
         name = name if name is not None else self._names.name_of(vid)
         check_name(name, vid, self._vars, self._names.owner(name))
+        self._names.check_default(vid, name, self._vars)
         self._vars[vid] = protected_var(vid, array, name, compressor, self._vars.get(vid), global_shape=global_shape,
                                         offset=offset, replicated=replicated)
 

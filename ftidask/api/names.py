@@ -8,6 +8,7 @@ variables. A run whose names are asked for in another order on a restart gets th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ class VarNames:
         self._given: dict[str, int] = {}
         self._given_names: dict[int, str] = {}  # id -> the first name given to it (name_of)
         self._given_top = -1
+        self._default_like: set[int] = set()  # ids protected under a name of the form var{k}: another's default
 
     def id_for(self, name: Any, protected: Mapping[int, Any], create: bool,
                stored_names: Callable[[], dict[int, str]]) -> int | None:
@@ -69,6 +71,23 @@ class VarNames:
     def owner(self, name: Any) -> int | None:
         """The id :meth:`id_for` gave ``name``, if any."""
         return self._given.get(name) if isinstance(name, str) else None
+
+    def check_default(self, vid: int, name: str | None, protected: Mapping[int, Any]) -> None:
+        """Before ``protect(vid, ..., name)`` (``name`` after :meth:`name_of`): a new variable without a name is
+        called var{vid}, which must not be another variable's name (protected under it, or given it by var_id). Only
+        the variables protected under a name of that form are looked at: no scan per protect."""
+        if name is not None:
+            if name != f"var{vid}" and re.fullmatch(r"var\d+", name):  # its own default is no other's
+                self._default_like.add(vid)
+            return
+        if vid in protected:  # it keeps the name it has
+            return
+        default = f"var{vid}"
+        other = next((v for v in sorted(self._default_like) if v in protected and protected[v].name == default),
+                     self.owner(default))
+        if other is not None and other != vid:
+            raise ProtectError(f"protect({vid}, ...) without a name names it {default}, which is variable {other}'s "
+                               "name; a name names one variable (var_id finds it): give this one a name (name=...)")
 
     def name_of(self, vid: int) -> str | None:
         """The name given to ``vid`` through :meth:`id_for`, if any (what :meth:`Context.protect` records)."""

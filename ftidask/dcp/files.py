@@ -15,7 +15,6 @@ Which file is patched, and how the previous checkpoint stays valid meanwhile, is
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import os
 import time
@@ -139,7 +138,8 @@ class DcpFileWriter:
         they were last hashed keep their digest and are not read."""
         written = 0
         pending: deque[tuple[tuple[int, int], Slot, int, int, Future[Any]]] = deque()
-        slots = [(key, s) for key, s in self._by_var.get(var_id, ()) if s.hascontent]
+        # from the layout's index: a scan of every container per variable made n variables quadratic
+        slots = [((bi, si), s) for bi, si, s in self.layout.positions_of(var_id) if s.hascontent]
         parts: dict[tuple[int, int], list[np.ndarray]] = {key: [] for key, _s in slots}
         reuse = {key: known.container(s.dptr, s.chunksize, self.block_size) for key, s in slots} if known else {}
         tasks = ((key, s, lo, hi) for key, s in slots
@@ -200,18 +200,8 @@ class DcpFileWriter:
 
     def var_digests(self, var_id: int) -> dict[int, tuple[int, np.ndarray]]:
         """``var_id``'s block digests by container: dptr -> (chunksize, digests)."""
-        return {s.dptr: (s.chunksize, self.digests[key]) for key, s in self._by_var.get(var_id, ())
-                if key in self.digests}
-
-    @functools.cached_property
-    def _by_var(self) -> dict[int, list[tuple[tuple[int, int], Slot]]]:
-        # Each variable's containers with their (block, index), in file order, indexed once: write_var and
-        # var_digests scanned every container of the layout per variable (10,000 variables: 27 s a checkpoint)
-        out: dict[int, list[tuple[tuple[int, int], Slot]]] = {}
-        for bi, b in enumerate(self.layout.blocks):
-            for si, s in enumerate(b.slots):
-                out.setdefault(s.var_id, []).append(((bi, si), s))
-        return out
+        return {s.dptr: (s.chunksize, self.digests[bi, si]) for bi, si, s in self.layout.positions_of(var_id)
+                if (bi, si) in self.digests}
 
     def _meta_ranges(self, end: int) -> list[tuple[int, int]]:
         """The FB, each block's metadata, and ``[fs, end)``: the bytes a patch rewrites besides data."""

@@ -107,6 +107,7 @@ class DaskContext(DaskWriting, Context):
             raise ProtectError("the array has unknown chunk sizes; call .compute_chunk_sizes() first")
         old = self._vars.get(vid)
         name = name if name is not None else self._names.name_of(vid)
+        self._names.check_default(vid, name, self._vars)
         self._vars[vid] = Protected(vid, str(name if name is not None else old.name if old else f"var{vid}"), array,
                                     compressor_config(compressor, old))
 
