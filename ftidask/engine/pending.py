@@ -174,7 +174,7 @@ class PendingCheckpoint:
                                   f"checkpoint {self.ckpt_id} started; its size must not change in between")
         if self.writer is None:
             raise CheckpointError(self.error or "checkpoint file not open")
-        if getattr(self.writer, "at_finish", False):  # described and read at finish: nothing to make per variable
+        if self._at_finish:  # described and read at finish: nothing to make per variable
             self.written.add(var_id)
             return
         self.infos[var_id] = VarInfo.of(var_id, name, array, **self.extras.get(var_id, {}))
@@ -190,7 +190,7 @@ class PendingCheckpoint:
         if missing:
             raise CheckpointError(f"checkpoint {self.ckpt_id}: protected variables {missing} were not added")
         trailer = dict(meta)
-        if not getattr(self.writer, "at_finish", False):
+        if not self._at_finish:
             trailer["vars"] = [self.infos[vid].to_json() for vid in self.sizes]
         if self.writer is None:
             raise CheckpointError(self.error or "checkpoint file not open")
@@ -200,6 +200,11 @@ class PendingCheckpoint:
         except OSError as exc:
             raise located(exc, self.path) from None
         return self.result
+
+    @property
+    def _at_finish(self) -> bool:
+        """Whether the writer describes and reads every variable itself at finish (:class:`OneShotWriter`)."""
+        return getattr(self.writer, "at_finish", False)
 
     @property
     def record_extra(self) -> dict[str, Any]:

@@ -77,17 +77,17 @@ class Layout:
             yield from block.slots
 
     @functools.cached_property
-    def _by_var(self) -> dict[int, list[tuple[int, int, Slot]]]:
+    def _by_var(self) -> dict[int, tuple[tuple[int, int, Slot], ...]]:
         # Made once per layout: a file of n variables was planned in n scans of every container (4.4 s at 5000).
         out: dict[int, list[tuple[int, int, Slot]]] = {}
         for bi, block in enumerate(self.blocks):
             for si, s in enumerate(block.slots):
                 out.setdefault(s.var_id, []).append((bi, si, s))
-        return out
+        return {vid: tuple(held) for vid, held in out.items()}
 
-    def positions_of(self, var_id: int) -> list[tuple[int, int, Slot]]:
+    def positions_of(self, var_id: int) -> tuple[tuple[int, int, Slot], ...]:
         """The containers of variable ``var_id`` in file order, each with its block's index and its own in it."""
-        return list(self._by_var.get(var_id, ()))
+        return self._by_var.get(var_id, ())
 
     def slots_of(self, var_id: int) -> list[Slot]:
         """The containers of variable ``var_id``, in file order."""

@@ -27,8 +27,9 @@ READERS = min(2, os.cpu_count() or 1)
 
 
 def runs(items: Sequence[T], size: Callable[[T], int], at_least: int) -> list[list[T]]:
-    """``items`` in order, cut into runs of at least ``at_least`` bytes by ``size`` (an item that large alone): a
-    task per small item costs more than the item (10,000 variables of 1 KiB: 20,000 tasks for one recovery)."""
+    """``items`` in order, cut into runs that each hold at least ``at_least`` bytes by ``size`` (the last one may
+    hold fewer): a task per small item costs more than the item (10,000 variables of 1 KiB: 20,000 tasks for one
+    recovery)."""
     out: list[list[T]] = []
     held = at_least
     for item in items:

@@ -349,7 +349,10 @@ def _copy_direct(fh: BinaryIO, parsed: FtiffFile, spans: list[tuple[int, memoryv
     runs = readahead.runs(pieces, lambda piece: len(piece[1]), _COPY_PIECE)
 
     def copy(run: list[tuple[int, memoryview, str]]) -> str:
-        return next((short for short in (_read_group(fh.fileno(), group) for group in _contiguous(run)) if short), "")
+        for group in _contiguous(run):
+            if short := _read_group(fh.fileno(), group):
+                return short
+        return ""
 
     if len(runs) < 2 or _COPY_THREADS < 2:
         problems = [copy(r) for r in runs]

@@ -74,11 +74,11 @@ def first_problem(fd: int, parsed: Any, jobs: Sequence[tuple[int, int, Container
         except OSError as exc:  # a disk that cannot read the span: damage, for this file
             return f"{what}: cannot be read: {exc.strerror or exc}"
 
-    if inline:
-        return next((problem for problem in map(check, jobs) if problem), "")
-
     def check_batch(batch: Sequence[tuple[int, int, ContainerMeta]]) -> str:
         return next((problem for problem in map(check, batch) if problem), "")
+
+    if inline:
+        return check_batch(jobs)
 
     runs = readahead.runs(jobs, lambda job: job[2].chunksize, BATCH_BYTES)
     with ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="ftidask-verify") as pool:

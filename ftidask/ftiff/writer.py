@@ -118,7 +118,7 @@ class _Batch:
     """Small containers that follow each other in the file, copied side by side and written in one call: a seek
     and a write per container cost more than its copy (10,000 variables of 1 KiB: 20,000 system calls)."""
 
-    SIZE = 1 << 20
+    SIZE = 4 * _INLINE  # room for any small container (at most _INLINE bytes)
 
     def __init__(self, fh: BinaryIO) -> None:
         self.fh, self.start, self.used = fh, 0, 0

@@ -180,8 +180,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         return _missing(Path(args.dir))
     if (refused := _config_as_dir(args)) is not None:
         return refused
-    roots = [p for p in _dirs(args)[:2] if p.is_dir()] or (list(_dirs(args)[:2]) if args.config else [Path(args.dir)])
-    meta = _dirs(args)[2]
+    local, glbl, meta = _dirs(args)
+    roots = [p for p in (local, glbl) if p.is_dir()] or ([local, glbl] if args.config else [Path(args.dir)])
     groups: dict[tuple[str, int], list[tuple[Path, str, object]]] = {}
     for root in roots:
         stores = zarr_stores(root)
