@@ -170,3 +170,15 @@ def test_realloc_sizes_the_arrays_for_the_checkpoint_recover_falls_back_to(tmp_p
     assert new.tobytes() == old.tobytes()
     ctx.checkpoint(3, 1)  # and the run goes on from there
     assert ctx.stored_size(1) == old.nbytes
+
+
+@pytest.mark.parametrize("bad", [True, "x", 1.5, [1], 2**40])
+def test_recover_var_names_itself_when_its_id_is_refused(dirs, bad) -> None:
+    with ftidask.init(**dirs) as ctx:
+        a = np.arange(3.0)
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 1)
+        a[:] = 9
+        with pytest.raises(RecoveryError, match=r"^recover_var\(\.\.\.\): variable id"):
+            ctx.recover_var(bad)
+        assert (a == 9).all()

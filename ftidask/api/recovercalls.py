@@ -16,6 +16,7 @@ from typing import Any
 from ..engine.asyncckpt import AsyncCheckpoints
 from ..engine.icp import IcpSlot
 from ..engine.recovering import Progress, Recovery
+from ..engine.recoverplan import var_id_of
 from ..engine.runstate import STATUS_FRESH, CommitRecord
 from ..model.arrays import check_bool, check_id
 from ..model.errors import RecoveryError
@@ -64,7 +65,8 @@ class RecoveryCalls:
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
         """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched). Raises
         :class:`NoCheckpointError` where FTI returns FTI_NSCS: on a fresh start, nothing is committed to recover."""
-        return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
+        vid = var_id_of(id, "recover_var(...)")
+        return self.recover(ckpt_id, level, ids=[vid])[vid]
 
     def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None,
                      rank: int | None = None) -> dict[int, Any]:

@@ -37,6 +37,14 @@ def normalize_request(ckpt_id: Any, level: Any, ids: Any) -> tuple[int | None, i
     return checked, None if level is None else int(level), normalize_ids(ids)
 
 
+def var_id_of(value: Any, call: str) -> int:
+    """``value`` as the variable id of ``call`` (e.g. ``recover_var(...)``), or a :class:`RecoveryError` naming it."""
+    try:
+        return check_id(value, "variable id")
+    except ProtectError as exc:
+        raise RecoveryError(f"{call}: {exc}") from None
+
+
 def normalize_ids(ids: Any) -> list[int] | None:
     """``ids`` of ``recover(ids=...)`` as a list of variable ids (None: every protected variable)."""
     if ids is None:

@@ -24,6 +24,7 @@ from distributed import Client
 from ...api.context import Context, Protected
 from ...engine.device import is_device_array
 from ...engine.inflight import CheckpointHandle
+from ...engine.recoverplan import var_id_of
 from ...engine.retention import in_l4
 from ...engine.runstate import CommitRecord, SeqReservation
 from ...engine.variables import check_name, compressor_config, encode_states
@@ -261,7 +262,8 @@ class DaskContext(DaskWriting, Context):
 
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
         """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
-        return self.recover(ckpt_id, level, ids=[id])[check_id(id, "variable id")]
+        vid = var_id_of(id, "recover_var(...)")
+        return self.recover(ckpt_id, level, ids=[vid])[vid]
 
     def stored_size(self, id: int, *, total: bool = False) -> int:
         """Bytes of variable ``id`` in the checkpoint to recover (or the last one written): the whole array's, the
