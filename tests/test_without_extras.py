@@ -74,3 +74,33 @@ def test_cli_verify_of_a_zarr_store_without_zarr_is_an_error_not_damage(tmp_path
     assert cli_main(["verify", str(store)]) == 2
     out, err = capsys.readouterr()
     assert "DAMAGED" not in out and err.startswith("ftidask: error: ") and HINT in err, out + err
+
+
+def test_a_recovery_stops_at_a_compressed_checkpoint_it_cannot_read(tmp_path, monkeypatch):
+    """Without numcodecs the newest checkpoint, compressed, cannot be decoded here: the recovery says what to install
+    and recovers nothing. It went back to the older uncompressed one, which the next checkpoint would then have
+    followed, retiring the newest: a state silently lost."""
+    dirs = _dirs(tmp_path)
+    with ftidask.init(**dirs) as ctx:
+        a = np.arange(1000.0)
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 1)
+        a += 1
+        ctx.protect(1, a, compressor="zstd")
+        ctx.checkpoint(2, 1)
+        ctx._close()
+    monkeypatch.setitem(sys.modules, "numcodecs", None)
+    ctx = ftidask.init(**dirs)
+    out = np.full(1000, -1.0)
+    ctx.protect(1, out)
+    with pytest.raises(ftidask.RecoveryError, match=r"checkpoint 2 \(level 1\) cannot be read.*numcodecs") as info:
+        ctx.recover()
+    assert HINT in str(info.value) and "nothing was recovered" in str(info.value)
+    assert (out == -1).all()
+    assert list(tmp_path.glob("l/node0/*/l1/ckpt2.s*/Ckpt2-Rank0.fti"))  # still there, to recover with numcodecs
+    ctx._close()
+    monkeypatch.delitem(sys.modules, "numcodecs")
+    with ftidask.init(**dirs) as ctx:
+        ctx.protect(1, out)
+        ctx.recover()
+    assert np.array_equal(out, np.arange(1000.0) + 1)

@@ -130,15 +130,16 @@ class Recovery(RestartSizes):
             verdict = self.check(record, stage)
             path = self.rank_file(record)
             ok = verdict.kind == "ok"
+            intact = ok or verdict.kind == "unreadable"  # its bytes matched their hashes: nothing to rebuild
             # Collective (L2/L3); the transport keeps the ranks in step, an error after its end is this rank's.
             # A fallback's redundancy was the committed checkpoint's: never rebuilt (the same on every rank).
-            before = guarded([], lambda: identity_of(os.stat(path)), None) if ok else None
+            before = guarded([], lambda: identity_of(os.stat(path)), None) if intact else None
             have, error = (False, "") if record.fallback else attempt(
-                t.rank, lambda: t.rebuild_file(record.level, record.ckpt_id, path, path.parent, ok, record=record),
+                t.rank, lambda: t.rebuild_file(record.level, record.ckpt_id, path, path.parent, intact, record=record),
                 False)
             if error:
                 log.warning("rebuilding checkpoint %d (level %d): %s", record.ckpt_id, record.level, error)
-            if (not ok and have) or (ok and guarded([], lambda: identity_of(os.stat(path)), None) != before):
+            if (not intact and have) or (intact and guarded([], lambda: identity_of(os.stat(path)), None) != before):
                 release_all(verdict.staged)  # or L3 rebuilt a sound file, not the one its whole-file hash recorded
                 verdict = self.check(record, stage)
             elif not ok and error:  # why the level could not bring the file back (a full disk, a read error)
@@ -148,6 +149,11 @@ class Recovery(RestartSizes):
             if all(k == "ok" for k, _m in verdicts):
                 return verdict, ""
             release_all(verdict.staged)
+            unreadable = next(((r, m) for r, (k, m) in enumerate(verdicts) if k == "unreadable"), None)
+            if unreadable is not None:  # every rank raises it (all saw every verdict); nothing older is recovered
+                raise RecoveryError(f"checkpoint {record.ckpt_id} (level {record.level}) cannot be read on rank "
+                                    f"{unreadable[0]}: {unreadable[1]}; nothing was recovered, and no older "
+                                    "checkpoint in its place (the next checkpoint would retire this one)")
             if self.spares.store is not None and not record.fallback:  # never a spare (nor a fallback) once retired
                 self.spares.store.discard(record.level, record.seq)
             if record.fallback and not ok:  # this rank's spare: never patched as if it were whole

@@ -18,7 +18,7 @@ import numpy as np
 from ..ftiff.reader import FtiffFile, parse_ftiff, read_into, verify_data
 from ..ftiff.readhash import read_verified
 from ..model.arrays import ArrayBytes
-from ..model.errors import FormatError, NoCheckpointError
+from ..model.errors import ConfigError, FormatError, NoCheckpointError
 from ..storage.files import RunPaths, open_read
 from .pagemove import release_all
 from .prefault import Prefault
@@ -31,7 +31,8 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """Outcome of checking one rank's file: ``ok``, ``damaged`` (try another) or ``mismatch`` (user error)."""
+    """Outcome of checking one rank's file: ``ok``, ``damaged`` (try another), ``mismatch`` (user error) or
+    ``unreadable`` (sound as far as it was read, but a package it needs is not installed: nothing older is tried)."""
 
     kind: str
     message: str = ""
@@ -49,7 +50,10 @@ def check_file(path: Path, record: CommitRecord | None, rank: int,
     if path.suffix == ".zarr":  # a level-4 checkpoint written as Zarr
         from .zarr_l4 import check_store
 
-        return check_store(path, record, rank)
+        try:
+            return check_store(path, record, rank)
+        except ConfigError as exc:
+            return Verdict("unreadable", f"{path}: {exc}")
     staged: dict[int, Any] = {}
     try:
         with open_read(path) as fh:
@@ -75,6 +79,9 @@ def check_file(path: Path, record: CommitRecord | None, rank: int,
     except (FormatError, OSError) as exc:
         release_all(staged)
         return Verdict("damaged", str(exc))
+    except ConfigError as exc:  # a compressed file without numcodecs: not damage, and not a reason to go back
+        release_all(staged)
+        return Verdict("unreadable", f"{path}: {exc}")
     except BaseException:
         release_all(staged)
         raise
