@@ -84,7 +84,7 @@ def test_a_recovery_stops_at_a_compressed_checkpoint_it_cannot_read(tmp_path, mo
     with ftidask.init(**dirs) as ctx:
         a = np.arange(1000.0)
         ctx.protect(1, a)
-        ctx.checkpoint(1, 1)
+        ctx.checkpoint(1, 4)  # an older one that stays (a level-1 commit retires levels 1 only)
         a += 1
         ctx.protect(1, a, compressor="zstd")
         ctx.checkpoint(2, 1)
@@ -104,3 +104,32 @@ def test_a_recovery_stops_at_a_compressed_checkpoint_it_cannot_read(tmp_path, mo
         ctx.protect(1, out)
         ctx.recover()
     assert np.array_equal(out, np.arange(1000.0) + 1)
+
+
+@pytest.mark.dask
+def test_a_dask_recovery_stops_at_a_compressed_checkpoint_it_cannot_read(tmp_path, monkeypatch):
+    """The same on a cluster whose workers lack numcodecs (threads of this process here, so that they share its
+    modules): the check of the newest checkpoint's files says what to install, and nothing older is recovered."""
+    da = pytest.importorskip("dask.array")
+    distributed = pytest.importorskip("distributed")
+    dirs = _dirs(tmp_path)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cl, \
+            distributed.Client(cl) as client:
+        ctx = ftidask.init(client=client, **dirs)
+        ctx.protect(1, da.arange(1000.0, chunks=250))
+        ctx.checkpoint(1, 4)
+        ctx.protect(1, da.arange(1000.0, chunks=250) + 1, compressor="zstd")
+        ctx.checkpoint(2, 1)
+        ctx._close()
+        monkeypatch.setitem(sys.modules, "numcodecs", None)
+        ctx = ftidask.init(client=client, **dirs)
+        ctx.protect(1, da.zeros(1000, chunks=250))
+        with pytest.raises(ftidask.RecoveryError, match=r"checkpoint 2 \(level 1\) cannot be read.*numcodecs") as info:
+            ctx.recover()
+        assert HINT in str(info.value) and "nothing was recovered" in str(info.value)
+        ctx._close()
+        monkeypatch.delitem(sys.modules, "numcodecs")
+        ctx = ftidask.init(client=client, **dirs)
+        ctx.protect(1, da.zeros(1000, chunks=250))
+        assert np.array_equal(ctx.recover()[1].compute(), np.arange(1000.0) + 1)
+        ctx._close()

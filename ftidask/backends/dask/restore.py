@@ -36,7 +36,7 @@ from ...storage import files as storage
 from . import reads, recorded, stitch
 from .cluster import TaskFailed, WorkerLost
 from .plan import VarSpec
-from .restore_files import record_topology, restore_files
+from .restore_files import Unreadable, record_topology, restore_files
 
 if TYPE_CHECKING:
     from .context import DaskContext
@@ -245,6 +245,8 @@ def recover(ctx: DaskContext, ckpt_id: int | None, level: int | None, chunks: An
         def verify(record: CommitRecord) -> tuple[dict[int, tuple[str, str]] | None, str]:
             try:
                 return _restore_retrying(ctx, record, data), ""
+            except Unreadable:
+                raise
             except RecoveryError as exc:
                 if "no workers" in str(exc):  # no checkpoint can be read on an empty cluster
                     raise

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("ftidask")
 
 
+class Unreadable(RecoveryError):
+    """A checkpoint whose files need a package this cluster lacks: the recovery stops, never goes back past it."""
+
+
 def restore_files(ctx: DaskContext, record: CommitRecord, data: bool = True,
                   decode: bool = True) -> dict[int, tuple[str, str]]:
     """rank -> (worker, path) of a verified file, for every rank of ``record``; rebuilds lost files (never a
@@ -47,6 +51,10 @@ def restore_files(ctx: DaskContext, record: CommitRecord, data: bool = True,
     placer = Placer(workers, stats, paths)
     tag = f"{cid}-{seq}-{uuid.uuid4().hex[:8]}"
     hosts, verdicts = check_files(ctx, record, own, placer, tag, data, decode)
+    unreadable = next((v["message"] for v in verdicts.values() if v.get("unreadable")), None)
+    if unreadable is not None:
+        raise Unreadable(f"checkpoint {cid} (level {level}) cannot be read: {unreadable}; nothing was recovered, and "
+                         "no older checkpoint in its place (the next checkpoint would retire this one)")
     ok = {r for r, v in verdicts.items() if v["ok"]}
     bad = [r for r in range(n) if r not in ok]
     short = red.missing({r: hosts[r] for r in ok}, stats, paths)  # its group rebuilds it, as FTI does

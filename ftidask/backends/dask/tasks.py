@@ -24,7 +24,7 @@ from ...ftiff.readahead import read_full
 from ...ftiff.reader import verify_data
 from ...ftiff.readhash import read_hashed
 from ...model.arrays import VarInfo, dtype_from_json
-from ...model.errors import FormatError
+from ...model.errors import ConfigError, FormatError
 from ...storage import files as storage
 from . import parsecache
 from .plan import layout_from_json
@@ -129,6 +129,8 @@ def check_file(path: str, fb_hash: str, after: Any = None, *,
         return {"ok": False, "message": f"{path}: missing"}
     except (FormatError, OSError) as exc:
         return {"ok": False, "message": str(exc)}
+    except ConfigError as exc:  # a package it needs is not installed here (numcodecs): not damage
+        return {"ok": False, "unreadable": True, "message": f"{path}: {exc}"}
     if parsed.fb.hash.hex() != fb_hash:
         return {"ok": False, "message": f"{path}: does not belong to this checkpoint"}
     if expect:
