@@ -11,6 +11,8 @@ keywords), ``nworkers``, ``mode`` (``sync``; ``async``: ``wait=False`` with the 
 * ``wkill``: the n-th event of ftidask's code in the worker process of rank ``wrank`` (its event loop, where the
   level channels run, its task threads, its removal thread), counted from just before ``init``, at which that
   worker kills itself; its nanny restarts it, and the run goes on (a checkpoint that fails says so: ``F <id>``).
+* ``wpoint``: ``["module:function[:after]", n]``, a named crash point (``crashpoints.install``) on the worker of rank
+  ``wrank``; ``W before <pids>`` and ``W after <pids>`` give the workers' process ids before and after the run.
 
 An event is a call or a return of one of ftidask's functions, or of a C function (``os.replace``, ``os.fsync``...)
 called from one; with ``only_os``, only the calls of os functions and their returns count.
@@ -109,6 +111,12 @@ def main() -> None:
         victim = sorted(client.run(os.getpid))[spec.get("wrank", 0)]
         client.run(arm, spec["wkill"], spec.get("only_os", False), workers=[victim])
         client.submit(arm_thread, workers=[victim], allow_other_workers=False, pure=False).result(timeout=60)
+    if spec.get("wpoint"):  # ["module:function[:after]", n]: a named crash point on the worker of rank wrank
+        import crashpoints
+
+        victim = sorted(client.run(os.getpid))[spec.get("wrank", 0)]
+        client.run(crashpoints.install, *spec["wpoint"], workers=[victim])
+        say("W", "before", *sorted(client.run(os.getpid).values()))
     killer = KillAt(spec.get("kill", 0), spec.get("only_os", False))
     threading.setprofile(killer)
     sys.setprofile(killer)
@@ -184,6 +192,8 @@ def main() -> None:
             worker_events = client.run(count_events, workers=[victim]).get(victim, -1)
         except Exception:  # noqa: BLE001 - killed, restarted under another address
             worker_events = -1
+    if spec.get("wpoint"):
+        say("W", "after", *sorted(client.run(os.getpid).values()))
     say("events", killer.count, worker_events)
     client.close()
     cluster.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,19 @@ CASES = {
     "keep-last": dict(mode="sync", levels=[1, 4], cfg=dict(keep_last_ckpt=1)),
     "keep-l4-dcp": dict(mode="sync", levels=[8, 1], cfg=dict(keep_l4_ckpt=1, enable_dcp=1)),
 }
+DCP = dict(enable_dcp=1, dcp_block_size=4096)
+MORE_CASES = {  # combinations: a retirement after a differential checkpoint, a finalize flushing it (keep_last_ckpt)
+    "keep-last-dcp": dict(mode="sync", levels=[5, 8, 5], cfg=dict(DCP, keep_last_ckpt=1)),
+    "keep-last-dcp-async": dict(mode="async", levels=[8, 5], cfg=dict(DCP, keep_last_ckpt=1, max_inflight=3)),
+    "keep-last-icp-dcp": dict(mode="icp", levels=[5, 8], cfg=dict(DCP, keep_last_ckpt=1)),
+    # Zarr level 4: written by a finalize (keep_last_ckpt), archived, written asynchronously beside dCP
+    "zarr-keep-last": dict(mode="sync", levels=[1, 4], cfg=dict(l4_format="zarr", keep_last_ckpt=1)),
+    "async-keep-last-zarr": dict(mode="async", levels=[4, 1], cfg=dict(l4_format="zarr", keep_last_ckpt=1,
+                                                                        async_snapshot="copy", max_inflight=2)),
+    "zarr-keep-l4-dcp": dict(mode="sync", levels=[8, 4, 1], cfg=dict(l4_format="zarr", keep_l4_ckpt=1, enable_dcp=1)),
+    "async-zarr-dcp": dict(mode="async", levels=[8, 4], cfg=dict(l4_format="zarr", enable_dcp=1, max_inflight=3)),
+}
+CASES.update(MORE_CASES)
 
 
 def expected(root: Path) -> tuple[int | None, int]:
@@ -147,8 +161,16 @@ def test_killed_at_random_calls_of_os_functions(tmp_path, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(2, 14))  # odd seeds: kills at calls of os functions only
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if n not in MORE_CASES])
 def test_killed_at_random_events_many_seeds(tmp_path, name, seed):
+    campaign(tmp_path, name, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [s if s in (2, 3) else pytest.param(s, marks=pytest.mark.campaign)  # -m campaign
+                                  for s in range(2, 14)])
+@pytest.mark.parametrize("name", list(MORE_CASES))
+def test_more_combinations_killed_at_random_events(tmp_path, name, seed):
     campaign(tmp_path, name, seed)
 
 
@@ -157,18 +179,25 @@ def test_killed_at_random_events_many_seeds(tmp_path, name, seed):
 RECOVER_CASES = {  # the newest checkpoint (4): differential at L4 (read block by block), or at L1 (its pages moved)
     "dcp-l4": dict(levels=[8, 4, 5, 1], cfg=dict(enable_dcp=1, dcp_block_size=4096)),
     "zarr-l4": dict(levels=[1, 4], cfg=dict(l4_format="zarr")),
+    # the first run finalized: the last checkpoint kept at L4 (a differential one flushed, a Zarr store written)
+    "keep-last-dcp": dict(levels=[5, 8, 5, 5], cfg=dict(DCP, keep_last_ckpt=1), finalize=True),
+    "keep-last-zarr": dict(levels=[1, 4, 1, 1], cfg=dict(l4_format="zarr", keep_last_ckpt=1), finalize=True),
 }
 
 
 def recover_campaign(tmp_path: Path, name: str, seed: int, kills: int = 3) -> None:
-    case = RECOVER_CASES[name]
+    case = dict(RECOVER_CASES[name])
+    first = dict(mode="sync", steps=4, finalize=case.pop("finalize", False), **case)
     root = tmp_path / "run"
-    proc = child(root, dict(mode="sync", steps=4, finalize=False, **case), 0)
+    proc = child(root, first, 0)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    want, _status = expected(root)
+    want, status = expected(root)
     assert want == 4
     spec = dict(mode="sync", steps=0, finalize=False, scope="recover", only_os=seed % 2 == 1, **case)
     calibration = child(root, spec, 0)
+    if status == 2:  # finalized, kept: the calibration restarted the run; the kills restart the finalized one
+        shutil.rmtree(root)
+        assert child(root, first, 0).returncode == 0 and expected(root) == (want, status)
     check_recovery(calibration, want, f"{name}: an unkilled restart")
     if name == "zarr-l4":  # a whole L1 file: the recovery moves the verified pages under the fresh array
         assert int(lines(calibration, "P")[0][1]) > 0, "the recovery copied instead of moving pages"
@@ -180,11 +209,11 @@ def recover_campaign(tmp_path: Path, name: str, seed: int, kills: int = 3) -> No
         where = f"{name} seed {seed}: restart {crash + 1} killed at event {nth} of {total} (init to recovery)"
         assert proc.returncode in (0, -9), f"{where}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
         check_recovery(proc, want, where)
-        assert expected(root) == (want, 1), where
+        assert expected(root) in ((want, 1), (want, status)), where  # killed before the restart claimed the run
     proc = child(root, {**spec, "mode": "verify", "scope": "", "finalize": True}, 0)
     check_recovery(proc, want, f"{name} seed {seed}: the last restart")
     assert lines(proc, "R"), proc.stderr[-3000:]
-    assert_no_leftovers(root, {}, f"{name} seed {seed}")
+    assert_no_leftovers(root, case["cfg"], f"{name} seed {seed}")
 
 
 @pytest.mark.parametrize("name", ["dcp-l4"])  # zarr-l4: slow
@@ -194,8 +223,16 @@ def test_restarts_killed_during_their_recovery(tmp_path, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(1, 9))
-@pytest.mark.parametrize("name", list(RECOVER_CASES))
+@pytest.mark.parametrize("name", ["dcp-l4", "zarr-l4"])
 def test_restarts_killed_during_their_recovery_many_seeds(tmp_path, name, seed):
+    recover_campaign(tmp_path, name, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [s if s in (1, 2) else pytest.param(s, marks=pytest.mark.campaign)  # -m campaign
+                                  for s in range(1, 9)])
+@pytest.mark.parametrize("name", ["keep-last-dcp", "keep-last-zarr"])
+def test_restarts_of_a_run_finalized_with_keep_last_killed_during_their_recovery(tmp_path, name, seed):
     recover_campaign(tmp_path, name, seed)
 
 

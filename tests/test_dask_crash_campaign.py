@@ -191,3 +191,30 @@ def test_dask_client_killed_at_random_events_many_seeds(tmp_path, name, seed):
 @pytest.mark.parametrize("name", _names(("levels", "async")))
 def test_dask_worker_killed_at_random_events_many_seeds(tmp_path, name, seed):
     worker_campaign(tmp_path, name, seed)
+
+
+# --- a worker killed during a lineage cut: as it aliases a chunk under its new key, or once it has --------------------
+
+LINEAGE_POINTS = ["ftidask.backends.dask.lineage:_alias", "ftidask.backends.dask.lineage:_alias:after"]
+
+
+def lineage_campaign(tmp_path: Path, name: str, point: str, nth: int, rank: int) -> None:
+    """The worker of ``rank`` killed at the ``nth`` call of ``point`` (a crash point of ``crashpoints``): the run goes
+    on (its arrays, cut or not, give the next states exactly), then a restart on a new cluster recovers the newest
+    committed checkpoint."""
+    spec = {"steps": 4, "finalize": True, "nworkers": 3, **CASES[name]}
+    root = tmp_path / "run"
+    proc = child(root, {**spec, "wpoint": [point, nth], "wrank": rank, "kill": 0})
+    where = f"{name}: worker of rank {rank} killed at call {nth} of {point}"
+    assert proc.returncode in (0, 3), f"{where}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    before, after = lines(proc, "W")
+    assert before[2:] != after[2:], f"{where}: no worker was killed: {proc.stdout}"
+    last_restart(root, spec, where)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", LINEAGE_POINTS)
+@pytest.mark.parametrize("name,nth,rank", [("async", 1, 0), pytest.param("levels", 2, 1, marks=pytest.mark.campaign),
+                                           pytest.param("dcp", 3, 2, marks=pytest.mark.campaign)])
+def test_dask_worker_killed_during_a_lineage_cut(tmp_path, name, point, nth, rank):
+    lineage_campaign(tmp_path, name, point, nth, rank)

@@ -1,0 +1,103 @@
+"""The MPI crash campaign of test_crash_campaign.py with a node lost: restarts that rebuild from L2/L3 redundancy (or
+redistribute on another number of ranks, or flush to L4 at a keep_last_ckpt finalize) SIGKILLed at any event.
+
+A first job (4 ranks) writes asynchronous L2/L3 checkpoints (plain or differential) and one of its ranks is killed
+at a random event; then, before each restart, the same node's files are lost (its node directory removed: one node
+lost, again and again, as a node that keeps failing; two distinct nodes lost before a rebuild completes are beyond
+L2/L3). Each restart recovers (rebuilding the lost files, on as many ranks or on others), checkpoints on, and one
+of its ranks is killed at a random event: in the rebuild, the redistribution, its checkpoints, the retiring of
+older ones or a keep_last_ckpt flush of a checkpoint of another layout. A last restart, the node lost once more,
+recovers the newest COMMITTED checkpoint bit for bit, finalizes and leaves no file behind.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from mpi_util import need_mpi
+from test_crash_campaign import assert_no_leftovers, check_recovery, expected, lines, mpi_job
+
+DCP = dict(enable_dcp=1, dcp_block_size=4096)
+STAGES = {  # key: (ranks, spec); the first letter of a key: "a"/"r"/"s" follow "a0", "d"/"k" follow "d0"
+    "a0": (4, dict(mode="async", levels=[2, 3], steps=4, finalize=False, cfg=dict(max_inflight=3))),
+    "d0": (4, dict(mode="async", levels=[6, 7], steps=4, finalize=False, cfg=dict(DCP, max_inflight=3))),
+    "r1": (4, dict(mode="sync", levels=[3, 2], steps=2, finalize=False, cfg=dict())),
+    "r2": (4, dict(mode="async", levels=[2, 3], steps=2, finalize=False,
+                   cfg=dict(max_inflight=2, async_snapshot="copy"))),
+    "s3": (3, dict(mode="sync", levels=[3, 2], steps=2, finalize=False, cfg=dict())),
+    "a2": (2, dict(mode="async", levels=[2, 3], steps=2, finalize=False, cfg=dict(max_inflight=2))),
+    "d3": (3, dict(mode="async", levels=[6, 7], steps=2, finalize=False, cfg=DCP)),
+    "k2": (2, dict(mode="sync", levels=[6], steps=0, finalize=True, cfg=dict(DCP, keep_last_ckpt=1))),
+    "k3": (3, dict(mode="icp", levels=[7, 6], steps=2, finalize=True, cfg=dict(DCP, keep_last_ckpt=1))),
+}
+PLANS = {  # (stages, ranks of the last restart)
+    "rebuild-twice": (["a0", "r1", "r2"], 4),
+    "reshard-killed": (["a0", "s3"], 2),
+    "reshard-killed-twice": (["a0", "s3", "a2"], 4),
+    "dcp-reshard": (["d0", "d3"], 4),
+    "keep-last-reshard": (["d0", "k2"], 3),
+    "keep-last-twice": (["d0", "k3", "k2"], 4),
+}
+_counts: dict[tuple[str, bool], dict[int, int]] = {}  # (stage, only_os) -> rank -> events of an unkilled run
+
+
+def lose(root: Path, node: int) -> None:
+    shutil.rmtree(root / "L" / f"node{node}", ignore_errors=True)
+
+
+def calibrate(tmp_path: Path, keys: list[str], only_os: bool) -> None:
+    for key in keys:
+        if (key, only_os) in _counts:
+            continue
+        base = tmp_path / f"calibration-{key}-{only_os}"
+        first = "d0" if key[0] in "dk" else "a0"
+        for k in (first, key) if key != first else (first,):
+            ranks, spec = STAGES[k]
+            if k != first:
+                lose(base, 1)
+            proc = mpi_job(ranks, base, {**spec, "only_os": only_os}, {})
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        _counts[key, only_os] = {r: int((base / f"events-{r}").read_text()) for r in range(ranks)}
+
+
+def rebuild_campaign(tmp_path: Path, plan: str, seed: int) -> None:
+    stages, last_ranks = PLANS[plan]
+    only_os = seed % 2 == 1
+    calibrate(tmp_path, stages, only_os)
+    rng = random.Random(f"rebuild-{plan}-{seed}")
+    root = tmp_path / "run"
+    node = rng.randrange(4)
+    for i, key in enumerate(stages):
+        ranks, spec = STAGES[key]
+        want, _status = expected(root)
+        victim = rng.randrange(ranks)
+        nth = rng.randint(1, _counts[key, only_os][victim])
+        if i:
+            lose(root, node)
+        proc = mpi_job(ranks, root, {**spec, "only_os": only_os}, {victim: nth})
+        where = f"{plan} seed {seed}, stage {key} ({ranks} ranks, node {node} lost): rank {victim} killed at {nth}"
+        if i:
+            check_recovery(proc, want, where)
+    want, _status = expected(root)
+    lose(root, node)
+    proc = mpi_job(last_ranks, root, dict(mode="verify", levels=[3, 2], cfg=dict()), {})
+    where = f"{plan} seed {seed}: the last restart on {last_ranks} ranks, node {node} lost (want {want})"
+    assert proc.returncode == 0, f"{where}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    got = lines(proc, "R")
+    if want is None:
+        assert got and got[0][1] == "none" and got[0][2].endswith("Error"), f"{where}: {got}"
+    else:
+        assert got and got[0][1:3] == [str(want), "exact"], f"{where}: {got}\n{proc.stderr[-3000:]}"
+    assert expected(root) == (None, 0), f"{where}: finalize left a run to restart"
+    assert_no_leftovers(root, {}, where)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [s if s == 0 else pytest.param(s, marks=pytest.mark.campaign)  # -m campaign: all
+                                  for s in range(12)])
+@pytest.mark.parametrize("plan", [pytest.param(p, marks=need_mpi()) for p in PLANS])
+def test_mpi_node_lost_restarts_killed_at_random_events(tmp_path, plan, seed):
+    rebuild_campaign(tmp_path, plan, seed)
