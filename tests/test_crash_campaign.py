@@ -281,7 +281,12 @@ def mpi_campaign(tmp_path: Path, stages: list[int], seed: int) -> None:
             check_recovery(proc, want, where)
     want, _status = expected(root)
     proc = mpi_job(3, root, dict(mode="verify", levels=[5, 8], cfg=dict(enable_dcp=1, dcp_block_size=4096)), {})
-    where = f"MPI {stages} seed {seed}: the last restart on 3 ranks (want {want})"
+    check_last_restart(proc, root, want, f"MPI {stages} seed {seed}: the last restart on 3 ranks (want {want})")
+
+
+def check_last_restart(proc, root: Path, want, where: str) -> None:
+    """The last, unkilled restart of an MPI campaign recovered ``want`` exactly (None: said there is nothing), then
+    finalized, leaving no run to restart and nothing behind."""
     assert proc.returncode == 0, f"{where}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     got = lines(proc, "R")
     if want is None:

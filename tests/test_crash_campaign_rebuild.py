@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from mpi_util import need_mpi
-from test_crash_campaign import assert_no_leftovers, check_recovery, expected, lines, mpi_job
+from test_crash_campaign import check_last_restart, check_recovery, expected, mpi_job
 
 DCP = dict(enable_dcp=1, dcp_block_size=4096)
 STAGES = {  # key: (ranks, spec); the first letter of a key: "a"/"r"/"s" follow "a0", "d"/"k" follow "d0"
@@ -84,15 +84,8 @@ def rebuild_campaign(tmp_path: Path, plan: str, seed: int) -> None:
     want, _status = expected(root)
     lose(root, node)
     proc = mpi_job(last_ranks, root, dict(mode="verify", levels=[3, 2], cfg=dict()), {})
-    where = f"{plan} seed {seed}: the last restart on {last_ranks} ranks, node {node} lost (want {want})"
-    assert proc.returncode == 0, f"{where}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-    got = lines(proc, "R")
-    if want is None:
-        assert got and got[0][1] == "none" and got[0][2].endswith("Error"), f"{where}: {got}"
-    else:
-        assert got and got[0][1:3] == [str(want), "exact"], f"{where}: {got}\n{proc.stderr[-3000:]}"
-    assert expected(root) == (None, 0), f"{where}: finalize left a run to restart"
-    assert_no_leftovers(root, {}, where)
+    check_last_restart(proc, root, want,
+                       f"{plan} seed {seed}: the last restart on {last_ranks} ranks, node {node} lost (want {want})")
 
 
 @pytest.mark.slow

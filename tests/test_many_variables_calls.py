@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from recovery_counts import counting_checks
 
 import ftidask
-from ftidask.engine import recovering
 from ftidask.engine.variables import Protected
 from ftidask.engine.vartable import VarTable
 from ftidask.storage.files import find_paths
@@ -27,18 +27,6 @@ def _values(i: int) -> np.ndarray:
 
 def _names(n: int = N) -> list[str]:
     return [f"field/{i:05d}" for i in range(n)]
-
-
-def _counting_checks(monkeypatch) -> list[str]:
-    checked: list[str] = []
-    check = recovering.check_file
-
-    def counted(path, *args, **kwargs):
-        checked.append(str(path))
-        return check(path, *args, **kwargs)
-
-    monkeypatch.setattr(recovering, "check_file", counted)
-    return checked
 
 
 def _written(dirs: dict, order: list[int]) -> dict[str, int]:
@@ -82,7 +70,7 @@ def test_recover_var_of_each_of_thousands_verifies_the_file_once(dirs, monkeypat
     each call read and hashed the whole file again (10,000 of 1 KiB: 0.85 s a call). A full recover() still
     verifies again, and so does a recover_var() once the file has changed."""
     ids = _written(dirs, list(range(N)))
-    checked = _counting_checks(monkeypatch)
+    checked = counting_checks(monkeypatch)
     ctx = ftidask.init(**dirs)
     out = [np.full_like(_values(i), 7) for i in range(N)]
     for i, a in enumerate(out):

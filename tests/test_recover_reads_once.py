@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from recovery_counts import counting_checks
 
 import ftidask
 from ftidask.api.context import Context
@@ -408,26 +409,12 @@ def test_recover_file_moves_pages_under_fresh_arrays_too(dirs, small_moves):
 
 # --- FTI's order: stored_size / realloc (or var_id) before recover -------------------------------------------
 
-def _counting_checks(monkeypatch) -> list[str]:
-    """The files a recovery's search verifies (every byte hashed), in order."""
-    from ftidask.engine import recovering
-
-    checked: list[str] = []
-    check = recovering.check_file
-    def counted(path, *args, **kwargs):
-        checked.append(str(path))
-        return check(path, *args, **kwargs)
-
-    monkeypatch.setattr(recovering, "check_file", counted)
-    return checked
-
-
 def test_stored_size_realloc_then_recover_verifies_the_file_once(dirs, monkeypatch):
     """FTI's restart: FTI_GetStoredSize and FTI_Realloc, then FTI_Recover. The file stored_size verified (its
     search) is loaded as it is by the recovery that follows, not read and hashed a second time."""
     data = np.random.default_rng(3).random(300_000)
     checkpointed(dirs, [data, np.arange(10)])
-    checked = _counting_checks(monkeypatch)
+    checked = counting_checks(monkeypatch)
     ctx = ftidask.init(**dirs)
     ctx.protect(1, np.zeros(1))
     ctx.protect(2, np.zeros(10, np.int64))
@@ -447,7 +434,7 @@ def test_a_file_changed_after_stored_size_is_verified_again(dirs, monkeypatch, h
 
     checkpointed(dirs, [np.random.default_rng(4).random(300_000)])
     path = next(iter(find_paths(Path(dirs["ckpt_dir"]), "Ckpt1-Rank0.fti")))
-    checked = _counting_checks(monkeypatch)
+    checked = counting_checks(monkeypatch)
     ctx = ftidask.init(**dirs)
     a = np.full(300_000, 7.0)
     ctx.protect(1, a)
