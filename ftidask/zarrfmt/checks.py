@@ -53,15 +53,26 @@ def check_arrays(path: Path, manifest: Mapping[str, Any]) -> None:
 
 def _files_by_array(manifest: Mapping[str, Any], names: set[str]) -> dict[str, list[str]]:
     """The files of the manifest under each array of ``names`` (``name/...``), in the manifest's order: found once
-    by the prefixes of each file's path, where each array's checks scanned every file of the store (10,000
-    variables: 10,000 x 10,000 paths, 109 s to verify the store)."""
+    by walking each file's path a component at a time down a tree of the arrays' names, where each array's checks
+    scanned every file of the store (10,000 variables: 10,000 x 10,000 paths, 109 s to verify the store).
+
+    A component at a time, never a prefix sliced at each slash: a forged manifest's path of n slashes made that
+    O(n^2) (4,000 slashes, the most a file system opens: 8 ms a path; 256 MiB of them, minutes)."""
+    tree: dict[str | None, Any] = {}  # component -> subtree; None -> the array's name ending there
+    for name in names:
+        node = tree
+        for part in name.split("/"):
+            node = node.setdefault(part, {})
+        node[None] = name
     out: dict[str, list[str]] = {}
     for rel in manifest["files"]:
-        at = rel.find("/")
-        while at != -1:
-            if rel[:at] in names:
-                out.setdefault(rel[:at], []).append(rel)
-            at = rel.find("/", at + 1)
+        node = tree
+        for part in rel.split("/")[:-1]:  # a name followed by a slash: the last component is no array's
+            node = node.get(part)
+            if node is None:
+                break
+            if None in node:
+                out.setdefault(node[None], []).append(rel)
     return out
 
 

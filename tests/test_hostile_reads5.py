@@ -1,0 +1,42 @@
+"""Hostile reads, fifth campaign: the readers changed for thousands of variables (a Zarr store's manifest grouped by
+array, a parsed file's per-variable index and memo, a Dask worker's per-container read of a differential file's
+block-hash section) given hostile input.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ftidask.zarrfmt.checks import _files_by_array
+
+
+def _by_prefix(files: list[str], names: set[str]) -> dict[str, list[str]]:
+    """What each array's check took before: the files whose path starts with the array's name and a slash."""
+    out: dict[str, list[str]] = {}
+    for name in sorted(names):
+        found = [rel for rel in files if rel.startswith(f"{name}/")]
+        if found:
+            out[name] = found
+    return out
+
+
+@pytest.mark.timeout(120)  # the quadratic grouping took hours here: a hang, not a failure, without it
+def test_a_manifest_path_of_a_million_slashes_is_grouped_in_one_pass():
+    """A manifest (trusted by no commit record: 'ftidask verify STORE') lists a path of many slashes under an array:
+    the grouping of the files by array sliced and hashed the path at each slash, O(n^2) for one path of n bytes
+    (4,000 slashes, the most a file system opens: 8 ms a path, and 256 MiB of such paths a hang of minutes)."""
+    hostile = "a" + "/" * 2_000_000 + "c/0"
+    files = {"a/c/0": [8, "x"], hostile: [8, "x"], "zarr.json": [1, "y"], "a/zarr.json": [1, "z"]}
+    got = _files_by_array({"files": files}, {"a"})
+    assert got == {"a": ["a/c/0", hostile, "a/zarr.json"]}
+
+
+def test_files_are_grouped_under_every_array_whose_name_prefixes_them():
+    rng = random.Random(5)
+    parts = ["a", "b", "a/b", "c", "", ".", "x y", "é"]
+    names = {"a", "a/b", "b/c", "é", "c/a/b"}
+    files = ["/".join(rng.choice(parts) for _ in range(rng.randint(1, 5))) for _ in range(3000)]
+    files = list(dict.fromkeys(files))  # a manifest's keys: each once, in its order
+    assert _files_by_array({"files": {rel: [0, ""] for rel in files}}, names) == _by_prefix(files, names)
