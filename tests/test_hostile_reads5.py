@@ -40,3 +40,29 @@ def test_files_are_grouped_under_every_array_whose_name_prefixes_them():
     files = ["/".join(rng.choice(parts) for _ in range(rng.randint(1, 5))) for _ in range(3000)]
     files = list(dict.fromkeys(files))  # a manifest's keys: each once, in its order
     assert _files_by_array({"files": {rel: [0, ""] for rel in files}}, names) == _by_prefix(files, names)
+
+
+@pytest.mark.parametrize("rel", ["a/" + "x" * 300, "x" * 5000, "a/" + "y/" * 3000 + "0"])
+def test_a_manifest_entry_no_file_system_can_name_is_a_format_error(tmp_path, rel):
+    """A manifest listing a path with a component of more than 255 bytes (or longer than any path): looking for the
+    file raised OSError (ENAMETOOLONG) raw out of verify_store, so read_zarr of such a store gave a traceback."""
+    pytest.importorskip("zarr")
+    import json
+
+    import numpy as np
+
+    from ftidask.model.arrays import VarInfo
+    from ftidask.model.errors import FormatError
+    from ftidask.zarr_export import read_zarr
+    from ftidask.zarrfmt import store
+
+    info = VarInfo.from_json({"id": 1, "name": "a", "dtype": "<f8", "shape": [4], "order": "C", "nbytes": 32})
+    path = tmp_path / "s.zarr"
+    store.write_store(path, {1: np.arange(4.0)}, [info], {})
+    manifest = json.loads((path / store.MANIFEST).read_text())
+    manifest["files"][rel] = [8, "00" * 16]
+    (path / store.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="s.zarr"):
+        store.verify_store(path)
+    with pytest.raises(FormatError):
+        read_zarr(path)

@@ -269,9 +269,9 @@ def verify_store(path: Path, expected: str | None = None) -> dict[str, Any]:
         if (".." in Path(rel).parts or Path(rel).is_absolute() or "\0" in rel or not isinstance(entry, list)
                 or len(entry) != 2):
             raise FormatError(f"{path}: bad manifest entry {rel!r}")
-        if full.exists() and not full.is_file():  # a FIFO or a device would block the read or never end
-            raise FormatError(f"{path}: {rel} is not a regular file")
-        try:
+        try:  # the stat too: a name no file system takes (a component of 256 bytes) is OSError there
+            if full.exists() and not full.is_file():  # a FIFO or a device would block the read or never end
+                raise FormatError(f"{path}: {rel} is not a regular file")
             size, digest = _file_digest(full)
         except FileNotFoundError:
             raise FormatError(f"{path}: {rel} is missing") from None
