@@ -6,8 +6,11 @@ block-hash section) given hostile input.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ftidask.zarrfmt.checks import _files_by_array
 
@@ -66,3 +69,156 @@ def test_a_manifest_entry_no_file_system_can_name_is_a_format_error(tmp_path, re
         store.verify_store(path)
     with pytest.raises(FormatError):
         read_zarr(path)
+
+
+def _two_checkpoints(dirs: dict, n: int = 40, **cfg) -> None:
+    """Checkpoints 1 and 2 of ``n`` small variables (2 holds 1's values + 1000), the run closed as a job ends."""
+    import numpy as np
+
+    import ftidask
+
+    ctx = ftidask.init(**dirs, **cfg)
+    arrays = {i: np.arange(1 + i % 9, dtype=np.float64) + i for i in range(n)}
+    for i, a in arrays.items():
+        ctx.protect(i, a)
+    dcp = 4 if cfg.get("enable_dcp") else 0
+    ctx.checkpoint(1, 4 + dcp)  # kept when checkpoint 2 (level 1) is written
+    for a in arrays.values():
+        a += 1000
+    ctx.checkpoint(2, 1 + dcp)
+    ctx._close()
+
+
+def _swap_same_size(path, data: bytes) -> None:
+    """``path`` replaced by a file of ``data`` (its size), renamed over it with the old modification time."""
+    import os
+
+    stat = os.stat(path)
+    new = path.with_name(path.name + ".swap")
+    new.write_bytes(data)
+    os.utime(new, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.rename(new, path)
+
+
+@pytest.mark.parametrize("how", ["flip_mtime_restored", "swapped_same_size", "truncated", "swapped_same_bytes"])
+@pytest.mark.parametrize("cfg", [{}, {"enable_dcp": 1, "dcp_block_size": 512}, {"compressor": "zstd"}],
+                         ids=["plain", "dcp", "zstd"])
+def test_recover_var_notices_the_verified_file_changed_since(dirs, how, cfg):
+    """recover_var() loads the newest checkpoint the last recovery verified as it is while its file is unchanged
+    (ee8b748): a file changed since, even at the same size with its modification time put back, or replaced by a
+    rename, must be verified again; a damaged one is passed over for the older checkpoint, never read into an array."""
+    import os
+
+    import numpy as np
+
+    import ftidask
+    from ftidask.ftiff.reader import parse_ftiff
+    from ftidask.storage.files import find_paths
+
+    _two_checkpoints(dirs, **cfg)
+    (path,) = [p for p in find_paths(Path(dirs["ckpt_dir"]), "Ckpt2-Rank0.fti")]
+    ctx = ftidask.init(**dirs, **cfg)
+    out = {i: np.full(1 + i % 9, -7.0) for i in range(40)}
+    for i, a in out.items():
+        ctx.protect(i, a)
+    ctx.recover_var(3)
+    assert (out[3] == np.arange(4) + 1003).all()
+    raw = path.read_bytes()
+    with open(path, "rb") as fh:  # the first byte of variable 7's data
+        at = next(m.fptr for _b, _c, m in parse_ftiff(fh, str(path)).containers() if m.id == 7 and m.chunksize)
+    if how == "flip_mtime_restored":
+        stat = os.stat(path)
+        with open(path, "r+b") as fh:
+            fh.seek(at)
+            fh.write(bytes([raw[at] ^ 0xFF]))
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    elif how == "swapped_same_size":
+        _swap_same_size(path, raw[:at] + bytes([raw[at] ^ 0xFF]) + raw[at + 1:])
+    elif how == "truncated":
+        os.truncate(path, len(raw) - 1)
+    else:
+        _swap_same_size(path, raw)
+    ctx.recover_var(7)
+    want = np.arange(8, dtype=np.float64) + 7 + (1000 if how == "swapped_same_bytes" else 0)
+    assert out[7].tobytes() == want.tobytes()
+    ctx._close()
+
+
+_DCP: dict[str, tuple] = {}
+
+
+def _dcp_file(tmp_path_factory) -> tuple:
+    """A differential file of 60 small variables (some grown: two containers, some empty), its parse, and every
+    container's bytes as a Dask worker reads them."""
+    if not _DCP:
+        import numpy as np
+
+        import ftidask
+        from ftidask.backends.dask import tasks
+        from ftidask.ftiff.blockhash import DcpInfo
+        from ftidask.ftiff.reader import parse_ftiff
+        from ftidask.model.arrays import dtype_to_json
+        from ftidask.storage.files import find_paths
+
+        root = tmp_path_factory.mktemp("dcp")
+        ctx = ftidask.init(ckpt_dir=str(root / "L"), glbl_dir=str(root / "G"), meta_dir=str(root / "M"), verbosity=4,
+                           enable_dcp=1, dcp_block_size=512)
+        arrays = {i: np.arange((i * 7) % 23 * (i % 11 != 0), dtype=np.float64) + i for i in range(60)}
+        for i, a in arrays.items():
+            ctx.protect(i, a)
+        ctx.checkpoint(1, 5)
+        for i in range(0, 60, 5):  # grown: a second container each
+            arrays[i] = np.arange(100 + i, dtype=np.float64) - i
+            ctx.protect(i, arrays[i])
+        info = ctx.checkpoint(2, 5)
+        (path,) = find_paths(root / "L", f"ckpt2.s{info.seq}/*.fti")
+        raw = path.read_bytes()
+        ctx.finalize()
+        path = root / "Ckpt2-Rank0.fti"
+        path.write_bytes(raw)
+        with open(path, "rb") as fh:
+            parsed = parse_ftiff(fh, str(path))
+        fb = parsed.fb.hash.hex()
+        chunks = {}
+        for bi, ci, m in parsed.containers():
+            if m.hascontent and m.chunksize:
+                chunks[bi, ci] = (m, tasks.read_chunk(str(path), m.id, m.dptr, dtype_to_json(np.dtype("<f8")),
+                                                      [m.chunksize // 8], fb).tobytes())
+        _DCP.update(raw=raw, fb=fb, info=DcpInfo(parsed), chunks=chunks)
+    return _DCP["raw"], _DCP["fb"], _DCP["info"], _DCP["chunks"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(which=st.integers(0, 10**6), at=st.integers(0, 10**6), bit=st.integers(0, 7), section=st.booleans())
+def test_a_dask_read_of_a_differential_chunk_checks_only_its_own_digests(tmp_path_factory, which, at, bit, section):
+    """A Dask worker reads one chunk of a differential file with that container's digests only (0deab17): a bit of a
+    container's data, or of its digests in the block-hash section, flipped: that chunk is refused (FormatError), every
+    other chunk of the file reads exactly as before."""
+    import numpy as np
+
+    from ftidask.backends.dask import parsecache, tasks
+    from ftidask.model.arrays import dtype_to_json
+    from ftidask.model.errors import FormatError
+
+    raw, fb, info, chunks = _dcp_file(tmp_path_factory)
+    keys = sorted(chunks)
+    key = keys[which % len(keys)]
+    meta = chunks[key][0]
+    data = bytearray(raw)
+    if section:
+        start, count = info.spans[key]
+        data[info.offset + start + at % (count * info.digest_size)] ^= 1 << bit
+    else:
+        data[meta.fptr + at % meta.chunksize] ^= 1 << bit
+    path = tmp_path_factory.mktemp("damaged") / "Ckpt2-Rank0.fti"
+    path.write_bytes(bytes(data))
+    parsecache.forget()
+    for other in keys:
+        m, want = chunks[other]
+        read = lambda m=m: tasks.read_chunk(str(path), m.id, m.dptr, dtype_to_json(np.dtype("<f8")),  # noqa: E731
+                                            [m.chunksize // 8], fb).tobytes()
+        if other == key:
+            with pytest.raises(FormatError):
+                read()
+        else:
+            assert read() == want
