@@ -222,3 +222,39 @@ def test_a_dask_read_of_a_differential_chunk_checks_only_its_own_digests(tmp_pat
                 read()
         else:
             assert read() == want
+
+
+@pytest.mark.parametrize("codec", ["zstd", "blosc"])
+def test_a_compressed_chunk_file_larger_than_any_chunk_compresses_to_is_refused_unread(tmp_path, codec):
+    """A store (its manifest resealed) whose compressed chunk file is 256 MiB of holes, its codec header intact: the
+    file was hashed, then read whole to be decoded, twice over (512 MiB allocated for a chunk of 32 bytes; a sparse
+    file of terabytes costs its forger nothing). A chunk file larger than its codec can make a chunk is refused before
+    it is read."""
+    pytest.importorskip("zarr")
+    import json
+    import os
+    import tracemalloc
+
+    import numpy as np
+
+    from ftidask.model.arrays import VarInfo
+    from ftidask.model.errors import FormatError
+    from ftidask.zarrfmt import store
+
+    info = VarInfo.from_json({"id": 1, "name": "a", "dtype": "<f8", "shape": [4], "order": "C", "nbytes": 32,
+                              "extra": {"codec": {"id": codec}}})
+    path = tmp_path / "s.zarr"
+    store.write_store(path, {1: np.arange(4.0)}, [info], {})
+    manifest = json.loads((path / store.MANIFEST).read_text())
+    (chunk,) = [rel for rel in manifest["files"] if rel.startswith("a/c")]
+    os.truncate(path / chunk, 256 << 20)
+    manifest["files"][chunk] = list(store._file_digest(path / chunk))
+    (path / store.MANIFEST).write_text(json.dumps(manifest))
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match="larger than"):
+            store.verify_store(path)
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 48 << 20, peak
