@@ -258,3 +258,53 @@ def test_a_compressed_chunk_file_larger_than_any_chunk_compresses_to_is_refused_
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     assert peak < 48 << 20, peak
+
+
+@pytest.mark.parametrize("meta", ["zarr.json", "a/zarr.json"])
+def test_a_zarr_metadata_file_larger_than_any_record_is_refused_unread(tmp_path, meta):
+    """A store (its manifest resealed) whose zarr.json is 300 MiB of holes after its JSON: Zarr read it whole to open
+    the array, three times over (900 MiB allocated; a sparse file of terabytes costs its forger nothing). A metadata
+    file larger than any record ftidask reads back (the manifest's own limit) is refused before it is read."""
+    pytest.importorskip("zarr")
+    import json
+    import os
+    import tracemalloc
+
+    import numpy as np
+
+    from ftidask.model.arrays import VarInfo
+    from ftidask.model.errors import FormatError
+    from ftidask.zarrfmt import store
+
+    info = VarInfo.from_json({"id": 1, "name": "a", "dtype": "<f8", "shape": [4], "order": "C", "nbytes": 32})
+    path = tmp_path / "s.zarr"
+    store.write_store(path, {1: np.arange(4.0)}, [info], {})
+    manifest = json.loads((path / store.MANIFEST).read_text())
+    os.truncate(path / meta, 300 << 20)
+    manifest["files"][meta] = list(store._file_digest(path / meta))
+    (path / store.MANIFEST).write_text(json.dumps(manifest))
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match="larger than"):
+            store.verify_store(path)
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 48 << 20, peak
+
+
+def test_a_store_whose_metadata_no_reader_would_take_is_not_written(tmp_path, monkeypatch):
+    """What verify_store refuses is never written: a zarr.json larger than any record (here made 1 KiB) fails the
+    write, and nothing is left at the store's path."""
+    pytest.importorskip("zarr")
+    import numpy as np
+
+    from ftidask.model.arrays import VarInfo
+    from ftidask.storage import files
+    from ftidask.zarrfmt import store
+
+    monkeypatch.setattr(files, "MAX_RECORD", 1024)
+    info = VarInfo.from_json({"id": 1, "name": "a", "dtype": "<f8", "shape": [4], "order": "C", "nbytes": 32})
+    with pytest.raises(OSError, match="zarr.json"):
+        store.write_store(tmp_path / "s.zarr", {1: np.arange(4.0)}, [info], {})
+    assert not (tmp_path / "s.zarr").exists()
