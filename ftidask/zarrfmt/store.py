@@ -11,6 +11,7 @@ digest again as Zarr reads it. Any Zarr reader (``zarr.open``, ``dask.array.from
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import warnings
@@ -152,6 +153,7 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
             warnings.simplefilter("ignore")
             zarr.consolidate_metadata(str(tmp))
         files, total = _hash_tree(tmp, sync=True)
+        _check_meta_sizes(tmp, files)  # what verify_store would refuse is never written
         manifest = {"format": FORMAT, "version": VERSION, "hash": hashing.hash_name(_HASH_ID), "files": files,
                     "vars": table, "attrs": dict(attrs)}
         raw = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
@@ -167,6 +169,17 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
         raise
     sweep_temps_beside(path)  # what killed exports left beside it: this store supersedes it
     return hashing.digest(_HASH_ID, raw).hex(), total + len(raw)
+
+
+def _check_meta_sizes(root: Path, files: Mapping[str, list[Any]]) -> None:
+    """Raise :class:`OSError` for a Zarr metadata file (``zarr.json``) of ``files`` larger than any record ftidask
+    reads back (:data:`~ftidask.storage.files.MAX_RECORD`, the manifest's own limit): Zarr reads one whole, a few
+    times over, and a file of holes of terabytes costs its forger nothing."""
+    for rel, (size, _digest) in files.items():
+        # (a manifest's size that is no number matches no file: refused once the file is hashed)
+        if rel.rpartition("/")[2] == "zarr.json" and isinstance(size, (int, float)) and size > storage.MAX_RECORD:
+            raise OSError(errno.EFBIG, f"{size} bytes, larger than the {storage.MAX_RECORD} bytes of any ftidask "
+                          "record", str(root / rel))
 
 
 def _walk(root: Path) -> Iterator[tuple[str, Path]]:
@@ -269,9 +282,10 @@ def verify_store(path: Path, expected: str | None = None) -> dict[str, Any]:
         if (".." in Path(rel).parts or Path(rel).is_absolute() or "\0" in rel or not isinstance(entry, list)
                 or len(entry) != 2):
             raise FormatError(f"{path}: bad manifest entry {rel!r}")
-        if full.exists() and not full.is_file():  # a FIFO or a device would block the read or never end
-            raise FormatError(f"{path}: {rel} is not a regular file")
-        try:
+        try:  # the stat too: a name no file system takes (a component of 256 bytes) is OSError there
+            if full.exists() and not full.is_file():  # a FIFO or a device would block the read or never end
+                raise FormatError(f"{path}: {rel} is not a regular file")
+            _check_meta_sizes(path, {rel: entry})  # before it is hashed: its size is the manifest's
             size, digest = _file_digest(full)
         except FileNotFoundError:
             raise FormatError(f"{path}: {rel} is missing") from None
