@@ -232,13 +232,10 @@ def test_a_compressed_chunk_file_larger_than_any_chunk_compresses_to_is_refused_
     it is read."""
     pytest.importorskip("zarr")
     import json
-    import os
-    import tracemalloc
 
     import numpy as np
 
     from ftidask.model.arrays import VarInfo
-    from ftidask.model.errors import FormatError
     from ftidask.zarrfmt import store
 
     info = VarInfo.from_json({"id": 1, "name": "a", "dtype": "<f8", "shape": [4], "order": "C", "nbytes": 32,
@@ -247,17 +244,7 @@ def test_a_compressed_chunk_file_larger_than_any_chunk_compresses_to_is_refused_
     store.write_store(path, {1: np.arange(4.0)}, [info], {})
     manifest = json.loads((path / store.MANIFEST).read_text())
     (chunk,) = [rel for rel in manifest["files"] if rel.startswith("a/c")]
-    os.truncate(path / chunk, 256 << 20)
-    manifest["files"][chunk] = list(store._file_digest(path / chunk))
-    (path / store.MANIFEST).write_text(json.dumps(manifest))
-    tracemalloc.start()
-    try:
-        with pytest.raises(FormatError, match="larger than"):
-            store.verify_store(path)
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    assert peak < 48 << 20, peak
+    _padded_is_refused_unread(path, chunk, 256 << 20)
 
 
 @pytest.mark.parametrize("meta", ["zarr.json", "a/zarr.json"])
@@ -266,31 +253,16 @@ def test_a_zarr_metadata_file_larger_than_any_record_is_refused_unread(tmp_path,
     the array, three times over (900 MiB allocated; a sparse file of terabytes costs its forger nothing). A metadata
     file larger than any record ftidask reads back (the manifest's own limit) is refused before it is read."""
     pytest.importorskip("zarr")
-    import json
-    import os
-    import tracemalloc
 
     import numpy as np
 
     from ftidask.model.arrays import VarInfo
-    from ftidask.model.errors import FormatError
     from ftidask.zarrfmt import store
 
     info = VarInfo.from_json({"id": 1, "name": "a", "dtype": "<f8", "shape": [4], "order": "C", "nbytes": 32})
     path = tmp_path / "s.zarr"
     store.write_store(path, {1: np.arange(4.0)}, [info], {})
-    manifest = json.loads((path / store.MANIFEST).read_text())
-    os.truncate(path / meta, 300 << 20)
-    manifest["files"][meta] = list(store._file_digest(path / meta))
-    (path / store.MANIFEST).write_text(json.dumps(manifest))
-    tracemalloc.start()
-    try:
-        with pytest.raises(FormatError, match="larger than"):
-            store.verify_store(path)
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    assert peak < 48 << 20, peak
+    _padded_is_refused_unread(path, meta, 300 << 20)
 
 
 def test_a_store_whose_metadata_no_reader_would_take_is_not_written(tmp_path, monkeypatch):
@@ -308,3 +280,27 @@ def test_a_store_whose_metadata_no_reader_would_take_is_not_written(tmp_path, mo
     with pytest.raises(OSError, match="zarr.json"):
         store.write_store(tmp_path / "s.zarr", {1: np.arange(4.0)}, [info], {})
     assert not (tmp_path / "s.zarr").exists()
+
+
+def _padded_is_refused_unread(path, rel: str, size: int) -> None:
+    """File ``rel`` of store ``path`` padded with holes to ``size`` bytes and the manifest resealed for it: the store
+    is refused ("larger than") while under 48 MiB is allocated."""
+    import json
+    import os
+    import tracemalloc
+
+    from ftidask.model.errors import FormatError
+    from ftidask.zarrfmt import store
+
+    manifest = json.loads((path / store.MANIFEST).read_text())
+    os.truncate(path / rel, size)
+    manifest["files"][rel] = list(store._file_digest(path / rel))
+    (path / store.MANIFEST).write_text(json.dumps(manifest))
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match="larger than"):
+            store.verify_store(path)
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 48 << 20, peak
