@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from campaign import kept
 from conftest import ROOT
 from mpi_util import SCRIPTS, env, mpiexec, need_mpi
 
@@ -160,15 +161,14 @@ def test_killed_at_random_calls_of_os_functions(tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(2, 14))  # odd seeds: kills at calls of os functions only
+@pytest.mark.parametrize("seed", kept(range(2, 14), 6))  # odd seeds: kills at calls of os functions only
 @pytest.mark.parametrize("name", [n for n in CASES if n not in MORE_CASES])
 def test_killed_at_random_events_many_seeds(tmp_path, name, seed):
     campaign(tmp_path, name, seed)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [s if s == 2 else pytest.param(s, marks=pytest.mark.campaign)  # -m campaign
-                                  for s in range(2, 14)])
+@pytest.mark.parametrize("seed", kept(range(2, 14), [2]))
 @pytest.mark.parametrize("name", list(MORE_CASES))
 def test_more_combinations_killed_at_random_events(tmp_path, name, seed):
     campaign(tmp_path, name, seed)
@@ -222,15 +222,14 @@ def test_restarts_killed_during_their_recovery(tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(1, 9))
+@pytest.mark.parametrize("seed", kept(range(1, 9), 4))
 @pytest.mark.parametrize("name", ["dcp-l4", "zarr-l4"])
 def test_restarts_killed_during_their_recovery_many_seeds(tmp_path, name, seed):
     recover_campaign(tmp_path, name, seed)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [s if s == 1 else pytest.param(s, marks=pytest.mark.campaign)  # -m campaign
-                                  for s in range(1, 9)])
+@pytest.mark.parametrize("seed", kept(range(1, 9), [1]))
 @pytest.mark.parametrize("name", ["keep-last-dcp", "keep-last-zarr"])
 def test_restarts_of_a_run_finalized_with_keep_last_killed_during_their_recovery(tmp_path, name, seed):
     recover_campaign(tmp_path, name, seed)
@@ -298,7 +297,7 @@ def check_last_restart(proc, root: Path, want, where: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", kept(range(6), 3))
 @pytest.mark.parametrize("stages", [pytest.param([0, 1], marks=need_mpi(), id="then-sync-on-2"),
                                     pytest.param([0, 2], marks=need_mpi(), id="then-async-on-2"),
                                     pytest.param([0, 3], marks=need_mpi(), id="then-icp-on-2")])

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from campaign import kept
 from mpi_util import SCRIPTS, env, mpiexec, need_mpi
 from test_crash_campaign import assert_no_leftovers, check_recovery, expected, lines
 
@@ -140,15 +141,14 @@ def test_heads_killed_at_random_events(tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [s if s <= 2 else pytest.param(s, marks=pytest.mark.campaign)  # -m campaign: all
-                                  for s in range(1, 9)])  # odd seeds: kills at calls of os functions only
+@pytest.mark.parametrize("seed", kept(range(1, 9), 2))  # odd seeds: kills at calls of os functions only
 @pytest.mark.parametrize("name", ["dcp", "plain", "async", "async-dcp", "keep", "stage"])
 def test_heads_killed_at_random_events_many_seeds(tmp_path, name, seed):
     campaign(tmp_path, name, seed)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", kept(range(2), 1))
 def test_heads_serving_two_ranks_killed_at_random_events(tmp_path, seed):
     campaign(tmp_path, "dcp-12", seed)
 

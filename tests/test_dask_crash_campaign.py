@@ -33,6 +33,7 @@ import pytest
 
 pytest.importorskip("distributed")
 
+from campaign import kept  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from test_crash_campaign import assert_no_leftovers, expected  # noqa: E402
 
@@ -170,25 +171,16 @@ def test_dask_worker_killed_at_a_random_event(tmp_path):
     worker_campaign(tmp_path, "short", seed=0, kills=1, steps=2)
 
 
-def _seeds(kept: range | tuple, all_seeds: range) -> list:
-    """``all_seeds``, those not ``kept`` in the slow run marked campaign (run with -m campaign: CI's budget)."""
-    return [s if s in kept else pytest.param(s, marks=pytest.mark.campaign) for s in all_seeds]
-
-
-def _names(kept: tuple) -> list:
-    return [n if n in kept else pytest.param(n, marks=pytest.mark.campaign) for n in CASES if n != "short"]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", _seeds((1,), range(1, 7)))  # odd seeds: kills at calls of os functions only
-@pytest.mark.parametrize("name", [n for n in CASES if n != "short"])
+@pytest.mark.parametrize("seed", kept(range(1, 7), 1))  # odd seeds: kills at calls of os functions only
+@pytest.mark.parametrize("name", kept([n for n in CASES if n != "short"], ("dcp", "icp", "zstd-keep-l4")))
 def test_dask_client_killed_at_random_events_many_seeds(tmp_path, name, seed):
     client_campaign(tmp_path, name, seed)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", _seeds((1,), range(1, 7)))
-@pytest.mark.parametrize("name", _names(("levels", "async")))
+@pytest.mark.parametrize("seed", kept(range(1, 7), 1))
+@pytest.mark.parametrize("name", kept([n for n in CASES if n != "short"], ("async",)))
 def test_dask_worker_killed_at_random_events_many_seeds(tmp_path, name, seed):
     worker_campaign(tmp_path, name, seed)
 

@@ -20,6 +20,7 @@ import pytest
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
+from campaign import kept  # noqa: E402
 from conftest import lose_node, wait_for_replaced_workers  # noqa: E402
 from test_dask_backend import crash_worker  # noqa: E402
 
@@ -483,7 +484,7 @@ def test_a_checkpoint_that_waited_keeps_nothing_alive(client, dirs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("level", [2, 3])
+@pytest.mark.parametrize("level", kept([2, 3], [2]))  # 3: -m campaign (80 s, CI's budget)
 def test_long_run_with_a_lost_worker(client, dirs, level):
     """60 steps, a checkpoint every 5, a worker killed before step 33 and another before step 51: the chunks
     each held alone are read back from checkpoint 6, then 10, and nothing before them runs again."""
