@@ -7,6 +7,7 @@ what the paths that make none of them produce against the objects' own answers, 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 
 import ftidask
 from ftidask.engine import pending as pending_module
-from ftidask.ftiff import hashing, reader
+from ftidask.ftiff import hashing, reader, verify
 from ftidask.ftiff.layout import layout_from_slots, plan_layout
 from ftidask.ftiff.structs import BMD_SIZE
 from ftidask.ftiff.writer import write_ftiff
@@ -182,3 +183,76 @@ def test_a_checkpoint_after_a_recovery_plans_on_the_recovered_files_containers(t
     assert [(m.id, m.fptr, m.containersize) for m in after.blocks[0][1]] == \
         [(m.id, m.fptr, m.containersize) for m in before.blocks[0][1]]
     assert [m.id for m in after.blocks[1][1]] == [7]
+
+
+def _rank_file(root: Path, ckpt_id: int) -> Path:
+    return next(iter(find_paths(root / "l", f"Ckpt{ckpt_id}-Rank0.fti")))
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_small_containers_hashed_from_one_read_each_still_answer_for_themselves(tmp_path, monkeypatch, inline):
+    """Small containers close together are read at once and each hashed from that read: one whose variable shrank
+    (unused container space read along), one damaged (named), a file cut inside the run (the one cut named)."""
+    if not inline:  # on the verifying threads, a run of containers per task
+        monkeypatch.setattr(verify, "INLINE_BYTES", 0)
+        monkeypatch.setattr(verify, "BATCH_BYTES", 20_000)
+    data = [np.random.default_rng(i).random(40) for i in range(600)]
+    ctx = ftidask.init(**_kw(tmp_path))
+    for i, a in enumerate(data):
+        ctx.protect(i, a)
+    ctx.checkpoint(1, 1)
+    for i in range(0, 600, 7):  # shrink: their containers keep their size, partly filled
+        data[i] = data[i][:13].copy()
+        ctx.protect(i, data[i])
+    ctx.checkpoint(2, 1)
+    ctx._close()
+    path = _rank_file(tmp_path, 2)
+    with open(path, "rb") as fh:
+        parsed = reader.parse_ftiff(fh, str(path))
+        reader.verify_data(fh, parsed)
+    metas = {m.id: m for _b, _c, m in parsed.containers()}
+    with open(path, "r+b") as fh:  # one byte of variable 300, in the middle of a run
+        fh.seek(metas[300].fptr + 17)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 1]))
+    with open(path, "rb") as fh, pytest.raises(FormatError, match=r"var id 300, containerid 0\): data hash does not "
+                                                                    r"match"):
+        reader.verify_data(fh, reader.parse_ftiff(fh, str(path)))
+    jobs = [(b, c, m) for b, c, m in parsed.containers() if m.hascontent]
+    with open(path, "r+b") as fh:
+        fh.truncate(metas[450].fptr + 100)  # the file now ends inside variable 450's bytes
+    with open(path, "rb") as fh:
+        problem = verify.first_problem(fh.fileno(), parsed, jobs, True)
+    assert "var id 300," in problem or "var id 450," in problem
+    with open(path, "rb") as fh:
+        later = [(b, c, m) for b, c, m in jobs if m.id > 300]
+        assert re.search(r"var id 450, containerid 0\): the file ends inside its data",
+                         verify.first_problem(fh.fileno(), parsed, later, True))
+    out = [np.zeros_like(a) for a in data]
+    ctx = ftidask.init(**_kw(tmp_path))
+    for i, a in enumerate(out):
+        ctx.protect(i, a)
+    with pytest.raises(ftidask.NoCheckpointError):
+        ctx.recover()
+    assert all((a == 0).all() for a in out)  # nothing touched
+    ctx._close()
+
+
+def test_shrunk_small_variables_verify_and_come_back(tmp_path):
+    data = [np.random.default_rng(i).random(40) for i in range(600)]
+    ctx = ftidask.init(**_kw(tmp_path))
+    for i, a in enumerate(data):
+        ctx.protect(i, a)
+    ctx.checkpoint(1, 1)
+    for i in range(0, 600, 3):
+        data[i] = data[i][:5].copy()
+        ctx.protect(i, data[i])
+    ctx.checkpoint(2, 1)
+    out = [np.zeros_like(a) for a in data]
+    for i, a in enumerate(out):
+        ctx.protect(i, a)
+    ctx.recover()
+    assert ctx.recovered_from == (2, 1)
+    assert all(np.array_equal(a, b) for a, b in zip(out, data))
+    ctx._close()

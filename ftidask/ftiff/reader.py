@@ -299,7 +299,8 @@ def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget
             continue
         view = target.view(meta.dptr, meta.dptr + meta.chunksize)
         if view is not None:  # which container it is: said only if it is refused (a str each cost 10%)
-            direct.append((meta.fptr, _flat_bytes(view), (bi, ci, meta.id)))
+            direct.append((meta.fptr, view if view.ndim == 1 and view.format == "B" else view.cast("B"),
+                           (bi, ci, meta.id)))
             continue
         what = _where(bi, ci, meta.id)
         hasher = hashing.new_hasher(hid)
@@ -355,8 +356,11 @@ def _copy_direct(fh: BinaryIO, parsed: FtiffFile, spans: list[tuple[int, memoryv
     Small pieces go a run of them per task, and pieces that follow each other in the file in one ``preadv``:
     a task and a call per container cost 50 us each, more than copying a small one (10,000 variables of 1 KiB).
     """
-    pieces = [(offset + lo, view[lo:lo + _COPY_PIECE], what)
-              for offset, view, what in spans for lo in range(0, len(view), _COPY_PIECE)]
+    piece = _COPY_PIECE
+    pieces = [span if len(span[1]) <= piece else None for span in spans]  # a small one as it is, not sliced again
+    if None in pieces:
+        pieces = [(offset + lo, view[lo:lo + piece], what)
+                  for offset, view, what in spans for lo in range(0, len(view), piece)]
     runs = readahead.runs(pieces, lambda piece: len(piece[1]), _COPY_PIECE)
 
     def copy(run: list[tuple[int, memoryview, str]]) -> str:

@@ -231,9 +231,9 @@ class VarInfo:
             dtype = _CHECKED_DTYPES.get(plain) if plain is not None else None
             if dtype is None:
                 dtype = dtype_from_json(described)
-            shape = tuple(int(n) for n in raw["shape"])
+            shape = tuple(map(int, raw["shape"]))
             info = cls(int(raw["id"]), str(raw["name"]), dtype, shape, str(raw["order"]), int(raw["nbytes"]),
-                       dict(raw.get("extra", {})))
+                       dict(raw["extra"]) if "extra" in raw else {})
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise FormatError(f"invalid variable description {reprlib.repr(raw)}: {exc}") from None
         if info.order not in ("C", "F") or (shape and min(shape) < 0):
