@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,14 +38,15 @@ class CheckpointInfo:
                 f"seconds={self.seconds:.3f} ({rate:.0f} MiB/s))")
 
 
-def write_rank_file(path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes], infos: list[VarInfo], *,
-                    hash_id: int, meta: Mapping[str, Any], pt_fs: int | None = None,
-                    max_fs: int | None = None, pool: ThreadPoolExecutor | None = None,
+def write_rank_file(path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes],
+                    infos: Sequence[VarInfo | dict[str, Any]], *, hash_id: int, meta: Mapping[str, Any],
+                    pt_fs: int | None = None, max_fs: int | None = None, pool: ThreadPoolExecutor | None = None,
                     codecs: Mapping[int, tuple[Any, int]] | None = None, durable: bool = True) -> WrittenFile:
-    """Write one rank's FTI-FF file atomically at ``path`` (``codecs``: variables to compress; ``durable=False``:
-    renamed before the disk has it all, see :func:`~ftidask.storage.files.atomic_file`)."""
+    """Write one rank's FTI-FF file atomically at ``path`` (``infos``: the variable table, each variable's
+    :class:`VarInfo` or its JSON form; ``codecs``: variables to compress; ``durable=False``: renamed before the disk
+    has it all, see :func:`~ftidask.storage.files.atomic_file`)."""
     trailer = dict(meta)
-    trailer["vars"] = [info.to_json() for info in infos]
+    trailer["vars"] = [info.to_json() if isinstance(info, VarInfo) else info for info in infos]
     with atomic_file(path, durable=durable) as fh:
         return write_ftiff(fh, layout, arrays, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs, pool=pool,
                            codecs=codecs)

@@ -59,11 +59,10 @@ class Committer(RunPart):
         pending = self.begin(id, level)
         pending.error = pending.error or state_error
         try:
-            for vid, p in self.variables.items():
-                if pending.error:
-                    break
-                _r, pending.error = attempt(self.transport.rank, functools.partial(
-                    pending.write_var, vid, p.name, p.array, source=(sources or {}).get(vid)))
+            if not pending.error:  # one local step for them all (one per variable cost 3 us each): the first
+                given = sources or {}  # failure stops it, and the commit reports it on every rank
+                each = ((vid, p.name, p.array, given.get(vid)) for vid, p in self.variables.items())
+                _r, pending.error = attempt(self.transport.rank, functools.partial(pending.write_vars, each))
         except BaseException:  # interrupted: no file left open, nothing committed
             pending.abort()
             raise

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -183,6 +183,18 @@ class PendingCheckpoint:
         except OSError as exc:
             raise located(exc, self.path) from None
         self.written.add(var_id)
+
+    def write_vars(self, variables: Iterable[tuple[int, str, np.ndarray, Any]]) -> None:
+        """:meth:`write_var` of each ``(var_id, name, array, source)`` in turn; the first failure raises."""
+        if not self._at_finish:
+            for vid, name, array, source in variables:
+                self.write_var(vid, name, array, source=source)
+            return
+        written, sizes = self.written, self.sizes
+        for vid, name, array, _source in variables:  # described and read at finish: only checked here
+            if vid in written or sizes.get(vid) != array.nbytes:
+                self.write_var(vid, name, array)  # raises the error
+            written.add(vid)
 
     def finish(self, meta: Mapping[str, Any], *, pt_fs: int | None, max_fs: int | None) -> WrittenFile:
         """Complete this rank's file (every variable must have been written)."""

@@ -40,7 +40,10 @@ log = logging.getLogger("ftidask")
 class Progress:
     """Where a context's run stands: what the last commit or recovery left for the next checkpoint."""
 
-    layout: Layout | None = None  # the containers of the last file written or recovered (the next plan's start)
+    planned: Layout | None = None  # the containers of the last file written (the next plan's start): see layout
+    # a file recovered last, whose containers are the next plan's start: made into a Layout only when one is planned
+    # (a Slot per container, 20% of a recovery of thousands of small arrays, for a checkpoint that may never come)
+    layout_file: Any = None  # an FtiffFile (or a Zarr L4 store): its layout()
     restart_file: FtiffFile | None = None  # the checkpoint to recover, parsed once (stored_size, realloc)
     restart_record: CommitRecord | None = None  # its record, while its file, verified, may be loaded as it is
     # The newest checkpoint recovered last, and its file as verified: what recover_var() (a recovery of some ids)
@@ -55,16 +58,31 @@ class Progress:
     next_ckpt_id: int = 1  # snapshot's next id
     resharded: tuple[CommitRecord, str] | None = None  # what recover() redistributed, and how its layout differs
 
+    @property
+    def layout(self) -> Layout | None:
+        """The containers of the last file written or recovered: the next checkpoint's plan starts from them."""
+        if self.planned is None and self.layout_file is not None:
+            self.planned, self.layout_file = self.layout_file.layout(), None
+        return self.planned
+
+    @layout.setter
+    def layout(self, layout: Layout | None) -> None:
+        self.planned, self.layout_file = layout, None
+
     def committed(self, ckpt_id: int, layout: Layout | None) -> None:
         """After checkpoint ``ckpt_id`` is committed with ``layout``."""
         self.layout = layout
         self.restart_file, self.restart_record, self.resharded, self.verified = None, None, None, None
         self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
 
-    def restored(self, ckpt_id: int, level: int, layout: Layout | None) -> None:
-        """After checkpoint ``ckpt_id`` of ``level`` is recovered (``layout`` None: plan afresh)."""
+    def restored(self, ckpt_id: int, level: int, layout: Layout | None, *, parsed: Any = None) -> None:
+        """After checkpoint ``ckpt_id`` of ``level`` is recovered (``layout`` None: plan afresh; ``parsed``, the file
+        recovered (an FTI-FF file or a Zarr store: its ``layout()``), instead: its containers, made into a
+        :class:`Layout` when the next checkpoint is planned)."""
         self.layout = layout
-        self.restart_file = None if layout is None else self.restart_file
+        if parsed is not None:
+            self.layout_file = parsed
+        self.restart_file = None if layout is None and parsed is None else self.restart_file
         self.restart_record = self.resharded = self.verified = None
         self.recovered = True
         self.recovered_from = (ckpt_id, level)
@@ -292,7 +310,7 @@ class Recovery(RestartSizes):
         agree(t, attempt(t.rank, load)[1], RecoveryError,
               f"recovering checkpoint {record.ckpt_id} (level {record.level}) failed while loading, and the protected "
               "arrays may hold part of it: recover again")
-        self.progress.restored(record.ckpt_id, record.level, verdict.parsed.layout())
+        self.progress.restored(record.ckpt_id, record.level, None, parsed=verdict.parsed)
         self.progress.restart_file = verdict.parsed  # stored_size's sizes (its layout holds compressed bytes)
         self.progress.verified = (record, verdict.parsed) if newest else None
         log.info("recovered checkpoint %d from level %d%s%s", record.ckpt_id, record.level,

@@ -190,11 +190,13 @@ def moved(vid: int, decl: Mapping[str, Any] | None, parsed: Any) -> str:
 
     The same number of ranks on the same nodes need not mean the same blocks: loading old rank r's block into a
     rank that declares another one would put the data at the wrong place of the global array."""
+    if not decl:  # declared nothing here (most variables): nothing to compare
+        return ""
     info = getattr(parsed, "vars", {}).get(vid)
-    if decl and info is not None and "dask" in info.extra:  # a Dask worker's chunks, never a block
+    if info is not None and "dask" in info.extra:  # a Dask worker's chunks, never a block
         return f"variable {vid} is declared {dict(decl)} here, the checkpoint's file holds chunks of a Dask array"
     stored = {k: info.extra[k] for k in ("global_shape", "offset", "replicated") if k in info.extra} if info else {}
-    if not decl or not stored:
+    if not stored:
         return ""
     here = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in decl.items()}
     there = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in stored.items()}

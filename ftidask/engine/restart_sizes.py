@@ -89,7 +89,7 @@ class RestartSizes(RunPart):
     def _stored_size(self, vid: int) -> int:
         """FTI_GetStoredSize's bytes of ``vid``, 0 where none is stored for it."""
         pr = self.progress
-        if pr.layout is not None and pr.restart_file is None and (pr.last_checkpoint or pr.recovered):
+        if pr.restart_file is None and pr.layout is not None and (pr.last_checkpoint or pr.recovered):
             # From the layout's index of its variables: a dict of every variable's size built per call made
             # stored_size() of each of n variables O(n^2) (1.6 ms a call at 10,000 variables)
             return sum(s.chunksize for s in pr.layout.slots_of(vid))

@@ -122,6 +122,8 @@ def var_extras(variables: Mapping[int, Protected]) -> dict[int, dict[str, Any]]:
     in a global array (resharding)."""
     out: dict[int, dict[str, Any]] = {}
     for vid, p in variables.items():
+        if p.decomp is None and p.state is None and p.device is None:  # a plain array (most): no dict made for it
+            continue
         extra = dict(p.decomp or {})
         if p.state is not None:
             extra[pystate.EXTRA_KEY] = p.state.kind

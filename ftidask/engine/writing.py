@@ -74,21 +74,22 @@ class Writer:
         codecs = self.codecs()
         extras = var_extras(self.variables)
         variables = self.variables
-        infos = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}),
-                            **extras.get(vid, {})) for vid, p in variables.items()]
+        if zarr_l4:
+            infos: list[Any] = [VarInfo.of(vid, p.name, p.array, **({"codec": codecs[vid][1]} if vid in codecs else {}),
+                                           **extras.get(vid, {})) for vid, p in variables.items()]
+        else:  # the table's JSON straight away, no VarInfo per variable (thousands at each checkpoint)
+            json_of = VarInfo.json_of
+            infos = [json_of(vid, p.name, p.array, {"codec": codecs[vid][1], **extras.get(vid, {})} if vid in codecs
+                             else extras.get(vid)) for vid, p in variables.items()]
         write = self.write_zarr_l4 if zarr_l4 else functools.partial(write_rank_file, durable=durable)
-        streams, bar = tracked({vid: self.source(vid, p) for vid, p in variables.items()}, self.config,
-                               f"checkpoint {ckpt_id} (L{level})")
+        sources = self.sources
+        streams, bar = tracked({vid: ArrayBytes(p.array) if (s := sources.get(vid)) is None else s
+                                for vid, p in variables.items()}, self.config, f"checkpoint {ckpt_id} (L{level})")
         with bar:
             return write(
                 path, layout, streams, infos,
                 codecs={vid: (codec, variables[vid].array.dtype.itemsize) for vid, (codec, _c) in codecs.items()},
                 hash_id=self.hash_id, pool=self.hash_pool(), pt_fs=pt_fs, max_fs=max_fs, meta=meta)
-
-    def source(self, vid: int, p: Protected) -> Any:
-        """Variable ``vid``'s bytes: through :attr:`sources` if there, else its array's."""
-        source = self.sources.get(vid)
-        return source if source is not None else ArrayBytes(p.array)
 
     def hash_pool(self) -> ThreadPoolExecutor:
         """One long-lived thread that hashes a container while the caller writes it."""

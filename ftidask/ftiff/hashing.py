@@ -60,6 +60,22 @@ def new_hasher(hid: int) -> Hasher:
         raise FormatError(f"unknown hash id {hid} in file block") from None
 
 
+#: id -> a function giving the digest of one buffer in one call (a few small containers' hashes cost less so)
+_ONESHOT: dict[int, Callable[[bytes | memoryview], bytes]] = {
+    1: lambda data: hashlib.md5(data).digest(),
+    2: xxhash.xxh3_128_digest,
+}
+
+
+def oneshot(hid: int) -> Callable[[bytes | memoryview], bytes]:
+    """The function giving the 16-byte digest of one buffer for format id ``hid`` (what :func:`digest` of one
+    part gives, without a hasher object per call)."""
+    try:
+        return _ONESHOT[hid]
+    except KeyError:
+        raise FormatError(f"unknown hash id {hid} in file block") from None
+
+
 def digest(hid: int, *parts: bytes | memoryview) -> bytes:
     """The 16-byte digest of the concatenation of ``parts``."""
     hasher = new_hasher(hid)

@@ -46,7 +46,7 @@ class FtiffFile:
 
     def containers_of(self, ids: Collection[int]) -> Iterator[tuple[int, int, ContainerMeta]]:
         """The containers of the variables ``ids``, as :meth:`containers` gives them (file order)."""
-        if 4 * len(ids) >= len(self._by_var):  # most of them: one pass
+        if 4 * len(ids) >= len(self.var_nbytes()):  # most of them: one pass (no index made for it)
             return (c for c in self.containers() if c[2].id in ids)
         # A few of many (recover_var()): from the index, never a pass over every container per call
         return iter(sorted(c for vid in ids for c in self._by_var.get(vid, ())))

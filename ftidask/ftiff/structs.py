@@ -31,6 +31,7 @@ _FB_TAIL = struct.Struct("<4sBBBqqqqq")  # free bytes at 49..55 then the five in
 _BMD = struct.Struct("<iq")
 _VMD = struct.Struct("<iiiB3xqqqq16s")
 _LEGACY_FB_HASHED = struct.Struct("<qqqqq")
+BMD_STRUCT, VMD_STRUCT = _BMD, _VMD  # for the writer, which packs thousands of containers in place
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,6 +85,8 @@ def stream_order(array: np.ndarray) -> str:
 class ArrayBytes:
     """Byte-range access to one array's stream, for writing it out and filling it back."""
 
+    __slots__ = ("array", "order", "nbytes", "itemsize", "_view", "_flat")
+
     def __init__(self, array: np.ndarray, order: str | None = None) -> None:
         self.array = array
         self.order = order or stream_order(array)
@@ -93,7 +95,10 @@ class ArrayBytes:
         flat = array.T if self.order == "F" else array
         self._view: memoryview | None = None
         if flat.flags.c_contiguous:
-            self._view = memoryview(flat.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
+            try:  # the array's own buffer as bytes (C order): a fifth of NumPy's reshape and view, per variable
+                self._view = memoryview(flat).cast("B")
+            except (ValueError, TypeError, NotImplementedError):  # dtypes the buffer protocol cannot describe
+                self._view = memoryview(flat.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
         self._flat = flat
 
     def view(self, start: int, stop: int) -> memoryview | None:
@@ -173,6 +178,13 @@ def dtype_from_json(value: Any) -> np.dtype:
     return dtype
 
 
+#: dtype strings of variable tables already parsed and checked (and with how many dimensions): a table of 10,000
+#: arrays of one dtype made 10,000 dtypes and 10,000 empty arrays. Bounded: a forged table cannot grow it for ever.
+_CHECKED_DTYPES: dict[str, np.dtype] = {}
+_CHECKED_DIMS: set[tuple[str | None, int]] = set()
+_CHECKED_MAX = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class VarInfo:
     """What a file records about one protected variable."""
@@ -198,23 +210,43 @@ class VarInfo:
             out["extra"] = self.extra
         return out
 
+    @staticmethod
+    def json_of(var_id: int, name: str, array: np.ndarray, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``VarInfo.of(var_id, name, array, **extra).to_json()``, without the object (a table of thousands of
+        variables is made at each checkpoint)."""
+        dtype = array.dtype
+        simple = dtype.names is None and dtype.subdtype is None and not dtype.hasobject
+        out = {"id": var_id, "name": name, "dtype": dtype.str if simple else dtype_to_json(dtype),
+               "shape": list(array.shape), "order": stream_order(array), "nbytes": array.nbytes}
+        if extra:
+            out["extra"] = extra
+        return out
+
     @classmethod
     def from_json(cls, raw: Any) -> VarInfo:
         """The description ``raw`` holds, checked; :class:`FormatError` if it is not a valid one."""
         try:
-            dtype = dtype_from_json(raw["dtype"])
-            shape = tuple(int(n) for n in raw["shape"])
+            described = raw["dtype"]
+            plain = described if type(described) is str else None  # noqa: E721 - JSON's own str, a cache key
+            dtype = _CHECKED_DTYPES.get(plain) if plain is not None else None
+            if dtype is None:
+                dtype = dtype_from_json(described)
+            shape = tuple(map(int, raw["shape"]))
             info = cls(int(raw["id"]), str(raw["name"]), dtype, shape, str(raw["order"]), int(raw["nbytes"]),
-                       dict(raw.get("extra", {})))
+                       dict(raw["extra"]) if "extra" in raw else {})
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise FormatError(f"invalid variable description {reprlib.repr(raw)}: {exc}") from None
-        if info.order not in ("C", "F") or any(n < 0 for n in shape):
+        if info.order not in ("C", "F") or (shape and min(shape) < 0):
             raise FormatError(f"invalid variable description {reprlib.repr(raw)}")
-        try:  # NumPy's limit on dimensions (a sub-array dtype adds its own): checked on an empty array
-            np.empty((0,) * len(shape), dtype)
-        except ValueError as exc:
-            raise FormatError(f"variable {info.id}: shape {reprlib.repr(shape)} with dtype {dtype} has more "
-                              f"dimensions than NumPy supports ({exc})") from None
+        if (plain, len(shape)) not in _CHECKED_DIMS:
+            try:  # NumPy's limit on dimensions (a sub-array dtype adds its own): checked on an empty array
+                np.empty((0,) * len(shape), dtype)
+            except ValueError as exc:
+                raise FormatError(f"variable {info.id}: shape {reprlib.repr(shape)} with dtype {dtype} has more "
+                                  f"dimensions than NumPy supports ({exc})") from None
+            if plain is not None and len(_CHECKED_DIMS) < _CHECKED_MAX:  # a table of thousands checks each once
+                _CHECKED_DIMS.add((plain, len(shape)))
+                _CHECKED_DTYPES[plain] = dtype
         if math.prod(shape) * dtype.itemsize != info.nbytes:
             raise FormatError(f"variable {info.id}: shape {shape} x {dtype} does not make {info.nbytes} bytes")
         return info
