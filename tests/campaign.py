@@ -9,7 +9,9 @@ import pytest
 
 
 def kept(values: Iterable, keep: int | Iterable) -> list:
-    """``values``, each past the first ``keep`` (or not in ``keep``, a collection) marked ``campaign``."""
+    """``values``, each past the first ``keep`` (or not in ``keep``, a collection) marked ``campaign``; a tuple
+    is the values of several argument names, as parametrize takes them."""
     values = list(values)
     keep_set = set(values[:keep]) if isinstance(keep, int) else set(keep)
-    return [v if v in keep_set else pytest.param(v, marks=pytest.mark.campaign) for v in values]
+    return [v if v in keep_set else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.campaign)
+            for v in values]

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from campaign import kept
 from mpi_util import need_mpi
 from test_crash_campaign import check_last_restart, check_recovery, expected, mpi_job
 
@@ -89,8 +90,7 @@ def rebuild_campaign(tmp_path: Path, plan: str, seed: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [s if s == 0 else pytest.param(s, marks=pytest.mark.campaign)  # -m campaign: all
-                                  for s in range(12)])
+@pytest.mark.parametrize("seed", kept(range(12), 1))
 @pytest.mark.parametrize("plan", [pytest.param(p, marks=need_mpi()) for p in PLANS])
 def test_mpi_node_lost_restarts_killed_at_random_events(tmp_path, plan, seed):
     rebuild_campaign(tmp_path, plan, seed)

@@ -205,8 +205,7 @@ def lineage_campaign(tmp_path: Path, name: str, point: str, nth: int, rank: int)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", [LINEAGE_POINTS[0], pytest.param(LINEAGE_POINTS[1], marks=pytest.mark.campaign)])
-@pytest.mark.parametrize("name,nth,rank", [("async", 1, 0), pytest.param("levels", 2, 1, marks=pytest.mark.campaign),
-                                           pytest.param("dcp", 3, 2, marks=pytest.mark.campaign)])
+@pytest.mark.parametrize("point", kept(LINEAGE_POINTS, 1))
+@pytest.mark.parametrize("name,nth,rank", kept([("async", 1, 0), ("levels", 2, 1), ("dcp", 3, 2)], 1))
 def test_dask_worker_killed_during_a_lineage_cut(tmp_path, name, point, nth, rank):
     lineage_campaign(tmp_path, name, point, nth, rank)
