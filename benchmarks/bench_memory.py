@@ -58,6 +58,7 @@ SINGLE = {  # case: (overrides, level, how the checkpoint is made)
     "L5-dcp": ({"enable_dcp": 1}, 5, "dcp"),
     "L1-icp": ({}, 1, "icp"),
     "L1-async": ({"async_ckpt": 1}, 1, "async"),
+    "L1-kept": ({"keep_last_ckpt": 1}, 1, "finalize"),  # finalize() flushes the L1 checkpoint to level 4
 }
 
 
@@ -94,6 +95,8 @@ def single_child(case: str, phase: str, base: str, mib: int) -> dict:
         for i, a in enumerate(arrays):
             ctx.protect(i + 1, a)
         last = 2
+        if how == "finalize":  # measured: the flush of the last checkpoint at finalize()
+            ctx.checkpoint(1, level)
         if how == "dcp":  # the measured one is the third, the first with a spare to patch
             ctx.checkpoint(1, level)
             ctx.checkpoint(2, level)
@@ -105,6 +108,8 @@ def single_child(case: str, phase: str, base: str, mib: int) -> dict:
             for i in range(len(arrays)):
                 ctx.add_var_icp(i + 1)
             ctx.finalize_icp()
+        elif how == "finalize":
+            ctx.finalize()
         elif how == "async":
             handle = ctx.checkpoint(last, level, wait=False)
             handle.result()
@@ -205,7 +210,7 @@ def dask_child(case: str, base: str, mib: int) -> dict:
 
     level = int(case[1])
     dirs = dict(ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global", meta_dir=f"{base}/Meta", group_size=2,
-                verbosity=4)
+                verbosity=4, **({"compressor": "zstd"} if "zstd" in case else {}))
     chunk = mib * MIB // 2 // 8  # chunks of MIB/2 MiB, MIB MiB per worker
     with LocalCluster(n_workers=2, threads_per_worker=1, memory_limit=0, dashboard_address=None) as cluster, \
             Client(cluster) as client:
@@ -265,7 +270,8 @@ def groups(args: argparse.Namespace):
     root = Path(args.dir)
     for case in SINGLE:
         base = str(root / f"single-{case}")
-        rows = [(f"{case} checkpoint", lambda c=case, b=base: run_child("single", c, "ckpt", b, args.mib))]
+        what = "finalize" if SINGLE[case][2] == "finalize" else "checkpoint"
+        rows = [(f"{case} {what}", lambda c=case, b=base: run_child("single", c, "ckpt", b, args.mib))]
         for phase, label in (("rec-inuse", "recover, arrays in use"), ("rec-fresh", "recover, fresh arrays"),
                              ("rec-var", "recover_var(1), in use")):
             rows.append((f"{case} {label}", lambda c=case, p=phase, b=base: run_child("single", c, p, b, args.mib)))
@@ -278,7 +284,7 @@ def groups(args: argparse.Namespace):
                          (f"MPI {level} restart, rank 1's file rebuilt",
                           lambda lv=level, b=base: (drop_rank_file(b, 1), run_mpi(f"{lv}-rec", b, args.mib))[1])]
     if not args.no_dask:
-        for level in ("L1", "L3"):
+        for level in ("L1", "L3", "L1-zstd"):
             base = str(root / f"dask-{level}")
             yield base, [(f"Dask {level} checkpoint (2 workers)",
                           lambda lv=level, b=base: run_child("dask", f"{lv}-ckpt", "", b, args.mib)),
