@@ -139,3 +139,37 @@ def test_compressed_checkpoint_of_a_strided_array(tmp_path):
     pytest.importorskip("numcodecs")
     extra = int(run_python(STRIDED_COMPRESSED, str(tmp_path), timeout=300).stdout.split()[-1])
     assert extra < 200, f"a compressed checkpoint of a strided 128 MiB array took {extra} MiB more"
+
+
+def test_resharded_read_of_a_compressed_container_decodes_in_place(tmp_path):
+    """A restart on another number of ranks reads the spans of the old files its blocks need: a compressed
+    container was decoded to its frames, joined (two copies of the raw container) and copied into the span's
+    buffer. It is now decoded into that buffer: the buffer and the stored bytes are what a span costs."""
+    pytest.importorskip("numcodecs")
+    import tracemalloc
+
+    import numpy as np
+
+    import ftidask
+    from ftidask.engine.reshard_files import _read_span
+    from ftidask.ftiff.reader import parse_ftiff
+    from ftidask.storage.files import open_read
+
+    dirs = dict(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"),
+                verbosity=4, compressor="zstd")
+    field = np.arange(2**22, dtype=np.float64)  # 32 MiB, 8 frames
+    with ftidask.init(**dirs, keep_last_ckpt=1) as ctx:
+        ctx.protect(1, field)
+        ctx.checkpoint(1, 4)
+    (path,) = (tmp_path / "G").rglob("Ckpt1-Rank0.fti")
+    with open_read(path) as fh:
+        parsed = parse_ftiff(fh, str(path))
+        tracemalloc.start()
+        try:
+            buf, base = _read_span(fh, parsed, 1, 0, field.nbytes)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert base == 0 and bytes(buf) == field.tobytes()
+    stored = sum(meta.chunksize for _b, _c, meta in parsed.containers())  # compressed: about 4 MiB
+    assert peak < field.nbytes + stored + (4 << 20), f"{peak >> 20} MiB to read a 32 MiB span"
