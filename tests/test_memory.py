@@ -193,7 +193,8 @@ for i, a in enumerate(arrays):
     ctx2.protect(i + 1, a)
 extra = peak_of(ctx2.recover)
 assert all((a == w).all() for a, w in zip(arrays, want))
-print(extra >> 20)
+fresh = False  # fresh arrays: their pages, moved under them by the recovery, are not extra
+print((extra - (sum(a.nbytes for a in arrays) if fresh else 0)) >> 20)
 """
 
 
@@ -205,3 +206,18 @@ def test_compressed_recovery_in_use_reads_the_stored_bytes_a_piece_at_a_time(tmp
     pytest.importorskip("numcodecs")
     extra = int(run_python(NOISY_IN_USE, str(tmp_path), timeout=300).stdout.split()[-1])
     assert extra < 56, f"recovering 2 x 128 MiB compressed into the arrays in use took {extra} MiB more"
+
+
+NOISY_FRESH = NOISY_IN_USE.replace("for a in arrays:\n    a[:] = -1\n", "arrays = [np.empty(n) for _ in range(2)]\n") \
+    .replace("fresh = False", "fresh = True")
+
+
+def test_compressed_restart_into_fresh_arrays_reads_a_few_frames_at_a_time(tmp_path):
+    """A restart into fresh arrays reads, hashes and decodes each container once, into staged pages moved under the
+    arrays: each container's stored bytes were read whole first (two or four at once), most of the array for data
+    that compresses little. A container in frames is now read a few frames at a time, each frame decoded into the
+    staged pages as soon as it is read and hashed (those pages are dropped if the container's hash does not match
+    at the end). 2 x 128 MiB, 4 to 1: 63 MiB more before, 8 now."""
+    pytest.importorskip("numcodecs")
+    extra = int(run_python(NOISY_FRESH, str(tmp_path), timeout=300).stdout.split()[-1])
+    assert extra < 32, f"recovering 2 x 128 MiB compressed into fresh arrays took {extra} MiB more"
