@@ -55,6 +55,7 @@ SINGLE = {  # case: (overrides, level, how the checkpoint is made)
     "L4": ({}, 4, "plain"),
     "L4-zarr": ({"l4_format": "zarr"}, 4, "plain"),
     "L1-zstd": ({"compressor": "zstd"}, 1, "plain"),
+    "L1-zstd-noise": ({"compressor": "zstd"}, 1, "plain"),  # noise at 2 decimals: zstd stores about a quarter
     "L5-dcp": ({"enable_dcp": 1}, 5, "dcp"),
     "L1-icp": ({}, 1, "icp"),
     "L1-async": ({"async_ckpt": 1}, 1, "async"),
@@ -62,14 +63,16 @@ SINGLE = {  # case: (overrides, level, how the checkpoint is made)
 }
 
 
-def single_arrays(mib: int, fresh: bool = False, changed: bool = False):
-    """Two arrays of ``mib`` MiB: a ramp (zstd has something to do); ``fresh``: untouched; ``changed``: as the
-    differential case leaves them."""
+def single_arrays(mib: int, fresh: bool = False, changed: bool = False, noise: bool = False):
+    """Two arrays of ``mib`` MiB: a ramp (zstd stores about an eighth of it), or ``noise`` at 2 decimals (a quarter);
+    ``fresh``: untouched; ``changed``: as the differential case leaves them."""
     import numpy as np
 
     n = mib * MIB // 8
     if fresh:
         return [np.empty(n), np.empty(n)]
+    if noise:
+        return [np.round(np.random.default_rng(i).standard_normal(n), 2) for i in range(2)]
     arrays = [np.arange(n, dtype=np.float64) * (i + 1) for i in range(2)]
     if changed:
         change(arrays)
@@ -91,7 +94,7 @@ def single_child(case: str, phase: str, base: str, mib: int) -> dict:
     rss0 = status("VmRSS")
     ctx = ftidask.init(**dirs)
     if phase == "ckpt":
-        arrays = single_arrays(mib)
+        arrays = single_arrays(mib, noise="noise" in case)
         for i, a in enumerate(arrays):
             ctx.protect(i + 1, a)
         last = 2
@@ -132,7 +135,7 @@ def single_child(case: str, phase: str, base: str, mib: int) -> dict:
         else:
             ctx.recover()
         peak = status("VmHWM")
-        want = single_arrays(mib, changed=how == "dcp")
+        want = single_arrays(mib, changed=how == "dcp", noise="noise" in case)
         check = arrays[:1] if phase == "rec-var" else arrays
         assert all(np.array_equal(a, w) for a, w in zip(check, want)), "recovered values differ"
         del want
