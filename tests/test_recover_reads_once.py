@@ -19,7 +19,7 @@ import ftidask
 from ftidask.api.context import Context
 from ftidask.engine import pagemove
 from ftidask.engine.grouplevels import run_ranks
-from ftidask.ftiff import compression, hashing, reader
+from ftidask.ftiff import compression, hashing, reader, readhash
 from ftidask.model.config import load_config
 from ftidask.model.errors import NoCheckpointError
 from ftidask.storage.files import find_paths
@@ -275,16 +275,19 @@ def test_compressed_variables_are_decoded_once_into_fresh_arrays(dirs, small_mov
     plain = {vid: compression.plain_ids(info.extra) for vid, info in parsed.vars.items()}
     packed = [m for _b, _c, m in parsed.containers() if m.hascontent and m.containerid not in plain[m.id]]
     assert len(packed) == 2 and plain[2]  # var 1's two containers compressed, var 2's stored raw
-    calls = []
-    decode = compression.decode_container
-    monkeypatch.setattr(compression, "decode_container", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    calls, checks = [], []
+    decode, read = compression.decode_container, readhash.read_decoded_into
+    # the verification's decoding (decode_container) never runs; each container is read and decoded into the staged
+    # pages once (a few frames at a time, hashed as they are read)
+    monkeypatch.setattr(compression, "decode_container", lambda *a, **k: checks.append(1) or decode(*a, **k))
+    monkeypatch.setattr(readhash, "read_decoded_into", lambda *a, **k: calls.append(1) or read(*a, **k))
     restart = ftidask.init(**dirs)
     out = [fresh(BIG), fresh(BIG, np.uint8)]
     restart.protect(1, out[0])
     restart.protect(2, out[1])
     restart.recover()
     assert np.array_equal(out[0], grown) and np.array_equal(out[1], noise)
-    assert len(calls) == len(packed)
+    assert len(calls) == len(packed) and not checks
     assert pagemove.stats["moved_bytes"] >= BIG * 8 - 8192
 
 

@@ -92,12 +92,19 @@ def _patch_all(members, pool, change, notes=("", "", "")):
     return xors, results
 
 
-def test_updated_parity_equals_a_full_encoding(group):
+@pytest.mark.parametrize("stripe", [None, (5000, 777), (4096, 4096)])
+def test_updated_parity_equals_a_full_encoding(group, monkeypatch, stripe):
+    """``stripe``: the deltas exchanged in stripes of that many bytes and the parity patched in pieces of so many
+    (not one of each, as with the defaults here): windows that cut ranges and pieces anywhere."""
     members, pool = group
     rng = np.random.default_rng(1)
+    if stripe is not None:
+        monkeypatch.setattr(rs_delta, "STRIPE", stripe[0])
+        monkeypatch.setattr(rs_delta, "PATCH_PIECE", stripe[1])
 
     def change(i, arrays):
         arrays[1][rng.integers(0, arrays[1].size, 15)] = -1.0 - i
+        arrays[1][i * 1000:i * 1000 + 3000] += 1.0  # a run of changed blocks, longer than a stripe
 
     xors, results = _patch_all(members, pool, change)
     assert results == [None] * SIZE

@@ -35,12 +35,27 @@ class XorDelta:
 
     base_fb_hash: bytes
     ranges: tuple[tuple[int, int], ...]  # (offset, length), sorted, disjoint
-    payload: np.ndarray  # uint8: the XOR bytes of every range, back to back
+    # uint8: the XOR bytes of every range, back to back, in pieces as they were captured (never joined: a copy of
+    # every changed byte, the whole state for a checkpoint that changed it all)
+    pieces: tuple[np.ndarray, ...]
 
     @property
     def nbytes(self) -> int:
         """Bytes of XOR payload (the ranges' total length)."""
-        return int(self.payload.nbytes)
+        return sum(int(p.nbytes) for p in self.pieces)
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Payload bytes ``[start, start + n)``, zeros past its end (members' payloads are padded to one width)."""
+        out = np.zeros(n, np.uint8)
+        pos = 0
+        for piece in self.pieces:
+            lo, hi = max(start, pos), min(start + n, pos + piece.nbytes)
+            if lo < hi:
+                out[lo - start:hi - start] = piece[lo - pos:hi - pos]
+            pos += piece.nbytes
+            if pos >= start + n:
+                break
+        return out
 
 
 class DeltaMismatch(FormatError):

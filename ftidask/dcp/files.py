@@ -218,9 +218,9 @@ class DcpFileWriter:
             old = old + bytes(n - len(old))
             pieces.append((off2, np.frombuffer(old, np.uint8) ^ np.frombuffer(new, np.uint8)))
         pieces.sort(key=lambda p: p[0])
+        self._xor = []  # the delta holds them now
         ranges = tuple((off, int(x.nbytes)) for off, x in pieces)
-        payload = np.concatenate([x for _o, x in pieces]) if pieces else np.zeros(0, np.uint8)
-        return XorDelta(self.base.fb_hash, ranges, payload)
+        return XorDelta(self.base.fb_hash, ranges, tuple(x for _o, x in pieces))
 
     def finish(self, trailer: Mapping[str, Any], *, pt_fs: int | None = None,
                max_fs: int | None = None) -> tuple[WrittenFile, DcpStats, BlockState]:

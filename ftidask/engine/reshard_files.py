@@ -156,7 +156,9 @@ def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, stop: int) -> t
         if len(stored) != meta.chunksize or hashing.digest(parsed.fb.hash_id, stored) != meta.hash:
             raise FormatError(f"block {bi}, container {ci} (var id {vid}): data hash does not match (damaged data)",
                               path=parsed.path)
-        if codec is not None and meta.containerid not in plain:
-            stored = compression.decode_container(info, meta, stored, f"block {bi}, container {ci} (var id {vid})")
+        if codec is not None and meta.containerid not in plain:  # decoded in place: its frames joined were two copies
+            compression.decode_container(info, meta, stored, f"block {bi}, container {ci} (var id {vid})",
+                                         out=memoryview(out)[dptr - base:dptr - base + raw])
+            continue
         out[dptr - base:dptr - base + raw] = stored
     return out, base

@@ -227,16 +227,11 @@ def decode_container(info: Any, meta: Any, stored: bytes | memoryview | StoredSp
     ``keep`` False they are only checked (a frame at a time is held), None returned."""
     span = raw_span(info.nbytes, meta.dptr, meta.containersize)
     codec = var_codec(info.extra)
-    sizes = _frame_sizes(info.extra, meta.containerid, what)
-    if sizes is None:
+    layout = frame_layout(info, meta, len(stored), what)
+    if layout is None:
         raw = decode_span(codec, stored, span, what=what, into=None if out is None else out[:span])
         return raw if out is None else None
-    frame = info.extra.get("codec_frame_bytes")
-    if isinstance(frame, bool) or not isinstance(frame, int) or frame < MIN_FRAME_BYTES:
-        raise FormatError(f"{what}: invalid codec_frame_bytes record {frame!r} (at least {MIN_FRAME_BYTES})")
-    if len(sizes) != -(-span // frame) or sum(sizes) != len(stored):
-        raise FormatError(f"{what}: {len(sizes)} frames of {sum(sizes)} stored bytes do not make a span of {span} "
-                          f"raw bytes in frames of {frame} from {len(stored)} stored bytes")
+    frame, sizes = layout
     starts = [0, *itertools.accumulate(sizes[:-1])]
     view = stored if isinstance(stored, StoredSpan) else memoryview(stored)
 
@@ -258,6 +253,33 @@ def decode_container(info: Any, meta: Any, stored: bytes | memoryview | StoredSp
         if problem is not None:
             raise FormatError(problem)
     return None if out is not None or not keep else b"".join(parts)  # type: ignore[arg-type]
+
+
+def frame_layout(info: Any, meta: Any, stored: int, what: str) -> tuple[int, list[int]] | None:
+    """``(raw bytes of a frame, stored bytes of each frame)`` of compressed container ``meta`` (``stored`` bytes)
+    kept in frames, checked against its raw span; None for one frame; a :class:`FormatError` for a bad record."""
+    sizes = _frame_sizes(info.extra, meta.containerid, what)
+    if sizes is None:
+        return None
+    span = raw_span(info.nbytes, meta.dptr, meta.containersize)
+    frame = info.extra.get("codec_frame_bytes")
+    if isinstance(frame, bool) or not isinstance(frame, int) or frame < MIN_FRAME_BYTES:
+        raise FormatError(f"{what}: invalid codec_frame_bytes record {frame!r} (at least {MIN_FRAME_BYTES})")
+    if len(sizes) != -(-span // frame) or sum(sizes) != stored:
+        raise FormatError(f"{what}: {len(sizes)} frames of {sum(sizes)} stored bytes do not make a span of {span} "
+                          f"raw bytes in frames of {frame} from {stored} stored bytes")
+    return frame, sizes
+
+
+def decode_frames(codec: Any, frames: list[tuple[bytes, memoryview]], what: str) -> str:
+    """Decode each ``(stored bytes, into)`` frame into its place, on the frame threads: the first problem, or ''."""
+    def one(job: tuple[bytes, memoryview]) -> str:
+        try:
+            decode_span(codec, job[0], len(job[1]), what=what, into=job[1])
+        except FormatError as exc:
+            return str(exc)
+        return ""
+    return next((p for p in _all_done([_frames.submit(one, job) for job in frames]) if p), "")
 
 
 def _frame_sizes(extra: Mapping[str, Any], containerid: int, what: str) -> list[int] | None:

@@ -209,12 +209,31 @@ def _raw_chunk(parsed: FtiffFile, meta: ContainerMeta) -> int:
 
 
 def _read_compressed(fh: BinaryIO, parsed: FtiffFile, meta: ContainerMeta, target: ByteTarget, what: str) -> None:
-    """Read one compressed container, check its hash, then decode it into ``target``."""
+    """Read one compressed container, check its hash, then decode it into ``target``.
+
+    A target with a flat view is decoded straight into it, as a raw container is read straight into it: the file
+    was verified (hashes and decoding) before, unchanged since (:func:`read_into`), and the stored bytes are hashed
+    again, read through a ring of buffers, then decoded a frame at a time from the file (the pages just hashed), as
+    the verification decodes them. A span decoded aside and copied held the raw container twice over (its frames,
+    then their join) beside the array, and the stored bytes read whole once more: three times the largest array's
+    size while the arrays in use were recovered."""
+    info = parsed.vars[meta.id]
+    span = compression.raw_span(info.nbytes, meta.dptr, meta.containersize)
+    view = target.view(meta.dptr, meta.dptr + span)
+    # a non-contiguous target: one buffer of the span, decoded into (never the frames and then their join)
+    out = _flat_bytes(view) if view is not None else memoryview(bytearray(span))
+    # buffers of this call: it may run on the application's thread, which would keep a thread's ring for ever
+    ring = [memoryview(bytearray(readahead.PIECE)) for _ in range(readahead.SLOTS)]
+    problem = verify.container_problem(fh.fileno(), parsed, meta, what, False, ring)
     try:
-        raw = compression.read_decoded(fh.fileno(), meta, parsed.vars[meta.id], parsed.fb.hash_id, what)
+        if problem:
+            raise FormatError(problem)
+        compression.decode_container(info, meta, compression.StoredSpan(fh.fileno(), meta.fptr, meta.chunksize, what),
+                                     what, out=out)
     except FormatError as exc:
         raise FormatError(f"{exc}; it changed while it was read", path=parsed.path) from None
-    target.store(meta.dptr, raw)
+    if view is None:
+        target.store(meta.dptr, out)
 
 
 def verify_data(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None, *, decode: bool = True) -> None:

@@ -91,8 +91,8 @@ def _read_decoded(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
         info = parsed.vars[meta.id]
         span = compression.raw_span(info.nbytes, meta.dptr, meta.containersize)
         try:  # decoded straight into the staged pages, frame by frame
-            compression.read_decoded(fh.fileno(), meta, info, parsed.fb.hash_id, where,
-                                     views[meta.id][meta.dptr:meta.dptr + span])
+            into = views[meta.id][meta.dptr:meta.dptr + span]
+            read_decoded_into(fh.fileno(), meta, info, parsed.fb.hash_id, where, into)
         except FormatError as exc:
             return str(exc)
         return ""
@@ -101,3 +101,42 @@ def _read_decoded(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
         for problem in pool.map(one, jobs):
             if problem:
                 raise FormatError(problem, path=parsed.path)
+
+
+def read_decoded_into(fd: int, meta: ContainerMeta, info: object, hash_id: int, what: str, into: memoryview) -> None:
+    """Compressed container ``meta`` (of the variable ``info``) decoded into ``into``, memory the caller discards when
+    this raises (staged pages, a Dask chunk being read): a container in frames is read, hashed and decoded a few
+    frames at a time (:func:`_read_frames`), one frame read whole, hash-checked, then decoded."""
+    layout = compression.frame_layout(info, meta, meta.chunksize, what)
+    if layout is None:
+        compression.read_decoded(fd, meta, info, hash_id, what, into)
+    else:
+        codec = compression.var_codec(info.extra)  # type: ignore[attr-defined]
+        _read_frames(fd, meta, codec, layout, hash_id, what, into)
+
+
+def _read_frames(fd: int, meta: ContainerMeta, codec: object, layout: tuple[int, list[int]], hash_id: int, what: str,
+                 into: memoryview) -> None:
+    """A container stored in frames, into ``into`` (staged pages, discarded when this raises): a few frames read at a
+    time, hashed in order, and decoded into their places on the frame threads; the container's hash compared at the
+    end. Read whole first, the stored bytes of every container being decoded were held at once, up to several times
+    the largest array for data that compresses little. A frame that does not decode is reported as the hash's
+    mismatch when the hash does not match (the cause), as when the hash was checked first."""
+    frame, sizes = layout
+    hasher = hashing.new_hasher(hash_id)
+    problem, pos, window = "", meta.fptr, compression.frame_threads()
+    for lo in range(0, len(sizes), window):
+        jobs = []
+        for i in range(lo, min(len(sizes), lo + window)):
+            stored = bytearray(sizes[i])
+            if read_full(fd, pos, memoryview(stored)) != sizes[i]:
+                raise FormatError(f"{what}: file ends inside its data")
+            pos += sizes[i]
+            hasher.update(stored)
+            jobs.append((stored, into[i * frame:min(len(into), (i + 1) * frame)]))
+        if not problem:  # past a frame that did not decode, the rest is only hashed
+            problem = compression.decode_frames(codec, jobs, what)
+    if hasher.digest() != meta.hash:
+        raise FormatError(f"{what}: data hash does not match (damaged data)")
+    if problem:
+        raise FormatError(problem)

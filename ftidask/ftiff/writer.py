@@ -225,7 +225,8 @@ def _write_compressed(fh: BinaryIO, source: ByteSource, start: int, stop: int, h
                       codec: tuple[Any, int]) -> tuple[bytes, int, bool, list[int] | None]:
     """Encode one container's raw span and write it: ``(digest, stored size, stored plain, frame sizes)``."""
     view = source.view(start, stop)
-    raw = view if view is not None else b"".join(bytes(p) for p in source.pieces(start, stop))
+    # a non-contiguous array: its span copied into one buffer (bytes of each piece, then their join, were two)
+    raw = view if view is not None else copy_span(source, start, stop, np.empty(stop - start, np.uint8))
     pieces, plain, frames = compression.encode_container(codec[0], raw, codec[1])
     if plain and view is not None:
         # Stored as is: from a private copy (the encoder's output already is one), so that the

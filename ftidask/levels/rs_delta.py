@@ -33,15 +33,17 @@ is checked against its hash before a rebuild.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..dcp.delta import XorDelta
-from ..ftiff import hashing
+from ..ftiff import hashing, readahead
 from ..model.errors import FTIError
 from ..storage import files as storage
 from ..transport.collective import guarded
@@ -50,6 +52,8 @@ from .erasure import ReedSolomon, gf_add_scaled
 from .rs import by_name, check_parity, hash_path, write_record
 
 log = logging.getLogger("ftidask")
+STRIPE = 4 << 20  # payload bytes of each member exchanged at once (a stripe of each member held)
+PATCH_PIECE = 1 << 20  # parity bytes read, patched and written at once
 
 
 def spare_parity_path(ckpt_dir: Path, rank: int) -> Path:
@@ -94,29 +98,56 @@ def update(ch: GroupChannel, xor: XorDelta | None, own_fb_hash: str, spare: Path
         return "the spare parity does not encode every member's base file"
     assert xor is not None  # every member said ok
     width = max(info["nbytes"] for info in infos)
-
-    def payload() -> np.ndarray:
-        own = np.zeros(width, np.uint8)
-        own[:xor.nbytes] = xor.payload
-        return own
-
-    own = guarded(problems, payload, None, "cannot prepare the parity delta")
-    payloads = ch.allgather_blocks(np.zeros(width, np.uint8) if own is None else own)
-    # That was the last collective: what follows is local and may fail alone (the caller agrees on it).
-    if problems:
-        raise FTIError("; ".join(problems))
+    rounds = _exchange(ch, xor, width, problems)
     wholes = [info["whole"] for info in infos]
-    patch_parity(spare, parity, ch.index, [info["ranges"] for info in infos], payloads, max_fs, hash_id,
-                 [info["new"] for info in infos], by_name(wholes) if all(wholes) else None)
+    try:
+        patch_parity(spare, parity, ch.index, [info["ranges"] for info in infos], rounds, max_fs, hash_id,
+                     [info["new"] for info in infos], by_name(wholes) if all(wholes) else None)
+    finally:  # a member whose patch failed still takes its part in every exchange left, then raises
+        with contextlib.suppress(FTIError):
+            for _ in rounds:
+                pass
     log.debug("L3: parity updated from the group's deltas (%d bytes from each member, parity %d bytes)",
              width, max_fs)
     return None
 
 
-def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[list[int]]], payloads: list[np.ndarray],
-                 max_fs: int, hash_id: int, fb_hashes: list[str], file_hashes: dict[str, str] | None = None) -> None:
-    """Patch parity row ``position`` in ``spare`` with every member's deltas (``ranges[i]`` and the
-    XOR bytes ``payloads[i]`` of member ``i``), rename it to ``parity``, write its hash and record.
+def _exchange(ch: GroupChannel, xor: XorDelta, width: int,
+              problems: list[str]) -> Iterator[tuple[int, list[np.ndarray]]]:
+    """The group's deltas a stripe at a time: ``(start, blocks)``, ``blocks[i]`` member ``i``'s payload bytes
+    ``[start, start + len)``, every payload padded to ``width``. One stripe of each member is held at once: the
+    whole payloads gathered held the group's every changed byte (a checkpoint that changed all its state: the group
+    size times the state, beside the member's own delta and its padded copy; 7x the state in a group of 4).
+
+    After the last exchange a local failure (``problems``: here or before) is raised, before anything is renamed."""
+    for start in range(0, width, STRIPE):
+        n = min(STRIPE, width - start)
+        own = guarded(problems, lambda: xor.read(start, n), None, "cannot prepare the parity delta")
+        yield start, ch.allgather_blocks(np.zeros(n, np.uint8) if own is None else own)
+    # That was the last collective: what follows is local and may fail alone (the caller agrees on it).
+    if problems:
+        raise FTIError("; ".join(problems))
+
+
+def _windows(ranges: list[list[int]], start: int, block: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """``(file offset, XOR bytes)`` of the parts of ``ranges`` (a member's, its payload back to back) that payload
+    bytes ``[start, start + len(block))`` hold."""
+    pos = 0
+    for off, n in ranges:
+        lo, hi = max(start, pos), min(start + len(block), pos + n)
+        if lo < hi:
+            yield off + lo - pos, block[lo - start:hi - start]
+        pos += n
+        if pos >= start + len(block):
+            return
+
+
+def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[list[int]]],
+                 rounds: Iterable[tuple[int, list[np.ndarray]]], max_fs: int, hash_id: int, fb_hashes: list[str],
+                 file_hashes: dict[str, str] | None = None) -> None:
+    """Patch parity row ``position`` in ``spare`` with every member's deltas (``ranges[i]`` and, a stripe at a time
+    from ``rounds`` (:func:`_exchange`), the XOR bytes of member ``i``), rename it to ``parity``, write its hash and
+    record.
 
     Local: the members already agreed that every spare encodes their deltas' base files.
     """
@@ -128,19 +159,18 @@ def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[lis
         raise FTIError(f"cannot patch the spare parity {spare}: {exc}") from exc
     try:
         os.ftruncate(fd, max_fs)  # zeros past the old maxFs (old files were padding there), or cut
-        for i, member_ranges in enumerate(ranges):
-            pos = 0
-            for off, n in member_ranges:
-                delta = payloads[i][pos:pos + n]
-                pos += n
-                n = min(n, max_fs - off)  # past maxFs every file is padding on both sides
-                if n <= 0:
-                    continue
-                cur = np.frombuffer(bytearray(os.pread(fd, n, off)), np.uint8)  # a writable copy
-                if len(cur) != n or len(delta) < n:
-                    raise FTIError(f"{spare}: shorter than the parity length {max_fs}, or a short delta")
-                gf_add_scaled(int(coefs[i]), delta[:n], cur)  # parity ^= C[position][i] * delta, in place
-                storage.pwrite_all(fd, memoryview(cur), off)
+        buf = np.empty(PATCH_PIECE, np.uint8)  # the parity's bytes being patched, a piece at a time
+        for start, blocks in rounds:
+            for i, member_ranges in enumerate(ranges):
+                for off, delta in _windows(member_ranges, start, blocks[i]):
+                    n = min(len(delta), max_fs - off)  # past maxFs every file is padding on both sides
+                    for lo in range(0, max(n, 0), PATCH_PIECE):
+                        cur = buf[:min(PATCH_PIECE, n - lo)]
+                        if readahead.read_full(fd, off + lo, memoryview(cur)) != len(cur):
+                            raise FTIError(f"{spare}: shorter than the parity length {max_fs}")
+                        gf_add_scaled(int(coefs[i]), delta[lo:lo + len(cur)], cur)  # parity ^= C[position][i] * delta
+                        storage.pwrite_all(fd, memoryview(cur), off + lo)
+            del blocks  # before the next stripe is gathered
         os.fsync(fd)
     finally:
         os.close(fd)

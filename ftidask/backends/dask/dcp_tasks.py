@@ -68,7 +68,7 @@ def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_
         return result
     xor = stats.xor
     result["xor"] = None if xor is None else {"base": xor.base_fb_hash.hex(), "ranges": [list(r) for r in xor.ranges]}
-    return result, (np.zeros(0, np.uint8) if xor is None else xor.payload)
+    return result, ([] if xor is None else list(xor.pieces))  # never joined: a copy of every changed byte
 
 
 def claimed(spare: str | Path, into: str | Path) -> Path:

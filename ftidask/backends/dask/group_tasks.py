@@ -126,7 +126,7 @@ def parity_delta(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) ->
     result, payload = dep
     raw = result.get("xor")
     xor = None if raw is None else XorDelta(bytes.fromhex(raw["base"]), tuple(tuple(r) for r in raw["ranges"]),
-                                            np.asarray(payload, np.uint8))
+                                            tuple(np.asarray(p, np.uint8) for p in payload))
     errors: list[str] = []
     own_hash = guarded(errors, lambda: file_fb_hash(own), "")
     with _claimed(rs_delta.spare_parity_path(own.parent, rank), own, record=True, take=m.get("claim", True)) as spare:

@@ -22,7 +22,7 @@ from ...engine.device import host_chunk
 from ...ftiff import blockhash, compression, hashing
 from ...ftiff.readahead import read_full
 from ...ftiff.reader import verify_data
-from ...ftiff.readhash import read_hashed
+from ...ftiff.readhash import read_decoded_into, read_hashed
 from ...model.arrays import VarInfo, dtype_from_json
 from ...model.errors import ConfigError, FormatError
 from ...storage import files as storage
@@ -199,8 +199,8 @@ def read_chunk(path: str, var_id: int, dptr: int, dtype_json: Any, shape: list[i
             if parsed.fb.flags & blockhash.FLAG_DCP:  # ftidask never writes one: patched in place, not decoded
                 raise FormatError(f"variable {var_id}: a differential file holds a compressed container", path=path)
             what = f"variable {var_id}, chunk at dptr {dptr}"
-            try:  # the stored bytes are read whole and hash-checked before any is decoded into the chunk
-                compression.read_decoded(fh.fileno(), meta, info, parsed.fb.hash_id, what, view)
+            try:  # into the chunk, a few frames at a time, hash-checked at the end (the chunk dropped if not)
+                read_decoded_into(fh.fileno(), meta, info, parsed.fb.hash_id, what, view)
             except FormatError as exc:
                 raise FormatError(str(exc), path=path) from None
             return out

@@ -76,8 +76,7 @@ def files_xor_delta(base: Path, new: Path, block: int, limit: int, whole: Any = 
             else:
                 ranges.append((off, n))
             parts.append(diff)
-    payload = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-    return XorDelta(bytes.fromhex(base_fb), tuple(ranges), payload)
+    return XorDelta(bytes.fromhex(base_fb), tuple(ranges), tuple(parts))
 
 
 def _padded(raw: bytes, n: int) -> np.ndarray:
