@@ -244,3 +244,31 @@ def test_a_damaged_spare_parity_is_not_patched_into_a_parity_that_looks_sound(gr
     _xors, results = _patch_all(members, pool, change)
     assert all(r is not None and "does not" in r for r in results)
     assert not any((m["dir"] / "new.rsed").exists() for m in members)
+
+
+def test_a_delta_read_and_its_windows_in_stripes_give_each_byte_once():
+    """XorDelta.read and rs_delta._windows start from the piece and range that hold the stripe (never a scan from
+    the first one): every payload byte comes back once, at its place, whatever the stripe cuts (empty pieces too)."""
+    import itertools
+
+    from ftidask.dcp.delta import XorDelta
+
+    rng = np.random.default_rng(7)
+    sizes = [int(n) for n in rng.integers(0, 40, 300)]  # some pieces and ranges empty
+    pieces = tuple(rng.integers(0, 256, n, dtype=np.uint8) for n in sizes)
+    ranges = tuple((1000 * k, n) for k, n in enumerate(sizes))
+    delta = XorDelta(b"\0" * 16, ranges, pieces)
+    payload = np.concatenate(pieces)
+    assert delta.nbytes == len(payload)
+    starts = [0, *itertools.accumulate(sizes)]
+    for stripe in (1, 7, 64, len(payload) + 5):
+        width = len(payload) + 3  # padded, as a member narrower than the group's widest
+        got = np.concatenate([delta.read(lo, min(stripe, width - lo)) for lo in range(0, width, stripe)])
+        assert np.array_equal(got[:len(payload)], payload) and not got[len(payload):].any()
+        placed = {}
+        for lo in range(0, width, stripe):
+            for off, part in rs_delta._windows([list(r) for r in ranges], starts, lo, got[lo:lo + stripe]):
+                for j, byte in enumerate(part):
+                    assert off + j not in placed
+                    placed[off + j] = int(byte)
+        assert placed == {off + j: int(p[j]) for (off, _n), p in zip(ranges, pieces) for j in range(len(p))}

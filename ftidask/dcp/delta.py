@@ -11,7 +11,10 @@ other partner needs the whole file. The result is verified like any file at reco
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -42,19 +45,25 @@ class XorDelta:
     @property
     def nbytes(self) -> int:
         """Bytes of XOR payload (the ranges' total length)."""
-        return sum(int(p.nbytes) for p in self.pieces)
+        return self._starts[-1]
+
+    @functools.cached_property
+    def _starts(self) -> list[int]:
+        """Where each piece starts in the payload, and its end (cached: the delta is frozen)."""
+        return [0, *itertools.accumulate(int(p.nbytes) for p in self.pieces)]
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Payload bytes ``[start, start + n)``, zeros past its end (members' payloads are padded to one width)."""
         out = np.zeros(n, np.uint8)
-        pos = 0
-        for piece in self.pieces:
-            lo, hi = max(start, pos), min(start + n, pos + piece.nbytes)
+        starts, stop = self._starts, start + n
+        # from the piece that holds ``start``: read a stripe at a time, a scan from the first piece each time cost
+        # the pieces times the stripes (a 256 MiB delta in 16 KiB pieces: 0.2 s, as long as copying its bytes)
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        while i < len(self.pieces) and starts[i] < stop:
+            lo, hi = max(start, starts[i]), min(stop, starts[i + 1])
             if lo < hi:
-                out[lo - start:hi - start] = piece[lo - pos:hi - pos]
-            pos += piece.nbytes
-            if pos >= start + n:
-                break
+                out[lo - start:hi - start] = self.pieces[i][lo - starts[i]:hi - starts[i]]
+            i += 1
         return out
 
 

@@ -33,7 +33,9 @@ is checked against its hash before a rebuild.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -129,17 +131,20 @@ def _exchange(ch: GroupChannel, xor: XorDelta, width: int,
         raise FTIError("; ".join(problems))
 
 
-def _windows(ranges: list[list[int]], start: int, block: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-    """``(file offset, XOR bytes)`` of the parts of ``ranges`` (a member's, its payload back to back) that payload
-    bytes ``[start, start + len(block))`` hold."""
-    pos = 0
-    for off, n in ranges:
-        lo, hi = max(start, pos), min(start + len(block), pos + n)
+def _windows(ranges: list[list[int]], starts: list[int], start: int,
+             block: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """``(file offset, XOR bytes)`` of the parts of ``ranges`` (a member's, its payload back to back: range ``k``
+    from payload byte ``starts[k]``) that payload bytes ``[start, start + len(block))`` hold."""
+    stop = start + len(block)
+    # from the range that holds ``start``: a scan from the first range at each stripe cost the ranges times the
+    # stripes (a 256 MiB delta of 16 KiB ranges: 0.2 s for each member's, every member patching from all of them)
+    k = max(bisect.bisect_right(starts, start) - 1, 0)
+    while k < len(ranges) and starts[k] < stop:
+        off, n = ranges[k]
+        lo, hi = max(start, starts[k]), min(stop, starts[k] + n)
         if lo < hi:
-            yield off + lo - pos, block[lo - start:hi - start]
-        pos += n
-        if pos >= start + len(block):
-            return
+            yield off + lo - starts[k], block[lo - start:hi - start]
+        k += 1
 
 
 def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[list[int]]],
@@ -160,9 +165,10 @@ def patch_parity(spare: Path, parity: Path, position: int, ranges: list[list[lis
     try:
         os.ftruncate(fd, max_fs)  # zeros past the old maxFs (old files were padding there), or cut
         buf = np.empty(PATCH_PIECE, np.uint8)  # the parity's bytes being patched, a piece at a time
+        starts = [[0, *itertools.accumulate(n for _off, n in member_ranges)] for member_ranges in ranges]
         for start, blocks in rounds:
             for i, member_ranges in enumerate(ranges):
-                for off, delta in _windows(member_ranges, start, blocks[i]):
+                for off, delta in _windows(member_ranges, starts[i], start, blocks[i]):
                     n = min(len(delta), max_fs - off)  # past maxFs every file is padding on both sides
                     for lo in range(0, max(n, 0), PATCH_PIECE):
                         cur = buf[:min(PATCH_PIECE, n - lo)]
