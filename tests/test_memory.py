@@ -175,6 +175,38 @@ def test_resharded_read_of_a_compressed_container_decodes_in_place(tmp_path):
     assert peak < field.nbytes + stored + (4 << 20), f"{peak >> 20} MiB to read a 32 MiB span"
 
 
+def test_resharded_read_of_a_raw_container_reads_in_place(tmp_path):
+    """A raw container of the spans a restart on another number of ranks reads was read whole as bytes, hashed,
+    then copied into the span's buffer (a 32 MiB span: 96 MiB allocated). It is read into that buffer and hashed
+    there (readhash.read_hashed): the buffer is what a span costs."""
+    import tracemalloc
+
+    import numpy as np
+
+    import ftidask
+    from ftidask.engine.reshard_files import _read_span
+    from ftidask.ftiff.reader import parse_ftiff
+    from ftidask.storage.files import open_read
+
+    dirs = dict(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"),
+                verbosity=4)
+    field = np.arange(2**22, dtype=np.float64)  # 32 MiB, one container
+    with ftidask.init(**dirs, keep_last_ckpt=1) as ctx:
+        ctx.protect(1, field)
+        ctx.checkpoint(1, 4)
+    (path,) = (tmp_path / "G").rglob("Ckpt1-Rank0.fti")
+    with open_read(path) as fh:
+        parsed = parse_ftiff(fh, str(path))
+        tracemalloc.start()
+        try:
+            buf, base = _read_span(fh, parsed, 1, 0, field.nbytes)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert base == 0 and bytes(buf) == field.tobytes()
+    assert peak < field.nbytes + (4 << 20), f"{peak >> 20} MiB to read a 32 MiB span"
+
+
 NOISY_IN_USE = PEAK + r"""
 import sys, numpy as np, ftidask
 root = sys.argv[1]

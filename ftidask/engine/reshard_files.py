@@ -5,14 +5,13 @@ too."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..ftiff import compression, hashing
+from ..ftiff import compression, readhash
 from ..ftiff.blockhash import FLAG_DCP
 from ..ftiff.reader import FtiffFile, check_unchanged, parse_ftiff
 from ..model.arrays import dtype_from_json, dtype_to_json
@@ -151,14 +150,14 @@ def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, stop: int) -> t
         raise FormatError(f"variable {vid}: bytes [{start}, {stop}) are not held by its containers", path=parsed.path)
     base = spans[0][0]
     out = bytearray(spans[-1][0] + spans[-1][1] - base)
-    for dptr, raw, bi, ci, meta in spans:
-        stored = os.pread(fh.fileno(), meta.chunksize, meta.fptr)
-        if len(stored) != meta.chunksize or hashing.digest(parsed.fb.hash_id, stored) != meta.hash:
-            raise FormatError(f"block {bi}, container {ci} (var id {vid}): data hash does not match (damaged data)",
-                              path=parsed.path)
-        if codec is not None and meta.containerid not in plain:  # decoded in place: its frames joined were two copies
-            compression.decode_container(info, meta, stored, f"block {bi}, container {ci} (var id {vid})",
-                                         out=memoryview(out)[dptr - base:dptr - base + raw])
-            continue
-        out[dptr - base:dptr - base + raw] = stored
+    view, hid = memoryview(out), parsed.fb.hash_id
+    for dptr, raw, bi, ci, meta in spans:  # ``out`` is dropped if one is refused: never a user's array
+        what, into = f"block {bi}, container {ci} (var id {vid})", view[dptr - base:dptr - base + raw]
+        try:
+            if codec is not None and meta.containerid not in plain:  # read a few frames at a time, decoded in place
+                readhash.read_decoded_into(fh.fileno(), meta, info, hid, what, into)
+            elif readhash.read_hashed(fh.fileno(), meta.fptr, into, hid) != meta.hash:  # read in place
+                raise FormatError(f"{what}: data hash does not match (damaged data)")
+        except FormatError as exc:
+            raise FormatError(str(exc), path=parsed.path) from None
     return out, base
