@@ -35,6 +35,7 @@ from ..model.codecspec import ALLOWED_IDS
 from ..model.errors import ConfigError, FormatError
 from ..model.pools import LazyPool
 from . import hashing
+from .readahead import read_full
 
 T = TypeVar("T")
 FRAME_BYTES = 4 << 20  # raw bytes a frame of a larger container holds (a multiple of every element size)
@@ -220,39 +221,29 @@ def decode_span(codec: Any, stored: bytes | memoryview | StoredSpan, span: int, 
 
 
 def decode_container(info: Any, meta: Any, stored: bytes | memoryview | StoredSpan, what: str,
-                     out: memoryview | None = None, keep: bool = True) -> bytes | memoryview | None:
-    """The raw span of compressed container ``meta`` (of the variable ``info``, a VarInfo) from its hash-checked
-    ``stored`` bytes: one frame, or its frames decoded on several threads; a :class:`FormatError` otherwise.
-    With ``out`` (as long as the span), the bytes are put there instead (each frame where it belongs); with
-    ``keep`` False they are only checked (a frame at a time is held), None returned."""
+                     out: memoryview | None = None) -> None:
+    """Decode compressed container ``meta`` (of the variable ``info``, a VarInfo) from its hash-checked ``stored``
+    bytes into ``out`` (as long as its raw span; each frame where it belongs), or, ``out`` None, only check that it
+    decodes (a frame at a time held): one frame, or its frames on several threads; a :class:`FormatError`
+    otherwise."""
     span = raw_span(info.nbytes, meta.dptr, meta.containersize)
     codec = var_codec(info.extra)
     layout = frame_layout(info, meta, len(stored), what)
     if layout is None:
-        raw = decode_span(codec, stored, span, what=what, into=None if out is None else out[:span])
-        return raw if out is None else None
+        decode_span(codec, stored, span, what=what, into=None if out is None else out[:span])
+        return
     frame, sizes = layout
     starts = [0, *itertools.accumulate(sizes[:-1])]
     view = stored if isinstance(stored, StoredSpan) else memoryview(stored)
-
-    def one(i: int) -> bytes | str | None:
-        # An error comes back as its message, never as an exception: one kept in a future (with the frames of
-        # its traceback, and their views of the caller's memory map) would outlive the call.
-        n = min(frame, span - i * frame)
-        try:  # straight into its place in ``out``
-            raw = decode_span(codec, view[starts[i]:starts[i] + sizes[i]], n, what=f"{what}, frame {i}",
-                              into=None if out is None else out[i * frame:i * frame + n])
-        except FormatError as exc:
-            return str(exc)
-        return None if out is not None or not keep else raw
-
-    parts: list[bytes | str | None] = []
     for lo in range(0, len(sizes), _FRAME_WINDOW):  # a window at a time: the frames after a failure never run
-        parts += _all_done([_frames.submit(one, i) for i in range(lo, min(len(sizes), lo + _FRAME_WINDOW))])
-        problem = next((p for p in parts[lo:] if isinstance(p, str)), None)
-        if problem is not None:
+        jobs = []
+        for i in range(lo, min(len(sizes), lo + _FRAME_WINDOW)):
+            n = min(frame, span - i * frame)
+            jobs.append((view[starts[i]:starts[i] + sizes[i]], n, None if out is None else out[i * frame:i * frame + n],
+                         f"{what}, frame {i}"))
+        problem = decode_frames(codec, jobs)
+        if problem:
             raise FormatError(problem)
-    return None if out is not None or not keep else b"".join(parts)  # type: ignore[arg-type]
 
 
 def frame_layout(info: Any, meta: Any, stored: int, what: str) -> tuple[int, list[int]] | None:
@@ -271,11 +262,15 @@ def frame_layout(info: Any, meta: Any, stored: int, what: str) -> tuple[int, lis
     return frame, sizes
 
 
-def decode_frames(codec: Any, frames: list[tuple[bytes, memoryview]], what: str) -> str:
-    """Decode each ``(stored bytes, into)`` frame into its place, on the frame threads: the first problem, or ''."""
-    def one(job: tuple[bytes, memoryview]) -> str:
+def decode_frames(codec: Any, frames: list[tuple[Any, int, memoryview | None, str]]) -> str:
+    """Decode each ``(stored bytes, raw size, into, what)`` frame on the frame threads, into its place (``into``
+    None: only checked): the first problem, or ''."""
+    def one(job: tuple[Any, int, memoryview | None, str]) -> str:
+        # An error comes back as its message, never as an exception: one kept in a future (with the frames of
+        # its traceback, and their views of the caller's memory) would outlive the call.
+        stored, n, into, where = job
         try:
-            decode_span(codec, job[0], len(job[1]), what=what, into=job[1])
+            decode_span(codec, stored, n, what=where, into=into)
         except FormatError as exc:
             return str(exc)
         return ""
@@ -298,22 +293,16 @@ def _frame_sizes(extra: Mapping[str, Any], containerid: int, what: str) -> list[
     return sizes
 
 
-def read_decoded(fd: int, meta: Any, info: Any, hash_id: int, what: str, out: memoryview | None = None) -> Any:
-    """The raw span of compressed container ``meta`` (of the variable ``info``): read whole, hash-checked,
-    then decoded (into ``out`` if given: None returned); a :class:`FormatError` (no path) when the file ends
-    inside it, the hash does not match or the bytes do not decode."""
+def read_decoded(fd: int, meta: Any, info: Any, hash_id: int, what: str, out: memoryview) -> None:
+    """The raw span of compressed container ``meta`` (of the variable ``info``) into ``out``: read whole,
+    hash-checked, then decoded; a :class:`FormatError` (no path) when the file ends inside it, the hash does not
+    match or the bytes do not decode."""
     stored = bytearray(meta.chunksize)
-    view, got = memoryview(stored), 0
-    while got < meta.chunksize:
-        n = os.preadv(fd, [view[got:]], meta.fptr + got)
-        if n <= 0:
-            break
-        got += n
-    if got != meta.chunksize:
+    if read_full(fd, meta.fptr, memoryview(stored)) != meta.chunksize:
         raise FormatError(f"{what}: file ends inside its data")
     if hashing.digest(hash_id, stored) != meta.hash:
         raise FormatError(f"{what}: data hash does not match (damaged data)")
-    return decode_container(info, meta, stored, what, out)
+    decode_container(info, meta, stored, what, out)
 
 
 def raw_span(nbytes: int, dptr: int, containersize: int) -> int:
@@ -355,7 +344,7 @@ def decode_problem(info: Any, meta: Any, stored: memoryview | bytes | StoredSpan
     try:
         if not encoded(info, meta):
             return ""
-        decode_container(info, meta, stored, what, keep=False)
+        decode_container(info, meta, stored, what)
     except FormatError as exc:
         return str(exc)
     except Exception as exc:  # noqa: BLE001 - a codec's MemoryError, say: damage too, said here (an exception

@@ -133,9 +133,10 @@ def _read_frames(fd: int, meta: ContainerMeta, codec: object, layout: tuple[int,
                 raise FormatError(f"{what}: file ends inside its data")
             pos += sizes[i]
             hasher.update(stored)
-            jobs.append((stored, into[i * frame:min(len(into), (i + 1) * frame)]))
+            part = into[i * frame:(i + 1) * frame]
+            jobs.append((stored, len(part), part, f"{what}, frame {i}"))
         if not problem:  # past a frame that did not decode, the rest is only hashed
-            problem = compression.decode_frames(codec, jobs, what)
+            problem = compression.decode_frames(codec, jobs)
     if hasher.digest() != meta.hash:
         raise FormatError(f"{what}: data hash does not match (damaged data)")
     if problem:
