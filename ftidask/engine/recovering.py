@@ -75,14 +75,16 @@ class Progress:
         self.restart_file, self.restart_record, self.resharded, self.verified = None, None, None, None
         self.next_ckpt_id = max(self.next_ckpt_id, ckpt_id + 1)
 
-    def restored(self, ckpt_id: int, level: int, layout: Layout | None, *, parsed: Any = None) -> None:
-        """After checkpoint ``ckpt_id`` of ``level`` is recovered (``layout`` None: plan afresh; ``parsed``, the file
-        recovered (an FTI-FF file or a Zarr store: its ``layout()``), instead: its containers, made into a
-        :class:`Layout` when the next checkpoint is planned)."""
-        self.layout = layout
-        if parsed is not None:
-            self.layout_file = parsed
-        self.restart_file = None if layout is None and parsed is None else self.restart_file
+    def plan_from(self, parsed: Any) -> None:
+        """The next checkpoint plans its containers from those of ``parsed``, the file recovered (an FTI-FF file or a
+        Zarr store: its ``layout()``, made into a :class:`Layout` only then)."""
+        self.planned, self.layout_file = None, parsed
+
+    def restored(self, ckpt_id: int, level: int, parsed: Any = None) -> None:
+        """After checkpoint ``ckpt_id`` of ``level`` is recovered from ``parsed`` (:meth:`plan_from`; None: the
+        next checkpoint plans afresh)."""
+        self.plan_from(parsed)
+        self.restart_file = None if parsed is None else self.restart_file
         self.restart_record = self.resharded = self.verified = None
         self.recovered = True
         self.recovered_from = (ckpt_id, level)
@@ -310,7 +312,7 @@ class Recovery(RestartSizes):
         agree(t, attempt(t.rank, load)[1], RecoveryError,
               f"recovering checkpoint {record.ckpt_id} (level {record.level}) failed while loading, and the protected "
               "arrays may hold part of it: recover again")
-        self.progress.restored(record.ckpt_id, record.level, None, parsed=verdict.parsed)
+        self.progress.restored(record.ckpt_id, record.level, verdict.parsed)
         self.progress.restart_file = verdict.parsed  # stored_size's sizes (its layout holds compressed bytes)
         self.progress.verified = (record, verdict.parsed) if newest else None
         log.info("recovered checkpoint %d from level %d%s%s", record.ckpt_id, record.level,
@@ -337,7 +339,8 @@ class Recovery(RestartSizes):
         finally:
             release_all(verdict.staged)  # committed ones are gone already
         targets.apply_states()
-        self.progress.layout, self.progress.restart_file = verdict.parsed.layout(), verdict.parsed  # as _load
+        self.progress.plan_from(verdict.parsed)  # as _load
+        self.progress.restart_file = verdict.parsed
         self.progress.recovered = True
         return targets.recovered()
 
