@@ -178,6 +178,16 @@ def dtype_from_json(value: Any) -> np.dtype:
     return dtype
 
 
+def _described(var_id: int, name: str, dtype: np.dtype, shape: tuple[int, ...], order: str, nbytes: int,
+               extra: dict[str, Any] | None) -> dict[str, Any]:
+    """A variable's description in the table (:meth:`VarInfo.to_json`), ``extra`` only when not empty."""
+    out = {"id": var_id, "name": name, "dtype": dtype_to_json(dtype), "shape": list(shape), "order": order,
+           "nbytes": nbytes}
+    if extra:
+        out["extra"] = extra
+    return out
+
+
 #: dtype strings of variable tables already parsed and checked (and with how many dimensions): a table of 10,000
 #: arrays of one dtype made 10,000 dtypes and 10,000 empty arrays. Bounded: a forged table cannot grow it for ever.
 _CHECKED_DTYPES: dict[str, np.dtype] = {}
@@ -204,23 +214,13 @@ class VarInfo:
 
     def to_json(self) -> dict[str, Any]:
         """The description as a JSON-able dict (``extra`` only when not empty)."""
-        out = {"id": self.id, "name": self.name, "dtype": dtype_to_json(self.dtype), "shape": list(self.shape),
-               "order": self.order, "nbytes": self.nbytes}
-        if self.extra:
-            out["extra"] = self.extra
-        return out
+        return _described(self.id, self.name, self.dtype, self.shape, self.order, self.nbytes, self.extra)
 
     @staticmethod
     def json_of(var_id: int, name: str, array: np.ndarray, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """``VarInfo.of(var_id, name, array, **extra).to_json()``, without the object (a table of thousands of
         variables is made at each checkpoint)."""
-        dtype = array.dtype
-        simple = dtype.names is None and dtype.subdtype is None and not dtype.hasobject
-        out = {"id": var_id, "name": name, "dtype": dtype.str if simple else dtype_to_json(dtype),
-               "shape": list(array.shape), "order": stream_order(array), "nbytes": array.nbytes}
-        if extra:
-            out["extra"] = extra
-        return out
+        return _described(var_id, name, array.dtype, array.shape, stream_order(array), array.nbytes, extra)
 
     @classmethod
     def from_json(cls, raw: Any) -> VarInfo:
