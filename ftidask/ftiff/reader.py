@@ -283,7 +283,7 @@ def _read_into_dcp(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTa
     """A dCP file: arrays with a zero-copy view are copied like any verified file (a second hash of
     every block would cost a third of a cold read, and protect nothing: the bytes are in the array
     before it could fail); the others go through a buffer whose blocks are checked before the store."""
-    direct: list[tuple[int, memoryview, str]] = []
+    direct: list[_Piece] = []
     others = {}
     for bi, ci, meta in parsed.containers_of(targets):
         target = targets.get(meta.id)
@@ -293,7 +293,7 @@ def _read_into_dcp(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTa
         if view is None:
             others[meta.id] = target
         else:
-            direct.append((meta.fptr, _flat_bytes(view), f"block {bi}, container {ci} (var id {meta.id})"))
+            direct.append((meta.fptr, _flat_bytes(view), (bi, ci, meta.id)))
     if others:
         read_into_dcp(fh, parsed, others)
     _copy_direct(fh, parsed, direct)
@@ -305,21 +305,19 @@ def _where(bi: int, ci: int, vid: int) -> str:
 
 def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget], hid: int) -> None:
     buf: bytearray | None = None
-    direct: list[tuple[int, memoryview, Any]] = []  # (file offset, target view, what): copied below, in parallel
+    direct: list[_Piece] = []  # copied below, in parallel
     packed: list[tuple[ContainerMeta, ByteTarget, str]] = []  # compressed containers: decoded below
     infos = parsed.vars
     for bi, ci, meta in parsed.containers_of(targets):
         target = targets.get(meta.id)
         if target is None or not meta.hascontent:
             continue
-        info = infos.get(meta.id)
-        if info is not None and info.extra and compression.encoded(info, meta):
+        if compression.encoded(infos.get(meta.id), meta):
             packed.append((meta, target, _where(bi, ci, meta.id)))
             continue
         view = target.view(meta.dptr, meta.dptr + meta.chunksize)
         if view is not None:  # which container it is: said only if it is refused (a str each cost 10%)
-            direct.append((meta.fptr, view if view.ndim == 1 and view.format == "B" else view.cast("B"),
-                           (bi, ci, meta.id)))
+            direct.append((meta.fptr, _flat_bytes(view), (bi, ci, meta.id)))
             continue
         what = _where(bi, ci, meta.id)
         hasher = hashing.new_hasher(hid)
@@ -345,9 +343,13 @@ def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget
             list(pool.map(lambda job: _read_compressed(fh, parsed, *job), flat))
 
 
-def _contiguous(run: list[tuple[int, memoryview, str]]) -> Iterator[list[tuple[int, memoryview, str]]]:
+#: a piece to copy from the file: (file offset, target view, (block, container, var id): said by _where if refused)
+_Piece = tuple[int, memoryview, tuple[int, int, int]]
+
+
+def _contiguous(run: list[_Piece]) -> Iterator[list[_Piece]]:
     """``run``'s pieces in groups that follow each other in the file (at most :data:`_IOV_MAX` a group)."""
-    group: list[tuple[int, memoryview, str]] = []
+    group: list[_Piece] = []
     for piece in run:
         if group and (len(group) >= _IOV_MAX or piece[0] != group[-1][0] + len(group[-1][1])):
             yield group
@@ -357,17 +359,17 @@ def _contiguous(run: list[tuple[int, memoryview, str]]) -> Iterator[list[tuple[i
         yield group
 
 
-def _read_group(fd: int, group: list[tuple[int, memoryview, str]]) -> str:
-    """Read ``group`` (pieces that follow each other in the file) with one ``preadv``; '' or the piece cut short."""
+def _read_group(fd: int, group: list[_Piece]) -> tuple[int, int, int] | None:
+    """Read ``group`` (pieces that follow each other in the file) with one ``preadv``; None or the piece cut short."""
     if len(group) > 1:
         total = sum(len(view) for _o, view, _w in group)
         if os.preadv(fd, [view for _o, view, _w in group], group[0][0]) == total:
-            return ""
+            return None
     # one piece, or a short read (the file cut, or a call interrupted): each piece read in full, in turn
-    return next((what for offset, view, what in group if readahead.read_full(fd, offset, view) != len(view)), "")
+    return next((what for offset, view, what in group if readahead.read_full(fd, offset, view) != len(view)), None)
 
 
-def _copy_direct(fh: BinaryIO, parsed: FtiffFile, spans: list[tuple[int, memoryview, Any]]) -> None:
+def _copy_direct(fh: BinaryIO, parsed: FtiffFile, spans: list[_Piece]) -> None:
     """Read each span straight into its target view, in pieces spread over threads.
 
     The file was verified just before and its pages are in the page cache: this is a memory copy, which
@@ -376,24 +378,21 @@ def _copy_direct(fh: BinaryIO, parsed: FtiffFile, spans: list[tuple[int, memoryv
     a task and a call per container cost 50 us each, more than copying a small one (10,000 variables of 1 KiB).
     """
     piece = _COPY_PIECE
-    pieces = [span if len(span[1]) <= piece else None for span in spans]  # a small one as it is, not sliced again
-    if None in pieces:
-        pieces = [(offset + lo, view[lo:lo + piece], what)
-                  for offset, view, what in spans for lo in range(0, len(view), piece)]
+    pieces = spans if all(len(view) <= piece for _o, view, _w in spans) else [  # small ones as they are
+        (offset + lo, view[lo:lo + piece], what) for offset, view, what in spans for lo in range(0, len(view), piece)]
     runs = readahead.runs(pieces, lambda piece: len(piece[1]), _COPY_PIECE)
 
-    def copy(run: list[tuple[int, memoryview, str]]) -> str:
+    def copy(run: list[_Piece]) -> tuple[int, int, int] | None:
         for group in _contiguous(run):
             if short := _read_group(fh.fileno(), group):
                 return short
-        return ""
+        return None
 
     if len(runs) < 2 or _COPY_THREADS < 2:
         problems = [copy(r) for r in runs]
     else:
         with ThreadPoolExecutor(max_workers=min(_COPY_THREADS, len(runs)), thread_name_prefix="ftidask-fill") as pool:
             problems = list(pool.map(copy, runs))
-    bad = next((p for p in problems if p), "")
-    if bad:  # what: a str, or (block, container, var id)
-        raise FormatError(f"{bad if isinstance(bad, str) else _where(*bad)} changed while it was read (the file ends "
-                          "inside it)", path=parsed.path)
+    bad = next((p for p in problems if p), None)
+    if bad:
+        raise FormatError(f"{_where(*bad)} changed while it was read (the file ends inside it)", path=parsed.path)
