@@ -22,6 +22,7 @@ from . import compression, hashing
 from .readahead import READERS, ReadAhead, read_full
 from .reader import FtiffFile
 from .structs import ContainerMeta
+from .verify import container_what
 
 PIECE = 8 << 20  # bytes per read; the hash follows one piece behind
 _DECODE_THREADS = min(4, os.cpu_count() or 1)  # containers decoded at once (numcodecs releases the GIL)
@@ -69,7 +70,7 @@ def read_verified(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
     with ReadAhead(fh.fileno(), [piece for pieces in spans for piece in pieces], threads=READERS) as reader:
         k = 0
         for (bi, ci, meta), pieces in zip(jobs, spans):
-            where = f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid})"
+            where = container_what(bi, ci, meta)
             hasher = hashing.new_hasher(parsed.fb.hash_id)
             for _offset, view in pieces:
                 if not reader.wait(k):
@@ -86,8 +87,7 @@ def _read_decoded(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
     its raw span of the view; containers on a few threads."""
 
     def one(job: tuple[int, int, ContainerMeta]) -> str:
-        bi, ci, meta = job
-        where = f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid})"
+        where, meta = container_what(*job), job[2]
         info = parsed.vars[meta.id]
         span = compression.raw_span(info.nbytes, meta.dptr, meta.containersize)
         try:  # decoded straight into the staged pages, frame by frame

@@ -38,6 +38,11 @@ def _ring() -> list[memoryview]:
     return ring
 
 
+def container_what(bi: int, ci: int, meta: ContainerMeta) -> str:
+    """How a refusal names container ``ci`` of block ``bi``."""
+    return f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid})"
+
+
 def container_problem(fd: int, parsed: Any, meta: ContainerMeta, what: str, decode: bool,
                       ring: list[memoryview] | None = None) -> str:
     """Why container ``meta`` of ``parsed`` does not match its hash (or, ``decode``, does not decode), or ''.
@@ -67,8 +72,8 @@ def first_problem(fd: int, parsed: Any, jobs: Sequence[tuple[int, int, Container
     ring = [memoryview(bytearray(max([meta.chunksize for _b, _c, meta in jobs] + [1])))] if inline else None
 
     def check(job: tuple[int, int, ContainerMeta]) -> str:
-        bi, ci, meta = job
-        what = f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid})"
+        what = container_what(*job)
+        meta = job[2]
         try:
             return container_problem(fd, parsed, meta, what, decode, ring)
         except OSError as exc:  # a disk that cannot read the span: damage, for this file
@@ -109,8 +114,7 @@ def _stored_plain(parsed: Any, decode: bool) -> Any:
     infos = parsed.vars
 
     def plain(meta: ContainerMeta) -> bool:
-        info = infos.get(meta.id)
-        return not (decode and info is not None and info.extra and compression.encoded(info, meta))
+        return not (decode and compression.encoded(infos.get(meta.id), meta))
 
     return plain
 
@@ -149,9 +153,8 @@ def _check_run(fd: int, group: list[tuple[int, int, ContainerMeta]], digest: Any
         return None
     for bi, ci, meta in group:
         lo = meta.fptr - start
-        if digest(buf[lo:lo + meta.chunksize]) != meta.hash:
-            return (f"block {bi}, container {ci} (var id {meta.id}, containerid {meta.containerid}): data hash does "
-                    "not match (damaged data)")
+        if digest(buf[lo:lo + meta.chunksize]) != meta.hash:  # as container_problem says it
+            return f"{container_what(bi, ci, meta)}: data hash does not match (damaged data)"
     return ""
 
 
