@@ -8,6 +8,8 @@ hashed: the pass costs what a raw read of the same bytes costs.
 Compressed variables are read, hashed and decoded into those pages in the same pass, so that a
 recovery into fresh arrays decodes each container once (a recovery into arrays that cannot be
 staged decodes it twice: once to check it, before any array is touched, and once into the array).
+A restart on another number of ranks reads the containers of its spans with them too
+(:mod:`ftidask.engine.reshard_files`).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def read_verified(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
     The views then hold unverified bytes: the caller discards them (they are never a user's array).
     Only ftidask's files (not dCP, not FTI 1.1) are read this way.
     """
-    packed: list[tuple[int, int, ContainerMeta]] = []  # encoded: read whole, checked, decoded
+    packed: list[tuple[int, int, ContainerMeta]] = []  # encoded: read, checked and decoded (read_decoded_into)
     jobs: list[tuple[int, int, ContainerMeta]] = []  # the others: streamed and hashed
     for bi, ci, meta in parsed.containers():
         if meta.hascontent and meta.id in views:
@@ -83,8 +85,8 @@ def read_verified(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
 
 def _read_decoded(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryview],
                   jobs: list[tuple[int, int, ContainerMeta]]) -> None:
-    """The compressed containers of :func:`read_verified`: each read whole, hash-checked, then decoded into
-    its raw span of the view; containers on a few threads."""
+    """The compressed containers of :func:`read_verified`, each decoded into its raw span of the view
+    (:func:`read_decoded_into`); containers on a few threads."""
 
     def one(job: tuple[int, int, ContainerMeta]) -> str:
         where, meta = container_what(*job), job[2]
