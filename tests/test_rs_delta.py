@@ -272,3 +272,58 @@ def test_a_delta_read_and_its_windows_in_stripes_give_each_byte_once():
                     assert off + j not in placed
                     placed[off + j] = int(byte)
         assert placed == {off + j: int(p[j]) for (off, _n), p in zip(ranges, pieces) for j in range(len(p))}
+
+
+def test_a_member_whose_patch_fails_midway_takes_its_part_in_every_stripe_left(group, monkeypatch):
+    """One member's write of the parity fails in its first stripe (a full disk), stripes left to exchange: it still
+    gathers every one (the others never wait for it), then raises, its parity never renamed into the checkpoint;
+    the others patch every stripe and finish. (Without the drain in rs_delta.update, the others' barrier breaks.)"""
+    import errno
+    import threading
+
+    members, pool = group
+    monkeypatch.setattr(rs_delta, "STRIPE", 4096)
+    monkeypatch.setattr(rs_delta, "PATCH_PIECE", 1024)
+    rng = np.random.default_rng(5)
+    xors = []
+    for i, m in enumerate(members):
+        m["arrays"][1][rng.integers(0, m["arrays"][1].size, 40)] = -1.0 - i  # deltas of different sizes
+        stats, m["state"] = _write(m["own"], m["arrays"], m["state"], pool)
+        xors.append(stats.xor)
+    sizes = [m["own"].stat().st_size for m in members]
+    assert len({x.nbytes for x in xors}) > 1 and max(x.nbytes for x in xors) > 3 * rs_delta.STRIPE
+    real, writes = rs_delta.storage.pwrite_all, []
+
+    def full_disk(fd, data, offset):
+        if "node1" in os.readlink(f"/proc/self/fd/{fd}"):
+            writes.append(offset)
+            if len(writes) > 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(rs_delta.storage, "pwrite_all", full_disk)
+    threads = ThreadGroup(SIZE)
+    threads.barrier = threading.Barrier(SIZE, timeout=60)  # a member left waiting fails the test, never hangs it
+    gathered = [0] * SIZE
+
+    class Counting(BlockChannel):
+        def allgather_blocks(self, block):
+            gathered[self.index] += 1
+            return super().allgather_blocks(block)
+
+    def member(i):
+        try:
+            return rs_delta.update(Counting(threads, i), xors[i], file_fb_hash(members[i]["own"]),
+                                   members[i]["dir"] / "spare.rsed", members[i]["dir"] / "new.rsed", sizes, 2)
+        except OSError as exc:
+            return exc
+
+    with ThreadPoolExecutor(SIZE) as ex:
+        results = list(ex.map(member, range(SIZE)))
+    stripes = -(-max(x.nbytes for x in xors) // rs_delta.STRIPE)
+    assert gathered == [stripes] * SIZE
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], OSError) and results[1].errno == errno.ENOSPC
+    assert not (members[1]["dir"] / "new.rsed").exists()  # never renamed into the checkpoint
+    want = _reference([m["own"] for m in members])
+    assert all((members[i]["dir"] / "new.rsed").read_bytes() == want[i] for i in (0, 2))
