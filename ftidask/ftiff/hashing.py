@@ -28,12 +28,13 @@ class Hasher(Protocol):
         """The digest of the bytes added so far, as hex."""
 
 
-#: id recorded in the file block -> (name, constructor). Ids are part of the format: never reuse one.
-_HASHES: dict[int, tuple[str, Callable[[], Hasher]]] = {
-    1: ("md5", hashlib.md5),
-    2: ("xxh3_128", xxhash.xxh3_128),
+#: id recorded in the file block -> (name, constructor, the digest of one buffer in one call: a few small
+#: containers' hashes cost less without a hasher object each). Ids are part of the format: never reuse one.
+_HASHES: dict[int, tuple[str, Callable[[], Hasher], Callable[[bytes | memoryview], bytes]]] = {
+    1: ("md5", hashlib.md5, lambda data: hashlib.md5(data).digest()),
+    2: ("xxh3_128", xxhash.xxh3_128, xxhash.xxh3_128_digest),
 }
-_IDS = {name: hid for hid, (name, _new) in _HASHES.items()}
+_IDS = {name: hid for hid, (name, _new, _oneshot) in _HASHES.items()}
 
 
 def hash_id(name: str) -> int:
@@ -60,18 +61,11 @@ def new_hasher(hid: int) -> Hasher:
         raise FormatError(f"unknown hash id {hid} in file block") from None
 
 
-#: id -> a function giving the digest of one buffer in one call (a few small containers' hashes cost less so)
-_ONESHOT: dict[int, Callable[[bytes | memoryview], bytes]] = {
-    1: lambda data: hashlib.md5(data).digest(),
-    2: xxhash.xxh3_128_digest,
-}
-
-
 def oneshot(hid: int) -> Callable[[bytes | memoryview], bytes]:
     """The function giving the 16-byte digest of one buffer for format id ``hid`` (what :func:`digest` of one
     part gives, without a hasher object per call)."""
     try:
-        return _ONESHOT[hid]
+        return _HASHES[hid][2]
     except KeyError:
         raise FormatError(f"unknown hash id {hid} in file block") from None
 
