@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
+from ..model.arrays import VarInfo
 from ..model.errors import FormatError
 from . import compression, hashing
 from .readahead import READERS, ReadAhead, read_full
@@ -105,15 +106,15 @@ def _read_decoded(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
                 raise FormatError(problem, path=parsed.path)
 
 
-def read_decoded_into(fd: int, meta: ContainerMeta, info: object, hash_id: int, what: str, into: memoryview) -> None:
+def read_decoded_into(fd: int, meta: ContainerMeta, info: VarInfo, hash_id: int, what: str, into: memoryview) -> None:
     """Compressed container ``meta`` (of the variable ``info``) decoded into ``into``, memory the caller discards when
-    this raises (staged pages, a Dask chunk being read): a container in frames is read, hashed and decoded a few
+    this raises (staged pages, a Dask chunk, a reshard's span): a container in frames is read, hashed and decoded a few
     frames at a time (:func:`_read_frames`), one frame read whole, hash-checked, then decoded."""
     layout = compression.frame_layout(info, meta, meta.chunksize, what)
     if layout is None:
         compression.read_decoded(fd, meta, info, hash_id, what, into)
     else:
-        codec = compression.var_codec(info.extra)  # type: ignore[attr-defined]
+        codec = compression.var_codec(info.extra)
         _read_frames(fd, meta, codec, layout, hash_id, what, into)
 
 
