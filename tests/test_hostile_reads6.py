@@ -255,3 +255,51 @@ def test_one_ranks_variable_failing_midway_fails_the_checkpoint_on_every_rank(tm
     assert said[0][0].startswith(f"FAILED checkpoint 2 at level {level} failed; the previous checkpoint is kept: "
                                  "rank 1: MemoryError: injected"), said
     assert all(re.fullmatch(r"RECOVERED \(3, \d\) True", lines[1]) for lines in said), said
+
+
+@pytest.mark.parametrize("inline", [True, False])
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.sampled_from([0, 1, 7, 64, 1000, 65535, 65536, 65537, 300_000]), min_size=2, max_size=60),
+       damaged=st.lists(st.integers(0, 59), max_size=3), hash_id=st.sampled_from([1, 2]), seed=st.integers(0, 99))
+def test_small_containers_read_at_once_name_the_first_damaged_one(tmp_path_factory, monkeypatch, inline, sizes,
+                                                                  damaged, hash_id, seed):
+    """Containers of sizes about the small and the run limits (64 KiB, 1 MiB), some shrunk so that unused container
+    space lies inside a run, some damaged: the verification names the first damaged one in file order, as a check
+    of each container on its own does, inline and on the verifying threads."""
+    from ftidask.ftiff import reader, verify
+    from ftidask.ftiff.writer import write_ftiff
+    from ftidask.model.arrays import ArrayBytes
+    from ftidask.model.errors import FormatError
+
+    if not inline:
+        monkeypatch.setattr(verify, "INLINE_BYTES", 0)
+        monkeypatch.setattr(verify, "BATCH_BYTES", 200_000)
+    rng = np.random.default_rng(seed)
+    layout = plan_layout(None, [(v, n) for v, n in enumerate(sizes)])
+    now = {v: n // 2 if v % 3 == 1 else n for v, n in enumerate(sizes)}  # shrunk: unused space in their containers
+    layout = plan_layout(layout, list(now.items()))
+    arrays = {v: np.frombuffer(rng.bytes(n), np.uint8).copy() for v, n in now.items()}
+    path = tmp_path_factory.mktemp("runs") / "f.fti"
+    with open(path, "w+b") as fh:
+        write_ftiff(fh, layout, {v: ArrayBytes(a) for v, a in arrays.items()}, hash_id=hash_id,
+                    trailer={"vars": []}, timestamp=1)
+    slots = [(bi, ci, s) for bi, b in enumerate(layout.blocks) for ci, s in enumerate(b.slots)]
+    hit = sorted({i % len(slots) for i in damaged if slots[i % len(slots)][2].chunksize})
+    raw = bytearray(path.read_bytes())
+    for i in hit:
+        s = slots[i][2]
+        raw[s.fptr + int(rng.integers(s.chunksize))] ^= 0x40
+    for s in layout.slots():  # unused container space changed: no container's bytes, never a problem
+        if s.containersize > s.chunksize:
+            raw[s.fptr + s.chunksize] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with open(path, "rb") as fh:
+        parsed = reader.parse_ftiff(fh, str(path))
+        if not hit:
+            reader.verify_data(fh, parsed)
+            return
+        bi, ci, s = slots[hit[0]]
+        with pytest.raises(FormatError, match=rf"block {bi}, container {ci} \(var id {s.var_id}, containerid "
+                                              rf"{s.containerid}\): data hash does not match"):
+            reader.verify_data(fh, parsed)
