@@ -39,6 +39,7 @@ CHILD = textwrap.dedent("""
 
     hashing.digest = cutting(hashing.digest)
     hashing.new_hasher = cutting(hashing.new_hasher)
+    hashing.oneshot = cutting(hashing.oneshot)  # small containers close together: one read, hashed in one call each
     try:
         with open(path, "rb") as fh:
             reader.verify_data(fh, parsed, decode=decode)
