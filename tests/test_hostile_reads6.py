@@ -303,3 +303,18 @@ def test_small_containers_read_at_once_name_the_first_damaged_one(tmp_path_facto
         with pytest.raises(FormatError, match=rf"block {bi}, container {ci} \(var id {s.var_id}, containerid "
                                               rf"{s.containerid}\): data hash does not match"):
             reader.verify_data(fh, parsed)
+
+
+def test_a_structured_dtype_of_one_table_is_never_shared_with_the_next():
+    """The checked table dtypes are cached by their string: a structured dtype written as a string ('i4,f8', which
+    only a forged or foreign table holds) was one object for every file after, and NumPy lets its field names be
+    changed in place (``array.dtype.names = ...``, on an array recovered from one file), so the next file's table
+    said other names. A dtype with fields is made afresh for each table; plain ones stay cached (immutable)."""
+    from ftidask.model.arrays import VarInfo
+
+    entry = {"id": 1, "name": "a", "dtype": "i4,f8", "shape": [2], "order": "C", "nbytes": 24}
+    first = VarInfo.from_json(entry)
+    first.dtype.names = ("x", "y")  # what a user may do to an array recovered with this dtype
+    assert VarInfo.from_json(entry).dtype.names == ("f0", "f1")
+    plain = {**entry, "dtype": "<f8", "nbytes": 16}
+    assert VarInfo.from_json(plain).dtype is VarInfo.from_json(plain).dtype
