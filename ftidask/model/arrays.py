@@ -244,7 +244,9 @@ class VarInfo:
             except ValueError as exc:
                 raise FormatError(f"variable {info.id}: shape {reprlib.repr(shape)} with dtype {dtype} has more "
                                   f"dimensions than NumPy supports ({exc})") from None
-            if plain is not None and len(_CHECKED_DIMS) < _CHECKED_MAX:  # a table of thousands checks each once
+            # a table of thousands checks each once; never one with fields: NumPy renames them in place (a dtype
+            # of an array recovered from one file would then be the next file's, other names and all)
+            if plain is not None and dtype.names is None and len(_CHECKED_DIMS) < _CHECKED_MAX:
                 _CHECKED_DIMS.add((plain, len(shape)))
                 _CHECKED_DTYPES[plain] = dtype
         if math.prod(shape) * dtype.itemsize != info.nbytes:
