@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import struct
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,19 @@ def test_table_with_more_dimensions_than_numpy_has_is_damage(dirs, capsys, shape
         parse_ftiff(fh, str(path))
     assert cli_main(["export", str(path), "--to-zarr", str(Path(dirs["ckpt_dir"]) / "out.zarr")]) == 2
     assert "dimensions" in capsys.readouterr().err
+
+
+def test_table_with_a_deprecated_dtype_alias_is_damage_where_warnings_are_errors(dirs):
+    """NumPy warns of the alias "a3" (never written by ftidask): where warnings are errors (python -W error, a
+    test run's filterwarnings) the DeprecationWarning left the parser raw instead of a FormatError."""
+    path, _values = _checkpoint(dirs)
+    table = _table(path)
+    table["vars"][0].update(dtype="a8")
+    _rewrite_table(path, json.dumps(table).encode())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with open(path, "rb") as fh, pytest.raises(ftidask.FormatError, match="dtype"):
+            parse_ftiff(fh, str(path))
 
 
 @pytest.mark.parametrize("change", [{"seq": float("inf")}, {"seq": 1e300}, {"ckpt_id": float("-inf")},

@@ -171,7 +171,8 @@ def dtype_from_json(value: Any) -> np.dtype:
             })
         else:
             raise ValueError(f"unexpected {type(value).__name__}")
-    except (ValueError, TypeError, KeyError, RecursionError, OverflowError) as exc:
+    # Warning: a deprecated alias ("a3", never written by ftidask) where warnings are errors (python -W error)
+    except (ValueError, TypeError, KeyError, RecursionError, OverflowError, Warning) as exc:
         raise FormatError(f"invalid dtype description {reprlib.repr(value)}: {exc}") from None
     if dtype.hasobject:
         raise FormatError(f"object dtype in file: {value!r}")
