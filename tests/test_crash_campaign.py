@@ -63,6 +63,19 @@ MORE_CASES = {  # combinations: a retirement after a differential checkpoint, a 
     "async-zarr-dcp": dict(mode="async", levels=[8, 4], cfg=dict(l4_format="zarr", enable_dcp=1, max_inflight=3)),
 }
 CASES.update(MORE_CASES)
+SMALL = 2000  # thousands of small variables beside the large ones: written in one local step, verified from runs
+SMALL_CASES = {  # the arrays in use recovered again at the end of each run (rollback): compressed ones decoded in
+    "many-l1-l4": dict(mode="sync", levels=[1, 4, 1], many=SMALL, rollback=1, cfg=dict()),
+    "many-dcp": dict(mode="sync", levels=[5, 8, 5], many=SMALL, rollback=1, cfg=dict(DCP)),
+    "many-async": dict(mode="async", levels=[1, 8, 4], many=SMALL, rollback=1, cfg=dict(DCP, max_inflight=3)),
+    "many-icp": dict(mode="icp", levels=[1, 5, 4], many=SMALL, rollback=1, cfg=dict(DCP)),
+    "many-keep-last": dict(mode="sync", levels=[8, 1, 5], many=SMALL, rollback=1, cfg=dict(DCP, keep_last_ckpt=1)),
+    "zstd-rollback": dict(mode="sync", levels=[1, 4], compressor="zstd", rollback=1, cfg=dict()),
+    "zstd-async-keep-last": dict(mode="async", levels=[4, 1], compressor="zstd", rollback=1,
+                                 cfg=dict(max_inflight=2, keep_last_ckpt=1)),
+    "many-zstd": dict(mode="sync", levels=[4, 1], many=500, compressor="zstd", rollback=1, cfg=dict()),
+}
+CASES.update(SMALL_CASES)
 
 
 def expected(root: Path) -> tuple[int | None, int]:
@@ -104,6 +117,13 @@ def check_recovery(proc: subprocess.CompletedProcess, want: int | None, where: s
     assert words[1:3] == [str(want), "exact"], f"{where}: recovered {words}, want {want}\n{proc.stderr[-3000:]}"
 
 
+def check_rollback(proc: subprocess.CompletedProcess, where: str) -> None:
+    """The run's recovery into its arrays in use, if it got that far: exactly its newest checkpoint."""
+    back, done = lines(proc, "B"), lines(proc, "C")
+    if back:
+        assert done and back[0][1:3] == [done[-1][1], "exact"], f"{where}: rolled back {back[0]}, committed {done}"
+
+
 def calibrate(name: str, spec: dict, root: Path) -> int:
     if name not in _counts:
         proc = child(root / "calibration", spec, 0)
@@ -125,6 +145,7 @@ def campaign(tmp_path: Path, name: str, seed: int, kills: int = 2) -> None:
         assert proc.returncode in (0, -9), f"{where}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
         if want is not None or crash:  # a restart: it recovers first
             check_recovery(proc, want, where)
+        check_rollback(proc, where)
     want, status = expected(root)
     proc = child(root, {**spec, "mode": "verify"}, 0)
     where = f"{name} seed {seed}, the last restart (want {want})"
@@ -135,6 +156,7 @@ def campaign(tmp_path: Path, name: str, seed: int, kills: int = 2) -> None:
         assert got[0][1] == "none" and got[0][2].endswith("Error"), f"{where}: {got}"
     else:
         assert got[0][1:3] == [str(want), "exact"], f"{where}: {got}\n{proc.stderr[-3000:]}"
+    check_rollback(proc, where)
     if not spec["cfg"].get("keep_last_ckpt"):
         assert expected(root) == (None, 0), f"{where}: finalize left a run to restart"
     assert_no_leftovers(root, spec["cfg"], where)
@@ -162,7 +184,7 @@ def test_killed_at_random_calls_of_os_functions(tmp_path, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", kept(range(2, 14), 6))  # odd seeds: kills at calls of os functions only
-@pytest.mark.parametrize("name", [n for n in CASES if n not in MORE_CASES])
+@pytest.mark.parametrize("name", [n for n in CASES if n not in MORE_CASES and n not in SMALL_CASES])
 def test_killed_at_random_events_many_seeds(tmp_path, name, seed):
     campaign(tmp_path, name, seed)
 
@@ -174,6 +196,13 @@ def test_more_combinations_killed_at_random_events(tmp_path, name, seed):
     campaign(tmp_path, name, seed)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", kept(range(2, 14), [2]))
+@pytest.mark.parametrize("name", list(SMALL_CASES))
+def test_many_small_or_compressed_variables_killed_at_random_events(tmp_path, name, seed):
+    campaign(tmp_path, name, seed)
+
+
 # --- killed during the restart's recovery (verified pages moved under fresh arrays), again and again ---------------
 
 RECOVER_CASES = {  # the newest checkpoint (4): differential at L4 (read block by block), or at L1 (its pages moved)
@@ -182,6 +211,11 @@ RECOVER_CASES = {  # the newest checkpoint (4): differential at L4 (read block b
     # the first run finalized: the last checkpoint kept at L4 (a differential one flushed, a Zarr store written)
     "keep-last-dcp": dict(levels=[5, 8, 5, 5], cfg=dict(DCP, keep_last_ckpt=1), finalize=True),
     "keep-last-zarr": dict(levels=[1, 4, 1, 1], cfg=dict(l4_format="zarr", keep_last_ckpt=1), finalize=True),
+    # compressed (zstd): fresh arrays decoded into a few frames at a time; thousands of small variables
+    "zstd-l1": dict(levels=[1], compressor="zstd", cfg=dict()),
+    "zstd-l4": dict(levels=[4, 1], compressor="zstd", cfg=dict()),
+    "many-zstd-l4": dict(levels=[4, 1], compressor="zstd", many=500, cfg=dict()),
+    "many-dcp-l4": dict(levels=[8, 4, 5, 1], many=SMALL, cfg=dict(DCP)),
 }
 
 
@@ -232,6 +266,13 @@ def test_restarts_killed_during_their_recovery_many_seeds(tmp_path, name, seed):
 @pytest.mark.parametrize("seed", kept(range(1, 9), [1]))
 @pytest.mark.parametrize("name", ["keep-last-dcp", "keep-last-zarr"])
 def test_restarts_of_a_run_finalized_with_keep_last_killed_during_their_recovery(tmp_path, name, seed):
+    recover_campaign(tmp_path, name, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", kept(range(1, 9), [1]))
+@pytest.mark.parametrize("name", ["zstd-l1", "zstd-l4", "many-zstd-l4", "many-dcp-l4"])
+def test_restarts_of_compressed_or_many_variables_killed_during_their_recovery(tmp_path, name, seed):
     recover_campaign(tmp_path, name, seed)
 
 

@@ -33,6 +33,10 @@ STAGES = {  # key: (ranks, spec); the first letter of a key: "a"/"r"/"s" follow 
     "d3": (3, dict(mode="async", levels=[6, 7], steps=2, finalize=False, cfg=DCP)),
     "k2": (2, dict(mode="sync", levels=[6], steps=0, finalize=True, cfg=dict(DCP, keep_last_ckpt=1))),
     "k3": (3, dict(mode="icp", levels=[7, 6], steps=2, finalize=True, cfg=dict(DCP, keep_last_ckpt=1))),
+    # differential L3 only: each parity patched from deltas exchanged in stripes of 256 KiB (about ten a checkpoint)
+    "p0": (4, dict(mode="async", levels=[7], steps=4, finalize=False, stripe=256 << 10, cfg=dict(DCP, max_inflight=3))),
+    "p1": (4, dict(mode="sync", levels=[7], steps=3, finalize=False, stripe=256 << 10, cfg=DCP)),
+    "p2": (4, dict(mode="icp", levels=[7], steps=2, finalize=False, stripe=256 << 10, cfg=DCP)),
 }
 PLANS = {  # (stages, ranks of the last restart)
     "rebuild-twice": (["a0", "r1", "r2"], 4),
@@ -41,7 +45,17 @@ PLANS = {  # (stages, ranks of the last restart)
     "dcp-reshard": (["d0", "d3"], 4),
     "keep-last-reshard": (["d0", "k2"], 3),
     "keep-last-twice": (["d0", "k3", "k2"], 4),
+    "l3-delta-lost": (["p0", "p1", "p2"], 4),
+    "l3-delta-kept": (["p0", "p1", "p2"], 4),  # no node lost until the last restart: the patched parity rebuilds it
+    "l3-exchange-lost": (["p0", "p1", "p2"], 4),
+    "l3-exchange-kept": (["p0", "p1", "p2"], 4),
 }
+POINTS = {  # plans whose rank is killed in the parity's patch (at its n-th stripe of a member, or piece patched)
+    "l3-exchange-lost": "ftidask.levels.rs_delta:_windows",
+    "l3-exchange-kept": "ftidask.levels.rs_delta:gf_add_scaled",
+}
+KEPT_NODES = {"l3-delta-kept", "l3-exchange-kept"}  # plans whose restarts lose no node (but the last)
+FIRST = {"d": "d0", "k": "d0", "p": "p0"}  # the stage a calibration of a stage starts from (by its first letter)
 _counts: dict[tuple[str, bool], dict[int, int]] = {}  # (stage, only_os) -> rank -> events of an unkilled run
 
 
@@ -54,7 +68,7 @@ def calibrate(tmp_path: Path, keys: list[str], only_os: bool) -> None:
         if (key, only_os) in _counts:
             continue
         base = tmp_path / f"calibration-{key}-{only_os}"
-        first = "d0" if key[0] in "dk" else "a0"
+        first = FIRST.get(key[0], "a0")
         for k in (first, key) if key != first else (first,):
             ranks, spec = STAGES[k]
             if k != first:
@@ -76,10 +90,15 @@ def rebuild_campaign(tmp_path: Path, plan: str, seed: int) -> None:
         want, _status = expected(root)
         victim = rng.randrange(ranks)
         nth = rng.randint(1, _counts[key, only_os][victim])
-        if i:
+        if i and plan not in KEPT_NODES:
             lose(root, node)
-        proc = mpi_job(ranks, root, {**spec, "only_os": only_os}, {victim: nth})
-        where = f"{plan} seed {seed}, stage {key} ({ranks} ranks, node {node} lost): rank {victim} killed at {nth}"
+        if plan in POINTS:  # about 36 stripes of members a patched checkpoint (4 members, 2.1 MiB of deltas each)
+            nth = rng.randint(1, 100)
+            spec = {**spec, "point": [victim, POINTS[plan], nth]}
+        proc = mpi_job(ranks, root, {**spec, "only_os": only_os}, {} if plan in POINTS else {victim: nth})
+        lost = "none" if plan in KEPT_NODES else node
+        where = (f"{plan} seed {seed}, stage {key} ({ranks} ranks, node {lost} lost): rank {victim} killed at "
+                 f"{POINTS.get(plan, 'event')} {nth}")
         if i:
             check_recovery(proc, want, where)
     want, _status = expected(root)

@@ -3,7 +3,8 @@
 usage: crash_campaign_job.py BASE JSON. JSON: ``mode`` (``async``: ``wait=False``, several in flight; ``sync``; ``icp``;
 ``verify``: recover, checkpoint once, finalize), ``levels``, ``steps``, ``cfg`` (init keywords), ``kill``
 ({rank: n}: that rank kills itself at the n-th event of ftidask's code, see ``_crash_campaign_child.KillAt``),
-``point`` ([rank, "module:function", n]: a crash point of ``crashpoints`` on that rank).
+``point`` ([rank, "module:function", n]: a crash point of ``crashpoints`` on that rank), ``stripe`` (bytes of each
+member's deltas a differential L3 exchanges at once, ``rs_delta.STRIPE``: small, a checkpoint takes many stripes).
 Each rank protects its block of a global 1-D float64 array and of a global int32 array (``global_shape`` /
 ``offset``: a restart on another number of ranks redistributes them) and a replicated step counter. The state of
 step ``s`` is a function of ``s``. Rank 0 prints ``R <id> exact|MIX`` (every rank's check, agreed) after a
@@ -46,6 +47,10 @@ def main() -> None:
         import crashpoints
 
         crashpoints.install(spec["point"][1], spec["point"][2])
+    if spec.get("stripe"):  # a test seam: the module's constant
+        from ftidask.levels import rs_delta
+
+        rs_delta.STRIPE = int(spec["stripe"])
     ctx = ftidask.init(comm=comm, ckpt_dir=f"{base}/L", glbl_dir=f"{base}/G", meta_dir=f"{base}/M", local_test=1,
                        node_size=1, group_size=size, verbosity=4, **spec["cfg"])
     la, ha = N_A * rank // size, N_A * (rank + 1) // size
