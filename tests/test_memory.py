@@ -141,11 +141,9 @@ def test_compressed_checkpoint_of_a_strided_array(tmp_path):
     assert extra < 200, f"a compressed checkpoint of a strided 128 MiB array took {extra} MiB more"
 
 
-def test_resharded_read_of_a_compressed_container_decodes_in_place(tmp_path):
-    """A restart on another number of ranks reads the spans of the old files its blocks need: a compressed
-    container was decoded to its frames, joined (two copies of the raw container) and copied into the span's
-    buffer. It is now decoded into that buffer: the buffer and the stored bytes are what a span costs."""
-    pytest.importorskip("numcodecs")
+def _resharded_read(tmp_path, **config):
+    """A 32 MiB array checkpointed at L4, then read back as a restart on another number of ranks reads a span of
+    an old file; (the array, the parsed file, the peak bytes tracemalloc saw during the read)."""
     import tracemalloc
 
     import numpy as np
@@ -156,8 +154,8 @@ def test_resharded_read_of_a_compressed_container_decodes_in_place(tmp_path):
     from ftidask.storage.files import open_read
 
     dirs = dict(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"),
-                verbosity=4, compressor="zstd")
-    field = np.arange(2**22, dtype=np.float64)  # 32 MiB, 8 frames
+                verbosity=4, **config)
+    field = np.arange(2**22, dtype=np.float64)  # 32 MiB: one raw container, or 8 compressed frames
     with ftidask.init(**dirs, keep_last_ckpt=1) as ctx:
         ctx.protect(1, field)
         ctx.checkpoint(1, 4)
@@ -171,6 +169,15 @@ def test_resharded_read_of_a_compressed_container_decodes_in_place(tmp_path):
         finally:
             tracemalloc.stop()
     assert base == 0 and bytes(buf) == field.tobytes()
+    return field, parsed, peak
+
+
+def test_resharded_read_of_a_compressed_container_decodes_in_place(tmp_path):
+    """A restart on another number of ranks reads the spans of the old files its blocks need: a compressed
+    container was decoded to its frames, joined (two copies of the raw container) and copied into the span's
+    buffer. It is now decoded into that buffer: the buffer and the stored bytes are what a span costs."""
+    pytest.importorskip("numcodecs")
+    field, parsed, peak = _resharded_read(tmp_path, compressor="zstd")
     stored = sum(meta.chunksize for _b, _c, meta in parsed.containers())  # compressed: about 4 MiB
     assert peak < field.nbytes + stored + (4 << 20), f"{peak >> 20} MiB to read a 32 MiB span"
 
@@ -179,31 +186,7 @@ def test_resharded_read_of_a_raw_container_reads_in_place(tmp_path):
     """A raw container of the spans a restart on another number of ranks reads was read whole as bytes, hashed,
     then copied into the span's buffer (a 32 MiB span: 96 MiB allocated). It is read into that buffer and hashed
     there (readhash.read_hashed): the buffer is what a span costs."""
-    import tracemalloc
-
-    import numpy as np
-
-    import ftidask
-    from ftidask.engine.reshard_files import _read_span
-    from ftidask.ftiff.reader import parse_ftiff
-    from ftidask.storage.files import open_read
-
-    dirs = dict(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"),
-                verbosity=4)
-    field = np.arange(2**22, dtype=np.float64)  # 32 MiB, one container
-    with ftidask.init(**dirs, keep_last_ckpt=1) as ctx:
-        ctx.protect(1, field)
-        ctx.checkpoint(1, 4)
-    (path,) = (tmp_path / "G").rglob("Ckpt1-Rank0.fti")
-    with open_read(path) as fh:
-        parsed = parse_ftiff(fh, str(path))
-        tracemalloc.start()
-        try:
-            buf, base = _read_span(fh, parsed, 1, 0, field.nbytes)
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
-    assert base == 0 and bytes(buf) == field.tobytes()
+    field, _parsed, peak = _resharded_read(tmp_path)
     assert peak < field.nbytes + (4 << 20), f"{peak >> 20} MiB to read a 32 MiB span"
 
 
