@@ -152,7 +152,7 @@ def raw_write(world, base: Path, level: int, ckpt_id: int, scratch: Path, group:
 
 
 def worker_dcp(args: argparse.Namespace) -> None:
-    """Differential L2 and L3 (levels 6, 7) after 1% of each rank's 16 KiB blocks changed, each timed
+    """Differential L2 and L3 (levels 6, 7) after ``--changed``% of each rank's 16 KiB blocks changed, each timed
     right after a full checkpoint of the same state at the same level."""
     from mpi4py import MPI
 
@@ -176,7 +176,7 @@ def worker_dcp(args: argparse.Namespace) -> None:
             ctx.checkpoint(3, level)
             full = ctx.comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
             blocks = data.size // 16384  # the spares now hold checkpoint 2: the same state until here
-            data[rng.choice(blocks, blocks // 100, replace=False) * 16384] += 1
+            data[rng.choice(blocks, int(blocks * args.changed / 100), replace=False) * 16384] += 1
             ctx.comm.Barrier()
             start = time.perf_counter()
             info = ctx.checkpoint(4, level + 4)
@@ -280,6 +280,7 @@ def main() -> None:
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4], choices=[1, 2, 3, 4],
                     help="the levels to time (default all; the x-L1 columns are over the first one given)")
     ap.add_argument("--dcp", action="store_true", help="also time differential L2 and L3 (1%% of blocks changed)")
+    ap.add_argument("--changed", type=float, default=1.0, help="with --dcp: %% of the blocks changed (100: all)")
     ap.add_argument("--async", dest="asynchronous", action="store_true",
                     help="time how long asynchronous checkpoints block the ranks, per level, instead")
     ap.add_argument("--pause", type=float, default=0.0,
@@ -325,11 +326,13 @@ def main() -> None:
               f"   in use {rollback:6.3f} s ({rollback / raw:5.2f} x raw)")
     if args.dcp:
         proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, "--worker-dcp", "--mib",
-                               str(args.mib), "--dir", tmp], capture_output=True, text=True, timeout=3600)
+                               str(args.mib), "--dir", tmp, "--changed", str(args.changed),
+                               "--group", str(args.group)], capture_output=True, text=True, timeout=3600)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             sys.exit(f"benchmark failed:\n{proc.stdout}\n{proc.stderr}")
-        print("differential checkpoints, 1% of the 16 KiB blocks changed, vs a full checkpoint at the same level:")
+        print(f"differential checkpoints, {args.changed:g}% of the 16 KiB blocks changed, vs a full checkpoint at the "
+              "same level:")
         for level, (full, dcp, changed, total) in sorted(json.loads(line[7:]).items()):
             print(f"  L{level}: full {full:6.2f} s, differential {dcp:6.2f} s ({dcp / full:5.3f}x), "
                   f"{changed}/{total} blocks")

@@ -33,10 +33,14 @@ STAGES = {  # key: (ranks, spec); the first letter of a key: "a"/"r"/"s" follow 
     "d3": (3, dict(mode="async", levels=[6, 7], steps=2, finalize=False, cfg=DCP)),
     "k2": (2, dict(mode="sync", levels=[6], steps=0, finalize=True, cfg=dict(DCP, keep_last_ckpt=1))),
     "k3": (3, dict(mode="icp", levels=[7, 6], steps=2, finalize=True, cfg=dict(DCP, keep_last_ckpt=1))),
-    # differential L3 only: each parity patched from deltas exchanged in stripes of 256 KiB (about ten a checkpoint)
-    "p0": (4, dict(mode="async", levels=[7], steps=4, finalize=False, stripe=256 << 10, cfg=dict(DCP, max_inflight=3))),
-    "p1": (4, dict(mode="sync", levels=[7], steps=3, finalize=False, stripe=256 << 10, cfg=DCP)),
-    "p2": (4, dict(mode="icp", levels=[7], steps=2, finalize=False, stripe=256 << 10, cfg=DCP)),
+    # differential L3 only: each parity patched from deltas exchanged in stripes of 256 KiB (about ten a checkpoint),
+    # each member's delta past its first 256 KiB kept in a scratch file (files.XOR_IN_MEMORY), as a large one is
+    "p0": (4, dict(mode="async", levels=[7], steps=4, finalize=False, stripe=256 << 10, xor_in_memory=256 << 10,
+                   cfg=dict(DCP, max_inflight=3))),
+    "p1": (4, dict(mode="sync", levels=[7], steps=3, finalize=False, stripe=256 << 10, xor_in_memory=256 << 10,
+                   cfg=DCP)),
+    "p2": (4, dict(mode="icp", levels=[7], steps=2, finalize=False, stripe=256 << 10, xor_in_memory=256 << 10,
+                   cfg=DCP)),
 }
 PLANS = {  # (stages, ranks of the last restart)
     "rebuild-twice": (["a0", "r1", "r2"], 4),

@@ -31,7 +31,7 @@ class BlockChannel(ThreadChannel):
         return [np.asarray(b, np.uint8) for b in self.allgather(np.array(block, np.uint8, copy=True))]
 
 
-def _write(path: Path, arrays, base, pool, note=""):
+def _write(path: Path, arrays, base, pool, note="", spill_dir=None):
     layout = plan_layout(None, [(vid, a.nbytes) for vid, a in arrays.items()])
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -39,7 +39,7 @@ def _write(path: Path, arrays, base, pool, note=""):
         _w, stats, state = write_dcp_file(fd, layout, {vid: ArrayBytes(a) for vid, a in arrays.items()}, infos,
                                           {"format": "ftidask", "note": note}, base, block_size=4096, bid=4,
                                           hash_id=2, pool=pool,
-                                          capture_xor=True)
+                                          capture_xor=True, **({} if spill_dir is None else {"spill_dir": spill_dir}))
     finally:
         os.close(fd)
     return stats, state
@@ -79,11 +79,12 @@ def group(tmp_path):
     pool.shutdown()
 
 
-def _patch_all(members, pool, change, notes=("", "", "")):
+def _patch_all(members, pool, change, notes=("", "", ""), spill=None):
     xors = []
     for i, m in enumerate(members):
         change(i, m["arrays"])
-        stats, m["state"] = _write(m["own"], m["arrays"], m["state"], pool, notes[i])
+        stats, m["state"] = _write(m["own"], m["arrays"], m["state"], pool, notes[i],
+                                   None if spill is None else spill(m))
         xors.append(stats.xor)
     sizes = [m["own"].stat().st_size for m in members]
     results = _in_group(lambda ch, i: rs_delta.update(
@@ -121,6 +122,61 @@ def test_updated_parity_equals_a_full_encoding(group, monkeypatch, stripe):
     pad = [np.frombuffer(m["own"].read_bytes().ljust(width, b"\0"), np.uint8) for m in members]
     got = ReedSolomon(SIZE, SIZE).decode({0: pad[0], 2: pad[2], SIZE + 1: np.frombuffer((members[1]["dir"] / "new.rsed").read_bytes(), np.uint8)})
     assert got[1].tobytes() == pad[1].tobytes()
+
+
+@pytest.mark.parametrize("in_memory", [0, 20_000])
+def test_a_delta_spilled_to_its_scratch_file_patches_the_same_parity(group, monkeypatch, in_memory):
+    """Past ``files.XOR_IN_MEMORY`` bytes a member's delta is kept in an unnamed scratch file beside its spare (all of
+    it, or the runs after the first 20,000 bytes): the parity patched from it is byte for byte a full encoding's,
+    exactly as from a delta held in memory, and nothing is left in the directory."""
+    from ftidask.dcp import files
+    from ftidask.dcp.delta import Spilled
+
+    members, pool = group
+    monkeypatch.setattr(files, "XOR_IN_MEMORY", in_memory)
+    monkeypatch.setattr(files, "SPILL_PIECE", 5000)  # runs cut in pieces anywhere
+    monkeypatch.setattr(rs_delta, "STRIPE", 7000)
+    rng = np.random.default_rng(3)
+    listing = {i: sorted(p.name for p in m["dir"].iterdir()) for i, m in enumerate(members)}
+
+    def change(i, arrays):
+        arrays[1][rng.integers(0, arrays[1].size, 15)] = -1.0 - i
+        arrays[1][i * 1000:i * 1000 + 6000] += 1.0  # a run of changed blocks, longer than a piece and a stripe
+
+    xors, results = _patch_all(members, pool, change, spill=lambda m: m["dir"])
+    assert results == [None] * SIZE
+    for x in xors:
+        spilled = [p for p in x.pieces if isinstance(p, Spilled)]
+        assert spilled and sum(p.nbytes for p in spilled) > x.nbytes // 2
+        kept = sum(int(p.nbytes) for p in x.pieces if not isinstance(p, Spilled))  # metadata (< 4 KiB), first runs
+        assert (kept > 4096) == (in_memory > 0) and kept <= in_memory + 4096
+        x.close()
+    want = _reference([m["own"] for m in members])
+    for i, m in enumerate(members):
+        assert (m["dir"] / "new.rsed").read_bytes() == want[i]
+        names = sorted(p.name for p in m["dir"].iterdir())
+        assert names == sorted({*listing[i], "new.rsed", "new.rsed.hash"} - {"spare.rsed", "spare.rsed.hash"}), names
+
+
+def test_a_scratch_file_that_cannot_be_made_means_full_encoding(group, monkeypatch):
+    """The scratch directory refuses the file (gone here; a full disk alike): the write goes on without a delta,
+    and the group encodes the parity again in full, which is a full encoding's."""
+    from ftidask.dcp import files
+
+    members, pool = group
+    monkeypatch.setattr(files, "XOR_IN_MEMORY", 0)
+
+    def change(i, arrays):
+        arrays[1][i * 1000:i * 1000 + 3000] += 1.0
+
+    xors, results = _patch_all(members, pool, change, spill=lambda m: m["dir"] / "gone")
+    assert xors == [None] * SIZE and all(r is not None for r in results)
+    want = _reference([m["own"] for m in members])
+    errors = _in_group(lambda ch, i: rs.encode(ch, members[i]["own"], members[i]["dir"] / "new.rsed",
+                                               [m["own"].stat().st_size for m in members], 1 << 16, 2,
+                                               [file_fb_hash(m["own"]) for m in members]))
+    assert errors == [""] * SIZE
+    assert all((m["dir"] / "new.rsed").read_bytes() == want[i] for i, m in enumerate(members))
 
 
 @pytest.mark.parametrize("everyone", [True, False])

@@ -12,6 +12,7 @@ other partner needs the whole file. The result is verified like any file at reco
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -27,6 +28,57 @@ from ..storage import files as storage
 
 
 @dataclasses.dataclass(frozen=True)
+class Spilled:
+    """A piece of a delta kept in its :class:`XorScratch`: ``nbytes`` bytes from ``offset`` there."""
+
+    offset: int
+    nbytes: int
+
+
+class XorScratch:
+    """A file without a name in ``directory`` (the rank's local spare directory) that holds a large delta's XOR bytes.
+
+    Unnamed (``O_TMPFILE``; elsewhere created at a hidden temporary name, ``O_EXCL``, and unlinked at once): a crash
+    leaves nothing to clean up or to mistake for a checkpoint file, a file planted in the directory is never opened,
+    and only this process, in this checkpoint, reads back what it wrote. Its pages are the page cache's, not the
+    process's: written and read back within a checkpoint, most never reach the disk."""
+
+    def __init__(self, directory: Path) -> None:
+        self.size = 0
+        self.fd = -1
+        try:
+            self.fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, storage.FILE_MODE)
+        except (AttributeError, OSError):  # not Linux, or a file system without O_TMPFILE
+            fd, tmp = storage.create_temp(directory / "XorDelta")
+            self.fd = fd
+            os.unlink(tmp)  # a kill before this leaves a hidden temporary, which a restart sweeps
+
+    def append(self, data: np.ndarray) -> None:
+        """Write ``data`` (uint8) after what the file holds."""
+        storage.pwrite_all(self.fd, memoryview(data), self.size)
+        self.size += int(data.nbytes)
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        """Fill ``out`` (uint8) with the bytes written at ``offset``."""
+        view, pos = memoryview(out).cast("B"), offset
+        while len(view):
+            n = os.preadv(self.fd, [view], pos)
+            if n <= 0:
+                raise OSError(f"the delta's scratch file is shorter than what was written ({pos} of {self.size})")
+            view, pos = view[n:], pos + n
+
+    def close(self) -> None:
+        """Close it (its space is freed: it has no name)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError):
+            self.close()
+
+
+@dataclasses.dataclass(frozen=True)
 class XorDelta:
     """What a differential file changed, as ``old XOR new`` bytes per range (files zero-padded).
 
@@ -39,8 +91,10 @@ class XorDelta:
     base_fb_hash: bytes
     ranges: tuple[tuple[int, int], ...]  # (offset, length), sorted, disjoint
     # uint8: the XOR bytes of every range, back to back, in pieces as they were captured (never joined: a copy of
-    # every changed byte, the whole state for a checkpoint that changed it all)
-    pieces: tuple[np.ndarray, ...]
+    # every changed byte, the whole state for a checkpoint that changed it all), or, past a bound of memory, in
+    # ``scratch`` (a :class:`Spilled` piece: the writer's file would be overwritten before the parity is patched)
+    pieces: tuple[np.ndarray | Spilled, ...]
+    scratch: XorScratch | None = dataclasses.field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -61,10 +115,19 @@ class XorDelta:
         i = max(bisect.bisect_right(starts, start) - 1, 0)
         while i < len(self.pieces) and starts[i] < stop:
             lo, hi = max(start, starts[i]), min(stop, starts[i + 1])
-            if lo < hi:
-                out[lo - start:hi - start] = self.pieces[i][lo - starts[i]:hi - starts[i]]
+            piece = self.pieces[i]
+            if lo < hi and isinstance(piece, Spilled):
+                assert self.scratch is not None
+                self.scratch.read_into(piece.offset + lo - starts[i], out[lo - start:hi - start])
+            elif lo < hi:
+                out[lo - start:hi - start] = piece[lo - starts[i]:hi - starts[i]]
             i += 1
         return out
+
+    def close(self) -> None:
+        """Free its scratch file, if it has one (after the parity is patched: its spilled pieces cannot be read)."""
+        if self.scratch is not None:
+            self.scratch.close()
 
 
 class DeltaMismatch(FormatError):

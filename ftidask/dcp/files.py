@@ -14,8 +14,10 @@ Which file is patched, and how the previous checkpoint stays valid meanwhile, is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import time
 from collections import deque
@@ -35,9 +37,15 @@ from ..model.arrays import VarInfo
 from ..model.errors import CheckpointError, FormatError
 from ..storage import files as storage
 from ..storage import interrupts
-from .delta import FileDelta, XorDelta, merge_ranges
+from .delta import FileDelta, Spilled, XorDelta, XorScratch, merge_ranges
 from .segments import SEGMENT, SEGMENT_KNOWN, WINDOW, segment_bounds, segment_task, stage_run
 from .track import KnownDigests
+
+log = logging.getLogger("ftidask")
+#: XOR bytes of an L3 delta kept in memory; past them, a run's are kept in a scratch file (when the writer has a
+#: ``spill_dir``): the delta of a checkpoint that changed its whole state was a copy of the state in memory.
+XOR_IN_MEMORY = 16 << 20
+SPILL_PIECE = 1 << 20  # bytes of a run read, XORed and written to the scratch file at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +114,8 @@ class DcpFileWriter:
     the current data, variable by variable (so that iCP can use it), then :meth:`finish`."""
 
     def __init__(self, fd: int, layout: Layout, base: BlockState | None, *, block_size: int, bid: int,
-                 hash_id: int, pool: ThreadPoolExecutor, capture_xor: bool = False) -> None:
+                 hash_id: int, pool: ThreadPoolExecutor, capture_xor: bool = False,
+                 spill_dir: Path | None = None) -> None:
         if not blockhash.MIN_BLOCK <= block_size <= blockhash.MAX_BLOCK:
             raise CheckpointError(f"dcp_block_size {block_size} outside [512, 65535]")
         self.fd, self.layout, self.pool = fd, layout, pool
@@ -123,7 +132,8 @@ class DcpFileWriter:
         self.runs: list[tuple[int, int]] = []  # file ranges of the data written
         # For L3 parity updates: the base's metadata bytes, read before anything is overwritten.
         self._old_meta: list[tuple[int, bytes]] | None = None
-        self._xor: list[tuple[int, np.ndarray]] = []
+        self._xor: list[tuple[int, np.ndarray | Spilled]] = []
+        self._spill_dir, self._scratch, self._in_memory = spill_dir, None, 0
         if capture_xor and self.base is not None and self.base.layout == layout:
             old_size = os.fstat(fd).st_size
             self._old_meta = [(off, _pread_padded(fd, n, off, old_size)) for off, n in self._meta_ranges(old_size)]
@@ -176,9 +186,7 @@ class DcpFileWriter:
             for off, data in itertools.chain(seg.staged, later):
                 end = off + len(data)
                 if self._old_meta is not None:  # old XOR new, read before it is overwritten
-                    new_bytes = np.frombuffer(memoryview(data).cast("B"), np.uint8)
-                    old_bytes = np.frombuffer(_pread_padded(self.fd, end - off, slot.fptr + lo + off, None), np.uint8)
-                    self._xor.append((slot.fptr + lo + off, old_bytes ^ new_bytes))
+                    self._capture(slot.fptr + lo + off, np.frombuffer(memoryview(data).cast("B"), np.uint8))
                 storage.pwrite_all(self.fd, data, slot.fptr + lo + off)
                 self.runs.append((slot.fptr + lo + off, end - off))
                 written += end - off
@@ -191,6 +199,38 @@ class DcpFileWriter:
         self.data_bytes += written
         self.done.add(var_id)
         return written
+
+    def _capture(self, offset: int, new: np.ndarray) -> None:
+        """Keep old XOR new of ``new``, about to be written at ``offset``: in memory up to :data:`XOR_IN_MEMORY`,
+        past it in the scratch file a piece at a time (the old bytes exist nowhere else once overwritten).
+        The scratch failing (a full disk) only drops the delta: the parity is then encoded again in full."""
+        n = int(new.nbytes)
+        if self._spill_dir is None or self._in_memory + n <= XOR_IN_MEMORY:
+            self._in_memory += n
+            self._xor.append((offset, np.frombuffer(_pread_padded(self.fd, n, offset, None), np.uint8) ^ new))
+            return
+        try:
+            if self._scratch is None:
+                self._scratch = XorScratch(self._spill_dir)
+            start = self._scratch.size
+            for lo in range(0, n, SPILL_PIECE):
+                hi = min(n, lo + SPILL_PIECE)
+                old = np.frombuffer(_pread_padded(self.fd, hi - lo, offset + lo, None), np.uint8)
+                self._scratch.append(old ^ new[lo:hi])
+        except OSError as exc:
+            log.warning("L3: cannot keep the parity delta in %s (%s): the parity will be encoded again in full",
+                        self._spill_dir, exc)
+            self.discard_xor()
+            return
+        self._xor.append((offset, Spilled(start, n)))
+
+    def discard_xor(self) -> None:
+        """No delta from this write (its scratch file closed): L3 encodes the parity again."""
+        self._old_meta, self._xor = None, []
+        scratch, self._scratch = self._scratch, None
+        if scratch is not None:
+            with contextlib.suppress(OSError):
+                scratch.close()
 
     def drain(self) -> None:
         """Wait for the write-back requests sent to the pool (before fsync, and before fd is closed)."""
@@ -218,9 +258,9 @@ class DcpFileWriter:
             old = old + bytes(n - len(old))
             pieces.append((off2, np.frombuffer(old, np.uint8) ^ np.frombuffer(new, np.uint8)))
         pieces.sort(key=lambda p: p[0])
-        self._xor = []  # the delta holds them now
+        self._xor, scratch, self._scratch = [], self._scratch, None  # the delta holds them now
         ranges = tuple((off, int(x.nbytes)) for off, x in pieces)
-        return XorDelta(self.base.fb_hash, ranges, tuple(x for _o, x in pieces))
+        return XorDelta(self.base.fb_hash, ranges, tuple(x for _o, x in pieces), scratch)
 
     def finish(self, trailer: Mapping[str, Any], *, pt_fs: int | None = None,
                max_fs: int | None = None) -> tuple[WrittenFile, DcpStats, BlockState]:
@@ -299,10 +339,11 @@ def state_of_file(path: Path, parsed: Any) -> BlockState | None:
 def write_dcp_file(fd: int, layout: Layout, sources: Mapping[int, ByteSource], infos: list[VarInfo],
                    meta: Mapping[str, Any], base: BlockState | None, *, block_size: int, bid: int, hash_id: int,
                    pool: ThreadPoolExecutor, pt_fs: int | None = None, max_fs: int | None = None,
-                   capture_xor: bool = False) -> tuple[WrittenFile, DcpStats, BlockState]:
+                   capture_xor: bool = False,
+                   spill_dir: Path | None = None) -> tuple[WrittenFile, DcpStats, BlockState]:
     """Bring the file at ``fd`` from ``base`` to ``sources`` (every variable at once)."""
     writer = DcpFileWriter(fd, layout, base, block_size=block_size, bid=bid, hash_id=hash_id, pool=pool,
-                           capture_xor=capture_xor)
+                           capture_xor=capture_xor, spill_dir=spill_dir)
     try:
         for vid, source in sources.items():
             writer.write_var(vid, source)

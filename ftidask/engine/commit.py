@@ -173,9 +173,13 @@ class Committer(RunPart):
             def protect() -> None:  # collective for L2/L3: the level keeps the ranks in step, reports at its end
                 if pending.differential:
                     stats = pending.stats
-                    t.protect_files_delta(level, ckpt_id, pending.path, pending.directory,
-                                          None if stats is None else stats.delta,
-                                          xor=None if stats is None else stats.xor)
+                    try:
+                        t.protect_files_delta(level, ckpt_id, pending.path, pending.directory,
+                                              None if stats is None else stats.delta,
+                                              xor=None if stats is None else stats.xor)
+                    finally:  # the parity is patched (or not): the delta's scratch file goes now
+                        if stats is not None and stats.xor is not None:
+                            stats.xor.close()
                 else:
                     t.protect_files(level, ckpt_id, pending.path, pending.directory)
 

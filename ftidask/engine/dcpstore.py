@@ -110,7 +110,8 @@ class DcpStore:
                     base = None
                 writer = DcpFileWriter(fd, layout, base, block_size=self.block_size, bid=self.bid,
                                        hash_id=self.hash_id, pool=self._pool,
-                                       capture_xor=level == 3)  # L3 updates parity from old XOR new
+                                       capture_xor=level == 3,  # L3 updates parity from old XOR new
+                                       spill_dir=path.parent)  # a large delta beside the spare, not in memory
                 return DcpHandle(self, level, fd, writer, path)
             except BaseException as exc:  # a full disk at its first write: the descriptor is not left open
                 os.close(fd)

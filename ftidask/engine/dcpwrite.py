@@ -70,6 +70,7 @@ class DcpHandle:
                 self.writer.drain()
             finally:  # interrupted (Ctrl-C) while draining: the descriptor is closed all the same
                 os.close(self.fd)
+                self.writer.discard_xor()  # a scratch file not handed to the finished file's delta
 
     def __del__(self) -> None:
         # Lost before the checkpoint held it (Ctrl-C in a notebook): its descriptor must not stay open for ever.

@@ -4,7 +4,8 @@ usage: crash_campaign_job.py BASE JSON. JSON: ``mode`` (``async``: ``wait=False`
 ``verify``: recover, checkpoint once, finalize), ``levels``, ``steps``, ``cfg`` (init keywords), ``kill``
 ({rank: n}: that rank kills itself at the n-th event of ftidask's code, see ``_crash_campaign_child.KillAt``),
 ``point`` ([rank, "module:function", n]: a crash point of ``crashpoints`` on that rank), ``stripe`` (bytes of each
-member's deltas a differential L3 exchanges at once, ``rs_delta.STRIPE``: small, a checkpoint takes many stripes).
+member's deltas a differential L3 exchanges at once, ``rs_delta.STRIPE``: small, a checkpoint takes many stripes),
+``xor_in_memory`` (bytes of a member's delta held in memory, ``dcp.files.XOR_IN_MEMORY``: past them, in a scratch file).
 Each rank protects its block of a global 1-D float64 array and of a global int32 array (``global_shape`` /
 ``offset``: a restart on another number of ranks redistributes them) and a replicated step counter. The state of
 step ``s`` is a function of ``s``. Rank 0 prints ``R <id> exact|MIX`` (every rank's check, agreed) after a
@@ -51,6 +52,10 @@ def main() -> None:
         from ftidask.levels import rs_delta
 
         rs_delta.STRIPE = int(spec["stripe"])
+    if "xor_in_memory" in spec:  # a test seam: the module's constant
+        from ftidask.dcp import files
+
+        files.XOR_IN_MEMORY = int(spec["xor_in_memory"])
     ctx = ftidask.init(comm=comm, ckpt_dir=f"{base}/L", glbl_dir=f"{base}/G", meta_dir=f"{base}/M", local_test=1,
                        node_size=1, group_size=size, verbosity=4, **spec["cfg"])
     la, ha = N_A * rank // size, N_A * (rank + 1) // size
