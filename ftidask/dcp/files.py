@@ -146,6 +146,16 @@ class DcpFileWriter:
         """Hash every block of ``var_id``'s containers, write those that differ from the base.
         With ``known`` (see :mod:`ftidask.dcp.track`), blocks whose pages were not written since
         they were last hashed keep their digest and are not read."""
+        try:
+            return self._write_var(var_id, source, known)
+        except BaseException:
+            # Not written whole (Ctrl-C, a full disk): a run may be in the delta and not in the file, and the variable
+            # written again (iCP keeps the checkpoint open) takes it again from the same old bytes: two equal deltas
+            # of one range cancel, and the patched parity would miss it. No delta from this file: L3 re-encodes.
+            self.discard_xor()
+            raise
+
+    def _write_var(self, var_id: int, source: ByteSource, known: KnownDigests | None) -> int:
         written = 0
         pending: deque[tuple[tuple[int, int], Slot, int, int, Future[Any]]] = deque()
         # from the layout's index: a scan of every container per variable made n variables quadratic

@@ -220,6 +220,9 @@ class Committer(RunPart):
         """After a failed checkpoint: remove its files (and its record, had rank 0 written it before
         failing). Local and best effort: every rank raises the agreed error after it."""
         def drop() -> None:
+            stats = pending.stats
+            if stats is not None and stats.xor is not None:  # its scratch file (never handed to the level) goes
+                stats.xor.close()  # now, not when the failed checkpoint's frames do (a notebook keeps the last)
             if not finished:
                 pending.abort()
             storage.remove_tree(pending.directory)

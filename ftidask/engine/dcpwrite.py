@@ -51,9 +51,14 @@ class DcpHandle:
                max_fs: int | None = None) -> tuple[WrittenFile, DcpStats]:
         """Finish the file, fsync it and rename it to ``final_path`` (not yet committed)."""
         written, stats, state = self.writer.finish(trailer, pt_fs=pt_fs, max_fs=max_fs)
-        self.close()
-        storage.rename_into(self.path, final_path)
-        storage.fsync_dir(self.path.parent)
+        try:
+            self.close()
+            storage.rename_into(self.path, final_path)
+            storage.fsync_dir(self.path.parent)
+        except BaseException:  # the delta's scratch file goes now, not with the frames of the error (a notebook's)
+            if stats.xor is not None:
+                stats.xor.close()
+            raise
         self.store._files[self.level, seq] = state
         if stats.delta is not None and stats.data_runs:  # patched from a known base
             self.store._recent_writes[self.level].append((stats.data_bytes, stats.data_runs))
