@@ -124,15 +124,18 @@ def test_updated_parity_equals_a_full_encoding(group, monkeypatch, stripe):
     assert got[1].tobytes() == pad[1].tobytes()
 
 
+@pytest.mark.parametrize("o_tmpfile", [True, False])
 @pytest.mark.parametrize("in_memory", [0, 20_000])
-def test_a_delta_spilled_to_its_scratch_file_patches_the_same_parity(group, monkeypatch, in_memory):
+def test_a_delta_spilled_to_its_scratch_file_patches_the_same_parity(group, monkeypatch, in_memory, o_tmpfile):
     """Past ``files.XOR_IN_MEMORY`` bytes a member's delta is kept in an unnamed scratch file beside its spare (all of
     it, or the runs after the first 20,000 bytes): the parity patched from it is byte for byte a full encoding's,
-    exactly as from a delta held in memory, and nothing is left in the directory."""
-    from ftidask.dcp import files
+    exactly as from a delta held in memory, and nothing is left in the directory. Made with ``O_TMPFILE``, or
+    (``delta.USE_O_TMPFILE`` false: a system or file system without it) at a hidden temporary name unlinked at once."""
+    from ftidask.dcp import delta, files
     from ftidask.dcp.delta import Spilled
 
     members, pool = group
+    monkeypatch.setattr(delta, "USE_O_TMPFILE", o_tmpfile)
     monkeypatch.setattr(files, "XOR_IN_MEMORY", in_memory)
     monkeypatch.setattr(files, "SPILL_PIECE", 5000)  # runs cut in pieces anywhere
     monkeypatch.setattr(rs_delta, "STRIPE", 7000)
@@ -150,12 +153,55 @@ def test_a_delta_spilled_to_its_scratch_file_patches_the_same_parity(group, monk
         assert spilled and sum(p.nbytes for p in spilled) > x.nbytes // 2
         kept = sum(int(p.nbytes) for p in x.pieces if not isinstance(p, Spilled))  # metadata (< 4 KiB), first runs
         assert (kept > 4096) == (in_memory > 0) and kept <= in_memory + 4096
+        name = os.readlink(f"/proc/self/fd/{x.scratch.fd}").rsplit("/", 1)[1]  # unnamed: "#inode (deleted)"
+        assert name.startswith("#" if o_tmpfile else ".XorDelta.tmp-") and name.endswith(" (deleted)"), name
         x.close()
     want = _reference([m["own"] for m in members])
     for i, m in enumerate(members):
         assert (m["dir"] / "new.rsed").read_bytes() == want[i]
         names = sorted(p.name for p in m["dir"].iterdir())
         assert names == sorted({*listing[i], "new.rsed", "new.rsed.hash"} - {"spare.rsed", "spare.rsed.hash"}), names
+
+
+@pytest.mark.parametrize("planted", ["file", "link"])
+def test_a_file_planted_at_the_scratch_files_temporary_name_is_never_read(group, monkeypatch, tmp_path, planted):
+    """Without ``O_TMPFILE`` the scratch file is created ``O_EXCL`` at a hidden temporary name: a file, or a link to
+    one elsewhere, planted at the first name it tries (``.XorDelta.tmp-{pid}``) is never opened, followed, read or
+    written; another name is taken, and the parity is patched from the deltas (not re-encoded), a full encoding's.
+    Nothing but the planted file is left in the directory."""
+    from ftidask.dcp import delta, files
+
+    members, pool = group
+    monkeypatch.setattr(delta, "USE_O_TMPFILE", False)
+    monkeypatch.setattr(files, "XOR_IN_MEMORY", 0)
+    garbage = bytes(range(256)) * 64
+    target = tmp_path / "elsewhere"
+    target.write_bytes(garbage)
+    listing = {}
+    for i, m in enumerate(members):
+        at = m["dir"] / f".XorDelta.tmp-{os.getpid()}"
+        if planted == "file":
+            at.write_bytes(garbage)
+        else:
+            at.symlink_to(target)
+        listing[i] = sorted(p.name for p in m["dir"].iterdir())
+
+    def change(i, arrays):
+        arrays[1][i * 1000:i * 1000 + 4000] += 1.0
+
+    xors, results = _patch_all(members, pool, change, spill=lambda m: m["dir"])
+    assert results == [None] * SIZE, results  # patched from the deltas: no file made the checkpoint fail
+    for x in xors:
+        assert x.scratch is not None and x.scratch.size > 0
+        x.close()
+    want = _reference([m["own"] for m in members])
+    for i, m in enumerate(members):
+        assert (m["dir"] / "new.rsed").read_bytes() == want[i]
+        at = m["dir"] / f".XorDelta.tmp-{os.getpid()}"
+        assert at.is_symlink() == (planted == "link") and at.read_bytes() == garbage
+        names = sorted(p.name for p in m["dir"].iterdir())
+        assert names == sorted({*listing[i], "new.rsed", "new.rsed.hash"} - {"spare.rsed", "spare.rsed.hash"}), names
+    assert target.read_bytes() == garbage
 
 
 def test_a_scratch_file_that_cannot_be_made_means_full_encoding(group, monkeypatch):

@@ -25,6 +25,11 @@ import numpy as np
 from ..ftiff.structs import FB_SIZE, FileBlock
 from ..model.errors import FormatError
 from ..storage import files as storage
+from ..storage import interrupts
+
+#: Whether :class:`XorScratch` makes its file with ``O_TMPFILE`` (a test seam: False takes the way of a system or
+#: file system without it, a hidden temporary created ``O_EXCL`` and unlinked at once).
+USE_O_TMPFILE = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +51,19 @@ class XorScratch:
     def __init__(self, directory: Path) -> None:
         self.size = 0
         self.fd = -1
-        try:
-            self.fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, storage.FILE_MODE)
-        except (AttributeError, OSError):  # not Linux, or a file system without O_TMPFILE
-            fd, tmp = storage.create_temp(directory / "XorDelta")
-            self.fd = fd
-            os.unlink(tmp)  # a kill before this leaves a hidden temporary, which a restart sweeps
+        with interrupts.held_off():  # Ctrl-C never between the descriptor and its owner, nor before the unlink
+            if USE_O_TMPFILE and hasattr(os, "O_TMPFILE"):
+                try:
+                    self.fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, storage.FILE_MODE)
+                    return
+                except OSError:  # a file system without O_TMPFILE
+                    pass
+            self.fd, tmp = storage.create_temp(directory / "XorDelta")
+            try:
+                os.unlink(tmp)  # a kill before this leaves a hidden temporary, which a restart sweeps
+            except BaseException:
+                self.close()
+                raise
 
     def append(self, data: np.ndarray) -> None:
         """Write ``data`` (uint8) after what the file holds."""
