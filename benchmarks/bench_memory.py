@@ -16,7 +16,7 @@ recovery of each in a restarted process into arrays in use (touched) and into fr
 ``recover_var`` of one array. MPI (4 ranks, 4 simulated nodes, one group): L2 and L3 checkpoints, their
 differential levels 6 and 7 (the third checkpoint, every block changed: L7 patches the parity from the deltas), and
 a restart that rebuilds rank 1's lost file from its partner copy (L2) or the group's parity (L3). Dask (2 workers):
-L1 and L3 (a group of 2) checkpoints and their recovery.
+L1, L3 (a group of 2) and L7 (the third checkpoint, every block changed) checkpoints and their recovery.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 MIB = 1 << 20
@@ -212,8 +213,10 @@ def dask_child(case: str, base: str, mib: int) -> dict:
     import ftidask
 
     level = int(case[1])
+    dcp = level > 4  # the third checkpoint, every block changed: L7 patches the parity from the deltas
     dirs = dict(ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global", meta_dir=f"{base}/Meta", group_size=2,
-                verbosity=4, **({"compressor": "zstd"} if "zstd" in case else {}))
+                verbosity=4, **({"compressor": "zstd"} if "zstd" in case else {}),
+                **({"enable_dcp": 1} if dcp else {}))
     chunk = mib * MIB // 2 // 8  # chunks of MIB/2 MiB, MIB MiB per worker
     with LocalCluster(n_workers=2, threads_per_worker=1, memory_limit=0, dashboard_address=None) as cluster, \
             Client(cluster) as client:
@@ -229,9 +232,19 @@ def dask_child(case: str, base: str, mib: int) -> dict:
             x = da.arange(4 * chunk, chunks=chunk, dtype=np.float64).persist()
             wait(x)  # the chunks in the workers' memory before the measure
             ctx.protect(1, x)
+            if dcp:
+                ctx.checkpoint(1, level)
+                ctx.checkpoint(2, level)
+                x = (x + 1).persist()
+                wait(x)
+                ctx.protect(1, x)
+                for _ in range(50):  # the first chunks released: a worker holds its two new ones only
+                    if all(held <= 2 * chunk * 8 for _rss, held in client.run(rss).values()):
+                        break
+                    time.sleep(0.1)
             before = client.run(rss)
             client.run(reset_hwm)
-            ctx.checkpoint(1, level)
+            ctx.checkpoint(3 if dcp else 1, level)
         else:
             before = client.run(rss)
             client.run(reset_hwm)
@@ -240,7 +253,7 @@ def dask_child(case: str, base: str, mib: int) -> dict:
         peaks = client.run(hwm)
         after = client.run(rss)
         if not case.endswith("ckpt"):
-            assert float(x[-1].compute()) == 4 * chunk - 1
+            assert float(x[-1].compute()) == 4 * chunk - 1 + dcp
         rows = []
         for addr, (rss_before, held_before) in before.items():
             if case.endswith("ckpt"):  # the chunks are in the worker's RSS already (after it, aliased: counted twice)
@@ -287,9 +300,10 @@ def groups(args: argparse.Namespace):
                          (f"MPI {level} restart, rank 1's file rebuilt",
                           lambda lv=level, b=base: (drop_rank_file(b, 1), run_mpi(f"{lv}-rec", b, args.mib))[1])]
     if not args.no_dask:
-        for level in ("L1", "L3", "L1-zstd"):
+        for level in ("L1", "L3", "L1-zstd", "L7"):
             base = str(root / f"dask-{level}")
-            yield base, [(f"Dask {level} checkpoint (2 workers)",
+            what = " (dCP, all changed)" if level == "L7" else ""
+            yield base, [(f"Dask {level} checkpoint{what} (2 workers)",
                           lambda lv=level, b=base: run_child("dask", f"{lv}-ckpt", "", b, args.mib)),
                          (f"Dask {level} recover (2 workers)",
                           lambda lv=level, b=base: run_child("dask", f"{lv}-rec", "", b, args.mib))]

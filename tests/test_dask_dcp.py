@@ -227,7 +227,46 @@ class _Messages(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_l3_parity_is_updated_from_the_deltas(client, dirs):
+def _spill_on_worker(in_memory: int) -> int:
+    """On a worker: ``dcp.files.XOR_IN_MEMORY`` set to ``in_memory`` (a test seam) and the bytes written to the
+    deltas' scratch files counted (``XorScratch.spilled``); the previous bound."""
+    from ftidask.dcp import delta, files
+
+    old, files.XOR_IN_MEMORY = files.XOR_IN_MEMORY, in_memory
+    real = delta.XorScratch.append
+
+    def append(self, data):
+        delta.XorScratch.spilled += int(data.nbytes)
+        return real(self, data)
+
+    delta.XorScratch.spilled, delta.XorScratch.append, delta.XorScratch.real_append = 0, append, real
+    return old
+
+
+def _spill_off_worker(old: int, root: str) -> tuple[int, list[str]]:
+    """Undo :func:`_spill_on_worker`: the bytes spilled, and the scratch files (unlinked) under ``root`` still open."""
+    from ftidask.dcp import delta, files
+
+    files.XOR_IN_MEMORY = old
+    spilled = delta.XorScratch.spilled
+    delta.XorScratch.append = delta.XorScratch.real_append
+    del delta.XorScratch.real_append, delta.XorScratch.spilled
+    still = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(root) and target.endswith("(deleted)"):
+            still.append(target)
+    return spilled, still
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_l3_parity_is_updated_from_the_deltas(client, dirs, spill):
+    """Level 7 on the workers: the parity patched from the deltas is a full encoding's, and rebuilds two lost
+    workers' files. ``spill``: every data run's delta in the worker's scratch file (``XOR_IN_MEMORY`` 0 there, as
+    past 16 MiB), handed to the parity task on the same worker, closed after it."""
     from test_dcp_mpi import _parity_rows
 
     ctx = _init(client, dirs, group_size=4)
@@ -236,13 +275,18 @@ def test_l3_parity_is_updated_from_the_deltas(client, dirs):
     old_level = logger.level
     logger.addHandler(seen)
     logger.setLevel(logging.INFO)
+    old = client.run(_spill_on_worker, 0) if spill else {}
     try:
         _checkpoints(ctx, 7, 4)
     finally:
         logger.removeHandler(seen)
         logger.setLevel(old_level)
+        after = {w: client.run(_spill_off_worker, n, str(dirs["ckpt_dir"]), workers=[w])[w] for w, n in old.items()}
     # checkpoints 1 and 2 have no spare parity yet; 3 and 4 update theirs
     assert sum("re-encodes its parity in full" in m for m in seen.messages) == 2, seen.messages
+    if spill:
+        assert sum(spilled for spilled, _still in after.values()) > 0, after  # the workers whose chunks changed
+        assert [still for _spilled, still in after.values()] == [[]] * len(after), after
     root = Path(dirs["ckpt_dir"])
     own = [next(root.glob(f"node{r}/*/l3/ckpt4.*/Ckpt4-Rank{r}.fti")) for r in range(NWORKERS)]
     rows = _parity_rows(own)

@@ -308,3 +308,27 @@ def test_compressed_recovery_in_use_allocates_per_container_no_more_than_it_read
     second = [(stored, held) for stored, held in rings if stored < 64 << 10]
     assert len(second) >= 20 and all(held <= stored for stored, held in second), second[:3]
     assert all(held <= readahead.PIECE * readahead.SLOTS for _s, held in rings)
+
+
+@pytest.mark.slow
+def test_dask_differential_l3_of_a_whole_changed_state_keeps_its_delta_out_of_memory(tmp_path):
+    """Dask level 7 (benchmarks/bench_memory.py's row: 2 workers of 256 MiB, the third checkpoint, every block
+    changed): the write task returned every changed byte's old XOR new as its result, held by the worker until the
+    parity task: 274 MiB beyond the state on main. Past ``files.XOR_IN_MEMORY`` the delta goes to a scratch file of
+    the worker (the task returns the delta, with its descriptor, to the parity task pinned there): 81 MiB."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("distributed")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_memory.py"), "--child", "dask", "L7-ckpt",
+                           "", "--dir", str(tmp_path), "--mib", "256"], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(next(line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")))
+    extra = row["extra"] >> 20
+    assert extra < 160, f"a Dask level 7 checkpoint of 256 MiB a worker, all changed, took {extra} MiB more"

@@ -85,6 +85,11 @@ class XorScratch:
         if fd >= 0:
             os.close(fd)
 
+    def __reduce__(self) -> Any:
+        # Its descriptor means nothing in another process, nor once closed here: never copied (Dask keeps a task
+        # result it cannot pickle in memory rather than spilling it, and fails a task that needs it elsewhere).
+        raise TypeError("a delta's scratch file cannot leave its process")
+
     def __del__(self) -> None:
         with contextlib.suppress(OSError):
             self.close()

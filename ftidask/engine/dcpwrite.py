@@ -88,14 +88,16 @@ class DcpHandle:
 def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None, layout: Layout,
                        sources: Mapping[int, Any], infos: list[Any], meta: Mapping[str, Any], *, block_size: int,
                        bid: int, hash_id: int, pool: ThreadPoolExecutor, pt_fs: int | None = None,
-                       max_fs: int | None = None, capture_xor: bool = False) -> tuple[WrittenFile, DcpStats]:
+                       max_fs: int | None = None, capture_xor: bool = False,
+                       spill_dir: Path | None = None) -> tuple[WrittenFile, DcpStats]:
     """One rank's differential file without any state kept between checkpoints (e.g. a Dask task).
 
     ``spare`` is the file of a retired checkpoint (renamed there by the backend) whose FB hash
     its commit record gave as ``expected_fb_hash``; its block digests are read from the file
     (:func:`~ftidask.dcp.files.load_state`). Any other spare, or none, is rewritten in full. The
     result is fsynced and renamed to ``final``; the caller then writes the commit record.
-    ``capture_xor`` keeps old XOR new of what is rewritten (``DcpStats.xor``, for an L3 parity update).
+    ``capture_xor`` keeps old XOR new of what is rewritten (``DcpStats.xor``, for an L3 parity update), past
+    ``dcp.files.XOR_IN_MEMORY`` in a scratch file in ``spill_dir`` when one is given (the caller closes it).
     """
     from ..dcp.files import write_dcp_file
 
@@ -105,7 +107,7 @@ def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None,
     try:
         written, stats, _state = write_dcp_file(fd, layout, sources, infos, meta, base, block_size=block_size,
                                                 bid=bid, hash_id=hash_id, pool=pool, pt_fs=pt_fs, max_fs=max_fs,
-                                                capture_xor=capture_xor)
+                                                capture_xor=capture_xor, spill_dir=spill_dir)
     finally:
         os.close(fd)
     storage.rename_into(spare, final)

@@ -43,8 +43,9 @@ def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_
     """Bring this worker's spare up to date with the chunks it holds and rename it to ``final``.
 
     The spare is claimed first (renamed into ``final``'s directory, see :func:`claimed`) and patched there.
-    ``with_xor`` (L3): return ``(result, old XOR new bytes)``, the result's ``xor`` giving the
-    ranges and the base, for a parity update (:func:`ftidask.backends.dask.group_tasks.parity_delta`).
+    ``with_xor`` (L3): return ``(result, XorDelta)``, the result's ``xor`` giving the ranges and the base, for a
+    parity update (:func:`ftidask.backends.dask.group_tasks.parity_delta`, on this worker: the delta past
+    ``dcp.files.XOR_IN_MEMORY`` is in a scratch file of this process, which that task closes).
     ``fresh``: the spare is the checkpoint a recovery fell back to and stays untouched: a new file is written in full.
     """
     work = claimed(spare, final)
@@ -58,7 +59,7 @@ def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_
         work, Path(final), bytes.fromhex(expected_fb_hash) if expected_fb_hash else None,
         layout_from_json(layout_json), chunk_sources(places, chunks, {i.id: i.dtype for i in infos}), infos,
         meta, block_size=block_size, bid=bid, hash_id=hashing.hash_id(hash_name), pool=_hash_pool(),
-        pt_fs=pt_fs, max_fs=max_fs, capture_xor=with_xor)
+        pt_fs=pt_fs, max_fs=max_fs, capture_xor=with_xor, spill_dir=work.parent if with_xor else None)
     result = {"rank": meta["rank"], "node": meta["node"], "size": written.file_size,
               "fb_hash": written.fb.hash.hex(), "data_bytes": stats.data_bytes, "file_bytes": stats.file_bytes,
               "blocks_changed": stats.blocks_changed, "blocks_total": stats.blocks_total,
@@ -68,7 +69,9 @@ def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_
         return result
     xor = stats.xor
     result["xor"] = None if xor is None else {"base": xor.base_fb_hash.hex(), "ranges": [list(r) for r in xor.ranges]}
-    return result, ([] if xor is None else list(xor.pieces))  # never joined: a copy of every changed byte
+    # the delta itself (its pieces never joined, past 16 MiB in its scratch file, not a copy of every changed byte
+    # held as the task's result): it stays in this worker's memory until the parity task, pinned here, takes it
+    return result, xor
 
 
 def claimed(spare: str | Path, into: str | Path) -> Path:

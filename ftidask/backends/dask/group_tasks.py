@@ -24,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from distributed import get_worker
 
 from ...dcp.delta import FileDelta, XorDelta, file_fb_hash
@@ -121,17 +120,21 @@ def protect_delta(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -
 
 def parity_delta(ch: WorkerChannel, m: dict[str, Any], cfg: Config, dep: Any) -> dict[str, Any]:
     """Differential L3: patch the spare parity from the group's XOR deltas, else encode in full
-    (``dep``: the write's ``(result, XOR bytes)``)."""
+    (``dep``: the write's ``(result, XorDelta or None)``, made on this worker; its scratch file closed here)."""
     own, rank = Path(m["own"]), int(m["rank"])
-    result, payload = dep
-    raw = result.get("xor")
-    xor = None if raw is None else XorDelta(bytes.fromhex(raw["base"]), tuple(tuple(r) for r in raw["ranges"]),
-                                            tuple(np.asarray(p, np.uint8) for p in payload))
+    _result, xor = dep
+    if xor is not None and not isinstance(xor, XorDelta):
+        raise LevelFailed(f"rank {rank}: the write's delta is a {type(xor).__name__}, not an XorDelta")
     errors: list[str] = []
     own_hash = guarded(errors, lambda: file_fb_hash(own), "")
-    with _claimed(rs_delta.spare_parity_path(own.parent, rank), own, record=True, take=m.get("claim", True)) as spare:
-        why = rs_delta.update(ch, xor, own_hash, spare, own.parent / m["parity_name"], ch.allgather(_size(own)),
-                              hashing.hash_id(cfg.hash))
+    try:
+        with _claimed(rs_delta.spare_parity_path(own.parent, rank), own, record=True,
+                      take=m.get("claim", True)) as spare:
+            why = rs_delta.update(ch, xor, own_hash, spare, own.parent / m["parity_name"], ch.allgather(_size(own)),
+                                  hashing.hash_id(cfg.hash))
+    finally:  # patched or not: its scratch file goes now, not when Dask releases the write's result
+        if xor is not None:
+            xor.close()
     if why is None:
         if errors:
             raise LevelFailed("; ".join(errors))
