@@ -68,6 +68,16 @@ def _checkpoint(ctx, a, b, rank: int, version: int) -> None:
     ctx.checkpoint(version, 7)
 
 
+def _open_icp_3(ctx, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Checkpoints 1 and 2 (level 7) written, the arrays changed whole, iCP checkpoint 3 at level 7 opened."""
+    a, b = _protected(ctx, rank, 0)
+    for version in (1, 2):
+        _checkpoint(ctx, a, b, rank, version)
+    a[...], b[...] = arrays(rank, 3)
+    ctx.init_icp(3, 7)
+    return a, b
+
+
 def _own(base: Path, ckpt: int) -> list[Path]:
     return [next(base.glob(f"L/node{r}/l7/l3/ckpt{ckpt}.*/Ckpt{ckpt}-Rank{r}.fti")) for r in range(NRANKS)]
 
@@ -153,11 +163,7 @@ def test_a_variable_interrupted_before_a_write_and_added_again_keeps_the_parity_
     monkeypatch.setattr(files, "storage", proxy)
 
     def program(ctx, rank):
-        a, b = _protected(ctx, rank, 0)
-        for version in (1, 2):
-            _checkpoint(ctx, a, b, rank, version)
-        a[...], b[...] = arrays(rank, 3)
-        ctx.init_icp(3, 7)
+        _open_icp_3(ctx, rank)
         state["armed"] |= rank == 1
         interrupted = False
         try:
@@ -181,11 +187,7 @@ def test_a_checkpoint_failed_after_its_files_are_complete_closes_every_scratch_f
     ``sys.last_value``, until the next one (main). They are closed when the checkpoint is dropped; checkpoint 2
     stays, and the next checkpoint writes a parity that is a full encoding's."""
     def program(ctx, rank):
-        a, b = _protected(ctx, rank, 0)
-        for version in (1, 2):
-            _checkpoint(ctx, a, b, rank, version)
-        a[...], b[...] = arrays(rank, 3)
-        ctx.init_icp(3, 7)
+        _open_icp_3(ctx, rank)
         ctx.add_var_icp(1)
         if rank != 2:
             ctx.add_var_icp(2)
