@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..ftiff.readahead import read_full
 from ..ftiff.structs import FB_SIZE, FileBlock
 from ..model.errors import FormatError
 from ..storage import files as storage
@@ -72,12 +73,10 @@ class XorScratch:
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
         """Fill ``out`` (uint8) with the bytes written at ``offset``."""
-        view, pos = memoryview(out).cast("B"), offset
-        while len(view):
-            n = os.preadv(self.fd, [view], pos)
-            if n <= 0:
-                raise OSError(f"the delta's scratch file is shorter than what was written ({pos} of {self.size})")
-            view, pos = view[n:], pos + n
+        view = memoryview(out).cast("B")
+        got = read_full(self.fd, offset, view)
+        if got < len(view):
+            raise OSError(f"the delta's scratch file is shorter than what was written ({offset + got} of {self.size})")
 
     def close(self) -> None:
         """Close it (its space is freed: it has no name)."""
