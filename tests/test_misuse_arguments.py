@@ -159,3 +159,12 @@ def test_resilient_loop_refuses_its_arguments_at_once(dirs, kwargs, error, match
         with pytest.raises(error, match=match):
             ftidask.ResilientLoop(args.pop("ctx"), **args)
         assert 1 not in ctx.protected
+
+
+def test_a_dict_as_the_config_says_to_give_keywords() -> None:
+    # A Python user's first guess: init({"ckpt_dir": ...}); the error says how settings are given.
+    with pytest.raises(ConfigError, match=r"got dict \{'ckpt_dir': 'x'\}; give settings as keywords instead, "
+                                          r"e.g. init\(\*\*settings\)"):
+        ftidask.init({"ckpt_dir": "x"})
+    with pytest.raises(ConfigError, match=r"got int 5$"):
+        ftidask.load_config(5)

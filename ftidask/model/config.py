@@ -241,7 +241,9 @@ _MAX_CONFIG_BYTES = 1 << 20  # an FTI config is a few KiB: more is not a config 
 def _read_text(path: str | bytes | os.PathLike[str]) -> str:
     """The text of a config file, or a :class:`ConfigError` saying why it cannot be read."""
     if not isinstance(path, (str, bytes, os.PathLike)):
-        raise ConfigError(f"the config must be the path of an INI file, got {type(path).__name__} {path!r}")
+        hint = ("; give settings as keywords instead, e.g. init(**settings) or init(ckpt_dir=...)"
+                if isinstance(path, Mapping) else "")
+        raise ConfigError(f"the config must be the path of an INI file, got {type(path).__name__} {path!r}{hint}")
     shown = repr(os.fsdecode(path))
     try:
         # O_NONBLOCK: a FIFO given as the config must not wait for a writer (refused below).
