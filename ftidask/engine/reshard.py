@@ -29,9 +29,10 @@ import numpy as np
 
 from ..model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from ..storage.files import SPARE_DIR, spare_file
-from . import recoverplan, reshard_dask, reshard_plan
+from . import pagemove, recoverplan, reshard_dask, reshard_plan
 from .dcpstore import distrust_spare
 from .device import holders
+from .prefault import Prefault
 from .recovery import check_writeable
 from .reshard_files import StatesRefused, open_old, read_pieces, state_sizes, table_of
 from .reshard_rebuild import old_groups, rebuild_group
@@ -217,6 +218,7 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str,
         states = holders  # stored as bytes (a Dask worker holds each whole): decoded, agreed, then applied
         try:
             staged = _stage(ctx, record, {v: a for v, a in arrays.items() if v not in states}, decls, list(states))
+            # (an exception below: the staged pages are unmapped when ``staged`` goes)
             contents, problem = {}, ""
             try:  # each rank decodes its own holders (a dict may refuse what a Value takes): agreed, or they part ways
                 contents = {vid: holder.decode(staged.pop(vid), f"variable {vid}") for vid, holder in states.items()}
@@ -235,8 +237,12 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str,
             log.warning("cannot recover checkpoint %d (level %d) on this layout: %s", record.ckpt_id, record.level,
                         exc)
             continue
-        for vid, data in staged.items():  # every rank has all its data: now, and only now, the arrays
-            np.copyto(arrays[vid], data)
+        for vid in list(staged):  # every rank has all its data: now, and only now, the arrays
+            data = staged.pop(vid)
+            if isinstance(data, pagemove.Staged):
+                data.commit()  # fresh array: the verified pages moved under it
+            else:
+                np.copyto(arrays[vid], data)
         for vid, content in contents.items():
             states[vid].apply(content)
         log.info("recovered checkpoint %d from level %d, written by %d %s, on %d", record.ckpt_id, record.level,
@@ -304,18 +310,43 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls:
     # declarations that do not fit refuse the recovery outright. Agreed, or the ranks would part ways.
     kinds = set(t.allgather(kind.__name__))  # damage first, then per-rank states (their own advice), else _Refused
     _agree(t, problem, next(k for k in (RecoveryError, StatesRefused, _Refused) if k.__name__ in kinds))
-    # 3. Read and check the pieces into buffers.
-    staged = {vid: np.empty(a.shape, a.dtype) for vid, a in arrays.items()}
+    # 3. Read and check the pieces into private buffers: for a fresh array (a restart's), pages to move under it
+    # once every rank has all its data (no copy after the verification); the others' pages faulted in meanwhile.
+    pages = _stage_pages({vid: a for vid, a in arrays.items() if vid not in sizes})
+    staged = {vid: _array_over(pages[vid]) if vid in pages else np.empty(a.shape, a.dtype)
+              for vid, a in arrays.items()}
     problem = ""
     try:
-        for old, wanted in sorted(plan.items()):
-            path = old_path(ctx, record, old)
-            parsed = opened.get(old) or open_old(path, record, old)
-            read_pieces(parsed, wanted, staged)
+        with Prefault([staged[vid] for vid in arrays if vid not in pages], [(s.view, s.addr) for s in pages.values()]):
+            for old, wanted in sorted(plan.items()):
+                path = old_path(ctx, record, old)
+                parsed = opened.get(old) or open_old(path, record, old)
+                read_pieces(parsed, wanted, staged)
     except Exception as exc:  # noqa: BLE001 - shared, as above
         problem = _why(exc)
-    _agree(t, problem, RecoveryError)
-    return staged
+    try:
+        _agree(t, problem, RecoveryError)
+    except BaseException:
+        staged.clear()  # the views over the pages first: an unmapped page must never be reachable
+        pagemove.release_all(pages)
+        raise
+    return {**staged, **pages}  # each array's Staged pages where it has them (its view dropped), else its buffer
+
+
+def _stage_pages(arrays: dict[int, np.ndarray]) -> dict[int, pagemove.Staged]:
+    """Private pages mirroring those of ``arrays`` that :func:`pagemove.movable` accepts, by var id."""
+    pages = {}
+    for vid, array in pagemove.movable_arrays(arrays).items():
+        try:
+            pages[vid] = pagemove.Staged(array)
+        except (OSError, ValueError, MemoryError):  # no pages to be had: a buffer, then the copy, as for the others
+            continue
+    return pages
+
+
+def _array_over(pages: pagemove.Staged) -> np.ndarray:
+    """The staged pages as an array of their array's dtype and shape (C order: :func:`pagemove.movable`)."""
+    return np.frombuffer(pages.view, pages.array.dtype).reshape(pages.array.shape)
 
 
 def _why(exc: Exception) -> str:

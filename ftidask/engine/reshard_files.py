@@ -112,12 +112,19 @@ class StatesRefused(Refused):
 def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, np.ndarray]) -> None:
     """Copy the pieces ``wanted`` of one old file into the buffers (each byte checked by hash first)."""
     if isinstance(parsed, FtiffFile) and not parsed.fb.flags & FLAG_DCP:
+        scratch = _Scratch()
         with open_read(parsed.path) as fh:
             check_unchanged(fh, parsed)
             for vid, piece in wanted:
-                info = parsed.vars[vid]
-                buf, base = _read_span(fh, parsed, vid, *piece.span)
-                staged[vid][piece.dst] = piece_view(piece, buf, base, info.dtype)
+                dst = staged[vid][piece.dst]
+                direct = _stream_order_bytes(piece, dst)
+                if direct is not None:  # the piece is a run of the stream: read (and checked) where it goes
+                    _read_span(fh, parsed, vid, piece.first, direct, scratch)
+                    continue
+                start, stop = piece.span
+                buf = scratch.take(stop - start, 0)
+                _read_span(fh, parsed, vid, start, buf, scratch)
+                dst[...] = piece_view(piece, buf, start, parsed.vars[vid].dtype)
         return
     # Differential files and Zarr stores were verified whole: read their variables, then the pieces.
     whole = {vid: parsed.vars[vid].empty() for vid in {w[0] for w in wanted}}
@@ -129,15 +136,43 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
             staged[vid][piece.dst] = whole[vid][piece.src]
 
 
-def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, stop: int) -> tuple[bytearray, int]:
-    """Bytes ``[start, stop)`` of variable ``vid``'s stream, as ``(buffer, its first byte's position)``.
+def _stream_order_bytes(piece: Piece, dst: np.ndarray) -> np.ndarray | None:
+    """``dst``'s bytes in memory order when they are, in that order, the stream's bytes from ``piece.first`` (a
+    contiguous destination whose strides are the old block's: a 1-D piece, whole rows or columns); else None."""
+    if dst.size == 0 or tuple(dst.shape) != tuple(piece.shape):
+        return None
+    if not (dst.flags.c_contiguous or dst.flags.f_contiguous):
+        return None
+    if any(a != b for n, a, b in zip(piece.shape, piece.strides, dst.strides) if n > 1):
+        return None
+    flat = dst.reshape(-1, order="A")
+    return flat.view(np.uint8) if np.shares_memory(flat, dst) else None  # a view, never a copy filled in vain
 
-    Reads the whole containers that hold them (a container's hash covers it whole), checks each hash,
-    decodes compressed ones.
+
+class _Scratch:
+    """Buffers of one file's reads, kept between pieces: fresh memory costs a page fault per page each time (a
+    container read whole for its hash, of which a piece needs part; a strided piece's span)."""
+
+    def __init__(self) -> None:
+        self._bufs: list[np.ndarray] = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
+
+    def take(self, n: int, which: int) -> np.ndarray:
+        """``n`` bytes of buffer ``which`` (0: a span, 1: a container), its content undefined."""
+        if self._bufs[which].nbytes < n:
+            self._bufs[which] = np.empty(n, np.uint8)
+        return self._bufs[which][:n]
+
+
+def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, out: np.ndarray, scratch: _Scratch) -> None:
+    """Fill ``out`` (uint8) with bytes ``[start, start + len(out))`` of variable ``vid``'s stream.
+
+    Reads the whole containers that hold them (a container's hash covers it whole) and checks each hash; those
+    wholly inside go straight into ``out``, the others through a scratch buffer; compressed ones are decoded.
     """
     info = parsed.vars[vid]
     codec = compression.var_codec(info.extra)
     plain = compression.plain_ids(info.extra)
+    stop = start + out.nbytes
     spans = []
     for bi, ci, meta in parsed.containers_of((vid,)):  # indexed: a pass over every container per piece was O(n^2)
         if meta.id != vid or not meta.hascontent or not meta.chunksize:
@@ -146,18 +181,20 @@ def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, stop: int) -> t
         if meta.dptr < stop and meta.dptr + raw > start:
             spans.append((meta.dptr, raw, bi, ci, meta))
     spans.sort(key=lambda s: s[0])
-    if not spans or spans[0][0] > start or spans[-1][0] + spans[-1][1] < stop:
+    if not spans or spans[0][0] > start or spans[-1][0] + spans[-1][1] < stop:  # parse_ftiff: they tile the stream
         raise FormatError(f"variable {vid}: bytes [{start}, {stop}) are not held by its containers", path=parsed.path)
-    base = spans[0][0]
-    out = bytearray(spans[-1][0] + spans[-1][1] - base)
-    view, hid = memoryview(out), parsed.fb.hash_id
+    hid = parsed.fb.hash_id
     for dptr, raw, bi, ci, meta in spans:  # ``out`` is dropped if one is refused: never a user's array
-        what, into = f"block {bi}, container {ci} (var id {vid})", view[dptr - base:dptr - base + raw]
+        what = f"block {bi}, container {ci} (var id {vid})"
+        inside = start <= dptr and dptr + raw <= stop
+        into = out[dptr - start:dptr - start + raw] if inside else scratch.take(raw, 1)
         try:
             if codec is not None and meta.containerid not in plain:  # read a few frames at a time, decoded in place
-                readhash.read_decoded_into(fh.fileno(), meta, info, hid, what, into)
-            elif readhash.read_hashed(fh.fileno(), meta.fptr, into, hid) != meta.hash:  # read in place
+                readhash.read_decoded_into(fh.fileno(), meta, info, hid, what, memoryview(into))
+            elif readhash.read_hashed(fh.fileno(), meta.fptr, memoryview(into), hid) != meta.hash:  # read in place
                 raise FormatError(f"{what}: data hash does not match (damaged data)")
         except FormatError as exc:
             raise FormatError(str(exc), path=parsed.path) from None
-    return out, base
+        if not inside:  # checked whole: the part the span needs
+            lo, hi = max(start, dptr), min(stop, dptr + raw)
+            out[lo - start:hi - start] = into[lo - dptr:hi - dptr]
