@@ -111,7 +111,8 @@ def test_the_delta_read_back_from_both_files_is_the_xor_they_had(pair, tmp_path,
 
 
 def test_no_delta_leaves_no_descriptor(pair, tmp_path):
-    """More than ``limit`` bytes differ, or the base has no FB: no delta (the group encodes in full), nothing open."""
+    """More than ``limit`` bytes differ, the base has no FB or is gone: no delta (the group encodes in full), nothing
+    left open."""
     base, make = pair
     new = make(range(0, base.stat().st_size, 1000))
     before = leaks.descriptors(tmp_path)
@@ -119,6 +120,7 @@ def test_no_delta_leaves_no_descriptor(pair, tmp_path):
     short = tmp_path / "short.fti"
     short.write_bytes(base.read_bytes()[:50])  # no whole FB
     assert files_xor_delta(short, new, BLOCK, 1 << 30) is None
+    assert files_xor_delta(tmp_path / "gone.fti", new, BLOCK, 1 << 30) is None
     assert leaks.descriptors(tmp_path) == before
 
 

@@ -25,10 +25,11 @@ import numpy as np
 import xxhash
 
 from ..ftiff.readahead import read_full
+from ..ftiff.structs import FB_SIZE, FileBlock
 from ..model.errors import FormatError
 from ..storage import files as storage
 from ..storage import interrupts
-from .delta import Spilled, XorDelta, file_fb_hash
+from .delta import Spilled, XorDelta
 
 READ_PIECE = 1 << 20  # bytes of each file read and XORed at once when a stripe is read back
 
@@ -120,28 +121,41 @@ class FilesXor:
 
 def files_xor_delta(base: Path, new: Path, block: int, limit: int, whole: Any = None) -> XorDelta | None:
     """The delta of ``new`` from ``base`` (each zero-padded to the longer) over the ``block``-byte blocks that differ,
-    its XOR bytes read back from both files (:class:`FilesXor`: close the delta); None when ``base`` has no FB or more
-    than ``limit`` bytes differ (encoding anew then costs less). ``whole``: a hasher that gets every byte of ``new``
-    (complete when a delta is returned)."""
-    base_fb = file_fb_hash(base)
-    if not base_fb:
-        return None
+    its XOR bytes read back from both files (:class:`FilesXor`: close the delta); None when ``base`` is gone or has
+    no FB, or more than ``limit`` bytes differ (encoding anew then costs less). ``whole``: a hasher that gets every
+    byte of ``new`` (complete when a delta is returned)."""
     fds: list[int] = []
     try:
         with interrupts.held_off():  # Ctrl-C never between a descriptor and the list that closes it
-            fds.append(storage.open_regular(base, os.O_RDONLY | os.O_NOFOLLOW))
-            fds.append(storage.open_regular(new, os.O_RDONLY | os.O_NOFOLLOW))
+            try:
+                fds.append(storage.open_regular(base))
+            except OSError:  # no base (as one without an FB): no delta
+                return None
+            fds.append(storage.open_regular(new))
+        base_fb = _fb_hash(fds[0])  # of the file compared, read through its descriptor: not another at its name
+        if not base_fb:
+            return None
         sizes = (os.fstat(fds[0]).st_size, os.fstat(fds[1]).st_size)
         found = _compare(fds, max(sizes), block, limit, whole)
         if found is None:
             return None
         ranges, digests = found
-        source = FilesXor(fds[0], fds[1], sizes, block, ranges, digests, (str(base), str(new)))
-        fds.clear()  # the source owns them now
-        return XorDelta(bytes.fromhex(base_fb), ranges, (Spilled(0, source.size),) if ranges else (), source)
+        with interrupts.held_off():  # the source owns the descriptors now: never closed twice
+            source = FilesXor(fds[0], fds[1], sizes, block, ranges, digests, (str(base), str(new)))
+            fds.clear()
+        return XorDelta(base_fb, ranges, (Spilled(0, source.size),) if ranges else (), source)
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _fb_hash(fd: int) -> bytes:
+    """The FB hash of the file open at ``fd``; empty when it has no valid FB (as :func:`~.delta.file_fb_hash`)."""
+    raw = os.pread(fd, FB_SIZE, 0)
+    try:
+        return FileBlock.unpack(raw).hash if len(raw) == FB_SIZE else b""
+    except FormatError:
+        return b""
 
 
 def _compare(fds: list[int], size: int, block: int, limit: int,
