@@ -15,7 +15,11 @@ checkpoint, one block in 25 changed), incremental (iCP), asynchronous (the appli
 recovery of each in a restarted process into arrays in use (touched) and into fresh arrays (``np.empty``), and
 ``recover_var`` of one array. MPI (4 ranks, 4 simulated nodes, one group): L2 and L3 checkpoints, their
 differential levels 6 and 7 (the third checkpoint, every block changed: L7 patches the parity from the deltas), and
-a restart that rebuilds rank 1's lost file from its partner copy (L2) or the group's parity (L3). Dask (2 workers):
+a restart that rebuilds rank 1's lost file from its partner copy (L2) or the group's parity (L3). MPI with heads
+(``head = 1``, ``inline_l3 = 0``; 2 nodes of a head and an application rank of MIB MiB, one group): level 7's third
+checkpoint, every block changed (more than half of a file: the heads encode the parity in full) or 2/5 of the blocks
+(the heads patch the parity from the files' differences); the extra is the head's (its peak during the raise over its
+resident memory before ``init``: it holds no arrays), the largest of the two. Dask (2 workers):
 L1, L3 (a group of 2) and L7 (the third checkpoint, every block changed) checkpoints and their recovery.
 """
 
@@ -154,14 +158,47 @@ def mpi_child(case: str, base: str, mib: int) -> None:
     import ftidask
 
     world = MPI.COMM_WORLD
-    level = {"L2": 2, "L3": 3, "L6": 6, "L7": 7}[case.split("-")[0]]
+    heads = case.startswith("L7H")  # L7 raised by the heads: 2 nodes of a head and an application rank
+    level = 7 if heads else {"L2": 2, "L3": 3, "L6": 6, "L7": 7}[case.split("-")[0]]
     dirs = dict(comm=world, local_test=1, node_size=1, group_size=4, ckpt_dir=f"{base}/Local",
                 glbl_dir=f"{base}/Global", meta_dir=f"{base}/Meta", verbosity=int(os.environ.get("BENCH_VERBOSITY", 4)),
                 enable_dcp=int(level > 4))
+    if heads:
+        dirs.update(node_size=2, head=1, inline_l3=0, group_size=world.size // 2)
     rss0 = status("VmRSS")
+    before_init = world.allgather((os.getpid(), rss0))  # the heads' too: their baseline
     ctx = ftidask.init(**dirs)
+    if heads and ctx.comm is None:  # a head: it served the application ranks until they finalized
+        return
+    comm = ctx.comm if heads else world
     n = mib * MIB // 8
-    want = np.arange(n, dtype=np.float64) + world.rank
+    want = np.arange(n, dtype=np.float64) + comm.rank
+    if heads:  # the measured process is this rank's head, which raises the checkpoint to L3
+        topo = ctx.transport.topo
+        me = world.rank
+        pid, head_rss0 = before_init[next(w for w in range(world.size)
+                                          if topo.is_head(w) and topo.node_of[w] == topo.node_of[me])]
+        head = str(pid)
+        data = want
+        ctx.protect(1, data)
+        ctx.checkpoint(1, level)
+        ctx.checkpoint(2, level)
+        ctx.wait_post_processing()
+        if case.startswith("L7H40"):  # 2/5 of the blocks: the heads patch the parity from the files' differences
+            data[: n * 2 // 5] += 1.0
+        else:  # every block: more than half of each file changed, the heads encode the parity in full
+            data += 1.0
+        comm.Barrier()
+        reset_hwm(head)
+        ctx.checkpoint(3, level)
+        reply = ctx.wait_post_processing()
+        assert reply is not None and reply["ok"], reply
+        rows = comm.gather({"protected": data.nbytes, "largest": data.nbytes,
+                            "extra": status("VmHWM", head) - head_rss0})
+        if comm.rank == 0:
+            print("RESULT " + json.dumps(max(rows, key=lambda r: r["extra"])), flush=True)
+        ctx.finalize()  # the heads end (no restart row: the checkpoints go)
+        return
     if case.endswith("ckpt"):
         data = want
         ctx.protect(1, data)
@@ -299,6 +336,10 @@ def groups(args: argparse.Namespace):
             yield base, [(f"MPI {level} checkpoint{what} (4 ranks)", lambda lv=level, b=base: run_mpi(f"{lv}-ckpt", b, args.mib)),
                          (f"MPI {level} restart, rank 1's file rebuilt",
                           lambda lv=level, b=base: (drop_rank_file(b, 1), run_mpi(f"{lv}-rec", b, args.mib))[1])]
+        for case, what in (("L7H", "all changed: encoded in full"), ("L7H40", "2/5 changed: patched")):
+            base = str(root / f"mpi-{case}")
+            yield base, [(f"MPI L7 heads checkpoint ({what}; a head)",
+                          lambda c=case, b=base: run_mpi(f"{c}-ckpt", b, args.mib, ranks=4))]
     if not args.no_dask:
         for level in ("L1", "L3", "L1-zstd", "L7"):
             base = str(root / f"dask-{level}")

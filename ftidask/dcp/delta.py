@@ -18,7 +18,7 @@ import functools
 import itertools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -35,7 +35,7 @@ USE_O_TMPFILE = True
 
 @dataclasses.dataclass(frozen=True)
 class Spilled:
-    """A piece of a delta kept in its :class:`XorScratch`: ``nbytes`` bytes from ``offset`` there."""
+    """A piece of a delta read from its source (:class:`XorSource`): ``nbytes`` bytes from ``offset`` there."""
 
     offset: int
     nbytes: int
@@ -94,6 +94,17 @@ class XorScratch:
             self.close()
 
 
+class XorSource(Protocol):
+    """Where a delta's :class:`Spilled` pieces are read from: a writer's :class:`XorScratch`, or the two files the
+    heads compared (:class:`ftidask.dcp.filexor.FilesXor`). Holds descriptors: never pickled, closed once used."""
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        """Fill ``out`` (uint8) with the source's bytes at ``offset``; an error when it cannot give them all."""
+
+    def close(self) -> None:
+        """Free what it holds (its descriptors)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class XorDelta:
     """What a differential file changed, as ``old XOR new`` bytes per range (files zero-padded).
@@ -107,10 +118,11 @@ class XorDelta:
     base_fb_hash: bytes
     ranges: tuple[tuple[int, int], ...]  # (offset, length), sorted, disjoint
     # uint8: the XOR bytes of every range, back to back, in pieces as they were captured (never joined: a copy of
-    # every changed byte, the whole state for a checkpoint that changed it all), or, past a bound of memory, in
-    # ``scratch`` (a :class:`Spilled` piece: the writer's file would be overwritten before the parity is patched)
+    # every changed byte, the whole state for a checkpoint that changed it all), or read from ``scratch`` (a
+    # :class:`Spilled` piece): a writer's scratch file past a bound of memory (its file is overwritten before the
+    # parity is patched), or the heads' two files, which stay on disk (:mod:`ftidask.dcp.filexor`: no XOR kept)
     pieces: tuple[np.ndarray | Spilled, ...]
-    scratch: XorScratch | None = dataclasses.field(default=None, compare=False)
+    scratch: XorSource | None = dataclasses.field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -141,7 +153,8 @@ class XorDelta:
         return out
 
     def close(self) -> None:
-        """Free its scratch file, if it has one (after the parity is patched: its spilled pieces cannot be read)."""
+        """Free its scratch file or files, if it has any (after the parity is patched: its spilled pieces cannot be
+        read)."""
         if self.scratch is not None:
             self.scratch.close()
 

@@ -7,7 +7,8 @@ previous L3 checkpoint is still committed they hold both files. So each head, fo
 
 1. checks the rank's file of the previous L3 checkpoint (every hash, as a recovery does) and its parity
    against its ``.hash`` record, whose ``fb_hashes`` name the files it encodes;
-2. compares the two files block by block (``dcp_block_size``): the blocks that differ, as ``old XOR new``;
+2. compares the two files block by block (``dcp_block_size``): the blocks that differ, and a digest of each one's
+   ``old XOR new``, whose bytes are read again from both files when the group exchanges them (never held);
 3. copies the previous parity to the level's spare parity (the previous checkpoint stays whole: the new
    parity is never written over a committed one).
 
@@ -21,13 +22,12 @@ nor encoded.
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from ...dcp.delta import XorDelta, file_fb_hash
+from ...dcp.delta import XorDelta
+from ...dcp.filexor import files_xor_delta
 from ...engine.recovery import check_file
 from ...engine.runstate import CommitRecord
 from ...ftiff import hashing
@@ -38,6 +38,9 @@ from ...storage import files as storage
 from ...transport.collective import guarded
 
 log = logging.getLogger("ftidask")
+#: A test seam: called with the base and the new file once a head has compared them and before the group's exchange
+#: reads their XOR back (a test damages one of them there); None in a run.
+BEFORE_EXCHANGE: Callable[[Path, Path], None] | None = None
 
 
 def previous_l3(records: list[CommitRecord | None], record: CommitRecord) -> CommitRecord | None:
@@ -48,47 +51,11 @@ def previous_l3(records: list[CommitRecord | None], record: CommitRecord) -> Com
     return max(older, key=lambda r: r.seq) if older else None
 
 
-def files_xor_delta(base: Path, new: Path, block: int, limit: int, whole: Any = None) -> XorDelta | None:
-    """``base XOR new`` (each zero-padded to the longer) over the ``block``-byte blocks that differ; None when
-    ``base`` has no FB or more than ``limit`` bytes differ (encoding anew then costs less). ``whole``: a hasher
-    that gets every byte of ``new`` (complete when a delta is returned)."""
-    base_fb = file_fb_hash(base)
-    if not base_fb:
-        return None
-    ranges: list[tuple[int, int]] = []
-    parts: list[np.ndarray] = []
-    total = 0
-    with storage.open_read(base) as fb, storage.open_read(new) as fn:
-        size = max(os.fstat(fb.fileno()).st_size, os.fstat(fn.fileno()).st_size)
-        for off in range(0, size, block):
-            n = min(block, size - off)
-            raw = os.pread(fn.fileno(), n, off)
-            if whole is not None:
-                whole.update(raw)
-            diff = _padded(os.pread(fb.fileno(), n, off), n) ^ _padded(raw, n)
-            if not diff.any():
-                continue
-            total += n
-            if total > limit:
-                return None
-            if ranges and ranges[-1][0] + ranges[-1][1] == off:  # adjacent blocks: one range
-                ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
-            else:
-                ranges.append((off, n))
-            parts.append(diff)
-    return XorDelta(bytes.fromhex(base_fb), tuple(ranges), tuple(parts))
-
-
-def _padded(raw: bytes, n: int) -> np.ndarray:
-    out = np.zeros(n, np.uint8)
-    out[:len(raw)] = np.frombuffer(raw, np.uint8)
-    return out
-
-
 def _prepare(cfg: Config, prev: CommitRecord, prev_dir: Path, app: int, new_file: Path,
              spare: Path) -> tuple[XorDelta | None, str]:
-    """Steps 1-3 of the module's docstring for rank ``app``: its delta, with the previous parity as the spare, and
-    the new file's whole-file hash (for the parity's record, read with the delta)."""
+    """Steps 1-3 of the module's docstring for rank ``app``: its delta (its XOR read back from both files: close it),
+    with the previous parity as the spare, and the new file's whole-file hash (for the parity's record, read with the
+    delta)."""
     base = prev_dir / storage.rank_file(prev.ckpt_id, app)
     old_parity = prev_dir / storage.parity_file(prev.ckpt_id, app)
     if check_file(base, prev, app).kind != "ok":
@@ -97,23 +64,40 @@ def _prepare(cfg: Config, prev: CommitRecord, prev_dir: Path, app: int, new_file
     xor = files_xor_delta(base, new_file, cfg.dcp_block_size, new_file.stat().st_size // 2, whole)
     if xor is None:
         return None, ""
-    hash_path(spare).unlink(missing_ok=True)  # the record last: a spare torn by a crash is never trusted
-    storage.copy_file_atomic(old_parity, spare)
-    storage.copy_file_atomic(hash_path(old_parity), hash_path(spare))
+    try:
+        hash_path(spare).unlink(missing_ok=True)  # the record last: a spare torn by a crash is never trusted
+        storage.copy_file_atomic(old_parity, spare)
+        storage.copy_file_atomic(hash_path(old_parity), hash_path(spare))
+    except BaseException:
+        xor.close()  # its descriptors: the caller never gets the delta
+        raise
     return xor, whole.hexdigest()  # rs_delta.update checks the spare's bytes against its record
 
 
 def update_parity(cfg: Config, group: Any, prev: CommitRecord, prev_dir: Path, app: int, new_file: Path,
                   parity: Path, sizes: list[int], fb_hashes: list[str]) -> tuple[bool, str]:
     """Collectively (the heads of the group) update the parity of rank ``app``'s ``new_file`` from ``prev``'s:
-    ``(done, error)``. Not done and no error: the caller encodes in full (the same on every member)."""
+    ``(done, error)``. Not done and no error: the caller encodes in full (the same on every member).
+
+    The delta's XOR is read from the base and new files during the exchange (:mod:`ftidask.dcp.filexor`): neither
+    changes meanwhile. The new file is this head's own copy, made for this checkpoint; the base is the previous L3
+    checkpoint's, which the heads retire only after every head is done here (``heads._raise``: the agreement comes
+    first); and the node's application ranks wait for their head's reply before they write, recover, retire or
+    finalize (``wait_post``). A file that changed anyway fails that member's part: never a wrong parity."""
     errors: list[str] = []
     spare = rs_delta.spare_parity_path(parity.parent, app)
     xor, whole = guarded(errors, lambda: _prepare(cfg, prev, prev_dir, app, new_file, spare), (None, ""),
                          f"preparing the parity update of rank {app}")
-    why = guarded(errors, lambda: rs_delta.update(group, xor, fb_hashes[group.index], spare, parity, sizes,
-                                                  hashing.hash_id(cfg.hash), (new_file.name, whole) if whole else None),
-                  "failed", f"updating {parity}")
+    try:
+        if xor is not None and BEFORE_EXCHANGE is not None:
+            guarded(errors, lambda: BEFORE_EXCHANGE(prev_dir / storage.rank_file(prev.ckpt_id, app), new_file))
+        why = guarded(errors, lambda: rs_delta.update(group, xor, fb_hashes[group.index], spare, parity, sizes,
+                                                      hashing.hash_id(cfg.hash),
+                                                      (new_file.name, whole) if whole else None),
+                      "failed", f"updating {parity}")
+    finally:  # the two files' descriptors, on every path (the files may be removed next: a failed raise)
+        if xor is not None:
+            guarded([], xor.close)  # never fails the checkpoint: the update is done, or its error stands
     if why is None:
         log.info("L3: parity of rank %d updated from the group's deltas (%d bytes changed)", app,
                  0 if xor is None else xor.nbytes)
