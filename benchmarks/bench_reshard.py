@@ -117,8 +117,28 @@ def read(args: argparse.Namespace) -> None:
                     times.setdefault(f"{key} {what}", []).append(slowest(mid if what == "recover" else start))
                     assert out.tobytes() == expect.tobytes(), "recovered bytes differ from the raw files'"
                     ctx._close()
+    for kind in ("fresh", "in use"):  # peak memory beyond the array, once each (warm): the largest of any rank
+        out = np.empty(count)
+        if kind == "in use":
+            out[...] = -1.0
+        ctx = ftidask.init(comm=comm, **dirs(args.dir, args, comm.size))
+        ctx.protect(1, out, global_shape=(n,), offset=(off,))
+        comm.Barrier()
+        rss = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as fh:  # VmHWM := VmRSS (Linux 4.0+): the peak of what follows
+            fh.write("5")
+        ctx.recover()
+        extra = _status("VmHWM") - rss - (out.nbytes if kind == "fresh" else 0)  # a fresh array's pages are new
+        times[f"memory {kind}"] = [float(comm.allreduce(extra, op=MPI.MAX))]
+        ctx._close()
     if comm.rank == 0:
         print("RESULT " + json.dumps(times), flush=True)
+
+
+def _status(key: str) -> int:
+    """A field of /proc/self/status in bytes (VmHWM, VmRSS)."""
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(key + ":"))
 
 
 def main() -> None:
@@ -165,6 +185,10 @@ def main() -> None:
         raw, rec, full = pick(t[key + " raw"]), pick(t[key + " recover"]), pick(t[key + " init+recover"])
         print(f"  {key:<12} raw read {raw:6.3f} s ({total / raw:6.0f} MiB/s)   recover() {rec:6.3f} s "
               f"({rec / raw:5.2f}x raw)   init + protect + recover() {full:6.3f} s ({full / raw:5.2f}x raw)")
+    block = total / args.read_ranks
+    print(f"peak memory of recover() beyond the rank's array ({block:.0f} MiB; largest of any rank, warm): fresh "
+          f"{t['memory fresh'][0] / 2**20:.1f} MiB ({t['memory fresh'][0] / 2**20 / block:.2f}x), in use "
+          f"{t['memory in use'][0] / 2**20:.1f} MiB ({t['memory in use'][0] / 2**20 / block:.2f}x)")
 
 
 if __name__ == "__main__":
