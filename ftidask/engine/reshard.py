@@ -312,11 +312,13 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls:
     _agree(t, problem, next(k for k in (RecoveryError, StatesRefused, _Refused) if k.__name__ in kinds))
     # 3. Read and check the pieces into private buffers: for a fresh array (a restart's), pages to move under it
     # once every rank has all its data (no copy after the verification); the others' pages faulted in meanwhile.
-    pages = _stage_pages({vid: a for vid, a in arrays.items() if vid not in sizes})
-    staged = {vid: _array_over(pages[vid]) if vid in pages else np.empty(a.shape, a.dtype)
-              for vid, a in arrays.items()}
+    pages: dict[int, pagemove.Staged] = {}
+    staged: dict[int, np.ndarray] = {}
     problem = ""
-    try:
+    try:  # the buffers too: a rank that cannot allocate its own (MemoryError) must not raise alone
+        pages = _stage_pages({vid: a for vid, a in arrays.items() if vid not in sizes})
+        staged = {vid: _array_over(pages[vid]) if vid in pages else np.empty(a.shape, a.dtype)
+                  for vid, a in arrays.items()}
         with Prefault([staged[vid] for vid in arrays if vid not in pages], [(s.view, s.addr) for s in pages.values()]):
             for old, wanted in sorted(plan.items()):
                 path = old_path(ctx, record, old)
