@@ -213,7 +213,7 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str,
     if problems:
         r, p = problems[0]
         raise RecoveryError(f"{change}: rank {r}: {p}. {advice(first)}")
-    reasons = []
+    reasons, staged = [], {}
     for record in records:
         states = holders  # stored as bytes (a Dask worker holds each whole): decoded, agreed, then applied
         try:
@@ -229,6 +229,10 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str,
             how = states_advice(record, older) if isinstance(exc, StatesRefused) else advice(record)
             raise RecoveryError(f"{layout_change(record, t.size, t.allgather(t.node))}: {exc}. {how}") from None
         except RecoveryError as exc:
+            # a checkpoint refused after staging (a state that did not decode): its buffers and pages, filled
+            # (resident), go now, not once an older checkpoint was staged beside them (twice the arrays' memory)
+            pagemove.release_all({vid: d for vid, d in staged.items() if isinstance(d, pagemove.Staged)})
+            staged = {}
             if record.fallback:  # an old rank's spare failed, perhaps this rank's own (same node and name): none of
                 # them is patched as if it were whole (see Recovery.find), each rank's next one is written in full
                 distrust_spare(ctx.spares.store, record.level, ctx.paths.level_dir(record.level, t.node)
