@@ -9,14 +9,20 @@ tests/test_reshard_forged_blocks.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import ftidask
 from ftidask.api.context import Context
 from ftidask.engine.grouplevels import run_ranks
+from ftidask.engine.reshard_files import read_pieces
+from ftidask.ftiff.reader import parse_ftiff
 from ftidask.model.config import load_config
+from ftidask.model.decomposition import overlap
+from ftidask.storage.files import find_paths
 
 OLD = 4
 STRUCT = np.dtype([("a", "<i2"), ("b", ">f8"), ("c", "?")])
@@ -127,3 +133,42 @@ def test_every_piece_kind_is_recovered_bit_for_bit(tmp_path: Path, size: int) ->
     _write(tmp_path)
     got = _recover(tmp_path, size)
     assert got == [((2, 1), {vid: True for vid in VARS})] * size, got
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("codec", [None, "zstd"])
+def test_random_boxes_of_a_grown_variable_into_buffers_of_either_order(tmp_path: Path, order: str, codec) -> None:
+    """read_pieces straight: 300 random boxes of one old block (a 3-D array grown after a first checkpoint, so that
+    its stream spans two containers; C or Fortran order) into C- or F-ordered buffers, or into a box of a larger
+    one, each bit for bit as NumPy slices it."""
+    shape, rng = (6, 1, 9), np.random.default_rng(7)
+    cfg = load_config(None, ckpt_dir=str(tmp_path / "Local"), glbl_dir=str(tmp_path / "Global"),
+                      meta_dir=str(tmp_path / "Meta"), local_test=1, node_size=1, verbosity=4)
+    ctx = ftidask.init(cfg)
+    kw = {"compressor": codec} if codec else {}
+    ctx.protect(1, np.ones((2, 1, 9), order=order), **kw)
+    ctx.checkpoint(1, 1)
+    g = np.asarray(rng.integers(0, 256, int(np.prod(shape)) * 16, np.uint8).view(np.complex128).reshape(shape),
+                   order=order)
+    ctx.protect(1, g, **kw)
+    ctx.checkpoint(2, 1)
+    ctx._close()
+    (path,) = find_paths(tmp_path / "Local", "Ckpt2-Rank0.fti")
+    with open(path, "rb") as fh:
+        parsed = parse_ftiff(fh, str(path))
+    assert sum(1 for _b, _c, m in parsed.containers() if m.id == 1 and m.chunksize) >= 2
+    for _ in range(300):
+        lo = [int(rng.integers(0, n)) for n in shape]
+        box = tuple(int(rng.integers(1, n - o + 1)) for o, n in zip(lo, shape))
+        piece = overlap((0, 0, 0), shape, order, 16, lo, box)
+        kind = rng.integers(3)
+        if kind < 2:
+            buf = np.empty(box, np.complex128, order="CF"[kind])
+            out, where = {1: buf}, buf
+        else:  # the box inside a larger buffer: the piece's destination is not the whole buffer
+            big = np.empty(tuple(n + 2 for n in box), np.complex128)
+            piece = dataclasses.replace(piece, dst=tuple(slice(1, 1 + n) for n in box))
+            out, where = {1: big}, big[1:-1, 1:-1, 1:-1]
+        read_pieces(parsed, [(1, piece)], out)
+        want = g[tuple(slice(o, o + n) for o, n in zip(lo, box))]
+        assert np.ascontiguousarray(where).tobytes() == np.ascontiguousarray(want).tobytes(), (lo, box, kind)
