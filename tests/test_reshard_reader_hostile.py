@@ -15,7 +15,9 @@ import pytest
 
 import ftidask
 from ftidask.engine.reshard_files import read_pieces
+from ftidask.ftiff import hashing
 from ftidask.ftiff.reader import parse_ftiff
+from ftidask.ftiff.structs import BMD_SIZE, FB_SIZE, VMD_SIZE, VMD_STRUCT, BlockMeta, FileBlock
 from ftidask.model.config import load_config
 from ftidask.model.decomposition import overlap
 from ftidask.model.errors import FormatError
@@ -121,4 +123,41 @@ def test_a_flipped_byte_in_the_containers_a_piece_reads_is_refused_by_name(old: 
         fh.write(bytes([last ^ 1]))
     with pytest.raises(FormatError) as err:
         _read(path, name)
+    assert str(path) in str(err.value), err.value
+
+
+def _forge_container(path: Path, vid: int, **fields) -> None:
+    """The first container of variable ``vid`` in ``path`` given other ``fields`` (dptr, chunksize,
+    containersize), the metadata checksum and the file block's hash recomputed to match (a forged file)."""
+    raw = bytearray(path.read_bytes())
+    fb = FileBlock.unpack(bytes(raw[:FB_SIZE]))
+    checksum, offset, done = hashing.new_hasher(fb.hash_id), FB_SIZE, False
+    while offset < fb.fs:
+        bmd = BlockMeta.unpack(bytes(raw[offset:offset + BMD_SIZE]))
+        for i in range(bmd.numvars):
+            at = offset + BMD_SIZE + i * VMD_SIZE
+            got = list(VMD_STRUCT.unpack_from(raw, at))
+            if got[0] == vid and not done:
+                for name, value in fields.items():
+                    got[{"dptr": 4, "chunksize": 6, "containersize": 7}[name]] = value
+                VMD_STRUCT.pack_into(raw, at, *got)
+                done = True
+        checksum.update(raw[offset:offset + BMD_SIZE + VMD_SIZE * bmd.numvars])
+        offset += bmd.dbsize
+    checksum.update(raw[fb.fs:])
+    forged = FileBlock(**(fb.__dict__ | {"checksum": checksum.hexdigest()[:32]})).sealed()
+    path.write_bytes(forged.pack() + bytes(raw[FB_SIZE:]))
+
+
+@pytest.mark.parametrize("fields", [{"chunksize": 1 << 62}, {"containersize": 1 << 62}, {"containersize": -8},
+                                    {"dptr": 1 << 62}, {"dptr": -8}, {"chunksize": 8}, {"dptr": 8}],
+                         ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+@pytest.mark.parametrize("vid", [1, 2])
+def test_container_records_forged_to_size_the_buffers_are_refused_by_name(old: Path, vid: int, fields) -> None:
+    """A container's dptr, chunksize or containersize forged (huge, negative, or leaving a gap or an overlap), the
+    file's hashes recomputed: refused by name when the file is parsed, before any buffer is sized by them."""
+    path = _file(old, 2)
+    _forge_container(path, vid, **fields)
+    with pytest.raises(FormatError) as err, open(path, "rb") as fh:
+        parse_ftiff(fh, str(path))
     assert str(path) in str(err.value), err.value
