@@ -273,3 +273,23 @@ def test_a_python_state_of_a_dask_checkpoint_is_never_loaded_into_an_array(dirs)
         ctx.recover()
     assert not a.any() and not b.any()
     ctx._close()
+
+
+def test_zero_d_arrays_written_by_one_process_recovered_on_dask(dirs):
+    """0-d arrays (a piece of shape ()): the stitching's reader took ``out[()]``, a scalar copy, and failed assigning
+    into it (TypeError) since the reader reads runs of the stream in place."""
+    dtype = np.dtype([("a", "<i2"), ("b", ">f8")])
+    arrays = {1: np.array(2.75), 2: np.array((7, -1.5), dtype)}
+    ctx = ftidask.init(**dirs)
+    for vid, a in arrays.items():
+        ctx.protect(vid, a)
+    ctx.checkpoint(1, 1)
+    ctx._close()  # as a job that ends: the checkpoint stays
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+        ctx = ftidask.init(client=client, **dirs)
+        back = ctx.recover()
+        for vid, a in arrays.items():
+            got = np.asarray(back[vid].compute())
+            assert got.dtype == a.dtype and got.shape == () and got.tobytes() == a.tobytes(), (vid, got)
+        ctx._close()

@@ -213,7 +213,7 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str,
     if problems:
         r, p = problems[0]
         raise RecoveryError(f"{change}: rank {r}: {p}. {advice(first)}")
-    reasons = []
+    reasons, staged = [], {}
     for record in records:
         states = holders  # stored as bytes (a Dask worker holds each whole): decoded, agreed, then applied
         try:
@@ -229,6 +229,10 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str,
             how = states_advice(record, older) if isinstance(exc, StatesRefused) else advice(record)
             raise RecoveryError(f"{layout_change(record, t.size, t.allgather(t.node))}: {exc}. {how}") from None
         except RecoveryError as exc:
+            # a checkpoint refused after staging (a state that did not decode): its buffers and pages, filled
+            # (resident), go now, not once an older checkpoint was staged beside them (twice the arrays' memory)
+            pagemove.release_all({vid: d for vid, d in staged.items() if isinstance(d, pagemove.Staged)})
+            staged = {}
             if record.fallback:  # an old rank's spare failed, perhaps this rank's own (same node and name): none of
                 # them is patched as if it were whole (see Recovery.find), each rank's next one is written in full
                 distrust_spare(ctx.spares.store, record.level, ctx.paths.level_dir(record.level, t.node)
@@ -312,11 +316,13 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls:
     _agree(t, problem, next(k for k in (RecoveryError, StatesRefused, _Refused) if k.__name__ in kinds))
     # 3. Read and check the pieces into private buffers: for a fresh array (a restart's), pages to move under it
     # once every rank has all its data (no copy after the verification); the others' pages faulted in meanwhile.
-    pages = _stage_pages({vid: a for vid, a in arrays.items() if vid not in sizes})
-    staged = {vid: _array_over(pages[vid]) if vid in pages else np.empty(a.shape, a.dtype)
-              for vid, a in arrays.items()}
+    pages: dict[int, pagemove.Staged] = {}
+    staged: dict[int, np.ndarray] = {}
     problem = ""
-    try:
+    try:  # the buffers too: a rank that cannot allocate its own (MemoryError) must not raise alone
+        pages = _stage_pages({vid: a for vid, a in arrays.items() if vid not in sizes})
+        staged = {vid: _array_over(pages[vid]) if vid in pages else np.empty(a.shape, a.dtype)
+                  for vid, a in arrays.items()}
         with Prefault([staged[vid] for vid in arrays if vid not in pages], [(s.view, s.addr) for s in pages.values()]):
             for old, wanted in sorted(plan.items()):
                 path = old_path(ctx, record, old)

@@ -116,7 +116,7 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
         with open_read(parsed.path) as fh:
             check_unchanged(fh, parsed)
             for vid, piece in wanted:
-                dst = staged[vid][piece.dst]
+                dst = staged[vid][(*piece.dst, ...)]  # a view even of a 0-d array (``a[()]`` is a scalar copy)
                 direct = _stream_order_bytes(piece, dst)
                 if direct is not None:  # the piece is a run of the stream: read (and checked) where it goes
                     _read_span(fh, parsed, vid, piece.first, direct, scratch)
