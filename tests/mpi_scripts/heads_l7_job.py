@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +79,9 @@ def main() -> None:
                            dcp_block_size=12288, verbosity=2)
     except SystemExit:  # a head: it served the ranks until they closed, then ends
         fds = open_descriptors(base)
-        with open(f"{base}/heads-fds-{world.rank}.json", "w") as fh:
+        with open(f"{base}/heads-fds-{world.rank}.json.tmp", "w") as fh:
             json.dump(fds, fh)
+        os.replace(f"{base}/heads-fds-{world.rank}.json.tmp", f"{base}/heads-fds-{world.rank}.json")
         raise
     rank = ctx.comm.rank
     a = np.zeros(N)
@@ -100,6 +102,11 @@ def main() -> None:
         json.dump(out, fh)
     ctx.comm.Barrier()
     ctx.transport.close()  # FTI_ENDW to the heads; no finalize: the next job restarts the run
+    # The heads write their descriptor lists as they end: an application rank leaving without MPI_Finalize may have
+    # mpiexec kill the job's other processes, so it waits for those lists first (seen on a loaded machine).
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(Path(f"{base}/heads-fds-{w}.json").exists() for w in (0, 2)):
+        time.sleep(0.05)
     sys.stdout.flush()
     os._exit(0)
 
