@@ -218,7 +218,7 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str,
         states = holders  # stored as bytes (a Dask worker holds each whole): decoded, agreed, then applied
         try:
             staged = _stage(ctx, record, {v: a for v, a in arrays.items() if v not in states}, decls, list(states))
-            # (an exception below: the staged pages are unmapped when ``staged`` goes)
+            # (refused below: released at once; any other exception: unmapped when ``staged`` goes)
             contents, problem = {}, ""
             try:  # each rank decodes its own holders (a dict may refuse what a Value takes): agreed, or they part ways
                 contents = {vid: holder.decode(staged.pop(vid), f"variable {vid}") for vid, holder in states.items()}
