@@ -34,11 +34,28 @@ G3 = 1000          # int64, an array in use on restart (copied)
 def _fresh_large_arrays() -> None:
     """Large arrays mapped afresh: glibc raises its mmap threshold (up to 32 MiB) when a mapped chunk is freed, and
     the threads' next arrays of 16 MiB then come from recycled heap memory, touched (never staged). A fixed threshold
-    keeps every array of 1 MiB or more on its own mapping (for this test process)."""
+    keeps every new array of 1 MiB or more on its own mapping (for this test process); but free heap memory that
+    earlier tests of the same process touched is still served first (a slow CI run failed so: rank 0's first array
+    was not fresh), so the trim threshold is lowered too and the free memory given back (``malloc_trim``)."""
     try:
-        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
+        libc.malloc_trim(0)
     except (OSError, AttributeError):
         pytest.skip("needs glibc's mallopt")
+
+
+def _fresh(shape: tuple[int, ...]) -> np.ndarray:
+    """A new float64 array of untouched pages: an allocation malloc served from touched memory all the same is
+    kept while the next one is tried (the fixture above makes that rare)."""
+    kept = []
+    for _ in range(8):
+        out = np.empty(shape)
+        if pagemove.movable(out):
+            return out
+        kept.append(out)
+    raise AssertionError(f"malloc gave no untouched pages for {shape}")
 
 
 def _config(base: Path, node_size: int):
@@ -97,7 +114,7 @@ def _recover(base: Path, dict_on_rank0: bool) -> list:
         arrays = {}
         for vid in (1, 2, 3):
             off, shape = block(vid, t.rank, old=False)
-            arrays[vid] = np.full(shape, -7, np.int64) if vid == 3 else np.empty(shape)
+            arrays[vid] = np.full(shape, -7, np.int64) if vid == 3 else _fresh(shape)
             ctx.protect(vid, arrays[vid], global_shape=glob(vid, 1).shape, offset=off)
         state = ftidask.State() if dict_on_rank0 and t.rank == 0 else ftidask.Value()
         ctx.protect(9, state)
