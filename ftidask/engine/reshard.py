@@ -13,9 +13,11 @@ blindly. Every protected variable must say where its data sits (:mod:`ftidask.mo
 A checkpoint of the Dask backend (its workers' files hold chunks) is always redistributed
 (:mod:`.reshard_dask`); one process may protect its arrays whole, undeclared.
 
-Data goes first into private buffers; the ranks agree (allgather) that every one of them has all
-its data before any protected array is written. Otherwise every rank raises the same
-:class:`~ftidask.model.errors.RecoveryError` and no array is touched.
+Data goes first into private buffers (fresh arrays: pages moved under them), or, for an array in use, its
+pieces are only verified; the ranks agree (allgather) that every one of them has all its data before any
+protected array is written. Otherwise every rank raises the same
+:class:`~ftidask.model.errors.RecoveryError` and no array is touched. Arrays in use are then read from the
+files verified, unchanged since, as on the same layout.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .dcpstore import distrust_spare
 from .device import holders
 from .prefault import Prefault
 from .recovery import check_writeable
-from .reshard_files import StatesRefused, open_old, read_pieces, state_sizes, table_of
+from .reshard_files import StatesRefused, open_old, read_in_place, read_pieces, state_sizes, table_of, verify_pieces
 from .reshard_rebuild import old_groups, rebuild_group
 from .retention import rank_path
 from .runstate import CommitRecord
@@ -217,7 +219,8 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str,
     for record in records:
         states = holders  # stored as bytes (a Dask worker holds each whole): decoded, agreed, then applied
         try:
-            staged = _stage(ctx, record, {v: a for v, a in arrays.items() if v not in states}, decls, list(states))
+            staged, later = _stage(ctx, record, {v: a for v, a in arrays.items() if v not in states}, decls,
+                                   list(states))
             # (refused below: released at once; any other exception: unmapped when ``staged`` goes)
             contents, problem = {}, ""
             try:  # each rank decodes its own holders (a dict may refuse what a Value takes): agreed, or they part ways
@@ -241,7 +244,12 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str,
             log.warning("cannot recover checkpoint %d (level %d) on this layout: %s", record.ckpt_id, record.level,
                         exc)
             continue
-        for vid in list(staged):  # every rank has all its data: now, and only now, the arrays
+        try:  # every rank has all its data, verified: now, and only now, the arrays
+            _load_later(t, record, later, arrays)
+        except RecoveryError:
+            pagemove.release_all({vid: d for vid, d in staged.items() if isinstance(d, pagemove.Staged)})
+            raise
+        for vid in list(staged):
             data = staged.pop(vid)
             if isinstance(data, pagemove.Staged):
                 data.commit()  # fresh array: the verified pages moved under it
@@ -262,19 +270,20 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str,
 _Refused = reshard_dask.Refused  # the declarations of this run do not match the checkpoint's
 
 
-def _agree(t: Any, problem: str, kind: type[FTIError]) -> None:
-    """Raise ``kind`` on every rank when any rank has a problem (the first one, with its rank)."""
+def _agree(t: Any, problem: str, kind: type[FTIError], what: str = "") -> None:
+    """Raise ``kind`` on every rank when any rank has a problem (the first one, with its rank; after ``what``)."""
     problems = [(r, p) for r, p in enumerate(t.allgather(problem)) if p]
     if problems:
         r, p = problems[0]
         more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
-        raise kind(f"rank {r}{more}: {p}")
+        raise kind(f"{what}{': ' if what else ''}rank {r}{more}: {p}")
 
 
 def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls: dict[int, Any],
-           states: Sequence[int] = ()) -> dict[int, np.ndarray]:
-    """Every rank's new arrays in private buffers, from the old files (collective); and the stored bytes of the
-    Python states ``states`` (their sizes are the old files')."""
+           states: Sequence[int] = ()) -> tuple[dict[int, Any], list[tuple[Any, list[Any]]]]:
+    """Every rank's new arrays in private buffers or staged pages, from the old files, or their pieces verified to
+    be read into them later (those pieces by old file: :func:`_load_later`); and the stored bytes of the Python
+    states ``states`` (their sizes are the old files'). Collective."""
     t = ctx.transport
     n, m = record.nranks, t.size
     if record.level in (2, 3) and not record.fallback:  # 0. Lost old files come back first, on the
@@ -316,18 +325,29 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls:
     _agree(t, problem, next(k for k in (RecoveryError, StatesRefused, _Refused) if k.__name__ in kinds))
     # 3. Read and check the pieces into private buffers: for a fresh array (a restart's), pages to move under it
     # once every rank has all its data (no copy after the verification); the others' pages faulted in meanwhile.
+    # An array in use (no pages to move) has its pieces verified now and read into it once every rank agreed, as a
+    # recovery on the same layout does (:func:`_load_later`): no buffer of its size beside it.
     pages: dict[int, pagemove.Staged] = {}
     staged: dict[int, np.ndarray] = {}
+    later: list[tuple[Any, list[Any]]] = []
     problem = ""
     try:  # the buffers too: a rank that cannot allocate its own (MemoryError) must not raise alone
+        parsed_of = {old: opened.get(old) or open_old(old_path(ctx, record, old), record, old) for old in plan}
         pages = _stage_pages({vid: a for vid, a in arrays.items() if vid not in sizes})
+        by_var: dict[int, set[int]] = {}
+        for old, wanted in plan.items():
+            for vid, _piece in wanted:
+                by_var.setdefault(vid, set()).add(old)
+        in_place = {vid for vid in arrays if vid not in sizes and vid not in pages
+                    and all(read_in_place(parsed_of[old]) for old in by_var.get(vid, ()))}
         staged = {vid: _array_over(pages[vid]) if vid in pages else np.empty(a.shape, a.dtype)
-                  for vid, a in arrays.items()}
-        with Prefault([staged[vid] for vid in arrays if vid not in pages], [(s.view, s.addr) for s in pages.values()]):
+                  for vid, a in arrays.items() if vid not in in_place}
+        with Prefault([staged[vid] for vid in staged if vid not in pages], [(s.view, s.addr) for s in pages.values()]):
             for old, wanted in sorted(plan.items()):
-                path = old_path(ctx, record, old)
-                parsed = opened.get(old) or open_old(path, record, old)
-                read_pieces(parsed, wanted, staged)
+                read_pieces(parsed_of[old], [w for w in wanted if w[0] not in in_place], staged)
+                if checked := [w for w in wanted if w[0] in in_place]:
+                    verify_pieces(parsed_of[old], checked)
+                    later.append((parsed_of[old], checked))
     except Exception as exc:  # noqa: BLE001 - shared, as above
         problem = _why(exc)
     try:
@@ -336,7 +356,26 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls:
         staged.clear()  # the views over the pages first: an unmapped page must never be reachable
         pagemove.release_all(pages)
         raise
-    return {**staged, **pages}  # each array's Staged pages where it has them (its view dropped), else its buffer
+    return {**staged, **pages}, later  # each array's Staged pages where it has them (its view dropped), else its buffer
+
+
+#: A test seam: called after every rank verified and agreed, before the arrays in use are read (files changed there).
+BEFORE_LOAD: Any = None
+
+
+def _load_later(t: Any, record: CommitRecord, later: list[tuple[Any, list[Any]]], arrays: dict[int, Any]) -> None:
+    """Read the verified pieces ``later`` into the arrays in use (collective: every rank raises the same error when
+    one fails: the file changed since it was verified, a disk error; the arrays may then hold part of it)."""
+    problem = ""
+    try:
+        if BEFORE_LOAD is not None:
+            BEFORE_LOAD()
+        for parsed, wanted in later:  # each container checked again as it is read; the file must be the one verified
+            read_pieces(parsed, wanted, arrays)
+    except Exception as exc:  # noqa: BLE001 - shared: a rank that raised alone would leave the others waiting
+        problem = _why(exc)
+    _agree(t, problem, RecoveryError, f"recovering checkpoint {record.ckpt_id} (level {record.level}) failed while "
+           "loading, and the protected arrays in use may hold part of it: recover again")
 
 
 def _stage_pages(arrays: dict[int, np.ndarray]) -> dict[int, pagemove.Staged]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ftiff import compression, readhash
+from ..ftiff import compression, readhash, verify
 from ..ftiff.blockhash import FLAG_DCP
 from ..ftiff.reader import FtiffFile, check_unchanged, parse_ftiff
 from ..model.arrays import dtype_from_json, dtype_to_json
@@ -109,9 +109,32 @@ class StatesRefused(Refused):
     :func:`ftidask.engine.reshard.states_advice`)."""
 
 
+def read_in_place(parsed: Any) -> bool:
+    """Whether pieces of ``parsed`` can be verified first and read into a user's array later
+    (:func:`verify_pieces`, then :func:`read_pieces`): a plain FTI-FF file, whose containers are read one by one."""
+    return isinstance(parsed, FtiffFile) and not parsed.fb.flags & FLAG_DCP
+
+
+def verify_pieces(parsed: FtiffFile, wanted: list[tuple[int, Piece]]) -> None:
+    """Check the hash of every container that holds a byte of the pieces ``wanted`` (each once; compressed ones are
+    decoded too, a few frames at a time), reading into buffers of the check's own: :class:`FormatError` naming the
+    file when one does not match. The pieces are read into the arrays after every rank agreed (:func:`read_pieces`,
+    which checks that the file is the one verified, unchanged)."""
+    jobs: dict[tuple[int, int], Any] = {}
+    for vid, piece in wanted:
+        for _dptr, _raw, bi, ci, meta in _containers(parsed, vid, *piece.span):
+            jobs[bi, ci] = (bi, ci, meta)
+    with open_read(parsed.path) as fh:
+        check_unchanged(fh, parsed)
+        problem = verify.first_problem(fh.fileno(), parsed, sorted(jobs.values(), key=lambda j: j[2].fptr), True)
+    if problem:
+        raise FormatError(problem, path=parsed.path)
+
+
 def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, np.ndarray]) -> None:
-    """Copy the pieces ``wanted`` of one old file into the buffers (each byte checked by hash first)."""
-    if isinstance(parsed, FtiffFile) and not parsed.fb.flags & FLAG_DCP:
+    """Copy the pieces ``wanted`` of one old file into the buffers (each container checked by hash as it is read;
+    the buffers are dropped when one does not match), or, after :func:`verify_pieces`, into the arrays."""
+    if read_in_place(parsed):
         scratch = _Scratch()
         with open_read(parsed.path) as fh:
             check_unchanged(fh, parsed)
@@ -125,6 +148,7 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
                 buf = scratch.take(stop - start, 0)
                 _read_span(fh, parsed, vid, start, buf, scratch)
                 dst[...] = piece_view(piece, buf, start, parsed.vars[vid].dtype)
+            check_unchanged(fh, parsed)
         return
     # Differential files and Zarr stores were verified whole: read their variables, then the pieces.
     whole = {vid: parsed.vars[vid].empty() for vid in {w[0] for w in wanted}}
@@ -173,16 +197,7 @@ def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, out: np.ndarray
     codec = compression.var_codec(info.extra)
     plain = compression.plain_ids(info.extra)
     stop = start + out.nbytes
-    spans = []
-    for bi, ci, meta in parsed.containers_of((vid,)):  # indexed: a pass over every container per piece was O(n^2)
-        if meta.id != vid or not meta.hascontent or not meta.chunksize:
-            continue
-        raw = compression.raw_span(info.nbytes, meta.dptr, meta.containersize) if codec else meta.chunksize
-        if meta.dptr < stop and meta.dptr + raw > start:
-            spans.append((meta.dptr, raw, bi, ci, meta))
-    spans.sort(key=lambda s: s[0])
-    if not spans or spans[0][0] > start or spans[-1][0] + spans[-1][1] < stop:  # parse_ftiff: they tile the stream
-        raise FormatError(f"variable {vid}: bytes [{start}, {stop}) are not held by its containers", path=parsed.path)
+    spans = _containers(parsed, vid, start, stop)
     hid = parsed.fb.hash_id
     for dptr, raw, bi, ci, meta in spans:  # ``out`` is dropped if one is refused: never a user's array
         what = f"block {bi}, container {ci} (var id {vid})"
@@ -198,3 +213,21 @@ def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, out: np.ndarray
         if not inside:  # checked whole: the part the span needs
             lo, hi = max(start, dptr), min(stop, dptr + raw)
             out[lo - start:hi - start] = into[lo - dptr:hi - dptr]
+
+
+def _containers(parsed: FtiffFile, vid: int, start: int, stop: int) -> list[tuple[int, int, int, int, Any]]:
+    """The containers of variable ``vid`` that hold its stream's bytes ``[start, stop)``, in stream order:
+    ``(dptr, raw size, block, container, meta)``; :class:`FormatError` when they do not hold every one."""
+    info = parsed.vars[vid]
+    codec = compression.var_codec(info.extra)
+    spans = []
+    for bi, ci, meta in parsed.containers_of((vid,)):  # indexed: a pass over every container per piece was O(n^2)
+        if meta.id != vid or not meta.hascontent or not meta.chunksize:
+            continue
+        raw = compression.raw_span(info.nbytes, meta.dptr, meta.containersize) if codec else meta.chunksize
+        if meta.dptr < stop and meta.dptr + raw > start:
+            spans.append((meta.dptr, raw, bi, ci, meta))
+    spans.sort(key=lambda s: s[0])
+    if not spans or spans[0][0] > start or spans[-1][0] + spans[-1][1] < stop:  # parse_ftiff: they tile the stream
+        raise FormatError(f"variable {vid}: bytes [{start}, {stop}) are not held by its containers", path=parsed.path)
+    return spans

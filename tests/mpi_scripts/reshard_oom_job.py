@@ -4,8 +4,10 @@
 usage: reshard_oom_job.py write BASE     (3 ranks) an L1 checkpoint of a global array, then dies
        reshard_oom_job.py recover BASE   (2 ranks) rank 1 lowers its address-space limit (RLIMIT_AS) to a few MiB
                                          above what it maps, recovers, lifts the limit and recovers again
-Each rank writes ``BASE/result-<rank>.json``: the first recovery's error (or none), whether its array was left
-alone, whether the second recovery filled it exactly.
+Each rank writes ``BASE/result-<rank>.json``: the first recovery's error (or none), whether its array in use was left
+alone, whether the second recovery filled both arrays exactly. Variable 1 is an array in use, variable 2 a new one
+whose pages rank 1 cannot map: both are then verified first and read into their arrays after the agreement; the
+threads that verify them are what rank 1 cannot start (each reserves its stack).
 """
 
 import json
@@ -16,7 +18,8 @@ import numpy as np
 
 import ftidask
 
-N = 3 << 20  # float64: 24 MiB in all, 12 MiB a new rank (more than the limit leaves)
+N = 6 << 20  # variable 2, float64: 48 MiB in all, 24 MiB a new rank (more than the limit leaves)
+N1 = 3 << 16  # variable 1, float64: 1.5 MiB in all
 
 
 def dirs(base: str) -> dict:
@@ -24,8 +27,8 @@ def dirs(base: str) -> dict:
             "local_test": 1, "verbosity": 4, "node_size": 1}
 
 
-def block(rank: int, size: int) -> tuple[int, int]:
-    return N * rank // size, N * (rank + 1) // size
+def block(rank: int, size: int, n: int = N) -> tuple[int, int]:
+    return n * rank // size, n * (rank + 1) // size
 
 
 def write(base: str) -> None:
@@ -34,7 +37,9 @@ def write(base: str) -> None:
     comm = MPI.COMM_WORLD
     ctx = ftidask.init(comm=comm, **dirs(base))
     lo, hi = block(comm.rank, comm.size)
-    ctx.protect(1, np.arange(lo, hi, dtype=np.float64), global_shape=(N,), offset=(lo,))
+    ctx.protect(2, np.arange(lo, hi, dtype=np.float64), global_shape=(N,), offset=(lo,))
+    lo, hi = block(comm.rank, comm.size, N1)
+    ctx.protect(1, np.arange(lo, hi, dtype=np.float64) * -2, global_shape=(N1,), offset=(lo,))
     ctx.checkpoint(1, 1)
     ctx._close()
 
@@ -50,8 +55,11 @@ def recover(base: str) -> None:
     comm = MPI.COMM_WORLD
     ctx = ftidask.init(comm=comm, **dirs(base))
     lo, hi = block(comm.rank, comm.size)
-    arr = np.full(hi - lo, -1.0)  # in use: staged in a buffer of its size, then copied
-    ctx.protect(1, arr, global_shape=(N,), offset=(lo,))
+    fresh = np.empty(hi - lo)  # 24 MiB: its moved pages, or a buffer of its size, are what rank 1 cannot map
+    ctx.protect(2, fresh, global_shape=(N,), offset=(lo,))
+    lo1, hi1 = block(comm.rank, comm.size, N1)
+    arr = np.full(hi1 - lo1, -1.0)  # in use
+    ctx.protect(1, arr, global_shape=(N1,), offset=(lo1,))
     result = {}
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if comm.rank == 1:
@@ -66,7 +74,8 @@ def recover(base: str) -> None:
     result["untouched"] = bool((arr == -1).all())
     if result["first"] != "recovered":
         ctx.recover()
-    result["exact"] = arr.tobytes() == np.arange(lo, hi, dtype=np.float64).tobytes()
+    result["exact"] = (fresh.tobytes() == np.arange(lo, hi, dtype=np.float64).tobytes()
+                       and arr.tobytes() == (np.arange(lo1, hi1, dtype=np.float64) * -2).tobytes())
     ctx._close()
     with open(f"{base}/result-{comm.rank}.json", "w") as fh:
         json.dump(result, fh)
