@@ -8,6 +8,7 @@ collection grows with the client's heap), so they run only where the answer coul
 """
 
 import gc
+import time
 
 import pytest
 
@@ -118,6 +119,7 @@ def test_an_asynchronous_checkpoint_hands_out_no_array_that_reads_a_checkpoint_i
         while not handle.done():  # the application goes on, and looks at what it protected
             arr = ctx.protected[1]
             grabbed.setdefault(arr.name, (i, arr))
+            time.sleep(0.0005)  # not a spin: on 2 cores it starved the checkpoint's thread (the test took 10-18 s)
         handle.result()
     # What was grabbed stays computable (and right) through later checkpoints of unrelated arrays.
     for i in range(9, 11):
