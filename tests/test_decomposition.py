@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ftidask
-from ftidask.model.decomposition import Block, declaration, overlap, piece_view, placement
+from ftidask.model.decomposition import Block, bands, declaration, overlap, piece_view, placement
 from ftidask.model.errors import FormatError, ProtectError
 from ftidask.storage.files import find_paths
 
@@ -68,6 +68,33 @@ def test_pieces_rebuild_every_new_block(case: tuple) -> None:
         expect = glob[tuple(slice(o, o + n) for o, n in zip(offset, bshape))]
         assert out.tobytes() == expect.tobytes()
         assert (covered == 1).all()  # the old blocks tile the array: each element comes from one of them
+
+
+@given(cases(), st.integers(1, 4096))
+def test_bands_rebuild_every_piece_from_their_spans_alone(case: tuple, limit: int) -> None:
+    """Each piece cut in bands (a restart reading into arrays in use): every band read from its own span only
+    rebuilds the piece, each element once, each band's span within the piece's and at most ``limit`` bytes unless
+    one index of the band's axis is longer."""
+    shape, old, new, orders, dtype = case
+    size = int(np.prod(shape, dtype=np.int64))
+    glob = np.frombuffer(np.random.default_rng(size).bytes(size * dtype.itemsize), dtype).reshape(shape)
+    for (o_off, o_shape), order in zip(old, orders):
+        stream = glob[tuple(slice(o, o + n) for o, n in zip(o_off, o_shape))].tobytes(order=order)
+        for offset, bshape in new:
+            piece = overlap(o_off, o_shape, order, dtype.itemsize, offset, bshape)
+            if piece is None:
+                continue
+            out = np.zeros(bshape, dtype)
+            covered = np.zeros(bshape, np.int32)
+            one = max([dtype.itemsize] + [piece.strides[d] for d, n in enumerate(piece.shape) if n > 1])  # one index
+            for band in bands(piece, limit):
+                start, stop = band.span
+                assert piece.span[0] <= start < stop <= piece.span[1]
+                assert stop - start <= max(limit, one), (band, piece)
+                out[band.dst] = piece_view(band, bytearray(stream[start:stop]), start, dtype)
+                covered[band.dst] += 1
+            assert out[piece.dst].tobytes() == piece_view(piece, stream, 0, dtype).tobytes()
+            assert (covered[piece.dst] == 1).all() and covered.sum() == covered[piece.dst].size
 
 
 def test_declarations() -> None:

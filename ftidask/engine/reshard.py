@@ -370,8 +370,8 @@ def _load_later(t: Any, record: CommitRecord, later: list[tuple[Any, list[Any]]]
     try:
         if BEFORE_LOAD is not None:
             BEFORE_LOAD()
-        for parsed, wanted in later:  # each container checked again as it is read; the file must be the one verified
-            read_pieces(parsed, wanted, arrays)
+        for parsed, wanted in later:  # from the files verified, unchanged since (checked before and after each)
+            read_pieces(parsed, wanted, arrays, verified=True)
     except Exception as exc:  # noqa: BLE001 - shared: a rank that raised alone would leave the others waiting
         problem = _why(exc)
     _agree(t, problem, RecoveryError, f"recovering checkpoint {record.ckpt_id} (level {record.level}) failed while "

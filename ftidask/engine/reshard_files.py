@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from ..ftiff import compression, readhash, verify
+from ..ftiff import compression, readahead, readhash, verify
 from ..ftiff.blockhash import FLAG_DCP
 from ..ftiff.reader import FtiffFile, check_unchanged, parse_ftiff
 from ..model.arrays import dtype_from_json, dtype_to_json
-from ..model.decomposition import Piece, piece_view
+from ..model.decomposition import Piece, bands, piece_view
 from ..model.errors import FormatError, RecoveryError
 from ..storage.files import open_read
 from .pystate import EXTRA_KEY as PYSTATE
@@ -131,15 +131,27 @@ def verify_pieces(parsed: FtiffFile, wanted: list[tuple[int, Piece]]) -> None:
         raise FormatError(problem, path=parsed.path)
 
 
-def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, np.ndarray]) -> None:
-    """Copy the pieces ``wanted`` of one old file into the buffers (each container checked by hash as it is read;
-    the buffers are dropped when one does not match), or, after :func:`verify_pieces`, into the arrays."""
+#: A strided piece read after :func:`verify_pieces` goes through a buffer of at most about this many bytes.
+BAND_BYTES = 16 << 20
+
+
+def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, np.ndarray],
+                verified: bool = False) -> None:
+    """Copy the pieces ``wanted`` of one old file into the buffers ``staged`` (each container checked by hash as it
+    is read; the buffers are dropped when one does not match); or, ``verified``, into the arrays ``staged``, after
+    :func:`verify_pieces` checked every container that holds them and the ranks agreed: then only the bytes of the
+    pieces are read (strided ones a band at a time, :func:`~ftidask.model.decomposition.bands`), from the file that
+    was verified, unchanged since (checked before the first byte and after the last, as a recovery on the same
+    layout reads into arrays in use); compressed containers are read, hashed and decoded again."""
     if read_in_place(parsed):
         scratch = _Scratch()
         with open_read(parsed.path) as fh:
             check_unchanged(fh, parsed)
             for vid, piece in wanted:
                 dst = staged[vid][(*piece.dst, ...)]  # a view even of a 0-d array (``a[()]`` is a scalar copy)
+                if verified and compression.var_codec(parsed.vars[vid].extra) is None:
+                    _read_verified_piece(fh, parsed, vid, piece, staged[vid], scratch)
+                    continue
                 direct = _stream_order_bytes(piece, dst)
                 if direct is not None:  # the piece is a run of the stream: read (and checked) where it goes
                     _read_span(fh, parsed, vid, piece.first, direct, scratch)
@@ -231,3 +243,30 @@ def _containers(parsed: FtiffFile, vid: int, start: int, stop: int) -> list[tupl
     if not spans or spans[0][0] > start or spans[-1][0] + spans[-1][1] < stop:  # parse_ftiff: they tile the stream
         raise FormatError(f"variable {vid}: bytes [{start}, {stop}) are not held by its containers", path=parsed.path)
     return spans
+
+
+def _read_verified_piece(fh: Any, parsed: FtiffFile, vid: int, piece: Piece, array: np.ndarray,
+                         scratch: _Scratch) -> None:
+    """Piece ``piece`` of plain (uncompressed) variable ``vid`` into ``array``, whose containers were verified:
+    straight into it when it is a run of the stream, else a band at a time through ``scratch``."""
+    dst = array[(*piece.dst, ...)]
+    direct = _stream_order_bytes(piece, dst)
+    if direct is not None:
+        _read_plain(fh, parsed, vid, piece.first, direct)
+        return
+    for band in bands(piece, BAND_BYTES):
+        start, stop = band.span
+        buf = scratch.take(stop - start, 0)
+        _read_plain(fh, parsed, vid, start, buf)
+        array[(*band.dst, ...)] = piece_view(band, buf, start, parsed.vars[vid].dtype)
+
+
+def _read_plain(fh: Any, parsed: FtiffFile, vid: int, start: int, out: np.ndarray) -> None:
+    """Bytes ``[start, start + len(out))`` of plain variable ``vid``'s stream into ``out``, only those, not hashed
+    (their containers were: :func:`verify_pieces`); :class:`FormatError` when the file ends first."""
+    stop = start + out.nbytes
+    for dptr, raw, bi, ci, meta in _containers(parsed, vid, start, stop):
+        lo, hi = max(start, dptr), min(stop, dptr + raw)
+        if readahead.read_full(fh.fileno(), meta.fptr + lo - dptr, memoryview(out[lo - start:hi - start])) != hi - lo:
+            raise FormatError(f"block {bi}, container {ci} (var id {vid}): the file ends inside its data",
+                              path=parsed.path)

@@ -197,3 +197,27 @@ def overlap(old_offset: Sequence[int], old_shape: Sequence[int], order: str, ite
 def piece_view(piece: Piece, buf: Any, base: int, dtype: np.dtype) -> np.ndarray:
     """The piece as a strided view of ``buf``, which holds the old stream's bytes from ``base``."""
     return np.ndarray(piece.shape, dtype, buffer=buf, offset=piece.first - base, strides=piece.strides)
+
+
+def bands(piece: Piece, limit: int) -> list[Piece]:
+    """``piece`` cut along its outermost axis in the stream (the largest stride) into pieces whose spans hold about
+    ``limit`` bytes or less each (at least one index of that axis a band), in stream order: a strided piece read
+    from the stream a band at a time, through a buffer of a band's span, not of the whole piece's."""
+    axes = [d for d, n in enumerate(piece.shape) if n > 1]
+    if not axes or piece.span[1] - piece.span[0] <= limit:
+        return [piece]
+    d = max(axes, key=lambda a: piece.strides[a])
+    itemsize = piece.span[1] - piece.first - sum((n - 1) * s for n, s in zip(piece.shape, piece.strides))
+    step = max(1, limit // piece.strides[d])
+    out = []
+    for lo in range(0, piece.shape[d], step):
+        hi = min(piece.shape[d], lo + step)
+        shape = (*piece.shape[:d], hi - lo, *piece.shape[d + 1:])
+        first = piece.first + lo * piece.strides[d]
+        last = first + sum((n - 1) * s for n, s in zip(shape, piece.strides))
+
+        def cut(slices: tuple[slice, ...], lo: int = lo, hi: int = hi) -> tuple[slice, ...]:
+            return (*slices[:d], slice(slices[d].start + lo, slices[d].start + hi), *slices[d + 1:])
+
+        out.append(Piece(cut(piece.src), cut(piece.dst), (first, last + itemsize), first, shape, piece.strides))
+    return out
