@@ -131,35 +131,38 @@ def verify_pieces(parsed: FtiffFile, wanted: list[tuple[int, Piece]]) -> None:
         raise FormatError(problem, path=parsed.path)
 
 
-#: A strided piece read after :func:`verify_pieces` goes through a buffer of at most about this many bytes.
+#: A strided piece goes through a buffer of at most about this many bytes (a band of it at a time).
 BAND_BYTES = 16 << 20
 
 
 def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, np.ndarray],
                 verified: bool = False) -> None:
-    """Copy the pieces ``wanted`` of one old file into the buffers ``staged`` (each container checked by hash as it
-    is read; the buffers are dropped when one does not match); or, ``verified``, into the arrays ``staged``, after
-    :func:`verify_pieces` checked every container that holds them and the ranks agreed: then only the bytes of the
-    pieces are read (strided ones a band at a time, :func:`~ftidask.model.decomposition.bands`), from the file that
-    was verified, unchanged since (checked before the first byte and after the last, as a recovery on the same
-    layout reads into arrays in use); compressed containers are read, hashed and decoded again."""
+    """Copy the pieces ``wanted`` of one old file into the buffers ``staged`` (the buffers are dropped when a
+    container does not match its hash); or, ``verified``, into the arrays ``staged``, after :func:`verify_pieces`
+    checked every container that holds them and the ranks agreed (as a recovery on the same layout reads into
+    arrays in use).
+
+    Each container is hash-checked once in a pass, read whole: straight where it goes when a piece holds all of it,
+    else through small buffers (:mod:`~ftidask.ftiff.verify`); then only the bytes the pieces need are read, a
+    strided piece a band at a time (:func:`~ftidask.model.decomposition.bands`). The file must be the one parsed,
+    unchanged (checked before the first byte and after the last). Compressed containers are decoded whole, checked
+    again each time."""
     if read_in_place(parsed):
-        scratch = _Scratch()
+        scratch, checked = _Scratch(), _Checked(every=verified)
         with open_read(parsed.path) as fh:
             check_unchanged(fh, parsed)
             for vid, piece in wanted:
                 dst = staged[vid][(*piece.dst, ...)]  # a view even of a 0-d array (``a[()]`` is a scalar copy)
-                if verified and compression.var_codec(parsed.vars[vid].extra) is None:
-                    _read_verified_piece(fh, parsed, vid, piece, staged[vid], scratch)
-                    continue
                 direct = _stream_order_bytes(piece, dst)
                 if direct is not None:  # the piece is a run of the stream: read (and checked) where it goes
-                    _read_span(fh, parsed, vid, piece.first, direct, scratch)
+                    _read_span(fh, parsed, vid, piece.first, direct, scratch, checked)
                     continue
-                start, stop = piece.span
-                buf = scratch.take(stop - start, 0)
-                _read_span(fh, parsed, vid, start, buf, scratch)
-                dst[...] = piece_view(piece, buf, start, parsed.vars[vid].dtype)
+                whole = compression.var_codec(parsed.vars[vid].extra) is not None  # decoded whole: not in bands
+                for band in [piece] if whole else bands(piece, BAND_BYTES):
+                    start, stop = band.span
+                    buf = scratch.take(stop - start, 0)
+                    _read_span(fh, parsed, vid, start, buf, scratch, checked)
+                    staged[vid][(*band.dst, ...)] = piece_view(band, buf, start, parsed.vars[vid].dtype)
             check_unchanged(fh, parsed)
         return
     # Differential files and Zarr stores were verified whole: read their variables, then the pieces.
@@ -187,10 +190,12 @@ def _stream_order_bytes(piece: Piece, dst: np.ndarray) -> np.ndarray | None:
 
 class _Scratch:
     """Buffers of one file's reads, kept between pieces: fresh memory costs a page fault per page each time (a
-    container read whole for its hash, of which a piece needs part; a strided piece's span)."""
+    strided piece's band; a compressed container cut by a piece, decoded whole; the ring a cut container is
+    hash-checked through)."""
 
     def __init__(self) -> None:
         self._bufs: list[np.ndarray] = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
+        self._ring: list[memoryview] = []
 
     def take(self, n: int, which: int) -> np.ndarray:
         """``n`` bytes of buffer ``which`` (0: a span, 1: a container), its content undefined."""
@@ -198,33 +203,64 @@ class _Scratch:
             self._bufs[which] = np.empty(n, np.uint8)
         return self._bufs[which][:n]
 
+    def ring(self) -> list[memoryview]:
+        """Read buffers to hash a container through (:func:`~ftidask.ftiff.verify.container_problem`): this pass's
+        own, not the calling thread's (a rank's main thread would keep those for good)."""
+        if not self._ring:
+            self._ring = [memoryview(bytearray(readahead.PIECE)) for _ in range(readahead.SLOTS)]
+        return self._ring
 
-def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, out: np.ndarray, scratch: _Scratch) -> None:
+
+class _Checked:
+    """The containers of one file (by block and index) whose hash this pass checked, or ``every`` one (verified
+    before the pass): their bytes are read as they are, the file being checked unchanged at the pass's end."""
+
+    def __init__(self, every: bool = False) -> None:
+        self.every, self.done = every, set()
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return self.every or key in self.done
+
+
+def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, out: np.ndarray, scratch: _Scratch,
+               checked: _Checked) -> None:
     """Fill ``out`` (uint8) with bytes ``[start, start + len(out))`` of variable ``vid``'s stream.
 
-    Reads the whole containers that hold them (a container's hash covers it whole) and checks each hash; those
-    wholly inside go straight into ``out``, the others through a scratch buffer; compressed ones are decoded.
+    A container not yet ``checked`` is hash-checked whole (its hash covers all of it): read straight into ``out``
+    when it lies inside, else through the verifying ring buffers, its part then read again (from the page cache);
+    compressed ones are read, checked and decoded whole (through a scratch buffer when cut).
     """
     info = parsed.vars[vid]
     codec = compression.var_codec(info.extra)
     plain = compression.plain_ids(info.extra)
     stop = start + out.nbytes
     spans = _containers(parsed, vid, start, stop)
-    hid = parsed.fb.hash_id
+    hid, fd = parsed.fb.hash_id, fh.fileno()
     for dptr, raw, bi, ci, meta in spans:  # ``out`` is dropped if one is refused: never a user's array
         what = f"block {bi}, container {ci} (var id {vid})"
         inside = start <= dptr and dptr + raw <= stop
-        into = out[dptr - start:dptr - start + raw] if inside else scratch.take(raw, 1)
+        lo, hi = max(start, dptr), min(stop, dptr + raw)
         try:
             if codec is not None and meta.containerid not in plain:  # read a few frames at a time, decoded in place
-                readhash.read_decoded_into(fh.fileno(), meta, info, hid, what, memoryview(into))
-            elif readhash.read_hashed(fh.fileno(), meta.fptr, memoryview(into), hid) != meta.hash:  # read in place
-                raise FormatError(f"{what}: data hash does not match (damaged data)")
+                into = out[dptr - start:dptr - start + raw] if inside else scratch.take(raw, 1)
+                readhash.read_decoded_into(fd, meta, info, hid, what, memoryview(into))
+                if not inside:
+                    out[lo - start:hi - start] = into[lo - dptr:hi - dptr]
+                continue
+            if (bi, ci) not in checked:
+                if inside:  # read where it goes, hashed as it comes
+                    if readhash.read_hashed(fd, meta.fptr, memoryview(out[dptr - start:hi - start]), hid) != meta.hash:
+                        raise FormatError(f"{what}: data hash does not match (damaged data)")
+                    checked.done.add((bi, ci))
+                    continue
+                problem = verify.container_problem(fd, parsed, meta, what, False, scratch.ring())
+                if problem:
+                    raise FormatError(problem)
+                checked.done.add((bi, ci))
+            if readahead.read_full(fd, meta.fptr + lo - dptr, memoryview(out[lo - start:hi - start])) != hi - lo:
+                raise FormatError(f"{what}: the file ends inside its data")
         except FormatError as exc:
             raise FormatError(str(exc), path=parsed.path) from None
-        if not inside:  # checked whole: the part the span needs
-            lo, hi = max(start, dptr), min(stop, dptr + raw)
-            out[lo - start:hi - start] = into[lo - dptr:hi - dptr]
 
 
 def _containers(parsed: FtiffFile, vid: int, start: int, stop: int) -> list[tuple[int, int, int, int, Any]]:
@@ -243,30 +279,3 @@ def _containers(parsed: FtiffFile, vid: int, start: int, stop: int) -> list[tupl
     if not spans or spans[0][0] > start or spans[-1][0] + spans[-1][1] < stop:  # parse_ftiff: they tile the stream
         raise FormatError(f"variable {vid}: bytes [{start}, {stop}) are not held by its containers", path=parsed.path)
     return spans
-
-
-def _read_verified_piece(fh: Any, parsed: FtiffFile, vid: int, piece: Piece, array: np.ndarray,
-                         scratch: _Scratch) -> None:
-    """Piece ``piece`` of plain (uncompressed) variable ``vid`` into ``array``, whose containers were verified:
-    straight into it when it is a run of the stream, else a band at a time through ``scratch``."""
-    dst = array[(*piece.dst, ...)]
-    direct = _stream_order_bytes(piece, dst)
-    if direct is not None:
-        _read_plain(fh, parsed, vid, piece.first, direct)
-        return
-    for band in bands(piece, BAND_BYTES):
-        start, stop = band.span
-        buf = scratch.take(stop - start, 0)
-        _read_plain(fh, parsed, vid, start, buf)
-        array[(*band.dst, ...)] = piece_view(band, buf, start, parsed.vars[vid].dtype)
-
-
-def _read_plain(fh: Any, parsed: FtiffFile, vid: int, start: int, out: np.ndarray) -> None:
-    """Bytes ``[start, start + len(out))`` of plain variable ``vid``'s stream into ``out``, only those, not hashed
-    (their containers were: :func:`verify_pieces`); :class:`FormatError` when the file ends first."""
-    stop = start + out.nbytes
-    for dptr, raw, bi, ci, meta in _containers(parsed, vid, start, stop):
-        lo, hi = max(start, dptr), min(stop, dptr + raw)
-        if readahead.read_full(fh.fileno(), meta.fptr + lo - dptr, memoryview(out[lo - start:hi - start])) != hi - lo:
-            raise FormatError(f"block {bi}, container {ci} (var id {vid}): the file ends inside its data",
-                              path=parsed.path)
