@@ -152,7 +152,9 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
         with open_read(parsed.path) as fh:
             check_unchanged(fh, parsed)
             for vid, piece in wanted:
-                dst = staged[vid][(*piece.dst, ...)]  # a view even of a 0-d array (``a[()]`` is a scalar copy)
+                # a view even of a 0-d array (``a[()]`` is a scalar copy); of a base ndarray: a user's np.matrix
+                # flattened stays 2-D, (1, n), and its bytes sliced so would be rows (read elsewhere than verified)
+                dst = np.asarray(staged[vid])[(*piece.dst, ...)]
                 direct = _stream_order_bytes(piece, dst)
                 if direct is not None:  # the piece is a run of the stream: read (and checked) where it goes
                     _read_span(fh, parsed, vid, piece.first, direct, scratch, checked)

@@ -30,11 +30,15 @@ BATCH_BYTES = 1 << 20  # containers smaller than this are checked a run of them 
 _local = threading.local()
 
 
-def _ring() -> list[memoryview]:
-    """This thread's read buffers (the verifying threads live as long as one check)."""
+def _ring(biggest: int = readahead.PIECE * readahead.SLOTS) -> list[memoryview]:
+    """This thread's read buffers (the verifying threads live as long as one check), no more than the largest
+    container of the check, ``biggest`` bytes, needs: a whole ring (12 MiB a thread, zeroed) to check containers of
+    1 MiB held several times the bytes checked (a restart into small arrays in use: more than their buffer did)."""
+    piece = max(1, min(readahead.PIECE, biggest))
+    count = max(1, min(readahead.SLOTS, -(-biggest // piece)))
     ring = getattr(_local, "ring", None)
-    if ring is None:
-        ring = _local.ring = [memoryview(bytearray(readahead.PIECE)) for _ in range(readahead.SLOTS)]
+    if ring is None or len(ring[0]) < piece or len(ring) < count:
+        ring = _local.ring = [memoryview(bytearray(piece)) for _ in range(count)]
     return ring
 
 
@@ -69,13 +73,14 @@ def first_problem(fd: int, parsed: Any, jobs: Sequence[tuple[int, int, Container
     Small files (:data:`INLINE_BYTES`) are checked on the caller's thread, each container in one read into a buffer
     of this call; larger ones on :data:`THREADS` threads."""
     inline = sum(meta.chunksize for _b, _c, meta in jobs) <= INLINE_BYTES
-    ring = [memoryview(bytearray(max([meta.chunksize for _b, _c, meta in jobs] + [1])))] if inline else None
+    biggest = max([meta.chunksize for _b, _c, meta in jobs] + [1])
+    ring = [memoryview(bytearray(biggest))] if inline else None
 
     def check(job: tuple[int, int, ContainerMeta]) -> str:
         what = container_what(*job)
         meta = job[2]
         try:
-            return container_problem(fd, parsed, meta, what, decode, ring)
+            return container_problem(fd, parsed, meta, what, decode, ring or _ring(biggest))
         except OSError as exc:  # a disk that cannot read the span: damage, for this file
             return f"{what}: cannot be read: {exc.strerror or exc}"
 
