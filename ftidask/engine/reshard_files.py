@@ -154,7 +154,8 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
             for vid, piece in wanted:
                 # a view even of a 0-d array (``a[()]`` is a scalar copy); of a base ndarray: a user's np.matrix
                 # flattened stays 2-D, (1, n), and its bytes sliced so would be rows (read elsewhere than verified)
-                dst = np.asarray(staged[vid])[(*piece.dst, ...)]
+                array = np.asarray(staged[vid])
+                dst = array[(*piece.dst, ...)]
                 direct = _stream_order_bytes(piece, dst)
                 if direct is not None:  # the piece is a run of the stream: read (and checked) where it goes
                     _read_span(fh, parsed, vid, piece.first, direct, scratch, checked)
@@ -164,7 +165,7 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
                     start, stop = band.span
                     buf = scratch.take(stop - start, 0)
                     _read_span(fh, parsed, vid, start, buf, scratch, checked)
-                    staged[vid][(*band.dst, ...)] = piece_view(band, buf, start, parsed.vars[vid].dtype)
+                    array[(*band.dst, ...)] = piece_view(band, buf, start, parsed.vars[vid].dtype)
             check_unchanged(fh, parsed)
         return
     # Differential files and Zarr stores were verified whole: read their variables, then the pieces.
@@ -205,11 +206,13 @@ class _Scratch:
             self._bufs[which] = np.empty(n, np.uint8)
         return self._bufs[which][:n]
 
-    def ring(self) -> list[memoryview]:
-        """Read buffers to hash a container through (:func:`~ftidask.ftiff.verify.container_problem`): this pass's
-        own, not the calling thread's (a rank's main thread would keep those for good)."""
-        if not self._ring:
-            self._ring = [memoryview(bytearray(readahead.PIECE)) for _ in range(readahead.SLOTS)]
+    def ring(self, n: int) -> list[memoryview]:
+        """Read buffers to hash a container of ``n`` bytes through (:func:`~ftidask.ftiff.verify.container_problem`):
+        this pass's own, not the calling thread's (a rank's main thread would keep those for good), no larger than
+        the containers need."""
+        piece = min(readahead.PIECE, max(n, 1))
+        if not self._ring or len(self._ring[0]) < piece:
+            self._ring = [memoryview(bytearray(piece)) for _ in range(readahead.SLOTS)]
         return self._ring
 
 
@@ -225,7 +228,7 @@ class _Checked:
 
 
 def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, out: np.ndarray, scratch: _Scratch,
-               checked: _Checked) -> None:
+               checked: _Checked | None = None) -> None:
     """Fill ``out`` (uint8) with bytes ``[start, start + len(out))`` of variable ``vid``'s stream.
 
     A container not yet ``checked`` is hash-checked whole (its hash covers all of it): read straight into ``out``
@@ -238,6 +241,7 @@ def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, out: np.ndarray
     stop = start + out.nbytes
     spans = _containers(parsed, vid, start, stop)
     hid, fd = parsed.fb.hash_id, fh.fileno()
+    checked = checked or _Checked()
     for dptr, raw, bi, ci, meta in spans:  # ``out`` is dropped if one is refused: never a user's array
         what = f"block {bi}, container {ci} (var id {vid})"
         inside = start <= dptr and dptr + raw <= stop
@@ -255,7 +259,7 @@ def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, out: np.ndarray
                         raise FormatError(f"{what}: data hash does not match (damaged data)")
                     checked.done.add((bi, ci))
                     continue
-                problem = verify.container_problem(fd, parsed, meta, what, False, scratch.ring())
+                problem = verify.container_problem(fd, parsed, meta, what, False, scratch.ring(meta.chunksize))
                 if problem:
                     raise FormatError(problem)
                 checked.done.add((bi, ci))
