@@ -9,7 +9,6 @@ real engine (``run_ranks``)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import test_reshard_pages_paths as pages
 import test_reshard_reader_matrix as matrix
+from freshpages import map_large_arrays_afresh
 
 import ftidask
 from ftidask.api.context import Context
@@ -124,18 +124,6 @@ def test_views_in_use_of_every_variable_kind_are_recovered_bit_for_bit(tmp_path:
 BIG = 3 << 20  # float64: 24 MiB a new rank, fresh (its verified pages staged, then moved under it)
 
 
-def _large_arrays_mapped_afresh() -> None:
-    """As tests/test_reshard_pages_paths.py's fixture: each large array on its own mapping (glibc's mmap and trim
-    thresholds fixed, free heap memory given back), so that ``np.empty`` gives untouched pages."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pytest.skip("needs glibc's mallopt")
-
-
 @pytest.mark.skipif(not pagemove.enabled, reason="needs the native page helper")
 @pytest.mark.parametrize("how", ["deleted", "cut", "replaced", "touched"])
 def test_a_file_gone_or_changed_after_the_agreement_fails_alike_and_the_same_context_recovers(
@@ -144,7 +132,7 @@ def test_a_file_gone_or_changed_after_the_agreement_fails_alike_and_the_same_con
     after every rank verified it and agreed: every rank raises the same error ('failed while loading'), the fresh
     array's staged pages are given back (its own pages still never touched), and once the file is back the same
     context recovers every array exactly (the fresh one's verified pages moved under it)."""
-    _large_arrays_mapped_afresh()
+    map_large_arrays_afresh()
     n = 1 << 14
     g1, g2 = np.arange(n, dtype=np.float64) / 3, np.arange(BIG * 2, dtype=np.float64) * 2
 
@@ -257,7 +245,7 @@ def test_small_arrays_in_use_are_verified_in_less_memory_than_a_buffer_of_theirs
     Before, each thread zeroed a ring of 12 MiB whatever it checked: the peak was 3.6x the arrays, where a buffer of
     each array's size (the restart before its pieces were read into the arrays in use) made it 2.0x; now 1.7x."""
     nv, per = 4, 150_000  # float64 an old rank, per variable
-    _large_arrays_mapped_afresh()  # every array and buffer of 1 MiB or more its own mapping: counted, given back
+    map_large_arrays_afresh()  # every array and buffer of 1 MiB or more its own mapping: counted, given back
 
     def write(t) -> None:
         ctx = Context(_config(tmp_path), t)

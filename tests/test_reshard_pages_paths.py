@@ -8,11 +8,11 @@ engine (``run_ranks``)."""
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
 import pytest
+from freshpages import map_large_arrays_afresh
 
 import ftidask
 from ftidask.api.context import Context
@@ -27,23 +27,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not pagemove.enabled, reason=
 R = 4
 G1 = (2048, 4096)  # float64, old blocks a 2x2 grid: strided pieces into each new rank's 16 MiB of staged pages
 G2 = 8 << 20       # float64, 1-D: pieces that are runs of the old streams, read straight into the staged pages
-G3 = 1000          # int64, an array in use on restart (copied)
+G3 = 1000          # int64, an array in use on restart (verified, then read into after the agreement)
 
 
 @pytest.fixture(autouse=True)
 def _fresh_large_arrays() -> None:
-    """Large arrays mapped afresh: glibc raises its mmap threshold (up to 32 MiB) when a mapped chunk is freed, and
-    the threads' next arrays of 16 MiB then come from recycled heap memory, touched (never staged). A fixed threshold
-    keeps every new array of 1 MiB or more on its own mapping (for this test process); but free heap memory that
-    earlier tests of the same process touched is still served first (a slow CI run failed so: rank 0's first array
-    was not fresh), so the trim threshold is lowered too and the free memory given back (``malloc_trim``)."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pytest.skip("needs glibc's mallopt")
+    map_large_arrays_afresh()
 
 
 def _fresh(shape: tuple[int, ...]) -> np.ndarray:
