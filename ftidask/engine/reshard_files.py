@@ -207,12 +207,9 @@ class _Scratch:
         return self._bufs[which][:n]
 
     def ring(self, n: int) -> list[memoryview]:
-        """Read buffers to hash a container of ``n`` bytes through (:func:`~ftidask.ftiff.verify.container_problem`):
-        this pass's own, not the calling thread's (a rank's main thread would keep those for good), no larger than
-        the containers need."""
-        piece = min(readahead.PIECE, max(n, 1))
-        if not self._ring or len(self._ring[0]) < piece:
-            self._ring = [memoryview(bytearray(piece)) for _ in range(readahead.SLOTS)]
+        """Read buffers to hash a container of ``n`` bytes through (:func:`~ftidask.ftiff.verify.ring_for`): this
+        pass's own, not the calling thread's (a rank's main thread would keep those for good)."""
+        self._ring = verify.ring_for(n, self._ring or None)
         return self._ring
 
 

@@ -30,16 +30,22 @@ BATCH_BYTES = 1 << 20  # containers smaller than this are checked a run of them 
 _local = threading.local()
 
 
-def _ring(biggest: int = readahead.PIECE * readahead.SLOTS) -> list[memoryview]:
-    """This thread's read buffers (the verifying threads live as long as one check), no more than the largest
-    container of the check, ``biggest`` bytes, needs: a whole ring (12 MiB a thread, zeroed) to check containers of
-    1 MiB held several times the bytes checked (a restart into small arrays in use: more than their buffer did)."""
+def ring_for(biggest: int, ring: list[memoryview] | None = None) -> list[memoryview]:
+    """Read buffers to check containers of up to ``biggest`` bytes through (:func:`container_problem`): ``ring`` when
+    it is large enough, else new ones, no more than such a container needs: a whole ring (12 MiB, zeroed) to check
+    containers of 1 MiB held several times the bytes checked (a restart into small arrays in use: more than their
+    buffer did)."""
     piece = max(1, min(readahead.PIECE, biggest))
     count = max(1, min(readahead.SLOTS, -(-biggest // piece)))
-    ring = getattr(_local, "ring", None)
     if ring is None or len(ring[0]) < piece or len(ring) < count:
-        ring = _local.ring = [memoryview(bytearray(piece)) for _ in range(count)]
+        ring = [memoryview(bytearray(piece)) for _ in range(count)]
     return ring
+
+
+def _ring(biggest: int = readahead.PIECE * readahead.SLOTS) -> list[memoryview]:
+    """This thread's read buffers (the verifying threads live as long as one check), sized by :func:`ring_for`."""
+    _local.ring = ring_for(biggest, getattr(_local, "ring", None))
+    return _local.ring
 
 
 def container_what(bi: int, ci: int, meta: ContainerMeta) -> str:
