@@ -46,7 +46,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "$(nproc) cores; python $(python3 -c 'import sys; print(sys.version.split()[0])'); cupy $(python3 -c \
   'import cupy; print(cupy.__version__)' 2>&1 | tail -1)"
 # STEPS picks what runs (default: all): gputests (issue 19's tests), gpumpi (their MPI tests alone), gpubench
-# (issue 19's benchmark), then issue 16's rows: codec, levels, wb (not by default), l1, dask; small (not by default)
+# (issue 19's benchmark), then issue 16's rows: codec, levels, l1, dask, wb (not by default), small (not by default)
 STEPS=${STEPS:-gputests gpubench codec levels l1 dask}
 [[ $STEPS == *gpumpi* ]] && step 90 python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu.py -k mpi
 [[ $STEPS == *gputests* ]] && step 200 python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu.py \
@@ -54,14 +54,14 @@ STEPS=${STEPS:-gputests gpubench codec levels l1 dask}
 [[ $STEPS == *gpubench* ]] && step 150 python3 benchmarks/bench_gpu.py --gib 4 --repeat 2
 [[ $STEPS == *codec* ]] && step 40 python3 benchmarks/bench_erasure.py --size-mib 64 --repeat 3
 [[ $STEPS == *levels* ]] && step 150 python3 benchmarks/bench_levels_mpi.py --ranks 8 --group 4 --mib 256 --repeat 3
-# wb: L1 and L4 with the early write-back off, then on (twice, interleaved): does it help with eight writers on a disk?
+[[ $STEPS == *l1* ]] && step 90 python3 benchmarks/bench_l1.py --size-mib 1024 --arrays 4 --repeat 3
+[[ $STEPS == *dask* ]] && step 90 python3 benchmarks/bench_dask.py --workers 8 --size-mib 4096 --chunk-mib 128 --repeat 2
+# wb: L1 and L4 with the early write-back off, then on: does it help with eight writers on a disk?
 if [[ $STEPS == *wb* ]]; then
-  for wb in off on off on; do
+  for wb in off on; do
     step 60 python3 benchmarks/bench_levels_mpi.py --ranks 8 --group 4 --mib 256 --repeat 3 --levels 1 4 --writeback $wb
   done
 fi
-[[ $STEPS == *l1* ]] && step 60 python3 benchmarks/bench_l1.py --size-mib 1024 --arrays 4 --repeat 3
-[[ $STEPS == *dask* ]] && step 90 python3 benchmarks/bench_dask.py --workers 8 --size-mib 4096 --chunk-mib 128 --repeat 2
 # small: the fixed cost of a checkpoint (not by default; about 20 s)
 [[ $STEPS == *small* ]] && step 40 python3 benchmarks/bench_small.py --checkpoints 200
 [[ $STEPS == *small* ]] && step 60 python3 benchmarks/bench_dask_small.py --workers 8 --chunks 16 --checkpoints 20

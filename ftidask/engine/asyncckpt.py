@@ -24,7 +24,7 @@ from typing import Any
 from ..model.arrays import ArrayBytes
 from ..model.level import Level
 from ..transport.base import Transport
-from . import snapshot
+from . import memavail, snapshot
 from .checkpointing import CheckpointInfo
 from .commit import Committer
 from .device import holders
@@ -39,15 +39,8 @@ log = logging.getLogger("ftidask")
 
 
 def _default_buffer_limit() -> int:
-    """Half the memory available now (Linux's MemAvailable), or 1 GiB when it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 // 2
-    except (OSError, ValueError, IndexError):
-        pass
-    return 1 << 30
+    """Half the memory this process can take now (:mod:`.memavail`), or 1 GiB when it cannot be read."""
+    return (memavail.available_bytes() or 2 << 30) // 2
 
 
 class AsyncCheckpoints:
