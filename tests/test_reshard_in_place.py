@@ -30,6 +30,17 @@ def _config(base: Path):
                        local_test=1, node_size=1, verbosity=4)
 
 
+def recovery_error(ctx: Context) -> str:
+    """``ctx.recover()``, then close the context (as a job that ends); the RecoveryError's text, '' when none."""
+    try:
+        ctx.recover()
+    except RecoveryError as exc:
+        return str(exc)
+    finally:
+        ctx._close()
+    return ""
+
+
 def _glob(n1: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
     """Variable 1: 1-D float64 (pieces that are runs of the old streams); variable 2: 2-D int32, old blocks a 2x2
     grid, new ones row bands (strided pieces, containers cut)."""
@@ -78,14 +89,7 @@ def _recover(base: Path, n1: int, rows: int, g: tuple[np.ndarray, np.ndarray] | 
             off, shape = _block(vid, t.rank, NEW, n1, rows)
             arrays[vid] = np.full(shape, -1, g[vid - 1].dtype)  # in use: every page touched
             ctx.protect(vid, arrays[vid], global_shape=g[vid - 1].shape, offset=off)
-        error = ""
-        try:
-            ctx.recover()
-        except RecoveryError as exc:
-            error = str(exc)
-        finally:
-            ctx._close()
-        return error, arrays
+        return recovery_error(ctx), arrays
 
     before = _rss("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:

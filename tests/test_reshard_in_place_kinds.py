@@ -19,6 +19,7 @@ import pytest
 import test_reshard_pages_paths as pages
 import test_reshard_reader_matrix as matrix
 from freshpages import map_large_arrays_afresh
+from test_reshard_in_place import recovery_error
 
 import ftidask
 from ftidask.api.context import Context
@@ -75,14 +76,7 @@ def test_ndarray_subclasses_in_use_are_recovered_bit_for_bit(tmp_path: Path, kin
             a = np.memmap(tmp_path / f"map{t.rank}", dtype=dtype, mode="w+", shape=shape)
             a[...] = -1
         ctx.protect(1, a, global_shape=G, offset=off)
-        error = ""
-        try:
-            ctx.recover()
-        except RecoveryError as exc:
-            error = str(exc)
-        finally:
-            ctx._close()
-        return error, type(a).__name__, np.asarray(a).tobytes() == np.ascontiguousarray(g[_sl(off, shape)]).tobytes()
+        return recovery_error(ctx), type(a).__name__, np.asarray(a).tobytes() == np.ascontiguousarray(g[_sl(off, shape)]).tobytes()
 
     results, errors = run_ranks(_config(tmp_path), new, program, wait=120)
     assert errors == [], errors
