@@ -5,7 +5,6 @@ they overlap, never a raw error from deep inside.
 """
 
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +13,10 @@ import pytest
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
+from forgetable import reseal_record, rewrite_table  # noqa: E402
+
 import ftidask  # noqa: E402
 from ftidask.engine.runstate import seal_json  # noqa: E402
-from ftidask.ftiff import hashing  # noqa: E402
-from ftidask.ftiff.structs import FB_SIZE, BlockMeta, FileBlock  # noqa: E402
-from ftidask.ftiff.trailer import pack_trailer  # noqa: E402
 from ftidask.storage.files import find_paths  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
@@ -39,26 +37,9 @@ def _two_checkpoints(dirs, level: int = 1) -> None:
 def _reforge(path: Path, meta_dir: str, change) -> None:
     """``change(record)`` applied to the ``extra["dask"]`` of variable 1 in the table of ``path``; the file's
     checksum and file-block hash recomputed, and its commit record's ``fb_hash`` (re-sealed) to match."""
-    raw = path.read_bytes()
-    fb = FileBlock.unpack(raw[:FB_SIZE])
-    length = struct.unpack("<Q", raw[-16:-8])[0]
-    table = json.loads(raw[-16 - length:-16])
-    change(next(v for v in table["vars"] if v["id"] == 1)["extra"]["dask"])
-    tail = pack_trailer(json.dumps(table).encode())
-    checksum, offset = hashing.new_hasher(fb.hash_id), FB_SIZE
-    while offset < fb.fs:
-        bmd = BlockMeta.unpack(raw[offset:offset + 12])
-        checksum.update(raw[offset:offset + 12 + 64 * bmd.numvars])
-        offset += bmd.dbsize
-    checksum.update(tail)
-    forged = FileBlock(**(fb.__dict__ | {"checksum": checksum.hexdigest()[:32]})).sealed()
-    path.write_bytes(forged.pack() + raw[FB_SIZE:fb.fs] + tail)
+    old, new = rewrite_table(path, lambda t: change(next(v for v in t["vars"] if v["id"] == 1)["extra"]["dask"]))
     (record,) = Path(meta_dir).glob("*/commits/s00000002.json")
-    sealed = json.loads(record.read_text())
-    for f in sealed["files"]:
-        if f["fb_hash"] == fb.hash.hex():
-            f["fb_hash"] = forged.hash.hex()
-    record.write_text(json.dumps(seal_json(sealed)))
+    reseal_record(record, old, new)
 
 
 def _overlap(rec):  # the worker's second chunk said to lie where its first one does

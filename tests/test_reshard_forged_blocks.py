@@ -10,20 +10,15 @@ The ranks are threads over the real engine (``run_ranks``), as in tests/test_com
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
+from forgetable import reseal_record, rewrite_table
 
 import ftidask
 from ftidask.api.context import Context
 from ftidask.engine.grouplevels import run_ranks
-from ftidask.engine.runstate import seal_json
-from ftidask.ftiff import hashing
-from ftidask.ftiff.structs import FB_SIZE, BlockMeta, FileBlock
-from ftidask.ftiff.trailer import pack_trailer
 from ftidask.model.config import load_config
 from ftidask.storage.files import find_paths
 
@@ -62,27 +57,9 @@ def _reforge(base: Path, rank: int, change) -> None:
     """``change(extra)`` applied to variable 1's table entry in old rank ``rank``'s file of checkpoint 2; the file's
     checksum and file-block hash recomputed, and its commit record's ``fb_hash`` and ``size`` (re-sealed) to match."""
     (path,) = find_paths(base / "Local", f"Ckpt2-Rank{rank}.fti")
-    raw = path.read_bytes()
-    fb = FileBlock.unpack(raw[:FB_SIZE])
-    length = struct.unpack("<Q", raw[-16:-8])[0]
-    table = json.loads(raw[-16 - length:-16])
-    change(next(v for v in table["vars"] if v["id"] == 1)["extra"])
-    tail = pack_trailer(json.dumps(table).encode())
-    checksum, offset = hashing.new_hasher(fb.hash_id), FB_SIZE
-    while offset < fb.fs:
-        bmd = BlockMeta.unpack(raw[offset:offset + 12])
-        checksum.update(raw[offset:offset + 12 + 64 * bmd.numvars])
-        offset += bmd.dbsize
-    checksum.update(tail)
-    forged = FileBlock(**(fb.__dict__ | {"checksum": checksum.hexdigest()[:32]})).sealed()
-    path.write_bytes(forged.pack() + raw[FB_SIZE:fb.fs] + tail)
-    size = path.stat().st_size
+    old, new = rewrite_table(path, lambda table: change(next(v for v in table["vars"] if v["id"] == 1)["extra"]))
     (record,) = (base / "Meta").glob("*/commits/s00000002.json")
-    sealed = json.loads(record.read_text())
-    for f in sealed["files"]:
-        if f["fb_hash"] == fb.hash.hex():
-            f["fb_hash"], f["size"] = forged.hash.hex(), size
-    record.write_text(json.dumps(seal_json(sealed)))
+    reseal_record(record, old, new, path.stat().st_size)
 
 
 def _set(key, value):
