@@ -46,7 +46,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "$(nproc) cores; python $(python3 -c 'import sys; print(sys.version.split()[0])'); cupy $(python3 -c \
   'import cupy; print(cupy.__version__)' 2>&1 | tail -1)"
 # STEPS picks what runs (default: all): gputests (issue 19's tests), gpumpi (their MPI tests alone), gpubench
-# (issue 19's benchmark), then issue 16's rows: codec, levels, l1, dask, wb (not by default), small (not by default)
+# (issue 19's benchmark), then issue 16's rows: codec, levels, l1, dask, wb (not by default), reshard and small (not by default)
 STEPS=${STEPS:-gputests gpubench codec levels l1 dask}
 [[ $STEPS == *gpumpi* ]] && step 90 python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu.py -k mpi
 [[ $STEPS == *gputests* ]] && step 200 python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu.py \
@@ -60,6 +60,13 @@ STEPS=${STEPS:-gputests gpubench codec levels l1 dask}
 if [[ $STEPS == *wb* ]]; then
   for wb in off on; do
     step 60 python3 benchmarks/bench_levels_mpi.py --ranks 8 --group 4 --mib 256 --repeat 3 --levels 1 4 --writeback $wb
+  done
+fi
+# reshard: restarts on another number of ranks (not by default; about 2 minutes)
+if [[ $STEPS == *reshard* ]]; then
+  for spec in "2 3 512" "4 2 256" "8 4 256" "4 8 256"; do
+    set -- $spec
+    step 60 python3 benchmarks/bench_reshard.py --write-ranks "$1" --read-ranks "$2" --mib "$3" --repeat 3
   done
 fi
 # small: the fixed cost of a checkpoint (not by default; about 20 s)
