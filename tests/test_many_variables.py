@@ -135,7 +135,7 @@ def test_the_grouped_copy_fills_every_byte_and_sees_a_cut_file(dirs, monkeypatch
         reader.read_into(fh, parsed, {i: ArrayBytes(a) for i, a in enumerate(out)})
     with open(path, "rb") as fh:  # the copy alone (the file's identity check passed over): the short piece named
         with pytest.raises(ftidask.FormatError, match=r"var id \d+\).*ends inside"):
-            reader._copy_direct(fh, parsed, [(m.fptr, memoryview(out[m.id].view(np.uint8)), (b, c, m.id))
+            reader.copy_direct(fh, parsed, [(m.fptr, memoryview(out[m.id].view(np.uint8)), (b, c, m.id))
                                              for b, c, m in parsed.containers()])
 
 

@@ -16,6 +16,7 @@ import pytest
 from ftidask.api.context import Context
 from ftidask.engine import reshard
 from ftidask.engine.grouplevels import run_ranks
+from ftidask.ftiff import reader
 from ftidask.ftiff.reader import parse_ftiff
 from ftidask.model.config import load_config
 from ftidask.model.errors import RecoveryError
@@ -158,6 +159,31 @@ def test_a_file_changed_after_the_agreement_fails_on_every_rank_and_a_new_recove
     monkeypatch.setattr(reshard, "BEFORE_LOAD", None)
     _flip(tmp_path, "Ckpt1-Rank1.fti", vid)  # back as it was
     assert [r[:2] for r in _recover(tmp_path, n1, rows)] == [("", [True, True])] * NEW
+
+
+def test_runs_of_the_stream_are_copied_in_pieces_over_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pieces that are runs of an old stream (variable 1) go to the copying threads of a recovery on the same
+    layout (``reader.copy_direct``), cut here in pieces of 3 pages over 3 threads: every byte where it belongs; a file
+    cut short after the agreement is found changed on every rank."""
+    monkeypatch.setattr(reader, "_COPY_PIECE", 3 * 4096)
+    monkeypatch.setattr(reader, "_COPY_THREADS", 3)
+    n1, rows = 100_003, 64  # blocks of odd sizes: pieces that start and end inside pages and containers
+    _write(tmp_path, n1, rows)
+    assert [r[:2] for r in _recover(tmp_path, n1, rows)] == [("", [True, True])] * NEW
+    (path,) = find_paths(tmp_path / "Local", "Ckpt1-Rank2.fti")
+    whole = path.read_bytes()
+    cut = []
+
+    def truncate() -> None:
+        if not cut:
+            cut.append(True)
+            with open(path, "r+b") as fh:
+                fh.truncate(len(whole) // 2)
+
+    monkeypatch.setattr(reshard, "BEFORE_LOAD", truncate)
+    results = _recover(tmp_path, n1, rows)
+    assert len({r[0] for r in results}) == 1 and "failed while loading" in results[0][0], results
+    assert "changed" in results[0][0] or "modified" in results[0][0], results[0][0]
 
 
 def test_damage_found_by_the_verification_leaves_the_arrays_in_use_untouched(tmp_path: Path) -> None:

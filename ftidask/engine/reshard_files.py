@@ -13,7 +13,7 @@ import numpy as np
 
 from ..ftiff import compression, readahead, readhash, verify
 from ..ftiff.blockhash import FLAG_DCP
-from ..ftiff.reader import FtiffFile, check_unchanged, parse_ftiff
+from ..ftiff.reader import FtiffFile, check_unchanged, copy_direct, parse_ftiff
 from ..model.arrays import dtype_from_json, dtype_to_json
 from ..model.decomposition import Piece, bands, piece_view
 from ..model.errors import FormatError, RecoveryError
@@ -151,6 +151,8 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
         scratch, checked = _Scratch(), _Checked(every=verified)
         with open_read(parsed.path) as fh:
             check_unchanged(fh, parsed)
+            if verified:  # the runs of the stream first, on the copying threads; the others below, in turn
+                wanted = _copy_runs(fh, parsed, wanted, staged)
             for vid, piece in wanted:
                 # a view even of a 0-d array (``a[()]`` is a scalar copy); of a base ndarray: a user's np.matrix
                 # flattened stays 2-D, (1, n), and its bytes sliced so would be rows (read elsewhere than verified)
@@ -176,6 +178,26 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
             staged[vid][piece.dst] = piece_of_stream(piece, whole[vid], parsed.vars[vid].dtype)
         else:
             staged[vid][piece.dst] = whole[vid][piece.src]
+
+
+def _copy_runs(fh: Any, parsed: FtiffFile, wanted: list[tuple[int, Piece]],
+               arrays: dict[int, np.ndarray]) -> list[tuple[int, Piece]]:
+    """Read the pieces ``wanted`` that are runs of a raw variable's stream straight into ``arrays``, verified before
+    (:func:`verify_pieces`): a copy from the page cache, spread over threads as on the same layout
+    (:func:`~ftidask.ftiff.reader.copy_direct`; one thread copies at a fraction of the memory's bandwidth: 1.25x a
+    raw read in all, 4 ranks onto 2 on 16 cores). The pieces left (strided, compressed) are returned."""
+    spans, rest = [], []
+    for vid, piece in wanted:
+        direct = _stream_order_bytes(piece, np.asarray(arrays[vid])[(*piece.dst, ...)])
+        if direct is None or compression.var_codec(parsed.vars[vid].extra) is not None:
+            rest.append((vid, piece))
+            continue
+        start = piece.first
+        for dptr, raw, bi, ci, meta in _containers(parsed, vid, start, start + direct.nbytes):
+            lo, hi = max(start, dptr), min(start + direct.nbytes, dptr + raw)
+            spans.append((meta.fptr + lo - dptr, memoryview(direct[lo - start:hi - start]), (bi, ci, vid)))
+    copy_direct(fh, parsed, spans)
+    return rest
 
 
 def _stream_order_bytes(piece: Piece, dst: np.ndarray) -> np.ndarray | None:

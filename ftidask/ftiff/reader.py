@@ -298,7 +298,7 @@ def _read_into_dcp(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTa
             direct.append((meta.fptr, _flat_bytes(view), (bi, ci, meta.id)))
     if others:
         read_into_dcp(fh, parsed, others)
-    _copy_direct(fh, parsed, direct)
+    copy_direct(fh, parsed, direct)
 
 
 def _where(bi: int, ci: int, vid: int) -> str:
@@ -334,7 +334,7 @@ def _read_into(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget
             got += n
         if got != meta.chunksize or hasher.digest() != meta.hash:
             raise FormatError(f"{what} changed while it was read", path=parsed.path)
-    _copy_direct(fh, parsed, direct)
+    copy_direct(fh, parsed, direct)
     # Decoding is the cost here: containers of targets with a flat view (disjoint byte ranges of memory)
     # are decoded on a few threads (numcodecs releases the GIL); the others store element by element, in turn.
     flat = [job for job in packed if job[1].view(0, 0) is not None]
@@ -371,8 +371,8 @@ def _read_group(fd: int, group: list[_Piece]) -> tuple[int, int, int] | None:
     return next((what for offset, view, what in group if readahead.read_full(fd, offset, view) != len(view)), None)
 
 
-def _copy_direct(fh: BinaryIO, parsed: FtiffFile, spans: list[_Piece]) -> None:
-    """Read each span straight into its target view, in pieces spread over threads.
+def copy_direct(fh: BinaryIO, parsed: FtiffFile, spans: list[_Piece]) -> None:
+    """Read each span ``(file offset, view, (block, container, var id))`` straight into its view, spread over threads.
 
     The file was verified just before and its pages are in the page cache: this is a memory copy, which
     one core does at a fraction of the memory bandwidth, so pieces go to several (preadv releases the GIL).
