@@ -73,3 +73,14 @@ def test_this_machine_and_the_async_pool_default():
     got = memavail.available_bytes()
     assert got is not None and 0 < got <= machine_view * 1.05  # MemAvailable moves between the two reads
     assert 0 < asyncckpt._default_buffer_limit() <= got * 0.55
+
+
+def test_cgroup_v1_without_a_namespace_reads_the_process_own_cgroup(tmp_path):
+    """The memory controller's whole hierarchy mounted: the process's own cgroup (its path in /proc/self/cgroup) has
+    the limit, the root none."""
+    meminfo, cgroup, root = machine(tmp_path, cgroup="7:cpu,cpuacct:/slurm/job_7\n4:memory:/slurm/job_7\n")
+    group(root, "memory", {"memory.limit_in_bytes": "9223372036854771712\n", "memory.usage_in_bytes": f"{50 * GIB}\n",
+                           "memory.stat": "total_cache 0\n"})
+    group(root, "memory/slurm/job_7", {"memory.limit_in_bytes": f"{16 * GIB}\n",
+                                       "memory.usage_in_bytes": f"{10 * GIB}\n", "memory.stat": f"total_cache {GIB}\n"})
+    assert memavail.available_bytes(meminfo, cgroup, root) == 7 * GIB

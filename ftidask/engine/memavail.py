@@ -45,23 +45,32 @@ def _meminfo_available(meminfo: str) -> int | None:
     return None
 
 
+def _up(base: str, rel: str) -> list[str]:
+    """``base/rel`` and each of its ancestors up to ``base``, innermost first."""
+    rel, out = rel.strip("/"), []
+    while rel:
+        out.append(os.path.join(base, rel))
+        rel = os.path.dirname(rel)
+    return [*out, base]
+
+
 def _cgroup_dirs(cgroup: str, root: str) -> list[str]:
-    """This process's cgroup v2 directory and its ancestors (innermost first), or v1's memory controller's."""
-    dirs = []
+    """This process's cgroup directories and their ancestors (innermost first): v2's, else v1's memory controller's
+    (a process in a cgroup namespace sees its own cgroup as "/", mounted at the root)."""
     try:
         with open(cgroup, encoding="ascii") as fh:
             lines = fh.read().splitlines()
     except OSError:
         lines = []
+    v2, v1 = [], []
     for line in lines:
-        if line.startswith("0::"):  # v2: a namespaced process sees "/", its cgroup mounted at the root
-            rel = line[3:].strip("/")
-            while True:
-                dirs.append(os.path.join(root, rel) if rel else root)
-                if not rel:
-                    break
-                rel = os.path.dirname(rel)
-    return [d for d in dirs if os.path.exists(os.path.join(d, "memory.max"))] or [os.path.join(root, "memory")]
+        number, _sep, rest = line.partition(":")
+        controllers, _sep, path = rest.partition(":")
+        if number == "0" and not controllers:
+            v2 = [d for d in _up(root, path) if os.path.exists(os.path.join(d, "memory.max"))]
+        elif "memory" in controllers.split(","):
+            v1 = [d for d in _up(os.path.join(root, "memory"), path) if os.path.isdir(d)]
+    return v2 or v1 or [os.path.join(root, "memory")]
 
 
 def _cgroup_headroom(cgroup: str, root: str) -> int | None:
