@@ -23,7 +23,10 @@ from ftidask.backends.dask import lineage  # noqa: E402
 from ftidask.ftiff.reader import parse_ftiff  # noqa: E402
 from ftidask.tools.cli import main  # noqa: E402
 
-pytestmark = [pytest.mark.dask, pytest.mark.timeout(120)]
+# 240 s, as test_dask_backend.py (the cluster it shares): the timeout counts the fixture's setup, which may close
+# the previous cluster (up to 60 s) and wait for 4 new workers (up to 60 s), and the first test pays the fresh
+# workers' first computation. On a loaded 2-core machine the round trip took up to 98 s of the former 120.
+pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
 NWORKERS = 4  # one L2 ring / L3 group of four workers (the cluster of the other Dask tests)
 
 
