@@ -1,6 +1,5 @@
 """How much memory this process can still take without pushing the machine (or its container) into swap or the
-OOM killer: the sizing of the buffers that trade memory for speed (asynchronous copy snapshots, recovery's
-staged pages under arrays in use).
+OOM killer: the sizing of buffers that trade memory for speed (the asynchronous copy snapshots' pool).
 
 Linux's ``MemAvailable`` is the machine's view; a job in a container or a batch system's cgroup has a tighter
 limit, which ``MemAvailable`` does not show: the cgroup's limit less what it holds, its page cache counted as

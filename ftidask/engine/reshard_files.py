@@ -184,8 +184,9 @@ def _copy_runs(fh: Any, parsed: FtiffFile, wanted: list[tuple[int, Piece]],
                arrays: dict[int, np.ndarray]) -> list[tuple[int, Piece]]:
     """Read the pieces ``wanted`` that are runs of a raw variable's stream straight into ``arrays``, verified before
     (:func:`verify_pieces`): a copy from the page cache, spread over threads as on the same layout
-    (:func:`~ftidask.ftiff.reader.copy_direct`; one thread copies at a fraction of the memory's bandwidth: 1.25x a
-    raw read in all, 4 ranks onto 2 on 16 cores). The pieces left (strided, compressed) are returned."""
+    (:func:`~ftidask.ftiff.reader.copy_direct`: one thread copies at a fraction of the memory's bandwidth; 4 x 256 MiB
+    onto 2 on 16 cores took 0.18 s warm so, 0.11 s on the threads). The pieces left (strided, compressed) are
+    returned."""
     spans, rest = [], []
     for vid, piece in wanted:
         direct = _stream_order_bytes(piece, np.asarray(arrays[vid])[(*piece.dst, ...)])
