@@ -27,7 +27,9 @@ Writes BASE/result-{seed}.json from rank 0: {"ok": bool, "error": str, "log": [o
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import os
 import shutil
 import sys
 import traceback
@@ -63,6 +65,17 @@ CONFIGS.update({
 WORLD = MPI.COMM_WORLD
 COMM = WORLD  # the application's ranks: WORLD, or WORLD without the heads (split in main)
 
+
+
+def found_files(base: Path, pattern: str) -> list[Path]:
+    """The files named like ``pattern`` under ``base``, trash left out, sorted. A walk that passes over directories
+    gone meanwhile: ``Path.rglob`` raised FileNotFoundError when the run's background remover deleted a trash
+    directory under it (rank 0 alone, the others then waiting in a collective for ever)."""
+    out = []
+    for root, dirs, files in os.walk(base):  # os.walk ignores a directory it can no longer list
+        dirs[:] = [d for d in dirs if ".trash" not in d]
+        out += [Path(root, f) for f in fnmatch.filter(files, pattern) if ".trash" not in f]
+    return sorted(out)
 
 class Failed(AssertionError):
     pass
@@ -265,7 +278,7 @@ class Run:
     def _files_of(self, c: dict, kind: str, r: int) -> list[Path]:
         name = {"rank": f"Ckpt{c['id']}-Rank{r}.fti", "pcof": f"Ckpt{c['id']}-Pcof{r}.fti",
                 "rsed": f"Ckpt{c['id']}-RSed{r}.fti"}[kind]
-        return [p for p in self.base.rglob(name) if ".trash" not in str(p)]
+        return found_files(self.base, name)
 
     def op_damage(self) -> None:
         """One file of a retained checkpoint erased or a byte of it flipped (rank 0 does it, the model alike)."""
@@ -276,19 +289,24 @@ class Run:
         key = sorted(c["files"])[int(self.rng.integers(len(c["files"])))]
         erase, where = bool(self.rng.random() < 0.5), float(self.rng.uniform(0.02, 0.98))
         self.settle()
-        done = False
+        done, error = False, ""
         if self.rank == 0:
-            found = self._files_of(c, *key)
-            if len(found) == 1:
-                done = True
-                if erase:
-                    found[0].unlink()
-                else:
-                    raw = bytearray(found[0].read_bytes())
-                    raw[int(len(raw) * where)] ^= 0xFF
-                    found[0].write_bytes(bytes(raw))
-        done = COMM.bcast(done)
+            try:  # an error here is every rank's (raised below): a rank that raised alone left the others waiting
+                found = self._files_of(c, *key)
+                if len(found) == 1:
+                    done = True
+                    if erase:
+                        found[0].unlink()
+                    else:
+                        raw = bytearray(found[0].read_bytes())
+                        raw[int(len(raw) * where)] ^= 0xFF
+                        found[0].write_bytes(bytes(raw))
+            except OSError as exc:
+                error = repr(exc)
+        done, error = COMM.bcast((done, error))
         COMM.barrier()
+        if error:
+            raise RuntimeError(f"rank 0 could not damage the file: {error}")
         self.log.append(f"damage ckpt {c['id']} {key} {'erase' if erase else f'corrupt@{where:.2f}'} done={done}")
         self.stats["damage"] += done
         if done:
@@ -306,20 +324,25 @@ class Run:
             return
         u, erase, where = float(self.rng.random()), bool(self.rng.random() < 0.3), float(self.rng.uniform(0.02, 0.98))
         self.settle()
-        done = ""
+        done, error = "", ""
         if self.rank == 0:
-            spares = sorted(p for p in self.base.rglob("Spare*-Rank*.fti") if ".trash" not in str(p))
-            if spares:
-                path = spares[int(u * len(spares))]
-                done = str(path.relative_to(self.base))
-                if erase:
-                    path.unlink()
-                else:
-                    raw = bytearray(path.read_bytes())
-                    raw[int(len(raw) * where)] ^= 0xFF
-                    path.write_bytes(bytes(raw))
-        done = COMM.bcast(done)
+            try:  # as in op_damage: an error here is every rank's
+                spares = found_files(self.base, "Spare*-Rank*.fti")
+                if spares:
+                    path = spares[int(u * len(spares))]
+                    done = str(path.relative_to(self.base))
+                    if erase:
+                        path.unlink()
+                    else:
+                        raw = bytearray(path.read_bytes())
+                        raw[int(len(raw) * where)] ^= 0xFF
+                        path.write_bytes(bytes(raw))
+            except OSError as exc:
+                error = repr(exc)
+        done, error = COMM.bcast((done, error))
         COMM.barrier()
+        if error:
+            raise RuntimeError(f"rank 0 could not damage a spare: {error}")
         self.log.append(f"damage spare {done} {'erase' if erase else f'corrupt@{where:.2f}'}")
         if done and not erase:  # {level dir}/dcp/Spare{kind}-Rank{r}.fti (a damaged parity spare is re-encoded)
             parts = Path(done).parts
