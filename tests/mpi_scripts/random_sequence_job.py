@@ -66,7 +66,6 @@ WORLD = MPI.COMM_WORLD
 COMM = WORLD  # the application's ranks: WORLD, or WORLD without the heads (split in main)
 
 
-
 def found_files(base: Path, pattern: str) -> list[Path]:
     """The files named like ``pattern`` under ``base``, trash left out, sorted. A walk that passes over directories
     gone meanwhile: ``Path.rglob`` raised FileNotFoundError when the run's background remover deleted a trash
@@ -76,6 +75,33 @@ def found_files(base: Path, pattern: str) -> list[Path]:
         dirs[:] = [d for d in dirs if ".trash" not in d]
         out += [Path(root, f) for f in fnmatch.filter(files, pattern) if ".trash" not in f]
     return sorted(out)
+
+
+def damage(path: Path, erase: bool, where: float) -> None:
+    """``path`` erased, or its byte at fraction ``where`` of its length flipped."""
+    if erase:
+        path.unlink()
+        return
+    raw = bytearray(path.read_bytes())
+    raw[int(len(raw) * where)] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def on_rank0(work, empty, what: str):
+    """``work()`` on rank 0, its result on every rank (``empty`` elsewhere); an OSError there raised on every rank
+    (a rank that raised alone left the others waiting in the broadcast for ever)."""
+    result, error = empty, ""
+    if COMM.rank == 0:
+        try:
+            result = work()
+        except OSError as exc:
+            error = repr(exc)
+    result, error = COMM.bcast((result, error))
+    COMM.barrier()
+    if error:
+        raise RuntimeError(f"rank 0 could not {what}: {error}")
+    return result
+
 
 class Failed(AssertionError):
     pass
@@ -289,24 +315,14 @@ class Run:
         key = sorted(c["files"])[int(self.rng.integers(len(c["files"])))]
         erase, where = bool(self.rng.random() < 0.5), float(self.rng.uniform(0.02, 0.98))
         self.settle()
-        done, error = False, ""
-        if self.rank == 0:
-            try:  # an error here is every rank's (raised below): a rank that raised alone left the others waiting
-                found = self._files_of(c, *key)
-                if len(found) == 1:
-                    done = True
-                    if erase:
-                        found[0].unlink()
-                    else:
-                        raw = bytearray(found[0].read_bytes())
-                        raw[int(len(raw) * where)] ^= 0xFF
-                        found[0].write_bytes(bytes(raw))
-            except OSError as exc:
-                error = repr(exc)
-        done, error = COMM.bcast((done, error))
-        COMM.barrier()
-        if error:
-            raise RuntimeError(f"rank 0 could not damage the file: {error}")
+
+        def work() -> bool:
+            found = self._files_of(c, *key)
+            if len(found) == 1:
+                damage(found[0], erase, where)
+            return len(found) == 1
+
+        done = on_rank0(work, False, "damage the file")
         self.log.append(f"damage ckpt {c['id']} {key} {'erase' if erase else f'corrupt@{where:.2f}'} done={done}")
         self.stats["damage"] += done
         if done:
@@ -324,25 +340,16 @@ class Run:
             return
         u, erase, where = float(self.rng.random()), bool(self.rng.random() < 0.3), float(self.rng.uniform(0.02, 0.98))
         self.settle()
-        done, error = "", ""
-        if self.rank == 0:
-            try:  # as in op_damage: an error here is every rank's
-                spares = found_files(self.base, "Spare*-Rank*.fti")
-                if spares:
-                    path = spares[int(u * len(spares))]
-                    done = str(path.relative_to(self.base))
-                    if erase:
-                        path.unlink()
-                    else:
-                        raw = bytearray(path.read_bytes())
-                        raw[int(len(raw) * where)] ^= 0xFF
-                        path.write_bytes(bytes(raw))
-            except OSError as exc:
-                error = repr(exc)
-        done, error = COMM.bcast((done, error))
-        COMM.barrier()
-        if error:
-            raise RuntimeError(f"rank 0 could not damage a spare: {error}")
+
+        def work() -> str:
+            spares = found_files(self.base, "Spare*-Rank*.fti")
+            if not spares:
+                return ""
+            path = spares[int(u * len(spares))]
+            damage(path, erase, where)
+            return str(path.relative_to(self.base))
+
+        done = on_rank0(work, "", "damage a spare")
         self.log.append(f"damage spare {done} {'erase' if erase else f'corrupt@{where:.2f}'}")
         if done and not erase:  # {level dir}/dcp/Spare{kind}-Rank{r}.fti (a damaged parity spare is re-encoded)
             parts = Path(done).parts
