@@ -31,12 +31,12 @@ import numpy as np
 
 from ..model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from ..storage.files import SPARE_DIR, spare_file
-from . import pagemove, recoverplan, reshard_dask, reshard_plan
+from . import pagemove, recoverplan, reshard_dask, reshard_plan, reshard_read
 from .dcpstore import distrust_spare
 from .device import holders
-from .prefault import Prefault
 from .recovery import check_writeable
-from .reshard_files import StatesRefused, open_old, read_in_place, read_pieces, state_sizes, table_of, verify_pieces
+from .reshard_files import StatesRefused, open_old, read_pieces, state_sizes, table_of
+from .reshard_read import why as _why
 from .reshard_rebuild import old_groups, rebuild_group
 from .retention import rank_path
 from .runstate import CommitRecord
@@ -324,39 +324,13 @@ def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls:
     kinds = set(t.allgather(kind.__name__))  # damage first, then per-rank states (their own advice), else _Refused
     _agree(t, problem, next(k for k in (RecoveryError, StatesRefused, _Refused) if k.__name__ in kinds))
     # 3. Read and check the pieces into private buffers: for a fresh array (a restart's), pages to move under it
-    # once every rank has all its data (no copy after the verification); the others' pages faulted in meanwhile.
-    # An array in use (no pages to move) has its pieces verified now and read into it once every rank agreed, as a
-    # recovery on the same layout does (:func:`_load_later`): no buffer of its size beside it.
-    pages: dict[int, pagemove.Staged] = {}
-    staged: dict[int, np.ndarray] = {}
-    later: list[tuple[Any, list[Any]]] = []
-    problem = ""
-    try:  # the buffers too: a rank that cannot allocate its own (MemoryError) must not raise alone
-        parsed_of = {old: opened.get(old) or open_old(old_path(ctx, record, old), record, old) for old in plan}
-        pages = _stage_pages({vid: a for vid, a in arrays.items() if vid not in sizes})
-        by_var: dict[int, set[int]] = {}
-        for old, wanted in plan.items():
-            for vid, _piece in wanted:
-                by_var.setdefault(vid, set()).add(old)
-        in_place = {vid for vid in arrays if vid not in sizes and vid not in pages
-                    and all(read_in_place(parsed_of[old]) for old in by_var.get(vid, ()))}
-        staged = {vid: _array_over(pages[vid]) if vid in pages else np.empty(a.shape, a.dtype)
-                  for vid, a in arrays.items() if vid not in in_place}
-        with Prefault([staged[vid] for vid in staged if vid not in pages], [(s.view, s.addr) for s in pages.values()]):
-            for old, wanted in sorted(plan.items()):
-                read_pieces(parsed_of[old], [w for w in wanted if w[0] not in in_place], staged)
-                if checked := [w for w in wanted if w[0] in in_place]:
-                    verify_pieces(parsed_of[old], checked)
-                    later.append((parsed_of[old], checked))
-    except Exception as exc:  # noqa: BLE001 - shared, as above
-        problem = _why(exc)
-    try:
-        _agree(t, problem, RecoveryError)
-    except BaseException:
-        staged.clear()  # the views over the pages first: an unmapped page must never be reachable
-        pagemove.release_all(pages)
-        raise
-    return {**staged, **pages}, later  # each array's Staged pages where it has them (its view dropped), else its buffer
+    # once every rank has all its data (no copy after the verification). An array in use (no pages to move) has its
+    # pieces verified now and read into it once every rank agreed, as a recovery on the same layout does
+    # (:func:`_load_later`): no buffer of its size beside it. A container two ranks need is hashed by one of them.
+    def parsed_of() -> dict[int, Any]:
+        return {old: opened.get(old) or open_old(old_path(ctx, record, old), record, old) for old in plan}
+
+    return reshard_read.stage(t, plan, parsed_of, arrays, set(sizes))
 
 
 #: A test seam: called after every rank verified and agreed, before the arrays in use are read (files changed there).
@@ -376,23 +350,3 @@ def _load_later(t: Any, record: CommitRecord, later: list[tuple[Any, list[Any]]]
         problem = _why(exc)
     _agree(t, problem, RecoveryError, f"recovering checkpoint {record.ckpt_id} (level {record.level}) failed while "
            "loading, and the protected arrays in use may hold part of it: recover again")
-
-
-def _stage_pages(arrays: dict[int, np.ndarray]) -> dict[int, pagemove.Staged]:
-    """Private pages mirroring those of ``arrays`` that :func:`pagemove.movable` accepts, by var id."""
-    pages = {}
-    for vid, array in pagemove.movable_arrays(arrays).items():
-        try:
-            pages[vid] = pagemove.Staged(array)
-        except (OSError, ValueError, MemoryError):  # no pages to be had: a buffer, then the copy, as for the others
-            continue
-    return pages
-
-
-def _array_over(pages: pagemove.Staged) -> np.ndarray:
-    """The staged pages as an array of their array's dtype and shape (C order: :func:`pagemove.movable`)."""
-    return np.frombuffer(pages.view, pages.array.dtype).reshape(pages.array.shape)
-
-
-def _why(exc: Exception) -> str:
-    return str(exc) if isinstance(exc, (FTIError, OSError)) else f"{type(exc).__name__}: {exc}"

@@ -115,15 +115,18 @@ def read_in_place(parsed: Any) -> bool:
     return isinstance(parsed, FtiffFile) and not parsed.fb.flags & FLAG_DCP
 
 
-def verify_pieces(parsed: FtiffFile, wanted: list[tuple[int, Piece]]) -> None:
+def verify_pieces(parsed: FtiffFile, wanted: list[tuple[int, Piece]],
+                  trusted: frozenset[tuple[int, int]] = frozenset()) -> None:
     """Check the hash of every container that holds a byte of the pieces ``wanted`` (each once; compressed ones are
     decoded too, a few frames at a time), reading into buffers of the check's own: :class:`FormatError` naming the
     file when one does not match. The pieces are read into the arrays after every rank agreed (:func:`read_pieces`,
-    which checks that the file is the one verified, unchanged)."""
+    which checks that the file is the one verified, unchanged). ``trusted``: the (block, container) another rank
+    verifies (:mod:`.reshard_read`), not hashed here."""
     jobs: dict[tuple[int, int], Any] = {}
     for vid, piece in wanted:
         for _dptr, _raw, bi, ci, meta in _containers(parsed, vid, *piece.span):
-            jobs[bi, ci] = (bi, ci, meta)
+            if (bi, ci) not in trusted:
+                jobs[bi, ci] = (bi, ci, meta)
     with open_read(parsed.path) as fh:
         check_unchanged(fh, parsed)
         problem = verify.first_problem(fh.fileno(), parsed, sorted(jobs.values(), key=lambda j: j[2].fptr), True)
@@ -136,7 +139,7 @@ BAND_BYTES = 16 << 20
 
 
 def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, np.ndarray],
-                verified: bool = False) -> None:
+                verified: bool = False, trusted: frozenset[tuple[int, int]] = frozenset()) -> None:
     """Copy the pieces ``wanted`` of one old file into the buffers ``staged`` (the buffers are dropped when a
     container does not match its hash); or, ``verified``, into the arrays ``staged``, after :func:`verify_pieces`
     checked every container that holds them and the ranks agreed (as a recovery on the same layout reads into
@@ -146,9 +149,10 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
     else through small buffers (:mod:`~ftidask.ftiff.verify`); then only the bytes the pieces need are read, a
     strided piece a band at a time (:func:`~ftidask.model.decomposition.bands`). The file must be the one parsed,
     unchanged (checked before the first byte and after the last). Compressed containers are decoded whole, checked
-    again each time."""
+    again each time. ``trusted``: the plain (block, container) that another rank verifies (:mod:`.reshard_read`):
+    only the bytes the pieces need are read of them."""
     if read_in_place(parsed):
-        scratch, checked = _Scratch(), _Checked(every=verified)
+        scratch, checked = _Scratch(), _Checked(every=verified, trusted=trusted)
         with open_read(parsed.path) as fh:
             check_unchanged(fh, parsed)
             if verified:  # the runs of the stream first, on the copying threads; the others below, in turn
@@ -238,13 +242,14 @@ class _Scratch:
 
 class _Checked:
     """The containers of one file (by block and index) whose hash this pass checked, or ``every`` one (verified
-    before the pass): their bytes are read as they are, the file being checked unchanged at the pass's end."""
+    before the pass), or that another rank verifies (``trusted``): their bytes are read as they are, the file being
+    checked unchanged at the pass's end."""
 
-    def __init__(self, every: bool = False) -> None:
-        self.every, self.done = every, set()
+    def __init__(self, every: bool = False, trusted: frozenset[tuple[int, int]] = frozenset()) -> None:
+        self.every, self.done, self.trusted = every, set(), trusted
 
     def __contains__(self, key: tuple[int, int]) -> bool:
-        return self.every or key in self.done
+        return self.every or key in self.done or key in self.trusted
 
 
 def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, out: np.ndarray, scratch: _Scratch,
@@ -287,6 +292,31 @@ def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, out: np.ndarray
                 raise FormatError(f"{what}: the file ends inside its data")
         except FormatError as exc:
             raise FormatError(str(exc), path=parsed.path) from None
+
+
+def cut_needs(files: dict[int, Any], plan: dict[int, list[tuple[int, Piece]]]) -> list[list[int]]:
+    """``[old rank, block, container, size, bytes needed]`` of each plain container of the plain FTI-FF old files
+    ``files`` that this rank's pieces ``plan`` need (by old rank); a strided piece counts the span it lies in. For
+    the choice of the rank that hashes each container two ranks need (:mod:`.reshard_read`)."""
+    out = []
+    for old, wanted in sorted(plan.items()):
+        parsed = files[old]
+        if not read_in_place(parsed):
+            continue
+        parts: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        for vid, piece in wanted:
+            if compression.var_codec(parsed.vars[vid].extra) is not None:  # decoded whole by each reader
+                continue
+            start, stop = piece.span
+            for dptr, raw, bi, ci, _meta in _containers(parsed, vid, start, stop):
+                parts.setdefault((bi, ci, raw), []).append((max(start, dptr) - dptr, min(stop, dptr + raw) - dptr))
+        for (bi, ci, raw), spans in sorted(parts.items()):
+            covered, end = 0, 0
+            for lo, hi in sorted(spans):  # their union
+                covered += max(0, hi - max(lo, end))
+                end = max(end, hi)
+            out.append([old, bi, ci, raw, covered])
+    return out
 
 
 def _containers(parsed: FtiffFile, vid: int, start: int, stop: int) -> list[tuple[int, int, int, int, Any]]:

@@ -1,0 +1,161 @@
+"""Step 3 of a redistribution (:mod:`.reshard`): every rank reads and checks the pieces of its new arrays, and the
+ranks agree that each has all its data before any protected array is written.
+
+A split that cuts old containers (2 ranks onto 3: the middle rank takes the end of old file 0 and the start of old
+file 1) has two or more new ranks each need part of one container, whose hash covers all of it. Each of them used to
+read and hash it whole: the middle rank read three times what it loads. Now the ranks first share which containers
+they need (one allgather of short lists) and one of them, its *verifier*, hashes each shared container whole (a rank
+that needs all of it, else the one that needs most, the work spread over ranks); the others read only their part.
+Their bytes are checked no less:
+
+* a failed hash on the verifier fails the recovery on every rank at the agreement, as damage seen by any rank did;
+* every rank parses each old file itself and checks, at the start and end of its reads, that it is still the file
+  parsed (:func:`~ftidask.ftiff.parsedfile.check_unchanged`); at the agreement the ranks compare the identities
+  (inode, size, modification and change times) of the files they shared, so that what a rank read is what its
+  verifier hashed: a file replaced or modified in between fails the recovery on every rank;
+* until the agreement a rank's bytes sit in private buffers or staged pages (arrays in use are read after it).
+
+Compressed containers are decoded whole by each reader, hashed as they are read: they are not shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..model.errors import FTIError, RecoveryError
+from . import pagemove
+from .prefault import Prefault
+from .reshard_files import cut_needs, read_in_place, read_pieces, verify_pieces
+
+#: (old rank, block, container) of an old file's container.
+Key = tuple[int, int, int]
+
+
+def verifiers(needs: Sequence[Sequence[Sequence[int]]]) -> dict[Key, int]:
+    """The rank that hashes each container that two or more ranks need, from every rank's :func:`cut_needs` (by
+    rank: ``[old, block, container, size, bytes needed]`` lists). The same on every rank: a pure function of them.
+
+    A rank that needs the whole container reads it all anyway; else the one that needs most (the fewest bytes read
+    only to hash). Ties go to the rank with the least hashing given so far, then the lowest rank."""
+    wanted: dict[Key, list[tuple[int, int, int]]] = {}
+    for rank, mine in enumerate(needs):
+        for old, bi, ci, size, nbytes in mine:
+            wanted.setdefault((int(old), int(bi), int(ci)), []).append((rank, int(size), int(nbytes)))
+    load = [0] * len(needs)
+    out: dict[Key, int] = {}
+    for key in sorted(wanted, key=lambda k: (-wanted[k][0][1], k)):  # the biggest first: the balance is on them
+        readers = wanted[key]
+        if len(readers) < 2:
+            continue
+        rank, size, _n = min(readers, key=lambda c: (c[2] < c[1], -c[2], load[c[0]], c[0]))
+        out[key] = rank
+        load[rank] += size
+    return out
+
+
+def trusted(rank: int, owners: dict[Key, int], mine: Sequence[Sequence[int]]) -> dict[int, frozenset[tuple[int, int]]]:
+    """By old rank, the (block, container) that ``rank`` needs and another rank verifies."""
+    out: dict[int, set[tuple[int, int]]] = {}
+    for old, bi, ci, _size, _n in mine:
+        owner = owners.get((int(old), int(bi), int(ci)))
+        if owner is not None and owner != rank:
+            out.setdefault(int(old), set()).add((int(bi), int(ci)))
+    return {old: frozenset(keys) for old, keys in out.items()}
+
+
+def verdict(reports: Sequence[Sequence[Any]], owners: dict[Key, int], needs: Sequence[Sequence[Sequence[int]]]) -> str:
+    """Why the ranks' staging fails, or '': the first rank's problem (``reports``: each rank's ``[problem,
+    identities]``), else a rank that read part of a container from another file than the one its verifier hashed
+    (identities: ``[old rank, inode, size, mtime_ns, ctime_ns]`` of each plain FTI-FF old file it parsed; the device
+    number is left out, another node may number a shared file system otherwise)."""
+    problems = [(r, p) for r, (p, _ids) in enumerate(reports) if p]
+    if problems:
+        r, p = problems[0]
+        more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
+        return f"rank {r}{more}: {p}"
+    files = [{int(i[0]): [int(x) for x in i[1:]] for i in ids} for _p, ids in reports]
+    for r, mine in enumerate(needs):
+        for old, bi, ci, _size, _n in mine:
+            owner = owners.get((int(old), int(bi), int(ci)))
+            if owner is not None and owner != r and files[r].get(int(old)) != files[owner].get(int(old)):
+                return (f"rank {r}: old rank {old}'s file changed while the ranks read it (rank {owner} checked the "
+                        f"hash of block {bi}, container {ci}, which rank {r} read in part, in another version of it)")
+    return ""
+
+
+def stage(t: Any, plan: dict[int, list[Any]], parsed_of: Callable[[], dict[int, Any]], arrays: dict[int, np.ndarray],
+          states: set[int]) -> tuple[dict[int, Any], list[tuple[Any, list[Any]]]]:
+    """Read and check this rank's pieces (collective): fresh arrays' into staged pages, states' and others' into
+    private buffers, arrays in use only verified (their pieces returned, by old file, to be read after the agreement:
+    :func:`~ftidask.engine.reshard._load_later`). ``parsed_of()``: the parsed old files of ``plan``. Returns each
+    array's :class:`~ftidask.engine.pagemove.Staged` pages where it has them, else its buffer; the same
+    :class:`RecoveryError` on every rank when any rank failed (its pages given back)."""
+    pages: dict[int, pagemove.Staged] = {}
+    staged: dict[int, np.ndarray] = {}
+    later: list[tuple[Any, list[Any]]] = []
+    files: dict[int, Any] = {}
+    in_place: set[int] = set()
+    problem, mine = "", []
+    try:  # the buffers too: a rank that cannot allocate its own (MemoryError) must not raise alone
+        files = parsed_of()
+        pages = stage_pages({vid: a for vid, a in arrays.items() if vid not in states})
+        by_var: dict[int, set[int]] = {}
+        for old, wanted in plan.items():
+            for vid, _piece in wanted:
+                by_var.setdefault(vid, set()).add(old)
+        in_place = {vid for vid in arrays if vid not in states and vid not in pages
+                    and all(read_in_place(files[old]) for old in by_var.get(vid, ()))}
+        staged = {vid: array_over(pages[vid]) if vid in pages else np.empty(a.shape, a.dtype)
+                  for vid, a in arrays.items() if vid not in in_place}
+        mine = cut_needs(files, plan)
+    except Exception as exc:  # noqa: BLE001 - shared at the agreement below
+        problem = why(exc)
+    try:
+        needs = t.allgather(mine)  # a rank that failed above needs nothing: it verifies nothing for the others
+        owners = verifiers(needs)
+        trust = trusted(t.rank, owners, mine)
+        if not problem:
+            try:
+                with Prefault([staged[vid] for vid in staged if vid not in pages],
+                              [(s.view, s.addr) for s in pages.values()]):
+                    for old, wanted in sorted(plan.items()):
+                        others = trust.get(old, frozenset())
+                        read_pieces(files[old], [w for w in wanted if w[0] not in in_place], staged, trusted=others)
+                        if checked := [w for w in wanted if w[0] in in_place]:
+                            verify_pieces(files[old], checked, trusted=others)
+                            later.append((files[old], checked))
+            except Exception as exc:  # noqa: BLE001 - shared, as above
+                problem = why(exc)
+        ids = [[old, *p.identity[1:]] for old, p in sorted(files.items()) if read_in_place(p)]
+        failed = verdict(t.allgather([problem, ids]), owners, needs)
+        if failed:
+            raise RecoveryError(failed)
+    except BaseException:
+        staged.clear()  # the views over the pages first: an unmapped page must never be reachable
+        pagemove.release_all(pages)
+        raise
+    return {**staged, **pages}, later
+
+
+def stage_pages(arrays: dict[int, np.ndarray]) -> dict[int, pagemove.Staged]:
+    """Private pages mirroring those of ``arrays`` that :func:`pagemove.movable` accepts, by var id."""
+    pages = {}
+    for vid, array in pagemove.movable_arrays(arrays).items():
+        try:
+            pages[vid] = pagemove.Staged(array)
+        except (OSError, ValueError, MemoryError):  # no pages to be had: a buffer, then the copy, as for the others
+            continue
+    return pages
+
+
+def array_over(pages: pagemove.Staged) -> np.ndarray:
+    """The staged pages as an array of their array's dtype and shape (C order: :func:`pagemove.movable`)."""
+    return np.frombuffer(pages.view, pages.array.dtype).reshape(pages.array.shape)
+
+
+def why(exc: Exception) -> str:
+    """What a rank reports of ``exc`` to the others."""
+    return str(exc) if isinstance(exc, (FTIError, OSError)) else f"{type(exc).__name__}: {exc}"
