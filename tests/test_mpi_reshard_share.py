@@ -46,3 +46,13 @@ def test_damage_only_the_trusting_rank_reads_fails_on_every_rank(written: Path) 
     (first,) = first
     assert first.startswith("NoCheckpointError") and "Ckpt1-Rank0" in first and "hash" in first, first
     assert all(r["untouched"] and r["exact"] for r in got), got
+
+
+def test_a_rank_that_sees_another_version_of_a_file_hashes_its_part_itself(written: Path) -> None:
+    # Rank 1 sees the old files on another device number (a test seam: as a node that numbers a shared file system
+    # otherwise): at the agreement its files' identities differ from its verifiers', so it hashes the containers it
+    # read in part itself, in a second agreement, and the recovery goes on.
+    proc = run(3, "reshard_share_job.py", "othernode", str(written), timeout=120, check=False)
+    got = results(written, proc)
+    assert all(r["exact"] for r in got), got
+    assert got[1]["hashed"] == (N1 + N2) * 8 and got[0]["hashed"] + got[2]["hashed"] == (N1 + N2) * 8, got

@@ -11,8 +11,10 @@ Their bytes are checked no less:
 * a failed hash on the verifier fails the recovery on every rank at the agreement, as damage seen by any rank did;
 * every rank parses each old file itself and checks, at the start and end of its reads, that it is still the file
   parsed (:func:`~ftidask.ftiff.parsedfile.check_unchanged`); at the agreement the ranks compare the identities
-  (inode, size, modification and change times) of the files they shared, so that what a rank read is what its
-  verifier hashed: a file replaced or modified in between fails the recovery on every rank;
+  (device, inode, size, modification and change times) of the files they shared, so that what a rank read is what
+  its verifier hashed. Where they differ (a file replaced in between; a shared file system that two nodes number
+  otherwise) that rank hashes the containers it trusted itself, in a second agreement, as before the work was
+  shared;
 * until the agreement a rank's bytes sit in private buffers or staged pages (arrays in use are read after it).
 
 Compressed containers are decoded whole by each reader, hashed as they are read: they are not shared.
@@ -25,7 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from ..model.errors import FTIError, RecoveryError
+from ..ftiff import verify
+from ..ftiff.parsedfile import check_unchanged
+from ..model.errors import FormatError, FTIError, RecoveryError
+from ..storage.files import open_read
 from . import pagemove
 from .prefault import Prefault
 from .reshard_files import cut_needs, read_in_place, read_pieces, verify_pieces
@@ -66,24 +71,44 @@ def trusted(rank: int, owners: dict[Key, int], mine: Sequence[Sequence[int]]) ->
     return {old: frozenset(keys) for old, keys in out.items()}
 
 
-def verdict(reports: Sequence[Sequence[Any]], owners: dict[Key, int], needs: Sequence[Sequence[Sequence[int]]]) -> str:
-    """Why the ranks' staging fails, or '': the first rank's problem (``reports``: each rank's ``[problem,
-    identities]``), else a rank that read part of a container from another file than the one its verifier hashed
-    (identities: ``[old rank, inode, size, mtime_ns, ctime_ns]`` of each plain FTI-FF old file it parsed; the device
-    number is left out, another node may number a shared file system otherwise)."""
+def verdict(reports: Sequence[Sequence[Any]], owners: dict[Key, int],
+            needs: Sequence[Sequence[Sequence[int]]]) -> tuple[str, dict[int, list[Key]]]:
+    """Why the ranks' staging fails (the first rank's problem; ``reports``: each rank's ``[problem, identities]``),
+    or ''; and, by rank, the containers it must hash itself after all: those it read in part from another version of
+    the file than its verifier hashed (identities: ``[old rank, device, inode, size, mtime_ns, ctime_ns]`` of each
+    plain FTI-FF old file it parsed). Those differ for a file replaced between the two ranks' reads, and for one file
+    seen from two nodes whose kernels number a shared file system otherwise: the rank then checks its own reads'
+    file, as every rank did before the work was shared (:func:`check_own`)."""
     problems = [(r, p) for r, (p, _ids) in enumerate(reports) if p]
     if problems:
         r, p = problems[0]
         more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
-        return f"rank {r}{more}: {p}"
+        return f"rank {r}{more}: {p}", {}
     files = [{int(i[0]): [int(x) for x in i[1:]] for i in ids} for _p, ids in reports]
+    redo: dict[int, list[Key]] = {}
     for r, mine in enumerate(needs):
         for old, bi, ci, _size, _n in mine:
-            owner = owners.get((int(old), int(bi), int(ci)))
-            if owner is not None and owner != r and files[r].get(int(old)) != files[owner].get(int(old)):
-                return (f"rank {r}: old rank {old}'s file changed while the ranks read it (rank {owner} checked the "
-                        f"hash of block {bi}, container {ci}, which rank {r} read in part, in another version of it)")
-    return ""
+            key = (int(old), int(bi), int(ci))
+            owner = owners.get(key)
+            if owner is not None and owner != r and files[r].get(key[0]) != files[owner].get(key[0]):
+                redo.setdefault(r, []).append(key)
+    return "", redo
+
+
+def check_own(files: dict[int, Any], keys: Sequence[Key]) -> None:
+    """Hash the containers ``keys`` of this rank's old files ``files`` itself (:func:`verdict`'s second pass): each
+    file still the one parsed, before and after (the bytes read from it earlier, under the same check, are then the
+    ones hashed now, as a load into arrays in use relies on); :class:`FormatError` naming the file otherwise."""
+    for old in sorted({k[0] for k in keys}):
+        parsed = files[old]
+        wanted = {(bi, ci) for o, bi, ci in keys if o == old}
+        jobs = [(bi, ci, meta) for bi, ci, meta in parsed.containers() if (bi, ci) in wanted]
+        with open_read(parsed.path) as fh:
+            check_unchanged(fh, parsed)
+            problem = verify.first_problem(fh.fileno(), parsed, jobs, False)
+            check_unchanged(fh, parsed)
+        if problem:
+            raise FormatError(problem, path=parsed.path)
 
 
 def stage(t: Any, plan: dict[int, list[Any]], parsed_of: Callable[[], dict[int, Any]], arrays: dict[int, np.ndarray],
@@ -129,8 +154,15 @@ def stage(t: Any, plan: dict[int, list[Any]], parsed_of: Callable[[], dict[int, 
                             later.append((files[old], checked))
             except Exception as exc:  # noqa: BLE001 - shared, as above
                 problem = why(exc)
-        ids = [[old, *p.identity[1:]] for old, p in sorted(files.items()) if read_in_place(p)]
-        failed = verdict(t.allgather([problem, ids]), owners, needs)
+        ids = [[old, *p.identity] for old, p in sorted(files.items()) if read_in_place(p)]
+        failed, redo = verdict(t.allgather([problem, ids]), owners, needs)
+        if not failed and redo:  # known alike on every rank: a second agreement, only then
+            problem = ""
+            try:
+                check_own(files, redo.get(t.rank, []))
+            except Exception as exc:  # noqa: BLE001 - shared, as above
+                problem = why(exc)
+            failed, _none = verdict([[p, []] for p in t.allgather(problem)], {}, [])
         if failed:
             raise RecoveryError(failed)
     except BaseException:

@@ -6,6 +6,9 @@ usage: reshard_share_job.py write BASE           (2 ranks) an L1 checkpoint of t
                                                  fresh ones
        reshard_share_job.py damaged BASE         (3 ranks) as recover, after a byte of old rank 0's file that only new
                                                  rank 1 reads was flipped (then put back, and recover again)
+       reshard_share_job.py othernode BASE       (3 ranks) as recover, rank 1 seeing the files on another device number
+                                                 (as another node may number a shared file system): the test seam
+                                                 patches the identity its process gives files
 Each rank writes ``BASE/result-<rank>.json``: the bytes of container data it hashed (every way a reshard hashes them:
 counted around the functions), the first recovery's outcome, whether the arrays were left untouched by a failed one,
 whether the last recovery filled both exactly.
@@ -80,7 +83,20 @@ def flip_in_rank1_part(base: str) -> tuple[Path, bytes]:
     return path, saved
 
 
-def recover(base: str, damaged: bool) -> None:
+def other_device() -> None:
+    """This process sees every file on another device number (the identity its parses record and its reads check)."""
+    from ftidask.ftiff import parsedfile, reader
+
+    real = parsedfile.identity_of
+
+    def identity_of(stat):
+        dev, *rest = real(stat)
+        return (dev + 1, *rest)
+
+    parsedfile.identity_of = reader.identity_of = identity_of
+
+
+def recover(base: str, damaged: bool, othernode: bool = False) -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -92,6 +108,8 @@ def recover(base: str, damaged: bool) -> None:
     arr = np.full(hi1 - lo1, -1.0)  # in use
     ctx.protect(1, arr, global_shape=(N1,), offset=(lo1,))
     count_hashing()
+    if othernode and comm.rank == 1:
+        other_device()
     result = {}
     saved = None
     if damaged:
@@ -120,4 +138,4 @@ def recover(base: str, damaged: bool) -> None:
 
 if __name__ == "__main__":
     mode, base = sys.argv[1], sys.argv[2]
-    write(base) if mode == "write" else recover(base, mode == "damaged")
+    write(base) if mode == "write" else recover(base, mode == "damaged", mode == "othernode")
