@@ -81,7 +81,8 @@ class Writer:
             json_of = VarInfo.json_of
             infos = [json_of(vid, p.name, p.array, {"codec": codecs[vid][1], **extras.get(vid, {})} if vid in codecs
                              else extras.get(vid)) for vid, p in variables.items()]
-        write = self.write_zarr_l4 if zarr_l4 else functools.partial(write_rank_file, durable=durable)
+        # A checkpoint's file, which its commit record names once written: renamed first, then synced at once.
+        write = self.write_zarr_l4 if zarr_l4 else functools.partial(write_rank_file, durable=durable, named_later=True)
         sources = self.sources
         streams, bar = tracked({vid: ArrayBytes(p.array) if (s := sources.get(vid)) is None else s
                                 for vid, p in variables.items()}, self.config, f"checkpoint {ckpt_id} (L{level})")
