@@ -2,14 +2,14 @@
 directories that checkpoint wrote (see :meth:`~ftidask.engine.retention.Retention.collect_garbage`).
 
 A full collection lists up to seven directories (each local level, the global L4 one, the commit records, the run's
-state): 0.26 ms of the 3.5 ms a 4 KiB checkpoint cost on a 2-core machine. It is needed wherever something may have left garbage
-that this process does not know of: an earlier run killed (the collection at init), a checkpoint of this process that
-failed or was interrupted anywhere (its clean-up is best effort), a head's post-processing. After a checkpoint of
-this process that succeeded, with nothing else begun since the last collection, the only directories anything of
-this process wrote in are the new checkpoint's level directories (its files renamed into place, the retired ones'
-removed): a light collection looks there only. Every :data:`FULL_EVERY`-th collection is full whatever happened,
-so that what another process leaves meanwhile (a second context of the run in this process, an application's
-own copy) is still removed within that many checkpoints.
+state): 0.26 ms of the 3.5 ms a 4 KiB checkpoint cost on a 2-core machine. It is needed wherever something may have
+left garbage that this process does not know of: an earlier run killed (the collection at init), a checkpoint of
+this process that failed or was interrupted anywhere (its clean-up is best effort), a head's post-processing. After
+a checkpoint of this process that succeeded, with nothing else begun since the last collection, the only directories
+anything of this process wrote in are the new checkpoint's level directories (its files renamed into place, the
+retired ones' removed): a light collection looks there only. Every :data:`FULL_EVERY`-th collection is full whatever
+happened, so that what another process leaves meanwhile (a second context of the run in this process, an
+application's own copy) is still removed within that many checkpoints.
 """
 
 from __future__ import annotations
