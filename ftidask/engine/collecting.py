@@ -9,7 +9,8 @@ a checkpoint of this process that succeeded, with nothing else begun since the l
 anything of this process wrote in are the new checkpoint's level directories (its files renamed into place, the
 retired ones' removed): a light collection looks there only. Every :data:`FULL_EVERY`-th collection is full whatever
 happened, so that what another process leaves meanwhile (a second context of the run in this process, an
-application's own copy) is still removed within that many checkpoints.
+application's own copy) is still removed within that many checkpoints, as is a retired checkpoint's trash that could
+not be deleted (logged).
 """
 
 from __future__ import annotations
