@@ -14,10 +14,10 @@ import os
 import shutil
 import stat
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..model.pools import LazyPool
 from . import interrupts
 from .paths import (  # noqa: F401 - the names and paths, long imported from here
     SPARE_DIR,
@@ -179,14 +179,11 @@ def fsync_parents(created: list[Path]) -> None:
                 raise
 
 
-_SYNC_POOL = LazyPool(2, "ftidask-fsync")
-
-
-def _sync_at_once(fd: int, directory: Path, created: list[Path]) -> None:
+def _sync_at_once(fd: int, directory: Path, created: list[Path], pool: Executor) -> None:
     """fsync ``fd``, its ``directory``, the parents of the directories ``created`` in parallel (0.9 ms in a row, 0.4 at
     once: 2 cores, SSD). POSIX orders none of them; all end before a record names the file (until then: garbage)."""
-    others, errors = [_SYNC_POOL.submit(fsync_dir, directory)] + ([_SYNC_POOL.submit(fsync_parents, created)]
-                                                                   if created else []), []
+    others = [pool.submit(fsync_dir, directory)] + ([pool.submit(fsync_parents, created)] if created else [])
+    errors = []
     for sync in (functools.partial(os.fsync, fd), *(f.result for f in others)):  # every one waited for
         try:
             sync()
@@ -227,20 +224,22 @@ def open_temp(path: Path, mode: str = "w+b") -> tuple[BinaryIO, Path]:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, mode: str = "w+b", durable: bool = True, named_later: bool = False) -> Iterator[BinaryIO]:
+def atomic_file(path: Path, mode: str = "w+b", durable: bool = True,
+                sync_pool: Executor | None = None) -> Iterator[BinaryIO]:
     """Yield a file at a temporary name; on success fsync it and rename it to ``path``. ``durable=False``: renamed
     without waiting for the disk; the caller calls :func:`make_durable` before any record names it (the
     directories made for it are then durable at once: a later fsync of a parent would wait for the file's data).
-    ``named_later`` (a file that counts once a later record names it): renamed, then synced (:func:`_sync_at_once`)."""
+    ``sync_pool`` (threads, for a file that counts once a later record names it): renamed first, then synced in
+    parallel (:func:`_sync_at_once`)."""
     created: list[Path] = []
     makedirs(path.parent, created if durable else None)
     fh, tmp = open_temp(path, mode)
     try:
         yield fh  # type: ignore[misc]
         fh.flush()
-        if durable and named_later:  # renamed first, then every wait for the disk at once
+        if durable and sync_pool is not None:  # renamed first, then every wait for the disk at once
             os.replace(tmp, path)
-            _sync_at_once(fh.fileno(), path.parent, created)
+            _sync_at_once(fh.fileno(), path.parent, created, sync_pool)
             fh.close()
             return
         if durable:
