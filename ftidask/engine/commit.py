@@ -100,6 +100,7 @@ class Committer(RunPart):
     def begin(self, id: int, level: Level, incremental: bool = False) -> PendingCheckpoint:
         """Plan checkpoint ``id`` and open its file (shared by checkpoint and iCP; collective)."""
         ckpt_id = check_ckpt_id(id)
+        self.retention.schedule.began()  # whatever becomes of it: the collection after the next commit sees it
         t = self.transport
         t.wait_post()  # a head still post-processing the previous checkpoint must finish first (as FTI)
         post_level = level.base

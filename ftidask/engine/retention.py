@@ -19,6 +19,7 @@ from ..storage import files as storage
 from ..storage.files import RunPaths
 from ..storage.swap import link_tree_atomic
 from ..transport.collective import agree, attempt, everywhere, on_root
+from .collecting import CollectSchedule, collection_roots, small
 from .dcpstore import spare_hint_path
 from .run import Run, RunPart
 from .runstate import CommitRecord, FileRecord
@@ -90,6 +91,7 @@ class Retention(RunPart):
         # thousands). Every backend's retirement hands them over so (hand_over), every collection takes them.
         self._remaining: list[tuple[int, str]] | None = None
         self._gone: list[int] | None = None  # see _gone_nodes: an earlier start's, found once (none appears since)
+        self.schedule = CollectSchedule(bool(self.config.head))  # the committer counts its checkpoints begun
 
     def retire_older(self, record: CommitRecord) -> None:
         """After a level-L commit, drop earlier checkpoints of levels 1..L (L4 archived if asked)."""
@@ -108,6 +110,7 @@ class Retention(RunPart):
         for old in older:
             self.remove_checkpoint(CommitRecord.from_json(old))
         self.hand_over(remaining)
+        self.schedule.retired(record.level)
 
     def hand_over(self, remaining: list[tuple[int, str]]) -> None:
         """After a retirement: ``remaining``, the (seq, dirname) still committed, sorted, for the collection next."""
@@ -119,22 +122,21 @@ class Retention(RunPart):
         return remaining
 
     def collect_garbage(self) -> None:
-        """Remove what interrupted checkpoints left: directories no commit record names, temporary files."""
+        """Remove what interrupted checkpoints left: directories no commit record names, temporary files; only where
+        the checkpoint just committed wrote when nothing else can have left any (:mod:`ftidask.engine.collecting`)."""
         t = self.transport
+        light = self.schedule.light_level()
+        if t.size > 1:  # rank 0's answer: the ranks never differ in their collectives
+            light = t.bcast(light)
         newest = self.take_remaining()
         if newest is None:
             newest = on_root(t, lambda: sorted((r.seq, r.dirname) for r in self.state.records()), FTIError,
                              "garbage collection: cannot read the run's commit records")
         committed = {name for _seq, name in newest}
         settled = self._settled & committed
-        roots = [self.paths.local_dir(level, t.node) for level in (1, 2, 3, 4)]
-        if t.rank == 0:
-            roots += [self.paths.level_dir(4, 0), self.state.records_dir, self.state.root]
-            # Nodes of an earlier start on more of them (a restart on fewer ranks), which no rank of this run has:
-            # rank 0 removes what it sees there, as it does for the checkpoints retired (see remove_checkpoint).
-            if self._gone is None:
-                self._gone = self._gone_nodes()
-            roots += [self.paths.local_dir(level, node) for node in self._gone for level in (1, 2, 3, 4)]
+        if t.rank == 0 and light is None and self._gone is None:
+            self._gone = self._gone_nodes()
+        roots = collection_roots(self.paths, self.state, t.rank, t.node, light, self._gone or [])
 
         def collect() -> None:
             for root in roots:  # trash too, unless our own remover is on it
@@ -143,7 +145,10 @@ class Retention(RunPart):
                                                   spares=bool(self.config.enable_dcp), settled=settled)
 
         everywhere(t, collect, FTIError, "garbage collection failed")
+        # Light too: every directory made since the last full collection is a checkpoint of this process that
+        # succeeded (anything else makes the next one full), clean in every level directory once written.
         self._settled = committed - {name for _seq, name in newest[-1:]}  # the newest is looked into once more
+        self.schedule.collected(light is not None)
 
     def remove_dead_runs(self, runs: list[str]) -> None:
         """This node's directories of the dead runs ``runs``, which never committed a checkpoint (local; see
@@ -212,19 +217,21 @@ class Retention(RunPart):
             doomed += [self.paths.level_dir(level, node) / record.dirname for node in sorted(
                 {f.node for f in record.files if f.node >= t.nnodes}) for level in local_levels]
 
+        now = small(record)
+
         def remove() -> None:
             for path in doomed:
                 if self.paths.contains(path):  # never outside the run's directories, whatever its exec_id
-                    storage.discard(path, self.remover)
+                    storage.discard(path, self.remover, now=now)
             if own_l4 is not None and self.paths.contains(own_l4):
-                storage.discard(own_l4, self.remover, into=l4_dir)
+                storage.discard(own_l4, self.remover, into=l4_dir, now=now)
 
         _r, removing = attempt(t.rank, remove)
         agree(t, error or removing, FTIError, failed)  # every rank's L4 file moved out before its directory goes
 
         def remove_l4_dir() -> None:
             if self.paths.contains(l4_dir / record.dirname):
-                storage.discard(l4_dir / record.dirname, self.remover)
+                storage.discard(l4_dir / record.dirname, self.remover, now=now)
 
         on_root(t, remove_l4_dir, FTIError, failed)
 

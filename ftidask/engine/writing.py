@@ -37,6 +37,7 @@ class Writer:
         self.variables = variables
         self.hash_id = hash_id
         self.pool: ThreadPoolExecutor | None = None
+        self._sync: ThreadPoolExecutor | None = None  # see sync_pool
         #: byte sources to read some variables through instead of their arrays (a copy-on-write snapshot's)
         self.sources: Mapping[int, Any] = {}
 
@@ -81,7 +82,9 @@ class Writer:
             json_of = VarInfo.json_of
             infos = [json_of(vid, p.name, p.array, {"codec": codecs[vid][1], **extras.get(vid, {})} if vid in codecs
                              else extras.get(vid)) for vid, p in variables.items()]
-        write = self.write_zarr_l4 if zarr_l4 else functools.partial(write_rank_file, durable=durable)
+        # A checkpoint's file, which its commit record names once written: renamed first, then synced at once.
+        write = self.write_zarr_l4 if zarr_l4 else functools.partial(write_rank_file, durable=durable,
+                                                                     sync_pool=self.sync_pool())
         sources = self.sources
         streams, bar = tracked({vid: ArrayBytes(p.array) if (s := sources.get(vid)) is None else s
                                 for vid, p in variables.items()}, self.config, f"checkpoint {ckpt_id} (L{level})")
@@ -97,8 +100,15 @@ class Writer:
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
         return self.pool
 
+    def sync_pool(self) -> ThreadPoolExecutor:
+        """Two long-lived threads that fsync a rank file's directories while the caller fsyncs the file."""
+        if self._sync is None:
+            self._sync = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ftidask-fsync")
+        return self._sync
+
     def close(self) -> None:
-        """Wait for the hashing thread and stop it."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-        self.pool = None
+        """Wait for the hashing and fsync threads and stop them."""
+        for pool in (self.pool, self._sync):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self.pool = self._sync = None

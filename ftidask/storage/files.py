@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
 import shutil
 import stat
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -21,6 +23,7 @@ from .paths import (  # noqa: F401 - the names and paths, long imported from her
     SPARE_DIR,
     RunPaths,
     ckpt_dirname,
+    find_paths,
     is_inside,
     parity_file,
     partner_file,
@@ -176,6 +179,20 @@ def fsync_parents(created: list[Path]) -> None:
                 raise
 
 
+def _sync_at_once(fd: int, directory: Path, created: list[Path], pool: Executor) -> None:
+    """fsync ``fd``, its ``directory``, the parents of the directories ``created`` in parallel (0.9 ms in a row, 0.4 at
+    once: 2 cores, SSD). POSIX orders none of them; all end before a record names the file (until then: garbage)."""
+    others = [pool.submit(fsync_dir, directory)] + ([pool.submit(fsync_parents, created)] if created else [])
+    errors = []
+    for sync in (functools.partial(os.fsync, fd), *(f.result for f in others)):  # every one waited for
+        try:
+            sync()
+        except OSError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
 #: Flags of a new temporary file: never an existing file, never through a symbolic link.
 _NEW_FILE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -207,16 +224,24 @@ def open_temp(path: Path, mode: str = "w+b") -> tuple[BinaryIO, Path]:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, mode: str = "w+b", durable: bool = True) -> Iterator[BinaryIO]:
+def atomic_file(path: Path, mode: str = "w+b", durable: bool = True,
+                sync_pool: Executor | None = None) -> Iterator[BinaryIO]:
     """Yield a file at a temporary name; on success fsync it and rename it to ``path``. ``durable=False``: renamed
     without waiting for the disk; the caller calls :func:`make_durable` before any record names it (the
-    directories made for it are then durable at once: a later fsync of a parent would wait for the file's data)."""
+    directories made for it are then durable at once: a later fsync of a parent would wait for the file's data).
+    ``sync_pool`` (threads, for a file that counts once a later record names it): renamed first, then synced in
+    parallel (:func:`_sync_at_once`)."""
     created: list[Path] = []
     makedirs(path.parent, created if durable else None)
     fh, tmp = open_temp(path, mode)
     try:
         yield fh  # type: ignore[misc]
         fh.flush()
+        if durable and sync_pool is not None:  # renamed first, then every wait for the disk at once
+            os.replace(tmp, path)
+            _sync_at_once(fh.fileno(), path.parent, created, sync_pool)
+            fh.close()
+            return
         if durable:
             os.fsync(fh.fileno())
         fh.close()
@@ -372,13 +397,3 @@ def copy_file_atomic(src: Path, dst: Path) -> int:
                 raise
             raise OSError(exc.errno, exc.strerror, os.fspath(src), None, os.fspath(dst)) from None
         return copied
-
-
-def find_paths(root: str | os.PathLike[str], pattern: str) -> list[Path]:
-    """Files and directories under ``root`` whose path matches ``pattern`` (right-anchored, as
-    :meth:`pathlib.PurePath.match`), sorted. Unlike ``Path.rglob``, a directory that disappears
-    during the walk (a retired checkpoint deleted in the background) is skipped, not an error."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):  # os.walk ignores errors by default
-        found += [Path(dirpath, name) for name in dirnames + filenames if Path(dirpath, name).match(pattern)]
-    return sorted(found)

@@ -124,3 +124,13 @@ def _prefix(root: str | os.PathLike[str]) -> str:
     """What every path strictly inside directory ``root`` starts with: its normalised absolute form and a separator
     (a sibling sharing the name's prefix, ``/a/bc`` for ``/a/b``, is outside)."""
     return os.path.normpath(os.path.abspath(root)).rstrip(os.sep) + os.sep
+
+
+def find_paths(root: str | os.PathLike[str], pattern: str) -> list[Path]:
+    """Files and directories under ``root`` whose path matches ``pattern`` (right-anchored, as
+    :meth:`pathlib.PurePath.match`), sorted. Unlike ``Path.rglob``, a directory that disappears
+    during the walk (a retired checkpoint deleted in the background) is skipped, not an error."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):  # os.walk ignores errors by default
+        found += [Path(dirpath, name) for name in dirnames + filenames if Path(dirpath, name).match(pattern)]
+    return sorted(found)

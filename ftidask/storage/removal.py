@@ -98,11 +98,14 @@ _BACKLOG = 2
 _queued: weakref.WeakKeyDictionary[Executor, deque[Future[None]]] = weakref.WeakKeyDictionary()
 
 
-def discard(path: Path, remover: Callable[[], Executor], into: Path | None = None) -> None:
+def discard(path: Path, remover: Callable[[], Executor], into: Path | None = None, now: bool = False) -> None:
     """Move ``path`` to the trash now (in directory ``into``, else beside it) and have ``remover()`` (made
-    only when needed) delete it."""
+    only when needed) delete it; with ``now`` (a small tree), delete it here at once."""
     trash = move_to_trash(path, into)
     if trash is None:
+        return
+    if now:  # a few KiB: the hand-off to the remover's thread (and its GIL traffic) costs more than the deletion
+        remove_tree(trash)
         return
     pool = remover()
     queued = _queued.setdefault(pool, deque())
