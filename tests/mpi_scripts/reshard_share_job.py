@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from reshard_load_job import block, dirs  # the same directories and 1-D blocks
 
 import ftidask
 from ftidask.ftiff import readhash, verify
@@ -28,17 +29,8 @@ N1, N2 = 3 << 14, 3 << 18  # float64 in all: variable 1 (in use) 384 KiB, variab
 HASHED: list[int] = []
 
 
-def dirs(base: str) -> dict:
-    return {"ckpt_dir": f"{base}/Local", "glbl_dir": f"{base}/Global", "meta_dir": f"{base}/Meta",
-            "local_test": 1, "verbosity": 4, "node_size": 1}
-
-
 def glob(vid: int) -> np.ndarray:
     return np.arange(N1, dtype=np.float64) * -2 if vid == 1 else np.arange(N2, dtype=np.float64) / 3
-
-
-def block(rank: int, size: int, n: int) -> tuple[int, int]:
-    return n * rank // size, n * (rank + 1) // size
 
 
 def count_hashing() -> None:
