@@ -35,14 +35,15 @@ def block(rank: int, size: int, n: int) -> tuple[int, int]:
     return n * rank // size, n * (rank + 1) // size
 
 
-def write(base: str) -> None:
+def write(base: str, arrays=None) -> None:
+    """An L1 checkpoint of ``arrays`` ({var id: global array}; by default this job's two) in 1-D blocks, then end."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     ctx = ftidask.init(comm=comm, **dirs(base))
-    for vid, n in ((1, N1), (2, N2)):
-        lo, hi = block(comm.rank, comm.size, n)
-        ctx.protect(vid, glob(vid)[lo:hi].copy(), global_shape=(n,), offset=(lo,))
+    for vid, whole in (arrays or {1: glob(1), 2: glob(2)}).items():
+        lo, hi = block(comm.rank, comm.size, len(whole))
+        ctx.protect(vid, whole[lo:hi].copy(), global_shape=(len(whole),), offset=(lo,))
     ctx.checkpoint(1, 1)
     ctx._close()
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from reshard_load_job import block, dirs  # the same directories and 1-D blocks
+from reshard_load_job import block, dirs, write  # the same directories, 1-D blocks and checkpoint
 
 import ftidask
 from ftidask.ftiff import readhash, verify
@@ -46,18 +46,6 @@ def count_hashing() -> None:
         return run(fd, offset, view, hash_id)
 
     verify.container_problem, readhash.read_hashed = container_problem, read_hashed
-
-
-def write(base: str) -> None:
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    ctx = ftidask.init(comm=comm, **dirs(base))
-    for vid, n in ((1, N1), (2, N2)):
-        lo, hi = block(comm.rank, comm.size, n)
-        ctx.protect(vid, glob(vid)[lo:hi].copy(), global_shape=(n,), offset=(lo,))
-    ctx.checkpoint(1, 1)
-    ctx._close()
 
 
 def flip_in_rank1_part(base: str) -> tuple[Path, bytes]:
@@ -130,4 +118,4 @@ def recover(base: str, damaged: bool, othernode: bool = False) -> None:
 
 if __name__ == "__main__":
     mode, base = sys.argv[1], sys.argv[2]
-    write(base) if mode == "write" else recover(base, mode == "damaged", mode == "othernode")
+    write(base, {1: glob(1), 2: glob(2)}) if mode == "write" else recover(base, mode == "damaged", mode == "othernode")
