@@ -127,9 +127,17 @@ def verify_pieces(parsed: FtiffFile, wanted: list[tuple[int, Piece]],
         for _dptr, _raw, bi, ci, meta in _containers(parsed, vid, *piece.span):
             if (bi, ci) not in trusted:
                 jobs[bi, ci] = (bi, ci, meta)
+    verify_containers(parsed, list(jobs.values()), True)
+
+
+def verify_containers(parsed: FtiffFile, jobs: list[tuple[int, int, Any]], decode: bool, after: bool = False) -> None:
+    """Check the containers ``jobs`` ((block, container, meta)) of ``parsed`` in file order, the file first checked to
+    be the one parsed, unchanged (and, ``after``, once more at the end): :class:`FormatError` naming the file."""
     with open_read(parsed.path) as fh:
         check_unchanged(fh, parsed)
-        problem = verify.first_problem(fh.fileno(), parsed, sorted(jobs.values(), key=lambda j: j[2].fptr), True)
+        problem = verify.first_problem(fh.fileno(), parsed, sorted(jobs, key=lambda j: j[2].fptr), decode)
+        if after:
+            check_unchanged(fh, parsed)
     if problem:
         raise FormatError(problem, path=parsed.path)
 

@@ -27,13 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from ..ftiff import verify
-from ..ftiff.parsedfile import check_unchanged
-from ..model.errors import FormatError, FTIError, RecoveryError
-from ..storage.files import open_read
+from ..model.errors import FTIError, RecoveryError
 from . import pagemove
 from .prefault import Prefault
-from .reshard_files import cut_needs, read_in_place, read_pieces, verify_pieces
+from .reshard_files import cut_needs, read_in_place, read_pieces, verify_containers, verify_pieces
 
 #: (old rank, block, container) of an old file's container.
 Key = tuple[int, int, int]
@@ -102,13 +99,8 @@ def check_own(files: dict[int, Any], keys: Sequence[Key]) -> None:
     for old in sorted({k[0] for k in keys}):
         parsed = files[old]
         wanted = {(bi, ci) for o, bi, ci in keys if o == old}
-        jobs = [(bi, ci, meta) for bi, ci, meta in parsed.containers() if (bi, ci) in wanted]
-        with open_read(parsed.path) as fh:
-            check_unchanged(fh, parsed)
-            problem = verify.first_problem(fh.fileno(), parsed, jobs, False)
-            check_unchanged(fh, parsed)
-        if problem:
-            raise FormatError(problem, path=parsed.path)
+        verify_containers(parsed, [(bi, ci, meta) for bi, ci, meta in parsed.containers() if (bi, ci) in wanted],
+                          False, after=True)
 
 
 def stage(t: Any, plan: dict[int, list[Any]], parsed_of: Callable[[], dict[int, Any]], arrays: dict[int, np.ndarray],
