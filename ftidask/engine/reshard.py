@@ -36,6 +36,7 @@ from .dcpstore import distrust_spare
 from .device import holders
 from .recovery import check_writeable
 from .reshard_files import StatesRefused, open_old, read_pieces, state_sizes, table_of
+from .reshard_read import first_said
 from .reshard_read import why as _why
 from .reshard_rebuild import old_groups, rebuild_group
 from .retention import rank_path
@@ -272,11 +273,9 @@ _Refused = reshard_dask.Refused  # the declarations of this run do not match the
 
 def _agree(t: Any, problem: str, kind: type[FTIError], what: str = "") -> None:
     """Raise ``kind`` on every rank when any rank has a problem (the first one, with its rank; after ``what``)."""
-    problems = [(r, p) for r, p in enumerate(t.allgather(problem)) if p]
-    if problems:
-        r, p = problems[0]
-        more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
-        raise kind(f"{what}{': ' if what else ''}rank {r}{more}: {p}")
+    first = first_said(t.allgather(problem))
+    if first:
+        raise kind(f"{what}{': ' if what else ''}{first}")
 
 
 def _stage(ctx: Any, record: CommitRecord, arrays: dict[int, np.ndarray], decls: dict[int, Any],

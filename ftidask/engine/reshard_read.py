@@ -76,11 +76,9 @@ def verdict(reports: Sequence[Sequence[Any]], owners: dict[Key, int],
     plain FTI-FF old file it parsed). Those differ for a file replaced between the two ranks' reads, and for one file
     seen from two nodes whose kernels number a shared file system otherwise: the rank then checks its own reads'
     file, as every rank did before the work was shared (:func:`check_own`)."""
-    problems = [(r, p) for r, (p, _ids) in enumerate(reports) if p]
-    if problems:
-        r, p = problems[0]
-        more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
-        return f"rank {r}{more}: {p}", {}
+    first = first_said([p for p, _ids in reports])
+    if first:
+        return first, {}
     files = [{int(i[0]): [int(x) for x in i[1:]] for i in ids} for _p, ids in reports]
     redo: dict[int, list[Key]] = {}
     for r, mine in enumerate(needs):
@@ -90,6 +88,16 @@ def verdict(reports: Sequence[Sequence[Any]], owners: dict[Key, int],
             if owner is not None and owner != r and files[r].get(key[0]) != files[owner].get(key[0]):
                 redo.setdefault(r, []).append(key)
     return "", redo
+
+
+def first_said(problems: Sequence[str]) -> str:
+    """The first rank's problem of ``problems`` (each rank's, '' for none), said with its rank; '' when none has one."""
+    ranks = [(r, p) for r, p in enumerate(problems) if p]
+    if not ranks:
+        return ""
+    r, p = ranks[0]
+    more = f" (and {len(ranks) - 1} other rank(s))" if len(ranks) > 1 else ""
+    return f"rank {r}{more}: {p}"
 
 
 def check_own(files: dict[int, Any], keys: Sequence[Key]) -> None:
@@ -154,7 +162,7 @@ def stage(t: Any, plan: dict[int, list[Any]], parsed_of: Callable[[], dict[int, 
                 check_own(files, redo.get(t.rank, []))
             except Exception as exc:  # noqa: BLE001 - shared, as above
                 problem = why(exc)
-            failed, _none = verdict([[p, []] for p in t.allgather(problem)], {}, [])
+            failed = first_said(t.allgather(problem))
         if failed:
             raise RecoveryError(failed)
     except BaseException:
