@@ -339,7 +339,7 @@ class WorkerChannel:
 
     def _gone(self) -> list[str]:
         """The peers' workers that the scheduler no longer lists as running ([] if it cannot be asked)."""
-        async def ask() -> Any:  # all workers: n_workers=-1 is the default (distributed 2025.3 and older take no argument)
+        async def ask() -> Any:  # all workers (the default; distributed 2025.3 and older take no n_workers)
             return await self.worker.scheduler.identity()
 
         try:
