@@ -195,7 +195,7 @@ class DaskClusters:
         end, ok = time.monotonic() + _RESTART_WAIT, False
         try:
             while not ok:
-                workers = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+                workers = client.sync(client.scheduler.identity)["workers"]
                 if len(workers) == self.nworkers:
                     try:
                         seams = client.run(crashpoints.seams, workers=list(workers))

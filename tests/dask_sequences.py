@@ -74,7 +74,7 @@ class Clusters:
         self.client.wait_for_workers(nworkers, timeout=60)
 
     def workers(self) -> list[str]:
-        return sorted(self.client.sync(self.client.scheduler.identity, n_workers=-1)["workers"])
+        return sorted(self.client.sync(self.client.scheduler.identity)["workers"])
 
     def kill(self, position: int) -> None:
         """SIGKILL the worker at ``position`` in the sorted addresses; wait until its nanny replaced it."""

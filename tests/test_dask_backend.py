@@ -55,7 +55,7 @@ def crash_worker(client, rank, point):
 
 
 def live_workers(client):
-    return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+    return sorted(client.sync(client.scheduler.identity)["workers"])
 
 
 def checkpoint_then_lose(client, dirs, level, ranks):

@@ -51,7 +51,7 @@ def test_a_worker_killed_while_it_deletes_leaves_nothing_once_the_run_is_finaliz
     # The deletions run on the workers' removal threads after checkpoint 2 returned: each worker dies a moment later.
     # Checkpoint 3 must not start before they are gone (it would lose a worker mid-way), nor before their successors.
     deadline = time.monotonic() + 60
-    while doomed & set(client.sync(client.scheduler.identity, n_workers=-1)["workers"]):
+    while doomed & set(client.sync(client.scheduler.identity)["workers"]):
         assert time.monotonic() < deadline, "a worker did not die as it deleted checkpoint 1"
         time.sleep(0.05)
     wait_for_replaced_workers(client, NWORKERS)

@@ -76,7 +76,7 @@ def initial(seed=0):
 
 
 def live_workers(client):
-    return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+    return sorted(client.sync(client.scheduler.identity)["workers"])
 
 
 def kill_rank(client, ctx, rank, erase=True, replaced=True):

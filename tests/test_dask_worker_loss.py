@@ -34,7 +34,7 @@ def client(dask_client):
 
 
 def live_workers(client):
-    return set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+    return set(client.sync(client.scheduler.identity)["workers"])
 
 
 def kill_worker(client, address, node_dir=None):

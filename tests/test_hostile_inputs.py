@@ -84,10 +84,11 @@ def test_table_header_of_the_wrong_type_is_damage(dirs, capsys, field, value):
 
 
 @pytest.mark.parametrize("shape, dtype", [([100] + [1] * 70, "<f8"),
-                                          ([100] + [1] * 40, {"base": "<f8", "shape": [1] * 40})])
+                                          ([100] + [1] * 50, {"base": "<f8", "shape": [1] * 20})])
 def test_table_with_more_dimensions_than_numpy_has_is_damage(dirs, capsys, shape, dtype):
     """A shape NumPy cannot make (more than 64 dimensions, sub-array ones included) passed the table's
-    checks and failed later in np.empty with a ValueError (``export`` showed a traceback)."""
+    checks and failed later in np.empty with a ValueError (``export`` showed a traceback). (A sub-array of
+    at most 32 dimensions: NumPy 1.26 refuses a longer one in the dtype itself, before any shape is made.)"""
     path, _values = _checkpoint(dirs)
     table = _table(path)
     table["vars"][0].update(shape=shape, dtype=dtype)
@@ -98,6 +99,7 @@ def test_table_with_more_dimensions_than_numpy_has_is_damage(dirs, capsys, shape
     assert "dimensions" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(np.lib.NumpyVersion(np.__version__) < "2.0.0", reason="NumPy 1.x takes the alias without a warning")
 def test_table_with_a_deprecated_dtype_alias_is_damage_where_warnings_are_errors(dirs):
     """NumPy warns of the alias "a3" (never written by ftidask): where warnings are errors (python -W error, a
     test run's filterwarnings) the DeprecationWarning left the parser raw instead of a FormatError."""

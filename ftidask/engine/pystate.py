@@ -157,6 +157,19 @@ def _state_from_json(value: Any) -> Any:
     return value
 
 
+def _int_where_int(own: Any, stored: Any, at: str = "state") -> None:
+    """TypeError where ``stored`` (a state read back) has an array where a bit generator's ``own`` state has an int.
+
+    NumPy 2 refuses such a state; NumPy 1.26 takes a one-element array for an int as the int, so a forged state
+    would be set rather than refused."""
+    if isinstance(own, dict) and isinstance(stored, dict):
+        for key, value in own.items():
+            if key in stored:
+                _int_where_int(value, stored[key], f"{at}[{key!r}]")
+    elif isinstance(own, int) and isinstance(stored, np.ndarray):
+        raise TypeError(f"{at} is an array, the generator keeps an int there")
+
+
 @dataclasses.dataclass(frozen=True)
 class Holder:
     """A protected Python state: ``obj`` is what the user protected (updated in place on recovery)."""
@@ -188,7 +201,9 @@ class Holder:
                                     f"protected one is a {name}; protect a generator of the same kind")
             try:
                 state = _state_from_json(raw)
-                type(bg)().state = state  # tried on a fresh one first: a bad state leaves the user's untouched
+                fresh = type(bg)()
+                _int_where_int(fresh.state, state)
+                fresh.state = state  # tried on a fresh one first: a bad state leaves the user's untouched
             # IndexError: a bit generator's setter indexes what it is given (an array where it wants a dict)
             except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
                 raise RecoveryError(f"{what}: the stored {name} state is not valid: {exc}") from None

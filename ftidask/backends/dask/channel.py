@@ -339,8 +339,8 @@ class WorkerChannel:
 
     def _gone(self) -> list[str]:
         """The peers' workers that the scheduler no longer lists as running ([] if it cannot be asked)."""
-        async def ask() -> Any:
-            return await self.worker.scheduler.identity(n_workers=-1)
+        async def ask() -> Any:  # all workers (the default; distributed 2025.3 and older take no n_workers)
+            return await self.worker.scheduler.identity()
 
         try:
             info = asyncio.run_coroutine_threadsafe(ask(), self.worker.loop.asyncio_loop).result(30)

@@ -107,7 +107,7 @@ class Cluster:
     def workers(self) -> list[str]:
         """Addresses of the live workers, sorted: a worker's position is its rank."""
         # Not Client.scheduler_info(): a periodic refresh may replace its cache with one that lists no worker.
-        info = self.client.sync(self.client.scheduler.identity, n_workers=-1)
+        info = self.client.sync(self.client.scheduler.identity)
         self._workers = sorted(a for a, w in info["workers"].items() if w.get("status", "running") == "running")
         return list(self._workers)
 

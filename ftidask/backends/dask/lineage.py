@@ -271,7 +271,7 @@ def _place_aliases(client: Client, pairs: dict[str, list[tuple[Any, Any]]]) -> i
         try:
             client.sync(client.scheduler.update_data, who_has=who_has, nbytes=nbytes, client=client.id)
         except Exception:  # noqa: BLE001 - a worker left after its aliases were made: tell about the others only
-            alive = set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+            alive = set(client.sync(client.scheduler.identity)["workers"])
             who_has = {k: w for k, w in who_has.items() if w[0] in alive}
             client.sync(client.scheduler.update_data, who_has=who_has, nbytes={k: nbytes[k] for k in who_has},
                         client=client.id)

@@ -182,7 +182,7 @@ def _alive(address: str) -> bool:
         from distributed import get_client
 
         client = get_client()
-        workers = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+        workers = client.sync(client.scheduler.identity)["workers"]
     except Exception:  # noqa: BLE001 - no answer: better a clear error than a task sent back forever
         return False
     return address in workers and workers[address].get("status", "running") == "running"
