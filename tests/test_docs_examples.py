@@ -145,7 +145,10 @@ def test_mpi_restart_on_another_number_of_ranks(folder):
         (folder / "prog.py").write_text(prog)
         proc = subprocess.run([mpi_util.mpiexec(), "-n", str(ranks), sys.executable, "prog.py"], cwd=folder,
                               env=mpi_util.env(), capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        # The writers die unfinalized: MPICH's mpiexec may then kill the ranks not yet gone (exit 9), a race of
+        # the launcher (a plain mpi4py program does the same); what they left is checked by the restart.
+        assert proc.returncode == 0 or prog is write, proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     got = [(folder / f"result-{r}.txt").read_text() for r in range(3)]
     assert got == [f"{r}: True [1.0, 2.0, 3.0]" for r in range(3)], (got, proc.stdout + proc.stderr)
     assert "recovered checkpoint 1 from level 1, written by 4 ranks, on 3" in proc.stderr, proc.stderr
