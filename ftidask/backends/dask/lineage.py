@@ -31,6 +31,7 @@ from ...engine.device import device_meta
 from ...engine.runstate import CommitRecord
 from ...storage import files as storage
 from . import reads, recorded
+from .cluster import send_now
 from .plan import VarSpec
 from .restore import file_sources
 
@@ -163,12 +164,14 @@ def _queued(client: Client) -> None:
 
 
 def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: dict[Place, Future],
-        held: dict[int, Any]) -> dict[int, Array]:
+        held: dict[int, Any], who_has: Mapping[Any, Any] | None = None) -> dict[int, Array]:
     """The protected Dask arrays of committed ``record`` with their lineage cut: var id -> new array.
 
     ``futures``: the chunks the checkpoint wrote; ``held``: the arrays they came from (``p.array``
     is replaced by the new array only if it is still that one: an asynchronous checkpoint commits
-    while the application goes on and may have protected a newer array meanwhile).
+    while the application goes on and may have protected a newer array meanwhile). ``who_has``: where the chunks
+    were when the checkpoint placed its writes (else asked): each is aliased on one of those workers, its writer
+    first; one that no longer holds it skips it (:func:`_alias`), and that chunk is read back instead.
     """
     client = ctx.client
     lay = recorded.layout(record)
@@ -177,7 +180,8 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: d
     hosts = {r: (workers[r], ctx.node_file(level, cid, seq, r, storage.rank_file(cid, r)))
              for r in range(record.nranks)}
     sources = {r: src | {"exec_id": ctx.exec_id} for r, src in file_sources(ctx, record, hosts).items()}
-    who_has = client.who_has(list(futures.values()))
+    if who_has is None:
+        who_has = client.who_has(list(futures.values()))
     pairs: dict[str, list[tuple[Any, Any]]] = {}
     graphs: dict[int, tuple[str, dict[Any, Task]]] = {}
     for spec in specs:
@@ -230,6 +234,7 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: d
             if p is not None and p.array is lazy[vid]:
                 p.array = arr
     lazy.clear()
+    send_now(client)
     # Done when the scheduler has the graphs: the aliased keys are reported in memory once they have their
     # run_spec (any chunk not aliased is read meanwhile).
     wait([f for arr in out.values() for f in futures_of(arr)])
@@ -241,10 +246,10 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: d
 
 
 def cut_after_commit(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: dict[Place, Future],
-                     held: dict[int, Any]) -> dict[int, Array]:
+                     held: dict[int, Any], who_has: Mapping[Any, Any] | None = None) -> dict[int, Array]:
     """:func:`cut`, or nothing when it fails: the arrays keep their history, the checkpoint stays committed."""
     try:
-        return cut(ctx, record, specs, futures, held)
+        return cut(ctx, record, specs, futures, held, who_has)
     except Exception as exc:  # noqa: BLE001 - e.g. a worker lost meanwhile: Dask recomputes, as without ftidask
         log.warning("checkpoint %d: the arrays keep their Dask history (lineage not cut: %s)", record.ckpt_id, exc)
         return {}

@@ -75,13 +75,10 @@ class DaskWriting:
                     futures[vid, tuple(key[1:])] = by_key[key]
         return specs, futures
 
-    def _write_checkpoint(self, ckpt_id: int, parsed: Level, specs: list[VarSpec],
-                          futures: dict[tuple[int, tuple[int, ...]], Future], start: float,
-                          held: dict[int, Any], codecs: dict[int, dict[str, Any]]) -> DaskCheckpointInfo:
-        differential = parsed.differential  # L5-L8: differential L1-L4 (enable_dcp = 1)
-        shown_level, level = parsed.number, parsed.base
-        self._dask_retention.pins.settled = False  # only the lineage cut below spares the retirement a barrier
-        self._dask_retention.retire_deferred()  # before the write: a differential one may patch its files
+    def _owners(self, ckpt_id: int, futures: dict[tuple[int, tuple[int, ...]], Future]
+                ) -> tuple[list[str], dict[Any, Any], dict[tuple[int, tuple[int, ...]], int]]:
+        """Once the chunks are computed: the live workers (ranks), where each chunk is, and the rank that writes it
+        (one holding it)."""
         try:
             self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays", gather=False)
         except FTIError as exc:
@@ -95,15 +92,31 @@ class DaskWriting:
             if not holders:
                 raise CheckpointError(f"checkpoint {ckpt_id}: chunk {place} is held by no live worker")
             owner[place] = holders[0]
-        if differential:
-            owner = sticky_owners(self, level, owner, workers)
-        seq = self._seqs.take()
+        return workers, dict(who_has), owner
+
+    def _write_checkpoint(self, ckpt_id: int, parsed: Level, specs: list[VarSpec],
+                          futures: dict[tuple[int, tuple[int, ...]], Future], start: float,
+                          held: dict[int, Any], codecs: dict[int, dict[str, Any]]) -> DaskCheckpointInfo:
+        differential = parsed.differential  # L5-L8: differential L1-L4 (enable_dcp = 1)
+        shown_level, level = parsed.number, parsed.base
+        self._dask_retention.pins.settled = False  # only the lineage cut below spares the retirement a barrier
+        # Retired before the write (a differential one may patch their files). A full one's write tasks discard
+        # their directories first, each on its worker: no round trip of their own (here, if they do not run).
+        retired = self._dask_retention.retire_deferred(carried=not differential)
+        try:
+            workers, who_has, owner = self._owners(ckpt_id, futures)
+            if differential:
+                owner = sticky_owners(self, level, owner, workers)
+            seq = self._seqs.take()
+        except BaseException:
+            self._dask_retention.discard_now(retired)
+            raise
         failed = f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint is kept"
 
         def discard() -> None:  # what a checkpoint that is not committed leaves, on every worker
             if differential:
                 self._dcp.discard()
-            self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers))
+            self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers), also=retired)
 
         try:  # (the checkpoint's directories: a task of it orphaned by a restart removes them)
             with self.cluster.batch(), self.cluster.cleaning(self._dask_retention.dir_patterns(ckpt_id, seq)):
@@ -111,13 +124,16 @@ class DaskWriting:
                     plans, written, groups = run_dcp_levels(self, ckpt_id, level, seq, specs, futures, owner, workers)
                 else:
                     plans, written, groups = run_full_levels(self, ckpt_id, level, seq, specs, futures, owner,
-                                                             workers, codecs)
+                                                             workers, codecs, retired)
         except FTIError as exc:
             discard()
             # A lost worker or a failed task is said in one sentence, without Dask's chained traceback.
             cluster_error = isinstance(exc, ClusterError)
             raise CheckpointError(f"{failed}: {exc.detail if cluster_error else exc}") from (
                 None if cluster_error else exc)
+        except BaseException:  # (interrupted) whether the write tasks ran or not: the retired ones go
+            self._dask_retention.discard_now(retired)
+            raise
         record = CommitRecord(seq, ckpt_id, level, time.time(), len(workers),
                               tuple(FileRecord(w["rank"], w["node"], w["size"], w["fb_hash"]) for w in written),
                               {"backend": "dask", "workers": workers, "groups": groups,
@@ -127,10 +143,15 @@ class DaskWriting:
         if differential:  # its files are sound: retired, they become the spares (and the fallback)
             self._dcp.written(record)
         self.progress.layout = None  # the workers plan their files afresh each time
-        arrays = lineage.cut_after_commit(self, record, specs, futures, held)  # chunks lost later are read back
-        futures.clear()  # the chunks as computed are ours no more (shared with the caller): a checkpoint that
-        held.clear()  # they were computed from is retired below unless the application still holds them
-        self._committer.retire_after(record, shown_level)
+        self._dask_retention.collect_early()  # its round trip to the workers overlaps the cut's
+        try:
+            # Chunks lost later are read back; each aliased where it was found before the write (on its writer).
+            arrays = lineage.cut_after_commit(self, record, specs, futures, held, who_has)
+            futures.clear()  # the chunks as computed are ours no more (shared with the caller): a checkpoint that
+            held.clear()  # they were computed from is retired below unless the application still holds them
+            self._committer.retire_after(record, shown_level)
+        finally:
+            self._dask_retention.settle()
         variables = tuple({"id": s.id, "name": s.name, "dtype": str(s.dtype), "shape": s.shape,
                            "nchunks": len(s.grid()), "nbytes": sum(s.chunk_nbytes(i) for i in s.grid())}
                           for s in specs)
