@@ -146,7 +146,9 @@ def _barrier(client: Client, timeout: float = 30) -> None:
     """Return once the scheduler has handled every message this client sent before (keys released by
     futures just dropped): a task sent on the same stream, which the scheduler handles in order."""
     _queued(client)
-    client.submit(_noop, pure=False, key=f"ftidask-barrier-{uuid.uuid4().hex}").result(timeout=timeout)
+    future = client.submit(_noop, pure=False, key=f"ftidask-barrier-{uuid.uuid4().hex}")
+    send_now(client)
+    future.result(timeout=timeout)
 
 
 async def _yield() -> None:
