@@ -98,7 +98,7 @@ class DaskWriting:
                           futures: dict[tuple[int, tuple[int, ...]], Future], start: float,
                           held: dict[int, Any], codecs: dict[int, dict[str, Any]]) -> DaskCheckpointInfo:
         differential = parsed.differential  # L5-L8: differential L1-L4 (enable_dcp = 1)
-        shown_level, level = parsed.number, parsed.base
+        level = parsed.base
         self._dask_retention.pins.settled = False  # only the lineage cut below spares the retirement a barrier
         # Retired before the write (a differential one may patch their files). A full one's write tasks discard
         # their directories first, each on its worker: no round trip of their own (here, if they do not run).
@@ -108,12 +108,31 @@ class DaskWriting:
             if differential:
                 owner = sticky_owners(self, level, owner, workers)
             seq = self._seqs.take()
+            # The chunks aliased under their lineage keys meanwhile, on their workers: that round trip overlaps the
+            # writes (the scheduler is told of them once the checkpoint is committed, see lineage.cut).
+            aliasing = lineage.Aliasing(self.client, ckpt_id, seq, specs, futures, who_has, owner, workers)
         except BaseException:
             self._dask_retention.discard_now(retired)
             raise
+        try:
+            return self._commit(ckpt_id, parsed, specs, futures, start, held, codecs, retired, workers, owner, seq,
+                                aliasing)
+        except BaseException:  # not committed, or its lineage not cut: the aliases go (once the scheduler was told
+            aliasing.abandon()  # of them, they stay: they are its keys)
+            raise
+
+    def _commit(self, ckpt_id: int, parsed: Level, specs: list[VarSpec],
+                futures: dict[tuple[int, tuple[int, ...]], Future], start: float, held: dict[int, Any],
+                codecs: dict[int, dict[str, Any]], retired: list[str], workers: list[str], owner: dict[Any, int],
+                seq: int, aliasing: lineage.Aliasing) -> DaskCheckpointInfo:
+        """:meth:`_write_checkpoint` once the writers are chosen: the writes, the level's redundancy, the commit,
+        the lineage cut and the retirement."""
+        differential = parsed.differential
+        shown_level, level = parsed.number, parsed.base
         failed = f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint is kept"
 
         def discard() -> None:  # what a checkpoint that is not committed leaves, on every worker
+            aliasing.abandon()
             if differential:
                 self._dcp.discard()
             self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers), also=retired)
@@ -145,8 +164,8 @@ class DaskWriting:
         self.progress.layout = None  # the workers plan their files afresh each time
         self._dask_retention.collect_early()  # its round trip to the workers overlaps the cut's
         try:
-            # Chunks lost later are read back; each aliased where it was found before the write (on its writer).
-            arrays = lineage.cut_after_commit(self, record, specs, futures, held, who_has)
+            # Chunks lost later are read back from the checkpoint.
+            arrays = lineage.cut_after_commit(self, record, specs, futures, held, aliasing)
             futures.clear()  # the chunks as computed are ours no more (shared with the caller): a checkpoint that
             held.clear()  # they were computed from is retired below unless the application still holds them
             self._committer.retire_after(record, shown_level)
