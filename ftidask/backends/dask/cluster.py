@@ -113,6 +113,17 @@ class Cluster:
         self._workers = sorted(a for a, w in info["workers"].items() if w.get("status", "running") == "running")
         return list(self._workers)
 
+    def workers_holding(self, keys: list[Any]) -> tuple[list[str], dict[Any, list[str]]]:
+        """:meth:`workers`, and the workers holding each of ``keys`` (``Client.who_has``): both asked at once."""
+        scheduler = self.client.scheduler
+
+        async def ask() -> list[Any]:
+            return list(await asyncio.gather(scheduler.identity(n_workers=-1), scheduler.who_has(keys=keys)))
+
+        info, who_has = self.client.sync(ask)
+        self._workers = sorted(a for a, w in info["workers"].items() if w.get("status", "running") == "running")
+        return list(self._workers), dict(who_has)
+
     def last_workers(self) -> list[str]:
         """:meth:`workers` as last asked (asked now if never): for what a list a moment old serves as well, such
         as how many node directories to look into, which every live worker does for its own anyway."""

@@ -83,16 +83,16 @@ class DaskWriting:
             self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays", gather=False)
         except FTIError as exc:
             raise CheckpointError(f"checkpoint {ckpt_id}: the protected arrays could not be computed: {exc}") from exc
-        workers = self.cluster.workers()  # after the chunks: a worker lost meanwhile has its chunks recomputed
+        # After the chunks: a worker lost meanwhile has its chunks recomputed.
+        workers, who_has = self.cluster.workers_holding([f.key for f in futures.values()])
         rank_of = {w: r for r, w in enumerate(workers)}
-        who_has = self.client.who_has(list(futures.values()))
         owner = {}
         for place, key in [(place, f.key) for place, f in futures.items()]:  # no future left bound in this frame
             holders = sorted(rank_of[w] for w in who_has.get(key, ()) if w in rank_of)
             if not holders:
                 raise CheckpointError(f"checkpoint {ckpt_id}: chunk {place} is held by no live worker")
             owner[place] = holders[0]
-        return workers, dict(who_has), owner
+        return workers, who_has, owner
 
     def _write_checkpoint(self, ckpt_id: int, parsed: Level, specs: list[VarSpec],
                           futures: dict[tuple[int, tuple[int, ...]], Future], start: float,
