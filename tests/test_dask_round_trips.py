@@ -116,3 +116,34 @@ def test_a_checkpoint_returns_with_its_retirement_and_collection_done(dask_clien
         ctx.protect(1, ctx.protected[1] + 1)
     assert ctx.recover()[1].compute().tobytes() == stepped(initial(), 3).compute().tobytes()
     ctx.finalize()
+
+
+def _lineage_keys(dask_worker=None):
+    return sorted(str(k) for k in dask_worker.state.tasks if "ftidask-lineage" in str(k))
+
+
+def test_a_checkpoint_not_committed_leaves_no_alias_on_the_workers(dask_client, dirs, monkeypatch):
+    """The chunks are aliased under their lineage keys on the workers while the checkpoint is written, the scheduler
+    told only at the commit: a checkpoint whose commit record cannot be written (a full disk) drops them again, so
+    that no worker keeps keys the scheduler never heard of (and the chunks they hold); the next one cuts as ever."""
+    from diskfull import full_commit_records
+
+    from ftidask.storage import files as storage
+
+    ctx = ftidask.init(client=dask_client, **dirs)
+    x = initial().persist()
+    distributed.wait(x)
+    ctx.protect(1, x, name="field")
+    real = storage.open_temp
+    full_commit_records(monkeypatch.setattr)
+    with pytest.raises(CheckpointError):
+        ctx.checkpoint(1, 1)
+    monkeypatch.setattr(storage, "open_temp", real)
+    assert ctx.state.records() == []
+    assert all(keys == [] for keys in dask_client.run(_lineage_keys).values())
+    ctx.checkpoint(2, 1)
+    cut = ctx.protected[1]
+    held = {k for keys in dask_client.run(_lineage_keys).values() for k in keys}
+    assert held and all("ckpt2" in k for k in held) and len(held) == len(distributed.futures_of(cut))
+    assert cut.compute().tobytes() == x.compute().tobytes()
+    ctx.finalize()
