@@ -124,13 +124,14 @@ class DaskRetention(Retention):
         return [f"{glob.escape(str(self.paths.ckpt_dir))}/node*/{glob.escape(self.paths.exec_id)}/l[1-4]/{name}",
                 f"{glob.escape(str(self.paths.level_dir(4, 0)))}/{name}"]
 
-    def collect_early(self) -> None:
-        """Right after a commit: start the workers' collection (:meth:`collect_garbage`) now, keeping the directories
-        of every commit record, so that it runs while the lineage cut does; :meth:`collect_garbage` waits for it.
-        What the retirement then retires is not in it: discarded by a call of its own (in a loop, a retired
-        checkpoint is usually read by the step's array, retired at the next checkpoint's write: no call)."""
+    def collect_early(self, sealing: str) -> None:
+        """Right before a commit: start the workers' collection (:meth:`collect_garbage`) now, keeping the directories
+        of every commit record and ``sealing`` (the one being committed), so that it runs while the commit record is
+        written and the lineage cut; :meth:`collect_garbage` waits for it (:meth:`settle` when none follows). What
+        the retirement then retires is not in it: discarded by a call of its own (in a loop, a retired checkpoint
+        is usually read by the step's array, retired at the next checkpoint's write: no call)."""
         if self.started and self._early is None:
-            committed = sorted(r.dirname for r in self.state.records())
+            committed = sorted({r.dirname for r in self.state.records()} | {sealing})
             self._early = self.cluster.run_soon(tasks.collect_garbage, str(self.paths.ckpt_dir), self.paths.exec_id,
                                                 committed, False, bool(self.config.enable_dcp))
 

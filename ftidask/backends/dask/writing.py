@@ -158,12 +158,14 @@ class DaskWriting:
                               {"backend": "dask", "workers": workers, "groups": groups,
                                "vars": [s.to_json() for s in specs], "chunks": chunk_table(plans)}
                               | ({"dcp": True} if differential else {}))
-        self._committer.seal(record, failed, discard)  # the commit point, as on every backend
-        if differential:  # its files are sound: retired, they become the spares (and the fallback)
-            self._dcp.written(record)
-        self.progress.layout = None  # the workers plan their files afresh each time
-        self._dask_retention.collect_early()  # its round trip to the workers overlaps the cut's
+        # The workers collect interrupted checkpoints' leftovers while the client writes the commit record (this
+        # checkpoint's directories kept): that round trip overlaps the seal's fsyncs and the cut.
+        self._dask_retention.collect_early(record.dirname)
         try:
+            self._committer.seal(record, failed, discard)  # the commit point, as on every backend
+            if differential:  # its files are sound: retired, they become the spares (and the fallback)
+                self._dcp.written(record)
+            self.progress.layout = None  # the workers plan their files afresh each time
             # Chunks lost later are read back from the checkpoint.
             arrays = lineage.cut_after_commit(self, record, specs, futures, held, aliasing)
             futures.clear()  # the chunks as computed are ours no more (shared with the caller): a checkpoint that
