@@ -41,7 +41,7 @@ class DaskRetention(Retention):
         # While a commit's retirement runs: the retired directories, discarded on the workers by the collection that
         # follows it, in the same call (one round trip to every worker instead of two). None: discarded at once.
         self._discards: list[str] | None = None
-        # The workers' share of the collection after a commit, started before the lineage cut (collect_early).
+        # The workers' share of the collection after a commit, started as its record is written (collect_early).
         self._early: concurrent.futures.Future | None = None
 
     def retire_older(self, record: CommitRecord) -> None:
