@@ -122,14 +122,19 @@ def _lineage_keys(dask_worker=None):
     return sorted(str(k) for k in dask_worker.state.tasks if "ftidask-lineage" in str(k))
 
 
-def test_a_checkpoint_not_committed_leaves_no_alias_on_the_workers(dask_client, dirs, monkeypatch):
-    """The chunks are aliased under their lineage keys on the workers while the checkpoint is written, the scheduler
-    told only at the commit: a checkpoint whose commit record cannot be written (a full disk) drops them again, so
-    that no worker keeps keys the scheduler never heard of (and the chunks they hold); the next one cuts as ever."""
+@pytest.mark.parametrize("early", [True, False])
+def test_a_checkpoint_not_committed_leaves_no_alias_on_the_workers(dask_client, dirs, monkeypatch, early):
+    """The chunks of a small checkpoint are aliased under their lineage keys on the workers while it is written (of
+    a larger one, after the commit), the scheduler told only at the commit: a checkpoint whose commit record cannot
+    be written (a full disk) drops them again, so that no worker keeps keys the scheduler never heard of (and the
+    chunks they hold); the next one cuts as ever."""
     from diskfull import full_commit_records
 
+    from ftidask.backends.dask import lineage
     from ftidask.storage import files as storage
 
+    if not early:  # the array is larger than that: aliased after the commit
+        monkeypatch.setattr(lineage, "EARLY_ALIAS_BYTES", 0)
     ctx = ftidask.init(client=dask_client, **dirs)
     x = initial().persist()
     distributed.wait(x)

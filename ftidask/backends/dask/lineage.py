@@ -249,11 +249,18 @@ def cut_after_commit(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec
         return {}
 
 
+#: A checkpoint of at most this many bytes of chunks has them aliased while it is written (see :class:`Aliasing`).
+EARLY_ALIAS_BYTES = 32 << 20
+
+
 class Aliasing:
-    """A checkpoint's chunks aliased under their lineage keys on the workers that hold them (:func:`_alias`), started
-    with its writes so that this round trip to the workers overlaps them. The scheduler learns of the new keys only
-    once the checkpoint is committed (:func:`cut`); until then they are the workers' alone, dropped again
-    (:meth:`abandon`) when the checkpoint is not committed or its lineage not cut.
+    """A checkpoint's chunks aliased under their lineage keys on the workers that hold them (:func:`_alias`). For a
+    small checkpoint (:data:`EARLY_ALIAS_BYTES`), whose time is its round trips, started with its writes so that
+    this one overlaps them; for a larger one, once it is committed (a round trip is nothing beside its writes). The
+    scheduler learns of the new keys only once the checkpoint is committed (:func:`cut`); until then they are the
+    workers' alone, dropped again (:meth:`abandon`) when the checkpoint is not committed or its lineage not cut.
+    (A client killed meanwhile leaves them on the workers, holding their chunks until the workers restart: hence
+    early for small checkpoints only.)
 
     Each chunk is aliased on its writer (``owner``), else on a worker ``who_has`` names for it; one that holds it
     no longer skips it, and that chunk is read back from the checkpoint instead."""
@@ -263,34 +270,40 @@ class Aliasing:
         self.client = client
         self.names: dict[int, str] = {}  # var id -> the name of its lineage keys, (name, *grid index)
         pairs: dict[str, list[tuple[Any, Any]]] = {}
+        nbytes = 0
         for spec in specs:
             if spec.kind != "dask" or spec.pystate:
                 continue
             name = self.names[spec.id] = f"ftidask-lineage-ckpt{ckpt_id}-s{seq}-v{spec.id}-{uuid.uuid4().hex}"
             for index in spec.grid():
+                nbytes += spec.chunk_nbytes(index)
                 old = futures[spec.id, index].key
                 holders = who_has.get(old, ())
                 writer = workers[owner[spec.id, index]]  # it holds the chunk, or gets a replica for its write task
                 holder = writer if writer in holders else (sorted(holders)[0] if holders else None)
                 if holder is not None:
                     pairs.setdefault(holder, []).append((old, (name, *index)))
+        self._pairs = pairs if pairs and nbytes > EARLY_ALIAS_BYTES else {}  # made by made(), after the commit
         self._running = (asyncio.run_coroutine_threadsafe(
             client.run(_alias, pairs, workers=list(pairs), on_error="return", asynchronous=True),
-            client.loop.asyncio_loop) if pairs else None)
+            client.loop.asyncio_loop) if pairs and not self._pairs else None)
         self._made: dict[str, dict[Any, int]] | None = None
         self.told = False  # the scheduler knows of them (they are its keys now)
 
     def made(self) -> dict[str, dict[Any, int]]:
-        """worker -> {new key: bytes} of the aliases made (waited for, once)."""
+        """worker -> {new key: bytes} of the aliases made (made now if not started; waited for, once)."""
         if self._made is None:
             running, self._running = self._running, None
-            results = running.result() if running is not None else {}
+            pairs, self._pairs = self._pairs, {}
+            results = (running.result() if running is not None else
+                       self.client.run(_alias, pairs, workers=list(pairs), on_error="return") if pairs else {})
             # A worker lost meanwhile (an exception): its chunks are read back instead.
             self._made = {w: sizes for w, sizes in results.items() if not isinstance(sizes, BaseException) and sizes}
         return self._made
 
     def abandon(self) -> None:
         """Drop the aliases the scheduler was not told of (best effort: a worker gone took its own along)."""
+        self._pairs = {}  # not made yet: never to be
         if self.told:
             return
         with contextlib.suppress(Exception):
