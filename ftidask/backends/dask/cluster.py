@@ -3,6 +3,8 @@ lost workers, show progress with Dask's own bar."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -111,6 +113,17 @@ class Cluster:
         self._workers = sorted(a for a, w in info["workers"].items() if w.get("status", "running") == "running")
         return list(self._workers)
 
+    def workers_holding(self, keys: list[Any]) -> tuple[list[str], dict[Any, list[str]]]:
+        """:meth:`workers`, and the workers holding each of ``keys`` (``Client.who_has``): both asked at once."""
+        scheduler = self.client.scheduler
+
+        async def ask() -> list[Any]:
+            return list(await asyncio.gather(scheduler.identity(n_workers=-1), scheduler.who_has(keys=keys)))
+
+        info, who_has = self.client.sync(ask)
+        self._workers = sorted(a for a, w in info["workers"].items() if w.get("status", "running") == "running")
+        return list(self._workers), dict(who_has)
+
     def last_workers(self) -> list[str]:
         """:meth:`workers` as last asked (asked now if never): for what a list a moment old serves as well, such
         as how many node directories to look into, which every live worker does for its own anyway."""
@@ -156,6 +169,12 @@ class Cluster:
         """``fn(*args)`` on every live worker (small values only)."""
         return self.client.run(fn, *args, on_error="return")
 
+    def run_soon(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """:meth:`run`, started now: its future's result is waited for later, so that its round trip to the workers
+        overlaps the caller's next ones. The caller always waits for it (never left running unobserved)."""
+        coro = self.client.run(fn, *args, on_error="return", asynchronous=True)
+        return asyncio.run_coroutine_threadsafe(coro, self.client.loop.asyncio_loop)
+
     def _show_progress(self, futures: Sequence[Future]) -> None:
         enabled = self.progress == "on" or (self.progress == "auto" and is_kernel())
         if not enabled or not futures:
@@ -180,6 +199,7 @@ class Cluster:
         workers in rank order, to name a lost worker with its rank.
         """
         needed = set(addresses)
+        send_now(self.client)  # the tasks just submitted leave now, not at the end of the client's batching interval
         self._show_progress(futures)
         try:
             while not wait_for(futures, self.poll):
@@ -248,6 +268,28 @@ def _untokenized(graph: dict[Any, Task]) -> Any:
         return LLGExpr(graph, _determ_token=uuid.uuid4().hex)
     except TypeError:  # pragma: no cover - a dask whose expressions take no given token
         return graph
+
+
+def send_now(client: Client) -> None:
+    """Send what ``client`` has queued for the scheduler (a graph just submitted) now.
+
+    The client batches its messages to the scheduler: one sent, the next ones wait until 10 ms have passed
+    (``distributed.batched.BatchedSend``). A checkpoint's graph sent right after a release of futures (the
+    application's, or the checkpoint's own) would wait there for most of that interval, twice per checkpoint:
+    a third of a small checkpoint's time. Called after a graph the client then waits for; the batching of
+    every other message is left as it is. Only a speed-up: a client without the attributes batches as before.
+    """
+    client.loop.add_callback(_send_now, client)  # after the sends queued before it: callbacks run in order
+
+
+def _send_now(client: Client) -> None:
+    bcomm = getattr(client, "scheduler_comm", None)
+    if bcomm is None or not getattr(bcomm, "buffer", None) or getattr(bcomm, "next_deadline", None) is None:
+        return  # nothing queued, or nothing held back (an idle stream sends at once)
+    waker = getattr(bcomm, "waker", None)
+    if waker is not None:
+        bcomm.next_deadline = None  # its sender wakes and sends the buffer, then waits the interval again
+        waker.set()
 
 
 def wait_for(futures: Sequence[Future], timeout: float) -> bool:

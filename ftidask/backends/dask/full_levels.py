@@ -26,11 +26,12 @@ if TYPE_CHECKING:
 
 
 def run_full_levels(ctx: DaskContext, ckpt_id: int, level: int, seq: int, specs: list[VarSpec], futures: dict,
-                    owner: dict, workers: list[str], codecs: Mapping[int, dict[str, Any]] | None = None
-                    ) -> tuple[list[RankPlan], list[dict[str, Any]], list[list[int]]]:
+                    owner: dict, workers: list[str], codecs: Mapping[int, dict[str, Any]] | None = None,
+                    discards: list[str] | None = None) -> tuple[list[RankPlan], list[dict[str, Any]], list[list[int]]]:
     """Write full checkpoint ``ckpt_id`` (sequence ``seq``) at ``level`` on ``workers``: each rank's chunks
     (``futures`` by (var id, grid index), held by rank ``owner[...]``), then the level's redundancy.
-    ``codecs``: var id -> numcodecs config of the variables whose containers the workers compress.
+    ``codecs``: var id -> numcodecs config of the variables whose containers the workers compress. ``discards``:
+    directories of retired checkpoints, which every write task discards first (every live worker has one).
     Returns the rank plans, what each rank's file task reported, and the L2/L3 groups."""
     n = len(workers)
     plans = plan_ranks(specs, owner, n, codecs)
@@ -51,7 +52,7 @@ def run_full_levels(ctx: DaskContext, ckpt_id: int, level: int, seq: int, specs:
             tasks.write_rank, own(r),
             layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, ctx.config.hash, partner,
             max(fs[g] for g in topo.group_ranks(r)), [[c.var_id, c.dptr] for c in plan.chunks],
-            *(futures[c.var_id, c.index] for c in plan.chunks), durable=level not in (2, 3),
+            *(futures[c.var_id, c.index] for c in plan.chunks), durable=level not in (2, 3), discards=discards or [],
             key=f"ftidask-write-{tag}-{r}", worker=workers[r]))
     finals: list[Future] = []
     tags: list[str] = []

@@ -16,6 +16,7 @@ remembers them per checkpoint so that retention keeps a checkpoint that live arr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -31,6 +32,7 @@ from ...engine.device import device_meta
 from ...engine.runstate import CommitRecord
 from ...storage import files as storage
 from . import reads, recorded
+from .cluster import send_now
 from .plan import VarSpec
 from .restore import file_sources
 
@@ -145,7 +147,9 @@ def _barrier(client: Client, timeout: float = 30) -> None:
     """Return once the scheduler has handled every message this client sent before (keys released by
     futures just dropped): a task sent on the same stream, which the scheduler handles in order."""
     _queued(client)
-    client.submit(_noop, pure=False, key=f"ftidask-barrier-{uuid.uuid4().hex}").result(timeout=timeout)
+    future = client.submit(_noop, pure=False, key=f"ftidask-barrier-{uuid.uuid4().hex}")
+    send_now(client)
+    future.result(timeout=timeout)
 
 
 async def _yield() -> None:
@@ -163,12 +167,13 @@ def _queued(client: Client) -> None:
 
 
 def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: dict[Place, Future],
-        held: dict[int, Any]) -> dict[int, Array]:
+        held: dict[int, Any], aliasing: Aliasing) -> dict[int, Array]:
     """The protected Dask arrays of committed ``record`` with their lineage cut: var id -> new array.
 
     ``futures``: the chunks the checkpoint wrote; ``held``: the arrays they came from (``p.array``
     is replaced by the new array only if it is still that one: an asynchronous checkpoint commits
-    while the application goes on and may have protected a newer array meanwhile).
+    while the application goes on and may have protected a newer array meanwhile). ``aliasing``: the chunks
+    aliased under their new keys while the checkpoint was written, which the scheduler now learns of.
     """
     client = ctx.client
     lay = recorded.layout(record)
@@ -177,27 +182,19 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: d
     hosts = {r: (workers[r], ctx.node_file(level, cid, seq, r, storage.rank_file(cid, r)))
              for r in range(record.nranks)}
     sources = {r: src | {"exec_id": ctx.exec_id} for r, src in file_sources(ctx, record, hosts).items()}
-    who_has = client.who_has(list(futures.values()))
-    pairs: dict[str, list[tuple[Any, Any]]] = {}
     graphs: dict[int, tuple[str, dict[Any, Task]]] = {}
     for spec in specs:
-        if spec.kind != "dask" or spec.pystate:
+        if spec.id not in aliasing.names:
             continue
-        name = f"ftidask-lineage-ckpt{cid}-s{seq}-v{spec.id}-{uuid.uuid4().hex}"
+        name = aliasing.names[spec.id]
         graph = {}
         for at in lay.chunks[spec.id]:
             key = (name, *at.index)
             graph[key] = Task(key, reads.read_lineage_chunk, sources[at.rank], spec.id, spec.name, list(at.index),
                               at.dptr, lay.raw_dtypes[spec.id], list(spec.chunk_shape(at.index)),
                               device=spec.device)
-            old = futures[(spec.id, at.index)].key
-            holders = who_has.get(old, ())
-            writer = workers[at.rank]  # it holds the chunk, or a replica made for its write task
-            holder = writer if writer in holders else (sorted(holders)[0] if holders else None)
-            if holder is not None:
-                pairs.setdefault(holder, []).append((old, key))
         graphs[spec.id] = (name, graph)
-    aliased = _place_aliases(client, pairs)
+    aliased = _place_aliases(client, aliasing)
     pins = ctx._dask_retention.pins
     lazy: dict[int, Array] = {}
     for spec in specs:
@@ -230,6 +227,7 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: d
             if p is not None and p.array is lazy[vid]:
                 p.array = arr
     lazy.clear()
+    send_now(client)
     # Done when the scheduler has the graphs: the aliased keys are reported in memory once they have their
     # run_spec (any chunk not aliased is read meanwhile).
     wait([f for arr in out.values() for f in futures_of(arr)])
@@ -241,28 +239,100 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: d
 
 
 def cut_after_commit(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: dict[Place, Future],
-                     held: dict[int, Any]) -> dict[int, Array]:
+                     held: dict[int, Any], aliasing: Aliasing) -> dict[int, Array]:
     """:func:`cut`, or nothing when it fails: the arrays keep their history, the checkpoint stays committed."""
     try:
-        return cut(ctx, record, specs, futures, held)
+        return cut(ctx, record, specs, futures, held, aliasing)
     except Exception as exc:  # noqa: BLE001 - e.g. a worker lost meanwhile: Dask recomputes, as without ftidask
+        aliasing.abandon()  # (unless the scheduler was told of them: then they keep the checkpoint, as keys do)
         log.warning("checkpoint %d: the arrays keep their Dask history (lineage not cut: %s)", record.ckpt_id, exc)
         return {}
 
 
-def _place_aliases(client: Client, pairs: dict[str, list[tuple[Any, Any]]]) -> int:
-    """Alias the chunks on their workers, then tell the scheduler where the new keys are; the count."""
-    if not pairs:
-        return 0
-    results = client.run(_alias, pairs, workers=list(pairs), on_error="return")
+#: A checkpoint of at most this many bytes of chunks has them aliased while it is written (see :class:`Aliasing`).
+EARLY_ALIAS_BYTES = 32 << 20
+
+
+class Aliasing:
+    """A checkpoint's chunks aliased under their lineage keys on the workers that hold them (:func:`_alias`). For a
+    small checkpoint (:data:`EARLY_ALIAS_BYTES`), whose time is its round trips, started with its writes so that
+    this one overlaps them; for a larger one, once it is committed (a round trip is nothing beside its writes). The
+    scheduler learns of the new keys only once the checkpoint is committed (:func:`cut`); until then they are the
+    workers' alone, dropped again (:meth:`abandon`) when the checkpoint is not committed or its lineage not cut.
+    (A client killed meanwhile leaves them on the workers, holding their chunks until the workers restart: hence
+    early for small checkpoints only.)
+
+    Each chunk is aliased on its writer (``owner``), else on a worker ``who_has`` names for it; one that holds it
+    no longer skips it, and that chunk is read back from the checkpoint instead."""
+
+    def __init__(self, client: Client, ckpt_id: int, seq: int, specs: list[VarSpec], futures: dict[Place, Future],
+                 who_has: Mapping[Any, Any], owner: Mapping[Place, int], workers: list[str]) -> None:
+        self.client = client
+        self.names: dict[int, str] = {}  # var id -> the name of its lineage keys, (name, *grid index)
+        pairs: dict[str, list[tuple[Any, Any]]] = {}
+        nbytes = 0
+        for spec in specs:
+            if spec.kind != "dask" or spec.pystate:
+                continue
+            name = self.names[spec.id] = f"ftidask-lineage-ckpt{ckpt_id}-s{seq}-v{spec.id}-{uuid.uuid4().hex}"
+            for index in spec.grid():
+                nbytes += spec.chunk_nbytes(index)
+                old = futures[spec.id, index].key
+                holders = who_has.get(old, ())
+                writer = workers[owner[spec.id, index]]  # it holds the chunk, or gets a replica for its write task
+                holder = writer if writer in holders else (sorted(holders)[0] if holders else None)
+                if holder is not None:
+                    pairs.setdefault(holder, []).append((old, (name, *index)))
+        self._pairs = pairs if pairs and nbytes > EARLY_ALIAS_BYTES else {}  # made by made(), after the commit
+        self._running = (asyncio.run_coroutine_threadsafe(
+            client.run(_alias, pairs, workers=list(pairs), on_error="return", asynchronous=True),
+            client.loop.asyncio_loop) if pairs and not self._pairs else None)
+        self._made: dict[str, dict[Any, int]] | None = None
+        self.told = False  # the scheduler knows of them (they are its keys now)
+
+    def made(self) -> dict[str, dict[Any, int]]:
+        """worker -> {new key: bytes} of the aliases made (made now if not started; waited for, once)."""
+        if self._made is None:
+            running, self._running = self._running, None
+            pairs, self._pairs = self._pairs, {}
+            results = (running.result() if running is not None else
+                       self.client.run(_alias, pairs, workers=list(pairs), on_error="return") if pairs else {})
+            # A worker lost meanwhile (an exception): its chunks are read back instead.
+            self._made = {w: sizes for w, sizes in results.items() if not isinstance(sizes, BaseException) and sizes}
+        return self._made
+
+    def abandon(self) -> None:
+        """Drop the aliases the scheduler was not told of (best effort: a worker gone took its own along)."""
+        self._pairs = {}  # not made yet: never to be
+        if self.told:
+            return
+        with contextlib.suppress(Exception):
+            made = self.made()
+            if made:
+                self.client.run(_unalias, {w: list(sizes) for w, sizes in made.items()}, workers=list(made),
+                                on_error="return")
+        self._made = {}
+
+
+def _unalias(keys: Mapping[str, list[Any]], dask_worker: Any = None) -> None:
+    """On a worker (``Client.run``): release its aliases ``keys[address]`` (:class:`Aliasing`), as the scheduler's
+    free-keys would."""
+    from distributed.worker_state_machine import FreeKeysEvent
+
+    mine = [k for k in keys.get(dask_worker.address, ()) if k in dask_worker.state.tasks]
+    if mine:
+        dask_worker.handle_stimulus(FreeKeysEvent(keys=mine, stimulus_id=f"ftidask-unalias-{time.time()}"))
+
+
+def _place_aliases(client: Client, aliasing: Aliasing) -> int:
+    """Tell the scheduler where the aliases are (once made); the count."""
     who_has: dict[Any, list[str]] = {}
     nbytes: dict[Any, int] = {}
-    for worker, sizes in results.items():
-        if isinstance(sizes, BaseException):  # a worker lost meanwhile: its chunks are read back instead
-            continue
+    for worker, sizes in aliasing.made().items():
         for key, n in sizes.items():
             who_has[key] = [worker]
             nbytes[key] = n
+    aliasing.told = True  # (even were the call to fail midway: the keys it placed stay, as they always did)
     if who_has:
         # What Client.scatter does from inside a task: the scheduler now holds these keys in memory on
         # those workers, with no run_spec yet; the graph persisted next gives them theirs. A call, not a

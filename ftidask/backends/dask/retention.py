@@ -9,6 +9,7 @@ deleting runs: a task on every worker, the global directory and the commit recor
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import glob
 import logging
@@ -40,6 +41,8 @@ class DaskRetention(Retention):
         # While a commit's retirement runs: the retired directories, discarded on the workers by the collection that
         # follows it, in the same call (one round trip to every worker instead of two). None: discarded at once.
         self._discards: list[str] | None = None
+        # The workers' share of the collection after a commit, started as its record is written (collect_early).
+        self._early: concurrent.futures.Future | None = None
 
     def retire_older(self, record: CommitRecord) -> None:
         """After a commit, retire what FTI's rule retires, except the checkpoints live arrays may read."""
@@ -60,12 +63,30 @@ class DaskRetention(Retention):
         gone = {r.seq for r in obsolete if r.seq not in kept}
         self.hand_over([(r.seq, r.dirname) for r in records if r.seq not in gone])  # records() is sorted
 
-    def retire_deferred(self) -> None:
-        """Retire the checkpoints kept for live arrays that no live array reads any more."""
-        if self.deferred:
-            committed = {r.seq for r in self.state.records()}
-            deferred, self.deferred = self.deferred, []
+    def retire_deferred(self, carried: bool = False) -> list[str]:
+        """Retire the checkpoints kept for live arrays that no live array reads any more. ``carried``: their
+        directories on the workers are not discarded here but returned, for the tasks of the checkpoint about to
+        be written to discard first (see :meth:`discard_now` when they do not run)."""
+        if not self.deferred:
+            return []
+        committed = {r.seq for r in self.state.records()}
+        deferred, self.deferred = self.deferred, []
+        outer, self._discards = self._discards, ([] if carried else None)
+        try:
             self._retire([r for r in deferred if r.seq in committed])
+        except BaseException:  # what was retired so far is discarded now, as any other time
+            self.discard_now(self._discards or [])
+            raise
+        finally:
+            carry, self._discards = self._discards or [], outer
+        return carry
+
+    def discard_now(self, dirs: list[str]) -> None:
+        """Discard ``dirs`` on every worker (best effort: the collection of a later start removes what is missed),
+        those that :meth:`retire_deferred` handed to a checkpoint whose tasks may not have run."""
+        if dirs:
+            with contextlib.suppress(Exception):
+                self.cluster.run(tasks.discard_paths, dirs)
 
     def _retire(self, obsolete: list[CommitRecord]) -> None:
         read = self.pins.read(obsolete)
@@ -86,9 +107,10 @@ class DaskRetention(Retention):
         name = storage.ckpt_dirname(ckpt_id, seq)
         return [str(self.paths.level_dir(lv, r) / name) for lv in levels - {4} for r in range(nranks)]
 
-    def remove_dirs(self, ckpt_id: int, seq: int, level: int, nranks: int) -> None:
-        """Remove a checkpoint's directories on every worker (each sees its own node's)."""
-        dirs = self.dirs(ckpt_id, seq, {1, 2, 3, level}, max(nranks, len(self.cluster.last_workers())))
+    def remove_dirs(self, ckpt_id: int, seq: int, level: int, nranks: int, also: list[str] | None = None) -> None:
+        """Remove a checkpoint's directories on every worker (each sees its own node's); ``also``: other directories
+        to discard in the same call."""
+        dirs = self.dirs(ckpt_id, seq, {1, 2, 3, level}, max(nranks, len(self.cluster.last_workers()))) + (also or [])
         if self._discards is not None:
             self._discards.extend(dirs)
         else:
@@ -102,6 +124,25 @@ class DaskRetention(Retention):
         return [f"{glob.escape(str(self.paths.ckpt_dir))}/node*/{glob.escape(self.paths.exec_id)}/l[1-4]/{name}",
                 f"{glob.escape(str(self.paths.level_dir(4, 0)))}/{name}"]
 
+    def collect_early(self, sealing: str) -> None:
+        """Right before a commit: start the workers' collection (:meth:`collect_garbage`) now, keeping the directories
+        of every commit record and ``sealing`` (the one being committed), so that it runs while the commit record is
+        written and the lineage cut; :meth:`collect_garbage` waits for it (:meth:`settle` when none follows). What
+        the retirement then retires is not in it: discarded by a call of its own (in a loop, a retired checkpoint
+        is usually read by the step's array, retired at the next checkpoint's write: no call)."""
+        if self.started and self._early is None:
+            committed = sorted({r.dirname for r in self.state.records()} | {sealing})
+            self._early = self.cluster.run_soon(tasks.collect_garbage, str(self.paths.ckpt_dir), self.paths.exec_id,
+                                                committed, False, bool(self.config.enable_dcp))
+
+    def settle(self) -> None:
+        """Wait for the collection :meth:`collect_early` started, if still running (best effort): never left
+        running when the commit's work ends, for a directory made after its list was taken is not in it."""
+        early, self._early = self._early, None
+        if early is not None:
+            with contextlib.suppress(Exception):
+                early.result()
+
     def collect_garbage(self, trash: bool = False) -> None:
         """Remove interrupted checkpoints' leftovers on every worker (and in the global directory); the trash too
         at the start (nothing of ours is being deleted yet) or with ``trash`` (every deletion waited for)."""
@@ -113,8 +154,17 @@ class DaskRetention(Retention):
         if not self.started:  # the tasks a dead client of the run left running write nothing of ours from now on
             self.cluster.take_over(str(self.paths.meta_dir / self.paths.exec_id))
         self.started = True
-        self.cluster.run(tasks.discard_and_collect, discards, str(self.paths.ckpt_dir), self.paths.exec_id,
-                         sorted(committed), first, bool(self.config.enable_dcp))
+        early, self._early = self._early, None
+        if early is not None and not first:  # its list named more: what was retired since is discarded
+            early.result()
+            if discards:
+                self.cluster.run(tasks.discard_paths, discards)
+        else:
+            if early is not None:
+                with contextlib.suppress(Exception):
+                    early.result()
+            self.cluster.run(tasks.discard_and_collect, discards, str(self.paths.ckpt_dir), self.paths.exec_id,
+                             sorted(committed), first, bool(self.config.enable_dcp))
         glob_root = self.paths.level_dir(4, 0)
         if glob_root.is_dir() and self.paths.contains(glob_root):
             # The listing's file types, not a stat and a Path per entry: every kept L4 checkpoint is one.

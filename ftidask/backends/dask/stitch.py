@@ -35,7 +35,7 @@ from ...model.arrays import dtype_from_json, dtype_to_json
 from ...model.decomposition import Piece, Placement, overlap
 from ...model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from . import reads, tasks
-from .cluster import wait_for
+from .cluster import send_now, wait_for
 from .fallback import Placer
 from .plan import VarSpec
 
@@ -155,6 +155,7 @@ def _paths(ctx: DaskContext, record: CommitRecord) -> dict[int, str]:
 def _wait(ctx: DaskContext, futures: list[Any], what: str, gather: bool = True) -> list[Any]:
     """The results of loose tasks (Dask reruns them elsewhere if their worker dies); the first task's
     error as a :class:`RecoveryError` (its own message: which file, which container)."""
+    send_now(ctx.cluster.client)
     while not wait_for(futures, ctx.cluster.poll):
         if any(f.status == "error" for f in futures):
             break

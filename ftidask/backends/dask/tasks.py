@@ -87,10 +87,13 @@ def chunk_sources(places: Sequence[Sequence[int]], chunks: Sequence[np.ndarray],
 
 def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], meta: dict[str, Any],
                hash_name: str, pt_fs: int, max_fs: int, places: list[list[int]],
-               *chunks: np.ndarray, durable: bool = True) -> dict[str, Any]:
+               *chunks: np.ndarray, durable: bool = True, discards: Sequence[str] = ()) -> dict[str, Any]:
     """Write this worker's FTI-FF file from the chunks it holds (``places``: [var id, dptr] per chunk); the
     containers of a variable whose table entry names a codec (``extra["codec"]``) are compressed here.
-    ``durable=False`` (L2/L3): renamed unsynced; the level's task makes it durable after the redundancy."""
+    ``durable=False`` (L2/L3): renamed unsynced; the level's task makes it durable after the redundancy.
+    ``discards``: the directories of checkpoints retired right before, :func:`discard_paths` first (every worker
+    writes a file: the retirement's call to every worker, carried by the write instead of a round trip of its own)."""
+    discard_paths(discards)
     layout = layout_from_json(layout_json)
     infos = [VarInfo.from_json(raw) for raw in infos_json]
     codecs = {i.id: (compression.get_codec(i.extra["codec"]), i.dtype.itemsize) for i in infos if "codec" in i.extra}

@@ -75,35 +75,67 @@ class DaskWriting:
                     futures[vid, tuple(key[1:])] = by_key[key]
         return specs, futures
 
-    def _write_checkpoint(self, ckpt_id: int, parsed: Level, specs: list[VarSpec],
-                          futures: dict[tuple[int, tuple[int, ...]], Future], start: float,
-                          held: dict[int, Any], codecs: dict[int, dict[str, Any]]) -> DaskCheckpointInfo:
-        differential = parsed.differential  # L5-L8: differential L1-L4 (enable_dcp = 1)
-        shown_level, level = parsed.number, parsed.base
-        self._dask_retention.pins.settled = False  # only the lineage cut below spares the retirement a barrier
-        self._dask_retention.retire_deferred()  # before the write: a differential one may patch its files
+    def _owners(self, ckpt_id: int, futures: dict[tuple[int, tuple[int, ...]], Future]
+                ) -> tuple[list[str], dict[Any, Any], dict[tuple[int, tuple[int, ...]], int]]:
+        """Once the chunks are computed: the live workers (ranks), where each chunk is, and the rank that writes it
+        (one holding it)."""
         try:
             self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays", gather=False)
         except FTIError as exc:
             raise CheckpointError(f"checkpoint {ckpt_id}: the protected arrays could not be computed: {exc}") from exc
-        workers = self.cluster.workers()  # after the chunks: a worker lost meanwhile has its chunks recomputed
+        # After the chunks: a worker lost meanwhile has its chunks recomputed.
+        workers, who_has = self.cluster.workers_holding([f.key for f in futures.values()])
         rank_of = {w: r for r, w in enumerate(workers)}
-        who_has = self.client.who_has(list(futures.values()))
         owner = {}
         for place, key in [(place, f.key) for place, f in futures.items()]:  # no future left bound in this frame
             holders = sorted(rank_of[w] for w in who_has.get(key, ()) if w in rank_of)
             if not holders:
                 raise CheckpointError(f"checkpoint {ckpt_id}: chunk {place} is held by no live worker")
             owner[place] = holders[0]
-        if differential:
-            owner = sticky_owners(self, level, owner, workers)
-        seq = self._seqs.take()
+        return workers, who_has, owner
+
+    def _write_checkpoint(self, ckpt_id: int, parsed: Level, specs: list[VarSpec],
+                          futures: dict[tuple[int, tuple[int, ...]], Future], start: float,
+                          held: dict[int, Any], codecs: dict[int, dict[str, Any]]) -> DaskCheckpointInfo:
+        differential = parsed.differential  # L5-L8: differential L1-L4 (enable_dcp = 1)
+        level = parsed.base
+        self._dask_retention.pins.settled = False  # only the lineage cut below spares the retirement a barrier
+        # Retired before the write (a differential one may patch their files). A full one's write tasks discard
+        # their directories first, each on its worker: no round trip of their own (here, if they do not run).
+        retired = self._dask_retention.retire_deferred(carried=not differential)
+        try:
+            workers, who_has, owner = self._owners(ckpt_id, futures)
+            if differential:
+                owner = sticky_owners(self, level, owner, workers)
+            seq = self._seqs.take()
+            # The chunks aliased under their lineage keys meanwhile, on their workers: that round trip overlaps the
+            # writes (the scheduler is told of them once the checkpoint is committed, see lineage.cut).
+            aliasing = lineage.Aliasing(self.client, ckpt_id, seq, specs, futures, who_has, owner, workers)
+        except BaseException:
+            self._dask_retention.discard_now(retired)
+            raise
+        try:
+            return self._commit(ckpt_id, parsed, specs, futures, start, held, codecs, retired, workers, owner, seq,
+                                aliasing)
+        except BaseException:  # not committed, or its lineage not cut: the aliases go (once the scheduler was told
+            aliasing.abandon()  # of them, they stay: they are its keys)
+            raise
+
+    def _commit(self, ckpt_id: int, parsed: Level, specs: list[VarSpec],
+                futures: dict[tuple[int, tuple[int, ...]], Future], start: float, held: dict[int, Any],
+                codecs: dict[int, dict[str, Any]], retired: list[str], workers: list[str], owner: dict[Any, int],
+                seq: int, aliasing: lineage.Aliasing) -> DaskCheckpointInfo:
+        """:meth:`_write_checkpoint` once the writers are chosen: the writes, the level's redundancy, the commit,
+        the lineage cut and the retirement."""
+        differential = parsed.differential
+        shown_level, level = parsed.number, parsed.base
         failed = f"checkpoint {ckpt_id} at level {shown_level} failed; the previous checkpoint is kept"
 
         def discard() -> None:  # what a checkpoint that is not committed leaves, on every worker
+            aliasing.abandon()
             if differential:
                 self._dcp.discard()
-            self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers))
+            self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers), also=retired)
 
         try:  # (the checkpoint's directories: a task of it orphaned by a restart removes them)
             with self.cluster.batch(), self.cluster.cleaning(self._dask_retention.dir_patterns(ckpt_id, seq)):
@@ -111,26 +143,36 @@ class DaskWriting:
                     plans, written, groups = run_dcp_levels(self, ckpt_id, level, seq, specs, futures, owner, workers)
                 else:
                     plans, written, groups = run_full_levels(self, ckpt_id, level, seq, specs, futures, owner,
-                                                             workers, codecs)
+                                                             workers, codecs, retired)
         except FTIError as exc:
             discard()
             # A lost worker or a failed task is said in one sentence, without Dask's chained traceback.
             cluster_error = isinstance(exc, ClusterError)
             raise CheckpointError(f"{failed}: {exc.detail if cluster_error else exc}") from (
                 None if cluster_error else exc)
+        except BaseException:  # (interrupted) whether the write tasks ran or not: the retired ones go
+            self._dask_retention.discard_now(retired)
+            raise
         record = CommitRecord(seq, ckpt_id, level, time.time(), len(workers),
                               tuple(FileRecord(w["rank"], w["node"], w["size"], w["fb_hash"]) for w in written),
                               {"backend": "dask", "workers": workers, "groups": groups,
                                "vars": [s.to_json() for s in specs], "chunks": chunk_table(plans)}
                               | ({"dcp": True} if differential else {}))
-        self._committer.seal(record, failed, discard)  # the commit point, as on every backend
-        if differential:  # its files are sound: retired, they become the spares (and the fallback)
-            self._dcp.written(record)
-        self.progress.layout = None  # the workers plan their files afresh each time
-        arrays = lineage.cut_after_commit(self, record, specs, futures, held)  # chunks lost later are read back
-        futures.clear()  # the chunks as computed are ours no more (shared with the caller): a checkpoint that
-        held.clear()  # they were computed from is retired below unless the application still holds them
-        self._committer.retire_after(record, shown_level)
+        # The workers collect interrupted checkpoints' leftovers while the client writes the commit record (this
+        # checkpoint's directories kept): that round trip overlaps the seal's fsyncs and the cut.
+        self._dask_retention.collect_early(record.dirname)
+        try:
+            self._committer.seal(record, failed, discard)  # the commit point, as on every backend
+            if differential:  # its files are sound: retired, they become the spares (and the fallback)
+                self._dcp.written(record)
+            self.progress.layout = None  # the workers plan their files afresh each time
+            # Chunks lost later are read back from the checkpoint.
+            arrays = lineage.cut_after_commit(self, record, specs, futures, held, aliasing)
+            futures.clear()  # the chunks as computed are ours no more (shared with the caller): a checkpoint that
+            held.clear()  # they were computed from is retired below unless the application still holds them
+            self._committer.retire_after(record, shown_level)
+        finally:
+            self._dask_retention.settle()
         variables = tuple({"id": s.id, "name": s.name, "dtype": str(s.dtype), "shape": s.shape,
                            "nchunks": len(s.grid()), "nbytes": sum(s.chunk_nbytes(i) for i in s.grid())}
                           for s in specs)
