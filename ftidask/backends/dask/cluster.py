@@ -118,7 +118,7 @@ class Cluster:
         scheduler = self.client.scheduler
 
         async def ask() -> list[Any]:
-            return list(await asyncio.gather(scheduler.identity(n_workers=-1), scheduler.who_has(keys=keys)))
+            return list(await asyncio.gather(scheduler.identity(), scheduler.who_has(keys=keys)))
 
         info, who_has = self.client.sync(ask)
         self._workers = sorted(a for a, w in info["workers"].items() if w.get("status", "running") == "running")
