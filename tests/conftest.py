@@ -44,6 +44,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in heavy:
             item.add_marker(pytest.mark.slow)
+        if "dask_client" in getattr(item, "fixturenames", ()):  # a Dask cluster: -m "not dask" leaves it out
+            item.add_marker(pytest.mark.dask)
     # The campaigns' whole seed matrices run only when asked by name (-m campaign), never with -m slow (CI's budget).
     if "campaign" not in (config.option.markexpr or ""):
         skipped = [item for item in items if item.get_closest_marker("campaign") is not None]

@@ -135,3 +135,28 @@ def test_a_recovery_sends_the_records_kept_without_copying_each_field(tmp_path, 
     assert (a == 20).all()
     assert copies == []  # not one a value of each of the 20 records
     ctx._close()
+
+
+def test_the_listing_numbering_took_serves_once_and_never_after_a_record_changed(tmp_path):
+    """RunState.take_numbered (the Dask committer's early collection keeps what it names): the records as next_seq
+    listed them, once; after a record was written or deleted, a listing of now (a stale one would let the
+    collection remove a committed checkpoint's directories)."""
+    from ftidask.engine.runstate import CommitRecord, FileRecord, RunState
+
+    state = RunState(tmp_path / "meta", "run")
+
+    def record(seq: int) -> CommitRecord:
+        return CommitRecord(seq, seq, 1, 0.0, 1, (FileRecord(0, 0, 1, "00" * 16),))
+
+    state.write_record(record(1))
+    assert state.next_seq() == 2
+    listed = records.stats["listed"]
+    assert [r.seq for r in state.take_numbered()] == [1]
+    assert records.stats["listed"] == listed  # the numbering's listing, not another
+    assert [r.seq for r in state.take_numbered()] == [1] and records.stats["listed"] == listed + 1  # once only
+    state.next_seq()
+    state.write_record(record(2))
+    assert [r.seq for r in state.take_numbered()] == [1, 2]
+    state.next_seq()
+    state.delete_record(1)
+    assert [r.seq for r in state.take_numbered()] == [2]

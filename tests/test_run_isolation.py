@@ -353,6 +353,7 @@ def test_stage_dir_does_not_follow_chdir(tmp_path, monkeypatch):
 
 # --- every backend goes through the same lock -------------------------------------------------------
 
+@pytest.mark.dask
 def test_dask_client_holds_the_run_lock(dirs, holder_factory):
     distributed = pytest.importorskip("distributed")
     holder = holder_factory(dirs, 1.0, exec_id="busy")

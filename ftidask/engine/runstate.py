@@ -137,6 +137,7 @@ class RunState:
         self._fallback_paths = {level: self._commits / f"fallback-l{level}.json" for level in (1, 2, 3, 4)}
         self._records = RecordReader(self.records_dir)
         self._files = JsonFiles()  # run.json and the fallback records, read at every checkpoint
+        self._numbered: list[CommitRecord] | None = None  # the records next_seq listed last (take_numbered)
 
     @property
     def records_dir(self) -> Path:
@@ -148,13 +149,21 @@ class RunState:
         unchanged since is not parsed again: :class:`~ftidask.engine.records.RecordReader`)."""
         return self._records.read()
 
+    def take_numbered(self) -> list[CommitRecord]:
+        """The records as :meth:`next_seq` listed them last (once; listed now if it did not since, or if a record was
+        written or deleted here since): what the Dask backend's committer, the run's only writer of records, uses
+        between numbering a checkpoint and sealing it, rather than a listing of its own."""
+        numbered, self._numbered = self._numbered, None
+        return numbered if numbered is not None else self.records()
+
     def next_seq(self) -> int:
         """One more than any sequence number this run used (records, fallbacks, and the mark finalize leaves
         in ``run.json``: a finished run started again never reuses its directory names, as in l4_archive); a
         :class:`CheckpointError` past the largest a record may hold (a forged record's: a checkpoint committed with
         it would never be read back, and it would retire the previous one)."""
         mark = _seq_mark(self.run_info().get("seq"))  # a damaged or forged mark: ignored
-        seq = max([mark] + [r.seq for r in self.records() + self.fallbacks()]) + 1
+        self._numbered = self.records()
+        seq = max([mark] + [r.seq for r in self._numbered + self.fallbacks()]) + 1
         if seq >= 2**63:
             raise CheckpointError(f"the commit records in {self.records_dir} use every sequence number (damaged or "
                                   "forged records): start another run")
@@ -174,6 +183,7 @@ class RunState:
         """Commit ``record`` (atomically); a :class:`CheckpointError` when it cannot be written (a full
         or read-only ``meta_dir``): then the previous checkpoint stays the newest."""
         name = f"s{record.seq:08d}.json"
+        self._numbered = None  # that listing is out of date from now on
         try:
             raw = storage.write_json_atomic(self.records_dir / name, sealed_record(record))
         except OSError as exc:
@@ -199,6 +209,7 @@ class RunState:
 
     def delete_record(self, seq: int) -> None:
         """Remove commit record ``seq`` (already gone is fine)."""
+        self._numbered = None
         try:
             os.unlink(self.records_dir / f"s{seq:08d}.json")
         except FileNotFoundError:

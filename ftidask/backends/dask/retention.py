@@ -131,7 +131,8 @@ class DaskRetention(Retention):
         the retirement then retires is not in it: discarded by a call of its own (in a loop, a retired checkpoint
         is usually read by the step's array, retired at the next checkpoint's write: no call)."""
         if self.started and self._early is None:
-            committed = sorted({r.dirname for r in self.state.records()} | {sealing})
+            # The records as numbering this checkpoint listed them: nothing committed or retired since.
+            committed = sorted({r.dirname for r in self.state.take_numbered()} | {sealing})
             self._early = self.cluster.run_soon(tasks.collect_garbage, str(self.paths.ckpt_dir), self.paths.exec_id,
                                                 committed, False, bool(self.config.enable_dcp))
 
