@@ -32,7 +32,7 @@ from ...engine.device import device_meta
 from ...engine.runstate import CommitRecord
 from ...storage import files as storage
 from . import reads, recorded
-from .cluster import send_now
+from .cluster import Cluster, send_now
 from .plan import VarSpec
 from .restore import file_sources
 
@@ -265,9 +265,9 @@ class Aliasing:
     Each chunk is aliased on its writer (``owner``), else on a worker ``who_has`` names for it; one that holds it
     no longer skips it, and that chunk is read back from the checkpoint instead."""
 
-    def __init__(self, client: Client, ckpt_id: int, seq: int, specs: list[VarSpec], futures: dict[Place, Future],
+    def __init__(self, cluster: Cluster, ckpt_id: int, seq: int, specs: list[VarSpec], futures: dict[Place, Future],
                  who_has: Mapping[Any, Any], owner: Mapping[Place, int], workers: list[str]) -> None:
-        self.client = client
+        self.cluster, self.client = cluster, cluster.client
         self.names: dict[int, str] = {}  # var id -> the name of its lineage keys, (name, *grid index)
         pairs: dict[str, list[tuple[Any, Any]]] = {}
         nbytes = 0
@@ -284,9 +284,7 @@ class Aliasing:
                 if holder is not None:
                     pairs.setdefault(holder, []).append((old, (name, *index)))
         self._pairs = pairs if pairs and nbytes > EARLY_ALIAS_BYTES else {}  # made by made(), after the commit
-        self._running = (asyncio.run_coroutine_threadsafe(
-            client.run(_alias, pairs, workers=list(pairs), on_error="return", asynchronous=True),
-            client.loop.asyncio_loop) if pairs and not self._pairs else None)
+        self._running = cluster.run_soon(_alias, pairs, workers=list(pairs)) if pairs and not self._pairs else None
         self._made: dict[str, dict[Any, int]] | None = None
         self.told = False  # the scheduler knows of them (they are its keys now)
 
@@ -295,8 +293,9 @@ class Aliasing:
         if self._made is None:
             running, self._running = self._running, None
             pairs, self._pairs = self._pairs, {}
-            results = (running.result() if running is not None else
-                       self.client.run(_alias, pairs, workers=list(pairs), on_error="return") if pairs else {})
+            if running is None and pairs:
+                running = self.cluster.run_soon(_alias, pairs, workers=list(pairs))
+            results = running.result() if running is not None else {}
             # A worker lost meanwhile (an exception): its chunks are read back instead.
             self._made = {w: sizes for w, sizes in results.items() if not isinstance(sizes, BaseException) and sizes}
         return self._made

@@ -155,15 +155,13 @@ class DaskRetention(Retention):
         if not self.started:  # the tasks a dead client of the run left running write nothing of ours from now on
             self.cluster.take_over(str(self.paths.meta_dir / self.paths.exec_id))
         self.started = True
-        early, self._early = self._early, None
-        if early is not None and not first:  # its list named more: what was retired since is discarded
+        if self._early is not None and not first:  # its list named more: what was retired since is discarded
+            early, self._early = self._early, None
             early.result()
             if discards:
                 self.cluster.run(tasks.discard_paths, discards)
         else:
-            if early is not None:
-                with contextlib.suppress(Exception):
-                    early.result()
+            self.settle()
             self.cluster.run(tasks.discard_and_collect, discards, str(self.paths.ckpt_dir), self.paths.exec_id,
                              sorted(committed), first, bool(self.config.enable_dcp))
         glob_root = self.paths.level_dir(4, 0)

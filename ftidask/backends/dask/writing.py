@@ -110,7 +110,7 @@ class DaskWriting:
             seq = self._seqs.take()
             # The chunks aliased under their lineage keys meanwhile, on their workers: that round trip overlaps the
             # writes (the scheduler is told of them once the checkpoint is committed, see lineage.cut).
-            aliasing = lineage.Aliasing(self.client, ckpt_id, seq, specs, futures, who_has, owner, workers)
+            aliasing = lineage.Aliasing(self.cluster, ckpt_id, seq, specs, futures, who_has, owner, workers)
         except BaseException:
             self._dask_retention.discard_now(retired)
             raise
