@@ -133,6 +133,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--hash", default="xxh3_128", choices=["xxh3_128", "md5"])
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--direct-io", choices=["on", "off"], default="on",
+                    help="the direct_io setting: the rank file's data written around the page cache (O_DIRECT) or not")
     ap.add_argument("--drop-caches", action="store_true", help="cold cache: drop the whole page cache (root)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(dir=args.dir)
@@ -141,7 +143,8 @@ def main() -> None:
         rng = np.random.default_rng(0)
         arrays = [rng.random(per) for _ in range(args.arrays)]
         nbytes = sum(a.nbytes for a in arrays)
-        dirs = dict(ckpt_dir=f"{root}/L", glbl_dir=f"{root}/G", meta_dir=f"{root}/M", verbosity=3, hash=args.hash)
+        dirs = dict(ckpt_dir=f"{root}/L", glbl_dir=f"{root}/G", meta_dir=f"{root}/M", verbosity=3, hash=args.hash,
+                    direct_io=args.direct_io == "on")
         ctx = ftidask.init(**dirs)
         for i, a in enumerate(arrays):
             ctx.protect(i + 1, a)
@@ -158,7 +161,8 @@ def main() -> None:
         with PeakAnon() as mem_r:
             t_rec = best(ctx2.recover, args.repeat)
         gib = nbytes / 2**30
-        print(f"state: {args.arrays} arrays, {nbytes / 2**20:.0f} MiB, hash {args.hash}, best of {args.repeat}")
+        print(f"state: {args.arrays} arrays, {nbytes / 2**20:.0f} MiB, hash {args.hash}, direct_io {args.direct_io}, "
+              f"best of {args.repeat}")
         print(f"{'operation':34} {'seconds':>8} {'GiB/s':>7} {'ratio':>6}")
         print(f"{'raw tofile + fsync':34} {t_raw_w:8.3f} {gib / t_raw_w:7.2f} {'1.00':>6}")
         print(f"{'ftidask checkpoint L1 (hashed)':34} {t_ck:8.3f} {gib / t_ck:7.2f} {t_raw_w / t_ck:6.2f}")

@@ -43,7 +43,8 @@ def worker(args: argparse.Namespace) -> None:
     for level in args.levels:
         base = Path(args.dir) / f"l{level}"
         dirs = dict(comm=world, local_test=1, node_size=max(1, world.size // args.group), group_size=args.group,
-                    ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global", meta_dir=f"{base}/Meta", verbosity=3)
+                    ckpt_dir=f"{base}/Local", glbl_dir=f"{base}/Global", meta_dir=f"{base}/Meta", verbosity=3,
+                    direct_io=args.direct_io == "on")
         with ftidask.init(**dirs) as ctx:
             data = np.random.default_rng(ctx.comm.rank).integers(0, 255, args.mib << 20, dtype=np.uint8)
             ctx.protect(1, data)
@@ -249,7 +250,7 @@ def run_workers(mpiexec: str, args: argparse.Namespace, tmp: str, flag: str) -> 
     """Launch the ranks with ``flag`` (--worker, --worker-async); rank 0's RESULT row per level."""
     proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, flag, "--mib",
                            str(args.mib), "--dir", tmp, "--repeat", str(args.repeat), "--group", str(args.group),
-                           "--pause", str(args.pause), "--writeback", args.writeback,
+                           "--pause", str(args.pause), "--writeback", args.writeback, "--direct-io", args.direct_io,
                            "--levels", *map(str, args.levels)],
                           capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -290,6 +291,8 @@ def main() -> None:
                     help="off: no early write-back of the rank files (sync_file_range as they are written), every "
                          "byte left to the final fsync as in the raw write: whether early write-back helps or hurts "
                          "when many ranks share a disk")
+    ap.add_argument("--direct-io", choices=["on", "off"], default="on",
+                    help="the direct_io setting: L1 and L4 rank files written around the page cache (O_DIRECT) or not")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-async", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-dcp", action="store_true", help=argparse.SUPPRESS)
@@ -314,7 +317,8 @@ def main() -> None:
     times = {level: row[0] for level, row in rows.items()}
     times[1] = times.get(1, times[min(times)])
     total = args.ranks * args.mib
-    print(f"checkpoint of {args.ranks} ranks x {args.mib} MiB = {total} MiB (early write-back {args.writeback}; "
+    print(f"checkpoint of {args.ranks} ranks x {args.mib} MiB = {total} MiB (early write-back {args.writeback}, "
+          f"direct_io {args.direct_io}; "
           f"slowest rank, best of "
           f"{max(3, args.repeat)}), against a raw tofile+fsync (best of as many) by every rank of the bytes that "
           "level writes; restart with nothing lost into a fresh array against np.fromfile of the rank's file (warm "

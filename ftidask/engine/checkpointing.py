@@ -42,13 +42,14 @@ def write_rank_file(path: Path, layout: Layout, arrays: Mapping[int, ArrayBytes]
                     infos: Sequence[VarInfo | dict[str, Any]], *, hash_id: int, meta: Mapping[str, Any],
                     pt_fs: int | None = None, max_fs: int | None = None, pool: ThreadPoolExecutor | None = None,
                     codecs: Mapping[int, tuple[Any, int]] | None = None, durable: bool = True,
-                    sync_pool: ThreadPoolExecutor | None = None) -> WrittenFile:
+                    sync_pool: ThreadPoolExecutor | None = None, direct: bool = False) -> WrittenFile:
     """Write one rank's FTI-FF file atomically at ``path`` (``infos``: the variable table, each variable's
     :class:`VarInfo` or its JSON form; ``codecs``: variables to compress; ``durable=False``: renamed before the disk
     has it all; ``sync_pool``: threads to fsync it and its directories at once, a record written after naming it, see
-    :func:`~ftidask.storage.files.atomic_file`)."""
+    :func:`~ftidask.storage.files.atomic_file`); ``direct``: its data written around the page cache where it can be,
+    see :func:`~ftidask.ftiff.writer.write_ftiff`)."""
     trailer = dict(meta)
     trailer["vars"] = [info.to_json() if isinstance(info, VarInfo) else info for info in infos]
     with atomic_file(path, durable=durable, sync_pool=sync_pool) as fh:
         return write_ftiff(fh, layout, arrays, hash_id=hash_id, trailer=trailer, pt_fs=pt_fs, max_fs=max_fs, pool=pool,
-                           codecs=codecs)
+                           codecs=codecs, direct=direct)

@@ -83,8 +83,9 @@ class Writer:
             infos = [json_of(vid, p.name, p.array, {"codec": codecs[vid][1], **extras.get(vid, {})} if vid in codecs
                              else extras.get(vid)) for vid, p in variables.items()]
         # A checkpoint's file, which its commit record names once written: renamed first, then synced at once.
+        direct = durable and self.config.direct_writes(level)
         write = self.write_zarr_l4 if zarr_l4 else functools.partial(write_rank_file, durable=durable,
-                                                                     sync_pool=self.sync_pool())
+                                                                     sync_pool=self.sync_pool(), direct=direct)
         sources = self.sources
         streams, bar = tracked({vid: ArrayBytes(p.array) if (s := sources.get(vid)) is None else s
                                 for vid, p in variables.items()}, self.config, f"checkpoint {ckpt_id} (L{level})")

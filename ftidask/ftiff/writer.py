@@ -26,6 +26,7 @@ from typing import Any, BinaryIO, Protocol
 import numpy as np
 
 from ..storage import files as storage
+from ..storage.direct import ALIGN, DirectStream, aligned, open_stream
 from . import compression, hashing
 from .layout import Layout
 from .structs import BMD_SIZE, BMD_STRUCT, FLAG_METADATA_CHECKSUM, VMD_SIZE, VMD_STRUCT, ContainerMeta, FileBlock
@@ -65,6 +66,9 @@ _WRITEBACK_MIN = 8 << 20  # smaller writes are left to the final fsync
 #: Bytes copied out of an array, hashed and written at a time. The array may be written by another
 #: thread meanwhile: only a private copy makes the bytes hashed the bytes written.
 COPY_PIECE = 8 << 20
+#: Less data than this goes through the page cache even when ``direct`` is asked: the metadata written after it
+#: shares its first and last pages, read back from the disk after a direct write (a small file's fixed cost).
+DIRECT_MIN = 16 << 20
 _RING = 3  # copy buffers per writer: the pool fills the next ones while the caller writes one
 _INLINE = 256 << 10  # containers up to this size are copied, hashed and written by the caller alone
 _free: list[np.ndarray] = []  # buffers kept for the next checkpoint (no page faults), at most _RING
@@ -75,7 +79,8 @@ def _acquire() -> np.ndarray:
     with _free_lock:
         if _free:
             return _free.pop()
-    return np.empty(COPY_PIECE, np.uint8)
+    # aligned, with a block of room: a direct write copies a piece at its offset within a block (storage.direct)
+    return aligned(COPY_PIECE + ALIGN)
 
 
 def _release(buf: np.ndarray) -> None:
@@ -108,6 +113,15 @@ def copy_span(source: ByteSource, start: int, stop: int, out: np.ndarray) -> np.
     if pos != n:
         raise ValueError(f"byte source gave {pos} bytes for [{start}, {stop})")
     return out[:n]
+
+
+def _copy_small(source: ByteSource, start: int, stop: int, out: np.ndarray, out_view: memoryview) -> memoryview:
+    """A small span's bytes copied into ``out`` (``out_view``: the same bytes as a memoryview): the copy."""
+    try:  # a memoryview's copy (NumPy's costs more than 1 KiB's)
+        out_view[:] = source.view(start, stop)  # type: ignore[index]
+    except (TypeError, ValueError):  # no view, or one of another format
+        copy_span(source, start, stop, out)
+    return out_view
 
 
 def _fill(source: ByteSource, start: int, stop: int, buf: np.ndarray, hasher: hashing.Hasher,
@@ -158,8 +172,10 @@ class _Batch:
 Span = tuple[Any, int, ByteSource, int, int]
 
 
-def write_spans(fh: BinaryIO, spans: Iterable[Span], hash_id: int, pool: ThreadPoolExecutor) -> dict[Any, bytes]:
-    """Write each span's bytes at its file offset; the digest of the bytes written, by key.
+def write_spans(fh: BinaryIO, spans: Iterable[Span], hash_id: int, pool: ThreadPoolExecutor,
+                stream: DirectStream | None = None) -> dict[Any, bytes]:
+    """Write each span's bytes at its file offset (through ``stream`` when given, in file order; the caller closes
+    it); the digest of the bytes written, by key.
 
     Each piece of :data:`COPY_PIECE` bytes is copied once from memory into a reusable buffer and
     hashed there by a ``pool`` thread, while this thread writes the pieces already hashed: the
@@ -169,45 +185,59 @@ def write_spans(fh: BinaryIO, spans: Iterable[Span], hash_id: int, pool: ThreadP
     digests: dict[Any, bytes] = {}
     hashers: dict[Any, hashing.Hasher] = {}
     pieces: list[tuple[Any, int, ByteSource, int, int]] = []
+    steps: list[int | Span] = []  # what the writing loop does, in order: a piece (its index), a small span (direct)
     batch = _Batch(fh)
     take, oneshot = batch.take, hashing.oneshot(hash_id)
-    for key, offset, source, start, stop in spans:
+    for span in sorted(spans, key=lambda span: span[1]) if stream is not None else spans:
+        key, offset, source, start, stop = span
         n = stop - start
         if n <= _INLINE:  # not worth a round trip through the pool
+            if stream is not None:  # a direct stream takes its bytes in file order: with the pieces
+                steps.append(span)
+                continue
             pos = take(offset, n)
-            view = source.view(start, stop)
-            data = batch.mv[pos:pos + n]
-            try:  # copied once, a memoryview's copy (NumPy's costs more than 1 KiB's); hashed from the copy
-                data[:] = view  # type: ignore[index]
-            except (TypeError, ValueError):  # no view, or one of another format
-                copy_span(source, start, stop, batch.buf[pos:pos + n])
-            digests[key] = oneshot(data)
+            digests[key] = oneshot(_copy_small(source, start, stop, batch.buf[pos:pos + n], batch.mv[pos:pos + n]))
             continue
         hashers[key] = hashing.new_hasher(hash_id)
+        first = len(pieces)
         pieces += [(key, offset + lo - start, source, lo, min(stop, lo + COPY_PIECE))
                    for lo in range(start, stop, COPY_PIECE)]
+        steps += range(first, len(pieces))
     batch.flush()
-    if not pieces:
+    if not steps:
         return digests
     bufs = [_acquire() for _ in range(min(_RING, len(pieces)))]
     queue: deque[Future[np.ndarray]] = deque()
     last: dict[Any, Future[np.ndarray]] = {}
 
     def submit(i: int) -> None:
-        # Piece i reuses the buffer of piece i - len(bufs), written by then.
-        key, _offset, source, lo, hi = pieces[i]
-        last[key] = pool.submit(_fill, source, lo, hi, bufs[i % len(bufs)], hashers[key], last.get(key))
+        # Piece i reuses the buffer of piece i - len(bufs), written by then; for a direct stream, at its offset within
+        # a block (written from the buffer as it is).
+        key, offset, source, lo, hi = pieces[i]
+        buf = bufs[i % len(bufs)] if stream is None else bufs[i % len(bufs)][offset % ALIGN:]
+        last[key] = pool.submit(_fill, source, lo, hi, buf, hashers[key], last.get(key))
         queue.append(last[key])
 
     try:
         for i in range(len(bufs)):
             submit(i)
-        position = -1
-        for i, (_key, offset, _source, _lo, _hi) in enumerate(pieces):
+        position, small = -1, np.empty(_INLINE if stream is not None else 0, np.uint8)
+        for i in steps:
+            if not isinstance(i, int):  # a small span, to a direct stream
+                key, offset, source, start, stop = i
+                n = stop - start
+                data = _copy_small(source, start, stop, small[:n], memoryview(small)[:n])
+                digests[key] = oneshot(data)
+                stream.write(offset, data)  # type: ignore[union-attr]
+                continue
             data = queue.popleft().result()
-            if offset != position:
-                fh.seek(offset)
-            _write_all(fh, memoryview(data))
+            offset = pieces[i][1]
+            if stream is not None:
+                stream.write_from(offset, bufs[i % len(bufs)], len(data))
+            else:
+                if offset != position:
+                    fh.seek(offset)
+                _write_all(fh, memoryview(data))
             position = offset + len(data)
             if i + len(bufs) < len(pieces):
                 submit(i + len(bufs))
@@ -243,11 +273,13 @@ def _write_compressed(fh: BinaryIO, source: ByteSource, start: int, stop: int, h
 def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource], *, hash_id: int,
                 trailer: Mapping[str, Any], pt_fs: int | None = None, max_fs: int | None = None,
                 timestamp: int | None = None, pool: ThreadPoolExecutor | None = None,
-                codecs: Mapping[int, tuple[Any, int]] | None = None) -> WrittenFile:
+                codecs: Mapping[int, tuple[Any, int]] | None = None, direct: bool = False) -> WrittenFile:
     """Write the whole file to ``fh`` (positioned anywhere; seekable) and return its metadata.
 
     ``codecs`` maps a variable id to ``(numcodecs codec, itemsize)``: its containers are stored
     compressed (see :mod:`ftidask.ftiff.compression`; ``chunksize`` is then the stored size).
+    ``direct``: the data written around the page cache (:mod:`ftidask.storage.direct`) when there are at least
+    :data:`DIRECT_MIN` bytes of it, none compressed, and the file system allows; ``fh``'s file must be new.
     """
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftidask-hash")
@@ -276,7 +308,17 @@ def write_ftiff(fh: BinaryIO, layout: Layout, sources: Mapping[int, ByteSource],
                     continue
                 spans.append(((bi, si), slot.fptr, source, slot.dptr, slot.dptr + slot.chunksize))
                 data_bytes += slot.chunksize
-        digests.update(write_spans(fh, spans, hash_id, pool))
+        stream = None
+        if direct and not stored_sizes and data_bytes >= DIRECT_MIN:
+            fh.flush()
+            stream = open_stream(fh.fileno())
+        try:
+            digests.update(write_spans(fh, spans, hash_id, pool, stream))
+            if stream is not None:  # every direct write ended before the metadata is written through the cache
+                stream.close()
+        finally:
+            if stream is not None:
+                stream.abort()
         if codecs:
             trailer = dict(trailer)
             compression.annotate_trailer(trailer, plain, frames)

@@ -159,6 +159,7 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "max_inflight": ("advanced", 1, _parse_int(1, 64)),  # asynchronous checkpoints queued or being written
     "async_snapshot": ("advanced", "auto", _parse_choice("auto", "cow", "copy", "blocking")),
     "async_buffer_mb": ("advanced", 0, _parse_int(0)),  # copy snapshots' staging buffers; 0: half of MemAvailable
+    "direct_io": ("advanced", 1, _parse_bool),  # L1/L4 rank files' data written around the page cache
 }
 
 #: FTI keys that are accepted and have no effect in ftidask (they tune FTI's C I/O paths, its
@@ -219,10 +220,16 @@ class Config:
     max_inflight: int = 1
     async_snapshot: str = "auto"
     async_buffer_mb: int = 0
+    direct_io: bool = True
 
     def interval(self, level: int) -> int:
         """The snapshot interval of ``level`` (minutes or iterations; 0 = never)."""
         return (self.ckpt_l1, self.ckpt_l2, self.ckpt_l3, self.ckpt_l4)[level - 1]
+
+    def direct_writes(self, level: int) -> bool:
+        """Whether ``level``'s rank files are written around the page cache (``direct_io``; levels 1 and 4: levels 2
+        and 3 read the file back at once for the partner copy or the parity, from the page cache)."""
+        return self.direct_io and level in (1, 4)
 
     def with_absolute_dirs(self) -> Config:
         """A copy whose ``ckpt_dir``, ``glbl_dir`` and ``meta_dir`` are absolute, taken from the current

@@ -53,7 +53,7 @@ def run_full_levels(ctx: DaskContext, ckpt_id: int, level: int, seq: int, specs:
             layout_to_json(plan.layout), [i.to_json() for i in plan.infos], meta, ctx.config.hash, partner,
             max(fs[g] for g in topo.group_ranks(r)), [[c.var_id, c.dptr] for c in plan.chunks],
             *(futures[c.var_id, c.index] for c in plan.chunks), durable=level not in (2, 3), discards=discards or [],
-            key=f"ftidask-write-{tag}-{r}", worker=workers[r]))
+            direct=ctx.config.direct_writes(level), key=f"ftidask-write-{tag}-{r}", worker=workers[r]))
     finals: list[Future] = []
     tags: list[str] = []
     if level in (2, 3):  # the shared level code, its blocks sent worker to worker (group_steps)

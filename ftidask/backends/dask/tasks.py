@@ -87,10 +87,12 @@ def chunk_sources(places: Sequence[Sequence[int]], chunks: Sequence[np.ndarray],
 
 def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], meta: dict[str, Any],
                hash_name: str, pt_fs: int, max_fs: int, places: list[list[int]],
-               *chunks: np.ndarray, durable: bool = True, discards: Sequence[str] = ()) -> dict[str, Any]:
+               *chunks: np.ndarray, durable: bool = True, discards: Sequence[str] = (),
+               direct: bool = False) -> dict[str, Any]:
     """Write this worker's FTI-FF file from the chunks it holds (``places``: [var id, dptr] per chunk); the
     containers of a variable whose table entry names a codec (``extra["codec"]``) are compressed here.
     ``durable=False`` (L2/L3): renamed unsynced; the level's task makes it durable after the redundancy.
+    ``direct``: the data written around the page cache where it can be (L1/L4, ``direct_io``).
     ``discards``: the directories of checkpoints retired right before, :func:`discard_paths` first (every worker
     writes a file: the retirement's call to every worker, carried by the write instead of a round trip of its own)."""
     discard_paths(discards)
@@ -99,7 +101,8 @@ def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], me
     codecs = {i.id: (compression.get_codec(i.extra["codec"]), i.dtype.itemsize) for i in infos if "codec" in i.extra}
     sources = chunk_sources(places, chunks, {i.id: i.dtype for i in infos})
     written = write_rank_file(Path(path), layout, sources, infos, hash_id=hashing.hash_id(hash_name), meta=meta,
-                              pt_fs=pt_fs, max_fs=max_fs, codecs=codecs or None, durable=durable)
+                              pt_fs=pt_fs, max_fs=max_fs, codecs=codecs or None, durable=durable,
+                              direct=direct and durable)
     return {"rank": meta["rank"], "node": meta["node"], "size": written.file_size,
             "fb_hash": written.fb.hash.hex(), "data_bytes": written.data_bytes, "path": path}
 
