@@ -274,3 +274,37 @@ def test_a_full_disk_in_the_middle_of_a_direct_write_keeps_the_previous_checkpoi
             filler.unlink()
             ctx.recover()
             assert ctx.recovered_from == (1, level) and data.tobytes() == first.tobytes()
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_partner_copies_and_parity_are_written_direct_with_the_same_bytes(tmp_path, level):
+    """L2's partner copies and L3's parity files (nobody reads them back until a loss) go around the page cache: the
+    same bytes as through it, the last partial block included, and not left in the cache."""
+    from ftidask.levels import multilevel
+    from ftidask.model.config import Config
+    from ftidask.storage import files as storage
+    from ftidask.transport.threads import run_group
+
+    sizes = [(5 << 20) + 7, 3 << 20, (4 << 20) + 4097]
+    rng = np.random.default_rng(level)
+    data = [rng.integers(0, 256, n, np.uint8).tobytes() for n in sizes]
+    out: dict[int, list[bytes]] = {}
+    resident: dict[int, int] = {}
+    for direct_io in (0, 1):
+        base = tmp_path / f"d{direct_io}"
+        cfg = Config(block_size=256, transfer_size=1, direct_io=bool(direct_io))
+        files = [base / f"node{i}" / storage.rank_file(1, i) for i in range(len(sizes))]
+        for path, raw in zip(files, data):
+            path.parent.mkdir(parents=True)
+            path.write_bytes(raw)
+        errors_by_member, errors = run_group(len(sizes), lambda ch: multilevel.protect(  # noqa: B023
+            ch, cfg, level, 1, ch.index, files[ch.index], files[ch.index].parent, sizes))
+        assert errors == [] and not any(errors_by_member), (errors, errors_by_member)
+        name = storage.partner_file if level == 2 else storage.parity_file
+        made = [f.parent / name(1, i) for i, f in enumerate(files)]
+        resident[direct_io] = sum(_resident_pages(p) for p in made)  # before they are read below
+        out[direct_io] = [p.read_bytes() for p in made]
+    assert out[0] == out[1]
+    if level == 2:
+        assert out[1] == [data[(i - 1) % len(sizes)] for i in range(len(sizes))]
+    assert resident[1] <= 3 * 2 < (9 << 20) // mmap.PAGESIZE <= resident[0]

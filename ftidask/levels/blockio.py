@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from ..storage.direct import DirectStream, open_stream
 from ..storage.files import atomic_file, move_to_trash, open_read, remove_tree, write_then_writeback
 from ..transport.collective import reason
 
@@ -58,18 +59,24 @@ WRITEBACK_MIN = 1 << 20  # blocks from this size on are sent to the disk as soon
 
 
 class SafeOutput:
-    """An atomic output file (temporary name, fsync, rename) whose failures are recorded, not raised."""
+    """An atomic output file (temporary name, fsync, rename) whose failures are recorded, not raised. ``direct``: a
+    file nobody reads back soon (a partner copy, a parity file) written around the page cache where the file system
+    allows (:mod:`ftidask.storage.direct`)."""
 
-    def __init__(self, path: Path, errors: list[str]) -> None:
+    def __init__(self, path: Path, errors: list[str], direct: bool = False) -> None:
         self.path, self.errors = path, errors
         self._cm: Any = atomic_file(path)
-        self.fh: BinaryIO | None
+        self.fh: BinaryIO | None = None
+        self.stream: DirectStream | None = None
+        self.pos = 0
         try:
             _clear_directory(path)
             self.fh = self._cm.__enter__()
+            if direct:
+                self.stream = open_stream(self.fh.fileno())  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on
-            self.fh = None
             errors.append(f"cannot write {path}: {reason(exc)}")
+            self.abort()
 
     def write(self, data: Any) -> None:
         """Append ``data`` (a block of 1 MiB or more is sent to the disk at once); a failure is recorded and drops the
@@ -77,22 +84,38 @@ class SafeOutput:
         if self.fh is None:
             return
         try:
-            # the disk starts on each block while the next one is exchanged
-            write_then_writeback(self.fh, memoryview(data), WRITEBACK_MIN)
+            if self.stream is not None:  # written by the stream's threads while the next block is exchanged
+                view = memoryview(data).cast("B")
+                self.stream.write(self.pos, view)
+                self.pos += view.nbytes
+            else:  # the disk starts on each block while the next one is exchanged
+                write_then_writeback(self.fh, memoryview(data), WRITEBACK_MIN)
         except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on
             self.errors.append(f"cannot write {self.path}: {reason(exc)}")
             self.abort()
 
     def abort(self) -> None:
         """Drop the output (the temporary file is removed, the target is untouched)."""
+        if self.stream is not None:
+            self.stream.abort()  # no write in flight when the temporary file is removed
+            self.stream = None
         if self.fh is not None:
             self.fh = None
-            self._cm.__exit__(OSError, OSError("aborted"), None)
+            with contextlib.suppress(OSError):
+                self._cm.__exit__(OSError, OSError("aborted"), None)
 
     def close(self) -> bool:
         """Commit the file; True when it was written completely."""
         if self.fh is None:
             return False
+        if self.stream is not None:
+            try:
+                self.stream.close()
+            except Exception as exc:  # noqa: BLE001 - recorded, reported with the level's error
+                self.errors.append(f"cannot write {self.path}: {reason(exc)}")
+                self.abort()
+                return False
+            self.stream = None
         self.fh = None
         try:
             self._cm.__exit__(None, None, None)

@@ -10,10 +10,10 @@ block: :data:`ALIGN` (4096) covers the usual 512 and 4096. A :class:`DirectStrea
 increasing offsets: large pieces the caller copied into an aligned buffer of its own at their offset within a block
 (:meth:`DirectStream.write_from`: written from there), small ones copied into the stream's buffer
 (:meth:`DirectStream.write`). A block two writes share (the end of one piece, the start of the next) is carried
-from one to the other; gaps are zeros; the last block is padded with zeros. What the caller writes next through the
-page cache (metadata in the gaps, the bytes after the data) goes after :meth:`DirectStream.close`, which has waited
-for every direct write: a partial page is then read back from the disk and updated there, never overwritten by a
-direct write still in flight.
+from one to the other; gaps are zeros; the last partial block goes through the page cache. What the caller writes
+next through the page cache (metadata in the gaps, the bytes after the data) goes after :meth:`DirectStream.close`,
+which has waited for every direct write: a partial page is then read back from the disk and updated there, never
+overwritten by a direct write still in flight.
 
 ``O_DIRECT`` is set on the caller's descriptor for the stream's life (``fcntl``) and cleared by ``close``. A file
 system that refuses it (tmpfs before Linux 6.6, some FUSE mounts) refuses at ``fcntl`` or at the first write with
@@ -150,12 +150,22 @@ class DirectStream:
         self.end = offset + n
 
     def close(self) -> None:
-        """Write what is left (its last block padded with zeros), wait for every write, clear ``O_DIRECT``."""
+        """Write what is left, wait for every write, clear ``O_DIRECT``. The last partial block is written through the
+        page cache then: the file ends where its data ends (no padding to cut, a truncation waits for the journal)."""
+        tail = None
         try:
+            if self.buf is not None and self.fill % ALIGN:
+                part = self.fill % ALIGN
+                tail = (self.base + self.fill - part, self.buf[self.fill - part:self.fill].tobytes())
+                self.fill -= part
             self._submit()
             self._wait(0)
         finally:
             self.abort()
+        if tail is not None:
+            if self.direct:  # O_DIRECT could not be cleared: the partial block cannot be written
+                raise OSError(errno.EINVAL, "cannot clear O_DIRECT to write the last partial block")
+            _pwrite_all(self.fd, memoryview(tail[1]), tail[0])
 
     def abort(self) -> None:
         """Wait for the writes in flight (errors ignored: the file is being given up) and clear ``O_DIRECT``."""
