@@ -58,9 +58,12 @@ def run_zarr(x: da.Array, root: str) -> tuple[float, int]:
     return seconds, files
 
 
+DIRECT_IO = True  # --direct-io
+
+
 def run_ftidask(client: Client, x: da.Array, root: str, ckpt_id: int) -> float:
     ctx = ftidask.init(client=client, ckpt_dir=f"{root}/Local", glbl_dir=f"{root}/Global",
-                       meta_dir=f"{root}/Meta", verbosity=3, progress="off")
+                       meta_dir=f"{root}/Meta", verbosity=3, progress="off", direct_io=DIRECT_IO)
     ctx.protect(1, x)
     info = ctx.checkpoint(ckpt_id, 1)
     ctx.finalize()  # removes the checkpoint (keep_last_ckpt = 0)
@@ -70,7 +73,7 @@ def run_ftidask(client: Client, x: da.Array, root: str, ckpt_id: int) -> float:
 def run_recovery(client: Client, x: da.Array, root: str, repeat: int) -> tuple[list[float], list[float]]:
     """Cold-cache recoveries, interleaved: ftidask's (a checkpoint kept for it) and from_zarr's."""
     dirs = {"ckpt_dir": f"{root}/RLocal", "glbl_dir": f"{root}/RGlobal", "meta_dir": f"{root}/RMeta"}
-    writer = ftidask.init(client=client, verbosity=3, progress="off", **dirs)
+    writer = ftidask.init(client=client, verbosity=3, progress="off", direct_io=DIRECT_IO, **dirs)
     writer.protect(1, x)
     writer.checkpoint(1, 1)
     writer._close()  # as a job that ends: the checkpoint stays (finalize would remove it)
@@ -136,7 +139,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--dcp", action="store_true", help="also time differential checkpoints (levels 5 and 6)")
+    ap.add_argument("--direct-io", choices=["on", "off"], default="on",
+                    help="the direct_io setting: the workers' files written around the page cache (O_DIRECT) or not")
     args = ap.parse_args()
+    global DIRECT_IO
+    DIRECT_IO = args.direct_io == "on"
     root = tempfile.mkdtemp(prefix="ftidask-bench-", dir=args.dir)
     chunk_rows = args.chunk_mib * 2**20 // 8 // 1024
     rows = args.size_mib * 2**20 // 8 // 1024
@@ -146,7 +153,7 @@ def main() -> None:
         wait(x)
         nbytes = x.nbytes
         print(f"array: {nbytes / 2**30:.2f} GiB float64, {x.npartitions} chunks of {args.chunk_mib} MiB, "
-              f"{args.workers} workers x 1 thread")
+              f"{args.workers} workers x 1 thread, direct_io {args.direct_io}")
         ft, zt = [], []
         try:
             for i in range(args.repeat):

@@ -46,7 +46,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "$(nproc) cores; python $(python3 -c 'import sys; print(sys.version.split()[0])'); cupy $(python3 -c \
   'import cupy; print(cupy.__version__)' 2>&1 | tail -1)"
 # STEPS picks what runs (default: all): gputests (issue 19's tests), gpumpi (their MPI tests alone), gpubench
-# (issue 19's benchmark), then issue 16's rows: codec, levels, l1, dask, wb (not by default), reshard and small (not by default)
+# (issue 19's benchmark), then issue 16's rows: codec, levels, l1, dask, wb, direct, reshard and small (the last four
+# not by default)
 STEPS=${STEPS:-gputests gpubench codec levels l1 dask}
 [[ $STEPS == *gpumpi* ]] && step 90 python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu.py -k mpi
 [[ $STEPS == *gputests* ]] && step 200 python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_gpu.py \
@@ -60,6 +61,17 @@ STEPS=${STEPS:-gputests gpubench codec levels l1 dask}
 if [[ $STEPS == *wb* ]]; then
   for wb in off on; do
     step 60 python3 benchmarks/bench_levels_mpi.py --ranks 8 --group 4 --mib 256 --repeat 3 --levels 1 4 --writeback $wb
+  done
+fi
+# direct: O_DIRECT against buffered writes with eight writers, then the levels and Dask with direct_io off and on
+# (not by default; about 6 minutes)
+if [[ $STEPS == *direct* ]]; then
+  step 90 python3 benchmarks/bench_direct_io.py --procs 8 --mib 256 --repeat 3
+  for d in off on; do
+    step 150 python3 benchmarks/bench_levels_mpi.py --ranks 8 --group 4 --mib 256 --repeat 3 --direct-io $d
+  done
+  for d in off on; do
+    step 90 python3 benchmarks/bench_dask.py --workers 8 --size-mib 4096 --chunk-mib 128 --repeat 2 --direct-io $d
   done
 fi
 # reshard: restarts on another number of ranks (not by default; about 2 minutes)
