@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from timing import evict_file
 
 PIECE = 8 << 20
 WRITE = 64 << 20
@@ -108,15 +109,6 @@ def read_direct(path: Path, out: np.ndarray) -> None:
         os.close(fd)
 
 
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def proc(rank: int, args: argparse.Namespace, base: str, barrier, results, modes: list[str]) -> None:
     nbytes = args.mib << 20
     data = np.random.default_rng(rank).integers(0, 256, nbytes, np.uint8)
@@ -139,7 +131,7 @@ def proc(rank: int, args: argparse.Namespace, base: str, barrier, results, modes
             barrier.wait()
         assert np.array_equal(np.fromfile(path, np.uint8), data)  # the last mode wrote the data whole
         for reader in ("fromfile", "direct-read") if "direct" in modes else ("fromfile",):
-            evict(path)
+            evict_file(path)
             barrier.wait()
             t0 = time.perf_counter()
             if reader == "fromfile":
