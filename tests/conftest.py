@@ -159,7 +159,9 @@ def run_python(code: str, *args: str, timeout: float = 120, check: bool = True, 
 #
 # Each test has its own directories (``dirs``, ``tmp_path``) and its own run (a new exec_id), so what
 # stays in a worker process from one test to the next (its background removal thread, its rebuild
-# locks) concerns other paths only.
+# locks) concerns other paths only. It changes timings though: a worker whose removal thread an earlier
+# test started is quicker to its first deletion than a fresh one, so a test must not rely on which worker
+# wins a race (every worker renames every node directory it sees, and here they all see the same disk).
 
 _WORKER_WAIT = 60  # seconds a test waits for its cluster's workers to start
 _RESTART_WAIT = 30  # seconds the fixture waits for killed workers to be restarted

@@ -35,21 +35,62 @@ def files_left(dirs: dict) -> list[str]:
     return sorted(str(p) for d in ("ckpt_dir", "glbl_dir") for p in find_paths(Path(dirs[d]), "*") if p.is_file())
 
 
+REMOVE_TREE = "ftidask.storage.removal:remove_tree"
+
+
+def _trash_pids(dirs: dict) -> set[int]:
+    """The pids of the processes that renamed the node directories' trash entries (``.trash-NAME-PID-HEX``)."""
+    return {int(part.rsplit("-", 2)[1]) for p in find_paths(Path(dirs["ckpt_dir"]), "*") for part in p.parts
+            if part.startswith(".trash-")}
+
+
+def _start_removal_thread() -> None:
+    """Start this worker's removal thread (made on a worker's first deletion), as an earlier test would have."""
+    from ftidask.backends.dask import tasks
+
+    tasks._remover().submit(int).result()
+
+
+def _disarm(point: str) -> None:
+    """Take the crash point ``point`` (``module:function``, :func:`crashpoints.install`) out of this worker again: the
+    function as it was, the worker no longer listed as carrying a test seam (it may serve the next test)."""
+    import importlib
+
+    module, name = point.split(":")
+    owner = importlib.import_module(module)
+    setattr(owner, name, getattr(owner, name).__wrapped__)  # the crash point's wrapper (functools.wraps)
+    crashpoints.INSTALLED.remove(point)
+
+
 @pytest.mark.parametrize("level", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_worker_killed_while_it_deletes_leaves_nothing_once_the_run_is_finalized(client, dirs, level):
-    """The workers' removal threads are killed as they delete the retired checkpoint 1: its files stay in the trash.
-    The run goes on (the nannies restart the workers) and finalizes: nothing of it may stay. Before, finalize waited
-    for the live workers' deletions only, and the dead ones' trash was left for good (collected at a start of the
-    same run only, which a finalized run never has)."""
+    """The workers' removal threads are killed as they delete the retired checkpoint 1 (those of the workers that
+    renamed its directories: one or every one, a race): its files stay in the trash. The run goes on (the nannies
+    restart the workers) and finalizes: nothing of it may stay. Before, finalize waited for the live workers'
+    deletions only, and the dead ones' trash was left for good (collected at a start of the same run only, which a
+    finalized run never has)."""
     ctx = ftidask.init(client=client, group_size=2, **dirs)
     ctx.protect(1, da.random.default_rng(0).random((64, 48), chunks=(16, 48)), name="field")
     ctx.checkpoint(1, level)
-    client.run(crashpoints.install, "ftidask.storage.removal:remove_tree")  # every worker dies as it deletes
-    doomed = set(client.run(os.getpid))
+    client.run(_start_removal_thread)  # the same race whether an earlier test deleted something on the cluster or not
+    client.run(crashpoints.install, REMOVE_TREE)  # a worker dies as it deletes
+    pids = client.run(os.getpid)
     ctx.protect(1, ctx.protected[1] + 1)
     ctx.checkpoint(2, level)  # retires checkpoint 1 (the workers rename its directories, then delete them)
-    # The deletions run on the workers' removal threads after checkpoint 2 returned: each worker dies a moment later.
-    # Checkpoint 3 must not start before they are gone (it would lose a worker mid-way), nor before their successors.
+    # Every worker renames every node's directory it finds (one disk here): the first to come renames it, the others
+    # find it gone. Which worker renamed what is a race: a worker warm from an earlier test on the shared cluster (its
+    # removal thread started) often renamed all of them before the other came, which then had nothing to delete and
+    # never died (the test failed after any test that had deleted something, passed when run first). The doomed
+    # workers are those whose pid names a trash entry; the others are disarmed now (their next deletion, of
+    # checkpoint 2, would kill them in the middle of checkpoint 3 or finalize) and live on.
+    renamed = _trash_pids(dirs)
+    doomed = {address for address, pid in pids.items() if pid in renamed}
+    assert doomed, f"no trash of checkpoint 1 renamed by a worker: {files_left(dirs)}"
+    if set(pids) - doomed:
+        client.run(_disarm, REMOVE_TREE, workers=sorted(set(pids) - doomed))
+    # The deletions run on the workers' removal threads after checkpoint 2 returned: each doomed worker dies a moment
+    # later. Checkpoint 3 must not start before they are gone (it would lose a worker mid-way), nor before their
+    # successors.
     deadline = time.monotonic() + 60
     while doomed & set(client.sync(client.scheduler.identity)["workers"]):
         assert time.monotonic() < deadline, "a worker did not die as it deleted checkpoint 1"
