@@ -308,3 +308,32 @@ def test_partner_copies_and_parity_are_written_direct_with_the_same_bytes(tmp_pa
     if level == 2:
         assert out[1] == [data[(i - 1) % len(sizes)] for i in range(len(sizes))]
     assert resident[1] <= 3 * 2 < (9 << 20) // mmap.PAGESIZE <= resident[0]
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_a_partner_copy_or_parity_on_a_full_disk_is_an_error_and_leaves_nothing(tmp_path, level):
+    """A member's node disk (a real tmpfs) fills up while its partner copy or parity streams in directly: the group
+    ends the level together, that member's error says which file could not be written, no temporary file stays."""
+    from diskfull import fill, tmpfs
+
+    from ftidask.levels import multilevel
+    from ftidask.model.config import Config
+    from ftidask.storage import files as storage
+    from ftidask.transport.threads import run_group
+
+    sizes = [3 << 20, (3 << 20) + 5]
+    with tmpfs(tmp_path / "node1", "8m") as node1:
+        node1.chmod(0o700)
+        files = [tmp_path / "node0" / storage.rank_file(1, 0), node1 / storage.rank_file(1, 1)]
+        files[0].parent.mkdir()
+        rng = np.random.default_rng(0)
+        for path, n in zip(files, sizes):
+            path.write_bytes(rng.integers(0, 256, n, np.uint8).tobytes())
+        fill(node1, leave=1 << 20)
+        cfg = Config(block_size=256, transfer_size=1)
+        errors_by_member, errors = run_group(len(sizes), lambda ch: multilevel.protect(
+            ch, cfg, level, 1, ch.index, files[ch.index], files[ch.index].parent, sizes))
+        assert errors == [] and not errors_by_member[0], (errors, errors_by_member)
+        name = storage.partner_file(1, 1) if level == 2 else storage.parity_file(1, 1)
+        assert f"cannot write {node1 / name}" in errors_by_member[1] and "No space left" in errors_by_member[1]
+        assert not [p for p in node1.iterdir() if ".tmp-" in p.name or p.name == name]

@@ -56,14 +56,17 @@ def _clear_directory(path: Path) -> None:
 
 
 WRITEBACK_MIN = 1 << 20  # blocks from this size on are sent to the disk as soon as they are written
+#: Smaller outputs are written through the page cache even when ``direct`` is asked (a direct stream's threads and
+#: buffers cost more than they save on a file of a few blocks).
+DIRECT_MIN = 1 << 20
 
 
 class SafeOutput:
     """An atomic output file (temporary name, fsync, rename) whose failures are recorded, not raised. ``direct``: a
-    file nobody reads back soon (a partner copy, a parity file) written around the page cache where the file system
-    allows (:mod:`ftidask.storage.direct`)."""
+    file nobody reads back soon (a partner copy, a parity file) of ``size`` bytes, at least :data:`DIRECT_MIN`, written
+    around the page cache where the file system allows (:mod:`ftidask.storage.direct`)."""
 
-    def __init__(self, path: Path, errors: list[str], direct: bool = False) -> None:
+    def __init__(self, path: Path, errors: list[str], direct: bool = False, size: int = 0) -> None:
         self.path, self.errors = path, errors
         self._cm: Any = atomic_file(path)
         self.fh: BinaryIO | None = None
@@ -72,7 +75,7 @@ class SafeOutput:
         try:
             _clear_directory(path)
             self.fh = self._cm.__enter__()
-            if direct:
+            if direct and size >= DIRECT_MIN:
                 self.stream = open_stream(self.fh.fileno())  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on
             errors.append(f"cannot write {path}: {reason(exc)}")

@@ -31,7 +31,7 @@ def exchange_file(ch: GroupChannel, send_path: Path | None, dest: int, send_size
     n_recv = -(-recv_size // piece) if recv_path is not None else 0
     errors: list[str] = []
     fin = open_input(send_path, errors) if send_path is not None else None
-    out = SafeOutput(recv_path, errors, direct) if recv_path is not None else None
+    out = SafeOutput(recv_path, errors, direct, recv_size) if recv_path is not None else None
     try:
         for k in range(max(n_send, n_recv)):
             block = None

@@ -69,7 +69,7 @@ def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: i
     codec = ReedSolomon(k, k)
     errors: list[str] = []
     fin = open_input(own, errors)
-    out = SafeOutput(parity, errors, direct)
+    out = SafeOutput(parity, errors, direct, max_fs)
     hasher, whole = hashing.new_hasher(hash_id), hashing.new_hasher(hash_id)
     read_ok = fin is not None
     try:
