@@ -17,7 +17,6 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..storage.direct import DirectStream, open_stream
 from ..storage.files import atomic_file, move_to_trash, open_read, remove_tree, write_then_writeback
 from ..transport.collective import reason
 
@@ -56,30 +55,21 @@ def _clear_directory(path: Path) -> None:
 
 
 WRITEBACK_MIN = 1 << 20  # blocks from this size on are sent to the disk as soon as they are written
-#: Smaller outputs are written through the page cache even when ``direct`` is asked (a direct stream's threads and
-#: buffers cost more than they save on a file of a few blocks).
-DIRECT_MIN = 1 << 20
 
 
 class SafeOutput:
-    """An atomic output file (temporary name, fsync, rename) whose failures are recorded, not raised. ``direct``: a
-    file nobody reads back soon (a partner copy, a parity file) of ``size`` bytes, at least :data:`DIRECT_MIN`, written
-    around the page cache where the file system allows (:mod:`ftidask.storage.direct`)."""
+    """An atomic output file (temporary name, fsync, rename) whose failures are recorded, not raised."""
 
-    def __init__(self, path: Path, errors: list[str], direct: bool = False, size: int = 0) -> None:
+    def __init__(self, path: Path, errors: list[str]) -> None:
         self.path, self.errors = path, errors
         self._cm: Any = atomic_file(path)
-        self.fh: BinaryIO | None = None
-        self.stream: DirectStream | None = None
-        self.pos = 0
+        self.fh: BinaryIO | None
         try:
             _clear_directory(path)
             self.fh = self._cm.__enter__()
-            if direct and size >= DIRECT_MIN:
-                self.stream = open_stream(self.fh.fileno())  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on
+            self.fh = None
             errors.append(f"cannot write {path}: {reason(exc)}")
-            self.abort()
 
     def write(self, data: Any) -> None:
         """Append ``data`` (a block of 1 MiB or more is sent to the disk at once); a failure is recorded and drops the
@@ -87,38 +77,22 @@ class SafeOutput:
         if self.fh is None:
             return
         try:
-            if self.stream is not None:  # written by the stream's threads while the next block is exchanged
-                view = memoryview(data).cast("B")
-                self.stream.write(self.pos, view)
-                self.pos += view.nbytes
-            else:  # the disk starts on each block while the next one is exchanged
-                write_then_writeback(self.fh, memoryview(data), WRITEBACK_MIN)
+            # the disk starts on each block while the next one is exchanged
+            write_then_writeback(self.fh, memoryview(data), WRITEBACK_MIN)
         except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on
             self.errors.append(f"cannot write {self.path}: {reason(exc)}")
             self.abort()
 
     def abort(self) -> None:
         """Drop the output (the temporary file is removed, the target is untouched)."""
-        if self.stream is not None:
-            self.stream.abort()  # no write in flight when the temporary file is removed
-            self.stream = None
         if self.fh is not None:
             self.fh = None
-            with contextlib.suppress(OSError):
-                self._cm.__exit__(OSError, OSError("aborted"), None)
+            self._cm.__exit__(OSError, OSError("aborted"), None)
 
     def close(self) -> bool:
         """Commit the file; True when it was written completely."""
         if self.fh is None:
             return False
-        if self.stream is not None:
-            try:
-                self.stream.close()
-            except Exception as exc:  # noqa: BLE001 - recorded, reported with the level's error
-                self.errors.append(f"cannot write {self.path}: {reason(exc)}")
-                self.abort()
-                return False
-            self.stream = None
         self.fh = None
         try:
             self._cm.__exit__(None, None, None)

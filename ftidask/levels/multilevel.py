@@ -32,10 +32,10 @@ def protect(group: GroupChannel, cfg: Config, level: int, ckpt_id: int, rank: in
     """
     if level == 2:
         return partner.protect(group, own_file, ckpt_dir / storage.partner_file(ckpt_id, rank), sizes,
-                               cfg.transfer_size << 20, cfg.direct_io)
+                               cfg.transfer_size << 20)
     if level == 3:
         return rs.encode(group, own_file, ckpt_dir / storage.parity_file(ckpt_id, rank), sizes,
-                         cfg.block_size << 10, hashing.hash_id(cfg.hash), fb_hashes, cfg.direct_io)
+                         cfg.block_size << 10, hashing.hash_id(cfg.hash), fb_hashes)
     return ""
 
 

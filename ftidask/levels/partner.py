@@ -19,19 +19,18 @@ from .channel import GroupChannel
 
 
 def exchange_file(ch: GroupChannel, send_path: Path | None, dest: int, send_size: int,
-                  recv_path: Path | None, source: int, recv_size: int, piece: int, direct: bool = False) -> str:
+                  recv_path: Path | None, source: int, recv_size: int, piece: int) -> str:
     """Send a file to member ``dest`` while receiving one from ``source``, ``piece`` bytes at a time.
 
     Either side may be None. Returns an error message ('' on success); the peers' loops always
     complete (a missing file is sent as zeros, which then fails its hash check; a block that cannot
-    be read at all is sent as zeros too, the error recorded). ``direct``: the file received is written around the
-    page cache (a partner copy, read back only after a loss).
+    be read at all is sent as zeros too, the error recorded).
     """
     n_send = -(-send_size // piece) if send_path is not None else 0
     n_recv = -(-recv_size // piece) if recv_path is not None else 0
     errors: list[str] = []
     fin = open_input(send_path, errors) if send_path is not None else None
-    out = SafeOutput(recv_path, errors, direct, recv_size) if recv_path is not None else None
+    out = SafeOutput(recv_path, errors) if recv_path is not None else None
     try:
         for k in range(max(n_send, n_recv)):
             block = None
@@ -52,11 +51,10 @@ def exchange_file(ch: GroupChannel, send_path: Path | None, dest: int, send_size
     return "; ".join(errors)
 
 
-def protect(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: int, direct: bool = False) -> str:
-    """Copy ``own`` to the next member; store the previous member's file at ``pcof`` (``direct``: around the page
-    cache where it can be). Error or ''."""
+def protect(ch: GroupChannel, own: Path, pcof: Path, sizes: list[int], piece: int) -> str:
+    """Copy ``own`` to the next member; store the previous member's file at ``pcof``. Error or ''."""
     right, left = (ch.index + 1) % ch.size, (ch.index - 1) % ch.size
-    return exchange_file(ch, own, right, sizes[ch.index], pcof, left, sizes[left], piece, direct)
+    return exchange_file(ch, own, right, sizes[ch.index], pcof, left, sizes[left], piece)
 
 
 def has_size(path: Path, size: int) -> bool:

@@ -62,14 +62,13 @@ def _read(fh: Any, offset: int, n: int, valid: int, path: Path, errors: list[str
 
 
 def encode(ch: GroupChannel, own: Path, parity: Path, sizes: list[int], block: int, hash_id: int,
-           fb_hashes: list[str] | None = None, direct: bool = False) -> str:
-    """Write this member's parity file (``direct``: around the page cache where it can be); sizes are the group's file
-    sizes by index. Error or ''."""
+           fb_hashes: list[str] | None = None) -> str:
+    """Write this member's parity file; sizes are the group's file sizes by index. Error or ''."""
     k, max_fs = ch.size, max(sizes)
     codec = ReedSolomon(k, k)
     errors: list[str] = []
     fin = open_input(own, errors)
-    out = SafeOutput(parity, errors, direct, max_fs)
+    out = SafeOutput(parity, errors)
     hasher, whole = hashing.new_hasher(hash_id), hashing.new_hasher(hash_id)
     read_ok = fin is not None
     try:

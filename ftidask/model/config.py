@@ -228,8 +228,7 @@ class Config:
 
     def direct_writes(self, level: int) -> bool:
         """Whether ``level``'s rank files are written around the page cache (``direct_io``; levels 1 and 4: levels 2
-        and 3 read the file back at once for the partner copy or the parity, from the page cache; their partner copies
-        and parity files, read back only after a loss, are written around it under ``direct_io`` alone)."""
+        and 3 read the file back at once for the partner copy or the parity, from the page cache)."""
         return self.direct_io and level in (1, 4)
 
     def with_absolute_dirs(self) -> Config:
