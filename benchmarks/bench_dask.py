@@ -58,7 +58,7 @@ def run_zarr(x: da.Array, root: str) -> tuple[float, int]:
     return seconds, files
 
 
-DIRECT_IO = True  # --direct-io
+DIRECT_IO = False  # --direct-io
 
 
 def run_ftidask(client: Client, x: da.Array, root: str, ckpt_id: int) -> float:
@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--dcp", action="store_true", help="also time differential checkpoints (levels 5 and 6)")
-    ap.add_argument("--direct-io", choices=["on", "off"], default="on",
+    ap.add_argument("--direct-io", choices=["on", "off"], default="off",
                     help="the direct_io setting: the workers' files written around the page cache (O_DIRECT) or not")
     args = ap.parse_args()
     global DIRECT_IO

@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--hash", default="xxh3_128", choices=["xxh3_128", "md5"])
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    ap.add_argument("--direct-io", choices=["on", "off"], default="on",
+    ap.add_argument("--direct-io", choices=["on", "off"], default="off",
                     help="the direct_io setting: the rank file's data written around the page cache (O_DIRECT) or not")
     ap.add_argument("--drop-caches", action="store_true", help="cold cache: drop the whole page cache (root)")
     args = ap.parse_args()

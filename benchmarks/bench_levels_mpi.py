@@ -291,7 +291,7 @@ def main() -> None:
                     help="off: no early write-back of the rank files (sync_file_range as they are written), every "
                          "byte left to the final fsync as in the raw write: whether early write-back helps or hurts "
                          "when many ranks share a disk")
-    ap.add_argument("--direct-io", choices=["on", "off"], default="on",
+    ap.add_argument("--direct-io", choices=["on", "off"], default="off",
                     help="the direct_io setting: L1 and L4 rank files written around the page cache (O_DIRECT) or not")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-async", action="store_true", help=argparse.SUPPRESS)

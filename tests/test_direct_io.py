@@ -236,7 +236,7 @@ def test_a_dask_checkpoint_writes_direct_on_the_workers_and_recovers(dask_client
     dirs = {k: str(tmp_path / n) for k, n in (("ckpt_dir", "l"), ("glbl_dir", "g"), ("meta_dir", "m"))}
     x = da.random.default_rng(5).random((4096, 2048), chunks=(2048, 2048)).persist()  # 2 chunks of 32 MiB
     want = x.compute()
-    ctx = ftidask.init(client=dask_client, **dirs)
+    ctx = ftidask.init(client=dask_client, direct_io=1, **dirs)
     try:
         ctx.protect(1, x)
         ctx.checkpoint(1, 1)
@@ -259,7 +259,7 @@ def test_a_full_disk_in_the_middle_of_a_direct_write_keeps_the_previous_checkpoi
         fs.chmod(0o700)
         where = "glbl_dir" if level == 4 else "ckpt_dir"
         dirs = {"ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
-                "meta_dir": str(tmp_path / "Meta"), where: str(fs / "run"), "verbosity": 4}
+                "meta_dir": str(tmp_path / "Meta"), where: str(fs / "run"), "verbosity": 4, "direct_io": 1}
         data = np.random.default_rng(0).random(20 << 17)  # 20 MiB
         first = data.copy()
         with ftidask.init(**dirs) as ctx:

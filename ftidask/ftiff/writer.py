@@ -209,17 +209,25 @@ def write_spans(fh: BinaryIO, spans: Iterable[Span], hash_id: int, pool: ThreadP
     bufs = [_acquire() for _ in range(min(_RING, len(pieces)))]
     queue: deque[Future[np.ndarray]] = deque()
     last: dict[Any, Future[np.ndarray]] = {}
+    # A direct stream writes a piece from its buffer while this thread goes on: one buffer fewer is filled ahead, and
+    # a buffer is filled again once its piece's write ended.
+    writing: list[Future[None] | None] = [None] * len(bufs)
+    ahead = len(bufs) - 1 if stream is not None and len(bufs) > 1 else len(bufs)
 
     def submit(i: int) -> None:
         # Piece i reuses the buffer of piece i - len(bufs), written by then; for a direct stream, at its offset within
         # a block (written from the buffer as it is).
         key, offset, source, lo, hi = pieces[i]
-        buf = bufs[i % len(bufs)] if stream is None else bufs[i % len(bufs)][offset % ALIGN:]
+        slot = i % len(bufs)
+        if writing[slot] is not None:
+            done, writing[slot] = writing[slot], None
+            done.result()  # type: ignore[union-attr]
+        buf = bufs[slot] if stream is None else bufs[slot][offset % ALIGN:]
         last[key] = pool.submit(_fill, source, lo, hi, buf, hashers[key], last.get(key))
         queue.append(last[key])
 
     try:
-        for i in range(len(bufs)):
+        for i in range(min(ahead, len(pieces))):
             submit(i)
         position, small = -1, np.empty(_INLINE if stream is not None else 0, np.uint8)
         for i in steps:
@@ -233,19 +241,19 @@ def write_spans(fh: BinaryIO, spans: Iterable[Span], hash_id: int, pool: ThreadP
             data = queue.popleft().result()
             offset = pieces[i][1]
             if stream is not None:
-                stream.write_from(offset, bufs[i % len(bufs)], len(data))
+                writing[i % len(bufs)] = stream.write_from(offset, bufs[i % len(bufs)], len(data))
             else:
                 if offset != position:
                     fh.seek(offset)
                 _write_all(fh, memoryview(data))
             position = offset + len(data)
-            if i + len(bufs) < len(pieces):
-                submit(i + len(bufs))
+            if i + ahead < len(pieces):
+                submit(i + ahead)
         digests.update((key, hasher.digest()) for key, hasher in hashers.items())
         return digests
     finally:
-        for future in queue:  # after a failure: no task may still fill a buffer given back
-            with contextlib.suppress(Exception):
+        for future in [*queue, *(w for w in writing if w is not None)]:  # after a failure: no task may still fill
+            with contextlib.suppress(Exception):  # or write a buffer given back
                 future.result()
         for buf in bufs:
             _release(buf)

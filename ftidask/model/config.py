@@ -159,7 +159,7 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "max_inflight": ("advanced", 1, _parse_int(1, 64)),  # asynchronous checkpoints queued or being written
     "async_snapshot": ("advanced", "auto", _parse_choice("auto", "cow", "copy", "blocking")),
     "async_buffer_mb": ("advanced", 0, _parse_int(0)),  # copy snapshots' staging buffers; 0: half of MemAvailable
-    "direct_io": ("advanced", 1, _parse_bool),  # L1/L4 rank files' data written around the page cache
+    "direct_io": ("advanced", 0, _parse_bool),  # L1/L4 rank files' data written around the page cache
 }
 
 #: FTI keys that are accepted and have no effect in ftidask (they tune FTI's C I/O paths, its
@@ -220,7 +220,7 @@ class Config:
     max_inflight: int = 1
     async_snapshot: str = "auto"
     async_buffer_mb: int = 0
-    direct_io: bool = True
+    direct_io: bool = False
 
     def interval(self, level: int) -> int:
         """The snapshot interval of ``level`` (minutes or iterations; 0 = never)."""

@@ -96,6 +96,7 @@ class DirectStream:
         self.base, self.fill = -1, 0  # the buffer being filled holds the file's bytes [base, base + fill)
         self.buf: np.ndarray | None = None
         self.inflight: deque[tuple[Future[None], np.ndarray]] = deque()
+        self.outside: list[Future[None]] = []  # writes from the caller's buffers (write_from)
         self.end = 0  # where the data written so far ends
         self.direct_bytes = 0  # bytes written with O_DIRECT (the rest went through the page cache)
 
@@ -122,10 +123,12 @@ class DirectStream:
                 assert buf is not None
         self.end = offset + src.size
 
-    def write_from(self, offset: int, buf: np.ndarray, n: int) -> None:
+    def write_from(self, offset: int, buf: np.ndarray, n: int) -> Future[None] | None:
         """Write the ``n`` bytes at ``offset`` that the caller copied into ``buf`` (from :func:`aligned`) at
-        ``offset % ALIGN``: written from ``buf``, its whole blocks before this returns; ``buf[:offset % ALIGN]`` is
-        overwritten (the bytes before, in the same block), the partial block at the end is kept by the stream."""
+        ``offset % ALIGN``: written from ``buf`` by the stream's threads; ``buf[:offset % ALIGN]`` is overwritten (the
+        bytes before, in the same block), the partial block at the end is kept by the stream. The write's future
+        (None: nothing of ``buf`` to write): ``buf`` is the stream's until it is done (a failure raises at
+        :meth:`close` too)."""
         pad = offset % ALIGN
         if offset < self.end:
             raise ValueError(f"direct writes go forward: {offset} is before {self.end}")
@@ -140,14 +143,17 @@ class DirectStream:
         self._submit()
         end = pad + n
         whole = end - end % ALIGN
-        if whole:
-            self._pwrite(memoryview(buf[:whole]), head)
+        future = None
+        if whole:  # two in flight at most (the threads): the caller fills its next buffer meanwhile
+            future = _threads().submit(self._pwrite, memoryview(buf[:whole]), head)
+            self.outside.append(future)
         if end % ALIGN:  # the partial last block: kept, the next write may share it
             self._start(head + whole)
             assert self.buf is not None
             self.buf[:end - whole] = buf[whole:end]
             self.fill = end - whole
         self.end = offset + n
+        return future
 
     def close(self) -> None:
         """Write what is left, wait for every write, clear ``O_DIRECT``. The last partial block is written through the
@@ -160,6 +166,8 @@ class DirectStream:
                 self.fill -= part
             self._submit()
             self._wait(0)
+            for future in self.outside:
+                future.result()
         finally:
             self.abort()
         if tail is not None:
@@ -169,6 +177,12 @@ class DirectStream:
 
     def abort(self) -> None:
         """Wait for the writes in flight (errors ignored: the file is being given up) and clear ``O_DIRECT``."""
+        for future in self.outside:
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - the caller's own error is the one raised
+                pass
+        self.outside = []
         while self.inflight:
             future, buf = self.inflight.popleft()
             try:
