@@ -98,7 +98,6 @@ class DirectStream:
         self.inflight: deque[tuple[Future[None], np.ndarray]] = deque()
         self.outside: list[Future[None]] = []  # writes from the caller's buffers (write_from)
         self.end = 0  # where the data written so far ends
-        self.direct_bytes = 0  # bytes written with O_DIRECT (the rest went through the page cache)
 
     def write(self, offset: int, data: memoryview | np.ndarray) -> None:
         """Write ``data`` at ``offset`` (never before the end of the bytes already written)."""
@@ -223,8 +222,6 @@ class DirectStream:
     def _pwrite(self, view: memoryview, offset: int) -> None:
         try:
             _pwrite_all(self.fd, view, offset)
-            with _lock:
-                self.direct_bytes += len(view) if self.direct else 0
         except OSError as exc:
             # Refused at the first write (the flag was accepted): the same bytes through the page cache from now
             # (both threads may see it; one clears the flag, both write again).
