@@ -99,9 +99,9 @@ class DirectStream:
         self.outside: list[Future[None]] = []  # writes from the caller's buffers (write_from)
         self.end = 0  # where the data written so far ends
 
-    def write(self, offset: int, data: memoryview | np.ndarray) -> None:
-        """Write ``data`` at ``offset`` (never before the end of the bytes already written)."""
-        src = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+    def write(self, offset: int, data: memoryview) -> None:
+        """Write ``data`` (contiguous bytes) at ``offset`` (never before the end of the bytes already written)."""
+        src = np.frombuffer(data, np.uint8)
         if offset < self.end:
             raise ValueError(f"direct writes go forward: {offset} is before {self.end}")
         if self.buf is None or offset - self.base >= BUFFER:  # not in this buffer: it goes, a new one starts
