@@ -88,6 +88,31 @@ def test_recovered_level1_array_fails_clearly_when_its_node_is_lost(client, dirs
         computed(client, out)
 
 
+@pytest.mark.parametrize("point", ["ftidask.backends.dask.tasks:write_rank", "ftidask.levels.partner:exchange_file"])
+def test_a_checkpoint_a_worker_died_in_fails_without_dialling_the_dead_worker(client, dirs, point, caplog):
+    """A checkpoint whose worker is killed fails at once: its clean-up (the chunks aliased on the workers for the
+    lineage cut, given back) goes to the workers the scheduler still has, never to the dead one's address, which
+    the scheduler dials again and again until its connect timeout (30 s by default: each failed checkpoint took
+    that long to raise). The timeout is cut to 2 s here, and the scheduler (in this process) logs each such dial."""
+    dask = pytest.importorskip("dask")
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, da.random.default_rng(7).random((60, 48), chunks=(20, 16)))
+    ctx.checkpoint(1, 2)
+    saved = ctx.protected[1].compute()
+    ctx.protect(1, ctx.protected[1] * 2)
+    with dask.config.set({"distributed.comm.timeouts.connect": "2s"}), caplog.at_level(logging.ERROR, "distributed"):
+        crash_worker(client, 1, point)
+        with pytest.raises(ftidask.CheckpointError, match="previous checkpoint is kept"):
+            ctx.checkpoint(2, 2)  # its clean-up's calls to the workers have returned when it raises
+    dialled = [r.getMessage() for r in caplog.records if "broadcast to" in r.getMessage()]
+    assert not dialled, dialled
+    assert [r.ckpt_id for r in ctx.state.records()] == [1]
+    ctx2 = ftidask.init(client=client, **dirs)
+    out = ctx2.recover()
+    assert ctx2.recovered_from == (1, 2)
+    assert computed(client, out[1]).tobytes() == saved.tobytes()
+
+
 def test_worker_lost_mid_checkpoint_named_in_one_sentence(client, dirs, caplog):
     """A worker killed while it sends its L2 copy: the error names the worker and its tasks, not a
     list of Dask timeouts; ftidask logs no error of its own; the previous checkpoint recovers."""

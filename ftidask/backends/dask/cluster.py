@@ -166,15 +166,18 @@ class Cluster:
         return futures
 
     def run(self, fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
-        """``fn(*args)`` on every live worker (small values only)."""
+        """``fn(*args)`` on every live worker (small values only).
+
+        Always every worker the scheduler has when it gets the call, never a list of addresses: an address named
+        after its worker died is dialled again and again until the connect timeout (30 s by default), where the
+        scheduler's own list no longer has it. A function meant for some workers picks its part by
+        ``dask_worker.address``."""
         return self.client.run(fn, *args, on_error="return")
 
-    def run_soon(self, fn: Callable[..., Any], *args: Any,
-                 workers: list[str] | None = None) -> concurrent.futures.Future:
-        """:meth:`run` (on ``workers`` only, if given), started now: its future's result is waited for later, so that
-        its round trip to the workers overlaps the caller's next ones. The caller always waits for it (never left
-        running unobserved)."""
-        coro = self.client.run(fn, *args, workers=workers, on_error="return", asynchronous=True)
+    def run_soon(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """:meth:`run`, started now: its future's result is waited for later, so that its round trip to the workers
+        overlaps the caller's next ones. The caller always waits for it (never left running unobserved)."""
+        coro = self.client.run(fn, *args, on_error="return", asynchronous=True)
         return asyncio.run_coroutine_threadsafe(coro, self.client.loop.asyncio_loop)
 
     def _show_progress(self, futures: Sequence[Future]) -> None:

@@ -284,7 +284,7 @@ class Aliasing:
                 if holder is not None:
                     pairs.setdefault(holder, []).append((old, (name, *index)))
         self._pairs = pairs if pairs and nbytes > EARLY_ALIAS_BYTES else {}  # made by made(), after the commit
-        self._running = cluster.run_soon(_alias, pairs, workers=list(pairs)) if pairs and not self._pairs else None
+        self._running = cluster.run_soon(_alias, pairs) if pairs and not self._pairs else None
         self._made: dict[str, dict[Any, int]] | None = None
         self.told = False  # the scheduler knows of them (they are its keys now)
 
@@ -294,7 +294,7 @@ class Aliasing:
             running, self._running = self._running, None
             pairs, self._pairs = self._pairs, {}
             if running is None and pairs:
-                running = self.cluster.run_soon(_alias, pairs, workers=list(pairs))
+                running = self.cluster.run_soon(_alias, pairs)
             results = running.result() if running is not None else {}
             # A worker lost meanwhile (an exception): its chunks are read back instead.
             self._made = {w: sizes for w, sizes in results.items() if not isinstance(sizes, BaseException) and sizes}
@@ -308,8 +308,7 @@ class Aliasing:
         with contextlib.suppress(Exception):
             made = self.made()
             if made:
-                self.client.run(_unalias, {w: list(sizes) for w, sizes in made.items()}, workers=list(made),
-                                on_error="return")
+                self.cluster.run(_unalias, {w: list(sizes) for w, sizes in made.items()})
         self._made = {}
 
 
