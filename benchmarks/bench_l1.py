@@ -1,6 +1,6 @@
 """L1 checkpoint and recovery of a ~1 GiB state against raw tofile+fsync / fromfile, same run.
 
-    python benchmarks/bench_l1.py [--size-mib 1024] [--arrays 4] [--repeat 3] [--hash xxh3_128] [--drop-caches]
+    python benchmarks/bench_l1.py [--size-mib 1024] [--arrays 4] [--repeat 3] [--hash xxh3_128] [--drop-caches] [--dcp]
 
 Prints throughputs, ratios (target: checkpoint >= 0.8x raw write, recovery >= 0.8x raw read,
 both with files in the page cache) and the extra anonymous resident memory at peak (target < 128 MiB).
@@ -10,6 +10,8 @@ checkpoint file is evicted from the page cache before each read (``posix_fadvise
 file only; ``--drop-caches`` drops the whole cache instead, as root), and a verified ``recover()`` is
 timed against a raw read of the same file: ``np.fromfile`` (a fresh array, as a restarting program
 allocates one) and ``readinto`` the existing arrays. Target (issue 16): at most 1.05-1.1x the raw read.
+``--dcp``: the checkpoints are differential (level 5, ``enable_dcp = 1``; after the first two, nothing changed: only
+the digests are compared), and the restart reads a dCP file.
 """
 
 from __future__ import annotations
@@ -136,7 +138,9 @@ def main() -> None:
     ap.add_argument("--direct-io", choices=["on", "off"], default="off",
                     help="the direct_io setting: the rank file's data written around the page cache (O_DIRECT) or not")
     ap.add_argument("--drop-caches", action="store_true", help="cold cache: drop the whole page cache (root)")
+    ap.add_argument("--dcp", action="store_true", help="differential checkpoints (level 5): a dCP file to restart from")
     args = ap.parse_args()
+    level, name = (5, "L5 (dCP, unchanged)") if args.dcp else (1, "L1 (hashed)")
     root = tempfile.mkdtemp(dir=args.dir)
     try:
         per = args.size_mib * 2**20 // args.arrays // 8
@@ -144,16 +148,16 @@ def main() -> None:
         arrays = [rng.random(per) for _ in range(args.arrays)]
         nbytes = sum(a.nbytes for a in arrays)
         dirs = dict(ckpt_dir=f"{root}/L", glbl_dir=f"{root}/G", meta_dir=f"{root}/M", verbosity=3, hash=args.hash,
-                    direct_io=args.direct_io == "on")
+                    direct_io=args.direct_io == "on", enable_dcp=int(args.dcp))
         ctx = ftidask.init(**dirs)
         for i, a in enumerate(arrays):
             ctx.protect(i + 1, a)
         raw_write(arrays, root)  # warm up both paths once
-        ctx.checkpoint(1, 1)
+        ctx.checkpoint(1, level)
         t_raw_w = best(lambda: raw_write(arrays, root), args.repeat)
         ids = iter(range(2, 1000))
         with PeakAnon() as mem_w:
-            t_ck = best(lambda: ctx.checkpoint(next(ids), 1), args.repeat)
+            t_ck = best(lambda: ctx.checkpoint(next(ids), level), args.repeat)
         t_raw_r = best(lambda: raw_read(arrays, root), args.repeat)
         ctx2 = ftidask.init(**dirs)
         for i, a in enumerate(arrays):
@@ -165,7 +169,7 @@ def main() -> None:
               f"best of {args.repeat}")
         print(f"{'operation':34} {'seconds':>8} {'GiB/s':>7} {'ratio':>6}")
         print(f"{'raw tofile + fsync':34} {t_raw_w:8.3f} {gib / t_raw_w:7.2f} {'1.00':>6}")
-        print(f"{'ftidask checkpoint L1 (hashed)':34} {t_ck:8.3f} {gib / t_ck:7.2f} {t_raw_w / t_ck:6.2f}")
+        print(f"{'ftidask checkpoint ' + name:34} {t_ck:8.3f} {gib / t_ck:7.2f} {t_raw_w / t_ck:6.2f}")
         print(f"{'raw np.fromfile':34} {t_raw_r:8.3f} {gib / t_raw_r:7.2f} {'1.00':>6}")
         print(f"{'ftidask recover (verified)':34} {t_rec:8.3f} {gib / t_rec:7.2f} {t_raw_r / t_rec:6.2f}")
         print(f"extra anonymous RSS at peak: checkpoint {mem_w.extra / 2**20:.1f} MiB, "

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from ..ftiff.blockhash import FLAG_DCP
 from ..ftiff.reader import FtiffFile
 from .prefault import numpy_owned
 
@@ -223,7 +222,7 @@ def stager(arrays: dict[int, np.ndarray]) -> Stager | None:
 
     def stage(parsed: FtiffFile) -> dict[int, Staged]:
         out: dict[int, Staged] = {}
-        if parsed.legacy or parsed.fb.flags & FLAG_DCP:
+        if parsed.legacy:  # FTI 1.1's files: checked whole, VB checksum included (ftiff.reader.verify_data)
             return out
         for vid, array in arrays.items():
             info = parsed.vars.get(vid)

@@ -19,9 +19,11 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
+import numpy as np
+
 from ..model.arrays import VarInfo
 from ..model.errors import FormatError
-from . import compression, hashing
+from . import blockhash, compression, hashing
 from .readahead import READERS, ReadAhead, read_full
 from .reader import FtiffFile
 from .structs import ContainerMeta
@@ -56,8 +58,12 @@ def read_verified(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
     matched their hash); :class:`FormatError` on a mismatch, a short file or bytes that do not decode.
 
     The views then hold unverified bytes: the caller discards them (they are never a user's array).
-    Only ftidask's files (not dCP, not FTI 1.1) are read this way.
+    Only ftidask's files (not FTI 1.1) are read this way; a differential (dCP) file's containers are checked block
+    by block against its block digests (:func:`_read_verified_dcp`).
     """
+    if parsed.fb.flags & blockhash.FLAG_DCP:
+        _read_verified_dcp(fh, parsed, views)
+        return
     packed: list[tuple[int, int, ContainerMeta]] = []  # encoded: read, checked and decoded (read_decoded_into)
     jobs: list[tuple[int, int, ContainerMeta]] = []  # the others: streamed and hashed
     for bi, ci, meta in parsed.containers():
@@ -82,6 +88,31 @@ def read_verified(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryvie
                 k += 1
             if hasher.digest() != meta.hash:
                 raise FormatError(f"{where}: data hash does not match (damaged data)", path=parsed.path)
+
+
+def _read_verified_dcp(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryview]) -> None:
+    """:func:`read_verified` of a dCP file (never compressed): its containers' block digests are checked against their
+    container hashes first (:func:`~.blockhash.read_digests`), then each piece read is checked block by block while
+    the next one is read, as a plain file's containers are hashed: one pass over the file, where checking the file,
+    then copying it into the arrays, read it twice."""
+    info, digests = blockhash.read_digests(fh, parsed)
+    step = max(1, PIECE // info.block_size) * info.block_size  # whole blocks per piece (the last one may be short)
+    jobs = [(bi, ci, meta) for bi, ci, meta in parsed.containers()
+            if meta.hascontent and meta.id in views and meta.chunksize]
+    pieces = [(bi, ci, meta, lo, (meta.fptr + lo, views[meta.id][meta.dptr + lo:meta.dptr + min(lo + step,
+                                                                                              meta.chunksize)]))
+              for bi, ci, meta in jobs for lo in range(0, meta.chunksize, step)]
+    with ReadAhead(fh.fileno(), [piece[-1] for piece in pieces], threads=READERS) as reader:
+        for k, (bi, ci, meta, lo, (_offset, view)) in enumerate(pieces):
+            where = container_what(bi, ci, meta)
+            if not reader.wait(k):
+                raise FormatError(f"{where}: file ends inside its data", path=parsed.path)
+            first = lo // info.block_size
+            got = blockhash.block_digests(view, info.block_size, info.fn, info.digest_size)
+            bad = np.flatnonzero((got != digests[bi, ci][first:first + len(got)]).any(axis=1))
+            if len(bad):
+                raise FormatError(f"{where}: data block {first + int(bad[0])} does not match its hash (damaged data)",
+                                  path=parsed.path)
 
 
 def _read_decoded(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryview],
