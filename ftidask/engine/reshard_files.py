@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ftiff import compression, readahead, readhash, verify
+from ..ftiff import blockhash, compression, readahead, readhash, verify
 from ..ftiff.blockhash import FLAG_DCP
 from ..ftiff.reader import FtiffFile, check_unchanged, copy_direct, parse_ftiff
 from ..model.arrays import dtype_from_json, dtype_to_json
@@ -25,21 +25,24 @@ from .runstate import CommitRecord
 
 
 def open_old(path: Path, record: CommitRecord, rank: int) -> Any:
-    """A parsed old file: plain FTI-FF files are only parsed here (their containers are checked as they
-    are read); differential files and Zarr stores are verified whole."""
+    """A parsed old file: FTI-FF files are only parsed here (their containers, or a differential file's blocks, are
+    checked as they are read; a differential file's block digests are checked against its container hashes here);
+    Zarr stores are verified whole."""
     if path.suffix != ".zarr":
         try:
             with open_read(path) as fh:
                 parsed = parse_ftiff(fh, str(path))
+                expected = next((f.fb_hash for f in record.files if f.rank == rank), None)
+                if expected != parsed.fb.hash.hex():
+                    raise RecoveryError(f"{path}: does not belong to checkpoint {record.ckpt_id} (seq {record.seq})")
+                if parsed.fb.flags & FLAG_DCP:  # read once, kept for the reads (blockhash.read_blocks_checked)
+                    digests = blockhash.read_digests(fh, parsed)
+                    parsed.memo("dcp_digests", lambda: digests)
         except FileNotFoundError:
             raise RecoveryError(f"{path}: missing, or not reachable from this rank") from None
         except OSError as exc:
             raise RecoveryError(f"{path}: {exc}") from None
-        expected = next((f.fb_hash for f in record.files if f.rank == rank), None)
-        if expected != parsed.fb.hash.hex():
-            raise RecoveryError(f"{path}: does not belong to checkpoint {record.ckpt_id} (seq {record.seq})")
-        if not parsed.fb.flags & FLAG_DCP:
-            return parsed
+        return parsed
     verdict = check_file(path, record, rank)
     if verdict.kind != "ok":
         raise RecoveryError(verdict.message)
@@ -111,8 +114,9 @@ class StatesRefused(Refused):
 
 def read_in_place(parsed: Any) -> bool:
     """Whether pieces of ``parsed`` can be verified first and read into a user's array later
-    (:func:`verify_pieces`, then :func:`read_pieces`): a plain FTI-FF file, whose containers are read one by one."""
-    return isinstance(parsed, FtiffFile) and not parsed.fb.flags & FLAG_DCP
+    (:func:`verify_pieces`, then :func:`read_pieces`): an FTI-FF file, whose containers (a differential file's
+    blocks) are read one by one; not a Zarr store."""
+    return isinstance(parsed, FtiffFile)
 
 
 def verify_pieces(parsed: FtiffFile, wanted: list[tuple[int, Piece]],
@@ -127,7 +131,23 @@ def verify_pieces(parsed: FtiffFile, wanted: list[tuple[int, Piece]],
         for _dptr, _raw, bi, ci, meta in _containers(parsed, vid, *piece.span):
             if (bi, ci) not in trusted:
                 jobs[bi, ci] = (bi, ci, meta)
+    if parsed.fb.flags & FLAG_DCP:  # only the blocks of the pieces' spans, each against its digest
+        _verify_pieces_dcp(parsed, wanted)
+        return
     verify_containers(parsed, list(jobs.values()), True)
+
+
+def _verify_pieces_dcp(parsed: FtiffFile, wanted: list[tuple[int, Piece]]) -> None:
+    """:func:`verify_pieces` of a dCP file: the blocks each piece's span touches, read and checked (through a buffer
+    of at most a piece of blocks; the file checked unchanged before and after)."""
+    with open_read(parsed.path) as fh:
+        check_unchanged(fh, parsed)
+        for vid, piece in wanted:
+            start, stop = piece.span
+            for dptr, raw, bi, ci, meta in _containers(parsed, vid, start, stop):
+                lo, hi = max(start, dptr) - dptr, min(stop, dptr + raw) - dptr
+                blockhash.read_blocks_checked(fh, parsed, (bi, ci), meta, lo, hi, None)
+        check_unchanged(fh, parsed)
 
 
 def verify_containers(parsed: FtiffFile, jobs: list[tuple[int, int, Any]], decode: bool, after: bool = False) -> None:
@@ -182,7 +202,7 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
                     array[(*band.dst, ...)] = piece_view(band, buf, start, parsed.vars[vid].dtype)
             check_unchanged(fh, parsed)
         return
-    # Differential files and Zarr stores were verified whole: read their variables, then the pieces.
+    # Zarr stores were verified whole: read their variables, then the pieces.
     whole = {vid: parsed.vars[vid].empty() for vid in {w[0] for w in wanted}}
     load_file(parsed, whole)
     for vid, piece in wanted:
@@ -286,6 +306,10 @@ def _read_span(fh: Any, parsed: FtiffFile, vid: int, start: int, out: np.ndarray
                 if not inside:
                     out[lo - start:hi - start] = into[lo - dptr:hi - dptr]
                 continue
+            if (bi, ci) not in checked and parsed.fb.flags & FLAG_DCP:  # the blocks it touches only, checked
+                blockhash.read_blocks_checked(fh, parsed, (bi, ci), meta, lo - dptr, hi - dptr,
+                                              memoryview(out[lo - start:hi - start]))
+                continue
             if (bi, ci) not in checked:
                 if inside:  # read where it goes, hashed as it comes
                     if readhash.read_hashed(fd, meta.fptr, memoryview(out[dptr - start:hi - start]), hid) != meta.hash:
@@ -309,7 +333,7 @@ def cut_needs(files: dict[int, Any], plan: dict[int, list[tuple[int, Piece]]]) -
     out = []
     for old, wanted in sorted(plan.items()):
         parsed = files[old]
-        if not read_in_place(parsed):
+        if not read_in_place(parsed) or parsed.fb.flags & FLAG_DCP:  # a dCP file's blocks: each rank checks its own
             continue
         parts: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
         for vid, piece in wanted:

@@ -195,6 +195,37 @@ def check_container(fh: BinaryIO, parsed: FtiffFile, meta: Any, data: memoryview
                           "does not match its hash (damaged data)", path=parsed.path)
 
 
+def read_blocks_checked(fh: BinaryIO, parsed: FtiffFile, key: tuple[int, int], meta: Any, lo: int, hi: int,
+                        out: memoryview | None) -> None:
+    """Bytes ``[lo, hi)`` of container ``meta`` (``key`` = (block, container)) of a dCP file into ``out`` (None: only
+    checked), every block
+    they touch read and checked against its digest first (the digests checked against the container hashes once per
+    parsed file): a piece of a container is verified without reading the rest of it, as a restart on another number
+    of ranks needs. :class:`FormatError` when a block does not match or the file ends inside it."""
+    info, digests = parsed.memo("dcp_digests", lambda: read_digests(fh, parsed))
+    bs = info.block_size
+    step = max(1, _PIECE_BYTES // bs) * bs
+    buf = memoryview(bytearray(min(step, -(-(hi - lo) // bs) * bs + bs)))
+    for start in range(lo - lo % bs, hi, step):  # whole blocks, a piece at a time
+        stop = min(start + step, -(-hi // bs) * bs, meta.chunksize)
+        view = buf[:stop - start]
+        if read_full(fh.fileno(), meta.fptr + start, view) != len(view):
+            raise FormatError(f"block {key[0]}, container {key[1]}: file ends inside its data", path=parsed.path)
+        first = start // bs
+        got = block_digests(view, bs, info.fn, info.digest_size)
+        bad = np.flatnonzero((got != digests[key][first:first + len(got)]).any(axis=1))
+        if len(bad):
+            where = f"block {key[0]}, container {key[1]} (var id {meta.id})"
+            raise FormatError(f"{where}: data block {first + int(bad[0])} does not match its hash (damaged data)",
+                              path=parsed.path)
+        if out is not None:
+            a, b = max(lo, start), min(hi, stop)
+            out[a - lo:b - lo] = view[a - start:b - start]
+
+
+_PIECE_BYTES = 8 << 20  # bytes read and checked at a time by read_blocks_checked
+
+
 def block_digests(data: memoryview, block_size: int, fn: Callable[[memoryview], bytes],
                   digest_size: int) -> np.ndarray:
     """The ``(n, D)`` digests of ``data`` cut into blocks of ``block_size`` bytes.
