@@ -188,20 +188,16 @@ def check_container(fh: BinaryIO, parsed: FtiffFile, meta: Any, data: memoryview
     if container_hash(parsed.fb.hash_id, digests) != meta.hash:
         raise FormatError(f"block {key[0]}, container {key[1]} (var id {meta.id}): block hashes do not match the "
                           "container hash (damaged block-hash section)", path=parsed.path)
-    got = block_digests(data, info.block_size, info.fn, info.digest_size)
-    bad = np.flatnonzero((got != digests).any(axis=1))
-    if len(bad):
-        raise FormatError(f"block {key[0]}, container {key[1]} (var id {meta.id}): data block {int(bad[0])} "
-                          "does not match its hash (damaged data)", path=parsed.path)
+    check_blocks(data, info, digests, 0, f"block {key[0]}, container {key[1]} (var id {meta.id})", parsed.path)
 
 
 def read_blocks_checked(fh: BinaryIO, parsed: FtiffFile, key: tuple[int, int], meta: Any, lo: int, hi: int,
                         out: memoryview | None) -> None:
     """Bytes ``[lo, hi)`` of container ``meta`` (``key`` = (block, container)) of a dCP file into ``out`` (None: only
-    checked), every block
-    they touch read and checked against its digest first (the digests checked against the container hashes once per
-    parsed file): a piece of a container is verified without reading the rest of it, as a restart on another number
-    of ranks needs. :class:`FormatError` when a block does not match or the file ends inside it."""
+    checked), every block they touch read and checked against its digest first (the digests checked against the
+    container hashes once per parsed file): a piece of a container is verified without reading the rest of it, as a
+    restart on another number of ranks needs. :class:`FormatError` when a block does not match or the file ends
+    inside it."""
     info, digests = parsed.memo("dcp_digests", lambda: read_digests(fh, parsed))
     bs = info.block_size
     step = max(1, _PIECE_BYTES // bs) * bs
@@ -211,19 +207,24 @@ def read_blocks_checked(fh: BinaryIO, parsed: FtiffFile, key: tuple[int, int], m
         view = buf[:stop - start]
         if read_full(fh.fileno(), meta.fptr + start, view) != len(view):
             raise FormatError(f"block {key[0]}, container {key[1]}: file ends inside its data", path=parsed.path)
-        first = start // bs
-        got = block_digests(view, bs, info.fn, info.digest_size)
-        bad = np.flatnonzero((got != digests[key][first:first + len(got)]).any(axis=1))
-        if len(bad):
-            where = f"block {key[0]}, container {key[1]} (var id {meta.id})"
-            raise FormatError(f"{where}: data block {first + int(bad[0])} does not match its hash (damaged data)",
-                              path=parsed.path)
+        check_blocks(view, info, digests[key], start // bs, f"block {key[0]}, container {key[1]} (var id {meta.id})",
+                     parsed.path)
         if out is not None:
             a, b = max(lo, start), min(hi, stop)
             out[a - lo:b - lo] = view[a - start:b - start]
 
 
 _PIECE_BYTES = 8 << 20  # bytes read and checked at a time by read_blocks_checked
+
+
+def check_blocks(view: memoryview, info: DcpInfo, digests: np.ndarray, first: int, where: str, path: str) -> None:
+    """Check the blocks of ``view`` (blocks ``first``, ``first + 1``, ... of a container) against ``digests`` (the
+    container's): :class:`FormatError` naming the first that differs, as ``where``'s data block number."""
+    got = block_digests(view, info.block_size, info.fn, info.digest_size)
+    bad = np.flatnonzero((got != digests[first:first + len(got)]).any(axis=1))
+    if len(bad):
+        raise FormatError(f"{where}: data block {first + int(bad[0])} does not match its hash (damaged data)",
+                          path=path)
 
 
 def block_digests(data: memoryview, block_size: int, fn: Callable[[memoryview], bytes],
@@ -264,12 +265,8 @@ def verify_dcp(fh: BinaryIO, parsed: FtiffFile, only: set[int] | None = None) ->
             view = memoryview(buf)[:n]
             if read_full(fh.fileno(), meta.fptr + lo, view) != n:
                 raise FormatError(f"block {bi}, container {ci}: file ends inside its data", path=parsed.path)
-            first = lo // info.block_size
-            got = block_digests(view, info.block_size, info.fn, info.digest_size)
-            bad = np.flatnonzero((got != want[first:first + len(got)]).any(axis=1))
-            if len(bad):
-                raise FormatError(f"block {bi}, container {ci} (var id {meta.id}): data block "
-                                  f"{first + int(bad[0])} does not match its hash (damaged data)", path=parsed.path)
+            check_blocks(view, info, want, lo // info.block_size, f"block {bi}, container {ci} (var id {meta.id})",
+                         parsed.path)
 
 
 def read_into_dcp(fh: BinaryIO, parsed: FtiffFile, targets: Mapping[int, ByteTarget]) -> None:

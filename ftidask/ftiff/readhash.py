@@ -19,8 +19,6 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
-import numpy as np
-
 from ..model.arrays import VarInfo
 from ..model.errors import FormatError
 from . import blockhash, compression, hashing
@@ -107,12 +105,7 @@ def _read_verified_dcp(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memo
             where = container_what(bi, ci, meta)
             if not reader.wait(k):
                 raise FormatError(f"{where}: file ends inside its data", path=parsed.path)
-            first = lo // info.block_size
-            got = blockhash.block_digests(view, info.block_size, info.fn, info.digest_size)
-            bad = np.flatnonzero((got != digests[bi, ci][first:first + len(got)]).any(axis=1))
-            if len(bad):
-                raise FormatError(f"{where}: data block {first + int(bad[0])} does not match its hash (damaged data)",
-                                  path=parsed.path)
+            blockhash.check_blocks(view, info, digests[bi, ci], lo // info.block_size, where, parsed.path)
 
 
 def _read_decoded(fh: BinaryIO, parsed: FtiffFile, views: Mapping[int, memoryview],
