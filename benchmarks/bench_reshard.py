@@ -39,7 +39,7 @@ def split(n: int, parts: int, i: int) -> tuple[int, int]:
 
 def dirs(base: str, args: argparse.Namespace, size: int) -> dict:
     return {"ckpt_dir": f"{base}/Local", "glbl_dir": f"{base}/Global", "meta_dir": f"{base}/Meta", "local_test": 1,
-            "verbosity": 3, "node_size": 1, "group_size": args.group}
+            "verbosity": 3, "node_size": 1, "group_size": args.group, "enable_dcp": int(args.level >= 5)}
 
 
 def write(args: argparse.Namespace) -> None:
@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--write-ranks", type=int, default=4)
     ap.add_argument("--read-ranks", type=int, default=2)
     ap.add_argument("--mib", type=int, default=128, help="MiB per writing rank")
-    ap.add_argument("--level", type=int, default=1, choices=[1, 2, 3, 4])
+    ap.add_argument("--level", type=int, default=1, choices=range(1, 9), help="5-8: differential (dCP) files")
     ap.add_argument("--group", type=int, default=4, help="group_size (L2/L3)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None)

@@ -187,7 +187,9 @@ def main() -> None:
     sys.setprofile(None)
     threading.setprofile(None)  # type: ignore[arg-type]
     worker_events = -1
-    if victim is not None:
+    # Only a victim still listed: the scheduler dials an address it is given until its connect timeout (30 s), and a
+    # killed worker's is gone from its own list within milliseconds.
+    if victim is not None and victim in client.sync(client.scheduler.identity)["workers"]:
         try:
             worker_events = client.run(count_events, workers=[victim]).get(victim, -1)
         except Exception:  # noqa: BLE001 - killed, restarted under another address
