@@ -258,6 +258,14 @@ def _rchar() -> int:
         return next(int(line.split()[1]) for line in fh if line.startswith("rchar"))
 
 
+def _protect_fresh(ctx, like: list[np.ndarray]) -> list[np.ndarray]:
+    """Fresh arrays (untouched pages) the sizes of ``like``, protected under ids 1, 2, ..."""
+    out = [fresh(a.size) for a in like]
+    for i, a in enumerate(out):
+        ctx.protect(i + 1, a)
+    return out
+
+
 def test_a_differential_file_is_read_once_into_fresh_arrays(dirs, small_moves):
     """A dCP file (level 5) was checked whole, block by block, then copied into the arrays: read twice. Into fresh
     arrays it is now read once, into staged pages, each block checked against its digest as it arrives (the digests
@@ -274,9 +282,7 @@ def test_a_differential_file_is_read_once_into_fresh_arrays(dirs, small_moves):
     assert 0 < info.blocks_changed < info.blocks_total
     ctx._close()
     restart = ftidask.init(**dirs)
-    out = [fresh(a.size) for a in data]
-    for i, a in enumerate(out):
-        restart.protect(i + 1, a)
+    out = _protect_fresh(restart, data)
     before = _rchar()
     restart.recover()
     read = _rchar() - before
@@ -290,9 +296,7 @@ def test_a_differential_file_is_read_once_into_fresh_arrays(dirs, small_moves):
     assert 0 < info.blocks_changed < info.blocks_total
     restart._close()
     again = ftidask.init(**dirs)
-    last = [fresh(a.size) for a in data]
-    for i, a in enumerate(last):
-        again.protect(i + 1, a)
+    last = _protect_fresh(again, data)
     again.recover()
     assert again.recovered_from == (4, 1) and all(np.array_equal(a, b) for a, b in zip(last, out))
 
