@@ -104,6 +104,6 @@ def _check_tiling(vid: int, old: int, spans: list[tuple[int, int]], var_bytes: i
 
 
 def piece_of_stream(piece: Piece, whole: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """The piece as a view of a variable read whole (a differential file's: verified whole first)."""
+    """The piece as a view of a variable read whole (a Zarr store's: verified whole first)."""
     stream = whole.reshape(-1).view(np.uint8)
     return np.ndarray(piece.shape, dtype, buffer=stream, offset=piece.first, strides=piece.strides)
