@@ -125,15 +125,16 @@ def verify_pieces(parsed: FtiffFile, wanted: list[tuple[int, Piece]],
     decoded too, a few frames at a time), reading into buffers of the check's own: :class:`FormatError` naming the
     file when one does not match. The pieces are read into the arrays after every rank agreed (:func:`read_pieces`,
     which checks that the file is the one verified, unchanged). ``trusted``: the (block, container) another rank
-    verifies (:mod:`.reshard_read`), not hashed here."""
+    verifies (:mod:`.reshard_read`), not hashed here. A differential file: only the blocks of the pieces' spans,
+    each against its digest."""
+    if parsed.fb.flags & FLAG_DCP:
+        _verify_pieces_dcp(parsed, wanted)
+        return
     jobs: dict[tuple[int, int], Any] = {}
     for vid, piece in wanted:
         for _dptr, _raw, bi, ci, meta in _containers(parsed, vid, *piece.span):
             if (bi, ci) not in trusted:
                 jobs[bi, ci] = (bi, ci, meta)
-    if parsed.fb.flags & FLAG_DCP:  # only the blocks of the pieces' spans, each against its digest
-        _verify_pieces_dcp(parsed, wanted)
-        return
     verify_containers(parsed, list(jobs.values()), True)
 
 
