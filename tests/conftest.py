@@ -294,3 +294,14 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     setattr(item, f"rep_{report.when}", report)
+
+
+@pytest.fixture
+def small_moves(monkeypatch):
+    """Recovery stages arrays from 256 KiB up (ftidask.engine.pagemove); its counters from zero."""
+    from ftidask.engine import pagemove
+
+    if not pagemove.enabled:
+        pytest.skip("no native page_move in this build")
+    monkeypatch.setattr(pagemove, "MIN_BYTES", 256 << 10)
+    monkeypatch.setitem(pagemove.stats, "moved_bytes", 0)

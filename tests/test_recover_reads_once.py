@@ -170,15 +170,6 @@ def test_a_damaged_own_file_is_rebuilt_and_recovered(tmp_path):
 BIG = 4_400_000  # float64s: 35 MiB, above glibc's largest mmap threshold, so a new array is always fresh pages
 
 
-@pytest.fixture
-def small_moves(monkeypatch):
-    """Stage arrays from 256 KiB up; counters from zero."""
-    if not pagemove.enabled:
-        pytest.skip("no native page_move in this build")
-    monkeypatch.setattr(pagemove, "MIN_BYTES", 256 << 10)
-    monkeypatch.setitem(pagemove.stats, "moved_bytes", 0)
-
-
 def fresh(n: int, dtype=np.float64) -> np.ndarray:
     """A new array of untouched pages (when above 32 MiB). Above glibc's largest mmap threshold malloc maps
     fresh pages, unless its heap's free top is larger than the array (freed memory of earlier tests in this

@@ -51,7 +51,7 @@ def check_file(path: Path, record: CommitRecord | None, rank: int,
         from .zarr_l4 import check_store
 
         try:
-            return check_store(path, record, rank)
+            return check_store(path, record, rank, stage)
         except ConfigError as exc:
             return Verdict("unreadable", f"{path}: {exc}")
     staged: dict[int, Any] = {}
@@ -126,15 +126,15 @@ def load_file(parsed: FtiffFile, arrays: Mapping[int, np.ndarray], *, config: An
 
     ``staged``: variables already read and verified into staged pages, moved under their arrays here.
     """
+    staged = {vid: s for vid, s in (staged or {}).items() if vid in arrays and s.array is arrays[vid]}
     if str(parsed.path).endswith(".zarr"):
         from .zarr_l4 import load_store
 
-        load_store(parsed, arrays)  # type: ignore[arg-type]
-        return
-    staged = {vid: s for vid, s in (staged or {}).items() if vid in arrays and s.array is arrays[vid]}
-    # The stream order is the stored one, whatever the layout of the array receiving it.
-    targets = {vid: ArrayBytes(arr, parsed.vars[vid].order if vid in parsed.vars else "C")
-               for vid, arr in arrays.items() if vid not in staged}
+        load_store(parsed, {vid: a for vid, a in arrays.items() if vid not in staged})  # type: ignore[arg-type]
+        targets = {}
+    else:  # the stream order is the stored one, whatever the layout of the array receiving it
+        targets = {vid: ArrayBytes(arr, parsed.vars[vid].order if vid in parsed.vars else "C")
+                   for vid, arr in arrays.items() if vid not in staged}
     if targets:
         streams, bar = tracked(targets, config, "recovery") if config is not None else (targets, None)
         with open_read(parsed.path) as fh, bar or contextlib.nullcontext():

@@ -74,6 +74,7 @@ class ZarrRankStore:
     manifest: dict[str, Any]
     vars: dict[int, VarInfo]
     names: dict[int, str]
+    legacy: bool = False  # (as FtiffFile's: staged reads, pagemove.stager, take any store)
 
     def var_nbytes(self) -> dict[int, int]:
         """Bytes held per variable id (as :meth:`FtiffFile.var_nbytes`)."""
@@ -84,8 +85,12 @@ class ZarrRankStore:
         return None
 
 
-def check_store(path: Path, record: Any, rank: int) -> Any:
-    """Verify a rank store against the commit record; a recovery Verdict."""
+def check_store(path: Path, record: Any, rank: int, stage: Any = None) -> Any:
+    """Verify a rank store against the commit record; a recovery Verdict.
+
+    ``stage``: as :func:`~ftidask.engine.recovery.check_file`'s: the variables read into staged pages while the
+    store is verified (each stored byte read once), held by the verdict."""
+    from .pagemove import release_all
     from .recovery import Verdict
 
     expected = None
@@ -96,14 +101,23 @@ def check_store(path: Path, record: Any, rank: int) -> Any:
         expected = entry.fb_hash
     if not path.is_dir():
         return Verdict("damaged", f"{path}: missing")
+    staged: dict[int, Any] = {}
     try:
-        manifest = zarr_store.verify_store(path, expected)
+        manifest = zarr_store.read_manifest(path, expected)
         table = zarr_store.store_vars(manifest, path)
+        parsed = ZarrRankStore(str(path), manifest, {vid: info for vid, (info, _n) in table.items()},
+                               {vid: name for vid, (_i, name) in table.items()})
+        staged = stage(parsed) if stage is not None else {}
+        into = {vid: np.frombuffer(s.view, parsed.vars[vid].dtype).reshape(parsed.vars[vid].shape)
+                for vid, s in staged.items()}
+        zarr_store.verify_store(path, expected, into=into)
     except (FormatError, OSError) as exc:
+        release_all(staged)
         return Verdict("damaged", str(exc))
-    parsed = ZarrRankStore(str(path), manifest, {vid: info for vid, (info, _n) in table.items()},
-                           {vid: name for vid, (_i, name) in table.items()})
-    return Verdict("ok", parsed=parsed)  # type: ignore[arg-type]
+    except BaseException:
+        release_all(staged)
+        raise
+    return Verdict("ok", parsed=parsed, staged=staged)  # type: ignore[arg-type]
 
 
 def load_store(parsed: ZarrRankStore, arrays: Mapping[int, np.ndarray]) -> None:

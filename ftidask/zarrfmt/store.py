@@ -272,31 +272,14 @@ def store_vars(manifest: Mapping[str, Any], path: Path, group: str = "") -> dict
     return out
 
 
-def verify_store(path: Path, expected: str | None = None) -> dict[str, Any]:
-    """Check every file listed in the manifest (size and digest); the manifest on success."""
-    manifest = read_manifest(path, expected)
-    for rel, entry in sorted(manifest["files"].items()):
-        full = path / rel
-        # Only files inside the store: an absolute entry would make path / rel that very path.
-        # A NUL byte names no file (os.open raises ValueError on it).
-        if (".." in Path(rel).parts or Path(rel).is_absolute() or "\0" in rel or not isinstance(entry, list)
-                or len(entry) != 2):
-            raise FormatError(f"{path}: bad manifest entry {rel!r}")
-        try:  # the stat too: a name no file system takes (a component of 256 bytes) is OSError there
-            if full.exists() and not full.is_file():  # a FIFO or a device would block the read or never end
-                raise FormatError(f"{path}: {rel} is not a regular file")
-            _check_meta_sizes(path, {rel: entry})  # before it is hashed: its size is the manifest's
-            size, digest = _file_digest(full)
-        except FileNotFoundError:
-            raise FormatError(f"{path}: {rel} is missing") from None
-        except OSError as exc:
-            raise FormatError(f"{path}: {rel}: {exc}") from None
-        if size != entry[0] or digest != entry[1]:
-            raise FormatError(f"{path}: {rel} does not match its hash (damaged Zarr chunk or metadata)")
-    from .checks import check_arrays  # it reads the store through this module's verified_store
+def verify_store(path: Path, expected: str | None = None,
+                 into: Mapping[int, np.ndarray] | None = None) -> dict[str, Any]:
+    """Check every file listed in the manifest (size and digest) and every array; the manifest on success.
 
-    check_arrays(path, manifest)
-    return manifest
+    ``into``: arrays (by variable id) filled with the verified values on the way (:mod:`.verify`)."""
+    from .verify import verify_store as verify  # it reads the store through this module's verified_store
+
+    return verify(path, expected, into)
 
 
 def read_arrays(path: Path, manifest: Mapping[str, Any], ids: set[int] | None = None,
@@ -327,7 +310,7 @@ def read_into(path: Path, manifest: Mapping[str, Any], targets: Mapping[int, np.
     changed in between.
     """
     zarr = _zarr()
-    from zarr.core.buffer import default_buffer_prototype
+    from .verify import fill
 
     store = verified_store(path, manifest)
     table = store_vars(manifest, path)
@@ -336,10 +319,10 @@ def read_into(path: Path, manifest: Mapping[str, Any], targets: Mapping[int, np.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             z = zarr.open_array(store=store, path=name, mode="r")
-            if tuple(z.shape) != tuple(target.shape):
-                raise FormatError(f"{path}: array {name!r} has shape {z.shape}, expected {target.shape}")
-            out = np.asarray(target)  # a view: a subclass (np.matrix) is filled through it
-            z.get_basic_selection(Ellipsis, out=default_buffer_prototype().nd_buffer.from_numpy_array(out))
+        if tuple(z.shape) != tuple(target.shape):
+            raise FormatError(f"{path}: array {name!r} has shape {z.shape}, expected {target.shape}")
+        # a view: a subclass (np.matrix) is filled through it; a chunk at a time, every read over when this returns
+        fill(path, name, z, np.asarray(target), tuple(z.cdata_shape))
 
 
 def verified_store(path: Path, manifest: Mapping[str, Any]) -> Any:
