@@ -16,10 +16,9 @@ from ..ftiff.blockhash import FLAG_DCP
 from ..ftiff.reader import FtiffFile, check_unchanged, copy_direct, parse_ftiff
 from ..model.arrays import dtype_from_json, dtype_to_json
 from ..model.decomposition import Piece, bands, piece_view
-from ..model.errors import FormatError, RecoveryError
+from ..model.errors import ConfigError, FormatError, RecoveryError
 from ..storage.files import open_read
 from .pystate import EXTRA_KEY as PYSTATE
-from .recovery import check_file, load_file
 from .reshard_dask import Refused, piece_of_stream
 from .runstate import CommitRecord
 
@@ -43,10 +42,12 @@ def open_old(path: Path, record: CommitRecord, rank: int) -> Any:
         except OSError as exc:
             raise RecoveryError(f"{path}: {exc}") from None
         return parsed
-    verdict = check_file(path, record, rank)
-    if verdict.kind != "ok":
-        raise RecoveryError(verdict.message)
-    return verdict.parsed
+    from .zarr_l4 import open_store
+
+    try:
+        return open_store(path, record, rank)
+    except (FormatError, OSError, ConfigError) as exc:
+        raise RecoveryError(str(exc)) from None
 
 
 def stored_dtype(value: Any) -> np.dtype | None:
@@ -203,14 +204,18 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
                     array[(*band.dst, ...)] = piece_view(band, buf, start, parsed.vars[vid].dtype)
             check_unchanged(fh, parsed)
         return
-    # Zarr stores were verified whole: read their variables, then the pieces.
-    whole = {vid: parsed.vars[vid].empty() for vid in {w[0] for w in wanted}}
-    load_file(parsed, whole)
+    # A Zarr store: the chunks that hold each piece, each checked as it is read.
+    from .zarr_l4 import read_region
+
+    whole: dict[int, np.ndarray] = {}
     for vid, piece in wanted:
         if "dask" in parsed.vars[vid].extra:  # a chunk at its dptr in the worker's stream (.reshard_dask)
+            if vid not in whole:
+                whole[vid] = parsed.vars[vid].empty()
+                read_region(parsed, vid, (slice(None),) * len(parsed.vars[vid].shape), whole[vid])
             staged[vid][piece.dst] = piece_of_stream(piece, whole[vid], parsed.vars[vid].dtype)
         else:
-            staged[vid][piece.dst] = whole[vid][piece.src]
+            read_region(parsed, vid, piece.src, np.asarray(staged[vid])[(*piece.dst, ...)])
 
 
 def _copy_runs(fh: Any, parsed: FtiffFile, wanted: list[tuple[int, Piece]],

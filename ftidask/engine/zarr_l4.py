@@ -75,6 +75,8 @@ class ZarrRankStore:
     vars: dict[int, VarInfo]
     names: dict[int, str]
     legacy: bool = False  # (as FtiffFile's: staged reads, pagemove.stager, take any store)
+    #: var id -> its array as checked (:func:`open_store`), read a region at a time (:func:`read_region`)
+    arrays: dict[int, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def var_nbytes(self) -> dict[int, int]:
         """Bytes held per variable id (as :meth:`FtiffFile.var_nbytes`)."""
@@ -118,6 +120,37 @@ def check_store(path: Path, record: Any, rank: int, stage: Any = None) -> Any:
         release_all(staged)
         raise
     return Verdict("ok", parsed=parsed, staged=staged)  # type: ignore[arg-type]
+
+
+def open_store(path: Path, record: Any, rank: int) -> ZarrRankStore:
+    """A rank store of ``record`` checked for a read of some regions (:func:`read_region`): its manifest against the
+    record, its files' sizes and metadata, its arrays' chunk grids; no chunk is read (:class:`FormatError`)."""
+    from ..zarrfmt.verify import open_checked
+
+    entry = next((f for f in record.files if f.rank == rank), None)
+    if entry is None:
+        raise FormatError(f"{path}: rank {rank} is not in checkpoint {record.ckpt_id}")
+    if not path.is_dir():
+        raise FormatError(f"{path}: missing")
+    manifest, arrays = open_checked(path, entry.fb_hash)
+    table = zarr_store.store_vars(manifest, path)
+    return ZarrRankStore(str(path), manifest, {vid: info for vid, (info, _n) in table.items()},
+                         {vid: name for vid, (_i, name) in table.items()},
+                         arrays={vid: arrays[name] for vid, (_i, name) in table.items()})
+
+
+def read_region(parsed: ZarrRankStore, vid: int, src: tuple[slice, ...], out: np.ndarray) -> None:
+    """Read the region ``src`` of variable ``vid`` of a store :func:`open_store` gave into ``out`` (its shape): only
+    the chunks that hold part of it, each checked against its digest before it is decoded (:class:`FormatError`)."""
+    from ..zarrfmt.verify import fill_region
+
+    a = parsed.arrays[vid]
+    if np.dtype(a.array.dtype) == out.dtype:
+        fill_region(Path(parsed.path), parsed.names[vid], a, src, out)
+    else:  # the stored byte order or a subclass's: through a buffer of the array's
+        buf = np.empty(out.shape, a.array.dtype)
+        fill_region(Path(parsed.path), parsed.names[vid], a, src, buf)
+        out[...] = buf
 
 
 def load_store(parsed: ZarrRankStore, arrays: Mapping[int, np.ndarray]) -> None:

@@ -15,6 +15,7 @@ third time into the arrays: a restart read the stored bytes up to three times. N
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -35,11 +36,7 @@ def verify_store(path: Path, expected: str | None = None,
     ``into``: variable id (of the root group) -> a C-contiguous array of the variable's dtype and shape, filled
     with its verified values on the way (its content is undefined when a :class:`FormatError` is raised).
     """
-    manifest = store_module.read_manifest(path, expected)
-    check_entries(path, manifest)
-    arrays = check_arrays(path, manifest)
-    chunk_files = {rel for a in arrays.values() for rel in a.files}
-    _hash_files(path, manifest, [rel for rel in manifest["files"] if rel not in chunk_files])
+    manifest, arrays = open_checked(path, expected)
     targets: dict[str, np.ndarray] = {}
     if into:
         table = store_module.store_vars(manifest, path)
@@ -54,6 +51,17 @@ def verify_store(path: Path, expected: str | None = None,
         elif not a.raw:
             _decode_each(path, name, a)
     return manifest
+
+
+def open_checked(path: Path, expected: str | None = None) -> tuple[dict[str, Any], dict[str, ArrayChunks]]:
+    """Steps 1 and 2 (no chunk read): the manifest and, by name, each variable's array, each chunk checked as it is
+    read through it (a reader of some chunks only, :func:`fill_region`, verifies the chunks it reads)."""
+    manifest = store_module.read_manifest(path, expected)
+    check_entries(path, manifest)
+    arrays = check_arrays(path, manifest)
+    chunk_files = {rel for a in arrays.values() for rel in a.files}
+    _hash_files(path, manifest, [rel for rel in manifest["files"] if rel not in chunk_files])
+    return manifest, arrays
 
 
 def check_entries(path: Path, manifest: Mapping[str, Any]) -> None:
@@ -109,9 +117,9 @@ def _hash_files(path: Path, manifest: Mapping[str, Any], rels: list[str]) -> Non
 _READERS = 4
 
 
-def _each_block(path: Path, name: str, grid: tuple[int, ...], read: Callable[[tuple[int, ...]], None]) -> None:
-    """``read(index)`` for every chunk index of the chunk grid ``grid``, a few at a time, each call over before this
-    returns.
+def _each_block(path: Path, name: str, indices: list[tuple[int, ...]],
+                read: Callable[[tuple[int, ...]], None]) -> None:
+    """``read(index)`` for each chunk index of ``indices``, a few at a time, each call over before this returns.
 
     A chunk at a time, never one Zarr call for the whole array: Zarr reads an array's chunks as concurrent tasks
     and raises the first task's error while the others still write into the buffer given, which here may be pages
@@ -126,7 +134,6 @@ def _each_block(path: Path, name: str, grid: tuple[int, ...], read: Callable[[tu
         except Exception as exc:  # whatever the codec raises on bytes it cannot decode
             raise FormatError(f"{path}: array {name!r}: chunk {index} does not decode: {exc}") from None
 
-    indices = list(np.ndindex(*grid))  # as many as its chunk files (checks.check_arrays)
     if len(indices) <= 1:
         for index in indices:
             one(index)
@@ -159,9 +166,29 @@ def fill(path: Path, name: str, z: Any, out: np.ndarray, grid: tuple[int, ...]) 
         block = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, z.chunks, z.shape, strict=True))
         z.get_block_selection(index, out=wrap(out[(*block, ...)]))  # a view even of a 0-d array
 
-    _each_block(path, name, grid, read)
+    _each_block(path, name, list(np.ndindex(*grid)), read)  # as many as its chunk files (checks.check_arrays)
+
+
+def fill_region(path: Path, name: str, a: ArrayChunks, src: tuple[slice, ...], out: np.ndarray) -> None:
+    """Read the region ``src`` (slices of unit step) of array ``name`` into ``out`` (an array of the region's shape),
+    each chunk that holds part of it read once and checked against its digest before it is decoded."""
+    from zarr.core.buffer import default_buffer_prototype
+
+    z = a.array
+    bounds = [s.indices(n)[:2] for s, n in zip(src, z.shape, strict=True)]
+    if any(lo >= hi for lo, hi in bounds):
+        return
+    wrap = default_buffer_prototype().nd_buffer.from_numpy_array
+
+    def read(index: tuple[int, ...]) -> None:
+        sel = tuple(slice(max(lo, i * c), min(hi, (i + 1) * c)) for i, c, (lo, hi) in zip(index, z.chunks, bounds))
+        sub = tuple(slice(s.start - lo, s.stop - lo) for s, (lo, _hi) in zip(sel, bounds))
+        z.get_basic_selection(sel, out=wrap(out[(*sub, ...)]))
+
+    ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(bounds, z.chunks)]
+    _each_block(path, name, [tuple(ix) for ix in itertools.product(*ranges)], read)
 
 
 def _decode_each(path: Path, name: str, a: ArrayChunks) -> None:
     """Every chunk of array ``name`` decodes (hash-checked chunks of a forged store may not)."""
-    _each_block(path, name, a.grid, a.array.get_block_selection)
+    _each_block(path, name, list(np.ndindex(*a.grid)), a.array.get_block_selection)
