@@ -48,9 +48,10 @@ def read_zarr(path: str | os.PathLike[str], *, group: str = "") -> dict[int, tup
 
 def _read_manifest_store(path: Path, group: str) -> dict[int, tuple[str, np.ndarray, str]]:
     """A store ftidask exported, verified: ``{id: (name, array, Python-state kind or '')}``."""
-    manifest = zarr_store.verify_store(path)
+    from ..zarrfmt.verify import read_verified
+
+    manifest, data = read_verified(path, group)  # verified, each stored byte read once
     table = zarr_store.store_vars(manifest, path, group)
-    data = zarr_store.read_arrays(path, manifest, group=group)
     return {vid: (info.name, data[vid], pystate.kind_of(info)) for vid, (info, _n) in table.items()}
 
 

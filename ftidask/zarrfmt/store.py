@@ -282,27 +282,6 @@ def verify_store(path: Path, expected: str | None = None,
     return verify(path, expected, into)
 
 
-def read_arrays(path: Path, manifest: Mapping[str, Any], ids: set[int] | None = None,
-                group: str = "") -> dict[int, np.ndarray]:
-    """The variables of a verified store as new arrays; every chunk is re-checked as it is read."""
-    zarr = _zarr()
-    store = verified_store(path, manifest)
-    out = {}
-    for vid, (info, name) in store_vars(manifest, path, group).items():
-        if ids is not None and vid not in ids:
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            z = zarr.open_array(store=store, path=name, mode="r")
-            data = z[...]
-        if tuple(z.shape) != info.shape:
-            raise FormatError(f"{path}: array {name!r} has shape {z.shape}, the manifest says {info.shape}")
-        result = info.empty()
-        np.copyto(result, np.asarray(data).reshape(info.shape), casting="equiv")
-        out[vid] = result
-    return out
-
-
 def read_into(path: Path, manifest: Mapping[str, Any], targets: Mapping[int, np.ndarray]) -> None:
     """Fill ``targets`` (id -> array of the stored shape) from a verified store, without a copy.
 

@@ -43,6 +43,23 @@ def verify_store(path: Path, expected: str | None = None,
         if set(into) - set(table):  # a manifest replaced since the caller read it (no digest expected)
             raise FormatError(f"{path}: variables {sorted(set(into) - set(table))} are not in the store")
         targets = {table[vid][1]: out for vid, out in into.items()}
+    _data_pass(path, manifest, arrays, targets)
+    return manifest
+
+
+def read_verified(path: Path, group: str = "") -> tuple[dict[str, Any], dict[int, np.ndarray]]:
+    """The manifest and the variables of ``group`` as new arrays, the whole store verified, each byte read once (the
+    arrays allocated once the metadata and chunk grids are checked: never the size of a manifest alone)."""
+    manifest, arrays = open_checked(path)
+    table = store_module.store_vars(manifest, path, group)
+    out = {vid: np.empty(info.shape, info.dtype) for vid, (info, _name) in table.items()}
+    _data_pass(path, manifest, arrays, {name: out[vid] for vid, (_info, name) in table.items()})
+    return manifest, {vid: a if table[vid][0].order == "C" else np.asfortranarray(a) for vid, a in out.items()}
+
+
+def _data_pass(path: Path, manifest: Mapping[str, Any], arrays: Mapping[str, ArrayChunks],
+               targets: Mapping[str, np.ndarray]) -> None:
+    """Step 3: every array's chunks read once, into ``targets[name]`` when given."""
     raw = [rel for name, a in arrays.items() if a.raw and name not in targets for rel in a.files]
     _hash_files(path, manifest, raw)
     for name, a in arrays.items():
@@ -50,7 +67,6 @@ def verify_store(path: Path, expected: str | None = None,
             _decode_into(path, name, a, targets[name])
         elif not a.raw:
             _decode_each(path, name, a)
-    return manifest
 
 
 def open_checked(path: Path, expected: str | None = None) -> tuple[dict[str, Any], dict[str, ArrayChunks]]:
