@@ -1,6 +1,6 @@
 """A restart on another number of ranks against a raw read of the same bytes.
 
-    python benchmarks/bench_reshard.py [--write-ranks 4] [--read-ranks 2] [--mib 128] [--level 1] [--repeat 3]
+    python benchmarks/bench_reshard.py [--write-ranks 4] [--read-ranks 2] [--mib 128] [--level 1] [--repeat 3] [--zarr]
 
 ``--write-ranks`` ranks each protect MIB MiB, their block of a 1-D float64 global array (declared with
 ``global_shape`` and ``offset``), checkpoint it at ``--level`` and stop without finalizing, as a job that died; each
@@ -11,6 +11,7 @@ its own (``readinto``, no check), the least a restart on another layout must rea
 (best of ``--repeat``); cold: every file evicted first, as on a restarted job's new nodes (median of ``--repeat``).
 "fresh": the arrays are new (``np.empty``, no page touched, as a restarted program's); "in use": already written.
 ``recover()`` is timed alone and with the restart's ``init`` and ``protect`` (the raw read has neither).
+``--zarr`` (with ``--level 4``): the checkpoint is written as Zarr stores (``l4_format = zarr``, Zstd chunks).
 Give each rank a core of its own (2 ranks on 2 cores): with more ranks than cores the hashing waits for a core.
 """
 
@@ -39,7 +40,8 @@ def split(n: int, parts: int, i: int) -> tuple[int, int]:
 
 def dirs(base: str, args: argparse.Namespace, size: int) -> dict:
     return {"ckpt_dir": f"{base}/Local", "glbl_dir": f"{base}/Global", "meta_dir": f"{base}/Meta", "local_test": 1,
-            "verbosity": 3, "node_size": 1, "group_size": args.group, "enable_dcp": int(args.level >= 5)}
+            "verbosity": 3, "node_size": 1, "group_size": args.group, "enable_dcp": int(args.level >= 5),
+            "l4_format": "zarr" if args.zarr else "ftiff"}
 
 
 def write(args: argparse.Namespace) -> None:
@@ -149,9 +151,12 @@ def main() -> None:
     ap.add_argument("--level", type=int, default=1, choices=range(1, 9), help="5-8: differential (dCP) files")
     ap.add_argument("--group", type=int, default=4, help="group_size (L2/L3)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--zarr", action="store_true", help="level 4 written as Zarr (with --level 4)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--phase", choices=["write", "read"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.zarr and args.level != 4:
+        ap.error("--zarr writes level 4: pass --level 4")
     if args.phase == "write":
         write(args)
         return
@@ -164,7 +169,7 @@ def main() -> None:
     if not os.path.exists(mpiexec):
         mpiexec = shutil.which("mpiexec") or "mpiexec"
     common = [__file__, "--write-ranks", str(args.write_ranks), "--mib", str(args.mib), "--level", str(args.level),
-              "--group", str(args.group), "--repeat", str(args.repeat), "--dir", args.dir]
+              "--group", str(args.group), "--repeat", str(args.repeat), "--dir", args.dir] + ["--zarr"] * args.zarr
     try:
         for phase, ranks in (("write", args.write_ranks), ("read", args.read_ranks)):
             proc = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, *common, "--phase", phase],
@@ -177,7 +182,7 @@ def main() -> None:
         if own_dir:
             shutil.rmtree(args.dir, ignore_errors=True)
     total = args.write_ranks * args.mib
-    print(f"restart of L{args.level}, {args.write_ranks} ranks x {args.mib} MiB ({total} MiB) recovered on "
+    print(f"restart of L{args.level}{' (Zarr)' if args.zarr else ''}, {args.write_ranks} ranks x {args.mib} MiB ({total} MiB) recovered on "
           f"{args.read_ranks} ranks (slowest rank; warm: best of {args.repeat}, cold: median of {args.repeat}), "
           "against a raw read of the same bytes from raw files:")
     for key in ("warm fresh", "warm in use", "cold fresh", "cold in use"):
