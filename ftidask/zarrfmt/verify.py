@@ -16,6 +16,8 @@ third time into the arrays: a restart read the stored bytes up to three times. N
 from __future__ import annotations
 
 import itertools
+import os
+import stat
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -88,13 +90,15 @@ def check_entries(path: Path, manifest: Mapping[str, Any]) -> None:
         if (not isinstance(rel, str) or ".." in Path(rel).parts or Path(rel).is_absolute() or "\0" in rel
                 or not isinstance(entry, list) or len(entry) != 2):
             raise FormatError(f"{path}: bad manifest entry {rel!r}")
-        full = path / rel
-        try:  # the stat too: a name no file system takes (a component of 256 bytes) is OSError there
-            if not full.is_file():  # a FIFO or a device would block the read or never end
-                raise FormatError(f"{path}: {rel} is " + ("not a regular file" if full.exists() else "missing"))
-            size = full.stat().st_size
+        try:  # a name no file system takes (a component of 256 bytes) is OSError here
+            st = os.stat(path / rel)
+        except FileNotFoundError:
+            raise FormatError(f"{path}: {rel} is missing") from None
         except OSError as exc:
             raise FormatError(f"{path}: {rel}: {exc}") from None
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block the read or never end
+            raise FormatError(f"{path}: {rel} is not a regular file")
+        size = st.st_size
         if size != entry[0]:
             raise FormatError(f"{path}: {rel} holds {size} bytes, its manifest entry {entry[0]!r} (damaged Zarr "
                               "chunk or metadata)")
