@@ -4,11 +4,15 @@ and Dask (workers) alike (no MPI or cluster needed)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ftidask.levels.topology import (
     host_topology,
+    hosts_by_node,
     local_topology,
     recorded_topology,
+    reordered,
     validate_levels,
     worker_groups,
     worker_topology,
@@ -158,3 +162,52 @@ def test_layout_errors_say_what_to_set() -> None:
     assert "set group_size to 2 or more" in local_topology(4, 1, 0, 1).multilevel_ok()
     with pytest.raises(ConfigError, match=r"set node_size to the processes on each node \(1, 2, 3 or 6"):
         local_topology(6, 4, 0, 4)
+
+
+# --- FTI_ReorderNodes: a restart on the same hosts in another order --------------------------------------------
+
+
+def _renumbered(hostnames: list[str], keys: list[int]) -> list[str]:
+    """The hosts by new world rank once each process took its key as its position."""
+    return [h for _k, h in sorted(zip(keys, hostnames))]
+
+
+def test_hosts_in_another_order_get_their_node_ids_back() -> None:
+    names = ["c", "c", "a", "a", "b", "b"]  # two processes a host; written on a, b, c
+    keys = reordered(["a", "b", "c"], names)
+    assert keys == [4, 5, 0, 1, 2, 3]
+    topo = host_topology(_renumbered(names, keys), 2, 1, 3)
+    assert hosts_by_node(_renumbered(names, keys)) == ["a", "b", "c"]
+    assert [topo.is_head(w) for w in range(6)] == [True, False] * 3  # each host's first process stays its head
+
+
+def test_a_spare_host_takes_a_failed_hosts_node_id() -> None:
+    # b failed; the spare x is listed first: a and c keep 0 and 2, x takes b's 1
+    keys = reordered(["a", "b", "c"], ["x", "c", "a"])
+    assert _renumbered(["x", "c", "a"], keys) == ["a", "x", "c"]
+    # two spares: the free ids by order of the spares' first appearance
+    assert _renumbered(["y", "x", "a"], reordered(["a", "b", "c"], ["y", "x", "a"])) == ["a", "y", "x"]
+
+
+@pytest.mark.parametrize("old, names", [
+    (["a", "b"], ["a", "b"]),  # the same order
+    (["a", "b"], ["x", "b"]),  # a spare in the failed node's place already
+    (["a", "b", "c"], ["b", "a"]),  # another number of nodes: another layout, redistributed or refused
+    (["a", "a"], ["a", "b"]),  # a record naming a host twice (forged): kept as it is
+    (["a", "b"], ["b", "b", "a"]),  # hosts of unequal process counts: host_topology refuses them
+])
+def test_nothing_moves(old, names) -> None:
+    assert reordered(old, names) is None
+
+
+@given(st.permutations(list("abcdefgh")), st.integers(1, 3), st.sets(st.integers(0, 7), max_size=3))
+def test_every_host_still_present_keeps_its_node_id(order, per_host, failed) -> None:
+    old = list("abcdefgh")
+    hosts = [f"spare{i}" if old.index(h) in failed else h for i, h in enumerate(order)]
+    names = [h for h in hosts for _ in range(per_host)]
+    keys = reordered(old, names)
+    after = names if keys is None else _renumbered(names, keys)
+    assert sorted(keys or range(len(names))) == list(range(len(names)))  # a permutation of the positions
+    by_node = hosts_by_node(after)
+    assert all(by_node[i] == h for i, h in enumerate(old) if h in hosts)
+    assert all(h.startswith("spare") for i, h in enumerate(by_node) if i in failed)

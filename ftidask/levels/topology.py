@@ -17,6 +17,7 @@ so a checkpoint is always read with the groups it was written with.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import reprlib
@@ -186,6 +187,39 @@ def host_topology(hostnames: Sequence[str], node_size: int, head: int, group_siz
         raise ConfigError(f"host {host!r} runs {c} process(es), node_size is {node_size}; set node_size to the "
                           "processes per node, or local_test = 1 to simulate nodes of node_size ranks")
     return Topology(node_size, head, group_size, tuple(node_of), tuple(local_of))
+
+
+def hosts_by_node(hostnames: Sequence[str]) -> list[str]:
+    """The host of each node of :func:`host_topology` (by node id: the hosts in order of first appearance)."""
+    return list(dict.fromkeys(hostnames))
+
+
+def reordered(old_hosts: Sequence[str], hostnames: Sequence[str]) -> list[int] | None:
+    """FTI_ReorderNodes: the new position of each process (by world rank, ``hostnames`` its host) that gives every
+    node of a restarted run the node id its host had when the checkpoint was written (``old_hosts``: the host of
+    each node id then), so that the ranks on a host find the node-local files they wrote there. A host new to the
+    run (a spare that replaced a failed node) takes a node id left free, the smallest first (its files come back
+    from L2/L3 redundancy). None when nothing moves, or when the run has another number of nodes (another layout,
+    which recovery redistributes or refuses). Processes keep their order on a host (heads stay first)."""
+    current = hosts_by_node(hostnames)
+    if len(old_hosts) != len(current) or len(set(old_hosts)) != len(old_hosts):
+        return None
+    per_node = len(hostnames) // len(current)
+    if any(n != per_node for n in collections.Counter(hostnames).values()):  # host_topology refuses it
+        return None
+    node_of = {h: i for i, h in enumerate(old_hosts) if h in set(current)}
+    free = iter(i for i in range(len(old_hosts)) if old_hosts[i] not in node_of)
+    for host in current:
+        if host not in node_of:
+            node_of[host] = next(free)
+    if all(node_of[h] == i for i, h in enumerate(current)):
+        return None
+    seen: dict[str, int] = {}
+    keys = []
+    for host in hostnames:
+        keys.append(node_of[host] * per_node + seen.get(host, 0))
+        seen[host] = seen.get(host, 0) + 1
+    return keys
 
 
 def validate_levels(topo: Topology, wanted: Sequence[int]) -> None:

@@ -21,6 +21,9 @@ class Transport(abc.ABC):
     size: int = 1
     node: int = 0
     nnodes: int = 1
+    #: the host of each node id where nodes are hosts (MPI without ``local_test``): kept in commit records, so that a
+    #: restart on the same hosts in another order gives each host its node id back (FTI_ReorderNodes)
+    hosts: list[str] | None = None
 
     def ranks_text(self) -> str:
         """The ranks this context runs on, for the log line of ``init``."""

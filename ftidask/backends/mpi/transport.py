@@ -22,9 +22,10 @@ from mpi4py import MPI
 
 from ...engine.grouplevels import GroupLevels
 from ...engine.runstate import CommitRecord
-from ...levels.topology import Topology, host_topology, local_topology, validate_levels
+from ...levels.topology import Topology, host_topology, hosts_by_node, local_topology, validate_levels
 from ...model.config import Config
 from ...model.errors import ConfigError, FTIError
+from . import reorder
 
 log = logging.getLogger("ftidask")
 _TAG_REQ, _TAG_REPLY = 1, 2
@@ -98,13 +99,6 @@ class MpiGroup:
         return recvbuf if source is not None else None
 
 
-def make_topology(cfg: Config, comm: MPI.Comm) -> Topology:
-    """FTI's topology of ``comm`` (the same on every rank, errors included)."""
-    if cfg.local_test:
-        return local_topology(comm.size, cfg.node_size, cfg.head, cfg.group_size)
-    return host_topology(allgather_json(comm, MPI.Get_processor_name()), cfg.node_size, cfg.head, cfg.group_size)
-
-
 @dataclasses.dataclass
 class _HeadRequest:
     """A rank's last post-processing request to its head: outstanding or not, and the head's reply."""
@@ -122,8 +116,10 @@ class MpiTransport(GroupLevels):
         self.cfg = cfg
         self.world = comm.Dup()
         self._comms: list[MPI.Comm] = [self.world]
+        #: the host of each node id (None with local_test): commit records keep it for a restart's node order
+        self.hosts: list[str] | None = None
         try:
-            self.topo = make_topology(cfg, self.world)
+            self.topo = self._topology(cfg)
             validate_levels(self.topo, [lv for lv in (2, 3) if cfg.interval(lv) > 0])
         except ConfigError:
             self.world.Free()
@@ -146,6 +142,17 @@ class MpiTransport(GroupLevels):
         self._post = _HeadRequest()
         self._closed = False
         self._foreground: MpiTransport | None = None  # set on the background clone: whose clone it is
+
+    def _topology(self, cfg: Config) -> Topology:
+        """FTI's topology of the world (the same on every rank, errors included); on hosts, the world renumbered
+        first as the checkpoint to restart from was written (:mod:`.reorder`)."""
+        if cfg.local_test:
+            return local_topology(self.world.size, cfg.node_size, cfg.head, cfg.group_size)
+        names = allgather_json(self.world, reorder.processor_name())
+        world, names = reorder.reorder_world(cfg, self.world, names, lambda v: allgather_json(self.world, v)[0])
+        self.world = self._comms[0] = world
+        self.hosts = hosts_by_node(names)
+        return host_topology(names, cfg.node_size, cfg.head, cfg.group_size)
 
     def _keep(self, comm: MPI.Comm) -> MPI.Comm:
         self._comms.append(comm)
