@@ -244,6 +244,24 @@ def test_a_chunk_shape_larger_than_its_array_is_refused(dirs):
     _refused(dirs, store, "are larger than its shape")
 
 
+def test_an_uncompressed_chunk_larger_than_its_array_is_refused_before_it_is_read(dirs):
+    """The same for an uncompressed array, whose chunk files are read whole and only then checked: a chunk of 2**20
+    elements for an array of N, its file 8 MiB of holes (free to its forger; 2**28 elements were 2 GiB read into
+    memory before the hash refused them). Refused from the metadata, before any chunk is read."""
+    store = _zarr_checkpoint(dirs)
+    meta = json.loads((store / "v" / "zarr.json").read_text())
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = [1 << 20]
+    meta["codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    (store / "v" / "zarr.json").write_text(json.dumps(meta))
+    files = sorted((store / "v" / "c").iterdir())
+    for extra in files[1:]:
+        extra.unlink()
+    with open(files[0], "wb") as fh:
+        fh.truncate(8 << 20)
+    _reseal(dirs, store)
+    _refused(dirs, store, "are larger than its shape")
+
+
 # --- the Meta directory -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("payload", [b"[" * 100_000 + b"]" * 100_000, b'{"pid": Infinity, "host": "h"}',

@@ -63,3 +63,15 @@ def test_heads_stay_first_on_their_host(tmp_path: Path) -> None:
     got = results(base)
     assert [(r["host"], r["app_rank"]) for r in got] == [("B", 1), ("A", 0)], got
     assert all(r["status"] == "ok" and r["exact"] for r in got), got
+
+
+def test_ranks_placed_across_hosts_in_turn_keep_their_placement(tmp_path: Path) -> None:
+    """Ranks placed on the hosts in turn (A, B, A, B: ranks 0 and 2 on A), restarted on B, A, B, A: each process takes
+    the place its host had, so ranks 0 and 2 are A's again (numbering the hosts' processes in blocks put rank 1 on A,
+    whose disk does not hold its file)."""
+    base = tmp_path / "run"
+    run(4, "reorder_job.py", "write", str(base), "A,B,A,B", "1", "pairs", timeout=180)
+    run(4, "reorder_job.py", "recover", str(base), "B,A,B,A", "pairs", timeout=180)
+    got = results(base)
+    assert [(r["host"], r["app_rank"]) for r in got] == [("B", 1), ("A", 0), ("B", 3), ("A", 2)], got
+    assert all(r["status"] == "ok" and r["exact"] for r in got), got

@@ -167,47 +167,66 @@ def test_layout_errors_say_what_to_set() -> None:
 # --- FTI_ReorderNodes: a restart on the same hosts in another order --------------------------------------------
 
 
-def _renumbered(hostnames: list[str], keys: list[int]) -> list[str]:
+def _renumbered(hostnames: list[str], keys: list[int] | None) -> list[str]:
     """The hosts by new world rank once each process took its key as its position."""
-    return [h for _k, h in sorted(zip(keys, hostnames))]
+    return list(hostnames) if keys is None else [h for _k, h in sorted(zip(keys, hostnames))]
+
+
+def _placement(hostnames: list[str]) -> tuple[list[str], list[int]]:
+    """What a commit record keeps of a run on ``hostnames``: the host of each node id, the node of each world rank."""
+    names = hosts_by_node(hostnames)
+    return names, [names.index(h) for h in hostnames]
 
 
 def test_hosts_in_another_order_get_their_node_ids_back() -> None:
-    names = ["c", "c", "a", "a", "b", "b"]  # two processes a host; written on a, b, c
-    keys = reordered(["a", "b", "c"], names)
+    old = ["a", "a", "b", "b", "c", "c"]  # two processes a host, the first a head
+    names = ["c", "c", "a", "a", "b", "b"]
+    keys = reordered(*_placement(old), names)
     assert keys == [4, 5, 0, 1, 2, 3]
     topo = host_topology(_renumbered(names, keys), 2, 1, 3)
-    assert hosts_by_node(_renumbered(names, keys)) == ["a", "b", "c"]
+    assert _renumbered(names, keys) == old
     assert [topo.is_head(w) for w in range(6)] == [True, False] * 3  # each host's first process stays its head
 
 
-def test_a_spare_host_takes_a_failed_hosts_node_id() -> None:
-    # b failed; the spare x is listed first: a and c keep 0 and 2, x takes b's 1
-    keys = reordered(["a", "b", "c"], ["x", "c", "a"])
-    assert _renumbered(["x", "c", "a"], keys) == ["a", "x", "c"]
-    # two spares: the free ids by order of the spares' first appearance
-    assert _renumbered(["y", "x", "a"], reordered(["a", "b", "c"], ["y", "x", "a"])) == ["a", "y", "x"]
+def test_ranks_placed_in_turn_keep_their_placement() -> None:
+    old = ["a", "b", "a", "b"]  # ranks 0 and 2 on a: numbered in blocks, rank 1 would land on a
+    keys = reordered(*_placement(old), ["b", "a", "b", "a"])
+    assert _renumbered(["b", "a", "b", "a"], keys) == old
+
+
+def test_a_spare_host_takes_a_failed_hosts_places() -> None:
+    # b failed; the spare x is listed first: a and c keep their places, x takes b's
+    assert _renumbered(["x", "c", "a"], reordered(*_placement(["a", "b", "c"]), ["x", "c", "a"])) == ["a", "x", "c"]
+    # two spares: the places of the hosts gone by node id, to the spares by order of first appearance
+    assert _renumbered(["y", "x", "a"], reordered(*_placement(["a", "b", "c"]), ["y", "x", "a"])) == ["a", "y", "x"]
 
 
 @pytest.mark.parametrize("old, names", [
     (["a", "b"], ["a", "b"]),  # the same order
     (["a", "b"], ["x", "b"]),  # a spare in the failed node's place already
-    (["a", "b", "c"], ["b", "a"]),  # another number of nodes: another layout, redistributed or refused
-    (["a", "a"], ["a", "b"]),  # a record naming a host twice (forged): kept as it is
-    (["a", "b"], ["b", "b", "a"]),  # hosts of unequal process counts: host_topology refuses them
+    (["a", "b", "c"], ["b", "a"]),  # another number of processes: another layout, redistributed or refused
+    (["a", "b", "b", "b"], ["a", "a", "b", "b"]),  # the hosts' shares differ from the record's
+    (["a", "a", "b"], ["a", "b", "c"]),  # another number of nodes
 ])
 def test_nothing_moves(old, names) -> None:
-    assert reordered(old, names) is None
+    assert reordered(*_placement(old), names) is None
 
 
-@given(st.permutations(list("abcdefgh")), st.integers(1, 3), st.sets(st.integers(0, 7), max_size=3))
-def test_every_host_still_present_keeps_its_node_id(order, per_host, failed) -> None:
-    old = list("abcdefgh")
-    hosts = [f"spare{i}" if old.index(h) in failed else h for i, h in enumerate(order)]
-    names = [h for h in hosts for _ in range(per_host)]
-    keys = reordered(old, names)
-    after = names if keys is None else _renumbered(names, keys)
-    assert sorted(keys or range(len(names))) == list(range(len(names)))  # a permutation of the positions
-    by_node = hosts_by_node(after)
-    assert all(by_node[i] == h for i, h in enumerate(old) if h in hosts)
-    assert all(h.startswith("spare") for i, h in enumerate(by_node) if i in failed)
+def test_a_forged_placement_moves_nothing() -> None:
+    assert reordered(["a", "a"], [0, 1], ["a", "b"]) is None  # a host named twice
+    assert reordered(["a", "b"], [0, 5], ["b", "a"]) is None  # a node id out of range
+
+
+@given(st.permutations(list("abcdefgh")), st.integers(1, 3), st.sets(st.integers(0, 7), max_size=3),
+       st.booleans(), st.randoms(use_true_random=False))
+def test_every_process_goes_where_its_host_was(order, per_host, failed, in_turn, rnd) -> None:
+    hosts = list("abcdefgh")
+    old = [h for _ in range(per_host) for h in hosts] if in_turn else [h for h in hosts for _ in range(per_host)]
+    spare = {h: f"spare{i}" for i, h in enumerate(order) if hosts.index(h) in failed}
+    names = [spare.get(h, h) for h in old]
+    rnd.shuffle(names)  # the job's processes in any order
+    after = _renumbered(names, reordered(*_placement(old), names))
+    assert sorted(after) == sorted(names)
+    # each process where its host was; a spare where a failed host was, the same one for all of its processes
+    assert all(a == o or (a.startswith("spare") and o in spare) for a, o in zip(after, old))
+    assert len({(a, o) for a, o in zip(after, old)}) == len(set(after))

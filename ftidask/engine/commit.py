@@ -197,8 +197,8 @@ class Committer(RunPart):
         extra = dict(pending.record_extra)
         if t.size > 1:  # the L2/L3 groups (a head may raise an L1 checkpoint later): a restart on another number of
             extra["group_size"] = self.config.group_size  # ranks, with another group_size, rebuilds on these
-        if t.hosts:  # node id -> host: a restart on these hosts in another order renumbers its nodes as they were
-            extra["hosts"] = list(t.hosts)
+        if t.hosts:  # hosts and placement: a restart on these hosts in another order puts each process back
+            extra["hosts"] = {k: list(v) for k, v in t.hosts.items()}
         record = CommitRecord(seq, ckpt_id, level, time.time(), t.size, tuple(FileRecord(**f) for f in files), extra)
         self.seal(record, failed, functools.partial(self.drop, pending, finished=True))
         assert written is not None  # every rank succeeded

@@ -103,16 +103,18 @@ def check_store(path: Path, record: Any, rank: int, stage: Any = None) -> Any:
         expected = entry.fb_hash
     if not path.is_dir():
         return Verdict("damaged", f"{path}: missing")
+    from ..zarrfmt.verify import open_checked, verify_arrays
+
     staged: dict[int, Any] = {}
     try:
-        manifest = zarr_store.read_manifest(path, expected)
+        manifest, arrays = open_checked(path, expected)
         table = zarr_store.store_vars(manifest, path)
         parsed = ZarrRankStore(str(path), manifest, {vid: info for vid, (info, _n) in table.items()},
                                {vid: name for vid, (_i, name) in table.items()})
         staged = stage(parsed) if stage is not None else {}
         into = {vid: np.frombuffer(s.view, parsed.vars[vid].dtype).reshape(parsed.vars[vid].shape)
                 for vid, s in staged.items()}
-        zarr_store.verify_store(path, expected, into=into)
+        verify_arrays(path, manifest, arrays, into)
     except (FormatError, OSError) as exc:
         release_all(staged)
         return Verdict("damaged", str(exc))

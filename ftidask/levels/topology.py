@@ -194,32 +194,40 @@ def hosts_by_node(hostnames: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(hostnames))
 
 
-def reordered(old_hosts: Sequence[str], hostnames: Sequence[str]) -> list[int] | None:
-    """FTI_ReorderNodes: the new position of each process (by world rank, ``hostnames`` its host) that gives every
-    node of a restarted run the node id its host had when the checkpoint was written (``old_hosts``: the host of
-    each node id then), so that the ranks on a host find the node-local files they wrote there. A host new to the
-    run (a spare that replaced a failed node) takes a node id left free, the smallest first (its files come back
-    from L2/L3 redundancy). None when nothing moves, or when the run has another number of nodes (another layout,
-    which recovery redistributes or refuses). Processes keep their order on a host (heads stay first)."""
-    current = hosts_by_node(hostnames)
-    if len(old_hosts) != len(current) or len(set(old_hosts)) != len(old_hosts):
+def reordered(old_hosts: Sequence[str], old_nodes: Sequence[int], hostnames: Sequence[str]) -> list[int] | None:
+    """FTI_ReorderNodes: the new position of each process (by world rank, ``hostnames`` its host) that puts every
+    process of a restarted run where a process of its host was when the checkpoint was written (``old_hosts``: the
+    host of each node id then, ``old_nodes``: the node of each world rank then), so that the ranks on a host find the
+    node-local files they wrote there: the k-th process on a host takes the place of the k-th process that host had
+    (heads stay first; a placement of ranks across hosts in turn is kept as it was). A host new to the run (a spare
+    that replaced a failed node) takes the places of a host that is gone, the smallest node id first (its files come
+    back from L2/L3 redundancy). None when nothing moves, or when the run has another number of processes or nodes,
+    or processes spread otherwise over the hosts (another layout, which recovery redistributes or refuses)."""
+    if (len(old_nodes) != len(hostnames) or len(set(old_hosts)) != len(old_hosts)
+            or any(not 0 <= n < len(old_hosts) for n in old_nodes)):
         return None
-    per_node = len(hostnames) // len(current)
-    if any(n != per_node for n in collections.Counter(hostnames).values()):  # host_topology refuses it
+    before = [old_hosts[n] for n in old_nodes]
+    current, was = hosts_by_node(hostnames), hosts_by_node(before)
+    if len(current) != len(was):
         return None
-    node_of = {h: i for i, h in enumerate(old_hosts) if h in set(current)}
-    free = iter(i for i in range(len(old_hosts)) if old_hosts[i] not in node_of)
-    for host in current:
-        if host not in node_of:
-            node_of[host] = next(free)
-    if all(node_of[h] == i for i, h in enumerate(current)):
+    present = set(current)
+    host_of = {h: h for h in current if h in set(was)}  # each current host -> the old host whose places it takes
+    gone = iter(sorted((h for h in was if h not in present), key=list(old_hosts).index))
+    for h in current:
+        if h not in host_of:
+            host_of[h] = next(gone)
+    places: dict[str, list[int]] = {}
+    for w, h in enumerate(before):
+        places.setdefault(h, []).append(w)
+    counts = collections.Counter(hostnames)
+    if any(counts[h] != len(places[host_of[h]]) for h in current):
         return None
-    seen: dict[str, int] = {}
+    taken: dict[str, int] = {}
     keys = []
-    for host in hostnames:
-        keys.append(node_of[host] * per_node + seen.get(host, 0))
-        seen[host] = seen.get(host, 0) + 1
-    return keys
+    for h in hostnames:
+        keys.append(places[host_of[h]][taken.get(h, 0)])
+        taken[h] = taken.get(h, 0) + 1
+    return None if keys == list(range(len(keys))) else keys
 
 
 def validate_levels(topo: Topology, wanted: Sequence[int]) -> None:

@@ -21,9 +21,10 @@ class Transport(abc.ABC):
     size: int = 1
     node: int = 0
     nnodes: int = 1
-    #: the host of each node id where nodes are hosts (MPI without ``local_test``): kept in commit records, so that a
-    #: restart on the same hosts in another order gives each host its node id back (FTI_ReorderNodes)
-    hosts: list[str] | None = None
+    #: where nodes are hosts (MPI without ``local_test``): ``{"names": host of each node id, "world": node of each
+    #: world rank}``, kept in commit records, so that a restart on the same hosts in another order puts each process
+    #: where its host's files are (FTI_ReorderNodes)
+    hosts: dict[str, list[Any]] | None = None
 
     def ranks_text(self) -> str:
         """The ranks this context runs on, for the log line of ``init``."""

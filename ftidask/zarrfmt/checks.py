@@ -110,7 +110,13 @@ def _check_chunk_files(path: Path, files: list[str], name: str, z: Any, grid: tu
 
 def _check_chunk_sizes(path: Path, manifest: Mapping[str, Any], files: list[str], name: str, z: Any) -> bool:
     """Each chunk file of ``z`` can be a chunk: an uncompressed array's are whole chunks, a compressed one's codec
-    headers declare a chunk's raw size (:func:`_check_declared_sizes`). Whether the array is uncompressed."""
+    headers declare a chunk's raw size (:func:`_check_declared_sizes`). Whether the array is uncompressed.
+
+    A chunk shape is at most its array's, first: Zarr reads a chunk file whole, and a forged chunk of 2**28
+    elements is a file of holes of gigabytes (free to its forger) that the verified store reads before its hash
+    can refuse it, and a buffer of that size for Zarr to decode into."""
+    if any(c > max(n, 1) for c, n in zip(z.chunks, z.shape, strict=True)):
+        raise FormatError(f"{path}: array {name!r}: chunks {tuple(z.chunks)} are larger than its shape {z.shape}")
     if not z.compressors and not z.filters and type(z.serializer).__name__ == "BytesCodec":
         whole = int(np.prod(z.chunks)) * z.dtype.itemsize
         for rel in files:
@@ -129,12 +135,10 @@ def _compressed_most(raw: int) -> int:
 
 
 def _check_declared_sizes(path: Path, manifest: Mapping[str, Any], files: list[str], name: str, z: Any) -> None:
-    """Before a compressed chunk is decoded: its chunk shape is at most its array's, and each chunk file's codec
-    header declares exactly a chunk's raw size. A codec allocates what its header declares, and hash-checked
+    """Before a compressed chunk is decoded (its chunk shape checked to be at most its array's): each chunk file's
+    codec header declares exactly a chunk's raw size. A codec allocates what its header declares, and hash-checked
     bytes of a forged store can declare anything: a Zstd frame of a few bytes unpacks to terabytes, and a chunk
     shape of 2**40 elements is a buffer Zarr allocates for any chunk. Only the codecs ftidask writes are read."""
-    if any(c > max(n, 1) for c, n in zip(z.chunks, z.shape, strict=True)):
-        raise FormatError(f"{path}: array {name!r}: chunks {tuple(z.chunks)} are larger than its shape {z.shape}")
     kinds = [type(c).__name__ for c in z.compressors]
     codec = {("ZstdCodec",): "zstd", ("BloscCodec",): "blosc"}.get(tuple(kinds))
     if codec is None or z.filters:

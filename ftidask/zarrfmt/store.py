@@ -325,7 +325,7 @@ def verified_store(path: Path, manifest: Mapping[str, Any]) -> Any:
                 return None
             if buf is None:
                 raise FormatError(f"{path}: {key} is missing")
-            data = buf.to_bytes()
+            data = memoryview(buf.as_numpy_array()).cast("B")  # the bytes read, hashed where they are (no copy)
             if byte_range is not None:
                 raise FormatError(f"{path}: partial read of {key} cannot be verified")
             if len(data) != entry[0] or hashing.digest(_HASH_ID, data).hex() != entry[1]:

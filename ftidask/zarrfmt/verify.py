@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..model.errors import FormatError
+from ..storage import interrupts
 from . import store as store_module
 from .checks import ArrayChunks, check_arrays
 
@@ -35,17 +36,11 @@ def verify_store(path: Path, expected: str | None = None,
                  into: Mapping[int, np.ndarray] | None = None) -> dict[str, Any]:
     """Check every file the manifest lists (size and digest) and every array (whole, decodable); the manifest.
 
-    ``into``: variable id (of the root group) -> a C-contiguous array of the variable's dtype and shape, filled
-    with its verified values on the way (its content is undefined when a :class:`FormatError` is raised).
+    ``into``: variable id (of the root group) -> an array of the variable's dtype and shape, filled with its
+    verified values on the way (its content is undefined when a :class:`FormatError` is raised).
     """
     manifest, arrays = open_checked(path, expected)
-    targets: dict[str, np.ndarray] = {}
-    if into:
-        table = store_module.store_vars(manifest, path)
-        if set(into) - set(table):  # a manifest replaced since the caller read it (no digest expected)
-            raise FormatError(f"{path}: variables {sorted(set(into) - set(table))} are not in the store")
-        targets = {table[vid][1]: out for vid, out in into.items()}
-    _data_pass(path, manifest, arrays, targets)
+    verify_arrays(path, manifest, arrays, into or {})
     return manifest
 
 
@@ -54,14 +49,27 @@ def read_verified(path: Path, group: str = "") -> tuple[dict[str, Any], dict[int
     arrays allocated once the metadata and chunk grids are checked: never the size of a manifest alone)."""
     manifest, arrays = open_checked(path)
     table = store_module.store_vars(manifest, path, group)
-    out = {vid: np.empty(info.shape, info.dtype) for vid, (info, _name) in table.items()}
-    _data_pass(path, manifest, arrays, {name: out[vid] for vid, (_info, name) in table.items()})
-    return manifest, {vid: a if table[vid][0].order == "C" else np.asfortranarray(a) for vid, a in out.items()}
+    out = {}
+    for vid, (info, _name) in table.items():
+        try:
+            out[vid] = info.empty()
+        except (MemoryError, ValueError) as exc:  # a shape of 2**40 elements: no traceback from numpy
+            raise FormatError(f"{path}: variable {vid} is {info.dtype} {info.shape}: no memory for it "
+                              f"({type(exc).__name__}: {exc})") from None
+    verify_arrays(path, manifest, arrays, out, group)
+    return manifest, out
 
 
-def _data_pass(path: Path, manifest: Mapping[str, Any], arrays: Mapping[str, ArrayChunks],
-               targets: Mapping[str, np.ndarray]) -> None:
-    """Step 3: every array's chunks read once, into ``targets[name]`` when given."""
+def verify_arrays(path: Path, manifest: Mapping[str, Any], arrays: Mapping[str, ArrayChunks],
+                  into: Mapping[int, np.ndarray], group: str = "") -> None:
+    """Step 3, after :func:`open_checked` gave ``manifest`` and ``arrays``: every array's chunks read once, into
+    ``into[id]`` (variable ids of ``group``) when given."""
+    targets: dict[str, np.ndarray] = {}
+    if into:
+        table = store_module.store_vars(manifest, path, group)
+        if set(into) - set(table):
+            raise FormatError(f"{path}: variables {sorted(set(into) - set(table))} are not in the store")
+        targets = {table[vid][1]: out for vid, out in into.items()}
     raw = [rel for name, a in arrays.items() if a.raw and name not in targets for rel in a.files]
     _hash_files(path, manifest, raw)
     for name, a in arrays.items():
@@ -152,7 +160,8 @@ def _each_block(path: Path, name: str, indices: list[tuple[int, ...]],
         except FormatError:
             raise
         except Exception as exc:  # whatever the codec raises on bytes it cannot decode
-            raise FormatError(f"{path}: array {name!r}: chunk {index} does not decode: {exc}") from None
+            raise FormatError(f"{path}: array {name!r}: chunk {index} does not decode: {type(exc).__name__}: "
+                              f"{exc}") from None
 
     if len(indices) <= 1:
         for index in indices:
@@ -162,15 +171,15 @@ def _each_block(path: Path, name: str, indices: list[tuple[int, ...]],
     try:
         for future in [pool.submit(one, index) for index in indices]:
             future.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)  # none still writing once this returns or raises
+    finally:  # none still writing once this returns or raises (a second Ctrl-C waits for them too)
+        with interrupts.held_off():
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _decode_into(path: Path, name: str, a: ArrayChunks, out: np.ndarray) -> None:
     """Read array ``name`` into ``out``; the verified store checks each chunk's digest before Zarr decodes it."""
     z = a.array
-    if (tuple(out.shape) != tuple(z.shape) or out.dtype.newbyteorder("<") != np.dtype(z.dtype).newbyteorder("<")
-            or not out.flags.c_contiguous):
+    if tuple(out.shape) != tuple(z.shape) or out.dtype.newbyteorder("<") != np.dtype(z.dtype).newbyteorder("<"):
         raise FormatError(f"{path}: array {name!r} is {z.dtype} {z.shape}, the buffer for it {out.dtype} {out.shape}")
     fill(path, name, z, out, a.grid)
 
@@ -195,6 +204,8 @@ def fill_region(path: Path, name: str, a: ArrayChunks, src: tuple[slice, ...], o
     from zarr.core.buffer import default_buffer_prototype
 
     z = a.array
+    if any(s.step not in (None, 1) for s in src):
+        raise ValueError(f"fill_region reads slices of unit step, got {src}")
     bounds = [s.indices(n)[:2] for s, n in zip(src, z.shape, strict=True)]
     if any(lo >= hi for lo, hi in bounds):
         return

@@ -116,8 +116,9 @@ class MpiTransport(GroupLevels):
         self.cfg = cfg
         self.world = comm.Dup()
         self._comms: list[MPI.Comm] = [self.world]
-        #: the host of each node id (None with local_test): commit records keep it for a restart's node order
-        self.hosts: list[str] | None = None
+        #: the host of each node id and the node of each world rank (None with local_test): commit records keep it
+        #: for a restart's node order (:mod:`.reorder`)
+        self.hosts: dict[str, list[Any]] | None = None
         try:
             self.topo = self._topology(cfg)
             validate_levels(self.topo, [lv for lv in (2, 3) if cfg.interval(lv) > 0])
@@ -151,8 +152,9 @@ class MpiTransport(GroupLevels):
         names = allgather_json(self.world, reorder.processor_name())
         world, names = reorder.reorder_world(cfg, self.world, names, lambda v: allgather_json(self.world, v)[0])
         self.world = self._comms[0] = world
-        self.hosts = hosts_by_node(names)
-        return host_topology(names, cfg.node_size, cfg.head, cfg.group_size)
+        topo = host_topology(names, cfg.node_size, cfg.head, cfg.group_size)
+        self.hosts = {"names": hosts_by_node(names), "world": list(topo.node_of)}
+        return topo
 
     def _keep(self, comm: MPI.Comm) -> MPI.Comm:
         self._comms.append(comm)
