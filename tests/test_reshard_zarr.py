@@ -7,17 +7,20 @@ The ranks are threads over the real engine (``run_ranks``).
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_recover_reads_once import fresh as untouched
 
 from ftidask.api.context import Context
+from ftidask.engine import pagemove, reshard
 from ftidask.engine.grouplevels import run_ranks
 from ftidask.ftiff import hashing
 from ftidask.model.config import load_config
-from ftidask.model.errors import NoCheckpointError
+from ftidask.model.errors import FTIError
 
 pytest.importorskip("zarr")
 
@@ -66,12 +69,13 @@ def recover(base: Path, fresh: bool) -> list:
     def step(t):
         ctx = Context(config(base), t)
         mine = rows(t.rank, NEW)
-        a = np.empty((mine.stop - mine.start, SHAPE[1])) if fresh else np.full((mine.stop - mine.start, SHAPE[1]), 7.0)
+        n = (mine.stop - mine.start) * SHAPE[1]
+        a = (untouched(n) if fresh else np.full(n, 7.0)).reshape(mine.stop - mine.start, SHAPE[1])
         ctx.protect(1, a, global_shape=SHAPE, offset=(mine.start, 0))
         try:
             ctx.recover()
-        except NoCheckpointError as exc:
-            return {"error": str(exc), "untouched": fresh or bool((a == 7.0).all())}
+        except FTIError as exc:  # NoCheckpointError, or RecoveryError after the agreement
+            return {"error": f"{type(exc).__name__}: {exc}", "untouched": fresh or bool((a == 7.0).all())}
         finally:
             ctx._close()
         return {"from": ctx.recovered_from, "data": a}
@@ -104,7 +108,14 @@ def _chunk_files(base: Path, ckpt_id: int) -> list[Path]:
 
 
 @pytest.mark.parametrize("fresh", [True, False])
-def test_each_rank_reads_the_chunks_of_its_pieces_and_no_more(tmp_path, small_chunks, hashed, fresh):
+def test_each_rank_reads_the_chunks_of_its_pieces_and_no_more(tmp_path, small_chunks, small_moves, hashed, fresh,
+                                                              monkeypatch):
+    """12 chunk reads of the 10 (the two chunks cut between new ranks read by both) into fresh arrays' staged pages;
+    into arrays in use, no buffer of their size: each chunk checked (read and decoded), then read again after the
+    agreement, 24. Before: each store verified whole by each rank that opened it (rank 1 both), every variable then
+    read whole again into a buffer of its size: 40."""
+    if fresh:  # each new rank's block above 32 MiB: fresh pages from malloc (test_recover_reads_once.fresh)
+        monkeypatch.setattr(sys.modules[__name__], "SHAPE", (300, 42_000))
     write(tmp_path, [(1, 4)])
     chunks = _chunk_files(tmp_path, 1)
     assert len(chunks) == 2 * 5
@@ -112,10 +123,11 @@ def test_each_rank_reads_the_chunks_of_its_pieces_and_no_more(tmp_path, small_ch
     for rank, got in enumerate(recover(tmp_path, fresh)):
         assert got["from"] == (1, 4), got.get("error")
         assert np.array_equal(got["data"], values(1)[rows(rank, NEW)])
-    # 12 chunk reads of the 10: the two chunks cut between new ranks read by both. Before: each store verified whole
-    # by each rank that opened it (rank 1 both), every variable then read whole again.
     stored = sum(p.stat().st_size for p in chunks)
-    assert stored <= hashed[0] <= stored * 12 / 10 + 1024, (hashed[0], stored)
+    reads = 12 if fresh else 24
+    assert stored * (reads - 2) / 10 <= hashed[0] <= stored * reads / 10 + 1024, (hashed[0], stored)
+    if fresh:
+        assert pagemove.stats["moved_bytes"] >= 8 * SHAPE[0] * SHAPE[1] - NEW * 2 * 4096
 
 
 def test_a_damaged_chunk_one_rank_reads_is_refused_on_every_rank(tmp_path, small_chunks):
@@ -131,3 +143,29 @@ def test_a_damaged_chunk_one_rank_reads_is_refused_on_every_rank(tmp_path, small
     for rank, got in enumerate(recover(tmp_path, fresh=False)):
         assert got.get("from") == (1, 4), got.get("error")
         assert np.array_equal(got["data"], values(1)[rows(rank, NEW)])
+
+
+def test_a_chunk_changed_after_the_agreement_fails_on_every_rank(tmp_path, small_chunks, monkeypatch):
+    """Arrays in use: every rank checked the chunks of its pieces and agreed; then old rank 1's last chunk changes
+    before they are read into the arrays (the seam ``reshard.BEFORE_LOAD``): the rank that reads it finds it changed
+    as it reads it again (each chunk checked against its digest once more), and every rank raises the same error.
+    Restored, a new recovery reads it."""
+    write(tmp_path, [(1, 4)])
+    victim = _chunk_files(tmp_path, 1)[-1]
+    saved = victim.read_bytes()
+    once = threading.Lock()
+
+    def change() -> None:
+        with once:
+            if victim.read_bytes() == saved:
+                victim.write_bytes(saved[:-1] + bytes([saved[-1] ^ 0x40]))
+
+    monkeypatch.setattr(reshard, "BEFORE_LOAD", change)
+    got = recover(tmp_path, fresh=False)
+    assert len({r["error"] for r in got}) == 1, got
+    assert got[0]["error"].startswith("RecoveryError") and "failed while loading" in got[0]["error"], got[0]
+    assert "does not match its hash" in got[0]["error"]
+    monkeypatch.setattr(reshard, "BEFORE_LOAD", None)
+    victim.write_bytes(saved)
+    for rank, r in enumerate(recover(tmp_path, fresh=False)):
+        assert r.get("from") == (1, 4) and np.array_equal(r["data"], values(1)[rows(rank, NEW)]), r.get("error")

@@ -114,10 +114,19 @@ class StatesRefused(Refused):
 
 
 def read_in_place(parsed: Any) -> bool:
-    """Whether pieces of ``parsed`` can be verified first and read into a user's array later
-    (:func:`verify_pieces`, then :func:`read_pieces`): an FTI-FF file, whose containers (a differential file's
-    blocks) are read one by one; not a Zarr store."""
+    """Whether ``parsed`` is an FTI-FF file, whose containers (a differential file's blocks) are read one by one,
+    hashed by one rank for all when two need one (:mod:`.reshard_read`); not a Zarr store."""
     return isinstance(parsed, FtiffFile)
+
+
+def verified_first(parsed: Any) -> bool:
+    """Whether pieces of ``parsed`` can be verified first and read into a user's array later (:func:`verify_pieces`,
+    then :func:`read_pieces`, ``verified``): an FTI-FF file, or a Zarr store (each chunk of a piece decoded to check
+    it, then read again, checked again, into the array after the agreement), both with no buffer of the array's
+    size."""
+    from .zarr_l4 import ZarrRankStore
+
+    return isinstance(parsed, (FtiffFile, ZarrRankStore))
 
 
 def verify_pieces(parsed: FtiffFile, wanted: list[tuple[int, Piece]],
@@ -127,7 +136,16 @@ def verify_pieces(parsed: FtiffFile, wanted: list[tuple[int, Piece]],
     file when one does not match. The pieces are read into the arrays after every rank agreed (:func:`read_pieces`,
     which checks that the file is the one verified, unchanged). ``trusted``: the (block, container) another rank
     verifies (:mod:`.reshard_read`), not hashed here. A differential file: only the blocks of the pieces' spans,
-    each against its digest."""
+    each against its digest. A Zarr store: the chunks that hold the pieces, each read, checked and decoded."""
+    if not read_in_place(parsed):
+        from .zarr_l4 import check_region
+
+        for vid in {vid for vid, _piece in wanted if "dask" in parsed.vars[vid].extra}:  # read whole: all of it
+            check_region(parsed, vid, (slice(None),) * len(parsed.vars[vid].shape))
+        for vid, piece in wanted:
+            if "dask" not in parsed.vars[vid].extra:
+                check_region(parsed, vid, piece.src)
+        return
     if parsed.fb.flags & FLAG_DCP:
         _verify_pieces_dcp(parsed, wanted)
         return

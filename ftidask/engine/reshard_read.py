@@ -30,7 +30,7 @@ import numpy as np
 from ..model.errors import FTIError, RecoveryError
 from . import pagemove
 from .prefault import Prefault
-from .reshard_files import cut_needs, read_in_place, read_pieces, verify_containers, verify_pieces
+from .reshard_files import cut_needs, read_in_place, read_pieces, verified_first, verify_containers, verify_pieces
 
 #: (old rank, block, container) of an old file's container.
 Key = tuple[int, int, int]
@@ -132,7 +132,7 @@ def stage(t: Any, plan: dict[int, list[Any]], parsed_of: Callable[[], dict[int, 
             for vid, _piece in wanted:
                 by_var.setdefault(vid, set()).add(old)
         in_place = {vid for vid in arrays if vid not in states and vid not in pages
-                    and all(read_in_place(files[old]) for old in by_var.get(vid, ()))}
+                    and all(verified_first(files[old]) for old in by_var.get(vid, ()))}
         staged = {vid: array_over(pages[vid]) if vid in pages else np.empty(a.shape, a.dtype)
                   for vid, a in arrays.items() if vid not in in_place}
         mine = cut_needs(files, plan)

@@ -155,6 +155,15 @@ def read_region(parsed: ZarrRankStore, vid: int, src: tuple[slice, ...], out: np
         out[...] = buf
 
 
+def check_region(parsed: ZarrRankStore, vid: int, src: tuple[slice, ...]) -> None:
+    """Read, check and decode the chunks that hold the region ``src`` of variable ``vid`` (:class:`FormatError` when
+    one does not match its digest or does not decode), keeping nothing: before :func:`read_region` reads them into an
+    array in use, once every rank agreed."""
+    from ..zarrfmt.verify import check_chunks
+
+    check_chunks(Path(parsed.path), parsed.names[vid], parsed.arrays[vid], src)
+
+
 def load_store(parsed: ZarrRankStore, arrays: Mapping[int, np.ndarray]) -> None:
     """Fill ``arrays`` (size-checked) from a verified store; each chunk is checked again as it is read."""
     for vid in arrays:

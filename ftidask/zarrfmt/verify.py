@@ -198,17 +198,28 @@ def fill(path: Path, name: str, z: Any, out: np.ndarray, grid: tuple[int, ...]) 
     _each_block(path, name, list(np.ndindex(*grid)), read)  # as many as its chunk files (checks.check_arrays)
 
 
+def _bounds(z: Any, src: tuple[slice, ...]) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each slice of ``src`` (of unit step) in ``z``'s shape."""
+    if any(s.step not in (None, 1) for s in src):
+        raise ValueError(f"a region of slices of unit step, got {src}")
+    return [s.indices(n)[:2] for s, n in zip(src, z.shape, strict=True)]
+
+
+def _chunks_of(z: Any, bounds: list[tuple[int, int]]) -> list[tuple[int, ...]]:
+    """The index of each chunk of ``z`` that holds part of the region ``bounds`` (none for an empty region)."""
+    if any(lo >= hi for lo, hi in bounds):
+        return []
+    ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(bounds, z.chunks)]
+    return [tuple(ix) for ix in itertools.product(*ranges)]
+
+
 def fill_region(path: Path, name: str, a: ArrayChunks, src: tuple[slice, ...], out: np.ndarray) -> None:
     """Read the region ``src`` (slices of unit step) of array ``name`` into ``out`` (an array of the region's shape),
     each chunk that holds part of it read once and checked against its digest before it is decoded."""
     from zarr.core.buffer import default_buffer_prototype
 
     z = a.array
-    if any(s.step not in (None, 1) for s in src):
-        raise ValueError(f"fill_region reads slices of unit step, got {src}")
-    bounds = [s.indices(n)[:2] for s, n in zip(src, z.shape, strict=True)]
-    if any(lo >= hi for lo, hi in bounds):
-        return
+    bounds = _bounds(z, src)
     wrap = default_buffer_prototype().nd_buffer.from_numpy_array
 
     def read(index: tuple[int, ...]) -> None:
@@ -216,8 +227,13 @@ def fill_region(path: Path, name: str, a: ArrayChunks, src: tuple[slice, ...], o
         sub = tuple(slice(s.start - lo, s.stop - lo) for s, (lo, _hi) in zip(sel, bounds))
         z.get_basic_selection(sel, out=wrap(out[(*sub, ...)]))
 
-    ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(bounds, z.chunks)]
-    _each_block(path, name, [tuple(ix) for ix in itertools.product(*ranges)], read)
+    _each_block(path, name, _chunks_of(z, bounds), read)
+
+
+def check_chunks(path: Path, name: str, a: ArrayChunks, src: tuple[slice, ...]) -> None:
+    """Read, check and decode each chunk of array ``name`` that holds part of the region ``src`` (into a scratch
+    chunk each, dropped)."""
+    _each_block(path, name, _chunks_of(a.array, _bounds(a.array, src)), a.array.get_block_selection)
 
 
 def _decode_each(path: Path, name: str, a: ArrayChunks) -> None:
