@@ -119,3 +119,47 @@ def test_a_damaged_block_one_rank_reads_is_refused_on_every_rank(tmp_path):
     for rank, got in enumerate(results):
         assert got.get("from") == (1, 1), got.get("error")
         assert np.array_equal(got["data"], values(1)[block(rank, NEW)])
+
+
+def test_any_byte_range_of_a_container_is_read_and_checked_block_by_block(tmp_path):
+    """``read_blocks_checked`` on ranges that start and end anywhere (inside a block, on an edge, at the container's
+    short last block): the bytes of the range, the whole blocks inside read straight into the buffer; a damaged block
+    refused exactly when the range touches it."""
+    import ftidask
+
+    data = np.random.default_rng(7).random(10_000 + 3)  # 80,024 bytes: 19 blocks of 4 KiB and a short one
+    ctx = ftidask.init(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"),
+                       enable_dcp=1, dcp_block_size=BLOCK, verbosity=3)
+    ctx.protect(1, data)
+    ctx.checkpoint(1, 5)
+    ctx._close()
+    path = next(iter(find_paths(tmp_path / "L", "Ckpt1-Rank0.fti")))
+    raw = data.view(np.uint8)
+    size = raw.size
+    cases = [(0, size), (1, size - 1), (BLOCK, 3 * BLOCK), (BLOCK - 1, BLOCK + 1), (5, 9), (size - 7, size),
+             (19 * BLOCK, size), (19 * BLOCK + 3, size - 2), (0, BLOCK), (2 * BLOCK + 9, 7 * BLOCK)]
+    rng = np.random.default_rng(1)
+    cases += [tuple(sorted(rng.integers(0, size + 1, 2))) for _ in range(20)]
+
+    def read(lo, hi):
+        with open(path, "rb") as fh:
+            parsed = reader.parse_ftiff(fh, str(path))
+            ((bi, ci, meta),) = [(b, c, m) for b, c, m in parsed.containers() if m.hascontent]
+            out = bytearray(hi - lo)
+            blockhash.read_blocks_checked(fh, parsed, (bi, ci), meta, lo, hi, memoryview(out))
+            return bytes(out), meta
+
+    for lo, hi in cases:
+        got, meta = read(int(lo), int(hi))
+        assert got == raw[lo:hi].tobytes(), (lo, hi)
+    damaged = 6  # one byte of block 6 flipped
+    blob = bytearray(path.read_bytes())
+    blob[meta.fptr + damaged * BLOCK + 100] ^= 0x01
+    path.write_bytes(bytes(blob))
+    for lo, hi in cases:
+        touches = lo < hi and lo < (damaged + 1) * BLOCK and hi > damaged * BLOCK
+        if touches:
+            with pytest.raises(FormatError, match=f"data block {damaged} does not match"):
+                read(int(lo), int(hi))
+        else:
+            assert read(int(lo), int(hi))[0] == raw[lo:hi].tobytes(), (lo, hi)

@@ -194,11 +194,35 @@ def check_container(fh: BinaryIO, parsed: FtiffFile, meta: Any, data: memoryview
 def read_blocks_checked(fh: BinaryIO, parsed: FtiffFile, key: tuple[int, int], meta: Any, lo: int, hi: int,
                         out: memoryview | None) -> None:
     """Bytes ``[lo, hi)`` of container ``meta`` (``key`` = (block, container)) of a dCP file into ``out`` (None: only
-    checked), every block they touch read and checked against its digest first (the digests checked against the
+    checked), every block they touch read and checked against its digest (the digests checked against the
     container hashes once per parsed file): a piece of a container is verified without reading the rest of it, as a
-    restart on another number of ranks needs. :class:`FormatError` when a block does not match or the file ends
-    inside it."""
+    restart on another number of ranks needs. The whole blocks inside ``[lo, hi)`` are read straight into ``out`` and
+    checked there (``out`` must then be a buffer of the caller's that is dropped on a refusal, never a user's array);
+    the blocks cut at either end go through a buffer. :class:`FormatError` when a block does not match or the file
+    ends inside it."""
     info, digests = parsed.memo("dcp_digests", lambda: read_digests(fh, parsed))
+    bs = info.block_size
+    where = f"block {key[0]}, container {key[1]} (var id {meta.id})"
+    inner_lo = -(-lo // bs) * bs  # the whole blocks inside [lo, hi): the last one may be the container's short end
+    inner_hi = hi if hi == meta.chunksize else hi // bs * bs
+    if out is None or inner_hi <= inner_lo:
+        _blocks_through_buffer(fh, parsed, info, digests[key], meta, lo, hi, out, where)
+        return
+    if lo < inner_lo:
+        _blocks_through_buffer(fh, parsed, info, digests[key], meta, lo, inner_lo, out[:inner_lo - lo], where)
+    step = max(1, _PIECE_BYTES // bs) * bs
+    for start in range(inner_lo, inner_hi, step):
+        view = out[start - lo:min(start + step, inner_hi) - lo]
+        if read_full(fh.fileno(), meta.fptr + start, view) != len(view):
+            raise FormatError(f"{where}: file ends inside its data", path=parsed.path)
+        check_blocks(view, info, digests[key], start // bs, where, parsed.path)
+    if inner_hi < hi:
+        _blocks_through_buffer(fh, parsed, info, digests[key], meta, inner_hi, hi, out[inner_hi - lo:], where)
+
+
+def _blocks_through_buffer(fh: BinaryIO, parsed: FtiffFile, info: DcpInfo, digests: np.ndarray, meta: Any, lo: int,
+                           hi: int, out: memoryview | None, where: str) -> None:
+    """:func:`read_blocks_checked` of ``[lo, hi)`` through a buffer of whole blocks (at most a piece at a time)."""
     bs = info.block_size
     step = max(1, _PIECE_BYTES // bs) * bs
     buf = memoryview(bytearray(min(step, -(-(hi - lo) // bs) * bs + bs)))
@@ -206,9 +230,8 @@ def read_blocks_checked(fh: BinaryIO, parsed: FtiffFile, key: tuple[int, int], m
         stop = min(start + step, -(-hi // bs) * bs, meta.chunksize)
         view = buf[:stop - start]
         if read_full(fh.fileno(), meta.fptr + start, view) != len(view):
-            raise FormatError(f"block {key[0]}, container {key[1]}: file ends inside its data", path=parsed.path)
-        check_blocks(view, info, digests[key], start // bs, f"block {key[0]}, container {key[1]} (var id {meta.id})",
-                     parsed.path)
+            raise FormatError(f"{where}: file ends inside its data", path=parsed.path)
+        check_blocks(view, info, digests, start // bs, where, parsed.path)
         if out is not None:
             a, b = max(lo, start), min(hi, stop)
             out[a - lo:b - lo] = view[a - start:b - start]
