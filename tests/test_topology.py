@@ -215,6 +215,7 @@ def test_nothing_moves(old, names) -> None:
 def test_a_forged_placement_moves_nothing() -> None:
     assert reordered(["a", "a"], [0, 1], ["a", "b"]) is None  # a host named twice
     assert reordered(["a", "b"], [0, 5], ["b", "a"]) is None  # a node id out of range
+    assert reordered(["b", "a"], [1, 0], ["b", "a"]) is None  # node ids not numbered as the hosts first appear
 
 
 @given(st.permutations(list("abcdefgh")), st.integers(1, 3), st.sets(st.integers(0, 7), max_size=3),

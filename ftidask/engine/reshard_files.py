@@ -231,7 +231,7 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
             if vid not in whole:
                 whole[vid] = parsed.vars[vid].empty()
                 read_region(parsed, vid, (slice(None),) * len(parsed.vars[vid].shape), whole[vid])
-            staged[vid][piece.dst] = piece_of_stream(piece, whole[vid], parsed.vars[vid].dtype)
+            np.asarray(staged[vid])[(*piece.dst, ...)] = piece_of_stream(piece, whole[vid], parsed.vars[vid].dtype)
         else:
             read_region(parsed, vid, piece.src, np.asarray(staged[vid])[(*piece.dst, ...)])
 

@@ -208,10 +208,10 @@ def reordered(old_hosts: Sequence[str], old_nodes: Sequence[int], hostnames: Seq
         return None
     before = [old_hosts[n] for n in old_nodes]
     current, was = hosts_by_node(hostnames), hosts_by_node(before)
-    if len(current) != len(was):
+    if len(current) != len(was) or was != list(old_hosts):  # node ids by first appearance, as host_topology numbers
         return None
-    present = set(current)
-    host_of = {h: h for h in current if h in set(was)}  # each current host -> the old host whose places it takes
+    present, had = set(current), set(was)
+    host_of = {h: h for h in current if h in had}  # each current host -> the old host whose places it takes
     gone = iter(sorted((h for h in was if h not in present), key=list(old_hosts).index))
     for h in current:
         if h not in host_of:

@@ -77,7 +77,9 @@ def reorder_world(cfg: Config, world: Any, names: list[str],
     world.Free()
     order = sorted(range(len(names)), key=keys.__getitem__)
     if new.rank == 0:
-        log.warning("restart on the run's hosts in another order: nodes renumbered as when the checkpoint was "
-                    "written (FTI_ReorderNodes), so each rank finds its node-local files; ctx.comm rank r is "
-                    "MPI.COMM_WORLD rank %s", order[:16])
+        shown = ", ".join(map(str, order[:16])) + (", ..." if len(order) > 16 else "")
+        log.warning("restart on the run's hosts in another order (or with a spare host): processes renumbered as the "
+                    "checkpoint placed them (FTI_ReorderNodes), so that each rank finds its node-local files; use "
+                    "ctx.comm. Rank r of the run's communicator (heads included) is rank [%s][r] of the one given "
+                    "to init", shown)
     return new, [names[w] for w in order]
