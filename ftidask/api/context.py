@@ -308,7 +308,11 @@ class Context(RecoveryCalls, StagingCalls):
 
     @property
     def comm(self) -> Any:
-        """The communicator the application must use (FTI_COMM_WORLD: heads excluded); None without MPI."""
+        """The communicator the application must use (FTI_COMM_WORLD: heads excluded); None without MPI.
+
+        Its ranks need not be those of the communicator given to ``init``: a restart on the run's hosts in another
+        order renumbers the processes as the checkpoint placed them, so that each rank finds its node-local files
+        (FTI_ReorderNodes, docs/mpi.md)."""
         return getattr(self.transport, "comm", None)
 
     def wait_post_processing(self) -> dict[str, Any] | None:
