@@ -144,14 +144,14 @@ def open_store(path: Path, record: Any, rank: int) -> ZarrRankStore:
 def read_region(parsed: ZarrRankStore, vid: int, src: tuple[slice, ...], out: np.ndarray) -> None:
     """Read the region ``src`` of variable ``vid`` of a store :func:`open_store` gave into ``out`` (its shape): only
     the chunks that hold part of it, each checked against its digest before it is decoded (:class:`FormatError`)."""
-    from ..zarrfmt.verify import fill_region
+    from ..zarrfmt.verify import fill
 
-    a = parsed.arrays[vid]
-    if np.dtype(a.array.dtype) == out.dtype:
-        fill_region(Path(parsed.path), parsed.names[vid], a, src, out)
+    z = parsed.arrays[vid].array
+    if np.dtype(z.dtype) == out.dtype:
+        fill(Path(parsed.path), parsed.names[vid], z, out, src)
     else:  # the stored byte order or a subclass's: through a buffer of the array's
-        buf = np.empty(out.shape, a.array.dtype)
-        fill_region(Path(parsed.path), parsed.names[vid], a, src, buf)
+        buf = np.empty(out.shape, z.dtype)
+        fill(Path(parsed.path), parsed.names[vid], z, buf, src)
         out[...] = buf
 
 
@@ -161,7 +161,7 @@ def check_region(parsed: ZarrRankStore, vid: int, src: tuple[slice, ...]) -> Non
     array in use, once every rank agreed."""
     from ..zarrfmt.verify import check_chunks
 
-    check_chunks(Path(parsed.path), parsed.names[vid], parsed.arrays[vid], src)
+    check_chunks(Path(parsed.path), parsed.names[vid], parsed.arrays[vid].array, src)
 
 
 def load_store(parsed: ZarrRankStore, arrays: Mapping[int, np.ndarray]) -> None:

@@ -26,10 +26,9 @@ from . import store as store_module
 
 @dataclasses.dataclass(frozen=True)
 class ArrayChunks:
-    """A variable's array as checked: opened on the verified store, its chunk grid and its chunk files."""
+    """A variable's array as checked: opened on the verified store, and its chunk files."""
 
     array: Any  # zarr.Array, reading through store.verified_store
-    grid: tuple[int, ...]
     files: list[str]  # the manifest's keys of its chunk files
     raw: bool  # uncompressed, no filter: a chunk file is the chunk's bytes
 
@@ -64,7 +63,7 @@ def check_arrays(path: Path, manifest: Mapping[str, Any]) -> dict[str, ArrayChun
         files = files_of.get(name, [])
         chunks = _check_chunk_files(path, files, name, z, grid)
         raw = _check_chunk_sizes(path, manifest, files, name, z)
-        out[name] = ArrayChunks(z, grid, chunks, raw)
+        out[name] = ArrayChunks(z, chunks, raw)
     return out
 
 

@@ -301,7 +301,7 @@ def read_into(path: Path, manifest: Mapping[str, Any], targets: Mapping[int, np.
         if tuple(z.shape) != tuple(target.shape):
             raise FormatError(f"{path}: array {name!r} has shape {z.shape}, expected {target.shape}")
         # a view: a subclass (np.matrix) is filled through it; a chunk at a time, every read over when this returns
-        fill(path, name, z, np.asarray(target), tuple(z.cdata_shape))
+        fill(path, name, z, np.asarray(target))
 
 
 def verified_store(path: Path, manifest: Mapping[str, Any]) -> Any:

@@ -81,7 +81,7 @@ def verify_arrays(path: Path, manifest: Mapping[str, Any], arrays: Mapping[str, 
 
 def open_checked(path: Path, expected: str | None = None) -> tuple[dict[str, Any], dict[str, ArrayChunks]]:
     """Steps 1 and 2 (no chunk read): the manifest and, by name, each variable's array, each chunk checked as it is
-    read through it (a reader of some chunks only, :func:`fill_region`, verifies the chunks it reads)."""
+    read through it (a reader of some chunks only, :func:`fill`, verifies the chunks it reads)."""
     manifest = store_module.read_manifest(path, expected)
     check_entries(path, manifest)
     arrays = check_arrays(path, manifest)
@@ -181,25 +181,18 @@ def _decode_into(path: Path, name: str, a: ArrayChunks, out: np.ndarray) -> None
     z = a.array
     if tuple(out.shape) != tuple(z.shape) or out.dtype.newbyteorder("<") != np.dtype(z.dtype).newbyteorder("<"):
         raise FormatError(f"{path}: array {name!r} is {z.dtype} {z.shape}, the buffer for it {out.dtype} {out.shape}")
-    fill(path, name, z, out, a.grid)
+    fill(path, name, z, out)
 
 
-def fill(path: Path, name: str, z: Any, out: np.ndarray, grid: tuple[int, ...]) -> None:
-    """Read Zarr array ``z`` (``name`` in the store at ``path``, its chunk grid ``grid``) into ``out``, an array of
-    its shape, a chunk at a time (:func:`_each_block`)."""
-    from zarr.core.buffer import default_buffer_prototype
-
-    wrap = default_buffer_prototype().nd_buffer.from_numpy_array
-
-    def read(index: tuple[int, ...]) -> None:
-        block = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, z.chunks, z.shape, strict=True))
-        z.get_block_selection(index, out=wrap(out[(*block, ...)]))  # a view even of a 0-d array
-
-    _each_block(path, name, list(np.ndindex(*grid)), read)  # as many as its chunk files (checks.check_arrays)
+def _decode_each(path: Path, name: str, a: ArrayChunks) -> None:
+    """Every chunk of array ``name`` decodes (hash-checked chunks of a forged store may not)."""
+    check_chunks(path, name, a.array)
 
 
-def _bounds(z: Any, src: tuple[slice, ...]) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each slice of ``src`` (of unit step) in ``z``'s shape."""
+def _bounds(z: Any, src: tuple[slice, ...] | None) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each slice of ``src`` (of unit step; None: the whole array) in ``z``'s shape."""
+    if src is None:
+        return [(0, int(n)) for n in z.shape]
     if any(s.step not in (None, 1) for s in src):
         raise ValueError(f"a region of slices of unit step, got {src}")
     return [s.indices(n)[:2] for s, n in zip(src, z.shape, strict=True)]
@@ -213,29 +206,24 @@ def _chunks_of(z: Any, bounds: list[tuple[int, int]]) -> list[tuple[int, ...]]:
     return [tuple(ix) for ix in itertools.product(*ranges)]
 
 
-def fill_region(path: Path, name: str, a: ArrayChunks, src: tuple[slice, ...], out: np.ndarray) -> None:
-    """Read the region ``src`` (slices of unit step) of array ``name`` into ``out`` (an array of the region's shape),
-    each chunk that holds part of it read once and checked against its digest before it is decoded."""
+def fill(path: Path, name: str, z: Any, out: np.ndarray, src: tuple[slice, ...] | None = None) -> None:
+    """Read the region ``src`` (slices of unit step; None: all of it) of Zarr array ``z`` (``name`` in the store at
+    ``path``, opened on its verified store) into ``out``, an array of the region's shape: each chunk that holds part
+    of it read once, checked against its digest before it is decoded (:func:`_each_block`)."""
     from zarr.core.buffer import default_buffer_prototype
 
-    z = a.array
     bounds = _bounds(z, src)
     wrap = default_buffer_prototype().nd_buffer.from_numpy_array
 
     def read(index: tuple[int, ...]) -> None:
         sel = tuple(slice(max(lo, i * c), min(hi, (i + 1) * c)) for i, c, (lo, hi) in zip(index, z.chunks, bounds))
         sub = tuple(slice(s.start - lo, s.stop - lo) for s, (lo, _hi) in zip(sel, bounds))
-        z.get_basic_selection(sel, out=wrap(out[(*sub, ...)]))
+        z.get_basic_selection(sel, out=wrap(out[(*sub, ...)]))  # a view even of a 0-d array
 
     _each_block(path, name, _chunks_of(z, bounds), read)
 
 
-def check_chunks(path: Path, name: str, a: ArrayChunks, src: tuple[slice, ...]) -> None:
-    """Read, check and decode each chunk of array ``name`` that holds part of the region ``src`` (into a scratch
-    chunk each, dropped)."""
-    _each_block(path, name, _chunks_of(a.array, _bounds(a.array, src)), a.array.get_block_selection)
-
-
-def _decode_each(path: Path, name: str, a: ArrayChunks) -> None:
-    """Every chunk of array ``name`` decodes (hash-checked chunks of a forged store may not)."""
-    _each_block(path, name, list(np.ndindex(*a.grid)), a.array.get_block_selection)
+def check_chunks(path: Path, name: str, z: Any, src: tuple[slice, ...] | None = None) -> None:
+    """Read, check and decode each chunk of Zarr array ``z`` that holds part of the region ``src`` (None: every
+    chunk), into a scratch chunk each, dropped."""
+    _each_block(path, name, _chunks_of(z, _bounds(z, src)), z.get_block_selection)
