@@ -108,13 +108,11 @@ def check_store(path: Path, record: Any, rank: int, stage: Any = None) -> Any:
     staged: dict[int, Any] = {}
     try:
         manifest, arrays = open_checked(path, expected)
-        table = zarr_store.store_vars(manifest, path)
-        parsed = ZarrRankStore(str(path), manifest, {vid: info for vid, (info, _n) in table.items()},
-                               {vid: name for vid, (_i, name) in table.items()})
+        parsed = _rank_store(path, manifest, arrays)
         staged = stage(parsed) if stage is not None else {}
         into = {vid: np.frombuffer(s.view, parsed.vars[vid].dtype).reshape(parsed.vars[vid].shape)
                 for vid, s in staged.items()}
-        verify_arrays(path, manifest, arrays, into)
+        verify_arrays(path, manifest, arrays, into)  # every array of the store, not only the variables
     except (FormatError, OSError) as exc:
         release_all(staged)
         return Verdict("damaged", str(exc))
@@ -134,7 +132,11 @@ def open_store(path: Path, record: Any, rank: int) -> ZarrRankStore:
         raise FormatError(f"{path}: rank {rank} is not in checkpoint {record.ckpt_id}")
     if not path.is_dir():
         raise FormatError(f"{path}: missing")
-    manifest, arrays = open_checked(path, entry.fb_hash)
+    return _rank_store(path, *open_checked(path, entry.fb_hash))
+
+
+def _rank_store(path: Path, manifest: dict[str, Any], arrays: Mapping[str, Any]) -> ZarrRankStore:
+    """The rank store :func:`~ftidask.zarrfmt.verify.open_checked` opened (its manifest, its arrays by name)."""
     table = zarr_store.store_vars(manifest, path)
     return ZarrRankStore(str(path), manifest, {vid: info for vid, (info, _n) in table.items()},
                          {vid: name for vid, (_i, name) in table.items()},
