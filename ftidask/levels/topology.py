@@ -212,7 +212,7 @@ def reordered(old_hosts: Sequence[str], old_nodes: Sequence[int], hostnames: Seq
         return None
     present, had = set(current), set(was)
     host_of = {h: h for h in current if h in had}  # each current host -> the old host whose places it takes
-    gone = iter(sorted((h for h in was if h not in present), key=list(old_hosts).index))
+    gone = iter(h for h in was if h not in present)  # ``was`` is in node-id order (checked above)
     for h in current:
         if h not in host_of:
             host_of[h] = next(gone)
