@@ -49,7 +49,8 @@ def check_arrays(path: Path, manifest: Mapping[str, Any]) -> dict[str, ArrayChun
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                z = zarr.open_array(store=store, path=name, mode="r")
+                # Zarr v3 only: else Zarr probes v2's metadata names too (.zarray, .zattrs), files no manifest lists
+                z = zarr.open_array(store=store, path=name, mode="r", zarr_format=3)
                 shape, dtype = tuple(z.shape), np.dtype(z.dtype)
                 grid = tuple(z.cdata_shape)  # a chunk shape of 0: ZeroDivisionError
         except FormatError:
@@ -62,7 +63,7 @@ def check_arrays(path: Path, manifest: Mapping[str, Any]) -> dict[str, ArrayChun
                               f"{info.shape}")
         files = files_of.get(name, [])
         chunks = _check_chunk_files(path, files, name, z, grid)
-        raw = _check_chunk_sizes(path, manifest, files, name, z)
+        raw = _check_chunk_sizes(path, manifest, chunks, name, z)
         out[name] = ArrayChunks(z, chunks, raw)
     return out
 
@@ -107,9 +108,10 @@ def _check_chunk_files(path: Path, files: list[str], name: str, z: Any, grid: tu
     return sorted(listed)
 
 
-def _check_chunk_sizes(path: Path, manifest: Mapping[str, Any], files: list[str], name: str, z: Any) -> bool:
-    """Each chunk file of ``z`` can be a chunk: an uncompressed array's are whole chunks, a compressed one's codec
-    headers declare a chunk's raw size (:func:`_check_declared_sizes`). Whether the array is uncompressed.
+def _check_chunk_sizes(path: Path, manifest: Mapping[str, Any], chunks: list[str], name: str, z: Any) -> bool:
+    """Each chunk file of ``z`` (``chunks``: its chunk keys, whatever their encoding) can be a chunk: an uncompressed
+    array's are whole chunks, a compressed one's codec headers declare a chunk's raw size
+    (:func:`_check_declared_sizes`). Whether the array is uncompressed.
 
     A chunk shape is at most its array's, first: Zarr reads a chunk file whole, and a forged chunk of 2**28
     elements is a file of holes of gigabytes (free to its forger) that the verified store reads before its hash
@@ -118,12 +120,12 @@ def _check_chunk_sizes(path: Path, manifest: Mapping[str, Any], files: list[str]
         raise FormatError(f"{path}: array {name!r}: chunks {tuple(z.chunks)} are larger than its shape {z.shape}")
     if not z.compressors and not z.filters and type(z.serializer).__name__ == "BytesCodec":
         whole = int(np.prod(z.chunks)) * z.dtype.itemsize
-        for rel in files:
+        for rel in chunks:  # every one: a forged key encoding (c.0, v2's 0, a 0-d array's c) is a chunk too
             entry = manifest["files"][rel]
-            if rel.startswith(f"{name}/c/") and entry[0] != whole:
+            if entry[0] != whole:
                 raise FormatError(f"{path}: chunk {rel} holds {entry[0]} bytes, not a chunk's {whole}")
         return True
-    _check_declared_sizes(path, manifest, files, name, z)
+    _check_declared_sizes(path, manifest, chunks, name, z)
     return False
 
 
@@ -133,7 +135,7 @@ def _compressed_most(raw: int) -> int:
     return raw + (raw >> 7) + 4096
 
 
-def _check_declared_sizes(path: Path, manifest: Mapping[str, Any], files: list[str], name: str, z: Any) -> None:
+def _check_declared_sizes(path: Path, manifest: Mapping[str, Any], chunks: list[str], name: str, z: Any) -> None:
     """Before a compressed chunk is decoded (its chunk shape checked to be at most its array's): each chunk file's
     codec header declares exactly a chunk's raw size. A codec allocates what its header declares, and hash-checked
     bytes of a forged store can declare anything: a Zstd frame of a few bytes unpacks to terabytes, and a chunk
@@ -145,21 +147,19 @@ def _check_declared_sizes(path: Path, manifest: Mapping[str, Any], files: list[s
                           "those of a store ftidask writes (one Zstd or Blosc compressor)")
     whole = int(np.prod(z.chunks)) * z.dtype.itemsize
     most = _compressed_most(whole)
-    for rel in files:
-        if rel.startswith(f"{name}/c"):
-            # Zarr reads a chunk file whole (twice over) to decode it: a file of holes (free to its forger) of
-            # terabytes, its header intact, was that allocation, and Blosc decodes its header's bytes and ignores the
-            # rest
-            if manifest["files"][rel][0] > most:
-                raise FormatError(f"{path}: chunk {rel} holds {manifest['files'][rel][0]} bytes, larger than {codec} "
-                                  f"makes a chunk of {whole} raw bytes (at most {most})")
-            try:  # a file the manifest lists, not hashed yet: a missing or special one is a FormatError
-                with storage.open_read(path / rel) as fh:
-                    said = compression.declared_size(codec, fh.read(18))
-            except OSError as exc:
-                raise FormatError(f"{path}: chunk {rel}: {exc}") from None
-            if said is None:
-                raise FormatError(f"{path}: chunk {rel} does not decode: no {codec} header declares its raw size")
-            if said != whole:
-                raise FormatError(f"{path}: chunk {rel} declares {said} raw bytes in its {codec} header, a chunk "
-                                  f"holds {whole}: refused before it is decoded")
+    for rel in chunks:
+        # Zarr reads a chunk file whole (twice over) to decode it: a file of holes (free to its forger) of
+        # terabytes, its header intact, was that allocation, and Blosc decodes its header's bytes and ignores the rest
+        if manifest["files"][rel][0] > most:
+            raise FormatError(f"{path}: chunk {rel} holds {manifest['files'][rel][0]} bytes, larger than {codec} "
+                              f"makes a chunk of {whole} raw bytes (at most {most})")
+        try:  # a file the manifest lists, not hashed yet: a missing or special one is a FormatError
+            with storage.open_read(path / rel) as fh:
+                said = compression.declared_size(codec, fh.read(18))
+        except OSError as exc:
+            raise FormatError(f"{path}: chunk {rel}: {exc}") from None
+        if said is None:
+            raise FormatError(f"{path}: chunk {rel} does not decode: no {codec} header declares its raw size")
+        if said != whole:
+            raise FormatError(f"{path}: chunk {rel} declares {said} raw bytes in its {codec} header, a chunk "
+                              f"holds {whole}: refused before it is decoded")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -257,6 +258,11 @@ def store_entries(manifest: Mapping[str, Any], path: Path) -> list[tuple[str, Va
         if not name or name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
             raise FormatError(f"{path}: bad array name {name!r} in {MANIFEST}")
         out.append((name, info))
+    seen: set[str] = set()
+    for name, _info in out:  # two variables of one array: one would be filled, the other never
+        if name in seen:
+            raise FormatError(f"{path}: {MANIFEST} gives the array {name!r} to two variables")
+        seen.add(name)
     return out
 
 
@@ -297,7 +303,7 @@ def read_into(path: Path, manifest: Mapping[str, Any], targets: Mapping[int, np.
         info, name = table[vid]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            z = zarr.open_array(store=store, path=name, mode="r")
+            z = zarr.open_array(store=store, path=name, mode="r", zarr_format=3)
         if tuple(z.shape) != tuple(target.shape):
             raise FormatError(f"{path}: array {name!r} has shape {z.shape}, expected {target.shape}")
         # a view: a subclass (np.matrix) is filled through it; a chunk at a time, every read over when this returns
@@ -317,12 +323,20 @@ def verified_store(path: Path, manifest: Mapping[str, Any]) -> Any:
             return other
 
         async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
-            buf = await super().get(key, prototype, byte_range)
             entry = self.digests.get(key)
+            try:  # before any read: a file no manifest lists is never opened (a FIFO would block the open)
+                kind = os.lstat(path / key).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                kind = None
+            except (OSError, ValueError) as exc:  # a name no file system takes; a NUL byte
+                raise FormatError(f"{path}: {key}: {exc}") from None
             if entry is None:
-                if buf is not None:
+                if kind is not None:
                     raise FormatError(f"{path}: {key} is not in the manifest (file added after the checkpoint)")
                 return None
+            if kind is not None and not stat.S_ISREG(kind):
+                raise FormatError(f"{path}: {key} is not a regular file")
+            buf = await super().get(key, prototype, byte_range)
             if buf is None:
                 raise FormatError(f"{path}: {key} is missing")
             data = memoryview(buf.as_numpy_array()).cast("B")  # the bytes read, hashed where they are (no copy)

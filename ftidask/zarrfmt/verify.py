@@ -28,6 +28,7 @@ import numpy as np
 
 from ..model.errors import FormatError
 from ..storage import interrupts
+from ..storage.files import MAX_RECORD
 from . import store as store_module
 from .checks import ArrayChunks, check_arrays
 
@@ -86,7 +87,12 @@ def open_checked(path: Path, expected: str | None = None) -> tuple[dict[str, Any
     check_entries(path, manifest)
     arrays = check_arrays(path, manifest)
     chunk_files = {rel for a in arrays.values() for rel in a.files}
-    _hash_files(path, manifest, [rel for rel in manifest["files"] if rel not in chunk_files])
+    others = [rel for rel in manifest["files"] if rel not in chunk_files]
+    for rel in others:  # metadata (zarr.json): a forged file of holes of terabytes would be hashed whole
+        if manifest["files"][rel][0] > MAX_RECORD:
+            raise FormatError(f"{path}: {rel} holds {manifest['files'][rel][0]} bytes: no chunk of an array, and "
+                              f"larger than the {MAX_RECORD} bytes of any ftidask record")
+    _hash_files(path, manifest, others)
     return manifest, arrays
 
 
