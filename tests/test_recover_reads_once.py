@@ -392,44 +392,6 @@ def test_a_compressed_container_that_does_not_decode_leaves_fresh_arrays_untouch
     assert pagemove.stats["moved_bytes"] == 0 and pagemove.movable(a) and not a.any()
 
 
-def test_compressed_variables_are_decoded_once_into_arrays_in_use(dirs, small_moves, monkeypatch):
-    """Into arrays in use (touched, another memory order), a compressed variable is decoded once too: into a copy of
-    the array (pagemove.Buffered) while the file is checked, copied into it after the agreement; before, its
-    containers were decoded to be checked, then read and decoded again into the array."""
-    data = _compressible(BIG, 3).reshape(2200, 2000)
-    ctx = ftidask.init(**dirs, compressor="zstd")
-    ctx.protect(1, data)
-    ctx.checkpoint(1, 1)
-    ctx._close()
-    checks, reads = [], []
-    decode, read = compression.decode_container, readhash.read_decoded_into
-    monkeypatch.setattr(compression, "decode_container", lambda *a, **k: checks.append(1) or decode(*a, **k))
-    monkeypatch.setattr(readhash, "read_decoded_into", lambda *a, **k: reads.append(1) or read(*a, **k))
-    for target in (np.full(data.shape, -1.0), np.asfortranarray(np.full(data.shape, -1.0))):
-        checks.clear(), reads.clear()
-        restart = ftidask.init(**dirs)
-        restart.protect(1, target)
-        restart.recover()
-        assert np.array_equal(target, data) and reads and not checks
-        restart._close()
-
-
-def test_a_compressed_container_that_does_not_decode_leaves_arrays_in_use_untouched(dirs, small_moves):
-    from test_hostile_inputs import forge_committed
-
-    ctx = ftidask.init(**dirs, compressor="zstd")
-    ctx.protect(1, _compressible(BIG, 2))
-    info = ctx.checkpoint(1, 1)
-    ctx._close()
-    forge_committed(dirs, info.seq, 1, bytes(64))
-    restart = ftidask.init(**dirs)
-    a = np.full(BIG, -1.0)
-    restart.protect(1, a)
-    with pytest.raises(NoCheckpointError, match="cannot be decoded"):
-        restart.recover()
-    assert (a == -1.0).all()
-
-
 def test_touched_and_foreign_arrays_are_copied(dirs, small_moves, tmp_path):
     shape = (2200, 2000)  # BIG float64s
     data = [np.random.default_rng(i).random(shape) for i in range(4)]

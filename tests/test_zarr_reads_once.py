@@ -78,53 +78,18 @@ def test_a_zarr_store_is_read_once_into_fresh_arrays(dirs, small_moves, compress
     again._close()
 
 
-def test_compressed_arrays_in_use_are_decoded_once(dirs, small_moves):
-    """A store's chunks (compressed: Zarr's default codec when ftidask's is none) are decoded to be checked: into a copy of each array in use (pagemove.Buffered),
-    copied into it once every rank agreed; each stored byte read once (twice, each chunk decoded twice, before)."""
-    data = [_compressible(BIG, 2), np.random.default_rng(7).random(GRID)]
+def test_arrays_in_use_are_verified_then_read(dirs, small_moves):
+    """Arrays whose pages were written are never staged: the store is verified, then read into them, each chunk
+    checked again (twice in all; a compressed chunk was read three times before)."""
+    data = [_compressible(BIG, 2)]
     store = _checkpoint(dirs, data, "zstd")
     ctx, out = _restart(dirs, data, use=True)
     before = _rchar()
     ctx.recover()
     read = _rchar() - before
-    assert all(np.array_equal(a, b) for a, b in zip(out, data)) and pagemove.stats["moved_bytes"] == 0
+    assert np.array_equal(out[0], data[0]) and pagemove.stats["moved_bytes"] == 0
     stored = _stored(store)
-    assert stored <= read < 1.1 * stored, read / stored
-
-
-def test_no_memory_for_a_copy_reads_arrays_in_use_twice(dirs, small_moves, monkeypatch):
-    """Copies are made within half the memory available: with room for the smaller array only, the other is
-    checked, then read again after the agreement."""
-    from ftidask.engine import memavail
-
-    data = [_compressible(BIG, 2), np.random.default_rng(7).random(GRID)]
-    store = _checkpoint(dirs, data, "zstd")
-    monkeypatch.setattr(memavail, "available_bytes", lambda: 2 * data[0].nbytes + 1)
-    ctx, out = _restart(dirs, data, use=True)
-    before = _rchar()
-    ctx.recover()
-    read = _rchar() - before
-    assert all(np.array_equal(a, b) for a, b in zip(out, data))
-    size: dict[str, int] = {}
-    for p in store.glob("*/c/**/*"):
-        if p.is_file():
-            size[p.relative_to(store).parts[0]] = size.get(p.relative_to(store).parts[0], 0) + p.stat().st_size
-    second = max(size.values())  # the grid's chunks (its values compress least)
-    stored = _stored(store)
-    assert stored + second <= read < 1.1 * (stored + second), (read, stored, second)
-
-
-@pytest.mark.parametrize("damage", ["last chunk", "missing"])
-def test_a_damaged_compressed_store_leaves_arrays_in_use_untouched(dirs, small_moves, damage):
-    """The first array is decoded into its copy, then a chunk of the second fails: no value reaches either array."""
-    data = [_compressible(BIG, 2), np.random.default_rng(7).random(GRID)]
-    store = _checkpoint(dirs, data, "zstd")
-    victim = sorted(p for p in store.rglob("c/*/*") if p.is_file())[-1]
-    _flip(victim) if damage == "last chunk" else victim.unlink()
-    ctx, out = _restart(dirs, data, use=True)
-    with pytest.raises(NoCheckpointError, match=victim.name):
-        ctx.recover()
-    assert all((a == -1.0).all() for a in out)
+    assert 2 * stored <= read < 2.1 * stored, read / stored
 
 
 def _flip(path: Path) -> None:

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from ..ftiff.reader import FtiffFile
-from . import memavail
 from .prefault import numpy_owned
 
 try:  # the native helper is optional (built when a C compiler is there at install)
@@ -206,76 +205,34 @@ class Staged:
         self._unmap()
 
 
-def release_all(staged: dict[int, Staged | Buffered] | None) -> None:
+def release_all(staged: dict[int, Staged] | None) -> None:
     """Release every staged array of a recovery that did not commit them."""
     for s in (staged or {}).values():
         s.release()
 
 
-Stager = Callable[[FtiffFile], dict[int, "Staged | Buffered"]]
+Stager = Callable[[FtiffFile], dict[int, "Staged"]]
 
 
-def stager(arrays: dict[int, np.ndarray], in_use: dict[int, Any] | None = None) -> Stager | None:
+def stager(arrays: dict[int, np.ndarray]) -> Stager | None:
     """For :func:`~ftidask.engine.recovery.check_file`: stage those of ``arrays`` (movable ones, by var id)
-    that a parsed file holds as they are (same dtype, shape and C order); None if none can be.
-
-    ``in_use``: the other arrays to recover, given a :class:`Buffered` copy when the file's checks decode them
-    anyway (``parsed.decoded``: a Zarr store's compressed variables), within half the memory available."""
-    in_use = in_use or {}
-    if not arrays and not in_use:
+    that a parsed file holds as they are (same dtype, shape and C order); None if none can be."""
+    if not arrays:
         return None
 
-    def stage(parsed: FtiffFile) -> dict[int, Staged | Buffered]:
-        out: dict[int, Staged | Buffered] = {}
+    def stage(parsed: FtiffFile) -> dict[int, Staged]:
+        out: dict[int, Staged] = {}
         if parsed.legacy:  # FTI 1.1's files: checked whole, VB checksum included (ftiff.reader.verify_data)
             return out
         for vid, array in arrays.items():
-            if _stored_as(parsed, vid, array):
-                try:
-                    out[vid] = Staged(array)
-                except (OSError, ValueError, MemoryError):  # no staged pages to be had: this one is copied
-                    continue
-        decoded = getattr(parsed, "decoded", frozenset())
-        room = None
-        for vid, array in in_use.items():
-            if vid not in decoded or not isinstance(array, np.ndarray) or not _stored_as(parsed, vid, array):
+            info = parsed.vars.get(vid)
+            if (info is None or info.order != "C" or info.dtype != array.dtype
+                    or info.shape != tuple(array.shape)):
                 continue
-            room = (memavail.available_bytes() or 2 << 30) // 2 if room is None else room
-            if array.nbytes <= room:
-                try:
-                    out[vid] = Buffered(array)
-                except (MemoryError, ValueError):  # decoded twice instead
-                    continue
-                room -= array.nbytes
+            try:
+                out[vid] = Staged(array)
+            except (OSError, ValueError, MemoryError):  # no staged pages to be had: this one is copied
+                continue
         return out
 
     return stage
-
-
-def _stored_as(parsed: FtiffFile, vid: int, array: np.ndarray) -> bool:
-    """Whether ``parsed`` holds variable ``vid`` as ``array`` is: same dtype and shape, stored in C order."""
-    info = parsed.vars.get(vid)
-    return info is not None and info.order == "C" and info.dtype == array.dtype and info.shape == tuple(array.shape)
-
-
-class Buffered:
-    """A verified copy of an array in use, made while the file is checked and copied into the array once every rank
-    agreed (:meth:`commit`), for files whose checks decode every value anyway (a compressed Zarr store): reading
-    them again after the agreement would decode each chunk twice. The array is untouched until then."""
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
-        self._buffer: np.ndarray | None = np.empty(array.shape, array.dtype)
-        self.addr = self._buffer.ctypes.data  # (as Staged's: where the view's pages start, for Prefault)
-        self.view = memoryview(self._buffer).cast("B")
-
-    def commit(self) -> None:
-        """Copy the verified values into the array; the buffer is freed."""
-        self.view.release()
-        np.copyto(self.array, self._buffer)
-        self._buffer = None
-
-    def release(self) -> None:
-        """Free the buffer (a refused or abandoned recovery); idempotent."""
-        self.view.release()
-        self._buffer = None

@@ -264,12 +264,11 @@ class Recovery(RestartSizes):
     def _verifying(self, ids: list[int] | None) -> Iterator[Stager | None]:
         """Around the verification of the file(s) to recover variables ``ids`` (None: all) from: fresh
         arrays get verified pages to move under them (the stager given), the others' pages are faulted
-        in while the disk is read (and those a check decodes anyway, a copy: :class:`~.pagemove.Buffered`)."""
+        in while the disk is read."""
         arrays = self.arrays(ids)
         movable = pagemove.movable_arrays(arrays)
-        in_use = {vid: a for vid, a in arrays.items() if vid not in movable}
-        with Prefault(in_use.values()):
-            yield pagemove.stager(movable, in_use)
+        with Prefault(a for vid, a in arrays.items() if vid not in movable):
+            yield pagemove.stager(movable)
 
     def _load(self, record: CommitRecord, verdict: Verdict, wanted: list[int] | None,
               newest: bool = False) -> dict[int, Any]:

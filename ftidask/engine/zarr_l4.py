@@ -78,12 +78,6 @@ class ZarrRankStore:
     #: var id -> its array as checked (:func:`open_store`), read a region at a time (:func:`read_region`)
     arrays: dict[int, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-    @property
-    def decoded(self) -> frozenset[int]:
-        """The variables whose chunks are compressed: a check decodes them (:func:`~.pagemove.stager` gives an array
-        in use a copy to decode into once, not once to check and again after the agreement)."""
-        return frozenset(vid for vid, a in self.arrays.items() if not a.raw)
-
     def var_nbytes(self) -> dict[int, int]:
         """Bytes held per variable id (as :meth:`FtiffFile.var_nbytes`)."""
         return {vid: info.nbytes for vid, info in self.vars.items()}

@@ -38,12 +38,6 @@ class FtiffFile:
         """True for a file written by FTI 1.1 (MD5 everywhere, no variable table)."""
         return self.fb.legacy
 
-    @property
-    def decoded(self) -> frozenset[int]:
-        """The compressed variables: a check decodes them (a recovery gives an array in use a copy to decode into
-        once, not once to check and again after the agreement: ``engine.pagemove.Buffered``)."""
-        return frozenset(vid for vid, info in self.vars.items() if info.extra.get("codec") is not None)
-
     def containers(self) -> Iterator[tuple[int, int, ContainerMeta]]:
         """Every container's ``(block index, index in block, metadata)``, in file order."""
         for bi, (_bmd, metas) in enumerate(self.blocks):

@@ -6,9 +6,8 @@ hash (both ``preadv`` and the hashes release the GIL), so the disk is never idle
 hashed: the pass costs what a raw read of the same bytes costs.
 
 Compressed variables are read, hashed and decoded into those pages in the same pass, so that a
-recovery into fresh arrays decodes each container once; so does one into arrays in use, through a copy of each
-made within half the memory available (``engine.pagemove.Buffered``); an array with no room for a copy has its
-containers decoded twice: once to check them, before any array is touched, and once into the array.
+recovery into fresh arrays decodes each container once (a recovery into arrays that cannot be
+staged decodes it twice: once to check it, before any array is touched, and once into the array).
 A restart on another number of ranks reads the containers of its spans with them too
 (:mod:`ftidask.engine.reshard_files`).
 """
