@@ -156,14 +156,19 @@ def _modes(root: Path) -> tuple[set[int], set[int]]:
     return files, dirs
 
 
+@pytest.mark.parametrize("l4_format", ["ftiff", "zarr"])
 @pytest.mark.parametrize("permissions, file_mode, dir_mode", [(None, 0o600, 0o700), ("group", 0o640, 0o750)])
 def test_files_and_directories_are_created_without_group_or_world_access(tmp_path, permissions, file_mode,
-                                                                           dir_mode):
+                                                                           dir_mode, l4_format):
+    """Zarr level 4 too: Zarr made the store and its missing parents with the umask's modes (the run's global
+    directory group-writable, which the next init refused), and no fsync made the new directories' names durable."""
+    if l4_format == "zarr":
+        pytest.importorskip("zarr")
     extra = {} if permissions is None else {"permissions": permissions}
     old = os.umask(0o002)  # a permissive umask must not open them up
     try:
         ctx = ftidask.init(**_dirs(tmp_path, enable_dcp=1, dcp_block_size=512, keep_last_ckpt=1,
-                                   enable_staging=1, **extra))
+                                   enable_staging=1, l4_format=l4_format, **extra))
         a = np.arange(5000.0)
         ctx.protect(1, a)
         for i, level in enumerate((1, 5, 5, 4, 8, 1)):
@@ -175,6 +180,11 @@ def test_files_and_directories_are_created_without_group_or_world_access(tmp_pat
         files, dirs = _modes(tmp_path)
         ctx.finalize()
         after = _modes(tmp_path)
+        again = ftidask.init(**_dirs(tmp_path, l4_format=l4_format, **extra))  # the run's directories taken
+        again.protect(1, b := np.zeros_like(a))
+        again.recover()
+        assert np.array_equal(a, b)
+        again.finalize()
     finally:
         os.umask(old)
     files.discard(0o664)  # the staged source, written by the test itself (it is moved, so gone)

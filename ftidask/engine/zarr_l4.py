@@ -49,7 +49,7 @@ def write_rank_store(path: Path, arrays: Mapping[int, np.ndarray], infos: list[V
     """Write one rank's level-4 checkpoint as a Zarr store at ``path`` (atomically)."""
     attrs = {"ftidask": {k: v for k, v in meta.items()}, "checkpoint_id": meta.get("ckpt_id"),
              "level": meta.get("level"), "time": meta.get("time")}
-    digest, size = zarr_store.write_store(path, arrays, infos, attrs, progress=progress)
+    digest, size = zarr_store.write_store(path, arrays, infos, attrs, progress=progress, private=True)
     return WrittenStore(_Digest(bytes.fromhex(digest)), size, sum(a.nbytes for a in arrays.values()))
 
 

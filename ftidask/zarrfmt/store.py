@@ -98,29 +98,38 @@ def _chunks(info: VarInfo) -> Any:
 
 
 def write_store(path: Path, arrays: Mapping[int, np.ndarray], infos: list[VarInfo], attrs: Mapping[str, Any],
-                *, progress: Any = None) -> tuple[str, int]:
-    """Write a new store at ``path`` with one array per variable (atomically).
+                *, progress: Any = None, private: bool = False) -> tuple[str, int]:
+    """Write a new store at ``path`` with one array per variable (atomically; ``private``: see :func:`write_items`).
 
     Returns ``(manifest digest hex, bytes on disk)``.
     """
     taken: set[str] = set()
     items = [(array_name(info, taken), info, arrays[info.id]) for info in infos]
-    return write_items(path, items, attrs, progress=progress)
+    return write_items(path, items, attrs, progress=progress, private=private)
 
 
 def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mapping[str, Any],
-                *, progress: Any = None, overwrite: bool = True) -> tuple[str, int]:
+                *, progress: Any = None, overwrite: bool = True, private: bool = False) -> tuple[str, int]:
     """Write ``(array path, VarInfo, data)`` items as a new store (temporary directory, fsync, rename).
 
     ``data`` is an array of the variable's shape, or a function that fills the Zarr array it is
     given (to write a large variable piece by piece). An array path may hold one ``/``
     (``rank3/temp``): the group is created. Returns ``(manifest digest hex, bytes on disk)``.
+
+    ``private``: a checkpoint's store, in the run's directories: its missing parents made as ftidask makes every
+    directory of a run (its modes, each parent fsynced), the store's directories and files given ftidask's modes.
+    Zarr makes what it writes with the process's umask: a umask of 002 left the run's global directory writable by
+    its group, which the next ``init`` refuses (a checkpoint there could be forged), and a new checkpoint directory
+    whose name no fsync made durable before the commit record named it.
     """
     zarr = _zarr()
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
     tmp = temp_beside(path)
     storage.remove_tree(tmp)
+    if private:
+        storage.makedirs(path.parent)
+        os.mkdir(tmp, storage.DIR_MODE)
     try:
         root = zarr.open_group(str(tmp), mode="w", attributes=dict(attrs))
         groups = {"": root}
@@ -153,6 +162,8 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             zarr.consolidate_metadata(str(tmp))
+        if private:
+            _restrict(tmp)
         files, total = _hash_tree(tmp, sync=True)
         _check_meta_sizes(tmp, files)  # what verify_store would refuse is never written
         manifest = {"format": FORMAT, "version": VERSION, "hash": hashing.hash_name(_HASH_ID), "files": files,
@@ -170,6 +181,16 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
         raise
     sweep_temps_beside(path)  # what killed exports left beside it: this store supersedes it
     return hashing.digest(_HASH_ID, raw).hex(), total + len(raw)
+
+
+def _restrict(root: Path) -> None:
+    """Give ``root`` and every directory and file under it ftidask's modes (``[advanced] permissions``)."""
+    os.chmod(root, storage.DIR_MODE)  # (Zarr's mode "w" clears the directory: made again with the umask's mode)
+    for dirpath, dirs, names in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(dirpath, name), storage.DIR_MODE)
+        for name in names:
+            os.chmod(os.path.join(dirpath, name), storage.FILE_MODE)
 
 
 def _check_meta_sizes(root: Path, files: Mapping[str, list[Any]]) -> None:
