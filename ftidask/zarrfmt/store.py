@@ -346,7 +346,7 @@ def verified_store(path: Path, manifest: Mapping[str, Any]) -> Any:
         async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
             entry = self.digests.get(key)
             try:  # before any read: a file no manifest lists is never opened (a FIFO would block the open)
-                kind = os.lstat(path / key).st_mode
+                kind = os.stat(path / key).st_mode  # (a link is what it names, as check_entries and the hash see it)
             except (FileNotFoundError, NotADirectoryError):
                 kind = None
             except (OSError, ValueError) as exc:  # a name no file system takes; a NUL byte
