@@ -16,7 +16,7 @@ from ftidask.ftiff.trailer import pack_trailer
 
 
 def rewrite_table(path: Path, change: Callable[[dict], None]) -> tuple[FileBlock, FileBlock]:
-    """``change(table)`` applied to the table (the trailer's JSON) of the plain ftidask file at ``path``; its
+    """``change(table)`` applied to the table (the trailer's JSON) of the ftidask file at ``path``; its
     metadata checksum and file-block hash recomputed. Returns the file blocks before and after."""
     raw = path.read_bytes()
     fb = FileBlock.unpack(raw[:FB_SIZE])
@@ -31,7 +31,7 @@ def rewrite_table(path: Path, change: Callable[[dict], None]) -> tuple[FileBlock
         offset += bmd.dbsize
     checksum.update(tail)
     forged = FileBlock(**(fb.__dict__ | {"checksum": checksum.hexdigest()[:32]})).sealed()
-    path.write_bytes(forged.pack() + raw[FB_SIZE:fb.fs] + tail)
+    path.write_bytes(forged.pack() + raw[FB_SIZE:len(raw) - 16 - length] + tail)  # a dCP file's digests kept
     return fb, forged
 
 

@@ -100,6 +100,9 @@ def parse_ftiff(fh: BinaryIO, path: str = "<file>") -> FtiffFile:
     parsed = FtiffFile(path, file_size, fb, tuple(blocks), trailer, _parse_vars(trailer, path), identity_of(stat))
     _check_coverage(parsed)
     if fb.flags & FLAG_DCP:
+        # never compressed (patched in place): its readers copy stored bytes as they are, a codec left arrays unwritten
+        if any(info.extra.get("codec") is not None for info in parsed.vars.values()):
+            raise FormatError("a differential (dCP) file whose table gives a variable a codec", path=path)
         info = DcpInfo(parsed)
         if start != fb.fs + info.section_len:
             raise FormatError(f"block-hash section ends at {fb.fs + info.section_len}, the table starts at {start}",

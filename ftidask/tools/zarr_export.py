@@ -38,6 +38,7 @@ import numpy as np
 
 from ..engine.progress import for_config
 from ..engine.recovery import check_file, load_file
+from ..model import decomposition
 from ..model.arrays import VarInfo
 from ..model.config import Config
 from ..model.errors import FormatError, FTIError
@@ -98,15 +99,6 @@ def _verify_source(source: Source) -> _Rank:
     return _Rank(source.rank, parsed, infos, meta)
 
 
-def _global_block(info: VarInfo) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    shape, offset = info.extra.get("global_shape"), info.extra.get("offset")
-    if not isinstance(shape, list) or not isinstance(offset, list) or len(shape) != len(offset):
-        return None
-    if len(shape) != len(info.shape):
-        return None
-    return tuple(int(n) for n in shape), tuple(int(n) for n in offset)
-
-
 def _keep_extra(info: VarInfo, **extra: Any) -> dict[str, Any]:
     return {**({"codec": info.extra["codec"]} if "codec" in info.extra else {}), **extra}
 
@@ -156,19 +148,25 @@ def _dask_global(vid: int, parts: list[tuple[_Rank, VarInfo]]) -> tuple[VarInfo,
 
 
 def _blocks_global(vid: int, parts: list[tuple[_Rank, VarInfo]]) -> tuple[VarInfo, Any] | None:
-    """A global array from rank blocks that record ``global_shape`` and ``offset``, or None."""
-    blocks = [_global_block(info) for _r, info in parts]
-    if any(b is None for b in blocks) or len({b[0] for b in blocks if b}) != 1:
+    """A global array from rank blocks that record ``global_shape`` and ``offset``, or None (a rank's entry records
+    no block). Checked as a recovery checks them (:func:`~ftidask.model.decomposition.placement`,
+    :func:`~ftidask.model.decomposition.check_tiling`): a malformed record, a block outside its array, blocks that
+    overlap or leave a hole are a :class:`FormatError`, never a store with another rank's values or zeros in it."""
+    if any("global_shape" not in info.extra and "offset" not in info.extra for _r, info in parts):
         return None
-    shape = blocks[0][0]  # type: ignore[index]
+    placed = {rank.rank: (decomposition.placement(info.extra, info.shape), info.shape) for rank, info in parts}
+    if any(p.kind != "block" for p, _s in placed.values()):
+        return None
+    decomposition.check_tiling(vid, placed)
+    shape = next(iter(placed.values()))[0].global_shape
     first = parts[0][1]
 
     def fill(z: Any) -> None:
-        for (rank, info), block in zip(parts, blocks):
-            assert block is not None  # checked above
-            z[tuple(slice(o, o + n) for o, n in zip(block[1], info.shape))] = rank.read(vid)
+        for rank, info in parts:
+            offset = placed[rank.rank][0].offset
+            z[tuple(slice(o, o + n) for o, n in zip(offset, info.shape))] = rank.read(vid)
 
-    nbytes = int(np.prod(shape, dtype=np.int64)) * first.dtype.itemsize
+    nbytes = math.prod(shape) * first.dtype.itemsize
     extra = _keep_extra(first, **({"chunks": first.extra["chunks"]} if "chunks" in first.extra else {}))
     return VarInfo(vid, first.name, first.dtype, shape, "C", nbytes, extra), fill
 
