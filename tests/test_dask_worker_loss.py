@@ -135,3 +135,24 @@ def test_worker_lost_mid_checkpoint_named_in_one_sentence(client, dirs, caplog):
     out = ctx2.recover()
     assert ctx2.recovered_from == (1, 2)
     assert computed(client, out[1]).tobytes() == saved.tobytes()
+
+
+def test_a_worker_that_replaces_a_lost_one_writes_with_the_runs_modes(client, dirs):
+    """``permissions = group`` was set on the workers alive at init only: the worker that replaced a lost one wrote
+    its node's next checkpoint files 0600 (directories 0700) where the others' were 0640. It is a worker plugin now,
+    set up on every worker that joins."""
+    import stat
+
+    from conftest import wait_for_replaced_workers
+
+    ctx = ftidask.init(client=client, **dirs, permissions="group")
+    ctx.protect(1, da.arange(40_000, chunks=10_000).astype("f8"))
+    ctx.checkpoint(1, 1)
+    kill_worker(client, sorted(live_workers(client))[0])
+    wait_for_replaced_workers(client, NWORKERS)
+    ctx.checkpoint(2, 1)
+    files = list(Path(dirs["ckpt_dir"]).glob("**/ckpt2.s*/Ckpt2-Rank*.fti"))
+    assert len(files) == NWORKERS
+    modes = {stat.S_IMODE(p.stat().st_mode) for p in files} | {stat.S_IMODE(p.parent.stat().st_mode) for p in files}
+    assert modes == {0o640, 0o750}, sorted(map(oct, modes))
+    ctx.finalize()

@@ -74,3 +74,26 @@ def test_every_directory_of_a_checkpoint_is_durable_before_its_commit_record(tmp
         for directory in chain:  # the second checkpoint made only its own directory
             assert directory.parent in before_record, (ckpt_id, directory)
     ctx.finalize()
+
+
+def test_directories_the_staging_mover_creates_are_durable(tmp_path, monkeypatch):
+    """Sending to ``sub/deeper/f.dat`` made ``sub`` and ``sub/deeper``; only the last one was fsynced (the file's
+    rename in it) before the staged source was removed: a power loss could lose the published file, its source gone.
+    Each directory the mover creates has its parent fsynced now."""
+    fsynced: list[str] = []
+    real = os.fsync
+
+    def recording(fd: int) -> None:
+        fsynced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    ctx = ftidask.init(ckpt_dir=str(tmp_path / "l"), glbl_dir=str(tmp_path / "g"), meta_dir=str(tmp_path / "m"),
+                       enable_staging=1, stage_mover="thread")
+    src = ctx.stage_dir() / "f.dat"
+    src.write_bytes(b"x" * 1000)
+    assert ctx.wait_staged(ctx.send_file(src, "sub/deeper/f.dat")) == ftidask.SI_SCES
+    ctx.finalize()
+    published = tmp_path / "g" / "sub" / "deeper" / "f.dat"
+    assert published.read_bytes() == b"x" * 1000 and not src.exists()
+    assert {str(tmp_path / "g"), str(tmp_path / "g" / "sub")} <= set(fsynced), fsynced

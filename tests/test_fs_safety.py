@@ -241,3 +241,52 @@ def test_dask_workers_create_files_with_the_configured_modes(tmp_path, dask_clie
     finally:
         os.umask(old)
     assert files == {0o640} and dirs == {0o750}
+
+
+def test_a_zarr_store_and_an_archive_are_built_where_no_one_else_can_enter(tmp_path, monkeypatch):
+    """``permissions = group`` lets the group into a checkpoint directory (0750). A Zarr store's directories were
+    group-writable (the umask's 0775) while Zarr wrote them, and the mode fix that followed chmod-ed through links: a
+    group member could plant a link to the user's key there and have it made readable. ``keep_l4_ckpt``'s archive
+    was linked into directories copytree made 0775 too. Both are built inside a directory of mode 0700 now, and a
+    link found in a store being written fails the checkpoint."""
+    pytest.importorskip("zarr")
+    import shutil
+
+    from ftidask.storage import swap
+    from ftidask.zarrfmt import store as zarr_store
+
+    seen: dict[str, int] = {}
+    restrict, copytree = zarr_store._restrict, shutil.copytree
+
+    def at_restrict(root):
+        seen["zarr"] = stat.S_IMODE(os.stat(os.path.dirname(root)).st_mode)
+        return restrict(root)
+
+    def at_copytree(src, dst, *a, **kw):
+        seen.setdefault("archive", stat.S_IMODE(os.stat(os.path.dirname(dst)).st_mode))  # (called again inside)
+        return copytree(src, dst, *a, **kw)
+
+    monkeypatch.setattr(zarr_store, "_restrict", at_restrict)
+    monkeypatch.setattr(swap.shutil, "copytree", at_copytree)
+    old = os.umask(0o002)
+    try:
+        ctx = ftidask.init(**_dirs(tmp_path, permissions="group", l4_format="zarr", keep_l4_ckpt=1))
+        ctx.protect(1, np.arange(1000.0))
+        ctx.checkpoint(1, 4)
+        assert seen == {"zarr": 0o700}
+
+        def planted(root):
+            os.symlink(tmp_path / "victim", os.path.join(root, "planted"))
+            return restrict(root)
+
+        (tmp_path / "victim").write_text("secret")
+        os.chmod(tmp_path / "victim", 0o600)
+        monkeypatch.setattr(zarr_store, "_restrict", planted)
+        with pytest.raises(ftidask.CheckpointError, match="not a regular file or a directory"):
+            ctx.checkpoint(2, 4)
+        assert stat.S_IMODE(os.stat(tmp_path / "victim").st_mode) == 0o600
+        ctx.finalize()  # checkpoint 1 archived (keep_l4_ckpt)
+        assert seen == {"zarr": 0o700, "archive": 0o700}
+        assert list((tmp_path / "g").glob("*/l4_archive/ckpt1.s1/Ckpt1-Rank0.zarr"))
+    finally:
+        os.umask(old)

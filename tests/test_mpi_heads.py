@@ -128,3 +128,19 @@ def test_a_head_parses_each_record_once_in_a_run_that_keeps_every_l4_checkpoint(
     assert stats["listed"] == n  # one listing a raise (retirement)
     assert stats["parsed"] == 0  # the raised records are the head's own, never read back: not 1 + 2 + ... + n
     assert len(list(tmp_path.glob("Global/*/l4_archive/ckpt*"))) == n  # every one kept
+
+
+def test_heads_write_with_the_runs_modes(tmp_path: Path) -> None:
+    """``permissions = group`` was set by Context's init only, which a head never runs: everything the heads wrote
+    (the level-4 files and directories, their commit records) was 0600/0700 where the application's was 0640/0750."""
+    import stat
+
+    base = tmp_path / "run"
+    cfg = {**json.loads(_config(8, 4)), "permissions": "group"}
+    run(8, "levels_job.py", "write", json.dumps(cfg), str(base), "4", timeout=300)
+    modes = {}
+    for path in base.rglob("*"):
+        if not path.name.startswith(("result-", "out")):  # the job's own outputs
+            modes.setdefault(stat.S_IMODE(path.stat().st_mode), []).append(str(path.relative_to(base)))
+    assert set(modes) == {0o640, 0o750}, {oct(m): p[:3] for m, p in modes.items()}
+    assert list(base.glob("Global/*/l4/*/Ckpt*-Rank*.fti"))

@@ -106,7 +106,7 @@ class _Swapped(Exception):
 def _open_dir(path: str, create_mode: int | None = None) -> int:
     """Open the directory ``path`` (absolute and free of links when the request was checked) from
     ``/`` one component at a time, following no symbolic link; create the missing ones with
-    ``create_mode`` (None: none may be missing). Raises :class:`_Swapped` for a link."""
+    ``create_mode`` (None: none may be missing), each one's parent fsynced. Raises :class:`_Swapped` for a link."""
     fd = os.open("/", _DIR)
     done = "/"
     try:
@@ -119,6 +119,7 @@ def _open_dir(path: str, create_mode: int | None = None) -> int:
                     raise
                 with contextlib.suppress(FileExistsError):  # another mover made it meanwhile
                     os.mkdir(name, create_mode, dir_fd=fd)
+                os.fsync(fd)  # the new name durable before the staged source is removed
                 child = os.open(name, _DIR, dir_fd=fd)
             except OSError as exc:
                 if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and stat.S_ISLNK(

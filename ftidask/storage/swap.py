@@ -122,10 +122,15 @@ def link_tree_atomic(src: Path, dst: Path) -> None:
             shutil.copy2(s, d, follow_symlinks=False)
 
     try:
-        shutil.copytree(src, tmp, symlinks=True, copy_function=link)
-        for dirpath, _dirs, _files in os.walk(tmp):
+        # built inside a directory of this user's alone: copytree makes each directory with the umask's mode and
+        # gives it the source's only once filled (0775 meanwhile with a umask of 002, names could be planted there)
+        os.mkdir(tmp, 0o700)
+        built = tmp / "tree"
+        shutil.copytree(src, built, symlinks=True, copy_function=link)
+        for dirpath, _dirs, _files in os.walk(built):
             fsync_dir(Path(dirpath))
-        replace_tree(tmp, dst)
+        replace_tree(built, dst)
+        os.rmdir(tmp)
     except BaseException:
         remove_tree(tmp)
         raise

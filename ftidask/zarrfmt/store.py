@@ -120,18 +120,23 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
     directory of a run (its modes, each parent fsynced), the store's directories and files given ftidask's modes.
     Zarr makes what it writes with the process's umask: a umask of 002 left the run's global directory writable by
     its group, which the next ``init`` refuses (a checkpoint there could be forged), and a new checkpoint directory
-    whose name no fsync made durable before the commit record named it.
+    whose name no fsync made durable before the commit record named it. Zarr writes inside a directory only this
+    user can enter (``permissions = group`` lets the group into the checkpoint directory, where the store's own
+    directories were group-writable while it was written), and anything in the store that is not a regular file or
+    a directory is refused before it is hashed.
     """
     zarr = _zarr()
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
     tmp = temp_beside(path)
     storage.remove_tree(tmp)
-    if private:
-        storage.makedirs(path.parent)
-        os.mkdir(tmp, storage.DIR_MODE)
+    built = tmp
     try:
-        root = zarr.open_group(str(tmp), mode="w", attributes=dict(attrs))
+        if private:  # Zarr writes inside a directory of this user's alone (see above), moved out whole
+            storage.makedirs(path.parent)
+            os.mkdir(tmp, 0o700)
+            built = tmp / "store"
+        root = zarr.open_group(str(built), mode="w", attributes=dict(attrs))
         groups = {"": root}
         table = []
         for name, info, data in items:
@@ -161,19 +166,21 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
                 progress.update(info.nbytes)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            zarr.consolidate_metadata(str(tmp))
+            zarr.consolidate_metadata(str(built))
         if private:
-            _restrict(tmp)
-        files, total = _hash_tree(tmp, sync=True)
-        _check_meta_sizes(tmp, files)  # what verify_store would refuse is never written
+            _restrict(built)
+        files, total = _hash_tree(built, sync=True)
+        _check_meta_sizes(built, files)  # what verify_store would refuse is never written
         manifest = {"format": FORMAT, "version": VERSION, "hash": hashing.hash_name(_HASH_ID), "files": files,
                     "vars": table, "attrs": dict(attrs)}
         raw = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-        storage.check_record_size(tmp / MANIFEST, raw)  # read back with storage.read_regular
-        with storage.atomic_file(tmp / MANIFEST) as fh:
+        storage.check_record_size(built / MANIFEST, raw)  # read back with storage.read_regular
+        with storage.atomic_file(built / MANIFEST) as fh:
             fh.write(raw)
-        storage.fsync_dir(tmp)
-        replace_tree(tmp, path)  # killed at any moment: the old store or the new one is at ``path``
+        storage.fsync_dir(built)
+        replace_tree(built, path)  # killed at any moment: the old store or the new one is at ``path``
+        if built != tmp:
+            os.rmdir(tmp)
     except BaseException as exc:
         storage.remove_tree(tmp)
         if isinstance(exc, OSError):
@@ -184,13 +191,16 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
 
 
 def _restrict(root: Path) -> None:
-    """Give ``root`` and every directory and file under it ftidask's modes (``[advanced] permissions``)."""
+    """Give ``root`` and every directory and file under it ftidask's modes (``[advanced] permissions``); anything
+    else there (a link, a FIFO: Zarr writes none) is an :class:`OSError`, never followed."""
     os.chmod(root, storage.DIR_MODE)  # (Zarr's mode "w" clears the directory: made again with the umask's mode)
     for dirpath, dirs, names in os.walk(root):
-        for name in dirs:
-            os.chmod(os.path.join(dirpath, name), storage.DIR_MODE)
-        for name in names:
-            os.chmod(os.path.join(dirpath, name), storage.FILE_MODE)
+        for name in [*dirs, *names]:
+            full = os.path.join(dirpath, name)
+            kind = os.lstat(full).st_mode
+            if not (stat.S_ISDIR(kind) or stat.S_ISREG(kind)):
+                raise OSError(errno.EINVAL, "not a regular file or a directory, in a store being written", full)
+            os.chmod(full, storage.DIR_MODE if stat.S_ISDIR(kind) else storage.FILE_MODE)
 
 
 def _check_meta_sizes(root: Path, files: Mapping[str, list[Any]]) -> None:

@@ -32,7 +32,7 @@ from ...model.arrays import check_bool, check_ckpt_id, check_id
 from ...model.config import Config
 from ...model.errors import CheckpointError, FTIError, ProtectError, RecoveryError
 from ...storage import files as storage
-from . import channel, codecthreads, icp, lineage, recorded, report, restore, tasks
+from . import channel, codecthreads, icp, lineage, modes, recorded, report, restore, tasks
 from .cluster import Cluster, check_client
 from .dcp_levels import DaskSpares
 from .report import DaskCheckpointInfo
@@ -47,7 +47,7 @@ class DaskContext(DaskWriting, Context):
     def __init__(self, config: Config, client: Client) -> None:
         cluster = Cluster(client, config.progress)
         self._cutting = threading.RLock()  # held while a lineage cut swaps the arrays (see lineage.cut)
-        cluster.run(storage.set_permissions, config.permissions)  # the modes of the workers' files
+        modes.register(client, cluster, config.permissions)  # the workers' files' modes (also those joining later)
         channel.register(client)  # L2/L3 blocks go worker to worker (every worker, also those joining later)
         codecthreads.register(client)  # compressed frames on the worker's share of the cores, not 8 threads
         lineage.watch(client)  # chunks read back after a worker loss are logged here

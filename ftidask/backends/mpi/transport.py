@@ -290,9 +290,11 @@ def make_mpi_context(cfg: Config | None, comm: Any, refused: FTIError | None = N
         raise ConfigError(f"init refused the config: {'; '.join(refusals)}")  # load_config's errors are ConfigErrors
     assert cfg is not None
     transport = MpiTransport(cfg, comm)
-    if transport.is_head:
+    if transport.is_head:  # never a Context: the files' modes are set here (permissions = group: 0640, 0750)
+        from ...storage.files import set_permissions
         from .heads import serve
 
+        set_permissions(cfg.permissions)
         serve(cfg, transport)
         raise SystemExit(0)
     if transport.node_comm is not None:
