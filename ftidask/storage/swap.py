@@ -130,7 +130,8 @@ def link_tree_atomic(src: Path, dst: Path) -> None:
         for dirpath, _dirs, _files in os.walk(built):
             fsync_dir(Path(dirpath))
         replace_tree(built, dst)
-        os.rmdir(tmp)
+        with contextlib.suppress(OSError):  # published; a leftover wrapper is removed by the next attempt's glob
+            os.rmdir(tmp)
     except BaseException:
         remove_tree(tmp)
         raise

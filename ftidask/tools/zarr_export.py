@@ -11,7 +11,8 @@ level 4 written as Zarr), verifies every hash, and writes one Zarr array per pro
 * one rank file: one array per variable, at the root, named after the variable;
 * several rank files whose variable records a block of a global array (``VarInfo.extra`` with
   ``global_shape`` and ``offset``, and optionally ``chunks``; ``protect(..., global_shape=, offset=)``
-  on the MPI backend): one global array;
+  on the MPI backend) that tile it exactly, in one dtype: one global array (blocks that overlap, halos, or that
+  hold part of it are kept per rank, below; a malformed record or a block outside its array is a FormatError);
 * several rank files whose variable is ``replicated`` (``protect(..., replicated=True)``): one array,
   from the first rank's file;
 * otherwise: one group per rank, ``rank{r}/{name}``.
@@ -148,16 +149,25 @@ def _dask_global(vid: int, parts: list[tuple[_Rank, VarInfo]]) -> tuple[VarInfo,
 
 
 def _blocks_global(vid: int, parts: list[tuple[_Rank, VarInfo]]) -> tuple[VarInfo, Any] | None:
-    """A global array from rank blocks that record ``global_shape`` and ``offset``, or None (a rank's entry records
-    no block). Checked as a recovery checks them (:func:`~ftidask.model.decomposition.placement`,
-    :func:`~ftidask.model.decomposition.check_tiling`): a malformed record, a block outside its array, blocks that
-    overlap or leave a hole are a :class:`FormatError`, never a store with another rank's values or zeros in it."""
+    """A global array from rank blocks that record ``global_shape`` and ``offset`` and tile it exactly, or None (then
+    one array per rank): a rank's entry records no block, or the blocks overlap (halos), leave a hole (a rank set
+    that holds part of the array) or differ in dtype. A malformed record or a block outside its array is a
+    :class:`FormatError` (:func:`~ftidask.model.decomposition.placement`, as a recovery checks it): never a traceback,
+    nor a store with another rank's values or zeros in it."""
     if any("global_shape" not in info.extra and "offset" not in info.extra for _r, info in parts):
         return None
-    placed = {rank.rank: (decomposition.placement(info.extra, info.shape), info.shape) for rank, info in parts}
-    if any(p.kind != "block" for p, _s in placed.values()):
+    placed = {}
+    for rank, info in parts:
+        try:
+            placed[rank.rank] = (decomposition.placement(info.extra, info.shape), info.shape)
+        except FormatError as exc:
+            raise FormatError(f"variable {vid}, rank {rank.rank}: {exc}") from None
+    if any(p.kind != "block" for p, _s in placed.values()) or len({info.dtype for _r, info in parts}) != 1:
         return None
-    decomposition.check_tiling(vid, placed)
+    try:
+        decomposition.check_tiling(vid, placed)
+    except FormatError:  # overlapping (halos: a restart on this layout recovers them) or partial: kept per rank
+        return None
     shape = next(iter(placed.values()))[0].global_shape
     first = parts[0][1]
 

@@ -11,6 +11,7 @@ digest again as Zarr reads it. Any Zarr reader (``zarr.open``, ``dask.array.from
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -180,7 +181,8 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
         storage.fsync_dir(built)
         replace_tree(built, path)  # killed at any moment: the old store or the new one is at ``path``
         if built != tmp:
-            os.rmdir(tmp)
+            with contextlib.suppress(OSError):  # the store is in place; a leftover wrapper is collected later
+                os.rmdir(tmp)
     except BaseException as exc:
         storage.remove_tree(tmp)
         if isinstance(exc, OSError):

@@ -4,8 +4,9 @@ A context sets them in its own process; the workers write the rank files. Set on
 a worker that joined later (one restarted after it was lost) kept the default private modes: its node's next
 checkpoint files were 0600 where the others' were 0640 with ``permissions = group``. The setting is kept in the
 scheduler's metadata, and a worker plugin (set up on every worker the cluster ever has, as the L2/L3 channel's) reads
-it when a worker joins. Registered once and idempotent: a registration broadcasts to the workers the scheduler lists,
-one just killed among them (an ``init`` right after a worker's loss), which the live workers' own call passes over.
+it when a worker joins. The plugin is idempotent, so only the first ``init`` on a cluster broadcasts it (a worker the
+scheduler still lists but that just died fails that broadcast, as the L2/L3 channel's); the live workers get each
+later setting from a call that passes a dead worker over.
 """
 
 from __future__ import annotations
