@@ -47,6 +47,16 @@ def _uncompressed(store: Path, encoding: dict | None, cut: int) -> None:
         dest.write_bytes(raw[:len(raw) - cut])
 
 
+def _recovers(dirs: dict) -> None:
+    """A restart recovers the store's checkpoint, ``arange(N)``, bit for bit."""
+    ctx = ftidask.init(**dirs, l4_format="zarr")
+    out = np.full(N, -1.0)
+    ctx.protect(1, out)
+    ctx.recover()
+    assert np.array_equal(out, np.arange(float(N)))
+    ctx._close()
+
+
 @pytest.mark.parametrize("encoding", [{"name": "default", "configuration": {"separator": "."}},
                                       {"name": "v2", "configuration": {"separator": "."}}])
 def test_a_short_uncompressed_chunk_under_another_key_encoding_is_damage(dirs, encoding):
@@ -63,12 +73,7 @@ def test_the_same_chunks_whole_are_recovered(dirs):
     store = _zarr_checkpoint(dirs)
     _uncompressed(store, {"name": "v2", "configuration": {"separator": "."}}, 0)
     _reseal(dirs, store)
-    ctx = ftidask.init(**dirs, l4_format="zarr")
-    out = np.full(N, -1.0)
-    ctx.protect(1, out)
-    ctx.recover()
-    assert np.array_equal(out, np.arange(float(N)))
-    ctx._close()
+    _recovers(dirs)
 
 
 def test_a_codec_bomb_under_another_key_encoding_is_refused_before_it_is_decoded(dirs):
@@ -95,12 +100,7 @@ def test_a_fifo_at_a_v2_metadata_name_is_never_opened(dirs, name):
     a file the manifest does not list is never opened: the planted FIFO changes nothing."""
     store = _zarr_checkpoint(dirs)
     os.mkfifo(store / "v" / name)
-    ctx = ftidask.init(**dirs, l4_format="zarr")
-    out = np.full(N, -1.0)
-    ctx.protect(1, out)
-    ctx.recover()
-    assert np.array_equal(out, np.arange(float(N)))
-    ctx._close()
+    _recovers(dirs)
     (only,) = read_zarr(store).values()
     assert np.array_equal(only[1], np.arange(float(N)))
 
