@@ -62,7 +62,7 @@ def _rank_file(root: Path, rank: int) -> Path:
     ({"offset": [-5]}, "variable 1, rank 1: .*does not fit a block"),
     ({"offset": [15]}, "does not fit a block"),
     ({"global_shape": [None]}, "global_shape is not a list of ints"),
-])
+], ids=["genuine", "overlap", "huge", "str-offset", "negative", "past-end", "null-shape"])
 def test_an_export_checks_the_global_blocks_it_stitches(tmp_path, extra, said):
     """Rank 1's block record forged: a raw ValueError or TypeError traceback (exit status 1), or a store with rank 0's
     values overwritten, a hole of zeros, rank 1's values dropped, or an array of 2**62 elements, with exit status 0.
