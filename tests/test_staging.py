@@ -615,3 +615,30 @@ def test_a_transfer_note_naming_a_file_outside_glbl_dir_removes_nothing(tmp_path
         (notes / name).write_text(json.dumps({"tmp": str(path)}))
         ftidask.init(**dirs).finalize()
         assert not path.exists()
+
+
+def test_a_notes_directory_planted_as_a_link_empties_nothing_outside(tmp_path):
+    """The restart sweeps its transfer notes (and `ftidask clean` a dead run's): a link planted at the notes
+    directory's name had every entry of its target removed, subdirectories too. The notes directory is opened
+    without following a link, and only names of notes are removed from it."""
+    import ftidask
+    from ftidask.tools.cli import main
+
+    victim = tmp_path / "victim"
+    (victim / "subdir").mkdir(parents=True)
+    (victim / "keep.txt").write_text("precious")
+    (victim / "subdir" / "data.txt").write_text("precious")
+    notes = tmp_path / "Local" / "stage" / "run1" / "node0" / ".rank0-transfers"
+    dirs = {"exec_id": "run1", "ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
+            "meta_dir": str(tmp_path / "Meta"), "enable_staging": 1, "stage_mover": "thread"}
+    notes.parent.mkdir(parents=True)
+    notes.symlink_to(victim)
+    ftidask.init(**dirs).finalize()
+    assert main(["clean", str(tmp_path), "--yes"]) == 0
+    assert sorted(p.name for p in victim.rglob("*")) == ["data.txt", "keep.txt", "subdir"]
+    notes.parent.mkdir(parents=True, exist_ok=True)
+    notes.unlink(missing_ok=True)
+    notes.mkdir()
+    (notes / "not-a-note").write_text("x")  # a name no note has: none of ftidask's
+    ftidask.init(**dirs).finalize()
+    assert (notes / "not-a-note").read_text() == "x"

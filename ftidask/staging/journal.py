@@ -69,32 +69,50 @@ def sweep(notes: Path, within: Path | None) -> int:
     the directory the destinations are under (``glbl_dir``; None when ``stage_allow_outside`` lets them be
     anywhere): a note naming a file elsewhere is not the run's (planted, or damaged) and that file stays."""
     root = os.path.realpath(within) + os.sep if within is not None else ""
-    try:
-        entries = list(os.scandir(notes))
+    try:  # the notes directory itself, never a link's target: a planted link would have its target emptied
+        fd = os.open(notes, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return 0
     except OSError as exc:  # the run starts all the same: only leftovers stay
-        log.warning("could not read the staging notes %s: %s", notes, exc)
+        log.warning("could not read the staging notes %s (left as they are): %s", notes, exc)
         return 0
     removed = 0
-    for entry in entries:
-        if _TORN.fullmatch(entry.name):  # a note being written when the kill came
-            storage.remove_tree(Path(entry.path))
-            continue
-        note = storage.read_json(Path(entry.path))
-        tmp = note.get("tmp") if isinstance(note, dict) else None
-        if isinstance(tmp, str) and os.path.isabs(tmp) and _TEMP.fullmatch(os.path.basename(tmp)) \
-                and os.path.basename(tmp) == entry.name and _under(tmp, root):
-            try:
-                os.unlink(tmp)  # the name itself: a link there is removed, never followed
-                removed += 1
-                log.info("removed %s, left by a staging transfer that was killed", tmp)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.warning("could not remove %s, left by a staging transfer that was killed: %s", tmp, exc)
-        storage.remove_tree(Path(entry.path))
+    try:
+        for name in os.listdir(fd):
+            if _TORN.fullmatch(name):  # a note being written when the kill came
+                _drop(fd, name)
+            elif _TEMP.fullmatch(name):  # a note; any other name is none of ftidask's and stays
+                removed += _remove_noted(notes / name, name, root)
+                _drop(fd, name)
+    finally:
+        os.close(fd)
     return removed
+
+
+def _remove_noted(note_path: Path, name: str, root: str) -> int:
+    """Remove the temporary file that the note ``note_path`` names, if it is one of a transfer under ``root``."""
+    note = storage.read_json(note_path)  # a regular file's, never a link's
+    tmp = note.get("tmp") if isinstance(note, dict) else None
+    if not (isinstance(tmp, str) and os.path.isabs(tmp) and os.path.basename(tmp) == name and _under(tmp, root)):
+        return 0
+    try:
+        os.unlink(tmp)  # the name itself: a link there is removed, never followed
+        log.info("removed %s, left by a staging transfer that was killed", tmp)
+        return 1
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        log.warning("could not remove %s, left by a staging transfer that was killed: %s", tmp, exc)
+        return 0
+
+
+def _drop(fd: int, name: str) -> None:
+    """Unlink the note ``name`` of the notes directory open at ``fd`` (a directory of that name stays)."""
+    try:
+        os.unlink(name, dir_fd=fd)
+    except OSError as exc:
+        if not isinstance(exc, FileNotFoundError):
+            log.warning("could not remove the staging note %s: %s", name, exc)
 
 
 def _under(tmp: str, root: str) -> bool:
