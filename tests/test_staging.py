@@ -225,6 +225,33 @@ def test_bad_requests_raise_at_the_call(tmp_path):
     ctx.finalize()
 
 
+@pytest.mark.parametrize("mover", ["thread", "process"])
+def test_odd_paths_and_timeouts_are_refused_at_the_call_or_served(tmp_path, mover):
+    """A NUL in a path was accepted by send_file; the mover thread then died on it (a raw ValueError), and every
+    later request stayed pending (wait_staged without a timeout hung; finalize waited stage_timeout). A timeout of
+    inf raised a raw OverflowError. A destination name of 230 bytes, which the file system takes, failed: the
+    temporary name added 33 bytes. Refused at the call, no limit, and staged now."""
+    ctx = make_ctx(tmp_path, stage_mover=mover)
+    stage = ctx.stage_dir()
+    (stage / "a").write_bytes(b"abc")
+    for local, remote in ((stage / "a", "bad\0name"), (f"{stage}/a\0", "x"), (os.fsencode(stage / "a"), b"o\0")):
+        with pytest.raises(StagingError, match="NUL"):
+            ctx.send_file(local, remote)
+    with pytest.raises(StagingError, match="nan"):
+        ctx.wait_staged(timeout=float("nan"))
+    long = "n" * 230
+    req = ctx.send_file(os.fsencode(stage / "a"), long)  # bytes paths are paths too
+    assert ctx.wait_staged(req, timeout=float("inf")) == SI_SCES, ctx.stage_info(req).reason
+    assert ctx.wait_staged(timeout=1e300) == {req: SI_SCES}
+    (stage / "b").write_bytes(b"def")
+    req = ctx.send_file(stage / "b", "é" * 120)  # 240 bytes of a 2-byte character: the temporary name cut in one
+    assert ctx.wait_staged(req, timeout=60) == SI_SCES, ctx.stage_info(req).reason
+    ctx.finalize()
+    assert (tmp_path / "global" / long).read_bytes() == b"abc"
+    assert (tmp_path / "global" / ("é" * 120)).read_bytes() == b"def"
+    assert not [p for p in (tmp_path / "global").iterdir() if p.name.startswith(".")]
+
+
 def test_two_pending_requests_to_one_destination(tmp_path, monkeypatch):
     gate = tmp_path / "gate"  # the first copy is still running when the second request comes, whatever the load
     slowcopy.slow_movers(0.05, monkeypatch.setattr, gate)

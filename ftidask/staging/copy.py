@@ -27,6 +27,7 @@ from typing import Any, ContextManager
 from ..ftiff import hashing
 
 PIECE = 8 << 20
+NAME_MAX = 255  # bytes in a file name, on every file system Linux runs ftidask on
 #: The reason of a transfer stopped by its owner (a finalize past ``stage_timeout``, or an exit without one).
 CANCELLED = "cancelled: not finished when staging stopped (finalize after stage_timeout, or exit without finalize)"
 
@@ -66,7 +67,12 @@ def temp_name(dst: str, token: str) -> str:
     The caller (not only the mover) knows it, so that it can remove the leftover of a mover that died.
     """
     head, name = os.path.split(dst)
-    return os.path.join(head, f".{name}.ftidask-stage-{token}.tmp")
+    tail = f".ftidask-stage-{token}.tmp"
+    # A destination's name may be as long as the file system takes; the journal's note has the temporary name,
+    # itself written at a temporary name first (storage.create_temp's ".tmp-{pid}-{8 hex}", 24 bytes at most).
+    room = NAME_MAX - 1 - len(tail.encode()) - 24
+    short = os.fsdecode(os.fsencode(name)[:room])  # unique all the same: the token is
+    return os.path.join(head, f".{short}{tail}")
 
 
 def describe_os_error(exc: OSError, action: str) -> str:

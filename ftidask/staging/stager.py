@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import stat
 import threading
@@ -202,9 +203,12 @@ def request_id_of(value: Any) -> int:
 
 def _path_of(value: Any, what: str) -> str:
     try:
-        return os.fspath(value)
+        text = os.fsdecode(os.fspath(value))  # bytes paths too, as str (the request's paths are str)
     except TypeError:
         raise StagingError(f"send_file: {what} must be a path (str or os.PathLike), got {value!r}") from None
+    if "\0" in text:  # no file has such a name: the OS would refuse it later, in the mover thread
+        raise StagingError(f"send_file: {what} {text!r} holds a NUL character")
+    return text
 
 
 def _inside(path: str, root: str) -> bool:
@@ -304,6 +308,10 @@ class Stager:
         not yet read) to be final; its state (``SI_NINI`` if unknown), or ``{id: state}``. Nothing is consumed."""
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.number))):
             raise StagingError(f"wait_staged(timeout=...) takes seconds (a number) or None, got {timeout!r}")
+        if timeout is not None and math.isnan(timeout):
+            raise StagingError("wait_staged(timeout=...) takes seconds (a number) or None, got nan")
+        if timeout is not None and timeout > threading.TIMEOUT_MAX / 2:  # inf, or more than a lock's wait takes: none
+            timeout = None
         request_id = None if request_id is None else request_id_of(request_id)
         ids = None if request_id is None else [request_id]
         infos = self.table.wait(ids, timeout)

@@ -47,9 +47,9 @@ class ThreadMover:
                 self._table.update(req.id, SI_FAIL, CANCELLED)
                 continue
             self._table.update(req.id, SI_ACTV)
-            if self._notes is not None:
-                journal.begin(self._notes, req)
-            try:
+            try:  # the note too: whatever fails, the request is reported and the thread serves the next
+                if self._notes is not None:
+                    journal.begin(self._notes, req)
                 transfer(req, self._cancel.is_set)
             except TransferFailed as exc:
                 self._table.update(req.id, SI_FAIL, str(exc))
