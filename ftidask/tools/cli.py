@@ -8,13 +8,11 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..engine.runstate import RunState, check_exec_id, unsealed_record
+from ..engine.runstate import check_exec_id
 from ..ftiff.dump import to_json, to_text
 from ..ftiff.filekind import is_config_file
 from ..ftiff.fti_dcp_posix import is_dcp_file
@@ -22,14 +20,14 @@ from ..ftiff.reader import parse_ftiff
 from ..model.errors import FormatError, FTIError
 from ..staging import journal
 from ..storage import runlock
-from ..storage.files import find_paths, is_inside, open_read, read_json, remove_inside
+from ..storage.files import is_inside, open_read, read_json, remove_inside
+from . import listing
 from .file_checks import check_config_file as check_config_file
 from .file_checks import (
     ftiff_files,
     load_checked_config,
     parity_files,
     parity_verdict,
-    table_of,
     verdict_of,
     whole_file_problem,
     zarr_stores,
@@ -151,29 +149,6 @@ def _dirs(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     return base / "Local", base / "Global", base / "Meta"
 
 
-def _size(path: Path) -> int:
-    if not path.is_dir():
-        return path.stat().st_size
-    total = 0
-    for p in find_paths(path, "*"):
-        with contextlib.suppress(OSError):  # deleted meanwhile
-            total += p.stat().st_size if p.is_file() else 0
-    return total
-
-
-def _key(path: Path, kind: str, detail: object) -> tuple[str, int]:
-    """``(exec_id, seq)`` of a file: its path's (``{exec_id}/l*/ckpt*.s{seq}``; keep_last_ckpt's L4 copy has a seq
-    of its own, its files the first one's), else its variable table's."""
-    table = table_of(detail) if kind == "ok" else {}
-    found = re.fullmatch(r"ckpt\d+\.s(\d+)", path.parent.name)
-    exec_id = str(table.get("exec_id", path.parent.parent.parent.name))
-    try:
-        exec_id = check_exec_id(exec_id)
-    except FTIError:  # a forged table's, or an odd directory's: printed escaped (no terminal control), never a path
-        exec_id = ascii(exec_id)
-    return exec_id, int(found[1]) if found else int(table.get("seq", 0))
-
-
 def cmd_list(args: argparse.Namespace) -> int:
     """``ftidask list``: the checkpoints of the runs under a directory (or a config's), with their state."""
     if not args.config and not Path(args.dir).exists():
@@ -182,33 +157,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         return refused
     local, glbl, meta = _dirs(args)
     roots = [p for p in (local, glbl) if p.is_dir()] or ([local, glbl] if args.config else [Path(args.dir)])
-    groups: dict[tuple[str, int], list[tuple[Path, str, object]]] = {}
-    for root in roots:
-        stores = zarr_stores(root)
-        for path in ftiff_files(root) + stores:  # level 4 may be written as Zarr stores
-            kind, detail = verdict_of(path)
-            groups.setdefault(_key(path, kind, detail), []).append((path, kind, detail))
+    groups = listing.collect(roots, meta)
     if not groups:
         print(f"no checkpoints under {', '.join(map(str, roots))}")
         return list_dcp_files(roots, meta)
-    print(f"{'exec_id':32} {'id':>5} {'level':>5} {'seq':>5} {'time':19} {'files':>5} {'bytes':>14}  state")
+    print(listing.HEADER)
     for (exec_id, seq), files in sorted(groups.items()):
-        sound = [d for _p, k, d in files if k == "ok"]
-        table = table_of(sound[0]) if sound else {}
-        commit = meta / exec_id / "commits" / f"s{seq:08d}.json"
-        record = unsealed_record(read_json(commit)) if commit.is_file() else None  # None: torn or damaged too
-        if record is not None and not table:  # every file damaged: the commit record still says what it was
-            table = {"ckpt_id": record.ckpt_id, "level": record.level, "time": record.timestamp}
-        size = sum(_size(p) for p, _k, _d in files)
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.get("time", 0))) if table else "?"
-        state = ("sound" if len(sound) == len(files) else f"DAMAGED ({len(files) - len(sound)} of {len(files)} files)")
-        if record is None and any(f.seq == seq for f in RunState(meta, exec_id).fallbacks()):
-            state += ", the previous differential checkpoint (a restart falls back to it if it must)"
-        elif record is None:
-            state += ", commit record damaged" if commit.is_file() else ", not committed"
-        level = record.level if record is not None else table.get("level", "?")  # (raised to L4 after the write)
-        print(f"{exec_id:32} {table.get('ckpt_id', '?'):>5} {level:>5} {seq:>5} {when:19} "
-              f"{len(files):>5} {size:>14}  {state}")
+        print(listing.row(exec_id, seq, files, meta))
     return list_dcp_files(roots, meta)
 
 
@@ -217,7 +172,9 @@ def _runs_to_clean(args: argparse.Namespace, meta: Path, stage: Path) -> set[str
         return {check_exec_id(args.exec_id, "--exec-id")}  # a single directory name, never a path
     runs = set()  # a stage directory outlives its run's state when the application's files wait there
     for p in [*(meta.iterdir() if meta.is_dir() else ()), *(stage.iterdir() if stage.is_dir() else ())]:
-        if p.is_dir():
+        # A directory of meta_dir is a run's when it holds a run's state: meta_dir may be ckpt_dir's or glbl_dir's
+        # too, whose node* and stage directories (live runs' files in them) are none.
+        if p.is_dir() and (p.parent == stage or any((p / n).exists() for n in ("run.json", "run.lock", "commits"))):
             try:
                 runs.add(check_exec_id(p.name, f"directory {p}"))
             except FTIError as exc:
@@ -246,16 +203,21 @@ def cmd_clean(args: argparse.Namespace) -> int:
     if not runs:
         print("nothing to clean")
         return 0
-    targets = [(p, parent) for run in sorted(runs) for p, parent in
-               [*((p, p.parent) for p in local.glob(f"node*/{run}")), (glbl / run, glbl), (meta / run, meta)]
-               if p.exists()]
+    targets = list(dict.fromkeys(  # once each: glbl_dir and meta_dir may be one directory
+        (p, parent) for run in sorted(runs) for p, parent in
+        [*((p, p.parent) for p in local.glob(f"node*/{run}")), (glbl / run, glbl), (meta / run, meta)]
+        if p.exists()))
     tidied = [stage / run for run in sorted(runs) if (stage / run).is_dir()]
     print("will remove:\n  " + "\n  ".join([str(p) for p, _parent in targets] + [
         f"{p} (what staging left; the application's files waiting there are kept)" for p in tidied]))
     if not args.yes:
         if not sys.stdin.isatty():
             return _error("refusing to delete without confirmation (no terminal to ask on); pass --yes")
-        if input("proceed? [y/N] ").strip().lower() not in ("y", "yes"):
+        try:
+            answer = input("proceed? [y/N] ")
+        except EOFError:  # Ctrl-D: no
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
             return 1
     refused = 0
     with runlock.choosing(meta) if meta.is_dir() else contextlib.nullcontext():  # no init adopts a run meanwhile
@@ -267,6 +229,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
             elif not remove_inside(target, parent):
                 print(f"refusing to remove {target}: it does not resolve inside {parent}", file=sys.stderr)
                 refused += 1
+            elif os.path.lexists(target):  # remove_tree warned of what it could not remove
+                print(f"could not remove all of {target}", file=sys.stderr)
+                refused += 1
         for target in (p for p in tidied if p.name not in live and is_inside(p, stage)):
             if left := journal.tidy_stage(target, glbl):  # the application's own files: never removed by ftidask
                 print(f"kept {left} file(s) that the application left to stage in {target}")
@@ -274,7 +239,8 @@ def cmd_clean(args: argparse.Namespace) -> int:
             stage.rmdir()
         current = meta / "current_exec_id"
         named = read_json(current)
-        if current.is_file() and (not isinstance(named, dict) or named.get("exec_id") in runs - live):
+        if current.is_file() and (not isinstance(named, dict) or not isinstance(named.get("exec_id"), str)
+                                  or named["exec_id"] in runs - live):
             os.unlink(current)
     print(f"removed {len(targets) - refused} directories")
     return 1 if refused else 0

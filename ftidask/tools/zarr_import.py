@@ -78,9 +78,18 @@ def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | N
         manifest_attrs = {}
         if (Path(path) / zarr_store.MANIFEST).exists():
             manifest_attrs = zarr_store.read_manifest(Path(path)).get("attrs", {})
-        ckpt_id = int(manifest_attrs.get("checkpoint_id") or 1)
+        ckpt_id = manifest_attrs.get("checkpoint_id")
+        ckpt_id = 1 if ckpt_id is None else ckpt_id
+        if type(ckpt_id) is not int:  # a forged manifest's (a bool, a float, a string): never guessed at
+            raise FormatError(f"{path}: the manifest's checkpoint_id {ckpt_id!r} is not an integer (pass --id)")
     overrides["keep_last_ckpt"] = True
     ctx = init(config, **overrides)
+    if ctx.status() != 0:  # the directories hold a run to restart: the import's finalize would retire its files
+        found = ctx.exec_id
+        ctx.__exit__(RuntimeError, None, None)  # closed, its checkpoints untouched
+        raise FTIError(f"the directories of {config or 'the default config'} hold run {found}, which the next init "
+                       "restarts: its checkpoints would be retired by the import's. Import with a config of other "
+                       "directories, or remove that run first (ftidask clean --exec-id ...)")
     try:
         for vid, (name, arr) in arrays.items():
             ctx.protect(vid, arr, name=name)

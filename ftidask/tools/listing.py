@@ -1,0 +1,89 @@
+"""What ``ftidask list`` prints: the checkpoints found under a run's directories, grouped by run and sequence number,
+each checked against its commit record (files damaged, rank files missing, not committed)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from pathlib import Path
+
+from ..engine.runstate import RunState, check_exec_id, unsealed_record
+from ..model.errors import FTIError
+from ..storage.files import find_paths, read_json
+from .file_checks import ftiff_files, table_of, verdict_of, zarr_stores
+
+#: A rank's own file (an FTI-FF file or a level-4 Zarr store): what a commit record lists, one per rank.
+_RANK_FILE = re.compile(r"Ckpt-?\d+-Rank(\d+)\.(fti|zarr)")
+HEADER = f"{'exec_id':32} {'id':>5} {'level':>5} {'seq':>5} {'time':19} {'files':>5} {'bytes':>14}  state"
+Found = list[tuple[Path, str, object]]  # (path, "ok" or "damaged", the parsed file or the problem)
+
+
+def _size(path: Path) -> int:
+    """Bytes of a file or a store's files; 0 for what is gone or a dangling link (deleted meanwhile, or planted)."""
+    try:
+        if not path.is_dir():
+            return path.lstat().st_size
+    except OSError:
+        return 0
+    total = 0
+    for p in find_paths(path, "*"):
+        with contextlib.suppress(OSError):  # deleted meanwhile
+            total += p.stat().st_size if p.is_file() else 0
+    return total
+
+
+def _key(path: Path, kind: str, detail: object) -> tuple[str, int]:
+    """``(exec_id, seq)`` of a file: its path's (``{exec_id}/l*/ckpt*.s{seq}``; keep_last_ckpt's L4 copy has a seq
+    of its own, its files the first one's), else its variable table's."""
+    table = table_of(detail) if kind == "ok" else {}
+    found = re.fullmatch(r"ckpt\d+\.s(\d+)", path.parent.name)
+    exec_id = str(table.get("exec_id", path.parent.parent.parent.name))
+    try:
+        exec_id = check_exec_id(exec_id)
+    except FTIError:  # a forged table's, or an odd directory's: printed escaped (no terminal control), never a path
+        exec_id = ascii(exec_id)
+    return exec_id, int(found[1]) if found else int(table.get("seq", 0))
+
+
+def collect(roots: list[Path], meta: Path) -> dict[tuple[str, int], Found]:
+    """The files found under ``roots``, checked, by ``(exec_id, seq)``; a committed checkpoint of a run under
+    ``meta`` none of whose files is found has an empty entry (it is not recoverable: it must be told)."""
+    groups: dict[tuple[str, int], Found] = {}
+    for root in roots:
+        for path in ftiff_files(root) + zarr_stores(root):  # level 4 may be written as Zarr stores
+            kind, detail = verdict_of(path)
+            groups.setdefault(_key(path, kind, detail), []).append((path, kind, detail))
+    for run in sorted(meta.iterdir()) if meta.is_dir() else ():
+        if (run / "commits").is_dir():
+            with contextlib.suppress(FTIError):  # not a run's name: none of its records is listed
+                for record in RunState(meta, check_exec_id(run.name)).records():
+                    groups.setdefault((run.name, record.seq), [])
+    return groups
+
+
+def row(exec_id: str, seq: int, files: Found, meta: Path) -> str:
+    """One line of the listing: the checkpoint ``seq`` of run ``exec_id`` and the state of ``files``."""
+    sound = [d for _p, k, d in files if k == "ok"]
+    table = table_of(sound[0]) if sound else {}
+    commit = meta / exec_id / "commits" / f"s{seq:08d}.json"
+    record = unsealed_record(read_json(commit)) if commit.is_file() else None  # None: torn or damaged too
+    if record is not None and not table:  # every file damaged or gone: the commit record still says what it was
+        table = {"ckpt_id": record.ckpt_id, "level": record.level, "time": record.timestamp}
+    size = sum(_size(p) for p, _k, _d in files)
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.get("time", 0))) if table else "?"
+    state = "sound" if len(sound) == len(files) else f"DAMAGED ({len(files) - len(sound)} of {len(files)} files)"
+    if record is not None:
+        found = {int(m[1]) for p, _k, _d in files if (m := _RANK_FILE.fullmatch(p.name))}
+        if missing := {f.rank for f in record.files} - found:
+            redundancy = {2: " (a restart rebuilds them from the partner copies if those hold)",
+                          3: " (a restart rebuilds them from the parity if enough of the group holds)"}
+            state = (f"MISSING {len(missing)} of {len(record.files)} rank files{redundancy.get(record.level, '')}"
+                     + ("" if state == "sound" else f", {state}"))
+    elif any(f.seq == seq for f in RunState(meta, exec_id).fallbacks()):
+        state += ", the previous differential checkpoint (a restart falls back to it if it must)"
+    else:
+        state += ", commit record damaged" if commit.is_file() else ", not committed"
+    level = record.level if record is not None else table.get("level", "?")  # (raised to L4 after the write)
+    return (f"{exec_id:32} {table.get('ckpt_id', '?'):>5} {level:>5} {seq:>5} {when:19} "
+            f"{len(files):>5} {size:>14}  {state}")

@@ -1,0 +1,140 @@
+"""What the command line must never do to a user's files: delete outside a run or a run in use, retire a run's
+checkpoints through an import, call a checkpoint with lost rank files sound, stop on an odd file or a forged
+record with a traceback. Each case was found by a review; the commands run in process (``cli.main``)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ftidask
+from ftidask.tools.cli import main
+
+
+def _dirs(base, **kw):
+    return {"ckpt_dir": str(base / "Local"), "glbl_dir": str(base / "Global"), "meta_dir": str(base / "Meta"), **kw}
+
+
+def _finished_run(base, exec_id="mysim"):
+    """A finished run that kept its last checkpoint (7, L4: the README's pattern), the next init restarts it."""
+    ctx = ftidask.init(**_dirs(base, exec_id=exec_id, keep_last_ckpt=1))
+    a = np.full(4, 42.0)
+    ctx.protect(1, a, name="u")
+    ctx.checkpoint(7, 4)
+    ctx.finalize()
+
+
+def _ckpt_dir(base):
+    (path,) = (base / "Global").rglob("Ckpt7-Rank0.fti")
+    return path.parent
+
+
+def _listing(capsys, base) -> list[str]:
+    capsys.readouterr()
+    assert main(["list", str(base)]) == 0
+    return capsys.readouterr().out.splitlines()[1:]
+
+
+def test_import_refuses_directories_holding_a_run_to_restart(tmp_path, capsys, monkeypatch):
+    """`ftidask import` into directories that hold a run to restart (crashed, or finished with keep_last_ckpt)
+    restarted that run and its finalize retired the run's checkpoints: only the import's was left, silently."""
+    _finished_run(tmp_path)
+    assert main(["export", str(_ckpt_dir(tmp_path)), "--to-zarr", str(tmp_path / "s.zarr")]) == 0
+    before = _listing(capsys, tmp_path)
+    monkeypatch.chdir(tmp_path)  # the default config's directories: ./Local, ./Global, ./Meta
+    assert main(["import", str(tmp_path / "s.zarr"), "--id", "50"]) == 2
+    assert "hold run mysim" in capsys.readouterr().err
+    assert _listing(capsys, tmp_path) == before
+    ctx = ftidask.init(**_dirs(tmp_path, exec_id="mysim"))
+    a = np.zeros(4)
+    ctx.protect(1, a)
+    assert ctx.status() != 0
+    ctx.recover()
+    assert (a == 42).all()
+    ctx.finalize()
+    assert main(["import", str(tmp_path / "s.zarr"), "--id", "50"]) == 0  # nothing to restart: the import runs
+
+
+@pytest.mark.parametrize("value", ["abc", [1], 2.5, True, {}])
+def test_import_refuses_a_forged_checkpoint_id(tmp_path, capsys, value):
+    """A manifest's checkpoint_id of another type raised a raw ValueError/TypeError/OverflowError, or was cut
+    (2.5 -> 2) or taken (true -> 1)."""
+    _finished_run(tmp_path)
+    store = tmp_path / "s.zarr"
+    assert main(["export", str(_ckpt_dir(tmp_path)), "--to-zarr", str(store)]) == 0
+    manifest = store / "ftidask-manifest.json"
+    record = json.loads(manifest.read_text())
+    record["attrs"]["checkpoint_id"] = value
+    manifest.write_text(json.dumps(record))
+    config = tmp_path / "other.fti"
+    config.write_text(f"[basic]\nckpt_dir = {tmp_path}/L2\nglbl_dir = {tmp_path}/G2\nmeta_dir = {tmp_path}/M2\n")
+    capsys.readouterr()
+    assert main(["import", str(store), str(config)]) == 2
+    assert "is not an integer" in capsys.readouterr().err
+    assert not (tmp_path / "M2").exists() or not list((tmp_path / "M2").iterdir())
+
+
+def test_clean_leaves_a_live_run_alone_when_meta_dir_is_ckpt_dir(tmp_path, capsys, monkeypatch):
+    """With ckpt_dir = glbl_dir = meta_dir (init takes it), clean took the node0 directory for a run's and deleted
+    the live run's newest checkpoint (it said it skipped that run)."""
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "c.fti"
+    config.write_text("[basic]\nckpt_dir = ./ck\nglbl_dir = ./ck\nmeta_dir = ./ck\n")
+    ctx = ftidask.init(str(config), exec_id="live")
+    a = np.arange(5.0)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 4)
+    a += 10
+    ctx.checkpoint(2, 1)
+    clean = subprocess.run([sys.executable, "-m", "ftidask", "clean", "--config", str(config), "--yes"],
+                           capture_output=True, text=True, timeout=120)  # another process: the run's lock holds
+    assert clean.returncode == 0 and "nothing to clean" in clean.stdout, clean.stdout + clean.stderr
+    a[:] = -1
+    ctx.recover()
+    assert (a == np.arange(5.0) + 10).all()
+    ctx.finalize()
+    assert main(["clean", "--config", str(config), "--yes"]) == 0  # finished: its directories go, once each
+    out = capsys.readouterr().out
+    assert out.count("ck/live\n") == 1 and "removed 1 directories" in out and not (tmp_path / "ck" / "live").exists()
+
+
+def test_clean_with_a_forged_current_exec_id_and_an_eof_at_its_question(tmp_path, capsys, monkeypatch):
+    """A current_exec_id record naming a list raised a TypeError traceback after the directories were removed;
+    Ctrl-D at clean's question raised an EOFError traceback."""
+    _finished_run(tmp_path, "run1")
+    (tmp_path / "Meta" / "current_exec_id").write_text(json.dumps({"exec_id": [1]}))
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal(""))  # a terminal that is closed at once: EOF
+    assert main(["clean", str(tmp_path)]) == 1
+    assert (tmp_path / "Meta" / "run1").is_dir()
+    assert main(["clean", str(tmp_path), "--yes"]) == 0
+    assert not (tmp_path / "Meta" / "run1").exists() and not (tmp_path / "Meta" / "current_exec_id").exists()
+
+
+def test_list_tells_committed_checkpoints_whose_files_are_gone(tmp_path, capsys):
+    """A committed checkpoint with a rank file missing was listed "sound"; one with every file gone was not
+    listed at all; a dangling link named like a checkpoint file stopped the listing (exit 2)."""
+    ctx = ftidask.init(**_dirs(tmp_path, exec_id="run1", keep_last_ckpt=1))
+    a = np.arange(1000.0)
+    ctx.protect(1, a)
+    ctx.checkpoint(2, 4)
+    ctx.checkpoint(3, 1)
+    ctx._close()  # a crash: both stay committed
+    (only,) = (tmp_path / "Local").rglob("Ckpt3-Rank0.fti")
+    only.unlink()
+    (only.parent / "Ckpt3-Rank1.fti").symlink_to(tmp_path / "nowhere")
+    rows = _listing(capsys, tmp_path)
+    assert len(rows) == 2 and rows[0].split()[-1] == "sound"
+    assert "MISSING 1 of 1 rank files" in rows[1] and "DAMAGED (1 of 1 files)" in rows[1], rows
+    (only.parent / "Ckpt3-Rank1.fti").unlink()
+    rows = _listing(capsys, tmp_path)
+    assert rows[1].split()[1:3] == ["3", "1"] and rows[1].endswith("MISSING 1 of 1 rank files"), rows
