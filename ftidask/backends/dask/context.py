@@ -15,6 +15,7 @@ import functools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -231,11 +232,11 @@ class DaskContext(DaskWriting, Context):
 
     def _flush_files(self, record: CommitRecord, seq: int) -> None:
         hosts = restore.restore_files(self, record)
-        futures = []
+        futures, token = [], uuid.uuid4().hex[:8]  # keys of this run's (another run on the cluster has ids too)
         for r, (worker, path) in hosts.items():
             dst = self.node_file(4, record.ckpt_id, seq, r, storage.rank_file(record.ckpt_id, r))
             futures.append(self.cluster.submit(tasks.flush, path, dst, keep_src=True,
-                                               key=f"ftidask-flush-{record.ckpt_id}-{seq}-{r}", worker=worker))
+                                               key=f"ftidask-flush-{record.ckpt_id}-{seq}-{token}-{r}", worker=worker))
         self.cluster.wait_all(futures, [w for w, _p in hosts.values()], "keep_last_ckpt flush")
 
     # --- recovery ----------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,7 @@ def run_dcp_levels(ctx: Any, ckpt_id: int, level: int, seq: int, specs: list[Var
     topo = worker_topology(n, ctx.config.group_size)
     groups = topo.rank_groups()
     fs = [p.layout.fs for p in plans]
-    tag = f"{ckpt_id}-{seq}"
+    tag = f"{ckpt_id}-{seq}-{uuid.uuid4().hex[:8]}"  # a key of this run's: another run on the cluster has ids too
     bid = blockhash.block_hash_id(ctx.config.dcp_mode)
     spares = ctx.spares.hints
     pinned = ctx.spares.left_alone(level)  # the spares are the checkpoint recovered: files written anew
@@ -254,7 +255,8 @@ class DaskSpares:
                          spare_pcof_path(ctx, holder), (0, holder, ""))  # the holder reports its hash itself
         moving = {f.rank for f in record.files if f.rank < len(workers) and workers[f.rank] in live}
         named(moving == set(range(record.nranks)) == {f.rank for f in record.files})  # before any move
-        futures = {w: ctx.cluster.submit(dcp_tasks.keep_as_spares, m, key=f"ftidask-dcp-keep-{record.seq}-{i}",
+        token = uuid.uuid4().hex[:8]  # keys of this run's (another run on the cluster has seqs too)
+        futures = {w: ctx.cluster.submit(dcp_tasks.keep_as_spares, m, key=f"ftidask-dcp-keep-{record.seq}-{token}-{i}",
                                          worker=w) for i, (w, m) in enumerate(sorted(moves.items()))}
         try:
             done = ctx.cluster.wait_all(list(futures.values()), list(futures), "keeping spares")

@@ -11,6 +11,7 @@ code shared with the MPI backend, one task per worker, the blocks going worker t
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,7 @@ def run_full_levels(ctx: DaskContext, ckpt_id: int, level: int, seq: int, specs:
     topo = worker_topology(n, ctx.config.group_size)
     groups = topo.rank_groups()
     fs = [p.layout.fs for p in plans]
-    tag = f"{ckpt_id}-{seq}"
+    tag = f"{ckpt_id}-{seq}-{uuid.uuid4().hex[:8]}"  # a key of this run's: another run on the cluster has ids too
 
     def own(r: int) -> str:  # at L4 in the global directory, written once
         return ctx.node_file(level, ckpt_id, seq, r, storage.rank_file(ckpt_id, r))

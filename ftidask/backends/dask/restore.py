@@ -61,10 +61,13 @@ def _target_chunks(ctx: DaskContext, spec: VarSpec, chunks: Any) -> Any:
     if chunks is None:
         return spec.chunks
     try:
-        return normalize_chunks(chunks, spec.shape, dtype=spec.dtype)
+        target = normalize_chunks(chunks, spec.shape, dtype=spec.dtype)
     except (ValueError, TypeError, ArithmeticError) as exc:  # chunks of 0: dask divides by them
         raise RecoveryError(f"variable {spec.id}: chunks {chunks!r} do not fit its shape {spec.shape}: "
                             f"{exc}") from None
+    if any(size != size for dim in target for size in dim):  # nan: unknown sizes, which a recovery knows
+        raise RecoveryError(f"variable {spec.id}: chunks {chunks!r} have unknown (nan) sizes; give them in full")
+    return target
 
 
 def _check_protected(ctx: DaskContext, specs: list[VarSpec], ids: list[int] | None = None) -> None:
@@ -188,6 +191,19 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
     states = {spec.id: (held.state.decode(values[spec.id], f"variable {spec.id}") if held is not None
                         and held.state is not None else pystate.loads(values[spec.id], f"variable {spec.id}"))
               for spec, held, _t in plans if spec.pystate}
+    built = {}  # every Dask array made (rechunked, onto the devices) before the first variable is filled or rebound
+    for spec, held, target in plans:
+        if not spec.pystate and target is not None:
+            arr = arrays[spec.id]
+            try:
+                if target != spec.chunks:
+                    arr = arr.rechunk(target)
+                if chunks_on_device(getattr(held, "array", None), spec.device):
+                    arr = onto_devices(arr)
+            except (ValueError, TypeError, ImportError) as exc:  # CuPy missing, chunks dask cannot take
+                raise RecoveryError(f"variable {spec.id} cannot be rebuilt as chunked here: {exc} "
+                                    "(no variable was changed)") from exc
+            built[spec.id] = arr
     out: dict[int, Any] = {}
     for spec, held, target in plans:
         if spec.pystate:
@@ -205,12 +221,7 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
                 value = handed_back(spec.id, held)  # a CuPy array protected as such: its mirror was filled
             out[spec.id] = value
             continue
-        arr = arrays[spec.id]
-        if target != spec.chunks:
-            arr = arr.rechunk(target)
-        if chunks_on_device(getattr(held, "array", None), spec.device):
-            arr = onto_devices(arr)
-        out[spec.id] = arr
+        arr = out[spec.id] = built[spec.id]
         # its compressor stays: the next checkpoint writes it as the one recovered was written
         ctx.variables[spec.id] = Protected(spec.id, held.name if held is not None else spec.name, arr,
                                            held.compressor if held is not None else None)

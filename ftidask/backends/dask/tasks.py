@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -74,11 +74,21 @@ def _as_recorded(chunk: Any, dtype: np.dtype | None) -> np.ndarray:
 
 
 def chunk_sources(places: Sequence[Sequence[int]], chunks: Sequence[np.ndarray],
-                  dtypes: Mapping[int, np.dtype] | None = None) -> dict[int, ChunkBytes]:
+                  infos: Sequence[VarInfo]) -> dict[int, ChunkBytes]:
     """Each variable's byte stream from the chunks a worker holds (``places``: [var id, dptr] per chunk), each chunk
-    in its variable's recorded dtype (``dtypes`` by var id)."""
+    in its variable's recorded dtype and of the shape its Dask array declares (the blocks of ``infos``' tables).
+    A block of another shape (a ``map_blocks`` that returns more than it declares) would be written cut to the
+    planned bytes, or fail deep in the writer: refused, naming the block."""
+    dtypes = {i.id: i.dtype for i in infos}
+    shapes = {(i.id, int(dptr)): (tuple(index), tuple(shape))
+              for i in infos for index, shape, dptr in i.extra.get("dask", {}).get("blocks", ())}
     by_var: dict[int, tuple[list[np.ndarray], list[int]]] = {}
     for (vid, dptr), chunk in zip(places, chunks, strict=True):
+        index, shape = shapes.get((int(vid), int(dptr)), (None, None))
+        if shape is not None and tuple(getattr(chunk, "shape", ())) != shape:
+            raise FormatError(f"block {index} of variable {vid} has shape {tuple(getattr(chunk, 'shape', ()))}, "
+                              f"its Dask array declares {shape} (a map_blocks whose chunks= does not match what it "
+                              "returns?)")
         arrays, dptrs = by_var.setdefault(int(vid), ([], []))
         arrays.append(chunk)
         dptrs.append(int(dptr))
@@ -99,7 +109,7 @@ def write_rank(path: str, layout_json: Any, infos_json: list[dict[str, Any]], me
     layout = layout_from_json(layout_json)
     infos = [VarInfo.from_json(raw) for raw in infos_json]
     codecs = {i.id: (compression.get_codec(i.extra["codec"]), i.dtype.itemsize) for i in infos if "codec" in i.extra}
-    sources = chunk_sources(places, chunks, {i.id: i.dtype for i in infos})
+    sources = chunk_sources(places, chunks, infos)
     written = write_rank_file(Path(path), layout, sources, infos, hash_id=hashing.hash_id(hash_name), meta=meta,
                               pt_fs=pt_fs, max_fs=max_fs, codecs=codecs or None, durable=durable,
                               direct=direct and durable)

@@ -53,6 +53,8 @@ class DaskWriting:
 
     def _chunk_futures(self) -> tuple[list[VarSpec], dict[tuple[int, tuple[int, ...]], Future]]:
         """Persist every protected array (once) and return its chunks' futures by grid index."""
+        if not self.cluster.workers():  # the chunks would wait for a worker for ever (a recovery refuses too)
+            raise CheckpointError("the cluster has no workers: nothing can compute or write the protected arrays")
         specs, futures = [], {}
         for vid, p in self._vars.items():
             arr = p.array
