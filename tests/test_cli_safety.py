@@ -138,3 +138,50 @@ def test_list_tells_committed_checkpoints_whose_files_are_gone(tmp_path, capsys)
     (only.parent / "Ckpt3-Rank1.fti").unlink()
     rows = _listing(capsys, tmp_path)
     assert rows[1].split()[1:3] == ["3", "1"] and rows[1].endswith("MISSING 1 of 1 rank files"), rows
+
+
+def test_export_refuses_files_of_different_checkpoints_in_one_directory(tmp_path, capsys):
+    """`ftidask export DIR` joined every Ckpt*-Rank* file of the directory: files of two runs as one checkpoint's
+    ranks, two checkpoints of one rank as one store."""
+    ctx = ftidask.init(**_dirs(tmp_path, exec_id="run1", keep_last_ckpt=1))
+    a = np.arange(10.0)
+    ctx.protect(1, a)
+    ctx.checkpoint(2, 4)
+    a += 1
+    ctx.checkpoint(3, 1)
+    ctx._close()  # a crash: both stay
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for path in tmp_path.rglob("Ckpt*-Rank0.fti"):
+        (mixed / path.name).write_bytes(path.read_bytes())
+    assert sorted(p.name for p in mixed.iterdir()) == ["Ckpt2-Rank0.fti", "Ckpt3-Rank0.fti"]
+    capsys.readouterr()
+    assert main(["export", str(mixed), "--to-zarr", str(tmp_path / "m.zarr")]) == 2
+    assert "different checkpoints" in capsys.readouterr().err and not (tmp_path / "m.zarr").exists()
+    (mixed / "Ckpt2-Rank0.fti").unlink()
+    assert main(["export", str(mixed), "--to-zarr", str(tmp_path / "m.zarr")]) == 0  # one checkpoint's file
+
+
+@pytest.mark.parametrize("dest", [".", "", "sub/.."])
+def test_export_to_a_directory_that_names_no_store(tmp_path, capsys, monkeypatch, dest):
+    """`--to-zarr . --overwrite` raised a raw ValueError from deep inside."""
+    _finished_run(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    capsys.readouterr()
+    assert main(["export", str(_ckpt_dir(tmp_path)), "--to-zarr", dest, "--overwrite"]) == 2
+    assert "names no store" in capsys.readouterr().err
+
+
+def test_export_overwrite_replaces_a_store_only(tmp_path, capsys):
+    """`--overwrite` replaced any directory: `--to-zarr Global --overwrite` deleted the run's level-4 checkpoints."""
+    _finished_run(tmp_path)
+    source = _ckpt_dir(tmp_path)
+    for dest in (tmp_path / "Global", tmp_path / "afile"):
+        (tmp_path / "afile").write_text("mine")
+        assert main(["export", str(source), "--to-zarr", str(dest), "--overwrite"]) == 2
+        assert "not a Zarr store" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "mine" and (source / "Ckpt7-Rank0.fti").is_file()
+    store = tmp_path / "s.zarr"
+    assert main(["export", str(source), "--to-zarr", str(store)]) == 0
+    assert main(["export", str(source), "--to-zarr", str(store), "--overwrite"]) == 0  # a store: replaced

@@ -42,7 +42,8 @@ def test_a_differential_file_with_a_codec_in_its_table_is_refused(dirs, capsys):
 def _rank_file(root: Path, rank: int) -> Path:
     """Rank ``rank``'s file of two (elements 10 * rank .. 10 * rank + 9 of a global array of 20), as an export
     finds it in a checkpoint directory."""
-    ctx = ftidask.init(ckpt_dir=str(root / f"l{rank}"), glbl_dir=str(root / f"g{rank}"), meta_dir=str(root / f"m{rank}"))
+    ctx = ftidask.init(ckpt_dir=str(root / f"l{rank}"), glbl_dir=str(root / f"g{rank}"), meta_dir=str(root / f"m{rank}"),
+                       exec_id="run")  # one run's two ranks
     ctx.protect(1, np.arange(10.0) + 10 * rank, global_shape=[20], offset=[10 * rank])
     ctx.checkpoint(1, 1)
     ctx._close()

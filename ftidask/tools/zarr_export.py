@@ -236,6 +236,30 @@ def _newest_sound(candidates: list[list[Source]], config: Config | None = None) 
     raise FormatError(f"cannot export{listed}")
 
 
+def _is_store(path: Path) -> bool:
+    """Whether ``path`` is a Zarr store (a group's or an array's metadata, or an export's manifest)."""
+    return path.is_dir() and any((path / name).is_file() for name in ("zarr.json", ".zgroup", ".zarray",
+                                                                    zarr_store.MANIFEST))
+
+
+def _one_checkpoint(sources: list[Source], ranks: list[_Rank]) -> None:
+    """Refuse rank files of different runs or checkpoints, or two files of one rank, found in one directory: the
+    store would join them as one checkpoint's."""
+    kinds: dict[tuple[Any, ...], list[str]] = {}
+    for source, rank in zip(sources, ranks, strict=True):
+        key = tuple(rank.meta.get(k) for k in ("exec_id", "ckpt_id", "seq", "nranks"))
+        kinds.setdefault(key, []).append(source.path.name)
+    if len(kinds) > 1:
+        listed = "; ".join(f"{', '.join(names)}: run {k[0]}, checkpoint {k[1]} (seq {k[2]}, {k[3]} ranks)"
+                           for k, names in kinds.items())
+        raise FormatError(f"the files are of different checkpoints ({listed}): export one checkpoint's directory, "
+                          "or the run's config")
+    seen = [s.rank for s in sources]
+    if doubled := sorted({r for r in seen if seen.count(r) > 1}):
+        raise FormatError(f"rank(s) {doubled} have more than one file ({', '.join(s.path.name for s in sources)}): "
+                          "export one checkpoint's directory, or the run's config")
+
+
 def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: str | os.PathLike[str], *,
                       exec_id: str | None = None, ckpt_id: int | None = None, level: int | None = None,
                       overwrite: bool = False, **overrides: Any) -> ExportResult:
@@ -251,15 +275,21 @@ def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: 
     """
     start = time.perf_counter()
     dest = store_path(dest, "export_checkpoint(dest=...)")
+    if dest.name in ("", ".", ".."):  # the working directory, a parent: a store is a directory of its own
+        raise FTIError(f"export_checkpoint(dest={str(dest)!r}) names no store: give the store's own path (x.zarr)")
     if dest.exists() and not overwrite:
         raise FileExistsError(f"{dest} exists; pass overwrite=True (--overwrite) to replace it")
+    if overwrite and not dest.is_symlink() and dest.exists() and not _is_store(dest):
+        raise FileExistsError(f"{dest} exists and is not a Zarr store: overwrite replaces a store only")
     config_for_bar = checkpoint if isinstance(checkpoint, Config) else None
     config = config_of(checkpoint, overrides)
     where = config if config is not None else checkpoint
     sources, ranks = _newest_sound(locate(where, exec_id=exec_id, ckpt_id=ckpt_id, level=level), config)
+    record = sources[0].record
+    if record is None:  # files named, not a commit record's: they must be one checkpoint's
+        _one_checkpoint(sources, ranks)
     items = _assemble(ranks)
     first = ranks[0].meta
-    record = sources[0].record
     ckpt = int(record.ckpt_id if record else first.get("ckpt_id", 0))
     lvl = int(record.level if record else first.get("level", 0))
     attrs = {"checkpoint_id": ckpt, "level": lvl,
