@@ -33,6 +33,7 @@ from .posix import (
     HEX15,
     HEX32,
     PosixFile,
+    buffer_for,
     checksum_matches,
     meta_files,
     meta_int,
@@ -134,7 +135,7 @@ def _read_part(path: str | os.PathLike[str], meta: str | os.PathLike[str],
         raise FormatError(f"ckpt_checksum = {checksum!r}: no MD5 to verify rank {rank}'s part against, so it is not "
                           "read", path=where)
     variables = meta_variables(values, size, where)
-    raw = bytearray(size)
+    raw = buffer_for(size, path)
     try:
         with open_read(path) as fh:
             fh.seek(offset)

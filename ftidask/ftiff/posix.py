@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..model.errors import FormatError
+from ..model.errors import FormatError, RecoveryError
 from ..storage.files import open_read
 
 _META_NAME = re.compile(r"sector\d+-group\d+\.fti")
@@ -251,13 +251,24 @@ def read_whole(path: str | os.PathLike[str], size: int, padded: int = -1, longer
             if actual != size and not size < actual == padded and not (longer and actual > size):
                 cut = " (cut short)" if actual < size else ""
                 raise FormatError(f"the file has {actual} bytes, its meta file says {size}{cut}", path=os.fspath(path))
-            raw = bytearray(size)
+            raw = buffer_for(size, path)
             got = fh.readinto(raw)  # type: ignore[attr-defined]
     except OSError as exc:
         raise FormatError(f"cannot read: {exc}", path=os.fspath(path)) from None
     if got != size:
         raise FormatError(f"the file ends at byte {got}, its meta file says {size}", path=os.fspath(path))
     return raw
+
+
+def buffer_for(size: int, path: str | os.PathLike[str]) -> bytearray:
+    """A buffer of ``size`` bytes to read a file of FTI's POSIX or MPI-IO I/O into, whole (its MD5 covers it
+    whole); RecoveryError, not damage, where this machine cannot hold it (a size backed by a sparse file costs
+    nothing on disk): a recovery tries the next level, a command says so in one line."""
+    try:
+        return bytearray(size)
+    except MemoryError:
+        raise RecoveryError(f"{os.fspath(path)}: not enough memory to read the file's {size:,} bytes whole (its MD5 "
+                            "covers them whole)") from None
 
 
 def meta_int(values: dict[str, str], key: str, where: str) -> int:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..ftiff.fti_dcp_posix import DCP_NAME, is_dcp_file, read_dcp_head, read_dcp_posix
-from ..model.errors import FormatError
+from ..model.errors import FormatError, RecoveryError
 from ..storage.files import find_paths, open_read
 
 
@@ -69,6 +69,9 @@ def list_dcp_files(roots: list[Path], meta: Path) -> int:
                 if "no section" in str(exc) or "no FTI meta file" in str(exc) or "no such FTI meta" in str(exc):
                     continue
                 state = f"DAMAGED: {exc}"
+                break
+            except RecoveryError as exc:  # not enough memory to check it here: not damage
+                state = f"not checked: {exc}"
                 break
             sizes = ", ".join(f"id {vid}: {len(b)} bytes" for vid, b in got.data.items())
             state = f"sound, as of the checkpoint the meta file of level {level} names ({sizes})"
