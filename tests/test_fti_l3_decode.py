@@ -444,3 +444,66 @@ def test_a_posix_groups_meta_file_is_parsed_once_per_rebuild(tmp_path, monkeypat
     assert rebuild_rank_file(load_config(config), 2, 1) == target
     assert target.read_bytes() == want
     assert len(parses) == 1, parses
+
+
+# --- odd group members (found by a review) ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("odd", ["other maxFs", "FTI 1.1 record"])
+def test_one_parity_file_that_disagrees_counts_as_lost(tmp_path, dirs, odd):
+    """One parity file whose record gives another maxFs or FTI version stopped the rebuild ("the group's parity files
+    disagree"), although the other seven files were sound: the group's majority is taken, the odd one counted lost."""
+    root = tmp_path / "fti"
+    config = _write_run(root, "ftiff")
+    if odd == "other maxFs":
+        forged = fti_rsed_file(_parity("ftiff", 3) + b"\0" * 64, 100)
+    else:
+        forged = fti_rsed_file(_parity("ftiff", 3), len(_rank("ftiff", 3)), record="1.1")
+    (_l3(root, 3) / "Ckpt1-RSed3.fti").write_bytes(forged)
+    (_l3(root, 1) / "Ckpt1-Rank1.fti").unlink()
+    found = _recover(dirs, config, "ftiff", 1)
+    assert found.rebuilt and found.path.read_bytes() == _rank("ftiff", 1)
+
+
+def test_a_member_left_padded_is_read_without_its_padding(tmp_path, dirs):
+    """A rank file that an interrupted FTI_RSdec left padded, with bytes other than zeros in its padding (never
+    verified, never read: docs/format.md), was read as it is into the decoding: the rebuilt file did not verify."""
+    root = tmp_path / "fti"
+    config = _write_run(root, "ftiff")
+    raw, max_fs = _rank("ftiff", 0), _max_fs("ftiff")
+    (_l3(root, 0) / "Ckpt1-Rank0.fti").write_bytes(raw + b"\xff" * (max_fs - 8 - len(raw)) + struct.pack("<q", len(raw)))
+    (_l3(root, 3) / "Ckpt1-Rank3.fti").unlink()
+    found = _recover(dirs, config, "ftiff", 3)
+    assert found.rebuilt and found.path.read_bytes() == _rank("ftiff", 3)
+
+
+@pytest.mark.parametrize("kind", ["posix", "ftiff"])
+def test_a_rank_file_replaced_by_a_directory_is_rebuilt_in_its_place(tmp_path, dirs, kind):
+    """The rebuilt file could not replace a directory at its name ("Is a directory"): the search went on to level 4.
+    ftidask's own levels clear such a directory; FTI's level 3 does too now."""
+    root = tmp_path / "fti"
+    config = _write_run(root, kind)
+    own = _l3(root, 1) / "Ckpt1-Rank1.fti"
+    own.unlink()
+    own.mkdir()
+    (own / "x").write_text("x")
+    found = _recover(dirs, config, kind, 1)
+    assert found.rebuilt and own.read_bytes() == _rank(kind, 1)
+
+
+@pytest.mark.parametrize("kind", ["posix", "ftiff"])
+def test_a_sound_file_refused_for_the_arrays_is_not_rebuilt(tmp_path, dirs, kind):
+    """A sound level-3 file refused only because the protected arrays have other sizes was rebuilt from the parity
+    and replaced (a new inode, for every older checkpoint too), and the refusal was said twice."""
+    root = tmp_path / "fti"
+    config = _write_run(root, kind)
+    own = _l3(root, 1) / "Ckpt1-Rank1.fti"
+    inode = own.stat().st_ino
+    ctx = ftidask.init(**dirs)
+    for vid, raw in _expected(kind, 1).items():
+        ctx.protect(vid, np.zeros(len(raw) + 8, "u1"))
+    with pytest.raises(NoCheckpointError) as info:
+        recover_fti_run(ctx, config, 1)
+    ctx.finalize()
+    assert own.stat().st_ino == inode and own.read_bytes() == _rank(kind, 1)
+    assert "rebuilt from FTI's parity" not in str(info.value)

@@ -41,7 +41,7 @@ def read_block(fh: BinaryIO | None, offset: int, length: int, valid: int) -> np.
     return out
 
 
-def _clear_directory(path: Path) -> None:
+def clear_directory(path: Path) -> None:
     """Move a directory found at ``path`` out of the way and remove it: a file of a checkpoint replaced by a
     directory is a lost file, which the rename of its rebuilt copy could not replace. Never followed (lstat)."""
     try:
@@ -65,7 +65,7 @@ class SafeOutput:
         self._cm: Any = atomic_file(path)
         self.fh: BinaryIO | None
         try:
-            _clear_directory(path)
+            clear_directory(path)
             self.fh = self._cm.__enter__()
         except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on
             self.fh = None

@@ -12,6 +12,7 @@ place of the lost one (rename), as FTI writes it back in place. Nothing else of 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import os
@@ -27,6 +28,7 @@ from ..ftiff.posix import checksum_matches, find_sections
 from ..ftiff.reader import parse_ftiff, verify_data
 from ..ftiff.structs import FB_SIZE, FileBlock
 from ..ftiff.verify import md5_hex
+from ..levels.blockio import clear_directory
 from ..model.config import Config
 from ..model.errors import FormatError, RecoveryError
 from ..storage.files import create_temp, fsync_dir, makedirs, open_read
@@ -163,11 +165,17 @@ def _ftiff_plan(ckpt_id: int, members: list[tuple[int, Path]], g: int, stack: co
         else:
             legacy = parity.record == "FTI 1.1"  # type: ignore[union-attr]
             parities[k + i] = (fd, parity.parity_size, parity.rank_size, legacy)  # type: ignore[union-attr]
-    kinds = {(p[1], p[3]) for p in parities.values()}
-    if len(kinds) != 1:
-        raise RecoveryError(("no sound parity file in the group: " + "; ".join(lost)) if not kinds else
-                            f"the group's parity files disagree on maxFs or FTI version ({sorted(kinds)})")
-    max_fs, legacy = kinds.pop()
+    if not parities:
+        raise RecoveryError("no sound parity file in the group: " + "; ".join(lost))
+    # Parity files that disagree on maxFs or FTI version: the most of them (the lost rank's own on a tie) give the
+    # group's, the others count as lost (a rebuild needs k of the 2k files, not every parity file).
+    votes = collections.Counter((p[1], p[3]) for p in parities.values())
+    own_kind = (parities[k + g][1], parities[k + g][3]) if k + g in parities else None
+    max_fs, legacy = max(votes, key=lambda kind: (votes[kind], kind == own_kind))
+    for fid in [fid for fid, p in parities.items() if (p[1], p[3]) != (max_fs, legacy)]:
+        lost.append(f"parity file {fid - k} of the group: its maxFs or FTI version is not the group's "
+                    f"({parities[fid][1]}, {'1.1' if parities[fid][3] else 'later'})")
+        del parities[fid]
     readers = {fid: fti_rs.padded_reader(p[0], max_fs, max_fs, size_word=False) for fid, p in parities.items()}
     for i, (member, folder) in enumerate(members):
         path = folder / f"Ckpt{ckpt_id}-Rank{member}.fti"
@@ -175,9 +183,11 @@ def _ftiff_plan(ckpt_id: int, members: list[tuple[int, Path]], g: int, stack: co
             continue
         try:
             fh = stack.enter_context(open_read(path))
+            if os.fstat(fh.fileno()).st_size > max_fs:  # first: the MD5s of a sparse terabyte would take hours
+                raise FormatError(f"larger than the group's maxFs of {max_fs} bytes")
             parsed = parse_ftiff(fh, str(path))
             verify_data(fh, parsed)
-            size = os.fstat(fh.fileno()).st_size
+            size = parsed.file_size  # a file left padded: its padding is never read, the reader makes FTI's
             readers[i] = fti_rs.padded_reader(fh.fileno(), size, max_fs, size_word=size < max_fs and not legacy)
         except FileNotFoundError:
             lost.append(f"{path.name}: missing")
@@ -221,6 +231,7 @@ def _rebuild(cfg: Config, rank: int, ckpt_id: int) -> Path:
                     _finish_ftiff(out, max_fs, size, exact_end, tmp, legacy)
                 out.flush()
                 os.fsync(out.fileno())
+            clear_directory(target)  # a rank file replaced by a directory is lost: the rebuilt one takes its place
             os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):

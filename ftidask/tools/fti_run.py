@@ -37,9 +37,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..ftiff.posix import find_section
+from ..ftiff.posix import find_section, read_posix
+from ..ftiff.reader import parse_ftiff, verify_data
 from ..model.config import Config, load_config
-from ..model.errors import ConfigError, FormatError, NoCheckpointError, RecoveryError
+from ..model.errors import ConfigError, FormatError, FTIError, NoCheckpointError, RecoveryError
+from ..storage.files import open_read
 from .fti_l3 import l3_checkpoint_ids, rebuild_rank_file
 from .fti_ranks import app_rank, global_rank
 
@@ -141,6 +143,20 @@ def _copy_of_another(found: FtiRunFile, rank: int) -> str:
                                      f"{want}: the processes were not placed node by node as assumed")
 
 
+def _sound(found: FtiRunFile) -> bool:
+    """Whether a rank file verifies by itself (its hashes, or its meta file's MD5): one that a recovery refused for
+    another reason (the protected arrays' sizes) is not rebuilt from the parity, which would replace it."""
+    try:
+        if found.meta is not None:
+            read_posix(found.path, found.meta)
+        else:
+            with open_read(found.path) as fh:
+                verify_data(fh, parse_ftiff(fh, str(found.path)))
+    except (FTIError, OSError):
+        return False
+    return True
+
+
 def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int, *,
                     comm: str | None = None) -> FtiRunFile:
     """Fill ``ctx``'s protected arrays from the FTI run ``config`` names, rank ``rank``'s checkpoint, as FTI's
@@ -178,6 +194,8 @@ def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int
         for ckpt_id in sorted(set(own) | set(l3_checkpoint_ids(cfg, rank)), reverse=True):
             if ckpt_id in own and read(own[ckpt_id]):
                 return own[ckpt_id]
+            if ckpt_id in own and _sound(own[ckpt_id]):  # refused for another reason (the arrays): nothing lost
+                continue
             try:
                 path = rebuild_rank_file(cfg, rank, ckpt_id)
             except RecoveryError as exc:
