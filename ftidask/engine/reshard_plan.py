@@ -33,10 +33,10 @@ def plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decls
             _dask_plan(vid, entries, array, new, plan)
             continue
         missing = [old for old, e in entries.items() if e is None]
-        if missing:
-            raise _Refused(f"variable {vid} is not in the checkpoint file(s) of old rank(s) {missing[:8]}")
+        if missing:  # declared blocks that old ranks of the others hold whole, or a replicated array, still come back
+            entries = _held_by_some(vid, entries, missing)
         olds = old_blocks(vid, entries)
-        dtype = stored_dtype(entries[0]["dtype"])  # structured and sub-array dtypes are recorded as JSON objects
+        dtype = stored_dtype(next(iter(entries.values()))["dtype"])  # structured dtypes are recorded as JSON objects
         if dtype != array.dtype:
             raise _Refused(f"variable {vid}: the checkpoint holds {dtype}, the protected array is {array.dtype}")
         kinds = {p.kind for p, _s, _o in olds.values()}
@@ -55,7 +55,7 @@ def plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decls
             raise _Refused(f"variable {vid} is declared {new.kind} here, the checkpoint records it as "
                            f"{' / '.join(sorted(kinds))}")
         elif new.kind == "replicated":
-            keep = rank % n  # spread the reads over the old files
+            keep = sorted(olds)[rank % len(olds)]  # spread the reads over the old files
             place, shape, order = olds[keep]
             if shape != tuple(array.shape):
                 raise _Refused(f"variable {vid} (replicated): the checkpoint holds shape {shape}, the protected "
@@ -73,6 +73,22 @@ def plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decls
     return plan
 
 
+def _held_by_some(vid: int, entries: dict[int, Any], missing: list[int]) -> dict[int, Any]:
+    """The entries of the old ranks that hold variable ``vid`` when the others do not (they protected other
+    variables): enough when its blocks tile its global array, or it is replicated; else :class:`_Refused`."""
+    present = {old: e for old, e in entries.items() if e is not None}
+    why = f"variable {vid} is not in the checkpoint file(s) of old rank(s) {missing[:8]}"
+    if not present:
+        raise _Refused(why)
+    try:
+        kinds = {p.kind for p, _s, _o in old_blocks(vid, present).values()}  # the tiling of the blocks held
+    except FormatError as exc:
+        raise _Refused(f"{why}, and those of the others do not make it whole: {exc}") from None
+    if kinds == {"none"}:
+        raise _Refused(f"{why}, and it declares no decomposition")
+    return present
+
+
 def old_blocks(vid: int, entries: dict[int, Any]) -> dict[int, tuple[Placement, tuple[int, ...], str]]:
     """Each old rank's placement, block shape and order of variable ``vid`` (``entries``: its table entries, by old
     rank). FormatError (damage: an older checkpoint may be recovered) when the records cannot be right: a malformed
@@ -85,7 +101,7 @@ def old_blocks(vid: int, entries: dict[int, Any]) -> dict[int, tuple[Placement, 
         except FormatError as exc:
             raise FormatError(f"variable {vid}, old rank {old}: {exc}") from None
     dtypes = {json.dumps(e["dtype"], sort_keys=True) for e in entries.values()}
-    if len(dtypes) != 1 or stored_dtype(entries[0]["dtype"]) is None:
+    if len(dtypes) != 1 or stored_dtype(next(iter(entries.values()))["dtype"]) is None:
         raise FormatError(f"variable {vid}: the old ranks record the dtypes {sorted(dtypes)[:4]}")
     kinds = {p.kind for p, _s, _o in olds.values()}
     if len(kinds) != 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -85,8 +86,9 @@ def chunk_sources(places: Sequence[Sequence[int]], chunks: Sequence[np.ndarray],
     by_var: dict[int, tuple[list[np.ndarray], list[int]]] = {}
     for (vid, dptr), chunk in zip(places, chunks, strict=True):
         index, shape = shapes.get((int(vid), int(dptr)), (None, None))
-        if shape is not None and tuple(getattr(chunk, "shape", ())) != shape:
-            raise FormatError(f"block {index} of variable {vid} has shape {tuple(getattr(chunk, 'shape', ()))}, "
+        got = tuple(getattr(chunk, "shape", ()))
+        if shape is not None and got != shape and (math.prod(got) or math.prod(shape)):  # (Dask's empty blocks vary)
+            raise FormatError(f"block {index} of variable {vid} has shape {got}, "
                               f"its Dask array declares {shape} (a map_blocks whose chunks= does not match what it "
                               "returns?)")
         arrays, dptrs = by_var.setdefault(int(vid), ([], []))
