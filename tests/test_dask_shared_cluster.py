@@ -113,3 +113,18 @@ def test_a_checkpoint_on_a_cluster_without_workers_is_refused(tmp_path):
         with pytest.raises(ftidask.CheckpointError, match="no workers"):
             ctx.checkpoint(1, 1)
         ctx.finalize()
+
+
+def test_a_structured_dtype_with_titles_is_checkpointed(client, tmp_path):
+    """A field's title is not recorded in the variable table: the chunks' dtype (with titles) was refused as another
+    dtype than the array's ("a chunk holds ..., its Dask array is ..."), which it is not. The bytes come back."""
+    dtype = np.dtype([(("T", "a"), "<i4"), ("b", "<f4")])
+    raw = np.frombuffer(np.random.default_rng(0).integers(0, 256, 10 * dtype.itemsize, np.uint8).tobytes(), dtype)
+    ctx = ftidask.init(client=client, **_dirs(tmp_path))
+    ctx.protect(1, da.from_array(raw.copy(), chunks=4))
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    again = ftidask.init(client=client, **_dirs(tmp_path))
+    got = again.recover()[1].compute()
+    assert got.tobytes() == raw.tobytes() and got.dtype.names == ("a", "b")
+    again.finalize()

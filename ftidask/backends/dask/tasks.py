@@ -24,7 +24,7 @@ from ...ftiff import blockhash, compression, hashing
 from ...ftiff.readahead import read_full
 from ...ftiff.reader import verify_data
 from ...ftiff.readhash import read_decoded_into, read_hashed
-from ...model.arrays import VarInfo, dtype_from_json
+from ...model.arrays import VarInfo, dtype_from_json, dtype_to_json
 from ...model.errors import ConfigError, FormatError
 from ...storage import files as storage
 from . import parsecache
@@ -68,6 +68,8 @@ def _as_recorded(chunk: Any, dtype: np.dtype | None) -> np.ndarray:
     chunk = host_chunk(chunk)
     if dtype is None or chunk.dtype == dtype:
         return chunk
+    if dtype_from_json(dtype_to_json(chunk.dtype)) == dtype:  # what the table records of it (a field's titles go)
+        return chunk.view(dtype)
     try:
         return chunk.astype(dtype, casting="equiv")
     except TypeError:
