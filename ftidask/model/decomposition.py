@@ -144,7 +144,9 @@ def check_tiling(vid: int, blocks: Mapping[int, tuple[Placement, Sequence[int]]]
             if hit.any():
                 j = i + 1 + int(np.argmax(hit))
                 raise FormatError(f"variable {vid}: the blocks that old ranks {boxes[i][0]} and {boxes[j][0]} record "
-                                  f"overlap (offsets {list(boxes[i][1])} and {list(boxes[j][1])})")
+                                  f"overlap (offsets {list(boxes[i][1])} and {list(boxes[j][1])}; blocks with halos "
+                                  "restart on their own layout only: declare each rank's block without its halo to "
+                                  "restart on another)")
     held = sum(math.prod(s) for _o, _off, s in boxes)
     if held != math.prod(whole):
         raise FormatError(f"variable {vid}: the old ranks' blocks hold {held} elements of the global array "
