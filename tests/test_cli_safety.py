@@ -185,3 +185,16 @@ def test_export_overwrite_replaces_a_store_only(tmp_path, capsys):
     store = tmp_path / "s.zarr"
     assert main(["export", str(source), "--to-zarr", str(store)]) == 0
     assert main(["export", str(source), "--to-zarr", str(store), "--overwrite"]) == 0  # a store: replaced
+
+
+def test_odd_destinations_and_names_get_one_line(tmp_path, capsys, caplog):
+    """An export under a file printed two "could not remove" warnings before its error; a one-byte dCP file (or a
+    short MPI-IO one) was called a config file."""
+    _finished_run(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    assert main(["export", str(_ckpt_dir(tmp_path)), "--to-zarr", str(tmp_path / "afile" / "s.zarr")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and "could not remove" not in caplog.text
+    for name in ("dcp-id3-rank0.fti", "Ckpt2-mpiio.fti", "Ckpt-2-Rank0.fti"):
+        (tmp_path / name).write_text("x")
+        main(["inspect", str(tmp_path / name)])
+        assert "config file" not in capsys.readouterr().err, name

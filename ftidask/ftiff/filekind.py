@@ -18,7 +18,8 @@ from .tailmeta import TAIL_FB_SIZE, sniff
 
 #: The names of FTI-FF files (own, partner copy, parity, spares): never a config, whatever is left
 #: in them (a file truncated to nothing is a damaged checkpoint, not an empty config).
-_CHECKPOINT_NAME = re.compile(r"(Ckpt\d+-(Rank|Pcof|RSed)\d+|Spare\w*-Rank\d+)\.fti")
+_CHECKPOINT_NAME = re.compile(r"(Ckpt-?\d+-(Rank|Pcof|RSed)\d+|Ckpt\d+-mpiio|Spare\w*-Rank\d+|dcp-id\d+-rank\d+"
+                              r"|dCPFile-Rank\d+)\.fti")
 _SNIFF = 4096  # enough to see a NUL in any FTI-FF file block (96 bytes) and an INI's first lines
 
 

@@ -38,7 +38,7 @@ def remove_tree(path: Path) -> None:
         if not is_dir:
             os.unlink(path)
             return
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a parent that is a file: nothing there either
         return
     except OSError as exc:
         log.warning("could not remove %s: %s", path, exc)
