@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures.thread  # noqa: F401 - its exit hook registered first: ours runs before it (see below)
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -41,6 +42,12 @@ class CheckpointHandle:
         self.ckpt_id, self.level, self.mechanism = ckpt_id, level, mechanism
         self._future = future
         self._observed = False
+        self._pid = os.getpid()
+
+    def _ours(self) -> None:
+        if os.getpid() != self._pid:  # a forked child's copy: the parent finishes the checkpoint, not this process
+            raise CheckpointError(f"checkpoint {self.ckpt_id} is written by the process this one was forked from: "
+                                  "ask its handle there")
 
     def done(self) -> bool:
         """Whether the checkpoint is committed or has failed (never blocks)."""
@@ -50,6 +57,7 @@ class CheckpointHandle:
         """Wait for the commit: the checkpoint's :class:`CheckpointInfo`, or its error raised
         (:class:`CheckpointError`; the previous checkpoint stays recoverable)."""
         self._observed = True
+        self._ours()
         return self._future.result(timeout)
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo:
@@ -59,6 +67,7 @@ class CheckpointHandle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Wait for the end: the checkpoint's error, or None when it was committed."""
         self._observed = True
+        self._ours()
         return self._future.exception(timeout)
 
     def settled(self) -> None:
@@ -90,6 +99,22 @@ if hasattr(threading, "_register_atexit"):
     threading._register_atexit(_finish_at_exit)
 
 
+def _forget_in_child() -> None:
+    """A child forked while checkpoints were in flight has their queue but not the thread that finishes them (the
+    parent does), and maybe a condition the parent's thread held at the fork: it waited for them for ever at its exit.
+    The child forgets them; its context writes no checkpoint (the run's files are the parent's)."""
+    for inflight in list(_LIVE):
+        inflight._cond = threading.Condition()
+        inflight._jobs.clear()
+        inflight._handles.clear()
+        inflight._thread = None
+        inflight._stop = True
+        inflight._forked = True
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class Inflight:
     """The background thread of one context and the checkpoints it has not finished."""
 
@@ -101,6 +126,7 @@ class Inflight:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None  # alive while jobs are queued
         self._stop = False
+        self._forked = False  # this process is a child forked from the context's (see _forget_in_child)
         _LIVE.add(self)
 
     def submit(self, job: Callable[[], CheckpointInfo], ckpt_id: int, level: int, mechanism: str) -> CheckpointHandle:
@@ -108,6 +134,9 @@ class Inflight:
         future: Future[CheckpointInfo] = Future()
         handle = CheckpointHandle(ckpt_id, level, mechanism, future)
         with self._cond:
+            if self._forked:
+                raise CheckpointError("this process was forked from the one whose context this is: it writes the "
+                                      "run's checkpoints, not this one")
             if self._stop:
                 raise CheckpointError("the context is finalized")
             self._handles.append(handle)

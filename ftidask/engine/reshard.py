@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..model.arrays import copy_items
 from ..model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from ..storage.files import SPARE_DIR, spare_file
 from . import pagemove, recoverplan, reshard_dask, reshard_plan, reshard_read
@@ -255,7 +256,7 @@ def recover_resharded(ctx: Recovery, records: list[CommitRecord], change: str,
             if isinstance(data, pagemove.Staged):
                 data.commit()  # fresh array: the verified pages moved under it
             else:
-                np.copyto(arrays[vid], data)
+                copy_items(arrays[vid], data)
         for vid, content in contents.items():
             states[vid].apply(content)
         log.info("recovered checkpoint %d from level %d, written by %d %s, on %d", record.ckpt_id, record.level,

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..memsnap import cow
-from ..model.arrays import ArrayBytes, stream_order
+from ..model.arrays import ArrayBytes, copy_items, stream_order
 from ..model.errors import ConfigError
 from ..model.pools import LazyPool
 from .variables import Protected
@@ -106,7 +106,13 @@ class CopyPool:
                 return None
             self._free = []
             self._held += need - spare
-        return [b if b is not None else np.empty(size, np.uint8) for b, size in zip(reused, sizes, strict=True)]
+        try:
+            return [b if b is not None else np.empty(size, np.uint8) for b, size in zip(reused, sizes, strict=True)]
+        except MemoryError:  # more than this machine can give now: no buffer, the checkpoint is written blocking
+            with self._lock:
+                self._held -= need
+                self._free.extend(b for b in reused if b is not None)
+            return None
 
     def give_back(self, buffers: list[np.ndarray]) -> None:
         """Return ``buffers`` (from :meth:`take`) to the free ones, for the next checkpoint."""
@@ -134,7 +140,7 @@ def _copy_into(buf: np.ndarray, array: np.ndarray) -> np.ndarray:
     if stream is not None:
         _parallel_copy(buf[:array.nbytes], np.frombuffer(stream, np.uint8))
     else:
-        np.copyto(frozen, array, casting="no")
+        copy_items(frozen, array, casting="no")  # a structured dtype's padding too: the buffer holds old bytes
     return frozen
 
 

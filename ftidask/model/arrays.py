@@ -75,6 +75,17 @@ def check_ckpt_id(value: Any) -> int:
     return ckpt_id
 
 
+def copy_items(dst: np.ndarray, src: np.ndarray, casting: Any = "same_kind") -> None:
+    """``np.copyto(dst, src)``, a structured dtype's items copied whole: NumPy copies its fields one by one and leaves
+    the padding bytes between them as they were in ``dst`` (a reused buffer's bytes of another variable, written out
+    as this one's; or the bytes an array held before its recovery), where a checkpoint keeps every byte."""
+    if dst.dtype.fields is not None and dst.dtype == src.dtype:
+        whole = np.dtype((np.void, dst.dtype.itemsize))
+        np.copyto(dst.view(whole), src.view(whole))
+    else:
+        np.copyto(dst, src, casting=casting)
+
+
 def stream_order(array: np.ndarray) -> str:
     """'F' when the array is Fortran- but not C-contiguous, else 'C'."""
     if array.ndim > 1 and array.flags.f_contiguous and not array.flags.c_contiguous:

@@ -31,6 +31,7 @@ from ...engine.recovering import newest_recoverable
 from ...engine.recoverplan import handed_back, normalize_request
 from ...engine.recovery import check_writeable
 from ...engine.runstate import CommitRecord
+from ...model.arrays import copy_items
 from ...model.errors import FTIError, RecoveryError
 from ...storage import files as storage
 from . import reads, recorded, stitch
@@ -217,7 +218,7 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
         if target is None:
             value = values.pop(spec.id)
             if held is not None and isinstance(held.array, np.ndarray):
-                np.copyto(held.array, value)
+                copy_items(held.array, value)
                 value = handed_back(spec.id, held)  # a CuPy array protected as such: its mirror was filled
             out[spec.id] = value
             continue

@@ -31,7 +31,7 @@ from ...engine.recoverplan import handed_back
 from ...engine.recovery import check_writeable
 from ...engine.reshard_rebuild import old_groups, rebuild_group
 from ...engine.runstate import CommitRecord
-from ...model.arrays import dtype_from_json, dtype_to_json
+from ...model.arrays import copy_items, dtype_from_json, dtype_to_json
 from ...model.decomposition import Piece, Placement, overlap
 from ...model.errors import FormatError, FTIError, NoCheckpointError, RecoveryError
 from . import reads, tasks
@@ -292,7 +292,7 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
             else:
                 out[vid] = decoded[vid]
         elif vid in values:
-            np.copyto(held.array, values[vid])  # type: ignore[union-attr]
+            copy_items(held.array, values[vid])  # type: ignore[union-attr]
             out[vid] = handed_back(vid, held)  # a CuPy array protected as such: its mirror was filled
         else:
             spec = VarSpec(vid, names.get(str(vid), f"var{vid}"), dtype, shape, grid)
