@@ -128,3 +128,19 @@ def test_a_structured_dtype_with_titles_is_checkpointed(client, tmp_path):
     got = again.recover()[1].compute()
     assert got.tobytes() == raw.tobytes() and got.dtype.names == ("a", "b")
     again.finalize()
+
+
+@pytest.mark.parametrize("level", [1, 5])
+def test_a_0d_numpy_variable_on_dask(client, tmp_path, level):
+    """A 0-d NumPy variable was scattered as a 1-d array of one element: refused as a block of another shape."""
+    ctx = ftidask.init(client=client, **_dirs(tmp_path, enable_dcp=int(level > 4)))
+    ctx.protect(1, da.arange(6.0, chunks=3))
+    ctx.protect(2, np.array(5.0))
+    ctx.checkpoint(1, level)
+    ctx._close()
+    again = ftidask.init(client=client, **_dirs(tmp_path, enable_dcp=int(level > 4)))
+    value = np.array(0.0)
+    again.protect(2, value)
+    again.recover()
+    assert value == 5.0
+    again.finalize()

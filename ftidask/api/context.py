@@ -303,7 +303,9 @@ class Context(RecoveryCalls, StagingCalls):
         ])
 
     def _flush_to_l4(self, record: CommitRecord) -> None:
-        """keep_last_ckpt: copy the last checkpoint to L4 (the Dask backend has its own)."""
+        """keep_last_ckpt: copy the last checkpoint to L4, its lost L2/L3 files rebuilt first (the Dask backend has
+        its own)."""
+        self.recovery.repair(record)
         self._committer.flush_to_l4(record, self.recovery.rank_file(record))
 
     @property

@@ -288,10 +288,14 @@ class Committer(RunPart):
             return out
 
         entries, error = attempt(t.rank, flush, [])
-        files = sorted((e for each in agree(t, error, CheckpointError, failed, entries) for e in each),
-                       key=lambda e: e["rank"])
+        copy_dir = self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)
+        try:
+            agreed = agree(t, error, CheckpointError, failed, entries)
+        except CheckpointError:  # the copies some ranks made: no record names them
+            storage.remove_tree(copy_dir)
+            raise
+        files = sorted((e for each in agreed for e in each), key=lambda e: e["rank"])
         zarr_files = {"files": tuple(FileRecord(**f) for f in files), "extra": {"l4_format": "zarr"}} if as_zarr else {}
         flushed = record.committed_copy(seq=seq, level=4, timestamp=time.time(), **zarr_files)
         # If it cannot be committed, the last checkpoint stays where it is, committed; the copy goes.
-        self.seal(flushed, failed, functools.partial(
-            storage.remove_tree, self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)))
+        self.seal(flushed, failed, functools.partial(storage.remove_tree, copy_dir))

@@ -126,6 +126,20 @@ class Recovery(RestartSizes):
     def rank_file(self, record: CommitRecord) -> Path:
         return rank_path(self.paths, record, self.transport.node, self.transport.rank)
 
+    def repair(self, record: CommitRecord) -> None:
+        """keep_last_ckpt's flush of an L2/L3 checkpoint: this rank's file lost or damaged is rebuilt from its group
+        first, as a restart would (collective); a checkpoint of another layout is flushed as its record places it."""
+        t = self.transport
+        nodes = t.allgather(t.node)
+        if record.fallback or record.level not in (2, 3) or reshard.layout_change(record, t.size, nodes):
+            return
+        path = self.rank_file(record)
+        intact = self.check(record).kind in ("ok", "unreadable")
+        _have, error = attempt(t.rank, lambda: t.rebuild_file(record.level, record.ckpt_id, path, path.parent, intact,
+                                                              record=record), False)
+        if error:
+            log.warning("keep_last_ckpt: rebuilding checkpoint %d (level %d): %s", record.ckpt_id, record.level, error)
+
     def check(self, record: CommitRecord, stage: Stager | None = None) -> Verdict:
         """This rank's verdict on its file of ``record`` (an unexpected error is a damaged file, never raised)."""
         path, errors = self.rank_file(record), []

@@ -64,7 +64,7 @@ class DaskWriting:
                     arr = p.array = self.client.persist(arr)  # later checkpoints and the user reuse the chunks
             else:
                 kind = "numpy"
-                future = self.client.scatter(np.ascontiguousarray(arr), hash=False)
+                future = self.client.scatter(np.ascontiguousarray(arr).reshape(arr.shape), hash=False)  # 0-d stays 0-d
                 futures[vid, tuple(0 for _ in arr.shape)] = future
             spec = VarSpec(vid, p.name, np.dtype(arr.dtype), tuple(int(n) for n in arr.shape),
                            tuple(tuple(int(c) for c in dim) for dim in arr.chunks) if kind == "dask"
