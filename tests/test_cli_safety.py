@@ -53,7 +53,7 @@ def test_import_refuses_directories_holding_a_run_to_restart(tmp_path, capsys, m
     ctx = ftidask.init(**_dirs(tmp_path, exec_id="mysim"))
     a = np.zeros(4)
     ctx.protect(1, a)
-    assert ctx.status() != 0
+    assert ctx.status() == 2  # the refusal changed nothing of the run (a first version restarted it: status 1)
     ctx.recover()
     assert (a == 42).all()
     ctx.finalize()
@@ -198,3 +198,35 @@ def test_odd_destinations_and_names_get_one_line(tmp_path, capsys, caplog):
         (tmp_path / name).write_text("x")
         main(["inspect", str(tmp_path / name)])
         assert "config file" not in capsys.readouterr().err, name
+
+
+def test_list_says_what_verify_says_of_an_l3_file_and_where_no_record_is(tmp_path, capsys):
+    """A byte changed in a container's slack of an L3 rank file (no container hash covers it; the parity's record of
+    the whole file does): `verify` said DAMAGED, `list` said sound. Files listed from a directory without Meta were
+    "not committed"."""
+    from ftidask.api.context import Context
+    from ftidask.engine.grouplevels import run_ranks
+    from ftidask.model.config import load_config
+    from ftidask.storage.files import find_paths
+
+    config = load_config(None, **_dirs(tmp_path, local_test=1, node_size=1, group_size=4))
+
+    def program(t):
+        ctx = Context(config, t)
+        ctx.protect(1, np.ones(1000))
+        ctx.checkpoint(1, 3)
+        ctx.protect(1, np.ones(500))  # smaller: the containers keep their size, with slack
+        ctx.checkpoint(2, 3)
+        ctx._close()
+
+    assert run_ranks(config, 4, program, wait=60)[1] == []
+    (path,) = find_paths(tmp_path / "Local", "Ckpt2-Rank1.fti")
+    raw = bytearray(path.read_bytes())
+    raw[path.stat().st_size // 2 + 2000] ^= 0xFF  # in the slack of the shrunk variable's container
+    path.write_bytes(bytes(raw))
+    assert main(["verify", str(path)]) == 1
+    rows = _listing(capsys, tmp_path)
+    assert "DAMAGED (1 of 4 files)" in rows[-1], rows
+    capsys.readouterr()
+    assert main(["list", str(path.parent)]) == 0
+    assert "commit not checked (no" in capsys.readouterr().out

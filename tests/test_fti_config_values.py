@@ -59,3 +59,12 @@ def test_a_bad_boolean_names_every_accepted_form():
     """The error said 'expected 0 or 1' of a key that also takes true/false, yes/no, on/off (docs/config.md)."""
     with pytest.raises(ftidask.ConfigError, match=r"keep_last_ckpt.*0/1, true/false, yes/no or on/off, got 'maybe'"):
         ftidask.load_config(None, keep_last_ckpt="maybe")
+
+
+def test_an_indented_line_is_a_key_of_its_own(tmp_path):
+    """configparser took an indented line for the continuation of the value before: ckpt_dir became
+    "./Local\\nckpt_l1 = 5" (a directory with a newline in its name), ckpt_l1 stayed unset. iniparser strips it."""
+    cfg = tmp_path / "config.fti"
+    cfg.write_text("[basic]\nckpt_dir = ./Local\n   ckpt_l1 = 5\n\t[advanced]\n  block_size = 2048\n")
+    loaded = ftidask.load_config(cfg)
+    assert (loaded.ckpt_dir.endswith("Local"), loaded.ckpt_l1, loaded.block_size) == (True, 5, 2048)

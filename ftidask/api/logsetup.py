@@ -1,4 +1,5 @@
-"""Where ftidask's log lines go: nowhere by default (a library adds no handler), stderr when asked.
+"""Where ftidask's log lines go: to no handler of ours by default (a library adds none: Python's last-resort handler
+shows the warnings of a program that configured no logging), stderr when asked.
 
 FTI prints what it does, filtered by ``verbosity`` (1 debug, 2 info, 3 warnings, 4 errors), and
 prints information only on rank 0. ftidask logs to the ``"ftidask"`` logger; a handler on stderr

@@ -287,6 +287,9 @@ def _read_ini(path: str | os.PathLike[str]) -> dict[str, Any]:
     # appear in every section.
     # Inline comments are cut by _iniparser_value, as FTI's iniparser cuts them (no space needed before them).
     parser = configparser.ConfigParser(interpolation=None, default_section="\0no default section")
+    # Each line stripped of its leading blanks, as iniparser reads it: an indented line is a key of its own, where
+    # configparser would append it to the value before (a directory named "./Local\nckpt_l1 = 5", ckpt_l1 unset).
+    text = "\n".join(line.lstrip() for line in text.splitlines())
     try:
         parser.read_string(text, source=os.fsdecode(path))  # type: ignore[arg-type]
     except configparser.Error as exc:

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..engine.runstate import RunState, check_exec_id, unsealed_record
 from ..model.errors import FTIError
 from ..storage.files import find_paths, read_json
-from .file_checks import ftiff_files, table_of, verdict_of, zarr_stores
+from .file_checks import ftiff_files, table_of, verdict_of, whole_file_problem, zarr_stores
 
 #: A rank's own file (an FTI-FF file or a level-4 Zarr store): what a commit record lists, one per rank.
 _RANK_FILE = re.compile(r"Ckpt-?\d+-Rank(\d+)\.(fti|zarr)")
@@ -53,6 +53,8 @@ def collect(roots: list[Path], meta: Path) -> dict[tuple[str, int], Found]:
     for root in roots:
         for path in ftiff_files(root) + zarr_stores(root):  # level 4 may be written as Zarr stores
             kind, detail = verdict_of(path)
+            if kind == "ok" and (problem := whole_file_problem(path)):  # an L3 file its parity does not encode
+                kind, detail = "damaged", problem
             groups.setdefault(_key(path, kind, detail), []).append((path, kind, detail))
     for run in sorted(meta.iterdir()) if meta.is_dir() else ():
         if (run / "commits").is_dir():
@@ -82,6 +84,8 @@ def row(exec_id: str, seq: int, files: Found, meta: Path) -> str:
                      + ("" if state == "sound" else f", {state}"))
     elif any(f.seq == seq for f in RunState(meta, exec_id).fallbacks()):
         state += ", the previous differential checkpoint (a restart falls back to it if it must)"
+    elif not meta.is_dir():  # files found elsewhere than under a run's directories: no record to look at
+        state += f", commit not checked (no {meta}: give the run's config, --config)"
     else:
         state += ", commit record damaged" if commit.is_file() else ", not committed"
     level = record.level if record is not None else table.get("level", "?")  # (raised to L4 after the write)

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 
 from ..engine import pystate
+from ..engine.runstate import RunState, read_current_exec_id
+from ..model.config import load_config
 from ..model.errors import FormatError, FTIError
 from ..zarrfmt import store as zarr_store
 from ..zarrfmt.foreign import read_plain_group
@@ -83,13 +85,17 @@ def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | N
         if type(ckpt_id) is not int:  # a forged manifest's (a bool, a float, a string): never guessed at
             raise FormatError(f"{path}: the manifest's checkpoint_id {ckpt_id!r} is not an integer (pass --id)")
     overrides["keep_last_ckpt"] = True
+    # The directories may hold a run that the next init restarts: the import's finalize would retire its files.
+    # Found from the run's state before any init (which would restart that run, changing its state).
+    cfg = load_config(config, **overrides)
+    exec_id = cfg.exec_id or read_current_exec_id(Path(cfg.meta_dir))
+    if exec_id is not None and RunState(Path(cfg.meta_dir), exec_id).start_status(bool(cfg.enable_dcp)) != 0:
+        raise _holds_run(config, exec_id)
     ctx = init(config, **overrides)
-    if ctx.status() != 0:  # the directories hold a run to restart: the import's finalize would retire its files
+    if ctx.status() != 0:  # (what the state above did not tell: a run started meanwhile)
         found = ctx.exec_id
         ctx.__exit__(RuntimeError, None, None)  # closed, its checkpoints untouched
-        raise FTIError(f"the directories of {config or 'the default config'} hold run {found}, which the next init "
-                       "restarts: its checkpoints would be retired by the import's. Import with a config of other "
-                       "directories, or remove that run first (ftidask clean --exec-id ...)")
+        raise _holds_run(config, found)
     try:
         for vid, (name, arr) in arrays.items():
             ctx.protect(vid, arr, name=name)
@@ -101,6 +107,12 @@ def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | N
     log.info("imported %d arrays from %s as checkpoint %d (level %d) of run %s", len(arrays), path, ckpt_id,
              level, ctx.exec_id)
     return info
+
+
+def _holds_run(config: Any, exec_id: str) -> FTIError:
+    return FTIError(f"the directories of {config or 'the default config'} hold run {exec_id}, which the next init "
+                    "restarts: its checkpoints would be retired by the import's. Import with a config of other "
+                    "directories, or remove that run first (ftidask clean --exec-id ...)")
 
 
 def run_import(args: argparse.Namespace) -> int:
