@@ -37,6 +37,11 @@ def test_keep_last_ckpt_survives_every_local_loss(tmp_path: Path) -> None:
     ({"local_test": 0, "node_size": 4}, 4, None, ""),  # nodes by host name: this machine is one node
     ({"local_test": 0, "node_size": 2}, 1, "ConfigError", "runs 4 process(es), node_size is 2"),
     ({"local_test": 0, "node_size": 4}, 2, "LevelError", "one node: L2 and L3 need 2 or more (on one machine"),
+    # One rank's own value of a key every rank must read alike: it hung in init (head, group_size, local_test), in
+    # finalize (keep_last_ckpt), or was taken (node_size: the record placed the ranks on nodes [0, 1, 1, 1]).
+    ({"node_size": 2, "group_size": 2, "rank1": {"head": 1}}, 1, "ConfigError", "head: rank 0 0, rank 1 1, rank 2 0"),
+    ({"node_size": 2, "rank1": {"node_size": 1}}, 1, "ConfigError", "node_size: rank 0 2, rank 1 1"),
+    ({"rank1": {"keep_last_ckpt": 1}}, 1, "ConfigError", "keep_last_ckpt"),
 ])
 def test_same_outcome_on_every_rank(tmp_path: Path, overrides: dict, level: int, error: str | None,
                                     match: str) -> None:

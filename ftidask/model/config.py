@@ -162,6 +162,14 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "direct_io": ("advanced", 0, _parse_bool),  # L1/L4 rank files' data written around the page cache
 }
 
+#: The keys every rank of a job must read alike (its layout, levels, collective steps and run): one rank's own value
+#: would hang the job in a collective call it makes alone, or write files that the others' records contradict.
+#: Directories, verbosity, modes and I/O tuning may differ (a node's own local disk, one rank's log).
+JOB_WIDE_KEYS = ("head", "node_size", "group_size", "local_test", "ckpt_l1", "ckpt_l2", "ckpt_l3", "ckpt_l4",
+                 "inline_l2", "inline_l3", "inline_l4", "keep_last_ckpt", "keep_l4_ckpt", "enable_dcp", "dcp_mode",
+                 "dcp_block_size", "max_sync_intv", "exec_id", "hash", "l4_format", "async_ckpt", "max_inflight",
+                 "snapshot_unit", "mpi_tag", "enable_staging")
+
 #: FTI keys that are accepted and have no effect in ftidask (they tune FTI's C I/O paths, its
 #: POSIX/HDF5 modes, its fault injection), in any section: FTI's own files load as they are.
 _IGNORED_KEYS = {"lustre_stiping_unit", "lustre_stiping_factor", "lustre_stiping_offset", "ckpt_net",

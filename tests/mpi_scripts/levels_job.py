@@ -37,6 +37,9 @@ def main() -> None:
     mode, overrides = sys.argv[1], json.loads(sys.argv[2])
     if mode == "probe":
         world = MPI.COMM_WORLD.rank
+        own = overrides.pop("rank1", {})  # world rank 1's own values
+        if world == 1:
+            overrides.update(own)
         try:
             ctx = ftidask.init(comm=MPI.COMM_WORLD, **overrides, **dirs(sys.argv[3]))
             ctx.protect(1, arrays(ctx.comm.rank)[0])

@@ -23,7 +23,7 @@ from mpi4py import MPI
 from ...engine.grouplevels import GroupLevels
 from ...engine.runstate import CommitRecord
 from ...levels.topology import Topology, host_topology, hosts_by_node, local_topology, validate_levels
-from ...model.config import Config
+from ...model.config import JOB_WIDE_KEYS, Config
 from ...model.errors import ConfigError, FTIError
 from . import reorder
 
@@ -289,6 +289,13 @@ def make_mpi_context(cfg: Config | None, comm: Any, refused: FTIError | None = N
     if refusals:
         raise ConfigError(f"init refused the config: {'; '.join(refusals)}")  # load_config's errors are ConfigErrors
     assert cfg is not None
+    views = allgather_json(comm, {key: getattr(cfg, key) for key in JOB_WIDE_KEYS})
+    differ = [key for key in JOB_WIDE_KEYS if len({json.dumps(v[key]) for v in views}) > 1]
+    if differ:  # before any collective step that depends on them (the heads' split, the node layout)
+        said = "; ".join(f"{key}: " + ", ".join(f"rank {r} {v[key]!r}" for r, v in enumerate(views))
+                         for key in differ[:3])
+        raise ConfigError(f"init refused the config: the ranks read different values of keys every rank must read "
+                          f"alike ({said})")
     transport = MpiTransport(cfg, comm)
     if transport.is_head:  # never a Context: the files' modes are set here (permissions = group: 0640, 0750)
         from ...storage.files import set_permissions
