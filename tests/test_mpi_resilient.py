@@ -7,6 +7,7 @@ with exactly the same checksum.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from mpi_util import ROOT, env, mpiexec, need_mpi
+from mpi_util import ROOT, env, mpiexec, need_mpi, run
 
 pytestmark = need_mpi()
 EXAMPLE = ROOT / "examples" / "heat_mpi.py"
@@ -54,9 +55,16 @@ def test_rank_dies_then_resumes(tmp_path: Path, reference: str, level: int) -> N
     assert checksum(resumed) == reference
 
 
-@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
-def test_time_is_up_signal(tmp_path: Path, reference: str, signum: int) -> None:
-    cmd = [mpiexec(), "-n", "4", sys.executable, str(EXAMPLE), "--dir", str(tmp_path), *ARGS,
+@pytest.mark.parametrize("signum, heads", [(signal.SIGUSR1, False), (signal.SIGTERM, False), (signal.SIGTERM, True)])
+def test_time_is_up_signal(tmp_path: Path, reference: str, signum: int, heads: bool) -> None:
+    """With heads, the heads died of the signal (no handler of theirs) and took the job down: no last checkpoint,
+    the restart began at iteration 0. They ignore it now, and raise the application ranks' last checkpoint."""
+    extra = []
+    if heads:  # 4 processes: 2 nodes of a head and an application rank
+        (tmp_path / "heads.fti").write_text("[basic]\nhead = 1\ngroup_size = 2\n")
+        extra = ["--config", str(tmp_path / "heads.fti"), "--node-size", "2", "--level", "2"]
+        reference = checksum(heat(tmp_path / "reference", *extra))
+    cmd = [mpiexec(), "-n", "4", sys.executable, str(EXAMPLE), "--dir", str(tmp_path), *ARGS, *extra,
            "--every", "1000", "--sleep", "0.1"]
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -78,7 +86,7 @@ def test_time_is_up_signal(tmp_path: Path, reference: str, signum: int) -> None:
             proc.kill()
     assert proc.returncode == 0, err
     assert "done" not in out
-    resumed = heat(tmp_path, "--every", "1000")
+    resumed = heat(tmp_path, *extra, "--every", "1000")
     assert resumed.returncode == 0, resumed.stderr
     first = int(re.search(r"iteration (\d+)", resumed.stdout).group(1))
     assert 0 < first < 60
@@ -97,3 +105,15 @@ def test_random_stream_continues_after_a_rank_dies(tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr
     assert "(restart: recovered checkpoint 30" in resumed.stdout.splitlines()[0]
     assert checksum(resumed) == checksum(ref)
+
+
+@pytest.mark.parametrize("mode", ["every", "iterations", "every0", "level9"])
+def test_a_loop_argument_of_one_rank_is_an_error_on_every_rank(tmp_path: Path, mode: str) -> None:
+    """One rank's own every/check_every/iterations: its stop-signal agreement met another rank's checkpoint call (a
+    raw TypeError there, a hang here); an argument refused on one rank raised there only, the other rank hung. The
+    ranks compare the loop's arguments first now: the same error on every rank, nothing written."""
+    run(2, "resilient_mismatch_job.py", mode, str(tmp_path), timeout=120)
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
+    assert results[0] == results[1] and results[0]["result"] != "done", results
+    assert "ResilientLoop" in results[0]["message"], results
+    assert not list(tmp_path.rglob("*.fti"))

@@ -37,6 +37,7 @@ import numpy as np
 
 from ..engine.pystate import Value
 from ..model.errors import FTIError
+from ..transport.collective import agree_call
 
 if TYPE_CHECKING:  # for the signatures only: context.py does not import this module
     from .context import Context
@@ -66,23 +67,36 @@ class ResilientLoop:
                  check_every: int = 1, rng: Any = None, state: dict[str, Any] | None = None) -> None:
         if not callable(getattr(ctx, "protect", None)) or not callable(getattr(ctx, "_check_level", None)):
             raise FTIError(f"ResilientLoop: ctx must be the context ftidask.init() returns, got {type(ctx).__name__}")
-        if not isinstance(arrays, Mapping):  # before: "'int' object is not iterable", or ctx's AttributeError
-            raise FTIError(f"ResilientLoop: arrays must be a dict of variable id -> array, got {type(arrays).__name__}")
-        for value in (level, level if stop_level is None else stop_level):
-            ctx._check_level(value)  # LevelError now, not at the first checkpoint, iterations later
-        for what, value in (("every", every), ("iterations", iterations), ("check_every", check_every)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):  # "10" would fail a comparison
-                raise FTIError(f"ResilientLoop: {what} must be an int, got {value!r}")
-        if rng is not None and not isinstance(rng, (np.random.Generator, np.random.BitGenerator)):
-            raise FTIError(f"ResilientLoop: rng must be a numpy.random.Generator or BitGenerator, got {rng!r}")
-        if state is not None and not isinstance(state, dict):
-            raise FTIError(f"ResilientLoop: state must be a dict of JSON values, got {type(state).__name__}")
-        if every < 1 or iterations < 0 or check_every < 1:
-            raise FTIError(f"ResilientLoop: every={every}, check_every={check_every} must be >= 1 and "
-                           f"iterations={iterations} >= 0")
-        taken = sorted(set(arrays) & set(RESERVED_IDS))
-        if taken:
-            raise FTIError(f"variable ids {taken} are reserved for the loop (counter, rng, state): use other ids")
+
+        def check() -> tuple[dict[str, Any], None]:
+            if not isinstance(arrays, Mapping):  # before: "'int' object is not iterable", or ctx's AttributeError
+                raise FTIError(f"ResilientLoop: arrays must be a dict of variable id -> array, got "
+                               f"{type(arrays).__name__}")
+            for value in (level, level if stop_level is None else stop_level):
+                ctx._check_level(value)  # LevelError now, not at the first checkpoint, iterations later
+            for what, value in (("every", every), ("iterations", iterations), ("check_every", check_every)):
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)):  # "10" fails a comparison
+                    raise FTIError(f"ResilientLoop: {what} must be an int, got {value!r}")
+            if rng is not None and not isinstance(rng, (np.random.Generator, np.random.BitGenerator)):
+                raise FTIError(f"ResilientLoop: rng must be a numpy.random.Generator or BitGenerator, got {rng!r}")
+            if state is not None and not isinstance(state, dict):
+                raise FTIError(f"ResilientLoop: state must be a dict of JSON values, got {type(state).__name__}")
+            if every < 1 or iterations < 0 or check_every < 1:
+                raise FTIError(f"ResilientLoop: every={every}, check_every={check_every} must be >= 1 and "
+                               f"iterations={iterations} >= 0")
+            taken = sorted(set(arrays) & set(RESERVED_IDS))
+            if taken:
+                raise FTIError(f"variable ids {taken} are reserved for the loop (counter, rng, state): use other ids")
+            return {"every": int(every), "iterations": int(iterations), "check_every": int(check_every),
+                    "level": str(level), "stop_level": str(stop_level)}, None
+
+        # Collective: the ranks check and compare the loop's schedule before any protect; one rank's own value
+        # (or refusal) would make it checkpoint at other iterations than the others, in calls they never make.
+        transport = getattr(ctx, "transport", None)
+        if transport is not None and getattr(transport, "size", 1) > 1:
+            agree_call(transport, "ResilientLoop", check, FTIError)
+        else:
+            check()
         self.ctx, self.every, self.level, self.iterations = ctx, every, level, iterations
         self.stop_level = level if stop_level is None else stop_level
         self.signals, self.check_every = signals, check_every
@@ -126,8 +140,13 @@ class ResilientLoop:
     def _stop_requested(self) -> str:
         """Which rank received which signal (e.g. ``"SIGTERM on rank 0"``), '' when none did. Ranks receive the
         signal at different moments: they agree, so that all checkpoint together, and all name the same one."""
-        got = self.ctx.transport.allgather(self._signalled)
-        rank, signum = next(((r, s) for r, s in enumerate(got) if s is not None), (None, None))
+        t = self.ctx.transport
+        got = t.allgather(["ResilientLoop-stop", self._signalled])  # tagged: never taken for another rank's call
+        if any(not (isinstance(g, list) and len(g) == 2 and g[0] == "ResilientLoop-stop") for g in got):
+            raise FTIError("the ranks made different collective calls: some check the loop's stop signals, others "
+                           "make another call (every rank runs the loop with the same every, check_every and "
+                           "iterations)")
+        rank, signum = next(((r, g[1]) for r, g in enumerate(got) if g[1] is not None), (None, None))
         if signum is None:
             return ""
         try:

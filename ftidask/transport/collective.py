@@ -105,6 +105,9 @@ def agree_call(t: Any, call: str, step: Callable[[], tuple[Any, T]], error_type:
         shared, mine = None, None
         error, kind = reason(exc), type(exc).__name__ if isinstance(exc, FTIError) else ""
     calls = t.allgather([call, shared, error, kind, call + (_args(shared) if shown is None else shown)])
+    # A rank in another collective step altogether (not an API call's) sent something else: a different call too.
+    calls = [c if isinstance(c, list) and len(c) == 5 and isinstance(c[4], str) else
+             ["", None, "", "", "another collective step"] for c in calls]
     if any(c[0] != call for c in calls) or (not any(c[2] for c in calls) and any(c[1] != shared for c in calls)):
         raise error_type("the ranks made different collective calls (checkpoint, recover and the like are collective: "
                          "every rank makes the same call with the same arguments, in the same order): "

@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import json
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -302,6 +303,11 @@ def make_mpi_context(cfg: Config | None, comm: Any, refused: FTIError | None = N
         from .heads import serve
 
         set_permissions(cfg.permissions)
+        # A batch scheduler signals every process of the job when its time is up (SIGTERM, SIGUSR1): the application
+        # ranks then write a last checkpoint (ResilientLoop), which their head raises; killed by the signal, the head
+        # took the job down first. A head ends with its application ranks (their finalize, or their exit).
+        for stop in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(stop, signal.SIG_IGN)
         serve(cfg, transport)
         raise SystemExit(0)
     if transport.node_comm is not None:
