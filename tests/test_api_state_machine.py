@@ -243,3 +243,16 @@ def test_random_call_sequences_recover_what_was_committed(name):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_random_call_sequences_recover_what_was_committed_long(name):
     run_machine(CONFIGS[name], examples=30, steps=25)
+
+
+def test_a_variable_protected_after_init_icp_is_said_so(tmp_path):
+    """add_var_icp of a variable protected after init_icp said it had "N bytes, None when checkpoint 2 started"."""
+    ctx = ftidask.init(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"))
+    ctx.protect(1, np.zeros(4))
+    ctx.init_icp(2, 1)
+    ctx.protect(3, np.zeros(5))
+    with pytest.raises(ftidask.CheckpointError, match="variable 3 was not protected when checkpoint 2 started"):
+        ctx.add_var_icp(3)
+    ctx.add_var_icp(1)
+    ctx.finalize_icp()
+    ctx.finalize()

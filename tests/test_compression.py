@@ -159,7 +159,8 @@ def test_unknown_codec_in_file_is_refused():
         compression.var_codec({"codec": {"id": "pickle"}})
 
 
-@pytest.mark.parametrize("spec", ["gzip", "zstd:x", "blosc-foo", {"id": "pickle"}])
+@pytest.mark.parametrize("spec", ["gzip", "zstd:x", "blosc-foo", {"id": "pickle"},
+                                  {"id": "blosc", "typesize": 2**70}, {"id": "blosc", "typesize": "x"}])
 def test_bad_compressor_specs(tmp_path, spec):
     with pytest.raises(ConfigError):
         compression.parse_compressor(spec)
@@ -404,3 +405,9 @@ def test_stored_size_after_a_recovery_is_the_variables_size(tmp_path, how):
         getattr(ctx2, how)(*([1] if how == "recover_var" else []))
     assert ctx2.protected[1].tobytes() == smooth.tobytes()
     assert (ctx2.stored_size(1), ctx2.stored_size(2)) == (smooth.nbytes, 80)
+
+
+def test_a_blosc_typesize_in_range_or_none_is_taken(tmp_path):
+    """typesize was not range-checked: 2**70 failed every checkpoint with numcodecs' raw OverflowError."""
+    for typesize in (None, 4):
+        assert compression.parse_compressor({"id": "blosc", "typesize": typesize})["typesize"] == typesize

@@ -169,6 +169,9 @@ class PendingCheckpoint:
         bytes through this byte source instead (a snapshot's), ``array`` giving only its description."""
         if var_id in self.written:
             raise CheckpointError(f"variable {var_id} was already added to checkpoint {self.ckpt_id}")
+        if var_id not in self.sizes:
+            raise CheckpointError(f"variable {var_id} was not protected when checkpoint {self.ckpt_id} started "
+                                  "(init_icp): it is not part of it; protect it before init_icp")
         if self.sizes.get(var_id) != array.nbytes:
             raise CheckpointError(f"variable {var_id} has {array.nbytes} bytes, {self.sizes.get(var_id)} when "
                                   f"checkpoint {self.ckpt_id} started; its size must not change in between")

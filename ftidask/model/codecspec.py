@@ -55,7 +55,8 @@ def parse_compressor(spec: Any) -> dict[str, Any] | None:
 #: The integer parameters a user may set, with their valid range: numcodecs passes them to C as
 #: they are, where an out-of-range value fails only at the first checkpoint (or overflows).
 _INT_PARAMS = {"zstd": {"level": (-(1 << 17), 22)}, "lz4": {"acceleration": (-(2**31), 2**31 - 1)},
-               "blosc": {"clevel": (0, 9), "shuffle": (-1, 2), "blocksize": (0, 2**31 - 1)}}
+               "blosc": {"clevel": (0, 9), "shuffle": (-1, 2), "blocksize": (0, 2**31 - 1), "typesize": (1, 255)}}
+_OPTIONAL = {"typesize"}  # None: numcodecs takes the buffer's item size
 
 
 def check_config(config: dict[str, Any], error: type[Exception]) -> dict[str, Any]:
@@ -65,6 +66,8 @@ def check_config(config: dict[str, Any], error: type[Exception]) -> dict[str, An
         raise error(f"codec {config.get('id')!r} is not allowed; ftidask uses {', '.join(ALLOWED_IDS)}")
     for name, (lo, hi) in _INT_PARAMS[config["id"]].items():
         value = config.get(name, lo)
+        if value is None and name in _OPTIONAL:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
             raise error(f"compressor {config['id']}: {name} must be an integer in [{lo}, {hi}], got {value!r}")
     if config["id"] == "blosc" and config.get("cname", "lz4") not in _BLOSC_CNAMES:
