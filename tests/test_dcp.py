@@ -489,3 +489,48 @@ def test_finalize_when_another_rank_removed_the_shared_l4_spare_directory_meanwh
     ctx.finalize()
     monkeypatch.undo()
     assert ftidask.init(**_kw(tmp_path)).status() == 0
+
+
+@pytest.mark.parametrize("level", [5, 8])
+@pytest.mark.parametrize("planted", ["directory link", "spare link", "spare fifo", "directory a file"])
+def test_odd_things_at_the_spares_place_are_cleared_never_followed(tmp_path, level, planted):
+    """A link at the spares' directory (l{n}/dcp) was followed: the spares were written, then removed at finalize,
+    in the directory it pointed to. A link or FIFO at the spare's own name, or a file at the directory's, failed
+    every later differential checkpoint of the level, across restarts. Cleared now; nothing outside is touched."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "Spare-Rank0.fti").write_bytes(b"someone else's")
+    dirs = {"ckpt_dir": str(tmp_path / "L"), "glbl_dir": str(tmp_path / "G"), "meta_dir": str(tmp_path / "M"),
+            "enable_dcp": 1, "exec_id": "run"}
+    ctx = ftidask.init(**dirs)
+    a = np.arange(1000.0)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, level)
+    ctx.checkpoint(2, level)  # checkpoint 1's file is the spare now
+    (spare,) = [p for p in tmp_path.rglob("Spare-Rank0.fti") if outside not in p.parents]
+    place = spare.parent
+    if planted == "directory link":
+        shutil.rmtree(place)
+        place.symlink_to(outside)
+    elif planted == "directory a file":
+        shutil.rmtree(place)
+        place.write_text("x")
+    elif planted == "spare link":
+        spare.unlink()
+        spare.symlink_to(outside / "Spare-Rank0.fti")
+    else:
+        spare.unlink()
+        os.mkfifo(spare)
+    for ckpt in (3, 4):
+        a += 1
+        ctx.checkpoint(ckpt, level)
+    ctx._close()
+    again = ftidask.init(**dirs)
+    got = np.zeros(1000)
+    again.protect(1, got)
+    again.recover()
+    assert again.recovered_from[0] == 4 and (got == a).all()
+    again.checkpoint(5, level)
+    again.finalize()
+    assert sorted(p.name for p in outside.iterdir()) == ["Spare-Rank0.fti"]
+    assert (outside / "Spare-Rank0.fti").read_bytes() == b"someone else's"

@@ -46,6 +46,7 @@ from ..model.errors import FormatError
 from ..storage import files as storage
 from ..storage import interrupts
 from .dcpwrite import DcpHandle as DcpHandle
+from .dcpwrite import clear_spare_place
 from .dcpwrite import write_differential as write_differential
 
 _SHORT_RUN = 128 << 10  # mean bytes per write under which the spare's cache is dropped (see retire)
@@ -89,9 +90,9 @@ class DcpStore:
         """Open the spare of ``level`` for patching up to ``layout`` (a new file while it is pinned)."""
         pinned = level in self._pinned  # the spare is what a crash now would recover: keep it, write everything
         path = self.next_path(level) if pinned else self.spare_path(level)
-        storage.makedirs(path.parent)
         if os.path.isdir(path) and not os.path.islink(path):  # no base, and in the way of every later checkpoint
             self._discard(path)
+        clear_spare_place(path)  # a link at the spares' directory, or at the spare (never followed)
         self._keep_newest_file(level)
         base = None
         if not pinned:
@@ -139,7 +140,7 @@ class DcpStore:
             return False
         spare = self.spare_path(level)
         try:
-            storage.makedirs(spare.parent)
+            clear_spare_place(spare)
             self._discard(spare)
             os.replace(path, spare)
         except OSError:

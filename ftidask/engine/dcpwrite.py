@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -85,6 +86,20 @@ class DcpHandle:
                 os.close(self.fd)
 
 
+def clear_spare_place(spare: Path) -> None:
+    """Make the directory of the spare ``spare`` and clear its name for a regular file. A link (or a file) found at
+    the directory's name is removed, never followed: the spares were written, and removed at finalize, wherever it
+    pointed. A link, FIFO or directory at the spare's own name is removed: every differential checkpoint of the
+    level failed on it, across restarts."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISDIR(os.lstat(spare.parent).st_mode):
+            os.unlink(spare.parent)
+    storage.makedirs(spare.parent)
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISREG(os.lstat(spare).st_mode):
+            storage.remove_tree(spare)  # never followed
+
+
 def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None, layout: Layout,
                        sources: Mapping[int, Any], infos: list[Any], meta: Mapping[str, Any], *, block_size: int,
                        bid: int, hash_id: int, pool: ThreadPoolExecutor, pt_fs: int | None = None,
@@ -102,7 +117,7 @@ def write_differential(spare: Path, final: Path, expected_fb_hash: bytes | None,
     from ..dcp.files import write_dcp_file
 
     base = load_state(spare, expected_fb_hash) if expected_fb_hash is not None else None
-    storage.makedirs(spare.parent)
+    clear_spare_place(spare)
     fd = storage.open_regular(spare, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, storage.FILE_MODE)
     try:
         written, stats, _state = write_dcp_file(fd, layout, sources, infos, meta, base, block_size=block_size,
