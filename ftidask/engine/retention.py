@@ -361,11 +361,9 @@ class Retention(RunPart):
 
     @staticmethod
     def _flush_newest(records: list[CommitRecord], flush_to_l4: Callable[[CommitRecord], None]) -> CommitRecord:
-        """keep_last_ckpt: flush the newest of ``records`` that can be (collective: each failure is agreed; a
-        committed L4 one is only verified), which is returned. The newest may be a damaged one that a restart
-        passed over for the previous differential checkpoint, or one whose files are lost beyond what its level
-        rebuilds (``flush_to_l4`` rebuilds L2/L3 files first, as a restart would): the newest that a restart would
-        recover is kept then, and a warning says which was passed over and why. None can be: the newest's error."""
+        """keep_last_ckpt: flush the newest of ``records`` that can be (collective, each failure agreed; a committed
+        L4 one only verified; L2/L3 files rebuilt first), which is returned. A newest one that cannot be (damaged, or
+        lost beyond its level's redundancy) is passed over, said in a warning. None can be: the newest's error."""
         first: CheckpointError | None = None
         for record in records:
             try:
@@ -374,8 +372,8 @@ class Retention(RunPart):
                 first = first or exc
                 continue
             if first is not None:
-                log.warning("keep_last_ckpt: the newest checkpoint cannot be kept (%s); kept checkpoint %d (level %d) "
-                            "in its place, the newest that a restart can recover", first, record.ckpt_id, record.level)
+                log.warning("keep_last_ckpt: the newest checkpoint cannot be kept (%s); kept checkpoint %d (level %d), "
+                            "the newest a restart can recover", first, record.ckpt_id, record.level)
             return record
         assert first is not None  # records is not empty
         raise first
