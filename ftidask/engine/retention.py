@@ -304,11 +304,8 @@ class Retention(RunPart):
 
         The one kept: when the newest is a committed L4 checkpoint and no fallback is among ``records``, that one,
         where it is and NOT read (deliberate: no older one would be kept in its place, older L4 ones go to the archive
-        with keep_l4_ckpt, and checking it would read every L4 byte; a damaged file is found by the next run's
-        recovery, which verifies every file it uses). Otherwise
-        the newest that ``flush_to_l4`` flushes: each file checked in full (hashes) and copied to L4, a committed L4
-        one checked where it is; one that fails is passed over for the next (a fallback: the previous differential
-        checkpoint, in the spares)."""
+        with keep_l4_ckpt, and checking it would read every L4 byte; the next recovery verifies every file it uses).
+        Otherwise the newest that ``flush_to_l4`` flushes (:meth:`_flush_newest`)."""
         t, failed = self.transport, "finalize failed"
         keep = bool(self.config.keep_last_ckpt and records)
         committed = [r for r in records if not r.fallback]  # the spares are cleared below
