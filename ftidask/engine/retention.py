@@ -329,8 +329,7 @@ class Retention(RunPart):
         for record in committed:
             if in_l4(record) and (record not in doomed or self.config.keep_l4_ckpt):
                 self.drop_local_copies(record)
-        # Oldest first (``records`` is newest first): killed part-way, the run keeps its newest checkpoint,
-        # and a restart never goes back further than it. Kept, the last one is all that stays (as in FTI).
+        # Oldest first: killed part-way, the run keeps its newest checkpoint (and a restart goes back no further).
         for record in reversed(doomed):
             if record.level == 4 and self.config.keep_l4_ckpt:
                 self.archive_checkpoint(record)
