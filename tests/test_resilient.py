@@ -67,10 +67,10 @@ def test_signal_on_another_rank_is_named_on_every_rank(tmp_path: Path, monkeypat
     calls, real = [], ctx.transport.allgather
 
     def allgather(value):  # this process is rank 0; "rank 1" received SIGTERM at the loop's second check
-        if not (value is None or isinstance(value, int)):
+        if not (isinstance(value, list) and value[:1] == ["ResilientLoop-stop"]):
             return real(value)  # a checkpoint's own agreement
         calls.append(value)
-        return [value, signal.SIGTERM if len(calls) >= 2 else None]
+        return [value, ["ResilientLoop-stop", signal.SIGTERM if len(calls) >= 2 else None]]
 
     monkeypatch.setattr(ctx.transport, "allgather", allgather)
     caplog.set_level("WARNING", logger="ftidask")
