@@ -19,6 +19,7 @@ from ..engine import pystate
 from ..engine.runstate import RunState, read_current_exec_id
 from ..model.config import load_config
 from ..model.errors import FormatError, FTIError
+from ..storage import runlock
 from ..zarrfmt import store as zarr_store
 from ..zarrfmt.foreign import read_plain_group
 
@@ -88,8 +89,10 @@ def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | N
     # The directories may hold a run that the next init restarts: the import's finalize would retire its files.
     # Found from the run's state before any init (which would restart that run, changing its state).
     cfg = load_config(config, **overrides)
+    # A run that another process holds is not restarted: init starts a run of its own beside it.
     exec_id = cfg.exec_id or read_current_exec_id(Path(cfg.meta_dir))
-    if exec_id is not None and RunState(Path(cfg.meta_dir), exec_id).start_status(bool(cfg.enable_dcp)) != 0:
+    if exec_id is not None and not runlock.is_live(Path(cfg.meta_dir) / exec_id) \
+            and RunState(Path(cfg.meta_dir), exec_id).start_status(bool(cfg.enable_dcp)) != 0:
         raise _holds_run(config, exec_id)
     ctx = init(config, **overrides)
     if ctx.status() != 0:  # (what the state above did not tell: a run started meanwhile)
