@@ -93,7 +93,7 @@ class ResilientLoop:
         # Collective: the ranks check and compare the loop's schedule before any protect; one rank's own value
         # (or refusal) would make it checkpoint at other iterations than the others, in calls they never make.
         transport = getattr(ctx, "transport", None)
-        if transport is not None and getattr(transport, "size", 1) > 1:
+        if transport is not None:  # (one rank: agree_call is the check alone)
             agree_call(transport, "ResilientLoop", check, FTIError)
         else:
             check()

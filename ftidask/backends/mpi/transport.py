@@ -286,11 +286,14 @@ def make_mpi_context(cfg: Config | None, comm: Any, refused: FTIError | None = N
     if comm == MPI.COMM_NULL:  # every MPI call on it fails, deep inside; a finalized context's ctx.comm is one
         raise FTIError("comm is MPI.COMM_NULL (a freed communicator, such as ctx.comm after finalize()): pass "
                        "MPI.COMM_WORLD or another live intracommunicator")
-    refusals = [r for r in allgather_json(comm, f"rank {comm.Get_rank()}: {refused}" if refused else "") if r]
+    # One allgather: each rank's refusal, or the keys every rank must read alike.
+    gathered = allgather_json(comm, [f"rank {comm.Get_rank()}: {refused}" if refused else "",
+                                     None if cfg is None else {key: getattr(cfg, key) for key in JOB_WIDE_KEYS}])
+    refusals = [r for r, _view in gathered if r]
     if refusals:
         raise ConfigError(f"init refused the config: {'; '.join(refusals)}")  # load_config's errors are ConfigErrors
     assert cfg is not None
-    views = allgather_json(comm, {key: getattr(cfg, key) for key in JOB_WIDE_KEYS})
+    views = [view for _r, view in gathered]
     differ = [key for key in JOB_WIDE_KEYS if len({json.dumps(v[key]) for v in views}) > 1]
     if differ:  # before any collective step that depends on them (the heads' split, the node layout)
         said = "; ".join(f"{key}: " + ", ".join(f"rank {r} {v[key]!r}" for r, v in enumerate(views))
