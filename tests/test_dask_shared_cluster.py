@@ -144,3 +144,25 @@ def test_a_0d_numpy_variable_on_dask(client, tmp_path, level):
     again.recover()
     assert value == 5.0
     again.finalize()
+
+
+def test_an_async_checkpoint_on_a_cluster_of_threads_holds_the_numpy_values_of_the_call(tmp_path):
+    """A cluster of threads in this process (``processes=False``) keeps the scattered object itself, not its
+    bytes: a NumPy array checkpointed with ``wait=False`` and written at once after the call was saved with the
+    new values (found by the GPU review, through a CuPy array's host copy)."""
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0",
+                                  silence_logs=50) as cluster, distributed.Client(cluster) as client:
+        with ftidask.init(client=client, **_dirs(tmp_path)) as ctx:
+            a = np.ones(1 << 16)
+            ctx.protect(1, a)
+            event = distributed.Event("ftidask-test-hold-threads", client=client)
+            holds = [client.submit(_hold, "ftidask-test-hold-threads", 60, pure=False, workers=[w])
+                     for w in sorted(client.scheduler_info()["workers"])]
+            handle = ctx.checkpoint(2, 1, wait=False)  # queued behind the holds: the write comes after the change
+            a[...] = 2
+            event.set()
+            assert handle.result().id == 2
+            distributed.wait(holds)
+            a[...] = 0
+            ctx.recover()
+            assert (a == 1).all()

@@ -296,6 +296,56 @@ def test_async_checkpoints_in_a_loop_each_hold_their_call(tmp_path):
         assert ctx.recovered_from[0] == 5 and (a.get() == 5).all()
 
 
+@pytest.mark.parametrize("level", [1, 5])
+def test_a_block_set_back_after_an_async_device_copy_is_written_by_the_next_differential_download(tmp_path, level):
+    """An asynchronous checkpoint's device copy fills the host copy with its call's bytes: a block set back, after
+    it, to its value at the last differential download must still be brought over (its device digest equals the
+    old one; the host copy holds the async call's bytes). Seen wrong: checkpoint 3 held checkpoint 2's block."""
+    with ftidask.init(**_kw(tmp_path, enable_dcp=1)) as ctx:
+        v1 = _values((1 << 18,), "int32", 21)
+        a = v1.copy()
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 5)  # a differential download: the device digests of v1 kept
+        a += 1
+        handle = ctx.checkpoint(2, 1, wait=False)
+        assert handle.result().id == 2
+        a[:4096] = v1[:4096]  # one block back to its value at checkpoint 1
+        want = a.get()
+        ctx.checkpoint(3, level)
+        a[...] = 0
+        ctx.recover()
+        assert ctx.recovered_from[0] == 3 and _same(a, want)
+
+
+def test_a_large_strided_view_is_checkpointed_with_the_values_of_the_call(tmp_path):
+    """A strided view is made contiguous on the device, then brought over on a copy stream of its own: the copy
+    must wait for the contiguous copy (1 GiB: long enough for an unordered read to be seen)."""
+    base = cupy.arange(1 << 28, dtype=cupy.float64)  # 2 GiB
+    view = base[::2]
+    with ftidask.init(**_kw(tmp_path)) as ctx:
+        ctx.protect(1, view)
+        want = view.get()
+        ctx.checkpoint(1, 1)
+        view[...] = -1
+        ctx.recover()
+        assert _same(view, want)
+
+
+def test_an_empty_device_array_does_not_make_async_checkpoints_wait(tmp_path, monkeypatch):
+    """An empty CuPy array has no bytes for a job in flight to write: it makes no asynchronous call wait for the
+    checkpoints in flight (it did: the device copies were counted against every device array)."""
+    with ftidask.init(**_kw(tmp_path, max_inflight=2)) as ctx:
+        ctx.protect(1, _values((1 << 20,), "float64", 3))
+        ctx.protect(2, cupy.empty(0, cupy.float32))
+        drains = []
+        real = ctx._async.drain
+        monkeypatch.setattr(ctx._async, "drain", lambda *a, **k: (drains.append(1), real(*a, **k))[1])
+        for i in range(1, 5):
+            ctx.checkpoint(i, 1, wait=False)
+        ctx.wait()
+        assert drains == []
+
+
 def test_an_incremental_checkpoint_writes_each_value_of_its_call(tmp_path):
     with ftidask.init(**_kw(tmp_path)) as ctx:
         a, b = _values((5000,), "int32", 8), _values((3000,), "int64", 9)

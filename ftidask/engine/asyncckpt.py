@@ -84,7 +84,8 @@ class AsyncCheckpoints:
         devices = holders(variables)
         if not level.differential and self.run.config.async_snapshot != "blocking":
             copies = {vid: c for vid, d in devices.items() if (c := d.device_copy()) is not None}
-        if len(copies) < len(devices) and self.inflight.busy:
+        # An empty array has no bytes for a job in flight to write into its mirror: it makes nothing wait
+        if any(vid not in copies and d.mirror.nbytes for vid, d in devices.items()) and self.inflight.busy:
             self.drain()
         return copies, encode_states(variables, rank, bool(self.run.config.enable_dcp), skip=copies)
 

@@ -125,6 +125,8 @@ class DeviceHolder:
             # own, which would not wait for the application's)
             cupy.cuda.Device(self.device_id).synchronize()
             src = self._flat_device(contiguous=True)
+            if src.data.ptr != self.obj.data.ptr:  # a strided array's contiguous copy, made on the current stream:
+                cupy.cuda.Device(self.device_id).synchronize()  # done before the copy stream (non-blocking) reads it
             new = self._block_digests(src) if compare else None
             if new is not None and old is not None and old.shape == new.shape:
                 self._download_blocks(src, dst, devicehash.changed(cupy, new, old))
@@ -219,6 +221,9 @@ class DeviceHolder:
                 cupy.cuda.Device(self.device_id).synchronize()
         except Exception:  # noqa: BLE001 - out of device memory, or any CUDA error: the host path instead
             return None
+        # The copy's job fills the mirror with this call's bytes: the digests of the last download no longer describe
+        # it (kept, a block set back to its value at that download would compare unchanged and keep this call's bytes)
+        self._digests = None
         return DeviceCopy(self, copy)
 
     def upload(self) -> None:

@@ -109,11 +109,16 @@ def upload(devices: Mapping[int, DeviceHolder]) -> None:
                                 f"failed: {exc}") from None
 
 
-def handed_back(vid: int, p: Any) -> Any:
-    """What a recovery hands back for variable ``vid`` (a Protected) once its host array is filled: the CuPy array,
-    its mirror's bytes uploaded (:func:`upload`), for a variable that lives on a device; else the host array."""
+def handed_back(vid: int, p: Any, ckpt_id: int) -> Any:
+    """What a recovery of checkpoint ``ckpt_id`` hands back for variable ``vid`` (a Protected) once its host array is
+    filled: the CuPy array, its mirror's bytes uploaded (:func:`upload`), for a variable that lives on a device; else
+    the host array. Variables are filled one after the other: a failed upload may follow filled ones."""
     if isinstance(getattr(p, "device", None), DeviceHolder):
-        upload({vid: p.device})
+        try:
+            upload({vid: p.device})
+        except RecoveryError as exc:
+            raise RecoveryError(f"recovering checkpoint {ckpt_id} failed while loading, and the protected arrays may "
+                                f"hold part of it: recover again ({exc})") from None
         return p.device.obj
     return p.array
 

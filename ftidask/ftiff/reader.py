@@ -18,10 +18,7 @@ from ..model.errors import FormatError
 from . import compression, hashing, readahead, tailmeta, verify
 from .blockhash import FLAG_DCP, DcpInfo, read_into_dcp, verify_dcp
 from .ftiparity import sniff_parity
-from .parsedfile import FtiffFile as FtiffFile
-from .parsedfile import check_unchanged as check_unchanged
-from .parsedfile import identity_of as identity_of
-from .parsedfile import unchanged as unchanged
+from .parsedfile import FtiffFile, check_unchanged, identity_of, unchanged  # noqa: F401 - re-exported
 from .structs import BMD_SIZE, FB_SIZE, VMD_SIZE, VMD_STRUCT, BlockMeta, ContainerMeta, FileBlock
 from .trailer import TAIL_SIZE, parse_trailer, trailer_span
 

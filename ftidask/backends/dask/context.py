@@ -143,7 +143,7 @@ class DaskContext(DaskWriting, Context):
             raise CheckpointError(f"checkpoint {ckpt_id} failed; the previous checkpoint is kept: {error}")
         start = time.perf_counter()
         # The chunks' futures keep them alive on the workers until the checkpoint is written.
-        specs, futures = self._chunk_futures()
+        specs, futures = self._chunk_futures(copy=asynchronous)
         held = {vid: p.array for vid, p in self._vars.items()}  # the arrays whose lineage the commit cuts
         # Taken now, as the arrays are: a protect() while an asynchronous checkpoint runs is for the next one.
         # Differential files are never compressed (a compressed container cannot be patched in place).

@@ -219,7 +219,7 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
             value = values.pop(spec.id)
             if held is not None and isinstance(held.array, np.ndarray):
                 copy_items(held.array, value)
-                value = handed_back(spec.id, held)  # a CuPy array protected as such: its mirror was filled
+                value = handed_back(spec.id, held, record.ckpt_id)  # a CuPy array: its mirror was filled
             out[spec.id] = value
             continue
         arr = out[spec.id] = built[spec.id]

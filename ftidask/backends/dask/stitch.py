@@ -293,7 +293,7 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
                 out[vid] = decoded[vid]
         elif vid in values:
             copy_items(held.array, values[vid])  # type: ignore[union-attr]
-            out[vid] = handed_back(vid, held)  # a CuPy array protected as such: its mirror was filled
+            out[vid] = handed_back(vid, held, record.ckpt_id)  # a CuPy array protected as such: its mirror was filled
         else:
             spec = VarSpec(vid, names.get(str(vid), f"var{vid}"), dtype, shape, grid)
             target = _target_chunks(ctx, spec, chunks)

@@ -51,8 +51,10 @@ class DaskWriting:
     _committer: Committer
     _dask_retention: DaskRetention
 
-    def _chunk_futures(self) -> tuple[list[VarSpec], dict[tuple[int, tuple[int, ...]], Future]]:
-        """Persist every protected array (once) and return its chunks' futures by grid index."""
+    def _chunk_futures(self, copy: bool = False) -> tuple[list[VarSpec], dict[tuple[int, tuple[int, ...]], Future]]:
+        """Persist every protected array (once) and return its chunks' futures by grid index; ``copy``: a NumPy
+        array is scattered as a copy (an asynchronous checkpoint: a cluster of threads in this process keeps the
+        object scattered, not its bytes, and the application may write the array once the call returns)."""
         if not self.cluster.workers():  # the chunks would wait for a worker for ever (a recovery refuses too)
             raise CheckpointError("the cluster has no workers: nothing can compute or write the protected arrays")
         specs, futures = [], {}
@@ -64,7 +66,8 @@ class DaskWriting:
                     arr = p.array = self.client.persist(arr)  # later checkpoints and the user reuse the chunks
             else:
                 kind = "numpy"
-                future = self.client.scatter(np.ascontiguousarray(arr).reshape(arr.shape), hash=False)  # 0-d stays 0-d
+                data = np.array(arr, order="C", copy=True) if copy else np.ascontiguousarray(arr)
+                future = self.client.scatter(data.reshape(arr.shape), hash=False)  # 0-d stays 0-d
                 futures[vid, tuple(0 for _ in arr.shape)] = future
             spec = VarSpec(vid, p.name, np.dtype(arr.dtype), tuple(int(n) for n in arr.shape),
                            tuple(tuple(int(c) for c in dim) for dim in arr.chunks) if kind == "dask"
