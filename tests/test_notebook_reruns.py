@@ -52,6 +52,45 @@ def test_init_again_while_a_checkpoint_is_in_flight_keeps_that_checkpoint(tmp_pa
     b_ctx.finalize()
 
 
+def test_a_context_dropped_with_a_checkpoint_in_flight_lives_until_it_is_committed(tmp_path, monkeypatch):
+    """A context dropped without finalize (``del ctx``, a function that raised) while its checkpoint was in flight
+    was collected: its run lock released under the job, the new init took the job's renamed file for an interrupted
+    checkpoint's and removed it; the job's commit then named a file gone and retired checkpoint 1 (nothing left)."""
+    import gc
+    import weakref
+    old = ftidask.init(**_config(tmp_path, async_snapshot="copy"))
+    a = np.full(100_000, 1.0)
+    old.protect(1, a)
+    old.checkpoint(1, 1)
+    renamed, go_on = threading.Event(), threading.Event()
+    write_record = RunState.write_record
+
+    def record_later(self, record):
+        if threading.current_thread() is not threading.main_thread():
+            renamed.set()
+            go_on.wait(5)
+        return write_record(self, record)
+
+    monkeypatch.setattr(RunState, "write_record", record_later)
+    a[:] = 2.0
+    old.checkpoint(2, 1, wait=False)  # the handle not kept
+    assert renamed.wait(30)
+    dropped = weakref.ref(old)
+    del old
+    gc.collect()
+    assert dropped() is not None  # alive while its checkpoint is written
+    threading.Timer(0.5, go_on.set).start()
+    again = ftidask.init(**_config(tmp_path, async_snapshot="copy"))  # waits for the dropped context's checkpoint
+    b = np.zeros(100_000)
+    again.protect(1, b)
+    assert again.status() == 1
+    again.recover()
+    assert again.recovered_from == (2, 1) and (b == 2.0).all()
+    again.finalize()
+    gc.collect()
+    assert dropped() is None  # and collected once it is done
+
+
 def test_protect_again_with_another_shape_and_ids_reused_or_going_back(tmp_path):
     """What the guide says of cells run again: protect(id, another array) replaces the array; a recovery into an
     array of another dtype or shape is refused, nothing touched; ids reused or smaller are new checkpoints (each has

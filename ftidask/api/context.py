@@ -79,6 +79,7 @@ class Context(RecoveryCalls, StagingCalls):
         self._retention = retention(run)
         self._committer = Committer(run, self._vars, self.progress, self._writer, self._retention)
         self._async = AsyncCheckpoints(run, self.progress, retention, self._hash_id)
+        self._async.inflight.keep_while_busy(self)  # a context dropped with a checkpoint in flight lives until it ends
         self._staging = Staging(config, transport, self.paths.stage_root)
         self._schedule = SnapshotSchedule(config, transport)
         self._icp_slot = icp.IcpSlot()  # the open incremental checkpoint, whichever backend opened it

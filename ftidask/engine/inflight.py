@@ -127,7 +127,16 @@ class Inflight:
         self._thread: threading.Thread | None = None  # alive while jobs are queued
         self._stop = False
         self._forked = False  # this process is a child forked from the context's (see _forget_in_child)
+        self._owner: Callable[[], Any] = lambda: None  # what the jobs write for (weak: see keep_while_busy)
+        self._kept: Any = None  # the owner, held while jobs are queued
         _LIVE.add(self)
+
+    def keep_while_busy(self, owner: Any) -> None:
+        """Hold ``owner`` (the context) alive while checkpoints are queued or being written. A context dropped
+        without finalize (a function that raised, a notebook's ``del ctx``) was collected with a checkpoint in flight:
+        its run lock was released under the job, and a new init of the run collected the job's renamed files as an
+        interrupted checkpoint's; the job's commit then named files gone and retired the previous checkpoint."""
+        self._owner = weakref.ref(owner)
 
     def submit(self, job: Callable[[], CheckpointInfo], ckpt_id: int, level: int, mechanism: str) -> CheckpointHandle:
         """Queue ``job`` (it writes and commits one checkpoint) behind those in flight; its handle."""
@@ -141,6 +150,7 @@ class Inflight:
                 raise CheckpointError("the context is finalized")
             self._handles.append(handle)
             self._jobs.append((job, future))
+            self._kept = self._owner()
             if self._thread is None:
                 # Not a daemon, and gone when the queue is empty: at exit the interpreter waits for the
                 # checkpoints queued (_finish_at_exit), and a context never finalized does not keep it alive.
@@ -168,7 +178,9 @@ class Inflight:
             with self._cond:
                 if not self._jobs:
                     self._thread = None
-                    return
+                    kept, self._kept = self._kept, None  # released outside the lock (its collection may close it)
+                    break
+
                 job, future = self._jobs[0]
             if future.set_running_or_notify_cancel():
                 try:
