@@ -86,3 +86,41 @@ def test_a_newest_checkpoint_that_cannot_be_kept_is_said(tmp_path, caplog, lost)
     again.recover()
     assert again.recovered_from == (1, 4) and (u == 1).all()
     again.finalize()
+
+
+@pytest.mark.parametrize("backend", ["process", "dask"])
+def test_a_full_global_directory_keeps_the_newest_checkpoint(tmp_path, request, backend):
+    """keep_last_ckpt's flush of the newest checkpoint failing on a full global disk (ENOSPC) passed over it as a
+    damaged one: finalize kept the older L4 checkpoint, removed the newest and said nothing but a warning (a restart
+    went back to checkpoint 1). A full disk is the flush's failure: finalize raises, the run keeps its checkpoints."""
+    from diskfull import fill, tmpfs
+
+    def array(values: np.ndarray):
+        if backend == "process":
+            return values
+        import dask.array as da
+        return da.from_array(values, chunks=10_000)
+
+    with tmpfs(tmp_path / "fs", "4m") as fs:
+        kw = dict(ckpt_dir=str(tmp_path / "Local"), glbl_dir=str(fs / "Global"), meta_dir=str(tmp_path / "Meta"),
+                  keep_last_ckpt=1, verbosity=4)
+        if backend == "dask":
+            kw["client"] = request.getfixturevalue("dask_client")
+        ctx = ftidask.init(**kw)
+        ctx.protect(1, array(np.arange(40_000.0)))
+        ctx.checkpoint(1, 4)
+        ctx.protect(1, array(np.arange(40_000.0) + 1))
+        ctx.checkpoint(2, 1)
+        filler = fill(fs)
+        with pytest.raises(ftidask.CheckpointError, match="No space left on device"):
+            ctx.finalize()
+        filler.unlink()
+        again = ftidask.init(**kw)
+        out = np.zeros(40_000)
+        again.protect(1, array(out))
+        assert again.status() == 1
+        got = again.recover()[1]
+        assert again.recovered_from == (2, 1)
+        assert (np.asarray(got) if backend == "process" else got.compute()).tobytes() == \
+            (np.arange(40_000.0) + 1).tobytes()
+        again.finalize()

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..ftiff.layout import Layout, plan_layout
 from ..model.arrays import check_ckpt_id
-from ..model.errors import CheckpointError, FTIError
+from ..model.errors import CheckpointError, FTIError, UnkeepableCheckpoint
 from ..model.level import Level
 from ..storage import files as storage
 from ..transport.collective import agree, attempt, on_root
@@ -265,18 +265,28 @@ class Committer(RunPart):
                     if verdict.kind != "ok":
                         raise CheckpointError(verdict.message)
 
-            agree(t, attempt(t.rank, verify)[1], CheckpointError, f"keep_last_ckpt: checkpoint {record.ckpt_id} "
-                  "(level 4) cannot be kept")
+            agree(t, attempt(t.rank, verify)[1], UnkeepableCheckpoint, f"keep_last_ckpt: checkpoint "
+                  f"{record.ckpt_id} (level 4) cannot be kept")
             return
+        # Its files verified first, agreed apart: only a checkpoint of its own damage is passed over (a full global
+        # directory is the flush's failure, raised: the newest stays, recoverable where it is)
+        verdicts = {}
+
+        def verify_all() -> None:
+            for f, path in mine:
+                verdict = verdicts[f.rank] = check_file(path, record, f.rank)
+                if verdict.kind != "ok":
+                    raise CheckpointError(verdict.message)
+
+        agree(t, attempt(t.rank, verify_all)[1], UnkeepableCheckpoint, f"keep_last_ckpt: checkpoint {record.ckpt_id} "
+              f"(level {record.level}) cannot be kept")
         seq = on_root(t, self.state.next_seq, CheckpointError, failed)
         as_zarr = self.config.l4_format == "zarr"
 
         def flush() -> list[dict[str, Any]]:
             out = []
             for f, path in mine:
-                verdict = check_file(path, record, f.rank)
-                if verdict.kind != "ok":
-                    raise CheckpointError(verdict.message)
+                verdict = verdicts[f.rank]
                 dst = self.paths.level_dir(4, t.node) / storage.ckpt_dirname(record.ckpt_id, seq)
                 if as_zarr:
                     from . import zarr_l4

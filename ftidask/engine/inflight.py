@@ -22,6 +22,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 from ..model.errors import CheckpointError
 from .checkpointing import CheckpointInfo
@@ -108,6 +109,7 @@ def _forget_in_child() -> None:
         inflight._jobs.clear()
         inflight._handles.clear()
         inflight._thread = None
+        inflight._kept = None
         inflight._stop = True
         inflight._forked = True
 
@@ -178,9 +180,8 @@ class Inflight:
             with self._cond:
                 if not self._jobs:
                     self._thread = None
-                    kept, self._kept = self._kept, None  # released outside the lock (its collection may close it)
+                    kept, self._kept = self._kept, None
                     break
-
                 job, future = self._jobs[0]
             if future.set_running_or_notify_cancel():
                 try:
@@ -191,6 +192,7 @@ class Inflight:
             with self._cond:
                 self._jobs.popleft()
                 self._cond.notify_all()
+        del kept  # the owner let go outside the lock: its collection may close it
 
     def holds(self, job: Callable[[], CheckpointInfo]) -> bool:
         """Whether ``job`` is queued or running (a submit interrupted once it was queued: the job goes on)."""

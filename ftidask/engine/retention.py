@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..model.errors import CheckpointError, FTIError
+from ..model.errors import CheckpointError, FTIError, UnkeepableCheckpoint
 from ..storage import files as storage
 from ..storage.files import RunPaths
 from ..storage.swap import link_tree_atomic
@@ -357,14 +357,14 @@ class Retention(RunPart):
 
     @staticmethod
     def _flush_newest(records: list[CommitRecord], flush_to_l4: Callable[[CommitRecord], None]) -> CommitRecord:
-        """keep_last_ckpt: flush the newest of ``records`` that can be (collective, each failure agreed; a committed
-        L4 one only verified; L2/L3 files rebuilt first), which is returned. A newest one that cannot be (damaged, or
-        lost beyond its level's redundancy) is passed over, said in a warning. None can be: the newest's error."""
+        """keep_last_ckpt: flush the newest of ``records`` that can be (collective; L2/L3 files rebuilt first), which
+        is returned. One whose files are damaged or lost (:class:`UnkeepableCheckpoint`) is passed over, said in a
+        warning; any other failure is raised at once. None can be: the newest's error."""
         first: CheckpointError | None = None
         for record in records:
             try:
                 flush_to_l4(record)
-            except CheckpointError as exc:
+            except UnkeepableCheckpoint as exc:  # only its own files: a full disk passed over the newest before
                 first = first or exc
                 continue
             if first is not None:

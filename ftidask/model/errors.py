@@ -19,6 +19,12 @@ class CheckpointError(FTIError):
     """A checkpoint could not be written; the previous one is still intact."""
 
 
+class UnkeepableCheckpoint(CheckpointError):
+    """keep_last_ckpt: the checkpoint's own files do not verify (damaged, or lost beyond its level's redundancy):
+    finalize keeps the next older one. Any other failure of the flush (the global directory full or read-only, the
+    copy's record unwritable) is raised: the run keeps its checkpoints, the newest recoverable by a restart."""
+
+
 class FormatError(FTIError):
     """A file is not an FTI-FF file, or it is damaged (a hash does not match)."""
 

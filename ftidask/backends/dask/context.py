@@ -31,7 +31,7 @@ from ...engine.runstate import CommitRecord, SeqReservation
 from ...engine.variables import check_name, compressor_config, encode_states
 from ...model.arrays import check_bool, check_ckpt_id, check_id
 from ...model.config import Config
-from ...model.errors import CheckpointError, FTIError, ProtectError, RecoveryError
+from ...model.errors import CheckpointError, FTIError, ProtectError, RecoveryError, UnkeepableCheckpoint
 from ...storage import files as storage
 from . import channel, codecthreads, icp, lineage, modes, recorded, report, restore, tasks
 from .cluster import Cluster, check_client
@@ -207,21 +207,19 @@ class DaskContext(DaskWriting, Context):
     def _flush_to_l4(self, record: CommitRecord) -> None:
         """keep_last_ckpt: copy the last checkpoint's files (rebuilt if needed) to the global directory; a committed
         L4 checkpoint's files are only verified where they are."""
+        try:  # its files checked (rebuilt where lost) first: only their damage passes over it, not the flush's
+            with self.cluster.batch():
+                hosts = restore.restore_files(self, record)
+        except FTIError as exc:  # damaged or lost files: finalize tries the next older checkpoint
+            raise UnkeepableCheckpoint(f"keep_last_ckpt: checkpoint {record.ckpt_id} (level {record.level}) cannot "
+                                       f"be kept: {exc}") from exc
         if in_l4(record):
-            try:
-                with self.cluster.batch():
-                    restore.restore_files(self, record)
-            except FTIError as exc:  # damaged or lost files: finalize tries the next older checkpoint
-                raise CheckpointError(f"keep_last_ckpt: checkpoint {record.ckpt_id} (level 4) cannot be kept: "
-                                      f"{exc}") from exc
             return
         seq = self._seqs.take()
         try:
             with self.cluster.batch(), self.cluster.cleaning(self._dask_retention.dir_patterns(record.ckpt_id, seq)):
-                self._flush_files(record, seq)
-        except CheckpointError:
-            raise
-        except FTIError as exc:  # damaged or lost files: finalize tries the next older checkpoint
+                self._flush_files(record, seq, hosts)
+        except FTIError as exc:  # the global directory full or read-only: raised, the newest stays where it is
             self._dask_retention.remove_dirs(record.ckpt_id, seq, 4, record.nranks)
             raise CheckpointError(f"keep_last_ckpt: checkpoint {record.ckpt_id} (level {record.level}) cannot be "
                                   f"flushed to L4: {exc}") from exc
@@ -230,8 +228,7 @@ class DaskContext(DaskWriting, Context):
                              "keep_last_ckpt: flushing the last checkpoint to L4 failed",
                              lambda: self._dask_retention.remove_dirs(record.ckpt_id, seq, 4, record.nranks))
 
-    def _flush_files(self, record: CommitRecord, seq: int) -> None:
-        hosts = restore.restore_files(self, record)
+    def _flush_files(self, record: CommitRecord, seq: int, hosts: dict[int, tuple[str, str]]) -> None:
         futures, token = [], uuid.uuid4().hex[:8]  # keys of this run's (another run on the cluster has ids too)
         for r, (worker, path) in hosts.items():
             dst = self.node_file(4, record.ckpt_id, seq, r, storage.rank_file(record.ckpt_id, r))
