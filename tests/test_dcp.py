@@ -135,7 +135,7 @@ def test_levels_and_flag(tmp_path):
     _assert_same(_recover_fresh(tmp_path / "b", {1: a}), {1: a})
 
 
-@pytest.mark.parametrize("mode", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3, 4, 5])
 def test_every_block_hash_round_trips(tmp_path, mode):
     ctx = ftidask.init(**_kw(tmp_path, dcp_mode=mode))
     a = np.random.default_rng(mode).random(4000)
@@ -144,6 +144,14 @@ def test_every_block_hash_round_trips(tmp_path, mode):
         a[i * 100] = i
         ctx.checkpoint(i, 5)
     _assert_same(_recover_fresh(tmp_path, {1: a}, dcp_mode=mode), {1: a})
+
+
+@pytest.mark.parametrize(("mode", "name"), [(1, "md5"), (2, "crc32"), (0, "md5"), (3, "xxh3_128")])
+def test_dcp_mode_numbers_are_ftis(mode, name):
+    """FTI reads dcp_mode 1 as MD5 and 2 as CRC32 (conf.c adds 2000: 2001, 2002); 1 was CRC32 here, so an FTI
+    config asking for MD5 got a 32-bit hash."""
+    from ftidask.ftiff import blockhash
+    assert blockhash.block_hash(blockhash.block_hash_id(ftidask.load_config(None, dcp_mode=mode).dcp_mode))[0] == name
 
 
 def test_restart_then_differential_again(tmp_path):

@@ -21,6 +21,12 @@ import ftidask
     ("ckpt_l1 = 3#every 3 minutes", "ckpt_l1", 3),
     ("ckpt_l1 = 3 ; every 3 minutes", "ckpt_l1", 3),
     ("ckpt_l1 = '7'", "ckpt_l1", 7),
+    # iniparser_getint is strtol(value, NULL, 0): octal and hexadecimal as C reads them (010 was read as 10 here)
+    ("ckpt_l1 = 010", "ckpt_l1", 8),
+    ("ckpt_l1 = 0x10", "ckpt_l1", 16),
+    ("ckpt_l1 = 0", "ckpt_l1", 0),
+    # a key of FTI's own example configs, of no use here (it was refused as unknown)
+    ("profile_dir = ./Profile/", "ckpt_l1", 0),
 ])
 def test_values_are_read_as_iniparser_reads_them(tmp_path, line, key, value):
     cfg = tmp_path / "config.fti"
@@ -68,3 +74,20 @@ def test_an_indented_line_is_a_key_of_its_own(tmp_path):
     cfg.write_text("[basic]\nckpt_dir = ./Local\n   ckpt_l1 = 5\n\t[advanced]\n  block_size = 2048\n")
     loaded = ftidask.load_config(cfg)
     assert (loaded.ckpt_dir.endswith("Local"), loaded.ckpt_l1, loaded.block_size) == (True, 5, 2048)
+
+
+@pytest.mark.parametrize("value", ["08", "5min", "1_0", "\u0663", "0x"])
+def test_an_integer_c_would_cut_short_is_refused(tmp_path, value):
+    """strtol reads ``08`` as 0 and ``5min`` as 5: a value FTI reads otherwise than it looks is refused, clearly."""
+    cfg = tmp_path / "config.fti"
+    cfg.write_text(f"[basic]\nckpt_l1 = {value}\n", encoding="utf-8")
+    with pytest.raises(ftidask.ConfigError, match="expected an integer"):
+        ftidask.load_config(cfg)
+
+
+def test_a_group_larger_than_the_reed_solomon_code_is_refused():
+    """L3 encodes as many parity files as data files over GF(2^8): 128 members at most (129 was accepted, then L3
+    failed with a raw ValueError from the codec)."""
+    assert ftidask.load_config(None, group_size=128).group_size == 128
+    with pytest.raises(ftidask.ConfigError, match="group_size"):
+        ftidask.load_config(None, group_size=129)

@@ -42,6 +42,9 @@ def test_keep_last_ckpt_survives_every_local_loss(tmp_path: Path) -> None:
     ({"node_size": 2, "group_size": 2, "rank1": {"head": 1}}, 1, "ConfigError", "head: rank 0 0, rank 1 1, rank 2 0"),
     ({"node_size": 2, "rank1": {"node_size": 1}}, 1, "ConfigError", "node_size: rank 0 2, rank 1 1"),
     ({"rank1": {"keep_last_ckpt": 1}}, 1, "ConfigError", "keep_last_ckpt"),
+    # the number of pieces L2/L3 exchange: one rank's own spun for ever in L3's stripes, truncated L2's messages
+    ({"node_size": 1, "group_size": 4, "rank1": {"block_size": 1}}, 3, "ConfigError", "block_size: rank 0 1024"),
+    ({"node_size": 1, "group_size": 4, "rank1": {"transfer_size": 1}}, 2, "ConfigError", "transfer_size"),
 ])
 def test_same_outcome_on_every_rank(tmp_path: Path, overrides: dict, level: int, error: str | None,
                                     match: str) -> None:

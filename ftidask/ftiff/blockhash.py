@@ -52,7 +52,7 @@ def _blake2b(data: memoryview) -> bytes:
 
 
 #: block hash id (recorded in the table) -> (name, digest size, one-shot digest function).
-#: Ids are part of the format: never reuse one. FTI's dcp_mode 0 is MD5 and 1 is CRC32.
+#: Ids are part of the format: never reuse one (they are not the config's dcp_mode numbers: see DCP_MODES).
 BLOCK_HASHES: dict[int, tuple[str, int, Callable[[memoryview], bytes]]] = {
     1: ("md5", 16, _md5),
     2: ("crc32", 4, _crc32),
@@ -73,8 +73,10 @@ def native_kernel() -> bool:
     return _native is not None
 
 
-#: config ``dcp_mode`` -> block hash id (0 and 1 as in FTI; 2-4 are ftidask's faster choices).
-DCP_MODES = {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}
+#: config ``dcp_mode`` -> block hash id. 1 MD5 and 2 CRC32 as FTI reads them (its conf.c adds 2000: 2001 MD5, 2002
+#: CRC32; ftidask read 1 as CRC32 before: an FTI config asking for MD5 got CRC32); 0 MD5 as earlier ftidask configs
+#: wrote it (FTI refuses 0); 3 xxh3_128 (the default), 4 BLAKE2b-128 and 5 xxh3_64 are ftidask's.
+DCP_MODES = {0: 1, 1: 1, 2: 2, 3: 4, 4: 5, 5: 3}
 
 
 def block_hash_id(dcp_mode: int) -> int:

@@ -140,7 +140,7 @@ class Topology:
             return ("one node: L2 and L3 need 2 or more (on one machine: local_test = 1, which makes a node of "
                     "every node_size ranks)")
         if self.nnodes % self.group_size:
-            fits = [g for g in range(2, min(self.nnodes, 255) + 1) if self.nnodes % g == 0]
+            fits = [g for g in range(2, min(self.nnodes, 128) + 1) if self.nnodes % g == 0]
             return (f"{self.nnodes} node(s) are not a multiple of group_size = {self.group_size} "
                     f"(L2 and L3 need whole groups of nodes): set group_size to {_either(fits)} (a divisor of the "
                     f"{self.nnodes} nodes), or run on a multiple of {self.group_size} nodes")

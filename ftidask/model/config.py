@@ -31,16 +31,28 @@ def _parse_int(lo: int | None = None, hi: int = _INT_MAX) -> Callable[[str, Any]
     def parse(key: str, value: Any) -> int:
         if isinstance(value, bool):
             value = int(value)
-        try:
-            number = int(str(value).strip(), 10) if not isinstance(value, int) else value
-        except ValueError:
-            raise ConfigError(f"config key {key!r}: expected an integer, got {value!r}") from None
+        number = value if isinstance(value, int) else _c_integer(str(value).strip())
+        if number is None:
+            raise ConfigError(f"config key {key!r}: expected an integer, got {value!r}")
         if lo is not None and number < lo or number > hi:
             shown = number if abs(number) < 10**30 else f"{str(number)[:12]}... ({len(str(number))} digits)"
             raise ConfigError(f"config key {key!r}: {shown} is outside [{lo if lo is not None else -hi - 1}, {hi}]")
         return number
 
     return parse
+
+
+def _c_integer(text: str) -> int | None:
+    """An integer as FTI's iniparser_getint (``strtol(text, NULL, 0)``) reads it: ``010`` is 8, ``0x10`` 16. What strtol
+    cuts short or reads as 0 (``5min``, ``08``, ``1_0``, other scripts' digits): None, refused."""
+    if (match := _C_INTEGER.fullmatch(text)) is None:
+        return None
+    sign, hexa, octal, decimal = match.groups()
+    number = int(hexa, 16) if hexa else int(octal, 8) if octal else int(decimal, 10)
+    return -number if sign == "-" else number
+
+
+_C_INTEGER = re.compile(r"([+-]?)(?:0[xX]([0-9a-fA-F]+)|0([0-7]+)|([1-9][0-9]*|0))", re.ASCII)
 
 
 def _parse_bool(key: str, value: Any) -> bool:
@@ -130,12 +142,12 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "inline_l4": ("basic", 1, _parse_bool),
     "keep_last_ckpt": ("basic", 0, _parse_bool),
     "keep_l4_ckpt": ("basic", 0, _parse_bool),
-    "group_size": ("basic", 4, _parse_int(1, 255)),
+    "group_size": ("basic", 4, _parse_int(1, 128)),
     "verbosity": ("basic", 2, _parse_int(1, 4)),
     "ckpt_io": ("basic", 3, _parse_ckpt_io),  # any of FTI's modes is read; FTI-FF is written
     "enable_staging": ("basic", 0, _parse_bool),
     "enable_dcp": ("basic", 0, _parse_bool),
-    "dcp_mode": ("basic", 3, _parse_int(0, 4)),  # 0 MD5, 1 CRC32 (FTI); 2 xxh3_64, 3 xxh3_128, 4 BLAKE2b
+    "dcp_mode": ("basic", 3, _parse_int(0, 5)),  # 1 MD5, 2 CRC32 (FTI's); 3 xxh3_128, 4 BLAKE2b, 5 xxh3_64; 0 MD5
     "dcp_block_size": ("basic", 16384, _parse_int(512, 65535)),
     "dcp_page_tracking": ("basic", 1, _parse_bool),  # ftidask: hash only blocks whose pages were written
     "max_sync_intv": ("basic", 0, _parse_int(0)),
@@ -164,11 +176,11 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
 
 #: The keys every rank of a job must read alike (its layout, levels, collective steps and run): one rank's own value
 #: would hang the job in a collective call it makes alone, or write files that the others' records contradict.
-#: Directories, verbosity, modes and I/O tuning may differ (a node's own local disk, one rank's log).
+#: Directories, verbosity and modes may differ (a node's own local disk, one rank's log).
 JOB_WIDE_KEYS = ("head", "node_size", "group_size", "local_test", "ckpt_l1", "ckpt_l2", "ckpt_l3", "ckpt_l4",
                  "inline_l2", "inline_l3", "inline_l4", "keep_last_ckpt", "keep_l4_ckpt", "enable_dcp", "dcp_mode",
                  "dcp_block_size", "max_sync_intv", "exec_id", "hash", "l4_format", "async_ckpt", "max_inflight",
-                 "snapshot_unit", "mpi_tag", "enable_staging")
+                 "snapshot_unit", "mpi_tag", "enable_staging", "block_size", "transfer_size")  # (L2/L3's pieces)
 
 #: FTI keys that are accepted and have no effect in ftidask (they tune FTI's C I/O paths, its
 #: POSIX/HDF5 modes, its fault injection), in any section: FTI's own files load as they are.
@@ -177,7 +189,7 @@ _IGNORED_KEYS = {"lustre_stiping_unit", "lustre_stiping_factor", "lustre_stiping
                  # FTI 1.x's examples and conf.c
                  "lustre_striping_unit", "lustre_striping_factor", "lustre_striping_offset", "dcp_l4",
                  "keep_heads_alive", "dcp_stack_size", "cacheddcp", "h5_single_file_prefix", "h5_single_file_keep",
-                 "general_tag", "ckpt_tag", "stage_tag", "final_tag"}
+                 "general_tag", "ckpt_tag", "stage_tag", "final_tag", "profile_dir"}
 #: FTI's sections whose keys ftidask never uses ([injection]: FTI's bit-flip injection).
 _IGNORED_SECTIONS = {"injection"}
 
