@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 from . import files as storage
@@ -116,21 +115,37 @@ def acquire(run_dir: Path) -> RunLock | None:
     shared = _held.get(_key(run_dir))
     if shared is not None and shared.fd is not None:  # a Context of this process holds it: shared
         return RunLock(shared, path)
-    fd = _open(path, create=True)
-    if not _flock(fd, path):
-        os.close(fd)
-        return None
-    # Who holds it, for the error a second writer gets (only read while the lock is held): written over the last
-    # holder's record, padded to a fixed size, so that the file need not be truncated first (a truncation waits for
-    # the file system's journal: 13 ms of a restart's init here, when the disk was busy).
+    key, fd, flock = _key(run_dir), -1, None
+    try:  # closed on any exception (a Ctrl-C between flock and _held leaked a lock this process then held for good)
+        with interrupts.held_off():
+            fd = _open(path, create=True)
+            if not _flock(fd, path):
+                fd = os.close(fd) or -1
+                return None
+            flock = _held[key] = _Flock(fd)
+        _write_holder(fd)
+        return RunLock(flock, path)
+    except BaseException:
+        if flock is None:
+            if fd >= 0:
+                os.close(fd)
+        elif flock.users == 0:  # no handle holds it yet
+            if _held.get(key) is flock:
+                del _held[key]
+            flock.close()
+        raise
+
+
+def _write_holder(fd: int) -> None:
+    """Who holds the lock, for the error a second writer gets (only read while the lock is held): written over the
+    last holder's record, padded to a fixed size, so that the file need not be truncated first (a truncation waits
+    for the file system's journal: 13 ms of a restart's init here, when the disk was busy)."""
     with contextlib.suppress(OSError):
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
         record += b" " * (_RECORD_SIZE - len(record))  # JSON allows trailing white space
         os.pwrite(fd, record, 0)
         if os.fstat(fd).st_size > len(record):  # not one of ours (a host name of over 200 bytes): cut
             os.ftruncate(fd, len(record))
-    flock = _held[_key(run_dir)] = _Flock(fd)
-    return RunLock(flock, path)
 
 
 def take_dead(run_dir: Path) -> RunLock | None:
@@ -140,16 +155,17 @@ def take_dead(run_dir: Path) -> RunLock | None:
     if held_here(run_dir):
         return None
     path = run_dir / LOCK_NAME
-    try:
-        fd = _open(path, create=False)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # held (BlockingIOError), or not supported
-        os.close(fd)
-        return None
-    return RunLock(_Flock(fd), path)  # not shared with an init of this process: that one is refused meanwhile
+    with interrupts.held_off():  # the descriptor never left open by a Ctrl-C between its steps
+        try:
+            fd = _open(path, create=False)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held (BlockingIOError), or not supported
+            os.close(fd)
+            return None
+        return RunLock(_Flock(fd), path)  # not shared with an init of this process: that one is refused meanwhile
 
 
 def held_here(run_dir: Path) -> bool:
@@ -197,20 +213,34 @@ def _record(run_dir: Path) -> tuple[int, str] | None:
         return None
 
 
-@contextlib.contextmanager
-def choosing(meta_dir: Path) -> Iterator[None]:
-    """Hold ``{meta_dir}/current_exec_id.lock`` (waiting for it): one init chooses its run at a time."""
-    path = meta_dir / CHOOSING_NAME
-    fd = -1
-    try:
-        with interrupts.held_off():  # Ctrl-C never between the descriptor and the name that closes it
-            fd = _open(path, create=True)
+class choosing:  # noqa: N801 - used as a function: ``with choosing(meta_dir):``
+    """Hold ``{meta_dir}/current_exec_id.lock`` (waiting for it): one init chooses its run at a time.
+
+    A class, not a generator: a Ctrl-C once a generator had taken the lock (in contextlib's ``__enter__``) left the
+    lock to a suspended generator that the notebook's kept traceback never closed; every later init waited for it.
+    Here any exception out of ``__enter__`` lets the lock go first."""
+
+    def __init__(self, meta_dir: Path) -> None:
+        self.path, self.fd = meta_dir / CHOOSING_NAME, -1
+
+    def __enter__(self) -> None:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            with interrupts.held_off():  # Ctrl-C never between the descriptor and the name that closes it
+                self.fd = _open(self.path, create=True)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
         except OSError as exc:
-            if exc.errno not in _UNSUPPORTED:
-                raise
-        yield
-    finally:
+            if exc.errno in _UNSUPPORTED and self.fd >= 0:
+                return  # a file system without locks: as before
+            self._close()
+            raise
+        except BaseException:
+            self._close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
