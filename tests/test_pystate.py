@@ -337,3 +337,22 @@ def test_python_states_survive_export_and_import(tmp_path: Path) -> None:
     assert s2 == {"step": 7, "tags": ["a", "b"]} and v2.value == 2.5
     assert r2.random(5).tobytes() == expected_draws.random(5).tobytes()  # the same stream goes on
     ctx.finalize()
+
+
+def test_forged_generator_states_are_refused_cleanly():
+    """A stored state names its bit generator and holds JSON: one 600 dicts deep raised a raw RecursionError (two
+    frames a level); one that names the base class BitGenerator a raw NotImplementedError at import."""
+    from ftidask.engine import pystate
+    from ftidask.model.errors import RecoveryError
+
+    deep: dict = {"x": 1}
+    for _ in range(600):
+        deep = {"x": deep}
+    forged = json.dumps({"bit_generator": "PCG64", "state": deep, "has_uint32": 0, "uinteger": 0}).encode()
+    with pytest.raises(RecoveryError, match="deep"):
+        pystate.from_stored(pystate.KIND_RNG, forged, "variable 3")
+    with pytest.raises(RecoveryError, match="deep"):
+        pystate.holder_of(np.random.default_rng(0)).decode(forged, "variable 3")
+    base = json.dumps({"bit_generator": "BitGenerator", "state": {}}).encode()
+    with pytest.raises(RecoveryError, match="not the state of a NumPy bit generator"):
+        pystate.from_stored(pystate.KIND_RNG, base, "variable 3")

@@ -379,3 +379,42 @@ def test_a_default_name_that_is_another_variables_name_is_refused(tmp_path):
             ctx.protect(9, np.zeros(2))
         ctx.protect(given, np.zeros(2))
         assert {vid: p.name for vid, p in ctx.variables.items()} == {3: "u", 5: "var5", given: "var9"}
+
+
+def test_an_interrupt_while_the_stored_names_are_indexed_swaps_no_variable(tmp_path, monkeypatch):
+    """A Ctrl-C while var_id() indexed the checkpoint's names left them marked read but half indexed: the cell run
+    again gave a stored name a new id, another stored variable's, and recover() filled it with that one's values."""
+    import subprocess
+    import sys
+
+    from ftidask.api import context as context_module
+
+    cfg = {"ckpt_dir": str(tmp_path / "L"), "glbl_dir": str(tmp_path / "G"), "meta_dir": str(tmp_path / "M"),
+           "verbosity": 4}
+    code = (f"import os, numpy as np, ftidask\nctx = ftidask.init(**{cfg!r})\n"
+            "for name, v in (('b', 2.0), ('a', 1.0), ('c', 3.0)):\n"
+            "    ctx.protect(ctx.var_id(name), np.full(4, v), name=name)\nctx.checkpoint(1, 1)\nos._exit(0)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+    class Interrupting(dict):  # the signal landing at the second name indexed
+        seen = 0
+
+        def __getitem__(self, key):
+            Interrupting.seen += 1
+            if Interrupting.seen == 2:
+                raise KeyboardInterrupt("Ctrl-C")
+            return dict.__getitem__(self, key)
+
+    real = context_module.restart_names
+    monkeypatch.setattr(context_module, "restart_names", lambda *a: Interrupting(real(*a)))
+    ctx = ftidask.init(**cfg)
+    with pytest.raises(KeyboardInterrupt):
+        ctx.var_id("a")
+    monkeypatch.undo()
+    arrays = {}
+    for name in ("a", "b", "c"):  # the cell run again
+        arrays[name] = np.zeros(4)
+        ctx.protect(ctx.var_id(name), arrays[name], name=name)
+    ctx.recover()
+    assert {name: float(a[0]) for name, a in arrays.items()} == {"a": 1.0, "b": 2.0, "c": 3.0}
+    ctx.finalize()

@@ -41,12 +41,12 @@ class VarNames:
         # Read first, whatever is found below and whatever the name: on MPI the first read is collective, and
         # every rank must take part (a rank whose name is refused too, or the others would wait for it).
         if self._stored is None:
-            self._stored = stored_names()
+            stored = stored_names()
             # Indexed once: a scan of the sorted stored names and a max of every id known per call made n names
-            # given O(n^2) (10,000: 2 s, 7 s on a restart)
-            for vid in sorted(self._stored, reverse=True):
-                self._stored_ids[self._stored[vid]] = vid
-            self._stored_top = max(self._stored, default=-1)
+            # given O(n^2) (10,000: 2 s, 7 s on a restart). Built aside, kept last: a Ctrl-C in the middle left the
+            # names marked read but half indexed, and the next call gave stored names new ids (variables swapped).
+            ids = {stored[vid]: vid for vid in sorted(stored, reverse=True)}
+            self._stored_ids, self._stored_top, self._stored = ids, max(stored, default=-1), stored
         if not isinstance(name, str) or not name:
             raise ProtectError(f"a variable name is a non-empty str, got {name!r}")
         if not isinstance(create, (bool, np.bool_)):  # "no" would be true, and give the name a new id

@@ -149,11 +149,13 @@ def _array_from_json(value: dict[str, Any]) -> np.ndarray:
     return np.array(values, dtype=dtype).reshape(shape)
 
 
-def _state_from_json(value: Any) -> Any:
+def _state_from_json(value: Any, depth: int = 0) -> Any:
     if isinstance(value, dict):
+        if depth > _MAX_DEPTH:  # a bit generator's state is a few levels deep: a forged one 600 deep hit the stack
+            raise ValueError(f"a state nested more than {_MAX_DEPTH} levels deep")
         if _NDARRAY_TAG in value:
             return _array_from_json(value)
-        return {k: _state_from_json(v) for k, v in value.items()}
+        return {k: _state_from_json(v, depth + 1) for k, v in value.items()}
     return value
 
 
@@ -258,7 +260,8 @@ def from_stored(kind: str, data: bytes | np.ndarray, what: str) -> Any:
     if kind == KIND_RNG:
         name = raw.get("bit_generator") if isinstance(raw, dict) else None
         cls = getattr(np.random, name, None) if isinstance(name, str) else None
-        if not (isinstance(cls, type) and issubclass(cls, np.random.BitGenerator)):
+        # (the base class itself cannot be made: a forged "BitGenerator" raised a raw NotImplementedError)
+        if not (isinstance(cls, type) and issubclass(cls, np.random.BitGenerator)) or cls is np.random.BitGenerator:
             raise RecoveryError(f"{what}: not the state of a NumPy bit generator ({name!r})")
         holder = Holder(KIND_RNG, cls())
     elif kind == KIND_JSON:
