@@ -4,8 +4,10 @@ The files' hashes say that the store holds what its writer hashed; these checks 
 variable's array opens with the manifest's shape and dtype, its chunk files are exactly its chunks (a writer
 of :mod:`.store` writes every chunk, empty or not: a chunk without a file would read as Zarr's fill value,
 a value the checkpoint never held) and each chunk file can be a chunk (an uncompressed one holds a whole chunk's
-bytes, a compressed one's codec header declares them). A forged chunk grid of billions of chunks is refused by its
-count, before any chunk is read. That every chunk decodes is seen as it is read (:mod:`.verify`).
+bytes, a compressed one is one Zstd frame or Blosc buffer whose header declares them: :mod:`.chunkfile`; the
+dtype exactly, a structured one's fields with their byte order: :mod:`.dtypes`). A forged chunk grid of billions
+of chunks is refused by its count, before any chunk is read. That every chunk decodes is seen as it is read
+(:mod:`.verify`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from ..ftiff import compression
 from ..model.errors import FormatError
-from ..storage import files as storage
 from . import store as store_module
+from .chunkfile import check_chunk_file
+from .dtypes import same_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +59,7 @@ def check_arrays(path: Path, manifest: Mapping[str, Any]) -> dict[str, ArrayChun
             raise
         except Exception as exc:  # zarr raises many kinds on metadata it cannot read
             raise FormatError(f"{path}: array {name!r} cannot be opened: {exc}") from None
-        # Zarr v3 gives arrays in native byte order (an endianness codec stores the file's).
-        if shape != info.shape or dtype.newbyteorder("<") != info.dtype.newbyteorder("<"):
+        if shape != info.shape or not same_dtype(dtype, info.dtype):
             raise FormatError(f"{path}: array {name!r} is {dtype} {shape}, the manifest says {info.dtype} "
                               f"{info.shape}")
         files = files_of.get(name, [])
@@ -121,24 +122,17 @@ def _check_chunk_sizes(path: Path, manifest: Mapping[str, Any], chunks: list[str
     if not z.compressors and not z.filters and type(z.serializer).__name__ == "BytesCodec":
         whole = int(np.prod(z.chunks)) * z.dtype.itemsize
         for rel in chunks:  # every one: a forged key encoding (c.0, v2's 0, a 0-d array's c) is a chunk too
-            entry = manifest["files"][rel]
-            if entry[0] != whole:
-                raise FormatError(f"{path}: chunk {rel} holds {entry[0]} bytes, not a chunk's {whole}")
+            check_chunk_file(path, rel, "raw", whole, manifest["files"][rel][0])
         return True
     _check_declared_sizes(path, manifest, chunks, name, z)
     return False
 
 
-def _compressed_most(raw: int) -> int:
-    """The most bytes Zstd or Blosc makes of ``raw`` bytes, with room to spare: Zstd's ZSTD_compressBound is raw +
-    raw / 256 + 64 KiB / 2**11 and a frame's header and checksum; Blosc's is raw + its 16- or 32-byte header."""
-    return raw + (raw >> 7) + 4096
-
-
 def _check_declared_sizes(path: Path, manifest: Mapping[str, Any], chunks: list[str], name: str, z: Any) -> None:
-    """Before a compressed chunk is decoded (its chunk shape checked to be at most its array's): each chunk file's
-    codec header declares exactly a chunk's raw size. A codec allocates what its header declares, and hash-checked
-    bytes of a forged store can declare anything: a Zstd frame of a few bytes unpacks to terabytes, and a chunk
+    """Before a compressed chunk is decoded (its chunk shape checked to be at most its array's): each chunk file
+    is one Zstd frame or Blosc buffer declaring exactly a chunk's raw size (:func:`.chunkfile.check_chunk_file`).
+    A codec allocates what its header declares, and hash-checked bytes of a forged store can declare anything: a
+    Zstd frame of a few bytes unpacks to terabytes, a second frame after a chunk's own as much again, and a chunk
     shape of 2**40 elements is a buffer Zarr allocates for any chunk. Only the codecs ftidask writes are read."""
     kinds = [type(c).__name__ for c in z.compressors]
     codec = {("ZstdCodec",): "zstd", ("BloscCodec",): "blosc"}.get(tuple(kinds))
@@ -146,20 +140,6 @@ def _check_declared_sizes(path: Path, manifest: Mapping[str, Any], chunks: list[
         raise FormatError(f"{path}: array {name!r}: filters {list(z.filters)} and compressors {kinds} are not "
                           "those of a store ftidask writes (one Zstd or Blosc compressor)")
     whole = int(np.prod(z.chunks)) * z.dtype.itemsize
-    most = _compressed_most(whole)
-    for rel in chunks:
-        # Zarr reads a chunk file whole (twice over) to decode it: a file of holes (free to its forger) of
-        # terabytes, its header intact, was that allocation, and Blosc decodes its header's bytes and ignores the rest
-        if manifest["files"][rel][0] > most:
-            raise FormatError(f"{path}: chunk {rel} holds {manifest['files'][rel][0]} bytes, larger than {codec} "
-                              f"makes a chunk of {whole} raw bytes (at most {most})")
-        try:  # a file the manifest lists, not hashed yet: a missing or special one is a FormatError
-            with storage.open_read(path / rel) as fh:
-                said = compression.declared_size(codec, fh.read(18))
-        except OSError as exc:
-            raise FormatError(f"{path}: chunk {rel}: {exc}") from None
-        if said is None:
-            raise FormatError(f"{path}: chunk {rel} does not decode: no {codec} header declares its raw size")
-        if said != whole:
-            raise FormatError(f"{path}: chunk {rel} declares {said} raw bytes in its {codec} header, a chunk "
-                              f"holds {whole}: refused before it is decoded")
+    for rel in chunks:  # a file the manifest lists, not hashed yet: its size as the manifest says (else refused)
+        size = manifest["files"][rel][0]
+        check_chunk_file(path, rel, codec, whole, size if isinstance(size, int) else -1)

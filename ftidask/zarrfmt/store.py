@@ -30,6 +30,7 @@ from ..model.arrays import VarInfo
 from ..model.errors import ConfigError, FormatError
 from ..storage import files as storage
 from ..storage.swap import replace_tree, sweep_temps_beside, temp_beside
+from . import dtypes
 
 MANIFEST = "ftidask-manifest.json"
 FORMAT = "ftidask-zarr"
@@ -144,6 +145,7 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
             parent, _, leaf = name.rpartition("/")
             if parent not in groups:
                 groups[parent] = root.create_group(parent)
+            dtypes.check_before(info.id, info.name, info.dtype)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Zarr calls structured/string dtypes "unstable"
                 try:
@@ -154,8 +156,8 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
                         attributes={"ftidask_id": info.id, "ftidask_name": info.name, "ftidask_order": info.order},
                         config={"write_empty_chunks": True})  # every chunk a file: a missing one is damage
                 except (ValueError, TypeError) as exc:  # Zarr has no data type for it (complex256, ...)
-                    raise FormatError(f"variable {info.id} ({info.name!r}): Zarr cannot store dtype {info.dtype}: "
-                                      f"{exc}; keep it in FTI-FF files (l4_format = ftiff)") from None
+                    raise dtypes.refuse(info.id, info.name, info.dtype, str(exc)) from None
+                dtypes.check_created(z, info.id, info.name, info.dtype)  # before any byte: read back as it was
                 if callable(data):
                     data(z)
                 else:
