@@ -230,3 +230,19 @@ def test_list_says_what_verify_says_of_an_l3_file_and_where_no_record_is(tmp_pat
     capsys.readouterr()
     assert main(["list", str(path.parent)]) == 0
     assert "commit not checked (no" in capsys.readouterr().out
+
+
+def test_a_name_the_terminal_cannot_encode_is_escaped(tmp_path):
+    """A variable named from an undecodable file name (a lone surrogate: protect takes it, the file keeps it as
+    JSON) made ``ftidask inspect`` die of a raw UnicodeEncodeError on a UTF-8 terminal."""
+    import os
+
+    ctx = ftidask.init(**_dirs(tmp_path))
+    ctx.protect(1, np.arange(4.0), name=os.fsdecode(b"temp\xff"))
+    info = ctx.checkpoint(1, 4)
+    ctx._close()
+    (path,) = (tmp_path / "Global").glob(f"**/ckpt1.s{info.seq}/Ckpt1-Rank0.fti")
+    done = subprocess.run([sys.executable, "-m", "ftidask", "inspect", str(path)], capture_output=True, timeout=120,
+                          env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert b"temp\\udcff" in done.stdout

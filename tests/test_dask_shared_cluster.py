@@ -166,3 +166,15 @@ def test_an_async_checkpoint_on_a_cluster_of_threads_holds_the_numpy_values_of_t
             a[...] = 0
             ctx.recover()
             assert (a == 1).all()
+
+
+def test_a_chunked_xarray_object_is_refused_with_what_to_protect(client, tmp_path):
+    """Every xarray object has the attributes of a Dask collection (a chunked one has chunks and a dtype): it was
+    taken for a Dask array. It is refused, naming what to protect instead (its .data, a Dask array)."""
+    xr = pytest.importorskip("xarray")
+    with ftidask.init(client=client, **_dirs(tmp_path)) as ctx:
+        labelled = xr.DataArray(da.zeros(40, chunks=10), dims=["x"])
+        with pytest.raises(ftidask.ProtectError, match="DataArray"):
+            ctx.protect(1, labelled)
+        ctx.protect(1, labelled.data)
+        ctx.checkpoint(1, 1)

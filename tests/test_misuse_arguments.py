@@ -168,3 +168,13 @@ def test_a_dict_as_the_config_says_to_give_keywords() -> None:
         ftidask.init({"ckpt_dir": "x"})
     with pytest.raises(ConfigError, match=r"got int 5$"):
         ftidask.load_config(5)
+
+
+def test_a_labelled_array_is_refused_naming_what_to_protect(tmp_path):
+    """A NumPy-backed xarray DataArray was refused as 'a dask array' (every xarray object has __dask_graph__)."""
+    xr = pytest.importorskip("xarray")
+    ctx = ftidask.init(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"),
+                       verbosity=4)
+    with pytest.raises(ftidask.ProtectError, match=r"DataArray; protect the array it holds \(its \.values"):
+        ctx.protect(1, xr.DataArray(np.zeros(3)))
+    ctx.finalize()

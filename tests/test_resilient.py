@@ -81,3 +81,19 @@ def test_signal_on_another_rank_is_named_on_every_rank(tmp_path: Path, monkeypat
     assert "SIGTERM on rank 1: checkpointed at iteration 2, stopping" in caplog.text, caplog.text
     assert "None" not in caplog.text
     ctx.finalize()
+
+
+def test_a_failed_recovery_at_the_loops_start_restores_the_signal_handlers(tmp_path: Path) -> None:
+    """A loop whose restart recovery is refused (an array of another size) runs nothing: its SIGTERM/SIGUSR1
+    handlers stayed installed, and the process no longer died of SIGTERM."""
+    ctx = _ctx(tmp_path)
+    ctx.protect(1, np.zeros(10))
+    ctx.checkpoint(1, 1)
+    ctx._close()  # the program dies
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    again = _ctx(tmp_path)
+    with pytest.raises(ftidask.RecoveryError):
+        with ftidask.ResilientLoop(again, arrays={1: np.zeros(5)}, every=1, iterations=3):
+            pass
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    again.finalize()

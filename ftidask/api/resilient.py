@@ -122,12 +122,16 @@ class ResilientLoop:
     def __enter__(self) -> ResilientLoop:
         for sig in self.signals:
             self._old[sig] = signal.signal(sig, self._handler)
-        if self.ctx.status() != 0:
-            self.ctx.recover()
-            self.start = int(self.counter.value)
-            ckpt_id, level = self.ctx.recovered_from or (None, None)
-            log.info("restart: recovered checkpoint %s (level %s), resuming at iteration %d", ckpt_id, level,
-                     self.start)
+        try:
+            if self.ctx.status() != 0:
+                self.ctx.recover()
+                self.start = int(self.counter.value)
+                ckpt_id, level = self.ctx.recovered_from or (None, None)
+                log.info("restart: recovered checkpoint %s (level %s), resuming at iteration %d", ckpt_id, level,
+                         self.start)
+        except BaseException:  # no loop runs: its handlers go (left, SIGTERM no longer ended the process)
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -29,12 +29,15 @@ def check_protectable(array: Any) -> np.ndarray:
                 "wrap it with numpy.array(...) and protect that array, or protect Python values (JSON: numbers, "
                 "strings, lists, dicts) in an ftidask.Value(x) or ftidask.State({...})"
             )
-        if hasattr(array, "__dask_graph__"):
+        if hasattr(array, "__dask_graph__") and type(array).__module__.startswith("dask."):
             raise ProtectError("a dask array is protected on the Dask backend only: "
                                "ftidask.init(config, client=distributed.Client(...))")
-        raise ProtectError(f"protect needs a numpy.ndarray or a dask array, got {type(array).__name__}; Python "
-                           "state is protected as JSON in an ftidask.Value or ftidask.State, a random generator as "
-                           "numpy.random.Generator (ftidask never pickles)")
+        # (every xarray object has __dask_graph__, None unless chunked: it was refused as a dask array)
+        labelled = type(array).__module__.split(".")[0] in ("xarray", "pandas")
+        raise ProtectError(f"protect needs a numpy.ndarray or a dask array, got {type(array).__name__}; " + (
+            "protect the array it holds (its .values: a NumPy array filled in place; .data on the Dask backend)"
+            if labelled else "Python state is protected as JSON in an ftidask.Value or ftidask.State, a random "
+            "generator as numpy.random.Generator (ftidask never pickles)"))
     if isinstance(array, np.ma.MaskedArray):  # its mask would be lost, and recovery could not restore it
         raise ProtectError("protect does not take masked arrays (their mask is not checkpointed): protect "
                            "array.data and numpy.ma.getmaskarray(array) as two variables")

@@ -289,6 +289,9 @@ _EXTRA_COMMANDS.append(_add_zarr_commands)
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``ftidask`` command: its exit status (errors are one line on stderr, never a traceback)."""
+    for stream in (sys.stdout, sys.stderr):  # names and values read from files: what the terminal cannot encode
+        with contextlib.suppress(AttributeError, ValueError):  # (a lone surrogate) escaped, never a traceback
+            stream.reconfigure(errors="backslashreplace")
     try:
         args = build_parser().parse_args(argv)  # inside: --help into a closed pipe ends quietly too
         if getattr(args, "config", None):  # list/clean --config, import's config: say what is wrong with it

@@ -20,8 +20,11 @@ def is_dask_collection(value: Any) -> bool:
 
 
 def is_dask_array(value: Any) -> bool:
-    """Whether ``value`` is a Dask array (a Delayed answers every attribute: its chunks are no tuple)."""
-    return is_dask_collection(value) and isinstance(getattr(value, "chunks", None), tuple) and hasattr(value, "dtype")
+    """Whether ``value`` is a Dask array (a Delayed answers every attribute; a chunked xarray object has chunks and
+    a dtype, and is no array to persist and write by its keys)."""
+    from dask.array import Array
+
+    return isinstance(value, Array)
 
 
 class DaskTransport(Transport):
