@@ -492,6 +492,23 @@ def test_a_rank_file_replaced_by_a_directory_is_rebuilt_in_its_place(tmp_path, d
 
 
 @pytest.mark.parametrize("kind", ["posix", "ftiff"])
+def test_a_level_directory_replaced_by_a_link_is_not_rebuilt_through(tmp_path, dirs, kind):
+    """A lost node's l3 directory replaced by a link to a directory outside the run: the rebuild wrote the rank file
+    there, in place of a user's directory of the same name (moved to the trash and removed)."""
+    root = tmp_path / "fti"
+    config = _write_run(root, kind)
+    outside = tmp_path / "OUTSIDE"
+    (outside / "Ckpt1-Rank1.fti").mkdir(parents=True)
+    (outside / "Ckpt1-Rank1.fti" / "precious.txt").write_text("user data")
+    lost = _l3(root, 1)
+    shutil.rmtree(lost)
+    lost.symlink_to(outside)
+    with pytest.raises(NoCheckpointError, match="is a symbolic link"):
+        _recover(dirs, config, kind, 1)
+    assert (outside / "Ckpt1-Rank1.fti" / "precious.txt").read_text() == "user data"
+
+
+@pytest.mark.parametrize("kind", ["posix", "ftiff"])
 def test_a_sound_file_refused_for_the_arrays_is_not_rebuilt(tmp_path, dirs, kind):
     """A sound level-3 file refused only because the protected arrays have other sizes was rebuilt from the parity
     and replaced (a new inode, for every older checkpoint too), and the refusal was said twice."""

@@ -220,6 +220,7 @@ def _rebuild(cfg: Config, rank: int, ckpt_id: int) -> Path:
         if len(readers) < k:
             raise RecoveryError(f"{len(lost)} of the group's {2 * k} files are lost or damaged, FTI's parity rebuilds "
                                 f"at most {k}: " + "; ".join(lost))
+        _no_link_below(Path(cfg.ckpt_dir), target)
         makedirs(target.parent)  # a lost node's directory is gone with its files: FTI makes it again too
         fd, tmp = create_temp(target)
         try:
@@ -239,6 +240,16 @@ def _rebuild(cfg: Config, rank: int, ckpt_id: int) -> Path:
             raise
     fsync_dir(target.parent)
     return target
+
+
+def _no_link_below(root: Path, target: Path) -> None:
+    """Refuse a rebuild into ``target`` through a symbolic link below the run's ``root`` (a node's or level's
+    directory replaced by a link): it wrote outside the run, in place of whatever the link's target held there."""
+    path = root
+    for part in target.relative_to(root).parts:
+        path = path / part
+        if path.is_symlink():
+            raise RecoveryError(f"{path} is a symbolic link: the rank file is not rebuilt through it (outside the run)")
 
 
 def _finish_posix(fh: BinaryIO, max_fs: int, size: int, exact_end: bool, checksum: str) -> None:
