@@ -408,3 +408,34 @@ def test_a_damaged_current_exec_id_restarts_the_run_committed_last(tmp_path, cap
     assert np.array_equal(out, a) and again.recovered_from[0] == 2
     assert "current_exec_id" in caplog.text
     again.finalize()
+
+
+@pytest.mark.parametrize("removed", ["run-dir", "meta-dir", "lock"])
+def test_a_live_runs_lock_removed_under_it_is_taken_again_at_its_next_commit(tmp_path, removed):
+    """A cleaner of /tmp removed the live run's lock file (with its meta directory): another program's init then
+    found no lock, adopted the live run (status 1), and its finalize marked it finished while the first one went on
+    committing into it. The run's next commit locks the file again: the other init is refused."""
+    import shutil
+
+    dirs = {"ckpt_dir": str(tmp_path / "L"), "glbl_dir": str(tmp_path / "G"), "meta_dir": str(tmp_path / "M"),
+            "verbosity": 4}
+    ctx = ftidask.init(exec_id="x", **dirs)
+    a = np.arange(10.0)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 1)
+    meta = tmp_path / "M"
+    {"run-dir": lambda: shutil.rmtree(meta / "x"), "meta-dir": lambda: shutil.rmtree(meta),
+     "lock": lambda: (meta / "x" / "run.lock").unlink()}[removed]()
+    a += 1
+    ctx.checkpoint(2, 1)  # re-creates what it needs, the lock included
+    code = (f"import ftidask\ntry:\n    ftidask.init(exec_id='x', **{dirs!r})\n    print('adopted')\n"
+            "except ftidask.RunInUseError as exc:\n    print('refused', exc)\n")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert other.stdout.startswith("refused"), other.stdout + other.stderr
+    ctx._close()
+    again = ftidask.init(exec_id="x", **dirs)
+    again.protect(1, b := np.zeros(10))
+    assert again.status() == 1
+    again.recover()
+    assert again.recovered_from == (2, 1) and (b == np.arange(10.0) + 1).all()
+    again.finalize()

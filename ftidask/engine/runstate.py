@@ -190,6 +190,7 @@ class RunState:
             raise CheckpointError(f"writing its commit record in {self.records_dir} failed: {exc}") from exc
         self._records.note(name, raw)
         self._name_again()
+        runlock.lock_again(self.root)  # (a stat: its lock file removed with the meta_dir, no other init adopts it)
 
     def _name_again(self) -> None:
         """``current_exec_id`` removed during the run (or the whole ``meta_dir``): a restart would start afresh and

@@ -148,6 +148,33 @@ def _write_holder(fd: int) -> None:
             os.ftruncate(fd, len(record))
 
 
+def lock_again(run_dir: Path) -> None:
+    """Where this process holds the run in ``run_dir`` but its lock file was removed or replaced under it (a cleaner
+    of /tmp took the meta_dir while the run lived): lock the file now at its path. Else a second program found no
+    lock, adopted the live run and finalized it, and the live run's next commits went into a finalized run."""
+    flock = _held.get(_key(run_dir))
+    if flock is None or flock.fd is None:
+        return
+    path = run_dir / LOCK_NAME
+    try:
+        now, held = os.stat(path), os.fstat(flock.fd)
+        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return
+    except FileNotFoundError:
+        pass
+    with interrupts.held_off():
+        fd = _open(path, create=True)
+        if not _flock(fd, path):
+            os.close(fd)
+            log.warning("the lock file %s of this live run was removed, and another process has locked it since: "
+                        "two programs may now write this run", path)
+            return
+        old, flock.fd = flock.fd, fd
+        os.close(old)
+    _write_holder(fd)
+    log.warning("the lock file %s of this live run was removed during the run: it is locked again", path)
+
+
 def take_dead(run_dir: Path) -> RunLock | None:
     """Lock the run in ``run_dir`` for this process when it is provably dead: its lock file exists and no process
     holds it, this one included. None otherwise, and on a file system without locks (nothing is provably dead
