@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -142,6 +143,11 @@ def main() -> None:
     ap.add_argument("--direct-io", choices=["on", "off"], default="off",
                     help="the direct_io setting: the workers' files written around the page cache (O_DIRECT) or not")
     args = ap.parse_args()
+    try:  # the baseline (to_zarr, from_zarr) needs zarr: checked before the cluster starts and ftidask's checkpoint
+        import zarr  # noqa: F401  # runs, not at the first to_zarr after it
+    except ImportError:
+        sys.exit("bench_dask.py: zarr is not installed (the to_zarr / from_zarr baseline needs it): "
+                 "pip install 'ftidask[zarr]'")
     global DIRECT_IO
     DIRECT_IO = args.direct_io == "on"
     root = tempfile.mkdtemp(prefix="ftidask-bench-", dir=args.dir)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -52,7 +53,7 @@ def run(client: Any, args: argparse.Namespace, with_ftidask: bool) -> dict[str, 
 
     ctx = None
     if with_ftidask:
-        tmp = tempfile.mkdtemp(prefix="bench-lineage-")
+        tmp = tempfile.mkdtemp(prefix="run-", dir=args.root)  # removed after the run; args.root by main() at exit
         ctx = ftidask.init(client=client, ckpt_dir=f"{tmp}/local", glbl_dir=f"{tmp}/global", meta_dir=f"{tmp}/meta",
                            verbosity=3)
     x = client.persist(da.random.default_rng(0).random((args.size, args.size), chunks=args.chunk))
@@ -76,7 +77,8 @@ def run(client: Any, args: argparse.Namespace, with_ftidask: bool) -> dict[str, 
     back = float(client.compute(x.sum()).result())  # every chunk of the state of step kill_at-1, again
     recover_seconds = time.perf_counter() - t
     if ctx is not None:
-        ctx.finalize()
+        ctx.finalize()  # the checkpoints go, not the directories
+        shutil.rmtree(tmp, ignore_errors=True)
     client.wait_for_workers(args.workers, timeout=120)  # the nanny's replacement, for the next run
     return {"run": run_seconds, "first": first_steps, "checkpoints": ckpt_seconds, "back": recover_seconds,
             "sum": back}
@@ -95,7 +97,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="runs of each, alternated; the fastest is shown")
     args = parser.parse_args()
     args.kill_at = min(args.kill_at, args.steps)
+    args.root = tempfile.mkdtemp(prefix="bench-lineage-")  # every run's directories under it, removed on any exit
+    try:
+        report(args)
+    finally:
+        shutil.rmtree(args.root, ignore_errors=True)
 
+
+def report(args: argparse.Namespace) -> None:
     import distributed
 
     cluster = distributed.LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,

@@ -17,6 +17,7 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -64,6 +65,11 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=int, default=40)
     ap.add_argument("--level", type=int, default=1)
     args = ap.parse_args()
+    try:  # the to_zarr baseline needs zarr: checked before the cluster starts, not after ftidask's first checkpoint
+        import zarr  # noqa: F401
+    except ImportError:
+        sys.exit("bench_dask_small.py: zarr is not installed (the to_zarr baseline needs it): "
+                 "pip install 'ftidask[zarr]'")
     base = tempfile.mkdtemp(prefix="ftidask-dask-small-")
     try:
         with LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=None) as cluster, \

@@ -46,7 +46,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
-    import cupy
+    try:
+        import cupy
+    except ImportError:  # as bench_peers.py and bench_async.py do for a missing peer: nothing to time here
+        print("skipped: CuPy is not installed (pip install 'ftidask[gpu-cuda12]' or 'ftidask[gpu-cuda13]')")
+        return
 
     try:
         import torch

@@ -2,12 +2,14 @@
 
     python benchmarks/bench_l1.py [--size-mib 1024] [--arrays 4] [--repeat 3] [--hash xxh3_128] [--drop-caches] [--dcp]
 
-Prints throughputs, ratios (target: checkpoint >= 0.8x raw write, recovery >= 0.8x raw read,
-both with files in the page cache) and the extra anonymous resident memory at peak (target < 128 MiB).
+Prints throughputs, time ratios (ftidask's time over the raw one's, as docs/performance.md quotes them; target:
+checkpoint <= 1.25x the raw write's time, recovery <= 1.25x the raw read's, i.e. at least 0.8x their speed, both
+with files in the page cache) and the extra anonymous resident memory at peak (target < 128 MiB).
 
 Then a restart from a cold cache (median of ``--repeat`` rounds, the variants interleaved): the
 checkpoint file is evicted from the page cache before each read (``posix_fadvise(DONTNEED)`` on that
-file only; ``--drop-caches`` drops the whole cache instead, as root), and a verified ``recover()`` is
+file only; ``--drop-caches`` drops the whole cache instead, as root: without write access to
+``/proc/sys/vm/drop_caches`` the file is evicted as without it, with a note), and a verified ``recover()`` is
 timed against a raw read of the same file: ``np.fromfile`` (a fresh array, as a restarting program
 allocates one) and ``readinto`` the existing arrays. Target (issue 16): at most 1.05-1.1x the raw read.
 ``--dcp``: the checkpoints are differential (level 5, ``enable_dcp = 1``; after the first two, nothing changed: only
@@ -75,11 +77,23 @@ def raw_read(arrays, root) -> list[np.ndarray]:
     return [np.fromfile(os.path.join(root, f"raw{i}.bin"), dtype=a.dtype) for i, a in enumerate(arrays)]
 
 
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def can_drop_caches() -> bool:
+    """Whether this process may write ``DROP_CACHES`` (root): checked before the run, not after its warm part."""
+    try:
+        with open(DROP_CACHES, "w"):  # opened, nothing written: nothing dropped
+            return True
+    except OSError:
+        return False
+
+
 def evict(paths: list[str], drop_all: bool) -> None:
     """Take ``paths`` out of the page cache (``drop_all``: the whole cache, root only)."""
     if drop_all:
         os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
+        with open(DROP_CACHES, "w") as fh:
             fh.write("3\n")
         return
     for path in paths:
@@ -140,6 +154,10 @@ def main() -> None:
     ap.add_argument("--drop-caches", action="store_true", help="cold cache: drop the whole page cache (root)")
     ap.add_argument("--dcp", action="store_true", help="differential checkpoints (level 5): a dCP file to restart from")
     args = ap.parse_args()
+    if args.drop_caches and not can_drop_caches():
+        print(f"note: --drop-caches needs write access to {DROP_CACHES} (root), which this process lacks: the "
+              "checkpoint file alone is evicted (posix_fadvise DONTNEED), as without --drop-caches", flush=True)
+        args.drop_caches = False
     level, name = (5, "L5 (dCP, unchanged)") if args.dcp else (1, "L1 (hashed)")
     root = tempfile.mkdtemp(dir=args.dir)
     try:
@@ -167,11 +185,12 @@ def main() -> None:
         gib = nbytes / 2**30
         print(f"state: {args.arrays} arrays, {nbytes / 2**20:.0f} MiB, hash {args.hash}, direct_io {args.direct_io}, "
               f"best of {args.repeat}")
-        print(f"{'operation':34} {'seconds':>8} {'GiB/s':>7} {'ratio':>6}")
+        # ratio: time over the raw baseline's (below 1: faster), as the cold table below and the docs give it
+        print(f"{'operation':34} {'seconds':>8} {'GiB/s':>7} {'x raw':>6}")
         print(f"{'raw tofile + fsync':34} {t_raw_w:8.3f} {gib / t_raw_w:7.2f} {'1.00':>6}")
-        print(f"{'ftidask checkpoint ' + name:34} {t_ck:8.3f} {gib / t_ck:7.2f} {t_raw_w / t_ck:6.2f}")
+        print(f"{'ftidask checkpoint ' + name:34} {t_ck:8.3f} {gib / t_ck:7.2f} {t_ck / t_raw_w:6.2f}")
         print(f"{'raw np.fromfile':34} {t_raw_r:8.3f} {gib / t_raw_r:7.2f} {'1.00':>6}")
-        print(f"{'ftidask recover (verified)':34} {t_rec:8.3f} {gib / t_rec:7.2f} {t_raw_r / t_rec:6.2f}")
+        print(f"{'ftidask recover (verified)':34} {t_rec:8.3f} {gib / t_rec:7.2f} {t_rec / t_raw_r:6.2f}")
         print(f"extra anonymous RSS at peak: checkpoint {mem_w.extra / 2**20:.1f} MiB, "
               f"recovery {mem_r.extra / 2**20:.1f} MiB")
         path = max(glob.glob(f"{root}/L/**/Ckpt*-Rank0.fti", recursive=True), key=os.path.getmtime)

@@ -4,8 +4,8 @@
                                           [--async] [--levels 1 2 3 4]
 
 The driver launches ``mpiexec -n RANKS`` workers (GROUP simulated nodes, L2/L3 groups of GROUP
-nodes), each protecting MIB MiB; every level is written --repeat times and timed (slowest rank,
-best of them), L1 being the baseline. Give each rank a core of its own (``--ranks 2 --group 2``
+nodes; RANKS a multiple of GROUP), each protecting MIB MiB; every level is written --repeat times and
+timed (slowest rank, best of them), L1 being the baseline. Give each rank a core of its own (``--ranks 2 --group 2``
 on 2 cores): with more ranks than cores the level's exchange and hashing wait for a core, which
 a cluster's rank does not. Then, in
 this process, the Reed-Solomon codec (k = m = 4) encodes and decodes blocks (``bench_erasure.py``); its GB/s per core is
@@ -127,12 +127,16 @@ def raw_write(world, base: Path, level: int, ckpt_id: int, scratch: Path, group:
     where = "Global" if level == 4 else "Local"
     own = sum(p.stat().st_size for p in (base / where).rglob(f"Ckpt{ckpt_id}-Rank{world.rank}.fti"))
     sizes = world.allgather(own)
-    # ranks are placed node by node, one per node per group of ``group`` nodes
-    node_size = max(1, world.size // group)
-    node, pos = world.rank // node_size, world.rank % node_size
-    members = [(node // group * group + j) * node_size + pos for j in range(group)]
-    left = members[(node % group - 1) % group]
-    extra = {2: sizes[left], 3: max(sizes[m] for m in members)}.get(level, 0)
+    extra = 0
+    if level in (2, 3):  # only these write for others (main() checked that the ranks fill whole groups)
+        # ranks are placed node by node, one per node per group of ``group`` nodes
+        node_size = max(1, world.size // group)
+        node, pos = world.rank // node_size, world.rank % node_size
+        members = [(node // group * group + j) * node_size + pos for j in range(group)]
+        if level == 2:
+            extra = sizes[members[(node % group - 1) % group]]  # the left partner's copy
+        else:
+            extra = max(sizes[m] for m in members)  # a parity file of the group's largest file
     payload = np.random.default_rng(world.rank).integers(0, 255, max(own, extra), dtype=np.uint8)
     scratch.mkdir(parents=True, exist_ok=True)
     paths = [scratch / f"raw-{level}-{world.rank}-{j}.bin" for j in range(2)]
@@ -246,9 +250,16 @@ def codec(mib: int) -> None:
         print(f"  {name[len('k=4 m=4 '):]:<34} threads {threads:>3}  {best:7.2f} GB/s  {ratio:6.3f}x copy")
 
 
+def launch(mpiexec: str, ranks: int) -> list[str]:
+    """The command line that starts ``ranks`` ranks of this script. Through ``python -m mpi4py``: a rank's uncaught
+    exception aborts the whole job (MPI_Abort) instead of leaving the other ranks waiting in a collective, and the
+    driver waiting for them."""
+    return [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__]
+
+
 def run_workers(mpiexec: str, args: argparse.Namespace, tmp: str, flag: str) -> dict[int, list]:
     """Launch the ranks with ``flag`` (--worker, --worker-async); rank 0's RESULT row per level."""
-    proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, flag, "--mib",
+    proc = subprocess.run([*launch(mpiexec, args.ranks), flag, "--mib",
                            str(args.mib), "--dir", tmp, "--repeat", str(args.repeat), "--group", str(args.group),
                            "--pause", str(args.pause), "--writeback", args.writeback, "--direct-io", args.direct_io,
                            "--levels", *map(str, args.levels)],
@@ -269,6 +280,36 @@ def report_async(mpiexec: str, args: argparse.Namespace, tmp: str) -> None:
     for level, (sync, blocked, total, mechanism) in sorted(rows.items()):
         print(f"  L{level}  {sync:9.3f}  {blocked:12.4f}  {blocked / first:12.2f}  {blocked / sync:12.3f}  "
               f"{total:10.3f}  {total / sync:10.2f}  {mechanism}")
+
+
+def report(mpiexec: str, args: argparse.Namespace, tmp: str) -> None:
+    rows = run_workers(mpiexec, args, tmp, "--worker")
+    times = {level: row[0] for level, row in rows.items()}
+    times[1] = times.get(1, times[min(times)])
+    total = args.ranks * args.mib
+    print(f"checkpoint of {args.ranks} ranks x {args.mib} MiB = {total} MiB (early write-back {args.writeback}, "
+          f"direct_io {args.direct_io}; "
+          f"slowest rank, best of "
+          f"{max(3, args.repeat)}), against a raw tofile+fsync (best of as many) by every rank of the bytes that "
+          "level writes; restart with nothing lost into a fresh array against np.fromfile of the rank's file (warm "
+          "cache, best of 3; cold: the file evicted, median of 3); in use: a recovery into the array in use, warm:")
+    for level, (t, restart, raw, write, cold, cold_raw, rollback) in sorted(rows.items()):
+        print(f"  L{level}: {t:7.2f} s  {total / t:8.0f} MiB/s  ({t / times[1]:5.2f} x L1)  raw write {write:6.2f} s "
+              f"({t / write:5.2f} x raw)   restart {restart:6.3f} s, raw read {raw:6.3f} s ({restart / raw:5.2f} x raw)"
+              f"   cold restart {cold:6.3f} s, raw read {cold_raw:6.3f} s ({cold / cold_raw:5.2f} x raw)"
+              f"   in use {rollback:6.3f} s ({rollback / raw:5.2f} x raw)")
+    if args.dcp:
+        proc = subprocess.run([*launch(mpiexec, args.ranks), "--worker-dcp", "--mib",
+                               str(args.mib), "--dir", tmp, "--changed", str(args.changed),
+                               "--group", str(args.group)], capture_output=True, text=True, timeout=3600)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"benchmark failed:\n{proc.stdout}\n{proc.stderr}")
+        print(f"differential checkpoints, {args.changed:g}% of the 16 KiB blocks changed, vs a full checkpoint at the "
+              "same level:")
+        for level, (full, dcp, changed, total) in sorted(json.loads(line[7:]).items()):
+            print(f"  L{level}: full {full:6.2f} s, differential {dcp:6.2f} s ({dcp / full:5.3f}x), "
+                  f"{changed}/{total} blocks")
 
 
 def main() -> None:
@@ -306,41 +347,23 @@ def main() -> None:
     if args.worker_async:
         worker_async(args)
         return
-    tmp = args.dir or tempfile.mkdtemp(prefix="ftidask-bench-")
+    if args.group < 1 or args.ranks < args.group or args.ranks % args.group:
+        # the ranks fill GROUP simulated nodes of RANKS / GROUP ranks each: a remainder would put ranks on a node
+        # past the last group, whose L2/L3 partners do not exist (a rank failed, the others waited for it)
+        ap.error(f"--ranks ({args.ranks}) must be a multiple of --group ({args.group}): the ranks are placed on "
+                 "GROUP simulated nodes of RANKS / GROUP ranks each, one L2/L3 group")
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     if not os.path.exists(mpiexec):
         mpiexec = shutil.which("mpiexec") or "mpiexec"
-    if args.asynchronous:
-        report_async(mpiexec, args, tmp)
-        return
-    rows = run_workers(mpiexec, args, tmp, "--worker")
-    times = {level: row[0] for level, row in rows.items()}
-    times[1] = times.get(1, times[min(times)])
-    total = args.ranks * args.mib
-    print(f"checkpoint of {args.ranks} ranks x {args.mib} MiB = {total} MiB (early write-back {args.writeback}, "
-          f"direct_io {args.direct_io}; "
-          f"slowest rank, best of "
-          f"{max(3, args.repeat)}), against a raw tofile+fsync (best of as many) by every rank of the bytes that "
-          "level writes; restart with nothing lost into a fresh array against np.fromfile of the rank's file (warm "
-          "cache, best of 3; cold: the file evicted, median of 3); in use: a recovery into the array in use, warm:")
-    for level, (t, restart, raw, write, cold, cold_raw, rollback) in sorted(rows.items()):
-        print(f"  L{level}: {t:7.2f} s  {total / t:8.0f} MiB/s  ({t / times[1]:5.2f} x L1)  raw write {write:6.2f} s "
-              f"({t / write:5.2f} x raw)   restart {restart:6.3f} s, raw read {raw:6.3f} s ({restart / raw:5.2f} x raw)"
-              f"   cold restart {cold:6.3f} s, raw read {cold_raw:6.3f} s ({cold / cold_raw:5.2f} x raw)"
-              f"   in use {rollback:6.3f} s ({rollback / raw:5.2f} x raw)")
-    if args.dcp:
-        proc = subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, "--worker-dcp", "--mib",
-                               str(args.mib), "--dir", tmp, "--changed", str(args.changed),
-                               "--group", str(args.group)], capture_output=True, text=True, timeout=3600)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            sys.exit(f"benchmark failed:\n{proc.stdout}\n{proc.stderr}")
-        print(f"differential checkpoints, {args.changed:g}% of the 16 KiB blocks changed, vs a full checkpoint at the "
-              "same level:")
-        for level, (full, dcp, changed, total) in sorted(json.loads(line[7:]).items()):
-            print(f"  L{level}: full {full:6.2f} s, differential {dcp:6.2f} s ({dcp / full:5.3f}x), "
-                  f"{changed}/{total} blocks")
-    shutil.rmtree(tmp, ignore_errors=True) if args.dir is None else None
+    tmp = args.dir or tempfile.mkdtemp(prefix="ftidask-bench-")
+    try:  # the temporary directory goes on every path: --async's return, a failed run's sys.exit, an interrupt
+        if args.asynchronous:
+            report_async(mpiexec, args, tmp)
+            return
+        report(mpiexec, args, tmp)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
     if 3 in args.levels:  # the codec's rows beside the level that uses it
         codec(min(args.mib, 256))
 

@@ -1,6 +1,6 @@
 """Peak extra memory of each checkpoint and recovery path, as a user protecting most of a node's memory sees it.
 
-    python benchmarks/bench_memory.py [--mib 256] [--dir /tmp/benchmem] [--only SUBSTRING ...] [--no-mpi] [--no-dask]
+    python benchmarks/bench_memory.py [--mib 256] [--dir DIR] [--only SUBSTRING ...] [--no-mpi] [--no-dask]
 
 Each path runs in a fresh process (an MPI rank, a Dask worker): its peak resident memory (VmHWM, reset with
 ``/proc/self/clear_refs`` just before the call measured) minus its resident memory before the protected arrays
@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -229,7 +230,9 @@ def run_mpi(case: str, base: str, mib: int, ranks: int = 4) -> dict:
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     if not os.path.exists(mpiexec):
         mpiexec = shutil.which("mpiexec") or "mpiexec"
-    cmd = [mpiexec, "-n", str(ranks), sys.executable, str(HERE), "--mpi-child", case, "--dir", base, "--mib", str(mib)]
+    # python -m mpi4py: a rank's uncaught exception aborts the job, not leaving the others in a collective
+    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(HERE), "--mpi-child", case, "--dir", base,
+           "--mib", str(mib)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
     return json.loads(next(line[7:] for line in out.splitlines() if line.startswith("RESULT ")))
 
@@ -353,7 +356,7 @@ def groups(args: argparse.Namespace):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=256, help="MiB per protected array")
-    parser.add_argument("--dir", default="/tmp/benchmem")
+    parser.add_argument("--dir", default=None, help="where the paths write (default: a temporary directory, removed)")
     parser.add_argument("--only", nargs="*", default=[], help="rows whose name contains one of these")
     parser.add_argument("--no-mpi", action="store_true")
     parser.add_argument("--no-dask", action="store_true")
@@ -364,19 +367,27 @@ def main() -> None:
         return child(args)
     if args.mpi_child:
         return mpi_child(args.mpi_child, args.dir, args.mib)
+    own_dir = args.dir is None  # a fixed default (/tmp/benchmem) was shared by every user and run, and kept
+    args.dir = args.dir or tempfile.mkdtemp(prefix="ftidask-benchmem-")
     print(f"{'path':<44} {'protected MiB':>13} {'largest MiB':>11} {'peak extra MiB':>14} {'ratio':>6}")
     wanted = (lambda name: not args.only or any(s in name for s in args.only))
-    for base, rows in groups(args):
-        if not any(wanted(name) for name, _ in rows):
-            continue
-        shutil.rmtree(base, ignore_errors=True)  # each checkpoint starts from an empty directory
-        last = max(i for i, (name, _) in enumerate(rows) if wanted(name))
-        for name, thunk in rows[: last + 1]:  # the checkpoint runs whenever a recovery of it is wanted
-            row = thunk()
-            if wanted(name):
-                print(f"{name:<44} {row['protected'] / MIB:>13.0f} {row['largest'] / MIB:>11.0f} "
-                      f"{row['extra'] / MIB:>14.1f} {row['extra'] / row['largest']:>6.2f}", flush=True)
-        shutil.rmtree(base, ignore_errors=True)
+    try:
+        for base, rows in groups(args):
+            if not any(wanted(name) for name, _ in rows):
+                continue
+            shutil.rmtree(base, ignore_errors=True)  # each checkpoint starts from an empty directory
+            try:
+                last = max(i for i, (name, _) in enumerate(rows) if wanted(name))
+                for name, thunk in rows[: last + 1]:  # the checkpoint runs whenever a recovery of it is wanted
+                    row = thunk()
+                    if wanted(name):
+                        print(f"{name:<44} {row['protected'] / MIB:>13.0f} {row['largest'] / MIB:>11.0f} "
+                              f"{row['extra'] / MIB:>14.1f} {row['extra'] / row['largest']:>6.2f}", flush=True)
+            finally:  # a failed path's checkpoint goes too
+                shutil.rmtree(base, ignore_errors=True)
+    finally:
+        if own_dir:
+            shutil.rmtree(args.dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

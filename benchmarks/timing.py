@@ -3,6 +3,7 @@ this directory on ``sys.path``)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections.abc import Callable
@@ -36,3 +37,23 @@ def evict_tree(root: str | os.PathLike[str]) -> None:
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
             evict_file(os.path.join(dirpath, name))
+
+
+def map_large_arrays_afresh() -> bool:
+    """Make this process's ``np.empty`` of 1 MiB or more a new anonymous mapping, no page of it touched, as a
+    restarted program's first large arrays are (ftidask moves verified pages under such arrays instead of copying).
+
+    glibc raises its mmap threshold (up to 32 MiB) when a mapped chunk is freed: after a loop made and freed arrays
+    of one size, the next ``np.empty`` of that size reuses resident heap pages, neither fresh nor counted as new
+    memory. The threshold is fixed at 1 MiB (as ``tests/freshpages.py`` does) and the free heap memory given back.
+    An array on a mapping of the benchmark's own (``np.frombuffer(mmap.mmap(...))``) would be fresh too, but it is
+    not NumPy's memory, which ftidask never moves pages under: it would time the copy, not a restart's path.
+    False where glibc's ``mallopt`` is missing (the arrays may then not be fresh).
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        done = libc.mallopt(-3, 1 << 20) == 1 and libc.mallopt(-1, 1 << 20) == 1  # M_MMAP_, M_TRIM_THRESHOLD
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return done
