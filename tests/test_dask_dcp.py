@@ -296,3 +296,17 @@ def test_l3_parity_is_updated_from_the_deltas(client, dirs, spill):
     lose_workers(client, dirs, [1, 2])
     client.wait_for_workers(NWORKERS - 2, timeout=60)
     _assert_same(_init(client, dirs, group_size=4).recover(), saved)
+
+
+def test_a_full_local_disk_names_the_workers_file(client, tmp_path):
+    """A differential write on a full disk said only "No space left on device" with the task's key: the error names
+    the worker's file now, as the other backends' do."""
+    from diskfull import tmpfs
+
+    with tmpfs(tmp_path / "fs", "256k") as fs:
+        ctx = ftidask.init(client=client, ckpt_dir=str(fs / "Local"), glbl_dir=str(tmp_path / "Global"),
+                           meta_dir=str(tmp_path / "Meta"), enable_dcp=1, verbosity=4)
+        ctx.protect(1, da.zeros(1 << 17, chunks=1 << 16))  # 1 MiB: no room for it
+        with pytest.raises(ftidask.CheckpointError, match=r"No space left on device: '/.*Local/"):
+            ctx.checkpoint(1, 5)
+        ctx._close()

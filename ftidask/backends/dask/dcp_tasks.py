@@ -55,11 +55,14 @@ def write_rank_dcp(spare: str, final: str, expected_fb_hash: str | None, layout_
     else:
         fence.claim([(spare, work)])
     infos = [VarInfo.from_json(r) for r in infos_json]
-    written, stats = write_differential(
-        work, Path(final), bytes.fromhex(expected_fb_hash) if expected_fb_hash else None,
-        layout_from_json(layout_json), chunk_sources(places, chunks, infos), infos,
-        meta, block_size=block_size, bid=bid, hash_id=hashing.hash_id(hash_name), pool=_hash_pool(),
-        pt_fs=pt_fs, max_fs=max_fs, capture_xor=with_xor, spill_dir=work.parent if with_xor else None)
+    try:
+        written, stats = write_differential(
+            work, Path(final), bytes.fromhex(expected_fb_hash) if expected_fb_hash else None,
+            layout_from_json(layout_json), chunk_sources(places, chunks, infos), infos,
+            meta, block_size=block_size, bid=bid, hash_id=hashing.hash_id(hash_name), pool=_hash_pool(),
+            pt_fs=pt_fs, max_fs=max_fs, capture_xor=with_xor, spill_dir=work.parent if with_xor else None)
+    except OSError as exc:  # a full disk's write names no file: the client's error says which worker's file
+        raise storage.located(exc, work) from exc
     result = {"rank": meta["rank"], "node": meta["node"], "size": written.file_size,
               "fb_hash": written.fb.hash.hex(), "data_bytes": stats.data_bytes, "file_bytes": stats.file_bytes,
               "blocks_changed": stats.blocks_changed, "blocks_total": stats.blocks_total,
