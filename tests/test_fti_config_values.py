@@ -34,7 +34,7 @@ def test_values_are_read_as_iniparser_reads_them(tmp_path, line, key, value):
     assert getattr(ftidask.load_config(cfg), key) == value
 
 
-@pytest.mark.parametrize("value", ['""', "''", "", "# nothing"])
+@pytest.mark.parametrize("value", ['""', "''", "", "# nothing", "NULL"])
 def test_an_empty_exec_id_is_none(tmp_path, value):
     cfg = tmp_path / "config.fti"
     cfg.write_text(f"[restart]\nfailure = 0\nexec_id = {value}\n")

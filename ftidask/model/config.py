@@ -152,7 +152,7 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "dcp_page_tracking": ("basic", 1, _parse_bool),  # ftidask: hash only blocks whose pages were written
     "max_sync_intv": ("basic", 0, _parse_int(0)),
     "failure": ("restart", 0, _parse_int(0, 3)),
-    "exec_id": ("restart", None, _parse_opt_str),
+    "exec_id": ("restart", None, lambda k, v: None if _parse_opt_str(k, v) == "NULL" else _parse_opt_str(k, v)),
     "block_size": ("advanced", 1024, _parse_int(1)),  # KiB, FTI's unit
     "transfer_size": ("advanced", 16, _parse_int(1)),  # MiB, FTI's unit
     "mpi_tag": ("advanced", 2612, _parse_int(0, _MPI_TAG_MAX)),
