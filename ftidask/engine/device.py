@@ -44,9 +44,10 @@ stats = {"d2h_bytes": 0}
 
 def _forget_after_fork() -> None:
     """A forked child has neither the parent's threads nor its CUDA context: the pool and the buffers go."""
-    global _movers
+    global _movers, _lock, _pool_lock
     _movers = None
     _bounce.clear()
+    _lock, _pool_lock = threading.Lock(), threading.Lock()  # a parent's thread may have held them at the fork
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -233,6 +234,7 @@ class DeviceHolder:
         if not len(src):
             return
         with cupy.cuda.Device(self.device_id):
+            cupy.cuda.Device(self.device_id).synchronize()  # no kernel of any stream still writes the array
             flat = self._flat_device(contiguous=False)
             target = flat if flat is not None else cupy.empty(len(src), cupy.uint8)
             rt = cupy.cuda.runtime
@@ -317,7 +319,13 @@ def holder_of(array: Any, old: Any = None) -> DeviceHolder | None:
 def host_chunk(chunk: Any) -> np.ndarray:
     """A Dask chunk's values on the host: a CuPy chunk copied from its device (on the worker that holds it), any
     other chunk as a NumPy array."""
-    return chunk.get() if is_device_array(chunk) else np.asarray(chunk)
+    if not is_device_array(chunk):
+        return np.asarray(chunk)
+    import cupy  # noqa: PLC0415 - only for a chunk that lives on a device
+
+    with cupy.cuda.Device(chunk.device.id):  # .get() waits for the current stream only: the kernels that made the
+        cupy.cuda.Device(chunk.device.id).synchronize()  # chunk may run on another (a per-thread default stream)
+        return chunk.get()
 
 
 def device_chunk(chunk: np.ndarray) -> Any:
