@@ -183,3 +183,50 @@ def test_auto_picks_an_available_path():
     assert native.gf_set_isa("auto")
     assert gf_native.isa() == native.gf_isa() in ISAS
     assert native.gf_set_isa(native.gf_isa())
+
+
+def test_an_output_overlapping_the_matrix_is_refused():
+    """The kernels read the matrix again after writing the first rows: an output over it computed garbage."""
+    mat = bytearray([3])
+    with pytest.raises(ValueError, match="outputs\\[0\\] overlaps the matrix"):
+        native.gf_matmul(mat, [bytes([5])], [mat])
+    assert mat == bytearray([3])
+    buf = np.zeros(64, np.uint8)
+    buf[:2] = [1, 2]
+    with pytest.raises(ValueError, match="outputs\\[1\\] overlaps the matrix"):
+        native.gf_matmul(buf[:2], [np.ones(16, np.uint8)], [np.zeros(16, np.uint8), buf[1:17]])
+
+
+@pytest.mark.parametrize("kind", ["bytearray", "memoryview", "ndarray"])
+def test_split_stripes_write_the_callers_outputs(monkeypatch, kind):
+    """Stripes of 1 MiB or more are cut into pieces; a piece of a bytearray was a copy, left unwritten."""
+    monkeypatch.setattr(gf_native, "threads", 4)
+    n = 2 << 20
+    rng = np.random.default_rng(11)
+    ins = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(2)]
+    mat = np.array([[5, 7], [1, 2]], np.uint8)
+    outs = [bytearray(n) for _ in range(2)]
+    if kind == "memoryview":
+        outs = [memoryview(o) for o in outs]
+    elif kind == "ndarray":
+        outs = [np.zeros(n, np.uint8) for _ in outs]
+    gf_native.matmul(mat, [bytes(ins[0]), ins[1]], outs)
+    want = reference(mat, ins, [np.zeros(n, np.uint8)] * 2, False)
+    for got, w in zip(outs, want):
+        assert np.array_equal(np.frombuffer(got, np.uint8), w)
+
+
+@pytest.mark.parametrize("use_native", [False, True])
+def test_gf_add_scaled_with_aliasing_arguments(monkeypatch, use_native):
+    """out ^= coef * data where data is out, or overlaps it: both paths compute coef * data first."""
+    if use_native and not gf_native.available():
+        pytest.skip("no native kernel")
+    monkeypatch.setattr(erasure, "use_native", use_native)
+    x = np.arange(64, dtype=np.uint8)
+    erasure.gf_add_scaled(3, x, x)
+    assert np.array_equal(x, np.arange(64, dtype=np.uint8) ^ erasure.gf_scale(3, np.arange(64, dtype=np.uint8)))
+    z = np.arange(64, dtype=np.uint8)
+    erasure.gf_add_scaled(3, z[:32], z[16:48])
+    base = np.arange(64, dtype=np.uint8)
+    assert np.array_equal(z[16:48], base[16:48] ^ erasure.gf_scale(3, base[:32]))
+    assert np.array_equal(z[:16], base[:16]) and np.array_equal(z[48:], base[48:])

@@ -73,21 +73,28 @@ open_uffd(char *why, size_t why_len, int *err)
     return -1;
 }
 
-/* UFFDIO_API may be called once per context: asking for WP_UNPOPULATED on a kernel without it
- * fails, and the plain handshake needs a new context. */
+/* UFFDIO_API may be called once per context: asking for a feature the kernel lacks fails, and the
+ * next try needs a new context. WP_UNPOPULATED protects never-touched pages; EVENT_REMOVE tells the
+ * handler of madvise(DONTNEED/FREE) on protected memory, which drops pages without a fault
+ * (cow_pages.c: their copy-out then fails instead of reading zeros). */
 static int
 handshake(cow_snap *s, char *why, size_t why_len)
 {
+    static const uint64_t wanted[] = {UFFD_FEATURE_WP_UNPOPULATED | UFFD_FEATURE_EVENT_REMOVE,
+                                      UFFD_FEATURE_EVENT_REMOVE, 0};
     int err = 0;
-    for (int attempt = 0; attempt < 2; attempt++) {
+    for (size_t attempt = 0; attempt < sizeof wanted / sizeof wanted[0]; attempt++) {
         s->uffd = open_uffd(why, why_len, &err);
         if (s->uffd < 0)
             return err;
-        struct uffdio_api api = {.api = UFFD_API, .features = attempt == 0 ? UFFD_FEATURE_WP_UNPOPULATED : 0};
+        struct uffdio_api api = {.api = UFFD_API, .features = wanted[attempt]};
         if (ioctl(s->uffd, UFFDIO_API, &api) == 0) {
             if (!(api.features & UFFD_FEATURE_PAGEFAULT_FLAG_WP))
                 return set_error(why, why_len, EOPNOTSUPP, "userfaultfd write-protection");
-            s->populated = attempt == 0; /* never-touched pages are protected by the kernel's markers */
+            /* api.features lists what the kernel has; what was asked for is what is on. With
+             * WP_UNPOPULATED, never-touched pages are protected by the kernel's markers. */
+            s->populated = (wanted[attempt] & UFFD_FEATURE_WP_UNPOPULATED) != 0;
+            s->remove_events = (wanted[attempt] & UFFD_FEATURE_EVENT_REMOVE) != 0;
             return 0;
         }
         err = errno;
@@ -97,6 +104,55 @@ handshake(cow_snap *s, char *why, size_t why_len)
             break;
     }
     return set_error(why, why_len, err, "UFFDIO_API");
+}
+
+/* The snapshots of this process from before their first protection until after their last:
+ * cow_copy_out writes its output with a chunk lock held only where none of them protects it (see
+ * there). A fork in the middle of a change leaves the child the lock released (atfork). */
+static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
+static cow_snap *live_head;
+static pthread_once_t live_once = PTHREAD_ONCE_INIT;
+
+static void live_prepare(void) { pthread_mutex_lock(&live_lock); }
+static void live_resume(void) { pthread_mutex_unlock(&live_lock); }
+static void live_init(void) { pthread_atfork(live_prepare, live_resume, live_resume); }
+
+static void
+live_add(cow_snap *s)
+{
+    pthread_once(&live_once, live_init);
+    pthread_mutex_lock(&live_lock);
+    s->live_next = live_head;
+    live_head = s;
+    s->listed = 1;
+    pthread_mutex_unlock(&live_lock);
+}
+
+static void
+live_remove(cow_snap *s)
+{
+    pthread_mutex_lock(&live_lock);
+    for (cow_snap **p = &live_head; *p; p = &(*p)->live_next)
+        if (*p == s) {
+            *p = s->live_next;
+            break;
+        }
+    s->listed = 0;
+    pthread_mutex_unlock(&live_lock);
+}
+
+/* 1 when a live snapshot of this process has pages in [lo, hi): a write there may fault into its
+ * handler. */
+int
+cow_out_protected(uintptr_t lo, uintptr_t hi)
+{
+    int hit = 0;
+    pthread_mutex_lock(&live_lock);
+    for (cow_snap *s = live_head; s && !hit; s = s->live_next)
+        for (size_t i = 0; i < s->nranges && !hit; i++)
+            hit = lo < s->ranges[i].addr + s->ranges[i].npages * s->page && s->ranges[i].addr < hi;
+    pthread_mutex_unlock(&live_lock);
+    return hit;
 }
 
 static int
@@ -110,18 +166,30 @@ cmp_range(const void *a, const void *b)
 static cow_snap *
 layout(const uintptr_t *addrs, const size_t *sizes, size_t n, size_t page)
 {
-    size_t npages = 0;
+    /* The regions were checked (cow_create: no wrap, mapped), so each count fits; their sum and
+     * the sizes below are checked all the same: many regions of the same memory add up. */
+    size_t npages = 0, bytes_max = SIZE_MAX / 2;
     for (size_t i = 0; i < n; i++)
-        if (sizes[i])
-            npages += ((addrs[i] + sizes[i] + page - 1) / page) - addrs[i] / page;
+        if (sizes[i] && __builtin_add_overflow(npages, ((addrs[i] + sizes[i] + page - 1) / page) - addrs[i] / page,
+                                               &npages)) {
+            errno = ENOMEM;
+            return NULL;
+        }
+    if (npages > bytes_max / page || n > bytes_max / sizeof(cow_array)) {
+        errno = ENOMEM;
+        return NULL;
+    }
     size_t nlocks = npages / CHUNK_PAGES + 1, nslabs = npages * page / SLAB_BYTES + 2;
-    size_t off[9], total = 0;
-    size_t parts[9] = {sizeof(cow_snap), n * sizeof(cow_range), n * sizeof(cow_array), npages, npages * sizeof(void *),
-                       npages * sizeof(uint32_t), npages * sizeof(uint32_t), nlocks * sizeof(pthread_mutex_t),
-                       nslabs * sizeof(void *)};
-    for (int i = 0; i < 9; i++) {
+    size_t off[10], total = 0;
+    size_t parts[10] = {sizeof(cow_snap), n * sizeof(cow_range), n * sizeof(cow_array), npages, npages * sizeof(void *),
+                        npages * sizeof(uint32_t), npages * sizeof(uint32_t), nlocks * sizeof(pthread_mutex_t),
+                        nslabs * sizeof(void *), DEFER_MAX * sizeof(cow_defer)};
+    for (int i = 0; i < 10; i++) {
         off[i] = total;
-        total += align64(parts[i]);
+        if (__builtin_add_overflow(total, align64(parts[i]), &total)) {
+            errno = ENOMEM;
+            return NULL;
+        }
     }
     char *base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED)
@@ -139,6 +207,7 @@ layout(const uintptr_t *addrs, const size_t *sizes, size_t n, size_t page)
     s->cnt = (uint32_t *)(base + off[6]);
     s->locks = (pthread_mutex_t *)(base + off[7]);
     s->slabs = (void **)(base + off[8]);
+    s->deferred = (cow_defer *)(base + off[9]);
     s->slab_cap = nslabs;
     s->run_min = RUN_MIN_BYTES > page ? RUN_MIN_BYTES / page : 1;
     s->run_max = RUN_MAX_BYTES > page ? RUN_MAX_BYTES / page : 1;
@@ -196,45 +265,114 @@ layout(const uintptr_t *addrs, const size_t *sizes, size_t n, size_t page)
     return s;
 }
 
-/* 1 when [lo, hi) lies entirely in private anonymous mappings. The kernel also registers shared
- * memory (shmem) for write-protection, but a shared page can be written through another mapping
- * or process, which this protection would not see; a private file mapping's unwritten pages are
- * the file's, which others may write. */
-static int
-anonymous_private(uintptr_t lo, uintptr_t hi)
+/* The mappings of /proc/self/maps, in address order, each marked when it is private anonymous
+ * memory. The kernel also registers shared memory (shmem) for write-protection, but a shared page
+ * can be written through another mapping or process, which this protection would not see; a private
+ * file mapping's unwritten pages are the file's, which others may write. Whole lines (getline): a
+ * file mapping's path may make one longer than any fixed buffer. malloc is fine here: nothing is
+ * protected yet. NULL (errno set) when the file cannot be read. */
+typedef struct { uintptr_t start, end; int ok; } cow_map;
+
+static cow_map *
+load_maps(size_t *count)
 {
     FILE *maps = fopen("/proc/self/maps", "re");
     if (!maps)
-        return 0;
-    char line[512];
-    uintptr_t covered = lo;
-    int ok = 0;
-    while (!ok && fgets(line, sizeof line, maps)) {
+        return NULL;
+    cow_map *list = NULL;
+    size_t n = 0, cap = 0, line_cap = 0;
+    char *line = NULL;
+    int err = 0;
+    while (getline(&line, &line_cap, maps) > 0) {
         unsigned long start, end, offset, inode;
         unsigned major, minor;
         char perms[8];
         int path_at = 0;
         if (sscanf(line, "%lx-%lx %7s %lx %x:%x %lu %n", &start, &end, perms, &offset, &major, &minor, &inode,
                    &path_at) < 7)
-            break;
-        if (end <= covered || start >= hi)
-            continue;
+            continue; /* not a mapping's line: a gap, so nothing there is taken for anonymous memory */
         const char *path = line + path_at;
         int anonymous = inode == 0 && major == 0 && minor == 0 &&
                         (*path == '\n' || *path == '\0' || !strncmp(path, "[heap]", 6) || !strncmp(path, "[anon:", 6));
-        if (start > covered || !anonymous || perms[0] != 'r' || perms[1] != 'w' || perms[3] != 'p')
-            break;
-        covered = end;
-        ok = covered >= hi;
+        if (n == cap) {
+            cow_map *grown = realloc(list, (cap = cap ? 2 * cap : 256) * sizeof(cow_map));
+            if (!grown) {
+                err = ENOMEM;
+                break;
+            }
+            list = grown;
+        }
+        list[n].start = start;
+        list[n].end = end;
+        list[n].ok = anonymous && strlen(perms) >= 4 && perms[0] == 'r' && perms[1] == 'w' && perms[3] == 'p';
+        n++;
     }
+    if (!err && ferror(maps))
+        err = errno ? errno : EIO;
+    free(line);
     fclose(maps);
-    return ok;
+    if (err || !n) {
+        free(list);
+        errno = err ? err : EINVAL;
+        return NULL;
+    }
+    *count = n;
+    return list;
+}
+
+/* 1 when [lo, hi) lies entirely in private anonymous mappings (maps: load_maps'). */
+static int
+anonymous_private(const cow_map *maps, size_t n, uintptr_t lo, uintptr_t hi)
+{
+    size_t a = 0, b = n; /* the first mapping that ends past lo */
+    while (a < b) {
+        size_t mid = (a + b) / 2;
+        if (maps[mid].end <= lo)
+            a = mid + 1;
+        else
+            b = mid;
+    }
+    uintptr_t covered = lo;
+    for (size_t i = a; i < n && covered < hi; i++) {
+        if (maps[i].start > covered || !maps[i].ok)
+            return 0;
+        covered = maps[i].end;
+    }
+    return covered >= hi;
+}
+
+/* Before anything is laid out (whose size follows the regions'): every region a span of private
+ * anonymous memory that does not wrap around the address space. 0, or an errno with why. */
+static int
+check_regions(const uintptr_t *addrs, const size_t *sizes, size_t n, size_t page, char *why, size_t why_len)
+{
+    for (size_t i = 0; i < n; i++)
+        if (sizes[i] && (sizes[i] > UINTPTR_MAX - page || addrs[i] > UINTPTR_MAX - page - sizes[i])) {
+            snprintf(why, why_len, "region %zu (%#lx+%zu) wraps around the address space", i, (unsigned long)addrs[i],
+                     sizes[i]);
+            return EINVAL;
+        }
+    size_t count = 0;
+    cow_map *maps = load_maps(&count);
+    if (!maps)
+        return set_error(why, why_len, errno, "/proc/self/maps");
+    int err = 0;
+    for (size_t i = 0; !err && i < n; i++) {
+        uintptr_t lo = addrs[i] / page * page, hi = (addrs[i] + sizes[i] + page - 1) / page * page;
+        if (sizes[i] && !anonymous_private(maps, count, lo, hi))
+            err = set_error(why, why_len, EINVAL, "memory that is not private anonymous (shared or file-backed)");
+    }
+    free(maps);
+    return err;
 }
 
 int
 cow_create(const uintptr_t *addrs, const size_t *sizes, size_t n, cow_snap **out, char *why, size_t why_len)
 {
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    int err = check_regions(addrs, sizes, n, page, why, why_len);
+    if (err)
+        return err;
     cow_snap *s = layout(addrs, sizes, n, page);
     if (!s)
         return set_error(why, why_len, errno, "mmap");
@@ -242,7 +380,7 @@ cow_create(const uintptr_t *addrs, const size_t *sizes, size_t n, cow_snap **out
     pthread_mutex_init(&s->alloc_lock, NULL);
     for (size_t i = 0; i < s->nlocks; i++)
         pthread_mutex_init(&s->locks[i], NULL);
-    int err = handshake(s, why, why_len);
+    err = handshake(s, why, why_len);
     if (!err) {
         s->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
         if (s->evfd < 0)
@@ -261,10 +399,9 @@ cow_create(const uintptr_t *addrs, const size_t *sizes, size_t n, cow_snap **out
         else
             s->thread_started = 1;
     }
-    for (size_t i = 0; !err && i < s->nranges; i++)
-        if (!anonymous_private(s->ranges[i].addr, s->ranges[i].addr + s->ranges[i].npages * page))
-            err = set_error(why, why_len, EINVAL, "memory that is not private anonymous (shared or file-backed)");
     size_t registered = 0;
+    if (!err)
+        live_add(s); /* before anything is protected */
     for (; !err && registered < s->nranges; registered++) {
         cow_range *r = &s->ranges[registered];
         struct uffdio_register reg = {.range = {.start = r->addr, .len = r->npages * page}, .mode = UFFDIO_REGISTER_MODE_WP};
@@ -329,6 +466,8 @@ cow_release(cow_snap *s)
         if (s->uffd >= 0)
             close(s->uffd); /* also drops whatever is still registered, and wakes its waiters */
         s->evfd = s->uffd = -1;
+        if (s->listed)
+            live_remove(s); /* after the last unprotection */
         for (size_t i = 0; i < s->nslabs; i++)
             munmap(s->slabs[i], s->npages * s->page < SLAB_BYTES ? s->npages * s->page : SLAB_BYTES);
         s->nslabs = 0;

@@ -9,7 +9,7 @@ typedef struct cow_snap cow_snap;
 
 typedef struct {
     size_t pages_copied, pages_copied_ahead, pages_lost, faults, peak_bytes, live_bytes, pages, ranges;
-    int unpopulated_protected;
+    int unpopulated_protected, drops_reported;
 } cow_stat;
 
 /* 0, or an errno with a sentence in why. */

@@ -12,6 +12,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <linux/userfaultfd.h>
 #include <sys/eventfd.h>
@@ -27,13 +28,21 @@
 #ifndef USERFAULTFD_IOC_NEW
 #define USERFAULTFD_IOC_NEW _IO(0xAA, 0x00)
 #endif
+#ifndef UFFD_FEATURE_EVENT_REMOVE
+#define UFFD_FEATURE_EVENT_REMOVE (1 << 3)
+#endif
+#ifndef UFFD_EVENT_REMOVE
+#define UFFD_EVENT_REMOVE 0x15
+#endif
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22
 #endif
 
 /* AHEAD: copied aside by the run around another page's fault (COPIED: the faulting page, or a
  * page of a run that a sweep went on past, so written). Both are read from the side copy. */
-enum { PROTECTED = 0, COPIED = 1, DONE = 2, LOST = 3, AHEAD = 4 };
+/* DROPPED: still protected when madvise(DONTNEED/FREE) dropped it (UFFD_EVENT_REMOVE): the
+ * snapshot value is gone, like LOST's. */
+enum { PROTECTED = 0, COPIED = 1, DONE = 2, LOST = 3, AHEAD = 4, DROPPED = 5 };
 #define CHUNK_PAGES 256  /* pages per lock: the reader holds one while copying up to 1 MiB */
 #define SLAB_BYTES (2u << 20)
 /* A write fault copies aside and unprotects an aligned run of pages around the faulting one, like
@@ -49,6 +58,11 @@ enum { PROTECTED = 0, COPIED = 1, DONE = 2, LOST = 3, AHEAD = 4 };
 #define AHEAD_MAX_BYTES (32u << 20)
 
 typedef struct { uintptr_t lo, hi; size_t pages; unsigned long used; } cow_stream; /* last run of a sweep */
+/* A run whose unprotection the kernel refused with EAGAIN while a madvise waited for the handler to
+ * read its UFFD_EVENT_REMOVE (mmap_changing): retried after the next read (handler thread only).
+ * Beyond DEFER_MAX the writer waits until the reader or release() unprotects its pages. */
+typedef struct { uintptr_t lo; size_t len; } cow_defer;
+#define DEFER_MAX 1024
 
 typedef struct { uintptr_t addr; size_t npages, first; } cow_range;          /* one registration */
 typedef struct { uintptr_t addr, page0; size_t nbytes, npages, first, cnt; } cow_array;
@@ -56,6 +70,16 @@ typedef struct { uintptr_t addr, page0; size_t nbytes, npages, first, cnt; } cow
 struct cow_snap {
     size_t map_bytes, page, npages, nranges, narrays, nlocks;
     int uffd, evfd, thread_started, released, populated;
+    int remove_events;          /* UFFD_FEATURE_EVENT_REMOVE is on */
+    /* Odd while the handler may have let a madvise drop pages that it has not yet marked DROPPED
+     * (from just before its read of the uffd to the end of that batch), bumped again after; a
+     * copy-out that read a page from memory trusts it only if this was even and unchanged across
+     * its read (cow_pages.c: take). */
+    size_t remove_seq;
+    cow_defer *deferred;        /* handler thread only */
+    size_t ndeferred;
+    cow_snap *live_next;        /* the process's live snapshots (cow_out_protected); listed: */
+    int listed;
     pid_t pid;
     pthread_t thread;
     pthread_rwlock_t gate;      /* copy-outs (read) against release (write) */
@@ -83,6 +107,7 @@ int cow_write_protect(cow_snap *s, uintptr_t start, size_t len, int on);
 long cow_page_index(cow_snap *s, uintptr_t addr);
 cow_range *cow_find_range(cow_snap *s, uintptr_t addr);
 void *cow_handler(void *arg);
+int cow_out_protected(uintptr_t lo, uintptr_t hi);
 
 #endif
 #endif

@@ -5,7 +5,8 @@
  * copy holds the snapshot), AHEAD (the same, copied by the run around another page's fault and not
  * known to be written: at most ahead_max of those are held), DONE (read out, unprotected), LOST
  * (written when no memory was left for its side copy: its copy-out fails, the writer is never kept
- * waiting).
+ * waiting), DROPPED (still protected when madvise(DONTNEED/FREE) dropped it: its copy-out fails too,
+ * where the kernel tells the handler (UFFD_EVENT_REMOVE); elsewhere the copy-out reads zeros).
  */
 #include "cow_impl.h"
 
@@ -100,6 +101,77 @@ side_free(cow_snap *s, void *p, int ahead)
     s->live--;
     s->ahead_live -= ahead != 0;
     pthread_mutex_unlock(&s->alloc_lock);
+}
+
+/* Unprotect a run from the handler thread. While a madvise waits for the handler to read its
+ * UFFD_EVENT_REMOVE, the kernel refuses with EAGAIN (mmap_changing): retrying here would wait for
+ * this very thread, so the run is kept and retried after the next read (retry_deferred). */
+static void
+unprotect_run(cow_snap *s, uintptr_t lo, size_t len)
+{
+    struct uffdio_writeprotect wp = {.range = {.start = lo, .len = len}, .mode = 0};
+    while (ioctl(s->uffd, UFFDIO_WRITEPROTECT, &wp) != 0) {
+        if (errno == EINTR)
+            continue;
+        /* Past DEFER_MAX (as many writers blocked at once), or another failure: the writer waits
+         * until the reader or release() unprotects its pages; nothing better can be done here. */
+        if (errno == EAGAIN && s->ndeferred < DEFER_MAX)
+            s->deferred[s->ndeferred++] = (cow_defer){.lo = lo, .len = len};
+        return;
+    }
+}
+
+static void
+retry_deferred(cow_snap *s)
+{
+    size_t kept = 0;
+    for (size_t i = 0; i < s->ndeferred; i++) {
+        struct uffdio_writeprotect wp = {.range = {.start = s->deferred[i].lo, .len = s->deferred[i].len}, .mode = 0};
+        int rc;
+        while ((rc = ioctl(s->uffd, UFFDIO_WRITEPROTECT, &wp)) != 0 && errno == EINTR)
+            ;
+        if (rc != 0 && errno == EAGAIN)
+            s->deferred[kept++] = s->deferred[i];
+    }
+    s->ndeferred = kept;
+}
+
+/* madvise(DONTNEED/FREE) is about to drop [start, end) (UFFD_EVENT_REMOVE, read): the pages there
+ * still protected lose their snapshot value without a fault. Mark them DROPPED, so that their
+ * copy-out fails rather than read zeros; the side copies (COPIED, AHEAD) keep theirs. */
+static void
+on_remove(cow_snap *s, uintptr_t start, uintptr_t end)
+{
+    size_t dropped = 0;
+    for (size_t i = 0; i < s->nranges; i++) {
+        cow_range *r = &s->ranges[i];
+        uintptr_t r_end = r->addr + r->npages * s->page;
+        uintptr_t lo = start > r->addr ? start : r->addr, hi = end < r_end ? end : r_end;
+        if (lo >= hi)
+            continue;
+        size_t g0 = r->first + (lo - r->addr) / s->page, g1 = r->first + (hi - r->addr + s->page - 1) / s->page;
+        long held = -1;
+        for (size_t g = g0; g < g1; g++) {
+            long chunk = (long)(g / CHUNK_PAGES);
+            if (chunk != held) {
+                if (held >= 0)
+                    pthread_mutex_unlock(&s->locks[held]);
+                pthread_mutex_lock(&s->locks[chunk]);
+                held = chunk;
+            }
+            if (s->state[g] == PROTECTED) {
+                s->state[g] = DROPPED;
+                dropped++;
+            }
+        }
+        if (held >= 0)
+            pthread_mutex_unlock(&s->locks[held]);
+    }
+    if (dropped) {
+        pthread_mutex_lock(&s->alloc_lock);
+        s->lost += dropped;
+        pthread_mutex_unlock(&s->alloc_lock);
+    }
 }
 
 /* The run to copy for a fault at addr in range r: follows a sweep if the fault carries on where one
@@ -216,7 +288,7 @@ on_fault(cow_snap *s, uintptr_t addr)
     __atomic_fetch_add(&s->faults, 1, __ATOMIC_RELAXED);
     cow_range *r = cow_find_range(s, addr);
     if (!r) {
-        cow_write_protect(s, addr, page, 0);
+        unprotect_run(s, addr, page);
         return;
     }
     size_t pages, gf = r->first + (addr - r->addr) / page;
@@ -258,9 +330,7 @@ on_fault(cow_snap *s, uintptr_t addr)
     e->hi = lo + last * page;
     e->pages = pages;
     e->used = ++s->stream_clock;
-    /* A failure here leaves the writer blocked until release() unregisters the range; nothing
-     * better can be done from this thread. */
-    cow_write_protect(s, lo + first * page, (last - first) * page, 0);
+    unprotect_run(s, lo + first * page, (last - first) * page);
 }
 
 void *
@@ -270,22 +340,40 @@ cow_handler(void *arg)
     struct uffd_msg msgs[32];
     struct pollfd fds[2] = {{.fd = s->uffd, .events = POLLIN}, {.fd = s->evfd, .events = POLLIN}};
     for (;;) {
-        if (poll(fds, 2, -1) < 0) {
+        if (s->ndeferred)
+            retry_deferred(s);
+        if (poll(fds, 2, s->ndeferred ? 1 : -1) < 0) {
             if (errno == EINTR)
                 continue;
             break;
         }
         if (fds[1].revents)
             break;
+        if (!fds[0].revents)
+            continue;
+        /* Odd from before the read: a madvise whose UFFD_EVENT_REMOVE this read hands over drops its
+         * pages as soon as the read returns, before on_remove has marked them (see take). */
+        if (s->remove_events)
+            __atomic_fetch_add(&s->remove_seq, 1, __ATOMIC_SEQ_CST);
         ssize_t n = read(s->uffd, msgs, sizeof msgs);
+        size_t count = n > 0 ? (size_t)n / sizeof msgs[0] : 0;
+        int removes = 0;
+        for (size_t i = 0; i < count; i++)
+            removes |= msgs[i].event == UFFD_EVENT_REMOVE;
+        if (s->remove_events && !removes)
+            __atomic_fetch_add(&s->remove_seq, 1, __ATOMIC_SEQ_CST);
         if (n < 0) {
             if (errno == EAGAIN || errno == EINTR)
                 continue;
             break;
         }
-        for (size_t i = 0; i < (size_t)n / sizeof msgs[0]; i++)
+        for (size_t i = 0; i < count; i++)
             if (msgs[i].event == UFFD_EVENT_PAGEFAULT)
                 on_fault(s, (uintptr_t)msgs[i].arg.pagefault.address);
+            else if (msgs[i].event == UFFD_EVENT_REMOVE)
+                on_remove(s, (uintptr_t)msgs[i].arg.remove.start, (uintptr_t)msgs[i].arg.remove.end);
+        if (removes)
+            __atomic_fetch_add(&s->remove_seq, 1, __ATOMIC_SEQ_CST);
     }
     return NULL;
 }
@@ -301,7 +389,25 @@ take(cow_snap *s, cow_array *a, size_t g, uintptr_t addr, size_t len, char *dst)
         return -EALREADY;  /* read out in full before (and maybe written since): refuse, never guess */
     if (st == LOST)
         return -ENOMEM;
-    memcpy(dst, st == COPIED || st == AHEAD ? (const char *)s->side[g] + (addr - page_addr) : (const char *)addr, len);
+    if (st == DROPPED)
+        return -ENODATA;
+    if (st == PROTECTED && s->remove_events) {
+        /* A madvise may drop the page while the handler reads its event and before on_remove marks
+         * it (the remove_seq window): a page read from memory then counts only if no such window
+         * was open at any time of the read; else -EAGAIN, and the caller waits for the window to
+         * close (this chunk's lock released) and takes the page again. */
+        size_t seq = __atomic_load_n(&s->remove_seq, __ATOMIC_ACQUIRE);
+        if (seq & 1)
+            return -EAGAIN;
+        memcpy(dst, (const char *)addr, len);
+        /* The copy's loads before the load below: an acquire fence is enough (a full one, a
+         * store-buffer drain per page, cost the copy-out a third of its speed). */
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&s->remove_seq, __ATOMIC_RELAXED) != seq)
+            return -EAGAIN;
+    } else {
+        memcpy(dst, st == COPIED || st == AHEAD ? (const char *)s->side[g] + (addr - page_addr) : (const char *)addr, len);
+    }
     size_t p = (page_addr - a->page0) / s->page;
     uintptr_t lo = page_addr > a->addr ? page_addr : a->addr;
     uintptr_t hi = page_addr + s->page < a->addr + a->nbytes ? page_addr + s->page : a->addr + a->nbytes;
@@ -320,14 +426,8 @@ take(cow_snap *s, cow_array *a, size_t g, uintptr_t addr, size_t len, char *dst)
     return 1;
 }
 
-static int
-overlaps_ranges(cow_snap *s, uintptr_t lo, uintptr_t hi)
-{
-    for (size_t i = 0; i < s->nranges; i++)
-        if (lo < s->ranges[i].addr + s->ranges[i].npages * s->page && s->ranges[i].addr < hi)
-            return 1;
-    return 0;
-}
+/* Pages per bounce: a batch is copied under one chunk lock, then written out with none held. */
+#define BATCH_PAGES 16
 
 int
 cow_copy_out(cow_snap *s, size_t j, size_t start, char *out, size_t n)
@@ -342,12 +442,21 @@ cow_copy_out(cow_snap *s, size_t j, size_t start, char *out, size_t n)
         return ERANGE;
     }
     cow_array *a = &s->arrays[j];
-    /* An output in protected pages (a small buffer in the heap next to a small array) faults when
-     * written: its handler needs the chunk lock, so then each page goes through a bounce buffer
-     * written with no lock held. Allocated before any lock, and outside the protected pages. */
+    /* The output is written with a chunk lock held only where no snapshot protects it. Its pages
+     * may be protected: by this snapshot (a small buffer in the heap next to a small array), or by
+     * another live one (two snapshots copied out at once, each into memory the other protects).
+     * Writing them faults into a handler that needs a chunk lock; held by this writer, or by the
+     * other snapshot's reader waiting the same way, nobody would go on. There, up to BATCH_PAGES
+     * pages of one chunk are copied under its lock into a bounce buffer (mapped here, never
+     * protected), then into the output with no lock held: the lock still covers every read of the
+     * snapshot's pages. Elsewhere the pages go straight to the output, a chunk per lock: a snapshot
+     * taken after this check over the output bounces its own copy-outs (it finds this one live),
+     * so no two readers can wait for each other. */
+    int direct = !cow_out_protected((uintptr_t)out, (uintptr_t)out + n);
+    size_t batch = direct ? CHUNK_PAGES : BATCH_PAGES;
     char *bounce = NULL;
-    if (n && overlaps_ranges(s, (uintptr_t)out, (uintptr_t)out + n)) {
-        bounce = mmap(NULL, s->page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (n && !direct) {
+        bounce = mmap(NULL, BATCH_PAGES * s->page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (bounce == MAP_FAILED) {
             pthread_rwlock_unlock(&s->gate);
             return ENOMEM;
@@ -359,49 +468,63 @@ cow_copy_out(cow_snap *s, size_t j, size_t start, char *out, size_t n)
      * boundaries (so whole PMDs are unprotected, without a split, and writers do not wait long
      * on pages read out but still protected); never with a chunk lock held. */
     uintptr_t run_lo = 0, run_hi = 0, huge = RUN_MAX_BYTES > s->page ? RUN_MAX_BYTES : s->page;
-    long held = -1;
 #define FLUSH()                                                                                 \
     do {                                                                                        \
-        if (held >= 0)                                                                          \
-            pthread_mutex_unlock(&s->locks[held]);                                              \
-        held = -1;                                                                              \
         if (run_hi > run_lo && cow_write_protect(s, run_lo, run_hi - run_lo, 0) != 0 && !err)   \
             err = errno;                                                                        \
         run_lo = run_hi = 0;                                                                    \
     } while (0)
     while (addr < end && !err) {
-        uintptr_t page_addr = addr & ~(uintptr_t)(s->page - 1);
-        size_t len = (page_addr + s->page < end ? page_addr + s->page : end) - addr;
-        size_t g = a->first + (page_addr - a->page0) / s->page;
-        if (run_hi > run_lo && page_addr % huge == 0)
-            FLUSH();
-        if (err)
-            break;
-        hold(s, &held, g);
-        int rc = take(s, a, g, addr, len, bounce ? bounce : out);
-        if (bounce) {
-            pthread_mutex_unlock(&s->locks[held]);
-            held = -1;
-            if (rc >= 0)
-                memcpy(out, bounce, len);
+        uintptr_t pages[CHUNK_PAGES];
+        int done[CHUNK_PAGES];
+        size_t npages = 0, used = 0;
+        long chunk = -1;
+        int rc = 0;
+        while (addr < end && npages < batch) {
+            uintptr_t page_addr = addr & ~(uintptr_t)(s->page - 1);
+            size_t len = (page_addr + s->page < end ? page_addr + s->page : end) - addr;
+            size_t g = a->first + (page_addr - a->page0) / s->page;
+            if (chunk < 0) {
+                chunk = (long)(g / CHUNK_PAGES);
+                pthread_mutex_lock(&s->locks[chunk]);
+            } else if ((long)(g / CHUNK_PAGES) != chunk) {
+                break;
+            }
+            rc = take(s, a, g, addr, len, direct ? out + used : bounce + used);
+            if (rc < 0)
+                break;
+            pages[npages] = page_addr;
+            done[npages++] = rc == 1;
+            used += len;
+            addr += len;
         }
-        if (rc < 0) {
-            err = -rc;
-        } else if (rc == 1) {
-            if (run_hi != page_addr) {
+        if (chunk >= 0)
+            pthread_mutex_unlock(&s->locks[chunk]);
+        if (!direct)
+            memcpy(out, bounce, used);
+        out += used;
+        for (size_t i = 0; i < npages && !err; i++) {
+            if (run_hi > run_lo && pages[i] % huge == 0)
+                FLUSH();
+            if (!done[i])
+                continue;
+            if (run_hi != pages[i]) {
                 if (run_hi > run_lo)
                     FLUSH();
-                run_lo = page_addr;
+                run_lo = pages[i];
             }
-            run_hi = page_addr + s->page;
+            run_hi = pages[i] + s->page;
         }
-        out += len;
-        addr += len;
+        if (rc == -EAGAIN) /* a madvise's pages being marked (take): wait for it, then this page again */
+            while (__atomic_load_n(&s->remove_seq, __ATOMIC_ACQUIRE) & 1)
+                sched_yield();
+        else if (rc < 0 && !err)
+            err = -rc;
     }
     FLUSH();
 #undef FLUSH
     if (bounce)
-        munmap(bounce, s->page);
+        munmap(bounce, BATCH_PAGES * s->page);
     pthread_rwlock_unlock(&s->gate);
     return err;
 }
@@ -419,6 +542,7 @@ cow_stats(cow_snap *s, cow_stat *st)
     st->pages = s->npages;
     st->ranges = s->nranges;
     st->unpopulated_protected = s->populated;
+    st->drops_reported = s->remove_events;
     pthread_mutex_unlock(&s->alloc_lock);
 }
 

@@ -31,10 +31,17 @@ const char cow_new_doc[] =
 PyObject *
 cow_new_py(PyObject *module, PyObject *arg)
 {
-    PyObject *seq = PySequence_Fast(arg, "regions must be a sequence of (address, nbytes)");
-    if (!seq)
+    /* A tuple of the caller's sequence: parsing an item may run Python code (__index__), which
+     * could change the caller's list and free the items still to parse. */
+    PyObject *seq = PySequence_Tuple(arg);
+    if (!seq) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "regions must be a sequence of (address, nbytes)");
+        }
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     uintptr_t *addrs = PyMem_Calloc((size_t)n + 1, sizeof(uintptr_t));
     size_t *sizes = PyMem_Calloc((size_t)n + 1, sizeof(size_t));
     PyObject *result = NULL;
@@ -45,7 +52,7 @@ cow_new_py(PyObject *module, PyObject *arg)
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long addr;
         Py_ssize_t size;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Kn:cow_new", &addr, &size))
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(seq, i), "Kn:cow_new", &addr, &size))
             goto done;
         if (size < 0) {
             PyErr_SetString(PyExc_ValueError, "nbytes must not be negative");
@@ -84,7 +91,9 @@ const char cow_copy_doc[] =
     "cow_copy(snapshot, index, start, out)\n--\n\n"
     "Copy bytes [start, start + len(out)) of region index, as they were at cow_new, into the\n"
     "writable buffer out; the pages read out in full are unprotected. Without the GIL. Each byte\n"
-    "is read out once: a page read out in full before raises OSError(EALREADY).";
+    "is read out once: a page read out in full before raises OSError(EALREADY). A page whose\n"
+    "snapshot value is gone raises OSError: ENOMEM (written when no memory was left for its\n"
+    "copy), ENODATA (dropped by madvise before it was read out).";
 
 PyObject *
 cow_copy_py(PyObject *module, PyObject *args)
@@ -110,7 +119,9 @@ cow_copy_py(PyObject *module, PyObject *args)
         return PyErr_Format(PyExc_ValueError, "bytes [%zd, %zd) are not in region %zd", start, start + out.len, index);
     if (err) {
         const char *what = err == EBADF ? "snapshot released" : err == EALREADY ? "bytes already read out (their pages are unprotected)"
-                           : err == ENOMEM ? "a page was written when no memory was left for its copy" : strerror(err);
+                           : err == ENOMEM ? "a page was written when no memory was left for its copy"
+                           : err == ENODATA ? "a page was dropped (madvise DONTNEED or FREE) before it was read out"
+                           : strerror(err);
         PyObject *exc = Py_BuildValue("(is)", err, what);
         if (exc) {
             PyErr_SetObject(PyExc_OSError, exc);
@@ -141,8 +152,9 @@ cow_release_py(PyObject *module, PyObject *arg)
 const char cow_stats_doc[] =
     "cow_stats(snapshot)\n--\n\n"
     "A dict: pages_copied, pages_copied_ahead (of those, copied by the run around a faulting page,\n"
-    "not for the page written), pages_lost, faults (write faults handled), peak_bytes (of side\n"
-    "copies at once), live_bytes, pages, ranges (registrations), unpopulated_protected.";
+    "not for the page written), pages_lost (written without memory, or dropped), faults (write faults handled), peak_bytes (of side\n"
+    "copies at once), live_bytes, pages, ranges (registrations), unpopulated_protected,\n"
+    "drops_reported (pages madvise drops fail their copy-out; else they read as zeros).";
 
 PyObject *
 cow_stats_py(PyObject *module, PyObject *arg)
@@ -152,11 +164,12 @@ cow_stats_py(PyObject *module, PyObject *arg)
         return NULL;
     cow_stat st;
     cow_stats(s, &st);
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:O}", "pages_copied", (Py_ssize_t)st.pages_copied,
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:O,s:O}", "pages_copied", (Py_ssize_t)st.pages_copied,
                          "pages_copied_ahead", (Py_ssize_t)st.pages_copied_ahead, "pages_lost", (Py_ssize_t)st.pages_lost,
                          "faults", (Py_ssize_t)st.faults, "peak_bytes", (Py_ssize_t)st.peak_bytes, "live_bytes",
                          (Py_ssize_t)st.live_bytes, "pages", (Py_ssize_t)st.pages, "ranges", (Py_ssize_t)st.ranges,
-                         "unpopulated_protected", st.unpopulated_protected ? Py_True : Py_False);
+                         "unpopulated_protected", st.unpopulated_protected ? Py_True : Py_False, "drops_reported",
+                         st.drops_reported ? Py_True : Py_False);
 }
 
 const char cow_probe_doc[] =

@@ -84,6 +84,9 @@ xxh3_blocks(PyObject *module, PyObject *args)
     PyObject *result = NULL;
     if (block <= 0) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+    } else if (block > PY_SSIZE_T_MAX / 2) {
+        /* data.len + block - 1 below would overflow (no buffer is that long: one block is all) */
+        PyErr_Format(PyExc_ValueError, "block_size must be at most %zd, got %zd", PY_SSIZE_T_MAX / 2, block);
     } else if (width != 16 && width != 8) {
         PyErr_SetString(PyExc_ValueError, "width must be 16 (XXH3-128) or 8 (XXH3-64)");
     } else if (out.len != (data.len + block - 1) / block * width) {
@@ -197,6 +200,10 @@ page_map(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "page_map takes a positive whole number of pages and a page address");
         return NULL;
     }
+    if (nbytes > (unsigned long long)(PTRDIFF_MAX - HUGE_ALIGN)) { /* + HUGE_ALIGN below would wrap */
+        errno = ENOMEM;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     size_t total = (size_t)nbytes + HUGE_ALIGN;
     void *raw = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED)
@@ -264,13 +271,13 @@ PyDoc_STRVAR(gf_matmul_doc,
 "outputs[i] = XOR_j matrix[i*k + j] * inputs[j] in GF(2^8) (polynomial 0x11D), byte by byte;\n"
 "with accumulate, outputs[i] ^= that. k = len(inputs), m = len(outputs) (each at most 256);\n"
 "matrix is m*k bytes, row by row. Every buffer is contiguous and of one length; outputs are\n"
-"writable and overlap no other buffer. The GIL is released while computing.");
+"writable and overlap no other buffer, the matrix included. The GIL is released while computing.");
 
 static int
 get_buffers(PyObject *seq, Py_buffer *views, Py_ssize_t count, int writable, const char *what)
 {
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *item = PyTuple_GET_ITEM(seq, i);
         if (PyObject_GetBuffer(item, &views[i], writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) == 0)
             continue;
         if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_TypeError) ||
@@ -293,6 +300,20 @@ overlap(const Py_buffer *a, const Py_buffer *b)
     return a->len > 0 && b->len > 0 && pa < pb + b->len && pb < pa + a->len;
 }
 
+/* A tuple of the caller's sequence: the caller's own list (what PySequence_Fast hands back) may be
+ * changed by another thread while the kernel runs without the GIL, and the buffers taken from it
+ * must be released by the count taken. */
+static PyObject *
+as_tuple(PyObject *seq, const char *message)
+{
+    PyObject *tuple = PySequence_Tuple(seq);
+    if (!tuple && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, message);
+    }
+    return tuple;
+}
+
 static PyObject *
 gf_matmul_py(PyObject *module, PyObject *args, PyObject *kwargs)
 {
@@ -300,15 +321,17 @@ gf_matmul_py(PyObject *module, PyObject *args, PyObject *kwargs)
     Py_buffer mat;
     PyObject *ins_arg, *outs_arg, *ins = NULL, *outs = NULL, *result = NULL;
     Py_buffer *views = NULL;
+    Py_ssize_t k = 0, m = 0;
     int accumulate = 0, have_in = 0, have_out = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*OO|p:gf_matmul", kwlist, &mat, &ins_arg, &outs_arg,
                                      &accumulate))
         return NULL;
-    ins = PySequence_Fast(ins_arg, "inputs must be a sequence of buffers");
-    outs = ins ? PySequence_Fast(outs_arg, "outputs must be a sequence of writable buffers") : NULL;
+    ins = as_tuple(ins_arg, "inputs must be a sequence of buffers");
+    outs = ins ? as_tuple(outs_arg, "outputs must be a sequence of writable buffers") : NULL;
     if (!outs)
         goto done;
-    Py_ssize_t k = PySequence_Fast_GET_SIZE(ins), m = PySequence_Fast_GET_SIZE(outs);
+    k = PyTuple_GET_SIZE(ins);
+    m = PyTuple_GET_SIZE(outs);
     if (k > GF_MAX_ROWS || m > GF_MAX_ROWS) {
         PyErr_Format(PyExc_ValueError, "at most %d inputs and %d outputs, got %zd and %zd", GF_MAX_ROWS,
                      GF_MAX_ROWS, k, m);
@@ -337,13 +360,20 @@ gf_matmul_py(PyObject *module, PyObject *args, PyObject *kwargs)
                          i < k ? "inputs" : "outputs", i < k ? i : i - k, views[i].len);
             goto done;
         }
-    for (Py_ssize_t i = k; i < k + m; i++) /* an output overlapping any other buffer would be read after writes */
+    /* An output overlapping any other buffer would be read after writes: the matrix too (the
+     * kernels read it again after the first row is written). */
+    for (Py_ssize_t i = k; i < k + m; i++) {
+        if (overlap(&views[i], &mat)) {
+            PyErr_Format(PyExc_ValueError, "outputs[%zd] overlaps the matrix", i - k);
+            goto done;
+        }
         for (Py_ssize_t j = 0; j < k + m; j++)
             if (j != i && overlap(&views[i], &views[j])) {
                 PyErr_Format(PyExc_ValueError, "outputs[%zd] overlaps %s[%zd]", i - k, j < k ? "inputs" : "outputs",
                              j < k ? j : j - k);
                 goto done;
             }
+    }
     {
         const uint8_t **in_p = PyMem_Malloc(sizeof(void *) * (size_t)(k + m + 1));
         if (!in_p) {
@@ -364,10 +394,10 @@ gf_matmul_py(PyObject *module, PyObject *args, PyObject *kwargs)
     }
 done:
     if (views) {
-        for (Py_ssize_t i = 0; have_in && i < PySequence_Fast_GET_SIZE(ins); i++)
+        for (Py_ssize_t i = 0; have_in && i < k; i++)
             PyBuffer_Release(&views[i]);
-        for (Py_ssize_t i = 0; have_out && i < PySequence_Fast_GET_SIZE(outs); i++)
-            PyBuffer_Release(&views[PySequence_Fast_GET_SIZE(ins) + i]);
+        for (Py_ssize_t i = 0; have_out && i < m; i++)
+            PyBuffer_Release(&views[k + i]);
         PyMem_Free(views);
     }
     Py_XDECREF(ins);

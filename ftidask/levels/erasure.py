@@ -92,6 +92,10 @@ def gf_add_scaled(coef: int, data: np.ndarray, out: np.ndarray) -> None:
     if not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1 and out.flags.c_contiguous
             and out.flags.writeable and len(out) == len(block)):
         raise ValueError(f"out must be a writable contiguous 1-D uint8 array of {len(block)} bytes")
+    if use_native and np.may_share_memory(block, out):
+        # The kernel refuses an output overlapping its input; the NumPy code computes coef * data
+        # before it touches out, which a copy of data gives the kernel too (gf_add_scaled(c, x, x)).
+        block = block.copy()
     _apply(np.array([[coef]], np.uint8), [block], [out], accumulate=True)
 
 

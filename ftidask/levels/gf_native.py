@@ -67,6 +67,12 @@ def _executor() -> ThreadPoolExecutor:
         return _pool
 
 
+def _flat(buf: Any) -> memoryview:
+    """``buf`` as a 1-D memoryview of bytes, sharing its memory (the kernel refuses what is not contiguous)."""
+    view = memoryview(buf)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
 def matmul(mat: np.ndarray, ins: Sequence[np.ndarray], outs: Sequence[np.ndarray], accumulate: bool = False) -> None:
     """``outs[i] = XOR_j mat[i][j] * ins[j]`` (``^=`` with accumulate); 1-D contiguous uint8 of one length."""
     if _kernel is None:
@@ -80,13 +86,16 @@ def matmul(mat: np.ndarray, ins: Sequence[np.ndarray], outs: Sequence[np.ndarray
         return
     step = (-(-n // pieces) + 63) // 64 * 64  # whole cache lines: no two threads write one line
     spans = [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+    # Pieces are slices of memoryviews: a slice of a bytearray (or of bytes) would be a copy, and
+    # the kernel would write the copy, leaving the caller's output unwritten.
+    in_views, out_views = [_flat(a) for a in ins], [_flat(o) for o in outs]
     futures: list[Future[None]] = []
     try:
         for lo, hi in spans[1:]:
-            futures.append(_executor().submit(_kernel, raw, [a[lo:hi] for a in ins], [o[lo:hi] for o in outs],
-                                              accumulate))
+            futures.append(_executor().submit(_kernel, raw, [a[lo:hi] for a in in_views],
+                                              [o[lo:hi] for o in out_views], accumulate))
         lo, hi = spans[0]
-        _kernel(raw, [a[lo:hi] for a in ins], [o[lo:hi] for o in outs], accumulate)  # this thread works too
+        _kernel(raw, [a[lo:hi] for a in in_views], [o[lo:hi] for o in out_views], accumulate)  # this thread too
     finally:
         for f in futures:  # every piece done before the caller may touch the buffers, error or not
             f.exception()

@@ -139,9 +139,10 @@ class CowSnapshot:
     @property
     def stats(self) -> dict[str, Any]:
         """Counters from the native side: pages_copied, pages_copied_ahead (of those, copied by
-        the run around a written page rather than for it), pages_lost, faults (write faults
-        handled), peak_bytes, live_bytes, pages (protected), ranges (registrations),
-        unpopulated_protected."""
+        the run around a written page rather than for it), pages_lost (written when no memory
+        was left, or dropped by madvise), faults (write faults handled), peak_bytes, live_bytes,
+        pages (protected), ranges (registrations), unpopulated_protected, drops_reported (pages
+        that madvise(DONTNEED/FREE) drops fail their copy-out; else they would read as zeros)."""
         return self._stats()
 
     def __enter__(self) -> CowSnapshot:
