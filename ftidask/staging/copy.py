@@ -252,9 +252,12 @@ def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False,
             created = False
         os.fsync(dfd)
         action = f"removing the staged source {req.src}"
-        now = os.stat(src_name, dir_fd=sfd, follow_symlinks=False)
-        if (now.st_dev, now.st_ino) == (before.st_dev, before.st_ino):  # never another file put there meanwhile
-            os.unlink(src_name, dir_fd=sfd)
+        # Published already: a source the application removed itself meanwhile is the outcome asked for, not a
+        # failure (SI_FAIL would say that the destination holds nothing of it).
+        with contextlib.suppress(FileNotFoundError):
+            now = os.stat(src_name, dir_fd=sfd, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) == (before.st_dev, before.st_ino):  # never another file put there meanwhile
+                os.unlink(src_name, dir_fd=sfd)
         return TransferResult(copied, expected.hex(), time.perf_counter() - start)
     except _Swapped as exc:
         raise TransferFailed(f"{exc} was replaced by a symbolic link after send_file checked it; nothing was "

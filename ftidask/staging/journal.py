@@ -9,12 +9,14 @@ temporary files still noted (:func:`sweep`; those of ranks that are gone or sit 
 :func:`sweep_others`). A mover process outlives the application (it finishes the transfer under way) and the
 application removes the temporary files of a mover that died: they need no note. An MPI head does not outlive
 its job (mpiexec tears it down with any process of the job killed): the application rank notes the transfers it
-hands to its head (:mod:`ftidask.backends.mpi.stage_heads`).
+hands to its head (:mod:`ftidask.backends.mpi.stage_heads`). A Dask job killed whole (client and workers) is the same:
+the client notes the copies it hands to its workers (:mod:`ftidask.backends.dask.staging`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -48,10 +50,17 @@ def begin(notes: Path, req: StageRequest) -> None:
         storage.makedirs(notes)
         fd, tmp = storage.create_temp(_note_path(notes, req), os.O_WRONLY)
         try:
-            os.write(fd, json.dumps({"tmp": req.tmp}).encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, _note_path(notes, req))
+            try:
+                data = json.dumps({"tmp": req.tmp}).encode()
+                if os.write(fd, data) != len(data):  # a short write: a torn note, worse than none
+                    raise OSError(errno.ENOSPC, "short write of the note")
+            finally:
+                os.close(fd)
+            os.replace(tmp, _note_path(notes, req))
+        except BaseException:  # a disk full: the half-made note must not stay (only a restart would sweep it)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     except OSError as exc:  # the transfer goes on: only its cleanup after a kill is lost
         log.warning("could not note the staging transfer to %s in %s: %s", req.dst, notes, exc)
 

@@ -5,9 +5,9 @@ line to the mover's stdin; the mover answers on stdout with ``{"id": n, "state":
 starts a request and ``{"id": n, "state": SI_SCES | SI_FAIL, "reason": "..."}`` when it ends. Closing
 stdin asks the mover to finish its queue and exit; an owner that dies (its reply pipe broken) stops the mover
 after the transfer under way. If the mover dies (killed, out of memory), the
-owner fails every request it had not finished with reason "mover died (...)", removes their
-temporary files (``req.tmp``: nothing half-written stays at the destination) and starts a new mover
-for the next request.
+owner settles every request it had not finished (:mod:`ftidask.staging.settle`): one published before the death is
+``SI_SCES``, the others fail with reason "mover died (...)" once their temporary files (``req.tmp``) are removed
+(nothing half-written stays at the destination); the next request starts a new mover.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import IO, Any
 
 from ..model.constants import FTI_SI_ACTV, FTI_SI_FAIL, FTI_SI_SCES
 from .copy import StageRequest, TransferFailed, transfer
+from .settle import settle
 
 
 def _describe_exit(code: int) -> str:
@@ -117,10 +118,9 @@ class ProcessMover:
             lost = list(child.inflight.values())
             child.inflight.clear()
         reason = child.death_reason or f"mover died ({_describe_exit(code)})"
-        for req in lost:  # first remove the leftovers, then tell: a FAIL never leaves a partial file
-            with contextlib.suppress(OSError):
-                os.unlink(req.tmp)
-        self._table.fail_open([r.id for r in lost], reason)
+        for req in lost:  # killed after publishing, before its answer: SI_SCES; else its temporary file goes first
+            state = settle(req)
+            self._table.update(req.id, state, reason if state == FTI_SI_FAIL else "")
 
     def close(self, timeout: float) -> None:
         """Close the mover's input and wait at most ``timeout`` s; kill it if requests are left, reported failed."""

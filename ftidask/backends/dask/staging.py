@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,7 +27,9 @@ from distributed import Client, Event, get_worker
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ...model.constants import SI_ACTV, SI_FAIL, SI_SCES
+from ...staging import journal
 from ...staging.copy import CANCELLED, StageRequest, TransferFailed, transfer
+from ...staging.settle import settle
 from . import fence
 
 _CANCEL_REASON = CANCELLED
@@ -108,12 +109,16 @@ class DaskMover:
     """Runs transfers as Dask tasks.
 
     ``worker_for(req)`` names the worker address holding ``req.src`` (None: any worker, for disks
-    every worker can read, as on a LocalCluster).
+    every worker can read, as on a LocalCluster). ``notes``: where the client notes each transfer until its task
+    is over (:mod:`ftidask.staging.journal`; None: not noted): a job killed whole (client and workers) leaves the
+    temporary files of its copies under way, which the run's restart removes by these notes. The
+    :class:`ftidask.staging.stager.Staging` of a context sets it when the transport did not.
     """
 
     def __init__(self, client: Client, worker_for: Callable[[StageRequest], str | None] | None = None,
-                 run: str | None = None) -> None:
+                 run: str | None = None, notes: Path | None = None) -> None:
         self.client = client
+        self.notes = notes
         self.worker_for = worker_for
         self.owner = (run, str(client.id)) if run else None  # the copies are fenced by the run (see .fence)
         self._token = uuid.uuid4().hex[:12]
@@ -146,22 +151,43 @@ class DaskMover:
             self._table.update(int(msg["id"]), int(msg["state"]))
 
     def _worker_removed(self, address: str) -> None:
-        """The worker holding some files died: their requests fail (a task bound to it would wait forever)."""
+        """The worker holding some files died: their requests are settled (a task bound to it would wait forever).
+        Claimed here, so that their futures' callbacks leave them alone; settled in a thread (this runs in the
+        client's event loop, and telling a published copy from a lost one may read files)."""
         with self._lock:
-            lost = [(rid, self._futures.get(rid)) for rid, where in self._where.items() if where == address]
+            lost = [(rid, self._futures.pop(rid, None)) for rid, where in list(self._where.items())
+                    if where == address]
+            for rid, _future in lost:
+                del self._where[rid]
+        if lost:
+            threading.Thread(target=self._settle_lost, args=(lost, f"mover died (worker {address} left the cluster)"),
+                             name="ftidask-stage-settle", daemon=True).start()
+
+    def _settle_lost(self, lost: list[tuple[int, Any]], reason: str) -> None:
         for rid, future in lost:
             info = self._table.info(rid)
-            if info is None:
-                continue
-            with contextlib.suppress(OSError):
-                os.unlink(info.request.tmp)  # first the leftover, then the failure
-            self._table.update(rid, SI_FAIL, f"mover died (worker {address} left the cluster)")
-            if future is not None:  # this runs in the client's event loop: cancel from outside it
-                threading.Thread(target=future.cancel, daemon=True).start()
+            if info is not None:
+                self._settled(info.request, reason)
+            if future is not None:  # after the report: its callback would find the request claimed anyway
+                with contextlib.suppress(Exception):
+                    future.cancel()
+
+    def _settled(self, req: StageRequest, reason: str) -> None:
+        """Report ``req``, whose task died with its worker: ``SI_SCES`` if the copy was published before the death
+        (:mod:`ftidask.staging.settle`), else ``SI_FAIL`` with ``reason``, its temporary file removed first."""
+        state = settle(req)
+        self._table.update(req.id, state, reason if state == SI_FAIL else "")
+        self._end_note(req)
+
+    def _end_note(self, req: StageRequest) -> None:
+        if self.notes is not None:
+            journal.end(self.notes, req)
 
     def submit(self, req: StageRequest) -> None:
         """Submit ``req`` as a task on the worker holding its file (``worker_for``), no retries."""
         address = self.worker_for(req) if self.worker_for is not None else None
+        if self.notes is not None:  # before the worker can create the temporary file
+            journal.begin(self.notes, req)
         future = self.client.submit(
             run_transfer, req.to_json(), self.topic, self._cancel.name, self.owner,
             key=f"ftidask-stage-{self._token}-{req.id}", pure=False, retries=0,
@@ -173,12 +199,15 @@ class DaskMover:
 
     def _done(self, req: StageRequest, future: Any) -> None:
         with self._lock:
-            self._futures.pop(req.id, None)
+            mine = self._futures.pop(req.id, None) is not None  # else claimed by _worker_removed, which settles it
             self._where.pop(req.id, None)
-        if future.status == "finished":
+        if future.status == "finished":  # the task's own answer: the truth, whoever claimed the request
             result = future.result()
             self.ran_on[req.id] = str(result.get("worker", ""))
             self._table.update(req.id, int(result["state"]), str(result.get("reason", "")))
+            self._end_note(req)
+            return
+        if not mine:
             return
         if future.status == "cancelled":
             reason = _CANCEL_REASON
@@ -188,9 +217,8 @@ class DaskMover:
             except Exception as err:  # noqa: BLE001 - whatever the scheduler says, it is the reason
                 exc = err
             reason = f"the staging task failed on its worker: {exc!r}"
-        with contextlib.suppress(OSError):
-            os.unlink(req.tmp)  # best effort: only reachable if the worker's disk is visible here
-        self._table.update(req.id, SI_FAIL, reason)
+        # The task may have died after it published (a worker killed, KilledWorker): settled as a dead mover's.
+        self._settled(req, reason)
 
     def close(self, timeout: float) -> None:
         """Wait at most ``timeout`` s, cancel the requests still open (reported failed), stop watching the cluster."""

@@ -48,11 +48,11 @@ class DaskTransport(Transport):
         return [value]
 
     def stage_mover(self, cfg: Config, notes: Path | None = None) -> Any:
-        """Staging: each copy is a task on the worker whose node directory (``node{k}``) holds the file
-        (``notes`` is not used)."""
+        """Staging: each copy is a task on the worker whose node directory (``node{k}``) holds the file; each
+        transfer noted in ``notes`` (a restart removes what a killed one left)."""
         from .staging import DaskMover, worker_by_node_dir
 
-        return DaskMover(self.cluster.client, worker_by_node_dir(self.cluster.workers), self.cluster.run_id)
+        return DaskMover(self.cluster.client, worker_by_node_dir(self.cluster.workers), self.cluster.run_id, notes)
 
     def levels(self) -> tuple[int, ...]:
         """Levels 1-4 with at least 2 workers, else only 1 and 4."""

@@ -18,8 +18,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mpi4py import MPI
-
 from ...engine.dcpstore import write_spare_hint
 from ...engine.retention import move_to_spares, to_retire
 from ...engine.runstate import CommitRecord, RunState
@@ -29,8 +27,8 @@ from ...model.errors import FTIError
 from ...storage import files as storage
 from ...transport.collective import agree, guarded, on_root, reason
 from .head_parity import previous_l3, update_parity
-from .stage_heads import serve_stage_request
-from .transport import _TAG_REPLY, _TAG_REQ, MpiTransport, recv_json, send_json
+from .stage_heads import StageInbox
+from .transport import _TAG_REPLY, MpiTransport, send_json
 
 log = logging.getLogger("ftidask")
 
@@ -52,14 +50,11 @@ def serve(cfg: Config, t: MpiTransport) -> None:
     assert t.node_comm is not None
     napp = t.node_comm.size - 1
     states: dict[str, RunState] = {}  # by exec_id: its commit records parsed once while their files stay the same
+    inbox = StageInbox(t.node_comm)  # FTI_SendFile: the head moves the files on the way, between post-processing
     while True:
         requests: list[Any] = []
         while len(requests) < napp:
-            msg, source = recv_json(t.node_comm, MPI.ANY_SOURCE, _TAG_REQ)
-            if msg.get("op") == "stage":  # FTI_SendFile: the head moves the file, between post-processing
-                serve_stage_request(t.node_comm, msg, source)
-                continue
-            requests.append(msg)
+            requests.append(inbox.next()[0])
         if any(r.get("op") != "post" for r in requests):
             break
         try:

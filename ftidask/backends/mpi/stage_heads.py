@@ -11,10 +11,20 @@ A head killed in a transfer takes the job down with it: nobody is left to remove
 destination. So the rank notes each transfer before it hands it to the head and drops the note once the head
 reported its end, as a mover thread does (:mod:`ftidask.staging.journal`): the run's restart removes the
 temporary files of the transfers still noted.
+
+A finalize past ``stage_timeout`` cancels what is still open: the rank sends ``{"op": "stage-cancel", "ids": [...]}``
+after its requests (same tag, so after them in the head's order) and waits for the head's answer to each. The head
+reads its requests ahead (:class:`StageInbox`), so it learns of a cancel before it starts any request the cancel
+names: those it answers ``SI_FAIL`` (cancelled) without a copy, and the copy under way stops at its next piece (its
+temporary file removed) unless it was already publishing, then reported ``SI_SCES``. Every state the rank reports is
+the head's own: no file is published after the application was told it failed.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +32,11 @@ from mpi4py import MPI
 
 from ...model.constants import SI_ACTV, SI_FAIL, SI_SCES
 from ...staging import journal
-from ...staging.copy import StageRequest, TransferFailed, transfer
+from ...staging.copy import CANCELLED, StageRequest, TransferFailed, transfer
+from ...staging.stager import FINAL
 from .transport import _TAG_REQ, recv_json, send_json
+
+log = logging.getLogger("ftidask")
 
 TAG_STAGE = 3  # head -> application rank: staging states (requests travel with the heads' request tag)
 
@@ -50,8 +63,12 @@ class HeadStageMover:
             self._noted[req.id] = req
         send_json(self.node_comm, {"op": "stage", "req": req.to_json()}, 0, _TAG_REQ)
 
+    def _usable(self) -> bool:
+        # Freed (the context closed; its exit hook may still ask), or MPI already finalized at interpreter exit.
+        return not MPI.Is_finalized() and self.node_comm != MPI.COMM_NULL
+
     def _poll(self) -> None:
-        if self.node_comm == MPI.COMM_NULL:  # freed: the context closed (its exit hook may still ask)
+        if not self._usable():
             return
         while self.node_comm.Iprobe(source=0, tag=TAG_STAGE):
             msg, _src = recv_json(self.node_comm, 0, TAG_STAGE)
@@ -61,28 +78,81 @@ class HeadStageMover:
             self._table.update(int(msg["id"]), state, str(msg.get("reason", "")))
 
     def close(self, timeout: float) -> None:
-        """Wait at most ``timeout`` s; what is still open is reported failed, not cancelled (the head cannot be
-        interrupted)."""
+        """Wait at most ``timeout`` s, then cancel what is still open and wait for the head's answer to each: queued
+        requests are skipped, the copy under way stops at its next piece (or, publishing already, completes)."""
         self._table.wait(None, timeout)
-        # The head copies in order and cannot be interrupted: what is left is reported, not cancelled.
-        self._table.fail_open([r.id for r in self._table.open_requests()],
-                              "timed out: not finished at finalize (stage_timeout); the head may still "
-                              "complete it")
+        open_ids = [r.id for r in self._table.open_requests()]
+        if not open_ids:
+            return
+        if not self._usable():  # nobody to tell: the head ended with MPI (it copies nothing after that)
+            self._table.fail_open(open_ids, CANCELLED)
+            return
+        send_json(self.node_comm, {"op": "stage-cancel", "ids": open_ids}, 0, _TAG_REQ)
+        # No limit: the head answers each once it is back from the piece it writes (or from a post-processing that
+        # finalize waits for next anyway); a state made up here could be contradicted by the file the head publishes.
+        while not all(i.state in FINAL for i in self._table.wait(open_ids, 60.0).values()):
+            log.warning("staging: still waiting for the node's head to answer the cancel of %d request(s)",
+                        len(self._table.open_requests()))
 
 
-def serve_stage_request(node_comm: MPI.Comm, msg: dict[str, Any], source: int) -> None:
-    """On the head: run one staging request of application rank ``source`` and report to it."""
-    try:
-        req = StageRequest.from_json(msg["req"])
-    except (KeyError, TypeError, ValueError):
-        return
-    send_json(node_comm, {"id": req.id, "state": SI_ACTV, "reason": ""}, source, TAG_STAGE)
-    try:
-        transfer(req)
-    except TransferFailed as exc:
-        reply = {"id": req.id, "state": SI_FAIL, "reason": f"head: {exc}"}
-    except Exception as exc:  # noqa: BLE001 - the head keeps serving
-        reply = {"id": req.id, "state": SI_FAIL, "reason": f"head: internal error: {exc!r}"}
-    else:
-        reply = {"id": req.id, "state": SI_SCES, "reason": ""}
-    send_json(node_comm, reply, source, TAG_STAGE)
+class StageInbox:
+    """The head's requests (``_TAG_REQ`` from the node's application ranks), read ahead: staging requests are served
+    in arrival order as they come, and a rank's cancel is seen before the head starts any request it names, even one
+    that arrived earlier (and while a copy runs: it stops at its next piece)."""
+
+    def __init__(self, node_comm: MPI.Comm) -> None:
+        self.comm = node_comm
+        self._queue: collections.deque[tuple[Any, int]] = collections.deque()
+        self._cancelled: set[tuple[int, int]] = set()  # (application rank, request id)
+
+    def _take(self, msg: Any, source: int) -> None:
+        if isinstance(msg, dict) and msg.get("op") == "stage-cancel":
+            with contextlib.suppress(TypeError, ValueError):
+                self._cancelled.update((source, int(i)) for i in msg.get("ids", ()))
+        else:
+            self._queue.append((msg, source))
+
+    def _drain(self) -> None:
+        """Read every request that has arrived (cancels take effect now, the others queue in order)."""
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG_REQ):
+            self._take(*recv_json(self.comm, MPI.ANY_SOURCE, _TAG_REQ))
+
+    def next(self) -> tuple[Any, int]:
+        """The next request that is not staging's, and its sender; the staging requests before it are served first."""
+        while True:
+            if not self._queue:
+                self._take(*recv_json(self.comm, MPI.ANY_SOURCE, _TAG_REQ))
+                continue
+            msg, source = self._queue.popleft()
+            if not (isinstance(msg, dict) and msg.get("op") == "stage"):
+                return msg, source
+            self._serve(msg, source)
+
+    def _serve(self, msg: dict[str, Any], source: int) -> None:
+        """Run one staging request of application rank ``source`` and report to it (skipped if cancelled)."""
+        try:
+            req = StageRequest.from_json(msg["req"])
+        except (KeyError, TypeError, ValueError):
+            return
+        key = (source, req.id)
+        self._drain()
+        if key in self._cancelled:
+            self._cancelled.discard(key)
+            send_json(self.comm, {"id": req.id, "state": SI_FAIL, "reason": f"head: {CANCELLED}"}, source, TAG_STAGE)
+            return
+        send_json(self.comm, {"id": req.id, "state": SI_ACTV, "reason": ""}, source, TAG_STAGE)
+
+        def cancelled() -> bool:  # polled by the copy between pieces and before it publishes
+            self._drain()
+            return key in self._cancelled
+
+        try:
+            transfer(req, cancelled)
+        except TransferFailed as exc:
+            reply = {"id": req.id, "state": SI_FAIL, "reason": f"head: {exc}"}
+        except Exception as exc:  # noqa: BLE001 - the head keeps serving
+            reply = {"id": req.id, "state": SI_FAIL, "reason": f"head: internal error: {exc!r}"}
+        else:
+            reply = {"id": req.id, "state": SI_SCES, "reason": ""}
+        self._cancelled.discard(key)
+        send_json(self.comm, reply, source, TAG_STAGE)
