@@ -32,6 +32,7 @@ def worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
     import ftidask
+    from ftidask.storage.files import find_paths
 
     world = MPI.COMM_WORLD
     if args.writeback == "off":  # a variant to measure: every byte left to the final fsync, as the raw write does
@@ -57,7 +58,7 @@ def worker(args: argparse.Namespace) -> None:
                 elapsed = min(elapsed, ctx.comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
             write = raw_write(world, base, level, last, Path(args.dir), args.group)
             # Restart with nothing lost against a raw read of this rank's file (same page cache state: warm, then cold).
-            own = sorted(base.rglob(f"Ckpt{last}-Rank{world.rank}.fti"))
+            own = find_paths(base, f"Ckpt{last}-Rank{world.rank}.fti")  # (rglob raised on trash deleted meanwhile)
             # A restarted process recovers into fresh arrays, as np.fromfile reads into a fresh one; a recovery into
             # arrays in use (a notebook's, a solver's rollback) is timed too: their old values stay until every rank
             # has verified, so the file is hashed, then copied.
@@ -124,8 +125,10 @@ def raw_write(world, base: Path, level: int, ckpt_id: int, scratch: Path, group:
     """
     from mpi4py import MPI
 
+    from ftidask.storage.files import find_paths
+
     where = "Global" if level == 4 else "Local"
-    own = sum(p.stat().st_size for p in (base / where).rglob(f"Ckpt{ckpt_id}-Rank{world.rank}.fti"))
+    own = sum(p.stat().st_size for p in find_paths(base / where, f"Ckpt{ckpt_id}-Rank{world.rank}.fti"))
     sizes = world.allgather(own)
     extra = 0
     if level in (2, 3):  # only these write for others (main() checked that the ranks fill whole groups)

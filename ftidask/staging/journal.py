@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fnmatch
 import json
 import logging
 import os
@@ -155,7 +156,12 @@ def tidy_stage(stage_root: Path, glbl_dir: Path, nodes: str = "node*") -> int:
     stay (they are its own, as at finalize). The files left."""
     left = 0
     for node_dir in sorted(stage_root.glob(nodes)):
-        for notes in sorted(node_dir.glob(".rank*-transfers")):
+        try:  # another rank of the node may tidy (and remove) it meanwhile: a glob raised then
+            with os.scandir(node_dir) as it:
+                found = sorted(Path(e.path) for e in it if fnmatch.fnmatchcase(e.name, ".rank*-transfers"))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for notes in found:
             sweep(notes, glbl_dir)
         storage.prune_empty_dirs(node_dir)
         left += sum(len(files) for _dir, _dirs, files in os.walk(node_dir))

@@ -157,10 +157,19 @@ def collect_level_garbage(root: Path, committed: Collection[str], trash: bool, s
                 remove_tree(path)
                 removed += 1
             elif name == SPARE_DIR and trash:  # old spares that a crash left
-                for old in path.glob(f"{TRASH_PREFIX}*"):
+                for old in _entries(path, TRASH_PREFIX):  # (a glob raised if the directory went meanwhile)
                     remove_tree(old)
                     removed += 1
     return removed
+
+
+def _entries(directory: Path, prefix: str) -> list[Path]:
+    """The entries of ``directory`` whose names start with ``prefix``; none when it is gone or not a directory."""
+    try:
+        with os.scandir(directory) as it:
+            return [Path(e.path) for e in it if e.name.startswith(prefix)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def _temporaries(directory: str) -> list[Path]:
