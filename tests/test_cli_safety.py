@@ -246,3 +246,25 @@ def test_a_name_the_terminal_cannot_encode_is_escaped(tmp_path):
                           env=dict(os.environ, PYTHONIOENCODING="utf-8"))
     assert done.returncode == 0, done.stderr.decode(errors="replace")
     assert b"temp\\udcff" in done.stdout
+
+
+def test_a_retired_checkpoint_being_deleted_is_not_listed(tmp_path, capsys):
+    """A retired checkpoint's directory renamed to ``.trash-*`` (deleted in the background, or left by a crash) was
+    listed as a checkpoint "not committed", and DAMAGED when deleted while it was checked."""
+    import shutil
+
+    ctx = ftidask.init(**_dirs(tmp_path))
+    ctx.protect(1, np.arange(4.0))
+    ctx.checkpoint(1, 1)
+    (own,) = (tmp_path / "Local").rglob("Ckpt1-Rank0.fti")
+    trash = own.parent.parent / ".trash-ckpt0.s0-123-abcd"
+    trash.mkdir()
+    shutil.copy(own, trash / "Ckpt0-Rank0.fti")
+    capsys.readouterr()
+    assert main(["list", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out
+    assert "Ckpt1-Rank0.fti" in listed or " 1 " in listed
+    assert ".trash-" not in listed and "Ckpt0" not in listed
+    assert main(["verify", str(tmp_path / "Local")]) == 0
+    assert ".trash-" not in capsys.readouterr().out
+    ctx.finalize()

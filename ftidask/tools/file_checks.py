@@ -14,6 +14,7 @@ from ..ftiff.reader import parse_ftiff, verify_data
 from ..model.config import Config, load_config
 from ..model.errors import ConfigError, FormatError, FTIError
 from ..storage.files import find_paths, open_read
+from ..storage.removal import TRASH_PREFIX
 from .fti_files_cli import fti_parity_problem
 
 
@@ -55,11 +56,18 @@ def ftiff_files(root: Path) -> list[Path]:
     # Parity files (RSed) are not FTI-FF files: `verify` checks them against their .hash record (parity_files).
     # A config named config.fti (FTI's examples) is told apart by its content.
     return [p for p in find_paths(root, "*.fti")  # FTI's POSIX dCP files are not FTI-FF: list_dcp_files shows them
-            if "-RSed" not in p.name and not p.name.startswith((".", "dcp-id")) and not is_config_file(p)]
+            if "-RSed" not in p.name and not p.name.startswith((".", "dcp-id")) and not _in_trash(root, p)
+            and not is_config_file(p)]
 
 
 def parity_files(root: Path) -> list[Path]:
-    return [p for p in find_paths(root, "*-RSed*.fti") if not p.name.startswith(".")]
+    return [p for p in find_paths(root, "*-RSed*.fti") if not p.name.startswith(".") and not _in_trash(root, p)]
+
+
+def _in_trash(root: Path, path: Path) -> bool:
+    """Whether ``path`` lies in a retired checkpoint's directory (``.trash-*``, being deleted): it was listed as a
+    checkpoint "not committed", or DAMAGED when deleted while it was checked."""
+    return any(part.startswith(TRASH_PREFIX) for part in path.relative_to(root).parts[:-1])
 
 
 def parity_verdict(path: Path) -> tuple[str, object]:
