@@ -268,3 +268,52 @@ def test_a_retired_checkpoint_being_deleted_is_not_listed(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "Local")]) == 0
     assert ".trash-" not in capsys.readouterr().out
     ctx.finalize()
+
+
+def test_a_differential_l3_runs_spare_parity_is_checked_as_parity(tmp_path, capsys):
+    """dCP's spare parity files (SpareRSed-Rank{r}.fti) were parsed as FTI-FF rank files: `verify` called a healthy
+    run DAMAGED (exit 1) and `list` showed a row '? ? ... DAMAGED, not committed'."""
+    from ftidask.api.context import Context
+    from ftidask.engine.grouplevels import run_ranks
+    from ftidask.model.config import load_config
+
+    cfg = load_config(None, **_dirs(tmp_path, local_test=1, node_size=1, group_size=2, enable_dcp=1, verbosity=4))
+
+    def write(t):
+        ctx = Context(cfg, t)
+        u = np.arange(5000.0) + t.rank
+        ctx.protect(1, u)
+        ctx.checkpoint(1, 7)
+        u[:10] = -1
+        ctx.checkpoint(2, 7)
+        ctx._close()  # the program dies: its spares stay
+
+    assert run_ranks(cfg, 2, write, wait=60)[1] == []
+    assert list((tmp_path / "Local").rglob("SpareRSed-Rank*.fti"))
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "Local")]) == 0
+    assert "DAMAGED" not in capsys.readouterr().out
+    assert main(["list", str(tmp_path)]) == 0
+    assert "DAMAGED" not in capsys.readouterr().out
+
+
+def test_a_sound_file_in_place_of_the_committed_one_is_listed_damaged(tmp_path, capsys):
+    """Checkpoint 1's (sound) file copied over checkpoint 2's: `list` said checkpoint 2 was sound, under id 1 (its
+    file's own table), where recover() refuses it as not the file its commit record names."""
+    import shutil
+
+    ctx = ftidask.init(**_dirs(tmp_path, keep_l4_ckpt=1))
+    a = np.arange(4.0)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, 4)
+    a += 1
+    ctx.checkpoint(2, 4)
+    (first,) = (tmp_path / "Global").rglob("Ckpt1-Rank0.fti")
+    (second,) = (tmp_path / "Global").rglob("Ckpt2-Rank0.fti")
+    shutil.copy(first, second)
+    capsys.readouterr()
+    assert main(["list", str(tmp_path)]) == 0
+    seq = second.parent.name.split(".s")[1]  # ckpt2.s{seq}: the listing's fourth column
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.split()[3:4] == [seq]]
+    assert line.split()[1] == "2" and "DAMAGED" in line, line
+    ctx._close()

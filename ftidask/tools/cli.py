@@ -96,7 +96,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return _error(f"no FTI-FF files under {root}")
     bad = 0
     for path in files:
-        kind, detail = parity_verdict(path) if "-RSed" in path.name and path.suffix == ".fti" else verdict_of(path)
+        kind, detail = parity_verdict(path) if "RSed" in path.name and path.suffix == ".fti" else verdict_of(path)
         whole = whole_file_problem(path) if kind == "ok" and "-Rank" in path.name else ""
         kind, detail = ("damaged", whole) if whole else (kind, detail)
         if kind == "ok":

@@ -53,15 +53,15 @@ def verdict_of(path: Path) -> tuple[str, object]:
 
 
 def ftiff_files(root: Path) -> list[Path]:
-    # Parity files (RSed) are not FTI-FF files: `verify` checks them against their .hash record (parity_files).
+    # Parity files (Ckpt*-RSed*, dCP's SpareRSed-*) are not FTI-FF: `verify` checks them against their .hash record.
     # A config named config.fti (FTI's examples) is told apart by its content.
     return [p for p in find_paths(root, "*.fti")  # FTI's POSIX dCP files are not FTI-FF: list_dcp_files shows them
-            if "-RSed" not in p.name and not p.name.startswith((".", "dcp-id")) and not _in_trash(root, p)
+            if "RSed" not in p.name and not p.name.startswith((".", "dcp-id")) and not _in_trash(root, p)
             and not is_config_file(p)]
 
 
 def parity_files(root: Path) -> list[Path]:
-    return [p for p in find_paths(root, "*-RSed*.fti") if not p.name.startswith(".") and not _in_trash(root, p)]
+    return [p for p in find_paths(root, "*RSed*.fti") if not p.name.startswith(".") and not _in_trash(root, p)]
 
 
 def _in_trash(root: Path, path: Path) -> bool:

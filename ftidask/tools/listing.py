@@ -7,11 +7,18 @@ import contextlib
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 from ..engine.runstate import RunState, check_exec_id, unsealed_record
 from ..model.errors import FTIError
 from ..storage.files import find_paths, read_json
-from .file_checks import ftiff_files, table_of, verdict_of, whole_file_problem, zarr_stores
+from .file_checks import (
+    ftiff_files,
+    table_of,
+    verdict_of,
+    whole_file_problem,
+    zarr_stores,
+)
 
 #: A rank's own file (an FTI-FF file or a level-4 Zarr store): what a commit record lists, one per rank.
 _RANK_FILE = re.compile(r"Ckpt-?\d+-Rank(\d+)\.(fti|zarr)")
@@ -64,14 +71,28 @@ def collect(roots: list[Path], meta: Path) -> dict[tuple[str, int], Found]:
     return groups
 
 
+def _not_named(path: Path, parsed: Any, named: dict[int, Any]) -> bool:
+    """Whether FTI-FF file ``path`` (``parsed``) differs from the rank file its commit record names (hash, size)."""
+    m = _RANK_FILE.fullmatch(path.name)
+    expected = named.get(int(m[1])) if m else None
+    fb = getattr(parsed, "fb", None)
+    if expected is None or fb is None:  # a Zarr store (checked against its manifest), or no rank named
+        return False
+    return expected.fb_hash != fb.hash.hex() or expected.size != parsed.file_size
+
+
 def row(exec_id: str, seq: int, files: Found, meta: Path) -> str:
     """One line of the listing: the checkpoint ``seq`` of run ``exec_id`` and the state of ``files``."""
-    sound = [d for _p, k, d in files if k == "ok"]
-    table = table_of(sound[0]) if sound else {}
     commit = meta / exec_id / "commits" / f"s{seq:08d}.json"
     record = unsealed_record(read_json(commit)) if commit.is_file() else None  # None: torn or damaged too
-    if record is not None and not table:  # every file damaged or gone: the commit record still says what it was
-        table = {"ckpt_id": record.ckpt_id, "level": record.level, "time": record.timestamp}
+    if record is not None:  # each file the one its record names, as recover() checks (a sound file put in its place)
+        named = {f.rank: f for f in record.files}
+        files = [(p, "damaged", "not the file its commit record names") if k == "ok" and _not_named(p, d, named)
+                 else (p, k, d) for p, k, d in files]
+    sound = [d for _p, k, d in files if k == "ok"]
+    table = table_of(sound[0]) if sound else {}
+    if record is not None:  # the commit record says what it is (a file's own table may be another checkpoint's)
+        table = {**table, "ckpt_id": record.ckpt_id, "level": record.level, "time": table.get("time", record.timestamp)}
     size = sum(_size(p) for p, _k, _d in files)
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(table.get("time", 0))) if table else "?"
     state = "sound" if len(sound) == len(files) else f"DAMAGED ({len(files) - len(sound)} of {len(files)} files)"
