@@ -156,3 +156,16 @@ def test_dask_client_keeps_the_same_schedule(dirs, dask_client) -> None:
 def dirs(tmp_path: Path) -> dict:
     return {"ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
             "meta_dir": str(tmp_path / "Meta")}
+
+
+def test_configured_levels_the_backend_lacks_are_said(tmp_path, caplog):
+    """ckpt_l2 in one process: snapshot() never wrote level 2, and said nothing (checkpoint(id, 2) is refused)."""
+    ctx = ftidask.init(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"),
+                       ckpt_l2=2, snapshot_unit="iterations", verbosity=2)
+    ctx.protect(1, np.zeros(3))
+    with caplog.at_level(logging.WARNING, logger="ftidask"):
+        for _ in range(6):
+            ctx.snapshot()
+    said = [r for r in caplog.records if "levels [2] are configured" in r.getMessage()]
+    assert len(said) == 1 and ctx.last_checkpoint is None
+    ctx.finalize()

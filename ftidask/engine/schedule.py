@@ -50,12 +50,19 @@ class SnapshotSchedule:
         self.minutes = 0  # looks so far: minutes (FTI's minuteCnt)
         self.counts = [1] * len(constants.LEVELS)  # level L is due at minute counts[L-1] * ckpt_lL (FTI's ckptCnt)
         self.mark = clock()  # when the last call (or checkpoint) ended (FTI's iterTime)
+        self.said = False  # whether the configured levels this backend lacks were said
 
     def due(self) -> list[int]:
         """Count this call; the levels due now (minutes: collective every ``sync`` calls, the same on every
         rank)."""
         self.iteration += 1
-        levels = [lv for lv in constants.LEVELS if self.config.interval(lv) > 0 and lv in self.transport.levels()]
+        configured = [lv for lv in constants.LEVELS if self.config.interval(lv) > 0]
+        have = self.transport.levels()
+        levels = [lv for lv in configured if lv in have]
+        if len(levels) < len(configured) and not self.said:  # they were left out silently: protection the user
+            self.said = True  # believed they had (ckpt_l2 in one process, or on a Dask cluster of one worker)
+            log.warning("snapshot(): levels %s are configured (ckpt_l*) but this backend cannot write them here (it "
+                        "has levels %s): they are left out", [lv for lv in configured if lv not in have], list(have))
         if self.config.snapshot_unit == "iterations":
             return [lv for lv in levels if self.iteration % self.config.interval(lv) == 0]
         now = self.clock()
