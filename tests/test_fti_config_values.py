@@ -91,3 +91,10 @@ def test_a_group_larger_than_the_reed_solomon_code_is_refused():
     assert ftidask.load_config(None, group_size=128).group_size == 128
     with pytest.raises(ftidask.ConfigError, match="group_size"):
         ftidask.load_config(None, group_size=129)
+
+
+@pytest.mark.parametrize("value", ["9" * 5000, "0x" + "f" * 100])
+def test_an_integer_of_thousands_of_digits_is_a_config_error(value):
+    """int() refuses over 4300 digits with a raw ValueError (on MPI, the other ranks then waited in init)."""
+    with pytest.raises(ftidask.ConfigError, match=r"characters\) is outside"):
+        ftidask.load_config(None, ckpt_l1=value)

@@ -124,3 +124,48 @@ def test_a_full_global_directory_keeps_the_newest_checkpoint(tmp_path, request, 
         assert (np.asarray(got) if backend == "process" else got.compute()).tobytes() == \
             (np.arange(40_000.0) + 1).tobytes()
         again.finalize()
+
+
+def test_a_full_local_disk_under_the_rebuild_keeps_the_newest_checkpoint(tmp_path):
+    """The newest L2 checkpoint's lost file could not be rebuilt because the node's disk was full: the loss was then
+    counted as damage, finalize passed over the checkpoint and kept the older L4 one (a restart went back). Raised
+    now, on every rank; once there is room, the restart recovers the newest."""
+    from diskfull import fill, tmpfs
+
+    with tmpfs(tmp_path / "fs", "2m") as fs:
+        cfg = load_config(None, ckpt_dir=str(fs / "Local"), glbl_dir=str(tmp_path / "Global"),
+                          meta_dir=str(tmp_path / "Meta"), local_test=1, node_size=1, group_size=2, keep_last_ckpt=1,
+                          verbosity=4)
+        filler = []
+
+        def write(t):
+            ctx = Context(cfg, t)
+            u = np.zeros(1000)
+            ctx.protect(1, u)
+            u[:] = 1
+            ctx.checkpoint(1, 4)
+            u[:] = 2 + t.rank
+            ctx.checkpoint(2, 2)
+            t.barrier()
+            if t.rank == 1:  # rank 1's own file lost, its partner copy kept; then the node's disk fills
+                (own,) = find_paths(fs / "Local" / "node1", "Ckpt2-Rank1.fti")
+                own.unlink()
+                filler.append(fill(fs))
+            t.barrier()
+            with pytest.raises(ftidask.CheckpointError, match="No space left on device"):
+                ctx.finalize()
+
+        assert run_ranks(cfg, 4, write, wait=60)[1] == []
+        filler[0].unlink()
+
+        def read(t):
+            ctx = Context(cfg, t)
+            u = np.zeros(1000)
+            ctx.protect(1, u)
+            status = ctx.status()
+            ctx.recover()
+            ctx.finalize()
+            return status, ctx.recovered_from, u[0]
+
+        results, errors = run_ranks(cfg, 4, read, wait=60)
+        assert errors == [] and [r[1:] for r in results] == [((2, 2), 2.0 + r) for r in range(4)], results

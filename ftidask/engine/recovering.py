@@ -19,7 +19,7 @@ import numpy as np
 
 from ..ftiff.layout import Layout
 from ..ftiff.reader import FtiffFile, identity_of, unchanged
-from ..model.errors import FTIError, NoCheckpointError, RecoveryError
+from ..model.errors import CheckpointError, FTIError, NoCheckpointError, RecoveryError, says_disk_failure
 from ..transport.collective import agree, agree_call, attempt, guarded, on_root
 from . import pagemove, recoverplan, reshard
 from .checkpointing import CheckpointInfo
@@ -139,6 +139,10 @@ class Recovery(RestartSizes):
                                                               record=record), False)
         if error:
             log.warning("keep_last_ckpt: rebuilding checkpoint %d (level %d): %s", record.ckpt_id, record.level, error)
+        # A disk that cannot take the rebuilt file (full, read-only) says nothing of the checkpoint: raised, not
+        # passed over (its lost file then counted as damage, and finalize kept an older checkpoint in its place)
+        agree(t, error if says_disk_failure(error) else "", CheckpointError, f"keep_last_ckpt: checkpoint "
+              f"{record.ckpt_id} (level {record.level}) could not be rebuilt before its flush")
 
     def check(self, record: CommitRecord, stage: Stager | None = None) -> Verdict:
         """This rank's verdict on its file of ``record`` (an unexpected error is a damaged file, never raised)."""

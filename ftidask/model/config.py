@@ -29,13 +29,13 @@ _MPI_TAG_MAX = 32767
 
 def _parse_int(lo: int | None = None, hi: int = _INT_MAX) -> Callable[[str, Any], int]:
     def parse(key: str, value: Any) -> int:
-        if isinstance(value, bool):
-            value = int(value)
-        number = value if isinstance(value, int) else _c_integer(str(value).strip())
+        text = "" if isinstance(value, int) else str(value).strip()  # (a bool is an int)
+        number = int(value) if isinstance(value, int) else _c_integer(text) if len(text) <= 64 else -1 - 2**64
         if number is None:
             raise ConfigError(f"config key {key!r}: expected an integer, got {value!r}")
-        if lo is not None and number < lo or number > hi:
-            shown = number if abs(number) < 10**30 else f"{str(number)[:12]}... ({len(str(number))} digits)"
+        if lo is not None and number < lo or number > hi:  # (over 64 characters: no key's, and int() refused them)
+            shown = text[:12] + f"... ({len(text)} characters)" if len(text) > 64 else number if abs(
+                number) < 10**30 else f"{str(number)[:12]}... ({len(str(number))} digits)"
             raise ConfigError(f"config key {key!r}: {shown} is outside [{lo if lo is not None else -hi - 1}, {hi}]")
         return number
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class FTIError(Exception):
     """Base class of every error ftidask raises on purpose."""
@@ -52,3 +55,13 @@ class LevelError(FTIError, ValueError):
 class StagingError(FTIError):
     """Staging is not enabled (raised by every staging call), a staging request is invalid (raised by
     send_file), or requests failed (raised by finalize)."""
+
+
+#: Errors of the disk being written, not of the data being read: a copy or rebuild that fails with one of them says
+#: nothing of the checkpoint it copies (keep_last_ckpt must not pass over a sound checkpoint for a full disk).
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def says_disk_failure(text: str) -> bool:
+    """Whether an error's text (reasons gathered from ranks or workers: strings) names one of :data:`DISK_ERRNOS`."""
+    return any(os.strerror(code) in text for code in DISK_ERRNOS)

@@ -31,9 +31,26 @@ from ...engine.runstate import CommitRecord, SeqReservation
 from ...engine.variables import check_name, compressor_config, encode_states
 from ...model.arrays import check_bool, check_ckpt_id, check_id
 from ...model.config import Config
-from ...model.errors import CheckpointError, FTIError, ProtectError, RecoveryError, UnkeepableCheckpoint
+from ...model.errors import (
+    CheckpointError,
+    FTIError,
+    ProtectError,
+    RecoveryError,
+    UnkeepableCheckpoint,
+    says_disk_failure,
+)
 from ...storage import files as storage
-from . import channel, codecthreads, icp, lineage, modes, recorded, report, restore, tasks
+from . import (
+    channel,
+    codecthreads,
+    icp,
+    lineage,
+    modes,
+    recorded,
+    report,
+    restore,
+    tasks,
+)
 from .cluster import Cluster, check_client
 from .dcp_levels import DaskSpares
 from .report import DaskCheckpointInfo
@@ -210,9 +227,10 @@ class DaskContext(DaskWriting, Context):
         try:  # its files checked (rebuilt where lost) first: only their damage passes over it, not the flush's
             with self.cluster.batch():
                 hosts = restore.restore_files(self, record)
-        except FTIError as exc:  # damaged or lost files: finalize tries the next older checkpoint
-            raise UnkeepableCheckpoint(f"keep_last_ckpt: checkpoint {record.ckpt_id} (level {record.level}) cannot "
-                                       f"be kept: {exc}") from exc
+        except FTIError as exc:  # damaged or lost files: finalize tries the next older one (not for a disk that
+            kind = CheckpointError if says_disk_failure(str(exc)) else UnkeepableCheckpoint  # cannot take the rebuild)
+            raise kind(f"keep_last_ckpt: checkpoint {record.ckpt_id} (level {record.level}) cannot be kept: {exc}") \
+                from exc
         if in_l4(record):
             return
         seq = self._seqs.take()
