@@ -318,3 +318,20 @@ def test_foreign_ids_and_names_that_are_none_are_refused(tmp_path, attrs, said):
         g.create_array("b", shape=(2,), dtype="f8", attributes={"ftidask_id": 1})[:] = 2
     with pytest.raises(FormatError, match=said):
         read_zarr(tmp_path / "s.zarr")
+
+
+@pytest.mark.parametrize(("fmt", "shape", "chunks", "resize"), [
+    (3, (5,), (10,), None), (2, (5,), (10,), None), (3, (100,), (40,), (30,)), (2, (3, 7), (4, 4), None)])
+def test_chunks_larger_than_a_small_array_are_read(tmp_path, fmt, shape, chunks, resize):
+    """Legal Zarr that a first bound (each chunk dimension at most the array's) refused: a small array, one shrunk
+    after it was written, edge chunks. A chunk's bytes are bounded instead (the array's, or 64 MiB)."""
+    import zarr
+
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w", zarr_format=fmt)
+    z = group.create_array("a", shape=shape, chunks=chunks, dtype="f8")
+    z[...] = np.arange(np.prod(shape), dtype="f8").reshape(shape)
+    if resize:
+        z.resize(resize)
+    expected = z[...]
+    ((name, got),) = read_zarr(tmp_path / "s.zarr").values()
+    assert name == "a" and got.tobytes() == expected.tobytes()

@@ -15,6 +15,7 @@ Nothing in such a store is hash-checked, so every read is bounded before Zarr ma
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 import warnings
@@ -40,6 +41,7 @@ def _memory_bytes() -> int:
 _METADATA = {"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"}
 _ID_RANGE = (-(2**31), 2**31 - 1)  # FTI's ids are C ints
 _WHOLE_READ = 4096  # missing chunks a whole-array read may pass over (Zarr's cost per chunk, file or not)
+_CHUNK_FLOOR = 64 << 20  # bytes a chunk may unpack to whatever the array's size
 
 
 def _file_sizes(path: Path) -> dict[str, int]:
@@ -121,8 +123,12 @@ def _codec(path: Path, name: str, z: Any) -> str:
         raise FormatError(f"{path}: array {name!r}: filters {list(z.filters)}, serializer {serializer} and "
                           f"compressors {compressors} are not imported (none or one Zstd or Blosc compressor: "
                           "the codecs whose decoded size is known before decoding)")
-    if any(c > max(n, 1) for c, n in zip(z.chunks, z.shape, strict=True)):
-        raise FormatError(f"{path}: array {name!r}: chunks {tuple(z.chunks)} are larger than its shape {z.shape}")
+    # A chunk unpacks to its whole shape, edges included: bounded by the array's bytes, or 64 MiB (a chunk larger than
+    # the array in a dimension is common: an array shrunk, a series with fixed chunks)
+    chunk_bytes = math.prod(z.chunks) * dtype.itemsize
+    if chunk_bytes > max(math.prod(z.shape) * dtype.itemsize, _CHUNK_FLOOR):
+        raise FormatError(f"{path}: array {name!r}: chunks {tuple(z.chunks)} of {chunk_bytes} bytes, for an array of "
+                          f"shape {z.shape}: not imported")
     return codec
 
 
