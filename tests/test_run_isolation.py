@@ -439,3 +439,23 @@ def test_a_live_runs_lock_removed_under_it_is_taken_again_at_its_next_commit(tmp
     again.recover()
     assert again.recovered_from == (2, 1) and (b == np.arange(10.0) + 1).all()
     again.finalize()
+
+
+@pytest.mark.parametrize("planted", ["directory", "link"])
+def test_a_lock_file_replaced_under_a_live_run_fails_no_checkpoint(tmp_path, planted, caplog):
+    """Its lock file replaced by a directory or a link loop: every later checkpoint failed at the lock taken again
+    (after its record was written). Said once; the checkpoints go on."""
+    import logging
+
+    dirs = {"ckpt_dir": str(tmp_path / "L"), "glbl_dir": str(tmp_path / "G"), "meta_dir": str(tmp_path / "M"),
+            "verbosity": 4}
+    ctx = ftidask.init(exec_id="x", **dirs)
+    ctx.protect(1, np.arange(10.0))
+    ctx.checkpoint(1, 1)
+    lock = tmp_path / "M" / "x" / "run.lock"
+    lock.unlink()
+    lock.mkdir() if planted == "directory" else lock.symlink_to(lock)
+    with caplog.at_level(logging.WARNING, logger="ftidask"):
+        assert [ctx.checkpoint(i, 1).id for i in (2, 3)] == [2, 3]
+    assert sum("cannot be locked again" in r.getMessage() for r in caplog.records) == 1
+    ctx.finalize()

@@ -38,6 +38,7 @@ class _Flock:
     def __init__(self, fd: int) -> None:
         self.fd: int | None = fd
         self.users = 0
+        self.said = False  # whether a lock file that cannot be locked again was said (lock_again)
 
     def close(self) -> None:
         fd, self.fd = self.fd, None
@@ -160,18 +161,28 @@ def lock_again(run_dir: Path) -> None:
         now, held = os.stat(path), os.fstat(flock.fd)
         if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
             return
-    except FileNotFoundError:
+    except OSError:  # gone, or a link loop planted there: locked again below if it can be
         pass
-    with interrupts.held_off():
-        fd = _open(path, create=True)
-        if not _flock(fd, path):
+    fd = -1
+    try:  # never fails the commit that called it (written already): a lock file replaced by a directory or a link
+        with interrupts.held_off():
+            fd = _open(path, create=True)
+            if not _flock(fd, path):
+                fd = os.close(fd) or -1
+                log.warning("the lock file %s of this live run was removed, and another process has locked it "
+                            "since: two programs may now write this run", path)
+                return
+            old, flock.fd, fd = flock.fd, fd, -1
+            os.close(old)
+    except OSError as exc:
+        if fd >= 0:
             os.close(fd)
-            log.warning("the lock file %s of this live run was removed, and another process has locked it since: "
-                        "two programs may now write this run", path)
-            return
-        old, flock.fd = flock.fd, fd
-        os.close(old)
-    _write_holder(fd)
+        if not flock.said:  # once, not at every commit
+            flock.said = True
+            log.warning("the lock file %s of this live run was removed or replaced and cannot be locked again (%s): "
+                        "another program may take this run for a dead one", path, exc)
+        return
+    _write_holder(flock.fd)
     log.warning("the lock file %s of this live run was removed during the run: it is locked again", path)
 
 
