@@ -174,7 +174,8 @@ def test_a_chunked_xarray_object_is_refused_with_what_to_protect(client, tmp_pat
     xr = pytest.importorskip("xarray")
     with ftidask.init(client=client, **_dirs(tmp_path)) as ctx:
         labelled = xr.DataArray(da.zeros(40, chunks=10), dims=["x"])
-        with pytest.raises(ftidask.ProtectError, match="DataArray"):
-            ctx.protect(1, labelled)
+        for wrong in (labelled, xr.DataArray(np.zeros(4))):  # chunked, or NumPy-backed: refused, naming .data
+            with pytest.raises(ftidask.ProtectError, match=r"DataArray; protect the array it holds, its \.data"):
+                ctx.protect(1, wrong)
         ctx.protect(1, labelled.data)
         ctx.checkpoint(1, 1)

@@ -175,6 +175,6 @@ def test_a_labelled_array_is_refused_naming_what_to_protect(tmp_path):
     xr = pytest.importorskip("xarray")
     ctx = ftidask.init(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"),
                        verbosity=4)
-    with pytest.raises(ftidask.ProtectError, match=r"DataArray; protect the array it holds \(its \.values"):
+    with pytest.raises(ftidask.ProtectError, match=r"DataArray; protect the array it holds, its \.data"):
         ctx.protect(1, xr.DataArray(np.zeros(3)))
     ctx.finalize()

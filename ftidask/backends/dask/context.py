@@ -108,7 +108,8 @@ class DaskContext(DaskWriting, Context):
         worker that writes it, as the engine compresses a container (full checkpoints, levels 1-4).
         """
         if not is_dask_array(array):
-            if is_dask_collection(array):  # a bag, a delayed value, a dataframe: no fixed-size chunks to write
+            # a bag, a delayed value, a dataframe: no fixed-size chunks to write (an xarray object: said below)
+            if is_dask_collection(array) and type(array).__module__.startswith("dask"):
                 raise ProtectError(f"protect takes Dask arrays (dask.array.Array), got {type(array).__name__}; "
                                    "make it one (e.g. dask.array.from_delayed) or protect a NumPy array")
             super().protect(id, array, name, compressor)
