@@ -10,6 +10,7 @@ work between collectives goes through :func:`ftidask.transport.collective.guarde
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from pathlib import Path
@@ -65,6 +66,9 @@ class SafeOutput:
         self._cm: Any = atomic_file(path)
         self.fh: BinaryIO | None
         try:
+            for made in (path.parent, path.parent.parent):  # a checkpoint's and level's directories, the run's own:
+                if made.is_symlink():  # a link planted there had a rebuild write outside the run
+                    raise OSError(errno.ELOOP, "a symbolic link where the run keeps a directory", str(made))
             clear_directory(path)
             self.fh = self._cm.__enter__()
         except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on

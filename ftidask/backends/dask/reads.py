@@ -35,6 +35,7 @@ import numpy as np
 from ...engine.device import device_chunk
 from ...ftiff.reader import identity_of
 from ...levels import rs
+from ...levels.blockio import clear_directory
 from ...levels.erasure import decode_files
 from ...model.errors import FormatError, RecoveryError
 from ...storage import files as storage
@@ -106,6 +107,9 @@ def _decode_over(src: dict[str, Any], data: list[str | None], parity: list[str |
     """Decode rank ``pos``'s file from the chosen inputs into a temporary file, verify it and rename it over
     ``src["path"]`` (the path as it was on any failure). :class:`_InputLost` when an input is gone meanwhile."""
     group, target = src["group"], Path(src["path"])
+    for made in (target.parent, target.parent.parent):  # the checkpoint's and level's directories, made by ftidask:
+        if made.is_symlink():  # a link planted there had the rebuild write outside the run
+            raise RecoveryError(f"{what} is not rebuilt: {made} is a symbolic link (outside the run's directories)")
     tmp: Path | None = None
     try:
         storage.makedirs(target.parent)  # a lost node's directory comes back
@@ -115,11 +119,15 @@ def _decode_over(src: dict[str, Any], data: list[str | None], parity: list[str |
         # Its hashes: the read that follows decodes the chunk it needs (a compressed container decoded once).
         verdict = tasks.check_file(str(tmp), src["fb_hash"], decode=False)
         if not verdict["ok"]:
+            if not tmp.exists():  # collected as a leftover by a checkpoint committing meanwhile: done again
+                raise _InputLost()
             raise RecoveryError(f"{what} rebuilt from its group's parity does not verify: {verdict['message']}")
+        clear_directory(target)  # a rank file replaced by a directory is lost: the rebuilt one takes its place
         storage.rename_into(tmp, target)  # the damaged file replaced at once, never a partial one
         tmp = None
     except (ValueError, OSError) as exc:  # a read or write error, a file changed since it was checked
-        if not target.parent.exists() or any(p is not None and not os.path.exists(p) for p in data + parity):
+        if not target.parent.exists() or any(p is not None and not os.path.exists(p) for p in data + parity) or (
+                tmp is not None and not tmp.exists()):  # (or the temporary collected by a checkpoint's start)
             raise _InputLost() from None  # (or the target's directory erased: its node lost as it came back)
         raise RecoveryError(f"{what} cannot be rebuilt from its group's parity: {exc}") from None
     finally:
