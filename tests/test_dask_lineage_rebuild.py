@@ -81,3 +81,35 @@ def test_a_lost_chunk_is_rebuilt_only_inside_the_run(client, tmp_path, harm):
         again._close()
     assert list(outside.iterdir()) == []
     ctx._close()
+
+
+def test_a_second_context_of_the_run_keeps_what_the_firsts_arrays_read(client, tmp_path):
+    """A notebook's init cell run again: a second context of the run, whose checkpoints retired checkpoint 1 that
+    the first context's array still read (each context asked about the keys it made only). A worker lost then, the
+    array could not be computed."""
+
+    dirs = {"ckpt_dir": str(tmp_path / "Local"), "glbl_dir": str(tmp_path / "Global"),
+            "meta_dir": str(tmp_path / "Meta"), "verbosity": 4}
+    ctx = ftidask.init(client=client, **dirs)
+    x = client.persist(da.random.default_rng(0).random((64, 48), chunks=(16, 16)))
+    expected = x.compute()
+    ctx.protect(1, x)
+    ctx.checkpoint(1, 2)
+    y = ctx.protected[1]  # the application holds the array that reads checkpoint 1
+    again = ftidask.init(client=client, **dirs)  # the init cell run again: the same run
+    assert again.exec_id == ctx.exec_id
+    again.protect(1, client.persist(x + 1))
+    for i in (2, 3):
+        again.checkpoint(i, 2)
+        again.protect(1, again.protected[1] + 1)
+    assert list(Path(dirs["ckpt_dir"]).rglob("ckpt1.*/Ckpt1-Rank*.fti"))  # kept: read by y
+    held = {}
+    for who in client.who_has(y).values():
+        if len(who) == 1:
+            held[who[0]] = held.get(who[0], 0) + 1
+    victim = max(held, key=held.get)
+    rank = ctx.last_checkpoint.workers.index(victim)
+    _kill_with(client, victim, lambda: shutil.rmtree(Path(dirs["ckpt_dir"]) / f"node{rank}"))
+    assert client.compute(y).result(timeout=120).tobytes() == expected.tobytes()
+    again._close()
+    ctx._close()

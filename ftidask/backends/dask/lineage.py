@@ -21,6 +21,7 @@ import gc
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -64,12 +65,23 @@ def _alias(pairs: Mapping[str, list[tuple[Any, Any]]], dask_worker: Any = None) 
     return {k: int(sizeof(v)) for k, v in data.items()}
 
 
+class _KeyBook(dict):  # type: ignore[type-arg] - a dict that a WeakValueDictionary may hold
+    """(ckpt_id, seq) -> the lineage keys made to read that checkpoint back."""
+
+
+#: The books of the runs of this process's live Dask contexts (gone with the last context of a run).
+_books: weakref.WeakValueDictionary[tuple[str, str], _KeyBook] = weakref.WeakValueDictionary()
+
+
 class Pins:
     """The lineage keys made per checkpoint, to know whether a live array may still read one."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, run: tuple[str, str] | None = None) -> None:
         self.client = client
-        self._keys: dict[tuple[int, int], list[Any]] = {}
+        # One book per run in this process (``run``: its meta_dir's real path and exec_id), shared by its contexts: a
+        # notebook's init cell run again makes a second context of the run, whose checkpoints retired those that the
+        # first one's live arrays read (each context asked about its own keys only).
+        self._keys: dict[tuple[int, int], list[Any]] = _KeyBook() if run is None else _books.setdefault(run, _KeyBook())
         # Set by a lineage cut whose graph left after the releases it made: the scheduler has handled those (its
         # stream is in order), so the next read needs no barrier. Spent by that read.
         self.settled = False

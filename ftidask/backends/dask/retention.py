@@ -36,7 +36,8 @@ class DaskRetention(Retention):
         super().__init__(run)
         self.cluster = cluster
         self.started = False  # set by the first garbage collection (at init)
-        self.pins = Pins(cluster.client)  # the lineage keys that read each checkpoint
+        # the lineage keys that read each checkpoint: the run's, whichever context of this process made them
+        self.pins = Pins(cluster.client, (os.path.realpath(run.paths.meta_dir), run.paths.exec_id))
         self.deferred: list[CommitRecord] = []  # obsolete, but live arrays may still read them
         # While a commit's retirement runs: the retired directories, discarded on the workers by the collection that
         # follows it, in the same call (one round trip to every worker instead of two). None: discarded at once.
