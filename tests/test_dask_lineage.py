@@ -389,6 +389,9 @@ def test_recovered_arrays_keep_their_checkpoint(client, dirs):
     ctx = ftidask.init(client=client, **dirs)
     ctx.protect(1, initial(), name="field")
     ctx.checkpoint(1, 2)
+    ctx._close()  # the program dies: its arrays (which read checkpoint 1 too, and would keep it) go with it
+    del ctx
+    gc.collect()
     ctx2 = ftidask.init(client=client, **dirs)
     back = ctx2.recover()[1]
     ctx2.protect(1, back + 1)
