@@ -19,6 +19,22 @@ def _config(base: Path, **kw) -> dict:
             **kw}
 
 
+def _record_held_back(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """The background thread's commit record held back (``renamed`` set: its file renamed into place, the record not
+    written) until ``go_on`` is set."""
+    renamed, go_on = threading.Event(), threading.Event()
+    write_record = RunState.write_record
+
+    def record_later(self, record):
+        if threading.current_thread() is not threading.main_thread():
+            renamed.set()
+            go_on.wait(5)
+        return write_record(self, record)
+
+    monkeypatch.setattr(RunState, "write_record", record_later)
+    return renamed, go_on
+
+
 def test_init_again_while_a_checkpoint_is_in_flight_keeps_that_checkpoint(tmp_path, monkeypatch):
     """The new init collected the files of the old context's checkpoint in flight (renamed, not yet committed) as
     garbage: that checkpoint was then committed naming files gone, reported written, and it retired the previous
@@ -27,16 +43,7 @@ def test_init_again_while_a_checkpoint_is_in_flight_keeps_that_checkpoint(tmp_pa
     a = np.full(100_000, 1.0)
     a_ctx.protect(1, a)
     a_ctx.checkpoint(1, 1)
-    renamed, go_on = threading.Event(), threading.Event()
-    write_record = RunState.write_record
-
-    def record_later(self, record):  # the background thread: its file renamed into place, the record not written
-        if threading.current_thread() is not threading.main_thread():
-            renamed.set()
-            go_on.wait(5)
-        return write_record(self, record)
-
-    monkeypatch.setattr(RunState, "write_record", record_later)
+    renamed, go_on = _record_held_back(monkeypatch)
     a[:] = 2.0
     handle = a_ctx.checkpoint(2, 1, wait=False)
     assert renamed.wait(30)
@@ -62,16 +69,7 @@ def test_a_context_dropped_with_a_checkpoint_in_flight_lives_until_it_is_committ
     a = np.full(100_000, 1.0)
     old.protect(1, a)
     old.checkpoint(1, 1)
-    renamed, go_on = threading.Event(), threading.Event()
-    write_record = RunState.write_record
-
-    def record_later(self, record):
-        if threading.current_thread() is not threading.main_thread():
-            renamed.set()
-            go_on.wait(5)
-        return write_record(self, record)
-
-    monkeypatch.setattr(RunState, "write_record", record_later)
+    renamed, go_on = _record_held_back(monkeypatch)
     a[:] = 2.0
     old.checkpoint(2, 1, wait=False)  # the handle not kept
     assert renamed.wait(30)
