@@ -42,6 +42,12 @@ def read_block(fh: BinaryIO | None, offset: int, length: int, valid: int) -> np.
     return out
 
 
+def linked_dir(path: Path) -> Path | None:
+    """The checkpoint's or level's directory of rank file ``path`` (the run's own, never a link) that is a symbolic
+    link, or None: a link planted there had a rebuild write the file outside the run."""
+    return next((made for made in (path.parent, path.parent.parent) if made.is_symlink()), None)
+
+
 def clear_directory(path: Path) -> None:
     """Move a directory found at ``path`` out of the way and remove it: a file of a checkpoint replaced by a
     directory is a lost file, which the rename of its rebuilt copy could not replace. Never followed (lstat)."""
@@ -66,9 +72,8 @@ class SafeOutput:
         self._cm: Any = atomic_file(path)
         self.fh: BinaryIO | None
         try:
-            for made in (path.parent, path.parent.parent):  # a checkpoint's and level's directories, the run's own:
-                if made.is_symlink():  # a link planted there had a rebuild write outside the run
-                    raise OSError(errno.ELOOP, "a symbolic link where the run keeps a directory", str(made))
+            if (made := linked_dir(path)) is not None:
+                raise OSError(errno.ELOOP, "a symbolic link where the run keeps a directory", str(made))
             clear_directory(path)
             self.fh = self._cm.__enter__()
         except Exception as exc:  # noqa: BLE001 - recorded: the group's collectives go on

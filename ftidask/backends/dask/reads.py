@@ -35,7 +35,7 @@ import numpy as np
 from ...engine.device import device_chunk
 from ...ftiff.reader import identity_of
 from ...levels import rs
-from ...levels.blockio import clear_directory
+from ...levels.blockio import clear_directory, linked_dir
 from ...levels.erasure import decode_files
 from ...model.errors import FormatError, RecoveryError
 from ...storage import files as storage
@@ -107,9 +107,8 @@ def _decode_over(src: dict[str, Any], data: list[str | None], parity: list[str |
     """Decode rank ``pos``'s file from the chosen inputs into a temporary file, verify it and rename it over
     ``src["path"]`` (the path as it was on any failure). :class:`_InputLost` when an input is gone meanwhile."""
     group, target = src["group"], Path(src["path"])
-    for made in (target.parent, target.parent.parent):  # the checkpoint's and level's directories, made by ftidask:
-        if made.is_symlink():  # a link planted there had the rebuild write outside the run
-            raise RecoveryError(f"{what} is not rebuilt: {made} is a symbolic link (outside the run's directories)")
+    if (made := linked_dir(target)) is not None:
+        raise RecoveryError(f"{what} is not rebuilt: {made} is a symbolic link (outside the run's directories)")
     tmp: Path | None = None
     try:
         storage.makedirs(target.parent)  # a lost node's directory comes back
