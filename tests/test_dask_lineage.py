@@ -448,6 +448,23 @@ def test_retention_keeps_a_checkpoint_a_live_array_reads(client, dirs):
     ctx.finalize()
 
 
+def test_two_checkpoints_in_flight_of_an_unchanged_array_leave_the_newest_cut(client, dirs):
+    """With two asynchronous checkpoints in flight of one array, the second cut replaces the first one's (the
+    first checkpoint's cut was handed back meanwhile): the first checkpoint is retired at the second's commit."""
+    ctx = ftidask.init(client=client, **dirs, max_inflight=2)
+    x = client.persist(initial())
+    ctx.protect(1, x, name="field")
+    first, second = ctx.checkpoint(1, 1, wait=False), ctx.checkpoint(2, 1, wait=False)
+    first.result()
+    second.result()
+    del x
+    assert [r.ckpt_id for r in ctx.state.records()] == [2]
+    keys = [f.key for f in distributed.futures_of(ctx.protected[1])]
+    assert keys and all(k[0].startswith("ftidask-lineage-ckpt2-") for k in keys)
+    assert client.compute(ctx.protected[1]).result(timeout=60).tobytes() == initial().compute().tobytes()
+    ctx.finalize()
+
+
 def _slow_chunk(i):
     time.sleep(0.6)  # longer than the cluster's poll (0.25 s): the checkpoint's wait times out before it is done
     return np.full(1000, i, np.float64)

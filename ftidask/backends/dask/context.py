@@ -65,6 +65,7 @@ class DaskContext(DaskWriting, Context):
     def __init__(self, config: Config, client: Client) -> None:
         cluster = Cluster(client, config.progress)
         self._cutting = threading.RLock()  # held while a lineage cut swaps the arrays (see lineage.cut)
+        self._cut_from: dict[int, tuple[str, str]] = {}  # var id -> (name of the array cut, name of its cut)
         modes.register(client, cluster, config.permissions)  # the workers' files' modes (also those joining later)
         channel.register(client)  # L2/L3 blocks go worker to worker (every worker, also those joining later)
         codecthreads.register(client)  # compressed frames on the worker's share of the cores, not 8 threads

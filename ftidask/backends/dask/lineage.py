@@ -222,9 +222,10 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: d
     # for the lock: an asynchronous checkpoint cuts while the application goes on). (Were the persist to fail, the
     # next checkpoint persists it; the keys aliased stay in memory meanwhile, which keeps the checkpoint.)
     with ctx._cutting:
+        held_names = {vid: getattr(arr, "name", None) for vid, arr in held.items()}
         for vid in lazy:
             p = ctx._vars.get(vid)
-            if p is not None and p.array is held.get(vid):
+            if p is not None and _still_held(ctx, vid, p.array, held.get(vid)):
                 p.array = lazy[vid]
         # The chunks as computed are ours no more: released before the graph goes, so that when the scheduler
         # reports the graph's keys, it has forgotten the keys of the arrays this one replaces (unless the
@@ -238,6 +239,8 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: d
             p = ctx._vars.get(vid)
             if p is not None and p.array is lazy[vid]:
                 p.array = arr
+                if held_names.get(vid) is not None:
+                    ctx._cut_from[vid] = (held_names[vid], arr.name)
     lazy.clear()
     send_now(client)
     # Done when the scheduler has the graphs: the aliased keys are reported in memory once they have their
@@ -248,6 +251,16 @@ def cut(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: d
     log.debug("checkpoint %d: lineage cut for %d arrays (%d chunks aliased in memory, %d to read)", cid, len(out),
               aliased, missed)
     return out
+
+
+def _still_held(ctx: DaskContext, vid: int, current: Any, held: Any) -> bool:
+    """Whether variable ``vid`` still holds the array ``held`` the checkpoint wrote: that very array, or the cut
+    an earlier checkpoint of it made meanwhile (two asynchronous checkpoints in flight of an unchanged array:
+    the second one's cut replaces the first's, which lets the first checkpoint be retired)."""
+    if current is held:
+        return True
+    names = (getattr(held, "name", None), getattr(current, "name", None))
+    return None not in names and ctx._cut_from.get(vid) == names
 
 
 def cut_after_commit(ctx: DaskContext, record: CommitRecord, specs: list[VarSpec], futures: dict[Place, Future],
