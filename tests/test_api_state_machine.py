@@ -254,5 +254,12 @@ def test_a_variable_protected_after_init_icp_is_said_so(tmp_path):
     with pytest.raises(ftidask.CheckpointError, match="variable 3 was not protected when checkpoint 2 started"):
         ctx.add_var_icp(3)
     ctx.add_var_icp(1)
+    # Committed without it, the checkpoint could not be recovered by a restart protecting the same variables
+    with pytest.raises(ftidask.CheckpointError, match=r"misses protected variables \[3\] \(protected after init_icp"):
+        ctx.finalize_icp()
+    assert ctx.stored_size(1) == 0  # nothing committed
+    ctx.init_icp(3, 1)
+    ctx.add_var_icp(1)
+    ctx.add_var_icp(3)
     ctx.finalize_icp()
     ctx.finalize()

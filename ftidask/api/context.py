@@ -224,9 +224,13 @@ class Context(RecoveryCalls, StagingCalls):
         self._check_open()
         return self._icp.finalize()
 
-    def _abort_icp(self) -> None:
-        """Drop the open incremental checkpoint without committing it (the previous one stays)."""
-        self._icp.abort()
+    def _abort_icp(self, why: str = "") -> None:
+        """Drop the open incremental checkpoint without committing it (the previous one stays); ``why``: on an
+        exception of the application, on every rank (collective)."""
+        if why:
+            self._icp.drop(why)
+        else:
+            self._icp.abort()
 
     def incremental(self, id: int, level: int) -> icp.Incremental:
         """``with ctx.incremental(id, level) as icp: icp.add(var_id)``: iCP as a context manager."""

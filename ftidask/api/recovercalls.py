@@ -54,10 +54,18 @@ class RecoveryCalls:
         ``ids`` (FTI_RecoverVar): recover only these variables, the others untouched. Every hash is checked before any
         array is written; on failure nothing is touched. Raises :class:`NoCheckpointError` when nothing can be
         recovered. A full recovery sets :meth:`status` to 0, as FTI_Recover does."""
+        return self._recover(ckpt_id, level, ids, lambda: None)
+
+    def _recover(self, ckpt_id: Any, level: Any, ids: Any, check: Any) -> dict[int, Any]:
+        """recover(), with ``check`` of the caller's own arguments made with the others (collective)."""
         self._check_open()
-        self._icp_slot.check_none_open(RecoveryError)  # the checkpoint would mix values from before and after
         self._async.quiesce()  # never a checkpoint half written by this run, or raised by a head
-        out = self.recovery.recover(ckpt_id, level, ids)
+
+        def refusals() -> None:  # with the arguments', so that a rank refused tells the others (never a wait)
+            self._icp_slot.check_none_open(RecoveryError)  # the checkpoint would mix values from before and after
+            check()
+
+        out = self.recovery.recover(ckpt_id, level, ids, refusals)
         self.progress.recovered_all |= ids is None  # FTI_RecoverVar leaves FTI_Status as it is
         self.progress.recovered_ids.update(out)  # what snapshot() no longer recovers
         return out
@@ -65,8 +73,9 @@ class RecoveryCalls:
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
         """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched). Raises
         :class:`NoCheckpointError` where FTI returns FTI_NSCS: on a fresh start, nothing is committed to recover."""
-        vid = var_id_of(id, "recover_var(...)")
-        return self.recover(ckpt_id, level, ids=[vid])[vid]
+        vid: list[int] = []  # checked in recover's first step: a rank refused tells the others (never a wait)
+        out = self._recover(ckpt_id, level, [id], lambda: vid.append(var_id_of(id, "recover_var(...)")))
+        return out[vid[0]]
 
     def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None,
                      rank: int | None = None) -> dict[int, Any]:

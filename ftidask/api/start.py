@@ -10,7 +10,7 @@ from typing import Any
 
 from ..ftiff import compression
 from ..model.config import Config
-from ..model.errors import FTIError
+from ..model.errors import ConfigError, FTIError
 from . import logsetup
 from .context import Context
 
@@ -53,9 +53,13 @@ def init(config: str | os.PathLike[str] | Config | None = None, *, comm: Any = N
         cfg = load_config(config, **overrides).with_absolute_dirs()  # every backend, MPI heads included
         if cfg.compressor is not None:  # its codec can be had (numcodecs installed): here, not at every checkpoint
             compression.parse_compressor(cfg.compressor)
-    except FTIError as exc:
+    except (FTIError, OSError) as raised:
+        exc = raised if isinstance(raised, FTIError) else ConfigError(  # e.g. relative directories, cwd removed
+            f"the run's directories cannot be resolved: {raised}")
         if comm is None or client is not None:
-            raise
+            if exc is raised:
+                raise
+            raise exc from raised
         # One rank's config refused (a file its node cannot read, a value of its own): the others are told in
         # the MPI backend's first collective and raise the same error, instead of waiting in it forever.
         return backend("mpi")(None, comm, refused=exc)  # type: ignore[no-any-return]

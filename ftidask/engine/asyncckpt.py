@@ -24,6 +24,7 @@ from typing import Any
 from ..model.arrays import ArrayBytes
 from ..model.level import Level
 from ..transport.base import Transport
+from ..transport.collective import reason
 from . import memavail, snapshot
 from .checkpointing import CheckpointInfo
 from .commit import Committer
@@ -117,7 +118,7 @@ class AsyncCheckpoints:
             self.next_id = max(self.next_id, ckpt_id + 1)
             job = self._job(ckpt_id, level, snap, tracking, state_error, committer)
             handle = self.inflight.submit(job, ckpt_id, level.number, snap.mechanism)
-        except BaseException:
+        except BaseException as exc:
             if job is not None and self.inflight.holds(job):
                 raise  # queued after all (interrupted while its thread started): the job releases what it holds
             # Failed or interrupted (Ctrl-C) before the job was queued: a scan kept would be taken by the next
@@ -127,7 +128,14 @@ class AsyncCheckpoints:
                 tracking.forget_prescans()
             if snap is not None:
                 snap.release()
-            raise
+            t = self.run.transport
+            if not isinstance(exc, Exception) or t.size == 1:
+                raise
+            # The other ranks' jobs wait in this checkpoint's collectives: one that fails it on every rank (the
+            # handle raises the same CheckpointError everywhere; the previous checkpoint stays)
+            log.error("checkpoint %d: the snapshot failed on rank %d", ckpt_id, t.rank, exc_info=True)
+            return self.inflight.submit(self._failing_job(ckpt_id, level, f"rank {t.rank}: the snapshot failed: "
+                                                          f"{reason(exc)}", committer), ckpt_id, level.number, "copy")
         if snap.mechanism == "blocking":
             handle.settled()  # written before returning; a failure stays the handle's (and the next call's)
         return handle
@@ -149,6 +157,17 @@ class AsyncCheckpoints:
                 committer.writer.sources = {}
                 committer.variables = committer.writer.variables = {}
                 snap.release()
+
+        return job
+
+    @staticmethod
+    def _failing_job(ckpt_id: int, level: Level, why: str, committer: Committer) -> Callable[[], CheckpointInfo]:
+        """The job of checkpoint ``ckpt_id`` whose snapshot failed on this rank: it meets the other ranks' jobs
+        and fails with them (no variable written: ``why`` is the error their commit agrees on)."""
+
+        def job() -> CheckpointInfo:
+            committer.variables = committer.writer.variables = {}
+            return committer.checkpoint(ckpt_id, level, None, state_error=why)
 
         return job
 

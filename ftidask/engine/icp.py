@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from .variables import Protected
 
 
+_DROPPED = "dropped on an exception"  # a rank's drop, which makes the others' finalize_icp drop theirs too
+
+
 class IcpSlot:
     """The incremental checkpoint a context has open, at most one (any backend's kind of it)."""
 
@@ -89,17 +92,20 @@ def checked_level(level: Any, dcp: bool, *, enable_dcp: bool, transport: Transpo
 
 
 def agreed_request(transport: Transport, call: str, ckpt_id: Any, level: Callable[[], Level], slot: IcpSlot,
-                   wait: Any = None, asynchronous: Callable[[], bool] = bool) -> tuple[int, Level, bool]:
+                   wait: Any = None, asynchronous: Callable[[], bool] = bool,
+                   also: Callable[[], dict[str, Any]] = dict) -> tuple[int, Level, bool]:
     """Checkpoint ``ckpt_id`` at the parsed ``level()`` (and whether it is asynchronous), once every rank is
     known to ask for the same (collective: :func:`~ftidask.transport.collective.agree_call`). Ranks that asked
-    for another id or level would each commit a checkpoint of their own that no recovery finds."""
+    for another id or level would each commit a checkpoint of their own that no recovery finds. ``also``: more
+    checked arguments every rank must give alike (init_icp's ``activate``)."""
     def step() -> tuple[dict[str, Any], tuple[int, Level, bool]]:
         checked, parsed = check_ckpt_id(ckpt_id), level()
         if wait is not None and not isinstance(wait, (bool, np.bool_)):
             raise CheckpointError(f"{call}(wait=...) takes True, False or None, got {wait!r}")
         slot.check_none_open()
         out = (checked, parsed, asynchronous())
-        return {"id": checked, "level": parsed.number, **({"wait": not out[2]} if call == "checkpoint" else {})}, out
+        shared = {"id": checked, "level": parsed.number, **({"wait": not out[2]} if call == "checkpoint" else {})}
+        return {**shared, **also()}, out
 
     return agree_call(transport, call, step, CheckpointError)
 
@@ -118,14 +124,14 @@ class IncrementalCheckpoints:
     def init(self, ckpt_id: int, level: int, activate: bool = True) -> None:
         """Open incremental checkpoint ``ckpt_id`` at ``level`` (levels 1-8, as for checkpoint); with
         ``activate`` false, nothing is opened and add and finalize do nothing (the arguments are still checked)."""
-        check_activate(activate)
-        if activate:  # collective: every rank the same id and level (FTI_InitICP with activate false writes nothing)
-            ckpt_id, parsed, _ = agreed_request(self.committer.transport, "init_icp", ckpt_id,
-                                                lambda: self._check_level(level), self.slot)
-        else:
-            self.slot.check_none_open()
-            check_ckpt_id(ckpt_id)
-            parsed = self._check_level(level)
+        def checked_level() -> Level:
+            check_activate(activate)
+            return self._check_level(level)
+
+        # Collective, activate false too (FTI_InitICP then writes nothing): every rank the same id, level and
+        # activate, or a rank that skips would leave the others' next collective paired with its next call.
+        ckpt_id, parsed, _ = agreed_request(self.committer.transport, "init_icp", ckpt_id, checked_level, self.slot,
+                                            also=lambda: {"activate": bool(activate)})
         if not activate:
             self.slot.skip()
             return
@@ -154,15 +160,27 @@ class IncrementalCheckpoints:
     def finalize(self) -> CheckpointInfo | None:
         """Commit the open checkpoint; a :class:`CheckpointError` (previous one kept) if a variable is missing.
         None after an inactive init."""
-        if self.slot.skipping():
+        def step() -> tuple[dict[str, Any], PendingCheckpoint | None]:
+            return ({"active": False}, None) if self.slot.skipping() else ({"active": True}, self.slot.get())
+
+        # Collective: a rank in another call (or with nothing open) would pair the commit's collectives with it.
+        # Dropped by a rank on an exception (:meth:`drop`), it is dropped on every rank.
+        try:
+            pending = agree_call(self.committer.transport, "finalize_icp", step, CheckpointError)
+        except CheckpointError as exc:  # (ranks in other calls: it stays open, finalize_icp can be called again)
+            if _DROPPED in str(exc) and self.slot.current is not None:
+                self.abort()
+            raise
+        if pending is None:
             self.slot.inactive = False
             return None
-        pending: PendingCheckpoint = self.slot.get()
         self.slot.take()
         missing = sorted(set(pending.sizes) - pending.written)
-        if missing and not pending.error:
+        late = sorted(set(self.variables) - set(pending.sizes))  # a restart protecting them could not recover it
+        if (missing or late) and not pending.error:
             pending.error = (f"rank {self.committer.transport.rank}: incremental checkpoint {pending.ckpt_id} "
-                             f"misses protected variables {missing}")
+                             f"misses protected variables {missing or late}"
+                             + (" (protected after init_icp: a checkpoint begun after it holds them)" * bool(late)))
         return self.committer.finish(pending)
 
     def close(self) -> None:
@@ -171,6 +189,25 @@ class IncrementalCheckpoints:
             if hasattr(self.slot.current, "abort"):  # this engine's own (the Dask backend's pins arrays only)
                 self.abort()
         self.slot.current, self.slot.inactive = None, False
+
+    def drop(self, why: str) -> None:
+        """The open checkpoint dropped on an exception inside ``with ctx.incremental(...)`` (``why``), on every
+        rank: collective, met by the others' :meth:`finalize` (which drop theirs and raise) or their own drop."""
+        if self.slot.current is None:
+            return
+        ckpt_id = self.slot.current.ckpt_id
+
+        def step() -> tuple[dict[str, Any], None]:
+            raise CheckpointError(f"incremental checkpoint {ckpt_id} {_DROPPED} ({why}); "
+                                  "the previous checkpoint is kept")
+
+        try:
+            if self.committer.transport.size > 1:
+                agree_call(self.committer.transport, "finalize_icp", step, CheckpointError)
+        except CheckpointError:
+            pass  # the application's exception matters more
+        finally:
+            self.abort()
 
     def abort(self) -> None:
         """Drop the open checkpoint without committing it (the previous one stays)."""
@@ -207,6 +244,6 @@ class Incremental:
             self.info = self.ctx.finalize_icp()
         else:
             try:
-                self.ctx._abort_icp()  # nothing when none is open
+                self.ctx._abort_icp(reason(exc) if isinstance(exc, BaseException) else exc_type.__name__)
             except (OSError, FTIError):
                 pass  # the original exception matters more

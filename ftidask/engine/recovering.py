@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -209,9 +209,11 @@ class Recovery(RestartSizes):
         older checkpoint of another level. Without dCP the spares are removed at the start of the run."""
         return self.candidates(ckpt_id, level, error, fallbacks=bool(self.config.enable_dcp))
 
-    def recover(self, ckpt_id: int | None, level: int | None, ids: Any) -> dict[int, Any]:
-        """:meth:`ftidask.Context.recover` (collective)."""
-        ckpt_id, level, wanted = self._same_request(ckpt_id, level, ids)
+    def recover(self, ckpt_id: int | None, level: int | None, ids: Any,
+                check: Callable[[], None] = lambda: None) -> dict[int, Any]:
+        """:meth:`ftidask.Context.recover` (collective); ``check``: the context's own refusals (an incremental
+        checkpoint open), made with the arguments' so that a rank refused tells the others."""
+        ckpt_id, level, wanted = self._same_request(ckpt_id, level, ids, check)
         # Newest first, whatever layout wrote them: each run of candidates of one layout in turn, those written on
         # another number of ranks or node layout redistributed. Before, the newest's layout chose the only ones tried:
         # NoCheckpointError with a sound checkpoint of the other kind (e.g. the previous differential checkpoint,
@@ -263,7 +265,8 @@ class Recovery(RestartSizes):
                     raise
                 raise NoCheckpointError("\n".join(map(str, [*passed, exc]))) from None
 
-    def _same_request(self, ckpt_id: Any, level: Any, ids: Any) -> tuple[int | None, int | None, list[int] | None]:
+    def _same_request(self, ckpt_id: Any, level: Any, ids: Any,
+                      check: Callable[[], None]) -> tuple[int | None, int | None, list[int] | None]:
         """The checkpoint id, level and variable ids (None: all) to recover, checked, once every rank is known to
         ask for the same (collective). Recovery is collective here, where FTI's FTI_Recover and FTI_RecoverVar
         read local files after FTI_Init: an application that calls recover() on some ranks and recover_var() (or
@@ -271,6 +274,7 @@ class Recovery(RestartSizes):
         RecoveryError everywhere. The ids may differ (each rank its own variables, as FTI's RecoverVar allows:
         ids given by name in another order on each rank); the call, the checkpoint and the level may not."""
         def step() -> tuple[dict[str, Any], tuple[int | None, int | None, list[int] | None]]:
+            check()
             request = recoverplan.normalize_request(ckpt_id, level, ids)
             return {"ckpt_id": request[0], "level": request[1], "all": request[2] is None}, request
 

@@ -107,7 +107,9 @@ class RestartSizes(RunPart):
 
         vid, variables = agree_call(self.transport, "realloc", step, RecoveryError), self.variables
         state = variables[vid].state if vid in variables else None
-        if state is not None:  # a Python state resizes itself
+        if state is not None:  # a Python state resizes itself; the metadata read with the ranks whose id is an array
+            with contextlib.suppress(FTIError):  # (collective: they would wait for this rank, or pair it with another)
+                self.restart_metadata()
             return state.obj
         parsed = self.restart_metadata()
         info = parsed.vars.get(vid)

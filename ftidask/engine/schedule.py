@@ -19,7 +19,9 @@ from collections.abc import Callable
 
 from ..model import constants
 from ..model.config import Config
+from ..model.errors import CheckpointError
 from ..transport.base import Transport
+from ..transport.collective import gather_tagged
 
 log = logging.getLogger("ftidask")
 
@@ -93,7 +95,7 @@ class SnapshotSchedule:
         self.total += now - last
         if calls % self.sync:
             return
-        means = self.transport.allgather(self.total / calls)
+        means = gather_tagged(self.transport, "snapshot", self.total / calls, CheckpointError)
         self.mean = sum(means) / len(means)  # the same list, summed in the same order: the same on every rank
         if self.mean > 60:
             self.per_minute = 1

@@ -61,10 +61,24 @@ def agree(t: Any, error: str, error_type: type[FTIError], what: str, value: Any 
     """Collective: every rank's JSON-able ``value``, by rank; or, when any rank has an ``error``,
     the same ``error_type("{what}: {every rank's error}")`` raised on every rank."""
     results = t.allgather([error, value])
+    if not all(isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) for r in results):
+        # A rank in another collective step (an API call's agree_call, another collective) sent something else
+        raise error_type(f"{what}: the ranks made different collective calls (checkpoint, recover and the like are "
+                         "collective: every rank makes the same call with the same arguments, in the same order)")
     errors = [e for e, _v in results if e]
     if errors:
         raise error_type(f"{what}: " + "; ".join(errors))
     return [v for _e, v in results]
+
+
+def gather_tagged(t: Any, tag: str, value: Any, error_type: type[FTIError]) -> list[Any]:
+    """Collective: every rank's JSON-able ``value``, by rank, from ranks all at the step named ``tag``; a rank
+    elsewhere (another call's collective) makes every rank that meets it raise ``error_type``, never a raw error."""
+    results = t.allgather([tag, value])
+    if not all(isinstance(r, list) and len(r) == 2 and r[0] == tag for r in results):
+        raise error_type(f"{tag}: the ranks made different collective calls (checkpoint, snapshot, recover and the "
+                         "like are collective: every rank makes the same call, in the same order)")
+    return [v for _tag, v in results]
 
 
 def everywhere(t: Any, step: Callable[[], T], error_type: type[FTIError], what: str) -> T:

@@ -199,8 +199,8 @@ class DaskContext(DaskWriting, Context):
         not activated)."""
         return icp.finalize_icp(self)  # type: ignore[no-any-return]
 
-    def _abort_icp(self) -> None:
-        self._icp_slot.take()
+    def _abort_icp(self, why: str = "") -> None:
+        self._icp_slot.take()  # one client: nobody else to tell
 
     # --- cleanup -----------------------------------------------------------------------------------
 
