@@ -124,6 +124,9 @@ class DcpFileWriter:
         _name, self.dsize, self.fn = blockhash.block_hash(bid)
         self.digests: dict[tuple[int, int], np.ndarray] = {}
         self.changed: dict[tuple[int, int], np.ndarray] = {}  # per container: mask of written blocks
+        # Containers a write that did not complete may have patched: the file no longer holds the base's bytes
+        # there, so any later write of them rewrites every block (comparing with the base would skip some).
+        self.dirty: set[tuple[int, int]] = set()
         self.data_bytes = 0
         self.blocks_hashed = 0
         self.hash_seconds = 0.0
@@ -153,6 +156,8 @@ class DcpFileWriter:
             # written again (iCP keeps the checkpoint open) takes it again from the same old bytes: two equal deltas
             # of one range cancel, and the patched parity would miss it. No delta from this file: L3 re-encodes.
             self.discard_xor()
+            # Some of its blocks hold this write's bytes now, not the base's: written again, each is rewritten.
+            self.dirty.update((bi, si) for bi, si, _s in self.layout.positions_of(var_id))
             raise
 
     def _write_var(self, var_id: int, source: ByteSource, known: KnownDigests | None) -> int:
@@ -162,6 +167,8 @@ class DcpFileWriter:
         slots = [((bi, si), s) for bi, si, s in self.layout.positions_of(var_id) if s.hascontent]
         parts: dict[tuple[int, int], list[np.ndarray]] = {key: [] for key, _s in slots}
         reuse = {key: known.container(s.dptr, s.chunksize, self.block_size) for key, s in slots} if known else {}
+        for key, _s in slots:  # this write's masks only (a write interrupted before left part of one)
+            self.changed[key] = np.zeros(0, bool)
         tasks = ((key, s, lo, hi) for key, s in slots
                  for lo, hi in segment_bounds(s, self.block_size, SEGMENT if reuse.get(key) is None else SEGMENT_KNOWN))
         start = time.perf_counter()
@@ -174,7 +181,7 @@ class DcpFileWriter:
                     known_part = (known_part[0][b0:b1], known_part[1][b0:b1])
                 self.blocks_hashed += (int(known_part[1].sum()) if known_part is not None
                                        else -(-(hi - lo) // self.block_size))
-                base = _base_slot(self.base, key[0], key[1], s)
+                base = None if key in self.dirty else _base_slot(self.base, key[0], key[1], s)
                 args = (source, s.dptr + lo, s.dptr + hi, self.block_size, self.fn, self.dsize, known_part,
                         None if base is None else base[b0:b1], s.fptr + lo)
                 pending.append((key, s, lo, hi, self.pool.submit(segment_task, *args) if hi - lo > _INLINE
@@ -188,7 +195,6 @@ class DcpFileWriter:
             seg = fut.result()
             submit()
             parts[key].append(seg.digests)
-            self.changed.setdefault(key, np.zeros(0, bool))
             self.changed[key] = np.concatenate((self.changed[key], seg.mask))
             # Changed blocks the task did not copy are copied now, one run at a time (bounded memory).
             later = (stage_run(source, seg.copy, slot.dptr + lo, hi - lo, run, seg.digests, self.block_size,

@@ -33,6 +33,12 @@ from .writing import Writer
 log = logging.getLogger("ftidask")
 
 
+def _extras_of(variables: Mapping[int, Protected], var_id: int) -> dict[str, Any]:
+    """Variable ``var_id``'s VarInfo.extra as it is protected now ({} for a plain array, or one not protected)."""
+    p = variables.get(var_id)
+    return {} if p is None else var_extras({var_id: p}).get(var_id, {})
+
+
 class Committer(RunPart):
     """Checkpoints of one rank, from plan to commit.
 
@@ -141,7 +147,8 @@ class Committer(RunPart):
         return PendingCheckpoint(ckpt_id, level.number, seq, layout, directory, path,
                                  {vid: p.array.nbytes for vid, p in self.variables.items()}, writer,
                                  error=state_error or error, post_level=post_level, extras=var_extras(self.variables),
-                                 sync_at_commit=sync_at_commit)
+                                 sync_at_commit=sync_at_commit,
+                                 extras_now=functools.partial(_extras_of, self.variables) if incremental else None)
 
     def commit(self, pending: PendingCheckpoint) -> tuple[CheckpointInfo, CommitRecord]:
         """Finish every rank's file, add the level's redundancy, write the commit record; what was committed.

@@ -28,6 +28,8 @@ from ..model.errors import CheckpointError
 from ..model.level import Level
 from ..storage import interrupts
 from ..storage.files import create_temp, fsync_dir, fsync_parents, located, makedirs
+from . import device as device_vars
+from . import pystate
 
 
 class RankWriter(Protocol):
@@ -152,6 +154,10 @@ class PendingCheckpoint:
     post_level: int = 0  # the level a head raises the checkpoint to afterwards (0: none)
     extras: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # var id -> VarInfo.extra
     sync_at_commit: bool = False  # the file is renamed unsynced; the commit fsyncs it after the level's redundancy
+    #: iCP: a variable's VarInfo.extra as it is protected now. ``extras`` are those of the start, the bytes those
+    #: of the add: a variable protected as another kind in between (an array for a Python state, another global
+    #: array declaration) would be recorded as what it no longer is, so its add is refused.
+    extras_now: Callable[[int], dict[str, Any]] | None = None
 
     @property
     def base_level(self) -> int:
@@ -175,6 +181,12 @@ class PendingCheckpoint:
         if self.sizes.get(var_id) != array.nbytes:
             raise CheckpointError(f"variable {var_id} has {array.nbytes} bytes, {self.sizes.get(var_id)} when "
                                   f"checkpoint {self.ckpt_id} started; its size must not change in between")
+        if self.extras_now is not None:
+            now, then = self.extras_now(var_id), self.extras.get(var_id, {})
+            if now != then:
+                raise CheckpointError(f"variable {var_id} is {_described(now)}, {_described(then)} when checkpoint "
+                                      f"{self.ckpt_id} started; what it is must not change in between: protect it "
+                                      "as it was then and add it again")
         if self.writer is None:
             raise CheckpointError(self.error or "checkpoint file not open")
         if self._at_finish:  # described and read at finish: nothing to make per variable
@@ -231,3 +243,14 @@ class PendingCheckpoint:
         if self.writer is not None:
             with contextlib.suppress(OSError):
                 self.writer.abort()
+
+
+def _described(extra: Mapping[str, Any]) -> str:
+    """What a variable with VarInfo.extra ``extra`` is, in words (a Python state, an array, where it lies)."""
+    rest = dict(extra)
+    kind = rest.pop(pystate.EXTRA_KEY, None)
+    if kind is not None:
+        return f"a Python state ({kind})"
+    device = rest.pop(device_vars.EXTRA_KEY, None)
+    words = "an array" + (f" on {device}" if device is not None else "")
+    return words + (" declared " + ", ".join(f"{k}={v!r}" for k, v in sorted(rest.items())) if rest else "")

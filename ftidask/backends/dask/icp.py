@@ -22,11 +22,13 @@ from ...model.errors import CheckpointError
 
 @dataclasses.dataclass
 class DaskIcp:
-    """An open incremental checkpoint: its id and level, and the arrays added so far."""
+    """An open incremental checkpoint: its id and level, each variable's bytes when it opened, and the arrays
+    added so far."""
 
     ckpt_id: int
     level: int
     arrays: dict[int, Any] = dataclasses.field(default_factory=dict)
+    sizes: dict[int, int] = dataclasses.field(default_factory=dict)  # var id -> bytes at init_icp
 
 
 def init_icp(ctx: Any, ckpt_id: int, level: int, activate: bool = True) -> None:
@@ -50,7 +52,7 @@ def init_icp(ctx: Any, ckpt_id: int, level: int, activate: bool = True) -> None:
     error = encode_states(ctx.variables, ctx.transport.rank)
     if error:
         raise CheckpointError(f"incremental checkpoint {cid}: {error}; the previous checkpoint is kept")
-    ctx._icp_slot.current = DaskIcp(cid, level)
+    ctx._icp_slot.current = DaskIcp(cid, level, sizes={vid: p.array.nbytes for vid, p in ctx.variables.items()})
 
 
 def add_var_icp(ctx: Any, var_id: int) -> None:
@@ -61,7 +63,14 @@ def add_var_icp(ctx: Any, var_id: int) -> None:
         return
     icp: DaskIcp = ctx._icp_slot.get()
     arr = protected_var(ctx.variables, var_id).array
-    icp.arrays[int(var_id)] = ctx.client.persist(arr) if hasattr(arr, "__dask_graph__") else np.array(arr)
+    vid = int(var_id)
+    # The engine's rules (ftidask.engine.pending), in its words: a wrong call is refused, the checkpoint stays open.
+    if vid in icp.arrays:
+        raise CheckpointError(f"variable {vid} was already added to checkpoint {icp.ckpt_id}")
+    if vid in icp.sizes and icp.sizes[vid] != arr.nbytes:
+        raise CheckpointError(f"variable {vid} has {arr.nbytes} bytes, {icp.sizes[vid]} when checkpoint "
+                              f"{icp.ckpt_id} started; its size must not change in between")
+    icp.arrays[vid] = ctx.client.persist(arr) if hasattr(arr, "__dask_graph__") else np.array(arr)
 
 
 def finalize_icp(ctx: Any) -> Any:
