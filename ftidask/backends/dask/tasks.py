@@ -38,7 +38,8 @@ class ChunkBytes:
         self._views = {}
         for chunk, dptr in zip(chunks, dptrs, strict=True):
             flat = np.ascontiguousarray(_as_recorded(chunk, dtype)).reshape(-1).view(np.uint8)
-            self._views[dptr] = memoryview(flat)
+            if dptr not in self._views or flat.nbytes:  # an empty chunk starts where the next one does: its bytes
+                self._views[dptr] = memoryview(flat)
         self._starts = sorted(self._views)
         self.nbytes = sum(len(v) for v in self._views.values())
 
@@ -83,11 +84,18 @@ def chunk_sources(places: Sequence[Sequence[int]], chunks: Sequence[np.ndarray],
     A block of another shape (a ``map_blocks`` that returns more than it declares) would be written cut to the
     planned bytes, or fail deep in the writer: refused, naming the block."""
     dtypes = {i.id: i.dtype for i in infos}
-    shapes = {(i.id, int(dptr)): (tuple(index), tuple(shape))
-              for i in infos for index, shape, dptr in i.extra.get("dask", {}).get("blocks", ())}
+    # An empty block starts where the next one does: the blocks at one dptr, in the order the places list them
+    shapes: dict[tuple[int, int], list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for i in infos:
+        for index, shape, dptr in i.extra.get("dask", {}).get("blocks", ()):
+            shapes.setdefault((i.id, int(dptr)), []).append((tuple(index), tuple(shape)))
+    seen: dict[tuple[int, int], int] = {}
     by_var: dict[int, tuple[list[np.ndarray], list[int]]] = {}
     for (vid, dptr), chunk in zip(places, chunks, strict=True):
-        index, shape = shapes.get((int(vid), int(dptr)), (None, None))
+        at = (int(vid), int(dptr))
+        nth, declared = seen.get(at, 0), shapes.get(at, [])
+        seen[at] = nth + 1
+        index, shape = declared[nth] if nth < len(declared) else (None, None)
         got = tuple(getattr(chunk, "shape", ()))
         if shape is not None and got != shape and (math.prod(got) or math.prod(shape)):  # (Dask's empty blocks vary)
             raise FormatError(f"block {index} of variable {vid} has shape {got}, "
