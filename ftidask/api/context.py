@@ -38,6 +38,7 @@ from ..storage.runlock import RunLock
 from ..transport.base import Transport
 from ..transport.collective import agree_call
 from . import abandoned, display, lifecycle, logsetup
+from .callguard import CallGuard, one_at_a_time
 from .names import VarNames, restart_names
 from .recovercalls import RecoveryCalls
 from .stagecalls import StagingCalls
@@ -51,6 +52,7 @@ class Context(RecoveryCalls, StagingCalls):
 
     def __init__(self, config: Config, transport: Transport, *, retention: RetentionFactory = Retention) -> None:
         """``retention`` makes the collaborator that retires checkpoints (a backend with files elsewhere: its own)."""
+        self._calls = CallGuard()  # one API call at a time (api/callguard.py)
         self._closed = False
         self._unfinished: BaseException | None = None  # why the context closed with its run not finalized
         self._run_lock: RunLock | None = None
@@ -96,6 +98,7 @@ class Context(RecoveryCalls, StagingCalls):
 
     # --- protection ----------------------------------------------------------------------------
 
+    @one_at_a_time
     def protect(self, id: int, array: Any, name: str | None = None, compressor: Any = None, *,
                 global_shape: Any = None, offset: Any = None, replicated: bool = False) -> None:
         """FTI_Protect: register ``array`` under ``id`` (again: update its array and size).
@@ -155,6 +158,7 @@ class Context(RecoveryCalls, StagingCalls):
 
     # --- checkpoint ------------------------------------------------------------------------------
 
+    @one_at_a_time
     def checkpoint(self, id: int, level: int, *, dcp: bool = False,
                    wait: bool | None = None) -> CheckpointInfo | CheckpointHandle:
         """FTI_Checkpoint: write every protected variable as checkpoint ``id`` at ``level``.
@@ -189,6 +193,7 @@ class Context(RecoveryCalls, StagingCalls):
     def _asynchronous(self, wait: bool | None) -> bool:  # wait=None: as async_ckpt says
         return wait is False or (wait is None and self.config.async_ckpt)
 
+    @one_at_a_time
     def wait(self) -> None:
         """Wait until every asynchronous checkpoint in flight is committed (or failed); raise the first
         failure whose handle nobody asked (:class:`CheckpointError`)."""
@@ -209,16 +214,19 @@ class Context(RecoveryCalls, StagingCalls):
 
     # --- incremental checkpointing (FTI_InitICP / AddVarICP / FinalizeICP: ftidask.engine.icp) -------------
 
+    @one_at_a_time
     def init_icp(self, id: int, level: int, activate: bool = True) -> None:
         """FTI_InitICP: open checkpoint ``id`` for :meth:`add_var_icp`; ``activate`` false: the next do nothing."""
         self._check_open()
         self._icp.init(id, level, activate)
 
+    @one_at_a_time
     def add_var_icp(self, var_id: int) -> None:
         """FTI_AddVarICP: write protected variable ``var_id`` into the open checkpoint now."""
         self._check_open()
         self._icp.add(var_id)
 
+    @one_at_a_time
     def finalize_icp(self) -> CheckpointInfo | None:
         """FTI_FinalizeICP: commit the open checkpoint (refused if a variable is missing); None if not activated."""
         self._check_open()
@@ -238,6 +246,7 @@ class Context(RecoveryCalls, StagingCalls):
 
     # --- snapshot and finalize ---------------------------------------------------------------------
 
+    @one_at_a_time
     def snapshot(self) -> int:
         """FTI_Snapshot: recover on a restart, otherwise checkpoint the levels that are due.
 
@@ -252,20 +261,23 @@ class Context(RecoveryCalls, StagingCalls):
         pr = self.progress
         if self._status != STATUS_FRESH and not pr.recovered_all:  # a restart whose recovery is not complete
             rest = [vid for vid in self._vars if vid not in pr.recovered_ids]
-            if not pr.recovered:
-                self.recover()
-            elif rest and pr.last_checkpoint is None:
-                # the others from the same checkpoint; never again those recovered, which may have changed since
-                self.recover(*(pr.recovered_from or (None, None)), ids=rest)
+            with self._calls.nested():
+                if not pr.recovered:
+                    self.recover()
+                elif rest and pr.last_checkpoint is None:
+                    # the others from the same checkpoint; never again those recovered, which may have changed since
+                    self.recover(*(pr.recovered_from or (None, None)), ids=rest)
             pr.recovered_all = True  # every variable recovered: FTI_Status is 0, as after FTI_Snapshot's recovery
             return constants.FTI_SCES
         due = self._schedule.due()
         if not due:
             return constants.FTI_SCES
-        self.checkpoint(max(self.progress.next_ckpt_id, self._async.next_id), max(due))
+        with self._calls.nested():
+            self.checkpoint(max(self.progress.next_ckpt_id, self._async.next_id), max(due))
         self._schedule.written()
         return constants.FTI_DONE
 
+    @one_at_a_time
     def finalize(self) -> None:
         """FTI_Finalize: flush the last checkpoint to L4 if ``keep_last_ckpt``, else clean up; close the context.
 

@@ -22,6 +22,7 @@ from ..model.arrays import check_bool, check_id
 from ..model.errors import RecoveryError
 from ..transport.base import Transport
 from ..transport.collective import agree_call
+from .callguard import one_at_a_time
 
 
 class RecoveryCalls:
@@ -47,6 +48,7 @@ class RecoveryCalls:
         """FTI_Status: 0 fresh start (or after a full recover(), as FTI), 1 restart, 2 restart from a kept L4 one."""
         return STATUS_FRESH if self.progress.recovered_all else self._status
 
+    @one_at_a_time
     def recover(self, ckpt_id: int | None = None, level: int | None = None, *,
                 ids: int | Iterable[int] | None = None) -> dict[int, Any]:
         """FTI_Recover: fill the protected arrays (and Python states) from the newest checkpoint that verifies.
@@ -70,6 +72,7 @@ class RecoveryCalls:
         self.progress.recovered_ids.update(out)  # what snapshot() no longer recovers
         return out
 
+    @one_at_a_time
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
         """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched). Raises
         :class:`NoCheckpointError` where FTI returns FTI_NSCS: on a fresh start, nothing is committed to recover."""
@@ -77,6 +80,7 @@ class RecoveryCalls:
         out = self._recover(ckpt_id, level, [id], lambda: vid.append(var_id_of(id, "recover_var(...)")))
         return out[vid[0]]
 
+    @one_at_a_time
     def recover_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None,
                      rank: int | None = None) -> dict[int, Any]:
         """Fill the protected arrays from one checkpoint file, outside the run's checkpoints (this rank only).
@@ -96,6 +100,7 @@ class RecoveryCalls:
         self.progress.recovered_ids.update(out)
         return out
 
+    @one_at_a_time
     def stored_size(self, id: int, *, total: bool = False) -> int:
         """FTI_GetStoredSize: bytes of variable ``id`` in this rank's file of the checkpoint (last written, or to
         recover), 0 if none; ``total=True``: the job's, summed over the ranks (collective: every rank asks it)."""
@@ -107,6 +112,7 @@ class RecoveryCalls:
         size = self.recovery.stored_size(id)  # the id checked there, after the ranks' collective read
         return sum(self.transport.allgather(size)) if total else size
 
+    @one_at_a_time
     def realloc(self, id: int, array: Any = None) -> Any:
         """FTI_Realloc: a new array of the stored size (``array`` itself where it already fits), which becomes the
         protected one; for a Python state (``State``, ``Value``, a generator), the protected object itself. On a fresh

@@ -88,15 +88,20 @@ def _claim(meta_dir: Path, configured: str | None, dcp: bool) -> Claim:
             if not (meta_dir / exec_id).exists():  # a new name: nobody else has it
                 lock = runlock.acquire(meta_dir / exec_id)
             exec_id = exec_id if lock is not None else new_exec_id()
-    state = RunState(meta_dir, exec_id)
-    status = state.start_status(dcp)
-    if status == STATUS_FRESH or not dcp:  # a finalized run's, left by a kill during its finalize (never this
-        state.delete_fallbacks()  # run's), or ones whose spares this run removes at its start (no dCP)
-    if status in (STATUS_FRESH, STATUS_KEPT):  # seq stays: a finished run's mark (next_seq). Kept: should the run
-        state.write_run(state="running", keep_last=False)  # die now, its next start is a restart (1)
-    beside = current if current not in (None, exec_id) and runlock.is_live(meta_dir / current) else None
-    if beside is None and current != exec_id:
-        state.make_current()
+    try:
+        state = RunState(meta_dir, exec_id)
+        status = state.start_status(dcp)
+        if status == STATUS_FRESH or not dcp:  # a finalized run's, left by a kill during its finalize (never this
+            state.delete_fallbacks()  # run's), or ones whose spares this run removes at its start (no dCP)
+        if status in (STATUS_FRESH, STATUS_KEPT):  # seq stays: a finished run's mark (next_seq). Kept: should the run
+            state.write_run(state="running", keep_last=False)  # die now, its next start is a restart (1)
+        beside = current if current not in (None, exec_id) and runlock.is_live(meta_dir / current) else None
+        if beside is None and current != exec_id:
+            state.make_current()
+    except BaseException:  # released now: a traceback kept (a notebook's) would keep the run "in use" until collected
+        if lock is not None:
+            lock.release()
+        raise
     return Claim(exec_id, status, lock, beside)
 
 

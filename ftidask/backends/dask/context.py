@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from distributed import Client
 
+from ...api.callguard import one_at_a_time
 from ...api.context import Context, Protected
 from ...engine.device import is_device_array
 from ...engine.inflight import CheckpointHandle
@@ -84,6 +85,7 @@ class DaskContext(DaskWriting, Context):
         super()._check_open()
         check_client(self.client)
 
+    @one_at_a_time
     def finalize(self) -> None:
         """FTI_Finalize, as :meth:`Context.finalize`; with a closed client, the run is left for a restart."""
         if not self._closed and str(self.client.status) in ("closing", "closed"):
@@ -93,13 +95,15 @@ class DaskContext(DaskWriting, Context):
                 self._unfinished = exc
                 self._close()
                 raise
-        super().finalize()
+        with self._calls.nested():
+            super().finalize()
 
     def _stored_names(self) -> dict[int, str]:  # var_id: the names in the commit records
         return {} if self._status == 0 else recorded.names(restore.dask_records(self, None, None))
 
     # --- protection ------------------------------------------------------------------------------
 
+    @one_at_a_time
     def protect(self, id: int, array: Any, name: str | None = None, compressor: Any = None) -> None:
         """Register a Dask array (of NumPy or CuPy chunks; or a NumPy array) under ``id``.
 
@@ -113,7 +117,8 @@ class DaskContext(DaskWriting, Context):
             if is_dask_collection(array) and type(array).__module__.startswith("dask"):
                 raise ProtectError(f"protect takes Dask arrays (dask.array.Array), got {type(array).__name__}; "
                                    "make it one (e.g. dask.array.from_delayed) or protect a NumPy array")
-            super().protect(id, array, name, compressor)
+            with self._calls.nested():
+                super().protect(id, array, name, compressor)
             return
         self._check_open()
         vid = check_id(id, "variable id")
@@ -141,6 +146,7 @@ class DaskContext(DaskWriting, Context):
 
     # --- checkpoint ------------------------------------------------------------------------------
 
+    @one_at_a_time
     def checkpoint(self, id: int, level: int, *, dcp: bool = False,
                    wait: bool | None = None) -> DaskCheckpointInfo | CheckpointHandle:
         """Write checkpoint ``id`` at ``level``: each worker writes the chunks it holds, then the level's
@@ -185,15 +191,18 @@ class DaskContext(DaskWriting, Context):
 
     # --- incremental checkpoints (see ftidask.backends.dask.icp) ---------------------------------------------
 
+    @one_at_a_time
     def init_icp(self, id: int, level: int, activate: bool = True) -> None:
         """FTI_InitICP: open checkpoint ``id`` for :meth:`add_var_icp`; ``activate`` false: the next do nothing."""
         self._async.settle()
         icp.init_icp(self, id, level, activate)
 
+    @one_at_a_time
     def add_var_icp(self, var_id: int) -> None:
         """FTI_AddVarICP: pin protected variable ``var_id`` as it is now (persisted on the workers)."""
         icp.add_var_icp(self, var_id)
 
+    @one_at_a_time
     def finalize_icp(self) -> DaskCheckpointInfo | None:
         """FTI_FinalizeICP: the workers write every pinned array; refused if a variable is missing (None if
         not activated)."""
@@ -258,6 +267,7 @@ class DaskContext(DaskWriting, Context):
 
     # --- recovery ----------------------------------------------------------------------------------
 
+    @one_at_a_time
     def recover(self, ckpt_id: int | None = None, level: int | None = None,
                 chunks: Any = None, *, ids: int | Iterable[int] | None = None) -> dict[int, Any]:
         """Rebuild the newest checkpoint that verifies; returns id -> array (a new Dask array for Dask
@@ -278,11 +288,14 @@ class DaskContext(DaskWriting, Context):
         self.progress.recovered_ids.update(out)  # what snapshot() no longer recovers
         return out
 
+    @one_at_a_time
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
         """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
         vid = var_id_of(id, "recover_var(...)")
-        return self.recover(ckpt_id, level, ids=[vid])[vid]
+        with self._calls.nested():
+            return self.recover(ckpt_id, level, ids=[vid])[vid]
 
+    @one_at_a_time
     def stored_size(self, id: int, *, total: bool = False) -> int:
         """Bytes of variable ``id`` in the checkpoint to recover (or the last one written): the whole array's, the
         client's view, so ``total=True`` changes nothing."""
@@ -291,6 +304,7 @@ class DaskContext(DaskWriting, Context):
         self._async.drain()
         return restore.stored_size(self, vid)
 
+    @one_at_a_time
     def realloc(self, id: int, array: Any = None) -> Any:
         """FTI_Realloc has no use here (an FTIError says so): :meth:`recover` returns arrays of the stored shape."""
         raise FTIError("realloc is not needed with Dask: recover() returns new arrays of the stored shape")

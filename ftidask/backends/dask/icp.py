@@ -91,7 +91,8 @@ def finalize_icp(ctx: Any) -> Any:
         for vid, arr in icp.arrays.items():
             ctx.variables[vid].array = arr
         ctx._keep_state_bytes = True  # the states as init_icp took them
-        return ctx.checkpoint(icp.ckpt_id, icp.level)
+        with ctx._calls.nested():  # finalize_icp's own checkpoint
+            return ctx.checkpoint(icp.ckpt_id, icp.level)
     finally:
         ctx._keep_state_bytes = False
         for vid, arr in current.items():  # what the application protected stays protected
