@@ -18,6 +18,13 @@ def _readable_ns(ns: int) -> str:
         return ""
 
 
+def shown_name(name: str) -> str:
+    """A variable's name as ``inspect`` prints it: ``'name'``, or escaped as Python's repr escapes a string when it
+    holds a character that is not printable (a newline, a terminal escape: a file's name could fake lines, clear the
+    screen); printable names, accents and all, are shown as they are."""
+    return f"'{name}'" if name.isprintable() else repr(name)
+
+
 def _kind(parsed: FtiffFile) -> str:
     fb = parsed.fb
     if parsed.tail:
@@ -58,8 +65,8 @@ def to_text(parsed: FtiffFile) -> str:
         lines.append("Variables:")
         for info in parsed.vars.values():
             extra = f" {info.extra}" if info.extra else ""
-            lines.append(f"    id {info.id} '{info.name}': {info.dtype} shape {info.shape} order {info.order} "
-                         f"({info.nbytes} bytes){extra}")
+            lines.append(f"    id {info.id} {shown_name(info.name)}: {info.dtype} shape {info.shape} "
+                         f"order {info.order} ({info.nbytes} bytes){extra}")
     dcp = (parsed.trailer or {}).get("dcp")
     if isinstance(dcp, dict):  # a differential checkpoint's file (ftidask.ftiff.blockhash)
         lines += ["", f"Differential (dCP): blocks of {dcp.get('block_size')} bytes, block hash "

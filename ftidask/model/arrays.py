@@ -45,7 +45,31 @@ def check_protectable(array: Any) -> np.ndarray:
     if array.dtype.hasobject:
         raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes; "
                            "use a fixed-size dtype (numeric, bytes 'S', unicode 'U', or structured)")
+    check_described(array.dtype)
     return array
+
+
+def check_described(dtype: np.dtype) -> None:
+    """A :class:`ProtectError` unless the variable table describes ``dtype`` exactly (:func:`dtype_to_json`): one
+    it would record as another (a NumPy user dtype such as ml_dtypes' bfloat16, recorded as its bytes ``|V2``; a
+    field title that is not a str) made checkpoints that no recovery into the same array takes."""
+    if dtype.isbuiltin == 1:  # a native-order built-in: its dtype.str is exact (most arrays, checked at once)
+        return
+    try:
+        back = dtype_from_json(dtype_to_json(dtype))
+    except FTIError:
+        back = None
+    if back is not None and back == dtype:
+        return
+    size = dtype.itemsize
+    plain = f"numpy.uint{8 * size}" if size in (1, 2, 4, 8) else f"numpy.dtype('V{size}')"
+    advice = ("give its fields str titles or none (a title that is not a str cannot be recorded)"
+              if dtype.fields is not None and dtype.subdtype is None else
+              f"protect a view of its bytes, array.view({plain}), and view the recovered array back "
+              f"(recovered.view(array.dtype))")
+    raise ProtectError(f"dtype {dtype} cannot be recorded exactly in a checkpoint (it would be read back as "
+                       f"{back if back is not None else 'nothing NumPy takes'}, and no recovery into an array of this "
+                       f"dtype would take it): {advice}")
 
 
 _INT32 = (-(2**31), 2**31 - 1)
@@ -114,7 +138,10 @@ class ArrayBytes:
                 self._view = memoryview(flat).cast("B")
             except (ValueError, TypeError, NotImplementedError):  # dtypes the buffer protocol cannot describe
                 self._view = memoryview(flat.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
-        self._flat = flat
+        # a structured dtype's items copied whole (NumPy copies field by field: the bytes no field covers, padding
+        # included, were neither written out nor restored); an item is its itemsize bytes, whatever its fields
+        self._flat = flat.view(np.dtype((np.void, self.itemsize))) if (
+            self._view is None and array.dtype.fields is not None) else flat
 
     def view(self, start: int, stop: int) -> memoryview | None:
         """A zero-copy view of bytes ``[start, stop)``, or None for a non-contiguous array."""
@@ -158,12 +185,17 @@ def dtype_to_json(dtype: np.dtype) -> Any:
         return dtype.str
     fields = dtype.fields
     assert fields is not None  # names is not None
-    return {
+    out: dict[str, Any] = {
         "names": list(dtype.names),
         "formats": [dtype_to_json(fields[n][0]) for n in dtype.names],
         "offsets": [int(fields[n][1]) for n in dtype.names],
         "itemsize": dtype.itemsize,
     }
+    # field titles (str ones: another kind is not recorded, and protect refuses it), only when there are some
+    titles = [fields[n][2] if len(fields[n]) > 2 and isinstance(fields[n][2], str) else None for n in dtype.names]
+    if any(t is not None for t in titles):
+        out["titles"] = titles
+    return out
 
 
 def dtype_from_json(value: Any) -> np.dtype:
@@ -178,12 +210,18 @@ def dtype_from_json(value: Any) -> np.dtype:
             dtype = np.dtype((dtype_from_json(value["base"]), shape))
         elif isinstance(value, dict):
             names = [str(n) for n in value["names"]]
-            dtype = np.dtype({
+            spec: dict[str, Any] = {
                 "names": names,
                 "formats": [dtype_from_json(f) for f in value["formats"]],
                 "offsets": [int(o) for o in value["offsets"]],
                 "itemsize": int(value["itemsize"]),
-            })
+            }
+            titles = value.get("titles")
+            if titles is not None:
+                if not isinstance(titles, list) or any(t is not None and not isinstance(t, str) for t in titles):
+                    raise ValueError("titles must be a list of str or null")
+                spec["titles"] = titles
+            dtype = np.dtype(spec)
         else:
             raise ValueError(f"unexpected {type(value).__name__}")
     # Warning: a deprecated alias ("a3", never written by ftidask) where warnings are errors (python -W error)

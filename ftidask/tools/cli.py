@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..engine.runstate import check_exec_id
-from ..ftiff.dump import to_json, to_text
+from ..ftiff.dump import shown_name, to_json, to_text
 from ..ftiff.filekind import is_config_file
 from ..ftiff.fti_dcp_posix import is_dcp_file
 from ..ftiff.reader import parse_ftiff
@@ -69,7 +69,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             kind, text) in states.items()}} if states else {}), indent=1))
     else:
         print(to_text(parsed) + "".join(
-            ["\n\nPython state:"] + [f"\n    id {vid} '{parsed.vars[vid].name}': Python state {kind} = {text}"
+            ["\n\nPython state:"] + [f"\n    id {vid} {shown_name(parsed.vars[vid].name)}: Python state {kind} = "
+                                     f"{text if text.isprintable() else repr(text)[1:-1]}"
                                     for vid, (kind, text) in states.items()] if states else []))
     return 0
 

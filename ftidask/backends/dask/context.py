@@ -30,7 +30,7 @@ from ...engine.recoverplan import var_id_of
 from ...engine.retention import in_l4
 from ...engine.runstate import CommitRecord, SeqReservation
 from ...engine.variables import check_name, compressor_config, encode_states
-from ...model.arrays import check_bool, check_ckpt_id, check_id
+from ...model.arrays import check_bool, check_ckpt_id, check_described, check_id
 from ...model.config import Config
 from ...model.errors import (
     CheckpointError,
@@ -125,6 +125,7 @@ class DaskContext(DaskWriting, Context):
         check_name(name, vid, self._vars, self._names.owner(name))
         if np.dtype(array.dtype).hasobject:
             raise ProtectError(f"dtype {array.dtype} holds Python objects, which have no fixed bytes")
+        check_described(np.dtype(array.dtype))  # recorded as another dtype (bfloat16 as |V2): never recovered as is
         meta = getattr(array, "_meta", None)  # CuPy chunks are written from their bytes copied to the host
         if not is_device_array(meta) and (isinstance(meta, np.ma.MaskedArray) or not isinstance(meta, np.ndarray)):
             raise ProtectError(f"the array's chunks are {type(meta).__name__}s, not plain NumPy (or CuPy) arrays "
@@ -323,6 +324,10 @@ def make_dask_context(cfg: Config, client: Client) -> DaskContext:
     if not isinstance(client, Client):
         raise FTIError(f"client= must be a distributed.Client, got {type(client).__name__}")
     check_client(client)
+    if getattr(client, "asynchronous", False):  # its calls return coroutines: nothing would run (or a raw TypeError)
+        raise FTIError("client= must be a synchronous distributed.Client: ftidask's calls block until done; from "
+                       "asyncio code, make the Client without asynchronous=True and call ftidask in a thread "
+                       "(loop.run_in_executor)")
     if cfg.l4_format == "zarr":  # said, as init says of a ckpt_io that is not written: never ignored silently
         logging.getLogger("ftidask").warning(
             "l4_format = zarr is not used on Dask: level 4 is written as FTI-FF files by the workers (export a "

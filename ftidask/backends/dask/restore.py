@@ -160,7 +160,9 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
     plans = []
     for spec in specs:
         held = ctx.variables.get(spec.id)
-        in_place = spec.kind == "numpy" or (held is not None and isinstance(held.array, np.ndarray))
+        # A variable checkpointed as a NumPy array and protected now as a Dask array is rebound to a Dask array
+        # of the held one's chunks (filling nothing, it kept the stale array, which the next checkpoint wrote)
+        in_place = spec.pystate or (isinstance(held.array, np.ndarray) if held is not None else spec.kind == "numpy")
         plans.append((spec, held, None if in_place else _target_chunks(ctx, spec, chunks)))
     sources = file_sources(ctx, record, hosts)
     token = uuid.uuid4().hex

@@ -69,7 +69,7 @@ def _as_recorded(chunk: Any, dtype: np.dtype | None) -> np.ndarray:
     chunk = host_chunk(chunk)
     if dtype is None or chunk.dtype == dtype:
         return chunk
-    if dtype_from_json(dtype_to_json(chunk.dtype)) == dtype:  # what the table records of it (a field's titles go)
+    if dtype_from_json(dtype_to_json(chunk.dtype)) == dtype:  # what the table records of it
         return chunk.view(dtype)
     try:
         return chunk.astype(dtype, casting="equiv")
