@@ -8,6 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY_LIST = Path(__file__).resolve().parent / "heavy_variants.txt"
+CAMPAIGN_LIST = Path(__file__).resolve().parent / "campaign_only.txt"
 
 
 # --- Hypothesis: the same examples on every run ------------------------------------------------------------
@@ -32,18 +33,21 @@ def _hypothesis_profiles() -> None:
 _hypothesis_profiles()
 
 
-def heavy_variants() -> set[str]:
-    """The node ids of tests/heavy_variants.txt: heavier variants run with the slow tests."""
-    lines = HEAVY_LIST.read_text().splitlines()
+def heavy_variants(listed: Path = HEAVY_LIST) -> set[str]:
+    """The node ids of tests/heavy_variants.txt: heavier variants run with the slow tests (``listed``:
+    tests/campaign_only.txt, the heaviest slow ones, run with the campaigns)."""
+    lines = listed.read_text().splitlines()
     return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
 def pytest_collection_modifyitems(config, items):
-    heavy = heavy_variants()
+    heavy, campaign_only = heavy_variants(), heavy_variants(CAMPAIGN_LIST)
     for item in items:
         if item.nodeid in heavy:
             item.add_marker(pytest.mark.slow)
+        if item.nodeid in campaign_only:
+            item.add_marker(pytest.mark.campaign)
         if "dask_client" in getattr(item, "fixturenames", ()):  # a Dask cluster: -m "not dask" leaves it out
             item.add_marker(pytest.mark.dask)
     # The campaigns' whole seed matrices run only when asked by name (-m campaign), never with -m slow (CI's budget).
