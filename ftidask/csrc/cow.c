@@ -11,7 +11,11 @@
  *    pages around it, which grows while the faults sweep on (cow_pages.c: one fault per 2 MiB);
  *  - the background reader (cow_copy_out) takes each page from its side copy if there is one,
  *    else from memory (still protected, so unchanged), then lifts the protection of the pages it
- *    has read in full: later writes to them cost nothing.
+ *    has read in full: later writes to them cost nothing;
+ *  - memory the application unmaps or moves meanwhile (munmap, mremap: a realloc such as
+ *    ndarray.resize(refcheck=False)) is reported to the handler (UFFD_EVENT_UNMAP/REMAP), like
+ *    madvise's drops (UFFD_EVENT_REMOVE): its pages' copy-out fails. The report comes after the
+ *    unmap, so memory is read with process_vm_readv, which fails there instead of faulting.
  *
  * So the extra memory is the pages written before the reader got to them, plus the pages a run
  * copied ahead that no sweep went on past: at most 32 MiB of those (AHEAD_MAX_BYTES). The handler thread
@@ -74,14 +78,17 @@ open_uffd(char *why, size_t why_len, int *err)
 }
 
 /* UFFDIO_API may be called once per context: asking for a feature the kernel lacks fails, and the
- * next try needs a new context. WP_UNPOPULATED protects never-touched pages; EVENT_REMOVE tells the
- * handler of madvise(DONTNEED/FREE) on protected memory, which drops pages without a fault
- * (cow_pages.c: their copy-out then fails instead of reading zeros). */
+ * next try needs a new context. So a first context asks for nothing and learns what the kernel has
+ * (api.features), the next asks for what is wanted of that. WP_UNPOPULATED protects never-touched
+ * pages; EVENT_REMOVE tells the handler of madvise(DONTNEED/FREE) on protected memory, which drops
+ * pages without a fault; EVENT_UNMAP and EVENT_REMAP of munmap and mremap (a realloc, an
+ * ndarray.resize(refcheck=False)), which take them away (cow_pages.c: their copy-out then fails
+ * instead of reading zeros, or memory that is no longer there). */
 static int
 handshake(cow_snap *s, char *why, size_t why_len)
 {
-    static const uint64_t wanted[] = {UFFD_FEATURE_WP_UNPOPULATED | UFFD_FEATURE_EVENT_REMOVE,
-                                      UFFD_FEATURE_EVENT_REMOVE, 0};
+    static const uint64_t events = UFFD_FEATURE_EVENT_REMOVE | UFFD_FEATURE_EVENT_UNMAP | UFFD_FEATURE_EVENT_REMAP;
+    uint64_t wanted[] = {0, UFFD_FEATURE_WP_UNPOPULATED | events, events, UFFD_FEATURE_EVENT_REMOVE, 0};
     int err = 0;
     for (size_t attempt = 0; attempt < sizeof wanted / sizeof wanted[0]; attempt++) {
         s->uffd = open_uffd(why, why_len, &err);
@@ -91,10 +98,19 @@ handshake(cow_snap *s, char *why, size_t why_len)
         if (ioctl(s->uffd, UFFDIO_API, &api) == 0) {
             if (!(api.features & UFFD_FEATURE_PAGEFAULT_FLAG_WP))
                 return set_error(why, why_len, EOPNOTSUPP, "userfaultfd write-protection");
+            if (attempt == 0) { /* what the kernel has: ask for that of the rest */
+                for (size_t i = 1; i < sizeof wanted / sizeof wanted[0]; i++)
+                    wanted[i] &= api.features;
+                close(s->uffd);
+                s->uffd = -1;
+                continue;
+            }
             /* api.features lists what the kernel has; what was asked for is what is on. With
              * WP_UNPOPULATED, never-touched pages are protected by the kernel's markers. */
             s->populated = (wanted[attempt] & UFFD_FEATURE_WP_UNPOPULATED) != 0;
             s->remove_events = (wanted[attempt] & UFFD_FEATURE_EVENT_REMOVE) != 0;
+            s->unmap_events = (wanted[attempt] & (UFFD_FEATURE_EVENT_UNMAP | UFFD_FEATURE_EVENT_REMAP)) ==
+                              (UFFD_FEATURE_EVENT_UNMAP | UFFD_FEATURE_EVENT_REMAP);
             return 0;
         }
         err = errno;
@@ -104,6 +120,22 @@ handshake(cow_snap *s, char *why, size_t why_len)
             break;
     }
     return set_error(why, why_len, err, "UFFDIO_API");
+}
+
+/* Whether process_vm_readv on this process works here (a seccomp filter may refuse it): the live
+ * pages are then read with it, which fails on memory unmapped meanwhile where memcpy would fault
+ * (an munmap is reported to the handler only after the fact). */
+static int
+probe_safe_read(void)
+{
+#ifdef SYS_process_vm_readv
+    char from[16] = "ftidask-cow", to[16] = "";
+    struct iovec local = {.iov_base = to, .iov_len = sizeof from}, remote = {.iov_base = from, .iov_len = sizeof from};
+    long n = syscall(SYS_process_vm_readv, (long)getpid(), &local, 1L, &remote, 1L, 0L);
+    return n == (long)sizeof from && !memcmp(from, to, sizeof from);
+#else
+    return 0;
+#endif
 }
 
 /* The snapshots of this process from before their first protection until after their last:
@@ -381,6 +413,7 @@ cow_create(const uintptr_t *addrs, const size_t *sizes, size_t n, cow_snap **out
     for (size_t i = 0; i < s->nlocks; i++)
         pthread_mutex_init(&s->locks[i], NULL);
     err = handshake(s, why, why_len);
+    s->safe_read = probe_safe_read();
     if (!err) {
         s->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
         if (s->evfd < 0)

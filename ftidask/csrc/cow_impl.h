@@ -19,6 +19,7 @@
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 /* Newer than some build hosts' headers; the kernel says at run time what it has. */
@@ -34,6 +35,18 @@
 #ifndef UFFD_EVENT_REMOVE
 #define UFFD_EVENT_REMOVE 0x15
 #endif
+#ifndef UFFD_FEATURE_EVENT_REMAP
+#define UFFD_FEATURE_EVENT_REMAP (1 << 1)
+#endif
+#ifndef UFFD_FEATURE_EVENT_UNMAP
+#define UFFD_FEATURE_EVENT_UNMAP (1 << 6)
+#endif
+#ifndef UFFD_EVENT_REMAP
+#define UFFD_EVENT_REMAP 0x14
+#endif
+#ifndef UFFD_EVENT_UNMAP
+#define UFFD_EVENT_UNMAP 0x16
+#endif
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22
 #endif
@@ -41,8 +54,10 @@
 /* AHEAD: copied aside by the run around another page's fault (COPIED: the faulting page, or a
  * page of a run that a sweep went on past, so written). Both are read from the side copy. */
 /* DROPPED: still protected when madvise(DONTNEED/FREE) dropped it (UFFD_EVENT_REMOVE): the
- * snapshot value is gone, like LOST's. */
-enum { PROTECTED = 0, COPIED = 1, DONE = 2, LOST = 3, AHEAD = 4, DROPPED = 5 };
+ * snapshot value is gone, like LOST's. GONE: still protected when it was unmapped or moved away
+ * (munmap, mremap: a realloc, ndarray.resize(refcheck=False); UFFD_EVENT_UNMAP/REMAP), or found
+ * unreadable: gone too, and its address must never be read again (another mapping may be there). */
+enum { PROTECTED = 0, COPIED = 1, DONE = 2, LOST = 3, AHEAD = 4, DROPPED = 5, GONE = 6 };
 #define CHUNK_PAGES 256  /* pages per lock: the reader holds one while copying up to 1 MiB */
 #define SLAB_BYTES (2u << 20)
 /* A write fault copies aside and unprotects an aligned run of pages around the faulting one, like
@@ -71,11 +86,20 @@ struct cow_snap {
     size_t map_bytes, page, npages, nranges, narrays, nlocks;
     int uffd, evfd, thread_started, released, populated;
     int remove_events;          /* UFFD_FEATURE_EVENT_REMOVE is on */
-    /* Odd while the handler may have let a madvise drop pages that it has not yet marked DROPPED
-     * (from just before its read of the uffd to the end of that batch), bumped again after; a
-     * copy-out that read a page from memory trusts it only if this was even and unchanged across
-     * its read (cow_pages.c: take). */
+    int unmap_events;           /* UFFD_FEATURE_EVENT_UNMAP and UFFD_FEATURE_EVENT_REMAP are on */
+    /* The live pages are read with process_vm_readv on this process, which fails where the memory
+     * is no longer mapped (munmap, mremap) instead of faulting like memcpy (cow.c: probed). */
+    int safe_read;
+    /* Odd while the handler may have let a madvise drop pages, or an munmap/mremap go on after
+     * unmapping pages, that it has not yet marked DROPPED or GONE (from just before its read of the
+     * uffd to the end of that batch), bumped again after; a copy-out that read a page from memory
+     * trusts it only if this was even and unchanged across its read (cow_pages.c: take_live). An
+     * unmap is reported after the fact, so its pages may be read before their event: safe_read. */
     size_t remove_seq;
+    /* Bumped (while remove_seq is odd) by each batch that holds such an event, before it marks
+     * anything: a read that saw remove_seq even at both ends and this unchanged overlapped no
+     * batch but harmless ones (faults only), which come and go all the time under writers. */
+    size_t event_gen;
     cow_defer *deferred;        /* handler thread only */
     size_t ndeferred;
     cow_snap *live_next;        /* the process's live snapshots (cow_out_protected); listed: */

@@ -6,7 +6,13 @@
  * known to be written: at most ahead_max of those are held), DONE (read out, unprotected), LOST
  * (written when no memory was left for its side copy: its copy-out fails, the writer is never kept
  * waiting), DROPPED (still protected when madvise(DONTNEED/FREE) dropped it: its copy-out fails too,
- * where the kernel tells the handler (UFFD_EVENT_REMOVE); elsewhere the copy-out reads zeros).
+ * where the kernel tells the handler (UFFD_EVENT_REMOVE); elsewhere the copy-out reads zeros), GONE
+ * (still protected when munmap or mremap took it away, UFFD_EVENT_UNMAP/REMAP, or found unreadable:
+ * its copy-out fails; its address is never read again).
+ *
+ * The live memory is read with process_vm_readv where it works (safe_read): an munmap's event comes
+ * after the unmap, so a page may go between the check of its state and its read; the syscall then
+ * fails (EFAULT) where a memcpy would kill the process (SIGSEGV).
  */
 #include "cow_impl.h"
 
@@ -21,7 +27,52 @@ cow_write_protect(cow_snap *s, uintptr_t start, size_t len, int on)
             return 0;
         if (errno != EAGAIN && errno != EINTR)
             return -1;
+        if (errno == EAGAIN)
+            sched_yield(); /* until the handler has read the event of that change */
     }
+}
+
+/* Copy the live memory of the remote iovecs into the local ones (as many as each, page-sized or
+ * one run each): the bytes copied, in order; fewer where the memory is no longer mapped (never a
+ * fault: process_vm_readv; memcpy where that syscall is refused). */
+static size_t
+read_live(cow_snap *s, const struct iovec *local, const struct iovec *remote, size_t n)
+{
+    size_t total = 0;
+    if (!s->safe_read) {
+        for (size_t i = 0; i < n; i++) {
+            memcpy(local[i].iov_base, remote[i].iov_base, remote[i].iov_len);
+            total += remote[i].iov_len;
+        }
+        return total;
+    }
+    size_t i = 0, off = 0; /* the first byte not yet copied: remote[i], off bytes in */
+    while (i < n) {
+        struct iovec l = {.iov_base = (char *)local[i].iov_base + off, .iov_len = local[i].iov_len - off};
+        struct iovec r = {.iov_base = (char *)remote[i].iov_base + off, .iov_len = remote[i].iov_len - off};
+        long got;
+        if (off) /* the rest of a partly read one, alone */
+            got = syscall(SYS_process_vm_readv, (long)s->pid, &l, 1L, &r, 1L, 0L);
+        else
+            got = syscall(SYS_process_vm_readv, (long)s->pid, local + i, (long)(n - i), remote + i, (long)(n - i), 0L);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            break;
+        total += (size_t)got;
+        for (size_t left = (size_t)got; left && i < n;) {
+            size_t rest = remote[i].iov_len - off;
+            if (left < rest) {
+                off += left;
+                left = 0;
+            } else {
+                left -= rest;
+                off = 0;
+                i++;
+            }
+        }
+    }
+    return total;
 }
 
 /* The range (registration) holding addr, or NULL. */
@@ -103,6 +154,22 @@ side_free(cow_snap *s, void *p, int ahead)
     pthread_mutex_unlock(&s->alloc_lock);
 }
 
+/* Unprotecting [lo, lo + len) failed otherwise than EAGAIN: part of it is no longer a protected
+ * mapping (unmapped or moved: ENOENT), and the kernel stops there. Unprotect the rest page by page,
+ * then wake whoever waits in it (a writer of memory now gone retries and meets what is there). */
+static void
+unprotect_remains(cow_snap *s, uintptr_t lo, size_t len)
+{
+    for (uintptr_t p = lo; len > s->page && p < lo + len; p += s->page) {
+        struct uffdio_writeprotect one = {.range = {.start = p, .len = s->page}, .mode = UFFDIO_WRITEPROTECT_MODE_DONTWAKE};
+        while (ioctl(s->uffd, UFFDIO_WRITEPROTECT, &one) != 0 && errno == EINTR)
+            ;
+    }
+    struct uffdio_range range = {.start = lo, .len = len};
+    while (ioctl(s->uffd, UFFDIO_WAKE, &range) != 0 && errno == EINTR)
+        ;
+}
+
 /* Unprotect a run from the handler thread. While a madvise waits for the handler to read its
  * UFFD_EVENT_REMOVE, the kernel refuses with EAGAIN (mmap_changing): retrying here would wait for
  * this very thread, so the run is kept and retried after the next read (retry_deferred). */
@@ -113,10 +180,14 @@ unprotect_run(cow_snap *s, uintptr_t lo, size_t len)
     while (ioctl(s->uffd, UFFDIO_WRITEPROTECT, &wp) != 0) {
         if (errno == EINTR)
             continue;
-        /* Past DEFER_MAX (as many writers blocked at once), or another failure: the writer waits
-         * until the reader or release() unprotects its pages; nothing better can be done here. */
-        if (errno == EAGAIN && s->ndeferred < DEFER_MAX)
-            s->deferred[s->ndeferred++] = (cow_defer){.lo = lo, .len = len};
+        /* Past DEFER_MAX (as many writers blocked at once): the writer waits until the reader or
+         * release() unprotects its pages; nothing better can be done here. */
+        if (errno == EAGAIN) {
+            if (s->ndeferred < DEFER_MAX)
+                s->deferred[s->ndeferred++] = (cow_defer){.lo = lo, .len = len};
+            return;
+        }
+        unprotect_remains(s, lo, len);
         return;
     }
 }
@@ -132,17 +203,21 @@ retry_deferred(cow_snap *s)
             ;
         if (rc != 0 && errno == EAGAIN)
             s->deferred[kept++] = s->deferred[i];
+        else if (rc != 0)
+            unprotect_remains(s, s->deferred[i].lo, s->deferred[i].len);
     }
     s->ndeferred = kept;
 }
 
-/* madvise(DONTNEED/FREE) is about to drop [start, end) (UFFD_EVENT_REMOVE, read): the pages there
- * still protected lose their snapshot value without a fault. Mark them DROPPED, so that their
- * copy-out fails rather than read zeros; the side copies (COPIED, AHEAD) keep theirs. */
+/* Pages of [start, end) are losing their snapshot value without a fault: madvise(DONTNEED/FREE)
+ * is about to drop them (UFFD_EVENT_REMOVE: mark DROPPED), or munmap/mremap took them away
+ * (UFFD_EVENT_UNMAP/REMAP: mark GONE). The pages there still protected are marked, so that their
+ * copy-out fails rather than read zeros or whatever is mapped there now; the side copies (COPIED,
+ * AHEAD) keep theirs. */
 static void
-on_remove(cow_snap *s, uintptr_t start, uintptr_t end)
+mark_range(cow_snap *s, uintptr_t start, uintptr_t end, uint8_t mark)
 {
-    size_t dropped = 0;
+    size_t marked = 0;
     for (size_t i = 0; i < s->nranges; i++) {
         cow_range *r = &s->ranges[i];
         uintptr_t r_end = r->addr + r->npages * s->page;
@@ -160,18 +235,45 @@ on_remove(cow_snap *s, uintptr_t start, uintptr_t end)
                 held = chunk;
             }
             if (s->state[g] == PROTECTED) {
-                s->state[g] = DROPPED;
-                dropped++;
+                s->state[g] = mark;
+                marked++;
             }
         }
         if (held >= 0)
             pthread_mutex_unlock(&s->locks[held]);
     }
-    if (dropped) {
+    if (marked) {
         pthread_mutex_lock(&s->alloc_lock);
-        s->lost += dropped;
+        s->lost += marked;
         pthread_mutex_unlock(&s->alloc_lock);
     }
+}
+
+/* munmap (or an mremap that shrinks or moves over it) took [start, end) away; the event comes once
+ * it is done. Writers that were waiting on pages there are woken: they retry on what is there. */
+static void
+on_unmap(cow_snap *s, uintptr_t start, uintptr_t end)
+{
+    mark_range(s, start, end, GONE);
+    struct uffdio_range range = {.start = start, .len = end - start};
+    while (end > start && ioctl(s->uffd, UFFDIO_WAKE, &range) != 0 && errno == EINTR)
+        ;
+}
+
+/* mremap moved [from, from + len) to [to, to + len) (a realloc: ndarray.resize(refcheck=False)):
+ * the old addresses are gone. The moved memory keeps this registration and its protection there
+ * (EVENT_REMAP): it is the application's new buffer, not the snapshot's, so let it go (unregister:
+ * the kernel lifts the protection and wakes its writers; else unprotect it). */
+static void
+on_remap(cow_snap *s, uintptr_t from, uintptr_t to, size_t len)
+{
+    on_unmap(s, from, from + len);
+    struct uffdio_range range = {.start = to, .len = len};
+    int rc;
+    while ((rc = ioctl(s->uffd, UFFDIO_UNREGISTER, &range)) != 0 && errno == EINTR)
+        ;
+    if (rc != 0 && len)
+        unprotect_run(s, to, len);
 }
 
 /* The run to copy for a fault at addr in range r: follows a sweep if the fault carries on where one
@@ -214,25 +316,51 @@ pick_run(cow_snap *s, cow_range *r, uintptr_t addr, size_t *pages, int *followed
     return victim;
 }
 
-/* Keep the snapshot value of page g (at page_addr) if nobody has yet; under its chunk lock. 0, or
- * -1 for a page ahead that found no memory (it stays protected). The faulting page itself never
- * keeps its writer waiting: without memory it is LOST and its copy-out fails instead. */
-static int
-keep(cow_snap *s, size_t g, uintptr_t page_addr, int ahead)
+/* Keep the snapshot value of pages [g, g + n) (at addr) of one chunk, under its lock, where nobody
+ * has yet: taken from the bottom up, or from the top down; their live memory read in one call. The
+ * pages handled from that end on: all n, or fewer where a page ahead found no memory (it stays
+ * protected, and so does the rest) or could not be read (gone: its unmap is reported later). The
+ * faulting page itself (ahead 0, n 1) never keeps its writer waiting: without memory it is LOST,
+ * unreadable it is GONE (a write to memory being unmapped), and its copy-out fails instead. */
+static size_t
+keep_pages(cow_snap *s, size_t g, uintptr_t addr, size_t n, int ahead, int down)
 {
-    if (s->state[g] != PROTECTED)
-        return 0;
-    void *copy = side_alloc(s, ahead);
-    if (!copy) {
-        if (ahead)
-            return -1;
-        s->state[g] = LOST;
-        return 0;
+    struct iovec local[CHUNK_PAGES], remote[CHUNK_PAGES];
+    size_t at[CHUNK_PAGES], k = 0, handled = 0;
+    for (size_t i = 0; i < n; i++, handled++) {
+        size_t j = down ? n - 1 - i : i;
+        if (s->state[g + j] != PROTECTED)
+            continue;
+        void *copy = side_alloc(s, ahead);
+        if (!copy) {
+            if (ahead)
+                break;
+            s->state[g + j] = LOST;
+            continue;
+        }
+        local[k] = (struct iovec){.iov_base = copy, .iov_len = s->page};
+        remote[k] = (struct iovec){.iov_base = (void *)(addr + j * s->page), .iov_len = s->page};
+        at[k++] = j;
     }
-    memcpy(copy, (const void *)page_addr, s->page);
-    s->side[g] = copy;
-    s->state[g] = ahead ? AHEAD : COPIED;
-    return 0;
+    size_t ok = k ? read_live(s, local, remote, k) / s->page : 0; /* read in full, in that order */
+    for (size_t i = 0; i < k; i++) {
+        size_t gj = g + at[i];
+        if (i < ok) {
+            s->side[gj] = local[i].iov_base;
+            s->state[gj] = ahead ? AHEAD : COPIED;
+            continue;
+        }
+        side_free(s, local[i].iov_base, ahead);
+        if (!ahead) {
+            s->state[gj] = GONE;
+            pthread_mutex_lock(&s->alloc_lock);
+            s->lost++;
+            pthread_mutex_unlock(&s->alloc_lock);
+        } else if (i == ok) {
+            handled = down ? n - 1 - at[i] : at[i]; /* the run ends before the first page unread */
+        }
+    }
+    return handled;
 }
 
 /* A sweep went on past the run [lo, hi): its pages copied ahead were written by it, so they no
@@ -309,19 +437,26 @@ on_fault(cow_snap *s, uintptr_t addr)
     hi = hi < r_end ? hi : r_end;
     size_t g0 = r->first + (lo - r->addr) / page;
     size_t n = (hi - lo) / page, first = gf - g0, last = first + 1; /* pages [first, last) of the run kept */
-    /* The faulting page, then on up, then down; a page ahead without memory ends the run there.
-     * One chunk lock at a time, never held across the ioctl. */
+    /* The faulting page, then on up, then down, a chunk at a time (its lock held, never across
+     * the ioctl); a page ahead without memory, or unreadable, ends the run there. */
     long held = -1;
     hold(s, &held, gf);
-    keep(s, gf, addr, 0);
-    for (; last < n; last++) {
-        hold(s, &held, g0 + last);
-        if (keep(s, g0 + last, lo + last * page, 1) != 0)
+    keep_pages(s, gf, addr, 1, 0, 0);
+    while (last < n) {
+        size_t g = g0 + last, stop = last + (CHUNK_PAGES - g % CHUNK_PAGES);
+        stop = stop < n ? stop : n;
+        hold(s, &held, g);
+        size_t got = keep_pages(s, g, lo + last * page, stop - last, 1, 0);
+        last += got;
+        if (last < stop)
             break;
     }
-    for (; first > 0; first--) {
-        hold(s, &held, g0 + first - 1);
-        if (keep(s, g0 + first - 1, lo + (first - 1) * page, 1) != 0)
+    while (first > 0) {
+        size_t g = g0 + first - 1, in = g % CHUNK_PAGES, bottom = first - 1 > in ? first - 1 - in : 0;
+        hold(s, &held, g);
+        size_t want = first - bottom, got = keep_pages(s, g0 + bottom, lo + bottom * page, want, 1, 1);
+        first -= got;
+        if (got < want)
             break;
     }
     if (held >= 0)
@@ -337,6 +472,7 @@ void *
 cow_handler(void *arg)
 {
     cow_snap *s = arg;
+    int seq_on = s->remove_events || s->unmap_events;
     struct uffd_msg msgs[32];
     struct pollfd fds[2] = {{.fd = s->uffd, .events = POLLIN}, {.fd = s->evfd, .events = POLLIN}};
     for (;;) {
@@ -352,62 +488,51 @@ cow_handler(void *arg)
         if (!fds[0].revents)
             continue;
         /* Odd from before the read: a madvise whose UFFD_EVENT_REMOVE this read hands over drops its
-         * pages as soon as the read returns, before on_remove has marked them (see take). */
-        if (s->remove_events)
+         * pages as soon as the read returns, before mark_range has marked them, and an munmap or
+         * mremap whose event it hands over goes on, maybe to map other memory there (see
+         * take_live). */
+        if (seq_on)
             __atomic_fetch_add(&s->remove_seq, 1, __ATOMIC_SEQ_CST);
         ssize_t n = read(s->uffd, msgs, sizeof msgs);
         size_t count = n > 0 ? (size_t)n / sizeof msgs[0] : 0;
         int removes = 0;
         for (size_t i = 0; i < count; i++)
-            removes |= msgs[i].event == UFFD_EVENT_REMOVE;
-        if (s->remove_events && !removes)
+            removes |= msgs[i].event != UFFD_EVENT_PAGEFAULT;
+        if (seq_on && !removes)
             __atomic_fetch_add(&s->remove_seq, 1, __ATOMIC_SEQ_CST);
         if (n < 0) {
             if (errno == EAGAIN || errno == EINTR)
                 continue;
             break;
         }
+        /* The events first: a fault read with them was raised before, but the pages an madvise
+         * drops go as soon as this read returned, and those unmapped are gone already; marked
+         * first, they are not read for the faults (their value is lost either way). */
+        if (removes && seq_on)
+            __atomic_fetch_add(&s->event_gen, 1, __ATOMIC_SEQ_CST);
+        for (size_t i = 0; removes && i < count; i++)
+            if (msgs[i].event == UFFD_EVENT_REMOVE)
+                mark_range(s, (uintptr_t)msgs[i].arg.remove.start, (uintptr_t)msgs[i].arg.remove.end, DROPPED);
+            else if (msgs[i].event == UFFD_EVENT_UNMAP)
+                on_unmap(s, (uintptr_t)msgs[i].arg.remove.start, (uintptr_t)msgs[i].arg.remove.end);
+            else if (msgs[i].event == UFFD_EVENT_REMAP)
+                on_remap(s, (uintptr_t)msgs[i].arg.remap.from, (uintptr_t)msgs[i].arg.remap.to,
+                         (size_t)msgs[i].arg.remap.len);
         for (size_t i = 0; i < count; i++)
             if (msgs[i].event == UFFD_EVENT_PAGEFAULT)
                 on_fault(s, (uintptr_t)msgs[i].arg.pagefault.address);
-            else if (msgs[i].event == UFFD_EVENT_REMOVE)
-                on_remove(s, (uintptr_t)msgs[i].arg.remove.start, (uintptr_t)msgs[i].arg.remove.end);
-        if (removes)
+        if (removes && seq_on)
             __atomic_fetch_add(&s->remove_seq, 1, __ATOMIC_SEQ_CST);
     }
     return NULL;
 }
 
-/* Copy bytes [addr, addr + len) of global page g, of array j, to dst and count them read out;
- * under the page's chunk lock. 1 when the page became DONE (to unprotect), 0, or -errno. */
+/* Count bytes [addr, addr + len) of global page g (in state st), of array a, read out; under the
+ * page's chunk lock. 1 when the page became DONE (to unprotect), else 0. */
 static int
-take(cow_snap *s, cow_array *a, size_t g, uintptr_t addr, size_t len, char *dst)
+account(cow_snap *s, cow_array *a, size_t g, uint8_t st, uintptr_t addr, size_t len)
 {
     uintptr_t page_addr = addr & ~(uintptr_t)(s->page - 1);
-    uint8_t st = s->state[g];
-    if (st == DONE)
-        return -EALREADY;  /* read out in full before (and maybe written since): refuse, never guess */
-    if (st == LOST)
-        return -ENOMEM;
-    if (st == DROPPED)
-        return -ENODATA;
-    if (st == PROTECTED && s->remove_events) {
-        /* A madvise may drop the page while the handler reads its event and before on_remove marks
-         * it (the remove_seq window): a page read from memory then counts only if no such window
-         * was open at any time of the read; else -EAGAIN, and the caller waits for the window to
-         * close (this chunk's lock released) and takes the page again. */
-        size_t seq = __atomic_load_n(&s->remove_seq, __ATOMIC_ACQUIRE);
-        if (seq & 1)
-            return -EAGAIN;
-        memcpy(dst, (const char *)addr, len);
-        /* The copy's loads before the load below: an acquire fence is enough (a full one, a
-         * store-buffer drain per page, cost the copy-out a third of its speed). */
-        __atomic_thread_fence(__ATOMIC_ACQUIRE);
-        if (__atomic_load_n(&s->remove_seq, __ATOMIC_RELAXED) != seq)
-            return -EAGAIN;
-    } else {
-        memcpy(dst, st == COPIED || st == AHEAD ? (const char *)s->side[g] + (addr - page_addr) : (const char *)addr, len);
-    }
     size_t p = (page_addr - a->page0) / s->page;
     uintptr_t lo = page_addr > a->addr ? page_addr : a->addr;
     uintptr_t hi = page_addr + s->page < a->addr + a->nbytes ? page_addr + s->page : a->addr + a->nbytes;
@@ -424,6 +549,83 @@ take(cow_snap *s, cow_array *a, size_t g, uintptr_t addr, size_t len, char *dst)
     }
     s->state[g] = DONE;
     return 1;
+}
+
+/* Copy bytes [addr, addr + len) of global page g, of array a, to dst and count them read out, where
+ * the page is not PROTECTED (those are read in runs: take_live); under the page's chunk lock. 1 when
+ * the page became DONE (to unprotect), 0, or -errno. */
+static int
+take(cow_snap *s, cow_array *a, size_t g, uintptr_t addr, size_t len, char *dst)
+{
+    uintptr_t page_addr = addr & ~(uintptr_t)(s->page - 1);
+    uint8_t st = s->state[g];
+    if (st == DONE)
+        return -EALREADY;  /* read out in full before (and maybe written since): refuse, never guess */
+    if (st == LOST)
+        return -ENOMEM;
+    if (st == DROPPED)
+        return -ENODATA;
+    if (st != COPIED && st != AHEAD)
+        return -EFAULT;    /* GONE: unmapped or moved away before it was read out */
+    memcpy(dst, (const char *)s->side[g] + (addr - page_addr), len);
+    return account(s, a, g, st, addr, len);
+}
+
+/* Bytes per read of live memory (take_live): what is read again when a check fails. */
+#define LIVE_PIECE (64u << 10)
+
+/* Copy bytes [addr, addr + len) of array a, whose pages are all PROTECTED (unchanged, so read from
+ * memory), to dst, a piece of up to LIVE_PIECE at a time, and count them read out (pages[], done[]
+ * from *npages on, as take's results); under their chunk's lock. 0, or -errno; *taken: the bytes
+ * read and counted before that.
+ *
+ * A madvise may drop pages, or an munmap/mremap go on to map other memory there, while the handler
+ * reads their event and before mark_range marks them (the remove_seq window): a piece counts only if
+ * no such window was open at any time of its read (remove_seq even before and after, event_gen
+ * unchanged); else -EAGAIN, and the caller waits for the window to close (this chunk's lock
+ * released) and takes the rest again. An munmap's event comes after the unmap, so pages may be gone
+ * before any window: the read fails there (safe_read), -EFAULT. */
+static int
+take_live(cow_snap *s, cow_array *a, uintptr_t addr, size_t len, char *dst, uintptr_t *pages, int *done,
+          size_t *npages, size_t *taken)
+{
+    int seq_on = s->remove_events || s->unmap_events;
+    *taken = 0;
+    for (uintptr_t at = addr, end = addr + len; at < end;) {
+        uintptr_t stop = (at & ~(uintptr_t)(s->page - 1)) + LIVE_PIECE;
+        stop = stop < end ? stop : end;
+        size_t seq = 0, gen = 0;
+        if (seq_on) {
+            seq = __atomic_load_n(&s->remove_seq, __ATOMIC_ACQUIRE);
+            if (seq & 1)
+                return -EAGAIN;
+            gen = __atomic_load_n(&s->event_gen, __ATOMIC_ACQUIRE);
+        }
+        struct iovec local = {.iov_base = dst + (at - addr), .iov_len = stop - at};
+        struct iovec remote = {.iov_base = (void *)at, .iov_len = stop - at};
+        size_t got = read_live(s, &local, &remote, 1);
+        if (seq_on) {
+            /* The copy's loads before the loads below: an acquire fence is enough (a full one, a
+             * store-buffer drain, cost the copy-out a third of its speed when taken per page). */
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if ((__atomic_load_n(&s->remove_seq, __ATOMIC_ACQUIRE) & 1) ||
+                __atomic_load_n(&s->event_gen, __ATOMIC_RELAXED) != gen)
+                return -EAGAIN;
+        }
+        if (got != stop - at)
+            return -EFAULT;
+        for (uintptr_t p = at; p < stop;) {
+            uintptr_t page_addr = p & ~(uintptr_t)(s->page - 1);
+            size_t n = (page_addr + s->page < stop ? page_addr + s->page : stop) - p;
+            size_t g = a->first + (page_addr - a->page0) / s->page;
+            pages[*npages] = page_addr;
+            done[(*npages)++] = account(s, a, g, PROTECTED, p, n);
+            p += n;
+        }
+        *taken += stop - at;
+        at = stop;
+    }
+    return 0;
 }
 
 /* Pages per bounce: a batch is copied under one chunk lock, then written out with none held. */
@@ -470,17 +672,22 @@ cow_copy_out(cow_snap *s, size_t j, size_t start, char *out, size_t n)
     uintptr_t run_lo = 0, run_hi = 0, huge = RUN_MAX_BYTES > s->page ? RUN_MAX_BYTES : s->page;
 #define FLUSH()                                                                                 \
     do {                                                                                        \
-        if (run_hi > run_lo && cow_write_protect(s, run_lo, run_hi - run_lo, 0) != 0 && !err)   \
+        if (run_hi > run_lo && cow_write_protect(s, run_lo, run_hi - run_lo, 0) != 0 && !err && \
+            errno != ENOENT) /* ENOENT: unmapped since they were read, nothing to unprotect */   \
             err = errno;                                                                        \
         run_lo = run_hi = 0;                                                                    \
     } while (0)
     while (addr < end && !err) {
         uintptr_t pages[CHUNK_PAGES];
         int done[CHUNK_PAGES];
-        size_t npages = 0, used = 0;
+        size_t seen = 0, npages = 0, used = 0;
         long chunk = -1;
         int rc = 0;
-        while (addr < end && npages < batch) {
+        char *base = direct ? out : bounce;
+        /* The PROTECTED pages met in a row: [live, addr) to base + live_used, read in one call. */
+        uintptr_t live = 0;
+        size_t live_used = 0, taken = 0;
+        while (addr < end && seen < batch) {
             uintptr_t page_addr = addr & ~(uintptr_t)(s->page - 1);
             size_t len = (page_addr + s->page < end ? page_addr + s->page : end) - addr;
             size_t g = a->first + (page_addr - a->page0) / s->page;
@@ -490,13 +697,33 @@ cow_copy_out(cow_snap *s, size_t j, size_t start, char *out, size_t n)
             } else if ((long)(g / CHUNK_PAGES) != chunk) {
                 break;
             }
-            rc = take(s, a, g, addr, len, direct ? out + used : bounce + used);
-            if (rc < 0)
-                break;
-            pages[npages] = page_addr;
-            done[npages++] = rc == 1;
+            if (s->state[g] == PROTECTED) {
+                if (!live) {
+                    live = addr;
+                    live_used = used;
+                }
+            } else {
+                if (live) {
+                    rc = take_live(s, a, live, addr - live, base + live_used, pages, done, &npages, &taken);
+                    if (rc < 0)
+                        break;
+                    live = 0;
+                }
+                rc = take(s, a, g, addr, len, base + used);
+                if (rc < 0)
+                    break;
+                pages[npages] = page_addr;
+                done[npages++] = rc == 1;
+            }
+            seen++;
             used += len;
             addr += len;
+        }
+        if (live && rc >= 0)
+            rc = take_live(s, a, live, addr - live, base + live_used, pages, done, &npages, &taken);
+        if (live && rc < 0) { /* the run counted up to taken: on from there again, or the error */
+            addr = live + taken;
+            used = live_used + taken;
         }
         if (chunk >= 0)
             pthread_mutex_unlock(&s->locks[chunk]);
@@ -515,7 +742,7 @@ cow_copy_out(cow_snap *s, size_t j, size_t start, char *out, size_t n)
             }
             run_hi = pages[i] + s->page;
         }
-        if (rc == -EAGAIN) /* a madvise's pages being marked (take): wait for it, then this page again */
+        if (rc == -EAGAIN) /* pages dropped or unmapped being marked (take_live): wait, then these again */
             while (__atomic_load_n(&s->remove_seq, __ATOMIC_ACQUIRE) & 1)
                 sched_yield();
         else if (rc < 0 && !err)

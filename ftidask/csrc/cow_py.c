@@ -93,7 +93,8 @@ const char cow_copy_doc[] =
     "writable buffer out; the pages read out in full are unprotected. Without the GIL. Each byte\n"
     "is read out once: a page read out in full before raises OSError(EALREADY). A page whose\n"
     "snapshot value is gone raises OSError: ENOMEM (written when no memory was left for its\n"
-    "copy), ENODATA (dropped by madvise before it was read out).";
+    "copy), ENODATA (dropped by madvise before it was read out), EFAULT (unmapped or moved by\n"
+    "munmap or mremap before it was read out).";
 
 PyObject *
 cow_copy_py(PyObject *module, PyObject *args)
@@ -121,6 +122,8 @@ cow_copy_py(PyObject *module, PyObject *args)
         const char *what = err == EBADF ? "snapshot released" : err == EALREADY ? "bytes already read out (their pages are unprotected)"
                            : err == ENOMEM ? "a page was written when no memory was left for its copy"
                            : err == ENODATA ? "a page was dropped (madvise DONTNEED or FREE) before it was read out"
+                           : err == EFAULT ? "a page was unmapped or moved (munmap, mremap: a realloc or "
+                                             "ndarray.resize(refcheck=False)) before it was read out"
                            : strerror(err);
         PyObject *exc = Py_BuildValue("(is)", err, what);
         if (exc) {
@@ -154,7 +157,9 @@ const char cow_stats_doc[] =
     "A dict: pages_copied, pages_copied_ahead (of those, copied by the run around a faulting page,\n"
     "not for the page written), pages_lost (written without memory, or dropped), faults (write faults handled), peak_bytes (of side\n"
     "copies at once), live_bytes, pages, ranges (registrations), unpopulated_protected,\n"
-    "drops_reported (pages madvise drops fail their copy-out; else they read as zeros).";
+    "drops_reported (pages madvise drops fail their copy-out; else they read as zeros),\n"
+    "unmaps_reported (the handler hears of munmap and mremap), safe_read (live pages are read\n"
+    "with process_vm_readv: an unmapped one fails its copy-out, never faults).";
 
 PyObject *
 cow_stats_py(PyObject *module, PyObject *arg)
@@ -164,12 +169,18 @@ cow_stats_py(PyObject *module, PyObject *arg)
         return NULL;
     cow_stat st;
     cow_stats(s, &st);
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:O,s:O}", "pages_copied", (Py_ssize_t)st.pages_copied,
+    int unmaps = 0, safe = 0;
+#ifdef __linux__
+    unmaps = s->unmap_events;
+    safe = s->safe_read;
+#endif
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:O,s:O,s:O,s:O}", "pages_copied", (Py_ssize_t)st.pages_copied,
                          "pages_copied_ahead", (Py_ssize_t)st.pages_copied_ahead, "pages_lost", (Py_ssize_t)st.pages_lost,
                          "faults", (Py_ssize_t)st.faults, "peak_bytes", (Py_ssize_t)st.peak_bytes, "live_bytes",
                          (Py_ssize_t)st.live_bytes, "pages", (Py_ssize_t)st.pages, "ranges", (Py_ssize_t)st.ranges,
                          "unpopulated_protected", st.unpopulated_protected ? Py_True : Py_False, "drops_reported",
-                         st.drops_reported ? Py_True : Py_False);
+                         st.drops_reported ? Py_True : Py_False, "unmaps_reported", unmaps ? Py_True : Py_False,
+                         "safe_read", safe ? Py_True : Py_False);
 }
 
 const char cow_probe_doc[] =

@@ -308,8 +308,7 @@ class Retention(RunPart):
         Otherwise the newest that ``flush_to_l4`` flushes (:meth:`_flush_newest`)."""
         t, failed = self.transport, "finalize failed"
         keep = bool(self.config.keep_last_ckpt and records)
-        committed = [r for r in records if not r.fallback]  # the spares are cleared below
-        doomed = committed
+        doomed = committed = [r for r in records if not r.fallback]  # the spares are cleared below
         if keep and in_l4(records[0]) and not any(r.fallback for r in records):
             doomed = committed[1:]  # nothing older to fall back to: kept as it is, unread (see above)
         elif keep:
@@ -320,14 +319,15 @@ class Retention(RunPart):
             # reading a local leftover.
             kept = self._flush_newest(records, flush_to_l4)
             doomed = [r for r in committed if r is not kept or not in_l4(r)]
-        # The sequence numbers used so far, before any record goes: the run may be started again (fresh, or
-        # after a kill below) and must not take the names of this one's directories (l4_archive keeps them).
+        # The sequence numbers used so far, before any record goes: a run started again (fresh, or after a kill
+        # below) must not take the names of this one's directories (l4_archive keeps them).
         used = on_root(t, self.state.mark_seq, FTIError, failed)
         on_root(t, self.state.delete_fallbacks, FTIError, failed)  # first: none outlives the run (a kill from
         # here on must not leave one beside no commit record: a fresh run of this exec_id would recover it)
         # The level-4 ones that stay (archived, or the last one kept where it is) keep nothing on the nodes either.
+        going = {id(r) for r in doomed}  # (not "in doomed": finalize was quadratic in the records kept)
         for record in committed:
-            if in_l4(record) and (record not in doomed or self.config.keep_l4_ckpt):
+            if in_l4(record) and (self.config.keep_l4_ckpt or id(record) not in going):
                 self.drop_local_copies(record)
         # Oldest first: killed part-way, the run keeps its newest checkpoint (and a restart goes back no further).
         for record in reversed(doomed):

@@ -78,7 +78,9 @@ class CowSnapshot:
 
     Protects at construction (raises :class:`CowUnavailable`); :meth:`release` (or leaving the
     ``with`` block, or garbage collection) lifts all protection, early or not. The arrays are
-    referenced until then: their memory must not be freed while it is protected. Each byte of a
+    referenced until then: their memory must not be freed while it is protected; where it is
+    (``ndarray.resize(refcheck=False)``, munmap, mremap), the copy-out of the pages not yet read
+    out raises ``OSError(EFAULT)`` rather than read memory that is gone. Each byte of a
     source is read out once: a page read out in full is unprotected, and reading it again raises
     ``OSError(EALREADY)`` rather than return what was written since.
     """
@@ -88,6 +90,7 @@ class CowSnapshot:
         self._handle: Any = None
         arrays = list(arrays)
         regions = [_region(a) for a in arrays]
+        self._regions = regions
         self._sizes = [n for _addr, n in regions]
         self._native = native
         # Set before the protection: an interrupt (Ctrl-C) right after it still finds what release() needs.
@@ -108,6 +111,13 @@ class CowSnapshot:
         return CowSource(self, i, self._sizes[i])
 
     def _copy(self, i: int, start: int, out: np.ndarray) -> None:
+        arrays = self._arrays
+        if arrays is not None and _region(arrays[i])[0] != self._regions[i][0]:
+            # ndarray.resize(refcheck=False) gave the array new memory and freed or moved the old:
+            # the snapshot's pages are gone. The kernel reports that to the native side too
+            # (UFFD_EVENT_UNMAP/REMAP), where it can; this also covers kernels that do not.
+            raise OSError(errno.EFAULT, "a page was unmapped or moved (munmap, mremap: a realloc or "
+                          "ndarray.resize(refcheck=False)) before it was read out")
         self._native.cow_copy(self._handle, i, start, out)
 
     def release(self) -> None:
@@ -142,7 +152,10 @@ class CowSnapshot:
         the run around a written page rather than for it), pages_lost (written when no memory
         was left, or dropped by madvise), faults (write faults handled), peak_bytes, live_bytes,
         pages (protected), ranges (registrations), unpopulated_protected, drops_reported (pages
-        that madvise(DONTNEED/FREE) drops fail their copy-out; else they would read as zeros)."""
+        that madvise(DONTNEED/FREE) drops fail their copy-out; else they would read as zeros),
+        unmaps_reported (pages that munmap or mremap take away, a realloc such as
+        ``ndarray.resize(refcheck=False)``, fail their copy-out), safe_read (the live pages are read
+        with ``process_vm_readv``: memory unmapped meanwhile fails the copy-out, never faults)."""
         return self._stats()
 
     def __enter__(self) -> CowSnapshot:
