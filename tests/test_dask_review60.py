@@ -4,6 +4,8 @@ with ``asynchronous=True``."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -50,3 +52,39 @@ def test_an_asynchronous_client_is_refused_at_init(dask_client, dirs):
             await client.close()
 
     assert "run_in_executor" in asyncio.run(main())
+
+
+def _set_status(name, dask_worker=None):
+    """Memory pressure as the worker's own memory monitor sees it: it pauses the worker, then resumes it."""
+    dask_worker.memory_manager.memory_pause_fraction = 1e-4 if name == "paused" else 0.8
+    return True
+
+
+def test_a_checkpoint_waits_for_a_paused_worker(dask_client, dirs):
+    """A worker paused (memory pressure) holds its chunks and resumes: before, the checkpoint failed at once saying
+    a chunk was "held by no live worker" (or that the worker had left the cluster)."""
+    ctx = ftidask.init(client=dask_client, **dirs)
+    x = dask_client.persist(da.random.default_rng(0).random((40, 40), chunks=(10, 10)))
+    distributed.wait(x)
+    ctx.protect(1, x)
+    ctx.checkpoint(1, 2)
+    x = dask_client.persist(ctx.protected[1] + 1)
+    distributed.wait(x)
+    ctx.protect(1, x)
+    holders = sorted({w for ws in dask_client.who_has(x).values() for w in ws})
+    dask_client.run(_set_status, "paused", workers=holders[:1])
+    deadline = time.monotonic() + 30
+    while dask_client.sync(dask_client.scheduler.identity)["workers"][holders[0]].get("status") != "paused":
+        assert time.monotonic() < deadline, "the scheduler never heard of the pause"
+        time.sleep(0.05)
+    try:
+        resume = threading.Timer(1.0, lambda: dask_client.run(_set_status, "running", workers=holders[:1]))
+        resume.start()
+        ctx.checkpoint(2, 2)
+        resume.join()
+    finally:
+        dask_client.run(_set_status, "running", workers=holders[:1])
+    ctx._close()
+    ctx = ftidask.init(client=dask_client, **dirs)
+    assert ctx.recover()[1].compute().tobytes() == x.compute().tobytes() and ctx.recovered_from == (2, 2)
+    ctx.finalize()

@@ -59,6 +59,11 @@ def check_client(client: Client) -> None:
                        "restarts from them")
 
 
+#: Worker statuses of a live worker: a paused one (memory pressure: it runs no new task until its memory is spilled)
+#: holds its chunks and files and resumes; taken for gone, a checkpoint failed saying it had left the cluster.
+_ALIVE = ("running", "paused")
+
+
 class Cluster:
     """Task placement and waiting on one ``distributed.Client``."""
 
@@ -110,7 +115,7 @@ class Cluster:
         """Addresses of the live workers, sorted: a worker's position is its rank."""
         # Not Client.scheduler_info(): a periodic refresh may replace its cache with one that lists no worker.
         info = self.client.sync(self.client.scheduler.identity)
-        self._workers = sorted(a for a, w in info["workers"].items() if w.get("status", "running") == "running")
+        self._workers = sorted(a for a, w in info["workers"].items() if w.get("status", "running") in _ALIVE)
         return list(self._workers)
 
     def workers_holding(self, keys: list[Any]) -> tuple[list[str], dict[Any, list[str]]]:
@@ -121,7 +126,7 @@ class Cluster:
             return list(await asyncio.gather(scheduler.identity(), scheduler.who_has(keys=keys)))
 
         info, who_has = self.client.sync(ask)
-        self._workers = sorted(a for a, w in info["workers"].items() if w.get("status", "running") == "running")
+        self._workers = sorted(a for a, w in info["workers"].items() if w.get("status", "running") in _ALIVE)
         return list(self._workers), dict(who_has)
 
     def last_workers(self) -> list[str]:
