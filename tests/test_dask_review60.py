@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -88,3 +89,16 @@ def test_a_checkpoint_waits_for_a_paused_worker(dask_client, dirs):
     ctx = ftidask.init(client=dask_client, **dirs)
     assert ctx.recover()[1].compute().tobytes() == x.compute().tobytes() and ctx.recovered_from == (2, 2)
     ctx.finalize()
+
+
+def test_a_node_directory_another_user_could_write_to_is_refused_for_every_worker(dask_client, dirs):
+    """Before: init checked node 0's directories only (the client's rank): a world-writable node1 took rank 1's
+    files (and could hold links planted there)."""
+    node1 = Path(dirs["ckpt_dir"]) / "node1"
+    node1.mkdir(parents=True)
+    node1.chmod(0o777)
+    with pytest.raises(ftidask.ConfigError, match="another user could write to") as refused:
+        ftidask.init(client=dask_client, **dirs)
+    assert "node1" in str(refused.value)
+    node1.chmod(0o700)
+    ftidask.init(client=dask_client, **dirs).finalize()  # the run lock was released by the refusal

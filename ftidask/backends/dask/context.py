@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,12 +35,14 @@ from ...model.arrays import check_bool, check_ckpt_id, check_described, check_id
 from ...model.config import Config
 from ...model.errors import (
     CheckpointError,
+    ConfigError,
     FTIError,
     ProtectError,
     RecoveryError,
     UnkeepableCheckpoint,
     says_disk_failure,
 )
+from ...storage import dirchecks
 from ...storage import files as storage
 from . import (
     channel,
@@ -80,6 +83,17 @@ class DaskContext(DaskWriting, Context):
         self._seqs = SeqReservation(self.state)
         if config.enable_dcp:
             self._dcp = DaskSpares(self)
+        self._check_node_dirs()
+
+    def _check_node_dirs(self) -> None:
+        """Init checks node 0's directories (the client's rank); each worker's node directories are checked here, on
+        the workers, which see their own disks: one another user could write to is refused as on MPI."""
+        dirs = [str(d) for r in range(len(self.cluster.workers()))
+                for d in dirchecks.run_dirs(self.paths, r, self.state.records_dir)]
+        problems = sorted({p for mine in self.client.run(_unsafe_dirs, dirs).values() for p in mine})
+        if problems:
+            self._close()  # the run lock released: nothing was written
+            raise ConfigError(dirchecks.explain(problems))
 
     def _check_open(self) -> None:
         super()._check_open()
@@ -317,6 +331,10 @@ class DaskContext(DaskWriting, Context):
 
     def _repr_html_(self) -> str:
         return report.context_html(self)
+
+
+def _unsafe_dirs(dirs: list[str]) -> list[str]:  # on a worker: why each of its run directories is unsafe
+    return dirchecks.unsafe_dirs([Path(d) for d in dirs])
 
 
 def make_dask_context(cfg: Config, client: Client) -> DaskContext:
