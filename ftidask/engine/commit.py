@@ -19,7 +19,7 @@ from ..model.arrays import check_ckpt_id
 from ..model.errors import CheckpointError, FTIError, UnkeepableCheckpoint
 from ..model.level import Level
 from ..storage import files as storage
-from ..transport.collective import agree, attempt, on_root
+from ..transport.collective import agree, attempt, gather_tagged, on_root
 from .checkpointing import CheckpointInfo
 from .pending import OneShotWriter, PendingCheckpoint, RankFileWriter, RankWriter
 from .recovering import Progress
@@ -162,7 +162,7 @@ class Committer(RunPart):
         failed = f"checkpoint {ckpt_id} at level {pending.level} failed; the previous checkpoint is kept"
         written = None
         try:
-            sizes = t.allgather(pending.layout.fs)
+            sizes = gather_tagged(t, failed, pending.layout.fs, CheckpointError)  # (never another call's message)
 
             def finish() -> tuple[Any, dict[str, Any]]:
                 done = pending.finish(
