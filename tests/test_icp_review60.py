@@ -145,3 +145,21 @@ def test_global_array_declaration_changed_in_between_is_refused(tmp_path):
     ctx.add_var_icp(1)
     ctx.finalize_icp()
     ctx._closed = True
+
+
+
+def test_realloc_without_an_array_after_a_recovery_keeps_the_recovered_values(tmp_path):
+    """Before: realloc(id) after recover() made an empty array of the stored size the protected one: the values
+    recovered were gone from it (FTI_Realloc keeps a buffer's contents)."""
+    dirs = {"ckpt_dir": str(tmp_path / "L"), "glbl_dir": str(tmp_path / "G"), "meta_dir": str(tmp_path / "M")}
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, np.arange(70, dtype=np.int64))
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, np.zeros(3, np.int64))
+    grown = ctx.realloc(1)
+    ctx.recover()
+    assert ctx.realloc(1) is grown and grown.tobytes() == np.arange(70, dtype=np.int64).tobytes()
+    assert ctx.protected[1] is grown
+    ctx.finalize()

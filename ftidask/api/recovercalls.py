@@ -114,9 +114,10 @@ class RecoveryCalls:
 
     @one_at_a_time
     def realloc(self, id: int, array: Any = None) -> Any:
-        """FTI_Realloc: a new array of the stored size (``array`` itself where it already fits), which becomes the
-        protected one; for a Python state (``State``, ``Value``, a generator), the protected object itself. On a fresh
-        start (nothing committed, :meth:`stored_size` 0) it raises :class:`NoCheckpointError`, as recover() does."""
+        """FTI_Realloc: a new array of the stored size (``array`` itself where it already fits; without ``array``,
+        the protected one where it fits, its values kept), which becomes the protected one; for a Python state
+        (``State``, ``Value``, a generator), the protected object itself. On a fresh start (nothing committed,
+        :meth:`stored_size` 0) it raises :class:`NoCheckpointError`, as recover() does."""
         self._check_open()
         self._async.quiesce()
         return self.recovery.realloc(id, array)  # the id checked there, with the other ranks

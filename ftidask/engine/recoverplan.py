@@ -170,8 +170,8 @@ def plan(protected: Mapping[int, Any], parsed: Any, ids: list[int] | None) -> Re
 
 def realloc_array(parsed: Any, vid: int, array: Any, variables: Mapping[int, Any]) -> Any:
     """:meth:`ftidask.Context.realloc`'s new array for variable ``vid`` of ``parsed`` (the checkpoint to recover):
-    of its stored shape and dtype (``array`` itself where it already fits), on the device where ``array`` is a
-    CuPy array or the variable lives on one."""
+    of its stored shape and dtype (``array``, else the protected array, itself where it already fits), on the device
+    where ``array`` is a CuPy array or the variable lives on one."""
     info = parsed.vars.get(vid)
     if info is not None:
         new = info.empty()
@@ -184,8 +184,12 @@ def realloc_array(parsed: Any, vid: int, array: Any, variables: Mapping[int, Any
         if nbytes % dtype.itemsize:
             raise RecoveryError(f"variable {vid}: {nbytes} stored bytes are not a whole number of {dtype}")
         new = np.empty(nbytes // dtype.itemsize, dtype)
-    if isinstance(array, np.ndarray) and array.dtype == new.dtype and array.shape == new.shape:
-        new = array
+    # Without ``array``, the protected host array where it fits: its values kept (after a recovery, a fresh
+    # array in its place left the program the stored values' garbage in hand)
+    held = variables[vid].array if array is None and vid in variables and variables[vid].device is None else None
+    fit = array if array is not None else held
+    if isinstance(fit, np.ndarray) and fit.dtype == new.dtype and fit.shape == new.shape:
+        new = fit
     return realloc_target(new, array, variables[vid].device if vid in variables else None)
 
 
