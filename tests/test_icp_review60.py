@@ -163,3 +163,24 @@ def test_realloc_without_an_array_after_a_recovery_keeps_the_recovered_values(tm
     assert ctx.realloc(1) is grown and grown.tobytes() == np.arange(70, dtype=np.int64).tobytes()
     assert ctx.protected[1] is grown
     ctx.finalize()
+
+
+
+def test_realloc_of_a_python_state_not_protected_says_what_to_protect(tmp_path):
+    """Before: a 1-byte uint8 array, protected in the state's place, which the next recover() refused."""
+    dirs = {"ckpt_dir": str(tmp_path / "L"), "glbl_dir": str(tmp_path / "G"), "meta_dir": str(tmp_path / "M")}
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, np.arange(6.0))
+    ctx.protect(2, ftidask.Value(5))
+    ctx.checkpoint(1, 1)
+    ctx._close()
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, np.zeros(6))
+    with pytest.raises(ftidask.RecoveryError, match=r"realloc\(2\): the checkpoint holds a Python state"):
+        ctx.realloc(2)
+    state = ftidask.Value(0)
+    ctx.protect(2, state)
+    assert ctx.realloc(2) is state
+    ctx.recover()
+    assert state.value == 5
+    ctx.finalize()

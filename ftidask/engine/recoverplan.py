@@ -173,6 +173,10 @@ def realloc_array(parsed: Any, vid: int, array: Any, variables: Mapping[int, Any
     of its stored shape and dtype (``array``, else the protected array, itself where it already fits), on the device
     where ``array`` is a CuPy array or the variable lives on one."""
     info = parsed.vars.get(vid)
+    if kind_of(info):  # a state protected now returned itself before this; an array here could not recover it
+        raise RecoveryError(f"realloc({vid}): the checkpoint holds a Python state ({kind_of(info)}); protect what was "
+                            "protected then (ftidask.State, ftidask.Value or a numpy.random Generator): realloc "
+                            "returns it, and recover() fills it")
     if info is not None:
         new = info.empty()
     else:
