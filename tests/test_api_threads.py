@@ -74,9 +74,12 @@ def test_a_checkpoint_of_another_thread_waits_for_the_one_in_progress(dirs, monk
     again.finalize()
 
 
-@pytest.mark.parametrize("call", ["checkpoint", "finalize"])
-def test_a_signal_handler_calling_the_context_during_a_checkpoint_is_refused(dirs, monkeypatch, call):
-    ctx = ftidask.init(**dirs)
+@pytest.mark.parametrize(("call", "during"), [("checkpoint", "checkpoint"), ("finalize", "checkpoint"),
+                                              ("checkpoint", "snapshot")])
+def test_a_signal_handler_calling_the_context_during_a_checkpoint_is_refused(dirs, monkeypatch, call, during):
+    """``during`` snapshot(): its own checkpoint is a call it makes itself, allowed; the handler's is not (the
+    first guard let any call through while snapshot's ran)."""
+    ctx = ftidask.init(**dirs, **({"ckpt_l1": 1, "snapshot_unit": "iterations"} if during == "snapshot" else {}))
     a = np.arange(1000.0)
     ctx.protect(1, a)
     ctx.checkpoint(1, 1)
@@ -95,10 +98,10 @@ def test_a_signal_handler_calling_the_context_during_a_checkpoint_is_refused(dir
                        at_pause=lambda: signal.raise_signal(signal.SIGUSR1))
         a[:] = -1
         with pytest.raises(ftidask.FTIError):
-            ctx.checkpoint(2, 1)
+            ctx.checkpoint(2, 1) if during == "checkpoint" else ctx.snapshot()
     finally:
         signal.signal(signal.SIGUSR1, previous)
-    assert len(refused) == 1 and f"{call}() was called while checkpoint() of this context is in progress on the " \
+    assert len(refused) == 1 and f"{call}() was called while {during}() of this context is in progress on the " \
         "same thread (from a signal handler?)" in str(refused[0])
     monkeypatch.undo()
     assert not ctx.finalized  # the context goes on: the previous checkpoint is the newest, the next one works
@@ -119,3 +122,61 @@ def test_an_init_whose_claim_fails_releases_the_run_lock_at_once(dirs):
         assert not runlock.held_here(Path(dirs["meta_dir"]) / "r15"), refused.value
     finally:
         gc.enable()
+
+
+def test_a_process_forked_while_another_thread_makes_a_call_is_not_blocked_by_it(dirs, monkeypatch):
+    """Before: the child waited for ever for the guard of a call made by a thread that is not in the child."""
+    import os
+
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, np.arange(10.0))
+    ctx.checkpoint(1, 1)
+    paused, resume = _paused_writes(monkeypatch, "first")
+    worker = threading.Thread(target=ctx.checkpoint, args=(2, 1), name="first")
+    worker.start()
+    assert paused.wait(60)
+    pid = os.fork()
+    if pid == 0:  # the child: a call returns (refused or done) instead of waiting
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # (pytest-timeout's handler would raise, and be caught)
+        signal.alarm(10)
+        try:
+            ctx.wait()
+        except BaseException:  # noqa: BLE001 - only a wait for ever is wrong here
+            pass
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    resume.set()
+    worker.join(60)
+    assert os.waitstatus_to_exitcode(status) == 0
+    ctx.finalize()
+
+
+def test_a_with_block_left_by_an_error_waits_for_another_threads_call(dirs, monkeypatch):
+    """Before: the context was closed (its run lock released) under another thread's checkpoint, which committed
+    after a new run had taken the run over."""
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, np.arange(10.0))
+    ctx.checkpoint(1, 1)
+    paused, resume = _paused_writes(monkeypatch, "first")
+    worker = threading.Thread(target=ctx.checkpoint, args=(2, 1), name="first")
+    worker.start()
+    assert paused.wait(60)
+    closed = threading.Event()
+
+    def leave_with_an_error() -> None:
+        with pytest.raises(RuntimeError), ctx:
+            raise RuntimeError("the application failed")
+        closed.set()
+
+    leaving = threading.Thread(target=leave_with_an_error)
+    leaving.start()
+    assert not closed.wait(1.0) and not ctx.finalized  # waits for the checkpoint in progress
+    resume.set()
+    worker.join(60)
+    leaving.join(60)
+    assert closed.is_set() and ctx.finalized
+    again = ftidask.init(**dirs)
+    again.protect(1, np.zeros(10))
+    again.recover()
+    assert again.recovered_from == (2, 1)
+    again.finalize()

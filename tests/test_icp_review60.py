@@ -184,3 +184,43 @@ def test_realloc_of_a_python_state_not_protected_says_what_to_protect(tmp_path):
     ctx.recover()
     assert state.value == 5
     ctx.finalize()
+
+
+@pytest.mark.parametrize("level", [5, 8])
+def test_add_again_after_ctrl_c_past_the_write_commits_the_values_of_the_second_add(tmp_path, monkeypatch, level):
+    """Ctrl-C right after a differential add's data was written (in its write tracking, before the add was
+    counted): before, the repeated add compared with the base and skipped the blocks the first add had patched,
+    and the committed checkpoint failed its own hash."""
+    from ftidask.dcp import track
+
+    block, n = 1024, 1 << 14
+    dirs = {"ckpt_dir": str(tmp_path / "L"), "glbl_dir": str(tmp_path / "G"), "meta_dir": str(tmp_path / "M"),
+            "enable_dcp": 1, "dcp_block_size": block}
+    ctx = ftidask.init(**dirs)
+    a = np.zeros(n)
+    ctx.protect(1, a)
+    ctx.checkpoint(1, level)
+    ctx.checkpoint(2, level)
+    ctx.init_icp(3, level)
+    a.reshape(-1, block // 8)[::2] = 1.0
+    real = track.DcpTracking.after_hash
+
+    def interrupted(self, var_id, digests):
+        monkeypatch.setattr(track.DcpTracking, "after_hash", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(track.DcpTracking, "after_hash", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ctx.add_var_icp(1)
+    a[:] = 0.0
+    a[block // 8 + 1] = 4.0
+    want = a.copy()
+    ctx.add_var_icp(1)
+    ctx.finalize_icp()
+    ctx._close()
+    again = ftidask.init(**dirs)
+    back = np.full(n, -7.0)
+    again.protect(1, back)
+    again.recover()
+    assert again.recovered_from[0] == 3 and back.tobytes() == want.tobytes()
+    again.finalize()

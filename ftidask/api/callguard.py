@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -24,40 +26,52 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class CallGuard:
-    """The API call of a context in progress: which thread makes it, and whether it may call another itself."""
+    """The API call of a context in progress: which thread makes it, and the call it may make itself."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._call = ""
-        self._nesting = 0  # > 0 while the call in progress makes its own call of another API method
+        self._nested = ""  # the API method the call in progress calls itself next (snapshot's checkpoint)
+        _guards.add(self)
 
     @contextlib.contextmanager
     def enter(self, name: str) -> Iterator[None]:
         """Around API call ``name``: waits for a call of another thread; refuses one re-entered on this thread."""
         me = threading.get_ident()
         if self._owner == me:
-            if self._nesting:
-                yield  # the call in progress calls it itself (snapshot's checkpoint or recover)
-                return
-            raise FTIError(f"{name}() was called while {self._call}() of this context is in progress on the same "
-                           "thread (from a signal handler?): a context makes one call at a time; let the handler set a "
-                           "flag and call it after the call in progress returns (or use ftidask.ResilientLoop)")
+            if self._nested != name:
+                raise FTIError(f"{name}() was called while {self._call}() of this context is in progress on the same "
+                               "thread (from a signal handler?): a context makes one call at a time; let the handler "
+                               "set a flag and call it after the call in progress returns (or use "
+                               "ftidask.ResilientLoop)")
+            self._nested = ""  # that one call only: a signal handler's during it is refused as any other
+            yield
+            return
         with self._lock:
-            self._owner, self._call = me, name
             try:
+                self._owner, self._call = me, name
                 yield
             finally:
-                self._owner, self._call = None, ""
+                self._owner, self._call, self._nested = None, "", ""
 
     @contextlib.contextmanager
-    def nested(self) -> Iterator[None]:
-        """Around a call the call in progress makes of another API method of its context."""
-        self._nesting += 1
+    def nested(self, name: str) -> Iterator[None]:
+        """Around the call of API method ``name`` that the call in progress makes itself."""
+        self._nested = name
         try:
             yield
         finally:
-            self._nesting -= 1
+            self._nested = ""
+
+    def _after_fork(self) -> None:
+        """In a child forked while another thread made a call: that thread is not in the child, nor its call."""
+        self._lock, self._owner, self._call, self._nested = threading.Lock(), None, "", ""
+
+
+_guards: weakref.WeakSet[CallGuard] = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [guard._after_fork() for guard in list(_guards)])
 
 
 def one_at_a_time(method: F) -> F:

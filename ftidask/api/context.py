@@ -261,7 +261,7 @@ class Context(RecoveryCalls, StagingCalls):
         pr = self.progress
         if self._status != STATUS_FRESH and not pr.recovered_all:  # a restart whose recovery is not complete
             rest = [vid for vid in self._vars if vid not in pr.recovered_ids]
-            with self._calls.nested():
+            with self._calls.nested("recover"):
                 if not pr.recovered:
                     self.recover()
                 elif rest and pr.last_checkpoint is None:
@@ -272,7 +272,7 @@ class Context(RecoveryCalls, StagingCalls):
         due = self._schedule.due()
         if not due:
             return constants.FTI_SCES
-        with self._calls.nested():
+        with self._calls.nested("checkpoint"):
             self.checkpoint(max(self.progress.next_ckpt_id, self._async.next_id), max(due))
         self._schedule.written()
         return constants.FTI_DONE
@@ -358,7 +358,8 @@ class Context(RecoveryCalls, StagingCalls):
         if exc_type is None:
             self.finalize()
         else:  # died with an error: the checkpoints stay, for the next run to restart
-            lifecycle.close_after_error(self, exc)
+            with self._calls.enter("__exit__"):  # once another thread's call in progress ends (never closed under it)
+                lifecycle.close_after_error(self, exc)
 
     __repr__ = display.context_repr  # one line in a terminal; never raises, computes nothing (api/display.py)
     _repr_html_ = display.context_html  # a table in a notebook

@@ -149,9 +149,13 @@ class DcpFileWriter:
         """Hash every block of ``var_id``'s containers, write those that differ from the base.
         With ``known`` (see :mod:`ftidask.dcp.track`), blocks whose pages were not written since
         they were last hashed keep their digest and are not read."""
+        if var_id in self.done:  # written before, then interrupted after (its tracking, the add's bookkeeping):
+            self.dirty.update((bi, si) for bi, si, _s in self.layout.positions_of(var_id))  # rewritten whole
+        counted = self.blocks_hashed, self.hash_seconds
         try:
             return self._write_var(var_id, source, known)
         except BaseException:
+            self.blocks_hashed, self.hash_seconds = counted  # the next write counts its own
             # Not written whole (Ctrl-C, a full disk): a run may be in the delta and not in the file, and the variable
             # written again (iCP keeps the checkpoint open) takes it again from the same old bytes: two equal deltas
             # of one range cancel, and the patched parity would miss it. No delta from this file: L3 re-encodes.

@@ -109,7 +109,7 @@ class DaskContext(DaskWriting, Context):
                 self._unfinished = exc
                 self._close()
                 raise
-        with self._calls.nested():
+        with self._calls.nested("finalize"):
             super().finalize()
 
     def _stored_names(self) -> dict[int, str]:  # var_id: the names in the commit records
@@ -131,7 +131,7 @@ class DaskContext(DaskWriting, Context):
             if is_dask_collection(array) and type(array).__module__.startswith("dask"):
                 raise ProtectError(f"protect takes Dask arrays (dask.array.Array), got {type(array).__name__}; "
                                    "make it one (e.g. dask.array.from_delayed) or protect a NumPy array")
-            with self._calls.nested():
+            with self._calls.nested("protect"):
                 super().protect(id, array, name, compressor)
             return
         self._check_open()
@@ -307,7 +307,7 @@ class DaskContext(DaskWriting, Context):
     def recover_var(self, id: int, ckpt_id: int | None = None, level: int | None = None) -> Any:
         """FTI_RecoverVar: recover variable ``id`` only (every other protected variable is untouched)."""
         vid = var_id_of(id, "recover_var(...)")
-        with self._calls.nested():
+        with self._calls.nested("recover"):
             return self.recover(ckpt_id, level, ids=[vid])[vid]
 
     @one_at_a_time

@@ -91,7 +91,7 @@ def finalize_icp(ctx: Any) -> Any:
         for vid, arr in icp.arrays.items():
             ctx.variables[vid].array = arr
         ctx._keep_state_bytes = True  # the states as init_icp took them
-        with ctx._calls.nested():  # finalize_icp's own checkpoint
+        with ctx._calls.nested("checkpoint"):  # finalize_icp's own checkpoint
             return ctx.checkpoint(icp.ckpt_id, icp.level)
     finally:
         ctx._keep_state_bytes = False
