@@ -40,6 +40,18 @@ def _paused_writes(monkeypatch, thread_name: str, at_pause=None):
     return paused, resume
 
 
+def _checkpoint_paused_in_another_thread(dirs, monkeypatch):
+    """A context whose checkpoint 2, made by thread "first", is paused inside its write: (context, thread, resume)."""
+    ctx = ftidask.init(**dirs)
+    ctx.protect(1, np.arange(10.0))
+    ctx.checkpoint(1, 1)
+    paused, resume = _paused_writes(monkeypatch, "first")
+    worker = threading.Thread(target=ctx.checkpoint, args=(2, 1), name="first")
+    worker.start()
+    assert paused.wait(60)
+    return ctx, worker, resume
+
+
 def test_a_checkpoint_of_another_thread_waits_for_the_one_in_progress(dirs, monkeypatch):
     ctx = ftidask.init(**dirs)
     a = np.arange(1000.0)
@@ -128,13 +140,7 @@ def test_a_process_forked_while_another_thread_makes_a_call_is_not_blocked_by_it
     """Before: the child waited for ever for the guard of a call made by a thread that is not in the child."""
     import os
 
-    ctx = ftidask.init(**dirs)
-    ctx.protect(1, np.arange(10.0))
-    ctx.checkpoint(1, 1)
-    paused, resume = _paused_writes(monkeypatch, "first")
-    worker = threading.Thread(target=ctx.checkpoint, args=(2, 1), name="first")
-    worker.start()
-    assert paused.wait(60)
+    ctx, worker, resume = _checkpoint_paused_in_another_thread(dirs, monkeypatch)
     pid = os.fork()
     if pid == 0:  # the child: a call returns (refused or done) instead of waiting
         signal.signal(signal.SIGALRM, signal.SIG_DFL)  # (pytest-timeout's handler would raise, and be caught)
@@ -154,13 +160,7 @@ def test_a_process_forked_while_another_thread_makes_a_call_is_not_blocked_by_it
 def test_a_with_block_left_by_an_error_waits_for_another_threads_call(dirs, monkeypatch):
     """Before: the context was closed (its run lock released) under another thread's checkpoint, which committed
     after a new run had taken the run over."""
-    ctx = ftidask.init(**dirs)
-    ctx.protect(1, np.arange(10.0))
-    ctx.checkpoint(1, 1)
-    paused, resume = _paused_writes(monkeypatch, "first")
-    worker = threading.Thread(target=ctx.checkpoint, args=(2, 1), name="first")
-    worker.start()
-    assert paused.wait(60)
+    ctx, worker, resume = _checkpoint_paused_in_another_thread(dirs, monkeypatch)
     closed = threading.Event()
 
     def leave_with_an_error() -> None:
