@@ -51,15 +51,15 @@ class ThreadMover:
                 if self._notes is not None:
                     journal.begin(self._notes, req)
                 transfer(req, self._cancel.is_set)
+                state, reason = SI_SCES, ""
             except TransferFailed as exc:
-                self._table.update(req.id, SI_FAIL, str(exc))
+                state, reason = SI_FAIL, str(exc)
             except Exception as exc:  # noqa: BLE001 - a mover must report, never die silently
-                self._table.update(req.id, SI_FAIL, f"internal error: {exc!r}")
-            else:
-                self._table.update(req.id, SI_SCES)
-            finally:
+                state, reason = SI_FAIL, f"internal error: {exc!r}"
+            finally:  # the note goes before the application can see the request done
                 if self._notes is not None:
                     journal.end(self._notes, req)
+            self._table.update(req.id, state, reason)
 
     def close(self, timeout: float) -> None:
         """Wait at most ``timeout`` s, then cancel what is left (at its next piece), reported failed."""

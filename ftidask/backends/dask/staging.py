@@ -119,6 +119,7 @@ class DaskMover:
                  run: str | None = None, notes: Path | None = None) -> None:
         self.client = client
         self.notes = notes
+        self._noted: dict[int, StageRequest] = {}  # the transfers noted, by request id, until they are over
         self.worker_for = worker_for
         self.owner = (run, str(client.id)) if run else None  # the copies are fenced by the run (see .fence)
         self._token = uuid.uuid4().hex[:12]
@@ -146,9 +147,13 @@ class DaskMover:
             self._worker_removed(str(msg["removed"]))
             return
         with contextlib.suppress(KeyError, TypeError, ValueError):
+            rid, state = int(msg["id"]), int(msg["state"])
             if "worker" in msg:
-                self.ran_on[int(msg["id"])] = str(msg["worker"])
-            self._table.update(int(msg["id"]), int(msg["state"]))
+                self.ran_on[rid] = str(msg["worker"])
+            req = self._noted.get(rid) if state in (SI_SCES, SI_FAIL) else None
+            if req is not None:  # over: its note goes before the application can see the request done
+                self._end_note(req)
+            self._table.update(rid, state)
 
     def _worker_removed(self, address: str) -> None:
         """The worker holding some files died: their requests are settled (a task bound to it would wait forever).
@@ -176,11 +181,11 @@ class DaskMover:
         """Report ``req``, whose task died with its worker: ``SI_SCES`` if the copy was published before the death
         (:mod:`ftidask.staging.settle`), else ``SI_FAIL`` with ``reason``, its temporary file removed first."""
         state = settle(req)
-        self._table.update(req.id, state, reason if state == SI_FAIL else "")
         self._end_note(req)
+        self._table.update(req.id, state, reason if state == SI_FAIL else "")
 
     def _end_note(self, req: StageRequest) -> None:
-        if self.notes is not None:
+        if self.notes is not None and self._noted.pop(req.id, None) is not None:
             journal.end(self.notes, req)
 
     def submit(self, req: StageRequest) -> None:
@@ -188,6 +193,7 @@ class DaskMover:
         address = self.worker_for(req) if self.worker_for is not None else None
         if self.notes is not None:  # before the worker can create the temporary file
             journal.begin(self.notes, req)
+            self._noted[req.id] = req
         future = self.client.submit(
             run_transfer, req.to_json(), self.topic, self._cancel.name, self.owner,
             key=f"ftidask-stage-{self._token}-{req.id}", pure=False, retries=0,
@@ -204,8 +210,8 @@ class DaskMover:
         if future.status == "finished":  # the task's own answer: the truth, whoever claimed the request
             result = future.result()
             self.ran_on[req.id] = str(result.get("worker", ""))
+            self._end_note(req)  # (before the request is seen done)
             self._table.update(req.id, int(result["state"]), str(result.get("reason", "")))
-            self._end_note(req)
             return
         if not mine:
             return
