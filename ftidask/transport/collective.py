@@ -25,6 +25,10 @@ T = TypeVar("T")
 #: ftidask's error classes by name: a refused argument keeps its class on every rank (:func:`agree_call`).
 FTI_ERRORS = {name: cls for name, cls in vars(_errors).items() if isinstance(cls, type) and issubclass(cls, FTIError)}
 
+#: What ranks in different collective calls (or steps) are told, whichever collective found it.
+DIFFERENT_CALLS = ("the ranks made different collective calls (checkpoint, recover and the like are collective: every "
+                   "rank makes the same call with the same arguments, in the same order)")
+
 
 def reason(exc: BaseException) -> str:
     """What went wrong, in one line: the message of an ftidask or OS error, else the exception's type too."""
@@ -63,8 +67,7 @@ def agree(t: Any, error: str, error_type: type[FTIError], what: str, value: Any 
     results = t.allgather([error, value])
     if not all(isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) for r in results):
         # A rank in another collective step (an API call's agree_call, another collective) sent something else
-        raise error_type(f"{what}: the ranks made different collective calls (checkpoint, recover and the like are "
-                         "collective: every rank makes the same call with the same arguments, in the same order)")
+        raise error_type(f"{what}: {DIFFERENT_CALLS}")
     errors = [e for e, _v in results if e]
     if errors:
         raise error_type(f"{what}: " + "; ".join(errors))
@@ -76,8 +79,7 @@ def gather_tagged(t: Any, tag: str, value: Any, error_type: type[FTIError]) -> l
     elsewhere (another call's collective) makes every rank that meets it raise ``error_type``, never a raw error."""
     results = t.allgather([tag, value])
     if not all(isinstance(r, list) and len(r) == 2 and r[0] == tag for r in results):
-        raise error_type(f"{tag}: the ranks made different collective calls (checkpoint, snapshot, recover and the "
-                         "like are collective: every rank makes the same call, in the same order)")
+        raise error_type(f"{tag}: {DIFFERENT_CALLS}")
     return [v for _tag, v in results]
 
 
@@ -123,8 +125,7 @@ def agree_call(t: Any, call: str, step: Callable[[], tuple[Any, T]], error_type:
     calls = [c if isinstance(c, list) and len(c) == 5 and isinstance(c[4], str) else
              ["", None, "", "", "another collective step"] for c in calls]
     if any(c[0] != call for c in calls) or (not any(c[2] for c in calls) and any(c[1] != shared for c in calls)):
-        raise error_type("the ranks made different collective calls (checkpoint, recover and the like are collective: "
-                         "every rank makes the same call with the same arguments, in the same order): "
+        raise error_type(f"{DIFFERENT_CALLS}: "
                          + "; ".join(f"{_ranks(r)}: {text}" for text, r in _grouped(c[4] for c in calls).items()))
     errors = _grouped(c[2] for c in calls)  # each reason once, with its ranks (a level every rank refuses)
     errors.pop("", None)
