@@ -18,10 +18,13 @@ setup(
     ext_modules=[
         Extension(
             "ftidask._native",
-            sources=["ftidask/csrc/native.c", "ftidask/csrc/gf256.c", "ftidask/csrc/cow.c", "ftidask/csrc/cow_pages.c",
-                     "ftidask/csrc/cow_py.c"] + ([f"{_XXH}/xxh_x86dispatch.c"] if _X86 else []),
+            sources=["ftidask/csrc/native.c", "ftidask/csrc/native_pages.c", "ftidask/csrc/native_gf.c",
+                     "ftidask/csrc/gf256.c", "ftidask/csrc/cow.c", "ftidask/csrc/cow_layout.c", "ftidask/csrc/cow_uffd.c",
+                     "ftidask/csrc/cow_pages.c", "ftidask/csrc/cow_fault.c", "ftidask/csrc/cow_events.c",
+                     "ftidask/csrc/cow_copyout.c", "ftidask/csrc/cow_py.c"]
+                    + ([f"{_XXH}/xxh_x86dispatch.c"] if _X86 else []),
             include_dirs=[_XXH],
-            depends=["ftidask/csrc/gf256.h", "ftidask/csrc/cow.h", "ftidask/csrc/cow_impl.h"],
+            depends=["ftidask/csrc/native.h", "ftidask/csrc/gf256.h", "ftidask/csrc/cow.h", "ftidask/csrc/cow_impl.h"],
             define_macros=[("FTIDASK_XXH_DISPATCH", "1")] if _X86 else [],
             extra_compile_args=["-O3"] if platform.system() != "Windows" else [],
             optional=True,

@@ -28,7 +28,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-#: Kernel objects ftidask opens (csrc/cow.c: userfaultfd and eventfd; dcp/pagetrack.py: userfaultfd, pagemap).
+#: Kernel objects ftidask opens (csrc/cow_uffd.c: userfaultfd, cow.c: eventfd; dcp/pagetrack.py: userfaultfd, pagemap).
 _KERNEL = ("anon_inode:[userfaultfd]", "anon_inode:[eventfd]", "/memfd:")
 
 

@@ -1,4 +1,5 @@
-/* cow.h: copy-on-write memory snapshots (cow.c), and their Python entry points for native.c. */
+/* cow.h: copy-on-write memory snapshots (cow.c; cow_copy_out in cow_copyout.c, cow_stats in
+ * cow_pages.c), and their Python entry points (cow_py.c) for native.c's method table. */
 #ifndef FTIDASK_COW_H
 #define FTIDASK_COW_H
 

@@ -1,5 +1,7 @@
-/* cow_impl.h: the snapshot's state, shared by cow.c (set-up, release), cow_pages.c (faults,
- * copy-out) and cow_py.c (Python entry points). Linux only. */
+/* cow_impl.h: the snapshot's state, and the functions the parts of a snapshot call across files,
+ * shared by cow.c (set-up, release), cow_layout.c (regions, state block), cow_uffd.c (userfaultfd
+ * context), cow_pages.c (page primitives), cow_fault.c (write faults), cow_events.c (handler
+ * thread, events), cow_copyout.c (copy-out) and cow_py.c (Python entry points). Linux only. */
 #ifndef FTIDASK_COW_IMPL_H
 #define FTIDASK_COW_IMPL_H
 
@@ -93,7 +95,7 @@ struct cow_snap {
     /* Odd while the handler may have let a madvise drop pages, or an munmap/mremap go on after
      * unmapping pages, that it has not yet marked DROPPED or GONE (from just before its read of the
      * uffd to the end of that batch), bumped again after; a copy-out that read a page from memory
-     * trusts it only if this was even and unchanged across its read (cow_pages.c: take_live). An
+     * trusts it only if this was even and unchanged across its read (cow_copyout.c: take_live). An
      * unmap is reported after the fact, so its pages may be read before their event: safe_read. */
     size_t remove_seq;
     /* Bumped (while remove_seq is odd) by each batch that holds such an event, before it marks
@@ -126,12 +128,27 @@ struct cow_snap {
     void **slabs;
 };
 
-
+/* cow.c */
+int cow_set_error(char *why, size_t why_len, int err, const char *what);
+int cow_out_protected(uintptr_t lo, uintptr_t hi);
+/* cow_layout.c */
+int cow_check_regions(const uintptr_t *addrs, const size_t *sizes, size_t n, size_t page, char *why, size_t why_len);
+cow_snap *cow_layout(const uintptr_t *addrs, const size_t *sizes, size_t n, size_t page);
+/* cow_uffd.c */
+int cow_handshake(cow_snap *s, char *why, size_t why_len);
+int cow_probe_safe_read(void);
+/* cow_pages.c */
 int cow_write_protect(cow_snap *s, uintptr_t start, size_t len, int on);
+size_t cow_read_live(cow_snap *s, const struct iovec *local, const struct iovec *remote, size_t n);
 long cow_page_index(cow_snap *s, uintptr_t addr);
 cow_range *cow_find_range(cow_snap *s, uintptr_t addr);
+void *cow_side_alloc(cow_snap *s, int ahead);
+void cow_side_free(cow_snap *s, void *p, int ahead);
+/* cow_fault.c */
+void cow_on_fault(cow_snap *s, uintptr_t addr);
+/* cow_events.c */
+void cow_unprotect_run(cow_snap *s, uintptr_t lo, size_t len);
 void *cow_handler(void *arg);
-int cow_out_protected(uintptr_t lo, uintptr_t hi);
 
 #endif
 #endif

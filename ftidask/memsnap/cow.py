@@ -1,4 +1,4 @@
-"""Copy-on-write snapshots of NumPy arrays, in native code (``ftidask/csrc/cow.c``).
+"""Copy-on-write snapshots of NumPy arrays, in native code (``ftidask/csrc/cow.c`` and its ``cow_*.c`` parts).
 
 Taking a snapshot write-protects the arrays' pages (a page-table walk, not a copy). Until a page
 is read out, the first write to it (by any thread, or by the kernel: ``f.readinto(array)``) waits
