@@ -114,6 +114,15 @@ def copy_items(dst: np.ndarray, src: np.ndarray, casting: Any = "same_kind") -> 
         np.copyto(dst, src, casting=casting)
 
 
+def contiguous_items(array: np.ndarray, copy: bool = False) -> np.ndarray:
+    """``np.ascontiguousarray(array)`` (a new array with ``copy``), a structured dtype's items copied whole: NumPy
+    copies a structured array of more than a few items field by field, and the bytes no field covers would be lost."""
+    if array.dtype.fields is None:
+        return np.array(array, order="C", copy=True) if copy else np.ascontiguousarray(array)
+    raw = array.view(np.dtype((np.void, array.dtype.itemsize)))
+    return (np.array(raw, order="C", copy=True) if copy else np.ascontiguousarray(raw)).view(array.dtype)
+
+
 def stream_order(array: np.ndarray) -> str:
     """'F' when the array is Fortran- but not C-contiguous, else 'C'."""
     if array.ndim > 1 and array.flags.f_contiguous and not array.flags.c_contiguous:

@@ -144,3 +144,22 @@ def layout_from_json(raw: Sequence[Sequence[Sequence[int]]]) -> Layout:
         blocks.append(block)
         offset += block.dbsize
     return Layout(tuple(blocks))
+
+
+def compute_items(arr: Any) -> np.ndarray:
+    """``arr`` computed into one NumPy array with every byte of each item. Dask joins the chunks of a structured
+    dtype with NumPy's field-by-field copy, which drops the bytes no field covers (padding, ``itemsize`` beyond the
+    fields): the chunks are joined as plain bytes and viewed back."""
+    dtype = arr.dtype
+    if dtype.fields is None:
+        return arr.compute()
+    raw = np.dtype((np.void, dtype.itemsize))
+    return np.ascontiguousarray(arr.view(raw).compute()).view(dtype)  # (one chunk may come back strided)
+
+
+def rechunk_items(arr: Any, chunks: Any) -> Any:
+    """``arr.rechunk(chunks)`` keeping every byte of each item (see :func:`compute_items`)."""
+    dtype = arr.dtype
+    if dtype.fields is None:
+        return arr.rechunk(chunks)
+    return arr.view(np.dtype((np.void, dtype.itemsize))).rechunk(chunks).view(dtype)

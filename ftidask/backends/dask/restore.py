@@ -36,7 +36,7 @@ from ...model.errors import FTIError, RecoveryError
 from ...storage import files as storage
 from . import reads, recorded, stitch
 from .cluster import TaskFailed, WorkerLost
-from .plan import VarSpec
+from .plan import VarSpec, compute_items, rechunk_items
 from .restore_files import Unreadable, record_topology, restore_files
 
 if TYPE_CHECKING:
@@ -189,7 +189,7 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
     ctx.cluster.wait_all(futures, (), f"reading checkpoint {record.ckpt_id}", gather=False)
     # Every NumPy value is computed before the first array is filled (a worker lost meanwhile fails
     # the recovery with every array as it was).
-    values = {spec.id: arrays[spec.id].compute() for spec, _held, target in plans if target is None}
+    values = {spec.id: compute_items(arrays[spec.id]) for spec, _held, target in plans if target is None}
     # Python states decoded (and checked) before anything is filled, too.
     states = {spec.id: (held.state.decode(values[spec.id], f"variable {spec.id}") if held is not None
                         and held.state is not None else pystate.loads(values[spec.id], f"variable {spec.id}"))
@@ -200,7 +200,7 @@ def build_arrays(ctx: DaskContext, record: CommitRecord, hosts: dict[int, tuple[
             arr = arrays[spec.id]
             try:
                 if target != spec.chunks:
-                    arr = arr.rechunk(target)
+                    arr = rechunk_items(arr, target)
                 if chunks_on_device(getattr(held, "array", None), spec.device):
                     arr = onto_devices(arr)
             except (ValueError, TypeError, ImportError) as exc:  # CuPy missing, chunks dask cannot take

@@ -37,7 +37,7 @@ from ...model.errors import FormatError, FTIError, NoCheckpointError, RecoveryEr
 from . import reads, tasks
 from .cluster import send_now, wait_for
 from .fallback import Placer
-from .plan import VarSpec
+from .plan import VarSpec, compute_items, rechunk_items
 
 if TYPE_CHECKING:
     from .context import DaskContext
@@ -274,7 +274,7 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
         held = ctx.variables.get(vid)
         if vid in states or (held is not None and isinstance(held.array, np.ndarray)):
             try:
-                values[vid] = np.ascontiguousarray(arrays[vid].compute())
+                values[vid] = np.ascontiguousarray(compute_items(arrays[vid]))
             except Exception as exc:  # noqa: BLE001 - a chunk lost meanwhile: nothing is filled yet
                 raise RecoveryError(f"reading checkpoint {record.ckpt_id}: {exc}") from None
     decoded = {vid: (ctx.variables[vid].state.decode(values[vid], f"variable {vid}")  # type: ignore[union-attr]
@@ -297,7 +297,7 @@ def _recover_record(ctx: DaskContext, record: CommitRecord, chunks: Any, ids: li
         else:
             spec = VarSpec(vid, names.get(str(vid), f"var{vid}"), dtype, shape, grid)
             target = _target_chunks(ctx, spec, chunks)
-            arr = arrays[vid] if target == grid else arrays[vid].rechunk(target)
+            arr = arrays[vid] if target == grid else rechunk_items(arrays[vid], target)
             out[vid] = arr = onto_devices(arr) if chunks_on_device(getattr(held, "array", None), False) else arr
             ctx.variables[vid] = Protected(vid, held.name if held is not None else spec.name, arr,
                                            held.compressor if held is not None else None)

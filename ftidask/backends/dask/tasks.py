@@ -24,7 +24,7 @@ from ...ftiff import blockhash, compression, hashing
 from ...ftiff.readahead import read_full
 from ...ftiff.reader import verify_data
 from ...ftiff.readhash import read_decoded_into, read_hashed
-from ...model.arrays import VarInfo, dtype_from_json, dtype_to_json
+from ...model.arrays import VarInfo, contiguous_items, dtype_from_json, dtype_to_json
 from ...model.errors import ConfigError, FormatError
 from ...storage import files as storage
 from . import parsecache
@@ -37,7 +37,7 @@ class ChunkBytes:
     def __init__(self, chunks: Sequence[np.ndarray], dptrs: Sequence[int], dtype: np.dtype | None = None) -> None:
         self._views = {}
         for chunk, dptr in zip(chunks, dptrs, strict=True):
-            flat = np.ascontiguousarray(_as_recorded(chunk, dtype)).reshape(-1).view(np.uint8)
+            flat = contiguous_items(_as_recorded(chunk, dtype)).reshape(-1).view(np.uint8)
             if dptr not in self._views or flat.nbytes:  # an empty chunk starts where the next one does: its bytes
                 self._views[dptr] = memoryview(flat)
         self._starts = sorted(self._views)

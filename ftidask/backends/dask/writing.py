@@ -18,6 +18,7 @@ from distributed import Client, Future, futures_of
 
 from ...engine.device import is_device_array
 from ...engine.runstate import CommitRecord, FileRecord
+from ...model.arrays import contiguous_items
 from ...model.errors import CheckpointError, FTIError
 from ...model.level import Level
 from . import lineage
@@ -66,7 +67,7 @@ class DaskWriting:
                     arr = p.array = self.client.persist(arr)  # later checkpoints and the user reuse the chunks
             else:
                 kind = "numpy"
-                data = np.array(arr, order="C", copy=True) if copy else np.ascontiguousarray(arr)
+                data = contiguous_items(arr, copy)  # (a structured dtype's padding too)
                 future = self.client.scatter(data.reshape(arr.shape), hash=False)  # 0-d stays 0-d
                 futures[vid, tuple(0 for _ in arr.shape)] = future
             spec = VarSpec(vid, p.name, np.dtype(arr.dtype), tuple(int(n) for n in arr.shape),
