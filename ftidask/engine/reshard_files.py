@@ -14,7 +14,7 @@ import numpy as np
 from ..ftiff import blockhash, compression, readahead, readhash, verify
 from ..ftiff.blockhash import FLAG_DCP
 from ..ftiff.reader import FtiffFile, check_unchanged, copy_direct, parse_ftiff
-from ..model.arrays import dtype_from_json, dtype_to_json
+from ..model.arrays import copy_items, dtype_from_json, dtype_to_json
 from ..model.decomposition import Piece, bands, piece_view
 from ..model.errors import ConfigError, FormatError, RecoveryError
 from ..storage.files import open_read
@@ -219,7 +219,8 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
                     start, stop = band.span
                     buf = scratch.take(stop - start, 0)
                     _read_span(fh, parsed, vid, start, buf, scratch, checked)
-                    array[(*band.dst, ...)] = piece_view(band, buf, start, parsed.vars[vid].dtype)
+                    # (whole items: NumPy assigns a structured array field by field, its padding left out)
+                    copy_items(array[(*band.dst, ...)], piece_view(band, buf, start, parsed.vars[vid].dtype))
             check_unchanged(fh, parsed)
         return
     # A Zarr store: the chunks that hold each piece, each checked as it is read.
@@ -231,7 +232,8 @@ def read_pieces(parsed: Any, wanted: list[tuple[int, Piece]], staged: dict[int, 
             if vid not in whole:
                 whole[vid] = parsed.vars[vid].empty()
                 read_region(parsed, vid, (slice(None),) * len(parsed.vars[vid].shape), whole[vid])
-            np.asarray(staged[vid])[(*piece.dst, ...)] = piece_of_stream(piece, whole[vid], parsed.vars[vid].dtype)
+            copy_items(np.asarray(staged[vid])[(*piece.dst, ...)], piece_of_stream(piece, whole[vid],
+                                                                                  parsed.vars[vid].dtype))
         else:
             read_region(parsed, vid, piece.src, np.asarray(staged[vid])[(*piece.dst, ...)])
 
@@ -378,6 +380,8 @@ def cut_needs(files: dict[int, Any], plan: dict[int, list[tuple[int, Piece]]]) -
 def _containers(parsed: FtiffFile, vid: int, start: int, stop: int) -> list[tuple[int, int, int, int, Any]]:
     """The containers of variable ``vid`` that hold its stream's bytes ``[start, stop)``, in stream order:
     ``(dptr, raw size, block, container, meta)``; :class:`FormatError` when they do not hold every one."""
+    if stop <= start:  # no bytes (an item of size 0): nothing to hold
+        return []
     info = parsed.vars[vid]
     codec = compression.var_codec(info.extra)
     spans = []

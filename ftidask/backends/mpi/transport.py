@@ -106,6 +106,7 @@ class _HeadRequest:
 
     pending: bool = False
     last_reply: Any = None
+    level: int = 1  # the level the checkpoint was written at (a differential one's is 5): where a failure leaves it
 
 
 class MpiTransport(GroupLevels):
@@ -201,7 +202,7 @@ class MpiTransport(GroupLevels):
             return
         request = {"op": "post", "record": record.to_json(), "level": level, "exec_id": exec_id}
         send_json(self.node_comm, request, 0, _TAG_REQ)
-        self._post.pending = True
+        self._post.pending, self._post.level = True, record.level
 
     def post_done(self) -> bool:
         """Whether the last post-processing request is finished (never blocks)."""
@@ -218,7 +219,8 @@ class MpiTransport(GroupLevels):
             post.last_reply, _src = recv_json(self.node_comm, 0, _TAG_REPLY)
             post.pending = False
             if not post.last_reply.get("ok"):
-                log.warning("post-processing failed, the checkpoint stays at level 1: %s", post.last_reply.get("error"))
+                log.warning("post-processing failed, the checkpoint stays at level %d: %s", post.level,
+                            post.last_reply.get("error"))
             elif post.last_reply.get("error"):  # raised, but the heads could not retire older checkpoints
                 log.warning("post-processing: %s", post.last_reply["error"])
         return post.last_reply
