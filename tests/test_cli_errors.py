@@ -133,6 +133,17 @@ def test_clean_unknown_exec_id_says_no_such_run(run_dir):
     assert list(find_paths(Path("Local"), "*.fti")), "nothing may be removed"
 
 
+@pytest.mark.parametrize("command", [("list",), ("clean", "--yes")])
+def test_a_dir_and_a_config_both_given_are_refused(run_dir, tmp_path, command):
+    """DIR was ignored beside --config (the config's directories used): ``clean OTHER --config C`` removed this run's
+    checkpoints, not OTHER's (found by a review). Both given is an error now; nothing is removed."""
+    other = tmp_path / "other"
+    other.mkdir()
+    proc = cli(*command, str(other), "--config", "config.fti", cwd=run_dir)
+    assert_error(proc, "not both")
+    assert list(find_paths(Path("Global"), "*.fti")), "nothing may be removed"
+
+
 def test_list_shows_damaged_committed_checkpoint(run_dir):
     (path,) = Path("Global").glob("*/l4/*/Ckpt1-Rank0.fti")
     raw = bytearray(path.read_bytes())

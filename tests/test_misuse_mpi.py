@@ -30,14 +30,15 @@ def _results(base: Path) -> list[dict]:
     ("icp_level_refused_on_one_rank", "LevelError", "rank 1: unknown checkpoint level 9"),
     ("realloc_refused_on_one_rank", "ProtectError", "rank 1: variable id must be an int, got 'x'"),
     # Before: a raw TypeError from the paired collectives, then a hang.
-    ("checkpoint_beside_recover", None, "rank 0: checkpoint(id=2, level=1, wait=True); ranks 1-3: recover("),
+    # (one class on every rank, FTIError: each rank's own call's class would differ from rank to rank)
+    ("checkpoint_beside_recover", "FTIError", "rank 0: checkpoint(id=2, level=1, wait=True); ranks 1-3: recover("),
     # Before: rank 0 removed the run's files while the others wrote checkpoint 2 (a raw error or a hang).
-    ("finalize_beside_checkpoint", None, "rank 0: finalize(); ranks 1-3: checkpoint(id=2, level=1, wait=True)"),
+    ("finalize_beside_checkpoint", "FTIError", "rank 0: finalize(); ranks 1-3: checkpoint(id=2, level=1, wait=True)"),
     # Before: rank 1 looked for a checkpoint "1", found none, and the ranks' recoveries diverged.
     ("recover_ckpt_id_str_on_one_rank", "RecoveryError",
      "rank 1: recover(ckpt_id=...): a checkpoint id must be an int"),
     # Before: finalize_icp met recover's collective (a raw TypeError), then a hang.
-    ("finalize_icp_beside_recover", None, "rank 0: finalize_icp(active=True); ranks 1-3: recover()"),
+    ("finalize_icp_beside_recover", "FTIError", "rank 0: finalize_icp(active=True); ranks 1-3: recover()"),
     # Before: rank 1 raised a raw MemoryError alone; the others' checkpoints waited for it forever.
     ("async_snapshot_fails_on_one_rank", "CheckpointError", "rank 1: the snapshot failed: MemoryError: snapshot copy"),
     # Before: the refusing rank raised alone (a hang, or errors naming the calls made after).

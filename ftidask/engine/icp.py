@@ -204,7 +204,7 @@ class IncrementalCheckpoints:
         try:
             if self.committer.transport.size > 1:
                 agree_call(self.committer.transport, "finalize_icp", step, CheckpointError)
-        except CheckpointError:
+        except FTIError:  # (FTIError: ranks in other calls)
             pass  # the application's exception matters more
         finally:
             self.abort()

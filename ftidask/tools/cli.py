@@ -128,6 +128,17 @@ def _verify_posix(root: Path, meta: str) -> int:
     return 1 if bad else 0
 
 
+def _dir_or_config(args: argparse.Namespace) -> int | None:
+    """``list``/``clean``: DIR and --config both given is an error (its exit status): the config's directories would
+    be used, not DIR's (``clean`` would remove another run's files); DIR is the current directory by default."""
+    if args.config and args.dir is not None:
+        return _error(f"give DIR ({args.dir}) or --config CONFIG ({args.config}), not both: the config names the "
+                      "directories")
+    if args.dir is None:
+        args.dir = "."
+    return None
+
+
 def _config_as_dir(args: argparse.Namespace) -> int | None:
     """``list``/``clean``: a ``DIR`` that is a config file stands for ``--config`` (as ``verify config.fti`` takes
     one; told apart by content); another file is an error (its exit status), a directory None."""
@@ -152,6 +163,8 @@ def _dirs(args: argparse.Namespace) -> tuple[Path, Path, Path]:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """``ftidask list``: the checkpoints of the runs under a directory (or a config's), with their state."""
+    if (refused := _dir_or_config(args)) is not None:
+        return refused
     if not args.config and not Path(args.dir).exists():
         return _missing(Path(args.dir))
     if (refused := _config_as_dir(args)) is not None:
@@ -185,6 +198,8 @@ def _runs_to_clean(args: argparse.Namespace, meta: Path, stage: Path) -> set[str
 
 def cmd_clean(args: argparse.Namespace) -> int:
     """``ftidask clean``: remove the files of finished or named runs (never those of a live one)."""
+    if (refused := _dir_or_config(args)) is not None:
+        return refused
     if not args.config and not Path(args.dir).exists():
         return _missing(Path(args.dir))
     if (refused := _config_as_dir(args)) is not None:
@@ -263,8 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (("list", cmd_list, "list the checkpoints found"),
                              ("clean", cmd_clean, "remove a run's checkpoints")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("dir", nargs="?", default=".",
-                       help="base directory holding Local/, Global/, Meta/ (or a config file, as --config)")
+        p.add_argument("dir", nargs="?", default=None,
+                       help="base directory holding Local/, Global/, Meta/ (or a config file, as --config); "
+                       "default: the current directory")
         p.add_argument("--config", help="an FTI-style config file naming the directories")
         if name == "clean":
             p.add_argument("--exec-id", help="only this run (default: every run under Meta/)")

@@ -125,7 +125,10 @@ def agree_call(t: Any, call: str, step: Callable[[], tuple[Any, T]], error_type:
     calls = [c if isinstance(c, list) and len(c) == 5 and isinstance(c[4], str) else
              ["", None, "", "", "another collective step"] for c in calls]
     if any(c[0] != call for c in calls) or (not any(c[2] for c in calls) and any(c[1] != shared for c in calls)):
-        raise error_type(f"{DIFFERENT_CALLS}: "
+        # One class on every rank: the call's own where they all made it (with other arguments), else FTIError (a
+        # rank's call's class would differ from rank to rank, and an application's handlers with it).
+        cls = error_type if all(c[0] == call for c in calls) else FTIError
+        raise cls(f"{DIFFERENT_CALLS}: "
                          + "; ".join(f"{_ranks(r)}: {text}" for text, r in _grouped(c[4] for c in calls).items()))
     errors = _grouped(c[2] for c in calls)  # each reason once, with its ranks (a level every rank refuses)
     errors.pop("", None)
