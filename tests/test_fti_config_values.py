@@ -98,3 +98,28 @@ def test_an_integer_of_thousands_of_digits_is_a_config_error(value):
     """int() refuses over 4300 digits with a raw ValueError (on MPI, the other ranks then waited in init)."""
     with pytest.raises(ftidask.ConfigError, match=r"characters\) is outside"):
         ftidask.load_config(None, ckpt_l1=value)
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    # a key set twice: iniparser keeps the last value (configparser's strict mode refused the file)
+    ("[basic]\nckpt_l1 = 1\nckpt_l1 = 2\n", {"ckpt_l1": 2}),
+    # a section given twice: merged
+    ("[basic]\nckpt_l1 = 1\n[advanced]\nlocal_test = 1\n[basic]\nckpt_l2 = 2\n", {"ckpt_l1": 1, "ckpt_l2": 2}),
+    # a value continued by a trailing backslash: the lines joined, the continuation's blanks kept
+    ("[basic]\nckpt_dir = ./Lo\\\ncal\n", {"ckpt_dir": "./Local"}),
+    ("[basic]\nckpt_dir = ./My\\\n Local \\\nDir\nckpt_l1 = 4\n", {"ckpt_dir": "./My Local Dir", "ckpt_l1": 4}),
+])
+def test_files_fti_loads_are_loaded_alike(tmp_path, text, want):
+    """FTI's iniparser loads these (found by a review: ftidask refused them as not valid INI files)."""
+    cfg = tmp_path / "config.fti"
+    cfg.write_text(text)
+    got = ftidask.load_config(cfg)
+    assert {key: getattr(got, key) for key in want} == want
+
+
+def test_fti_keys_ignored_in_a_file_are_ignored_as_keywords_too():
+    """``ckpt_net = 1`` loads from a file (an FTI key of no use here); ``init(ckpt_net=1)`` was an unknown key."""
+    base = ftidask.load_config(None)
+    assert ftidask.load_config(None, ckpt_net=1, general_tag=3, lustre_stiping_unit=4) == base
+    with pytest.raises(ftidask.ConfigError, match="unknown config key 'ckpt_nett'"):
+        ftidask.load_config(None, ckpt_nett=1)

@@ -6,17 +6,16 @@ bad value is reported with its section, key and value before anything is written
 
 from __future__ import annotations
 
-import configparser
 import dataclasses
 import difflib
 import os
 import re
-import stat
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .codecspec import parse_compressor
 from .errors import ConfigError
+from .inifile import iniparser_value, read_sections
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -262,87 +261,23 @@ class Config:
         return load_config(None, base=self, **changes)
 
 
-_MAX_CONFIG_BYTES = 1 << 20  # an FTI config is a few KiB: more is not a config file
-
-
-def _read_text(path: str | bytes | os.PathLike[str]) -> str:
-    """The text of a config file, or a :class:`ConfigError` saying why it cannot be read."""
-    if not isinstance(path, (str, bytes, os.PathLike)):
-        hint = ("; give settings as keywords instead, e.g. init(**settings) or init(ckpt_dir=...)"
-                if isinstance(path, Mapping) else "")
-        raise ConfigError(f"the config must be the path of an INI file, got {type(path).__name__} {path!r}{hint}")
-    shown = repr(os.fsdecode(path))
-    try:
-        # O_NONBLOCK: a FIFO given as the config must not wait for a writer (refused below).
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {shown} does not exist") from None
-    except (OSError, ValueError) as exc:  # permissions, a NUL in the path...
-        raise ConfigError(f"cannot open config file {shown}: {exc}") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise ConfigError(f"config file {shown} is a directory; give the path of an INI file")
-        if not stat.S_ISREG(mode):
-            raise ConfigError(f"config file {shown} is not a regular file")
-        with open(fd, "rb", closefd=False) as handle:
-            raw = handle.read(_MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {shown}: {exc}") from None
-    finally:
-        os.close(fd)
-    if len(raw) > _MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {shown} is larger than {_MAX_CONFIG_BYTES >> 20} MiB: not an INI file")
-    try:
-        return raw.decode("utf-8-sig")  # an editor's byte-order mark is no error
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {shown} is not a text (UTF-8) INI file: byte {exc.start} is "
-                          f"{raw[exc.start:exc.start + 1]!r}") from None
-
-
 def _read_ini(path: str | os.PathLike[str]) -> dict[str, Any]:
-    text = _read_text(path)
-    shown = repr(os.fsdecode(path))  # type: ignore[arg-type]  # checked by _read_text
-    # No [DEFAULT] section with INI's meaning: FTI (iniparser) has none, and its keys would
-    # appear in every section.
-    # Inline comments are cut by _iniparser_value, as FTI's iniparser cuts them (no space needed before them).
-    parser = configparser.ConfigParser(interpolation=None, default_section="\0no default section")
-    # Each line stripped of its leading blanks, as iniparser reads it: an indented line is a key of its own, where
-    # configparser would append it to the value before (a directory named "./Local\nckpt_l1 = 5", ckpt_l1 unset).
-    text = "\n".join(line.lstrip() for line in text.splitlines())
-    try:
-        parser.read_string(text, source=os.fsdecode(path))  # type: ignore[arg-type]
-    except configparser.Error as exc:
-        # configparser's message spans lines (file, line number, the line itself): an error is one line.
-        detail = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
-        raise ConfigError(f"config file {shown} is not a valid INI file: {detail}") from None
+    items = read_sections(path)  # (checks ``path`` too)
+    shown = repr(os.fsdecode(path))  # type: ignore[arg-type]
     values: dict[str, Any] = {}
-    for section in parser.sections():
-        if section.strip().lower() in _IGNORED_SECTIONS:
+    for section, key, value in items:
+        if section.strip().lower() in _IGNORED_SECTIONS or key in _IGNORED_KEYS:
             continue
-        for key, value in parser.items(section):
-            key = key.lower()
-            if key in _IGNORED_KEYS:
-                continue
-            if key not in _KEYS:
-                close = difflib.get_close_matches(key, list(_KEYS) + sorted(_IGNORED_KEYS), n=1)
-                raise ConfigError(f"config file {shown}: unknown key [{section}] {key} = {value!r}"
-                                  + (f"; did you mean {close[0]!r}?" if close else ""))
-            # FTI reads each key from its own section only: one elsewhere would be silently unused there.
-            home = _KEYS[key][0]
-            if section.strip().lower() != home:
-                raise ConfigError(f"config file {shown}: key {key!r} is in [{section}]; it belongs in [{home}]")
-            values[key] = _iniparser_value(value)
+        if key not in _KEYS:
+            close = difflib.get_close_matches(key, list(_KEYS) + sorted(_IGNORED_KEYS), n=1)
+            raise ConfigError(f"config file {shown}: unknown key [{section}] {key} = {value!r}"
+                              + (f"; did you mean {close[0]!r}?" if close else ""))
+        # FTI reads each key from its own section only: one elsewhere would be silently unused there.
+        home = _KEYS[key][0]
+        if section.strip().lower() != home:
+            raise ConfigError(f"config file {shown}: key {key!r} is in [{section}]; it belongs in [{home}]")
+        values[key] = iniparser_value(value)
     return values
-
-
-def _iniparser_value(raw: str) -> str:
-    """``raw`` as FTI's iniparser reads a value (parse_line): a quoted one between its quotes (spaces, ``;`` and ``#``
-    kept, what follows the closing quote dropped; ``""`` is empty), an unquoted one up to its first ``;`` or ``#``."""
-    text = raw.strip()
-    if text[:1] in ("'", '"') and text.find(text[0], 1) > 0:
-        return text[1:text.find(text[0], 1)]
-    return re.split(r"[;#]", text, maxsplit=1)[0].strip()
 
 
 def load_config(path: str | os.PathLike[str] | Config | None = None, *, base: Config | None = None,
@@ -357,6 +292,8 @@ def load_config(path: str | os.PathLike[str] | Config | None = None, *, base: Co
     if path is not None:
         raw.update(_read_ini(path))
     for key, value in overrides.items():
+        if key.lower() in _IGNORED_KEYS:  # FTI's keys a file may hold (ignored there): alike as keywords
+            continue
         if key not in _KEYS:
             close = difflib.get_close_matches(key, list(_KEYS), n=1)
             raise ConfigError(f"unknown config key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
