@@ -316,7 +316,7 @@ def test_fti_io_modes_load_and_files_are_fti_ff(tmp_path, caplog, mode):
 def test_init_type_refuses_a_bad_size_with_an_ftidask_error():
     """FTI_InitType's size is a positive int: anything else is bad input, refused with an ftidask error (README:
     errors are ftidask.FTIError and subclasses), still a ValueError for code that caught the old one."""
-    for bad in (0, -4, "8", 2.0, True, None):
+    for bad in (0, -4, "8", 2.0, True, None, 2**31, np.int64(2**40)):
         with pytest.raises(ftidask.ProtectError, match="init_type"):
             ftidask.init_type(bad)
         with pytest.raises(ValueError):

@@ -220,6 +220,22 @@ def test_import_roundtrip_and_restart(tmp_path):
         assert outs[vid].tobytes() == arr.tobytes()
 
 
+@pytest.mark.parametrize(("value", "want"), [(40, 40), (None, 1), ("abc", None), (True, None)])
+def test_import_takes_the_checkpoint_id_of_a_group_without_a_manifest(tmp_path, value, want):
+    """A store written (or rewritten) by zarr or xarray has no manifest: its root group's ``checkpoint_id`` is the
+    id, as docs/cli.md says (it was ignored: 40 imported as 1, 'abc' accepted)."""
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
+    if value is not None:
+        group.attrs["checkpoint_id"] = value
+    group.create_array("u", data=np.arange(4.0))
+    if want is None:
+        with pytest.raises(FormatError, match="group's checkpoint_id .* is not an integer"):
+            import_zarr(tmp_path / "s.zarr", **_dirs(tmp_path, "new"))
+        assert not (tmp_path / "new" / "m").exists() or not any((tmp_path / "new" / "m").iterdir())
+    else:
+        assert import_zarr(tmp_path / "s.zarr", **_dirs(tmp_path, "new")).id == want
+
+
 def test_import_foreign_zarr_edited_with_xarray(tmp_path):
     x = np.linspace(0, 1, 50)
     ds = xr.Dataset({"u": (("y", "x"), np.outer(x, x)), "v": (("x",), x ** 2)})

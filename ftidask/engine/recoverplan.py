@@ -138,10 +138,10 @@ def plan(protected: Mapping[int, Any], parsed: Any, ids: list[int] | None) -> Re
         p = protected.get(vid)
         if p is None:
             out.problem = (f"variable {vid} is not protected: protect it (an array or a Python state) before "
-                           f"recover(ids=[{vid}])")
+                           "recovering it")  # (recover(ids=...) or recover_var: said of either)
             return out
         if vid not in sizes:
-            out.problem = (f"variable {vid} is {'listed in ids' if ids is not None else 'protected'} but not in "
+            out.problem = (f"variable {vid} is {'asked for' if ids is not None else 'protected'} but not in "
                            f"checkpoint file {parsed.path} (it holds ids {sorted(sizes)}); nothing was recovered")
             return out
         stored = kind_of(parsed.vars.get(vid))

@@ -60,9 +60,11 @@ def init_type(itemsize: int) -> np.dtype:
     """FTI_InitType: an opaque fixed-size type of ``itemsize`` bytes.
 
     Prefer a structured NumPy dtype, which is stored with its fields. Raises :class:`ProtectError`
-    (a ``ValueError``) unless ``itemsize`` is a positive int.
+    (a ``ValueError``) unless ``itemsize`` is a positive int of at most 2**31 - 1 (NumPy's largest item).
     """
     # bool is an int to Python, not a size; a NumPy integer is one
     if isinstance(itemsize, bool) or not isinstance(itemsize, (int, np.integer)) or itemsize <= 0:
         raise ProtectError(f"init_type: itemsize must be a positive int, got {itemsize!r}")
+    if itemsize > 2**31 - 1:  # NumPy's largest item (a C int)
+        raise ProtectError(f"init_type: itemsize {itemsize} is larger than NumPy's largest item, 2**31 - 1 bytes")
     return np.dtype((np.void, int(itemsize)))

@@ -21,7 +21,7 @@ from ..model.config import load_config
 from ..model.errors import FormatError, FTIError
 from ..storage import runlock
 from ..zarrfmt import store as zarr_store
-from ..zarrfmt.foreign import read_plain_group
+from ..zarrfmt.foreign import plain_group_attrs, read_plain_group
 
 log = logging.getLogger("ftidask.zarr")
 
@@ -78,13 +78,14 @@ def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | N
     if not arrays:
         raise FormatError(f"{path}: no array to import")
     if ckpt_id is None:
-        manifest_attrs = {}
-        if (Path(path) / zarr_store.MANIFEST).exists():
-            manifest_attrs = zarr_store.read_manifest(Path(path)).get("attrs", {})
-        ckpt_id = manifest_attrs.get("checkpoint_id")
+        manifest = (Path(path) / zarr_store.MANIFEST).exists()
+        # a store without ftidask's manifest (written, or rewritten, by zarr or xarray): its root group's attribute
+        attrs = zarr_store.read_manifest(Path(path)).get("attrs", {}) if manifest else plain_group_attrs(store)
+        ckpt_id = attrs.get("checkpoint_id") if isinstance(attrs, dict) else None
         ckpt_id = 1 if ckpt_id is None else ckpt_id
         if type(ckpt_id) is not int:  # a forged manifest's (a bool, a float, a string): never guessed at
-            raise FormatError(f"{path}: the manifest's checkpoint_id {ckpt_id!r} is not an integer (pass --id)")
+            raise FormatError(f"{path}: the {'manifest' if manifest else 'group'}'s checkpoint_id {ckpt_id!r} is not "
+                              "an integer (pass --id)")
     overrides["keep_last_ckpt"] = True
     # The directories may hold a run that the next init restarts: the import's finalize would retire its files.
     # Found from the run's state before any init (which would restart that run, changing its state).

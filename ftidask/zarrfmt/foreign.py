@@ -240,3 +240,17 @@ def read_plain_group(path: Path, group: str = "") -> dict[int, tuple[str, np.nda
         raise FormatError(f"{path}: its arrays do not fit in memory") from None
     except Exception as exc:  # zarr raises many kinds on metadata it cannot read
         raise FormatError(f"{path}: not a Zarr group that can be read: {type(exc).__name__}: {exc}") from None
+
+
+def plain_group_attrs(path: Path) -> dict[str, Any]:
+    """The attributes of the root group of a Zarr store ftidask did not write (or rewrote with zarr or xarray: its
+    ``checkpoint_id``); a :class:`FormatError` when Zarr cannot read them."""
+    import zarr
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            attrs = zarr.open_group(store=_walked_store(path, _file_sizes(path)), mode="r").attrs.asdict()
+    except Exception as exc:  # noqa: BLE001 - zarr raises many kinds on metadata it cannot read
+        raise FormatError(f"{path}: not a Zarr group that can be read: {type(exc).__name__}: {exc}") from None
+    return dict(attrs) if isinstance(attrs, dict) else {}
