@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.runstate import RunState, check_exec_id, unsealed_record
-from ..model.errors import FTIError
+from ..model.errors import FormatError, FTIError
 from ..storage.files import find_paths, read_json
+from ..zarrfmt.store import read_manifest
 from .file_checks import (
     ftiff_files,
     table_of,
@@ -72,11 +73,18 @@ def collect(roots: list[Path], meta: Path) -> dict[tuple[str, int], Found]:
 
 
 def _not_named(path: Path, parsed: Any, named: dict[int, Any]) -> bool:
-    """Whether FTI-FF file ``path`` (``parsed``) differs from the rank file its commit record names (hash, size)."""
+    """Whether FTI-FF file ``path`` (``parsed``) differs from the rank file its commit record names (hash, size); a
+    Zarr store, whether its manifest is not the one the record names (a sound store of another checkpoint)."""
     m = _RANK_FILE.fullmatch(path.name)
     expected = named.get(int(m[1])) if m else None
+    if expected is not None and path.suffix == ".zarr":
+        try:
+            read_manifest(path, expected.fb_hash)
+        except FormatError:
+            return True
+        return False
     fb = getattr(parsed, "fb", None)
-    if expected is None or fb is None:  # a Zarr store (checked against its manifest), or no rank named
+    if expected is None or fb is None:  # no rank named
         return False
     return expected.fb_hash != fb.hash.hex() or expected.size != parsed.file_size
 

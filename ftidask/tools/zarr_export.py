@@ -29,6 +29,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import reprlib
 import sys
 import time
@@ -194,21 +195,29 @@ def _assemble(ranks: list[_Rank]) -> list[tuple[str, VarInfo, Any]]:
     for rank in ranks:
         for vid, info in rank.infos.items():
             by_id.setdefault(vid, []).append((rank, info))
-    out: list[tuple[str, VarInfo, Any]] = []
-    taken: set[str] = set()
+    # Each variable's kind first: a root array may not take the name of a rank's group ("rank0": Zarr refused it)
+    kinds: dict[int, tuple[str, Any]] = {}
     for vid, parts in by_id.items():
         if all(isinstance(info.extra.get("dask"), dict) for _r, info in parts):
-            info, fill = _dask_global(vid, parts)
-            out.append((zarr_store.array_name(info, taken), info, fill))
+            kinds[vid] = ("root", _dask_global(vid, parts))
         elif len(ranks) == 1 or all(info.extra.get("replicated") is True for _r, info in parts):
             rank, info = parts[0]  # one rank, or a replicated variable: every rank holds all of it
-            out.append((zarr_store.array_name(info, taken), info, _whole(rank, vid)))
+            kinds[vid] = ("root", (info, _whole(rank, vid)))
         elif (stitched := _blocks_global(vid, parts)) is not None:
-            out.append((zarr_store.array_name(stitched[0], taken), stitched[0], stitched[1]))
+            kinds[vid] = ("root", stitched)
         else:
-            for rank, info in parts:
-                group_taken = {n.rpartition("/")[2] for n, _i, _a in out if n.startswith(f"rank{rank.rank}/")}
-                out.append((f"rank{rank.rank}/{zarr_store.array_name(info, group_taken)}", info, _whole(rank, vid)))
+            kinds[vid] = ("ranks", parts)
+    out: list[tuple[str, VarInfo, Any]] = []
+    groups = {f"rank{rank.rank}" for rank in ranks} if any(k == "ranks" for k, _v in kinds.values()) else set()
+    taken: set[str] = set(groups)
+    for vid, (kind, value) in kinds.items():
+        if kind == "root":
+            info, fill = value
+            out.append((zarr_store.array_name(info, taken), info, fill))
+            continue
+        for rank, info in value:
+            group_taken = {n.rpartition("/")[2] for n, _i, _a in out if n.startswith(f"rank{rank.rank}/")}
+            out.append((f"rank{rank.rank}/{zarr_store.array_name(info, group_taken)}", info, _whole(rank, vid)))
     return out
 
 
@@ -260,6 +269,24 @@ def _one_checkpoint(sources: list[Source], ranks: list[_Rank]) -> None:
                           "export one checkpoint's directory, or the run's config")
 
 
+_CKPT_DIR, _LEVEL_DIR = re.compile(r"ckpt-?\d+\.s\d+"), re.compile(r"l\d|l4_archive")
+
+
+def _not_over_sources(dest: Path, sources: list[Source]) -> None:
+    """Refuse a destination that is, holds or lies in a file of the checkpoint exported, or lies in its run's level
+    directory (``{exec_id}/l4/...``: another committed checkpoint's store, replaced by ``overwrite``)."""
+    target = dest.resolve()
+    for source in sources:
+        path = source.path.resolve()
+        # a run's: .../{exec_id}/l{N}/ckpt{i}.s{q}/file (named or found from a commit record)
+        in_run = source.record is not None or (_CKPT_DIR.fullmatch(path.parent.name) is not None
+                                               and _LEVEL_DIR.fullmatch(path.parent.parent.name) is not None)
+        level_dir = path.parent.parent if in_run else path
+        if target == path or path.is_relative_to(target) or target.is_relative_to(level_dir):
+            raise FTIError(f"export_checkpoint(dest={str(dest)!r}) would write over the checkpoint it exports, or "
+                           f"another of its run ({source.path}): give a path outside the run's directories")
+
+
 def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: str | os.PathLike[str], *,
                       exec_id: str | None = None, ckpt_id: int | None = None, level: int | None = None,
                       overwrite: bool = False, **overrides: Any) -> ExportResult:
@@ -285,6 +312,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str] | Config | None, dest: 
     config = config_of(checkpoint, overrides)
     where = config if config is not None else checkpoint
     sources, ranks = _newest_sound(locate(where, exec_id=exec_id, ckpt_id=ckpt_id, level=level), config)
+    _not_over_sources(dest, sources)
     record = sources[0].record
     if record is None:  # files named, not a commit record's: they must be one checkpoint's
         _one_checkpoint(sources, ranks)

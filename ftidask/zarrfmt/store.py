@@ -60,8 +60,14 @@ def _usable_name(name: str) -> bool:
         size = len(name.encode("utf-8"))
     except UnicodeError:  # a lone surrogate: no file name holds it
         return False
-    return (0 < size <= _NAME_MAX and "/" not in name and "\0" not in name
+    # (Zarr reads a backslash as "/": "a\\b" would be stored as the array b of a group a, which no manifest names)
+    return (0 < size <= _NAME_MAX and "/" not in name and "\\" not in name and "\0" not in name
             and not name.startswith((".", "__")) and name.lower() not in _RESERVED)
+
+
+def _collides(info: VarInfo, name: str) -> FormatError:
+    return FormatError(f"variable {info.id} ({info.name!r}): its array {name!r} collides with another array or group "
+                       "of the store")
 
 
 def array_name(info: VarInfo, taken: set[str]) -> str:
@@ -143,8 +149,11 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
         table = []
         for name, info, data in items:
             parent, _, leaf = name.rpartition("/")
-            if parent not in groups:
-                groups[parent] = root.create_group(parent)
+            try:
+                if parent not in groups:
+                    groups[parent] = root.create_group(parent)
+            except zarr.errors.ContainsArrayError:
+                raise _collides(info, name) from None
             dtypes.check_before(info.id, info.name, info.dtype)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Zarr calls structured/string dtypes "unstable"
@@ -155,8 +164,13 @@ def write_items(path: Path, items: list[tuple[str, VarInfo, Any]], attrs: Mappin
                         dimension_names=[f"{leaf}_dim{i}" for i in range(len(info.shape))],
                         attributes={"ftidask_id": info.id, "ftidask_name": info.name, "ftidask_order": info.order},
                         config={"write_empty_chunks": True})  # every chunk a file: a missing one is damage
+                except (zarr.errors.ContainsArrayError, zarr.errors.ContainsGroupError):
+                    raise _collides(info, name) from None
                 except (ValueError, TypeError) as exc:  # Zarr has no data type for it (complex256, ...)
                     raise dtypes.refuse(info.id, info.name, info.dtype, str(exc)) from None
+                if z.path != name:  # Zarr stored it elsewhere than the manifest will say: never recoverable
+                    raise FormatError(f"variable {info.id} ({info.name!r}): Zarr stored its array at {z.path!r}, "
+                                      f"not at {name!r}")
                 dtypes.check_created(z, info.id, info.name, info.dtype)  # before any byte: read back as it was
                 if callable(data):
                     data(z)
