@@ -97,3 +97,86 @@ def test_a_failed_recovery_at_the_loops_start_restores_the_signal_handlers(tmp_p
             pass
     assert {sig: signal.getsignal(sig) for sig in before} == before
     again.finalize()
+
+
+# --- found by a review: loops that resumed at the wrong iteration, or never -------------------------------------
+
+def test_a_second_loop_on_one_context_is_refused(tmp_path: Path) -> None:
+    """Two loops shared the counter's id: a restart resumed the first loop at the second one's iteration (wrong
+    results, no error). One loop per context: the second (after the first, or inside it) is refused."""
+    ctx = _ctx(tmp_path)
+    x = np.zeros(3)
+    with ftidask.ResilientLoop(ctx, arrays={1: x}, every=2, iterations=4) as loop:
+        for _i in loop:
+            with pytest.raises(FTIError, match="one loop per context"):
+                ftidask.ResilientLoop(ctx, arrays={2: np.zeros(2)}, every=2, iterations=4)
+            break
+    with pytest.raises(FTIError, match="one loop per context"):
+        ftidask.resilient(ctx, arrays={1: x}, every=2, iterations=4)(lambda i: None)()
+    assert sorted(ctx.protected) == [1, ITERATION_ID]  # nothing of the refused loops
+
+
+def _recover_then_loop(tmp: Path, crash_at: int | None) -> np.ndarray:
+    """README's restart pattern (protect, ``if ctx.status(): ctx.recover()``), then a loop over the same array."""
+    ctx = _ctx(tmp)
+    u = np.zeros(4, np.int64)
+    ctx.protect(1, u)
+    if ctx.status() != 0:
+        ctx.recover()
+
+    @ftidask.resilient(ctx, arrays={1: u}, every=10, iterations=40)
+    def step(i: int) -> None:
+        if i == crash_at:
+            raise RuntimeError("crash")
+        u[:] += i
+
+    step()
+    return u
+
+
+def test_a_program_that_recovered_before_the_loop_resumes_it(tmp_path: Path) -> None:
+    """The program's recover() set the status to 0: the loop started again at 0 on the recovered arrays."""
+    with pytest.raises(RuntimeError):
+        _recover_then_loop(tmp_path, crash_at=25)
+    assert _recover_then_loop(tmp_path, None).tolist() == [sum(range(40))] * 4
+
+
+def _setup_then_loop(tmp: Path, crash_at: int | None) -> np.ndarray:
+    ctx = _ctx(tmp)
+    u = np.zeros(4, np.int64)
+    ctx.protect(1, u)
+    if ctx.status() == 0:
+        u[:] = 100
+        ctx.checkpoint(1, 1)  # the set-up data, saved once before the loop
+
+    @ftidask.resilient(ctx, arrays={1: u}, every=10, iterations=40)
+    def step(i: int) -> None:
+        if i == crash_at:
+            raise RuntimeError("crash")
+        u[:] += i
+
+    step()
+    return u
+
+
+def test_a_checkpoint_written_before_the_loop_starts_it_at_zero_with_its_data(tmp_path: Path) -> None:
+    """The newest checkpoint (the set-up's) held no loop counter: every restart failed ("variable 2147480000 is
+    protected but not in checkpoint file"). Its variables are recovered and the loop starts at 0."""
+    with pytest.raises(RuntimeError):
+        _setup_then_loop(tmp_path, crash_at=3)
+    assert _setup_then_loop(tmp_path, None).tolist() == [100 + sum(range(40))] * 4
+
+
+def test_a_generator_function_is_refused(tmp_path: Path) -> None:
+    """Calling a generator function runs nothing: the loop reported its iterations done, having done none."""
+    ctx = _ctx(tmp_path)
+
+    def gen(i):
+        yield i
+
+    async def coro(i):
+        return i
+
+    for fn in (gen, coro):
+        with pytest.raises(FTIError, match="generator or coroutine function"):
+            ftidask.resilient(ctx, arrays={}, every=2, iterations=4)(fn)

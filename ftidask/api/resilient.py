@@ -27,9 +27,11 @@ decorator then exits the process with status 0 (``exit_on_signal``), the context
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import signal
 import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +52,7 @@ RNG_ID = ITERATION_ID + 1  #: the loop's ``rng=`` (a numpy.random Generator or B
 STATE_ID = ITERATION_ID + 2  #: the loop's ``state=`` (a dict of JSON values)
 RESERVED_IDS = (ITERATION_ID, RNG_ID, STATE_ID)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_LOOPS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()  # the contexts that made a loop
 
 
 class ResilientLoop:
@@ -84,6 +87,10 @@ class ResilientLoop:
             if every < 1 or iterations < 0 or check_every < 1:
                 raise FTIError(f"ResilientLoop: every={every}, check_every={check_every} must be >= 1 and "
                                f"iterations={iterations} >= 0")
+            if ctx in _LOOPS:  # its counter would replace the first one's: a restart resumed either at the other's
+                raise FTIError("ResilientLoop: this context ran a resilient loop already; one loop per context (a "
+                               "restart could not tell two loops' checkpoints apart and would resume the first at "
+                               "the second's iteration): make one loop whose body does each phase, or init anew")
             taken = sorted(set(arrays) & set(RESERVED_IDS))
             if taken:
                 raise FTIError(f"variable ids {taken} are reserved for the loop (counter, rng, state): use other ids")
@@ -108,6 +115,7 @@ class ResilientLoop:
             ctx.protect(RNG_ID, rng, name="ftidask.loop.rng")
         if state is not None:
             ctx.protect(STATE_ID, state, name="ftidask.loop.state")
+        _LOOPS[ctx] = True
         self.start = 0
         self.stopped = False  # True when a signal ended the loop early
         self.last_checkpoint: int | None = None
@@ -123,16 +131,36 @@ class ResilientLoop:
         for sig in self.signals:
             self._old[sig] = signal.signal(sig, self._handler)
         try:
-            if self.ctx.status() != 0:
-                self.ctx.recover()
-                self.start = int(self.counter.value)
-                ckpt_id, level = self.ctx.recovered_from or (None, None)
-                log.info("restart: recovered checkpoint %s (level %s), resuming at iteration %d", ckpt_id, level,
-                         self.start)
+            self._resume()
         except BaseException:  # no loop runs: its handlers go (left, SIGTERM no longer ended the process)
             self.__exit__()
             raise
         return self
+
+    def _resume(self) -> None:
+        """On a restart, the loop's checkpoint recovered and :attr:`start` set after its last iteration."""
+        ctx = self.ctx
+        if ctx.status() != 0:
+            if ctx.stored_size(ITERATION_ID) == 0:  # written before the loop's first one (the program's set-up data)
+                ids = [vid for vid in ctx.protected if vid not in RESERVED_IDS]
+                if ids:
+                    ctx.recover(ids=ids)
+                log.info("restart: recovered checkpoint %s, written before the loop's first: starting at iteration 0",
+                         ctx.recovered_from)
+                return
+            ctx.recover()
+        elif ctx.recovered_from is not None and int(self.counter.value) == 0:
+            # The program recovered before the loop protected its counter (``if ctx.status(): ctx.recover()``): the
+            # status is 0 since, and the loop's own values come from the same checkpoint, if it holds them.
+            if ctx.stored_size(ITERATION_ID) == 0:
+                return
+            ckpt_id, level = ctx.recovered_from
+            ctx.recover(ckpt_id, level, ids=[vid for vid in RESERVED_IDS if vid in ctx.protected])
+        else:
+            return
+        self.start = int(self.counter.value)
+        ckpt_id, level = ctx.recovered_from or (None, None)
+        log.info("restart: recovered checkpoint %s (level %s), resuming at iteration %d", ckpt_id, level, self.start)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, old in self._old.items():
@@ -195,6 +223,10 @@ def resilient(ctx: Context, *, arrays: Mapping[int, Any], every: int, level: int
     """
 
     def wrap(fn: Callable[[int], Any]) -> Callable[[], int]:
+        if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+            raise FTIError(f"resilient: {getattr(fn, '__name__', fn)} is a generator or coroutine function: calling "
+                           "it runs nothing; decorate a plain function of one iteration, fn(i)")
+
         @functools.wraps(fn)
         def run() -> int:
             loop = ResilientLoop(ctx, arrays=arrays, every=every, level=level, iterations=iterations,

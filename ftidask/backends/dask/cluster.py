@@ -18,6 +18,7 @@ from distributed import Client, Future, wait
 from distributed.client import FuturesCancelledError
 from distributed.diagnostics.progressbar import TextProgressBar, is_kernel
 
+from ...engine.progress import DELAY
 from ...model.errors import FTIError
 from . import fence
 
@@ -67,9 +68,9 @@ _ALIVE = ("running", "paused")
 class Cluster:
     """Task placement and waiting on one ``distributed.Client``."""
 
-    def __init__(self, client: Client, progress: str = "auto", poll: float = 0.25) -> None:
+    def __init__(self, client: Client, progress: str = "auto", poll: float = 0.25, verbosity: int = 2) -> None:
         self.client = client
-        self.progress = progress
+        self.progress, self.verbosity = progress, verbosity
         self.poll = poll
         self._batch: list[Future] | None = None
         self._placed: dict[Any, str] = {}  # key -> worker of each pinned task not yet waited for or released
@@ -185,20 +186,26 @@ class Cluster:
         coro = self.client.run(fn, *args, on_error="return", asynchronous=True)
         return asyncio.run_coroutine_threadsafe(coro, self.client.loop.asyncio_loop)
 
-    def _show_progress(self, futures: Sequence[Future]) -> None:
-        enabled = self.progress == "on" or (self.progress == "auto" and is_kernel())
+    def _show_progress(self, futures: Sequence[Future]) -> threading.Event | None:
+        """Dask's text bar for ``futures``, drawn from a thread once they took :data:`~ftidask.engine.progress.DELAY`
+        seconds (as ftidask's own bars: short steps draw none); the event returned, set when they are done."""
+        enabled = self.progress == "on" or (self.progress == "auto" and self.verbosity <= 2 and is_kernel())
         if not enabled or not futures:
-            return
+            return None
         keys = [f.key for f in futures]
         address = self.client.scheduler.address
+        done = threading.Event()
 
         def bar() -> None:
+            if done.wait(DELAY):
+                return
             try:
                 TextProgressBar(keys, scheduler=address, complete=True)
             except Exception as exc:  # noqa: BLE001 - a progress bar must never fail a checkpoint
                 log.debug("progress bar stopped: %s", exc)
 
         threading.Thread(target=bar, name="ftidask-progress", daemon=True).start()
+        return done
 
     def wait_all(self, futures: Sequence[Future], addresses: Iterable[str], what: str,
                  gather: bool = True, ranks: Sequence[str] = ()) -> list[Any]:
@@ -210,7 +217,7 @@ class Cluster:
         """
         needed = set(addresses)
         send_now(self.client)  # the tasks just submitted leave now, not at the end of the client's batching interval
-        self._show_progress(futures)
+        shown = self._show_progress(futures)
         try:
             while not wait_for(futures, self.poll):
                 if any(f.status in ("error", "cancelled", "lost") for f in futures):
@@ -226,6 +233,8 @@ class Cluster:
             self.cancel(futures)
             raise error
         finally:
+            if shown is not None:
+                shown.set()
             for f in futures:
                 self._placed.pop(f.key, None)
 

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,7 @@ class DaskContext(DaskWriting, Context):
     """A :class:`Context` whose ranks are the workers of a ``distributed`` cluster."""
 
     def __init__(self, config: Config, client: Client) -> None:
-        cluster = Cluster(client, config.progress)
+        cluster = Cluster(client, config.progress, verbosity=config.verbosity)
         self._cutting = threading.RLock()  # held while a lineage cut swaps the arrays (see lineage.cut)
         self._cut_from: dict[int, tuple[str, str]] = {}  # var id -> (name of the array cut, name of its cut)
         modes.register(client, cluster, config.permissions)  # the workers' files' modes (also those joining later)
@@ -188,11 +188,27 @@ class DaskContext(DaskWriting, Context):
         # Taken now, as the arrays are: a protect() while an asynchronous checkpoint runs is for the next one.
         # Differential files are never compressed (a compressed container cannot be patched in place).
         codecs = {} if parsed.differential else {vid: c for vid, (_codec, c) in self._writer.codecs().items()}
-        write = functools.partial(self._write_checkpoint, ckpt_id, parsed, specs, futures, start, held, codecs)
+        write = functools.partial(self._closed_said, ckpt_id, functools.partial(
+            self._write_checkpoint, ckpt_id, parsed, specs, futures, start, held, codecs))
         if not asynchronous:
             return write()
         self._async.next_id = max(self._async.next_id, ckpt_id + 1)
         return self._async.inflight.submit(write, ckpt_id, parsed.number, "immutable")
+
+    def _closed_said(self, ckpt_id: int, write: Callable[[], DaskCheckpointInfo]) -> DaskCheckpointInfo:
+        """``write()``; a client closed meanwhile (a notebook's cluster closed while an asynchronous checkpoint ran)
+        said as such, not as distributed's AttributeError or CommClosedError from deep inside."""
+        try:
+            return write()
+        except FTIError:
+            raise
+        except Exception as exc:
+            try:
+                check_client(self.client)
+            except FTIError as closed:
+                raise CheckpointError(f"checkpoint {ckpt_id} failed; the previous checkpoint is kept: "
+                                      f"{closed}") from exc
+            raise
 
     def node_file(self, level: int, ckpt_id: int, seq: int, rank: int, name: str) -> str:
         """Internal: the path of file ``name`` of a checkpoint in rank (node) ``rank``'s level directory."""
