@@ -180,3 +180,12 @@ def test_a_generator_function_is_refused(tmp_path: Path) -> None:
     for fn in (gen, coro):
         with pytest.raises(FTIError, match="generator or coroutine function"):
             ftidask.resilient(ctx, arrays={}, every=2, iterations=4)(fn)
+
+
+def test_a_state_that_is_not_json_is_refused_before_anything_is_protected(tmp_path: Path) -> None:
+    ctx = _ctx(tmp_path)
+    with pytest.raises(ftidask.ProtectError, match="ResilientLoop"):
+        ftidask.ResilientLoop(ctx, arrays={1: np.zeros(3)}, every=2, iterations=4, state={"when": object()})
+    assert dict(ctx.protected) == {}
+    with ftidask.ResilientLoop(ctx, arrays={1: np.zeros(3)}, every=2, iterations=4, state=ftidask.State(a=1)):
+        pass  # the same context runs its loop afterwards

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..engine.pystate import Value
+from ..engine.pystate import Value, check_json
 from ..model.errors import FTIError
 from ..transport.collective import agree_call
 
@@ -84,6 +84,8 @@ class ResilientLoop:
                 raise FTIError(f"ResilientLoop: rng must be a numpy.random.Generator or BitGenerator, got {rng!r}")
             if state is not None and not isinstance(state, dict):
                 raise FTIError(f"ResilientLoop: state must be a dict of JSON values, got {type(state).__name__}")
+            if state is not None:  # before any protect: a refused state left the arrays protected without a loop
+                check_json(dict(state), "ResilientLoop(state=...)")
             if every < 1 or iterations < 0 or check_every < 1:
                 raise FTIError(f"ResilientLoop: every={every}, check_every={check_every} must be >= 1 and "
                                f"iterations={iterations} >= 0")
