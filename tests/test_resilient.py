@@ -116,12 +116,16 @@ def test_a_second_loop_on_one_context_is_refused(tmp_path: Path) -> None:
     assert sorted(ctx.protected) == [1, ITERATION_ID]  # nothing of the refused loops
 
 
-def _recover_then_loop(tmp: Path, crash_at: int | None) -> np.ndarray:
-    """README's restart pattern (protect, ``if ctx.status(): ctx.recover()``), then a loop over the same array."""
+def _program(tmp: Path, crash_at: int | None, setup: bool) -> np.ndarray:
+    """A loop over an array the program protected itself: first README's restart pattern (``if ctx.status():
+    ctx.recover()``), or (``setup``) a checkpoint of its set-up data written once before the loop."""
     ctx = _ctx(tmp)
     u = np.zeros(4, np.int64)
     ctx.protect(1, u)
-    if ctx.status() != 0:
+    if setup and ctx.status() == 0:
+        u[:] = 100
+        ctx.checkpoint(1, 1)
+    elif not setup and ctx.status() != 0:
         ctx.recover()
 
     @ftidask.resilient(ctx, arrays={1: u}, every=10, iterations=40)
@@ -137,34 +141,16 @@ def _recover_then_loop(tmp: Path, crash_at: int | None) -> np.ndarray:
 def test_a_program_that_recovered_before_the_loop_resumes_it(tmp_path: Path) -> None:
     """The program's recover() set the status to 0: the loop started again at 0 on the recovered arrays."""
     with pytest.raises(RuntimeError):
-        _recover_then_loop(tmp_path, crash_at=25)
-    assert _recover_then_loop(tmp_path, None).tolist() == [sum(range(40))] * 4
-
-
-def _setup_then_loop(tmp: Path, crash_at: int | None) -> np.ndarray:
-    ctx = _ctx(tmp)
-    u = np.zeros(4, np.int64)
-    ctx.protect(1, u)
-    if ctx.status() == 0:
-        u[:] = 100
-        ctx.checkpoint(1, 1)  # the set-up data, saved once before the loop
-
-    @ftidask.resilient(ctx, arrays={1: u}, every=10, iterations=40)
-    def step(i: int) -> None:
-        if i == crash_at:
-            raise RuntimeError("crash")
-        u[:] += i
-
-    step()
-    return u
+        _program(tmp_path, 25, setup=False)
+    assert _program(tmp_path, None, setup=False).tolist() == [sum(range(40))] * 4
 
 
 def test_a_checkpoint_written_before_the_loop_starts_it_at_zero_with_its_data(tmp_path: Path) -> None:
     """The newest checkpoint (the set-up's) held no loop counter: every restart failed ("variable 2147480000 is
     protected but not in checkpoint file"). Its variables are recovered and the loop starts at 0."""
     with pytest.raises(RuntimeError):
-        _setup_then_loop(tmp_path, crash_at=3)
-    assert _setup_then_loop(tmp_path, None).tolist() == [100 + sum(range(40))] * 4
+        _program(tmp_path, 3, setup=True)
+    assert _program(tmp_path, None, setup=True).tolist() == [100 + sum(range(40))] * 4
 
 
 def test_a_generator_function_is_refused(tmp_path: Path) -> None:
