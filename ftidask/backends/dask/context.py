@@ -200,9 +200,7 @@ class DaskContext(DaskWriting, Context):
         said as such, not as distributed's AttributeError or CommClosedError from deep inside."""
         try:
             return write()
-        except FTIError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # (an FTIError too: chunks "held by no live worker" as the scheduler closed)
             try:
                 check_client(self.client)
             except FTIError as closed:
