@@ -158,3 +158,51 @@ def test_posix_run_reads_the_partner_copy_with_its_meta_file(fti, dirs):
     assert (found.level, found.path.name, found.meta) == (2, "Ckpt4-Pcof0.fti", meta.parent)
     assert array.tobytes() == raws[1]
     ctx.finalize()
+
+
+@pytest.mark.parametrize("key", ["ckpt_dir", "glbl_dir", "meta_dir"])
+def test_a_directory_no_os_can_name_is_a_config_error(fti, key):
+    """A name of 3000 bytes in a directory key (a damaged config) is refused when the config loads: every stat,
+    open and listing of it would raise ENAMETOOLONG (a raw OSError out of the level-4 lookup, found by the fuzz)."""
+    with pytest.raises(ConfigError, match=f"{key}.*names of at most 255 bytes"):
+        fti_run_files(_config(fti, **{key: "x" * 3000}), 0)
+    with pytest.raises(ConfigError, match=key):
+        ftidask.init(**{key: str(fti / ("y" * 256))})
+    with pytest.raises(ConfigError, match=key):
+        ftidask.init(**{key: "/" + "/".join(["z" * 200] * 20)})  # names that fit, a path that does not
+    ftidask.init(**{key: str(fti / ("y" * 255))}).finalize()
+
+
+def test_a_level_directory_the_os_refuses_to_list_is_a_recovery_error(fti, dirs, monkeypatch):
+    """An unlistable level directory (permissions; root reads every mode, so the OS's refusal is injected at the
+    listing) is an ftidask error naming it, the arrays untouched, never a raw OSError."""
+    _place(fti, 1, 1)
+    l1 = fti / f"Local/node0/{EXEC}/l1"
+    real = Path.iterdir
+
+    def refused(self):
+        if self == l1:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", refused)
+    ctx = ftidask.init(**dirs)
+    array = np.full(16, 7, "<i4")
+    ctx.protect(0, array)
+    with pytest.raises(ftidask.RecoveryError, match="cannot list the FTI run's directory .*l1.*Permission denied"):
+        recover_fti_run(ctx, _config(fti), 0)
+    assert (array == 7).all()
+    ctx.finalize()
+
+
+def test_a_meta_path_no_os_can_name_is_a_recovery_error(fti, dirs):
+    """``recover_file(meta=...)`` with a name of 3000 bytes: a RecoveryError naming the meta path, not a raw OSError
+    out of its lookup."""
+    _place(fti, 1, 1)
+    ctx = ftidask.init(**dirs)
+    array = np.full(16, 7, "<i4")
+    ctx.protect(0, array)
+    with pytest.raises(ftidask.RecoveryError, match="cannot read the FTI meta file or directory: File name too long"):
+        ctx.recover_file(fti / f"Local/node0/{EXEC}/l1/Ckpt1-Rank0.fti", meta=fti / ("m" * 3000))
+    assert (array == 7).all()
+    ctx.finalize()

@@ -91,13 +91,16 @@ def other_io_mode(path: str | os.PathLike[str]) -> str:
 def meta_files(meta: str | os.PathLike[str]) -> list[Path]:
     """``meta`` itself if a file, else the FTI meta files (``sector*-group*.fti``) in the directory ``meta``."""
     where = Path(meta)
-    if where.is_dir():
-        found = sorted(p for p in where.iterdir() if _META_NAME.fullmatch(p.name) and p.is_file())
-        if not found:
-            raise FormatError("no FTI meta file (sector*-group*.fti) in this directory", path=str(where))
-        return found
-    if not where.is_file():
-        raise FormatError("no such FTI meta file", path=str(where))
+    try:  # a path the OS refuses (a name too long, permissions) is a format error naming it, not a raw OSError
+        if where.is_dir():
+            found = sorted(p for p in where.iterdir() if _META_NAME.fullmatch(p.name) and p.is_file())
+            if not found:
+                raise FormatError("no FTI meta file (sector*-group*.fti) in this directory", path=str(where))
+            return found
+        if not where.is_file():
+            raise FormatError("no such FTI meta file", path=str(where))
+    except OSError as exc:
+        raise FormatError(f"cannot read the FTI meta file or directory: {exc.strerror}", path=str(where)) from None
     return [where]
 
 

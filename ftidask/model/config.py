@@ -72,6 +72,10 @@ def _parse_str(key: str, value: Any) -> str:
     return text
 
 
+#: Linux's limits on one name and on a whole path (every local and parallel file system of the field keeps them).
+NAME_MAX, PATH_MAX = 255, 4096
+
+
 def _parse_dir(key: str, value: Any) -> str:
     if isinstance(value, (bytes, os.PathLike)):  # str(b"/x") would be the name "b'/x'"
         value = os.fsdecode(value)
@@ -84,6 +88,12 @@ def _parse_dir(key: str, value: Any) -> str:
         os.fsencode(text)
     except (ValueError, UnicodeError) as exc:
         raise ConfigError(f"config key {key!r}: {text!r} cannot be a directory name: {exc}") from None
+    raw = os.fsencode(text)
+    longest = max(len(part) for part in raw.split(b"/"))
+    if longest > NAME_MAX or len(raw) > PATH_MAX - NAME_MAX:  # the OS refuses such a path at every use
+        raise ConfigError(f"config key {key!r}: {text[:60]!r}... is {len(raw)} bytes long with a name of {longest}: "
+                          f"a directory path holds names of at most {NAME_MAX} bytes and leaves room under "
+                          f"{PATH_MAX} bytes for the run's names")
     return text
 
 

@@ -55,11 +55,14 @@ def l3_checkpoint_ids(cfg: Config, rank: int) -> list[int]:
     """The checkpoint ids of which the group of ``rank`` keeps a level-3 rank or parity file, newest first."""
     ids = set()
     for _member, folder in group_members(cfg, rank)[1]:
-        if folder.is_dir():
-            for path in folder.iterdir():
-                named = re.fullmatch(r"Ckpt(\d+)-(?:Rank|RSed)\d+\.fti", path.name)
-                if named:
-                    ids.add(int(named[1]))
+        try:  # a member's directory the OS refuses to list: that member's files are lost, as on a lost node
+            names = [path.name for path in folder.iterdir()] if folder.is_dir() else []
+        except OSError:
+            names = []
+        for name in names:
+            named = re.fullmatch(r"Ckpt(\d+)-(?:Rank|RSed)\d+\.fti", name)
+            if named:
+                ids.add(int(named[1]))
     return sorted(ids, reverse=True)
 
 
@@ -106,9 +109,9 @@ def _check_room(folder: Path, max_fs: int, said: str) -> None:
     the group is read: a size in a meta file or parity record, backed by sparse files, then never fills the disk,
     nor sends the rebuild through terabytes of zeros."""
     where = folder
-    while not where.exists() and where != where.parent:
-        where = where.parent
     try:
+        while not where.exists() and where != where.parent:
+            where = where.parent
         free = shutil.disk_usage(where).free
     except OSError as exc:
         raise RecoveryError(f"cannot tell the free space of {where}: {exc}") from None

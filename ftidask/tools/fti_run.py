@@ -85,13 +85,16 @@ def _meta_dir(cfg: Config, level: int) -> Path | None:
 
 def _ids(folder: Path, pattern: str) -> list[tuple[int, Path]]:
     """``(checkpoint id, path)`` of the files in ``folder`` whose name matches ``pattern``, newest id first."""
-    if not folder.is_dir():
-        return []
     found = []
-    for path in folder.iterdir():
-        named = re.fullmatch(pattern, path.name)
-        if named and path.is_file():
-            found.append((int(named[1]), path))
+    try:  # a directory the OS refuses to list (permissions, a name too long) is said, not a traceback
+        if not folder.is_dir():
+            return []
+        for path in folder.iterdir():
+            named = re.fullmatch(pattern, path.name)
+            if named and path.is_file():
+                found.append((int(named[1]), path))
+    except OSError as exc:
+        raise RecoveryError(f"cannot list the FTI run's directory {folder}: {exc}") from None
     return sorted(found, reverse=True)
 
 
