@@ -123,8 +123,10 @@ def test_config_validation_as_documented(row):
         assert accepts(key, "a" * 128) and accepts(key, "9-x_y.z")
         assert not accepts(key, "a" * 129) and not accepts(key, ".hidden") and not accepts(key, "a/b")
         return
-    if validation == "non-empty path":
+    if validation == "non-empty path, names <= 255 bytes, <= 3840 bytes in all":
         assert accepts(key, "some/dir") and not accepts(key, "")
+        assert accepts(key, "a/" + "n" * 255) and not accepts(key, "a/" + "n" * 256)
+        assert accepts(key, "/".join(["d" * 255] * 15)) and not accepts(key, "/".join(["d" * 255] * 16))
         return
     choices = [c.split("[")[0] for c in re.findall(r"`([^`]+)`", validation)]
     if key == "compressor":
