@@ -170,7 +170,7 @@ def test_export_to_a_directory_that_names_no_store(tmp_path, capsys, monkeypatch
     (tmp_path / "sub").mkdir()
     capsys.readouterr()
     assert main(["export", str(_ckpt_dir(tmp_path)), "--to-zarr", dest, "--overwrite"]) == 2
-    assert "names no store" in capsys.readouterr().err
+    assert ("names no store" if dest else "an empty value for to_zarr") in capsys.readouterr().err
 
 
 def test_export_overwrite_replaces_a_store_only(tmp_path, capsys):
@@ -317,3 +317,19 @@ def test_a_sound_file_in_place_of_the_committed_one_is_listed_damaged(tmp_path, 
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.split()[3:4] == [seq]]
     assert line.split()[1] == "2" and "DAMAGED" in line, line
     ctx._close()
+
+
+@pytest.mark.parametrize("argv", [["clean", "--config", "", "--yes"], ["clean", "", "--yes"],
+                                  ["list", "--config", ""], ["verify", "Ckpt7-Rank0.fti", "--meta", ""]])
+def test_an_empty_path_argument_is_refused_not_taken_for_the_current_directory(tmp_path, capsys, monkeypatch, argv):
+    """``clean --config "$UNSET" --yes`` (an empty string: Path("") is ".") removed the current directory's finished
+    run; ``verify --meta ""`` dropped the meta file silently. An empty path is an error (status 2), nothing removed."""
+    _finished_run(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert "ftidask: error: an empty value for" in capsys.readouterr().err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert main(["clean", ".", "--yes"]) == 0  # the same command with a path does remove it
+    assert not list((tmp_path / "Global").rglob("Ckpt7-Rank0.fti"))

@@ -18,6 +18,7 @@ from ..ftiff.fti_mpiio import check_rank, is_mpiio_file, read_mpiio
 from ..ftiff.posix import other_io_mode, read_posix
 from ..model.arrays import ArrayBytes, check_id
 from ..model.errors import FormatError, FTIError, ProtectError, RecoveryError
+from ..model.pathnames import checked_path
 from .device import DeviceHolder, realloc_target
 from .pystate import Holder, kind_of
 from .recovery import check_sizes, load_file
@@ -249,6 +250,8 @@ def check_paths(path: Any, meta: Any, rank: Any = None) -> None:
         if not isinstance(value, (str, os.PathLike)) and (what == "path" or value is not None):
             raise RecoveryError(f"recover_file({what}=...) takes a path (str or os.PathLike)"
                                 f"{'' if what == 'path' else ' or None'}, got {type(value).__name__} {value!r}")
+        if value is not None:  # a NUL, a lone surrogate, a name too long: said here, not by open() deep inside
+            checked_path(value, f"recover_file({what}=...)", RecoveryError)
     if rank is None:
         return
     if not is_mpiio_file(path):

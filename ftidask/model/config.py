@@ -16,6 +16,7 @@ from typing import Any
 from .codecspec import parse_compressor
 from .errors import ConfigError
 from .inifile import iniparser_value, read_sections
+from .pathnames import NAME_MAX, path_problem
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -72,28 +73,16 @@ def _parse_str(key: str, value: Any) -> str:
     return text
 
 
-#: Linux's limits on one name and on a whole path (every local and parallel file system of the field keeps them).
-NAME_MAX, PATH_MAX = 255, 4096
-
-
 def _parse_dir(key: str, value: Any) -> str:
     if isinstance(value, (bytes, os.PathLike)):  # str(b"/x") would be the name "b'/x'"
         value = os.fsdecode(value)
     if not isinstance(value, str):  # None or 3 would be the directories "./None" and "./3"
         raise ConfigError(f"config key {key!r}: expected a directory path (str or os.PathLike), got {value!r}")
     text = _parse_str(key, value)
-    try:  # what the OS is given: no NUL, and encodable (a lone surrogate is not)
-        if "\0" in text:
-            raise ValueError("it holds a NUL character")
-        os.fsencode(text)
-    except (ValueError, UnicodeError) as exc:
-        raise ConfigError(f"config key {key!r}: {text!r} cannot be a directory name: {exc}") from None
-    raw = os.fsencode(text)
-    longest = max(len(part) for part in raw.split(b"/"))
-    if longest > NAME_MAX or len(raw) > PATH_MAX - NAME_MAX:  # the OS refuses such a path at every use
-        raise ConfigError(f"config key {key!r}: {text[:60]!r}... is {len(raw)} bytes long with a name of {longest}: "
-                          f"a directory path holds names of at most {NAME_MAX} bytes and leaves room under "
-                          f"{PATH_MAX} bytes for the run's names")
+    # what the OS is given (no NUL, encodable, names and length it takes), with room for the run's names under it
+    problem = path_problem(text, room=NAME_MAX)
+    if problem:
+        raise ConfigError(f"config key {key!r}: {text[:80]!r} cannot be a directory name: {problem}")
     return text
 
 

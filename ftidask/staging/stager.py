@@ -51,6 +51,7 @@ import numpy as np
 from ..model.config import Config
 from ..model.constants import SI_ACTV, SI_FAIL, SI_NINI, SI_PEND, SI_SCES
 from ..model.errors import StagingError
+from ..model.pathnames import path_problem
 from ..storage import files as storage
 from ..transport.base import Transport
 from . import journal
@@ -206,8 +207,9 @@ def _path_of(value: Any, what: str) -> str:
         text = os.fsdecode(os.fspath(value))  # bytes paths too, as str (the request's paths are str)
     except TypeError:
         raise StagingError(f"send_file: {what} must be a path (str or os.PathLike), got {value!r}") from None
-    if "\0" in text:  # no file has such a name: the OS would refuse it later, in the mover thread
-        raise StagingError(f"send_file: {what} {text!r} holds a NUL character")
+    problem = path_problem(text)  # a NUL, a lone surrogate, a name too long: the OS would refuse it later, in
+    if problem:  # the mover thread, or raise here from deep inside
+        raise StagingError(f"send_file: {what} {text[:80]!r} cannot be a path: {problem}")
     return text
 
 
@@ -260,6 +262,8 @@ class Stager:
                 st = os.stat(absolute)
         except FileNotFoundError:
             raise StagingError(f"send_file: local file {local} does not exist") from None
+        except OSError as exc:  # a path through a file, a symbolic link loop
+            raise StagingError(f"send_file: local file {local}: {exc.strerror}") from None
         if not stat.S_ISREG(st.st_mode):  # first: the stage directory itself is not "outside" it
             raise StagingError(f"send_file: {local} is not a regular file")
         src = os.path.join(self._real_dir(os.path.dirname(absolute)), os.path.basename(absolute))

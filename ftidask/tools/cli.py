@@ -304,6 +304,10 @@ def _add_zarr_commands(sub: argparse._SubParsersAction) -> None:
 _EXTRA_COMMANDS.append(_add_zarr_commands)
 
 
+#: The arguments that name a file or directory (their ``dest``): an empty one is refused, never taken for ".".
+_PATH_ARGS = frozenset({"checkpoint", "config", "dir", "file", "meta", "path", "store", "to_zarr"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``ftidask`` command: its exit status (errors are one line on stderr, never a traceback)."""
     for stream in (sys.stdout, sys.stderr):  # names and values read from files: what the terminal cannot encode
@@ -311,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")
     try:
         args = build_parser().parse_args(argv)  # inside: --help into a closed pipe ends quietly too
+        empty = sorted(name for name, value in vars(args).items() if value == "" and name in _PATH_ARGS)
+        if empty:  # Path("") is ".": ``clean --config "$UNSET"`` would remove the current directory's runs
+            return _error(f"an empty value for {', '.join(empty)}: give a path (or leave the option out)")
         if getattr(args, "config", None):  # list/clean --config, import's config: say what is wrong with it
             check_config_file(args.config)
         code = int(args.func(args))

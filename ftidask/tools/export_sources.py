@@ -18,7 +18,8 @@ from ..engine.retention import rank_path
 from ..engine.runstate import CommitRecord, RunState, check_exec_id, read_current_exec_id
 from ..ftiff.filekind import is_config_file
 from ..model.config import Config, load_config
-from ..model.errors import FTIError, NoCheckpointError
+from ..model.errors import FormatError, FTIError, NoCheckpointError
+from ..model.pathnames import checked_path
 from ..storage import files as storage
 
 log = logging.getLogger("ftidask.zarr")
@@ -92,7 +93,7 @@ def locate(checkpoint: str | os.PathLike[str] | Config | None, *, exec_id: str |
     config = config_of(checkpoint, overrides)
     if config is not None:
         return _from_record(config, exec_id, ckpt_id, level)
-    return [_from_path(Path(checkpoint))]  # type: ignore[arg-type]
+    return [_from_path(checked_path(checkpoint, "the checkpoint", FormatError))]
 
 
 def config_of(checkpoint: str | os.PathLike[str] | Config | None, overrides: dict[str, Any]) -> Config | None:
@@ -101,7 +102,7 @@ def config_of(checkpoint: str | os.PathLike[str] | Config | None, overrides: dic
         return checkpoint.replace(**overrides) if overrides else checkpoint
     if checkpoint is None:
         return load_config(None, **overrides)
-    path = Path(checkpoint)
+    path = checked_path(checkpoint, "export_checkpoint(checkpoint=...)", FormatError)
     return load_config(path, **overrides) if is_config_file(path) else None  # by content: FTI names it config.fti
 
 

@@ -275,7 +275,10 @@ _CKPT_DIR, _LEVEL_DIR = re.compile(r"ckpt-?\d+\.s\d+"), re.compile(r"l\d|l4_arch
 def _not_over_sources(dest: Path, sources: list[Source]) -> None:
     """Refuse a destination that is, holds or lies in a file of the checkpoint exported, or lies in its run's level
     directory (``{exec_id}/l4/...``: another committed checkpoint's store, replaced by ``overwrite``)."""
-    target = dest.resolve()
+    try:  # a symbolic link loop: RuntimeError on Python 3.11, OSError (ELOOP) later
+        target = dest.resolve()
+    except (OSError, RuntimeError) as exc:
+        raise FTIError(f"export_checkpoint(dest={str(dest)!r}): the path cannot be resolved: {exc}") from None
     for source in sources:
         path = source.path.resolve()
         # a run's: .../{exec_id}/l{N}/ckpt{i}.s{q}/file (named or found from a commit record)

@@ -19,6 +19,7 @@ from ..engine import pystate
 from ..engine.runstate import RunState, read_current_exec_id
 from ..model.config import load_config
 from ..model.errors import FormatError, FTIError
+from ..model.pathnames import checked_path
 from ..storage import runlock
 from ..zarrfmt import store as zarr_store
 from ..zarrfmt.foreign import plain_group_attrs, read_plain_group
@@ -32,7 +33,7 @@ def store_path(value: Any, what: str) -> Path:
     if not isinstance(value, (str, os.PathLike)):
         raise FormatError(f"{what} takes the path of a Zarr store (str or os.PathLike), got {type(value).__name__} "
                           f"{value!r}")
-    return Path(value)
+    return checked_path(value, what, FormatError)  # a NUL, a lone surrogate, a name too long
 
 def read_zarr(path: str | os.PathLike[str], *, group: str = "") -> dict[int, tuple[str, np.ndarray]]:
     """The arrays of a Zarr group by ftidask variable id: ``{id: (name, array)}``.
