@@ -46,6 +46,9 @@ class Progress:
     layout_file: Any = None  # an FtiffFile (or a Zarr L4 store): its layout()
     restart_file: FtiffFile | None = None  # the checkpoint to recover, parsed once (stored_size, realloc)
     restart_record: CommitRecord | None = None  # its record, while its file, verified, may be loaded as it is
+    # restart_record is what a recover() without ckpt_id/level loads (found as it finds, or refused as the newest):
+    # False when a refused recover(ckpt_id=...)/recover(level=...) set it, which only such a request may reuse
+    restart_newest: bool = True
     # The newest checkpoint recovered last, and its file as verified: what recover_var() (a recovery of some ids)
     # loads again as it is while every rank's file is unchanged. Each one verified the whole file again: n variables
     # recovered one by one read n files' worth (10,000 of 1 KiB: 0.85 s a call). A full recover() verifies again.
@@ -321,6 +324,7 @@ class Recovery(RestartSizes):
             # (the newest, failed its hash; or an older one recover(ckpt_id=...) gave): else they size the arrays for
             # a checkpoint this recover() does not load, and it refuses them again, for ever. Agreed on every rank.
             self.progress.restart_file, self.progress.restart_record = verdict.parsed, record
+            self.progress.restart_newest = newest
             raise
 
         def load() -> None:
@@ -362,7 +366,9 @@ class Recovery(RestartSizes):
             release_all(verdict.staged)  # committed ones are gone already
         targets.apply_states()
         self.progress.plan_from(verdict.parsed)  # as _load
-        self.progress.restart_file = verdict.parsed
+        # its sizes for stored_size; no run's record goes with this file: a recover() after it finds its checkpoint
+        # anew (else it paired the newest record with this file, loaded it, and said it recovered that checkpoint)
+        self.progress.restart_file, self.progress.restart_record, self.progress.verified = verdict.parsed, None, None
         self.progress.recovered = True
         return targets.recovered()
 
@@ -373,6 +379,8 @@ class Recovery(RestartSizes):
         is the one this recovery asks for and every rank's file is unchanged since: it is then loaded as it is, not
         read and hashed again. Collective."""
         record, parsed = self.progress.restart_record, self.progress.restart_file
+        if ckpt_id is None and level is None and not self.progress.restart_newest:
+            record = None  # an older checkpoint a refused recover(ckpt_id=...) named: not the newest asked for now
         if record is None and partial and self.progress.verified is not None:
             record, parsed = self.progress.verified
         # The same on every rank (set and cleared by collective steps, the request agreed): no message needed

@@ -23,7 +23,7 @@ from .recovery import Verdict
 from .reshard_rebuild import old_files_sound
 from .run import RunPart
 from .runstate import CommitRecord
-from .variables import Protected, protected_var
+from .variables import Protected, check_name, protected_var
 
 if TYPE_CHECKING:
     from .recovering import Progress
@@ -49,6 +49,7 @@ class RestartSizes(RunPart):
         if self.progress.restart_file is None:
             record, verdict = self._restart_find()
             self.progress.restart_file, self.progress.restart_record = verdict.parsed, record
+            self.progress.restart_newest = True
         assert self.progress.restart_file is not None
         return self.progress.restart_file
 
@@ -115,6 +116,10 @@ class RestartSizes(RunPart):
         info = parsed.vars.get(vid)
         new = recoverplan.realloc_array(parsed, vid, array, variables)
         name = info.name if info is not None else None
+        # The stored name protected under another id since: two variables of one name (var_id finds either, a
+        # restart cannot protect both as they were): refused as protect refuses it
+        if vid not in variables and isinstance(name, str) and name:
+            check_name(name, vid, variables)
         # registered as ctx.protect(vid, new, name=...) would (its compressor and declaration kept if they fit)
         variables[vid] = protected_var(vid, new, name if vid not in variables else variables[vid].name, None,
                                        variables.get(vid), global_shape=None, offset=None, replicated=False)
