@@ -249,3 +249,20 @@ def test_list_and_clean_take_a_config_as_their_directory(run_dir):
     proc = cli("clean", "config.fti", "--yes", cwd=run_dir)  # the run_dir context holds the run: skipped
     assert proc.returncode == 0 and "in use by" in proc.stdout and "nothing to clean" in proc.stdout, proc.stdout
     assert list(find_paths(Path("Local"), "*.fti"))
+
+
+def test_a_meta_path_that_names_no_meta_file_is_a_usage_error(run_dir):
+    """``verify FILE --meta /nonexistent`` said DAMAGED of a sound file (status 1): a wrong argument is status 2."""
+    (ckpt,) = find_paths(Path("Global"), "Ckpt1-Rank0.fti")
+    proc = cli("verify", ckpt, "--meta", "nowhere", cwd=run_dir)
+    assert proc.returncode == 2 and "DAMAGED" not in proc.stdout
+    assert_error(proc, "--meta nowhere", "no such FTI meta file")
+
+
+def test_list_and_clean_of_a_fifo_say_it_is_not_a_directory(run_dir):
+    """``list FIFO`` said "no checkpoints under FIFO" with status 0."""
+    os.mkfifo("pipe")
+    for command in (("list", "pipe"), ("clean", "pipe", "--yes")):
+        proc = cli(*command, cwd=run_dir)
+        assert proc.returncode == 2
+        assert_error(proc, "pipe is not a directory")

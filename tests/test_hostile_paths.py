@@ -92,3 +92,21 @@ def test_export_to_a_symbolic_link_loop_is_an_error_not_a_traceback(tmp_path):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             code = cli_main(["export", str(ckpt), "--to-zarr", str(tmp_path / dest)])
         assert code in (1, 2) and "ftidask: error:" in err.getvalue() and "Traceback" not in err.getvalue()
+
+
+def test_read_zarr_of_a_group_the_store_has_not_is_an_error_not_an_empty_dict(tmp_path):
+    """A mistyped group (or None, 3) read as an empty group: ``{}``, as if the export held nothing."""
+    ctx = ftidask.init(**_dirs(tmp_path, keep_last_ckpt=1))
+    ctx.protect(0, np.arange(6.0))
+    ctx.checkpoint(1, 4)
+    ctx.finalize()
+    (ckpt,) = (tmp_path / "G").rglob("Ckpt1-Rank0.fti")
+    export_checkpoint(ckpt, tmp_path / "s.zarr")
+    assert list(read_zarr(tmp_path / "s.zarr")) == [0]
+    with pytest.raises(FormatError, match="no variable in group 'rank3'; the store's groups: the root"):
+        read_zarr(tmp_path / "s.zarr", group="rank3")
+    for group in (None, 3):
+        with pytest.raises(FormatError, match="takes the group's name"):
+            read_zarr(tmp_path / "s.zarr", group=group)
+        with pytest.raises(FormatError, match="takes the group's name"):
+            import_zarr(tmp_path / "s.zarr", None, group=group, **_dirs(tmp_path / "new"))

@@ -111,8 +111,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _verify_posix(root: Path, meta: str) -> int:
     """verify --meta: FTI's POSIX files (``root``, or its rank, partner, parity, MPI-IO files) against meta files."""
-    from ..ftiff.posix import posix_files, verify_posix
+    from ..ftiff.posix import meta_files, posix_files, verify_posix
 
+    try:  # a --meta that names no meta file is a wrong argument (status 2), not a damaged checkpoint file
+        meta_files(meta)
+    except FormatError as exc:
+        return _error(f"--meta {meta}: {exc}")
     files = [root] if root.is_file() else posix_files(root)
     if not files:
         return _error(f"no FTI POSIX file (Ckpt*-Rank*.fti, Ckpt*-Pcof*.fti, Ckpt*-RSed*.fti) in {root}")
@@ -143,6 +147,9 @@ def _config_as_dir(args: argparse.Namespace) -> int | None:
     """``list``/``clean``: a ``DIR`` that is a config file stands for ``--config`` (as ``verify config.fti`` takes
     one; told apart by content); another file is an error (its exit status), a directory None."""
     path = Path(args.dir)
+    if not args.config and path.exists() and not path.is_dir() and not path.is_file():  # a FIFO, a device
+        return _error(f"{path} is not a directory: give the base directory (holding Local/, Global/ and Meta/) or "
+                      "the run's config (--config CONFIG)")
     if args.config or not path.is_file():
         return None
     if not is_config_file(path):

@@ -35,6 +35,11 @@ def store_path(value: Any, what: str) -> Path:
                           f"{value!r}")
     return checked_path(value, what, FormatError)  # a NUL, a lone surrogate, a name too long
 
+def _check_group(group: Any, what: str) -> None:
+    if not isinstance(group, str):  # None or 3 were read as the root or as an empty group
+        raise FormatError(f"{what}(group=...) takes the group's name (str, \"\" for the root), got {group!r}")
+
+
 def read_zarr(path: str | os.PathLike[str], *, group: str = "") -> dict[int, tuple[str, np.ndarray]]:
     """The arrays of a Zarr group by ftidask variable id: ``{id: (name, array)}``.
 
@@ -43,6 +48,7 @@ def read_zarr(path: str | os.PathLike[str], *, group: str = "") -> dict[int, tup
     ``ftidask_id`` attribute, else 1, 2, ... in name order.
     """
     path = store_path(path, "read_zarr(path=...)")
+    _check_group(group, "read_zarr")
     if not path.is_dir():
         raise FormatError(f"{path}: no Zarr store there")
     if (path / zarr_store.MANIFEST).exists():
@@ -56,6 +62,10 @@ def _read_manifest_store(path: Path, group: str) -> dict[int, tuple[str, np.ndar
 
     manifest, data = read_verified(path, group)  # verified, each stored byte read once
     table = zarr_store.store_vars(manifest, path, group)
+    if not table and group:  # a mistyped group read as an empty one: said, with the groups there are
+        groups = sorted({name.rpartition("/")[0] for name, _info in zarr_store.store_entries(manifest, path)})
+        raise FormatError(f"{path}: no variable in group {group!r}; the store's groups: "
+                          f"{', '.join(repr(g) if g else 'the root' for g in groups) or 'none'}")
     return {vid: (info.name, data[vid], pystate.kind_of(info)) for vid, (info, _n) in table.items()}
 
 
@@ -71,6 +81,7 @@ def import_zarr(path: str | os.PathLike[str], config: str | os.PathLike[str] | N
     from ..api.start import init
 
     store = store_path(path, "import_zarr(path=...)")
+    _check_group(group, "import_zarr")
     if (store / zarr_store.MANIFEST).exists():  # Python states come back as states, not as their bytes
         arrays = {vid: (name, pystate.from_stored(kind, data, f"variable {vid} of {path}") if kind else data)
                   for vid, (name, data, kind) in _read_manifest_store(Path(path), group).items()}
