@@ -39,18 +39,19 @@ def test_a_child_forked_with_a_checkpoint_in_flight_exits(tmp_path, snapshot):
         pid = os.fork()
         if pid == 0:
             faulthandler.dump_traceback_later(30, exit=True)  # a hang ends the child with status 1
-            try:
-                ctx.checkpoint(2, 1, wait=False)
-            except ftidask.CheckpointError as exc:
-                print("child refused:", exc, flush=True)
-            ctx.wait()
+            for call in (lambda: ctx.checkpoint(2, 1, wait=False), ctx.wait):
+                try:
+                    call()
+                except ftidask.FTIError as exc:
+                    print("child refused:", exc, flush=True)
+            ctx.finalize()  # its parent's run: closed in the child only
             sys.exit(0)  # a normal exit: the interpreter's exit hooks run
         _, status = os.waitpid(pid, 0)
         print("child status", os.waitstatus_to_exitcode(status), "parent", handle.result().id, flush=True)
         ctx.finalize()
         """, str(tmp_path), snapshot)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "child refused: this process was forked" in proc.stdout and "child status 0 parent 1" in proc.stdout
+    assert proc.stdout.count("child refused: this process") == 2 and "child status 0 parent 1" in proc.stdout
 
 
 @pytest.mark.parametrize("snapshot", ["copy", "auto"])
@@ -98,3 +99,55 @@ def test_staging_buffers_the_machine_cannot_give_write_the_checkpoint_blocking(t
         """, str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "first blocking 0 1" in proc.stdout and "second copy 2" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("child", ["checkpoint", "finalize", "with-block"])
+@pytest.mark.parametrize("asynchronous", [0, 1])
+def test_a_forked_child_never_writes_nor_finalizes_its_parents_run(tmp_path, child, asynchronous):
+    """A child forked from the process whose context this is (found by a review): its ``checkpoint(wait=True)``
+    during the parent's checkpoint in flight left no checkpoint at all (the committed one retired, the parent's
+    commit raced), and its ``finalize()`` (or a with block ending) removed the parent's checkpoints while the parent
+    went on. Now the child's checkpoint is refused, its finalize closes the context in the child only; the parent's
+    run, crashed later, restarts from its newest checkpoint."""
+    proc = _run("""
+        import os, sys
+        import numpy as np
+        import ftidask
+        base, child, asynchronous = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        ctx = ftidask.init(ckpt_dir=base + "/Local", glbl_dir=base + "/Global", meta_dir=base + "/Meta",
+                           exec_id="run", async_ckpt=asynchronous)
+        a = np.full(4 << 20, 1.0)
+        ctx.protect(1, a)
+        ctx.checkpoint(1, 1, wait=True)
+        a[:] = 2.0
+        handle = ctx.checkpoint(2, 1)
+        pid = os.fork()
+        if pid == 0:
+            a[:] = -7.0
+            try:
+                if child == "checkpoint":
+                    ctx.checkpoint(3, 1, wait=True)
+                elif child == "finalize":
+                    ctx.finalize()
+                else:
+                    with ctx:
+                        pass
+                print("child done", flush=True)
+            except ftidask.FTIError as exc:
+                print("child refused:", exc, flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        info = handle.result() if asynchronous else handle
+        print("parent committed", info.id, flush=True)
+        os._exit(9)  # crashed: no finalize
+        """, str(tmp_path), child, str(asynchronous))
+    assert proc.returncode == 9, proc.stdout + proc.stderr
+    assert "parent committed 2" in proc.stdout
+    assert ("child refused: this process" in proc.stdout) == (child == "checkpoint"), proc.stdout
+    ctx = ftidask.init(**_dirs(tmp_path, exec_id="run"))
+    assert ctx.status() == 1
+    a = np.zeros(4 << 20)
+    ctx.protect(1, a)
+    ctx.recover()
+    assert (a == 2.0).all() and ctx.recovered_from == (2, 1)
+    ctx.finalize()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ class Context(RecoveryCalls, StagingCalls):
         """``retention`` makes the collaborator that retires checkpoints (a backend with files elsewhere: its own)."""
         self._calls = CallGuard()  # one API call at a time (api/callguard.py)
         self._closed = False
+        self._pid = os.getpid()  # the process whose run this is (a forked child's copy must not write it)
         self._unfinished: BaseException | None = None  # why the context closed with its run not finalized
         self._run_lock: RunLock | None = None
         config = config.with_absolute_dirs()  # a later os.chdir of the application moves nothing
@@ -292,6 +294,12 @@ class Context(RecoveryCalls, StagingCalls):
             if self._unfinished is not None:
                 raise lifecycle.unfinished_error(self._unfinished, self.exec_id)
             return
+        if os.getpid() != self._pid:  # a forked child (its with block ending): the run is its parent's, left alone
+            log.warning("finalize() in process %d, forked from process %d whose context this is: closed here only, "
+                        "the run's checkpoints are its parent's", os.getpid(), self._pid)
+            self._unfinished = lifecycle.forked_error(self._pid)
+            self._close()
+            return
         agree_call(self.transport, "finalize", lambda: ({}, None), FTIError)  # not beside another rank's checkpoint
         try:
             staging_failed, cleaned = lifecycle.end_run(self)
@@ -350,6 +358,8 @@ class Context(RecoveryCalls, StagingCalls):
             if self._unfinished is not None:
                 raise lifecycle.unfinished_error(self._unfinished, self.exec_id)
             raise FTIError("this context is finalized; call ftidask.init() again")
+        if os.getpid() != self._pid:  # its checkpoint retired the parent's, its commit raced the parent's in flight
+            raise lifecycle.forked_error(self._pid)
 
     def __enter__(self) -> Context:
         return self

@@ -96,6 +96,13 @@ def unfinished_error(cause: BaseException, exec_id: str) -> FTIError:
     return error
 
 
+def forked_error(pid: int) -> FTIError:
+    """The error of a call of a context in a process forked from ``pid``, the one that made it."""
+    return FTIError(f"this process ({os.getpid()}) was forked from process {pid}, whose context this is: a child "
+                    "must not write or finalize its parent's run (its checkpoint retired the parent's ones, its "
+                    "finalize removed them); call ftidask.init() in the child with directories of its own")
+
+
 def close_after_error(ctx: Any, exc: BaseException | None) -> None:
     """A ``with`` block left by ``exc``: close ``ctx`` without finalizing its run (its checkpoints stay for a restart).
     A failure while closing is logged, never raised over the application's own error, which is the one to see."""
