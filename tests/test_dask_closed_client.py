@@ -51,7 +51,9 @@ def test_dasks_progress_bar_follows_verbosity_and_the_delay(dask_client, monkeyp
     from ftidask.backends.dask import cluster as cluster_module
 
     monkeypatch.setattr(cluster_module, "is_kernel", lambda: True)
-    monkeypatch.setattr(cluster_module, "DELAY", 0.5)
+    # A delay no step of a loaded machine reaches for the short step, one every machine passes for the long one:
+    # what is checked is which side of the delay draws a bar, never how long a step takes.
+    monkeypatch.setattr(cluster_module, "DELAY", 30.0)
     quiet = cluster_module.Cluster(dask_client, "auto", verbosity=4)
     assert quiet._show_progress([dask_client.submit(int, 1)]) is None
     shown = cluster_module.Cluster(dask_client, "auto", verbosity=2)
@@ -59,6 +61,7 @@ def test_dasks_progress_bar_follows_verbosity_and_the_delay(dask_client, monkeyp
     shown.wait_all(futures, (), "a short step")
     time.sleep(1.0)
     assert "[" not in capsys.readouterr().out  # done before the delay: no bar
+    monkeypatch.setattr(cluster_module, "DELAY", 0.2)
     futures = [dask_client.submit(time.sleep, 1.5, pure=False)]
     shown.wait_all(futures, (), "a long step")
     out, deadline = "", time.monotonic() + 30  # the bar's thread prints its last line on its own poll

@@ -208,12 +208,13 @@ class Cluster:
         return done
 
     def wait_all(self, futures: Sequence[Future], addresses: Iterable[str], what: str,
-                 gather: bool = True, ranks: Sequence[str] = ()) -> list[Any]:
+                 gather: bool = True, ranks: Sequence[str] = (), cancel: bool = True) -> list[Any]:
         """The results of ``futures``; :class:`WorkerLost` or :class:`TaskFailed` on failure.
 
         Tasks are pinned to their workers, so a lost worker would leave them waiting forever:
         the loop checks that every worker they were placed on is still alive. ``ranks``: the
-        workers in rank order, to name a lost worker with its rank.
+        workers in rank order, to name a lost worker with its rank. ``cancel``: the futures are cancelled on a
+        failure (ftidask's own tasks, pinned to their workers); not the chunks of the application's arrays.
         """
         needed = set(addresses)
         send_now(self.client)  # the tasks just submitted leave now, not at the end of the client's batching interval
@@ -230,7 +231,8 @@ class Cluster:
             gone = needed - set(self.workers())
             error: ClusterError = (WorkerLost(what, self._lost(sorted(gone), list(ranks))) if gone
                                    else TaskFailed(what, self._failed(futures)))
-            self.cancel(futures)
+            if cancel:
+                self.cancel(futures)
             raise error
         finally:
             if shown is not None:

@@ -86,7 +86,10 @@ class DaskWriting:
         """Once the chunks are computed: the live workers (ranks), where each chunk is, and the rank that writes it
         (one holding it)."""
         try:
-            self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays", gather=False)
+            # Never cancelled: they are the application's array's chunks (persisted once, kept by it and by the next
+            # checkpoints); a cancel lost those computed too, and the next checkpoint said "cancelled", not why
+            self.cluster.wait_all(list(futures.values()), [], "computing the protected arrays", gather=False,
+                                  cancel=False)
         except FTIError as exc:
             raise CheckpointError(f"checkpoint {ckpt_id}: the protected arrays could not be computed: {exc}") from exc
         # After the chunks: a worker lost meanwhile has its chunks recomputed.
