@@ -122,8 +122,8 @@ cow_copy_py(PyObject *module, PyObject *args)
         const char *what = err == EBADF ? "snapshot released" : err == EALREADY ? "bytes already read out (their pages are unprotected)"
                            : err == ENOMEM ? "a page was written when no memory was left for its copy"
                            : err == ENODATA ? "a page was dropped (madvise DONTNEED or FREE) before it was read out"
-                           : err == EFAULT ? "a page was unmapped or moved (munmap, mremap: a realloc or "
-                                             "ndarray.resize(refcheck=False)) before it was read out"
+                           : err == EFAULT ? "a page was unmapped, moved or made inaccessible (munmap, mremap: a realloc or "
+                                             "ndarray.resize(refcheck=False); mprotect PROT_NONE) before it was read out"
                            : strerror(err);
         PyObject *exc = Py_BuildValue("(is)", err, what);
         if (exc) {

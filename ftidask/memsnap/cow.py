@@ -116,8 +116,8 @@ class CowSnapshot:
             # ndarray.resize(refcheck=False) gave the array new memory and freed or moved the old:
             # the snapshot's pages are gone. The kernel reports that to the native side too
             # (UFFD_EVENT_UNMAP/REMAP), where it can; this also covers kernels that do not.
-            raise OSError(errno.EFAULT, "a page was unmapped or moved (munmap, mremap: a realloc or "
-                          "ndarray.resize(refcheck=False)) before it was read out")
+            raise OSError(errno.EFAULT, "a page was unmapped, moved or made inaccessible (munmap, mremap: a realloc or "
+                          "ndarray.resize(refcheck=False); mprotect PROT_NONE) before it was read out")
         self._native.cow_copy(self._handle, i, start, out)
 
     def release(self) -> None:
