@@ -233,12 +233,13 @@ def test_troubleshooting_which_files_were_a_workers_own(tmp_path):
     (tmp_path / "config.fti").write_text(text.replace("group_size      = 4", "group_size      = 2"))
     code = ("import json\nimport dask.array as da\nimport ftidask\nfrom distributed import Client, LocalCluster\n"
             "if __name__ == '__main__':\n"
-            "    client = Client(LocalCluster(n_workers=2, threads_per_worker=1, processes=False))\n"
-            "    ctx = ftidask.init('config.fti', client=client)\n"
-            "    ctx.protect(1, client.persist(da.ones((64, 64), chunks=32)), name='field')\n"
-            "    ctx.checkpoint(3, 3)\n"
-            "    print(json.dumps([ctx.exec_id, ctx.cluster.workers()]))\n"
-            "    client.close()\n")
+            "    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False) as cluster, "
+            "Client(cluster) as client:\n"
+            "        ctx = ftidask.init('config.fti', client=client)\n"
+            "        ctx.protect(1, client.persist(da.ones((64, 64), chunks=32)), name='field')\n"
+            "        ctx.checkpoint(3, 3)\n"
+            "        print(json.dumps([ctx.exec_id, ctx.cluster.workers()]))\n"
+            "        ctx._close()  # crashed: its checkpoint stays for the commands below\n")
     exec_id, workers = json.loads(ok(run(tmp_path, code)).strip().splitlines()[-1])
     assert workers == sorted(workers)
     for rank, worker in enumerate(workers):
