@@ -163,9 +163,25 @@ def test_a_generator_function_is_refused(tmp_path: Path) -> None:
     async def coro(i):
         return i
 
-    for fn in (gen, coro):
+    class Stepper:  # an object whose __call__ is a generator function: found by a review, it ran nothing
+        def __call__(self, i):
+            yield i
+
+    for fn in (gen, coro, Stepper()):
         with pytest.raises(FTIError, match="generator or coroutine function"):
             ftidask.resilient(ctx, arrays={}, every=2, iterations=4)(fn)
+
+
+def test_a_body_that_returns_a_generator_is_refused_at_its_first_iteration(tmp_path: Path) -> None:
+    """A plain function returning a generator (a lambda wrapping a generator function) runs nothing either."""
+    ctx = _ctx(tmp_path)
+
+    def gen(i):
+        yield i
+
+    loop = ftidask.resilient(ctx, arrays={}, every=2, iterations=4)(lambda i: gen(i))
+    with pytest.raises(FTIError, match=r"<lambda>\(0\) returned a generator or coroutine"):
+        loop()
 
 
 def test_a_state_that_is_not_json_is_refused_before_anything_is_protected(tmp_path: Path) -> None:

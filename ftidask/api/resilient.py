@@ -225,7 +225,9 @@ def resilient(ctx: Context, *, arrays: Mapping[int, Any], every: int, level: int
     """
 
     def wrap(fn: Callable[[int], Any]) -> Callable[[], int]:
-        if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        call = fn if inspect.isroutine(fn) else getattr(type(fn), "__call__", fn)  # an object's: its __call__'s
+        if any(test(f) for f in (fn, call) for test in (inspect.isgeneratorfunction, inspect.iscoroutinefunction,
+                                                         inspect.isasyncgenfunction)):
             raise FTIError(f"resilient: {getattr(fn, '__name__', fn)} is a generator or coroutine function: calling "
                            "it runs nothing; decorate a plain function of one iteration, fn(i)")
 
@@ -235,7 +237,9 @@ def resilient(ctx: Context, *, arrays: Mapping[int, Any], every: int, level: int
                                  stop_level=stop_level, check_every=check_every, rng=rng, state=state)
             with loop:
                 for i in loop:
-                    fn(i)
+                    if inspect.isgenerator(out := fn(i)) or inspect.isawaitable(out) or inspect.isasyncgen(out):
+                        raise FTIError(f"resilient: {getattr(fn, '__name__', fn)}({i}) returned a generator or "
+                                       "coroutine, which runs nothing; decorate a plain function of one iteration")
             if loop.stopped:
                 if exit_on_signal:
                     raise SystemExit(0)

@@ -27,7 +27,7 @@ from .recovery import check_file
 from .retention import Retention, in_l4, rank_path
 from .run import Run, RunPart
 from .runstate import CommitRecord, FileRecord
-from .variables import Protected, encode_states, var_extras
+from .variables import Protected, declarations_problem, declared, encode_states, var_extras
 from .writing import Writer
 
 log = logging.getLogger("ftidask")
@@ -120,11 +120,14 @@ class Committer(RunPart):
                 raise CheckpointError("incremental checkpoints are written uncompressed as FTI-FF files: set "
                                       "compressor = none (and l4_format = ftiff for level 4), or use levels 5-8")
             return (plan_layout(self.progress.layout, [(vid, p.array.nbytes) for vid, p in self.variables.items()]),
-                    self.state.next_seq() if t.rank == 0 else None)
+                    self.state.next_seq() if t.rank == 0 else None, declared(self.variables))
 
-        (layout, seq), error = attempt(t.rank, plan, (None, None))
-        seq = agree(t, error, CheckpointError, f"checkpoint {ckpt_id} cannot start; the previous checkpoint is kept",
-                    seq)[0]  # rank 0's sequence number, or the same error on every rank
+        (layout, seq, mine), error = attempt(t.rank, plan, (None, None, {}))
+        cannot = f"checkpoint {ckpt_id} cannot start; the previous checkpoint is kept"
+        agreed = agree(t, error, CheckpointError, cannot, [seq, mine])
+        seq = agreed[0][0]  # rank 0's sequence number, or the same error on every rank
+        if problem := declarations_problem([decl for _seq, decl in agreed]):  # the same verdict on every rank
+            raise CheckpointError(f"{cannot}: {problem}")
         base_level = level.base
         directory = self.paths.level_dir(base_level, t.node) / storage.ckpt_dirname(ckpt_id, seq)
         path = directory / storage.rank_file(ckpt_id, t.rank)

@@ -132,3 +132,27 @@ def var_extras(variables: Mapping[int, Protected]) -> dict[int, dict[str, Any]]:
         if extra:
             out[vid] = extra
     return out
+
+
+def declared(variables: Mapping[int, Protected]) -> dict[str, list[Any]]:
+    """This rank's declared global arrays, ``{id: [global_shape or "replicated", dtype]}`` (JSON): what every rank
+    that declares the same id must declare alike (:func:`declarations_problem`)."""
+    return {str(vid): [p.decomp.get("global_shape", "replicated"), np.dtype(p.array.dtype).str]
+            for vid, p in variables.items() if p.decomp}
+
+
+def declarations_problem(per_rank: list[dict[str, list[Any]]]) -> str:
+    """Why the ranks' declarations (:func:`declared`, by rank) cannot make one global array per id, or "". A rank
+    declaring another global shape or dtype would commit a checkpoint no restart on another layout can redistribute
+    (nor one on this layout load), retiring the last good one: refused before anything is written."""
+    seen: dict[str, dict[str, list[int]]] = {}
+    for rank, mine in enumerate(per_rank):
+        for vid, decl in (mine or {}).items():
+            seen.setdefault(vid, {}).setdefault(repr(decl), []).append(rank)
+    for vid, kinds in sorted(seen.items(), key=lambda kv: int(kv[0])):
+        if len(kinds) > 1:
+            said = "; ".join(f"rank(s) {ranks[:8]}{'...' if len(ranks) > 8 else ''}: {decl}"
+                             for decl, ranks in kinds.items())
+            return (f"variable {vid} is declared as different global arrays (global shape or replicated, dtype) by "
+                    f"the ranks: {said}")
+    return ""
