@@ -59,13 +59,19 @@ def test_send_file_refuses_paths_the_os_refuses(tmp_path):
     ctx.finalize()
 
 
-@pytest.mark.parametrize(("what", "path", "why"), BAD, ids=[b[0] for b in BAD])
-def test_zarr_export_and_import_refuse_a_path_the_os_cannot_take(tmp_path, what, path, why):
-    ctx = ftidask.init(**_dirs(tmp_path, keep_last_ckpt=1))
+def _kept_checkpoint(base):
+    """The level-4 file of a finished run that kept its last checkpoint."""
+    ctx = ftidask.init(**_dirs(base, keep_last_ckpt=1))
     ctx.protect(0, np.arange(6.0))
     ctx.checkpoint(1, 4)
     ctx.finalize()
-    (ckpt,) = (tmp_path / "G").rglob("Ckpt1-Rank0.fti")
+    (ckpt,) = (base / "G").rglob("Ckpt1-Rank0.fti")
+    return ckpt
+
+
+@pytest.mark.parametrize(("what", "path", "why"), BAD, ids=[b[0] for b in BAD])
+def test_zarr_export_and_import_refuse_a_path_the_os_cannot_take(tmp_path, what, path, why):
+    ckpt = _kept_checkpoint(tmp_path)
     with pytest.raises(FormatError, match=f"checkpoint=.*{why}"):
         export_checkpoint(path, tmp_path / "out.zarr")
     with pytest.raises(FormatError, match=f"dest=.*{why}"):
@@ -78,11 +84,7 @@ def test_zarr_export_and_import_refuse_a_path_the_os_cannot_take(tmp_path, what,
 
 
 def test_export_to_a_symbolic_link_loop_is_an_error_not_a_traceback(tmp_path):
-    ctx = ftidask.init(**_dirs(tmp_path, keep_last_ckpt=1))
-    ctx.protect(0, np.arange(6.0))
-    ctx.checkpoint(1, 4)
-    ctx.finalize()
-    (ckpt,) = (tmp_path / "G").rglob("Ckpt1-Rank0.fti")
+    ckpt = _kept_checkpoint(tmp_path)
     (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
     (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
     with pytest.raises(FTIError, match="cannot be resolved"):
@@ -96,11 +98,7 @@ def test_export_to_a_symbolic_link_loop_is_an_error_not_a_traceback(tmp_path):
 
 def test_read_zarr_of_a_group_the_store_has_not_is_an_error_not_an_empty_dict(tmp_path):
     """A mistyped group (or None, 3) read as an empty group: ``{}``, as if the export held nothing."""
-    ctx = ftidask.init(**_dirs(tmp_path, keep_last_ckpt=1))
-    ctx.protect(0, np.arange(6.0))
-    ctx.checkpoint(1, 4)
-    ctx.finalize()
-    (ckpt,) = (tmp_path / "G").rglob("Ckpt1-Rank0.fti")
+    ckpt = _kept_checkpoint(tmp_path)
     export_checkpoint(ckpt, tmp_path / "s.zarr")
     assert list(read_zarr(tmp_path / "s.zarr")) == [0]
     with pytest.raises(FormatError, match="no variable in group 'rank3'; the store's groups: the root"):
