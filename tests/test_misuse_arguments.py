@@ -178,3 +178,17 @@ def test_a_labelled_array_is_refused_naming_what_to_protect(tmp_path):
     with pytest.raises(ftidask.ProtectError, match=r"DataArray; protect the array it holds, its \.data"):
         ctx.protect(1, xr.DataArray(np.zeros(3)))
     ctx.finalize()
+
+
+def test_a_resilient_loop_refused_at_an_array_leaves_the_protections_as_they_were(dirs) -> None:
+    """An array the loop cannot protect (here the second) refuses the loop; the first array's protect was left in
+    place (a loop that never ran had registered it, and the next checkpoint wrote it), and an id protected before
+    the loop lost its array for the loop's."""
+    with ftidask.init(**dirs) as ctx:
+        kept = np.arange(4.0)
+        ctx.protect(3, kept)
+        with pytest.raises(ftidask.ProtectError):
+            ftidask.ResilientLoop(ctx, arrays={1: np.zeros(3), 3: np.ones(2), 2: object()}, every=1, iterations=3)
+        assert list(ctx.protected) == [3] and ctx.protected[3] is kept
+        loop = ftidask.ResilientLoop(ctx, arrays={1: np.zeros(3)}, every=1, iterations=2)  # a loop can still be made
+        assert [i for i in loop] == [0, 1]

@@ -110,13 +110,19 @@ class ResilientLoop:
         self.stop_level = level if stop_level is None else stop_level
         self.signals, self.check_every = signals, check_every
         self.counter = Value(0)  # the next iteration to run, checkpointed with the arrays
-        for vid, array in arrays.items():
-            ctx.protect(vid, array)
-        ctx.protect(ITERATION_ID, self.counter, name="ftidask.loop.next_iteration")
-        if rng is not None:
-            ctx.protect(RNG_ID, rng, name="ftidask.loop.rng")
-        if state is not None:
-            ctx.protect(STATE_ID, state, name="ftidask.loop.state")
+        before = dict(ctx.variables)
+        try:
+            for vid, array in arrays.items():
+                ctx.protect(vid, array)
+            ctx.protect(ITERATION_ID, self.counter, name="ftidask.loop.next_iteration")
+            if rng is not None:
+                ctx.protect(RNG_ID, rng, name="ftidask.loop.rng")
+            if state is not None:
+                ctx.protect(STATE_ID, state, name="ftidask.loop.state")
+        except BaseException:  # a refused array: no loop, so none of its protects stays (a checkpoint wrote them)
+            ctx.variables.clear()
+            ctx.variables.update(before)
+            raise
         _LOOPS[ctx] = True
         self.start = 0
         self.stopped = False  # True when a signal ended the loop early
