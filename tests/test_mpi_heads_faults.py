@@ -308,3 +308,27 @@ def test_damaged_differential_checkpoint_falls_back_with_heads_as_without(tmp_pa
     assert replies == [None] * NAPP if not heads else all(r == {"ok": True, "error": "", "level": level,
                                                                  "ckpt_id": 3} for r in replies), replies
     _assert_recovered(_recover(base, cfg, nprocs), [3, level])
+
+
+@pytest.mark.parametrize(("level", "how"), [("4", "truncate"), pytest.param("3", "corrupt", marks=pytest.mark.slow),
+                                            pytest.param("2", "corrupt", marks=pytest.mark.slow)])
+def test_a_head_refuses_to_raise_a_damaged_level_1_file(tmp_path: Path, level: str, how: str) -> None:
+    """Checkpoint 2's L1 file of rank 0 damaged before its head raises it (a byte flipped, or the file cut short): the
+    heads raised it all the same (L3 encoded the damage into the parity) and retired checkpoint 1, which left nothing
+    recoverable. Now the raise fails on every rank, naming the file, and checkpoint 1 stays the one recovered."""
+    base = tmp_path / "run"
+    stdout = _write(base, {**HEADS, "damage": how}, f"{level},{level}")
+    assert all(r["ok"] and r["level"] == int(level) for r in _replies(stdout, 1)), stdout
+    for reply in _replies(stdout, 2):
+        assert reply["ok"] is False and "rank 0's level-1 file" in reply["error"], reply
+    _assert_recovered(_recover(base, HEADS), [1, int(level)])
+
+
+def test_init_again_after_the_heads_ended_is_refused_not_a_hang(tmp_path: Path) -> None:
+    """With heads, finalize ends the heads' processes: an init on the same communicator afterwards waited for them for
+    ever (a hang until the job's walltime). Now every application rank is refused at once, saying why."""
+    proc = run(4, "heads_reinit_job.py", str(tmp_path), timeout=60)
+    said = re.findall(r"REINIT (\d+) (.*)", proc.stdout)
+    assert sorted(int(r) for r, _e in said) == [0, 1], proc.stdout
+    for _rank, error in said:
+        assert error.startswith("FTIError: the heads of this communicator ended at finalize()"), error

@@ -73,6 +73,10 @@ def test_group_ranks_by_position_on_host_nodes() -> None:
 @pytest.mark.parametrize(("nprocs", "node_size", "head", "match"), [
     (6, 4, 0, "not a multiple of node_size"),
     (4, 1, 1, "head = 1 needs node_size >= 2"),
+    (6, 4, 0, r"set node_size to the processes on each node \(1, 2, 3 or 6: a divisor of 6\)$"),
+    # with a head the hint offered node_size 1, which head = 1 then refused; one process fits no node_size at all
+    (3, 2, 1, r"\(3: a divisor of 3 of at least 2 with head = 1\)$"),
+    (1, 2, 1, "head = 1 needs at least 2 processes per node, and this job has 1: run more processes, or set head = 0"),
 ])
 def test_fti_validation(nprocs: int, node_size: int, head: int, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

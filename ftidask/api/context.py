@@ -357,7 +357,7 @@ class Context(RecoveryCalls, StagingCalls):
         if self._closed:
             if self._unfinished is not None:
                 raise lifecycle.unfinished_error(self._unfinished, self.exec_id)
-            raise FTIError("this context is finalized; call ftidask.init() again")
+            raise FTIError("this context is finalized; call ftidask.init() again (with MPI heads: once per job)")
         if os.getpid() != self._pid:  # its checkpoint retired the parent's, its commit raced the parent's in flight
             raise lifecycle.forked_error(self._pid)
 

@@ -157,9 +157,13 @@ def _either(numbers: list[int]) -> str:
 
 def _check_basic(nprocs: int, node_size: int, head: int) -> None:
     if nprocs % node_size:
-        fits = [n for n in range(1, nprocs + 1) if nprocs % n == 0]
+        fits = [n for n in range(2 if head else 1, nprocs + 1) if nprocs % n == 0]  # a head needs a rank beside it
+        if not fits:  # one process with head = 1
+            raise ConfigError(f"head = 1 needs at least 2 processes per node, and this job has {nprocs}: run more "
+                              "processes, or set head = 0")
         raise ConfigError(f"the number of processes ({nprocs}) is not a multiple of node_size ({node_size}): set "
-                          f"node_size to the processes on each node ({_either(fits)}: a divisor of {nprocs})")
+                          f"node_size to the processes on each node ({_either(fits)}: a divisor of {nprocs}"
+                          f"{' of at least 2 with head = 1' if head else ''})")
     if head and node_size < 2:
         raise ConfigError("head = 1 needs node_size >= 2 (one head and at least one application process per node)")
 

@@ -10,6 +10,8 @@ CONFIG_JSON: the config (``head``, ``node_size``, ``inline_lN``, ...); ``"wait":
 seams that open the race: the heads' root holds the last commit until a moment after the application asks to recover, and an
 application rank that checks an L1 file waits until it is gone (a head removed it); it prints
 ``ROLLBACK <rank> <recovered_from> <same>``;
+``"damage": "corrupt"|"truncate"``: application rank 0 damages its L1 file of the last checkpoint (a byte flipped in
+its data, or the file cut short) before its head raises it (a seam holds each head's raise of it until then);
 ``"poll": true`` polls ``post_processing_done`` after each checkpoint call (the handle not waited for), then prints
 ``POLL <rank> <ckpt> <its level in the commit records when done said so> <done before the first poll's answer>``
 (a seam holds each background checkpoint until that first poll has answered: the checkpoint is then still in flight).
@@ -95,6 +97,34 @@ def race_seams(base: Path, last: int) -> None:
     recovering.check_file = checked  # type: ignore[assignment]
 
 
+def damage_seam(base: Path, last: int) -> None:
+    """The heads' seam of ``damage``: each head raises checkpoint ``last`` only once rank 0 has damaged its file."""
+    from ftidask.backends.mpi import heads
+
+    raise_ = heads._raise
+
+    def held(cfg: Any, t: Any, job: Any, state: Any) -> Any:
+        if job.record.ckpt_id == last:
+            wait_for((base / "damaged").exists, 30)
+        return raise_(cfg, t, job, state)
+
+    heads._raise = held  # type: ignore[assignment]
+
+
+def damage(base: Path, ckpt_id: int, how: str) -> None:
+    """Application rank 0's L1 file of ``ckpt_id``: a byte flipped in its middle, or cut to 100 bytes."""
+    (path,) = Path(base).glob(f"Local/node*/*/l1/ckpt{ckpt_id}.*/Ckpt{ckpt_id}-Rank0.fti")
+    if how == "truncate":
+        os.truncate(path, 100)
+    else:
+        with open(path, "r+b") as fh:
+            fh.seek(path.stat().st_size // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+    Path(base, "damaged").touch()
+
+
 def poll_gate() -> threading.Semaphore:
     """The seam of ``poll``: each checkpoint's background job waits for a permit, released after the first poll."""
     from ftidask.engine import commit
@@ -122,6 +152,9 @@ def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
             crashpoints.install(point, int(nth or 1))
     wait, finalize, poll = cfg.pop("wait", True), cfg.pop("finalize", False), cfg.pop("poll", False)
     resume, rollback = cfg.pop("resume", False), cfg.pop("rollback", False)
+    how = cfg.pop("damage", "")
+    if how:
+        damage_seam(Path(base), len(levels))
     if rollback:
         race_seams(Path(base), len(levels))
     permits = poll_gate() if poll else None
@@ -149,6 +182,8 @@ def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
             a[:] = -1.0
             info = info.result()
             a[:] = data(rank, c)
+        if how and c == start + len(levels) and rank == 0:
+            damage(Path(base), c, how)
         if c == app_kill and rank == ctx.comm.size - 1:
             os.kill(os.getpid(), signal.SIGKILL)  # the head of its node is raising checkpoint c now
         reply = None if (finalize or rollback) and c == start + len(levels) else ctx.wait_post_processing()
@@ -165,7 +200,7 @@ def write(cfg: dict, base: str, levels: list[int], kill: str) -> None:
 
 
 def recover(cfg: dict, base: str) -> None:
-    for key in ("wait", "finalize", "poll", "resume", "rollback"):
+    for key in ("wait", "finalize", "poll", "resume", "rollback", "damage"):
         cfg.pop(key, None)
     ctx = ftidask.init(comm=MPI.COMM_WORLD, **cfg, **dirs(base))
     rank = ctx.comm.rank

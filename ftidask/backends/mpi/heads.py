@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ...engine.dcpstore import write_spare_hint
+from ...engine.recovery import check_file
 from ...engine.retention import move_to_spares, to_retire
 from ...engine.runstate import CommitRecord, RunState
 from ...levels import multilevel
@@ -133,7 +134,13 @@ def _raise(cfg: Config, t: MpiTransport, job: _Job, state: RunState) -> dict[str
         name = storage.rank_file(record.ckpt_id, app)
         # A differential L1 file is copied, not linked, so that it can become the rank's spare below.
         place = storage.copy_file_atomic if level == 4 or record.extra.get("dcp") else _link_or_copy
-        guarded(errors, functools.partial(place, src_dir / name, dst_dir / name), None, f"node {node}")
+        placed = guarded(errors, functools.partial(place, src_dir / name, dst_dir / name), False, f"node {node}")
+        if placed is not False:
+            # The L1 file has lived on disk since the rank wrote it: checked as a recovery would before it is raised
+            # (a damaged one raised, and the older checkpoints retired, would leave nothing recoverable). As placed:
+            # a copy's own errors are caught too. The levels then read it again from the page cache.
+            verdict = check_file(dst_dir / name, record, app)
+            errors += [] if verdict.kind == "ok" else [f"node {node}: rank {app}'s level-1 file: {verdict.message}"]
         if level == 4:
             continue
         assert t.group is not None  # L2/L3 were validated when the run started

@@ -30,6 +30,14 @@ from . import reorder
 
 log = logging.getLogger("ftidask")
 _TAG_REQ, _TAG_REPLY = 1, 2
+_heads_ended: int | None = None  # an MPI attribute key: set on a communicator whose heads were told to end
+
+
+def _ended_key() -> int:
+    global _heads_ended
+    if _heads_ended is None:
+        _heads_ended = MPI.Comm.Create_keyval()
+    return _heads_ended
 
 
 def _json_default(value: Any) -> Any:
@@ -116,6 +124,7 @@ class MpiTransport(GroupLevels):
 
     def __init__(self, cfg: Config, comm: MPI.Comm) -> None:
         self.cfg = cfg
+        self._parent = comm
         self.world = comm.Dup()
         self._comms: list[MPI.Comm] = [self.world]
         #: the host of each node id and the node of each world rank (None with local_test): commit records keep it
@@ -268,6 +277,10 @@ class MpiTransport(GroupLevels):
         if self.node_comm is not None and not self.is_head:
             self.wait_post()
             send_json(self.node_comm, {"op": "end"}, 0, _TAG_REQ)
+            try:  # the heads' processes exit now: an init on this communicator again would wait for them for ever
+                self._parent.Set_attr(_ended_key(), True)
+            except MPI.Exception:  # freed by the application meanwhile: no init can use it again anyway
+                pass
         for comm in reversed(self._comms):
             comm.Free()
 
@@ -288,6 +301,10 @@ def make_mpi_context(cfg: Config | None, comm: Any, refused: FTIError | None = N
     if comm == MPI.COMM_NULL:  # every MPI call on it fails, deep inside; a finalized context's ctx.comm is one
         raise FTIError("comm is MPI.COMM_NULL (a freed communicator, such as ctx.comm after finalize()): pass "
                        "MPI.COMM_WORLD or another live intracommunicator")
+    if comm.Get_attr(_ended_key()):  # a local answer: every application rank's finalize set it
+        raise FTIError("the heads of this communicator ended at finalize() (head = 1: as in FTI, a head serves one "
+                       "init and its process then exits), so no init on it can run again: with heads, call "
+                       "ftidask.init() once per job and finalize() at its end")
     # One allgather: each rank's refusal, or the keys every rank must read alike.
     gathered = allgather_json(comm, [f"rank {comm.Get_rank()}: {refused}" if refused else "",
                                      None if cfg is None else {key: getattr(cfg, key) for key in JOB_WIDE_KEYS}])
