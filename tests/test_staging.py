@@ -429,6 +429,29 @@ def test_source_modified_during_transfer_fails(tmp_path, monkeypatch):
     stager.close(5)
 
 
+
+@pytest.mark.parametrize("mover", ["thread", "process"])
+def test_a_source_replaced_by_a_fifo_fails_and_the_requests_behind_it_go_on(tmp_path, mover, monkeypatch):
+    """A staged file replaced by a FIFO after send_file: the mover's open() waited for a writer for ever, the requests
+    queued behind it with it (and an MPI head's finalize). Now it fails as no regular file, and the next is copied."""
+    gate = tmp_path / "gate"  # the FIFO is in place before the mover comes to it
+    slowcopy.slow_movers(0.0, monkeypatch.setattr, gate)
+    stager = make_stager(tmp_path, ThreadMover() if mover == "thread" else ProcessMover())
+    first, swapped, last = (stager.stage_dir / name for name in ("first", "swapped", "last"))
+    first.write_bytes(b"a" * MiB)
+    swapped.write_bytes(b"b" * 1000)
+    last.write_bytes(b"c" * 1000)
+    ids = [stager.send(path, path.name) for path in (first, swapped, last)]
+    swapped.unlink()
+    os.mkfifo(swapped)
+    gate.touch()
+    assert [stager.wait(req, 60) for req in ids] == [SI_SCES, SI_FAIL, SI_SCES]
+    assert (tmp_path / "global" / "last").read_bytes() == b"c" * 1000
+    assert not (tmp_path / "global" / "swapped").exists() and leftovers(tmp_path / "global") == []
+    (failed,) = stager.close(10)  # reported again as it closes
+    assert failed.request.id == ids[1] and failed.reason.endswith("swapped is no longer a regular file")
+
+
 # --- the mover killed ---------------------------------------------------------------------------
 
 

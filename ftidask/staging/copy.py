@@ -109,6 +109,16 @@ class _Swapped(Exception):
     """A path component that was a directory when the request was checked is a link now."""
 
 
+def open_regular(name: str, dir_fd: int) -> int:
+    """Open ``name`` in ``dir_fd`` to read, never following a link, and without blocking: a FIFO put in the file's
+    place since send_file would block open() until some process wrote to it (the mover stuck for ever, the requests
+    behind it too); the caller then finds it is no regular file. Blocking again once open (a regular file)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    with contextlib.suppress(OSError):
+        os.set_blocking(fd, True)
+    return fd
+
+
 def _open_dir(path: str, create_mode: int | None = None) -> int:
     """Open the directory ``path`` (absolute and free of links when the request was checked) from
     ``/`` one component at a time, following no symbolic link; create the missing ones with
@@ -189,7 +199,7 @@ def transfer(req: StageRequest, cancelled: Callable[[], bool] = lambda: False,
     try:
         sfd = _open_dir(src_dir)
         try:
-            fin = os.open(src_name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sfd)
+            fin = open_regular(src_name, sfd)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise _Swapped(req.src) from None

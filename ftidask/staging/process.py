@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..model.constants import FTI_SI_ACTV, FTI_SI_FAIL, FTI_SI_SCES
-from .copy import StageRequest, TransferFailed, transfer
+from .copy import CANCELLED, StageRequest, TransferFailed, transfer
 from .settle import settle
 
 
@@ -133,14 +133,13 @@ class ProcessMover:
             child.proc.stdin.close()
         self._table.wait(None, timeout)
         if child.proc.poll() is None and child.inflight:
-            child.death_reason = "timed out: not finished at finalize (stage_timeout)"
+            child.death_reason = CANCELLED
             child.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.proc.wait(10)
         if child.reader is not None:
             child.reader.join(10)
-        self._table.fail_open([r.id for r in self._table.open_requests()],
-                              "timed out: not finished at finalize (stage_timeout)")
+        self._table.fail_open([r.id for r in self._table.open_requests()], CANCELLED)
 
 
 # --- the mover process -------------------------------------------------------------------------

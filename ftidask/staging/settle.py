@@ -28,7 +28,7 @@ import stat
 
 from ..ftiff import hashing
 from ..model.constants import SI_FAIL, SI_SCES
-from .copy import PIECE, StageRequest, _hash_file, _open_dir, _Swapped
+from .copy import PIECE, StageRequest, _hash_file, _open_dir, _Swapped, open_regular
 
 log = logging.getLogger("ftidask")
 
@@ -43,7 +43,7 @@ def _lstat(name: str, dir_fd: int) -> os.stat_result | None:
 def _digest(name: str, dir_fd: int, hid: int, buf: bytearray) -> tuple[int, bytes] | None:
     """Size and hash of the regular file ``name`` in ``dir_fd`` (never a link's target); None if it is no such file."""
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = open_regular(name, dir_fd)
     except OSError:
         return None
     try:

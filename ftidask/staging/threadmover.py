@@ -68,5 +68,4 @@ class ThreadMover:
         self._table.wait(None, timeout)
         self._cancel.set()  # what is left is over time: abort it at the next piece
         self._thread.join(5.0)
-        self._table.fail_open([r.id for r in self._table.open_requests()],
-                              "timed out: not finished at finalize (stage_timeout)")
+        self._table.fail_open([r.id for r in self._table.open_requests()], CANCELLED)
