@@ -143,6 +143,6 @@ def test_dask_page_loop_then_restart(folder):
             + "".join("    " + line + "\n" for line in restart.splitlines())
             + "    print(ctx.status(), ctx.recovered_from, arrays[1].chunksize, x.chunksize,\n"
               "          bool((arrays[1].compute() == expected).all()), bool((x.compute() == expected).all()))\n"
-              "    ctx.finalize()\n    client.close()\n")
+              "    ctx.finalize()\n    cluster = client.cluster\n    client.close()\n    cluster.close()\n")
     # status 0 after a recovery of every variable (FTI_Recover's rule); recovered_from: the last checkpoint, (3, 3)
     assert ok(run(folder, main)).split() == ["0", "(3,", "3)", "(64,", "64)", "(128,", "128)", "True", "True"]
