@@ -37,9 +37,12 @@ def config_rows() -> list[tuple[str, str, str, str]]:
 ROWS = config_rows()
 
 
+NEEDS = {"dcp_l4": {"enable_dcp": 1}}  # keys whose values above 0 need another key (said in their meaning column)
+
+
 def accepts(key: str, value) -> bool:
     try:
-        load_config(None, **{key: value})
+        load_config(None, **{key: value, **NEEDS.get(key, {})})
     except ConfigError:
         return False
     return True

@@ -133,3 +133,19 @@ def test_realloc_of_an_id_whose_stored_name_another_id_has_now_is_refused(tmp_pa
         ctx.realloc(1)
     assert 1 not in ctx.protected
     ctx.finalize()
+
+
+@pytest.mark.parametrize("async_ckpt", [0, 1])
+def test_a_checkpoint_committed_on_a_restart_ends_it_for_snapshot(tmp_path, async_ckpt):
+    """A restart that checkpoints its own state before its first snapshot() (as the docs say: a checkpoint committed
+    since ends the restart): snapshot() recovered that checkpoint all the same, rolling back what the program did
+    after it (asynchronous: the checkpoint was still in flight)."""
+    _crashed_run(tmp_path, sizes=(10, 10))
+    ctx = ftidask.init(**_dirs(tmp_path, ckpt_l1=100, snapshot_unit="iterations", async_ckpt=async_ckpt))
+    a = np.full(10, 42.0)
+    ctx.protect(1, a, name="temp")
+    ctx.checkpoint(10, 1)
+    a[:] = 43.0
+    assert ctx.snapshot() == ftidask.FTI_SCES
+    assert (a == 43.0).all() and ctx.recovered_from is None and ctx.status() == 0
+    ctx.finalize()

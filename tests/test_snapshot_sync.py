@@ -169,3 +169,20 @@ def test_configured_levels_the_backend_lacks_are_said(tmp_path, caplog):
     said = [r for r in caplog.records if "levels [2] are configured" in r.getMessage()]
     assert len(said) == 1 and ctx.last_checkpoint is None
     ctx.finalize()
+
+
+def test_dcp_l4_is_a_differential_level_4_between_l3_and_l4(dirs) -> None:
+    """FTI's ``dcp_l4``: snapshot() writes level 8 (a differential L4) at its interval; when several are due, FTI's
+    order decides (L1, L2, L3, dCP L4, L4: the last due wins). It was accepted and ignored: no checkpoint at all."""
+    made, _lines = drive(dirs, [1000.0] * 12, ckpt_l1=2, dcp_l4=3, ckpt_l4=6, enable_dcp=1,
+                         snapshot_unit="iterations")
+    assert made == [(2, 1), (3, 8), (4, 1), (6, 4), (8, 1), (9, 8), (10, 1), (12, 4)]
+    made, _lines = drive(dirs, [1.5] * 170, dcp_l4=1, ckpt_l4=2, enable_dcp=1)  # minutes: looks at 41, 81, ...
+    assert made == [(41, 8), (81, 4), (121, 8), (161, 4)]
+    made, _lines = drive(dirs, [1000.0] * 3, dcp_l4=1, enable_dcp=1, snapshot_unit="iterations")
+    assert made == [(1, 8), (2, 8), (3, 8)]
+
+
+def test_dcp_l4_needs_enable_dcp(dirs) -> None:
+    with pytest.raises(ftidask.ConfigError, match=r"dcp_l4 .* needs enable_dcp = 1"):
+        ftidask.init(**dirs, dcp_l4=2)

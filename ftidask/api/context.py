@@ -263,8 +263,9 @@ class Context(RecoveryCalls, StagingCalls):
         pr = self.progress
         if self._status != STATUS_FRESH and not pr.recovered_all:  # a restart whose recovery is not complete
             rest = [vid for vid in self._vars if vid not in pr.recovered_ids]
+            self._async.inflight.drain()  # a checkpoint in flight commits first: then it ends the restart below
             with self._calls.nested("recover"):
-                if not pr.recovered:
+                if not pr.recovered and pr.last_checkpoint is None:  # (else: never roll back what it wrote)
                     self.recover()
                 elif rest and pr.last_checkpoint is None:
                     # the others from the same checkpoint; never again those recovered, which may have changed since
@@ -275,7 +276,7 @@ class Context(RecoveryCalls, StagingCalls):
         if not due:
             return constants.FTI_SCES
         with self._calls.nested("checkpoint"):
-            self.checkpoint(max(self.progress.next_ckpt_id, self._async.next_id), max(due))
+            self.checkpoint(max(self.progress.next_ckpt_id, self._async.next_id), due[-1])  # FTI's precedence
         self._schedule.written()
         return constants.FTI_DONE
 

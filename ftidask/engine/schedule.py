@@ -1,4 +1,5 @@
-"""FTI_Snapshot's schedule: which levels are due at this call (``ckpt_l1`` .. ``ckpt_l4`` intervals).
+"""FTI_Snapshot's schedule: which levels are due at this call (``ckpt_l1`` .. ``ckpt_l4`` intervals, and ``dcp_l4``:
+level 8, a differential L4 checkpoint).
 
 With ``snapshot_unit = iterations`` intervals count calls, alike on every rank: no message.
 
@@ -17,7 +18,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..model import constants
 from ..model.config import Config
 from ..model.errors import CheckpointError
 from ..transport.base import Transport
@@ -27,6 +27,9 @@ log = logging.getLogger("ftidask")
 
 DEFAULT_MAX_SYNC = 512  # FTI's, when max_sync_intv is 0 (or not set)
 _MOST_CALLS = 2**31 - 1  # calls a minute when a call takes no measurable time (FTI's C int)
+# FTI_Snapshot looks at L1, L2, L3, then L4's dCP interval, then L4, each due one replacing the level chosen before: a
+# full L4 due wins over a differential one, a differential L4 over L1-L3.
+PRECEDENCE = (1, 2, 3, 8, 4)
 
 
 def max_sync(value: int) -> int:
@@ -50,17 +53,17 @@ class SnapshotSchedule:
         self.mean = 0.0  # the agreed mean time of a call (FTI's globMeanIter)
         self.total = 0.0  # this rank's time in calls so far, checkpoints left out (FTI's totalIterTime)
         self.minutes = 0  # looks so far: minutes (FTI's minuteCnt)
-        self.counts = [1] * len(constants.LEVELS)  # level L is due at minute counts[L-1] * ckpt_lL (FTI's ckptCnt)
+        self.counts = dict.fromkeys(PRECEDENCE, 1)  # level L is due at minute counts[L] * its interval (FTI's ckptCnt)
         self.mark = clock()  # when the last call (or checkpoint) ended (FTI's iterTime)
         self.said = False  # whether the configured levels this backend lacks were said
 
     def due(self) -> list[int]:
-        """Count this call; the levels due now (minutes: collective every ``sync`` calls, the same on every
-        rank)."""
+        """Count this call; the levels due now, the one to write last (:data:`PRECEDENCE`; minutes: collective every
+        ``sync`` calls, the same on every rank)."""
         self.iteration += 1
-        configured = [lv for lv in constants.LEVELS if self.config.interval(lv) > 0]
+        configured = [lv for lv in PRECEDENCE if self.config.interval(lv) > 0]
         have = self.transport.levels()
-        levels = [lv for lv in configured if lv in have]
+        levels = [lv for lv in configured if (lv - 4 if lv > 4 else lv) in have]
         if len(levels) < len(configured) and not self.said:  # they were left out silently: protection the user
             self.said = True  # believed they had (ckpt_l2 in one process, or on a Dask cluster of one worker)
             log.warning("snapshot(): levels %s are configured (ckpt_l*) but this backend cannot write them here (it "
@@ -74,9 +77,9 @@ class SnapshotSchedule:
         # A look at the intervals: one more minute. Beyond a minute a call, the minutes the calls took; from
         # the agreed mean (FTI reads each rank's own total here, on which the ranks may disagree).
         self.minutes = int(self.mean * (self.iteration - 1) // 60) if self.mean > 60 else self.minutes + 1
-        due = [lv for lv in levels if self.minutes >= self.counts[lv - 1] * self.config.interval(lv)]
-        for lv in due:  # an interval passed counts, taken or not (the highest due level is written)
-            self.counts[lv - 1] += 1
+        due = [lv for lv in levels if self.minutes >= self.counts[lv] * self.config.interval(lv)]
+        for lv in due:  # an interval passed counts, taken or not (only the last due level is written)
+            self.counts[lv] += 1
         self.last_check, self.next_check = self.next_check, self.next_check + self.per_minute
         if not due:
             self.mark = now

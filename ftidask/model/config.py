@@ -135,6 +135,7 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "ckpt_l2": ("basic", 0, _parse_int(0)),
     "ckpt_l3": ("basic", 0, _parse_int(0)),
     "ckpt_l4": ("basic", 0, _parse_int(0)),
+    "dcp_l4": ("basic", 0, _parse_int(0)),  # FTI's: snapshot() interval of level 8 (differential L4)
     "inline_l2": ("basic", 1, _parse_bool),
     "inline_l3": ("basic", 1, _parse_bool),
     "inline_l4": ("basic", 1, _parse_bool),
@@ -176,7 +177,8 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
 #: would hang the job in a collective call it makes alone, or write files that the others' records contradict.
 #: Directories, verbosity and modes may differ (a node's own local disk, one rank's log).
 JOB_WIDE_KEYS = ("head", "node_size", "group_size", "local_test", "ckpt_l1", "ckpt_l2", "ckpt_l3", "ckpt_l4",
-                 "inline_l2", "inline_l3", "inline_l4", "keep_last_ckpt", "keep_l4_ckpt", "enable_dcp", "dcp_mode",
+                 "dcp_l4", "inline_l2", "inline_l3", "inline_l4", "keep_last_ckpt", "keep_l4_ckpt", "enable_dcp",
+                 "dcp_mode",
                  "dcp_block_size", "max_sync_intv", "exec_id", "hash", "l4_format", "async_ckpt", "max_inflight",
                  "snapshot_unit", "mpi_tag", "enable_staging", "block_size", "transfer_size")  # (L2/L3's pieces)
 
@@ -185,7 +187,7 @@ JOB_WIDE_KEYS = ("head", "node_size", "group_size", "local_test", "ckpt_l1", "ck
 _IGNORED_KEYS = {"lustre_stiping_unit", "lustre_stiping_factor", "lustre_stiping_offset", "ckpt_net",
                  "gpu_host_bufsize", "enable_hdf5", "h5_single_file_enable", "h5_single_file_dir",
                  # FTI 1.x's examples and conf.c
-                 "lustre_striping_unit", "lustre_striping_factor", "lustre_striping_offset", "dcp_l4",
+                 "lustre_striping_unit", "lustre_striping_factor", "lustre_striping_offset",
                  "keep_heads_alive", "dcp_stack_size", "cacheddcp", "h5_single_file_prefix", "h5_single_file_keep",
                  "general_tag", "ckpt_tag", "stage_tag", "final_tag", "profile_dir"}
 #: FTI's sections whose keys ftidask never uses ([injection]: FTI's bit-flip injection).
@@ -205,6 +207,7 @@ class Config:
     ckpt_l2: int = 0
     ckpt_l3: int = 0
     ckpt_l4: int = 0
+    dcp_l4: int = 0
     inline_l2: bool = True
     inline_l3: bool = True
     inline_l4: bool = True
@@ -241,8 +244,8 @@ class Config:
     direct_io: bool = False
 
     def interval(self, level: int) -> int:
-        """The snapshot interval of ``level`` (minutes or iterations; 0 = never)."""
-        return (self.ckpt_l1, self.ckpt_l2, self.ckpt_l3, self.ckpt_l4)[level - 1]
+        """The snapshot interval of ``level`` (minutes or iterations; 0 = never): 1-4, or 8 (``dcp_l4``)."""
+        return self.dcp_l4 if level == 8 else (self.ckpt_l1, self.ckpt_l2, self.ckpt_l3, self.ckpt_l4)[level - 1]
 
     def direct_writes(self, level: int) -> bool:
         """Whether ``level``'s rank files are written around the page cache (``direct_io``; levels 1 and 4: levels 2
@@ -307,6 +310,9 @@ def load_config(path: str | os.PathLike[str] | Config | None = None, *, base: Co
         parsed[key] = parse(f"[{section}] {key}", value)
     if parsed.get("exec_id") is not None:
         _check_exec_id(parsed["exec_id"])
+    if parsed.get("dcp_l4") and not parsed.get("enable_dcp"):  # else snapshot() could never write level 8
+        raise ConfigError("[basic] dcp_l4 (snapshot() interval of differential level-4 checkpoints) needs "
+                          "enable_dcp = 1")
     return Config(**parsed)
 
 
