@@ -137,6 +137,40 @@ def test_worker_lost_mid_checkpoint_named_in_one_sentence(client, dirs, caplog):
     assert computed(client, out[1]).tobytes() == saved.tobytes()
 
 
+def test_a_worker_lost_after_its_tasks_finished_before_their_results_came_fails_the_checkpoint(client, dirs,
+                                                                                                monkeypatch):
+    """A worker killed once its write task finished, before the client fetched the result (the seam: the client's
+    fetch of the results, which kills the worker holding the first one first): distributed rescheduled the task,
+    pinned to the dead worker, and waited for it for ever (the checkpoint hung). Now the checkpoint fails naming the
+    worker, and the previous checkpoint recovers."""
+    from ftidask.backends.dask.cluster import Cluster
+
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, da.random.default_rng(7).random((60, 48), chunks=(20, 16)))
+    ctx.checkpoint(1, 2)
+    saved = ctx.protected[1].compute()
+    ctx.protect(1, ctx.protected[1] * 2)
+    results, killed = Cluster._results, []
+
+    def lose_a_worker_first(self, futures, needed):
+        writes = [f for f in futures if str(f.key).startswith("ftidask-write-2-")]
+        if writes and not killed:
+            (victim,) = client.who_has(writes[:1])[writes[0].key]
+            killed.append(victim)
+            kill_worker(client, victim)
+        return results(self, futures, needed)
+
+    monkeypatch.setattr(Cluster, "_results", lose_a_worker_first)
+    with pytest.raises(ftidask.CheckpointError, match="left the cluster") as err:
+        ctx.checkpoint(2, 2)
+    assert killed and f"worker {killed[0]}" in str(err.value), str(err.value)
+    monkeypatch.undo()
+    ctx2 = ftidask.init(client=client, **dirs)
+    out = ctx2.recover()
+    assert ctx2.recovered_from == (1, 2)
+    assert computed(client, out[1]).tobytes() == saved.tobytes()
+
+
 def test_a_worker_that_replaces_a_lost_one_writes_with_the_runs_modes(client, dirs):
     """``permissions = group`` was set on the workers alive at init only: the worker that replaced a lost one wrote
     its node's next checkpoint files 0600 (directories 0700) where the others' were 0640. It is a worker plugin now,

@@ -226,7 +226,11 @@ class Cluster:
                 if needed - set(self.workers()):
                     break
             if all(f.status == "finished" for f in futures):
-                return self.client.gather(list(futures)) if gather else []
+                if not gather:
+                    return []
+                results = self._results(futures, needed)
+                if results is not None:
+                    return results
             # What failed is read before the cancel (which turns a failed future into a cancelled one).
             gone = needed - set(self.workers())
             error: ClusterError = (WorkerLost(what, self._lost(sorted(gone), list(ranks))) if gone
@@ -240,6 +244,23 @@ class Cluster:
             for f in futures:
                 self._placed.pop(f.key, None)
 
+    def _results(self, futures: Sequence[Future], needed: set[str]) -> list[Any] | None:
+        """The results of ``futures`` (all finished), or None when a worker holding one left meanwhile, or a future
+        failed. Gathered with a timeout: a worker lost after its task finished, before its result was fetched, made
+        distributed reschedule the task, pinned to that worker, and wait for it for ever (a checkpoint that hung)."""
+        timeout = max(1.0, 8 * self.poll)
+        while True:
+            try:
+                return self.client.sync(self.client._gather, list(futures), callback_timeout=timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                pass
+            except Exception as exc:  # noqa: BLE001 - a result lost or failed on the way: said below, as a loss
+                log.debug("gathering %d results failed: %r", len(futures), exc)
+                return None
+            if needed - set(self.workers()) or any(f.status in ("error", "cancelled", "lost") for f in futures):
+                return None
+            timeout = min(2 * timeout, 60.0)  # large results, a slow network: the workers are all there
+
     def _lost(self, gone: list[str], ranks: list[str]) -> str:
         """One sentence: which workers left, and which of our tasks were on them.
 
@@ -249,7 +270,8 @@ class Cluster:
         names = [f"{w} (rank {ranks.index(w)})" if w in ranks else w for w in gone]
         keys = [str(k) for k, w in self._placed.items() if w in gone]
         who = f"worker {names[0]}" if len(names) == 1 else f"workers {_listed(names)}"
-        return f"{who} left the cluster (killed or crashed)" + (f", losing tasks {_listed(keys)}" if keys else "")
+        return (f"{who} left the cluster (killed, crashed or retired)"
+                + (f", losing tasks {_listed(keys)}" if keys else ""))
 
     def _failed(self, futures: Sequence[Future]) -> str:
         """The exceptions the failed tasks raised (tasks cancelled or lost meanwhile are only counted)."""
