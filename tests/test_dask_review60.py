@@ -4,6 +4,7 @@ with ``asynchronous=True``."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from pathlib import Path
@@ -61,9 +62,13 @@ def _set_status(name, dask_worker=None):
     return True
 
 
-def test_a_checkpoint_waits_for_a_paused_worker(dask_client, dirs):
+def test_a_checkpoint_waits_for_a_paused_worker(dask_client, dirs, caplog, monkeypatch):
     """A worker paused (memory pressure) holds its chunks and resumes: before, the checkpoint failed at once saying
-    a chunk was "held by no live worker" (or that the worker had left the cluster)."""
+    a chunk was "held by no live worker" (or that the worker had left the cluster). A wait that goes on is said,
+    naming the worker (it waited in silence, for ever if the worker never resumed)."""
+    from ftidask.backends.dask import cluster
+
+    monkeypatch.setattr(cluster, "PAUSED_SAID", 0.2)  # 30 s in use
     ctx = ftidask.init(client=dask_client, **dirs)
     x = dask_client.persist(da.random.default_rng(0).random((40, 40), chunks=(10, 10)))
     distributed.wait(x)
@@ -79,12 +84,15 @@ def test_a_checkpoint_waits_for_a_paused_worker(dask_client, dirs):
         assert time.monotonic() < deadline, "the scheduler never heard of the pause"
         time.sleep(0.05)
     try:
-        resume = threading.Timer(1.0, lambda: dask_client.run(_set_status, "running", workers=holders[:1]))
+        resume = threading.Timer(2.0, lambda: dask_client.run(_set_status, "running", workers=holders[:1]))
         resume.start()
-        ctx.checkpoint(2, 2)
+        with caplog.at_level(logging.WARNING, logger="ftidask"):
+            ctx.checkpoint(2, 2)
         resume.join()
     finally:
         dask_client.run(_set_status, "running", workers=holders[:1])
+    said = [r.getMessage() for r in caplog.records if "paused by distributed" in r.getMessage()]
+    assert len(said) == 1 and holders[0] in said[0] and said[0].startswith("checkpoint 2"), said
     ctx._close()
     ctx = ftidask.init(client=dask_client, **dirs)
     assert ctx.recover()[1].compute().tobytes() == x.compute().tobytes() and ctx.recovered_from == (2, 2)

@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -63,6 +64,7 @@ def check_client(client: Client) -> None:
 #: Worker statuses of a live worker: a paused one (memory pressure: it runs no new task until its memory is spilled)
 #: holds its chunks and files and resumes; taken for gone, a checkpoint failed saying it had left the cluster.
 _ALIVE = ("running", "paused")
+PAUSED_SAID = 30.0  # seconds a wait for a paused worker goes on before it is said
 
 
 class Cluster:
@@ -77,6 +79,7 @@ class Cluster:
         self.run_id: str | None = None  # the run this client writes (set at init): its tasks are fenced (.fence)
         self._cleanup = threading.local()  # the directories of the checkpoint this thread's tasks write
         self._workers: list[str] | None = None  # as the scheduler last listed them
+        self._paused: set[str] = set()  # the workers paused then (memory pressure: they run no task until resumed)
 
     def take_over(self, run: str) -> None:
         """At ``init``, before the garbage collection: this client writes ``run`` now; the tasks that a dead client
@@ -117,6 +120,7 @@ class Cluster:
         # Not Client.scheduler_info(): a periodic refresh may replace its cache with one that lists no worker.
         info = self.client.sync(self.client.scheduler.identity)
         self._workers = sorted(a for a, w in info["workers"].items() if w.get("status", "running") in _ALIVE)
+        self._paused = {a for a, w in info["workers"].items() if w.get("status") == "paused"}
         return list(self._workers)
 
     def workers_holding(self, keys: list[Any]) -> tuple[list[str], dict[Any, list[str]]]:
@@ -219,12 +223,19 @@ class Cluster:
         needed = set(addresses)
         send_now(self.client)  # the tasks just submitted leave now, not at the end of the client's batching interval
         shown = self._show_progress(futures)
+        start, said = time.monotonic(), set()
         try:
             while not wait_for(futures, self.poll):
                 if any(f.status in ("error", "cancelled", "lost") for f in futures):
                     break
                 if needed - set(self.workers()):
                     break
+                paused = (needed & self._paused) - said
+                if paused and time.monotonic() - start > PAUSED_SAID:  # a wait with no end in sight, said once
+                    said |= paused
+                    log.warning("%s: waiting for worker(s) %s, paused by distributed (memory use over "
+                                "distributed.worker.memory.pause): they run no task until they spill enough and "
+                                "resume", what, _listed(sorted(paused)))
             if all(f.status == "finished" for f in futures):
                 if not gather:
                     return []
