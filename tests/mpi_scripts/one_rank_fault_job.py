@@ -209,8 +209,11 @@ def run_heads(root: Path, name: str) -> None:
     cfg = {"head": 1, "inline_l2": 0, "node_size": 2, "group_size": 2, "verbosity": 4}
     for restart_run in (False, True):  # a head serves inside init until the application ranks end
         try:
+            # A new communicator for the restart: the first run's close marked the one its heads served as ended
+            # (a head's process exits there; this one catches SystemExit and serves the restart). Dup is collective.
+            comm = MPI.COMM_WORLD.Dup()
             with fault(victim if not restart_run else -1, owner, attr, exc):
-                ctx = ftidask.init(comm=MPI.COMM_WORLD, local_test=1, **cfg, **dirs(base))
+                ctx = ftidask.init(comm=comm, local_test=1, **cfg, **dirs(base))
         except SystemExit:
             continue  # a head: its application ranks have ended
         array = np.zeros(20000) if restart_run else data(1)

@@ -364,7 +364,9 @@ class Run:
         """``ftidask.init`` on every process: the heads are told the keywords first (see :func:`serve_heads`)."""
         if self.heads:
             WORLD.bcast(self.dirs, root=app_root(self.cfg))
-        return ftidask.init(comm=WORLD if self.heads else COMM, **self.dirs)
+        # A new communicator for each init with heads: the heads' finalize marks the one they served as ended (a
+        # head's process exits there, but these heads catch SystemExit and serve again).
+        return ftidask.init(comm=WORLD.Dup() if self.heads else COMM, **self.dirs)
 
     def op_stage(self) -> None:
         """FTI_SendFile (heads: the node's head moves the file between its post-processing): a file of this rank's
@@ -671,7 +673,7 @@ def serve_heads(cfg: dict) -> None:
         if kwargs is None:
             return
         try:
-            ftidask.init(comm=WORLD, **kwargs)
+            ftidask.init(comm=WORLD.Dup(), **kwargs)  # as the application ranks do (Dup is collective)
         except SystemExit:
             pass
         else:
