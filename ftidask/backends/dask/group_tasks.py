@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from distributed import get_worker
+from distributed import get_worker, rejoin, secede
 
 from ...dcp.delta import FileDelta, XorDelta, file_fb_hash
 from ...ftiff import hashing
@@ -179,8 +179,15 @@ def run_members(members: list[dict[str, Any]], cfg: Config, *deps: Any) -> list[
     ``dep`` (index into ``deps``: the result of a task it needs, or None) and the step's values.
     """
     worker, owner = get_worker(), fence.owner()  # in the task's thread: the member threads below are not Dask's
-    if len(members) == 1:
-        return [_run_one(members[0], cfg, deps, worker, owner)]
-    with ThreadPoolExecutor(len(members), thread_name_prefix="ftidask-member") as pool:
-        futures = [pool.submit(_run_one, m, cfg, deps, worker, owner) for m in members]
-    return [f.result() for f in futures]  # the first failure raised, once every member ended
+    # Out of the worker's task slots while the members wait for their peers: two runs checkpointing on one cluster
+    # (or any pinned task that waits for others) deadlocked on workers of one thread, each holding one run's member
+    # while its peers queued behind the other run's members on the other workers.
+    secede()
+    try:
+        if len(members) == 1:
+            return [_run_one(members[0], cfg, deps, worker, owner)]
+        with ThreadPoolExecutor(len(members), thread_name_prefix="ftidask-member") as pool:
+            futures = [pool.submit(_run_one, m, cfg, deps, worker, owner) for m in members]
+        return [f.result() for f in futures]  # the first failure raised, once every member ended
+    finally:
+        rejoin()
