@@ -105,6 +105,8 @@ def documented_range(validation: str) -> tuple[int, int | None] | None:
     found = re.fullmatch(r"(\d+) ?(?:\.\.|-|to) ?(\d+)", text)
     if found:
         return int(found.group(1)), int(found.group(2))
+    if text == "C int (< 0 is 0)":  # any C int (a negative one read as 0)
+        return -(2**31), None
     found = re.fullmatch(r"integer >= (\d+)", text)
     return (int(found.group(1)), None) if found else None
 

@@ -186,3 +186,14 @@ def test_dcp_l4_is_a_differential_level_4_between_l3_and_l4(dirs) -> None:
 def test_dcp_l4_needs_enable_dcp(dirs) -> None:
     with pytest.raises(ftidask.ConfigError, match=r"dcp_l4 .* needs enable_dcp = 1"):
         ftidask.init(**dirs, dcp_l4=2)
+
+
+def test_a_negative_interval_is_never_as_in_fti(dirs, tmp_path) -> None:
+    """FTI reads ckpt_lN with a default of -1 and checkpoints only when the interval is above 0: an FTI config file
+    holding -1 was refused (ConfigError); it loads now, as never."""
+    cfg = tmp_path / "fti.cfg"
+    cfg.write_text("[basic]\nckpt_l1 = -1\nckpt_l2 = -1\nckpt_l3 = -1\nckpt_l4 = 2\ndcp_l4 = -5\n"
+                   "[advanced]\nsnapshot_unit = iterations\n")
+    assert ftidask.load_config(cfg).ckpt_l1 == 0 and ftidask.load_config(cfg).dcp_l4 == 0
+    made, _lines = drive(dirs, [1000.0] * 4, ckpt_l1=-1, ckpt_l4=2, dcp_l4=-3, snapshot_unit="iterations")
+    assert made == [(2, 4), (4, 4)]

@@ -42,6 +42,12 @@ def _parse_int(lo: int | None = None, hi: int = _INT_MAX) -> Callable[[str, Any]
     return parse
 
 
+def _parse_interval(key: str, value: Any) -> int:
+    """A snapshot() interval: any C int, as FTI reads it; FTI checks ``ckptIntv > 0``, so below 0 is 0 (never): its
+    own default is -1, which a config file may hold."""
+    return max(0, _parse_int(-_INT_MAX - 1)(key, value))
+
+
 def _c_integer(text: str) -> int | None:
     """An integer as FTI's iniparser_getint (``strtol(text, NULL, 0)``) reads it: ``010`` is 8, ``0x10`` 16. What strtol
     cuts short or reads as 0 (``5min``, ``08``, ``1_0``, other scripts' digits): None, refused."""
@@ -131,11 +137,11 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "ckpt_dir": ("basic", "./Local", _parse_dir),
     "glbl_dir": ("basic", "./Global", _parse_dir),
     "meta_dir": ("basic", "./Meta", _parse_dir),
-    "ckpt_l1": ("basic", 0, _parse_int(0)),
-    "ckpt_l2": ("basic", 0, _parse_int(0)),
-    "ckpt_l3": ("basic", 0, _parse_int(0)),
-    "ckpt_l4": ("basic", 0, _parse_int(0)),
-    "dcp_l4": ("basic", 0, _parse_int(0)),  # FTI's: snapshot() interval of level 8 (differential L4)
+    "ckpt_l1": ("basic", 0, _parse_interval),
+    "ckpt_l2": ("basic", 0, _parse_interval),
+    "ckpt_l3": ("basic", 0, _parse_interval),
+    "ckpt_l4": ("basic", 0, _parse_interval),
+    "dcp_l4": ("basic", 0, _parse_interval),  # FTI's: snapshot() interval of level 8 (differential L4)
     "inline_l2": ("basic", 1, _parse_bool),
     "inline_l3": ("basic", 1, _parse_bool),
     "inline_l4": ("basic", 1, _parse_bool),
