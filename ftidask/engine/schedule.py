@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from ..model.config import Config
 from ..model.errors import CheckpointError
+from ..model.level import Level
 from ..transport.base import Transport
 from ..transport.collective import gather_tagged
 
@@ -63,7 +64,7 @@ class SnapshotSchedule:
         self.iteration += 1
         configured = [lv for lv in PRECEDENCE if self.config.interval(lv) > 0]
         have = self.transport.levels()
-        levels = [lv for lv in configured if (lv - 4 if lv > 4 else lv) in have]
+        levels = [lv for lv in configured if Level.of(lv).base in have]
         if len(levels) < len(configured) and not self.said:  # they were left out silently: protection the user
             self.said = True  # believed they had (ckpt_l2 in one process, or on a Dask cluster of one worker)
             log.warning("snapshot(): levels %s are configured (ckpt_l*) but this backend cannot write them here (it "

@@ -42,10 +42,13 @@ def _parse_int(lo: int | None = None, hi: int = _INT_MAX) -> Callable[[str, Any]
     return parse
 
 
+_parse_c_int = _parse_int(-_INT_MAX - 1)
+
+
 def _parse_interval(key: str, value: Any) -> int:
     """A snapshot() interval: any C int, as FTI reads it; FTI checks ``ckptIntv > 0``, so below 0 is 0 (never): its
     own default is -1, which a config file may hold."""
-    return max(0, _parse_int(-_INT_MAX - 1)(key, value))
+    return max(0, _parse_c_int(key, value))
 
 
 def _c_integer(text: str) -> int | None:
