@@ -255,11 +255,28 @@ def test_a_variable_protected_after_init_icp_is_said_so(tmp_path):
         ctx.add_var_icp(3)
     ctx.add_var_icp(1)
     # Committed without it, the checkpoint could not be recovered by a restart protecting the same variables
-    with pytest.raises(ftidask.CheckpointError, match=r"misses protected variables \[3\] \(protected after init_icp"):
+    with pytest.raises(ftidask.CheckpointError, match=r"misses protected variables \[3\] protected after init_icp"):
         ctx.finalize_icp()
     assert ctx.stored_size(1) == 0  # nothing committed
     ctx.init_icp(3, 1)
     ctx.add_var_icp(1)
     ctx.add_var_icp(3)
     ctx.finalize_icp()
+    ctx.finalize()
+
+
+def test_finalize_icp_names_each_missing_variable_for_its_own_reason(tmp_path):
+    """A variable never added and one protected after init_icp were both reported as "protected after init_icp",
+    under the first one's id only."""
+    ctx = ftidask.init(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"))
+    ctx.protect(0, np.arange(10.0))
+    ctx.protect(1, np.arange(5.0))
+    ctx.checkpoint(1, 1)
+    ctx.init_icp(2, 1)
+    ctx.add_var_icp(0)
+    ctx.protect(5, np.ones(3))
+    with pytest.raises(ftidask.CheckpointError) as err:
+        ctx.finalize_icp()
+    assert "variables [1] never added; variables [5] protected after init_icp" in str(err.value)
+    assert ctx.stored_size(1) == 5 * 8  # checkpoint 1 kept
     ctx.finalize()

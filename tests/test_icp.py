@@ -62,7 +62,7 @@ def test_missing_variable_is_refused_and_previous_kept(tmp_path, level):
     a[:] = 7
     ctx.init_icp(2, level)
     ctx.add_var_icp(1)
-    with pytest.raises(CheckpointError, match=r"misses protected variables \[2\]"):
+    with pytest.raises(CheckpointError, match=r"misses protected variables \[2\] never added"):
         ctx.finalize_icp()
     got = _recover(tmp_path, saved)
     assert all(got[v].tobytes() == saved[v].tobytes() for v in saved)

@@ -178,9 +178,10 @@ class IncrementalCheckpoints:
         missing = sorted(set(pending.sizes) - pending.written)
         late = sorted(set(self.variables) - set(pending.sizes))  # a restart protecting them could not recover it
         if (missing or late) and not pending.error:
+            said = ([f"variables {missing} never added"] if missing else []) + (
+                [f"variables {late} protected after init_icp (a checkpoint begun after it holds them)"] if late else [])
             pending.error = (f"rank {self.committer.transport.rank}: incremental checkpoint {pending.ckpt_id} "
-                             f"misses protected variables {missing or late}"
-                             + (" (protected after init_icp: a checkpoint begun after it holds them)" * bool(late)))
+                             f"misses protected {'; '.join(said)}")
         return self.committer.finish(pending)
 
     def close(self) -> None:
