@@ -27,7 +27,7 @@ from .recovery import check_file
 from .retention import Retention, in_l4, rank_path
 from .run import Run, RunPart
 from .runstate import CommitRecord, FileRecord
-from .variables import Protected, declarations_problem, declared, encode_states, var_extras
+from .variables import Protected, declarations_problem, declared, encode_states, undeclared_problem, var_extras
 from .writing import Writer
 
 log = logging.getLogger("ftidask")
@@ -128,6 +128,9 @@ class Committer(RunPart):
         seq = agreed[0][0]  # rank 0's sequence number, or the same error on every rank
         if problem := declarations_problem([decl for _seq, decl in agreed]):  # the same verdict on every rank
             raise CheckpointError(f"{cannot}: {problem}")
+        if any(decl for _seq, decl in agreed):  # a rank protecting a declared id undeclared: one more step, only then
+            agree(t, undeclared_problem(self.variables, [decl for _seq, decl in agreed], t.rank), CheckpointError,
+                  cannot)
         base_level = level.base
         directory = self.paths.level_dir(base_level, t.node) / storage.ckpt_dirname(ckpt_id, seq)
         path = directory / storage.rank_file(ckpt_id, t.rank)

@@ -32,6 +32,11 @@ def plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decls
         if reshard_dask.holds_chunks(entries):
             _dask_plan(vid, entries, array, new, plan)
             continue
+        if new.kind == "none" and n == m:  # rank r gets old rank r's array, whatever the others recorded
+            place, shape, order = _own(vid, entries[rank], rank, array)  # (undeclared: per-rank data, any dtype)
+            piece = overlap(place.offset, shape, order, array.dtype.itemsize, place.offset, array.shape)
+            _add(plan, vid, array, place, [(rank, piece)] if piece is not None else [])
+            continue
         missing = [old for old, e in entries.items() if e is None]
         if missing:  # declared blocks that old ranks of the others hold whole, or a replicated array, still come back
             entries = _held_by_some(vid, entries, missing)
@@ -42,16 +47,9 @@ def plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decls
         kinds = {p.kind for p, _s, _o in olds.values()}
         if new.kind == "none" and m == 1 and n > 1 and len(kinds) == 1 and kinds != {"none"}:
             new = _whole(vid, olds, next(iter(kinds)), array)  # one process, an undeclared array: the whole one
-        if new.kind == "none":  # the same number of ranks (checked above): rank r gets old rank r's array
-            if n != m:
-                raise _Refused(f"variable {vid} declares no decomposition")
-            shape, order = olds[rank][1], olds[rank][2]
-            if shape != tuple(array.shape):
-                raise _Refused(f"variable {vid}: old rank {rank} holds shape {shape}, the protected array is "
-                               f"{tuple(array.shape)}")
-            sources = {rank: (Placement("block", shape, (0,) * len(shape)), shape, order)}
-            new = Placement("block", shape, (0,) * len(shape))
-        elif kinds != {new.kind}:
+        if new.kind == "none":  # (the same number of ranks: above)
+            raise _Refused(f"variable {vid} declares no decomposition")
+        if kinds != {new.kind}:
             raise _Refused(f"variable {vid} is declared {new.kind} here, the checkpoint records it as "
                            f"{' / '.join(sorted(kinds))}")
         elif new.kind == "replicated":
@@ -71,6 +69,27 @@ def plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decls
                  for old, (place, shape, order) in sources.items()]
         _add(plan, vid, array, new, [(old, piece) for old, piece in found if piece is not None])
     return plan
+
+
+def _own(vid: int, entry: Any, rank: int, array: np.ndarray) -> tuple[Placement, tuple[int, ...], str]:
+    """Old rank ``rank``'s record of variable ``vid``, placed as this rank's whole array (an undeclared array on
+    the same number of ranks); :class:`_Refused` when it is not there or does not fit ``array``."""
+    if entry is None:
+        raise _Refused(f"variable {vid} is not in the checkpoint file of old rank {rank}, and it declares no "
+                       "decomposition")
+    try:
+        placement(entry["extra"], entry["shape"])  # a malformed record is damage (FormatError), as below
+        shape, order, dtype = tuple(entry["shape"]), entry["order"], stored_dtype(entry["dtype"])
+    except FormatError as exc:
+        raise FormatError(f"variable {vid}, old rank {rank}: {exc}") from None
+    if dtype is None:
+        raise FormatError(f"variable {vid}: old rank {rank} records the dtype {entry['dtype']!r}")
+    if dtype != array.dtype:
+        raise _Refused(f"variable {vid}: the checkpoint holds {dtype}, the protected array is {array.dtype}")
+    if shape != tuple(array.shape):
+        raise _Refused(f"variable {vid}: old rank {rank} holds shape {shape}, the protected array is "
+                       f"{tuple(array.shape)}")
+    return Placement("block", shape, (0,) * len(shape)), shape, order
 
 
 def _held_by_some(vid: int, entries: dict[int, Any], missing: list[int]) -> dict[int, Any]:

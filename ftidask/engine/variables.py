@@ -156,3 +156,18 @@ def declarations_problem(per_rank: list[dict[str, list[Any]]]) -> str:
             return (f"variable {vid} is declared as different global arrays (global shape or replicated, dtype) by "
                     f"the ranks: {said}")
     return ""
+
+
+def undeclared_problem(variables: Mapping[int, Protected], per_rank: list[dict[str, list[Any]]], rank: int) -> str:
+    """Why this rank's checkpoint would hold, undeclared, a variable other ranks declare as (a block of) a global
+    array (:func:`declared`, by rank), or "": no restart on another layout could place its data (and the mix would be
+    read as damage there). Local: each rank checks its own variables against every rank's declarations."""
+    ids = {int(vid) for mine in per_rank for vid in (mine or {})}
+    mixed = sorted(vid for vid in ids if vid in variables and not variables[vid].decomp)
+    if not mixed:
+        return ""
+    by = {vid: [r for r, mine in enumerate(per_rank) if str(vid) in (mine or {})] for vid in mixed[:4]}
+    return (f"rank {rank} protects, without a decomposition, variable(s) other ranks declare: "
+            + "; ".join(f"variable {vid} (declared by rank(s) {ranks[:8]})" for vid, ranks in by.items())
+            + ". Declare each on every rank that protects it (global_shape=..., offset=..., or replicated=True)")
+
