@@ -51,6 +51,22 @@ def _values(shape: tuple, dtype: str, seed: int, order: str = "C"):
     return cupy.asarray(np.asarray(host, order=order), order=order)
 
 
+def _device_copies(monkeypatch, on_device: bool = True) -> list[bool]:
+    """Whether each snapshot was a device copy (appended at each call): the device-copy tests must see one, for
+    ``device_copy`` falls back to the host on any failure, and the values would be right either way. With
+    ``on_device`` false, the test seam refuses every device copy (the host path)."""
+    made: list[bool] = []
+    real = DeviceHolder.device_copy
+
+    def spy(self):
+        copy = real(self) if on_device else None
+        made.append(copy is not None)
+        return copy
+
+    monkeypatch.setattr(DeviceHolder, "device_copy", spy)
+    return made
+
+
 def _same(device, host) -> bool:
     got = device.get()
     return got.dtype == host.dtype and got.shape == host.shape and got.tobytes() == np.asarray(host).tobytes()
@@ -234,8 +250,7 @@ def test_a_misaligned_device_array_is_downloaded_whole(tmp_path):
 def test_an_async_checkpoint_holds_the_values_of_the_call(tmp_path, monkeypatch, mechanism, on_device):
     """The snapshot of a device array is a copy in device memory where it fits, else its bytes brought to the
     host at the call (the test seam refuses the device copy); either way the checkpoint holds the call's values."""
-    if not on_device:
-        monkeypatch.setattr(DeviceHolder, "device_copy", lambda self: None)
+    made = _device_copies(monkeypatch, on_device)
     with ftidask.init(**_kw(tmp_path, async_snapshot=mechanism)) as ctx:
         a = _values((1 << 21,), "float32", 7)
         ctx.protect(1, a)
@@ -252,6 +267,7 @@ def test_an_async_checkpoint_holds_the_values_of_the_call(tmp_path, monkeypatch,
         ctx.wait()
         ctx.recover()
         assert (a.get() == -1).all()
+    assert made == [on_device] * 2, made  # the path named: a device copy at each asynchronous call, or none
 
 
 @pytest.mark.parametrize("on_device", [True, False], ids=["device-copy", "host-copy"])
@@ -261,8 +277,7 @@ def test_an_async_checkpoint_written_before_returning_copies_from_the_device_onc
     """When an asynchronous checkpoint must be written before the call returns (its staging buffers cannot be had,
     or the snapshot mechanism says so), the bytes taken at the call are those written: the array crosses the bus
     once (from a device copy or straight into the mirror), not a second time for the write."""
-    if not on_device:
-        monkeypatch.setattr(DeviceHolder, "device_copy", lambda self: None)
+    made = _device_copies(monkeypatch, on_device)
     extra = dict(async_snapshot="copy", async_buffer_mb=1) if why == "staging-pool-too-small" else \
         dict(async_snapshot="blocking")
     with ftidask.init(**_kw(tmp_path, **extra)) as ctx:
@@ -274,15 +289,18 @@ def test_an_async_checkpoint_written_before_returning_copies_from_the_device_onc
         handle = ctx.checkpoint(1, 1, wait=False)
         assert handle.mechanism == "blocking" and handle.done()
         assert device.stats["d2h_bytes"] - before == a.nbytes
+        # a device copy is tried only where the snapshot would have been taken (not with mechanism "blocking")
+        assert made == ([on_device] if why == "staging-pool-too-small" else []), made
         want = a.get()
         a[...] = 0
         ctx.recover()
         assert _same(a, want)
 
 
-def test_async_checkpoints_in_a_loop_each_hold_their_call(tmp_path):
+def test_async_checkpoints_in_a_loop_each_hold_their_call(tmp_path, monkeypatch):
     """Checkpoints in flight one after the other (two at most), the array changed after every call: each one's
     file holds its own call's values (a device copy is written into the host copy by its own job, in turn)."""
+    made = _device_copies(monkeypatch)
     with ftidask.init(**_kw(tmp_path, max_inflight=2)) as ctx:
         a = _values((1 << 20,), "float64", 13)
         ctx.protect(1, a)
@@ -294,13 +312,16 @@ def test_async_checkpoints_in_a_loop_each_hold_their_call(tmp_path):
         assert [h.result().id for h in handles] == [1, 2, 3, 4, 5]
         ctx.recover()
         assert ctx.recovered_from[0] == 5 and (a.get() == 5).all()
+    assert made == [True] * 5, made
 
 
 @pytest.mark.parametrize("level", [1, 5])
-def test_a_block_set_back_after_an_async_device_copy_is_written_by_the_next_differential_download(tmp_path, level):
+def test_a_block_set_back_after_an_async_device_copy_is_written_by_the_next_differential_download(tmp_path, level,
+                                                                                                  monkeypatch):
     """An asynchronous checkpoint's device copy fills the host copy with its call's bytes: a block set back, after
     it, to its value at the last differential download must still be brought over (its device digest equals the
     old one; the host copy holds the async call's bytes). Seen wrong: checkpoint 3 held checkpoint 2's block."""
+    made = _device_copies(monkeypatch)
     with ftidask.init(**_kw(tmp_path, enable_dcp=1)) as ctx:
         v1 = _values((1 << 18,), "int32", 21)
         a = v1.copy()
@@ -308,7 +329,7 @@ def test_a_block_set_back_after_an_async_device_copy_is_written_by_the_next_diff
         ctx.checkpoint(1, 5)  # a differential download: the device digests of v1 kept
         a += 1
         handle = ctx.checkpoint(2, 1, wait=False)
-        assert handle.result().id == 2
+        assert handle.result().id == 2 and made == [True], made  # the path this test is about
         a[:4096] = v1[:4096]  # one block back to its value at checkpoint 1
         want = a.get()
         ctx.checkpoint(3, level)
@@ -392,6 +413,21 @@ def test_realloc_gives_a_device_array_of_the_stored_size(tmp_path):
     assert restart.protected[1] is b
     restart.recover()
     assert _same(b, a.get())
+    restart.finalize()
+
+
+def test_realloc_of_a_dtype_cupy_has_no_arrays_of_is_a_clear_error(tmp_path):
+    """A checkpoint of strings realloc'ed into a CuPy variable: CuPy's own ValueError came out raw."""
+    ctx = ftidask.init(**_kw(tmp_path))
+    ctx.protect(1, np.array(["ab", "cd"], dtype="U4"))
+    ctx.checkpoint(1, 1)
+    ctx._closed = True
+    restart = ftidask.init(**_kw(tmp_path))
+    a = cupy.zeros(3)
+    restart.protect(1, a)
+    with pytest.raises(ftidask.RecoveryError, match="which a CuPy array cannot hold"):
+        restart.realloc(1)
+    assert restart.protected[1] is a
     restart.finalize()
 
 

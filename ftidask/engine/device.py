@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..model.errors import ProtectError
+from ..model.errors import ProtectError, RecoveryError
 from . import devicehash
 
 PIECE = 64 << 20  # bytes per device-host copy through a pinned buffer
@@ -162,14 +162,17 @@ class DeviceHolder:
             events[k % 2].record(stream)
 
         with _lock:  # the pinned buffers are the device's, shared by the process's contexts
-            start(0)
-            for k, lo in enumerate(cuts):
-                if k + 1 < len(cuts):
-                    start(k + 1)  # in the other buffer, while this one is moved into the mirror
-                events[k % 2].synchronize()
-                n = min(PIECE, nbytes - lo)
-                _move_parallel(bufs[k % 2][1][:n], dst[lo:lo + n], compare)
-                stats["d2h_bytes"] += n
+            try:
+                start(0)
+                for k, lo in enumerate(cuts):
+                    if k + 1 < len(cuts):
+                        start(k + 1)  # in the other buffer, while this one is moved into the mirror
+                    events[k % 2].synchronize()
+                    n = min(PIECE, nbytes - lo)
+                    _move_parallel(bufs[k % 2][1][:n], dst[lo:lo + n], compare)
+                    stats["d2h_bytes"] += n
+            finally:  # left early (an error, Ctrl-C): no copy may still fill a buffer the next download reuses
+                stream.synchronize()
 
     def _download_blocks(self, src: Any, dst: np.ndarray, idx: np.ndarray) -> None:
         """The blocks ``idx`` (ascending) of ``src`` into ``dst``: gathered on the device, brought over in pieces of
@@ -240,6 +243,9 @@ class DeviceHolder:
             rt = cupy.cuda.runtime
             rt.memcpy(target.data.ptr, src.ctypes.data, len(src), rt.memcpyHostToDevice)
             if flat is None:  # a strided array: through a contiguous copy in the mirror's order
+                # cudaMemcpy from pageable memory may return before its DMA ends; the scatter below runs on the
+                # current stream, which may not wait for the legacy stream (a non-blocking one)
+                cupy.cuda.Device(self.device_id).synchronize()
                 shaped = target.view(self.obj.dtype).reshape(self.mirror.shape[::-1] if self.order == "F"
                                                              else self.mirror.shape)
                 self.obj[...] = shaped.T if self.order == "F" else shaped
@@ -366,5 +372,9 @@ def realloc_target(new: np.ndarray, array: Any, old: Any) -> Any:
     import cupy  # noqa: PLC0415 - only once a CuPy array is protected
 
     with cupy.cuda.Device(int(like.device.id)):
-        return cupy.empty(new.shape, new.dtype, order="F" if new.flags.f_contiguous and not new.flags.c_contiguous
-                          else "C")
+        try:
+            return cupy.empty(new.shape, new.dtype, order="F" if new.flags.f_contiguous and not new.flags.c_contiguous
+                              else "C")
+        except (TypeError, ValueError) as exc:  # a dtype CuPy has no arrays of (str, datetime64, structured)
+            raise RecoveryError(f"the checkpoint holds {new.dtype}, which a CuPy array cannot hold ({exc}); "
+                                "realloc into a NumPy array") from None

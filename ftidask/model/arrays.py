@@ -34,7 +34,8 @@ def check_protectable(array: Any) -> np.ndarray:
                                "ftidask.init(config, client=distributed.Client(...))")
         # (every xarray object has __dask_graph__, None unless chunked: it was refused as a dask array)
         labelled = type(array).__module__.split(".")[0] in ("xarray", "pandas")
-        raise ProtectError(f"protect needs a numpy.ndarray or a dask array, got {type(array).__name__}; " + (
+        raise ProtectError(f"protect needs a numpy.ndarray, a CuPy array or a dask array, got {type(array).__name__}; "
+                           + (
             "protect the array it holds, its .data (a NumPy array, filled in place; a Dask array when chunked: on the "
             "Dask backend)"
             if labelled else "Python state is protected as JSON in an ftidask.Value or ftidask.State, a random "
