@@ -104,6 +104,10 @@ def _flip(path: Path, offset: int, mask: int = 0x10) -> None:
     (5692 + 8 + 518 + 300, "layer 2's blocks do not match"),
     (5692, "the newest layer is checkpoint 19, the meta file's ckpt_id is 3"),  # its checkpoint id: 3 ^ 0x10
     (5696, "the newest layer counts 19 variables"),
+    # a block header of layer 2 naming a block past its variable's size then: the block was dropped and the older
+    # layer's one recovered in its place, wrong data without a word (FTI's layer hash covers no header)
+    (5705, "layer 2 holds block 67108865 of variable 1, past its 1024 bytes at that layer"),
+    (5702, "layer 2 holds block 5 of variable 1, past its 1024 bytes at that layer"),
 ])
 def test_a_flipped_byte_is_refused_and_arrays_untouched(tmp_path, dirs, offset, match):
     path, meta = _copy(tmp_path, 3)

@@ -183,10 +183,29 @@ def _parse_layers(raw: memoryview, layers: list[tuple[int, str]], where: str) ->
     return block, heads, base, later
 
 
+def _layer_sizes(values: dict[str, str], nlayers: int, where: str) -> list[dict[int, int] | None]:
+    """Each layer's variable sizes as FTI recorded them when it wrote the layer (``dcp_layer{k}_var{j}_id`` and
+    ``_size``; FTI reads them back into ``datasetInfo[k]``), None for a layer the section records none of."""
+    out: list[dict[int, int] | None] = []
+    for k in range(nlayers):
+        found: dict[int, int] = {}
+        while f"dcp_layer{k}_var{len(found)}_id" in values:
+            key = f"dcp_layer{k}_var{len(found)}"
+            vid = _count(values, f"{key}_id", where, signed=True)
+            if vid in found:
+                raise FormatError(f"{key}_id = {vid} is listed twice in layer {k}", path=where)
+            found[vid] = _count(values, f"{key}_size", where)
+        out.append(found or None)
+    return out
+
+
 def _apply(block: int, sizes: dict[int, int], base: dict[int, memoryview],
-           later: list[list[tuple[int, int, memoryview]]], where: str) -> dict[int, memoryview]:
+           later: list[list[tuple[int, int, memoryview]]], where: str,
+           layer_sizes: list[dict[int, int] | None] | None = None) -> dict[int, memoryview]:
     """Each variable's bytes: layer 0, then the later layers' blocks in order, cut to its recorded size; every
-    block of every variable must have been written by some layer."""
+    block of every variable must have been written by some layer. FTI's layer hash covers the blocks, not their
+    headers: a block a layer could not have written (past its variable's size at that layer, ``layer_sizes``) is a
+    damaged header, never a block to drop (the older layer's block would be recovered in its place)."""
     unknown = sorted(set(base) - set(sizes)) + sorted({vid for entries in later for vid, _b, _d in entries
                                                         if vid not in sizes})
     if unknown:
@@ -197,6 +216,13 @@ def _apply(block: int, sizes: dict[int, int], base: dict[int, memoryview],
         if any(a >= b for a, b in zip(keys, keys[1:])):
             raise FormatError(f"layer {k}'s blocks are not in FTI's order (variables as protected, blocks rising): "
                               "a block header is damaged", path=where)
+    for k, entries in enumerate(later, 1):
+        known = layer_sizes[k] if layer_sizes and k < len(layer_sizes) else None
+        for vid, index, _d in entries if known is not None else ():
+            if index * block >= known.get(vid, 0):
+                raise FormatError(f"layer {k} holds block {index} of variable {vid}, past its {known.get(vid, 0)} "
+                                  f"bytes at that layer (dcp_layer{k}_var*_size): a block header is damaged",
+                                  path=where)
     by_var: dict[int, list[tuple[int, memoryview]]] = {vid: [] for vid in sizes}  # one pass: linear in the blocks
     for entries in later:
         for vid, index, data in entries:
@@ -254,7 +280,8 @@ def read_dcp_posix(path: str | os.PathLike[str], meta: str | os.PathLike[str]) -
     if heads[-1][1] != len(sizes):
         raise FormatError(f"the newest layer counts {heads[-1][1]} variables, the meta file lists {len(sizes)}",
                           path=where)
-    return PosixFile(os.fspath(path), str(meta_path), _apply(block, sizes, base, later, os.fspath(path)))
+    return PosixFile(os.fspath(path), str(meta_path), _apply(block, sizes, base, later, os.fspath(path),
+                                                             _layer_sizes(values, len(layers), where)))
 
 
 def read_dcp_head(path: str | os.PathLike[str]) -> dict:
