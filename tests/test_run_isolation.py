@@ -388,8 +388,11 @@ def test_mpi_rank0_holds_the_run_lock_and_every_rank_gets_the_error(tmp_path, ho
     assert [json.loads((base / f"result-{r}.json").read_text())["status"] for r in range(2)] == ["ok"] * 2
 
 
-@pytest.mark.parametrize("damage", [b"", b"{\"exec_id\": \"2026-11-2", b"\xff\xfe garbage", b"{\"exec_id\": 7}"])
+@pytest.mark.parametrize("damage", [b"", b"{\"exec_id\": \"2026-11-2", b"\xff\xfe garbage", b"{\"exec_id\": 7}",
+                                    "dangling-record"])
 def test_a_damaged_current_exec_id_restarts_the_run_committed_last(tmp_path, caplog, damage):
+    """("dangling-record": a dangling link among the run's commit records as well: the run was passed over, and
+    the restart started fresh.)"""
     dirs = {k: str(tmp_path / k) for k in ("ckpt_dir", "glbl_dir", "meta_dir")}
     older = ftidask.init(**dirs, exec_id="older-run")  # an unfinished side run, committed first
     older.protect(1, np.zeros(3))
@@ -400,6 +403,9 @@ def test_a_damaged_current_exec_id_restarts_the_run_committed_last(tmp_path, cap
     ctx.checkpoint(1, 1)
     ctx.checkpoint(2, 1)
     ctx._close()  # dies
+    if damage == "dangling-record":
+        (Path(dirs["meta_dir"]) / ctx.exec_id / "commits" / "s00000099.json").symlink_to(tmp_path / "nowhere")
+        damage = b"garbage"
     (Path(dirs["meta_dir"]) / "current_exec_id").write_bytes(damage)
     again = ftidask.init(**dirs)
     assert (again.exec_id, again.status()) == (ctx.exec_id, 1)

@@ -8,6 +8,8 @@ Which run an init gets is chosen by :mod:`ftidask.engine.claim`.
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import secrets
@@ -69,10 +71,16 @@ def _newest_unfinished_run(meta_dir: Path) -> str | None:
         except OSError as exc:  # another run's records that cannot be listed: not the one to restart
             log.warning("passing over run %s: %s", exec_id, exc)
             continue
+        times = []
         try:
-            newest = max(p.stat().st_mtime for p in state.records_dir.glob("s*.json"))
-        except (OSError, ValueError):  # removed meanwhile: a run that is being retired
+            for p in state.records_dir.glob("s*.json"):
+                with contextlib.suppress(OSError):  # one record removed meanwhile, or a dangling link: not the run's
+                    times.append(p.stat().st_mtime)
+        except OSError:  # the records' directory removed meanwhile: a run that is being retired
             continue
+        if not times:
+            continue
+        newest = max(times)
         if best is None or newest > best[0]:
             best = (newest, exec_id)
     return best[1] if best else None
