@@ -9,7 +9,6 @@ Which run an init gets is chosen by :mod:`ftidask.engine.claim`.
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import os
 import secrets
@@ -21,7 +20,15 @@ from ..model.config import check_exec_id
 from ..model.errors import CheckpointError, ConfigError
 from ..storage import files as storage
 from ..storage import runlock
-from .records import CommitRecord, FileRecord, JsonFiles, RecordReader, seal_json, sealed_record, unsealed_record
+from .records import (
+    CommitRecord,
+    FileRecord,
+    JsonFiles,
+    RecordReader,
+    seal_json,
+    sealed_record,
+    unsealed_record,
+)
 
 __all__ = ["CommitRecord", "FileRecord", "RunState", "SeqReservation", "seal_json", "sealed_record",
            "unsealed_record"]  # the records are re-exported: where the rest of the code looks for them

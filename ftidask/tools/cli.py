@@ -25,6 +25,7 @@ from . import listing
 from .file_checks import check_config_file as check_config_file
 from .file_checks import (
     ftiff_files,
+    is_store,
     load_checked_config,
     parity_files,
     parity_verdict,
@@ -33,6 +34,7 @@ from .file_checks import (
     zarr_stores,
 )
 from .fti_files_cli import inspect_dcp, list_dcp_files
+from .shown import shown, shown_message
 
 DESCRIPTION = ("Inspect, verify, list and clean the checkpoints of ftidask (FTI-FF files), export one to Zarr "
                "or import a Zarr store. Run 'ftidask COMMAND --help' for a command's options.")
@@ -87,24 +89,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
         roots = [p for p in (Path(cfg.ckpt_dir), Path(cfg.glbl_dir)) if p.is_dir()]
         files = [f for r in roots for f in ftiff_files(r) + parity_files(r) + zarr_stores(r)]
     else:
-        files = [root] if root.is_file() or root.suffix == ".zarr" else ftiff_files(root) + parity_files(root)
-    if root.is_dir() and root.suffix != ".zarr":  # level 4 written as Zarr, and exports
-        files += zarr_stores(root)
+        one = root.is_file() or root.suffix == ".zarr" or is_store(root)  # a store by its content, any name
+        files = [root] if one else ftiff_files(root) + parity_files(root) + zarr_stores(root)  # L4 as Zarr, exports
     if not files and is_config_file(root):
         return _error(f"no checkpoint files under {Path(cfg.ckpt_dir).absolute()} or {Path(cfg.glbl_dir).absolute()}"
                       f" (the directories of {root}; relative ones are taken from the current directory)")
     if not files:
-        return _error(f"no FTI-FF files under {root}")
+        return _error(f"no checkpoint files (FTI-FF files, L3 parity files, Zarr stores) under {shown(root)}")
     bad = 0
     for path in files:
         kind, detail = parity_verdict(path) if "RSed" in path.name and path.suffix == ".fti" else verdict_of(path)
         whole = whole_file_problem(path) if kind == "ok" and "-Rank" in path.name else ""
         kind, detail = ("damaged", whole) if whole else (kind, detail)
-        if kind == "ok":
-            print(f"OK       {path}")
+        if kind == "ok":  # names found on disk, messages quoting them: never a terminal's control characters
+            print(f"OK       {shown(path)}")
         else:
             bad += 1
-            print(f"DAMAGED  {detail}")
+            print(f"DAMAGED  {shown_message(str(detail))}")
     print(f"{len(files) - bad} sound, {bad} damaged")
     return 1 if bad else 0
 
@@ -124,10 +125,10 @@ def _verify_posix(root: Path, meta: str) -> int:
     for path in files:
         try:
             note = verify_posix(path, meta)
-            print(f"OK       {path}" + (f" ({note})" if note else ""))
+            print(f"OK       {shown(path)}" + (f" ({shown_message(note)})" if note else ""))
         except FormatError as exc:
             bad += 1
-            print(f"DAMAGED  {exc}")
+            print(f"DAMAGED  {shown_message(str(exc))}")
     print(f"{len(files) - bad} sound, {bad} damaged")
     return 1 if bad else 0
 
@@ -180,7 +181,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     roots = [p for p in (local, glbl) if p.is_dir()] or ([local, glbl] if args.config else [Path(args.dir)])
     groups = listing.collect(roots, meta)
     if not groups:
-        print(f"no checkpoints under {', '.join(map(str, roots))}")
+        print(f"no checkpoints under {', '.join(map(shown, roots))}")
         return list_dcp_files(roots, meta)
     print(listing.HEADER)
     for (exec_id, seq), files in sorted(groups.items()):
@@ -231,8 +232,8 @@ def cmd_clean(args: argparse.Namespace) -> int:
         [*((p, p.parent) for p in local.glob(f"node*/{run}")), (glbl / run, glbl), (meta / run, meta)]
         if p.exists()))
     tidied = [stage / run for run in sorted(runs) if (stage / run).is_dir()]
-    print("will remove:\n  " + "\n  ".join([str(p) for p, _parent in targets] + [
-        f"{p} (what staging left; the application's files waiting there are kept)" for p in tidied]))
+    print("will remove:\n  " + "\n  ".join([shown(p) for p, _parent in targets] + [
+        f"{shown(p)} (what staging left; the application's files waiting there are kept)" for p in tidied]))
     if not args.yes:
         if not sys.stdin.isatty():
             return _error("refusing to delete without confirmation (no terminal to ask on); pass --yes")

@@ -121,13 +121,14 @@ def rebuilt(config: Config | None, sources: list[Source]) -> bool:
         return False
     tried = False
     for group in groups:
-        if all(check_file(path_of[r], record, r).kind == "ok" for r in group):
+        lost = [r for r in group if check_file(path_of[r], record, r).kind != "ok"]
+        if not lost:
             continue
         tried = True
         problem = rebuild_group(config, record, group, path_of.__getitem__)
         if problem:
             log.warning("checkpoint %d (level %d): %s", record.ckpt_id, record.level, problem)
-        else:
-            log.warning("checkpoint %d (level %d): rebuilt the lost files of old ranks %s from their group",
-                        record.ckpt_id, record.level, group)
+        else:  # the ranks whose files were lost or damaged, not their whole group (the others' files were kept)
+            log.warning("checkpoint %d (level %d): rebuilt the lost or damaged files of old ranks %s from their group",
+                        record.ckpt_id, record.level, lost)
     return tried

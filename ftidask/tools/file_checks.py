@@ -7,6 +7,7 @@ Separate from :mod:`ftidask.tools.cli` (the parser and the commands) because ``v
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from ..ftiff.filekind import is_config_file
@@ -16,6 +17,11 @@ from ..model.errors import ConfigError, FormatError, FTIError
 from ..storage.files import find_paths, open_read
 from ..storage.removal import TRASH_PREFIX
 from .fti_files_cli import fti_parity_problem
+
+#: The manifest of an ftidask Zarr store (``ftidask.zarrfmt.store.MANIFEST``; named here, where Zarr is not imported).
+MANIFEST = "ftidask-manifest.json"
+#: The name ftidask gives a rank's store of a level-4 checkpoint written as Zarr (``l4_format = zarr``).
+_L4_STORE = re.compile(r"Ckpt\d+-Rank\d+\.zarr")
 
 
 def check_config_file(path: str | os.PathLike[str]) -> None:
@@ -32,9 +38,12 @@ def check_config_file(path: str | os.PathLike[str]) -> None:
 
 def verdict_of(path: Path) -> tuple[str, object]:
     """``("ok", parsed)`` or ``("damaged", message)`` for one FTI-FF file (or ftidask Zarr store)."""
-    if path.suffix == ".zarr":
+    if path.suffix == ".zarr" or is_store(path):  # a store is told by its content: export writes to any PATH
         from ..zarrfmt.store import verify_store
 
+        if not os.path.lexists(path / MANIFEST):  # nothing to check its files against: never taken as sound
+            return "damaged", (f"{path}: no {MANIFEST}: a checkpoint's or an export's store that lost it, or a Zarr "
+                               "group ftidask did not write; its files cannot be checked")
         try:
             return "ok", verify_store(path)
         except (FormatError, OSError) as exc:
@@ -107,6 +116,38 @@ def table_of(detail: object) -> dict:
     return dict(getattr(detail, "trailer", None) or {})
 
 
+def is_store(path: Path) -> bool:
+    """Whether ``path`` is a Zarr store, by its content (any name: ``export`` writes to any PATH): a directory
+    holding ftidask's manifest, or a Zarr group's or array's metadata."""
+    return path.is_dir() and any(os.path.lexists(path / name) for name in (MANIFEST, "zarr.json", ".zgroup", ".zarray"))
+
+
+def _checkpoint_store(path: Path) -> bool:
+    """Whether a directory found under a directory being checked is a store that must verify: one holding ftidask's
+    manifest (any name), or one that lost it but is a checkpoint's by its look: named as ftidask names a rank's
+    level-4 store, or a ``*.zarr`` Zarr store. (A Zarr group of another name without the manifest is not ftidask's.)"""
+    if not path.is_dir():
+        return False
+    if os.path.lexists(path / MANIFEST) or _L4_STORE.fullmatch(path.name):
+        return True
+    return path.suffix == ".zarr" and is_store(path)
+
+
 def zarr_stores(root: Path) -> list[Path]:
-    return [p for p in find_paths(root, "*.zarr") if (p / "ftidask-manifest.json").is_file()]
+    """The Zarr stores under directory ``root`` that ``verify`` and ``list`` check (see :func:`_checkpoint_store`),
+    sorted; a store's own groups and arrays are not stores of their own, and hidden directories (a retired
+    checkpoint's ``.trash-*``, an export's temporary ``.NAME.tmp-*``) are passed over, as for FTI-FF files."""
+    found = []
+    for dirpath, dirnames, _files in os.walk(root):  # os.walk ignores errors: a directory deleted meanwhile
+        inner = []
+        for name in dirnames:
+            path = Path(dirpath, name)
+            if name.startswith("."):
+                continue
+            if _checkpoint_store(path):
+                found.append(path)  # not walked into: its groups hold Zarr metadata too
+            else:
+                inner.append(name)
+        dirnames[:] = inner
+    return sorted(found)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..ftiff.fti_dcp_posix import DCP_NAME, is_dcp_file, read_dcp_head, read_dcp_posix
 from ..model.errors import FormatError, RecoveryError
 from ..storage.files import find_paths, open_read
+from .shown import shown, shown_message
 
 
 def fti_parity_problem(path: Path) -> str:
@@ -76,5 +77,5 @@ def list_dcp_files(roots: list[Path], meta: Path) -> int:
             sizes = ", ".join(f"id {vid}: {len(b)} bytes" for vid, b in got.data.items())
             state = f"sound, as of the checkpoint the meta file of level {level} names ({sizes})"
             break
-        print(f"  {path}: {state}")
+        print(f"  {shown(path)}: {shown_message(state)}")  # names found on disk: never a terminal's control
     return 0

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..engine.runstate import RunState, check_exec_id, unsealed_record
+from ..engine.runstate import CommitRecord, RunState, check_exec_id, unsealed_record
 from ..model.errors import FormatError, FTIError
-from ..storage.files import find_paths, read_json
+from ..storage.files import SPARE_DIR, find_paths, read_json
 from ..zarrfmt.store import read_manifest
 from .file_checks import (
     ftiff_files,
@@ -21,8 +21,10 @@ from .file_checks import (
     zarr_stores,
 )
 
-#: A rank's own file (an FTI-FF file or a level-4 Zarr store): what a commit record lists, one per rank.
-_RANK_FILE = re.compile(r"Ckpt-?\d+-Rank(\d+)\.(fti|zarr)")
+#: A rank's own file (an FTI-FF file or a level-4 Zarr store): what a commit record lists, one per rank; or its spare
+#: (``{level dir}/dcp/Spare-Rank{r}.fti``), the file of the previous differential checkpoint (the fallback record's).
+_RANK_FILE = re.compile(r"(?:Ckpt-?\d+|Spare)-Rank(\d+)\.(fti|zarr)")
+_SPARE = re.compile(r"Spare-Rank\d+\.fti")
 HEADER = f"{'exec_id':32} {'id':>5} {'level':>5} {'seq':>5} {'time':19} {'files':>5} {'bytes':>14}  state"
 Found = list[tuple[Path, str, object]]  # (path, "ok" or "damaged", the parsed file or the problem)
 
@@ -41,17 +43,34 @@ def _size(path: Path) -> int:
     return total
 
 
-def _key(path: Path, kind: str, detail: object) -> tuple[str, int]:
+def _key(path: Path, kind: str, detail: object, meta: Path) -> tuple[str, int]:
     """``(exec_id, seq)`` of a file: its path's (``{exec_id}/l*/ckpt*.s{seq}``; keep_last_ckpt's L4 copy has a seq
-    of its own, its files the first one's), else its variable table's."""
+    of its own, its files the first one's); a spare's, its level's fallback record's (the previous differential
+    checkpoint's: a damaged spare's own table cannot be read); else its variable table's."""
     table = table_of(detail) if kind == "ok" else {}
     found = re.fullmatch(r"ckpt\d+\.s(\d+)", path.parent.name)
     exec_id = str(table.get("exec_id", path.parent.parent.parent.name))
     try:
         exec_id = check_exec_id(exec_id)
     except FTIError:  # a forged table's, or an odd directory's: printed escaped (no terminal control), never a path
-        exec_id = ascii(exec_id)
-    return exec_id, int(found[1]) if found else int(table.get("seq", 0))
+        return ascii(exec_id), int(table.get("seq", 0))
+    if found:
+        return exec_id, int(found[1])
+    if (fallback := _fallback_of(path, meta)) is not None:
+        return path.parent.parent.parent.name, fallback.seq
+    return exec_id, int(table.get("seq", 0))
+
+
+def _fallback_of(path: Path, meta: Path) -> CommitRecord | None:
+    """The fallback record whose spare ``path`` is (``{exec_id}/l{level}/dcp/Spare-Rank{r}.fti``), else None."""
+    level = re.fullmatch(r"l([1-4])", path.parent.parent.name)
+    if not (_SPARE.fullmatch(path.name) and path.parent.name == SPARE_DIR and level):
+        return None
+    try:
+        run = check_exec_id(path.parent.parent.parent.name)
+    except FTIError:
+        return None
+    return next((r for r in RunState(meta, run).fallbacks() if r.level == int(level[1])), None)
 
 
 def collect(roots: list[Path], meta: Path) -> dict[tuple[str, int], Found]:
@@ -63,7 +82,7 @@ def collect(roots: list[Path], meta: Path) -> dict[tuple[str, int], Found]:
             kind, detail = verdict_of(path)
             if kind == "ok" and (problem := whole_file_problem(path)):  # an L3 file its parity does not encode
                 kind, detail = "damaged", problem
-            groups.setdefault(_key(path, kind, detail), []).append((path, kind, detail))
+            groups.setdefault(_key(path, kind, detail, meta), []).append((path, kind, detail))
     for run in sorted(meta.iterdir()) if meta.is_dir() else ():
         if (run / "commits").is_dir():
             with contextlib.suppress(FTIError):  # not a run's name: none of its records is listed
@@ -93,6 +112,9 @@ def row(exec_id: str, seq: int, files: Found, meta: Path) -> str:
     """One line of the listing: the checkpoint ``seq`` of run ``exec_id`` and the state of ``files``."""
     commit = meta / exec_id / "commits" / f"s{seq:08d}.json"
     record = unsealed_record(read_json(commit)) if commit.is_file() else None  # None: torn or damaged too
+    fallback = None if record is not None else next((f for f in RunState(meta, exec_id).fallbacks() if f.seq == seq),
+                                                    None)
+    record = record or fallback  # the spares' record: what they are even when none of them reads (damaged)
     if record is not None:  # each file the one its record names, as recover() checks (a sound file put in its place)
         named = {f.rank: f for f in record.files}
         files = [(p, "damaged", "not the file its commit record names") if k == "ok" and _not_named(p, d, named)
@@ -111,8 +133,8 @@ def row(exec_id: str, seq: int, files: Found, meta: Path) -> str:
                           3: " (a restart rebuilds them from the parity if enough of the group holds)"}
             state = (f"MISSING {len(missing)} of {len(record.files)} rank files{redundancy.get(record.level, '')}"
                      + ("" if state == "sound" else f", {state}"))
-    elif any(f.seq == seq for f in RunState(meta, exec_id).fallbacks()):
-        state += ", the previous differential checkpoint (a restart falls back to it if it must)"
+        if fallback is not None:
+            state += ", the previous differential checkpoint (a restart falls back to it if it must)"
     elif not meta.is_dir():  # files found elsewhere than under a run's directories: no record to look at
         state += f", commit not checked (no {meta}: give the run's config, --config)"
     else:

@@ -46,6 +46,7 @@ from ..model.config import Config
 from ..model.errors import FormatError, FTIError
 from ..zarrfmt import store as zarr_store
 from .export_sources import Source, config_of, locate, rebuilt
+from .shown import shown
 from .zarr_import import import_zarr, read_zarr, run_import, store_path
 
 __all__ = ["ExportResult", "add_export_command", "export_checkpoint", "import_zarr", "locate", "read_zarr",
@@ -376,9 +377,9 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"ftidask: error: {exc}", file=sys.stderr)
         return 2
     print(f"exported checkpoint {result.ckpt_id} (level {result.level}, {result.nranks} rank file(s)) to "
-          f"{result.path}: {len(result.arrays)} array(s), {result.nbytes:,} bytes in {result.seconds:.2f} s")
-    for name in result.arrays:
-        print(f"  {name}")
+          f"{shown(result.path)}: {len(result.arrays)} array(s), {result.nbytes:,} bytes in {result.seconds:.2f} s")
+    for name in result.arrays:  # a variable's name from the file's table: escaped, never a terminal's control
+        print(f"  {shown(name)}")
     return 0
 
 

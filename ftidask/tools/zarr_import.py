@@ -23,6 +23,7 @@ from ..model.pathnames import checked_path
 from ..storage import runlock
 from ..zarrfmt import store as zarr_store
 from ..zarrfmt.foreign import plain_group_attrs, read_plain_group
+from .shown import shown
 
 log = logging.getLogger("ftidask.zarr")
 
@@ -138,6 +139,21 @@ def run_import(args: argparse.Namespace) -> int:
     except (FileNotFoundError, FTIError) as exc:
         print(f"ftidask: error: {exc}", file=sys.stderr)
         return 2
-    print(f"imported {args.store} as checkpoint {info.id} (level {info.level}); restart the run with the same "
+    kept = _kept_level(args.config, info.id)
+    level = (f"level {info.level}" if kept == info.level else f"written at level {info.level}, kept at level {kept}"
+             if kept is not None else f"written at level {info.level}, kept at finalize")
+    print(f"imported {shown(args.store)} as checkpoint {info.id} ({level}); restart the run with the same "
           "config to recover it")
     return 0
+
+
+def _kept_level(config: str | None, ckpt_id: int) -> int | None:
+    """The level at which the import's checkpoint ``ckpt_id`` is kept (committed) after its finalize, from the run's
+    commit records: keep_last_ckpt flushes a checkpoint of another level to level 4. None if it cannot be told."""
+    cfg = load_config(config, keep_last_ckpt=True)
+    meta = Path(cfg.meta_dir)
+    exec_id = cfg.exec_id or read_current_exec_id(meta)
+    if not exec_id:
+        return None
+    kept = [r for r in RunState(meta, exec_id).records() if r.ckpt_id == ckpt_id]
+    return kept[-1].level if kept else None
