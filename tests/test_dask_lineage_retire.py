@@ -160,3 +160,41 @@ def test_a_retirement_that_fails_midway_discards_what_it_retired(dask_client, di
     assert [r.ckpt_id for r in ctx.state.records()] == [4]
     assert ctx.recover()[1].compute().tobytes() == initial().compute().tobytes()
     ctx.finalize()
+
+
+def test_a_worker_lost_before_the_scheduler_learns_of_the_aliases_leaves_no_key_on_no_worker(dask_client, dirs,
+                                                                                             monkeypatch):
+    """A worker that left between the making of a checkpoint's lineage aliases and the scheduler being told of them
+    (``cluster.adapt`` hit it by itself): distributed's update_data marked its first key in memory before it found
+    the worker gone, on no worker; every compute of the protected array, and the next checkpoint, waited for ever.
+    The worker is killed at that moment (its process, SIGKILL), once the scheduler has seen it go."""
+    import os
+
+    import numpy as np
+    from conftest import lose_node, wait_for_replaced_workers
+
+    real = lineage._place_aliases
+
+    def a_worker_leaves_first(client, aliasing):
+        victim = sorted(aliasing.made())[0]  # a worker that holds aliases
+        lose_node(client.run(os.getpid, workers=[victim])[victim])
+        end = time.monotonic() + 60
+        while victim in client.sync(client.scheduler.identity)["workers"]:
+            assert time.monotonic() < end, "the killed worker is still listed"
+            time.sleep(0.05)
+        return real(client, aliasing)
+
+    ctx = ftidask.init(client=dask_client, **dirs)
+    x = dask_client.persist(initial())
+    expected = x.compute()
+    ctx.protect(1, x, name="field")
+    monkeypatch.setattr(lineage, "_place_aliases", a_worker_leaves_first)
+    ctx.checkpoint(1, 1)
+    monkeypatch.setattr(lineage, "_place_aliases", real)
+    got = dask_client.compute(ctx.protected[1]).result(timeout=120)  # it waited for ever
+    assert np.array_equal(got, expected)
+    wait_for_replaced_workers(dask_client, 2)
+    ctx.protect(1, ctx.protected[1] + 1, name="field")
+    ctx.checkpoint(2, 1)
+    assert np.array_equal(ctx.protected[1].compute(), expected + 1)
+    ctx.finalize()

@@ -358,17 +358,21 @@ def _place_aliases(client: Client, aliasing: Aliasing) -> int:
     aliasing.told = True  # (even were the call to fail midway: the keys it placed stay, as they always did)
     if who_has:
         # What Client.scatter does from inside a task: the scheduler now holds these keys in memory on
-        # those workers, with no run_spec yet; the graph persisted next gives them theirs. A call, not a
-        # message on the client's stream: an error (a worker gone meanwhile) is ours to handle, whereas
-        # a stream handler's error would close the client's connection.
-        try:
-            client.sync(client.scheduler.update_data, who_has=who_has, nbytes=nbytes, client=client.id)
-        except Exception:  # noqa: BLE001 - a worker left after its aliases were made: tell about the others only
-            alive = set(client.sync(client.scheduler.identity)["workers"])
-            who_has = {k: w for k, w in who_has.items() if w[0] in alive}
-            client.sync(client.scheduler.update_data, who_has=who_has, nbytes={k: nbytes[k] for k in who_has},
-                        client=client.id)
-    return len(who_has)
+        # those workers, with no run_spec yet; the graph persisted next gives them theirs. Run on the
+        # scheduler, in one step of its event loop (a worker gone meanwhile: its keys left out, read again).
+        return int(client.run_on_scheduler(_update_data_alive, who_has, nbytes, client.id))
+    return 0
+
+
+def _update_data_alive(who_has: dict[Any, list[str]], nbytes: dict[Any, int], client: str,
+                       dask_scheduler: Any = None) -> int:
+    """On the scheduler (``Client.run_on_scheduler``, in its event loop: no worker leaves meanwhile): its
+    ``update_data`` for the aliases whose worker is still there; the count. From the client, a worker that left
+    between the aliases' making and the call failed the call midway, its first key left "in memory" on no worker:
+    every compute of the protected array, and the next checkpoint, then waited for ever."""
+    alive = {k: w for k, w in who_has.items() if all(a in dask_scheduler.workers for a in w)}
+    dask_scheduler.update_data(who_has=alive, nbytes={k: nbytes[k] for k in alive}, client=client)
+    return len(alive)
 
 
 def watch(client: Client) -> None:
