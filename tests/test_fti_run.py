@@ -59,14 +59,16 @@ def _expected(ckpt: int, rank: int) -> dict[int, bytes]:
     return {vid: (folder / f"var{vid}.bin").read_bytes() for vid in DTYPES}
 
 
-def _recover(dirs, config: Path, ckpt: int, rank: int):
+def _recover(dirs, config: Path, ckpt: int, rank: int, only=tuple(DTYPES), **kw):
+    """Rank ``rank``'s checkpoint ``ckpt`` of the FTI run: the file read (variables ``only`` protected)."""
     ctx = ftidask.init(**dirs)
-    arrays = {vid: np.frombuffer(bytearray(len(raw)), DTYPES[vid]) for vid, raw in _expected(ckpt, rank).items()}
+    arrays = {vid: np.frombuffer(bytearray(len(raw)), DTYPES[vid]) for vid, raw in _expected(ckpt, rank).items()
+              if vid in only}
     for vid, array in arrays.items():
         ctx.protect(vid, array)
     try:
-        found = recover_fti_run(ctx, config, rank)
-        assert {vid: a.tobytes() for vid, a in arrays.items()} == _expected(ckpt, rank)
+        found = recover_fti_run(ctx, config, rank, **kw)
+        assert {vid: a.tobytes() for vid, a in arrays.items()} == {v: _expected(ckpt, rank)[v] for v in arrays}
         return found
     finally:
         ctx.finalize()
@@ -91,6 +93,61 @@ def test_a_lost_level_1_file_falls_back_to_level_4_as_fti_does(fti, dirs):
     (fti / f"Local/node0/{EXEC}/l1/Ckpt2-Rank0.fti").unlink()
     assert _recover(dirs, _config(fti), 3, 0).level == 4
     assert _recover(dirs, _config(fti), 2, 1).level == 1  # rank 1's own file is there
+
+
+def test_every_rank_gets_the_checkpoint_every_rank_can_recover_as_fti_does(fti, dirs):
+    """FTI takes a level only when every rank's recovery from it succeeds (an allreduce per level): rank 1 read its
+    own level-1 checkpoint 2 while rank 0 read checkpoint 3 from level 4, a mix of two checkpoints without a word.
+    One process reading the ranks one by one says how many there are (``nranks``)."""
+    _place(fti, 1, 2)
+    _place(fti, 4, 3)
+    (fti / f"Local/node0/{EXEC}/l1/Ckpt2-Rank0.fti").unlink()
+    same = (0, 3, 4)  # variables of the same sizes in checkpoints 2 and 3: either one fits
+    assert [(f.level, f.ckpt_id) for f in (_recover(dirs, _config(fti), 3, r, same, nranks=2) for r in (0, 1))] == [
+        (4, 3), (4, 3)]
+    assert _recover(dirs, _config(fti), 2, 1, same).level == 1  # without nranks: rank 1's own newest file
+
+
+def test_a_damaged_newer_file_of_one_rank_sends_every_rank_to_the_older_checkpoint(fti, dirs):
+    _place(fti, 1, 1)
+    _place(fti, 1, 2)
+    damaged = fti / f"Local/node1/{EXEC}/l1/Ckpt2-Rank1.fti"
+    raw = bytearray(damaged.read_bytes())
+    raw[40] ^= 0x10  # a data byte of its first variable
+    damaged.write_bytes(raw)
+    same = (0, 3, 4)  # variables of the same sizes in checkpoints 1 and 2: either one fits
+    assert [(f.level, f.ckpt_id) for f in (_recover(dirs, _config(fti), 1, r, same, nranks=2) for r in (0, 1))] == [
+        (1, 1), (1, 1)]
+    assert _recover(dirs, _config(fti), 2, 0).ckpt_id == 2  # rank 0 alone: its own newest file
+
+
+def test_the_ranks_of_an_mpi_context_agree_on_the_checkpoint(fti, tmp_path):
+    """With ``ctx`` on several ranks (here threads over the real engine), the ranks agree as FTI's do."""
+    from ftidask.api.context import Context
+    from ftidask.engine.grouplevels import run_ranks
+    from ftidask.model.config import load_config
+
+    _place(fti, 1, 2)
+    _place(fti, 4, 3)
+    (fti / f"Local/node0/{EXEC}/l1/Ckpt2-Rank0.fti").unlink()
+    config = _config(fti)
+    cfg = load_config(None, ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"),
+                      meta_dir=str(tmp_path / "M"), local_test=1, node_size=1, verbosity=4)
+
+    def program(t):
+        ctx = Context(cfg, t)
+        # (variables 0, 3 and 4 have the same sizes in checkpoints 2 and 3: either one fits)
+        arrays = {vid: np.frombuffer(bytearray(len(raw)), DTYPES[vid]) for vid, raw in _expected(3, t.rank).items()
+                  if vid in (0, 3, 4)}
+        for vid, array in arrays.items():
+            ctx.protect(vid, array)
+        found = recover_fti_run(ctx, config, t.rank)
+        same = all(a.tobytes() == _expected(3, t.rank)[vid] for vid, a in arrays.items())
+        ctx._close()
+        return found.level, found.ckpt_id, same
+
+    results, errors = run_ranks(cfg, 2, program, wait=60)
+    assert errors == [] and results == [(4, 3, True)] * 2, (results, errors)
 
 
 def test_level_2_reads_the_partner_copy_of_a_lost_node(fti, dirs):

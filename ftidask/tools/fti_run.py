@@ -161,9 +161,16 @@ def _sound(found: FtiRunFile) -> bool:
 
 
 def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int, *,
-                    comm: str | None = None) -> FtiRunFile:
+                    comm: str | None = None, nranks: int | None = None) -> FtiRunFile:
     """Fill ``ctx``'s protected arrays from the FTI run ``config`` names, rank ``rank``'s checkpoint, as FTI's
     restart finds it (:func:`fti_run_files`' order: the first file that verifies); the file read is returned.
+
+    FTI's restart takes a level only when every rank can recover from it (an allreduce after each level's attempt),
+    so that every rank gets the same checkpoint. With ``ctx`` on several MPI ranks, the ranks agree so (collective:
+    each rank checks its own files, every byte against its hashes, before any array is written); one process that
+    reads the ranks of a run of ``nranks`` processes one by one gives ``nranks`` to check theirs as well (every
+    rank's files are read to verify them). Otherwise only this rank's files are looked at: its newest file that
+    verifies, whatever the other ranks could recover.
 
     At level 3, a checkpoint whose rank file is missing or refused is rebuilt from its group's other files and FTI's
     parity (in place, as FTI_RecoverL3 does) and the rebuilt file
@@ -172,40 +179,79 @@ def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int
     with heads); the files are those of the global rank it gives."""
     cfg = _config(config)
     rank = global_rank(cfg, rank, comm)
-    files = fti_run_files(cfg, rank, comm="global")
+    t = getattr(ctx, "transport", None)
+    together = t is not None and getattr(t, "size", 1) > 1 and nranks is None
+    if nranks is not None and (isinstance(nranks, bool) or not isinstance(nranks, int) or not 0 <= rank < nranks):
+        raise ConfigError(f"nranks = {nranks!r}: the number of the run's processes (an int above rank {rank})")
     refused: list[str] = []
+    mine = _Candidates(cfg, rank, refused)
+    others = [_Candidates(cfg, r, []) for r in range(nranks or 0) if r != rank]
+    keys = set(mine.keys())
+    for part in t.allgather(sorted(keys)) if together else [c.keys() for c in others]:
+        keys |= {tuple(k) for k in part}
+    order = {level: i for i, level in enumerate(_levels(cfg))}
+    for key in sorted(keys, key=lambda k: (order[k[0]], k[1], -k[2])):  # a level's dCP files after its own
+        found = mine.usable(key, check=together or bool(others))
+        if together and not t.all_ok(found is not None):
+            continue
+        if others and (found is None or not all(c.usable(key, check=True) for c in others)):
+            refused.append(f"level {key[0]} checkpoint {key[2]}: not every one of the {nranks} ranks can recover it")
+            continue
+        ok = found is not None and mine.read(ctx, found)
+        if together and not t.all_ok(ok):
+            refused.append(f"level {key[0]} checkpoint {key[2]}: another rank's recovery refused it")
+            continue
+        if ok:
+            return found
+    raise NoCheckpointError(f"no checkpoint file of rank {rank} in the FTI run that {config} names can be "
+                            "recovered" + ("" if not (together or others) else " by every rank")
+                            + "".join(f"\n  {why}" for why in refused))
 
-    def read(found: FtiRunFile) -> bool:
-        other = _copy_of_another(found, rank)
-        if other:
-            refused.append(f"level {found.level} {found.path}: {other}")
-            return False
+
+class _Candidates:
+    """Rank ``rank``'s checkpoints of an FTI run: which ``(level, id)`` it may have (:meth:`keys`), the file of one
+    that it can recover (:meth:`usable`, a level-3 file rebuilt where it must be), and the reading of it. A key is
+    ``(level, 1 for a POSIX dCP file else 0, checkpoint id or dCP file id)``."""
+
+    def __init__(self, cfg: Config, rank: int, refused: list[str]) -> None:
+        self.cfg, self.rank, self.refused = cfg, rank, refused
+        self.files = fti_run_files(cfg, rank, comm="global")
+
+    def keys(self) -> list[tuple[int, int, int]]:
+        found = {_key(f) for f in self.files}
+        if 3 in _levels(self.cfg):
+            found |= {(3, 0, ckpt_id) for ckpt_id in l3_checkpoint_ids(self.cfg, self.rank)}
+        return sorted(found)
+
+    def usable(self, key: tuple[int, int, int], check: bool) -> FtiRunFile | None:
+        """The file of checkpoint ``key`` to read, verified first where ``check`` (the ranks agree on it before any
+        reads), else None. Level 3: the rank's own file; rebuilt from the group when it is missing or unsound."""
+        level, _dcp, ckpt_id = key
+        for found in (f for f in self.files if _key(f) == key):
+            other = _copy_of_another(found, self.rank)
+            if other:
+                self.refused.append(f"level {level} {found.path}: {other}")
+            elif not (check or level == 3) or _sound(found):
+                return found
+            elif level != 3:
+                self.refused.append(f"level {level} {found.path}: it does not verify")
+        if level != 3:
+            return None
+        try:
+            path = rebuild_rank_file(self.cfg, self.rank, ckpt_id)
+        except RecoveryError as exc:
+            self.refused.append(f"level 3 checkpoint {ckpt_id}, rank file rebuilt from FTI's parity: {exc}")
+            return None
+        return FtiRunFile(3, ckpt_id, path, _meta_dir(self.cfg, 3), True)
+
+    def read(self, ctx: Any, found: FtiRunFile) -> bool:
         try:
             ctx.recover_file(found.path, meta=found.meta, **({} if found.rank is None else {"rank": found.rank}))
         except RecoveryError as exc:
-            refused.append(f"level {found.level} {found.path}: {exc}")
+            self.refused.append(f"level {found.level} {found.path}: {exc}")
             return False
         return True
 
-    for level in _levels(cfg):
-        if level != 3:
-            found = next((f for f in files if f.level == level and read(f)), None)
-            if found is not None:
-                return found
-            continue
-        own = {f.ckpt_id: f for f in files if f.level == 3}
-        for ckpt_id in sorted(set(own) | set(l3_checkpoint_ids(cfg, rank)), reverse=True):
-            if ckpt_id in own and read(own[ckpt_id]):
-                return own[ckpt_id]
-            if ckpt_id in own and _sound(own[ckpt_id]):  # refused for another reason (the arrays): nothing lost
-                continue
-            try:
-                path = rebuild_rank_file(cfg, rank, ckpt_id)
-            except RecoveryError as exc:
-                refused.append(f"level 3 checkpoint {ckpt_id}, rank file rebuilt from FTI's parity: {exc}")
-                continue
-            rebuilt = FtiRunFile(3, ckpt_id, path, _meta_dir(cfg, 3), True)
-            if read(rebuilt):
-                return rebuilt
-    raise NoCheckpointError(f"no checkpoint file of rank {rank} in the FTI run that {config} names can be "
-                            "recovered" + "".join(f"\n  {why}" for why in refused))
+
+def _key(found: FtiRunFile) -> tuple[int, int, int]:
+    return found.level, int(found.path.name.startswith("dcp-")), found.ckpt_id
