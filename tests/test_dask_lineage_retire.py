@@ -198,3 +198,30 @@ def test_a_worker_lost_before_the_scheduler_learns_of_the_aliases_leaves_no_key_
     ctx.checkpoint(2, 1)
     assert np.array_equal(ctx.protected[1].compute(), expected + 1)
     ctx.finalize()
+
+
+def test_a_checkpoint_kept_for_a_live_array_is_retired_after_a_lower_level_commit(dask_client, dirs):
+    """An L2 checkpoint kept for an array that reads it (an L2 commit made it obsolete) dropped out of the deferred
+    list at the next L1 commit (whose rule does not name L2 checkpoints): once the array was gone it stayed on
+    disk until the next L2 commit or finalize."""
+    from pathlib import Path
+
+    def on_disk():
+        return sorted({p.parent.name for p in Path(dirs["ckpt_dir"]).glob("node*/*/l*/ckpt*.s*/Ckpt*.fti")})
+
+    ctx = ftidask.init(client=dask_client, **dirs)
+    ctx.protect(1, initial(), name="field")
+    ctx.checkpoint(1, 2)
+    old = ctx.protected[1]  # reads checkpoint 1
+    ctx.protect(1, old + 1)
+    ctx.checkpoint(2, 2)
+    ctx.protect(1, ctx.protected[1] + 1)
+    ctx.checkpoint(3, 1)
+    assert on_disk() == ["ckpt1.s1", "ckpt2.s2", "ckpt3.s3"]  # checkpoint 1 kept: old reads it
+    del old
+    gc.collect()
+    ctx.protect(1, ctx.protected[1] + 1)
+    ctx.checkpoint(4, 1)
+    assert on_disk() == ["ckpt2.s2", "ckpt4.s4"]
+    assert ctx.recover()[1].compute().tobytes() == stepped(initial(), 3).compute().tobytes()
+    ctx.finalize()

@@ -47,10 +47,15 @@ class DaskRetention(Retention):
 
     def retire_older(self, record: CommitRecord) -> None:
         """After a commit, retire what FTI's rule retires, except the checkpoints live arrays may read."""
-        self.deferred = []
+        carried, self.deferred = self.deferred, []
         self.take_remaining()  # none from an earlier retirement: its collection failed before it took them
         records = self.state.records()
         obsolete = to_retire(records, record, bool(self.config.keep_l4_ckpt))
+        # Those kept for live arrays before stay obsolete, whatever this commit's level (an L1 commit's rule does not
+        # name an L2 checkpoint an L2 commit retired: dropped from the list, it stayed on disk until finalize)
+        known, committed = {r.seq for r in obsolete}, {r.seq for r in records}
+        obsolete = sorted(obsolete + [r for r in carried if r.seq not in known and r.seq in committed],
+                          key=lambda r: r.seq)
         # Their records are deleted here; were the collection not to run, it would remove their directories next time.
         self._discards = []
         try:
