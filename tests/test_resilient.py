@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -191,3 +192,37 @@ def test_a_state_that_is_not_json_is_refused_before_anything_is_protected(tmp_pa
     assert dict(ctx.protected) == {}
     with ftidask.ResilientLoop(ctx, arrays={1: np.zeros(3)}, every=2, iterations=4, state=ftidask.State(a=1)):
         pass  # the same context runs its loop afterwards
+
+
+def test_a_loop_restarted_on_another_number_of_ranks_says_why_it_cannot_resume(tmp_path: Path) -> None:
+    """A loop's checkpoint (its arrays' blocks declared) restarted on fewer ranks: stored_size's own advice (declare
+    the blocks) came out, which the program had done; the loop's counter is each rank's own. Ranks are threads over
+    the real engine (run_ranks), without signal handlers (a thread cannot install them)."""
+    from ftidask.api.context import Context
+    from ftidask.engine.grouplevels import run_ranks
+    from ftidask.model.config import load_config
+
+    cfg = load_config(None, ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"),
+                      local_test=1, node_size=1, verbosity=4)
+
+    def program(t):
+        ctx = Context(cfg, t)
+        n = 12 // t.size
+        u = np.zeros(n)
+        ctx.protect(1, u, global_shape=(12,), offset=(n * t.rank,))
+        try:
+            with ftidask.ResilientLoop(ctx, arrays={1: u}, every=3, iterations=4 if t.size == 4 else 10,
+                                       signals=()) as loop:
+                for _i in loop:
+                    u += 1
+        except ftidask.RecoveryError as exc:
+            return str(exc)
+        finally:
+            ctx._close()
+        return "ran"
+
+    assert run_ranks(cfg, 4, program, wait=60) == (["ran"] * 4, [])
+    results, errors = run_ranks(cfg, 2, program, wait=60)
+    assert errors == [] and len(set(results)) == 1, (results, errors)
+    assert re.search(r"the resilient loop's checkpoint \d+ \(level 1\) was written by 4 rank\(s\), this run has 2: "
+                     "a loop resumes on the number of ranks that wrote it", results[0]), results[0]

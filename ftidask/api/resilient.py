@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..engine.pystate import Value, check_json
-from ..model.errors import FTIError
+from ..model.errors import FTIError, RecoveryError
 from ..transport.collective import agree_call
 
 if TYPE_CHECKING:  # for the signatures only: context.py does not import this module
@@ -149,7 +149,7 @@ class ResilientLoop:
         """On a restart, the loop's checkpoint recovered and :attr:`start` set after its last iteration."""
         ctx = self.ctx
         if ctx.status() != 0:
-            if ctx.stored_size(ITERATION_ID) == 0:  # written before the loop's first one (the program's set-up data)
+            if self._stored() == 0:  # written before the loop's first one (the program's set-up data)
                 ids = [vid for vid in ctx.protected if vid not in RESERVED_IDS]
                 if ids:
                     ctx.recover(ids=ids)
@@ -160,7 +160,7 @@ class ResilientLoop:
         elif ctx.recovered_from is not None and int(self.counter.value) == 0:
             # The program recovered before the loop protected its counter (``if ctx.status(): ctx.recover()``): the
             # status is 0 since, and the loop's own values come from the same checkpoint, if it holds them.
-            if ctx.stored_size(ITERATION_ID) == 0:
+            if self._stored() == 0:
                 return
             ckpt_id, level = ctx.recovered_from
             ctx.recover(ckpt_id, level, ids=[vid for vid in RESERVED_IDS if vid in ctx.protected])
@@ -169,6 +169,22 @@ class ResilientLoop:
         self.start = int(self.counter.value)
         ckpt_id, level = ctx.recovered_from or (None, None)
         log.info("restart: recovered checkpoint %s (level %s), resuming at iteration %d", ckpt_id, level, self.start)
+
+    def _stored(self) -> int:
+        """The stored size of the loop's counter in the checkpoint a restart recovers (collective); a checkpoint of
+        another number of ranks is refused saying why: the loop's counter, generator and state are each rank's own,
+        which no redistribution can share out (stored_size's own error told to declare the arrays' blocks)."""
+        try:
+            return self.ctx.stored_size(ITERATION_ID)
+        except RecoveryError as exc:
+            record = getattr(exc, "redistributed", None)
+            if record is None:
+                raise
+            raise RecoveryError(f"the resilient loop's checkpoint {record.ckpt_id} (level {record.level}) was written "
+                                f"by {record.nranks} rank(s), this run has {self.ctx.transport.size}: a loop resumes "
+                                "on the number of ranks that wrote it (its iteration counter, random generator and "
+                                f"state are each rank's own). Restart on {record.nranks} rank(s) (without the loop, "
+                                "ctx.recover() redistributes the arrays whose blocks are declared)") from None
 
     def __exit__(self, *exc: Any) -> None:
         for sig, old in self._old.items():
