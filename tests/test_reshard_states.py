@@ -107,3 +107,38 @@ def test_states_of_another_number_of_ranks_refuse_and_name_the_older_checkpoints
     ctx._close()
     got = _stage(tmp_path, 2, _recover(ckpt_id=1))
     assert got == [((1, 4), True, {"step": 10 + r}) for r in range(2)], got
+
+
+@pytest.mark.parametrize("level", [1, 3, 4])
+@pytest.mark.parametrize("size", [1, 2, 3, 6])
+def test_a_replicated_state_is_recovered_on_any_number_of_ranks(tmp_path, level, size):
+    """A Python state every rank holds alike, protected with replicated=True, comes back on another number of ranks
+    (read from one old file, decoded and checked on every rank), with the declared blocks of an array."""
+    def write(t):
+        ctx = Context(_config(tmp_path), t)
+        lo, hi = G * t.rank // 4, G * (t.rank + 1) // 4
+        ctx.protect(1, _want(1)[lo:hi].copy(), global_shape=(G,), offset=(lo,))
+        ctx.protect(2, ftidask.Value({"step": 41, "name": "run"}), replicated=True)
+        ctx.checkpoint(1, level)
+        ctx._close()
+
+    assert run_ranks(_config(tmp_path), 4, write, wait=60) == ([None] * 4, [])
+
+    def restart(t):
+        ctx = Context(_config(tmp_path), t)
+        lo, hi = G * t.rank // size, G * (t.rank + 1) // size
+        a, value = np.zeros(hi - lo), ftidask.Value(None)
+        ctx.protect(1, a, global_shape=(G,), offset=(lo,))
+        ctx.protect(2, value, replicated=True)
+        ctx.recover()
+        ctx._close()
+        return a.tobytes() == _want(1)[lo:hi].tobytes(), value.value
+
+    assert run_ranks(_config(tmp_path), size, restart, wait=60) == ([(True, {"step": 41, "name": "run"})] * size, [])
+
+
+def test_a_state_takes_no_block(tmp_path):
+    ctx = ftidask.init(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"))
+    with pytest.raises(ftidask.ProtectError, match="a Python state takes no global_shape or offset"):
+        ctx.protect(2, ftidask.Value(1), global_shape=(4,), offset=(0,))
+    ctx.finalize()

@@ -194,35 +194,59 @@ def test_a_state_that_is_not_json_is_refused_before_anything_is_protected(tmp_pa
         pass  # the same context runs its loop afterwards
 
 
-def test_a_loop_restarted_on_another_number_of_ranks_says_why_it_cannot_resume(tmp_path: Path) -> None:
-    """A loop's checkpoint (its arrays' blocks declared) restarted on fewer ranks: stored_size's own advice (declare
-    the blocks) came out, which the program had done; the loop's counter is each rank's own. Ranks are threads over
-    the real engine (run_ranks), without signal handlers (a thread cannot install them)."""
+def test_a_loop_resumes_on_another_number_of_ranks(tmp_path: Path) -> None:
+    """A loop's checkpoint (its arrays' blocks declared) restarted on fewer ranks: its counter was each rank's own
+    (the restart refused, with stored_size's advice to declare the blocks, which the program had done). The counter
+    is replicated now: the loop resumes after its last checkpointed iteration; with a per-rank generator it is
+    refused saying why. Ranks are threads over the real engine (run_ranks), without signal handlers (a thread
+    cannot install them)."""
     from ftidask.api.context import Context
     from ftidask.engine.grouplevels import run_ranks
     from ftidask.model.config import load_config
 
-    cfg = load_config(None, ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"),
-                      local_test=1, node_size=1, verbosity=4)
+    def config(run: str):
+        return load_config(None, ckpt_dir=str(tmp_path / run / "L"), glbl_dir=str(tmp_path / run / "G"),
+                           meta_dir=str(tmp_path / run / "M"), local_test=1, node_size=1, verbosity=4)
 
-    def program(t):
+    cfg, other = config("a"), config("b")
+
+    def program(t, crash_at=None, rng=None, pre=False, cfg=cfg):
         ctx = Context(cfg, t)
         n = 12 // t.size
-        u = np.zeros(n)
+        u = np.arange(n * t.rank, n * (t.rank + 1), dtype=float)
         ctx.protect(1, u, global_shape=(12,), offset=(n * t.rank,))
         try:
-            with ftidask.ResilientLoop(ctx, arrays={1: u}, every=3, iterations=4 if t.size == 4 else 10,
-                                       signals=()) as loop:
-                for _i in loop:
+            if pre and ctx.status():
+                ctx.recover()  # the program recovers first: the loop takes its counter from the same checkpoint
+            with ftidask.ResilientLoop(ctx, arrays={1: u}, every=3, iterations=10, signals=(), rng=rng) as loop:
+                for i in loop:
+                    if i == crash_at:
+                        raise RuntimeError("crash")
                     u += 1
-        except ftidask.RecoveryError as exc:
+        except (RuntimeError, ftidask.RecoveryError) as exc:
             return str(exc)
         finally:
             ctx._close()
-        return "ran"
+        return loop.start, u.tolist()
 
-    assert run_ranks(cfg, 4, program, wait=60) == (["ran"] * 4, [])
-    results, errors = run_ranks(cfg, 2, program, wait=60)
+    assert run_ranks(cfg, 4, lambda t: program(t, crash_at=7), wait=60) == (["crash"] * 4, [])
+    def done(size, start, shift=0.0):  # each rank's result: the loop's first iteration, the values after its last
+        return [(start, list(np.arange(12 // size * r, 12 // size * (r + 1)) + 10.0 + shift)) for r in range(size)], []
+
+    assert run_ranks(cfg, 2, program, wait=60) == done(2, 6)
+    def setup(t):  # a checkpoint of the program's set-up data, before any loop: the loop starts at 0 with it
+        ctx = Context(third, t)
+        u = np.arange(3 * t.rank, 3 * t.rank + 3, dtype=float) - 10
+        ctx.protect(1, u, global_shape=(12,), offset=(3 * t.rank,))
+        ctx.checkpoint(1, 1)
+        ctx._close()
+
+    third = config("c")
+    assert run_ranks(third, 4, setup, wait=60) == ([None] * 4, [])
+    assert run_ranks(third, 2, lambda t: program(t, cfg=third), wait=60) == done(2, 0, -10.0)
+    assert run_ranks(other, 4, lambda t: program(t, crash_at=4, cfg=other), wait=60) == (["crash"] * 4, [])
+    assert run_ranks(other, 3, lambda t: program(t, pre=True, cfg=other), wait=60) == done(3, 3)
+    results, errors = run_ranks(cfg, 3, lambda t: program(t, rng=np.random.default_rng(t.rank)), wait=60)
     assert errors == [] and len(set(results)) == 1, (results, errors)
-    assert re.search(r"the resilient loop's checkpoint \d+ \(level 1\) was written by 4 rank\(s\), this run has 2: "
-                     "a loop resumes on the number of ranks that wrote it", results[0]), results[0]
+    assert re.search(r"the resilient loop's checkpoint \d+ \(level 1\) was written by 2 rank\(s\), this run has 3: "
+                     "a loop with rng= or state= resumes on the number of ranks that wrote it", results[0]), results[0]

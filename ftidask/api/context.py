@@ -112,7 +112,8 @@ class Context(RecoveryCalls, StagingCalls):
         on another number of ranks then redistributes it (see docs/mpi.md).
         ``array`` may also be Python state, stored as JSON and recovered in place: an
         ``ftidask.State`` (or dict) or ``ftidask.Value`` of JSON values, or a ``numpy.random``
-        Generator/BitGenerator (its state); anything else is refused (never pickled).
+        Generator/BitGenerator (its state); anything else is refused (never pickled). A state that every
+        rank holds alike, protected with ``replicated=True``, comes back on another number of ranks too.
         """
         self._check_open()
         vid = check_id(id, "variable id")

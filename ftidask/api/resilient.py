@@ -114,7 +114,9 @@ class ResilientLoop:
         try:
             for vid, array in arrays.items():
                 ctx.protect(vid, array)
-            ctx.protect(ITERATION_ID, self.counter, name="ftidask.loop.next_iteration")
+            # Replicated (every rank runs the same iterations): a restart on another number of ranks reads it too
+            replicated = {"replicated": True} if "replicated" in inspect.signature(ctx.protect).parameters else {}
+            ctx.protect(ITERATION_ID, self.counter, name="ftidask.loop.next_iteration", **replicated)
             if rng is not None:
                 ctx.protect(RNG_ID, rng, name="ftidask.loop.rng")
             if state is not None:
@@ -128,6 +130,7 @@ class ResilientLoop:
         self.stopped = False  # True when a signal ended the loop early
         self.last_checkpoint: int | None = None
         self._signalled: int | None = None
+        self._moved = False  # the checkpoint resumed is one of another number of ranks (redistributed)
         self._old: dict[int, Any] = {}
 
     # --- signals ---------------------------------------------------------------------------------
@@ -149,10 +152,10 @@ class ResilientLoop:
         """On a restart, the loop's checkpoint recovered and :attr:`start` set after its last iteration."""
         ctx = self.ctx
         if ctx.status() != 0:
-            if self._stored() == 0:  # written before the loop's first one (the program's set-up data)
+            if not self._holds_counter():  # written before the loop's first one (the program's set-up data)
                 ids = [vid for vid in ctx.protected if vid not in RESERVED_IDS]
                 if ids:
-                    ctx.recover(ids=ids)
+                    self._recover_only(ids)
                 log.info("restart: recovered checkpoint %s, written before the loop's first: starting at iteration 0",
                          ctx.recovered_from)
                 return
@@ -160,31 +163,50 @@ class ResilientLoop:
         elif ctx.recovered_from is not None and int(self.counter.value) == 0:
             # The program recovered before the loop protected its counter (``if ctx.status(): ctx.recover()``): the
             # status is 0 since, and the loop's own values come from the same checkpoint, if it holds them.
-            if self._stored() == 0:
+            if not self._holds_counter():
                 return
-            ckpt_id, level = ctx.recovered_from
-            ctx.recover(ckpt_id, level, ids=[vid for vid in RESERVED_IDS if vid in ctx.protected])
+            self._recover_only([vid for vid in RESERVED_IDS if vid in ctx.protected], *ctx.recovered_from)
         else:
             return
         self.start = int(self.counter.value)
         ckpt_id, level = ctx.recovered_from or (None, None)
         log.info("restart: recovered checkpoint %s (level %s), resuming at iteration %d", ckpt_id, level, self.start)
 
-    def _stored(self) -> int:
-        """The stored size of the loop's counter in the checkpoint a restart recovers (collective); a checkpoint of
-        another number of ranks is refused saying why: the loop's counter, generator and state are each rank's own,
-        which no redistribution can share out (stored_size's own error told to declare the arrays' blocks)."""
+    def _recover_only(self, ids: list[int], *which: int) -> None:
+        """recover(``*which``) of the variables ``ids`` only. On another number of ranks, where recover(ids=...) is
+        refused (it recovers on the checkpoint's own layout), the other variables are left out of the recovery."""
+        ctx = self.ctx
+        if not self._moved:
+            ctx.recover(*which, ids=ids)
+            return
+        before = dict(ctx.variables)
+        ctx.variables.clear()
+        ctx.variables.update({vid: p for vid, p in before.items() if vid in ids})
         try:
-            return self.ctx.stored_size(ITERATION_ID)
+            ctx.recover(*which)
+        finally:
+            ctx.variables.clear()
+            ctx.variables.update(before)
+
+    def _holds_counter(self) -> bool:
+        """Whether the checkpoint a restart recovers holds the loop's counter (collective). One of another number of
+        ranks is redistributed: the counter is replicated, but the loop's generator and state are each rank's own,
+        which no redistribution can share out (refused, saying so: stored_size's own error told to declare the
+        arrays' blocks)."""
+        try:
+            return self.ctx.stored_size(ITERATION_ID) != 0
         except RecoveryError as exc:
             record = getattr(exc, "redistributed", None)
             if record is None:
                 raise
+            if RNG_ID not in self.ctx.protected and STATE_ID not in self.ctx.protected:
+                self._moved = True
+                return ITERATION_ID in self.ctx._stored_names()  # the old files' tables (a checkpoint of set-up data)
             raise RecoveryError(f"the resilient loop's checkpoint {record.ckpt_id} (level {record.level}) was written "
-                                f"by {record.nranks} rank(s), this run has {self.ctx.transport.size}: a loop resumes "
-                                "on the number of ranks that wrote it (its iteration counter, random generator and "
-                                f"state are each rank's own). Restart on {record.nranks} rank(s) (without the loop, "
-                                "ctx.recover() redistributes the arrays whose blocks are declared)") from None
+                                f"by {record.nranks} rank(s), this run has {self.ctx.transport.size}: a loop with rng= "
+                                "or state= resumes on the number of ranks that wrote it (its random generator and "
+                                f"state are each rank's own). Restart on {record.nranks} rank(s) (without them, its "
+                                "counter and the arrays whose blocks are declared are redistributed)") from None
 
     def __exit__(self, *exc: Any) -> None:
         for sig, old in self._old.items():

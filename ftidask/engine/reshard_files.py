@@ -92,10 +92,15 @@ def _state_size(tables: dict[int, dict[str, Any]], vid: int, n: int, m: int, ran
     try:
         if entries and all(PYSTATE in e["extra"] and stored_dtype(e["dtype"]) == np.uint8 for e in entries):
             if "dask" not in entries[0]["extra"]:
+                holders = [old for old in range(n) if tables.get(old, {}).get(str(vid))]
+                if n != m and all(e["extra"].get("replicated") is True for e in entries):  # the same on every rank:
+                    (size,) = tables[holders[rank % len(holders)]][str(vid)]["shape"]  # read as the plan reads it
+                    return int(size)
                 if n != m:
                     raise StatesRefused(f"variable {vid} is a Python state (ftidask.State, Value or a NumPy "
                                         f"Generator), which each of the checkpoint's {n} ranks holds for itself: it "
-                                        f"cannot be redistributed onto {m} rank(s)")
+                                        f"cannot be redistributed onto {m} rank(s) (one every rank holds alike is "
+                                        "protected with replicated=True)")
                 (size,) = tables[rank][str(vid)]["shape"]
                 return int(size)
             (size,) = entries[0]["extra"]["dask"]["shape"]

@@ -46,9 +46,9 @@ def protected_var(vid: int, array: Any, name: str | None, compressor: Any, old: 
     if name is None:
         name = old.name if old is not None else f"var{vid}"
     codec = compressor_config(compressor, old)
-    if state is not None and (global_shape is not None or offset is not None or replicated):
-        raise ProtectError(f"variable {vid}: a Python state takes no global_shape, offset or replicated (it is "
-                           "recovered whole, on the checkpoint's number of ranks)")
+    if state is not None and (global_shape is not None or offset is not None):
+        raise ProtectError(f"variable {vid}: a Python state takes no global_shape or offset (it is recovered whole: "
+                           "on the checkpoint's number of ranks, or on any with replicated=True)")
     decomp = declaration(array, global_shape, offset, replicated)
     if decomp is None and old is not None and global_shape is None and not replicated:
         decomp = still_fits(array, old.decomp)  # protect again (or realloc): the declaration stays if it fits
