@@ -101,3 +101,26 @@ def test_a_variable_declared_by_some_ranks_and_undeclared_on_another_is_refused_
 
     results, errors = run_ranks(_config(tmp_path, 1), 3, restart, wait=60)
     assert errors == [] and results == [(1, True)] * 3, (results, errors)
+
+
+def test_a_per_rank_state_protected_replicated_now_comes_back_on_another_node_layout(tmp_path):
+    """A loop's counter of a checkpoint written before it was protected replicated (each rank's own Value), read by
+    a run that protects it replicated, on the same number of ranks and another node layout: each rank its own, as
+    on the same layout (the declaration on one side only), never "declared replicated here, none there"."""
+    def write(t):
+        ctx = Context(_config(tmp_path, 1), t)
+        ctx.protect(2, ftidask.Value(5 + t.rank))
+        ctx.checkpoint(1, 1)
+        ctx._close()
+
+    assert run_ranks(_config(tmp_path, 1), N, write, wait=60) == ([None] * N, [])
+
+    def restart(t):
+        ctx = Context(_config(tmp_path, 2), t)
+        value = ftidask.Value(None)
+        ctx.protect(2, value, replicated=True)
+        ctx.recover()
+        ctx._close()
+        return value.value
+
+    assert run_ranks(_config(tmp_path, 2), N, restart, wait=60) == ([5 + r for r in range(N)], [])

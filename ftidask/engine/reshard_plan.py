@@ -32,7 +32,9 @@ def plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decls
         if reshard_dask.holds_chunks(entries):
             _dask_plan(vid, entries, array, new, plan)
             continue
-        if new.kind == "none" and n == m:  # rank r gets old rank r's array, whatever the others recorded
+        if n == m and (new.kind == "none" or new.kind == "replicated" and _undeclared(entries[rank])):
+            # rank r gets old rank r's array, whatever the others recorded (declared replicated on one side only:
+            # loaded as it is, as on the same layout; a loop's counter of a checkpoint written before it was)
             place, shape, order = _own(vid, entries[rank], rank, array)  # (undeclared: per-rank data, any dtype)
             piece = overlap(place.offset, shape, order, array.dtype.itemsize, place.offset, array.shape)
             _add(plan, vid, array, place, [(rank, piece)] if piece is not None else [])
@@ -69,6 +71,12 @@ def plan(tables: dict[int, dict[str, Any]], arrays: dict[int, np.ndarray], decls
                  for old, (place, shape, order) in sources.items()]
         _add(plan, vid, array, new, [(old, piece) for old, piece in found if piece is not None])
     return plan
+
+
+def _undeclared(entry: Any) -> bool:
+    """Whether an old rank's record holds an undeclared variable (a malformed one is left to :func:`_own`)."""
+    extra = entry.get("extra") if isinstance(entry, dict) else None
+    return isinstance(extra, dict) and not {"global_shape", "offset", "replicated"} & set(extra)
 
 
 def _own(vid: int, entry: Any, rank: int, array: np.ndarray) -> tuple[Placement, tuple[int, ...], str]:
