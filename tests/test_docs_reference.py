@@ -37,7 +37,7 @@ def config_rows() -> list[tuple[str, str, str, str]]:
 ROWS = config_rows()
 
 
-NEEDS = {"dcp_l4": {"enable_dcp": 1}}  # keys whose values above 0 need another key (said in their meaning column)
+NEEDS = {"dcp_l4": {"enable_dcp": 1}, "dcp_block_size": {"enable_dcp": 1}}  # keys whose values above 0 need another key (said in their meaning column)
 
 
 def accepts(key: str, value) -> bool:

@@ -123,3 +123,20 @@ def test_fti_keys_ignored_in_a_file_are_ignored_as_keywords_too():
     assert ftidask.load_config(None, ckpt_net=1, general_tag=3, lustre_stiping_unit=4) == base
     with pytest.raises(ftidask.ConfigError, match="unknown config key 'ckpt_nett'"):
         ftidask.load_config(None, ckpt_nett=1)
+
+
+def test_fti_s_own_test_template_values_load(tmp_path):
+    """FTI's test suites' template says ``dcp_block_size = -1`` with ``enable_dcp = 0`` (FTI checks the block size
+    with dCP on only), ``max_sync_intv = -1`` is FTI's own default (512), and FTI reads its booleans with
+    iniparser_getboolean (t/T/y/Y true, f/F/n/N false): all were refused."""
+    path = tmp_path / "config.fti"
+    path.write_text("[basic]\nnode_size = 4\ngroup_size = 4\nckpt_io = 1\nverbosity = 2\nmax_sync_intv = -1\n"
+                    "enable_dcp = 0\ndcp_mode = 1\ndcp_block_size = -1\ndcp_stack_size = 5\nenable_staging = N\n"
+                    "keep_last_ckpt = f\n[restart]\nfailure = 0\nexec_id = NULL\n"
+                    "[injection]\nrank = 0\nnumber = 0\nposition = 0\nfrequency = 0\n")
+    config = ftidask.load_config(str(path))
+    assert (config.enable_dcp, config.dcp_block_size, config.max_sync_intv) == (False, 16384, 0)
+    assert (config.enable_staging, config.keep_last_ckpt) == (False, False)
+    assert ftidask.load_config(None, enable_dcp="T", dcp_block_size=4096).enable_dcp is True
+    with pytest.raises(ftidask.ConfigError, match="dcp_block_size.*outside"):
+        ftidask.load_config(None, enable_dcp="y", dcp_block_size=-1)

@@ -197,3 +197,30 @@ def test_a_negative_interval_is_never_as_in_fti(dirs, tmp_path) -> None:
     assert ftidask.load_config(cfg).ckpt_l1 == 0 and ftidask.load_config(cfg).dcp_l4 == 0
     made, _lines = drive(dirs, [1000.0] * 4, ckpt_l1=-1, ckpt_l4=2, dcp_l4=-3, snapshot_unit="iterations")
     assert made == [(2, 4), (4, 4)]
+
+
+def test_a_restart_with_nothing_to_recover_raises_until_the_program_starts_afresh(tmp_path):
+    """FTI's init starts afresh when no checkpoint verifies; ftidask never gives up a restart by itself: snapshot()
+    raises NoCheckpointError (the arrays untouched), and a checkpoint() the program calls instead ends the restart,
+    after which snapshot() runs its schedule (docs/guide.md)."""
+    import glob
+    import os
+
+    kw = dict(ckpt_dir=str(tmp_path / "L"), glbl_dir=str(tmp_path / "G"), meta_dir=str(tmp_path / "M"), verbosity=4,
+              ckpt_l1=1, snapshot_unit="iterations")
+    ctx = ftidask.init(**kw)
+    ctx.protect(1, np.arange(4.0))
+    ctx.checkpoint(1, 1)
+    ctx._close()  # the program dies; then its level-1 files are lost with the node
+    for path in glob.glob(str(tmp_path / "L" / "**" / "*.fti"), recursive=True):
+        os.remove(path)
+    again = ftidask.init(**kw)
+    a = np.full(4, 7.0)
+    again.protect(1, a)
+    for _ in range(2):  # tried again at each call (a disk may come back)
+        with pytest.raises(ftidask.NoCheckpointError):
+            again.snapshot()
+        assert again.status() == 1 and (a == 7.0).all()
+    assert again.checkpoint(2, 1).id == 2
+    assert [again.snapshot() for _ in range(3)] == [ftidask.FTI_SCES, ftidask.FTI_DONE, ftidask.FTI_DONE]
+    again.finalize()
