@@ -97,7 +97,8 @@ def main() -> None:
             print(f"{'codec':14} {'ratio':>6} {'comp MB/s':>10} {'decomp MB/s':>12} {'ckpt s':>8} {'x base':>7} "
                   f"{'recover s':>10} {'x base':>7}")
             base_c = base_r = None
-            for spec in args.codecs.split(","):
+            codecs = args.codecs.split(",")
+            for spec in ["none"] + [c for c in codecs if c != "none"]:  # the baseline first: uncompressed
                 ratio, c_mbs, d_mbs = codec_speed(spec, data, args.repeat)
                 t_c, t_r, stored = checkpoint_cycle(root / spec.replace(":", "_"), spec, data, args.repeat)
                 if base_c is None:

@@ -163,7 +163,7 @@ def bench_checkpoints(size_mib: int, block: int, root: Path, repeat: int, tracki
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=1024, help="state size (default 1 GiB)")
-    parser.add_argument("--block-size", type=int, default=16384, help="dcp_block_size (default 16384)")
+    parser.add_argument("--block-size", type=int, default=16384, help="dcp_block_size, 512..65535 (default 16384)")
     parser.add_argument("--hash-mib", type=int, default=256, help="bytes hashed per candidate (MiB)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5, help="runs per figure; the fastest is shown")
@@ -172,6 +172,8 @@ def main() -> None:
     parser.add_argument("--tracking", choices=("both", "on", "off"), default="both",
                         help="find changes with write tracking, by hashing everything, or both tables")
     args = parser.parse_args()
+    if not 512 <= args.block_size <= 65535:  # the config's bounds: said here, not as a traceback from init
+        parser.error(f"--block-size {args.block_size}: dcp_block_size is 512..65535")
     if not args.skip_hashes:
         bench_hashes(args.hash_mib, 16384, args.threads)
     root = Path(tempfile.mkdtemp(prefix="ftidask-bench-dcp-", dir=args.dir))

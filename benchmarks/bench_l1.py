@@ -27,7 +27,7 @@ import threading
 import time
 
 import numpy as np
-from timing import best, evict_file
+from timing import best, evict_file, fresh_rows_note, map_large_arrays_afresh
 
 import ftidask
 
@@ -162,6 +162,9 @@ def main() -> None:
     root = tempfile.mkdtemp(dir=args.dir)
     try:
         per = args.size_mib * 2**20 // args.arrays // 8
+        map_large_arrays_afresh()  # each np.empty_like a new mapping, as a restarted program's first arrays
+        if note := fresh_rows_note(per * 8):
+            print(note, flush=True)
         rng = np.random.default_rng(0)
         arrays = [rng.random(per) for _ in range(args.arrays)]
         nbytes = sum(a.nbytes for a in arrays)

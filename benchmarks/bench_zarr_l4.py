@@ -23,7 +23,7 @@ import warnings
 
 import numpy as np
 import zarr
-from timing import best, evict_tree
+from timing import best, evict_tree, fresh_rows_note, map_large_arrays_afresh
 
 import ftidask
 
@@ -62,6 +62,9 @@ def main() -> None:
     root = tempfile.mkdtemp(dir=args.dir)
     try:
         per = args.size_mib * 2**20 // args.arrays // 8
+        map_large_arrays_afresh()  # each np.empty_like a new mapping, as a restarted program's first arrays
+        if note := fresh_rows_note(per * 8):
+            print(note, flush=True)
         rng = np.random.default_rng(0)  # a random walk rounded to 2 decimals: compresses to about a third
         arrays = [np.round(np.cumsum(rng.standard_normal(per)), 2) for _ in range(args.arrays)]
         dirs = dict(ckpt_dir=f"{root}/L", glbl_dir=f"{root}/G", meta_dir=f"{root}/M", verbosity=3,

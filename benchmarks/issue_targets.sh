@@ -24,6 +24,8 @@ step() {  # step LIMIT COMMAND...: run it within LIMIT seconds and what is left 
 
 echo "$(nproc) cores, $(free -g | awk '/Mem/{print $2}') GiB, kernel $(uname -r); $RANKS MPI ranks in groups of $GROUP"
 cd "$(dirname "$0")" || exit 1
+# The repository's virtual environment first (README's set-up), where python3 alone may lack ftidask
+[ -x ../.venv/bin/python3 ] && export PATH="$PWD/../.venv/bin:$PATH"
 # The targets still open first (issue 15: L2-L4 blocked time = L1's over MPI, and whether a pause after each
 # commit, which lets the previous checkpoint's deletion finish, changes it; the 4 GiB copy/torch rows; issue 16:
 # L2 after the durability fix), then the rest.

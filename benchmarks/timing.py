@@ -57,3 +57,15 @@ def map_large_arrays_afresh() -> bool:
     except (OSError, AttributeError):
         return False
     return done
+
+
+def fresh_rows_note(array_bytes: int) -> str:
+    """'' when arrays of ``array_bytes`` are large enough for a recovery to move verified pages under fresh ones,
+    else a note for the output: below ftidask's threshold a recovery copies into any array, so the rows named
+    "fresh" time the copy path, as the rows of arrays in use do (a small run measures no page move)."""
+    from ftidask.engine.pagemove import MIN_BYTES
+
+    if array_bytes >= MIN_BYTES:
+        return ""
+    return (f"note: arrays of {array_bytes / 2**20:.1f} MiB, under {MIN_BYTES >> 20} MiB: a recovery copies into "
+            "them; the 'fresh' rows time the copy path, not the page move of a restart's large arrays")
