@@ -26,6 +26,22 @@ from distributed import Client, LocalCluster, wait
 import ftidask
 
 
+def _raw_write(nbytes: int, folder: str, dask_worker=None) -> float:
+    """On a worker: seconds of a raw tofile + fsync of ``nbytes`` (the baseline of its own file's write)."""
+    import numpy as np
+
+    data = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    path = os.path.join(folder, f"raw-{os.getpid()}")
+    start = time.perf_counter()
+    with open(path, "wb") as fh:
+        data.tofile(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    took = time.perf_counter() - start
+    os.remove(path)
+    return took
+
+
 def _reset_hwm(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/clear_refs", "w") as fh:
@@ -94,8 +110,12 @@ def main() -> None:
         ctx = ftidask.init(client=client, ckpt_dir=f"{root}/Local", glbl_dir=f"{root}/Global",
                            meta_dir=f"{root}/Meta", verbosity=3, progress="off", group_size=args.workers)
         ctx.protect(1, x)
+        os.makedirs(f"{root}/raw", exist_ok=True)
+        per_worker = x.nbytes // args.workers
+        raw = min(max(client.run(_raw_write, per_worker, f"{root}/raw").values()) for _ in range(2))
         print(f"array {x.nbytes / 2**20:.0f} MiB on {args.workers} workers x 1 thread "
-              f"({args.size_mib} MiB each), group of {args.workers}, ftidask from {ftidask.__file__}")
+              f"({args.size_mib} MiB each), group of {args.workers}, ftidask from {ftidask.__file__}; baseline: "
+              f"every worker's raw tofile+fsync of its {per_worker / 2**20:.0f} MiB at once, {raw:.2f} s (slowest)")
         try:
             ckpt = 0
             for level in args.levels:
@@ -106,7 +126,8 @@ def main() -> None:
                         info = ctx.checkpoint(ckpt, level)
                     extra = {w: mem.peak[w] - mem.before[w] for w in pids}
                     sizes = "/".join(f"{s / 2**20:.0f}" for s in info.file_sizes)
-                    print(f"L{level}: {info.seconds:.2f} s, files {sizes} MiB; worker RSS before "
+                    print(f"L{level}: {info.seconds:.2f} s ({info.seconds / raw:.2f} x raw write of the rank files), "
+                          f"files {sizes} MiB; worker RSS before "
                           f"{'/'.join(f'{mem.before[w] / 2**20:.0f}' for w in sorted(pids))} MiB, extra at peak "
                           f"{'/'.join(f'{extra[w] / 2**20:.0f}' for w in sorted(pids))} MiB "
                           f"(max {max(extra.values()) / 2**20:.0f} MiB, {'VmHWM' if mem.hwm_ok else 'sampled'})",
