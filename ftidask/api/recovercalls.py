@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.asyncckpt import AsyncCheckpoints
+from ..engine.filerecovery import PreparedFile
 from ..engine.icp import IcpSlot
 from ..engine.recovering import Progress, Recovery
 from ..engine.recoverplan import var_id_of
@@ -93,12 +94,16 @@ class RecoveryCalls:
         :class:`RecoveryError` for an argument refused, a file damaged or not one of these, or one whose
         variables do not fit those protected; nothing is touched then. Returns the recovered arrays by id
         (docs/format.md)."""
+        return self._prepare_file(path, meta, rank).load()
+
+    def _prepare_file(self, path: str | os.PathLike[str], meta: str | os.PathLike[str] | None = None,
+                      rank: int | None = None) -> PreparedFile:
+        """:meth:`recover_file` up to the first array written: the file verified and checked against the protected
+        arrays; its ``load()`` fills them (:func:`ftidask.tools.fti_run.recover_fti_run`'s ranks agree between)."""
         self._check_open()
         self._icp_slot.check_none_open(RecoveryError)  # as recover(): the iCP would commit a mix of both
         self._async.drain()
-        out = self.recovery.recover_file(path, meta, rank)
-        self.progress.recovered_ids.update(out)
-        return out
+        return self.recovery.prepare_file(path, meta, rank)
 
     @one_at_a_time
     def stored_size(self, id: int, *, total: bool = False) -> int:

@@ -24,6 +24,7 @@ from ..transport.collective import agree, agree_call, attempt, guarded, on_root
 from . import pagemove, recoverplan, reshard
 from .checkpointing import CheckpointInfo
 from .dcpstore import distrust_spare
+from .filerecovery import PreparedFile, prepare_file
 from .pagemove import Stager, release_all
 from .prefault import Prefault
 from .recovery import Verdict, check_file, load_file, newest_recoverable
@@ -346,31 +347,15 @@ class Recovery(RestartSizes):
                  " (the previous differential checkpoint, kept as the spare)" if record.fallback else "")
         return targets.recovered()
 
-    def recover_file(self, path: Any, meta: Any = None, rank: Any = None) -> dict[int, Any]:  # checked: check_paths
+    def recover_file(self, path: Any, meta: Any = None, rank: Any = None) -> dict[int, Any]:
         """:meth:`ftidask.Context.recover_file` (this rank only; ``rank``: whose part of FTI's MPI-IO file)."""
-        recoverplan.check_paths(path, meta, rank)
-        if meta is not None:  # FTI's POSIX file (or MPI-IO's shared file), described by its meta files
-            return recoverplan.recover_posix(self.variables, path, meta, self.progress, rank, self.transport.rank)
-        with self._verifying(None) as stage:
-            verdict = check_file(Path(path), None, self.transport.rank, stage)
-        try:
-            if verdict.kind != "ok" or verdict.parsed is None:
-                why = recoverplan.hinted(verdict.message, path)
-                raise RecoveryError(f"cannot recover from {os.fspath(path)}: {why}")
-            targets = recoverplan.plan(self.variables, verdict.parsed, None)
-            problem = targets.problem or targets.load_states()
-            if problem:
-                raise RecoveryError(problem)
-            load_file(verdict.parsed, targets.arrays, staged=verdict.staged)
-        finally:
-            release_all(verdict.staged)  # committed ones are gone already
-        targets.apply_states()
-        self.progress.plan_from(verdict.parsed)  # as _load
-        # its sizes for stored_size; no run's record goes with this file: a recover() after it finds its checkpoint
-        # anew (else it paired the newest record with this file, loaded it, and said it recovered that checkpoint)
-        self.progress.restart_file, self.progress.restart_record, self.progress.verified = verdict.parsed, None, None
-        self.progress.recovered = True
-        return targets.recovered()
+        return self.prepare_file(path, meta, rank).load()
+
+    def prepare_file(self, path: Any, meta: Any = None, rank: Any = None) -> PreparedFile:
+        """:meth:`recover_file` verified and planned, no array written: its ``load()`` fills them
+        (:mod:`ftidask.engine.filerecovery`)."""
+        return prepare_file(self.variables, self.progress, path, meta, rank, self.transport.rank,
+                            lambda: self._verifying(None))
 
     def _verified_before(self, ckpt_id: int | None, level: int | None,
                          partial: bool = False) -> tuple[CommitRecord, Verdict] | None:

@@ -8,17 +8,13 @@ happens before any byte reaches a user array or object, so a refused recovery le
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from ..ftiff.fti_mpiio import check_rank, is_mpiio_file, read_mpiio
-from ..ftiff.posix import other_io_mode, read_posix
-from ..model.arrays import ArrayBytes, check_id
-from ..model.errors import FormatError, FTIError, ProtectError, RecoveryError
-from ..model.pathnames import checked_path
+from ..model.arrays import check_id
+from ..model.errors import FTIError, ProtectError, RecoveryError
 from .device import DeviceHolder, realloc_target
 from .pystate import Holder, kind_of
 from .recovery import check_sizes, load_file
@@ -215,61 +211,3 @@ def moved(vid: int, decl: Mapping[str, Any] | None, parsed: Any) -> str:
     here = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in decl.items()}
     there = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in stored.items()}
     return "" if here == there else f"variable {vid} is declared {here} here, the checkpoint's file records {there}"
-
-
-def recover_posix(protected: Mapping[int, Any], path: str | os.PathLike[str], meta: str | os.PathLike[str],
-                  progress: Any, rank: int | None = None, own_rank: int = 0) -> dict[int, Any]:
-    """``recover_file(path, meta=..., rank=...)``: FTI's POSIX checkpoint file ``path``, described by its meta file
-    ``meta`` (:mod:`ftidask.ftiff.posix`), or rank ``rank``'s part (default ``own_rank``, this context's) of FTI's
-    MPI-IO file (:mod:`ftidask.ftiff.fti_mpiio`), verified whole (size, MD5) before every protected variable is
-    checked against it (each must be there, of its size: FTI stores bytes, no dtype or shape) and filled; else a
-    RecoveryError with nothing touched."""
-    try:
-        if is_mpiio_file(path):
-            parsed = read_mpiio(path, meta, own_rank if rank is None else rank)
-        else:
-            parsed = read_posix(path, meta)
-    except FormatError as exc:
-        what = "FTI's MPI-IO file" if is_mpiio_file(path) else "FTI's POSIX file"
-        raise RecoveryError(f"cannot recover from {what}: {exc}") from None
-    targets = plan(protected, parsed, None)
-    if targets.problem:
-        raise RecoveryError(targets.problem)
-    for vid, array in targets.arrays.items():
-        if array.nbytes:
-            ArrayBytes(array).store(0, parsed.data[vid])  # the array's memory order, as FTI copied it
-    upload(targets.devices)
-    progress.recovered = True
-    return targets.recovered()
-
-
-def check_paths(path: Any, meta: Any, rank: Any = None) -> None:
-    """recover_file's ``path`` and ``meta`` (or None): paths, else a RecoveryError naming the argument (before,
-    None or 5 was pathlib's TypeError); ``rank`` (or None) a rank, given only for FTI's MPI-IO file."""
-    for what, value in (("path", path), ("meta", meta)):
-        if not isinstance(value, (str, os.PathLike)) and (what == "path" or value is not None):
-            raise RecoveryError(f"recover_file({what}=...) takes a path (str or os.PathLike)"
-                                f"{'' if what == 'path' else ' or None'}, got {type(value).__name__} {value!r}")
-        if value is not None:  # a NUL, a lone surrogate, a name too long: said here, not by open() deep inside
-            checked_path(value, f"recover_file({what}=...)", RecoveryError)
-    if rank is None:
-        return
-    if not is_mpiio_file(path):
-        raise RecoveryError("recover_file(rank=...) names whose part to read of FTI's MPI-IO file (Ckpt{id}-mpiio.fti, "
-                            f"every rank's bytes in one file); {os.fspath(path)} is not one")
-    try:
-        check_rank(rank)
-    except FormatError as exc:
-        raise RecoveryError(f"recover_file(rank=...): {exc}") from None
-
-
-def hinted(message: str, path: str | os.PathLike[str]) -> str:
-    """``message`` of a file recover_file refused, with a hint when it may be a file of FTI's POSIX I/O (raw bytes,
-    no FTI-FF metadata), which is read with its meta file, or what it is when a file of FTI's other I/O modes."""
-    if "not an FTI-FF file" not in message:
-        return message
-    other = other_io_mode(path)
-    if other:
-        return other
-    return (f"{message}; a checkpoint file of FTI's POSIX I/O (ckpt_io = 1) is read with its meta file: "
-            "recover_file(path, meta=META_DIR/sector*-group*.fti)")

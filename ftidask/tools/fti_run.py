@@ -37,11 +37,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..engine.filerecovery import PreparedFile
+from ..ftiff.fti_mpiio import read_mpiio
 from ..ftiff.posix import find_section, read_posix
 from ..ftiff.reader import parse_ftiff, verify_data
 from ..model.config import Config, load_config
 from ..model.errors import ConfigError, FormatError, FTIError, NoCheckpointError, RecoveryError
 from ..storage.files import open_read
+from ..transport.collective import agree, agree_call, attempt
 from .fti_l3 import l3_checkpoint_ids, rebuild_rank_file
 from .fti_ranks import app_rank, global_rank
 
@@ -147,10 +150,13 @@ def _copy_of_another(found: FtiRunFile, rank: int) -> str:
 
 
 def _sound(found: FtiRunFile) -> bool:
-    """Whether a rank file verifies by itself (its hashes, or its meta file's MD5): one that a recovery refused for
-    another reason (the protected arrays' sizes) is not rebuilt from the parity, which would replace it."""
+    """Whether a rank file verifies by itself (its hashes, or its meta file's MD5; the rank's part of FTI's MPI-IO
+    file): one that a recovery refused for another reason (the protected arrays' sizes) is not rebuilt from the
+    parity, which would replace it."""
     try:
-        if found.meta is not None:
+        if found.rank is not None:
+            read_mpiio(found.path, found.meta, found.rank)
+        elif found.meta is not None:
             read_posix(found.path, found.meta)
         else:
             with open_read(found.path) as fh:
@@ -160,83 +166,138 @@ def _sound(found: FtiRunFile) -> bool:
     return True
 
 
+def _run_ranks(cfg: Config, rank: int, comm: str | None, nranks: Any) -> list[int]:
+    """The global ranks of the run's application processes, ``nranks`` processes numbered as ``comm`` numbers them
+    (with heads and ``comm="global"``, heads included and passed over); [] without ``nranks``."""
+    if nranks is None:
+        return []
+    if isinstance(nranks, bool) or not isinstance(nranks, int) or not 0 <= rank < nranks:
+        raise ConfigError(f"nranks = {nranks!r}: the number of the run's processes (an int above rank {rank}"
+                          + (f", counted in the {comm} communicator" if cfg.head else "") + ")")
+    if cfg.head and comm == "global":
+        return [r for r in range(nranks) if r % cfg.node_size]
+    return [global_rank(cfg, r, comm) for r in range(nranks)]
+
+
 def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int, *,
                     comm: str | None = None, nranks: int | None = None) -> FtiRunFile:
     """Fill ``ctx``'s protected arrays from the FTI run ``config`` names, rank ``rank``'s checkpoint, as FTI's
     restart finds it (:func:`fti_run_files`' order: the first file that verifies); the file read is returned.
 
     FTI's restart takes a level only when every rank can recover from it (an allreduce after each level's attempt),
-    so that every rank gets the same checkpoint. With ``ctx`` on several MPI ranks, the ranks agree so (collective:
-    each rank checks its own files, every byte against its hashes, before any array is written); one process that
-    reads the ranks of a run of ``nranks`` processes one by one gives ``nranks`` to check theirs as well (every
-    rank's files are read to verify them). Otherwise only this rank's files are looked at: its newest file that
-    verifies, whatever the other ranks could recover.
+    so that every rank gets the same checkpoint. With ``ctx`` on several MPI ranks (a collective call: every rank
+    makes it, with its own ``rank``), the ranks agree so: each rank verifies its own file, every byte against its
+    hashes, and checks it against its protected arrays; no rank writes an array before every rank's file is known
+    to fit. One process that reads the ranks of a run of ``nranks`` processes one by one (``nranks`` counted as
+    ``comm`` counts them) gives ``nranks`` to check theirs as well: every rank's files are read to verify them
+    (whether they fit that rank's arrays is known only when that rank is read). Otherwise only this rank's files
+    are looked at: its newest file that verifies, whatever the other ranks could recover.
 
-    At level 3, a checkpoint whose rank file is missing or refused is rebuilt from its group's other files and FTI's
-    parity (in place, as FTI_RecoverL3 does) and the rebuilt file
-    read (``rebuilt`` True). None verifying is a :class:`NoCheckpointError` saying why each was refused (a rebuild
-    too: too many losses, damaged parity), the arrays untouched. ``comm`` as for :func:`fti_run_files` (to be said
-    with heads); the files are those of the global rank it gives."""
-    cfg = _config(config)
-    rank = global_rank(cfg, rank, comm)
-    t = getattr(ctx, "transport", None)
-    together = t is not None and getattr(t, "size", 1) > 1 and nranks is None
-    if nranks is not None and (isinstance(nranks, bool) or not isinstance(nranks, int) or not 0 <= rank < nranks):
-        raise ConfigError(f"nranks = {nranks!r}: the number of the run's processes (an int above rank {rank})")
+    A level-2 checkpoint whose own file is missing or refused is read from its partner copy. At level 3, one whose
+    rank file is missing or does not verify is rebuilt from its group's other files and FTI's parity (in place, as
+    FTI_RecoverL3 does) and the rebuilt file read (``rebuilt`` True). None verifying is a
+    :class:`NoCheckpointError` saying why each was refused (a rebuild too: too many losses, damaged parity), the
+    arrays untouched. ``comm`` as for :func:`fti_run_files` (to be said with heads); the files are those of the
+    global rank it gives."""
+    t = ctx.transport
+    many = t.size > 1
     refused: list[str] = []
-    mine = _Candidates(cfg, rank, refused)
-    others = [_Candidates(cfg, r, []) for r in range(nranks or 0) if r != rank]
-    keys = set(mine.keys())
-    for part in t.allgather(sorted(keys)) if together else [c.keys() for c in others]:
+
+    def start() -> tuple[dict[str, Any], tuple[Config, _Candidates, list[_Candidates]]]:
+        cfg = _config(config)
+        me = global_rank(cfg, rank, comm)
+        if many and nranks is not None:
+            raise ConfigError(f"nranks = {nranks!r} is for one process that reads the ranks of a run one by one; "
+                              f"with a context on {t.size} ranks, the ranks agree among themselves: leave it out")
+        others = [_Candidates(cfg, r, []) for r in _run_ranks(cfg, rank, comm, nranks) if r != me]
+        return {"comm": comm}, (cfg, _Candidates(cfg, me, refused), others)
+
+    # every rank's refusal (its config, its rank, a directory it cannot list) raised on every rank, never a wait
+    cfg, mine, others = agree_call(t, "recover_fti_run", start, RecoveryError)
+    keys = set(mine.keys)
+    for part in t.allgather(sorted(keys)) if many else [c.keys for c in others]:
         keys |= {tuple(k) for k in part}
     order = {level: i for i, level in enumerate(_levels(cfg))}
     for key in sorted(keys, key=lambda k: (order[k[0]], k[1], -k[2])):  # a level's dCP files after its own
-        found = mine.usable(key, check=together or bool(others))
-        if together and not t.all_ok(found is not None):
+        what = f"level {key[0]} checkpoint {key[2]}"
+        if many:  # an unexpected error of one rank (out of memory) is every rank's
+            prepared, error = attempt(t.rank, lambda: mine.prepare(ctx, key))
+            agree(t, error, RecoveryError, f"recovering {what} of the FTI run")
+            if not t.all_ok(prepared is not None):
+                if prepared is not None:
+                    prepared[1].release()
+                    refused.append(f"{what}: another rank cannot recover it")
+                continue
+        else:
+            prepared = mine.prepare(ctx, key)
+        if prepared is not None and others and not all(c.usable(key) for c in others):
+            prepared[1].release()
+            refused.append(f"{what}: not every one of the {nranks} ranks can recover it")
             continue
-        if others and (found is None or not all(c.usable(key, check=True) for c in others)):
-            refused.append(f"level {key[0]} checkpoint {key[2]}: not every one of the {nranks} ranks can recover it")
+        if prepared is None:
             continue
-        ok = found is not None and mine.read(ctx, found)
-        if together and not t.all_ok(ok):
-            refused.append(f"level {key[0]} checkpoint {key[2]}: another rank's recovery refused it")
-            continue
-        if ok:
-            return found
+        found, ready = prepared
+        if many:
+            agree(t, attempt(t.rank, ready.load)[1], RecoveryError, f"recovering {what} of the FTI run failed while "
+                  "loading, and the protected arrays may hold part of it: recover again")
+        else:
+            ready.load()
+        return found
     raise NoCheckpointError(f"no checkpoint file of rank {rank} in the FTI run that {config} names can be "
-                            "recovered" + ("" if not (together or others) else " by every rank")
+                            "recovered" + ("" if not (many or others) else " by every rank")
                             + "".join(f"\n  {why}" for why in refused))
 
 
 class _Candidates:
-    """Rank ``rank``'s checkpoints of an FTI run: which ``(level, id)`` it may have (:meth:`keys`), the file of one
-    that it can recover (:meth:`usable`, a level-3 file rebuilt where it must be), and the reading of it. A key is
-    ``(level, 1 for a POSIX dCP file else 0, checkpoint id or dCP file id)``."""
+    """Rank ``rank``'s checkpoints of an FTI run: which ``(level, dCP, id)`` it may have (:attr:`keys`: a POSIX dCP
+    file 1 else 0, the checkpoint id or dCP file id), the file of one prepared to be read into the arrays
+    (:meth:`prepare`), or whether one verifies (:meth:`usable`, another rank's); a level-3 file rebuilt where it
+    must be."""
 
     def __init__(self, cfg: Config, rank: int, refused: list[str]) -> None:
         self.cfg, self.rank, self.refused = cfg, rank, refused
         self.files = fti_run_files(cfg, rank, comm="global")
+        keys = {_key(f) for f in self.files}
+        if 3 in _levels(cfg):
+            keys |= {(3, 0, ckpt_id) for ckpt_id in l3_checkpoint_ids(cfg, rank)}
+        self.keys = sorted(keys)
 
-    def keys(self) -> list[tuple[int, int, int]]:
-        found = {_key(f) for f in self.files}
-        if 3 in _levels(self.cfg):
-            found |= {(3, 0, ckpt_id) for ckpt_id in l3_checkpoint_ids(self.cfg, self.rank)}
-        return sorted(found)
-
-    def usable(self, key: tuple[int, int, int], check: bool) -> FtiRunFile | None:
-        """The file of checkpoint ``key`` to read, verified first where ``check`` (the ranks agree on it before any
-        reads), else None. Level 3: the rank's own file; rebuilt from the group when it is missing or unsound."""
-        level, _dcp, ckpt_id = key
+    def _of(self, key: tuple[int, int, int]) -> list[FtiRunFile]:
+        """The files of checkpoint ``key``, in FTI's order (a level-2 rank file, then its partner copy), but those
+        that hold another rank's bytes (said in ``refused``)."""
+        files = []
         for found in (f for f in self.files if _key(f) == key):
             other = _copy_of_another(found, self.rank)
             if other:
-                self.refused.append(f"level {level} {found.path}: {other}")
-            elif not (check or level == 3) or _sound(found):
-                return found
-            elif level != 3:
-                self.refused.append(f"level {level} {found.path}: it does not verify")
-        if level != 3:
+                self.refused.append(f"level {key[0]} {found.path}: {other}")
+            else:
+                files.append(found)
+        return files
+
+    def prepare(self, ctx: Any, key: tuple[int, int, int]) -> tuple[FtiRunFile, PreparedFile] | None:
+        """The first file of checkpoint ``key`` that verifies and fits ``ctx``'s protected arrays, prepared to be
+        loaded into them (nothing written yet), else None, why each was refused in ``refused``. Level 3: the rank's
+        own file; rebuilt from the group when it is missing or does not verify (a sound one that does not fit the
+        arrays is not rebuilt: nothing was lost)."""
+        files = self._of(key)
+        for found in files:
+            prepared = self._prepare(ctx, found)
+            if prepared is not None:
+                return found, prepared
+        if key[0] != 3 or (files and _sound(files[0])):
             return None
+        rebuilt = self._rebuild(key[2])
+        prepared = None if rebuilt is None else self._prepare(ctx, rebuilt)
+        return None if prepared is None else (rebuilt, prepared)
+
+    def usable(self, key: tuple[int, int, int]) -> bool:
+        """Whether a file of checkpoint ``key`` verifies (every byte; a level-3 one rebuilt where it must be)."""
+        files = self._of(key)
+        if any(_sound(found) for found in files):
+            return True
+        return key[0] == 3 and self._rebuild(key[2]) is not None
+
+    def _rebuild(self, ckpt_id: int) -> FtiRunFile | None:
         try:
             path = rebuild_rank_file(self.cfg, self.rank, ckpt_id)
         except RecoveryError as exc:
@@ -244,13 +305,13 @@ class _Candidates:
             return None
         return FtiRunFile(3, ckpt_id, path, _meta_dir(self.cfg, 3), True)
 
-    def read(self, ctx: Any, found: FtiRunFile) -> bool:
+    def _prepare(self, ctx: Any, found: FtiRunFile) -> PreparedFile | None:
         try:
-            ctx.recover_file(found.path, meta=found.meta, **({} if found.rank is None else {"rank": found.rank}))
+            return ctx._prepare_file(found.path, meta=found.meta,
+                                     **({} if found.rank is None else {"rank": found.rank}))
         except RecoveryError as exc:
             self.refused.append(f"level {found.level} {found.path}: {exc}")
-            return False
-        return True
+            return None
 
 
 def _key(found: FtiRunFile) -> tuple[int, int, int]:
