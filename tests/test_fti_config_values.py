@@ -135,8 +135,22 @@ def test_fti_s_own_test_template_values_load(tmp_path):
                     "keep_last_ckpt = f\n[restart]\nfailure = 0\nexec_id = NULL\n"
                     "[injection]\nrank = 0\nnumber = 0\nposition = 0\nfrequency = 0\n")
     config = ftidask.load_config(str(path))
-    assert (config.enable_dcp, config.dcp_block_size, config.max_sync_intv) == (False, 16384, 0)
+    assert (config.enable_dcp, config.dcp_block_size, config.max_sync_intv) == (False, -1, 0)
     assert (config.enable_staging, config.keep_last_ckpt) == (False, False)
     assert ftidask.load_config(None, enable_dcp="T", dcp_block_size=4096).enable_dcp is True
     with pytest.raises(ftidask.ConfigError, match="dcp_block_size.*outside"):
         ftidask.load_config(None, enable_dcp="y", dcp_block_size=-1)
+
+
+def test_a_block_size_unused_without_dcp_is_refused_when_dcp_is_turned_on_later(tmp_path, dirs):
+    """The template's ``dcp_block_size = -1`` with dCP off is kept as written: turning dCP on afterwards (replace,
+    base=, init's keywords over the file) is refused. Before, it was rewritten to 16384 at load, and dCP ran with
+    a block size the file never said."""
+    path = tmp_path / "config.fti"
+    path.write_text("[basic]\nenable_dcp = 0\ndcp_block_size = -1\n")
+    config = ftidask.load_config(str(path))
+    for turned_on in (lambda: config.replace(enable_dcp=1), lambda: ftidask.load_config(None, base=config, enable_dcp=1),
+                      lambda: ftidask.init(config, enable_dcp=1, **dirs)):
+        with pytest.raises(ftidask.ConfigError, match=r"dcp_block_size': -1 is outside \[512, 65535\]"):
+            turned_on()
+    ftidask.init(config, **dirs).finalize()  # dCP off: unused

@@ -156,7 +156,7 @@ _KEYS: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "enable_staging": ("basic", 0, _parse_bool),
     "enable_dcp": ("basic", 0, _parse_bool),
     "dcp_mode": ("basic", 3, _parse_int(0, 5)),  # 1 MD5, 2 CRC32 (FTI's); 3 xxh3_128, 4 BLAKE2b, 5 xxh3_64; 0 MD5
-    "dcp_block_size": ("basic", 16384, _parse_int()),  # 512..65535 with enable_dcp (load_config), else unused
+    "dcp_block_size": ("basic", 16384, _parse_int()),  # 512..65535 with enable_dcp (load_config), else kept, unused
     "dcp_page_tracking": ("basic", 1, _parse_bool),  # ftidask: hash only blocks whose pages were written
     "max_sync_intv": ("basic", 0, _parse_interval),  # any C int, < 0 is 0 (FTI's 512, as FTI reads -1)
     "failure": ("restart", 0, _parse_int(0, 3)),
@@ -320,10 +320,10 @@ def load_config(path: str | os.PathLike[str] | Config | None = None, *, base: Co
     if parsed.get("exec_id") is not None:
         _check_exec_id(parsed["exec_id"])
     block = parsed.get("dcp_block_size", 16384)
-    if not 512 <= block <= 65535:  # FTI checks it with dCP on only: its own test template says -1 with dCP off
-        if parsed.get("enable_dcp"):
-            raise ConfigError(f"config key '[basic] dcp_block_size': {block} is outside [512, 65535]")
-        parsed["dcp_block_size"] = 16384  # unused without enable_dcp
+    # FTI checks it with dCP on only (its own test template says -1 with dCP off). The value is kept as written, so
+    # that a config that turns dCP on later (replace(), base=, init's keywords) meets it here and is refused.
+    if not 512 <= block <= 65535 and parsed.get("enable_dcp"):
+        raise ConfigError(f"config key '[basic] dcp_block_size': {block} is outside [512, 65535]")
     if parsed.get("dcp_l4") and not parsed.get("enable_dcp"):  # else snapshot() could never write level 8
         raise ConfigError("[basic] dcp_l4 (snapshot() interval of differential level-4 checkpoints) needs "
                           "enable_dcp = 1")
