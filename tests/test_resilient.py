@@ -250,3 +250,78 @@ def test_a_loop_resumes_on_another_number_of_ranks(tmp_path: Path) -> None:
     assert errors == [] and len(set(results)) == 1, (results, errors)
     assert re.search(r"the resilient loop's checkpoint \d+ \(level 1\) was written by 2 rank\(s\), this run has 3: "
                      "a loop with rng= or state= resumes on the number of ranks that wrote it", results[0]), results[0]
+
+
+@pytest.mark.parametrize("signals", [(99999,), (signal.SIGKILL,), "SIGTERM", (True,), 15])
+def test_signals_a_handler_cannot_catch_are_refused_up_front(tmp_path: Path, signals) -> None:
+    """``signals=(99999,)`` was a raw ValueError from signal.signal when the loop started; SIGKILL too."""
+    ctx = _ctx(tmp_path)
+    with pytest.raises(ftidask.FTIError, match="ResilientLoop: signals"):
+        ftidask.ResilientLoop(ctx, arrays={1: np.zeros(3)}, every=1, iterations=3, signals=signals)
+    assert 1 not in ctx.protected  # refused before any protect
+    ctx.finalize()
+
+
+def test_a_loop_in_another_thread_says_to_pass_no_signals(tmp_path: Path) -> None:
+    """Python installs signal handlers from the main thread only: a raw ValueError at the loop's start before."""
+    import threading
+
+    ctx = _ctx(tmp_path)
+    out: list[object] = []
+
+    def body() -> None:
+        try:
+            ftidask.ResilientLoop(ctx, arrays={1: np.zeros(3)}, every=1, iterations=3)
+        except ftidask.FTIError as exc:
+            out.append(str(exc))
+        x = np.zeros(3)
+        with ftidask.ResilientLoop(ctx, arrays={1: x}, every=1, iterations=3, signals=()) as loop:
+            for _i in loop:
+                x += 1
+        out.append(x[0])
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert len(out) == 2 and "main thread" in out[0] and "signals=()" in out[0] and out[1] == 3.0, out
+    ctx.finalize()
+
+
+def test_a_signal_in_the_last_iteration_checkpoints_the_loop_done(tmp_path: Path) -> None:
+    """SIGTERM received in the last iteration was dropped: the loop ended normally, its handlers went, and the
+    batch system's request to stop was never acted on. Now it is acted on as in any iteration: a checkpoint of the
+    completed loop, ``stopped``; a restart runs no iteration."""
+    ctx = _ctx(tmp_path)
+    x = np.zeros(4)
+    with ftidask.ResilientLoop(ctx, arrays={1: x}, every=10, iterations=5) as loop:
+        for i in loop:
+            x += 1
+            if i == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+    assert loop.stopped and loop.last_checkpoint == 5 and ctx.last_checkpoint.id == 5
+    ctx._close()  # the job ends there
+    again = _ctx(tmp_path)
+    y = np.zeros(4)
+    with ftidask.ResilientLoop(again, arrays={1: y}, every=10, iterations=5) as loop:
+        ran = list(loop)
+    assert ran == [] and (y == 5).all() and not loop.stopped
+    again.finalize()
+
+
+def test_a_signal_the_loop_could_not_act_on_goes_to_the_handler_it_replaced(tmp_path: Path) -> None:
+    """A loop left by ``break`` after SIGUSR1 arrived: the signal was swallowed with the loop's handler. It now
+    reaches the handler that was there before the loop."""
+    ctx = _ctx(tmp_path)
+    got: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    try:
+        x = np.zeros(2)
+        with ftidask.ResilientLoop(ctx, arrays={1: x}, every=10, iterations=5) as loop:
+            for i in loop:
+                if i == 1:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                    break
+        assert got == [signal.SIGUSR1] and not loop.stopped
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    ctx.finalize()

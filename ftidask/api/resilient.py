@@ -30,6 +30,7 @@ import functools
 import inspect
 import logging
 import signal
+import threading
 import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -61,8 +62,11 @@ class ResilientLoop:
     ``with ResilientLoop(ctx, arrays={1: u}, every=50, iterations=1000) as loop: for i in loop: ...``: on a
     restart the arrays (and ``rng``, ``state``, as for :func:`resilient`) are recovered and the loop resumes after
     the last checkpointed iteration. Every ``check_every`` iterations the ranks agree whether one received one of
-    ``signals`` (SIGTERM, SIGUSR1); if so, a checkpoint at ``stop_level`` (default: ``level``) is written (unless
-    that iteration was just checkpointed), the loop ends and ``loop.stopped`` is True.
+    ``signals`` (SIGTERM, SIGUSR1; ``()`` in a thread other than the main one, where Python installs no handler); if
+    so, a checkpoint at ``stop_level`` (default: ``level``) is written (unless that iteration was just checkpointed),
+    the loop ends and ``loop.stopped`` is True. The last iteration is looked at too (its checkpoint says the loop is
+    done: a restart runs no iteration). A signal the loop could not act on (received after that, or when the loop is
+    left by an exception or ``break``) is delivered to the handler it replaced when the loop exits.
     """
 
     def __init__(self, ctx: Context, *, arrays: Mapping[int, Any], every: int, level: int = 1,
@@ -93,6 +97,7 @@ class ResilientLoop:
                 raise FTIError("ResilientLoop: this context ran a resilient loop already; one loop per context (a "
                                "restart could not tell two loops' checkpoints apart and would resume the first at "
                                "the second's iteration): make one loop whose body does each phase, or init anew")
+            _check_signals(signals)
             taken = sorted(set(arrays) & set(RESERVED_IDS))
             if taken:
                 raise FTIError(f"variable ids {taken} are reserved for the loop (counter, rng, state): use other ids")
@@ -108,7 +113,7 @@ class ResilientLoop:
             check()
         self.ctx, self.every, self.level, self.iterations = ctx, every, level, iterations
         self.stop_level = level if stop_level is None else stop_level
-        self.signals, self.check_every = signals, check_every
+        self.signals, self.check_every = tuple(signals), check_every
         self.counter = Value(0)  # the next iteration to run, checkpointed with the arrays
         before = dict(ctx.variables)
         try:
@@ -212,6 +217,10 @@ class ResilientLoop:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
+        if self._signalled is not None and not self.stopped:  # received after the loop's last look (or in a loop
+            # left by an exception or a break): delivered to the handler it was taken from, as if never deferred
+            signum, self._signalled = self._signalled, None
+            signal.raise_signal(signum)
 
     # --- the loop ----------------------------------------------------------------------------------
 
@@ -244,7 +253,9 @@ class ResilientLoop:
             done = i + 1
             if done % self.every == 0 and done < self.iterations:
                 self._checkpoint(done, self.level)
-            received = self._stop_requested() if done % self.check_every == 0 and done < self.iterations else ""
+            # The last iteration looks too: a signal received in it is acted on as in any other (a checkpoint of the
+            # loop completed, ``stopped``), never dropped once the loop's handlers are gone.
+            received = self._stop_requested() if done % self.check_every == 0 or done == self.iterations else ""
             if received:
                 if self.last_checkpoint != done:
                     self._checkpoint(done, self.stop_level)
@@ -253,15 +264,32 @@ class ResilientLoop:
                 return
 
 
+def _check_signals(signals: Any) -> None:
+    """``signals``: signal numbers Python can catch, installed from the main thread; else an FTIError now (before: a
+    raw ValueError when the loop started)."""
+    if isinstance(signals, (str, bytes)) or not isinstance(signals, (tuple, list, frozenset, set)):
+        raise FTIError(f"ResilientLoop: signals must be a tuple of signal numbers (e.g. (signal.SIGTERM,)), got "
+                       f"{signals!r}")
+    for sig in signals:
+        if isinstance(sig, bool) or not isinstance(sig, (int, np.integer)) or sig not in signal.valid_signals() \
+                or sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise FTIError(f"ResilientLoop: signals: {sig!r} is not a signal a handler can catch (SIGKILL and "
+                           "SIGSTOP cannot be caught)")
+    if signals and threading.current_thread() is not threading.main_thread():
+        raise FTIError("ResilientLoop: signal handlers can be installed from the main thread only (Python's signal "
+                       "module); in another thread pass signals=()")
+
+
 def resilient(ctx: Context, *, arrays: Mapping[int, Any], every: int, level: int = 1, iterations: int,
               stop_level: int | None = None, exit_on_signal: bool = True, check_every: int = 1,
-              rng: Any = None, state: dict[str, Any] | None = None
+              rng: Any = None, state: dict[str, Any] | None = None, signals: tuple[int, ...] = STOP_SIGNALS
               ) -> Callable[[Callable[[int], Any]], Callable[[], int]]:
     """Decorate ``fn(i)`` (one iteration) into a resilient loop; calling it runs the loop.
 
     ``rng`` (a ``numpy.random.Generator``) and ``state`` (a dict of JSON values) are checkpointed
-    with the arrays and the loop counter, and recovered in place on a restart. ``stop_level`` and
-    ``check_every`` are :class:`ResilientLoop`'s (its ``signals`` are SIGTERM and SIGUSR1).
+    with the arrays and the loop counter, and recovered in place on a restart. ``stop_level``,
+    ``check_every`` and ``signals`` (default SIGTERM and SIGUSR1; ``()`` outside the main thread) are
+    :class:`ResilientLoop`'s.
 
     The call returns the number of iterations done in total (``iterations`` unless stopped by a
     signal); with ``exit_on_signal`` a stopped loop finalizes nothing and exits with status 0
@@ -278,7 +306,8 @@ def resilient(ctx: Context, *, arrays: Mapping[int, Any], every: int, level: int
         @functools.wraps(fn)
         def run() -> int:
             loop = ResilientLoop(ctx, arrays=arrays, every=every, level=level, iterations=iterations,
-                                 stop_level=stop_level, check_every=check_every, rng=rng, state=state)
+                                 stop_level=stop_level, check_every=check_every, rng=rng, state=state,
+                                 signals=signals)
             with loop:
                 for i in loop:
                     if inspect.isgenerator(out := fn(i)) or inspect.isawaitable(out) or inspect.isasyncgen(out):
