@@ -179,6 +179,8 @@ def test_head_cleanup_failure_after_the_raise_is_reported_as_raised(tmp_path: Pa
     for reply in _replies(stdout, 2):
         assert reply["ok"] is True and reply["level"] == 3, reply
         assert "cleaning up" in reply["error"] and "injected failure" in reply["error"], reply
+        # the heads' root is named as the head it is, not "rank 0" (an application rank that wrote nothing)
+        assert "head of node 0: " in reply["error"] and "rank 0" not in reply["error"], reply
     _assert_recovered(_recover(base, HEADS), [2, 3])
 
 

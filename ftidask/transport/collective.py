@@ -54,10 +54,11 @@ def guarded(errors: list[str], step: Callable[[], T], default: Any = None, what:
         return default
 
 
-def attempt(rank: int, step: Callable[[], T], default: Any = None) -> tuple[T | Any, str]:
-    """Run a local ``step``: ``(its result, "")``, or ``(default, "rank R: why")`` if it raised (:func:`guarded`)."""
+def attempt(rank: int, step: Callable[[], T], default: Any = None, who: str = "") -> tuple[T | Any, str]:
+    """Run a local ``step``: ``(its result, "")``, or ``(default, "rank R: why")`` if it raised (:func:`guarded`;
+    ``who`` instead of "rank R" where the ranks are not the application's: the heads')."""
     errors: list[str] = []
-    result = guarded(errors, step, default, f"rank {rank}")
+    result = guarded(errors, step, default, who or f"rank {rank}")
     return result, "; ".join(errors)
 
 
@@ -90,12 +91,14 @@ def everywhere(t: Any, step: Callable[[], T], error_type: type[FTIError], what: 
     return result
 
 
-def on_root(t: Any, step: Callable[[], Any], error_type: type[FTIError], what: str, root: int = 0) -> Any:
-    """Run ``step`` on rank ``root`` only; its (JSON-able) result on every rank, or the same error everywhere.
+def on_root(t: Any, step: Callable[[], Any], error_type: type[FTIError], what: str, root: int = 0,
+            who: str = "") -> Any:
+    """Run ``step`` on rank ``root`` only; its (JSON-able) result on every rank, or the same error everywhere
+    (naming ``who`` ran it, default "rank {root}").
 
     Replaces ``bcast(step() if rank == root else None)`` and ``if rank == root: step(); barrier()``.
     """
-    result, error = attempt(t.rank, step) if t.rank == root else (None, "")
+    result, error = attempt(t.rank, step, who=who) if t.rank == root else (None, "")
     return agree(t, error, error_type, what, result if t.rank == root else None)[root]
 
 

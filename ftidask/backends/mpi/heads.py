@@ -161,7 +161,8 @@ def _raise(cfg: Config, t: MpiTransport, job: _Job, state: RunState) -> dict[str
     what = f"raising checkpoint {record.ckpt_id} to level {level} failed"
     try:
         agree(t, "; ".join(errors), FTIError, what)
-        on_root(t, functools.partial(state.write_record, raised), FTIError, what)  # the commit point
+        # the commit point, written by one head (named as such in an error, not "rank 0": an application rank)
+        on_root(t, functools.partial(state.write_record, raised), FTIError, what, who=f"head of node {t.node}")
     except FTIError as exc:  # agreed: the same on every head
         storage.remove_tree(dst_dir)
         return {"ok": False, "error": str(exc)}
@@ -188,7 +189,7 @@ def _previous_l3(t: MpiTransport, state: RunState, record: CommitRecord) -> Comm
         return None if prev is None else prev.to_json()
 
     try:
-        raw = on_root(t, find, FTIError, "cannot read the commit records")
+        raw = on_root(t, find, FTIError, "cannot read the commit records", who=f"head of node {t.node}")
     except FTIError:
         return None
     return None if raw is None else CommitRecord.from_json(raw)
@@ -233,17 +234,17 @@ def _retire_older(cfg: Config, t: MpiTransport, state: RunState, paths: storage.
     between, its commit record or the fallback names it), which a recovery tries when no newer checkpoint verifies."""
     keep_l4 = bool(cfg.keep_l4_ckpt)  # only those retired cross to the heads (keep_l4_ckpt keeps thousands)
     raw = on_root(t, lambda: [r.to_json() for r in to_retire(state.records(), record, keep_l4)], FTIError,
-                  "cannot read the commit records")
+                  "cannot read the commit records", who=f"head of node {t.node}")
     failed: list[str] = []
     for old in map(CommitRecord.from_json, raw):
         what = f"removing checkpoint {old.ckpt_id} (level {old.level}) failed"
         kept = bool(cfg.enable_dcp) and bool(old.extra.get("dcp")) and old.level in (2, 3, 4)
         if cfg.enable_dcp:
-            on_root(t, functools.partial(state.note_retired, old, kept), FTIError, what)
+            on_root(t, functools.partial(state.note_retired, old, kept), FTIError, what, who=f"head of node {t.node}")
         if kept:  # local, between collectives: never raises
             guarded([], functools.partial(_keep_as_fallback, paths, t.topo, t.node, old))
         # After every head moved its files (a collective): the global L4 directory goes below.
-        on_root(t, functools.partial(state.delete_record, old.seq), FTIError, what)
+        on_root(t, functools.partial(state.delete_record, old.seq), FTIError, what, who=f"head of node {t.node}")
         # This node's, and on node 0 those of nodes this run does not have (written on more nodes: local_test).
         nodes = {t.node} | ({f.node for f in old.files if f.node >= t.nnodes} if t.node == 0 else set())
         for level, n in itertools.product({old.level, 1, 2, 3} - {4}, sorted(nodes)):  # local, between collectives:
