@@ -263,3 +263,36 @@ def test_a_meta_path_no_os_can_name_is_a_recovery_error(fti, dirs):
         ctx.recover_file(fti / f"Local/node0/{EXEC}/l1/Ckpt1-Rank0.fti", meta=fti / ("m" * 3000))
     assert (array == 7).all()
     ctx.finalize()
+
+
+@pytest.mark.parametrize("how", ["recover_fti_run", "recover_file"])
+def test_a_checkpoint_after_reading_an_fti_file_is_recovered(fti, dirs, how):
+    """FTI 1.2+ files (metadata at the end, as FTI's writer made tests/data/fti_written/r2) count each container's
+    fptr from the start of the data. The next checkpoint planned on the file's layout copied those fptr: its data
+    went over its own file block, checkpoint() said it succeeded, and every restart refused it (the run's newest
+    state lost). Now the layout is placed anew."""
+    _place(fti, 1, 2)
+    for level in (1, 4):
+        ctx = ftidask.init(**dirs)
+        arrays = {vid: np.frombuffer(bytearray(len(raw)), DTYPES[vid]) for vid, raw in _expected(2, 0).items()}
+        for vid, array in arrays.items():
+            ctx.protect(vid, array)
+        if how == "recover_fti_run":
+            recover_fti_run(ctx, _config(fti), 0)
+        else:
+            ctx.recover_file(fti / f"Local/node0/{EXEC}/l1/Ckpt2-Rank0.fti")
+        assert {vid: a.tobytes() for vid, a in arrays.items()} == _expected(2, 0)
+        arrays[0] += 1000
+        wrote = {vid: a.tobytes() for vid, a in arrays.items()}
+        ctx.checkpoint(10 + level, level)
+        ctx._close()  # the job ends without finalize: the checkpoint stays for the restart
+        again = ftidask.init(**dirs)
+        back = {vid: np.zeros_like(a) for vid, a in arrays.items()}
+        for vid, array in back.items():
+            again.protect(vid, array)
+        again.recover()
+        assert again.recovered_from == (10 + level, level)
+        assert {vid: a.tobytes() for vid, a in back.items()} == wrote
+        again.finalize()
+        for key in ("ckpt_dir", "glbl_dir", "meta_dir"):  # the next level starts afresh
+            shutil.rmtree(dirs[key], ignore_errors=True)

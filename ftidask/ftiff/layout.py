@@ -165,11 +165,18 @@ def _planned_for(layout: Layout, planned: tuple[tuple[int, int], ...]) -> Layout
 
 
 def layout_from_slots(blocks: Sequence[Sequence[Slot]]) -> Layout:
-    """Rebuild a :class:`Layout` from the containers of a file (its offsets are recomputed)."""
+    """Rebuild a :class:`Layout` from the containers of a file, its offsets recomputed: each block's and each
+    container's ``fptr``, where ftidask writes them. A file of FTI 1.2+ (metadata at its end) counts ``fptr`` from
+    the start of its data, not of the file: copied, the next checkpoint wrote its data over its own file block."""
     offset = FB_SIZE
     out = []
     for slots in blocks:
-        block = Block(offset, tuple(slots))
+        fptr = offset + BMD_SIZE + VMD_SIZE * len(slots)
+        placed = []
+        for s in slots:
+            placed.append(s if s.fptr == fptr else dataclasses.replace(s, fptr=fptr))
+            fptr += s.containersize
+        block = Block(offset, tuple(placed))
         out.append(block)
         offset += block.dbsize
     return Layout(tuple(out))
