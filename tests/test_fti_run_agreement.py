@@ -165,3 +165,47 @@ def test_a_checkpoint_one_ranks_arrays_do_not_fit_leaves_every_rank_untouched(tm
     assert errors == [], errors
     assert [(r[0], r[2]) for r in results] == [("NoCheckpointError", True)] * 2, results
     assert "another rank cannot recover it" in results[0][1] and "variable 0" in results[1][1], results
+
+
+def test_ranks_given_other_runs_or_the_same_rank_are_refused_everywhere(tmp_path):
+    """Rank 1's config says ``failure = 2`` (level 4 only): it raised a raw KeyError over rank 0's level-1 keys and
+    rank 0 waited in the next collective. Two ranks naming one rank of the run would each read the same file."""
+    fti = tmp_path / "fti"
+    _place(fti, 1, 2)
+    configs = [_config(fti / "a"), _config(fti / "b", failure=2)]
+    for c in configs:  # the same directories: fti/a and fti/b name the run at fti/
+        c.write_text(c.read_text().replace(str(c.parent), str(fti)))
+    results, errors = _on_two_ranks(tmp_path / "one", lambda ctx, t: recover_fti_run(ctx, configs[t.rank], t.rank))
+    assert errors == [], errors
+    assert [r[0] for r in results] == ["RecoveryError"] * 2 and all("failure=2" in r[1] for r in results), results
+    results, errors = _on_two_ranks(tmp_path / "two", lambda ctx, t: recover_fti_run(ctx, configs[0], 0))
+    assert errors == [], errors
+    assert [r[0] for r in results] == ["RecoveryError"] * 2, results
+    assert all("ranks [0, 0]" in r[1] and "each must name a different one" in r[1] for r in results), results
+
+
+def test_recover_fti_run_inside_another_call_of_the_context_is_refused(tmp_path, dirs):
+    """Called from a signal handler while checkpoint() runs on the same thread (simulated by a hook inside it), the
+    arrays were overwritten in the middle of the checkpoint: the context's one-call-at-a-time guard now refuses it, as
+    it refuses recover_file there."""
+    fti = tmp_path / "fti"
+    _place(fti, 1, 2)
+    config = _config(fti)
+    ctx = ftidask.init(**dirs)
+    a = np.full(16, 5, "<i4")
+    ctx.protect(0, a)
+    refused = []
+    real = ctx._check_level
+
+    def inside(*args, **kwargs):
+        try:
+            recover_fti_run(ctx, config, 0)
+        except ftidask.FTIError as exc:
+            refused.append(str(exc))
+        return real(*args, **kwargs)
+
+    ctx._check_level = inside
+    ctx.checkpoint(1, 1)
+    assert len(refused) == 1 and "recover_fti_run() was called while checkpoint()" in refused[0], refused
+    assert (a == 5).all()
+    ctx.finalize()

@@ -31,6 +31,7 @@ read (:mod:`ftidask.ftiff.fti_mpiio`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -199,30 +200,52 @@ def recover_fti_run(ctx: Any, config: str | os.PathLike[str] | Config, rank: int
     :class:`NoCheckpointError` saying why each was refused (a rebuild too: too many losses, damaged parity), the
     arrays untouched. ``comm`` as for :func:`fti_run_files` (to be said with heads); the files are those of the
     global rank it gives."""
+    guard = getattr(ctx, "_calls", None)  # one call of the context at a time, as its own recover_file
+    with guard.enter("recover_fti_run") if guard is not None else contextlib.nullcontext():
+        return _recover(ctx, config, rank, comm, nranks)
+
+
+def _recover(ctx: Any, config: str | os.PathLike[str] | Config, rank: int, comm: str | None,
+             nranks: int | None) -> FtiRunFile:
     t = ctx.transport
     many = t.size > 1
     refused: list[str] = []
 
-    def start() -> tuple[dict[str, Any], tuple[Config, _Candidates, list[_Candidates]]]:
+    def start() -> tuple[dict[str, Any], tuple[Config, int, _Candidates, list[_Candidates]]]:
         cfg = _config(config)
         me = global_rank(cfg, rank, comm)
         if many and nranks is not None:
             raise ConfigError(f"nranks = {nranks!r} is for one process that reads the ranks of a run one by one; "
                               f"with a context on {t.size} ranks, the ranks agree among themselves: leave it out")
         others = [_Candidates(cfg, r, []) for r in _run_ranks(cfg, rank, comm, nranks) if r != me]
-        return {"comm": comm}, (cfg, _Candidates(cfg, me, refused), others)
+        # the same run on every rank: ranks given other configs would look for other checkpoints (a raw error, a wait)
+        run = {key: str(getattr(cfg, key)) for key in ("exec_id", "failure", "ckpt_io", "ckpt_dir", "glbl_dir",
+                                                        "meta_dir", "node_size", "group_size", "head", "local_test")}
+        return {"comm": comm} | run, (cfg, me, _Candidates(cfg, me, refused), others)
 
     # every rank's refusal (its config, its rank, a directory it cannot list) raised on every rank, never a wait
-    cfg, mine, others = agree_call(t, "recover_fti_run", start, RecoveryError)
+    cfg, me, mine, others = agree_call(t, "recover_fti_run", start, RecoveryError)
     keys = set(mine.keys)
-    for part in t.allgather(sorted(keys)) if many else [c.keys for c in others]:
+    parts: list[Any] = []
+    if many:
+        parts = t.allgather([me, sorted(keys)])
+        ranks = [r for r, _keys in parts]
+        if len(set(ranks)) < len(ranks):  # two processes would read one rank's file, and none another's
+            raise RecoveryError("recover_fti_run: the ranks of this context name the FTI run's ranks "
+                                f"{ranks} (global ranks, by context rank): each must name a different one")
+    for part in [k for _r, k in parts] if many else [c.keys for c in others]:
         keys |= {tuple(k) for k in part}
     order = {level: i for i, level in enumerate(_levels(cfg))}
     for key in sorted(keys, key=lambda k: (order[k[0]], k[1], -k[2])):  # a level's dCP files after its own
         what = f"level {key[0]} checkpoint {key[2]}"
         if many:  # an unexpected error of one rank (out of memory) is every rank's
             prepared, error = attempt(t.rank, lambda: mine.prepare(ctx, key))
-            agree(t, error, RecoveryError, f"recovering {what} of the FTI run")
+            try:
+                agree(t, error, RecoveryError, f"recovering {what} of the FTI run")
+            except RecoveryError:
+                if prepared is not None:
+                    prepared[1].release()
+                raise
             if not t.all_ok(prepared is not None):
                 if prepared is not None:
                     prepared[1].release()
