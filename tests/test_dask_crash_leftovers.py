@@ -118,3 +118,65 @@ def test_a_task_the_cluster_cancelled_fails_the_wait_as_a_cluster_error(client):
     client.cancel([future], force=True)
     with pytest.raises(ClusterError, match="ftidask-write-9-9-0 were cancelled or lost"):
         cluster.wait_all([future], [], "checkpoint 9")
+
+
+WRITE_RANK = "ftidask.backends.dask.tasks:write_rank"
+
+
+def _write_fails_or_lags(failing: str, marks: str) -> None:
+    """On a worker: its checkpoint writes fail at once (``failing`` is this worker) or end 1.5 s late, each leaving a
+    file in ``marks`` once its write returned (the test waits for them)."""
+    import functools
+    import importlib
+    import time as clock
+
+    from distributed import get_worker
+
+    module, name = WRITE_RANK.split(":")
+    owner = importlib.import_module(module)
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def write(*args, **kwargs):
+        if get_worker().address == failing:
+            raise OSError(28, "No space left on device (injected)")
+        clock.sleep(1.5)  # still running when the checkpoint has failed and its directories are gone
+        try:
+            return original(*args, **kwargs)
+        finally:
+            Path(marks, f"{os.getpid()}-{clock.monotonic_ns()}").touch()
+
+    setattr(owner, name, write)
+    crashpoints.INSTALLED.append(WRITE_RANK)
+
+
+@pytest.mark.parametrize("then", ["goes on", "finalizes"])
+def test_a_failed_checkpoints_writes_still_running_leave_nothing(client, dirs, tmp_path, then):
+    """Rank 1's write of checkpoint 2 fails at once; rank 0's is still running and renames its file into the
+    checkpoint's directory after the client discarded it (cancelling a task does not stop its thread). That file
+    stayed until the next commit's collection, and for ever when the run was finalized right after (finalize: "a
+    finished run leaves no file"). The workers now know the checkpoint failed: a task still running removes what it
+    wrote."""
+    ctx = ftidask.init(client=client, **dirs)
+    ctx.protect(1, da.random.default_rng(0).random((64, 48), chunks=(32, 48)), name="field")
+    ctx.checkpoint(1, 4)
+    kept = files_left(dirs)
+    workers = sorted(client.scheduler_info()["workers"])
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    client.run(_write_fails_or_lags, workers[1], str(marks))
+    try:
+        ctx.protect(1, ctx.protected[1] + 1)
+        with pytest.raises(ftidask.CheckpointError, match="checkpoint 2 at level 4 failed.*No space left"):
+            ctx.checkpoint(2, 4)
+        if then == "finalizes":
+            ctx.finalize()  # at once: rank 0's write still runs
+        deadline = time.monotonic() + 60
+        while not any(marks.iterdir()) and time.monotonic() < deadline:  # rank 0's write has returned
+            time.sleep(0.1)
+        time.sleep(0.5)  # (its task's last step, after the write)
+        assert files_left(dirs) == ([] if then == "finalizes" else kept), files_left(dirs)
+        if then == "goes on":
+            ctx.finalize()
+    finally:
+        client.run(_disarm, WRITE_RANK)

@@ -34,6 +34,7 @@ from ...model.errors import FTIError
 from ...storage import files as storage
 
 _writers: dict[str, str] = {}  # run (its meta directory) -> the id of the client that writes it now
+_abandoned: set[tuple[str, ...]] = set()  # the directory patterns of checkpoints that failed (their client gave up)
 _lock = threading.Lock()
 _task = threading.local()  # owner: the (run, client) of the task this thread runs, while call runs it
 
@@ -46,6 +47,20 @@ def take_over(run: str, client: str) -> None:
     """On every worker, at ``init`` (``client.run``): client ``client`` writes run ``run`` from now on."""
     with _lock:
         _writers[run] = client
+
+
+def abandon(patterns: Sequence[str]) -> None:
+    """On every worker, when a checkpoint fails (its directories' glob ``patterns``, as :func:`call` gets them): its
+    tasks yet to start do nothing, and one still running removes its directories once it returns. The client removed
+    them already, but cancelling a task does not stop its thread, which renamed its file into a new directory after:
+    left until the next commit's collection, for ever after a finalize."""
+    with _lock:
+        _abandoned.add(tuple(patterns))
+
+
+def _given_up(patterns: Sequence[str]) -> bool:
+    with _lock:
+        return bool(patterns) and tuple(patterns) in _abandoned
 
 
 def orphaned(run: str, client: str) -> bool:
@@ -105,12 +120,15 @@ def call(fn: Callable[..., Any], run: str, client: str, cleanup: Sequence[str], 
     ``fn`` is done."""
     if orphaned(run, client):
         raise OrphanedTask(f"run {run} is written by another client now: this task of client {client} does nothing")
+    if _given_up(cleanup):
+        raise OrphanedTask(f"the checkpoint of this task of client {client} failed: it does nothing")
     outer, _task.owner = owner(), (run, client)
     try:
         return fn(*args, **kwargs)
     finally:
         _task.owner = outer
-        if cleanup and orphaned(run, client):  # after fn's last rename: the take-over's collection may have missed it
+        # after fn's last rename: the take-over's collection, or the failed checkpoint's discard, may have missed it
+        if cleanup and (orphaned(run, client) or _given_up(cleanup)):
             for pattern in cleanup:
                 for path in glob.glob(pattern):
                     storage.remove_tree(Path(path))

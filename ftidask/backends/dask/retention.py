@@ -21,7 +21,7 @@ from ...engine.run import Run
 from ...engine.runstate import CommitRecord
 from ...model.errors import FTIError
 from ...storage import files as storage
-from . import tasks
+from . import fence, tasks
 from .cluster import Cluster
 from .lineage import Pins
 
@@ -113,12 +113,18 @@ class DaskRetention(Retention):
         name = storage.ckpt_dirname(ckpt_id, seq)
         return [str(self.paths.level_dir(lv, r) / name) for lv in levels - {4} for r in range(nranks)]
 
-    def remove_dirs(self, ckpt_id: int, seq: int, level: int, nranks: int, also: list[str] | None = None) -> None:
+    def remove_dirs(self, ckpt_id: int, seq: int, level: int, nranks: int, also: list[str] | None = None,
+                    failed: bool = False) -> None:
         """Remove a checkpoint's directories on every worker (each sees its own node's); ``also``: other directories
-        to discard in the same call."""
+        to discard in the same call. ``failed``: the checkpoint failed, and its tasks still running remove what they
+        write after (:func:`ftidask.backends.dask.fence.abandon`), in the same call."""
         dirs = self.dirs(ckpt_id, seq, {1, 2, 3, level}, max(nranks, len(self.cluster.last_workers()))) + (also or [])
+        if failed and self._discards is not None:
+            self.cluster.run(fence.abandon, self.dir_patterns(ckpt_id, seq))
         if self._discards is not None:
             self._discards.extend(dirs)
+        elif failed:
+            self.cluster.run(tasks.abandon_checkpoint, self.dir_patterns(ckpt_id, seq), dirs)
         else:
             self.cluster.run(tasks.discard_paths, dirs)  # renamed now, deleted in the background
         storage.discard(self.paths.level_dir(4, 0) / storage.ckpt_dirname(ckpt_id, seq), self.remover)

@@ -27,7 +27,7 @@ from ...ftiff.readhash import read_decoded_into, read_hashed
 from ...model.arrays import VarInfo, contiguous_items, dtype_from_json, dtype_to_json
 from ...model.errors import ConfigError, FormatError
 from ...storage import files as storage
-from . import parsecache
+from . import fence, parsecache
 from .plan import layout_from_json
 
 
@@ -294,6 +294,13 @@ def wait_removals() -> None:
     """Wait until this worker's background deletions are done (finalize leaves no trash behind)."""
     if _remover.cache_info().currsize:
         _remover().submit(int).result()  # one thread, in order: every earlier deletion is done
+
+
+def abandon_checkpoint(patterns: Sequence[str], paths: Sequence[str]) -> None:
+    """A failed checkpoint, on every worker: its tasks told (:func:`ftidask.backends.dask.fence.abandon`: those still
+    running remove what they write after), then its directories discarded (:func:`discard_paths`)."""
+    fence.abandon(patterns)
+    discard_paths(paths)
 
 
 def discard_paths(paths: Sequence[str]) -> None:

@@ -144,7 +144,7 @@ class DaskWriting:
             aliasing.abandon()
             if differential:
                 self._dcp.discard()
-            self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers), also=retired)
+            self._dask_retention.remove_dirs(ckpt_id, seq, level, len(workers), also=retired, failed=True)
 
         try:  # (the checkpoint's directories: a task of it orphaned by a restart removes them)
             with self.cluster.batch(), self.cluster.cleaning(self._dask_retention.dir_patterns(ckpt_id, seq)):
