@@ -282,3 +282,34 @@ def test_verify_of_a_run_of_many_groups_parses_each_meta_file_once(tmp_path, cap
     assert cli_main(["verify", str(data_dir), "--meta", str(meta.parent)]) == 0
     assert "3 sound, 0 damaged" in capsys.readouterr().out
     assert len(parses) == 4, parses
+
+
+def test_stored_size_and_realloc_describe_the_posix_file_just_recovered(tmp_path, dirs):
+    """After recover_file of FTI's POSIX file, stored_size and realloc described the run's own checkpoint (or none):
+    0 and NoCheckpointError on a fresh run; after a checkpoint of 10 ints, 40 bytes, and realloc put an array of 10
+    uninitialised ints in place of the 16 just read (the FTI data lost, the next checkpoint saving garbage). They
+    describe the file recovered now, as after an FTI-FF file."""
+    fti = np.arange(16, dtype="<i4") * 3
+    (tmp_path / "fti").mkdir()
+    (tmp_path / "fti/Ckpt5-Rank0.fti").write_bytes(fti.tobytes())
+    meta = tmp_path / "fti/sector0-group0.fti"
+    meta.write_text(f"\n[0]\nckpt_file_name = Ckpt5-Rank0.fti\nckpt_file_size = 64\nckpt_file_maxs = 64\n"
+                    f"ckpt_checksum = {hashlib.md5(fti.tobytes()).hexdigest()}\nvar0_id = 0\nvar0_size = 64\n\n")
+    for earlier in (False, True):
+        ctx = ftidask.init(**dirs)
+        if earlier:  # the run checkpointed a smaller variable 0 before reading FTI's file
+            ctx.protect(0, np.ones(10, "<i4"))
+            ctx.checkpoint(1, 1)
+        a = np.zeros(16, "<i4")
+        ctx.protect(0, a)
+        ctx.recover_file(tmp_path / "fti/Ckpt5-Rank0.fti", meta=meta)
+        assert ctx.stored_size(0) == 64
+        assert ctx.realloc(0) is a and a.tobytes() == fti.tobytes()  # the recovered array itself, its values kept
+        ctx.checkpoint(2, 1)
+        ctx._close()
+        again = ftidask.init(**dirs)
+        b = np.zeros(16, "<i4")
+        again.protect(0, b)
+        again.recover()
+        assert b.tobytes() == fti.tobytes()
+        again.finalize()

@@ -11,6 +11,7 @@ refused would be left holding a checkpoint the run does not recover.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -99,9 +100,28 @@ def _prepare_posix(protected: Mapping[int, Any], progress: Any, path: Any, meta:
             if array.nbytes:
                 ArrayBytes(array).store(0, parsed.data[vid])  # the array's memory order, as FTI copied it
         upload(targets.devices)
+        # stored_size and realloc describe this file now, as after an FTI-FF one (they described the run's own
+        # checkpoint, and realloc put an array of its old size in place of the one just filled); its sizes only,
+        # not its bytes. The next checkpoint plans as before: FTI's file has no containers to plan on.
+        progress.restart_file = StoredSizes(str(path), parsed.var_nbytes())
+        progress.restart_record = progress.verified = None
         return _recovered(progress, targets)
 
     return PreparedFile(load)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredSizes:
+    """What stored_size and realloc read of a file of FTI's POSIX or MPI-IO I/O just recovered: its bytes per
+    variable (no dtype or shape: FTI stores bytes)."""
+
+    path: str
+    sizes: dict[int, int]
+    vars: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+    def var_nbytes(self) -> dict[int, int]:
+        """Bytes held per variable id."""
+        return dict(self.sizes)
 
 
 def _recovered(progress: Any, targets: Any) -> dict[int, Any]:
