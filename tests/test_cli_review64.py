@@ -198,3 +198,21 @@ def test_import_says_the_level_its_checkpoint_is_kept_at(tmp_path, capsys):
         assert f"as checkpoint 7 {said};" in capsys.readouterr().out
         (row,) = _rows(capsys, tmp_path / name)
         assert row.split()[1:3] == ["7", "4"]
+
+
+def test_list_names_a_run_fti_wrote_by_its_exec_id(tmp_path, capsys):
+    """FTI keeps its files at ``{exec_id}/l{level}/Ckpt{id}-Rank{r}.fti``, a directory less deep than ftidask's: a
+    config whose directories hold FTI's own files (a program migrating with its config.fti) was listed as runs named
+    ``node0`` and ``Global``, id ``?``, and told to "give the run's config" although it was given."""
+    data = Path(__file__).parent / "data" / "fti_written" / "r2"
+    run = "2023-05-04_10-20-30"
+    for src, dest in (("Ckpt2-Rank0.fti", f"Local/node0/{run}/l1"), ("Ckpt3-Rank0.fti", f"Global/{run}/l4")):
+        (tmp_path / dest).mkdir(parents=True)
+        shutil.copyfile(data / src, tmp_path / dest / src)
+    config = tmp_path / "config.fti"
+    config.write_text(f"[basic]\nckpt_dir = {tmp_path}/Local\nglbl_dir = {tmp_path}/Global\nmeta_dir = {tmp_path}/Meta"
+                      f"\n[restart]\nexec_id = {run}\n[advanced]\nlocal_test = 1\n")
+    assert main(["list", str(config)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[:6] for r in rows] == [[run, "(FTI)", "2", "1", "-", "?"], [run, "(FTI)", "3", "4", "-", "?"]], rows
+    assert all("written by FTI" in " ".join(r) and "--config" not in " ".join(r) for r in rows), rows

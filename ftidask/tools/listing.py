@@ -25,6 +25,10 @@ from .file_checks import (
 #: (``{level dir}/dcp/Spare-Rank{r}.fti``), the file of the previous differential checkpoint (the fallback record's).
 _RANK_FILE = re.compile(r"(?:Ckpt-?\d+|Spare)-Rank(\d+)\.(fti|zarr)")
 _SPARE = re.compile(r"Spare-Rank\d+\.fti")
+#: A checkpoint file FTI itself wrote, where FTI keeps it (``{exec_id}/l{level}/Ckpt{id}-Rank{r}.fti``, at level 2
+#: ``Ckpt{id}-Pcof{keeper}.fti`` too): a directory less deep than ftidask's ``{exec_id}/l{level}/ckpt{id}.s{seq}/``.
+_FTI_FILE = re.compile(r"Ckpt(\d+)-(?:Rank|Pcof)\d+\.fti")
+FTI_RUN = " (FTI)"  # the exec_id of a run FTI wrote is listed so: its files are grouped by checkpoint id, no seq
 HEADER = f"{'exec_id':32} {'id':>5} {'level':>5} {'seq':>5} {'time':19} {'files':>5} {'bytes':>14}  state"
 Found = list[tuple[Path, str, object]]  # (path, "ok" or "damaged", the parsed file or the problem)
 
@@ -47,6 +51,11 @@ def _key(path: Path, kind: str, detail: object, meta: Path) -> tuple[str, int]:
     """``(exec_id, seq)`` of a file: its path's (``{exec_id}/l*/ckpt*.s{seq}``; keep_last_ckpt's L4 copy has a seq
     of its own, its files the first one's); a spare's, its level's fallback record's (the previous differential
     checkpoint's: a damaged spare's own table cannot be read); else its variable table's."""
+    if (fti := _FTI_FILE.fullmatch(path.name)) and re.fullmatch(r"l[1-4]", path.parent.name):
+        run = path.parent.parent.name  # not the node's or the global directory's name, as ftidask's nesting gave
+        with contextlib.suppress(FTIError):
+            return check_exec_id(run) + FTI_RUN, int(fti[1])
+        return ascii(run) + FTI_RUN, int(fti[1])
     table = table_of(detail) if kind == "ok" else {}
     found = re.fullmatch(r"ckpt\d+\.s(\d+)", path.parent.name)
     exec_id = str(table.get("exec_id", path.parent.parent.parent.name))
@@ -110,6 +119,8 @@ def _not_named(path: Path, parsed: Any, named: dict[int, Any]) -> bool:
 
 def row(exec_id: str, seq: int, files: Found, meta: Path) -> str:
     """One line of the listing: the checkpoint ``seq`` of run ``exec_id`` and the state of ``files``."""
+    if exec_id.endswith(FTI_RUN):
+        return _fti_row(exec_id, seq, files)
     commit = meta / exec_id / "commits" / f"s{seq:08d}.json"
     record = unsealed_record(read_json(commit)) if commit.is_file() else None  # None: torn or damaged too
     fallback = None if record is not None else next((f for f in RunState(meta, exec_id).fallbacks() if f.seq == seq),
@@ -142,3 +153,18 @@ def row(exec_id: str, seq: int, files: Found, meta: Path) -> str:
     level = record.level if record is not None else table.get("level", "?")  # (raised to L4 after the write)
     return (f"{exec_id:32} {table.get('ckpt_id', '?'):>5} {level:>5} {seq:>5} {when:19} "
             f"{len(files):>5} {size:>14}  {state}")
+
+
+def _fti_row(exec_id: str, ckpt_id: int, files: Found) -> str:
+    """The line of checkpoint ``ckpt_id`` of a run FTI wrote: no commit record (FTI keeps none), no seq; its FTI-FF
+    files checked by their own hashes, its POSIX ones (raw bytes) said to be checked with their meta file."""
+    posix = [p for p, k, d in files if k != "ok" and "not an FTI-FF file" in str(d)]
+    damaged = [p for p, k, _d in files if k != "ok" and p not in posix]
+    levels = ",".join(sorted({p.parent.name[1:] for p, _k, _d in files}))
+    state = "sound" if not damaged else f"DAMAGED ({len(damaged)} of {len(files)} files)"
+    if posix:
+        state = f"{len(posix)} of {len(files)} files of FTI's POSIX I/O (checked with their meta file: verify --meta)" \
+            + ("" if len(posix) == len(files) else f", the others {state}")
+    size = sum(_size(p) for p, _k, _d in files)
+    return (f"{exec_id:32} {ckpt_id:>5} {levels:>5} {'-':>5} {'?':19} {len(files):>5} {size:>14}  {state}, written by "
+            "FTI (no commit record: read it with ftidask.tools.fti_run.recover_fti_run)")
