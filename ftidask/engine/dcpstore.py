@@ -307,6 +307,27 @@ def distrust_spare(store: DcpStore | None, level: int, spare: Path) -> None:
         spare_hint_path(spare).unlink(missing_ok=True)
 
 
+def reclaim_retired(spare: Path, path: Path, fb_hash: str) -> bool:
+    """Put back at ``path`` (a committed differential checkpoint's rank file, missing there) this rank's ``spare`` of
+    its level when the spare is that file (its FB hash ``fb_hash``, as its commit record names): its retirement, by
+    a newer commit, was interrupted after this rank moved it and before every rank had (the commit record of the
+    retired checkpoint goes last), so that neither its commit record nor its level's fallback record found every
+    rank's file, and a damaged newer checkpoint left nothing to recover. True when it was put back; the recovery
+    then verifies every byte as for any file."""
+    try:
+        with open(spare, "rb") as fh:
+            raw = fh.read(FB_SIZE)
+        if len(raw) != FB_SIZE or FileBlock.unpack(raw).hash.hex() != fb_hash:
+            return False
+        storage.makedirs(path.parent)
+        os.replace(spare, path)
+    except (OSError, FormatError):
+        return False
+    with contextlib.suppress(OSError):
+        spare_hint_path(spare).unlink(missing_ok=True)
+    return True
+
+
 def _holds(fd: int, state: BlockState) -> bool:
     """True when the file at ``fd`` is still the one ``state`` describes (its FB hash)."""
     raw = os.pread(fd, FB_SIZE, 0)

@@ -23,7 +23,7 @@ from ..model.errors import CheckpointError, FTIError, NoCheckpointError, Recover
 from ..transport.collective import agree, agree_call, attempt, guarded, on_root
 from . import pagemove, recoverplan, reshard
 from .checkpointing import CheckpointInfo
-from .dcpstore import distrust_spare
+from .dcpstore import distrust_spare, reclaim_retired
 from .filerecovery import PreparedFile, prepare_file
 from .pagemove import Stager, release_all
 from .prefault import Prefault
@@ -151,6 +151,13 @@ class Recovery(RestartSizes):
     def check(self, record: CommitRecord, stage: Stager | None = None) -> Verdict:
         """This rank's verdict on its file of ``record`` (an unexpected error is a damaged file, never raised)."""
         path, errors = self.rank_file(record), []
+        if record.extra.get("dcp") and not record.fallback and not os.path.lexists(path):  # a retirement cut short
+            mine = next((f for f in record.files if f.rank == self.transport.rank), None)
+            spare = rank_path(self.paths, record.as_fallback(), self.transport.node,
+                              self.transport.rank)
+            if mine is not None and reclaim_retired(spare, path, mine.fb_hash):
+                log.warning("checkpoint %d (level %d): this rank's file was its level's spare already (a retirement "
+                            "interrupted), put back", record.ckpt_id, record.level)
         verdict = guarded(errors, lambda: check_file(path, record, self.transport.rank, stage), None,
                           f"checking {path}")
         return verdict if verdict is not None else Verdict("damaged", "; ".join(errors))
