@@ -313,3 +313,9 @@ def test_stored_size_and_realloc_describe_the_posix_file_just_recovered(tmp_path
         again.recover()
         assert b.tobytes() == fti.tobytes()
         again.finalize()
+    ctx = ftidask.init(**dirs)  # an array of another shape but its dtype and byte size: FTI stores no shape
+    square = np.zeros((4, 4), "<i4")
+    ctx.protect(0, square)
+    ctx.recover_file(tmp_path / "fti/Ckpt5-Rank0.fti", meta=meta)
+    assert ctx.realloc(0) is square and square.tobytes() == fti.tobytes()  # was a (16,) array of garbage
+    ctx.finalize()

@@ -209,3 +209,19 @@ def test_recover_fti_run_inside_another_call_of_the_context_is_refused(tmp_path,
     assert len(refused) == 1 and "recover_fti_run() was called while checkpoint()" in refused[0], refused
     assert (a == 5).all()
     ctx.finalize()
+
+
+def test_an_open_incremental_checkpoint_is_the_calls_own_refusal(tmp_path, dirs):
+    """With an iCP open, each file's read was refused and taken for a file that cannot be recovered: every file was
+    verified (a level-3 one rebuilt in FTI's run), then NoCheckpointError, which a program takes for a fresh start.
+    The context's refusal comes first, as recover_file's, no file looked at."""
+    fti = tmp_path / "fti"
+    _place(fti, 1, 2)
+    ctx = ftidask.init(**dirs)
+    arrays = _arrays(ctx, 0, 2)
+    ctx.init_icp(5, 1)
+    with pytest.raises(ftidask.RecoveryError, match="incremental checkpoint 5 is open") as raised:
+        recover_fti_run(ctx, _config(fti), 0)
+    assert not isinstance(raised.value, NoCheckpointError)
+    assert all(a.tobytes() == bytes([7]) * a.nbytes for a in arrays.values())
+    ctx._close()

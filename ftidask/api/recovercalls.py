@@ -100,10 +100,14 @@ class RecoveryCalls:
                       rank: int | None = None) -> PreparedFile:
         """:meth:`recover_file` up to the first array written: the file verified and checked against the protected
         arrays; its ``load()`` fills them (:func:`ftidask.tools.fti_run.recover_fti_run`'s ranks agree between)."""
+        self._file_checks()
+        return self.recovery.prepare_file(path, meta, rank)
+
+    def _file_checks(self) -> None:
+        """What a recovery from a file refuses before any file is looked at: a closed context, an open iCP."""
         self._check_open()
         self._icp_slot.check_none_open(RecoveryError)  # as recover(): the iCP would commit a mix of both
         self._async.drain()
-        return self.recovery.prepare_file(path, meta, rank)
 
     @one_at_a_time
     def stored_size(self, id: int, *, total: bool = False) -> int:

@@ -315,7 +315,9 @@ def reclaim_retired(spare: Path, path: Path, fb_hash: str) -> bool:
     rank's file, and a damaged newer checkpoint left nothing to recover. True when it was put back; the recovery
     then verifies every byte as for any file."""
     try:
-        with open(spare, "rb") as fh:
+        if spare.is_symlink():  # never a link moved into a checkpoint (a FIFO or device: refused by open_read)
+            return False
+        with storage.open_read(spare) as fh:
             raw = fh.read(FB_SIZE)
         if len(raw) != FB_SIZE or FileBlock.unpack(raw).hash.hex() != fb_hash:
             return False

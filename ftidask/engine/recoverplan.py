@@ -189,7 +189,9 @@ def realloc_array(parsed: Any, vid: int, array: Any, variables: Mapping[int, Any
     # array in its place left the program the stored values' garbage in hand)
     held = variables[vid].array if array is None and vid in variables and variables[vid].device is None else None
     fit = array if array is not None else held
-    if isinstance(fit, np.ndarray) and fit.dtype == new.dtype and fit.shape == new.shape:
+    # A file of bytes only (FTI's POSIX or MPI-IO I/O, no shape): the array of its dtype and byte size fits as it is
+    same = fit.shape == new.shape or (info is None and fit.nbytes == new.nbytes) if fit is not None else False
+    if isinstance(fit, np.ndarray) and fit.dtype == new.dtype and same:
         new = fit
     return realloc_target(new, array, variables[vid].device if vid in variables else None)
 

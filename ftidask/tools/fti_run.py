@@ -212,6 +212,7 @@ def _recover(ctx: Any, config: str | os.PathLike[str] | Config, rank: int, comm:
     refused: list[str] = []
 
     def start() -> tuple[dict[str, Any], tuple[Config, int, _Candidates, list[_Candidates]]]:
+        ctx._file_checks()  # the context's own refusals (an iCP open) are the call's, before any file is looked at
         cfg = _config(config)
         me = global_rank(cfg, rank, comm)
         if many and nranks is not None:

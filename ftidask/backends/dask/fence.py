@@ -34,7 +34,9 @@ from ...model.errors import FTIError
 from ...storage import files as storage
 
 _writers: dict[str, str] = {}  # run (its meta directory) -> the id of the client that writes it now
-_abandoned: set[tuple[str, ...]] = set()  # the directory patterns of checkpoints that failed (their client gave up)
+# The directory patterns of checkpoints that failed (their client gave up), in the order they failed (a dict's keys)
+_abandoned: dict[tuple[str, ...], None] = {}
+_ABANDONED_KEPT = 1024
 _lock = threading.Lock()
 _task = threading.local()  # owner: the (run, client) of the task this thread runs, while call runs it
 
@@ -55,7 +57,9 @@ def abandon(patterns: Sequence[str]) -> None:
     them already, but cancelling a task does not stop its thread, which renamed its file into a new directory after:
     left until the next commit's collection, for ever after a finalize."""
     with _lock:
-        _abandoned.add(tuple(patterns))
+        _abandoned[tuple(patterns)] = None
+        while len(_abandoned) > _ABANDONED_KEPT:  # a failed checkpoint's tasks end soon after: the oldest go
+            del _abandoned[next(iter(_abandoned))]
 
 
 def _given_up(patterns: Sequence[str]) -> bool:
