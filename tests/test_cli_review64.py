@@ -216,3 +216,16 @@ def test_list_names_a_run_fti_wrote_by_its_exec_id(tmp_path, capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert [r[:6] for r in rows] == [[run, "(FTI)", "2", "1", "-", "?"], [run, "(FTI)", "3", "4", "-", "?"]], rows
     assert all("written by FTI" in " ".join(r) and "--config" not in " ".join(r) for r in rows), rows
+
+
+def test_list_names_fti_s_mpiio_file_by_its_run(tmp_path, capsys):
+    """FTI's MPI-IO level-4 file (every rank's part in one file, no FTI-FF metadata) was a DAMAGED run named
+    ``Global``; it is checked with its meta file (verify --meta), and listed as the FTI run's checkpoint."""
+    from test_fti_mpiio import EXEC, _write_fti_mpiio
+    from test_fti_mpiio import _config as mpiio_config
+
+    _write_fti_mpiio(tmp_path, 8, [0, 1, 2, 3])
+    assert main(["list", str(mpiio_config(tmp_path))]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[:5] for r in rows] == [[EXEC, "(FTI)", "8", "4", "-"]], rows
+    assert "DAMAGED" not in " ".join(rows[0]) and "verify --meta" in " ".join(rows[0]), rows

@@ -27,7 +27,7 @@ _RANK_FILE = re.compile(r"(?:Ckpt-?\d+|Spare)-Rank(\d+)\.(fti|zarr)")
 _SPARE = re.compile(r"Spare-Rank\d+\.fti")
 #: A checkpoint file FTI itself wrote, where FTI keeps it (``{exec_id}/l{level}/Ckpt{id}-Rank{r}.fti``, at level 2
 #: ``Ckpt{id}-Pcof{keeper}.fti`` too): a directory less deep than ftidask's ``{exec_id}/l{level}/ckpt{id}.s{seq}/``.
-_FTI_FILE = re.compile(r"Ckpt(\d+)-(?:Rank|Pcof)\d+\.fti")
+_FTI_FILE = re.compile(r"Ckpt(\d+)-(?:(?:Rank|Pcof)\d+|mpiio)\.fti")  # (MPI-IO: every rank's part in one file)
 FTI_RUN = " (FTI)"  # the exec_id of a run FTI wrote is listed so: its files are grouped by checkpoint id, no seq
 HEADER = f"{'exec_id':32} {'id':>5} {'level':>5} {'seq':>5} {'time':19} {'files':>5} {'bytes':>14}  state"
 Found = list[tuple[Path, str, object]]  # (path, "ok" or "damaged", the parsed file or the problem)
@@ -158,12 +158,13 @@ def row(exec_id: str, seq: int, files: Found, meta: Path) -> str:
 def _fti_row(exec_id: str, ckpt_id: int, files: Found) -> str:
     """The line of checkpoint ``ckpt_id`` of a run FTI wrote: no commit record (FTI keeps none), no seq; its FTI-FF
     files checked by their own hashes, its POSIX ones (raw bytes) said to be checked with their meta file."""
-    posix = [p for p, k, d in files if k != "ok" and "not an FTI-FF file" in str(d)]
+    posix = [p for p, k, d in files if k != "ok" and ("not an FTI-FF file" in str(d) or p.name.endswith("-mpiio.fti"))]
     damaged = [p for p, k, _d in files if k != "ok" and p not in posix]
     levels = ",".join(sorted({p.parent.name[1:] for p, _k, _d in files}))
     state = "sound" if not damaged else f"DAMAGED ({len(damaged)} of {len(files)} files)"
     if posix:
-        state = f"{len(posix)} of {len(files)} files of FTI's POSIX I/O (checked with their meta file: verify --meta)" \
+        state = f"{len(posix)} of {len(files)} files of FTI's POSIX or MPI-IO I/O (checked with their meta file: " \
+            "verify --meta)" \
             + ("" if len(posix) == len(files) else f", the others {state}")
     size = sum(_size(p) for p, _k, _d in files)
     return (f"{exec_id:32} {ckpt_id:>5} {levels:>5} {'-':>5} {'?':19} {len(files):>5} {size:>14}  {state}, written by "
