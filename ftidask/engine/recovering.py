@@ -153,8 +153,7 @@ class Recovery(RestartSizes):
         path, errors = self.rank_file(record), []
         if record.extra.get("dcp") and not record.fallback and not os.path.lexists(path):  # a retirement cut short
             mine = next((f for f in record.files if f.rank == self.transport.rank), None)
-            spare = rank_path(self.paths, record.as_fallback(), self.transport.node,
-                              self.transport.rank)
+            spare = rank_path(self.paths, record.as_fallback(), self.transport.node, self.transport.rank)
             if mine is not None and reclaim_retired(spare, path, mine.fb_hash):
                 log.warning("checkpoint %d (level %d): this rank's file was its level's spare already (a retirement "
                             "interrupted), put back", record.ckpt_id, record.level)
